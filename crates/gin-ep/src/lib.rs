@@ -20,3 +20,4 @@ pub mod check;
 pub mod ht;
 pub mod ll;
 pub mod workload;
+pub mod bench;

@@ -369,7 +369,8 @@ impl SymmetricHeap {
     /// The signal word at `offset` of `peer`'s segment, after checking alignment and
     /// bounds.
     fn word(&self, peer: usize, offset: usize, op: &str) -> Result<&AtomicU64> {
-        if offset % WORD != 0 {
+        // A mask rather than `is_multiple_of`, which is newer than the workspace's MSRV.
+        if offset & (WORD - 1) != 0 {
             return Err(Error::input(
                 format!("{op} at offset {offset} of rank {peer}"),
                 "signal offsets must be multiples of 8",
@@ -837,8 +838,9 @@ mod tests {
                 })
             })
             .collect();
-        for t in threads {
-            let (session, msg) = t.join().unwrap();
+        // Join every rank before looking: a rank still unwinding holds its name.
+        let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        for (session, msg) in results {
             assert!(msg.contains("allocated"), "{msg}");
             assert_eq!(shm_names_of(&session), Vec::<String>::new());
         }
