@@ -110,7 +110,8 @@ pub struct BenchReport {
 }
 
 /// Times of one rank for one iteration: per op, total and phases.
-type OpTimes = Vec<(Duration, Vec<(&'static str, Duration)>)>;
+type PhaseTimes = Vec<(&'static str, Duration)>;
+type OpTimes = Vec<(Duration, PhaseTimes)>;
 
 struct RankRun {
     /// `[iters][ops]`
@@ -119,14 +120,21 @@ struct RankRun {
     rows: Vec<(usize, usize)>,
 }
 
-fn time_op<T>(ep: &mut HostEp, f: impl FnOnce(&mut HostEp) -> Result<T>) -> Result<(T, (Duration, Vec<(&'static str, Duration)>))> {
+fn time_op<T>(
+    ep: &mut HostEp,
+    f: impl FnOnce(&mut HostEp) -> Result<T>,
+) -> Result<(T, (Duration, PhaseTimes))> {
     let t0 = Instant::now();
     let out = f(ep)?;
     let total = t0.elapsed();
     Ok((out, (total, ep.last_phases().to_vec())))
 }
 
-fn rank_loop(opts: &BenchOptions, ep: &mut HostEp, progress: &Mutex<&mut (dyn FnMut(usize, usize) + Send)>) -> Result<RankRun> {
+fn rank_loop(
+    opts: &BenchOptions,
+    ep: &mut HostEp,
+    progress: &Mutex<&mut (dyn FnMut(usize, usize) + Send)>,
+) -> Result<RankRun> {
     let cfg = &opts.cfg;
     let me = ep.rank();
     let w = Workload {
@@ -144,7 +152,9 @@ fn rank_loop(opts: &BenchOptions, ep: &mut HostEp, progress: &Mutex<&mut (dyn Fn
         let mut it = Vec::new();
         match opts.mode {
             BenchMode::Ht => {
-                let (d, td) = time_op(ep, |ep| ep.ht_dispatch(&input.x, &input.topk_idx, &input.topk_weights))?;
+                let (d, td) = time_op(ep, |ep| {
+                    ep.ht_dispatch(&input.x, &input.topk_idx, &input.topk_weights)
+                })?;
                 let nr = d.handle.num_recv();
                 let local = d.handle.plan.src_offset[me + 1] - d.handle.plan.src_offset[me];
                 let y = match d.recv_x {
@@ -166,7 +176,9 @@ fn rank_loop(opts: &BenchOptions, ep: &mut HostEp, progress: &Mutex<&mut (dyn Fn
                 let (d, td) = time_op(ep, |ep| ep.ll_dispatch(&input.x, &input.topk_idx))?;
                 let cap_rows = cfg.local_experts() * cfg.ranks * cfg.max_tokens_per_rank;
                 let y = ll_y.get_or_insert_with(|| w.bf16_values(me, 6, cap_rows * cfg.hidden));
-                let (_, tc) = time_op(ep, |ep| ep.ll_combine(y, &input.topk_idx, &input.topk_weights, &d.handle))?;
+                let (_, tc) = time_op(ep, |ep| {
+                    ep.ll_combine(y, &input.topk_idx, &input.topk_weights, &d.handle)
+                })?;
                 it.push(td);
                 it.push(tc);
                 if rows.is_empty() {
@@ -237,7 +249,12 @@ fn report(opts: &BenchOptions, runs: &[RankRun]) -> BenchReport {
                 .enumerate()
                 .map(|(p, pn)| {
                     let v: Vec<Duration> = (0..opts.iters)
-                        .map(|i| runs.iter().filter_map(|r| r.times[i][o].1.get(p).map(|x| x.1)).max().unwrap_or_default())
+                        .map(|i| {
+                            runs.iter()
+                                .filter_map(|r| r.times[i][o].1.get(p).map(|x| x.1))
+                                .max()
+                                .unwrap_or_default()
+                        })
                         .collect();
                     (pn.to_string(), Stats::of(&v))
                 })
@@ -246,7 +263,13 @@ fn report(opts: &BenchOptions, runs: &[RankRun]) -> BenchReport {
             let rows = runs.iter().map(|r| r.rows[o].0 as f64).sum::<f64>() / ranks;
             let remote = runs.iter().map(|r| r.rows[o].1 as f64).sum::<f64>() / ranks;
             let secs = total.median_us * 1e-6;
-            let gbps = |r: f64| if secs > 0.0 { r * row_bytes[o] as f64 / secs / 1e9 } else { 0.0 };
+            let gbps = |r: f64| {
+                if secs > 0.0 {
+                    r * row_bytes[o] as f64 / secs / 1e9
+                } else {
+                    0.0
+                }
+            };
             OpReport {
                 op: name.to_string(),
                 total,
@@ -263,7 +286,8 @@ fn report(opts: &BenchOptions, runs: &[RankRun]) -> BenchReport {
         .collect();
     BenchReport {
         backend: "host-threads".into(),
-        note: "host backend: ranks are CPU threads on shared memory; times are CPU times, not GPU figures".into(),
+        note: "host backend: ranks are CPU threads on shared memory; times are CPU times, not GPU figures"
+            .into(),
         mode: opts.mode,
         ranks: cfg.ranks,
         tokens: opts.tokens,

@@ -12,17 +12,10 @@ use crate::quant::Rows;
 use half::bf16;
 
 fn mismatch(rank: usize, field: &str, at: String, got: String, want: String) -> Error {
-    Error::Mismatch(format!(
-        "rank {rank}: {field}{at}: got {got}, oracle {want}"
-    ))
+    Error::Mismatch(format!("rank {rank}: {field}{at}: got {got}, oracle {want}"))
 }
 
-fn eq_slice<T: PartialEq + std::fmt::Debug>(
-    rank: usize,
-    field: &str,
-    got: &[T],
-    want: &[T],
-) -> Result<()> {
+fn eq_slice<T: PartialEq + std::fmt::Debug>(rank: usize, field: &str, got: &[T], want: &[T]) -> Result<()> {
     if got.len() != want.len() {
         return Err(mismatch(
             rank,
@@ -121,12 +114,7 @@ pub fn ht_dispatch(
         ));
     }
     eq_rows(rank, "recv_x", cfg.hidden, &got.recv_x, &want.recv_x, 0..nr)?;
-    eq_slice(
-        rank,
-        "recv_topk_idx",
-        &got.recv_topk_idx,
-        &want.recv_topk_idx,
-    )?;
+    eq_slice(rank, "recv_topk_idx", &got.recv_topk_idx, &want.recv_topk_idx)?;
     eq_slice(
         rank,
         "recv_topk_weights (bits)",
@@ -155,19 +143,9 @@ pub fn ht_dispatch(
 
 /// HT combine output of `rank` equals the oracle's, bit for bit.
 pub fn ht_combine(rank: usize, got: &HtCombineOutput, want: &HtCombineOutput) -> Result<()> {
-    eq_slice(
-        rank,
-        "combined_x (bits)",
-        &bits_bf16(&got.x),
-        &bits_bf16(&want.x),
-    )?;
+    eq_slice(rank, "combined_x (bits)", &bits_bf16(&got.x), &bits_bf16(&want.x))?;
     match (&got.topk_weights, &want.topk_weights) {
-        (Some(a), Some(b)) => eq_slice(
-            rank,
-            "combined_topk_weights (bits)",
-            &bits_f32(a),
-            &bits_f32(b),
-        ),
+        (Some(a), Some(b)) => eq_slice(rank, "combined_topk_weights (bits)", &bits_f32(a), &bits_f32(b)),
         (None, None) => Ok(()),
         _ => Err(Error::Mismatch(format!(
             "rank {rank}: combined_topk_weights presence differs"
@@ -231,12 +209,7 @@ pub fn ll_dispatch(
 
 /// LL combine output of `rank` equals the oracle's, bit for bit.
 pub fn ll_combine(rank: usize, got: &[bf16], want: &[bf16]) -> Result<()> {
-    eq_slice(
-        rank,
-        "LL combined_x (bits)",
-        &bits_bf16(got),
-        &bits_bf16(want),
-    )
+    eq_slice(rank, "LL combined_x (bits)", &bits_bf16(got), &bits_bf16(want))
 }
 
 /// One randomized check: a config, a workload, tokens per rank and iterations.
@@ -313,8 +286,7 @@ pub fn run_rank_case(case: &Case, ep: &mut crate::backend::host::protocol::HostE
             recv_x: got_cached,
             ..want_cached[me].clone()
         };
-        ht_dispatch(cfg, me, &probe, &want_cached[me])
-            .map_err(|e| ctx(e, "cached HT dispatch", iter))?;
+        ht_dispatch(cfg, me, &probe, &want_cached[me]).map_err(|e| ctx(e, "cached HT dispatch", iter))?;
 
         // HT combine of random expert outputs, with weights and (odd iterations) bias.
         let handles: Vec<_> = want.iter().map(|o| o.handle.clone()).collect();

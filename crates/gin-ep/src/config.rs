@@ -54,11 +54,7 @@ impl DispatchDtype {
             "bf16" => Ok(DispatchDtype::Bf16),
             "fp8" | "fp8-e4m3" => Ok(DispatchDtype::Fp8),
             "fp8-ue8m0" | "ue8m0" => Ok(DispatchDtype::Fp8Ue8m0),
-            other => Err(Error::config(
-                "dtype",
-                other,
-                "expected bf16, fp8 or fp8-ue8m0",
-            )),
+            other => Err(Error::config("dtype", other, "expected bf16, fp8 or fp8-ue8m0")),
         }
     }
 }
@@ -84,13 +80,7 @@ pub struct EpConfig {
 
 impl EpConfig {
     /// A config with BF16 dispatch and alignment 1; call [`EpConfig::validate`].
-    pub fn new(
-        ranks: usize,
-        experts: usize,
-        hidden: usize,
-        topk: usize,
-        max_tokens: usize,
-    ) -> Self {
+    pub fn new(ranks: usize, experts: usize, hidden: usize, topk: usize, max_tokens: usize) -> Self {
         EpConfig {
             ranks,
             experts,
@@ -134,11 +124,7 @@ impl EpConfig {
                 return Err(Error::config(field, v, "must be at least 1"));
             }
             if v > max {
-                return Err(Error::config(
-                    field,
-                    v,
-                    format!("larger than the limit {max}"),
-                ));
+                return Err(Error::config(field, v, format!("larger than the limit {max}")));
             }
             Ok(())
         }
@@ -152,7 +138,7 @@ impl EpConfig {
             MAX_TOKENS_PER_RANK,
         )?;
         range("expert_alignment", self.expert_alignment, 1 << 16)?;
-        if self.experts % self.ranks != 0 {
+        if !self.experts.is_multiple_of(self.ranks) {
             return Err(Error::config(
                 "experts",
                 self.experts,
@@ -167,14 +153,10 @@ impl EpConfig {
             ));
         }
         // Rows move as 16-byte vectors on the GPU; bf16 rows need hidden % 8 == 0.
-        if self.hidden % 8 != 0 {
-            return Err(Error::config(
-                "hidden",
-                self.hidden,
-                "must be a multiple of 8",
-            ));
+        if !self.hidden.is_multiple_of(8) {
+            return Err(Error::config("hidden", self.hidden, "must be a multiple of 8"));
         }
-        if self.dispatch_dtype.is_fp8() && self.hidden % FP8_BLOCK != 0 {
+        if self.dispatch_dtype.is_fp8() && !self.hidden.is_multiple_of(FP8_BLOCK) {
             return Err(Error::config(
                 "hidden",
                 self.hidden,
@@ -222,12 +204,7 @@ mod tests {
 
     #[test]
     fn zero_and_absurd_sizes_are_refused() {
-        for (f, v) in [
-            ("ranks", 0usize),
-            ("hidden", 0),
-            ("topk", 0),
-            ("ranks", 5000),
-        ] {
+        for (f, v) in [("ranks", 0usize), ("hidden", 0), ("topk", 0), ("ranks", 5000)] {
             let mut c = base();
             match f {
                 "ranks" => c.ranks = v,

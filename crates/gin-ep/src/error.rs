@@ -48,10 +48,7 @@ pub enum Error {
     },
     /// A backend (CUDA, NCCL) is not available on this machine or build.
     #[error("backend `{backend}` unavailable: {reason}")]
-    Unavailable {
-        backend: &'static str,
-        reason: String,
-    },
+    Unavailable { backend: &'static str, reason: String },
     /// A result differs from the oracle (raised by checks, not by operations).
     #[error("mismatch: {0}")]
     Mismatch(String),
@@ -60,10 +57,7 @@ pub enum Error {
 impl Error {
     /// True for errors caused by the caller's input (exit code 2 in the CLI).
     pub fn is_usage(&self) -> bool {
-        matches!(
-            self,
-            Error::InvalidConfig { .. } | Error::InvalidInput { .. }
-        )
+        matches!(self, Error::InvalidConfig { .. } | Error::InvalidInput { .. })
     }
 
     pub(crate) fn config(field: &'static str, value: impl ToString, reason: impl ToString) -> Self {

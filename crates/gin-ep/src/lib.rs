@@ -16,8 +16,8 @@ pub mod routing;
 
 pub use config::{DispatchDtype, EpConfig};
 pub use error::{Error, Result};
+pub mod bench;
 pub mod check;
 pub mod ht;
 pub mod ll;
 pub mod workload;
-pub mod bench;

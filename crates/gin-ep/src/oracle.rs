@@ -39,11 +39,7 @@ pub fn validate_input(cfg: &EpConfig, rank: usize, input: &RankInput) -> Result<
     if input.x.len() != n * cfg.hidden {
         return Err(Error::input(
             format!("x of rank {rank}"),
-            format!(
-                "length {} != tokens {n} * hidden {}",
-                input.x.len(),
-                cfg.hidden
-            ),
+            format!("length {} != tokens {n} * hidden {}", input.x.len(), cfg.hidden),
         ));
     }
     if input.topk_weights.len() != n * cfg.topk {
@@ -99,10 +95,7 @@ pub fn ht_dispatch(cfg: &EpConfig, inputs: &[RankInput]) -> Result<Vec<HtDispatc
                 if !lays[src].token_in_rank(t, dst) {
                     continue;
                 }
-                debug_assert_eq!(
-                    row,
-                    plan.src_offset[src] + lays[src].slot(t, dst).unwrap_or(0)
-                );
+                debug_assert_eq!(row, plan.src_offset[src] + lays[src].slot(t, dst).unwrap_or(0));
                 recv_x.copy_row_from(row, &encoded[src], t, h);
                 for j in 0..k {
                     let le = local_expert(cfg, dst, inp.topk_idx[t * k + j]);
@@ -115,8 +108,7 @@ pub fn ht_dispatch(cfg: &EpConfig, inputs: &[RankInput]) -> Result<Vec<HtDispatc
                 row += 1;
             }
         }
-        let num_recv_tokens_per_expert =
-            align_counts(&plan.tokens_per_local_expert, cfg.expert_alignment);
+        let num_recv_tokens_per_expert = align_counts(&plan.tokens_per_local_expert, cfg.expert_alignment);
         outs.push(HtDispatchOutput {
             recv_x,
             recv_topk_idx,
@@ -247,10 +239,7 @@ pub fn ll_dispatch(cfg: &EpConfig, inputs: &[RankInput]) -> Result<Vec<LlDispatc
             for (src, inp) in inputs.iter().enumerate() {
                 let first = row;
                 for t in 0..lays[src].num_tokens {
-                    let Some(j) = inp.topk_idx[t * k..(t + 1) * k]
-                        .iter()
-                        .position(|&x| x == global)
-                    else {
+                    let Some(j) = inp.topk_idx[t * k..(t + 1) * k].iter().position(|&x| x == global) else {
                         continue;
                     };
                     src_k[e * cap + row] = j as i32;

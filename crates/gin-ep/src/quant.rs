@@ -173,16 +173,7 @@ impl Rows {
         match (self, src) {
             (Rows::Bf16(d), Rows::Bf16(s)) => d[dst_row * hidden..(dst_row + 1) * hidden]
                 .copy_from_slice(&s[src_row * hidden..(src_row + 1) * hidden]),
-            (
-                Rows::Fp8 {
-                    data: dd,
-                    scales: ds,
-                },
-                Rows::Fp8 {
-                    data: sd,
-                    scales: ss,
-                },
-            ) => {
+            (Rows::Fp8 { data: dd, scales: ds }, Rows::Fp8 { data: sd, scales: ss }) => {
                 dd[dst_row * hidden..(dst_row + 1) * hidden]
                     .copy_from_slice(&sd[src_row * hidden..(src_row + 1) * hidden]);
                 ds[dst_row * spr..(dst_row + 1) * spr]

@@ -42,7 +42,7 @@ impl RankLayout {
 /// lengths, token count, expert range and duplicate experts in one row.
 pub fn validate_topk(cfg: &EpConfig, rank: usize, topk_idx: &[i64]) -> Result<usize> {
     let k = cfg.topk;
-    if topk_idx.len() % k != 0 {
+    if !topk_idx.len().is_multiple_of(k) {
         return Err(Error::input(
             format!("topk_idx of rank {rank}"),
             format!("length {} is not a multiple of topk = {k}", topk_idx.len()),
@@ -157,10 +157,7 @@ pub fn recv_plan(
 
 /// Rounds each count up to a multiple of `alignment` (DeepEP's expert alignment).
 pub fn align_counts(counts: &[usize], alignment: usize) -> Vec<usize> {
-    counts
-        .iter()
-        .map(|c| c.div_ceil(alignment) * alignment)
-        .collect()
+    counts.iter().map(|c| c.div_ceil(alignment) * alignment).collect()
 }
 
 /// Converts a global expert id to the local id on `rank`, or -1 if elsewhere.
@@ -193,10 +190,7 @@ mod tests {
     #[test]
     fn out_of_range_expert_is_named() {
         let e = layout(&cfg(), 1, &[0, 4]).unwrap_err().to_string();
-        assert!(
-            e.contains("topk_idx[0][1] of rank 1") && e.contains("4"),
-            "{e}"
-        );
+        assert!(e.contains("topk_idx[0][1] of rank 1") && e.contains("4"), "{e}");
         let e = layout(&cfg(), 0, &[-2, 0]).unwrap_err().to_string();
         assert!(e.contains("-2"), "{e}");
     }

@@ -32,9 +32,7 @@ impl Routing {
         let (kind, arg) = s
             .split_once(':')
             .ok_or_else(|| bad("expected uniform, zipf:S or hot:F"))?;
-        let v: f64 = arg
-            .parse()
-            .map_err(|_| bad("the parameter is not a number"))?;
+        let v: f64 = arg.parse().map_err(|_| bad("the parameter is not a number"))?;
         match kind {
             "zipf" if v > 0.0 && v.is_finite() && v <= 10.0 => Ok(Routing::Zipf(v)),
             "zipf" => Err(bad("zipf exponent must be in (0, 10]")),

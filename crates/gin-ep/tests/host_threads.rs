@@ -10,7 +10,10 @@ use rand::{Rng, SeedableRng};
 use std::time::{Duration, Instant};
 
 fn run_case(case: &Case) {
-    let opts = HostOptions { timeout: Duration::from_secs(30), ..Default::default() };
+    let opts = HostOptions {
+        timeout: Duration::from_secs(30),
+        ..Default::default()
+    };
     let results = run_threads(&case.cfg, &opts, |ep| run_rank_case(case, ep)).unwrap();
     for (r, res) in results.into_iter().enumerate() {
         if let Err(e) = res {
@@ -25,7 +28,11 @@ fn random_case(rng: &mut impl Rng, seed: u64) -> Case {
     let experts = ranks * local;
     let topk = rng.gen_range(1..=experts.min(6));
     let dtype = [DispatchDtype::Bf16, DispatchDtype::Fp8, DispatchDtype::Fp8Ue8m0][rng.gen_range(0..3)];
-    let hidden = if dtype.is_fp8() { 128 * rng.gen_range(1..=3) } else { 8 * rng.gen_range(1..=40) };
+    let hidden = if dtype.is_fp8() {
+        128 * rng.gen_range(1..=3)
+    } else {
+        8 * rng.gen_range(1..=40)
+    };
     let max_tokens = rng.gen_range(1..=12);
     let cfg = EpConfig::new(ranks, experts, hidden, topk, max_tokens)
         .with_dtype(dtype)
@@ -40,7 +47,11 @@ fn random_case(rng: &mut impl Rng, seed: u64) -> Case {
         .collect();
     Case {
         cfg,
-        workload: Workload { routing, seed, mask_prob: if rng.gen_bool(0.5) { 0.2 } else { 0.0 } },
+        workload: Workload {
+            routing,
+            seed,
+            mask_prob: if rng.gen_bool(0.5) { 0.2 } else { 0.0 },
+        },
         tokens,
         iters: 2,
     }
@@ -60,7 +71,11 @@ fn host_threads_equal_oracle_at_zero_and_one_token() {
     for tokens in [vec![0, 0, 0], vec![1, 0, 1], vec![1, 1, 1]] {
         let case = Case {
             cfg: EpConfig::new(3, 6, 256, 2, 1).with_dtype(DispatchDtype::Fp8),
-            workload: Workload { routing: Routing::Uniform, seed: 9, mask_prob: 0.0 },
+            workload: Workload {
+                routing: Routing::Uniform,
+                seed: 9,
+                mask_prob: 0.0,
+            },
             tokens,
             iters: 3,
         };
@@ -72,7 +87,11 @@ fn host_threads_equal_oracle_at_zero_and_one_token() {
 fn host_threads_equal_oracle_with_all_tokens_on_one_hot_expert() {
     let case = Case {
         cfg: EpConfig::new(4, 8, 128, 3, 16),
-        workload: Workload { routing: Routing::Hot(1.0), seed: 4, mask_prob: 0.1 },
+        workload: Workload {
+            routing: Routing::Hot(1.0),
+            seed: 4,
+            mask_prob: 0.1,
+        },
         tokens: vec![16, 16, 16, 16],
         iters: 3,
     };
@@ -85,11 +104,19 @@ fn a_rank_that_stops_makes_the_others_fail_naming_it() {
     let opts = HostOptions {
         modes: Modes { ht: true, ll: true },
         timeout: Duration::from_millis(500),
-        fault: Some(Fault { rank: 1, phase: "combine".into(), exit_process: false }),
+        fault: Some(Fault {
+            rank: 1,
+            phase: "combine".into(),
+            exit_process: false,
+        }),
     };
     let case = Case {
         cfg: cfg.clone(),
-        workload: Workload { routing: Routing::Uniform, seed: 1, mask_prob: 0.0 },
+        workload: Workload {
+            routing: Routing::Uniform,
+            seed: 1,
+            mask_prob: 0.0,
+        },
         tokens: vec![4, 4, 4],
         iters: 1,
     };
@@ -115,7 +142,10 @@ fn a_rank_that_stops_makes_the_others_fail_naming_it() {
 #[test]
 fn bad_input_on_one_rank_fails_the_others_fast() {
     let cfg = EpConfig::new(2, 4, 128, 2, 4);
-    let opts = HostOptions { timeout: Duration::from_secs(60), ..Default::default() };
+    let opts = HostOptions {
+        timeout: Duration::from_secs(60),
+        ..Default::default()
+    };
     let t0 = Instant::now();
     let results = run_threads(&cfg, &opts, |ep| {
         let mut idx = vec![0i64, 1, 2, 3];
@@ -125,7 +155,10 @@ fn bad_input_on_one_rank_fails_the_others_fast() {
         ep.ht_dispatch(&vec![half::bf16::ONE; 2 * 128], &idx, &[0.5; 4])
     })
     .unwrap();
-    assert!(t0.elapsed() < Duration::from_secs(10), "peers must not wait for the deadline");
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "peers must not wait for the deadline"
+    );
     let e1 = results[1].as_ref().unwrap_err().to_string();
     assert!(e1.contains("77"), "{e1}");
     let e0 = results[0].as_ref().unwrap_err().to_string();

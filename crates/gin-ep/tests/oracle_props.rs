@@ -30,19 +30,14 @@ fn arb_case() -> impl Strategy<Value = (EpConfig, Workload, Vec<usize>)> {
             let experts = ranks * lpr;
             let topk = topk.min(experts);
             let hidden = 128 * (hmul + 1);
-            let cfg = EpConfig::new(ranks, experts, hidden, topk, 9)
-                .with_alignment(1 + (seed % 4) as usize);
+            let cfg = EpConfig::new(ranks, experts, hidden, topk, 9).with_alignment(1 + (seed % 4) as usize);
             let routing = [Routing::Uniform, Routing::Zipf(1.3), Routing::Hot(0.7)][routing];
             let w = Workload {
                 routing,
                 seed,
                 mask_prob: mask,
             };
-            (
-                Just(cfg),
-                Just(w),
-                proptest::collection::vec(0usize..=9, ranks),
-            )
+            (Just(cfg), Just(w), proptest::collection::vec(0usize..=9, ranks))
         })
 }
 

@@ -62,12 +62,7 @@ pub fn first_failure(exits: &[RankExit]) -> Option<&RankExit> {
 /// `LOCAL_RANK`, `MASTER_ADDR=127.0.0.1`, `GIN_EP_STORE_PORT` (the store this function
 /// serves) and `GIN_EP_CHILD=1`; stdout is inherited, stderr captured. Children still
 /// running `2 * timeout` plus a slack after launch are killed.
-pub fn launch_ranks(
-    world: usize,
-    exe: &Path,
-    args: &[String],
-    timeout: Duration,
-) -> Result<Vec<RankExit>> {
+pub fn launch_ranks(world: usize, exe: &Path, args: &[String], timeout: Duration) -> Result<Vec<RankExit>> {
     launch_with_deadline(
         world,
         exe,
@@ -84,12 +79,7 @@ struct Running {
     exit: Option<(ExitStatus, bool, Duration)>,
 }
 
-fn launch_with_deadline(
-    world: usize,
-    exe: &Path,
-    args: &[String],
-    limit: Duration,
-) -> Result<Vec<RankExit>> {
+fn launch_with_deadline(world: usize, exe: &Path, args: &[String], limit: Duration) -> Result<Vec<RankExit>> {
     if world == 0 {
         return Err(Error::input("ranks", "must be at least 1"));
     }
@@ -185,8 +175,8 @@ fn launch_with_deadline(
                 let _ = reader.join();
             } // else: detached; it ends when the pipe closes
         }
-        let stderr = String::from_utf8_lossy(&r.stderr.lock().unwrap_or_else(|e| e.into_inner()))
-            .into_owned();
+        let stderr =
+            String::from_utf8_lossy(&r.stderr.lock().unwrap_or_else(|e| e.into_inner())).into_owned();
         let Some((status, killed, elapsed)) = r.exit else {
             // kill() and wait() both failed: the child is not ours to reap any more.
             return Err(Error::Bootstrap(format!(
@@ -258,8 +248,7 @@ mod tests {
 
     #[test]
     fn a_failing_rank_does_not_stop_the_others() {
-        let (exe, args) =
-            sh("if [ \"$RANK\" = 1 ]; then echo boom >&2; exit 3; fi; sleep 0.3; exit 0");
+        let (exe, args) = sh("if [ \"$RANK\" = 1 ]; then echo boom >&2; exit 3; fi; sleep 0.3; exit 0");
         let exits = launch_ranks(2, &exe, &args, Duration::from_secs(5)).unwrap();
         assert!(exits[0].success(), "rank 0 was stopped: {:?}", exits[0]);
         assert_eq!(exits[1].status.code(), Some(3));
@@ -272,11 +261,7 @@ mod tests {
         let (exe, args) = sh("if [ \"$RANK\" = 0 ]; then exit 0; fi; exec sleep 30");
         let t0 = Instant::now();
         let exits = launch_with_deadline(2, &exe, &args, Duration::from_millis(300)).unwrap();
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "took {:?}",
-            t0.elapsed()
-        );
+        assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
         assert!(exits[0].success());
         assert!(exits[1].killed && !exits[1].success());
     }

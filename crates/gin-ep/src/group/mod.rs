@@ -86,9 +86,7 @@ const LAUNCHERS: [(&str, &str, &str); 3] = [
 ];
 
 fn parse_env(var: &dyn Fn(&str) -> Option<String>) -> Result<EnvSpec> {
-    let Some((rank_var, world_var, local_var)) =
-        LAUNCHERS.iter().find(|(r, _, _)| var(r).is_some())
-    else {
+    let Some((rank_var, world_var, local_var)) = LAUNCHERS.iter().find(|(r, _, _)| var(r).is_some()) else {
         return Err(Error::Bootstrap(
             "RANK is not set (nor SLURM_PROCID nor OMPI_COMM_WORLD_RANK): run under \
              torchrun, srun or mpirun, or let `gin-ep` start the ranks"
@@ -98,9 +96,11 @@ fn parse_env(var: &dyn Fn(&str) -> Option<String>) -> Result<EnvSpec> {
     let number = |name: &str| -> Result<Option<usize>> {
         match var(name) {
             None => Ok(None),
-            Some(v) => v.trim().parse::<usize>().map(Some).map_err(|_| {
-                Error::Bootstrap(format!("{name}={v:?} is not a non-negative integer"))
-            }),
+            Some(v) => v
+                .trim()
+                .parse::<usize>()
+                .map(Some)
+                .map_err(|_| Error::Bootstrap(format!("{name}={v:?} is not a non-negative integer"))),
         }
     };
     let required = |name: &str| -> Result<usize> {
@@ -109,9 +109,7 @@ fn parse_env(var: &dyn Fn(&str) -> Option<String>) -> Result<EnvSpec> {
     let rank = required(rank_var)?;
     let world = required(world_var)?;
     if world == 0 {
-        return Err(Error::Bootstrap(format!(
-            "{world_var}=0: a group needs a rank"
-        )));
+        return Err(Error::Bootstrap(format!("{world_var}=0: a group needs a rank")));
     }
     if rank >= world {
         return Err(Error::Bootstrap(format!(
@@ -124,8 +122,8 @@ fn parse_env(var: &dyn Fn(&str) -> Option<String>) -> Result<EnvSpec> {
         .ok_or_else(|| Error::Bootstrap("MASTER_ADDR is not set".into()))?
         .trim()
         .to_string();
-    let port_text = var(ENV_STORE_PORT)
-        .ok_or_else(|| Error::Bootstrap(format!("{ENV_STORE_PORT} is not set")))?;
+    let port_text =
+        var(ENV_STORE_PORT).ok_or_else(|| Error::Bootstrap(format!("{ENV_STORE_PORT} is not set")))?;
     let port = match port_text.trim().parse::<u16>() {
         Ok(p) if p != 0 => p,
         _ => {
@@ -137,11 +135,7 @@ fn parse_env(var: &dyn Fn(&str) -> Option<String>) -> Result<EnvSpec> {
     let store_hosted = match var(ENV_CHILD).as_deref().map(str::trim) {
         None | Some("") | Some("0") => false,
         Some("1") => true,
-        Some(other) => {
-            return Err(Error::Bootstrap(format!(
-                "{ENV_CHILD}={other:?} must be 0 or 1"
-            )))
-        }
+        Some(other) => return Err(Error::Bootstrap(format!("{ENV_CHILD}={other:?} must be 0 or 1"))),
     };
     Ok(EnvSpec {
         rank,
@@ -170,8 +164,7 @@ impl Group {
     /// only, unless `GIN_EP_CHILD=1` says a launcher already does. `timeout` bounds every
     /// bootstrap wait, this one included.
     pub fn from_env(timeout: Duration) -> Result<Group> {
-        let spec =
-            parse_env(&|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()))?;
+        let spec = parse_env(&|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()))?;
         let addr = host_port(&spec.master_addr, spec.port);
         let server = if spec.rank == 0 && !spec.store_hosted {
             let addrs: Vec<SocketAddr> = addr
@@ -188,14 +181,7 @@ impl Group {
         } else {
             None
         };
-        Self::join_with(
-            spec.rank,
-            spec.world,
-            spec.local_rank,
-            &addr,
-            timeout,
-            server,
-        )
+        Self::join_with(spec.rank, spec.world, spec.local_rank, &addr, timeout, server)
     }
 
     /// Joins a group whose store is already served at `addr` (`host:port`). Used by
@@ -297,8 +283,7 @@ impl Group {
 
     /// Waits until every rank entered barrier `name`, within the group's timeout.
     pub fn barrier(&self, name: &str) -> Result<()> {
-        self.store
-            .barrier(&self.key(name), self.world, self.timeout)
+        self.store.barrier(&self.key(name), self.world, self.timeout)
     }
 
     /// Waits for every rank, then lets go of the store. Rank 0 should close (rather than
@@ -368,10 +353,7 @@ mod tests {
             ("GIN_EP_CHILD", "1"),
         ]);
         let o = parse(&ompi).unwrap();
-        assert_eq!(
-            (o.rank, o.world, o.local_rank, o.store_hosted),
-            (1, 2, 0, true)
-        );
+        assert_eq!((o.rank, o.world, o.local_rank, o.store_hosted), (1, 2, 0, true));
     }
 
     #[test]
@@ -405,10 +387,7 @@ mod tests {
         for (var, value, needles) in cases {
             let msg = with(var, value);
             for n in needles {
-                assert!(
-                    msg.contains(n),
-                    "{var}={value:?}: `{msg}` does not mention {n}"
-                );
+                assert!(msg.contains(n), "{var}={value:?}: `{msg}` does not mention {n}");
             }
         }
     }
@@ -452,8 +431,7 @@ mod tests {
     fn join_with_a_missing_rank_times_out_instead_of_hanging() {
         let server = StoreServer::bind("127.0.0.1:0").unwrap();
         let t0 = Instant::now();
-        let err =
-            Group::join(0, 2, &server.addr().to_string(), Duration::from_millis(300)).unwrap_err();
+        let err = Group::join(0, 2, &server.addr().to_string(), Duration::from_millis(300)).unwrap_err();
         assert!(t0.elapsed() < Duration::from_secs(5));
         assert!(err.to_string().contains("1 of 2"), "{err}");
     }

@@ -87,8 +87,7 @@ pub struct StoreServer {
 impl StoreServer {
     /// Binds `addr` (`host:port`; port 0 picks a free port) and starts serving.
     pub fn bind(addr: &str) -> Result<StoreServer> {
-        let listener =
-            TcpListener::bind(addr).map_err(|e| Error::io(format!("store: bind {addr}"), e))?;
+        let listener = TcpListener::bind(addr).map_err(|e| Error::io(format!("store: bind {addr}"), e))?;
         Self::serve(listener)
     }
 
@@ -229,8 +228,7 @@ fn handle_request(op: u8, r: &mut impl Read, shared: &Shared) -> Result<Vec<u8>,
             "key of {key_len} bytes exceeds {MAX_KEY_LEN}"
         )));
     }
-    let key = String::from_utf8(read_vec(r, key_len)?)
-        .map_err(|_| BadRequest("key is not UTF-8".into()))?;
+    let key = String::from_utf8(read_vec(r, key_len)?).map_err(|_| BadRequest("key is not UTF-8".into()))?;
     match op {
         OP_SET => {
             let len = read_u32(r)? as usize;
@@ -534,10 +532,9 @@ impl Store {
             // The stream stays in step: a refused request was fully read by the server,
             // and after a protocol error the server closes the socket, which the next
             // request sees as an I/O error.
-            Ok(Exchanged::ServerError(msg)) => Err(Error::Bootstrap(format!(
-                "{}: server refused: {msg}",
-                ctx()
-            ))),
+            Ok(Exchanged::ServerError(msg)) => {
+                Err(Error::Bootstrap(format!("{}: server refused: {msg}", ctx())))
+            }
             Err(e) => {
                 *guard = None;
                 Err(Error::io(ctx(), e))
@@ -546,10 +543,7 @@ impl Store {
     }
 
     fn protocol_error(&self, op: &str, key: &str) -> Error {
-        Error::Bootstrap(format!(
-            "store {}: unexpected reply to {op} `{key}`",
-            self.addr
-        ))
+        Error::Bootstrap(format!("store {}: unexpected reply to {op} `{key}`", self.addr))
     }
 }
 
@@ -659,9 +653,7 @@ mod tests {
         let (_s, addr) = server();
         let st = Store::connect(addr.as_str(), T).unwrap();
         let t0 = Instant::now();
-        let err = st
-            .get("never/set/key", Duration::from_millis(200))
-            .unwrap_err();
+        let err = st.get("never/set/key", Duration::from_millis(200)).unwrap_err();
         let took = t0.elapsed();
         assert!(
             err.to_string().contains("never/set/key"),
@@ -692,10 +684,7 @@ mod tests {
                 })
             })
             .collect();
-        let mut all: Vec<i64> = threads
-            .into_iter()
-            .flat_map(|t| t.join().unwrap())
-            .collect();
+        let mut all: Vec<i64> = threads.into_iter().flat_map(|t| t.join().unwrap()).collect();
         all.sort_unstable();
         assert_eq!(all, (1..=200).collect::<Vec<i64>>());
         let st = Store::connect(addr.as_str(), T).unwrap();
@@ -747,9 +736,7 @@ mod tests {
     fn barrier_timeout_says_how_many_ranks_arrived() {
         let (_s, addr) = server();
         let st = Store::connect(addr.as_str(), T).unwrap();
-        let err = st
-            .barrier("lonely", 3, Duration::from_millis(100))
-            .unwrap_err();
+        let err = st.barrier("lonely", 3, Duration::from_millis(100)).unwrap_err();
         let msg = err.to_string();
         assert!(
             msg.contains("lonely") && msg.contains("1 of 3"),
@@ -788,8 +775,7 @@ mod tests {
             .unwrap()
             .port();
         let t0 = Instant::now();
-        let err =
-            Store::connect(format!("127.0.0.1:{port}"), Duration::from_millis(200)).unwrap_err();
+        let err = Store::connect(format!("127.0.0.1:{port}"), Duration::from_millis(200)).unwrap_err();
         assert!(t0.elapsed() < Duration::from_secs(3));
         assert!(matches!(err, Error::Bootstrap(_)), "{err}");
     }

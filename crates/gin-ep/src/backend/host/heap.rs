@@ -154,9 +154,7 @@ impl SymmetricHeap {
 
         let own_name = c_name(&name_of(rank))?;
         let mut own = ShmMapping::create(&own_name, len)?;
-        group
-            .store()
-            .set(&key_of(rank), format!("{len}").as_bytes())?;
+        group.store().set(&key_of(rank), format!("{len}").as_bytes())?;
 
         let mut peers: Vec<Option<ShmMapping>> = Vec::with_capacity(world);
         for peer in 0..world {
@@ -241,13 +239,9 @@ impl SymmetricHeap {
     /// observes it. `u64::MAX` is reserved for [`poison`](Self::poison).
     pub fn signal(&self, peer: usize, offset: usize, value: u64) -> Result<()> {
         if value == POISON {
-            return Err(Error::input(
-                "signal value",
-                "u64::MAX is reserved for poison",
-            ));
+            return Err(Error::input("signal value", "u64::MAX is reserved for poison"));
         }
-        self.word(peer, offset, "signal")?
-            .store(value, Ordering::Release);
+        self.word(peer, offset, "signal")?.store(value, Ordering::Release);
         Ok(())
     }
 
@@ -453,12 +447,9 @@ fn c_name(name: &str) -> Result<CString> {
         .strip_prefix('/')
         .is_some_and(|rest| !rest.is_empty() && !rest.contains('/'));
     if !valid || name.len() > 255 {
-        return Err(Error::Bootstrap(format!(
-            "invalid shared-memory name {name:?}"
-        )));
+        return Err(Error::Bootstrap(format!("invalid shared-memory name {name:?}")));
     }
-    CString::new(name)
-        .map_err(|_| Error::Bootstrap(format!("shared-memory name {name:?} contains NUL")))
+    CString::new(name).map_err(|_| Error::Bootstrap(format!("shared-memory name {name:?} contains NUL")))
 }
 
 /// One shared-memory segment mapped into this process. Unmaps on drop; also removes the
@@ -762,10 +753,7 @@ mod tests {
         std::thread::sleep(Duration::from_millis(50));
         h1.poison(0, 16).unwrap();
         let (r, took) = waiter.join().unwrap();
-        assert!(
-            took < Duration::from_secs(5),
-            "waited {took:?} despite poison"
-        );
+        assert!(took < Duration::from_secs(5), "waited {took:?} despite poison");
         match r {
             Err(Error::PeerFailed { peer, phase, .. }) => {
                 assert_eq!((peer, phase.as_str()), (1, "combine-recv"))
@@ -799,10 +787,7 @@ mod tests {
                     // Two heaps per group: names must not collide.
                     let heap = SymmetricHeap::processes(&group, (1 << 20) + 5).unwrap();
                     let small = SymmetricHeap::processes(&group, 4096).unwrap();
-                    assert_eq!(
-                        (heap.rank(), heap.world(), heap.len()),
-                        (r, 2, (1 << 20) + 5)
-                    );
+                    assert_eq!((heap.rank(), heap.world(), heap.len()), (r, 2, (1 << 20) + 5));
                     let mut tail = [9u8; 5];
                     heap.get(r, 1 << 20, &mut tail).unwrap();
                     assert_eq!(tail, [0; 5], "segment not zeroed");

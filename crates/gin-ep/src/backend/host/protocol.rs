@@ -168,12 +168,7 @@ impl HostEp {
         Regions::new(cfg, modes).total
     }
 
-    pub fn new(
-        heap: SymmetricHeap,
-        cfg: EpConfig,
-        modes: Modes,
-        timeout: Duration,
-    ) -> Result<HostEp> {
+    pub fn new(heap: SymmetricHeap, cfg: EpConfig, modes: Modes, timeout: Duration) -> Result<HostEp> {
         cfg.validate()?;
         if heap.world() != cfg.ranks {
             return Err(Error::config(
@@ -245,10 +240,7 @@ impl HostEp {
         } else {
             Err(Error::input(
                 "mode",
-                format!(
-                    "this buffer was not sized for {}",
-                    if ht { "HT" } else { "LL" }
-                ),
+                format!("this buffer was not sized for {}", if ht { "HT" } else { "LL" }),
             ))
         }
     }
@@ -298,9 +290,7 @@ impl HostEp {
                 Sig::LlDispatch,
                 Sig::LlCombine,
             ] {
-                let _ = self
-                    .heap
-                    .poison(peer, self.reg.sig(kind, me, self.cfg.ranks));
+                let _ = self.heap.poison(peer, self.reg.sig(kind, me, self.cfg.ranks));
             }
         }
     }
@@ -489,8 +479,7 @@ impl HostEp {
             recv_src_token[i] = u32::from_le_bytes(rec[o..o + 4].try_into().unwrap_or_default());
         }
         self.rec = rec;
-        let num_recv_tokens_per_expert =
-            align_counts(&plan.tokens_per_local_expert, cfg.expert_alignment);
+        let num_recv_tokens_per_expert = align_counts(&plan.tokens_per_local_expert, cfg.expert_alignment);
         self.mark("receive", t0);
         Ok(HtDispatchOutput {
             recv_x,
@@ -524,7 +513,7 @@ impl HostEp {
         rec.resize(self.reg.ht_rec, 0);
         for t in 0..layout.num_tokens {
             let mut encoded = false;
-            for dst in 0..r_n {
+            for (dst, &base) in send_base.iter().enumerate().take(r_n) {
                 let Some(slot) = layout.slot(t, dst) else {
                     continue;
                 };
@@ -538,14 +527,12 @@ impl HostEp {
                     for j in 0..k {
                         let le = local_expert(cfg, dst, idx[t * k + j]);
                         let wt = if le >= 0 { w[t * k + j] } else { 0.0 };
-                        rec[pay + j * 4..pay + j * 4 + 4]
-                            .copy_from_slice(&(le as i32).to_le_bytes());
-                        rec[pay + k * 4 + j * 4..pay + k * 4 + j * 4 + 4]
-                            .copy_from_slice(&wt.to_le_bytes());
+                        rec[pay + j * 4..pay + j * 4 + 4].copy_from_slice(&(le as i32).to_le_bytes());
+                        rec[pay + k * 4 + j * 4..pay + k * 4 + j * 4 + 4].copy_from_slice(&wt.to_le_bytes());
                     }
                     len = pay + k * 8 + 4;
                 }
-                let row = send_base[dst] + slot;
+                let row = base + slot;
                 self.heap
                     .put(dst, self.reg.ht_recv + row * self.reg.ht_rec, &rec[..len])?;
             }
@@ -586,11 +573,7 @@ impl HostEp {
 
     /// HT combine: every received row goes back to its source rank, which sums
     /// the rows of each token in ascending rank order (see `oracle`).
-    pub fn ht_combine(
-        &mut self,
-        input: &HtCombineInput,
-        handle: &HtHandle,
-    ) -> Result<HtCombineOutput> {
+    pub fn ht_combine(&mut self, input: &HtCombineInput, handle: &HtHandle) -> Result<HtCombineOutput> {
         self.need(true)?;
         let seq = self.begin();
         self.guarded(|s| s.ht_combine_inner(seq, input, handle))
@@ -625,15 +608,11 @@ impl HostEp {
             rec[..h * 2].copy_from_slice(bytemuck::cast_slice(&input.x[i * h..(i + 1) * h]));
             let mut len = h * 2;
             if let Some(w) = &input.topk_weights {
-                rec[h * 2..h * 2 + k * 4]
-                    .copy_from_slice(bytemuck::cast_slice(&w[i * k..(i + 1) * k]));
+                rec[h * 2..h * 2 + k * 4].copy_from_slice(bytemuck::cast_slice(&w[i * k..(i + 1) * k]));
                 len += k * 4;
             }
-            self.heap.put(
-                src,
-                self.reg.ht_comb + (me * t_max + slot) * rec_len,
-                &rec[..len],
-            )?;
+            self.heap
+                .put(src, self.reg.ht_comb + (me * t_max + slot) * rec_len, &rec[..len])?;
         }
         self.signal_all(Sig::Combine, seq)?;
         self.wait_all(Sig::Combine, seq, "combine")?;
@@ -692,12 +671,7 @@ impl HostEp {
         self.guarded(|s| s.ll_dispatch_inner(seq, x, topk_idx))
     }
 
-    fn ll_dispatch_inner(
-        &mut self,
-        seq: u64,
-        x: &[bf16],
-        topk_idx: &[i64],
-    ) -> Result<LlDispatchOutput> {
+    fn ll_dispatch_inner(&mut self, seq: u64, x: &[bf16], topk_idx: &[i64]) -> Result<LlDispatchOutput> {
         let cfg = self.cfg.clone();
         let (me, r_n, h, k, t_max) = (
             self.rank(),
@@ -758,8 +732,7 @@ impl HostEp {
         let mut src_k = vec![-1i32; l_n * cap];
         let mut counts = [0u8; 4];
         for src in 0..r_n {
-            self.heap
-                .get(me, self.reg.ll_counts + src * 4, &mut counts)?;
+            self.heap.get(me, self.reg.ll_counts + src * 4, &mut counts)?;
             let c = u32::from_le_bytes(counts) as usize;
             if c > t_max {
                 return Err(Error::input(
@@ -771,22 +744,13 @@ impl HostEp {
                 layout_range[e * r_n + src].0 = recv_count[e] as u32;
             }
             for slot in 0..c {
-                self.heap.get(
-                    me,
-                    self.reg.ll_stage + (src * t_max + slot) * rec_len,
-                    &mut rec,
-                )?;
-                let tok = i32::from_le_bytes(
-                    rec[pay + k * 4..pay + k * 4 + 4]
-                        .try_into()
-                        .unwrap_or_default(),
-                );
+                self.heap
+                    .get(me, self.reg.ll_stage + (src * t_max + slot) * rec_len, &mut rec)?;
+                let tok =
+                    i32::from_le_bytes(rec[pay + k * 4..pay + k * 4 + 4].try_into().unwrap_or_default());
                 for j in 0..k {
-                    let le = i32::from_le_bytes(
-                        rec[pay + j * 4..pay + j * 4 + 4]
-                            .try_into()
-                            .unwrap_or_default(),
-                    );
+                    let le =
+                        i32::from_le_bytes(rec[pay + j * 4..pay + j * 4 + 4].try_into().unwrap_or_default());
                     if le < 0 || le as usize >= l_n {
                         continue;
                     }
@@ -876,31 +840,19 @@ impl HostEp {
         for e in 0..l_n {
             for i in 0..cap {
                 let row = e * cap + i;
-                let (sr, st, sk) = (
-                    handle.src_rank[row],
-                    handle.src_token[row],
-                    handle.src_k[row],
-                );
+                let (sr, st, sk) = (handle.src_rank[row], handle.src_token[row], handle.src_k[row]);
                 if sr < 0 {
                     continue;
                 }
-                if sr as usize >= r_n
-                    || st < 0
-                    || st as usize >= t_max
-                    || sk < 0
-                    || sk as usize >= k
-                {
+                if sr as usize >= r_n || st < 0 || st as usize >= t_max || sk < 0 || sk as usize >= k {
                     return Err(Error::input(
                         format!("LL handle of rank {me}"),
                         format!("row {row} names source ({sr}, {st}, {sk})"),
                     ));
                 }
                 let off = self.reg.ll_comb + ((st as usize) * k + sk as usize) * h * 2;
-                self.heap.put(
-                    sr as usize,
-                    off,
-                    bytemuck::cast_slice(&y[row * h..(row + 1) * h]),
-                )?;
+                self.heap
+                    .put(sr as usize, off, bytemuck::cast_slice(&y[row * h..(row + 1) * h]))?;
             }
         }
         self.signal_all(Sig::LlCombine, seq)?;
