@@ -1,1 +1,56 @@
-fn main() {}
+//! The `gin-ep` command: `bench`, `check` and `info`.
+//!
+//! Owns argument parsing, tables, progress display and exit codes; every
+//! figure and every verdict comes from the gin-ep library. Exit codes: 0 success,
+//! 1 a run failed (mismatch, timeout, dead rank, I/O), 2 bad input (clap's own
+//! errors included).
+
+#[macro_use]
+mod output;
+mod bench_cmd;
+mod check_cmd;
+mod error;
+mod host;
+mod info_cmd;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+/// GPU-initiated expert-parallel dispatch and combine for MoE: benchmarks,
+/// correctness checks and a survey of this machine.
+#[derive(Parser, Debug)]
+#[command(name = "gin-ep", version, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Time dispatch and combine (HT or LL) and print median/p10/p90 per phase.
+    Bench(bench_cmd::BenchArgs),
+    /// Randomized correctness check of every operation against the oracle.
+    Check(check_cmd::CheckArgs),
+    /// What this machine offers: CPUs, GPUs, NCCL, kernels, usable backends.
+    Info,
+    /// One rank of `check --launch processes` (started by the CLI itself).
+    #[command(name = "__rank-check", hide = true)]
+    RankCheck(check_cmd::RankCheckArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Bench(a) => bench_cmd::run(&a),
+        Command::Check(a) => check_cmd::run(&a),
+        Command::Info => info_cmd::run(),
+        Command::RankCheck(a) => check_cmd::run_rank(&a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            err!("error: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}

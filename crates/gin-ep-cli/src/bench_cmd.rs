@@ -1,0 +1,378 @@
+//! `gin-ep bench`: options, progress, tables and the JSON file. The timing
+//! loops and every figure come from `gin_ep::bench`.
+
+use crate::error::{parse_secs, CliError, CliResult};
+use crate::host;
+use clap::{Args, ValueEnum};
+use comfy_table::{presets, CellAlignment, Table};
+use gin_ep::backend::host::protocol::Modes;
+use gin_ep::bench::{BenchMode, BenchOptions, BenchReport, Launch, OpReport, Stats};
+use gin_ep::workload::Routing;
+use gin_ep::{DispatchDtype, EpConfig};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    /// High throughput (training, prefill): flat output, thousands of tokens.
+    Ht,
+    /// Low latency (decode): expert-major buffers, 1-256 tokens.
+    Ll,
+}
+
+/// Defaults of `--iters` and `--warmup` per mode, chosen so that `gin-ep bench`
+/// with defaults ends in a few seconds on a 2-core machine (host backend).
+const HT_DEFAULTS: (usize, usize, usize) = (4096, 5, 1); // tokens, iters, warmup
+const LL_DEFAULTS: (usize, usize, usize) = (128, 5, 1);
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// ht (high throughput) or ll (low latency).
+    #[arg(long, value_enum, default_value_t = Mode::Ht)]
+    pub mode: Mode,
+    /// Ranks (threads on the host backend).
+    #[arg(long, default_value_t = 4)]
+    pub ranks: usize,
+    /// Tokens per rank [default: 4096 for ht, 128 for ll].
+    #[arg(long)]
+    pub tokens: Option<usize>,
+    /// Buffer capacity in tokens per rank [default: --tokens].
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
+    /// Channels per token.
+    #[arg(long, default_value_t = 7168)]
+    pub hidden: usize,
+    /// Experts per token.
+    #[arg(long, default_value_t = 8)]
+    pub topk: usize,
+    /// Total experts (divisible by --ranks).
+    #[arg(long, default_value_t = 256)]
+    pub experts: usize,
+    /// Dispatch format: bf16, fp8 or fp8-ue8m0.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// HT per-expert receive counts are rounded up to a multiple of this.
+    #[arg(long, default_value_t = 1)]
+    pub alignment: usize,
+    /// Timed iterations [default: 5].
+    #[arg(long)]
+    pub iters: Option<usize>,
+    /// Untimed iterations before them [default: 1].
+    #[arg(long)]
+    pub warmup: Option<usize>,
+    /// uniform, zipf:S (S in (0, 10]) or hot:F (fraction F of tokens picks expert 0).
+    #[arg(long, default_value = "uniform")]
+    pub routing: String,
+    /// Seed of the synthetic activations and routing.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Also write the report and the options to this file as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Deadline of every wait on a peer, in seconds.
+    #[arg(long, value_name = "SECS", default_value = "100", value_parser = parse_secs)]
+    pub timeout: Duration,
+    /// Run on N GPUs (the CUDA backend; not in this build).
+    #[arg(long, value_name = "N")]
+    pub gpus: Option<usize>,
+}
+
+/// The flag that sets each `EpConfig` / `BenchOptions` field, for error hints.
+fn flag_of(field: &str) -> Option<&'static str> {
+    Some(match field {
+        "ranks" => "--ranks",
+        "experts" => "--experts",
+        "hidden" => "--hidden",
+        "topk" => "--topk",
+        "max_tokens_per_rank" => "--max-tokens, default --tokens",
+        "expert_alignment" => "--alignment",
+        "dtype" => "--dtype",
+        "routing" => "--routing",
+        "tokens" => "--tokens",
+        "iters" => "--iters",
+        "warmup" => "--warmup",
+        _ => return None,
+    })
+}
+
+fn lib_err(e: gin_ep::Error) -> CliError {
+    CliError::from_lib(e, &flag_of)
+}
+
+/// Everything resolved from the flags, defaults applied.
+struct Resolved {
+    opts: BenchOptions,
+    max_tokens: usize,
+}
+
+fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
+    let (mode, (tokens_d, iters_d, warmup_d)) = match a.mode {
+        Mode::Ht => (BenchMode::Ht, HT_DEFAULTS),
+        Mode::Ll => (BenchMode::Ll, LL_DEFAULTS),
+    };
+    let dtype = DispatchDtype::parse(&a.dtype).map_err(lib_err)?;
+    let routing = Routing::parse(&a.routing).map_err(lib_err)?;
+    let tokens = a.tokens.unwrap_or(tokens_d);
+    let max_tokens = a.max_tokens.unwrap_or(tokens);
+    let cfg = EpConfig::new(a.ranks, a.experts, a.hidden, a.topk, max_tokens)
+        .with_dtype(dtype)
+        .with_alignment(a.alignment);
+    cfg.validate().map_err(lib_err)?;
+    host::check_ranks(cfg.ranks, "threads")?;
+    let modes = Modes {
+        ht: mode == BenchMode::Ht,
+        ll: mode == BenchMode::Ll,
+    };
+    host::check_memory(&cfg, modes)?;
+    Ok(Resolved {
+        opts: BenchOptions {
+            mode,
+            cfg,
+            tokens,
+            routing,
+            seed: a.seed,
+            iters: a.iters.unwrap_or(iters_d),
+            warmup: a.warmup.unwrap_or(warmup_d),
+            timeout: a.timeout,
+            launch: Launch::Threads,
+        },
+        max_tokens,
+    })
+}
+
+pub fn run(a: &BenchArgs) -> CliResult {
+    if let Some(n) = a.gpus {
+        return Err(CliError::Failed(format!(
+            "--gpus {n}: the CUDA backend is not built yet; use the host backend (omit --gpus)"
+        )));
+    }
+    let r = resolve(a)?;
+    // Open the JSON file first, so a bad path fails before a long run.
+    let json_file = match &a.json {
+        Some(p) => Some(
+            std::fs::File::create(p)
+                .map_err(|e| CliError::Failed(format!("cannot write --json {}: {e}", p.display())))?,
+        ),
+        None => None,
+    };
+
+    let progress = Progress::start(r.opts.warmup + r.opts.iters);
+    let report = {
+        let bar = progress.bar.clone();
+        let mut tick = move |done: usize, total: usize| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+        };
+        gin_ep::bench::run_host(&r.opts, &mut tick)
+    };
+    progress.finish();
+    let report = match report {
+        Ok(r) => r,
+        Err(e) => {
+            if let Some(p) = &a.json {
+                // Do not leave the empty file created above behind.
+                let _ = std::fs::remove_file(p);
+            }
+            return Err(lib_err(e));
+        }
+    };
+
+    if report.backend.starts_with("host") {
+        out!(
+            "backend: host (threads on shared memory; no GPU backend in this build) — times \
+             are CPU times, not GPU figures"
+        );
+    } else {
+        out!("backend: {} — {}", report.backend, report.note);
+    }
+    print_report(&r, &report);
+
+    if let (Some(mut f), Some(path)) = (json_file, &a.json) {
+        let doc = json_doc(a, &r, &report)?;
+        let text = serde_json::to_string_pretty(&doc)
+            .map_err(|e| CliError::Failed(format!("encoding the JSON report: {e}")))?;
+        f.write_all(text.as_bytes())
+            .and_then(|_| f.write_all(b"\n"))
+            .map_err(|e| CliError::Failed(format!("cannot write --json {}: {e}", path.display())))?;
+        out!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// The report, with the options that produced it under `options`.
+fn json_doc(a: &BenchArgs, r: &Resolved, report: &BenchReport) -> CliResult<serde_json::Value> {
+    let mut doc = serde_json::to_value(report)
+        .map_err(|e| CliError::Failed(format!("encoding the JSON report: {e}")))?;
+    let o = &r.opts;
+    let options = serde_json::json!({
+        "mode": match a.mode { Mode::Ht => "ht", Mode::Ll => "ll" },
+        "ranks": o.cfg.ranks,
+        "tokens": o.tokens,
+        "max_tokens": r.max_tokens,
+        "hidden": o.cfg.hidden,
+        "topk": o.cfg.topk,
+        "experts": o.cfg.experts,
+        "dtype": o.cfg.dispatch_dtype.name(),
+        "alignment": o.cfg.expert_alignment,
+        "routing": o.routing.name(),
+        "seed": o.seed,
+        "iters": o.iters,
+        "warmup": o.warmup,
+        "timeout_s": o.timeout.as_secs_f64(),
+        "launch": "threads",
+        "version": env!("CARGO_PKG_VERSION"),
+    });
+    match doc.as_object_mut() {
+        Some(m) => {
+            m.insert("options".into(), options);
+            Ok(doc)
+        }
+        None => Ok(serde_json::json!({ "report": doc, "options": options })),
+    }
+}
+
+fn us(v: f64) -> String {
+    if v >= 100.0 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.1}")
+    }
+}
+
+/// Three significant digits, so host figures far below 1 GB/s still show.
+fn gbps(v: f64) -> String {
+    if !v.is_finite() || v <= 0.0 {
+        return "0".into();
+    }
+    let decimals = (2 - v.log10().floor() as i64).clamp(0, 6) as usize;
+    format!("{v:.decimals$}")
+}
+
+fn stat_cells(s: &Stats) -> [String; 3] {
+    [us(s.median_us), us(s.p10_us), us(s.p90_us)]
+}
+
+fn op_table(op: &OpReport) -> Table {
+    let mut t = Table::new();
+    t.load_preset(presets::UTF8_FULL_CONDENSED);
+    t.set_header(vec![
+        op.op.as_str(),
+        "median µs",
+        "p10 µs",
+        "p90 µs",
+        "logical GB/s",
+        "remote GB/s",
+    ]);
+    let mut total = vec!["total".to_string()];
+    total.extend(stat_cells(&op.total));
+    total.push(gbps(op.logical_gbps));
+    total.push(gbps(op.remote_gbps));
+    t.add_row(total);
+    for (name, s) in &op.phases {
+        let mut row = vec![format!("  {name}")];
+        row.extend(stat_cells(s));
+        t.add_row(row);
+    }
+    if let Some(k) = &op.kernel {
+        let mut row = vec!["kernel".to_string()];
+        row.extend(stat_cells(k));
+        t.add_row(row);
+    }
+    for i in 1..6 {
+        if let Some(c) = t.column_mut(i) {
+            c.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+    t
+}
+
+fn print_report(r: &Resolved, report: &BenchReport) {
+    let o = &r.opts;
+    let mode = match o.mode {
+        BenchMode::Ht => "HT",
+        BenchMode::Ll => "LL",
+    };
+    out!(
+        "{mode}: {} ranks × {} tokens, hidden {}, top-{} of {} experts, {}, routing {}, \
+         {} iterations after {} warm-up",
+        o.cfg.ranks,
+        o.tokens,
+        o.cfg.hidden,
+        o.cfg.topk,
+        o.cfg.experts,
+        o.cfg.dispatch_dtype.name(),
+        o.routing.name(),
+        o.iters,
+        o.warmup
+    );
+    for op in &report.ops {
+        out!();
+        out!("{}", op_table(op));
+        out!(
+            "  per rank: {:.0} rows received, {:.0} from other ranks, {:.1} MB",
+            op.rows_per_rank,
+            op.remote_rows_per_rank,
+            op.bytes_per_rank / 1e6
+        );
+    }
+    out!();
+    out!(
+        "Times are the slowest rank per iteration. logical GB/s = all received rows \
+         (local ones included) × row bytes / median time, as DeepEP and NCCL EP count; \
+         remote GB/s = only rows from other ranks."
+    );
+}
+
+/// A progress bar on stderr that appears only when the run takes more than a
+/// second and stderr is a terminal.
+struct Progress {
+    bar: ProgressBar,
+    done: Arc<AtomicBool>,
+    shower: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Progress {
+    fn start(total: usize) -> Progress {
+        let bar = ProgressBar::with_draw_target(Some(total as u64), ProgressDrawTarget::hidden());
+        if let Ok(style) =
+            ProgressStyle::with_template("{spinner} bench [{bar:30}] {pos}/{len} iterations, {elapsed}")
+        {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        let done = Arc::new(AtomicBool::new(false));
+        let shower = if std::io::stderr().is_terminal() {
+            let (bar, done) = (bar.clone(), Arc::clone(&done));
+            std::thread::Builder::new()
+                .name("gin-ep-progress".into())
+                .spawn(move || {
+                    let t0 = Instant::now();
+                    while t0.elapsed() < Duration::from_secs(1) {
+                        if done.load(Ordering::Acquire) {
+                            return;
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    if !done.load(Ordering::Acquire) {
+                        bar.set_draw_target(ProgressDrawTarget::stderr());
+                        bar.enable_steady_tick(Duration::from_millis(120));
+                    }
+                })
+                .ok()
+        } else {
+            None
+        };
+        Progress { bar, done, shower }
+    }
+
+    fn finish(self) {
+        self.done.store(true, Ordering::Release);
+        if let Some(h) = self.shower {
+            let _ = h.join();
+        }
+        self.bar.finish_and_clear();
+    }
+}

@@ -1,0 +1,503 @@
+//! `gin-ep check`: randomized correctness of every operation against the
+//! oracle, over many shapes and seeds, with ranks as threads or as processes.
+//!
+//! The CLI draws the cases (shapes, dtypes, routing, masking, tokens per rank)
+//! and reports; running a case on a rank and comparing it with the oracle is
+//! `gin_ep::check::run_rank_case`.
+
+use crate::error::{parse_secs, CliError, CliResult};
+use crate::host;
+use clap::{Args, ValueEnum};
+use gin_ep::backend::host::protocol::{Fault, Modes};
+use gin_ep::backend::host::run::{join_process, run_threads, HostOptions};
+use gin_ep::check::{run_rank_case, Case};
+use gin_ep::group::{first_failure, launch_ranks, Group};
+use gin_ep::workload::{Routing, Workload};
+use gin_ep::{DispatchDtype, EpConfig, Error};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::time::{Duration, Instant};
+
+/// Environment variable naming a rank and phase to kill (tests): `RANK:PHASE`.
+pub const ENV_FAULT: &str = "GIN_EP_FAULT";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LaunchKind {
+    /// Ranks are threads of this process sharing one heap.
+    Threads,
+    /// Ranks are child processes sharing POSIX shared memory.
+    Processes,
+}
+
+impl LaunchKind {
+    fn name(self) -> &'static str {
+        match self {
+            LaunchKind::Threads => "threads",
+            LaunchKind::Processes => "processes",
+        }
+    }
+}
+
+/// A list of rank counts: `4`, `1-8`, `2,4`, `1-3,6`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankList(pub Vec<usize>);
+
+/// Parses a [`RankList`] for clap; the error names the bad part.
+pub fn parse_rank_list(s: &str) -> Result<RankList, String> {
+    let mut out = Vec::new();
+    for part in s.split(',') {
+        let part = part.trim();
+        let num = |t: &str| -> Result<usize, String> {
+            t.trim()
+                .parse::<usize>()
+                .map_err(|_| format!("`{t}` is not a rank count"))
+        };
+        let (lo, hi) = match part.split_once('-') {
+            Some((a, b)) => (num(a)?, num(b)?),
+            None => {
+                let v = num(part)?;
+                (v, v)
+            }
+        };
+        if lo == 0 {
+            return Err(format!("`{part}`: a group needs at least 1 rank"));
+        }
+        if lo > hi {
+            return Err(format!("`{part}` is an empty range"));
+        }
+        if hi > host::HOST_MAX_RANKS {
+            return Err(format!(
+                "`{part}`: the host backend runs at most {} ranks",
+                host::HOST_MAX_RANKS
+            ));
+        }
+        for n in lo..=hi {
+            if !out.contains(&n) {
+                out.push(n);
+            }
+        }
+    }
+    Ok(RankList(out))
+}
+
+/// `1-3,6` for [1, 2, 3, 6].
+fn format_ranks(v: &[usize]) -> String {
+    let mut sorted = v.to_vec();
+    sorted.sort_unstable();
+    let mut parts: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < sorted.len() {
+        let mut j = i;
+        while j + 1 < sorted.len() && sorted[j + 1] == sorted[j] + 1 {
+            j += 1;
+        }
+        parts.push(if j > i {
+            format!("{}-{}", sorted[i], sorted[j])
+        } else {
+            sorted[i].to_string()
+        });
+        i = j + 1;
+    }
+    parts.join(",")
+}
+
+#[derive(Args, Debug)]
+pub struct CheckArgs {
+    /// Rank counts to check: `1-8`, `2,4`, `1-3,6` [default: 1-8 for threads, 2-4 for processes].
+    #[arg(long, value_name = "LIST", value_parser = parse_rank_list)]
+    pub ranks: Option<RankList>,
+    /// How ranks run.
+    #[arg(long, value_enum, default_value_t = LaunchKind::Threads)]
+    pub launch: LaunchKind,
+    /// Random cases per rank count.
+    #[arg(long, default_value_t = 12)]
+    pub cases: usize,
+    /// Run only case number K of each rank count (to reproduce a failure).
+    #[arg(long, value_name = "K")]
+    pub case: Option<usize>,
+    /// Seed of the case generator.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Back-to-back iterations of every operation per case, each with fresh data.
+    #[arg(long, default_value_t = 2)]
+    pub iters: usize,
+    /// Deadline of every wait on a peer, in seconds.
+    #[arg(long, value_name = "SECS", default_value = "60", value_parser = parse_secs)]
+    pub timeout: Duration,
+}
+
+/// Arguments of one rank process of `check --launch processes`.
+#[derive(Args, Debug)]
+pub struct RankCheckArgs {
+    #[arg(long)]
+    pub seed: u64,
+    #[arg(long)]
+    pub ranks: usize,
+    #[arg(long)]
+    pub cases: usize,
+    #[arg(long)]
+    pub case: Option<usize>,
+    #[arg(long)]
+    pub iters: usize,
+    #[arg(long, value_parser = parse_secs)]
+    pub timeout: Duration,
+}
+
+/// Case numbers to run out of `cases`.
+fn case_indices(cases: usize, only: Option<usize>) -> Vec<usize> {
+    match only {
+        Some(k) => vec![k],
+        None => (0..cases).collect(),
+    }
+}
+
+/// Case `index` of rank count `ranks`: a function of (seed, ranks, index) only,
+/// so a rank process draws the same case as its parent and a failure can be
+/// reproduced with `--case`.
+pub fn gen_case(seed: u64, ranks: usize, index: usize, iters: usize) -> Case {
+    let mix = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ ((ranks as u64) << 40) ^ index as u64;
+    let mut rng = ChaCha8Rng::seed_from_u64(mix);
+    let local = rng.gen_range(1..=4usize);
+    let experts = ranks * local;
+    let topk = rng.gen_range(1..=experts.min(9));
+    let dtype = [DispatchDtype::Bf16, DispatchDtype::Fp8, DispatchDtype::Fp8Ue8m0][rng.gen_range(0..3)];
+    let hidden = if dtype.is_fp8() {
+        128 * rng.gen_range(1..=3usize)
+    } else {
+        8 * rng.gen_range(1..=48usize)
+    };
+    let max_tokens = if rng.gen_ratio(1, 6) {
+        1
+    } else {
+        rng.gen_range(1..=40usize)
+    };
+    let alignment = [1, 1, 2, 4, 8, 16, 128][rng.gen_range(0..7)];
+    let routing = match rng.gen_range(0..3) {
+        0 => Routing::Uniform,
+        1 => Routing::Zipf(rng.gen_range(3..=20) as f64 / 10.0),
+        _ => Routing::Hot(rng.gen_range(0..=10) as f64 / 10.0),
+    };
+    let mask_prob = match rng.gen_range(0..10) {
+        0..=3 => 0.0,
+        4..=6 => 0.1,
+        7 | 8 => 0.4,
+        _ => 1.0,
+    };
+    let tokens = (0..ranks)
+        .map(|_| match rng.gen_range(0..8) {
+            0 => 0,
+            1 => 1.min(max_tokens),
+            2 => max_tokens,
+            _ => rng.gen_range(0..=max_tokens),
+        })
+        .collect();
+    let cfg = EpConfig::new(ranks, experts, hidden, topk, max_tokens)
+        .with_dtype(dtype)
+        .with_alignment(alignment);
+    Case {
+        cfg,
+        workload: Workload {
+            routing,
+            seed: rng.gen(),
+            mask_prob,
+        },
+        tokens,
+        iters,
+    }
+}
+
+fn describe(case: &Case) -> String {
+    let c = &case.cfg;
+    format!(
+        "ranks {}, experts {} ({} per rank), hidden {}, topk {}, max tokens {}, dtype {}, \
+         alignment {}, routing {}, mask {}, tokens per rank {:?}, workload seed {}, iters {}",
+        c.ranks,
+        c.experts,
+        c.local_experts(),
+        c.hidden,
+        c.topk,
+        c.max_tokens_per_rank,
+        c.dispatch_dtype.name(),
+        c.expert_alignment,
+        case.workload.routing.name(),
+        case.workload.mask_prob,
+        case.tokens,
+        case.workload.seed,
+        case.iters
+    )
+}
+
+fn host_options(a_timeout: Duration, fault: Option<Fault>) -> HostOptions {
+    HostOptions {
+        modes: Modes { ht: true, ll: true },
+        timeout: a_timeout,
+        fault,
+    }
+}
+
+/// Reads `GIN_EP_FAULT` (`RANK:PHASE`); a bad value is a usage error.
+fn fault_from_env(exit_process: bool) -> CliResult<Option<Fault>> {
+    match std::env::var(ENV_FAULT) {
+        Ok(s) if !s.trim().is_empty() => Ok(Some(Fault::parse(s.trim(), exit_process)?)),
+        _ => Ok(None),
+    }
+}
+
+/// How likely an error is the cause rather than a consequence: a mismatch or a
+/// local failure first, then timeouts, then "a peer failed".
+fn severity(e: &Error) -> u8 {
+    match e {
+        Error::Mismatch(_) => 0,
+        Error::Timeout { .. } => 2,
+        Error::PeerFailed { .. } => 3,
+        _ => 1,
+    }
+}
+
+fn one_line(s: &str) -> String {
+    let line = s.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+    if line.chars().count() > 300 {
+        let cut: String = line.chars().take(300).collect();
+        format!("{cut}…")
+    } else {
+        line.to_string()
+    }
+}
+
+pub fn run(a: &CheckArgs) -> CliResult {
+    let ranks = match (&a.ranks, a.launch) {
+        (Some(r), _) => r.0.clone(),
+        (None, LaunchKind::Threads) => (1..=8).collect(),
+        (None, LaunchKind::Processes) => (2..=4).collect(),
+    };
+    if a.cases == 0 {
+        return Err(CliError::Usage(
+            "invalid value: cases = 0: must be at least 1".into(),
+        ));
+    }
+    if a.iters == 0 {
+        return Err(CliError::Usage(
+            "invalid value: iters = 0: must be at least 1".into(),
+        ));
+    }
+    if let Some(k) = a.case {
+        if k >= a.cases {
+            return Err(CliError::Usage(format!(
+                "invalid value: case = {k}: cases are numbered 0..{} (see --cases)",
+                a.cases
+            )));
+        }
+    }
+    // Validate the fault spec before starting anything.
+    let fault = fault_from_env(a.launch == LaunchKind::Processes)?;
+    let indices = case_indices(a.cases, a.case);
+    out!(
+        "check: {} ranks {}, seed {}, {} case(s) per rank count, {} iteration(s) each",
+        a.launch.name(),
+        format_ranks(&ranks),
+        a.seed,
+        indices.len(),
+        a.iters
+    );
+    let mut passed = 0usize;
+    for &n in &ranks {
+        let t0 = Instant::now();
+        let outcome = match a.launch {
+            LaunchKind::Threads => run_threads_cases(a, n, &indices, fault.clone()),
+            LaunchKind::Processes => run_process_cases(a, n),
+        };
+        match outcome {
+            Ok(()) => {
+                passed += indices.len();
+                out!(
+                    "ranks {n}: {} case(s) passed ({:.1} s)",
+                    indices.len(),
+                    t0.elapsed().as_secs_f64()
+                );
+            }
+            Err(Failure { passed: p, report }) => {
+                passed += p;
+                out!("ranks {n}: FAILED");
+                err!("{report}");
+                out!("{passed} passed, 1 failed");
+                return Err(CliError::Failed(format!(
+                    "check failed with {n} ranks ({}); reproduce with `gin-ep check --launch {} \
+                     --ranks {n} --seed {} --cases {} --iters {}{}`",
+                    a.launch.name(),
+                    a.launch.name(),
+                    a.seed,
+                    a.cases,
+                    a.iters,
+                    a.case.map(|k| format!(" --case {k}")).unwrap_or_default()
+                )));
+            }
+        }
+    }
+    out!(
+        "check: {passed} cases passed (ranks {}, {})",
+        format_ranks(&ranks),
+        a.launch.name()
+    );
+    out!("{passed} passed, 0 failed");
+    Ok(())
+}
+
+/// A failed rank count: cases that passed before it, and what to print.
+struct Failure {
+    passed: usize,
+    report: String,
+}
+
+fn run_threads_cases(
+    a: &CheckArgs,
+    n: usize,
+    indices: &[usize],
+    fault: Option<Fault>,
+) -> Result<(), Failure> {
+    let opts = host_options(a.timeout, fault);
+    for (done, &i) in indices.iter().enumerate() {
+        let case = gen_case(a.seed, n, i, a.iters);
+        let head = format!("case {i} (seed {}): {}", a.seed, describe(&case));
+        let fail = |report: String| Failure {
+            passed: done,
+            report: format!("{head}\n{report}"),
+        };
+        if let Err(e) = case.cfg.validate() {
+            return Err(fail(format!("the generated config is invalid: {e}")));
+        }
+        let results = match run_threads(&case.cfg, &opts, |ep| run_rank_case(&case, ep)) {
+            Ok(r) => r,
+            Err(e) => return Err(fail(format!("could not start the ranks: {e}"))),
+        };
+        let mut errors: Vec<(usize, Error)> = results
+            .into_iter()
+            .enumerate()
+            .filter_map(|(r, res)| res.err().map(|e| (r, e)))
+            .collect();
+        if errors.is_empty() {
+            continue;
+        }
+        errors.sort_by_key(|(r, e)| (severity(e), *r));
+        let mut report = format!("rank {}: {}", errors[0].0, errors[0].1);
+        for (r, e) in &errors[1..] {
+            report.push_str(&format!("\n  then rank {r}: {}", one_line(&e.to_string())));
+        }
+        return Err(fail(report));
+    }
+    Ok(())
+}
+
+fn run_process_cases(a: &CheckArgs, n: usize) -> Result<(), Failure> {
+    let fail = |report: String| Failure { passed: 0, report };
+    let exe = std::env::current_exe()
+        .map_err(|e| fail(format!("cannot find this program to start the ranks: {e}")))?;
+    let mut args: Vec<String> = vec![
+        "__rank-check".into(),
+        "--seed".into(),
+        a.seed.to_string(),
+        "--ranks".into(),
+        n.to_string(),
+        "--cases".into(),
+        a.cases.to_string(),
+        "--iters".into(),
+        a.iters.to_string(),
+        "--timeout".into(),
+        a.timeout.as_secs_f64().to_string(),
+    ];
+    if let Some(k) = a.case {
+        args.extend(["--case".into(), k.to_string()]);
+    }
+    let exits = launch_ranks(n, &exe, &args, a.timeout)
+        .map_err(|e| fail(format!("could not start the ranks: {e}")))?;
+    let Some(first) = first_failure(&exits) else {
+        return Ok(());
+    };
+    let how = if first.killed {
+        "was killed at the launcher's deadline".to_string()
+    } else {
+        match first.status.code() {
+            Some(c) => format!("exited with status {c}"),
+            None => format!("ended by {}", first.status),
+        }
+    };
+    let mut report = format!(
+        "rank {} {how} after {:.1} s (the first rank to fail); its stderr:\n{}",
+        first.rank,
+        first.elapsed.as_secs_f64(),
+        first.stderr.trim_end()
+    );
+    for e in exits.iter().filter(|e| !e.success() && e.rank != first.rank) {
+        report.push_str(&format!(
+            "\n  then rank {} ({:.1} s): {}",
+            e.rank,
+            e.elapsed.as_secs_f64(),
+            if e.killed {
+                "killed at the deadline".to_string()
+            } else {
+                one_line(&e.stderr)
+            }
+        ));
+    }
+    Err(fail(report))
+}
+
+/// One rank process: joins the group the parent launched and runs every case.
+pub fn run_rank(a: &RankCheckArgs) -> CliResult {
+    let fault = fault_from_env(true)?;
+    let group = Group::from_env(a.timeout)?;
+    let me = group.rank();
+    if group.world() != a.ranks {
+        return Err(CliError::Failed(format!(
+            "rank {me}: WORLD_SIZE = {} but --ranks {}",
+            group.world(),
+            a.ranks
+        )));
+    }
+    let opts = host_options(a.timeout, fault);
+    for i in case_indices(a.cases, a.case) {
+        let case = gen_case(a.seed, a.ranks, i, a.iters);
+        let fail = |e: Error| {
+            CliError::Failed(format!(
+                "rank {me}: case {i} (seed {}): {}\n  {e}",
+                a.seed,
+                describe(&case)
+            ))
+        };
+        let mut ep = join_process(&group, &case.cfg, &opts).map_err(fail)?;
+        run_rank_case(&case, &mut ep).map_err(fail)?;
+    }
+    group.close()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_lists_parse_and_print() {
+        assert_eq!(parse_rank_list("1-3,6").unwrap().0, vec![1, 2, 3, 6]);
+        assert_eq!(parse_rank_list("2,4").unwrap().0, vec![2, 4]);
+        assert_eq!(format_ranks(&[1, 2, 3, 6, 8, 9]), "1-3,6,8-9");
+        for bad in ["0", "3-1", "x", "1-", "65", ""] {
+            assert!(parse_rank_list(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn generated_cases_are_valid_and_deterministic() {
+        for n in 1..=8 {
+            for i in 0..50 {
+                let c = gen_case(7, n, i, 1);
+                c.cfg.validate().unwrap();
+                assert_eq!(c.tokens.len(), n);
+                assert!(c.tokens.iter().all(|&t| t <= c.cfg.max_tokens_per_rank));
+                assert_eq!(
+                    Routing::parse(&c.workload.routing.name()).unwrap(),
+                    c.workload.routing
+                );
+                assert_eq!(describe(&c), describe(&gen_case(7, n, i, 1)));
+            }
+        }
+    }
+}
