@@ -212,6 +212,13 @@ pub fn run_host(opts: &BenchOptions, progress: &mut (dyn FnMut(usize, usize) + S
             format!("above max_tokens_per_rank = {}", opts.cfg.max_tokens_per_rank),
         ));
     }
+    if opts.tokens == 0 {
+        return Err(Error::config(
+            "tokens",
+            0,
+            "must be at least 1 to measure anything",
+        ));
+    }
     if opts.iters == 0 {
         return Err(Error::config("iters", 0, "must be at least 1"));
     }

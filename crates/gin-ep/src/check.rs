@@ -242,6 +242,15 @@ impl Case {
 /// cached HT dispatch with new activations, HT combine with weights and bias,
 /// LL dispatch and LL combine. Buffers are poisoned before every iteration.
 pub fn run_rank_case(case: &Case, ep: &mut crate::backend::host::protocol::HostEp) -> Result<()> {
+    let r = run_rank_case_inner(case, ep);
+    if r.is_err() {
+        // Peers would otherwise wait out their deadline before reporting.
+        ep.abandon();
+    }
+    r
+}
+
+fn run_rank_case_inner(case: &Case, ep: &mut crate::backend::host::protocol::HostEp) -> Result<()> {
     use crate::ht::HtCombineInput;
     use crate::oracle;
     let cfg = &case.cfg;

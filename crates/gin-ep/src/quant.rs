@@ -19,39 +19,43 @@ pub fn f32_to_bf16(x: f32) -> bf16 {
 }
 
 /// f32 → e4m3 bits, round to nearest even, saturating to ±448.
+///
+/// Works on the f32 bit pattern: keep 3 mantissa bits (normals) or count units
+/// of 2^-9 (subnormals), rounding the dropped bits to nearest even; a carry out
+/// of the mantissa bumps the exponent, as it does in hardware.
 pub fn f32_to_e4m3(x: f32) -> u8 {
-    if x.is_nan() {
-        return 0x7F;
+    let bits = x.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
+    let abs = bits & 0x7FFF_FFFF;
+    if abs > 0x7F80_0000 {
+        return 0x7F; // NaN
     }
-    let sign: u8 = if x.is_sign_negative() { 0x80 } else { 0 };
-    let a = x.abs() as f64; // exact: every f32 is an f64
-    if a >= E4M3_MAX as f64 {
-        return sign | 0x7E;
+    if abs >= 0x43E0_0000 {
+        return sign | 0x7E; // >= 448, infinities included: satfinite
     }
-    // Subnormal range: multiples of 2^-9 below 2^-6.
-    if a < 2f64.powi(-6) {
-        let m = (a * 512.0).round_ties_even() as u8; // 0..=8; 8 is the smallest normal
-        return sign | m;
+    let exp = (abs >> 23) as i32 - 127;
+    let round = |q: u32, rem: u32, half: u32| q + u32::from(rem > half || (rem == half && q & 1 == 1));
+    if exp < -6 {
+        // Subnormal e4m3: value = q * 2^-9. The f32 value is mant24 * 2^(exp-23),
+        // so q = mant24 >> (14 - exp) before rounding.
+        if abs < 0x0080_0000 {
+            return sign; // f32 zero or subnormal: far below 2^-10
+        }
+        let shift = (14 - exp) as u32;
+        if shift >= 32 {
+            return sign;
+        }
+        let mant24 = (abs & 0x7F_FFFF) | 0x80_0000;
+        let q = round(mant24 >> shift, mant24 & ((1 << shift) - 1), 1 << (shift - 1));
+        return sign | q as u8;
     }
-    let mut e = a.log2().floor() as i32;
-    // log2 may round up at exact powers' neighbours; fix the exponent exactly.
-    if 2f64.powi(e) > a {
-        e -= 1;
-    }
-    if 2f64.powi(e + 1) <= a {
-        e += 1;
-    }
-    let mut m = (a / 2f64.powi(e - 3)).round_ties_even() as u32; // 8..=16
-    if m == 16 {
-        m = 8;
-        e += 1;
-    }
-    let bits = (((e + 7) as u32) << 3) | (m - 8);
-    if bits > 0x7E {
-        sign | 0x7E
-    } else {
-        sign | bits as u8
-    }
+    let mant = abs & 0x7F_FFFF;
+    let q = round(
+        (((exp + 7) as u32) << 3) | (mant >> 20),
+        mant & 0xF_FFFF,
+        0x8_0000,
+    );
+    sign | q.min(0x7E) as u8
 }
 
 /// e4m3 bits → f32 (exact).
@@ -125,11 +129,12 @@ impl Rows {
     pub fn zeros(dtype: DispatchDtype, rows: usize, hidden: usize) -> Rows {
         if dtype.is_fp8() {
             Rows::Fp8 {
-                data: vec![0; rows * hidden],
-                scales: vec![0.0; rows * hidden / FP8_BLOCK],
+                data: bytemuck::zeroed_vec(rows * hidden),
+                scales: bytemuck::zeroed_vec(rows * hidden / FP8_BLOCK),
             }
         } else {
-            Rows::Bf16(vec![bf16::ZERO; rows * hidden])
+            // zeroed_vec lets the allocator hand out lazily zeroed pages.
+            Rows::Bf16(bytemuck::zeroed_vec(rows * hidden))
         }
     }
 
@@ -222,6 +227,73 @@ impl Rows {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// The definition, in exact f64 arithmetic: slow and obviously right.
+    fn f32_to_e4m3_reference(x: f32) -> u8 {
+        if x.is_nan() {
+            return 0x7F;
+        }
+        let sign: u8 = if x.is_sign_negative() { 0x80 } else { 0 };
+        let a = x.abs() as f64; // exact: every f32 is an f64
+        if a >= E4M3_MAX as f64 {
+            return sign | 0x7E;
+        }
+        // Subnormal range: multiples of 2^-9 below 2^-6.
+        if a < 2f64.powi(-6) {
+            let m = (a * 512.0).round_ties_even() as u8; // 0..=8; 8 is the smallest normal
+            return sign | m;
+        }
+        let mut e = a.log2().floor() as i32;
+        // log2 may round up at exact powers' neighbours; fix the exponent exactly.
+        if 2f64.powi(e) > a {
+            e -= 1;
+        }
+        if 2f64.powi(e + 1) <= a {
+            e += 1;
+        }
+        let mut m = (a / 2f64.powi(e - 3)).round_ties_even() as u32; // 8..=16
+        if m == 16 {
+            m = 8;
+            e += 1;
+        }
+        let bits = (((e + 7) as u32) << 3) | (m - 8);
+        if bits > 0x7E {
+            sign | 0x7E
+        } else {
+            sign | bits as u8
+        }
+    }
+
+    #[test]
+    fn fast_e4m3_matches_the_definition() {
+        // Every f32 whose exponent can matter, stepping through mantissas.
+        let mut b: u32 = 0;
+        while b < 0x4400_0000 {
+            for sign in [0u32, 0x8000_0000] {
+                let x = f32::from_bits(b | sign);
+                assert_eq!(
+                    f32_to_e4m3(x),
+                    f32_to_e4m3_reference(x),
+                    "x = {x:e} bits {:#x}",
+                    b | sign
+                );
+            }
+            b += 0x3FF; // odd stride hits ties, near-ties and every exponent
+        }
+        // Exact ties and their neighbours around every e4m3 code.
+        for code in 0u8..0x7E {
+            let (a, c) = (e4m3_to_f32(code), e4m3_to_f32(code + 1));
+            let mid = (a + c) / 2.0;
+            for x in [
+                mid,
+                f32::from_bits(mid.to_bits() + 1),
+                f32::from_bits(mid.to_bits() - 1),
+            ] {
+                assert_eq!(f32_to_e4m3(x), f32_to_e4m3_reference(x), "x = {x:e}");
+                assert_eq!(f32_to_e4m3(-x), f32_to_e4m3_reference(-x), "x = -{x:e}");
+            }
+        }
+    }
 
     #[test]
     fn e4m3_round_trips_every_finite_code() {

@@ -279,7 +279,7 @@ impl HostEp {
 
     /// Tells every peer that this rank gave up, so they fail at once instead of
     /// waiting for the deadline.
-    fn abandon(&self) {
+    pub fn abandon(&self) {
         let me = self.rank();
         for peer in 0..self.cfg.ranks {
             for kind in [
