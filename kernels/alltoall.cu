@@ -34,6 +34,9 @@ struct AlltoallArgs {
   uint64_t timeout_ns;
   FabricError* err;      // host-mapped
 };
+// Mirrored by AlltoallArgs in crates/gin-ep/src/backend/cuda/kernels.rs (same asserts there).
+static_assert(sizeof(ncclDevComm) == 200, "NCCL 2.28 ncclDevComm");
+static_assert(sizeof(AlltoallArgs) == 264 && offsetof(AlltoallArgs, err) == 256, "host ABI");
 
 __device__ __forceinline__ DeadlineBarrier make_barrier(const AlltoallArgs& a) {
   return DeadlineBarrier{a.win, a.signal_offset, a.comm.lsaRank, a.comm.lsaSize, a.timeout_ns, a.err};

@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 #include <nccl_device.h>
+#include <stddef.h>
 #include <stdint.h>
 
 namespace gin_ep {

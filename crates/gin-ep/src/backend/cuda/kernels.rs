@@ -37,6 +37,46 @@ pub mod names {
     pub const ALLTOALL_GIN: &str = "gin_ep_alltoall_gin";
 }
 
+/// Host mirror of `gin_ep::FabricError` (kernels/common/fabric.cuh): the first failed
+/// wait of a launch, in host-mapped memory, read after the kernel ends.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FabricError {
+    /// 0 = no error.
+    pub claimed: u32,
+    /// `FabricPhase`: 1 all-to-all start barrier, 2 all-to-all end barrier, 3 GIN signal.
+    pub phase: u32,
+    /// Team rank that did not arrive (-1: unknown, e.g. a GIN signal count).
+    pub peer: i32,
+    pub rank: i32,
+    pub block: u32,
+    pub pad: u32,
+    pub waited_ns: u64,
+}
+
+/// Host mirror of `gin_ep::AlltoallArgs` (kernels/alltoall.cu), the one parameter of every
+/// LSA all-to-all kernel.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct AlltoallArgs {
+    pub comm: gin_ep_sys::ncclDevComm,
+    pub win: gin_ep_sys::ncclWindow_t,
+    /// Local device memory, n_ranks * chunk_bytes.
+    pub send: *const u8,
+    pub recv_offset: usize,
+    pub signal_offset: usize,
+    pub chunk_bytes: usize,
+    /// Launch counter e; the kernel's barriers use epochs 2e+1 and 2e+2.
+    pub epoch: u64,
+    pub timeout_ns: u64,
+    pub err: *mut FabricError,
+}
+
+// Same numbers as the static_asserts in fabric.cuh / alltoall.cu.
+const _: () = assert!(std::mem::size_of::<FabricError>() == 32);
+const _: () = assert!(std::mem::size_of::<AlltoallArgs>() == 264);
+const _: () = assert!(std::mem::offset_of!(AlltoallArgs, err) == 256);
+
 #[cfg(test)]
 mod tests {
     use super::*;
