@@ -1,1 +1,23 @@
+//! gin-ep: expert-parallel dispatch and combine for Mixture-of-Experts layers.
+//!
+//! The crate owns the host side: configuration and validation ([`config`]), the one
+//! routing algorithm every backend follows ([`routing`]), the reference implementation
+//! that defines "correct" ([`oracle`]), FP8/BF16 conversions ([`quant`]), bootstrap of
+//! a group of ranks ([`group`]) and the backends that execute the protocol
+//! ([`backend`]). See `docs/protocol.md` for buffer layout and signalling.
+
 pub mod backend;
+pub mod config;
+pub mod error;
+pub mod group;
+pub mod oracle;
+pub mod quant;
+pub mod routing;
+
+pub use config::{DispatchDtype, EpConfig};
+pub use error::{Error, Result};
+pub mod bench;
+pub mod check;
+pub mod ht;
+pub mod ll;
+pub mod workload;

@@ -1,0 +1,918 @@
+//! The host backend's dispatch and combine: the GPU protocol executed by CPU
+//! threads or processes over a [`SymmetricHeap`].
+//!
+//! Owns the buffer layout of the symmetric heap ([`Regions`]) and the order of
+//! phases and signals; `docs/protocol.md` is its description and the CUDA
+//! kernels follow the same layout. It never decides *what* the result is:
+//! counts and orders come from `routing`, formats from `quant`, and the oracle
+//! checks the outcome.
+//!
+//! Signalling contract (as on the GPU): a rank first writes all of a phase's
+//! data into a peer's segment, then stores the operation's sequence number into
+//! its signal slot there (release); the peer waits for `slot >= seq` (acquire)
+//! before reading. Every operation starts with either the count exchange or a
+//! barrier, so no rank writes into a region that a slower peer is still
+//! reading from the previous operation. Every wait has a deadline.
+
+use super::heap::SymmetricHeap;
+use crate::config::{EpConfig, FP8_BLOCK};
+use crate::error::{Error, Result};
+use crate::ht::{HtCombineInput, HtCombineOutput, HtDispatchOutput, HtHandle};
+use crate::ll::{LlDispatchOutput, LlHandle};
+use crate::oracle;
+use crate::quant::{f32_to_bf16, quantize_row, Rows};
+use crate::routing::{self, align_counts, local_expert};
+use half::bf16;
+use std::time::{Duration, Instant};
+
+/// Which modes a heap is sized for (LL buffers are large at HT token counts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Modes {
+    pub ht: bool,
+    pub ll: bool,
+}
+
+/// Signal kinds; each has one u64 slot per source rank.
+#[derive(Clone, Copy, Debug)]
+enum Sig {
+    Barrier = 0,
+    Counts = 1,
+    Dispatch = 2,
+    Combine = 3,
+    LlDispatch = 4,
+    LlCombine = 5,
+}
+const NUM_SIGS: usize = 6;
+
+fn align16(n: usize) -> usize {
+    n.div_ceil(16) * 16
+}
+
+/// Byte offsets of every region in one rank's segment (identical on all ranks).
+#[derive(Clone, Debug)]
+pub struct Regions {
+    signals: usize,
+    counts: usize,
+    count_row: usize,
+    /// HT receive buffer: `[R*T]` records of [payload | scales | local idx K×i32 | weights K×f32 | src u32].
+    ht_recv: usize,
+    ht_rec: usize,
+    /// HT combine buffer on the source: `[R dst][T]` records of [bf16 row | weights K×f32].
+    ht_comb: usize,
+    ht_comb_rec: usize,
+    /// LL staging on the receiver: `[R src][T]` records of [payload | scales | local idx K×i32 | src u32],
+    /// plus `[R]` u32 counts.
+    ll_stage: usize,
+    ll_rec: usize,
+    ll_counts: usize,
+    /// LL combine buffer on the source: `[T][K]` bf16 rows.
+    ll_comb: usize,
+    /// Start of the data regions (everything after signals and counts).
+    data_start: usize,
+    pub total: usize,
+}
+
+impl Regions {
+    pub fn new(cfg: &EpConfig, modes: Modes) -> Regions {
+        let (r, t, h, k) = (cfg.ranks, cfg.max_tokens_per_rank, cfg.hidden, cfg.topk);
+        let e = cfg.experts;
+        let row = cfg.dispatch_dtype.row_bytes(h);
+        let mut at = 0usize;
+        let mut take = |n: usize| {
+            let o = at;
+            at += align16(n);
+            o
+        };
+        let signals = take(NUM_SIGS * r * 8);
+        let count_row = align16((r + e) * 4);
+        let counts = take(r * count_row);
+        let data_start = take(0);
+        let ht_rec = align16(row + k * 8 + 4);
+        let ht_comb_rec = align16(h * 2 + k * 4);
+        let (ht_recv, ht_comb) = if modes.ht {
+            (take(r * t * ht_rec), take(r * t * ht_comb_rec))
+        } else {
+            (0, 0)
+        };
+        let ll_rec = align16(row + k * 4 + 4);
+        let (ll_stage, ll_counts, ll_comb) = if modes.ll {
+            (take(r * t * ll_rec), take(r * 4), take(t * k * h * 2))
+        } else {
+            (0, 0, 0)
+        };
+        Regions {
+            signals,
+            counts,
+            count_row,
+            ht_recv,
+            ht_rec,
+            ht_comb,
+            ht_comb_rec,
+            ll_stage,
+            ll_rec,
+            ll_counts,
+            ll_comb,
+            data_start,
+            total: at,
+        }
+    }
+
+    fn sig(&self, kind: Sig, src: usize, ranks: usize) -> usize {
+        self.signals + ((kind as usize) * ranks + src) * 8
+    }
+}
+
+/// A fault injected for tests: rank `rank` stops at the start of `phase`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fault {
+    pub rank: usize,
+    pub phase: String,
+    /// Exit the process (a dying OS process) rather than return an error.
+    pub exit_process: bool,
+}
+
+impl Fault {
+    /// Parses `RANK:PHASE` (the `GIN_EP_FAULT` variable).
+    pub fn parse(s: &str, exit_process: bool) -> Result<Fault> {
+        let (r, p) = s
+            .split_once(':')
+            .ok_or_else(|| Error::input("GIN_EP_FAULT", format!("`{s}` is not RANK:PHASE")))?;
+        let rank = r
+            .parse()
+            .map_err(|_| Error::input("GIN_EP_FAULT", format!("rank `{r}` is not a number")))?;
+        Ok(Fault {
+            rank,
+            phase: p.to_string(),
+            exit_process,
+        })
+    }
+}
+
+/// One rank of the host backend.
+pub struct HostEp {
+    heap: SymmetricHeap,
+    cfg: EpConfig,
+    reg: Regions,
+    modes: Modes,
+    seq: u64,
+    timeout: Duration,
+    fault: Option<Fault>,
+    phases: Vec<(&'static str, Duration)>,
+    /// Scratch record, reused so the hot loops do not allocate.
+    rec: Vec<u8>,
+}
+
+impl HostEp {
+    /// Bytes of symmetric heap a rank needs for `cfg` and `modes`.
+    pub fn required_bytes(cfg: &EpConfig, modes: Modes) -> usize {
+        Regions::new(cfg, modes).total
+    }
+
+    pub fn new(heap: SymmetricHeap, cfg: EpConfig, modes: Modes, timeout: Duration) -> Result<HostEp> {
+        cfg.validate()?;
+        if heap.world() != cfg.ranks {
+            return Err(Error::config(
+                "ranks",
+                cfg.ranks,
+                format!("the group has {} ranks", heap.world()),
+            ));
+        }
+        let reg = Regions::new(&cfg, modes);
+        if heap.len() < reg.total {
+            return Err(Error::input(
+                "symmetric heap",
+                format!("{} bytes, the config needs {}", heap.len(), reg.total),
+            ));
+        }
+        Ok(HostEp {
+            heap,
+            cfg,
+            reg,
+            modes,
+            seq: 0,
+            timeout,
+            fault: None,
+            phases: Vec::new(),
+            rec: Vec::new(),
+        })
+    }
+
+    /// Fills this rank's data regions with a poison pattern so a row that no
+    /// peer wrote shows up as garbage, never as a stale correct value. Safe to
+    /// call between operations: peers write data regions only after this rank
+    /// has entered the next operation's barrier or count exchange. The count
+    /// region is left alone because peers may already be writing it.
+    pub fn poison_buffers(&mut self) {
+        const CHUNK: usize = 1 << 20;
+        let pattern = vec![0xA5u8; CHUNK];
+        let me = self.rank();
+        let mut off = self.reg.data_start;
+        while off < self.reg.total {
+            let n = CHUNK.min(self.reg.total - off);
+            // In bounds by construction; an error here cannot happen.
+            let _ = self.heap.put(me, off, &pattern[..n]);
+            off += n;
+        }
+    }
+
+    pub fn with_fault(mut self, fault: Option<Fault>) -> Self {
+        self.fault = fault;
+        self
+    }
+
+    pub fn rank(&self) -> usize {
+        self.heap.rank()
+    }
+
+    pub fn config(&self) -> &EpConfig {
+        &self.cfg
+    }
+
+    /// Phases of the last operation with their wall times.
+    pub fn last_phases(&self) -> &[(&'static str, Duration)] {
+        &self.phases
+    }
+
+    fn need(&self, ht: bool) -> Result<()> {
+        let ok = if ht { self.modes.ht } else { self.modes.ll };
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::input(
+                "mode",
+                format!("this buffer was not sized for {}", if ht { "HT" } else { "LL" }),
+            ))
+        }
+    }
+
+    fn begin(&mut self) -> u64 {
+        self.seq += 1;
+        self.phases.clear();
+        self.seq
+    }
+
+    /// Records the time since `t0` for `phase`, checks for an injected fault
+    /// at the start of the next phase, and returns a fresh start time.
+    fn mark(&mut self, phase: &'static str, t0: Instant) -> Instant {
+        self.phases.push((phase, t0.elapsed()));
+        Instant::now()
+    }
+
+    fn fault_point(&self, phase: &str) -> Result<()> {
+        if let Some(f) = &self.fault {
+            if f.rank == self.rank() && f.phase == phase {
+                if f.exit_process {
+                    eprintln!(
+                        "gin-ep: rank {} exits at phase `{phase}` (injected fault)",
+                        f.rank
+                    );
+                    std::process::exit(3);
+                }
+                return Err(Error::Bootstrap(format!(
+                    "rank {} stopped at phase `{phase}` (injected fault)",
+                    f.rank
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Tells every peer that this rank gave up, so they fail at once instead of
+    /// waiting for the deadline.
+    fn abandon(&self) {
+        let me = self.rank();
+        for peer in 0..self.cfg.ranks {
+            for kind in [
+                Sig::Barrier,
+                Sig::Counts,
+                Sig::Dispatch,
+                Sig::Combine,
+                Sig::LlDispatch,
+                Sig::LlCombine,
+            ] {
+                let _ = self.heap.poison(peer, self.reg.sig(kind, me, self.cfg.ranks));
+            }
+        }
+    }
+
+    /// Runs `f`; on a local input error, poisons the peers before returning it.
+    fn guarded<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        let r = f(self);
+        if let Err(e) = &r {
+            if e.is_usage() {
+                self.abandon();
+            }
+        }
+        r
+    }
+
+    fn signal_all(&self, kind: Sig, seq: u64) -> Result<()> {
+        let me = self.rank();
+        for peer in 0..self.cfg.ranks {
+            self.heap
+                .signal(peer, self.reg.sig(kind, me, self.cfg.ranks), seq)?;
+        }
+        Ok(())
+    }
+
+    fn wait_all(&self, kind: Sig, seq: u64, phase: &'static str) -> Result<()> {
+        let deadline = Instant::now() + self.timeout;
+        for src in 0..self.cfg.ranks {
+            self.heap.wait_signal(
+                self.reg.sig(kind, src, self.cfg.ranks),
+                seq,
+                deadline,
+                phase,
+                src,
+                seq,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn barrier(&self, seq: u64, phase: &'static str) -> Result<()> {
+        self.fault_point(phase)?;
+        self.signal_all(Sig::Barrier, seq)?;
+        self.wait_all(Sig::Barrier, seq, phase)
+    }
+
+    /// Encodes row `t` of `x` in the dispatch format into `out` (payload then scales).
+    fn encode_row(cfg: &EpConfig, x: &[bf16], t: usize, out: &mut [u8]) {
+        let h = cfg.hidden;
+        let row = &x[t * h..(t + 1) * h];
+        if cfg.dispatch_dtype.is_fp8() {
+            let (q, s) = out.split_at_mut(h);
+            let mut scales = vec![0f32; h / FP8_BLOCK];
+            quantize_row(
+                row,
+                cfg.dispatch_dtype == crate::DispatchDtype::Fp8Ue8m0,
+                q,
+                &mut scales,
+            );
+            s[..scales.len() * 4].copy_from_slice(bytemuck::cast_slice(&scales));
+        } else {
+            out[..h * 2].copy_from_slice(bytemuck::cast_slice(row));
+        }
+    }
+
+    /// Decodes a payload (payload then scales) into row `i` of `rows`.
+    fn decode_row(cfg: &EpConfig, rec: &[u8], rows: &mut Rows, i: usize) {
+        let h = cfg.hidden;
+        match rows {
+            Rows::Bf16(v) => {
+                let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut v[i * h..(i + 1) * h]);
+                dst.copy_from_slice(&rec[..h * 2]);
+            }
+            Rows::Fp8 { data, scales } => {
+                let spr = h / FP8_BLOCK;
+                data[i * h..(i + 1) * h].copy_from_slice(&rec[..h]);
+                let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut scales[i * spr..(i + 1) * spr]);
+                dst.copy_from_slice(&rec[h..h + spr * 4]);
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- HT
+
+    /// HT dispatch: layout, count exchange, dispatch, receive.
+    pub fn ht_dispatch(
+        &mut self,
+        x: &[bf16],
+        topk_idx: &[i64],
+        topk_weights: &[f32],
+    ) -> Result<HtDispatchOutput> {
+        self.need(true)?;
+        let seq = self.begin();
+        self.guarded(|s| s.ht_dispatch_inner(seq, x, topk_idx, topk_weights))
+    }
+
+    fn ht_dispatch_inner(
+        &mut self,
+        seq: u64,
+        x: &[bf16],
+        topk_idx: &[i64],
+        topk_weights: &[f32],
+    ) -> Result<HtDispatchOutput> {
+        let cfg = self.cfg.clone();
+        let (me, r_n, h, k) = (self.rank(), cfg.ranks, cfg.hidden, cfg.topk);
+        let mut t0 = Instant::now();
+        self.fault_point("layout")?;
+        let n = routing::validate_topk(&cfg, me, topk_idx)?;
+        check_len(me, "x", x.len(), n * h)?;
+        check_len(me, "topk_weights", topk_weights.len(), n * k)?;
+        let layout = routing::layout(&cfg, me, topk_idx)?;
+        t0 = self.mark("layout", t0);
+
+        // Count exchange: all-gather of (tokens per rank, tokens per expert).
+        self.fault_point("count exchange")?;
+        let mut row = Vec::with_capacity(r_n + cfg.experts);
+        row.extend_from_slice(&layout.tokens_per_rank);
+        row.extend_from_slice(&layout.tokens_per_expert);
+        let row_bytes: &[u8] = bytemuck::cast_slice(&row);
+        for peer in 0..r_n {
+            self.heap
+                .put(peer, self.reg.counts + me * self.reg.count_row, row_bytes)?;
+        }
+        self.signal_all(Sig::Counts, seq)?;
+        self.wait_all(Sig::Counts, seq, "count exchange")?;
+        let mut per_rank = Vec::with_capacity(r_n);
+        let mut per_expert = Vec::with_capacity(r_n);
+        let mut buf = vec![0u32; r_n + cfg.experts];
+        for src in 0..r_n {
+            self.heap.get(
+                me,
+                self.reg.counts + src * self.reg.count_row,
+                bytemuck::cast_slice_mut(&mut buf),
+            )?;
+            per_rank.push(buf[..r_n].to_vec());
+            per_expert.push(buf[r_n..].to_vec());
+        }
+        let plan = routing::recv_plan(&cfg, me, &per_rank, &per_expert);
+        let send_base: Vec<usize> = (0..r_n)
+            .map(|to| (0..me).map(|s| per_rank[s][to] as usize).sum())
+            .collect();
+        // A peer may have had more tokens than fit: its own validation refused
+        // them, but a corrupt count must never make us write out of bounds.
+        let cap = r_n * cfg.max_tokens_per_rank;
+        if plan.num_recv() > cap {
+            return Err(Error::input(
+                "received rows",
+                format!("{} exceed capacity {cap}", plan.num_recv()),
+            ));
+        }
+        let handle_partial = (layout, plan, send_base);
+        t0 = self.mark("count exchange", t0);
+
+        self.fault_point("dispatch")?;
+        self.ht_send(
+            seq,
+            x,
+            Some((topk_idx, topk_weights)),
+            &handle_partial.0,
+            &handle_partial.2,
+        )?;
+        self.wait_all(Sig::Dispatch, seq, "dispatch")?;
+        t0 = self.mark("dispatch", t0);
+
+        let (layout, plan, send_base) = handle_partial;
+        let nr = plan.num_recv();
+        let mut recv_x = Rows::zeros(cfg.dispatch_dtype, nr, h);
+        let mut recv_topk_idx = vec![-1i64; nr * k];
+        let mut recv_topk_weights = vec![0f32; nr * k];
+        let mut recv_src_token = vec![0u32; nr];
+        let pay = cfg.dispatch_dtype.row_bytes(h);
+        let mut rec = std::mem::take(&mut self.rec);
+        rec.resize(self.reg.ht_rec, 0);
+        for i in 0..nr {
+            self.heap
+                .get(me, self.reg.ht_recv + i * self.reg.ht_rec, &mut rec)?;
+            Self::decode_row(&cfg, &rec, &mut recv_x, i);
+            for j in 0..k {
+                let o = pay + j * 4;
+                recv_topk_idx[i * k + j] =
+                    i32::from_le_bytes(rec[o..o + 4].try_into().unwrap_or_default()) as i64;
+                let o = pay + k * 4 + j * 4;
+                recv_topk_weights[i * k + j] =
+                    f32::from_le_bytes(rec[o..o + 4].try_into().unwrap_or_default());
+            }
+            let o = pay + k * 8;
+            recv_src_token[i] = u32::from_le_bytes(rec[o..o + 4].try_into().unwrap_or_default());
+        }
+        self.rec = rec;
+        let num_recv_tokens_per_expert = align_counts(&plan.tokens_per_local_expert, cfg.expert_alignment);
+        self.mark("receive", t0);
+        Ok(HtDispatchOutput {
+            recv_x,
+            recv_topk_idx,
+            recv_topk_weights,
+            num_recv_tokens_per_expert,
+            handle: HtHandle {
+                layout,
+                plan,
+                send_base,
+                recv_src_token,
+            },
+        })
+    }
+
+    /// Writes each token once into every destination rank that holds one of its
+    /// experts, at its final receive row, then signals every rank.
+    fn ht_send(
+        &mut self,
+        seq: u64,
+        x: &[bf16],
+        routing_in: Option<(&[i64], &[f32])>,
+        layout: &routing::RankLayout,
+        send_base: &[usize],
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let (r_n, k) = (cfg.ranks, cfg.topk);
+        let pay = cfg.dispatch_dtype.row_bytes(cfg.hidden);
+        let mut rec = std::mem::take(&mut self.rec);
+        rec.clear();
+        rec.resize(self.reg.ht_rec, 0);
+        for t in 0..layout.num_tokens {
+            let mut encoded = false;
+            for (dst, &base) in send_base.iter().enumerate().take(r_n) {
+                let Some(slot) = layout.slot(t, dst) else {
+                    continue;
+                };
+                if !encoded {
+                    Self::encode_row(cfg, x, t, &mut rec);
+                    rec[pay + k * 8..pay + k * 8 + 4].copy_from_slice(&(t as u32).to_le_bytes());
+                    encoded = true;
+                }
+                let mut len = pay;
+                if let Some((idx, w)) = routing_in {
+                    for j in 0..k {
+                        let le = local_expert(cfg, dst, idx[t * k + j]);
+                        let wt = if le >= 0 { w[t * k + j] } else { 0.0 };
+                        rec[pay + j * 4..pay + j * 4 + 4].copy_from_slice(&(le as i32).to_le_bytes());
+                        rec[pay + k * 4 + j * 4..pay + k * 4 + j * 4 + 4].copy_from_slice(&wt.to_le_bytes());
+                    }
+                    len = pay + k * 8 + 4;
+                }
+                let row = base + slot;
+                self.heap
+                    .put(dst, self.reg.ht_recv + row * self.reg.ht_rec, &rec[..len])?;
+            }
+        }
+        self.rec = rec;
+        self.signal_all(Sig::Dispatch, seq)
+    }
+
+    /// Cached HT dispatch: reuses the layout and counts of `handle` (no count
+    /// exchange) and returns only the received rows.
+    pub fn ht_dispatch_cached(&mut self, x: &[bf16], handle: &HtHandle) -> Result<Rows> {
+        self.need(true)?;
+        let seq = self.begin();
+        self.guarded(|s| {
+            let cfg = s.cfg.clone();
+            let me = s.rank();
+            check_len(me, "x", x.len(), handle.layout.num_tokens * cfg.hidden)?;
+            check_handle(&cfg, me, handle)?;
+            let mut t0 = Instant::now();
+            s.barrier(seq, "cached dispatch barrier")?;
+            t0 = s.mark("barrier", t0);
+            s.fault_point("dispatch")?;
+            s.ht_send(seq, x, None, &handle.layout, &handle.send_base)?;
+            s.wait_all(Sig::Dispatch, seq, "dispatch")?;
+            t0 = s.mark("dispatch", t0);
+            let nr = handle.num_recv();
+            let mut out = Rows::zeros(cfg.dispatch_dtype, nr, cfg.hidden);
+            let pay = cfg.dispatch_dtype.row_bytes(cfg.hidden);
+            let mut rec = vec![0u8; pay];
+            for i in 0..nr {
+                s.heap.get(me, s.reg.ht_recv + i * s.reg.ht_rec, &mut rec)?;
+                Self::decode_row(&cfg, &rec, &mut out, i);
+            }
+            s.mark("receive", t0);
+            Ok(out)
+        })
+    }
+
+    /// HT combine: every received row goes back to its source rank, which sums
+    /// the rows of each token in ascending rank order (see `oracle`).
+    pub fn ht_combine(&mut self, input: &HtCombineInput, handle: &HtHandle) -> Result<HtCombineOutput> {
+        self.need(true)?;
+        let seq = self.begin();
+        self.guarded(|s| s.ht_combine_inner(seq, input, handle))
+    }
+
+    fn ht_combine_inner(
+        &mut self,
+        seq: u64,
+        input: &HtCombineInput,
+        handle: &HtHandle,
+    ) -> Result<HtCombineOutput> {
+        let cfg = self.cfg.clone();
+        let (me, r_n, h, k, t_max) = (
+            self.rank(),
+            cfg.ranks,
+            cfg.hidden,
+            cfg.topk,
+            cfg.max_tokens_per_rank,
+        );
+        check_handle(&cfg, me, handle)?;
+        oracle::validate_combine_input(&cfg, me, handle, input)?;
+        let mut t0 = Instant::now();
+        self.barrier(seq, "combine barrier")?;
+        t0 = self.mark("barrier", t0);
+
+        self.fault_point("combine")?;
+        let rec_len = self.reg.ht_comb_rec;
+        let mut rec = vec![0u8; rec_len];
+        for i in 0..handle.num_recv() {
+            let src = handle.src_rank_of(i);
+            let slot = i - handle.plan.src_offset[src];
+            rec[..h * 2].copy_from_slice(bytemuck::cast_slice(&input.x[i * h..(i + 1) * h]));
+            let mut len = h * 2;
+            if let Some(w) = &input.topk_weights {
+                rec[h * 2..h * 2 + k * 4].copy_from_slice(bytemuck::cast_slice(&w[i * k..(i + 1) * k]));
+                len += k * 4;
+            }
+            self.heap
+                .put(src, self.reg.ht_comb + (me * t_max + slot) * rec_len, &rec[..len])?;
+        }
+        self.signal_all(Sig::Combine, seq)?;
+        self.wait_all(Sig::Combine, seq, "combine")?;
+        t0 = self.mark("combine", t0);
+
+        // Reduce in the oracle's order: ranks ascending, then bias 0, bias 1.
+        let n = handle.layout.num_tokens;
+        let mut x = vec![bf16::ZERO; n * h];
+        let mut w_out = input.topk_weights.as_ref().map(|_| vec![0f32; n * k]);
+        let mut acc = vec![0f32; h];
+        let mut row = vec![bf16::ZERO; h];
+        let mut wrow = vec![0f32; k];
+        for t in 0..n {
+            acc.fill(0.0);
+            for dst in 0..r_n {
+                let Some(slot) = handle.layout.slot(t, dst) else {
+                    continue;
+                };
+                let off = self.reg.ht_comb + (dst * t_max + slot) * rec_len;
+                self.heap.get(me, off, bytemuck::cast_slice_mut(&mut row))?;
+                for (a, v) in acc.iter_mut().zip(&row) {
+                    *a += v.to_f32();
+                }
+                if let Some(w) = w_out.as_mut() {
+                    self.heap
+                        .get(me, off + h * 2, bytemuck::cast_slice_mut(&mut wrow))?;
+                    for j in 0..k {
+                        w[t * k + j] += wrow[j];
+                    }
+                }
+            }
+            for b in input.bias.iter().flatten() {
+                for (a, v) in acc.iter_mut().zip(&b[t * h..(t + 1) * h]) {
+                    *a += v.to_f32();
+                }
+            }
+            for (o, a) in x[t * h..(t + 1) * h].iter_mut().zip(&acc) {
+                *o = f32_to_bf16(*a);
+            }
+        }
+        self.mark("reduce", t0);
+        Ok(HtCombineOutput {
+            x,
+            topk_weights: w_out,
+        })
+    }
+
+    // ---------------------------------------------------------------- LL
+
+    /// LL dispatch: each token goes once to every rank holding one of its
+    /// experts (staging slot = its send slot); the receiver expands the staged
+    /// tokens into the expert-major layout in the order `routing` defines.
+    pub fn ll_dispatch(&mut self, x: &[bf16], topk_idx: &[i64]) -> Result<LlDispatchOutput> {
+        self.need(false)?;
+        let seq = self.begin();
+        self.guarded(|s| s.ll_dispatch_inner(seq, x, topk_idx))
+    }
+
+    fn ll_dispatch_inner(&mut self, seq: u64, x: &[bf16], topk_idx: &[i64]) -> Result<LlDispatchOutput> {
+        let cfg = self.cfg.clone();
+        let (me, r_n, h, k, t_max) = (
+            self.rank(),
+            cfg.ranks,
+            cfg.hidden,
+            cfg.topk,
+            cfg.max_tokens_per_rank,
+        );
+        let l_n = cfg.local_experts();
+        let n = routing::validate_topk(&cfg, me, topk_idx)?;
+        check_len(me, "x", x.len(), n * h)?;
+        let layout = routing::layout(&cfg, me, topk_idx)?;
+        let mut t0 = Instant::now();
+        self.barrier(seq, "LL dispatch barrier")?;
+        t0 = self.mark("barrier", t0);
+
+        self.fault_point("LL dispatch")?;
+        let pay = cfg.dispatch_dtype.row_bytes(h);
+        let rec_len = self.reg.ll_rec;
+        let mut rec = vec![0u8; rec_len];
+        for t in 0..n {
+            let mut encoded = false;
+            for dst in 0..r_n {
+                let Some(slot) = layout.slot(t, dst) else {
+                    continue;
+                };
+                if !encoded {
+                    Self::encode_row(&cfg, x, t, &mut rec);
+                    rec[pay + k * 4..pay + k * 4 + 4].copy_from_slice(&(t as u32).to_le_bytes());
+                    encoded = true;
+                }
+                for j in 0..k {
+                    let le = local_expert(&cfg, dst, topk_idx[t * k + j]) as i32;
+                    rec[pay + j * 4..pay + j * 4 + 4].copy_from_slice(&le.to_le_bytes());
+                }
+                self.heap
+                    .put(dst, self.reg.ll_stage + (me * t_max + slot) * rec_len, &rec)?;
+            }
+        }
+        for dst in 0..r_n {
+            self.heap.put(
+                dst,
+                self.reg.ll_counts + me * 4,
+                &layout.tokens_per_rank[dst].to_le_bytes(),
+            )?;
+        }
+        self.signal_all(Sig::LlDispatch, seq)?;
+        self.wait_all(Sig::LlDispatch, seq, "LL dispatch")?;
+        t0 = self.mark("dispatch", t0);
+
+        // Expand: expert e's rows are source rank ascending, then token ascending.
+        let cap = r_n * t_max;
+        let mut recv_x = Rows::zeros(cfg.dispatch_dtype, l_n * cap, h);
+        let mut recv_count = vec![0usize; l_n];
+        let mut layout_range = vec![(0u32, 0u32); l_n * r_n];
+        let mut src_rank = vec![-1i32; l_n * cap];
+        let mut src_token = vec![-1i32; l_n * cap];
+        let mut src_k = vec![-1i32; l_n * cap];
+        let mut counts = [0u8; 4];
+        for src in 0..r_n {
+            self.heap.get(me, self.reg.ll_counts + src * 4, &mut counts)?;
+            let c = u32::from_le_bytes(counts) as usize;
+            if c > t_max {
+                return Err(Error::input(
+                    format!("LL count from rank {src}"),
+                    format!("{c} exceeds max_tokens_per_rank {t_max}"),
+                ));
+            }
+            for e in 0..l_n {
+                layout_range[e * r_n + src].0 = recv_count[e] as u32;
+            }
+            for slot in 0..c {
+                self.heap
+                    .get(me, self.reg.ll_stage + (src * t_max + slot) * rec_len, &mut rec)?;
+                let tok =
+                    i32::from_le_bytes(rec[pay + k * 4..pay + k * 4 + 4].try_into().unwrap_or_default());
+                for j in 0..k {
+                    let le =
+                        i32::from_le_bytes(rec[pay + j * 4..pay + j * 4 + 4].try_into().unwrap_or_default());
+                    if le < 0 || le as usize >= l_n {
+                        continue;
+                    }
+                    let e = le as usize;
+                    let row = e * cap + recv_count[e];
+                    Self::decode_row(&cfg, &rec, &mut recv_x, row);
+                    src_rank[row] = src as i32;
+                    src_token[row] = tok;
+                    src_k[row] = j as i32;
+                    recv_count[e] += 1;
+                }
+            }
+            for e in 0..l_n {
+                let first = layout_range[e * r_n + src].0;
+                layout_range[e * r_n + src].1 = recv_count[e] as u32 - first;
+            }
+        }
+        self.mark("expand", t0);
+        Ok(LlDispatchOutput {
+            recv_x,
+            recv_count,
+            handle: LlHandle {
+                num_tokens: n,
+                layout_range,
+                src_rank,
+                src_token,
+                src_k,
+            },
+        })
+    }
+
+    /// LL combine: each valid expert row goes back to its token's (k) slot on the
+    /// source rank, which applies the weights in top-k order (see `oracle`).
+    pub fn ll_combine(
+        &mut self,
+        y: &[bf16],
+        topk_idx: &[i64],
+        topk_weights: &[f32],
+        handle: &LlHandle,
+    ) -> Result<Vec<bf16>> {
+        self.need(false)?;
+        let seq = self.begin();
+        self.guarded(|s| s.ll_combine_inner(seq, y, topk_idx, topk_weights, handle))
+    }
+
+    fn ll_combine_inner(
+        &mut self,
+        seq: u64,
+        y: &[bf16],
+        topk_idx: &[i64],
+        topk_weights: &[f32],
+        handle: &LlHandle,
+    ) -> Result<Vec<bf16>> {
+        let cfg = self.cfg.clone();
+        let (me, r_n, h, k, t_max) = (
+            self.rank(),
+            cfg.ranks,
+            cfg.hidden,
+            cfg.topk,
+            cfg.max_tokens_per_rank,
+        );
+        let l_n = cfg.local_experts();
+        let cap = r_n * t_max;
+        check_len(me, "LL combine x", y.len(), l_n * cap * h)?;
+        let n = routing::validate_topk(&cfg, me, topk_idx)?;
+        if n != handle.num_tokens {
+            return Err(Error::input(
+                format!("LL combine topk_idx of rank {me}"),
+                format!("{n} tokens, the dispatch handle has {}", handle.num_tokens),
+            ));
+        }
+        check_len(me, "LL combine topk_weights", topk_weights.len(), n * k)?;
+        if handle.src_rank.len() != l_n * cap
+            || handle.src_token.len() != l_n * cap
+            || handle.src_k.len() != l_n * cap
+        {
+            return Err(Error::input(
+                format!("LL handle of rank {me}"),
+                "does not match this config",
+            ));
+        }
+        let mut t0 = Instant::now();
+        self.barrier(seq, "LL combine barrier")?;
+        t0 = self.mark("barrier", t0);
+
+        self.fault_point("LL combine")?;
+        for e in 0..l_n {
+            for i in 0..cap {
+                let row = e * cap + i;
+                let (sr, st, sk) = (handle.src_rank[row], handle.src_token[row], handle.src_k[row]);
+                if sr < 0 {
+                    continue;
+                }
+                if sr as usize >= r_n || st < 0 || st as usize >= t_max || sk < 0 || sk as usize >= k {
+                    return Err(Error::input(
+                        format!("LL handle of rank {me}"),
+                        format!("row {row} names source ({sr}, {st}, {sk})"),
+                    ));
+                }
+                let off = self.reg.ll_comb + ((st as usize) * k + sk as usize) * h * 2;
+                self.heap
+                    .put(sr as usize, off, bytemuck::cast_slice(&y[row * h..(row + 1) * h]))?;
+            }
+        }
+        self.signal_all(Sig::LlCombine, seq)?;
+        self.wait_all(Sig::LlCombine, seq, "LL combine")?;
+        t0 = self.mark("combine", t0);
+
+        let mut out = vec![bf16::ZERO; n * h];
+        let mut acc = vec![0f32; h];
+        let mut row = vec![bf16::ZERO; h];
+        for t in 0..n {
+            acc.fill(0.0);
+            for j in 0..k {
+                if topk_idx[t * k + j] < 0 {
+                    continue;
+                }
+                self.heap.get(
+                    me,
+                    self.reg.ll_comb + (t * k + j) * h * 2,
+                    bytemuck::cast_slice_mut(&mut row),
+                )?;
+                let w = topk_weights[t * k + j];
+                for (a, v) in acc.iter_mut().zip(&row) {
+                    *a = w.mul_add(v.to_f32(), *a);
+                }
+            }
+            for (o, a) in out[t * h..(t + 1) * h].iter_mut().zip(&acc) {
+                *o = f32_to_bf16(*a);
+            }
+        }
+        self.mark("reduce", t0);
+        Ok(out)
+    }
+}
+
+fn check_len(rank: usize, what: &str, got: usize, want: usize) -> Result<()> {
+    if got != want {
+        return Err(Error::input(
+            format!("{what} of rank {rank}"),
+            format!("length {got}, expected {want}"),
+        ));
+    }
+    Ok(())
+}
+
+/// A handle from another config or a corrupted one must not index out of bounds.
+fn check_handle(cfg: &EpConfig, rank: usize, handle: &HtHandle) -> Result<()> {
+    let r_n = cfg.ranks;
+    let ok = handle.layout.tokens_per_rank.len() == r_n
+        && handle.layout.send_slot.len() == handle.layout.num_tokens * r_n
+        && handle.plan.src_offset.len() == r_n + 1
+        && handle.send_base.len() == r_n
+        && handle.recv_src_token.len() == handle.num_recv()
+        && handle.num_recv() <= r_n * cfg.max_tokens_per_rank
+        && handle.layout.num_tokens <= cfg.max_tokens_per_rank;
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::input(
+            format!("HT handle of rank {rank}"),
+            "does not match this config",
+        ))
+    }
+}

@@ -1,0 +1,228 @@
+//! `EpConfig`: the shape of one expert-parallel group and its validation.
+//!
+//! Owns every size limit; other modules trust a validated config and never
+//! re-check it. Validation returns typed errors naming the bad value.
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// FP8 and BF16 quantization blocks are 128 channels wide (DeepEP's format).
+pub const FP8_BLOCK: usize = 128;
+
+/// Sizes past these are refused as absurd rather than attempted.
+pub const MAX_RANKS: usize = 1024;
+pub const MAX_EXPERTS: usize = 65_536;
+pub const MAX_HIDDEN: usize = 65_536;
+pub const MAX_TOPK: usize = 64;
+pub const MAX_TOKENS_PER_RANK: usize = 1 << 20;
+
+/// What dispatch puts on the wire and in the receive buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DispatchDtype {
+    /// BF16 rows as given.
+    Bf16,
+    /// FP8 e4m3 with one f32 scale per 128 channels (scale = amax / 448).
+    Fp8,
+    /// FP8 e4m3 with scales rounded up to a power of two (UE8M0).
+    Fp8Ue8m0,
+}
+
+impl DispatchDtype {
+    pub fn is_fp8(self) -> bool {
+        !matches!(self, DispatchDtype::Bf16)
+    }
+
+    /// Bytes of one dispatched row: payload plus scales.
+    pub fn row_bytes(self, hidden: usize) -> usize {
+        match self {
+            DispatchDtype::Bf16 => hidden * 2,
+            _ => hidden + hidden / FP8_BLOCK * 4,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DispatchDtype::Bf16 => "bf16",
+            DispatchDtype::Fp8 => "fp8",
+            DispatchDtype::Fp8Ue8m0 => "fp8-ue8m0",
+        }
+    }
+
+    /// Parses `bf16`, `fp8` (alias `fp8-e4m3`) or `fp8-ue8m0`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "bf16" => Ok(DispatchDtype::Bf16),
+            "fp8" | "fp8-e4m3" => Ok(DispatchDtype::Fp8),
+            "fp8-ue8m0" | "ue8m0" => Ok(DispatchDtype::Fp8Ue8m0),
+            other => Err(Error::config("dtype", other, "expected bf16, fp8 or fp8-ue8m0")),
+        }
+    }
+}
+
+/// Shape of one expert-parallel group. Combine is always BF16.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EpConfig {
+    /// Number of ranks (GPUs, or host threads/processes).
+    pub ranks: usize,
+    /// Total experts; rank r holds experts [r*L, (r+1)*L) with L = experts / ranks.
+    pub experts: usize,
+    /// Channels per token.
+    pub hidden: usize,
+    /// Experts per token (entries of `topk_idx` per row).
+    pub topk: usize,
+    /// Largest number of tokens any rank passes to one call; sizes the buffers.
+    pub max_tokens_per_rank: usize,
+    /// Dispatch wire format.
+    pub dispatch_dtype: DispatchDtype,
+    /// HT per-expert receive counts are rounded up to a multiple of this (>= 1).
+    pub expert_alignment: usize,
+}
+
+impl EpConfig {
+    /// A config with BF16 dispatch and alignment 1; call [`EpConfig::validate`].
+    pub fn new(ranks: usize, experts: usize, hidden: usize, topk: usize, max_tokens: usize) -> Self {
+        EpConfig {
+            ranks,
+            experts,
+            hidden,
+            topk,
+            max_tokens_per_rank: max_tokens,
+            dispatch_dtype: DispatchDtype::Bf16,
+            expert_alignment: 1,
+        }
+    }
+
+    pub fn with_dtype(mut self, dtype: DispatchDtype) -> Self {
+        self.dispatch_dtype = dtype;
+        self
+    }
+
+    pub fn with_alignment(mut self, alignment: usize) -> Self {
+        self.expert_alignment = alignment;
+        self
+    }
+
+    /// Experts held by each rank.
+    pub fn local_experts(&self) -> usize {
+        self.experts / self.ranks
+    }
+
+    /// Rank holding global expert `e`.
+    pub fn rank_of_expert(&self, e: usize) -> usize {
+        e / self.local_experts()
+    }
+
+    /// Scales per FP8 row.
+    pub fn scales_per_row(&self) -> usize {
+        self.hidden / FP8_BLOCK
+    }
+
+    /// Checks every field; the error names the first bad one.
+    pub fn validate(&self) -> Result<()> {
+        fn range(field: &'static str, v: usize, max: usize) -> Result<()> {
+            if v == 0 {
+                return Err(Error::config(field, v, "must be at least 1"));
+            }
+            if v > max {
+                return Err(Error::config(field, v, format!("larger than the limit {max}")));
+            }
+            Ok(())
+        }
+        range("ranks", self.ranks, MAX_RANKS)?;
+        range("experts", self.experts, MAX_EXPERTS)?;
+        range("hidden", self.hidden, MAX_HIDDEN)?;
+        range("topk", self.topk, MAX_TOPK)?;
+        range(
+            "max_tokens_per_rank",
+            self.max_tokens_per_rank,
+            MAX_TOKENS_PER_RANK,
+        )?;
+        range("expert_alignment", self.expert_alignment, 1 << 16)?;
+        if !self.experts.is_multiple_of(self.ranks) {
+            return Err(Error::config(
+                "experts",
+                self.experts,
+                format!("not divisible by ranks = {}", self.ranks),
+            ));
+        }
+        if self.topk > self.experts {
+            return Err(Error::config(
+                "topk",
+                self.topk,
+                format!("larger than experts = {}", self.experts),
+            ));
+        }
+        // Rows move as 16-byte vectors on the GPU; bf16 rows need hidden % 8 == 0.
+        if !self.hidden.is_multiple_of(8) {
+            return Err(Error::config("hidden", self.hidden, "must be a multiple of 8"));
+        }
+        if self.dispatch_dtype.is_fp8() && !self.hidden.is_multiple_of(FP8_BLOCK) {
+            return Err(Error::config(
+                "hidden",
+                self.hidden,
+                format!("must be a multiple of {FP8_BLOCK} for FP8 dispatch"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> EpConfig {
+        EpConfig::new(4, 256, 7168, 8, 4096)
+    }
+
+    #[test]
+    fn peer_shape_is_valid() {
+        base().validate().unwrap();
+        base().with_dtype(DispatchDtype::Fp8).validate().unwrap();
+    }
+
+    #[test]
+    fn experts_not_divisible_by_ranks_names_both() {
+        let mut c = base();
+        c.experts = 255;
+        let msg = c.validate().unwrap_err().to_string();
+        assert!(
+            msg.contains("experts = 255") && msg.contains("ranks = 4"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn fp8_needs_hidden_multiple_of_128() {
+        let mut c = base().with_dtype(DispatchDtype::Fp8);
+        c.hidden = 136;
+        let msg = c.validate().unwrap_err().to_string();
+        assert!(msg.contains("hidden = 136"), "{msg}");
+        c.dispatch_dtype = DispatchDtype::Bf16;
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn zero_and_absurd_sizes_are_refused() {
+        for (f, v) in [("ranks", 0usize), ("hidden", 0), ("topk", 0), ("ranks", 5000)] {
+            let mut c = base();
+            match f {
+                "ranks" => c.ranks = v,
+                "hidden" => c.hidden = v,
+                _ => c.topk = v,
+            }
+            let e = c.validate().unwrap_err();
+            assert!(e.is_usage());
+            assert!(e.to_string().contains(&format!("{f} = {v}")), "{e}");
+        }
+    }
+
+    #[test]
+    fn dtype_parse_rejects_unknown() {
+        assert_eq!(DispatchDtype::parse("fp8").unwrap(), DispatchDtype::Fp8);
+        assert!(DispatchDtype::parse("fp16")
+            .unwrap_err()
+            .to_string()
+            .contains("fp16"));
+    }
+}

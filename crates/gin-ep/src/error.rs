@@ -1,0 +1,87 @@
+//! Typed errors for every fallible gin-ep call.
+//!
+//! Library code returns these; it never panics on bad input. The CLI maps
+//! [`Error::is_usage`] errors to exit code 2 and everything else to 1.
+
+use std::time::Duration;
+
+/// Everything that can go wrong in gin-ep.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A configuration value is out of range or inconsistent with another one.
+    #[error("invalid config: {field} = {value}: {reason}")]
+    InvalidConfig {
+        field: &'static str,
+        value: String,
+        reason: String,
+    },
+    /// An input tensor has the wrong length or holds a value outside its domain
+    /// (expert id out of range, too many tokens, ...).
+    #[error("invalid input: {what}: {reason}")]
+    InvalidInput { what: String, reason: String },
+    /// A wait on a peer ran past its deadline: the peer is dead, stuck, or
+    /// running a different sequence of operations.
+    #[error("timeout after {waited:?} in phase `{phase}` waiting for rank {peer} (this is rank {rank}, operation #{seq})")]
+    Timeout {
+        phase: &'static str,
+        rank: usize,
+        peer: usize,
+        seq: u64,
+        waited: Duration,
+    },
+    /// A peer reported a failure, or announced it is leaving.
+    #[error("rank {peer} failed in phase `{phase}`: {reason}")]
+    PeerFailed {
+        peer: usize,
+        phase: String,
+        reason: String,
+    },
+    /// Bootstrap (TCP store, environment variables, shared memory setup) failed.
+    #[error("bootstrap: {0}")]
+    Bootstrap(String),
+    /// An operating-system call failed.
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A backend (CUDA, NCCL) is not available on this machine or build.
+    #[error("backend `{backend}` unavailable: {reason}")]
+    Unavailable { backend: &'static str, reason: String },
+    /// A result differs from the oracle (raised by checks, not by operations).
+    #[error("mismatch: {0}")]
+    Mismatch(String),
+}
+
+impl Error {
+    /// True for errors caused by the caller's input (exit code 2 in the CLI).
+    pub fn is_usage(&self) -> bool {
+        matches!(self, Error::InvalidConfig { .. } | Error::InvalidInput { .. })
+    }
+
+    pub(crate) fn config(field: &'static str, value: impl ToString, reason: impl ToString) -> Self {
+        Error::InvalidConfig {
+            field,
+            value: value.to_string(),
+            reason: reason.to_string(),
+        }
+    }
+
+    pub(crate) fn input(what: impl ToString, reason: impl ToString) -> Self {
+        Error::InvalidInput {
+            what: what.to_string(),
+            reason: reason.to_string(),
+        }
+    }
+
+    pub(crate) fn io(context: impl ToString, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.to_string(),
+            source,
+        }
+    }
+}
+
+/// Result alias used throughout gin-ep.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

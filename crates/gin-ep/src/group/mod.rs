@@ -1,0 +1,438 @@
+//! Bootstrap of a group of ranks: who am I, how many are we, and a store to agree on
+//! names before any data moves.
+//!
+//! Owns: reading the launcher's environment (torchrun, Slurm, Open MPI, `gin-ep --ranks`),
+//! the group's key-value store ([`store`]), the session id that names shared resources,
+//! and the process launcher of the CLI ([`launch`]).
+//! Must never: move tensor data, wait without a deadline, listen on more interfaces than
+//! `MASTER_ADDR` names, or use `MASTER_PORT` (torchrun's own store lives there).
+#![forbid(unsafe_code)]
+
+pub mod launch;
+pub mod store;
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+pub use launch::{first_failure, launch_ranks, RankExit};
+pub use store::{Store, StoreServer};
+
+/// Port of the gin-ep store. Deliberately not `MASTER_PORT`: torchrun's own store is
+/// bound there.
+pub const ENV_STORE_PORT: &str = "GIN_EP_STORE_PORT";
+/// Set to `1` by [`launch_ranks`]: the launcher already serves the store, so rank 0 must
+/// connect to it instead of binding its own.
+pub const ENV_CHILD: &str = "GIN_EP_CHILD";
+
+/// One rank's membership in a group: its rank, the world size, the shared store and the
+/// default deadline of every bootstrap wait.
+pub struct Group {
+    rank: usize,
+    world: usize,
+    local_rank: usize,
+    store: Store,
+    timeout: Duration,
+    /// Random hex id shared by all ranks; names OS resources (shared-memory segments) so
+    /// two jobs on one host never collide.
+    session: String,
+    /// Index of this group among the groups formed on the same store, so keys of a group
+    /// formed later never see values left by an earlier one.
+    epoch: u64,
+    /// Collective allocations (symmetric heaps) made so far; every rank makes them in the
+    /// same order, so the counter agrees across ranks without talking.
+    heaps: AtomicU64,
+    /// Rank 0 serves the store when no launcher does. Declared last so it is dropped
+    /// after this rank's own client.
+    _server: Option<StoreServer>,
+}
+
+impl std::fmt::Debug for Group {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Group")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("local_rank", &self.local_rank)
+            .field("session", &self.session)
+            .field("store", &self.store.addr())
+            .finish()
+    }
+}
+
+/// What the launcher told us, before any network activity.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct EnvSpec {
+    rank: usize,
+    world: usize,
+    local_rank: usize,
+    master_addr: String,
+    port: u16,
+    /// The store is served by a parent `gin-ep --ranks` process.
+    store_hosted: bool,
+}
+
+/// Rank variables of each supported launcher, in order of preference; the world size is
+/// always taken from the same launcher as the rank so two launchers' values never mix.
+const LAUNCHERS: [(&str, &str, &str); 3] = [
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+    (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+    ),
+];
+
+fn parse_env(var: &dyn Fn(&str) -> Option<String>) -> Result<EnvSpec> {
+    let Some((rank_var, world_var, local_var)) = LAUNCHERS.iter().find(|(r, _, _)| var(r).is_some()) else {
+        return Err(Error::Bootstrap(
+            "RANK is not set (nor SLURM_PROCID nor OMPI_COMM_WORLD_RANK): run under \
+             torchrun, srun or mpirun, or let `gin-ep` start the ranks"
+                .into(),
+        ));
+    };
+    let number = |name: &str| -> Result<Option<usize>> {
+        match var(name) {
+            None => Ok(None),
+            Some(v) => v
+                .trim()
+                .parse::<usize>()
+                .map(Some)
+                .map_err(|_| Error::Bootstrap(format!("{name}={v:?} is not a non-negative integer"))),
+        }
+    };
+    let required = |name: &str| -> Result<usize> {
+        number(name)?.ok_or_else(|| Error::Bootstrap(format!("{name} is not set")))
+    };
+    let rank = required(rank_var)?;
+    let world = required(world_var)?;
+    if world == 0 {
+        return Err(Error::Bootstrap(format!("{world_var}=0: a group needs a rank")));
+    }
+    if rank >= world {
+        return Err(Error::Bootstrap(format!(
+            "{rank_var}={rank} is out of range for {world_var}={world}"
+        )));
+    }
+    let local_rank = number(local_var)?.unwrap_or(rank);
+    let master_addr = var("MASTER_ADDR")
+        .filter(|v| !v.trim().is_empty())
+        .ok_or_else(|| Error::Bootstrap("MASTER_ADDR is not set".into()))?
+        .trim()
+        .to_string();
+    let port_text =
+        var(ENV_STORE_PORT).ok_or_else(|| Error::Bootstrap(format!("{ENV_STORE_PORT} is not set")))?;
+    let port = match port_text.trim().parse::<u16>() {
+        Ok(p) if p != 0 => p,
+        _ => {
+            return Err(Error::Bootstrap(format!(
+                "{ENV_STORE_PORT}={port_text:?} is not a TCP port (1-65535)"
+            )))
+        }
+    };
+    let store_hosted = match var(ENV_CHILD).as_deref().map(str::trim) {
+        None | Some("") | Some("0") => false,
+        Some("1") => true,
+        Some(other) => return Err(Error::Bootstrap(format!("{ENV_CHILD}={other:?} must be 0 or 1"))),
+    };
+    Ok(EnvSpec {
+        rank,
+        world,
+        local_rank,
+        master_addr,
+        port,
+        store_hosted,
+    })
+}
+
+/// `host:port` with IPv6 literals bracketed, as `ToSocketAddrs` expects.
+fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+impl Group {
+    /// Joins the group described by the environment: `RANK`/`WORLD_SIZE`/`LOCAL_RANK`
+    /// (torchrun, `gin-ep --ranks`), else `SLURM_PROCID`/`SLURM_NTASKS`/`SLURM_LOCALID`,
+    /// else `OMPI_COMM_WORLD_RANK`/`_SIZE`/`_LOCAL_RANK`; the store at
+    /// `MASTER_ADDR`:`GIN_EP_STORE_PORT`. Rank 0 serves the store, bound to `MASTER_ADDR`
+    /// only, unless `GIN_EP_CHILD=1` says a launcher already does. `timeout` bounds every
+    /// bootstrap wait, this one included.
+    pub fn from_env(timeout: Duration) -> Result<Group> {
+        let spec = parse_env(&|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()))?;
+        let addr = host_port(&spec.master_addr, spec.port);
+        let server = if spec.rank == 0 && !spec.store_hosted {
+            let addrs: Vec<SocketAddr> = addr
+                .to_socket_addrs()
+                .map_err(|e| Error::Bootstrap(format!("MASTER_ADDR={:?}: {e}", spec.master_addr)))?
+                .collect();
+            if addrs.is_empty() {
+                return Err(Error::Bootstrap(format!(
+                    "MASTER_ADDR={:?} resolves to no address",
+                    spec.master_addr
+                )));
+            }
+            Some(StoreServer::bind_any(&addrs)?)
+        } else {
+            None
+        };
+        Self::join_with(spec.rank, spec.world, spec.local_rank, &addr, timeout, server)
+    }
+
+    /// Joins a group whose store is already served at `addr` (`host:port`). Used by
+    /// in-process groups (one thread per rank) and tests; `local_rank` is `rank`.
+    pub fn join(rank: usize, world: usize, addr: &str, timeout: Duration) -> Result<Group> {
+        if world == 0 || rank >= world {
+            return Err(Error::input(
+                "group rank",
+                format!("rank {rank} is out of range for world {world}"),
+            ));
+        }
+        Self::join_with(rank, world, rank, addr, timeout, None)
+    }
+
+    fn join_with(
+        rank: usize,
+        world: usize,
+        local_rank: usize,
+        addr: &str,
+        timeout: Duration,
+        server: Option<StoreServer>,
+    ) -> Result<Group> {
+        let deadline = Instant::now() + timeout;
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let store = Store::connect(addr, timeout)?;
+        // Every rank of a group joins before any rank can join the next group on the
+        // same store (the join barrier below), so arrivals number groups consecutively.
+        let joined = store.add("gin-ep/groups/joined", 1)?;
+        let epoch = u64::try_from(joined - 1).unwrap_or(0) / world as u64;
+        let session_key = format!("gin-ep/g{epoch}/session");
+        let session = if rank == 0 {
+            let id = format!("{:016x}", rand::random::<u64>());
+            store.set(&session_key, id.as_bytes())?;
+            id
+        } else {
+            let raw = store.get(&session_key, left())?;
+            match String::from_utf8(raw) {
+                Ok(id) if id.len() == 16 && id.bytes().all(|b| b.is_ascii_hexdigit()) => id,
+                Ok(id) => {
+                    return Err(Error::Bootstrap(format!(
+                        "store key `{session_key}` holds {id:?}, not a session id"
+                    )))
+                }
+                Err(_) => {
+                    return Err(Error::Bootstrap(format!(
+                        "store key `{session_key}` is not UTF-8"
+                    )))
+                }
+            }
+        };
+        store.barrier(&format!("gin-ep/g{epoch}/join"), world, left())?;
+        Ok(Group {
+            rank,
+            world,
+            local_rank,
+            store,
+            timeout,
+            session,
+            epoch,
+            heaps: AtomicU64::new(0),
+            _server: server,
+        })
+    }
+
+    /// This rank, in `0..world`.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks in the group.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// Rank within this host (selects the GPU); `rank` when the launcher gave none.
+    pub fn local_rank(&self) -> usize {
+        self.local_rank
+    }
+
+    /// The group's store.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Default deadline of bootstrap waits.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Random hex id shared by all ranks of this group.
+    pub fn session(&self) -> &str {
+        &self.session
+    }
+
+    /// A store key private to this group (`name` is the caller's part).
+    pub fn key(&self, name: &str) -> String {
+        format!("gin-ep/g{}/{name}", self.epoch)
+    }
+
+    /// Waits until every rank entered barrier `name`, within the group's timeout.
+    pub fn barrier(&self, name: &str) -> Result<()> {
+        self.store.barrier(&self.key(name), self.world, self.timeout)
+    }
+
+    /// Waits for every rank, then lets go of the store. Rank 0 should close (rather than
+    /// drop) its group at the end of a run: it serves the store, and dropping it while
+    /// others still talk to the store makes their next request fail.
+    pub fn close(self) -> Result<()> {
+        self.barrier("close")
+    }
+
+    /// Number of the next collective allocation, the same on every rank.
+    pub(crate) fn next_heap_id(&self) -> u64 {
+        self.heaps.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    const T: Duration = Duration::from_secs(10);
+
+    fn parse(pairs: &[(&str, &str)]) -> Result<EnvSpec> {
+        let env: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        parse_env(&|k| env.get(k).cloned())
+    }
+
+    #[test]
+    fn torchrun_variables_are_read_and_master_port_is_ignored() {
+        let spec = parse(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "10.0.0.7"),
+            ("MASTER_PORT", "29500"),
+            ("GIN_EP_STORE_PORT", "29600"),
+        ])
+        .unwrap();
+        assert_eq!(
+            spec,
+            EnvSpec {
+                rank: 3,
+                world: 4,
+                local_rank: 1,
+                master_addr: "10.0.0.7".into(),
+                port: 29600,
+                store_hosted: false
+            }
+        );
+    }
+
+    #[test]
+    fn slurm_and_open_mpi_variables_are_used_when_rank_is_absent() {
+        let base = [("MASTER_ADDR", "n1"), ("GIN_EP_STORE_PORT", "1234")];
+        let mut slurm = base.to_vec();
+        slurm.extend([("SLURM_PROCID", "2"), ("SLURM_NTASKS", "8")]);
+        let s = parse(&slurm).unwrap();
+        assert_eq!((s.rank, s.world, s.local_rank), (2, 8, 2));
+        let mut ompi = base.to_vec();
+        ompi.extend([
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+            ("GIN_EP_CHILD", "1"),
+        ]);
+        let o = parse(&ompi).unwrap();
+        assert_eq!((o.rank, o.world, o.local_rank, o.store_hosted), (1, 2, 0, true));
+    }
+
+    #[test]
+    fn missing_or_invalid_variables_are_named_with_their_value() {
+        let ok = [
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("GIN_EP_STORE_PORT", "5000"),
+        ];
+        let with = |k: &str, v: Option<&str>| {
+            let mut e: Vec<(&str, &str)> = ok.iter().filter(|(n, _)| *n != k).copied().collect();
+            if let Some(v) = v {
+                e.push((k, v));
+            }
+            parse(&e).unwrap_err().to_string()
+        };
+        let cases: [(&str, Option<&str>, &[&str]); 7] = [
+            ("RANK", None, &["RANK"]),
+            ("WORLD_SIZE", None, &["WORLD_SIZE"]),
+            ("WORLD_SIZE", Some("two"), &["WORLD_SIZE", "two"]),
+            ("RANK", Some("5"), &["RANK", "5"]),
+            ("MASTER_ADDR", None, &["MASTER_ADDR"]),
+            (
+                "GIN_EP_STORE_PORT",
+                Some("70000"),
+                &["GIN_EP_STORE_PORT", "70000"],
+            ),
+            ("GIN_EP_STORE_PORT", None, &["GIN_EP_STORE_PORT"]),
+        ];
+        for (var, value, needles) in cases {
+            let msg = with(var, value);
+            for n in needles {
+                assert!(msg.contains(n), "{var}={value:?}: `{msg}` does not mention {n}");
+            }
+        }
+    }
+
+    #[test]
+    fn ipv6_master_addr_is_bracketed() {
+        assert_eq!(host_port("::1", 5), "[::1]:5");
+        assert_eq!(host_port("[::1]", 5), "[::1]:5");
+        assert_eq!(host_port("node-3", 5), "node-3:5");
+    }
+
+    #[test]
+    fn ranks_joining_one_store_agree_on_the_session_and_later_groups_get_a_new_one() {
+        let server = StoreServer::bind("127.0.0.1:0").unwrap();
+        let addr = server.addr().to_string();
+        let world = 3;
+        let run = || -> Vec<String> {
+            let threads: Vec<_> = (0..world)
+                .map(|r| {
+                    let addr = addr.clone();
+                    std::thread::spawn(move || {
+                        let g = Group::join(r, world, &addr, T).unwrap();
+                        assert_eq!((g.rank(), g.world()), (r, world));
+                        g.barrier("after-join").unwrap();
+                        let s = g.session().to_string();
+                        g.close().unwrap();
+                        s
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join().unwrap()).collect()
+        };
+        let first = run();
+        assert!(first.iter().all(|s| s == &first[0]), "{first:?}");
+        let second = run();
+        assert!(second.iter().all(|s| s == &second[0]), "{second:?}");
+        assert_ne!(first[0], second[0]);
+    }
+
+    #[test]
+    fn join_with_a_missing_rank_times_out_instead_of_hanging() {
+        let server = StoreServer::bind("127.0.0.1:0").unwrap();
+        let t0 = Instant::now();
+        let err = Group::join(0, 2, &server.addr().to_string(), Duration::from_millis(300)).unwrap_err();
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        assert!(err.to_string().contains("1 of 2"), "{err}");
+    }
+}

@@ -1,0 +1,349 @@
+//! The oracle: reference dispatch and combine over all ranks' inputs at once.
+//!
+//! This module *defines* correct. It is written for clarity, never for speed,
+//! and every backend (host threads, host processes, CUDA) is compared against
+//! it. It must never share code paths with a backend beyond `routing` and
+//! `quant`, which are definitions too.
+//!
+//! Fixed reduction orders (backends must reproduce them bit for bit on the host
+//! and within BF16 rounding on the GPU):
+//! - HT combine of token `t` on source rank `s`: an f32 accumulator starting at
+//!   0 adds the row from each destination rank in ascending rank order, then
+//!   bias 0, then bias 1; the sum is rounded once to BF16. Weights reduce the
+//!   same way (f32, ascending rank, no rounding).
+//! - LL combine of token `t`: an f32 accumulator starting at 0 takes
+//!   `acc = fma(w[t][k], y[t][k], acc)` for k = 0..K in order, skipping -1
+//!   entries; rounded once to BF16.
+
+use crate::config::EpConfig;
+use crate::error::{Error, Result};
+use crate::ht::{HtCombineInput, HtCombineOutput, HtDispatchOutput, HtHandle, RankInput};
+use crate::ll::{LlDispatchOutput, LlHandle};
+use crate::quant::{f32_to_bf16, Rows};
+use crate::routing::{self, align_counts, local_expert, RankLayout};
+use half::bf16;
+
+fn check_rank_count(cfg: &EpConfig, n: usize, what: &str) -> Result<()> {
+    if n != cfg.ranks {
+        return Err(Error::input(
+            what,
+            format!("{n} ranks given, config has {}", cfg.ranks),
+        ));
+    }
+    Ok(())
+}
+
+/// Validates one rank's input shapes and returns its token count.
+pub fn validate_input(cfg: &EpConfig, rank: usize, input: &RankInput) -> Result<usize> {
+    let n = routing::validate_topk(cfg, rank, &input.topk_idx)?;
+    if input.x.len() != n * cfg.hidden {
+        return Err(Error::input(
+            format!("x of rank {rank}"),
+            format!("length {} != tokens {n} * hidden {}", input.x.len(), cfg.hidden),
+        ));
+    }
+    if input.topk_weights.len() != n * cfg.topk {
+        return Err(Error::input(
+            format!("topk_weights of rank {rank}"),
+            format!(
+                "length {} != tokens {n} * topk {}",
+                input.topk_weights.len(),
+                cfg.topk
+            ),
+        ));
+    }
+    Ok(n)
+}
+
+/// Layouts of every rank (validating inputs).
+fn layouts(cfg: &EpConfig, inputs: &[RankInput]) -> Result<Vec<RankLayout>> {
+    check_rank_count(cfg, inputs.len(), "dispatch inputs")?;
+    inputs
+        .iter()
+        .enumerate()
+        .map(|(r, inp)| {
+            validate_input(cfg, r, inp)?;
+            routing::layout(cfg, r, &inp.topk_idx)
+        })
+        .collect()
+}
+
+/// Reference HT dispatch: one output per rank.
+pub fn ht_dispatch(cfg: &EpConfig, inputs: &[RankInput]) -> Result<Vec<HtDispatchOutput>> {
+    cfg.validate()?;
+    let lays = layouts(cfg, inputs)?;
+    let (h, k) = (cfg.hidden, cfg.topk);
+    let per_rank: Vec<Vec<u32>> = lays.iter().map(|l| l.tokens_per_rank.clone()).collect();
+    let per_expert: Vec<Vec<u32>> = lays.iter().map(|l| l.tokens_per_expert.clone()).collect();
+    let encoded: Vec<Rows> = inputs
+        .iter()
+        .map(|i| Rows::encode(cfg.dispatch_dtype, &i.x, h))
+        .collect();
+
+    let mut outs = Vec::with_capacity(cfg.ranks);
+    for dst in 0..cfg.ranks {
+        let plan = routing::recv_plan(cfg, dst, &per_rank, &per_expert);
+        let nr = plan.num_recv();
+        let mut recv_x = Rows::zeros(cfg.dispatch_dtype, nr, h);
+        let mut recv_topk_idx = vec![-1i64; nr * k];
+        let mut recv_topk_weights = vec![0f32; nr * k];
+        let mut recv_src_token = vec![0u32; nr];
+        // Receive order: source rank ascending, then source token ascending.
+        let mut row = 0usize;
+        for (src, inp) in inputs.iter().enumerate() {
+            for t in 0..lays[src].num_tokens {
+                if !lays[src].token_in_rank(t, dst) {
+                    continue;
+                }
+                debug_assert_eq!(row, plan.src_offset[src] + lays[src].slot(t, dst).unwrap_or(0));
+                recv_x.copy_row_from(row, &encoded[src], t, h);
+                for j in 0..k {
+                    let le = local_expert(cfg, dst, inp.topk_idx[t * k + j]);
+                    recv_topk_idx[row * k + j] = le;
+                    if le >= 0 {
+                        recv_topk_weights[row * k + j] = inp.topk_weights[t * k + j];
+                    }
+                }
+                recv_src_token[row] = t as u32;
+                row += 1;
+            }
+        }
+        let num_recv_tokens_per_expert = align_counts(&plan.tokens_per_local_expert, cfg.expert_alignment);
+        outs.push(HtDispatchOutput {
+            recv_x,
+            recv_topk_idx,
+            recv_topk_weights,
+            num_recv_tokens_per_expert,
+            handle: HtHandle {
+                layout: lays[dst].clone(),
+                send_base: (0..cfg.ranks)
+                    .map(|to| (0..dst).map(|s| per_rank[s][to] as usize).sum())
+                    .collect(),
+                plan,
+                recv_src_token,
+            },
+        });
+    }
+    Ok(outs)
+}
+
+/// Reference HT combine. `handles[r]` is rank r's dispatch handle and
+/// `inputs[r]` its expert outputs in that dispatch's receive order.
+pub fn ht_combine(
+    cfg: &EpConfig,
+    handles: &[HtHandle],
+    inputs: &[HtCombineInput],
+) -> Result<Vec<HtCombineOutput>> {
+    check_rank_count(cfg, handles.len(), "combine handles")?;
+    check_rank_count(cfg, inputs.len(), "combine inputs")?;
+    let (h, k) = (cfg.hidden, cfg.topk);
+    for (r, (hd, inp)) in handles.iter().zip(inputs).enumerate() {
+        validate_combine_input(cfg, r, hd, inp)?;
+    }
+    let mut outs = Vec::with_capacity(cfg.ranks);
+    for (src, hd_src) in handles.iter().enumerate() {
+        let n = hd_src.layout.num_tokens;
+        let with_w = inputs[src].topk_weights.is_some();
+        let mut x = vec![bf16::ZERO; n * h];
+        let mut w = with_w.then(|| vec![0f32; n * k]);
+        for t in 0..n {
+            let mut acc = vec![0f32; h];
+            for (dst, hd_dst) in handles.iter().enumerate() {
+                let Some(slot) = hd_src.layout.slot(t, dst) else {
+                    continue;
+                };
+                let row = hd_dst.plan.src_offset[src] + slot;
+                let y = &inputs[dst].x[row * h..(row + 1) * h];
+                for (a, v) in acc.iter_mut().zip(y) {
+                    *a += v.to_f32();
+                }
+                if let (Some(w), Some(yw)) = (w.as_mut(), inputs[dst].topk_weights.as_ref()) {
+                    for j in 0..k {
+                        w[t * k + j] += yw[row * k + j];
+                    }
+                }
+            }
+            for b in inputs[src].bias.iter().flatten() {
+                for (a, v) in acc.iter_mut().zip(&b[t * h..(t + 1) * h]) {
+                    *a += v.to_f32();
+                }
+            }
+            for (o, a) in x[t * h..(t + 1) * h].iter_mut().zip(&acc) {
+                *o = f32_to_bf16(*a);
+            }
+        }
+        outs.push(HtCombineOutput { x, topk_weights: w });
+    }
+    Ok(outs)
+}
+
+/// Checks the shapes of one rank's HT combine input against its handle.
+pub fn validate_combine_input(
+    cfg: &EpConfig,
+    rank: usize,
+    handle: &HtHandle,
+    inp: &HtCombineInput,
+) -> Result<()> {
+    let (h, k) = (cfg.hidden, cfg.topk);
+    let nr = handle.num_recv();
+    let n = handle.layout.num_tokens;
+    if inp.x.len() != nr * h {
+        return Err(Error::input(
+            format!("combine x of rank {rank}"),
+            format!("length {} != received rows {nr} * hidden {h}", inp.x.len()),
+        ));
+    }
+    if let Some(w) = &inp.topk_weights {
+        if w.len() != nr * k {
+            return Err(Error::input(
+                format!("combine topk_weights of rank {rank}"),
+                format!("length {} != received rows {nr} * topk {k}", w.len()),
+            ));
+        }
+    }
+    for (i, b) in inp.bias.iter().enumerate() {
+        if let Some(b) = b {
+            if b.len() != n * h {
+                return Err(Error::input(
+                    format!("combine bias {i} of rank {rank}"),
+                    format!("length {} != tokens {n} * hidden {h}", b.len()),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reference LL dispatch: expert-major `[L, R*T, H]` per rank.
+pub fn ll_dispatch(cfg: &EpConfig, inputs: &[RankInput]) -> Result<Vec<LlDispatchOutput>> {
+    cfg.validate()?;
+    let lays = layouts(cfg, inputs)?;
+    let (h, k, r_n, t_max) = (cfg.hidden, cfg.topk, cfg.ranks, cfg.max_tokens_per_rank);
+    let l_n = cfg.local_experts();
+    let encoded: Vec<Rows> = inputs
+        .iter()
+        .map(|i| Rows::encode(cfg.dispatch_dtype, &i.x, h))
+        .collect();
+    let mut outs = Vec::with_capacity(r_n);
+    for dst in 0..r_n {
+        let cap = r_n * t_max;
+        let mut recv_x = Rows::zeros(cfg.dispatch_dtype, l_n * cap, h);
+        let mut recv_count = vec![0usize; l_n];
+        let mut layout_range = vec![(0u32, 0u32); l_n * r_n];
+        let mut src_rank = vec![-1i32; l_n * cap];
+        let mut src_token = vec![-1i32; l_n * cap];
+        let mut src_k = vec![-1i32; l_n * cap];
+        for e in 0..l_n {
+            let global = (dst * l_n + e) as i64;
+            let mut row = 0usize;
+            for (src, inp) in inputs.iter().enumerate() {
+                let first = row;
+                for t in 0..lays[src].num_tokens {
+                    let Some(j) = inp.topk_idx[t * k..(t + 1) * k].iter().position(|&x| x == global) else {
+                        continue;
+                    };
+                    src_k[e * cap + row] = j as i32;
+                    recv_x.copy_row_from(e * cap + row, &encoded[src], t, h);
+                    src_rank[e * cap + row] = src as i32;
+                    src_token[e * cap + row] = t as i32;
+                    row += 1;
+                }
+                layout_range[e * r_n + src] = (first as u32, (row - first) as u32);
+            }
+            recv_count[e] = row;
+        }
+        outs.push(LlDispatchOutput {
+            recv_x,
+            recv_count,
+            handle: LlHandle {
+                num_tokens: lays[dst].num_tokens,
+                layout_range,
+                src_rank,
+                src_token,
+                src_k,
+            },
+        });
+    }
+    Ok(outs)
+}
+
+/// Row of expert output that holds (source rank `src`, token `t`, global expert
+/// `e`) in the LL buffers of the expert's rank, from every rank's topk_idx.
+fn ll_row_of(
+    cfg: &EpConfig,
+    topk_src: &[i64],
+    src: usize,
+    t: usize,
+    e: usize,
+    dst_handle: &LlHandle,
+) -> usize {
+    let k = cfg.topk;
+    let l_n = cfg.local_experts();
+    let le = e % l_n;
+    let (first, _) = dst_handle.layout_range[le * cfg.ranks + src];
+    // Position of t among src's tokens that chose e.
+    let before = (0..t)
+        .filter(|&u| topk_src[u * k..(u + 1) * k].contains(&(e as i64)))
+        .count();
+    le * cfg.ranks * cfg.max_tokens_per_rank + first as usize + before
+}
+
+/// Reference LL combine. `expert_out[r]` is rank r's `[L, R*T, H]` expert
+/// output; `topk_idx[s]`, `topk_weights[s]` are source rank s's routing.
+pub fn ll_combine(
+    cfg: &EpConfig,
+    handles: &[LlHandle],
+    expert_out: &[Vec<bf16>],
+    topk_idx: &[Vec<i64>],
+    topk_weights: &[Vec<f32>],
+) -> Result<Vec<Vec<bf16>>> {
+    check_rank_count(cfg, handles.len(), "LL combine handles")?;
+    check_rank_count(cfg, expert_out.len(), "LL combine inputs")?;
+    check_rank_count(cfg, topk_idx.len(), "LL combine topk_idx")?;
+    check_rank_count(cfg, topk_weights.len(), "LL combine topk_weights")?;
+    let (h, k) = (cfg.hidden, cfg.topk);
+    let cap_rows = cfg.local_experts() * cfg.ranks * cfg.max_tokens_per_rank;
+    for (r, y) in expert_out.iter().enumerate() {
+        if y.len() != cap_rows * h {
+            return Err(Error::input(
+                format!("LL combine x of rank {r}"),
+                format!("length {} != {cap_rows} rows * hidden {h}", y.len()),
+            ));
+        }
+    }
+    let mut outs = Vec::with_capacity(cfg.ranks);
+    for src in 0..cfg.ranks {
+        let n = routing::validate_topk(cfg, src, &topk_idx[src])?;
+        if n != handles[src].num_tokens || topk_weights[src].len() != n * k {
+            return Err(Error::input(
+                format!("LL combine routing of rank {src}"),
+                format!(
+                    "{n} tokens and {} weights, dispatch had {} tokens",
+                    topk_weights[src].len(),
+                    handles[src].num_tokens
+                ),
+            ));
+        }
+        let mut out = vec![bf16::ZERO; n * h];
+        for t in 0..n {
+            let mut acc = vec![0f32; h];
+            for j in 0..k {
+                let e = topk_idx[src][t * k + j];
+                if e < 0 {
+                    continue;
+                }
+                let dst = cfg.rank_of_expert(e as usize);
+                let row = ll_row_of(cfg, &topk_idx[src], src, t, e as usize, &handles[dst]);
+                let w = topk_weights[src][t * k + j];
+                for (a, v) in acc.iter_mut().zip(&expert_out[dst][row * h..(row + 1) * h]) {
+                    *a = w.mul_add(v.to_f32(), *a);
+                }
+            }
+            for (o, a) in out[t * h..(t + 1) * h].iter_mut().zip(&acc) {
+                *o = f32_to_bf16(*a);
+            }
+        }
+        outs.push(out);
+    }
+    Ok(outs)
+}
