@@ -171,6 +171,15 @@ __device__ __forceinline__ uint4 ld_nc_v4(const uint4* p) {
   return v;
 }
 
+// Coherent 16-byte load without L1 allocation, for data other GPUs wrote (NVLink pulls).
+__device__ __forceinline__ uint4 ld_v4(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ void st_v4(uint4* p, uint4 v) {
   asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
                "r"(v.w)

@@ -27,14 +27,20 @@ pub const KERNELS_FATBIN: Option<&[u8]> = None;
 
 /// Kernel entry points in the fatbin (extern "C" names in kernels/alltoall.cu).
 pub mod names {
-    /// One peer per block, 4-byte stores: the baseline.
+    /// (peer, slice) work items strided over blocks, 4-byte stores: the baseline.
     pub const ALLTOALL_LSA_SIMPLE: &str = "gin_ep_alltoall_lsa_simple";
-    /// 16-byte vectors, 4 peers in flight per warp, grid-stride.
+    /// Push: 16-byte vectors, 4 peers in flight per warp, grid-stride.
     pub const ALLTOALL_LSA_OPT: &str = "gin_ep_alltoall_lsa_opt";
+    /// Pull: as `lsa_opt` but reads peers' send buffers (in the window) and stores locally.
+    pub const ALLTOALL_LSA_PULL: &str = "gin_ep_alltoall_lsa_pull";
     /// `lsa_opt` with NCCL's ncclLsaBarrierSession (no deadline), for comparison.
     pub const ALLTOALL_LSA_OPT_NCCL_BARRIER: &str = "gin_ep_alltoall_lsa_opt_nccl_barrier";
     /// GIN put + signal stub; present only when the NCCL headers had ncclGin.
     pub const ALLTOALL_GIN: &str = "gin_ep_alltoall_gin";
+    /// Writes the all-to-all test pattern into a send buffer (kernels/pattern.cu).
+    pub const PATTERN_FILL: &str = "gin_ep_pattern_fill";
+    /// Counts receive-buffer words that differ from the pattern; keeps the first index.
+    pub const PATTERN_CHECK: &str = "gin_ep_pattern_check";
 }
 
 /// Host mirror of `gin_ep::FabricError` (kernels/common/fabric.cuh): the first failed
@@ -63,6 +69,8 @@ pub struct AlltoallArgs {
     pub win: gin_ep_sys::ncclWindow_t,
     /// Local device memory, n_ranks * chunk_bytes.
     pub send: *const u8,
+    /// Where `send` lies in the window (pull kernels read peers' send buffers there).
+    pub send_offset: usize,
     pub recv_offset: usize,
     pub signal_offset: usize,
     pub chunk_bytes: usize,
@@ -72,10 +80,28 @@ pub struct AlltoallArgs {
     pub err: *mut FabricError,
 }
 
-// Same numbers as the static_asserts in fabric.cuh / alltoall.cu.
+/// Host mirror of `gin_ep::PatternArgs` (kernels/pattern.cu), the one parameter of the
+/// pattern fill and check kernels.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct PatternArgs {
+    /// n_ranks chunks of chunk_words 32-bit words (device memory).
+    pub buf: u64,
+    pub chunk_words: u64,
+    pub n_ranks: u32,
+    /// Fill: the sending rank; check: the receiving rank.
+    pub rank: u32,
+    pub seed: u32,
+    pub pad: u32,
+    /// Check only: two u64 in device memory, mismatches and first bad word index.
+    pub out: u64,
+}
+
+// Same numbers as the static_asserts in fabric.cuh / alltoall.cu / pattern.cu.
 const _: () = assert!(std::mem::size_of::<FabricError>() == 32);
-const _: () = assert!(std::mem::size_of::<AlltoallArgs>() == 264);
-const _: () = assert!(std::mem::offset_of!(AlltoallArgs, err) == 256);
+const _: () = assert!(std::mem::size_of::<AlltoallArgs>() == 272);
+const _: () = assert!(std::mem::offset_of!(AlltoallArgs, err) == 264);
+const _: () = assert!(std::mem::size_of::<PatternArgs>() == 40);
 
 #[cfg(test)]
 mod tests {
