@@ -261,12 +261,9 @@ pub type ncclCommDestroy_t = unsafe extern "C" fn(comm: ncclComm_t) -> ncclResul
 pub type ncclCommAbort_t = unsafe extern "C" fn(comm: ncclComm_t) -> ncclResult_t;
 pub type ncclCommGetAsyncError_t =
     unsafe extern "C" fn(comm: ncclComm_t, asyncError: *mut ncclResult_t) -> ncclResult_t;
-pub type ncclCommCount_t =
-    unsafe extern "C" fn(comm: ncclComm_t, count: *mut c_int) -> ncclResult_t;
-pub type ncclCommUserRank_t =
-    unsafe extern "C" fn(comm: ncclComm_t, rank: *mut c_int) -> ncclResult_t;
-pub type ncclCommCuDevice_t =
-    unsafe extern "C" fn(comm: ncclComm_t, device: *mut c_int) -> ncclResult_t;
+pub type ncclCommCount_t = unsafe extern "C" fn(comm: ncclComm_t, count: *mut c_int) -> ncclResult_t;
+pub type ncclCommUserRank_t = unsafe extern "C" fn(comm: ncclComm_t, rank: *mut c_int) -> ncclResult_t;
+pub type ncclCommCuDevice_t = unsafe extern "C" fn(comm: ncclComm_t, device: *mut c_int) -> ncclResult_t;
 pub type ncclGetErrorString_t = unsafe extern "C" fn(result: ncclResult_t) -> *const c_char;
 pub type ncclGetLastError_t = unsafe extern "C" fn(comm: ncclComm_t) -> *const c_char;
 pub type ncclMemAlloc_t = unsafe extern "C" fn(ptr: *mut *mut c_void, size: usize) -> ncclResult_t;
@@ -340,21 +337,14 @@ pub enum LoadError {
     /// No library: every place in the search order was tried; one line per attempt.
     NotFound(Vec<String>),
     /// The library loaded but lacks an entry point every supported NCCL has.
-    MissingSymbol {
-        symbol: &'static str,
-        detail: String,
-    },
+    MissingSymbol { symbol: &'static str, detail: String },
 }
 
 impl fmt::Display for LoadError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             LoadError::NotFound(tried) => {
-                write!(
-                    f,
-                    "NCCL ({NCCL_SONAME}) not found; tried: {}",
-                    tried.join("; ")
-                )
+                write!(f, "NCCL ({NCCL_SONAME}) not found; tried: {}", tried.join("; "))
             }
             LoadError::MissingSymbol { symbol, detail } => {
                 write!(f, "the loaded NCCL lacks {symbol}: {detail}")
@@ -420,9 +410,7 @@ impl Nccl {
             // SAFETY: loading NCCL runs its constructors; NCCL has none with preconditions.
             return match unsafe { libloading::Library::new(&path) } {
                 Ok(lib) => Self::from_library(lib, NcclSource::Env(shown)),
-                Err(e) => Err(LoadError::NotFound(vec![format!(
-                    "{NCCL_LIB_ENV}={shown}: {e}"
-                )])),
+                Err(e) => Err(LoadError::NotFound(vec![format!("{NCCL_LIB_ENV}={shown}: {e}")])),
             };
         }
         #[cfg(unix)]
@@ -448,10 +436,7 @@ impl Nccl {
     pub fn from_library(lib: libloading::Library, source: NcclSource) -> Result<Nccl, LoadError> {
         // SAFETY (both helpers): each symbol is read with the type nccl.h declares for it
         // (the `*_t` aliases above); that correspondence is the whole contract of this crate.
-        unsafe fn required<T: Copy>(
-            lib: &libloading::Library,
-            symbol: &'static str,
-        ) -> Result<T, LoadError> {
+        unsafe fn required<T: Copy>(lib: &libloading::Library, symbol: &'static str) -> Result<T, LoadError> {
             lib.get::<T>(symbol.as_bytes())
                 .map(|s| *s)
                 .map_err(|e| LoadError::MissingSymbol {
@@ -575,10 +560,7 @@ mod tests {
         std::env::set_var(NCCL_LIB_ENV, "/nonexistent/libnccl.so.2");
         let err = Nccl::load().expect_err("a nonexistent path cannot load");
         std::env::remove_var(NCCL_LIB_ENV);
-        assert!(
-            err.to_string().contains("/nonexistent/libnccl.so.2"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("/nonexistent/libnccl.so.2"), "{err}");
     }
 
     /// With `GIN_EP_TEST_NCCL_LIB=<path to libnccl.so.2>` (e.g. the one in `.cuda` from

@@ -72,11 +72,7 @@ fn probe_uncached() -> Result<DriverInfo, CudaError> {
     let info = match calls {
         Ok(Ok(info)) => info,
         Ok(Err(why)) => return Err(CudaError::NoDriver(why)),
-        Err(_) => {
-            return Err(CudaError::NoDriver(
-                "libcuda lacks a basic entry point".into(),
-            ))
-        }
+        Err(_) => return Err(CudaError::NoDriver("libcuda lacks a basic entry point".into())),
     };
     if info.version < MIN_DRIVER_VERSION {
         return Err(CudaError::DriverTooOld {

@@ -14,8 +14,7 @@ include!(concat!(env!("OUT_DIR"), "/kernels_meta.rs"));
 struct Aligned<T: ?Sized>(T);
 
 #[cfg(not(gin_ep_no_kernels))]
-static FATBIN: &Aligned<[u8]> =
-    &Aligned(*include_bytes!(concat!(env!("OUT_DIR"), "/gin_ep.fatbin")));
+static FATBIN: &Aligned<[u8]> = &Aligned(*include_bytes!(concat!(env!("OUT_DIR"), "/gin_ep.fatbin")));
 
 /// The kernels' fatbin (sm_90 SASS, compute_90 PTX, sm_100 SASS when nvcc knew it), or
 /// `None` when this build had no CUDA compiler.

@@ -7,19 +7,29 @@
 
 pub mod driver;
 pub mod kernels;
+pub mod ops;
+pub mod runtime;
+
+pub use ops::{AlltoallKernel, AlltoallLaunch};
+pub use runtime::{
+    gin_network, CudaRank, CudaRankOptions, DevComm, DevCommRequest, DeviceBuffer, DeviceRegion, Event,
+    PeerCopy, RankInfo, Window,
+};
 
 /// Why the CUDA backend cannot run here. Messages name the missing piece and the fix.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum CudaError {
     #[error("no usable CUDA driver: {0}")]
     NoDriver(String),
-    #[error("CUDA driver API {found} is older than {need}, which the kernels need (update the NVIDIA driver)")]
+    #[error(
+        "CUDA driver API {found} is older than {need}, which the kernels need (update the NVIDIA driver)"
+    )]
     DriverTooOld { found: i32, need: i32 },
     #[error("the CUDA driver sees no GPU")]
     NoDevice,
     #[error("kernels absent: this gin-ep was built without nvcc ({0}); run scripts/setup-cuda and rebuild")]
     KernelsAbsent(&'static str),
-    #[error("NCCL {loaded} is loaded but the kernels were compiled against NCCL {headers} headers; ncclDevComm's layout differs between minor versions")]
+    #[error("NCCL {loaded} is loaded but the kernels were compiled against NCCL {headers} headers; ncclDevComm's layout differs between minor versions (point GIN_EP_NCCL_LIB at a libnccl.so.2 of the same major.minor)")]
     NcclMismatch { loaded: i32, headers: u32 },
     #[error("needs a GIN-capable network (NCCL GPU-Initiated Networking); none was found")]
     NoGin,
