@@ -24,9 +24,10 @@ struct PatternArgs {
 };
 static_assert(sizeof(PatternArgs) == 40, "host ABI");
 
+// __host__ too, so the Rust mirror's test values can be printed from this very definition.
 // splitmix64's finalizer over the packed coordinates: every bit of src, dst, j and seed
 // reaches every output bit, so swapped chunks, shifted offsets and stale runs all differ.
-__device__ __forceinline__ uint32_t pattern_word(uint32_t seed, uint32_t src, uint32_t dst,
+__host__ __device__ __forceinline__ uint32_t pattern_word(uint32_t seed, uint32_t src, uint32_t dst,
                                                  uint64_t j) {
   uint64_t x = j * 0x9E3779B97F4A7C15ull ^ (uint64_t(src) << 48 | uint64_t(dst) << 32 | seed);
   x ^= x >> 30;

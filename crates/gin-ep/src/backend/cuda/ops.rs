@@ -73,7 +73,7 @@ impl AlltoallLaunch<'_> {
                 ),
             });
         }
-        if self.chunk_bytes == 0 || self.chunk_bytes % 16 != 0 {
+        if self.chunk_bytes == 0 || !self.chunk_bytes.is_multiple_of(16) {
             return Err(bad(
                 "chunk_bytes",
                 format!("{} is not a positive multiple of 16", self.chunk_bytes),
@@ -84,11 +84,11 @@ impl AlltoallLaunch<'_> {
             ("recv_offset", self.recv_offset),
             ("signal_offset", self.signal_offset),
         ] {
-            if off % 16 != 0 {
+            if !off.is_multiple_of(16) {
                 return Err(bad(name, format!("{off} is not 16-byte aligned")));
             }
         }
-        if self.grid == 0 || self.block == 0 || self.block % 32 != 0 || self.block > MAX_THREADS {
+        if self.grid == 0 || self.block == 0 || !self.block.is_multiple_of(32) || self.block > MAX_THREADS {
             return Err(bad(
                 "grid/block",
                 format!(
@@ -181,7 +181,10 @@ fn pattern_args(
     rank: usize,
     seed: u32,
 ) -> Result<PatternArgs> {
-    if chunk_bytes == 0 || chunk_bytes % 4 != 0 || chunk_bytes.checked_mul(n_ranks) != Some(buf.len()) {
+    if chunk_bytes == 0
+        || !chunk_bytes.is_multiple_of(4)
+        || chunk_bytes.checked_mul(n_ranks) != Some(buf.len())
+    {
         return Err(Error::input(
             "pattern buffer",
             format!(

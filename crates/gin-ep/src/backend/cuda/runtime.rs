@@ -9,7 +9,7 @@
 //! [`super::ops`]), or waits on the device without a deadline.
 //!
 //! Drop order is carried by reference counts, not by the caller's discipline: windows and
-//! device communicators hold the communicator (`Arc<Comm>`), which holds the context, so a
+//! device communicators hold the communicator (`Rc<Comm>`), which holds the context, so a
 //! window is deregistered and freed, then a device communicator destroyed, before the
 //! communicator is finalized and destroyed, and the context goes last. A communicator that
 //! saw a failure (missed deadline, NCCL error) is aborted instead of finalized, because
@@ -23,6 +23,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::path::Path;
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -208,7 +209,7 @@ pub struct DeviceRegion<'a> {
     _owner: std::marker::PhantomData<&'a ()>,
 }
 
-impl DeviceRegion<'_> {
+impl<'a> DeviceRegion<'a> {
     /// Size in bytes.
     pub fn len(&self) -> usize {
         self.bytes
@@ -220,7 +221,7 @@ impl DeviceRegion<'_> {
     }
 
     /// A sub-range, checked.
-    pub fn sub(&self, offset: usize, bytes: usize) -> Result<DeviceRegion<'_>> {
+    pub fn sub(&self, offset: usize, bytes: usize) -> Result<DeviceRegion<'a>> {
         region(self.ptr, self.bytes, offset, bytes)
     }
 }
@@ -342,7 +343,7 @@ pub struct Window {
     raw: ns::ncclWindow_t,
     ptr: sys::CUdeviceptr,
     bytes: usize,
-    comm: Arc<Comm>,
+    comm: Rc<Comm>,
 }
 
 impl Window {
@@ -377,6 +378,11 @@ impl std::fmt::Debug for Window {
 
 impl Drop for Window {
     fn drop(&mut self) {
+        if self.comm.failed.load(Ordering::Relaxed) {
+            // Deregistration is collective and peers may be gone; the abort of the
+            // communicator and the end of the process reclaim the window and its memory.
+            return;
+        }
         let _ = self.comm.ctx.bind_to_thread();
         let nccl = &self.comm.nccl;
         // SAFETY: raw was registered on comm (alive: we hold it) and ptr came from
@@ -403,7 +409,7 @@ pub struct DevCommRequest {
 pub struct DevComm {
     raw: Box<ns::ncclDevComm>,
     req: DevCommRequest,
-    comm: Arc<Comm>,
+    comm: Rc<Comm>,
 }
 
 impl DevComm {
@@ -433,6 +439,10 @@ impl std::fmt::Debug for DevComm {
 
 impl Drop for DevComm {
     fn drop(&mut self) {
+        if self.comm.failed.load(Ordering::Relaxed) {
+            // As for windows: left to the communicator's abort.
+            return;
+        }
         let _ = self.comm.ctx.bind_to_thread();
         if let Some(destroy) = self.comm.nccl.ncclDevCommDestroy {
             // SAFETY: raw was filled by ncclDevCommCreate on comm (alive) and is destroyed
@@ -525,7 +535,7 @@ pub struct CudaRank {
     functions: RefCell<HashMap<&'static str, sys::CUfunction>>,
     module: sys::CUmodule,
     stream: sys::CUstream,
-    comm: Arc<Comm>,
+    comm: Rc<Comm>,
     ctx: Arc<CudaContext>,
     info: RankInfo,
     opts: CudaRankOptions,
@@ -631,7 +641,7 @@ impl CudaRank {
         // it), so NCCL's runtime calls use it; raw receives the communicator.
         let r = unsafe { (nccl.ncclCommInitRank)(&mut raw, group.world() as i32, id, group.rank() as i32) };
         nccl_ok(&nccl, std::ptr::null_mut(), "ncclCommInitRank", r)?;
-        let comm = Arc::new(Comm {
+        let comm = Rc::new(Comm {
             raw,
             failed: AtomicBool::new(false),
             nccl: nccl.clone(),
@@ -678,7 +688,7 @@ impl CudaRank {
     }
 
     /// The communicator (to mark it failed, or for windows).
-    pub fn comm(&self) -> &Arc<Comm> {
+    pub fn comm(&self) -> &Rc<Comm> {
         &self.comm
     }
 
@@ -865,7 +875,7 @@ impl CudaRank {
 
     /// Fills `r` with the 32-bit `value` (r.len() must be a multiple of 4).
     pub fn memset_u32(&self, r: DeviceRegion<'_>, value: u32) -> Result<()> {
-        if r.bytes % 4 != 0 {
+        if !r.bytes.is_multiple_of(4) {
             return Err(Error::input("memset_u32", "length not a multiple of 4"));
         }
         // SAFETY: r is a live region of r.bytes bytes.
