@@ -34,6 +34,7 @@
 //!                 --json              print the AlltoallReport of rank 0 as JSON
 //! ```
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::backend::cuda::ops::{
@@ -452,6 +453,12 @@ fn sweep(group: &Group, rank: &CudaRank, opts: &AlltoallOptions) -> Result<Allto
                 lsa_barriers: barriers,
                 gin_signals: 0,
             }) {
+                // Every rank sees the same team, so this skip is collective too.
+                Ok(d) if d.lsa().1 != world => Err(format!(
+                    "LSA kernels need every rank reachable by NVLink load/store; the LSA team has \
+                     {} of {world} ranks",
+                    d.lsa().1
+                )),
                 Ok(d) => Ok((w, d)),
                 Err(e @ Error::Unavailable { .. }) => Err(e.to_string()),
                 Err(e) => return Err(e),
@@ -474,24 +481,42 @@ fn sweep(group: &Group, rank: &CudaRank, opts: &AlltoallOptions) -> Result<Allto
         scratch: rank.alloc(16)?,
     };
 
+    let run = RUNS.fetch_add(1, Ordering::Relaxed);
     let mut results = Vec::new();
     let mut skipped = Vec::new();
-    for (mi, &mode) in opts.modes.iter().enumerate() {
-        if let Some(reason) = skip_reason(mode, &bufs) {
-            skipped.push(SkippedMode { mode, reason });
-            continue;
+    let measured = (|| -> Result<()> {
+        for (mi, &mode) in opts.modes.iter().enumerate() {
+            if let Some(reason) = skip_reason(mode, &bufs) {
+                skipped.push(SkippedMode { mode, reason });
+                continue;
+            }
+            for (si, &size) in sizes.iter().enumerate() {
+                let seed = opts
+                    .seed
+                    .wrapping_add(((mi * 64 + si) as u32).wrapping_mul(0x9E37_79B9));
+                let point = Point {
+                    run,
+                    mode,
+                    size,
+                    seed,
+                    blocks,
+                };
+                results.push(run_point(group, rank, opts, &bufs, &lay, point)?);
+            }
         }
-        for (si, &size) in sizes.iter().enumerate() {
-            let seed = opts
-                .seed
-                .wrapping_add(((mi * 64 + si) as u32).wrapping_mul(0x9E37_79B9));
-            let p = run_point(group, rank, opts, &bufs, &lay, mode, size, seed, blocks)?;
-            results.push(p);
-        }
+        rank.wait("end of sweep")?;
+        // Every rank tears down together: deregistration and finalize are collective.
+        group.barrier(&format!("alltoall/{run}/done"))
+    })();
+    if let Err(e) = measured {
+        // Peers may be inside a collective we will never join, and a kernel or NCCL
+        // operation may still use these buffers: abort the communicator (no collective
+        // teardown) and leave the memory to the process's end rather than free it under a
+        // running kernel.
+        rank.comm().mark_failed();
+        std::mem::forget(bufs);
+        return Err(e);
     }
-    rank.wait("end of sweep")?;
-    // Every rank tears down together: deregistration and finalize are collective.
-    group.barrier("alltoall/done")?;
     drop(bufs);
     Ok(AlltoallReport {
         info: rank.info().clone(),
@@ -523,23 +548,40 @@ fn skip_reason(mode: AlltoallMode, bufs: &Buffers) -> Option<String> {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Which point of the sweep: mode, size, pattern seed, grid, and the run's number (store
+/// keys of one `run_rank` call never meet another's).
+#[derive(Clone, Copy, Debug)]
+struct Point {
+    run: u64,
+    mode: AlltoallMode,
+    size: SizePoint,
+    seed: u32,
+    blocks: u32,
+}
+
+/// `run_rank` calls made by this process (every rank makes the same ones).
+static RUNS: AtomicU64 = AtomicU64::new(0);
+
 fn run_point(
     group: &Group,
     rank: &CudaRank,
     opts: &AlltoallOptions,
     bufs: &Buffers,
     lay: &Layout,
-    mode: AlltoallMode,
-    size: SizePoint,
-    seed: u32,
-    blocks: u32,
+    point: Point,
 ) -> Result<AlltoallPoint> {
+    let Point {
+        run,
+        mode,
+        size,
+        seed,
+        blocks,
+    } = point;
     let world = group.world();
     let me = group.rank();
     let SizePoint { bytes, chunk_bytes } = size;
     // Keep ranks in step, so in-kernel deadlines measure peers, not launch skew.
-    group.barrier(&format!("alltoall/{}/{bytes}", mode.name()))?;
+    group.barrier(&format!("alltoall/{run}/{}/{bytes}", mode.name()))?;
 
     let (send, recv, lsa): (DeviceRegion<'_>, DeviceRegion<'_>, Option<AlltoallLaunch<'_>>) =
         match (mode.kernel(), &bufs.lsa, &bufs.nccl) {
@@ -622,7 +664,7 @@ fn run_point(
     }
 
     let (time_us, time_us_min_rank) =
-        max_over_ranks(group, &format!("alltoall/t/{}/{bytes}", mode.name()), mine)?;
+        max_over_ranks(group, &format!("alltoall/{run}/t/{}/{bytes}", mode.name()), mine)?;
     let algbw_gbps = bytes as f64 / (time_us * 1e3);
     Ok(AlltoallPoint {
         mode,
@@ -669,7 +711,7 @@ fn peer_copy(
     if gpus < 2 {
         return Ok((None, Some(format!("needs 2 GPUs, this host has {gpus}"))));
     }
-    group.barrier("alltoall/peer-copy/start")?;
+    group.barrier("alltoall/peer-copy-start")?;
     let out = if group.rank() == 0 {
         let dst = (rank.info().device + 1) % gpus as usize;
         match rank.peer_copy(dst, opts.peer_copy_bytes, opts.peer_copy_iters) {
@@ -680,7 +722,7 @@ fn peer_copy(
     } else {
         (None, None)
     };
-    group.barrier("alltoall/peer-copy/end")?;
+    group.barrier("alltoall/peer-copy-end")?;
     Ok(out)
 }
 

@@ -1038,6 +1038,12 @@ impl Drop for CudaRank {
         if self.wait("teardown").is_err() {
             self.comm.mark_failed();
         }
+        if self.comm.failed.load(Ordering::Relaxed) {
+            // Something may still run on the stream (a stuck NCCL kernel): unloading its
+            // module or destroying its stream could block; the abort of the communicator
+            // (dropped next) and the end of the process reclaim them.
+            return;
+        }
         // SAFETY: module and stream are live and released once; no kernel is pending, or
         // we gave up on it above (then the context's teardown reclaims them).
         unsafe {
