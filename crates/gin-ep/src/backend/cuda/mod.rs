@@ -74,6 +74,18 @@ mod tests {
     }
 
     #[test]
+    fn an_nccl_mismatch_names_both_versions_and_the_override() {
+        let msg = CudaError::NcclMismatch {
+            loaded: 22705,
+            headers: 22809,
+        }
+        .to_string();
+        for needle in ["22705", "22809", "GIN_EP_NCCL_LIB"] {
+            assert!(msg.contains(needle), "{msg}");
+        }
+    }
+
+    #[test]
     fn a_machine_without_a_driver_gets_an_error_not_a_panic() {
         // On GPU machines this succeeds; elsewhere it must be a typed error. Either way it
         // returns, and returns the same answer twice.
