@@ -49,6 +49,9 @@ pub enum Error {
     /// A backend (CUDA, NCCL) is not available on this machine or build.
     #[error("backend `{backend}` unavailable: {reason}")]
     Unavailable { backend: &'static str, reason: String },
+    /// A device or NCCL call failed at run time (after the backend was found usable).
+    #[error("{call} failed: {reason}")]
+    Device { call: String, reason: String },
     /// A result differs from the oracle (raised by checks, not by operations).
     #[error("mismatch: {0}")]
     Mismatch(String),

@@ -1,0 +1,920 @@
+//! All-to-all benchmark on GPUs, in the manner of nccl-tests' `alltoall_perf`: our LSA
+//! kernels against NCCL's own all-to-all and against the copy engine, every result
+//! validated on the device.
+//!
+//! Owns: the size sweep, the per-mode buffer layout, timing with CUDA events, the
+//! validation pattern, and the report. Never: parses command lines or prints (the CLI does),
+//! or touches CUDA/NCCL directly (everything goes through `backend::cuda`'s safe owners and
+//! typed launches).
+//!
+//! Counting, as nccl-tests counts alltoall: `bytes` is what one rank sends in total (its
+//! send buffer), split into `world` equal chunks, one per destination (itself included).
+//! `time_us` is the median per-iteration time on each rank (CUDA events around every
+//! iteration, each iteration the same launch), then the maximum over ranks. `algbw = bytes /
+//! time`; `busbw = algbw * (world - 1) / world`, the bytes that cross a link per rank per
+//! second — the figure to compare with the copy-engine peer bandwidth reported beside.
+//!
+//! Intended CLI (the parent process starts `--gpus` ranks of itself with
+//! `group::launch_ranks`, each child calls [`run_rank`] and rank 0 prints):
+//! ```text
+//! gin-ep alltoall --gpus N            ranks (one process per GPU), default: all GPUs
+//!                 -b, --min-bytes B   smallest per-rank total send size (default 1M; K/M/G suffixes)
+//!                 -e, --max-bytes B   largest (default 1G)
+//!                 -f, --factor F      multiply the size by F each step (default 2)
+//!                 --modes LIST        comma list of nccl,lsa-simple,lsa-opt,lsa-pull,
+//!                                     lsa-opt-ncclbar,gin,hybrid, or "all" (default: all
+//!                                     but lsa-opt-ncclbar, whose NCCL barrier has no deadline)
+//!                 --iters N           timed iterations per point (default 20)
+//!                 --warmup N          untimed iterations first (default 5)
+//!                 --blocks N          CTAs of the LSA kernels (default: the GPU's SM count)
+//!                 --threads N         threads per CTA (default 512; multiple of 32, <= 512)
+//!                 --no-validate       skip the pattern check (validation is on by default)
+//!                 --peer-copy-bytes B copy-engine GPU0->GPU1 size (default 1G; 0 = skip)
+//!                 --timeout SECS      host wait deadline; kernels give up at half of it
+//!                 --json              print the AlltoallReport of rank 0 as JSON
+//! ```
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::backend::cuda::ops::{
+    self, check_pattern, fill_pattern, nccl_alltoall, nccl_alltoall_api, AlltoallKernel, AlltoallLaunch,
+    NcclAlltoallApi,
+};
+use crate::backend::cuda::{
+    driver, gin_network, CudaRank, CudaRankOptions, DevComm, DevCommRequest, DeviceBuffer, DeviceRegion,
+    PeerCopy, RankInfo, Window,
+};
+use crate::error::{Error, Result};
+use crate::group::Group;
+
+/// Most CTAs an LSA all-to-all may use: the window reserves `MAX_BLOCKS * world` barrier
+/// words.
+pub const MAX_BLOCKS: u32 = 1024;
+/// What receive buffers hold before a validated run: a chunk nobody wrote keeps it.
+pub const POISON: u32 = 0xDEAD_BEEF;
+/// Largest per-rank size accepted (the window holds two of them).
+pub const MAX_BYTES_LIMIT: usize = 16 << 30;
+
+/// One way to run the all-to-all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AlltoallMode {
+    /// NCCL's host API: `ncclAlltoAll`, or grouped `ncclSend`/`ncclRecv` where absent.
+    Nccl,
+    /// Baseline LSA kernel (4-byte stores).
+    LsaSimple,
+    /// LSA push, 16-byte stores to peers, links interleaved.
+    LsaOpt,
+    /// LSA pull, 16-byte loads from peers.
+    LsaPull,
+    /// `lsa-opt` with NCCL's LSA barrier (no deadline): what our deadline barrier costs.
+    LsaOptNcclbar,
+    /// GIN puts + signals (needs a GIN-capable network).
+    Gin,
+    /// LSA inside a node, GIN across (needs a GIN-capable network).
+    Hybrid,
+}
+
+impl AlltoallMode {
+    /// Every mode, in report order.
+    pub const ALL: [AlltoallMode; 7] = [
+        AlltoallMode::Nccl,
+        AlltoallMode::LsaSimple,
+        AlltoallMode::LsaOpt,
+        AlltoallMode::LsaPull,
+        AlltoallMode::LsaOptNcclbar,
+        AlltoallMode::Gin,
+        AlltoallMode::Hybrid,
+    ];
+
+    /// The default set: all but `lsa-opt-ncclbar` (no deadline on its barrier).
+    pub fn defaults() -> Vec<AlltoallMode> {
+        Self::ALL
+            .into_iter()
+            .filter(|m| *m != AlltoallMode::LsaOptNcclbar)
+            .collect()
+    }
+
+    /// The name used on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            AlltoallMode::Nccl => "nccl",
+            AlltoallMode::LsaSimple => "lsa-simple",
+            AlltoallMode::LsaOpt => "lsa-opt",
+            AlltoallMode::LsaPull => "lsa-pull",
+            AlltoallMode::LsaOptNcclbar => "lsa-opt-ncclbar",
+            AlltoallMode::Gin => "gin",
+            AlltoallMode::Hybrid => "hybrid",
+        }
+    }
+
+    fn kernel(self) -> Option<AlltoallKernel> {
+        match self {
+            AlltoallMode::LsaSimple => Some(AlltoallKernel::LsaSimple),
+            AlltoallMode::LsaOpt => Some(AlltoallKernel::LsaOpt),
+            AlltoallMode::LsaPull => Some(AlltoallKernel::LsaPull),
+            AlltoallMode::LsaOptNcclbar => Some(AlltoallKernel::LsaOptNcclBarrier),
+            _ => None,
+        }
+    }
+
+    /// Parses a comma-separated list (`all` = every mode); duplicates are refused.
+    pub fn parse_list(text: &str) -> Result<Vec<AlltoallMode>> {
+        let mut out = Vec::new();
+        for word in text.split(',').map(str::trim).filter(|w| !w.is_empty()) {
+            let found: Vec<AlltoallMode> = if word == "all" {
+                Self::ALL.to_vec()
+            } else {
+                match Self::ALL.into_iter().find(|m| m.name() == word) {
+                    Some(m) => vec![m],
+                    None => {
+                        let known: Vec<&str> = Self::ALL.iter().map(|m| m.name()).collect();
+                        return Err(Error::config(
+                            "modes",
+                            word,
+                            format!("unknown mode; known: {}, all", known.join(", ")),
+                        ));
+                    }
+                }
+            };
+            for m in found {
+                if out.contains(&m) {
+                    return Err(Error::config(
+                        "modes",
+                        text,
+                        format!("`{}` given twice", m.name()),
+                    ));
+                }
+                out.push(m);
+            }
+        }
+        if out.is_empty() {
+            return Err(Error::config("modes", text, "no mode given"));
+        }
+        Ok(out)
+    }
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct AlltoallOptions {
+    /// Smallest per-rank total send size, bytes (`-b`).
+    pub min_bytes: usize,
+    /// Largest (`-e`).
+    pub max_bytes: usize,
+    /// Size multiplier per step (`-f`), >= 2 unless `min_bytes == max_bytes`.
+    pub factor: usize,
+    pub modes: Vec<AlltoallMode>,
+    pub warmup: usize,
+    pub iters: usize,
+    /// Check every result against the pattern (before and after the timed loop).
+    pub validate: bool,
+    /// CTAs of the LSA kernels; `None` = the GPU's SM count.
+    pub blocks: Option<u32>,
+    /// Threads per CTA of the LSA kernels.
+    pub threads: u32,
+    /// Base seed of the validation pattern.
+    pub seed: u32,
+    /// Copy-engine peer copy GPU0 -> GPU1 size; 0 skips it.
+    pub peer_copy_bytes: usize,
+    pub peer_copy_iters: usize,
+    /// Deadline of every host wait; in-kernel waits get half of it.
+    pub timeout: Duration,
+}
+
+impl Default for AlltoallOptions {
+    fn default() -> Self {
+        AlltoallOptions {
+            min_bytes: 1 << 20,
+            max_bytes: 1 << 30,
+            factor: 2,
+            modes: AlltoallMode::defaults(),
+            warmup: 5,
+            iters: 20,
+            validate: true,
+            blocks: None,
+            threads: 512,
+            seed: 0x6769_6e65,
+            peer_copy_bytes: 1 << 30,
+            peer_copy_iters: 10,
+            timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// One size of the sweep.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SizePoint {
+    /// Per-rank total send size actually moved: `chunk_bytes * world`.
+    pub bytes: usize,
+    /// Bytes to each destination, a multiple of 16 (the kernels' vector width).
+    pub chunk_bytes: usize,
+}
+
+impl AlltoallOptions {
+    /// Refuses options no run could honour, naming the field.
+    pub fn validate(&self, world: usize) -> Result<()> {
+        if world == 0 {
+            return Err(Error::config("world", world, "needs at least one rank"));
+        }
+        if self.min_bytes == 0 {
+            return Err(Error::config("min_bytes", self.min_bytes, "must be > 0"));
+        }
+        if self.min_bytes > self.max_bytes {
+            return Err(Error::config(
+                "min_bytes",
+                self.min_bytes,
+                format!("larger than max_bytes {}", self.max_bytes),
+            ));
+        }
+        if self.max_bytes > MAX_BYTES_LIMIT {
+            return Err(Error::config(
+                "max_bytes",
+                self.max_bytes,
+                format!("above the {MAX_BYTES_LIMIT}-byte limit"),
+            ));
+        }
+        if self.factor < 2 && self.min_bytes != self.max_bytes {
+            return Err(Error::config(
+                "factor",
+                self.factor,
+                "must be >= 2 (or min_bytes == max_bytes)",
+            ));
+        }
+        if self.iters == 0 {
+            return Err(Error::config("iters", self.iters, "must be >= 1"));
+        }
+        if self.threads == 0 || !self.threads.is_multiple_of(32) || self.threads > ops::MAX_THREADS {
+            return Err(Error::config(
+                "threads",
+                self.threads,
+                format!("must be a multiple of 32 in 32..={}", ops::MAX_THREADS),
+            ));
+        }
+        if let Some(b) = self.blocks {
+            if b == 0 || b > MAX_BLOCKS {
+                return Err(Error::config("blocks", b, format!("must be in 1..={MAX_BLOCKS}")));
+            }
+        }
+        if self.modes.is_empty() {
+            return Err(Error::config("modes", "", "no mode given"));
+        }
+        for (i, m) in self.modes.iter().enumerate() {
+            if self.modes[..i].contains(m) {
+                return Err(Error::config("modes", m.name(), "given twice"));
+            }
+        }
+        if self.peer_copy_bytes > 0 && self.peer_copy_iters == 0 {
+            return Err(Error::config(
+                "peer_copy_iters",
+                0,
+                "must be >= 1 when peer_copy_bytes > 0",
+            ));
+        }
+        if self.timeout < Duration::from_millis(100) {
+            return Err(Error::config(
+                "timeout",
+                format!("{:?}", self.timeout),
+                "must be >= 100 ms",
+            ));
+        }
+        if self.sizes(world).is_empty() {
+            return Err(Error::config(
+                "max_bytes",
+                self.max_bytes,
+                format!("no size in the sweep has >= 16 bytes per destination for {world} ranks"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The sweep: `min_bytes, min_bytes * factor, ...` up to `max_bytes`, each rounded down
+    /// to `world` chunks of a multiple of 16 bytes; sizes that round to 0 are dropped and
+    /// duplicates after rounding merged.
+    pub fn sizes(&self, world: usize) -> Vec<SizePoint> {
+        let mut out: Vec<SizePoint> = Vec::new();
+        if world == 0 || self.min_bytes == 0 {
+            return out;
+        }
+        let mut b = self.min_bytes;
+        while b <= self.max_bytes {
+            let chunk_bytes = b / world / 16 * 16;
+            if chunk_bytes > 0 {
+                let p = SizePoint {
+                    bytes: chunk_bytes * world,
+                    chunk_bytes,
+                };
+                if out.last() != Some(&p) {
+                    out.push(p);
+                }
+            }
+            if self.factor < 2 {
+                break;
+            }
+            match b.checked_mul(self.factor) {
+                Some(next) => b = next,
+                None => break,
+            }
+        }
+        out
+    }
+}
+
+/// One measured point.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct AlltoallPoint {
+    pub mode: AlltoallMode,
+    pub bytes: usize,
+    pub chunk_bytes: usize,
+    /// Median per-iteration time, maximum over ranks.
+    pub time_us: f64,
+    /// The same, minimum over ranks (a large gap means ranks ran unevenly).
+    pub time_us_min_rank: f64,
+    /// bytes / time_us, GB/s.
+    pub algbw_gbps: f64,
+    /// algbw * (world - 1) / world, GB/s.
+    pub busbw_gbps: f64,
+    /// Every element was checked (before and after the timed loop) and matched.
+    pub validated: bool,
+}
+
+/// A mode that did not run here, and why.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SkippedMode {
+    pub mode: AlltoallMode,
+    pub reason: String,
+}
+
+/// Everything one rank measured.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct AlltoallReport {
+    pub info: RankInfo,
+    pub blocks: u32,
+    pub threads: u32,
+    pub warmup: usize,
+    pub iters: usize,
+    pub nccl_api: NcclAlltoallApi,
+    /// The GIN-capable network found, or why none.
+    pub gin_network: std::result::Result<String, String>,
+    /// Copy-engine GPU0 -> GPU1 (rank 0's report only).
+    pub peer_copy: Option<PeerCopy>,
+    pub peer_copy_skipped: Option<String>,
+    pub results: Vec<AlltoallPoint>,
+    pub skipped: Vec<SkippedMode>,
+}
+
+/// The validation pattern, word `j` of the chunk `src` sends to `dst`; the host mirror of
+/// `pattern_word` in kernels/pattern.cu (same arithmetic), for tests and for explaining a
+/// mismatch.
+pub fn pattern_word(seed: u32, src: u32, dst: u32, j: u64) -> u32 {
+    let mut x = j.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ ((u64::from(src) << 48) | (u64::from(dst) << 32) | u64::from(seed));
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^= x >> 31;
+    x as u32
+}
+
+/// Window layout of the LSA modes for a sweep whose largest size is `max_bytes`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Layout {
+    send_offset: usize,
+    recv_offset: usize,
+    signal_offset: usize,
+    window_bytes: usize,
+}
+
+fn layout(max_bytes: usize, world: usize) -> Layout {
+    // 4 KiB alignment keeps each region on its own pages (and 16-byte vectors aligned).
+    let region = max_bytes.div_ceil(4096) * 4096;
+    let signal_offset = 2 * region;
+    Layout {
+        send_offset: 0,
+        recv_offset: region,
+        signal_offset,
+        window_bytes: signal_offset + MAX_BLOCKS as usize * world * 8,
+    }
+}
+
+/// The GPU memory of a sweep, made collectively after the communicator. Field order is drop
+/// order: windows are deregistered before the device communicator is destroyed.
+struct Buffers {
+    lsa: std::result::Result<(Window, DevComm), String>,
+    nccl: Option<(DeviceBuffer, DeviceBuffer)>,
+    scratch: DeviceBuffer,
+}
+
+/// Runs the sweep as one rank of `group` (one process per GPU, GPU = LOCAL_RANK). Every rank
+/// of the group must call it with the same options. Errors: `Unavailable` when CUDA, the
+/// kernels or NCCL are missing here; `Mismatch` naming mode, size, rank, peer and index
+/// when a result is wrong; `Timeout` naming phase and peer when a peer stops.
+pub fn run_rank(group: &Group, opts: &AlltoallOptions) -> Result<AlltoallReport> {
+    let world = group.world();
+    opts.validate(world)?;
+    let rank = CudaRank::new(
+        group,
+        CudaRankOptions {
+            host_timeout: opts.timeout,
+            kernel_timeout: opts.timeout / 2,
+        },
+    )?;
+    let out = sweep(group, &rank, opts);
+    if out.is_err() {
+        // Peers may be inside a collective we will never join; never finalize or
+        // deregister collectively now, abort instead.
+        rank.comm().mark_failed();
+    }
+    out
+}
+
+fn sweep(group: &Group, rank: &CudaRank, opts: &AlltoallOptions) -> Result<AlltoallReport> {
+    let world = group.world();
+    let me = group.rank();
+    let sizes = opts.sizes(world);
+    let max_bytes = sizes.last().map_or(0, |s| s.bytes);
+    let blocks = opts.blocks.unwrap_or(rank.info().sm_count).clamp(1, MAX_BLOCKS);
+
+    // Copy engine first, alone on the machine: rank 0 copies while the others wait.
+    let (peer_copy, peer_copy_skipped) = peer_copy(group, rank, opts)?;
+
+    let lay = layout(max_bytes, world);
+    let wants_lsa = opts.modes.iter().any(|m| m.kernel().is_some());
+    let lsa = if wants_lsa {
+        let barriers = if opts.modes.contains(&AlltoallMode::LsaOptNcclbar) {
+            blocks
+        } else {
+            1
+        };
+        match rank.window(lay.window_bytes) {
+            Ok(w) => match rank.dev_comm(DevCommRequest {
+                lsa_barriers: barriers,
+                gin_signals: 0,
+            }) {
+                // Every rank sees the same team, so this skip is collective too.
+                Ok(d) if d.lsa().1 != world => Err(format!(
+                    "LSA kernels need every rank reachable by NVLink load/store; the LSA team has \
+                     {} of {world} ranks",
+                    d.lsa().1
+                )),
+                Ok(d) => Ok((w, d)),
+                Err(e @ Error::Unavailable { .. }) => Err(e.to_string()),
+                Err(e) => return Err(e),
+            },
+            // A null window is the same answer on every rank, so skipping stays collective.
+            Err(e @ Error::Unavailable { .. }) => Err(e.to_string()),
+            Err(e) => return Err(e),
+        }
+    } else {
+        Err("not requested".into())
+    };
+    let nccl = if opts.modes.contains(&AlltoallMode::Nccl) {
+        Some((rank.alloc(max_bytes)?, rank.alloc(max_bytes)?))
+    } else {
+        None
+    };
+    let bufs = Buffers {
+        lsa,
+        nccl,
+        scratch: rank.alloc(16)?,
+    };
+
+    let run = RUNS.fetch_add(1, Ordering::Relaxed);
+    let mut results = Vec::new();
+    let mut skipped = Vec::new();
+    let measured = (|| -> Result<()> {
+        for (mi, &mode) in opts.modes.iter().enumerate() {
+            if let Some(reason) = skip_reason(mode, &bufs) {
+                skipped.push(SkippedMode { mode, reason });
+                continue;
+            }
+            for (si, &size) in sizes.iter().enumerate() {
+                let seed = opts
+                    .seed
+                    .wrapping_add(((mi * 64 + si) as u32).wrapping_mul(0x9E37_79B9));
+                let point = Point {
+                    run,
+                    mode,
+                    size,
+                    seed,
+                    blocks,
+                };
+                results.push(run_point(group, rank, opts, &bufs, &lay, point)?);
+            }
+        }
+        rank.wait("end of sweep")?;
+        // Every rank tears down together: deregistration and finalize are collective.
+        group.barrier(&format!("alltoall/{run}/done"))
+    })();
+    if let Err(e) = measured {
+        // Peers may be inside a collective we will never join, and a kernel or NCCL
+        // operation may still use these buffers: abort the communicator (no collective
+        // teardown) and leave the memory to the process's end rather than free it under a
+        // running kernel.
+        rank.comm().mark_failed();
+        std::mem::forget(bufs);
+        return Err(e);
+    }
+    drop(bufs);
+    Ok(AlltoallReport {
+        info: rank.info().clone(),
+        blocks,
+        threads: opts.threads,
+        warmup: opts.warmup,
+        iters: opts.iters,
+        nccl_api: nccl_alltoall_api(rank),
+        gin_network: gin_network(),
+        peer_copy: if me == 0 { peer_copy } else { None },
+        peer_copy_skipped,
+        results,
+        skipped,
+    })
+}
+
+fn skip_reason(mode: AlltoallMode, bufs: &Buffers) -> Option<String> {
+    match mode {
+        AlltoallMode::Gin | AlltoallMode::Hybrid => Some(match gin_network() {
+            Err(why) => format!("needs a GIN-capable network ({why})"),
+            // Detection passed, but the GIN kernel is still the wiring stub: better a clear
+            // skip than a first run of untested code inside NCCL's GIN path.
+            Ok(dev) => {
+                format!("GIN network {dev} found, but the GIN all-to-all is not wired yet (kernel stub only)")
+            }
+        }),
+        AlltoallMode::Nccl => None,
+        _ => bufs.lsa.as_ref().err().cloned(),
+    }
+}
+
+/// Which point of the sweep: mode, size, pattern seed, grid, and the run's number (store
+/// keys of one `run_rank` call never meet another's).
+#[derive(Clone, Copy, Debug)]
+struct Point {
+    run: u64,
+    mode: AlltoallMode,
+    size: SizePoint,
+    seed: u32,
+    blocks: u32,
+}
+
+/// `run_rank` calls made by this process (every rank makes the same ones).
+static RUNS: AtomicU64 = AtomicU64::new(0);
+
+fn run_point(
+    group: &Group,
+    rank: &CudaRank,
+    opts: &AlltoallOptions,
+    bufs: &Buffers,
+    lay: &Layout,
+    point: Point,
+) -> Result<AlltoallPoint> {
+    let Point {
+        run,
+        mode,
+        size,
+        seed,
+        blocks,
+    } = point;
+    let world = group.world();
+    let me = group.rank();
+    let SizePoint { bytes, chunk_bytes } = size;
+    // Keep ranks in step, so in-kernel deadlines measure peers, not launch skew.
+    group.barrier(&format!("alltoall/{run}/{}/{bytes}", mode.name()))?;
+
+    let (send, recv, lsa): (DeviceRegion<'_>, DeviceRegion<'_>, Option<AlltoallLaunch<'_>>) =
+        match (mode.kernel(), &bufs.lsa, &bufs.nccl) {
+            (Some(kernel), Ok((window, dev_comm)), _) => (
+                window.region(lay.send_offset, bytes)?,
+                window.region(lay.recv_offset, bytes)?,
+                Some(AlltoallLaunch {
+                    kernel,
+                    window,
+                    dev_comm,
+                    send_offset: lay.send_offset,
+                    recv_offset: lay.recv_offset,
+                    signal_offset: lay.signal_offset,
+                    chunk_bytes,
+                    grid: blocks,
+                    block: opts.threads,
+                }),
+            ),
+            (None, _, Some((s, r))) => (s.region().sub(0, bytes)?, r.region().sub(0, bytes)?, None),
+            _ => {
+                return Err(Error::input(
+                    "all-to-all mode",
+                    format!("{} has no buffers", mode.name()),
+                ))
+            }
+        };
+    let op = || match &lsa {
+        Some(l) => ops::launch_alltoall(rank, l),
+        None => nccl_alltoall(rank, send, recv, chunk_bytes),
+    };
+    let what = |step: &str| format!("{} {bytes} B: {step}", mode.name());
+    let validate = |when: &str| -> Result<()> {
+        let c = check_pattern(rank, recv, chunk_bytes, world, me, seed, bufs.scratch.region())?;
+        match c.first_bad_word {
+            None if c.mismatches == 0 => Ok(()),
+            first => {
+                let word = first.unwrap_or(0);
+                let chunk_words = (chunk_bytes / 4) as u64;
+                let (peer, index) = (word / chunk_words, word % chunk_words);
+                Err(Error::Mismatch(format!(
+                    "all-to-all `{}`, {bytes} bytes per rank ({chunk_bytes} per peer), {when}: rank {me} \
+                     received wrong data from rank {peer} at 32-bit word {index} of its chunk (byte {}); \
+                     {} bad words in all; expected {:#010x}, seed {seed:#x}",
+                    mode.name(),
+                    index * 4,
+                    c.mismatches,
+                    pattern_word(seed, peer as u32, me as u32, index),
+                )))
+            }
+        }
+    };
+
+    if opts.validate {
+        fill_pattern(rank, send, chunk_bytes, world, me, seed)?;
+        rank.memset_u32(recv, POISON)?;
+        rank.wait(&what("fill and poison"))?;
+        op()?;
+        rank.wait(&what("validated run"))?;
+        validate("first run, into a poisoned buffer")?;
+    }
+    for _ in 0..opts.warmup {
+        op()?;
+    }
+    let events = (0..=opts.iters)
+        .map(|_| rank.event())
+        .collect::<Result<Vec<_>>>()?;
+    rank.record(&events[0])?;
+    for ev in &events[1..] {
+        op()?;
+        rank.record(ev)?;
+    }
+    rank.wait(&what("timed loop"))?;
+    let mut times = Vec::with_capacity(opts.iters);
+    for w in events.windows(2) {
+        times.push(f64::from(w[0].elapsed_ms(&w[1])?) * 1e3);
+    }
+    let mine = crate::backend::cuda::runtime::median(&mut times);
+    if opts.validate {
+        validate("after the timed loop")?;
+    }
+
+    let (time_us, time_us_min_rank) =
+        max_over_ranks(group, &format!("alltoall/{run}/t/{}/{bytes}", mode.name()), mine)?;
+    let algbw_gbps = bytes as f64 / (time_us * 1e3);
+    Ok(AlltoallPoint {
+        mode,
+        bytes,
+        chunk_bytes,
+        time_us,
+        time_us_min_rank,
+        algbw_gbps,
+        busbw_gbps: algbw_gbps * (world - 1) as f64 / world as f64,
+        validated: opts.validate,
+    })
+}
+
+/// (max, min) of one f64 per rank, through the store.
+fn max_over_ranks(group: &Group, name: &str, mine: f64) -> Result<(f64, f64)> {
+    let store = group.store();
+    store.set(
+        &group.key(&format!("{name}/{}", group.rank())),
+        &mine.to_le_bytes(),
+    )?;
+    let (mut hi, mut lo) = (mine, mine);
+    for r in 0..group.world() {
+        let key = group.key(&format!("{name}/{r}"));
+        let raw = store.get(&key, group.timeout())?;
+        let v = <[u8; 8]>::try_from(raw.as_slice())
+            .map(f64::from_le_bytes)
+            .map_err(|_| Error::Bootstrap(format!("store key `{key}` does not hold an f64")))?;
+        hi = hi.max(v);
+        lo = lo.min(v);
+    }
+    Ok((hi, lo))
+}
+
+/// Rank 0 measures GPU0 -> GPU1 over the copy engine while the others wait at a barrier.
+fn peer_copy(
+    group: &Group,
+    rank: &CudaRank,
+    opts: &AlltoallOptions,
+) -> Result<(Option<PeerCopy>, Option<String>)> {
+    if opts.peer_copy_bytes == 0 {
+        return Ok((None, Some("not requested".into())));
+    }
+    let gpus = driver::probe().map(|d| d.device_count).unwrap_or(0);
+    if gpus < 2 {
+        return Ok((None, Some(format!("needs 2 GPUs, this host has {gpus}"))));
+    }
+    group.barrier("alltoall/peer-copy-start")?;
+    let out = if group.rank() == 0 {
+        let dst = (rank.info().device + 1) % gpus as usize;
+        match rank.peer_copy(dst, opts.peer_copy_bytes, opts.peer_copy_iters) {
+            Ok(p) => (Some(p), None),
+            Err(e @ Error::Unavailable { .. }) => (None, Some(e.to_string())),
+            Err(e) => return Err(e),
+        }
+    } else {
+        (None, None)
+    };
+    group.barrier("alltoall/peer-copy-end")?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::group::StoreServer;
+
+    #[test]
+    fn sizes_follow_nccl_tests_and_round_to_whole_vectors_per_peer() {
+        let o = AlltoallOptions {
+            min_bytes: 1000,
+            max_bytes: 64_000,
+            factor: 4,
+            ..Default::default()
+        };
+        let s = o.sizes(3);
+        // 1000/3 = 333 -> 320 per peer; 4000/3 = 1333 -> 1328; 16000/3 -> 5328; 64000/3 -> 21328.
+        let chunks: Vec<usize> = s.iter().map(|p| p.chunk_bytes).collect();
+        assert_eq!(chunks, [320, 1328, 5328, 21328]);
+        assert!(s
+            .iter()
+            .all(|p| p.bytes == p.chunk_bytes * 3 && p.chunk_bytes.is_multiple_of(16)));
+        let d = AlltoallOptions::default().sizes(4);
+        assert_eq!(d.first().map(|p| p.bytes), Some(1 << 20));
+        assert_eq!(d.last().map(|p| p.bytes), Some(1 << 30));
+        assert_eq!(d.len(), 11);
+    }
+
+    #[test]
+    fn invalid_options_are_refused_naming_the_field() {
+        let ok = AlltoallOptions::default();
+        assert!(ok.validate(4).is_ok());
+        let cases: Vec<(AlltoallOptions, &str)> = vec![
+            (
+                AlltoallOptions {
+                    min_bytes: 0,
+                    ..ok.clone()
+                },
+                "min_bytes",
+            ),
+            (
+                AlltoallOptions {
+                    min_bytes: 2 << 30,
+                    ..ok.clone()
+                },
+                "min_bytes",
+            ),
+            (
+                AlltoallOptions {
+                    factor: 1,
+                    ..ok.clone()
+                },
+                "factor",
+            ),
+            (
+                AlltoallOptions {
+                    iters: 0,
+                    ..ok.clone()
+                },
+                "iters",
+            ),
+            (
+                AlltoallOptions {
+                    threads: 100,
+                    ..ok.clone()
+                },
+                "threads",
+            ),
+            (
+                AlltoallOptions {
+                    threads: 1024,
+                    ..ok.clone()
+                },
+                "threads",
+            ),
+            (
+                AlltoallOptions {
+                    blocks: Some(0),
+                    ..ok.clone()
+                },
+                "blocks",
+            ),
+            (
+                AlltoallOptions {
+                    blocks: Some(MAX_BLOCKS + 1),
+                    ..ok.clone()
+                },
+                "blocks",
+            ),
+            (
+                AlltoallOptions {
+                    modes: vec![],
+                    ..ok.clone()
+                },
+                "modes",
+            ),
+            (
+                AlltoallOptions {
+                    modes: vec![AlltoallMode::Nccl, AlltoallMode::Nccl],
+                    ..ok.clone()
+                },
+                "modes",
+            ),
+            (
+                AlltoallOptions {
+                    max_bytes: 32 << 30,
+                    ..ok.clone()
+                },
+                "max_bytes",
+            ),
+            (
+                AlltoallOptions {
+                    min_bytes: 16,
+                    max_bytes: 16,
+                    ..ok.clone()
+                },
+                "max_bytes",
+            ),
+        ];
+        for (o, field) in cases {
+            let e = o.validate(4).unwrap_err();
+            assert!(e.is_usage() && e.to_string().contains(field), "{field}: {e}");
+        }
+        // One size, factor irrelevant.
+        let single = AlltoallOptions {
+            min_bytes: 1 << 20,
+            max_bytes: 1 << 20,
+            factor: 1,
+            ..ok
+        };
+        assert_eq!(single.validate(2).map(|_| single.sizes(2).len()).unwrap(), 1);
+    }
+
+    #[test]
+    fn mode_lists_parse_and_bad_names_list_the_known_ones() {
+        assert_eq!(
+            AlltoallMode::parse_list("nccl, lsa-opt").unwrap(),
+            [AlltoallMode::Nccl, AlltoallMode::LsaOpt]
+        );
+        assert_eq!(
+            AlltoallMode::parse_list("all").unwrap().len(),
+            AlltoallMode::ALL.len()
+        );
+        let e = AlltoallMode::parse_list("nccl,lsa-fast").unwrap_err().to_string();
+        assert!(e.contains("lsa-fast") && e.contains("lsa-pull"), "{e}");
+        assert!(AlltoallMode::parse_list("gin,gin").is_err());
+        assert!(AlltoallMode::parse_list(" , ").is_err());
+        assert!(!AlltoallMode::defaults().contains(&AlltoallMode::LsaOptNcclbar));
+    }
+
+    #[test]
+    fn pattern_mirror_matches_the_cuda_rule() {
+        // Values printed by kernels/pattern.cu's pattern_word compiled for the host
+        // (it is __host__ __device__), so the two definitions cannot drift apart unseen.
+        assert_eq!(pattern_word(7, 1, 2, 1000), 280_327_568);
+        assert_eq!(pattern_word(0x6769_656e, 3, 0, 123_456_789), 4_274_822_931);
+        assert_eq!(pattern_word(0, 0, 0, 0), 0);
+    }
+
+    #[test]
+    fn pattern_differs_across_every_coordinate() {
+        let base = pattern_word(7, 1, 2, 1000);
+        assert_ne!(base, pattern_word(8, 1, 2, 1000), "seed");
+        assert_ne!(base, pattern_word(7, 2, 1, 1000), "swapped ranks");
+        assert_ne!(base, pattern_word(7, 1, 2, 1001), "index");
+        // Poison never looks like a plausible run of the pattern for long.
+        let hits = (0..4096u64)
+            .filter(|&j| pattern_word(7, 1, 2, j) == POISON)
+            .count();
+        assert!(hits <= 1);
+    }
+
+    #[test]
+    fn window_layout_keeps_regions_apart_and_aligned() {
+        let l = layout(3 * 1000 * 16, 3);
+        assert_eq!(l.send_offset, 0);
+        assert!(l.recv_offset >= 48_000 && l.recv_offset.is_multiple_of(4096));
+        assert!(l.signal_offset >= l.recv_offset + 48_000 && l.signal_offset.is_multiple_of(4096));
+        assert_eq!(l.window_bytes, l.signal_offset + MAX_BLOCKS as usize * 3 * 8);
+    }
+
+    #[test]
+    fn without_a_gpu_run_rank_is_an_error_not_a_panic() {
+        if driver::probe().is_ok() {
+            eprintln!("skipped: this machine has a CUDA driver");
+            return;
+        }
+        let server = StoreServer::bind("127.0.0.1:0").unwrap();
+        let group = Group::join(0, 1, &server.addr().to_string(), Duration::from_secs(5)).unwrap();
+        let e = run_rank(&group, &AlltoallOptions::default()).unwrap_err();
+        assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");
+        group.close().unwrap();
+    }
+}

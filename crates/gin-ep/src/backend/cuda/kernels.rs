@@ -1,0 +1,123 @@
+//! The compiled CUDA kernels: one fatbin embedded at build time, plus what built it.
+//!
+//! Owns: the bytes handed to `cuModuleLoadData` and the build facts (NCCL header version,
+//! nvcc, targets). Never: loads the module or touches a GPU; the cuda backend does.
+//! `build.rs` decides what lands here; without nvcc the library still builds and
+//! [`KERNELS_FATBIN`] is `None`, with [`KERNELS_ABSENT_REASON`] saying why.
+
+include!(concat!(env!("OUT_DIR"), "/kernels_meta.rs"));
+
+/// 8-byte-or-better alignment for the embedded image: `include_bytes!` gives alignment 1,
+/// and the CUDA driver reads the fatbin header with aligned loads.
+#[cfg(not(gin_ep_no_kernels))]
+#[repr(C, align(64))]
+struct Aligned<T: ?Sized>(T);
+
+#[cfg(not(gin_ep_no_kernels))]
+static FATBIN: &Aligned<[u8]> = &Aligned(*include_bytes!(concat!(env!("OUT_DIR"), "/gin_ep.fatbin")));
+
+/// The kernels' fatbin (sm_90 SASS, compute_90 PTX, sm_100 SASS when nvcc knew it), or
+/// `None` when this build had no CUDA compiler.
+#[cfg(not(gin_ep_no_kernels))]
+pub const KERNELS_FATBIN: Option<&[u8]> = Some(&FATBIN.0);
+/// The kernels' fatbin, or `None` when this build had no CUDA compiler.
+#[cfg(gin_ep_no_kernels)]
+pub const KERNELS_FATBIN: Option<&[u8]> = None;
+
+/// Kernel entry points in the fatbin (extern "C" names in kernels/alltoall.cu).
+pub mod names {
+    /// (peer, slice) work items strided over blocks, 4-byte stores: the baseline.
+    pub const ALLTOALL_LSA_SIMPLE: &str = "gin_ep_alltoall_lsa_simple";
+    /// Push: 16-byte vectors, 4 peers in flight per warp, grid-stride.
+    pub const ALLTOALL_LSA_OPT: &str = "gin_ep_alltoall_lsa_opt";
+    /// Pull: as `lsa_opt` but reads peers' send buffers (in the window) and stores locally.
+    pub const ALLTOALL_LSA_PULL: &str = "gin_ep_alltoall_lsa_pull";
+    /// `lsa_opt` with NCCL's ncclLsaBarrierSession (no deadline), for comparison.
+    pub const ALLTOALL_LSA_OPT_NCCL_BARRIER: &str = "gin_ep_alltoall_lsa_opt_nccl_barrier";
+    /// GIN put + signal stub; present only when the NCCL headers had ncclGin.
+    pub const ALLTOALL_GIN: &str = "gin_ep_alltoall_gin";
+    /// Writes the all-to-all test pattern into a send buffer (kernels/pattern.cu).
+    pub const PATTERN_FILL: &str = "gin_ep_pattern_fill";
+    /// Counts receive-buffer words that differ from the pattern; keeps the first index.
+    pub const PATTERN_CHECK: &str = "gin_ep_pattern_check";
+}
+
+/// Host mirror of `gin_ep::FabricError` (kernels/common/fabric.cuh): the first failed
+/// wait of a launch, in host-mapped memory, read after the kernel ends.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FabricError {
+    /// 0 = no error.
+    pub claimed: u32,
+    /// `FabricPhase`: 1 all-to-all start barrier, 2 all-to-all end barrier, 3 GIN signal.
+    pub phase: u32,
+    /// Team rank that did not arrive (-1: unknown, e.g. a GIN signal count).
+    pub peer: i32,
+    pub rank: i32,
+    pub block: u32,
+    pub pad: u32,
+    pub waited_ns: u64,
+}
+
+/// Host mirror of `gin_ep::AlltoallArgs` (kernels/alltoall.cu), the one parameter of every
+/// LSA all-to-all kernel.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct AlltoallArgs {
+    pub comm: gin_ep_sys::ncclDevComm,
+    pub win: gin_ep_sys::ncclWindow_t,
+    /// Local device memory, n_ranks * chunk_bytes.
+    pub send: *const u8,
+    /// Where `send` lies in the window (pull kernels read peers' send buffers there).
+    pub send_offset: usize,
+    pub recv_offset: usize,
+    pub signal_offset: usize,
+    pub chunk_bytes: usize,
+    /// Launch counter e; the kernel's barriers use epochs 2e+1 and 2e+2.
+    pub epoch: u64,
+    pub timeout_ns: u64,
+    pub err: *mut FabricError,
+}
+
+/// Host mirror of `gin_ep::PatternArgs` (kernels/pattern.cu), the one parameter of the
+/// pattern fill and check kernels.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct PatternArgs {
+    /// n_ranks chunks of chunk_words 32-bit words (device memory).
+    pub buf: u64,
+    pub chunk_words: u64,
+    pub n_ranks: u32,
+    /// Fill: the sending rank; check: the receiving rank.
+    pub rank: u32,
+    pub seed: u32,
+    pub pad: u32,
+    /// Check only: two u64 in device memory, mismatches and first bad word index.
+    pub out: u64,
+}
+
+// Same numbers as the static_asserts in fabric.cuh / alltoall.cu / pattern.cu.
+const _: () = assert!(std::mem::size_of::<FabricError>() == 32);
+const _: () = assert!(std::mem::size_of::<AlltoallArgs>() == 272);
+const _: () = assert!(std::mem::offset_of!(AlltoallArgs, err) == 264);
+const _: () = assert!(std::mem::size_of::<PatternArgs>() == 40);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fatbin_presence_matches_the_reason() {
+        assert_eq!(KERNELS_FATBIN.is_none(), KERNELS_ABSENT_REASON.is_some());
+    }
+
+    #[cfg(not(gin_ep_no_kernels))]
+    #[test]
+    fn embedded_fatbin_is_aligned_and_starts_with_the_fatbin_magic() {
+        let bytes = KERNELS_FATBIN.unwrap();
+        assert_eq!(bytes.as_ptr() as usize % 8, 0);
+        // fatbinary's header magic, 0xBA55ED50 little-endian.
+        assert_eq!(&bytes[..4], &[0x50, 0xed, 0x55, 0xba]);
+        assert_eq!(NCCL_HEADER_VERSION.map(|v| v >= 22800), Some(true));
+    }
+}

@@ -1,0 +1,350 @@
+//! Typed launches of the embedded kernels: the only way library code starts a kernel.
+//!
+//! Owns: building each kernel's parameter block from safe owners ([`Window`], [`DevComm`],
+//! [`DeviceRegion`]) and checking, before the launch, every bound the kernels rely on and do
+//! not re-check (offsets inside the window, 16-byte alignment, grid and block limits, the
+//! LSA team spanning the whole group). Never: allocates, or waits (callers wait with
+//! [`CudaRank::wait`], which also reports missed in-kernel deadlines).
+
+use super::kernels::{names, AlltoallArgs, PatternArgs};
+use super::runtime::{CudaRank, DevComm, DeviceRegion, Window};
+use crate::error::{Error, Result};
+use gin_ep_sys as ns;
+
+/// Most threads per block of the all-to-all kernels (`kMaxThreads` in kernels/alltoall.cu).
+pub const MAX_THREADS: u32 = 512;
+
+/// Which LSA all-to-all kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AlltoallKernel {
+    /// Baseline: 4-byte stores, (peer, slice) items per block.
+    LsaSimple,
+    /// Push with 16-byte stores, peers interleaved per warp.
+    LsaOpt,
+    /// Pull with 16-byte NVLink loads (send buffer inside the window).
+    LsaPull,
+    /// `LsaOpt` with NCCL's ncclLsaBarrierSession (no deadline) instead of ours; needs a
+    /// device communicator with `lsa_barriers >= grid`.
+    LsaOptNcclBarrier,
+}
+
+impl AlltoallKernel {
+    fn name(self) -> &'static str {
+        match self {
+            AlltoallKernel::LsaSimple => names::ALLTOALL_LSA_SIMPLE,
+            AlltoallKernel::LsaOpt => names::ALLTOALL_LSA_OPT,
+            AlltoallKernel::LsaPull => names::ALLTOALL_LSA_PULL,
+            AlltoallKernel::LsaOptNcclBarrier => names::ALLTOALL_LSA_OPT_NCCL_BARRIER,
+        }
+    }
+}
+
+/// One all-to-all launch over a window laid out as: send region (`n * chunk_bytes` at
+/// `send_offset`), receive region (`n * chunk_bytes` at `recv_offset`), and the deadline
+/// barrier's signal words (`grid * n` u64 at `signal_offset`, zero at window creation and
+/// used by every later launch with growing epochs).
+#[derive(Clone, Copy, Debug)]
+pub struct AlltoallLaunch<'a> {
+    pub kernel: AlltoallKernel,
+    pub window: &'a Window,
+    pub dev_comm: &'a DevComm,
+    pub send_offset: usize,
+    pub recv_offset: usize,
+    pub signal_offset: usize,
+    pub chunk_bytes: usize,
+    pub grid: u32,
+    pub block: u32,
+}
+
+fn bad(what: &str, reason: String) -> Error {
+    Error::input(format!("all-to-all launch: {what}"), reason)
+}
+
+impl AlltoallLaunch<'_> {
+    /// Every bound the kernel assumes, for a group of `world` ranks.
+    pub fn check(&self, world: usize) -> Result<()> {
+        let (_, lsa_size) = self.dev_comm.lsa();
+        if lsa_size != world {
+            return Err(Error::Unavailable {
+                backend: "cuda",
+                reason: format!(
+                    "LSA kernels need every rank reachable by NVLink load/store; the LSA team \
+                     has {lsa_size} of {world} ranks"
+                ),
+            });
+        }
+        if self.chunk_bytes == 0 || !self.chunk_bytes.is_multiple_of(16) {
+            return Err(bad(
+                "chunk_bytes",
+                format!("{} is not a positive multiple of 16", self.chunk_bytes),
+            ));
+        }
+        for (name, off) in [
+            ("send_offset", self.send_offset),
+            ("recv_offset", self.recv_offset),
+            ("signal_offset", self.signal_offset),
+        ] {
+            if !off.is_multiple_of(16) {
+                return Err(bad(name, format!("{off} is not 16-byte aligned")));
+            }
+        }
+        if self.grid == 0 || self.block == 0 || !self.block.is_multiple_of(32) || self.block > MAX_THREADS {
+            return Err(bad(
+                "grid/block",
+                format!(
+                    "grid {} block {}: need grid >= 1 and a block of 32..={MAX_THREADS} threads in whole warps",
+                    self.grid, self.block
+                ),
+            ));
+        }
+        if self.kernel == AlltoallKernel::LsaOptNcclBarrier
+            && self.dev_comm.request().lsa_barriers < self.grid
+        {
+            return Err(bad(
+                "grid",
+                format!(
+                    "{} blocks but the device communicator has {} NCCL LSA barriers",
+                    self.grid,
+                    self.dev_comm.request().lsa_barriers
+                ),
+            ));
+        }
+        let data = self
+            .chunk_bytes
+            .checked_mul(world)
+            .ok_or_else(|| bad("chunk_bytes", "overflows".into()))?;
+        let signals = self.grid as usize * world * 8;
+        let ranges = [
+            ("send region", self.send_offset, data),
+            ("receive region", self.recv_offset, data),
+            ("signal words", self.signal_offset, signals),
+        ];
+        for (name, off, len) in ranges {
+            if off.checked_add(len).is_none_or(|end| end > self.window.len()) {
+                return Err(bad(
+                    name,
+                    format!(
+                        "[{off}, +{len}) exceeds the window of {} bytes",
+                        self.window.len()
+                    ),
+                ));
+            }
+        }
+        for (i, a) in ranges.iter().enumerate() {
+            for b in &ranges[i + 1..] {
+                if a.1 < b.1 + b.2 && b.1 < a.1 + a.2 {
+                    return Err(bad(a.0, format!("overlaps the {}", b.0)));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Launches one all-to-all on the rank's stream (checked first; takes the next barrier
+/// epoch, so every rank must launch the same sequence of barrier kernels).
+pub fn launch_alltoall(rank: &CudaRank, l: &AlltoallLaunch<'_>) -> Result<()> {
+    l.check(rank.info().world)?;
+    let send = l
+        .window
+        .region(l.send_offset, l.chunk_bytes * rank.info().world)?;
+    let args = AlltoallArgs {
+        comm: l.dev_comm.raw(),
+        win: l.window.raw(),
+        send: send.ptr as *const u8,
+        send_offset: l.send_offset,
+        recv_offset: l.recv_offset,
+        signal_offset: l.signal_offset,
+        chunk_bytes: l.chunk_bytes,
+        epoch: rank.next_epoch(),
+        timeout_ns: u64::try_from(rank.options().kernel_timeout.as_nanos()).unwrap_or(u64::MAX),
+        err: rank.fabric_err_dev() as *mut _,
+    };
+    // SAFETY: AlltoallArgs mirrors the kernel parameter (size asserts on both sides); the
+    // window, device communicator and error record outlive the launch (callers wait before
+    // dropping them: CudaRank's Drop waits, and windows hold the communicator); check()
+    // proved every region the kernel touches lies inside the window.
+    unsafe { rank.launch(l.kernel.name(), l.grid, l.block, &args) }
+}
+
+/// Threads and blocks of the pattern kernels: memory-bound grid-stride loops.
+const PATTERN_BLOCK: u32 = 256;
+
+fn pattern_grid(rank: &CudaRank) -> u32 {
+    rank.info().sm_count.max(1) * 8
+}
+
+fn pattern_args(
+    buf: DeviceRegion<'_>,
+    chunk_bytes: usize,
+    n_ranks: usize,
+    rank: usize,
+    seed: u32,
+) -> Result<PatternArgs> {
+    if chunk_bytes == 0
+        || !chunk_bytes.is_multiple_of(4)
+        || chunk_bytes.checked_mul(n_ranks) != Some(buf.len())
+    {
+        return Err(Error::input(
+            "pattern buffer",
+            format!(
+                "{} bytes is not {n_ranks} chunks of {chunk_bytes} (a positive multiple of 4)",
+                buf.len()
+            ),
+        ));
+    }
+    Ok(PatternArgs {
+        buf: buf.ptr,
+        chunk_words: (chunk_bytes / 4) as u64,
+        n_ranks: n_ranks as u32,
+        rank: rank as u32,
+        seed,
+        pad: 0,
+        out: 0,
+    })
+}
+
+/// Writes the all-to-all test pattern of sender `src_rank` into `buf` (`n_ranks` chunks).
+pub fn fill_pattern(
+    rank: &CudaRank,
+    buf: DeviceRegion<'_>,
+    chunk_bytes: usize,
+    n_ranks: usize,
+    src_rank: usize,
+    seed: u32,
+) -> Result<()> {
+    let args = pattern_args(buf, chunk_bytes, n_ranks, src_rank, seed)?;
+    // SAFETY: PatternArgs mirrors the parameter; buf is live and exactly n_ranks chunks.
+    unsafe { rank.launch(names::PATTERN_FILL, pattern_grid(rank), PATTERN_BLOCK, &args) }
+}
+
+/// What [`check_pattern`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PatternCheck {
+    pub mismatches: u64,
+    /// Lowest bad 32-bit word index in the buffer.
+    pub first_bad_word: Option<u64>,
+}
+
+/// Checks that `buf` holds what receiver `dst_rank` must get from every sender, on the
+/// device; `scratch` (16 bytes of device memory) receives the counters. Waits (bounded).
+pub fn check_pattern(
+    rank: &CudaRank,
+    buf: DeviceRegion<'_>,
+    chunk_bytes: usize,
+    n_ranks: usize,
+    dst_rank: usize,
+    seed: u32,
+    scratch: DeviceRegion<'_>,
+) -> Result<PatternCheck> {
+    let mut args = pattern_args(buf, chunk_bytes, n_ranks, dst_rank, seed)?;
+    let out = scratch.sub(0, 16)?;
+    rank.memset_u32(out.sub(0, 8)?, 0)?;
+    rank.memset_u32(out.sub(8, 8)?, u32::MAX)?;
+    args.out = out.ptr;
+    // SAFETY: as in fill_pattern; out is 16 live bytes of device memory.
+    unsafe { rank.launch(names::PATTERN_CHECK, pattern_grid(rank), PATTERN_BLOCK, &args)? };
+    let [mismatches, first] = rank.read_u64_pair(out)?;
+    Ok(PatternCheck {
+        mismatches,
+        first_bad_word: (first != u64::MAX).then_some(first),
+    })
+}
+
+/// How the `nccl` all-to-all is issued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum NcclAlltoallApi {
+    /// `ncclAlltoAll` (NCCL >= 2.28).
+    AlltoAll,
+    /// `ncclGroupStart`, one `ncclSend` + `ncclRecv` per peer, `ncclGroupEnd`.
+    GroupedSendRecv,
+}
+
+/// The API [`nccl_alltoall`] uses with the loaded NCCL.
+pub fn nccl_alltoall_api(rank: &CudaRank) -> NcclAlltoallApi {
+    if rank.nccl().ncclAlltoAll.is_some() {
+        NcclAlltoallApi::AlltoAll
+    } else {
+        NcclAlltoallApi::GroupedSendRecv
+    }
+}
+
+/// NCCL's own all-to-all on the rank's stream: chunk p of `send` to rank p, chunk s of
+/// `recv` from rank s (bytes, ncclUint8).
+pub fn nccl_alltoall(
+    rank: &CudaRank,
+    send: DeviceRegion<'_>,
+    recv: DeviceRegion<'_>,
+    chunk_bytes: usize,
+) -> Result<()> {
+    let n = rank.info().world;
+    let total = chunk_bytes.checked_mul(n);
+    if chunk_bytes == 0 || total != Some(send.len()) || total != Some(recv.len()) {
+        return Err(Error::input(
+            "nccl all-to-all",
+            format!(
+                "send {} / recv {} bytes are not {n} chunks of {chunk_bytes}",
+                send.len(),
+                recv.len()
+            ),
+        ));
+    }
+    let nccl = rank.nccl();
+    let comm = rank.raw_comm();
+    let stream = rank.stream() as ns::cudaStream_t;
+    let check = |call: &str, r: ns::ncclResult_t| rank.comm_check(call, r);
+    // SAFETY: send and recv are live device regions of n * chunk_bytes (checked above) that
+    // outlive the operation (callers wait before dropping them); comm and stream are live.
+    unsafe {
+        match nccl.ncclAlltoAll {
+            Some(a2a) => check(
+                "ncclAlltoAll",
+                a2a(
+                    send.ptr as *const _,
+                    recv.ptr as *mut _,
+                    chunk_bytes,
+                    ns::ncclUint8,
+                    comm,
+                    stream,
+                ),
+            ),
+            None => {
+                check("ncclGroupStart", (nccl.ncclGroupStart)())?;
+                let mut out = Ok(());
+                for p in 0..n {
+                    let off = (p * chunk_bytes) as u64;
+                    out = out
+                        .and_then(|_| {
+                            check(
+                                "ncclSend",
+                                (nccl.ncclSend)(
+                                    (send.ptr + off) as *const _,
+                                    chunk_bytes,
+                                    ns::ncclUint8,
+                                    p as i32,
+                                    comm,
+                                    stream,
+                                ),
+                            )
+                        })
+                        .and_then(|_| {
+                            check(
+                                "ncclRecv",
+                                (nccl.ncclRecv)(
+                                    (recv.ptr + off) as *mut _,
+                                    chunk_bytes,
+                                    ns::ncclUint8,
+                                    p as i32,
+                                    comm,
+                                    stream,
+                                ),
+                            )
+                        });
+                }
+                // The group must be closed even after a failed call inside it.
+                let end = check("ncclGroupEnd", (nccl.ncclGroupEnd)());
+                out.and(end)
+            }
+        }
+    }
+}

@@ -1,0 +1,1151 @@
+//! The CUDA runtime of one rank: one process per GPU, its context, stream, kernels and NCCL
+//! communicator, and the memory that kernels reach peers through.
+//!
+//! Owns: every raw CUDA driver and NCCL handle of a rank, each behind a safe owner whose
+//! `Drop` releases it: [`CudaRank`] (context, stream, module, host-mapped error record, NCCL
+//! communicator), [`Window`] (ncclMemAlloc + symmetric registration), [`DevComm`]
+//! (ncclDevCommCreate), [`DeviceBuffer`] (cuMemAlloc), [`Event`]. Never: decides buffer
+//! layouts or which kernel runs (the callers do, through the typed launches in
+//! [`super::ops`]), or waits on the device without a deadline.
+//!
+//! Drop order is carried by reference counts, not by the caller's discipline: windows and
+//! device communicators hold the communicator (`Rc<Comm>`), which holds the context, so a
+//! window is deregistered and freed, then a device communicator destroyed, before the
+//! communicator is finalized and destroyed, and the context goes last. A communicator that
+//! saw a failure (missed deadline, NCCL error) is aborted instead of finalized, because
+//! finalize waits for peers that may be gone.
+//!
+//! Waits: NCCL's collective setup calls (ncclCommInitRank, window registration,
+//! ncclDevCommCreate) block inside NCCL, which bounds them with its own bootstrap timeouts;
+//! every wait on the stream is ours and polls with a deadline ([`CudaRank::wait`]).
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::path::Path;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{result, sys, CudaContext, DriverError};
+use gin_ep_sys as ns;
+
+use super::kernels::FabricError;
+use super::{check_nccl_version, driver, kernels_fatbin};
+use crate::error::{Error, Result};
+use crate::group::Group;
+
+// ---------------------------------------------------------------------------------------
+// Error helpers
+
+fn unavailable(e: impl ToString) -> Error {
+    Error::Unavailable {
+        backend: "cuda",
+        reason: e.to_string(),
+    }
+}
+
+fn cu<T>(call: &str, r: std::result::Result<T, DriverError>) -> Result<T> {
+    r.map_err(|e| Error::Device {
+        call: call.to_string(),
+        reason: format!("{e:?}"),
+    })
+}
+
+fn cu_raw(call: &str, r: sys::CUresult) -> Result<()> {
+    cu(call, r.result())
+}
+
+/// Turns an NCCL status into a typed error with NCCL's own last message.
+fn nccl_ok(nccl: &ns::Nccl, comm: ns::ncclComm_t, call: &str, r: ns::ncclResult_t) -> Result<()> {
+    if r == ns::ncclSuccess {
+        return Ok(());
+    }
+    // SAFETY: ncclGetLastError accepts a null or live communicator and returns a C string
+    // owned by NCCL that stays valid until the next NCCL call on this thread.
+    let last = unsafe { ns::c_text((nccl.ncclGetLastError)(comm)) };
+    Err(Error::Device {
+        call: call.to_string(),
+        reason: format!(
+            "{} (ncclResult {r}){}",
+            nccl.error_string(r),
+            if last.is_empty() {
+                String::new()
+            } else {
+                format!(": {last}")
+            }
+        ),
+    })
+}
+
+/// Names of the kernel phases in `FabricError::phase` (kernels/common/fabric.cuh).
+pub fn fabric_phase_name(phase: u32) -> &'static str {
+    match phase {
+        1 => "all-to-all start barrier",
+        2 => "all-to-all end barrier",
+        3 => "GIN signal wait",
+        _ => "unknown kernel phase",
+    }
+}
+
+/// The error a recorded missed deadline stands for.
+pub fn fabric_error_to_error(rec: &FabricError, seq: u64) -> Error {
+    let waited = Duration::from_nanos(rec.waited_ns);
+    let phase = fabric_phase_name(rec.phase);
+    match usize::try_from(rec.peer) {
+        Ok(peer) => Error::Timeout {
+            phase,
+            rank: usize::try_from(rec.rank).unwrap_or(usize::MAX),
+            peer,
+            seq,
+            waited,
+        },
+        // A counter (GIN signal) does not say which peer is late.
+        Err(_) => Error::Device {
+            call: format!("kernel, {phase} (block {})", rec.block),
+            reason: format!(
+                "rank {} gave up after {waited:?}: some peer did not signal",
+                rec.rank
+            ),
+        },
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// GIN availability, decided without asking NCCL for GIN (that request crashes NCCL 2.28.9
+// later on a host without an RDMA NIC; shared/ANCHORS.md).
+
+/// Whether this host has a network GIN could use: an RDMA device with an active port under
+/// `/sys/class/infiniband`, and NCCL not told to avoid it (`NCCL_NET=Socket`,
+/// `NCCL_IB_DISABLE=1`). `Err` holds the reason for the "needs a GIN-capable network"
+/// message. This is necessary, not sufficient: NCCL may still lack a GIN plugin for it.
+pub fn gin_network() -> std::result::Result<String, String> {
+    gin_network_at(Path::new("/sys/class/infiniband"), &|k| std::env::var(k).ok())
+}
+
+fn gin_network_at(sysfs: &Path, env: &dyn Fn(&str) -> Option<String>) -> std::result::Result<String, String> {
+    if env("NCCL_NET").is_some_and(|v| v.eq_ignore_ascii_case("socket")) {
+        return Err("NCCL_NET=Socket excludes RDMA".into());
+    }
+    if env("NCCL_IB_DISABLE").is_some_and(|v| v.trim() == "1") {
+        return Err("NCCL_IB_DISABLE=1 excludes RDMA".into());
+    }
+    let Ok(devices) = std::fs::read_dir(sysfs) else {
+        return Err(format!("no RDMA device found ({} absent)", sysfs.display()));
+    };
+    let mut seen = Vec::new();
+    for dev in devices.flatten() {
+        let name = dev.file_name().to_string_lossy().into_owned();
+        let ports = std::fs::read_dir(dev.path().join("ports")).into_iter().flatten();
+        for port in ports.flatten() {
+            let state = std::fs::read_to_string(port.path().join("state")).unwrap_or_default();
+            // sysfs writes e.g. "4: ACTIVE".
+            if state.contains("ACTIVE") {
+                return Ok(format!("{name} port {}", port.file_name().to_string_lossy()));
+            }
+            seen.push(format!("{name}: {}", state.trim()));
+        }
+    }
+    if seen.is_empty() {
+        Err("no RDMA device found".into())
+    } else {
+        Err(format!("no RDMA port is ACTIVE ({})", seen.join(", ")))
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Communicator
+
+/// An NCCL communicator (`ncclCommInitRank`). Finalized and destroyed on drop, or aborted
+/// when [`Comm::mark_failed`] was called.
+pub struct Comm {
+    raw: ns::ncclComm_t,
+    failed: AtomicBool,
+    nccl: Arc<ns::Nccl>,
+    ctx: Arc<CudaContext>,
+}
+
+impl Comm {
+    /// From now on, drop aborts instead of finalizing (a peer may be gone).
+    pub fn mark_failed(&self) {
+        self.failed.store(true, Ordering::Relaxed);
+    }
+
+    fn check(&self, call: &str, r: ns::ncclResult_t) -> Result<()> {
+        let out = nccl_ok(&self.nccl, self.raw, call, r);
+        if out.is_err() {
+            self.mark_failed();
+        }
+        out
+    }
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: raw is a live communicator; every window and device communicator made on
+        // it held an Arc to this Comm and is gone. Errors at teardown are not actionable.
+        unsafe {
+            if !self.failed.load(Ordering::Relaxed) {
+                let _ = (self.nccl.ncclCommFinalize)(self.raw);
+                let _ = (self.nccl.ncclCommDestroy)(self.raw);
+            } else {
+                let _ = (self.nccl.ncclCommAbort)(self.raw);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Memory
+
+/// A non-owning view of device memory borrowed from a [`DeviceBuffer`] or [`Window`]: what
+/// the typed launches take, so a kernel never sees memory that may already be freed.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceRegion<'a> {
+    pub(crate) ptr: sys::CUdeviceptr,
+    pub(crate) bytes: usize,
+    _owner: std::marker::PhantomData<&'a ()>,
+}
+
+impl<'a> DeviceRegion<'a> {
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// True for an empty region.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// A sub-range, checked.
+    pub fn sub(&self, offset: usize, bytes: usize) -> Result<DeviceRegion<'a>> {
+        region(self.ptr, self.bytes, offset, bytes)
+    }
+}
+
+fn region<'a>(base: sys::CUdeviceptr, len: usize, offset: usize, bytes: usize) -> Result<DeviceRegion<'a>> {
+    match offset.checked_add(bytes) {
+        Some(end) if end <= len => Ok(DeviceRegion {
+            ptr: base + offset as u64,
+            bytes,
+            _owner: std::marker::PhantomData,
+        }),
+        _ => Err(Error::input(
+            "device region",
+            format!("[{offset}, {offset}+{bytes}) is outside a buffer of {len} bytes"),
+        )),
+    }
+}
+
+/// Device memory from cuMemAlloc, freed on drop.
+pub struct DeviceBuffer {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl DeviceBuffer {
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// True for an empty buffer.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// The whole buffer as a region.
+    pub fn region(&self) -> DeviceRegion<'_> {
+        DeviceRegion {
+            ptr: self.ptr,
+            bytes: self.bytes,
+            _owner: std::marker::PhantomData,
+        }
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: ptr came from malloc_sync in this context and is freed once. cuMemFree
+        // waits for work using it to finish.
+        unsafe {
+            let _ = result::free_sync(self.ptr);
+        }
+    }
+}
+
+/// Pinned host memory mapped into the device (cuMemHostAlloc DEVICEMAP): kernels write
+/// error records here, and the host reads them without a copy.
+struct HostMapped<T: Copy + Default> {
+    host: *mut T,
+    dev: sys::CUdeviceptr,
+    ctx: Arc<CudaContext>,
+}
+
+impl<T: Copy + Default> HostMapped<T> {
+    fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
+        // SAFETY: allocates size_of::<T>() pinned bytes; we initialize them at once below
+        // and only read them as T, a plain-old-data mirror.
+        unsafe {
+            let host = cu(
+                "cuMemHostAlloc",
+                result::malloc_host(
+                    std::mem::size_of::<T>(),
+                    sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+                ),
+            )? as *mut T;
+            let mut dev = 0;
+            let got = sys::cuMemHostGetDevicePointer_v2(&mut dev, host as *mut c_void, 0);
+            let this = HostMapped {
+                host,
+                dev,
+                ctx: ctx.clone(),
+            };
+            cu_raw("cuMemHostGetDevicePointer", got)?;
+            this.write(T::default());
+            Ok(this)
+        }
+    }
+
+    /// Volatile: the device writes this memory behind the compiler's back.
+    fn read(&self) -> T {
+        // SAFETY: host points to a live, initialized, aligned T.
+        unsafe { std::ptr::read_volatile(self.host) }
+    }
+
+    fn write(&self, v: T) {
+        // SAFETY: as in read; callers write only while no kernel using it runs.
+        unsafe { std::ptr::write_volatile(self.host, v) }
+    }
+}
+
+impl<T: Copy + Default> Drop for HostMapped<T> {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: host came from malloc_host and is freed once.
+        unsafe {
+            let _ = result::free_host(self.host as *mut c_void);
+        }
+    }
+}
+
+/// Symmetric memory: `ncclMemAlloc` registered with `ncclCommWindowRegister` as
+/// NCCL_WIN_COLL_SYMMETRIC, so kernels reach every rank's copy through LSA pointers.
+/// Collective: every rank creates the same windows, same sizes, same order. Zeroed at
+/// creation, before registration completes anywhere, so signal words start at 0 on all
+/// ranks before any peer can write them.
+pub struct Window {
+    raw: ns::ncclWindow_t,
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    comm: Rc<Comm>,
+}
+
+impl Window {
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// True for an empty window (never: creation refuses size 0).
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// The local copy (or a part of it) as a region.
+    pub fn region(&self, offset: usize, bytes: usize) -> Result<DeviceRegion<'_>> {
+        region(self.ptr, self.bytes, offset, bytes)
+    }
+
+    pub(crate) fn raw(&self) -> ns::ncclWindow_t {
+        self.raw
+    }
+}
+
+impl std::fmt::Debug for Window {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Window")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        if self.comm.failed.load(Ordering::Relaxed) {
+            // Deregistration is collective and peers may be gone; the abort of the
+            // communicator and the end of the process reclaim the window and its memory.
+            return;
+        }
+        let _ = self.comm.ctx.bind_to_thread();
+        let nccl = &self.comm.nccl;
+        // SAFETY: raw was registered on comm (alive: we hold it) and ptr came from
+        // ncclMemAlloc; each is released once, deregistration first.
+        unsafe {
+            if let Some(dereg) = nccl.ncclCommWindowDeregister {
+                let _ = dereg(self.comm.raw, self.raw);
+            }
+            let _ = (nccl.ncclMemFree)(self.ptr as *mut c_void);
+        }
+    }
+}
+
+/// What a device communicator must provide.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DevCommRequest {
+    /// NCCL LSA barriers (one per block that uses `ncclLsaBarrierSession`).
+    pub lsa_barriers: u32,
+    /// GIN signals; > 0 asks NCCL for GIN, allowed only where [`gin_network`] found one.
+    pub gin_signals: u32,
+}
+
+/// A device communicator (`ncclDevCommCreate`), passed by value to kernels.
+pub struct DevComm {
+    raw: Box<ns::ncclDevComm>,
+    req: DevCommRequest,
+    comm: Rc<Comm>,
+}
+
+impl DevComm {
+    /// What it was created with.
+    pub fn request(&self) -> DevCommRequest {
+        self.req
+    }
+
+    pub(crate) fn raw(&self) -> ns::ncclDevComm {
+        *self.raw
+    }
+
+    /// This rank in the LSA team, and the team's size.
+    pub fn lsa(&self) -> (usize, usize) {
+        (self.raw.lsaRank as usize, self.raw.lsaSize as usize)
+    }
+}
+
+impl std::fmt::Debug for DevComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DevComm")
+            .field("lsa", &self.lsa())
+            .field("request", &self.req)
+            .finish()
+    }
+}
+
+impl Drop for DevComm {
+    fn drop(&mut self) {
+        if self.comm.failed.load(Ordering::Relaxed) {
+            // As for windows: left to the communicator's abort.
+            return;
+        }
+        let _ = self.comm.ctx.bind_to_thread();
+        if let Some(destroy) = self.comm.nccl.ncclDevCommDestroy {
+            // SAFETY: raw was filled by ncclDevCommCreate on comm (alive) and is destroyed
+            // once.
+            unsafe {
+                let _ = destroy(self.comm.raw, &*self.raw);
+            }
+        }
+    }
+}
+
+/// A CUDA event for timing on the rank's stream.
+pub struct Event {
+    raw: sys::CUevent,
+    ctx: Arc<CudaContext>,
+}
+
+impl Event {
+    /// Milliseconds from `self` to `end`, both recorded and complete.
+    pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
+        // SAFETY: both events are live and were created with timing enabled.
+        cu("cuEventElapsedTime", unsafe {
+            result::event::elapsed(self.raw, end.raw)
+        })
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: raw is live; destroying a pending event is allowed.
+        unsafe {
+            let _ = result::event::destroy(self.raw);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The rank
+
+/// Settings of a [`CudaRank`].
+#[derive(Clone, Copy, Debug)]
+pub struct CudaRankOptions {
+    /// Deadline of every host wait on the stream.
+    pub host_timeout: Duration,
+    /// Deadline of every in-kernel wait on a peer.
+    pub kernel_timeout: Duration,
+}
+
+impl Default for CudaRankOptions {
+    fn default() -> Self {
+        CudaRankOptions {
+            host_timeout: Duration::from_secs(60),
+            kernel_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Facts about a rank's GPU and NCCL, for reports.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RankInfo {
+    pub rank: usize,
+    pub world: usize,
+    pub device: usize,
+    pub device_name: String,
+    pub sm_count: u32,
+    pub driver_version: i32,
+    /// ncclGetVersion of the loaded library (22809 = 2.28.9).
+    pub nccl_version: i32,
+    /// Where NCCL was loaded from.
+    pub nccl_source: String,
+}
+
+/// Median of a copy-engine peer copy.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct PeerCopy {
+    pub src_device: usize,
+    pub dst_device: usize,
+    pub bytes: usize,
+    pub time_us: f64,
+    /// bytes / time, in GB/s (1e9 bytes per second).
+    pub gbps: f64,
+}
+
+/// One rank of a multi-process CUDA job: device `LOCAL_RANK`, a non-blocking stream, the
+/// embedded kernels, and an NCCL communicator over the group.
+pub struct CudaRank {
+    fabric_err: HostMapped<FabricError>,
+    staging: HostMapped<[u64; 2]>,
+    functions: RefCell<HashMap<&'static str, sys::CUfunction>>,
+    module: sys::CUmodule,
+    stream: sys::CUstream,
+    comm: Rc<Comm>,
+    ctx: Arc<CudaContext>,
+    info: RankInfo,
+    opts: CudaRankOptions,
+    /// Launch counter for the deadline barriers (`epoch` of kernels/common/fabric.cuh).
+    epoch: Cell<u64>,
+}
+
+/// Process-wide count of communicators made, so each gets its own unique-id store key
+/// (every rank makes them in the same order).
+static COMMS_MADE: AtomicU64 = AtomicU64::new(0);
+
+impl CudaRank {
+    /// Sets up the rank: driver, GPU `group.local_rank()`, kernels, NCCL (checked against
+    /// the kernels' headers), and `ncclCommInitRank` with a unique id rank 0 publishes in
+    /// the group's store. Every missing piece is an `Error::Unavailable` naming it.
+    pub fn new(group: &Group, opts: CudaRankOptions) -> Result<CudaRank> {
+        let drv = driver::probe().map_err(unavailable)?;
+        let fatbin = kernels_fatbin().map_err(unavailable)?;
+        let nccl =
+            Arc::new(ns::Nccl::load().map_err(|e| {
+                unavailable(format!("{e} (set {}=<path to libnccl.so.2>)", ns::NCCL_LIB_ENV))
+            })?);
+        let mut version = 0;
+        // SAFETY: writes one int.
+        nccl_ok(&nccl, std::ptr::null_mut(), "ncclGetVersion", unsafe {
+            (nccl.ncclGetVersion)(&mut version)
+        })?;
+        check_nccl_version(version).map_err(unavailable)?;
+        if nccl.ncclCommWindowRegister.is_none()
+            || nccl.ncclDevCommCreate.is_none()
+            || nccl.ncclCommWindowDeregister.is_none()
+            || nccl.ncclDevCommDestroy.is_none()
+        {
+            return Err(unavailable(format!(
+                "NCCL {version} lacks the Device API (ncclCommWindowRegister/ncclDevCommCreate); \
+                 need 2.28 (set {})",
+                ns::NCCL_LIB_ENV
+            )));
+        }
+        let device = group.local_rank();
+        if device >= drv.device_count as usize {
+            return Err(unavailable(format!(
+                "LOCAL_RANK {device} but the driver sees {} GPU(s)",
+                drv.device_count
+            )));
+        }
+        let ctx = cu("cuCtx (primary context)", CudaContext::new(device))?;
+        let stream = cu(
+            "cuStreamCreate",
+            result::stream::create(result::stream::StreamKind::NonBlocking),
+        )?;
+        // From here on a failure must release what was made; build owners step by step.
+        let module = {
+            // SAFETY: the fatbin is a complete image embedded at build time and aligned.
+            match unsafe { result::module::load_data(fatbin.as_ptr() as *const c_void) } {
+                Ok(m) => m,
+                Err(e) => {
+                    // SAFETY: stream is live and unused.
+                    unsafe {
+                        let _ = result::stream::destroy(stream);
+                    }
+                    return Err(unavailable(format!(
+                        "cuModuleLoadData of the embedded kernels failed: {e:?} \
+                         (GPU {} may be older than sm_90)",
+                        device
+                    )));
+                }
+            }
+        };
+        let guard = PartialRank {
+            stream,
+            module,
+            ctx: ctx.clone(),
+        };
+        let fabric_err = HostMapped::<FabricError>::new(&ctx)?;
+        let staging = HostMapped::<[u64; 2]>::new(&ctx)?;
+
+        // Unique id through the store: rank 0 creates, everyone reads.
+        let n = COMMS_MADE.fetch_add(1, Ordering::Relaxed);
+        let key = group.key(&format!("cuda/nccl-unique-id/{n}"));
+        let mut id = ns::ncclUniqueId::default();
+        if group.rank() == 0 {
+            // SAFETY: writes one ncclUniqueId.
+            nccl_ok(&nccl, std::ptr::null_mut(), "ncclGetUniqueId", unsafe {
+                (nccl.ncclGetUniqueId)(&mut id)
+            })?;
+            let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
+            group.store().set(&key, &bytes)?;
+        } else {
+            let bytes = group.store().get(&key, group.timeout())?;
+            if bytes.len() != ns::NCCL_UNIQUE_ID_BYTES {
+                return Err(Error::Bootstrap(format!(
+                    "store key `{key}` holds {} bytes, not an ncclUniqueId",
+                    bytes.len()
+                )));
+            }
+            for (d, s) in id.internal.iter_mut().zip(bytes) {
+                *d = s as std::ffi::c_char;
+            }
+        }
+        let mut raw: ns::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: the context of `device` is current on this thread (CudaContext::new binds
+        // it), so NCCL's runtime calls use it; raw receives the communicator.
+        let r = unsafe { (nccl.ncclCommInitRank)(&mut raw, group.world() as i32, id, group.rank() as i32) };
+        nccl_ok(&nccl, std::ptr::null_mut(), "ncclCommInitRank", r)?;
+        let comm = Rc::new(Comm {
+            raw,
+            failed: AtomicBool::new(false),
+            nccl: nccl.clone(),
+            ctx: ctx.clone(),
+        });
+
+        let sm_count = cu(
+            "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)",
+            ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+        )? as u32;
+        let info = RankInfo {
+            rank: group.rank(),
+            world: group.world(),
+            device,
+            device_name: ctx.name().unwrap_or_else(|_| "unknown GPU".into()),
+            sm_count,
+            driver_version: drv.version,
+            nccl_version: version,
+            nccl_source: format!("{:?}", nccl.source),
+        };
+        let (stream, module) = guard.defuse();
+        Ok(CudaRank {
+            fabric_err,
+            staging,
+            functions: RefCell::new(HashMap::new()),
+            module,
+            stream,
+            comm,
+            ctx,
+            info,
+            opts,
+            epoch: Cell::new(0),
+        })
+    }
+
+    /// Device, NCCL and group facts.
+    pub fn info(&self) -> &RankInfo {
+        &self.info
+    }
+
+    /// The deadlines in use.
+    pub fn options(&self) -> CudaRankOptions {
+        self.opts
+    }
+
+    /// The communicator (to mark it failed, or for windows).
+    pub fn comm(&self) -> &Rc<Comm> {
+        &self.comm
+    }
+
+    pub(crate) fn nccl(&self) -> &ns::Nccl {
+        &self.comm.nccl
+    }
+
+    pub(crate) fn raw_comm(&self) -> ns::ncclComm_t {
+        self.comm.raw
+    }
+
+    /// An NCCL status of a call on this rank's communicator as a typed error (marks the
+    /// communicator failed).
+    pub(crate) fn comm_check(&self, call: &str, r: ns::ncclResult_t) -> Result<()> {
+        self.comm.check(call, r)
+    }
+
+    pub(crate) fn stream(&self) -> sys::CUstream {
+        self.stream
+    }
+
+    pub(crate) fn fabric_err_dev(&self) -> sys::CUdeviceptr {
+        self.fabric_err.dev
+    }
+
+    /// Next barrier epoch; the same sequence on every rank as long as every rank launches
+    /// the same barrier kernels in the same order.
+    pub(crate) fn next_epoch(&self) -> u64 {
+        let e = self.epoch.get();
+        self.epoch.set(e + 1);
+        e
+    }
+
+    /// The kernel `name` of the embedded module.
+    pub(crate) fn function(&self, name: &'static str) -> Result<sys::CUfunction> {
+        if let Some(f) = self.functions.borrow().get(name) {
+            return Ok(*f);
+        }
+        let cname = CString::new(name).map_err(|_| Error::input("kernel name", name))?;
+        // SAFETY: module is live for as long as self, and so is the function handle.
+        let f = unsafe { result::module::get_function(self.module, cname) }.map_err(|e| {
+            unavailable(format!(
+                "kernel `{name}` is not in the embedded fatbin ({e:?}); rebuild gin-ep"
+            ))
+        })?;
+        self.functions.borrow_mut().insert(name, f);
+        Ok(f)
+    }
+
+    /// Launches `name` with one by-value struct parameter.
+    ///
+    /// # Safety
+    /// `args` must be the exact host mirror of the kernel's parameter, and every pointer in
+    /// it must stay valid (and be of the right size) until the kernel ends.
+    pub(crate) unsafe fn launch<A: Copy>(
+        &self,
+        name: &'static str,
+        grid: u32,
+        block: u32,
+        args: &A,
+    ) -> Result<()> {
+        let f = self.function(name)?;
+        let mut params = [args as *const A as *mut c_void];
+        // SAFETY: the caller's contract; cuLaunchKernel copies the parameter bytes before
+        // returning, so `args` may go out of scope afterwards.
+        let r = unsafe { result::launch_kernel(f, (grid, 1, 1), (block, 1, 1), 0, self.stream, &mut params) };
+        cu(name, r)
+    }
+
+    /// Allocates `bytes` of device memory.
+    pub fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
+        if bytes == 0 {
+            return Err(Error::input("device buffer", "size 0"));
+        }
+        // SAFETY: the memory is uninitialized bytes, which is all a DeviceBuffer promises.
+        let ptr = cu("cuMemAlloc", unsafe { result::malloc_sync(bytes) })?;
+        Ok(DeviceBuffer {
+            ptr,
+            bytes,
+            ctx: self.ctx.clone(),
+        })
+    }
+
+    /// A symmetric window of `bytes` (rounded up to NCCL_WIN_REQUIRED_ALIGNMENT), zeroed.
+    /// Collective. Fails with "symmetric memory unsupported" when NCCL returns a null window.
+    pub fn window(&self, bytes: usize) -> Result<Window> {
+        if bytes == 0 {
+            return Err(Error::input("window", "size 0"));
+        }
+        let align = ns::NCCL_WIN_REQUIRED_ALIGNMENT;
+        let bytes = bytes.div_ceil(align) * align;
+        let nccl = &self.comm.nccl;
+        let register = nccl
+            .ncclCommWindowRegister
+            .ok_or_else(|| unavailable("NCCL lacks ncclCommWindowRegister"))?;
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        // SAFETY: ncclMemAlloc writes one pointer to `bytes` of device memory.
+        self.comm
+            .check("ncclMemAlloc", unsafe { (nccl.ncclMemAlloc)(&mut ptr, bytes) })?;
+        let free = |nccl: &ns::Nccl| {
+            // SAFETY: ptr came from ncclMemAlloc and is not registered.
+            unsafe {
+                let _ = (nccl.ncclMemFree)(ptr);
+            }
+        };
+        // Zero before registering: registration is collective, so once it returns anywhere
+        // every rank has zeroed its copy.
+        // SAFETY: ptr..ptr+bytes is the allocation above; the stream is ours.
+        let zeroed = unsafe { result::memset_d8_async(ptr as sys::CUdeviceptr, 0, bytes, self.stream) };
+        if let Err(e) = cu("cuMemsetD8Async(window)", zeroed).and_then(|_| self.wait("window zero")) {
+            free(nccl);
+            return Err(e);
+        }
+        let mut raw: ns::ncclWindow_t = std::ptr::null_mut();
+        // SAFETY: registers the allocation above on our live communicator.
+        let r = unsafe { register(self.comm.raw, ptr, bytes, &mut raw, ns::NCCL_WIN_COLL_SYMMETRIC) };
+        if let Err(e) = self.comm.check("ncclCommWindowRegister", r) {
+            free(nccl);
+            return Err(e);
+        }
+        if raw.is_null() {
+            free(nccl);
+            return Err(unavailable(
+                "symmetric memory unsupported: ncclCommWindowRegister(NCCL_WIN_COLL_SYMMETRIC) \
+                 returned a null window (no NVLink/P2P between these GPUs, or NVLS/cuMem disabled?)",
+            ));
+        }
+        Ok(Window {
+            raw,
+            ptr: ptr as sys::CUdeviceptr,
+            bytes,
+            comm: self.comm.clone(),
+        })
+    }
+
+    /// A device communicator. Asking for GIN signals where [`gin_network`] found no network
+    /// is refused here, before NCCL sees the request (which would crash later).
+    pub fn dev_comm(&self, req: DevCommRequest) -> Result<DevComm> {
+        let create = self
+            .comm
+            .nccl
+            .ncclDevCommCreate
+            .ok_or_else(|| unavailable("NCCL lacks ncclDevCommCreate"))?;
+        let mut reqs = ns::ncclDevCommRequirements::zeroed();
+        reqs.lsaBarrierCount = req.lsa_barriers as i32;
+        if req.gin_signals > 0 {
+            if let Err(why) = gin_network() {
+                return Err(unavailable(format!("needs a GIN-capable network ({why})")));
+            }
+            reqs.ginForceEnable = true;
+            reqs.ginContextCount = 1;
+            reqs.ginSignalCount = req.gin_signals as i32;
+        }
+        let mut raw = Box::new(ns::ncclDevComm::zeroed());
+        // SAFETY: reqs has no lists (null pointers) and raw is a writable ncclDevComm.
+        let r = unsafe { create(self.comm.raw, &reqs, &mut *raw) };
+        self.comm.check("ncclDevCommCreate", r)?;
+        Ok(DevComm {
+            raw,
+            req,
+            comm: self.comm.clone(),
+        })
+    }
+
+    /// A timing event.
+    pub fn event(&self) -> Result<Event> {
+        let raw = cu(
+            "cuEventCreate",
+            result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT),
+        )?;
+        Ok(Event {
+            raw,
+            ctx: self.ctx.clone(),
+        })
+    }
+
+    /// Records `ev` on the rank's stream.
+    pub fn record(&self, ev: &Event) -> Result<()> {
+        // SAFETY: both handles are live.
+        cu("cuEventRecord", unsafe {
+            result::event::record(ev.raw, self.stream)
+        })
+    }
+
+    /// Fills `r` with the 32-bit `value` (r.len() must be a multiple of 4).
+    pub fn memset_u32(&self, r: DeviceRegion<'_>, value: u32) -> Result<()> {
+        if !r.bytes.is_multiple_of(4) {
+            return Err(Error::input("memset_u32", "length not a multiple of 4"));
+        }
+        // SAFETY: r is a live region of r.bytes bytes.
+        cu_raw("cuMemsetD32Async", unsafe {
+            sys::cuMemsetD32Async(r.ptr, value, r.bytes / 4, self.stream)
+        })
+    }
+
+    /// Copies the first two u64 of `src` to the host, waiting (bounded). The copy lands in
+    /// pinned memory this rank owns, so a copy still pending after a timeout writes into
+    /// memory that is still ours.
+    pub fn read_u64_pair(&self, src: DeviceRegion<'_>) -> Result<[u64; 2]> {
+        let bytes = std::mem::size_of::<[u64; 2]>();
+        if bytes > src.bytes {
+            return Err(Error::input("read_u64_pair", "region too small"));
+        }
+        // SAFETY: staging.host is pinned memory of `bytes` owned by self; src is live.
+        let r = unsafe {
+            sys::cuMemcpyDtoHAsync_v2(self.staging.host as *mut c_void, src.ptr, bytes, self.stream)
+        };
+        cu_raw("cuMemcpyDtoHAsync", r)?;
+        self.wait("device-to-host copy")?;
+        Ok(self.staging.read())
+    }
+
+    /// Waits until the stream is idle, polling with the host deadline; then reports a
+    /// missed in-kernel deadline recorded by any kernel since the last check.
+    pub fn wait(&self, what: &str) -> Result<()> {
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(5);
+        loop {
+            // SAFETY: stream is live.
+            let r = unsafe { sys::cuStreamQuery(self.stream) };
+            match r {
+                sys::CUresult::CUDA_SUCCESS => break,
+                sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                other => {
+                    self.comm.mark_failed();
+                    return Err(Error::Device {
+                        call: format!("cuStreamQuery ({what})"),
+                        reason: format!("{:?}", DriverError(other)),
+                    });
+                }
+            }
+            if start.elapsed() > self.opts.host_timeout {
+                self.comm.mark_failed();
+                self.check_fabric()?;
+                return Err(Error::Device {
+                    call: format!("stream wait ({what})"),
+                    reason: format!(
+                        "not finished within {:?} and no kernel recorded a missed deadline \
+                         (an NCCL operation or a kernel is stuck)",
+                        self.opts.host_timeout
+                    ),
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+        self.check_fabric()
+    }
+
+    /// The first missed in-kernel deadline since the last check, as an error.
+    fn check_fabric(&self) -> Result<()> {
+        let rec = self.fabric_err.read();
+        if rec.claimed == 0 {
+            return Ok(());
+        }
+        self.comm.mark_failed();
+        // Leave the record claimed: later launches see it and stop waiting at once.
+        Err(fabric_error_to_error(&rec, self.epoch.get()))
+    }
+
+    /// Copy-engine bandwidth from this rank's GPU to GPU `dst_device` (cuMemcpyPeerAsync
+    /// between the two primary contexts with peer access enabled): median of `iters` copies
+    /// of `bytes`, after one warmup copy. Uses `2 * bytes` of device memory (one buffer per
+    /// GPU) for the duration of the call.
+    pub fn peer_copy(&self, dst_device: usize, bytes: usize, iters: usize) -> Result<PeerCopy> {
+        if dst_device == self.info.device || iters == 0 || bytes == 0 {
+            return Err(Error::input(
+                "peer copy",
+                "needs another GPU, bytes > 0 and iters > 0",
+            ));
+        }
+        let peer_ctx = cu("cuCtx (peer primary context)", CudaContext::new(dst_device))?;
+        let out = (|| {
+            cu("cuCtxSetCurrent", self.ctx.bind_to_thread())?;
+            let mut can = 0;
+            // SAFETY: two valid device handles, one out-int.
+            cu_raw("cuDeviceCanAccessPeer", unsafe {
+                sys::cuDeviceCanAccessPeer(&mut can, self.ctx.cu_device(), peer_ctx.cu_device())
+            })?;
+            if can == 0 {
+                return Err(unavailable(format!(
+                    "GPU {} cannot access GPU {dst_device} as a peer",
+                    self.info.device
+                )));
+            }
+            // SAFETY: enables access from the current context (ours) to the peer's.
+            let r = unsafe { sys::cuCtxEnablePeerAccess(peer_ctx.cu_ctx(), 0) };
+            if r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+                cu_raw("cuCtxEnablePeerAccess", r)?;
+            }
+            let dst = {
+                cu("cuCtxSetCurrent", peer_ctx.bind_to_thread())?;
+                // SAFETY: plain allocation in the peer context.
+                let p = cu("cuMemAlloc(peer)", unsafe { result::malloc_sync(bytes) });
+                cu("cuCtxSetCurrent", self.ctx.bind_to_thread())?;
+                DeviceBuffer {
+                    ptr: p?,
+                    bytes,
+                    ctx: peer_ctx.clone(),
+                }
+            };
+            let src = self.alloc(bytes)?;
+            let events: Vec<Event> = (0..=iters + 1).map(|_| self.event()).collect::<Result<_>>()?;
+            self.record(&events[0])?;
+            for ev in &events[1..] {
+                // SAFETY: both buffers are live for bytes; they outlive the wait below.
+                cu("cuMemcpyPeerAsync", unsafe {
+                    result::memcpy_peer_async(
+                        peer_ctx.cu_ctx(),
+                        dst.ptr,
+                        self.ctx.cu_ctx(),
+                        src.ptr,
+                        bytes,
+                        self.stream,
+                    )
+                })?;
+                self.record(ev)?;
+            }
+            self.wait("peer copy")?;
+            let mut times = Vec::with_capacity(iters);
+            for w in events[1..].windows(2) {
+                times.push(f64::from(w[0].elapsed_ms(&w[1])?) * 1e3);
+            }
+            let time_us = median(&mut times);
+            // SAFETY: disables what we enabled; the copies are complete.
+            unsafe {
+                let _ = sys::cuCtxDisablePeerAccess(peer_ctx.cu_ctx());
+            }
+            Ok(PeerCopy {
+                src_device: self.info.device,
+                dst_device,
+                bytes,
+                time_us,
+                gbps: bytes as f64 / (time_us * 1e3),
+            })
+        })();
+        let _ = self.ctx.bind_to_thread();
+        out
+    }
+}
+
+impl Drop for CudaRank {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // Work still queued may use memory freed below; wait for it (bounded), and abort the
+        // communicator rather than finalize if it does not finish.
+        if self.wait("teardown").is_err() {
+            self.comm.mark_failed();
+        }
+        if self.comm.failed.load(Ordering::Relaxed) {
+            // Something may still run on the stream (a stuck NCCL kernel): unloading its
+            // module or destroying its stream could block; the abort of the communicator
+            // (dropped next) and the end of the process reclaim them.
+            return;
+        }
+        // SAFETY: module and stream are live and released once; no kernel is pending, or
+        // we gave up on it above (then the context's teardown reclaims them).
+        unsafe {
+            let _ = result::module::unload(self.module);
+            let _ = result::stream::destroy(self.stream);
+        }
+    }
+}
+
+/// Releases the stream and module when `CudaRank::new` fails half-way.
+struct PartialRank {
+    stream: sys::CUstream,
+    module: sys::CUmodule,
+    ctx: Arc<CudaContext>,
+}
+
+impl PartialRank {
+    fn defuse(self) -> (sys::CUstream, sys::CUmodule) {
+        let out = (self.stream, self.module);
+        std::mem::forget(self);
+        out
+    }
+}
+
+impl Drop for PartialRank {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: both are live and unused (construction failed before any launch).
+        unsafe {
+            let _ = result::module::unload(self.module);
+            let _ = result::stream::destroy(self.stream);
+        }
+    }
+}
+
+/// Median of `v` (sorted in place); 0 for an empty slice.
+pub fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+    }
+
+    #[test]
+    fn gin_is_unavailable_without_an_active_rdma_port() {
+        let dir = std::env::temp_dir().join(format!("gin-ep-ib-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let none = gin_network_at(&dir, &env(&[])).unwrap_err();
+        assert!(none.contains("no RDMA device"), "{none}");
+
+        let port = dir.join("mlx5_0/ports/1");
+        std::fs::create_dir_all(&port).unwrap();
+        std::fs::write(port.join("state"), "1: DOWN\n").unwrap();
+        let down = gin_network_at(&dir, &env(&[])).unwrap_err();
+        assert!(down.contains("mlx5_0: 1: DOWN"), "{down}");
+
+        std::fs::write(port.join("state"), "4: ACTIVE\n").unwrap();
+        assert_eq!(gin_network_at(&dir, &env(&[])).unwrap(), "mlx5_0 port 1");
+        let socket = gin_network_at(&dir, &env(&[("NCCL_NET", "Socket")])).unwrap_err();
+        assert!(socket.contains("NCCL_NET=Socket"), "{socket}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_missed_deadline_names_phase_and_peer() {
+        let rec = FabricError {
+            claimed: 1,
+            phase: 2,
+            peer: 3,
+            rank: 1,
+            block: 7,
+            pad: 0,
+            waited_ns: 5_000_000_000,
+        };
+        let msg = fabric_error_to_error(&rec, 9).to_string();
+        assert!(msg.contains("end barrier") && msg.contains("rank 3"), "{msg}");
+        let gin = FabricError {
+            phase: 3,
+            peer: -1,
+            ..rec
+        };
+        assert!(fabric_error_to_error(&gin, 9).to_string().contains("GIN"));
+    }
+
+    #[test]
+    fn median_of_even_and_odd_counts() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(&mut []), 0.0);
+    }
+}

@@ -1,0 +1,246 @@
+// kernels/alltoall.cu: all-to-all over the NCCL Device API, the fabric's first user and our
+// yardstick against ncclAllToAll (shared/ANCHORS.md).
+//
+// Data layout (every rank the same): the send buffer holds n_ranks chunks of chunk_bytes,
+// chunk p for rank p; the window holds the receive buffer at recv_offset, n_ranks chunks,
+// slot s filled by rank s. Push kernels: rank r writes send[p] into peer p's window at
+// recv_offset + r * chunk_bytes. Pull kernels: the send buffer is inside the window too (at
+// send_offset), and rank r reads chunk r of peer p's send buffer into its own slot p.
+// chunk_bytes must be a multiple of 16 and every offset 16-byte aligned (the host checks;
+// kernels do not re-validate).
+//
+// Each launch runs two barriers, epochs 2e+1 and 2e+2 for the host's launch counter e:
+// the start barrier makes sure every peer has entered this launch, so the previous launch's
+// readers of its receive buffer are done (stream order on that peer); the end barrier makes
+// the data visible to the receiver before its kernel ends.
+//
+// Kernels are extern "C" so the host finds them by plain name with cuModuleGetFunction.
+
+#include "common/fabric.cuh"
+
+namespace gin_ep {
+
+// Block size ceiling, and the launch bound ptxas plans registers for: 512 threads leave up to
+// 128 registers per thread, room for UNROLL vectors and peer pointers without spilling.
+// The host launches at most this many threads per block.
+constexpr int kMaxThreads = 512;
+
+struct AlltoallArgs {
+  ncclDevComm comm;
+  ncclWindow_t win;
+  const char* send;      // local device memory, n_ranks * chunk_bytes
+  size_t send_offset;    // in win, where `send` lies in it (pull kernels only)
+  size_t recv_offset;    // in win
+  size_t signal_offset;  // in win, gridDim.x * n_ranks u64 words
+  size_t chunk_bytes;
+  uint64_t epoch;        // launch counter e; barriers use 2e+1 and 2e+2
+  uint64_t timeout_ns;
+  FabricError* err;      // host-mapped
+};
+// Mirrored by AlltoallArgs in crates/gin-ep/src/backend/cuda/kernels.rs (same asserts there).
+static_assert(sizeof(ncclDevComm) == 200, "NCCL 2.28 ncclDevComm");
+static_assert(sizeof(AlltoallArgs) == 272 && offsetof(AlltoallArgs, err) == 264, "host ABI");
+
+__device__ __forceinline__ DeadlineBarrier make_barrier(const AlltoallArgs& a) {
+  return DeadlineBarrier{a.win, a.signal_offset, a.comm.lsaRank, a.comm.lsaSize, a.timeout_ns, a.err};
+}
+
+}  // namespace gin_ep
+
+using namespace gin_ep;
+
+// lsa_simple: the plainest correct version, the baseline for lsa_opt. Work items are
+// (peer, slice) pairs, item i serving peer i % n_ranks, so neighbouring blocks feed different
+// links; blocks stride over items, so a grid smaller than n_ranks still covers every peer
+// (the first version mapped block b to peer b % n only, and a grid < n skipped peers).
+// 4-byte loads and stores.
+extern "C" __global__ void __launch_bounds__(kMaxThreads)
+    gin_ep_alltoall_lsa_simple(const AlltoallArgs a) {
+  const DeadlineBarrier bar = make_barrier(a);
+  if (!bar.sync(2 * a.epoch + 1, kPhaseAlltoallStart)) return;
+
+  const int n = a.comm.lsaSize;
+  const int slices = max(1, int(gridDim.x) / n);
+  const size_t words = a.chunk_bytes / 4;
+  const size_t per_slice = (words + slices - 1) / slices;
+  for (int item = blockIdx.x; item < n * slices; item += gridDim.x) {
+    const int peer = item % n;
+    const int slice = item / n;
+    const size_t begin = min(words, size_t(slice) * per_slice);
+    const size_t end = min(words, begin + per_slice);
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(a.send + size_t(peer) * a.chunk_bytes);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(
+        lsa_ptr(a.win, a.recv_offset + size_t(a.comm.lsaRank) * a.chunk_bytes, peer));
+    for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) dst[i] = src[i];
+  }
+
+  bar.sync(2 * a.epoch + 2, kPhaseAlltoallEnd);
+}
+
+// lsa_opt: what the hardware wants. Work is cut into 512-byte tiles (one warp, one 16-byte
+// vector per lane); tile i goes to peer (rank + 1 + i) % n, so the UNROLL tiles a warp holds
+// in flight go to UNROLL different peers and every NVLink is busy at once, instead of the
+// whole grid queueing on one link at a time. All UNROLL loads are issued before the first
+// store so their latencies overlap. Grid-stride over warps: any grid size is correct.
+template <int UNROLL>
+__device__ __forceinline__ void alltoall_lsa_opt_copy(const AlltoallArgs& a) {
+  const int n = a.comm.lsaSize;
+  const int rank = a.comm.lsaRank;
+  const int lane = threadIdx.x % 32;
+  const size_t vecs = a.chunk_bytes / 16;
+  const size_t tiles_per_chunk = (vecs + 31) / 32;
+  const size_t tiles = tiles_per_chunk * size_t(n);
+  const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
+  const size_t recv_slot = a.recv_offset + size_t(rank) * a.chunk_bytes;
+
+  for (size_t base = warp * UNROLL; base < tiles; base += warps * UNROLL) {
+    uint4 v[UNROLL];
+    uint4* dst[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const size_t tile = base + u;
+      // Tail lanes (and whole tiles past the end) get dst = nullptr and skip the store.
+      dst[u] = nullptr;
+      if (tile < tiles) {
+        const int peer = int((size_t(rank) + 1 + tile) % size_t(n));
+        const size_t vec = (tile / size_t(n)) * 32 + lane;
+        if (vec < vecs) {
+          v[u] = ld_nc_v4(reinterpret_cast<const uint4*>(a.send + size_t(peer) * a.chunk_bytes) + vec);
+          dst[u] = reinterpret_cast<uint4*>(lsa_ptr(a.win, recv_slot, peer)) + vec;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      if (dst[u] != nullptr) st_v4(dst[u], v[u]);
+    }
+  }
+}
+
+// UNROLL 4: four 16-byte loads in flight per thread already cover NVLink latency at 512
+// threads per block; 8 raises registers for no gain expected (to be measured on H200).
+extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_lsa_opt(const AlltoallArgs a) {
+  const DeadlineBarrier bar = make_barrier(a);
+  if (!bar.sync(2 * a.epoch + 1, kPhaseAlltoallStart)) return;
+  alltoall_lsa_opt_copy<4>(a);
+  bar.sync(2 * a.epoch + 2, kPhaseAlltoallEnd);
+}
+
+// Pull: tile i comes from peer (rank + 1 + i) % n, like the push kernel, but each thread
+// loads 16 bytes of the peer's send chunk for this rank over NVLink and stores locally.
+// Reads keep UNROLL loads in flight per thread across different links; whether NVLink reads
+// beat writes on a given machine is what `lsa-pull` vs `lsa-opt` measures. Plain (coherent)
+// loads, not ld.nc: the peer wrote its send buffer in an earlier kernel, which the start
+// barrier's acquire orders, and the non-coherent path promises nothing about remote writes.
+template <int UNROLL>
+__device__ __forceinline__ void alltoall_lsa_pull_copy(const AlltoallArgs& a) {
+  const int n = a.comm.lsaSize;
+  const int rank = a.comm.lsaRank;
+  const int lane = threadIdx.x % 32;
+  const size_t vecs = a.chunk_bytes / 16;
+  const size_t tiles_per_chunk = (vecs + 31) / 32;
+  const size_t tiles = tiles_per_chunk * size_t(n);
+  const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
+  const size_t send_slot = a.send_offset + size_t(rank) * a.chunk_bytes;
+  char* const recv = lsa_ptr(a.win, a.recv_offset, rank);
+
+  for (size_t base = warp * UNROLL; base < tiles; base += warps * UNROLL) {
+    uint4 v[UNROLL];
+    uint4* dst[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const size_t tile = base + u;
+      dst[u] = nullptr;
+      if (tile < tiles) {
+        const int peer = int((size_t(rank) + 1 + tile) % size_t(n));
+        const size_t vec = (tile / size_t(n)) * 32 + lane;
+        if (vec < vecs) {
+          v[u] = ld_v4(reinterpret_cast<const uint4*>(lsa_ptr(a.win, send_slot, peer)) + vec);
+          dst[u] = reinterpret_cast<uint4*>(recv + size_t(peer) * a.chunk_bytes) + vec;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      if (dst[u] != nullptr) st_v4(dst[u], v[u]);
+    }
+  }
+}
+
+// Barriers as in lsa_opt, with the roles swapped: the start barrier says "my send buffer is
+// ready" (its release covers the producer's writes), the end barrier "I am done reading
+// yours", so a peer may overwrite its send buffer after its kernel ends.
+extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_lsa_pull(const AlltoallArgs a) {
+  const DeadlineBarrier bar = make_barrier(a);
+  if (!bar.sync(2 * a.epoch + 1, kPhaseAlltoallStart)) return;
+  alltoall_lsa_pull_copy<4>(a);
+  bar.sync(2 * a.epoch + 2, kPhaseAlltoallEnd);
+}
+
+// lsa_opt with NCCL's own ncclLsaBarrierSession (no deadline), as the nccl-tests Device API
+// benchmark does: the reference point that tells whether our barrier costs anything. Needs
+// ncclDevCommRequirements.lsaBarrierCount >= gridDim.x. Use only where a hang is acceptable
+// (benchmarks run under an outer timeout).
+extern "C" __global__ void __launch_bounds__(kMaxThreads)
+    gin_ep_alltoall_lsa_opt_nccl_barrier(const AlltoallArgs a) {
+  {
+    ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), a.comm, ncclTeamTagLsa(), blockIdx.x);
+    bar.sync(ncclCoopCta(), cuda::memory_order_relaxed);
+  }
+  alltoall_lsa_opt_copy<4>(a);
+  {
+    ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), a.comm, ncclTeamTagLsa(), blockIdx.x);
+    bar.sync(ncclCoopCta(), cuda::memory_order_release);
+  }
+}
+
+#if GIN_EP_HAVE_GIN
+// gin: one put per peer through NCCL's GPU-Initiated Networking, each carrying a signal
+// increment, then a deadline wait until all n puts of this launch have landed here. A stub
+// for the wiring (args, requirements, signal accounting): one block, thread p serves peer p,
+// no chunking or pipelining yet. The send buffer must be inside the window too (GIN puts
+// read a registered source), at send_offset. Host side: ginSignalCount >= 1 and a
+// GIN-capable network, else the runtime reports "needs a GIN-capable network" and never
+// launches this.
+struct GinAlltoallArgs {
+  ncclDevComm comm;
+  ncclWindow_t win;
+  size_t send_offset;    // in win, n_ranks * chunk_bytes
+  size_t recv_offset;    // in win
+  size_t chunk_bytes;
+  uint64_t expected;     // signal 0 value once this launch's puts arrived: (e + 1) * n_ranks
+  uint64_t timeout_ns;
+  FabricError* err;
+};
+
+extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_gin(const GinAlltoallArgs a) {
+  ncclGin gin(a.comm, 0);
+  const ncclTeam world = ncclTeamWorld(a.comm);
+  const ncclGinSignal_t signal = 0;
+  for (int peer = threadIdx.x; peer < world.nRanks; peer += blockDim.x) {
+    gin.put(world, peer, a.win, a.recv_offset + size_t(world.rank) * a.chunk_bytes, a.win,
+            a.send_offset + size_t(peer) * a.chunk_bytes, a.chunk_bytes, ncclGin_SignalInc{signal});
+  }
+  // Sources must stay untouched until consumed; flush before the kernel may end.
+  gin.flush(ncclCoopCta());
+
+  bool ok = true;
+  if (threadIdx.x == 0) {
+    const uint64_t start = globaltimer_ns();
+    for (uint32_t spin = 1; gin.readSignal(signal) < a.expected; ++spin) {
+      if ((spin & 255u) == 0u) {
+        const uint64_t now = globaltimer_ns();
+        if (now - start > a.timeout_ns) {
+          // Which peer is late is unknown from one counter; -1 says "some peer".
+          report_error(a.err, kPhaseGinSignal, -1, world.rank, now - start);
+          ok = false;
+          break;
+        }
+      }
+    }
+  }
+  __syncthreads_and(ok);
+}
+#endif

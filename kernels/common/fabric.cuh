@@ -1,0 +1,199 @@
+// kernels/common/fabric.cuh: how a gin-ep kernel reaches its peers.
+//
+// Owns: peer addressing inside an NCCL window (LSA: plain loads/stores through NVLink),
+// the deadline barrier, the error record a failed wait leaves for the host, and 16-byte
+// vector io. Never: allocates, registers windows or decides buffer layout (the host does,
+// in crates/gin-ep/src/backend/cuda), and never spins without a deadline.
+//
+// Contract with the host (mirrored in Rust; change both together):
+// - Every rank launches the same kernel with the same grid, so block b of one rank pairs
+//   with block b of every other rank.
+// - The window holds, at `signal_offset`, `gridDim.x * nRanks` u64 signal words, zeroed
+//   once at registration: word [b * nRanks + src] is written only by block b of rank src.
+// - `epoch` grows by one per barrier across launches and is never reused, so the words
+//   never need resetting (u64 does not wrap in practice).
+// - `FabricError` lives in host-mapped memory; the host reads it after the kernel ends.
+
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <nccl_device.h>
+#include <stddef.h>
+#include <stdint.h>
+
+namespace gin_ep {
+
+// ---------------------------------------------------------------------------------------
+// Errors a kernel can report instead of hanging.
+
+// Which wait failed. Numbers are part of the host ABI (crates/gin-ep backend/cuda): never
+// renumber, only append.
+enum FabricPhase : uint32_t {
+  kPhaseNone = 0,
+  kPhaseAlltoallStart = 1,  // waiting for peers to enter the all-to-all (buffers free)
+  kPhaseAlltoallEnd = 2,    // waiting for peers' data to land
+  kPhaseGinSignal = 3,      // waiting for GIN put signals
+};
+
+// The first failed wait of a launch, written once. `claimed` goes 0 -> 1 by atomicCAS so
+// exactly one block fills the rest; later failures (usually the same stall seen by other
+// blocks) are dropped on purpose: the first names the peer that stopped.
+struct FabricError {
+  uint32_t claimed;  // 0 = no error
+  uint32_t phase;    // FabricPhase
+  int32_t peer;      // rank (in the team) that did not arrive
+  int32_t rank;      // the rank that waited
+  uint32_t block;    // blockIdx.x of the waiter
+  uint32_t pad;
+  uint64_t waited_ns;  // how long it waited before giving up
+};
+static_assert(sizeof(FabricError) == 32, "FabricError is mirrored in Rust");
+
+// %globaltimer: nanoseconds, the same clock across SMs of one GPU (microsecond update
+// granularity is plenty for deadlines of milliseconds to seconds).
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ void report_error(FabricError* err, FabricPhase phase, int peer, int rank,
+                                             uint64_t waited_ns) {
+  if (err == nullptr) return;
+  if (atomicCAS_system(&err->claimed, 0u, 1u) == 0u) {
+    err->phase = phase;
+    err->peer = peer;
+    err->rank = rank;
+    err->block = blockIdx.x;
+    err->waited_ns = waited_ns;
+    __threadfence_system();
+  }
+}
+
+// Another block (or a previous wait) already failed: stop waiting early so one stalled peer
+// costs one deadline, not one per block. Reading host memory crosses PCIe, so callers only
+// look here on the slow path, next to the clock check.
+__device__ __forceinline__ bool error_reported(const FabricError* err) {
+  return err != nullptr && *(volatile const uint32_t*)&err->claimed != 0u;
+}
+
+// ---------------------------------------------------------------------------------------
+// System-scope signal words. Peers are other GPUs, so ordering must hold at .sys scope;
+// .gpu would let the data stores and the signal reach a peer in either order.
+
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------
+// Peer addressing (LSA team = the ranks reachable by load/store; on one NVLink host that is
+// every rank, which is all the LSA kernels support).
+
+__device__ __forceinline__ char* lsa_ptr(ncclWindow_t win, size_t offset, int lsa_peer) {
+  return static_cast<char*>(ncclGetLsaPointer(win, offset, lsa_peer));
+}
+
+// ---------------------------------------------------------------------------------------
+// DeadlineBarrier: NCCL's ncclLsaBarrierSession, but every wait ends by a deadline.
+//
+// Per block: block b of rank r arrives by writing `epoch` into word [b][r] of every peer's
+// window (release: all stores this block made before the barrier are visible to a peer that
+// observes the word), then waits until its own words [b][p] reach `epoch` for every peer p
+// (acquire: after the wait the block sees everything those peers' block b wrote before
+// arriving). Block-to-block pairing is enough for an all-to-all: the kernel's end (all
+// blocks done) is the global completion, as in the NCCL Device API benchmarks.
+struct DeadlineBarrier {
+  ncclWindow_t win;
+  size_t signal_offset;  // start of the gridDim.x * nRanks u64 words
+  int rank;              // this rank in the LSA team
+  int n_ranks;
+  uint64_t timeout_ns;
+  FabricError* err;
+
+  __device__ __forceinline__ uint64_t* word(int owner, int src) const {
+    size_t idx = size_t(blockIdx.x) * size_t(n_ranks) + size_t(src);
+    return reinterpret_cast<uint64_t*>(lsa_ptr(win, signal_offset + idx * sizeof(uint64_t), owner));
+  }
+
+  // All threads of the block call this. Returns false (in every thread) when a peer missed
+  // the deadline; the error record names it.
+  __device__ bool sync(uint64_t epoch, FabricPhase phase) const {
+    __syncthreads();  // the block's earlier stores happen-before thread 0..n-1's release
+    for (int peer = threadIdx.x; peer < n_ranks; peer += blockDim.x) {
+      st_release_sys(word(peer, rank), epoch);
+    }
+    bool ok = true;
+    for (int peer = threadIdx.x; peer < n_ranks && ok; peer += blockDim.x) {
+      ok = wait_word(word(rank, peer), epoch, phase, peer);
+    }
+    // bar.sync extends each waiter's acquire to the whole block.
+    return __syncthreads_and(ok) != 0;
+  }
+
+  __device__ __forceinline__ bool wait_word(const uint64_t* w, uint64_t epoch, FabricPhase phase,
+                                         int peer) const {
+    if (ld_acquire_sys(w) >= epoch) return true;  // fast path: no clock read
+    const uint64_t start = globaltimer_ns();
+    for (uint32_t spin = 1;; ++spin) {
+      if (ld_acquire_sys(w) >= epoch) return true;
+      // The clock and the (host-memory) error flag are checked every 256 polls: cheap
+      // enough to keep the poll loop tight, frequent enough for ms-scale deadlines.
+      if ((spin & 255u) == 0u) {
+        const uint64_t now = globaltimer_ns();
+        if (now - start > timeout_ns) {
+          report_error(err, phase, peer, rank, now - start);
+          return false;
+        }
+        if (error_reported(err)) return false;
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// Vector io: 16-byte accesses are the widest a thread can issue, and NVLink moves full
+// 32/64/128-byte sectors best when a warp writes 512 contiguous bytes per instruction.
+
+__device__ __forceinline__ uint4 ld_nc_v4(const uint4* p) {
+  // Read-only, no L1 allocation: the source is streamed once, so keeping it in L1 would only
+  // evict data we reuse.
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Coherent 16-byte load without L1 allocation, for data other GPUs wrote (NVLink pulls).
+__device__ __forceinline__ uint4 ld_v4(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void st_v4(uint4* p, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+}  // namespace gin_ep
+
+// GIN (ncclGin put + signal) is in nccl_device/gin.h from NCCL 2.28 on. Kernels that use it
+// are compiled only when the headers have it; the runtime separately checks that the
+// communicator has a GIN-capable network (without one NCCL 2.28.9 accepts a GIN request
+// and then crashes, see shared/ANCHORS.md).
+#if defined(NCCL_VERSION_CODE) && NCCL_VERSION_CODE >= 22800 && __has_include(<nccl_device/gin.h>)
+#define GIN_EP_HAVE_GIN 1
+#else
+#define GIN_EP_HAVE_GIN 0
+#endif
