@@ -89,13 +89,44 @@ pub fn run() -> CliResult {
         ),
         _ => out!("gpus:     none found (no /dev/nvidia* device, no nvidia-smi)"),
     }
-    out!("nccl:     not probed in this build");
-    out!("kernels:  absent: this build has no CUDA kernels");
+    use gin_ep::backend::cuda::{driver, gin_network, kernels, nccl_probe};
+    match driver::probe() {
+        Ok(d) => out!(
+            "driver:   CUDA {}.{} ({} device(s))",
+            d.version / 1000,
+            d.version % 1000 / 10,
+            d.device_count
+        ),
+        Err(e) => out!("driver:   unusable: {e}"),
+    }
+    match nccl_probe() {
+        Ok((src, v)) => out!(
+            "nccl:     {v} loaded ({src}); kernels built against headers {:?}",
+            kernels::NCCL_HEADER_VERSION
+        ),
+        Err(e) => out!("nccl:     not loadable: {e}"),
+    }
+    match kernels::KERNELS_FATBIN {
+        Some(f) => out!("kernels:  {} KiB fatbin embedded", f.len() / 1024),
+        None => out!(
+            "kernels:  absent: {}",
+            kernels::KERNELS_ABSENT_REASON.unwrap_or("not built")
+        ),
+    }
+    match gin_network() {
+        Ok(n) => out!("gin:      {n}"),
+        Err(why) => out!("gin:      no GIN-capable network ({why})"),
+    }
     out!(
         "backends: host threads (1-{} ranks in one process), host processes (1-{} ranks on \
-         POSIX shared memory); cuda: not built",
+         POSIX shared memory); cuda: {}",
         host::HOST_MAX_RANKS,
-        host::HOST_MAX_RANKS
+        host::HOST_MAX_RANKS,
+        if kernels::KERNELS_FATBIN.is_some() && driver::probe().is_ok() {
+            "usable (all-to-all)"
+        } else {
+            "not usable here"
+        }
     );
     Ok(())
 }

@@ -1,4 +1,4 @@
-//! The `gin-ep` command: `bench`, `check` and `info`.
+//! The `gin-ep` command: `bench`, `check`, `alltoall` and `info`.
 //!
 //! Owns argument parsing, tables, progress display and exit codes; every
 //! figure and every verdict comes from the gin-ep library. Exit codes: 0 success,
@@ -7,6 +7,7 @@
 
 #[macro_use]
 mod output;
+mod alltoall_cmd;
 mod bench_cmd;
 mod check_cmd;
 mod error;
@@ -31,6 +32,8 @@ enum Command {
     Bench(bench_cmd::BenchArgs),
     /// Randomized correctness check of every operation against the oracle.
     Check(check_cmd::CheckArgs),
+    /// All-to-all sweep on GPUs in the manner of nccl-tests (NCCL, LSA, GIN modes).
+    Alltoall(alltoall_cmd::AlltoallArgs),
     /// What this machine offers: CPUs, GPUs, NCCL, kernels, usable backends.
     Info,
     /// One rank of `check --launch processes` (started by the CLI itself).
@@ -43,6 +46,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Bench(a) => bench_cmd::run(&a),
         Command::Check(a) => check_cmd::run(&a),
+        Command::Alltoall(a) => alltoall_cmd::run(&a),
         Command::Info => info_cmd::run(),
         Command::RankCheck(a) => check_cmd::run_rank(&a),
     };

@@ -1,0 +1,211 @@
+//! `gin-ep alltoall`: the nccl-tests-style all-to-all sweep on GPUs. The parent
+//! process starts one process per GPU (itself, with `GIN_EP_CHILD=1`); each child
+//! runs `gin_ep::alltoall::run_rank` and rank 0 prints the table or JSON.
+
+use crate::error::{parse_secs, CliError, CliResult};
+use clap::Args;
+use comfy_table::{presets, CellAlignment, Table};
+use gin_ep::alltoall::{run_rank, AlltoallMode, AlltoallOptions, AlltoallReport};
+use gin_ep::backend::cuda::driver;
+use gin_ep::group::{first_failure, launch_ranks, Group, ENV_CHILD};
+use std::time::Duration;
+
+#[derive(Args, Debug, Clone)]
+pub struct AlltoallArgs {
+    /// Ranks, one process per GPU [default: every GPU].
+    #[arg(long)]
+    pub gpus: Option<usize>,
+    /// Smallest per-rank total send size (K/M/G suffixes).
+    #[arg(short = 'b', long = "min-bytes", default_value = "1M", value_parser = parse_bytes)]
+    pub min_bytes: usize,
+    /// Largest per-rank total send size.
+    #[arg(short = 'e', long = "max-bytes", default_value = "1G", value_parser = parse_bytes)]
+    pub max_bytes: usize,
+    /// Size multiplier per step.
+    #[arg(short = 'f', long, default_value_t = 2)]
+    pub factor: usize,
+    /// Comma list of nccl,lsa-simple,lsa-opt,lsa-pull,lsa-opt-ncclbar,gin,hybrid, or all.
+    #[arg(long)]
+    pub modes: Option<String>,
+    /// Timed iterations per point.
+    #[arg(long, default_value_t = 20)]
+    pub iters: usize,
+    /// Untimed iterations first.
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    /// CTAs of the LSA kernels [default: the GPU's SM count].
+    #[arg(long)]
+    pub blocks: Option<u32>,
+    /// Threads per CTA.
+    #[arg(long, default_value_t = 512)]
+    pub threads: u32,
+    /// Skip validation of the results.
+    #[arg(long)]
+    pub no_validate: bool,
+    /// Copy-engine GPU0->GPU1 size for the reference figure (0 = skip).
+    #[arg(long, default_value = "1G", value_parser = parse_bytes)]
+    pub peer_copy_bytes: usize,
+    /// Deadline of every wait, seconds.
+    #[arg(long, default_value = "60", value_parser = parse_secs)]
+    pub timeout: Duration,
+    /// Print rank 0's report as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Parses `123`, `4K`, `1M`, `2G` (powers of 1024).
+pub fn parse_bytes(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let (num, mul) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 1usize << 10),
+        Some('M' | 'm') => (&t[..t.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    let n: usize = num.parse().map_err(|_| format!("`{s}` is not a byte count"))?;
+    n.checked_mul(mul).ok_or_else(|| format!("`{s}` is too large"))
+}
+
+fn options(a: &AlltoallArgs) -> CliResult<AlltoallOptions> {
+    let modes = match &a.modes {
+        Some(m) => AlltoallMode::parse_list(m)?,
+        None => AlltoallMode::defaults(),
+    };
+    Ok(AlltoallOptions {
+        min_bytes: a.min_bytes,
+        max_bytes: a.max_bytes,
+        factor: a.factor,
+        modes,
+        warmup: a.warmup,
+        iters: a.iters,
+        validate: !a.no_validate,
+        blocks: a.blocks,
+        threads: a.threads,
+        peer_copy_bytes: a.peer_copy_bytes,
+        timeout: a.timeout,
+        ..AlltoallOptions::default()
+    })
+}
+
+pub fn run(a: &AlltoallArgs) -> CliResult {
+    let opts = options(a)?;
+    if std::env::var_os(ENV_CHILD).is_some() {
+        return run_child(a, &opts);
+    }
+    let gpus = match a.gpus {
+        Some(n) => n,
+        None => {
+            driver::probe()
+                .map_err(|e| CliError::Failed(format!("no usable GPU: {e}")))?
+                .device_count as usize
+        }
+    };
+    if gpus == 0 || gpus > 1024 {
+        return Err(CliError::Usage(format!(
+            "invalid value: gpus = {gpus}: must be 1..=1024"
+        )));
+    }
+    opts.validate(gpus)?;
+    let exe =
+        std::env::current_exe().map_err(|e| CliError::Failed(format!("cannot find own binary: {e}")))?;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let exits = launch_ranks(gpus, &exe, &args, a.timeout)?;
+    match first_failure(&exits) {
+        None => Ok(()),
+        Some(f) => Err(CliError::Failed(format!(
+            "rank {} failed ({}):\n{}",
+            f.rank,
+            if f.killed {
+                "killed at the deadline".to_string()
+            } else {
+                f.status.to_string()
+            },
+            f.stderr.trim_end()
+        ))),
+    }
+}
+
+fn run_child(a: &AlltoallArgs, opts: &AlltoallOptions) -> CliResult {
+    let group = Group::from_env(a.timeout)?;
+    let report = run_rank(&group, opts);
+    let rank = group.rank();
+    // Rank 0 hosts nothing here (the launcher serves the store), but closing
+    // keeps the group's teardown in one place.
+    let closed = group.close();
+    let report = report?;
+    closed?;
+    if rank == 0 {
+        if a.json {
+            let s = serde_json::to_string_pretty(&report)
+                .map_err(|e| CliError::Failed(format!("cannot encode the report: {e}")))?;
+            println!("{s}");
+        } else {
+            print_table(&report);
+        }
+    }
+    Ok(())
+}
+
+fn print_table(r: &AlltoallReport) {
+    println!(
+        "all-to-all: {} ranks, {} CTAs x {} threads, {} iterations after {} warm-up; NCCL API {:?}",
+        r.info.world, r.blocks, r.threads, r.iters, r.warmup, r.nccl_api
+    );
+    match &r.gin_network {
+        Ok(n) => println!("GIN network: {n}"),
+        Err(why) => println!("GIN network: none ({why})"),
+    }
+    let mut t = Table::new();
+    t.load_preset(presets::UTF8_FULL_CONDENSED);
+    t.set_header(vec![
+        "mode",
+        "bytes/rank",
+        "time µs",
+        "algbw GB/s",
+        "busbw GB/s",
+        "validated",
+    ]);
+    for p in &r.results {
+        t.add_row(vec![
+            p.mode.name().to_string(),
+            p.bytes.to_string(),
+            format!("{:.1}", p.time_us),
+            format!("{:.1}", p.algbw_gbps),
+            format!("{:.1}", p.busbw_gbps),
+            if p.validated {
+                "yes".into()
+            } else {
+                "no".to_string()
+            },
+        ]);
+    }
+    for i in 1..6 {
+        if let Some(c) = t.column_mut(i) {
+            c.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+    println!("{t}");
+    for s in &r.skipped {
+        println!("skipped {}: {}", s.mode.name(), s.reason);
+    }
+    match (&r.peer_copy, &r.peer_copy_skipped) {
+        (Some(p), _) => println!("copy-engine peer copy GPU0->GPU1: {p:?}"),
+        (None, Some(why)) => println!("copy-engine peer copy: skipped ({why})"),
+        _ => {}
+    }
+    println!("algbw = bytes per rank / time; busbw = algbw * (ranks - 1) / ranks (nccl-tests).");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn byte_sizes_parse_with_suffixes() {
+        assert_eq!(parse_bytes("1M"), Ok(1 << 20));
+        assert_eq!(parse_bytes("3k"), Ok(3072));
+        assert_eq!(parse_bytes("17"), Ok(17));
+        assert!(parse_bytes("1X").is_err());
+        assert!(parse_bytes("99999999999999999999G").is_err());
+    }
+}
