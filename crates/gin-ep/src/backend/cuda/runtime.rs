@@ -1093,6 +1093,19 @@ pub fn median(v: &mut [f64]) -> f64 {
     }
 }
 
+/// Loads NCCL the way [`CudaRank::new`] would and returns where it came from and
+/// its `ncclGetVersion`, for `gin-ep info`. Needs no GPU.
+pub fn nccl_probe() -> std::result::Result<(String, i32), String> {
+    let nccl = ns::Nccl::load().map_err(|e| e.to_string())?;
+    let mut version = 0;
+    // SAFETY: writes one int.
+    let r = unsafe { (nccl.ncclGetVersion)(&mut version) };
+    if r != 0 {
+        return Err(format!("ncclGetVersion returned {r}"));
+    }
+    Ok((format!("{:?}", nccl.source), version))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1150,15 +1163,3 @@ mod tests {
     }
 }
 
-/// Loads NCCL the way [`CudaRank::new`] would and returns where it came from and
-/// its `ncclGetVersion`, for `gin-ep info`. Needs no GPU.
-pub fn nccl_probe() -> std::result::Result<(String, i32), String> {
-    let nccl = ns::Nccl::load().map_err(|e| e.to_string())?;
-    let mut version = 0;
-    // SAFETY: writes one int.
-    let r = unsafe { (nccl.ncclGetVersion)(&mut version) };
-    if r != 0 {
-        return Err(format!("ncclGetVersion returned {r}"));
-    }
-    Ok((format!("{:?}", nccl.source), version))
-}
