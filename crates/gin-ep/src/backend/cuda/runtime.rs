@@ -879,9 +879,25 @@ impl CudaRank {
             return Err(Error::input("memset_u32", "length not a multiple of 4"));
         }
         // SAFETY: r is a live region of r.bytes bytes.
-        cu_raw("cuMemsetD32Async", unsafe {
-            sys::cuMemsetD32Async(r.ptr, value, r.bytes / 4, self.stream)
-        })
+        let res = unsafe { sys::cuMemsetD32Async(r.ptr, value, r.bytes / 4, self.stream) };
+        if res != sys::CUresult::CUDA_SUCCESS {
+            // Say which context is current: a region of another context (or a thread
+            // bound to the wrong one) is the usual cause of INVALID_VALUE here.
+            let mut cur: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: writes one handle.
+            unsafe { sys::cuCtxGetCurrent(&mut cur) };
+            return Err(Error::Device {
+                call: "cuMemsetD32Async".into(),
+                reason: format!(
+                    "{res:?} (ptr {:#x}, {} bytes, current context {:?}, rank context {:?})",
+                    r.ptr,
+                    r.bytes,
+                    cur,
+                    self.ctx.cu_ctx()
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// Copies the first two u64 of `src` to the host, waiting (bounded). The copy lands in
