@@ -1178,4 +1178,3 @@ mod tests {
         assert_eq!(median(&mut []), 0.0);
     }
 }
-

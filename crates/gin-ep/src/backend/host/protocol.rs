@@ -157,6 +157,8 @@ pub struct HostEp {
     seq: u64,
     timeout: Duration,
     fault: Option<Fault>,
+    /// Set when an injected fault fired: a dead rank tells nobody anything.
+    dead: std::cell::Cell<bool>,
     phases: Vec<(&'static str, Duration)>,
     /// Scratch record, reused so the hot loops do not allocate.
     rec: Vec<u8>,
@@ -192,6 +194,7 @@ impl HostEp {
             seq: 0,
             timeout,
             fault: None,
+            dead: std::cell::Cell::new(false),
             phases: Vec::new(),
             rec: Vec::new(),
         })
@@ -268,6 +271,7 @@ impl HostEp {
                     );
                     std::process::exit(3);
                 }
+                self.dead.set(true);
                 return Err(Error::Bootstrap(format!(
                     "rank {} stopped at phase `{phase}` (injected fault)",
                     f.rank
@@ -280,6 +284,9 @@ impl HostEp {
     /// Tells every peer that this rank gave up, so they fail at once instead of
     /// waiting for the deadline.
     pub fn abandon(&self) {
+        if self.dead.get() {
+            return;
+        }
         let me = self.rank();
         for peer in 0..self.cfg.ranks {
             for kind in [
