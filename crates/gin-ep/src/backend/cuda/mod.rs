@@ -7,6 +7,7 @@
 
 pub mod driver;
 pub mod kernels;
+pub mod ll;
 pub mod ops;
 pub mod runtime;
 

@@ -85,6 +85,11 @@ pub fn fabric_phase_name(phase: u32) -> &'static str {
         1 => "all-to-all start barrier",
         2 => "all-to-all end barrier",
         3 => "GIN signal wait",
+        // LL kernels (kernels/ll/ll.cu kPhase*).
+        16 => "LL dispatch credit (receiver still reading the previous dispatch)",
+        17 => "LL dispatch receive",
+        18 => "LL combine credit (source still reducing the previous combine)",
+        19 => "LL combine receive",
         _ => "unknown kernel phase",
     }
 }

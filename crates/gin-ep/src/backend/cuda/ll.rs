@@ -1,0 +1,1418 @@
+//! LL (low-latency) dispatch and combine on GPUs over NVLink: the per-rank driver of
+//! `kernels/ll/ll.cu`.
+//!
+//! Owns: the LL window layout ([`LlLayout`], mirrored by the record arithmetic in the
+//! kernels), the two buffer sets (double buffering), the four typed launches (dispatch send
+//! and receive, combine send and receive: the receive hooks), CUDA-graph capture, and the
+//! GPU check ([`check_rank`], [`selftest_rank`]) and benchmark ([`bench_rank`]) entry points.
+//! Never: decides what is correct (the oracle does, through `check`), prints, or waits on
+//! the device without a deadline (every wait is [`CudaRank::wait`]; every in-kernel wait has
+//! one and names phase and peer).
+//!
+//! Device-side protocol (see the head of kernels/ll/ll.cu): no barrier and no host
+//! synchronization; counts stay on the device; signals are monotonic counters with credits,
+//! and the op number of each buffer set lives on the device, so a captured graph replays.
+//! Rules for callers: every rank issues the same sequence of operations per set; a dispatch
+//! on a set overwrites that set's outputs and handle; combine on a set uses the handle of the
+//! last dispatch on that set. At most two operations are in flight (one per set).
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use cudarc::driver::{result, sys};
+use gin_ep_sys as ns;
+use half::bf16;
+
+use super::runtime::{
+    CudaRank, CudaRankOptions, DevComm, DevCommRequest, DeviceBuffer, DeviceRegion, Event, Window,
+};
+use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
+use crate::check::Case;
+use crate::config::{DispatchDtype, EpConfig, FP8_BLOCK};
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::ht::RankInput;
+use crate::ll::{LlDispatchOutput, LlHandle};
+use crate::quant::Rows;
+use crate::workload::{Routing, Workload};
+
+/// Kernel entry points (extern "C" names in kernels/ll/ll.cu).
+pub mod names {
+    pub const DISPATCH_SEND: &str = "gin_ep_ll_dispatch_send";
+    pub const DISPATCH_RECV: &str = "gin_ep_ll_dispatch_recv";
+    pub const COMBINE_SEND: &str = "gin_ep_ll_combine_send";
+    pub const COMBINE_RECV: &str = "gin_ep_ll_combine_recv";
+}
+
+/// Threads per CTA of every LL kernel (`kThreads` in ll.cu).
+pub const THREADS: u32 = 512;
+/// Most tokens per rank the LL kernels accept (`max_tokens_per_rank`).
+pub const MAX_TOKENS: usize = 1024;
+/// Most ranks in one LL group (all must be in one LSA team).
+pub const MAX_RANKS: usize = 64;
+/// Most CTAs per LL kernel.
+pub const MAX_GRID: u32 = 1024;
+/// Dynamic shared memory a kernel may use (H100/H200 allow 227 KiB per CTA by opt-in).
+pub const MAX_SMEM: usize = 200 * 1024;
+/// Buffer sets (double buffering).
+pub const SETS: usize = 2;
+/// Word written into every output before a checked run: a row nobody wrote keeps it.
+pub const POISON: u32 = 0xDEAD_BEEF;
+
+fn align16(n: usize) -> usize {
+    n.div_ceil(16) * 16
+}
+
+/// Where everything of one LL group lies in the symmetric window, per buffer set, and what
+/// the kernels need besides. All offsets are 16-byte aligned; sets are 4 KiB aligned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LlLayout {
+    /// Bytes of one staging record: payload, scales (FP8), then `K` local ids, `K`
+    /// positions and the source token (i32 each), rounded up to 16.
+    pub record_bytes: usize,
+    /// Where the i32 metadata starts inside a record.
+    pub meta_in_record: usize,
+    /// Signal words `[4 kinds][R]` u64, relative to the set.
+    pub sig_offset: usize,
+    /// `[R src][L + 1]` u32: token count, then per-local-expert counts.
+    pub meta_offset: usize,
+    /// `[R src][T]` records.
+    pub stage_offset: usize,
+    /// `[T][K][H]` BF16 combine rows.
+    pub comb_offset: usize,
+    /// One buffer set.
+    pub set_bytes: usize,
+    /// The whole window: [`SETS`] sets.
+    pub window_bytes: usize,
+    pub dispatch_send_smem: usize,
+    pub dispatch_recv_smem: usize,
+    pub combine_send_smem: usize,
+}
+
+impl LlLayout {
+    /// The layout for `cfg`, refusing shapes the LL kernels do not take.
+    pub fn new(cfg: &EpConfig) -> Result<LlLayout> {
+        cfg.validate()?;
+        let (r, e, h, k, t) = (
+            cfg.ranks,
+            cfg.experts,
+            cfg.hidden,
+            cfg.topk,
+            cfg.max_tokens_per_rank,
+        );
+        if t > MAX_TOKENS {
+            return Err(Error::config(
+                "max_tokens_per_rank",
+                t,
+                format!("LL on GPUs takes at most {MAX_TOKENS} tokens per rank"),
+            ));
+        }
+        if r > MAX_RANKS {
+            return Err(Error::config(
+                "ranks",
+                r,
+                format!("LL on GPUs takes at most {MAX_RANKS} ranks (one NVLink domain)"),
+            ));
+        }
+        let l = cfg.local_experts();
+        let fp8 = cfg.dispatch_dtype.is_fp8();
+        let payload = if fp8 { h } else { 2 * h };
+        let scales = if fp8 { h / FP8_BLOCK * 4 } else { 0 };
+        let meta_in_record = align16(payload + scales);
+        let record_bytes = align16(meta_in_record + (2 * k + 1) * 4);
+        let sig_offset = 0;
+        let meta_offset = align16(sig_offset + 4 * r * 8);
+        let stage_offset = align16(meta_offset + r * (l + 1) * 4);
+        let comb_offset = align16(stage_offset + r * t * record_bytes);
+        let set_bytes = (comb_offset + t * k * h * 2).div_ceil(4096) * 4096;
+        let nch = t.div_ceil(32).max(1);
+        let dispatch_send_smem = 2 * (e + r) * nch * 4;
+        let dispatch_recv_smem = (r * (l + 1) + r + 1) * 4;
+        let combine_send_smem = (l + 1) * 4;
+        let worst = dispatch_send_smem.max(dispatch_recv_smem).max(combine_send_smem);
+        if worst > MAX_SMEM {
+            return Err(Error::config(
+                "experts",
+                e,
+                format!(
+                    "the LL dispatch layout needs {worst} bytes of shared memory per CTA \
+                     ((experts + ranks) * ceil(max_tokens / 32) * 8), above {MAX_SMEM}; use fewer \
+                     experts or tokens per rank"
+                ),
+            ));
+        }
+        Ok(LlLayout {
+            record_bytes,
+            meta_in_record,
+            sig_offset,
+            meta_offset,
+            stage_offset,
+            comb_offset,
+            set_bytes,
+            window_bytes: SETS * set_bytes,
+            dispatch_send_smem,
+            dispatch_recv_smem,
+            combine_send_smem,
+        })
+    }
+
+    /// Rows of one rank's expert-major output, `L * R * T`.
+    pub fn out_rows(cfg: &EpConfig) -> usize {
+        cfg.local_experts() * cfg.ranks * cfg.max_tokens_per_rank
+    }
+
+    /// Bytes of local (non-symmetric) device memory per set: inputs, outputs, handle.
+    pub fn local_bytes(cfg: &EpConfig) -> usize {
+        let (h, k, t, l, r) = (
+            cfg.hidden,
+            cfg.topk,
+            cfg.max_tokens_per_rank,
+            cfg.local_experts(),
+            cfg.ranks,
+        );
+        let rows = Self::out_rows(cfg);
+        let spr = if cfg.dispatch_dtype.is_fp8() {
+            h / FP8_BLOCK
+        } else {
+            0
+        };
+        t * h * 2 + t * k * 12 + rows * h * 2 // x, topk, weights, y
+            + rows * cfg.dispatch_dtype.row_bytes(h) + rows * spr // recv_x + scales, ue8m0 bytes
+            + l * 4 + l * r * 8 + rows * 12 // counts, layout range, handle
+            + t * h * 2 // combined
+    }
+}
+
+/// Bytes of the symmetric (NCCL window) memory one rank needs for LL with `cfg`: both buffer
+/// sets (signals, counts, staging, combine rows). A hint in the manner of DeepEP's
+/// `get_low_latency_rdma_size_hint`; local inputs and outputs come on top
+/// ([`LlLayout::local_bytes`] per set).
+pub fn buffer_bytes(cfg: &EpConfig) -> Result<usize> {
+    Ok(LlLayout::new(cfg)?.window_bytes)
+}
+
+/// Host mirror of `gin_ep::ll::LlArgs` (kernels/ll/ll.cu), the one parameter of every LL
+/// kernel. Device pointers are `u64` (CUdeviceptr), the same size as the C pointers.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct LlArgs {
+    comm: ns::ncclDevComm,
+    win: ns::ncclWindow_t,
+    set_offset: u64,
+    sig_offset: u64,
+    meta_offset: u64,
+    stage_offset: u64,
+    comb_offset: u64,
+    rec_bytes: u64,
+    x: u64,
+    topk_idx: u64,
+    topk_weights: u64,
+    y: u64,
+    recv_x: u64,
+    recv_scales: u64,
+    recv_count: u64,
+    layout_range: u64,
+    src_rank: u64,
+    src_token: u64,
+    src_k: u64,
+    combined: u64,
+    state: u64,
+    timeout_ns: u64,
+    err: u64,
+    num_tokens: i32,
+    hidden: i32,
+    topk: i32,
+    experts: i32,
+    max_tokens: i32,
+    dtype: i32,
+    recv_scales_ue8m0: u64,
+}
+// Same numbers as the static_assert in kernels/ll/ll.cu.
+const _: () = assert!(std::mem::size_of::<LlArgs>() == 408);
+const _: () = assert!(std::mem::offset_of!(LlArgs, err) == 368);
+const _: () = assert!(std::mem::offset_of!(LlArgs, recv_scales_ue8m0) == 400);
+
+fn dtype_code(d: DispatchDtype) -> i32 {
+    match d {
+        DispatchDtype::Bf16 => 0,
+        DispatchDtype::Fp8 => 1,
+        DispatchDtype::Fp8Ue8m0 => 2,
+    }
+}
+
+fn cu(call: &str, r: sys::CUresult) -> Result<()> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Device {
+            call: call.to_string(),
+            reason: format!("{r:?}"),
+        })
+    }
+}
+
+/// One buffer set's local device memory.
+struct SetBuffers {
+    x: DeviceBuffer,
+    topk_idx: DeviceBuffer,
+    weights: DeviceBuffer,
+    y: DeviceBuffer,
+    recv_x: DeviceBuffer,
+    recv_scales: DeviceBuffer,
+    recv_ue8m0: DeviceBuffer,
+    recv_count: DeviceBuffer,
+    layout_range: DeviceBuffer,
+    src_rank: DeviceBuffer,
+    src_token: DeviceBuffer,
+    src_k: DeviceBuffer,
+    combined: DeviceBuffer,
+    /// `[4]` u32 op numbers and done counters (kernels/ll/ll.cu kDispOps..), zeroed once.
+    state: DeviceBuffer,
+    /// Tokens of the input now in `x` (host-known shape, as in DeepEP).
+    num_tokens: usize,
+}
+
+/// A captured CUDA graph, instantiated; destroyed on drop.
+pub struct Graph {
+    exec: sys::CUgraphExec,
+    graph: sys::CUgraph,
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: both handles were made by capture() and are destroyed once; the owner
+        // waits for replays before dropping (CudaLl users wait before teardown).
+        unsafe {
+            let _ = sys::cuGraphExecDestroy(self.exec);
+            let _ = sys::cuGraphDestroy(self.graph);
+        }
+    }
+}
+
+/// LL dispatch and combine of one rank: the window, device communicator and both buffer
+/// sets. Collective to create (every rank, same config, same order).
+pub struct CudaLl<'r> {
+    // Field order is drop order: the window is deregistered before the device
+    // communicator is destroyed (both hold the NCCL communicator alive).
+    window: Window,
+    dev_comm: DevComm,
+    sets: [SetBuffers; SETS],
+    rank: &'r CudaRank,
+    cfg: EpConfig,
+    layout: LlLayout,
+    grid: u32,
+}
+
+impl<'r> CudaLl<'r> {
+    /// Makes the window and buffers for `cfg` on `rank`. `grid` CTAs per kernel (`None`: the
+    /// GPU's SM count); every rank must pass the same grid.
+    pub fn new(rank: &'r CudaRank, cfg: &EpConfig, grid: Option<u32>) -> Result<CudaLl<'r>> {
+        let layout = LlLayout::new(cfg)?;
+        let world = rank.info().world;
+        if cfg.ranks != world {
+            return Err(Error::config(
+                "ranks",
+                cfg.ranks,
+                format!("the group has {world} ranks"),
+            ));
+        }
+        let grid = grid.unwrap_or(rank.info().sm_count).clamp(1, MAX_GRID);
+        let window = rank.window(layout.window_bytes)?;
+        let dev_comm = rank.dev_comm(DevCommRequest {
+            lsa_barriers: 1,
+            gin_signals: 0,
+        })?;
+        let (_, lsa_size) = dev_comm.lsa();
+        if lsa_size != world {
+            return Err(Error::Unavailable {
+                backend: "cuda",
+                reason: format!(
+                    "LL over NVLink needs every rank reachable by load/store; the LSA team has \
+                     {lsa_size} of {world} ranks"
+                ),
+            });
+        }
+        let (h, k, t, l, r) = (
+            cfg.hidden,
+            cfg.topk,
+            cfg.max_tokens_per_rank,
+            cfg.local_experts(),
+            cfg.ranks,
+        );
+        let rows = LlLayout::out_rows(cfg);
+        let spr = h / FP8_BLOCK;
+        let alloc = |bytes: usize| rank.alloc(bytes.max(16));
+        let make_set = || -> Result<SetBuffers> {
+            let s = SetBuffers {
+                x: alloc(t * h * 2)?,
+                topk_idx: alloc(t * k * 8)?,
+                weights: alloc(t * k * 4)?,
+                y: alloc(rows * h * 2)?,
+                recv_x: alloc(rows * if cfg.dispatch_dtype.is_fp8() { h } else { 2 * h })?,
+                recv_scales: alloc(if cfg.dispatch_dtype.is_fp8() {
+                    rows * spr * 4
+                } else {
+                    16
+                })?,
+                recv_ue8m0: alloc(if cfg.dispatch_dtype == DispatchDtype::Fp8Ue8m0 {
+                    rows * spr
+                } else {
+                    16
+                })?,
+                recv_count: alloc(l * 4)?,
+                layout_range: alloc(l * r * 8)?,
+                src_rank: alloc(rows * 4)?,
+                src_token: alloc(rows * 4)?,
+                src_k: alloc(rows * 4)?,
+                combined: alloc(t * h * 2)?,
+                state: alloc(16)?,
+                num_tokens: 0,
+            };
+            rank.memset_u32(s.state.region(), 0)?;
+            Ok(s)
+        };
+        let sets = [make_set()?, make_set()?];
+        for (name, smem) in [
+            (names::DISPATCH_SEND, layout.dispatch_send_smem),
+            (names::DISPATCH_RECV, layout.dispatch_recv_smem),
+            (names::COMBINE_SEND, layout.combine_send_smem),
+        ] {
+            let f = rank.function(name)?;
+            // SAFETY: f is a live function of the rank's module; the attribute only raises
+            // the dynamic shared memory ceiling (needed above 48 KiB).
+            cu("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
+                sys::cuFuncSetAttribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+            })?;
+        }
+        rank.wait("LL buffer setup")?;
+        Ok(CudaLl {
+            window,
+            dev_comm,
+            sets,
+            rank,
+            cfg: cfg.clone(),
+            layout,
+            grid,
+        })
+    }
+
+    /// CTAs per kernel.
+    pub fn grid(&self) -> u32 {
+        self.grid
+    }
+
+    /// The window layout in use.
+    pub fn layout(&self) -> &LlLayout {
+        &self.layout
+    }
+
+    fn set(&self, set: usize) -> Result<&SetBuffers> {
+        self.sets
+            .get(set)
+            .ok_or_else(|| Error::input("LL buffer set", format!("{set} is not 0 or 1")))
+    }
+
+    /// Copies this rank's dispatch input into `set` (waits for earlier work first: the
+    /// buffers may still be read by a kernel).
+    pub fn upload_input(&mut self, set: usize, x: &[bf16], topk_idx: &[i64], weights: &[f32]) -> Result<()> {
+        let me = self.rank.info().rank;
+        let n = crate::routing::validate_topk(&self.cfg, me, topk_idx)?;
+        let (h, k) = (self.cfg.hidden, self.cfg.topk);
+        if x.len() != n * h || weights.len() != n * k {
+            return Err(Error::input(
+                format!("LL input of rank {me}"),
+                format!(
+                    "x {} / weights {} values for {n} tokens (hidden {h}, topk {k})",
+                    x.len(),
+                    weights.len()
+                ),
+            ));
+        }
+        self.rank.wait("before LL input upload")?;
+        let s = self.set(set)?;
+        upload(self.rank, s.x.region(), bytemuck::cast_slice(x))?;
+        upload(self.rank, s.topk_idx.region(), bytemuck::cast_slice(topk_idx))?;
+        upload(self.rank, s.weights.region(), bytemuck::cast_slice(weights))?;
+        self.sets[set].num_tokens = n;
+        Ok(())
+    }
+
+    /// Copies expert outputs `[L, R*T, H]` BF16 into `set` (the combine input).
+    pub fn upload_expert_output(&self, set: usize, y: &[bf16]) -> Result<()> {
+        let want = LlLayout::out_rows(&self.cfg) * self.cfg.hidden;
+        if y.len() != want {
+            return Err(Error::input(
+                "LL combine input",
+                format!("{} values, expected {want} ([L, R*T, H])", y.len()),
+            ));
+        }
+        self.rank.wait("before LL expert output upload")?;
+        upload(self.rank, self.set(set)?.y.region(), bytemuck::cast_slice(y))
+    }
+
+    /// Fills every output of `set` with [`POISON`] (queued on the stream).
+    pub fn poison_outputs(&self, set: usize) -> Result<()> {
+        let s = self.set(set)?;
+        for b in [
+            &s.recv_x,
+            &s.recv_scales,
+            &s.recv_ue8m0,
+            &s.recv_count,
+            &s.layout_range,
+            &s.src_rank,
+            &s.src_token,
+            &s.src_k,
+            &s.combined,
+        ] {
+            let r = b.region();
+            self.rank.memset_u32(r.sub(0, r.len() / 4 * 4)?, POISON)?;
+        }
+        Ok(())
+    }
+
+    fn args(&self, set: usize) -> Result<LlArgs> {
+        let s = self.set(set)?;
+        let cfg = &self.cfg;
+        Ok(LlArgs {
+            comm: self.dev_comm.raw(),
+            win: self.window.raw(),
+            set_offset: (set * self.layout.set_bytes) as u64,
+            sig_offset: self.layout.sig_offset as u64,
+            meta_offset: self.layout.meta_offset as u64,
+            stage_offset: self.layout.stage_offset as u64,
+            comb_offset: self.layout.comb_offset as u64,
+            rec_bytes: self.layout.record_bytes as u64,
+            x: s.x.region().ptr,
+            topk_idx: s.topk_idx.region().ptr,
+            topk_weights: s.weights.region().ptr,
+            y: s.y.region().ptr,
+            recv_x: s.recv_x.region().ptr,
+            recv_scales: s.recv_scales.region().ptr,
+            recv_count: s.recv_count.region().ptr,
+            layout_range: s.layout_range.region().ptr,
+            src_rank: s.src_rank.region().ptr,
+            src_token: s.src_token.region().ptr,
+            src_k: s.src_k.region().ptr,
+            combined: s.combined.region().ptr,
+            state: s.state.region().ptr,
+            timeout_ns: u64::try_from(self.rank.options().kernel_timeout.as_nanos()).unwrap_or(u64::MAX),
+            err: self.rank.fabric_err_dev(),
+            num_tokens: s.num_tokens as i32,
+            hidden: cfg.hidden as i32,
+            topk: cfg.topk as i32,
+            experts: cfg.experts as i32,
+            max_tokens: cfg.max_tokens_per_rank as i32,
+            dtype: dtype_code(cfg.dispatch_dtype),
+            recv_scales_ue8m0: if cfg.dispatch_dtype == DispatchDtype::Fp8Ue8m0 {
+                s.recv_ue8m0.region().ptr
+            } else {
+                0
+            },
+        })
+    }
+
+    fn launch(&self, name: &'static str, smem: usize, set: usize) -> Result<()> {
+        let args = self.args(set)?;
+        let f = self.rank.function(name)?;
+        let mut params = [&args as *const LlArgs as *mut c_void];
+        // SAFETY: LlArgs mirrors the kernel parameter (size/offset asserts on both sides);
+        // every pointer in it belongs to self (window, set buffers) or the rank (error
+        // record), which outlive the launch: owners wait for the stream before dropping
+        // them, and on errors they are leaked, not freed. Offsets come from LlLayout, which
+        // sized the window and buffers. cuLaunchKernel copies the parameter bytes.
+        let r = unsafe {
+            result::launch_kernel(
+                f,
+                (self.grid, 1, 1),
+                (THREADS, 1, 1),
+                smem as u32,
+                self.rank.stream(),
+                &mut params,
+            )
+        };
+        r.map_err(|e| Error::Device {
+            call: name.to_string(),
+            reason: format!("{e:?}"),
+        })
+    }
+
+    /// Dispatch, first half: quantize (FP8) and send this rank's tokens of `set`; returns
+    /// once the launch is queued.
+    pub fn dispatch_send(&self, set: usize) -> Result<()> {
+        self.launch(names::DISPATCH_SEND, self.layout.dispatch_send_smem, set)
+    }
+
+    /// Dispatch, second half: wait for every source (deadline) and expand into the
+    /// expert-major output of `set`.
+    pub fn dispatch_recv(&self, set: usize) -> Result<()> {
+        self.launch(names::DISPATCH_RECV, self.layout.dispatch_recv_smem, set)
+    }
+
+    /// Combine, first half: send every valid expert row of `set` back to its source.
+    pub fn combine_send(&self, set: usize) -> Result<()> {
+        self.launch(names::COMBINE_SEND, self.layout.combine_send_smem, set)
+    }
+
+    /// Combine, second half: wait for every expert rank and reduce in top-k order.
+    pub fn combine_recv(&self, set: usize) -> Result<()> {
+        self.launch(names::COMBINE_RECV, 0, set)
+    }
+
+    /// Both halves of dispatch.
+    pub fn dispatch(&self, set: usize) -> Result<()> {
+        self.dispatch_send(set)?;
+        self.dispatch_recv(set)
+    }
+
+    /// Both halves of combine.
+    pub fn combine(&self, set: usize) -> Result<()> {
+        self.combine_send(set)?;
+        self.combine_recv(set)
+    }
+
+    /// Captures what `f` queues on the rank's stream into a graph (nothing runs now). `f`
+    /// must only launch (no waits, copies from pageable memory or memsets of other streams).
+    pub fn capture(&self, f: impl FnOnce(&Self) -> Result<()>) -> Result<Graph> {
+        self.rank.wait("before graph capture")?;
+        let stream = self.rank.stream();
+        // SAFETY: the stream is live and idle; thread-local mode restricts only this thread.
+        cu("cuStreamBeginCapture", unsafe {
+            sys::cuStreamBeginCapture_v2(
+                stream,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        })?;
+        let queued = f(self);
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: ends the capture begun above (always, also when f failed).
+        let ended = cu("cuStreamEndCapture", unsafe {
+            sys::cuStreamEndCapture(stream, &mut graph)
+        });
+        if let Err(e) = queued.and(ended) {
+            if !graph.is_null() {
+                // SAFETY: a graph returned by the capture, destroyed once.
+                unsafe {
+                    let _ = sys::cuGraphDestroy(graph);
+                }
+            }
+            return Err(e);
+        }
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: graph is the captured graph; exec receives its instantiation.
+        let inst = cu("cuGraphInstantiate", unsafe {
+            sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
+        });
+        if let Err(e) = inst {
+            // SAFETY: as above.
+            unsafe {
+                let _ = sys::cuGraphDestroy(graph);
+            }
+            return Err(e);
+        }
+        Ok(Graph { exec, graph })
+    }
+
+    /// Queues one replay of `g` on the rank's stream.
+    pub fn replay(&self, g: &Graph) -> Result<()> {
+        // SAFETY: exec is live; the graph's kernels reference self's buffers (alive).
+        cu("cuGraphLaunch", unsafe {
+            sys::cuGraphLaunch(g.exec, self.rank.stream())
+        })
+    }
+
+    /// Waits (bounded) and reads the dispatch outputs of `set`.
+    pub fn download_dispatch(&self, set: usize) -> Result<LlDispatchOutput> {
+        self.rank.wait("LL dispatch")?;
+        let s = self.set(set)?;
+        let cfg = &self.cfg;
+        let (h, l, r) = (cfg.hidden, cfg.local_experts(), cfg.ranks);
+        let rows = LlLayout::out_rows(cfg);
+        let recv_x = if cfg.dispatch_dtype.is_fp8() {
+            let mut data = vec![0u8; rows * h];
+            let mut scales = vec![0f32; rows * (h / FP8_BLOCK)];
+            download(self.rank, s.recv_x.region(), &mut data)?;
+            download(
+                self.rank,
+                s.recv_scales.region(),
+                bytemuck::cast_slice_mut(&mut scales),
+            )?;
+            Rows::Fp8 { data, scales }
+        } else {
+            let mut v = vec![bf16::ZERO; rows * h];
+            download(self.rank, s.recv_x.region(), bytemuck::cast_slice_mut(&mut v))?;
+            Rows::Bf16(v)
+        };
+        let counts: Vec<i32> = download_vec(self.rank, s.recv_count.region(), l)?;
+        let ranges: Vec<u32> = download_vec(self.rank, s.layout_range.region(), 2 * l * r)?;
+        Ok(LlDispatchOutput {
+            recv_x,
+            recv_count: counts.iter().map(|&c| c.max(0) as usize).collect(),
+            handle: LlHandle {
+                num_tokens: s.num_tokens,
+                layout_range: ranges.chunks(2).map(|p| (p[0], p[1])).collect(),
+                src_rank: download_vec(self.rank, s.src_rank.region(), rows)?,
+                src_token: download_vec(self.rank, s.src_token.region(), rows)?,
+                src_k: download_vec(self.rank, s.src_k.region(), rows)?,
+            },
+        })
+    }
+
+    /// Waits and reads `recv_count` of `set` (i32, as the device holds it).
+    pub fn download_counts(&self, set: usize) -> Result<Vec<i32>> {
+        self.rank.wait("LL dispatch counts")?;
+        download_vec(
+            self.rank,
+            self.set(set)?.recv_count.region(),
+            self.cfg.local_experts(),
+        )
+    }
+
+    /// Waits and reads the packed UE8M0 scale exponents of `set` (`[L, R*T, H/128]` bytes).
+    pub fn download_ue8m0(&self, set: usize) -> Result<Vec<u8>> {
+        self.rank.wait("LL dispatch scales")?;
+        let n = LlLayout::out_rows(&self.cfg) * (self.cfg.hidden / FP8_BLOCK);
+        download_vec(self.rank, self.set(set)?.recv_ue8m0.region(), n)
+    }
+
+    /// Waits and reads the combined tokens `[N, H]` of `set`.
+    pub fn download_combined(&self, set: usize) -> Result<Vec<bf16>> {
+        self.rank.wait("LL combine")?;
+        let s = self.set(set)?;
+        download_vec(self.rank, s.combined.region(), s.num_tokens * self.cfg.hidden)
+    }
+}
+
+fn upload(rank: &CudaRank, dst: DeviceRegion<'_>, src: &[u8]) -> Result<()> {
+    if src.is_empty() {
+        return Ok(());
+    }
+    let dst = dst.sub(0, src.len())?;
+    // SAFETY: dst is a live region of src.len() bytes (checked); from pageable memory the
+    // driver stages src before returning, so src may go away afterwards.
+    cu("cuMemcpyHtoDAsync", unsafe {
+        sys::cuMemcpyHtoDAsync_v2(dst.ptr, src.as_ptr() as *const c_void, src.len(), rank.stream())
+    })
+}
+
+fn download(rank: &CudaRank, src: DeviceRegion<'_>, dst: &mut [u8]) -> Result<()> {
+    if dst.is_empty() {
+        return Ok(());
+    }
+    let src = src.sub(0, dst.len())?;
+    // SAFETY: src is live for dst.len() bytes; into pageable memory the copy completes
+    // before the call returns, and the caller waited (bounded) for earlier work first.
+    cu("cuMemcpyDtoHAsync", unsafe {
+        sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr() as *mut c_void, src.ptr, dst.len(), rank.stream())
+    })?;
+    rank.wait("device-to-host copy")
+}
+
+fn download_vec<T: bytemuck::Pod + bytemuck::Zeroable>(
+    rank: &CudaRank,
+    src: DeviceRegion<'_>,
+    n: usize,
+) -> Result<Vec<T>> {
+    let mut v: Vec<T> = bytemuck::zeroed_vec(n);
+    download(rank, src, bytemuck::cast_slice_mut(&mut v))?;
+    Ok(v)
+}
+
+// ---------------------------------------------------------------------------------------
+// Check: every result against the oracle
+
+/// How many graph replays [`check_rank`] runs per case, and how often it compares a replay
+/// in full (counts are compared on every replay).
+#[derive(Clone, Copy, Debug)]
+struct GraphPlan {
+    replays: usize,
+    full_every: usize,
+}
+
+fn graph_plan(cfg: &EpConfig) -> GraphPlan {
+    // The full oracle of a replay touches every rank's [L, R*T, H] rows; keep big shapes to a
+    // few full comparisons.
+    if LlLayout::out_rows(cfg) * cfg.hidden * cfg.ranks > (64 << 20) {
+        GraphPlan {
+            replays: 40,
+            full_every: 20,
+        }
+    } else {
+        GraphPlan {
+            replays: 1000,
+            full_every: 100,
+        }
+    }
+}
+
+/// Inputs of every rank for iteration `iter` of `case`, exactly as check::run_rank_case
+/// makes them (Case::inputs), plus the seed of that iteration's expert outputs.
+fn case_inputs(case: &Case, iter: u64) -> (Vec<RankInput>, Workload) {
+    let w = Workload {
+        seed: case.workload.seed.wrapping_add(iter.wrapping_mul(7919)),
+        ..case.workload.clone()
+    };
+    let ins = case
+        .tokens
+        .iter()
+        .enumerate()
+        .map(|(r, &n)| w.rank_input(&case.cfg, r, n))
+        .collect();
+    let wy = Workload {
+        seed: case.workload.seed ^ 0xC0FFEE ^ iter,
+        ..case.workload.clone()
+    };
+    (ins, wy)
+}
+
+/// The oracle's answers for one iteration, for this rank.
+struct Expected {
+    dispatch: LlDispatchOutput,
+    combined: Vec<bf16>,
+    y_mine: Vec<bf16>,
+}
+
+fn expected(case: &Case, ins: &[RankInput], wy: &Workload, me: usize) -> Result<Expected> {
+    let cfg = &case.cfg;
+    let want = crate::oracle::ll_dispatch(cfg, ins)?;
+    let rows = LlLayout::out_rows(cfg);
+    let ys: Vec<Vec<bf16>> = (0..cfg.ranks)
+        .map(|r| wy.bf16_values(r, 31, rows * cfg.hidden))
+        .collect();
+    let handles: Vec<LlHandle> = want.iter().map(|o| o.handle.clone()).collect();
+    let idx: Vec<Vec<i64>> = ins.iter().map(|i| i.topk_idx.clone()).collect();
+    let wts: Vec<Vec<f32>> = ins.iter().map(|i| i.topk_weights.clone()).collect();
+    let mut combined = crate::oracle::ll_combine(cfg, &handles, &ys, &idx, &wts)?;
+    let mut ys = ys;
+    Ok(Expected {
+        dispatch: want.into_iter().nth(me).ok_or_else(|| Error::input("rank", me))?,
+        combined: std::mem::take(&mut combined[me]),
+        y_mine: std::mem::take(&mut ys[me]),
+    })
+}
+
+/// Compares one set's results with the oracle (and the UE8M0 exponent bytes with the
+/// oracle's scales).
+fn compare(ll: &CudaLl<'_>, set: usize, want: &Expected, what: &str) -> Result<()> {
+    let cfg = &ll.cfg;
+    let me = ll.rank.info().rank;
+    let ctx = |e: Error| match e {
+        Error::Mismatch(m) => Error::Mismatch(format!("GPU LL, {what}, config {cfg:?}: {m}")),
+        other => other,
+    };
+    let got = ll.download_dispatch(set)?;
+    crate::check::ll_dispatch(cfg, me, &got, &want.dispatch).map_err(ctx)?;
+    if cfg.dispatch_dtype == DispatchDtype::Fp8Ue8m0 {
+        let bytes = ll.download_ue8m0(set)?;
+        let spr = cfg.hidden / FP8_BLOCK;
+        let cap = cfg.ranks * cfg.max_tokens_per_rank;
+        for (e, &c) in want.dispatch.recv_count.iter().enumerate() {
+            for row in e * cap..e * cap + c {
+                for b in 0..spr {
+                    let exp = (want.dispatch.recv_x.scale_bits(row, b, cfg.hidden) >> 23) as u8;
+                    if bytes[row * spr + b] != exp {
+                        return Err(ctx(Error::Mismatch(format!(
+                            "rank {me}: ue8m0 scale byte [row {row}][{b}]: got {:#x}, oracle {exp:#x}",
+                            bytes[row * spr + b]
+                        ))));
+                    }
+                }
+            }
+        }
+    }
+    let got_c = ll.download_combined(set)?;
+    crate::check::ll_combine(me, &got_c, &want.combined).map_err(ctx)
+}
+
+/// Oracle recv_count of rank `me` from every rank's routing alone (no payloads).
+fn expected_counts(cfg: &EpConfig, topk: &[Vec<i64>], me: usize) -> Vec<i32> {
+    let l = cfg.local_experts();
+    let mut c = vec![0i32; l];
+    for idx in topk {
+        for &e in idx {
+            if e >= 0 && cfg.rank_of_expert(e as usize) == me {
+                c[e as usize % l] += 1;
+            }
+        }
+    }
+    c
+}
+
+/// Runs `cases` as one rank of `group` (one process per GPU) and compares every result with
+/// the oracle: per case, `iters` eager dispatch+combine iterations with fresh data into
+/// poisoned outputs (alternating buffer sets), one double-buffered round with the send and
+/// receive halves launched separately (two operations in flight), and graph replays (one
+/// graph per set holding dispatch+combine; new inputs copied in before every replay; counts
+/// compared on every replay, everything on every `full_every`-th). Returns the number of
+/// operations compared in full. Every rank must pass the same cases.
+pub fn check_rank(group: &Group, cases: &[Case], timeout: Duration) -> Result<usize> {
+    let rank = CudaRank::new(
+        group,
+        CudaRankOptions {
+            host_timeout: timeout,
+            kernel_timeout: timeout / 2,
+        },
+    )?;
+    let mut compared = 0;
+    for (ci, case) in cases.iter().enumerate() {
+        compared += check_case(group, &rank, case, ci)?;
+    }
+    Ok(compared)
+}
+
+static RUNS: AtomicU64 = AtomicU64::new(0);
+
+fn check_case(group: &Group, rank: &CudaRank, case: &Case, ci: usize) -> Result<usize> {
+    let cfg = &case.cfg;
+    let (me, world) = (group.rank(), group.world());
+    if case.tokens.len() != world || cfg.ranks != world {
+        return Err(Error::input(
+            format!("LL check case {ci}"),
+            format!(
+                "{} token counts and {} config ranks for a group of {world}",
+                case.tokens.len(),
+                cfg.ranks
+            ),
+        ));
+    }
+    let run = RUNS.fetch_add(1, Ordering::Relaxed);
+    let mut ll = CudaLl::new(rank, cfg, None)?;
+    let out = check_case_on(group, &mut ll, case, run);
+    match out {
+        Ok(n) => {
+            rank.wait("LL check end")?;
+            // Window deregistration is collective: tear down together.
+            group.barrier(&format!("ll-check/{run}/done"))?;
+            drop(ll);
+            Ok(n)
+        }
+        Err(e) => {
+            // A kernel may still use these buffers and peers may be stuck: abort the
+            // communicator and leave the memory to the process's end.
+            rank.comm().mark_failed();
+            std::mem::forget(ll);
+            Err(match e {
+                Error::Mismatch(m) => Error::Mismatch(format!(
+                    "case {ci} (seed {}, routing {}, tokens {:?}, rank {me}): {m}",
+                    case.workload.seed,
+                    case.workload.routing.name(),
+                    case.tokens
+                )),
+                other => other,
+            })
+        }
+    }
+}
+
+fn check_case_on(group: &Group, ll: &mut CudaLl<'_>, case: &Case, run: u64) -> Result<usize> {
+    let me = group.rank();
+    let mut compared = 0;
+    // Eager, one operation at a time, alternating sets.
+    for iter in 0..case.iters {
+        let (ins, wy) = case_inputs(case, iter as u64);
+        let want = expected(case, &ins, &wy, me)?;
+        let set = iter % SETS;
+        ll.upload_input(set, &ins[me].x, &ins[me].topk_idx, &ins[me].topk_weights)?;
+        ll.upload_expert_output(set, &want.y_mine)?;
+        ll.poison_outputs(set)?;
+        // Ranks spend different host time in the oracle; start each run together so the
+        // in-kernel deadlines measure peers, not the oracle.
+        group.barrier(&format!("ll-check/{run}/eager/{iter}"))?;
+        ll.dispatch(set)?;
+        ll.combine(set)?;
+        compare(ll, set, &want, &format!("eager iteration {iter}, set {set}"))?;
+        compared += 2;
+    }
+
+    // Double buffering and receive hooks: both sets in flight, halves launched separately.
+    let base = case.iters as u64 + 1000;
+    let wants: Vec<Expected> = (0..SETS as u64)
+        .map(|i| {
+            let (ins, wy) = case_inputs(case, base + i);
+            let w = expected(case, &ins, &wy, me)?;
+            ll.upload_input(i as usize, &ins[me].x, &ins[me].topk_idx, &ins[me].topk_weights)?;
+            ll.upload_expert_output(i as usize, &w.y_mine)?;
+            ll.poison_outputs(i as usize)?;
+            Ok(w)
+        })
+        .collect::<Result<_>>()?;
+    group.barrier(&format!("ll-check/{run}/overlap"))?;
+    ll.dispatch_send(0)?;
+    ll.dispatch_send(1)?;
+    ll.dispatch_recv(0)?;
+    ll.combine_send(0)?;
+    ll.dispatch_recv(1)?;
+    ll.combine_send(1)?;
+    ll.combine_recv(0)?;
+    ll.combine_recv(1)?;
+    for (set, w) in wants.iter().enumerate() {
+        compare(ll, set, w, &format!("two in flight with split halves, set {set}"))?;
+        compared += 2;
+    }
+
+    // CUDA graphs: one per set, dispatch + combine; new inputs before every replay.
+    let graphs = [
+        ll.capture(|l| l.dispatch(0).and_then(|_| l.combine(0)))?,
+        ll.capture(|l| l.dispatch(1).and_then(|_| l.combine(1)))?,
+    ];
+    let plan = graph_plan(&case.cfg);
+    let base = base + 100;
+    for i in 0..plan.replays {
+        let set = i % SETS;
+        let full = i % plan.full_every == 0 || i + 1 == plan.replays;
+        let (ins, wy) = case_inputs(case, base + i as u64);
+        let want = if full {
+            Some(expected(case, &ins, &wy, me)?)
+        } else {
+            None
+        };
+        ll.upload_input(set, &ins[me].x, &ins[me].topk_idx, &ins[me].topk_weights)?;
+        if let Some(w) = &want {
+            ll.upload_expert_output(set, &w.y_mine)?;
+            ll.poison_outputs(set)?;
+            group.barrier(&format!("ll-check/{run}/graph/{i}"))?;
+        }
+        ll.replay(&graphs[set])?;
+        match &want {
+            Some(w) => {
+                compare(
+                    ll,
+                    set,
+                    w,
+                    &format!("graph replay {i} of {}, set {set}", plan.replays),
+                )?;
+                compared += 2;
+            }
+            None => {
+                let topk: Vec<Vec<i64>> = ins.iter().map(|r| r.topk_idx.clone()).collect();
+                let counts = ll.download_counts(set)?;
+                let wc = expected_counts(&case.cfg, &topk, me);
+                if counts != wc {
+                    let e = (0..wc.len()).find(|&e| counts[e] != wc[e]).unwrap_or(0);
+                    return Err(Error::Mismatch(format!(
+                        "rank {me}: graph replay {i}, set {set}: recv_count[{e}] = {}, oracle {}",
+                        counts[e], wc[e]
+                    )));
+                }
+            }
+        }
+    }
+    ll.rank.wait("graph replays")?;
+    drop(graphs);
+    Ok(compared)
+}
+
+/// A fixed small set of cases over the whole group (uneven and empty ranks, masked top-k,
+/// skewed routing, every dtype, the peers' shape once): what `gin-ep check --gpus N --mode ll`
+/// runs by default. Errors name the case, iteration, rank and first differing element.
+pub fn selftest_rank(group: &Group) -> Result<()> {
+    check_rank(group, &selftest_cases(group.world()), Duration::from_secs(120)).map(|_| ())
+}
+
+/// The cases of [`selftest_rank`] for `world` ranks.
+pub fn selftest_cases(world: usize) -> Vec<Case> {
+    let mut cases = Vec::new();
+    let uneven: Vec<usize> = (0..world)
+        .map(|r| if r == 1 { 0 } else { 32 - 5 * (r % 4) })
+        .collect();
+    let dtypes = [DispatchDtype::Bf16, DispatchDtype::Fp8, DispatchDtype::Fp8Ue8m0];
+    for (i, dtype) in dtypes.into_iter().enumerate() {
+        for (j, routing) in [Routing::Uniform, Routing::Hot(0.7)].into_iter().enumerate() {
+            cases.push(Case {
+                cfg: EpConfig::new(world, 8 * world, 384, 4, 32).with_dtype(dtype),
+                workload: Workload {
+                    routing,
+                    seed: 0x11 + (i * 2 + j) as u64,
+                    mask_prob: 0.1,
+                },
+                tokens: uneven.clone(),
+                iters: 2,
+            });
+        }
+    }
+    // K > 32 lanes of metadata, hidden not a multiple of the 512/1024-channel work units.
+    cases.push(Case {
+        cfg: EpConfig::new(world, 48 * world, 136, 40, 64),
+        workload: Workload {
+            routing: Routing::Zipf(1.1),
+            seed: 0x21,
+            mask_prob: 0.2,
+        },
+        tokens: vec![64; world],
+        iters: 1,
+    });
+    // The peers' shape (shared/ANCHORS.md): 128 tokens, hidden 7168, top-8 of 256.
+    let experts = if 256 % world == 0 { 256 } else { 64 * world };
+    for dtype in [DispatchDtype::Fp8, DispatchDtype::Bf16] {
+        cases.push(Case {
+            cfg: EpConfig::new(world, experts, 7168, 8, 128).with_dtype(dtype),
+            workload: Workload {
+                routing: Routing::Uniform,
+                seed: 0x31,
+                mask_prob: 0.0,
+            },
+            tokens: vec![128; world],
+            iters: 1,
+        });
+    }
+    cases
+}
+
+// ---------------------------------------------------------------------------------------
+// Benchmark
+
+/// Times LL dispatch and combine on GPUs as one rank of `group`: eager calls (two launches
+/// per operation) and graph replays (one graph per operation and set), alternating buffer
+/// sets. Time per call = CUDA events around the operation on each rank, the slowest rank
+/// per iteration, then median/p10/p90 over iterations (bench.rs). `num_sms` = CTAs per
+/// kernel (0: the GPU's SM count). Some(report) on rank 0, None elsewhere.
+pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Option<BenchReport>> {
+    let cfg = &opts.cfg;
+    if opts.mode != BenchMode::Ll {
+        return Err(Error::config(
+            "mode",
+            "ht",
+            "backend::cuda::ll benchmarks LL only",
+        ));
+    }
+    LlLayout::new(cfg)?;
+    if opts.tokens == 0 || opts.tokens > cfg.max_tokens_per_rank {
+        return Err(Error::config(
+            "tokens",
+            opts.tokens,
+            format!("must be in 1..={}", cfg.max_tokens_per_rank),
+        ));
+    }
+    if opts.iters == 0 {
+        return Err(Error::config("iters", 0, "must be at least 1"));
+    }
+    let rank = CudaRank::new(
+        group,
+        CudaRankOptions {
+            host_timeout: opts.timeout,
+            kernel_timeout: opts.timeout / 2,
+        },
+    )?;
+    let grid = (num_sms > 0).then_some(num_sms);
+    let mut ll = CudaLl::new(&rank, cfg, grid)?;
+    let run = RUNS.fetch_add(1, Ordering::Relaxed);
+    let out = bench_on(group, &mut ll, opts, run);
+    match out {
+        Ok(r) => {
+            rank.wait("LL bench end")?;
+            group.barrier(&format!("ll-bench/{run}/done"))?;
+            drop(ll);
+            Ok(r)
+        }
+        Err(e) => {
+            rank.comm().mark_failed();
+            std::mem::forget(ll);
+            Err(e)
+        }
+    }
+}
+
+fn bench_on(
+    group: &Group,
+    ll: &mut CudaLl<'_>,
+    opts: &BenchOptions,
+    run: u64,
+) -> Result<Option<BenchReport>> {
+    let cfg = opts.cfg.clone();
+    let me = group.rank();
+    let w = Workload {
+        routing: opts.routing,
+        seed: opts.seed,
+        mask_prob: 0.0,
+    };
+    let input = w.rank_input(&cfg, me, opts.tokens);
+    let y = w.bf16_values(me, 6, LlLayout::out_rows(&cfg) * cfg.hidden);
+    for set in 0..SETS {
+        ll.upload_input(set, &input.x, &input.topk_idx, &input.topk_weights)?;
+        ll.upload_expert_output(set, &y)?;
+    }
+    drop(y);
+    group.barrier(&format!("ll-bench/{run}/start"))?;
+    // Warmup, and the row counts of this rank.
+    for i in 0..opts.warmup.max(1) * SETS {
+        ll.dispatch(i % SETS)?;
+        ll.combine(i % SETS)?;
+    }
+    let d = ll.download_dispatch(0)?;
+    let rows: usize = d.recv_count.iter().sum();
+    let local: usize = (0..cfg.local_experts())
+        .map(|e| d.handle.layout_range[e * cfg.ranks + me].1 as usize)
+        .sum();
+    drop(d);
+
+    // Eager: dispatch and combine timed separately within each iteration.
+    let mut eager_d = Vec::with_capacity(opts.iters);
+    let mut eager_c = Vec::with_capacity(opts.iters);
+    {
+        let events: Vec<Event> = (0..=2 * opts.iters)
+            .map(|_| ll.rank.event())
+            .collect::<Result<_>>()?;
+        ll.rank.record(&events[0])?;
+        for i in 0..opts.iters {
+            ll.dispatch(i % SETS)?;
+            ll.rank.record(&events[2 * i + 1])?;
+            ll.combine(i % SETS)?;
+            ll.rank.record(&events[2 * i + 2])?;
+        }
+        ll.rank.wait("LL eager timed loop")?;
+        for i in 0..opts.iters {
+            eager_d.push(f64::from(events[2 * i].elapsed_ms(&events[2 * i + 1])?) * 1e3);
+            eager_c.push(f64::from(events[2 * i + 1].elapsed_ms(&events[2 * i + 2])?) * 1e3);
+        }
+    }
+    // Graphs: one per (operation, set).
+    let gd = [ll.capture(|l| l.dispatch(0))?, ll.capture(|l| l.dispatch(1))?];
+    let gc = [ll.capture(|l| l.combine(0))?, ll.capture(|l| l.combine(1))?];
+    group.barrier(&format!("ll-bench/{run}/graphs"))?;
+    for i in 0..opts.warmup.max(1) * SETS {
+        ll.replay(&gd[i % SETS])?;
+        ll.replay(&gc[i % SETS])?;
+    }
+    let mut graph_d = Vec::with_capacity(opts.iters);
+    let mut graph_c = Vec::with_capacity(opts.iters);
+    {
+        let events: Vec<Event> = (0..=2 * opts.iters)
+            .map(|_| ll.rank.event())
+            .collect::<Result<_>>()?;
+        ll.rank.record(&events[0])?;
+        for i in 0..opts.iters {
+            ll.replay(&gd[i % SETS])?;
+            ll.rank.record(&events[2 * i + 1])?;
+            ll.replay(&gc[i % SETS])?;
+            ll.rank.record(&events[2 * i + 2])?;
+        }
+        ll.rank.wait("LL graph timed loop")?;
+        for i in 0..opts.iters {
+            graph_d.push(f64::from(events[2 * i].elapsed_ms(&events[2 * i + 1])?) * 1e3);
+            graph_c.push(f64::from(events[2 * i + 1].elapsed_ms(&events[2 * i + 2])?) * 1e3);
+        }
+    }
+    drop(gd);
+    drop(gc);
+
+    // Gather to rank 0: four series and the row counts.
+    let mut mine: Vec<f64> = Vec::with_capacity(4 * opts.iters + 2);
+    for s in [&eager_d, &eager_c, &graph_d, &graph_c] {
+        mine.extend_from_slice(s);
+    }
+    mine.push(rows as f64);
+    mine.push((rows - local) as f64);
+    let store = group.store();
+    let bytes: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
+    store.set(&group.key(&format!("ll-bench/{run}/times/{me}")), &bytes)?;
+    if me != 0 {
+        return Ok(None);
+    }
+    let mut all: Vec<Vec<f64>> = Vec::with_capacity(group.world());
+    for r in 0..group.world() {
+        let key = group.key(&format!("ll-bench/{run}/times/{r}"));
+        let raw = store.get(&key, group.timeout())?;
+        if raw.len() != bytes.len() {
+            return Err(Error::Bootstrap(format!(
+                "store key `{key}` holds {} bytes, expected {}",
+                raw.len(),
+                bytes.len()
+            )));
+        }
+        all.push(
+            raw.chunks(8)
+                .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                .collect(),
+        );
+    }
+    let n = opts.iters;
+    let ranks = group.world() as f64;
+    let rows_mean = all.iter().map(|v| v[4 * n]).sum::<f64>() / ranks;
+    let remote_mean = all.iter().map(|v| v[4 * n + 1]).sum::<f64>() / ranks;
+    let op = |name: &str, series: usize, row_bytes: usize| {
+        let per_iter: Vec<Duration> = (0..n)
+            .map(|i| {
+                let us = all.iter().map(|v| v[series * n + i]).fold(0.0, f64::max);
+                Duration::from_secs_f64(us * 1e-6)
+            })
+            .collect();
+        let total = Stats::of(&per_iter);
+        let secs = total.median_us * 1e-6;
+        let gbps = |r: f64| {
+            if secs > 0.0 {
+                r * row_bytes as f64 / secs / 1e9
+            } else {
+                0.0
+            }
+        };
+        OpReport {
+            op: name.to_string(),
+            total,
+            phases: Vec::new(),
+            rows_per_rank: rows_mean,
+            remote_rows_per_rank: remote_mean,
+            row_bytes,
+            bytes_per_rank: rows_mean * row_bytes as f64,
+            logical_gbps: gbps(rows_mean),
+            remote_gbps: gbps(remote_mean),
+            kernel: Some(total),
+        }
+    };
+    let drb = cfg.dispatch_dtype.row_bytes(cfg.hidden);
+    let crb = cfg.hidden * 2;
+    Ok(Some(BenchReport {
+        backend: "cuda".into(),
+        note: format!(
+            "GPU LL over NVLink (NCCL LSA), {} CTAs x {THREADS} threads per kernel; times are CUDA \
+             events around each operation (send + receive kernels), slowest rank per iteration; \
+             rows count (token, expert) copies as the peers do, though each token crosses a link \
+             once per destination rank",
+            ll.grid()
+        ),
+        mode: BenchMode::Ll,
+        ranks: cfg.ranks,
+        tokens: opts.tokens,
+        hidden: cfg.hidden,
+        topk: cfg.topk,
+        experts: cfg.experts,
+        dtype: cfg.dispatch_dtype.name().into(),
+        routing: opts.routing.name(),
+        iters: opts.iters,
+        ops: vec![
+            op("dispatch", 0, drb),
+            op("combine", 1, crb),
+            op("dispatch (graph)", 2, drb),
+            op("combine (graph)", 3, crb),
+        ],
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::group::StoreServer;
+
+    fn peers() -> EpConfig {
+        EpConfig::new(4, 256, 7168, 8, 128)
+    }
+
+    #[test]
+    fn layout_matches_the_kernel_record_formula() {
+        let c = peers().with_dtype(DispatchDtype::Fp8);
+        let l = LlLayout::new(&c).unwrap();
+        // payload 7168 + 56 scales * 4 = 7392 (16-aligned), then 17 i32 = 68 -> 7460 -> 7472.
+        assert_eq!(l.meta_in_record, 7392);
+        assert_eq!(l.record_bytes, 7472);
+        let b = LlLayout::new(&peers()).unwrap();
+        assert_eq!(b.meta_in_record, 14336);
+        assert_eq!(b.record_bytes, 14416);
+        for off in [l.sig_offset, l.meta_offset, l.stage_offset, l.comb_offset] {
+            assert!(off.is_multiple_of(16));
+        }
+        assert!(l.meta_offset >= 4 * 4 * 8 && l.stage_offset >= l.meta_offset + 4 * 65 * 4);
+        assert_eq!(l.comb_offset, l.stage_offset + 4 * 128 * 7472);
+        assert!(l.set_bytes >= l.comb_offset + 128 * 8 * 7168 * 2 && l.set_bytes.is_multiple_of(4096));
+        assert_eq!(l.window_bytes, 2 * l.set_bytes);
+        // (256 experts + 4 ranks) * 4 chunks * 8 bytes.
+        assert_eq!(l.dispatch_send_smem, 260 * 4 * 8);
+    }
+
+    #[test]
+    fn buffer_hint_is_both_sets_and_grows_with_tokens() {
+        let small = buffer_bytes(&peers()).unwrap();
+        let mut big = peers();
+        big.max_tokens_per_rank = 256;
+        assert!(buffer_bytes(&big).unwrap() > small);
+        // BF16 at the peers' shape: 2 * (staging 7.4 MB + combine 14.7 MB) ≈ 44 MB.
+        assert!((40 << 20..50 << 20).contains(&small), "{small}");
+        assert!(LlLayout::local_bytes(&peers()) > 0);
+    }
+
+    #[test]
+    fn shapes_the_kernels_refuse_are_config_errors_naming_the_field() {
+        let mut c = peers();
+        c.max_tokens_per_rank = MAX_TOKENS + 1;
+        let e = buffer_bytes(&c).unwrap_err();
+        assert!(
+            e.is_usage() && e.to_string().contains("max_tokens_per_rank"),
+            "{e}"
+        );
+        let c = EpConfig::new(128, 128, 128, 1, 8);
+        c.validate().unwrap();
+        let e = buffer_bytes(&c).unwrap_err();
+        assert!(e.to_string().contains("ranks"), "{e}");
+        let c = EpConfig::new(4, 65_536, 128, 8, 1024);
+        let e = buffer_bytes(&c).unwrap_err();
+        assert!(e.to_string().contains("shared memory"), "{e}");
+        let mut c = peers();
+        c.hidden = 7;
+        assert!(buffer_bytes(&c).unwrap_err().is_usage());
+    }
+
+    #[test]
+    fn selftest_cases_are_valid_for_common_group_sizes() {
+        for world in [1, 2, 3, 4, 8] {
+            for case in selftest_cases(world) {
+                LlLayout::new(&case.cfg).unwrap();
+                assert_eq!(case.tokens.len(), world);
+                assert!(case.tokens.iter().all(|&t| t <= case.cfg.max_tokens_per_rank));
+            }
+        }
+    }
+
+    #[test]
+    fn expected_counts_follow_the_oracle() {
+        let cfg = EpConfig::new(2, 8, 128, 2, 16);
+        let case = Case {
+            cfg: cfg.clone(),
+            workload: Workload {
+                routing: Routing::Uniform,
+                seed: 5,
+                mask_prob: 0.2,
+            },
+            tokens: vec![16, 9],
+            iters: 1,
+        };
+        let (ins, _) = case_inputs(&case, 3);
+        let want = crate::oracle::ll_dispatch(&cfg, &ins).unwrap();
+        let topk: Vec<Vec<i64>> = ins.iter().map(|i| i.topk_idx.clone()).collect();
+        for (me, w) in want.iter().enumerate() {
+            let c = expected_counts(&cfg, &topk, me);
+            let wc: Vec<i32> = w.recv_count.iter().map(|&x| x as i32).collect();
+            assert_eq!(c, wc);
+        }
+    }
+
+    #[test]
+    fn without_a_gpu_check_and_bench_are_errors_not_panics() {
+        if super::super::driver::probe().is_ok() {
+            eprintln!("skipped: this machine has a CUDA driver");
+            return;
+        }
+        let server = StoreServer::bind("127.0.0.1:0").unwrap();
+        let group = Group::join(0, 1, &server.addr().to_string(), Duration::from_secs(5)).unwrap();
+        let e = selftest_rank(&group).unwrap_err();
+        assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");
+        let opts = BenchOptions {
+            mode: BenchMode::Ll,
+            cfg: EpConfig::new(1, 8, 128, 2, 16),
+            tokens: 16,
+            routing: Routing::Uniform,
+            seed: 1,
+            iters: 2,
+            warmup: 1,
+            timeout: Duration::from_secs(5),
+            launch: crate::bench::Launch::Threads,
+        };
+        let e = bench_rank(&group, &opts, 0).unwrap_err();
+        assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");
+        // Bad options are refused before any device work.
+        let bad = BenchOptions { tokens: 0, ..opts };
+        assert!(bench_rank(&group, &bad, 0).unwrap_err().is_usage());
+        group.close().unwrap();
+    }
+}

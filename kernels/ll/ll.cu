@@ -1,0 +1,628 @@
+// kernels/ll/ll.cu: low-latency (LL) dispatch and combine over NVLink (NCCL LSA).
+//
+// Owns: the four LL kernels (dispatch send/recv, combine send/recv), the LL record format in
+// the staging buffer, and the LL signal protocol below. Never: allocates, or decides where a
+// buffer lies (crates/gin-ep/src/backend/cuda/ll.rs computes every offset and passes it in
+// LlArgs; LlLayout there mirrors the record formula here).
+//
+// Contract (docs/protocol.md "LL receive order" / "LL combine"; results bit-exact with
+// crates/gin-ep/src/oracle.rs ll_dispatch / ll_combine):
+// - Dispatch: token t of rank s goes ONCE to every rank r holding one of its experts, into
+//   r's staging slot [s][send_slot(t, r)] (send_slot = position of t among s's tokens going
+//   to r, ascending token order). A record carries the payload (BF16, or FP8 e4m3 + f32
+//   scales quantized here, bit-exact with quant.rs), K local expert ids (-1 elsewhere), K
+//   positions `pos` (rank of t among s's tokens that chose that expert) and t. The sender
+//   also writes, once per destination, meta[s] = (token count, per-local-expert counts).
+//   The receiver expands each staged record into the expert-major output: expert e, row
+//   first[e][s] + pos, first[e][s] = sum over s' < s of s'-counts of e: source rank
+//   ascending, then token ascending, exactly the oracle's order.
+// - Combine: the expert rank writes valid row (e, i) to rank src_rank's combine buffer at
+//   [src_token][src_k]; the source reduces acc = fma(w[t][k], y, acc) for k ascending,
+//   masked entries skipped, from +0, rounded once to BF16.
+//
+// Signals (per buffer set, in the window; u64, monotonic, never reset):
+//   word [kind][src] of rank r is written only by rank src (red.add.release.sys, +1 per CTA
+//   of src's kernel), read only by r (ld.acquire.sys, with a deadline):
+//   - kDispSig[src] at receiver r: every CTA of src's dispatch-send adds 1 after its stores;
+//     after op n of this set it holds n * G (G = grid, the same on every rank and kernel).
+//   - kDispAck[r] at sender s: every CTA of r's dispatch-recv adds 1 after it finished
+//     reading r's staging; s's dispatch-send of op n waits for (n - 1) * G before writing
+//     into r (credit: the staging slots of s at r are free again).
+//   - kCombSig / kCombAck: the same for combine (expert rank -> source rank data, source ->
+//     expert rank "combine buffer free").
+//   So no barrier sits on the critical path, no flag is ever cleared, and any sequence of
+//   dispatches and combines on a set is safe (double buffering = two sets, used alternately).
+// - The op number n of a set lives on the device (LlArgs::state), so a CUDA graph replays
+//   correctly: send kernels read ops + 1; the recv kernel's last CTA stores ops = n.
+// - Every wait has a deadline (globaltimer) and records (phase, peer) in FabricError.
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "common/fabric.cuh"
+
+namespace gin_ep {
+namespace ll {
+
+// Threads per CTA of every LL kernel (the host launches exactly this many).
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+
+// FabricPhase values of the LL waits (host names: backend/cuda/runtime.rs
+// fabric_phase_name). Numbered from 16 so other kernels can append below.
+constexpr uint32_t kPhaseDispatchCredit = 16;  // send waits until r has read its staging
+constexpr uint32_t kPhaseDispatchRecv = 17;    // recv waits for sources' data
+constexpr uint32_t kPhaseCombineCredit = 18;   // send waits until the source freed its buffer
+constexpr uint32_t kPhaseCombineRecv = 19;     // reduce waits for expert ranks' rows
+
+// Signal kinds ([kind][src] u64 words at sig_offset of a set).
+constexpr int kDispSig = 0, kDispAck = 1, kCombSig = 2, kCombAck = 3;
+// Words of LlArgs::state (local device memory of a set, zeroed at creation).
+constexpr int kDispOps = 0, kDispDone = 1, kCombOps = 2, kCombDone = 3;
+
+enum Dtype : int32_t { kBf16 = 0, kFp8 = 1, kFp8Ue8m0 = 2 };
+
+struct LlArgs {
+  ncclDevComm comm;
+  ncclWindow_t win;
+  uint64_t set_offset;    // this buffer set in the window
+  uint64_t sig_offset;    // relative to set_offset: [4][R] u64
+  uint64_t meta_offset;   // [R src][L + 1] u32
+  uint64_t stage_offset;  // [R src][T] records of rec_bytes
+  uint64_t comb_offset;   // [T][K][H] bf16
+  uint64_t rec_bytes;
+  const uint16_t* x;           // [N][H] bf16
+  const int64_t* topk_idx;     // [N][K]
+  const float* topk_weights;   // [N][K]
+  const uint16_t* y;           // [L][R*T][H] bf16 expert outputs
+  uint8_t* recv_x;             // [L][R*T][H] fp8 bytes or bf16
+  float* recv_scales;          // [L][R*T][H/128] (fp8 only)
+  int32_t* recv_count;         // [L]
+  int32_t* layout_range;       // [L][R] (first, count) pairs
+  int32_t* src_rank;           // [L][R*T]
+  int32_t* src_token;          // [L][R*T]
+  int32_t* src_k;              // [L][R*T]
+  uint16_t* combined;          // [N][H] bf16
+  uint32_t* state;             // [4] kDispOps, kDispDone, kCombOps, kCombDone
+  uint64_t timeout_ns;
+  FabricError* err;            // host-mapped
+  int32_t num_tokens;          // N of this rank (<= max_tokens)
+  int32_t hidden;
+  int32_t topk;
+  int32_t experts;
+  int32_t max_tokens;          // T
+  int32_t dtype;               // Dtype
+  uint8_t* recv_scales_ue8m0;  // optional [L][R*T][H/128] exponent bytes (fp8-ue8m0), or null
+};
+static_assert(sizeof(LlArgs) == 408 && offsetof(LlArgs, err) == 368, "mirrored in backend/cuda/ll.rs");
+
+// ---------------------------------------------------------------------------------------
+// Small device helpers
+
+__device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_volatile_u32(const uint32_t* p) {
+  return *reinterpret_cast<const volatile uint32_t*>(p);
+}
+
+__device__ __forceinline__ float bf16_bits_to_f32(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
+
+__device__ __forceinline__ uint32_t f32x2_to_bf16x2(float lo, float hi) {
+  const uint32_t a = __bfloat16_as_ushort(__float2bfloat16_rn(lo));
+  const uint32_t b = __bfloat16_as_ushort(__float2bfloat16_rn(hi));
+  return a | (b << 16);
+}
+
+// The same arithmetic as LlLayout::meta_in_record / record_bytes in ll.rs.
+__device__ __forceinline__ size_t align16(size_t n) { return (n + 15) & ~size_t(15); }
+__device__ __forceinline__ size_t payload_bytes(const LlArgs& a) {
+  return a.dtype == kBf16 ? size_t(a.hidden) * 2 : size_t(a.hidden);
+}
+__device__ __forceinline__ size_t meta_in_record(const LlArgs& a) {
+  const size_t scales = a.dtype == kBf16 ? 0 : size_t(a.hidden / 128) * 4;
+  return align16(payload_bytes(a) + scales);
+}
+
+__device__ __forceinline__ uint64_t* sig_word(const LlArgs& a, int owner, int kind, int src) {
+  const int R = a.comm.lsaSize;
+  return reinterpret_cast<uint64_t*>(
+      lsa_ptr(a.win, a.set_offset + a.sig_offset + (size_t(kind) * R + src) * sizeof(uint64_t), owner));
+}
+
+__device__ __forceinline__ DeadlineBarrier waiter(const LlArgs& a) {
+  return DeadlineBarrier{a.win, 0, a.comm.lsaRank, a.comm.lsaSize, a.timeout_ns, a.err};
+}
+
+// Every thread of the CTA: wait until word [kind][p] of this rank is >= target for every
+// peer p, with the deadline; false in every thread when one missed it.
+__device__ bool wait_all_peers(const LlArgs& a, int kind, uint64_t target, uint32_t phase) {
+  const DeadlineBarrier w = waiter(a);
+  bool ok = true;
+  for (int p = threadIdx.x; p < a.comm.lsaSize && ok; p += blockDim.x) {
+    ok = w.wait_word(sig_word(a, a.comm.lsaRank, kind, p), target, static_cast<FabricPhase>(phase), p);
+  }
+  // bar.sync extends each waiter's acquire to the whole CTA.
+  return __syncthreads_and(ok) != 0;
+}
+
+// Every thread of the CTA: after this CTA's stores (or reads) of a phase, add 1 to word
+// [kind][me] at every peer. The bar.sync orders the whole CTA's accesses before the fence
+// and the release add, which are cumulative at system scope.
+__device__ void signal_all_peers(const LlArgs& a, int kind) {
+  __syncthreads();
+  for (int p = threadIdx.x; p < a.comm.lsaSize; p += blockDim.x) {
+    __threadfence_system();
+    red_add_release_sys(sig_word(a, p, kind, a.comm.lsaRank), 1);
+  }
+}
+
+// The op number of a set as seen at the start of a kernel (thread 0 reads, all get it).
+__device__ uint32_t read_op(const LlArgs& a, int word) {
+  __shared__ uint32_t op;
+  if (threadIdx.x == 0) op = ld_volatile_u32(&a.state[word]) + 1;
+  __syncthreads();
+  return op;
+}
+
+// End of a recv kernel: the last CTA to finish stores ops = n (every CTA read ops before
+// any CTA can be last, so no CTA of this launch sees the new value).
+__device__ void finish_op(const LlArgs& a, int ops_word, int done_word, uint32_t n) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const uint32_t before = atomicAdd(&a.state[done_word], 1u);
+    if (before == gridDim.x - 1) {
+      a.state[done_word] = 0;
+      a.state[ops_word] = n;
+      __threadfence();
+    }
+  }
+}
+
+// Warp 0 turns a[0..n) into its exclusive prefix sum and writes the total to a[n].
+__device__ void warp0_exclusive_scan(uint32_t* a, int n) {
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x;
+  const int per = (n + 31) / 32;
+  const int lo = min(n, lane * per), hi = min(n, lo + per);
+  uint32_t sum = 0;
+  for (int i = lo; i < hi; ++i) sum += a[i];
+  uint32_t incl = sum;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const uint32_t v = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += v;
+  }
+  uint32_t run = incl - sum;
+  for (int i = lo; i < hi; ++i) {
+    const uint32_t v = a[i];
+    a[i] = run;
+    run += v;
+  }
+  if (lane == 31) a[n] = incl;
+}
+
+// Per-token ranks from bit masks: mask[row][c] has bit (t & 31) of chunk c = t >> 5 set when
+// token t belongs to row (an expert, or a destination rank); base[row][c] counts the tokens
+// of the row in chunks < c. rank_in = how many tokens before t belong to the row.
+struct TokenRanks {
+  const uint32_t* mask;
+  const uint32_t* base;
+  int nch;
+  __device__ __forceinline__ bool has(int row, int t) const {
+    return (mask[row * nch + (t >> 5)] >> (t & 31)) & 1u;
+  }
+  __device__ __forceinline__ uint32_t rank_in(int row, int t) const {
+    const int c = t >> 5;
+    return base[row * nch + c] + __popc(mask[row * nch + c] & ((1u << (t & 31)) - 1u));
+  }
+  __device__ __forceinline__ uint32_t total(int row) const {
+    return nch == 0 ? 0u : base[row * nch + nch - 1] + __popc(mask[row * nch + nch - 1]);
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// Dispatch send
+
+// Channels one warp moves per work item in dispatch: 16 per lane (two 16-byte bf16 loads;
+// in FP8 one 16-byte store), so an FP8 block of 128 channels is 8 lanes.
+constexpr int kDispatchUnit = 512;
+
+// Quantizes 16 channels per lane, bit-exact with quant.rs: amax over the 128-channel block
+// (8 lanes), scale = max(amax, 1e-4) / 448 (IEEE division), UE8M0 rounds the scale up to a
+// power of two by its bits, q = e4m3_satfinite_rn(x / scale).
+__device__ __forceinline__ uint4 quantize16(const uint4 lo, const uint4 hi, bool in_range, bool ue8m0,
+                                            float* scale_out) {
+  float v[16];
+  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    v[2 * i] = bf16_bits_to_f32(w[i] & 0xffffu);
+    v[2 * i + 1] = bf16_bits_to_f32(w[i] >> 16);
+  }
+  if (in_range) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  }
+  // Max is exact and order-free, so the butterfly gives quant.rs's fold bit for bit.
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+  float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
+  if (ue8m0) {
+    const uint32_t bits = __float_as_uint(scale);
+    scale = __uint_as_float((bits & 0x007fffffu) == 0 ? (bits & 0x7f800000u) : (bits & 0x7f800000u) + 0x00800000u);
+  }
+  *scale_out = scale;
+  uint32_t q[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t b = __nv_cvt_float_to_fp8(__fdiv_rn(v[i], scale), __NV_SATFINITE, __NV_E4M3);
+    q[i / 4] |= b << (8 * (i % 4));
+  }
+  return make_uint4(q[0], q[1], q[2], q[3]);
+}
+
+}  // namespace ll
+}  // namespace gin_ep
+
+// Dynamic shared memory of dispatch-send: mask and base, (E + R) rows of ceil(T / 32) u32
+// each (the host sizes it from max_tokens; ll.rs dispatch_smem_bytes). The dispatch-recv
+// kernel reuses the same launch size for its L x R table.
+extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads)
+    gin_ep_ll_dispatch_send(const gin_ep::ll::LlArgs a) {
+  using namespace gin_ep;
+  using namespace gin_ep::ll;
+  extern __shared__ uint32_t smem[];
+  const int R = a.comm.lsaSize, me = a.comm.lsaRank;
+  const int N = a.num_tokens, K = a.topk, E = a.experts, L = E / R, H = a.hidden, T = a.max_tokens;
+  const int nch = (N + 31) / 32;
+  const int rows = E + R;  // experts, then destination ranks
+  uint32_t* mask = smem;
+  uint32_t* base = smem + size_t(rows) * nch;
+  const uint32_t n = read_op(a, kDispOps);
+
+  // 1. Layout, redundantly in every CTA (no grid sync): which tokens go to which expert and
+  //    rank, and each token's rank among them, in token order.
+  for (int i = threadIdx.x; i < rows * nch; i += blockDim.x) mask[i] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < N * K; i += blockDim.x) {
+    const int64_t e = a.topk_idx[i];
+    if (e < 0 || e >= E) continue;
+    const int t = i / K;
+    const uint32_t bit = 1u << (t & 31);
+    atomicOr(&mask[int(e) * nch + (t >> 5)], bit);
+    atomicOr(&mask[(E + int(e) / L) * nch + (t >> 5)], bit);  // idempotent per token
+  }
+  __syncthreads();
+  for (int row = threadIdx.x; row < rows; row += blockDim.x) {
+    uint32_t acc = 0;
+    for (int c = 0; c < nch; ++c) {
+      base[row * nch + c] = acc;
+      acc += __popc(mask[row * nch + c]);
+    }
+  }
+  __syncthreads();
+  const TokenRanks tr{mask, base, nch};
+
+  // 2. Credit: every destination has finished reading what we sent it in the previous op of
+  //    this set (it added G after its expand).
+  if (!wait_all_peers(a, kDispAck, uint64_t(n - 1) * gridDim.x, kPhaseDispatchCredit)) return;
+
+  // 3. CTA 0 writes meta[me] at every destination: token count, then per-local-expert counts.
+  if (blockIdx.x == 0) {
+    for (int i = threadIdx.x; i < R * (L + 1); i += blockDim.x) {
+      const int dst = i / (L + 1), j = i % (L + 1);
+      const uint32_t v = j == 0 ? tr.total(E + dst) : tr.total(dst * L + j - 1);
+      uint32_t* m = reinterpret_cast<uint32_t*>(
+          lsa_ptr(a.win, a.set_offset + a.meta_offset + (size_t(me) * (L + 1) + j) * 4, dst));
+      *m = v;
+    }
+  }
+
+  // 4. Records: work item = (token, unit of 512 channels, destination), destination fastest
+  //    so neighbouring warps feed different links from the same (cached) source bytes.
+  const int lane = threadIdx.x & 31;
+  const int units = (H + kDispatchUnit - 1) / kDispatchUnit;
+  const size_t items = size_t(N) * units * R;
+  const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
+  const bool fp8 = a.dtype != kBf16;
+  const size_t meta_off = meta_in_record(a);
+  for (size_t item = warp; item < items; item += warps) {
+    const int dst = int(item % R);
+    const int u = int((item / R) % units);
+    const int t = int(item / (size_t(R) * units));
+    if (!tr.has(E + dst, t)) continue;  // warp-uniform
+    const uint32_t slot = tr.rank_in(E + dst, t);
+    char* rec = lsa_ptr(a.win, a.set_offset + a.stage_offset + (size_t(me) * T + slot) * a.rec_bytes, dst);
+    const int c0 = u * kDispatchUnit + lane * 16;
+    const bool in_range = c0 < H;  // H % 8 == 0 (bf16) or % 128 == 0 (fp8): whole halves
+    const uint4* src = reinterpret_cast<const uint4*>(a.x + size_t(t) * H + c0);
+    if (fp8) {
+      uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+      if (in_range) {
+        lo = ld_nc_v4(src);
+        hi = ld_nc_v4(src + 1);
+      }
+      float scale;
+      const uint4 q = quantize16(lo, hi, in_range, a.dtype == kFp8Ue8m0, &scale);
+      if (in_range) {
+        st_v4(reinterpret_cast<uint4*>(rec + c0), q);
+        if ((lane & 7) == 0) reinterpret_cast<float*>(rec + H)[c0 / 128] = scale;
+      }
+    } else {
+      if (in_range) st_v4(reinterpret_cast<uint4*>(rec + size_t(c0) * 2), ld_nc_v4(src));
+      if (c0 + 8 < H) st_v4(reinterpret_cast<uint4*>(rec + size_t(c0 + 8) * 2), ld_nc_v4(src + 1));
+    }
+    if (u == 0) {
+      int32_t* meta = reinterpret_cast<int32_t*>(rec + meta_off);
+      for (int k = lane; k < K; k += 32) {
+        const int64_t e = a.topk_idx[size_t(t) * K + k];
+        const bool here = e >= 0 && e < E && int(e) / L == dst;
+        meta[k] = here ? int(e) - dst * L : -1;
+        meta[K + k] = here ? int(tr.rank_in(int(e), t)) : 0;
+      }
+      if (lane == 0) meta[2 * K] = t;
+    }
+  }
+
+  // 5. Data signal: +1 per CTA at every destination (also where nothing was sent).
+  signal_all_peers(a, kDispSig);
+}
+
+// ---------------------------------------------------------------------------------------
+// Dispatch recv: wait for every source, then expand staged records into the expert-major
+// output, fused (no second pass over memory).
+
+extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads)
+    gin_ep_ll_dispatch_recv(const gin_ep::ll::LlArgs a) {
+  using namespace gin_ep;
+  using namespace gin_ep::ll;
+  extern __shared__ uint32_t smem[];
+  const int R = a.comm.lsaSize, me = a.comm.lsaRank;
+  const int K = a.topk, E = a.experts, L = E / R, H = a.hidden, T = a.max_tokens;
+  const size_t cap = size_t(R) * T;
+  const uint32_t n = read_op(a, kDispOps);
+  // smem: meta copy [R][L + 1] (becomes first[s][e] after the scan), start[R + 1].
+  uint32_t* first = smem;                        // [R][L + 1]; column 0 = token count
+  uint32_t* start = smem + size_t(R) * (L + 1);  // [R + 1] prefix of token counts
+  bool ok = wait_all_peers(a, kDispSig, uint64_t(n) * gridDim.x, kPhaseDispatchRecv);
+  if (ok) {
+    const uint32_t* meta = reinterpret_cast<const uint32_t*>(lsa_ptr(a.win, a.set_offset + a.meta_offset, me));
+    for (int i = threadIdx.x; i < R * (L + 1); i += blockDim.x) first[i] = meta[i];
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      // Token counts are bounded by T even if a sender were wrong: never read past staging.
+      for (int s = threadIdx.x; s < R; s += 32) start[s] = min(first[s * (L + 1)], uint32_t(T));
+    }
+    __syncthreads();
+    warp0_exclusive_scan(start, R);
+    // first[s][1 + e] := rows of expert e before source s (source rank ascending).
+    for (int e = threadIdx.x; e < L; e += blockDim.x) {
+      uint32_t acc = 0;
+      for (int s = 0; s < R; ++s) {
+        const uint32_t c = first[s * (L + 1) + 1 + e];
+        if (blockIdx.x == 0) {
+          a.layout_range[(size_t(e) * R + s) * 2] = int32_t(acc);
+          a.layout_range[(size_t(e) * R + s) * 2 + 1] = int32_t(c);
+        }
+        first[s * (L + 1) + 1 + e] = acc;
+        acc += c;
+      }
+      if (blockIdx.x == 0) a.recv_count[e] = int32_t(acc);
+    }
+    __syncthreads();
+
+    const int lane = threadIdx.x & 31;
+    const int units = (H + kDispatchUnit - 1) / kDispatchUnit;
+    const size_t items = size_t(start[R]) * units;
+    const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
+    const bool fp8 = a.dtype != kBf16;
+    const size_t row_bytes = payload_bytes(a);
+    const int nblocks = H / 128;
+    const size_t meta_off = meta_in_record(a);
+    const char* stage = lsa_ptr(a.win, a.set_offset + a.stage_offset, me);
+    for (size_t item = warp; item < items; item += warps) {
+      const uint32_t g = uint32_t(item / units);
+      const int u = int(item % units);
+      int s = 0;
+      while (s + 1 < R && start[s + 1] <= g) ++s;
+      const uint32_t j = g - start[s];
+      const char* rec = stage + (size_t(s) * T + j) * a.rec_bytes;
+      const int32_t* meta = reinterpret_cast<const int32_t*>(rec + meta_off);
+      const int c0 = u * kDispatchUnit + lane * 16;
+      // Payload of this lane: 16 channels (fp8: one vector; bf16: two).
+      uint4 v0 = make_uint4(0, 0, 0, 0), v1 = v0;
+      float scale = 0.0f;
+      if (fp8) {
+        if (c0 < H) v0 = ld_v4(reinterpret_cast<const uint4*>(rec + c0));
+        if (c0 < H && (lane & 7) == 0) scale = reinterpret_cast<const float*>(rec + H)[c0 / 128];
+      } else {
+        if (c0 < H) v0 = ld_v4(reinterpret_cast<const uint4*>(rec + size_t(c0) * 2));
+        if (c0 + 8 < H) v1 = ld_v4(reinterpret_cast<const uint4*>(rec + size_t(c0 + 8) * 2));
+      }
+      const int32_t tok = meta[2 * K];
+      for (int k0 = 0; k0 < K; k0 += 32) {
+        const int k = k0 + lane;
+        int64_t row = -1;
+        if (k < K) {
+          const int32_t lid = meta[k];
+          const int32_t pos = meta[K + k];
+          if (lid >= 0 && lid < L && pos >= 0) {
+            const size_t r = size_t(first[s * (L + 1) + 1 + lid]) + size_t(pos);
+            if (r < cap) row = int64_t(lid) * int64_t(cap) + int64_t(r);
+          }
+        }
+        if (u == 0 && row >= 0) {
+          a.src_rank[row] = s;
+          a.src_token[row] = tok;
+          a.src_k[row] = k;
+        }
+        uint32_t todo = __ballot_sync(0xffffffffu, row >= 0);
+        while (todo != 0) {
+          const int src_lane = __ffs(todo) - 1;
+          todo &= todo - 1;
+          const int64_t r = __shfl_sync(0xffffffffu, row, src_lane);
+          uint8_t* out = a.recv_x + size_t(r) * row_bytes;
+          if (fp8) {
+            if (c0 < H) {
+              st_v4(reinterpret_cast<uint4*>(out + c0), v0);
+              if ((lane & 7) == 0) {
+                a.recv_scales[size_t(r) * nblocks + c0 / 128] = scale;
+                if (a.recv_scales_ue8m0 != nullptr) {
+                  a.recv_scales_ue8m0[size_t(r) * nblocks + c0 / 128] = uint8_t(__float_as_uint(scale) >> 23);
+                }
+              }
+            }
+          } else {
+            if (c0 < H) st_v4(reinterpret_cast<uint4*>(out + size_t(c0) * 2), v0);
+            if (c0 + 8 < H) st_v4(reinterpret_cast<uint4*>(out + size_t(c0 + 8) * 2), v1);
+          }
+        }
+      }
+    }
+  }
+  // Credit back to every source: its staging slots here are free (reads done, release).
+  if (ok) signal_all_peers(a, kDispAck);
+  finish_op(a, kDispOps, kDispDone, n);
+}
+
+// ---------------------------------------------------------------------------------------
+// Combine send: every valid expert row goes to its source rank's [src_token][src_k] slot.
+
+namespace gin_ep {
+namespace ll {
+// Combine work unit: 4 vectors of 8 bf16 per lane, 1024 channels per warp item.
+constexpr int kCombineVecs = 4;
+constexpr int kCombineUnit = 32 * 8 * kCombineVecs;
+}  // namespace ll
+}  // namespace gin_ep
+
+// Dynamic shared memory: the exclusive prefix of recv_count, L + 1 u32.
+extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads)
+    gin_ep_ll_combine_send(const gin_ep::ll::LlArgs a) {
+  using namespace gin_ep;
+  using namespace gin_ep::ll;
+  extern __shared__ uint32_t smem[];
+  const int R = a.comm.lsaSize;
+  const int K = a.topk, E = a.experts, L = E / R, H = a.hidden, T = a.max_tokens;
+  const size_t cap = size_t(R) * T;
+  const uint32_t n = read_op(a, kCombOps);
+  uint32_t* pre = smem;  // [L + 1]
+  for (int e = threadIdx.x; e < L; e += blockDim.x) {
+    pre[e] = uint32_t(min(max(a.recv_count[e], 0), int32_t(cap)));
+  }
+  __syncthreads();
+  warp0_exclusive_scan(pre, L);
+  // Credit: every source rank has reduced the previous combine of this set.
+  if (!wait_all_peers(a, kCombAck, uint64_t(n - 1) * gridDim.x, kPhaseCombineCredit)) return;
+
+  const int lane = threadIdx.x & 31;
+  const int units = (H + kCombineUnit - 1) / kCombineUnit;
+  const size_t items = size_t(pre[L]) * units;
+  const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
+  for (size_t item = warp; item < items; item += warps) {
+    const uint32_t g = uint32_t(item / units);
+    const int u = int(item % units);
+    // Expert of valid row g: the last e with pre[e] <= g (binary search, warp-uniform).
+    int lo = 0, hi = L;  // invariant: pre[lo] <= g < pre[hi]
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (pre[mid] <= g) lo = mid; else hi = mid;
+    }
+    const size_t row = size_t(lo) * cap + (g - pre[lo]);
+    const int s = a.src_rank[row], t = a.src_token[row], k = a.src_k[row];
+    if (s < 0 || s >= R || t < 0 || t >= T || k < 0 || k >= K) continue;  // never for our handle
+    char* dst = lsa_ptr(a.win, a.set_offset + a.comb_offset + (size_t(t) * K + k) * size_t(H) * 2, s);
+    const uint16_t* y = a.y + row * H;
+    uint4 v[kCombineVecs];
+#pragma unroll
+    for (int i = 0; i < kCombineVecs; ++i) {
+      const int c = u * kCombineUnit + i * 256 + lane * 8;
+      if (c < H) v[i] = ld_nc_v4(reinterpret_cast<const uint4*>(y + c));
+    }
+#pragma unroll
+    for (int i = 0; i < kCombineVecs; ++i) {
+      const int c = u * kCombineUnit + i * 256 + lane * 8;
+      if (c < H) st_v4(reinterpret_cast<uint4*>(dst + size_t(c) * 2), v[i]);
+    }
+  }
+  signal_all_peers(a, kCombSig);
+}
+
+// ---------------------------------------------------------------------------------------
+// Combine recv: wait for every expert rank, then reduce in top-k order.
+
+namespace gin_ep {
+namespace ll {
+constexpr int kReduceUnit = 256;  // one vector of 8 bf16 per lane
+constexpr int kReduceBatch = 8;   // rows loaded before the fma chain consumes them
+}  // namespace ll
+}  // namespace gin_ep
+
+extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads)
+    gin_ep_ll_combine_recv(const gin_ep::ll::LlArgs a) {
+  using namespace gin_ep;
+  using namespace gin_ep::ll;
+  const int N = a.num_tokens, K = a.topk, H = a.hidden, me = a.comm.lsaRank;
+  const uint32_t n = read_op(a, kCombOps);
+  const bool ok = wait_all_peers(a, kCombSig, uint64_t(n) * gridDim.x, kPhaseCombineRecv);
+  if (ok) {
+    const int lane = threadIdx.x & 31;
+    const int units = (H + kReduceUnit - 1) / kReduceUnit;
+    const size_t items = size_t(N) * units;
+    const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
+    const char* comb = lsa_ptr(a.win, a.set_offset + a.comb_offset, me);
+    for (size_t item = warp; item < items; item += warps) {
+      const int t = int(item / units);
+      const int c = int(item % units) * kReduceUnit + lane * 8;
+      float acc[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = 0.0f;  // +0, as the oracle
+      for (int k0 = 0; k0 < K; k0 += kReduceBatch) {
+        uint4 v[kReduceBatch];
+        float w[kReduceBatch];
+        bool use[kReduceBatch];
+        // All loads of the batch first, so their latencies overlap.
+#pragma unroll
+        for (int i = 0; i < kReduceBatch; ++i) {
+          const int k = k0 + i;
+          use[i] = k < K && c < H && a.topk_idx[size_t(t) * K + k] >= 0;
+          w[i] = 0.0f;
+          v[i] = make_uint4(0, 0, 0, 0);
+          if (use[i]) {
+            w[i] = a.topk_weights[size_t(t) * K + k];
+            v[i] = ld_v4(reinterpret_cast<const uint4*>(comb + ((size_t(t) * K + k) * H + c) * 2));
+          }
+        }
+        // Then the fma chain in ascending k, masked entries skipped (not added as 0 * y: a
+        // NaN or -0 row must not change the result).
+#pragma unroll
+        for (int i = 0; i < kReduceBatch; ++i) {
+          if (!use[i]) continue;
+          const uint32_t wv[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            acc[2 * j] = __fmaf_rn(w[i], bf16_bits_to_f32(wv[j] & 0xffffu), acc[2 * j]);
+            acc[2 * j + 1] = __fmaf_rn(w[i], bf16_bits_to_f32(wv[j] >> 16), acc[2 * j + 1]);
+          }
+        }
+      }
+      if (c < H) {
+        const uint4 o = make_uint4(f32x2_to_bf16x2(acc[0], acc[1]), f32x2_to_bf16x2(acc[2], acc[3]),
+                                   f32x2_to_bf16x2(acc[4], acc[5]), f32x2_to_bf16x2(acc[6], acc[7]));
+        st_v4(reinterpret_cast<uint4*>(a.combined + size_t(t) * H + c), o);
+      }
+    }
+  }
+  // Credit back to every expert rank: our combine buffer of this set may be rewritten.
+  if (ok) signal_all_peers(a, kCombAck);
+  finish_op(a, kCombOps, kCombDone, n);
+}
