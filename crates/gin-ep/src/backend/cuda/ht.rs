@@ -187,9 +187,9 @@ impl HtLayout {
         let disp_sig = take(r * MAX_GRID as usize * 8)?;
         let bar = take(r * MAX_GRID as usize * 8)?;
         let counts = take(r * (r + e) * 4)?;
-        // Large regions on their own 4 KiB pages.
-        let page = |at: usize| at.div_ceil(4096) * 4096;
-        let _ = take(page(0))?;
+        // Large regions start on their own 4 KiB page.
+        let used = counts + align16(r * (r + e) * 4);
+        let _ = take(used.div_ceil(4096) * 4096 - used)?;
         let recv_x = take(rows * row_bytes)?;
         let recv_sc = take(rows * (h / FP8_BLOCK) * 4)?;
         let recv_idx = take(rows * k * 8)?;
