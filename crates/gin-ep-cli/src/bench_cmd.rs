@@ -7,6 +7,7 @@ use clap::{Args, ValueEnum};
 use comfy_table::{presets, CellAlignment, Table};
 use gin_ep::backend::host::protocol::Modes;
 use gin_ep::bench::{BenchMode, BenchOptions, BenchReport, Launch, OpReport, Stats};
+use gin_ep::group::{first_failure, launch_ranks, Group, ENV_CHILD};
 use gin_ep::workload::Routing;
 use gin_ep::{DispatchDtype, EpConfig};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -76,9 +77,12 @@ pub struct BenchArgs {
     /// Deadline of every wait on a peer, in seconds.
     #[arg(long, value_name = "SECS", default_value = "100", value_parser = parse_secs)]
     pub timeout: Duration,
-    /// Run on N GPUs (the CUDA backend; not in this build).
+    /// Run on N GPUs, one process per GPU (the CUDA backend; overrides --ranks).
     #[arg(long, value_name = "N")]
     pub gpus: Option<usize>,
+    /// SMs (CTAs) per dispatch/combine kernel on GPUs.
+    #[arg(long, value_name = "N", default_value_t = gin_ep::backend::cuda::ht::DEFAULT_SMS)]
+    pub sms: u32,
 }
 
 /// The flag that sets each `EpConfig` / `BenchOptions` field, for error hints.
@@ -110,6 +114,7 @@ struct Resolved {
 }
 
 fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
+    let ranks = a.gpus.unwrap_or(a.ranks);
     let (mode, (tokens_d, iters_d, warmup_d)) = match a.mode {
         Mode::Ht => (BenchMode::Ht, HT_DEFAULTS),
         Mode::Ll => (BenchMode::Ll, LL_DEFAULTS),
@@ -118,16 +123,29 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
     let routing = Routing::parse(&a.routing).map_err(lib_err)?;
     let tokens = a.tokens.unwrap_or(tokens_d);
     let max_tokens = a.max_tokens.unwrap_or(tokens);
-    let cfg = EpConfig::new(a.ranks, a.experts, a.hidden, a.topk, max_tokens)
+    let cfg = EpConfig::new(ranks, a.experts, a.hidden, a.topk, max_tokens)
         .with_dtype(dtype)
         .with_alignment(a.alignment);
     cfg.validate().map_err(lib_err)?;
-    host::check_ranks(cfg.ranks, "threads")?;
-    let modes = Modes {
-        ht: mode == BenchMode::Ht,
-        ll: mode == BenchMode::Ll,
-    };
-    host::check_memory(&cfg, modes)?;
+    if a.gpus.is_none() {
+        host::check_ranks(cfg.ranks, "threads")?;
+        let modes = Modes {
+            ht: mode == BenchMode::Ht,
+            ll: mode == BenchMode::Ll,
+        };
+        host::check_memory(&cfg, modes)?;
+    } else {
+        if mode == BenchMode::Ht {
+            gin_ep::backend::cuda::ht::check_gpu_config(&cfg, ranks).map_err(lib_err)?;
+        }
+        if a.sms == 0 || a.sms > gin_ep::backend::cuda::ht::MAX_GRID {
+            return Err(CliError::Usage(format!(
+                "invalid value: sms = {}: must be in 1..={}",
+                a.sms,
+                gin_ep::backend::cuda::ht::MAX_GRID
+            )));
+        }
+    }
     Ok(Resolved {
         opts: BenchOptions {
             mode,
@@ -144,11 +162,59 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
     })
 }
 
+/// `bench --gpus N`: the parent starts one process per GPU (itself, with GIN_EP_CHILD);
+/// each child runs `gin_ep::gpu::bench_rank`, rank 0 prints.
+fn run_gpus(a: &BenchArgs, gpus: usize) -> CliResult {
+    if gpus == 0 || gpus > 1024 {
+        return Err(CliError::Usage(format!(
+            "invalid value: gpus = {gpus}: must be 1..=1024"
+        )));
+    }
+    let r = resolve(a)?;
+    if std::env::var_os(ENV_CHILD).is_none() {
+        let exe =
+            std::env::current_exe().map_err(|e| CliError::Failed(format!("cannot find own binary: {e}")))?;
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        // The launcher's deadline covers the whole run (setup, warmup, iterations).
+        let exits = launch_ranks(gpus, &exe, &args, a.timeout.max(Duration::from_secs(300)))?;
+        return match first_failure(&exits) {
+            None => Ok(()),
+            Some(f) => Err(CliError::Failed(format!(
+                "rank {} failed ({}):\n{}",
+                f.rank,
+                if f.killed {
+                    "killed at the deadline".to_string()
+                } else {
+                    f.status.to_string()
+                },
+                f.stderr.trim_end()
+            ))),
+        };
+    }
+    let group = Group::from_env(a.timeout)?;
+    let report = gin_ep::gpu::bench_rank(&group, &r.opts, a.sms);
+    let closed = group.close();
+    let report = report.map_err(lib_err)?;
+    closed?;
+    let Some(report) = report else {
+        return Ok(());
+    };
+    out!("backend: {} — {}", report.backend, report.note);
+    print_report(&r, &report);
+    if let Some(path) = &a.json {
+        let doc = json_doc(a, &r, &report)?;
+        let text = serde_json::to_string_pretty(&doc)
+            .map_err(|e| CliError::Failed(format!("encoding the JSON report: {e}")))?;
+        std::fs::write(path, text + "\n")
+            .map_err(|e| CliError::Failed(format!("cannot write --json {}: {e}", path.display())))?;
+        out!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
 pub fn run(a: &BenchArgs) -> CliResult {
     if let Some(n) = a.gpus {
-        return Err(CliError::Failed(format!(
-            "--gpus {n}: the CUDA backend is not built yet; use the host backend (omit --gpus)"
-        )));
+        return run_gpus(a, n);
     }
     let r = resolve(a)?;
     // Open the JSON file first, so a bad path fails before a long run.
@@ -223,7 +289,8 @@ fn json_doc(a: &BenchArgs, r: &Resolved, report: &BenchReport) -> CliResult<serd
         "iters": o.iters,
         "warmup": o.warmup,
         "timeout_s": o.timeout.as_secs_f64(),
-        "launch": "threads",
+        "launch": if a.gpus.is_some() { "gpus" } else { "threads" },
+        "sms": a.gpus.map(|_| a.sms),
         "version": env!("CARGO_PKG_VERSION"),
     });
     match doc.as_object_mut() {

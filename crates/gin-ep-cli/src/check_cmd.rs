@@ -5,13 +5,16 @@
 //! and reports; running a case on a rank and comparing it with the oracle is
 //! `gin_ep::check::run_rank_case`.
 
+use crate::bench_cmd::Mode;
 use crate::error::{parse_secs, CliError, CliResult};
 use crate::host;
 use clap::{Args, ValueEnum};
 use gin_ep::backend::host::protocol::{Fault, Modes};
 use gin_ep::backend::host::run::{join_process, run_threads, HostOptions};
+use gin_ep::bench::BenchMode;
 use gin_ep::check::{run_rank_case, Case};
-use gin_ep::group::{first_failure, launch_ranks, Group};
+use gin_ep::gpu::gpu_cases;
+use gin_ep::group::{first_failure, launch_ranks, Group, ENV_CHILD};
 use gin_ep::workload::{Routing, Workload};
 use gin_ep::{DispatchDtype, EpConfig, Error};
 use rand::{Rng, SeedableRng};
@@ -124,6 +127,13 @@ pub struct CheckArgs {
     /// Deadline of every wait on a peer, in seconds.
     #[arg(long, value_name = "SECS", default_value = "60", value_parser = parse_secs)]
     pub timeout: Duration,
+    /// Check the CUDA backend on N GPUs (one process per GPU) instead of the host backend;
+    /// --cases then counts the small random cases added to the fixed GPU cases.
+    #[arg(long, value_name = "N")]
+    pub gpus: Option<usize>,
+    /// Which GPU mode to check (with --gpus).
+    #[arg(long, value_enum, default_value_t = Mode::Ht)]
+    pub mode: Mode,
 }
 
 /// Arguments of one rank process of `check --launch processes`.
@@ -264,7 +274,75 @@ fn one_line(s: &str) -> String {
     }
 }
 
+/// `check --gpus N`: one process per GPU (this binary with GIN_EP_CHILD); each runs
+/// `gin_ep::gpu::check_rank` over `gin_ep::gpu::gpu_cases`, rank 0 prints.
+fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
+    if gpus == 0 || gpus > 1024 {
+        return Err(CliError::Usage(format!(
+            "invalid value: gpus = {gpus}: must be 1..=1024"
+        )));
+    }
+    let mode = match a.mode {
+        Mode::Ht => BenchMode::Ht,
+        Mode::Ll => BenchMode::Ll,
+    };
+    if std::env::var_os(ENV_CHILD).is_none() {
+        let cases = gpu_cases(gpus, a.cases, a.seed);
+        out!(
+            "check: CUDA backend, {gpus} GPUs, mode {}, seed {}, {} case(s)",
+            match a.mode {
+                Mode::Ht => "ht",
+                Mode::Ll => "ll",
+            },
+            a.seed,
+            cases.len()
+        );
+        let exe =
+            std::env::current_exe().map_err(|e| CliError::Failed(format!("cannot find own binary: {e}")))?;
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        let t0 = Instant::now();
+        // The launcher's deadline covers every case.
+        let exits = launch_ranks(gpus, &exe, &args, a.timeout.max(Duration::from_secs(600)))?;
+        return match first_failure(&exits) {
+            None => {
+                out!("{} passed, 0 failed ({:.1} s)", cases.len(), t0.elapsed().as_secs_f64());
+                Ok(())
+            }
+            Some(f) => Err(CliError::Failed(format!(
+                "GPU check failed: rank {} {} (the first rank to fail); its stderr:\n{}\nreproduce with                  `gin-ep check --gpus {gpus} --cases {} --seed {}`",
+                f.rank,
+                if f.killed {
+                    "was killed at the deadline".to_string()
+                } else {
+                    f.status.to_string()
+                },
+                f.stderr.trim_end(),
+                a.cases,
+                a.seed
+            ))),
+        };
+    }
+    let group = Group::from_env(a.timeout)?;
+    let cases = gpu_cases(group.world(), a.cases, a.seed);
+    let t0 = Instant::now();
+    let passed = gin_ep::gpu::check_rank(&group, mode, &cases, a.timeout);
+    let rank = group.rank();
+    let closed = group.close();
+    let passed = passed.map_err(|e| CliError::Failed(format!("rank {rank}: {e}")))?;
+    closed?;
+    if rank == 0 {
+        out!(
+            "rank 0: {passed} GPU case(s) passed in {:.1} s",
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
 pub fn run(a: &CheckArgs) -> CliResult {
+    if let Some(n) = a.gpus {
+        return run_gpus(a, n);
+    }
     let ranks = match (&a.ranks, a.launch) {
         (Some(r), _) => r.0.clone(),
         (None, LaunchKind::Threads) => (1..=8).collect(),

@@ -224,11 +224,16 @@ pub struct Case {
 }
 
 impl Case {
-    fn inputs(&self, iter: usize) -> Vec<crate::ht::RankInput> {
-        let w = crate::workload::Workload {
+    /// The workload of iteration `iter` (fresh data every iteration).
+    pub(crate) fn iter_workload(&self, iter: usize) -> crate::workload::Workload {
+        crate::workload::Workload {
             seed: self.workload.seed.wrapping_add(iter as u64 * 7919),
             ..self.workload.clone()
-        };
+        }
+    }
+
+    pub(crate) fn inputs(&self, iter: usize) -> Vec<crate::ht::RankInput> {
+        let w = self.iter_workload(iter);
         self.tokens
             .iter()
             .enumerate()

@@ -19,6 +19,7 @@ pub use config::{DispatchDtype, EpConfig};
 pub use error::{Error, Result};
 pub mod bench;
 pub mod check;
+pub mod gpu;
 pub mod ht;
 pub mod ll;
 pub mod workload;

@@ -40,6 +40,55 @@ pub mod names {
     pub const PATTERN_FILL: &str = "gin_ep_pattern_fill";
     /// Counts receive-buffer words that differ from the pattern; keeps the first index.
     pub const PATTERN_CHECK: &str = "gin_ep_pattern_check";
+    /// HT layout + count exchange + receive plan (kernels/ht/ht.cu), one block.
+    pub const HT_LAYOUT_COUNT: &str = "gin_ep_ht_layout_count";
+    /// HT dispatch (push; fresh or cached).
+    pub const HT_DISPATCH: &str = "gin_ep_ht_dispatch";
+    /// HT combine (pull + fixed-order reduce).
+    pub const HT_COMBINE: &str = "gin_ep_ht_combine";
+}
+
+/// Host mirror of `gin_ep::ht::HtArgs` (kernels/ht/ht.cu), the one parameter of every HT
+/// kernel. Offsets are bytes in the window; pointers are device addresses (u64).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct HtArgs {
+    pub comm: gin_ep_sys::ncclDevComm,
+    pub win: gin_ep_sys::ncclWindow_t,
+    pub off_count_sig: u64,
+    pub off_disp_sig: u64,
+    pub off_bar: u64,
+    pub off_counts: u64,
+    pub off_recv_x: u64,
+    pub off_recv_sc: u64,
+    pub off_recv_idx: u64,
+    pub off_recv_w: u64,
+    pub off_recv_src: u64,
+    pub off_comb_x: u64,
+    pub off_comb_w: u64,
+    pub x: u64,
+    pub x_scales: u64,
+    pub topk_idx: u64,
+    pub topk_w: u64,
+    pub bias0: u64,
+    pub bias1: u64,
+    pub out_x: u64,
+    pub out_w: u64,
+    pub send_slot: u64,
+    pub plan: u64,
+    pub plan_host: u64,
+    pub err: u64,
+    pub seq: u64,
+    pub bar_epoch: u64,
+    pub timeout_ns: u64,
+    pub num_tokens: u32,
+    pub max_tokens: u32,
+    pub hidden: u32,
+    pub topk: u32,
+    pub experts: u32,
+    pub alignment: u32,
+    pub dtype: u32,
+    pub flags: u32,
 }
 
 /// Host mirror of `gin_ep::FabricError` (kernels/common/fabric.cuh): the first failed
@@ -101,6 +150,10 @@ const _: () = assert!(std::mem::size_of::<FabricError>() == 32);
 const _: () = assert!(std::mem::size_of::<AlltoallArgs>() == 272);
 const _: () = assert!(std::mem::offset_of!(AlltoallArgs, err) == 264);
 const _: () = assert!(std::mem::size_of::<PatternArgs>() == 40);
+const _: () = assert!(std::mem::size_of::<HtArgs>() == 448);
+const _: () = assert!(std::mem::offset_of!(HtArgs, x) == 296);
+const _: () = assert!(std::mem::offset_of!(HtArgs, seq) == 392);
+const _: () = assert!(std::mem::offset_of!(HtArgs, num_tokens) == 416);
 
 #[cfg(test)]
 mod tests {

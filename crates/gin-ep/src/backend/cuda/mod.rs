@@ -6,6 +6,7 @@
 //! without a GPU.
 
 pub mod driver;
+pub mod ht;
 pub mod kernels;
 pub mod ll;
 pub mod ops;

@@ -85,6 +85,11 @@ pub fn fabric_phase_name(phase: u32) -> &'static str {
         1 => "all-to-all start barrier",
         2 => "all-to-all end barrier",
         3 => "GIN signal wait",
+        4 => "HT count exchange",
+        5 => "HT dispatch (waiting for rows)",
+        6 => "HT cached dispatch barrier",
+        7 => "HT combine start barrier",
+        8 => "HT combine end barrier",
         // LL kernels (kernels/ll/ll.cu kPhase*).
         16 => "LL dispatch credit (receiver still reading the previous dispatch)",
         17 => "LL dispatch receive",
@@ -286,9 +291,9 @@ impl Drop for DeviceBuffer {
 
 /// Pinned host memory mapped into the device (cuMemHostAlloc DEVICEMAP): kernels write
 /// error records here, and the host reads them without a copy.
-struct HostMapped<T: Copy + Default> {
+pub(crate) struct HostMapped<T: Copy + Default> {
     host: *mut T,
-    dev: sys::CUdeviceptr,
+    pub(crate) dev: sys::CUdeviceptr,
     ctx: Arc<CudaContext>,
 }
 
@@ -318,12 +323,12 @@ impl<T: Copy + Default> HostMapped<T> {
     }
 
     /// Volatile: the device writes this memory behind the compiler's back.
-    fn read(&self) -> T {
+    pub(crate) fn read(&self) -> T {
         // SAFETY: host points to a live, initialized, aligned T.
         unsafe { std::ptr::read_volatile(self.host) }
     }
 
-    fn write(&self, v: T) {
+    pub(crate) fn write(&self, v: T) {
         // SAFETY: as in read; callers write only while no kernel using it runs.
         unsafe { std::ptr::write_volatile(self.host, v) }
     }
@@ -878,6 +883,66 @@ impl CudaRank {
         })
     }
 
+    /// Pinned host memory the kernels can write (host-mapped), initialized to `T::default()`.
+    pub(crate) fn host_mapped<T: Copy + Default>(&self) -> Result<HostMapped<T>> {
+        HostMapped::new(&self.ctx)
+    }
+
+    /// Copies `src` into device memory `dst` (same length). Waits (bounded) for the stream
+    /// to be idle first, so the copy from pageable memory cannot block behind a kernel, and
+    /// again after it.
+    pub fn upload(&self, dst: DeviceRegion<'_>, src: &[u8]) -> Result<()> {
+        if src.len() != dst.bytes {
+            return Err(Error::input(
+                "upload",
+                format!("{} bytes into a region of {}", src.len(), dst.bytes),
+            ));
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.wait("before upload")?;
+        // SAFETY: dst is a live region of src.len() bytes; src is a live host slice that
+        // outlives the copy (we wait for it below).
+        let r = unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst.ptr, src.as_ptr() as *const c_void, src.len(), self.stream)
+        };
+        cu_raw("cuMemcpyHtoDAsync", r)?;
+        self.wait("upload")
+    }
+
+    /// Copies device memory `src` into `dst` (same length), waiting (bounded) before and after.
+    pub fn download(&self, src: DeviceRegion<'_>, dst: &mut [u8]) -> Result<()> {
+        if dst.len() != src.bytes {
+            return Err(Error::input(
+                "download",
+                format!("{} bytes from a region of {}", dst.len(), src.bytes),
+            ));
+        }
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.wait("before download")?;
+        // SAFETY: src is a live region of dst.len() bytes; dst is a live, writable host
+        // slice that outlives the copy (we wait for it below).
+        let r = unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr() as *mut c_void, src.ptr, dst.len(), self.stream)
+        };
+        cu_raw("cuMemcpyDtoHAsync", r)?;
+        self.wait("download")
+    }
+
+    /// Fills `r` with the byte `value` (on the stream, not waited for).
+    pub fn memset_u8(&self, r: DeviceRegion<'_>, value: u8) -> Result<()> {
+        if r.bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: r is a live region of r.bytes bytes.
+        cu_raw("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(r.ptr, value, r.bytes, self.stream)
+        })
+    }
+
     /// Fills `r` with the 32-bit `value` (r.len() must be a multiple of 4).
     pub fn memset_u32(&self, r: DeviceRegion<'_>, value: u32) -> Result<()> {
         if !r.bytes.is_multiple_of(4) {
@@ -925,6 +990,16 @@ impl CudaRank {
     /// Waits until the stream is idle, polling with the host deadline; then reports a
     /// missed in-kernel deadline recorded by any kernel since the last check.
     pub fn wait(&self, what: &str) -> Result<()> {
+        self.wait_inner(what, false)
+    }
+
+    /// As [`CudaRank::wait`], but polls without sleeping: for timed loops, where a sleep of up
+    /// to a millisecond would be measured as part of the operation.
+    pub fn wait_busy(&self, what: &str) -> Result<()> {
+        self.wait_inner(what, true)
+    }
+
+    fn wait_inner(&self, what: &str, busy: bool) -> Result<()> {
         let start = Instant::now();
         let mut pause = Duration::from_micros(5);
         loop {
@@ -953,8 +1028,12 @@ impl CudaRank {
                     ),
                 });
             }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(1));
+            if busy {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(1));
+            }
         }
         self.check_fabric()
     }

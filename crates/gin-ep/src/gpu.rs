@@ -1,0 +1,721 @@
+//! Per-rank entry points of the GPU checks and benchmarks: what one process (one GPU) of
+//! `gin-ep check --gpus N` and `gin-ep bench --gpus N` runs.
+//!
+//! Owns: the GPU check cases ([`gpu_cases`]), running a case on a rank and comparing every
+//! result with the oracle (through `check`), and the GPU timing loop. Never: prints, parses
+//! command lines (the CLI does), or touches CUDA directly (`backend::cuda` does).
+//!
+//! Every rank of the group calls these with the same arguments: the kernels pair ranks by
+//! operation number, so all ranks must make the same calls in the same order.
+
+use std::time::{Duration, Instant};
+
+use crate::backend::cuda::ht::{CombineExtras, CudaHt, DispatchEvents, DispatchSource, HtGpuOptions, Sizing};
+use crate::backend::cuda::{CudaRank, CudaRankOptions};
+use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
+use crate::check::Case;
+use crate::config::{DispatchDtype, EpConfig};
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::ht::{HtCombineInput, HtDispatchOutput, RankInput};
+use crate::oracle;
+use crate::quant::Rows;
+use crate::workload::{Routing, Workload};
+use half::bf16;
+
+/// The GPU check cases for `world` ranks: a few large cases at the peers' shapes (the host
+/// oracle is slow there) and more small ones, covering uniform / zipf / hot routing, masked
+/// entries, 0, 1, 4096 and 8192 tokens per rank, hidden 2048, 4096, 7168 and 8192, and
+/// BF16, FP8 and FP8-UE8M0. `count` small random cases follow the fixed ones.
+pub fn gpu_cases(world: usize, count: usize, seed: u64) -> Vec<Case> {
+    use rand::{Rng, SeedableRng};
+    let r = world.max(1);
+    let experts = if r <= 8 { 256 } else { 32 * r };
+    let case = |hidden: usize,
+                topk: usize,
+                max_tokens: usize,
+                dtype,
+                routing,
+                mask: f64,
+                tokens: Vec<usize>,
+                iters,
+                s: u64| {
+        Case {
+            cfg: EpConfig::new(r, experts, hidden, topk.min(experts), max_tokens)
+                .with_dtype(dtype)
+                .with_alignment(if s.is_multiple_of(2) { 1 } else { 128 }),
+            workload: Workload {
+                routing,
+                seed: seed ^ s.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                mask_prob: mask,
+            },
+            tokens,
+            iters,
+        }
+    };
+    let all = |n: usize| vec![n; r];
+    // Uneven: 0, 1, max, then max/2 on further ranks.
+    let uneven = |max: usize| {
+        (0..r)
+            .map(|i| [0, 1, max, max / 2][i % 4].min(max))
+            .collect::<Vec<_>>()
+    };
+    let mut cases = vec![
+        // The peers' shape, uniform, BF16 and FP8 (in-kernel quantization / prequantized).
+        case(
+            7168,
+            8,
+            4096,
+            DispatchDtype::Bf16,
+            Routing::Uniform,
+            0.0,
+            all(4096),
+            2,
+            1,
+        ),
+        case(
+            7168,
+            8,
+            4096,
+            DispatchDtype::Fp8,
+            Routing::Uniform,
+            0.0,
+            all(4096),
+            2,
+            2,
+        ),
+        // 8192 tokens, hot expert, UE8M0, masked entries.
+        case(
+            2048,
+            8,
+            8192,
+            DispatchDtype::Fp8Ue8m0,
+            Routing::Hot(0.5),
+            0.1,
+            all(8192),
+            2,
+            3,
+        ),
+        // hidden 8192, zipf, uneven token counts (0, 1, 8192, 4096).
+        case(
+            8192,
+            8,
+            8192,
+            DispatchDtype::Bf16,
+            Routing::Zipf(1.2),
+            0.05,
+            uneven(8192),
+            1,
+            4,
+        ),
+        // hidden 4096, FP8, every entry masked on some tokens.
+        case(
+            4096,
+            6,
+            1024,
+            DispatchDtype::Fp8,
+            Routing::Zipf(0.8),
+            0.4,
+            uneven(1024),
+            2,
+            5,
+        ),
+        // Nothing at all to send.
+        case(
+            2048,
+            4,
+            16,
+            DispatchDtype::Bf16,
+            Routing::Uniform,
+            1.0,
+            all(16),
+            2,
+            6,
+        ),
+        case(
+            2048,
+            8,
+            1,
+            DispatchDtype::Fp8Ue8m0,
+            Routing::Uniform,
+            0.0,
+            all(1),
+            3,
+            7,
+        ),
+        case(
+            2048,
+            8,
+            64,
+            DispatchDtype::Bf16,
+            Routing::Hot(1.0),
+            0.0,
+            all(0),
+            2,
+            8,
+        ),
+    ];
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 0x6770_7563);
+    for i in 0..count {
+        let dtype = [DispatchDtype::Bf16, DispatchDtype::Fp8, DispatchDtype::Fp8Ue8m0][rng.gen_range(0..3)];
+        let hidden = 128 * rng.gen_range(1..=24usize);
+        let max_tokens = rng.gen_range(1..=300usize);
+        let routing = match rng.gen_range(0..3) {
+            0 => Routing::Uniform,
+            1 => Routing::Zipf(rng.gen_range(3..=20) as f64 / 10.0),
+            _ => Routing::Hot(rng.gen_range(0..=10) as f64 / 10.0),
+        };
+        let mask = [0.0, 0.0, 0.1, 0.4][rng.gen_range(0..4)];
+        let tokens = (0..r).map(|_| rng.gen_range(0..=max_tokens)).collect();
+        let topk = rng.gen_range(1..=9usize);
+        cases.push(case(
+            hidden,
+            topk,
+            max_tokens,
+            dtype,
+            routing,
+            mask,
+            tokens,
+            3,
+            100 + i as u64,
+        ));
+    }
+    cases
+}
+
+/// Generates every rank's inputs of iteration `iter` exactly as `check::run_rank_case`
+/// does (`Case::inputs`), one thread per rank.
+fn case_inputs(case: &Case, iter: usize) -> Vec<RankInput> {
+    let w = case.iter_workload(iter);
+    let cfg = &case.cfg;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = case
+            .tokens
+            .iter()
+            .enumerate()
+            .map(|(r, &n)| {
+                let w = &w;
+                s.spawn(move || w.rank_input(cfg, r, n))
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("input generation does not panic"))
+            .collect()
+    })
+}
+
+/// `f(r)` for every rank, one thread per rank.
+fn per_rank<T: Send>(ranks: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let f = &f;
+        let hs: Vec<_> = (0..ranks).map(|r| s.spawn(move || f(r))).collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("generation does not panic"))
+            .collect()
+    })
+}
+
+/// Runs every case on this rank's GPU and compares each result with the oracle (computed
+/// on the host for all ranks): HT dispatch (bit-exact, handle included), cached dispatch
+/// of new activations, and combine with weights (bias on odd iterations), bit-exact.
+/// Iterations alternate exact and static sizing, and for FP8 in-kernel quantization and
+/// prequantized input. Output regions are poisoned before every operation. Returns the
+/// number of cases passed.
+pub fn check_rank(group: &Group, mode: BenchMode, cases: &[Case], timeout: Duration) -> Result<usize> {
+    if mode == BenchMode::Ll {
+        // LL has its own case set: its buffers are sized for decode batches
+        // (<= 1024 tokens), so the HT cases above do not apply.
+        return crate::backend::cuda::ll::check_rank(
+            group,
+            &crate::backend::cuda::ll::selftest_cases(group.world()),
+            timeout,
+        );
+    }
+    let rank = CudaRank::new(
+        group,
+        CudaRankOptions {
+            host_timeout: timeout,
+            kernel_timeout: timeout / 2,
+        },
+    )?;
+    let out = (|| {
+        let mut passed = 0;
+        for (i, case) in cases.iter().enumerate() {
+            check_case(group, &rank, case).map_err(|e| match e {
+                Error::Mismatch(m) => Error::Mismatch(format!("GPU case {i}: {m}")),
+                other => other,
+            })?;
+            passed += 1;
+        }
+        rank.wait("end of check")?;
+        group.barrier("gpu-check/done")?;
+        Ok(passed)
+    })();
+    if out.is_err() {
+        rank.comm().mark_failed();
+    }
+    out
+}
+
+fn check_case(group: &Group, rank: &CudaRank, case: &Case) -> Result<()> {
+    let cfg = &case.cfg;
+    let me = group.rank();
+    let mut ht = CudaHt::new(rank, cfg, HtGpuOptions::default())?;
+    let res = (|| -> Result<()> {
+        for iter in 0..case.iters {
+            let ctx = |e: Error, op: &str, sizing: Sizing, source: DispatchSource| {
+                match e {
+                Error::Mismatch(m) => Error::Mismatch(format!(
+                    "{op} (iteration {iter}, {sizing:?} sizing, {source:?} source, seed {}, routing {}, mask {}, \
+                     tokens {:?}, config {:?}): {m}",
+                    case.workload.seed,
+                    case.workload.routing.name(),
+                    case.workload.mask_prob,
+                    case.tokens,
+                    cfg
+                )),
+                other => other,
+            }
+            };
+            let sizing = if iter % 2 == 0 {
+                Sizing::Exact
+            } else {
+                Sizing::Static
+            };
+            let source = if cfg.dispatch_dtype.is_fp8() && iter % 2 == 1 {
+                DispatchSource::Fp8
+            } else {
+                DispatchSource::Bf16
+            };
+            ht.set_sizing(sizing);
+            let ins = case_inputs(case, iter);
+            let mine = &ins[me];
+
+            // Fresh dispatch.
+            let want = oracle::ht_dispatch(cfg, &ins)?;
+            ht.poison(rank)?;
+            let n = upload_dispatch_input(&ht, rank, cfg, mine, source)?;
+            let handle = ht.dispatch(rank, n, source, None)?;
+            let got = ht.download_dispatch(rank, &handle)?;
+            if let Some(nr) = handle.num_recv {
+                if nr != want[me].handle.num_recv() {
+                    return Err(Error::Mismatch(format!(
+                        "rank {me}: exact num_recv {nr}, oracle {}",
+                        want[me].handle.num_recv()
+                    )));
+                }
+            }
+            crate::check::ht_dispatch(cfg, me, &got, &want[me])
+                .map_err(|e| ctx(e, "HT dispatch", sizing, source))?;
+
+            // Cached dispatch of new activations through the same handle.
+            let w = Workload {
+                seed: case.workload.seed ^ 0xC0FFEE ^ iter as u64,
+                ..case.workload.clone()
+            };
+            let new_ins: Vec<RankInput> = {
+                let xs = per_rank(cfg.ranks, |r| w.bf16_values(r, 11, ins[r].x.len()));
+                ins.iter()
+                    .zip(xs)
+                    .map(|(i, x)| RankInput { x, ..i.clone() })
+                    .collect()
+            };
+            let want_cached = oracle::ht_dispatch(cfg, &new_ins)?;
+            ht.poison(rank)?;
+            upload_x(&ht, rank, cfg, &new_ins[me].x, source)?;
+            ht.dispatch_cached(rank, &handle, source, None)?;
+            let probe = HtDispatchOutput {
+                recv_x: ht.download_recv_x(rank, &handle)?,
+                ..want_cached[me].clone()
+            };
+            crate::check::ht_dispatch(cfg, me, &probe, &want_cached[me])
+                .map_err(|e| ctx(e, "cached HT dispatch", sizing, source))?;
+
+            // Combine with weights and (odd iterations) bias.
+            let handles: Vec<_> = want.iter().map(|o| o.handle.clone()).collect();
+            let with_bias = iter % 2 == 1;
+            let comb_in: Vec<HtCombineInput> = per_rank(cfg.ranks, |r| {
+                let nr = handles[r].num_recv();
+                HtCombineInput {
+                    x: w.bf16_values(r, 21, nr * cfg.hidden),
+                    topk_weights: Some(w.f32_values(r, 22, nr * cfg.topk)),
+                    bias: if with_bias {
+                        [
+                            Some(w.bf16_values(r, 23, case.tokens[r] * cfg.hidden)),
+                            Some(w.bf16_values(r, 24, case.tokens[r] * cfg.hidden)),
+                        ]
+                    } else {
+                        [None, None]
+                    },
+                }
+            });
+            let want_comb = oracle::ht_combine(cfg, &handles, &comb_in)?;
+            ht.poison(rank)?;
+            let c = &comb_in[me];
+            ht.upload_combine(
+                rank,
+                &c.x,
+                c.topk_weights.as_deref(),
+                [c.bias[0].as_deref(), c.bias[1].as_deref()],
+            )?;
+            ht.combine(
+                rank,
+                &handle,
+                CombineExtras {
+                    weights: true,
+                    bias: [with_bias, with_bias],
+                },
+                None,
+            )?;
+            let got_comb = ht.download_combine(rank, &handle, true)?;
+            crate::check::ht_combine(me, &got_comb, &want_comb[me])
+                .map_err(|e| ctx(e, "HT combine", sizing, source))?;
+        }
+        rank.wait("end of case")?;
+        // Window deregistration is collective: everyone leaves the case together.
+        group.barrier(&format!("gpu-check/case/{:x}", case.workload.seed))
+    })();
+    if res.is_err() {
+        // A kernel may still use these buffers, or peers may never join the collective
+        // deregistration: leave them to the process's end.
+        std::mem::forget(ht);
+    }
+    res
+}
+
+fn upload_dispatch_input(
+    ht: &CudaHt,
+    rank: &CudaRank,
+    cfg: &EpConfig,
+    inp: &RankInput,
+    source: DispatchSource,
+) -> Result<usize> {
+    match source {
+        DispatchSource::Bf16 => ht.upload_input(rank, &inp.x, &inp.topk_idx, &inp.topk_weights),
+        DispatchSource::Fp8 => match Rows::encode(cfg.dispatch_dtype, &inp.x, cfg.hidden) {
+            Rows::Fp8 { data, scales } => {
+                ht.upload_input_fp8(rank, &data, &scales, &inp.topk_idx, &inp.topk_weights)
+            }
+            Rows::Bf16(_) => Err(Error::input("dispatch source", "FP8 source with a BF16 config")),
+        },
+    }
+}
+
+fn upload_x(ht: &CudaHt, rank: &CudaRank, cfg: &EpConfig, x: &[bf16], source: DispatchSource) -> Result<()> {
+    match source {
+        DispatchSource::Bf16 => ht.upload_x(rank, x),
+        DispatchSource::Fp8 => match Rows::encode(cfg.dispatch_dtype, x, cfg.hidden) {
+            Rows::Fp8 { data, scales } => ht.upload_x_fp8(rank, &data, &scales),
+            Rows::Bf16(_) => Err(Error::input("dispatch source", "FP8 source with a BF16 config")),
+        },
+    }
+}
+
+/// Per-rank samples of one benchmark run, in seconds: host totals, kernel times, phases.
+struct Samples {
+    /// `[op][iter]` host wall time from the API call to the end of work on the stream.
+    host: [Vec<f64>; 2],
+    /// `[op][iter]` kernel time (CUDA events around the launches).
+    kernel: [Vec<f64>; 2],
+    /// dispatch phases: layout + count exchange, dispatch.
+    phases: [Vec<f64>; 2],
+    rows: f64,
+    remote_rows: f64,
+}
+
+/// Gathers one f64 vector per rank on every rank (through the store).
+fn gather(group: &Group, name: &str, mine: &[f64]) -> Result<Vec<Vec<f64>>> {
+    let store = group.store();
+    let bytes: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
+    store.set(&group.key(&format!("{name}/{}", group.rank())), &bytes)?;
+    (0..group.world())
+        .map(|r| {
+            let key = group.key(&format!("{name}/{r}"));
+            let raw = store.get(&key, group.timeout())?;
+            if !raw.len().is_multiple_of(8) {
+                return Err(Error::Bootstrap(format!("store key `{key}` does not hold f64s")));
+            }
+            Ok(raw
+                .chunks_exact(8)
+                .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                .collect())
+        })
+        .collect()
+}
+
+/// Slowest rank per iteration.
+fn max_per_iter(all: &[Vec<f64>]) -> Vec<Duration> {
+    let n = all.iter().map(Vec::len).min().unwrap_or(0);
+    (0..n)
+        .map(|i| Duration::from_secs_f64(all.iter().map(|v| v[i]).fold(0.0, f64::max)))
+        .collect()
+}
+
+/// Times HT dispatch and combine on this rank's GPU with an SM budget of `num_sms`; every
+/// rank calls it, rank 0 gets the report. Static sizing (no host synchronization inside
+/// an operation). Total time per call = host clock from the API call to the end of the
+/// stream's work (busy polling), slowest rank per iteration; `kernel` = CUDA events around
+/// the launches (layout + count exchange included for dispatch). FP8 dispatch takes
+/// prequantized input (DeepEP's format) unless `GIN_EP_FP8_SOURCE=bf16` asks for in-kernel
+/// quantization.
+pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Option<BenchReport>> {
+    if opts.mode == BenchMode::Ll {
+        return crate::backend::cuda::ll::bench_rank(group, opts, num_sms);
+    }
+    let cfg = &opts.cfg;
+    if opts.tokens > cfg.max_tokens_per_rank || opts.iters == 0 {
+        return Err(Error::config(
+            "tokens",
+            opts.tokens,
+            format!(
+                "need tokens <= max_tokens_per_rank = {} and iters >= 1",
+                cfg.max_tokens_per_rank
+            ),
+        ));
+    }
+    let rank = CudaRank::new(
+        group,
+        CudaRankOptions {
+            host_timeout: opts.timeout,
+            kernel_timeout: opts.timeout / 2,
+        },
+    )?;
+    let out = bench_inner(group, &rank, opts, num_sms);
+    if out.is_err() {
+        rank.comm().mark_failed();
+    }
+    let samples = out?;
+    let d_host = max_per_iter(&gather(group, "gpu-bench/dh", &samples.host[0])?);
+    let c_host = max_per_iter(&gather(group, "gpu-bench/ch", &samples.host[1])?);
+    let d_kern = max_per_iter(&gather(group, "gpu-bench/dk", &samples.kernel[0])?);
+    let c_kern = max_per_iter(&gather(group, "gpu-bench/ck", &samples.kernel[1])?);
+    let p0 = max_per_iter(&gather(group, "gpu-bench/p0", &samples.phases[0])?);
+    let p1 = max_per_iter(&gather(group, "gpu-bench/p1", &samples.phases[1])?);
+    let rows = gather(group, "gpu-bench/rows", &[samples.rows, samples.remote_rows])?;
+    group.barrier("gpu-bench/done")?;
+    if group.rank() != 0 {
+        return Ok(None);
+    }
+    let ranks = rows.len() as f64;
+    let mean_rows = rows.iter().map(|v| v[0]).sum::<f64>() / ranks;
+    let mean_remote = rows.iter().map(|v| v[1]).sum::<f64>() / ranks;
+    let op = |name: &str,
+              total: &[Duration],
+              kernel: &[Duration],
+              phases: Vec<(String, Stats)>,
+              row_bytes: usize| {
+        let total = Stats::of(total);
+        let secs = total.median_us * 1e-6;
+        let gbps = |r: f64| {
+            if secs > 0.0 {
+                r * row_bytes as f64 / secs / 1e9
+            } else {
+                0.0
+            }
+        };
+        OpReport {
+            op: name.to_string(),
+            total,
+            phases,
+            rows_per_rank: mean_rows,
+            remote_rows_per_rank: mean_remote,
+            row_bytes,
+            bytes_per_rank: mean_rows * row_bytes as f64,
+            logical_gbps: gbps(mean_rows),
+            remote_gbps: gbps(mean_remote),
+            kernel: Some(Stats::of(kernel)),
+        }
+    };
+    let ops = vec![
+        op(
+            "dispatch",
+            &d_host,
+            &d_kern,
+            vec![
+                ("layout + count exchange".into(), Stats::of(&p0)),
+                ("dispatch".into(), Stats::of(&p1)),
+            ],
+            cfg.dispatch_dtype.row_bytes(cfg.hidden),
+        ),
+        op(
+            "combine",
+            &c_host,
+            &c_kern,
+            vec![("combine".into(), Stats::of(&c_kern))],
+            cfg.hidden * 2,
+        ),
+    ];
+    Ok(Some(BenchReport {
+        backend: format!("cuda-lsa ({})", rank.info().device_name),
+        note: format!(
+            "GPU HT over NVLink (NCCL LSA), {} SMs per kernel, static sizing; total = host clock from the API call \
+             to the end of the stream's work, kernel = CUDA events; slowest rank per iteration",
+            num_sms
+        ),
+        mode: opts.mode,
+        ranks: cfg.ranks,
+        tokens: opts.tokens,
+        hidden: cfg.hidden,
+        topk: cfg.topk,
+        experts: cfg.experts,
+        dtype: cfg.dispatch_dtype.name().into(),
+        routing: opts.routing.name(),
+        iters: opts.iters,
+        ops,
+    }))
+}
+
+fn bench_inner(group: &Group, rank: &CudaRank, opts: &BenchOptions, num_sms: u32) -> Result<Samples> {
+    let cfg = &opts.cfg;
+    let me = group.rank();
+    let mut ht = CudaHt::new(
+        rank,
+        cfg,
+        HtGpuOptions {
+            num_sms,
+            sizing: Sizing::Static,
+        },
+    )?;
+    let w = Workload {
+        routing: opts.routing,
+        seed: opts.seed,
+        mask_prob: 0.0,
+    };
+    let input = w.rank_input(cfg, me, opts.tokens);
+    let source =
+        if cfg.dispatch_dtype.is_fp8() && std::env::var("GIN_EP_FP8_SOURCE").map_or(true, |v| v != "bf16") {
+            DispatchSource::Fp8
+        } else {
+            DispatchSource::Bf16
+        };
+    let n = upload_dispatch_input(&ht, rank, cfg, &input, source)?;
+    // One dispatch to learn the receive size, then the expert outputs, once.
+    let handle = ht.dispatch(rank, n, source, None)?;
+    ht.sync(rank)?;
+    let nr = ht.num_recv();
+    let plan = ht.download_dispatch(rank, &handle)?.handle.plan;
+    let local = plan.src_offset[me + 1] - plan.src_offset[me];
+    ht.upload_combine(rank, &w.bf16_values(me, 5, nr * cfg.hidden), None, [None, None])?;
+    group.barrier("gpu-bench/start")?;
+
+    let ev: Vec<_> = (0..5).map(|_| rank.event()).collect::<Result<_>>()?;
+    let mut s = Samples {
+        host: [Vec::new(), Vec::new()],
+        kernel: [Vec::new(), Vec::new()],
+        phases: [Vec::new(), Vec::new()],
+        rows: nr as f64,
+        remote_rows: (nr - local) as f64,
+    };
+    for i in 0..opts.warmup + opts.iters {
+        let t0 = Instant::now();
+        let h = ht.dispatch(
+            rank,
+            n,
+            source,
+            Some(&DispatchEvents {
+                start: &ev[0],
+                counted: &ev[1],
+                end: &ev[2],
+            }),
+        )?;
+        ht.sync(rank)?;
+        let td = t0.elapsed();
+        let t1 = Instant::now();
+        ht.combine(rank, &h, CombineExtras::default(), Some((&ev[3], &ev[4])))?;
+        ht.sync(rank)?;
+        let tc = t1.elapsed();
+        if i >= opts.warmup {
+            s.host[0].push(td.as_secs_f64());
+            s.host[1].push(tc.as_secs_f64());
+            let ms = |a: usize, b: usize| ev[a].elapsed_ms(&ev[b]).map(|v| f64::from(v) * 1e-3);
+            s.kernel[0].push(ms(0, 2)?);
+            s.phases[0].push(ms(0, 1)?);
+            s.phases[1].push(ms(1, 2)?);
+            s.kernel[1].push(ms(3, 4)?);
+        }
+    }
+    rank.wait("end of bench")?;
+    group.barrier("gpu-bench/loop-done")?;
+    Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::group::StoreServer;
+
+    #[test]
+    fn gpu_cases_cover_the_required_shapes_and_are_valid() {
+        let cases = gpu_cases(4, 6, 0);
+        for c in &cases {
+            c.cfg.validate().unwrap();
+            crate::backend::cuda::ht::check_gpu_config(&c.cfg, 4).unwrap();
+            assert_eq!(c.tokens.len(), 4);
+            assert!(c.tokens.iter().all(|&t| t <= c.cfg.max_tokens_per_rank));
+        }
+        for h in [2048, 4096, 7168, 8192] {
+            assert!(cases.iter().any(|c| c.cfg.hidden == h), "hidden {h}");
+        }
+        for t in [0, 1, 4096, 8192] {
+            assert!(cases.iter().any(|c| c.tokens.contains(&t)), "tokens {t}");
+        }
+        for d in [DispatchDtype::Bf16, DispatchDtype::Fp8, DispatchDtype::Fp8Ue8m0] {
+            assert!(cases.iter().any(|c| c.cfg.dispatch_dtype == d), "{d:?}");
+        }
+        assert!(cases
+            .iter()
+            .any(|c| matches!(c.workload.routing, Routing::Zipf(_))));
+        assert!(cases
+            .iter()
+            .any(|c| matches!(c.workload.routing, Routing::Hot(_))));
+        assert!(cases.iter().any(|c| c.workload.mask_prob > 0.0));
+        assert_eq!(gpu_cases(2, 3, 5).len(), gpu_cases(2, 3, 5).len());
+        assert_eq!(
+            format!("{:?}", gpu_cases(2, 3, 5)[9].cfg),
+            format!("{:?}", gpu_cases(2, 3, 5)[9].cfg)
+        );
+    }
+
+    #[test]
+    fn parallel_inputs_equal_the_host_checks_inputs() {
+        let c = &gpu_cases(3, 1, 9)[8];
+        for iter in 0..2 {
+            let a = case_inputs(c, iter);
+            let b = c.inputs(iter);
+            for (x, y) in a.iter().zip(&b) {
+                assert_eq!(x.x, y.x);
+                assert_eq!(x.topk_idx, y.topk_idx);
+                assert_eq!(x.topk_weights, y.topk_weights);
+            }
+        }
+    }
+
+    #[test]
+    fn without_a_gpu_check_and_bench_are_errors_not_panics() {
+        if crate::backend::cuda::driver::probe().is_ok() {
+            eprintln!("skipped: this machine has a CUDA driver");
+            return;
+        }
+        let server = StoreServer::bind("127.0.0.1:0").unwrap();
+        let group = Group::join(0, 1, &server.addr().to_string(), Duration::from_secs(5)).unwrap();
+        let cases = gpu_cases(1, 0, 1);
+        let e = check_rank(&group, BenchMode::Ht, &cases[..1], Duration::from_secs(5)).unwrap_err();
+        assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");
+        let e = check_rank(&group, BenchMode::Ll, &cases[..1], Duration::from_secs(5)).unwrap_err();
+        assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");
+        let opts = BenchOptions {
+            mode: BenchMode::Ht,
+            cfg: EpConfig::new(1, 8, 128, 2, 16),
+            tokens: 16,
+            routing: Routing::Uniform,
+            seed: 0,
+            iters: 1,
+            warmup: 0,
+            timeout: Duration::from_secs(5),
+            launch: crate::bench::Launch::Threads,
+        };
+        let e = bench_rank(&group, &opts, 24).unwrap_err();
+        assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");
+        group.close().unwrap();
+    }
+}
