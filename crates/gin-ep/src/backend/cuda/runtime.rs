@@ -1076,7 +1076,9 @@ impl CudaRank {
             }
             // SAFETY: enables access from the current context (ours) to the peer's.
             let r = unsafe { sys::cuCtxEnablePeerAccess(peer_ctx.cu_ctx(), 0) };
-            if r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+            // Access that was already on (NCCL may rely on it) must stay on afterwards.
+            let we_enabled = r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED;
+            if we_enabled {
                 cu_raw("cuCtxEnablePeerAccess", r)?;
             }
             let dst = {
@@ -1113,9 +1115,11 @@ impl CudaRank {
                 times.push(f64::from(w[0].elapsed_ms(&w[1])?) * 1e3);
             }
             let time_us = median(&mut times);
-            // SAFETY: disables what we enabled; the copies are complete.
-            unsafe {
-                let _ = sys::cuCtxDisablePeerAccess(peer_ctx.cu_ctx());
+            if we_enabled {
+                // SAFETY: disables what we enabled; the copies are complete.
+                unsafe {
+                    let _ = sys::cuCtxDisablePeerAccess(peer_ctx.cu_ctx());
+                }
             }
             Ok(PeerCopy {
                 src_device: self.info.device,
@@ -1125,6 +1129,9 @@ impl CudaRank {
                 gbps: bytes as f64 / (time_us * 1e3),
             })
         })();
+        // Dropping the peer context (and the peer buffer inside the closure) binds it to
+        // this thread; every later call of this rank expects its own context current.
+        drop(peer_ctx);
         let _ = self.ctx.bind_to_thread();
         out
     }
