@@ -9,10 +9,14 @@
 // chunk_bytes must be a multiple of 16 and every offset 16-byte aligned (the host checks;
 // kernels do not re-validate).
 //
-// Each launch runs two barriers, epochs 2e+1 and 2e+2 for the host's launch counter e:
-// the start barrier makes sure every peer has entered this launch, so the previous launch's
-// readers of its receive buffer are done (stream order on that peer); the end barrier makes
-// the data visible to the receiver before its kernel ends.
+// lsa_simple, lsa_pull and lsa_opt_nccl_barrier run two barriers, epochs 2e+1 and 2e+2 for
+// the host's launch counter e: the start barrier makes sure every peer has entered this
+// launch, so the previous launch's readers of its receive buffer are done (stream order on
+// that peer); the end barrier makes the data visible to the receiver before its kernel ends.
+//
+// lsa_opt runs one signal round and no start barrier (see "lsa_opt protocol" below): the
+// receive region is double-buffered, launch e writing buffer e & 1 at recv_offset +
+// (e & 1) * recv_stride.
 //
 // Kernels are extern "C" so the host finds them by plain name with cuModuleGetFunction.
 
@@ -36,10 +40,14 @@ struct AlltoallArgs {
   uint64_t epoch;        // launch counter e; barriers use 2e+1 and 2e+2
   uint64_t timeout_ns;
   FabricError* err;      // host-mapped
+  size_t recv_stride;    // lsa_opt: bytes from receive buffer 0 to buffer 1 (>= n * chunk)
+  size_t flag_offset;    // lsa_opt: in win, n_ranks u64 signal words + 1 u64 arrival counter
 };
 // Mirrored by AlltoallArgs in crates/gin-ep/src/backend/cuda/kernels.rs (same asserts there).
 static_assert(sizeof(ncclDevComm) == 200, "NCCL 2.28 ncclDevComm");
-static_assert(sizeof(AlltoallArgs) == 272 && offsetof(AlltoallArgs, err) == 264, "host ABI");
+static_assert(sizeof(AlltoallArgs) == 288 && offsetof(AlltoallArgs, err) == 264 &&
+                  offsetof(AlltoallArgs, flag_offset) == 280,
+              "host ABI");
 
 __device__ __forceinline__ DeadlineBarrier make_barrier(const AlltoallArgs& a) {
   return DeadlineBarrier{a.win, a.signal_offset, a.comm.lsaRank, a.comm.lsaSize, a.timeout_ns, a.err};
@@ -77,39 +85,46 @@ extern "C" __global__ void __launch_bounds__(kMaxThreads)
   bar.sync(2 * a.epoch + 2, kPhaseAlltoallEnd);
 }
 
-// lsa_opt: what the hardware wants. Work is cut into 512-byte tiles (one warp, one 16-byte
+// Push copy, what the hardware wants. Work is cut into 512-byte tiles (one warp, one 16-byte
 // vector per lane); tile i goes to peer (rank + 1 + i) % n, so the UNROLL tiles a warp holds
 // in flight go to UNROLL different peers and every NVLink is busy at once, instead of the
 // whole grid queueing on one link at a time. All UNROLL loads are issued before the first
 // store so their latencies overlap. Grid-stride over warps: any grid size is correct.
+// `slot_offset`: where this rank's chunk lies in every peer's window. Indices are 32-bit
+// (tiles <= 16 GiB / 512 = 2^25) and peer pointers are base + peer * stride, computed once:
+// no 64-bit division and no window-struct load per tile.
 template <int UNROLL>
-__device__ __forceinline__ void alltoall_lsa_opt_copy(const AlltoallArgs& a) {
-  const int n = a.comm.lsaSize;
-  const int rank = a.comm.lsaRank;
-  const int lane = threadIdx.x % 32;
-  const size_t vecs = a.chunk_bytes / 16;
-  const size_t tiles_per_chunk = (vecs + 31) / 32;
-  const size_t tiles = tiles_per_chunk * size_t(n);
-  const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
-  const size_t recv_slot = a.recv_offset + size_t(rank) * a.chunk_bytes;
+__device__ __forceinline__ void alltoall_push_copy(const AlltoallArgs& a, size_t slot_offset) {
+  const uint32_t n = uint32_t(a.comm.lsaSize);
+  const uint32_t rank = uint32_t(a.comm.lsaRank);
+  const uint32_t lane = threadIdx.x % 32;
+  const uint32_t vecs = uint32_t(a.chunk_bytes / 16);
+  const uint32_t tiles_per_chunk = (vecs + 31) / 32;
+  const uint32_t tiles = tiles_per_chunk * n;
+  const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const uint32_t warps = gridDim.x * blockDim.x / 32;
+  char* const base = lsa_ptr(a.win, slot_offset, 0);
+  const size_t stride = n > 1 ? size_t(lsa_ptr(a.win, slot_offset, 1) - base) : 0;
+  const uint32_t first_peer = (rank + 1) % n;
 
-  for (size_t base = warp * UNROLL; base < tiles; base += warps * UNROLL) {
+  for (uint32_t tb = warp * UNROLL; tb < tiles; tb += warps * UNROLL) {
     uint4 v[UNROLL];
     uint4* dst[UNROLL];
+    // tile -> (peer, tile within chunk); the first UNROLL tiles of a warp step are
+    // consecutive, so only the first needs a division.
+    uint32_t peer = (first_peer + tb % n) % n;
+    uint32_t ct = tb / n;
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const size_t tile = base + u;
       // Tail lanes (and whole tiles past the end) get dst = nullptr and skip the store.
       dst[u] = nullptr;
-      if (tile < tiles) {
-        const int peer = int((size_t(rank) + 1 + tile) % size_t(n));
-        const size_t vec = (tile / size_t(n)) * 32 + lane;
-        if (vec < vecs) {
-          v[u] = ld_nc_v4(reinterpret_cast<const uint4*>(a.send + size_t(peer) * a.chunk_bytes) + vec);
-          dst[u] = reinterpret_cast<uint4*>(lsa_ptr(a.win, recv_slot, peer)) + vec;
-        }
+      const uint32_t vec = ct * 32 + lane;
+      if (tb + u < tiles && vec < vecs) {
+        v[u] = ld_nc_v4(reinterpret_cast<const uint4*>(a.send + size_t(peer) * a.chunk_bytes) + vec);
+        dst[u] = reinterpret_cast<uint4*>(base + size_t(peer) * stride) + vec;
       }
+      if (++peer == n) peer = 0;
+      if (peer == first_peer) ++ct;
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
@@ -118,14 +133,70 @@ __device__ __forceinline__ void alltoall_lsa_opt_copy(const AlltoallArgs& a) {
   }
 }
 
-// UNROLL 4: four 16-byte loads in flight per thread already cover NVLink latency at 512
-// threads per block; 8 raises registers for no gain expected (to be measured on H200).
-extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_lsa_opt(const AlltoallArgs a) {
-  const DeadlineBarrier bar = make_barrier(a);
-  if (!bar.sync(2 * a.epoch + 1, kPhaseAlltoallStart)) return;
-  alltoall_lsa_opt_copy<4>(a);
-  bar.sync(2 * a.epoch + 2, kPhaseAlltoallEnd);
+// lsa_opt protocol: one signal word per (source, destination) pair and no start barrier.
+//
+// - Data: launch e pushes into receive buffer e & 1 of every peer.
+// - Arrival: every block, after its stores, fences at system scope and bumps this rank's
+//   local arrival counter; the block that arrives last resets the counter (the next launch
+//   is stream-ordered after this one), fences again and stores e + 1 (release, .sys) into
+//   word [rank] of every peer's flag area, then waits (deadline) until its own words
+//   [p] >= e + 1 for every peer p (acquire). The other blocks exit at once; the waiting
+//   block's acquire, then the kernel boundary, make the peers' data visible to whatever the
+//   stream runs next. So a launch costs one remote store per peer and one local atomic per
+//   block, instead of two barriers of gridDim.x * n remote stores and waits.
+// - Why no start barrier: the sender at launch e last wrote buffer e & 1 at launch e - 2 or
+//   earlier. It finished launch e - 1, which waited for peer p's signal of e - 1, which p
+//   wrote inside its launch e - 1; so p had entered launch e - 1, and stream order on p
+//   means p's readers of buffer e & 1 enqueued before launch e - 1 were done. Hence the
+//   contract: a rank reads the output of launch e before enqueueing launch e + 1, and never
+//   writes its own receive buffers without a group-wide sync first (the benchmark poisons,
+//   then meets its peers at a host barrier). A rank is at most one launch ahead of a peer.
+// - The epoch e is the rank's launch counter shared with the two-barrier kernels; words
+//   only grow, so nothing is reset between launches, and waits are `>=`.
+template <int UNROLL>
+__device__ __forceinline__ void alltoall_lsa_opt(const AlltoallArgs& a) {
+  const int n = a.comm.lsaSize;
+  const int rank = a.comm.lsaRank;
+  const size_t buf = a.recv_offset + (a.epoch & 1) * a.recv_stride;
+  alltoall_push_copy<UNROLL>(a, buf + size_t(rank) * a.chunk_bytes);
+
+  __shared__ int last;
+  uint64_t* const flags = reinterpret_cast<uint64_t*>(lsa_ptr(a.win, a.flag_offset, rank));
+  unsigned long long* const arrived = reinterpret_cast<unsigned long long*>(flags + n);
+  __syncthreads();  // every thread's stores happen-before thread 0's fence
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    last = atomicAdd(arrived, 1ull) == gridDim.x - 1ull;
+  }
+  __syncthreads();
+  if (!last || threadIdx.x != 0) return;
+
+  // The last block: every other block's fence + add is before our add.
+  *arrived = 0ull;
+  __threadfence_system();
+  const uint64_t value = a.epoch + 1;
+  for (int p = 0; p < n; ++p) {
+    st_release_sys(reinterpret_cast<uint64_t*>(lsa_ptr(a.win, a.flag_offset + size_t(rank) * 8, p)), value);
+  }
+  const uint64_t start = globaltimer_ns();
+  for (int i = 1; i <= n; ++i) {
+    const int p = (rank + i) % n;  // self last: it is already there
+    if (!wait_at_least(flags + p, value, start, a.timeout_ns)) {
+      report_error(a.err, kPhaseAlltoallEnd, p, rank, globaltimer_ns() - start);
+      return;
+    }
+  }
 }
+
+// UNROLL 4 is the default (four 16-byte loads in flight per thread cover NVLink latency at
+// 512 threads per block); 1, 2 and 8 exist so one run can sweep it (`--unroll`).
+#define GIN_EP_LSA_OPT(NAME, U) \
+  extern "C" __global__ void __launch_bounds__(kMaxThreads) NAME(const AlltoallArgs a) { alltoall_lsa_opt<U>(a); }
+GIN_EP_LSA_OPT(gin_ep_alltoall_lsa_opt, 4)
+GIN_EP_LSA_OPT(gin_ep_alltoall_lsa_opt_u1, 1)
+GIN_EP_LSA_OPT(gin_ep_alltoall_lsa_opt_u2, 2)
+GIN_EP_LSA_OPT(gin_ep_alltoall_lsa_opt_u8, 8)
+#undef GIN_EP_LSA_OPT
 
 // Pull: tile i comes from peer (rank + 1 + i) % n, like the push kernel, but each thread
 // loads 16 bytes of the peer's send chunk for this rank over NVLink and stores locally.
@@ -169,7 +240,7 @@ __device__ __forceinline__ void alltoall_lsa_pull_copy(const AlltoallArgs& a) {
   }
 }
 
-// Barriers as in lsa_opt, with the roles swapped: the start barrier says "my send buffer is
+// Barriers as in lsa_simple, with the roles swapped: the start barrier says "my send buffer is
 // ready" (its release covers the producer's writes), the end barrier "I am done reading
 // yours", so a peer may overwrite its send buffer after its kernel ends.
 extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_lsa_pull(const AlltoallArgs a) {
@@ -179,7 +250,8 @@ extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_lsa_pu
   bar.sync(2 * a.epoch + 2, kPhaseAlltoallEnd);
 }
 
-// lsa_opt with NCCL's own ncclLsaBarrierSession (no deadline), as the nccl-tests Device API
+// The lsa_opt copy (UNROLL 4, single receive buffer) between two of NCCL's own
+// ncclLsaBarrierSession barriers (no deadline), as the nccl-tests Device API
 // benchmark does: the reference point that tells whether our barrier costs anything. Needs
 // ncclDevCommRequirements.lsaBarrierCount >= gridDim.x. Use only where a hang is acceptable
 // (benchmarks run under an outer timeout).
@@ -189,7 +261,7 @@ extern "C" __global__ void __launch_bounds__(kMaxThreads)
     ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), a.comm, ncclTeamTagLsa(), blockIdx.x);
     bar.sync(ncclCoopCta(), cuda::memory_order_relaxed);
   }
-  alltoall_lsa_opt_copy<4>(a);
+  alltoall_push_copy<4>(a, a.recv_offset + size_t(a.comm.lsaRank) * a.chunk_bytes);
   {
     ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), a.comm, ncclTeamTagLsa(), blockIdx.x);
     bar.sync(ncclCoopCta(), cuda::memory_order_release);

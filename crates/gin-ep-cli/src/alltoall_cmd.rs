@@ -33,12 +33,22 @@ pub struct AlltoallArgs {
     /// Untimed iterations first.
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
-    /// CTAs of the LSA kernels [default: the GPU's SM count].
+    /// CTAs of the LSA kernels [default: lsa-opt sizes its grid to the point (at most the
+    /// SM count); the others use the SM count].
     #[arg(long)]
     pub blocks: Option<u32>,
     /// Threads per CTA.
     #[arg(long, default_value_t = 512)]
     pub threads: u32,
+    /// lsa-opt tiles (512 B) in flight per warp: 1, 2, 4 or 8.
+    #[arg(long, default_value_t = 4)]
+    pub unroll: u32,
+    /// Per LSA point, try several grids (each validated) and report the fastest.
+    #[arg(long)]
+    pub grid_sweep: bool,
+    /// Grids --grid-sweep tries, comma list (0 = the default grid) [default: 0,8,16,32,64,SMs,2xSMs].
+    #[arg(long, value_delimiter = ',')]
+    pub grids: Option<Vec<u32>>,
     /// Skip validation of the results.
     #[arg(long)]
     pub no_validate: bool,
@@ -81,6 +91,9 @@ fn options(a: &AlltoallArgs) -> CliResult<AlltoallOptions> {
         validate: !a.no_validate,
         blocks: a.blocks,
         threads: a.threads,
+        unroll: a.unroll,
+        grid_sweep: a.grid_sweep || a.grids.is_some(),
+        sweep_grids: a.grids.clone().unwrap_or_default(),
         peer_copy_bytes: a.peer_copy_bytes,
         timeout: a.timeout,
         ..AlltoallOptions::default()
@@ -147,10 +160,22 @@ fn run_child(a: &AlltoallArgs, opts: &AlltoallOptions) -> CliResult {
 }
 
 fn print_table(r: &AlltoallReport) {
+    let grid = match r.blocks {
+        Some(b) => format!("{b} CTAs"),
+        None => "size-based grid".to_string(),
+    };
     println!(
-        "all-to-all: {} ranks, {} CTAs x {} threads, {} iterations after {} warm-up; NCCL API {:?}",
-        r.info.world, r.blocks, r.threads, r.iters, r.warmup, r.nccl_api
+        "all-to-all: {} ranks, {grid} x {} threads, lsa-opt unroll {}, {} iterations after {} warm-up; NCCL API {:?}",
+        r.info.world, r.threads, r.unroll, r.iters, r.warmup, r.nccl_api
     );
+    if !r.grid_sweep.is_empty() {
+        let list: Vec<String> = r
+            .grid_sweep
+            .iter()
+            .map(|g| if *g == 0 { "default".into() } else { g.to_string() })
+            .collect();
+        println!("grid sweep per LSA point: {} (fastest kept)", list.join(", "));
+    }
     match &r.gin_network {
         Ok(n) => println!("GIN network: {n}"),
         Err(why) => println!("GIN network: none ({why})"),
@@ -160,26 +185,41 @@ fn print_table(r: &AlltoallReport) {
     t.set_header(vec![
         "mode",
         "bytes/rank",
+        "CTAs",
         "time µs",
         "algbw GB/s",
         "busbw GB/s",
+        "× nccl",
         "validated",
+        "grids tried (CTAs:µs)",
     ]);
     for p in &r.results {
+        let nccl = r
+            .results
+            .iter()
+            .find(|q| q.mode == AlltoallMode::Nccl && q.bytes == p.bytes);
+        let tries: Vec<String> = p
+            .grid_tries
+            .iter()
+            .map(|g| format!("{}:{:.1}", g.blocks, g.time_us))
+            .collect();
         t.add_row(vec![
             p.mode.name().to_string(),
             p.bytes.to_string(),
+            p.blocks.map_or("-".into(), |b| b.to_string()),
             format!("{:.1}", p.time_us),
             format!("{:.1}", p.algbw_gbps),
             format!("{:.1}", p.busbw_gbps),
+            nccl.map_or("-".into(), |n| format!("{:.2}", n.time_us / p.time_us)),
             if p.validated {
                 "yes".into()
             } else {
                 "no".to_string()
             },
+            tries.join(" "),
         ]);
     }
-    for i in 1..6 {
+    for i in 1..7 {
         if let Some(c) = t.column_mut(i) {
             c.set_cell_alignment(CellAlignment::Right);
         }
@@ -193,7 +233,10 @@ fn print_table(r: &AlltoallReport) {
         (None, Some(why)) => println!("copy-engine peer copy: skipped ({why})"),
         _ => {}
     }
-    println!("algbw = bytes per rank / time; busbw = algbw * (ranks - 1) / ranks (nccl-tests).");
+    println!(
+        "algbw = bytes per rank / time; busbw = algbw * (ranks - 1) / ranks (nccl-tests): bytes \
+         crossing links per rank per second, the figure to compare with the copy engine."
+    );
 }
 
 #[cfg(test)]

@@ -26,8 +26,15 @@
 //!                                     but lsa-opt-ncclbar, whose NCCL barrier has no deadline)
 //!                 --iters N           timed iterations per point (default 20)
 //!                 --warmup N          untimed iterations first (default 5)
-//!                 --blocks N          CTAs of the LSA kernels (default: the GPU's SM count)
+//!                 --blocks N          CTAs of the LSA kernels (default: lsa-opt sizes its grid
+//!                                     to the point, one round of tiles, at most the SM count;
+//!                                     the others use the SM count)
 //!                 --threads N         threads per CTA (default 512; multiple of 32, <= 512)
+//!                 --unroll N          lsa-opt tiles in flight per warp: 1, 2, 4 or 8 (default 4)
+//!                 --grid-sweep        per LSA point, try several grids (default list: the
+//!                                     size-based default, 8, 16, 32, 64, SMs, 2 x SMs), each
+//!                                     validated, and report the fastest and which it was
+//!                 --grids LIST        the grids --grid-sweep tries (comma list; 0 = default)
 //!                 --no-validate       skip the pattern check (validation is on by default)
 //!                 --peer-copy-bytes B copy-engine GPU0->GPU1 size (default 1G; 0 = skip)
 //!                 --timeout SECS      host wait deadline; kernels give up at half of it
@@ -64,7 +71,8 @@ pub enum AlltoallMode {
     Nccl,
     /// Baseline LSA kernel (4-byte stores).
     LsaSimple,
-    /// LSA push, 16-byte stores to peers, links interleaved.
+    /// LSA push, 16-byte stores to peers, links interleaved, one signal round and a
+    /// double-buffered receive region (no start barrier).
     LsaOpt,
     /// LSA pull, 16-byte loads from peers.
     LsaPull,
@@ -109,10 +117,10 @@ impl AlltoallMode {
         }
     }
 
-    fn kernel(self) -> Option<AlltoallKernel> {
+    fn kernel(self, unroll: u32) -> Option<AlltoallKernel> {
         match self {
             AlltoallMode::LsaSimple => Some(AlltoallKernel::LsaSimple),
-            AlltoallMode::LsaOpt => Some(AlltoallKernel::LsaOpt),
+            AlltoallMode::LsaOpt => Some(AlltoallKernel::LsaOpt { unroll }),
             AlltoallMode::LsaPull => Some(AlltoallKernel::LsaPull),
             AlltoallMode::LsaOptNcclbar => Some(AlltoallKernel::LsaOptNcclBarrier),
             _ => None,
@@ -170,10 +178,17 @@ pub struct AlltoallOptions {
     pub iters: usize,
     /// Check every result against the pattern (before and after the timed loop).
     pub validate: bool,
-    /// CTAs of the LSA kernels; `None` = the GPU's SM count.
+    /// CTAs of the LSA kernels; `None` = each kernel's default for the point
+    /// ([`AlltoallKernel::default_grid`]).
     pub blocks: Option<u32>,
     /// Threads per CTA of the LSA kernels.
     pub threads: u32,
+    /// `lsa-opt` tiles in flight per warp (one of [`ops::LSA_OPT_UNROLLS`]).
+    pub unroll: u32,
+    /// Try several grids per LSA point and keep the fastest (each one validated).
+    pub grid_sweep: bool,
+    /// The grids the sweep tries; empty = [`default_sweep_grids`]; 0 = the default grid.
+    pub sweep_grids: Vec<u32>,
     /// Base seed of the validation pattern.
     pub seed: u32,
     /// Copy-engine peer copy GPU0 -> GPU1 size; 0 skips it.
@@ -195,6 +210,9 @@ impl Default for AlltoallOptions {
             validate: true,
             blocks: None,
             threads: 512,
+            unroll: 4,
+            grid_sweep: false,
+            sweep_grids: Vec::new(),
             seed: 0x6769_6e65,
             peer_copy_bytes: 1 << 30,
             peer_copy_iters: 10,
@@ -256,6 +274,16 @@ impl AlltoallOptions {
             if b == 0 || b > MAX_BLOCKS {
                 return Err(Error::config("blocks", b, format!("must be in 1..={MAX_BLOCKS}")));
             }
+        }
+        if !ops::LSA_OPT_UNROLLS.contains(&self.unroll) {
+            return Err(Error::config(
+                "unroll",
+                self.unroll,
+                format!("must be one of {:?}", ops::LSA_OPT_UNROLLS),
+            ));
+        }
+        if let Some(&g) = self.sweep_grids.iter().find(|&&g| g > MAX_BLOCKS) {
+            return Err(Error::config("grids", g, format!("must be in 0..={MAX_BLOCKS}")));
         }
         if self.modes.is_empty() {
             return Err(Error::config("modes", "", "no mode given"));
@@ -335,8 +363,40 @@ pub struct AlltoallPoint {
     pub algbw_gbps: f64,
     /// algbw * (world - 1) / world, GB/s.
     pub busbw_gbps: f64,
-    /// Every element was checked (before and after the timed loop) and matched.
+    /// Every element was checked (before and after the timed loop) and matched; with a grid
+    /// sweep, for every grid tried.
     pub validated: bool,
+    /// CTAs of the LSA kernel for this figure (`None` for NCCL).
+    pub blocks: Option<u32>,
+    /// Every grid a `--grid-sweep` tried, in order (empty without a sweep).
+    pub grid_tries: Vec<GridTry>,
+}
+
+/// One grid of a sweep: CTAs and the time (median per iteration, max over ranks).
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct GridTry {
+    pub blocks: u32,
+    pub time_us: f64,
+}
+
+/// The grids `--grid-sweep` tries without `--grids`: the size-based default (0), a few
+/// small grids for latency-bound sizes, the SM count and twice it.
+pub fn default_sweep_grids(sm_count: u32) -> Vec<u32> {
+    let sms = sm_count.max(1);
+    vec![0, 8, 16, 32, 64, sms, 2 * sms]
+}
+
+/// Resolves a sweep list (0 = the kernel's default grid for the point), clamped to
+/// `1..=MAX_BLOCKS`, duplicates dropped, order kept.
+fn resolve_grids(list: &[u32], default: u32) -> Vec<u32> {
+    let mut out: Vec<u32> = Vec::new();
+    for &g in list {
+        let g = if g == 0 { default } else { g }.clamp(1, MAX_BLOCKS);
+        if !out.contains(&g) {
+            out.push(g);
+        }
+    }
+    out
 }
 
 /// A mode that did not run here, and why.
@@ -350,8 +410,12 @@ pub struct SkippedMode {
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct AlltoallReport {
     pub info: RankInfo,
-    pub blocks: u32,
+    /// The fixed grid of `--blocks`, or `None`: each kernel's size-based default.
+    pub blocks: Option<u32>,
     pub threads: u32,
+    pub unroll: u32,
+    /// The grids a sweep tried per LSA point (0 = default), or empty without a sweep.
+    pub grid_sweep: Vec<u32>,
     pub warmup: usize,
     pub iters: usize,
     pub nccl_api: NcclAlltoallApi,
@@ -382,20 +446,26 @@ pub fn pattern_word(seed: u32, src: u32, dst: u32, j: u64) -> u32 {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Layout {
     send_offset: usize,
+    /// Receive buffer 0; buffer 1 (double-buffered kernels only) is `recv_stride` later.
     recv_offset: usize,
+    recv_stride: usize,
     signal_offset: usize,
+    flag_offset: usize,
     window_bytes: usize,
 }
 
 fn layout(max_bytes: usize, world: usize) -> Layout {
     // 4 KiB alignment keeps each region on its own pages (and 16-byte vectors aligned).
     let region = max_bytes.div_ceil(4096) * 4096;
-    let signal_offset = 2 * region;
+    let signal_offset = 3 * region;
+    let flag_offset = signal_offset + MAX_BLOCKS as usize * world * 8;
     Layout {
         send_offset: 0,
         recv_offset: region,
+        recv_stride: region,
         signal_offset,
-        window_bytes: signal_offset + MAX_BLOCKS as usize * world * 8,
+        flag_offset,
+        window_bytes: flag_offset + (world + 1) * 8,
     }
 }
 
@@ -435,16 +505,32 @@ fn sweep(group: &Group, rank: &CudaRank, opts: &AlltoallOptions) -> Result<Allto
     let me = group.rank();
     let sizes = opts.sizes(world);
     let max_bytes = sizes.last().map_or(0, |s| s.bytes);
-    let blocks = opts.blocks.unwrap_or(rank.info().sm_count).clamp(1, MAX_BLOCKS);
+    let sm_count = rank.info().sm_count;
+    let sweep_grids = if !opts.grid_sweep {
+        Vec::new()
+    } else if opts.sweep_grids.is_empty() {
+        default_sweep_grids(sm_count)
+    } else {
+        opts.sweep_grids.clone()
+    };
+    // The NCCL barrier kernel needs one NCCL LSA barrier per block of its largest grid.
+    let max_grid = sweep_grids
+        .iter()
+        .copied()
+        .chain(opts.blocks)
+        .chain([2 * sm_count])
+        .max()
+        .unwrap_or(1)
+        .clamp(1, MAX_BLOCKS);
 
     // Copy engine first, alone on the machine: rank 0 copies while the others wait.
     let (peer_copy, peer_copy_skipped) = peer_copy(group, rank, opts)?;
 
     let lay = layout(max_bytes, world);
-    let wants_lsa = opts.modes.iter().any(|m| m.kernel().is_some());
+    let wants_lsa = opts.modes.iter().any(|m| m.kernel(opts.unroll).is_some());
     let lsa = if wants_lsa {
         let barriers = if opts.modes.contains(&AlltoallMode::LsaOptNcclbar) {
-            blocks
+            max_grid
         } else {
             1
         };
@@ -499,9 +585,8 @@ fn sweep(group: &Group, rank: &CudaRank, opts: &AlltoallOptions) -> Result<Allto
                     mode,
                     size,
                     seed,
-                    blocks,
                 };
-                results.push(run_point(group, rank, opts, &bufs, &lay, point)?);
+                results.push(run_point(group, rank, opts, &bufs, &lay, point, &sweep_grids)?);
             }
         }
         rank.wait("end of sweep")?;
@@ -520,8 +605,10 @@ fn sweep(group: &Group, rank: &CudaRank, opts: &AlltoallOptions) -> Result<Allto
     drop(bufs);
     Ok(AlltoallReport {
         info: rank.info().clone(),
-        blocks,
+        blocks: opts.blocks,
         threads: opts.threads,
+        unroll: opts.unroll,
+        grid_sweep: sweep_grids,
         warmup: opts.warmup,
         iters: opts.iters,
         nccl_api: nccl_alltoall_api(rank),
@@ -548,15 +635,14 @@ fn skip_reason(mode: AlltoallMode, bufs: &Buffers) -> Option<String> {
     }
 }
 
-/// Which point of the sweep: mode, size, pattern seed, grid, and the run's number (store
-/// keys of one `run_rank` call never meet another's).
+/// Which point of the sweep: mode, size, pattern seed, and the run's number (store keys of
+/// one `run_rank` call never meet another's).
 #[derive(Clone, Copy, Debug)]
 struct Point {
     run: u64,
     mode: AlltoallMode,
     size: SizePoint,
     seed: u32,
-    blocks: u32,
 }
 
 /// `run_rank` calls made by this process (every rank makes the same ones).
@@ -569,25 +655,95 @@ fn run_point(
     bufs: &Buffers,
     lay: &Layout,
     point: Point,
+    sweep_grids: &[u32],
 ) -> Result<AlltoallPoint> {
+    let Point { mode, size, .. } = point;
+    let world = group.world();
+    let SizePoint { bytes, chunk_bytes } = size;
+    let kernel = mode.kernel(opts.unroll);
+    let grids: Vec<Option<u32>> = match kernel {
+        None => vec![None],
+        Some(k) => {
+            let default = k.default_grid(chunk_bytes, world, opts.threads, rank.info().sm_count);
+            let fixed = opts.blocks.unwrap_or(default);
+            if sweep_grids.is_empty() {
+                vec![Some(fixed.clamp(1, MAX_BLOCKS))]
+            } else {
+                resolve_grids(sweep_grids, fixed).into_iter().map(Some).collect()
+            }
+        }
+    };
+    let mut best: Option<(f64, f64, Option<u32>)> = None;
+    let mut tries = Vec::new();
+    for (gi, &grid) in grids.iter().enumerate() {
+        let (t, t_min) = measure(group, rank, opts, bufs, lay, point, grid, gi)?;
+        if let Some(b) = grid {
+            tries.push(GridTry {
+                blocks: b,
+                time_us: t,
+            });
+        }
+        // Every rank sees the same max-over-ranks times, so every rank picks the same grid.
+        if best.is_none_or(|(bt, _, _)| t < bt) {
+            best = Some((t, t_min, grid));
+        }
+    }
+    let (time_us, time_us_min_rank, blocks) =
+        best.ok_or_else(|| Error::input("all-to-all point", "no grid to try"))?;
+    let algbw_gbps = bytes as f64 / (time_us * 1e3);
+    Ok(AlltoallPoint {
+        mode,
+        bytes,
+        chunk_bytes,
+        time_us,
+        time_us_min_rank,
+        algbw_gbps,
+        busbw_gbps: algbw_gbps * (world - 1) as f64 / world as f64,
+        validated: opts.validate,
+        blocks,
+        grid_tries: if grids.len() > 1 { tries } else { Vec::new() },
+    })
+}
+
+/// One (point, grid): validated first run into poisoned buffers, warm-up, timed loop,
+/// validation of the last result. Returns (median time, max over ranks; the same, min).
+#[allow(clippy::too_many_arguments)]
+fn measure(
+    group: &Group,
+    rank: &CudaRank,
+    opts: &AlltoallOptions,
+    bufs: &Buffers,
+    lay: &Layout,
+    point: Point,
+    grid: Option<u32>,
+    grid_index: usize,
+) -> Result<(f64, f64)> {
     let Point {
         run,
         mode,
         size,
         seed,
-        blocks,
     } = point;
     let world = group.world();
     let me = group.rank();
     let SizePoint { bytes, chunk_bytes } = size;
+    let tag = format!("{run}/{}/{bytes}/{grid_index}", mode.name());
     // Keep ranks in step, so in-kernel deadlines measure peers, not launch skew.
-    group.barrier(&format!("alltoall/{run}/{}/{bytes}", mode.name()))?;
+    group.barrier(&format!("alltoall/{tag}"))?;
 
-    let (send, recv, lsa): (DeviceRegion<'_>, DeviceRegion<'_>, Option<AlltoallLaunch<'_>>) =
-        match (mode.kernel(), &bufs.lsa, &bufs.nccl) {
-            (Some(kernel), Ok((window, dev_comm)), _) => (
+    let (send, recvs, lsa): (
+        DeviceRegion<'_>,
+        Vec<DeviceRegion<'_>>,
+        Option<AlltoallLaunch<'_>>,
+    ) = match (mode.kernel(opts.unroll), &bufs.lsa, &bufs.nccl) {
+        (Some(kernel), Ok((window, dev_comm)), _) => {
+            let mut recvs = vec![window.region(lay.recv_offset, bytes)?];
+            if kernel.double_buffered() {
+                recvs.push(window.region(lay.recv_offset + lay.recv_stride, bytes)?);
+            }
+            (
                 window.region(lay.send_offset, bytes)?,
-                window.region(lay.recv_offset, bytes)?,
+                recvs,
                 Some(AlltoallLaunch {
                     kernel,
                     window,
@@ -595,25 +751,36 @@ fn run_point(
                     send_offset: lay.send_offset,
                     recv_offset: lay.recv_offset,
                     signal_offset: lay.signal_offset,
+                    recv_stride: lay.recv_stride,
+                    flag_offset: lay.flag_offset,
                     chunk_bytes,
-                    grid: blocks,
+                    grid: grid.unwrap_or(1),
                     block: opts.threads,
                 }),
-            ),
-            (None, _, Some((s, r))) => (s.region().sub(0, bytes)?, r.region().sub(0, bytes)?, None),
-            _ => {
-                return Err(Error::input(
-                    "all-to-all mode",
-                    format!("{} has no buffers", mode.name()),
-                ))
-            }
-        };
-    let op = || match &lsa {
-        Some(l) => ops::launch_alltoall(rank, l),
-        None => nccl_alltoall(rank, send, recv, chunk_bytes),
+            )
+        }
+        (None, _, Some((s, r))) => (s.region().sub(0, bytes)?, vec![r.region().sub(0, bytes)?], None),
+        _ => {
+            return Err(Error::input(
+                "all-to-all mode",
+                format!("{} has no buffers", mode.name()),
+            ))
+        }
     };
-    let what = |step: &str| format!("{} {bytes} B: {step}", mode.name());
-    let validate = |when: &str| -> Result<()> {
+    // Which receive buffer the last operation filled.
+    let op = || -> Result<DeviceRegion<'_>> {
+        match &lsa {
+            Some(l) => {
+                let off = ops::launch_alltoall(rank, l)?;
+                let i = usize::from(off != lay.recv_offset);
+                Ok(recvs[i])
+            }
+            None => nccl_alltoall(rank, send, recvs[0], chunk_bytes).map(|_| recvs[0]),
+        }
+    };
+    let grid_text = grid.map_or(String::new(), |g| format!(", {g} CTAs"));
+    let what = |step: &str| format!("{} {bytes} B{grid_text}: {step}", mode.name());
+    let validate = |recv: DeviceRegion<'_>, when: &str| -> Result<()> {
         let c = check_pattern(rank, recv, chunk_bytes, world, me, seed, bufs.scratch.region())?;
         match c.first_bad_word {
             None if c.mismatches == 0 => Ok(()),
@@ -622,9 +789,9 @@ fn run_point(
                 let chunk_words = (chunk_bytes / 4) as u64;
                 let (peer, index) = (word / chunk_words, word % chunk_words);
                 Err(Error::Mismatch(format!(
-                    "all-to-all `{}`, {bytes} bytes per rank ({chunk_bytes} per peer), {when}: rank {me} \
-                     received wrong data from rank {peer} at 32-bit word {index} of its chunk (byte {}); \
-                     {} bad words in all; expected {:#010x}, seed {seed:#x}",
+                    "all-to-all `{}`, {bytes} bytes per rank ({chunk_bytes} per peer){grid_text}, {when}: \
+                     rank {me} received wrong data from rank {peer} at 32-bit word {index} of its chunk \
+                     (byte {}); {} bad words in all; expected {:#010x}, seed {seed:#x}",
                     mode.name(),
                     index * 4,
                     c.mismatches,
@@ -636,11 +803,16 @@ fn run_point(
 
     if opts.validate {
         fill_pattern(rank, send, chunk_bytes, world, me, seed)?;
-        rank.memset_u32(recv, POISON)?;
+        for r in &recvs {
+            rank.memset_u32(*r, POISON)?;
+        }
         rank.wait(&what("fill and poison"))?;
-        op()?;
+        // Double-buffered kernels have no start barrier: no peer may push into our receive
+        // buffers before the poison is down.
+        group.barrier(&format!("alltoall/{tag}/poisoned"))?;
+        let recv = op()?;
         rank.wait(&what("validated run"))?;
-        validate("first run, into a poisoned buffer")?;
+        validate(recv, "first run, into a poisoned buffer")?;
     }
     for _ in 0..opts.warmup {
         op()?;
@@ -649,8 +821,9 @@ fn run_point(
         .map(|_| rank.event())
         .collect::<Result<Vec<_>>>()?;
     rank.record(&events[0])?;
+    let mut last = recvs[0];
     for ev in &events[1..] {
-        op()?;
+        last = op()?;
         rank.record(ev)?;
     }
     rank.wait(&what("timed loop"))?;
@@ -660,22 +833,9 @@ fn run_point(
     }
     let mine = crate::backend::cuda::runtime::median(&mut times);
     if opts.validate {
-        validate("after the timed loop")?;
+        validate(last, "after the timed loop")?;
     }
-
-    let (time_us, time_us_min_rank) =
-        max_over_ranks(group, &format!("alltoall/{run}/t/{}/{bytes}", mode.name()), mine)?;
-    let algbw_gbps = bytes as f64 / (time_us * 1e3);
-    Ok(AlltoallPoint {
-        mode,
-        bytes,
-        chunk_bytes,
-        time_us,
-        time_us_min_rank,
-        algbw_gbps,
-        busbw_gbps: algbw_gbps * (world - 1) as f64 / world as f64,
-        validated: opts.validate,
-    })
+    max_over_ranks(group, &format!("alltoall/{tag}/t"), mine)
 }
 
 /// (max, min) of one f64 per rank, through the store.
@@ -815,6 +975,20 @@ mod tests {
             ),
             (
                 AlltoallOptions {
+                    unroll: 3,
+                    ..ok.clone()
+                },
+                "unroll",
+            ),
+            (
+                AlltoallOptions {
+                    sweep_grids: vec![16, MAX_BLOCKS + 1],
+                    ..ok.clone()
+                },
+                "grids",
+            ),
+            (
+                AlltoallOptions {
                     modes: vec![],
                     ..ok.clone()
                 },
@@ -901,8 +1075,23 @@ mod tests {
         let l = layout(3 * 1000 * 16, 3);
         assert_eq!(l.send_offset, 0);
         assert!(l.recv_offset >= 48_000 && l.recv_offset.is_multiple_of(4096));
-        assert!(l.signal_offset >= l.recv_offset + 48_000 && l.signal_offset.is_multiple_of(4096));
-        assert_eq!(l.window_bytes, l.signal_offset + MAX_BLOCKS as usize * 3 * 8);
+        assert!(l.recv_stride >= 48_000 && l.recv_stride.is_multiple_of(4096));
+        assert!(l.signal_offset >= l.recv_offset + l.recv_stride + 48_000);
+        assert!(l.signal_offset.is_multiple_of(4096));
+        assert_eq!(l.flag_offset, l.signal_offset + MAX_BLOCKS as usize * 3 * 8);
+        assert_eq!(l.window_bytes, l.flag_offset + 4 * 8);
+    }
+
+    #[test]
+    fn lsa_opt_grid_is_one_round_of_tiles_and_sweeps_resolve_the_default() {
+        let k = AlltoallKernel::LsaOpt { unroll: 4 };
+        // 1 MiB over 4 ranks: 256 KiB chunks = 512 tiles each, 2048 tiles; 16 warps x 4.
+        assert_eq!(k.default_grid(256 << 10, 4, 512, 132), 32);
+        assert_eq!(k.default_grid(16 << 20, 4, 512, 132), 132);
+        assert_eq!(k.default_grid(16, 4, 512, 132), 4);
+        assert_eq!(AlltoallKernel::LsaSimple.default_grid(16, 4, 512, 132), 132);
+        assert_eq!(resolve_grids(&[0, 32, 16, 32, 5000], 32), [32, 16, MAX_BLOCKS]);
+        assert_eq!(default_sweep_grids(132), [0, 8, 16, 32, 64, 132, 264]);
     }
 
     #[test]

@@ -28,8 +28,13 @@ pub const KERNELS_FATBIN: Option<&[u8]> = None;
 pub mod names {
     /// (peer, slice) work items strided over blocks, 4-byte stores: the baseline.
     pub const ALLTOALL_LSA_SIMPLE: &str = "gin_ep_alltoall_lsa_simple";
-    /// Push: 16-byte vectors, 4 peers in flight per warp, grid-stride.
+    /// Push: 16-byte vectors, 4 tiles (peers) in flight per warp, grid-stride, one signal
+    /// round, double-buffered receive region.
     pub const ALLTOALL_LSA_OPT: &str = "gin_ep_alltoall_lsa_opt";
+    /// `lsa_opt` with 1, 2 or 8 tiles in flight per warp (`--unroll`).
+    pub const ALLTOALL_LSA_OPT_U1: &str = "gin_ep_alltoall_lsa_opt_u1";
+    pub const ALLTOALL_LSA_OPT_U2: &str = "gin_ep_alltoall_lsa_opt_u2";
+    pub const ALLTOALL_LSA_OPT_U8: &str = "gin_ep_alltoall_lsa_opt_u8";
     /// Pull: as `lsa_opt` but reads peers' send buffers (in the window) and stores locally.
     pub const ALLTOALL_LSA_PULL: &str = "gin_ep_alltoall_lsa_pull";
     /// `lsa_opt` with NCCL's ncclLsaBarrierSession (no deadline), for comparison.
@@ -122,10 +127,15 @@ pub struct AlltoallArgs {
     pub recv_offset: usize,
     pub signal_offset: usize,
     pub chunk_bytes: usize,
-    /// Launch counter e; the kernel's barriers use epochs 2e+1 and 2e+2.
+    /// Launch counter e; the two-barrier kernels use epochs 2e+1 and 2e+2, `lsa_opt`
+    /// signals e+1 and writes receive buffer e & 1.
     pub epoch: u64,
     pub timeout_ns: u64,
     pub err: *mut FabricError,
+    /// `lsa_opt`: bytes from receive buffer 0 to buffer 1.
+    pub recv_stride: usize,
+    /// `lsa_opt`: window offset of n signal words and one arrival counter (u64 each).
+    pub flag_offset: usize,
 }
 
 /// Host mirror of `gin_ep::PatternArgs` (kernels/pattern.cu), the one parameter of the
@@ -147,8 +157,9 @@ pub struct PatternArgs {
 
 // Same numbers as the static_asserts in fabric.cuh / alltoall.cu / pattern.cu.
 const _: () = assert!(std::mem::size_of::<FabricError>() == 32);
-const _: () = assert!(std::mem::size_of::<AlltoallArgs>() == 272);
+const _: () = assert!(std::mem::size_of::<AlltoallArgs>() == 288);
 const _: () = assert!(std::mem::offset_of!(AlltoallArgs, err) == 264);
+const _: () = assert!(std::mem::offset_of!(AlltoallArgs, flag_offset) == 280);
 const _: () = assert!(std::mem::size_of::<PatternArgs>() == 40);
 const _: () = assert!(std::mem::size_of::<HtArgs>() == 448);
 const _: () = assert!(std::mem::offset_of!(HtArgs, x) == 296);

@@ -19,8 +19,9 @@ pub const MAX_THREADS: u32 = 512;
 pub enum AlltoallKernel {
     /// Baseline: 4-byte stores, (peer, slice) items per block.
     LsaSimple,
-    /// Push with 16-byte stores, peers interleaved per warp.
-    LsaOpt,
+    /// Push with 16-byte stores, peers interleaved per warp, `unroll` (1, 2, 4 or 8) tiles
+    /// in flight per warp; one signal round, double-buffered receive region.
+    LsaOpt { unroll: u32 },
     /// Pull with 16-byte NVLink loads (send buffer inside the window).
     LsaPull,
     /// `LsaOpt` with NCCL's ncclLsaBarrierSession (no deadline) instead of ours; needs a
@@ -28,21 +29,52 @@ pub enum AlltoallKernel {
     LsaOptNcclBarrier,
 }
 
+/// The `unroll` values `AlltoallKernel::LsaOpt` has kernels for.
+pub const LSA_OPT_UNROLLS: [u32; 4] = [1, 2, 4, 8];
+
 impl AlltoallKernel {
     fn name(self) -> &'static str {
         match self {
             AlltoallKernel::LsaSimple => names::ALLTOALL_LSA_SIMPLE,
-            AlltoallKernel::LsaOpt => names::ALLTOALL_LSA_OPT,
+            AlltoallKernel::LsaOpt { unroll: 1 } => names::ALLTOALL_LSA_OPT_U1,
+            AlltoallKernel::LsaOpt { unroll: 2 } => names::ALLTOALL_LSA_OPT_U2,
+            AlltoallKernel::LsaOpt { unroll: 8 } => names::ALLTOALL_LSA_OPT_U8,
+            // check() refuses every other unroll before a launch.
+            AlltoallKernel::LsaOpt { .. } => names::ALLTOALL_LSA_OPT,
             AlltoallKernel::LsaPull => names::ALLTOALL_LSA_PULL,
             AlltoallKernel::LsaOptNcclBarrier => names::ALLTOALL_LSA_OPT_NCCL_BARRIER,
+        }
+    }
+
+    /// Whether the kernel double-buffers its receive region (and so needs `recv_stride` and
+    /// the flag words) instead of running a start and an end barrier.
+    pub fn double_buffered(self) -> bool {
+        matches!(self, AlltoallKernel::LsaOpt { .. })
+    }
+
+    /// The grid to use when none is given: for `LsaOpt`, just enough blocks for one
+    /// round of `unroll` 512-byte tiles per warp (small sizes are latency-bound and every
+    /// block costs an arrival), at least one block per rank and at most `sm_count`; the SM
+    /// count for the others.
+    pub fn default_grid(self, chunk_bytes: usize, world: usize, block: u32, sm_count: u32) -> u32 {
+        let sms = sm_count.max(1);
+        match self {
+            AlltoallKernel::LsaOpt { unroll } => {
+                let tiles = chunk_bytes.div_ceil(512).saturating_mul(world);
+                let per_block = (block as usize / 32).max(1) * unroll.max(1) as usize;
+                let want = tiles.div_ceil(per_block).max(world);
+                u32::try_from(want).unwrap_or(u32::MAX).clamp(1, sms)
+            }
+            _ => sms,
         }
     }
 }
 
 /// One all-to-all launch over a window laid out as: send region (`n * chunk_bytes` at
-/// `send_offset`), receive region (`n * chunk_bytes` at `recv_offset`), and the deadline
-/// barrier's signal words (`grid * n` u64 at `signal_offset`, zero at window creation and
-/// used by every later launch with growing epochs).
+/// `send_offset`), receive region (`n * chunk_bytes` at `recv_offset`; for double-buffered
+/// kernels a second one at `recv_offset + recv_stride`), the deadline barrier's signal words
+/// (`grid * n` u64 at `signal_offset`) and `LsaOpt`'s flags (`n + 1` u64 at `flag_offset`),
+/// all zero at window creation and used by every later launch with growing epochs.
 #[derive(Clone, Copy, Debug)]
 pub struct AlltoallLaunch<'a> {
     pub kernel: AlltoallKernel,
@@ -51,6 +83,9 @@ pub struct AlltoallLaunch<'a> {
     pub send_offset: usize,
     pub recv_offset: usize,
     pub signal_offset: usize,
+    /// Double-buffered kernels: receive buffer 1 is at `recv_offset + recv_stride`.
+    pub recv_stride: usize,
+    pub flag_offset: usize,
     pub chunk_bytes: usize,
     pub grid: u32,
     pub block: u32,
@@ -83,6 +118,7 @@ impl AlltoallLaunch<'_> {
             ("send_offset", self.send_offset),
             ("recv_offset", self.recv_offset),
             ("signal_offset", self.signal_offset),
+            ("flag_offset", self.flag_offset),
         ] {
             if !off.is_multiple_of(16) {
                 return Err(bad(name, format!("{off} is not 16-byte aligned")));
@@ -109,15 +145,42 @@ impl AlltoallLaunch<'_> {
                 ),
             ));
         }
+        if let AlltoallKernel::LsaOpt { unroll } = self.kernel {
+            if !LSA_OPT_UNROLLS.contains(&unroll) {
+                return Err(bad(
+                    "unroll",
+                    format!("{unroll}: lsa_opt has kernels for {LSA_OPT_UNROLLS:?}"),
+                ));
+            }
+        }
         let data = self
             .chunk_bytes
             .checked_mul(world)
             .ok_or_else(|| bad("chunk_bytes", "overflows".into()))?;
         let signals = self.grid as usize * world * 8;
+        let double = self.kernel.double_buffered();
+        if double && self.recv_stride < data {
+            return Err(bad(
+                "recv_stride",
+                format!(
+                    "{} is smaller than one receive buffer ({data} bytes)",
+                    self.recv_stride
+                ),
+            ));
+        }
+        let recv_len = if double {
+            self.recv_stride
+                .checked_add(data)
+                .ok_or_else(|| bad("recv_stride", "overflows".into()))?
+        } else {
+            data
+        };
+        let flags = if double { (world + 1) * 8 } else { 0 };
         let ranges = [
             ("send region", self.send_offset, data),
-            ("receive region", self.recv_offset, data),
+            ("receive region", self.recv_offset, recv_len),
             ("signal words", self.signal_offset, signals),
+            ("flag words", self.flag_offset, flags),
         ];
         for (name, off, len) in ranges {
             if off.checked_add(len).is_none_or(|end| end > self.window.len()) {
@@ -132,7 +195,7 @@ impl AlltoallLaunch<'_> {
         }
         for (i, a) in ranges.iter().enumerate() {
             for b in &ranges[i + 1..] {
-                if a.1 < b.1 + b.2 && b.1 < a.1 + a.2 {
+                if a.2 > 0 && b.2 > 0 && a.1 < b.1 + b.2 && b.1 < a.1 + a.2 {
                     return Err(bad(a.0, format!("overlaps the {}", b.0)));
                 }
             }
@@ -142,12 +205,25 @@ impl AlltoallLaunch<'_> {
 }
 
 /// Launches one all-to-all on the rank's stream (checked first; takes the next barrier
-/// epoch, so every rank must launch the same sequence of barrier kernels).
-pub fn launch_alltoall(rank: &CudaRank, l: &AlltoallLaunch<'_>) -> Result<()> {
+/// epoch, so every rank must launch the same sequence of barrier kernels). Returns the
+/// window offset of the receive buffer this launch fills (`recv_offset`, or for
+/// double-buffered kernels `recv_offset + (epoch & 1) * recv_stride`).
+///
+/// Double-buffered kernels have no start barrier: the caller must read a launch's output
+/// before enqueueing the next launch on this window, and may write its own receive buffers
+/// (e.g. poison them) only while no peer can launch: finish the write, then meet every peer
+/// (a host barrier) before anyone launches again. See kernels/alltoall.cu.
+pub fn launch_alltoall(rank: &CudaRank, l: &AlltoallLaunch<'_>) -> Result<usize> {
     l.check(rank.info().world)?;
     let send = l
         .window
         .region(l.send_offset, l.chunk_bytes * rank.info().world)?;
+    let epoch = rank.next_epoch();
+    let filled = if l.kernel.double_buffered() {
+        l.recv_offset + (epoch & 1) as usize * l.recv_stride
+    } else {
+        l.recv_offset
+    };
     let args = AlltoallArgs {
         comm: l.dev_comm.raw(),
         win: l.window.raw(),
@@ -156,15 +232,18 @@ pub fn launch_alltoall(rank: &CudaRank, l: &AlltoallLaunch<'_>) -> Result<()> {
         recv_offset: l.recv_offset,
         signal_offset: l.signal_offset,
         chunk_bytes: l.chunk_bytes,
-        epoch: rank.next_epoch(),
+        epoch,
         timeout_ns: u64::try_from(rank.options().kernel_timeout.as_nanos()).unwrap_or(u64::MAX),
         err: rank.fabric_err_dev() as *mut _,
+        recv_stride: l.recv_stride,
+        flag_offset: l.flag_offset,
     };
     // SAFETY: AlltoallArgs mirrors the kernel parameter (size asserts on both sides); the
     // window, device communicator and error record outlive the launch (callers wait before
     // dropping them: CudaRank's Drop waits, and windows hold the communicator); check()
     // proved every region the kernel touches lies inside the window.
-    unsafe { rank.launch(l.kernel.name(), l.grid, l.block, &args) }
+    unsafe { rank.launch(l.kernel.name(), l.grid, l.block, &args)? };
+    Ok(filled)
 }
 
 /// Threads and blocks of the pattern kernels: memory-bound grid-stride loops.
