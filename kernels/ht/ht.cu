@@ -38,10 +38,9 @@ namespace ht {
 
 constexpr int kMaxRanks = 32;          // rank masks are u32; host refuses more
 constexpr int kMaxGrid = 128;          // dispatch signal words per source; host caps the grid
-constexpr int kMaxExperts = 8192;      // layout histogram in shared memory; host refuses more
+constexpr int kMaxExperts = 8192;      // layout ids are int16, histogram in shared memory; host refuses more
+static_assert(kMaxExperts <= 32767, "layout ids are int16");
 constexpr int kLayoutThreads = 1024;
-constexpr int kDispatchThreads = 512;
-constexpr int kCombineThreads = 256;   // more registers per thread: 16 loads in flight
 constexpr uint64_t kFailed = ~uint64_t(0);
 
 // dtype of HtArgs
@@ -107,11 +106,28 @@ struct HtArgs {
   uint32_t alignment;
   uint32_t dtype;
   uint32_t flags;
+  uint64_t* stamps;          // [kStampWords] u64 device timestamps (globaltimer), see kStamp*
+  uint32_t chunk;            // dispatch / combine: row steps per work item, 0 = whole row
+  uint32_t vflags;           // variant flags (kVar*): performance only, never the result
 };
 // Mirrored by HtArgs in crates/gin-ep/src/backend/cuda/kernels.rs (same asserts there).
-static_assert(sizeof(HtArgs) == 448 && offsetof(HtArgs, x) == 296 && offsetof(HtArgs, seq) == 392 &&
-                  offsetof(HtArgs, num_tokens) == 416,
+static_assert(sizeof(HtArgs) == 464 && offsetof(HtArgs, x) == 296 && offsetof(HtArgs, seq) == 392 &&
+                  offsetof(HtArgs, num_tokens) == 416 && offsetof(HtArgs, stamps) == 448,
               "host ABI");
+
+// vflags of HtArgs (host ABI, ht.rs HtVariant).
+constexpr uint32_t kVarRotate = 1;        // dispatch: destinations in rotated order per item
+
+// Timestamps (globaltimer ns) of the last operation, for the benchmark's phase breakdown.
+// Layout kernel: start, layout done, counts received, end. Dispatch: block 0 start, the
+// last block's payload end (atomicMax), the last block's end (atomicMax). Combine: block 0
+// after the start barrier, the last block's pull end, the last block's end. The layout
+// kernel zeroes the dispatch maxima, the dispatch kernel the combine maxima.
+constexpr int kStampLayStart = 0, kStampLayDone = 1, kStampLayCounts = 2, kStampLayEnd = 3;
+constexpr int kStampDispStart = 4, kStampDispPayload = 5, kStampDispEnd = 6;
+constexpr int kStampCombStart = 8, kStampCombPull = 9, kStampCombEnd = 10;
+constexpr int kStampWords = 16;  // host: ht.rs STAMP_WORDS
+static_assert(kStampCombEnd < kStampWords, "stamps");
 
 // Waits until *w >= target (acquire, sys scope). 0: ok; kStatusPeerFailed: the peer stored
 // kFailed; kStatusTimeout: deadline passed (recorded in err) or another wait already failed.
@@ -201,23 +217,39 @@ using namespace gin_ep;
 using namespace gin_ep::ht;
 
 // ---------------------------------------------------------------------------------------
-// Layout + count exchange: one block of kLayoutThreads.
+// Layout + count exchange: one block of kLayoutThreads, dynamic shared memory
+// (layout_smem_bytes: the E-bin histogram, then one tile of topk ids as int16).
 //
-// Layout (routing.rs `layout`): tokens in tiles of blockDim; per tile and rank a warp ballot
-// gives each token its position among the tile's tokens for that rank, a scan over warps and
-// the running total before the tile make it the exclusive scan over all earlier tokens: the
-// send slot in ascending token order. Per-expert counts are a shared-memory histogram.
+// Layout (routing.rs `layout`): tokens in tiles of blockDim. A tile's ids are first staged
+// into shared memory with coalesced loads (each id read from HBM once, 16-bit codes: -2 for
+// out of range), so the per-token pass (one thread per token: validation, duplicate check,
+// histogram, rank mask) reads shared memory only. The first version read each token's row
+// straight from global memory, 64 B apart per lane: every warp load touched 16 cache lines
+// and the duplicate check re-read the row K^2/2 times, ≈40 µs of L1 wavefronts at 4096 x 8.
+// Per tile and rank a warp ballot gives each token its position among the tile's tokens for
+// that rank; warp r scans the per-warp counts of rank r (shuffles, all ranks in parallel);
+// with the running total that is the exclusive scan over all earlier tokens: the send slot
+// in ascending token order. Per-expert counts are a shared-memory histogram.
 // Validation mirrors routing::validate_topk: the first bad (t, k) in row-major order (range
 // [-1, E), no expert twice in a row) sets status kStatusInvalidInput; then nothing is sent,
 // every peer's count signal gets kFailed, and peers skip their dispatch too.
 //
 // Count exchange: the row (tokens_per_rank[R], tokens_per_expert[E]) goes into row `me` of
 // every peer's count region, then the count signal (seq) into slot `me` of every peer; wait
-// for all R slots; then the plan: src_offset, send_base, per-local-expert counts (aligned).
+// for all R slots; then the plan: src_offset, send_base, per-local-expert counts (aligned),
+// from the R x R count matrix loaded by R^2 threads at once.
+namespace gin_ep {
+namespace ht {
+// Host mirror: ht.rs layout_smem_bytes.
+__host__ __device__ constexpr uint32_t layout_ids_offset(uint32_t experts) { return (experts * 4u + 15u) / 16u * 16u; }
+}  // namespace ht
+}  // namespace gin_ep
+
 extern "C" __global__ void __launch_bounds__(kLayoutThreads) gin_ep_ht_layout_count(const HtArgs a) {
-  __shared__ uint32_t s_hist[kMaxExperts];
+  extern __shared__ __align__(16) unsigned char s_dyn[];
   __shared__ uint32_t s_warp[32][kMaxRanks];
   __shared__ uint32_t s_total[kMaxRanks];
+  __shared__ uint32_t s_cnt[kMaxRanks][kMaxRanks];  // [source][destination] tokens_per_rank
   __shared__ uint32_t s_bad;
   __shared__ uint32_t s_fail;
   __shared__ int s_fail_peer;
@@ -225,11 +257,19 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads) gin_ep_ht_layout_co
   const int R = a.comm.lsaSize;
   const int me = a.comm.lsaRank;
   const int E = int(a.experts), K = int(a.topk), N = int(a.num_tokens);
+  const int KP = K | 1;  // odd row stride: conflict-free shared reads
   const int L = E / R;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warps = blockDim.x / 32;
   const uint32_t lanemask_lt = (1u << lane) - 1u;
+  uint32_t* const s_hist = reinterpret_cast<uint32_t*>(s_dyn);
+  int16_t* const s_ids = reinterpret_cast<int16_t*>(s_dyn + layout_ids_offset(uint32_t(E)));
 
+  if (tid == 0 && a.stamps != nullptr) {
+    a.stamps[kStampLayStart] = globaltimer_ns();
+    a.stamps[kStampDispPayload] = 0;
+    a.stamps[kStampDispEnd] = 0;
+  }
   for (int e = tid; e < E; e += blockDim.x) s_hist[e] = 0u;
   if (tid < kMaxRanks) s_total[tid] = 0u;
   if (tid == 0) {
@@ -240,25 +280,37 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads) gin_ep_ht_layout_co
   __syncthreads();
 
   for (int base = 0; base < N; base += blockDim.x) {
+    const int tn = min(int(blockDim.x), N - base);
+    {
+      const int64_t* src = a.topk_idx + size_t(base) * K;
+      const int n = tn * K;
+#pragma unroll 4
+      for (int i = tid; i < n; i += blockDim.x) {
+        const int64_t e = src[i];
+        const int tl = i / K;
+        s_ids[tl * KP + (i - tl * K)] = int16_t(e < -1 || e >= E ? -2 : int(e));
+      }
+    }
+    __syncthreads();
     const int t = base + tid;
     uint32_t mask = 0u;
-    if (t < N) {
-      const int64_t* row = a.topk_idx + size_t(t) * K;
+    if (tid < tn) {
+      const int16_t* row = s_ids + tid * KP;
       for (int k = 0; k < K; ++k) {
-        const int64_t e = row[k];
-        if (e < -1 || e >= E) {
+        const int e = row[k];
+        if (e == -2) {
           atomicMin(&s_bad, uint32_t(t * K + k));
           continue;
         }
         if (e < 0) continue;
         bool dup = false;
-        for (int j = 0; j < k; ++j) dup |= (row[j] == e);
+        for (int j = 0; j < k; ++j) dup |= (int(row[j]) == e);
         if (dup) {
           atomicMin(&s_bad, uint32_t(t * K + k));
           continue;
         }
         atomicAdd(&s_hist[e], 1u);
-        mask |= 1u << (int(e) / L);
+        mask |= 1u << (e / L);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -266,25 +318,31 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads) gin_ep_ht_layout_co
       if (lane == 0) s_warp[warp][r] = __popc(b);
     }
     __syncthreads();
-    if (tid < R) {
-      uint32_t run = s_total[tid];
-      for (int w = 0; w < warps; ++w) {
-        const uint32_t c = s_warp[w][tid];
-        s_warp[w][tid] = run;
-        run += c;
+    if (warp < R) {  // warp r scans rank r's per-warp counts (R <= 32 <= warps)
+      const int r = warp;
+      const uint32_t tot = s_total[r];
+      const uint32_t c = lane < warps ? s_warp[lane][r] : 0u;
+      uint32_t inc = c;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const uint32_t y = __shfl_up_sync(0xFFFFFFFFu, inc, d);
+        if (lane >= d) inc += y;
       }
-      s_total[tid] = run;
+      if (lane < warps) s_warp[lane][r] = tot + inc - c;
+      const uint32_t all = __shfl_sync(0xFFFFFFFFu, inc, 31);
+      if (lane == 0) s_total[r] = tot + all;
     }
     __syncthreads();
     for (int r = 0; r < R; ++r) {
       const bool in = (mask >> r) & 1u;
       const uint32_t b = __ballot_sync(0xFFFFFFFFu, in);
-      if (t < N) {
+      if (tid < tn) {
         a.send_slot[size_t(t) * R + r] = in ? int32_t(s_warp[warp][r] + __popc(b & lanemask_lt)) : -1;
       }
     }
-    __syncthreads();  // s_warp is rewritten by the next tile
+    __syncthreads();  // s_ids and s_warp are rewritten by the next tile
   }
+  if (tid == 0 && a.stamps != nullptr) a.stamps[kStampLayDone] = globaltimer_ns();
 
   const bool bad = s_bad != 0xFFFFFFFFu;
   uint32_t* const src_offset = a.plan + kPlanHead;
@@ -316,8 +374,16 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads) gin_ep_ht_layout_co
     }
   }
   __syncthreads();  // extends the waiters' acquire to the block
+  if (tid == 0 && a.stamps != nullptr) a.stamps[kStampLayCounts] = globaltimer_ns();
 
   const uint32_t* counts = reinterpret_cast<const uint32_t*>(lsa_ptr(a.win, a.off_counts, me));
+  if (!bad && s_fail == kStatusOk) {
+    for (int i = tid; i < R * R; i += blockDim.x) {
+      const int s = i / R, d = i % R;
+      s_cnt[s][d] = ld_volatile_u32(counts + size_t(s) * row_words + d);
+    }
+  }
+  __syncthreads();
   if (tid == 0) {
     uint32_t status = kStatusOk, detail = 0u, num_recv = 0u;
     int peer = -1;
@@ -333,7 +399,7 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads) gin_ep_ht_layout_co
       uint64_t acc = 0;
       for (int s = 0; s < R; ++s) {
         src_offset[s] = uint32_t(acc);
-        acc += ld_volatile_u32(counts + size_t(s) * row_words + me);
+        acc += s_cnt[s][me];
       }
       src_offset[R] = uint32_t(acc < cap ? acc : cap);
       num_recv = uint32_t(acc < cap ? acc : cap);
@@ -343,7 +409,7 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads) gin_ep_ht_layout_co
       }
       for (int d = 0; d < R && status == kStatusOk; ++d) {
         uint64_t b = 0;
-        for (int s = 0; s < me; ++s) b += ld_volatile_u32(counts + size_t(s) * row_words + d);
+        for (int s = 0; s < me; ++s) b += s_cnt[s][d];
         send_base[d] = uint32_t(b);
         // A corrupt peer count must never make us write past the receiver's capacity.
         if (b + s_total[d] > cap) {
@@ -374,50 +440,66 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads) gin_ep_ht_layout_co
       aligned[e] = (sum + a.alignment - 1u) / a.alignment * a.alignment;
     }
   }
-  __threadfence_system();
+  __syncthreads();
+  if (tid == 0) {
+    if (a.stamps != nullptr) a.stamps[kStampLayEnd] = globaltimer_ns();
+    __threadfence_system();
+  }
 }
 
 // ---------------------------------------------------------------------------------------
-// Dispatch (push). One warp per token at a time (tokens strided over all warps of the grid):
-// the row is read from HBM once, UNROLL 16-byte vectors per lane in flight, and stored into
-// each destination rank's window at its final receive row send_base[r] + send_slot[t][r].
+// Dispatch (push). Work items are (token, chunk): a token's row is processed in steps (32
+// lanes x UNROLL 16-byte vectors for BF16 / prequantized FP8, 32 units of 16 channels for
+// in-kernel quantization), `a.chunk` steps per item (0: the whole row, one item per token);
+// items are strided over all warps of the grid, chunks of one token on adjacent warps. Each
+// step is read from HBM once (UNROLL vectors per lane in flight) and stored into each
+// destination rank's window at its final receive row send_base[r] + send_slot[t][r]
+// (destinations ascending, or rotated per item with kVarRotate).
 // FP8 from BF16: each lane quantizes 16 channels (two vectors); the 8 lanes of a 128-channel
 // block reduce amax with shuffles (max is exact in any order), then scale and e4m3 exactly as
-// quant.rs. Fresh dispatch also writes the metadata; cached dispatch (kFlagCached) starts
-// with a barrier (no count exchange orders it) and moves only the payload.
+// quant.rs. Fresh dispatch also writes the metadata (chunk 0's item); cached dispatch
+// (kFlagCached) starts with a barrier (no count exchange orders it) and moves only the
+// payload. Variants (template UNROLL, block size, chunk, rotation) move the same bytes to
+// the same places: the result does not depend on them.
 // End: per block, one signal per destination (slot (me, block)); then block b waits for
 // slot (s, b) of every source s, so the kernel ends only when every row addressed to this
 // rank has landed.
 namespace gin_ep {
 namespace ht {
 
+// Destinations of `mask` (bits < R) in ascending order from r0, wrapping: calls f(r).
+template <typename F>
+__device__ __forceinline__ void for_each_dest(uint32_t mask, int r0, int R, F&& f) {
+  const uint32_t hi = mask >> r0, lo = mask & ((1u << r0) - 1u);
+  for (uint32_t m = hi; m != 0u; m &= m - 1u) f(__ffs(m) - 1 + r0);
+  for (uint32_t m = lo; m != 0u; m &= m - 1u) f(__ffs(m) - 1);
+}
+
 template <int UNROLL>
-__device__ __forceinline__ void copy_row(const uint4* src, int nvec, uint32_t mask, uint64_t my_row,
-                                         char* const* s_base_ptr, size_t row_bytes, int lane) {
-  for (int base = 0; base < nvec; base += 32 * UNROLL) {
+__device__ __forceinline__ void copy_steps(const uint4* src, int v0, int v1, uint32_t mask, int r0, int R,
+                                           uint64_t my_row, char* const* s_base_ptr, size_t row_bytes,
+                                           int lane) {
+  for (int base = v0; base < v1; base += 32 * UNROLL) {
     uint4 v[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int i = base + lane + 32 * u;
-      if (i < nvec) v[u] = ld_nc_v4(src + i);
+      if (i < v1) v[u] = ld_nc_v4(src + i);
     }
-    for (uint32_t m = mask; m != 0u; m &= m - 1u) {
-      const int r = __ffs(m) - 1;
+    for_each_dest(mask, r0, R, [&](int r) {
       const uint64_t row = __shfl_sync(0xFFFFFFFFu, my_row, r);
       uint4* dst = reinterpret_cast<uint4*>(s_base_ptr[r] + row * row_bytes);
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         const int i = base + lane + 32 * u;
-        if (i < nvec) st_v4(dst + i, v[u]);
+        if (i < v1) st_v4(dst + i, v[u]);
       }
-    }
+    });
   }
 }
 
-}  // namespace ht
-}  // namespace gin_ep
-
-extern "C" __global__ void __launch_bounds__(kDispatchThreads) gin_ep_ht_dispatch(const HtArgs a) {
+template <int UNROLL, bool QUANT>
+__device__ __forceinline__ void dispatch_body(const HtArgs& a) {
   __shared__ char* s_x[kMaxRanks];
   __shared__ char* s_sc[kMaxRanks];
   __shared__ char* s_idx[kMaxRanks];
@@ -430,6 +512,7 @@ extern "C" __global__ void __launch_bounds__(kDispatchThreads) gin_ep_ht_dispatc
   const int me = a.comm.lsaRank;
   const int tid = threadIdx.x, lane = tid & 31;
   const bool cached = (a.flags & kFlagCached) != 0u;
+  const bool rotate = (a.vflags & kVarRotate) != 0u;
 
   if (cached) {
     const DeadlineBarrier bar{a.win, a.off_bar, me, R, a.timeout_ns, a.err};
@@ -443,7 +526,14 @@ extern "C" __global__ void __launch_bounds__(kDispatchThreads) gin_ep_ht_dispatc
     s_src[tid] = lsa_ptr(a.win, a.off_recv_src, tid);
     s_base[tid] = ld_volatile_u32(a.plan + kPlanHead + R + 1 + tid);
   }
-  if (tid == 0) s_status = ld_volatile_u32(a.plan + kPlanStatus);
+  if (tid == 0) {
+    s_status = ld_volatile_u32(a.plan + kPlanStatus);
+    if (blockIdx.x == 0 && a.stamps != nullptr) {
+      a.stamps[kStampDispStart] = globaltimer_ns();
+      a.stamps[kStampCombPull] = 0;
+      a.stamps[kStampCombEnd] = 0;
+    }
+  }
   __syncthreads();
 
   const int H = int(a.hidden), K = int(a.topk), N = int(a.num_tokens);
@@ -453,39 +543,49 @@ extern "C" __global__ void __launch_bounds__(kDispatchThreads) gin_ep_ht_dispatc
     const int warps = blockDim.x / 32;
     const int gw = blockIdx.x * warps + (tid >> 5);
     const int nw = gridDim.x * warps;
-    for (int t = gw; t < N; t += nw) {
+    // The host launches the QUANT instantiation exactly for kDtypeFp8 / kDtypeFp8Ue8m0.
+    constexpr bool quant = QUANT;
+    const size_t rb = a.dtype == kDtypeBf16 ? size_t(H) * 2 : size_t(H);
+    const int nvec = int(rb / 16);
+    const int nunits = H / 16;
+    // Steps per row, steps per item, items per token.
+    const int step = quant ? 32 : 32 * UNROLL;  // vectors (units when quantizing) per step
+    const int nsteps = ((quant ? nunits : nvec) + step - 1) / step;
+    const int cs = a.chunk == 0u ? nsteps : min(int(a.chunk), nsteps);
+    const int nchunks = (nsteps + cs - 1) / cs;
+    const long items = long(N) * nchunks;
+    for (long item = gw; item < items; item += nw) {
+      const int t = int(item / nchunks);
+      const int c = int(item - long(t) * nchunks);
       int32_t slot = -1;
       if (lane < R) slot = a.send_slot[size_t(t) * R + lane];
       const uint32_t mask = __ballot_sync(0xFFFFFFFFu, slot >= 0);
       if (mask == 0u) continue;  // warp-uniform
       const uint64_t my_row = slot >= 0 ? uint64_t(s_base[lane]) + uint64_t(slot) : 0ull;
+      const int r0 = rotate ? int((uint32_t(t) + uint32_t(c)) % uint32_t(R)) : 0;
+      const int s0 = c * cs * step, s1 = min((c + 1) * cs * step, quant ? nunits : nvec);
 
-      if (a.dtype == kDtypeBf16) {
-        const size_t rb = size_t(H) * 2;
-        copy_row<8>(reinterpret_cast<const uint4*>(static_cast<const char*>(a.x) + size_t(t) * rb), int(rb / 16),
-                    mask, my_row, s_x, rb, lane);
-      } else if (a.dtype == kDtypeFp8Pre) {
-        const size_t rb = size_t(H);
-        copy_row<8>(reinterpret_cast<const uint4*>(static_cast<const char*>(a.x) + size_t(t) * rb), int(rb / 16),
-                    mask, my_row, s_x, rb, lane);
-        for (int base = 0; base < nsc; base += 32) {
-          const int j = base + lane;
-          const float s = j < nsc ? a.x_scales[size_t(t) * nsc + j] : 0.f;
-          for (uint32_t m = mask; m != 0u; m &= m - 1u) {
-            const int r = __ffs(m) - 1;
-            const uint64_t row = __shfl_sync(0xFFFFFFFFu, my_row, r);
-            if (j < nsc) reinterpret_cast<float*>(s_sc[r])[row * nsc + j] = s;
+      if constexpr (!QUANT) {
+        copy_steps<UNROLL>(reinterpret_cast<const uint4*>(static_cast<const char*>(a.x) + size_t(t) * rb), s0, s1,
+                           mask, r0, R, my_row, s_x, rb, lane);
+        if (a.dtype == kDtypeFp8Pre && c == 0) {
+          for (int base = 0; base < nsc; base += 32) {
+            const int j = base + lane;
+            const float s = j < nsc ? a.x_scales[size_t(t) * nsc + j] : 0.f;
+            for_each_dest(mask, r0, R, [&](int r) {
+              const uint64_t row = __shfl_sync(0xFFFFFFFFu, my_row, r);
+              if (j < nsc) reinterpret_cast<float*>(s_sc[r])[row * nsc + j] = s;
+            });
           }
         }
       } else {
-        // Quantize: unit u = channels [16u, 16u + 16), block = 8 units. H % 128 == 0, so the
-        // units of one block sit in 8 aligned lanes of the same step.
+        // Quantize: unit u = channels [16u, 16u + 16), block = 8 units. H % 128 == 0 and
+        // s0 % 32 == 0, so the units of one block sit in 8 aligned lanes of the same step.
         const bool ue8m0 = a.dtype == kDtypeFp8Ue8m0;
-        const int nunits = H / 16;
         const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(a.x) + size_t(t) * H * 2);
-        for (int base = 0; base < nunits; base += 32) {
+        for (int base = s0; base < s1; base += 32) {
           const int u = base + lane;
-          const bool in = u < nunits;
+          const bool in = u < s1;
           uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = make_uint4(0u, 0u, 0u, 0u);
           if (in) {
             lo = ld_nc_v4(src + 2 * u);
@@ -513,20 +613,18 @@ extern "C" __global__ void __launch_bounds__(kDispatchThreads) gin_ep_ht_dispatc
                    (e4m3(f[4 * i + 3], scale) << 24);
           }
           const uint4 qv = make_uint4(q[0], q[1], q[2], q[3]);
-          for (uint32_t m = mask; m != 0u; m &= m - 1u) {
-            const int r = __ffs(m) - 1;
+          for_each_dest(mask, r0, R, [&](int r) {
             const uint64_t row = __shfl_sync(0xFFFFFFFFu, my_row, r);
             if (in) {
               st_v4(reinterpret_cast<uint4*>(s_x[r] + row * size_t(H)) + u, qv);
               if ((lane & 7) == 0) reinterpret_cast<float*>(s_sc[r])[row * nsc + u / 8] = scale;
             }
-          }
+          });
         }
       }
 
-      if (!cached) {
-        for (uint32_t m = mask; m != 0u; m &= m - 1u) {
-          const int r = __ffs(m) - 1;
+      if (!cached && c == 0) {
+        for_each_dest(mask, r0, R, [&](int r) {
           const uint64_t row = __shfl_sync(0xFFFFFFFFu, my_row, r);
           for (int k = lane; k < K; k += 32) {
             const int64_t e = a.topk_idx[size_t(t) * K + k];
@@ -540,11 +638,13 @@ extern "C" __global__ void __launch_bounds__(kDispatchThreads) gin_ep_ht_dispatc
             reinterpret_cast<float*>(s_w[r])[row * K + k] = w;
           }
           if (lane == 0) reinterpret_cast<int32_t*>(s_src[r])[row] = t;
-        }
+        });
       }
     }
   }
   __syncthreads();  // every row this block stored happens-before its signals
+  if (tid == 0 && a.stamps != nullptr) atomicMax(reinterpret_cast<unsigned long long*>(&a.stamps[kStampDispPayload]),
+                                                 static_cast<unsigned long long>(globaltimer_ns()));
   const uint64_t my_slot = (size_t(me) * kMaxGrid + blockIdx.x) * sizeof(uint64_t);
   if (tid < R) signal_peer(a, a.off_disp_sig + my_slot, tid, s_status == kStatusOk ? a.seq : kFailed);
   if (s_status == kStatusOk && tid < R) {
@@ -554,25 +654,46 @@ extern "C" __global__ void __launch_bounds__(kDispatchThreads) gin_ep_ht_dispatc
     if (st != kStatusOk) record_status(a, st, kPhaseHtDispatchWait, tid);
   }
   __syncthreads();  // the acquire covers the block before the kernel ends
+  if (tid == 0 && a.stamps != nullptr) atomicMax(reinterpret_cast<unsigned long long*>(&a.stamps[kStampDispEnd]),
+                                                 static_cast<unsigned long long>(globaltimer_ns()));
+}
+
+}  // namespace ht
+}  // namespace gin_ep
+
+// Instantiations: name = unroll and the block-size ceiling (launch bounds) the host may use.
+// Copy kernels serve BF16 and prequantized FP8; gin_ep_ht_dispatch_quant quantizes BF16 input
+// (its own kernel, so the copy kernels keep few registers). Defaults (ht.rs
+// HtVariant::default): gin_ep_ht_dispatch (UNROLL 8, <= 512 threads), gin_ep_ht_dispatch_quant.
+extern "C" __global__ void __launch_bounds__(512) gin_ep_ht_dispatch(const HtArgs a) { dispatch_body<8, false>(a); }
+extern "C" __global__ void __launch_bounds__(512) gin_ep_ht_dispatch_quant(const HtArgs a) {
+  dispatch_body<1, true>(a);
+}
+extern "C" __global__ void __launch_bounds__(768) gin_ep_ht_dispatch_u4_t768(const HtArgs a) {
+  dispatch_body<4, false>(a);
+}
+extern "C" __global__ void __launch_bounds__(384) gin_ep_ht_dispatch_u16_t384(const HtArgs a) {
+  dispatch_body<16, false>(a);
 }
 
 // ---------------------------------------------------------------------------------------
 // Combine (pull + reduce). Start barrier: every peer has entered this combine, so its
 // combine input (comb_x, comb_w in its window) holds this operation's expert outputs. Then
-// one warp per source token t: for ranks r ascending with send_slot[t][r] >= 0, read row
-// send_base[r] + send_slot[t][r] of rank r's comb_x over NVLink (up to 4 ranks x UNROLL
+// work items (source token t, chunk) strided over all warps (a.chunk steps of 32 x U
+// vectors per item, 0 = the whole row): for ranks r ascending with send_slot[t][r] >= 0,
+// read row send_base[r] + send_slot[t][r] of rank r's comb_x over NVLink (up to G ranks x U
 // vectors in flight per lane), and reduce exactly as the oracle: f32 accumulator from +0,
 // __fadd_rn per rank in ascending order, then bias 0, then bias 1, one __float2bfloat16_rn.
-// No intermediate buffer, no second HBM pass. End barrier: peers finished reading our
-// combine input, so the caller may overwrite it after the kernel.
+// The weights are reduced by chunk 0's item. No intermediate buffer, no second HBM pass.
+// End barrier: peers finished reading our combine input, so the caller may overwrite it
+// after the kernel. Variants (U, block size, chunk) change only how many loads are in
+// flight, never the order of the additions.
 namespace gin_ep {
 namespace ht {
-constexpr int kCombineUnroll = 4;
 constexpr int kCombineRanksInFlight = 4;
-}  // namespace ht
-}  // namespace gin_ep
 
-extern "C" __global__ void __launch_bounds__(kCombineThreads) gin_ep_ht_combine(const HtArgs a) {
+template <int U>
+__device__ __forceinline__ void combine_body(const HtArgs& a) {
   __shared__ const char* s_cx[kMaxRanks];
   __shared__ const char* s_cw[kMaxRanks];
   __shared__ uint32_t s_base[kMaxRanks];
@@ -589,14 +710,16 @@ extern "C" __global__ void __launch_bounds__(kCombineThreads) gin_ep_ht_combine(
     s_cw[tid] = lsa_ptr(a.win, a.off_comb_w, tid);
     s_base[tid] = ld_volatile_u32(a.plan + kPlanHead + R + 1 + tid);
   }
-  if (tid == 0) s_status = ld_volatile_u32(a.plan + kPlanStatus);
+  if (tid == 0) {
+    s_status = ld_volatile_u32(a.plan + kPlanStatus);
+    if (blockIdx.x == 0 && a.stamps != nullptr) a.stamps[kStampCombStart] = globaltimer_ns();
+  }
   __syncthreads();
 
   const int H = int(a.hidden), K = int(a.topk), N = int(a.num_tokens);
   const bool with_w = (a.flags & kFlagWeights) != 0u;
   const bool b0 = (a.flags & kFlagBias0) != 0u;
   const bool b1 = (a.flags & kFlagBias1) != 0u;
-  constexpr int U = kCombineUnroll;
   constexpr int G = kCombineRanksInFlight;
   if (s_status == kStatusOk) {
     const int warps = blockDim.x / 32;
@@ -604,7 +727,13 @@ extern "C" __global__ void __launch_bounds__(kCombineThreads) gin_ep_ht_combine(
     const int nw = gridDim.x * warps;
     const int nvec = H / 8;
     const size_t rb = size_t(H) * 2;
-    for (int t = gw; t < N; t += nw) {
+    const int nsteps = (nvec + 32 * U - 1) / (32 * U);
+    const int cs = a.chunk == 0u ? nsteps : min(int(a.chunk), nsteps);
+    const int nchunks = (nsteps + cs - 1) / cs;
+    const long items = long(N) * nchunks;
+    for (long item = gw; item < items; item += nw) {
+      const int t = int(item / nchunks);
+      const int c = int(item - long(t) * nchunks);
       int32_t slot = -1;
       if (lane < R) slot = a.send_slot[size_t(t) * R + lane];
       const uint32_t mask = __ballot_sync(0xFFFFFFFFu, slot >= 0);
@@ -612,8 +741,9 @@ extern "C" __global__ void __launch_bounds__(kCombineThreads) gin_ep_ht_combine(
       const uint4* bias0 = reinterpret_cast<const uint4*>(a.bias0 + size_t(t) * H);
       const uint4* bias1 = reinterpret_cast<const uint4*>(a.bias1 + size_t(t) * H);
       uint4* out = reinterpret_cast<uint4*>(a.out_x + size_t(t) * H);
+      const int v0 = c * cs * 32 * U, v1 = min((c + 1) * cs * 32 * U, nvec);
 
-      for (int base = 0; base < nvec; base += 32 * U) {
+      for (int base = v0; base < v1; base += 32 * U) {
         float acc[U][8];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -641,7 +771,7 @@ extern "C" __global__ void __launch_bounds__(kCombineThreads) gin_ep_ht_combine(
 #pragma unroll
             for (int u = 0; u < U; ++u) {
               const int i = base + lane + 32 * u;
-              if (j < g && i < nvec) v[j][u] = ld_v4(src[j] + i);
+              if (j < g && i < v1) v[j][u] = ld_v4(src[j] + i);
             }
           }
 #pragma unroll
@@ -649,14 +779,14 @@ extern "C" __global__ void __launch_bounds__(kCombineThreads) gin_ep_ht_combine(
 #pragma unroll
             for (int u = 0; u < U; ++u) {
               const int i = base + lane + 32 * u;
-              if (j < g && i < nvec) add_bf16x8(acc[u], v[j][u]);
+              if (j < g && i < v1) add_bf16x8(acc[u], v[j][u]);
             }
           }
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int i = base + lane + 32 * u;
-          if (i < nvec) {
+          if (i < v1) {
             if (b0) add_bf16x8(acc[u], ld_nc_v4(bias0 + i));
             if (b1) add_bf16x8(acc[u], ld_nc_v4(bias1 + i));
             st_v4(out + i, make_uint4(pack_bf16(acc[u][0], acc[u][1]), pack_bf16(acc[u][2], acc[u][3]),
@@ -665,7 +795,7 @@ extern "C" __global__ void __launch_bounds__(kCombineThreads) gin_ep_ht_combine(
         }
       }
 
-      if (with_w) {
+      if (with_w && c == 0) {
         float w0 = 0.f, w1 = 0.f;  // k = lane, k = lane + 32 (K <= 64)
         for (uint32_t mm = mask; mm != 0u; mm &= mm - 1u) {
           const int r = __ffs(mm) - 1;
@@ -679,5 +809,22 @@ extern "C" __global__ void __launch_bounds__(kCombineThreads) gin_ep_ht_combine(
       }
     }
   }
+  if (a.stamps != nullptr) {
+    __syncthreads();
+    if (tid == 0)
+      atomicMax(reinterpret_cast<unsigned long long*>(&a.stamps[kStampCombPull]),
+                static_cast<unsigned long long>(globaltimer_ns()));
+  }
   bar.sync(a.bar_epoch + 1, kPhaseHtCombineEnd);
+  if (tid == 0 && a.stamps != nullptr)
+    atomicMax(reinterpret_cast<unsigned long long*>(&a.stamps[kStampCombEnd]),
+              static_cast<unsigned long long>(globaltimer_ns()));
 }
+
+}  // namespace ht
+}  // namespace gin_ep
+
+// Instantiations: name = unroll and the block-size ceiling. Default (ht.rs): U 4, <= 256.
+extern "C" __global__ void __launch_bounds__(256) gin_ep_ht_combine(const HtArgs a) { combine_body<4>(a); }
+extern "C" __global__ void __launch_bounds__(384) gin_ep_ht_combine_u3_t384(const HtArgs a) { combine_body<3>(a); }
+extern "C" __global__ void __launch_bounds__(512) gin_ep_ht_combine_u2_t512(const HtArgs a) { combine_body<2>(a); }

@@ -83,6 +83,13 @@ pub struct BenchArgs {
     /// SMs (CTAs) per dispatch/combine kernel on GPUs.
     #[arg(long, value_name = "N", default_value_t = gin_ep::backend::cuda::ht::DEFAULT_SMS)]
     pub sms: u32,
+    /// With --gpus and --mode ht: time every HT kernel variant of a list (--sweep-list, else
+    /// $GIN_EP_HT_SWEEP, else the built-in list) and print one line per variant.
+    #[arg(long)]
+    pub sweep: bool,
+    /// `;`-separated sweep entries like `sms=32,du=4,dt=768,dc=2` (see HtVariant).
+    #[arg(long, value_name = "LIST")]
+    pub sweep_list: Option<String>,
 }
 
 /// The flag that sets each `EpConfig` / `BenchOptions` field, for error hints.
@@ -192,6 +199,23 @@ fn run_gpus(a: &BenchArgs, gpus: usize) -> CliResult {
         };
     }
     let group = Group::from_env(a.timeout)?;
+    if a.sweep {
+        let entries = gin_ep::gpu::sweep_entries(a.sweep_list.as_deref()).map_err(lib_err)?;
+        let rows = gin_ep::gpu::sweep_rank(&group, &r.opts, &entries);
+        let closed = group.close();
+        let rows = rows.map_err(lib_err)?;
+        closed?;
+        if let Some(rows) = rows {
+            print_sweep(&r, &rows);
+            if let Some(path) = &a.json {
+                let text = serde_json::to_string_pretty(&rows)
+                    .map_err(|e| CliError::Failed(format!("encoding the JSON report: {e}")))?;
+                std::fs::write(path, text + "\n")
+                    .map_err(|e| CliError::Failed(format!("cannot write --json {}: {e}", path.display())))?;
+            }
+        }
+        return Ok(());
+    }
     let report = gin_ep::gpu::bench_rank(&group, &r.opts, a.sms);
     let closed = group.close();
     let report = report.map_err(lib_err)?;
@@ -391,6 +415,55 @@ fn print_report(r: &Resolved, report: &BenchReport) {
         "Times are the slowest rank per iteration. logical GB/s = all received rows \
          (local ones included) × row bytes / median time, as DeepEP and NCCL EP count; \
          remote GB/s = only rows from other ranks."
+    );
+}
+
+/// One line per sweep entry (medians of the slowest rank per iteration, µs).
+fn print_sweep(r: &Resolved, rows: &[gin_ep::gpu::SweepRow]) {
+    let o = &r.opts;
+    out!(
+        "HT sweep: {} ranks x {} tokens, hidden {}, top-{} of {}, {}, {} iters after {} warm-up; µs, slowest rank",
+        o.cfg.ranks,
+        o.tokens,
+        o.cfg.hidden,
+        o.cfg.topk,
+        o.cfg.experts,
+        o.cfg.dispatch_dtype.name(),
+        o.iters,
+        o.warmup
+    );
+    out!(
+        "{:<44} {:>6} {:>6} {:>6} {:>6} {:>6} {:>6} | {:>6} {:>6} {:>6}",
+        "variant",
+        "disp",
+        "d.kern",
+        "layout",
+        "l.comp",
+        "l.wait",
+        "d.pay",
+        "comb",
+        "c.kern",
+        "c.pull"
+    );
+    for row in rows {
+        out!(
+            "{:<44} {:>6.1} {:>6.1} {:>6.1} {:>6.1} {:>6.1} {:>6.1} | {:>6.1} {:>6.1} {:>6.1}",
+            row.name,
+            row.dispatch_us,
+            row.dispatch_kernel_us,
+            row.layout_us,
+            row.layout_compute_us,
+            row.count_wait_us,
+            row.dispatch_payload_us,
+            row.combine_us,
+            row.combine_kernel_us,
+            row.combine_pull_us
+        );
+    }
+    out!(
+        "disp/comb = host total; d.kern/c.kern = events; layout = events around the layout+count kernel; \
+         l.comp/l.wait/d.pay/c.pull = device clock (layout work, count stores until all counts in, \
+         dispatch start to last row stored, combine start barrier to last pull)"
     );
 }
 

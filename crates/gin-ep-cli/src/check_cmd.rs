@@ -134,6 +134,11 @@ pub struct CheckArgs {
     /// Which GPU mode to check (with --gpus).
     #[arg(long, value_enum, default_value_t = Mode::Ht)]
     pub mode: Mode,
+    /// HT on GPUs: `default` checks every case with the default variant ($GIN_EP_HT_VARIANT);
+    /// `all` also checks the small cases with every sweep variant ($GIN_EP_HT_SWEEP or the
+    /// built-in list); anything else is a `;`-separated sweep list.
+    #[arg(long, value_name = "default|all|LIST", default_value = "default")]
+    pub variants: String,
 }
 
 /// Arguments of one rank process of `check --launch processes`.
@@ -305,7 +310,12 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
         let exits = launch_ranks(gpus, &exe, &args, a.timeout.max(Duration::from_secs(600)))?;
         return match first_failure(&exits) {
             None => {
-                out!("{} passed, 0 failed ({:.1} s)", cases.len(), t0.elapsed().as_secs_f64());
+                out!(
+                    "{} case(s) passed with the default variant{}, 0 failed ({:.1} s)",
+                    cases.len(),
+                    if a.variants == "default" { "" } else { ", small cases with every listed variant too" },
+                    t0.elapsed().as_secs_f64()
+                );
                 Ok(())
             }
             Some(f) => Err(CliError::Failed(format!(
@@ -322,10 +332,15 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
             ))),
         };
     }
+    let variants = match a.variants.as_str() {
+        "default" => Vec::new(),
+        "all" => gin_ep::gpu::sweep_entries(None).map_err(|e| CliError::Usage(e.to_string()))?,
+        list => gin_ep::gpu::sweep_entries(Some(list)).map_err(|e| CliError::Usage(e.to_string()))?,
+    };
     let group = Group::from_env(a.timeout)?;
     let cases = gpu_cases(group.world(), a.cases, a.seed);
     let t0 = Instant::now();
-    let passed = gin_ep::gpu::check_rank(&group, mode, &cases, a.timeout);
+    let passed = gin_ep::gpu::check_rank_variants(&group, mode, &cases, a.timeout, &variants);
     let rank = group.rank();
     let closed = group.close();
     let passed = passed.map_err(|e| CliError::Failed(format!("rank {rank}: {e}")))?;

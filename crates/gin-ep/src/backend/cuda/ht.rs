@@ -35,8 +35,160 @@ pub const MAX_EXPERTS: usize = 8192;
 pub const DEFAULT_SMS: u32 = 24;
 
 const LAYOUT_THREADS: u32 = 1024;
-const DISPATCH_THREADS: u32 = 512;
-const COMBINE_THREADS: u32 = 256;
+/// u64 device timestamps per CudaHt (kernels/ht/ht.cu kStampWords).
+pub const STAMP_WORDS: usize = 16;
+/// Environment variable naming the default [`HtVariant`] of every [`CudaHt`].
+pub const ENV_VARIANT: &str = "GIN_EP_HT_VARIANT";
+
+/// Dynamic shared memory of the layout kernel: the E-bin histogram (16-byte aligned), then
+/// one tile of LAYOUT_THREADS tokens x (K | 1) int16 ids (kernels/ht/ht.cu layout_ids_offset).
+pub fn layout_smem_bytes(cfg: &EpConfig) -> u32 {
+    (align16(cfg.experts * 4) + LAYOUT_THREADS as usize * (cfg.topk | 1) * 2) as u32
+}
+
+/// A performance variant of the HT kernels: which compiled instantiation (unroll), block
+/// sizes, work-item size (row steps per item, 0 = one item per token), destination order.
+/// Never changes a result: every variant moves the same bytes to the same places and adds in
+/// the same order. Every rank must use the same variant (blocks pair across ranks).
+///
+/// Text form (CLI, `GIN_EP_HT_VARIANT`, sweep lists): comma-separated `key=value`, keys
+/// `du` dispatch unroll (4, 8, 16), `dt` dispatch threads, `dc` dispatch chunk, `rot`
+/// rotated destinations (0/1), `cu` combine unroll (2, 3, 4), `ct` combine threads, `cc`
+/// combine chunk; unnamed keys keep their defaults. `default` is the default.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HtVariant {
+    pub dispatch_unroll: u32,
+    pub dispatch_threads: u32,
+    pub dispatch_chunk: u32,
+    pub rotate: bool,
+    pub combine_unroll: u32,
+    pub combine_threads: u32,
+    pub combine_chunk: u32,
+}
+
+impl Default for HtVariant {
+    fn default() -> Self {
+        HtVariant {
+            dispatch_unroll: 8,
+            dispatch_threads: 512,
+            dispatch_chunk: 0,
+            rotate: false,
+            combine_unroll: 4,
+            combine_threads: 256,
+            combine_chunk: 0,
+        }
+    }
+}
+
+impl std::fmt::Display for HtVariant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "du={},dt={},dc={},rot={},cu={},ct={},cc={}",
+            self.dispatch_unroll,
+            self.dispatch_threads,
+            self.dispatch_chunk,
+            u8::from(self.rotate),
+            self.combine_unroll,
+            self.combine_threads,
+            self.combine_chunk
+        )
+    }
+}
+
+impl HtVariant {
+    /// Parses the text form (see the type); validates.
+    pub fn parse(text: &str) -> Result<HtVariant> {
+        let mut v = HtVariant::default();
+        let text = text.trim();
+        if !(text.is_empty() || text == "default") {
+            for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+                let (k, val) = part
+                    .split_once('=')
+                    .ok_or_else(|| Error::config("variant", part, "expected key=value"))?;
+                let n: u32 = val
+                    .trim()
+                    .parse()
+                    .map_err(|_| Error::config("variant", part, "value is not a number"))?;
+                match k.trim() {
+                    "du" => v.dispatch_unroll = n,
+                    "dt" => v.dispatch_threads = n,
+                    "dc" => v.dispatch_chunk = n,
+                    "rot" => v.rotate = n != 0,
+                    "cu" => v.combine_unroll = n,
+                    "ct" => v.combine_threads = n,
+                    "cc" => v.combine_chunk = n,
+                    other => {
+                        return Err(Error::config(
+                            "variant",
+                            other,
+                            "unknown key (du, dt, dc, rot, cu, ct, cc)",
+                        ))
+                    }
+                }
+            }
+        }
+        v.validate()?;
+        Ok(v)
+    }
+
+    /// `GIN_EP_HT_VARIANT` when set, else the default.
+    pub fn from_env() -> Result<HtVariant> {
+        match std::env::var(ENV_VARIANT) {
+            Ok(t) => HtVariant::parse(&t),
+            Err(_) => Ok(HtVariant::default()),
+        }
+    }
+
+    /// The copy kernel for the dispatch unroll, and its block-size ceiling.
+    fn dispatch_kernel(&self) -> Option<(&'static str, u32)> {
+        Some(match self.dispatch_unroll {
+            4 => (names::HT_DISPATCH_U4_T768, 768),
+            8 => (names::HT_DISPATCH, 512),
+            16 => (names::HT_DISPATCH_U16_T384, 384),
+            _ => return None,
+        })
+    }
+
+    /// The combine kernel for the combine unroll, and its block-size ceiling.
+    fn combine_kernel(&self) -> Option<(&'static str, u32)> {
+        Some(match self.combine_unroll {
+            2 => (names::HT_COMBINE_U2_T512, 512),
+            3 => (names::HT_COMBINE_U3_T384, 384),
+            4 => (names::HT_COMBINE, 256),
+            _ => return None,
+        })
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let threads = |what: &str, n: u32, max: u32| -> Result<()> {
+            if n < 32 || n > max || !n.is_multiple_of(32) {
+                return Err(Error::config(
+                    "variant",
+                    format!("{what}={n}"),
+                    format!("must be a multiple of 32 in 32..={max} for this unroll"),
+                ));
+            }
+            Ok(())
+        };
+        let (_, dmax) = self.dispatch_kernel().ok_or_else(|| {
+            Error::config(
+                "variant",
+                format!("du={}", self.dispatch_unroll),
+                "must be 4, 8 or 16",
+            )
+        })?;
+        threads("dt", self.dispatch_threads, dmax)?;
+        let (_, cmax) = self.combine_kernel().ok_or_else(|| {
+            Error::config(
+                "variant",
+                format!("cu={}", self.combine_unroll),
+                "must be 2, 3 or 4",
+            )
+        })?;
+        threads("ct", self.combine_threads, cmax)
+    }
+}
 /// Byte a poisoned output region holds: a row nobody wrote shows up as garbage.
 pub const POISON: u8 = 0xA5;
 
@@ -49,6 +201,7 @@ const FLAG_CACHED: u32 = 1;
 const FLAG_WEIGHTS: u32 = 2;
 const FLAG_BIAS0: u32 = 4;
 const FLAG_BIAS1: u32 = 8;
+const VAR_ROTATE: u32 = 1;
 const PLAN_HEAD: usize = 4;
 const STATUS_OK: u32 = 0;
 const STATUS_INVALID_INPUT: u32 = 1;
@@ -73,6 +226,8 @@ pub struct HtGpuOptions {
     /// CTAs of the dispatch and combine kernels (the SM budget), equal on every rank.
     pub num_sms: u32,
     pub sizing: Sizing,
+    /// Kernel variant (performance only), equal on every rank.
+    pub variant: HtVariant,
 }
 
 impl Default for HtGpuOptions {
@@ -80,6 +235,7 @@ impl Default for HtGpuOptions {
         HtGpuOptions {
             num_sms: DEFAULT_SMS,
             sizing: Sizing::Exact,
+            variant: HtVariant::default(),
         }
     }
 }
@@ -93,7 +249,7 @@ impl HtGpuOptions {
                 format!("must be in 1..={MAX_GRID}"),
             ));
         }
-        Ok(())
+        self.variant.validate()
     }
 }
 
@@ -250,6 +406,7 @@ pub struct CudaHt {
     out_w: DeviceBuffer,
     send_slot: DeviceBuffer,
     plan: DeviceBuffer,
+    stamps: DeviceBuffer,
     plan_host: HostMapped<[u32; 4]>,
     lay: HtLayout,
     cfg: EpConfig,
@@ -289,7 +446,11 @@ impl CudaHt {
         }
         let (t, h, k, r) = (cfg.max_tokens_per_rank, cfg.hidden, cfg.topk, cfg.ranks);
         let alloc = |n: usize| rank.alloc(n.max(16));
+        rank.set_max_smem(names::HT_LAYOUT_COUNT, layout_smem_bytes(cfg))?;
+        let stamps = alloc(STAMP_WORDS * 8)?;
+        rank.memset_u8(stamps.region(), 0)?;
         Ok(CudaHt {
+            stamps,
             x_in: alloc(t * h * 2)?,
             scales_in: alloc(t * (h / FP8_BLOCK) * 4)?,
             topk_idx_in: alloc(t * k * 8)?,
@@ -328,6 +489,30 @@ impl CudaHt {
     /// Switches between exact and static sizing (every rank must do the same).
     pub fn set_sizing(&mut self, sizing: Sizing) {
         self.opts.sizing = sizing;
+    }
+
+    /// Switches the SM budget and kernel variant (every rank must do the same, between
+    /// operations). The handle of the last dispatch stays valid.
+    pub fn set_tuning(&mut self, num_sms: u32, variant: HtVariant) -> Result<()> {
+        let o = HtGpuOptions {
+            num_sms,
+            variant,
+            ..self.opts
+        };
+        o.validate()?;
+        self.opts = o;
+        Ok(())
+    }
+
+    /// The device timestamps (globaltimer ns) of the last operations, see kernels/ht/ht.cu
+    /// kStamp*: [0..4) layout start, layout done, counts received, end; [4..7) dispatch
+    /// start, last payload end, last end; [8..11) combine start, last pull end, last end.
+    pub fn stamps(&self, rank: &CudaRank) -> Result<[u64; STAMP_WORDS]> {
+        rank.wait("HT stamps")?;
+        let v: Vec<u64> = self.download_vec(rank, self.stamps.region(), STAMP_WORDS)?;
+        let mut out = [0u64; STAMP_WORDS];
+        out.copy_from_slice(&v);
+        Ok(out)
     }
 
     fn usable(&self) -> Result<()> {
@@ -493,7 +678,15 @@ impl CudaHt {
         rank.memset_u8(self.out_w.region(), POISON)
     }
 
-    fn args(&self, rank: &CudaRank, num_tokens: usize, dtype: u32, flags: u32, bar_epoch: u64) -> HtArgs {
+    fn args(
+        &self,
+        rank: &CudaRank,
+        num_tokens: usize,
+        dtype: u32,
+        flags: u32,
+        bar_epoch: u64,
+        chunk: u32,
+    ) -> HtArgs {
         let l = &self.lay;
         let timeout_ns = u64::try_from(rank.options().kernel_timeout.as_nanos()).unwrap_or(u64::MAX);
         HtArgs {
@@ -533,7 +726,26 @@ impl CudaHt {
             alignment: self.cfg.expert_alignment as u32,
             dtype,
             flags,
+            stamps: self.stamps.region().ptr,
+            chunk,
+            vflags: if self.opts.variant.rotate { VAR_ROTATE } else { 0 },
         }
+    }
+
+    /// The dispatch kernel for `dtype` under the current variant, and its block size.
+    fn dispatch_kernel(&self, dtype: u32) -> (&'static str, u32) {
+        let v = &self.opts.variant;
+        if dtype == DTYPE_FP8 || dtype == DTYPE_FP8_UE8M0 {
+            return (names::HT_DISPATCH_QUANT, v.dispatch_threads.min(512));
+        }
+        let (name, _) = v.dispatch_kernel().unwrap_or((names::HT_DISPATCH, 512));
+        (name, v.dispatch_threads)
+    }
+
+    fn combine_kernel(&self) -> (&'static str, u32) {
+        let v = &self.opts.variant;
+        let (name, _) = v.combine_kernel().unwrap_or((names::HT_COMBINE, 256));
+        (name, v.combine_threads)
     }
 
     fn dtype_code(&self, source: DispatchSource) -> Result<u32> {
@@ -596,12 +808,22 @@ impl CudaHt {
         self.seq += 1;
         self.generation += 1;
         self.plan_host.write([u32::MAX, 0, 0, 0]);
-        let args = self.args(rank, num_tokens, dtype, 0, 0);
+        let args = self.args(rank, num_tokens, dtype, 0, 0, self.opts.variant.dispatch_chunk);
         let launched = (|| {
             if let Some(ev) = events {
                 rank.record(ev.start)?;
             }
-            self.launch(rank, names::HT_LAYOUT_COUNT, 1, LAYOUT_THREADS, &args)?;
+            // SAFETY: as `launch`; the layout kernel's shared memory ceiling was raised to
+            // layout_smem_bytes in `new`.
+            unsafe {
+                rank.launch_smem(
+                    names::HT_LAYOUT_COUNT,
+                    1,
+                    LAYOUT_THREADS,
+                    layout_smem_bytes(&self.cfg),
+                    &args,
+                )
+            }?;
             if let Some(ev) = events {
                 rank.record(ev.counted)?;
             }
@@ -618,8 +840,9 @@ impl CudaHt {
             num_recv = Some(self.plan_host.read()[2] as usize);
         }
         let grid = self.grid();
+        let (kname, threads) = self.dispatch_kernel(dtype);
         let out = self
-            .launch(rank, names::HT_DISPATCH, grid, DISPATCH_THREADS, &args)
+            .launch(rank, kname, grid, threads, &args)
             .and_then(|_| match events {
                 Some(ev) => rank.record(ev.end),
                 None => Ok(()),
@@ -658,13 +881,21 @@ impl CudaHt {
         let dtype = self.dtype_code(source)?;
         self.seq += 1;
         self.bar_epoch += 1;
-        let args = self.args(rank, handle.num_tokens, dtype, FLAG_CACHED, self.bar_epoch);
+        let args = self.args(
+            rank,
+            handle.num_tokens,
+            dtype,
+            FLAG_CACHED,
+            self.bar_epoch,
+            self.opts.variant.dispatch_chunk,
+        );
         let grid = self.grid();
+        let (kname, threads) = self.dispatch_kernel(dtype);
         let out = (|| {
             if let Some((s, _)) = events {
                 rank.record(s)?;
             }
-            self.launch(rank, names::HT_DISPATCH, grid, DISPATCH_THREADS, &args)?;
+            self.launch(rank, kname, grid, threads, &args)?;
             if let Some((_, e)) = events {
                 rank.record(e)?;
             }
@@ -700,13 +931,21 @@ impl CudaHt {
         if extras.bias[1] {
             flags |= FLAG_BIAS1;
         }
-        let args = self.args(rank, handle.num_tokens, DTYPE_BF16, flags, epoch);
+        let args = self.args(
+            rank,
+            handle.num_tokens,
+            DTYPE_BF16,
+            flags,
+            epoch,
+            self.opts.variant.combine_chunk,
+        );
         let grid = self.grid();
+        let (kname, threads) = self.combine_kernel();
         let out = (|| {
             if let Some((s, _)) = events {
                 rank.record(s)?;
             }
-            self.launch(rank, names::HT_COMBINE, grid, COMBINE_THREADS, &args)?;
+            self.launch(rank, kname, grid, threads, &args)?;
             if let Some((_, e)) = events {
                 rank.record(e)?;
             }
@@ -945,11 +1184,49 @@ mod tests {
             let e = HtGpuOptions {
                 num_sms: bad,
                 sizing: Sizing::Static,
+                variant: HtVariant::default(),
             }
             .validate()
             .unwrap_err();
             assert!(e.is_usage() && e.to_string().contains("num_sms"), "{e}");
         }
+    }
+
+    #[test]
+    fn variants_parse_validate_and_round_trip() {
+        assert_eq!(HtVariant::parse("default").unwrap(), HtVariant::default());
+        assert_eq!(HtVariant::parse("").unwrap(), HtVariant::default());
+        let v = HtVariant::parse("du=4,dt=768,dc=2,rot=1,cu=2,ct=512,cc=3").unwrap();
+        assert_eq!(v.dispatch_unroll, 4);
+        assert_eq!(v.dispatch_threads, 768);
+        assert!(v.rotate);
+        assert_eq!(HtVariant::parse(&v.to_string()).unwrap(), v);
+        for bad in [
+            "du=5",
+            "du=16,dt=512",
+            "dt=100",
+            "ct=512",
+            "cu=8",
+            "x=1",
+            "du",
+            "du=a",
+        ] {
+            let e = HtVariant::parse(bad).unwrap_err();
+            assert!(e.is_usage(), "{bad}: {e}");
+        }
+        for v in crate::gpu::sweep_variants(None).unwrap() {
+            v.1.validate().unwrap();
+        }
+    }
+
+    #[test]
+    fn layout_smem_fits_the_largest_config() {
+        let cfg = EpConfig::new(32, MAX_EXPERTS, 128, crate::config::MAX_TOPK, 16);
+        assert!(
+            layout_smem_bytes(&cfg) <= 227 * 1024,
+            "{}",
+            layout_smem_bytes(&cfg)
+        );
     }
 
     #[test]

@@ -47,10 +47,19 @@ pub mod names {
     pub const PATTERN_CHECK: &str = "gin_ep_pattern_check";
     /// HT layout + count exchange + receive plan (kernels/ht/ht.cu), one block.
     pub const HT_LAYOUT_COUNT: &str = "gin_ep_ht_layout_count";
-    /// HT dispatch (push; fresh or cached).
+    /// HT dispatch (push; fresh or cached), copy of BF16 / prequantized FP8, unroll 8, <= 512
+    /// threads (the default).
     pub const HT_DISPATCH: &str = "gin_ep_ht_dispatch";
-    /// HT combine (pull + fixed-order reduce).
+    /// HT dispatch quantizing BF16 input to FP8, <= 512 threads.
+    pub const HT_DISPATCH_QUANT: &str = "gin_ep_ht_dispatch_quant";
+    /// HT dispatch copy variants: unroll 4 (<= 768 threads), unroll 16 (<= 384 threads).
+    pub const HT_DISPATCH_U4_T768: &str = "gin_ep_ht_dispatch_u4_t768";
+    pub const HT_DISPATCH_U16_T384: &str = "gin_ep_ht_dispatch_u16_t384";
+    /// HT combine (pull + fixed-order reduce), unroll 4, <= 256 threads (the default).
     pub const HT_COMBINE: &str = "gin_ep_ht_combine";
+    /// HT combine variants: unroll 3 (<= 384 threads), unroll 2 (<= 512 threads).
+    pub const HT_COMBINE_U3_T384: &str = "gin_ep_ht_combine_u3_t384";
+    pub const HT_COMBINE_U2_T512: &str = "gin_ep_ht_combine_u2_t512";
 }
 
 /// Host mirror of `gin_ep::ht::HtArgs` (kernels/ht/ht.cu), the one parameter of every HT
@@ -94,6 +103,12 @@ pub struct HtArgs {
     pub alignment: u32,
     pub dtype: u32,
     pub flags: u32,
+    /// Device timestamps `[16]` u64 (0: none).
+    pub stamps: u64,
+    /// Dispatch / combine: row steps per work item (0 = whole row).
+    pub chunk: u32,
+    /// Variant flags (performance only).
+    pub vflags: u32,
 }
 
 /// Host mirror of `gin_ep::FabricError` (kernels/common/fabric.cuh): the first failed
@@ -161,7 +176,8 @@ const _: () = assert!(std::mem::size_of::<AlltoallArgs>() == 288);
 const _: () = assert!(std::mem::offset_of!(AlltoallArgs, err) == 264);
 const _: () = assert!(std::mem::offset_of!(AlltoallArgs, flag_offset) == 280);
 const _: () = assert!(std::mem::size_of::<PatternArgs>() == 40);
-const _: () = assert!(std::mem::size_of::<HtArgs>() == 448);
+const _: () = assert!(std::mem::size_of::<HtArgs>() == 464);
+const _: () = assert!(std::mem::offset_of!(HtArgs, stamps) == 448);
 const _: () = assert!(std::mem::offset_of!(HtArgs, x) == 296);
 const _: () = assert!(std::mem::offset_of!(HtArgs, seq) == 392);
 const _: () = assert!(std::mem::offset_of!(HtArgs, num_tokens) == 416);

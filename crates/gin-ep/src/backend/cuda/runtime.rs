@@ -760,12 +760,44 @@ impl CudaRank {
         block: u32,
         args: &A,
     ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.launch_smem(name, grid, block, 0, args) }
+    }
+
+    /// [`CudaRank::launch`] with `smem` bytes of dynamic shared memory (above 48 KiB the
+    /// caller must have raised the function's ceiling, see [`CudaRank::set_max_smem`]).
+    ///
+    /// # Safety
+    /// As [`CudaRank::launch`].
+    pub(crate) unsafe fn launch_smem<A: Copy>(
+        &self,
+        name: &'static str,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        args: &A,
+    ) -> Result<()> {
         let f = self.function(name)?;
         let mut params = [args as *const A as *mut c_void];
         // SAFETY: the caller's contract; cuLaunchKernel copies the parameter bytes before
         // returning, so `args` may go out of scope afterwards.
-        let r = unsafe { result::launch_kernel(f, (grid, 1, 1), (block, 1, 1), 0, self.stream, &mut params) };
+        let r =
+            unsafe { result::launch_kernel(f, (grid, 1, 1), (block, 1, 1), smem, self.stream, &mut params) };
         cu(name, r)
+    }
+
+    /// Raises `name`'s dynamic shared memory ceiling to `bytes`.
+    pub(crate) fn set_max_smem(&self, name: &'static str, bytes: u32) -> Result<()> {
+        let f = self.function(name)?;
+        // SAFETY: f is a live function of the rank's module; the attribute only raises the
+        // dynamic shared memory ceiling.
+        cu("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
+            result::function::set_function_attribute(
+                f,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+        })
     }
 
     /// Allocates `bytes` of device memory.
