@@ -35,6 +35,8 @@
 // - The op number n of a set lives on the device (LlArgs::state), so a CUDA graph replays
 //   correctly: send kernels read ops + 1; the recv kernel's last CTA stores ops = n.
 // - Every wait has a deadline (globaltimer) and records (phase, peer) in FabricError.
+// - Variants (LlArgs::flags, and the fused entry points at the end) change only how work is
+//   spread over warps and when loads are issued; the bytes written are the same in all.
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
