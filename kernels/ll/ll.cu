@@ -35,6 +35,8 @@
 // - The op number n of a set lives on the device (LlArgs::state), so a CUDA graph replays
 //   correctly: send kernels read ops + 1; the recv kernel's last CTA stores ops = n.
 // - Every wait has a deadline (globaltimer) and records (phase, peer) in FabricError.
+// - Variants (LlArgs::flags, and the fused entry points at the end) change only how work is
+//   spread over warps and when loads are issued; the bytes written are the same in all.
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -93,8 +95,24 @@ struct LlArgs {
   int32_t max_tokens;          // T
   int32_t dtype;               // Dtype
   uint8_t* recv_scales_ue8m0;  // optional [L][R*T][H/128] exponent bytes (fp8-ue8m0), or null
+  uint32_t flags;              // kFlag* below: kernel variants, all bit-exact with each other
+  uint32_t pad_;
 };
-static_assert(sizeof(LlArgs) == 408 && offsetof(LlArgs, err) == 368, "mirrored in backend/cuda/ll.rs");
+static_assert(sizeof(LlArgs) == 416 && offsetof(LlArgs, err) == 368 && offsetof(LlArgs, flags) == 408,
+              "mirrored in backend/cuda/ll.rs");
+
+// Variants (LlArgs::flags; host: LlVariant in ll.rs). Each changes only how work is spread
+// and when loads are issued, never an arithmetic order: every variant is bit-exact.
+// - kFlagTokenMajor: dispatch-send work item = (token, 512-channel unit); the unit is loaded
+//   and quantized once and stored to every destination rank of the token (base: item =
+//   (token, unit, destination), so a token's unit is loaded and quantized once per
+//   destination). The first item's loads are issued before the layout and the credit wait.
+// - kFlagPipeline: software pipelining: every warp loop issues the next item's loads before
+//   the current item's stores (dispatch send/recv, combine send), and combine-recv loads
+//   its 8 rows and weights without waiting for topk_idx (masked rows are loaded, then
+//   skipped, as before).
+// (The fused one-kernel-per-operation variant is a host choice: other entry points.)
+constexpr uint32_t kFlagTokenMajor = 1u, kFlagPipeline = 2u;
 
 // ---------------------------------------------------------------------------------------
 // Small device helpers
@@ -266,24 +284,90 @@ __device__ __forceinline__ uint4 quantize16(const uint4 lo, const uint4 hi, bool
   return make_uint4(q[0], q[1], q[2], q[3]);
 }
 
-}  // namespace ll
-}  // namespace gin_ep
+// ---------------------------------------------------------------------------------------
+// Dispatch send
 
-// Dynamic shared memory of dispatch-send: mask and base, (E + R) rows of ceil(T / 32) u32
-// each (the host sizes it from max_tokens; ll.rs dispatch_smem_bytes). The dispatch-recv
-// kernel reuses the same launch size for its L x R table.
-extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads)
-    gin_ep_ll_dispatch_send(const gin_ep::ll::LlArgs a) {
-  using namespace gin_ep;
-  using namespace gin_ep::ll;
-  extern __shared__ uint32_t smem[];
+// One dispatch unit of a token in registers: 16 BF16 channels per lane (lo = 8, hi = 8).
+struct XUnit {
+  uint4 lo, hi;
+};
+
+__device__ __forceinline__ XUnit load_x_unit(const LlArgs& a, int t, int u, int lane) {
+  const int c0 = u * kDispatchUnit + lane * 16;
+  const uint4* src = reinterpret_cast<const uint4*>(a.x + size_t(t) * a.hidden + c0);
+  XUnit v{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+  // H % 8 == 0 (bf16) or % 128 == 0 (fp8): whole halves.
+  if (c0 < a.hidden) v.lo = ld_nc_v4(src);
+  if (c0 + 8 < a.hidden) v.hi = ld_nc_v4(src + 1);
+  return v;
+}
+
+// What a lane stores of one unit: FP8 (q in v0, its block's scale) or BF16 (v0, v1).
+struct OutUnit {
+  uint4 v0, v1;
+  float scale;
+};
+
+// Warp-collective (FP8: shuffles over 8 lanes), so callers keep it warp-uniform.
+__device__ __forceinline__ OutUnit encode_unit(const LlArgs& a, const XUnit& x, int c0) {
+  OutUnit o{x.lo, x.hi, 0.0f};
+  if (a.dtype != kBf16) o.v0 = quantize16(x.lo, x.hi, c0 < a.hidden, a.dtype == kFp8Ue8m0, &o.scale);
+  return o;
+}
+
+__device__ __forceinline__ void put_unit(const LlArgs& a, char* rec, int c0, int lane, const OutUnit& o) {
+  const int H = a.hidden;
+  if (a.dtype != kBf16) {
+    if (c0 < H) {
+      st_v4(reinterpret_cast<uint4*>(rec + c0), o.v0);
+      if ((lane & 7) == 0) reinterpret_cast<float*>(rec + H)[c0 / 128] = o.scale;
+    }
+  } else {
+    if (c0 < H) st_v4(reinterpret_cast<uint4*>(rec + size_t(c0) * 2), o.v0);
+    if (c0 + 8 < H) st_v4(reinterpret_cast<uint4*>(rec + size_t(c0 + 8) * 2), o.v1);
+  }
+}
+
+// The record's metadata for destination dst: local ids, positions, source token.
+__device__ __forceinline__ void put_meta(const LlArgs& a, char* rec, int t, int dst, const TokenRanks& tr,
+                                         int lane) {
+  const int K = a.topk, E = a.experts, L = E / a.comm.lsaSize;
+  int32_t* meta = reinterpret_cast<int32_t*>(rec + meta_in_record(a));
+  for (int k = lane; k < K; k += 32) {
+    const int64_t e = a.topk_idx[size_t(t) * K + k];
+    const bool here = e >= 0 && e < E && int(e) / L == dst;
+    meta[k] = here ? int(e) - dst * L : -1;
+    meta[K + k] = here ? int(tr.rank_in(int(e), t)) : 0;
+  }
+  if (lane == 0) meta[2 * K] = t;
+}
+
+// Every thread of the CTA. False (in every thread) when the credit wait failed; nothing was
+// sent then and no signal was added.
+__device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   const int R = a.comm.lsaSize, me = a.comm.lsaRank;
   const int N = a.num_tokens, K = a.topk, E = a.experts, L = E / R, H = a.hidden, T = a.max_tokens;
   const int nch = (N + 31) / 32;
   const int rows = E + R;  // experts, then destination ranks
   uint32_t* mask = smem;
   uint32_t* base = smem + size_t(rows) * nch;
-  const uint32_t n = read_op(a, kDispOps);
+
+  // Work items: token-major (token, unit), or (token, unit, destination) with the
+  // destination fastest so neighbouring warps feed different links from the same (cached)
+  // source bytes.
+  const int lane = threadIdx.x & 31;
+  const int units = (H + kDispatchUnit - 1) / kDispatchUnit;
+  const bool tok_major = (a.flags & kFlagTokenMajor) != 0;
+  const bool pipe = (a.flags & kFlagPipeline) != 0;
+  const size_t per_tok = tok_major ? size_t(units) : size_t(units) * R;
+  const size_t items = size_t(N) * per_tok;
+  const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
+  auto tok_of = [&](size_t item) { return int(item / per_tok); };
+  auto unit_of = [&](size_t item) { return int(tok_major ? item % per_tok : (item % per_tok) / R); };
+  XUnit cur{};
+  // Token-major: the first item's loads overlap the layout and the credit wait.
+  if (tok_major && warp < items) cur = load_x_unit(a, tok_of(warp), unit_of(warp), lane);
 
   // 1. Layout, redundantly in every CTA (no grid sync): which tokens go to which expert and
   //    rank, and each token's rank among them, in token order.
@@ -310,7 +394,7 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads)
 
   // 2. Credit: every destination has finished reading what we sent it in the previous op of
   //    this set (it added G after its expand).
-  if (!wait_all_peers(a, kDispAck, uint64_t(n - 1) * gridDim.x, kPhaseDispatchCredit)) return;
+  if (!wait_all_peers(a, kDispAck, uint64_t(n - 1) * gridDim.x, kPhaseDispatchCredit)) return false;
 
   // 3. CTA 0 writes meta[me] at every destination: token count, then per-local-expert counts.
   if (blockIdx.x == 0) {
@@ -323,196 +407,203 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads)
     }
   }
 
-  // 4. Records: work item = (token, unit of 512 channels, destination), destination fastest
-  //    so neighbouring warps feed different links from the same (cached) source bytes.
-  const int lane = threadIdx.x & 31;
-  const int units = (H + kDispatchUnit - 1) / kDispatchUnit;
-  const size_t items = size_t(N) * units * R;
-  const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
-  const bool fp8 = a.dtype != kBf16;
-  const size_t meta_off = meta_in_record(a);
+  // 4. Records.
+  if (!tok_major && warp < items) cur = load_x_unit(a, tok_of(warp), unit_of(warp), lane);
   for (size_t item = warp; item < items; item += warps) {
-    const int dst = int(item % R);
-    const int u = int((item / R) % units);
-    const int t = int(item / (size_t(R) * units));
-    if (!tr.has(E + dst, t)) continue;  // warp-uniform
-    const uint32_t slot = tr.rank_in(E + dst, t);
-    char* rec = lsa_ptr(a.win, a.set_offset + a.stage_offset + (size_t(me) * T + slot) * a.rec_bytes, dst);
+    const size_t next = item + warps;
+    XUnit nxt{};
+    if (pipe && next < items) nxt = load_x_unit(a, tok_of(next), unit_of(next), lane);
+    const int t = tok_of(item), u = unit_of(item);
     const int c0 = u * kDispatchUnit + lane * 16;
-    const bool in_range = c0 < H;  // H % 8 == 0 (bf16) or % 128 == 0 (fp8): whole halves
-    const uint4* src = reinterpret_cast<const uint4*>(a.x + size_t(t) * H + c0);
-    if (fp8) {
-      uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
-      if (in_range) {
-        lo = ld_nc_v4(src);
-        hi = ld_nc_v4(src + 1);
-      }
-      float scale;
-      const uint4 q = quantize16(lo, hi, in_range, a.dtype == kFp8Ue8m0, &scale);
-      if (in_range) {
-        st_v4(reinterpret_cast<uint4*>(rec + c0), q);
-        if ((lane & 7) == 0) reinterpret_cast<float*>(rec + H)[c0 / 128] = scale;
+    auto record = [&](int dst) {
+      const uint32_t slot = tr.rank_in(E + dst, t);
+      return lsa_ptr(a.win, a.set_offset + a.stage_offset + (size_t(me) * T + slot) * a.rec_bytes, dst);
+    };
+    if (tok_major) {
+      // Quantized once, stored to every destination of the token.
+      const OutUnit o = encode_unit(a, cur, c0);
+      for (int dst = 0; dst < R; ++dst) {
+        if (!tr.has(E + dst, t)) continue;  // warp-uniform
+        char* rec = record(dst);
+        put_unit(a, rec, c0, lane, o);
+        if (u == 0) put_meta(a, rec, t, dst, tr, lane);
       }
     } else {
-      if (in_range) st_v4(reinterpret_cast<uint4*>(rec + size_t(c0) * 2), ld_nc_v4(src));
-      if (c0 + 8 < H) st_v4(reinterpret_cast<uint4*>(rec + size_t(c0 + 8) * 2), ld_nc_v4(src + 1));
-    }
-    if (u == 0) {
-      int32_t* meta = reinterpret_cast<int32_t*>(rec + meta_off);
-      for (int k = lane; k < K; k += 32) {
-        const int64_t e = a.topk_idx[size_t(t) * K + k];
-        const bool here = e >= 0 && e < E && int(e) / L == dst;
-        meta[k] = here ? int(e) - dst * L : -1;
-        meta[K + k] = here ? int(tr.rank_in(int(e), t)) : 0;
+      const int dst = int(item % R);
+      if (tr.has(E + dst, t)) {  // warp-uniform
+        char* rec = record(dst);
+        put_unit(a, rec, c0, lane, encode_unit(a, cur, c0));
+        if (u == 0) put_meta(a, rec, t, dst, tr, lane);
       }
-      if (lane == 0) meta[2 * K] = t;
     }
+    if (next < items) cur = pipe ? nxt : load_x_unit(a, tok_of(next), unit_of(next), lane);
   }
 
   // 5. Data signal: +1 per CTA at every destination (also where nothing was sent).
   signal_all_peers(a, kDispSig);
+  return true;
 }
 
 // ---------------------------------------------------------------------------------------
 // Dispatch recv: wait for every source, then expand staged records into the expert-major
 // output, fused (no second pass over memory).
 
-extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads)
-    gin_ep_ll_dispatch_recv(const gin_ep::ll::LlArgs a) {
-  using namespace gin_ep;
-  using namespace gin_ep::ll;
-  extern __shared__ uint32_t smem[];
+// One staged unit in registers: payload of this lane, and (for k = lane < 32) its local id
+// and position.
+struct StagedUnit {
+  uint4 v0, v1;
+  float scale;
+  int32_t tok, lid, pos, src;
+};
+
+// Every thread of the CTA. Adds the credit (kDispAck) when it read everything; false when
+// the wait failed.
+__device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   const int R = a.comm.lsaSize, me = a.comm.lsaRank;
   const int K = a.topk, E = a.experts, L = E / R, H = a.hidden, T = a.max_tokens;
   const size_t cap = size_t(R) * T;
-  const uint32_t n = read_op(a, kDispOps);
   // smem: meta copy [R][L + 1] (becomes first[s][e] after the scan), start[R + 1].
   uint32_t* first = smem;                        // [R][L + 1]; column 0 = token count
   uint32_t* start = smem + size_t(R) * (L + 1);  // [R + 1] prefix of token counts
-  bool ok = wait_all_peers(a, kDispSig, uint64_t(n) * gridDim.x, kPhaseDispatchRecv);
-  if (ok) {
-    const uint32_t* meta = reinterpret_cast<const uint32_t*>(lsa_ptr(a.win, a.set_offset + a.meta_offset, me));
-    for (int i = threadIdx.x; i < R * (L + 1); i += blockDim.x) first[i] = meta[i];
-    __syncthreads();
-    if (threadIdx.x < 32) {
-      // Token counts are bounded by T even if a sender were wrong: never read past staging.
-      for (int s = threadIdx.x; s < R; s += 32) start[s] = min(first[s * (L + 1)], uint32_t(T));
-    }
-    __syncthreads();
-    warp0_exclusive_scan(start, R);
-    // first[s][1 + e] := rows of expert e before source s (source rank ascending).
-    for (int e = threadIdx.x; e < L; e += blockDim.x) {
-      uint32_t acc = 0;
-      for (int s = 0; s < R; ++s) {
-        const uint32_t c = first[s * (L + 1) + 1 + e];
-        if (blockIdx.x == 0) {
-          a.layout_range[(size_t(e) * R + s) * 2] = int32_t(acc);
-          a.layout_range[(size_t(e) * R + s) * 2 + 1] = int32_t(c);
-        }
-        first[s * (L + 1) + 1 + e] = acc;
-        acc += c;
+  if (!wait_all_peers(a, kDispSig, uint64_t(n) * gridDim.x, kPhaseDispatchRecv)) return false;
+  const uint32_t* meta_in = reinterpret_cast<const uint32_t*>(lsa_ptr(a.win, a.set_offset + a.meta_offset, me));
+  for (int i = threadIdx.x; i < R * (L + 1); i += blockDim.x) first[i] = meta_in[i];
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    // Token counts are bounded by T even if a sender were wrong: never read past staging.
+    for (int s = threadIdx.x; s < R; s += 32) start[s] = min(first[s * (L + 1)], uint32_t(T));
+  }
+  __syncthreads();
+  warp0_exclusive_scan(start, R);
+  // first[s][1 + e] := rows of expert e before source s (source rank ascending).
+  for (int e = threadIdx.x; e < L; e += blockDim.x) {
+    uint32_t acc = 0;
+    for (int s = 0; s < R; ++s) {
+      const uint32_t c = first[s * (L + 1) + 1 + e];
+      if (blockIdx.x == 0) {
+        a.layout_range[(size_t(e) * R + s) * 2] = int32_t(acc);
+        a.layout_range[(size_t(e) * R + s) * 2 + 1] = int32_t(c);
       }
-      if (blockIdx.x == 0) a.recv_count[e] = int32_t(acc);
+      first[s * (L + 1) + 1 + e] = acc;
+      acc += c;
     }
-    __syncthreads();
+    if (blockIdx.x == 0) a.recv_count[e] = int32_t(acc);
+  }
+  __syncthreads();
 
-    const int lane = threadIdx.x & 31;
-    const int units = (H + kDispatchUnit - 1) / kDispatchUnit;
-    const size_t items = size_t(start[R]) * units;
-    const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-    const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
-    const bool fp8 = a.dtype != kBf16;
-    const size_t row_bytes = payload_bytes(a);
-    const int nblocks = H / 128;
-    const size_t meta_off = meta_in_record(a);
-    const char* stage = lsa_ptr(a.win, a.set_offset + a.stage_offset, me);
-    for (size_t item = warp; item < items; item += warps) {
-      const uint32_t g = uint32_t(item / units);
-      const int u = int(item % units);
-      int s = 0;
-      while (s + 1 < R && start[s + 1] <= g) ++s;
-      const uint32_t j = g - start[s];
-      const char* rec = stage + (size_t(s) * T + j) * a.rec_bytes;
-      const int32_t* meta = reinterpret_cast<const int32_t*>(rec + meta_off);
-      const int c0 = u * kDispatchUnit + lane * 16;
-      // Payload of this lane: 16 channels (fp8: one vector; bf16: two).
-      uint4 v0 = make_uint4(0, 0, 0, 0), v1 = v0;
-      float scale = 0.0f;
-      if (fp8) {
-        if (c0 < H) v0 = ld_v4(reinterpret_cast<const uint4*>(rec + c0));
-        if (c0 < H && (lane & 7) == 0) scale = reinterpret_cast<const float*>(rec + H)[c0 / 128];
-      } else {
-        if (c0 < H) v0 = ld_v4(reinterpret_cast<const uint4*>(rec + size_t(c0) * 2));
-        if (c0 + 8 < H) v1 = ld_v4(reinterpret_cast<const uint4*>(rec + size_t(c0 + 8) * 2));
+  const int lane = threadIdx.x & 31;
+  const int units = (H + kDispatchUnit - 1) / kDispatchUnit;
+  const size_t items = size_t(start[R]) * units;
+  const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
+  const bool fp8 = a.dtype != kBf16;
+  const bool pipe = (a.flags & kFlagPipeline) != 0;
+  const size_t row_bytes = payload_bytes(a);
+  const int nblocks = H / 128;
+  const size_t meta_off = meta_in_record(a);
+  const char* stage = lsa_ptr(a.win, a.set_offset + a.stage_offset, me);
+  // Source rank of staged token g (linear in R: sources are few).
+  auto source_of = [&](uint32_t g) {
+    int s = 0;
+    while (s + 1 < R && start[s + 1] <= g) ++s;
+    return s;
+  };
+  auto record_at = [&](uint32_t g, int s) { return stage + (size_t(s) * T + (g - start[s])) * a.rec_bytes; };
+  auto load = [&](size_t item) {
+    const uint32_t g = uint32_t(item / units);
+    StagedUnit v{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), 0.0f, 0, -1, -1, source_of(g)};
+    const char* rec = record_at(g, v.src);
+    const int32_t* meta = reinterpret_cast<const int32_t*>(rec + meta_off);
+    const int c0 = int(item % units) * kDispatchUnit + lane * 16;
+    if (fp8) {
+      if (c0 < H) v.v0 = ld_v4(reinterpret_cast<const uint4*>(rec + c0));
+      if (c0 < H && (lane & 7) == 0) v.scale = reinterpret_cast<const float*>(rec + H)[c0 / 128];
+    } else {
+      if (c0 < H) v.v0 = ld_v4(reinterpret_cast<const uint4*>(rec + size_t(c0) * 2));
+      if (c0 + 8 < H) v.v1 = ld_v4(reinterpret_cast<const uint4*>(rec + size_t(c0 + 8) * 2));
+    }
+    v.tok = meta[2 * K];
+    if (lane < K) {
+      v.lid = meta[lane];
+      v.pos = meta[K + lane];
+    }
+    return v;
+  };
+  StagedUnit cur{};
+  if (warp < items) cur = load(warp);
+  for (size_t item = warp; item < items; item += warps) {
+    const size_t next = item + warps;
+    StagedUnit nxt{};
+    if (pipe && next < items) nxt = load(next);
+    const int u = int(item % units);
+    const int s = cur.src;
+    const int c0 = u * kDispatchUnit + lane * 16;
+    const int32_t* meta = nullptr;  // only for K > 32
+    for (int k0 = 0; k0 < K; k0 += 32) {
+      const int k = k0 + lane;
+      int64_t row = -1;
+      if (k < K) {
+        int32_t lid = cur.lid, pos = cur.pos;
+        if (k0 > 0) {
+          if (meta == nullptr) meta = reinterpret_cast<const int32_t*>(record_at(uint32_t(item / units), s) + meta_off);
+          lid = meta[k];
+          pos = meta[K + k];
+        }
+        if (lid >= 0 && lid < L && pos >= 0) {
+          const size_t r = size_t(first[s * (L + 1) + 1 + lid]) + size_t(pos);
+          if (r < cap) row = int64_t(lid) * int64_t(cap) + int64_t(r);
+        }
       }
-      const int32_t tok = meta[2 * K];
-      for (int k0 = 0; k0 < K; k0 += 32) {
-        const int k = k0 + lane;
-        int64_t row = -1;
-        if (k < K) {
-          const int32_t lid = meta[k];
-          const int32_t pos = meta[K + k];
-          if (lid >= 0 && lid < L && pos >= 0) {
-            const size_t r = size_t(first[s * (L + 1) + 1 + lid]) + size_t(pos);
-            if (r < cap) row = int64_t(lid) * int64_t(cap) + int64_t(r);
-          }
-        }
-        if (u == 0 && row >= 0) {
-          a.src_rank[row] = s;
-          a.src_token[row] = tok;
-          a.src_k[row] = k;
-        }
-        uint32_t todo = __ballot_sync(0xffffffffu, row >= 0);
-        while (todo != 0) {
-          const int src_lane = __ffs(todo) - 1;
-          todo &= todo - 1;
-          const int64_t r = __shfl_sync(0xffffffffu, row, src_lane);
-          uint8_t* out = a.recv_x + size_t(r) * row_bytes;
-          if (fp8) {
-            if (c0 < H) {
-              st_v4(reinterpret_cast<uint4*>(out + c0), v0);
-              if ((lane & 7) == 0) {
-                a.recv_scales[size_t(r) * nblocks + c0 / 128] = scale;
-                if (a.recv_scales_ue8m0 != nullptr) {
-                  a.recv_scales_ue8m0[size_t(r) * nblocks + c0 / 128] = uint8_t(__float_as_uint(scale) >> 23);
-                }
+      if (u == 0 && row >= 0) {
+        a.src_rank[row] = s;
+        a.src_token[row] = cur.tok;
+        a.src_k[row] = k;
+      }
+      uint32_t todo = __ballot_sync(0xffffffffu, row >= 0);
+      while (todo != 0) {
+        const int src_lane = __ffs(todo) - 1;
+        todo &= todo - 1;
+        const int64_t r = __shfl_sync(0xffffffffu, row, src_lane);
+        uint8_t* out = a.recv_x + size_t(r) * row_bytes;
+        if (fp8) {
+          if (c0 < H) {
+            st_v4(reinterpret_cast<uint4*>(out + c0), cur.v0);
+            if ((lane & 7) == 0) {
+              a.recv_scales[size_t(r) * nblocks + c0 / 128] = cur.scale;
+              if (a.recv_scales_ue8m0 != nullptr) {
+                a.recv_scales_ue8m0[size_t(r) * nblocks + c0 / 128] = uint8_t(__float_as_uint(cur.scale) >> 23);
               }
             }
-          } else {
-            if (c0 < H) st_v4(reinterpret_cast<uint4*>(out + size_t(c0) * 2), v0);
-            if (c0 + 8 < H) st_v4(reinterpret_cast<uint4*>(out + size_t(c0 + 8) * 2), v1);
           }
+        } else {
+          if (c0 < H) st_v4(reinterpret_cast<uint4*>(out + size_t(c0) * 2), cur.v0);
+          if (c0 + 8 < H) st_v4(reinterpret_cast<uint4*>(out + size_t(c0 + 8) * 2), cur.v1);
         }
       }
     }
+    if (next < items) cur = pipe ? nxt : load(next);
   }
   // Credit back to every source: its staging slots here are free (reads done, release).
-  if (ok) signal_all_peers(a, kDispAck);
-  finish_op(a, kDispOps, kDispDone, n);
+  signal_all_peers(a, kDispAck);
+  return true;
 }
 
 // ---------------------------------------------------------------------------------------
 // Combine send: every valid expert row goes to its source rank's [src_token][src_k] slot.
 
-namespace gin_ep {
-namespace ll {
 // Combine work unit: 4 vectors of 8 bf16 per lane, 1024 channels per warp item.
 constexpr int kCombineVecs = 4;
 constexpr int kCombineUnit = 32 * 8 * kCombineVecs;
-}  // namespace ll
-}  // namespace gin_ep
 
-// Dynamic shared memory: the exclusive prefix of recv_count, L + 1 u32.
-extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads)
-    gin_ep_ll_combine_send(const gin_ep::ll::LlArgs a) {
-  using namespace gin_ep;
-  using namespace gin_ep::ll;
-  extern __shared__ uint32_t smem[];
+struct CombUnit {
+  uint4 v[kCombineVecs];
+  int32_t s, t, k;
+};
+
+__device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   const int R = a.comm.lsaSize;
   const int K = a.topk, E = a.experts, L = E / R, H = a.hidden, T = a.max_tokens;
   const size_t cap = size_t(R) * T;
-  const uint32_t n = read_op(a, kCombOps);
   uint32_t* pre = smem;  // [L + 1]
   for (int e = threadIdx.x; e < L; e += blockDim.x) {
     pre[e] = uint32_t(min(max(a.recv_count[e], 0), int32_t(cap)));
@@ -520,14 +611,15 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads)
   __syncthreads();
   warp0_exclusive_scan(pre, L);
   // Credit: every source rank has reduced the previous combine of this set.
-  if (!wait_all_peers(a, kCombAck, uint64_t(n - 1) * gridDim.x, kPhaseCombineCredit)) return;
+  if (!wait_all_peers(a, kCombAck, uint64_t(n - 1) * gridDim.x, kPhaseCombineCredit)) return false;
 
   const int lane = threadIdx.x & 31;
   const int units = (H + kCombineUnit - 1) / kCombineUnit;
   const size_t items = size_t(pre[L]) * units;
   const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
-  for (size_t item = warp; item < items; item += warps) {
+  const bool pipe = (a.flags & kFlagPipeline) != 0;
+  auto load = [&](size_t item) {
     const uint32_t g = uint32_t(item / units);
     const int u = int(item % units);
     // Expert of valid row g: the last e with pre[e] <= g (binary search, warp-uniform).
@@ -537,92 +629,167 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads)
       if (pre[mid] <= g) lo = mid; else hi = mid;
     }
     const size_t row = size_t(lo) * cap + (g - pre[lo]);
-    const int s = a.src_rank[row], t = a.src_token[row], k = a.src_k[row];
-    if (s < 0 || s >= R || t < 0 || t >= T || k < 0 || k >= K) continue;  // never for our handle
-    char* dst = lsa_ptr(a.win, a.set_offset + a.comb_offset + (size_t(t) * K + k) * size_t(H) * 2, s);
+    CombUnit c;
+    // The row's bytes first: they do not depend on the handle loads below.
     const uint16_t* y = a.y + row * H;
-    uint4 v[kCombineVecs];
 #pragma unroll
     for (int i = 0; i < kCombineVecs; ++i) {
-      const int c = u * kCombineUnit + i * 256 + lane * 8;
-      if (c < H) v[i] = ld_nc_v4(reinterpret_cast<const uint4*>(y + c));
+      const int ch = u * kCombineUnit + i * 256 + lane * 8;
+      c.v[i] = ch < H ? ld_nc_v4(reinterpret_cast<const uint4*>(y + ch)) : make_uint4(0, 0, 0, 0);
     }
+    c.s = a.src_rank[row];
+    c.t = a.src_token[row];
+    c.k = a.src_k[row];
+    return c;
+  };
+  CombUnit cur{};
+  if (warp < items) cur = load(warp);
+  for (size_t item = warp; item < items; item += warps) {
+    const size_t next = item + warps;
+    CombUnit nxt{};
+    if (pipe && next < items) nxt = load(next);
+    const int u = int(item % units);
+    const int s = cur.s, t = cur.t, k = cur.k;
+    if (s >= 0 && s < R && t >= 0 && t < T && k >= 0 && k < K) {  // always, for our handle
+      char* dst = lsa_ptr(a.win, a.set_offset + a.comb_offset + (size_t(t) * K + k) * size_t(H) * 2, s);
 #pragma unroll
-    for (int i = 0; i < kCombineVecs; ++i) {
-      const int c = u * kCombineUnit + i * 256 + lane * 8;
-      if (c < H) st_v4(reinterpret_cast<uint4*>(dst + size_t(c) * 2), v[i]);
+      for (int i = 0; i < kCombineVecs; ++i) {
+        const int ch = u * kCombineUnit + i * 256 + lane * 8;
+        if (ch < H) st_v4(reinterpret_cast<uint4*>(dst + size_t(ch) * 2), cur.v[i]);
+      }
     }
+    if (next < items) cur = pipe ? nxt : load(next);
   }
   signal_all_peers(a, kCombSig);
+  return true;
 }
 
 // ---------------------------------------------------------------------------------------
 // Combine recv: wait for every expert rank, then reduce in top-k order.
 
-namespace gin_ep {
-namespace ll {
 constexpr int kReduceUnit = 256;  // one vector of 8 bf16 per lane
 constexpr int kReduceBatch = 8;   // rows loaded before the fma chain consumes them
-}  // namespace ll
-}  // namespace gin_ep
 
-extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads)
-    gin_ep_ll_combine_recv(const gin_ep::ll::LlArgs a) {
-  using namespace gin_ep;
-  using namespace gin_ep::ll;
+__device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
   const int N = a.num_tokens, K = a.topk, H = a.hidden, me = a.comm.lsaRank;
-  const uint32_t n = read_op(a, kCombOps);
-  const bool ok = wait_all_peers(a, kCombSig, uint64_t(n) * gridDim.x, kPhaseCombineRecv);
-  if (ok) {
-    const int lane = threadIdx.x & 31;
-    const int units = (H + kReduceUnit - 1) / kReduceUnit;
-    const size_t items = size_t(N) * units;
-    const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-    const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
-    const char* comb = lsa_ptr(a.win, a.set_offset + a.comb_offset, me);
-    for (size_t item = warp; item < items; item += warps) {
-      const int t = int(item / units);
-      const int c = int(item % units) * kReduceUnit + lane * 8;
-      float acc[8];
+  if (!wait_all_peers(a, kCombSig, uint64_t(n) * gridDim.x, kPhaseCombineRecv)) return false;
+  const int lane = threadIdx.x & 31;
+  const int units = (H + kReduceUnit - 1) / kReduceUnit;
+  const size_t items = size_t(N) * units;
+  const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
+  // Pipelined: rows and weights are loaded without waiting for topk_idx (a masked slot is
+  // loaded and then skipped, exactly as it is skipped below), so one memory latency per item.
+  const bool eager_loads = (a.flags & kFlagPipeline) != 0;
+  const char* comb = lsa_ptr(a.win, a.set_offset + a.comb_offset, me);
+  for (size_t item = warp; item < items; item += warps) {
+    const int t = int(item / units);
+    const int c = int(item % units) * kReduceUnit + lane * 8;
+    float acc[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = 0.0f;  // +0, as the oracle
-      for (int k0 = 0; k0 < K; k0 += kReduceBatch) {
-        uint4 v[kReduceBatch];
-        float w[kReduceBatch];
-        bool use[kReduceBatch];
-        // All loads of the batch first, so their latencies overlap.
+    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;  // +0, as the oracle
+    for (int k0 = 0; k0 < K; k0 += kReduceBatch) {
+      uint4 v[kReduceBatch];
+      float w[kReduceBatch];
+      bool use[kReduceBatch];
+      // All loads of the batch first, so their latencies overlap.
 #pragma unroll
-        for (int i = 0; i < kReduceBatch; ++i) {
-          const int k = k0 + i;
-          use[i] = k < K && c < H && a.topk_idx[size_t(t) * K + k] >= 0;
-          w[i] = 0.0f;
-          v[i] = make_uint4(0, 0, 0, 0);
-          if (use[i]) {
-            w[i] = a.topk_weights[size_t(t) * K + k];
-            v[i] = ld_v4(reinterpret_cast<const uint4*>(comb + ((size_t(t) * K + k) * H + c) * 2));
-          }
-        }
-        // Then the fma chain in ascending k, masked entries skipped (not added as 0 * y: a
-        // NaN or -0 row must not change the result).
-#pragma unroll
-        for (int i = 0; i < kReduceBatch; ++i) {
-          if (!use[i]) continue;
-          const uint32_t wv[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            acc[2 * j] = __fmaf_rn(w[i], bf16_bits_to_f32(wv[j] & 0xffffu), acc[2 * j]);
-            acc[2 * j + 1] = __fmaf_rn(w[i], bf16_bits_to_f32(wv[j] >> 16), acc[2 * j + 1]);
-          }
+      for (int i = 0; i < kReduceBatch; ++i) {
+        const int k = k0 + i;
+        const bool in = k < K && c < H;
+        use[i] = in && a.topk_idx[size_t(t) * K + k] >= 0;
+        const bool load = eager_loads ? in : use[i];
+        w[i] = 0.0f;
+        v[i] = make_uint4(0, 0, 0, 0);
+        if (load) {
+          w[i] = a.topk_weights[size_t(t) * K + k];
+          v[i] = ld_v4(reinterpret_cast<const uint4*>(comb + ((size_t(t) * K + k) * H + c) * 2));
         }
       }
-      if (c < H) {
-        const uint4 o = make_uint4(f32x2_to_bf16x2(acc[0], acc[1]), f32x2_to_bf16x2(acc[2], acc[3]),
-                                   f32x2_to_bf16x2(acc[4], acc[5]), f32x2_to_bf16x2(acc[6], acc[7]));
-        st_v4(reinterpret_cast<uint4*>(a.combined + size_t(t) * H + c), o);
+      // Then the fma chain in ascending k, masked entries skipped (not added as 0 * y: a
+      // NaN or -0 row must not change the result).
+#pragma unroll
+      for (int i = 0; i < kReduceBatch; ++i) {
+        if (!use[i]) continue;
+        const uint32_t wv[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          acc[2 * j] = __fmaf_rn(w[i], bf16_bits_to_f32(wv[j] & 0xffffu), acc[2 * j]);
+          acc[2 * j + 1] = __fmaf_rn(w[i], bf16_bits_to_f32(wv[j] >> 16), acc[2 * j + 1]);
+        }
       }
+    }
+    if (c < H) {
+      const uint4 o = make_uint4(f32x2_to_bf16x2(acc[0], acc[1]), f32x2_to_bf16x2(acc[2], acc[3]),
+                                 f32x2_to_bf16x2(acc[4], acc[5]), f32x2_to_bf16x2(acc[6], acc[7]));
+      st_v4(reinterpret_cast<uint4*>(a.combined + size_t(t) * H + c), o);
     }
   }
   // Credit back to every expert rank: our combine buffer of this set may be rewritten.
-  if (ok) signal_all_peers(a, kCombAck);
+  signal_all_peers(a, kCombAck);
+  return true;
+}
+
+}  // namespace ll
+}  // namespace gin_ep
+
+// ---------------------------------------------------------------------------------------
+// Entry points. Split: send and receive halves (two launches per operation; the receive
+// hooks). Fused: one launch per operation, send then receive in every CTA; needs every CTA
+// of the grid resident at once on every rank (the host checks occupancy), since a CTA waits
+// for all CTAs of every peer.
+//
+// Dynamic shared memory (ll.rs sizes it): dispatch-send: mask and base, (E + R) rows of
+// ceil(T / 32) u32 each; dispatch-recv: the L x R table; combine-send: L + 1 u32; fused:
+// the larger of its halves.
+
+extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
+    gin_ep_ll_dispatch_send(const gin_ep::ll::LlArgs a) {
+  extern __shared__ uint32_t smem[];
+  gin_ep::ll::dispatch_send_body(a, gin_ep::ll::read_op(a, gin_ep::ll::kDispOps), smem);
+}
+
+extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
+    gin_ep_ll_dispatch_recv(const gin_ep::ll::LlArgs a) {
+  using namespace gin_ep::ll;
+  extern __shared__ uint32_t smem[];
+  const uint32_t n = read_op(a, kDispOps);
+  dispatch_recv_body(a, n, smem);
+  finish_op(a, kDispOps, kDispDone, n);
+}
+
+extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
+    gin_ep_ll_dispatch_fused(const gin_ep::ll::LlArgs a) {
+  using namespace gin_ep::ll;
+  extern __shared__ uint32_t smem[];
+  const uint32_t n = read_op(a, kDispOps);
+  const bool sent = dispatch_send_body(a, n, smem);
+  __syncthreads();  // smem is reused by the receive half
+  if (sent) dispatch_recv_body(a, n, smem);
+  finish_op(a, kDispOps, kDispDone, n);
+}
+
+extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
+    gin_ep_ll_combine_send(const gin_ep::ll::LlArgs a) {
+  extern __shared__ uint32_t smem[];
+  gin_ep::ll::combine_send_body(a, gin_ep::ll::read_op(a, gin_ep::ll::kCombOps), smem);
+}
+
+extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
+    gin_ep_ll_combine_recv(const gin_ep::ll::LlArgs a) {
+  using namespace gin_ep::ll;
+  const uint32_t n = read_op(a, kCombOps);
+  combine_recv_body(a, n);
+  finish_op(a, kCombOps, kCombDone, n);
+}
+
+extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
+    gin_ep_ll_combine_fused(const gin_ep::ll::LlArgs a) {
+  using namespace gin_ep::ll;
+  extern __shared__ uint32_t smem[];
+  const uint32_t n = read_op(a, kCombOps);
+  const bool sent = combine_send_body(a, n, smem);
+  __syncthreads();
+  if (sent) combine_recv_body(a, n);
   finish_op(a, kCombOps, kCombDone, n);
 }

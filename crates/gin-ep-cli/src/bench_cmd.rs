@@ -80,14 +80,16 @@ pub struct BenchArgs {
     /// Run on N GPUs, one process per GPU (the CUDA backend; overrides --ranks).
     #[arg(long, value_name = "N")]
     pub gpus: Option<usize>,
-    /// SMs (CTAs) per dispatch/combine kernel on GPUs.
-    #[arg(long, value_name = "N", default_value_t = gin_ep::backend::cuda::ht::DEFAULT_SMS)]
-    pub sms: u32,
-    /// With --gpus and --mode ht: time every HT kernel variant of a list (--sweep-list, else
-    /// $GIN_EP_HT_SWEEP, else the built-in list) and print one line per variant.
+    /// SMs (CTAs) per dispatch/combine kernel on GPUs [default: 24 for ht; 0 for ll, which
+    /// means every SM (LL kernels are latency-bound)].
+    #[arg(long, value_name = "N")]
+    pub sms: Option<u32>,
+    /// With --gpus: time every kernel variant of a list and print one line per variant.
+    /// HT: --sweep-list, else $GIN_EP_HT_SWEEP, else the built-in list. LL: the built-in
+    /// list (FP8 and BF16, eager and graph); one LL variant alone: GIN_EP_LL_VARIANT.
     #[arg(long)]
     pub sweep: bool,
-    /// `;`-separated sweep entries like `sms=32,du=4,dt=768,dc=2` (see HtVariant).
+    /// HT: `;`-separated sweep entries like `sms=32,du=4,dt=768,dc=2` (see HtVariant).
     #[arg(long, value_name = "LIST")]
     pub sweep_list: Option<String>,
 }
@@ -118,6 +120,8 @@ fn lib_err(e: gin_ep::Error) -> CliError {
 struct Resolved {
     opts: BenchOptions,
     max_tokens: usize,
+    /// CTAs per kernel on GPUs (LL: 0 = every SM).
+    sms: u32,
 }
 
 fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
@@ -141,17 +145,29 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
             ll: mode == BenchMode::Ll,
         };
         host::check_memory(&cfg, modes)?;
-    } else {
-        if mode == BenchMode::Ht {
-            gin_ep::backend::cuda::ht::check_gpu_config(&cfg, ranks).map_err(lib_err)?;
-        }
-        if a.sms == 0 || a.sms > gin_ep::backend::cuda::ht::MAX_GRID {
+    } else if mode == BenchMode::Ht {
+        gin_ep::backend::cuda::ht::check_gpu_config(&cfg, ranks).map_err(lib_err)?;
+    }
+    let sms = match mode {
+        BenchMode::Ht => a.sms.unwrap_or(gin_ep::backend::cuda::ht::DEFAULT_SMS),
+        BenchMode::Ll => a.sms.unwrap_or(0),
+    };
+    if a.gpus.is_some() {
+        let (lo, hi) = match mode {
+            BenchMode::Ht => (1, gin_ep::backend::cuda::ht::MAX_GRID),
+            BenchMode::Ll => (0, gin_ep::backend::cuda::ll::MAX_GRID),
+        };
+        if sms < lo || sms > hi {
             return Err(CliError::Usage(format!(
-                "invalid value: sms = {}: must be in 1..={}",
-                a.sms,
-                gin_ep::backend::cuda::ht::MAX_GRID
+                "invalid value: sms = {sms}: must be in {lo}..={hi}{}",
+                if lo == 0 { " (0: every SM)" } else { "" }
             )));
         }
+    }
+    if a.sweep && (mode != BenchMode::Ll || a.gpus.is_none()) {
+        return Err(CliError::Usage(
+            "--sweep times the LL GPU kernels: use it with --mode ll --gpus N".into(),
+        ));
     }
     Ok(Resolved {
         opts: BenchOptions {
@@ -166,6 +182,7 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
             launch: Launch::Threads,
         },
         max_tokens,
+        sms,
     })
 }
 
@@ -200,6 +217,16 @@ fn run_gpus(a: &BenchArgs, gpus: usize) -> CliResult {
     }
     let group = Group::from_env(a.timeout)?;
     if a.sweep {
+        if r.opts.mode == BenchMode::Ll {
+            let lines = gin_ep::gpu::ll_sweep_rank(&group, &r.opts, r.sms);
+            let closed = group.close();
+            let lines = lines.map_err(lib_err)?;
+            closed?;
+            if let Some(lines) = lines {
+                print_ll_sweep(&r, &lines);
+            }
+            return Ok(());
+        }
         let entries = gin_ep::gpu::sweep_entries(a.sweep_list.as_deref()).map_err(lib_err)?;
         let rows = gin_ep::gpu::sweep_rank(&group, &r.opts, &entries);
         let closed = group.close();
@@ -216,7 +243,7 @@ fn run_gpus(a: &BenchArgs, gpus: usize) -> CliResult {
         }
         return Ok(());
     }
-    let report = gin_ep::gpu::bench_rank(&group, &r.opts, a.sms);
+    let report = gin_ep::gpu::bench_rank(&group, &r.opts, r.sms);
     let closed = group.close();
     let report = report.map_err(lib_err)?;
     closed?;
@@ -314,7 +341,7 @@ fn json_doc(a: &BenchArgs, r: &Resolved, report: &BenchReport) -> CliResult<serd
         "warmup": o.warmup,
         "timeout_s": o.timeout.as_secs_f64(),
         "launch": if a.gpus.is_some() { "gpus" } else { "threads" },
-        "sms": a.gpus.map(|_| a.sms),
+        "sms": a.gpus.map(|_| r.sms),
         "version": env!("CARGO_PKG_VERSION"),
     });
     match doc.as_object_mut() {
@@ -379,6 +406,49 @@ fn op_table(op: &OpReport) -> Table {
         }
     }
     t
+}
+
+/// One line per (dtype, variant): medians in µs, eager / graph.
+fn print_ll_sweep(r: &Resolved, lines: &[gin_ep::backend::cuda::ll::SweepLine]) {
+    let o = &r.opts;
+    out!(
+        "LL sweep: {} GPUs × {} tokens, hidden {}, top-{} of {} experts, routing {}, {} iterations \
+         after {} warm-up; medians (slowest rank per iteration), µs",
+        o.cfg.ranks,
+        o.tokens,
+        o.cfg.hidden,
+        o.cfg.topk,
+        o.cfg.experts,
+        o.routing.name(),
+        o.iters,
+        o.warmup
+    );
+    out!(
+        "{:<22} {:<6} {:>5}  {:>9} {:>9}  {:>9} {:>9}",
+        "variant",
+        "dtype",
+        "CTAs",
+        "disp",
+        "disp-gr",
+        "comb",
+        "comb-gr"
+    );
+    for l in lines {
+        match (&l.times_us, &l.refused) {
+            (Some(t), _) => out!(
+                "{:<22} {:<6} {:>5}  {:>9.1} {:>9.1}  {:>9.1} {:>9.1}",
+                l.variant,
+                l.dtype,
+                l.grid,
+                t[0],
+                t[1],
+                t[2],
+                t[3]
+            ),
+            (None, Some(why)) => out!("{:<22} {:<6} {:>5}  refused: {why}", l.variant, l.dtype, l.grid),
+            (None, None) => out!("{:<22} {:<6} {:>5}  (no figures)", l.variant, l.dtype, l.grid),
+        }
+    }
 }
 
 fn print_report(r: &Resolved, report: &BenchReport) {

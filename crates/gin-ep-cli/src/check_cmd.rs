@@ -134,11 +134,25 @@ pub struct CheckArgs {
     /// Which GPU mode to check (with --gpus).
     #[arg(long, value_enum, default_value_t = Mode::Ht)]
     pub mode: Mode,
-    /// HT on GPUs: `default` checks every case with the default variant ($GIN_EP_HT_VARIANT);
-    /// `all` also checks the small cases with every sweep variant ($GIN_EP_HT_SWEEP or the
-    /// built-in list); anything else is a `;`-separated sweep list.
-    #[arg(long, value_name = "default|all|LIST", default_value = "default")]
-    pub variants: String,
+    /// GPU kernel variants to check (with --gpus). HT: absent checks every case with the
+    /// default variant ($GIN_EP_HT_VARIANT); `all` also checks the small cases with every
+    /// sweep variant ($GIN_EP_HT_SWEEP or the built-in list); anything else is a
+    /// `;`-separated sweep list. LL: `all` (the built-in list) or a comma-separated list such
+    /// as `base,tok+pipe@2,fused@all`, checked on the small LL cases instead of the default
+    /// run (whose variant comes from GIN_EP_LL_VARIANT).
+    #[arg(long, value_name = "all|LIST")]
+    pub variants: Option<String>,
+}
+
+/// `--variants`: `all` or a comma-separated list of LL variant names.
+fn parse_variants(s: &str) -> CliResult<Vec<gin_ep::backend::cuda::ll::LlVariant>> {
+    use gin_ep::backend::cuda::ll::LlVariant;
+    if s.trim() == "all" {
+        return Ok(LlVariant::check_list());
+    }
+    s.split(',')
+        .map(|v| LlVariant::parse(v).map_err(|e| CliError::Usage(format!("invalid value: variants: {e}"))))
+        .collect()
 }
 
 /// Arguments of one rank process of `check --launch processes`.
@@ -291,6 +305,59 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
         Mode::Ht => BenchMode::Ht,
         Mode::Ll => BenchMode::Ll,
     };
+    let variants = match &a.variants {
+        Some(v) if mode == BenchMode::Ll => Some(parse_variants(v)?),
+        _ => None,
+    };
+    if let (Some(vs), true) = (&variants, std::env::var_os(ENV_CHILD).is_none()) {
+        out!(
+            "check: CUDA backend, {gpus} GPUs, mode ll, small cases on {} variant(s): {}",
+            vs.len(),
+            vs.iter().map(|v| v.name()).collect::<Vec<_>>().join(", ")
+        );
+        let exe =
+            std::env::current_exe().map_err(|e| CliError::Failed(format!("cannot find own binary: {e}")))?;
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        let t0 = Instant::now();
+        let exits = launch_ranks(gpus, &exe, &args, a.timeout.max(Duration::from_secs(600)))?;
+        return match first_failure(&exits) {
+            None => {
+                out!(
+                    "{} variant(s) passed, 0 failed ({:.1} s)",
+                    vs.len(),
+                    t0.elapsed().as_secs_f64()
+                );
+                Ok(())
+            }
+            Some(f) => Err(CliError::Failed(format!(
+                "GPU LL variant check failed: rank {} {} (the first rank to fail); its stderr:\n{}",
+                f.rank,
+                if f.killed {
+                    "was killed at the deadline".to_string()
+                } else {
+                    f.status.to_string()
+                },
+                f.stderr.trim_end()
+            ))),
+        };
+    }
+    if let Some(vs) = &variants {
+        let group = Group::from_env(a.timeout)?;
+        let t0 = Instant::now();
+        let passed = gin_ep::gpu::check_ll_variants(&group, vs, a.timeout);
+        let rank = group.rank();
+        let closed = group.close();
+        let passed = passed.map_err(|e| CliError::Failed(format!("rank {rank}: {e}")))?;
+        closed?;
+        if rank == 0 {
+            out!(
+                "rank 0: {passed} LL operations compared over {} variant(s) in {:.1} s",
+                vs.len(),
+                t0.elapsed().as_secs_f64()
+            );
+        }
+        return Ok(());
+    }
     if std::env::var_os(ENV_CHILD).is_none() {
         let cases = gpu_cases(gpus, a.cases, a.seed);
         out!(
@@ -313,7 +380,7 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
                 out!(
                     "{} case(s) passed with the default variant{}, 0 failed ({:.1} s)",
                     cases.len(),
-                    if a.variants == "default" { "" } else { ", small cases with every listed variant too" },
+                    if a.variants.is_none() { "" } else { ", small cases with every listed variant too" },
                     t0.elapsed().as_secs_f64()
                 );
                 Ok(())
@@ -332,10 +399,10 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
             ))),
         };
     }
-    let variants = match a.variants.as_str() {
-        "default" => Vec::new(),
-        "all" => gin_ep::gpu::sweep_entries(None).map_err(|e| CliError::Usage(e.to_string()))?,
-        list => gin_ep::gpu::sweep_entries(Some(list)).map_err(|e| CliError::Usage(e.to_string()))?,
+    let variants = match a.variants.as_deref() {
+        None | Some("default") => Vec::new(),
+        Some("all") => gin_ep::gpu::sweep_entries(None).map_err(|e| CliError::Usage(e.to_string()))?,
+        Some(list) => gin_ep::gpu::sweep_entries(Some(list)).map_err(|e| CliError::Usage(e.to_string()))?,
     };
     let group = Group::from_env(a.timeout)?;
     let cases = gpu_cases(group.world(), a.cases, a.seed);
@@ -357,6 +424,11 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
 pub fn run(a: &CheckArgs) -> CliResult {
     if let Some(n) = a.gpus {
         return run_gpus(a, n);
+    }
+    if a.variants.is_some() {
+        return Err(CliError::Usage(
+            "--variants checks GPU kernel variants: use it with --gpus N".into(),
+        ));
     }
     let ranks = match (&a.ranks, a.launch) {
         (Some(r), _) => r.0.clone(),

@@ -223,6 +223,25 @@ fn per_rank<T: Send>(ranks: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
 /// Iterations alternate exact and static sizing, and for FP8 in-kernel quantization and
 /// prequantized input. Output regions are poisoned before every operation. Returns the
 /// number of cases passed.
+/// The LL small cases on every variant of `variants` (see
+/// [`crate::backend::cuda::ll::check_variants`]); every rank passes the same list.
+pub fn check_ll_variants(
+    group: &Group,
+    variants: &[crate::backend::cuda::ll::LlVariant],
+    timeout: Duration,
+) -> Result<usize> {
+    crate::backend::cuda::ll::check_variants(group, variants, timeout)
+}
+
+/// `gin-ep bench --mode ll --sweep` on this rank (see [`crate::backend::cuda::ll::sweep_rank`]).
+pub fn ll_sweep_rank(
+    group: &Group,
+    opts: &BenchOptions,
+    num_sms: u32,
+) -> Result<Option<Vec<crate::backend::cuda::ll::SweepLine>>> {
+    crate::backend::cuda::ll::sweep_rank(group, opts, num_sms)
+}
+
 pub fn check_rank(group: &Group, mode: BenchMode, cases: &[Case], timeout: Duration) -> Result<usize> {
     check_rank_variants(group, mode, cases, timeout, &[])
 }

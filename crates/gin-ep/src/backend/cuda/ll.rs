@@ -43,6 +43,161 @@ pub mod names {
     pub const DISPATCH_RECV: &str = "gin_ep_ll_dispatch_recv";
     pub const COMBINE_SEND: &str = "gin_ep_ll_combine_send";
     pub const COMBINE_RECV: &str = "gin_ep_ll_combine_recv";
+    /// Dispatch send + receive in one launch (variant `fused`).
+    pub const DISPATCH_FUSED: &str = "gin_ep_ll_dispatch_fused";
+    /// Combine send + reduce in one launch (variant `fused`).
+    pub const COMBINE_FUSED: &str = "gin_ep_ll_combine_fused";
+}
+
+/// Environment variable naming the LL kernel variant [`CudaLl::new`] uses (see
+/// [`LlVariant::parse`]); unset or empty: [`LlVariant::DEFAULT`].
+pub const ENV_VARIANT: &str = "GIN_EP_LL_VARIANT";
+
+/// How the LL kernels spread and order their work. Every variant computes the same bytes
+/// (the same arithmetic in the same order); they differ in latency only, so one GPU run can
+/// time them all (`gin-ep bench --mode ll --sweep`) and the check runs every one
+/// (`gin-ep check --mode ll --variants all`). Written `base`, or features joined by `+`
+/// (`tok+pipe+fused`), optionally `@G` for the grid (CTAs per kernel; 0 = every SM).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct LlVariant {
+    /// `tok`: dispatch-send work item = (token, 512-channel unit), loaded and quantized once
+    /// and stored to each destination rank; its first load overlaps the layout.
+    pub token_major: bool,
+    /// `pipe`: every warp loop loads item i + 1 before storing item i; combine-recv loads
+    /// rows without waiting for topk_idx.
+    pub pipeline: bool,
+    /// `fused`: one launch per operation (send, signal, wait, receive in every CTA). Needs
+    /// the whole grid resident at once; refused when the occupancy does not allow it.
+    pub fused: bool,
+    /// CTAs per kernel; `None`: the caller's grid (the bench's `--sms`, else every SM);
+    /// `Some(0)`: every SM.
+    pub grid: Option<u32>,
+}
+
+impl LlVariant {
+    /// What [`CudaLl::new`] uses without [`ENV_VARIANT`].
+    pub const DEFAULT: LlVariant = LlVariant {
+        token_major: false,
+        pipeline: false,
+        fused: false,
+        grid: None,
+    };
+
+    /// Flags word of `LlArgs` (kFlag* in kernels/ll/ll.cu).
+    fn kernel_flags(&self) -> u32 {
+        u32::from(self.token_major) | (u32::from(self.pipeline) << 1)
+    }
+
+    /// `base`, `tok+pipe`, `tok+pipe+fused@64`, ...
+    pub fn name(&self) -> String {
+        let mut parts = Vec::new();
+        if self.token_major {
+            parts.push("tok");
+        }
+        if self.pipeline {
+            parts.push("pipe");
+        }
+        if self.fused {
+            parts.push("fused");
+        }
+        let mut n = if parts.is_empty() {
+            "base".to_string()
+        } else {
+            parts.join("+")
+        };
+        match self.grid {
+            Some(0) => n.push_str("@all"),
+            Some(g) => n.push_str(&format!("@{g}")),
+            None => {}
+        }
+        n
+    }
+
+    /// Parses [`LlVariant::name`]'s form; `@all` or `@0` = every SM.
+    pub fn parse(s: &str) -> Result<LlVariant> {
+        let bad = |why: String| Error::config("ll variant", s, why);
+        let s = s.trim();
+        let (feats, grid) = match s.split_once('@') {
+            Some((f, g)) => {
+                let g = if g == "all" {
+                    0
+                } else {
+                    g.parse::<u32>()
+                        .map_err(|_| bad(format!("grid `{g}` is not a number or `all`")))?
+                };
+                if g > MAX_GRID {
+                    return Err(bad(format!("grid {g} is above {MAX_GRID}")));
+                }
+                (f, Some(g))
+            }
+            None => (s, None),
+        };
+        let mut v = LlVariant {
+            grid,
+            ..LlVariant::DEFAULT
+        };
+        for f in feats.split('+') {
+            match f {
+                "base" | "" => {}
+                "tok" => v.token_major = true,
+                "pipe" => v.pipeline = true,
+                "fused" => v.fused = true,
+                other => {
+                    return Err(bad(format!(
+                        "unknown feature `{other}` (known: base, tok, pipe, fused, then @G)"
+                    )))
+                }
+            }
+        }
+        Ok(v)
+    }
+
+    /// [`ENV_VARIANT`], or [`LlVariant::DEFAULT`] when unset or empty.
+    pub fn from_env() -> Result<LlVariant> {
+        match std::env::var(ENV_VARIANT) {
+            Ok(s) if !s.trim().is_empty() => LlVariant::parse(&s),
+            _ => Ok(LlVariant::DEFAULT),
+        }
+    }
+
+    /// The variants `gin-ep check --mode ll --variants all` runs: every feature, on all SMs
+    /// and on small grids so each warp loops over several items (pipelining across items).
+    /// `base` on all SMs is the default run's (`gin-ep check --mode ll`).
+    pub fn check_list() -> Vec<LlVariant> {
+        [
+            "base@3",
+            "tok@5",
+            "pipe@7",
+            "tok+pipe@all",
+            "tok+pipe@2",
+            "fused@5",
+            "tok+pipe+fused@all",
+            "tok+pipe+fused@3",
+        ]
+        .iter()
+        .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
+        .collect()
+    }
+
+    /// The variants `gin-ep bench --mode ll --sweep` times, in order: the measured first
+    /// version (24 CTAs), then one change at a time on every SM, then combinations and grids.
+    pub fn sweep_list() -> Vec<LlVariant> {
+        [
+            "base@24",
+            "base@all",
+            "tok@all",
+            "pipe@all",
+            "fused@all",
+            "tok+pipe@all",
+            "tok+pipe+fused@all",
+            "tok+pipe+fused@32",
+            "tok+pipe+fused@64",
+            "tok+pipe@64",
+        ]
+        .iter()
+        .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
+        .collect()
+    }
 }
 
 /// Threads per CTA of every LL kernel (`kThreads` in ll.cu).
@@ -157,6 +312,11 @@ impl LlLayout {
         })
     }
 
+    /// Dynamic shared memory of the fused dispatch kernel (both halves reuse it).
+    pub fn dispatch_fused_smem(&self) -> usize {
+        self.dispatch_send_smem.max(self.dispatch_recv_smem)
+    }
+
     /// Rows of one rank's expert-major output, `L * R * T`.
     pub fn out_rows(cfg: &EpConfig) -> usize {
         cfg.local_experts() * cfg.ranks * cfg.max_tokens_per_rank
@@ -227,11 +387,14 @@ struct LlArgs {
     max_tokens: i32,
     dtype: i32,
     recv_scales_ue8m0: u64,
+    flags: u32,
+    pad: u32,
 }
 // Same numbers as the static_assert in kernels/ll/ll.cu.
-const _: () = assert!(std::mem::size_of::<LlArgs>() == 408);
+const _: () = assert!(std::mem::size_of::<LlArgs>() == 416);
 const _: () = assert!(std::mem::offset_of!(LlArgs, err) == 368);
 const _: () = assert!(std::mem::offset_of!(LlArgs, recv_scales_ue8m0) == 400);
+const _: () = assert!(std::mem::offset_of!(LlArgs, flags) == 408);
 
 fn dtype_code(d: DispatchDtype) -> i32 {
     match d {
@@ -302,12 +465,25 @@ pub struct CudaLl<'r> {
     cfg: EpConfig,
     layout: LlLayout,
     grid: u32,
+    variant: LlVariant,
 }
 
 impl<'r> CudaLl<'r> {
     /// Makes the window and buffers for `cfg` on `rank`. `grid` CTAs per kernel (`None`: the
-    /// GPU's SM count); every rank must pass the same grid.
+    /// GPU's SM count); every rank must pass the same grid. The kernel variant comes from
+    /// [`ENV_VARIANT`] (its `@G`, when given, overrides `grid`).
     pub fn new(rank: &'r CudaRank, cfg: &EpConfig, grid: Option<u32>) -> Result<CudaLl<'r>> {
+        Self::with_variant(rank, cfg, grid, LlVariant::from_env()?)
+    }
+
+    /// As [`CudaLl::new`] with an explicit variant (`variant.grid`, when set, overrides
+    /// `grid`; 0 = every SM).
+    pub fn with_variant(
+        rank: &'r CudaRank,
+        cfg: &EpConfig,
+        grid: Option<u32>,
+        variant: LlVariant,
+    ) -> Result<CudaLl<'r>> {
         let layout = LlLayout::new(cfg)?;
         let world = rank.info().world;
         if cfg.ranks != world {
@@ -317,7 +493,55 @@ impl<'r> CudaLl<'r> {
                 format!("the group has {world} ranks"),
             ));
         }
-        let grid = grid.unwrap_or(rank.info().sm_count).clamp(1, MAX_GRID);
+        let sms = rank.info().sm_count;
+        let grid = match variant.grid.or(grid) {
+            None | Some(0) => sms,
+            Some(g) => g,
+        }
+        .clamp(1, MAX_GRID);
+        for (name, smem) in [
+            (names::DISPATCH_SEND, layout.dispatch_send_smem),
+            (names::DISPATCH_RECV, layout.dispatch_recv_smem),
+            (names::COMBINE_SEND, layout.combine_send_smem),
+            (names::DISPATCH_FUSED, layout.dispatch_fused_smem()),
+            (names::COMBINE_FUSED, layout.combine_send_smem),
+        ] {
+            let f = rank.function(name)?;
+            // SAFETY: f is a live function of the rank's module; the attribute only raises
+            // the dynamic shared memory ceiling (needed above 48 KiB).
+            cu("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
+                sys::cuFuncSetAttribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+            })?;
+        }
+        if variant.fused {
+            // Every CTA waits for all CTAs of every peer: the grid must be resident at once.
+            for (name, smem) in [
+                (names::DISPATCH_FUSED, layout.dispatch_fused_smem()),
+                (names::COMBINE_FUSED, layout.combine_send_smem),
+            ] {
+                let f = rank.function(name)?;
+                let mut per_sm: i32 = 0;
+                // SAFETY: f is live; per_sm receives one int.
+                cu("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
+                    sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm, f, THREADS as i32, smem)
+                })?;
+                let resident = u64::from(per_sm.max(0) as u32) * u64::from(sms);
+                if u64::from(grid) > resident {
+                    return Err(Error::config(
+                        "ll variant",
+                        variant.name(),
+                        format!(
+                            "fused needs the whole grid resident: {grid} CTAs, at most {resident} fit \
+                             ({per_sm} per SM x {sms} SMs)"
+                        ),
+                    ));
+                }
+            }
+        }
         let window = rank.window(layout.window_bytes)?;
         let dev_comm = rank.dev_comm(DevCommRequest {
             lsa_barriers: 1,
@@ -373,22 +597,6 @@ impl<'r> CudaLl<'r> {
             Ok(s)
         };
         let sets = [make_set()?, make_set()?];
-        for (name, smem) in [
-            (names::DISPATCH_SEND, layout.dispatch_send_smem),
-            (names::DISPATCH_RECV, layout.dispatch_recv_smem),
-            (names::COMBINE_SEND, layout.combine_send_smem),
-        ] {
-            let f = rank.function(name)?;
-            // SAFETY: f is a live function of the rank's module; the attribute only raises
-            // the dynamic shared memory ceiling (needed above 48 KiB).
-            cu("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
-                sys::cuFuncSetAttribute(
-                    f,
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )
-            })?;
-        }
         rank.wait("LL buffer setup")?;
         Ok(CudaLl {
             window,
@@ -398,7 +606,13 @@ impl<'r> CudaLl<'r> {
             cfg: cfg.clone(),
             layout,
             grid,
+            variant,
         })
+    }
+
+    /// The kernel variant in use.
+    pub fn variant(&self) -> LlVariant {
+        self.variant
     }
 
     /// CTAs per kernel.
@@ -513,6 +727,8 @@ impl<'r> CudaLl<'r> {
             } else {
                 0
             },
+            flags: self.variant.kernel_flags(),
+            pad: 0,
         })
     }
 
@@ -563,14 +779,20 @@ impl<'r> CudaLl<'r> {
         self.launch(names::COMBINE_RECV, 0, set)
     }
 
-    /// Both halves of dispatch.
+    /// Both halves of dispatch (one launch with the `fused` variant).
     pub fn dispatch(&self, set: usize) -> Result<()> {
+        if self.variant.fused {
+            return self.launch(names::DISPATCH_FUSED, self.layout.dispatch_fused_smem(), set);
+        }
         self.dispatch_send(set)?;
         self.dispatch_recv(set)
     }
 
-    /// Both halves of combine.
+    /// Both halves of combine (one launch with the `fused` variant).
     pub fn combine(&self, set: usize) -> Result<()> {
+        if self.variant.fused {
+            return self.launch(names::COMBINE_FUSED, self.layout.combine_send_smem, set);
+        }
         self.combine_send(set)?;
         self.combine_recv(set)
     }
@@ -857,16 +1079,52 @@ pub fn check_rank(group: &Group, cases: &[Case], timeout: Duration) -> Result<us
             kernel_timeout: timeout / 2,
         },
     )?;
+    let variant = LlVariant::from_env()?;
     let mut compared = 0;
     for (ci, case) in cases.iter().enumerate() {
-        compared += check_case(group, &rank, case, ci)?;
+        compared += check_case(group, &rank, case, ci, variant, graph_plan(&case.cfg))?;
+    }
+    Ok(compared)
+}
+
+/// The small cases of [`selftest_cases`] (not the peers' shape) on every variant of
+/// `variants`, each with a short graph plan: what `gin-ep check --gpus N --mode ll
+/// --variants all` runs (well under a minute on 4 GPUs). Returns the operations compared.
+pub fn check_variants(group: &Group, variants: &[LlVariant], timeout: Duration) -> Result<usize> {
+    let rank = CudaRank::new(
+        group,
+        CudaRankOptions {
+            host_timeout: timeout,
+            kernel_timeout: timeout / 2,
+        },
+    )?;
+    let cases = variant_cases(group.world());
+    let plan = GraphPlan {
+        replays: 6,
+        full_every: 3,
+    };
+    let mut compared = 0;
+    for v in variants {
+        for (ci, case) in cases.iter().enumerate() {
+            compared += check_case(group, &rank, case, ci, *v, plan).map_err(|e| match e {
+                Error::Mismatch(m) => Error::Mismatch(format!("variant {}: {m}", v.name())),
+                other => other,
+            })?;
+        }
     }
     Ok(compared)
 }
 
 static RUNS: AtomicU64 = AtomicU64::new(0);
 
-fn check_case(group: &Group, rank: &CudaRank, case: &Case, ci: usize) -> Result<usize> {
+fn check_case(
+    group: &Group,
+    rank: &CudaRank,
+    case: &Case,
+    ci: usize,
+    variant: LlVariant,
+    plan: GraphPlan,
+) -> Result<usize> {
     let cfg = &case.cfg;
     let (me, world) = (group.rank(), group.world());
     if case.tokens.len() != world || cfg.ranks != world {
@@ -880,8 +1138,8 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, ci: usize) -> Result<
         ));
     }
     let run = RUNS.fetch_add(1, Ordering::Relaxed);
-    let mut ll = CudaLl::new(rank, cfg, None)?;
-    let out = check_case_on(group, &mut ll, case, run);
+    let mut ll = CudaLl::with_variant(rank, cfg, None, variant)?;
+    let out = check_case_on(group, &mut ll, case, run, plan);
     match out {
         Ok(n) => {
             rank.wait("LL check end")?;
@@ -908,7 +1166,13 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, ci: usize) -> Result<
     }
 }
 
-fn check_case_on(group: &Group, ll: &mut CudaLl<'_>, case: &Case, run: u64) -> Result<usize> {
+fn check_case_on(
+    group: &Group,
+    ll: &mut CudaLl<'_>,
+    case: &Case,
+    run: u64,
+    plan: GraphPlan,
+) -> Result<usize> {
     let me = group.rank();
     let mut compared = 0;
     // Eager, one operation at a time, alternating sets.
@@ -959,7 +1223,6 @@ fn check_case_on(group: &Group, ll: &mut CudaLl<'_>, case: &Case, run: u64) -> R
         ll.capture(|l| l.dispatch(0).and_then(|_| l.combine(0)))?,
         ll.capture(|l| l.dispatch(1).and_then(|_| l.combine(1)))?,
     ];
-    let plan = graph_plan(&case.cfg);
     let base = base + 100;
     for i in 0..plan.replays {
         let set = i % SETS;
@@ -1011,6 +1274,33 @@ fn check_case_on(group: &Group, ll: &mut CudaLl<'_>, case: &Case, run: u64) -> R
 /// runs by default. Errors name the case, iteration, rank and first differing element.
 pub fn selftest_rank(group: &Group) -> Result<()> {
     check_rank(group, &selftest_cases(group.world()), Duration::from_secs(120)).map(|_| ())
+}
+
+/// The cases of [`check_variants`] for `world` ranks: the small selftest cases and two with
+/// several work units per row.
+pub fn variant_cases(world: usize) -> Vec<Case> {
+    let mut cases: Vec<Case> = selftest_cases(world)
+        .into_iter()
+        .filter(|c| c.cfg.hidden < 1024)
+        .collect();
+    // Several dispatch (512-channel) and combine (1024-channel) units per row, the last one
+    // partial, so per-unit paths and metadata-on-unit-0 run in every variant.
+    for (i, dtype) in [DispatchDtype::Fp8Ue8m0, DispatchDtype::Bf16]
+        .into_iter()
+        .enumerate()
+    {
+        cases.push(Case {
+            cfg: EpConfig::new(world, 16 * world, 1280, 6, 24).with_dtype(dtype),
+            workload: Workload {
+                routing: Routing::Zipf(1.2),
+                seed: 0x41 + i as u64,
+                mask_prob: 0.1,
+            },
+            tokens: (0..world).map(|r| [24, 0, 17, 1][r % 4]).collect(),
+            iters: 1,
+        });
+    }
+    cases
 }
 
 /// The cases of [`selftest_rank`] for `world` ranks.
@@ -1097,8 +1387,19 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
             kernel_timeout: opts.timeout / 2,
         },
     )?;
+    bench_with(group, &rank, opts, num_sms, LlVariant::from_env()?)
+}
+
+/// One benchmark of `variant` on an existing rank (a fresh window and buffers).
+fn bench_with(
+    group: &Group,
+    rank: &CudaRank,
+    opts: &BenchOptions,
+    num_sms: u32,
+    variant: LlVariant,
+) -> Result<Option<BenchReport>> {
     let grid = (num_sms > 0).then_some(num_sms);
-    let mut ll = CudaLl::new(&rank, cfg, grid)?;
+    let mut ll = CudaLl::with_variant(rank, &opts.cfg, grid, variant)?;
     let run = RUNS.fetch_add(1, Ordering::Relaxed);
     let out = bench_on(group, &mut ll, opts, run);
     match out {
@@ -1114,6 +1415,69 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
             Err(e)
         }
     }
+}
+
+/// One line of `gin-ep bench --mode ll --sweep`: medians (slowest rank per iteration) of
+/// one variant and dispatch dtype, or why the variant was refused.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SweepLine {
+    pub variant: String,
+    pub dtype: String,
+    /// CTAs per kernel actually used.
+    pub grid: u32,
+    /// dispatch eager, dispatch graph, combine eager, combine graph (µs); None when refused.
+    pub times_us: Option<[f64; 4]>,
+    pub refused: Option<String>,
+}
+
+/// Times every variant of [`LlVariant::sweep_list`] for FP8 and BF16 dispatch with `opts`'
+/// shape and iterations, one rank of `group` (a fresh window per variant). Variants without
+/// a grid use `num_sms` (0: every SM). Some(lines) on rank 0.
+pub fn sweep_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Option<Vec<SweepLine>>> {
+    if opts.mode != BenchMode::Ll {
+        return Err(Error::config("mode", "ht", "the sweep covers LL only"));
+    }
+    let rank = CudaRank::new(
+        group,
+        CudaRankOptions {
+            host_timeout: opts.timeout,
+            kernel_timeout: opts.timeout / 2,
+        },
+    )?;
+    let mut lines = Vec::new();
+    for dtype in [DispatchDtype::Fp8, DispatchDtype::Bf16] {
+        let o = BenchOptions {
+            cfg: opts.cfg.clone().with_dtype(dtype),
+            ..opts.clone()
+        };
+        LlLayout::new(&o.cfg)?;
+        for v in LlVariant::sweep_list() {
+            let grid = match v.grid.unwrap_or(num_sms) {
+                0 => rank.info().sm_count,
+                g => g,
+            };
+            let mut line = SweepLine {
+                variant: v.name(),
+                dtype: dtype.name().to_string(),
+                grid,
+                times_us: None,
+                refused: None,
+            };
+            match bench_with(group, &rank, &o, num_sms, v) {
+                Ok(Some(r)) => {
+                    let med = |i: usize| r.ops.get(i).map_or(f64::NAN, |op| op.total.median_us);
+                    line.times_us = Some([med(0), med(2), med(1), med(3)]);
+                }
+                Ok(None) => {}
+                // Refused before any collective work, identically on every rank.
+                Err(e) if e.is_usage() => line.refused = Some(e.to_string()),
+                Err(e) => return Err(e),
+            }
+            lines.push(line);
+        }
+    }
+    rank.wait("LL sweep end")?;
+    Ok((group.rank() == 0).then_some(lines))
 }
 
 fn bench_on(
@@ -1267,10 +1631,11 @@ fn bench_on(
     Ok(Some(BenchReport {
         backend: "cuda".into(),
         note: format!(
-            "GPU LL over NVLink (NCCL LSA), {} CTAs x {THREADS} threads per kernel; times are CUDA \
-             events around each operation (send + receive kernels), slowest rank per iteration; \
-             rows count (token, expert) copies as the peers do, though each token crosses a link \
-             once per destination rank",
+            "GPU LL over NVLink (NCCL LSA), variant {}, {} CTAs x {THREADS} threads per kernel; \
+             times are CUDA events around each operation (send + receive kernels, or one fused \
+             kernel), slowest rank per iteration; rows count (token, expert) copies as the peers \
+             do, though each token crosses a link once per destination rank",
+            ll.variant().name(),
             ll.grid()
         ),
         mode: BenchMode::Ll,
@@ -1322,6 +1687,23 @@ mod tests {
     }
 
     #[test]
+    fn variants_parse_print_and_map_to_kernel_flags() {
+        assert_eq!(LlVariant::parse("base").unwrap(), LlVariant::DEFAULT);
+        assert_eq!(LlVariant::DEFAULT.name(), "base");
+        let v = LlVariant::parse("tok+pipe+fused@64").unwrap();
+        assert!(v.token_major && v.pipeline && v.fused && v.grid == Some(64));
+        assert_eq!(v.kernel_flags(), 3);
+        assert_eq!(LlVariant::parse("pipe@all").unwrap().grid, Some(0));
+        assert_eq!(LlVariant::parse("pipe@all").unwrap().kernel_flags(), 2);
+        for v in LlVariant::check_list().into_iter().chain(LlVariant::sweep_list()) {
+            assert_eq!(LlVariant::parse(&v.name()).unwrap(), v, "{}", v.name());
+        }
+        for bad in ["tok+x", "tok@", "tok@-1", "base@100000"] {
+            assert!(LlVariant::parse(bad).unwrap_err().is_usage(), "{bad}");
+        }
+    }
+
+    #[test]
     fn buffer_hint_is_both_sets_and_grows_with_tokens() {
         let small = buffer_bytes(&peers()).unwrap();
         let mut big = peers();
@@ -1356,7 +1738,7 @@ mod tests {
     #[test]
     fn selftest_cases_are_valid_for_common_group_sizes() {
         for world in [1, 2, 3, 4, 8] {
-            for case in selftest_cases(world) {
+            for case in selftest_cases(world).into_iter().chain(variant_cases(world)) {
                 LlLayout::new(&case.cfg).unwrap();
                 assert_eq!(case.tokens.len(), world);
                 assert!(case.tokens.iter().all(|&t| t <= case.cfg.max_tokens_per_rank));
