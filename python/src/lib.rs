@@ -46,7 +46,9 @@ fn guard<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
                 .map(|s| s.to_string())
                 .or_else(|| p.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "unknown panic".into());
-            Err(PyRuntimeError::new_err(format!("gin-ep internal error (panic): {msg}")))
+            Err(PyRuntimeError::new_err(format!(
+                "gin-ep internal error (panic): {msg}"
+            )))
         }
     }
 }
@@ -262,7 +264,9 @@ impl PyGroup {
 
 fn duration(secs: f64) -> PyResult<Duration> {
     if !(secs.is_finite() && secs > 0.0 && secs < 1e9) {
-        return Err(PyValueError::new_err(format!("timeout_s = {secs}: must be positive")));
+        return Err(PyValueError::new_err(format!(
+            "timeout_s = {secs}: must be positive"
+        )));
     }
     Ok(Duration::from_secs_f64(secs))
 }
@@ -293,7 +297,9 @@ impl PyHtHandle {
     }
     /// `[Nr]` u32: source rank of each received row.
     fn recv_src_rank<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        let v: Vec<u32> = (0..self.h.num_recv()).map(|i| self.h.src_rank_of(i) as u32).collect();
+        let v: Vec<u32> = (0..self.h.num_recv())
+            .map(|i| self.h.src_rank_of(i) as u32)
+            .collect();
         bytes(py, &v)
     }
     /// `[R + 1]` first receive row of each source rank.
@@ -303,7 +309,13 @@ impl PyHtHandle {
     }
     /// `[N, R]` u8: 1 where token t goes to rank r.
     fn is_token_in_rank<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        let v: Vec<u8> = self.h.layout.send_slot.iter().map(|&s| u8::from(s >= 0)).collect();
+        let v: Vec<u8> = self
+            .h
+            .layout
+            .send_slot
+            .iter()
+            .map(|&s| u8::from(s >= 0))
+            .collect();
         PyBytes::new(py, &v)
     }
     /// `[L]` rows per local expert, before alignment.
@@ -411,7 +423,9 @@ impl PyEp {
 
     #[getter]
     fn config(&self) -> PyEpConfig {
-        PyEpConfig { cfg: self.cfg.clone() }
+        PyEpConfig {
+            cfg: self.cfg.clone(),
+        }
     }
 
     #[getter]
@@ -441,7 +455,12 @@ impl PyEp {
     }
 
     /// Cached HT dispatch with the layout of `handle`. Returns (recv_x, recv_scales or None).
-    fn ht_dispatch_cached<'py>(&self, py: Python<'py>, x: &[u8], handle: &PyHtHandle) -> PyResult<RowsOut<'py>> {
+    fn ht_dispatch_cached<'py>(
+        &self,
+        py: Python<'py>,
+        x: &[u8],
+        handle: &PyHtHandle,
+    ) -> PyResult<RowsOut<'py>> {
         let x: Vec<bf16> = pod_vec("x", x)?;
         let h = &handle.h;
         let rows = py.detach(|| {
@@ -560,13 +579,11 @@ fn quantize<'py>(py: Python<'py>, x: &[u8], hidden: usize, ue8m0: bool) -> PyRes
     })
 }
 
-fn rank_inputs(
-    xs: Vec<Vec<u8>>,
-    idxs: Vec<Vec<u8>>,
-    ws: Option<Vec<Vec<u8>>>,
-) -> PyResult<Vec<RankInput>> {
+fn rank_inputs(xs: Vec<Vec<u8>>, idxs: Vec<Vec<u8>>, ws: Option<Vec<Vec<u8>>>) -> PyResult<Vec<RankInput>> {
     if xs.len() != idxs.len() || ws.as_ref().is_some_and(|w| w.len() != xs.len()) {
-        return Err(PyValueError::new_err("xs, topk_idx and topk_weights need one entry per rank"));
+        return Err(PyValueError::new_err(
+            "xs, topk_idx and topk_weights need one entry per rank",
+        ));
     }
     let mut out = Vec::with_capacity(xs.len());
     for (r, (x, idx)) in xs.iter().zip(&idxs).enumerate() {
@@ -616,18 +633,22 @@ fn oracle_ht_combine<'py>(
 ) -> PyResult<Vec<RowsOut<'py>>> {
     let outs = guard(|| {
         let n = xs.len();
-        let per_rank = |v: &Option<Vec<Option<Vec<u8>>>>, r: usize, what: &str| -> PyResult<Option<Vec<u8>>> {
-            match v {
-                None => Ok(None),
-                Some(v) if v.len() == n => Ok(v[r].clone()),
-                Some(_) => Err(PyValueError::new_err(format!("{what}: need one entry per rank"))),
-            }
-        };
+        let per_rank =
+            |v: &Option<Vec<Option<Vec<u8>>>>, r: usize, what: &str| -> PyResult<Option<Vec<u8>>> {
+                match v {
+                    None => Ok(None),
+                    Some(v) if v.len() == n => Ok(v[r].clone()),
+                    Some(_) => Err(PyValueError::new_err(format!("{what}: need one entry per rank"))),
+                }
+            };
         let mut inputs = Vec::with_capacity(n);
         for (r, x) in xs.iter().enumerate() {
             inputs.push(HtCombineInput {
                 x: pod_vec("x", x)?,
-                topk_weights: opt_vec("topk_weights", per_rank(&topk_weights, r, "topk_weights")?.as_deref())?,
+                topk_weights: opt_vec(
+                    "topk_weights",
+                    per_rank(&topk_weights, r, "topk_weights")?.as_deref(),
+                )?,
                 bias: [
                     opt_vec("bias_0", per_rank(&bias_0, r, "bias_0")?.as_deref())?,
                     opt_vec("bias_1", per_rank(&bias_1, r, "bias_1")?.as_deref())?,
