@@ -74,3 +74,22 @@ def single_worker(rank, world):
 
 def test_single_process():
     _dist.run(1, single_worker)
+
+
+class _FakeGroup:
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 2
+
+
+def test_nccl_group_is_the_gpu_path(monkeypatch):
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(NotImplementedError, match="GPU path"):
+        Buffer(_FakeGroup(), num_nvl_bytes=1 << 20)
+
+
+def test_group_or_comm_required():
+    with pytest.raises(ValueError, match="group"):
+        Buffer(None)
