@@ -1,0 +1,604 @@
+"""`gin_ep.Buffer`: DeepEP V1's `deep_ep.Buffer` interface over gin-ep.
+
+With a gloo process group and CPU tensors, the ranks of the group run gin-ep's host
+backend: every process maps the others' shared-memory heaps (one host) and executes
+the same protocol as the GPU kernels (docs/protocol.md). Results are bit for bit
+those of gin-ep's oracle. With an NCCL group or CUDA tensors, calls raise
+NotImplementedError("GPU path: ...") for now.
+
+Buffer sizes. DeepEP sizes its buffers in bytes; gin-ep's buffers are sized by an
+`EpConfig` (ranks, experts, hidden, top-k, max tokens per rank). The first call of a
+given shape creates the heap for that shape (collectively, on every rank):
+  - HT (dispatch/combine): `max_tokens_per_rank` is the largest T whose HT heap fits
+    in `num_nvl_bytes` (or the `max_tokens_per_rank=` keyword, when given). A rank
+    passing more tokens gets a ValueError naming both numbers.
+  - LL: T is `num_max_dispatch_tokens_per_rank`; the LL heap must fit in
+    `num_rdma_bytes` (see `get_low_latency_rdma_size_hint`).
+"""
+
+import socket
+from typing import Callable, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _native
+from ._convert import GPU_PATH, check, check_cpu, from_bytes, to_bytes
+from .utils import CompletedEvent, EventOverlap
+
+#: dtype of `topk_idx` (DeepEP's `topk_idx_t`).
+topk_idx_t = torch.int64
+
+_MAX_TOKENS = 1 << 20
+# Assumed top-k when a size hint has no top-k argument.
+_HINT_TOPK = 16
+# Tokens per rank the NVL size hint provides for.
+_HINT_TOKENS = 4096
+
+
+class Config:
+    """DeepEP's performance-tuning config. The host backend has no SMs or chunks to
+    tune, so the values are kept but have no effect; the size hints return gin-ep's
+    own requirements."""
+
+    def __init__(self, num_sms: int = 20,
+                 num_max_nvl_chunked_send_tokens: int = 6, num_max_nvl_chunked_recv_tokens: int = 256,
+                 num_max_rdma_chunked_send_tokens: int = 6, num_max_rdma_chunked_recv_tokens: int = 256) -> None:
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
+        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of an HT heap for BF16 rows of `hidden_bytes`, top-16 of 256 experts and
+        4096 tokens per rank."""
+        hidden = _round_up(max(hidden_bytes // 2, 8), 8)
+        experts = _round_up(256, num_ranks)
+        cfg = _native.EpConfig(num_ranks, experts, hidden, min(_HINT_TOPK, experts), _HINT_TOKENS)
+        return cfg.required_bytes(ht=True, ll=False)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """0: the host backend has no internode (RDMA) HT buffer."""
+        return 0
+
+    def __repr__(self) -> str:
+        return (f"Config({self.num_sms}, {self.num_max_nvl_chunked_send_tokens}, "
+                f"{self.num_max_nvl_chunked_recv_tokens}, {self.num_max_rdma_chunked_send_tokens}, "
+                f"{self.num_max_rdma_chunked_recv_tokens})")
+
+
+def _round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+class _HtState:
+    """Slot 0 of an HT handle: what combine and cached dispatch need."""
+
+    def __init__(self, native, experts, topk, max_tokens, hidden, num_worst_tokens):
+        self.native = native
+        self.experts = experts
+        self.topk = topk
+        self.max_tokens = max_tokens
+        self.hidden = hidden
+        self.num_recv = native.num_recv
+        self.num_tokens = native.num_tokens
+        self.num_worst_tokens = num_worst_tokens
+
+
+class _LlState:
+    """Slot 0 of an LL handle."""
+
+    def __init__(self, native, ep, topk):
+        self.native = native
+        self.ep = ep
+        self.topk = topk
+
+
+def _ht_state(handle) -> _HtState:
+    st = handle[0] if isinstance(handle, (tuple, list)) and len(handle) > 0 else None
+    if not isinstance(st, _HtState):
+        raise TypeError("handle: expected the handle returned by gin_ep.Buffer.dispatch")
+    return st
+
+
+def _ll_state(handle) -> _LlState:
+    st = handle[0] if isinstance(handle, (tuple, list)) and len(handle) == 5 else None
+    if not isinstance(st, _LlState):
+        raise TypeError("handle: expected the handle returned by gin_ep.Buffer.low_latency_dispatch")
+    return st
+
+
+def _unsupported(what: str) -> NotImplementedError:
+    return NotImplementedError(f"gin_ep: {what} is not supported")
+
+
+def _hook() -> None:
+    """Receive hook of the host backend: the data arrived before the call returned."""
+
+
+class Buffer:
+    """Expert-parallel communication buffers, DeepEP V1's `deep_ep.Buffer` interface.
+
+    Attributes match DeepEP's: `num_sms`, `rank`, `group_size`, `group`, `num_nvl_bytes`,
+    `num_rdma_bytes`, `low_latency_mode`, `explicitly_destroy`; `runtime` is the gin-ep
+    group (None after `destroy`).
+
+    gin-ep keywords beyond DeepEP's: `max_tokens_per_rank` (HT buffer size in tokens,
+    overriding the one derived from `num_nvl_bytes`) and `timeout_s` (deadline of every
+    wait on a peer; default 100 s).
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group: Optional[dist.ProcessGroup],
+                 num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False,
+                 comm=None,
+                 *, max_tokens_per_rank: Optional[int] = None,
+                 timeout_s: float = 100.0) -> None:
+        self.runtime = None
+        self._server = None
+        if group is not None:
+            self.rank = group.rank()
+            self.group_size = group.size()
+            backend = str(dist.get_backend(group)).lower()
+            if "gloo" not in backend:
+                raise NotImplementedError(
+                    f"{GPU_PATH} (the process group's backend is {backend!r})")
+
+            def all_gather_object(obj):
+                out = [None] * self.group_size
+                dist.all_gather_object(out, obj, group)
+                return out
+        elif comm is not None:
+            self.rank = comm.Get_rank()
+            self.group_size = comm.Get_size()
+
+            def all_gather_object(obj):
+                return comm.allgather(obj)
+        else:
+            raise ValueError("Either 'group' or 'comm' must be provided.")
+        if num_nvl_bytes < 0 or num_rdma_bytes < 0:
+            raise ValueError(f"num_nvl_bytes = {num_nvl_bytes}, num_rdma_bytes = {num_rdma_bytes}: "
+                             "must not be negative")
+        if max_tokens_per_rank is not None and not 1 <= max_tokens_per_rank <= _MAX_TOKENS:
+            raise ValueError(f"max_tokens_per_rank = {max_tokens_per_rank}: must be in 1..{_MAX_TOKENS}")
+        self.group = group
+        self.comm = comm
+        self.num_nvl_bytes = int(num_nvl_bytes)
+        self.num_rdma_bytes = int(num_rdma_bytes)
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self._max_tokens_override = max_tokens_per_rank
+        self._timeout_s = float(timeout_s)
+        self._eps = {}
+        self._ht_tokens = {}
+        self._ll_comb_bufs = {}
+
+        # The host backend shares memory: every rank must be on this host.
+        hosts = all_gather_object(socket.gethostname())
+        if len(set(hosts)) != 1:
+            raise NotImplementedError(
+                f"gin_ep host backend: all ranks must run on one host (got {sorted(set(hosts))})")
+
+        # Rank 0 serves gin-ep's store on loopback; the others learn its port.
+        port = None
+        if self.rank == 0:
+            self._server = _native.StoreServer("127.0.0.1")
+            port = self._server.port
+        ports = all_gather_object(port)
+        self.runtime = _native.Group.join(self.rank, self.group_size, f"127.0.0.1:{ports[0]}", self._timeout_s)
+
+    # ------------------------------------------------------------ lifetime
+
+    def destroy(self) -> None:
+        """Releases the heaps and leaves the group (collective: every rank calls it)."""
+        if not self.explicitly_destroy:
+            raise RuntimeError("`explicitly_destroy` flag must be set")
+        self._release(collective=True)
+
+    def _release(self, collective: bool) -> None:
+        self._eps = {}
+        self._ll_comb_bufs = {}
+        runtime, self.runtime = self.runtime, None
+        if runtime is not None and collective:
+            runtime.close()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    def __del__(self) -> None:
+        try:
+            if getattr(self, "runtime", None) is not None and not self.explicitly_destroy:
+                self._release(collective=False)
+        except Exception:
+            pass
+
+    def _live(self):
+        if self.runtime is None:
+            raise RuntimeError("gin_ep.Buffer: used after destroy()")
+        return self.runtime
+
+    # ------------------------------------------------------------ static API
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        return False
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Sets `Buffer.num_sms` (kept for DeepEP compatibility; no effect on CPU)."""
+        assert new_num_sms % 2 == 0, 'The SM count must be even'
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on the current stream: on CPU, one that is already complete."""
+        return EventOverlap(CompletedEvent())
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                       num_ranks: int, num_experts: int) -> int:
+        """Bytes of gin-ep's LL heap for these sizes with FP8 or BF16 dispatch and up to
+        top-16 routing (the hint has no top-k argument)."""
+        topk = min(_HINT_TOPK, num_experts)
+        cfg = _native.EpConfig(num_ranks, num_experts, hidden, topk, num_max_dispatch_tokens_per_rank)
+        return cfg.required_bytes(ht=False, ll=True)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """A dispatch config (the values have no effect on the host backend)."""
+        return Config(Buffer.num_sms, 6, 256, 6, 128)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """A combine config (the values have no effect on the host backend)."""
+        return Config(Buffer.num_sms, 6, 256, 6, 128)
+
+    def get_comm_stream(self):
+        raise _unsupported("get_comm_stream (the host backend has no CUDA stream)")
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None,
+                                offset: int = 0, use_rdma_buffer: bool = False) -> torch.Tensor:
+        raise _unsupported("get_local_buffer_tensor (the host backend's heaps are created per "
+                           "shape and are not exposed as tensors)")
+
+    # ------------------------------------------------------------ heaps
+
+    def _ep(self, key, cfg, ht: bool, ll: bool):
+        """The host-backend rank for `cfg`, created collectively on first use."""
+        ep = self._eps.get(key)
+        if ep is None:
+            ep = _native.Ep(self._live(), cfg, ht=ht, ll=ll, timeout_s=self._timeout_s)
+            self._eps[key] = ep
+        return ep
+
+    def _ht_max_tokens(self, hidden: int, topk: int, experts: int) -> int:
+        if self._max_tokens_override is not None:
+            return self._max_tokens_override
+        key = (hidden, topk, experts)
+        if key in self._ht_tokens:
+            return self._ht_tokens[key]
+
+        def need(t):
+            return _native.EpConfig(self.group_size, experts, hidden, topk, t).required_bytes(ht=True, ll=False)
+
+        if need(1) > self.num_nvl_bytes:
+            raise ValueError(
+                f"num_nvl_bytes = {self.num_nvl_bytes} is too small for HT dispatch with hidden = {hidden}, "
+                f"top-{topk} of {experts} experts on {self.group_size} ranks: one token per rank needs "
+                f"{need(1)} bytes, {need(4096) } for 4096 (or pass max_tokens_per_rank=)")
+        lo, hi = 1, _MAX_TOKENS
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if need(mid) <= self.num_nvl_bytes:
+                lo = mid
+            else:
+                hi = mid - 1
+        self._ht_tokens[key] = lo
+        return lo
+
+    def _ht_ep(self, wire_hidden: int, topk: int, experts: int, max_tokens: int):
+        key = ("ht", wire_hidden, topk, experts, max_tokens)
+        cfg = _native.EpConfig(self.group_size, experts, wire_hidden, topk, max_tokens)
+        return self._ep(key, cfg, ht=True, ll=False)
+
+    # ------------------------------------------------------------ layout
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False) -> \
+            Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
+        """Returns (num_tokens_per_rank `[R]` int32, None, num_tokens_per_expert `[E]` int32,
+        is_token_in_rank `[N, R]` bool, event)."""
+        self._live()
+        check("topk_idx", topk_idx, None, dim=2)
+        n, k = topk_idx.shape
+        cfg = _native.EpConfig(self.group_size, num_experts, 8, max(k, 1), max(n, 1))
+        per_rank, per_expert, mask = _native.layout(cfg, self.rank, to_bytes(topk_idx.to(torch.int64)))
+        num_tokens_per_rank = torch.tensor(per_rank, dtype=torch.int32)
+        num_tokens_per_expert = torch.tensor(per_expert, dtype=torch.int32)
+        is_token_in_rank = from_bytes(mask, torch.uint8, (n, self.group_size)).bool()
+        return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, \
+            EventOverlap(CompletedEvent() if async_finish else None)
+
+    # ------------------------------------------------------------ HT
+
+    @staticmethod
+    def _ht_wire(x: torch.Tensor, x_scales: Optional[torch.Tensor]):
+        """The rows dispatch moves: BF16 rows as they are, or for FP8 each row's e4m3 bytes
+        and scale bytes packed into one opaque row (a 16-byte multiple) moved as BF16."""
+        if x_scales is None:
+            check("x", x, torch.bfloat16, dim=2)
+            return to_bytes(x), x.shape[1], None
+        check("x[0]", x, torch.float8_e4m3fn, dim=2)
+        check("x[1]", x_scales, None, dim=2)
+        n, h = x.shape
+        if x_scales.shape[0] != n or x_scales.element_size() != 4:
+            raise ValueError(f"x[1] (scales): expected [{n}, S] with 4-byte elements, got "
+                             f"{tuple(x_scales.shape)} {x_scales.dtype}")
+        s = x_scales.shape[1]
+        row = h + 4 * s
+        wire_row = _round_up(row, 16)
+        packed = torch.zeros((n, wire_row), dtype=torch.uint8)
+        packed[:, :h] = x.contiguous().view(torch.uint8)
+        packed[:, h:row] = x_scales.contiguous().view(torch.uint8).view(n, 4 * s)
+        return to_bytes(packed), wire_row // 2, (h, s, x_scales.dtype)
+
+    @staticmethod
+    def _ht_unwire(b: bytes, nr: int, wire_hidden: int, fp8):
+        if fp8 is None:
+            return from_bytes(b, torch.bfloat16, (nr, wire_hidden))
+        h, s, sdtype = fp8
+        packed = from_bytes(b, torch.uint8, (nr, wire_hidden * 2))
+        x = packed[:, :h].contiguous().view(torch.float8_e4m3fn)
+        scales = packed[:, h:h + 4 * s].contiguous().view(sdtype)
+        return x, scales
+
+    @staticmethod
+    def _pad_rows(t: torch.Tensor, rows: int, fill=0) -> torch.Tensor:
+        if t.shape[0] >= rows:
+            return t
+        pad = torch.full((rows - t.shape[0],) + tuple(t.shape[1:]), fill, dtype=t.dtype)
+        return torch.cat([t, pad]) if t.dtype != torch.float8_e4m3fn else \
+            torch.cat([t.view(torch.uint8), pad.view(torch.uint8)]).view(torch.float8_e4m3fn)
+
+    def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+                 handle: Optional[Tuple] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None, num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False) -> \
+            Tuple[Union[Tuple[torch.Tensor, torch.Tensor], torch.Tensor], Optional[torch.Tensor],
+                  Optional[torch.Tensor], List[int], Tuple, EventOverlap]:
+        """HT dispatch. Returns (recv_x, recv_topk_idx, recv_topk_weights,
+        num_recv_tokens_per_expert_list, handle, event); with `handle` given (cached
+        dispatch), (recv_x, None, None, None, None, event). `recv_x` is a BF16 tensor, or
+        (FP8 tensor, scales) when `x` is such a tuple. Rows are ordered by source rank,
+        then source token."""
+        self._live()
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        wire, wire_hidden, fp8 = self._ht_wire(x, x_scales)
+        n = x.shape[0]
+        event = EventOverlap(CompletedEvent() if async_finish else None)
+
+        if handle is not None:
+            assert topk_idx is None and topk_weights is None
+            st = _ht_state(handle)
+            ep = self._ht_ep(wire_hidden, st.topk, st.experts, st.max_tokens)
+            rb, _ = ep.ht_dispatch_cached(wire, st.native)
+            recv = self._ht_unwire(rb, st.num_recv, wire_hidden, fp8)
+            worst = max(num_worst_tokens, st.num_worst_tokens)
+            if worst:
+                recv = tuple(self._pad_rows(t, worst) for t in recv) if fp8 else self._pad_rows(recv, worst)
+            return recv, None, None, None, None, event
+
+        if topk_idx is None:
+            raise _unsupported("dispatch without topk_idx (routing by is_token_in_rank alone)")
+        if num_tokens_per_expert is None:
+            raise ValueError("dispatch: num_tokens_per_expert is required (from get_dispatch_layout); "
+                             "it gives the number of experts")
+        check("topk_idx", topk_idx, None, dim=2)
+        check_cpu("num_tokens_per_expert", num_tokens_per_expert)
+        if topk_idx.shape[0] != n:
+            raise ValueError(f"topk_idx: {topk_idx.shape[0]} rows, x has {n}")
+        if expert_alignment < 1:
+            raise ValueError(f"expert_alignment = {expert_alignment}: must be at least 1")
+        k = topk_idx.shape[1]
+        experts = num_tokens_per_expert.numel()
+        if topk_weights is not None:
+            check("topk_weights", topk_weights, None, dim=2)
+            w = topk_weights.to(torch.float32)
+        else:
+            w = torch.zeros((n, k), dtype=torch.float32)
+        hidden = x.shape[1]
+        max_tokens = self._ht_max_tokens(hidden, k, experts)
+        ep = self._ht_ep(wire_hidden, k, experts, max_tokens)
+        try:
+            rb, _, ridx, rw, counts, native = ep.ht_dispatch(wire, to_bytes(topk_idx.to(torch.int64)), to_bytes(w))
+        except ValueError as e:
+            if n > max_tokens:
+                raise ValueError(f"{e} (this Buffer holds {max_tokens} tokens per rank for HT with "
+                                 f"num_nvl_bytes = {self.num_nvl_bytes}; raise it or pass "
+                                 "max_tokens_per_rank=)") from e
+            raise
+        nr = native.num_recv
+        recv_x = self._ht_unwire(rb, nr, wire_hidden, fp8)
+        recv_topk_idx = from_bytes(ridx, torch.int64, (nr, k)).to(topk_idx.dtype)
+        recv_topk_weights = from_bytes(rw, torch.float32, (nr, k)) if topk_weights is not None else None
+        counts = [_round_up(c, expert_alignment) for c in counts]
+        recv_src_idx = from_bytes(native.recv_src_token(), torch.int32, (nr,))
+        in_rank = from_bytes(native.is_token_in_rank(), torch.uint8, (n, self.group_size)).bool()
+        if num_worst_tokens:
+            if nr > num_worst_tokens:
+                raise ValueError(f"num_worst_tokens = {num_worst_tokens}: this rank received {nr} tokens")
+            recv_x = tuple(self._pad_rows(t, num_worst_tokens) for t in recv_x) if fp8 else \
+                self._pad_rows(recv_x, num_worst_tokens)
+            recv_topk_idx = self._pad_rows(recv_topk_idx, num_worst_tokens, -1)
+            if recv_topk_weights is not None:
+                recv_topk_weights = self._pad_rows(recv_topk_weights, num_worst_tokens)
+            recv_src_idx = self._pad_rows(recv_src_idx, num_worst_tokens, -1)
+            counts = []
+        st = _HtState(native, experts, k, max_tokens, hidden, num_worst_tokens)
+        handle = (st, None, None, recv_src_idx, in_rank, None)
+        return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event
+
+    def combine(self, x: torch.Tensor, handle: Tuple,
+                topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
+                config: Optional[Config] = None,
+                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> \
+            Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+        """HT combine: sums the rows of each token from every rank it went to (no
+        weights applied), then adds the bias(es). Returns (combined_x `[N, H]` bf16,
+        combined_topk_weights `[N, K]` f32 or None, event)."""
+        self._live()
+        st = _ht_state(handle)
+        check("x", x, torch.bfloat16, dim=2)
+        if x.shape[0] < st.num_recv:
+            raise ValueError(f"x: {x.shape[0]} rows, the dispatch received {st.num_recv}")
+        x = x[:st.num_recv]
+        hidden = x.shape[1]
+        w = None
+        if topk_weights is not None:
+            check("topk_weights", topk_weights, None, dim=2)
+            w = to_bytes(topk_weights[:st.num_recv].to(torch.float32))
+        if isinstance(bias, torch.Tensor):
+            bias = (bias, None)
+        elif bias is None:
+            bias = (None, None)
+        elif not (isinstance(bias, tuple) and len(bias) == 2):
+            raise TypeError("bias: expected a tensor or a tuple of two tensors")
+        biases = []
+        for i, b in enumerate(bias):
+            if b is not None:
+                check(f"bias[{i}]", b, torch.bfloat16, dim=2)
+                b = to_bytes(b)
+            biases.append(b)
+        ep = self._ht_ep(hidden, st.topk, st.experts, st.max_tokens)
+        xb, wb = ep.ht_combine(to_bytes(x), st.native, w, biases[0], biases[1])
+        combined_x = from_bytes(xb, torch.bfloat16, (st.num_tokens, hidden))
+        combined_w = from_bytes(wb, torch.float32, (st.num_tokens, st.topk)) if wb is not None else None
+        return combined_x, combined_w, EventOverlap(CompletedEvent() if async_finish else None)
+
+    # ------------------------------------------------------------ LL
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Nothing to clean: gin-ep's LL protocol needs no zeroed buffer (its signals are
+        sequence numbers that only grow)."""
+        self._live()
+
+    def _ll_ep(self, hidden, topk, experts, max_tokens, dtype):
+        key = ("ll", hidden, topk, experts, max_tokens, dtype)
+        cfg = _native.EpConfig(self.group_size, experts, hidden, topk, max_tokens, dtype)
+        if key not in self._eps:
+            need = cfg.required_bytes(ht=False, ll=True)
+            if need > self.num_rdma_bytes:
+                raise ValueError(
+                    f"num_rdma_bytes = {self.num_rdma_bytes} is too small for LL with "
+                    f"{max_tokens} tokens per rank, hidden = {hidden}, top-{topk} of {experts} experts "
+                    f"({dtype}): gin-ep needs {need} bytes (see Buffer.get_low_latency_rdma_size_hint)")
+        return self._ep(key, cfg, ht=False, ll=True)
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False,
+                             use_per_tensor_quantization: bool = False,
+                             static_scale: Optional[torch.Tensor] = None) -> \
+            Tuple[Union[Tuple[torch.Tensor, torch.Tensor], torch.Tensor], torch.Tensor, Tuple, EventOverlap, Callable]:
+        """LL dispatch. Returns (recv_x, recv_count, handle, event, hook): recv_x is
+        `[L, R*T, H]` BF16, or with `use_fp8` (e4m3 `[L, R*T, H]`, f32 scales
+        `[L, R*T, H/128]` column-major in the last two dimensions); only the first
+        `recv_count[e]` rows of expert `e` are valid, ordered by source rank then source
+        token. `round_scale` rounds the scales up to powers of two."""
+        self._live()
+        if use_ue8m0:
+            raise _unsupported("low_latency_dispatch(use_ue8m0=True) (packed UE8M0 int scales; "
+                               "round_scale=True gives power-of-two f32 scales)")
+        if use_per_tensor_quantization or static_scale is not None:
+            raise _unsupported("low_latency_dispatch per-tensor quantization (use_per_tensor_quantization, static_scale)")
+        check("x", x, torch.bfloat16, dim=2)
+        check("topk_idx", topk_idx, None, dim=2)
+        if round_scale and not use_fp8:
+            raise ValueError("round_scale=True needs use_fp8=True")
+        dtype = "bf16" if not use_fp8 else ("fp8-ue8m0" if round_scale else "fp8")
+        n, hidden = x.shape
+        k = topk_idx.shape[1]
+        t = int(num_max_dispatch_tokens_per_rank)
+        r = self.group_size
+        ep = self._ll_ep(hidden, k, num_experts, t, dtype)
+        xb, sb, counts, native = ep.ll_dispatch(to_bytes(x), to_bytes(topk_idx.to(torch.int64)))
+        local = num_experts // r
+        if use_fp8:
+            data = from_bytes(xb, torch.uint8, (local, r * t, hidden)).view(torch.float8_e4m3fn)
+            s = hidden // _native.FP8_BLOCK
+            scales = from_bytes(sb, torch.float32, (local, r * t, s))
+            # Column-major in the last two dimensions, as DeepEP lays them out.
+            scales = scales.transpose(1, 2).contiguous().transpose(1, 2)
+            recv_x = (data, scales)
+        else:
+            recv_x = from_bytes(xb, torch.bfloat16, (local, r * t, hidden))
+        recv_count = torch.tensor(counts, dtype=torch.int32)
+        if cumulative_local_expert_recv_stats is not None:
+            check_cpu("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats)
+            cumulative_local_expert_recv_stats += recv_count.to(cumulative_local_expert_recv_stats.dtype)
+        ranges = native.layout_range
+        layout_range = torch.tensor([(first << 32) | count for first, count in ranges],
+                                    dtype=torch.int64).view(local, r)
+        handle = (_LlState(native, ep, k), layout_range, t, hidden, num_experts)
+        return recv_x, recv_count, handle, EventOverlap(CompletedEvent() if async_finish else None), \
+            (_hook if return_recv_hook else None)
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None) -> \
+            Tuple[torch.Tensor, EventOverlap, Callable]:
+        """LL combine: every valid row of `x` `[L, R*T, H]` goes back to its token, which
+        sums `weight * row` over its top-k in order (f32, rounded once to BF16). Returns
+        (combined_x `[N, H]` bf16, event, hook). With `zero_copy`, the rows are taken from
+        `get_next_low_latency_combine_buffer(handle)` instead of `x`."""
+        self._live()
+        if use_logfmt:
+            raise _unsupported("low_latency_combine(use_logfmt=True)")
+        st = _ll_state(handle)
+        _, _, t, hidden, num_experts = handle
+        if zero_copy:
+            x = self.get_next_low_latency_combine_buffer(handle)
+        check("x", x, torch.bfloat16, dim=3)
+        check("topk_idx", topk_idx, None, dim=2)
+        check("topk_weights", topk_weights, None, dim=2)
+        n = st.native.num_tokens
+        yb = st.ep.ll_combine(to_bytes(x), to_bytes(topk_idx.to(torch.int64)),
+                              to_bytes(topk_weights.to(torch.float32)), st.native)
+        combined = from_bytes(yb, torch.bfloat16, (n, hidden))
+        if out is not None:
+            check("out", out, torch.bfloat16)
+            out.copy_(combined)
+            combined = out
+        return combined, EventOverlap(CompletedEvent() if async_finish else None), \
+            (_hook if return_recv_hook else None)
+
+    def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
+        """The `[L, R*T, H]` bf16 tensor a `zero_copy=True` LL combine reads (filled by
+        the caller)."""
+        self._live()
+        _, _, t, hidden, num_experts = handle
+        shape = (num_experts // self.group_size, self.group_size * t, hidden)
+        buf = self._ll_comb_bufs.get(shape)
+        if buf is None:
+            buf = torch.zeros(shape, dtype=torch.bfloat16)
+            self._ll_comb_bufs[shape] = buf
+        return buf

@@ -1,0 +1,95 @@
+"""The DeepEP-compatible surface of gin_ep on one gloo process: names, defaults,
+static helpers, events, and NotImplementedError for what the host backend lacks."""
+
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import _dist
+import gin_ep
+from gin_ep import Buffer, Config, EventOverlap, topk_idx_t
+
+
+def test_exports():
+    assert topk_idx_t is torch.int64
+    for name in ["Buffer", "Config", "EventOverlap", "topk_idx_t"]:
+        assert hasattr(gin_ep, name)
+    params = inspect.signature(Buffer.__init__).parameters
+    assert [p for p in params][1:10] == [
+        "group", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "num_qps_per_rank",
+        "allow_nvlink_for_low_latency_mode", "allow_mnnvl", "explicitly_destroy", "comm"]
+    assert params["num_qps_per_rank"].default == 24
+    d = inspect.signature(Buffer.low_latency_dispatch).parameters
+    assert d["use_fp8"].default is True and d["return_recv_hook"].default is False
+
+
+def test_static_helpers():
+    Buffer.set_num_sms(24)
+    assert Buffer.num_sms == 24
+    with pytest.raises(AssertionError):
+        Buffer.set_num_sms(23)
+    Buffer.set_num_sms(20)
+    cfg = Buffer.get_dispatch_config(8)
+    assert isinstance(cfg, Config) and isinstance(Buffer.get_combine_config(4), Config)
+    assert cfg.get_nvl_buffer_size_hint(7168 * 2, 8) > 0
+    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) > 0
+    ev = Buffer.capture()
+    assert isinstance(ev, EventOverlap)
+    ev.current_stream_wait()
+    with ev:
+        pass
+    EventOverlap().current_stream_wait()
+
+
+def single_worker(rank, world):
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20, num_rdma_bytes=1 << 20)
+    assert (buf.rank, buf.group_size) == (0, 1)
+    with pytest.raises(NotImplementedError, match="get_local_buffer_tensor"):
+        buf.get_local_buffer_tensor(torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="get_comm_stream"):
+        buf.get_comm_stream()
+    x = torch.randn(4, 128).to(torch.bfloat16)
+    idx = torch.tensor([[0, 1], [1, -1], [-1, -1], [3, 2]], dtype=topk_idx_t)
+    w = torch.rand(4, 2)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4)
+    assert per_rank.tolist() == [3] and per_expert.tolist() == [1, 2, 1, 1]
+    recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=idx, topk_weights=w)
+    # One rank: rows 0, 1, 3 come back to itself in token order.
+    assert torch.equal(recv_x, x[[0, 1, 3]]) and counts == [1, 2, 1, 1]
+    y, _, _ = buf.combine(recv_x, handle)
+    assert torch.equal(y[[0, 1, 3]], x[[0, 1, 3]]) and (y[2] == 0).all()
+    # Bad input: the library's message, as a ValueError.
+    with pytest.raises(ValueError, match="expert"):
+        bad = torch.tensor([[0, 9]], dtype=topk_idx_t)
+        buf.dispatch(x[:1], num_tokens_per_expert=per_expert, topk_idx=bad, topk_weights=w[:1])
+    with pytest.raises(NotImplementedError, match="GPU path"):
+        buf.dispatch(x.to("meta"), num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    with pytest.raises(RuntimeError, match="explicitly_destroy"):
+        buf.destroy()
+
+
+def test_single_process():
+    _dist.run(1, single_worker)
+
+
+class _FakeGroup:
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 2
+
+
+def test_nccl_group_is_the_gpu_path(monkeypatch):
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(NotImplementedError, match="GPU path"):
+        Buffer(_FakeGroup(), num_nvl_bytes=1 << 20)
+
+
+def test_group_or_comm_required():
+    with pytest.raises(ValueError, match="group"):
+        Buffer(None)

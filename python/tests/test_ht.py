@@ -1,0 +1,132 @@
+"""HT dispatch/combine of gin_ep.Buffer on 2 and 4 gloo processes, bit for bit
+against gin-ep's oracle: layout, BF16 and FP8 dispatch, cached dispatch, combine with
+weights and biases, num_worst_tokens, events."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import _dist
+from _inputs import quantize, routing, same_bits
+from gin_ep import Buffer, EventOverlap, _native
+from gin_ep._convert import from_bytes, to_bytes
+
+HIDDEN, TOPK = 256, 4
+
+
+def tokens_of(world):
+    return [7, 0, 19, 11][:world] if world > 1 else [9]
+
+
+def check_layout(buf, rank, world, idx, experts):
+    per_rank, per_rdma, per_expert, in_rank, ev = buf.get_dispatch_layout(idx, experts)
+    assert per_rdma is None and isinstance(ev, EventOverlap)
+    local = experts // world
+    valid = idx[idx >= 0]
+    same_bits("num_tokens_per_expert", per_expert, torch.bincount(valid, minlength=experts).to(torch.int32))
+    want = torch.stack([((idx >= 0) & (idx // local == r)).any(1) for r in range(world)], 1) \
+        if idx.shape[0] else torch.zeros(0, world, dtype=torch.bool)
+    assert torch.equal(in_rank, want)
+    same_bits("num_tokens_per_rank", per_rank, want.sum(0).to(torch.int32))
+    return per_rank, per_expert, in_rank
+
+
+def ht_worker(rank, world):
+    experts = 4 * world
+    tokens = tokens_of(world)
+    inputs = routing(world, tokens, HIDDEN, TOPK, experts, seed=1234 + world)
+    x, idx, w = inputs[rank]
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=1 << 22, explicitly_destroy=True)
+    per_rank, per_expert, in_rank = check_layout(buf, rank, world, idx, experts)
+
+    # BF16 dispatch, alignment 4.
+    cfg = _native.EpConfig(world, experts, HIDDEN, TOPK, max(tokens), "bf16", 4)
+    ref = _native.oracle_ht_dispatch(cfg, [to_bytes(i[0]) for i in inputs], [to_bytes(i[1]) for i in inputs],
+                                     [to_bytes(i[2]) for i in inputs])
+    rx, _, ridx, rw, counts, _ = ref[rank]
+    recv_x, recv_idx, recv_w, recv_counts, handle, event = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=idx, topk_weights=w, expert_alignment=4, async_finish=True)
+    event.current_stream_wait()
+    nr = recv_x.shape[0]
+    same_bits("recv_x", recv_x, from_bytes(rx, torch.bfloat16, (nr, HIDDEN)))
+    same_bits("recv_topk_idx", recv_idx, from_bytes(ridx, torch.int64, (nr, TOPK)))
+    same_bits("recv_topk_weights", recv_w, from_bytes(rw, torch.float32, (nr, TOPK)))
+    assert recv_counts == list(counts), (recv_counts, counts)
+    assert handle[3].shape == (nr,) and handle[3].dtype == torch.int32
+    assert torch.equal(handle[4], in_rank)
+
+    # Cached dispatch of new activations with the same routing.
+    x2s = [(i[0].float() * -0.5 + 1).to(torch.bfloat16) for i in inputs]
+    ref2 = _native.oracle_ht_dispatch(cfg, [to_bytes(v) for v in x2s], [to_bytes(i[1]) for i in inputs],
+                                      [to_bytes(i[2]) for i in inputs])
+    out = buf.dispatch(x2s[rank], handle=handle, previous_event=Buffer.capture())
+    assert out[1:5] == (None, None, None, None)
+    same_bits("cached recv_x", out[0], from_bytes(ref2[rank][0], torch.bfloat16, (nr, HIDDEN)))
+
+    # Combine with weights and two biases; every rank's combine input from the oracle.
+    def expert_out(r):
+        rrx = from_bytes(ref[r][0], torch.bfloat16, (ref[r][5].num_recv, HIDDEN))
+        return (rrx.float() * (1.5 + r)).to(torch.bfloat16)
+
+    def bias(r, j):
+        g = torch.Generator().manual_seed(99 + 10 * r + j)
+        return torch.randn(tokens[r], HIDDEN, generator=g).to(torch.bfloat16)
+
+    ys = [expert_out(r) for r in range(world)]
+    cref = _native.oracle_ht_combine(
+        cfg, [ref[r][5] for r in range(world)], [to_bytes(y) for y in ys],
+        [ref[r][3] for r in range(world)],
+        [to_bytes(bias(r, 0)) for r in range(world)], [to_bytes(bias(r, 1)) for r in range(world)])
+    cx, cw, ev = buf.combine(ys[rank], handle, topk_weights=recv_w, bias=(bias(rank, 0), bias(rank, 1)))
+    assert ev.event is None
+    same_bits("combined_x", cx, from_bytes(cref[rank][0], torch.bfloat16, (tokens[rank], HIDDEN)))
+    same_bits("combined_topk_weights", cw, from_bytes(cref[rank][1], torch.float32, (tokens[rank], TOPK)))
+    # Without weights or bias.
+    cref0 = _native.oracle_ht_combine(cfg, [ref[r][5] for r in range(world)], [to_bytes(y) for y in ys])
+    cx0, cw0, _ = buf.combine(ys[rank], handle)
+    assert cw0 is None
+    same_bits("combined_x (no bias)", cx0, from_bytes(cref0[rank][0], torch.bfloat16, (tokens[rank], HIDDEN)))
+
+    # num_worst_tokens: padded outputs, empty count list; combine ignores the padding.
+    worst = sum(tokens)
+    px, pidx, pw, pcounts, phandle, _ = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=idx, topk_weights=w, num_worst_tokens=worst)
+    assert pcounts == [] and px.shape == (worst, HIDDEN) and pidx.shape == (worst, TOPK)
+    same_bits("padded recv_x", px[:nr], recv_x)
+    assert (pidx[nr:] == -1).all() and (pw[nr:] == 0).all()
+    ypad = torch.cat([ys[rank], torch.zeros(worst - nr, HIDDEN, dtype=torch.bfloat16)])
+    cxp, _, _ = buf.combine(ypad, phandle)
+    same_bits("combined_x (padded)", cxp, cx0)
+
+    # FP8 dispatch: (e4m3, scales) tuples travel unchanged.
+    fcfg = _native.EpConfig(world, experts, HIDDEN, TOPK, max(tokens), "fp8", 1)
+    fref = _native.oracle_ht_dispatch(fcfg, [to_bytes(i[0]) for i in inputs], [to_bytes(i[1]) for i in inputs],
+                                      [to_bytes(i[2]) for i in inputs])
+    (fx, fs), fidx, fw, fcounts, fhandle, _ = buf.dispatch(
+        quantize(x), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    same_bits("fp8 recv_x", fx, from_bytes(fref[rank][0], torch.uint8, (nr, HIDDEN)).view(torch.float8_e4m3fn))
+    same_bits("fp8 recv_scales", fs, from_bytes(fref[rank][1], torch.float32, (nr, HIDDEN // 128)))
+    same_bits("fp8 recv_topk_idx", fidx, recv_idx)
+    assert fcounts == list(fref[rank][4])
+    # Cached FP8 dispatch and a BF16 combine on the FP8 handle.
+    (cfx, cfs), *_ = buf.dispatch(quantize(x), handle=fhandle)
+    same_bits("cached fp8 recv_x", cfx, fx)
+    same_bits("cached fp8 scales", cfs, fs)
+    cx8, _, _ = buf.combine(ys[rank], fhandle)
+    same_bits("combined_x (fp8 handle)", cx8, cx0)
+
+    # A rank with too many tokens fails on every rank with the library's message.
+    small = Buffer(dist.group.WORLD, max_tokens_per_rank=max(tokens) - 1, explicitly_destroy=True)
+    with pytest.raises((ValueError, RuntimeError)):
+        small.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                       num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    small.destroy()
+    buf.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ht(world):
+    _dist.run(world, ht_worker)
