@@ -164,9 +164,9 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
             )));
         }
     }
-    if a.sweep && (mode != BenchMode::Ll || a.gpus.is_none()) {
+    if a.sweep && a.gpus.is_none() {
         return Err(CliError::Usage(
-            "--sweep times the LL GPU kernels: use it with --mode ll --gpus N".into(),
+            "--sweep times GPU kernel variants: use it with --gpus N".into(),
         ));
     }
     Ok(Resolved {
