@@ -34,16 +34,31 @@ pub const MAX_EXPERTS: usize = 8192;
 /// Default SM budget (CTAs of dispatch and combine), as DeepEP's tuned HT setting.
 pub const DEFAULT_SMS: u32 = 24;
 
-const LAYOUT_THREADS: u32 = 1024;
+/// Tokens per block of the layout kernel (= its threads; kernels/ht/ht.cu kLayoutTile).
+const LAYOUT_TILE: usize = 256;
 /// u64 device timestamps per CudaHt (kernels/ht/ht.cu kStampWords).
 pub const STAMP_WORDS: usize = 16;
 /// Environment variable naming the default [`HtVariant`] of every [`CudaHt`].
 pub const ENV_VARIANT: &str = "GIN_EP_HT_VARIANT";
 
-/// Dynamic shared memory of the layout kernel: the E-bin histogram (16-byte aligned), then
-/// one tile of LAYOUT_THREADS tokens x (K | 1) int16 ids (kernels/ht/ht.cu layout_ids_offset).
+/// Dynamic shared memory of the layout kernel: the E-bin histogram (16-byte aligned), one
+/// tile of LAYOUT_TILE tokens x (K | 1) int16 ids (16-byte aligned), then the tile's send
+/// slots, LAYOUT_TILE x R i32 (kernels/ht/ht.cu layout_ids_offset, layout_slot_offset).
 pub fn layout_smem_bytes(cfg: &EpConfig) -> u32 {
-    (align16(cfg.experts * 4) + LAYOUT_THREADS as usize * (cfg.topk | 1) * 2) as u32
+    (align16(cfg.experts * 4) + align16(LAYOUT_TILE * (cfg.topk | 1) * 2) + LAYOUT_TILE * cfg.ranks * 4)
+        as u32
+}
+
+/// Blocks of the layout kernel for `num_tokens` tokens: one per tile, at least one.
+pub fn layout_blocks(num_tokens: usize) -> u32 {
+    num_tokens.div_ceil(LAYOUT_TILE).max(1) as u32
+}
+
+/// Bytes of the layout kernel's scan scratch (kernels/ht/ht.cu kScan*): 4 head words, the
+/// E-bin histogram (rounded to 8 bytes), then one u64 tile word per (tile, rank) for the
+/// most tiles `max_tokens_per_rank` can need. Zeroed once; the kernel leaves it so.
+pub fn layout_scan_bytes(cfg: &EpConfig) -> usize {
+    16 + cfg.experts.div_ceil(2) * 8 + layout_blocks(cfg.max_tokens_per_rank) as usize * cfg.ranks * 8
 }
 
 /// A performance variant of the HT kernels: which compiled instantiation (unroll), block
@@ -406,6 +421,7 @@ pub struct CudaHt {
     out_w: DeviceBuffer,
     send_slot: DeviceBuffer,
     plan: DeviceBuffer,
+    scan: DeviceBuffer,
     stamps: DeviceBuffer,
     plan_host: HostMapped<[u32; 4]>,
     lay: HtLayout,
@@ -449,8 +465,11 @@ impl CudaHt {
         rank.set_max_smem(names::HT_LAYOUT_COUNT, layout_smem_bytes(cfg))?;
         let stamps = alloc(STAMP_WORDS * 8)?;
         rank.memset_u8(stamps.region(), 0)?;
+        let scan = alloc(layout_scan_bytes(cfg))?;
+        rank.memset_u8(scan.region(), 0)?;
         Ok(CudaHt {
             stamps,
+            scan,
             x_in: alloc(t * h * 2)?,
             scales_in: alloc(t * (h / FP8_BLOCK) * 4)?,
             topk_idx_in: alloc(t * k * 8)?,
@@ -729,6 +748,7 @@ impl CudaHt {
             stamps: self.stamps.region().ptr,
             chunk,
             vflags: if self.opts.variant.rotate { VAR_ROTATE } else { 0 },
+            scan: self.scan.region().ptr,
         }
     }
 
@@ -818,8 +838,8 @@ impl CudaHt {
             unsafe {
                 rank.launch_smem(
                     names::HT_LAYOUT_COUNT,
-                    1,
-                    LAYOUT_THREADS,
+                    layout_blocks(num_tokens),
+                    LAYOUT_TILE as u32,
                     layout_smem_bytes(&self.cfg),
                     &args,
                 )
