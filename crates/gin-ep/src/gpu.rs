@@ -733,6 +733,7 @@ pub const ENV_SWEEP: &str = "GIN_EP_HT_SWEEP";
 /// prediction for each.
 pub const BUILTIN_SWEEP: &[&str] = &[
     "sms=24",
+    "sms=24,rot=0,cu=4,cc=0",
     "sms=24,dc=1,cc=1",
     "sms=24,rot=1",
     "sms=24,dt=256,ct=128",

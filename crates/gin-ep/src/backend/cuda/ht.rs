@@ -69,7 +69,11 @@ pub fn layout_scan_bytes(cfg: &EpConfig) -> usize {
 /// Text form (CLI, `GIN_EP_HT_VARIANT`, sweep lists): comma-separated `key=value`, keys
 /// `du` dispatch unroll (4, 8, 16), `dt` dispatch threads, `dc` dispatch chunk, `rot`
 /// rotated destinations (0/1), `cu` combine unroll (2, 3, 4), `ct` combine threads, `cc`
-/// combine chunk; unnamed keys keep their defaults. `default` is the default.
+/// combine chunk; unnamed keys keep their defaults, except that `du` / `cu` without `dt` /
+/// `ct` take that unroll's block-size ceiling (du 4/8/16: 768/512/384, cu 2/3/4:
+/// 512/384/256). `default` is the default: `du=8,dt=512,dc=0,rot=1,cu=2,ct=512,cc=2`
+/// (bench/RESULTS.md, HT sweep at commit 9103f98: rot=1 and cu=2,ct=512,cc=2 were the best at
+/// 24 SMs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HtVariant {
     pub dispatch_unroll: u32,
@@ -87,10 +91,10 @@ impl Default for HtVariant {
             dispatch_unroll: 8,
             dispatch_threads: 512,
             dispatch_chunk: 0,
-            rotate: false,
-            combine_unroll: 4,
-            combine_threads: 256,
-            combine_chunk: 0,
+            rotate: true,
+            combine_unroll: 2,
+            combine_threads: 512,
+            combine_chunk: 2,
         }
     }
 }
@@ -116,6 +120,8 @@ impl HtVariant {
     pub fn parse(text: &str) -> Result<HtVariant> {
         let mut v = HtVariant::default();
         let text = text.trim();
+        // Which of du, dt, cu, ct the text names.
+        let mut named = [false; 4];
         if !(text.is_empty() || text == "default") {
             for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
                 let (k, val) = part
@@ -126,12 +132,24 @@ impl HtVariant {
                     .parse()
                     .map_err(|_| Error::config("variant", part, "value is not a number"))?;
                 match k.trim() {
-                    "du" => v.dispatch_unroll = n,
-                    "dt" => v.dispatch_threads = n,
+                    "du" => {
+                        v.dispatch_unroll = n;
+                        named[0] = true;
+                    }
+                    "dt" => {
+                        v.dispatch_threads = n;
+                        named[1] = true;
+                    }
                     "dc" => v.dispatch_chunk = n,
                     "rot" => v.rotate = n != 0,
-                    "cu" => v.combine_unroll = n,
-                    "ct" => v.combine_threads = n,
+                    "cu" => {
+                        v.combine_unroll = n;
+                        named[2] = true;
+                    }
+                    "ct" => {
+                        v.combine_threads = n;
+                        named[3] = true;
+                    }
                     "cc" => v.combine_chunk = n,
                     other => {
                         return Err(Error::config(
@@ -140,6 +158,16 @@ impl HtVariant {
                             "unknown key (du, dt, dc, rot, cu, ct, cc)",
                         ))
                     }
+                }
+            }
+            if named[0] && !named[1] {
+                if let Some((_, max)) = v.dispatch_kernel() {
+                    v.dispatch_threads = max;
+                }
+            }
+            if named[2] && !named[3] {
+                if let Some((_, max)) = v.combine_kernel() {
+                    v.combine_threads = max;
                 }
             }
         }
@@ -1221,11 +1249,21 @@ mod tests {
         assert_eq!(v.dispatch_threads, 768);
         assert!(v.rotate);
         assert_eq!(HtVariant::parse(&v.to_string()).unwrap(), v);
+        let d = HtVariant::default();
+        assert!(d.rotate);
+        assert_eq!(
+            (d.combine_unroll, d.combine_threads, d.combine_chunk),
+            (2, 512, 2)
+        );
+        assert_eq!(HtVariant::parse("cu=4").unwrap().combine_threads, 256);
+        assert_eq!(HtVariant::parse("cu=3").unwrap().combine_threads, 384);
+        assert_eq!(HtVariant::parse("du=16").unwrap().dispatch_threads, 384);
+        assert_eq!(HtVariant::parse("du=4,dt=256").unwrap().dispatch_threads, 256);
         for bad in [
             "du=5",
             "du=16,dt=512",
             "dt=100",
-            "ct=512",
+            "cu=4,ct=512",
             "cu=8",
             "x=1",
             "du",
