@@ -39,6 +39,7 @@ enum FabricPhase : uint32_t {
   kPhaseHtCachedBarrier = 6,  // HT: cached dispatch start barrier
   kPhaseHtCombineStart = 7,   // HT: combine start barrier (peers' expert outputs ready)
   kPhaseHtCombineEnd = 8,     // HT: combine end barrier (peers done reading ours)
+  kPhaseHtLayoutScan = 9,     // HT: layout kernel waiting for an earlier tile's prefix (own GPU)
 };
 
 // The first failed wait of a launch, written once. `claimed` goes 0 -> 1 by atomicCAS so

@@ -40,7 +40,6 @@ constexpr int kMaxRanks = 32;          // rank masks are u32; host refuses more
 constexpr int kMaxGrid = 128;          // dispatch signal words per source; host caps the grid
 constexpr int kMaxExperts = 8192;      // layout ids are int16, histogram in shared memory; host refuses more
 static_assert(kMaxExperts <= 32767, "layout ids are int16");
-constexpr int kLayoutThreads = 1024;
 constexpr uint64_t kFailed = ~uint64_t(0);
 
 // dtype of HtArgs
@@ -109,9 +108,10 @@ struct HtArgs {
   uint64_t* stamps;          // [kStampWords] u64 device timestamps (globaltimer), see kStamp*
   uint32_t chunk;            // dispatch / combine: row steps per work item, 0 = whole row
   uint32_t vflags;           // variant flags (kVar*): performance only, never the result
+  uint32_t* scan;            // layout kernel's scan scratch (see kScan*)
 };
 // Mirrored by HtArgs in crates/gin-ep/src/backend/cuda/kernels.rs (same asserts there).
-static_assert(sizeof(HtArgs) == 464 && offsetof(HtArgs, x) == 296 && offsetof(HtArgs, seq) == 392 &&
+static_assert(sizeof(HtArgs) == 472 && offsetof(HtArgs, scan) == 464 && offsetof(HtArgs, x) == 296 && offsetof(HtArgs, seq) == 392 &&
                   offsetof(HtArgs, num_tokens) == 416 && offsetof(HtArgs, stamps) == 448,
               "host ABI");
 
@@ -217,42 +217,139 @@ using namespace gin_ep;
 using namespace gin_ep::ht;
 
 // ---------------------------------------------------------------------------------------
-// Layout + count exchange: one block of kLayoutThreads, dynamic shared memory
-// (layout_smem_bytes: the E-bin histogram, then one tile of topk ids as int16).
+// Layout + count exchange: ceil(N / kLayoutTile) blocks (at least one) of kLayoutTile
+// threads, one token per thread; dynamic shared memory (layout_smem_bytes): the E-bin
+// histogram, the tile's topk ids as int16, the tile's send slots.
 //
-// Layout (routing.rs `layout`): tokens in tiles of blockDim. A tile's ids are first staged
-// into shared memory with coalesced loads (each id read from HBM once, 16-bit codes: -2 for
-// out of range), so the per-token pass (one thread per token: validation, duplicate check,
-// histogram, rank mask) reads shared memory only. The first version read each token's row
-// straight from global memory, 64 B apart per lane: every warp load touched 16 cache lines
-// and the duplicate check re-read the row K^2/2 times, ≈40 µs of L1 wavefronts at 4096 x 8.
-// Per tile and rank a warp ballot gives each token its position among the tile's tokens for
-// that rank; warp r scans the per-warp counts of rank r (shuffles, all ranks in parallel);
-// with the running total that is the exclusive scan over all earlier tokens: the send slot
-// in ascending token order. Per-expert counts are a shared-memory histogram.
-// Validation mirrors routing::validate_topk: the first bad (t, k) in row-major order (range
-// [-1, E), no expert twice in a row) sets status kStatusInvalidInput; then nothing is sent,
-// every peer's count signal gets kFailed, and peers skip their dispatch too.
+// Layout (routing.rs `layout`), per block = tile of kLayoutTile tokens:
+// - the tile's ids are staged into shared memory with 16-byte coalesced loads (16-bit codes,
+//   -2 for out of range; odd row stride), so the per-token pass reads shared memory only;
+// - per token: validation (mirrors routing::validate_topk: the first bad (t, k) in row-major
+//   order, range [-1, E), no expert twice in a row), the rank mask, the per-expert histogram
+//   with warp-aggregated shared atomics (__match_any: one atomic per distinct expert per
+//   warp and k, so hot routing does not serialize 32 lanes on one counter);
+// - per rank a warp ballot gives each token its position among the warp's tokens for that
+//   rank, a prefix over the tile's warps its position in the tile (slots staged in shared
+//   memory);
+// - tile offsets per rank by a decoupled look-back over the tile words of the scan scratch
+//   (a.scan): each block publishes its tile count (aggregate) at once, then one warp per
+//   rank reads 32 predecessors at a time (nearest first) and sums back to the nearest
+//   inclusive prefix; then it publishes its own inclusive prefix. Words carry the operation
+//   (seq) in a tag, so they are never reset. Blocks wait only on lower block indices (as
+//   CUB's single-pass scan), with a deadline;
+// - send_slot [tile][R] is written with 16-byte coalesced stores (in-tile slot + tile offset):
+//   the send slot in ascending token order, exactly the protocol's;
+// - the histogram is added into the scratch's global histogram (red.add per non-zero bin),
+//   the first bad entry into its word (atomicMax of the complement).
+// The last block to finish (atomic counter, threadfence-reduction pattern) reads the totals
+// (the last tile's inclusive prefix, the global histogram), resets the scratch for the next
+// operation, and does the count exchange and the plan; the others exit. No block waits for
+// a block that may not be resident, except the look-back on lower indices.
 //
 // Count exchange: the row (tokens_per_rank[R], tokens_per_expert[E]) goes into row `me` of
 // every peer's count region, then the count signal (seq) into slot `me` of every peer; wait
 // for all R slots; then the plan: src_offset, send_base, per-local-expert counts (aligned),
-// from the R x R count matrix loaded by R^2 threads at once.
+// from the R x R count matrix and the local-expert sums, loaded by all threads at once.
+// If invalid input or a failed look-back: nothing is sent, every peer's count signal gets
+// kFailed, and peers skip their dispatch too.
 namespace gin_ep {
 namespace ht {
+constexpr int kLayoutTile = 256;  // host mirror: ht.rs LAYOUT_TILE
+constexpr int kLayoutWarps = kLayoutTile / 32;
+// Scan scratch (u32 words; host mirror: ht.rs layout_scan_bytes; zeroed at allocation, the
+// last block of every layout launch leaves it zeroed again, tile words excepted):
+//   [0] blocks finished, [1] ~(first bad entry) (0: none), [2] look-back failed, [3] pad,
+//   [4, 4 + E) the histogram, then (8-byte aligned) u64 tile words [tiles][R].
+constexpr int kScanDone = 0, kScanBadInv = 1, kScanFail = 2, kScanHead = 4;
+// Tile word: tag (30 bits of seq, then flag) << 32 | count. Flag 1: aggregate (the tile's
+// count), 2: inclusive prefix (through this tile). Never 0, so a zeroed word is "not yet".
+constexpr uint32_t kTileAggregate = 1u, kTileInclusive = 2u;
+
 // Host mirror: ht.rs layout_smem_bytes.
 __host__ __device__ constexpr uint32_t layout_ids_offset(uint32_t experts) { return (experts * 4u + 15u) / 16u * 16u; }
+__host__ __device__ constexpr uint32_t layout_slot_offset(uint32_t experts, uint32_t topk) {
+  return layout_ids_offset(experts) + (uint32_t(kLayoutTile) * (topk | 1u) * 2u + 15u) / 16u * 16u;
+}
+
+__device__ __forceinline__ uint64_t tile_word(uint64_t seq, uint32_t flag, uint32_t count) {
+  const uint32_t tag = ((uint32_t(seq) & 0x3FFFFFFFu) << 2) | flag;
+  return (uint64_t(tag) << 32) | count;
+}
+
+__device__ __forceinline__ uint64_t ld_relaxed_gpu_u64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_relaxed_gpu_u64(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_relaxed_gpu_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// The 16-bit code of a topk id: the id, or -2 when outside [-1, E).
+__device__ __forceinline__ int16_t id_code(int64_t e, int E) { return int16_t(e < -1 || e >= E ? -2 : int(e)); }
+
+// Exclusive prefix of rank r's counts over tiles [0, tile), by one warp (decoupled
+// look-back: lane i reads tile end - 1 - i, the sum stops at the nearest inclusive prefix).
+// Returns false on a missed deadline (recorded in err; the caller fails the operation).
+__device__ __forceinline__ bool look_back(const uint64_t* tiles, int R, int r, int tile, uint64_t seq,
+                                          uint64_t timeout_ns, int me, FabricError* err, uint32_t* out) {
+  const int lane = threadIdx.x & 31;
+  const uint32_t want = (uint32_t(seq) & 0x3FFFFFFFu);
+  uint32_t excl = 0u;
+  bool ok = true;
+  for (int end = tile; end > 0; end -= 32) {
+    const int p = end - 1 - lane;  // lane 0: nearest predecessor
+    uint32_t flag = 0u, val = 0u;
+    if (p >= 0) {
+      const uint64_t* w = tiles + size_t(p) * R + r;
+      uint64_t v = ld_relaxed_gpu_u64(w);
+      uint64_t start = 0;
+      for (uint32_t spin = 0; (uint32_t(v >> 34) != want) || ((v >> 32) & 3u) == 0u; ++spin) {
+        if ((spin & 63u) == 63u) {
+          const uint64_t now = globaltimer_ns();
+          if (start == 0) start = now;
+          if (now - start > timeout_ns) {
+            report_error(err, kPhaseHtLayoutScan, me, me, now - start);
+            ok = false;
+            break;
+          }
+        }
+        v = ld_relaxed_gpu_u64(w);
+      }
+      flag = ok ? uint32_t(v >> 32) & 3u : kTileInclusive;
+      val = ok ? uint32_t(v) : 0u;
+    }
+    ok = __all_sync(0xFFFFFFFFu, ok);
+    const uint32_t incl = __ballot_sync(0xFFFFFFFFu, p >= 0 && flag == kTileInclusive);
+    const int stop = incl != 0u ? __ffs(incl) - 1 : 31;
+    uint32_t s = lane <= stop ? val : 0u;
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, d);
+    excl += s;
+    if (incl != 0u || !ok) break;
+  }
+  *out = excl;
+  return ok;
+}
 }  // namespace ht
 }  // namespace gin_ep
 
-extern "C" __global__ void __launch_bounds__(kLayoutThreads) gin_ep_ht_layout_count(const HtArgs a) {
+extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count(const HtArgs a) {
   extern __shared__ __align__(16) unsigned char s_dyn[];
-  __shared__ uint32_t s_warp[32][kMaxRanks];
-  __shared__ uint32_t s_total[kMaxRanks];
+  __shared__ uint32_t s_warp[kLayoutWarps][kMaxRanks];
+  __shared__ uint32_t s_tile[kMaxRanks];   // this tile's count per rank
+  __shared__ uint32_t s_off[kMaxRanks];    // tokens of earlier tiles per rank
+  __shared__ uint32_t s_total[kMaxRanks];  // last block: tokens_per_rank
   __shared__ uint32_t s_cnt[kMaxRanks][kMaxRanks];  // [source][destination] tokens_per_rank
   __shared__ uint32_t s_bad;
   __shared__ uint32_t s_fail;
   __shared__ int s_fail_peer;
+  __shared__ uint32_t s_last;
 
   const int R = a.comm.lsaSize;
   const int me = a.comm.lsaRank;
@@ -260,112 +357,193 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads) gin_ep_ht_layout_co
   const int KP = K | 1;  // odd row stride: conflict-free shared reads
   const int L = E / R;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int warps = blockDim.x / 32;
+  const int tile = blockIdx.x, tiles = gridDim.x;
   const uint32_t lanemask_lt = (1u << lane) - 1u;
   uint32_t* const s_hist = reinterpret_cast<uint32_t*>(s_dyn);
   int16_t* const s_ids = reinterpret_cast<int16_t*>(s_dyn + layout_ids_offset(uint32_t(E)));
+  int32_t* const s_slot = reinterpret_cast<int32_t*>(s_dyn + layout_slot_offset(uint32_t(E), uint32_t(K)));
+  uint32_t* const g_scan = a.scan;
+  uint32_t* const g_hist = g_scan + kScanHead;
+  uint64_t* const g_tiles = reinterpret_cast<uint64_t*>(g_scan + kScanHead + ((E + 1) & ~1));
 
-  if (tid == 0 && a.stamps != nullptr) {
+  if (tid == 0 && tile == 0 && a.stamps != nullptr) {
     a.stamps[kStampLayStart] = globaltimer_ns();
     a.stamps[kStampDispPayload] = 0;
     a.stamps[kStampDispEnd] = 0;
   }
-  for (int e = tid; e < E; e += blockDim.x) s_hist[e] = 0u;
-  if (tid < kMaxRanks) s_total[tid] = 0u;
+  const int t0 = tile * kLayoutTile;
+  const int tn = max(0, min(kLayoutTile, N - t0));
+  {
+    // Stage the tile's ids: 16-byte loads first (all in flight), then the 16-bit codes.
+    const int64_t* src = a.topk_idx + size_t(t0) * K;
+    const int n = tn * K;
+    const int nv = n / 2;  // int64 pairs; t0 * K * 8 is a multiple of 16 (kLayoutTile even)
+    constexpr int kV = 4;
+    for (int base = 0; base < nv; base += kV * kLayoutTile) {
+      longlong2 v[kV];
+#pragma unroll
+      for (int u = 0; u < kV; ++u) {
+        const int i = base + u * kLayoutTile + tid;
+        if (i < nv) v[u] = __ldg(reinterpret_cast<const longlong2*>(src) + i);
+      }
+#pragma unroll
+      for (int u = 0; u < kV; ++u) {
+        const int i = base + u * kLayoutTile + tid;
+        if (i < nv) {
+          const int j = 2 * i;
+          const int tl = j / K, k = j - tl * K;
+          s_ids[tl * KP + k] = id_code(v[u].x, E);
+          // j + 1 is (tl, k + 1), or (tl + 1, 0) when k is the row's last entry.
+          s_ids[k + 1 < K ? tl * KP + k + 1 : (tl + 1) * KP] = id_code(v[u].y, E);
+        }
+      }
+    }
+    if ((n & 1) != 0 && tid == 0) {
+      const int j = n - 1;
+      const int tl = j / K;
+      s_ids[tl * KP + (j - tl * K)] = id_code(src[j], E);
+    }
+  }
+  for (int e = tid; e < E; e += kLayoutTile) s_hist[e] = 0u;
   if (tid == 0) {
     s_bad = 0xFFFFFFFFu;
-    s_fail = kStatusOk;
+    s_fail = 0u;
     s_fail_peer = -1;
   }
   __syncthreads();
 
-  for (int base = 0; base < N; base += blockDim.x) {
-    const int tn = min(int(blockDim.x), N - base);
-    {
-      const int64_t* src = a.topk_idx + size_t(base) * K;
-      const int n = tn * K;
-#pragma unroll 4
-      for (int i = tid; i < n; i += blockDim.x) {
-        const int64_t e = src[i];
-        const int tl = i / K;
-        s_ids[tl * KP + (i - tl * K)] = int16_t(e < -1 || e >= E ? -2 : int(e));
-      }
-    }
-    __syncthreads();
-    const int t = base + tid;
-    uint32_t mask = 0u;
-    if (tid < tn) {
-      const int16_t* row = s_ids + tid * KP;
-      for (int k = 0; k < K; ++k) {
-        const int e = row[k];
-        if (e == -2) {
-          atomicMin(&s_bad, uint32_t(t * K + k));
-          continue;
-        }
-        if (e < 0) continue;
+  const int t = t0 + tid;
+  const bool live = tid < tn;
+  uint32_t mask = 0u;
+  {
+    const int16_t* row = s_ids + tid * KP;
+    for (int k = 0; k < K; ++k) {  // warp-uniform trip count
+      const int e = live ? int(row[k]) : -1;
+      bool ok = e >= 0;
+      if (e == -2) {
+        atomicMin(&s_bad, uint32_t(t * K + k));
+      } else if (ok) {
         bool dup = false;
         for (int j = 0; j < k; ++j) dup |= (int(row[j]) == e);
         if (dup) {
           atomicMin(&s_bad, uint32_t(t * K + k));
-          continue;
+          ok = false;
         }
-        atomicAdd(&s_hist[e], 1u);
+      }
+      const uint32_t same = __match_any_sync(0xFFFFFFFFu, ok ? e : -1);
+      if (ok) {
+        if ((same & lanemask_lt) == 0u) atomicAdd(&s_hist[e], uint32_t(__popc(same)));
         mask |= 1u << (e / L);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const uint32_t b = __ballot_sync(0xFFFFFFFFu, (mask >> r) & 1u);
-      if (lane == 0) s_warp[warp][r] = __popc(b);
-    }
-    __syncthreads();
-    if (warp < R) {  // warp r scans rank r's per-warp counts (R <= 32 <= warps)
-      const int r = warp;
-      const uint32_t tot = s_total[r];
-      const uint32_t c = lane < warps ? s_warp[lane][r] : 0u;
-      uint32_t inc = c;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const uint32_t y = __shfl_up_sync(0xFFFFFFFFu, inc, d);
-        if (lane >= d) inc += y;
-      }
-      if (lane < warps) s_warp[lane][r] = tot + inc - c;
-      const uint32_t all = __shfl_sync(0xFFFFFFFFu, inc, 31);
-      if (lane == 0) s_total[r] = tot + all;
-    }
-    __syncthreads();
-    for (int r = 0; r < R; ++r) {
-      const bool in = (mask >> r) & 1u;
-      const uint32_t b = __ballot_sync(0xFFFFFFFFu, in);
-      if (tid < tn) {
-        a.send_slot[size_t(t) * R + r] = in ? int32_t(s_warp[warp][r] + __popc(b & lanemask_lt)) : -1;
-      }
-    }
-    __syncthreads();  // s_ids and s_warp are rewritten by the next tile
   }
-  if (tid == 0 && a.stamps != nullptr) a.stamps[kStampLayDone] = globaltimer_ns();
+  for (int r = 0; r < R; ++r) {
+    const uint32_t b = __ballot_sync(0xFFFFFFFFu, (mask >> r) & 1u);
+    if (lane == 0) s_warp[warp][r] = __popc(b);
+  }
+  __syncthreads();
+  if (tid < R) {  // exclusive prefix over the tile's warps, per rank
+    uint32_t acc = 0u;
+#pragma unroll
+    for (int w = 0; w < kLayoutWarps; ++w) {
+      const uint32_t c = s_warp[w][tid];
+      s_warp[w][tid] = acc;
+      acc += c;
+    }
+    s_tile[tid] = acc;
+    // Publish at once: tile 0's count is already its inclusive prefix.
+    st_relaxed_gpu_u64(g_tiles + size_t(tile) * R + tid,
+                       tile_word(a.seq, tile == 0 ? kTileInclusive : kTileAggregate, acc));
+    if (tile == 0) s_off[tid] = 0u;
+  }
+  __syncthreads();
+  for (int r = 0; r < R; ++r) {
+    const bool in = (mask >> r) & 1u;
+    const uint32_t b = __ballot_sync(0xFFFFFFFFu, in);
+    if (live) s_slot[tid * R + r] = in ? int32_t(s_warp[warp][r] + __popc(b & lanemask_lt)) : -1;
+  }
+  // Histogram and first bad entry into the scratch (the last block reads them).
+  for (int e = tid; e < E; e += kLayoutTile) {
+    const uint32_t v = s_hist[e];
+    if (v != 0u) atomicAdd(&g_hist[e], v);
+  }
+  if (tid == 0 && s_bad != 0xFFFFFFFFu) atomicMax(&g_scan[kScanBadInv], ~s_bad);
+  if (tile > 0) {
+    for (int r = warp; r < R; r += kLayoutWarps) {
+      uint32_t off = 0u;
+      const bool ok = look_back(g_tiles, R, r, tile, a.seq, a.timeout_ns, me, a.err, &off);
+      if (lane == 0) {
+        s_off[r] = off;
+        if (!ok) atomicOr(&g_scan[kScanFail], 1u);
+        st_relaxed_gpu_u64(g_tiles + size_t(tile) * R + r, tile_word(a.seq, kTileInclusive, off + s_tile[r]));
+      }
+    }
+  }
+  __syncthreads();
+  {
+    // send_slot rows [t0, t0 + tn) are contiguous: tn * R words from t0 * R, 16-byte aligned.
+    int32_t* dst = a.send_slot + size_t(t0) * R;
+    const int n = tn * R;
+    const int nv = n / 4;
+    for (int i = tid; i < nv; i += kLayoutTile) {
+      const int4 v = reinterpret_cast<const int4*>(s_slot)[i];
+      const auto fix = [&](int32_t s, int q) { return s >= 0 ? s + int32_t(s_off[(4 * i + q) % R]) : -1; };
+      reinterpret_cast<int4*>(dst)[i] = make_int4(fix(v.x, 0), fix(v.y, 1), fix(v.z, 2), fix(v.w, 3));
+    }
+    for (int i = 4 * nv + tid; i < n; i += kLayoutTile) {
+      const int32_t s = s_slot[i];
+      dst[i] = s >= 0 ? s + int32_t(s_off[i % R]) : -1;
+    }
+  }
+  __syncthreads();  // every store of this block happens-before the fence and the count below
+  if (tid == 0) {
+    __threadfence();
+    s_last = atomicAdd(&g_scan[kScanDone], 1u) == uint32_t(tiles - 1) ? 1u : 0u;
+    if (s_last != 0u) __threadfence();
+  }
+  __syncthreads();
+  if (s_last == 0u) return;
+
+  // ---- The last block: totals, count exchange, plan.
+  if (tid == 0) {
+    if (a.stamps != nullptr) a.stamps[kStampLayDone] = globaltimer_ns();
+    const uint32_t inv = ld_relaxed_gpu_u32(&g_scan[kScanBadInv]);
+    s_bad = ~inv;  // 0xFFFFFFFF: none
+    s_fail = ld_relaxed_gpu_u32(&g_scan[kScanFail]) != 0u ? kStatusTimeout : kStatusOk;
+    g_scan[kScanDone] = 0u;
+    g_scan[kScanBadInv] = 0u;
+    g_scan[kScanFail] = 0u;
+  }
+  if (tid < R) s_total[tid] = uint32_t(ld_relaxed_gpu_u64(g_tiles + size_t(tiles - 1) * R + tid));
+  for (int e = tid; e < E; e += kLayoutTile) {
+    s_hist[e] = ld_relaxed_gpu_u32(&g_hist[e]);
+    g_hist[e] = 0u;
+  }
+  __syncthreads();
 
   const bool bad = s_bad != 0xFFFFFFFFu;
+  const bool refuse = bad || s_fail != kStatusOk;
   uint32_t* const src_offset = a.plan + kPlanHead;
   uint32_t* const send_base = src_offset + R + 1;
   uint32_t* const tpr = send_base + R;
   uint32_t* const tpe = tpr + R;
   uint32_t* const local = tpe + E;
   uint32_t* const aligned = local + L;
-  for (int r = tid; r < R; r += blockDim.x) tpr[r] = s_total[r];
-  for (int e = tid; e < E; e += blockDim.x) tpe[e] = s_hist[e];
+  for (int r = tid; r < R; r += kLayoutTile) tpr[r] = s_total[r];
+  for (int e = tid; e < E; e += kLayoutTile) tpe[e] = s_hist[e];
 
   const int row_words = R + E;
-  if (!bad) {
-    for (int i = tid; i < R * row_words; i += blockDim.x) {
-      const int peer = i / row_words, w = i % row_words;
+  if (!refuse) {
+    for (int i = tid; i < R * row_words; i += kLayoutTile) {
+      const int peer = i / row_words, w = i - peer * row_words;
       const uint32_t v = w < R ? s_total[w] : s_hist[w - R];
       *reinterpret_cast<uint32_t*>(
           lsa_ptr(a.win, a.off_counts + (size_t(me) * row_words + w) * sizeof(uint32_t), peer)) = v;
     }
   }
   __syncthreads();  // every thread's count stores happen-before the signals below
-  if (tid < R) signal_peer(a, a.off_count_sig + size_t(me) * sizeof(uint64_t), tid, bad ? kFailed : a.seq);
-  if (!bad && tid < R) {
+  if (tid < R) signal_peer(a, a.off_count_sig + size_t(me) * sizeof(uint64_t), tid, refuse ? kFailed : a.seq);
+  if (!refuse && tid < R) {
     const uint64_t* w = reinterpret_cast<const uint64_t*>(lsa_ptr(a.win, a.off_count_sig + size_t(tid) * 8, me));
     const uint32_t st = wait_signal(w, a.seq, kPhaseHtCountExchange, tid, me, a.timeout_ns, a.err);
     if (st != kStatusOk) {
@@ -376,11 +554,20 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads) gin_ep_ht_layout_co
   __syncthreads();  // extends the waiters' acquire to the block
   if (tid == 0 && a.stamps != nullptr) a.stamps[kStampLayCounts] = globaltimer_ns();
 
+  // The R x R count matrix and this rank's local-expert sums (into s_hist[0, L): the
+  // histogram is no longer needed), loaded at once.
   const uint32_t* counts = reinterpret_cast<const uint32_t*>(lsa_ptr(a.win, a.off_counts, me));
-  if (!bad && s_fail == kStatusOk) {
-    for (int i = tid; i < R * R; i += blockDim.x) {
-      const int s = i / R, d = i % R;
+  const bool counted = !refuse && s_fail == kStatusOk;
+  __syncthreads();  // everyone read s_fail before thread 0 reuses it below
+  if (counted) {
+    for (int i = tid; i < R * R; i += kLayoutTile) {
+      const int s = i / R, d = i - s * R;
       s_cnt[s][d] = ld_volatile_u32(counts + size_t(s) * row_words + d);
+    }
+    for (int e = tid; e < L; e += kLayoutTile) {
+      uint32_t sum = 0u;
+      for (int s = 0; s < R; ++s) sum += ld_volatile_u32(counts + size_t(s) * row_words + R + me * L + e);
+      s_hist[e] = sum;
     }
   }
   __syncthreads();
@@ -392,8 +579,8 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads) gin_ep_ht_layout_co
       detail = s_bad;
     } else if (s_fail != kStatusOk) {
       status = s_fail;
-      peer = s_fail_peer;
-      detail = kPhaseHtCountExchange;
+      peer = refuse ? me : s_fail_peer;
+      detail = refuse ? uint32_t(kPhaseHtLayoutScan) : uint32_t(kPhaseHtCountExchange);
     } else {
       const uint64_t cap = uint64_t(R) * a.max_tokens;
       uint64_t acc = 0;
@@ -433,9 +620,8 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads) gin_ep_ht_layout_co
   }
   __syncthreads();
   if (s_fail == kStatusOk) {
-    for (int e = tid; e < L; e += blockDim.x) {
-      uint32_t sum = 0u;
-      for (int s = 0; s < R; ++s) sum += ld_volatile_u32(counts + size_t(s) * row_words + R + me * L + e);
+    for (int e = tid; e < L; e += kLayoutTile) {
+      const uint32_t sum = s_hist[e];
       local[e] = sum;
       aligned[e] = (sum + a.alignment - 1u) / a.alignment * a.alignment;
     }
@@ -824,7 +1010,8 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
 }  // namespace ht
 }  // namespace gin_ep
 
-// Instantiations: name = unroll and the block-size ceiling. Default (ht.rs): U 4, <= 256.
+// Instantiations: name = unroll and the block-size ceiling. Default (ht.rs HtVariant::default):
+// gin_ep_ht_combine_u2_t512 with 512 threads and chunk 2.
 extern "C" __global__ void __launch_bounds__(256) gin_ep_ht_combine(const HtArgs a) { combine_body<4>(a); }
 extern "C" __global__ void __launch_bounds__(384) gin_ep_ht_combine_u3_t384(const HtArgs a) { combine_body<3>(a); }
 extern "C" __global__ void __launch_bounds__(512) gin_ep_ht_combine_u2_t512(const HtArgs a) { combine_body<2>(a); }

@@ -157,6 +157,60 @@ pub fn gpu_cases(world: usize, count: usize, seed: u64) -> Vec<Case> {
             8,
         ),
     ];
+    // The multi-block layout kernel (256-token tiles, look-back across tiles): token counts
+    // around tile edges, few and many experts, the largest top-k, hot routing.
+    let with_experts = |mut c: Case, e: usize, topk: usize| {
+        c.cfg = EpConfig::new(r, e, c.cfg.hidden, topk.min(e), c.cfg.max_tokens_per_rank)
+            .with_dtype(c.cfg.dispatch_dtype)
+            .with_alignment(c.cfg.expert_alignment);
+        c
+    };
+    let edges = |v: [usize; 4]| (0..r).map(|i| v[i % 4]).collect::<Vec<_>>();
+    cases.push(with_experts(
+        case(
+            1024,
+            8,
+            1100,
+            DispatchDtype::Bf16,
+            Routing::Uniform,
+            0.05,
+            edges([257, 255, 1100, 513]),
+            2,
+            9,
+        ),
+        2 * r,
+        8,
+    ));
+    cases.push(with_experts(
+        case(
+            512,
+            16,
+            2049,
+            DispatchDtype::Fp8,
+            Routing::Hot(0.9),
+            0.0,
+            edges([2049, 256, 1, 767]),
+            2,
+            10,
+        ),
+        256 * r,
+        16,
+    ));
+    cases.push(with_experts(
+        case(
+            128,
+            64,
+            600,
+            DispatchDtype::Bf16,
+            Routing::Zipf(1.5),
+            0.1,
+            edges([511, 0, 600, 300]),
+            2,
+            11,
+        ),
+        crate::backend::cuda::ht::MAX_EXPERTS / r * r,
+        crate::config::MAX_TOPK,
+    ));
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 0x6770_7563);
     for i in 0..count {
         let dtype = [DispatchDtype::Bf16, DispatchDtype::Fp8, DispatchDtype::Fp8Ue8m0][rng.gen_range(0..3)];
@@ -733,6 +787,7 @@ pub const ENV_SWEEP: &str = "GIN_EP_HT_SWEEP";
 /// prediction for each.
 pub const BUILTIN_SWEEP: &[&str] = &[
     "sms=24",
+    "sms=24,rot=0,cu=4,cc=0",
     "sms=24,dc=1,cc=1",
     "sms=24,rot=1",
     "sms=24,dt=256,ct=128",
@@ -990,7 +1045,7 @@ mod tests {
         for h in [2048, 4096, 7168, 8192] {
             assert!(cases.iter().any(|c| c.cfg.hidden == h), "hidden {h}");
         }
-        for t in [0, 1, 4096, 8192] {
+        for t in [0, 1, 255, 257, 4096, 8192] {
             assert!(cases.iter().any(|c| c.tokens.contains(&t)), "tokens {t}");
         }
         for d in [DispatchDtype::Bf16, DispatchDtype::Fp8, DispatchDtype::Fp8Ue8m0] {
@@ -1003,6 +1058,10 @@ mod tests {
             .iter()
             .any(|c| matches!(c.workload.routing, Routing::Hot(_))));
         assert!(cases.iter().any(|c| c.workload.mask_prob > 0.0));
+        for e in [8, 256, 1024, crate::backend::cuda::ht::MAX_EXPERTS] {
+            assert!(cases.iter().any(|c| c.cfg.experts == e), "experts {e}");
+        }
+        assert!(cases.iter().any(|c| c.cfg.topk == crate::config::MAX_TOPK));
         assert_eq!(gpu_cases(2, 3, 5).len(), gpu_cases(2, 3, 5).len());
         assert_eq!(
             format!("{:?}", gpu_cases(2, 3, 5)[9].cfg),

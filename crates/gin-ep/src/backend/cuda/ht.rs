@@ -34,16 +34,31 @@ pub const MAX_EXPERTS: usize = 8192;
 /// Default SM budget (CTAs of dispatch and combine), as DeepEP's tuned HT setting.
 pub const DEFAULT_SMS: u32 = 24;
 
-const LAYOUT_THREADS: u32 = 1024;
+/// Tokens per block of the layout kernel (= its threads; kernels/ht/ht.cu kLayoutTile).
+const LAYOUT_TILE: usize = 256;
 /// u64 device timestamps per CudaHt (kernels/ht/ht.cu kStampWords).
 pub const STAMP_WORDS: usize = 16;
 /// Environment variable naming the default [`HtVariant`] of every [`CudaHt`].
 pub const ENV_VARIANT: &str = "GIN_EP_HT_VARIANT";
 
-/// Dynamic shared memory of the layout kernel: the E-bin histogram (16-byte aligned), then
-/// one tile of LAYOUT_THREADS tokens x (K | 1) int16 ids (kernels/ht/ht.cu layout_ids_offset).
+/// Dynamic shared memory of the layout kernel: the E-bin histogram (16-byte aligned), one
+/// tile of LAYOUT_TILE tokens x (K | 1) int16 ids (16-byte aligned), then the tile's send
+/// slots, LAYOUT_TILE x R i32 (kernels/ht/ht.cu layout_ids_offset, layout_slot_offset).
 pub fn layout_smem_bytes(cfg: &EpConfig) -> u32 {
-    (align16(cfg.experts * 4) + LAYOUT_THREADS as usize * (cfg.topk | 1) * 2) as u32
+    (align16(cfg.experts * 4) + align16(LAYOUT_TILE * (cfg.topk | 1) * 2) + LAYOUT_TILE * cfg.ranks * 4)
+        as u32
+}
+
+/// Blocks of the layout kernel for `num_tokens` tokens: one per tile, at least one.
+pub fn layout_blocks(num_tokens: usize) -> u32 {
+    num_tokens.div_ceil(LAYOUT_TILE).max(1) as u32
+}
+
+/// Bytes of the layout kernel's scan scratch (kernels/ht/ht.cu kScan*): 4 head words, the
+/// E-bin histogram (rounded to 8 bytes), then one u64 tile word per (tile, rank) for the
+/// most tiles `max_tokens_per_rank` can need. Zeroed once; the kernel leaves it so.
+pub fn layout_scan_bytes(cfg: &EpConfig) -> usize {
+    16 + cfg.experts.div_ceil(2) * 8 + layout_blocks(cfg.max_tokens_per_rank) as usize * cfg.ranks * 8
 }
 
 /// A performance variant of the HT kernels: which compiled instantiation (unroll), block
@@ -54,7 +69,11 @@ pub fn layout_smem_bytes(cfg: &EpConfig) -> u32 {
 /// Text form (CLI, `GIN_EP_HT_VARIANT`, sweep lists): comma-separated `key=value`, keys
 /// `du` dispatch unroll (4, 8, 16), `dt` dispatch threads, `dc` dispatch chunk, `rot`
 /// rotated destinations (0/1), `cu` combine unroll (2, 3, 4), `ct` combine threads, `cc`
-/// combine chunk; unnamed keys keep their defaults. `default` is the default.
+/// combine chunk; unnamed keys keep their defaults, except that `du` / `cu` without `dt` /
+/// `ct` take that unroll's block-size ceiling (du 4/8/16: 768/512/384, cu 2/3/4:
+/// 512/384/256). `default` is the default: `du=8,dt=512,dc=0,rot=1,cu=2,ct=512,cc=2`
+/// (bench/RESULTS.md, HT sweep at commit 9103f98: rot=1 and cu=2,ct=512,cc=2 were the best at
+/// 24 SMs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HtVariant {
     pub dispatch_unroll: u32,
@@ -72,10 +91,10 @@ impl Default for HtVariant {
             dispatch_unroll: 8,
             dispatch_threads: 512,
             dispatch_chunk: 0,
-            rotate: false,
-            combine_unroll: 4,
-            combine_threads: 256,
-            combine_chunk: 0,
+            rotate: true,
+            combine_unroll: 2,
+            combine_threads: 512,
+            combine_chunk: 2,
         }
     }
 }
@@ -101,6 +120,8 @@ impl HtVariant {
     pub fn parse(text: &str) -> Result<HtVariant> {
         let mut v = HtVariant::default();
         let text = text.trim();
+        // Which of du, dt, cu, ct the text names.
+        let mut named = [false; 4];
         if !(text.is_empty() || text == "default") {
             for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
                 let (k, val) = part
@@ -111,12 +132,24 @@ impl HtVariant {
                     .parse()
                     .map_err(|_| Error::config("variant", part, "value is not a number"))?;
                 match k.trim() {
-                    "du" => v.dispatch_unroll = n,
-                    "dt" => v.dispatch_threads = n,
+                    "du" => {
+                        v.dispatch_unroll = n;
+                        named[0] = true;
+                    }
+                    "dt" => {
+                        v.dispatch_threads = n;
+                        named[1] = true;
+                    }
                     "dc" => v.dispatch_chunk = n,
                     "rot" => v.rotate = n != 0,
-                    "cu" => v.combine_unroll = n,
-                    "ct" => v.combine_threads = n,
+                    "cu" => {
+                        v.combine_unroll = n;
+                        named[2] = true;
+                    }
+                    "ct" => {
+                        v.combine_threads = n;
+                        named[3] = true;
+                    }
                     "cc" => v.combine_chunk = n,
                     other => {
                         return Err(Error::config(
@@ -125,6 +158,16 @@ impl HtVariant {
                             "unknown key (du, dt, dc, rot, cu, ct, cc)",
                         ))
                     }
+                }
+            }
+            if named[0] && !named[1] {
+                if let Some((_, max)) = v.dispatch_kernel() {
+                    v.dispatch_threads = max;
+                }
+            }
+            if named[2] && !named[3] {
+                if let Some((_, max)) = v.combine_kernel() {
+                    v.combine_threads = max;
                 }
             }
         }
@@ -406,6 +449,7 @@ pub struct CudaHt {
     out_w: DeviceBuffer,
     send_slot: DeviceBuffer,
     plan: DeviceBuffer,
+    scan: DeviceBuffer,
     stamps: DeviceBuffer,
     plan_host: HostMapped<[u32; 4]>,
     lay: HtLayout,
@@ -449,8 +493,11 @@ impl CudaHt {
         rank.set_max_smem(names::HT_LAYOUT_COUNT, layout_smem_bytes(cfg))?;
         let stamps = alloc(STAMP_WORDS * 8)?;
         rank.memset_u8(stamps.region(), 0)?;
+        let scan = alloc(layout_scan_bytes(cfg))?;
+        rank.memset_u8(scan.region(), 0)?;
         Ok(CudaHt {
             stamps,
+            scan,
             x_in: alloc(t * h * 2)?,
             scales_in: alloc(t * (h / FP8_BLOCK) * 4)?,
             topk_idx_in: alloc(t * k * 8)?,
@@ -729,6 +776,7 @@ impl CudaHt {
             stamps: self.stamps.region().ptr,
             chunk,
             vflags: if self.opts.variant.rotate { VAR_ROTATE } else { 0 },
+            scan: self.scan.region().ptr,
         }
     }
 
@@ -818,8 +866,8 @@ impl CudaHt {
             unsafe {
                 rank.launch_smem(
                     names::HT_LAYOUT_COUNT,
-                    1,
-                    LAYOUT_THREADS,
+                    layout_blocks(num_tokens),
+                    LAYOUT_TILE as u32,
                     layout_smem_bytes(&self.cfg),
                     &args,
                 )
@@ -1201,11 +1249,21 @@ mod tests {
         assert_eq!(v.dispatch_threads, 768);
         assert!(v.rotate);
         assert_eq!(HtVariant::parse(&v.to_string()).unwrap(), v);
+        let d = HtVariant::default();
+        assert!(d.rotate);
+        assert_eq!(
+            (d.combine_unroll, d.combine_threads, d.combine_chunk),
+            (2, 512, 2)
+        );
+        assert_eq!(HtVariant::parse("cu=4").unwrap().combine_threads, 256);
+        assert_eq!(HtVariant::parse("cu=3").unwrap().combine_threads, 384);
+        assert_eq!(HtVariant::parse("du=16").unwrap().dispatch_threads, 384);
+        assert_eq!(HtVariant::parse("du=4,dt=256").unwrap().dispatch_threads, 256);
         for bad in [
             "du=5",
             "du=16,dt=512",
             "dt=100",
-            "ct=512",
+            "cu=4,ct=512",
             "cu=8",
             "x=1",
             "du",

@@ -109,6 +109,8 @@ pub struct HtArgs {
     pub chunk: u32,
     /// Variant flags (performance only).
     pub vflags: u32,
+    /// Layout kernel's scan scratch (ht.rs `layout_scan_bytes`).
+    pub scan: u64,
 }
 
 /// Host mirror of `gin_ep::FabricError` (kernels/common/fabric.cuh): the first failed
@@ -176,7 +178,8 @@ const _: () = assert!(std::mem::size_of::<AlltoallArgs>() == 288);
 const _: () = assert!(std::mem::offset_of!(AlltoallArgs, err) == 264);
 const _: () = assert!(std::mem::offset_of!(AlltoallArgs, flag_offset) == 280);
 const _: () = assert!(std::mem::size_of::<PatternArgs>() == 40);
-const _: () = assert!(std::mem::size_of::<HtArgs>() == 464);
+const _: () = assert!(std::mem::size_of::<HtArgs>() == 472);
+const _: () = assert!(std::mem::offset_of!(HtArgs, scan) == 464);
 const _: () = assert!(std::mem::offset_of!(HtArgs, stamps) == 448);
 const _: () = assert!(std::mem::offset_of!(HtArgs, x) == 296);
 const _: () = assert!(std::mem::offset_of!(HtArgs, seq) == 392);
