@@ -41,13 +41,41 @@ struct AlltoallArgs {
   uint64_t timeout_ns;
   FabricError* err;      // host-mapped
   size_t recv_stride;    // lsa_opt: bytes from receive buffer 0 to buffer 1 (>= n * chunk)
-  size_t flag_offset;    // lsa_opt: in win, n_ranks u64 signal words + 1 u64 arrival counter
+  size_t flag_offset;    // lsa_opt: in win, n_ranks u64 signal words + 1 u64 arrival counter;
+                         // then 2 * n_ranks u64 per-CTA arrival counters (the `each` kernels)
+  uint64_t* stamps;      // optional (nullptr: off): kStampsPerCta globaltimer words per CTA
+  uint32_t vflags;       // performance-only variant bits (kVflag*)
+  uint32_t pad;
 };
 // Mirrored by AlltoallArgs in crates/gin-ep/src/backend/cuda/kernels.rs (same asserts there).
 static_assert(sizeof(ncclDevComm) == 200, "NCCL 2.28 ncclDevComm");
-static_assert(sizeof(AlltoallArgs) == 288 && offsetof(AlltoallArgs, err) == 264 &&
-                  offsetof(AlltoallArgs, flag_offset) == 280,
+static_assert(sizeof(AlltoallArgs) == 304 && offsetof(AlltoallArgs, err) == 264 &&
+                  offsetof(AlltoallArgs, flag_offset) == 280 && offsetof(AlltoallArgs, stamps) == 288 &&
+                  offsetof(AlltoallArgs, vflags) == 296,
               "host ABI");
+
+// --breakdown: thread 0 of every CTA writes globaltimer at these points into
+// stamps[blockIdx.x * kStampsPerCta + i]; a point the CTA never reaches stays 0 (the host
+// zeroes the buffer). Off (stamps == nullptr) it costs one uniform branch per point.
+enum Stamp : int {
+  kStampStart = 0,    // the CTA began
+  kStampCopied = 1,   // every thread of the CTA issued its stores (not yet acknowledged)
+  kStampSignal = 2,   // this CTA's signal(s) issued (lsa_opt: only the last CTA signals)
+  kStampSeen = 3,     // every peer's signal seen (only the waiting CTA)
+  kStampsPerCta = 4,
+};
+static_assert(kStampsPerCta == 4, "mirrored by STAMPS_PER_CTA in crates/gin-ep/src/alltoall.rs");
+
+__device__ __forceinline__ void stamp(const AlltoallArgs& a, Stamp i) {
+  if (a.stamps != nullptr && threadIdx.x == 0) a.stamps[blockIdx.x * kStampsPerCta + i] = globaltimer_ns();
+}
+
+// vflags: the store instruction of the `lsa_run` copy (2 bits).
+constexpr uint32_t kVflagStoreMask = 3u;
+constexpr uint32_t kVflagStorePlain = 0u;  // st.global.v4
+constexpr uint32_t kVflagStoreCs = 1u;     // st.global.cs.v4 (streaming, evict first)
+constexpr uint32_t kVflagStoreNa = 2u;     // st.global.L1::no_allocate.v4
+static_assert(kVflagStorePlain == 0u, "the host's default (vflags 0) is the plain store");
 
 __device__ __forceinline__ DeadlineBarrier make_barrier(const AlltoallArgs& a) {
   return DeadlineBarrier{a.win, a.signal_offset, a.comm.lsaRank, a.comm.lsaSize, a.timeout_ns, a.err};
@@ -158,12 +186,14 @@ __device__ __forceinline__ void alltoall_lsa_opt(const AlltoallArgs& a) {
   const int n = a.comm.lsaSize;
   const int rank = a.comm.lsaRank;
   const size_t buf = a.recv_offset + (a.epoch & 1) * a.recv_stride;
+  stamp(a, kStampStart);
   alltoall_push_copy<UNROLL>(a, buf + size_t(rank) * a.chunk_bytes);
 
   __shared__ int last;
   uint64_t* const flags = reinterpret_cast<uint64_t*>(lsa_ptr(a.win, a.flag_offset, rank));
   unsigned long long* const arrived = reinterpret_cast<unsigned long long*>(flags + n);
   __syncthreads();  // every thread's stores happen-before thread 0's fence
+  stamp(a, kStampCopied);
   if (threadIdx.x == 0) {
     __threadfence_system();
     last = atomicAdd(arrived, 1ull) == gridDim.x - 1ull;
@@ -178,6 +208,7 @@ __device__ __forceinline__ void alltoall_lsa_opt(const AlltoallArgs& a) {
   for (int p = 0; p < n; ++p) {
     st_release_sys(reinterpret_cast<uint64_t*>(lsa_ptr(a.win, a.flag_offset + size_t(rank) * 8, p)), value);
   }
+  stamp(a, kStampSignal);
   const uint64_t start = globaltimer_ns();
   for (int i = 1; i <= n; ++i) {
     const int p = (rank + i) % n;  // self last: it is already there
@@ -186,6 +217,7 @@ __device__ __forceinline__ void alltoall_lsa_opt(const AlltoallArgs& a) {
       return;
     }
   }
+  stamp(a, kStampSeen);
 }
 
 // UNROLL 4 is the default (four 16-byte loads in flight per thread cover NVLink latency at
@@ -197,6 +229,208 @@ GIN_EP_LSA_OPT(gin_ep_alltoall_lsa_opt_u1, 1)
 GIN_EP_LSA_OPT(gin_ep_alltoall_lsa_opt_u2, 2)
 GIN_EP_LSA_OPT(gin_ep_alltoall_lsa_opt_u8, 8)
 #undef GIN_EP_LSA_OPT
+
+// ---------------------------------------------------------------------------------------
+// The `each` protocol (lsa_each, lsa_run, lsa_bulk): like lsa_opt (double-buffered receive
+// region, no start barrier, same contract) but without the arrival counter and last-CTA
+// chain. Every CTA, after its stores, adds 1 (red.release.sys, thread p for peer p, in
+// parallel) to counter [e & 1][rank] in every peer's flag area; CTA 0 alone then waits
+// (deadline) until its own counters [e & 1][p] reach gridDim.x for every p (acquire), and
+// resets them to 0. Why the reset is safe: peer p adds to slot e & 1 again only at launch
+// e + 2, which it starts after its launch e + 1 saw our signals of e + 1, which we send
+// after this kernel (and its reset) ended. Every rank runs the same grid, so gridDim.x
+// counts the adds of one launch from one peer. Cost per CTA: one __syncthreads and n
+// fire-and-forget release adds; no serial fence + atomic + fence chain through the last
+// CTA. Counters live after lsa_opt's words: flag_offset + 8 * (n + 1 + (e & 1) * n + src).
+__device__ __forceinline__ void signal_each_and_wait(const AlltoallArgs& a) {
+  const int n = a.comm.lsaSize;
+  const int rank = a.comm.lsaRank;
+  const size_t slot = a.flag_offset + size_t(n + 1 + int(a.epoch & 1) * n) * 8;
+  __syncthreads();  // every thread's stores happen-before the releases below (bar.sync)
+  stamp(a, kStampCopied);
+  for (int p = int(threadIdx.x); p < n; p += int(blockDim.x)) {
+    red_release_sys_add(reinterpret_cast<uint64_t*>(lsa_ptr(a.win, slot + size_t(rank) * 8, p)), 1);
+  }
+  stamp(a, kStampSignal);
+  if (blockIdx.x != 0) return;
+  uint64_t* const mine = reinterpret_cast<uint64_t*>(lsa_ptr(a.win, slot, rank));
+  bool ok = true;
+  const uint64_t start = globaltimer_ns();
+  for (int p = int(threadIdx.x); p < n && ok; p += int(blockDim.x)) {
+    ok = wait_at_least(mine + p, gridDim.x, start, a.timeout_ns);
+    if (!ok) {
+      report_error(a.err, kPhaseAlltoallEnd, p, rank, globaltimer_ns() - start);
+    } else {
+      mine[p] = 0;  // see above: no adds to this slot until our next-but-one launch
+    }
+  }
+  __syncthreads_and(ok);  // extends the waiters' acquire to the block (and the kernel end)
+  stamp(a, kStampSeen);
+}
+
+template <int UNROLL>
+__device__ __forceinline__ void alltoall_lsa_each(const AlltoallArgs& a) {
+  stamp(a, kStampStart);
+  const size_t buf = a.recv_offset + (a.epoch & 1) * a.recv_stride;
+  alltoall_push_copy<UNROLL>(a, buf + size_t(a.comm.lsaRank) * a.chunk_bytes);
+  signal_each_and_wait(a);
+}
+
+// lsa_each: the lsa_opt copy (unroll 4) with the `each` signal.
+extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_lsa_each(const AlltoallArgs a) {
+  alltoall_lsa_each<4>(a);
+}
+
+// Push copy in runs: a work item is RUN vectors per lane = RUN * 512 contiguous bytes of one
+// chunk (4 KiB at RUN 8), item i going to peer (rank + 1 + i) % n; a warp loads its whole
+// run (RUN independent 16-byte loads per lane) before the first store, then stores it in
+// address order, so each link sees one long sequential burst per warp instead of 512-byte
+// pieces interleaved with other links. Store instruction from a.vflags (uniform branch).
+template <int RUN>
+__device__ __forceinline__ void alltoall_push_run(const AlltoallArgs& a, size_t slot_offset) {
+  const uint32_t n = uint32_t(a.comm.lsaSize);
+  const uint32_t rank = uint32_t(a.comm.lsaRank);
+  const uint32_t lane = threadIdx.x % 32;
+  const uint32_t vecs = uint32_t(a.chunk_bytes / 16);
+  const uint32_t runs_per_chunk = (vecs + 32 * RUN - 1) / (32 * RUN);
+  const uint32_t items = runs_per_chunk * n;
+  const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const uint32_t warps = gridDim.x * blockDim.x / 32;
+  char* const base = lsa_ptr(a.win, slot_offset, 0);
+  const size_t stride = n > 1 ? size_t(lsa_ptr(a.win, slot_offset, 1) - base) : 0;
+  const uint32_t store = a.vflags & kVflagStoreMask;
+
+  for (uint32_t item = warp; item < items; item += warps) {
+    const uint32_t peer = (rank + 1 + item % n) % n;
+    const uint32_t first = (item / n) * (32 * RUN) + lane;
+    const uint4* src = reinterpret_cast<const uint4*>(a.send + size_t(peer) * a.chunk_bytes) + first;
+    uint4* dst = reinterpret_cast<uint4*>(base + size_t(peer) * stride) + first;
+    uint4 v[RUN];
+#pragma unroll
+    for (int u = 0; u < RUN; ++u) {
+      if (first + u * 32 < vecs) v[u] = ld_nc_v4(src + u * 32);
+    }
+#pragma unroll
+    for (int u = 0; u < RUN; ++u) {
+      if (first + u * 32 < vecs) {
+        if (store == kVflagStoreCs) {
+          st_cs_v4(dst + u * 32, v[u]);
+        } else if (store == kVflagStoreNa) {
+          st_na_v4(dst + u * 32, v[u]);
+        } else {
+          st_v4(dst + u * 32, v[u]);
+        }
+      }
+    }
+  }
+}
+
+// lsa_run: 4 KiB runs per warp per peer, `each` signal.
+extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_lsa_run(const AlltoallArgs a) {
+  stamp(a, kStampStart);
+  const size_t buf = a.recv_offset + (a.epoch & 1) * a.recv_stride;
+  alltoall_push_run<8>(a, buf + size_t(a.comm.lsaRank) * a.chunk_bytes);
+  signal_each_and_wait(a);
+}
+
+// lsa_bulk: the copy engine's way from an SM. Thread 0 of each CTA drives a ring of
+// kBulkStages shared-memory buffers of kBulkBytes: cp.async.bulk global -> shared (local
+// send chunk, completion on an mbarrier), then cp.async.bulk shared -> global (the peer's
+// receive slot, an NVLink address from the window), one bulk group per piece. Pieces: the
+// chunk cut in kBulkBytes, piece i going to peer (rank + 1 + i) % n, CTAs striding over
+// pieces. Loads run kBulkStages pieces ahead; a stage is refilled once the store that read
+// it has finished reading (wait_group.read). The host launches it with 32 threads (one
+// warp; only lane 0 works). Before signalling: wait_group 0 (the stores are complete), then
+// fence.proxy.async.global so the generic-proxy release that follows orders them.
+constexpr int kBulkStages = 4;
+constexpr uint32_t kBulkBytes = 8192;  // 4 x 8 KiB = 32 KiB static shared memory per CTA
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return uint32_t(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void bulk_load(uint32_t dst_smem, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst_smem),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_store(void* dst, uint32_t src_smem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src_smem), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// Polls the mbarrier's phase `parity` (deadline: true when it completed in time).
+__device__ __forceinline__ bool mbar_wait(uint32_t bar, uint32_t parity, uint64_t start, uint64_t timeout_ns) {
+  for (uint32_t spin = 0;; ++spin) {
+    uint32_t done;
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    if (done) return true;
+    if ((spin & 63u) == 63u && globaltimer_ns() - start > timeout_ns) return false;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_lsa_bulk(const AlltoallArgs a) {
+  __shared__ alignas(128) unsigned char ring[kBulkStages][kBulkBytes];
+  __shared__ alignas(8) uint64_t bars[kBulkStages];
+  stamp(a, kStampStart);
+  const uint32_t n = uint32_t(a.comm.lsaSize);
+  const uint32_t rank = uint32_t(a.comm.lsaRank);
+  if (threadIdx.x == 0) {
+    const size_t slot_offset = a.recv_offset + (a.epoch & 1) * a.recv_stride + size_t(rank) * a.chunk_bytes;
+    char* const base = lsa_ptr(a.win, slot_offset, 0);
+    const size_t stride = n > 1 ? size_t(lsa_ptr(a.win, slot_offset, 1) - base) : 0;
+    const size_t pieces_per_chunk = (a.chunk_bytes + kBulkBytes - 1) / kBulkBytes;
+    const size_t pieces = pieces_per_chunk * n;
+    // The k-th piece of this CTA, as (peer, byte offset in the chunk, bytes).
+    auto piece = [&](size_t k, uint32_t& peer, size_t& off, uint32_t& bytes) {
+      const size_t i = blockIdx.x + k * gridDim.x;
+      peer = uint32_t((rank + 1 + i % n) % n);
+      off = (i / n) * kBulkBytes;
+      bytes = uint32_t(min(size_t(kBulkBytes), a.chunk_bytes - off));
+    };
+    const size_t count = blockIdx.x < pieces ? (pieces - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+    for (int s = 0; s < kBulkStages; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[s])) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    auto load = [&](size_t k) {
+      uint32_t peer, bytes;
+      size_t off;
+      piece(k, peer, off, bytes);
+      const int s = int(k % kBulkStages);
+      bulk_load(smem_addr(ring[s]), a.send + size_t(peer) * a.chunk_bytes + off, bytes, smem_addr(&bars[s]));
+    };
+    for (size_t k = 0; k < count && k < size_t(kBulkStages); ++k) load(k);
+    const uint64_t start = globaltimer_ns();
+    for (size_t k = 0; k < count; ++k) {
+      const int s = int(k % kBulkStages);
+      if (!mbar_wait(smem_addr(&bars[s]), uint32_t(k / kBulkStages) & 1u, start, a.timeout_ns)) {
+        report_error(a.err, kPhaseAlltoallEnd, -1, int(rank), globaltimer_ns() - start);
+        break;
+      }
+      uint32_t peer, bytes;
+      size_t off;
+      piece(k, peer, off, bytes);
+      bulk_store(base + size_t(peer) * stride + off, smem_addr(ring[s]), bytes);
+      if (k >= 1 && k - 1 + kBulkStages < count) {
+        // The store of piece k - 1 read stage (k - 1) % S; piece k's may still be reading.
+        asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+        load(k - 1 + kBulkStages);
+      }
+    }
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+  }
+  signal_each_and_wait(a);
+}
 
 // Pull: tile i comes from peer (rank + 1 + i) % n, like the push kernel, but each thread
 // loads 16 bytes of the peer's send chunk for this rank over NVLink and stores locally.

@@ -5,7 +5,7 @@
 use crate::error::{parse_secs, CliError, CliResult};
 use clap::Args;
 use comfy_table::{presets, CellAlignment, Table};
-use gin_ep::alltoall::{run_rank, AlltoallMode, AlltoallOptions, AlltoallReport};
+use gin_ep::alltoall::{run_rank, AlltoallMode, AlltoallOptions, AlltoallReport, StoreHint};
 use gin_ep::backend::cuda::driver;
 use gin_ep::group::{first_failure, launch_ranks, Group, ENV_CHILD};
 use std::time::Duration;
@@ -24,7 +24,8 @@ pub struct AlltoallArgs {
     /// Size multiplier per step.
     #[arg(short = 'f', long, default_value_t = 2)]
     pub factor: usize,
-    /// Comma list of nccl,lsa-simple,lsa-opt,lsa-pull,lsa-opt-ncclbar,gin,hybrid, or all.
+    /// Comma list of nccl,lsa-simple,lsa-opt,lsa-each,lsa-run,lsa-bulk,lsa-pull,
+    /// lsa-opt-ncclbar,gin,hybrid, or all.
     #[arg(long)]
     pub modes: Option<String>,
     /// Timed iterations per point.
@@ -49,6 +50,13 @@ pub struct AlltoallArgs {
     /// Grids --grid-sweep tries, comma list (0 = the default grid) [default: 0,8,16,32,64,SMs,2xSMs].
     #[arg(long, value_delimiter = ',')]
     pub grids: Option<Vec<u32>>,
+    /// lsa-run's peer store instruction: plain, cs (st.global.cs) or na (L1::no_allocate).
+    #[arg(long, default_value = "plain")]
+    pub store_hint: String,
+    /// Per double-buffered LSA point, one more (validated) loop with in-kernel globaltimer
+    /// stamps per CTA: device-clock time beside the event time, and where it goes.
+    #[arg(long)]
+    pub breakdown: bool,
     /// Skip validation of the results.
     #[arg(long)]
     pub no_validate: bool,
@@ -96,6 +104,8 @@ fn options(a: &AlltoallArgs) -> CliResult<AlltoallOptions> {
         sweep_grids: a.grids.clone().unwrap_or_default(),
         peer_copy_bytes: a.peer_copy_bytes,
         timeout: a.timeout,
+        store_hint: StoreHint::parse(&a.store_hint)?,
+        breakdown: a.breakdown,
         ..AlltoallOptions::default()
     })
 }
@@ -225,6 +235,51 @@ fn print_table(r: &AlltoallReport) {
         }
     }
     println!("{t}");
+    let stamped: Vec<_> = r
+        .results
+        .iter()
+        .filter_map(|p| p.breakdown.map(|b| (p, b)))
+        .collect();
+    if !stamped.is_empty() {
+        let mut b = Table::new();
+        b.load_preset(presets::UTF8_FULL_CONDENSED);
+        b.set_header(vec![
+            "mode",
+            "bytes/rank",
+            "CTAs",
+            "event µs",
+            "device µs",
+            "gap µs",
+            "CTA starts",
+            "copied",
+            "signalled",
+            "peers seen",
+        ]);
+        for (p, s) in stamped {
+            b.add_row(vec![
+                p.mode.name().to_string(),
+                p.bytes.to_string(),
+                p.blocks.map_or("-".into(), |b| b.to_string()),
+                format!("{:.1}", s.event_us),
+                format!("{:.1}", s.device_us),
+                format!("{:.1}", s.gap_us),
+                format!("{:.1}", s.start_spread_us),
+                format!("{:.1}", s.copied_us),
+                format!("{:.1}", s.signal_us),
+                format!("{:.1}", s.seen_us),
+            ]);
+        }
+        for i in 1..10 {
+            if let Some(c) = b.column_mut(i) {
+                c.set_cell_alignment(CellAlignment::Right);
+            }
+        }
+        println!(
+            "breakdown (rank 0, stamped loop at the kept grid, medians; phases in µs from the \
+             first CTA's start; gap = previous launch's last stamp to this one's first start):"
+        );
+        println!("{b}");
+    }
     for s in &r.skipped {
         println!("skipped {}: {}", s.mode.name(), s.reason);
     }

@@ -21,9 +21,10 @@
 //!                 -b, --min-bytes B   smallest per-rank total send size (default 1M; K/M/G suffixes)
 //!                 -e, --max-bytes B   largest (default 1G)
 //!                 -f, --factor F      multiply the size by F each step (default 2)
-//!                 --modes LIST        comma list of nccl,lsa-simple,lsa-opt,lsa-pull,
-//!                                     lsa-opt-ncclbar,gin,hybrid, or "all" (default: all
-//!                                     but lsa-opt-ncclbar, whose NCCL barrier has no deadline)
+//!                 --modes LIST        comma list of nccl,lsa-simple,lsa-opt,lsa-each,lsa-run,
+//!                                     lsa-bulk,lsa-pull,lsa-opt-ncclbar,gin,hybrid, or "all"
+//!                                     (default: all but lsa-opt-ncclbar, whose NCCL barrier
+//!                                     has no deadline)
 //!                 --iters N           timed iterations per point (default 20)
 //!                 --warmup N          untimed iterations first (default 5)
 //!                 --blocks N          CTAs of the LSA kernels (default: lsa-opt sizes its grid
@@ -35,6 +36,12 @@
 //!                                     size-based default, 8, 16, 32, 64, SMs, 2 x SMs), each
 //!                                     validated, and report the fastest and which it was
 //!                 --grids LIST        the grids --grid-sweep tries (comma list; 0 = default)
+//!                 --store-hint H      lsa-run's peer store: plain, cs (st.global.cs) or na
+//!                                     (st.global.L1::no_allocate); default plain
+//!                 --breakdown         per double-buffered LSA point, one more loop of --iters
+//!                                     launches with in-kernel globaltimer stamps per CTA
+//!                                     (start, stores issued, signal issued, peers seen):
+//!                                     device-clock time beside the event time, launch gaps
 //!                 --no-validate       skip the pattern check (validation is on by default)
 //!                 --peer-copy-bytes B copy-engine GPU0->GPU1 size (default 1G; 0 = skip)
 //!                 --timeout SECS      host wait deadline; kernels give up at half of it
@@ -45,8 +52,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::backend::cuda::ops::{
-    self, check_pattern, fill_pattern, nccl_alltoall, nccl_alltoall_api, AlltoallKernel, AlltoallLaunch,
-    NcclAlltoallApi,
+    self, check_pattern, fill_pattern, flag_words, nccl_alltoall, nccl_alltoall_api, AlltoallKernel,
+    AlltoallLaunch, NcclAlltoallApi, STAMP_WORDS_PER_CTA,
 };
 use crate::backend::cuda::{
     driver, gin_network, CudaRank, CudaRankOptions, DevComm, DevCommRequest, DeviceBuffer, DeviceRegion,
@@ -74,6 +81,15 @@ pub enum AlltoallMode {
     /// LSA push, 16-byte stores to peers, links interleaved, one signal round and a
     /// double-buffered receive region (no start barrier).
     LsaOpt,
+    /// `lsa-opt`'s copy, but every CTA signals every peer (release add) and CTA 0 waits:
+    /// no arrival counter and last-CTA chain.
+    LsaEach,
+    /// 4 KiB contiguous runs per warp per peer (`--store-hint` picks the store), `each`
+    /// signal.
+    LsaRun,
+    /// cp.async.bulk (TMA) global -> shared -> peer, one issuing thread per CTA, `each`
+    /// signal.
+    LsaBulk,
     /// LSA pull, 16-byte loads from peers.
     LsaPull,
     /// `lsa-opt` with NCCL's LSA barrier (no deadline): what our deadline barrier costs.
@@ -86,10 +102,13 @@ pub enum AlltoallMode {
 
 impl AlltoallMode {
     /// Every mode, in report order.
-    pub const ALL: [AlltoallMode; 7] = [
+    pub const ALL: [AlltoallMode; 10] = [
         AlltoallMode::Nccl,
         AlltoallMode::LsaSimple,
         AlltoallMode::LsaOpt,
+        AlltoallMode::LsaEach,
+        AlltoallMode::LsaRun,
+        AlltoallMode::LsaBulk,
         AlltoallMode::LsaPull,
         AlltoallMode::LsaOptNcclbar,
         AlltoallMode::Gin,
@@ -110,6 +129,9 @@ impl AlltoallMode {
             AlltoallMode::Nccl => "nccl",
             AlltoallMode::LsaSimple => "lsa-simple",
             AlltoallMode::LsaOpt => "lsa-opt",
+            AlltoallMode::LsaEach => "lsa-each",
+            AlltoallMode::LsaRun => "lsa-run",
+            AlltoallMode::LsaBulk => "lsa-bulk",
             AlltoallMode::LsaPull => "lsa-pull",
             AlltoallMode::LsaOptNcclbar => "lsa-opt-ncclbar",
             AlltoallMode::Gin => "gin",
@@ -121,6 +143,9 @@ impl AlltoallMode {
         match self {
             AlltoallMode::LsaSimple => Some(AlltoallKernel::LsaSimple),
             AlltoallMode::LsaOpt => Some(AlltoallKernel::LsaOpt { unroll }),
+            AlltoallMode::LsaEach => Some(AlltoallKernel::LsaEach),
+            AlltoallMode::LsaRun => Some(AlltoallKernel::LsaRun),
+            AlltoallMode::LsaBulk => Some(AlltoallKernel::LsaBulk),
             AlltoallMode::LsaPull => Some(AlltoallKernel::LsaPull),
             AlltoallMode::LsaOptNcclbar => Some(AlltoallKernel::LsaOptNcclBarrier),
             _ => None,
@@ -164,6 +189,40 @@ impl AlltoallMode {
     }
 }
 
+/// The store instruction of `lsa-run` (performance only).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StoreHint {
+    /// `st.global.v4`.
+    #[default]
+    Plain,
+    /// `st.global.cs.v4` (streaming).
+    Cs,
+    /// `st.global.L1::no_allocate.v4`.
+    Na,
+}
+
+impl StoreHint {
+    /// The kernel's `vflags` bits (kVflagStore* in kernels/alltoall.cu).
+    pub fn vflags(self) -> u32 {
+        match self {
+            StoreHint::Plain => 0,
+            StoreHint::Cs => 1,
+            StoreHint::Na => 2,
+        }
+    }
+
+    /// Parses `plain`, `cs` or `na`.
+    pub fn parse(text: &str) -> Result<StoreHint> {
+        match text.trim() {
+            "plain" => Ok(StoreHint::Plain),
+            "cs" => Ok(StoreHint::Cs),
+            "na" => Ok(StoreHint::Na),
+            other => Err(Error::config("store_hint", other, "must be plain, cs or na")),
+        }
+    }
+}
+
 /// What to run.
 #[derive(Clone, Debug)]
 pub struct AlltoallOptions {
@@ -191,6 +250,10 @@ pub struct AlltoallOptions {
     pub sweep_grids: Vec<u32>,
     /// Base seed of the validation pattern.
     pub seed: u32,
+    /// `lsa-run`'s store instruction.
+    pub store_hint: StoreHint,
+    /// Stamp one extra loop per double-buffered LSA point (see [`Breakdown`]).
+    pub breakdown: bool,
     /// Copy-engine peer copy GPU0 -> GPU1 size; 0 skips it.
     pub peer_copy_bytes: usize,
     pub peer_copy_iters: usize,
@@ -214,6 +277,8 @@ impl Default for AlltoallOptions {
             grid_sweep: false,
             sweep_grids: Vec::new(),
             seed: 0x6769_6e65,
+            store_hint: StoreHint::Plain,
+            breakdown: false,
             peer_copy_bytes: 1 << 30,
             peer_copy_iters: 10,
             timeout: Duration::from_secs(60),
@@ -370,6 +435,82 @@ pub struct AlltoallPoint {
     pub blocks: Option<u32>,
     /// Every grid a `--grid-sweep` tried, in order (empty without a sweep).
     pub grid_tries: Vec<GridTry>,
+    /// `--breakdown`: this rank's stamped loop at the kept grid.
+    pub breakdown: Option<Breakdown>,
+}
+
+/// Where one launch's time goes, from in-kernel globaltimer stamps (this rank, median over
+/// the stamped launches; µs). Times are from the first CTA's start of the same launch;
+/// globaltimer ticks in ≈ 1 µs steps on some GPUs (32 ns on others), so medians of sub-µs
+/// phases are coarse.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Breakdown {
+    pub launches: usize,
+    /// CUDA-event time per launch of the stamped loop (back to back, as the timed loop).
+    pub event_us: f64,
+    /// Device clock: first CTA start to the last stamp of the launch.
+    pub device_us: f64,
+    /// Last CTA start (CTA launch spread).
+    pub start_spread_us: f64,
+    /// Last CTA done issuing its stores.
+    pub copied_us: f64,
+    /// Last signal issued.
+    pub signal_us: f64,
+    /// Every peer's signal seen (the waiting CTA).
+    pub seen_us: f64,
+    /// End of one launch (last stamp) to the first CTA start of the next: what the event
+    /// time adds to the device time back to back.
+    pub gap_us: f64,
+}
+
+/// Medians over `launches` blocks of `grid * STAMP_WORDS_PER_CTA` globaltimer words (0 =
+/// not reached).
+pub fn breakdown_from_stamps(words: &[u64], grid: usize, launches: usize, event_us: f64) -> Breakdown {
+    let per = grid * STAMP_WORDS_PER_CTA;
+    let mut cols: [Vec<f64>; 6] = Default::default();
+    let mut prev_end: Option<u64> = None;
+    for l in 0..launches {
+        let Some(w) = words.get(l * per..(l + 1) * per) else {
+            break;
+        };
+        let col = |i: usize| {
+            w.chunks(STAMP_WORDS_PER_CTA)
+                .map(move |c| c[i])
+                .filter(|&t| t != 0)
+        };
+        let (Some(t0), Some(first_max)) = (col(0).min(), col(0).max()) else {
+            continue;
+        };
+        let end = w.iter().copied().max().unwrap_or(t0);
+        let us = |t: Option<u64>| t.map_or(0.0, |t| t.saturating_sub(t0) as f64 / 1e3);
+        cols[0].push(us(Some(end)));
+        cols[1].push(us(Some(first_max)));
+        cols[2].push(us(col(1).max()));
+        cols[3].push(us(col(2).max()));
+        cols[4].push(us(col(3).max()));
+        if let Some(p) = prev_end {
+            cols[5].push(t0.saturating_sub(p) as f64 / 1e3);
+        }
+        prev_end = Some(end);
+    }
+    let launches = cols[0].len();
+    let mut med = |i: usize| {
+        if cols[i].is_empty() {
+            0.0
+        } else {
+            crate::backend::cuda::runtime::median(&mut cols[i])
+        }
+    };
+    Breakdown {
+        launches,
+        event_us,
+        device_us: med(0),
+        start_spread_us: med(1),
+        copied_us: med(2),
+        signal_us: med(3),
+        seen_us: med(4),
+        gap_us: med(5),
+    }
 }
 
 /// One grid of a sweep: CTAs and the time (median per iteration, max over ranks).
@@ -465,7 +606,7 @@ fn layout(max_bytes: usize, world: usize) -> Layout {
         recv_stride: region,
         signal_offset,
         flag_offset,
-        window_bytes: flag_offset + (world + 1) * 8,
+        window_bytes: flag_offset + flag_words(world) * 8,
     }
 }
 
@@ -673,10 +814,10 @@ fn run_point(
             }
         }
     };
-    let mut best: Option<(f64, f64, Option<u32>)> = None;
+    let mut best: Option<(f64, f64, Option<u32>, Option<Breakdown>)> = None;
     let mut tries = Vec::new();
     for (gi, &grid) in grids.iter().enumerate() {
-        let (t, t_min) = measure(group, rank, opts, bufs, lay, point, grid, gi)?;
+        let (t, t_min, bd) = measure(group, rank, opts, bufs, lay, point, grid, gi)?;
         if let Some(b) = grid {
             tries.push(GridTry {
                 blocks: b,
@@ -684,11 +825,11 @@ fn run_point(
             });
         }
         // Every rank sees the same max-over-ranks times, so every rank picks the same grid.
-        if best.is_none_or(|(bt, _, _)| t < bt) {
-            best = Some((t, t_min, grid));
+        if best.is_none_or(|(bt, _, _, _)| t < bt) {
+            best = Some((t, t_min, grid, bd));
         }
     }
-    let (time_us, time_us_min_rank, blocks) =
+    let (time_us, time_us_min_rank, blocks, breakdown) =
         best.ok_or_else(|| Error::input("all-to-all point", "no grid to try"))?;
     let algbw_gbps = bytes as f64 / (time_us * 1e3);
     Ok(AlltoallPoint {
@@ -702,11 +843,13 @@ fn run_point(
         validated: opts.validate,
         blocks,
         grid_tries: if grids.len() > 1 { tries } else { Vec::new() },
+        breakdown,
     })
 }
 
 /// One (point, grid): validated first run into poisoned buffers, warm-up, timed loop,
-/// validation of the last result. Returns (median time, max over ranks; the same, min).
+/// validation of the last result; with `--breakdown`, a stamped loop (validated too).
+/// Returns (median time, max over ranks; the same, min; this rank's breakdown).
 #[allow(clippy::too_many_arguments)]
 fn measure(
     group: &Group,
@@ -717,7 +860,7 @@ fn measure(
     point: Point,
     grid: Option<u32>,
     grid_index: usize,
-) -> Result<(f64, f64)> {
+) -> Result<(f64, f64, Option<Breakdown>)> {
     let Point {
         run,
         mode,
@@ -756,6 +899,8 @@ fn measure(
                     chunk_bytes,
                     grid: grid.unwrap_or(1),
                     block: opts.threads,
+                    stamps: None,
+                    vflags: opts.store_hint.vflags(),
                 }),
             )
         }
@@ -835,7 +980,47 @@ fn measure(
     if opts.validate {
         validate(last, "after the timed loop")?;
     }
-    max_over_ranks(group, &format!("alltoall/{tag}/t"), mine)
+    let breakdown = match &lsa {
+        Some(l) if opts.breakdown && l.kernel.double_buffered() => {
+            let per = l.grid as usize * STAMP_WORDS_PER_CTA * 8;
+            let stamps = rank.alloc(per * opts.iters)?;
+            rank.memset_u8(stamps.region(), 0)?;
+            rank.record(&events[0])?;
+            for (i, ev) in events[1..].iter().enumerate() {
+                let stamped = AlltoallLaunch {
+                    stamps: Some(stamps.region().sub(i * per, per)?),
+                    ..*l
+                };
+                let off = ops::launch_alltoall(rank, &stamped)?;
+                last = recvs[usize::from(off != lay.recv_offset)];
+                rank.record(ev)?;
+            }
+            rank.wait(&what("stamped loop"))?;
+            let mut ev_times = Vec::with_capacity(opts.iters);
+            for w in events.windows(2) {
+                ev_times.push(f64::from(w[0].elapsed_ms(&w[1])?) * 1e3);
+            }
+            let mut raw = vec![0u8; per * opts.iters];
+            rank.download(stamps.region(), &mut raw)?;
+            let words: Vec<u64> = raw
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                .collect();
+            if opts.validate {
+                validate(last, "after the stamped loop")?;
+            }
+            let event_us = crate::backend::cuda::runtime::median(&mut ev_times);
+            Some(breakdown_from_stamps(
+                &words,
+                l.grid as usize,
+                opts.iters,
+                event_us,
+            ))
+        }
+        _ => None,
+    };
+    let (hi, lo) = max_over_ranks(group, &format!("alltoall/{tag}/t"), mine)?;
+    Ok((hi, lo, breakdown))
 }
 
 /// (max, min) of one f64 per rank, through the store.
@@ -1079,7 +1264,7 @@ mod tests {
         assert!(l.signal_offset >= l.recv_offset + l.recv_stride + 48_000);
         assert!(l.signal_offset.is_multiple_of(4096));
         assert_eq!(l.flag_offset, l.signal_offset + MAX_BLOCKS as usize * 3 * 8);
-        assert_eq!(l.window_bytes, l.flag_offset + 4 * 8);
+        assert_eq!(l.window_bytes, l.flag_offset + (4 + 6) * 8);
     }
 
     #[test]
@@ -1092,6 +1277,39 @@ mod tests {
         assert_eq!(AlltoallKernel::LsaSimple.default_grid(16, 4, 512, 132), 132);
         assert_eq!(resolve_grids(&[0, 32, 16, 32, 5000], 32), [32, 16, MAX_BLOCKS]);
         assert_eq!(default_sweep_grids(132), [0, 8, 16, 32, 64, 132, 264]);
+    }
+
+    #[test]
+    fn breakdown_takes_medians_from_the_first_cta_start_and_measures_launch_gaps() {
+        // 2 CTAs, 3 launches; CTA 1 of each never signals or waits (zeros).
+        let mut w = Vec::new();
+        for l in 0..3u64 {
+            let t = 100_000 + l * 20_000;
+            w.extend([t, t + 4_000, t + 5_000, t + 9_000]); // CTA 0
+            w.extend([t + 1_000, t + 6_000, 0, 0]); // CTA 1
+        }
+        let b = breakdown_from_stamps(&w, 2, 3, 12.5);
+        assert_eq!(b.launches, 3);
+        assert_eq!(b.event_us, 12.5);
+        assert_eq!(b.device_us, 9.0);
+        assert_eq!(b.start_spread_us, 1.0);
+        assert_eq!(b.copied_us, 6.0);
+        assert_eq!(b.signal_us, 5.0);
+        assert_eq!(b.seen_us, 9.0);
+        assert_eq!(b.gap_us, 11.0);
+        // Too few words: only whole launches count.
+        assert_eq!(breakdown_from_stamps(&w[..10], 2, 3, 0.0).launches, 1);
+    }
+
+    #[test]
+    fn store_hints_parse() {
+        assert_eq!(StoreHint::parse("cs").unwrap().vflags(), 1);
+        assert_eq!(StoreHint::parse("na").unwrap().vflags(), 2);
+        assert_eq!(StoreHint::default().vflags(), 0);
+        assert!(StoreHint::parse("wb")
+            .unwrap_err()
+            .to_string()
+            .contains("store_hint"));
     }
 
     #[test]

@@ -36,6 +36,12 @@ pub mod names {
     pub const ALLTOALL_LSA_OPT_U2: &str = "gin_ep_alltoall_lsa_opt_u2";
     pub const ALLTOALL_LSA_OPT_U8: &str = "gin_ep_alltoall_lsa_opt_u8";
     /// Pull: as `lsa_opt` but reads peers' send buffers (in the window) and stores locally.
+    /// `lsa_opt`'s copy with the `each` signal (every CTA signals, CTA 0 waits).
+    pub const ALLTOALL_LSA_EACH: &str = "gin_ep_alltoall_lsa_each";
+    /// 4 KiB runs per warp per peer, store hint from `vflags`, `each` signal.
+    pub const ALLTOALL_LSA_RUN: &str = "gin_ep_alltoall_lsa_run";
+    /// cp.async.bulk global -> shared -> peer, one warp per CTA, `each` signal.
+    pub const ALLTOALL_LSA_BULK: &str = "gin_ep_alltoall_lsa_bulk";
     pub const ALLTOALL_LSA_PULL: &str = "gin_ep_alltoall_lsa_pull";
     /// `lsa_opt` with NCCL's ncclLsaBarrierSession (no deadline), for comparison.
     pub const ALLTOALL_LSA_OPT_NCCL_BARRIER: &str = "gin_ep_alltoall_lsa_opt_nccl_barrier";
@@ -151,8 +157,14 @@ pub struct AlltoallArgs {
     pub err: *mut FabricError,
     /// `lsa_opt`: bytes from receive buffer 0 to buffer 1.
     pub recv_stride: usize,
-    /// `lsa_opt`: window offset of n signal words and one arrival counter (u64 each).
+    /// `lsa_opt`: window offset of n signal words and one arrival counter (u64 each), then
+    /// the `each` kernels' 2n counters.
     pub flag_offset: usize,
+    /// `--breakdown`: 4 globaltimer words per CTA (device memory), or null.
+    pub stamps: *mut u64,
+    /// Performance-only variant bits (`lsa_run`'s store instruction in bits 0-1).
+    pub vflags: u32,
+    pub pad: u32,
 }
 
 /// Host mirror of `gin_ep::PatternArgs` (kernels/pattern.cu), the one parameter of the
@@ -174,7 +186,9 @@ pub struct PatternArgs {
 
 // Same numbers as the static_asserts in fabric.cuh / alltoall.cu / pattern.cu.
 const _: () = assert!(std::mem::size_of::<FabricError>() == 32);
-const _: () = assert!(std::mem::size_of::<AlltoallArgs>() == 288);
+const _: () = assert!(std::mem::size_of::<AlltoallArgs>() == 304);
+const _: () = assert!(std::mem::offset_of!(AlltoallArgs, stamps) == 288);
+const _: () = assert!(std::mem::offset_of!(AlltoallArgs, vflags) == 296);
 const _: () = assert!(std::mem::offset_of!(AlltoallArgs, err) == 264);
 const _: () = assert!(std::mem::offset_of!(AlltoallArgs, flag_offset) == 280);
 const _: () = assert!(std::mem::size_of::<PatternArgs>() == 40);

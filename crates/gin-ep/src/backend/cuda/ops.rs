@@ -22,6 +22,15 @@ pub enum AlltoallKernel {
     /// Push with 16-byte stores, peers interleaved per warp, `unroll` (1, 2, 4 or 8) tiles
     /// in flight per warp; one signal round, double-buffered receive region.
     LsaOpt { unroll: u32 },
+    /// `LsaOpt`'s copy (unroll 4) with the `each` signal: every CTA adds to a counter in
+    /// every peer, CTA 0 waits; no arrival counter, no last-CTA chain.
+    LsaEach,
+    /// 4 KiB contiguous runs per warp per peer (all loads before the stores), store
+    /// instruction picked by `vflags`, `each` signal.
+    LsaRun,
+    /// cp.async.bulk global -> shared -> peer from one thread per CTA (launch 32 threads),
+    /// `each` signal.
+    LsaBulk,
     /// Pull with 16-byte NVLink loads (send buffer inside the window).
     LsaPull,
     /// `LsaOpt` with NCCL's ncclLsaBarrierSession (no deadline) instead of ours; needs a
@@ -41,6 +50,9 @@ impl AlltoallKernel {
             AlltoallKernel::LsaOpt { unroll: 8 } => names::ALLTOALL_LSA_OPT_U8,
             // check() refuses every other unroll before a launch.
             AlltoallKernel::LsaOpt { .. } => names::ALLTOALL_LSA_OPT,
+            AlltoallKernel::LsaEach => names::ALLTOALL_LSA_EACH,
+            AlltoallKernel::LsaRun => names::ALLTOALL_LSA_RUN,
+            AlltoallKernel::LsaBulk => names::ALLTOALL_LSA_BULK,
             AlltoallKernel::LsaPull => names::ALLTOALL_LSA_PULL,
             AlltoallKernel::LsaOptNcclBarrier => names::ALLTOALL_LSA_OPT_NCCL_BARRIER,
         }
@@ -49,7 +61,22 @@ impl AlltoallKernel {
     /// Whether the kernel double-buffers its receive region (and so needs `recv_stride` and
     /// the flag words) instead of running a start and an end barrier.
     pub fn double_buffered(self) -> bool {
-        matches!(self, AlltoallKernel::LsaOpt { .. })
+        matches!(
+            self,
+            AlltoallKernel::LsaOpt { .. }
+                | AlltoallKernel::LsaEach
+                | AlltoallKernel::LsaRun
+                | AlltoallKernel::LsaBulk
+        )
+    }
+
+    /// Threads per CTA this kernel is launched with, given the requested `block`: the bulk
+    /// kernel uses one warp (only lane 0 issues copies), the others `block`.
+    pub fn block(self, block: u32) -> u32 {
+        match self {
+            AlltoallKernel::LsaBulk => 32,
+            _ => block,
+        }
     }
 
     /// The grid to use when none is given: for `LsaOpt`, just enough blocks for one
@@ -64,6 +91,13 @@ impl AlltoallKernel {
                 let per_block = (block as usize / 32).max(1) * unroll.max(1) as usize;
                 let want = tiles.div_ceil(per_block).max(world);
                 u32::try_from(want).unwrap_or(u32::MAX).clamp(1, sms)
+            }
+            AlltoallKernel::LsaEach => {
+                AlltoallKernel::LsaOpt { unroll: 4 }.default_grid(chunk_bytes, world, block, sm_count)
+            }
+            // One 4 KiB run per warp is the same bytes per warp as 8 tiles.
+            AlltoallKernel::LsaRun => {
+                AlltoallKernel::LsaOpt { unroll: 8 }.default_grid(chunk_bytes, world, block, sm_count)
             }
             _ => sms,
         }
@@ -89,7 +123,15 @@ pub struct AlltoallLaunch<'a> {
     pub chunk_bytes: usize,
     pub grid: u32,
     pub block: u32,
+    /// `--breakdown`: `STAMP_WORDS_PER_CTA * grid` u64 of device memory the kernel stamps.
+    pub stamps: Option<DeviceRegion<'a>>,
+    /// Performance-only variant bits (see `AlltoallArgs::vflags`).
+    pub vflags: u32,
 }
+
+/// u64 globaltimer words per CTA a stamped launch writes (`kStampsPerCta` in
+/// kernels/alltoall.cu): start, stores issued, signal issued, every peer seen.
+pub const STAMP_WORDS_PER_CTA: usize = 4;
 
 fn bad(what: &str, reason: String) -> Error {
     Error::input(format!("all-to-all launch: {what}"), reason)
@@ -175,7 +217,16 @@ impl AlltoallLaunch<'_> {
         } else {
             data
         };
-        let flags = if double { (world + 1) * 8 } else { 0 };
+        let flags = if double { flag_words(world) * 8 } else { 0 };
+        if let Some(st) = self.stamps {
+            let need = self.grid as usize * STAMP_WORDS_PER_CTA * 8;
+            if st.len() < need {
+                return Err(bad(
+                    "stamps",
+                    format!("{} bytes, the grid of {} needs {need}", st.len(), self.grid),
+                ));
+            }
+        }
         let ranges = [
             ("send region", self.send_offset, data),
             ("receive region", self.recv_offset, recv_len),
@@ -202,6 +253,12 @@ impl AlltoallLaunch<'_> {
         }
         Ok(())
     }
+}
+
+/// u64 flag words at `flag_offset` the double-buffered kernels use: `lsa_opt`'s n signal
+/// words and arrival counter, then the `each` kernels' two slots of n counters.
+pub fn flag_words(world: usize) -> usize {
+    world + 1 + 2 * world
 }
 
 /// Launches one all-to-all on the rank's stream (checked first; takes the next barrier
@@ -237,12 +294,15 @@ pub fn launch_alltoall(rank: &CudaRank, l: &AlltoallLaunch<'_>) -> Result<usize>
         err: rank.fabric_err_dev() as *mut _,
         recv_stride: l.recv_stride,
         flag_offset: l.flag_offset,
+        stamps: l.stamps.map_or(std::ptr::null_mut(), |r| r.ptr as *mut u64),
+        vflags: l.vflags,
+        pad: 0,
     };
     // SAFETY: AlltoallArgs mirrors the kernel parameter (size asserts on both sides); the
     // window, device communicator and error record outlive the launch (callers wait before
     // dropping them: CudaRank's Drop waits, and windows hold the communicator); check()
     // proved every region the kernel touches lies inside the window.
-    unsafe { rank.launch(l.kernel.name(), l.grid, l.block, &args)? };
+    unsafe { rank.launch(l.kernel.name(), l.grid, l.kernel.block(l.block), &args)? };
     Ok(filled)
 }
 
