@@ -261,7 +261,15 @@ class Buffer:
         top-16 routing (the hint has no top-k argument)."""
         topk = min(_HINT_TOPK, num_experts)
         cfg = _native.EpConfig(num_ranks, num_experts, hidden, topk, num_max_dispatch_tokens_per_rank)
-        return cfg.required_bytes(ht=False, ll=True)
+        # Enough for either backend (the GPU window differs from the host heap).
+        gpu = 0
+        for dtype in ("bf16", "fp8"):
+            try:
+                gpu = max(gpu, _native.gpu_ll_bytes(_native.EpConfig(
+                    num_ranks, num_experts, hidden, topk, num_max_dispatch_tokens_per_rank, dtype)))
+            except ValueError:
+                pass
+        return max(cfg.required_bytes(ht=False, ll=True), gpu)
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
@@ -799,6 +807,7 @@ class Buffer:
             scales = None
         recv_count = torch.empty((local,), dtype=torch.int32, device=dev)
         ranges = torch.empty((local, r, 2), dtype=torch.int32, device=dev)
+        layout_range = torch.empty((local, r), dtype=torch.int64, device=dev)
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
             _gpu.check_cuda("cumulative_local_expert_recv_stats", stats)
@@ -812,6 +821,8 @@ class Buffer:
                 g.ep.ll_copy_out(l_id, set_, "recv_scales", scales.data_ptr(), _gpu.nbytes(scales), s2)
             g.ep.ll_copy_out(l_id, set_, "recv_count", recv_count.data_ptr(), _gpu.nbytes(recv_count), s2)
             g.ep.ll_copy_out(l_id, set_, "layout_range", ranges.data_ptr(), _gpu.nbytes(ranges), s2)
+            # DeepEP packs (first << 32) | count, as the host backend does.
+            layout_range.copy_((ranges[..., 0].to(torch.int64) << 32) | ranges[..., 1].to(torch.int64))
             if stats is not None:
                 stats.add_(recv_count.to(stats.dtype))
             out["done"] = True
@@ -828,7 +839,6 @@ class Buffer:
             recv_x = (data.view(torch.float8_e4m3fn), scales)
         else:
             recv_x = data
-        layout_range = ranges  # [L, R, 2] int32 (first row, count), filled with the data
         st = _gpu.GpuLlState(l_id, set_, g.ll_seq[l_id][set_], k, n)
         handle = (st, layout_range, t, hidden, num_experts)
         return recv_x, recv_count, handle, EventOverlap(_gpu.optional_event(async_finish)), hook
