@@ -801,7 +801,10 @@ class Buffer:
         rows = r * t
         if use_fp8:
             data = torch.empty((local, rows, hidden), dtype=torch.uint8, device=dev)
-            scales = torch.empty((local, rows, hidden // _native.FP8_BLOCK), dtype=torch.float32, device=dev)
+            sc_rows = torch.empty((local, rows, hidden // _native.FP8_BLOCK), dtype=torch.float32, device=dev)
+            # Column-major in the last two dimensions, as DeepEP lays them out.
+            scales = torch.empty((local, hidden // _native.FP8_BLOCK, rows), dtype=torch.float32,
+                                 device=dev).transpose(1, 2)
         else:
             data = torch.empty((local, rows, hidden), dtype=torch.bfloat16, device=dev)
             scales = None
@@ -818,7 +821,8 @@ class Buffer:
             g.ep.ll_launch(l_id, set_, "dispatch_recv" if return_recv_hook else "dispatch", s2)
             g.ep.ll_copy_out(l_id, set_, "recv_x", data.data_ptr(), _gpu.nbytes(data), s2)
             if scales is not None:
-                g.ep.ll_copy_out(l_id, set_, "recv_scales", scales.data_ptr(), _gpu.nbytes(scales), s2)
+                g.ep.ll_copy_out(l_id, set_, "recv_scales", sc_rows.data_ptr(), _gpu.nbytes(sc_rows), s2)
+                scales.copy_(sc_rows)
             g.ep.ll_copy_out(l_id, set_, "recv_count", recv_count.data_ptr(), _gpu.nbytes(recv_count), s2)
             g.ep.ll_copy_out(l_id, set_, "layout_range", ranges.data_ptr(), _gpu.nbytes(ranges), s2)
             # DeepEP packs (first << 32) | count, as the host backend does.
@@ -834,8 +838,7 @@ class Buffer:
             receive()
             hook = None
         if use_fp8:
-            # Column-major in the last two dimensions, as DeepEP lays them out; a view, so
-            # the hook's copy into `scales` shows through.
+            # `scales` is filled by `receive` (at once, or by the hook).
             recv_x = (data.view(torch.float8_e4m3fn), scales)
         else:
             recv_x = data

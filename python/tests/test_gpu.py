@@ -163,7 +163,7 @@ def ll_worker(rank, world):
         shape = (local, world * T, HIDDEN)
         if use_fp8:
             data, scales = recv_x
-            assert scales.stride(1) == 1 or not use_fp8
+            assert scales.stride(1) == 1, scales.stride()
             want = from_bytes(rx, torch.uint8, shape).view(torch.float8_e4m3fn)
             want_s = from_bytes(rs, torch.float32, (local, world * T, HIDDEN // 128))
             for e in range(local):
