@@ -1,6 +1,7 @@
-"""A small MoE layer on gin_ep.Buffer, forward and backward, on CPU processes.
+"""A small MoE layer on gin_ep.Buffer, forward and backward: on GPUs (NCCL) when there are enough, else on CPU processes (gloo).
 
-    python python/examples/moe_layer.py            # 2 processes, gloo, host backend
+    python python/examples/moe_layer.py [WORLD]    # 2 processes; NCCL + CUDA when WORLD GPUs exist
+    GIN_EP_EXAMPLE_CPU=1 python python/examples/moe_layer.py   # gloo, host backend
 
 Each rank holds `experts / world` experts (one weight matrix each) and a copy of the
 router. Forward: route (top-k of a softmax), dispatch tokens to the ranks of their
@@ -68,9 +69,9 @@ class MoE(torch.nn.Module):
         # Every rank draws every expert (same seed) and keeps its own.
         gate = torch.randn(HIDDEN, self.num_experts, generator=g) / HIDDEN ** 0.5
         experts = torch.randn(self.num_experts, HIDDEN, HIDDEN, generator=g) / HIDDEN ** 0.5
-        self.gate = torch.nn.Parameter(gate)
+        self.gate = torch.nn.Parameter(gate.to(DEVICE))
         local = slice(rank * EXPERTS_PER_RANK, (rank + 1) * EXPERTS_PER_RANK)
-        self.experts = torch.nn.Parameter(experts[local].clone())
+        self.experts = torch.nn.Parameter(experts[local].clone().to(DEVICE))
 
     def forward(self, x):
         scores = torch.softmax(x.float() @ self.gate, dim=1)
@@ -78,7 +79,7 @@ class MoE(torch.nn.Module):
         info = {}
         recv_x, recv_w = _Dispatch.apply(x, topk_w, topk_idx, self.buffer, self.num_experts, info)
         recv_idx = info["recv_idx"]
-        rows = torch.zeros(recv_x.shape, dtype=torch.float32)
+        rows = torch.zeros(recv_x.shape, dtype=torch.float32, device=recv_x.device)
         for e in range(EXPERTS_PER_RANK):
             for k in range(TOPK):
                 sel = (recv_idx[:, k] == e).nonzero().flatten()
@@ -125,9 +126,11 @@ def check(rank, world):
     buffer = Buffer(dist.group.WORLD, num_nvl_bytes=1 << 22, explicitly_destroy=True)
     layer = MoE(buffer, rank, world)
     xs, grads = inputs(world)
-    x = xs[rank].clone().requires_grad_()
+    x = xs[rank].clone().to(DEVICE).requires_grad_()
     out = layer(x)
-    (out.float() * grads[rank]).sum().backward()
+    (out.float() * grads[rank].to(DEVICE)).sum().backward()
+    out, x_grad = out.cpu(), x.grad.cpu()
+    gate_grad, experts_grad = layer.gate.grad.cpu(), layer.experts.grad.cpu()
 
     g = torch.Generator().manual_seed(0)
     full_gate = torch.randn(HIDDEN, layer.num_experts, generator=g) / HIDDEN ** 0.5
@@ -137,12 +140,12 @@ def check(rank, world):
     outs, x_grads, _, expert_grads = dense_reference(xs, full_gate, full_experts, grads)
     local = slice(rank * EXPERTS_PER_RANK, (rank + 1) * EXPERTS_PER_RANK)
     close("output", out, outs[rank])
-    close("x.grad", x.grad, x_grads[rank])
-    close("gate.grad", layer.gate.grad, own_gate_grad)
-    close("experts.grad", layer.experts.grad, expert_grads[local])
+    close("x.grad", x_grad, x_grads[rank])
+    close("gate.grad", gate_grad, own_gate_grad)
+    close("experts.grad", experts_grad, expert_grads[local])
     buffer.destroy()
     if rank == 0:
-        print(f"moe_layer: {world} ranks, forward and backward match the dense reference")
+        print(f"moe_layer: {world} ranks on {DEVICE.type}, forward and backward match the dense reference")
 
 
 def _free_port():
@@ -151,9 +154,25 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _use_gpu(world):
+    """GPUs (NCCL group, CUDA tensors) when there are enough; GIN_EP_EXAMPLE_CPU=1 forces CPU."""
+    return os.environ.get("GIN_EP_EXAMPLE_CPU") != "1" and torch.cuda.is_available() \
+        and torch.cuda.device_count() >= world
+
+
+DEVICE = torch.device("cpu")
+
+
 def _entry(rank, world, port):
+    global DEVICE
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if _use_gpu(world):
+        torch.cuda.set_device(rank)
+        DEVICE = torch.device("cuda", rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, device_id=DEVICE)
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         check(rank, world)
     finally:
@@ -161,5 +180,6 @@ def _entry(rank, world, port):
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     world = int(sys.argv[1]) if len(sys.argv) > 1 else int(os.environ.get("WORLD", "2"))
     mp.spawn(_entry, args=(world, _free_port()), nprocs=world, join=True)

@@ -9,8 +9,8 @@ import math
 import torch
 
 GPU_PATH = (
-    "GPU path: gin_ep.Buffer with CUDA tensors on an NCCL group is not wired yet; "
-    "use a gloo group and CPU tensors (the host backend)"
+    "GPU path: CUDA tensors need a Buffer on an NCCL process group; "
+    "a gloo group runs the host backend on CPU tensors"
 )
 
 

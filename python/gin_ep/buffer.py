@@ -3,8 +3,8 @@
 With a gloo process group and CPU tensors, the ranks of the group run gin-ep's host
 backend: every process maps the others' shared-memory heaps (one host) and executes
 the same protocol as the GPU kernels (docs/protocol.md). Results are bit for bit
-those of gin-ep's oracle. With an NCCL group or CUDA tensors, calls raise
-NotImplementedError("GPU path: ...") for now.
+those of gin-ep's oracle. With an NCCL group and CUDA tensors, the ranks
+run gin-ep's CUDA kernels on PyTorch's current device and stream (see _gpu.py).
 
 Buffer sizes. DeepEP sizes its buffers in bytes; gin-ep's buffers are sized by an
 `EpConfig` (ranks, experts, hidden, top-k, max tokens per rank). The first call of a
@@ -22,7 +22,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _native
+from . import _gpu, _native
 from ._convert import GPU_PATH, check, check_cpu, from_bytes, to_bytes
 from .utils import CompletedEvent, EventOverlap
 
@@ -142,13 +142,18 @@ class Buffer:
                  timeout_s: float = 100.0) -> None:
         self.runtime = None
         self._server = None
+        self._gpu = None
+        use_gpu = False
         if group is not None:
             self.rank = group.rank()
             self.group_size = group.size()
             backend = str(dist.get_backend(group)).lower()
-            if "gloo" not in backend:
-                raise NotImplementedError(
-                    f"{GPU_PATH} (the process group's backend is {backend!r})")
+            if "nccl" in backend:
+                use_gpu = True
+                if not torch.cuda.is_available():
+                    raise RuntimeError("gin_ep GPU path: the process group is NCCL but torch.cuda sees no GPU")
+            elif "gloo" not in backend:
+                raise NotImplementedError(f"gin_ep: process group backend {backend!r} (use nccl or gloo)")
 
             def all_gather_object(obj):
                 out = [None] * self.group_size
@@ -179,11 +184,11 @@ class Buffer:
         self._ht_tokens = {}
         self._ll_comb_bufs = {}
 
-        # The host backend shares memory: every rank must be on this host.
+        # Both backends need one host (shared memory; NVLink load/store on the GPU path).
         hosts = all_gather_object(socket.gethostname())
         if len(set(hosts)) != 1:
             raise NotImplementedError(
-                f"gin_ep host backend: all ranks must run on one host (got {sorted(set(hosts))})")
+                f"gin_ep: all ranks must run on one host (got {sorted(set(hosts))})")
 
         # Rank 0 serves gin-ep's store on loopback; the others learn its port.
         port = None
@@ -192,6 +197,8 @@ class Buffer:
             port = self._server.port
         ports = all_gather_object(port)
         self.runtime = _native.Group.join(self.rank, self.group_size, f"127.0.0.1:{ports[0]}", self._timeout_s)
+        if use_gpu:
+            self._gpu = _gpu.Gpu(self.runtime, self._timeout_s, self.group_size, self.rank)
 
     # ------------------------------------------------------------ lifetime
 
@@ -204,6 +211,10 @@ class Buffer:
     def _release(self, collective: bool) -> None:
         self._eps = {}
         self._ll_comb_bufs = {}
+        if self._gpu is not None:
+            if collective:
+                torch.cuda.current_stream().synchronize()
+            self._gpu = None
         runtime, self.runtime = self.runtime, None
         if runtime is not None and collective:
             runtime.close()
@@ -237,7 +248,10 @@ class Buffer:
 
     @staticmethod
     def capture() -> EventOverlap:
-        """An event on the current stream: on CPU, one that is already complete."""
+        """An event on the current stream (CUDA when PyTorch's CUDA is initialized; else
+        one that is already complete)."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return EventOverlap(_gpu.CudaEvent())
         return EventOverlap(CompletedEvent())
 
     @staticmethod
@@ -247,7 +261,15 @@ class Buffer:
         top-16 routing (the hint has no top-k argument)."""
         topk = min(_HINT_TOPK, num_experts)
         cfg = _native.EpConfig(num_ranks, num_experts, hidden, topk, num_max_dispatch_tokens_per_rank)
-        return cfg.required_bytes(ht=False, ll=True)
+        # Enough for either backend (the GPU window differs from the host heap).
+        gpu = 0
+        for dtype in ("bf16", "fp8"):
+            try:
+                gpu = max(gpu, _native.gpu_ll_bytes(_native.EpConfig(
+                    num_ranks, num_experts, hidden, topk, num_max_dispatch_tokens_per_rank, dtype)))
+            except ValueError:
+                pass
+        return max(cfg.required_bytes(ht=False, ll=True), gpu)
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
@@ -277,14 +299,17 @@ class Buffer:
             self._eps[key] = ep
         return ep
 
-    def _ht_max_tokens(self, hidden: int, topk: int, experts: int) -> int:
+    def _ht_max_tokens(self, hidden: int, topk: int, experts: int, fp8: bool = False) -> int:
         if self._max_tokens_override is not None:
             return self._max_tokens_override
-        key = (hidden, topk, experts)
+        key = (hidden, topk, experts, fp8)
         if key in self._ht_tokens:
             return self._ht_tokens[key]
 
         def need(t):
+            if self._gpu is not None:
+                return _native.gpu_ht_bytes(_native.EpConfig(self.group_size, experts, hidden, topk, t,
+                                                             "fp8" if fp8 else "bf16"))
             return _native.EpConfig(self.group_size, experts, hidden, topk, t).required_bytes(ht=True, ll=False)
 
         if need(1) > self.num_nvl_bytes:
@@ -316,6 +341,12 @@ class Buffer:
         """Returns (num_tokens_per_rank `[R]` int32, None, num_tokens_per_expert `[E]` int32,
         is_token_in_rank `[N, R]` bool, event)."""
         self._live()
+        if self._gpu is not None:
+            if previous_event is not None:
+                previous_event.current_stream_wait()
+            _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
+            per_rank, per_expert, in_rank = self._gpu.layout(topk_idx, num_experts)
+            return per_rank, None, per_expert, in_rank, EventOverlap(_gpu.optional_event(async_finish))
         check("topk_idx", topk_idx, None, dim=2)
         n, k = topk_idx.shape
         cfg = _native.EpConfig(self.group_size, num_experts, 8, max(k, 1), max(n, 1))
@@ -384,6 +415,9 @@ class Buffer:
         (FP8 tensor, scales) when `x` is such a tuple. Rows are ordered by source rank,
         then source token."""
         self._live()
+        if self._gpu is not None:
+            return self._gpu_dispatch(x, handle, num_tokens_per_expert, topk_idx, topk_weights,
+                                      expert_alignment, num_worst_tokens, config, previous_event, async_finish)
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         wire, wire_hidden, fp8 = self._ht_wire(x, x_scales)
         n = x.shape[0]
@@ -461,6 +495,8 @@ class Buffer:
         weights applied), then adds the bias(es). Returns (combined_x `[N, H]` bf16,
         combined_topk_weights `[N, K]` f32 or None, event)."""
         self._live()
+        if self._gpu is not None:
+            return self._gpu_combine(x, handle, topk_weights, bias, previous_event, async_finish)
         st = _ht_state(handle)
         check("x", x, torch.bfloat16, dim=2)
         if x.shape[0] < st.num_recv:
@@ -528,6 +564,10 @@ class Buffer:
                                "round_scale=True gives power-of-two f32 scales)")
         if use_per_tensor_quantization or static_scale is not None:
             raise _unsupported("low_latency_dispatch per-tensor quantization (use_per_tensor_quantization, static_scale)")
+        if self._gpu is not None:
+            return self._gpu_ll_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                         cumulative_local_expert_recv_stats, use_fp8, round_scale,
+                                         async_finish, return_recv_hook)
         check("x", x, torch.bfloat16, dim=2)
         check("topk_idx", topk_idx, None, dim=2)
         if round_scale and not use_fp8:
@@ -573,6 +613,9 @@ class Buffer:
         self._live()
         if use_logfmt:
             raise _unsupported("low_latency_combine(use_logfmt=True)")
+        if self._gpu is not None:
+            return self._gpu_ll_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                                        return_recv_hook, out)
         st = _ll_state(handle)
         _, _, t, hidden, num_experts = handle
         if zero_copy:
@@ -599,6 +642,249 @@ class Buffer:
         shape = (num_experts // self.group_size, self.group_size * t, hidden)
         buf = self._ll_comb_bufs.get(shape)
         if buf is None:
-            buf = torch.zeros(shape, dtype=torch.bfloat16)
+            dev = torch.device("cuda", self._gpu.device) if self._gpu is not None else "cpu"
+            buf = torch.zeros(shape, dtype=torch.bfloat16, device=dev)
             self._ll_comb_bufs[shape] = buf
         return buf
+
+    # ------------------------------------------------------------ GPU path (NCCL group)
+
+    def _gpu_dispatch(self, x, handle, num_tokens_per_expert, topk_idx, topk_weights,
+                      expert_alignment, num_worst_tokens, config, previous_event, async_finish):
+        g = self._gpu
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        fp8 = x_scales is not None
+        if fp8:
+            _gpu.check_cuda("x[0]", x, torch.float8_e4m3fn, dim=2)
+            _gpu.check_cuda("x[1]", x_scales, None, dim=2)
+            n, hidden = x.shape
+            if x_scales.dtype != torch.float32 or tuple(x_scales.shape) != (n, hidden // _native.FP8_BLOCK):
+                raise _unsupported(f"GPU dispatch with FP8 scales {tuple(x_scales.shape)} {x_scales.dtype} "
+                                   f"(only float32 [N, hidden/128])")
+            xin = x.view(torch.uint8)
+        else:
+            _gpu.check_cuda("x", x, torch.bfloat16, dim=2)
+            n, hidden = x.shape
+            xin = x
+        s = _gpu.stream()
+        if handle is not None:
+            assert topk_idx is None and topk_weights is None
+            st = handle[0] if isinstance(handle, (tuple, list)) and handle else None
+            if not isinstance(st, _gpu.GpuHtState):
+                raise TypeError("handle: expected the handle returned by gin_ep.Buffer.dispatch (GPU)")
+            if st.fp8 != fp8:
+                raise _unsupported("cached dispatch with another dtype (BF16 vs FP8) than the handle's dispatch")
+            g.ht_copy_x(st.ht, xin, x_scales, s)
+            g.ep.ht_dispatch_cached(st.native, fp8, s)
+            recv = g.ht_recv_x(st.ht, st.num_recv, hidden, fp8, torch.float32, s)
+            worst = max(num_worst_tokens, st.num_worst_tokens)
+            if worst:
+                recv = tuple(_gpu.pad_rows(t, worst) for t in recv) if fp8 else _gpu.pad_rows(recv, worst)
+            return recv, None, None, None, None, EventOverlap(_gpu.optional_event(async_finish))
+
+        if topk_idx is None:
+            raise _unsupported("dispatch without topk_idx (routing by is_token_in_rank alone)")
+        if num_tokens_per_expert is None:
+            raise ValueError("dispatch: num_tokens_per_expert is required (from get_dispatch_layout); "
+                             "it gives the number of experts")
+        _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
+        if topk_idx.shape[0] != n:
+            raise ValueError(f"topk_idx: {topk_idx.shape[0]} rows, x has {n}")
+        if expert_alignment < 1:
+            raise ValueError(f"expert_alignment = {expert_alignment}: must be at least 1")
+        k = topk_idx.shape[1]
+        experts = num_tokens_per_expert.numel()
+        if topk_weights is not None:
+            _gpu.check_cuda("topk_weights", topk_weights, None, dim=2)
+            w = topk_weights.to(torch.float32).contiguous()
+        else:
+            w = torch.zeros((n, k), dtype=torch.float32, device=x.device)
+        max_tokens = self._ht_max_tokens(hidden, k, experts, fp8)
+        if n > max_tokens:
+            raise ValueError(f"{n} tokens exceed the {max_tokens} tokens per rank this Buffer holds for HT "
+                             f"(num_nvl_bytes = {self.num_nvl_bytes}; raise it or pass max_tokens_per_rank=)")
+        num_sms = (config.num_sms if config is not None else Buffer.num_sms)
+        h = g.ht(hidden, k, experts, max_tokens, fp8, max(1, min(num_sms, 128)))
+        idx = topk_idx.to(torch.int64).contiguous()
+        g.ht_copy_x(h, xin, x_scales, s)
+        g.ep.ht_copy_in(h, "topk_idx", idx.data_ptr(), _gpu.nbytes(idx), s)
+        g.ep.ht_copy_in(h, "topk_w", w.data_ptr(), _gpu.nbytes(w), s)
+        native = g.ep.ht_dispatch(h, n, fp8, s)
+        nr = native.num_recv
+        recv_x = g.ht_recv_x(h, nr, hidden, fp8, torch.float32, s)
+        recv_topk_idx = g.ht_out(h, "recv_idx", (nr, k), torch.int64, s).to(topk_idx.dtype)
+        recv_topk_weights = g.ht_out(h, "recv_w", (nr, k), torch.float32, s) if topk_weights is not None else None
+        recv_src_idx = g.ht_out(h, "recv_src", (nr,), torch.int32, s)
+        in_rank = g.ht_out(h, "send_slot", (n, self.group_size), torch.int32, s) >= 0
+        counts = [_round_up(c, expert_alignment) for c in g.ep.ht_recv_counts(native, s)]
+        if num_worst_tokens:
+            if nr > num_worst_tokens:
+                raise ValueError(f"num_worst_tokens = {num_worst_tokens}: this rank received {nr} tokens")
+            recv_x = tuple(_gpu.pad_rows(t, num_worst_tokens) for t in recv_x) if fp8 else \
+                _gpu.pad_rows(recv_x, num_worst_tokens)
+            recv_topk_idx = _gpu.pad_rows(recv_topk_idx, num_worst_tokens, -1)
+            if recv_topk_weights is not None:
+                recv_topk_weights = _gpu.pad_rows(recv_topk_weights, num_worst_tokens)
+            recv_src_idx = _gpu.pad_rows(recv_src_idx, num_worst_tokens, -1)
+            counts = []
+        st = _gpu.GpuHtState(native, h, experts, k, hidden, fp8, num_worst_tokens)
+        handle = (st, None, None, recv_src_idx, in_rank, None)
+        return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, \
+            EventOverlap(_gpu.optional_event(async_finish))
+
+    def _gpu_combine(self, x, handle, topk_weights, bias, previous_event, async_finish):
+        g = self._gpu
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        st = handle[0] if isinstance(handle, (tuple, list)) and handle else None
+        if not isinstance(st, _gpu.GpuHtState):
+            raise TypeError("handle: expected the handle returned by gin_ep.Buffer.dispatch (GPU)")
+        _gpu.check_cuda("x", x, torch.bfloat16, dim=2)
+        if x.shape[0] < st.num_recv or x.shape[1] != st.hidden:
+            raise ValueError(f"x: shape {tuple(x.shape)}, the dispatch received [{st.num_recv}, {st.hidden}]")
+        s = _gpu.stream()
+        h = st.ht
+        xr = x[:st.num_recv].contiguous()
+        g.ep.ht_copy_in(h, "comb_x", xr.data_ptr(), _gpu.nbytes(xr), s)
+        if topk_weights is not None:
+            _gpu.check_cuda("topk_weights", topk_weights, None, dim=2)
+            w = topk_weights[:st.num_recv].to(torch.float32).contiguous()
+            g.ep.ht_copy_in(h, "comb_w", w.data_ptr(), _gpu.nbytes(w), s)
+        if isinstance(bias, torch.Tensor):
+            bias = (bias, None)
+        elif bias is None:
+            bias = (None, None)
+        elif not (isinstance(bias, tuple) and len(bias) == 2):
+            raise TypeError("bias: expected a tensor or a tuple of two tensors")
+        keep = []
+        for i, b in enumerate(bias):
+            if b is not None:
+                _gpu.check_cuda(f"bias[{i}]", b, torch.bfloat16, dim=2)
+                if tuple(b.shape) != (st.num_tokens, st.hidden):
+                    raise ValueError(f"bias[{i}]: shape {tuple(b.shape)}, expected [{st.num_tokens}, {st.hidden}]")
+                b = b.contiguous()
+                keep.append(b)
+                g.ep.ht_copy_in(h, f"bias{i}", b.data_ptr(), _gpu.nbytes(b), s)
+        g.ep.ht_combine(st.native, topk_weights is not None, bias[0] is not None, bias[1] is not None, s)
+        combined_x = g.ht_out(h, "out_x", (st.num_tokens, st.hidden), torch.bfloat16, s)
+        combined_w = g.ht_out(h, "out_w", (st.num_tokens, st.topk), torch.float32, s) \
+            if topk_weights is not None else None
+        return combined_x, combined_w, EventOverlap(_gpu.optional_event(async_finish))
+
+    def _gpu_ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                         cumulative_local_expert_recv_stats, use_fp8, round_scale, async_finish,
+                         return_recv_hook):
+        g = self._gpu
+        _gpu.check_cuda("x", x, torch.bfloat16, dim=2)
+        _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
+        if round_scale and not use_fp8:
+            raise ValueError("round_scale=True needs use_fp8=True")
+        dtype = "bf16" if not use_fp8 else ("fp8-ue8m0" if round_scale else "fp8")
+        n, hidden = x.shape
+        k = topk_idx.shape[1]
+        t = int(num_max_dispatch_tokens_per_rank)
+        r = self.group_size
+        local = num_experts // r
+        l_id = g.ll(hidden, k, num_experts, t, dtype, self.num_rdma_bytes)
+        set_ = g.ll_next[l_id]
+        g.ll_next[l_id] = 1 - set_
+        g.ll_seq[l_id][set_] += 1
+        s = _gpu.stream()
+        xc = x.contiguous()
+        idx = topk_idx.to(torch.int64).contiguous()
+        g.ep.ll_set_tokens(l_id, set_, n)
+        g.ep.ll_copy_in(l_id, set_, "x", xc.data_ptr(), _gpu.nbytes(xc), s)
+        g.ep.ll_copy_in(l_id, set_, "topk_idx", idx.data_ptr(), _gpu.nbytes(idx), s)
+        dev = x.device
+        rows = r * t
+        if use_fp8:
+            data = torch.empty((local, rows, hidden), dtype=torch.uint8, device=dev)
+            sc_rows = torch.empty((local, rows, hidden // _native.FP8_BLOCK), dtype=torch.float32, device=dev)
+            # Column-major in the last two dimensions, as DeepEP lays them out.
+            scales = torch.empty((local, hidden // _native.FP8_BLOCK, rows), dtype=torch.float32,
+                                 device=dev).transpose(1, 2)
+        else:
+            data = torch.empty((local, rows, hidden), dtype=torch.bfloat16, device=dev)
+            scales = None
+        recv_count = torch.empty((local,), dtype=torch.int32, device=dev)
+        ranges = torch.empty((local, r, 2), dtype=torch.int32, device=dev)
+        layout_range = torch.empty((local, r), dtype=torch.int64, device=dev)
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            _gpu.check_cuda("cumulative_local_expert_recv_stats", stats)
+        out = {}
+
+        def receive():
+            s2 = _gpu.stream()
+            g.ep.ll_launch(l_id, set_, "dispatch_recv" if return_recv_hook else "dispatch", s2)
+            g.ep.ll_copy_out(l_id, set_, "recv_x", data.data_ptr(), _gpu.nbytes(data), s2)
+            if scales is not None:
+                g.ep.ll_copy_out(l_id, set_, "recv_scales", sc_rows.data_ptr(), _gpu.nbytes(sc_rows), s2)
+                scales.copy_(sc_rows)
+            g.ep.ll_copy_out(l_id, set_, "recv_count", recv_count.data_ptr(), _gpu.nbytes(recv_count), s2)
+            g.ep.ll_copy_out(l_id, set_, "layout_range", ranges.data_ptr(), _gpu.nbytes(ranges), s2)
+            # DeepEP packs (first << 32) | count, as the host backend does.
+            layout_range.copy_((ranges[..., 0].to(torch.int64) << 32) | ranges[..., 1].to(torch.int64))
+            if stats is not None:
+                stats.add_(recv_count.to(stats.dtype))
+            out["done"] = True
+
+        if return_recv_hook:
+            g.ep.ll_launch(l_id, set_, "dispatch_send", s)
+            hook = receive
+        else:
+            receive()
+            hook = None
+        if use_fp8:
+            # `scales` is filled by `receive` (at once, or by the hook).
+            recv_x = (data.view(torch.float8_e4m3fn), scales)
+        else:
+            recv_x = data
+        st = _gpu.GpuLlState(l_id, set_, g.ll_seq[l_id][set_], k, n)
+        handle = (st, layout_range, t, hidden, num_experts)
+        return recv_x, recv_count, handle, EventOverlap(_gpu.optional_event(async_finish)), hook
+
+    def _gpu_ll_combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                        return_recv_hook, out):
+        g = self._gpu
+        st = handle[0] if isinstance(handle, (tuple, list)) and len(handle) == 5 else None
+        if not isinstance(st, _gpu.GpuLlState):
+            raise TypeError("handle: expected the handle returned by gin_ep.Buffer.low_latency_dispatch (GPU)")
+        if g.ll_seq[st.ll][st.set] != st.seq:
+            raise ValueError("LL handle is stale: two later low_latency_dispatch calls reused its buffer set "
+                             "(gin-ep keeps two LL handles alive, as DeepEP's double buffering)")
+        _, _, t, hidden, num_experts = handle
+        if zero_copy:
+            x = self.get_next_low_latency_combine_buffer(handle)
+        _gpu.check_cuda("x", x, torch.bfloat16, dim=3)
+        _gpu.check_cuda("topk_weights", topk_weights, None, dim=2)
+        s = _gpu.stream()
+        xc = x.contiguous()
+        w = topk_weights.to(torch.float32).contiguous()
+        if w.shape[0] != st.num_tokens:
+            raise ValueError(f"topk_weights: {w.shape[0]} rows, the dispatch had {st.num_tokens} tokens")
+        g.ep.ll_copy_in(st.ll, st.set, "y", xc.data_ptr(), _gpu.nbytes(xc), s)
+        g.ep.ll_copy_in(st.ll, st.set, "weights", w.data_ptr(), _gpu.nbytes(w), s)
+        combined = out
+        if combined is None or not combined.is_contiguous():
+            combined = torch.empty((st.num_tokens, hidden), dtype=torch.bfloat16, device=x.device)
+
+        def receive():
+            s2 = _gpu.stream()
+            g.ep.ll_launch(st.ll, st.set, "combine_recv" if return_recv_hook else "combine", s2)
+            g.ep.ll_copy_out(st.ll, st.set, "combined", combined.data_ptr(), _gpu.nbytes(combined), s2)
+            if out is not None and combined is not out:
+                out.copy_(combined)
+
+        if return_recv_hook:
+            g.ep.ll_launch(st.ll, st.set, "combine_send", s)
+            hook = receive
+        else:
+            receive()
+            hook = None
+        if out is not None:
+            _gpu.check_cuda("out", out, torch.bfloat16)
+        result = out if out is not None else combined
+        return result, EventOverlap(_gpu.optional_event(async_finish)), hook

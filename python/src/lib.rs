@@ -10,6 +10,8 @@
 //! exceptions carrying the library's message (`ValueError` for bad input,
 //! `TimeoutError` for a wait past its deadline, `RuntimeError` otherwise).
 
+mod cuda;
+
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
@@ -716,6 +718,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEp>()?;
     m.add_class::<PyHtHandle>()?;
     m.add_class::<PyLlHandle>()?;
+    m.add_class::<cuda::PyCudaEp>()?;
+    m.add_class::<cuda::PyCudaHtHandle>()?;
+    m.add_function(wrap_pyfunction!(cuda::gpu_ht_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::gpu_ll_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(layout, m)?)?;
     m.add_function(wrap_pyfunction!(quantize, m)?)?;
     m.add_function(wrap_pyfunction!(oracle_ht_dispatch, m)?)?;

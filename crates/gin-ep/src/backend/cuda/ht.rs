@@ -419,6 +419,65 @@ pub fn plan_words(cfg: &EpConfig) -> usize {
     PLAN_HEAD + (cfg.ranks + 1) + 2 * cfg.ranks + cfg.experts + 2 * cfg.local_experts()
 }
 
+/// A buffer of [`CudaHt`] that an embedding (the Python extension) copies into or out of
+/// with device-to-device copies on its stream ([`CudaHt::buffer`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HtBuf {
+    /// Dispatch input `[T, H]` (BF16, or e4m3 bytes for FP8 input).
+    X,
+    /// FP8 input scales `[T, H/128]` f32.
+    Scales,
+    /// `[T, K]` i64.
+    TopkIdx,
+    /// `[T, K]` f32.
+    TopkW,
+    /// Combine biases `[T, H]` BF16.
+    Bias0,
+    Bias1,
+    /// Combine outputs `[T, H]` BF16 and `[T, K]` f32.
+    OutX,
+    OutW,
+    /// Receive rows `[R*T, ...]` in the window: payload, FP8 scales, top-k ids (i64),
+    /// weights (f32), source token (u32).
+    RecvX,
+    RecvScales,
+    RecvIdx,
+    RecvW,
+    RecvSrc,
+    /// Combine input rows `[R*T, H]` BF16 and weights `[R*T, K]` f32, in the window.
+    CombX,
+    CombW,
+    /// `[T, R]` i32 send slot (-1: the token does not go to that rank).
+    SendSlot,
+}
+
+impl HtBuf {
+    /// From its lower-case name (`x`, `scales`, `topk_idx`, `topk_w`, `bias0`, `bias1`,
+    /// `out_x`, `out_w`, `recv_x`, `recv_scales`, `recv_idx`, `recv_w`, `recv_src`, `comb_x`,
+    /// `comb_w`, `send_slot`).
+    pub fn parse(name: &str) -> Result<HtBuf> {
+        Ok(match name {
+            "x" => HtBuf::X,
+            "scales" => HtBuf::Scales,
+            "topk_idx" => HtBuf::TopkIdx,
+            "topk_w" => HtBuf::TopkW,
+            "bias0" => HtBuf::Bias0,
+            "bias1" => HtBuf::Bias1,
+            "out_x" => HtBuf::OutX,
+            "out_w" => HtBuf::OutW,
+            "recv_x" => HtBuf::RecvX,
+            "recv_scales" => HtBuf::RecvScales,
+            "recv_idx" => HtBuf::RecvIdx,
+            "recv_w" => HtBuf::RecvW,
+            "recv_src" => HtBuf::RecvSrc,
+            "comb_x" => HtBuf::CombX,
+            "comb_w" => HtBuf::CombW,
+            "send_slot" => HtBuf::SendSlot,
+            other => return Err(Error::input("HT buffer", format!("unknown name `{other}`"))),
+        })
+    }
+}
+
 /// A fresh dispatch's handle: valid until the next fresh dispatch of the same [`CudaHt`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HtGpuHandle {
@@ -1076,6 +1135,43 @@ impl CudaHt {
     fn download_plan(&self, rank: &CudaRank) -> Result<Vec<u32>> {
         let n = plan_words(&self.cfg);
         self.download_vec(rank, self.plan.region().sub(0, n * 4)?, n)
+    }
+
+    /// The device memory of `which` (whole capacity), for copies on the rank's stream.
+    /// Regions in the window are written by peers during operations: copy into them only
+    /// between operations, in stream order.
+    pub fn buffer(&self, which: HtBuf) -> Result<DeviceRegion<'_>> {
+        let l = &self.lay;
+        let w = |a: usize, b: usize| self.window.region(a, b - a);
+        match which {
+            HtBuf::X => Ok(self.x_in.region()),
+            HtBuf::Scales => Ok(self.scales_in.region()),
+            HtBuf::TopkIdx => Ok(self.topk_idx_in.region()),
+            HtBuf::TopkW => Ok(self.topk_w_in.region()),
+            HtBuf::Bias0 => Ok(self.bias[0].region()),
+            HtBuf::Bias1 => Ok(self.bias[1].region()),
+            HtBuf::OutX => Ok(self.out_x.region()),
+            HtBuf::OutW => Ok(self.out_w.region()),
+            HtBuf::RecvX => w(l.recv_x, l.recv_sc),
+            HtBuf::RecvScales => w(l.recv_sc, l.recv_idx),
+            HtBuf::RecvIdx => w(l.recv_idx, l.recv_w),
+            HtBuf::RecvW => w(l.recv_w, l.recv_src),
+            HtBuf::RecvSrc => w(l.recv_src, l.comb_x),
+            HtBuf::CombX => w(l.comb_x, l.comb_w),
+            HtBuf::CombW => w(l.comb_w, l.total.min(self.window.len())),
+            HtBuf::SendSlot => Ok(self.send_slot.region()),
+        }
+    }
+
+    /// Rows per local expert of the last fresh dispatch, each rounded up to the config's
+    /// expert alignment (waits, bounded, for the stream).
+    pub fn recv_counts(&mut self, rank: &CudaRank, handle: &HtGpuHandle) -> Result<Vec<usize>> {
+        self.sync(rank)?;
+        self.check_handle(handle)?;
+        let (r_n, e_n, l_n) = (self.cfg.ranks, self.cfg.experts, self.cfg.local_experts());
+        let plan = self.download_plan(rank)?;
+        let at = PLAN_HEAD + (r_n + 1) + 2 * r_n + e_n + l_n;
+        Ok(plan[at..at + l_n].iter().map(|&v| v as usize).collect())
     }
 
     /// Receive rows of the last dispatch after [`CudaHt::sync`].

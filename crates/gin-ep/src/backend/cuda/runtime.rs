@@ -546,6 +546,8 @@ pub struct CudaRank {
     functions: RefCell<HashMap<&'static str, sys::CUfunction>>,
     module: sys::CUmodule,
     stream: sys::CUstream,
+    /// A stream of the embedding framework used instead of `stream` ([`CudaRank::set_stream`]).
+    external_stream: Cell<Option<sys::CUstream>>,
     comm: Rc<Comm>,
     ctx: Arc<CudaContext>,
     info: RankInfo,
@@ -563,6 +565,13 @@ impl CudaRank {
     /// the kernels' headers), and `ncclCommInitRank` with a unique id rank 0 publishes in
     /// the group's store. Every missing piece is an `Error::Unavailable` naming it.
     pub fn new(group: &Group, opts: CudaRankOptions) -> Result<CudaRank> {
+        Self::on_device(group, group.local_rank(), opts)
+    }
+
+    /// As [`CudaRank::new`] on GPU `device` instead of `group.local_rank()` (a framework
+    /// that chose the device itself, e.g. `torch.cuda.current_device()`). The context is
+    /// the device's primary context, the one the CUDA runtime (and PyTorch) uses.
+    pub fn on_device(group: &Group, device: usize, opts: CudaRankOptions) -> Result<CudaRank> {
         let drv = driver::probe().map_err(unavailable)?;
         let fatbin = kernels_fatbin().map_err(unavailable)?;
         let nccl =
@@ -586,10 +595,9 @@ impl CudaRank {
                 ns::NCCL_LIB_ENV
             )));
         }
-        let device = group.local_rank();
         if device >= drv.device_count as usize {
             return Err(unavailable(format!(
-                "LOCAL_RANK {device} but the driver sees {} GPU(s)",
+                "device {device} (LOCAL_RANK or the caller's choice) but the driver sees {} GPU(s)",
                 drv.device_count
             )));
         }
@@ -680,6 +688,7 @@ impl CudaRank {
             functions: RefCell::new(HashMap::new()),
             module,
             stream,
+            external_stream: Cell::new(None),
             comm,
             ctx,
             info,
@@ -717,8 +726,59 @@ impl CudaRank {
         self.comm.check(call, r)
     }
 
+    /// The stream every operation of this rank queues on: the stream set with
+    /// [`CudaRank::set_stream`], else the rank's own.
     pub(crate) fn stream(&self) -> sys::CUstream {
-        self.stream
+        self.external_stream.get().unwrap_or(self.stream)
+    }
+
+    /// Queues every later operation of this rank (launches, copies, waits, events) on the
+    /// external stream `raw` instead of the rank's own; `None` returns to the own stream.
+    /// For embedding in a framework that owns the streams (PyTorch's current stream).
+    ///
+    /// # Safety
+    /// `raw` must be a live stream of this rank's context (the device's primary context)
+    /// until the next `set_stream`, or 0 (the legacy default stream).
+    pub unsafe fn set_stream(&self, raw: Option<u64>) {
+        self.external_stream.set(raw.map(|r| r as sys::CUstream));
+    }
+
+    /// Copies `bytes` from device address `src` to device address `dst` on the stream (not
+    /// waited for).
+    ///
+    /// # Safety
+    /// Both ranges must be live device memory of this context (or peer-accessible) for
+    /// `bytes` until the copy completes, and must not overlap.
+    pub unsafe fn copy_raw(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract.
+        cu_raw("cuMemcpyDtoDAsync", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream())
+        })
+    }
+
+    /// Copies `bytes` from device address `src` into the start of `dst` (checked against its
+    /// length), on the stream.
+    ///
+    /// # Safety
+    /// `src` must be live device memory of `bytes` until the copy completes.
+    pub unsafe fn copy_in(&self, dst: DeviceRegion<'_>, src: u64, bytes: usize) -> Result<()> {
+        let dst = dst.sub(0, bytes)?;
+        // SAFETY: dst is live and holds bytes (checked); src is the caller's contract.
+        unsafe { self.copy_raw(dst.ptr, src, bytes) }
+    }
+
+    /// Copies the first `bytes` of `src` (checked against its length) to device address
+    /// `dst`, on the stream.
+    ///
+    /// # Safety
+    /// `dst` must be live, writable device memory of `bytes` until the copy completes.
+    pub unsafe fn copy_out(&self, src: DeviceRegion<'_>, dst: u64, bytes: usize) -> Result<()> {
+        let src = src.sub(0, bytes)?;
+        // SAFETY: src is live and holds bytes (checked); dst is the caller's contract.
+        unsafe { self.copy_raw(dst, src.ptr, bytes) }
     }
 
     pub(crate) fn fabric_err_dev(&self) -> sys::CUdeviceptr {
@@ -782,8 +842,9 @@ impl CudaRank {
         let mut params = [args as *const A as *mut c_void];
         // SAFETY: the caller's contract; cuLaunchKernel copies the parameter bytes before
         // returning, so `args` may go out of scope afterwards.
-        let r =
-            unsafe { result::launch_kernel(f, (grid, 1, 1), (block, 1, 1), smem, self.stream, &mut params) };
+        let r = unsafe {
+            result::launch_kernel(f, (grid, 1, 1), (block, 1, 1), smem, self.stream(), &mut params)
+        };
         cu(name, r)
     }
 
@@ -840,7 +901,7 @@ impl CudaRank {
         // Zero before registering: registration is collective, so once it returns anywhere
         // every rank has zeroed its copy.
         // SAFETY: ptr..ptr+bytes is the allocation above; the stream is ours.
-        let zeroed = unsafe { result::memset_d8_async(ptr as sys::CUdeviceptr, 0, bytes, self.stream) };
+        let zeroed = unsafe { result::memset_d8_async(ptr as sys::CUdeviceptr, 0, bytes, self.stream()) };
         if let Err(e) = cu("cuMemsetD8Async(window)", zeroed).and_then(|_| self.wait("window zero")) {
             free(nccl);
             return Err(e);
@@ -912,7 +973,7 @@ impl CudaRank {
     pub fn record(&self, ev: &Event) -> Result<()> {
         // SAFETY: both handles are live.
         cu("cuEventRecord", unsafe {
-            result::event::record(ev.raw, self.stream)
+            result::event::record(ev.raw, self.stream())
         })
     }
 
@@ -938,7 +999,7 @@ impl CudaRank {
         // SAFETY: dst is a live region of src.len() bytes; src is a live host slice that
         // outlives the copy (we wait for it below).
         let r = unsafe {
-            sys::cuMemcpyHtoDAsync_v2(dst.ptr, src.as_ptr() as *const c_void, src.len(), self.stream)
+            sys::cuMemcpyHtoDAsync_v2(dst.ptr, src.as_ptr() as *const c_void, src.len(), self.stream())
         };
         cu_raw("cuMemcpyHtoDAsync", r)?;
         self.wait("upload")
@@ -959,7 +1020,7 @@ impl CudaRank {
         // SAFETY: src is a live region of dst.len() bytes; dst is a live, writable host
         // slice that outlives the copy (we wait for it below).
         let r = unsafe {
-            sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr() as *mut c_void, src.ptr, dst.len(), self.stream)
+            sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr() as *mut c_void, src.ptr, dst.len(), self.stream())
         };
         cu_raw("cuMemcpyDtoHAsync", r)?;
         self.wait("download")
@@ -972,7 +1033,7 @@ impl CudaRank {
         }
         // SAFETY: r is a live region of r.bytes bytes.
         cu_raw("cuMemsetD8Async", unsafe {
-            sys::cuMemsetD8Async(r.ptr, value, r.bytes, self.stream)
+            sys::cuMemsetD8Async(r.ptr, value, r.bytes, self.stream())
         })
     }
 
@@ -982,7 +1043,7 @@ impl CudaRank {
             return Err(Error::input("memset_u32", "length not a multiple of 4"));
         }
         // SAFETY: r is a live region of r.bytes bytes.
-        let res = unsafe { sys::cuMemsetD32Async(r.ptr, value, r.bytes / 4, self.stream) };
+        let res = unsafe { sys::cuMemsetD32Async(r.ptr, value, r.bytes / 4, self.stream()) };
         if res != sys::CUresult::CUDA_SUCCESS {
             // Say which context is current: a region of another context (or a thread
             // bound to the wrong one) is the usual cause of INVALID_VALUE here.
@@ -1013,7 +1074,7 @@ impl CudaRank {
         }
         // SAFETY: staging.host is pinned memory of `bytes` owned by self; src is live.
         let r = unsafe {
-            sys::cuMemcpyDtoHAsync_v2(self.staging.host as *mut c_void, src.ptr, bytes, self.stream)
+            sys::cuMemcpyDtoHAsync_v2(self.staging.host as *mut c_void, src.ptr, bytes, self.stream())
         };
         cu_raw("cuMemcpyDtoHAsync", r)?;
         self.wait("device-to-host copy")?;
@@ -1037,7 +1098,7 @@ impl CudaRank {
         let mut pause = Duration::from_micros(5);
         loop {
             // SAFETY: stream is live.
-            let r = unsafe { sys::cuStreamQuery(self.stream) };
+            let r = unsafe { sys::cuStreamQuery(self.stream()) };
             match r {
                 sys::CUresult::CUDA_SUCCESS => break,
                 sys::CUresult::CUDA_ERROR_NOT_READY => {}
@@ -1137,7 +1198,7 @@ impl CudaRank {
                         self.ctx.cu_ctx(),
                         src.ptr,
                         bytes,
-                        self.stream,
+                        self.stream(),
                     )
                 })?;
                 self.record(ev)?;

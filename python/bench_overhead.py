@@ -1,0 +1,103 @@
+"""Python-call overhead of gin_ep.Buffer on GPUs: time per call of dispatch, combine,
+low_latency_dispatch and low_latency_combine, by CUDA events (device time) and by the
+host clock (call returned), on every GPU of this host (or --world). Compare the device
+figures with `gin-ep bench --mode ht|ll` at the same shape.
+
+    python python/bench_overhead.py --world 2 --tokens 4096 --hidden 7168 --topk 8 --experts 256
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def timed(fn, iters):
+    """(device us per call by CUDA events, host us per call) over `iters` calls after warmup."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    host = (time.perf_counter() - t0) / iters * 1e6
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters, host
+
+
+def worker(rank, world, port, a):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    from gin_ep import Buffer
+    dev = torch.device("cuda", rank)
+    g = torch.Generator(device=dev).manual_seed(rank)
+    n, h, k, e = a.tokens, a.hidden, a.topk, a.experts
+    x = torch.randn(n, h, device=dev, generator=g).to(torch.bfloat16)
+    idx = torch.rand(n, e, device=dev, generator=g).topk(k, dim=1).indices.to(torch.int64)
+    w = torch.rand(n, k, device=dev, generator=g)
+    rows = []
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=0, max_tokens_per_rank=n,
+                 num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(a.ll_tokens, h, world, e),
+                 low_latency_mode=True)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+    out = {}
+
+    def disp():
+        out["d"] = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    disp()
+    recv_x, _, _, _, handle, _ = out["d"]
+    rows.append(("ht dispatch",) + timed(disp, a.iters))
+    rows.append(("ht dispatch (cached)",) + timed(lambda: buf.dispatch(x, handle=handle), a.iters))
+    rows.append(("ht combine",) + timed(lambda: buf.combine(recv_x, handle), a.iters))
+    ln = min(n, a.ll_tokens)
+    for fp8 in (False, True):
+        def lld():
+            out["l"] = buf.low_latency_dispatch(x[:ln], idx[:ln], a.ll_tokens, e, use_fp8=fp8)
+        lld()
+        _, _, lh, _, _ = out["l"]
+        y = torch.randn(e // world, world * a.ll_tokens, h, device=dev).to(torch.bfloat16)
+        rows.append((f"ll dispatch {'fp8' if fp8 else 'bf16'}",) + timed(lld, a.iters))
+        rows.append(("ll combine",) + timed(lambda: buf.low_latency_combine(y, idx[:ln], w[:ln], lh), a.iters))
+    if rank == 0:
+        print(f"world {world}, HT {n} tokens, LL {ln} tokens, hidden {h}, top-{k} of {e} experts, "
+              f"{a.iters} calls each")
+        print(f"{'operation':<24}{'device us/call':>16}{'host us/call':>14}")
+        for name, d, hst in rows:
+            print(f"{name:<24}{d:>16.1f}{hst:>14.1f}")
+        sys.stdout.flush()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=torch.cuda.device_count())
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--ll-tokens", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--iters", type=int, default=50)
+    a = p.parse_args()
+    if a.world < 2:
+        sys.exit("needs at least 2 GPUs")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(a.world, port, a), nprocs=a.world, join=True)
+
+
+if __name__ == "__main__":
+    main()

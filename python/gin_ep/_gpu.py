@@ -1,0 +1,200 @@
+"""The GPU path of `gin_ep.Buffer` (NCCL process group, CUDA tensors).
+
+One `_native.CudaEp` per Buffer: gin-ep's CUDA rank on `torch.cuda.current_device()`,
+with an NCCL communicator of its own (bootstrapped through gin-ep's store, whose
+address the Buffer broadcast over the process group) and NCCL's library shared with
+PyTorch (found already loaded; `GIN_EP_NCCL_LIB` overrides). Every launch and copy
+runs on PyTorch's current stream, so results are ordered with the caller's work
+without host synchronization, except where the API returns host values:
+
+- HT `dispatch` returns `num_recv_tokens_per_expert_list` (a Python list) and
+  exact-size tensors, so it waits for the count exchange, as DeepEP does without
+  `num_worst_tokens`.
+- LL never synchronizes with the host and can be captured in a CUDA graph.
+
+Inputs are copied device-to-device into gin-ep's buffers; outputs are tensors
+allocated by PyTorch and filled by device-to-device copies (on the stream).
+"""
+
+from typing import Optional
+
+import torch
+
+from . import _native
+
+
+def stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+class CudaEvent:
+    """DeepEP's `EventHandle` on the GPU path: a CUDA event recorded on the current stream."""
+
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event()
+        self.event.record(torch.cuda.current_stream())
+
+    def current_stream_wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def check_cuda(name: str, t, dtype=None, dim=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cuda":
+        raise ValueError(f"{name}: the GPU path (NCCL group) needs CUDA tensors, got one on {t.device}")
+    if t.device.index != torch.cuda.current_device():
+        raise ValueError(f"{name}: on {t.device}, but the Buffer runs on cuda:{torch.cuda.current_device()}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name}: dtype must be {dtype}, got {t.dtype}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name}: must have {dim} dimensions, got shape {tuple(t.shape)}")
+
+
+def _round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+class GpuHtState:
+    """Slot 0 of a GPU HT handle."""
+
+    def __init__(self, native, ht, experts, topk, hidden, fp8, num_worst_tokens):
+        self.native = native
+        self.ht = ht
+        self.experts = experts
+        self.topk = topk
+        self.hidden = hidden
+        self.fp8 = fp8
+        self.num_recv = native.num_recv
+        self.num_tokens = native.num_tokens
+        self.num_worst_tokens = num_worst_tokens
+
+
+class GpuLlState:
+    """Slot 0 of a GPU LL handle: the LL object, the buffer set and its dispatch number."""
+
+    def __init__(self, ll, set_, seq, topk, num_tokens):
+        self.ll = ll
+        self.set = set_
+        self.seq = seq
+        self.topk = topk
+        self.num_tokens = num_tokens
+
+
+class Gpu:
+    """The GPU state of one Buffer."""
+
+    def __init__(self, runtime, timeout_s: float, group_size: int, rank: int) -> None:
+        self.device = torch.cuda.current_device()
+        self.ep = _native.CudaEp(runtime, self.device, timeout_s)
+        self.group_size = group_size
+        self.rank = rank
+        self.hts = {}
+        self.lls = {}
+        self.ll_next = {}
+        self.ll_seq = {}
+
+    # -------------------------------------------------------------- layout
+
+    def layout(self, topk_idx: torch.Tensor, num_experts: int):
+        """(per_rank int32 [R], per_expert int32 [E], is_token_in_rank bool [N, R]),
+        computed on the device without host synchronization."""
+        r = self.group_size
+        if num_experts % r:
+            raise ValueError(f"num_experts = {num_experts} is not a multiple of {r} ranks")
+        n = topk_idx.shape[0]
+        idx = topk_idx.to(torch.int64)
+        valid = idx >= 0
+        e_col = torch.where(valid, idx, num_experts).flatten()
+        per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx.device)
+        per_expert.scatter_add_(0, e_col, torch.ones_like(e_col))
+        r_col = torch.where(valid, idx // (num_experts // r), r)
+        in_rank = torch.zeros((n, r + 1), dtype=torch.bool, device=idx.device)
+        in_rank.scatter_(1, r_col, True)
+        in_rank = in_rank[:, :r].contiguous()
+        per_rank = in_rank.sum(0, dtype=torch.int32)
+        return per_rank, per_expert[:num_experts].to(torch.int32), in_rank
+
+    # -------------------------------------------------------------- HT
+
+    def ht(self, hidden, topk, experts, max_tokens, fp8, num_sms):
+        key = (hidden, topk, experts, max_tokens, fp8)
+        h = self.hts.get(key)
+        if h is None:
+            cfg = _native.EpConfig(self.group_size, experts, hidden, topk, max_tokens, "fp8" if fp8 else "bf16")
+            h = self.ep.ht_new(cfg, num_sms=num_sms, exact=True)
+            self.hts[key] = h
+        return h
+
+    def ht_copy_x(self, h, x, scales, s):
+        x = x.contiguous()
+        self.ep.ht_copy_in(h, "x", x.data_ptr(), nbytes(x), s)
+        if scales is not None:
+            scales = scales.contiguous()
+            self.ep.ht_copy_in(h, "scales", scales.data_ptr(), nbytes(scales), s)
+        return x, scales
+
+    def ht_recv_x(self, h, nr, hidden, fp8, scale_dtype, s):
+        dev = torch.device("cuda", self.device)
+        if not fp8:
+            out = torch.empty((nr, hidden), dtype=torch.bfloat16, device=dev)
+            self.ep.ht_copy_out(h, "recv_x", out.data_ptr(), nbytes(out), s)
+            return out
+        data = torch.empty((nr, hidden), dtype=torch.uint8, device=dev)
+        self.ep.ht_copy_out(h, "recv_x", data.data_ptr(), nbytes(data), s)
+        sc = torch.empty((nr, hidden // _native.FP8_BLOCK), dtype=torch.float32, device=dev)
+        self.ep.ht_copy_out(h, "recv_scales", sc.data_ptr(), nbytes(sc), s)
+        return data.view(torch.float8_e4m3fn), sc.view(scale_dtype)
+
+    def ht_out(self, h, which, shape, dtype, s):
+        out = torch.empty(shape, dtype=dtype, device=torch.device("cuda", self.device))
+        self.ep.ht_copy_out(h, which, out.data_ptr(), nbytes(out), s)
+        return out
+
+    # -------------------------------------------------------------- LL
+
+    def ll(self, hidden, topk, experts, max_tokens, dtype, num_rdma_bytes):
+        key = (hidden, topk, experts, max_tokens, dtype)
+        l = self.lls.get(key)
+        if l is None:
+            cfg = _native.EpConfig(self.group_size, experts, hidden, topk, max_tokens, dtype)
+            need = _native.gpu_ll_bytes(cfg)
+            if need > num_rdma_bytes:
+                raise ValueError(
+                    f"num_rdma_bytes = {num_rdma_bytes} is too small for LL with {max_tokens} tokens per "
+                    f"rank, hidden = {hidden}, top-{topk} of {experts} experts ({dtype}): gin-ep needs "
+                    f"{need} bytes (see Buffer.get_low_latency_rdma_size_hint)")
+            l = self.ep.ll_new(cfg)
+            self.lls[key] = l
+            self.ll_next[l] = 0
+            self.ll_seq[l] = [0, 0]
+        return l
+
+    def ll_out(self, l, set_, which, shape, dtype, s):
+        out = torch.empty(shape, dtype=dtype, device=torch.device("cuda", self.device))
+        self.ep.ll_copy_out(l, set_, which, out.data_ptr(), nbytes(out), s)
+        return out
+
+
+def pad_rows(t: torch.Tensor, rows: int, fill=0) -> torch.Tensor:
+    if t.shape[0] >= rows:
+        return t
+    if t.dtype == torch.float8_e4m3fn:
+        return pad_rows(t.view(torch.uint8), rows, fill).view(torch.float8_e4m3fn)
+    out = torch.full((rows,) + tuple(t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+    out[:t.shape[0]] = t
+    return out
+
+
+def optional_event(async_finish: bool) -> Optional[CudaEvent]:
+    return CudaEvent() if async_finish else None

@@ -1,0 +1,324 @@
+//! The GPU path of `gin_ep.Buffer`: one [`CudaRank`] per process on PyTorch's current
+//! device, with HT ([`CudaHt`]) and LL ([`CudaLl`]) objects sized per shape.
+//!
+//! Tensors cross as device addresses (`tensor.data_ptr()`) and byte counts; every launch
+//! and copy is queued on the stream the caller passes (`torch.cuda.current_stream()
+//! .cuda_stream`), so the operations are ordered with PyTorch's work and (LL) can be
+//! captured in a CUDA graph. Inputs are copied device-to-device into the library's
+//! buffers, outputs out of them into tensors PyTorch allocated. The Python side
+//! (`gin_ep/_gpu.py`) owns the tensors and guarantees the addresses are live device
+//! memory of the stated size on this device; this module checks sizes against its own
+//! buffers.
+//!
+//! Not `Send`: CUDA contexts, NCCL communicators and the rank's counters belong to the
+//! thread that made them (`unsendable`; PyTorch calls from one thread).
+
+use std::cell::RefCell;
+
+use gin_ep::backend::cuda::ht::{
+    CombineExtras, CudaHt, DispatchSource, HtBuf, HtGpuHandle, HtGpuOptions, Sizing,
+};
+use gin_ep::backend::cuda::ll::{CudaLl, LlBuf, LlVariant};
+use gin_ep::backend::cuda::{CudaRank, CudaRankOptions};
+use gin_ep::Result;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::{duration, guard, to_py, PyEpConfig, PyGroup};
+
+/// What a GPU HT dispatch left for its combine and cached dispatches.
+#[pyclass(module = "gin_ep._native", name = "CudaHtHandle", frozen)]
+pub(crate) struct PyCudaHtHandle {
+    ht: usize,
+    h: HtGpuHandle,
+}
+
+#[pymethods]
+impl PyCudaHtHandle {
+    /// Rows this rank received.
+    #[getter]
+    fn num_recv(&self) -> usize {
+        self.h.num_recv.unwrap_or(0)
+    }
+    /// Tokens this rank dispatched.
+    #[getter]
+    fn num_tokens(&self) -> usize {
+        self.h.num_tokens
+    }
+    /// The HT object (`CudaEp.ht_new`) it belongs to.
+    #[getter]
+    fn ht(&self) -> usize {
+        self.ht
+    }
+}
+
+/// One rank of the GPU path. Field order is drop order: the HT and LL objects (windows,
+/// device communicators) go before the rank (communicator, context).
+#[pyclass(module = "gin_ep._native", name = "CudaEp", unsendable)]
+pub(crate) struct PyCudaEp {
+    hts: RefCell<Vec<CudaHt>>,
+    lls: RefCell<Vec<CudaLl<'static>>>,
+    rank: Box<CudaRank>,
+}
+
+impl PyCudaEp {
+    fn rank(&self) -> &'static CudaRank {
+        // SAFETY: the rank is boxed (its address never changes) and dropped after every
+        // CudaLl that borrows it (field order above); the borrow never leaves this object.
+        unsafe { &*(self.rank.as_ref() as *const CudaRank) }
+    }
+
+    /// Runs `f` with the rank's operations on `stream`, then back on the rank's own.
+    fn on<T>(&self, stream: u64, f: impl FnOnce(&CudaRank) -> Result<T>) -> PyResult<T> {
+        guard(|| {
+            let rank = self.rank();
+            // SAFETY: `stream` is PyTorch's current stream of this device (the Python side
+            // passes torch.cuda.current_stream().cuda_stream), live during the call.
+            unsafe { rank.set_stream(Some(stream)) };
+            let out = f(rank);
+            // SAFETY: back to the rank's own stream.
+            unsafe { rank.set_stream(None) };
+            out.map_err(to_py)
+        })
+    }
+}
+
+fn sizing(exact: bool) -> Sizing {
+    if exact {
+        Sizing::Exact
+    } else {
+        Sizing::Static
+    }
+}
+
+#[pymethods]
+impl PyCudaEp {
+    /// Collective: every rank of `group` makes its CudaEp on its GPU `device` (NCCL
+    /// communicator through the group's store).
+    #[new]
+    #[pyo3(signature = (group, device, timeout_s = 100.0))]
+    fn new(group: &PyGroup, device: usize, timeout_s: f64) -> PyResult<Self> {
+        guard(|| {
+            let t = duration(timeout_s)?;
+            let opts = CudaRankOptions {
+                host_timeout: t,
+                kernel_timeout: CudaRankOptions::default().kernel_timeout.min(t),
+            };
+            let rank = group.with(|g| CudaRank::on_device(g, device, opts).map_err(to_py))?;
+            Ok(PyCudaEp {
+                hts: RefCell::new(Vec::new()),
+                lls: RefCell::new(Vec::new()),
+                rank: Box::new(rank),
+            })
+        })
+    }
+
+    /// Device, SM count, NCCL version and where NCCL was loaded from.
+    fn info(&self) -> String {
+        format!("{:?}", self.rank.info())
+    }
+
+    #[getter]
+    fn sm_count(&self) -> u32 {
+        self.rank.info().sm_count
+    }
+
+    /// Collective: a new HT object for `config`; returns its id.
+    #[pyo3(signature = (config, num_sms = 24, exact = true))]
+    fn ht_new(&self, config: &PyEpConfig, num_sms: u32, exact: bool) -> PyResult<usize> {
+        let opts = HtGpuOptions {
+            num_sms,
+            sizing: sizing(exact),
+            ..HtGpuOptions::default()
+        };
+        let ht = guard(|| CudaHt::new(self.rank(), &config.cfg, opts).map_err(to_py))?;
+        let mut hts = self.hts.borrow_mut();
+        hts.push(ht);
+        Ok(hts.len() - 1)
+    }
+
+    /// Collective: a new LL object for `config` (grid: CTAs per kernel, None = every SM);
+    /// returns its id.
+    #[pyo3(signature = (config, grid = None))]
+    fn ll_new(&self, config: &PyEpConfig, grid: Option<u32>) -> PyResult<usize> {
+        let ll = guard(|| {
+            let v = LlVariant::from_env().map_err(to_py)?;
+            CudaLl::with_variant(self.rank(), &config.cfg, grid, v).map_err(to_py)
+        })?;
+        let mut lls = self.lls.borrow_mut();
+        lls.push(ll);
+        Ok(lls.len() - 1)
+    }
+
+    /// Copies `bytes` from device address `src` into HT buffer `which` of `ht`.
+    fn ht_copy_in(&self, ht: usize, which: &str, src: u64, bytes: usize, stream: u64) -> PyResult<()> {
+        let hts = self.hts.borrow();
+        let h = get(&hts, ht, "HT")?;
+        self.on(stream, |r| {
+            // SAFETY: src is a live CUDA tensor of `bytes` (the Python side's contract).
+            unsafe { r.copy_in(h.buffer(HtBuf::parse(which)?)?, src, bytes) }
+        })
+    }
+
+    /// Copies the first `bytes` of HT buffer `which` of `ht` to device address `dst`.
+    fn ht_copy_out(&self, ht: usize, which: &str, dst: u64, bytes: usize, stream: u64) -> PyResult<()> {
+        let hts = self.hts.borrow();
+        let h = get(&hts, ht, "HT")?;
+        self.on(stream, |r| {
+            // SAFETY: dst is a live CUDA tensor of `bytes` (the Python side's contract).
+            unsafe { r.copy_out(h.buffer(HtBuf::parse(which)?)?, dst, bytes) }
+        })
+    }
+
+    /// Fresh HT dispatch of the `num_tokens` tokens copied in (`fp8`: e4m3 + scales input).
+    fn ht_dispatch(&self, ht: usize, num_tokens: usize, fp8: bool, stream: u64) -> PyResult<PyCudaHtHandle> {
+        let mut hts = self.hts.borrow_mut();
+        let h = get_mut(&mut hts, ht, "HT")?;
+        let src = if fp8 {
+            DispatchSource::Fp8
+        } else {
+            DispatchSource::Bf16
+        };
+        let handle = self.on(stream, |r| h.dispatch(r, num_tokens, src, None))?;
+        Ok(PyCudaHtHandle { ht, h: handle })
+    }
+
+    /// Rows per local expert of the handle's dispatch, aligned (a host synchronization).
+    fn ht_recv_counts(&self, handle: &PyCudaHtHandle, stream: u64) -> PyResult<Vec<usize>> {
+        let mut hts = self.hts.borrow_mut();
+        let h = get_mut(&mut hts, handle.ht, "HT")?;
+        self.on(stream, |r| h.recv_counts(r, &handle.h))
+    }
+
+    /// Cached HT dispatch of the activations copied in, along the handle's layout.
+    fn ht_dispatch_cached(&self, handle: &PyCudaHtHandle, fp8: bool, stream: u64) -> PyResult<()> {
+        let mut hts = self.hts.borrow_mut();
+        let h = get_mut(&mut hts, handle.ht, "HT")?;
+        let src = if fp8 {
+            DispatchSource::Fp8
+        } else {
+            DispatchSource::Bf16
+        };
+        self.on(stream, |r| h.dispatch_cached(r, &handle.h, src, None))
+    }
+
+    /// HT combine of the rows copied into `comb_x` (and `comb_w`, `bias0`, `bias1`).
+    fn ht_combine(
+        &self,
+        handle: &PyCudaHtHandle,
+        weights: bool,
+        bias0: bool,
+        bias1: bool,
+        stream: u64,
+    ) -> PyResult<()> {
+        let mut hts = self.hts.borrow_mut();
+        let h = get_mut(&mut hts, handle.ht, "HT")?;
+        let extras = CombineExtras {
+            weights,
+            bias: [bias0, bias1],
+        };
+        self.on(stream, |r| h.combine(r, &handle.h, extras, None))
+    }
+
+    /// Waits (bounded) for `ht`'s queued work and reports a failure it recorded.
+    fn ht_sync(&self, ht: usize, stream: u64) -> PyResult<()> {
+        let mut hts = self.hts.borrow_mut();
+        let h = get_mut(&mut hts, ht, "HT")?;
+        self.on(stream, |r| h.sync(r))
+    }
+
+    /// Copies `bytes` from device address `src` into LL buffer `which` of `set`.
+    fn ll_copy_in(
+        &self,
+        ll: usize,
+        set: usize,
+        which: &str,
+        src: u64,
+        bytes: usize,
+        stream: u64,
+    ) -> PyResult<()> {
+        let lls = self.lls.borrow();
+        let l = get(&lls, ll, "LL")?;
+        self.on(stream, |r| {
+            // SAFETY: src is a live CUDA tensor of `bytes` (the Python side's contract).
+            unsafe { r.copy_in(l.buffer(set, LlBuf::parse(which)?)?, src, bytes) }
+        })
+    }
+
+    /// Copies the first `bytes` of LL buffer `which` of `set` to device address `dst`.
+    fn ll_copy_out(
+        &self,
+        ll: usize,
+        set: usize,
+        which: &str,
+        dst: u64,
+        bytes: usize,
+        stream: u64,
+    ) -> PyResult<()> {
+        let lls = self.lls.borrow();
+        let l = get(&lls, ll, "LL")?;
+        self.on(stream, |r| {
+            // SAFETY: dst is a live CUDA tensor of `bytes` (the Python side's contract).
+            unsafe { r.copy_out(l.buffer(set, LlBuf::parse(which)?)?, dst, bytes) }
+        })
+    }
+
+    /// Declares the token count of `set`'s input.
+    fn ll_set_tokens(&self, ll: usize, set: usize, n: usize) -> PyResult<()> {
+        let mut lls = self.lls.borrow_mut();
+        let l = get_mut(&mut lls, ll, "LL")?;
+        guard(|| l.set_num_tokens(set, n).map_err(to_py))
+    }
+
+    /// Launches `op` (`dispatch`, `dispatch_send`, `dispatch_recv`, `combine`,
+    /// `combine_send`, `combine_recv`) on `set`; no host synchronization.
+    fn ll_launch(&self, ll: usize, set: usize, op: &str, stream: u64) -> PyResult<()> {
+        let lls = self.lls.borrow();
+        let l = get(&lls, ll, "LL")?;
+        let op = op.to_string();
+        self.on(stream, |_| match op.as_str() {
+            "dispatch" => l.dispatch(set),
+            "dispatch_send" => l.dispatch_send(set),
+            "dispatch_recv" => l.dispatch_recv(set),
+            "combine" => l.combine(set),
+            "combine_send" => l.combine_send(set),
+            "combine_recv" => l.combine_recv(set),
+            other => Err(gin_ep::Error::InvalidInput {
+                what: "LL op".into(),
+                reason: format!("unknown `{other}`"),
+            }),
+        })
+    }
+
+    /// Waits (bounded) for everything queued on `stream` and reports a missed in-kernel
+    /// deadline any kernel recorded.
+    fn sync(&self, stream: u64) -> PyResult<()> {
+        self.on(stream, |r| r.wait("gin_ep sync"))
+    }
+}
+
+fn get<'a, T>(v: &'a [T], i: usize, what: &str) -> PyResult<&'a T> {
+    v.get(i)
+        .ok_or_else(|| PyValueError::new_err(format!("no {what} object {i}")))
+}
+
+fn get_mut<'a, T>(v: &'a mut [T], i: usize, what: &str) -> PyResult<&'a mut T> {
+    v.get_mut(i)
+        .ok_or_else(|| PyValueError::new_err(format!("no {what} object {i}")))
+}
+
+/// Bytes of the HT window `CudaHt` needs for `config` (GPU layout).
+#[pyfunction]
+pub(crate) fn gpu_ht_bytes(config: &PyEpConfig) -> PyResult<usize> {
+    guard(|| {
+        gin_ep::backend::cuda::ht::HtLayout::new(&config.cfg)
+            .map(|l| l.total)
+            .map_err(to_py)
+    })
+}
+
+/// Bytes of the LL window `CudaLl` needs for `config` (both buffer sets).
+#[pyfunction]
+pub(crate) fn gpu_ll_bytes(config: &PyEpConfig) -> PyResult<usize> {
+    guard(|| gin_ep::backend::cuda::ll::buffer_bytes(&config.cfg).map_err(to_py))
+}

@@ -1,0 +1,228 @@
+"""gin_ep.Buffer on GPUs (NCCL process group, CUDA tensors) on 2 and 4 GPUs, bit for bit
+against gin-ep's oracle: layout, HT dispatch (BF16, FP8, cached), HT combine (weights,
+biases), LL dispatch (BF16, FP8, power-of-two scales; receive hooks), LL combine (plain,
+zero-copy, out=), CUDA events and a CUDA-graph capture of LL. Skipped without 2 GPUs."""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import _dist
+from _inputs import quantize, routing, same_bits
+from gin_ep import Buffer, _native
+from gin_ep._convert import from_bytes, to_bytes
+
+HIDDEN, TOPK = 256, 3
+
+
+def _need(world):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    if not dist.is_nccl_available():
+        pytest.skip("no NCCL in this torch")
+
+
+def _entry(rank, world, port, fn):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    try:
+        fn(rank, world)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run(world, fn):
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    mp.spawn(_entry, args=(world, _dist.free_port(), fn), nprocs=world, join=True)
+
+
+def cpu(t):
+    return t.cpu() if isinstance(t, torch.Tensor) else t
+
+
+def ht_worker(rank, world):
+    dev = torch.device("cuda", rank)
+    experts = 4 * world
+    tokens = [7, 32, 0, 19][:world]
+    inputs = routing(world, tokens, HIDDEN, TOPK, experts, seed=11 + world)
+    x, idx, w = inputs[rank]
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=1 << 26, max_tokens_per_rank=32)
+    assert buf._gpu is not None, "an NCCL group must take the GPU path"
+
+    # Layout.
+    per_rank, _, per_expert, in_rank, ev = buf.get_dispatch_layout(idx.to(dev), experts, async_finish=True)
+    ev.current_stream_wait()
+    cfg = _native.EpConfig(world, experts, HIDDEN, TOPK, 32)
+    r_ref, e_ref, m_ref = _native.layout(cfg, rank, to_bytes(idx))
+    assert per_rank.cpu().tolist() == list(r_ref) and per_expert.cpu().tolist() == list(e_ref)
+    assert torch.equal(in_rank.cpu(), from_bytes(m_ref, torch.uint8, (tokens[rank], world)).bool())
+
+    # BF16 dispatch.
+    ref = _native.oracle_ht_dispatch(cfg, [to_bytes(i[0]) for i in inputs], [to_bytes(i[1]) for i in inputs],
+                                     [to_bytes(i[2]) for i in inputs])
+    rb, _, ridx, rw, counts, native = ref[rank]
+    nr = native.num_recv
+    recv_x, recv_idx, recv_w, got_counts, handle, ev = buf.dispatch(
+        x.to(dev), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=idx.to(dev), topk_weights=w.to(dev), async_finish=True)
+    ev.current_stream_wait()
+    same_bits("recv_x", cpu(recv_x), from_bytes(rb, torch.bfloat16, (nr, HIDDEN)))
+    same_bits("recv_topk_idx", cpu(recv_idx), from_bytes(ridx, torch.int64, (nr, TOPK)))
+    same_bits("recv_topk_weights", cpu(recv_w), from_bytes(rw, torch.float32, (nr, TOPK)))
+    assert got_counts == list(counts)
+    same_bits("recv_src_idx", cpu(handle[3]), from_bytes(native.recv_src_token(), torch.int32, (nr,)))
+
+    # Cached dispatch of new activations.
+    def x2_of(r):
+        g = torch.Generator().manual_seed(900 + r)
+        return torch.randn(tokens[r], HIDDEN, generator=g).to(torch.bfloat16)
+    ref2 = _native.oracle_ht_dispatch(cfg, [to_bytes(x2_of(r)) for r in range(world)],
+                                      [to_bytes(i[1]) for i in inputs], [to_bytes(i[2]) for i in inputs])
+    cached, *_ = buf.dispatch(x2_of(rank).to(dev), handle=handle)
+    same_bits("cached recv_x", cpu(cached), from_bytes(ref2[rank][0], torch.bfloat16, (nr, HIDDEN)))
+
+    # Combine with weights and both biases.
+    def y_of(r, n):
+        g = torch.Generator().manual_seed(300 + r)
+        return torch.randn(n, HIDDEN, generator=g).to(torch.bfloat16)
+
+    def b_of(r, i):
+        g = torch.Generator().manual_seed(700 + 10 * r + i)
+        return torch.randn(tokens[r], HIDDEN, generator=g).to(torch.bfloat16)
+    nrs = [ref[r][5].num_recv for r in range(world)]
+    cref = _native.oracle_ht_combine(cfg, [ref[r][5] for r in range(world)],
+                                     [to_bytes(y_of(r, nrs[r])) for r in range(world)],
+                                     [to_bytes(from_bytes(ref[r][3], torch.float32, (nrs[r], TOPK)))
+                                      for r in range(world)],
+                                     [to_bytes(b_of(r, 0)) for r in range(world)],
+                                     [to_bytes(b_of(r, 1)) for r in range(world)])
+    cx, cw = cref[rank]
+    y = y_of(rank, nr).to(dev)
+    out_x, out_w, _ = buf.combine(y, handle, topk_weights=recv_w,
+                                  bias=(b_of(rank, 0).to(dev), b_of(rank, 1).to(dev)))
+    same_bits("combined_x", cpu(out_x), from_bytes(cx, torch.bfloat16, (tokens[rank], HIDDEN)))
+    same_bits("combined_topk_weights", cpu(out_w), from_bytes(cw, torch.float32, (tokens[rank], TOPK)))
+
+    # FP8 dispatch (pre-quantized input): rows arrive as sent, in the BF16 order.
+    q = [quantize(i[0]) for i in inputs]
+    (fx, fs), fidx, _, fcounts, fhandle, _ = buf.dispatch(
+        (q[rank][0].to(dev), q[rank][1].to(dev)), num_tokens_per_expert=per_expert,
+        topk_idx=idx.to(dev), topk_weights=w.to(dev))
+    src_rank = from_bytes(native.recv_src_rank(), torch.int32, (nr,)).long()
+    src_tok = from_bytes(native.recv_src_token(), torch.int32, (nr,)).long()
+    want_x = torch.stack([q[r][0][t].view(torch.uint8) for r, t in zip(src_rank.tolist(), src_tok.tolist())]) \
+        if nr else torch.empty(0, HIDDEN, dtype=torch.uint8)
+    want_s = torch.stack([q[r][1][t] for r, t in zip(src_rank.tolist(), src_tok.tolist())]) \
+        if nr else torch.empty(0, HIDDEN // 128)
+    same_bits("fp8 recv_x", cpu(fx).view(torch.uint8), want_x)
+    same_bits("fp8 recv_scales", cpu(fs), want_s)
+    assert fcounts == list(counts)
+    # A second fresh BF16 dispatch replaces the first one's layout: its handle is refused.
+    buf.dispatch(x.to(dev), num_tokens_per_expert=per_expert, topk_idx=idx.to(dev), topk_weights=w.to(dev))
+    with pytest.raises(ValueError, match="stale"):
+        buf.combine(y, handle)
+    torch.cuda.synchronize()
+
+
+def ll_worker(rank, world):
+    dev = torch.device("cuda", rank)
+    T = 16
+    experts = 2 * world
+    local = experts // world
+    tokens = [5, 16, 0, 9][:world]
+    inputs = routing(world, tokens, HIDDEN, TOPK, experts, seed=77 + world)
+    x, idx, w = inputs[rank]
+    hint = Buffer.get_low_latency_rdma_size_hint(T, HIDDEN, world, experts)
+    buf = Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=local)
+    stats = torch.zeros(local, dtype=torch.int32, device=dev)
+
+    def y_of(r):
+        g = torch.Generator().manual_seed(500 + r)
+        return torch.randn(local, world * T, HIDDEN, generator=g).to(torch.bfloat16)
+
+    for dtype, use_fp8, round_scale, hook_path in [
+            ("bf16", False, False, False), ("fp8", True, False, True), ("fp8-ue8m0", True, True, False)]:
+        cfg = _native.EpConfig(world, experts, HIDDEN, TOPK, T, dtype)
+        ref = _native.oracle_ll_dispatch(cfg, [to_bytes(i[0]) for i in inputs], [to_bytes(i[1]) for i in inputs])
+        rx, rs, rcount, _ = ref[rank]
+        recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(
+            x.to(dev), idx.to(dev), T, experts, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
+            round_scale=round_scale, return_recv_hook=hook_path)
+        if hook_path:
+            hook()
+        same_bits("recv_count", cpu(recv_count), torch.tensor(rcount, dtype=torch.int32))
+        shape = (local, world * T, HIDDEN)
+        if use_fp8:
+            data, scales = recv_x
+            assert scales.stride(1) == 1, scales.stride()
+            want = from_bytes(rx, torch.uint8, shape).view(torch.float8_e4m3fn)
+            want_s = from_bytes(rs, torch.float32, (local, world * T, HIDDEN // 128))
+            for e in range(local):
+                c = rcount[e]
+                same_bits(f"{dtype} recv_x[{e}]", cpu(data[e, :c]), want[e, :c])
+                same_bits(f"{dtype} scales[{e}]", cpu(scales[e, :c]), want_s[e, :c])
+        else:
+            want = from_bytes(rx, torch.bfloat16, shape)
+            for e in range(local):
+                same_bits(f"bf16 recv_x[{e}]", cpu(recv_x[e, :rcount[e]]), want[e, :rcount[e]])
+        assert (handle[1] & 0xFFFFFFFF).sum().item() == sum(rcount)
+        cref = _native.oracle_ll_combine(cfg, [ref[r][3] for r in range(world)],
+                                         [to_bytes(y_of(r)) for r in range(world)],
+                                         [to_bytes(i[1]) for i in inputs], [to_bytes(i[2]) for i in inputs])
+        want_c = from_bytes(cref[rank], torch.bfloat16, (tokens[rank], HIDDEN))
+        if hook_path:
+            buf.get_next_low_latency_combine_buffer(handle).copy_(y_of(rank))
+            out, ev, chook = buf.low_latency_combine(None, idx.to(dev), w.to(dev), handle,
+                                                     zero_copy=True, return_recv_hook=True)
+            chook()
+        elif round_scale:
+            out_t = torch.empty(tokens[rank], HIDDEN, dtype=torch.bfloat16, device=dev)
+            out, ev, _ = buf.low_latency_combine(y_of(rank).to(dev), idx.to(dev), w.to(dev), handle,
+                                                 out=out_t, async_finish=True)
+            assert out is out_t
+            ev.current_stream_wait()
+        else:
+            out, ev, _ = buf.low_latency_combine(y_of(rank).to(dev), idx.to(dev), w.to(dev), handle)
+        same_bits(f"{dtype} combined_x", cpu(out), want_c)
+    assert stats.sum().item() == 3 * sum(int(((i[1] >= 0) & (i[1] // local == rank)).sum()) for i in inputs)
+
+    # A CUDA graph of LL dispatch + combine replays with the same results.
+    cfg = _native.EpConfig(world, experts, HIDDEN, TOPK, T, "bf16")
+    ref = _native.oracle_ll_dispatch(cfg, [to_bytes(i[0]) for i in inputs], [to_bytes(i[1]) for i in inputs])
+    cref = _native.oracle_ll_combine(cfg, [ref[r][3] for r in range(world)],
+                                     [to_bytes(y_of(r)) for r in range(world)],
+                                     [to_bytes(i[1]) for i in inputs], [to_bytes(i[2]) for i in inputs])
+    xd, idd, wd, yd = x.to(dev), idx.to(dev), w.to(dev), y_of(rank).to(dev)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(graph, stream=s):
+            _, _, gh, _, _ = buf.low_latency_dispatch(xd, idd, T, experts, use_fp8=False)
+            gout, _, _ = buf.low_latency_combine(yd, idd, wd, gh)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        same_bits("graph combined_x", gout.cpu(), from_bytes(cref[rank], torch.bfloat16, (tokens[rank], HIDDEN)))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpu_ht(world):
+    _need(world)
+    run(world, ht_worker)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpu_ll(world):
+    _need(world)
+    run(world, ll_worker)
