@@ -75,8 +75,16 @@ pub struct LlVariant {
 }
 
 impl LlVariant {
-    /// What [`CudaLl::new`] uses without [`ENV_VARIANT`].
+    /// What [`CudaLl::new`] uses without [`ENV_VARIANT`]: `fused` (measured fastest of the
+    /// first sweep, bench/RESULTS.md; falls back to nothing: refused when the grid cannot be
+    /// resident, as every fused variant).
     pub const DEFAULT: LlVariant = LlVariant {
+        fused: true,
+        ..LlVariant::BASE
+    };
+
+    /// `base`: no feature, the caller's grid.
+    pub const BASE: LlVariant = LlVariant {
         token_major: false,
         pipeline: false,
         fused: false,
@@ -134,7 +142,7 @@ impl LlVariant {
         };
         let mut v = LlVariant {
             grid,
-            ..LlVariant::DEFAULT
+            ..LlVariant::BASE
         };
         for f in feats.split('+') {
             match f {
@@ -162,9 +170,10 @@ impl LlVariant {
 
     /// The variants `gin-ep check --mode ll --variants all` runs: every feature, on all SMs
     /// and on small grids so each warp loops over several items (pipelining across items).
-    /// `base` on all SMs is the default run's (`gin-ep check --mode ll`).
+    /// `fused` on all SMs is the default run's (`gin-ep check --mode ll`).
     pub fn check_list() -> Vec<LlVariant> {
         [
+            "base@all",
             "base@3",
             "tok@5",
             "pipe@7",
@@ -1688,8 +1697,9 @@ mod tests {
 
     #[test]
     fn variants_parse_print_and_map_to_kernel_flags() {
-        assert_eq!(LlVariant::parse("base").unwrap(), LlVariant::DEFAULT);
-        assert_eq!(LlVariant::DEFAULT.name(), "base");
+        assert_eq!(LlVariant::parse("base").unwrap(), LlVariant::BASE);
+        assert_eq!(LlVariant::BASE.name(), "base");
+        assert_eq!(LlVariant::DEFAULT.name(), "fused");
         let v = LlVariant::parse("tok+pipe+fused@64").unwrap();
         assert!(v.token_major && v.pipeline && v.fused && v.grid == Some(64));
         assert_eq!(v.kernel_flags(), 3);
