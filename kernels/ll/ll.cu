@@ -30,6 +30,8 @@
 //     into r (credit: the staging slots of s at r are free again).
 //   - kCombSig / kCombAck: the same for combine (expert rank -> source rank data, source ->
 //     expert rank "combine buffer free").
+//   - kDispCnt[src] at receiver r (variant `early` only): CTA 0 of src adds 1 after writing
+//     meta[src] at r (after op n: n); the receiver then waits per source for kDispSig.
 //   So no barrier sits on the critical path, no flag is ever cleared, and any sequence of
 //   dispatches and combines on a set is safe (double buffering = two sets, used alternately).
 // - The op number n of a set lives on the device (LlArgs::state), so a CUDA graph replays
@@ -57,8 +59,11 @@ constexpr uint32_t kPhaseDispatchRecv = 17;    // recv waits for sources' data
 constexpr uint32_t kPhaseCombineCredit = 18;   // send waits until the source freed its buffer
 constexpr uint32_t kPhaseCombineRecv = 19;     // reduce waits for expert ranks' rows
 
-// Signal kinds ([kind][src] u64 words at sig_offset of a set).
-constexpr int kDispSig = 0, kDispAck = 1, kCombSig = 2, kCombAck = 3;
+// Signal kinds ([kind][src] u64 words at sig_offset of a set). kDispCnt: CTA 0 of src adds 1
+// after writing meta[src] at r (variant `early` only; after op n it holds n).
+constexpr int kDispSig = 0, kDispAck = 1, kCombSig = 2, kCombAck = 3, kDispCnt = 4;
+constexpr int kSigKinds = 5;  // host: ll.rs SIG_KINDS (sig words [kSigKinds][R])
+static_assert(kDispCnt < kSigKinds, "signal kinds");
 // Words of LlArgs::state (local device memory of a set, zeroed at creation).
 constexpr int kDispOps = 0, kDispDone = 1, kCombOps = 2, kCombDone = 3;
 
@@ -97,9 +102,27 @@ struct LlArgs {
   uint8_t* recv_scales_ue8m0;  // optional [L][R*T][H/128] exponent bytes (fp8-ue8m0), or null
   uint32_t flags;              // kFlag* below: kernel variants, all bit-exact with each other
   uint32_t pad_;
+  uint64_t* stamps;            // [gridDim.x][kStampSlots] globaltimer ns, or null (kStamp*)
 };
-static_assert(sizeof(LlArgs) == 416 && offsetof(LlArgs, err) == 368 && offsetof(LlArgs, flags) == 408,
+static_assert(sizeof(LlArgs) == 424 && offsetof(LlArgs, err) == 368 && offsetof(LlArgs, flags) == 408 &&
+                  offsetof(LlArgs, stamps) == 416,
               "mirrored in backend/cuda/ll.rs");
+
+// Device timestamps (globaltimer ns), one row of kStampSlots per CTA, written by thread 0 at
+// phase boundaries when LlArgs::stamps is set (the benchmark's breakdown; host: ll.rs
+// STAMP_*). A slot a variant does not pass keeps what the host put there (0).
+// Dispatch: start (after the op number), layout done, credit seen, last record stored
+// (CTA barrier before the fence), data signal added, receive start (split: the recv kernel's
+// start), counts known (prefix table ready), all sources' data seen (not in `early`: waits
+// are per warp and source there), expand done (barrier before the credit), end.
+// Combine: start, credit seen, last row stored, signal added, reduce start, all rows seen,
+// reduce done (barrier before the credit), end.
+constexpr int kStDispStart = 0, kStDispLayout = 1, kStDispCredit = 2, kStDispSent = 3, kStDispSignaled = 4,
+              kStDispRecv = 5, kStDispCounts = 6, kStDispSeen = 7, kStDispExpanded = 8, kStDispEnd = 9;
+constexpr int kStCombStart = 10, kStCombCredit = 11, kStCombSent = 12, kStCombSignaled = 13, kStCombRecv = 14,
+              kStCombSeen = 15, kStCombReduced = 16, kStCombEnd = 17;
+constexpr int kStampSlots = 20;
+static_assert(kStCombEnd < kStampSlots, "stamps");
 
 // Variants (LlArgs::flags; host: LlVariant in ll.rs). Each changes only how work is spread
 // and when loads are issued, never an arithmetic order: every variant is bit-exact.
@@ -111,14 +134,26 @@ static_assert(sizeof(LlArgs) == 416 && offsetof(LlArgs, err) == 368 && offsetof(
 //   the current item's stores (dispatch send/recv, combine send), and combine-recv loads
 //   its 8 rows and weights without waiting for topk_idx (masked rows are loaded, then
 //   skipped, as before).
+// - kFlagRotate: with kFlagTokenMajor, the destinations of an item are visited starting at
+//   (me + 1 + item) % R instead of 0, so the warps' first (and every) stores spread over all
+//   links instead of all warps writing to the lowest destination first.
+// - kFlagEarlyCounts: CTA 0 of each source signals kDispCnt right after writing its counts
+//   (meta), so the receiver builds its prefix table while the records are in flight, and
+//   each warp waits only for the source of the record it expands (per-source data signal),
+//   so sources that finished are expanded while later ones are still sending.
 // (The fused one-kernel-per-operation variant is a host choice: other entry points.)
-constexpr uint32_t kFlagTokenMajor = 1u, kFlagPipeline = 2u;
+constexpr uint32_t kFlagTokenMajor = 1u, kFlagPipeline = 2u, kFlagRotate = 4u, kFlagEarlyCounts = 8u;
 
 // ---------------------------------------------------------------------------------------
 // Small device helpers
 
 __device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Thread 0 of the CTA records the time in slot `slot` of this CTA's stamp row (when asked).
+__device__ __forceinline__ void stamp(const LlArgs& a, int slot) {
+  if (a.stamps != nullptr && threadIdx.x == 0) a.stamps[size_t(blockIdx.x) * kStampSlots + slot] = globaltimer_ns();
 }
 
 __device__ __forceinline__ uint32_t ld_volatile_u32(const uint32_t* p) {
@@ -167,13 +202,16 @@ __device__ bool wait_all_peers(const LlArgs& a, int kind, uint64_t target, uint3
 
 // Every thread of the CTA: after this CTA's stores (or reads) of a phase, add 1 to word
 // [kind][me] at every peer. The bar.sync orders the whole CTA's accesses before the fence
-// and the release add, which are cumulative at system scope.
-__device__ void signal_all_peers(const LlArgs& a, int kind) {
+// and the release add, which are cumulative at system scope. Stamps `before` after the
+// barrier and `after` once thread 0 added its word.
+__device__ void signal_all_peers(const LlArgs& a, int kind, int before, int after) {
   __syncthreads();
+  stamp(a, before);
   for (int p = threadIdx.x; p < a.comm.lsaSize; p += blockDim.x) {
     __threadfence_system();
     red_add_release_sys(sig_word(a, p, kind, a.comm.lsaRank), 1);
   }
+  stamp(a, after);
 }
 
 // The op number of a set as seen at the start of a kernel (thread 0 reads, all get it).
@@ -351,6 +389,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
   const int rows = E + R;  // experts, then destination ranks
   uint32_t* mask = smem;
   uint32_t* base = smem + size_t(rows) * nch;
+  stamp(a, kStDispStart);
 
   // Work items: token-major (token, unit), or (token, unit, destination) with the
   // destination fastest so neighbouring warps feed different links from the same (cached)
@@ -359,6 +398,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
   const int units = (H + kDispatchUnit - 1) / kDispatchUnit;
   const bool tok_major = (a.flags & kFlagTokenMajor) != 0;
   const bool pipe = (a.flags & kFlagPipeline) != 0;
+  const bool rotate = (a.flags & kFlagRotate) != 0;
   const size_t per_tok = tok_major ? size_t(units) : size_t(units) * R;
   const size_t items = size_t(N) * per_tok;
   const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -391,12 +431,15 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
   }
   __syncthreads();
   const TokenRanks tr{mask, base, nch};
+  stamp(a, kStDispLayout);
 
   // 2. Credit: every destination has finished reading what we sent it in the previous op of
   //    this set (it added G after its expand).
   if (!wait_all_peers(a, kDispAck, uint64_t(n - 1) * gridDim.x, kPhaseDispatchCredit)) return false;
+  stamp(a, kStDispCredit);
 
-  // 3. CTA 0 writes meta[me] at every destination: token count, then per-local-expert counts.
+  // 3. CTA 0 writes meta[me] at every destination: token count, then per-local-expert counts
+  //    (`early`: then signals them at once, before its records).
   if (blockIdx.x == 0) {
     for (int i = threadIdx.x; i < R * (L + 1); i += blockDim.x) {
       const int dst = i / (L + 1), j = i % (L + 1);
@@ -404,6 +447,13 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
       uint32_t* m = reinterpret_cast<uint32_t*>(
           lsa_ptr(a.win, a.set_offset + a.meta_offset + (size_t(me) * (L + 1) + j) * 4, dst));
       *m = v;
+    }
+    if ((a.flags & kFlagEarlyCounts) != 0) {
+      __syncthreads();  // CTA 0 only (blockIdx is uniform in the CTA)
+      for (int p = threadIdx.x; p < R; p += blockDim.x) {
+        __threadfence_system();
+        red_add_release_sys(sig_word(a, p, kDispCnt, me), 1);
+      }
     }
   }
 
@@ -420,9 +470,12 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
       return lsa_ptr(a.win, a.set_offset + a.stage_offset + (size_t(me) * T + slot) * a.rec_bytes, dst);
     };
     if (tok_major) {
-      // Quantized once, stored to every destination of the token.
+      // Quantized once, stored to every destination of the token (`rot`: starting at a
+      // destination that differs between neighbouring warps).
       const OutUnit o = encode_unit(a, cur, c0);
-      for (int dst = 0; dst < R; ++dst) {
+      const int first_dst = rotate ? int((size_t(me) + 1 + item) % size_t(R)) : 0;
+      for (int i = 0; i < R; ++i) {
+        const int dst = first_dst + i < R ? first_dst + i : first_dst + i - R;
         if (!tr.has(E + dst, t)) continue;  // warp-uniform
         char* rec = record(dst);
         put_unit(a, rec, c0, lane, o);
@@ -440,7 +493,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
   }
 
   // 5. Data signal: +1 per CTA at every destination (also where nothing was sent).
-  signal_all_peers(a, kDispSig);
+  signal_all_peers(a, kDispSig, kStDispSent, kStDispSignaled);
   return true;
 }
 
@@ -465,7 +518,16 @@ __device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
   // smem: meta copy [R][L + 1] (becomes first[s][e] after the scan), start[R + 1].
   uint32_t* first = smem;                        // [R][L + 1]; column 0 = token count
   uint32_t* start = smem + size_t(R) * (L + 1);  // [R + 1] prefix of token counts
-  if (!wait_all_peers(a, kDispSig, uint64_t(n) * gridDim.x, kPhaseDispatchRecv)) return false;
+  const bool early = (a.flags & kFlagEarlyCounts) != 0;
+  stamp(a, kStDispRecv);
+  // `early`: only the counts now (CTA 0 of each source, +1 per op); each warp waits for the
+  // data of the source it expands below. Otherwise every CTA of every source, now.
+  if (early) {
+    if (!wait_all_peers(a, kDispCnt, uint64_t(n), kPhaseDispatchRecv)) return false;
+  } else {
+    if (!wait_all_peers(a, kDispSig, uint64_t(n) * gridDim.x, kPhaseDispatchRecv)) return false;
+    stamp(a, kStDispSeen);
+  }
   const uint32_t* meta_in = reinterpret_cast<const uint32_t*>(lsa_ptr(a.win, a.set_offset + a.meta_offset, me));
   for (int i = threadIdx.x; i < R * (L + 1); i += blockDim.x) first[i] = meta_in[i];
   __syncthreads();
@@ -490,6 +552,7 @@ __device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
     if (blockIdx.x == 0) a.recv_count[e] = int32_t(acc);
   }
   __syncthreads();
+  stamp(a, kStDispCounts);
 
   const int lane = threadIdx.x & 31;
   const int units = (H + kDispatchUnit - 1) / kDispatchUnit;
@@ -509,9 +572,23 @@ __device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
     return s;
   };
   auto record_at = [&](uint32_t g, int s) { return stage + (size_t(s) * T + (g - start[s])) * a.rec_bytes; };
+  // `early`: sources whose data this warp has seen (bit s), and whether a wait failed.
+  uint64_t seen = early ? 0 : ~uint64_t(0);
+  bool failed = false;
+  const DeadlineBarrier w = waiter(a);
   auto load = [&](size_t item) {
     const uint32_t g = uint32_t(item / units);
     StagedUnit v{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), 0.0f, 0, -1, -1, source_of(g)};
+    if (((seen >> v.src) & 1u) == 0) {
+      // Every lane acquires for itself (one broadcast load per poll); warp-uniform result.
+      const bool ok = w.wait_word(sig_word(a, me, kDispSig, v.src), uint64_t(n) * gridDim.x,
+                                  static_cast<FabricPhase>(kPhaseDispatchRecv), v.src);
+      if (!__all_sync(0xffffffffu, ok)) {
+        failed = true;
+        return v;
+      }
+      seen |= uint64_t(1) << v.src;
+    }
     const char* rec = record_at(g, v.src);
     const int32_t* meta = reinterpret_cast<const int32_t*>(rec + meta_off);
     const int c0 = int(item % units) * kDispatchUnit + lane * 16;
@@ -531,10 +608,11 @@ __device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
   };
   StagedUnit cur{};
   if (warp < items) cur = load(warp);
-  for (size_t item = warp; item < items; item += warps) {
+  for (size_t item = warp; item < items && !failed; item += warps) {
     const size_t next = item + warps;
     StagedUnit nxt{};
     if (pipe && next < items) nxt = load(next);
+    if (failed) break;  // warp-uniform
     const int u = int(item % units);
     const int s = cur.src;
     const int c0 = u * kDispatchUnit + lane * 16;
@@ -583,8 +661,10 @@ __device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
     }
     if (next < items) cur = pipe ? nxt : load(next);
   }
+  // A missed deadline (`early`): no credit, like a failed wait above.
+  if (__syncthreads_or(failed)) return false;
   // Credit back to every source: its staging slots here are free (reads done, release).
-  signal_all_peers(a, kDispAck);
+  signal_all_peers(a, kDispAck, kStDispExpanded, kStDispEnd);
   return true;
 }
 
@@ -605,6 +685,7 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   const int K = a.topk, E = a.experts, L = E / R, H = a.hidden, T = a.max_tokens;
   const size_t cap = size_t(R) * T;
   uint32_t* pre = smem;  // [L + 1]
+  stamp(a, kStCombStart);
   for (int e = threadIdx.x; e < L; e += blockDim.x) {
     pre[e] = uint32_t(min(max(a.recv_count[e], 0), int32_t(cap)));
   }
@@ -612,6 +693,7 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   warp0_exclusive_scan(pre, L);
   // Credit: every source rank has reduced the previous combine of this set.
   if (!wait_all_peers(a, kCombAck, uint64_t(n - 1) * gridDim.x, kPhaseCombineCredit)) return false;
+  stamp(a, kStCombCredit);
 
   const int lane = threadIdx.x & 31;
   const int units = (H + kCombineUnit - 1) / kCombineUnit;
@@ -660,7 +742,7 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
     }
     if (next < items) cur = pipe ? nxt : load(next);
   }
-  signal_all_peers(a, kCombSig);
+  signal_all_peers(a, kCombSig, kStCombSent, kStCombSignaled);
   return true;
 }
 
@@ -672,7 +754,9 @@ constexpr int kReduceBatch = 8;   // rows loaded before the fma chain consumes t
 
 __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
   const int N = a.num_tokens, K = a.topk, H = a.hidden, me = a.comm.lsaRank;
+  stamp(a, kStCombRecv);
   if (!wait_all_peers(a, kCombSig, uint64_t(n) * gridDim.x, kPhaseCombineRecv)) return false;
+  stamp(a, kStCombSeen);
   const int lane = threadIdx.x & 31;
   const int units = (H + kReduceUnit - 1) / kReduceUnit;
   const size_t items = size_t(N) * units;
@@ -726,7 +810,7 @@ __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
     }
   }
   // Credit back to every expert rank: our combine buffer of this set may be rewritten.
-  signal_all_peers(a, kCombAck);
+  signal_all_peers(a, kCombAck, kStCombReduced, kStCombEnd);
   return true;
 }
 

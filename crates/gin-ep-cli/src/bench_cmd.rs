@@ -424,7 +424,7 @@ fn print_ll_sweep(r: &Resolved, lines: &[gin_ep::backend::cuda::ll::SweepLine]) 
         o.warmup
     );
     out!(
-        "{:<22} {:<6} {:>5}  {:>9} {:>9}  {:>9} {:>9}",
+        "{:<30} {:<6} {:>5}  {:>9} {:>9}  {:>9} {:>9}",
         "variant",
         "dtype",
         "CTAs",
@@ -436,7 +436,7 @@ fn print_ll_sweep(r: &Resolved, lines: &[gin_ep::backend::cuda::ll::SweepLine]) 
     for l in lines {
         match (&l.times_us, &l.refused) {
             (Some(t), _) => out!(
-                "{:<22} {:<6} {:>5}  {:>9.1} {:>9.1}  {:>9.1} {:>9.1}",
+                "{:<30} {:<6} {:>5}  {:>9.1} {:>9.1}  {:>9.1} {:>9.1}",
                 l.variant,
                 l.dtype,
                 l.grid,
@@ -445,10 +445,41 @@ fn print_ll_sweep(r: &Resolved, lines: &[gin_ep::backend::cuda::ll::SweepLine]) 
                 t[2],
                 t[3]
             ),
-            (None, Some(why)) => out!("{:<22} {:<6} {:>5}  refused: {why}", l.variant, l.dtype, l.grid),
-            (None, None) => out!("{:<22} {:<6} {:>5}  (no figures)", l.variant, l.dtype, l.grid),
+            (None, Some(why)) => out!("{:<30} {:<6} {:>5}  refused: {why}", l.variant, l.dtype, l.grid),
+            (None, None) => out!("{:<30} {:<6} {:>5}  (no figures)", l.variant, l.dtype, l.grid),
         }
     }
+    // Device-clock breakdown: one column per phase name, in the order of ll::PHASES.
+    let names: Vec<&str> = gin_ep::backend::cuda::ll::PHASES.iter().map(|p| p.0).collect();
+    if lines.iter().all(|l| l.phases_us.is_empty()) {
+        return;
+    }
+    out!();
+    out!(
+        "LL phases (device clock, eager, µs from the first CTA's start of the operation; the last CTA \
+         to reach each point unless named 0 = first; median of the slowest rank; - = not in this variant)"
+    );
+    let mut head = format!("{:<30} {:<5}", "variant", "dtype");
+    for n in &names {
+        head.push_str(&format!(" {:>8}", n));
+    }
+    out!("{head}");
+    for l in lines.iter().filter(|l| !l.phases_us.is_empty()) {
+        let mut row = format!("{:<30} {:<5}", l.variant, l.dtype);
+        for n in &names {
+            match l.phases_us.iter().find(|(p, _)| p == n) {
+                Some((_, v)) => row.push_str(&format!(" {:>8.1}", v)),
+                None => row.push_str(&format!(" {:>8}", "-")),
+            }
+        }
+        out!("{row}");
+    }
+    out!(
+        "d.lay layout done, d.cred credit seen, d.sent(0) records stored, d.sig data signal added \
+         (fence), d.rstart receive start, d.cnts row table ready, d.seen all sources' data seen, \
+         d.exp expand done, d.end credit added; c.*: credit, rows stored, signal, reduce start, \
+         all rows seen, reduce done, end. Peers' launch skew shows in d.seen / c.seen."
+    );
 }
 
 fn print_report(r: &Resolved, report: &BenchReport) {

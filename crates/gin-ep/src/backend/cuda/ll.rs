@@ -66,6 +66,13 @@ pub struct LlVariant {
     /// `pipe`: every warp loop loads item i + 1 before storing item i; combine-recv loads
     /// rows without waiting for topk_idx.
     pub pipeline: bool,
+    /// `rot`: with `tok`, each item visits its destinations starting at a rank that differs
+    /// between neighbouring warps (not all warps at the lowest destination first).
+    pub rotate: bool,
+    /// `early`: each source signals its per-expert counts before its records; the receiver
+    /// builds its row table while the data are in flight and each warp waits only for the
+    /// source of the record it expands.
+    pub early_counts: bool,
     /// `fused`: one launch per operation (send, signal, wait, receive in every CTA). Needs
     /// the whole grid resident at once; refused when the occupancy does not allow it.
     pub fused: bool,
@@ -75,17 +82,30 @@ pub struct LlVariant {
 }
 
 impl LlVariant {
-    /// What [`CudaLl::new`] uses without [`ENV_VARIANT`].
+    /// What [`CudaLl::new`] uses without [`ENV_VARIANT`]: `fused` (measured fastest of the
+    /// first sweep, bench/RESULTS.md; falls back to nothing: refused when the grid cannot be
+    /// resident, as every fused variant).
     pub const DEFAULT: LlVariant = LlVariant {
+        fused: true,
+        ..LlVariant::BASE
+    };
+
+    /// `base`: no feature, the caller's grid.
+    pub const BASE: LlVariant = LlVariant {
         token_major: false,
         pipeline: false,
+        rotate: false,
+        early_counts: false,
         fused: false,
         grid: None,
     };
 
     /// Flags word of `LlArgs` (kFlag* in kernels/ll/ll.cu).
     fn kernel_flags(&self) -> u32 {
-        u32::from(self.token_major) | (u32::from(self.pipeline) << 1)
+        u32::from(self.token_major)
+            | (u32::from(self.pipeline) << 1)
+            | (u32::from(self.rotate) << 2)
+            | (u32::from(self.early_counts) << 3)
     }
 
     /// `base`, `tok+pipe`, `tok+pipe+fused@64`, ...
@@ -96,6 +116,12 @@ impl LlVariant {
         }
         if self.pipeline {
             parts.push("pipe");
+        }
+        if self.rotate {
+            parts.push("rot");
+        }
+        if self.early_counts {
+            parts.push("early");
         }
         if self.fused {
             parts.push("fused");
@@ -134,17 +160,19 @@ impl LlVariant {
         };
         let mut v = LlVariant {
             grid,
-            ..LlVariant::DEFAULT
+            ..LlVariant::BASE
         };
         for f in feats.split('+') {
             match f {
                 "base" | "" => {}
                 "tok" => v.token_major = true,
                 "pipe" => v.pipeline = true,
+                "rot" => v.rotate = true,
+                "early" => v.early_counts = true,
                 "fused" => v.fused = true,
                 other => {
                     return Err(bad(format!(
-                        "unknown feature `{other}` (known: base, tok, pipe, fused, then @G)"
+                        "unknown feature `{other}` (known: base, tok, pipe, rot, early, fused, then @G)"
                     )))
                 }
             }
@@ -162,9 +190,10 @@ impl LlVariant {
 
     /// The variants `gin-ep check --mode ll --variants all` runs: every feature, on all SMs
     /// and on small grids so each warp loops over several items (pipelining across items).
-    /// `base` on all SMs is the default run's (`gin-ep check --mode ll`).
+    /// `fused` on all SMs is the default run's (`gin-ep check --mode ll`).
     pub fn check_list() -> Vec<LlVariant> {
         [
+            "base@all",
             "base@3",
             "tok@5",
             "pipe@7",
@@ -173,26 +202,32 @@ impl LlVariant {
             "fused@5",
             "tok+pipe+fused@all",
             "tok+pipe+fused@3",
+            "tok+rot@all",
+            "tok+pipe+rot@2",
+            "early@3",
+            "pipe+early+fused@5",
+            "tok+pipe+rot+early+fused@all",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
         .collect()
     }
 
-    /// The variants `gin-ep bench --mode ll --sweep` times, in order: the measured first
-    /// version (24 CTAs), then one change at a time on every SM, then combinations and grids.
+    /// The variants `gin-ep bench --mode ll --sweep` times, in order: the round-2 reference
+    /// points, then one change of round 3 at a time on top of `fused`, then combinations.
     pub fn sweep_list() -> Vec<LlVariant> {
         [
-            "base@24",
             "base@all",
             "tok@all",
-            "pipe@all",
             "fused@all",
-            "tok+pipe@all",
             "tok+pipe+fused@all",
-            "tok+pipe+fused@32",
-            "tok+pipe+fused@64",
-            "tok+pipe@64",
+            "tok+rot@all",
+            "tok+rot+fused@all",
+            "early+fused@all",
+            "pipe+early+fused@all",
+            "tok+rot+early+fused@all",
+            "tok+pipe+rot+early+fused@all",
+            "tok+rot+early+fused@64",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
@@ -212,6 +247,10 @@ pub const MAX_GRID: u32 = 1024;
 pub const MAX_SMEM: usize = 200 * 1024;
 /// Buffer sets (double buffering).
 pub const SETS: usize = 2;
+/// Signal kinds per set (`kSigKinds` in ll.cu): words `[SIG_KINDS][R]` u64.
+pub const SIG_KINDS: usize = 5;
+/// u64 timestamps per CTA per operation pair (`kStampSlots` in ll.cu).
+pub const STAMP_SLOTS: usize = 20;
 /// Word written into every output before a checked run: a row nobody wrote keeps it.
 pub const POISON: u32 = 0xDEAD_BEEF;
 
@@ -228,7 +267,7 @@ pub struct LlLayout {
     pub record_bytes: usize,
     /// Where the i32 metadata starts inside a record.
     pub meta_in_record: usize,
-    /// Signal words `[4 kinds][R]` u64, relative to the set.
+    /// Signal words `[SIG_KINDS][R]` u64, relative to the set.
     pub sig_offset: usize,
     /// `[R src][L + 1]` u32: token count, then per-local-expert counts.
     pub meta_offset: usize,
@@ -277,7 +316,7 @@ impl LlLayout {
         let meta_in_record = align16(payload + scales);
         let record_bytes = align16(meta_in_record + (2 * k + 1) * 4);
         let sig_offset = 0;
-        let meta_offset = align16(sig_offset + 4 * r * 8);
+        let meta_offset = align16(sig_offset + SIG_KINDS * r * 8);
         let stage_offset = align16(meta_offset + r * (l + 1) * 4);
         let comb_offset = align16(stage_offset + r * t * record_bytes);
         let set_bytes = (comb_offset + t * k * h * 2).div_ceil(4096) * 4096;
@@ -389,9 +428,11 @@ struct LlArgs {
     recv_scales_ue8m0: u64,
     flags: u32,
     pad: u32,
+    stamps: u64,
 }
 // Same numbers as the static_assert in kernels/ll/ll.cu.
-const _: () = assert!(std::mem::size_of::<LlArgs>() == 416);
+const _: () = assert!(std::mem::size_of::<LlArgs>() == 424);
+const _: () = assert!(std::mem::offset_of!(LlArgs, stamps) == 416);
 const _: () = assert!(std::mem::offset_of!(LlArgs, err) == 368);
 const _: () = assert!(std::mem::offset_of!(LlArgs, recv_scales_ue8m0) == 400);
 const _: () = assert!(std::mem::offset_of!(LlArgs, flags) == 408);
@@ -512,6 +553,8 @@ pub struct CudaLl<'r> {
     layout: LlLayout,
     grid: u32,
     variant: LlVariant,
+    /// Device address of `[grid][STAMP_SLOTS]` u64 the next launches stamp, or 0.
+    stamps: u64,
 }
 
 impl<'r> CudaLl<'r> {
@@ -653,7 +696,15 @@ impl<'r> CudaLl<'r> {
             layout,
             grid,
             variant,
+            stamps: 0,
         })
+    }
+
+    /// Where the following launches write their device timestamps: `[grid][STAMP_SLOTS]`
+    /// u64 at `ptr` (a device address the caller keeps alive while they run), or none.
+    /// Captured graphs keep the address they were captured with.
+    pub fn set_stamps(&mut self, ptr: Option<u64>) {
+        self.stamps = ptr.unwrap_or(0);
     }
 
     /// The kernel variant in use.
@@ -811,6 +862,7 @@ impl<'r> CudaLl<'r> {
             },
             flags: self.variant.kernel_flags(),
             pad: 0,
+            stamps: self.stamps,
         })
     }
 
@@ -1469,7 +1521,60 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
             kernel_timeout: opts.timeout / 2,
         },
     )?;
-    bench_with(group, &rank, opts, num_sms, LlVariant::from_env()?)
+    let stamps = std::env::var(ENV_STAMPS).is_ok_and(|v| !v.trim().is_empty() && v.trim() != "0");
+    bench_with(group, &rank, opts, num_sms, LlVariant::from_env()?, stamps)
+}
+
+/// Environment variable: when set (not `0`), `gin-ep bench --mode ll` adds the device-clock
+/// phase breakdown ([`PHASES`]) to dispatch and combine (an extra eager loop, untimed).
+pub const ENV_STAMPS: &str = "GIN_EP_LL_STAMPS";
+
+/// One column of the device-clock breakdown: name, stamp slot (kSt* in ll.cu), and whether
+/// it is the first CTA to reach the slot (else the last). Times are µs from the first CTA's
+/// start of the operation (dispatch slot 0, combine slot 10) on the rank's clock; medians over
+/// iterations of the slowest rank. Absent slots (a variant that does not pass them) are left
+/// out of the report.
+pub const PHASES: [(&str, usize, bool); 18] = [
+    ("d.lay", 1, false),
+    ("d.cred", 2, false),
+    ("d.sent0", 3, true),
+    ("d.sent", 3, false),
+    ("d.sig", 4, false),
+    ("d.rstart", 5, false),
+    ("d.cnts", 6, false),
+    ("d.seen", 7, false),
+    ("d.exp", 8, false),
+    ("d.end", 9, false),
+    ("c.cred", 11, false),
+    ("c.sent0", 12, true),
+    ("c.sent", 12, false),
+    ("c.sig", 13, false),
+    ("c.rstart", 14, false),
+    ("c.seen", 15, false),
+    ("c.red", 16, false),
+    ("c.end", 17, false),
+];
+/// Dispatch columns of [`PHASES`] (the rest are combine).
+const DISPATCH_PHASES: usize = 10;
+
+/// [`PHASES`] of one operation pair from its `[grid][STAMP_SLOTS]` stamps, µs; -1 where a
+/// slot was never written.
+fn phase_values(st: &[u64], grid: usize) -> [f64; PHASES.len()] {
+    let col = |slot: usize| {
+        (0..grid)
+            .map(move |c| st[c * STAMP_SLOTS + slot])
+            .filter(|&v| v != 0)
+    };
+    let origin = |slot: usize| col(slot).min();
+    let mut out = [-1.0; PHASES.len()];
+    for (i, &(_, slot, first)) in PHASES.iter().enumerate() {
+        let t0 = origin(if slot < 10 { 0 } else { 10 });
+        let t = if first { col(slot).min() } else { col(slot).max() };
+        if let (Some(t0), Some(t)) = (t0, t) {
+            out[i] = t.saturating_sub(t0) as f64 * 1e-3;
+        }
+    }
+    out
 }
 
 /// One benchmark of `variant` on an existing rank (a fresh window and buffers).
@@ -1479,11 +1584,12 @@ fn bench_with(
     opts: &BenchOptions,
     num_sms: u32,
     variant: LlVariant,
+    stamps: bool,
 ) -> Result<Option<BenchReport>> {
     let grid = (num_sms > 0).then_some(num_sms);
     let mut ll = CudaLl::with_variant(rank, &opts.cfg, grid, variant)?;
     let run = RUNS.fetch_add(1, Ordering::Relaxed);
-    let out = bench_on(group, &mut ll, opts, run);
+    let out = bench_on(group, &mut ll, opts, run, stamps);
     match out {
         Ok(r) => {
             rank.wait("LL bench end")?;
@@ -1509,6 +1615,8 @@ pub struct SweepLine {
     pub grid: u32,
     /// dispatch eager, dispatch graph, combine eager, combine graph (µs); None when refused.
     pub times_us: Option<[f64; 4]>,
+    /// Device-clock breakdown (names of [`PHASES`] present for this variant, median µs).
+    pub phases_us: Vec<(String, f64)>,
     pub refused: Option<String>,
 }
 
@@ -1543,12 +1651,19 @@ pub fn sweep_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
                 dtype: dtype.name().to_string(),
                 grid,
                 times_us: None,
+                phases_us: Vec::new(),
                 refused: None,
             };
-            match bench_with(group, &rank, &o, num_sms, v) {
+            match bench_with(group, &rank, &o, num_sms, v, true) {
                 Ok(Some(r)) => {
                     let med = |i: usize| r.ops.get(i).map_or(f64::NAN, |op| op.total.median_us);
                     line.times_us = Some([med(0), med(2), med(1), med(3)]);
+                    line.phases_us = r
+                        .ops
+                        .iter()
+                        .take(2)
+                        .flat_map(|op| op.phases.iter().map(|(n, s)| (n.clone(), s.median_us)))
+                        .collect();
                 }
                 Ok(None) => {}
                 // Refused before any collective work, identically on every rank.
@@ -1567,6 +1682,7 @@ fn bench_on(
     ll: &mut CudaLl<'_>,
     opts: &BenchOptions,
     run: u64,
+    stamps: bool,
 ) -> Result<Option<BenchReport>> {
     let cfg = opts.cfg.clone();
     let me = group.rank();
@@ -1645,6 +1761,46 @@ fn bench_on(
     drop(gd);
     drop(gc);
 
+    // Device-clock breakdown: an extra eager loop (not timed by events), each iteration
+    // stamping its own rows, downloaded once at the end.
+    let mut phase_cols: Vec<Vec<f64>> = Vec::new();
+    if stamps {
+        let g = ll.grid() as usize;
+        let per = g * STAMP_SLOTS;
+        let buf = ll.rank.alloc(opts.iters * per * 8)?;
+        ll.rank.memset_u32(buf.region(), 0)?;
+        ll.rank.wait("LL stamps setup")?;
+        group.barrier(&format!("ll-bench/{run}/stamps"))?;
+        let base = buf.region().ptr;
+        let mut stamped = || -> Result<Vec<u64>> {
+            for i in 0..opts.iters {
+                ll.set_stamps(Some(base + (i * per * 8) as u64));
+                ll.dispatch(i % SETS)?;
+                ll.combine(i % SETS)?;
+            }
+            download_vec(ll.rank, buf.region(), opts.iters * per)
+        };
+        let got = stamped();
+        ll.set_stamps(None);
+        let host = match got {
+            Ok(h) => h,
+            Err(e) => {
+                // Kernels may still write the stamps: leave the buffer to the process's end.
+                std::mem::forget(buf);
+                return Err(e);
+            }
+        };
+        phase_cols = vec![Vec::with_capacity(opts.iters); PHASES.len()];
+        for i in 0..opts.iters {
+            for (c, v) in phase_values(&host[i * per..(i + 1) * per], g)
+                .into_iter()
+                .enumerate()
+            {
+                phase_cols[c].push(v);
+            }
+        }
+    }
+
     // Gather to rank 0: four series and the row counts.
     let mut mine: Vec<f64> = Vec::with_capacity(4 * opts.iters + 2);
     for s in [&eager_d, &eager_c, &graph_d, &graph_c] {
@@ -1652,6 +1808,9 @@ fn bench_on(
     }
     mine.push(rows as f64);
     mine.push((rows - local) as f64);
+    for c in &phase_cols {
+        mine.extend_from_slice(c);
+    }
     let store = group.store();
     let bytes: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
     store.set(&group.key(&format!("ll-bench/{run}/times/{me}")), &bytes)?;
@@ -1708,8 +1867,35 @@ fn bench_on(
             kernel: Some(total),
         }
     };
+    // Phases: slowest rank per iteration, then medians; a column absent anywhere is dropped.
+    let mut phases: [Vec<(String, Stats)>; 2] = [Vec::new(), Vec::new()];
+    for (c, &(name, _, _)) in PHASES.iter().enumerate().take(phase_cols.len()) {
+        let at = 4 * n + 2 + c * n;
+        let per_iter: Vec<f64> = (0..n)
+            .map(|i| all.iter().map(|v| v[at + i]).fold(f64::MIN, f64::max))
+            .collect();
+        if per_iter.iter().any(|&v| v.is_nan() || v < 0.0)
+            || all.iter().any(|v| v[at..at + n].iter().any(|&x| x < 0.0))
+        {
+            continue;
+        }
+        let d: Vec<Duration> = per_iter
+            .iter()
+            .map(|&us| Duration::from_secs_f64(us * 1e-6))
+            .collect();
+        phases[usize::from(c >= DISPATCH_PHASES)].push((name.to_string(), Stats::of(&d)));
+    }
+    let [phases_d, phases_c] = phases;
     let drb = cfg.dispatch_dtype.row_bytes(cfg.hidden);
     let crb = cfg.hidden * 2;
+    let mut ops = vec![
+        op("dispatch", 0, drb),
+        op("combine", 1, crb),
+        op("dispatch (graph)", 2, drb),
+        op("combine (graph)", 3, crb),
+    ];
+    ops[0].phases = phases_d;
+    ops[1].phases = phases_c;
     Ok(Some(BenchReport {
         backend: "cuda".into(),
         note: format!(
@@ -1729,12 +1915,7 @@ fn bench_on(
         dtype: cfg.dispatch_dtype.name().into(),
         routing: opts.routing.name(),
         iters: opts.iters,
-        ops: vec![
-            op("dispatch", 0, drb),
-            op("combine", 1, crb),
-            op("dispatch (graph)", 2, drb),
-            op("combine (graph)", 3, crb),
-        ],
+        ops,
     }))
 }
 
@@ -1770,19 +1951,41 @@ mod tests {
 
     #[test]
     fn variants_parse_print_and_map_to_kernel_flags() {
-        assert_eq!(LlVariant::parse("base").unwrap(), LlVariant::DEFAULT);
-        assert_eq!(LlVariant::DEFAULT.name(), "base");
+        assert_eq!(LlVariant::parse("base").unwrap(), LlVariant::BASE);
+        assert_eq!(LlVariant::BASE.name(), "base");
+        assert_eq!(LlVariant::DEFAULT.name(), "fused");
         let v = LlVariant::parse("tok+pipe+fused@64").unwrap();
         assert!(v.token_major && v.pipeline && v.fused && v.grid == Some(64));
         assert_eq!(v.kernel_flags(), 3);
         assert_eq!(LlVariant::parse("pipe@all").unwrap().grid, Some(0));
         assert_eq!(LlVariant::parse("pipe@all").unwrap().kernel_flags(), 2);
+        let all = LlVariant::parse("early+rot+tok+pipe+fused@all").unwrap();
+        assert_eq!(all.kernel_flags(), 15);
+        assert_eq!(all.name(), "tok+pipe+rot+early+fused@all");
         for v in LlVariant::check_list().into_iter().chain(LlVariant::sweep_list()) {
             assert_eq!(LlVariant::parse(&v.name()).unwrap(), v, "{}", v.name());
         }
         for bad in ["tok+x", "tok@", "tok@-1", "base@100000"] {
             assert!(LlVariant::parse(bad).unwrap_err().is_usage(), "{bad}");
         }
+    }
+
+    #[test]
+    fn phases_are_last_cta_times_from_the_first_start() {
+        let mut st = vec![0u64; 2 * STAMP_SLOTS];
+        st[0] = 1_000; // CTA 0 starts at 1 µs, CTA 1 at 2 µs
+        st[STAMP_SLOTS] = 2_000;
+        st[3] = 5_000; // sent: CTA 0 at 5 µs, CTA 1 at 9 µs
+        st[STAMP_SLOTS + 3] = 9_000;
+        st[10] = 20_000;
+        st[STAMP_SLOTS + 16] = 30_000;
+        let v = phase_values(&st, 2);
+        let at = |n: &str| v[PHASES.iter().position(|p| p.0 == n).unwrap()];
+        assert_eq!(at("d.sent0"), 4.0);
+        assert_eq!(at("d.sent"), 8.0);
+        assert_eq!(at("c.red"), 10.0);
+        assert_eq!(at("d.seen"), -1.0);
+        assert_eq!(PHASES.iter().filter(|p| p.1 < 10).count(), DISPATCH_PHASES);
     }
 
     #[test]
