@@ -10,10 +10,11 @@
 //! memory of the stated size on this device; this module checks sizes against its own
 //! buffers.
 //!
-//! Not `Send`: CUDA contexts, NCCL communicators and the rank's counters belong to the
-//! thread that made them (`unsendable`; PyTorch calls from one thread).
+//! Threads: PyTorch runs backward passes on its own autograd threads, so a `CudaEp` is
+//! called from more than one thread. Every call takes `op` (one operation at a time, the
+//! rank's stream override included) and makes the rank's CUDA context current first.
 
-use std::cell::RefCell;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use gin_ep::backend::cuda::ht::{
     CombineExtras, CudaHt, DispatchSource, HtBuf, HtGpuHandle, HtGpuOptions, Sizing,
@@ -54,11 +55,26 @@ impl PyCudaHtHandle {
 
 /// One rank of the GPU path. Field order is drop order: the HT and LL objects (windows,
 /// device communicators) go before the rank (communicator, context).
-#[pyclass(module = "gin_ep._native", name = "CudaEp", unsendable)]
+#[pyclass(module = "gin_ep._native", name = "CudaEp")]
 pub(crate) struct PyCudaEp {
-    hts: RefCell<Vec<CudaHt>>,
-    lls: RefCell<Vec<CudaLl<'static>>>,
+    hts: Mutex<Vec<CudaHt>>,
+    lls: Mutex<Vec<CudaLl<'static>>>,
+    /// Held for the whole of every operation: the stream override and the rank's
+    /// counters are per rank, not per thread.
+    op: Mutex<()>,
     rank: Box<CudaRank>,
+}
+
+// SAFETY: the CUDA and NCCL handles inside may be used from any thread once the rank's
+// context is current there (`on` binds it), and `op` serializes every use, so no two
+// threads touch them at once.
+unsafe impl Send for PyCudaEp {}
+// SAFETY: as above: shared access goes through `op` and the two mutexes.
+unsafe impl Sync for PyCudaEp {}
+
+fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic inside an operation is already reported to Python; the vectors stay valid.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl PyCudaEp {
@@ -71,7 +87,9 @@ impl PyCudaEp {
     /// Runs `f` with the rank's operations on `stream`, then back on the rank's own.
     fn on<T>(&self, stream: u64, f: impl FnOnce(&CudaRank) -> Result<T>) -> PyResult<T> {
         guard(|| {
+            let _one_at_a_time = locked(&self.op);
             let rank = self.rank();
+            rank.bind_to_thread().map_err(to_py)?;
             // SAFETY: `stream` is PyTorch's current stream of this device (the Python side
             // passes torch.cuda.current_stream().cuda_stream), live during the call.
             unsafe { rank.set_stream(Some(stream)) };
@@ -106,8 +124,9 @@ impl PyCudaEp {
             };
             let rank = group.with(|g| CudaRank::on_device(g, device, opts).map_err(to_py))?;
             Ok(PyCudaEp {
-                hts: RefCell::new(Vec::new()),
-                lls: RefCell::new(Vec::new()),
+                hts: Mutex::new(Vec::new()),
+                lls: Mutex::new(Vec::new()),
+                op: Mutex::new(()),
                 rank: Box::new(rank),
             })
         })
@@ -131,8 +150,12 @@ impl PyCudaEp {
             sizing: sizing(exact),
             ..HtGpuOptions::default()
         };
-        let ht = guard(|| CudaHt::new(self.rank(), &config.cfg, opts).map_err(to_py))?;
-        let mut hts = self.hts.borrow_mut();
+        let ht = guard(|| {
+            let _one_at_a_time = locked(&self.op);
+            self.rank().bind_to_thread().map_err(to_py)?;
+            CudaHt::new(self.rank(), &config.cfg, opts).map_err(to_py)
+        })?;
+        let mut hts = locked(&self.hts);
         hts.push(ht);
         Ok(hts.len() - 1)
     }
@@ -142,17 +165,19 @@ impl PyCudaEp {
     #[pyo3(signature = (config, grid = None))]
     fn ll_new(&self, config: &PyEpConfig, grid: Option<u32>) -> PyResult<usize> {
         let ll = guard(|| {
+            let _one_at_a_time = locked(&self.op);
+            self.rank().bind_to_thread().map_err(to_py)?;
             let v = LlVariant::from_env().map_err(to_py)?;
             CudaLl::with_variant(self.rank(), &config.cfg, grid, v).map_err(to_py)
         })?;
-        let mut lls = self.lls.borrow_mut();
+        let mut lls = locked(&self.lls);
         lls.push(ll);
         Ok(lls.len() - 1)
     }
 
     /// Copies `bytes` from device address `src` into HT buffer `which` of `ht`.
     fn ht_copy_in(&self, ht: usize, which: &str, src: u64, bytes: usize, stream: u64) -> PyResult<()> {
-        let hts = self.hts.borrow();
+        let hts = locked(&self.hts);
         let h = get(&hts, ht, "HT")?;
         self.on(stream, |r| {
             // SAFETY: src is a live CUDA tensor of `bytes` (the Python side's contract).
@@ -162,7 +187,7 @@ impl PyCudaEp {
 
     /// Copies the first `bytes` of HT buffer `which` of `ht` to device address `dst`.
     fn ht_copy_out(&self, ht: usize, which: &str, dst: u64, bytes: usize, stream: u64) -> PyResult<()> {
-        let hts = self.hts.borrow();
+        let hts = locked(&self.hts);
         let h = get(&hts, ht, "HT")?;
         self.on(stream, |r| {
             // SAFETY: dst is a live CUDA tensor of `bytes` (the Python side's contract).
@@ -172,7 +197,7 @@ impl PyCudaEp {
 
     /// Fresh HT dispatch of the `num_tokens` tokens copied in (`fp8`: e4m3 + scales input).
     fn ht_dispatch(&self, ht: usize, num_tokens: usize, fp8: bool, stream: u64) -> PyResult<PyCudaHtHandle> {
-        let mut hts = self.hts.borrow_mut();
+        let mut hts = locked(&self.hts);
         let h = get_mut(&mut hts, ht, "HT")?;
         let src = if fp8 {
             DispatchSource::Fp8
@@ -185,14 +210,14 @@ impl PyCudaEp {
 
     /// Rows per local expert of the handle's dispatch, aligned (a host synchronization).
     fn ht_recv_counts(&self, handle: &PyCudaHtHandle, stream: u64) -> PyResult<Vec<usize>> {
-        let mut hts = self.hts.borrow_mut();
+        let mut hts = locked(&self.hts);
         let h = get_mut(&mut hts, handle.ht, "HT")?;
         self.on(stream, |r| h.recv_counts(r, &handle.h))
     }
 
     /// Cached HT dispatch of the activations copied in, along the handle's layout.
     fn ht_dispatch_cached(&self, handle: &PyCudaHtHandle, fp8: bool, stream: u64) -> PyResult<()> {
-        let mut hts = self.hts.borrow_mut();
+        let mut hts = locked(&self.hts);
         let h = get_mut(&mut hts, handle.ht, "HT")?;
         let src = if fp8 {
             DispatchSource::Fp8
@@ -211,7 +236,7 @@ impl PyCudaEp {
         bias1: bool,
         stream: u64,
     ) -> PyResult<()> {
-        let mut hts = self.hts.borrow_mut();
+        let mut hts = locked(&self.hts);
         let h = get_mut(&mut hts, handle.ht, "HT")?;
         let extras = CombineExtras {
             weights,
@@ -222,7 +247,7 @@ impl PyCudaEp {
 
     /// Waits (bounded) for `ht`'s queued work and reports a failure it recorded.
     fn ht_sync(&self, ht: usize, stream: u64) -> PyResult<()> {
-        let mut hts = self.hts.borrow_mut();
+        let mut hts = locked(&self.hts);
         let h = get_mut(&mut hts, ht, "HT")?;
         self.on(stream, |r| h.sync(r))
     }
@@ -237,7 +262,7 @@ impl PyCudaEp {
         bytes: usize,
         stream: u64,
     ) -> PyResult<()> {
-        let lls = self.lls.borrow();
+        let lls = locked(&self.lls);
         let l = get(&lls, ll, "LL")?;
         self.on(stream, |r| {
             // SAFETY: src is a live CUDA tensor of `bytes` (the Python side's contract).
@@ -255,7 +280,7 @@ impl PyCudaEp {
         bytes: usize,
         stream: u64,
     ) -> PyResult<()> {
-        let lls = self.lls.borrow();
+        let lls = locked(&self.lls);
         let l = get(&lls, ll, "LL")?;
         self.on(stream, |r| {
             // SAFETY: dst is a live CUDA tensor of `bytes` (the Python side's contract).
@@ -265,7 +290,7 @@ impl PyCudaEp {
 
     /// Declares the token count of `set`'s input.
     fn ll_set_tokens(&self, ll: usize, set: usize, n: usize) -> PyResult<()> {
-        let mut lls = self.lls.borrow_mut();
+        let mut lls = locked(&self.lls);
         let l = get_mut(&mut lls, ll, "LL")?;
         guard(|| l.set_num_tokens(set, n).map_err(to_py))
     }
@@ -273,7 +298,7 @@ impl PyCudaEp {
     /// Launches `op` (`dispatch`, `dispatch_send`, `dispatch_recv`, `combine`,
     /// `combine_send`, `combine_recv`) on `set`; no host synchronization.
     fn ll_launch(&self, ll: usize, set: usize, op: &str, stream: u64) -> PyResult<()> {
-        let lls = self.lls.borrow();
+        let lls = locked(&self.lls);
         let l = get(&lls, ll, "LL")?;
         let op = op.to_string();
         self.on(stream, |_| match op.as_str() {

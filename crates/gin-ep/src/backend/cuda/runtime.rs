@@ -732,6 +732,12 @@ impl CudaRank {
         self.external_stream.get().unwrap_or(self.stream)
     }
 
+    /// Makes this rank's context current on the calling thread. Calls from a thread
+    /// other than the one that built the rank (PyTorch's autograd threads) need it first.
+    pub fn bind_to_thread(&self) -> Result<()> {
+        cu("cuCtxSetCurrent", self.ctx.bind_to_thread())
+    }
+
     /// Queues every later operation of this rank (launches, copies, waits, events) on the
     /// external stream `raw` instead of the rank's own; `None` returns to the own stream.
     /// For embedding in a framework that owns the streams (PyTorch's current stream).
