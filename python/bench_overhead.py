@@ -33,9 +33,9 @@ def timed(fn, iters):
     return start.elapsed_time(end) * 1e3 / iters, host
 
 
-def worker(rank, world, port, a):
+def worker(rank, world, init, a):
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     from gin_ep import Buffer
     dev = torch.device("cuda", rank)
@@ -92,11 +92,11 @@ def main():
     if a.world < 2:
         sys.exit("needs at least 2 GPUs")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(a.world, port, a), nprocs=a.world, join=True)
+    # A file rendezvous needs no free port (a probed port can be taken before use).
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        init = "file://" + os.path.join(d, "rendezvous")
+        mp.spawn(worker, args=(a.world, init, a), nprocs=a.world, join=True)
 
 
 if __name__ == "__main__":

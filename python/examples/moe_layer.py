@@ -12,7 +12,7 @@ compares output and gradients with a dense computation over every rank's tokens.
 """
 
 import os
-import socket
+import tempfile
 import sys
 
 import torch
@@ -148,12 +148,6 @@ def check(rank, world):
         print(f"moe_layer: {world} ranks on {DEVICE.type}, forward and backward match the dense reference")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _use_gpu(world):
     """GPUs (NCCL group, CUDA tensors) when there are enough; GIN_EP_EXAMPLE_CPU=1 forces CPU."""
     return os.environ.get("GIN_EP_EXAMPLE_CPU") != "1" and torch.cuda.is_available() \
@@ -163,16 +157,16 @@ def _use_gpu(world):
 DEVICE = torch.device("cpu")
 
 
-def _entry(rank, world, port):
+def _entry(rank, world, init):
     global DEVICE
     torch.set_num_threads(1)
     if _use_gpu(world):
         torch.cuda.set_device(rank)
         DEVICE = torch.device("cuda", rank)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("nccl", init_method=init, rank=rank,
                                 world_size=world, device_id=DEVICE)
     else:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         check(rank, world)
     finally:
@@ -182,4 +176,6 @@ def _entry(rank, world, port):
 if __name__ == "__main__":
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     world = int(sys.argv[1]) if len(sys.argv) > 1 else int(os.environ.get("WORLD", "2"))
-    mp.spawn(_entry, args=(world, _free_port()), nprocs=world, join=True)
+    # A file rendezvous needs no free port (a probed port can be taken before use).
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_entry, args=(world, "file://" + os.path.join(d, "rendezvous")), nprocs=world, join=True)
