@@ -92,6 +92,39 @@ pub struct OpReport {
     pub kernel: Option<Stats>,
 }
 
+impl OpReport {
+    /// The figures of `op` from its time per call and its rows per rank (mean over
+    /// ranks): bandwidth = rows × `row_bytes` over the median time, as the module says.
+    pub fn new(
+        op: &str,
+        total: Stats,
+        rows_per_rank: f64,
+        remote_rows_per_rank: f64,
+        row_bytes: usize,
+    ) -> Self {
+        let secs = total.median_us * 1e-6;
+        let gbps = |r: f64| {
+            if secs > 0.0 {
+                r * row_bytes as f64 / secs / 1e9
+            } else {
+                0.0
+            }
+        };
+        OpReport {
+            op: op.to_string(),
+            total,
+            phases: Vec::new(),
+            rows_per_rank,
+            remote_rows_per_rank,
+            row_bytes,
+            bytes_per_rank: rows_per_rank * row_bytes as f64,
+            logical_gbps: gbps(rows_per_rank),
+            remote_gbps: gbps(remote_rows_per_rank),
+            kernel: None,
+        }
+    }
+}
+
 /// A whole benchmark run.
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchReport {
@@ -107,6 +140,27 @@ pub struct BenchReport {
     pub routing: String,
     pub iters: usize,
     pub ops: Vec<OpReport>,
+}
+
+impl BenchReport {
+    /// A report of `ops` measured with `opts` on `backend`.
+    pub fn new(backend: String, note: String, opts: &BenchOptions, ops: Vec<OpReport>) -> Self {
+        let cfg = &opts.cfg;
+        BenchReport {
+            backend,
+            note,
+            mode: opts.mode,
+            ranks: cfg.ranks,
+            tokens: opts.tokens,
+            hidden: cfg.hidden,
+            topk: cfg.topk,
+            experts: cfg.experts,
+            dtype: cfg.dispatch_dtype.name().into(),
+            routing: opts.routing.name(),
+            iters: opts.iters,
+            ops,
+        }
+    }
 }
 
 /// Times of one rank for one iteration: per op, total and phases.
@@ -266,46 +320,20 @@ fn report(opts: &BenchOptions, runs: &[RankRun]) -> BenchReport {
                     (pn.to_string(), Stats::of(&v))
                 })
                 .collect();
-            let total = Stats::of(&totals);
             let rows = runs.iter().map(|r| r.rows[o].0 as f64).sum::<f64>() / ranks;
             let remote = runs.iter().map(|r| r.rows[o].1 as f64).sum::<f64>() / ranks;
-            let secs = total.median_us * 1e-6;
-            let gbps = |r: f64| {
-                if secs > 0.0 {
-                    r * row_bytes[o] as f64 / secs / 1e9
-                } else {
-                    0.0
-                }
-            };
             OpReport {
-                op: name.to_string(),
-                total,
                 phases,
-                rows_per_rank: rows,
-                remote_rows_per_rank: remote,
-                row_bytes: row_bytes[o],
-                bytes_per_rank: rows * row_bytes[o] as f64,
-                logical_gbps: gbps(rows),
-                remote_gbps: gbps(remote),
-                kernel: None,
+                ..OpReport::new(name, Stats::of(&totals), rows, remote, row_bytes[o])
             }
         })
         .collect();
-    BenchReport {
-        backend: "host-threads".into(),
-        note: "host backend: ranks are CPU threads on shared memory; times are CPU times, not GPU figures"
-            .into(),
-        mode: opts.mode,
-        ranks: cfg.ranks,
-        tokens: opts.tokens,
-        hidden: cfg.hidden,
-        topk: cfg.topk,
-        experts: cfg.experts,
-        dtype: cfg.dispatch_dtype.name().into(),
-        routing: opts.routing.name(),
-        iters: opts.iters,
+    BenchReport::new(
+        "host-threads".into(),
+        "host backend: ranks are CPU threads on shared memory; times are CPU times, not GPU figures".into(),
+        opts,
         ops,
-    }
+    )
 }
 
 #[cfg(test)]

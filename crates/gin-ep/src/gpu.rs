@@ -635,26 +635,10 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
               kernel: &[Duration],
               phases: Vec<(String, Stats)>,
               row_bytes: usize| {
-        let total = Stats::of(total);
-        let secs = total.median_us * 1e-6;
-        let gbps = |r: f64| {
-            if secs > 0.0 {
-                r * row_bytes as f64 / secs / 1e9
-            } else {
-                0.0
-            }
-        };
         OpReport {
-            op: name.to_string(),
-            total,
             phases,
-            rows_per_rank: mean_rows,
-            remote_rows_per_rank: mean_remote,
-            row_bytes,
-            bytes_per_rank: mean_rows * row_bytes as f64,
-            logical_gbps: gbps(mean_rows),
-            remote_gbps: gbps(mean_remote),
             kernel: Some(Stats::of(kernel)),
+            ..OpReport::new(name, Stats::of(total), mean_rows, mean_remote, row_bytes)
         }
     };
     let ops = vec![
@@ -676,24 +660,16 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
             cfg.hidden * 2,
         ),
     ];
-    Ok(Some(BenchReport {
-        backend: format!("cuda-lsa ({})", rank.info().device_name),
-        note: format!(
+    Ok(Some(BenchReport::new(
+        format!("cuda-lsa ({})", rank.info().device_name),
+        format!(
             "GPU HT over NVLink (NCCL LSA), {} SMs per kernel, static sizing; total = host clock from the API call \
              to the end of the stream's work, kernel = CUDA events; slowest rank per iteration",
             num_sms
         ),
-        mode: opts.mode,
-        ranks: cfg.ranks,
-        tokens: opts.tokens,
-        hidden: cfg.hidden,
-        topk: cfg.topk,
-        experts: cfg.experts,
-        dtype: cfg.dispatch_dtype.name().into(),
-        routing: opts.routing.name(),
-        iters: opts.iters,
+        opts,
         ops,
-    }))
+    )))
 }
 
 fn bench_inner(group: &Group, rank: &CudaRank, opts: &BenchOptions, num_sms: u32) -> Result<Samples> {

@@ -1846,25 +1846,9 @@ fn bench_on(
             })
             .collect();
         let total = Stats::of(&per_iter);
-        let secs = total.median_us * 1e-6;
-        let gbps = |r: f64| {
-            if secs > 0.0 {
-                r * row_bytes as f64 / secs / 1e9
-            } else {
-                0.0
-            }
-        };
         OpReport {
-            op: name.to_string(),
-            total,
-            phases: Vec::new(),
-            rows_per_rank: rows_mean,
-            remote_rows_per_rank: remote_mean,
-            row_bytes,
-            bytes_per_rank: rows_mean * row_bytes as f64,
-            logical_gbps: gbps(rows_mean),
-            remote_gbps: gbps(remote_mean),
             kernel: Some(total),
+            ..OpReport::new(name, total, rows_mean, remote_mean, row_bytes)
         }
     };
     // Phases: slowest rank per iteration, then medians; a column absent anywhere is dropped.
@@ -1896,9 +1880,10 @@ fn bench_on(
     ];
     ops[0].phases = phases_d;
     ops[1].phases = phases_c;
-    Ok(Some(BenchReport {
-        backend: "cuda".into(),
-        note: format!(
+    // The LL sweep passes options whose mode may say otherwise; this report is LL.
+    let mut report = BenchReport::new(
+        "cuda".into(),
+        format!(
             "GPU LL over NVLink (NCCL LSA), variant {}, {} CTAs x {THREADS} threads per kernel; \
              times are CUDA events around each operation (send + receive kernels, or one fused \
              kernel), slowest rank per iteration; rows count (token, expert) copies as the peers \
@@ -1906,17 +1891,11 @@ fn bench_on(
             ll.variant().name(),
             ll.grid()
         ),
-        mode: BenchMode::Ll,
-        ranks: cfg.ranks,
-        tokens: opts.tokens,
-        hidden: cfg.hidden,
-        topk: cfg.topk,
-        experts: cfg.experts,
-        dtype: cfg.dispatch_dtype.name().into(),
-        routing: opts.routing.name(),
-        iters: opts.iters,
+        opts,
         ops,
-    }))
+    );
+    report.mode = BenchMode::Ll;
+    Ok(Some(report))
 }
 
 #[cfg(test)]
