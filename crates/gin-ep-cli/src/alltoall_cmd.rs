@@ -3,11 +3,12 @@
 //! runs `gin_ep::alltoall::run_rank` and rank 0 prints the table or JSON.
 
 use crate::error::{parse_secs, CliError, CliResult};
+use crate::gpus;
 use clap::Args;
 use comfy_table::{presets, CellAlignment, Table};
 use gin_ep::alltoall::{run_rank, AlltoallMode, AlltoallOptions, AlltoallReport, StoreHint};
 use gin_ep::backend::cuda::driver;
-use gin_ep::group::{first_failure, launch_ranks, Group, ENV_CHILD};
+use gin_ep::group::{Group, ENV_CHILD};
 use std::time::Duration;
 
 #[derive(Args, Debug, Clone)]
@@ -123,26 +124,14 @@ pub fn run(a: &AlltoallArgs) -> CliResult {
                 .device_count as usize
         }
     };
-    if gpus == 0 || gpus > 1024 {
-        return Err(CliError::Usage(format!(
-            "invalid value: gpus = {gpus}: must be 1..=1024"
-        )));
-    }
+    gpus::check_count(gpus)?;
     opts.validate(gpus)?;
-    let exe =
-        std::env::current_exe().map_err(|e| CliError::Failed(format!("cannot find own binary: {e}")))?;
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let exits = launch_ranks(gpus, &exe, &args, a.timeout)?;
-    match first_failure(&exits) {
+    match gpus::relaunch(gpus, a.timeout)? {
         None => Ok(()),
         Some(f) => Err(CliError::Failed(format!(
             "rank {} failed ({}):\n{}",
             f.rank,
-            if f.killed {
-                "killed at the deadline".to_string()
-            } else {
-                f.status.to_string()
-            },
+            gpus::how(&f),
             f.stderr.trim_end()
         ))),
     }

@@ -2,12 +2,13 @@
 //! loops and every figure come from `gin_ep::bench`.
 
 use crate::error::{parse_secs, CliError, CliResult};
+use crate::gpus;
 use crate::host;
 use clap::{Args, ValueEnum};
 use comfy_table::{presets, CellAlignment, Table};
 use gin_ep::backend::host::protocol::Modes;
 use gin_ep::bench::{BenchMode, BenchOptions, BenchReport, Launch, OpReport, Stats};
-use gin_ep::group::{first_failure, launch_ranks, Group, ENV_CHILD};
+use gin_ep::group::{Group, ENV_CHILD};
 use gin_ep::workload::Routing;
 use gin_ep::{DispatchDtype, EpConfig};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -189,28 +190,16 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
 /// `bench --gpus N`: the parent starts one process per GPU (itself, with GIN_EP_CHILD);
 /// each child runs `gin_ep::gpu::bench_rank`, rank 0 prints.
 fn run_gpus(a: &BenchArgs, gpus: usize) -> CliResult {
-    if gpus == 0 || gpus > 1024 {
-        return Err(CliError::Usage(format!(
-            "invalid value: gpus = {gpus}: must be 1..=1024"
-        )));
-    }
+    gpus::check_count(gpus)?;
     let r = resolve(a)?;
     if std::env::var_os(ENV_CHILD).is_none() {
-        let exe =
-            std::env::current_exe().map_err(|e| CliError::Failed(format!("cannot find own binary: {e}")))?;
-        let args: Vec<String> = std::env::args().skip(1).collect();
         // The launcher's deadline covers the whole run (setup, warmup, iterations).
-        let exits = launch_ranks(gpus, &exe, &args, a.timeout.max(Duration::from_secs(300)))?;
-        return match first_failure(&exits) {
+        return match gpus::relaunch(gpus, a.timeout.max(Duration::from_secs(300)))? {
             None => Ok(()),
             Some(f) => Err(CliError::Failed(format!(
                 "rank {} failed ({}):\n{}",
                 f.rank,
-                if f.killed {
-                    "killed at the deadline".to_string()
-                } else {
-                    f.status.to_string()
-                },
+                gpus::how(&f),
                 f.stderr.trim_end()
             ))),
         };

@@ -7,6 +7,7 @@
 
 use crate::bench_cmd::Mode;
 use crate::error::{parse_secs, CliError, CliResult};
+use crate::gpus;
 use crate::host;
 use clap::{Args, ValueEnum};
 use gin_ep::backend::host::protocol::{Fault, Modes};
@@ -296,11 +297,7 @@ fn one_line(s: &str) -> String {
 /// `check --gpus N`: one process per GPU (this binary with GIN_EP_CHILD); each runs
 /// `gin_ep::gpu::check_rank` over `gin_ep::gpu::gpu_cases`, rank 0 prints.
 fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
-    if gpus == 0 || gpus > 1024 {
-        return Err(CliError::Usage(format!(
-            "invalid value: gpus = {gpus}: must be 1..=1024"
-        )));
-    }
+    gpus::check_count(gpus)?;
     let mode = match a.mode {
         Mode::Ht => BenchMode::Ht,
         Mode::Ll => BenchMode::Ll,
@@ -315,12 +312,8 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
             vs.len(),
             vs.iter().map(|v| v.name()).collect::<Vec<_>>().join(", ")
         );
-        let exe =
-            std::env::current_exe().map_err(|e| CliError::Failed(format!("cannot find own binary: {e}")))?;
-        let args: Vec<String> = std::env::args().skip(1).collect();
         let t0 = Instant::now();
-        let exits = launch_ranks(gpus, &exe, &args, a.timeout.max(Duration::from_secs(600)))?;
-        return match first_failure(&exits) {
+        return match gpus::relaunch(gpus, a.timeout.max(Duration::from_secs(600)))? {
             None => {
                 out!(
                     "{} variant(s) passed, 0 failed ({:.1} s)",
@@ -330,13 +323,10 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
                 Ok(())
             }
             Some(f) => Err(CliError::Failed(format!(
-                "GPU LL variant check failed: rank {} {} (the first rank to fail); its stderr:\n{}",
+                "GPU LL variant check failed: rank {} {}{} (the first rank to fail); its stderr:\n{}",
                 f.rank,
-                if f.killed {
-                    "was killed at the deadline".to_string()
-                } else {
-                    f.status.to_string()
-                },
+                if f.killed { "was " } else { "" },
+                gpus::how(&f),
                 f.stderr.trim_end()
             ))),
         };
@@ -369,13 +359,9 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
             a.seed,
             cases.len()
         );
-        let exe =
-            std::env::current_exe().map_err(|e| CliError::Failed(format!("cannot find own binary: {e}")))?;
-        let args: Vec<String> = std::env::args().skip(1).collect();
         let t0 = Instant::now();
         // The launcher's deadline covers every case.
-        let exits = launch_ranks(gpus, &exe, &args, a.timeout.max(Duration::from_secs(600)))?;
-        return match first_failure(&exits) {
+        return match gpus::relaunch(gpus, a.timeout.max(Duration::from_secs(600)))? {
             None => {
                 out!(
                     "{} case(s) passed with the default variant{}, 0 failed ({:.1} s)",
@@ -386,13 +372,10 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
                 Ok(())
             }
             Some(f) => Err(CliError::Failed(format!(
-                "GPU check failed: rank {} {} (the first rank to fail); its stderr:\n{}\nreproduce with                  `gin-ep check --gpus {gpus} --cases {} --seed {}`",
+                "GPU check failed: rank {} {}{} (the first rank to fail); its stderr:\n{}\nreproduce with `gin-ep check --gpus {gpus} --cases {} --seed {}`",
                 f.rank,
-                if f.killed {
-                    "was killed at the deadline".to_string()
-                } else {
-                    f.status.to_string()
-                },
+                if f.killed { "was " } else { "" },
+                gpus::how(&f),
                 f.stderr.trim_end(),
                 a.cases,
                 a.seed

@@ -11,6 +11,7 @@ mod alltoall_cmd;
 mod bench_cmd;
 mod check_cmd;
 mod error;
+mod gpus;
 mod host;
 mod info_cmd;
 

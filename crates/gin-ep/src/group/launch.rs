@@ -29,7 +29,7 @@ const POLL: Duration = Duration::from_millis(10);
 const STDERR_LINGER: Duration = Duration::from_secs(1);
 
 /// How one rank ended.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct RankExit {
     pub rank: usize,
     pub status: ExitStatus,
