@@ -625,13 +625,7 @@ struct Buffers {
 pub fn run_rank(group: &Group, opts: &AlltoallOptions) -> Result<AlltoallReport> {
     let world = group.world();
     opts.validate(world)?;
-    let rank = CudaRank::new(
-        group,
-        CudaRankOptions {
-            host_timeout: opts.timeout,
-            kernel_timeout: opts.timeout / 2,
-        },
-    )?;
+    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(opts.timeout))?;
     let out = sweep(group, &rank, opts);
     if out.is_err() {
         // Peers may be inside a collective we will never join; never finalize or

@@ -324,13 +324,7 @@ pub fn check_rank_variants(
             timeout,
         );
     }
-    let rank = CudaRank::new(
-        group,
-        CudaRankOptions {
-            host_timeout: timeout,
-            kernel_timeout: timeout / 2,
-        },
-    )?;
+    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?;
     let out = (|| {
         let mut passed = 0;
         let base = HtGpuOptions {
@@ -582,6 +576,16 @@ fn max_per_iter(all: &[Vec<f64>]) -> Vec<Duration> {
         .collect()
 }
 
+/// What FP8 benchmarks dispatch: prequantized e4m3 input (DeepEP's format) unless
+/// `GIN_EP_FP8_SOURCE=bf16` asks for quantization inside the kernel.
+fn bench_source(cfg: &EpConfig) -> DispatchSource {
+    if cfg.dispatch_dtype.is_fp8() && std::env::var("GIN_EP_FP8_SOURCE").map_or(true, |v| v != "bf16") {
+        DispatchSource::Fp8
+    } else {
+        DispatchSource::Bf16
+    }
+}
+
 /// Times HT dispatch and combine on this rank's GPU with an SM budget of `num_sms`; every
 /// rank calls it, rank 0 gets the report. Static sizing (no host synchronization inside
 /// an operation). Total time per call = host clock from the API call to the end of the
@@ -604,13 +608,7 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
             ),
         ));
     }
-    let rank = CudaRank::new(
-        group,
-        CudaRankOptions {
-            host_timeout: opts.timeout,
-            kernel_timeout: opts.timeout / 2,
-        },
-    )?;
+    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(opts.timeout))?;
     let out = bench_inner(group, &rank, opts, num_sms);
     if out.is_err() {
         rank.comm().mark_failed();
@@ -690,12 +688,7 @@ fn bench_inner(group: &Group, rank: &CudaRank, opts: &BenchOptions, num_sms: u32
         mask_prob: 0.0,
     };
     let input = w.rank_input(cfg, me, opts.tokens);
-    let source =
-        if cfg.dispatch_dtype.is_fp8() && std::env::var("GIN_EP_FP8_SOURCE").map_or(true, |v| v != "bf16") {
-            DispatchSource::Fp8
-        } else {
-            DispatchSource::Bf16
-        };
+    let source = bench_source(cfg);
     let n = upload_dispatch_input(&ht, rank, cfg, &input, source)?;
     // One dispatch to learn the receive size, then the expert outputs, once.
     let handle = ht.dispatch(rank, n, source, None)?;
@@ -885,13 +878,7 @@ pub fn sweep_rank(
             "needs --mode ht, at least one entry, tokens <= max_tokens and iters >= 1",
         ));
     }
-    let rank = CudaRank::new(
-        group,
-        CudaRankOptions {
-            host_timeout: opts.timeout,
-            kernel_timeout: opts.timeout / 2,
-        },
-    )?;
+    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(opts.timeout))?;
     let out = sweep_inner(group, &rank, opts, entries);
     if out.is_err() {
         rank.comm().mark_failed();
@@ -924,12 +911,7 @@ fn sweep_inner(
         mask_prob: 0.0,
     };
     let input = w.rank_input(cfg, me, opts.tokens);
-    let source =
-        if cfg.dispatch_dtype.is_fp8() && std::env::var("GIN_EP_FP8_SOURCE").map_or(true, |v| v != "bf16") {
-            DispatchSource::Fp8
-        } else {
-            DispatchSource::Bf16
-        };
+    let source = bench_source(cfg);
     let n = upload_dispatch_input(&ht, rank, cfg, &input, source)?;
     let handle = ht.dispatch(rank, n, source, None)?;
     ht.sync(rank)?;

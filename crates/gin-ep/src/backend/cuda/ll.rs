@@ -1206,13 +1206,7 @@ fn expected_counts(cfg: &EpConfig, topk: &[Vec<i64>], me: usize) -> Vec<i32> {
 /// compared on every replay, everything on every `full_every`-th). Returns the number of
 /// operations compared in full. Every rank must pass the same cases.
 pub fn check_rank(group: &Group, cases: &[Case], timeout: Duration) -> Result<usize> {
-    let rank = CudaRank::new(
-        group,
-        CudaRankOptions {
-            host_timeout: timeout,
-            kernel_timeout: timeout / 2,
-        },
-    )?;
+    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?;
     let variant = LlVariant::from_env()?;
     let mut compared = 0;
     for (ci, case) in cases.iter().enumerate() {
@@ -1225,13 +1219,7 @@ pub fn check_rank(group: &Group, cases: &[Case], timeout: Duration) -> Result<us
 /// `variants`, each with a short graph plan: what `gin-ep check --gpus N --mode ll
 /// --variants all` runs (well under a minute on 4 GPUs). Returns the operations compared.
 pub fn check_variants(group: &Group, variants: &[LlVariant], timeout: Duration) -> Result<usize> {
-    let rank = CudaRank::new(
-        group,
-        CudaRankOptions {
-            host_timeout: timeout,
-            kernel_timeout: timeout / 2,
-        },
-    )?;
+    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?;
     let cases = variant_cases(group.world());
     let plan = GraphPlan {
         replays: 6,
@@ -1514,13 +1502,7 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
     if opts.iters == 0 {
         return Err(Error::config("iters", 0, "must be at least 1"));
     }
-    let rank = CudaRank::new(
-        group,
-        CudaRankOptions {
-            host_timeout: opts.timeout,
-            kernel_timeout: opts.timeout / 2,
-        },
-    )?;
+    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(opts.timeout))?;
     let stamps = std::env::var(ENV_STAMPS).is_ok_and(|v| !v.trim().is_empty() && v.trim() != "0");
     bench_with(group, &rank, opts, num_sms, LlVariant::from_env()?, stamps)
 }
@@ -1627,13 +1609,7 @@ pub fn sweep_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
     if opts.mode != BenchMode::Ll {
         return Err(Error::config("mode", "ht", "the sweep covers LL only"));
     }
-    let rank = CudaRank::new(
-        group,
-        CudaRankOptions {
-            host_timeout: opts.timeout,
-            kernel_timeout: opts.timeout / 2,
-        },
-    )?;
+    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(opts.timeout))?;
     let mut lines = Vec::new();
     for dtype in [DispatchDtype::Fp8, DispatchDtype::Bf16] {
         let o = BenchOptions {

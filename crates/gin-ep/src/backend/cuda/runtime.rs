@@ -503,6 +503,17 @@ pub struct CudaRankOptions {
     pub kernel_timeout: Duration,
 }
 
+impl CudaRankOptions {
+    /// Host waits get `timeout`, in-kernel waits half of it: a stuck peer is then reported
+    /// by the kernel's deadline (naming phase and peer) before the host gives up.
+    pub fn with_timeout(timeout: Duration) -> Self {
+        CudaRankOptions {
+            host_timeout: timeout,
+            kernel_timeout: timeout / 2,
+        }
+    }
+}
+
 impl Default for CudaRankOptions {
     fn default() -> Self {
         CudaRankOptions {
