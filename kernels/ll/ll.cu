@@ -103,9 +103,17 @@ struct LlArgs {
   uint32_t flags;              // kFlag* below: kernel variants, all bit-exact with each other
   uint32_t pad_;
   uint64_t* stamps;            // [gridDim.x][kStampSlots] globaltimer ns, or null (kStamp*)
+  // Caller-owned extra outputs (the Python path's tensors, DeepEP's formats), each optional:
+  // the library's own recv_count / layout_range stay written because the combine reads them.
+  int32_t* user_count;         // [L] i32 copy of recv_count, or null
+  int64_t* user_range;         // [L][R] (first << 32) | count, or null
+  int32_t* stats;              // [L] i32 cumulative receive counts (+= recv_count), or null
+  uint32_t scales_col_major;   // 1: recv_scales is [L][H/128][R*T] (DeepEP), 0: [L][R*T][H/128]
+  uint32_t pad2_;
 };
-static_assert(sizeof(LlArgs) == 424 && offsetof(LlArgs, err) == 368 && offsetof(LlArgs, flags) == 408 &&
-                  offsetof(LlArgs, stamps) == 416,
+static_assert(sizeof(LlArgs) == 456 && offsetof(LlArgs, err) == 368 && offsetof(LlArgs, flags) == 408 &&
+                  offsetof(LlArgs, stamps) == 416 && offsetof(LlArgs, user_count) == 424 &&
+                  offsetof(LlArgs, scales_col_major) == 448,
               "mirrored in backend/cuda/ll.rs");
 
 // Device timestamps (globaltimer ns), one row of kStampSlots per CTA, written by thread 0 at
@@ -545,11 +553,17 @@ __device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
       if (blockIdx.x == 0) {
         a.layout_range[(size_t(e) * R + s) * 2] = int32_t(acc);
         a.layout_range[(size_t(e) * R + s) * 2 + 1] = int32_t(c);
+        if (a.user_range != nullptr) a.user_range[size_t(e) * R + s] = (int64_t(acc) << 32) | int64_t(c);
       }
       first[s * (L + 1) + 1 + e] = acc;
       acc += c;
     }
-    if (blockIdx.x == 0) a.recv_count[e] = int32_t(acc);
+    if (blockIdx.x == 0) {
+      a.recv_count[e] = int32_t(acc);
+      if (a.user_count != nullptr) a.user_count[e] = int32_t(acc);
+      // One thread per expert of one CTA: a plain add is race-free (stream order across ops).
+      if (a.stats != nullptr) a.stats[e] += int32_t(acc);
+    }
   }
   __syncthreads();
   stamp(a, kStDispCounts);
@@ -647,7 +661,11 @@ __device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
           if (c0 < H) {
             st_v4(reinterpret_cast<uint4*>(out + c0), cur.v0);
             if ((lane & 7) == 0) {
-              a.recv_scales[size_t(r) * nblocks + c0 / 128] = cur.scale;
+              // Row-major [L][R*T][H/128], or DeepEP's [L][H/128][R*T] (row r = lid * cap + i).
+              const size_t si = a.scales_col_major != 0u
+                                    ? (size_t(r / int64_t(cap)) * nblocks + c0 / 128) * cap + size_t(r % int64_t(cap))
+                                    : size_t(r) * nblocks + c0 / 128;
+              a.recv_scales[si] = cur.scale;
               if (a.recv_scales_ue8m0 != nullptr) {
                 a.recv_scales_ue8m0[size_t(r) * nblocks + c0 / 128] = uint8_t(__float_as_uint(cur.scale) >> 23);
               }

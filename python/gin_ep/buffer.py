@@ -676,8 +676,8 @@ class Buffer:
                 raise TypeError("handle: expected the handle returned by gin_ep.Buffer.dispatch (GPU)")
             if st.fp8 != fp8:
                 raise _unsupported("cached dispatch with another dtype (BF16 vs FP8) than the handle's dispatch")
-            g.ht_copy_x(st.ht, xin, x_scales, s)
-            g.ep.ht_dispatch_cached(st.native, fp8, s)
+            xin, x_scales = xin.contiguous(), (x_scales.contiguous() if fp8 else None)
+            g.ep.ht_dispatch_cached(st.native, fp8, s, _gpu.span(xin), _gpu.span(x_scales))
             recv = g.ht_recv_x(st.ht, st.num_recv, hidden, fp8, torch.float32, s)
             worst = max(num_worst_tokens, st.num_worst_tokens)
             if worst:
@@ -707,11 +707,11 @@ class Buffer:
                              f"(num_nvl_bytes = {self.num_nvl_bytes}; raise it or pass max_tokens_per_rank=)")
         num_sms = (config.num_sms if config is not None else Buffer.num_sms)
         h = g.ht(hidden, k, experts, max_tokens, fp8, max(1, min(num_sms, 128)))
-        idx = topk_idx.to(torch.int64).contiguous()
-        g.ht_copy_x(h, xin, x_scales, s)
-        g.ep.ht_copy_in(h, "topk_idx", idx.data_ptr(), _gpu.nbytes(idx), s)
-        g.ep.ht_copy_in(h, "topk_w", w.data_ptr(), _gpu.nbytes(w), s)
-        native = g.ep.ht_dispatch(h, n, fp8, s)
+        idx = _gpu.as_i64(topk_idx)
+        xin, x_scales = xin.contiguous(), (x_scales.contiguous() if fp8 else None)
+        # The kernels read x, scales, ids and weights from these tensors (zero-copy).
+        native = g.ep.ht_dispatch(h, n, fp8, s, _gpu.span(xin), _gpu.span(x_scales), _gpu.span(idx),
+                                  _gpu.span(w))
         nr = native.num_recv
         recv_x = g.ht_recv_x(h, nr, hidden, fp8, torch.float32, s)
         recv_topk_idx = g.ht_out(h, "recv_idx", (nr, k), torch.int64, s).to(topk_idx.dtype)
@@ -758,19 +758,21 @@ class Buffer:
             bias = (None, None)
         elif not (isinstance(bias, tuple) and len(bias) == 2):
             raise TypeError("bias: expected a tensor or a tuple of two tensors")
-        keep = []
+        biases = []
         for i, b in enumerate(bias):
             if b is not None:
                 _gpu.check_cuda(f"bias[{i}]", b, torch.bfloat16, dim=2)
                 if tuple(b.shape) != (st.num_tokens, st.hidden):
                     raise ValueError(f"bias[{i}]: shape {tuple(b.shape)}, expected [{st.num_tokens}, {st.hidden}]")
                 b = b.contiguous()
-                keep.append(b)
-                g.ep.ht_copy_in(h, f"bias{i}", b.data_ptr(), _gpu.nbytes(b), s)
-        g.ep.ht_combine(st.native, topk_weights is not None, bias[0] is not None, bias[1] is not None, s)
-        combined_x = g.ht_out(h, "out_x", (st.num_tokens, st.hidden), torch.bfloat16, s)
-        combined_w = g.ht_out(h, "out_w", (st.num_tokens, st.topk), torch.float32, s) \
+            biases.append(b)
+        dev = x.device
+        combined_x = _gpu.empty((st.num_tokens, st.hidden), torch.bfloat16, dev)
+        combined_w = _gpu.empty((st.num_tokens, st.topk), torch.float32, dev) \
             if topk_weights is not None else None
+        # The kernel reads the biases and writes the outputs in place (zero-copy).
+        g.ep.ht_combine(st.native, topk_weights is not None, s, _gpu.span(biases[0]), _gpu.span(biases[1]),
+                        _gpu.span(combined_x), _gpu.span(combined_w))
         return combined_x, combined_w, EventOverlap(_gpu.optional_event(async_finish))
 
     def _gpu_ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
@@ -791,57 +793,41 @@ class Buffer:
         set_ = g.ll_next[l_id]
         g.ll_next[l_id] = 1 - set_
         g.ll_seq[l_id][set_] += 1
-        s = _gpu.stream()
+        # The kernels read these tensors and write the outputs below directly (zero-copy).
         xc = x.contiguous()
-        idx = topk_idx.to(torch.int64).contiguous()
-        g.ep.ll_set_tokens(l_id, set_, n)
-        g.ep.ll_copy_in(l_id, set_, "x", xc.data_ptr(), _gpu.nbytes(xc), s)
-        g.ep.ll_copy_in(l_id, set_, "topk_idx", idx.data_ptr(), _gpu.nbytes(idx), s)
+        idx = _gpu.as_i64(topk_idx)
         dev = x.device
         rows = r * t
         if use_fp8:
-            data = torch.empty((local, rows, hidden), dtype=torch.uint8, device=dev)
-            sc_rows = torch.empty((local, rows, hidden // _native.FP8_BLOCK), dtype=torch.float32, device=dev)
-            # Column-major in the last two dimensions, as DeepEP lays them out.
-            scales = torch.empty((local, hidden // _native.FP8_BLOCK, rows), dtype=torch.float32,
-                                 device=dev).transpose(1, 2)
+            data = _gpu.empty((local, rows, hidden), torch.uint8, dev)
+            # DeepEP's layout: column-major in the last two dimensions (the kernel writes it so).
+            sc = _gpu.empty((local, hidden // _native.FP8_BLOCK, rows), torch.float32, dev)
+            scales = sc.transpose(1, 2)
+            sc_span = _gpu.span(sc)
         else:
-            data = torch.empty((local, rows, hidden), dtype=torch.bfloat16, device=dev)
+            data = _gpu.empty((local, rows, hidden), torch.bfloat16, dev)
             scales = None
-        recv_count = torch.empty((local,), dtype=torch.int32, device=dev)
-        ranges = torch.empty((local, r, 2), dtype=torch.int32, device=dev)
-        layout_range = torch.empty((local, r), dtype=torch.int64, device=dev)
+            sc_span = None
+        recv_count = _gpu.empty((local,), torch.int32, dev)
+        layout_range = _gpu.empty((local, r), torch.int64, dev)
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
-            _gpu.check_cuda("cumulative_local_expert_recv_stats", stats)
-        out = {}
-
-        def receive():
-            s2 = _gpu.stream()
-            g.ep.ll_launch(l_id, set_, "dispatch_recv" if return_recv_hook else "dispatch", s2)
-            g.ep.ll_copy_out(l_id, set_, "recv_x", data.data_ptr(), _gpu.nbytes(data), s2)
-            if scales is not None:
-                g.ep.ll_copy_out(l_id, set_, "recv_scales", sc_rows.data_ptr(), _gpu.nbytes(sc_rows), s2)
-                scales.copy_(sc_rows)
-            g.ep.ll_copy_out(l_id, set_, "recv_count", recv_count.data_ptr(), _gpu.nbytes(recv_count), s2)
-            g.ep.ll_copy_out(l_id, set_, "layout_range", ranges.data_ptr(), _gpu.nbytes(ranges), s2)
-            # DeepEP packs (first << 32) | count, as the host backend does.
-            layout_range.copy_((ranges[..., 0].to(torch.int64) << 32) | ranges[..., 1].to(torch.int64))
-            if stats is not None:
-                stats.add_(recv_count.to(stats.dtype))
-            out["done"] = True
-
+            _gpu.check_cuda("cumulative_local_expert_recv_stats", stats, torch.int32, dim=1)
+            if stats.shape[0] != local or not stats.is_contiguous():
+                raise ValueError(f"cumulative_local_expert_recv_stats: shape {tuple(stats.shape)}, expected "
+                                 f"a contiguous [{local}] int32 tensor")
+        outs = (_gpu.span(data), sc_span, _gpu.span(recv_count), _gpu.span(layout_range), _gpu.span(stats))
         if return_recv_hook:
-            g.ep.ll_launch(l_id, set_, "dispatch_send", s)
-            hook = receive
+            g.ep.ll_dispatch(l_id, set_, "dispatch_send", n, _gpu.stream(), _gpu.span(xc), _gpu.span(idx),
+                             None, None, None, None, None)
+
+            def hook(keep=(data, scales, recv_count, layout_range, stats)):
+                # `keep`: the output tensors stay alive until the receive is queued.
+                g.ep.ll_dispatch(l_id, set_, "dispatch_recv", n, _gpu.stream(), None, None, *outs)
         else:
-            receive()
+            g.ep.ll_dispatch(l_id, set_, "dispatch", n, _gpu.stream(), _gpu.span(xc), _gpu.span(idx), *outs)
             hook = None
-        if use_fp8:
-            # `scales` is filled by `receive` (at once, or by the hook).
-            recv_x = (data.view(torch.float8_e4m3fn), scales)
-        else:
-            recv_x = data
+        recv_x = (data.view(torch.float8_e4m3fn), scales) if use_fp8 else data
         st = _gpu.GpuLlState(l_id, set_, g.ll_seq[l_id][set_], k, n)
         handle = (st, layout_range, t, hidden, num_experts)
         return recv_x, recv_count, handle, EventOverlap(_gpu.optional_event(async_finish)), hook
@@ -860,31 +846,36 @@ class Buffer:
             x = self.get_next_low_latency_combine_buffer(handle)
         _gpu.check_cuda("x", x, torch.bfloat16, dim=3)
         _gpu.check_cuda("topk_weights", topk_weights, None, dim=2)
-        s = _gpu.stream()
+        shape = (num_experts // self.group_size, self.group_size * t, hidden)
+        if tuple(x.shape) != shape:
+            raise ValueError(f"x: shape {tuple(x.shape)}, expected {list(shape)} (the dispatch's recv_x)")
+        if tuple(topk_weights.shape) != (st.num_tokens, st.topk):
+            raise ValueError(f"topk_weights: shape {tuple(topk_weights.shape)}, the dispatch had "
+                             f"[{st.num_tokens}, {st.topk}]")
         xc = x.contiguous()
         w = topk_weights.to(torch.float32).contiguous()
-        if w.shape[0] != st.num_tokens:
-            raise ValueError(f"topk_weights: {w.shape[0]} rows, the dispatch had {st.num_tokens} tokens")
-        g.ep.ll_copy_in(st.ll, st.set, "y", xc.data_ptr(), _gpu.nbytes(xc), s)
-        g.ep.ll_copy_in(st.ll, st.set, "weights", w.data_ptr(), _gpu.nbytes(w), s)
-        combined = out
-        if combined is None or not combined.is_contiguous():
-            combined = torch.empty((st.num_tokens, hidden), dtype=torch.bfloat16, device=x.device)
+        if out is not None:
+            _gpu.check_cuda("out", out, torch.bfloat16)
+            if tuple(out.shape) != (st.num_tokens, hidden):
+                raise ValueError(f"out: shape {tuple(out.shape)}, expected [{st.num_tokens}, {hidden}]")
+        # The kernel writes `out` itself when it can (contiguous), else a new tensor.
+        combined = out if out is not None and out.is_contiguous() else \
+            _gpu.empty((st.num_tokens, hidden), torch.bfloat16, x.device)
+        ys, ws, cs = _gpu.span(xc), _gpu.span(w), _gpu.span(combined)
 
-        def receive():
-            s2 = _gpu.stream()
-            g.ep.ll_launch(st.ll, st.set, "combine_recv" if return_recv_hook else "combine", s2)
-            g.ep.ll_copy_out(st.ll, st.set, "combined", combined.data_ptr(), _gpu.nbytes(combined), s2)
+        def receive(op):
+            g.ep.ll_combine(st.ll, st.set, op, _gpu.stream(), ys if op == "combine" else None, ws, cs)
             if out is not None and combined is not out:
                 out.copy_(combined)
 
         if return_recv_hook:
-            g.ep.ll_launch(st.ll, st.set, "combine_send", s)
-            hook = receive
+            g.ep.ll_combine(st.ll, st.set, "combine_send", _gpu.stream(), ys, None, None)
+
+            def hook(keep=(w, combined)):
+                # `keep`: the weights and output stay alive until the receive is queued.
+                receive("combine_recv")
         else:
-            receive()
+            receive("combine")
             hook = None
-        if out is not None:
-            _gpu.check_cuda("out", out, torch.bfloat16)
         result = out if out is not None else combined
         return result, EventOverlap(_gpu.optional_event(async_finish)), hook

@@ -4,11 +4,13 @@
 //! Tensors cross as device addresses (`tensor.data_ptr()`) and byte counts; every launch
 //! and copy is queued on the stream the caller passes (`torch.cuda.current_stream()
 //! .cuda_stream`), so the operations are ordered with PyTorch's work and (LL) can be
-//! captured in a CUDA graph. Inputs are copied device-to-device into the library's
-//! buffers, outputs out of them into tensors PyTorch allocated. The Python side
-//! (`gin_ep/_gpu.py`) owns the tensors and guarantees the addresses are live device
-//! memory of the stated size on this device; this module checks sizes against its own
-//! buffers.
+//! captured in a CUDA graph. Kernels read the caller's tensors and write the caller's
+//! output tensors directly (zero-copy: `Span` arguments, `(data_ptr, nbytes)`, checked to be
+//! device memory of this GPU and large enough for the operation); only the rows that live
+//! in the symmetric window (HT receive and combine rows, written or read by peers) are
+//! copied device-to-device. The Python side (`gin_ep/_gpu.py`) keeps every tensor it
+//! passes referenced until the operation's work is queued, and PyTorch's stream-ordered
+//! allocator keeps its memory until the stream has passed it.
 //!
 //! Threads: PyTorch runs backward passes on its own autograd threads, so a `CudaEp` is
 //! called from more than one thread. Every call takes `op` (one operation at a time, the
@@ -17,10 +19,10 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use gin_ep::backend::cuda::ht::{
-    CombineExtras, CudaHt, DispatchSource, HtBuf, HtGpuHandle, HtGpuOptions, Sizing,
+    CombineExtras, CudaHt, DispatchSource, HtBuf, HtGpuHandle, HtGpuOptions, HtIo, Sizing,
 };
-use gin_ep::backend::cuda::ll::{CudaLl, LlBuf, LlVariant};
-use gin_ep::backend::cuda::{CudaRank, CudaRankOptions};
+use gin_ep::backend::cuda::ll::{CudaLl, LlIo, LlVariant};
+use gin_ep::backend::cuda::{CudaRank, CudaRankOptions, ExternalSpan};
 use gin_ep::Result;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -99,6 +101,14 @@ impl PyCudaEp {
             out.map_err(to_py)
         })
     }
+}
+
+/// A caller tensor as `(data_ptr, nbytes)`, or `None`.
+type Span = Option<(u64, usize)>;
+
+/// Checks a caller tensor against the rank's GPU (see `CudaRank::external`).
+fn span(rank: &CudaRank, what: &str, s: Span) -> Result<Option<ExternalSpan>> {
+    s.map(|(ptr, bytes)| rank.external(what, ptr, bytes)).transpose()
 }
 
 fn sizing(exact: bool) -> Sizing {
@@ -180,8 +190,8 @@ impl PyCudaEp {
         let hts = locked(&self.hts);
         let h = get(&hts, ht, "HT")?;
         self.on(stream, |r| {
-            // SAFETY: src is a live CUDA tensor of `bytes` (the Python side's contract).
-            unsafe { r.copy_in(h.buffer(HtBuf::parse(which)?)?, src, bytes) }
+            let src = r.external("source", src, bytes)?;
+            r.copy_from_external(h.buffer(HtBuf::parse(which)?)?, src)
         })
     }
 
@@ -190,21 +200,38 @@ impl PyCudaEp {
         let hts = locked(&self.hts);
         let h = get(&hts, ht, "HT")?;
         self.on(stream, |r| {
-            // SAFETY: dst is a live CUDA tensor of `bytes` (the Python side's contract).
-            unsafe { r.copy_out(h.buffer(HtBuf::parse(which)?)?, dst, bytes) }
+            let dst = r.external("destination", dst, bytes)?;
+            r.copy_to_external(h.buffer(HtBuf::parse(which)?)?, dst)
         })
     }
 
-    /// Fresh HT dispatch of the `num_tokens` tokens copied in (`fp8`: e4m3 + scales input).
-    fn ht_dispatch(&self, ht: usize, num_tokens: usize, fp8: bool, stream: u64) -> PyResult<PyCudaHtHandle> {
+    /// Fresh HT dispatch of `num_tokens` tokens read from the caller's `x` (`fp8`: e4m3
+    /// bytes + `scales`), `topk_idx` (i64) and `topk_w` (f32).
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (ht, num_tokens, fp8, stream, x, scales, topk_idx, topk_w))]
+    fn ht_dispatch(
+        &self,
+        ht: usize,
+        num_tokens: usize,
+        fp8: bool,
+        stream: u64,
+        x: Span,
+        scales: Span,
+        topk_idx: Span,
+        topk_w: Span,
+    ) -> PyResult<PyCudaHtHandle> {
         let mut hts = locked(&self.hts);
         let h = get_mut(&mut hts, ht, "HT")?;
-        let src = if fp8 {
-            DispatchSource::Fp8
-        } else {
-            DispatchSource::Bf16
-        };
-        let handle = self.on(stream, |r| h.dispatch(r, num_tokens, src, None))?;
+        let handle = self.on(stream, |r| {
+            let io = HtIo {
+                x: span(r, "x", x)?,
+                scales: span(r, "x scales", scales)?,
+                topk_idx: span(r, "topk_idx", topk_idx)?,
+                topk_w: span(r, "topk_weights", topk_w)?,
+                ..HtIo::default()
+            };
+            with_ht_io(h, io, |h| h.dispatch(r, num_tokens, source(fp8), None))
+        })?;
         Ok(PyCudaHtHandle { ht, h: handle })
     }
 
@@ -215,34 +242,58 @@ impl PyCudaEp {
         self.on(stream, |r| h.recv_counts(r, &handle.h))
     }
 
-    /// Cached HT dispatch of the activations copied in, along the handle's layout.
-    fn ht_dispatch_cached(&self, handle: &PyCudaHtHandle, fp8: bool, stream: u64) -> PyResult<()> {
+    /// Cached HT dispatch of the caller's `x` (and `scales`) along the handle's layout.
+    #[pyo3(signature = (handle, fp8, stream, x, scales))]
+    fn ht_dispatch_cached(
+        &self,
+        handle: &PyCudaHtHandle,
+        fp8: bool,
+        stream: u64,
+        x: Span,
+        scales: Span,
+    ) -> PyResult<()> {
         let mut hts = locked(&self.hts);
         let h = get_mut(&mut hts, handle.ht, "HT")?;
-        let src = if fp8 {
-            DispatchSource::Fp8
-        } else {
-            DispatchSource::Bf16
-        };
-        self.on(stream, |r| h.dispatch_cached(r, &handle.h, src, None))
+        self.on(stream, |r| {
+            let io = HtIo {
+                x: span(r, "x", x)?,
+                scales: span(r, "x scales", scales)?,
+                ..HtIo::default()
+            };
+            with_ht_io(h, io, |h| h.dispatch_cached(r, &handle.h, source(fp8), None))
+        })
     }
 
-    /// HT combine of the rows copied into `comb_x` (and `comb_w`, `bias0`, `bias1`).
+    /// HT combine of the rows copied into `comb_x` (and `comb_w`), with the caller's
+    /// biases, into the caller's `out_x` (and `out_w` when `weights`).
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (handle, weights, stream, bias0, bias1, out_x, out_w))]
     fn ht_combine(
         &self,
         handle: &PyCudaHtHandle,
         weights: bool,
-        bias0: bool,
-        bias1: bool,
         stream: u64,
+        bias0: Span,
+        bias1: Span,
+        out_x: Span,
+        out_w: Span,
     ) -> PyResult<()> {
         let mut hts = locked(&self.hts);
         let h = get_mut(&mut hts, handle.ht, "HT")?;
         let extras = CombineExtras {
             weights,
-            bias: [bias0, bias1],
+            bias: [bias0.is_some(), bias1.is_some()],
         };
-        self.on(stream, |r| h.combine(r, &handle.h, extras, None))
+        self.on(stream, |r| {
+            let io = HtIo {
+                bias0: span(r, "bias[0]", bias0)?,
+                bias1: span(r, "bias[1]", bias1)?,
+                out_x: span(r, "combined x", out_x)?,
+                out_w: span(r, "combined weights", out_w)?,
+                ..HtIo::default()
+            };
+            with_ht_io(h, io, |h| h.combine(r, &handle.h, extras, None))
+        })
     }
 
     /// Waits (bounded) for `ht`'s queued work and reports a failure it recorded.
@@ -252,66 +303,84 @@ impl PyCudaEp {
         self.on(stream, |r| h.sync(r))
     }
 
-    /// Copies `bytes` from device address `src` into LL buffer `which` of `set`.
-    fn ll_copy_in(
+    /// LL dispatch `op` (`dispatch`, `dispatch_send`, `dispatch_recv`) on `set` with the
+    /// caller's tensors: input `x` `[N, H]` BF16 and `topk_idx` `[N, K]` i64 (`num_tokens` =
+    /// N; read by `dispatch` and `dispatch_send`), outputs `recv_x`, `recv_scales` (FP8,
+    /// `[L, H/128, R*T]`), `recv_count` `[L]` i32, `layout_range` `[L, R]` i64, and `stats`
+    /// `[L]` i32 added to (written by `dispatch` and `dispatch_recv`). No host
+    /// synchronization.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (ll, set, op, num_tokens, stream, x, topk_idx, recv_x, recv_scales, recv_count, layout_range, stats))]
+    fn ll_dispatch(
         &self,
         ll: usize,
         set: usize,
-        which: &str,
-        src: u64,
-        bytes: usize,
+        op: &str,
+        num_tokens: usize,
         stream: u64,
+        x: Span,
+        topk_idx: Span,
+        recv_x: Span,
+        recv_scales: Span,
+        recv_count: Span,
+        layout_range: Span,
+        stats: Span,
     ) -> PyResult<()> {
-        let lls = locked(&self.lls);
-        let l = get(&lls, ll, "LL")?;
-        self.on(stream, |r| {
-            // SAFETY: src is a live CUDA tensor of `bytes` (the Python side's contract).
-            unsafe { r.copy_in(l.buffer(set, LlBuf::parse(which)?)?, src, bytes) }
-        })
-    }
-
-    /// Copies the first `bytes` of LL buffer `which` of `set` to device address `dst`.
-    fn ll_copy_out(
-        &self,
-        ll: usize,
-        set: usize,
-        which: &str,
-        dst: u64,
-        bytes: usize,
-        stream: u64,
-    ) -> PyResult<()> {
-        let lls = locked(&self.lls);
-        let l = get(&lls, ll, "LL")?;
-        self.on(stream, |r| {
-            // SAFETY: dst is a live CUDA tensor of `bytes` (the Python side's contract).
-            unsafe { r.copy_out(l.buffer(set, LlBuf::parse(which)?)?, dst, bytes) }
-        })
-    }
-
-    /// Declares the token count of `set`'s input.
-    fn ll_set_tokens(&self, ll: usize, set: usize, n: usize) -> PyResult<()> {
         let mut lls = locked(&self.lls);
         let l = get_mut(&mut lls, ll, "LL")?;
-        guard(|| l.set_num_tokens(set, n).map_err(to_py))
+        self.on(stream, |r| {
+            let io = LlIo {
+                x: span(r, "x", x)?,
+                topk_idx: span(r, "topk_idx", topk_idx)?,
+                recv_x: span(r, "recv_x", recv_x)?,
+                recv_scales: span(r, "recv_x scales", recv_scales)?,
+                recv_count: span(r, "recv_count", recv_count)?,
+                layout_range: span(r, "layout_range", layout_range)?,
+                stats: span(r, "cumulative_local_expert_recv_stats", stats)?,
+                ..LlIo::default()
+            };
+            if op != "dispatch_recv" {
+                l.set_num_tokens(set, num_tokens)?;
+            }
+            with_ll_io(l, set, io, |l| match op {
+                "dispatch" => l.dispatch(set),
+                "dispatch_send" => l.dispatch_send(set),
+                "dispatch_recv" => l.dispatch_recv(set),
+                other => Err(unknown_op(other)),
+            })
+        })
     }
 
-    /// Launches `op` (`dispatch`, `dispatch_send`, `dispatch_recv`, `combine`,
-    /// `combine_send`, `combine_recv`) on `set`; no host synchronization.
-    fn ll_launch(&self, ll: usize, set: usize, op: &str, stream: u64) -> PyResult<()> {
-        let lls = locked(&self.lls);
-        let l = get(&lls, ll, "LL")?;
-        let op = op.to_string();
-        self.on(stream, |_| match op.as_str() {
-            "dispatch" => l.dispatch(set),
-            "dispatch_send" => l.dispatch_send(set),
-            "dispatch_recv" => l.dispatch_recv(set),
-            "combine" => l.combine(set),
-            "combine_send" => l.combine_send(set),
-            "combine_recv" => l.combine_recv(set),
-            other => Err(gin_ep::Error::InvalidInput {
-                what: "LL op".into(),
-                reason: format!("unknown `{other}`"),
-            }),
+    /// LL combine `op` (`combine`, `combine_send`, `combine_recv`) on `set`: expert outputs
+    /// `y` `[L, R*T, H]` BF16 (read by `combine`, `combine_send`), `weights` `[N, K]` f32 and
+    /// output `combined` `[N, H]` BF16 (`combine`, `combine_recv`). No host synchronization.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (ll, set, op, stream, y, weights, combined))]
+    fn ll_combine(
+        &self,
+        ll: usize,
+        set: usize,
+        op: &str,
+        stream: u64,
+        y: Span,
+        weights: Span,
+        combined: Span,
+    ) -> PyResult<()> {
+        let mut lls = locked(&self.lls);
+        let l = get_mut(&mut lls, ll, "LL")?;
+        self.on(stream, |r| {
+            let io = LlIo {
+                y: span(r, "x (expert outputs)", y)?,
+                weights: span(r, "topk_weights", weights)?,
+                combined: span(r, "combined_x", combined)?,
+                ..LlIo::default()
+            };
+            with_ll_io(l, set, io, |l| match op {
+                "combine" => l.combine(set),
+                "combine_send" => l.combine_send(set),
+                "combine_recv" => l.combine_recv(set),
+                other => Err(unknown_op(other)),
+            })
         })
     }
 
@@ -320,6 +389,43 @@ impl PyCudaEp {
     fn sync(&self, stream: u64) -> PyResult<()> {
         self.on(stream, |r| r.wait("gin_ep sync"))
     }
+}
+
+fn source(fp8: bool) -> DispatchSource {
+    if fp8 {
+        DispatchSource::Fp8
+    } else {
+        DispatchSource::Bf16
+    }
+}
+
+fn unknown_op(op: &str) -> gin_ep::Error {
+    gin_ep::Error::InvalidInput {
+        what: "LL op".into(),
+        reason: format!("unknown `{op}`"),
+    }
+}
+
+/// Runs `f` with `io` bound to `h`, unbinding afterwards whatever `f` returned: a later
+/// operation never sees this call's tensors.
+fn with_ht_io<T>(h: &mut CudaHt, io: HtIo, f: impl FnOnce(&mut CudaHt) -> Result<T>) -> Result<T> {
+    h.set_io(io);
+    let out = f(h);
+    h.clear_io();
+    out
+}
+
+/// As [`with_ht_io`] for set `set` of an LL object.
+fn with_ll_io<T>(
+    l: &mut CudaLl<'static>,
+    set: usize,
+    io: LlIo,
+    f: impl FnOnce(&CudaLl<'static>) -> Result<T>,
+) -> Result<T> {
+    l.set_io(set, io)?;
+    let out = f(l);
+    l.clear_io(set)?;
+    out
 }
 
 fn get<'a, T>(v: &'a [T], i: usize, what: &str) -> PyResult<&'a T> {

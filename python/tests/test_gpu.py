@@ -42,6 +42,8 @@ def run(world, fn):
     if here not in sys.path:
         sys.path.insert(0, here)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    # Output tensors start as 0xFF bytes: a row the kernels did not write cannot pass.
+    os.environ["GIN_EP_POISON_OUTPUTS"] = "1"
     mp.spawn(_entry, args=(world, _dist.free_port(), fn), nprocs=world, join=True)
 
 
@@ -174,7 +176,9 @@ def ll_worker(rank, world):
             want = from_bytes(rx, torch.bfloat16, shape)
             for e in range(local):
                 same_bits(f"bf16 recv_x[{e}]", cpu(recv_x[e, :rcount[e]]), want[e, :rcount[e]])
-        assert (handle[1] & 0xFFFFFFFF).sum().item() == sum(rcount)
+        want_range = torch.tensor([(f << 32) | c for f, c in ref[rank][3].layout_range],
+                                  dtype=torch.int64).view(local, world)
+        same_bits(f"{dtype} layout_range", cpu(handle[1]), want_range)
         cref = _native.oracle_ll_combine(cfg, [ref[r][3] for r in range(world)],
                                          [to_bytes(y_of(r)) for r in range(world)],
                                          [to_bytes(i[1]) for i in inputs], [to_bytes(i[2]) for i in inputs])
@@ -214,6 +218,17 @@ def ll_worker(rank, world):
         graph.replay()
         torch.cuda.synchronize()
         same_bits("graph combined_x", gout.cpu(), from_bytes(cref[rank], torch.bfloat16, (tokens[rank], HIDDEN)))
+
+    # Caller memory is checked before anything is queued, on every rank alike: an address
+    # that is not device memory, and a tensor too small for the operation.
+    ep, l_id, stream = buf._gpu.ep, next(iter(buf._gpu.lls.values())), torch.cuda.current_stream().cuda_stream
+    with pytest.raises(ValueError, match="not CUDA device memory"):
+        ep.ll_dispatch(l_id, 0, "dispatch", 5, stream, (4096, 64), None, None, None, None, None, None)
+    small = torch.zeros(8, dtype=torch.bfloat16, device=dev)
+    with pytest.raises(ValueError, match="LL x: 16 bytes given"):
+        ep.ll_dispatch(l_id, 0, "dispatch", 5, stream, (small.data_ptr(), 16), None, None, None, None, None,
+                       None)
+    torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("world", [2, 4])

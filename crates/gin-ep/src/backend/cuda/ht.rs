@@ -15,8 +15,8 @@
 
 use super::kernels::{names, HtArgs};
 use super::runtime::{
-    fabric_phase_name, CudaRank, DevComm, DevCommRequest, DeviceBuffer, DeviceRegion, Event, HostMapped,
-    Window,
+    fabric_phase_name, CudaRank, DevComm, DevCommRequest, DeviceBuffer, DeviceRegion, Event, ExternalSpan,
+    HostMapped, Window,
 };
 use crate::config::{DispatchDtype, EpConfig, FP8_BLOCK};
 use crate::error::{Error, Result};
@@ -519,6 +519,35 @@ pub struct CudaHt {
     bar_epoch: u64,
     generation: u64,
     failed: bool,
+    /// Caller-owned memory the next operations use instead of the input/output buffers.
+    io: HtIo,
+}
+
+/// Caller-owned memory (PyTorch tensors) that HT operations read and write instead of the
+/// library's input and output buffers: the zero-copy path of the Python package. Only the
+/// buffers a rank reads or writes itself can be caller-owned; the receive and combine rows
+/// live in the symmetric window because peers write and read them. Unset fields use the
+/// library's buffers; sizes are checked against each operation's token count.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HtIo {
+    /// Dispatch input `[N, H]` (BF16, or e4m3 bytes for FP8 input) and FP8 scales
+    /// `[N, H/128]` f32.
+    pub x: Option<ExternalSpan>,
+    pub scales: Option<ExternalSpan>,
+    /// Fresh dispatch routing: `[N, K]` i64 ids and f32 weights.
+    pub topk_idx: Option<ExternalSpan>,
+    pub topk_w: Option<ExternalSpan>,
+    /// Combine biases `[N, H]` BF16.
+    pub bias0: Option<ExternalSpan>,
+    pub bias1: Option<ExternalSpan>,
+    /// Combine outputs `[N, H]` BF16 and `[N, K]` f32.
+    pub out_x: Option<ExternalSpan>,
+    pub out_w: Option<ExternalSpan>,
+}
+
+/// The caller-owned address when one is set, else the library buffer's.
+fn io_or(span: Option<ExternalSpan>, own: &DeviceBuffer) -> u64 {
+    span.map_or(own.region().ptr, |sp| sp.ptr)
 }
 
 fn bytes_of<T: bytemuck::Pod>(v: &[T]) -> &[u8] {
@@ -577,6 +606,7 @@ impl CudaHt {
             bar_epoch: 0,
             generation: 0,
             failed: false,
+            io: HtIo::default(),
         })
     }
 
@@ -784,6 +814,44 @@ impl CudaHt {
         rank.memset_u8(self.out_w.region(), POISON)
     }
 
+    /// Operations use `io`'s caller-owned memory from now on (until [`CudaHt::clear_io`]).
+    pub fn set_io(&mut self, io: HtIo) {
+        self.io = io;
+    }
+
+    /// Back to the library's own input and output buffers.
+    pub fn clear_io(&mut self) {
+        self.io = HtIo::default();
+    }
+
+    /// Fails naming the buffer unless every caller-owned span holds what an operation on
+    /// `num_tokens` tokens with input `dtype` touches (checked before any state changes).
+    fn check_io(&self, num_tokens: usize, dtype: u32) -> Result<()> {
+        let (n, h, k) = (num_tokens, self.cfg.hidden, self.cfg.topk);
+        let fp8_in = dtype == DTYPE_FP8_PRE;
+        let io = &self.io;
+        let need = [
+            (io.x, "HT x", n * h * if fp8_in { 1 } else { 2 }),
+            (
+                io.scales,
+                "HT x scales",
+                if fp8_in { n * (h / FP8_BLOCK) * 4 } else { 0 },
+            ),
+            (io.topk_idx, "HT topk_idx", n * k * 8),
+            (io.topk_w, "HT topk_weights", n * k * 4),
+            (io.bias0, "HT bias[0]", n * h * 2),
+            (io.bias1, "HT bias[1]", n * h * 2),
+            (io.out_x, "HT combined x", n * h * 2),
+            (io.out_w, "HT combined weights", n * k * 4),
+        ];
+        for (span, what, bytes) in need {
+            if let Some(sp) = span {
+                sp.require(what, bytes)?;
+            }
+        }
+        Ok(())
+    }
+
     fn args(
         &self,
         rank: &CudaRank,
@@ -809,14 +877,14 @@ impl CudaHt {
             off_recv_src: l.recv_src as u64,
             off_comb_x: l.comb_x as u64,
             off_comb_w: l.comb_w as u64,
-            x: self.x_in.region().ptr,
-            x_scales: self.scales_in.region().ptr,
-            topk_idx: self.topk_idx_in.region().ptr,
-            topk_w: self.topk_w_in.region().ptr,
-            bias0: self.bias[0].region().ptr,
-            bias1: self.bias[1].region().ptr,
-            out_x: self.out_x.region().ptr,
-            out_w: self.out_w.region().ptr,
+            x: io_or(self.io.x, &self.x_in),
+            x_scales: io_or(self.io.scales, &self.scales_in),
+            topk_idx: io_or(self.io.topk_idx, &self.topk_idx_in),
+            topk_w: io_or(self.io.topk_w, &self.topk_w_in),
+            bias0: io_or(self.io.bias0, &self.bias[0]),
+            bias1: io_or(self.io.bias1, &self.bias[1]),
+            out_x: io_or(self.io.out_x, &self.out_x),
+            out_w: io_or(self.io.out_w, &self.out_w),
             send_slot: self.send_slot.region().ptr,
             plan: self.plan.region().ptr,
             plan_host: self.plan_host.dev,
@@ -885,8 +953,10 @@ impl CudaHt {
     ) -> Result<()> {
         // SAFETY: HtArgs mirrors the kernel parameter (size and offset asserts on both
         // sides); every pointer in it is a buffer or window of self (which outlives the launch:
-        // callers wait before dropping it, and CudaRank's Drop waits) or the rank's host-mapped
-        // error record; offsets come from HtLayout, which sized the window for this config;
+        // callers wait before dropping it, and CudaRank's Drop waits), the rank's host-mapped
+        // error record, or a caller-owned span of HtIo (device memory of this GPU per
+        // CudaRank::external, sized for the operation per check_io, kept alive by its owner
+        // until the stream passes the launch); offsets come from HtLayout, which sized the window for this config;
         // num_tokens <= max_tokens_per_rank was checked by the caller.
         unsafe { rank.launch(name, grid, block, args) }
     }
@@ -912,6 +982,7 @@ impl CudaHt {
             ));
         }
         let dtype = self.dtype_code(source)?;
+        self.check_io(num_tokens, dtype)?;
         self.seq += 1;
         self.generation += 1;
         self.plan_host.write([u32::MAX, 0, 0, 0]);
@@ -986,6 +1057,7 @@ impl CudaHt {
         self.usable()?;
         self.check_handle(handle)?;
         let dtype = self.dtype_code(source)?;
+        self.check_io(handle.num_tokens, dtype)?;
         self.seq += 1;
         self.bar_epoch += 1;
         let args = self.args(
@@ -1025,6 +1097,7 @@ impl CudaHt {
     ) -> Result<()> {
         self.usable()?;
         self.check_handle(handle)?;
+        self.check_io(handle.num_tokens, DTYPE_BF16)?;
         self.seq += 1;
         let epoch = self.bar_epoch + 1;
         self.bar_epoch += 2;

@@ -25,7 +25,8 @@ use gin_ep_sys as ns;
 use half::bf16;
 
 use super::runtime::{
-    CudaRank, CudaRankOptions, DevComm, DevCommRequest, DeviceBuffer, DeviceRegion, Event, Window,
+    CudaRank, CudaRankOptions, DevComm, DevCommRequest, DeviceBuffer, DeviceRegion, Event, ExternalSpan,
+    Window,
 };
 use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
 use crate::check::Case;
@@ -429,9 +430,16 @@ struct LlArgs {
     flags: u32,
     pad: u32,
     stamps: u64,
+    user_count: u64,
+    user_range: u64,
+    stats: u64,
+    scales_col_major: u32,
+    pad2: u32,
 }
 // Same numbers as the static_assert in kernels/ll/ll.cu.
-const _: () = assert!(std::mem::size_of::<LlArgs>() == 424);
+const _: () = assert!(std::mem::size_of::<LlArgs>() == 456);
+const _: () = assert!(std::mem::offset_of!(LlArgs, user_count) == 424);
+const _: () = assert!(std::mem::offset_of!(LlArgs, scales_col_major) == 448);
 const _: () = assert!(std::mem::offset_of!(LlArgs, stamps) == 416);
 const _: () = assert!(std::mem::offset_of!(LlArgs, err) == 368);
 const _: () = assert!(std::mem::offset_of!(LlArgs, recv_scales_ue8m0) == 400);
@@ -475,6 +483,34 @@ struct SetBuffers {
     state: DeviceBuffer,
     /// Tokens of the input now in `x` (host-known shape, as in DeepEP).
     num_tokens: usize,
+    /// Caller-owned memory the next launches of this set use instead (see [`LlIo`]).
+    io: LlIo,
+}
+
+/// Caller-owned memory (PyTorch tensors) that the launches of one buffer set read and write
+/// instead of the set's own buffers: the zero-copy path of the Python package. Every field
+/// is optional; unset ones use the set's buffers. Sizes are checked at launch against the
+/// set's token count and the config. The outputs come in DeepEP's formats.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LlIo {
+    /// Dispatch input `[N, H]` BF16 and `[N, K]` i64 expert ids.
+    pub x: Option<ExternalSpan>,
+    pub topk_idx: Option<ExternalSpan>,
+    /// Dispatch outputs: rows `[L, R*T, H]` (e4m3 bytes or BF16); FP8 scales as DeepEP lays
+    /// them out, `[L, H/128, R*T]` f32 (column-major in the last two dimensions).
+    pub recv_x: Option<ExternalSpan>,
+    pub recv_scales: Option<ExternalSpan>,
+    /// `[L]` i32 receive counts (a copy: the set keeps its own for the combine).
+    pub recv_count: Option<ExternalSpan>,
+    /// `[L, R]` i64 `(first << 32) | count` per expert and source rank (DeepEP's packing).
+    pub layout_range: Option<ExternalSpan>,
+    /// `[L]` i32 cumulative receive counts: the dispatch adds its counts.
+    pub stats: Option<ExternalSpan>,
+    /// Combine input `[L, R*T, H]` BF16 and `[N, K]` f32 top-k weights.
+    pub y: Option<ExternalSpan>,
+    pub weights: Option<ExternalSpan>,
+    /// Combine output `[N, H]` BF16.
+    pub combined: Option<ExternalSpan>,
 }
 
 /// A buffer of one [`CudaLl`] set that an embedding copies into or out of on its stream
@@ -681,6 +717,7 @@ impl<'r> CudaLl<'r> {
                 combined: alloc(t * h * 2)?,
                 state: alloc(16)?,
                 num_tokens: 0,
+                io: LlIo::default(),
             };
             rank.memset_u32(s.state.region(), 0)?;
             Ok(s)
@@ -802,6 +839,20 @@ impl<'r> CudaLl<'r> {
         upload(self.rank, self.set(set)?.y.region(), bytemuck::cast_slice(y))
     }
 
+    /// The launches of `set` use `io`'s caller-owned memory from now on (until
+    /// [`CudaLl::clear_io`]); sizes are checked when they launch. Captured graphs keep the
+    /// addresses they were captured with.
+    pub fn set_io(&mut self, set: usize, io: LlIo) -> Result<()> {
+        self.set(set)?;
+        self.sets[set].io = io;
+        Ok(())
+    }
+
+    /// Back to the set's own buffers.
+    pub fn clear_io(&mut self, set: usize) -> Result<()> {
+        self.set_io(set, LlIo::default())
+    }
+
     /// Fills every output of `set` with [`POISON`] (queued on the stream).
     pub fn poison_outputs(&self, set: usize) -> Result<()> {
         let s = self.set(set)?;
@@ -822,9 +873,27 @@ impl<'r> CudaLl<'r> {
         Ok(())
     }
 
+    /// The address `io` gives for `what` (checked to hold `need` bytes), else the set's
+    /// own buffer, else 0 (an optional output the kernel skips).
+    fn io_ptr(
+        span: Option<ExternalSpan>,
+        what: &str,
+        need: usize,
+        own: Option<&DeviceBuffer>,
+    ) -> Result<u64> {
+        match span {
+            Some(sp) => sp.require(what, need).map(|_| sp.ptr),
+            None => Ok(own.map_or(0, |b| b.region().ptr)),
+        }
+    }
+
     fn args(&self, set: usize) -> Result<LlArgs> {
         let s = self.set(set)?;
         let cfg = &self.cfg;
+        let io = &s.io;
+        let (n, h, k, l, r) = (s.num_tokens, cfg.hidden, cfg.topk, cfg.local_experts(), cfg.ranks);
+        let rows = LlLayout::out_rows(cfg);
+        let fp8 = cfg.dispatch_dtype.is_fp8();
         Ok(LlArgs {
             comm: self.dev_comm.raw(),
             win: self.window.raw(),
@@ -834,18 +903,28 @@ impl<'r> CudaLl<'r> {
             stage_offset: self.layout.stage_offset as u64,
             comb_offset: self.layout.comb_offset as u64,
             rec_bytes: self.layout.record_bytes as u64,
-            x: s.x.region().ptr,
-            topk_idx: s.topk_idx.region().ptr,
-            topk_weights: s.weights.region().ptr,
-            y: s.y.region().ptr,
-            recv_x: s.recv_x.region().ptr,
-            recv_scales: s.recv_scales.region().ptr,
+            x: Self::io_ptr(io.x, "LL x", n * h * 2, Some(&s.x))?,
+            topk_idx: Self::io_ptr(io.topk_idx, "LL topk_idx", n * k * 8, Some(&s.topk_idx))?,
+            topk_weights: Self::io_ptr(io.weights, "LL topk_weights", n * k * 4, Some(&s.weights))?,
+            y: Self::io_ptr(io.y, "LL combine input", rows * h * 2, Some(&s.y))?,
+            recv_x: Self::io_ptr(
+                io.recv_x,
+                "LL recv_x",
+                rows * if fp8 { h } else { 2 * h },
+                Some(&s.recv_x),
+            )?,
+            recv_scales: Self::io_ptr(
+                io.recv_scales,
+                "LL recv scales",
+                if fp8 { rows * (h / FP8_BLOCK) * 4 } else { 0 },
+                Some(&s.recv_scales),
+            )?,
             recv_count: s.recv_count.region().ptr,
             layout_range: s.layout_range.region().ptr,
             src_rank: s.src_rank.region().ptr,
             src_token: s.src_token.region().ptr,
             src_k: s.src_k.region().ptr,
-            combined: s.combined.region().ptr,
+            combined: Self::io_ptr(io.combined, "LL combined output", n * h * 2, Some(&s.combined))?,
             state: s.state.region().ptr,
             timeout_ns: u64::try_from(self.rank.options().kernel_timeout.as_nanos()).unwrap_or(u64::MAX),
             err: self.rank.fabric_err_dev(),
@@ -863,6 +942,11 @@ impl<'r> CudaLl<'r> {
             flags: self.variant.kernel_flags(),
             pad: 0,
             stamps: self.stamps,
+            user_count: Self::io_ptr(io.recv_count, "LL recv_count", l * 4, None)?,
+            user_range: Self::io_ptr(io.layout_range, "LL layout_range", l * r * 8, None)?,
+            stats: Self::io_ptr(io.stats, "LL cumulative receive stats", l * 4, None)?,
+            scales_col_major: u32::from(io.recv_scales.is_some()),
+            pad2: 0,
         })
     }
 
@@ -873,8 +957,11 @@ impl<'r> CudaLl<'r> {
         // SAFETY: LlArgs mirrors the kernel parameter (size/offset asserts on both sides);
         // every pointer in it belongs to self (window, set buffers) or the rank (error
         // record), which outlive the launch: owners wait for the stream before dropping
-        // them, and on errors they are leaked, not freed. Offsets come from LlLayout, which
-        // sized the window and buffers. cuLaunchKernel copies the parameter bytes.
+        // them, and on errors they are leaked, not freed; or it is a caller-owned span
+        // (LlIo), checked by CudaRank::external to be device memory of this GPU and by
+        // `args` to hold what this launch touches, kept alive by its owner until the stream
+        // passes this launch. Offsets come from LlLayout, which sized the window and buffers.
+        // cuLaunchKernel copies the parameter bytes.
         let r = unsafe {
             result::launch_kernel(
                 f,

@@ -237,6 +237,41 @@ impl<'a> DeviceRegion<'a> {
     }
 }
 
+/// Device memory a caller owns (a PyTorch tensor's storage), checked by
+/// [`CudaRank::external`] to start and end in plain device memory of the rank's GPU. Kernels
+/// read inputs from it and write outputs into it directly (no copy through the library's
+/// buffers). The check cannot see the future: the owner keeps the memory alive until the
+/// work queued with it has finished (PyTorch's stream-ordered allocator does, as long as the
+/// tensor is referenced or was freed on the same stream).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExternalSpan {
+    pub(crate) ptr: sys::CUdeviceptr,
+    pub(crate) bytes: usize,
+}
+
+impl ExternalSpan {
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// True for an empty span (its address is never used).
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// Fails naming `what` unless the span holds at least `need` bytes.
+    pub(crate) fn require(&self, what: &str, need: usize) -> Result<()> {
+        if self.bytes < need {
+            return Err(Error::input(
+                what,
+                format!("{} bytes given, the operation needs {need}", self.bytes),
+            ));
+        }
+        Ok(())
+    }
+}
+
 fn region<'a>(base: sys::CUdeviceptr, len: usize, offset: usize, bytes: usize) -> Result<DeviceRegion<'a>> {
     match offset.checked_add(bytes) {
         Some(end) if end <= len => Ok(DeviceRegion {
@@ -776,26 +811,76 @@ impl CudaRank {
         })
     }
 
-    /// Copies `bytes` from device address `src` into the start of `dst` (checked against its
-    /// length), on the stream.
-    ///
-    /// # Safety
-    /// `src` must be live device memory of `bytes` until the copy completes.
-    pub unsafe fn copy_in(&self, dst: DeviceRegion<'_>, src: u64, bytes: usize) -> Result<()> {
-        let dst = dst.sub(0, bytes)?;
-        // SAFETY: dst is live and holds bytes (checked); src is the caller's contract.
-        unsafe { self.copy_raw(dst.ptr, src, bytes) }
+    /// Checks that `[ptr, ptr + bytes)` starts and ends in device memory of this rank's GPU
+    /// (not host memory, not managed memory) and returns it as a span kernels may use.
+    /// `bytes == 0` is accepted with any address (an empty tensor), which is never used.
+    pub fn external(&self, what: &str, ptr: u64, bytes: usize) -> Result<ExternalSpan> {
+        if bytes == 0 {
+            return Ok(ExternalSpan { ptr: 0, bytes: 0 });
+        }
+        let last = ptr
+            .checked_add(bytes as u64 - 1)
+            .ok_or_else(|| Error::input(what, format!("address {ptr:#x} + {bytes} bytes overflows")))?;
+        for addr in [ptr, last] {
+            self.check_device_address(what, addr)?;
+        }
+        Ok(ExternalSpan { ptr, bytes })
     }
 
-    /// Copies the first `bytes` of `src` (checked against its length) to device address
-    /// `dst`, on the stream.
-    ///
-    /// # Safety
-    /// `dst` must be live, writable device memory of `bytes` until the copy completes.
-    pub unsafe fn copy_out(&self, src: DeviceRegion<'_>, dst: u64, bytes: usize) -> Result<()> {
-        let src = src.sub(0, bytes)?;
-        // SAFETY: src is live and holds bytes (checked); dst is the caller's contract.
-        unsafe { self.copy_raw(dst, src.ptr, bytes) }
+    fn check_device_address(&self, what: &str, addr: u64) -> Result<()> {
+        use sys::CUpointer_attribute as A;
+        let mut mem_type: u32 = 0;
+        let mut ordinal: i32 = -1;
+        let mut managed: i32 = 0;
+        let mut attrs = [
+            A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            A::CU_POINTER_ATTRIBUTE_IS_MANAGED,
+        ];
+        let mut data: [*mut c_void; 3] = [
+            (&mut mem_type as *mut u32).cast(),
+            (&mut ordinal as *mut i32).cast(),
+            (&mut managed as *mut i32).cast(),
+        ];
+        // SAFETY: three attributes, each with an out-location of the size the driver writes
+        // (MEMORY_TYPE: a CUmemorytype enum = u32, DEVICE_ORDINAL: int, IS_MANAGED: a bool
+        // written as an int); the address is only looked up, never dereferenced.
+        let r = unsafe { sys::cuPointerGetAttributes(3, attrs.as_mut_ptr(), data.as_mut_ptr(), addr) };
+        let device = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32;
+        if r != sys::CUresult::CUDA_SUCCESS || mem_type != device {
+            return Err(Error::input(
+                what,
+                format!("address {addr:#x} is not CUDA device memory ({r:?}, memory type {mem_type})"),
+            ));
+        }
+        if managed != 0 {
+            return Err(Error::input(what, format!("address {addr:#x} is managed memory")));
+        }
+        if ordinal != self.info.device as i32 {
+            return Err(Error::input(
+                what,
+                format!(
+                    "address {addr:#x} is on GPU {ordinal}, this rank runs on GPU {}",
+                    self.info.device
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Copies the caller's `src` (all of it) into the start of `dst`, on the stream.
+    pub fn copy_from_external(&self, dst: DeviceRegion<'_>, src: ExternalSpan) -> Result<()> {
+        let dst = dst.sub(0, src.bytes)?;
+        // SAFETY: dst is live and holds src.bytes (checked); src was checked to be device
+        // memory of this GPU by `external`, its owner keeps it alive until the copy is done.
+        unsafe { self.copy_raw(dst.ptr, src.ptr, src.bytes) }
+    }
+
+    /// Copies the first `dst.len()` bytes of `src` into the caller's `dst`, on the stream.
+    pub fn copy_to_external(&self, src: DeviceRegion<'_>, dst: ExternalSpan) -> Result<()> {
+        let src = src.sub(0, dst.bytes)?;
+        // SAFETY: as copy_from_external, the other way round.
+        unsafe { self.copy_raw(dst.ptr, src.ptr, dst.bytes) }
     }
 
     pub(crate) fn fabric_err_dev(&self) -> sys::CUdeviceptr {
