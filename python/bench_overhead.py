@@ -33,6 +33,44 @@ def timed(fn, iters):
     return start.elapsed_time(end) * 1e3 / iters, host
 
 
+def graphed(fn, iters):
+    """Device us per call of `fn` captured once in a CUDA graph and replayed `iters` times:
+    the device work of the Python path with no host time in it."""
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters, float("nan")
+
+
+def profiled(fn, iters, rank):
+    """Rank 0 prints where the host time of `iters` calls goes (cProfile, top 15)."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    dist.barrier()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    if rank == 0:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+
+
 def worker(rank, world, init, a):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
@@ -64,16 +102,28 @@ def worker(rank, world, init, a):
         def lld():
             out["l"] = buf.low_latency_dispatch(x[:ln], idx[:ln], a.ll_tokens, e, use_fp8=fp8)
         y = torch.randn(e // world, world * a.ll_tokens, h, device=dev).to(torch.bfloat16)
-        rows.append((f"ll dispatch {'fp8' if fp8 else 'bf16'}",) + timed(lld, a.iters))
+        name = f"ll dispatch {'fp8' if fp8 else 'bf16'}"
+        rows.append((name,) + timed(lld, a.iters))
+        if a.profile:
+            profiled(lld, a.iters, rank)
         # The newest dispatch's handle (LL alternates two buffer sets).
         _, _, lh, _, _ = out["l"]
-        rows.append(("ll combine",) + timed(lambda: buf.low_latency_combine(y, idx[:ln], w[:ln], lh), a.iters))
+
+        def llc():
+            out["c"] = buf.low_latency_combine(y, idx[:ln], w[:ln], lh)
+        rows.append(("ll combine",) + timed(llc, a.iters))
+        if a.graphs:
+            def both():
+                lld()
+                _, _, gh, _, _ = out["l"]
+                out["c"] = buf.low_latency_combine(y, idx[:ln], w[:ln], gh)
+            rows.append((f"{name} + combine (graph)",) + graphed(both, a.iters))
     if rank == 0:
         print(f"world {world}, HT {n} tokens, LL {ln} tokens, hidden {h}, top-{k} of {e} experts, "
               f"{a.iters} calls each")
-        print(f"{'operation':<24}{'device us/call':>16}{'host us/call':>14}")
+        print(f"{'operation':<36}{'device us/call':>16}{'host us/call':>14}")
         for name, d, hst in rows:
-            print(f"{name:<24}{d:>16.1f}{hst:>14.1f}")
+            print(f"{name:<36}{d:>16.1f}{hst:>14.1f}")
         sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
@@ -88,6 +138,8 @@ def main():
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--graphs", action="store_true", help="also replay LL dispatch + combine as a CUDA graph")
+    p.add_argument("--profile", action="store_true", help="rank 0 prints a cProfile of the LL dispatch calls")
     a = p.parse_args()
     if a.world < 2:
         sys.exit("needs at least 2 GPUs")

@@ -397,7 +397,12 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
     closed?;
     if rank == 0 {
         out!(
-            "rank 0: {passed} GPU case(s) passed in {:.1} s",
+            "rank 0: {passed} GPU {} passed in {:.1} s",
+            if mode == BenchMode::Ll {
+                "operation(s) compared with the oracle"
+            } else {
+                "case(s)"
+            },
             t0.elapsed().as_secs_f64()
         );
     }
