@@ -25,8 +25,8 @@ pub struct AlltoallArgs {
     /// Size multiplier per step.
     #[arg(short = 'f', long, default_value_t = 2)]
     pub factor: usize,
-    /// Comma list of nccl,lsa-simple,lsa-opt,lsa-each,lsa-run,lsa-bulk,lsa-pull,
-    /// lsa-opt-ncclbar,gin,hybrid, or all.
+    /// Comma list of nccl,lsa-simple,lsa-opt,lsa-count,lsa-run,lsa-bulk,lsa-pull,
+    /// lsa-opt-ncclbar,gin,hybrid, or all [default: all but lsa-opt-ncclbar].
     #[arg(long)]
     pub modes: Option<String>,
     /// Timed iterations per point.
@@ -42,7 +42,8 @@ pub struct AlltoallArgs {
     /// Threads per CTA.
     #[arg(long, default_value_t = 512)]
     pub threads: u32,
-    /// lsa-opt tiles (512 B) in flight per warp: 1, 2, 4 or 8.
+    /// lsa-opt tiles (512 B) in flight per warp: 1, 2, 4 or 8 (the other kernels' copies
+    /// are fixed).
     #[arg(long, default_value_t = 4)]
     pub unroll: u32,
     /// Per LSA point, try several grids (each validated) and report the fastest.

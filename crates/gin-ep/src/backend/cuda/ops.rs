@@ -20,11 +20,13 @@ pub enum AlltoallKernel {
     /// Baseline: 4-byte stores, (peer, slice) items per block.
     LsaSimple,
     /// Push with 16-byte stores, peers interleaved per warp, `unroll` (1, 2, 4 or 8) tiles
-    /// in flight per warp; one signal round, double-buffered receive region.
+    /// in flight per warp; double-buffered receive region, `each` signal: every CTA adds to
+    /// a counter in every peer, CTA 0 waits.
     LsaOpt { unroll: u32 },
-    /// `LsaOpt`'s copy (unroll 4) with the `each` signal: every CTA adds to a counter in
-    /// every peer, CTA 0 waits; no arrival counter, no last-CTA chain.
-    LsaEach,
+    /// `LsaOpt`'s copy (unroll 4) with the arrival-counter signal: every CTA bumps a local
+    /// counter, the last one signals every peer and waits (the first design, slower by a
+    /// serial fence/atomic chain; kept for comparison).
+    LsaCount,
     /// 4 KiB contiguous runs per warp per peer (all loads before the stores), store
     /// instruction picked by `vflags`, `each` signal.
     LsaRun,
@@ -33,8 +35,9 @@ pub enum AlltoallKernel {
     LsaBulk,
     /// Pull with 16-byte NVLink loads (send buffer inside the window).
     LsaPull,
-    /// `LsaOpt` with NCCL's ncclLsaBarrierSession (no deadline) instead of ours; needs a
-    /// device communicator with `lsa_barriers >= grid`.
+    /// `LsaOpt`'s copy (unroll 4, one receive buffer) between two of NCCL's
+    /// ncclLsaBarrierSession barriers (no deadline) instead of ours; needs a device
+    /// communicator with `lsa_barriers >= grid`.
     LsaOptNcclBarrier,
 }
 
@@ -50,7 +53,7 @@ impl AlltoallKernel {
             AlltoallKernel::LsaOpt { unroll: 8 } => names::ALLTOALL_LSA_OPT_U8,
             // check() refuses every other unroll before a launch.
             AlltoallKernel::LsaOpt { .. } => names::ALLTOALL_LSA_OPT,
-            AlltoallKernel::LsaEach => names::ALLTOALL_LSA_EACH,
+            AlltoallKernel::LsaCount => names::ALLTOALL_LSA_COUNT,
             AlltoallKernel::LsaRun => names::ALLTOALL_LSA_RUN,
             AlltoallKernel::LsaBulk => names::ALLTOALL_LSA_BULK,
             AlltoallKernel::LsaPull => names::ALLTOALL_LSA_PULL,
@@ -64,7 +67,7 @@ impl AlltoallKernel {
         matches!(
             self,
             AlltoallKernel::LsaOpt { .. }
-                | AlltoallKernel::LsaEach
+                | AlltoallKernel::LsaCount
                 | AlltoallKernel::LsaRun
                 | AlltoallKernel::LsaBulk
         )
@@ -81,8 +84,9 @@ impl AlltoallKernel {
 
     /// The grid to use when none is given: for `LsaOpt`, just enough blocks for one
     /// round of `unroll` 512-byte tiles per warp (small sizes are latency-bound and every
-    /// block costs an arrival), at least one block per rank and at most `sm_count`; the SM
-    /// count for the others.
+    /// block costs a signal to every peer), at least one block per rank and at most
+    /// `sm_count`; `LsaCount` as `LsaOpt` at unroll 4, `LsaRun` as unroll 8; the SM count for
+    /// the others.
     pub fn default_grid(self, chunk_bytes: usize, world: usize, block: u32, sm_count: u32) -> u32 {
         let sms = sm_count.max(1);
         match self {
@@ -92,7 +96,7 @@ impl AlltoallKernel {
                 let want = tiles.div_ceil(per_block).max(world);
                 u32::try_from(want).unwrap_or(u32::MAX).clamp(1, sms)
             }
-            AlltoallKernel::LsaEach => {
+            AlltoallKernel::LsaCount => {
                 AlltoallKernel::LsaOpt { unroll: 4 }.default_grid(chunk_bytes, world, block, sm_count)
             }
             // One 4 KiB run per warp is the same bytes per warp as 8 tiles.
@@ -107,8 +111,9 @@ impl AlltoallKernel {
 /// One all-to-all launch over a window laid out as: send region (`n * chunk_bytes` at
 /// `send_offset`), receive region (`n * chunk_bytes` at `recv_offset`; for double-buffered
 /// kernels a second one at `recv_offset + recv_stride`), the deadline barrier's signal words
-/// (`grid * n` u64 at `signal_offset`) and `LsaOpt`'s flags (`n + 1` u64 at `flag_offset`),
-/// all zero at window creation and used by every later launch with growing epochs.
+/// (`grid * n` u64 at `signal_offset`) and the double-buffered kernels' flags ([`flag_words`]
+/// u64 at `flag_offset`), all zero at window creation and used by every later launch with
+/// growing epochs.
 #[derive(Clone, Copy, Debug)]
 pub struct AlltoallLaunch<'a> {
     pub kernel: AlltoallKernel,
@@ -255,7 +260,7 @@ impl AlltoallLaunch<'_> {
     }
 }
 
-/// u64 flag words at `flag_offset` the double-buffered kernels use: `lsa_opt`'s n signal
+/// u64 flag words at `flag_offset` the double-buffered kernels use: `lsa_count`'s n signal
 /// words and arrival counter, then the `each` kernels' two slots of n counters.
 pub fn flag_words(world: usize) -> usize {
     world + 1 + 2 * world
@@ -485,5 +490,57 @@ pub fn nccl_alltoall(
                 out.and(end)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The source every all-to-all entry point is defined in.
+    const ALLTOALL_CU: &str = include_str!("../../../../../kernels/alltoall.cu");
+
+    #[test]
+    fn every_alltoall_kernel_maps_to_its_own_entry_point_in_the_source() {
+        let kernels = [
+            AlltoallKernel::LsaSimple,
+            AlltoallKernel::LsaOpt { unroll: 1 },
+            AlltoallKernel::LsaOpt { unroll: 2 },
+            AlltoallKernel::LsaOpt { unroll: 4 },
+            AlltoallKernel::LsaOpt { unroll: 8 },
+            AlltoallKernel::LsaCount,
+            AlltoallKernel::LsaRun,
+            AlltoallKernel::LsaBulk,
+            AlltoallKernel::LsaPull,
+            AlltoallKernel::LsaOptNcclBarrier,
+        ];
+        let names: Vec<&str> = kernels.iter().map(|k| k.name()).collect();
+        for (i, n) in names.iter().enumerate() {
+            assert!(!names[..i].contains(n), "{n} used twice");
+            // Defined directly or through the GIN_EP_LSA_OPT(NAME, U) macro.
+            assert!(
+                ALLTOALL_CU.contains(&format!(" {n}(const AlltoallArgs a)"))
+                    || ALLTOALL_CU.contains(&format!("GIN_EP_LSA_OPT({n},")),
+                "{n} is not an entry point of kernels/alltoall.cu"
+            );
+        }
+    }
+
+    #[test]
+    fn lsa_count_is_double_buffered_and_sized_like_lsa_opt_at_unroll_4() {
+        let opt4 = AlltoallKernel::LsaOpt { unroll: 4 };
+        assert!(AlltoallKernel::LsaCount.double_buffered() && opt4.double_buffered());
+        assert!(!AlltoallKernel::LsaSimple.double_buffered());
+        for chunk in [16, 256 << 10, 64 << 20] {
+            assert_eq!(
+                AlltoallKernel::LsaCount.default_grid(chunk, 4, 512, 132),
+                opt4.default_grid(chunk, 4, 512, 132)
+            );
+        }
+        // Fewer tiles in flight per warp: more CTAs for the same point.
+        assert!(
+            AlltoallKernel::LsaOpt { unroll: 1 }.default_grid(256 << 10, 4, 512, 132)
+                > opt4.default_grid(256 << 10, 4, 512, 132)
+        );
     }
 }
