@@ -13,6 +13,8 @@
 // the host's launch counter e: the start barrier makes sure every peer has entered this
 // launch, so the previous launch's readers of its receive buffer are done (stream order on
 // that peer); the end barrier makes the data visible to the receiver before its kernel ends.
+// ce_start and ce_end are these two barriers alone, around copies the host gives the copy
+// engine (see "ce" below).
 //
 // lsa_opt, lsa_run, lsa_bulk (the `each` signal) and lsa_count (an arrival counter) run one
 // signal round and no start barrier (see "Double-buffered protocol" below): the receive
@@ -502,6 +504,48 @@ extern "C" __global__ void __launch_bounds__(kMaxThreads)
   {
     ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), a.comm, ncclTeamTagLsa(), blockIdx.x);
     bar.sync(ncclCoopCta(), cuda::memory_order_release);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// ce: the copy engine does the all-to-all. The host queues, per launch: gin_ep_alltoall_ce_start,
+// one cuMemcpyDtoDAsync per destination (send chunk p -> peer p's receive slot for this rank,
+// through the peer's LSA address of the window; on the rank's stream, or on side streams
+// forked from it and joined back), then gin_ep_alltoall_ce_end (crates/gin-ep/src/backend/
+// cuda/ops.rs, ce_alltoall). The two kernels are lsa_simple's barriers without its copy, one
+// CTA each (block 0's barrier words; the host gives each launch its own epoch e):
+// - start (2e+1): every peer has entered this operation, so its readers of the receive
+//   buffer from the previous one are done (stream order on the peer) before a copy writes.
+// - end (2e+2): launched after this rank's copies completed (stream order, and the join
+//   events), and a copy completes only once its writes are done at the destination, so the
+//   release store that follows orders them for the peer that acquires it; the receiver's
+//   kernel, and so the operation on its stream, ends only when every peer's copies into it
+//   are done. The pattern check after the first run and after the timed loop tests exactly
+//   this on the machine.
+extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_ce_start(const AlltoallArgs a) {
+  make_barrier(a).sync(2 * a.epoch + 1, kPhaseAlltoallStart);
+}
+
+extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_ce_end(const AlltoallArgs a) {
+  make_barrier(a).sync(2 * a.epoch + 2, kPhaseAlltoallEnd);
+}
+
+// The address of every LSA peer's copy of a window as this process maps it, for copies the
+// host issues: ncclGetLsaPointer reads the window's device-side descriptor, which the host
+// cannot. Offset 0: NCCL maps each peer's window contiguously (pointer = base + offset), so
+// the host asks once per window and adds offsets itself.
+struct LsaPointerArgs {
+  ncclWindow_t win;
+  uint64_t* out;  // n u64, device memory
+  uint32_t n;     // LSA team size
+  uint32_t pad;
+};
+// Mirrored by LsaPointerArgs in crates/gin-ep/src/backend/cuda/kernels.rs.
+static_assert(sizeof(LsaPointerArgs) == 24, "host ABI");
+
+extern "C" __global__ void gin_ep_lsa_pointers(const LsaPointerArgs a) {
+  for (uint32_t p = threadIdx.x; p < a.n; p += blockDim.x) {
+    a.out[p] = reinterpret_cast<uint64_t>(lsa_ptr(a.win, 0, int(p)));
   }
 }
 

@@ -25,8 +25,10 @@ pub struct AlltoallArgs {
     /// Size multiplier per step.
     #[arg(short = 'f', long, default_value_t = 2)]
     pub factor: usize,
-    /// Comma list of nccl,lsa-simple,lsa-opt,lsa-count,lsa-run,lsa-bulk,lsa-pull,
-    /// lsa-opt-ncclbar,gin,hybrid, or all [default: all but lsa-opt-ncclbar].
+    /// Comma list of nccl,ce,ce-serial,lsa-simple,lsa-opt,lsa-count,lsa-run,lsa-bulk,
+    /// lsa-pull,lsa-opt-ncclbar,gin,hybrid, or all [default: all but lsa-opt-ncclbar and
+    /// ce-serial]. ce: the copy engine does the same all-to-all (one copy per peer, each on
+    /// its own stream; ce-serial: one stream).
     #[arg(long)]
     pub modes: Option<String>,
     /// Timed iterations per point.
@@ -62,7 +64,7 @@ pub struct AlltoallArgs {
     /// Skip validation of the results.
     #[arg(long)]
     pub no_validate: bool,
-    /// Copy-engine GPU0->GPU1 size for the reference figure (0 = skip).
+    /// Copy-engine GPU0->GPU1 size for the single-peer reference figure (0 = skip).
     #[arg(long, default_value = "1G", value_parser = parse_bytes)]
     pub peer_copy_bytes: usize,
     /// Deadline of every wait, seconds.
@@ -274,13 +276,15 @@ fn print_table(r: &AlltoallReport) {
         println!("skipped {}: {}", s.mode.name(), s.reason);
     }
     match (&r.peer_copy, &r.peer_copy_skipped) {
-        (Some(p), _) => println!("copy-engine peer copy GPU0->GPU1: {p:?}"),
+        (Some(p), _) => println!("copy-engine single-peer copy GPU0->GPU1: {p:?}"),
         (None, Some(why)) => println!("copy-engine peer copy: skipped ({why})"),
         _ => {}
     }
     println!(
         "algbw = bytes per rank / time; busbw = algbw * (ranks - 1) / ranks (nccl-tests): bytes \
-         crossing links per rank per second, the figure to compare with the copy engine."
+         crossing links per rank per second. Compare an LSA mode's busbw with `ce`'s (the copy \
+         engine doing the same all-to-all, every link busy both ways); the single-peer copy \
+         moves data one way only."
     );
 }
 

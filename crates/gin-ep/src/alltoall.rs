@@ -12,7 +12,10 @@
 //! `time_us` is the median per-iteration time on each rank (CUDA events around every
 //! iteration, each iteration the same launch), then the maximum over ranks. `algbw = bytes /
 //! time`; `busbw = algbw * (world - 1) / world`, the bytes that cross a link per rank per
-//! second — the figure to compare with the copy-engine peer bandwidth reported beside.
+//! second — the figure to compare with the `ce` mode's (the copy engine doing the same
+//! all-to-all, every link loaded both ways at once); the single-peer GPU0 -> GPU1 copy
+//! reported beside loads one direction only, so it is an upper bound, not a like-for-like
+//! reference.
 //!
 //! Intended CLI (the parent process starts `--gpus` ranks of itself with
 //! `group::launch_ranks`, each child calls [`run_rank`] and rank 0 prints):
@@ -21,10 +24,10 @@
 //!                 -b, --min-bytes B   smallest per-rank total send size (default 1M; K/M/G suffixes)
 //!                 -e, --max-bytes B   largest (default 1G)
 //!                 -f, --factor F      multiply the size by F each step (default 2)
-//!                 --modes LIST        comma list of nccl,lsa-simple,lsa-opt,lsa-count,lsa-run,
-//!                                     lsa-bulk,lsa-pull,lsa-opt-ncclbar,gin,hybrid, or "all"
-//!                                     (default: all but lsa-opt-ncclbar, whose NCCL barrier
-//!                                     has no deadline)
+//!                 --modes LIST        comma list of nccl,ce,ce-serial,lsa-simple,lsa-opt,
+//!                                     lsa-count,lsa-run,lsa-bulk,lsa-pull,lsa-opt-ncclbar,gin,
+//!                                     hybrid, or "all" (default: all but lsa-opt-ncclbar, whose
+//!                                     NCCL barrier has no deadline, and ce-serial)
 //!                 --iters N           timed iterations per point (default 20)
 //!                 --warmup N          untimed iterations first (default 5)
 //!                 --blocks N          CTAs of the LSA kernels (default: lsa-opt sizes its grid
@@ -44,7 +47,8 @@
 //!                                     (start, stores issued, signal issued, peers seen):
 //!                                     device-clock time beside the event time, launch gaps
 //!                 --no-validate       skip the pattern check (validation is on by default)
-//!                 --peer-copy-bytes B copy-engine GPU0->GPU1 size (default 1G; 0 = skip)
+//!                 --peer-copy-bytes B single-peer copy-engine GPU0->GPU1 size (default 1G;
+//!                                     0 = skip)
 //!                 --timeout SECS      host wait deadline; kernels give up at half of it
 //!                 --json              print the AlltoallReport of rank 0 as JSON
 //! ```
@@ -54,11 +58,11 @@ use std::time::Duration;
 
 use crate::backend::cuda::ops::{
     self, check_pattern, fill_pattern, flag_words, nccl_alltoall, nccl_alltoall_api, AlltoallKernel,
-    AlltoallLaunch, NcclAlltoallApi, STAMP_WORDS_PER_CTA,
+    AlltoallLaunch, CeAlltoall, NcclAlltoallApi, STAMP_WORDS_PER_CTA,
 };
 use crate::backend::cuda::{
     driver, gin_network, CudaRank, CudaRankOptions, DevComm, DevCommRequest, DeviceBuffer, DeviceRegion,
-    PeerCopy, RankInfo, Window,
+    PeerCopy, RankInfo, SideStreams, Window,
 };
 use crate::error::{Error, Result};
 use crate::group::Group;
@@ -77,6 +81,13 @@ pub const MAX_BYTES_LIMIT: usize = 16 << 30;
 pub enum AlltoallMode {
     /// NCCL's host API: `ncclAlltoAll`, or grouped `ncclSend`/`ncclRecv` where absent.
     Nccl,
+    /// The copy engine does the same all-to-all over the same window: one device-to-device
+    /// copy per destination into the peer's LSA address, each remote copy on its own
+    /// stream (forked after a start barrier kernel, joined before an end barrier kernel).
+    /// The bandwidth reference for the LSA kernels.
+    Ce,
+    /// `ce` with every copy back to back on the rank's one stream.
+    CeSerial,
     /// Baseline LSA kernel (4-byte stores).
     LsaSimple,
     /// LSA push, 16-byte stores to peers, links interleaved (`--unroll` tiles in flight per
@@ -105,8 +116,10 @@ pub enum AlltoallMode {
 
 impl AlltoallMode {
     /// Every mode, in report order.
-    pub const ALL: [AlltoallMode; 10] = [
+    pub const ALL: [AlltoallMode; 12] = [
         AlltoallMode::Nccl,
+        AlltoallMode::Ce,
+        AlltoallMode::CeSerial,
         AlltoallMode::LsaSimple,
         AlltoallMode::LsaOpt,
         AlltoallMode::LsaCount,
@@ -118,11 +131,12 @@ impl AlltoallMode {
         AlltoallMode::Hybrid,
     ];
 
-    /// The default set: all but `lsa-opt-ncclbar` (no deadline on its barrier).
+    /// The default set: all but `lsa-opt-ncclbar` (no deadline on its barrier) and
+    /// `ce-serial` (a variant of the `ce` reference, for comparing the two).
     pub fn defaults() -> Vec<AlltoallMode> {
         Self::ALL
             .into_iter()
-            .filter(|m| *m != AlltoallMode::LsaOptNcclbar)
+            .filter(|m| !matches!(m, AlltoallMode::LsaOptNcclbar | AlltoallMode::CeSerial))
             .collect()
     }
 
@@ -130,6 +144,8 @@ impl AlltoallMode {
     pub fn name(self) -> &'static str {
         match self {
             AlltoallMode::Nccl => "nccl",
+            AlltoallMode::Ce => "ce",
+            AlltoallMode::CeSerial => "ce-serial",
             AlltoallMode::LsaSimple => "lsa-simple",
             AlltoallMode::LsaOpt => "lsa-opt",
             AlltoallMode::LsaCount => "lsa-count",
@@ -153,6 +169,11 @@ impl AlltoallMode {
             AlltoallMode::LsaOptNcclbar => Some(AlltoallKernel::LsaOptNcclBarrier),
             _ => None,
         }
+    }
+
+    /// Whether the mode runs on the symmetric window (the LSA kernels and the copy engine).
+    fn uses_window(self, unroll: u32) -> bool {
+        self.kernel(unroll).is_some() || matches!(self, AlltoallMode::Ce | AlltoallMode::CeSerial)
     }
 
     /// Parses a comma-separated list (`all` = every mode); duplicates are refused.
@@ -630,6 +651,8 @@ struct Buffers {
     lsa: std::result::Result<(Window, DevComm), String>,
     nccl: Option<(DeviceBuffer, DeviceBuffer)>,
     scratch: DeviceBuffer,
+    /// `ce`'s streams for the remote copies (`world - 1`).
+    ce_streams: Option<SideStreams>,
 }
 
 /// Runs the sweep as one rank of `group` (one process per GPU, GPU = LOCAL_RANK). Every rank
@@ -675,8 +698,14 @@ fn sweep(group: &Group, rank: &CudaRank, opts: &AlltoallOptions) -> Result<Allto
     // Copy engine first, alone on the machine: rank 0 copies while the others wait.
     let (peer_copy, peer_copy_skipped) = peer_copy(group, rank, opts)?;
 
+    // Before the window: a failure here must not leave a collective registration behind.
+    let ce_streams = if opts.modes.contains(&AlltoallMode::Ce) {
+        Some(rank.side_streams(world - 1)?)
+    } else {
+        None
+    };
     let lay = layout(max_bytes, world);
-    let wants_lsa = opts.modes.iter().any(|m| m.kernel(opts.unroll).is_some());
+    let wants_lsa = opts.modes.iter().any(|m| m.uses_window(opts.unroll));
     let lsa = if wants_lsa {
         let barriers = if opts.modes.contains(&AlltoallMode::LsaOptNcclbar) {
             max_grid
@@ -714,6 +743,7 @@ fn sweep(group: &Group, rank: &CudaRank, opts: &AlltoallOptions) -> Result<Allto
         lsa,
         nccl,
         scratch: rank.alloc(16)?,
+        ce_streams,
     };
 
     let run = RUNS.fetch_add(1, Ordering::Relaxed);
@@ -792,6 +822,13 @@ struct Point {
     mode: AlltoallMode,
     size: SizePoint,
     seed: u32,
+}
+
+/// How one operation of a point is queued.
+enum Issue<'b> {
+    Lsa(AlltoallLaunch<'b>),
+    Ce(CeAlltoall<'b>),
+    Nccl,
 }
 
 /// `run_rank` calls made by this process (every rank makes the same ones).
@@ -882,12 +919,8 @@ fn measure(
     // Keep ranks in step, so in-kernel deadlines measure peers, not launch skew.
     group.barrier(&format!("alltoall/{tag}"))?;
 
-    let (send, recvs, lsa): (
-        DeviceRegion<'_>,
-        Vec<DeviceRegion<'_>>,
-        Option<AlltoallLaunch<'_>>,
-    ) = match (mode.kernel(opts.unroll), &bufs.lsa, &bufs.nccl) {
-        (Some(kernel), Ok((window, dev_comm)), _) => {
+    let (send, recvs, issue) = match (mode, mode.kernel(opts.unroll), &bufs.lsa, &bufs.nccl) {
+        (_, Some(kernel), Ok((window, dev_comm)), _) => {
             let mut recvs = vec![window.region(lay.recv_offset, bytes)?];
             if kernel.double_buffered() {
                 recvs.push(window.region(lay.recv_offset + lay.recv_stride, bytes)?);
@@ -895,7 +928,7 @@ fn measure(
             (
                 window.region(lay.send_offset, bytes)?,
                 recvs,
-                Some(AlltoallLaunch {
+                Issue::Lsa(AlltoallLaunch {
                     kernel,
                     window,
                     dev_comm,
@@ -912,7 +945,32 @@ fn measure(
                 }),
             )
         }
-        (None, _, Some((s, r))) => (s.region().sub(0, bytes)?, vec![r.region().sub(0, bytes)?], None),
+        (AlltoallMode::Ce | AlltoallMode::CeSerial, None, Ok((window, dev_comm)), _) => {
+            // Fetched (and cached in the window) here, not inside the first timed operation.
+            ops::lsa_peer_bases(rank, window, dev_comm)?;
+            let side = match mode {
+                AlltoallMode::Ce => bufs.ce_streams.as_ref(),
+                _ => None,
+            };
+            (
+                window.region(lay.send_offset, bytes)?,
+                vec![window.region(lay.recv_offset, bytes)?],
+                Issue::Ce(CeAlltoall {
+                    window,
+                    dev_comm,
+                    send_offset: lay.send_offset,
+                    recv_offset: lay.recv_offset,
+                    signal_offset: lay.signal_offset,
+                    chunk_bytes,
+                    side,
+                }),
+            )
+        }
+        (AlltoallMode::Nccl, None, _, Some((s, r))) => (
+            s.region().sub(0, bytes)?,
+            vec![r.region().sub(0, bytes)?],
+            Issue::Nccl,
+        ),
         _ => {
             return Err(Error::input(
                 "all-to-all mode",
@@ -922,13 +980,14 @@ fn measure(
     };
     // Which receive buffer the last operation filled.
     let op = || -> Result<DeviceRegion<'_>> {
-        match &lsa {
-            Some(l) => {
+        match &issue {
+            Issue::Lsa(l) => {
                 let off = ops::launch_alltoall(rank, l)?;
                 let i = usize::from(off != lay.recv_offset);
                 Ok(recvs[i])
             }
-            None => nccl_alltoall(rank, send, recvs[0], chunk_bytes).map(|_| recvs[0]),
+            Issue::Ce(c) => ops::ce_alltoall(rank, c).map(|_| recvs[0]),
+            Issue::Nccl => nccl_alltoall(rank, send, recvs[0], chunk_bytes).map(|_| recvs[0]),
         }
     };
     let grid_text = grid.map_or(String::new(), |g| format!(", {g} CTAs"));
@@ -988,8 +1047,8 @@ fn measure(
     if opts.validate {
         validate(last, "after the timed loop")?;
     }
-    let breakdown = match &lsa {
-        Some(l) if opts.breakdown && l.kernel.double_buffered() => {
+    let breakdown = match &issue {
+        Issue::Lsa(l) if opts.breakdown && l.kernel.double_buffered() => {
             let per = l.grid as usize * STAMP_WORDS_PER_CTA * 8;
             let stamps = rank.alloc(per * opts.iters)?;
             rank.memset_u8(stamps.region(), 0)?;
@@ -1252,6 +1311,45 @@ mod tests {
         assert!(AlltoallMode::parse_list("gin,gin").is_err());
         assert!(AlltoallMode::parse_list(" , ").is_err());
         assert!(!AlltoallMode::defaults().contains(&AlltoallMode::LsaOptNcclbar));
+        assert_eq!(
+            AlltoallMode::parse_list("ce,ce-serial,nccl").unwrap(),
+            [AlltoallMode::Ce, AlltoallMode::CeSerial, AlltoallMode::Nccl]
+        );
+        // The copy-engine reference is measured in every default run; its one-stream
+        // variant only on request.
+        let d = AlltoallMode::defaults();
+        assert!(d.contains(&AlltoallMode::Ce) && !d.contains(&AlltoallMode::CeSerial));
+        assert!(d.contains(&AlltoallMode::LsaOpt) && d.contains(&AlltoallMode::LsaCount));
+    }
+
+    #[test]
+    fn window_modes_are_the_lsa_kernels_and_the_copy_engine() {
+        let on_window: Vec<&str> = AlltoallMode::ALL
+            .into_iter()
+            .filter(|m| m.uses_window(4))
+            .map(AlltoallMode::name)
+            .collect();
+        assert_eq!(
+            on_window,
+            [
+                "ce",
+                "ce-serial",
+                "lsa-simple",
+                "lsa-opt",
+                "lsa-count",
+                "lsa-run",
+                "lsa-bulk",
+                "lsa-pull",
+                "lsa-opt-ncclbar"
+            ]
+        );
+        // Only the LSA modes have a kernel (and so a grid to sweep).
+        assert!(AlltoallMode::Ce.kernel(4).is_none() && AlltoallMode::CeSerial.kernel(4).is_none());
+        assert_eq!(
+            AlltoallMode::LsaOpt.kernel(8),
+            Some(AlltoallKernel::LsaOpt { unroll: 8 })
+        );
+        assert_eq!(AlltoallMode::LsaCount.kernel(8), Some(AlltoallKernel::LsaCount));
     }
 
     #[test]

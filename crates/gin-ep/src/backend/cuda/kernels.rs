@@ -46,6 +46,12 @@ pub mod names {
     /// `lsa_opt`'s copy (unroll 4, one receive buffer) between two of NCCL's
     /// ncclLsaBarrierSession barriers (no deadline), for comparison.
     pub const ALLTOALL_LSA_OPT_NCCL_BARRIER: &str = "gin_ep_alltoall_lsa_opt_nccl_barrier";
+    /// The copy-engine all-to-all's start and end barriers (one CTA each), around the
+    /// copies the host queues between them.
+    pub const ALLTOALL_CE_START: &str = "gin_ep_alltoall_ce_start";
+    pub const ALLTOALL_CE_END: &str = "gin_ep_alltoall_ce_end";
+    /// Writes every LSA peer's address of a window (offset 0) into device memory.
+    pub const LSA_POINTERS: &str = "gin_ep_lsa_pointers";
     /// GIN put + signal stub; present only when the NCCL headers had ncclGin.
     pub const ALLTOALL_GIN: &str = "gin_ep_alltoall_gin";
     /// Writes the all-to-all test pattern into a send buffer (kernels/pattern.cu).
@@ -168,6 +174,19 @@ pub struct AlltoallArgs {
     pub pad: u32,
 }
 
+/// Host mirror of `LsaPointerArgs` (kernels/alltoall.cu), the parameter of
+/// [`names::LSA_POINTERS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct LsaPointerArgs {
+    pub win: gin_ep_sys::ncclWindow_t,
+    /// `n` u64 of device memory.
+    pub out: u64,
+    /// LSA team size.
+    pub n: u32,
+    pub pad: u32,
+}
+
 /// Host mirror of `gin_ep::PatternArgs` (kernels/pattern.cu), the one parameter of the
 /// pattern fill and check kernels.
 #[repr(C)]
@@ -193,6 +212,7 @@ const _: () = assert!(std::mem::offset_of!(AlltoallArgs, vflags) == 296);
 const _: () = assert!(std::mem::offset_of!(AlltoallArgs, err) == 264);
 const _: () = assert!(std::mem::offset_of!(AlltoallArgs, flag_offset) == 280);
 const _: () = assert!(std::mem::size_of::<PatternArgs>() == 40);
+const _: () = assert!(std::mem::size_of::<LsaPointerArgs>() == 24);
 const _: () = assert!(std::mem::size_of::<HtArgs>() == 472);
 const _: () = assert!(std::mem::offset_of!(HtArgs, scan) == 464);
 const _: () = assert!(std::mem::offset_of!(HtArgs, stamps) == 448);
