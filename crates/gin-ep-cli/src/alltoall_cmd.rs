@@ -25,8 +25,8 @@ pub struct AlltoallArgs {
     /// Size multiplier per step.
     #[arg(short = 'f', long, default_value_t = 2)]
     pub factor: usize,
-    /// Comma list of nccl,ce,ce-serial,lsa-simple,lsa-opt,lsa-count,lsa-run,lsa-bulk,
-    /// lsa-pull,lsa-opt-ncclbar,gin,hybrid, or all [default: all but lsa-opt-ncclbar and
+    /// Comma list of modes: nccl, ce, ce-serial, lsa-simple, lsa-opt, lsa-count, lsa-run,
+    /// lsa-bulk, lsa-pull, lsa-opt-ncclbar, gin, hybrid, or all [default: all but lsa-opt-ncclbar and
     /// ce-serial]. ce: the copy engine does the same all-to-all (one copy per peer, each on
     /// its own stream; ce-serial: one stream).
     #[arg(long)]
@@ -37,8 +37,8 @@ pub struct AlltoallArgs {
     /// Untimed iterations first.
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
-    /// CTAs of the LSA kernels [default: lsa-opt sizes its grid to the point (at most the
-    /// SM count); the others use the SM count].
+    /// CTAs of the LSA kernels [default: lsa-opt, lsa-count and lsa-run size their grid to
+    /// the point (at most the SM count); the others use the SM count].
     #[arg(long)]
     pub blocks: Option<u32>,
     /// Threads per CTA.

@@ -30,9 +30,10 @@
 //!                                     NCCL barrier has no deadline, and ce-serial)
 //!                 --iters N           timed iterations per point (default 20)
 //!                 --warmup N          untimed iterations first (default 5)
-//!                 --blocks N          CTAs of the LSA kernels (default: lsa-opt sizes its grid
-//!                                     to the point, one round of tiles, at most the SM count;
-//!                                     the others use the SM count)
+//!                 --blocks N          CTAs of the LSA kernels (default: lsa-opt, lsa-count
+//!                                     and lsa-run size their grid to the point, one round of
+//!                                     tiles, at most the SM count; the others use the SM
+//!                                     count)
 //!                 --threads N         threads per CTA (default 512; multiple of 32, <= 512)
 //!                 --unroll N          lsa-opt tiles in flight per warp: 1, 2, 4 or 8 (default 4;
 //!                                     the other kernels' copies use 4, lsa-run its 4 KiB runs)
