@@ -13,9 +13,12 @@
 // the host's launch counter e: the start barrier makes sure every peer has entered this
 // launch, so the previous launch's readers of its receive buffer are done (stream order on
 // that peer); the end barrier makes the data visible to the receiver before its kernel ends.
+// ce_start and ce_end are these two barriers alone, around copies the host gives the copy
+// engine (see "ce" below).
 //
-// lsa_opt runs one signal round and no start barrier (see "lsa_opt protocol" below): the
-// receive region is double-buffered, launch e writing buffer e & 1 at recv_offset +
+// lsa_opt, lsa_run, lsa_bulk (the `each` signal) and lsa_count (an arrival counter) run one
+// signal round and no start barrier (see "Double-buffered protocol" below): the receive
+// region is double-buffered, launch e writing buffer e & 1 at recv_offset +
 // (e & 1) * recv_stride.
 //
 // Kernels are extern "C" so the host finds them by plain name with cuModuleGetFunction.
@@ -40,9 +43,11 @@ struct AlltoallArgs {
   uint64_t epoch;        // launch counter e; barriers use 2e+1 and 2e+2
   uint64_t timeout_ns;
   FabricError* err;      // host-mapped
-  size_t recv_stride;    // lsa_opt: bytes from receive buffer 0 to buffer 1 (>= n * chunk)
-  size_t flag_offset;    // lsa_opt: in win, n_ranks u64 signal words + 1 u64 arrival counter;
-                         // then 2 * n_ranks u64 per-CTA arrival counters (the `each` kernels)
+  size_t recv_stride;    // double-buffered kernels: bytes from receive buffer 0 to buffer 1
+                         // (>= n * chunk)
+  size_t flag_offset;    // double-buffered kernels: in win, lsa_count's n_ranks u64 signal
+                         // words + 1 u64 arrival counter, then 2 * n_ranks u64 per-CTA
+                         // arrival counters (the `each` kernels)
   uint64_t* stamps;      // optional (nullptr: off): kStampsPerCta globaltimer words per CTA
   uint32_t vflags;       // performance-only variant bits (kVflag*)
   uint32_t pad;
@@ -60,7 +65,7 @@ static_assert(sizeof(AlltoallArgs) == 304 && offsetof(AlltoallArgs, err) == 264 
 enum Stamp : int {
   kStampStart = 0,    // the CTA began
   kStampCopied = 1,   // every thread of the CTA issued its stores (not yet acknowledged)
-  kStampSignal = 2,   // this CTA's signal(s) issued (lsa_opt: only the last CTA signals)
+  kStampSignal = 2,   // this CTA's signal(s) issued (lsa_count: only the last CTA signals)
   kStampSeen = 3,     // every peer's signal seen (only the waiting CTA)
   kStampsPerCta = 4,
 };
@@ -161,17 +166,15 @@ __device__ __forceinline__ void alltoall_push_copy(const AlltoallArgs& a, size_t
   }
 }
 
-// lsa_opt protocol: one signal word per (source, destination) pair and no start barrier.
+// Double-buffered protocol (lsa_opt, lsa_run, lsa_bulk, lsa_count): one signal round per
+// launch and no start barrier.
 //
 // - Data: launch e pushes into receive buffer e & 1 of every peer.
-// - Arrival: every block, after its stores, fences at system scope and bumps this rank's
-//   local arrival counter; the block that arrives last resets the counter (the next launch
-//   is stream-ordered after this one), fences again and stores e + 1 (release, .sys) into
-//   word [rank] of every peer's flag area, then waits (deadline) until its own words
-//   [p] >= e + 1 for every peer p (acquire). The other blocks exit at once; the waiting
-//   block's acquire, then the kernel boundary, make the peers' data visible to whatever the
-//   stream runs next. So a launch costs one remote store per peer and one local atomic per
-//   block, instead of two barriers of gridDim.x * n remote stores and waits.
+// - Signal: after its stores, a rank tells every peer "launch e landed" and waits
+//   (deadline) until every peer told it the same (acquire); the waiter's acquire, then the
+//   kernel boundary, make the peers' data visible to whatever the stream runs next. Two
+//   ways to signal, below: `each` (lsa_opt and the bandwidth variants) and the arrival
+//   counter (lsa_count, the first design, kept for comparison).
 // - Why no start barrier: the sender at launch e last wrote buffer e & 1 at launch e - 2 or
 //   earlier. It finished launch e - 1, which waited for peer p's signal of e - 1, which p
 //   wrote inside its launch e - 1; so p had entered launch e - 1, and stream order on p
@@ -179,15 +182,78 @@ __device__ __forceinline__ void alltoall_push_copy(const AlltoallArgs& a, size_t
 //   contract: a rank reads the output of launch e before enqueueing launch e + 1, and never
 //   writes its own receive buffers without a group-wide sync first (the benchmark poisons,
 //   then meets its peers at a host barrier). A rank is at most one launch ahead of a peer.
-// - The epoch e is the rank's launch counter shared with the two-barrier kernels; words
-//   only grow, so nothing is reset between launches, and waits are `>=`.
+// - The epoch e is the rank's launch counter shared with the two-barrier kernels.
+
+// The `each` signal (lsa_opt, lsa_run, lsa_bulk). Every CTA, after its stores, adds 1
+// (red.release.sys, thread p for peer p, in parallel) to counter [e & 1][rank] in every
+// peer's flag area; CTA 0 alone then waits (deadline) until its own counters [e & 1][p]
+// reach gridDim.x for every p (acquire), and resets them to 0. Why the reset is safe: peer
+// p adds to slot e & 1 again only at launch e + 2, which it starts after its launch e + 1
+// saw our signals of e + 1, which we send after this kernel (and its reset) ended. Every
+// rank runs the same grid, so gridDim.x counts the adds of one launch from one peer. Cost
+// per CTA: one __syncthreads and n fire-and-forget release adds; no serial fence + atomic +
+// fence chain through a last CTA (lsa_count's: 4 us more at 1 MiB on 4x H200). Counters
+// live after lsa_count's words: flag_offset + 8 * (n + 1 + (e & 1) * n + src).
+__device__ __forceinline__ void signal_each_and_wait(const AlltoallArgs& a) {
+  const int n = a.comm.lsaSize;
+  const int rank = a.comm.lsaRank;
+  const size_t slot = a.flag_offset + size_t(n + 1 + int(a.epoch & 1) * n) * 8;
+  __syncthreads();  // every thread's stores happen-before the releases below (bar.sync)
+  stamp(a, kStampCopied);
+  for (int p = int(threadIdx.x); p < n; p += int(blockDim.x)) {
+    red_release_sys_add(reinterpret_cast<uint64_t*>(lsa_ptr(a.win, slot + size_t(rank) * 8, p)), 1);
+  }
+  stamp(a, kStampSignal);
+  if (blockIdx.x != 0) return;
+  uint64_t* const mine = reinterpret_cast<uint64_t*>(lsa_ptr(a.win, slot, rank));
+  bool ok = true;
+  const uint64_t start = globaltimer_ns();
+  for (int p = int(threadIdx.x); p < n && ok; p += int(blockDim.x)) {
+    ok = wait_at_least(mine + p, gridDim.x, start, a.timeout_ns);
+    if (!ok) {
+      report_error(a.err, kPhaseAlltoallEnd, p, rank, globaltimer_ns() - start);
+    } else {
+      mine[p] = 0;  // see above: no adds to this slot until our next-but-one launch
+    }
+  }
+  __syncthreads_and(ok);  // extends the waiters' acquire to the block (and the kernel end)
+  stamp(a, kStampSeen);
+}
+
+// lsa_opt: the interleaved push copy with the `each` signal.
 template <int UNROLL>
 __device__ __forceinline__ void alltoall_lsa_opt(const AlltoallArgs& a) {
+  stamp(a, kStampStart);
+  const size_t buf = a.recv_offset + (a.epoch & 1) * a.recv_stride;
+  alltoall_push_copy<UNROLL>(a, buf + size_t(a.comm.lsaRank) * a.chunk_bytes);
+  signal_each_and_wait(a);
+}
+
+// UNROLL 4 is the default (four 16-byte loads in flight per thread cover NVLink latency at
+// 512 threads per block); 1, 2 and 8 exist so one run can sweep it (`--unroll`).
+#define GIN_EP_LSA_OPT(NAME, U) \
+  extern "C" __global__ void __launch_bounds__(kMaxThreads) NAME(const AlltoallArgs a) { alltoall_lsa_opt<U>(a); }
+GIN_EP_LSA_OPT(gin_ep_alltoall_lsa_opt, 4)
+GIN_EP_LSA_OPT(gin_ep_alltoall_lsa_opt_u1, 1)
+GIN_EP_LSA_OPT(gin_ep_alltoall_lsa_opt_u2, 2)
+GIN_EP_LSA_OPT(gin_ep_alltoall_lsa_opt_u8, 8)
+#undef GIN_EP_LSA_OPT
+
+// lsa_count: the same copy (unroll 4) with the arrival-counter signal, one signal word per
+// (source, destination) pair. Every block, after its stores, fences at system scope and
+// bumps this rank's local arrival counter; the block that arrives last resets the counter
+// (the next launch is stream-ordered after this one), fences again and stores e + 1
+// (release, .sys) into word [rank] of every peer's flag area, then waits (deadline) until
+// its own words [p] >= e + 1 for every peer p (acquire). The other blocks exit at once.
+// One remote store per peer per launch, but a serial fence -> atomic -> fence -> store
+// chain in the last block. Words only grow, so nothing is reset between launches, and
+// waits are `>=`.
+extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_lsa_count(const AlltoallArgs a) {
   const int n = a.comm.lsaSize;
   const int rank = a.comm.lsaRank;
   const size_t buf = a.recv_offset + (a.epoch & 1) * a.recv_stride;
   stamp(a, kStampStart);
-  alltoall_push_copy<UNROLL>(a, buf + size_t(rank) * a.chunk_bytes);
+  alltoall_push_copy<4>(a, buf + size_t(rank) * a.chunk_bytes);
 
   __shared__ int last;
   uint64_t* const flags = reinterpret_cast<uint64_t*>(lsa_ptr(a.win, a.flag_offset, rank));
@@ -218,67 +284,6 @@ __device__ __forceinline__ void alltoall_lsa_opt(const AlltoallArgs& a) {
     }
   }
   stamp(a, kStampSeen);
-}
-
-// UNROLL 4 is the default (four 16-byte loads in flight per thread cover NVLink latency at
-// 512 threads per block); 1, 2 and 8 exist so one run can sweep it (`--unroll`).
-#define GIN_EP_LSA_OPT(NAME, U) \
-  extern "C" __global__ void __launch_bounds__(kMaxThreads) NAME(const AlltoallArgs a) { alltoall_lsa_opt<U>(a); }
-GIN_EP_LSA_OPT(gin_ep_alltoall_lsa_opt, 4)
-GIN_EP_LSA_OPT(gin_ep_alltoall_lsa_opt_u1, 1)
-GIN_EP_LSA_OPT(gin_ep_alltoall_lsa_opt_u2, 2)
-GIN_EP_LSA_OPT(gin_ep_alltoall_lsa_opt_u8, 8)
-#undef GIN_EP_LSA_OPT
-
-// ---------------------------------------------------------------------------------------
-// The `each` protocol (lsa_each, lsa_run, lsa_bulk): like lsa_opt (double-buffered receive
-// region, no start barrier, same contract) but without the arrival counter and last-CTA
-// chain. Every CTA, after its stores, adds 1 (red.release.sys, thread p for peer p, in
-// parallel) to counter [e & 1][rank] in every peer's flag area; CTA 0 alone then waits
-// (deadline) until its own counters [e & 1][p] reach gridDim.x for every p (acquire), and
-// resets them to 0. Why the reset is safe: peer p adds to slot e & 1 again only at launch
-// e + 2, which it starts after its launch e + 1 saw our signals of e + 1, which we send
-// after this kernel (and its reset) ended. Every rank runs the same grid, so gridDim.x
-// counts the adds of one launch from one peer. Cost per CTA: one __syncthreads and n
-// fire-and-forget release adds; no serial fence + atomic + fence chain through the last
-// CTA. Counters live after lsa_opt's words: flag_offset + 8 * (n + 1 + (e & 1) * n + src).
-__device__ __forceinline__ void signal_each_and_wait(const AlltoallArgs& a) {
-  const int n = a.comm.lsaSize;
-  const int rank = a.comm.lsaRank;
-  const size_t slot = a.flag_offset + size_t(n + 1 + int(a.epoch & 1) * n) * 8;
-  __syncthreads();  // every thread's stores happen-before the releases below (bar.sync)
-  stamp(a, kStampCopied);
-  for (int p = int(threadIdx.x); p < n; p += int(blockDim.x)) {
-    red_release_sys_add(reinterpret_cast<uint64_t*>(lsa_ptr(a.win, slot + size_t(rank) * 8, p)), 1);
-  }
-  stamp(a, kStampSignal);
-  if (blockIdx.x != 0) return;
-  uint64_t* const mine = reinterpret_cast<uint64_t*>(lsa_ptr(a.win, slot, rank));
-  bool ok = true;
-  const uint64_t start = globaltimer_ns();
-  for (int p = int(threadIdx.x); p < n && ok; p += int(blockDim.x)) {
-    ok = wait_at_least(mine + p, gridDim.x, start, a.timeout_ns);
-    if (!ok) {
-      report_error(a.err, kPhaseAlltoallEnd, p, rank, globaltimer_ns() - start);
-    } else {
-      mine[p] = 0;  // see above: no adds to this slot until our next-but-one launch
-    }
-  }
-  __syncthreads_and(ok);  // extends the waiters' acquire to the block (and the kernel end)
-  stamp(a, kStampSeen);
-}
-
-template <int UNROLL>
-__device__ __forceinline__ void alltoall_lsa_each(const AlltoallArgs& a) {
-  stamp(a, kStampStart);
-  const size_t buf = a.recv_offset + (a.epoch & 1) * a.recv_stride;
-  alltoall_push_copy<UNROLL>(a, buf + size_t(a.comm.lsaRank) * a.chunk_bytes);
-  signal_each_and_wait(a);
-}
-
-// lsa_each: the lsa_opt copy (unroll 4) with the `each` signal.
-extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_lsa_each(const AlltoallArgs a) {
-  alltoall_lsa_each<4>(a);
 }
 
 // Push copy in runs: a work item is RUN vectors per lane = RUN * 512 contiguous bytes of one
@@ -499,6 +504,48 @@ extern "C" __global__ void __launch_bounds__(kMaxThreads)
   {
     ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), a.comm, ncclTeamTagLsa(), blockIdx.x);
     bar.sync(ncclCoopCta(), cuda::memory_order_release);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// ce: the copy engine does the all-to-all. The host queues, per launch: gin_ep_alltoall_ce_start,
+// one cuMemcpyDtoDAsync per destination (send chunk p -> peer p's receive slot for this rank,
+// through the peer's LSA address of the window; on the rank's stream, or on side streams
+// forked from it and joined back), then gin_ep_alltoall_ce_end (crates/gin-ep/src/backend/
+// cuda/ops.rs, ce_alltoall). The two kernels are lsa_simple's barriers without its copy, one
+// CTA each (block 0's barrier words; the host gives each launch its own epoch e):
+// - start (2e+1): every peer has entered this operation, so its readers of the receive
+//   buffer from the previous one are done (stream order on the peer) before a copy writes.
+// - end (2e+2): launched after this rank's copies completed (stream order, and the join
+//   events), and a copy completes only once its writes are done at the destination, so the
+//   release store that follows orders them for the peer that acquires it; the receiver's
+//   kernel, and so the operation on its stream, ends only when every peer's copies into it
+//   are done. The pattern check after the first run and after the timed loop tests exactly
+//   this on the machine.
+extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_ce_start(const AlltoallArgs a) {
+  make_barrier(a).sync(2 * a.epoch + 1, kPhaseAlltoallStart);
+}
+
+extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_ce_end(const AlltoallArgs a) {
+  make_barrier(a).sync(2 * a.epoch + 2, kPhaseAlltoallEnd);
+}
+
+// The address of every LSA peer's copy of a window as this process maps it, for copies the
+// host issues: ncclGetLsaPointer reads the window's device-side descriptor, which the host
+// cannot. Offset 0: NCCL maps each peer's window contiguously (pointer = base + offset), so
+// the host asks once per window and adds offsets itself.
+struct LsaPointerArgs {
+  ncclWindow_t win;
+  uint64_t* out;  // n u64, device memory
+  uint32_t n;     // LSA team size
+  uint32_t pad;
+};
+// Mirrored by LsaPointerArgs in crates/gin-ep/src/backend/cuda/kernels.rs.
+static_assert(sizeof(LsaPointerArgs) == 24, "host ABI");
+
+extern "C" __global__ void gin_ep_lsa_pointers(const LsaPointerArgs a) {
+  for (uint32_t p = threadIdx.x; p < a.n; p += blockDim.x) {
+    a.out[p] = reinterpret_cast<uint64_t>(lsa_ptr(a.win, 0, int(p)));
   }
 }
 

@@ -25,8 +25,10 @@ pub struct AlltoallArgs {
     /// Size multiplier per step.
     #[arg(short = 'f', long, default_value_t = 2)]
     pub factor: usize,
-    /// Comma list of nccl,lsa-simple,lsa-opt,lsa-each,lsa-run,lsa-bulk,lsa-pull,
-    /// lsa-opt-ncclbar,gin,hybrid, or all.
+    /// Comma list of modes: nccl, ce, ce-serial, lsa-simple, lsa-opt, lsa-count, lsa-run,
+    /// lsa-bulk, lsa-pull, lsa-opt-ncclbar, gin, hybrid, or all [default: all but lsa-opt-ncclbar and
+    /// ce-serial]. ce: the copy engine does the same all-to-all (one copy per peer, each on
+    /// its own stream; ce-serial: one stream).
     #[arg(long)]
     pub modes: Option<String>,
     /// Timed iterations per point.
@@ -35,14 +37,15 @@ pub struct AlltoallArgs {
     /// Untimed iterations first.
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
-    /// CTAs of the LSA kernels [default: lsa-opt sizes its grid to the point (at most the
-    /// SM count); the others use the SM count].
+    /// CTAs of the LSA kernels [default: lsa-opt, lsa-count and lsa-run size their grid to
+    /// the point (at most the SM count); the others use the SM count].
     #[arg(long)]
     pub blocks: Option<u32>,
     /// Threads per CTA.
     #[arg(long, default_value_t = 512)]
     pub threads: u32,
-    /// lsa-opt tiles (512 B) in flight per warp: 1, 2, 4 or 8.
+    /// lsa-opt tiles (512 B) in flight per warp: 1, 2, 4 or 8 (the other kernels' copies
+    /// are fixed).
     #[arg(long, default_value_t = 4)]
     pub unroll: u32,
     /// Per LSA point, try several grids (each validated) and report the fastest.
@@ -61,7 +64,7 @@ pub struct AlltoallArgs {
     /// Skip validation of the results.
     #[arg(long)]
     pub no_validate: bool,
-    /// Copy-engine GPU0->GPU1 size for the reference figure (0 = skip).
+    /// Copy-engine GPU0->GPU1 size for the single-peer reference figure (0 = skip).
     #[arg(long, default_value = "1G", value_parser = parse_bytes)]
     pub peer_copy_bytes: usize,
     /// Deadline of every wait, seconds.
@@ -273,13 +276,15 @@ fn print_table(r: &AlltoallReport) {
         println!("skipped {}: {}", s.mode.name(), s.reason);
     }
     match (&r.peer_copy, &r.peer_copy_skipped) {
-        (Some(p), _) => println!("copy-engine peer copy GPU0->GPU1: {p:?}"),
+        (Some(p), _) => println!("copy-engine single-peer copy GPU0->GPU1: {p:?}"),
         (None, Some(why)) => println!("copy-engine peer copy: skipped ({why})"),
         _ => {}
     }
     println!(
         "algbw = bytes per rank / time; busbw = algbw * (ranks - 1) / ranks (nccl-tests): bytes \
-         crossing links per rank per second, the figure to compare with the copy engine."
+         crossing links per rank per second. Compare an LSA mode's busbw with `ce`'s (the copy \
+         engine doing the same all-to-all, every link busy both ways); the single-peer copy \
+         moves data one way only."
     );
 }
 

@@ -83,6 +83,9 @@ fn bad_config_values_are_named_and_exit_2() {
         (&["check", "--cases", "0"], "cases = 0"),
         (&["check", "--iters", "0"], "iters = 0"),
         (&["check", "--cases", "3", "--case", "3"], "case = 3"),
+        (&["alltoall", "--modes", "nccl,lsa-fast"], "ce-serial"),
+        (&["alltoall", "--modes", "lsa-each"], "lsa-count"),
+        (&["alltoall", "--modes", "ce,ce"], "`ce` given twice"),
     ];
     for (args, needle) in cases {
         usage_error(args, needle);

@@ -12,7 +12,10 @@
 //! `time_us` is the median per-iteration time on each rank (CUDA events around every
 //! iteration, each iteration the same launch), then the maximum over ranks. `algbw = bytes /
 //! time`; `busbw = algbw * (world - 1) / world`, the bytes that cross a link per rank per
-//! second — the figure to compare with the copy-engine peer bandwidth reported beside.
+//! second — the figure to compare with the `ce` mode's (the copy engine doing the same
+//! all-to-all, every link loaded both ways at once); the single-peer GPU0 -> GPU1 copy
+//! reported beside loads one direction only, so it is an upper bound, not a like-for-like
+//! reference.
 //!
 //! Intended CLI (the parent process starts `--gpus` ranks of itself with
 //! `group::launch_ranks`, each child calls [`run_rank`] and rank 0 prints):
@@ -21,17 +24,19 @@
 //!                 -b, --min-bytes B   smallest per-rank total send size (default 1M; K/M/G suffixes)
 //!                 -e, --max-bytes B   largest (default 1G)
 //!                 -f, --factor F      multiply the size by F each step (default 2)
-//!                 --modes LIST        comma list of nccl,lsa-simple,lsa-opt,lsa-each,lsa-run,
-//!                                     lsa-bulk,lsa-pull,lsa-opt-ncclbar,gin,hybrid, or "all"
-//!                                     (default: all but lsa-opt-ncclbar, whose NCCL barrier
-//!                                     has no deadline)
+//!                 --modes LIST        comma list of nccl,ce,ce-serial,lsa-simple,lsa-opt,
+//!                                     lsa-count,lsa-run,lsa-bulk,lsa-pull,lsa-opt-ncclbar,gin,
+//!                                     hybrid, or "all" (default: all but lsa-opt-ncclbar, whose
+//!                                     NCCL barrier has no deadline, and ce-serial)
 //!                 --iters N           timed iterations per point (default 20)
 //!                 --warmup N          untimed iterations first (default 5)
-//!                 --blocks N          CTAs of the LSA kernels (default: lsa-opt sizes its grid
-//!                                     to the point, one round of tiles, at most the SM count;
-//!                                     the others use the SM count)
+//!                 --blocks N          CTAs of the LSA kernels (default: lsa-opt, lsa-count
+//!                                     and lsa-run size their grid to the point, one round of
+//!                                     tiles, at most the SM count; the others use the SM
+//!                                     count)
 //!                 --threads N         threads per CTA (default 512; multiple of 32, <= 512)
-//!                 --unroll N          lsa-opt tiles in flight per warp: 1, 2, 4 or 8 (default 4)
+//!                 --unroll N          lsa-opt tiles in flight per warp: 1, 2, 4 or 8 (default 4;
+//!                                     the other kernels' copies use 4, lsa-run its 4 KiB runs)
 //!                 --grid-sweep        per LSA point, try several grids (default list: the
 //!                                     size-based default, 8, 16, 32, 64, SMs, 2 x SMs), each
 //!                                     validated, and report the fastest and which it was
@@ -43,7 +48,8 @@
 //!                                     (start, stores issued, signal issued, peers seen):
 //!                                     device-clock time beside the event time, launch gaps
 //!                 --no-validate       skip the pattern check (validation is on by default)
-//!                 --peer-copy-bytes B copy-engine GPU0->GPU1 size (default 1G; 0 = skip)
+//!                 --peer-copy-bytes B single-peer copy-engine GPU0->GPU1 size (default 1G;
+//!                                     0 = skip)
 //!                 --timeout SECS      host wait deadline; kernels give up at half of it
 //!                 --json              print the AlltoallReport of rank 0 as JSON
 //! ```
@@ -53,11 +59,11 @@ use std::time::Duration;
 
 use crate::backend::cuda::ops::{
     self, check_pattern, fill_pattern, flag_words, nccl_alltoall, nccl_alltoall_api, AlltoallKernel,
-    AlltoallLaunch, NcclAlltoallApi, STAMP_WORDS_PER_CTA,
+    AlltoallLaunch, CeAlltoall, NcclAlltoallApi, STAMP_WORDS_PER_CTA,
 };
 use crate::backend::cuda::{
     driver, gin_network, CudaRank, CudaRankOptions, DevComm, DevCommRequest, DeviceBuffer, DeviceRegion,
-    PeerCopy, RankInfo, Window,
+    PeerCopy, RankInfo, SideStreams, Window,
 };
 use crate::error::{Error, Result};
 use crate::group::Group;
@@ -76,14 +82,22 @@ pub const MAX_BYTES_LIMIT: usize = 16 << 30;
 pub enum AlltoallMode {
     /// NCCL's host API: `ncclAlltoAll`, or grouped `ncclSend`/`ncclRecv` where absent.
     Nccl,
+    /// The copy engine does the same all-to-all over the same window: one device-to-device
+    /// copy per destination into the peer's LSA address, each remote copy on its own
+    /// stream (forked after a start barrier kernel, joined before an end barrier kernel).
+    /// The bandwidth reference for the LSA kernels.
+    Ce,
+    /// `ce` with every copy back to back on the rank's one stream.
+    CeSerial,
     /// Baseline LSA kernel (4-byte stores).
     LsaSimple,
-    /// LSA push, 16-byte stores to peers, links interleaved, one signal round and a
-    /// double-buffered receive region (no start barrier).
+    /// LSA push, 16-byte stores to peers, links interleaved (`--unroll` tiles in flight per
+    /// warp), a double-buffered receive region (no start barrier) and the `each` signal:
+    /// every CTA signals every peer (release add), CTA 0 waits.
     LsaOpt,
-    /// `lsa-opt`'s copy, but every CTA signals every peer (release add) and CTA 0 waits:
-    /// no arrival counter and last-CTA chain.
-    LsaEach,
+    /// `lsa-opt`'s copy (unroll 4) with the arrival-counter signal of the first design:
+    /// every CTA bumps a local counter, the last one signals the peers and waits.
+    LsaCount,
     /// 4 KiB contiguous runs per warp per peer (`--store-hint` picks the store), `each`
     /// signal.
     LsaRun,
@@ -92,7 +106,8 @@ pub enum AlltoallMode {
     LsaBulk,
     /// LSA pull, 16-byte loads from peers.
     LsaPull,
-    /// `lsa-opt` with NCCL's LSA barrier (no deadline): what our deadline barrier costs.
+    /// `lsa-opt`'s copy (unroll 4, one receive buffer) between two of NCCL's LSA barriers
+    /// (no deadline): what our deadline barriers cost.
     LsaOptNcclbar,
     /// GIN puts + signals (needs a GIN-capable network).
     Gin,
@@ -102,11 +117,13 @@ pub enum AlltoallMode {
 
 impl AlltoallMode {
     /// Every mode, in report order.
-    pub const ALL: [AlltoallMode; 10] = [
+    pub const ALL: [AlltoallMode; 12] = [
         AlltoallMode::Nccl,
+        AlltoallMode::Ce,
+        AlltoallMode::CeSerial,
         AlltoallMode::LsaSimple,
         AlltoallMode::LsaOpt,
-        AlltoallMode::LsaEach,
+        AlltoallMode::LsaCount,
         AlltoallMode::LsaRun,
         AlltoallMode::LsaBulk,
         AlltoallMode::LsaPull,
@@ -115,11 +132,12 @@ impl AlltoallMode {
         AlltoallMode::Hybrid,
     ];
 
-    /// The default set: all but `lsa-opt-ncclbar` (no deadline on its barrier).
+    /// The default set: all but `lsa-opt-ncclbar` (no deadline on its barrier) and
+    /// `ce-serial` (a variant of the `ce` reference, for comparing the two).
     pub fn defaults() -> Vec<AlltoallMode> {
         Self::ALL
             .into_iter()
-            .filter(|m| *m != AlltoallMode::LsaOptNcclbar)
+            .filter(|m| !matches!(m, AlltoallMode::LsaOptNcclbar | AlltoallMode::CeSerial))
             .collect()
     }
 
@@ -127,9 +145,11 @@ impl AlltoallMode {
     pub fn name(self) -> &'static str {
         match self {
             AlltoallMode::Nccl => "nccl",
+            AlltoallMode::Ce => "ce",
+            AlltoallMode::CeSerial => "ce-serial",
             AlltoallMode::LsaSimple => "lsa-simple",
             AlltoallMode::LsaOpt => "lsa-opt",
-            AlltoallMode::LsaEach => "lsa-each",
+            AlltoallMode::LsaCount => "lsa-count",
             AlltoallMode::LsaRun => "lsa-run",
             AlltoallMode::LsaBulk => "lsa-bulk",
             AlltoallMode::LsaPull => "lsa-pull",
@@ -143,13 +163,18 @@ impl AlltoallMode {
         match self {
             AlltoallMode::LsaSimple => Some(AlltoallKernel::LsaSimple),
             AlltoallMode::LsaOpt => Some(AlltoallKernel::LsaOpt { unroll }),
-            AlltoallMode::LsaEach => Some(AlltoallKernel::LsaEach),
+            AlltoallMode::LsaCount => Some(AlltoallKernel::LsaCount),
             AlltoallMode::LsaRun => Some(AlltoallKernel::LsaRun),
             AlltoallMode::LsaBulk => Some(AlltoallKernel::LsaBulk),
             AlltoallMode::LsaPull => Some(AlltoallKernel::LsaPull),
             AlltoallMode::LsaOptNcclbar => Some(AlltoallKernel::LsaOptNcclBarrier),
             _ => None,
         }
+    }
+
+    /// Whether the mode runs on the symmetric window (the LSA kernels and the copy engine).
+    fn uses_window(self, unroll: u32) -> bool {
+        self.kernel(unroll).is_some() || matches!(self, AlltoallMode::Ce | AlltoallMode::CeSerial)
     }
 
     /// Parses a comma-separated list (`all` = every mode); duplicates are refused.
@@ -162,6 +187,9 @@ impl AlltoallMode {
                 match Self::ALL.into_iter().find(|m| m.name() == word) {
                     Some(m) => vec![m],
                     None => {
+                        if let Some((_, now)) = RENAMED.iter().find(|(old, _)| *old == word) {
+                            return Err(Error::config("modes", word, format!("renamed: {now}")));
+                        }
                         let known: Vec<&str> = Self::ALL.iter().map(|m| m.name()).collect();
                         return Err(Error::config(
                             "modes",
@@ -188,6 +216,13 @@ impl AlltoallMode {
         Ok(out)
     }
 }
+
+/// Mode names of earlier versions, refused with what to ask for now (one name per design,
+/// so a retired name is not an alias).
+const RENAMED: [(&str, &str); 1] = [(
+    "lsa-each",
+    "its design (every CTA signals) is lsa-opt now; the arrival-counter lsa-opt is lsa-count",
+)];
 
 /// The store instruction of `lsa-run` (performance only).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -242,7 +277,8 @@ pub struct AlltoallOptions {
     pub blocks: Option<u32>,
     /// Threads per CTA of the LSA kernels.
     pub threads: u32,
-    /// `lsa-opt` tiles in flight per warp (one of [`ops::LSA_OPT_UNROLLS`]).
+    /// `lsa-opt` tiles in flight per warp (one of [`ops::LSA_OPT_UNROLLS`]); the other LSA
+    /// kernels have a fixed copy.
     pub unroll: u32,
     /// Try several grids per LSA point and keep the fastest (each one validated).
     pub grid_sweep: bool,
@@ -616,6 +652,8 @@ struct Buffers {
     lsa: std::result::Result<(Window, DevComm), String>,
     nccl: Option<(DeviceBuffer, DeviceBuffer)>,
     scratch: DeviceBuffer,
+    /// `ce`'s streams for the remote copies (`world - 1`).
+    ce_streams: Option<SideStreams>,
 }
 
 /// Runs the sweep as one rank of `group` (one process per GPU, GPU = LOCAL_RANK). Every rank
@@ -661,8 +699,14 @@ fn sweep(group: &Group, rank: &CudaRank, opts: &AlltoallOptions) -> Result<Allto
     // Copy engine first, alone on the machine: rank 0 copies while the others wait.
     let (peer_copy, peer_copy_skipped) = peer_copy(group, rank, opts)?;
 
+    // Before the window: a failure here must not leave a collective registration behind.
+    let ce_streams = if opts.modes.contains(&AlltoallMode::Ce) {
+        Some(rank.side_streams(world - 1)?)
+    } else {
+        None
+    };
     let lay = layout(max_bytes, world);
-    let wants_lsa = opts.modes.iter().any(|m| m.kernel(opts.unroll).is_some());
+    let wants_lsa = opts.modes.iter().any(|m| m.uses_window(opts.unroll));
     let lsa = if wants_lsa {
         let barriers = if opts.modes.contains(&AlltoallMode::LsaOptNcclbar) {
             max_grid
@@ -700,6 +744,7 @@ fn sweep(group: &Group, rank: &CudaRank, opts: &AlltoallOptions) -> Result<Allto
         lsa,
         nccl,
         scratch: rank.alloc(16)?,
+        ce_streams,
     };
 
     let run = RUNS.fetch_add(1, Ordering::Relaxed);
@@ -778,6 +823,13 @@ struct Point {
     mode: AlltoallMode,
     size: SizePoint,
     seed: u32,
+}
+
+/// How one operation of a point is queued.
+enum Issue<'b> {
+    Lsa(AlltoallLaunch<'b>),
+    Ce(CeAlltoall<'b>),
+    Nccl,
 }
 
 /// `run_rank` calls made by this process (every rank makes the same ones).
@@ -868,12 +920,8 @@ fn measure(
     // Keep ranks in step, so in-kernel deadlines measure peers, not launch skew.
     group.barrier(&format!("alltoall/{tag}"))?;
 
-    let (send, recvs, lsa): (
-        DeviceRegion<'_>,
-        Vec<DeviceRegion<'_>>,
-        Option<AlltoallLaunch<'_>>,
-    ) = match (mode.kernel(opts.unroll), &bufs.lsa, &bufs.nccl) {
-        (Some(kernel), Ok((window, dev_comm)), _) => {
+    let (send, recvs, issue) = match (mode, mode.kernel(opts.unroll), &bufs.lsa, &bufs.nccl) {
+        (_, Some(kernel), Ok((window, dev_comm)), _) => {
             let mut recvs = vec![window.region(lay.recv_offset, bytes)?];
             if kernel.double_buffered() {
                 recvs.push(window.region(lay.recv_offset + lay.recv_stride, bytes)?);
@@ -881,7 +929,7 @@ fn measure(
             (
                 window.region(lay.send_offset, bytes)?,
                 recvs,
-                Some(AlltoallLaunch {
+                Issue::Lsa(AlltoallLaunch {
                     kernel,
                     window,
                     dev_comm,
@@ -898,7 +946,32 @@ fn measure(
                 }),
             )
         }
-        (None, _, Some((s, r))) => (s.region().sub(0, bytes)?, vec![r.region().sub(0, bytes)?], None),
+        (AlltoallMode::Ce | AlltoallMode::CeSerial, None, Ok((window, dev_comm)), _) => {
+            // Fetched (and cached in the window) here, not inside the first timed operation.
+            ops::lsa_peer_bases(rank, window, dev_comm)?;
+            let side = match mode {
+                AlltoallMode::Ce => bufs.ce_streams.as_ref(),
+                _ => None,
+            };
+            (
+                window.region(lay.send_offset, bytes)?,
+                vec![window.region(lay.recv_offset, bytes)?],
+                Issue::Ce(CeAlltoall {
+                    window,
+                    dev_comm,
+                    send_offset: lay.send_offset,
+                    recv_offset: lay.recv_offset,
+                    signal_offset: lay.signal_offset,
+                    chunk_bytes,
+                    side,
+                }),
+            )
+        }
+        (AlltoallMode::Nccl, None, _, Some((s, r))) => (
+            s.region().sub(0, bytes)?,
+            vec![r.region().sub(0, bytes)?],
+            Issue::Nccl,
+        ),
         _ => {
             return Err(Error::input(
                 "all-to-all mode",
@@ -908,13 +981,14 @@ fn measure(
     };
     // Which receive buffer the last operation filled.
     let op = || -> Result<DeviceRegion<'_>> {
-        match &lsa {
-            Some(l) => {
+        match &issue {
+            Issue::Lsa(l) => {
                 let off = ops::launch_alltoall(rank, l)?;
                 let i = usize::from(off != lay.recv_offset);
                 Ok(recvs[i])
             }
-            None => nccl_alltoall(rank, send, recvs[0], chunk_bytes).map(|_| recvs[0]),
+            Issue::Ce(c) => ops::ce_alltoall(rank, c).map(|_| recvs[0]),
+            Issue::Nccl => nccl_alltoall(rank, send, recvs[0], chunk_bytes).map(|_| recvs[0]),
         }
     };
     let grid_text = grid.map_or(String::new(), |g| format!(", {g} CTAs"));
@@ -974,8 +1048,8 @@ fn measure(
     if opts.validate {
         validate(last, "after the timed loop")?;
     }
-    let breakdown = match &lsa {
-        Some(l) if opts.breakdown && l.kernel.double_buffered() => {
+    let breakdown = match &issue {
+        Issue::Lsa(l) if opts.breakdown && l.kernel.double_buffered() => {
             let per = l.grid as usize * STAMP_WORDS_PER_CTA * 8;
             let stamps = rank.alloc(per * opts.iters)?;
             rank.memset_u8(stamps.region(), 0)?;
@@ -1222,9 +1296,61 @@ mod tests {
         );
         let e = AlltoallMode::parse_list("nccl,lsa-fast").unwrap_err().to_string();
         assert!(e.contains("lsa-fast") && e.contains("lsa-pull"), "{e}");
+        assert_eq!(
+            AlltoallMode::parse_list("lsa-count,lsa-opt").unwrap(),
+            [AlltoallMode::LsaCount, AlltoallMode::LsaOpt]
+        );
+        let e = AlltoallMode::parse_list("lsa-each").unwrap_err();
+        assert!(
+            e.is_usage() && e.to_string().contains("lsa-opt") && e.to_string().contains("lsa-count"),
+            "{e}"
+        );
+        for m in AlltoallMode::ALL {
+            assert_eq!(AlltoallMode::parse_list(m.name()).unwrap(), [m]);
+            assert!(RENAMED.iter().all(|(old, _)| *old != m.name()));
+        }
         assert!(AlltoallMode::parse_list("gin,gin").is_err());
         assert!(AlltoallMode::parse_list(" , ").is_err());
         assert!(!AlltoallMode::defaults().contains(&AlltoallMode::LsaOptNcclbar));
+        assert_eq!(
+            AlltoallMode::parse_list("ce,ce-serial,nccl").unwrap(),
+            [AlltoallMode::Ce, AlltoallMode::CeSerial, AlltoallMode::Nccl]
+        );
+        // The copy-engine reference is measured in every default run; its one-stream
+        // variant only on request.
+        let d = AlltoallMode::defaults();
+        assert!(d.contains(&AlltoallMode::Ce) && !d.contains(&AlltoallMode::CeSerial));
+        assert!(d.contains(&AlltoallMode::LsaOpt) && d.contains(&AlltoallMode::LsaCount));
+    }
+
+    #[test]
+    fn window_modes_are_the_lsa_kernels_and_the_copy_engine() {
+        let on_window: Vec<&str> = AlltoallMode::ALL
+            .into_iter()
+            .filter(|m| m.uses_window(4))
+            .map(AlltoallMode::name)
+            .collect();
+        assert_eq!(
+            on_window,
+            [
+                "ce",
+                "ce-serial",
+                "lsa-simple",
+                "lsa-opt",
+                "lsa-count",
+                "lsa-run",
+                "lsa-bulk",
+                "lsa-pull",
+                "lsa-opt-ncclbar"
+            ]
+        );
+        // Only the LSA modes have a kernel (and so a grid to sweep).
+        assert!(AlltoallMode::Ce.kernel(4).is_none() && AlltoallMode::CeSerial.kernel(4).is_none());
+        assert_eq!(
+            AlltoallMode::LsaOpt.kernel(8),
+            Some(AlltoallKernel::LsaOpt { unroll: 8 })
+        );
+        assert_eq!(AlltoallMode::LsaCount.kernel(8), Some(AlltoallKernel::LsaCount));
     }
 
     #[test]

@@ -28,23 +28,30 @@ pub const KERNELS_FATBIN: Option<&[u8]> = None;
 pub mod names {
     /// (peer, slice) work items strided over blocks, 4-byte stores: the baseline.
     pub const ALLTOALL_LSA_SIMPLE: &str = "gin_ep_alltoall_lsa_simple";
-    /// Push: 16-byte vectors, 4 tiles (peers) in flight per warp, grid-stride, one signal
-    /// round, double-buffered receive region.
+    /// Push: 16-byte vectors, 4 tiles (peers) in flight per warp, grid-stride, double-buffered
+    /// receive region, `each` signal (every CTA signals every peer, CTA 0 waits).
     pub const ALLTOALL_LSA_OPT: &str = "gin_ep_alltoall_lsa_opt";
     /// `lsa_opt` with 1, 2 or 8 tiles in flight per warp (`--unroll`).
     pub const ALLTOALL_LSA_OPT_U1: &str = "gin_ep_alltoall_lsa_opt_u1";
     pub const ALLTOALL_LSA_OPT_U2: &str = "gin_ep_alltoall_lsa_opt_u2";
     pub const ALLTOALL_LSA_OPT_U8: &str = "gin_ep_alltoall_lsa_opt_u8";
-    /// Pull: as `lsa_opt` but reads peers' send buffers (in the window) and stores locally.
-    /// `lsa_opt`'s copy with the `each` signal (every CTA signals, CTA 0 waits).
-    pub const ALLTOALL_LSA_EACH: &str = "gin_ep_alltoall_lsa_each";
+    /// `lsa_opt`'s copy (unroll 4) with the arrival-counter signal (the last CTA signals).
+    pub const ALLTOALL_LSA_COUNT: &str = "gin_ep_alltoall_lsa_count";
     /// 4 KiB runs per warp per peer, store hint from `vflags`, `each` signal.
     pub const ALLTOALL_LSA_RUN: &str = "gin_ep_alltoall_lsa_run";
     /// cp.async.bulk global -> shared -> peer, one warp per CTA, `each` signal.
     pub const ALLTOALL_LSA_BULK: &str = "gin_ep_alltoall_lsa_bulk";
+    /// Pull: as `lsa_opt` but reads peers' send buffers (in the window) and stores locally.
     pub const ALLTOALL_LSA_PULL: &str = "gin_ep_alltoall_lsa_pull";
-    /// `lsa_opt` with NCCL's ncclLsaBarrierSession (no deadline), for comparison.
+    /// `lsa_opt`'s copy (unroll 4, one receive buffer) between two of NCCL's
+    /// ncclLsaBarrierSession barriers (no deadline), for comparison.
     pub const ALLTOALL_LSA_OPT_NCCL_BARRIER: &str = "gin_ep_alltoall_lsa_opt_nccl_barrier";
+    /// The copy-engine all-to-all's start and end barriers (one CTA each), around the
+    /// copies the host queues between them.
+    pub const ALLTOALL_CE_START: &str = "gin_ep_alltoall_ce_start";
+    pub const ALLTOALL_CE_END: &str = "gin_ep_alltoall_ce_end";
+    /// Writes every LSA peer's address of a window (offset 0) into device memory.
+    pub const LSA_POINTERS: &str = "gin_ep_lsa_pointers";
     /// GIN put + signal stub; present only when the NCCL headers had ncclGin.
     pub const ALLTOALL_GIN: &str = "gin_ep_alltoall_gin";
     /// Writes the all-to-all test pattern into a send buffer (kernels/pattern.cu).
@@ -150,20 +157,33 @@ pub struct AlltoallArgs {
     pub recv_offset: usize,
     pub signal_offset: usize,
     pub chunk_bytes: usize,
-    /// Launch counter e; the two-barrier kernels use epochs 2e+1 and 2e+2, `lsa_opt`
-    /// signals e+1 and writes receive buffer e & 1.
+    /// Launch counter e; the two-barrier kernels use epochs 2e+1 and 2e+2, the
+    /// double-buffered ones write receive buffer e & 1 (`lsa_count` signals e+1).
     pub epoch: u64,
     pub timeout_ns: u64,
     pub err: *mut FabricError,
-    /// `lsa_opt`: bytes from receive buffer 0 to buffer 1.
+    /// Double-buffered kernels: bytes from receive buffer 0 to buffer 1.
     pub recv_stride: usize,
-    /// `lsa_opt`: window offset of n signal words and one arrival counter (u64 each), then
-    /// the `each` kernels' 2n counters.
+    /// Double-buffered kernels: window offset of `lsa_count`'s n signal words and one
+    /// arrival counter (u64 each), then the `each` kernels' 2n counters.
     pub flag_offset: usize,
     /// `--breakdown`: 4 globaltimer words per CTA (device memory), or null.
     pub stamps: *mut u64,
     /// Performance-only variant bits (`lsa_run`'s store instruction in bits 0-1).
     pub vflags: u32,
+    pub pad: u32,
+}
+
+/// Host mirror of `LsaPointerArgs` (kernels/alltoall.cu), the parameter of
+/// [`names::LSA_POINTERS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct LsaPointerArgs {
+    pub win: gin_ep_sys::ncclWindow_t,
+    /// `n` u64 of device memory.
+    pub out: u64,
+    /// LSA team size.
+    pub n: u32,
     pub pad: u32,
 }
 
@@ -192,6 +212,7 @@ const _: () = assert!(std::mem::offset_of!(AlltoallArgs, vflags) == 296);
 const _: () = assert!(std::mem::offset_of!(AlltoallArgs, err) == 264);
 const _: () = assert!(std::mem::offset_of!(AlltoallArgs, flag_offset) == 280);
 const _: () = assert!(std::mem::size_of::<PatternArgs>() == 40);
+const _: () = assert!(std::mem::size_of::<LsaPointerArgs>() == 24);
 const _: () = assert!(std::mem::size_of::<HtArgs>() == 472);
 const _: () = assert!(std::mem::offset_of!(HtArgs, scan) == 464);
 const _: () = assert!(std::mem::offset_of!(HtArgs, stamps) == 448);

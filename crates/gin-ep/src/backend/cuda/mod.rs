@@ -15,7 +15,7 @@ pub mod runtime;
 pub use ops::{AlltoallKernel, AlltoallLaunch};
 pub use runtime::{
     gin_network, nccl_probe, CudaRank, CudaRankOptions, DevComm, DevCommRequest, DeviceBuffer, DeviceRegion,
-    Event, ExternalSpan, PeerCopy, RankInfo, Window,
+    Event, ExternalSpan, PeerCopy, RankInfo, SideStreams, Window,
 };
 
 /// Why the CUDA backend cannot run here. Messages name the missing piece and the fix.

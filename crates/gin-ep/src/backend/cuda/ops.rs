@@ -3,11 +3,13 @@
 //! Owns: building each kernel's parameter block from safe owners ([`Window`], [`DevComm`],
 //! [`DeviceRegion`]) and checking, before the launch, every bound the kernels rely on and do
 //! not re-check (offsets inside the window, 16-byte alignment, grid and block limits, the
-//! LSA team spanning the whole group). Never: allocates, or waits (callers wait with
+//! LSA team spanning the whole group); the same for the copies of the copy-engine
+//! all-to-all, which go to peers' window addresses. Never: allocates (except the one-time
+//! peer address fetch, [`lsa_peer_bases`]), or waits (callers wait with
 //! [`CudaRank::wait`], which also reports missed in-kernel deadlines).
 
-use super::kernels::{names, AlltoallArgs, PatternArgs};
-use super::runtime::{CudaRank, DevComm, DeviceRegion, Window};
+use super::kernels::{names, AlltoallArgs, LsaPointerArgs, PatternArgs};
+use super::runtime::{CudaRank, DevComm, DeviceRegion, SideStreams, Window};
 use crate::error::{Error, Result};
 use gin_ep_sys as ns;
 
@@ -20,11 +22,13 @@ pub enum AlltoallKernel {
     /// Baseline: 4-byte stores, (peer, slice) items per block.
     LsaSimple,
     /// Push with 16-byte stores, peers interleaved per warp, `unroll` (1, 2, 4 or 8) tiles
-    /// in flight per warp; one signal round, double-buffered receive region.
+    /// in flight per warp; double-buffered receive region, `each` signal: every CTA adds to
+    /// a counter in every peer, CTA 0 waits.
     LsaOpt { unroll: u32 },
-    /// `LsaOpt`'s copy (unroll 4) with the `each` signal: every CTA adds to a counter in
-    /// every peer, CTA 0 waits; no arrival counter, no last-CTA chain.
-    LsaEach,
+    /// `LsaOpt`'s copy (unroll 4) with the arrival-counter signal: every CTA bumps a local
+    /// counter, the last one signals every peer and waits (the first design, slower by a
+    /// serial fence/atomic chain; kept for comparison).
+    LsaCount,
     /// 4 KiB contiguous runs per warp per peer (all loads before the stores), store
     /// instruction picked by `vflags`, `each` signal.
     LsaRun,
@@ -33,9 +37,13 @@ pub enum AlltoallKernel {
     LsaBulk,
     /// Pull with 16-byte NVLink loads (send buffer inside the window).
     LsaPull,
-    /// `LsaOpt` with NCCL's ncclLsaBarrierSession (no deadline) instead of ours; needs a
-    /// device communicator with `lsa_barriers >= grid`.
+    /// `LsaOpt`'s copy (unroll 4, one receive buffer) between two of NCCL's
+    /// ncclLsaBarrierSession barriers (no deadline) instead of ours; needs a device
+    /// communicator with `lsa_barriers >= grid`.
     LsaOptNcclBarrier,
+    /// The copy-engine all-to-all's start (`end: false`) or end barrier alone, one CTA of
+    /// one warp; the data moves in copies queued between the two ([`ce_alltoall`]).
+    CeBarrier { end: bool },
 }
 
 /// The `unroll` values `AlltoallKernel::LsaOpt` has kernels for.
@@ -50,11 +58,13 @@ impl AlltoallKernel {
             AlltoallKernel::LsaOpt { unroll: 8 } => names::ALLTOALL_LSA_OPT_U8,
             // check() refuses every other unroll before a launch.
             AlltoallKernel::LsaOpt { .. } => names::ALLTOALL_LSA_OPT,
-            AlltoallKernel::LsaEach => names::ALLTOALL_LSA_EACH,
+            AlltoallKernel::LsaCount => names::ALLTOALL_LSA_COUNT,
             AlltoallKernel::LsaRun => names::ALLTOALL_LSA_RUN,
             AlltoallKernel::LsaBulk => names::ALLTOALL_LSA_BULK,
             AlltoallKernel::LsaPull => names::ALLTOALL_LSA_PULL,
             AlltoallKernel::LsaOptNcclBarrier => names::ALLTOALL_LSA_OPT_NCCL_BARRIER,
+            AlltoallKernel::CeBarrier { end: false } => names::ALLTOALL_CE_START,
+            AlltoallKernel::CeBarrier { end: true } => names::ALLTOALL_CE_END,
         }
     }
 
@@ -64,25 +74,27 @@ impl AlltoallKernel {
         matches!(
             self,
             AlltoallKernel::LsaOpt { .. }
-                | AlltoallKernel::LsaEach
+                | AlltoallKernel::LsaCount
                 | AlltoallKernel::LsaRun
                 | AlltoallKernel::LsaBulk
         )
     }
 
     /// Threads per CTA this kernel is launched with, given the requested `block`: the bulk
-    /// kernel uses one warp (only lane 0 issues copies), the others `block`.
+    /// kernel and the copy-engine barriers use one warp (only lane 0 issues copies; n
+    /// threads signal), the others `block`.
     pub fn block(self, block: u32) -> u32 {
         match self {
-            AlltoallKernel::LsaBulk => 32,
+            AlltoallKernel::LsaBulk | AlltoallKernel::CeBarrier { .. } => 32,
             _ => block,
         }
     }
 
     /// The grid to use when none is given: for `LsaOpt`, just enough blocks for one
     /// round of `unroll` 512-byte tiles per warp (small sizes are latency-bound and every
-    /// block costs an arrival), at least one block per rank and at most `sm_count`; the SM
-    /// count for the others.
+    /// block costs a signal to every peer), at least one block per rank and at most
+    /// `sm_count`; `LsaCount` as `LsaOpt` at unroll 4, `LsaRun` as unroll 8; the SM count for
+    /// the others.
     pub fn default_grid(self, chunk_bytes: usize, world: usize, block: u32, sm_count: u32) -> u32 {
         let sms = sm_count.max(1);
         match self {
@@ -92,13 +104,14 @@ impl AlltoallKernel {
                 let want = tiles.div_ceil(per_block).max(world);
                 u32::try_from(want).unwrap_or(u32::MAX).clamp(1, sms)
             }
-            AlltoallKernel::LsaEach => {
+            AlltoallKernel::LsaCount => {
                 AlltoallKernel::LsaOpt { unroll: 4 }.default_grid(chunk_bytes, world, block, sm_count)
             }
             // One 4 KiB run per warp is the same bytes per warp as 8 tiles.
             AlltoallKernel::LsaRun => {
                 AlltoallKernel::LsaOpt { unroll: 8 }.default_grid(chunk_bytes, world, block, sm_count)
             }
+            AlltoallKernel::CeBarrier { .. } => 1,
             _ => sms,
         }
     }
@@ -107,8 +120,9 @@ impl AlltoallKernel {
 /// One all-to-all launch over a window laid out as: send region (`n * chunk_bytes` at
 /// `send_offset`), receive region (`n * chunk_bytes` at `recv_offset`; for double-buffered
 /// kernels a second one at `recv_offset + recv_stride`), the deadline barrier's signal words
-/// (`grid * n` u64 at `signal_offset`) and `LsaOpt`'s flags (`n + 1` u64 at `flag_offset`),
-/// all zero at window creation and used by every later launch with growing epochs.
+/// (`grid * n` u64 at `signal_offset`) and the double-buffered kernels' flags ([`flag_words`]
+/// u64 at `flag_offset`), all zero at window creation and used by every later launch with
+/// growing epochs.
 #[derive(Clone, Copy, Debug)]
 pub struct AlltoallLaunch<'a> {
     pub kernel: AlltoallKernel,
@@ -255,7 +269,7 @@ impl AlltoallLaunch<'_> {
     }
 }
 
-/// u64 flag words at `flag_offset` the double-buffered kernels use: `lsa_opt`'s n signal
+/// u64 flag words at `flag_offset` the double-buffered kernels use: `lsa_count`'s n signal
 /// words and arrival counter, then the `each` kernels' two slots of n counters.
 pub fn flag_words(world: usize) -> usize {
     world + 1 + 2 * world
@@ -304,6 +318,147 @@ pub fn launch_alltoall(rank: &CudaRank, l: &AlltoallLaunch<'_>) -> Result<usize>
     // proved every region the kernel touches lies inside the window.
     unsafe { rank.launch(l.kernel.name(), l.grid, l.kernel.block(l.block), &args)? };
     Ok(filled)
+}
+
+/// Every LSA peer's address of `window` in this process (index: LSA rank), for copies the
+/// host queues: asked from the device once per window (a kernel reads ncclGetLsaPointer at
+/// offset 0; NCCL maps each peer's window contiguously, so offset o of peer p is
+/// `bases[p] + o`), then cached in the window. The first call waits (bounded).
+pub fn lsa_peer_bases<'w>(rank: &CudaRank, window: &'w Window, dev_comm: &DevComm) -> Result<&'w [u64]> {
+    window.lsa_bases(|| {
+        let (_, n) = dev_comm.lsa();
+        let out = rank.alloc(n.max(1) * 8)?;
+        let args = LsaPointerArgs {
+            win: window.raw(),
+            out: out.region().ptr,
+            n: u32::try_from(n).map_err(|_| bad("LSA team", format!("{n} ranks")))?,
+            pad: 0,
+        };
+        // SAFETY: LsaPointerArgs mirrors the kernel parameter (size asserts on both sides);
+        // the window is live and `out` holds n u64 until the download below has waited.
+        unsafe { rank.launch(names::LSA_POINTERS, 1, 32, &args)? };
+        let mut raw = vec![0u8; n * 8];
+        rank.download(out.region().sub(0, n * 8)?, &mut raw)?;
+        let bases: Vec<u64> = raw
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+            .collect();
+        // A null or repeated address would send copies astray: refuse instead.
+        for (p, &b) in bases.iter().enumerate() {
+            if b == 0 || bases[..p].contains(&b) {
+                return Err(Error::Device {
+                    call: "ncclGetLsaPointer".into(),
+                    reason: format!("LSA peer {p}'s window address {b:#x} is null or repeated"),
+                });
+            }
+        }
+        Ok(bases)
+    })
+}
+
+/// One copy-engine all-to-all (`ce` modes) over a window laid out as the LSA kernels' (send
+/// region at `send_offset`, one receive buffer at `recv_offset`, the deadline barrier's
+/// words at `signal_offset`): a start barrier kernel, one device-to-device copy per
+/// destination p from send chunk p to peer p's receive slot for this rank (through the
+/// peer's LSA address of the window, [`lsa_peer_bases`]), then an end barrier kernel. See
+/// "ce" in kernels/alltoall.cu for why the data is at the receivers when the operation ends.
+#[derive(Clone, Copy, Debug)]
+pub struct CeAlltoall<'a> {
+    pub window: &'a Window,
+    pub dev_comm: &'a DevComm,
+    pub send_offset: usize,
+    pub recv_offset: usize,
+    pub signal_offset: usize,
+    pub chunk_bytes: usize,
+    /// `Some`: each remote copy on its own side stream (n - 1 of them at least), forked
+    /// after the start barrier and joined before the end barrier, so several copy engines
+    /// run at once and the local copy overlaps them; `None`: every copy back to back on the
+    /// rank's stream.
+    pub side: Option<&'a SideStreams>,
+}
+
+impl<'a> CeAlltoall<'a> {
+    /// A barrier kernel's launch over the same layout (single-buffered: no flag words).
+    fn barrier(&self, end: bool) -> AlltoallLaunch<'a> {
+        AlltoallLaunch {
+            kernel: AlltoallKernel::CeBarrier { end },
+            window: self.window,
+            dev_comm: self.dev_comm,
+            send_offset: self.send_offset,
+            recv_offset: self.recv_offset,
+            signal_offset: self.signal_offset,
+            recv_stride: 0,
+            flag_offset: 0,
+            chunk_bytes: self.chunk_bytes,
+            grid: 1,
+            block: 32,
+            stamps: None,
+            vflags: 0,
+        }
+    }
+}
+
+/// The copies of one `ce` operation on LSA rank `me` of `n`, in queue order: (destination,
+/// side stream index, or `None` for the rank's stream). Destination (me + 1 + k) % n at step
+/// k: in the serial order every rank writes to a different peer at each step (no receiver
+/// takes two writers while another idles), and the local chunk comes last; `forked`, remote
+/// copy k goes to side stream k and the local one stays on the rank's stream, beside them.
+fn ce_copy_order(me: usize, n: usize, forked: bool) -> impl Iterator<Item = (usize, Option<usize>)> {
+    (0..n).map(move |k| {
+        let p = (me + 1 + k) % n;
+        (p, (forked && p != me).then_some(k))
+    })
+}
+
+/// Queues one copy-engine all-to-all on the rank's stream (checked first, with the bounds
+/// of [`AlltoallLaunch::check`]; its two barrier kernels take an epoch each, so every rank
+/// must queue the same sequence of barrier kernels). Returns the window offset of the
+/// receive buffer it fills, `recv_offset`: single-buffered, with start and end barriers as
+/// `lsa_simple`, so there is no contract on when the caller reads it. The first call on a
+/// window waits to fetch the peers' addresses.
+pub fn ce_alltoall(rank: &CudaRank, c: &CeAlltoall<'_>) -> Result<usize> {
+    let start = c.barrier(false);
+    start.check(rank.info().world)?;
+    // check() proved the LSA team is the whole group.
+    let (me, n) = c.dev_comm.lsa();
+    if let Some(side) = c.side {
+        if side.len() + 1 < n {
+            return Err(bad(
+                "side streams",
+                format!("{} streams for {} remote peers", side.len(), n - 1),
+            ));
+        }
+    }
+    let bases = lsa_peer_bases(rank, c.window, c.dev_comm)?;
+    if bases.len() != n {
+        return Err(bad(
+            "peer addresses",
+            format!("{} for an LSA team of {n}", bases.len()),
+        ));
+    }
+    let send = c.window.region(c.send_offset, c.chunk_bytes * n)?;
+    let slot = (c.recv_offset + me * c.chunk_bytes) as u64;
+    launch_alltoall(rank, &start)?;
+    if let Some(side) = c.side {
+        rank.fork(side)?;
+    }
+    for (p, side_index) in ce_copy_order(me, n, c.side.is_some()) {
+        let src = send.sub(p * c.chunk_bytes, c.chunk_bytes)?;
+        let lane = c.side.zip(side_index);
+        // SAFETY: src is chunk p of this rank's send region (live, inside the window). dst
+        // is this rank's slot in peer p's receive region, through the mapping of peer p's
+        // window in this process; windows are symmetric (same size on every rank) and
+        // check() proved recv_offset + n * chunk_bytes fits in the window, so the range lies
+        // inside that mapping, which lives as long as the borrowed window (callers wait
+        // before dropping it: CudaRank's Drop waits, and the side streams are joined into
+        // the rank's stream). Send and receive regions do not overlap (checked).
+        unsafe { rank.copy_raw_on(lane, bases[p] + slot, src.ptr, c.chunk_bytes)? };
+    }
+    if let Some(side) = c.side {
+        rank.join(side)?;
+    }
+    launch_alltoall(rank, &c.barrier(true))?;
+    Ok(c.recv_offset)
 }
 
 /// Threads and blocks of the pattern kernels: memory-bound grid-stride loops.
@@ -485,5 +640,99 @@ pub fn nccl_alltoall(
                 out.and(end)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The source every all-to-all entry point is defined in.
+    const ALLTOALL_CU: &str = include_str!("../../../../../kernels/alltoall.cu");
+
+    #[test]
+    fn every_alltoall_kernel_maps_to_its_own_entry_point_in_the_source() {
+        let kernels = [
+            AlltoallKernel::LsaSimple,
+            AlltoallKernel::LsaOpt { unroll: 1 },
+            AlltoallKernel::LsaOpt { unroll: 2 },
+            AlltoallKernel::LsaOpt { unroll: 4 },
+            AlltoallKernel::LsaOpt { unroll: 8 },
+            AlltoallKernel::LsaCount,
+            AlltoallKernel::LsaRun,
+            AlltoallKernel::LsaBulk,
+            AlltoallKernel::LsaPull,
+            AlltoallKernel::LsaOptNcclBarrier,
+            AlltoallKernel::CeBarrier { end: false },
+            AlltoallKernel::CeBarrier { end: true },
+        ];
+        let names: Vec<&str> = kernels.iter().map(|k| k.name()).collect();
+        for (i, n) in names.iter().enumerate() {
+            assert!(!names[..i].contains(n), "{n} used twice");
+            // Defined directly or through the GIN_EP_LSA_OPT(NAME, U) macro.
+            assert!(
+                ALLTOALL_CU.contains(&format!(" {n}(const AlltoallArgs a)"))
+                    || ALLTOALL_CU.contains(&format!("GIN_EP_LSA_OPT({n},")),
+                "{n} is not an entry point of kernels/alltoall.cu"
+            );
+        }
+        let pointers = format!(" {}(const LsaPointerArgs a)", names::LSA_POINTERS);
+        assert!(ALLTOALL_CU.contains(&pointers), "{pointers}");
+    }
+
+    #[test]
+    fn ce_barriers_are_one_single_buffered_warp() {
+        for end in [false, true] {
+            let k = AlltoallKernel::CeBarrier { end };
+            assert_eq!((k.block(512), k.default_grid(1 << 30, 4, 512, 132)), (32, 1));
+            assert!(!k.double_buffered());
+        }
+    }
+
+    #[test]
+    fn ce_copies_reach_every_peer_once_local_last_and_spread_receivers_per_step() {
+        for n in 1..=8 {
+            let orders: Vec<Vec<(usize, Option<usize>)>> =
+                (0..n).map(|me| ce_copy_order(me, n, true).collect()).collect();
+            for (me, order) in orders.iter().enumerate() {
+                let mut peers: Vec<usize> = order.iter().map(|c| c.0).collect();
+                assert_eq!(peers.last(), Some(&me), "local chunk last");
+                peers.sort_unstable();
+                assert_eq!(peers, (0..n).collect::<Vec<_>>(), "every destination once");
+                // Remote copy k on side stream k (n - 1 streams), the local one on the rank's.
+                for (k, &(p, side)) in order.iter().enumerate() {
+                    assert_eq!(side, (p != me).then_some(k));
+                }
+                let serial: Vec<Option<usize>> = ce_copy_order(me, n, false).map(|c| c.1).collect();
+                assert!(serial.iter().all(Option::is_none));
+            }
+            for k in 0..n {
+                let mut at_step: Vec<usize> = orders.iter().map(|o| o[k].0).collect();
+                at_step.sort_unstable();
+                assert_eq!(
+                    at_step,
+                    (0..n).collect::<Vec<_>>(),
+                    "step {k} of {n}: one writer each"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn lsa_count_is_double_buffered_and_sized_like_lsa_opt_at_unroll_4() {
+        let opt4 = AlltoallKernel::LsaOpt { unroll: 4 };
+        assert!(AlltoallKernel::LsaCount.double_buffered() && opt4.double_buffered());
+        assert!(!AlltoallKernel::LsaSimple.double_buffered());
+        for chunk in [16, 256 << 10, 64 << 20] {
+            assert_eq!(
+                AlltoallKernel::LsaCount.default_grid(chunk, 4, 512, 132),
+                opt4.default_grid(chunk, 4, 512, 132)
+            );
+        }
+        // Fewer tiles in flight per warp: more CTAs for the same point.
+        assert!(
+            AlltoallKernel::LsaOpt { unroll: 1 }.default_grid(256 << 10, 4, 512, 132)
+                > opt4.default_grid(256 << 10, 4, 512, 132)
+        );
     }
 }

@@ -4,9 +4,9 @@
 //! Owns: every raw CUDA driver and NCCL handle of a rank, each behind a safe owner whose
 //! `Drop` releases it: [`CudaRank`] (context, stream, module, host-mapped error record, NCCL
 //! communicator), [`Window`] (ncclMemAlloc + symmetric registration), [`DevComm`]
-//! (ncclDevCommCreate), [`DeviceBuffer`] (cuMemAlloc), [`Event`]. Never: decides buffer
-//! layouts or which kernel runs (the callers do, through the typed launches in
-//! [`super::ops`]), or waits on the device without a deadline.
+//! (ncclDevCommCreate), [`DeviceBuffer`] (cuMemAlloc), [`Event`], [`SideStreams`]. Never:
+//! decides buffer layouts or which kernel runs (the callers do, through the typed launches
+//! in [`super::ops`]), or waits on the device without a deadline.
 //!
 //! Drop order is carried by reference counts, not by the caller's discipline: windows and
 //! device communicators hold the communicator (`Rc<Comm>`), which holds the context, so a
@@ -19,7 +19,7 @@
 //! ncclDevCommCreate) block inside NCCL, which bounds them with its own bootstrap timeouts;
 //! every wait on the stream is ours and polls with a deadline ([`CudaRank::wait`]).
 
-use std::cell::{Cell, RefCell};
+use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::path::Path;
@@ -389,6 +389,8 @@ pub struct Window {
     raw: ns::ncclWindow_t,
     ptr: sys::CUdeviceptr,
     bytes: usize,
+    /// Every LSA peer's copy as this process maps it (see [`Window::lsa_bases`]).
+    lsa_bases: OnceCell<Vec<u64>>,
     comm: Rc<Comm>,
 }
 
@@ -410,6 +412,18 @@ impl Window {
 
     pub(crate) fn raw(&self) -> ns::ncclWindow_t {
         self.raw
+    }
+
+    /// The device address of every LSA peer's copy of this window in this process (index:
+    /// LSA rank), for copies the host queues: `fetch` asks the device once (only a kernel
+    /// can read the window's descriptor), later calls get the cached answer. The mappings
+    /// live as long as the registration, so borrowing `self` bounds every use.
+    pub(crate) fn lsa_bases(&self, fetch: impl FnOnce() -> Result<Vec<u64>>) -> Result<&[u64]> {
+        if let Some(b) = self.lsa_bases.get() {
+            return Ok(b);
+        }
+        let b = fetch()?;
+        Ok(self.lsa_bases.get_or_init(|| b))
     }
 }
 
@@ -522,6 +536,56 @@ impl Drop for Event {
         // SAFETY: raw is live; destroying a pending event is allowed.
         unsafe {
             let _ = result::event::destroy(self.raw);
+        }
+    }
+}
+
+/// Streams of a rank beside its own, for work that should overlap (copies to several peers
+/// on several copy engines): [`CudaRank::fork`] makes them wait for what the rank's stream
+/// queued so far, [`CudaRank::join`] makes the rank's stream wait for what they queued, so
+/// waiting on the rank's stream covers them. Streams and events are destroyed on drop
+/// (cuStreamDestroy lets queued work finish first).
+pub struct SideStreams {
+    streams: Vec<sys::CUstream>,
+    /// `joined[i]` is recorded on `streams[i]` by [`CudaRank::join`].
+    joined: Vec<sys::CUevent>,
+    /// Recorded on the rank's stream by [`CudaRank::fork`].
+    forked: sys::CUevent,
+    ctx: Arc<CudaContext>,
+}
+
+impl SideStreams {
+    /// How many streams.
+    pub fn len(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// True for none.
+    pub fn is_empty(&self) -> bool {
+        self.streams.is_empty()
+    }
+}
+
+impl std::fmt::Debug for SideStreams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SideStreams")
+            .field("streams", &self.len())
+            .finish()
+    }
+}
+
+impl Drop for SideStreams {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: every handle was created in ctx and is released once; destroying a stream
+        // with queued work, or an event still pending, is allowed.
+        unsafe {
+            for &s in &self.streams {
+                let _ = result::stream::destroy(s);
+            }
+            for &e in self.joined.iter().chain([&self.forked]) {
+                let _ = result::event::destroy(e);
+            }
         }
     }
 }
@@ -802,13 +866,118 @@ impl CudaRank {
     /// Both ranges must be live device memory of this context (or peer-accessible) for
     /// `bytes` until the copy completes, and must not overlap.
     pub unsafe fn copy_raw(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.copy_raw_on(None, dst, src, bytes) }
+    }
+
+    /// [`CudaRank::copy_raw`] on side stream `i` of `side` (`Some((side, i))`, made by this
+    /// rank) or on the rank's stream (`None`).
+    ///
+    /// # Safety
+    /// As [`CudaRank::copy_raw`]; `dst` and `src` may be UVA addresses of peer memory mapped
+    /// into this process.
+    pub(crate) unsafe fn copy_raw_on(
+        &self,
+        side: Option<(&SideStreams, usize)>,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    ) -> Result<()> {
+        let stream = match side {
+            None => self.stream(),
+            Some((s, i)) => {
+                self.check_side(s)?;
+                *s.streams
+                    .get(i)
+                    .ok_or_else(|| Error::input("side stream", format!("index {i} of {} streams", s.len())))?
+            }
+        };
         if bytes == 0 {
             return Ok(());
         }
-        // SAFETY: the caller's contract.
-        cu_raw("cuMemcpyDtoDAsync", unsafe {
-            sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream())
+        // SAFETY: the caller's contract; stream is live (ours, or side's, which we checked
+        // belongs to this context).
+        cu("cuMemcpyDtoDAsync", unsafe {
+            result::memcpy_dtod_async(dst, src, bytes, stream)
         })
+    }
+
+    /// `n` streams beside the rank's own (non-blocking, like it), each with an event, plus
+    /// the event that forks them.
+    pub fn side_streams(&self, n: usize) -> Result<SideStreams> {
+        cu("cuCtxSetCurrent", self.ctx.bind_to_thread())?;
+        let event = || {
+            cu(
+                "cuEventCreate(DISABLE_TIMING)",
+                result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING),
+            )
+        };
+        // Built step by step so that a failure half-way releases what was made.
+        let mut side = SideStreams {
+            streams: Vec::with_capacity(n),
+            joined: Vec::with_capacity(n),
+            forked: event()?,
+            ctx: self.ctx.clone(),
+        };
+        for _ in 0..n {
+            side.streams.push(cu(
+                "cuStreamCreate",
+                result::stream::create(result::stream::StreamKind::NonBlocking),
+            )?);
+            side.joined.push(event()?);
+        }
+        Ok(side)
+    }
+
+    fn check_side(&self, side: &SideStreams) -> Result<()> {
+        if Arc::ptr_eq(&side.ctx, &self.ctx) {
+            Ok(())
+        } else {
+            Err(Error::input(
+                "side streams",
+                format!("made in another context than rank {}'s", self.info.rank),
+            ))
+        }
+    }
+
+    /// Makes every stream of `side` wait for everything queued on the rank's stream so far.
+    pub(crate) fn fork(&self, side: &SideStreams) -> Result<()> {
+        self.check_side(side)?;
+        let forked = side.forked;
+        // SAFETY: the event and every stream are live handles of this context (checked).
+        unsafe {
+            cu(
+                "cuEventRecord(fork)",
+                result::event::record(forked, self.stream()),
+            )?;
+            for &s in &side.streams {
+                cu(
+                    "cuStreamWaitEvent(fork)",
+                    result::stream::wait_event(s, forked, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT),
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes the rank's stream wait for everything queued on the streams of `side` so far.
+    pub(crate) fn join(&self, side: &SideStreams) -> Result<()> {
+        self.check_side(side)?;
+        // SAFETY: as in fork.
+        unsafe {
+            for (&s, &e) in side.streams.iter().zip(&side.joined) {
+                cu("cuEventRecord(join)", result::event::record(e, s))?;
+                cu(
+                    "cuStreamWaitEvent(join)",
+                    result::stream::wait_event(
+                        self.stream(),
+                        e,
+                        sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                    ),
+                )?;
+            }
+        }
+        Ok(())
     }
 
     /// Checks that `[ptr, ptr + bytes)` starts and ends in device memory of this rank's GPU
@@ -1026,6 +1195,7 @@ impl CudaRank {
             raw,
             ptr: ptr as sys::CUdeviceptr,
             bytes,
+            lsa_bases: OnceCell::new(),
             comm: self.comm.clone(),
         })
     }
