@@ -71,6 +71,56 @@ def profiled(fn, iters, rank):
         pstats.Stats(prof).sort_stats("tottime").print_stats(15)
 
 
+class _Timed:
+    """Forwards to gin-ep's native object, summing the host time of each method (--split)."""
+
+    def __init__(self, inner, acc):
+        self._inner, self._acc = inner, acc
+
+    def __getattr__(self, name):
+        f = getattr(self._inner, name)
+        if not callable(f):
+            return f
+
+        def call(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kw)
+            finally:
+                self._acc[name] = self._acc.get(name, 0.0) + time.perf_counter() - t0
+        return call
+
+
+def split(buf, fn, iters, rank, label):
+    """Rank 0 prints host us per call spent in gin-ep's native calls vs the rest."""
+    from gin_ep import _gpu
+    acc = {}
+    inner = buf._gpu.ep
+    buf._gpu.ep = _Timed(inner, acc)
+    real_empty, real_stream = _gpu.empty, _gpu.stream
+
+    def timed_of(name, f):
+        def g(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kw)
+            finally:
+                acc[name] = acc.get(name, 0.0) + time.perf_counter() - t0
+        return g
+    _gpu.empty, _gpu.stream = timed_of("torch.empty", real_empty), timed_of("current_stream", real_stream)
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    total = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    buf._gpu.ep, _gpu.empty, _gpu.stream = inner, real_empty, real_stream
+    if rank == 0:
+        parts = ", ".join(f"{k} {v / iters * 1e6:.1f}" for k, v in sorted(acc.items()))
+        print(f"host split {label}: total {total / iters * 1e6:.1f} us/call; {parts}")
+
+
 def worker(rank, world, init, a):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
@@ -106,6 +156,8 @@ def worker(rank, world, init, a):
         rows.append((name,) + timed(lld, a.iters))
         if a.profile:
             profiled(lld, a.iters, rank)
+        if a.split:
+            split(buf, lld, a.iters, rank, name)
         # The newest dispatch's handle (LL alternates two buffer sets).
         _, _, lh, _, _ = out["l"]
 
@@ -140,6 +192,8 @@ def main():
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--graphs", action="store_true", help="also replay LL dispatch + combine as a CUDA graph")
     p.add_argument("--profile", action="store_true", help="rank 0 prints a cProfile of the LL dispatch calls")
+    p.add_argument("--split", action="store_true",
+                   help="rank 0 prints the host time of the LL dispatch calls spent in native calls vs the rest")
     a = p.parse_args()
     if a.world < 2:
         sys.exit("needs at least 2 GPUs")

@@ -26,9 +26,9 @@ pub struct AlltoallArgs {
     #[arg(short = 'f', long, default_value_t = 2)]
     pub factor: usize,
     /// Comma list of modes: nccl, ce, ce-serial, lsa-simple, lsa-opt, lsa-count, lsa-run,
-    /// lsa-bulk, lsa-pull, lsa-opt-ncclbar, gin, hybrid, or all [default: all but lsa-opt-ncclbar and
-    /// ce-serial]. ce: the copy engine does the same all-to-all (one copy per peer, each on
-    /// its own stream; ce-serial: one stream).
+    /// lsa-bulk, lsa-pull, lsa-opt-ncclbar, gin, hybrid, or all [default: all but
+    /// lsa-opt-ncclbar]. ce: the copy engine does the same all-to-all (one copy per peer, each
+    /// on its own stream; ce-serial: one stream, in rotation order).
     #[arg(long)]
     pub modes: Option<String>,
     /// Timed iterations per point.
