@@ -79,7 +79,7 @@ def span(t: Optional[torch.Tensor]):
     (gin-ep checks it is device memory of this GPU and large enough), or None."""
     if t is None:
         return None
-    return (t.data_ptr(), t.numel() * t.element_size())
+    return (t.data_ptr(), nbytes(t))
 
 
 def as_i64(t: torch.Tensor) -> torch.Tensor:

@@ -956,8 +956,8 @@ impl CudaHt {
         // callers wait before dropping it, and CudaRank's Drop waits), the rank's host-mapped
         // error record, or a caller-owned span of HtIo (device memory of this GPU per
         // CudaRank::external, sized for the operation per check_io, kept alive by its owner
-        // until the stream passes the launch); offsets come from HtLayout, which sized the window for this config;
-        // num_tokens <= max_tokens_per_rank was checked by the caller.
+        // until the stream passes the launch); offsets come from HtLayout, which sized the
+        // window for this config; num_tokens <= max_tokens_per_rank was checked by the caller.
         unsafe { rank.launch(name, grid, block, args) }
     }
 

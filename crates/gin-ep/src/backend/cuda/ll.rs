@@ -513,52 +513,6 @@ pub struct LlIo {
     pub combined: Option<ExternalSpan>,
 }
 
-/// A buffer of one [`CudaLl`] set that an embedding copies into or out of on its stream
-/// ([`CudaLl::buffer`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LlBuf {
-    /// Dispatch input `[T, H]` BF16, `[T, K]` i64 ids, `[T, K]` f32 weights.
-    X,
-    TopkIdx,
-    Weights,
-    /// Combine input `[L, R*T, H]` BF16.
-    Y,
-    /// Dispatch outputs: rows `[L, R*T, ...]`, f32 scales, packed UE8M0 scales, `[L]` i32
-    /// counts, `[L, R]` (first, count) u32 pairs.
-    RecvX,
-    RecvScales,
-    RecvUe8m0,
-    RecvCount,
-    LayoutRange,
-    /// `[L * R*T]` i32 source rank and token of each row (-1: not valid).
-    SrcRank,
-    SrcToken,
-    /// Combine output `[T, H]` BF16.
-    Combined,
-}
-
-impl LlBuf {
-    /// From its lower-case name (`x`, `topk_idx`, `weights`, `y`, `recv_x`, `recv_scales`,
-    /// `recv_ue8m0`, `recv_count`, `layout_range`, `src_rank`, `src_token`, `combined`).
-    pub fn parse(name: &str) -> Result<LlBuf> {
-        Ok(match name {
-            "x" => LlBuf::X,
-            "topk_idx" => LlBuf::TopkIdx,
-            "weights" => LlBuf::Weights,
-            "y" => LlBuf::Y,
-            "recv_x" => LlBuf::RecvX,
-            "recv_scales" => LlBuf::RecvScales,
-            "recv_ue8m0" => LlBuf::RecvUe8m0,
-            "recv_count" => LlBuf::RecvCount,
-            "layout_range" => LlBuf::LayoutRange,
-            "src_rank" => LlBuf::SrcRank,
-            "src_token" => LlBuf::SrcToken,
-            "combined" => LlBuf::Combined,
-            other => return Err(Error::input("LL buffer", format!("unknown name `{other}`"))),
-        })
-    }
-}
-
 /// A captured CUDA graph, instantiated; destroyed on drop.
 pub struct Graph {
     exec: sys::CUgraphExec,
@@ -790,27 +744,8 @@ impl<'r> CudaLl<'r> {
         Ok(())
     }
 
-    /// The device memory of `which` in `set`, for copies on the rank's stream.
-    pub fn buffer(&self, set: usize, which: LlBuf) -> Result<DeviceRegion<'_>> {
-        let s = self.set(set)?;
-        Ok(match which {
-            LlBuf::X => s.x.region(),
-            LlBuf::TopkIdx => s.topk_idx.region(),
-            LlBuf::Weights => s.weights.region(),
-            LlBuf::Y => s.y.region(),
-            LlBuf::RecvX => s.recv_x.region(),
-            LlBuf::RecvScales => s.recv_scales.region(),
-            LlBuf::RecvUe8m0 => s.recv_ue8m0.region(),
-            LlBuf::RecvCount => s.recv_count.region(),
-            LlBuf::LayoutRange => s.layout_range.region(),
-            LlBuf::SrcRank => s.src_rank.region(),
-            LlBuf::SrcToken => s.src_token.region(),
-            LlBuf::Combined => s.combined.region(),
-        })
-    }
-
-    /// Declares that `set`'s input buffers now hold `n` tokens (written by the caller with
-    /// device copies, not [`CudaLl::upload_input`]). The ids are not checked on the host.
+    /// Declares that `set`'s input holds `n` tokens (caller-owned memory bound with
+    /// [`CudaLl::set_io`], not [`CudaLl::upload_input`]). The ids are not checked on the host.
     pub fn set_num_tokens(&mut self, set: usize, n: usize) -> Result<()> {
         self.set(set)?;
         if n > self.cfg.max_tokens_per_rank {
