@@ -16,9 +16,18 @@
 //   The receiver expands each staged record into the expert-major output: expert e, row
 //   first[e][s] + pos, first[e][s] = sum over s' < s of s'-counts of e: source rank
 //   ascending, then token ascending, exactly the oracle's order.
-// - Combine: the expert rank writes valid row (e, i) to rank src_rank's combine buffer at
-//   [src_token][src_k]; the source reduces acc = fma(w[t][k], y, acc) for k ascending,
-//   masked entries skipped, from +0, rounded once to BF16.
+// - Combine, order `topk` (LlArgs::comb_order): the expert rank writes valid row (e, i) to
+//   rank src_rank's combine buffer at [src_token][src_k]; the source reduces
+//   acc = fma(w[t][k], y, acc) for k ascending, masked entries skipped, from +0, rounded once
+//   to BF16.
+// - Combine, order `rank-first`: every source first pushes its top-k weights into every
+//   rank's weights area ([src][T][K] f32, signal kCombWts). The expert rank walks the
+//   records of the last dispatch on the set (comb_map, written by dispatch-recv: source,
+//   token, local row per k), sums fma(w[k], y[row_k], acc) for its own k ascending from +0,
+//   rounds that partial to BF16 and writes it to the source's combine buffer at [t][me]. The
+//   source adds the partials of the ranks holding the token's experts in rank order (f32,
+//   from +0) and rounds once more. One row per (token, rank) crosses a link instead of one per
+//   (token, k). oracle::LlReducer defines both orders.
 //
 // Signals (per buffer set, in the window; u64, monotonic, never reset):
 //   word [kind][src] of rank r is written only by rank src (red.add.release.sys, +1 per CTA
@@ -32,6 +41,10 @@
 //     expert rank "combine buffer free").
 //   - kDispCnt[src] at receiver r (variant `early` only): CTA 0 of src adds 1 after writing
 //     meta[src] at r (after op n: n); the receiver then waits per source for kDispSig.
+//   - kCombWts[src] at expert rank r (order `rank-first` only): CTA 0 of src adds 1 after
+//     writing its weights into r's area (after op n: n). No credit is needed: r reads them in
+//     its combine send, before its kCombSig, and src's next combine on the set starts only
+//     after src's reduce saw that kCombSig.
 //   So no barrier sits on the critical path, no flag is ever cleared, and any sequence of
 //   dispatches and combines on a set is safe (double buffering = two sets, used alternately).
 // - The op number n of a set lives on the device (LlArgs::state), so a CUDA graph replays
@@ -58,14 +71,20 @@ constexpr uint32_t kPhaseDispatchCredit = 16;  // send waits until r has read it
 constexpr uint32_t kPhaseDispatchRecv = 17;    // recv waits for sources' data
 constexpr uint32_t kPhaseCombineCredit = 18;   // send waits until the source freed its buffer
 constexpr uint32_t kPhaseCombineRecv = 19;     // reduce waits for expert ranks' rows
+constexpr uint32_t kPhaseCombineWeights = 20;  // rank-first send waits for sources' weights
 
 // Signal kinds ([kind][src] u64 words at sig_offset of a set). kDispCnt: CTA 0 of src adds 1
 // after writing meta[src] at r (variant `early` only; after op n it holds n).
-constexpr int kDispSig = 0, kDispAck = 1, kCombSig = 2, kCombAck = 3, kDispCnt = 4;
-constexpr int kSigKinds = 5;  // host: ll.rs SIG_KINDS (sig words [kSigKinds][R])
-static_assert(kDispCnt < kSigKinds, "signal kinds");
-// Words of LlArgs::state (local device memory of a set, zeroed at creation).
-constexpr int kDispOps = 0, kDispDone = 1, kCombOps = 2, kCombDone = 3;
+constexpr int kDispSig = 0, kDispAck = 1, kCombSig = 2, kCombAck = 3, kDispCnt = 4, kCombWts = 5;
+constexpr int kSigKinds = 6;  // host: ll.rs SIG_KINDS (sig words [kSigKinds][R])
+static_assert(kCombWts < kSigKinds, "signal kinds");
+// Words of LlArgs::state (local device memory of a set, zeroed at creation). kRecords: the
+// records (staged tokens) of the last dispatch on the set, the rows of comb_map.
+constexpr int kDispOps = 0, kDispDone = 1, kCombOps = 2, kCombDone = 3, kRecords = 4;
+constexpr int kStateWords = 8;  // host: ll.rs STATE_WORDS
+
+// LlArgs::comb_order (host: LlCombineOrder in config.rs).
+constexpr uint32_t kCombOrderTopk = 0, kCombOrderRankFirst = 1;
 
 enum Dtype : int32_t { kBf16 = 0, kFp8 = 1, kFp8Ue8m0 = 2 };
 
@@ -110,10 +129,16 @@ struct LlArgs {
   int32_t* stats;              // [L] i32 cumulative receive counts (+= recv_count), or null
   uint32_t scales_col_major;   // 1: recv_scales is [L][H/128][R*T] (DeepEP), 0: [L][R*T][H/128]
   uint32_t pad2_;
+  // Order `rank-first` (kCombOrderRankFirst); unused by `topk`:
+  uint64_t wts_offset;         // relative to set_offset: [R src][T][K] f32 top-k weights
+  int32_t* comb_map;           // [R*T][K + 2] i32 per staged record: source, token, row per k (-1)
+  uint32_t comb_order;         // kCombOrder*
+  uint32_t pad3_;
 };
-static_assert(sizeof(LlArgs) == 456 && offsetof(LlArgs, err) == 368 && offsetof(LlArgs, flags) == 408 &&
+static_assert(sizeof(LlArgs) == 480 && offsetof(LlArgs, err) == 368 && offsetof(LlArgs, flags) == 408 &&
                   offsetof(LlArgs, stamps) == 416 && offsetof(LlArgs, user_count) == 424 &&
-                  offsetof(LlArgs, scales_col_major) == 448,
+                  offsetof(LlArgs, scales_col_major) == 448 && offsetof(LlArgs, wts_offset) == 456 &&
+                  offsetof(LlArgs, comb_order) == 472,
               "mirrored in backend/cuda/ll.rs");
 
 // Device timestamps (globaltimer ns), one row of kStampSlots per CTA, written by thread 0 at
@@ -124,13 +149,13 @@ static_assert(sizeof(LlArgs) == 456 && offsetof(LlArgs, err) == 368 && offsetof(
 // start), counts known (prefix table ready), all sources' data seen (not in `early`: waits
 // are per warp and source there), expand done (barrier before the credit), end.
 // Combine: start, credit seen, last row stored, signal added, reduce start, all rows seen,
-// reduce done (barrier before the credit), end.
+// reduce done (barrier before the credit), end; `rank-first` adds: weights seen.
 constexpr int kStDispStart = 0, kStDispLayout = 1, kStDispCredit = 2, kStDispSent = 3, kStDispSignaled = 4,
               kStDispRecv = 5, kStDispCounts = 6, kStDispSeen = 7, kStDispExpanded = 8, kStDispEnd = 9;
 constexpr int kStCombStart = 10, kStCombCredit = 11, kStCombSent = 12, kStCombSignaled = 13, kStCombRecv = 14,
-              kStCombSeen = 15, kStCombReduced = 16, kStCombEnd = 17;
+              kStCombSeen = 15, kStCombReduced = 16, kStCombEnd = 17, kStCombWeights = 18;
 constexpr int kStampSlots = 20;
-static_assert(kStCombEnd < kStampSlots, "stamps");
+static_assert(kStCombWeights < kStampSlots, "stamps");
 
 // Variants (LlArgs::flags; host: LlVariant in ll.rs). Each changes only how work is spread
 // and when loads are issued, never an arithmetic order: every variant is bit-exact.
@@ -161,7 +186,7 @@ __device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
 
 // Thread 0 of the CTA records the time in slot `slot` of this CTA's stamp row (when asked).
 __device__ __forceinline__ void stamp(const LlArgs& a, int slot) {
-  if (a.stamps != nullptr && threadIdx.x == 0) a.stamps[size_t(blockIdx.x) * kStampSlots + slot] = globaltimer_ns();
+  if (a.stamps != nullptr && threadIdx.x == 0 && slot >= 0) a.stamps[size_t(blockIdx.x) * kStampSlots + slot] = globaltimer_ns();
 }
 
 __device__ __forceinline__ uint32_t ld_volatile_u32(const uint32_t* p) {
@@ -211,7 +236,7 @@ __device__ bool wait_all_peers(const LlArgs& a, int kind, uint64_t target, uint3
 // Every thread of the CTA: after this CTA's stores (or reads) of a phase, add 1 to word
 // [kind][me] at every peer. The bar.sync orders the whole CTA's accesses before the fence
 // and the release add, which are cumulative at system scope. Stamps `before` after the
-// barrier and `after` once thread 0 added its word.
+// barrier and `after` once thread 0 added its word (-1: no stamp).
 __device__ void signal_all_peers(const LlArgs& a, int kind, int before, int after) {
   __syncthreads();
   stamp(a, before);
@@ -567,6 +592,8 @@ __device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
   }
   __syncthreads();
   stamp(a, kStDispCounts);
+  // Records of this dispatch (rows of comb_map); read by the next combine on this set.
+  if (blockIdx.x == 0 && threadIdx.x == 0) a.state[kRecords] = start[R];
 
   const int lane = threadIdx.x & 31;
   const int units = (H + kDispatchUnit - 1) / kDispatchUnit;
@@ -651,6 +678,15 @@ __device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
         a.src_token[row] = cur.tok;
         a.src_k[row] = k;
       }
+      if (u == 0 && k < K && a.comb_map != nullptr) {
+        // Rank-first combine walks the records: source, token, then the row of every k.
+        int32_t* m = a.comb_map + size_t(item / units) * (K + 2);
+        if (k == 0) {
+          m[0] = s;
+          m[1] = cur.tok;
+        }
+        m[2 + k] = int32_t(row);
+      }
       uint32_t todo = __ballot_sync(0xffffffffu, row >= 0);
       while (todo != 0) {
         const int src_lane = __ffs(todo) - 1;
@@ -698,7 +734,104 @@ struct CombUnit {
   int32_t s, t, k;
 };
 
+// Rank-first combine send (see the head of this file): one partial row per record.
+constexpr int kPartialVecs = 2;                        // vectors of 8 bf16 per lane and row
+constexpr int kPartialUnit = 32 * 8 * kPartialVecs;    // channels per warp item
+constexpr int kPartialBatch = 4;                       // rows loaded before the fma chain
+
+__device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
+  const int R = a.comm.lsaSize, me = a.comm.lsaRank;
+  const int K = a.topk, H = a.hidden, T = a.max_tokens, N = a.num_tokens;
+  stamp(a, kStCombStart);
+  if (blockIdx.x == 0) {
+    // Our weights into every rank's [me] slot (4 KB at 128 tokens x top-8), then one signal
+    // per rank. Each value is loaded once and stored to every rank, starting at a different
+    // rank per thread so the first stores spread over the links.
+    const size_t nw = size_t(N) * K;
+    const size_t slot = a.set_offset + a.wts_offset + size_t(me) * T * K * sizeof(float);
+    for (size_t i = threadIdx.x; i < nw; i += blockDim.x) {
+      const float v = a.topk_weights[i];
+      for (int j = 0; j < R; ++j) {
+        const int p = (me + 1 + j + int(i)) % R;
+        reinterpret_cast<float*>(lsa_ptr(a.win, slot, p))[i] = v;
+      }
+    }
+    signal_all_peers(a, kCombWts, -1, -1);
+  }
+  // Credit: every source rank has reduced the previous combine of this set.
+  if (!wait_all_peers(a, kCombAck, uint64_t(n - 1) * gridDim.x, kPhaseCombineCredit)) return false;
+  stamp(a, kStCombCredit);
+  if (!wait_all_peers(a, kCombWts, uint64_t(n), kPhaseCombineWeights)) return false;
+  stamp(a, kStCombWeights);
+
+  const int lane = threadIdx.x & 31;
+  const int KM = K + 2;
+  const uint32_t records = min(ld_volatile_u32(&a.state[kRecords]), uint32_t(R) * uint32_t(T));
+  const int units = (H + kPartialUnit - 1) / kPartialUnit;
+  const size_t items = size_t(records) * units;
+  const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
+  const float* wts = reinterpret_cast<const float*>(lsa_ptr(a.win, a.set_offset + a.wts_offset, me));
+  for (size_t item = warp; item < items; item += warps) {
+    const int32_t* m = a.comb_map + size_t(item / units) * KM;
+    const int s = m[0], t = m[1];  // warp-uniform (broadcast loads)
+    if (s < 0 || s >= R || t < 0 || t >= T) continue;  // never, for a map our dispatch wrote
+    const int c0 = int(item % units) * kPartialUnit + lane * 8;
+    float acc[8 * kPartialVecs];
+#pragma unroll
+    for (int i = 0; i < 8 * kPartialVecs; ++i) acc[i] = 0.0f;  // +0, as the oracle
+    for (int k0 = 0; k0 < K; k0 += kPartialBatch) {
+      uint4 v[kPartialBatch][kPartialVecs];
+      float w[kPartialBatch];
+      bool use[kPartialBatch];
+      // All loads of the batch first, so their latencies overlap.
+#pragma unroll
+      for (int b = 0; b < kPartialBatch; ++b) {
+        const int k = k0 + b;
+        const int32_t row = k < K ? m[2 + k] : -1;
+        use[b] = row >= 0;
+        w[b] = use[b] ? wts[(size_t(s) * T + t) * K + k] : 0.0f;
+        const uint16_t* y = a.y + size_t(use[b] ? row : 0) * H;
+#pragma unroll
+        for (int i = 0; i < kPartialVecs; ++i) {
+          const int ch = c0 + i * 256;
+          v[b][i] = use[b] && ch < H ? ld_nc_v4(reinterpret_cast<const uint4*>(y + ch)) : make_uint4(0, 0, 0, 0);
+        }
+      }
+      // The fma chain in ascending k over this rank's experts only (the others are -1).
+#pragma unroll
+      for (int b = 0; b < kPartialBatch; ++b) {
+        if (!use[b]) continue;
+#pragma unroll
+        for (int i = 0; i < kPartialVecs; ++i) {
+          const uint32_t wv[4] = {v[b][i].x, v[b][i].y, v[b][i].z, v[b][i].w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            float* x = acc + i * 8 + 2 * j;
+            x[0] = __fmaf_rn(w[b], bf16_bits_to_f32(wv[j] & 0xffffu), x[0]);
+            x[1] = __fmaf_rn(w[b], bf16_bits_to_f32(wv[j] >> 16), x[1]);
+          }
+        }
+      }
+    }
+    char* dst = lsa_ptr(a.win, a.set_offset + a.comb_offset + (size_t(t) * R + me) * size_t(H) * 2, s);
+#pragma unroll
+    for (int i = 0; i < kPartialVecs; ++i) {
+      const int ch = c0 + i * 256;
+      const float* x = acc + i * 8;
+      if (ch < H) {
+        st_v4(reinterpret_cast<uint4*>(dst + size_t(ch) * 2),
+              make_uint4(f32x2_to_bf16x2(x[0], x[1]), f32x2_to_bf16x2(x[2], x[3]), f32x2_to_bf16x2(x[4], x[5]),
+                         f32x2_to_bf16x2(x[6], x[7])));
+      }
+    }
+  }
+  signal_all_peers(a, kCombSig, kStCombSent, kStCombSignaled);
+  return true;
+}
+
 __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
+  if (a.comb_order == kCombOrderRankFirst) return combine_send_rank_first(a, n);
   const int R = a.comm.lsaSize;
   const int K = a.topk, E = a.experts, L = E / R, H = a.hidden, T = a.max_tokens;
   const size_t cap = size_t(R) * T;
@@ -770,11 +903,54 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
 constexpr int kReduceUnit = 256;  // one vector of 8 bf16 per lane
 constexpr int kReduceBatch = 8;   // rows loaded before the fma chain consumes them
 
+// Rank-first reduce of token t, channels c..c+8 of this lane: the partials of the ranks
+// holding the token's experts (from topk_idx), rank ascending, f32 adds from +0.
+__device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* comb, int t, int c, float* acc) {
+  const int K = a.topk, H = a.hidden, R = a.comm.lsaSize, L = a.experts / R;
+  const int lane = threadIdx.x & 31;
+  // Bit r: rank r holds one of the token's experts (every lane gets the whole mask).
+  uint32_t lo = 0, hi = 0;
+  for (int k = lane; k < K; k += 32) {
+    const int64_t e = a.topk_idx[size_t(t) * K + k];
+    if (e >= 0 && e < a.experts) {
+      const int r = int(e / L);
+      if (r < 32) lo |= 1u << r; else hi |= 1u << (r - 32);
+    }
+  }
+  uint64_t mask = uint64_t(__reduce_or_sync(0xffffffffu, lo)) | (uint64_t(__reduce_or_sync(0xffffffffu, hi)) << 32);
+  while (mask != 0) {
+    uint4 v[kReduceBatch];
+    int nb = 0;
+    // Loads of up to kReduceBatch ranks first, then the adds in the same (ascending) order.
+#pragma unroll
+    for (int b = 0; b < kReduceBatch; ++b) {
+      v[b] = make_uint4(0, 0, 0, 0);
+      if (mask != 0) {
+        const int r = __ffsll(static_cast<long long>(mask)) - 1;
+        mask &= mask - 1;
+        if (c < H) v[b] = ld_v4(reinterpret_cast<const uint4*>(comb + ((size_t(t) * R + r) * H + c) * 2));
+        nb = b + 1;
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kReduceBatch; ++b) {
+      if (b >= nb) break;
+      const uint32_t wv[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        acc[2 * j] = __fadd_rn(acc[2 * j], bf16_bits_to_f32(wv[j] & 0xffffu));
+        acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], bf16_bits_to_f32(wv[j] >> 16));
+      }
+    }
+  }
+}
+
 __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
   const int N = a.num_tokens, K = a.topk, H = a.hidden, me = a.comm.lsaRank;
   stamp(a, kStCombRecv);
   if (!wait_all_peers(a, kCombSig, uint64_t(n) * gridDim.x, kPhaseCombineRecv)) return false;
   stamp(a, kStCombSeen);
+  const bool rank_first = a.comb_order == kCombOrderRankFirst;
   const int lane = threadIdx.x & 31;
   const int units = (H + kReduceUnit - 1) / kReduceUnit;
   const size_t items = size_t(N) * units;
@@ -790,7 +966,8 @@ __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
     float acc[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] = 0.0f;  // +0, as the oracle
-    for (int k0 = 0; k0 < K; k0 += kReduceBatch) {
+    if (rank_first) reduce_rank_first(a, comb, t, c, acc);
+    for (int k0 = 0; k0 < K && !rank_first; k0 += kReduceBatch) {
       uint4 v[kReduceBatch];
       float w[kReduceBatch];
       bool use[kReduceBatch];

@@ -196,11 +196,12 @@ class Gpu:
 
     # -------------------------------------------------------------- LL
 
-    def ll(self, hidden, topk, experts, max_tokens, dtype, num_rdma_bytes):
-        key = (hidden, topk, experts, max_tokens, dtype)
+    def ll(self, hidden, topk, experts, max_tokens, dtype, num_rdma_bytes, order="topk"):
+        key = (hidden, topk, experts, max_tokens, dtype, order)
         l = self.lls.get(key)
         if l is None:
-            cfg = _native.EpConfig(self.group_size, experts, hidden, topk, max_tokens, dtype)
+            cfg = _native.EpConfig(self.group_size, experts, hidden, topk, max_tokens, dtype,
+                                   ll_combine_order=order)
             need = _native.gpu_ll_bytes(cfg)
             if need > num_rdma_bytes:
                 raise ValueError(

@@ -104,7 +104,9 @@ struct PyEpConfig {
 #[pymethods]
 impl PyEpConfig {
     #[new]
-    #[pyo3(signature = (ranks, experts, hidden, topk, max_tokens_per_rank, dtype = "bf16", expert_alignment = 1))]
+    #[pyo3(signature = (ranks, experts, hidden, topk, max_tokens_per_rank, dtype = "bf16", expert_alignment = 1,
+                        ll_combine_order = "topk"))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         ranks: usize,
         experts: usize,
@@ -113,11 +115,13 @@ impl PyEpConfig {
         max_tokens_per_rank: usize,
         dtype: &str,
         expert_alignment: usize,
+        ll_combine_order: &str,
     ) -> PyResult<Self> {
         guard(|| {
             let cfg = gin_ep::EpConfig::new(ranks, experts, hidden, topk, max_tokens_per_rank)
                 .with_dtype(DispatchDtype::parse(dtype).map_err(to_py)?)
-                .with_alignment(expert_alignment);
+                .with_alignment(expert_alignment)
+                .with_ll_combine_order(gin_ep::LlCombineOrder::parse(ll_combine_order).map_err(to_py)?);
             cfg.validate().map_err(to_py)?;
             Ok(PyEpConfig { cfg })
         })
@@ -130,6 +134,11 @@ impl PyEpConfig {
     #[getter]
     fn experts(&self) -> usize {
         self.cfg.experts
+    }
+    /// `topk` or `rank-first` (see `Buffer(ll_combine_order=...)`).
+    #[getter]
+    fn ll_combine_order(&self) -> &'static str {
+        self.cfg.ll_combine_order.name()
     }
     #[getter]
     fn hidden(&self) -> usize {

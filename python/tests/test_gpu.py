@@ -151,9 +151,14 @@ def ll_worker(rank, world):
         g = torch.Generator().manual_seed(500 + r)
         return torch.randn(local, world * T, HIDDEN, generator=g).to(torch.bfloat16)
 
-    for dtype, use_fp8, round_scale, hook_path in [
-            ("bf16", False, False, False), ("fp8", True, False, True), ("fp8-ue8m0", True, True, False)]:
-        cfg = _native.EpConfig(world, experts, HIDDEN, TOPK, T, dtype)
+    # Both combine orders: "topk" (DeepEP's arithmetic) and "rank-first" (pre-reduced on the
+    # expert rank); each is bit-exact with the oracle for its order.
+    runs = [("bf16", False, False, False, "topk"), ("fp8", True, False, True, "topk"),
+            ("fp8-ue8m0", True, True, False, "topk"), ("bf16", False, False, False, "rank-first"),
+            ("fp8", True, False, True, "rank-first")]
+    for dtype, use_fp8, round_scale, hook_path, order in runs:
+        buf.ll_combine_order = order
+        cfg = _native.EpConfig(world, experts, HIDDEN, TOPK, T, dtype, ll_combine_order=order)
         ref = _native.oracle_ll_dispatch(cfg, [to_bytes(i[0]) for i in inputs], [to_bytes(i[1]) for i in inputs])
         rx, rs, rcount, _ = ref[rank]
         recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(
@@ -196,10 +201,11 @@ def ll_worker(rank, world):
             ev.current_stream_wait()
         else:
             out, ev, _ = buf.low_latency_combine(y_of(rank).to(dev), idx.to(dev), w.to(dev), handle)
-        same_bits(f"{dtype} combined_x", cpu(out), want_c)
-    assert stats.sum().item() == 3 * sum(int(((i[1] >= 0) & (i[1] // local == rank)).sum()) for i in inputs)
+        same_bits(f"{dtype} {order} combined_x", cpu(out), want_c)
+    assert stats.sum().item() == len(runs) * sum(int(((i[1] >= 0) & (i[1] // local == rank)).sum()) for i in inputs)
 
     # A CUDA graph of LL dispatch + combine replays with the same results.
+    buf.ll_combine_order = "topk"
     cfg = _native.EpConfig(world, experts, HIDDEN, TOPK, T, "bf16")
     ref = _native.oracle_ll_dispatch(cfg, [to_bytes(i[0]) for i in inputs], [to_bytes(i[1]) for i in inputs])
     cref = _native.oracle_ll_combine(cfg, [ref[r][3] for r in range(world)],

@@ -25,9 +25,14 @@ def ll_worker(rank, world):
     buf.clean_low_latency_buffer(T, HIDDEN, experts)
     stats = torch.zeros(local, dtype=torch.int32)
 
-    for dtype, use_fp8, round_scale, hook_path in [
-        ("bf16", False, False, False), ("fp8", True, False, True), ("fp8-ue8m0", True, True, False)]:
-        cfg = _native.EpConfig(world, experts, HIDDEN, TOPK, T, dtype)
+    # Both combine orders: "topk" (DeepEP's arithmetic) and "rank-first" (pre-reduced on the
+    # expert rank); each is bit-exact with the oracle for its order.
+    runs = [("bf16", False, False, False, "topk"), ("fp8", True, False, True, "topk"),
+            ("fp8-ue8m0", True, True, False, "topk"), ("bf16", False, False, False, "rank-first"),
+            ("fp8", True, False, True, "rank-first")]
+    for dtype, use_fp8, round_scale, hook_path, order in runs:
+        buf.ll_combine_order = order
+        cfg = _native.EpConfig(world, experts, HIDDEN, TOPK, T, dtype, ll_combine_order=order)
         ref = _native.oracle_ll_dispatch(cfg, [to_bytes(i[0]) for i in inputs], [to_bytes(i[1]) for i in inputs])
         rx, rs, rcount, _ = ref[rank]
         recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(
@@ -67,6 +72,13 @@ def ll_worker(rank, world):
                                          [to_bytes(y_of(r)) for r in range(world)],
                                          [to_bytes(i[1]) for i in inputs], [to_bytes(i[2]) for i in inputs])
         want_c = from_bytes(cref[rank], torch.bfloat16, (tokens[rank], HIDDEN))
+        if order == "rank-first" and tokens[rank] > 0:
+            # The orders must round differently somewhere here, or this run proves nothing.
+            tcfg = _native.EpConfig(world, experts, HIDDEN, TOPK, T, dtype)
+            tref = _native.oracle_ll_combine(tcfg, [ref[r][3] for r in range(world)],
+                                             [to_bytes(y_of(r)) for r in range(world)],
+                                             [to_bytes(i[1]) for i in inputs], [to_bytes(i[2]) for i in inputs])
+            assert tref[rank] != cref[rank], "rank-first and topk oracles agree on every value"
         if hook_path:
             # Zero-copy combine through the next combine buffer, with a hook.
             buf.get_next_low_latency_combine_buffer(handle).copy_(y_of(rank))
@@ -80,10 +92,10 @@ def ll_worker(rank, world):
             ev.current_stream_wait()
         else:
             out, ev, chook = buf.low_latency_combine(y_of(rank), idx, w, handle)
-        same_bits(f"{dtype} combined_x", out, want_c)
+        same_bits(f"{dtype} {order} combined_x", out, want_c)
 
     # Every dispatch added its counts to the statistics.
-    assert stats.sum().item() == 3 * sum(
+    assert stats.sum().item() == len(runs) * sum(
         int(((i[1] >= 0) & (i[1] // local == rank)).sum()) for i in inputs)
 
     with pytest.raises(NotImplementedError, match="use_ue8m0"):

@@ -60,6 +60,10 @@ pub struct BenchArgs {
     /// HT per-expert receive counts are rounded up to a multiple of this.
     #[arg(long, default_value_t = 1)]
     pub alignment: usize,
+    /// LL combine summation order: topk (one row per token and expert crosses back) or
+    /// rank-first (each expert rank pre-reduces its experts: one row per token and rank).
+    #[arg(long, default_value = "topk")]
+    pub ll_combine_order: String,
     /// Timed iterations [default: 5].
     #[arg(long)]
     pub iters: Option<usize>,
@@ -135,9 +139,11 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
     let routing = Routing::parse(&a.routing).map_err(lib_err)?;
     let tokens = a.tokens.unwrap_or(tokens_d);
     let max_tokens = a.max_tokens.unwrap_or(tokens);
+    let order = gin_ep::LlCombineOrder::parse(&a.ll_combine_order).map_err(lib_err)?;
     let cfg = EpConfig::new(ranks, a.experts, a.hidden, a.topk, max_tokens)
         .with_dtype(dtype)
-        .with_alignment(a.alignment);
+        .with_alignment(a.alignment)
+        .with_ll_combine_order(order);
     cfg.validate().map_err(lib_err)?;
     if a.gpus.is_none() {
         host::check_ranks(cfg.ranks, "threads")?;
@@ -324,6 +330,7 @@ fn json_doc(a: &BenchArgs, r: &Resolved, report: &BenchReport) -> CliResult<serd
         "experts": o.cfg.experts,
         "dtype": o.cfg.dispatch_dtype.name(),
         "alignment": o.cfg.expert_alignment,
+        "ll_combine_order": o.cfg.ll_combine_order.name(),
         "routing": o.routing.name(),
         "seed": o.seed,
         "iters": o.iters,

@@ -221,14 +221,21 @@ pub fn gen_case(seed: u64, ranks: usize, index: usize, iters: usize) -> Case {
             _ => rng.gen_range(0..=max_tokens),
         })
         .collect();
+    let seed = rng.gen();
+    let order = if rng.gen_bool(0.5) {
+        gin_ep::LlCombineOrder::RankFirst
+    } else {
+        gin_ep::LlCombineOrder::Topk
+    };
     let cfg = EpConfig::new(ranks, experts, hidden, topk, max_tokens)
         .with_dtype(dtype)
-        .with_alignment(alignment);
+        .with_alignment(alignment)
+        .with_ll_combine_order(order);
     Case {
         cfg,
         workload: Workload {
             routing,
-            seed: rng.gen(),
+            seed,
             mask_prob,
         },
         tokens,
@@ -240,7 +247,7 @@ fn describe(case: &Case) -> String {
     let c = &case.cfg;
     format!(
         "ranks {}, experts {} ({} per rank), hidden {}, topk {}, max tokens {}, dtype {}, \
-         alignment {}, routing {}, mask {}, tokens per rank {:?}, workload seed {}, iters {}",
+         alignment {}, ll combine {}, routing {}, mask {}, tokens per rank {:?}, workload seed {}, iters {}",
         c.ranks,
         c.experts,
         c.local_experts(),
@@ -249,6 +256,7 @@ fn describe(case: &Case) -> String {
         c.max_tokens_per_rank,
         c.dispatch_dtype.name(),
         c.expert_alignment,
+        c.ll_combine_order.name(),
         case.workload.routing.name(),
         case.workload.mask_prob,
         case.tokens,

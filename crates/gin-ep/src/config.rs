@@ -59,6 +59,44 @@ impl DispatchDtype {
     }
 }
 
+/// The order in which LL combine sums a token's weighted expert rows. Both are a
+/// deterministic f32 chain rounded to BF16; they differ by at most BF16 rounding, and every
+/// backend is bit-exact with the oracle for the order the config names.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LlCombineOrder {
+    /// `acc = fma(w[k], y[k], acc)` for k ascending over all of the token's experts, from +0,
+    /// rounded once: every (token, k) row crosses the link back (DeepEP's arithmetic).
+    #[default]
+    Topk,
+    /// Rank first: each expert rank sums the token's experts it holds (the same fma chain,
+    /// k ascending, from +0) and rounds that partial to BF16; the source adds the partials in
+    /// rank order (f32, from +0) and rounds once more. One row per (token, rank) crosses the
+    /// link back instead of one per (token, k): about 2.2x fewer bytes at top-8 of 4 ranks.
+    RankFirst,
+}
+
+impl LlCombineOrder {
+    pub fn name(self) -> &'static str {
+        match self {
+            LlCombineOrder::Topk => "topk",
+            LlCombineOrder::RankFirst => "rank-first",
+        }
+    }
+
+    /// Parses `topk` or `rank-first` (alias `rank_first`).
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "topk" => Ok(LlCombineOrder::Topk),
+            "rank-first" | "rank_first" => Ok(LlCombineOrder::RankFirst),
+            other => Err(Error::config(
+                "ll_combine_order",
+                other,
+                "expected topk or rank-first",
+            )),
+        }
+    }
+}
+
 /// Shape of one expert-parallel group. Combine is always BF16.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EpConfig {
@@ -76,6 +114,9 @@ pub struct EpConfig {
     pub dispatch_dtype: DispatchDtype,
     /// HT per-expert receive counts are rounded up to a multiple of this (>= 1).
     pub expert_alignment: usize,
+    /// How LL combine orders its sum (HT combine is not affected).
+    #[serde(default)]
+    pub ll_combine_order: LlCombineOrder,
 }
 
 impl EpConfig {
@@ -89,7 +130,13 @@ impl EpConfig {
             max_tokens_per_rank: max_tokens,
             dispatch_dtype: DispatchDtype::Bf16,
             expert_alignment: 1,
+            ll_combine_order: LlCombineOrder::Topk,
         }
+    }
+
+    pub fn with_ll_combine_order(mut self, order: LlCombineOrder) -> Self {
+        self.ll_combine_order = order;
+        self
     }
 
     pub fn with_dtype(mut self, dtype: DispatchDtype) -> Self {

@@ -15,7 +15,7 @@ pub mod oracle;
 pub mod quant;
 pub mod routing;
 
-pub use config::{DispatchDtype, EpConfig};
+pub use config::{DispatchDtype, EpConfig, LlCombineOrder};
 pub use error::{Error, Result};
 pub mod bench;
 pub mod check;

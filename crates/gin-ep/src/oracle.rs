@@ -15,7 +15,7 @@
 //!   `acc = fma(w[t][k], y[t][k], acc)` for k = 0..K in order, skipping -1
 //!   entries; rounded once to BF16.
 
-use crate::config::EpConfig;
+use crate::config::{EpConfig, LlCombineOrder};
 use crate::error::{Error, Result};
 use crate::ht::{HtCombineInput, HtCombineOutput, HtDispatchOutput, HtHandle, RankInput};
 use crate::ll::{LlDispatchOutput, LlHandle};
@@ -288,7 +288,88 @@ fn ll_row_of(
     le * cfg.ranks * cfg.max_tokens_per_rank + first as usize + before
 }
 
-/// Reference LL combine. `expert_out[r]` is rank r's `[L, R*T, H]` expert
+/// One token's LL combine, in the order `cfg.ll_combine_order` names: the arithmetic every
+/// backend reproduces bit for bit (the host backend calls it; the GPU kernels mirror it in
+/// kernels/ll/ll.cu). Holds the f32 scratch rows so a loop over tokens allocates once.
+pub struct LlReducer {
+    acc: Vec<f32>,
+    part: Vec<f32>,
+    row: Vec<bf16>,
+    ranks: Vec<usize>,
+}
+
+impl LlReducer {
+    pub fn new(hidden: usize) -> Self {
+        LlReducer {
+            acc: vec![0.0; hidden],
+            part: vec![0.0; hidden],
+            row: vec![bf16::ZERO; hidden],
+            ranks: Vec::new(),
+        }
+    }
+
+    /// Reduces the token with expert ids `idx` and weights `w` (K each) into `out` (H
+    /// values). `fetch(j, row)` fills `row` with the expert output of the token's j-th
+    /// expert; it is called only for valid (non-negative) ids, in the order of the sum.
+    /// - `Topk`: `acc = fma(w[j], y[j], acc)` for j ascending, from +0; one rounding.
+    /// - `RankFirst`: for each rank holding one of the token's experts, ascending: the same
+    ///   chain over that rank's j only, from +0, rounded to BF16; `acc += partial` in f32,
+    ///   from +0; rounded once more.
+    pub fn token(
+        &mut self,
+        cfg: &EpConfig,
+        idx: &[i64],
+        w: &[f32],
+        out: &mut [bf16],
+        mut fetch: impl FnMut(usize, &mut [bf16]) -> Result<()>,
+    ) -> Result<()> {
+        self.acc.fill(0.0);
+        match cfg.ll_combine_order {
+            LlCombineOrder::Topk => {
+                for j in 0..idx.len() {
+                    if idx[j] < 0 {
+                        continue;
+                    }
+                    fetch(j, &mut self.row)?;
+                    for (a, v) in self.acc.iter_mut().zip(&self.row) {
+                        *a = w[j].mul_add(v.to_f32(), *a);
+                    }
+                }
+            }
+            LlCombineOrder::RankFirst => {
+                self.ranks.clear();
+                self.ranks.extend(
+                    idx.iter()
+                        .filter(|&&e| e >= 0)
+                        .map(|&e| cfg.rank_of_expert(e as usize)),
+                );
+                self.ranks.sort_unstable();
+                self.ranks.dedup();
+                for &r in &self.ranks {
+                    self.part.fill(0.0);
+                    for j in 0..idx.len() {
+                        if idx[j] < 0 || cfg.rank_of_expert(idx[j] as usize) != r {
+                            continue;
+                        }
+                        fetch(j, &mut self.row)?;
+                        for (a, v) in self.part.iter_mut().zip(&self.row) {
+                            *a = w[j].mul_add(v.to_f32(), *a);
+                        }
+                    }
+                    for (a, p) in self.acc.iter_mut().zip(&self.part) {
+                        *a += f32_to_bf16(*p).to_f32();
+                    }
+                }
+            }
+        }
+        for (o, a) in out.iter_mut().zip(&self.acc) {
+            *o = f32_to_bf16(*a);
+        }
+        Ok(())
+    }
+}
+
+/// Reference LL combine, in `cfg.ll_combine_order` (see [`LlReducer::token`]). `expert_out[r]` is rank r's `[L, R*T, H]` expert
 /// output; `topk_idx[s]`, `topk_weights[s]` are source rank s's routing.
 pub fn ll_combine(
     cfg: &EpConfig,
@@ -325,25 +406,66 @@ pub fn ll_combine(
             ));
         }
         let mut out = vec![bf16::ZERO; n * h];
+        let mut red = LlReducer::new(h);
         for t in 0..n {
-            let mut acc = vec![0f32; h];
-            for j in 0..k {
-                let e = topk_idx[src][t * k + j];
-                if e < 0 {
-                    continue;
-                }
-                let dst = cfg.rank_of_expert(e as usize);
-                let row = ll_row_of(cfg, &topk_idx[src], src, t, e as usize, &handles[dst]);
-                let w = topk_weights[src][t * k + j];
-                for (a, v) in acc.iter_mut().zip(&expert_out[dst][row * h..(row + 1) * h]) {
-                    *a = w.mul_add(v.to_f32(), *a);
-                }
-            }
-            for (o, a) in out[t * h..(t + 1) * h].iter_mut().zip(&acc) {
-                *o = f32_to_bf16(*a);
-            }
+            let idx = &topk_idx[src][t * k..(t + 1) * k];
+            let w = &topk_weights[src][t * k..(t + 1) * k];
+            red.token(cfg, idx, w, &mut out[t * h..(t + 1) * h], |j, row| {
+                let e = idx[j] as usize;
+                let dst = cfg.rank_of_expert(e);
+                let at = ll_row_of(cfg, &topk_idx[src], src, t, e, &handles[dst]) * h;
+                row.copy_from_slice(&expert_out[dst][at..at + h]);
+                Ok(())
+            })?;
         }
         outs.push(out);
     }
     Ok(outs)
+}
+
+#[cfg(test)]
+mod ll_order_tests {
+    use super::*;
+    use crate::config::LlCombineOrder;
+
+    /// Token with experts 0, 1 (rank 0) and 2 (rank 1), weights 1: rows 1, 2^-8, 2^-8.
+    /// Top-k order: 1 + 2^-8 + 2^-8 = 1 + 2^-7 exactly, a BF16 value. Rank first: rank 0's
+    /// partial 1 + 2^-8 is a tie and rounds to even (1.0); adding rank 1's 2^-8 ties again:
+    /// 1.0. The two orders must differ here, and each must give its own answer.
+    fn reduce(order: LlCombineOrder, idx: &[i64]) -> f32 {
+        let cfg = EpConfig::new(2, 4, 8, idx.len(), 1).with_ll_combine_order(order);
+        let row = |e: i64| if e == 0 { 1.0f32 } else { 2f32.powi(-8) };
+        let mut out = vec![bf16::ZERO; 8];
+        LlReducer::new(8)
+            .token(&cfg, idx, &vec![1.0; idx.len()], &mut out, |j, r| {
+                r.fill(bf16::from_f32(row(idx[j])));
+                Ok(())
+            })
+            .unwrap();
+        assert!(out.iter().all(|v| *v == out[0]));
+        out[0].to_f32()
+    }
+
+    #[test]
+    fn topk_and_rank_first_round_differently() {
+        assert_eq!(reduce(LlCombineOrder::Topk, &[0, 1, 2]), 1.0 + 2f32.powi(-7));
+        assert_eq!(reduce(LlCombineOrder::RankFirst, &[0, 1, 2]), 1.0);
+        // Rank order, not k order: rank 1's expert listed first changes nothing.
+        assert_eq!(reduce(LlCombineOrder::RankFirst, &[2, 0, 1]), 1.0);
+        // Masked entries are skipped in both.
+        assert_eq!(reduce(LlCombineOrder::RankFirst, &[-1, 0, 1, -1, 2]), 1.0);
+        assert_eq!(reduce(LlCombineOrder::Topk, &[0, -1, 1, 2]), 1.0 + 2f32.powi(-7));
+    }
+
+    #[test]
+    fn one_rank_per_token_gives_the_same_bits() {
+        // All experts on rank 0: the partial is the top-k chain, rounded; adding it to +0
+        // and rounding again changes nothing.
+        for idx in [[0i64, 1], [1, 0]] {
+            assert_eq!(
+                reduce(LlCombineOrder::Topk, &idx).to_bits(),
+                reduce(LlCombineOrder::RankFirst, &idx).to_bits()
+            );
+        }
+    }
 }

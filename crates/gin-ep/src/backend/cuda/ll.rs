@@ -30,7 +30,7 @@ use super::runtime::{
 };
 use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
 use crate::check::Case;
-use crate::config::{DispatchDtype, EpConfig, FP8_BLOCK};
+use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
 use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::ht::RankInput;
@@ -249,7 +249,10 @@ pub const MAX_SMEM: usize = 200 * 1024;
 /// Buffer sets (double buffering).
 pub const SETS: usize = 2;
 /// Signal kinds per set (`kSigKinds` in ll.cu): words `[SIG_KINDS][R]` u64.
-pub const SIG_KINDS: usize = 5;
+pub const SIG_KINDS: usize = 6;
+/// u32 words of a set's device state (`kStateWords` in ll.cu): op numbers, done counters,
+/// the record count of the last dispatch.
+pub const STATE_WORDS: usize = 8;
 /// u64 timestamps per CTA per operation pair (`kStampSlots` in ll.cu).
 pub const STAMP_SLOTS: usize = 20;
 /// Word written into every output before a checked run: a row nobody wrote keeps it.
@@ -274,7 +277,10 @@ pub struct LlLayout {
     pub meta_offset: usize,
     /// `[R src][T]` records.
     pub stage_offset: usize,
-    /// `[T][K][H]` BF16 combine rows.
+    /// `[R src][T][K]` f32 top-k weights (combine order `rank-first`).
+    pub wts_offset: usize,
+    /// BF16 combine rows: `[T][K][H]` (order `topk`) or `[T][R][H]` (`rank-first`);
+    /// sized for the larger.
     pub comb_offset: usize,
     /// One buffer set.
     pub set_bytes: usize,
@@ -319,8 +325,9 @@ impl LlLayout {
         let sig_offset = 0;
         let meta_offset = align16(sig_offset + SIG_KINDS * r * 8);
         let stage_offset = align16(meta_offset + r * (l + 1) * 4);
-        let comb_offset = align16(stage_offset + r * t * record_bytes);
-        let set_bytes = (comb_offset + t * k * h * 2).div_ceil(4096) * 4096;
+        let wts_offset = align16(stage_offset + r * t * record_bytes);
+        let comb_offset = align16(wts_offset + r * t * k * 4);
+        let set_bytes = (comb_offset + t * k.max(r) * h * 2).div_ceil(4096) * 4096;
         let nch = t.div_ceil(32).max(1);
         let dispatch_send_smem = 2 * (e + r) * nch * 4;
         let dispatch_recv_smem = (r * (l + 1) + r + 1) * 4;
@@ -343,6 +350,7 @@ impl LlLayout {
             sig_offset,
             meta_offset,
             stage_offset,
+            wts_offset,
             comb_offset,
             set_bytes,
             window_bytes: SETS * set_bytes,
@@ -380,6 +388,7 @@ impl LlLayout {
         t * h * 2 + t * k * 12 + rows * h * 2 // x, topk, weights, y
             + rows * cfg.dispatch_dtype.row_bytes(h) + rows * spr // recv_x + scales, ue8m0 bytes
             + l * 4 + l * r * 8 + rows * 12 // counts, layout range, handle
+            + r * t * (k + 2) * 4 // record map (rank-first combine)
             + t * h * 2 // combined
     }
 }
@@ -435,9 +444,15 @@ struct LlArgs {
     stats: u64,
     scales_col_major: u32,
     pad2: u32,
+    wts_offset: u64,
+    comb_map: u64,
+    comb_order: u32,
+    pad3: u32,
 }
 // Same numbers as the static_assert in kernels/ll/ll.cu.
-const _: () = assert!(std::mem::size_of::<LlArgs>() == 456);
+const _: () = assert!(std::mem::size_of::<LlArgs>() == 480);
+const _: () = assert!(std::mem::offset_of!(LlArgs, wts_offset) == 456);
+const _: () = assert!(std::mem::offset_of!(LlArgs, comb_order) == 472);
 const _: () = assert!(std::mem::offset_of!(LlArgs, user_count) == 424);
 const _: () = assert!(std::mem::offset_of!(LlArgs, scales_col_major) == 448);
 const _: () = assert!(std::mem::offset_of!(LlArgs, stamps) == 416);
@@ -479,7 +494,11 @@ struct SetBuffers {
     src_token: DeviceBuffer,
     src_k: DeviceBuffer,
     combined: DeviceBuffer,
-    /// `[4]` u32 op numbers and done counters (kernels/ll/ll.cu kDispOps..), zeroed once.
+    /// `[R*T][K + 2]` i32 per staged record of the last dispatch: source, token, local row
+    /// per k (combine order `rank-first` only; 16 bytes otherwise).
+    comb_map: DeviceBuffer,
+    /// `[STATE_WORDS]` u32 op numbers, done counters, record count (kernels/ll/ll.cu
+    /// kDispOps..), zeroed once.
     state: DeviceBuffer,
     /// Tokens of the input now in `x` (host-known shape, as in DeepEP).
     num_tokens: usize,
@@ -645,6 +664,7 @@ impl<'r> CudaLl<'r> {
         );
         let rows = LlLayout::out_rows(cfg);
         let spr = h / FP8_BLOCK;
+        let rank_first = cfg.ll_combine_order == LlCombineOrder::RankFirst;
         let alloc = |bytes: usize| rank.alloc(bytes.max(16));
         let make_set = || -> Result<SetBuffers> {
             let s = SetBuffers {
@@ -669,7 +689,8 @@ impl<'r> CudaLl<'r> {
                 src_token: alloc(rows * 4)?,
                 src_k: alloc(rows * 4)?,
                 combined: alloc(t * h * 2)?,
-                state: alloc(16)?,
+                comb_map: alloc(if rank_first { r * t * (k + 2) * 4 } else { 16 })?,
+                state: alloc(STATE_WORDS * 4)?,
                 num_tokens: 0,
                 io: LlIo::default(),
             };
@@ -801,6 +822,7 @@ impl<'r> CudaLl<'r> {
             &s.src_token,
             &s.src_k,
             &s.combined,
+            &s.comb_map,
         ] {
             let r = b.region();
             self.rank.memset_u32(r.sub(0, r.len() / 4 * 4)?, POISON)?;
@@ -882,6 +904,17 @@ impl<'r> CudaLl<'r> {
             stats: Self::io_ptr(io.stats, "LL cumulative receive stats", l * 4, None)?,
             scales_col_major: u32::from(io.recv_scales.is_some()),
             pad2: 0,
+            wts_offset: self.layout.wts_offset as u64,
+            comb_map: if cfg.ll_combine_order == LlCombineOrder::RankFirst {
+                s.comb_map.region().ptr
+            } else {
+                0
+            },
+            comb_order: match cfg.ll_combine_order {
+                LlCombineOrder::Topk => 0,
+                LlCombineOrder::RankFirst => 1,
+            },
+            pad3: 0,
         })
     }
 
@@ -1429,12 +1462,17 @@ pub fn variant_cases(world: usize) -> Vec<Case> {
         .collect();
     // Several dispatch (512-channel) and combine (1024-channel) units per row, the last one
     // partial, so per-unit paths and metadata-on-unit-0 run in every variant.
-    for (i, dtype) in [DispatchDtype::Fp8Ue8m0, DispatchDtype::Bf16]
-        .into_iter()
-        .enumerate()
+    for (i, (dtype, order)) in [
+        (DispatchDtype::Fp8Ue8m0, LlCombineOrder::RankFirst),
+        (DispatchDtype::Bf16, LlCombineOrder::Topk),
+    ]
+    .into_iter()
+    .enumerate()
     {
         cases.push(Case {
-            cfg: EpConfig::new(world, 16 * world, 1280, 6, 24).with_dtype(dtype),
+            cfg: EpConfig::new(world, 16 * world, 1280, 6, 24)
+                .with_dtype(dtype)
+                .with_ll_combine_order(order),
             workload: Workload {
                 routing: Routing::Zipf(1.2),
                 seed: 0x41 + i as u64,
@@ -1447,7 +1485,9 @@ pub fn variant_cases(world: usize) -> Vec<Case> {
     cases
 }
 
-/// The cases of [`selftest_rank`] for `world` ranks.
+/// The cases of [`selftest_rank`] for `world` ranks. Both combine orders run: `topk` with
+/// uniform routing, `rank-first` with hot routing (a token's experts bunch on one rank), the
+/// K = 40 case and the peers' shape in FP8.
 pub fn selftest_cases(world: usize) -> Vec<Case> {
     let mut cases = Vec::new();
     let uneven: Vec<usize> = (0..world)
@@ -1455,9 +1495,17 @@ pub fn selftest_cases(world: usize) -> Vec<Case> {
         .collect();
     let dtypes = [DispatchDtype::Bf16, DispatchDtype::Fp8, DispatchDtype::Fp8Ue8m0];
     for (i, dtype) in dtypes.into_iter().enumerate() {
-        for (j, routing) in [Routing::Uniform, Routing::Hot(0.7)].into_iter().enumerate() {
+        for (j, (routing, order)) in [
+            (Routing::Uniform, LlCombineOrder::Topk),
+            (Routing::Hot(0.7), LlCombineOrder::RankFirst),
+        ]
+        .into_iter()
+        .enumerate()
+        {
             cases.push(Case {
-                cfg: EpConfig::new(world, 8 * world, 384, 4, 32).with_dtype(dtype),
+                cfg: EpConfig::new(world, 8 * world, 384, 4, 32)
+                    .with_dtype(dtype)
+                    .with_ll_combine_order(order),
                 workload: Workload {
                     routing,
                     seed: 0x11 + (i * 2 + j) as u64,
@@ -1470,7 +1518,7 @@ pub fn selftest_cases(world: usize) -> Vec<Case> {
     }
     // K > 32 lanes of metadata, hidden not a multiple of the 512/1024-channel work units.
     cases.push(Case {
-        cfg: EpConfig::new(world, 48 * world, 136, 40, 64),
+        cfg: EpConfig::new(world, 48 * world, 136, 40, 64).with_ll_combine_order(LlCombineOrder::RankFirst),
         workload: Workload {
             routing: Routing::Zipf(1.1),
             seed: 0x21,
@@ -1481,9 +1529,14 @@ pub fn selftest_cases(world: usize) -> Vec<Case> {
     });
     // The peers' shape (shared/ANCHORS.md): 128 tokens, hidden 7168, top-8 of 256.
     let experts = if 256 % world == 0 { 256 } else { 64 * world };
-    for dtype in [DispatchDtype::Fp8, DispatchDtype::Bf16] {
+    for (dtype, order) in [
+        (DispatchDtype::Fp8, LlCombineOrder::RankFirst),
+        (DispatchDtype::Bf16, LlCombineOrder::Topk),
+    ] {
         cases.push(Case {
-            cfg: EpConfig::new(world, experts, 7168, 8, 128).with_dtype(dtype),
+            cfg: EpConfig::new(world, experts, 7168, 8, 128)
+                .with_dtype(dtype)
+                .with_ll_combine_order(order),
             workload: Workload {
                 routing: Routing::Uniform,
                 seed: 0x31,

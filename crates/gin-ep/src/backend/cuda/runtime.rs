@@ -96,6 +96,7 @@ pub fn fabric_phase_name(phase: u32) -> &'static str {
         17 => "LL dispatch receive",
         18 => "LL combine credit (source still reducing the previous combine)",
         19 => "LL combine receive",
+        20 => "LL combine weights (rank-first order)",
         _ => "unknown kernel phase",
     }
 }

@@ -866,28 +866,20 @@ impl HostEp {
         self.wait_all(Sig::LlCombine, seq, "LL combine")?;
         t0 = self.mark("combine", t0);
 
+        // The source holds every (token, k) row and applies the config's order itself
+        // (oracle::LlReducer): the same arithmetic as the GPU, whose `RankFirst` sums on the
+        // expert rank instead to send fewer bytes.
         let mut out = vec![bf16::ZERO; n * h];
-        let mut acc = vec![0f32; h];
-        let mut row = vec![bf16::ZERO; h];
+        let mut red = crate::oracle::LlReducer::new(h);
+        let (heap, comb) = (&self.heap, self.reg.ll_comb);
         for t in 0..n {
-            acc.fill(0.0);
-            for j in 0..k {
-                if topk_idx[t * k + j] < 0 {
-                    continue;
-                }
-                self.heap.get(
-                    me,
-                    self.reg.ll_comb + (t * k + j) * h * 2,
-                    bytemuck::cast_slice_mut(&mut row),
-                )?;
-                let w = topk_weights[t * k + j];
-                for (a, v) in acc.iter_mut().zip(&row) {
-                    *a = w.mul_add(v.to_f32(), *a);
-                }
-            }
-            for (o, a) in out[t * h..(t + 1) * h].iter_mut().zip(&acc) {
-                *o = f32_to_bf16(*a);
-            }
+            red.token(
+                &cfg,
+                &topk_idx[t * k..(t + 1) * k],
+                &topk_weights[t * k..(t + 1) * k],
+                &mut out[t * h..(t + 1) * h],
+                |j, row| heap.get(me, comb + (t * k + j) * h * 2, bytemuck::cast_slice_mut(row)),
+            )?;
         }
         self.mark("reduce", t0);
         Ok(out)
