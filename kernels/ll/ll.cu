@@ -131,7 +131,7 @@ struct LlArgs {
   uint32_t pad2_;
   // Order `rank-first` (kCombOrderRankFirst); unused by `topk`:
   uint64_t wts_offset;         // relative to set_offset: [R src][T][K] f32 top-k weights
-  int32_t* comb_map;           // [R*T][K + 2] i32 per staged record: source, token, row per k (-1)
+  int32_t* comb_map;           // [R*T][2K + 3] i32 per staged record (map_ints): source, token, pairs
   uint32_t comb_order;         // kCombOrder*
   uint32_t pad3_;
 };
@@ -536,6 +536,11 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
 
 // One staged unit in registers: payload of this lane, and (for k = lane < 32) its local id
 // and position.
+// comb_map entry of one staged record (rank-first combine): [source, token, pairs, then
+// (row, k) per pair], pairs = this rank's experts of the token, k ascending.
+constexpr int kMapHeader = 3;
+__device__ __forceinline__ int map_ints(int K) { return kMapHeader + 2 * K; }
+
 struct StagedUnit {
   uint4 v0, v1;
   float scale;
@@ -658,6 +663,7 @@ __device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
     const int s = cur.src;
     const int c0 = u * kDispatchUnit + lane * 16;
     const int32_t* meta = nullptr;  // only for K > 32
+    int mapped = 0;                 // comb_map pairs written so far (warp-uniform)
     for (int k0 = 0; k0 < K; k0 += 32) {
       const int k = k0 + lane;
       int64_t row = -1;
@@ -678,14 +684,22 @@ __device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
         a.src_token[row] = cur.tok;
         a.src_k[row] = k;
       }
-      if (u == 0 && k < K && a.comb_map != nullptr) {
-        // Rank-first combine walks the records: source, token, then the row of every k.
-        int32_t* m = a.comb_map + size_t(item / units) * (K + 2);
-        if (k == 0) {
+      if (u == 0 && a.comb_map != nullptr) {
+        // Rank-first combine walks the records: source, token, pair count, then (row, k) of
+        // each of this rank's experts of the token, k ascending, packed (see map_ints).
+        int32_t* m = a.comb_map + size_t(item / units) * map_ints(K);
+        const uint32_t valid = __ballot_sync(0xffffffffu, row >= 0);
+        if (row >= 0) {
+          const int p = mapped + __popc(valid & ((1u << lane) - 1u));
+          m[kMapHeader + 2 * p] = int32_t(row);
+          m[kMapHeader + 2 * p + 1] = k;
+        }
+        mapped += __popc(valid);
+        if (lane == 0 && k0 + 32 >= K) {
           m[0] = s;
           m[1] = cur.tok;
+          m[2] = mapped;
         }
-        m[2 + k] = int32_t(row);
       }
       uint32_t todo = __ballot_sync(0xffffffffu, row >= 0);
       while (todo != 0) {
@@ -739,6 +753,48 @@ constexpr int kPartialVecs = 2;                        // vectors of 8 bf16 per 
 constexpr int kPartialUnit = 32 * 8 * kPartialVecs;    // channels per warp item
 constexpr int kPartialBatch = 4;                       // rows loaded before the fma chain
 
+// One comb_map entry held across the warp: lane j holds int j (j < 32), so an entry is one
+// load and its fields are shuffles; ints past 31 (more than 14 experts of one token on this
+// rank) are read from memory.
+__device__ __forceinline__ int32_t load_entry(const LlArgs& a, uint32_t g, int lane) {
+  const int KM = map_ints(a.topk);
+  return lane < KM ? a.comb_map[size_t(g) * KM + lane] : 0;
+}
+__device__ __forceinline__ int32_t entry_at(const LlArgs& a, int32_t held, uint32_t g, int j) {
+  const int32_t v = __shfl_sync(0xffffffffu, held, j & 31);
+  return j < 32 ? v : a.comb_map[size_t(g) * map_ints(a.topk) + j];
+}
+
+struct PartBatch {
+  uint4 v[kPartialBatch][kPartialVecs];
+  float w[kPartialBatch];
+};
+
+// Pairs [p0, p0 + kPartialBatch) of entry `held` (record g): the expert rows' channels
+// c0.. of this lane (unless `weights_only`) and, when `with_w`, the source's weights.
+__device__ __forceinline__ void load_batch(const LlArgs& a, const float* wts, int32_t held, uint32_t g, int p0,
+                                           int c0, bool with_w, PartBatch& b, bool weights_only = false) {
+  const int K = a.topk, H = a.hidden, T = a.max_tokens;
+  const int s = __shfl_sync(0xffffffffu, held, 0), t = __shfl_sync(0xffffffffu, held, 1);
+  const int np = min(max(__shfl_sync(0xffffffffu, held, 2), 0), K);
+  const bool st_ok = s >= 0 && s < a.comm.lsaSize && t >= 0 && t < T;
+#pragma unroll
+  for (int i = 0; i < kPartialBatch; ++i) {
+    const int p = p0 + i;
+    const int32_t row = entry_at(a, held, g, kMapHeader + 2 * p);
+    const int32_t k = entry_at(a, held, g, kMapHeader + 2 * p + 1);
+    const bool use = st_ok && p < np && row >= 0 && k >= 0 && k < K;
+    if (with_w) b.w[i] = use ? wts[(size_t(s) * T + t) * K + k] : 0.0f;
+    if (weights_only) continue;
+    const uint16_t* y = a.y + size_t(use ? row : 0) * H;
+#pragma unroll
+    for (int v = 0; v < kPartialVecs; ++v) {
+      const int ch = c0 + v * 256;
+      b.v[i][v] = use && ch < H ? ld_nc_v4(reinterpret_cast<const uint4*>(y + ch)) : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
 __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   const int R = a.comm.lsaSize, me = a.comm.lsaRank;
   const int K = a.topk, H = a.hidden, T = a.max_tokens, N = a.num_tokens;
@@ -758,73 +814,80 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     }
     signal_all_peers(a, kCombWts, -1, -1);
   }
-  // Credit: every source rank has reduced the previous combine of this set.
-  if (!wait_all_peers(a, kCombAck, uint64_t(n - 1) * gridDim.x, kPhaseCombineCredit)) return false;
-  stamp(a, kStCombCredit);
-  if (!wait_all_peers(a, kCombWts, uint64_t(n), kPhaseCombineWeights)) return false;
-  stamp(a, kStCombWeights);
 
   const int lane = threadIdx.x & 31;
-  const int KM = K + 2;
   const uint32_t records = min(ld_volatile_u32(&a.state[kRecords]), uint32_t(R) * uint32_t(T));
   const int units = (H + kPartialUnit - 1) / kPartialUnit;
   const size_t items = size_t(records) * units;
   const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
   const float* wts = reinterpret_cast<const float*>(lsa_ptr(a.win, a.set_offset + a.wts_offset, me));
-  for (size_t item = warp; item < items; item += warps) {
-    const int32_t* m = a.comb_map + size_t(item / units) * KM;
-    const int s = m[0], t = m[1];  // warp-uniform (broadcast loads)
-    if (s < 0 || s >= R || t < 0 || t >= T) continue;  // never, for a map our dispatch wrote
+  // The warp's first map entry and rows are loaded before the waits (they depend on neither:
+  // the map and y are this rank's own, written before this kernel in stream order); its
+  // weights after them. Later items: the map entry one item ahead, rows and weights as soon
+  // as the entry is in, before the current item's stores.
+  size_t item = warp;
+  int32_t held = 0;
+  PartBatch cur;
+  if (item < items) {
+    held = load_entry(a, uint32_t(item / units), lane);
+    load_batch(a, wts, held, uint32_t(item / units), 0, int(item % units) * kPartialUnit + lane * 8, false, cur);
+  }
+  // Credit: every source rank has reduced the previous combine of this set.
+  if (!wait_all_peers(a, kCombAck, uint64_t(n - 1) * gridDim.x, kPhaseCombineCredit)) return false;
+  stamp(a, kStCombCredit);
+  if (!wait_all_peers(a, kCombWts, uint64_t(n), kPhaseCombineWeights)) return false;
+  stamp(a, kStCombWeights);
+  bool weighted = false;  // cur's weights are loaded
+  for (; item < items; item += warps) {
+    const uint32_t g = uint32_t(item / units);
     const int c0 = int(item % units) * kPartialUnit + lane * 8;
+    const int s = __shfl_sync(0xffffffffu, held, 0), t = __shfl_sync(0xffffffffu, held, 1);
+    const int np = min(max(__shfl_sync(0xffffffffu, held, 2), 0), K);
+    if (!weighted) load_batch(a, wts, held, g, 0, c0, true, cur, true);
+    const size_t next = item + warps;
+    const int32_t held_next = next < items ? load_entry(a, uint32_t(next / units), lane) : 0;
     float acc[8 * kPartialVecs];
 #pragma unroll
     for (int i = 0; i < 8 * kPartialVecs; ++i) acc[i] = 0.0f;  // +0, as the oracle
-    for (int k0 = 0; k0 < K; k0 += kPartialBatch) {
-      uint4 v[kPartialBatch][kPartialVecs];
-      float w[kPartialBatch];
-      bool use[kPartialBatch];
-      // All loads of the batch first, so their latencies overlap.
+    for (int p0 = 0; p0 < np; p0 += kPartialBatch) {
+      if (p0 > 0) load_batch(a, wts, held, g, p0, c0, true, cur);  // more than a batch here
+      // The fma chain over this rank's experts of the token, k ascending (pair order).
 #pragma unroll
       for (int b = 0; b < kPartialBatch; ++b) {
-        const int k = k0 + b;
-        const int32_t row = k < K ? m[2 + k] : -1;
-        use[b] = row >= 0;
-        w[b] = use[b] ? wts[(size_t(s) * T + t) * K + k] : 0.0f;
-        const uint16_t* y = a.y + size_t(use[b] ? row : 0) * H;
+        if (p0 + b >= np) break;
 #pragma unroll
         for (int i = 0; i < kPartialVecs; ++i) {
-          const int ch = c0 + i * 256;
-          v[b][i] = use[b] && ch < H ? ld_nc_v4(reinterpret_cast<const uint4*>(y + ch)) : make_uint4(0, 0, 0, 0);
-        }
-      }
-      // The fma chain in ascending k over this rank's experts only (the others are -1).
-#pragma unroll
-      for (int b = 0; b < kPartialBatch; ++b) {
-        if (!use[b]) continue;
-#pragma unroll
-        for (int i = 0; i < kPartialVecs; ++i) {
-          const uint32_t wv[4] = {v[b][i].x, v[b][i].y, v[b][i].z, v[b][i].w};
+          const uint32_t wv[4] = {cur.v[b][i].x, cur.v[b][i].y, cur.v[b][i].z, cur.v[b][i].w};
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             float* x = acc + i * 8 + 2 * j;
-            x[0] = __fmaf_rn(w[b], bf16_bits_to_f32(wv[j] & 0xffffu), x[0]);
-            x[1] = __fmaf_rn(w[b], bf16_bits_to_f32(wv[j] >> 16), x[1]);
+            x[0] = __fmaf_rn(cur.w[b], bf16_bits_to_f32(wv[j] & 0xffffu), x[0]);
+            x[1] = __fmaf_rn(cur.w[b], bf16_bits_to_f32(wv[j] >> 16), x[1]);
           }
         }
       }
     }
-    char* dst = lsa_ptr(a.win, a.set_offset + a.comb_offset + (size_t(t) * R + me) * size_t(H) * 2, s);
+    // The next item's rows and weights, before this item's stores.
+    if (next < items) {
+      load_batch(a, wts, held_next, uint32_t(next / units), 0, int(next % units) * kPartialUnit + lane * 8, true,
+                 cur);
+    }
+    if (s >= 0 && s < R && t >= 0 && t < T) {  // always, for a map our dispatch wrote
+      char* dst = lsa_ptr(a.win, a.set_offset + a.comb_offset + (size_t(t) * R + me) * size_t(H) * 2, s);
 #pragma unroll
-    for (int i = 0; i < kPartialVecs; ++i) {
-      const int ch = c0 + i * 256;
-      const float* x = acc + i * 8;
-      if (ch < H) {
-        st_v4(reinterpret_cast<uint4*>(dst + size_t(ch) * 2),
-              make_uint4(f32x2_to_bf16x2(x[0], x[1]), f32x2_to_bf16x2(x[2], x[3]), f32x2_to_bf16x2(x[4], x[5]),
-                         f32x2_to_bf16x2(x[6], x[7])));
+      for (int i = 0; i < kPartialVecs; ++i) {
+        const int ch = c0 + i * 256;
+        const float* x = acc + i * 8;
+        if (ch < H) {
+          st_v4(reinterpret_cast<uint4*>(dst + size_t(ch) * 2),
+                make_uint4(f32x2_to_bf16x2(x[0], x[1]), f32x2_to_bf16x2(x[2], x[3]), f32x2_to_bf16x2(x[4], x[5]),
+                           f32x2_to_bf16x2(x[6], x[7])));
+        }
       }
     }
+    held = held_next;
+    weighted = true;
   }
   signal_all_peers(a, kCombSig, kStCombSent, kStCombSignaled);
   return true;

@@ -877,7 +877,7 @@ class Buffer:
                 out.copy_(combined)
 
         if return_recv_hook:
-            g.ep.ll_combine(st.ll, st.set, "combine_send", _gpu.stream(), ys, None, None)
+            g.ep.ll_combine(st.ll, st.set, "combine_send", _gpu.stream(), ys, ws, None)
 
             def hook(keep=(w, combined)):
                 # `keep`: the weights and output stay alive until the receive is queued.

@@ -388,7 +388,7 @@ impl LlLayout {
         t * h * 2 + t * k * 12 + rows * h * 2 // x, topk, weights, y
             + rows * cfg.dispatch_dtype.row_bytes(h) + rows * spr // recv_x + scales, ue8m0 bytes
             + l * 4 + l * r * 8 + rows * 12 // counts, layout range, handle
-            + r * t * (k + 2) * 4 // record map (rank-first combine)
+            + r * t * (2 * k + 3) * 4 // record map (rank-first combine)
             + t * h * 2 // combined
     }
 }
@@ -494,8 +494,9 @@ struct SetBuffers {
     src_token: DeviceBuffer,
     src_k: DeviceBuffer,
     combined: DeviceBuffer,
-    /// `[R*T][K + 2]` i32 per staged record of the last dispatch: source, token, local row
-    /// per k (combine order `rank-first` only; 16 bytes otherwise).
+    /// `[R*T][2K + 3]` i32 per staged record of the last dispatch: source, token, pair
+    /// count, then (local row, k) of the token's experts here (combine order `rank-first`
+    /// only; 16 bytes otherwise).
     comb_map: DeviceBuffer,
     /// `[STATE_WORDS]` u32 op numbers, done counters, record count (kernels/ll/ll.cu
     /// kDispOps..), zeroed once.
@@ -689,7 +690,7 @@ impl<'r> CudaLl<'r> {
                 src_token: alloc(rows * 4)?,
                 src_k: alloc(rows * 4)?,
                 combined: alloc(t * h * 2)?,
-                comb_map: alloc(if rank_first { r * t * (k + 2) * 4 } else { 16 })?,
+                comb_map: alloc(if rank_first { r * t * (2 * k + 3) * 4 } else { 16 })?,
                 state: alloc(STATE_WORDS * 4)?,
                 num_tokens: 0,
                 io: LlIo::default(),
