@@ -799,20 +799,24 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   const int R = a.comm.lsaSize, me = a.comm.lsaRank;
   const int K = a.topk, H = a.hidden, T = a.max_tokens, N = a.num_tokens;
   stamp(a, kStCombStart);
-  if (blockIdx.x == 0) {
-    // Our weights into every rank's [me] slot (4 KB at 128 tokens x top-8), then one signal
-    // per rank. Each value is loaded once and stored to every rank, starting at a different
-    // rank per thread so the first stores spread over the links.
-    const size_t nw = size_t(N) * K;
-    const size_t slot = a.set_offset + a.wts_offset + size_t(me) * T * K * sizeof(float);
-    for (size_t i = threadIdx.x; i < nw; i += blockDim.x) {
-      const float v = a.topk_weights[i];
-      for (int j = 0; j < R; ++j) {
-        const int p = (me + 1 + j + int(i)) % R;
-        reinterpret_cast<float*>(lsa_ptr(a.win, slot, p))[i] = v;
-      }
+  // Our weights into every rank's [me] slot (4 KB at 128 tokens x top-8), one rank per CTA
+  // (CTA b serves rank me + 1 + b, so the fences run in parallel), then that rank's signal.
+  const size_t nw = size_t(N) * K;
+  const size_t slot = a.set_offset + a.wts_offset + size_t(me) * T * K * sizeof(float);
+  for (int b = blockIdx.x; b < R; b += gridDim.x) {  // CTA-uniform
+    const int q = (me + 1 + b) % R;
+    float* dst = reinterpret_cast<float*>(lsa_ptr(a.win, slot, q));
+    const bool vec = ((reinterpret_cast<uintptr_t>(a.topk_weights) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
+    const size_t nv = vec ? nw / 4 : 0;
+    for (size_t i = threadIdx.x; i < nv; i += blockDim.x) {
+      st_v4(reinterpret_cast<uint4*>(dst) + i, ld_v4(reinterpret_cast<const uint4*>(a.topk_weights) + i));
     }
-    signal_all_peers(a, kCombWts, -1, -1);
+    for (size_t i = nv * 4 + threadIdx.x; i < nw; i += blockDim.x) dst[i] = a.topk_weights[i];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      red_add_release_sys(sig_word(a, q, kCombWts, me), 1);
+    }
   }
 
   const int lane = threadIdx.x & 31;
@@ -822,6 +826,17 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
   const float* wts = reinterpret_cast<const float*>(lsa_ptr(a.win, a.set_offset + a.wts_offset, me));
+  // Records are sorted by source rank, so consecutive warps would all store to one source's
+  // link at a time; a stride coprime with the record count visits every record once and
+  // spreads neighbouring warps over the sources.
+  uint64_t stride = 1;
+  for (const uint64_t p : {97u, 89u, 83u, 79u}) {
+    if (records % p != 0) {
+      stride = p;
+      break;
+    }
+  }
+  auto record = [&](size_t it) { return uint32_t((uint64_t(it / units) * stride) % max(records, 1u)); };
   // The warp's first map entry and rows are loaded before the waits (they depend on neither:
   // the map and y are this rank's own, written before this kernel in stream order); its
   // weights after them. Later items: the map entry one item ahead, rows and weights as soon
@@ -830,8 +845,8 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   int32_t held = 0;
   PartBatch cur;
   if (item < items) {
-    held = load_entry(a, uint32_t(item / units), lane);
-    load_batch(a, wts, held, uint32_t(item / units), 0, int(item % units) * kPartialUnit + lane * 8, false, cur);
+    held = load_entry(a, record(item), lane);
+    load_batch(a, wts, held, record(item), 0, int(item % units) * kPartialUnit + lane * 8, false, cur);
   }
   // Credit: every source rank has reduced the previous combine of this set.
   if (!wait_all_peers(a, kCombAck, uint64_t(n - 1) * gridDim.x, kPhaseCombineCredit)) return false;
@@ -840,13 +855,13 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   stamp(a, kStCombWeights);
   bool weighted = false;  // cur's weights are loaded
   for (; item < items; item += warps) {
-    const uint32_t g = uint32_t(item / units);
+    const uint32_t g = record(item);
     const int c0 = int(item % units) * kPartialUnit + lane * 8;
     const int s = __shfl_sync(0xffffffffu, held, 0), t = __shfl_sync(0xffffffffu, held, 1);
     const int np = min(max(__shfl_sync(0xffffffffu, held, 2), 0), K);
     if (!weighted) load_batch(a, wts, held, g, 0, c0, true, cur, true);
     const size_t next = item + warps;
-    const int32_t held_next = next < items ? load_entry(a, uint32_t(next / units), lane) : 0;
+    const int32_t held_next = next < items ? load_entry(a, record(next), lane) : 0;
     float acc[8 * kPartialVecs];
 #pragma unroll
     for (int i = 0; i < 8 * kPartialVecs; ++i) acc[i] = 0.0f;  // +0, as the oracle
@@ -870,7 +885,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     }
     // The next item's rows and weights, before this item's stores.
     if (next < items) {
-      load_batch(a, wts, held_next, uint32_t(next / units), 0, int(next % units) * kPartialUnit + lane * 8, true,
+      load_batch(a, wts, held_next, record(next), 0, int(next % units) * kPartialUnit + lane * 8, true,
                  cur);
     }
     if (s >= 0 && s < R && t >= 0 && t < T) {  // always, for a map our dispatch wrote

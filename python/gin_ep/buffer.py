@@ -860,7 +860,14 @@ class Buffer:
         if tuple(topk_weights.shape) != (st.num_tokens, st.topk):
             raise ValueError(f"topk_weights: shape {tuple(topk_weights.shape)}, the dispatch had "
                              f"[{st.num_tokens}, {st.topk}]")
+        _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
+        if tuple(topk_idx.shape) != (st.num_tokens, st.topk):
+            raise ValueError(f"topk_idx: shape {tuple(topk_idx.shape)}, the dispatch had "
+                             f"[{st.num_tokens}, {st.topk}]")
         xc = x.contiguous()
+        # The reduce reads which of the token's slots hold rows from these ids (as DeepEP's
+        # combine takes them): they must be the dispatch's.
+        idx = topk_idx.to(torch.int64).contiguous()
         w = topk_weights.to(torch.float32).contiguous()
         if out is not None:
             _gpu.check_cuda("out", out, torch.bfloat16)
@@ -869,17 +876,17 @@ class Buffer:
         # The kernel writes `out` itself when it can (contiguous), else a new tensor.
         combined = out if out is not None and out.is_contiguous() else \
             _gpu.empty((st.num_tokens, hidden), torch.bfloat16, x.device)
-        ys, ws, cs = _gpu.span(xc), _gpu.span(w), _gpu.span(combined)
+        ys, ids, ws, cs = _gpu.span(xc), _gpu.span(idx), _gpu.span(w), _gpu.span(combined)
 
         def receive(op):
-            g.ep.ll_combine(st.ll, st.set, op, _gpu.stream(), ys if op == "combine" else None, ws, cs)
+            g.ep.ll_combine(st.ll, st.set, op, _gpu.stream(), ys if op == "combine" else None, ids, ws, cs)
             if out is not None and combined is not out:
                 out.copy_(combined)
 
         if return_recv_hook:
-            g.ep.ll_combine(st.ll, st.set, "combine_send", _gpu.stream(), ys, ws, None)
+            g.ep.ll_combine(st.ll, st.set, "combine_send", _gpu.stream(), ys, ids, ws, None)
 
-            def hook(keep=(w, combined)):
+            def hook(keep=(idx, w, combined)):
                 # `keep`: the weights and output stay alive until the receive is queued.
                 receive("combine_recv")
         else:

@@ -352,10 +352,12 @@ impl PyCudaEp {
     }
 
     /// LL combine `op` (`combine`, `combine_send`, `combine_recv`) on `set`: expert outputs
-    /// `y` `[L, R*T, H]` BF16 (read by `combine`, `combine_send`), `weights` `[N, K]` f32 and
-    /// output `combined` `[N, H]` BF16 (`combine`, `combine_recv`). No host synchronization.
+    /// `y` `[L, R*T, H]` BF16 (read by `combine`, `combine_send`), `topk_idx` `[N, K]` i64
+    /// and `weights` `[N, K]` f32 (the reduce reads both; the rank-first send reads the
+    /// weights) and output `combined` `[N, H]` BF16 (`combine`, `combine_recv`). No host
+    /// synchronization.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (ll, set, op, stream, y, weights, combined))]
+    #[pyo3(signature = (ll, set, op, stream, y, topk_idx, weights, combined))]
     fn ll_combine(
         &self,
         ll: usize,
@@ -363,6 +365,7 @@ impl PyCudaEp {
         op: &str,
         stream: u64,
         y: Span,
+        topk_idx: Span,
         weights: Span,
         combined: Span,
     ) -> PyResult<()> {
@@ -371,6 +374,7 @@ impl PyCudaEp {
         self.on(stream, |r| {
             let io = LlIo {
                 y: span(r, "x (expert outputs)", y)?,
+                topk_idx: span(r, "topk_idx", topk_idx)?,
                 weights: span(r, "topk_weights", weights)?,
                 combined: span(r, "combined_x", combined)?,
                 ..LlIo::default()

@@ -153,10 +153,18 @@ def ll_worker(rank, world):
 
     # Both combine orders: "topk" (DeepEP's arithmetic) and "rank-first" (pre-reduced on the
     # expert rank); each is bit-exact with the oracle for its order.
+    # The last three runs reuse LL buffer sets of earlier runs with new routing (two sets per
+    # buffer, used alternately): a combine slot masked now but written before must not leak
+    # into the sum.
     runs = [("bf16", False, False, False, "topk"), ("fp8", True, False, True, "topk"),
             ("fp8-ue8m0", True, True, False, "topk"), ("bf16", False, False, False, "rank-first"),
-            ("fp8", True, False, True, "rank-first")]
-    for dtype, use_fp8, round_scale, hook_path, order in runs:
+            ("fp8", True, False, True, "rank-first"), ("bf16", False, False, False, "topk"),
+            ("bf16", False, False, False, "topk"), ("bf16", False, False, False, "rank-first")]
+    want_stats = 0
+    for i, (dtype, use_fp8, round_scale, hook_path, order) in enumerate(runs):
+        inputs = routing(world, tokens, HIDDEN, TOPK, experts, seed=77 + world + 1000 * i)
+        x, idx, w = inputs[rank]
+        want_stats += sum(int(((j[1] >= 0) & (j[1] // local == rank)).sum()) for j in inputs)
         buf.ll_combine_order = order
         cfg = _native.EpConfig(world, experts, HIDDEN, TOPK, T, dtype, ll_combine_order=order)
         ref = _native.oracle_ll_dispatch(cfg, [to_bytes(i[0]) for i in inputs], [to_bytes(i[1]) for i in inputs])
@@ -202,7 +210,10 @@ def ll_worker(rank, world):
         else:
             out, ev, _ = buf.low_latency_combine(y_of(rank).to(dev), idx.to(dev), w.to(dev), handle)
         same_bits(f"{dtype} {order} combined_x", cpu(out), want_c)
-    assert stats.sum().item() == len(runs) * sum(int(((i[1] >= 0) & (i[1] // local == rank)).sum()) for i in inputs)
+    assert stats.sum().item() == want_stats
+
+    inputs = routing(world, tokens, HIDDEN, TOPK, experts, seed=77 + world)
+    x, idx, w = inputs[rank]
 
     # A CUDA graph of LL dispatch + combine replays with the same results.
     buf.ll_combine_order = "topk"
