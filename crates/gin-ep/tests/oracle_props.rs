@@ -4,7 +4,7 @@
 use gin_ep::ht::{HtCombineInput, RankInput};
 use gin_ep::quant::Rows;
 use gin_ep::workload::{Routing, Workload};
-use gin_ep::{oracle, DispatchDtype, EpConfig};
+use gin_ep::{oracle, DispatchDtype, EpConfig, LlCombineOrder};
 use half::bf16;
 use proptest::prelude::*;
 
@@ -30,7 +30,15 @@ fn arb_case() -> impl Strategy<Value = (EpConfig, Workload, Vec<usize>)> {
             let experts = ranks * lpr;
             let topk = topk.min(experts);
             let hidden = 128 * (hmul + 1);
-            let cfg = EpConfig::new(ranks, experts, hidden, topk, 9).with_alignment(1 + (seed % 4) as usize);
+            // Both LL combine orders (the seed's parity picks one).
+            let order = if seed % 2 == 0 {
+                LlCombineOrder::Topk
+            } else {
+                LlCombineOrder::RankFirst
+            };
+            let cfg = EpConfig::new(ranks, experts, hidden, topk, 9)
+                .with_alignment(1 + (seed % 4) as usize)
+                .with_ll_combine_order(order);
             let routing = [Routing::Uniform, Routing::Zipf(1.3), Routing::Hot(0.7)][routing];
             let w = Workload {
                 routing,
