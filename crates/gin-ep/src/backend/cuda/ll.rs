@@ -1240,6 +1240,128 @@ fn compare(ll: &CudaLl<'_>, set: usize, want: &Expected, what: &str) -> Result<(
     crate::check::ll_combine(me, &got_c, &want.combined).map_err(ctx)
 }
 
+/// One dispatch + combine on set 0 with every input and output in caller-owned device
+/// memory (`LlIo`, DeepEP's formats: column-major scales, packed layout range, a counts copy,
+/// cumulative stats), compared with the oracle. The set's own input buffers hold another
+/// iteration's data meanwhile, so a kernel reading them instead of the caller's memory is
+/// caught; the caller's outputs are poisoned first.
+fn check_caller_io(group: &Group, ll: &mut CudaLl<'_>, case: &Case, run: u64) -> Result<usize> {
+    const SET: usize = 0;
+    let me = group.rank();
+    let rank = ll.rank;
+    let cfg = ll.cfg.clone();
+    let (h, k, l, r) = (cfg.hidden, cfg.topk, cfg.local_experts(), cfg.ranks);
+    let rows = LlLayout::out_rows(&cfg);
+    let spr = h / FP8_BLOCK;
+    let fp8 = cfg.dispatch_dtype.is_fp8();
+    let (ins, wy) = case_inputs(case, 4242);
+    let want = expected(case, &ins, &wy, me)?;
+    let (decoy, decoy_y) = case_inputs(case, 4343);
+    let decoy = expected(case, &decoy, &decoy_y, me).map(|d| (d, decoy))?;
+    let n = ins[me].topk_idx.len() / k;
+    // Decoys in the set's own buffers (same token count, other routing and values).
+    ll.upload_input(
+        SET,
+        &decoy.1[me].x,
+        &decoy.1[me].topk_idx,
+        &decoy.1[me].topk_weights,
+    )?;
+    ll.upload_expert_output(SET, &decoy.0.y_mine)?;
+    ll.poison_outputs(SET)?;
+    let alloc = |bytes: usize| rank.alloc(bytes.max(16));
+    let x = alloc(n * h * 2)?;
+    let idx = alloc(n * k * 8)?;
+    let wts = alloc(n * k * 4)?;
+    let y = alloc(rows * h * 2)?;
+    let recv_x = alloc(rows * if fp8 { h } else { 2 * h })?;
+    let scales = alloc(if fp8 { rows * spr * 4 } else { 16 })?;
+    let count = alloc(l * 4)?;
+    let range = alloc(l * r * 8)?;
+    let stats = alloc(l * 4)?;
+    let combined = alloc(n * h * 2)?;
+    upload(rank, x.region(), bytemuck::cast_slice(&ins[me].x))?;
+    upload(rank, idx.region(), bytemuck::cast_slice(&ins[me].topk_idx))?;
+    upload(rank, wts.region(), bytemuck::cast_slice(&ins[me].topk_weights))?;
+    upload(rank, y.region(), bytemuck::cast_slice(&want.y_mine))?;
+    for b in [&recv_x, &scales, &count, &range, &combined] {
+        let g = b.region();
+        rank.memset_u32(g.sub(0, g.len() / 4 * 4)?, POISON)?;
+    }
+    rank.memset_u32(stats.region().sub(0, l * 4)?, 0)?;
+    let span = |what: &str, b: &DeviceBuffer| {
+        let g = b.region();
+        rank.external(what, g.ptr, g.len())
+    };
+    let io = LlIo {
+        x: Some(span("x", &x)?),
+        topk_idx: Some(span("topk_idx", &idx)?),
+        recv_x: Some(span("recv_x", &recv_x)?),
+        recv_scales: if fp8 {
+            Some(span("recv_scales", &scales)?)
+        } else {
+            None
+        },
+        recv_count: Some(span("recv_count", &count)?),
+        layout_range: Some(span("layout_range", &range)?),
+        stats: Some(span("stats", &stats)?),
+        y: Some(span("y", &y)?),
+        weights: Some(span("weights", &wts)?),
+        combined: Some(span("combined", &combined)?),
+    };
+    ll.set_num_tokens(SET, n)?;
+    ll.set_io(SET, io)?;
+    group.barrier(&format!("ll-check/{run}/caller-io"))?;
+    let ran = ll
+        .dispatch(SET)
+        .and_then(|_| ll.combine(SET))
+        .and_then(|_| rank.wait("LL caller-owned check"));
+    ll.clear_io(SET)?;
+    if let Err(e) = ran {
+        // A kernel may still use the caller's buffers: leave them to the process's end.
+        std::mem::forget([x, idx, wts, y, recv_x, scales, count, range, stats, combined]);
+        return Err(e);
+    }
+
+    // The handle stays in the set's own buffers; the rest comes from the caller's memory.
+    let mut got = ll.download_dispatch(SET)?;
+    got.recv_x = if fp8 {
+        let data: Vec<u8> = download_vec(rank, recv_x.region(), rows * h)?;
+        let cm: Vec<f32> = download_vec(rank, scales.region(), rows * spr)?;
+        // [L][H/128][R*T] (DeepEP) back to the oracle's [L][R*T][H/128].
+        let cap = rows / l;
+        let mut rm = vec![0f32; rows * spr];
+        for e in 0..l {
+            for b in 0..spr {
+                for i in 0..cap {
+                    rm[(e * cap + i) * spr + b] = cm[(e * spr + b) * cap + i];
+                }
+            }
+        }
+        Rows::Fp8 { data, scales: rm }
+    } else {
+        Rows::Bf16(download_vec(rank, recv_x.region(), rows * h)?)
+    };
+    let counts: Vec<i32> = download_vec(rank, count.region(), l)?;
+    got.recv_count = counts.iter().map(|&c| c.max(0) as usize).collect();
+    let packed: Vec<i64> = download_vec(rank, range.region(), l * r)?;
+    got.handle.layout_range = packed.iter().map(|&v| ((v >> 32) as u32, v as u32)).collect();
+    let ctx = |e: Error| match e {
+        Error::Mismatch(m) => Error::Mismatch(format!("GPU LL, caller-owned memory, config {cfg:?}: {m}")),
+        other => other,
+    };
+    crate::check::ll_dispatch(&cfg, me, &got, &want.dispatch).map_err(ctx)?;
+    let st: Vec<i32> = download_vec(rank, stats.region(), l)?;
+    let want_counts: Vec<i32> = want.dispatch.recv_count.iter().map(|&c| c as i32).collect();
+    if st != want_counts {
+        return Err(ctx(Error::Mismatch(format!(
+            "rank {me}: cumulative stats {st:?}, oracle counts {want_counts:?}"
+        ))));
+    }
+    let got_c: Vec<bf16> = download_vec(rank, combined.region(), n * h)?;
+    crate::check::ll_combine(me, &got_c, &want.combined).map_err(ctx)?;
+    Ok(2)
+}
+
 /// Oracle recv_count of rank `me` from every rank's routing alone (no payloads).
 fn expected_counts(cfg: &EpConfig, topk: &[Vec<i64>], me: usize) -> Vec<i32> {
     let l = cfg.local_experts();
@@ -1369,6 +1491,9 @@ fn check_case_on(
         compare(ll, set, &want, &format!("eager iteration {iter}, set {set}"))?;
         compared += 2;
     }
+
+    // Caller-owned memory (LlIo, the Python package's path), set 0.
+    compared += check_caller_io(group, ll, case, run)?;
 
     // Double buffering and receive hooks: both sets in flight, halves launched separately.
     let base = case.iters as u64 + 1000;

@@ -991,31 +991,44 @@ impl CudaRank {
         let last = ptr
             .checked_add(bytes as u64 - 1)
             .ok_or_else(|| Error::input(what, format!("address {ptr:#x} + {bytes} bytes overflows")))?;
-        for addr in [ptr, last] {
-            self.check_device_address(what, addr)?;
+        // One driver query in the common case: the span ends inside the allocation it starts
+        // in. Otherwise (e.g. PyTorch's expandable segments, mapped in pieces) the last byte
+        // is checked on its own.
+        let (start, size) = self.check_device_address(what, ptr)?;
+        if last >= start.saturating_add(size) {
+            self.check_device_address(what, last)?;
         }
         Ok(ExternalSpan { ptr, bytes })
     }
 
-    fn check_device_address(&self, what: &str, addr: u64) -> Result<()> {
+    /// Checks that `addr` is device memory of this GPU, not managed; returns the start and
+    /// size of the allocation (mapping) it lies in.
+    fn check_device_address(&self, what: &str, addr: u64) -> Result<(u64, u64)> {
         use sys::CUpointer_attribute as A;
         let mut mem_type: u32 = 0;
         let mut ordinal: i32 = -1;
         let mut managed: i32 = 0;
+        let mut start: u64 = 0;
+        let mut size: usize = 0;
         let mut attrs = [
             A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
             A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
             A::CU_POINTER_ATTRIBUTE_IS_MANAGED,
+            A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+            A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
         ];
-        let mut data: [*mut c_void; 3] = [
+        let mut data: [*mut c_void; 5] = [
             (&mut mem_type as *mut u32).cast(),
             (&mut ordinal as *mut i32).cast(),
             (&mut managed as *mut i32).cast(),
+            (&mut start as *mut u64).cast(),
+            (&mut size as *mut usize).cast(),
         ];
-        // SAFETY: three attributes, each with an out-location of the size the driver writes
+        // SAFETY: five attributes, each with an out-location of the size the driver writes
         // (MEMORY_TYPE: a CUmemorytype enum = u32, DEVICE_ORDINAL: int, IS_MANAGED: a bool
-        // written as an int); the address is only looked up, never dereferenced.
-        let r = unsafe { sys::cuPointerGetAttributes(3, attrs.as_mut_ptr(), data.as_mut_ptr(), addr) };
+        // written as an int, RANGE_START_ADDR: CUdeviceptr = u64, RANGE_SIZE: size_t); the
+        // address is only looked up, never dereferenced.
+        let r = unsafe { sys::cuPointerGetAttributes(5, attrs.as_mut_ptr(), data.as_mut_ptr(), addr) };
         let device = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32;
         if r != sys::CUresult::CUDA_SUCCESS || mem_type != device {
             return Err(Error::input(
@@ -1035,7 +1048,9 @@ impl CudaRank {
                 ),
             ));
         }
-        Ok(())
+        // A range the driver does not report (size 0) only means the last byte gets its own
+        // query.
+        Ok((start, size as u64))
     }
 
     /// Copies the caller's `src` (all of it) into the start of `dst`, on the stream.
