@@ -2094,15 +2094,20 @@ mod tests {
         let b = LlLayout::new(&peers()).unwrap();
         assert_eq!(b.meta_in_record, 14336);
         assert_eq!(b.record_bytes, 14416);
-        for off in [l.sig_offset, l.meta_offset, l.stage_offset, l.comb_offset] {
+        for off in [l.sig_offset, l.meta_offset, l.stage_offset, l.wts_offset, l.comb_offset] {
             assert!(off.is_multiple_of(16));
         }
-        assert!(l.meta_offset >= 4 * 4 * 8 && l.stage_offset >= l.meta_offset + 4 * 65 * 4);
-        assert_eq!(l.comb_offset, l.stage_offset + 4 * 128 * 7472);
+        assert!(l.meta_offset >= SIG_KINDS * 4 * 8 && l.stage_offset >= l.meta_offset + 4 * 65 * 4);
+        // Staging, then the rank-first weights [R][T][K] f32, then the combine rows.
+        assert_eq!(l.wts_offset, l.stage_offset + 4 * 128 * 7472);
+        assert_eq!(l.comb_offset, l.wts_offset + 4 * 128 * 8 * 4);
         assert!(l.set_bytes >= l.comb_offset + 128 * 8 * 7168 * 2 && l.set_bytes.is_multiple_of(4096));
         assert_eq!(l.window_bytes, 2 * l.set_bytes);
         // (256 experts + 4 ranks) * 4 chunks * 8 bytes.
         assert_eq!(l.dispatch_send_smem, 260 * 4 * 8);
+        // Top-1 over 4 ranks: rank-first combine rows [T][R][H] outgrow topk's [T][K][H].
+        let one = LlLayout::new(&EpConfig::new(4, 8, 256, 1, 16)).unwrap();
+        assert!(one.set_bytes >= one.comb_offset + 16 * 4 * 256 * 2);
     }
 
     #[test]
