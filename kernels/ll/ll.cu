@@ -356,7 +356,7 @@ __device__ __forceinline__ uint4 quantize16(const uint4 lo, const uint4 hi, bool
 }
 
 // ---------------------------------------------------------------------------------------
-// Dispatch send
+// Dispatch send: one unit of a token (load, encode, store)
 
 // One dispatch unit of a token in registers: 16 BF16 channels per lane (lo = 8, hi = 8).
 struct XUnit {
