@@ -2094,7 +2094,13 @@ mod tests {
         let b = LlLayout::new(&peers()).unwrap();
         assert_eq!(b.meta_in_record, 14336);
         assert_eq!(b.record_bytes, 14416);
-        for off in [l.sig_offset, l.meta_offset, l.stage_offset, l.wts_offset, l.comb_offset] {
+        for off in [
+            l.sig_offset,
+            l.meta_offset,
+            l.stage_offset,
+            l.wts_offset,
+            l.comb_offset,
+        ] {
             assert!(off.is_multiple_of(16));
         }
         assert!(l.meta_offset >= SIG_KINDS * 4 * 8 && l.stage_offset >= l.meta_offset + 4 * 65 * 4);
