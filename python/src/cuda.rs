@@ -90,15 +90,8 @@ impl PyCudaEp {
     fn on<T>(&self, stream: u64, f: impl FnOnce(&CudaRank) -> Result<T>) -> PyResult<T> {
         guard(|| {
             let _one_at_a_time = locked(&self.op);
-            let rank = self.rank();
-            rank.bind_to_thread().map_err(to_py)?;
-            // SAFETY: `stream` is PyTorch's current stream of this device (the Python side
-            // passes torch.cuda.current_stream().cuda_stream), live during the call.
-            unsafe { rank.set_stream(Some(stream)) };
-            let out = f(rank);
-            // SAFETY: back to the rank's own stream.
-            unsafe { rank.set_stream(None) };
-            out.map_err(to_py)
+            // `stream` is PyTorch's current stream of this device, live during the call.
+            self.rank().on_stream(stream, f).map_err(to_py)
         })
     }
 }

@@ -860,6 +860,36 @@ impl CudaRank {
         self.external_stream.set(raw.map(|r| r as sys::CUstream));
     }
 
+    /// Runs `f` with this rank's context current on the calling thread and every operation
+    /// of the rank queued on the framework's stream `raw` (0: the legacy default stream),
+    /// then returns to the rank's own stream, also when `f` fails. `raw` is checked to be a
+    /// stream of this rank's context first; the caller keeps it alive during the call (a
+    /// framework's current stream is).
+    pub fn on_stream<T>(&self, raw: u64, f: impl FnOnce(&CudaRank) -> Result<T>) -> Result<T> {
+        self.bind_to_thread()?;
+        if raw != 0 {
+            let mut ctx: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: cuStreamGetCtx only reads the handle and writes one CUcontext.
+            let r = unsafe { sys::cuStreamGetCtx(raw as sys::CUstream, &mut ctx) };
+            if r != sys::CUresult::CUDA_SUCCESS || ctx != self.ctx.cu_ctx() {
+                return Err(Error::input(
+                    "stream",
+                    format!(
+                        "{raw:#x} is not a stream of GPU {}'s context ({r:?})",
+                        self.info.device
+                    ),
+                ));
+            }
+        }
+        // SAFETY: `raw` is 0 or a stream of this context (checked above), live for the call
+        // (the caller's contract); the override ends before this function returns.
+        unsafe { self.set_stream(Some(raw)) };
+        let out = f(self);
+        // SAFETY: back to the rank's own stream.
+        unsafe { self.set_stream(None) };
+        out
+    }
+
     /// Copies `bytes` from device address `src` to device address `dst` on the stream (not
     /// waited for).
     ///
