@@ -55,16 +55,27 @@ impl PyCudaHtHandle {
     }
 }
 
-/// One rank of the GPU path. Field order is drop order: the HT and LL objects (windows,
-/// device communicators) go before the rank (communicator, context).
+/// The LL objects of a rank; they borrow it.
+type LlList<'r> = Mutex<Vec<CudaLl<'r>>>;
+
+self_cell::self_cell!(
+    /// The rank and the LL objects borrowing it, in one owner: the LL objects (windows,
+    /// device communicators) are dropped before the rank (communicator, context).
+    struct RankAndLls {
+        owner: CudaRank,
+        #[not_covariant]
+        dependent: LlList,
+    }
+);
+
+/// One rank of the GPU path. Field order is drop order: the HT objects go before the rank.
 #[pyclass(module = "gin_ep._native", name = "CudaEp")]
 pub(crate) struct PyCudaEp {
     hts: Mutex<Vec<CudaHt>>,
-    lls: Mutex<Vec<CudaLl<'static>>>,
     /// Held for the whole of every operation: the stream override and the rank's
     /// counters are per rank, not per thread.
     op: Mutex<()>,
-    rank: Box<CudaRank>,
+    core: RankAndLls,
 }
 
 // SAFETY: the CUDA and NCCL handles inside may be used from any thread once the rank's
@@ -80,10 +91,25 @@ fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl PyCudaEp {
-    fn rank(&self) -> &'static CudaRank {
-        // SAFETY: the rank is boxed (its address never changes) and dropped after every
-        // CudaLl that borrows it (field order above); the borrow never leaves this object.
-        unsafe { &*(self.rank.as_ref() as *const CudaRank) }
+    fn rank(&self) -> &CudaRank {
+        self.core.borrow_owner()
+    }
+
+    /// Runs `f` on LL object `ll` (locked for the call) on `stream`.
+    fn on_ll<T>(
+        &self,
+        ll: usize,
+        stream: u64,
+        f: impl FnOnce(&CudaRank, &mut CudaLl<'_>) -> Result<T>,
+    ) -> PyResult<T> {
+        self.core.with_dependent(|rank, lls| {
+            let mut lls = locked(lls);
+            let l = get_mut(&mut lls, ll, "LL")?;
+            guard(|| {
+                let _one_at_a_time = locked(&self.op);
+                rank.on_stream(stream, |r| f(r, l)).map_err(to_py)
+            })
+        })
     }
 
     /// Runs `f` with the rank's operations on `stream`, then back on the rank's own.
@@ -128,21 +154,20 @@ impl PyCudaEp {
             let rank = group.with(|g| CudaRank::on_device(g, device, opts).map_err(to_py))?;
             Ok(PyCudaEp {
                 hts: Mutex::new(Vec::new()),
-                lls: Mutex::new(Vec::new()),
                 op: Mutex::new(()),
-                rank: Box::new(rank),
+                core: RankAndLls::new(rank, |_| Mutex::new(Vec::new())),
             })
         })
     }
 
     /// Device, SM count, NCCL version and where NCCL was loaded from.
     fn info(&self) -> String {
-        format!("{:?}", self.rank.info())
+        format!("{:?}", self.rank().info())
     }
 
     #[getter]
     fn sm_count(&self) -> u32 {
-        self.rank.info().sm_count
+        self.rank().info().sm_count
     }
 
     /// Collective: a new HT object for `config`; returns its id.
@@ -167,15 +192,17 @@ impl PyCudaEp {
     /// returns its id.
     #[pyo3(signature = (config, grid = None))]
     fn ll_new(&self, config: &PyEpConfig, grid: Option<u32>) -> PyResult<usize> {
-        let ll = guard(|| {
-            let _one_at_a_time = locked(&self.op);
-            self.rank().bind_to_thread().map_err(to_py)?;
-            let v = LlVariant::from_env().map_err(to_py)?;
-            CudaLl::with_variant(self.rank(), &config.cfg, grid, v).map_err(to_py)
-        })?;
-        let mut lls = locked(&self.lls);
-        lls.push(ll);
-        Ok(lls.len() - 1)
+        self.core.with_dependent(|rank, lls| {
+            let ll = guard(|| {
+                let _one_at_a_time = locked(&self.op);
+                rank.bind_to_thread().map_err(to_py)?;
+                let v = LlVariant::from_env().map_err(to_py)?;
+                CudaLl::with_variant(rank, &config.cfg, grid, v).map_err(to_py)
+            })?;
+            let mut lls = locked(lls);
+            lls.push(ll);
+            Ok(lls.len() - 1)
+        })
     }
 
     /// Copies `bytes` from device address `src` into HT buffer `which` of `ht`.
@@ -319,9 +346,7 @@ impl PyCudaEp {
         layout_range: Span,
         stats: Span,
     ) -> PyResult<()> {
-        let mut lls = locked(&self.lls);
-        let l = get_mut(&mut lls, ll, "LL")?;
-        self.on(stream, |r| {
+        self.on_ll(ll, stream, |r, l| {
             let io = LlIo {
                 x: span(r, "x", x)?,
                 topk_idx: span(r, "topk_idx", topk_idx)?,
@@ -362,9 +387,7 @@ impl PyCudaEp {
         weights: Span,
         combined: Span,
     ) -> PyResult<()> {
-        let mut lls = locked(&self.lls);
-        let l = get_mut(&mut lls, ll, "LL")?;
-        self.on(stream, |r| {
+        self.on_ll(ll, stream, |r, l| {
             let io = LlIo {
                 y: span(r, "x (expert outputs)", y)?,
                 topk_idx: span(r, "topk_idx", topk_idx)?,
@@ -414,10 +437,10 @@ fn with_ht_io<T>(h: &mut CudaHt, io: HtIo, f: impl FnOnce(&mut CudaHt) -> Result
 
 /// As [`with_ht_io`] for set `set` of an LL object.
 fn with_ll_io<T>(
-    l: &mut CudaLl<'static>,
+    l: &mut CudaLl<'_>,
     set: usize,
     io: LlIo,
-    f: impl FnOnce(&CudaLl<'static>) -> Result<T>,
+    f: impl FnOnce(&CudaLl<'_>) -> Result<T>,
 ) -> Result<T> {
     l.set_io(set, io)?;
     let out = f(l);
