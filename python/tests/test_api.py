@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import _dist
 import gin_ep
-from gin_ep import Buffer, Config, EventOverlap, topk_idx_t
+from gin_ep import Buffer, Config, EventOverlap, _native, topk_idx_t
 
 
 def test_exports():
@@ -95,3 +95,13 @@ def test_nccl_group_is_the_gpu_path(monkeypatch):
 def test_group_or_comm_required():
     with pytest.raises(ValueError, match="group"):
         Buffer(None)
+
+
+def test_ll_combine_order_is_checked():
+    # Before anything else happens (no group needed to refuse it).
+    with pytest.raises(ValueError, match="ll_combine_order = 'pairwise'"):
+        Buffer(None, ll_combine_order="pairwise")
+    with pytest.raises(ValueError, match="rank_firs"):
+        _native.EpConfig(2, 4, 128, 2, 8, ll_combine_order="rank_firs")
+    assert _native.EpConfig(2, 4, 128, 2, 8, ll_combine_order="rank-first").ll_combine_order == "rank-first"
+    assert _native.EpConfig(2, 4, 128, 2, 8).ll_combine_order == "topk"

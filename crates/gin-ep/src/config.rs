@@ -265,6 +265,19 @@ mod tests {
     }
 
     #[test]
+    fn ll_combine_order_parses_its_names_and_names_a_bad_one() {
+        for o in [LlCombineOrder::Topk, LlCombineOrder::RankFirst] {
+            assert_eq!(LlCombineOrder::parse(o.name()).unwrap(), o);
+        }
+        assert_eq!(
+            EpConfig::new(2, 4, 128, 2, 8).ll_combine_order,
+            LlCombineOrder::Topk
+        );
+        let e = LlCombineOrder::parse("pairwise").unwrap_err().to_string();
+        assert!(e.contains("pairwise") && e.contains("rank-first"), "{e}");
+    }
+
+    #[test]
     fn dtype_parse_rejects_unknown() {
         assert_eq!(DispatchDtype::parse("fp8").unwrap(), DispatchDtype::Fp8);
         assert!(DispatchDtype::parse("fp16")
