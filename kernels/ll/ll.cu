@@ -23,8 +23,9 @@
 // - Combine, order `rank-first`: every source first pushes its top-k weights into every
 //   rank's weights area ([src][T][K] f32, signal kCombWts). The expert rank walks the
 //   records of the last dispatch on the set (comb_map, written by dispatch-recv: source,
-//   token, local row per k), sums fma(w[k], y[row_k], acc) for its own k ascending from +0,
-//   rounds that partial to BF16 and writes it to the source's combine buffer at [t][me]. The
+//   token, then (row, k) of each of the token's experts held here), sums
+//   fma(w[k], y[row_k], acc) for its own k ascending from +0, rounds that partial to BF16
+//   and writes it to the source's combine buffer at [t][me]. The
 //   source adds the partials of the ranks holding the token's experts in rank order (f32,
 //   from +0) and rounds once more. One row per (token, rank) crosses a link instead of one per
 //   (token, k). oracle::LlReducer defines both orders.
@@ -41,10 +42,10 @@
 //     expert rank "combine buffer free").
 //   - kDispCnt[src] at receiver r (variant `early` only): CTA 0 of src adds 1 after writing
 //     meta[src] at r (after op n: n); the receiver then waits per source for kDispSig.
-//   - kCombWts[src] at expert rank r (order `rank-first` only): CTA 0 of src adds 1 after
-//     writing its weights into r's area (after op n: n). No credit is needed: r reads them in
-//     its combine send, before its kCombSig, and src's next combine on the set starts only
-//     after src's reduce saw that kCombSig.
+//   - kCombWts[src] at expert rank r (order `rank-first` only): the CTA of src that serves r
+//     (one CTA per destination rank) adds 1 after writing src's weights into r's area (after
+//     op n: n). No credit is needed: r reads them in its combine send, before its kCombSig,
+//     and src's next combine on the set starts only after src's reduce saw that kCombSig.
 //   So no barrier sits on the critical path, no flag is ever cleared, and any sequence of
 //   dispatches and combines on a set is safe (double buffering = two sets, used alternately).
 // - The op number n of a set lives on the device (LlArgs::state), so a CUDA graph replays
@@ -199,6 +200,22 @@ __device__ __forceinline__ uint32_t f32x2_to_bf16x2(float lo, float hi) {
   const uint32_t a = __bfloat16_as_ushort(__float2bfloat16_rn(lo));
   const uint32_t b = __bfloat16_as_ushort(__float2bfloat16_rn(hi));
   return a | (b << 16);
+}
+
+// acc[i] = fma(w, channel i of the 8 BF16 values in v, acc[i]), i = 0..8 (the combine chain).
+__device__ __forceinline__ void fma_bf16x8(float w, const uint4& v, float* acc) {
+  const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    acc[2 * j] = __fmaf_rn(w, bf16_bits_to_f32(wv[j] & 0xffffu), acc[2 * j]);
+    acc[2 * j + 1] = __fmaf_rn(w, bf16_bits_to_f32(wv[j] >> 16), acc[2 * j + 1]);
+  }
+}
+
+// 8 f32 values rounded to BF16 (nearest even), packed for one 16-byte store.
+__device__ __forceinline__ uint4 pack_bf16x8(const float* x) {
+  return make_uint4(f32x2_to_bf16x2(x[0], x[1]), f32x2_to_bf16x2(x[2], x[3]), f32x2_to_bf16x2(x[4], x[5]),
+                    f32x2_to_bf16x2(x[6], x[7]));
 }
 
 // The same arithmetic as LlLayout::meta_in_record / record_bytes in ll.rs.
@@ -534,13 +551,13 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
 // Dispatch recv: wait for every source, then expand staged records into the expert-major
 // output, fused (no second pass over memory).
 
-// One staged unit in registers: payload of this lane, and (for k = lane < 32) its local id
-// and position.
 // comb_map entry of one staged record (rank-first combine): [source, token, pairs, then
 // (row, k) per pair], pairs = this rank's experts of the token, k ascending.
 constexpr int kMapHeader = 3;
 __device__ __forceinline__ int map_ints(int K) { return kMapHeader + 2 * K; }
 
+// One staged unit in registers: payload of this lane, and (for k = lane < 32) its local id
+// and position.
 struct StagedUnit {
   uint4 v0, v1;
   float scale;
@@ -872,15 +889,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
       for (int b = 0; b < kPartialBatch; ++b) {
         if (p0 + b >= np) break;
 #pragma unroll
-        for (int i = 0; i < kPartialVecs; ++i) {
-          const uint32_t wv[4] = {cur.v[b][i].x, cur.v[b][i].y, cur.v[b][i].z, cur.v[b][i].w};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            float* x = acc + i * 8 + 2 * j;
-            x[0] = __fmaf_rn(cur.w[b], bf16_bits_to_f32(wv[j] & 0xffffu), x[0]);
-            x[1] = __fmaf_rn(cur.w[b], bf16_bits_to_f32(wv[j] >> 16), x[1]);
-          }
-        }
+        for (int i = 0; i < kPartialVecs; ++i) fma_bf16x8(cur.w[b], cur.v[b][i], acc + i * 8);
       }
     }
     // The next item's rows and weights, before this item's stores.
@@ -893,12 +902,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
 #pragma unroll
       for (int i = 0; i < kPartialVecs; ++i) {
         const int ch = c0 + i * 256;
-        const float* x = acc + i * 8;
-        if (ch < H) {
-          st_v4(reinterpret_cast<uint4*>(dst + size_t(ch) * 2),
-                make_uint4(f32x2_to_bf16x2(x[0], x[1]), f32x2_to_bf16x2(x[2], x[3]), f32x2_to_bf16x2(x[4], x[5]),
-                           f32x2_to_bf16x2(x[6], x[7])));
-        }
+        if (ch < H) st_v4(reinterpret_cast<uint4*>(dst + size_t(ch) * 2), pack_bf16x8(acc + i * 8));
       }
     }
     held = held_next;
@@ -1067,20 +1071,10 @@ __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
       // NaN or -0 row must not change the result).
 #pragma unroll
       for (int i = 0; i < kReduceBatch; ++i) {
-        if (!use[i]) continue;
-        const uint32_t wv[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          acc[2 * j] = __fmaf_rn(w[i], bf16_bits_to_f32(wv[j] & 0xffffu), acc[2 * j]);
-          acc[2 * j + 1] = __fmaf_rn(w[i], bf16_bits_to_f32(wv[j] >> 16), acc[2 * j + 1]);
-        }
+        if (use[i]) fma_bf16x8(w[i], v[i], acc);
       }
     }
-    if (c < H) {
-      const uint4 o = make_uint4(f32x2_to_bf16x2(acc[0], acc[1]), f32x2_to_bf16x2(acc[2], acc[3]),
-                                 f32x2_to_bf16x2(acc[4], acc[5]), f32x2_to_bf16x2(acc[6], acc[7]));
-      st_v4(reinterpret_cast<uint4*>(a.combined + size_t(t) * H + c), o);
-    }
+    if (c < H) st_v4(reinterpret_cast<uint4*>(a.combined + size_t(t) * H + c), pack_bf16x8(acc));
   }
   // Credit back to every expert rank: our combine buffer of this set may be rewritten.
   signal_all_peers(a, kCombAck, kStCombReduced, kStCombEnd);
