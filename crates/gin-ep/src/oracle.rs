@@ -11,9 +11,11 @@
 //!   0 adds the row from each destination rank in ascending rank order, then
 //!   bias 0, then bias 1; the sum is rounded once to BF16. Weights reduce the
 //!   same way (f32, ascending rank, no rounding).
-//! - LL combine of token `t`: an f32 accumulator starting at 0 takes
-//!   `acc = fma(w[t][k], y[t][k], acc)` for k = 0..K in order, skipping -1
-//!   entries; rounded once to BF16.
+//! - LL combine of token `t`, in `EpConfig::ll_combine_order` ([`LlReducer`]):
+//!   `topk`: an f32 accumulator starting at 0 takes `acc = fma(w[t][k], y[t][k], acc)`
+//!   for k = 0..K in order, skipping -1 entries; rounded once to BF16. `rank-first`:
+//!   the same chain per rank holding the token's experts (ranks ascending), each
+//!   rounded to BF16, then added in f32 from 0 and rounded once more.
 
 use crate::config::{EpConfig, LlCombineOrder};
 use crate::error::{Error, Result};
@@ -289,7 +291,7 @@ fn ll_row_of(
 }
 
 /// One token's LL combine, in the order `cfg.ll_combine_order` names: the arithmetic every
-/// backend reproduces bit for bit (the host backend calls it; the GPU kernels mirror it in
+/// backend reproduces bit for bit (the host backend in its own code, the GPU kernels in
 /// kernels/ll/ll.cu). Holds the f32 scratch rows so a loop over tokens allocates once.
 pub struct LlReducer {
     acc: Vec<f32>,
@@ -331,9 +333,7 @@ impl LlReducer {
                         continue;
                     }
                     fetch(j, &mut self.row)?;
-                    for (a, v) in self.acc.iter_mut().zip(&self.row) {
-                        *a = w[j].mul_add(v.to_f32(), *a);
-                    }
+                    fma_row(&mut self.acc, w[j], &self.row);
                 }
             }
             LlCombineOrder::RankFirst => {
@@ -352,9 +352,7 @@ impl LlReducer {
                             continue;
                         }
                         fetch(j, &mut self.row)?;
-                        for (a, v) in self.part.iter_mut().zip(&self.row) {
-                            *a = w[j].mul_add(v.to_f32(), *a);
-                        }
+                        fma_row(&mut self.part, w[j], &self.row);
                     }
                     for (a, p) in self.acc.iter_mut().zip(&self.part) {
                         *a += f32_to_bf16(*p).to_f32();
@@ -369,8 +367,16 @@ impl LlReducer {
     }
 }
 
-/// Reference LL combine, in `cfg.ll_combine_order` (see [`LlReducer::token`]). `expert_out[r]` is rank r's `[L, R*T, H]` expert
-/// output; `topk_idx[s]`, `topk_weights[s]` are source rank s's routing.
+/// `sum[c] = fma(w, row[c], sum[c])` for every channel: one step of the LL combine chain.
+fn fma_row(sum: &mut [f32], w: f32, row: &[bf16]) {
+    for (a, v) in sum.iter_mut().zip(row) {
+        *a = w.mul_add(v.to_f32(), *a);
+    }
+}
+
+/// Reference LL combine, in `cfg.ll_combine_order` (see [`LlReducer::token`]).
+/// `expert_out[r]` is rank r's `[L, R*T, H]` expert output; `topk_idx[s]`,
+/// `topk_weights[s]` are source rank s's routing.
 pub fn ll_combine(
     cfg: &EpConfig,
     handles: &[LlHandle],

@@ -15,7 +15,7 @@
 //! reading from the previous operation. Every wait has a deadline.
 
 use super::heap::SymmetricHeap;
-use crate::config::{EpConfig, FP8_BLOCK};
+use crate::config::{EpConfig, LlCombineOrder, FP8_BLOCK};
 use crate::error::{Error, Result};
 use crate::ht::{HtCombineInput, HtCombineOutput, HtDispatchOutput, HtHandle};
 use crate::ll::{LlDispatchOutput, LlHandle};
@@ -866,20 +866,54 @@ impl HostEp {
         self.wait_all(Sig::LlCombine, seq, "LL combine")?;
         t0 = self.mark("combine", t0);
 
-        // The source holds every (token, k) row and applies the config's order itself
-        // (oracle::LlReducer): the same arithmetic as the GPU, whose `RankFirst` sums on the
-        // expert rank instead to send fewer bytes.
+        // The source holds every (token, k) row and sums them in the config's order itself
+        // (the GPU's `RankFirst` sums on the expert rank instead, to send fewer bytes; the
+        // arithmetic is the same). Written apart from oracle::LlReducer, which it is checked
+        // against.
         let mut out = vec![bf16::ZERO; n * h];
-        let mut red = crate::oracle::LlReducer::new(h);
+        let mut acc = vec![0f32; h];
+        let mut part = vec![0f32; h];
+        let mut row = vec![bf16::ZERO; h];
         let (heap, comb) = (&self.heap, self.reg.ll_comb);
         for t in 0..n {
-            red.token(
-                &cfg,
-                &topk_idx[t * k..(t + 1) * k],
-                &topk_weights[t * k..(t + 1) * k],
-                &mut out[t * h..(t + 1) * h],
-                |j, row| heap.get(me, comb + (t * k + j) * h * 2, bytemuck::cast_slice_mut(row)),
-            )?;
+            let ids = &topk_idx[t * k..(t + 1) * k];
+            let ws = &topk_weights[t * k..(t + 1) * k];
+            // Adds w[j] * row j of token t into `sum` (f32 fma, channel by channel).
+            let mut fma_row = |j: usize, sum: &mut [f32]| -> Result<()> {
+                heap.get(me, comb + (t * k + j) * h * 2, bytemuck::cast_slice_mut(&mut row))?;
+                for (a, v) in sum.iter_mut().zip(&row) {
+                    *a = ws[j].mul_add(v.to_f32(), *a);
+                }
+                Ok(())
+            };
+            acc.fill(0.0);
+            match cfg.ll_combine_order {
+                LlCombineOrder::Topk => {
+                    for j in (0..k).filter(|&j| ids[j] >= 0) {
+                        fma_row(j, &mut acc)?;
+                    }
+                }
+                LlCombineOrder::RankFirst => {
+                    // Every rank in order; a rank holding none of the token's experts adds
+                    // nothing (not even a rounded +0).
+                    for r in 0..r_n {
+                        let of_r = |j: &usize| ids[*j] >= 0 && ids[*j] as usize / l_n == r;
+                        if !(0..k).any(|j| of_r(&j)) {
+                            continue;
+                        }
+                        part.fill(0.0);
+                        for j in (0..k).filter(of_r) {
+                            fma_row(j, &mut part)?;
+                        }
+                        for (a, p) in acc.iter_mut().zip(&part) {
+                            *a += f32_to_bf16(*p).to_f32();
+                        }
+                    }
+                }
+            }
+            for (o, a) in out[t * h..(t + 1) * h].iter_mut().zip(&acc) {
+                *o = f32_to_bf16(*a);
+            }
         }
         self.mark("reduce", t0);
         Ok(out)
