@@ -141,8 +141,6 @@ def ll_worker(rank, world):
     experts = 2 * world
     local = experts // world
     tokens = [5, 16, 0, 9][:world]
-    inputs = routing(world, tokens, HIDDEN, TOPK, experts, seed=77 + world)
-    x, idx, w = inputs[rank]
     hint = Buffer.get_low_latency_rdma_size_hint(T, HIDDEN, world, experts)
     buf = Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=local)
     stats = torch.zeros(local, dtype=torch.int32, device=dev)

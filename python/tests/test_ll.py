@@ -68,16 +68,16 @@ def ll_worker(rank, world):
             g = torch.Generator().manual_seed(500 + r)
             return torch.randn(local, world * T, HIDDEN, generator=g).to(torch.bfloat16)
 
-        cref = _native.oracle_ll_combine(cfg, [ref[r][3] for r in range(world)],
-                                         [to_bytes(y_of(r)) for r in range(world)],
-                                         [to_bytes(i[1]) for i in inputs], [to_bytes(i[2]) for i in inputs])
+        def combine_ref(c):
+            return _native.oracle_ll_combine(c, [ref[r][3] for r in range(world)],
+                                             [to_bytes(y_of(r)) for r in range(world)],
+                                             [to_bytes(i[1]) for i in inputs], [to_bytes(i[2]) for i in inputs])
+
+        cref = combine_ref(cfg)
         want_c = from_bytes(cref[rank], torch.bfloat16, (tokens[rank], HIDDEN))
         if order == "rank-first" and tokens[rank] > 0:
             # The orders must round differently somewhere here, or this run proves nothing.
-            tcfg = _native.EpConfig(world, experts, HIDDEN, TOPK, T, dtype)
-            tref = _native.oracle_ll_combine(tcfg, [ref[r][3] for r in range(world)],
-                                             [to_bytes(y_of(r)) for r in range(world)],
-                                             [to_bytes(i[1]) for i in inputs], [to_bytes(i[2]) for i in inputs])
+            tref = combine_ref(_native.EpConfig(world, experts, HIDDEN, TOPK, T, dtype))
             assert tref[rank] != cref[rank], "rank-first and topk oracles agree on every value"
         if hook_path:
             # Zero-copy combine through the next combine buffer, with a hook.
