@@ -35,11 +35,21 @@
 //   of src's kernel), read only by r (ld.acquire.sys, with a deadline):
 //   - kDispSig[src] at receiver r: every CTA of src's dispatch-send adds 1 after its stores;
 //     after op n of this set it holds n * G (G = grid, the same on every rank and kernel).
-//   - kDispAck[r] at sender s: every CTA of r's dispatch-recv adds 1 after it finished
-//     reading r's staging; s's dispatch-send of op n waits for (n - 1) * G before writing
-//     into r (credit: the staging slots of s at r are free again).
+//   - kDispAck[r] at sender s: the number of dispatches on the set whose receive half r has
+//     completed (credit: the staging slots of s at r are free again); s's dispatch-send of op
+//     n waits for n - 1 before writing into r. r does not signal it at the end of its receive
+//     half (that would cost a system-scope fence draining every output store, ≈ 3 µs): CTA 0
+//     of r's NEXT LL kernel on the set stores it at every peer, first thing, before any wait
+//     (push_credits). That kernel starts after the receive kernel completed in stream order,
+//     and kernel completion makes all of its memory accesses (the staging loads included)
+//     performed, so a relaxed store suffices and no fence is needed.
 //   - kCombSig / kCombAck: the same for combine (expert rank -> source rank data, source ->
-//     expert rank "combine buffer free").
+//     expert rank "combine buffer free": completed combines, pushed the same way).
+//   Every rank runs the same sequence of operations per set and every kernel pushes before
+//   it waits, so a deferred credit is always pushed before a peer needs it: the next kernel
+//   on the set (a combine after a dispatch, or the next dispatch) comes before that peer's
+//   next write into the buffer the credit frees. A receive half that missed a deadline sets
+//   the set's kFailed word and no credit of the set is pushed again.
 //   - kDispCnt[src] at receiver r (variant `early` only): CTA 0 of src adds 1 after writing
 //     meta[src] at r (after op n: n); the receiver then waits per source for kDispSig.
 //   - kCombWts[src] at expert rank r (order `rank-first` only): the CTA of src that serves r
@@ -49,7 +59,10 @@
 //   So no barrier sits on the critical path, no flag is ever cleared, and any sequence of
 //   dispatches and combines on a set is safe (double buffering = two sets, used alternately).
 // - The op number n of a set lives on the device (LlArgs::state), so a CUDA graph replays
-//   correctly: send kernels read ops + 1; the recv kernel's last CTA stores ops = n.
+//   correctly: send kernels read ops + 1; the kernel that ends the operation (recv, or fused)
+//   claims it at its start: every CTA reads ops and then counts itself in (acq_rel), and the
+//   last one to count stores ops = n, so no CTA of the launch sees the new value and nothing
+//   is left to do at the end of the kernel.
 // - Every wait has a deadline (globaltimer) and records (phase, peer) in FabricError.
 // - Variants (LlArgs::flags, and the fused entry points at the end) change only how work is
 //   spread over warps and when loads are issued; the bytes written are the same in all.
@@ -81,7 +94,8 @@ constexpr int kSigKinds = 6;  // host: ll.rs SIG_KINDS (sig words [kSigKinds][R]
 static_assert(kCombWts < kSigKinds, "signal kinds");
 // Words of LlArgs::state (local device memory of a set, zeroed at creation). kRecords: the
 // records (staged tokens) of the last dispatch on the set, the rows of comb_map.
-constexpr int kDispOps = 0, kDispDone = 1, kCombOps = 2, kCombDone = 3, kRecords = 4;
+// kFailed: nonzero once a receive half of the set missed a deadline (no more credits).
+constexpr int kDispOps = 0, kDispDone = 1, kCombOps = 2, kCombDone = 3, kRecords = 4, kFailed = 5;
 constexpr int kStateWords = 8;  // host: ll.rs STATE_WORDS
 
 // LlArgs::comb_order (host: LlCombineOrder in config.rs).
@@ -110,7 +124,7 @@ struct LlArgs {
   int32_t* src_token;          // [L][R*T]
   int32_t* src_k;              // [L][R*T]
   uint16_t* combined;          // [N][H] bf16
-  uint32_t* state;             // [4] kDispOps, kDispDone, kCombOps, kCombDone
+  uint32_t* state;             // [kStateWords] kDispOps, kDispDone, kCombOps, kCombDone, ...
   uint64_t timeout_ns;
   FabricError* err;            // host-mapped
   int32_t num_tokens;          // N of this rank (<= max_tokens)
@@ -238,6 +252,12 @@ __device__ __forceinline__ DeadlineBarrier waiter(const LlArgs& a) {
   return DeadlineBarrier{a.win, 0, a.comm.lsaRank, a.comm.lsaSize, a.timeout_ns, a.err};
 }
 
+// A wait of this set missed its deadline: no credit of the set is pushed again (peers then
+// time out on their next write instead of overwriting data nobody read).
+__device__ void mark_failed(const LlArgs& a) {
+  if (threadIdx.x == 0) atomicExch(&a.state[kFailed], 1u);
+}
+
 // Every thread of the CTA: wait until word [kind][p] of this rank is >= target for every
 // peer p, with the deadline; false in every thread when one missed it.
 __device__ bool wait_all_peers(const LlArgs& a, int kind, uint64_t target, uint32_t phase) {
@@ -247,7 +267,9 @@ __device__ bool wait_all_peers(const LlArgs& a, int kind, uint64_t target, uint3
     ok = w.wait_word(sig_word(a, a.comm.lsaRank, kind, p), target, static_cast<FabricPhase>(phase), p);
   }
   // bar.sync extends each waiter's acquire to the whole CTA.
-  return __syncthreads_and(ok) != 0;
+  if (__syncthreads_and(ok) != 0) return true;
+  mark_failed(a);
+  return false;
 }
 
 // Every thread of the CTA: after this CTA's stores (or reads) of a phase, add 1 to word
@@ -264,7 +286,7 @@ __device__ void signal_all_peers(const LlArgs& a, int kind, int before, int afte
   stamp(a, after);
 }
 
-// The op number of a set as seen at the start of a kernel (thread 0 reads, all get it).
+// The op number of a set as seen at the start of a send kernel (thread 0 reads, all get it).
 __device__ uint32_t read_op(const LlArgs& a, int word) {
   __shared__ uint32_t op;
   if (threadIdx.x == 0) op = ld_volatile_u32(&a.state[word]) + 1;
@@ -272,19 +294,36 @@ __device__ uint32_t read_op(const LlArgs& a, int word) {
   return op;
 }
 
-// End of a recv kernel: the last CTA to finish stores ops = n (every CTA read ops before
-// any CTA can be last, so no CTA of this launch sees the new value).
-__device__ void finish_op(const LlArgs& a, int ops_word, int done_word, uint32_t n) {
-  __syncthreads();
+// Start of the kernel that ends an operation (recv half, or fused): returns its op number n
+// and, in the last CTA to get here, stores ops = n. The acq_rel add orders each CTA's read
+// of ops before its count, and the last CTA's add sees every count, so every read came
+// before the store. At kernel start a CTA has no stores in flight: the release is cheap.
+__device__ uint32_t claim_op(const LlArgs& a, int ops_word, int done_word) {
+  __shared__ uint32_t op;
   if (threadIdx.x == 0) {
-    __threadfence();
-    const uint32_t before = atomicAdd(&a.state[done_word], 1u);
+    const uint32_t n = ld_volatile_u32(&a.state[ops_word]) + 1;
+    uint32_t before;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(&a.state[done_word]) : "memory");
     if (before == gridDim.x - 1) {
       a.state[done_word] = 0;
       a.state[ops_word] = n;
-      __threadfence();
     }
+    op = n;
   }
+  __syncthreads();
+  return op;
+}
+
+// First thing in every send kernel (CTA 0, one thread per peer): the deferred credits of
+// this set (see the head of the file): completed dispatches and combines, as stored by the
+// kernels that ended them, which all completed before this kernel started.
+__device__ void push_credits(const LlArgs& a) {
+  if (blockIdx.x != 0 || threadIdx.x >= a.comm.lsaSize) return;
+  if (ld_volatile_u32(&a.state[kFailed]) != 0u) return;
+  const int p = threadIdx.x, me = a.comm.lsaRank;
+  const uint64_t disp = ld_volatile_u32(&a.state[kDispOps]), comb = ld_volatile_u32(&a.state[kCombOps]);
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(sig_word(a, p, kDispAck, me)), "l"(disp) : "memory");
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(sig_word(a, p, kCombAck, me)), "l"(comb) : "memory");
 }
 
 // Warp 0 turns a[0..n) into its exclusive prefix sum and writes the total to a[n].
@@ -332,9 +371,16 @@ struct TokenRanks {
 // ---------------------------------------------------------------------------------------
 // Dispatch send
 
-// Channels one warp moves per work item in dispatch: 16 per lane (two 16-byte bf16 loads;
-// in FP8 one 16-byte store), so an FP8 block of 128 channels is 8 lanes.
+// Channels one warp moves per work item in dispatch: 16 per lane. FP8: a lane's 16
+// channels are contiguous (two 16-byte bf16 loads, one 16-byte store), so an FP8 block of
+// 128 channels is 8 lanes. BF16 (a plain copy): a lane's two 8-channel vectors lie 256
+// channels apart, so each warp-wide 16-byte access covers 512 contiguous bytes; with the FP8
+// mapping every access would fill half of 32 sectors, which costs twice the NVLink write
+// transactions on the send side and twice the sector traffic in the receiver's expand.
 constexpr int kDispatchUnit = 512;
+__device__ __forceinline__ int bf16_channel(int u, int lane, int half) {
+  return u * kDispatchUnit + half * 256 + lane * 8;
+}
 
 // Quantizes 16 channels per lane, bit-exact with quant.rs: amax over the 128-channel block
 // (8 lanes), scale = max(amax, 1e-4) / 448 (IEEE division), UE8M0 rounds the scale up to a
@@ -381,12 +427,13 @@ struct XUnit {
 };
 
 __device__ __forceinline__ XUnit load_x_unit(const LlArgs& a, int t, int u, int lane) {
-  const int c0 = u * kDispatchUnit + lane * 16;
-  const uint4* src = reinterpret_cast<const uint4*>(a.x + size_t(t) * a.hidden + c0);
+  const uint16_t* row = a.x + size_t(t) * a.hidden;
   XUnit v{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
-  // H % 8 == 0 (bf16) or % 128 == 0 (fp8): whole halves.
-  if (c0 < a.hidden) v.lo = ld_nc_v4(src);
-  if (c0 + 8 < a.hidden) v.hi = ld_nc_v4(src + 1);
+  // H % 8 == 0 (bf16) or % 128 == 0 (fp8): whole vectors.
+  const int lo = a.dtype == kBf16 ? bf16_channel(u, lane, 0) : u * kDispatchUnit + lane * 16;
+  const int hi = a.dtype == kBf16 ? bf16_channel(u, lane, 1) : lo + 8;
+  if (lo < a.hidden) v.lo = ld_nc_v4(reinterpret_cast<const uint4*>(row + lo));
+  if (hi < a.hidden) v.hi = ld_nc_v4(reinterpret_cast<const uint4*>(row + hi));
   return v;
 }
 
@@ -403,6 +450,7 @@ __device__ __forceinline__ OutUnit encode_unit(const LlArgs& a, const XUnit& x, 
   return o;
 }
 
+// c0 = the lane's first FP8 channel (u * kDispatchUnit + lane * 16).
 __device__ __forceinline__ void put_unit(const LlArgs& a, char* rec, int c0, int lane, const OutUnit& o) {
   const int H = a.hidden;
   if (a.dtype != kBf16) {
@@ -411,8 +459,9 @@ __device__ __forceinline__ void put_unit(const LlArgs& a, char* rec, int c0, int
       if ((lane & 7) == 0) reinterpret_cast<float*>(rec + H)[c0 / 128] = o.scale;
     }
   } else {
-    if (c0 < H) st_v4(reinterpret_cast<uint4*>(rec + size_t(c0) * 2), o.v0);
-    if (c0 + 8 < H) st_v4(reinterpret_cast<uint4*>(rec + size_t(c0 + 8) * 2), o.v1);
+    const int u = c0 / kDispatchUnit, lo = bf16_channel(u, lane, 0), hi = bf16_channel(u, lane, 1);
+    if (lo < H) st_v4(reinterpret_cast<uint4*>(rec + size_t(lo) * 2), o.v0);
+    if (hi < H) st_v4(reinterpret_cast<uint4*>(rec + size_t(hi) * 2), o.v1);
   }
 }
 
@@ -485,7 +534,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
 
   // 2. Credit: every destination has finished reading what we sent it in the previous op of
   //    this set (it added G after its expand).
-  if (!wait_all_peers(a, kDispAck, uint64_t(n - 1) * gridDim.x, kPhaseDispatchCredit)) return false;
+  if (!wait_all_peers(a, kDispAck, uint64_t(n - 1), kPhaseDispatchCredit)) return false;
   stamp(a, kStDispCredit);
 
   // 3. CTA 0 writes meta[me] at every destination: token count, then per-local-expert counts
@@ -659,8 +708,9 @@ __device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
       if (c0 < H) v.v0 = ld_v4(reinterpret_cast<const uint4*>(rec + c0));
       if (c0 < H && (lane & 7) == 0) v.scale = reinterpret_cast<const float*>(rec + H)[c0 / 128];
     } else {
-      if (c0 < H) v.v0 = ld_v4(reinterpret_cast<const uint4*>(rec + size_t(c0) * 2));
-      if (c0 + 8 < H) v.v1 = ld_v4(reinterpret_cast<const uint4*>(rec + size_t(c0 + 8) * 2));
+      const int u = int(item % units), lo = bf16_channel(u, lane, 0), hi = bf16_channel(u, lane, 1);
+      if (lo < H) v.v0 = ld_v4(reinterpret_cast<const uint4*>(rec + size_t(lo) * 2));
+      if (hi < H) v.v1 = ld_v4(reinterpret_cast<const uint4*>(rec + size_t(hi) * 2));
     }
     v.tok = meta[2 * K];
     if (lane < K) {
@@ -739,17 +789,22 @@ __device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
             }
           }
         } else {
-          if (c0 < H) st_v4(reinterpret_cast<uint4*>(out + size_t(c0) * 2), cur.v0);
-          if (c0 + 8 < H) st_v4(reinterpret_cast<uint4*>(out + size_t(c0 + 8) * 2), cur.v1);
+          const int lo = bf16_channel(u, lane, 0), hi = bf16_channel(u, lane, 1);
+          if (lo < H) st_v4(reinterpret_cast<uint4*>(out + size_t(lo) * 2), cur.v0);
+          if (hi < H) st_v4(reinterpret_cast<uint4*>(out + size_t(hi) * 2), cur.v1);
         }
       }
     }
     if (next < items) cur = pipe ? nxt : load(next);
   }
-  // A missed deadline (`early`): no credit, like a failed wait above.
-  if (__syncthreads_or(failed)) return false;
-  // Credit back to every source: its staging slots here are free (reads done, release).
-  signal_all_peers(a, kDispAck, kStDispExpanded, kStDispEnd);
+  // A missed deadline (`early`): no more credits, like a failed wait above.
+  if (__syncthreads_or(failed)) {
+    mark_failed(a);
+    return false;
+  }
+  // No credit here: the next kernel on the set pushes it (push_credits).
+  stamp(a, kStDispExpanded);
+  stamp(a, kStDispEnd);
   return true;
 }
 
@@ -866,7 +921,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     load_batch(a, wts, held, record(item), 0, int(item % units) * kPartialUnit + lane * 8, false, cur);
   }
   // Credit: every source rank has reduced the previous combine of this set.
-  if (!wait_all_peers(a, kCombAck, uint64_t(n - 1) * gridDim.x, kPhaseCombineCredit)) return false;
+  if (!wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) return false;
   stamp(a, kStCombCredit);
   if (!wait_all_peers(a, kCombWts, uint64_t(n), kPhaseCombineWeights)) return false;
   stamp(a, kStCombWeights);
@@ -925,7 +980,7 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   __syncthreads();
   warp0_exclusive_scan(pre, L);
   // Credit: every source rank has reduced the previous combine of this set.
-  if (!wait_all_peers(a, kCombAck, uint64_t(n - 1) * gridDim.x, kPhaseCombineCredit)) return false;
+  if (!wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) return false;
   stamp(a, kStCombCredit);
 
   const int lane = threadIdx.x & 31;
@@ -1076,8 +1131,10 @@ __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
     }
     if (c < H) st_v4(reinterpret_cast<uint4*>(a.combined + size_t(t) * H + c), pack_bf16x8(acc));
   }
-  // Credit back to every expert rank: our combine buffer of this set may be rewritten.
-  signal_all_peers(a, kCombAck, kStCombReduced, kStCombEnd);
+  // No credit here: the next kernel on the set pushes it (push_credits).
+  __syncthreads();
+  stamp(a, kStCombReduced);
+  stamp(a, kStCombEnd);
   return true;
 }
 
@@ -1094,53 +1151,56 @@ __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
 // ceil(T / 32) u32 each; dispatch-recv: the L x R table; combine-send: L + 1 u32; fused:
 // the larger of its halves.
 
+// Every kernel that starts an operation pushes the set's deferred credits first (CTA 0),
+// before it reads or claims the op number (a fused kernel's claim may store the new number
+// as soon as every CTA counted, CTA 0 included) and before any wait.
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_dispatch_send(const gin_ep::ll::LlArgs a) {
+  using namespace gin_ep::ll;
   extern __shared__ uint32_t smem[];
-  gin_ep::ll::dispatch_send_body(a, gin_ep::ll::read_op(a, gin_ep::ll::kDispOps), smem);
+  push_credits(a);
+  dispatch_send_body(a, read_op(a, kDispOps), smem);
 }
 
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_dispatch_recv(const gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
   extern __shared__ uint32_t smem[];
-  const uint32_t n = read_op(a, kDispOps);
-  dispatch_recv_body(a, n, smem);
-  finish_op(a, kDispOps, kDispDone, n);
+  dispatch_recv_body(a, claim_op(a, kDispOps, kDispDone), smem);
 }
 
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_dispatch_fused(const gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
   extern __shared__ uint32_t smem[];
-  const uint32_t n = read_op(a, kDispOps);
+  push_credits(a);
+  const uint32_t n = claim_op(a, kDispOps, kDispDone);
   const bool sent = dispatch_send_body(a, n, smem);
   __syncthreads();  // smem is reused by the receive half
   if (sent) dispatch_recv_body(a, n, smem);
-  finish_op(a, kDispOps, kDispDone, n);
 }
 
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_combine_send(const gin_ep::ll::LlArgs a) {
+  using namespace gin_ep::ll;
   extern __shared__ uint32_t smem[];
-  gin_ep::ll::combine_send_body(a, gin_ep::ll::read_op(a, gin_ep::ll::kCombOps), smem);
+  push_credits(a);
+  combine_send_body(a, read_op(a, kCombOps), smem);
 }
 
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_combine_recv(const gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
-  const uint32_t n = read_op(a, kCombOps);
-  combine_recv_body(a, n);
-  finish_op(a, kCombOps, kCombDone, n);
+  combine_recv_body(a, claim_op(a, kCombOps, kCombDone));
 }
 
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_combine_fused(const gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
   extern __shared__ uint32_t smem[];
-  const uint32_t n = read_op(a, kCombOps);
+  push_credits(a);
+  const uint32_t n = claim_op(a, kCombOps, kCombDone);
   const bool sent = combine_send_body(a, n, smem);
   __syncthreads();
   if (sent) combine_recv_body(a, n);
-  finish_op(a, kCombOps, kCombDone, n);
 }
