@@ -179,7 +179,8 @@ static_assert(kStCombWeights < kStampSlots, "stamps");
 //   (token, unit, destination), so a token's unit is loaded and quantized once per
 //   destination). The first item's loads are issued before the layout and the credit wait.
 // - kFlagPipeline: software pipelining: every warp loop issues the next item's loads before
-//   the current item's stores (dispatch send/recv, combine send), and combine-recv loads
+//   the current item's stores (dispatch send, combine send; the dispatch expand needs no
+//   flag: its items are sized for one round, see kExpandUnits), and combine-recv loads
 //   its 8 rows and weights without waiting for topk_idx (masked rows are loaded, then
 //   skipped, as before).
 // - kFlagRotate: with kFlagTokenMajor, the destinations of an item are visited starting at
@@ -605,11 +606,17 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
 constexpr int kMapHeader = 3;
 __device__ __forceinline__ int map_ints(int K) { return kMapHeader + 2 * K; }
 
-// One staged unit in registers: payload of this lane, and (for k = lane < 32) its local id
-// and position.
-struct StagedUnit {
-  uint4 v0, v1;
-  float scale;
+// Dispatch units one expand item covers at most. The item count per record is chosen so
+// that one round of items covers every warp (6454 units over 2112 warps at 128 tokens,
+// hidden 7168: 4 units per item); a warp loads the record's metadata once and all of its
+// units' payload at once, so each item costs one memory latency instead of one per unit.
+constexpr int kExpandUnits = 4;
+
+// One expand item in registers: up to kExpandUnits units of one staged record (this lane's
+// payload and FP8 scales) and, for k = lane < 32, the record's local id and position.
+struct StagedItem {
+  uint4 v0[kExpandUnits], v1[kExpandUnits];
+  float scale[kExpandUnits];
   int32_t tok, lid, pos, src;
 };
 
@@ -668,11 +675,15 @@ __device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
 
   const int lane = threadIdx.x & 31;
   const int units = (H + kDispatchUnit - 1) / kDispatchUnit;
-  const size_t items = size_t(start[R]) * units;
   const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
+  // Items: (record, chunk of `per` consecutive units); `per` is the smallest chunk (up to
+  // kExpandUnits) that lets one round of items cover every unit.
+  const size_t unit_total = size_t(start[R]) * units;
+  const int per = int(min(size_t(kExpandUnits), max(size_t(1), (unit_total + warps - 1) / warps)));
+  const int chunks = (units + per - 1) / per;
+  const size_t items = size_t(start[R]) * chunks;
   const bool fp8 = a.dtype != kBf16;
-  const bool pipe = (a.flags & kFlagPipeline) != 0;
   const size_t row_bytes = payload_bytes(a);
   const int nblocks = H / 128;
   const size_t meta_off = meta_in_record(a);
@@ -688,56 +699,53 @@ __device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
   uint64_t seen = early ? 0 : ~uint64_t(0);
   bool failed = false;
   const DeadlineBarrier w = waiter(a);
-  auto load = [&](size_t item) {
-    const uint32_t g = uint32_t(item / units);
-    StagedUnit v{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), 0.0f, 0, -1, -1, source_of(g)};
-    if (((seen >> v.src) & 1u) == 0) {
+  for (size_t item = warp; item < items && !failed; item += warps) {
+    const uint32_t g = uint32_t(item / chunks);
+    const int u0 = int(item % chunks) * per;
+    const int nu = min(per, units - u0);
+    StagedItem cur;
+    cur.src = source_of(g);
+    if (((seen >> cur.src) & 1u) == 0) {
       // Every lane acquires for itself (one broadcast load per poll); warp-uniform result.
-      const bool ok = w.wait_word(sig_word(a, me, kDispSig, v.src), uint64_t(n) * gridDim.x,
-                                  static_cast<FabricPhase>(kPhaseDispatchRecv), v.src);
+      const bool ok = w.wait_word(sig_word(a, me, kDispSig, cur.src), uint64_t(n) * gridDim.x,
+                                  static_cast<FabricPhase>(kPhaseDispatchRecv), cur.src);
       if (!__all_sync(0xffffffffu, ok)) {
         failed = true;
-        return v;
+        break;
       }
-      seen |= uint64_t(1) << v.src;
+      seen |= uint64_t(1) << cur.src;
     }
-    const char* rec = record_at(g, v.src);
-    const int32_t* meta = reinterpret_cast<const int32_t*>(rec + meta_off);
-    const int c0 = int(item % units) * kDispatchUnit + lane * 16;
-    if (fp8) {
-      if (c0 < H) v.v0 = ld_v4(reinterpret_cast<const uint4*>(rec + c0));
-      if (c0 < H && (lane & 7) == 0) v.scale = reinterpret_cast<const float*>(rec + H)[c0 / 128];
-    } else {
-      const int u = int(item % units), lo = bf16_channel(u, lane, 0), hi = bf16_channel(u, lane, 1);
-      if (lo < H) v.v0 = ld_v4(reinterpret_cast<const uint4*>(rec + size_t(lo) * 2));
-      if (hi < H) v.v1 = ld_v4(reinterpret_cast<const uint4*>(rec + size_t(hi) * 2));
-    }
-    v.tok = meta[2 * K];
-    if (lane < K) {
-      v.lid = meta[lane];
-      v.pos = meta[K + lane];
-    }
-    return v;
-  };
-  StagedUnit cur{};
-  if (warp < items) cur = load(warp);
-  for (size_t item = warp; item < items && !failed; item += warps) {
-    const size_t next = item + warps;
-    StagedUnit nxt{};
-    if (pipe && next < items) nxt = load(next);
-    if (failed) break;  // warp-uniform
-    const int u = int(item % units);
     const int s = cur.src;
-    const int c0 = u * kDispatchUnit + lane * 16;
-    const int32_t* meta = nullptr;  // only for K > 32
-    int mapped = 0;                 // comb_map pairs written so far (warp-uniform)
+    // Every load of the item first (metadata once, then all units' payload), so their
+    // latencies overlap.
+    const char* rec = record_at(g, s);
+    const int32_t* meta = reinterpret_cast<const int32_t*>(rec + meta_off);
+    cur.tok = meta[2 * K];
+    cur.lid = lane < K ? meta[lane] : -1;
+    cur.pos = lane < K ? meta[K + lane] : -1;
+#pragma unroll
+    for (int j = 0; j < kExpandUnits; ++j) {
+      cur.v0[j] = cur.v1[j] = make_uint4(0, 0, 0, 0);
+      cur.scale[j] = 0.0f;
+      if (j >= nu) continue;
+      const int u = u0 + j;
+      if (fp8) {
+        const int c0 = u * kDispatchUnit + lane * 16;
+        if (c0 < H) cur.v0[j] = ld_v4(reinterpret_cast<const uint4*>(rec + c0));
+        if (c0 < H && (lane & 7) == 0) cur.scale[j] = reinterpret_cast<const float*>(rec + H)[c0 / 128];
+      } else {
+        const int lo = bf16_channel(u, lane, 0), hi = bf16_channel(u, lane, 1);
+        if (lo < H) cur.v0[j] = ld_v4(reinterpret_cast<const uint4*>(rec + size_t(lo) * 2));
+        if (hi < H) cur.v1[j] = ld_v4(reinterpret_cast<const uint4*>(rec + size_t(hi) * 2));
+      }
+    }
+    int mapped = 0;  // comb_map pairs written so far (warp-uniform)
     for (int k0 = 0; k0 < K; k0 += 32) {
       const int k = k0 + lane;
       int64_t row = -1;
       if (k < K) {
         int32_t lid = cur.lid, pos = cur.pos;
-        if (k0 > 0) {
-          if (meta == nullptr) meta = reinterpret_cast<const int32_t*>(record_at(uint32_t(item / units), s) + meta_off);
+        if (k0 > 0) {  // only for K > 32
           lid = meta[k];
           pos = meta[K + k];
         }
@@ -746,15 +754,15 @@ __device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
           if (r < cap) row = int64_t(lid) * int64_t(cap) + int64_t(r);
         }
       }
-      if (u == 0 && row >= 0) {
+      if (u0 == 0 && row >= 0) {
         a.src_rank[row] = s;
         a.src_token[row] = cur.tok;
         a.src_k[row] = k;
       }
-      if (u == 0 && a.comb_map != nullptr) {
+      if (u0 == 0 && a.comb_map != nullptr) {
         // Rank-first combine walks the records: source, token, pair count, then (row, k) of
         // each of this rank's experts of the token, k ascending, packed (see map_ints).
-        int32_t* m = a.comb_map + size_t(item / units) * map_ints(K);
+        int32_t* m = a.comb_map + size_t(g) * map_ints(K);
         const uint32_t valid = __ballot_sync(0xffffffffu, row >= 0);
         if (row >= 0) {
           const int p = mapped + __popc(valid & ((1u << lane) - 1u));
@@ -774,28 +782,33 @@ __device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
         todo &= todo - 1;
         const int64_t r = __shfl_sync(0xffffffffu, row, src_lane);
         uint8_t* out = a.recv_x + size_t(r) * row_bytes;
-        if (fp8) {
-          if (c0 < H) {
-            st_v4(reinterpret_cast<uint4*>(out + c0), cur.v0);
-            if ((lane & 7) == 0) {
-              // Row-major [L][R*T][H/128], or DeepEP's [L][H/128][R*T] (row r = lid * cap + i).
-              const size_t si = a.scales_col_major != 0u
-                                    ? (size_t(r / int64_t(cap)) * nblocks + c0 / 128) * cap + size_t(r % int64_t(cap))
-                                    : size_t(r) * nblocks + c0 / 128;
-              a.recv_scales[si] = cur.scale;
-              if (a.recv_scales_ue8m0 != nullptr) {
-                a.recv_scales_ue8m0[size_t(r) * nblocks + c0 / 128] = uint8_t(__float_as_uint(cur.scale) >> 23);
+#pragma unroll
+        for (int j = 0; j < kExpandUnits; ++j) {
+          if (j >= nu) break;
+          const int u = u0 + j;
+          if (fp8) {
+            const int c0 = u * kDispatchUnit + lane * 16;
+            if (c0 < H) {
+              st_v4(reinterpret_cast<uint4*>(out + c0), cur.v0[j]);
+              if ((lane & 7) == 0) {
+                // Row-major [L][R*T][H/128], or DeepEP's [L][H/128][R*T] (row r = lid * cap + i).
+                const size_t si = a.scales_col_major != 0u
+                                      ? (size_t(r / int64_t(cap)) * nblocks + c0 / 128) * cap + size_t(r % int64_t(cap))
+                                      : size_t(r) * nblocks + c0 / 128;
+                a.recv_scales[si] = cur.scale[j];
+                if (a.recv_scales_ue8m0 != nullptr) {
+                  a.recv_scales_ue8m0[size_t(r) * nblocks + c0 / 128] = uint8_t(__float_as_uint(cur.scale[j]) >> 23);
+                }
               }
             }
+          } else {
+            const int lo = bf16_channel(u, lane, 0), hi = bf16_channel(u, lane, 1);
+            if (lo < H) st_v4(reinterpret_cast<uint4*>(out + size_t(lo) * 2), cur.v0[j]);
+            if (hi < H) st_v4(reinterpret_cast<uint4*>(out + size_t(hi) * 2), cur.v1[j]);
           }
-        } else {
-          const int lo = bf16_channel(u, lane, 0), hi = bf16_channel(u, lane, 1);
-          if (lo < H) st_v4(reinterpret_cast<uint4*>(out + size_t(lo) * 2), cur.v0);
-          if (hi < H) st_v4(reinterpret_cast<uint4*>(out + size_t(hi) * 2), cur.v1);
         }
       }
     }
-    if (next < items) cur = pipe ? nxt : load(next);
   }
   // A missed deadline (`early`): no more credits, like a failed wait above.
   if (__syncthreads_or(failed)) {

@@ -64,8 +64,9 @@ pub struct LlVariant {
     /// `tok`: dispatch-send work item = (token, 512-channel unit), loaded and quantized once
     /// and stored to each destination rank; its first load overlaps the layout.
     pub token_major: bool,
-    /// `pipe`: every warp loop loads item i + 1 before storing item i; combine-recv loads
-    /// rows without waiting for topk_idx.
+    /// `pipe`: the dispatch-send and combine-send loops load item i + 1 before storing item
+    /// i; combine-recv loads rows without waiting for topk_idx. (The dispatch expand sizes
+    /// its items for one round in every variant.)
     pub pipeline: bool,
     /// `rot`: with `tok`, each item visits its destinations starting at a rank that differs
     /// between neighbouring warps (not all warps at the lowest destination first).
