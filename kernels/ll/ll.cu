@@ -59,10 +59,9 @@
 //   So no barrier sits on the critical path, no flag is ever cleared, and any sequence of
 //   dispatches and combines on a set is safe (double buffering = two sets, used alternately).
 // - The op number n of a set lives on the device (LlArgs::state), so a CUDA graph replays
-//   correctly: send kernels read ops + 1; the kernel that ends the operation (recv, or fused)
-//   claims it at its start: every CTA reads ops and then counts itself in (acq_rel), and the
-//   last one to count stores ops = n, so no CTA of the launch sees the new value and nothing
-//   is left to do at the end of the kernel.
+//   correctly: one count per CTA and kind (the grid is fixed per set), read as count + 1 at
+//   the start of every kernel of the operation and stored by the CTA itself at the end of
+//   the kernel that ends it (recv half, or fused): no atomic, no grid-wide agreement.
 // - Every wait has a deadline (globaltimer) and records (phase, peer) in FabricError.
 // - Variants (LlArgs::flags, and the fused entry points at the end) change only how work is
 //   spread over warps and when loads are issued; the bytes written are the same in all.
@@ -92,11 +91,14 @@ constexpr uint32_t kPhaseCombineWeights = 20;  // rank-first send waits for sour
 constexpr int kDispSig = 0, kDispAck = 1, kCombSig = 2, kCombAck = 3, kDispCnt = 4, kCombWts = 5;
 constexpr int kSigKinds = 6;  // host: ll.rs SIG_KINDS (sig words [kSigKinds][R])
 static_assert(kCombWts < kSigKinds, "signal kinds");
-// Words of LlArgs::state (local device memory of a set, zeroed at creation). kRecords: the
-// records (staged tokens) of the last dispatch on the set, the rows of comb_map.
-// kFailed: nonzero once a receive half of the set missed a deadline (no more credits).
-constexpr int kDispOps = 0, kDispDone = 1, kCombOps = 2, kCombDone = 3, kRecords = 4, kFailed = 5;
-constexpr int kStateWords = 8;  // host: ll.rs STATE_WORDS
+// LlArgs::state (local device memory of a set, zeroed at creation): kStateWords words, then
+// the op counts, one u32 per CTA and kind ([kOpKinds][kMaxGrid]). kRecords: the records
+// (staged tokens) of the last dispatch on the set, the rows of comb_map. kFailed: nonzero
+// once a wait of the set missed its deadline (no more credits).
+constexpr int kRecords = 0, kFailed = 1;
+constexpr int kStateWords = 8;
+constexpr int kOpDispatch = 0, kOpCombine = 1, kOpKinds = 2;
+constexpr int kMaxGrid = 1024;  // host: ll.rs MAX_GRID; state = kStateWords + kOpKinds * kMaxGrid u32 (STATE_WORDS)
 
 // LlArgs::comb_order (host: LlCombineOrder in config.rs).
 constexpr uint32_t kCombOrderTopk = 0, kCombOrderRankFirst = 1;
@@ -124,7 +126,7 @@ struct LlArgs {
   int32_t* src_token;          // [L][R*T]
   int32_t* src_k;              // [L][R*T]
   uint16_t* combined;          // [N][H] bf16
-  uint32_t* state;             // [kStateWords] kDispOps, kDispDone, kCombOps, kCombDone, ...
+  uint32_t* state;             // kStateWords words, then [kOpKinds][kMaxGrid] op counts
   uint64_t timeout_ns;
   FabricError* err;            // host-mapped
   int32_t num_tokens;          // N of this rank (<= max_tokens)
@@ -274,45 +276,37 @@ __device__ bool wait_all_peers(const LlArgs& a, int kind, uint64_t target, uint3
 }
 
 // Every thread of the CTA: after this CTA's stores (or reads) of a phase, add 1 to word
-// [kind][me] at every peer. The bar.sync orders the whole CTA's accesses before the fence
-// and the release add, which are cumulative at system scope. Stamps `before` after the
-// barrier and `after` once thread 0 added its word (-1: no stamp).
+// [kind][me] at every peer. The bar.sync synchronizes every thread of the CTA with the
+// adding threads, and the add is a release at system scope, which is cumulative: every
+// access of the CTA before the barrier is visible to whoever acquires the new value. No
+// separate fence (a fence.sc.sys before the release add only doubled the drain). Stamps
+// `before` after the barrier and `after` once thread 0 added its word (-1: no stamp).
 __device__ void signal_all_peers(const LlArgs& a, int kind, int before, int after) {
   __syncthreads();
   stamp(a, before);
   for (int p = threadIdx.x; p < a.comm.lsaSize; p += blockDim.x) {
-    __threadfence_system();
     red_add_release_sys(sig_word(a, p, kind, a.comm.lsaRank), 1);
   }
   stamp(a, after);
 }
 
-// The op number of a set as seen at the start of a send kernel (thread 0 reads, all get it).
-__device__ uint32_t read_op(const LlArgs& a, int word) {
-  __shared__ uint32_t op;
-  if (threadIdx.x == 0) op = ld_volatile_u32(&a.state[word]) + 1;
-  __syncthreads();
-  return op;
+// This CTA's count of completed operations of a kind on the set. Every CTA of every LL
+// kernel of a set keeps its own word (the grid is the same for all of them), so nothing is
+// shared within a launch: no atomic and no barrier at the start.
+__device__ __forceinline__ uint32_t* op_word(const LlArgs& a, int kind) {
+  return a.state + kStateWords + size_t(kind) * kMaxGrid + blockIdx.x;
 }
 
-// Start of the kernel that ends an operation (recv half, or fused): returns its op number n
-// and, in the last CTA to get here, stores ops = n. The acq_rel add orders each CTA's read
-// of ops before its count, and the last CTA's add sees every count, so every read came
-// before the store. At kernel start a CTA has no stores in flight: the release is cheap.
-__device__ uint32_t claim_op(const LlArgs& a, int ops_word, int done_word) {
-  __shared__ uint32_t op;
-  if (threadIdx.x == 0) {
-    const uint32_t n = ld_volatile_u32(&a.state[ops_word]) + 1;
-    uint32_t before;
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(&a.state[done_word]) : "memory");
-    if (before == gridDim.x - 1) {
-      a.state[done_word] = 0;
-      a.state[ops_word] = n;
-    }
-    op = n;
-  }
+// The number of the operation this kernel belongs to: completed + 1. Every thread loads it
+// itself, so the load's latency hides behind whatever the kernel does before it needs n.
+__device__ __forceinline__ uint32_t read_op(const LlArgs& a, int kind) { return ld_volatile_u32(op_word(a, kind)) + 1; }
+
+// End of the kernel that ends an operation (recv half, or fused): this CTA's count becomes
+// n. The barrier performs every thread's earlier load of the word (read_op) before thread
+// 0's store, so no thread of this launch can see n; later kernels see it by stream order.
+__device__ void end_op(const LlArgs& a, int kind, uint32_t n) {
   __syncthreads();
-  return op;
+  if (threadIdx.x == 0) *op_word(a, kind) = n;
 }
 
 // First thing in every send kernel (CTA 0, one thread per peer): the deferred credits of
@@ -322,7 +316,8 @@ __device__ void push_credits(const LlArgs& a) {
   if (blockIdx.x != 0 || threadIdx.x >= a.comm.lsaSize) return;
   if (ld_volatile_u32(&a.state[kFailed]) != 0u) return;
   const int p = threadIdx.x, me = a.comm.lsaRank;
-  const uint64_t disp = ld_volatile_u32(&a.state[kDispOps]), comb = ld_volatile_u32(&a.state[kCombOps]);
+  // CTA 0's counts: it stores its own new count only at the end of its kernel (end_op).
+  const uint64_t disp = ld_volatile_u32(op_word(a, kOpDispatch)), comb = ld_volatile_u32(op_word(a, kOpCombine));
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(sig_word(a, p, kDispAck, me)), "l"(disp) : "memory");
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(sig_word(a, p, kCombAck, me)), "l"(comb) : "memory");
 }
@@ -550,10 +545,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
     }
     if ((a.flags & kFlagEarlyCounts) != 0) {
       __syncthreads();  // CTA 0 only (blockIdx is uniform in the CTA)
-      for (int p = threadIdx.x; p < R; p += blockDim.x) {
-        __threadfence_system();
-        red_add_release_sys(sig_word(a, p, kDispCnt, me), 1);
-      }
+      for (int p = threadIdx.x; p < R; p += blockDim.x) red_add_release_sys(sig_word(a, p, kDispCnt, me), 1);
     }
   }
 
@@ -898,10 +890,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     }
     for (size_t i = nv * 4 + threadIdx.x; i < nw; i += blockDim.x) dst[i] = a.topk_weights[i];
     __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence_system();
-      red_add_release_sys(sig_word(a, q, kCombWts, me), 1);
-    }
+    if (threadIdx.x == 0) red_add_release_sys(sig_word(a, q, kCombWts, me), 1);  // release, cumulative
   }
 
   const int lane = threadIdx.x & 31;
@@ -1165,21 +1154,22 @@ __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
 // the larger of its halves.
 
 // Every kernel that starts an operation pushes the set's deferred credits first (CTA 0),
-// before it reads or claims the op number (a fused kernel's claim may store the new number
-// as soon as every CTA counted, CTA 0 included) and before any wait.
+// before any wait; the kernel that ends an operation stores this CTA's new op count last.
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_dispatch_send(const gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
   extern __shared__ uint32_t smem[];
   push_credits(a);
-  dispatch_send_body(a, read_op(a, kDispOps), smem);
+  dispatch_send_body(a, read_op(a, kOpDispatch), smem);
 }
 
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_dispatch_recv(const gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
   extern __shared__ uint32_t smem[];
-  dispatch_recv_body(a, claim_op(a, kDispOps, kDispDone), smem);
+  const uint32_t n = read_op(a, kOpDispatch);
+  dispatch_recv_body(a, n, smem);
+  end_op(a, kOpDispatch, n);
 }
 
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
@@ -1187,10 +1177,11 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
   using namespace gin_ep::ll;
   extern __shared__ uint32_t smem[];
   push_credits(a);
-  const uint32_t n = claim_op(a, kDispOps, kDispDone);
+  const uint32_t n = read_op(a, kOpDispatch);
   const bool sent = dispatch_send_body(a, n, smem);
   __syncthreads();  // smem is reused by the receive half
   if (sent) dispatch_recv_body(a, n, smem);
+  end_op(a, kOpDispatch, n);
 }
 
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
@@ -1198,13 +1189,15 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
   using namespace gin_ep::ll;
   extern __shared__ uint32_t smem[];
   push_credits(a);
-  combine_send_body(a, read_op(a, kCombOps), smem);
+  combine_send_body(a, read_op(a, kOpCombine), smem);
 }
 
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_combine_recv(const gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
-  combine_recv_body(a, claim_op(a, kCombOps, kCombDone));
+  const uint32_t n = read_op(a, kOpCombine);
+  combine_recv_body(a, n);
+  end_op(a, kOpCombine, n);
 }
 
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
@@ -1212,8 +1205,9 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
   using namespace gin_ep::ll;
   extern __shared__ uint32_t smem[];
   push_credits(a);
-  const uint32_t n = claim_op(a, kCombOps, kCombDone);
+  const uint32_t n = read_op(a, kOpCombine);
   const bool sent = combine_send_body(a, n, smem);
   __syncthreads();
   if (sent) combine_recv_body(a, n);
+  end_op(a, kOpCombine, n);
 }

@@ -251,9 +251,10 @@ pub const MAX_SMEM: usize = 200 * 1024;
 pub const SETS: usize = 2;
 /// Signal kinds per set (`kSigKinds` in ll.cu): words `[SIG_KINDS][R]` u64.
 pub const SIG_KINDS: usize = 6;
-/// u32 words of a set's device state (`kStateWords` in ll.cu): op numbers, done counters,
-/// the record count of the last dispatch.
-pub const STATE_WORDS: usize = 8;
+/// u32 words of a set's device state (ll.cu: `kStateWords` words, then the op counts, one
+/// per CTA and kind, `[2][MAX_GRID]`): record count of the last dispatch, failure flag, op
+/// counts.
+pub const STATE_WORDS: usize = 8 + 2 * MAX_GRID as usize;
 /// u64 timestamps per CTA per operation pair (`kStampSlots` in ll.cu).
 pub const STAMP_SLOTS: usize = 20;
 /// Word written into every output before a checked run: a row nobody wrote keeps it.
@@ -499,8 +500,8 @@ struct SetBuffers {
     /// count, then (local row, k) of the token's experts here (combine order `rank-first`
     /// only; 16 bytes otherwise).
     comb_map: DeviceBuffer,
-    /// `[STATE_WORDS]` u32 op numbers, done counters, record count (kernels/ll/ll.cu
-    /// kDispOps..), zeroed once.
+    /// `[STATE_WORDS]` u32: record count, failure flag, per-CTA op counts (kernels/ll/ll.cu
+    /// `op_word`), zeroed once.
     state: DeviceBuffer,
     /// Tokens of the input now in `x` (host-known shape, as in DeepEP).
     num_tokens: usize,
