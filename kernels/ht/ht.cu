@@ -20,7 +20,8 @@
 //   comb_w    [R*T][K] f32     combine weights input
 //
 // Ordering contract (protocol.md "Signals and ordering"): data stores, __syncthreads, then a
-// fence.sc.sys + st.release.sys of the signal by one thread per peer; the waiter polls with
+// st.release.sys of the signal by one thread per peer (cumulative over the block's stores
+// through the barrier; a fence.sc.sys before it only doubled the drain); the waiter polls with
 // ld.acquire.sys and a globaltimer deadline, then bar.sync extends the acquire to its block.
 // Signals carry the operation's sequence number `seq` (same on every rank, monotonic), so
 // they are never reset. kFailed (u64 max) means "this rank refused its input / gave up".
@@ -152,8 +153,9 @@ __device__ __forceinline__ uint32_t wait_signal(const uint64_t* w, uint64_t targ
   return v == kFailed ? kStatusPeerFailed : kStatusOk;
 }
 
+// Callers reach this after a __syncthreads that follows the block's data stores: the
+// release store is cumulative over them at system scope, so no separate fence is needed.
 __device__ __forceinline__ void signal_peer(const HtArgs& a, uint64_t offset, int peer, uint64_t value) {
-  __threadfence_system();
   st_release_sys(reinterpret_cast<uint64_t*>(lsa_ptr(a.win, offset, peer)), value);
 }
 

@@ -161,12 +161,12 @@ static_assert(sizeof(LlArgs) == 480 && offsetof(LlArgs, err) == 368 && offsetof(
 // Device timestamps (globaltimer ns), one row of kStampSlots per CTA, written by thread 0 at
 // phase boundaries when LlArgs::stamps is set (the benchmark's breakdown; host: ll.rs
 // STAMP_*). A slot a variant does not pass keeps what the host put there (0).
-// Dispatch: start (after the op number), layout done, credit seen, last record stored
-// (CTA barrier before the fence), data signal added, receive start (split: the recv kernel's
-// start), counts known (prefix table ready), all sources' data seen (not in `early`: waits
-// are per warp and source there), expand done (barrier before the credit), end.
+// Dispatch: start, layout done, credit seen, last record stored (CTA barrier before the
+// signal), data signal added, receive start (split: the recv kernel's start), counts known
+// (prefix table ready), all sources' data seen (not in `early`: waits are per warp and
+// source there), expand done, end (the same point since credits are deferred).
 // Combine: start, credit seen, last row stored, signal added, reduce start, all rows seen,
-// reduce done (barrier before the credit), end; `rank-first` adds: weights seen.
+// reduce done, end (likewise); `rank-first` adds: weights seen.
 constexpr int kStDispStart = 0, kStDispLayout = 1, kStDispCredit = 2, kStDispSent = 3, kStDispSignaled = 4,
               kStDispRecv = 5, kStDispCounts = 6, kStDispSeen = 7, kStDispExpanded = 8, kStDispEnd = 9;
 constexpr int kStCombStart = 10, kStCombCredit = 11, kStCombSent = 12, kStCombSignaled = 13, kStCombRecv = 14,
