@@ -529,7 +529,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
   stamp(a, kStDispLayout);
 
   // 2. Credit: every destination has finished reading what we sent it in the previous op of
-  //    this set (it added G after its expand).
+  //    this set (its next kernel on the set pushed its count: push_credits).
   if (!wait_all_peers(a, kDispAck, uint64_t(n - 1), kPhaseDispatchCredit)) return false;
   stamp(a, kStDispCredit);
 
