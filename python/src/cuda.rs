@@ -102,13 +102,10 @@ impl PyCudaEp {
         stream: u64,
         f: impl FnOnce(&CudaRank, &mut CudaLl<'_>) -> Result<T>,
     ) -> PyResult<T> {
-        self.core.with_dependent(|rank, lls| {
+        self.core.with_dependent(|_, lls| {
             let mut lls = locked(lls);
             let l = get_mut(&mut lls, ll, "LL")?;
-            guard(|| {
-                let _one_at_a_time = locked(&self.op);
-                rank.on_stream(stream, |r| f(r, l)).map_err(to_py)
-            })
+            self.on(stream, |r| f(r, l))
         })
     }
 

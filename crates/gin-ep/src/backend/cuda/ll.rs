@@ -815,22 +815,21 @@ impl<'r> CudaLl<'r> {
     /// Fills every output of `set` with [`POISON`] (queued on the stream).
     pub fn poison_outputs(&self, set: usize) -> Result<()> {
         let s = self.set(set)?;
-        for b in [
-            &s.recv_x,
-            &s.recv_scales,
-            &s.recv_ue8m0,
-            &s.recv_count,
-            &s.layout_range,
-            &s.src_rank,
-            &s.src_token,
-            &s.src_k,
-            &s.combined,
-            &s.comb_map,
-        ] {
-            let r = b.region();
-            self.rank.memset_u32(r.sub(0, r.len() / 4 * 4)?, POISON)?;
-        }
-        Ok(())
+        poison(
+            self.rank,
+            &[
+                &s.recv_x,
+                &s.recv_scales,
+                &s.recv_ue8m0,
+                &s.recv_count,
+                &s.layout_range,
+                &s.src_rank,
+                &s.src_token,
+                &s.src_k,
+                &s.combined,
+                &s.comb_map,
+            ],
+        )
     }
 
     /// The address `io` gives for `what` (checked to hold `need` bytes), else the set's
@@ -1044,7 +1043,7 @@ impl<'r> CudaLl<'r> {
         self.rank.wait("LL dispatch")?;
         let s = self.set(set)?;
         let cfg = &self.cfg;
-        let (h, l, r) = (cfg.hidden, cfg.local_experts(), cfg.ranks);
+        let (h, l) = (cfg.hidden, cfg.local_experts());
         let rows = LlLayout::out_rows(cfg);
         let recv_x = if cfg.dispatch_dtype.is_fp8() {
             let mut data = vec![0u8; rows * h];
@@ -1062,17 +1061,27 @@ impl<'r> CudaLl<'r> {
             Rows::Bf16(v)
         };
         let counts: Vec<i32> = download_vec(self.rank, s.recv_count.region(), l)?;
-        let ranges: Vec<u32> = download_vec(self.rank, s.layout_range.region(), 2 * l * r)?;
         Ok(LlDispatchOutput {
             recv_x,
             recv_count: counts.iter().map(|&c| c.max(0) as usize).collect(),
-            handle: LlHandle {
-                num_tokens: s.num_tokens,
-                layout_range: ranges.chunks(2).map(|p| (p[0], p[1])).collect(),
-                src_rank: download_vec(self.rank, s.src_rank.region(), rows)?,
-                src_token: download_vec(self.rank, s.src_token.region(), rows)?,
-                src_k: download_vec(self.rank, s.src_k.region(), rows)?,
-            },
+            handle: self.download_handle(set)?,
+        })
+    }
+
+    /// Waits and reads the combine handle of `set`'s last dispatch (the set's own buffers:
+    /// the handle never lives in caller memory).
+    fn download_handle(&self, set: usize) -> Result<LlHandle> {
+        self.rank.wait("LL dispatch handle")?;
+        let s = self.set(set)?;
+        let (l, r) = (self.cfg.local_experts(), self.cfg.ranks);
+        let rows = LlLayout::out_rows(&self.cfg);
+        let ranges: Vec<u32> = download_vec(self.rank, s.layout_range.region(), 2 * l * r)?;
+        Ok(LlHandle {
+            num_tokens: s.num_tokens,
+            layout_range: ranges.chunks(2).map(|p| (p[0], p[1])).collect(),
+            src_rank: download_vec(self.rank, s.src_rank.region(), rows)?,
+            src_token: download_vec(self.rank, s.src_token.region(), rows)?,
+            src_k: download_vec(self.rank, s.src_k.region(), rows)?,
         })
     }
 
@@ -1247,6 +1256,15 @@ fn compare(ll: &CudaLl<'_>, set: usize, want: &Expected, what: &str) -> Result<(
 /// cumulative stats), compared with the oracle. The set's own input buffers hold another
 /// iteration's data meanwhile, so a kernel reading them instead of the caller's memory is
 /// caught; the caller's outputs are poisoned first.
+/// Fills every whole u32 of `bufs` with POISON, so a row the kernels do not write shows.
+fn poison(rank: &CudaRank, bufs: &[&DeviceBuffer]) -> Result<()> {
+    for b in bufs {
+        let r = b.region();
+        rank.memset_u32(r.sub(0, r.len() / 4 * 4)?, POISON)?;
+    }
+    Ok(())
+}
+
 fn check_caller_io(group: &Group, ll: &mut CudaLl<'_>, case: &Case, run: u64) -> Result<usize> {
     const SET: usize = 0;
     let me = group.rank();
@@ -1258,17 +1276,17 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl<'_>, case: &Case, run: u64) ->
     let fp8 = cfg.dispatch_dtype.is_fp8();
     let (ins, wy) = case_inputs(case, 4242);
     let want = expected(case, &ins, &wy, me)?;
-    let (decoy, decoy_y) = case_inputs(case, 4343);
-    let decoy = expected(case, &decoy, &decoy_y, me).map(|d| (d, decoy))?;
+    let (decoy_ins, decoy_y) = case_inputs(case, 4343);
+    let decoy_want = expected(case, &decoy_ins, &decoy_y, me)?;
     let n = ins[me].topk_idx.len() / k;
     // Decoys in the set's own buffers (same token count, other routing and values).
     ll.upload_input(
         SET,
-        &decoy.1[me].x,
-        &decoy.1[me].topk_idx,
-        &decoy.1[me].topk_weights,
+        &decoy_ins[me].x,
+        &decoy_ins[me].topk_idx,
+        &decoy_ins[me].topk_weights,
     )?;
-    ll.upload_expert_output(SET, &decoy.0.y_mine)?;
+    ll.upload_expert_output(SET, &decoy_want.y_mine)?;
     ll.poison_outputs(SET)?;
     let alloc = |bytes: usize| rank.alloc(bytes.max(16));
     let x = alloc(n * h * 2)?;
@@ -1285,10 +1303,7 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl<'_>, case: &Case, run: u64) ->
     upload(rank, idx.region(), bytemuck::cast_slice(&ins[me].topk_idx))?;
     upload(rank, wts.region(), bytemuck::cast_slice(&ins[me].topk_weights))?;
     upload(rank, y.region(), bytemuck::cast_slice(&want.y_mine))?;
-    for b in [&recv_x, &scales, &count, &range, &combined] {
-        let g = b.region();
-        rank.memset_u32(g.sub(0, g.len() / 4 * 4)?, POISON)?;
-    }
+    poison(rank, &[&recv_x, &scales, &count, &range, &combined])?;
     rank.memset_u32(stats.region().sub(0, l * 4)?, 0)?;
     let span = |what: &str, b: &DeviceBuffer| {
         let g = b.region();
@@ -1325,8 +1340,7 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl<'_>, case: &Case, run: u64) ->
     }
 
     // The handle stays in the set's own buffers; the rest comes from the caller's memory.
-    let mut got = ll.download_dispatch(SET)?;
-    got.recv_x = if fp8 {
+    let recv_rows = if fp8 {
         let data: Vec<u8> = download_vec(rank, recv_x.region(), rows * h)?;
         let cm: Vec<f32> = download_vec(rank, scales.region(), rows * spr)?;
         // [L][H/128][R*T] (DeepEP) back to the oracle's [L][R*T][H/128].
@@ -1344,9 +1358,14 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl<'_>, case: &Case, run: u64) ->
         Rows::Bf16(download_vec(rank, recv_x.region(), rows * h)?)
     };
     let counts: Vec<i32> = download_vec(rank, count.region(), l)?;
-    got.recv_count = counts.iter().map(|&c| c.max(0) as usize).collect();
     let packed: Vec<i64> = download_vec(rank, range.region(), l * r)?;
-    got.handle.layout_range = packed.iter().map(|&v| ((v >> 32) as u32, v as u32)).collect();
+    let mut handle = ll.download_handle(SET)?;
+    handle.layout_range = packed.iter().map(|&v| ((v >> 32) as u32, v as u32)).collect();
+    let got = LlDispatchOutput {
+        recv_x: recv_rows,
+        recv_count: counts.iter().map(|&c| c.max(0) as usize).collect(),
+        handle,
+    };
     let ctx = |e: Error| match e {
         Error::Mismatch(m) => Error::Mismatch(format!("GPU LL, caller-owned memory, config {cfg:?}: {m}")),
         other => other,
