@@ -2105,6 +2105,38 @@ mod tests {
         EpConfig::new(4, 256, 7168, 8, 128)
     }
 
+    /// The kernel source the constants below mirror.
+    const LL_CU: &str = include_str!("../../../../../kernels/ll/ll.cu");
+
+    /// `constexpr int NAME = VALUE` of ll.cu, wherever it sits in a declaration list.
+    fn cu_const(name: &str) -> usize {
+        let pat = format!("{name} = ");
+        let at = LL_CU
+            .match_indices(&pat)
+            .map(|(i, _)| i)
+            .find(|&i| !LL_CU[..i].ends_with(|c: char| c.is_alphanumeric() || c == '_'))
+            .unwrap_or_else(|| panic!("{name} not in ll.cu"));
+        let rest = &LL_CU[at + pat.len()..];
+        let end = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
+        rest[..end]
+            .parse()
+            .unwrap_or_else(|_| panic!("{name} in ll.cu is not a number"))
+    }
+
+    #[test]
+    fn host_sizes_mirror_the_kernel_constants() {
+        // The device state holds kStateWords words and one op count per CTA and kind: a
+        // smaller host allocation would let the kernels write past it.
+        assert_eq!(
+            STATE_WORDS,
+            cu_const("kStateWords") + cu_const("kOpKinds") * cu_const("kMaxGrid")
+        );
+        assert_eq!(MAX_GRID as usize, cu_const("kMaxGrid"));
+        assert_eq!(SIG_KINDS, cu_const("kSigKinds"));
+        assert_eq!(STAMP_SLOTS, cu_const("kStampSlots"));
+        assert_eq!(THREADS as usize, cu_const("kThreads"));
+    }
+
     #[test]
     fn layout_matches_the_kernel_record_formula() {
         let c = peers().with_dtype(DispatchDtype::Fp8);
