@@ -1251,11 +1251,6 @@ fn compare(ll: &CudaLl<'_>, set: usize, want: &Expected, what: &str) -> Result<(
     crate::check::ll_combine(me, &got_c, &want.combined).map_err(ctx)
 }
 
-/// One dispatch + combine on set 0 with every input and output in caller-owned device
-/// memory (`LlIo`, DeepEP's formats: column-major scales, packed layout range, a counts copy,
-/// cumulative stats), compared with the oracle. The set's own input buffers hold another
-/// iteration's data meanwhile, so a kernel reading them instead of the caller's memory is
-/// caught; the caller's outputs are poisoned first.
 /// Fills every whole u32 of `bufs` with POISON, so a row the kernels do not write shows.
 fn poison(rank: &CudaRank, bufs: &[&DeviceBuffer]) -> Result<()> {
     for b in bufs {
@@ -1265,6 +1260,11 @@ fn poison(rank: &CudaRank, bufs: &[&DeviceBuffer]) -> Result<()> {
     Ok(())
 }
 
+/// One dispatch + combine on set 0 with every input and output in caller-owned device
+/// memory (`LlIo`, DeepEP's formats: column-major scales, packed layout range, a counts copy,
+/// cumulative stats), compared with the oracle. The set's own input buffers hold another
+/// iteration's data meanwhile, so a kernel reading them instead of the caller's memory is
+/// caught; the caller's outputs are poisoned first.
 fn check_caller_io(group: &Group, ll: &mut CudaLl<'_>, case: &Case, run: u64) -> Result<usize> {
     const SET: usize = 0;
     let me = group.rank();
