@@ -867,7 +867,7 @@ class Buffer:
         xc = x.contiguous()
         # The reduce reads which of the token's slots hold rows from these ids (as DeepEP's
         # combine takes them): they must be the dispatch's.
-        idx = topk_idx.to(torch.int64).contiguous()
+        idx = _gpu.as_i64(topk_idx)
         w = topk_weights.to(torch.float32).contiguous()
         if out is not None:
             _gpu.check_cuda("out", out, torch.bfloat16)

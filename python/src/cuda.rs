@@ -95,6 +95,18 @@ impl PyCudaEp {
         self.core.borrow_owner()
     }
 
+    /// Runs `f` on HT object `ht` (locked for the call) on `stream`.
+    fn on_ht<T>(
+        &self,
+        ht: usize,
+        stream: u64,
+        f: impl FnOnce(&CudaRank, &mut CudaHt) -> Result<T>,
+    ) -> PyResult<T> {
+        let mut hts = locked(&self.hts);
+        let h = get_mut(&mut hts, ht, "HT")?;
+        self.on(stream, |r| f(r, h))
+    }
+
     /// Runs `f` on LL object `ll` (locked for the call) on `stream`.
     fn on_ll<T>(
         &self,
@@ -204,9 +216,7 @@ impl PyCudaEp {
 
     /// Copies `bytes` from device address `src` into HT buffer `which` of `ht`.
     fn ht_copy_in(&self, ht: usize, which: &str, src: u64, bytes: usize, stream: u64) -> PyResult<()> {
-        let hts = locked(&self.hts);
-        let h = get(&hts, ht, "HT")?;
-        self.on(stream, |r| {
+        self.on_ht(ht, stream, |r, h| {
             let src = r.external("source", src, bytes)?;
             r.copy_from_external(h.buffer(HtBuf::parse(which)?)?, src)
         })
@@ -214,9 +224,7 @@ impl PyCudaEp {
 
     /// Copies the first `bytes` of HT buffer `which` of `ht` to device address `dst`.
     fn ht_copy_out(&self, ht: usize, which: &str, dst: u64, bytes: usize, stream: u64) -> PyResult<()> {
-        let hts = locked(&self.hts);
-        let h = get(&hts, ht, "HT")?;
-        self.on(stream, |r| {
+        self.on_ht(ht, stream, |r, h| {
             let dst = r.external("destination", dst, bytes)?;
             r.copy_to_external(h.buffer(HtBuf::parse(which)?)?, dst)
         })
@@ -237,9 +245,7 @@ impl PyCudaEp {
         topk_idx: Span,
         topk_w: Span,
     ) -> PyResult<PyCudaHtHandle> {
-        let mut hts = locked(&self.hts);
-        let h = get_mut(&mut hts, ht, "HT")?;
-        let handle = self.on(stream, |r| {
+        let handle = self.on_ht(ht, stream, |r, h| {
             let io = HtIo {
                 x: span(r, "x", x)?,
                 scales: span(r, "x scales", scales)?,
@@ -254,9 +260,7 @@ impl PyCudaEp {
 
     /// Rows per local expert of the handle's dispatch, aligned (a host synchronization).
     fn ht_recv_counts(&self, handle: &PyCudaHtHandle, stream: u64) -> PyResult<Vec<usize>> {
-        let mut hts = locked(&self.hts);
-        let h = get_mut(&mut hts, handle.ht, "HT")?;
-        self.on(stream, |r| h.recv_counts(r, &handle.h))
+        self.on_ht(handle.ht, stream, |r, h| h.recv_counts(r, &handle.h))
     }
 
     /// Cached HT dispatch of the caller's `x` (and `scales`) along the handle's layout.
@@ -269,9 +273,7 @@ impl PyCudaEp {
         x: Span,
         scales: Span,
     ) -> PyResult<()> {
-        let mut hts = locked(&self.hts);
-        let h = get_mut(&mut hts, handle.ht, "HT")?;
-        self.on(stream, |r| {
+        self.on_ht(handle.ht, stream, |r, h| {
             let io = HtIo {
                 x: span(r, "x", x)?,
                 scales: span(r, "x scales", scales)?,
@@ -295,13 +297,11 @@ impl PyCudaEp {
         out_x: Span,
         out_w: Span,
     ) -> PyResult<()> {
-        let mut hts = locked(&self.hts);
-        let h = get_mut(&mut hts, handle.ht, "HT")?;
         let extras = CombineExtras {
             weights,
             bias: [bias0.is_some(), bias1.is_some()],
         };
-        self.on(stream, |r| {
+        self.on_ht(handle.ht, stream, |r, h| {
             let io = HtIo {
                 bias0: span(r, "bias[0]", bias0)?,
                 bias1: span(r, "bias[1]", bias1)?,
@@ -315,9 +315,7 @@ impl PyCudaEp {
 
     /// Waits (bounded) for `ht`'s queued work and reports a failure it recorded.
     fn ht_sync(&self, ht: usize, stream: u64) -> PyResult<()> {
-        let mut hts = locked(&self.hts);
-        let h = get_mut(&mut hts, ht, "HT")?;
-        self.on(stream, |r| h.sync(r))
+        self.on_ht(ht, stream, |r, h| h.sync(r))
     }
 
     /// LL dispatch `op` (`dispatch`, `dispatch_send`, `dispatch_recv`) on `set` with the
@@ -443,11 +441,6 @@ fn with_ll_io<T>(
     let out = f(l);
     l.clear_io(set)?;
     out
-}
-
-fn get<'a, T>(v: &'a [T], i: usize, what: &str) -> PyResult<&'a T> {
-    v.get(i)
-        .ok_or_else(|| PyValueError::new_err(format!("no {what} object {i}")))
 }
 
 fn get_mut<'a, T>(v: &'a mut [T], i: usize, what: &str) -> PyResult<&'a mut T> {
