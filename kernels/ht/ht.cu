@@ -10,11 +10,18 @@
 //   disp_sig  [R][kMaxGrid] u64 slot (s, b) written by block b of source s when its rows landed
 //   bar       [kMaxGrid][R] u64 DeadlineBarrier words (cached dispatch, combine start/end)
 //   counts    [R][R + E] u32   row s = tokens_per_rank then tokens_per_expert of source s
-//   recv_x    [R*T][row]       dispatched rows (bf16, or e4m3), receive order of routing.rs
-//   recv_sc   [R*T][H/128] f32 FP8 scales
-//   recv_idx  [R*T][K] i64     local expert ids, -1 where the expert is elsewhere
-//   recv_w    [R*T][K] f32     weights, 0 where recv_idx is -1
-//   recv_src  [R*T] i32        source token
+//   recv_slab [R] u32          slot s written by rank s: the receive slab it chose for the
+//                              current dispatch (fresh: with its count row; cached: before
+//                              the start barrier)
+//   slabs x {                  `slabs` receive slabs, `slab_bytes` apart (the offsets below
+//                              are slab 0's); the receiver picks one per dispatch, so rows a
+//                              caller still holds from an earlier dispatch stay intact
+//     recv_x    [R*T][row]       dispatched rows (bf16, or e4m3), receive order of routing.rs
+//     recv_sc   [R*T][H/128] f32 FP8 scales
+//     recv_idx  [R*T][K] i64     local expert ids, -1 where the expert is elsewhere
+//     recv_w    [R*T][K] f32     weights, 0 where recv_idx is -1
+//     recv_src  [R*T] i32        source token
+//   }
 //   comb_x    [R*T][H] bf16    combine input (expert outputs in receive order); read by
 //                              the source ranks (pull)
 //   comb_w    [R*T][K] f32     combine weights input
@@ -68,6 +75,7 @@ constexpr uint32_t kStatusInvalidInput = 1;
 constexpr uint32_t kStatusPeerFailed = 2;
 constexpr uint32_t kStatusCapacity = 3;
 constexpr uint32_t kStatusTimeout = 4;
+constexpr uint32_t kStatusBadSlab = 5;     // detail: the slab a peer published, peer: that peer
 
 struct HtArgs {
   ncclDevComm comm;
@@ -110,9 +118,16 @@ struct HtArgs {
   uint32_t chunk;            // dispatch / combine: row steps per work item, 0 = whole row
   uint32_t vflags;           // variant flags (kVar*): performance only, never the result
   uint32_t* scan;            // layout kernel's scan scratch (see kScan*)
+  uint64_t off_recv_slab;    // recv_slab words
+  uint64_t slab_bytes;       // distance between receive slabs
+  uint32_t recv_slab;        // the slab this rank receives the current dispatch into
+  uint32_t slabs;            // receive slabs in the window (>= 1)
+  uint32_t* counts_host;     // [L] host-mapped: the aligned rows per local expert (layout kernel)
+  uint32_t* fail_host;       // [4] host-mapped: status, detail, -, peer of a failure after the
+                             // layout (never reset: the host may read it operations later)
 };
 // Mirrored by HtArgs in crates/gin-ep/src/backend/cuda/kernels.rs (same asserts there).
-static_assert(sizeof(HtArgs) == 472 && offsetof(HtArgs, scan) == 464 && offsetof(HtArgs, x) == 296 && offsetof(HtArgs, seq) == 392 &&
+static_assert(sizeof(HtArgs) == 512 && offsetof(HtArgs, fail_host) == 504 && offsetof(HtArgs, counts_host) == 496 && offsetof(HtArgs, recv_slab) == 488 && offsetof(HtArgs, scan) == 464 && offsetof(HtArgs, x) == 296 && offsetof(HtArgs, seq) == 392 &&
                   offsetof(HtArgs, num_tokens) == 416 && offsetof(HtArgs, stamps) == 448,
               "host ABI");
 
@@ -160,12 +175,13 @@ __device__ __forceinline__ void signal_peer(const HtArgs& a, uint64_t offset, in
 }
 
 // Records a failure seen after the count exchange (first one wins), in the device plan and
-// its host-mapped mirror.
+// in fail_host, which the next layout kernel does not overwrite: the host need not wait
+// for this kernel to learn of it later.
 __device__ void record_status(const HtArgs& a, uint32_t status, uint32_t detail, int peer) {
   if (atomicCAS(&a.plan[kPlanStatus], kStatusOk, status) == kStatusOk) {
     a.plan[kPlanDetail] = detail;
     a.plan[kPlanPeer] = uint32_t(peer);
-    volatile uint32_t* h = a.plan_host;
+    volatile uint32_t* h = a.fail_host;
     h[kPlanDetail] = detail;
     h[kPlanPeer] = uint32_t(peer);
     __threadfence_system();
@@ -206,6 +222,16 @@ __device__ __forceinline__ float round_ue8m0(float s) {
 
 __device__ __forceinline__ uint32_t e4m3(float x, float scale) {
   return uint32_t(__nv_cvt_float_to_fp8(__fdiv_rn(x, scale), __NV_SATFINITE, __NV_E4M3));
+}
+
+// Tells `peer` which receive slab this rank takes the current dispatch into (slot `me` of
+// the peer's recv_slab words). Ordered before the peer reads it by the signal that follows
+// (count signal, or the cached dispatch's start barrier). The peer has read the previous
+// value: this rank's previous dispatch ended only after every peer block had sent its rows,
+// and a block reads the slot before it sends.
+__device__ __forceinline__ void publish_recv_slab(const HtArgs& a, int peer) {
+  *reinterpret_cast<uint32_t*>(lsa_ptr(a.win, a.off_recv_slab + size_t(a.comm.lsaRank) * sizeof(uint32_t), peer)) =
+      a.recv_slab;
 }
 
 __device__ __forceinline__ uint32_t plan_words(int R, int E) {
@@ -542,6 +568,7 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
       *reinterpret_cast<uint32_t*>(
           lsa_ptr(a.win, a.off_counts + (size_t(me) * row_words + w) * sizeof(uint32_t), peer)) = v;
     }
+    if (tid < R) publish_recv_slab(a, tid);
   }
   __syncthreads();  // every thread's count stores happen-before the signals below
   if (tid < R) signal_peer(a, a.off_count_sig + size_t(me) * sizeof(uint64_t), tid, refuse ? kFailed : a.seq);
@@ -626,6 +653,9 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
       const uint32_t sum = s_hist[e];
       local[e] = sum;
       aligned[e] = (sum + a.alignment - 1u) / a.alignment * a.alignment;
+      // The host reads these once the kernel is done (exact sizing waits for it anyway), so
+      // returning the per-expert counts needs no wait for the dispatch kernel.
+      a.counts_host[e] = aligned[e];
     }
   }
   __syncthreads();
@@ -703,19 +733,31 @@ __device__ __forceinline__ void dispatch_body(const HtArgs& a) {
   const bool rotate = (a.vflags & kVarRotate) != 0u;
 
   if (cached) {
+    if (tid < R) publish_recv_slab(a, tid);
     const DeadlineBarrier bar{a.win, a.off_bar, me, R, a.timeout_ns, a.err};
     if (!bar.sync(a.bar_epoch, kPhaseHtCachedBarrier)) return;
   }
+  const uint32_t* slab_of = reinterpret_cast<const uint32_t*>(lsa_ptr(a.win, a.off_recv_slab, me));
   if (tid < R) {
-    s_x[tid] = lsa_ptr(a.win, a.off_recv_x, tid);
-    s_sc[tid] = lsa_ptr(a.win, a.off_recv_sc, tid);
-    s_idx[tid] = lsa_ptr(a.win, a.off_recv_idx, tid);
-    s_w[tid] = lsa_ptr(a.win, a.off_recv_w, tid);
-    s_src[tid] = lsa_ptr(a.win, a.off_recv_src, tid);
+    // An out-of-range slab is refused below (thread 0); the clamp only keeps the unused
+    // pointers inside the window.
+    const uint64_t slab = uint64_t(min(ld_volatile_u32(slab_of + tid), a.slabs - 1u)) * a.slab_bytes;
+    s_x[tid] = lsa_ptr(a.win, a.off_recv_x + slab, tid);
+    s_sc[tid] = lsa_ptr(a.win, a.off_recv_sc + slab, tid);
+    s_idx[tid] = lsa_ptr(a.win, a.off_recv_idx + slab, tid);
+    s_w[tid] = lsa_ptr(a.win, a.off_recv_w + slab, tid);
+    s_src[tid] = lsa_ptr(a.win, a.off_recv_src + slab, tid);
     s_base[tid] = ld_volatile_u32(a.plan + kPlanHead + R + 1 + tid);
   }
   if (tid == 0) {
     s_status = ld_volatile_u32(a.plan + kPlanStatus);
+    for (int r = 0; r < R && s_status == kStatusOk; ++r) {
+      const uint32_t slab = ld_volatile_u32(slab_of + r);
+      if (slab >= a.slabs) {
+        record_status(a, kStatusBadSlab, slab, r);
+        s_status = kStatusBadSlab;
+      }
+    }
     if (blockIdx.x == 0 && a.stamps != nullptr) {
       a.stamps[kStampDispStart] = globaltimer_ns();
       a.stamps[kStampCombPull] = 0;

@@ -13,9 +13,13 @@ without host synchronization, except where the API returns host values:
 - LL never synchronizes with the host and can be captured in a CUDA graph.
 
 Zero-copy where the memory is the rank's own: the kernels read the caller's input
-tensors and write output tensors allocated by PyTorch directly (`span`). Only rows that
-live in gin-ep's symmetric window, because peers write or read them (HT receive rows and
-HT combine input rows), are copied device-to-device on the stream.
+tensors and write output tensors allocated by PyTorch directly (`span`). HT receive rows
+live in gin-ep's symmetric window because peers write them; the window holds several
+receive slabs, and a dispatch lends a free one to the caller: the returned `recv_x`,
+`recv_topk_idx` and `recv_topk_weights` are tensors over that slab, and the slab returns
+to the pool when the last of them is freed (see `SlabLease`). Only when every slab is
+still held (or `Buffer(ht_recv_slabs=0)`) are the rows copied out, as are HT combine input
+rows (peers read them from the window).
 """
 
 import os
@@ -72,6 +76,45 @@ def empty(shape, dtype, device) -> torch.Tensor:
     if _POISON:
         t.view(torch.uint8).fill_(0xFF)
     return t
+
+
+class SlabLease:
+    """Receive slab `slab` of an HT object, lent to the caller: every tensor over the slab
+    holds this object (through `_SlabArray`), and the slab goes back to `free` when the last
+    one is freed. It also holds the `Gpu` (and so the window) for as long as the tensors
+    live. Reuse is stream-ordered: the next dispatch into the slab is queued on the current
+    stream after whatever the caller queued with the tensors; work on another stream must
+    be waited for before the tensors are dropped (as with `Tensor.record_stream`)."""
+
+    def __init__(self, gpu, free: list, slab: int) -> None:
+        self.gpu = gpu
+        self.free = free
+        self.slab = slab
+
+    def __del__(self) -> None:
+        self.free.append(self.slab)
+
+
+class _SlabArray:
+    """A `__cuda_array_interface__` over part of a lent slab, for `torch.as_tensor`: the
+    tensor keeps this object, and so the lease, alive."""
+
+    def __init__(self, lease: SlabLease, ptr: int, shape, typestr: str) -> None:
+        self.lease = lease
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr, "data": (ptr, False),
+                                         "version": 3}
+
+
+# PyTorch parses `__cuda_array_interface__` type strings with NumPy; without it dispatches
+# copy the rows out instead of lending slabs.
+try:
+    import numpy  # noqa: F401
+    _CAN_LEND = True
+except ImportError:
+    _CAN_LEND = False
+
+_TYPESTR = {torch.uint8: "|u1", torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8",
+            torch.float32: "<f4"}
 
 
 def span(t: Optional[torch.Tensor]):
@@ -141,6 +184,7 @@ class Gpu:
         self.group_size = group_size
         self.rank = rank
         self.hts = {}
+        self.ht_free = {}
         self.lls = {}
         self.ll_next = {}
         self.ll_seq = {}
@@ -168,14 +212,56 @@ class Gpu:
 
     # -------------------------------------------------------------- HT
 
-    def ht(self, hidden, topk, experts, max_tokens, fp8, num_sms):
-        key = (hidden, topk, experts, max_tokens, fp8)
+    def ht(self, hidden, topk, experts, max_tokens, fp8, num_sms, lend_slabs):
+        """The HT object for the shape: slab 0 of its window is the copy slab, slabs
+        1..lend_slabs are lent to callers (`ht_lend`)."""
+        key = (hidden, topk, experts, max_tokens, fp8, lend_slabs)
         h = self.hts.get(key)
         if h is None:
             cfg = _native.EpConfig(self.group_size, experts, hidden, topk, max_tokens, "fp8" if fp8 else "bf16")
-            h = self.ep.ht_new(cfg, num_sms=num_sms, exact=True)
+            h = self.ep.ht_new(cfg, num_sms=num_sms, exact=True, recv_slabs=1 + lend_slabs)
             self.hts[key] = h
+            self.ht_free[h] = list(range(lend_slabs, 0, -1))
         return h
+
+    def ht_lend(self, h) -> Optional[SlabLease]:
+        """A free receive slab of `h` for the next dispatch, or None (copy the rows out)."""
+        free = self.ht_free[h]
+        if not free or not _CAN_LEND or torch.cuda.is_current_stream_capturing():
+            return None
+        lease = SlabLease(self, free, free.pop())
+        if _POISON:
+            for which in ("recv_x", "recv_scales", "recv_idx", "recv_w", "recv_src"):
+                ptr, size = self.ep.ht_region(h, which, lease.slab)
+                if size:
+                    self.ht_view(h, lease, which, (size,), torch.uint8).fill_(0xFF)
+        return lease
+
+    def ht_send_slot(self, h, n) -> torch.Tensor:
+        """A transient `[n, R]` int32 view of the last fresh dispatch's send slots (library
+        memory the next fresh dispatch rewrites: derive a new tensor from it at once)."""
+        if not _CAN_LEND:
+            return self.ht_out(h, "send_slot", (n, self.group_size), torch.int32, stream())
+        return self.ht_view(h, None, "send_slot", (n, self.group_size), torch.int32)
+
+    def ht_view(self, h, lease: Optional[SlabLease], which, shape, dtype) -> torch.Tensor:
+        """A tensor `shape` of `dtype` over the start of region `which`: a receive region of
+        the lent slab, or (no lease) the send slots. BF16 and FP8 go through same-size
+        integer types (NumPy has neither)."""
+        ptr, size = self.ep.ht_region(h, which, lease.slab if lease is not None else 0)
+        base = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}.get(dtype, dtype)
+        arr = _SlabArray(lease, ptr, shape, _TYPESTR[base])
+        t = torch.as_tensor(arr, device=torch.device("cuda", self.device))
+        assert nbytes(t) <= size, (which, shape, size)
+        return t if base is dtype else t.view(dtype)
+
+    def ht_lent_x(self, h, lease, nr, hidden, fp8, scale_dtype):
+        """`recv_x` (FP8: data and scales) over the lent slab."""
+        if not fp8:
+            return self.ht_view(h, lease, "recv_x", (nr, hidden), torch.bfloat16)
+        data = self.ht_view(h, lease, "recv_x", (nr, hidden), torch.float8_e4m3fn)
+        sc = self.ht_view(h, lease, "recv_scales", (nr, hidden // _native.FP8_BLOCK), torch.float32)
+        return data, sc.view(scale_dtype)
 
     def ht_recv_x(self, h, nr, hidden, fp8, scale_dtype, s):
         dev = torch.device("cuda", self.device)

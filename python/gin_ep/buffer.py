@@ -130,7 +130,13 @@ class Buffer:
     (token, expert) row comes back and is summed in top-k order, DeepEP's arithmetic) or
     `"rank-first"` (each expert rank first sums the token's experts it holds and sends one
     BF16 row per (token, rank): about 2.2x fewer bytes at top-8 over 4 ranks; results differ
-    from `"topk"` by BF16 rounding; see docs/protocol.md).
+    from `"topk"` by BF16 rounding; see docs/protocol.md). `ht_recv_slabs` (GPU path,
+    default 2): HT receive slabs the window holds beyond `num_nvl_bytes`, each sized for
+    the worst case (ranks x max tokens rows). A dispatch receives into a free slab and
+    returns `recv_x`, `recv_topk_idx` and `recv_topk_weights` as tensors over it (no copy);
+    the slab is free again once those tensors are all freed. When every slab is still held,
+    the dispatch copies the rows out as with `ht_recv_slabs=0`. Two slabs let a layer's
+    dispatch run while the previous layer's tensors are still referenced.
     """
 
     num_sms: int = 20
@@ -143,9 +149,14 @@ class Buffer:
                  explicitly_destroy: bool = False,
                  comm=None,
                  *, max_tokens_per_rank: Optional[int] = None,
-                 timeout_s: float = 100.0, ll_combine_order: str = "topk") -> None:
+                 timeout_s: float = 100.0, ll_combine_order: str = "topk",
+                 ht_recv_slabs: int = 2) -> None:
         if ll_combine_order not in ("topk", "rank-first"):
             raise ValueError(f"ll_combine_order = {ll_combine_order!r}: expected 'topk' or 'rank-first'")
+        if not isinstance(ht_recv_slabs, int) or not 0 <= ht_recv_slabs <= _native.MAX_RECV_SLABS - 1:
+            raise ValueError(f"ht_recv_slabs = {ht_recv_slabs!r}: must be an int in "
+                             f"0..{_native.MAX_RECV_SLABS - 1}")
+        self._ht_recv_slabs = ht_recv_slabs
         self.ll_combine_order = ll_combine_order
         self.runtime = None
         self._server = None
@@ -685,8 +696,13 @@ class Buffer:
             if st.fp8 != fp8:
                 raise _unsupported("cached dispatch with another dtype (BF16 vs FP8) than the handle's dispatch")
             xin, x_scales = xin.contiguous(), (x_scales.contiguous() if fp8 else None)
-            g.ep.ht_dispatch_cached(st.native, fp8, s, _gpu.span(xin), _gpu.span(x_scales))
-            recv = g.ht_recv_x(st.ht, st.num_recv, hidden, fp8, torch.float32, s)
+            lease = g.ht_lend(st.ht)
+            g.ep.ht_dispatch_cached(st.native, fp8, s, _gpu.span(xin), _gpu.span(x_scales),
+                                    lease.slab if lease else 0)
+            if lease is not None:
+                recv = g.ht_lent_x(st.ht, lease, st.num_recv, hidden, fp8, torch.float32)
+            else:
+                recv = g.ht_recv_x(st.ht, st.num_recv, hidden, fp8, torch.float32, s)
             worst = max(num_worst_tokens, st.num_worst_tokens)
             if worst:
                 recv = tuple(_gpu.pad_rows(t, worst) for t in recv) if fp8 else _gpu.pad_rows(recv, worst)
@@ -714,18 +730,31 @@ class Buffer:
             raise ValueError(f"{n} tokens exceed the {max_tokens} tokens per rank this Buffer holds for HT "
                              f"(num_nvl_bytes = {self.num_nvl_bytes}; raise it or pass max_tokens_per_rank=)")
         num_sms = (config.num_sms if config is not None else Buffer.num_sms)
-        h = g.ht(hidden, k, experts, max_tokens, fp8, max(1, min(num_sms, 128)))
+        h = g.ht(hidden, k, experts, max_tokens, fp8, max(1, min(num_sms, 128)), self._ht_recv_slabs)
         idx = _gpu.as_i64(topk_idx)
         xin, x_scales = xin.contiguous(), (x_scales.contiguous() if fp8 else None)
-        # The kernels read x, scales, ids and weights from these tensors (zero-copy).
+        # The kernels read x, scales, ids and weights from these tensors (zero-copy) and
+        # receive into a lent slab of the window when one is free (the returned tensors
+        # are views of it), else into the copy slab.
+        lease = g.ht_lend(h)
         native = g.ep.ht_dispatch(h, n, fp8, s, _gpu.span(xin), _gpu.span(x_scales), _gpu.span(idx),
-                                  _gpu.span(w))
+                                  _gpu.span(w), lease.slab if lease else 0)
         nr = native.num_recv
-        recv_x = g.ht_recv_x(h, nr, hidden, fp8, torch.float32, s)
-        recv_topk_idx = g.ht_out(h, "recv_idx", (nr, k), torch.int64, s).to(topk_idx.dtype)
-        recv_topk_weights = g.ht_out(h, "recv_w", (nr, k), torch.float32, s) if topk_weights is not None else None
-        recv_src_idx = g.ht_out(h, "recv_src", (nr,), torch.int32, s)
-        in_rank = g.ht_out(h, "send_slot", (n, self.group_size), torch.int32, s) >= 0
+        if lease is not None:
+            # Views of the slab; the handle's recv_src_idx too (it keeps the slab until the
+            # handle goes: in training, recv_x lives as long for the backward pass anyway).
+            recv_x = g.ht_lent_x(h, lease, nr, hidden, fp8, torch.float32)
+            recv_topk_idx = g.ht_view(h, lease, "recv_idx", (nr, k), torch.int64).to(topk_idx.dtype)
+            recv_topk_weights = g.ht_view(h, lease, "recv_w", (nr, k), torch.float32) \
+                if topk_weights is not None else None
+            recv_src_idx = g.ht_view(h, lease, "recv_src", (nr,), torch.int32)
+        else:
+            recv_x = g.ht_recv_x(h, nr, hidden, fp8, torch.float32, s)
+            recv_topk_idx = g.ht_out(h, "recv_idx", (nr, k), torch.int64, s).to(topk_idx.dtype)
+            recv_topk_weights = g.ht_out(h, "recv_w", (nr, k), torch.float32, s) \
+                if topk_weights is not None else None
+            recv_src_idx = g.ht_out(h, "recv_src", (nr,), torch.int32, s)
+        in_rank = g.ht_send_slot(h, n) >= 0
         counts = [_round_up(c, expert_alignment) for c in g.ep.ht_recv_counts(native, s)]
         if num_worst_tokens:
             if nr > num_worst_tokens:

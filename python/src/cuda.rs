@@ -179,12 +179,14 @@ impl PyCudaEp {
         self.rank().info().sm_count
     }
 
-    /// Collective: a new HT object for `config`; returns its id.
-    #[pyo3(signature = (config, num_sms = 24, exact = true))]
-    fn ht_new(&self, config: &PyEpConfig, num_sms: u32, exact: bool) -> PyResult<usize> {
+    /// Collective: a new HT object for `config` with `recv_slabs` receive slabs in its
+    /// window (see `ht_region`); returns its id.
+    #[pyo3(signature = (config, num_sms = 24, exact = true, recv_slabs = 1))]
+    fn ht_new(&self, config: &PyEpConfig, num_sms: u32, exact: bool, recv_slabs: usize) -> PyResult<usize> {
         let opts = HtGpuOptions {
             num_sms,
             sizing: sizing(exact),
+            recv_slabs,
             ..HtGpuOptions::default()
         };
         let ht = guard(|| {
@@ -230,10 +232,39 @@ impl PyCudaEp {
         })
     }
 
+    /// Device address and byte size of receive region `which` (`recv_x`, `recv_scales`,
+    /// `recv_idx`, `recv_w`, `recv_src`) of slab `slab` of `ht`, in this rank's window. The
+    /// rows a dispatch into that slab left there stay until a later dispatch names the slab.
+    /// Also `send_slot` (`slab` ignored): the last fresh dispatch's `[N, R]` i32 slots,
+    /// rewritten by the next fresh dispatch (read it in stream order, keep no view).
+    fn ht_region(&self, ht: usize, which: &str, slab: usize) -> PyResult<(u64, usize)> {
+        let hts = locked(&self.hts);
+        let h = hts
+            .get(ht)
+            .ok_or_else(|| PyValueError::new_err(format!("no HT object {ht}")))?;
+        let which = HtBuf::parse(which).map_err(to_py)?;
+        if !matches!(
+            which,
+            HtBuf::RecvX
+                | HtBuf::RecvScales
+                | HtBuf::RecvIdx
+                | HtBuf::RecvW
+                | HtBuf::RecvSrc
+                | HtBuf::SendSlot
+        ) {
+            return Err(PyValueError::new_err(format!(
+                "ht_region: {which:?} is neither a receive region nor the send slots"
+            )));
+        }
+        let r = h.slab_buffer(which, slab).map_err(to_py)?;
+        Ok((r.device_ptr(), r.len()))
+    }
+
     /// Fresh HT dispatch of `num_tokens` tokens read from the caller's `x` (`fp8`: e4m3
-    /// bytes + `scales`), `topk_idx` (i64) and `topk_w` (f32).
+    /// bytes + `scales`), `topk_idx` (i64) and `topk_w` (f32), received into slab
+    /// `recv_slab` of this rank's window.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (ht, num_tokens, fp8, stream, x, scales, topk_idx, topk_w))]
+    #[pyo3(signature = (ht, num_tokens, fp8, stream, x, scales, topk_idx, topk_w, recv_slab = 0))]
     fn ht_dispatch(
         &self,
         ht: usize,
@@ -244,6 +275,7 @@ impl PyCudaEp {
         scales: Span,
         topk_idx: Span,
         topk_w: Span,
+        recv_slab: usize,
     ) -> PyResult<PyCudaHtHandle> {
         let handle = self.on_ht(ht, stream, |r, h| {
             let io = HtIo {
@@ -251,6 +283,7 @@ impl PyCudaEp {
                 scales: span(r, "x scales", scales)?,
                 topk_idx: span(r, "topk_idx", topk_idx)?,
                 topk_w: span(r, "topk_weights", topk_w)?,
+                recv_slab,
                 ..HtIo::default()
             };
             with_ht_io(h, io, |h| h.dispatch(r, num_tokens, source(fp8), None))
@@ -263,8 +296,9 @@ impl PyCudaEp {
         self.on_ht(handle.ht, stream, |r, h| h.recv_counts(r, &handle.h))
     }
 
-    /// Cached HT dispatch of the caller's `x` (and `scales`) along the handle's layout.
-    #[pyo3(signature = (handle, fp8, stream, x, scales))]
+    /// Cached HT dispatch of the caller's `x` (and `scales`) along the handle's layout,
+    /// received into slab `recv_slab`.
+    #[pyo3(signature = (handle, fp8, stream, x, scales, recv_slab = 0))]
     fn ht_dispatch_cached(
         &self,
         handle: &PyCudaHtHandle,
@@ -272,11 +306,13 @@ impl PyCudaEp {
         stream: u64,
         x: Span,
         scales: Span,
+        recv_slab: usize,
     ) -> PyResult<()> {
         self.on_ht(handle.ht, stream, |r, h| {
             let io = HtIo {
                 x: span(r, "x", x)?,
                 scales: span(r, "x scales", scales)?,
+                recv_slab,
                 ..HtIo::default()
             };
             with_ht_io(h, io, |h| h.dispatch_cached(r, &handle.h, source(fp8), None))
@@ -448,11 +484,12 @@ fn get_mut<'a, T>(v: &'a mut [T], i: usize, what: &str) -> PyResult<&'a mut T> {
         .ok_or_else(|| PyValueError::new_err(format!("no {what} object {i}")))
 }
 
-/// Bytes of the HT window `CudaHt` needs for `config` (GPU layout).
+/// Bytes of the HT window `CudaHt` needs for `config` with `recv_slabs` receive slabs.
 #[pyfunction]
-pub(crate) fn gpu_ht_bytes(config: &PyEpConfig) -> PyResult<usize> {
+#[pyo3(signature = (config, recv_slabs = 1))]
+pub(crate) fn gpu_ht_bytes(config: &PyEpConfig, recv_slabs: usize) -> PyResult<usize> {
     guard(|| {
-        gin_ep::backend::cuda::ht::HtLayout::new(&config.cfg)
+        gin_ep::backend::cuda::ht::HtLayout::new(&config.cfg, recv_slabs)
             .map(|l| l.total)
             .map_err(to_py)
     })

@@ -738,5 +738,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(oracle_ll_dispatch, m)?)?;
     m.add_function(wrap_pyfunction!(oracle_ll_combine, m)?)?;
     m.add("FP8_BLOCK", gin_ep::config::FP8_BLOCK)?;
+    m.add("MAX_RECV_SLABS", gin_ep::backend::cuda::ht::MAX_RECV_SLABS)?;
     Ok(())
 }

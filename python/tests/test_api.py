@@ -97,6 +97,19 @@ def test_group_or_comm_required():
         Buffer(None)
 
 
+def test_ht_recv_slabs_is_checked():
+    # Refused before anything is set up (no group needed to see it), naming the value.
+    for bad in (-1, _native.MAX_RECV_SLABS, 1.5, "2"):
+        with pytest.raises(ValueError, match="ht_recv_slabs"):
+            Buffer(None, ht_recv_slabs=bad)
+    # The window grows by one worst-case slab per receive slab.
+    cfg = _native.EpConfig(4, 256, 7168, 8, 4096)
+    one, three = _native.gpu_ht_bytes(cfg), _native.gpu_ht_bytes(cfg, 3)
+    assert three - one >= 2 * 4 * 4096 * 7168 * 2
+    with pytest.raises(ValueError, match="recv_slabs"):
+        _native.gpu_ht_bytes(cfg, 0)
+
+
 def test_ll_combine_order_is_checked():
     # Before anything else happens (no group needed to refuse it).
     with pytest.raises(ValueError, match="ll_combine_order = 'pairwise'"):

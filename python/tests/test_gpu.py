@@ -132,6 +132,29 @@ def ht_worker(rank, world):
     buf.dispatch(x.to(dev), num_tokens_per_expert=per_expert, topk_idx=idx.to(dev), topk_weights=w.to(dev))
     with pytest.raises(ValueError, match="stale"):
         buf.combine(y, handle)
+
+    # Lent receive slabs (Buffer's default ht_recv_slabs=2): the first BF16 dispatch and the
+    # cached one were received into slabs 1 and 2 and returned as tensors over them; the
+    # last fresh dispatch found none free and copied its rows out. Both held results must
+    # be intact after the later dispatches into the other slabs.
+    free = buf._gpu.ht_free[handle[0].ht]
+    assert free == [], free
+    assert handle[3].data_ptr() == buf._gpu.ep.ht_region(handle[0].ht, "recv_src", 1)[0], \
+        "the handle's recv_src_idx is a view of slab 1" 
+    same_bits("recv_x, still held", cpu(recv_x), from_bytes(rb, torch.bfloat16, (nr, HIDDEN)))
+    same_bits("recv_topk_idx, still held", cpu(recv_idx), from_bytes(ridx, torch.int64, (nr, TOPK)))
+    same_bits("cached recv_x, still held", cpu(cached), from_bytes(ref2[rank][0], torch.bfloat16, (nr, HIDDEN)))
+    del recv_x, recv_idx, recv_w
+    assert free == [], free  # the handle's recv_src_idx still holds slab 1
+    del handle
+    assert free == [1], free  # the last tensor over slab 1 is gone: the slab is free again
+    again, again_idx, *_ = buf.dispatch(x2_of(rank).to(dev), num_tokens_per_expert=per_expert,
+                                         topk_idx=idx.to(dev), topk_weights=w.to(dev))
+    assert free == [], free
+    same_bits("recv_x in a reused slab", cpu(again), from_bytes(ref2[rank][0], torch.bfloat16, (nr, HIDDEN)))
+    same_bits("recv_topk_idx in a reused slab", cpu(again_idx), from_bytes(ridx, torch.int64, (nr, TOPK)))
+    same_bits("cached recv_x, still held after the reuse", cpu(cached),
+              from_bytes(ref2[rank][0], torch.bfloat16, (nr, HIDDEN)))
     torch.cuda.synchronize()
 
 

@@ -64,6 +64,10 @@ pub struct BenchArgs {
     /// rank-first (each expert rank pre-reduces its experts: one row per token and rank).
     #[arg(long, default_value = "topk")]
     pub ll_combine_order: String,
+    /// GPU HT receive sizing: static (no host wait) or exact (the host reads the receive
+    /// count after the count exchange, as gin_ep.Buffer.dispatch does).
+    #[arg(long, default_value = "static", value_parser = ["static", "exact"])]
+    pub ht_sizing: String,
     /// Timed iterations [default: 5].
     #[arg(long)]
     pub iters: Option<usize>,
@@ -171,6 +175,11 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
             )));
         }
     }
+    if a.ht_sizing == "exact" && (a.gpus.is_none() || mode != BenchMode::Ht) {
+        return Err(CliError::Usage(
+            "--ht-sizing exact applies to the GPU HT bench: use it with --gpus N and --mode ht".into(),
+        ));
+    }
     if a.sweep && a.gpus.is_none() {
         return Err(CliError::Usage(
             "--sweep times GPU kernel variants: use it with --gpus N".into(),
@@ -187,6 +196,7 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
             warmup: a.warmup.unwrap_or(warmup_d),
             timeout: a.timeout,
             launch: Launch::Threads,
+            ht_exact: a.ht_sizing == "exact",
         },
         max_tokens,
         sms,

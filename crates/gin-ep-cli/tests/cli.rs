@@ -52,6 +52,8 @@ fn bad_config_values_are_named_and_exit_2() {
             "tokens = 5000",
         ),
         (&["bench", "--ranks", "0"], "ranks = 0"),
+        (&["bench", "--ht-sizing", "exact"], "--ht-sizing exact"),
+        (&["bench", "--ht-sizing", "sometimes"], "sometimes"),
         (&["bench", "--ranks", "65", "--experts", "260"], "ranks = 65"),
         (&["bench", "--hidden", "0"], "hidden = 0"),
         (&["bench", "--hidden", "1e9"], "1e9"),

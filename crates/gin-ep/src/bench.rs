@@ -46,6 +46,9 @@ pub struct BenchOptions {
     pub warmup: usize,
     pub timeout: Duration,
     pub launch: Launch,
+    /// GPU HT: exact sizing (the host reads the receive count between the layout and the
+    /// dispatch kernel, as the Python `Buffer.dispatch` does) instead of static sizing.
+    pub ht_exact: bool,
 }
 
 /// Median, 10th and 90th percentile of a set of times, in microseconds.
@@ -361,6 +364,7 @@ mod tests {
             warmup: 1,
             timeout: Duration::from_secs(30),
             launch: Launch::Threads,
+            ht_exact: false,
         };
         let mut calls = 0;
         let r = run_host(&opts, &mut |_, _| calls += 1).unwrap();

@@ -11,7 +11,7 @@
 use std::time::{Duration, Instant};
 
 use crate::backend::cuda::ht::{
-    CombineExtras, CudaHt, DispatchEvents, DispatchSource, HtGpuOptions, HtVariant, Sizing, STAMP_WORDS,
+    CombineExtras, CudaHt, DispatchEvents, DispatchSource, HtGpuOptions, HtIo, HtVariant, Sizing, STAMP_WORDS,
 };
 use crate::backend::cuda::{CudaRank, CudaRankOptions};
 use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
@@ -327,8 +327,11 @@ pub fn check_rank_variants(
     let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?;
     let out = (|| {
         let mut passed = 0;
+        // Two receive slabs: every case also checks that a dispatch into one slab leaves the
+        // other's rows intact, and that senders use the slab each receiver named.
         let base = HtGpuOptions {
             variant: HtVariant::from_env()?,
+            recv_slabs: 2,
             ..HtGpuOptions::default()
         };
         for (i, case) in cases.iter().enumerate() {
@@ -415,9 +418,19 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
             ht.set_sizing(sizing);
             let ins = case_inputs(case, iter);
             let mine = &ins[me];
+            // Receive slabs: ranks pick different ones (a sender must use the receiver's),
+            // the cached dispatch takes the next one.
+            let slabs = opts.recv_slabs;
+            let fresh_slab = (iter + me) % slabs;
+            let cached_slab = (fresh_slab + 1) % slabs;
+            let on_slab = |slab: usize| HtIo {
+                recv_slab: slab,
+                ..HtIo::default()
+            };
 
             // Fresh dispatch.
             let want = oracle::ht_dispatch(cfg, &ins)?;
+            ht.set_io(on_slab(fresh_slab));
             ht.poison(rank)?;
             let n = upload_dispatch_input(&ht, rank, cfg, mine, source)?;
             let handle = ht.dispatch(rank, n, source, None)?;
@@ -432,6 +445,20 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
             }
             crate::check::ht_dispatch(cfg, me, &got, &want[me])
                 .map_err(|e| ctx(e, "HT dispatch", sizing, source))?;
+            // Per-expert counts as the embedding reads them (exact sizing: from the layout
+            // kernel's host-mapped copy, without waiting for the dispatch).
+            let counts = ht.recv_counts(rank, &handle)?;
+            if counts != want[me].num_recv_tokens_per_expert {
+                return Err(ctx(
+                    Error::Mismatch(format!(
+                        "rank {me}: recv_counts {counts:?}, oracle {:?}",
+                        want[me].num_recv_tokens_per_expert
+                    )),
+                    "HT dispatch counts",
+                    sizing,
+                    source,
+                ));
+            }
 
             // Cached dispatch of new activations through the same handle.
             let w = Workload {
@@ -446,15 +473,32 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
                     .collect()
             };
             let want_cached = oracle::ht_dispatch(cfg, &new_ins)?;
+            ht.set_io(on_slab(cached_slab));
             ht.poison(rank)?;
             upload_x(&ht, rank, cfg, &new_ins[me].x, source)?;
             ht.dispatch_cached(rank, &handle, source, None)?;
+            ht.clear_io();
             let probe = HtDispatchOutput {
                 recv_x: ht.download_recv_x(rank, &handle)?,
                 ..want_cached[me].clone()
             };
             crate::check::ht_dispatch(cfg, me, &probe, &want_cached[me])
                 .map_err(|e| ctx(e, "cached HT dispatch", sizing, source))?;
+            if cached_slab != fresh_slab {
+                // The fresh dispatch's rows, still in their slab after the cached one.
+                let kept = HtDispatchOutput {
+                    recv_x: ht.download_slab_x(rank, &handle, fresh_slab)?,
+                    ..want[me].clone()
+                };
+                crate::check::ht_dispatch(cfg, me, &kept, &want[me]).map_err(|e| {
+                    ctx(
+                        e,
+                        "fresh HT dispatch rows after a cached one into another slab",
+                        sizing,
+                        source,
+                    )
+                })?;
+            }
 
             // Combine with weights and (odd iterations) bias.
             let handles: Vec<_> = want.iter().map(|o| o.handle.clone()).collect();
@@ -661,9 +705,10 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
     Ok(Some(BenchReport::new(
         format!("cuda-lsa ({})", rank.info().device_name),
         format!(
-            "GPU HT over NVLink (NCCL LSA), {} SMs per kernel, static sizing; total = host clock from the API call \
+            "GPU HT over NVLink (NCCL LSA), {} SMs per kernel, {} sizing; total = host clock from the API call \
              to the end of the stream's work, kernel = CUDA events; slowest rank per iteration",
-            num_sms
+            num_sms,
+            if opts.ht_exact { "exact" } else { "static" }
         ),
         opts,
         ops,
@@ -678,8 +723,13 @@ fn bench_inner(group: &Group, rank: &CudaRank, opts: &BenchOptions, num_sms: u32
         cfg,
         HtGpuOptions {
             num_sms,
-            sizing: Sizing::Static,
+            sizing: if opts.ht_exact {
+                Sizing::Exact
+            } else {
+                Sizing::Static
+            },
             variant: HtVariant::from_env()?,
+            ..HtGpuOptions::default()
         },
     )?;
     let w = Workload {
@@ -797,6 +847,7 @@ pub fn parse_sweep_entry(text: &str, default_sms: u32) -> Result<SweepEntry> {
         num_sms: sms,
         sizing: Sizing::Static,
         variant,
+        ..HtGpuOptions::default()
     }
     .validate()?;
     Ok(SweepEntry {
@@ -903,6 +954,7 @@ fn sweep_inner(
             num_sms: entries[0].sms,
             sizing: Sizing::Static,
             variant: entries[0].variant,
+            ..HtGpuOptions::default()
         },
     )?;
     let w = Workload {
@@ -1080,6 +1132,7 @@ mod tests {
             warmup: 0,
             timeout: Duration::from_secs(5),
             launch: crate::bench::Launch::Threads,
+            ht_exact: false,
         };
         let e = bench_rank(&group, &opts, 24).unwrap_err();
         assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");

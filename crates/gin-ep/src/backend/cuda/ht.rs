@@ -31,6 +31,17 @@ pub const MAX_RANKS: usize = 32;
 pub const MAX_GRID: u32 = 128;
 /// Most experts (the layout kernel's histogram lives in shared memory).
 pub const MAX_EXPERTS: usize = 8192;
+/// The layout kernel's host-mapped copy of the aligned rows per local expert (at most
+/// MAX_EXPERTS local experts, on one rank).
+#[derive(Clone, Copy)]
+struct HostCounts([u32; MAX_EXPERTS]);
+
+impl Default for HostCounts {
+    fn default() -> Self {
+        HostCounts([0; MAX_EXPERTS])
+    }
+}
+
 /// Default SM budget (CTAs of dispatch and combine), as DeepEP's tuned HT setting.
 pub const DEFAULT_SMS: u32 = 24;
 
@@ -251,6 +262,7 @@ const STATUS_INVALID_INPUT: u32 = 1;
 const STATUS_PEER_FAILED: u32 = 2;
 const STATUS_CAPACITY: u32 = 3;
 const STATUS_TIMEOUT: u32 = 4;
+const STATUS_BAD_SLAB: u32 = 5;
 
 /// How the receive size reaches the host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -271,6 +283,10 @@ pub struct HtGpuOptions {
     pub sizing: Sizing,
     /// Kernel variant (performance only), equal on every rank.
     pub variant: HtVariant,
+    /// Receive slabs in the window (1..=[`MAX_RECV_SLABS`]), equal on every rank: each
+    /// dispatch lands in the slab its receiver names ([`HtIo::recv_slab`]), so the rows of
+    /// earlier dispatches in other slabs stay intact while a caller still holds them.
+    pub recv_slabs: usize,
 }
 
 impl Default for HtGpuOptions {
@@ -279,6 +295,7 @@ impl Default for HtGpuOptions {
             num_sms: DEFAULT_SMS,
             sizing: Sizing::Exact,
             variant: HtVariant::default(),
+            recv_slabs: 1,
         }
     }
 }
@@ -290,6 +307,13 @@ impl HtGpuOptions {
                 "num_sms",
                 self.num_sms,
                 format!("must be in 1..={MAX_GRID}"),
+            ));
+        }
+        if !(1..=MAX_RECV_SLABS).contains(&self.recv_slabs) {
+            return Err(Error::config(
+                "recv_slabs",
+                self.recv_slabs,
+                format!("must be in 1..={MAX_RECV_SLABS}"),
             ));
         }
         self.variant.validate()
@@ -343,14 +367,22 @@ fn align16(n: usize) -> usize {
     n.div_ceil(16) * 16
 }
 
+/// Most receive slabs one HT window may hold.
+pub const MAX_RECV_SLABS: usize = 64;
+
 /// Byte offsets of the HT regions in the window (identical on every rank); see the table at
-/// the top of kernels/ht/ht.cu.
+/// the top of kernels/ht/ht.cu. The receive regions (`recv_x` .. `recv_src`) are those of
+/// slab 0; slab `s` lies `s * slab_bytes` further on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HtLayout {
     pub count_sig: usize,
     pub disp_sig: usize,
     pub bar: usize,
     pub counts: usize,
+    /// `[R]` u32: slot `s` = the receive slab rank `s` chose for the current dispatch.
+    pub recv_slab: usize,
+    pub slabs: usize,
+    pub slab_bytes: usize,
     pub recv_x: usize,
     pub recv_sc: usize,
     pub recv_idx: usize,
@@ -362,7 +394,15 @@ pub struct HtLayout {
 }
 
 impl HtLayout {
-    pub fn new(cfg: &EpConfig) -> Result<HtLayout> {
+    /// The layout for `cfg` with `slabs` receive slabs (1..=[`MAX_RECV_SLABS`]).
+    pub fn new(cfg: &EpConfig, slabs: usize) -> Result<HtLayout> {
+        if !(1..=MAX_RECV_SLABS).contains(&slabs) {
+            return Err(Error::config(
+                "recv_slabs",
+                slabs,
+                format!("must be in 1..={MAX_RECV_SLABS}"),
+            ));
+        }
         let (r, t, h, k, e) = (
             cfg.ranks,
             cfg.max_tokens_per_rank,
@@ -386,14 +426,18 @@ impl HtLayout {
         let disp_sig = take(r * MAX_GRID as usize * 8)?;
         let bar = take(r * MAX_GRID as usize * 8)?;
         let counts = take(r * (r + e) * 4)?;
-        // Large regions start on their own 4 KiB page.
-        let used = counts + align16(r * (r + e) * 4);
-        let _ = take(used.div_ceil(4096) * 4096 - used)?;
+        let recv_slab = take(r * 4)?;
+        // Large regions (and every slab) start on their own 4 KiB page.
+        let page = |at: usize| at.div_ceil(4096) * 4096 - at;
+        let _ = take(page(recv_slab + align16(r * 4)))?;
         let recv_x = take(rows * row_bytes)?;
         let recv_sc = take(rows * (h / FP8_BLOCK) * 4)?;
         let recv_idx = take(rows * k * 8)?;
         let recv_w = take(rows * k * 4)?;
         let recv_src = take(rows * 4)?;
+        let slab_end = recv_src + align16(rows * 4);
+        let slab_bytes = slab_end + page(slab_end) - recv_x;
+        let _ = take(slab_bytes * slabs - (slab_end - recv_x))?;
         let comb_x = take(rows * h * 2)?;
         let comb_w = take(rows * k * 4)?;
         Ok(HtLayout {
@@ -401,6 +445,9 @@ impl HtLayout {
             disp_sig,
             bar,
             counts,
+            recv_slab,
+            slabs,
+            slab_bytes,
             recv_x,
             recv_sc,
             recv_idx,
@@ -511,6 +558,10 @@ pub struct CudaHt {
     scan: DeviceBuffer,
     stamps: DeviceBuffer,
     plan_host: HostMapped<[u32; 4]>,
+    counts_host: HostMapped<HostCounts>,
+    /// Status, detail, -, peer of a failure a dispatch kernel recorded; never reset (after a
+    /// failure the object refuses further operations).
+    fail_host: HostMapped<[u32; 4]>,
     lay: HtLayout,
     cfg: EpConfig,
     opts: HtGpuOptions,
@@ -518,6 +569,8 @@ pub struct CudaHt {
     seq: u64,
     bar_epoch: u64,
     generation: u64,
+    /// The receive slab of the last dispatch (fresh or cached).
+    last_slab: usize,
     failed: bool,
     /// Caller-owned memory the next operations use instead of the input/output buffers.
     io: HtIo,
@@ -543,6 +596,9 @@ pub struct HtIo {
     /// Combine outputs `[N, H]` BF16 and `[N, K]` f32.
     pub out_x: Option<ExternalSpan>,
     pub out_w: Option<ExternalSpan>,
+    /// The receive slab this rank's next dispatch (fresh or cached) lands in, below
+    /// [`HtGpuOptions::recv_slabs`]; each rank picks its own.
+    pub recv_slab: usize,
 }
 
 /// The caller-owned address when one is set, else the library buffer's.
@@ -560,7 +616,7 @@ impl CudaHt {
         let world = rank.info().world;
         check_gpu_config(cfg, world)?;
         opts.validate()?;
-        let lay = HtLayout::new(cfg)?;
+        let lay = HtLayout::new(cfg, opts.recv_slabs)?;
         let window = rank.window(lay.total)?;
         let dev_comm = rank.dev_comm(DevCommRequest {
             lsa_barriers: 1,
@@ -596,6 +652,8 @@ impl CudaHt {
             send_slot: alloc(t * r * 4)?,
             plan: alloc(plan_words(cfg) * 4)?,
             plan_host: rank.host_mapped()?,
+            counts_host: rank.host_mapped()?,
+            fail_host: rank.host_mapped()?,
             window,
             dev_comm,
             lay,
@@ -605,6 +663,7 @@ impl CudaHt {
             seq: 0,
             bar_epoch: 0,
             generation: 0,
+            last_slab: 0,
             failed: false,
             io: HtIo::default(),
         })
@@ -805,11 +864,14 @@ impl CudaHt {
         Ok(())
     }
 
-    /// Fills every output region (receive buffers, combine outputs) with [`POISON`]. Safe
-    /// between operations: peers write our receive region only after we enter the next one.
+    /// Fills the output regions the next operations write (the receive slab
+    /// [`HtIo::recv_slab`] names, the combine outputs) with [`POISON`]; other slabs keep
+    /// their rows. Safe between operations: peers write our receive slab only after we
+    /// enter the next dispatch.
     pub fn poison(&self, rank: &CudaRank) -> Result<()> {
         let l = &self.lay;
-        rank.memset_u8(self.window.region(l.recv_x, l.comb_x - l.recv_x)?, POISON)?;
+        let slab = l.recv_x + self.io.recv_slab.min(l.slabs - 1) * l.slab_bytes;
+        rank.memset_u8(self.window.region(slab, l.slab_bytes)?, POISON)?;
         rank.memset_u8(self.out_x.region(), POISON)?;
         rank.memset_u8(self.out_w.region(), POISON)
     }
@@ -827,6 +889,15 @@ impl CudaHt {
     /// Fails naming the buffer unless every caller-owned span holds what an operation on
     /// `num_tokens` tokens with input `dtype` touches (checked before any state changes).
     fn check_io(&self, num_tokens: usize, dtype: u32) -> Result<()> {
+        if self.io.recv_slab >= self.lay.slabs {
+            return Err(Error::input(
+                format!("receive slab of rank {}", self.me),
+                format!(
+                    "{} is outside 0..{} (HtGpuOptions::recv_slabs)",
+                    self.io.recv_slab, self.lay.slabs
+                ),
+            ));
+        }
         let (n, h, k) = (num_tokens, self.cfg.hidden, self.cfg.topk);
         let fp8_in = dtype == DTYPE_FP8_PRE;
         let io = &self.io;
@@ -904,6 +975,12 @@ impl CudaHt {
             chunk,
             vflags: if self.opts.variant.rotate { VAR_ROTATE } else { 0 },
             scan: self.scan.region().ptr,
+            off_recv_slab: l.recv_slab as u64,
+            slab_bytes: l.slab_bytes as u64,
+            recv_slab: self.io.recv_slab as u32,
+            slabs: l.slabs as u32,
+            counts_host: self.counts_host.dev,
+            fail_host: self.fail_host.dev,
         }
     }
 
@@ -1028,6 +1105,7 @@ impl CudaHt {
         if let Err(e) = out {
             return self.fail(rank, e);
         }
+        self.last_slab = self.io.recv_slab;
         Ok(HtGpuHandle {
             generation: self.generation,
             num_tokens,
@@ -1081,7 +1159,10 @@ impl CudaHt {
             Ok(())
         })();
         match out {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                self.last_slab = self.io.recv_slab;
+                Ok(())
+            }
             Err(e) => self.fail(rank, e),
         }
     }
@@ -1139,7 +1220,11 @@ impl CudaHt {
 
     /// The kernels' status word as a result (call after the stream is idle).
     fn status(&self) -> Result<()> {
-        let [status, detail, num_recv, peer] = self.plan_host.read();
+        // A dispatch kernel's failure first: the layout status may belong to a later operation.
+        let [status, detail, num_recv, peer] = match self.fail_host.read() {
+            [STATUS_OK, ..] => self.plan_host.read(),
+            failed => failed,
+        };
         let k = self.cfg.topk.max(1);
         match status {
             STATUS_OK => Ok(()),
@@ -1172,6 +1257,14 @@ impl CudaHt {
                 reason: format!(
                     "rank {} stopped waiting for rank {peer} (deadline or an earlier failure)",
                     self.me
+                ),
+            }),
+            STATUS_BAD_SLAB => Err(Error::Device {
+                call: "HT dispatch".into(),
+                reason: format!(
+                    "rank {peer} named receive slab {detail}, outside 0..{} (ranks built with \
+                     different recv_slabs?)",
+                    self.lay.slabs
                 ),
             }),
             u32::MAX => Err(Error::Device {
@@ -1210,12 +1303,25 @@ impl CudaHt {
         self.download_vec(rank, self.plan.region().sub(0, n * 4)?, n)
     }
 
-    /// The device memory of `which` (whole capacity), for copies on the rank's stream.
-    /// Regions in the window are written by peers during operations: copy into them only
-    /// between operations, in stream order.
+    /// The device memory of `which` (whole capacity; receive regions: those of the last
+    /// dispatch's slab), for copies on the rank's stream. Regions in the window are written
+    /// by peers during operations: copy into them only between operations, in stream order.
     pub fn buffer(&self, which: HtBuf) -> Result<DeviceRegion<'_>> {
+        self.slab_buffer(which, self.last_slab)
+    }
+
+    /// As [`CudaHt::buffer`], with the receive regions of slab `slab`.
+    pub fn slab_buffer(&self, which: HtBuf, slab: usize) -> Result<DeviceRegion<'_>> {
         let l = &self.lay;
+        if slab >= l.slabs {
+            return Err(Error::input(
+                "receive slab",
+                format!("{slab} is outside 0..{}", l.slabs),
+            ));
+        }
+        let s = slab * l.slab_bytes;
         let w = |a: usize, b: usize| self.window.region(a, b - a);
+        let slab_end = l.recv_x + l.slab_bytes;
         match which {
             HtBuf::X => Ok(self.x_in.region()),
             HtBuf::Scales => Ok(self.scales_in.region()),
@@ -1225,11 +1331,11 @@ impl CudaHt {
             HtBuf::Bias1 => Ok(self.bias[1].region()),
             HtBuf::OutX => Ok(self.out_x.region()),
             HtBuf::OutW => Ok(self.out_w.region()),
-            HtBuf::RecvX => w(l.recv_x, l.recv_sc),
-            HtBuf::RecvScales => w(l.recv_sc, l.recv_idx),
-            HtBuf::RecvIdx => w(l.recv_idx, l.recv_w),
-            HtBuf::RecvW => w(l.recv_w, l.recv_src),
-            HtBuf::RecvSrc => w(l.recv_src, l.comb_x),
+            HtBuf::RecvX => w(s + l.recv_x, s + l.recv_sc),
+            HtBuf::RecvScales => w(s + l.recv_sc, s + l.recv_idx),
+            HtBuf::RecvIdx => w(s + l.recv_idx, s + l.recv_w),
+            HtBuf::RecvW => w(s + l.recv_w, s + l.recv_src),
+            HtBuf::RecvSrc => w(s + l.recv_src, s + slab_end),
             HtBuf::CombX => w(l.comb_x, l.comb_w),
             HtBuf::CombW => w(l.comb_w, l.total.min(self.window.len())),
             HtBuf::SendSlot => Ok(self.send_slot.region()),
@@ -1237,11 +1343,20 @@ impl CudaHt {
     }
 
     /// Rows per local expert of the last fresh dispatch, each rounded up to the config's
-    /// expert alignment (waits, bounded, for the stream).
+    /// expert alignment. With exact sizing the host already waited for the layout kernel,
+    /// which left them in host-mapped memory: no wait for the dispatch. Otherwise waits
+    /// (bounded) for the stream.
     pub fn recv_counts(&mut self, rank: &CudaRank, handle: &HtGpuHandle) -> Result<Vec<usize>> {
-        self.sync(rank)?;
         self.check_handle(handle)?;
-        let (r_n, e_n, l_n) = (self.cfg.ranks, self.cfg.experts, self.cfg.local_experts());
+        let l_n = self.cfg.local_experts();
+        if handle.num_recv.is_some() {
+            return Ok(self.counts_host.read().0[..l_n]
+                .iter()
+                .map(|&v| v as usize)
+                .collect());
+        }
+        self.sync(rank)?;
+        let (r_n, e_n) = (self.cfg.ranks, self.cfg.experts);
         let plan = self.download_plan(rank)?;
         let at = PLAN_HEAD + (r_n + 1) + 2 * r_n + e_n + l_n;
         Ok(plan[at..at + l_n].iter().map(|&v| v as usize).collect())
@@ -1254,18 +1369,26 @@ impl CudaHt {
 
     /// The received rows (BF16 or FP8 + scales) of the last dispatch.
     pub fn download_recv_x(&mut self, rank: &CudaRank, handle: &HtGpuHandle) -> Result<Rows> {
+        let slab = self.last_slab;
+        self.download_slab_x(rank, handle, slab)
+    }
+
+    /// The first `num_recv` rows (BF16 or FP8 + scales) of receive slab `slab`: what a
+    /// dispatch along `handle` left there, as long as no later dispatch named that slab.
+    pub fn download_slab_x(&mut self, rank: &CudaRank, handle: &HtGpuHandle, slab: usize) -> Result<Rows> {
         self.sync(rank)?;
         self.check_handle(handle)?;
         let (h, nr) = (self.cfg.hidden, self.num_recv());
-        let l = self.lay;
+        let x = self.slab_buffer(HtBuf::RecvX, slab)?;
         Ok(if self.cfg.dispatch_dtype.is_fp8() {
             let spr = h / FP8_BLOCK;
+            let sc = self.slab_buffer(HtBuf::RecvScales, slab)?;
             Rows::Fp8 {
-                data: self.download_vec(rank, self.window.region(l.recv_x, nr * h)?, nr * h)?,
-                scales: self.download_vec(rank, self.window.region(l.recv_sc, nr * spr * 4)?, nr * spr)?,
+                data: self.download_vec(rank, x.sub(0, nr * h)?, nr * h)?,
+                scales: self.download_vec(rank, sc.sub(0, nr * spr * 4)?, nr * spr)?,
             }
         } else {
-            Rows::Bf16(self.download_vec(rank, self.window.region(l.recv_x, nr * h * 2)?, nr * h)?)
+            Rows::Bf16(self.download_vec(rank, x.sub(0, nr * h * 2)?, nr * h)?)
         })
     }
 
@@ -1280,7 +1403,6 @@ impl CudaHt {
         );
         let nr = self.num_recv();
         let n = handle.num_tokens;
-        let l = self.lay;
         let plan = self.download_plan(rank)?;
         let mut at = PLAN_HEAD;
         let mut take = |len: usize| {
@@ -1297,11 +1419,11 @@ impl CudaHt {
         let send_slot: Vec<i32> =
             self.download_vec(rank, self.send_slot.region().sub(0, n * r_n * 4)?, n * r_n)?;
         let recv_topk_idx: Vec<i64> =
-            self.download_vec(rank, self.window.region(l.recv_idx, nr * k * 8)?, nr * k)?;
+            self.download_vec(rank, self.buffer(HtBuf::RecvIdx)?.sub(0, nr * k * 8)?, nr * k)?;
         let recv_topk_weights: Vec<f32> =
-            self.download_vec(rank, self.window.region(l.recv_w, nr * k * 4)?, nr * k)?;
+            self.download_vec(rank, self.buffer(HtBuf::RecvW)?.sub(0, nr * k * 4)?, nr * k)?;
         let recv_src_token: Vec<u32> =
-            self.download_vec(rank, self.window.region(l.recv_src, nr * 4)?, nr)?;
+            self.download_vec(rank, self.buffer(HtBuf::RecvSrc)?.sub(0, nr * 4)?, nr)?;
         Ok(HtDispatchOutput {
             recv_x,
             recv_topk_idx,
@@ -1352,12 +1474,13 @@ mod tests {
     #[test]
     fn layout_regions_are_aligned_ordered_and_sized_for_the_worst_case() {
         let cfg = EpConfig::new(4, 256, 7168, 8, 4096).with_dtype(DispatchDtype::Fp8);
-        let l = HtLayout::new(&cfg).unwrap();
+        let l = HtLayout::new(&cfg, 1).unwrap();
         let offs = [
             l.count_sig,
             l.disp_sig,
             l.bar,
             l.counts,
+            l.recv_slab,
             l.recv_x,
             l.recv_sc,
             l.recv_idx,
@@ -1373,8 +1496,28 @@ mod tests {
         assert_eq!(l.recv_sc - l.recv_x, rows * 7168);
         assert_eq!(l.comb_w - l.comb_x, rows * 7168 * 2);
         assert!(l.total >= l.comb_w + rows * 8 * 4);
-        let bf = HtLayout::new(&cfg.clone().with_dtype(DispatchDtype::Bf16)).unwrap();
+        let bf = HtLayout::new(&cfg.clone().with_dtype(DispatchDtype::Bf16), 1).unwrap();
         assert_eq!(bf.recv_sc - bf.recv_x, rows * 7168 * 2);
+    }
+
+    #[test]
+    fn receive_slabs_are_page_aligned_disjoint_and_counted_in_the_window() {
+        let cfg = EpConfig::new(4, 256, 7168, 8, 4096);
+        let one = HtLayout::new(&cfg, 1).unwrap();
+        let three = HtLayout::new(&cfg, 3).unwrap();
+        // A slab holds every receive region, on its own pages.
+        assert!(one.slab_bytes.is_multiple_of(4096));
+        assert!(one.slab_bytes >= one.recv_src + 4 * 4096 * 4 - one.recv_x);
+        assert!(one.comb_x >= one.recv_x + one.slab_bytes);
+        // Each extra slab adds exactly one slab to the window, before the combine rows.
+        assert_eq!(three.slab_bytes, one.slab_bytes);
+        assert_eq!(three.recv_x, one.recv_x);
+        assert_eq!(three.comb_x - one.comb_x, 2 * one.slab_bytes);
+        assert_eq!(three.total - one.total, 2 * one.slab_bytes);
+        for bad in [0, MAX_RECV_SLABS + 1] {
+            let e = HtLayout::new(&cfg, bad).unwrap_err();
+            assert!(e.is_usage() && e.to_string().contains("recv_slabs"), "{e}");
+        }
     }
 
     #[test]
@@ -1402,6 +1545,7 @@ mod tests {
                 num_sms: bad,
                 sizing: Sizing::Static,
                 variant: HtVariant::default(),
+                recv_slabs: 1,
             }
             .validate()
             .unwrap_err();

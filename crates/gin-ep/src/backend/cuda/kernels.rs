@@ -124,6 +124,17 @@ pub struct HtArgs {
     pub vflags: u32,
     /// Layout kernel's scan scratch (ht.rs `layout_scan_bytes`).
     pub scan: u64,
+    /// The recv_slab words (ht.rs `HtLayout::recv_slab`).
+    pub off_recv_slab: u64,
+    /// Distance between receive slabs.
+    pub slab_bytes: u64,
+    /// The slab this rank receives the current dispatch into, and how many there are.
+    pub recv_slab: u32,
+    pub slabs: u32,
+    /// `[L]` u32 host-mapped: aligned rows per local expert, written by the layout kernel.
+    pub counts_host: u64,
+    /// `[4]` u32 host-mapped: a failure recorded after the layout (status, detail, -, peer).
+    pub fail_host: u64,
 }
 
 /// Host mirror of `gin_ep::FabricError` (kernels/common/fabric.cuh): the first failed
@@ -213,7 +224,10 @@ const _: () = assert!(std::mem::offset_of!(AlltoallArgs, err) == 264);
 const _: () = assert!(std::mem::offset_of!(AlltoallArgs, flag_offset) == 280);
 const _: () = assert!(std::mem::size_of::<PatternArgs>() == 40);
 const _: () = assert!(std::mem::size_of::<LsaPointerArgs>() == 24);
-const _: () = assert!(std::mem::size_of::<HtArgs>() == 472);
+const _: () = assert!(std::mem::size_of::<HtArgs>() == 512);
+const _: () = assert!(std::mem::offset_of!(HtArgs, fail_host) == 504);
+const _: () = assert!(std::mem::offset_of!(HtArgs, counts_host) == 496);
+const _: () = assert!(std::mem::offset_of!(HtArgs, recv_slab) == 488);
 const _: () = assert!(std::mem::offset_of!(HtArgs, scan) == 464);
 const _: () = assert!(std::mem::offset_of!(HtArgs, stamps) == 448);
 const _: () = assert!(std::mem::offset_of!(HtArgs, x) == 296);

@@ -2294,6 +2294,7 @@ mod tests {
             warmup: 1,
             timeout: Duration::from_secs(5),
             launch: crate::bench::Launch::Threads,
+            ht_exact: false,
         };
         let e = bench_rank(&group, &opts, 0).unwrap_err();
         assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");

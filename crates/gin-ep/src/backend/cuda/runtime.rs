@@ -232,6 +232,13 @@ impl<'a> DeviceRegion<'a> {
         self.bytes == 0
     }
 
+    /// The device address, for an embedding that wraps the memory (a PyTorch tensor over a
+    /// receive slab). The address outlives this borrow's checks: the embedding keeps the
+    /// owner alive for as long as it hands the memory out.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
     /// A sub-range, checked.
     pub fn sub(&self, offset: usize, bytes: usize) -> Result<DeviceRegion<'a>> {
         region(self.ptr, self.bytes, offset, bytes)
