@@ -40,6 +40,7 @@ enum FabricPhase : uint32_t {
   kPhaseHtCombineStart = 7,   // HT: combine start barrier (peers' expert outputs ready)
   kPhaseHtCombineEnd = 8,     // HT: combine end barrier (peers done reading ours)
   kPhaseHtLayoutScan = 9,     // HT: layout kernel waiting for an earlier tile's prefix (own GPU)
+  kPhaseHtCombineStage = 10,  // HT: a peer's staged combine input (its copy of the caller's rows)
 };
 
 // The first failed wait of a launch, written once. `claimed` goes 0 -> 1 by atomicCAS so

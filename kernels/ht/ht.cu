@@ -25,6 +25,9 @@
 //   comb_x    [R*T][H] bf16    combine input (expert outputs in receive order); read by
 //                              the source ranks (pull)
 //   comb_w    [R*T][K] f32     combine weights input
+//   comb_stage [kStageChunks + 2] u64  staged combine (kFlagStage): word c = seq once chunk c
+//                              of comb_x is copied in, word kStageChunks = seq once all are,
+//                              word kStageChunks + 1 = the stage blocks' done counter (local)
 //
 // Ordering contract (protocol.md "Signals and ordering"): data stores, __syncthreads, then a
 // st.release.sys of the signal by one thread per peer (cumulative over the block's stores
@@ -61,6 +64,8 @@ constexpr uint32_t kFlagCached = 1;       // dispatch: cached (barrier first, pa
 constexpr uint32_t kFlagWeights = 2;      // combine: reduce comb_w too
 constexpr uint32_t kFlagBias0 = 4;
 constexpr uint32_t kFlagBias1 = 8;
+constexpr uint32_t kFlagStage = 16;       // combine: blocks >= pull_blocks copy x into comb_x
+constexpr int kStageChunks = 256;         // host: ht.rs STAGE_CHUNKS
 
 // Plan words (u32, device memory; the first four mirrored into host-mapped memory).
 constexpr int kPlanStatus = 0;   // HtStatus
@@ -125,9 +130,12 @@ struct HtArgs {
   uint32_t* counts_host;     // [L] host-mapped: the aligned rows per local expert (layout kernel)
   uint32_t* fail_host;       // [4] host-mapped: status, detail, -, peer of a failure after the
                              // layout (never reset: the host may read it operations later)
+  uint64_t off_comb_stage;   // comb_stage words
+  uint32_t pull_blocks;      // combine with kFlagStage: blocks [0, pull_blocks) pull, the rest stage
+  uint32_t pad0;
 };
 // Mirrored by HtArgs in crates/gin-ep/src/backend/cuda/kernels.rs (same asserts there).
-static_assert(sizeof(HtArgs) == 512 && offsetof(HtArgs, fail_host) == 504 && offsetof(HtArgs, counts_host) == 496 && offsetof(HtArgs, recv_slab) == 488 && offsetof(HtArgs, scan) == 464 && offsetof(HtArgs, x) == 296 && offsetof(HtArgs, seq) == 392 &&
+static_assert(sizeof(HtArgs) == 528 && offsetof(HtArgs, pull_blocks) == 520 && offsetof(HtArgs, fail_host) == 504 && offsetof(HtArgs, counts_host) == 496 && offsetof(HtArgs, recv_slab) == 488 && offsetof(HtArgs, scan) == 464 && offsetof(HtArgs, x) == 296 && offsetof(HtArgs, seq) == 392 &&
                   offsetof(HtArgs, num_tokens) == 416 && offsetof(HtArgs, stamps) == 448,
               "host ABI");
 
@@ -918,15 +926,102 @@ extern "C" __global__ void __launch_bounds__(384) gin_ep_ht_dispatch_u16_t384(co
 // End barrier: peers finished reading our combine input, so the caller may overwrite it
 // after the kernel. Variants (U, block size, chunk) change only how many loads are in
 // flight, never the order of the additions.
+// Staged combine (kFlagStage, the Python path: the expert outputs are the caller's tensor,
+// which peers cannot read): blocks [pull_blocks, grid) copy the caller's rows a.x into this
+// rank's comb_x while blocks [0, pull_blocks) already pull. Chunk c holds, for every source
+// s, rows [ceil(c L_s / C), ceil((c + 1) L_s / C)) of s's segment (L_s rows, C =
+// kStageChunks), so every source's first rows are in early; a row i of the segment is in
+// chunk floor(i C / L_s) (the ceil bounds make the two agree). A stage block releases word c
+// after its chunk; the last stage block to finish releases the all-done word. A puller lane
+// waits for the chunk its row is in (or all-done, then never again), and __syncwarp extends
+// that acquire to the warp before the row loads. The end barrier is unchanged.
 namespace gin_ep {
 namespace ht {
 constexpr int kCombineRanksInFlight = 4;
+// 16 vectors per lane in flight: 128 KB per 512-thread block, what one SM needs to keep
+// HBM busy at a few microseconds of latency under the pull's traffic.
+constexpr int kStageUnroll = 16;
+
+__device__ void stage_comb_x(const HtArgs& a, int R, int me) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x / 32;
+  const int sb = int(blockIdx.x - a.pull_blocks), nsb = int(gridDim.x - a.pull_blocks);
+  uint64_t* words = reinterpret_cast<uint64_t*>(lsa_ptr(a.win, a.off_comb_stage, me));
+  uint4* dst = reinterpret_cast<uint4*>(lsa_ptr(a.win, a.off_comb_x, me));
+  const uint4* src = static_cast<const uint4*>(a.x);
+  const uint32_t* src_off = a.plan + kPlanHead;
+  const int nvec = int(a.hidden) / 8;
+  for (int c = sb; c < kStageChunks; c += nsb) {
+    for (int s = 0; s < R; ++s) {
+      const uint64_t o = ld_volatile_u32(src_off + s), len = ld_volatile_u32(src_off + s + 1) - o;
+      const uint64_t r0 = o + (uint64_t(c) * len + kStageChunks - 1) / kStageChunks;
+      const uint64_t r1 = o + (uint64_t(c + 1) * len + kStageChunks - 1) / kStageChunks;
+      for (uint64_t row = r0 + warp; row < r1; row += warps) {
+        const uint4* in = src + row * nvec;
+        uint4* out = dst + row * nvec;
+        for (int v0 = lane; v0 < nvec; v0 += 32 * kStageUnroll) {
+          uint4 v[kStageUnroll];
+#pragma unroll
+          for (int u = 0; u < kStageUnroll; ++u) {
+            if (v0 + 32 * u < nvec) v[u] = ld_nc_v4(in + v0 + 32 * u);
+          }
+#pragma unroll
+          for (int u = 0; u < kStageUnroll; ++u) {
+            if (v0 + 32 * u < nvec) st_v4(out + v0 + 32 * u, v[u]);
+          }
+        }
+      }
+    }
+    __syncthreads();  // the chunk's stores happen-before the release below
+    if (tid == 0) st_release_sys(&words[c], a.seq);
+  }
+  __syncthreads();
+  if (tid == 0) {
+    // Classic last-block pattern, at system scope: every block's chunks are visible to peers
+    // before the counter says so, and the last block's release covers them all.
+    __threadfence_system();
+    uint32_t* counter = reinterpret_cast<uint32_t*>(&words[kStageChunks + 1]);
+    if (atomicAdd(counter, 1u) == uint32_t(nsb - 1)) {
+      *counter = 0u;
+      __threadfence_system();
+      st_release_sys(&words[kStageChunks], a.seq);
+    }
+  }
+}
+
+// Waits until chunk c of a peer's staged comb_x is in. 0: chunk c is in; 1: every chunk is
+// in; -1: the deadline passed or another wait failed (recorded in err). The fast path is one
+// link round trip (an acquire load orders the loads after it, so two would be two trips):
+// the chunk word first; the all-done word only when the chunk is not in yet.
+__device__ int wait_staged(const HtArgs& a, const uint64_t* words, uint32_t c, int peer, int me) {
+  if (ld_acquire_sys(words + c) >= a.seq) return 0;
+  uint64_t start = 0;
+  for (uint32_t spin = 0;; ++spin) {
+    if (ld_acquire_sys(words + kStageChunks) >= a.seq) return 1;
+    if (ld_acquire_sys(words + c) >= a.seq) return 0;
+    // Thousands of lanes may wait on one peer's two words: back off so the polls do not
+    // crowd out the row reads on the links.
+    __nanosleep(500);
+    if ((spin & 15u) == 15u) {
+      const uint64_t now = globaltimer_ns();
+      if (start == 0) {
+        start = now;
+      } else if (now - start > a.timeout_ns) {
+        report_error(a.err, kPhaseHtCombineStage, peer, me, now - start);
+        return -1;
+      } else if (error_reported(a.err)) {
+        return -1;
+      }
+    }
+  }
+}
 
 template <int U>
 __device__ __forceinline__ void combine_body(const HtArgs& a) {
   __shared__ const char* s_cx[kMaxRanks];
   __shared__ const char* s_cw[kMaxRanks];
+  __shared__ const uint64_t* s_stage[kMaxRanks];
   __shared__ uint32_t s_base[kMaxRanks];
+  __shared__ uint32_t s_len[kMaxRanks];
   __shared__ uint32_t s_status;
 
   const int R = a.comm.lsaSize;
@@ -938,13 +1033,22 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
   if (tid < R) {
     s_cx[tid] = lsa_ptr(a.win, a.off_comb_x, tid);
     s_cw[tid] = lsa_ptr(a.win, a.off_comb_w, tid);
+    s_stage[tid] = reinterpret_cast<const uint64_t*>(lsa_ptr(a.win, a.off_comb_stage, tid));
     s_base[tid] = ld_volatile_u32(a.plan + kPlanHead + R + 1 + tid);
+    s_len[tid] = ld_volatile_u32(a.plan + kPlanHead + R + 1 + R + tid);  // tokens_per_rank
   }
   if (tid == 0) {
     s_status = ld_volatile_u32(a.plan + kPlanStatus);
     if (blockIdx.x == 0 && a.stamps != nullptr) a.stamps[kStampCombStart] = globaltimer_ns();
   }
   __syncthreads();
+  const bool stage = (a.flags & kFlagStage) != 0u;
+  if (stage && blockIdx.x >= a.pull_blocks) {
+    if (s_status == kStatusOk) stage_comb_x(a, R, me);
+    bar.sync(a.bar_epoch + 1, kPhaseHtCombineEnd);
+    return;
+  }
+  bool staged_all = !stage;  // per lane: every chunk of rank `lane` is in
 
   const int H = int(a.hidden), K = int(a.topk), N = int(a.num_tokens);
   const bool with_w = (a.flags & kFlagWeights) != 0u;
@@ -954,7 +1058,8 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
   if (s_status == kStatusOk) {
     const int warps = blockDim.x / 32;
     const int gw = blockIdx.x * warps + (tid >> 5);
-    const int nw = gridDim.x * warps;
+    // Stage blocks (kFlagStage) take no items: the pull covers the items with its own blocks.
+    const int nw = int(stage ? a.pull_blocks : gridDim.x) * warps;
     const int nvec = H / 8;
     const size_t rb = size_t(H) * 2;
     const int nsteps = (nvec + 32 * U - 1) / (32 * U);
@@ -968,6 +1073,18 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
       if (lane < R) slot = a.send_slot[size_t(t) * R + lane];
       const uint32_t mask = __ballot_sync(0xFFFFFFFFu, slot >= 0);
       const uint64_t my_row = slot >= 0 ? uint64_t(s_base[lane]) + uint64_t(slot) : 0ull;
+      if (stage) {
+        if (slot >= 0 && !staged_all) {
+          const uint32_t chunk = uint32_t(uint64_t(slot) * kStageChunks / max(s_len[lane], 1u));
+          // Every 8th item asks the all-done word instead, so the checks stop once staging ends.
+          const int got = (item / nw) % 8 == 7 && ld_acquire_sys(s_stage[lane] + kStageChunks) >= a.seq
+                              ? 1
+                              : wait_staged(a, s_stage[lane], chunk, lane, me);
+          if (got < 0) record_status(a, kStatusTimeout, kPhaseHtCombineStage, lane);
+          staged_all = got != 0;  // all in, or failed: stop waiting (the error is recorded)
+        }
+        __syncwarp();  // extends each waiting lane's acquire to the warp's row loads
+      }
       const uint4* bias0 = reinterpret_cast<const uint4*>(a.bias0 + size_t(t) * H);
       const uint4* bias1 = reinterpret_cast<const uint4*>(a.bias1 + size_t(t) * H);
       uint4* out = reinterpret_cast<uint4*>(a.out_x + size_t(t) * H);

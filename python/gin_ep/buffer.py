@@ -783,8 +783,9 @@ class Buffer:
             raise ValueError(f"x: shape {tuple(x.shape)}, the dispatch received [{st.num_recv}, {st.hidden}]")
         s = _gpu.stream()
         h = st.ht
+        # Read in place: extra CTAs of the combine copy its rows into the window while the
+        # pulls run (peers cannot read the caller's memory).
         xr = x[:st.num_recv].contiguous()
-        g.ep.ht_copy_in(h, "comb_x", xr.data_ptr(), _gpu.nbytes(xr), s)
         if topk_weights is not None:
             _gpu.check_cuda("topk_weights", topk_weights, None, dim=2)
             w = topk_weights[:st.num_recv].to(torch.float32).contiguous()
@@ -809,7 +810,7 @@ class Buffer:
             if topk_weights is not None else None
         # The kernel reads the biases and writes the outputs in place (zero-copy).
         g.ep.ht_combine(st.native, topk_weights is not None, s, _gpu.span(biases[0]), _gpu.span(biases[1]),
-                        _gpu.span(combined_x), _gpu.span(combined_w))
+                        _gpu.span(combined_x), _gpu.span(combined_w), _gpu.span(xr))
         return combined_x, combined_w, EventOverlap(_gpu.optional_event(async_finish))
 
     def _gpu_ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,

@@ -319,10 +319,12 @@ impl PyCudaEp {
         })
     }
 
-    /// HT combine of the rows copied into `comb_x` (and `comb_w`), with the caller's
-    /// biases, into the caller's `out_x` (and `out_w` when `weights`).
+    /// HT combine of the caller's expert outputs `x` (`[num_recv, H]` BF16, staged into the
+    /// window by extra CTAs while the combine pulls; None: the rows already copied into
+    /// `comb_x`) and the weights copied into `comb_w`, with the caller's biases, into the
+    /// caller's `out_x` (and `out_w` when `weights`).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (handle, weights, stream, bias0, bias1, out_x, out_w))]
+    #[pyo3(signature = (handle, weights, stream, bias0, bias1, out_x, out_w, x = None))]
     fn ht_combine(
         &self,
         handle: &PyCudaHtHandle,
@@ -332,6 +334,7 @@ impl PyCudaEp {
         bias1: Span,
         out_x: Span,
         out_w: Span,
+        x: Span,
     ) -> PyResult<()> {
         let extras = CombineExtras {
             weights,
@@ -343,6 +346,7 @@ impl PyCudaEp {
                 bias1: span(r, "bias[1]", bias1)?,
                 out_x: span(r, "combined x", out_x)?,
                 out_w: span(r, "combined weights", out_w)?,
+                comb_x: span(r, "x", x)?,
                 ..HtIo::default()
             };
             with_ht_io(h, io, |h| h.combine(r, &handle.h, extras, None))

@@ -17,6 +17,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_on_free_port(entry, args_after_port, nprocs):
+    """`mp.spawn(entry, (world, port, *args_after_port))` on a fresh port. The port is free
+    when picked but another process may take it before rank 0 listens (seen once on the GPU
+    machine: EADDRINUSE); only that failure is retried, twice, each time on a new port."""
+    world, rest = args_after_port[0], args_after_port[1:]
+    for attempt in range(3):
+        try:
+            return mp.spawn(entry, args=(world, free_port(), *rest), nprocs=nprocs, join=True)
+        except mp.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+
+
 def _entry(rank, world, port, fn, args):
     # One intra-op thread per rank: the machine may have fewer cores than ranks.
     torch.set_num_threads(1)
@@ -45,4 +58,4 @@ def run(world, fn, *args):
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:
         sys.path.insert(0, here)
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    spawn_on_free_port(_entry, (world, fn, args), world)

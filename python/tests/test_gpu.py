@@ -9,7 +9,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import _dist
 from _inputs import quantize, routing, same_bits
@@ -44,7 +43,7 @@ def run(world, fn):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     # Output tensors start as 0xFF bytes: a row the kernels did not write cannot pass.
     os.environ["GIN_EP_POISON_OUTPUTS"] = "1"
-    mp.spawn(_entry, args=(world, _dist.free_port(), fn), nprocs=world, join=True)
+    _dist.spawn_on_free_port(_entry, (world, fn), world)
 
 
 def cpu(t):

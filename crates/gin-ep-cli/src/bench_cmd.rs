@@ -64,8 +64,10 @@ pub struct BenchArgs {
     /// rank-first (each expert rank pre-reduces its experts: one row per token and rank).
     #[arg(long, default_value = "topk")]
     pub ll_combine_order: String,
-    /// GPU HT receive sizing: static (no host wait) or exact (the host reads the receive
-    /// count after the count exchange, as gin_ep.Buffer.dispatch does).
+    /// GPU HT receive sizing: static (no host wait; combine input already in the window) or
+    /// exact (the host reads the receive count after the count exchange, and the combine
+    /// input comes from caller memory, staged into the window during the combine: what
+    /// gin_ep.Buffer does).
     #[arg(long, default_value = "static", value_parser = ["static", "exact"])]
     pub ht_sizing: String,
     /// Timed iterations [default: 5].

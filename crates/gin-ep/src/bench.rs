@@ -47,7 +47,8 @@ pub struct BenchOptions {
     pub timeout: Duration,
     pub launch: Launch,
     /// GPU HT: exact sizing (the host reads the receive count between the layout and the
-    /// dispatch kernel, as the Python `Buffer.dispatch` does) instead of static sizing.
+    /// dispatch kernel) and the combine input staged from caller memory, as the Python
+    /// `Buffer` does, instead of static sizing and a window-resident combine input.
     pub ht_exact: bool,
 }
 

@@ -11,7 +11,8 @@
 use std::time::{Duration, Instant};
 
 use crate::backend::cuda::ht::{
-    CombineExtras, CudaHt, DispatchEvents, DispatchSource, HtGpuOptions, HtIo, HtVariant, Sizing, STAMP_WORDS,
+    CombineExtras, CudaHt, DispatchEvents, DispatchSource, HtBuf, HtGpuOptions, HtIo, HtVariant, Sizing,
+    POISON, STAMP_WORDS,
 };
 use crate::backend::cuda::{CudaRank, CudaRankOptions};
 use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
@@ -527,7 +528,23 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
                 c.topk_weights.as_deref(),
                 [c.bias[0].as_deref(), c.bias[1].as_deref()],
             )?;
-            ht.combine(
+            // Exact sizing: the expert outputs come from caller-owned memory and are staged
+            // into the window during the combine (the Python path); the window's copy is
+            // poisoned first, so a row pulled before it was staged cannot pass.
+            let staged = if sizing == Sizing::Exact {
+                rank.memset_u8(ht.buffer(HtBuf::CombX)?, POISON)?;
+                let xb = rank.alloc((c.x.len() * 2).max(16))?;
+                rank.upload(xb.region().sub(0, c.x.len() * 2)?, bytemuck::cast_slice(&c.x))?;
+                let span = rank.external("combine x", xb.region().device_ptr(), c.x.len() * 2)?;
+                ht.set_io(HtIo {
+                    comb_x: Some(span),
+                    ..HtIo::default()
+                });
+                Some(xb)
+            } else {
+                None
+            };
+            let out = ht.combine(
                 rank,
                 &handle,
                 CombineExtras {
@@ -535,7 +552,13 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
                     bias: [with_bias, with_bias],
                 },
                 None,
-            )?;
+            );
+            ht.clear_io();
+            out?;
+            if staged.is_some() {
+                rank.wait("staged combine")?;
+            }
+            drop(staged);
             let got_comb = ht.download_combine(rank, &handle, true)?;
             crate::check::ht_combine(me, &got_comb, &want_comb[me])
                 .map_err(|e| ctx(e, "HT combine", sizing, source))?;
@@ -705,10 +728,14 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
     Ok(Some(BenchReport::new(
         format!("cuda-lsa ({})", rank.info().device_name),
         format!(
-            "GPU HT over NVLink (NCCL LSA), {} SMs per kernel, {} sizing; total = host clock from the API call \
+            "GPU HT over NVLink (NCCL LSA), {} SMs per kernel, {}; total = host clock from the API call \
              to the end of the stream's work, kernel = CUDA events; slowest rank per iteration",
             num_sms,
-            if opts.ht_exact { "exact" } else { "static" }
+            if opts.ht_exact {
+                "exact sizing, combine input staged from caller memory (as gin_ep.Buffer)"
+            } else {
+                "static sizing, combine input in the window"
+            }
         ),
         opts,
         ops,
@@ -746,7 +773,27 @@ fn bench_inner(group: &Group, rank: &CudaRank, opts: &BenchOptions, num_sms: u32
     let nr = ht.num_recv();
     let plan = ht.download_dispatch(rank, &handle)?.handle.plan;
     let local = plan.src_offset[me + 1] - plan.src_offset[me];
-    ht.upload_combine(rank, &w.bf16_values(me, 5, nr * cfg.hidden), None, [None, None])?;
+    let comb_in = w.bf16_values(me, 5, nr * cfg.hidden);
+    ht.upload_combine(rank, &comb_in, None, [None, None])?;
+    // Exact sizing times what gin_ep.Buffer does: the combine input is the caller's memory,
+    // staged into the window by extra CTAs during the combine.
+    let caller_x = if opts.ht_exact {
+        let b = rank.alloc((nr * cfg.hidden * 2).max(16))?;
+        rank.upload(
+            b.region().sub(0, nr * cfg.hidden * 2)?,
+            bytemuck::cast_slice(&comb_in),
+        )?;
+        Some(b)
+    } else {
+        None
+    };
+    let comb_io = match &caller_x {
+        Some(b) => HtIo {
+            comb_x: Some(rank.external("combine x", b.region().device_ptr(), nr * cfg.hidden * 2)?),
+            ..HtIo::default()
+        },
+        None => HtIo::default(),
+    };
     group.barrier("gpu-bench/start")?;
 
     let ev: Vec<_> = (0..5).map(|_| rank.event()).collect::<Result<_>>()?;
@@ -772,7 +819,10 @@ fn bench_inner(group: &Group, rank: &CudaRank, opts: &BenchOptions, num_sms: u32
         ht.sync(rank)?;
         let td = t0.elapsed();
         let t1 = Instant::now();
-        ht.combine(rank, &h, CombineExtras::default(), Some((&ev[3], &ev[4])))?;
+        ht.set_io(comb_io);
+        let out = ht.combine(rank, &h, CombineExtras::default(), Some((&ev[3], &ev[4])));
+        ht.clear_io();
+        out?;
         ht.sync(rank)?;
         let tc = t1.elapsed();
         if i >= opts.warmup {

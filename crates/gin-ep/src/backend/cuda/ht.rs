@@ -94,6 +94,9 @@ pub struct HtVariant {
     pub combine_unroll: u32,
     pub combine_threads: u32,
     pub combine_chunk: u32,
+    /// CTAs beside the SM budget that copy the caller's rows into the window during a
+    /// combine from caller-owned memory ([`HtIo::comb_x`]).
+    pub stage_blocks: u32,
 }
 
 impl Default for HtVariant {
@@ -106,6 +109,7 @@ impl Default for HtVariant {
             combine_unroll: 2,
             combine_threads: 512,
             combine_chunk: 2,
+            stage_blocks: DEFAULT_STAGE_BLOCKS,
         }
     }
 }
@@ -114,14 +118,15 @@ impl std::fmt::Display for HtVariant {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "du={},dt={},dc={},rot={},cu={},ct={},cc={}",
+            "du={},dt={},dc={},rot={},cu={},ct={},cc={},sb={}",
             self.dispatch_unroll,
             self.dispatch_threads,
             self.dispatch_chunk,
             u8::from(self.rotate),
             self.combine_unroll,
             self.combine_threads,
-            self.combine_chunk
+            self.combine_chunk,
+            self.stage_blocks
         )
     }
 }
@@ -162,11 +167,12 @@ impl HtVariant {
                         named[3] = true;
                     }
                     "cc" => v.combine_chunk = n,
+                    "sb" => v.stage_blocks = n,
                     other => {
                         return Err(Error::config(
                             "variant",
                             other,
-                            "unknown key (du, dt, dc, rot, cu, ct, cc)",
+                            "unknown key (du, dt, dc, rot, cu, ct, cc, sb)",
                         ))
                     }
                 }
@@ -233,6 +239,13 @@ impl HtVariant {
             )
         })?;
         threads("dt", self.dispatch_threads, dmax)?;
+        if self.stage_blocks == 0 || self.stage_blocks >= MAX_GRID {
+            return Err(Error::config(
+                "variant",
+                format!("sb={}", self.stage_blocks),
+                format!("must be in 1..{MAX_GRID}"),
+            ));
+        }
         let (_, cmax) = self.combine_kernel().ok_or_else(|| {
             Error::config(
                 "variant",
@@ -255,6 +268,7 @@ const FLAG_CACHED: u32 = 1;
 const FLAG_WEIGHTS: u32 = 2;
 const FLAG_BIAS0: u32 = 4;
 const FLAG_BIAS1: u32 = 8;
+const FLAG_STAGE: u32 = 16;
 const VAR_ROTATE: u32 = 1;
 const PLAN_HEAD: usize = 4;
 const STATUS_OK: u32 = 0;
@@ -367,6 +381,12 @@ fn align16(n: usize) -> usize {
     n.div_ceil(16) * 16
 }
 
+/// Chunks of a staged combine's copy (kernels/ht/ht.cu kStageChunks).
+pub const STAGE_CHUNKS: usize = 256;
+/// Default CTAs that copy the caller's rows in during a staged combine, beside `num_sms`
+/// (4×H200, 4096 tokens, hidden 7168: 16 took 617 µs, 32 580, 48 576; bench/RESULTS.md).
+pub const DEFAULT_STAGE_BLOCKS: u32 = 32;
+
 /// Most receive slabs one HT window may hold.
 pub const MAX_RECV_SLABS: usize = 64;
 
@@ -381,6 +401,8 @@ pub struct HtLayout {
     pub counts: usize,
     /// `[R]` u32: slot `s` = the receive slab rank `s` chose for the current dispatch.
     pub recv_slab: usize,
+    /// `[STAGE_CHUNKS + 2]` u64: staged-combine chunk words, all-done word, block counter.
+    pub comb_stage: usize,
     pub slabs: usize,
     pub slab_bytes: usize,
     pub recv_x: usize,
@@ -427,9 +449,10 @@ impl HtLayout {
         let bar = take(r * MAX_GRID as usize * 8)?;
         let counts = take(r * (r + e) * 4)?;
         let recv_slab = take(r * 4)?;
+        let comb_stage = take((STAGE_CHUNKS + 2) * 8)?;
         // Large regions (and every slab) start on their own 4 KiB page.
         let page = |at: usize| at.div_ceil(4096) * 4096 - at;
-        let _ = take(page(recv_slab + align16(r * 4)))?;
+        let _ = take(page(comb_stage + align16((STAGE_CHUNKS + 2) * 8)))?;
         let recv_x = take(rows * row_bytes)?;
         let recv_sc = take(rows * (h / FP8_BLOCK) * 4)?;
         let recv_idx = take(rows * k * 8)?;
@@ -446,6 +469,7 @@ impl HtLayout {
             bar,
             counts,
             recv_slab,
+            comb_stage,
             slabs,
             slab_bytes,
             recv_x,
@@ -599,6 +623,10 @@ pub struct HtIo {
     /// The receive slab this rank's next dispatch (fresh or cached) lands in, below
     /// [`HtGpuOptions::recv_slabs`]; each rank picks its own.
     pub recv_slab: usize,
+    /// Combine input `[num_recv, H]` BF16 in receive order (expert outputs): copied into the
+    /// window by extra CTAs while the combine runs (peers read rows as they land) instead of
+    /// being uploaded into the window before it. Needs exact sizing (the row count).
+    pub comb_x: Option<ExternalSpan>,
 }
 
 /// The caller-owned address when one is set, else the library buffer's.
@@ -948,7 +976,11 @@ impl CudaHt {
             off_recv_src: l.recv_src as u64,
             off_comb_x: l.comb_x as u64,
             off_comb_w: l.comb_w as u64,
-            x: io_or(self.io.x, &self.x_in),
+            // A staged combine reads the caller's expert outputs through `x`.
+            x: match (flags & FLAG_STAGE, self.io.comb_x) {
+                (FLAG_STAGE, Some(sp)) => sp.ptr,
+                _ => io_or(self.io.x, &self.x_in),
+            },
             x_scales: io_or(self.io.scales, &self.scales_in),
             topk_idx: io_or(self.io.topk_idx, &self.topk_idx_in),
             topk_w: io_or(self.io.topk_w, &self.topk_w_in),
@@ -981,6 +1013,9 @@ impl CudaHt {
             slabs: l.slabs as u32,
             counts_host: self.counts_host.dev,
             fail_host: self.fail_host.dev,
+            off_comb_stage: l.comb_stage as u64,
+            pull_blocks: self.grid(),
+            pad0: 0,
         }
     }
 
@@ -1179,10 +1214,35 @@ impl CudaHt {
         self.usable()?;
         self.check_handle(handle)?;
         self.check_io(handle.num_tokens, DTYPE_BF16)?;
+        let mut flags = 0;
+        let mut grid = self.grid();
+        if let Some(sp) = self.io.comb_x {
+            let nr = handle.num_recv.ok_or_else(|| {
+                Error::input(
+                    "HT combine x",
+                    "caller-owned combine input needs exact sizing (the host must know num_recv)",
+                )
+            })?;
+            let need = nr * self.cfg.hidden * 2;
+            sp.require("HT combine x", need)?;
+            let stage = self.opts.variant.stage_blocks.min(MAX_GRID - grid);
+            if stage > 0 {
+                flags |= FLAG_STAGE;
+                grid += stage;
+            } else {
+                // The SM budget leaves no CTA for staging: copy the rows in first.
+                let rows = ExternalSpan {
+                    ptr: sp.ptr,
+                    bytes: need,
+                };
+                if let Err(e) = rank.copy_from_external(self.buffer(HtBuf::CombX)?, rows) {
+                    return self.fail(rank, e);
+                }
+            }
+        }
         self.seq += 1;
         let epoch = self.bar_epoch + 1;
         self.bar_epoch += 2;
-        let mut flags = 0;
         if extras.weights {
             flags |= FLAG_WEIGHTS;
         }
@@ -1200,7 +1260,6 @@ impl CudaHt {
             epoch,
             self.opts.variant.combine_chunk,
         );
-        let grid = self.grid();
         let (kname, threads) = self.combine_kernel();
         let out = (|| {
             if let Some((s, _)) = events {
@@ -1598,6 +1657,20 @@ mod tests {
             "{}",
             layout_smem_bytes(&cfg)
         );
+    }
+
+    #[test]
+    fn host_sizes_mirror_the_kernel_constants() {
+        let src = include_str!("../../../../../kernels/ht/ht.cu");
+        let k = |name: &str| super::super::kernels::cu_const(src, "ht.cu", name);
+        // The window's comb_stage region holds kStageChunks + 2 words.
+        assert_eq!(STAGE_CHUNKS, k("kStageChunks"));
+        assert_eq!(MAX_GRID as usize, k("kMaxGrid"));
+        assert_eq!(MAX_RANKS, k("kMaxRanks"));
+        assert_eq!(MAX_EXPERTS, k("kMaxExperts"));
+        assert_eq!(STAMP_WORDS, k("kStampWords"));
+        assert_eq!(FLAG_STAGE as usize, k("kFlagStage"));
+        assert_eq!(STATUS_BAD_SLAB as usize, k("kStatusBadSlab"));
     }
 
     #[test]

@@ -135,6 +135,11 @@ pub struct HtArgs {
     pub counts_host: u64,
     /// `[4]` u32 host-mapped: a failure recorded after the layout (status, detail, -, peer).
     pub fail_host: u64,
+    /// The comb_stage words (ht.rs `HtLayout::comb_stage`).
+    pub off_comb_stage: u64,
+    /// Combine with FLAG_STAGE: blocks below this pull, the rest copy the caller's rows in.
+    pub pull_blocks: u32,
+    pub pad0: u32,
 }
 
 /// Host mirror of `gin_ep::FabricError` (kernels/common/fabric.cuh): the first failed
@@ -224,7 +229,8 @@ const _: () = assert!(std::mem::offset_of!(AlltoallArgs, err) == 264);
 const _: () = assert!(std::mem::offset_of!(AlltoallArgs, flag_offset) == 280);
 const _: () = assert!(std::mem::size_of::<PatternArgs>() == 40);
 const _: () = assert!(std::mem::size_of::<LsaPointerArgs>() == 24);
-const _: () = assert!(std::mem::size_of::<HtArgs>() == 512);
+const _: () = assert!(std::mem::size_of::<HtArgs>() == 528);
+const _: () = assert!(std::mem::offset_of!(HtArgs, pull_blocks) == 520);
 const _: () = assert!(std::mem::offset_of!(HtArgs, fail_host) == 504);
 const _: () = assert!(std::mem::offset_of!(HtArgs, counts_host) == 496);
 const _: () = assert!(std::mem::offset_of!(HtArgs, recv_slab) == 488);
@@ -233,6 +239,28 @@ const _: () = assert!(std::mem::offset_of!(HtArgs, stamps) == 448);
 const _: () = assert!(std::mem::offset_of!(HtArgs, x) == 296);
 const _: () = assert!(std::mem::offset_of!(HtArgs, seq) == 392);
 const _: () = assert!(std::mem::offset_of!(HtArgs, num_tokens) == 416);
+
+/// The value of `constexpr ... name = <digits>` in a kernel source (tests: host constants
+/// that size device memory must equal the kernel's).
+#[cfg(test)]
+pub(crate) fn cu_const(src: &str, file: &str, name: &str) -> usize {
+    let pat = format!("{name} = ");
+    let value = src
+        .lines()
+        .filter(|l| l.trim_start().starts_with("constexpr"))
+        .find_map(|l| {
+            let at = l
+                .match_indices(&pat)
+                .map(|(i, _)| i)
+                .find(|&i| !l[..i].ends_with(|c: char| c.is_alphanumeric() || c == '_'))?;
+            Some(&l[at + pat.len()..])
+        })
+        .unwrap_or_else(|| panic!("no constexpr {name} in {file}"));
+    let end = value.find(|c: char| !c.is_ascii_digit()).unwrap_or(value.len());
+    value[..end]
+        .parse()
+        .unwrap_or_else(|_| panic!("{name} in {file} is not a number"))
+}
 
 #[cfg(test)]
 mod tests {

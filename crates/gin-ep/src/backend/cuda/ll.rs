@@ -2110,17 +2110,7 @@ mod tests {
 
     /// `constexpr int NAME = VALUE` of ll.cu, wherever it sits in a declaration list.
     fn cu_const(name: &str) -> usize {
-        let pat = format!("{name} = ");
-        let at = LL_CU
-            .match_indices(&pat)
-            .map(|(i, _)| i)
-            .find(|&i| !LL_CU[..i].ends_with(|c: char| c.is_alphanumeric() || c == '_'))
-            .unwrap_or_else(|| panic!("{name} not in ll.cu"));
-        let rest = &LL_CU[at + pat.len()..];
-        let end = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
-        rest[..end]
-            .parse()
-            .unwrap_or_else(|_| panic!("{name} in ll.cu is not a number"))
+        super::super::kernels::cu_const(LL_CU, "ll.cu", name)
     }
 
     #[test]

@@ -91,6 +91,7 @@ pub fn fabric_phase_name(phase: u32) -> &'static str {
         7 => "HT combine start barrier",
         8 => "HT combine end barrier",
         9 => "HT layout scan (an earlier tile of this GPU)",
+        10 => "HT combine staging (a peer copying its expert outputs into its window)",
         // LL kernels (kernels/ll/ll.cu kPhase*).
         16 => "LL dispatch credit (receiver still reading the previous dispatch)",
         17 => "LL dispatch receive",
