@@ -16,13 +16,16 @@ Zero-copy where the memory is the rank's own: the kernels read the caller's inpu
 tensors and write output tensors allocated by PyTorch directly (`span`). HT receive rows
 live in gin-ep's symmetric window because peers write them; the window holds several
 receive slabs, and a dispatch lends a free one to the caller: the returned `recv_x`,
-`recv_topk_idx` and `recv_topk_weights` are tensors over that slab, and the slab returns
-to the pool when the last of them is freed (see `SlabLease`). Only when every slab is
-still held (or `Buffer(ht_recv_slabs=0)`) are the rows copied out, as are HT combine input
-rows (peers read them from the window).
+`recv_topk_idx`, `recv_topk_weights` and the handle's `recv_src_idx` are tensors over that
+slab, and the slab returns to the pool when the last of them is freed (see `SlabLease`).
+Only when every slab is still held (or `Buffer(ht_recv_slabs=0)`) are the rows copied out
+(with one warning). The HT combine reads the caller's expert outputs in place: extra CTAs
+of the combine kernel copy them into the window while the pulls run (peers cannot read the
+caller's memory); only the combine weights are copied in before it.
 """
 
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -185,6 +188,8 @@ class Gpu:
         self.rank = rank
         self.hts = {}
         self.ht_free = {}
+        self.ht_slabs = {}
+        self.warned_slabs = False
         self.lls = {}
         self.ll_next = {}
         self.ll_seq = {}
@@ -222,12 +227,20 @@ class Gpu:
             h = self.ep.ht_new(cfg, num_sms=num_sms, exact=True, recv_slabs=1 + lend_slabs)
             self.hts[key] = h
             self.ht_free[h] = list(range(lend_slabs, 0, -1))
+            self.ht_slabs[h] = lend_slabs
         return h
 
     def ht_lend(self, h) -> Optional[SlabLease]:
         """A free receive slab of `h` for the next dispatch, or None (copy the rows out)."""
         free = self.ht_free[h]
-        if not free or not _CAN_LEND or torch.cuda.is_current_stream_capturing():
+        if not _CAN_LEND or torch.cuda.is_current_stream_capturing():
+            return None
+        if not free:
+            if self.ht_slabs[h] and not self.warned_slabs:
+                self.warned_slabs = True
+                warnings.warn("gin_ep: every HT receive slab is held by earlier dispatch outputs, so this "
+                              "dispatch copies its rows out (≈ 0.1 ms per 200 MB); Buffer(ht_recv_slabs=) "
+                              "sets how many dispatches can hold their rows at once", stacklevel=4)
             return None
         lease = SlabLease(self, free, free.pop())
         if _POISON:

@@ -6,9 +6,11 @@
 //! .cuda_stream`), so the operations are ordered with PyTorch's work and (LL) can be
 //! captured in a CUDA graph. Kernels read the caller's tensors and write the caller's
 //! output tensors directly (zero-copy: `Span` arguments, `(data_ptr, nbytes)`, checked to be
-//! device memory of this GPU and large enough for the operation); only the rows that live
-//! in the symmetric window (HT receive and combine rows, written or read by peers) are
-//! copied device-to-device. The Python side (`gin_ep/_gpu.py`) keeps every tensor it
+//! device memory of this GPU and large enough for the operation). HT receive rows, which
+//! peers write, land in a receive slab of the window that Python wraps as tensors
+//! (`ht_region`); the HT combine input is staged into the window by the combine kernel
+//! itself (`HtIo::comb_x`); only HT combine weights (and receive rows when no slab is
+//! free) are copied device-to-device. The Python side (`gin_ep/_gpu.py`) keeps every tensor it
 //! passes referenced until the operation's work is queued, and PyTorch's stream-ordered
 //! allocator keeps its memory until the stream has passed it.
 //!
