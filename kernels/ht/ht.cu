@@ -150,6 +150,7 @@ constexpr uint32_t kVarRotate = 1;        // dispatch: destinations in rotated o
 constexpr int kStampLayStart = 0, kStampLayDone = 1, kStampLayCounts = 2, kStampLayEnd = 3;
 constexpr int kStampDispStart = 4, kStampDispPayload = 5, kStampDispEnd = 6;
 constexpr int kStampCombStart = 8, kStampCombPull = 9, kStampCombEnd = 10;
+constexpr int kStampCombStaged = 11;  // staged combine: the last stage block's end
 constexpr int kStampWords = 16;  // host: ht.rs STAMP_WORDS
 static_assert(kStampCombEnd < kStampWords, "stamps");
 
@@ -770,6 +771,7 @@ __device__ __forceinline__ void dispatch_body(const HtArgs& a) {
       a.stamps[kStampDispStart] = globaltimer_ns();
       a.stamps[kStampCombPull] = 0;
       a.stamps[kStampCombEnd] = 0;
+      a.stamps[kStampCombStaged] = 0;
     }
   }
   __syncthreads();
@@ -984,6 +986,7 @@ __device__ void stage_comb_x(const HtArgs& a, int R, int me) {
       *counter = 0u;
       __threadfence_system();
       st_release_sys(&words[kStageChunks], a.seq);
+      if (a.stamps != nullptr) a.stamps[kStampCombStaged] = globaltimer_ns();
     }
   }
 }

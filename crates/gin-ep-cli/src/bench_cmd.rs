@@ -542,7 +542,7 @@ fn print_sweep(r: &Resolved, rows: &[gin_ep::gpu::SweepRow]) {
         o.warmup
     );
     out!(
-        "{:<44} {:>6} {:>6} {:>6} {:>6} {:>6} {:>6} | {:>6} {:>6} {:>6}",
+        "{:<44} {:>6} {:>6} {:>6} {:>6} {:>6} {:>6} | {:>6} {:>6} {:>6} {:>6}",
         "variant",
         "disp",
         "d.kern",
@@ -552,11 +552,12 @@ fn print_sweep(r: &Resolved, rows: &[gin_ep::gpu::SweepRow]) {
         "d.pay",
         "comb",
         "c.kern",
-        "c.pull"
+        "c.pull",
+        "c.stag"
     );
     for row in rows {
         out!(
-            "{:<44} {:>6.1} {:>6.1} {:>6.1} {:>6.1} {:>6.1} {:>6.1} | {:>6.1} {:>6.1} {:>6.1}",
+            "{:<44} {:>6.1} {:>6.1} {:>6.1} {:>6.1} {:>6.1} {:>6.1} | {:>6.1} {:>6.1} {:>6.1} {:>6.1}",
             row.name,
             row.dispatch_us,
             row.dispatch_kernel_us,
@@ -566,13 +567,14 @@ fn print_sweep(r: &Resolved, rows: &[gin_ep::gpu::SweepRow]) {
             row.dispatch_payload_us,
             row.combine_us,
             row.combine_kernel_us,
-            row.combine_pull_us
+            row.combine_pull_us,
+            row.combine_staged_us
         );
     }
     out!(
         "disp/comb = host total; d.kern/c.kern = events; layout = events around the layout+count kernel; \
          l.comp/l.wait/d.pay/c.pull = device clock (layout work, count stores until all counts in, \
-         dispatch start to last row stored, combine start barrier to last pull)"
+         dispatch start to last row stored, combine start barrier to last pull; c.stag: to the last stage CTA's end, --ht-sizing exact)"
     );
 }
 

@@ -14,7 +14,7 @@ use crate::backend::cuda::ht::{
     CombineExtras, CudaHt, DispatchEvents, DispatchSource, HtBuf, HtGpuOptions, HtIo, HtVariant, Sizing,
     POISON, STAMP_WORDS,
 };
-use crate::backend::cuda::{CudaRank, CudaRankOptions};
+use crate::backend::cuda::{CudaRank, CudaRankOptions, DeviceBuffer};
 use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
 use crate::check::Case;
 use crate::config::{DispatchDtype, EpConfig};
@@ -775,25 +775,7 @@ fn bench_inner(group: &Group, rank: &CudaRank, opts: &BenchOptions, num_sms: u32
     let local = plan.src_offset[me + 1] - plan.src_offset[me];
     let comb_in = w.bf16_values(me, 5, nr * cfg.hidden);
     ht.upload_combine(rank, &comb_in, None, [None, None])?;
-    // Exact sizing times what gin_ep.Buffer does: the combine input is the caller's memory,
-    // staged into the window by extra CTAs during the combine.
-    let caller_x = if opts.ht_exact {
-        let b = rank.alloc((nr * cfg.hidden * 2).max(16))?;
-        rank.upload(
-            b.region().sub(0, nr * cfg.hidden * 2)?,
-            bytemuck::cast_slice(&comb_in),
-        )?;
-        Some(b)
-    } else {
-        None
-    };
-    let comb_io = match &caller_x {
-        Some(b) => HtIo {
-            comb_x: Some(rank.external("combine x", b.region().device_ptr(), nr * cfg.hidden * 2)?),
-            ..HtIo::default()
-        },
-        None => HtIo::default(),
-    };
+    let (_caller_x, comb_io) = combine_input_io(rank, opts.ht_exact, &comb_in)?;
     group.barrier("gpu-bench/start")?;
 
     let ev: Vec<_> = (0..5).map(|_| rank.event()).collect::<Result<_>>()?;
@@ -838,6 +820,24 @@ fn bench_inner(group: &Group, rank: &CudaRank, opts: &BenchOptions, num_sms: u32
     rank.wait("end of bench")?;
     group.barrier("gpu-bench/loop-done")?;
     Ok(s)
+}
+
+/// With `exact` (the bench's `--ht-sizing exact`, what gin_ep.Buffer does): `values` copied
+/// into caller-owned memory, and the HtIo that makes a combine stage them into the window;
+/// keep the buffer alive while combines use it. Otherwise no buffer and no caller memory
+/// (the combine input already uploaded into the window).
+fn combine_input_io(rank: &CudaRank, exact: bool, values: &[bf16]) -> Result<(Option<DeviceBuffer>, HtIo)> {
+    if !exact {
+        return Ok((None, HtIo::default()));
+    }
+    let bytes = values.len() * 2;
+    let b = rank.alloc(bytes.max(16))?;
+    rank.upload(b.region().sub(0, bytes)?, bytemuck::cast_slice(values))?;
+    let io = HtIo {
+        comb_x: Some(rank.external("combine x", b.region().device_ptr(), bytes)?),
+        ..HtIo::default()
+    };
+    Ok((Some(b), io))
 }
 
 /// One entry of a sweep: SM budget, kernel variant, and its name in the output.
@@ -958,6 +958,9 @@ pub struct SweepRow {
     pub combine_kernel_us: f64,
     /// Device clock: combine block 0 after the start barrier until the last block's pull end.
     pub combine_pull_us: f64,
+    /// Device clock: combine block 0 after the start barrier until the last stage CTA's end
+    /// (staged combine, `--ht-sizing exact`; 0 otherwise).
+    pub combine_staged_us: f64,
 }
 
 /// Runs every entry of `entries` (all ranks the same list) with `opts` (iterations, shape,
@@ -1002,7 +1005,11 @@ fn sweep_inner(
         cfg,
         HtGpuOptions {
             num_sms: entries[0].sms,
-            sizing: Sizing::Static,
+            sizing: if opts.ht_exact {
+                Sizing::Exact
+            } else {
+                Sizing::Static
+            },
             variant: entries[0].variant,
             ..HtGpuOptions::default()
         },
@@ -1019,14 +1026,16 @@ fn sweep_inner(
     ht.sync(rank)?;
     let nr = ht.num_recv();
     let _ = handle;
-    ht.upload_combine(rank, &w.bf16_values(me, 5, nr * cfg.hidden), None, [None, None])?;
+    let comb_in = w.bf16_values(me, 5, nr * cfg.hidden);
+    ht.upload_combine(rank, &comb_in, None, [None, None])?;
+    let (_caller_x, comb_io) = combine_input_io(rank, opts.ht_exact, &comb_in)?;
     let ev: Vec<_> = (0..5).map(|_| rank.event()).collect::<Result<_>>()?;
     let mut rows = Vec::new();
     for (vi, e) in entries.iter().enumerate() {
         ht.set_tuning(e.sms, e.variant)?;
         group.barrier(&format!("gpu-sweep/{vi}"))?;
         // [metric][iter], seconds.
-        let mut m: Vec<Vec<f64>> = vec![Vec::new(); 9];
+        let mut m: Vec<Vec<f64>> = vec![Vec::new(); 10];
         for i in 0..opts.warmup + opts.iters {
             let t0 = Instant::now();
             let h = ht.dispatch(
@@ -1042,7 +1051,10 @@ fn sweep_inner(
             ht.sync(rank)?;
             let td = t0.elapsed();
             let t1 = Instant::now();
-            ht.combine(rank, &h, CombineExtras::default(), Some((&ev[3], &ev[4])))?;
+            ht.set_io(comb_io);
+            let out = ht.combine(rank, &h, CombineExtras::default(), Some((&ev[3], &ev[4])));
+            ht.clear_io();
+            out?;
             ht.sync(rank)?;
             let tc = t1.elapsed();
             let st: [u64; STAMP_WORDS] = ht.stamps(rank)?;
@@ -1059,13 +1071,14 @@ fn sweep_inner(
                     tc.as_secs_f64(),
                     ms(3, 4)?,
                     d(8, 9),
+                    d(8, 11),
                 ];
                 for (k, v) in vals.into_iter().enumerate() {
                     m[k].push(v);
                 }
             }
         }
-        let mut med = [0.0f64; 9];
+        let mut med = [0.0f64; 10];
         for (k, v) in m.iter().enumerate() {
             let all = gather(group, &format!("gpu-sweep/{vi}/{k}"), v)?;
             med[k] = Stats::of(&max_per_iter(&all)).median_us;
@@ -1081,6 +1094,7 @@ fn sweep_inner(
             combine_us: med[6],
             combine_kernel_us: med[7],
             combine_pull_us: med[8],
+            combine_staged_us: med[9],
         });
     }
     rank.wait("end of sweep")?;

@@ -1631,7 +1631,12 @@ mod tests {
         assert_eq!(HtVariant::parse("cu=3").unwrap().combine_threads, 384);
         assert_eq!(HtVariant::parse("du=16").unwrap().dispatch_threads, 384);
         assert_eq!(HtVariant::parse("du=4,dt=256").unwrap().dispatch_threads, 256);
+        let s = HtVariant::parse("sb=48").unwrap();
+        assert_eq!(s.stage_blocks, 48);
+        assert_eq!(HtVariant::parse(&s.to_string()).unwrap(), s);
         for bad in [
+            "sb=0",
+            "sb=128",
             "du=5",
             "du=16,dt=512",
             "dt=100",
