@@ -118,3 +118,22 @@ def test_ll_combine_order_is_checked():
         _native.EpConfig(2, 4, 128, 2, 8, ll_combine_order="rank_firs")
     assert _native.EpConfig(2, 4, 128, 2, 8, ll_combine_order="rank-first").ll_combine_order == "rank-first"
     assert _native.EpConfig(2, 4, 128, 2, 8).ll_combine_order == "topk"
+
+
+def test_slab_lease_returns_its_slab_when_the_last_tensor_view_goes():
+    # The GPU path wraps lent HT receive slabs as tensors through these objects: the lease
+    # must go back to the pool exactly when the last object holding it is freed (CPython
+    # reference counting, no GC cycle), and not before.
+    from gin_ep import _gpu
+    free = [5]
+    lease = _gpu.SlabLease(object(), free, 2)
+    views = [_gpu._SlabArray(lease, 0x7000_0000 + i * 64, (4, 8), "<i2") for i in range(2)]
+    cai = views[0].__cuda_array_interface__
+    assert cai["shape"] == (4, 8) and cai["typestr"] == "<i2" and cai["data"] == (0x7000_0000, False)
+    assert cai["version"] == 3 and "stream" not in cai  # no stream: torch must not sync
+    del lease
+    assert free == [5]
+    views.pop()
+    assert free == [5]
+    views.pop()
+    assert free == [5, 2]
