@@ -100,9 +100,10 @@ class SlabLease:
 
 class _SlabArray:
     """A `__cuda_array_interface__` over part of a lent slab, for `torch.as_tensor`: the
-    tensor keeps this object, and so the lease, alive."""
+    tensor keeps this object, and so the lease, alive (no lease: a transient view of library
+    memory, `Gpu.ht_send_slot`)."""
 
-    def __init__(self, lease: SlabLease, ptr: int, shape, typestr: str) -> None:
+    def __init__(self, lease: Optional[SlabLease], ptr: int, shape, typestr: str) -> None:
         self.lease = lease
         self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr, "data": (ptr, False),
                                          "version": 3}

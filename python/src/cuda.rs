@@ -240,10 +240,8 @@ impl PyCudaEp {
     /// Also `send_slot` (`slab` ignored): the last fresh dispatch's `[N, R]` i32 slots,
     /// rewritten by the next fresh dispatch (read it in stream order, keep no view).
     fn ht_region(&self, ht: usize, which: &str, slab: usize) -> PyResult<(u64, usize)> {
-        let hts = locked(&self.hts);
-        let h = hts
-            .get(ht)
-            .ok_or_else(|| PyValueError::new_err(format!("no HT object {ht}")))?;
+        let mut hts = locked(&self.hts);
+        let h = get_mut(&mut hts, ht, "HT")?;
         let which = HtBuf::parse(which).map_err(to_py)?;
         if !matches!(
             which,
@@ -288,12 +286,13 @@ impl PyCudaEp {
                 recv_slab,
                 ..HtIo::default()
             };
-            with_ht_io(h, io, |h| h.dispatch(r, num_tokens, source(fp8), None))
+            h.with_io(io, |h| h.dispatch(r, num_tokens, source(fp8), None))
         })?;
         Ok(PyCudaHtHandle { ht, h: handle })
     }
 
-    /// Rows per local expert of the handle's dispatch, aligned (a host synchronization).
+    /// Rows per local expert of the handle's dispatch, aligned (exact sizing: read from
+    /// host-mapped memory the layout kernel filled; static sizing: after a host wait).
     fn ht_recv_counts(&self, handle: &PyCudaHtHandle, stream: u64) -> PyResult<Vec<usize>> {
         self.on_ht(handle.ht, stream, |r, h| h.recv_counts(r, &handle.h))
     }
@@ -317,7 +316,7 @@ impl PyCudaEp {
                 recv_slab,
                 ..HtIo::default()
             };
-            with_ht_io(h, io, |h| h.dispatch_cached(r, &handle.h, source(fp8), None))
+            h.with_io(io, |h| h.dispatch_cached(r, &handle.h, source(fp8), None))
         })
     }
 
@@ -351,7 +350,7 @@ impl PyCudaEp {
                 comb_x: span(r, "x", x)?,
                 ..HtIo::default()
             };
-            with_ht_io(h, io, |h| h.combine(r, &handle.h, extras, None))
+            h.with_io(io, |h| h.combine(r, &handle.h, extras, None))
         })
     }
 
@@ -463,16 +462,8 @@ fn unknown_op(op: &str) -> gin_ep::Error {
     }
 }
 
-/// Runs `f` with `io` bound to `h`, unbinding afterwards whatever `f` returned: a later
-/// operation never sees this call's tensors.
-fn with_ht_io<T>(h: &mut CudaHt, io: HtIo, f: impl FnOnce(&mut CudaHt) -> Result<T>) -> Result<T> {
-    h.set_io(io);
-    let out = f(h);
-    h.clear_io();
-    out
-}
-
-/// As [`with_ht_io`] for set `set` of an LL object.
+/// As `CudaHt::with_io`, for set `set` of an LL object: runs `f` with `io` bound, unbinding
+/// it afterwards whatever `f` returned.
 fn with_ll_io<T>(
     l: &mut CudaLl<'_>,
     set: usize,

@@ -531,30 +531,22 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
             // Exact sizing: the expert outputs come from caller-owned memory and are staged
             // into the window during the combine (the Python path); the window's copy is
             // poisoned first, so a row pulled before it was staged cannot pass.
-            let staged = if sizing == Sizing::Exact {
+            let exact = sizing == Sizing::Exact;
+            if exact {
                 rank.memset_u8(ht.buffer(HtBuf::CombX)?, POISON)?;
-                let xb = rank.alloc((c.x.len() * 2).max(16))?;
-                rank.upload(xb.region().sub(0, c.x.len() * 2)?, bytemuck::cast_slice(&c.x))?;
-                let span = rank.external("combine x", xb.region().device_ptr(), c.x.len() * 2)?;
-                ht.set_io(HtIo {
-                    comb_x: Some(span),
-                    ..HtIo::default()
-                });
-                Some(xb)
-            } else {
-                None
-            };
-            let out = ht.combine(
-                rank,
-                &handle,
-                CombineExtras {
-                    weights: true,
-                    bias: [with_bias, with_bias],
-                },
-                None,
-            );
-            ht.clear_io();
-            out?;
+            }
+            let (staged, comb_io) = combine_input_io(rank, exact, &c.x)?;
+            ht.with_io(comb_io, |ht| {
+                ht.combine(
+                    rank,
+                    &handle,
+                    CombineExtras {
+                        weights: true,
+                        bias: [with_bias, with_bias],
+                    },
+                    None,
+                )
+            })?;
             if staged.is_some() {
                 rank.wait("staged combine")?;
             }
@@ -801,10 +793,9 @@ fn bench_inner(group: &Group, rank: &CudaRank, opts: &BenchOptions, num_sms: u32
         ht.sync(rank)?;
         let td = t0.elapsed();
         let t1 = Instant::now();
-        ht.set_io(comb_io);
-        let out = ht.combine(rank, &h, CombineExtras::default(), Some((&ev[3], &ev[4])));
-        ht.clear_io();
-        out?;
+        ht.with_io(comb_io, |ht| {
+            ht.combine(rank, &h, CombineExtras::default(), Some((&ev[3], &ev[4])))
+        })?;
         ht.sync(rank)?;
         let tc = t1.elapsed();
         if i >= opts.warmup {
@@ -1051,10 +1042,9 @@ fn sweep_inner(
             ht.sync(rank)?;
             let td = t0.elapsed();
             let t1 = Instant::now();
-            ht.set_io(comb_io);
-            let out = ht.combine(rank, &h, CombineExtras::default(), Some((&ev[3], &ev[4])));
-            ht.clear_io();
-            out?;
+            ht.with_io(comb_io, |ht| {
+                ht.combine(rank, &h, CombineExtras::default(), Some((&ev[3], &ev[4])))
+            })?;
             ht.sync(rank)?;
             let tc = t1.elapsed();
             let st: [u64; STAMP_WORDS] = ht.stamps(rank)?;

@@ -323,13 +323,7 @@ impl HtGpuOptions {
                 format!("must be in 1..={MAX_GRID}"),
             ));
         }
-        if !(1..=MAX_RECV_SLABS).contains(&self.recv_slabs) {
-            return Err(Error::config(
-                "recv_slabs",
-                self.recv_slabs,
-                format!("must be in 1..={MAX_RECV_SLABS}"),
-            ));
-        }
+        check_recv_slabs(self.recv_slabs)?;
         self.variant.validate()
     }
 }
@@ -390,6 +384,17 @@ pub const DEFAULT_STAGE_BLOCKS: u32 = 32;
 /// Most receive slabs one HT window may hold.
 pub const MAX_RECV_SLABS: usize = 64;
 
+fn check_recv_slabs(slabs: usize) -> Result<()> {
+    if !(1..=MAX_RECV_SLABS).contains(&slabs) {
+        return Err(Error::config(
+            "recv_slabs",
+            slabs,
+            format!("must be in 1..={MAX_RECV_SLABS}"),
+        ));
+    }
+    Ok(())
+}
+
 /// Byte offsets of the HT regions in the window (identical on every rank); see the table at
 /// the top of kernels/ht/ht.cu. The receive regions (`recv_x` .. `recv_src`) are those of
 /// slab 0; slab `s` lies `s * slab_bytes` further on.
@@ -418,13 +423,7 @@ pub struct HtLayout {
 impl HtLayout {
     /// The layout for `cfg` with `slabs` receive slabs (1..=[`MAX_RECV_SLABS`]).
     pub fn new(cfg: &EpConfig, slabs: usize) -> Result<HtLayout> {
-        if !(1..=MAX_RECV_SLABS).contains(&slabs) {
-            return Err(Error::config(
-                "recv_slabs",
-                slabs,
-                format!("must be in 1..={MAX_RECV_SLABS}"),
-            ));
-        }
+        check_recv_slabs(slabs)?;
         let (r, t, h, k, e) = (
             cfg.ranks,
             cfg.max_tokens_per_rank,
@@ -912,6 +911,15 @@ impl CudaHt {
     /// Back to the library's own input and output buffers.
     pub fn clear_io(&mut self) {
         self.io = HtIo::default();
+    }
+
+    /// Runs `f` with `io` bound, unbinding it afterwards whatever `f` returned: a later
+    /// operation never sees this call's memory.
+    pub fn with_io<T>(&mut self, io: HtIo, f: impl FnOnce(&mut CudaHt) -> Result<T>) -> Result<T> {
+        self.set_io(io);
+        let out = f(self);
+        self.clear_io();
+        out
     }
 
     /// Fails naming the buffer unless every caller-owned span holds what an operation on
