@@ -26,8 +26,9 @@
 //                              the source ranks (pull)
 //   comb_w    [R*T][K] f32     combine weights input
 //   comb_stage [kStageChunks + 2] u64  staged combine (kFlagStage): word c = seq once chunk c
-//                              of comb_x is copied in, word kStageChunks = seq once all are,
-//                              word kStageChunks + 1 = the stage blocks' done counter (local)
+//                              of comb_x is copied in, word kStageChunks = the stage mark
+//                              (seq << 16) | n: chunks [0, n) are in; word kStageChunks + 1
+//                              unused
 //
 // Ordering contract (protocol.md "Signals and ordering"): data stores, __syncthreads, then a
 // st.release.sys of the signal by one thread per peer (cumulative over the block's stores
@@ -150,7 +151,7 @@ constexpr uint32_t kVarRotate = 1;        // dispatch: destinations in rotated o
 constexpr int kStampLayStart = 0, kStampLayDone = 1, kStampLayCounts = 2, kStampLayEnd = 3;
 constexpr int kStampDispStart = 4, kStampDispPayload = 5, kStampDispEnd = 6;
 constexpr int kStampCombStart = 8, kStampCombPull = 9, kStampCombEnd = 10;
-constexpr int kStampCombStaged = 11;  // staged combine: the last stage block's end
+constexpr int kStampCombStaged = 11;  // staged combine: the stage mark covers every chunk
 constexpr int kStampWords = 16;  // host: ht.rs STAMP_WORDS
 static_assert(kStampCombEnd < kStampWords, "stamps");
 
@@ -930,13 +931,15 @@ extern "C" __global__ void __launch_bounds__(384) gin_ep_ht_dispatch_u16_t384(co
 // flight, never the order of the additions.
 // Staged combine (kFlagStage, the Python path: the expert outputs are the caller's tensor,
 // which peers cannot read): blocks [pull_blocks, grid) copy the caller's rows a.x into this
-// rank's comb_x while blocks [0, pull_blocks) already pull. Chunk c holds, for every source
-// s, rows [ceil(c L_s / C), ceil((c + 1) L_s / C)) of s's segment (L_s rows, C =
-// kStageChunks), so every source's first rows are in early; a row i of the segment is in
-// chunk floor(i C / L_s) (the ceil bounds make the two agree). A stage block releases word c
-// after its chunk; the last stage block to finish releases the all-done word. A puller lane
-// waits for the chunk its row is in (or all-done, then never again), and __syncwarp extends
-// that acquire to the warp before the row loads. The end barrier is unchanged.
+// rank's comb_x while blocks [0, pull_blocks) already pull. Only the other sources' segments
+// are copied: a rank's own rows are pulled straight from a.x. Chunk c holds, for every
+// source s, rows [stage_row(c, L_s), stage_row(c + 1, L_s)) of s's segment (L_s rows,
+// kStageChunks chunks, quadratic bounds), so every source's first rows are in early. A stage
+// block releases word c after its chunk; a scanner warp publishes the stage mark (the
+// contiguous prefix of chunks that are in). A puller lane keeps the last mark it read per peer and
+// checks again only for a chunk at or past it: one link round trip per few dozen items
+// instead of one per item (each check is an acquire that holds back the item's row loads).
+// __syncwarp extends a lane's acquire to the warp's row loads. The end barrier is unchanged.
 namespace gin_ep {
 namespace ht {
 constexpr int kCombineRanksInFlight = 4;
@@ -944,20 +947,83 @@ constexpr int kCombineRanksInFlight = 4;
 // HBM busy at a few microseconds of latency under the pull's traffic.
 constexpr int kStageUnroll = 16;
 
+// Chunk bounds of a staged combine: chunk c of a segment of `len` rows starts at row
+// ceil(c^2 len / C^2). Quadratic, so the first chunks are small: the first round of stage
+// blocks finishes its chunks within a few microseconds, and every puller starts on them (all
+// pullers begin at the lowest tokens). stage_chunk inverts it exactly: the largest c with
+// c^2 len <= p C^2, i.e. isqrt(floor(p C^2 / len)).
+__device__ __forceinline__ uint64_t stage_row(uint32_t c, uint64_t len) {
+  constexpr uint64_t kC2 = uint64_t(kStageChunks) * kStageChunks;
+  return (uint64_t(c) * c * len + kC2 - 1) / kC2;
+}
+__device__ __forceinline__ uint32_t stage_chunk(uint32_t p, uint32_t len) {
+  const uint32_t x = uint32_t(uint64_t(p) * kStageChunks * kStageChunks / max(len, 1u));
+  uint32_t c = uint32_t(sqrtf(float(x)));
+  while (c * c > x) --c;
+  while ((c + 1) * (c + 1) <= x) ++c;
+  return c;
+}
+
+// The stage mark (word kStageChunks) is (seq << 16) | n: chunks [0, n) of this operation are
+// in. One scanner warp per rank (warp 0 of the last stage block, which copies nothing)
+// publishes it: it polls the chunk words, 32 per round trip, and release-stores the
+// contiguous prefix whenever it grows. A single writer needs no fence.sc and no atomic, and
+// the copying warps never wait for it (two earlier versions that let every stage block
+// advance the mark after its chunk, with fence.sc.sys and a scan, made the stage 15-50%
+// slower). The release is cumulative over the acquire loads that saw the chunk words, so a
+// peer that acquires the mark sees every row of the chunks below it.
+__device__ void stage_mark_scanner(const HtArgs& a, uint64_t* words, int lane, int me) {
+  const uint64_t tag = a.seq << 16;
+  uint32_t n = 0;
+  uint64_t start = 0;
+  for (uint32_t spin = 0; n < uint32_t(kStageChunks); ++spin) {
+    const uint32_t i = n + uint32_t(lane);
+    const bool in = i < uint32_t(kStageChunks) && ld_acquire_sys(&words[i]) >= a.seq;
+    const uint32_t out = __ballot_sync(0xFFFFFFFFu, !in);  // past the end counts as "not in"
+    const uint32_t m = n + (out != 0u ? uint32_t(__ffs(out) - 1) : 32u);
+    if (m > n) {
+      n = m;
+      if (lane == 0) st_release_sys(&words[kStageChunks], tag | n);
+      continue;
+    }
+    __nanosleep(200);
+    if ((spin & 63u) == 63u) {
+      const uint64_t now = globaltimer_ns();
+      if (start == 0) {
+        start = now;
+      } else if (now - start > a.timeout_ns) {
+        if (lane == 0) report_error(a.err, kPhaseHtCombineStage, me, me, now - start);
+        return;
+      } else if (error_reported(a.err)) {
+        return;
+      }
+    }
+  }
+  if (lane == 0 && a.stamps != nullptr) a.stamps[kStampCombStaged] = globaltimer_ns();
+}
+
 __device__ void stage_comb_x(const HtArgs& a, int R, int me) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x / 32;
   const int sb = int(blockIdx.x - a.pull_blocks), nsb = int(gridDim.x - a.pull_blocks);
   uint64_t* words = reinterpret_cast<uint64_t*>(lsa_ptr(a.win, a.off_comb_stage, me));
+  // The last stage block gives its warp 0 to the mark scanner; its other warps copy and
+  // meet at named barrier 1 instead of __syncthreads (the scanner never joins it).
+  const bool scan_block = sb == nsb - 1;
+  if (scan_block && warp == 0) {
+    stage_mark_scanner(a, words, lane, me);
+    return;
+  }
+  const int cw = scan_block ? warp - 1 : warp, ncw = scan_block ? warps - 1 : warps;
   uint4* dst = reinterpret_cast<uint4*>(lsa_ptr(a.win, a.off_comb_x, me));
   const uint4* src = static_cast<const uint4*>(a.x);
   const uint32_t* src_off = a.plan + kPlanHead;
   const int nvec = int(a.hidden) / 8;
   for (int c = sb; c < kStageChunks; c += nsb) {
     for (int s = 0; s < R; ++s) {
+      if (s == me) continue;  // this rank's own rows: its pullers read them from a.x
       const uint64_t o = ld_volatile_u32(src_off + s), len = ld_volatile_u32(src_off + s + 1) - o;
-      const uint64_t r0 = o + (uint64_t(c) * len + kStageChunks - 1) / kStageChunks;
-      const uint64_t r1 = o + (uint64_t(c + 1) * len + kStageChunks - 1) / kStageChunks;
-      for (uint64_t row = r0 + warp; row < r1; row += warps) {
+      const uint64_t r0 = o + stage_row(uint32_t(c), len), r1 = o + stage_row(uint32_t(c + 1), len);
+      for (uint64_t row = r0 + cw; row < r1; row += ncw) {
         const uint4* in = src + row * nvec;
         uint4* out = dst + row * nvec;
         for (int v0 = lane; v0 < nvec; v0 += 32 * kStageUnroll) {
@@ -973,36 +1039,32 @@ __device__ void stage_comb_x(const HtArgs& a, int R, int me) {
         }
       }
     }
-    __syncthreads();  // the chunk's stores happen-before the release below
-    if (tid == 0) st_release_sys(&words[c], a.seq);
-  }
-  __syncthreads();
-  if (tid == 0) {
-    // Classic last-block pattern, at system scope: every block's chunks are visible to peers
-    // before the counter says so, and the last block's release covers them all.
-    __threadfence_system();
-    uint32_t* counter = reinterpret_cast<uint32_t*>(&words[kStageChunks + 1]);
-    if (atomicAdd(counter, 1u) == uint32_t(nsb - 1)) {
-      *counter = 0u;
-      __threadfence_system();
-      st_release_sys(&words[kStageChunks], a.seq);
-      if (a.stamps != nullptr) a.stamps[kStampCombStaged] = globaltimer_ns();
+    // The chunk's stores happen-before the release below (a barrier orders memory like
+    // __syncthreads among the threads that join it).
+    if (scan_block) {
+      asm volatile("bar.sync 1, %0;" ::"r"(ncw * 32) : "memory");
+    } else {
+      __syncthreads();
     }
+    if (cw == 0 && lane == 0) st_release_sys(&words[c], a.seq);
   }
 }
 
-// Waits until chunk c of a peer's staged comb_x is in. 0: chunk c is in; 1: every chunk is
-// in; -1: the deadline passed or another wait failed (recorded in err). The fast path is one
-// link round trip (an acquire load orders the loads after it, so two would be two trips):
-// the chunk word first; the all-done word only when the chunk is not in yet.
-__device__ int wait_staged(const HtArgs& a, const uint64_t* words, uint32_t c, int peer, int me) {
-  if (ld_acquire_sys(words + c) >= a.seq) return 0;
+// Waits until chunk c of a peer's staged comb_x is in; `mark` (per lane, per peer) holds the
+// peer's stage mark as last read, and chunks below it need no check at all. The fast path is
+// one link round trip (the mark; an acquire orders the loads after it, so each check is a
+// trip). false: the deadline passed or another wait failed (recorded in err).
+__device__ bool wait_staged(const HtArgs& a, const uint64_t* words, uint32_t c, uint32_t& mark, int peer,
+                            int me) {
+  const uint64_t tag = a.seq << 16;
   uint64_t start = 0;
   for (uint32_t spin = 0;; ++spin) {
-    if (ld_acquire_sys(words + kStageChunks) >= a.seq) return 1;
-    if (ld_acquire_sys(words + c) >= a.seq) return 0;
-    // Thousands of lanes may wait on one peer's two words: back off so the polls do not
-    // crowd out the row reads on the links.
+    const uint64_t v = ld_acquire_sys(words + kStageChunks);
+    if (v >= tag) mark = max(mark, uint32_t(v - tag));
+    if (c < mark) return true;
+    if (ld_acquire_sys(words + c) >= a.seq) return true;
+    // Thousands of lanes may wait on one peer's words: back off so the polls do not crowd
+    // out the row reads on the links.
     __nanosleep(500);
     if ((spin & 15u) == 15u) {
       const uint64_t now = globaltimer_ns();
@@ -1010,9 +1072,9 @@ __device__ int wait_staged(const HtArgs& a, const uint64_t* words, uint32_t c, i
         start = now;
       } else if (now - start > a.timeout_ns) {
         report_error(a.err, kPhaseHtCombineStage, peer, me, now - start);
-        return -1;
+        return false;
       } else if (error_reported(a.err)) {
-        return -1;
+        return false;
       }
     }
   }
@@ -1051,7 +1113,9 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
     bar.sync(a.bar_epoch + 1, kPhaseHtCombineEnd);
     return;
   }
-  bool staged_all = !stage;  // per lane: every chunk of rank `lane` is in
+  // Per lane: chunks [0, mark) of rank `lane`'s staged comb_x are known to be in. This rank's
+  // own rows are read from the caller's a.x, which needs no wait.
+  uint32_t mark = !stage || lane == me ? uint32_t(kStageChunks) : 0u;
 
   const int H = int(a.hidden), K = int(a.topk), N = int(a.num_tokens);
   const bool with_w = (a.flags & kFlagWeights) != 0u;
@@ -1077,14 +1141,12 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
       const uint32_t mask = __ballot_sync(0xFFFFFFFFu, slot >= 0);
       const uint64_t my_row = slot >= 0 ? uint64_t(s_base[lane]) + uint64_t(slot) : 0ull;
       if (stage) {
-        if (slot >= 0 && !staged_all) {
-          const uint32_t chunk = uint32_t(uint64_t(slot) * kStageChunks / max(s_len[lane], 1u));
-          // Every 8th item asks the all-done word instead, so the checks stop once staging ends.
-          const int got = (item / nw) % 8 == 7 && ld_acquire_sys(s_stage[lane] + kStageChunks) >= a.seq
-                              ? 1
-                              : wait_staged(a, s_stage[lane], chunk, lane, me);
-          if (got < 0) record_status(a, kStatusTimeout, kPhaseHtCombineStage, lane);
-          staged_all = got != 0;  // all in, or failed: stop waiting (the error is recorded)
+        if (slot >= 0 && mark < uint32_t(kStageChunks)) {
+          const uint32_t chunk = stage_chunk(uint32_t(slot), s_len[lane]);
+          if (chunk >= mark && !wait_staged(a, s_stage[lane], chunk, mark, lane, me)) {
+            record_status(a, kStatusTimeout, kPhaseHtCombineStage, lane);
+            mark = kStageChunks;  // failed (recorded): stop waiting
+          }
         }
         __syncwarp();  // extends each waiting lane's acquire to the warp's row loads
       }
@@ -1111,7 +1173,8 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
               const int r = __ffs(m) - 1;
               m &= m - 1u;
               const uint64_t row = __shfl_sync(0xFFFFFFFFu, my_row, r);
-              src[j] = reinterpret_cast<const uint4*>(s_cx[r] + row * rb);
+              const char* base_r = stage && r == me ? static_cast<const char*>(a.x) : s_cx[r];
+              src[j] = reinterpret_cast<const uint4*>(base_r + row * rb);
               g = j + 1;
             }
           }

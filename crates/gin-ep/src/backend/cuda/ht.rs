@@ -406,7 +406,7 @@ pub struct HtLayout {
     pub counts: usize,
     /// `[R]` u32: slot `s` = the receive slab rank `s` chose for the current dispatch.
     pub recv_slab: usize,
-    /// `[STAGE_CHUNKS + 2]` u64: staged-combine chunk words, all-done word, block counter.
+    /// `[STAGE_CHUNKS + 2]` u64: staged-combine chunk words, the stage mark, one unused word.
     pub comb_stage: usize,
     pub slabs: usize,
     pub slab_bytes: usize,
