@@ -23,12 +23,15 @@
 //     recv_src  [R*T] i32        source token
 //   }
 //   comb_x    [R*T][H] bf16    combine input (expert outputs in receive order); read by
-//                              the source ranks (pull)
+//                              the source ranks (pull). Staged push mode (kFlagPush): row
+//                              r * T + i = the row rank r pushed for position i of this
+//                              rank's segment on r
 //   comb_w    [R*T][K] f32     combine weights input
-//   comb_stage [kStageChunks + 2] u64  staged combine (kFlagStage): word c = seq once chunk c
-//                              of comb_x is copied in, word kStageChunks = the stage mark
-//                              (seq << 16) | n: chunks [0, n) are in; word kStageChunks + 1
-//                              unused
+//   comb_stage [R][kStageChunks + 2] u64  staged combine (kFlagStage): word [r][c] = seq once
+//                              chunk c of rank r's copied rows is in this rank's comb_x;
+//                              word [r][kStageChunks] = the stage mark (seq << 16) | n:
+//                              chunks [0, n) are in; word [r][kStageChunks + 1] unused
+//                              (see stage_mark_scanner)
 //
 // Ordering contract (protocol.md "Signals and ordering"): data stores, __syncthreads, then a
 // st.release.sys of the signal by one thread per peer (cumulative over the block's stores
@@ -66,6 +69,7 @@ constexpr uint32_t kFlagWeights = 2;      // combine: reduce comb_w too
 constexpr uint32_t kFlagBias0 = 4;
 constexpr uint32_t kFlagBias1 = 8;
 constexpr uint32_t kFlagStage = 16;       // combine: blocks >= pull_blocks copy x into comb_x
+constexpr uint32_t kFlagPush = 32;        // with kFlagStage: they push x into the sources' comb_x
 constexpr int kStageChunks = 256;         // host: ht.rs STAGE_CHUNKS
 
 // Plan words (u32, device memory; the first four mirrored into host-mapped memory).
@@ -948,51 +952,77 @@ constexpr int kCombineRanksInFlight = 4;
 constexpr int kStageUnroll = 16;
 
 // Chunk bounds of a staged combine: chunk c of a segment of `len` rows starts at row
-// ceil(c^2 len / C^2). Quadratic, so the first chunks are small: the first round of stage
-// blocks finishes its chunks within a few microseconds, and every puller starts on them (all
-// pullers begin at the lowest tokens). stage_chunk inverts it exactly: the largest c with
-// c^2 len <= p C^2, i.e. isqrt(floor(p C^2 / len)).
-__device__ __forceinline__ uint64_t stage_row(uint32_t c, uint64_t len) {
-  constexpr uint64_t kC2 = uint64_t(kStageChunks) * kStageChunks;
-  return (uint64_t(c) * c * len + kC2 - 1) / kC2;
-}
-__device__ __forceinline__ uint32_t stage_chunk(uint32_t p, uint32_t len) {
-  const uint32_t x = uint32_t(uint64_t(p) * kStageChunks * kStageChunks / max(len, 1u));
+// ceil(c^2 len / 2^15) for c <= C/2 and len - floor((C - c)^2 len / 2^15) above (C = 256):
+// a tent, small chunks at both ends. Small first chunks: the first round of stage blocks
+// lands within microseconds, and every puller starts on them (all pullers begin at the lowest
+// tokens). Small last chunks: the pullers' work left after the last round is small.
+// stage_chunk inverts it exactly (the largest c whose bound is <= p).
+static_assert(kStageChunks == 256, "stage_row's constants");
+__device__ __forceinline__ uint32_t isqrt_floor(uint32_t x) {
   uint32_t c = uint32_t(sqrtf(float(x)));
   while (c * c > x) --c;
   while ((c + 1) * (c + 1) <= x) ++c;
   return c;
 }
+__device__ __forceinline__ uint64_t stage_row(uint32_t c, uint64_t len) {
+  if (c <= 128u) return (uint64_t(c) * c * len + 32767u) >> 15;
+  const uint64_t d = 256u - c;
+  return len - ((d * d * len) >> 15);
+}
+__device__ __forceinline__ uint32_t stage_chunk(uint32_t p, uint32_t len) {
+  len = max(len, 1u);
+  if (p < (len + 1u) / 2u) return isqrt_floor(uint32_t((uint64_t(p) << 15) / len));
+  // c >= 128: the largest c with (256 - c)^2 >= ceil(2^15 (len - p) / len).
+  const uint32_t y = uint32_t(((uint64_t(len - p) << 15) + len - 1u) / len);
+  uint32_t d = isqrt_floor(y);
+  if (d * d < y) ++d;
+  return 256u - d;
+}
 
-// The stage mark (word kStageChunks) is (seq << 16) | n: chunks [0, n) of this operation are
-// in. One scanner warp per rank (warp 0 of the last stage block, which copies nothing)
-// publishes it: it polls the chunk words, 32 per round trip, and release-stores the
-// contiguous prefix whenever it grows. A single writer needs no fence.sc and no atomic, and
-// the copying warps never wait for it (two earlier versions that let every stage block
-// advance the mark after its chunk, with fence.sc.sys and a scan, made the stage 15-50%
-// slower). The release is cumulative over the acquire loads that saw the chunk words, so a
-// peer that acquires the mark sees every row of the chunks below it.
-__device__ void stage_mark_scanner(const HtArgs& a, uint64_t* words, int lane, int me) {
+// Stage words (comb_stage, [R][kStageChunks + 2] u64 per rank): in rank d's window, word
+// [r][c] = seq once chunk c of rank r's copied rows is in d's comb_x (push mode: the rows r
+// pushed to d; pull mode, only row d of d's own window: the rows d staged for its peers to
+// pull); word [r][kStageChunks] = the stage mark
+// (seq << 16) | n: chunks [0, n) of row r are in. One scanner warp per rank (warp 0 of the
+// last stage block, which copies nothing) publishes the marks of the rows it watches: it
+// polls their chunk words, 32 per round trip, and release-stores a mark whenever the
+// contiguous prefix grows. A single writer needs no fence.sc and no atomic, and the copying
+// warps never wait for it (two earlier versions that let every stage block advance the mark
+// after its chunk, with fence.sc.sys and a scan, made the stage 15-50% slower). The release is
+// cumulative over the acquire loads that saw the chunk words, so whoever acquires the mark
+// sees every row of the chunks below it. Lane r holds row r's prefix.
+__device__ void stage_mark_scanner(const HtArgs& a, int R, int me, bool push) {
+  const int lane = threadIdx.x & 31;
+  uint64_t* words = reinterpret_cast<uint64_t*>(lsa_ptr(a.win, a.off_comb_stage, me));
   const uint64_t tag = a.seq << 16;
-  uint32_t n = 0;
+  // Pull mode: this rank's own row (its stage blocks' copies); push mode: every peer's row.
+  uint32_t mine = (lane < R && (push ? lane != me : lane == me)) ? 0u : uint32_t(kStageChunks);
   uint64_t start = 0;
-  for (uint32_t spin = 0; n < uint32_t(kStageChunks); ++spin) {
-    const uint32_t i = n + uint32_t(lane);
-    const bool in = i < uint32_t(kStageChunks) && ld_acquire_sys(&words[i]) >= a.seq;
-    const uint32_t out = __ballot_sync(0xFFFFFFFFu, !in);  // past the end counts as "not in"
-    const uint32_t m = n + (out != 0u ? uint32_t(__ffs(out) - 1) : 32u);
-    if (m > n) {
-      n = m;
-      if (lane == 0) st_release_sys(&words[kStageChunks], tag | n);
-      continue;
+  for (uint32_t spin = 0; __any_sync(0xFFFFFFFFu, mine < uint32_t(kStageChunks)); ++spin) {
+    bool advanced = false;
+    for (int r = 0; r < R; ++r) {
+      const uint32_t n = __shfl_sync(0xFFFFFFFFu, mine, r);
+      if (n >= uint32_t(kStageChunks)) continue;
+      uint64_t* row = words + size_t(r) * (kStageChunks + 2);
+      const uint32_t i = n + uint32_t(lane);
+      const bool in = i < uint32_t(kStageChunks) && ld_acquire_sys(&row[i]) >= a.seq;
+      const uint32_t out = __ballot_sync(0xFFFFFFFFu, !in);  // past the end counts as "not in"
+      const uint32_t m = n + (out != 0u ? uint32_t(__ffs(out) - 1) : 32u);
+      if (m > n) {
+        advanced = true;
+        if (lane == r) mine = m;
+        if (lane == 0) st_release_sys(&row[kStageChunks], tag | m);
+      }
     }
+    if (advanced) continue;
     __nanosleep(200);
     if ((spin & 63u) == 63u) {
       const uint64_t now = globaltimer_ns();
       if (start == 0) {
         start = now;
       } else if (now - start > a.timeout_ns) {
-        if (lane == 0) report_error(a.err, kPhaseHtCombineStage, me, me, now - start);
+        const uint32_t late = __ballot_sync(0xFFFFFFFFu, mine < uint32_t(kStageChunks));
+        if (lane == 0) report_error(a.err, kPhaseHtCombineStage, __ffs(late) - 1, me, now - start);
         return;
       } else if (error_reported(a.err)) {
         return;
@@ -1002,58 +1032,84 @@ __device__ void stage_mark_scanner(const HtArgs& a, uint64_t* words, int lane, i
   if (lane == 0 && a.stamps != nullptr) a.stamps[kStampCombStaged] = globaltimer_ns();
 }
 
-__device__ void stage_comb_x(const HtArgs& a, int R, int me) {
+// Stage blocks: copy the caller's rows a.x (this rank's expert outputs, receive order) of
+// every other source's segment, chunk by chunk (chunk c = slice c of every segment):
+// pull mode into this rank's own comb_x at the same row, push mode into the source's comb_x
+// at row me * T + (position in the segment), over NVLink. A rank's own rows are never copied:
+// its pullers read them from a.x. Work items (segment, row) interleave the destinations so
+// neighbouring warps feed different links. After a chunk, the block releases word [me][c] in
+// every window that received rows (pull: its own; push: each source's).
+__device__ void stage_comb_x(const HtArgs& a, int R, int me, bool push) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x / 32;
   const int sb = int(blockIdx.x - a.pull_blocks), nsb = int(gridDim.x - a.pull_blocks);
-  uint64_t* words = reinterpret_cast<uint64_t*>(lsa_ptr(a.win, a.off_comb_stage, me));
   // The last stage block gives its warp 0 to the mark scanner; its other warps copy and
   // meet at named barrier 1 instead of __syncthreads (the scanner never joins it).
   const bool scan_block = sb == nsb - 1;
   if (scan_block && warp == 0) {
-    stage_mark_scanner(a, words, lane, me);
+    stage_mark_scanner(a, R, me, push);
     return;
   }
   const int cw = scan_block ? warp - 1 : warp, ncw = scan_block ? warps - 1 : warps;
-  uint4* dst = reinterpret_cast<uint4*>(lsa_ptr(a.win, a.off_comb_x, me));
   const uint4* src = static_cast<const uint4*>(a.x);
   const uint32_t* src_off = a.plan + kPlanHead;
   const int nvec = int(a.hidden) / 8;
+  const int P = R - 1;  // segments copied: every source but this rank
   for (int c = sb; c < kStageChunks; c += nsb) {
-    for (int s = 0; s < R; ++s) {
-      if (s == me) continue;  // this rank's own rows: its pullers read them from a.x
-      const uint64_t o = ld_volatile_u32(src_off + s), len = ld_volatile_u32(src_off + s + 1) - o;
-      const uint64_t r0 = o + stage_row(uint32_t(c), len), r1 = o + stage_row(uint32_t(c + 1), len);
-      for (uint64_t row = r0 + cw; row < r1; row += ncw) {
-        const uint4* in = src + row * nvec;
-        uint4* out = dst + row * nvec;
-        for (int v0 = lane; v0 < nvec; v0 += 32 * kStageUnroll) {
-          uint4 v[kStageUnroll];
+    // Bounds of chunk c in each copied segment, lane k holding segment k (source
+    // (me + 1 + k) % R): its segment start, first position and row count.
+    uint64_t seg_o = 0, first = 0, cnt = 0;
+    if (lane < P) {
+      const int s = (me + 1 + lane) % R;
+      seg_o = ld_volatile_u32(src_off + s);
+      const uint64_t len = ld_volatile_u32(src_off + s + 1) - seg_o;
+      first = stage_row(uint32_t(c), len);
+      cnt = stage_row(uint32_t(c + 1), len) - first;
+    }
+    uint64_t most = cnt;
+    for (int d = 16; d > 0; d >>= 1) most = max(most, __shfl_xor_sync(0xFFFFFFFFu, most, d));
+    for (uint64_t j = uint64_t(cw); j < most * uint64_t(P); j += uint64_t(ncw)) {
+      const int k = int(j % uint64_t(P));  // warp-uniform, like j
+      const uint64_t i = j / uint64_t(P);
+      if (i >= __shfl_sync(0xFFFFFFFFu, cnt, k)) continue;
+      const int s = (me + 1 + k) % R;
+      const uint64_t pos = __shfl_sync(0xFFFFFFFFu, first, k) + i;
+      const uint64_t row = __shfl_sync(0xFFFFFFFFu, seg_o, k) + pos;
+      const uint4* in = src + row * nvec;
+      uint4* out = push ? reinterpret_cast<uint4*>(lsa_ptr(a.win, a.off_comb_x, s)) +
+                              (uint64_t(me) * a.max_tokens + pos) * nvec
+                        : reinterpret_cast<uint4*>(lsa_ptr(a.win, a.off_comb_x, me)) + row * nvec;
+      for (int v0 = lane; v0 < nvec; v0 += 32 * kStageUnroll) {
+        uint4 v[kStageUnroll];
 #pragma unroll
-          for (int u = 0; u < kStageUnroll; ++u) {
-            if (v0 + 32 * u < nvec) v[u] = ld_nc_v4(in + v0 + 32 * u);
-          }
+        for (int u = 0; u < kStageUnroll; ++u) {
+          if (v0 + 32 * u < nvec) v[u] = ld_nc_v4(in + v0 + 32 * u);
+        }
 #pragma unroll
-          for (int u = 0; u < kStageUnroll; ++u) {
-            if (v0 + 32 * u < nvec) st_v4(out + v0 + 32 * u, v[u]);
-          }
+        for (int u = 0; u < kStageUnroll; ++u) {
+          if (v0 + 32 * u < nvec) st_v4(out + v0 + 32 * u, v[u]);
         }
       }
     }
-    // The chunk's stores happen-before the release below (a barrier orders memory like
+    // The chunk's stores happen-before the releases below (a barrier orders memory like
     // __syncthreads among the threads that join it).
     if (scan_block) {
       asm volatile("bar.sync 1, %0;" ::"r"(ncw * 32) : "memory");
     } else {
       __syncthreads();
     }
-    if (cw == 0 && lane == 0) st_release_sys(&words[c], a.seq);
+    if (cw == 0 && lane < R && (push ? lane != me : lane == me)) {
+      uint64_t* w = reinterpret_cast<uint64_t*>(lsa_ptr(a.win, a.off_comb_stage, lane));
+      st_release_sys(w + size_t(me) * (kStageChunks + 2) + c, a.seq);
+    }
   }
 }
 
-// Waits until chunk c of a peer's staged comb_x is in; `mark` (per lane, per peer) holds the
-// peer's stage mark as last read, and chunks below it need no check at all. The fast path is
-// one link round trip (the mark; an acquire orders the loads after it, so each check is a
-// trip). false: the deadline passed or another wait failed (recorded in err).
+// Waits until the stage mark of `words` (a row of stage words, see stage_mark_scanner)
+// covers chunk c; `mark` (per lane, per peer) holds the mark as last read. Polls the mark
+// only, with a back-off from 128 ns to 4 us: hundreds of warps may wait on the same word, and
+// in push mode that word is in this GPU's own L2, where unthrottled polls starved the
+// peers' incoming row writes (3-15 ms combines). false: the deadline passed or another wait
+// failed (recorded in err).
 __device__ bool wait_staged(const HtArgs& a, const uint64_t* words, uint32_t c, uint32_t& mark, int peer,
                             int me) {
   const uint64_t tag = a.seq << 16;
@@ -1062,11 +1118,8 @@ __device__ bool wait_staged(const HtArgs& a, const uint64_t* words, uint32_t c, 
     const uint64_t v = ld_acquire_sys(words + kStageChunks);
     if (v >= tag) mark = max(mark, uint32_t(v - tag));
     if (c < mark) return true;
-    if (ld_acquire_sys(words + c) >= a.seq) return true;
-    // Thousands of lanes may wait on one peer's words: back off so the polls do not crowd
-    // out the row reads on the links.
-    __nanosleep(500);
-    if ((spin & 15u) == 15u) {
+    __nanosleep(128u << min(spin, 5u));
+    if ((spin & 7u) == 7u) {
       const uint64_t now = globaltimer_ns();
       if (start == 0) {
         start = now;
@@ -1080,6 +1133,25 @@ __device__ bool wait_staged(const HtArgs& a, const uint64_t* words, uint32_t c, 
   }
 }
 
+// The block's shared copy of the stage marks: a warp that read a newer mark publishes it
+// (release, CTA scope) and the block's other warps take it from there (acquire, CTA scope:
+// with the first warp's acquire of the global mark, that orders their row loads after the
+// producer's stores), so a block polls the global word about once per mark step, not once
+// per warp.
+__device__ __forceinline__ uint32_t ld_acquire_cta_shared(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];"
+               : "=r"(v)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p)))
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_cta_shared_max(uint32_t* p, uint32_t v) {
+  asm volatile("red.release.cta.shared::cta.max.u32 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))),
+               "r"(v)
+               : "memory");
+}
+
 template <int U>
 __device__ __forceinline__ void combine_body(const HtArgs& a) {
   __shared__ const char* s_cx[kMaxRanks];
@@ -1088,6 +1160,7 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
   __shared__ uint32_t s_base[kMaxRanks];
   __shared__ uint32_t s_len[kMaxRanks];
   __shared__ uint32_t s_status;
+  __shared__ uint32_t s_mark[kMaxRanks];  // see red_release_cta_shared_max
 
   const int R = a.comm.lsaSize;
   const int me = a.comm.lsaRank;
@@ -1095,21 +1168,26 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
   const DeadlineBarrier bar{a.win, a.off_bar, me, R, a.timeout_ns, a.err};
   if (!bar.sync(a.bar_epoch, kPhaseHtCombineStart)) return;
 
+  const bool stage = (a.flags & kFlagStage) != 0u;
+  const bool push = stage && (a.flags & kFlagPush) != 0u;
   if (tid < R) {
-    s_cx[tid] = lsa_ptr(a.win, a.off_comb_x, tid);
+    // Push mode: the rows are in this rank's own comb_x (pushed there by their expert rank).
+    const int at = push ? me : tid;
+    s_cx[tid] = lsa_ptr(a.win, a.off_comb_x, at);
     s_cw[tid] = lsa_ptr(a.win, a.off_comb_w, tid);
-    s_stage[tid] = reinterpret_cast<const uint64_t*>(lsa_ptr(a.win, a.off_comb_stage, tid));
+    s_stage[tid] = reinterpret_cast<const uint64_t*>(lsa_ptr(a.win, a.off_comb_stage, at)) +
+                   size_t(tid) * (kStageChunks + 2);
     s_base[tid] = ld_volatile_u32(a.plan + kPlanHead + R + 1 + tid);
     s_len[tid] = ld_volatile_u32(a.plan + kPlanHead + R + 1 + R + tid);  // tokens_per_rank
+    s_mark[tid] = 0u;
   }
   if (tid == 0) {
     s_status = ld_volatile_u32(a.plan + kPlanStatus);
     if (blockIdx.x == 0 && a.stamps != nullptr) a.stamps[kStampCombStart] = globaltimer_ns();
   }
   __syncthreads();
-  const bool stage = (a.flags & kFlagStage) != 0u;
   if (stage && blockIdx.x >= a.pull_blocks) {
-    if (s_status == kStatusOk) stage_comb_x(a, R, me);
+    if (s_status == kStatusOk) stage_comb_x(a, R, me, push);
     bar.sync(a.bar_epoch + 1, kPhaseHtCombineEnd);
     return;
   }
@@ -1140,12 +1218,25 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
       if (lane < R) slot = a.send_slot[size_t(t) * R + lane];
       const uint32_t mask = __ballot_sync(0xFFFFFFFFu, slot >= 0);
       const uint64_t my_row = slot >= 0 ? uint64_t(s_base[lane]) + uint64_t(slot) : 0ull;
+      // Where lane r's row is: the caller's a.x for this rank's own rows when staging, the
+      // landing row r * T + slot of this rank's comb_x in push mode, else rank r's comb_x.
+      uint64_t my_src = 0;
+      if (slot >= 0) {
+        my_src = stage && lane == me ? reinterpret_cast<uint64_t>(a.x) + my_row * rb
+                 : push ? reinterpret_cast<uint64_t>(s_cx[lane]) + (uint64_t(lane) * a.max_tokens + slot) * rb
+                        : reinterpret_cast<uint64_t>(s_cx[lane]) + my_row * rb;
+      }
       if (stage) {
         if (slot >= 0 && mark < uint32_t(kStageChunks)) {
           const uint32_t chunk = stage_chunk(uint32_t(slot), s_len[lane]);
-          if (chunk >= mark && !wait_staged(a, s_stage[lane], chunk, mark, lane, me)) {
-            record_status(a, kStatusTimeout, kPhaseHtCombineStage, lane);
-            mark = kStageChunks;  // failed (recorded): stop waiting
+          if (chunk >= mark) mark = max(mark, ld_acquire_cta_shared(&s_mark[lane]));
+          if (chunk >= mark) {
+            if (wait_staged(a, s_stage[lane], chunk, mark, lane, me)) {
+              red_release_cta_shared_max(&s_mark[lane], mark);
+            } else {
+              record_status(a, kStatusTimeout, kPhaseHtCombineStage, lane);
+              mark = kStageChunks;  // failed (recorded): stop waiting
+            }
           }
         }
         __syncwarp();  // extends each waiting lane's acquire to the warp's row loads
@@ -1172,9 +1263,7 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
             if (m != 0u) {
               const int r = __ffs(m) - 1;
               m &= m - 1u;
-              const uint64_t row = __shfl_sync(0xFFFFFFFFu, my_row, r);
-              const char* base_r = stage && r == me ? static_cast<const char*>(a.x) : s_cx[r];
-              src[j] = reinterpret_cast<const uint4*>(base_r + row * rb);
+              src[j] = reinterpret_cast<const uint4*>(__shfl_sync(0xFFFFFFFFu, my_src, r));
               g = j + 1;
             }
           }

@@ -80,9 +80,11 @@ pub fn layout_scan_bytes(cfg: &EpConfig) -> usize {
 /// Text form (CLI, `GIN_EP_HT_VARIANT`, sweep lists): comma-separated `key=value`, keys
 /// `du` dispatch unroll (4, 8, 16), `dt` dispatch threads, `dc` dispatch chunk, `rot`
 /// rotated destinations (0/1), `cu` combine unroll (2, 3, 4), `ct` combine threads, `cc`
-/// combine chunk; unnamed keys keep their defaults, except that `du` / `cu` without `dt` /
+/// combine chunk, `sb` stage CTAs of a combine from caller memory (beside the SM budget), `cp`
+/// (0/1) how those CTAs move the rows: 0 copy them into this rank's window for the sources
+/// to pull, 1 push them into the sources' windows; unnamed keys keep their defaults, except that `du` / `cu` without `dt` /
 /// `ct` take that unroll's block-size ceiling (du 4/8/16: 768/512/384, cu 2/3/4:
-/// 512/384/256). `default` is the default: `du=8,dt=512,dc=0,rot=1,cu=2,ct=512,cc=2`
+/// 512/384/256). `default` is the default: `du=8,dt=512,dc=0,rot=1,cu=2,ct=512,cc=2,sb=32,cp=0`
 /// (bench/RESULTS.md, HT sweep at commit 9103f98: rot=1 and cu=2,ct=512,cc=2 were the best at
 /// 24 SMs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,6 +99,9 @@ pub struct HtVariant {
     /// CTAs beside the SM budget that copy the caller's rows into the window during a
     /// combine from caller-owned memory ([`HtIo::comb_x`]).
     pub stage_blocks: u32,
+    /// The stage CTAs push the rows into the sources' windows (the sources then reduce from
+    /// local memory) instead of copying them into this rank's window for the sources to pull.
+    pub combine_push: bool,
 }
 
 impl Default for HtVariant {
@@ -110,6 +115,7 @@ impl Default for HtVariant {
             combine_threads: 512,
             combine_chunk: 2,
             stage_blocks: DEFAULT_STAGE_BLOCKS,
+            combine_push: false,
         }
     }
 }
@@ -118,7 +124,7 @@ impl std::fmt::Display for HtVariant {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "du={},dt={},dc={},rot={},cu={},ct={},cc={},sb={}",
+            "du={},dt={},dc={},rot={},cu={},ct={},cc={},sb={},cp={}",
             self.dispatch_unroll,
             self.dispatch_threads,
             self.dispatch_chunk,
@@ -126,7 +132,8 @@ impl std::fmt::Display for HtVariant {
             self.combine_unroll,
             self.combine_threads,
             self.combine_chunk,
-            self.stage_blocks
+            self.stage_blocks,
+            u8::from(self.combine_push)
         )
     }
 }
@@ -168,11 +175,12 @@ impl HtVariant {
                     }
                     "cc" => v.combine_chunk = n,
                     "sb" => v.stage_blocks = n,
+                    "cp" => v.combine_push = n != 0,
                     other => {
                         return Err(Error::config(
                             "variant",
                             other,
-                            "unknown key (du, dt, dc, rot, cu, ct, cc, sb)",
+                            "unknown key (du, dt, dc, rot, cu, ct, cc, sb, cp)",
                         ))
                     }
                 }
@@ -269,6 +277,7 @@ const FLAG_WEIGHTS: u32 = 2;
 const FLAG_BIAS0: u32 = 4;
 const FLAG_BIAS1: u32 = 8;
 const FLAG_STAGE: u32 = 16;
+const FLAG_PUSH: u32 = 32;
 const VAR_ROTATE: u32 = 1;
 const PLAN_HEAD: usize = 4;
 const STATUS_OK: u32 = 0;
@@ -406,7 +415,8 @@ pub struct HtLayout {
     pub counts: usize,
     /// `[R]` u32: slot `s` = the receive slab rank `s` chose for the current dispatch.
     pub recv_slab: usize,
-    /// `[STAGE_CHUNKS + 2]` u64: staged-combine chunk words, the stage mark, one unused word.
+    /// `[R][STAGE_CHUNKS + 2]` u64: staged-combine chunk words, the stage mark, one unused
+    /// word, per producing rank.
     pub comb_stage: usize,
     pub slabs: usize,
     pub slab_bytes: usize,
@@ -448,10 +458,10 @@ impl HtLayout {
         let bar = take(r * MAX_GRID as usize * 8)?;
         let counts = take(r * (r + e) * 4)?;
         let recv_slab = take(r * 4)?;
-        let comb_stage = take((STAGE_CHUNKS + 2) * 8)?;
+        let comb_stage = take(r * (STAGE_CHUNKS + 2) * 8)?;
         // Large regions (and every slab) start on their own 4 KiB page.
         let page = |at: usize| at.div_ceil(4096) * 4096 - at;
-        let _ = take(page(comb_stage + align16((STAGE_CHUNKS + 2) * 8)))?;
+        let _ = take(page(comb_stage + align16(r * (STAGE_CHUNKS + 2) * 8)))?;
         let recv_x = take(rows * row_bytes)?;
         let recv_sc = take(rows * (h / FP8_BLOCK) * 4)?;
         let recv_idx = take(rows * k * 8)?;
@@ -1236,6 +1246,9 @@ impl CudaHt {
             let stage = self.opts.variant.stage_blocks.min(MAX_GRID - grid);
             if stage > 0 {
                 flags |= FLAG_STAGE;
+                if self.opts.variant.combine_push {
+                    flags |= FLAG_PUSH;
+                }
                 grid += stage;
             } else {
                 // The SM budget leaves no CTA for staging: copy the rows in first.
@@ -1676,13 +1689,14 @@ mod tests {
     fn host_sizes_mirror_the_kernel_constants() {
         let src = include_str!("../../../../../kernels/ht/ht.cu");
         let k = |name: &str| super::super::kernels::cu_const(src, "ht.cu", name);
-        // The window's comb_stage region holds kStageChunks + 2 words.
+        // The window's comb_stage region holds [R][kStageChunks + 2] words.
         assert_eq!(STAGE_CHUNKS, k("kStageChunks"));
         assert_eq!(MAX_GRID as usize, k("kMaxGrid"));
         assert_eq!(MAX_RANKS, k("kMaxRanks"));
         assert_eq!(MAX_EXPERTS, k("kMaxExperts"));
         assert_eq!(STAMP_WORDS, k("kStampWords"));
         assert_eq!(FLAG_STAGE as usize, k("kFlagStage"));
+        assert_eq!(FLAG_PUSH as usize, k("kFlagPush"));
         assert_eq!(STATUS_BAD_SLAB as usize, k("kStatusBadSlab"));
     }
 
