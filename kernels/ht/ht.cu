@@ -654,6 +654,10 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
     a.plan[kPlanNumRecv] = num_recv;
     a.plan[kPlanPeer] = uint32_t(peer);
     volatile uint32_t* h = a.plan_host;
+    // The per-expert counts go out before the status: the host acts on the status word
+    // before this kernel ends (exact sizing) and may read the counts at once.
+    for (int e = 0; e < L && status == kStatusOk; ++e)
+      a.counts_host[e] = (s_hist[e] + a.alignment - 1u) / a.alignment * a.alignment;
     h[kPlanDetail] = detail;
     h[kPlanNumRecv] = num_recv;
     h[kPlanPeer] = uint32_t(peer);
@@ -667,9 +671,6 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
       const uint32_t sum = s_hist[e];
       local[e] = sum;
       aligned[e] = (sum + a.alignment - 1u) / a.alignment * a.alignment;
-      // The host reads these once the kernel is done (exact sizing waits for it anyway), so
-      // returning the per-expert counts needs no wait for the dispatch kernel.
-      a.counts_host[e] = aligned[e];
     }
   }
   __syncthreads();

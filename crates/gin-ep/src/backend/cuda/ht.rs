@@ -1142,7 +1142,14 @@ impl CudaHt {
         }
         let mut num_recv = None;
         if self.opts.sizing == Sizing::Exact {
-            if let Err(e) = rank.wait_busy("HT count exchange").and_then(|_| self.status()) {
+            // The layout kernel publishes its plan head (status last) before its tail: launch
+            // the dispatch as soon as the status word leaves u32::MAX.
+            let plan_host = &self.plan_host;
+            let mut published = || plan_host.read()[0] != u32::MAX;
+            if let Err(e) = rank
+                .wait_busy_until("HT count exchange", &mut published)
+                .and_then(|_| self.status())
+            {
                 return self.fail(rank, e);
             }
             num_recv = Some(self.plan_host.read()[2] as usize);

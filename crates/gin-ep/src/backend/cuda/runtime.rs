@@ -1410,19 +1410,44 @@ impl CudaRank {
     /// Waits until the stream is idle, polling with the host deadline; then reports a
     /// missed in-kernel deadline recorded by any kernel since the last check.
     pub fn wait(&self, what: &str) -> Result<()> {
-        self.wait_inner(what, false)
+        self.wait_inner(what, false, None)
     }
 
     /// As [`CudaRank::wait`], but polls without sleeping: for timed loops, where a sleep of up
     /// to a millisecond would be measured as part of the operation.
     pub fn wait_busy(&self, what: &str) -> Result<()> {
-        self.wait_inner(what, true)
+        self.wait_inner(what, true, None)
     }
 
-    fn wait_inner(&self, what: &str, busy: bool) -> Result<()> {
+    /// As [`CudaRank::wait_busy`], but also ends as soon as `published()` holds: for a
+    /// host-mapped word a kernel writes before its tail, so the host can act on it before
+    /// the kernel has ended (and before the driver reports the stream idle). The stream is
+    /// queried once per 32 checks of the word, so a kernel that ends without writing it still
+    /// ends the wait.
+    pub fn wait_busy_until(&self, what: &str, published: &mut dyn FnMut() -> bool) -> Result<()> {
+        self.wait_inner(what, true, Some(published))
+    }
+
+    fn wait_inner(
+        &self,
+        what: &str,
+        busy: bool,
+        mut published: Option<&mut dyn FnMut() -> bool>,
+    ) -> Result<()> {
         let start = Instant::now();
         let mut pause = Duration::from_micros(5);
+        let mut checks = 0u32;
         loop {
+            if let Some(p) = published.as_mut() {
+                if p() {
+                    break;
+                }
+                checks = checks.wrapping_add(1);
+                if checks % 32 != 0 {
+                    std::hint::spin_loop();
+                    continue;
+                }
+            }
             // SAFETY: stream is live.
             let r = unsafe { sys::cuStreamQuery(self.stream()) };
             match r {
