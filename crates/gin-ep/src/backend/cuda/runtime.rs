@@ -1443,7 +1443,7 @@ impl CudaRank {
                     break;
                 }
                 checks = checks.wrapping_add(1);
-                if checks % 32 != 0 {
+                if !checks.is_multiple_of(32) {
                     std::hint::spin_loop();
                     continue;
                 }
