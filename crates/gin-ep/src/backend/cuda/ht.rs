@@ -1568,6 +1568,7 @@ mod tests {
             l.bar,
             l.counts,
             l.recv_slab,
+            l.comb_stage,
             l.recv_x,
             l.recv_sc,
             l.recv_idx,
@@ -1579,6 +1580,8 @@ mod tests {
         assert!(offs.windows(2).all(|w| w[0] < w[1]), "{l:?}");
         assert!(offs.iter().all(|o| o.is_multiple_of(16)));
         assert!(l.recv_x.is_multiple_of(4096));
+        // One row of stage words per producing rank (push mode writes row `me` of every peer).
+        assert!(l.recv_x >= l.comb_stage + 4 * (STAGE_CHUNKS + 2) * 8);
         let rows = 4 * 4096;
         assert_eq!(l.recv_sc - l.recv_x, rows * 7168);
         assert_eq!(l.comb_w - l.comb_x, rows * 7168 * 2);
@@ -1661,7 +1664,11 @@ mod tests {
         assert_eq!(HtVariant::parse("du=4,dt=256").unwrap().dispatch_threads, 256);
         let s = HtVariant::parse("sb=48").unwrap();
         assert_eq!(s.stage_blocks, 48);
+        assert!(!s.combine_push);
         assert_eq!(HtVariant::parse(&s.to_string()).unwrap(), s);
+        let p = HtVariant::parse("sb=16,cp=1").unwrap();
+        assert!(p.combine_push);
+        assert_eq!(HtVariant::parse(&p.to_string()).unwrap(), p);
         for bad in [
             "sb=0",
             "sb=128",
