@@ -108,6 +108,28 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
 // A wait looks at the host-mapped error flag only after this long: never on the fast path.
 constexpr uint64_t kErrorPollAfterNs = 100000;
 
+// The slow path of a bounded poll, shared by wait loops whose fast path differs: call
+// `ok` every few polls once a wait has not succeeded at once (the first call starts the
+// clock). false: stop waiting, because the deadline passed (recorded in err, naming phase,
+// peer and rank) or, once the wait is already slow, another wait has failed (the error
+// flag lives in host memory, a read crosses PCIe, ~1-2 us: not looked at before
+// kErrorPollAfterNs).
+struct PollDeadline {
+  uint64_t start = 0;
+
+  __device__ __forceinline__ bool ok(FabricError* err, uint64_t timeout_ns, FabricPhase phase, int peer,
+                                     int rank) {
+    const uint64_t now = globaltimer_ns();
+    if (start == 0) start = now;
+    const uint64_t waited = now - start;
+    if (waited > timeout_ns) {
+      report_error(err, phase, peer, rank, waited);
+      return false;
+    }
+    return !(waited > kErrorPollAfterNs && error_reported(err));
+  }
+};
+
 // Polls `*w` (acquire, .sys) until it reaches `value` or `timeout_ns` has passed since
 // `start` (globaltimer). Touches device memory only: no host-mapped read in the loop.
 __device__ __forceinline__ bool wait_at_least(const uint64_t* w, uint64_t value, uint64_t start,
@@ -165,22 +187,13 @@ struct DeadlineBarrier {
 
   __device__ __forceinline__ bool wait_word(const uint64_t* w, uint64_t epoch, FabricPhase phase,
                                          int peer) const {
-    if (ld_acquire_sys(w) >= epoch) return true;  // fast path: no clock read
-    const uint64_t start = globaltimer_ns();
-    for (uint32_t spin = 1;; ++spin) {
-      if (ld_acquire_sys(w) >= epoch) return true;
-      // The clock is checked every 256 polls: cheap enough to keep the poll loop tight,
-      // frequent enough for ms-scale deadlines. The error flag lives in host memory (a read
-      // crosses PCIe, ~1-2 us), so it is only looked at once a wait is already slow.
-      if ((spin & 255u) == 0u) {
-        const uint64_t now = globaltimer_ns();
-        if (now - start > timeout_ns) {
-          report_error(err, phase, peer, rank, now - start);
-          return false;
-        }
-        if (now - start > kErrorPollAfterNs && error_reported(err)) return false;
-      }
+    // The clock is read at the first slow poll and then every 256 polls: cheap enough to
+    // keep the poll loop tight, frequent enough for ms-scale deadlines.
+    PollDeadline deadline;
+    for (uint32_t spin = 0; ld_acquire_sys(w) < epoch; ++spin) {
+      if ((spin & 255u) == 0u && !deadline.ok(err, timeout_ns, phase, peer, rank)) return false;
     }
+    return true;
   }
 };
 

@@ -164,20 +164,10 @@ static_assert(kStampCombEnd < kStampWords, "stamps");
 __device__ __forceinline__ uint32_t wait_signal(const uint64_t* w, uint64_t target, FabricPhase phase,
                                                 int peer, int rank, uint64_t timeout_ns, FabricError* err) {
   uint64_t v = ld_acquire_sys(w);
-  if (v < target) {
-    const uint64_t start = globaltimer_ns();
-    for (uint32_t spin = 1;; ++spin) {
-      v = ld_acquire_sys(w);
-      if (v >= target) break;
-      if ((spin & 255u) == 0u) {
-        const uint64_t now = globaltimer_ns();
-        if (now - start > timeout_ns) {
-          report_error(err, phase, peer, rank, now - start);
-          return kStatusTimeout;
-        }
-        if (error_reported(err)) return kStatusTimeout;
-      }
-    }
+  PollDeadline deadline;
+  for (uint32_t spin = 0; v < target; ++spin) {
+    if ((spin & 255u) == 0u && !deadline.ok(err, timeout_ns, phase, peer, rank)) return kStatusTimeout;
+    v = ld_acquire_sys(w);
   }
   return v == kFailed ? kStatusPeerFailed : kStatusOk;
 }
@@ -998,7 +988,7 @@ __device__ void stage_mark_scanner(const HtArgs& a, int R, int me, bool push) {
   const uint64_t tag = a.seq << 16;
   // Pull mode: this rank's own row (its stage blocks' copies); push mode: every peer's row.
   uint32_t mine = (lane < R && (push ? lane != me : lane == me)) ? 0u : uint32_t(kStageChunks);
-  uint64_t start = 0;
+  PollDeadline deadline;  // lane 0's decides for the warp
   for (uint32_t spin = 0; __any_sync(0xFFFFFFFFu, mine < uint32_t(kStageChunks)); ++spin) {
     bool advanced = false;
     for (int r = 0; r < R; ++r) {
@@ -1018,16 +1008,9 @@ __device__ void stage_mark_scanner(const HtArgs& a, int R, int me, bool push) {
     if (advanced) continue;
     __nanosleep(200);
     if ((spin & 63u) == 63u) {
-      const uint64_t now = globaltimer_ns();
-      if (start == 0) {
-        start = now;
-      } else if (now - start > a.timeout_ns) {
-        const uint32_t late = __ballot_sync(0xFFFFFFFFu, mine < uint32_t(kStageChunks));
-        if (lane == 0) report_error(a.err, kPhaseHtCombineStage, __ffs(late) - 1, me, now - start);
-        return;
-      } else if (error_reported(a.err)) {
-        return;
-      }
+      const uint32_t late = __ballot_sync(0xFFFFFFFFu, mine < uint32_t(kStageChunks));
+      const bool go = lane != 0 || deadline.ok(a.err, a.timeout_ns, kPhaseHtCombineStage, __ffs(late) - 1, me);
+      if (!__shfl_sync(0xFFFFFFFFu, go, 0)) return;
     }
   }
   if (lane == 0 && a.stamps != nullptr) a.stamps[kStampCombStaged] = globaltimer_ns();
@@ -1114,23 +1097,13 @@ __device__ void stage_comb_x(const HtArgs& a, int R, int me, bool push) {
 __device__ bool wait_staged(const HtArgs& a, const uint64_t* words, uint32_t c, uint32_t& mark, int peer,
                             int me) {
   const uint64_t tag = a.seq << 16;
-  uint64_t start = 0;
+  PollDeadline deadline;
   for (uint32_t spin = 0;; ++spin) {
     const uint64_t v = ld_acquire_sys(words + kStageChunks);
     if (v >= tag) mark = max(mark, uint32_t(v - tag));
     if (c < mark) return true;
     __nanosleep(128u << min(spin, 5u));
-    if ((spin & 7u) == 7u) {
-      const uint64_t now = globaltimer_ns();
-      if (start == 0) {
-        start = now;
-      } else if (now - start > a.timeout_ns) {
-        report_error(a.err, kPhaseHtCombineStage, peer, me, now - start);
-        return false;
-      } else if (error_reported(a.err)) {
-        return false;
-      }
-    }
+    if ((spin & 7u) == 7u && !deadline.ok(a.err, a.timeout_ns, kPhaseHtCombineStage, peer, me)) return false;
   }
 }
 

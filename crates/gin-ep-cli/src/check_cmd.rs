@@ -14,7 +14,7 @@ use gin_ep::backend::host::protocol::{Fault, Modes};
 use gin_ep::backend::host::run::{join_process, run_threads, HostOptions};
 use gin_ep::bench::BenchMode;
 use gin_ep::check::{run_rank_case, Case};
-use gin_ep::gpu::gpu_cases;
+use gin_ep::gpu::{gpu_cases, StallOp};
 use gin_ep::group::{first_failure, launch_ranks, Group, ENV_CHILD};
 use gin_ep::workload::{Routing, Workload};
 use gin_ep::{DispatchDtype, EpConfig, Error};
@@ -143,6 +143,11 @@ pub struct CheckArgs {
     /// run (whose variant comes from GIN_EP_LL_VARIANT).
     #[arg(long, value_name = "all|LIST")]
     pub variants: Option<String>,
+    /// With --gpus: instead of the cases, the never-hang check. Rank RANK stays alive but
+    /// never enters OP (`ht-dispatch` or `ht-combine`); every other rank must fail within
+    /// --timeout with an error naming RANK as the late peer.
+    #[arg(long, value_name = "RANK:OP")]
+    pub stall: Option<String>,
 }
 
 /// `--variants`: `all` or a comma-separated list of LL variant names.
@@ -310,6 +315,9 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
         Mode::Ht => BenchMode::Ht,
         Mode::Ll => BenchMode::Ll,
     };
+    if let Some(spec) = &a.stall {
+        return run_stall(a, gpus, spec);
+    }
     let variants = match &a.variants {
         Some(v) if mode == BenchMode::Ll => Some(parse_variants(v)?),
         _ => None,
@@ -413,6 +421,49 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
             t0.elapsed().as_secs_f64()
         );
     }
+    Ok(())
+}
+
+/// `check --gpus N --stall RANK:OP` (see [`gin_ep::gpu::stall_check`]).
+fn run_stall(a: &CheckArgs, gpus: usize, spec: &str) -> CliResult {
+    if a.mode != Mode::Ht {
+        return Err(CliError::Usage(
+            "--stall checks the HT operations: use --mode ht".into(),
+        ));
+    }
+    let (stall, op) =
+        StallOp::parse(spec, gpus).map_err(|e| CliError::Usage(format!("invalid value: {e}")))?;
+    if std::env::var_os(ENV_CHILD).is_none() {
+        out!(
+            "check: CUDA backend, {gpus} GPUs, never-hang check: rank {stall} never enters {}, deadline {:?}",
+            op.name(),
+            a.timeout
+        );
+        let t0 = Instant::now();
+        return match gpus::relaunch(gpus, a.timeout * 3 + Duration::from_secs(60))? {
+            None => {
+                out!(
+                    "every other rank failed in time naming rank {stall} ({:.1} s)",
+                    t0.elapsed().as_secs_f64()
+                );
+                Ok(())
+            }
+            Some(f) => Err(CliError::Failed(format!(
+                "never-hang check failed: rank {} {}{}; its stderr:\n{}",
+                f.rank,
+                if f.killed { "was " } else { "" },
+                gpus::how(&f),
+                f.stderr.trim_end()
+            ))),
+        };
+    }
+    let group = Group::from_env(a.timeout * 2)?;
+    let verdict = gin_ep::gpu::stall_check(&group, stall, op, a.timeout);
+    let rank = group.rank();
+    let closed = group.close();
+    let verdict = verdict.map_err(|e| CliError::Failed(format!("rank {rank}: {e}")))?;
+    closed?;
+    out!("{verdict}");
     Ok(())
 }
 

@@ -135,6 +135,23 @@ fn bad_fault_spec_exits_2() {
 }
 
 #[test]
+fn bad_stall_spec_exits_2_naming_it() {
+    usage_error(
+        &["check", "--gpus", "2", "--stall", "5:ht-combine"],
+        "rank 5 is not below the 2 GPUs",
+    );
+    usage_error(
+        &["check", "--gpus", "2", "--stall", "1:ll-combine"],
+        "`ll-combine` is not ht-dispatch or ht-combine",
+    );
+    usage_error(&["check", "--gpus", "2", "--stall", "1"], "expected RANK:OP");
+    usage_error(
+        &["check", "--gpus", "2", "--stall", "1:ht-combine", "--mode", "ll"],
+        "use --mode ht",
+    );
+}
+
+#[test]
 fn gpus_flag_without_a_gpu_is_a_clear_failure() {
     // On a machine with GPUs this would run; the test machines have none.
     if gin_ep::backend::cuda::driver::probe().is_ok() {

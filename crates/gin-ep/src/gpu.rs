@@ -567,6 +567,118 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
     res
 }
 
+/// The operation one rank never enters in [`stall_check`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StallOp {
+    /// The fresh HT dispatch (its peers wait in the layout kernel's count exchange).
+    HtDispatch,
+    /// The HT combine (its peers wait in the combine's start barrier).
+    HtCombine,
+}
+
+impl StallOp {
+    /// Parses `RANK:OP` with OP `ht-dispatch` or `ht-combine` (`gin-ep check --stall`).
+    pub fn parse(text: &str, world: usize) -> Result<(usize, StallOp)> {
+        let bad = |why: String| Error::config("stall", text, why);
+        let (r, op) = text
+            .split_once(':')
+            .ok_or_else(|| bad("expected RANK:OP, e.g. 1:ht-combine".into()))?;
+        let rank: usize = r
+            .trim()
+            .parse()
+            .map_err(|_| bad(format!("rank `{r}` is not a number")))?;
+        if rank >= world {
+            return Err(bad(format!("rank {rank} is not below the {world} GPUs")));
+        }
+        let op = match op.trim() {
+            "ht-dispatch" => StallOp::HtDispatch,
+            "ht-combine" => StallOp::HtCombine,
+            other => return Err(bad(format!("`{other}` is not ht-dispatch or ht-combine"))),
+        };
+        Ok((rank, op))
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            StallOp::HtDispatch => "ht-dispatch",
+            StallOp::HtCombine => "ht-combine",
+        }
+    }
+}
+
+/// The never-hang check on GPUs: rank `stall` stays alive but never enters `op` (it sleeps
+/// through the others' deadlines), and every other rank must fail within its deadline with
+/// an error that names the stalled rank as the late peer. `timeout` is the host deadline
+/// (kernels get half of it). Returns, per rank, what it observed (the stalled rank: that it
+/// stalled); an error when a rank saw no failure, the wrong peer, or failed too late.
+pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) -> Result<String> {
+    let me = group.rank();
+    let r = group.world();
+    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?;
+    let case = Case {
+        cfg: EpConfig::new(r, 32, 1024, 4, 64).with_dtype(DispatchDtype::Bf16),
+        workload: Workload {
+            routing: Routing::Uniform,
+            seed: 0x57A11,
+            mask_prob: 0.0,
+        },
+        tokens: vec![64; r],
+        iters: 1,
+    };
+    let cfg = &case.cfg;
+    let mut ht = CudaHt::new(&rank, cfg, HtGpuOptions::default())?;
+    let ins = case_inputs(&case, 0);
+    let n = upload_dispatch_input(&ht, &rank, cfg, &ins[me], DispatchSource::Bf16)?;
+    let t0 = Instant::now();
+    let observed = (|| -> Result<()> {
+        if me == stall && op == StallOp::HtDispatch {
+            return Ok(());
+        }
+        let handle = ht.dispatch(&rank, n, DispatchSource::Bf16, None)?;
+        ht.sync(&rank)?;
+        if me == stall {
+            return Ok(());
+        }
+        let nr = handle.num_recv.unwrap_or(0);
+        ht.upload_combine(&rank, &vec![bf16::ONE; nr * cfg.hidden], None, [None, None])?;
+        ht.combine(&rank, &handle, CombineExtras::default(), None)?;
+        ht.sync(&rank)
+    })();
+    let waited = t0.elapsed();
+    let verdict = if me == stall {
+        // A hung peer, not a dead one: alive and silent until the others have given up.
+        std::thread::sleep(timeout + Duration::from_secs(2));
+        observed.map(|()| {
+            format!(
+                "rank {me}: never entered {}, slept through the deadlines",
+                op.name()
+            )
+        })
+    } else {
+        match observed {
+            Ok(()) => Err(Error::Mismatch(format!(
+                "rank {me}: {} returned without an error although rank {stall} never entered it",
+                op.name()
+            ))),
+            Err(Error::Timeout { phase, peer, .. }) if peer == stall && waited <= timeout + Duration::from_secs(5) => {
+                Ok(format!(
+                    "rank {me}: failed after {:.1} s in {phase}, naming rank {peer} as the late peer",
+                    waited.as_secs_f64()
+                ))
+            }
+            Err(e) => Err(Error::Mismatch(format!(
+                "rank {me}: expected a deadline naming rank {stall} within {timeout:?}, got after {:.1} s: {e}",
+                waited.as_secs_f64()
+            ))),
+        }
+    };
+    // Every rank's communicator saw (or caused) a failure: abort it rather than finalize,
+    // and leave the window to the process's end (peers never join its collective release).
+    rank.comm().mark_failed();
+    std::mem::forget(ht);
+    verdict
+}
+
 fn upload_dispatch_input(
     ht: &CudaHt,
     rank: &CudaRank,

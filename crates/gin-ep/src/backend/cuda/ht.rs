@@ -34,7 +34,9 @@ pub const MAX_EXPERTS: usize = 8192;
 /// The layout kernel's host-mapped copy of the aligned rows per local expert (at most
 /// MAX_EXPERTS local experts, on one rank).
 #[derive(Clone, Copy)]
-struct HostCounts([u32; MAX_EXPERTS]);
+struct HostCounts(
+    #[expect(dead_code, reason = "read as a prefix through HostMapped::read_prefix")] [u32; MAX_EXPERTS],
+);
 
 impl Default for HostCounts {
     fn default() -> Self {
@@ -1437,9 +1439,11 @@ impl CudaHt {
         self.check_handle(handle)?;
         let l_n = self.cfg.local_experts();
         if handle.num_recv.is_some() {
-            return Ok(self.counts_host.read().0[..l_n]
-                .iter()
-                .map(|&v| v as usize)
+            return Ok(self
+                .counts_host
+                .read_prefix::<u32>(l_n)
+                .into_iter()
+                .map(|v| v as usize)
                 .collect());
         }
         self.sync(rank)?;

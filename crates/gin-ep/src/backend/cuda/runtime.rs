@@ -373,6 +373,22 @@ impl<T: Copy + Default> HostMapped<T> {
         unsafe { std::ptr::read_volatile(self.host) }
     }
 
+    /// The first `n` elements of a `T` that is an array of `E` (volatile, one by one): a
+    /// reader that needs a few words of a large mirror need not copy all of it.
+    pub(crate) fn read_prefix<E: Copy>(&self, n: usize) -> Vec<E> {
+        assert!(
+            n * std::mem::size_of::<E>() <= std::mem::size_of::<T>()
+                && std::mem::align_of::<E>() <= std::mem::align_of::<T>(),
+            "read_prefix: {n} elements do not fit the mirror"
+        );
+        let base = self.host as *const E;
+        // SAFETY: host points to a live, initialized T of at least n E's (checked above),
+        // aligned for E; the device writes it behind the compiler's back, hence volatile.
+        (0..n)
+            .map(|i| unsafe { std::ptr::read_volatile(base.add(i)) })
+            .collect()
+    }
+
     pub(crate) fn write(&self, v: T) {
         // SAFETY: as in read; callers write only while no kernel using it runs.
         unsafe { std::ptr::write_volatile(self.host, v) }
