@@ -33,6 +33,24 @@ def timed(fn, iters):
     return start.elapsed_time(end) * 1e3 / iters, host
 
 
+def synced(fn, iters):
+    """Median host us per call with the stream synchronized after every call, as `gin-ep
+    bench` times its `total` row: no back-to-back queueing, so no call's host work overlaps
+    the previous call's kernels."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return float("nan"), ts[len(ts) // 2] * 1e6
+
+
 def graphed(fn, iters):
     """Device us per call of `fn` captured once in a CUDA graph and replayed `iters` times:
     the device work of the Python path with no host time in it."""
@@ -147,6 +165,16 @@ def worker(rank, world, init, a):
     recv_x, _, _, _, handle, _ = out["d"]
     rows.append(("ht dispatch (cached)",) + timed(lambda: buf.dispatch(x, handle=handle), a.iters))
     rows.append(("ht combine",) + timed(lambda: buf.combine(recv_x, handle), a.iters))
+    if a.sync_each:
+        # Drop the earlier outputs first: with two receive slabs, out["d"] and a still-held
+        # recv_x would leave the next dispatch no free slab (it would copy its rows out).
+        recv_x = handle = None
+        rows.append(("ht dispatch (sync each, median)",) + synced(disp, a.iters))
+        recv_x, _, _, _, handle, _ = out["d"]
+        rows.append(("ht combine (sync each, median)",) + synced(lambda: buf.combine(recv_x, handle), a.iters))
+        if a.profile:
+            # Where an isolated call's host time goes (the sync is in the profile too).
+            profiled(lambda: (disp(), torch.cuda.synchronize()), a.iters, rank)
     ln = min(n, a.ll_tokens)
     for fp8 in (False, True):
         def lld():
@@ -175,7 +203,8 @@ def worker(rank, world, init, a):
               f"{a.iters} calls each")
         print(f"{'operation':<36}{'device us/call':>16}{'host us/call':>14}")
         for name, d, hst in rows:
-            print(f"{name:<36}{d:>16.1f}{hst:>14.1f}")
+            dev = "-" if d != d else f"{d:.1f}"  # NaN: a host-timed row (sync each)
+            print(f"{name:<36}{dev:>16}{hst:>14.1f}")
         sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
@@ -191,7 +220,11 @@ def main():
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--graphs", action="store_true", help="also replay LL dispatch + combine as a CUDA graph")
-    p.add_argument("--profile", action="store_true", help="rank 0 prints a cProfile of the LL dispatch calls")
+    p.add_argument("--sync-each", action="store_true",
+                   help="also time HT calls with a stream sync after each (as gin-ep bench's total row)")
+    p.add_argument("--profile", action="store_true",
+                   help="rank 0 prints a cProfile of the LL dispatch calls (and, with --sync-each, of "
+                        "the synced HT dispatch calls)")
     p.add_argument("--split", action="store_true",
                    help="rank 0 prints the host time of the LL dispatch calls spent in native calls vs the rest")
     a = p.parse_args()
