@@ -328,24 +328,13 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
             vs.len(),
             vs.iter().map(|v| v.name()).collect::<Vec<_>>().join(", ")
         );
-        let t0 = Instant::now();
-        return match gpus::relaunch(gpus, a.timeout.max(Duration::from_secs(600)))? {
-            None => {
-                out!(
-                    "{} variant(s) passed, 0 failed ({:.1} s)",
-                    vs.len(),
-                    t0.elapsed().as_secs_f64()
-                );
-                Ok(())
-            }
-            Some(f) => Err(CliError::Failed(format!(
-                "GPU LL variant check failed: rank {} {}{} (the first rank to fail); its stderr:\n{}",
-                f.rank,
-                if f.killed { "was " } else { "" },
-                gpus::how(&f),
-                f.stderr.trim_end()
-            ))),
-        };
+        return relaunch_checked(
+            gpus,
+            a.timeout.max(Duration::from_secs(600)),
+            "GPU LL variant check",
+            "",
+            |secs| out!("{} variant(s) passed, 0 failed ({secs:.1} s)", vs.len()),
+        );
     }
     if let Some(vs) = &variants {
         let group = Group::from_env(a.timeout)?;
@@ -374,28 +363,23 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
             "check: CUDA backend, {gpus} GPUs, mode {mode_name}, seed {}, {n_cases} case(s)",
             a.seed
         );
-        let t0 = Instant::now();
         // The launcher's deadline covers every case.
-        return match gpus::relaunch(gpus, a.timeout.max(Duration::from_secs(600)))? {
-            None => {
-                out!(
-                    "{} case(s) passed with the default variant{}, 0 failed ({:.1} s)",
-                    n_cases,
-                    if a.variants.is_none() { "" } else { ", small cases with every listed variant too" },
-                    t0.elapsed().as_secs_f64()
-                );
-                Ok(())
-            }
-            Some(f) => Err(CliError::Failed(format!(
-                "GPU check failed: rank {} {}{} (the first rank to fail); its stderr:\n{}\nreproduce with `gin-ep check --gpus {gpus} --cases {} --seed {}`",
-                f.rank,
-                if f.killed { "was " } else { "" },
-                gpus::how(&f),
-                f.stderr.trim_end(),
-                a.cases,
-                a.seed
-            ))),
+        let again = format!(
+            "\nreproduce with `gin-ep check --gpus {gpus} --cases {} --seed {}`",
+            a.cases, a.seed
+        );
+        let with = if a.variants.is_none() {
+            ""
+        } else {
+            ", small cases with every listed variant too"
         };
+        return relaunch_checked(
+            gpus,
+            a.timeout.max(Duration::from_secs(600)),
+            "GPU check",
+            &again,
+            |secs| out!("{n_cases} case(s) passed with the default variant{with}, 0 failed ({secs:.1} s)"),
+        );
     }
     let variants = match a.variants.as_deref() {
         None | Some("default") => Vec::new(),
@@ -424,6 +408,32 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
     Ok(())
 }
 
+/// Runs this command once per GPU (children marked with ENV_CHILD, bounded by `deadline`)
+/// and turns the first failing child into an error headed `what` (then `extra`); on success
+/// `done` prints the summary with the elapsed seconds.
+fn relaunch_checked(
+    gpus: usize,
+    deadline: Duration,
+    what: &str,
+    extra: &str,
+    done: impl FnOnce(f64),
+) -> CliResult {
+    let t0 = Instant::now();
+    match gpus::relaunch(gpus, deadline)? {
+        None => {
+            done(t0.elapsed().as_secs_f64());
+            Ok(())
+        }
+        Some(f) => Err(CliError::Failed(format!(
+            "{what} failed: rank {} {}{} (the first rank to fail); its stderr:\n{}{extra}",
+            f.rank,
+            if f.killed { "was " } else { "" },
+            gpus::how(&f),
+            f.stderr.trim_end()
+        ))),
+    }
+}
+
 /// `check --gpus N --stall RANK:OP` (see [`gin_ep::gpu::stall_check`]).
 fn run_stall(a: &CheckArgs, gpus: usize, spec: &str) -> CliResult {
     if a.mode != Mode::Ht {
@@ -439,23 +449,13 @@ fn run_stall(a: &CheckArgs, gpus: usize, spec: &str) -> CliResult {
             op.name(),
             a.timeout
         );
-        let t0 = Instant::now();
-        return match gpus::relaunch(gpus, a.timeout * 3 + Duration::from_secs(60))? {
-            None => {
-                out!(
-                    "every other rank failed in time naming rank {stall} ({:.1} s)",
-                    t0.elapsed().as_secs_f64()
-                );
-                Ok(())
-            }
-            Some(f) => Err(CliError::Failed(format!(
-                "never-hang check failed: rank {} {}{}; its stderr:\n{}",
-                f.rank,
-                if f.killed { "was " } else { "" },
-                gpus::how(&f),
-                f.stderr.trim_end()
-            ))),
-        };
+        return relaunch_checked(
+            gpus,
+            a.timeout * 3 + Duration::from_secs(60),
+            "never-hang check",
+            "",
+            |secs| out!("every other rank failed in time naming rank {stall} ({secs:.1} s)"),
+        );
     }
     let group = Group::from_env(a.timeout * 2)?;
     let verdict = gin_ep::gpu::stall_check(&group, stall, op, a.timeout);
