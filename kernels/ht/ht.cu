@@ -929,7 +929,7 @@ extern "C" __global__ void __launch_bounds__(384) gin_ep_ht_dispatch_u16_t384(co
 // rank's comb_x while blocks [0, pull_blocks) already pull. Only the other sources' segments
 // are copied: a rank's own rows are pulled straight from a.x. Chunk c holds, for every
 // source s, rows [stage_row(c, L_s), stage_row(c + 1, L_s)) of s's segment (L_s rows,
-// kStageChunks chunks, quadratic bounds), so every source's first rows are in early. A stage
+// kStageChunks chunks, tent bounds: see stage_row), so every source's first rows are in early. A stage
 // block releases word c after its chunk; a scanner warp publishes the stage mark (the
 // contiguous prefix of chunks that are in). A puller lane keeps the last mark it read per peer and
 // checks again only for a chunk at or past it: one link round trip per few dozen items

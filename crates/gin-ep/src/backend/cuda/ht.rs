@@ -82,11 +82,12 @@ pub fn layout_scan_bytes(cfg: &EpConfig) -> usize {
 /// Text form (CLI, `GIN_EP_HT_VARIANT`, sweep lists): comma-separated `key=value`, keys
 /// `du` dispatch unroll (4, 8, 16), `dt` dispatch threads, `dc` dispatch chunk, `rot`
 /// rotated destinations (0/1), `cu` combine unroll (2, 3, 4), `ct` combine threads, `cc`
-/// combine chunk, `sb` stage CTAs of a combine from caller memory (beside the SM budget), `cp`
-/// (0/1) how those CTAs move the rows: 0 copy them into this rank's window for the sources
-/// to pull, 1 push them into the sources' windows; unnamed keys keep their defaults, except that `du` / `cu` without `dt` /
-/// `ct` take that unroll's block-size ceiling (du 4/8/16: 768/512/384, cu 2/3/4:
-/// 512/384/256). `default` is the default: `du=8,dt=512,dc=0,rot=1,cu=2,ct=512,cc=2,sb=32,cp=0`
+/// combine chunk, `sb` stage CTAs of a combine from caller memory (beside the SM budget),
+/// `cp` (0/1) how those CTAs move the rows: 0 copy them into this rank's window for the
+/// sources to pull, 1 push them into the sources' windows. Unnamed keys keep their
+/// defaults, except that `du` / `cu` without `dt` / `ct` take that unroll's block-size
+/// ceiling (du 4/8/16: 768/512/384, cu 2/3/4: 512/384/256). `default` is the default:
+/// `du=8,dt=512,dc=0,rot=1,cu=2,ct=512,cc=2,sb=32,cp=0`
 /// (bench/RESULTS.md, HT sweep at commit 9103f98: rot=1 and cu=2,ct=512,cc=2 were the best at
 /// 24 SMs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
