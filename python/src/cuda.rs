@@ -396,7 +396,7 @@ impl PyCudaEp {
             if op != "dispatch_recv" {
                 l.set_num_tokens(set, num_tokens)?;
             }
-            with_ll_io(l, set, io, |l| match op {
+            l.with_io(set, io, |l| match op {
                 "dispatch" => l.dispatch(set),
                 "dispatch_send" => l.dispatch_send(set),
                 "dispatch_recv" => l.dispatch_recv(set),
@@ -431,7 +431,7 @@ impl PyCudaEp {
                 combined: span(r, "combined_x", combined)?,
                 ..LlIo::default()
             };
-            with_ll_io(l, set, io, |l| match op {
+            l.with_io(set, io, |l| match op {
                 "combine" => l.combine(set),
                 "combine_send" => l.combine_send(set),
                 "combine_recv" => l.combine_recv(set),
@@ -460,20 +460,6 @@ fn unknown_op(op: &str) -> gin_ep::Error {
         what: "LL op".into(),
         reason: format!("unknown `{op}`"),
     }
-}
-
-/// As `CudaHt::with_io`, for set `set` of an LL object: runs `f` with `io` bound, unbinding
-/// it afterwards whatever `f` returned.
-fn with_ll_io<T>(
-    l: &mut CudaLl<'_>,
-    set: usize,
-    io: LlIo,
-    f: impl FnOnce(&CudaLl<'_>) -> Result<T>,
-) -> Result<T> {
-    l.set_io(set, io)?;
-    let out = f(l);
-    l.clear_io(set)?;
-    out
 }
 
 fn get_mut<'a, T>(v: &'a mut [T], i: usize, what: &str) -> PyResult<&'a mut T> {

@@ -431,10 +431,11 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
 
             // Fresh dispatch.
             let want = oracle::ht_dispatch(cfg, &ins)?;
-            ht.set_io(on_slab(fresh_slab));
-            ht.poison(rank)?;
-            let n = upload_dispatch_input(&ht, rank, cfg, mine, source)?;
-            let handle = ht.dispatch(rank, n, source, None)?;
+            let handle = ht.with_io(on_slab(fresh_slab), |ht| {
+                ht.poison(rank)?;
+                let n = upload_dispatch_input(ht, rank, cfg, mine, source)?;
+                ht.dispatch(rank, n, source, None)
+            })?;
             let got = ht.download_dispatch(rank, &handle)?;
             if let Some(nr) = handle.num_recv {
                 if nr != want[me].handle.num_recv() {
@@ -474,11 +475,11 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
                     .collect()
             };
             let want_cached = oracle::ht_dispatch(cfg, &new_ins)?;
-            ht.set_io(on_slab(cached_slab));
-            ht.poison(rank)?;
-            upload_x(&ht, rank, cfg, &new_ins[me].x, source)?;
-            ht.dispatch_cached(rank, &handle, source, None)?;
-            ht.clear_io();
+            ht.with_io(on_slab(cached_slab), |ht| {
+                ht.poison(rank)?;
+                upload_x(ht, rank, cfg, &new_ins[me].x, source)?;
+                ht.dispatch_cached(rank, &handle, source, None)
+            })?;
             let probe = HtDispatchOutput {
                 recv_x: ht.download_recv_x(rank, &handle)?,
                 ..want_cached[me].clone()

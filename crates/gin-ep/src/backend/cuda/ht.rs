@@ -390,7 +390,8 @@ fn align16(n: usize) -> usize {
 /// Chunks of a staged combine's copy (kernels/ht/ht.cu kStageChunks).
 pub const STAGE_CHUNKS: usize = 256;
 /// Default CTAs that copy the caller's rows in during a staged combine, beside `num_sms`
-/// (4×H200, 4096 tokens, hidden 7168: 16 took 617 µs, 32 580, 48 576; bench/RESULTS.md).
+/// (4×H200, 4096 tokens, hidden 7168, 24 SMs, kernel µs: 8 653, 16 531–532, 24 528, 32
+/// 526–527; bench/RESULTS.md "session 6", runs r2 and t2).
 pub const DEFAULT_STAGE_BLOCKS: u32 = 32;
 
 /// Most receive slabs one HT window may hold.

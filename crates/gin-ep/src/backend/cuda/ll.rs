@@ -812,6 +812,15 @@ impl<'r> CudaLl<'r> {
         self.set_io(set, LlIo::default())
     }
 
+    /// Runs `f` with `io` bound to `set`, unbinding it afterwards whatever `f` returned: a
+    /// later launch never sees this call's memory (as `CudaHt::with_io`).
+    pub fn with_io<T>(&mut self, set: usize, io: LlIo, f: impl FnOnce(&Self) -> Result<T>) -> Result<T> {
+        self.set_io(set, io)?;
+        let out = f(self);
+        self.clear_io(set)?;
+        out
+    }
+
     /// Fills every output of `set` with [`POISON`] (queued on the stream).
     pub fn poison_outputs(&self, set: usize) -> Result<()> {
         let s = self.set(set)?;
@@ -1326,13 +1335,12 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl<'_>, case: &Case, run: u64) ->
         combined: Some(span("combined", &combined)?),
     };
     ll.set_num_tokens(SET, n)?;
-    ll.set_io(SET, io)?;
     group.barrier(&format!("ll-check/{run}/caller-io"))?;
-    let ran = ll
-        .dispatch(SET)
-        .and_then(|_| ll.combine(SET))
-        .and_then(|_| rank.wait("LL caller-owned check"));
-    ll.clear_io(SET)?;
+    let ran = ll.with_io(SET, io, |ll| {
+        ll.dispatch(SET)?;
+        ll.combine(SET)?;
+        rank.wait("LL caller-owned check")
+    });
     if let Err(e) = ran {
         // A kernel may still use the caller's buffers: leave them to the process's end.
         std::mem::forget([x, idx, wts, y, recv_x, scales, count, range, stats, combined]);
