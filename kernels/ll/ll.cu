@@ -50,8 +50,15 @@
 //   on the set (a combine after a dispatch, or the next dispatch) comes before that peer's
 //   next write into the buffer the credit frees. A receive half that missed a deadline sets
 //   the set's kFailed word and no credit of the set is pushed again.
-//   - kDispCnt[src] at receiver r (variant `early` only): CTA 0 of src adds 1 after writing
-//     meta[src] at r (after op n: n); the receiver then waits per source for kDispSig.
+//   - kDispCnt[src] at receiver r (variants `early` and `ready`): CTA 0 of src adds 1 after
+//     writing meta[src] at r (after op n: n); the receiver then waits per source for kDispSig
+//     (`early`) or per record unit for its ready word (`ready`, below).
+//   - Ready words (variant `ready` only; u32, [src][slot][unit] at receiver r, not signal
+//     words): after its stores, each warp of src's dispatch-send fences once (.sys) and
+//     then stores n into the word of every (record, 512-channel unit) it wrote at r, so r
+//     expands a unit as soon as it has landed instead of after every CTA of every source.
+//     src sends no kDispSig then. Written only by src, read only by r; their reuse is
+//     covered by kDispAck like the records they stand for.
 //   - kCombWts[src] at expert rank r (order `rank-first` only): the CTA of src that serves r
 //     (one CTA per destination rank) adds 1 after writing src's weights into r's area (after
 //     op n: n). No credit is needed: r reads them in its combine send, before its kCombSig,
@@ -151,8 +158,10 @@ struct LlArgs {
   int32_t* comb_map;           // [R*T][2K + 3] i32 per staged record (map_ints): source, token, pairs
   uint32_t comb_order;         // kCombOrder*
   uint32_t pad3_;
+  // Variant `ready` (kFlagReady); unused otherwise:
+  uint64_t ready_offset;       // relative to set_offset: [R src][T][units] u32 ready words
 };
-static_assert(sizeof(LlArgs) == 480 && offsetof(LlArgs, err) == 368 && offsetof(LlArgs, flags) == 408 &&
+static_assert(sizeof(LlArgs) == 488 && offsetof(LlArgs, ready_offset) == 480 && offsetof(LlArgs, err) == 368 && offsetof(LlArgs, flags) == 408 &&
                   offsetof(LlArgs, stamps) == 416 && offsetof(LlArgs, user_count) == 424 &&
                   offsetof(LlArgs, scales_col_major) == 448 && offsetof(LlArgs, wts_offset) == 456 &&
                   offsetof(LlArgs, comb_order) == 472,
@@ -192,8 +201,29 @@ static_assert(kStCombWeights < kStampSlots, "stamps");
 //   (meta), so the receiver builds its prefix table while the records are in flight, and
 //   each warp waits only for the source of the record it expands (per-source data signal),
 //   so sources that finished are expanded while later ones are still sending.
+// - kFlagReady: per-unit ready words instead of the per-CTA data signal (see the head of the
+//   file): every warp of the send fences once after all of its stores and publishes each
+//   (record, unit) it wrote; the receiver waits for the counts (kDispCnt, as `early`) and
+//   then, per expand item, only for the ready words of that item's units (and unit 0, which
+//   carries the record's metadata). No CTA barrier or signal round sits between the last
+//   store and the expand, and the expand of early records overlaps later records' transfer.
 // (The fused one-kernel-per-operation variant is a host choice: other entry points.)
-constexpr uint32_t kFlagTokenMajor = 1u, kFlagPipeline = 2u, kFlagRotate = 4u, kFlagEarlyCounts = 8u;
+// - Send warps (bits kFlagSendWarpsShift.., variant `sendN`, fused dispatch with `ready`
+//   only): after the layout, credit and counts, warps [0, N) of each CTA send the records and
+//   warps [N, kWarps) run the receive half at the same time, so records are expanded while
+//   later ones are still in flight (without it every CTA first finishes sending). 0: all
+//   warps send, then all receive.
+constexpr uint32_t kFlagTokenMajor = 1u, kFlagPipeline = 2u, kFlagRotate = 4u, kFlagEarlyCounts = 8u,
+                   kFlagReady = 16u;
+constexpr int kFlagSendWarpsShift = 8;
+// Named barriers of the two teams of the fused dispatch with send warps (0 = the CTA's).
+constexpr int kBarSend = 1, kBarRecv = 2;
+
+// Warps per CTA that send records in the fused dispatch (kWarps: all, then all receive).
+__device__ __forceinline__ int fused_send_warps(uint32_t flags) {
+  const int v = int((flags >> kFlagSendWarpsShift) & 31u);
+  return (v == 0 || v >= kWarps || (flags & kFlagReady) == 0) ? kWarps : v;
+}
 
 // ---------------------------------------------------------------------------------------
 // Small device helpers
@@ -203,9 +233,10 @@ __device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
 }
 
 // Thread 0 of the CTA records the time in slot `slot` of this CTA's stamp row (when asked).
-__device__ __forceinline__ void stamp(const LlArgs& a, int slot) {
-  if (a.stamps != nullptr && threadIdx.x == 0 && slot >= 0) a.stamps[size_t(blockIdx.x) * kStampSlots + slot] = globaltimer_ns();
+__device__ __forceinline__ void stamp_if(const LlArgs& a, int slot, bool writer) {
+  if (a.stamps != nullptr && writer && slot >= 0) a.stamps[size_t(blockIdx.x) * kStampSlots + slot] = globaltimer_ns();
 }
+__device__ __forceinline__ void stamp(const LlArgs& a, int slot) { stamp_if(a, slot, threadIdx.x == 0); }
 
 __device__ __forceinline__ uint32_t ld_volatile_u32(const uint32_t* p) {
   return *reinterpret_cast<const volatile uint32_t*>(p);
@@ -235,7 +266,8 @@ __device__ __forceinline__ uint4 pack_bf16x8(const float* x) {
                     f32x2_to_bf16x2(x[6], x[7]));
 }
 
-// The same arithmetic as LlLayout::meta_in_record / record_bytes in ll.rs.
+// The same arithmetic as LlLayout::meta_in_record in ll.rs (the record size, LlArgs::rec_bytes,
+// comes from the host: a multiple of RECORD_ALIGN = 128 there).
 __device__ __forceinline__ size_t align16(size_t n) { return (n + 15) & ~size_t(15); }
 __device__ __forceinline__ size_t payload_bytes(const LlArgs& a) {
   return a.dtype == kBf16 ? size_t(a.hidden) * 2 : size_t(a.hidden);
@@ -251,6 +283,18 @@ __device__ __forceinline__ uint64_t* sig_word(const LlArgs& a, int owner, int ki
       lsa_ptr(a.win, a.set_offset + a.sig_offset + (size_t(kind) * R + src) * sizeof(uint64_t), owner));
 }
 
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+__device__ __forceinline__ void st_relaxed_sys_u32(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_sys_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ DeadlineBarrier waiter(const LlArgs& a) {
   return DeadlineBarrier{a.win, 0, a.comm.lsaRank, a.comm.lsaSize, a.timeout_ns, a.err};
 }
@@ -258,21 +302,68 @@ __device__ __forceinline__ DeadlineBarrier waiter(const LlArgs& a) {
 // A wait of this set missed its deadline: no credit of the set is pushed again (peers then
 // time out on their next write instead of overwriting data nobody read).
 __device__ void mark_failed(const LlArgs& a) {
-  if (threadIdx.x == 0) atomicExch(&a.state[kFailed], 1u);
+  if (threadIdx.x % 32 == 0) atomicExch(&a.state[kFailed], 1u);
 }
 
 // Every thread of the CTA: wait until word [kind][p] of this rank is >= target for every
 // peer p, with the deadline; false in every thread when one missed it.
-__device__ bool wait_all_peers(const LlArgs& a, int kind, uint64_t target, uint32_t phase) {
+
+// The threads of a CTA that share one job: the whole CTA (barrier 0), or, in the fused
+// dispatch with send warps (variant `sendN`), the first N warps (send) or the others
+// (receive), each with its own named barrier so the two run at the same time. `warp` and
+// `warps` number the team's warps across the grid (work items are strided over them).
+struct Team {
+  int tid;       // thread index within the team
+  int nthreads;  // threads of the team in this CTA (a multiple of 32)
+  int bar;       // barrier id: 0 = __syncthreads
+  size_t warp, warps;
+
+  __device__ static Team cta() {
+    return Team{int(threadIdx.x), int(blockDim.x), 0, (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32,
+                size_t(gridDim.x) * blockDim.x / 32};
+  }
+  // Warps [w0, w0 + nw) of every CTA, barrier id `bar` (> 0).
+  __device__ static Team range(int w0, int nw, int bar) {
+    const int wic = int(threadIdx.x / 32) - w0;
+    return Team{int(threadIdx.x) - 32 * w0, 32 * nw, bar, size_t(blockIdx.x) * nw + wic, size_t(gridDim.x) * nw};
+  }
+  __device__ __forceinline__ void sync() const {
+    if (bar == 0) {
+      __syncthreads();
+    } else {
+      asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(nthreads) : "memory");
+    }
+  }
+  // A barrier that also ands (or ors) a predicate over the team.
+  __device__ __forceinline__ bool sync_and(bool p) const {
+    if (bar == 0) return __syncthreads_and(p) != 0;
+    uint32_t r;
+    asm volatile(
+        "{ .reg .pred a, b; setp.ne.u32 a, %1, 0; bar.red.and.pred b, %2, %3, a; selp.u32 %0, 1, 0, b; }"
+        : "=r"(r)
+        : "r"(uint32_t(p)), "r"(bar), "r"(nthreads)
+        : "memory");
+    return r != 0;
+  }
+  __device__ __forceinline__ bool sync_or(bool p) const { return !sync_and(!p); }
+};
+
+// Every thread of the team: wait until word [kind][p] of this rank is >= target for every
+// peer p, with the deadline; false in every thread of the team when one missed it.
+__device__ bool team_wait_all_peers(const LlArgs& a, const Team& team, int kind, uint64_t target, uint32_t phase) {
   const DeadlineBarrier w = waiter(a);
   bool ok = true;
-  for (int p = threadIdx.x; p < a.comm.lsaSize && ok; p += blockDim.x) {
+  for (int p = team.tid; p < a.comm.lsaSize && ok; p += team.nthreads) {
     ok = w.wait_word(sig_word(a, a.comm.lsaRank, kind, p), target, static_cast<FabricPhase>(phase), p);
   }
-  // bar.sync extends each waiter's acquire to the whole CTA.
-  if (__syncthreads_and(ok) != 0) return true;
+  // The barrier extends each waiter's acquire to the whole team.
+  if (team.sync_and(ok)) return true;
   mark_failed(a);
   return false;
+}
+
+__device__ bool wait_all_peers(const LlArgs& a, int kind, uint64_t target, uint32_t phase) {
+  return team_wait_all_peers(a, Team::cta(), kind, target, phase);
 }
 
 // Every thread of the CTA: after this CTA's stores (or reads) of a phase, add 1 to word
@@ -322,10 +413,11 @@ __device__ void push_credits(const LlArgs& a) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(sig_word(a, p, kCombAck, me)), "l"(comb) : "memory");
 }
 
-// Warp 0 turns a[0..n) into its exclusive prefix sum and writes the total to a[n].
-__device__ void warp0_exclusive_scan(uint32_t* a, int n) {
-  if (threadIdx.x >= 32) return;
-  const int lane = threadIdx.x;
+// The first warp of a team (threads tid < 32) turns a[0..n) into its exclusive prefix sum
+// and writes the total to a[n].
+__device__ void warp0_exclusive_scan(uint32_t* a, int n, int tid) {
+  if (tid >= 32) return;
+  const int lane = tid;
   const int per = (n + 31) / 32;
   const int lo = min(n, lane * per), hi = min(n, lo + per);
   uint32_t sum = 0;
@@ -376,6 +468,14 @@ struct TokenRanks {
 constexpr int kDispatchUnit = 512;
 __device__ __forceinline__ int bf16_channel(int u, int lane, int half) {
   return u * kDispatchUnit + half * 256 + lane * 8;
+}
+
+// Ready word of (source src, staging slot, dispatch unit u) in owner's window (variant
+// `ready`): [R src][T][units] u32 (host: LlLayout::ready_offset).
+__device__ __forceinline__ uint32_t* ready_word(const LlArgs& a, int owner, int src, uint32_t slot, int u) {
+  const int units = (a.hidden + kDispatchUnit - 1) / kDispatchUnit;
+  const size_t idx = (size_t(src) * a.max_tokens + slot) * units + u;
+  return reinterpret_cast<uint32_t*>(lsa_ptr(a.win, a.set_offset + a.ready_offset + idx * 4, owner));
 }
 
 // Quantizes 16 channels per lane, bit-exact with quant.rs: amax over the 128-channel block
@@ -476,8 +576,10 @@ __device__ __forceinline__ void put_meta(const LlArgs& a, char* rec, int t, int 
 }
 
 // Every thread of the CTA. False (in every thread) when the credit wait failed; nothing was
-// sent then and no signal was added.
-__device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
+// sent then and no signal was added. The layout, credit and counts take the whole CTA; the
+// records are sent by the first `send_warps` warps of each CTA only (all: kWarps), the
+// others return once the counts are out (the fused dispatch's receive team, `sendN`).
+__device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, int send_warps) {
   const int R = a.comm.lsaSize, me = a.comm.lsaRank;
   const int N = a.num_tokens, K = a.topk, E = a.experts, L = E / R, H = a.hidden, T = a.max_tokens;
   const int nch = (N + 31) / 32;
@@ -496,8 +598,10 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
   const bool rotate = (a.flags & kFlagRotate) != 0;
   const size_t per_tok = tok_major ? size_t(units) : size_t(units) * R;
   const size_t items = size_t(N) * per_tok;
-  const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
+  const Team team = send_warps >= kWarps ? Team::cta() : Team::range(0, send_warps, kBarSend);
+  const bool sender = int(threadIdx.x / 32) < send_warps;
+  const size_t warp = sender ? team.warp : items;  // receive-team warps take no item
+  const size_t warps = team.warps;
   auto tok_of = [&](size_t item) { return int(item / per_tok); };
   auto unit_of = [&](size_t item) { return int(tok_major ? item % per_tok : (item % per_tok) / R); };
   XUnit cur{};
@@ -543,13 +647,14 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
           lsa_ptr(a.win, a.set_offset + a.meta_offset + (size_t(me) * (L + 1) + j) * 4, dst));
       *m = v;
     }
-    if ((a.flags & kFlagEarlyCounts) != 0) {
+    if ((a.flags & (kFlagEarlyCounts | kFlagReady)) != 0) {
       __syncthreads();  // CTA 0 only (blockIdx is uniform in the CTA)
       for (int p = threadIdx.x; p < R; p += blockDim.x) red_add_release_sys(sig_word(a, p, kDispCnt, me), 1);
     }
   }
 
-  // 4. Records.
+  // 4. Records (the send team only).
+  if (!sender) return true;
   if (!tok_major && warp < items) cur = load_x_unit(a, tok_of(warp), unit_of(warp), lane);
   for (size_t item = warp; item < items; item += warps) {
     const size_t next = item + warps;
@@ -584,8 +689,27 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
     if (next < items) cur = pipe ? nxt : load_x_unit(a, tok_of(next), unit_of(next), lane);
   }
 
-  // 5. Data signal: +1 per CTA at every destination (also where nothing was sent).
-  signal_all_peers(a, kDispSig, kStDispSent, kStDispSignaled);
+  // 5. `ready`: one system-scope fence per warp (lane 0, after the warp barrier that orders
+  //    every lane's stores before it: the fence is cumulative), then a ready word per
+  //    (record, unit) this warp wrote. Otherwise the data signal: +1 per CTA at every
+  //    destination (also where nothing was sent).
+  if ((a.flags & kFlagReady) != 0) {
+    __syncwarp();
+    if (lane == 0 && warp < items) {
+      fence_acq_rel_sys();
+      for (size_t item = warp; item < items; item += warps) {
+        const int t = tok_of(item), u = unit_of(item);
+        for (int dst = 0; dst < R; ++dst) {
+          if (!tok_major && dst != int(item % R)) continue;
+          if (tr.has(E + dst, t)) st_relaxed_sys_u32(ready_word(a, dst, me, tr.rank_in(E + dst, t), u), n);
+        }
+      }
+    }
+    team.sync();
+    stamp_if(a, kStDispSent, team.tid == 0);
+  } else {
+    signal_all_peers(a, kDispSig, kStDispSent, kStDispSignaled);
+  }
   return true;
 }
 
@@ -612,63 +736,70 @@ struct StagedItem {
   int32_t tok, lid, pos, src;
 };
 
-// Every thread of the CTA. Adds the credit (kDispAck) when it read everything; false when
-// the wait failed.
-__device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
-  const int R = a.comm.lsaSize, me = a.comm.lsaRank;
-  const int K = a.topk, E = a.experts, L = E / R, H = a.hidden, T = a.max_tokens;
-  const size_t cap = size_t(R) * T;
-  // smem: meta copy [R][L + 1] (becomes first[s][e] after the scan), start[R + 1].
-  uint32_t* first = smem;                        // [R][L + 1]; column 0 = token count
-  uint32_t* start = smem + size_t(R) * (L + 1);  // [R + 1] prefix of token counts
-  const bool early = (a.flags & kFlagEarlyCounts) != 0;
-  stamp(a, kStDispRecv);
-  // `early`: only the counts now (CTA 0 of each source, +1 per op); each warp waits for the
-  // data of the source it expands below. Otherwise every CTA of every source, now.
-  if (early) {
-    if (!wait_all_peers(a, kDispCnt, uint64_t(n), kPhaseDispatchRecv)) return false;
-  } else {
-    if (!wait_all_peers(a, kDispSig, uint64_t(n) * gridDim.x, kPhaseDispatchRecv)) return false;
-    stamp(a, kStDispSeen);
-  }
-  const uint32_t* meta_in = reinterpret_cast<const uint32_t*>(lsa_ptr(a.win, a.set_offset + a.meta_offset, me));
-  for (int i = threadIdx.x; i < R * (L + 1); i += blockDim.x) first[i] = meta_in[i];
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    // Token counts are bounded by T even if a sender were wrong: never read past staging.
-    for (int s = threadIdx.x; s < R; s += 32) start[s] = min(first[s * (L + 1)], uint32_t(T));
-  }
-  __syncthreads();
-  warp0_exclusive_scan(start, R);
-  // first[s][1 + e] := rows of expert e before source s (source rank ascending).
-  for (int e = threadIdx.x; e < L; e += blockDim.x) {
-    uint32_t acc = 0;
-    for (int s = 0; s < R; ++s) {
-      const uint32_t c = first[s * (L + 1) + 1 + e];
-      if (blockIdx.x == 0) {
-        a.layout_range[(size_t(e) * R + s) * 2] = int32_t(acc);
-        a.layout_range[(size_t(e) * R + s) * 2 + 1] = int32_t(c);
-        if (a.user_range != nullptr) a.user_range[size_t(e) * R + s] = (int64_t(acc) << 32) | int64_t(c);
-      }
-      first[s * (L + 1) + 1 + e] = acc;
-      acc += c;
-    }
-    if (blockIdx.x == 0) {
-      a.recv_count[e] = int32_t(acc);
-      if (a.user_count != nullptr) a.user_count[e] = int32_t(acc);
-      // One thread per expert of one CTA: a plain add is race-free (stream order across ops).
-      if (a.stats != nullptr) a.stats[e] += int32_t(acc);
+// Variant `ready`: waits until ready word w holds op n (or a later one: wrapping compare).
+// The word is local; the back-off keeps hundreds of polling warps from crowding the L2 the
+// records are landing in (polls every 0.5 us starved incoming writes in the HT push combine).
+__device__ bool wait_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int src) {
+  PollDeadline deadline;
+  for (uint32_t spin = 0;; ++spin) {
+    if (int32_t(ld_acquire_sys_u32(w) - n) >= 0) return true;
+    __nanosleep(32u << min(spin, 4u));
+    if ((spin & 15u) == 15u &&
+        !deadline.ok(a.err, a.timeout_ns, static_cast<FabricPhase>(kPhaseDispatchRecv), src, a.comm.lsaRank)) {
+      return false;
     }
   }
-  __syncthreads();
-  stamp(a, kStDispCounts);
-  // Records of this dispatch (rows of comb_map); read by the next combine on this set.
-  if (blockIdx.x == 0 && threadIdx.x == 0) a.state[kRecords] = start[R];
+}
 
+// The receive table's state word in shared memory (fused dispatch with send warps): the send
+// warps wait for it before they take expand items.
+constexpr uint32_t kTableNotYet = 0, kTableReady = 1, kTableFailed = 2;
+
+__device__ __forceinline__ void st_release_cta_shared(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.cta.shared::cta.u32 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))),
+               "r"(v)
+               : "memory");
+}
+__device__ __forceinline__ uint32_t ld_acquire_cta_shared(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];"
+               : "=r"(v)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p)))
+               : "memory");
+  return v;
+}
+
+// A send warp of `sendN`, done sending: wait for this CTA's receive table (bounded: the
+// receive team's own waits have deadlines and then publish kTableFailed; the deadline here
+// only guards against a bug). False when the table failed or this wait timed out.
+__device__ bool wait_recv_table(const LlArgs& a, const uint32_t* table_smem) {
+  const int R = a.comm.lsaSize, L = a.experts / R;
+  const uint32_t* table = table_smem + size_t(R) * (L + 2) + 1;
+  PollDeadline deadline;
+  uint32_t st = kTableNotYet;
+  for (uint32_t spin = 0; (st = ld_acquire_cta_shared(table)) == kTableNotYet; ++spin) {
+    __nanosleep(64);
+    if ((spin & 15u) == 15u && !deadline.ok(a.err, a.timeout_ns, static_cast<FabricPhase>(kPhaseDispatchRecv),
+                                            a.comm.lsaRank, a.comm.lsaRank)) {
+      mark_failed(a);
+      return false;
+    }
+  }
+  return st == kTableReady;  // else the receive team failed and reported it
+}
+
+// The expand loop of a warp: items first_item, first_item + warps, ... of this dispatch, with
+// `first` / `start` the receive table (dispatch_recv_body). `warps` also sizes the items,
+// so every caller of one kernel passes the same. True when a wait failed (deadline).
+__device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first, const uint32_t* start,
+                             size_t first_item, size_t warps) {
+  const int R = a.comm.lsaSize, me = a.comm.lsaRank;
+  const int K = a.topk, L = a.experts / R, H = a.hidden, T = a.max_tokens;
+  const size_t cap = size_t(R) * T;
+  const bool ready = (a.flags & kFlagReady) != 0;
+  const bool early = ready || (a.flags & kFlagEarlyCounts) != 0;
   const int lane = threadIdx.x & 31;
   const int units = (H + kDispatchUnit - 1) / kDispatchUnit;
-  const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
   // Items: (record, chunk of `per` consecutive units); `per` is the smallest chunk (up to
   // kExpandUnits) that lets one round of items cover every unit.
   const size_t unit_total = size_t(start[R]) * units;
@@ -688,10 +819,11 @@ __device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
   };
   auto record_at = [&](uint32_t g, int s) { return stage + (size_t(s) * T + (g - start[s])) * a.rec_bytes; };
   // `early`: sources whose data this warp has seen (bit s), and whether a wait failed.
-  uint64_t seen = early ? 0 : ~uint64_t(0);
+  // (`ready` waits per item below instead.)
+  uint64_t seen = early && !ready ? 0 : ~uint64_t(0);
   bool failed = false;
   const DeadlineBarrier w = waiter(a);
-  for (size_t item = warp; item < items && !failed; item += warps) {
+  for (size_t item = first_item; item < items && !failed; item += warps) {
     const uint32_t g = uint32_t(item / chunks);
     const int u0 = int(item % chunks) * per;
     const int nu = min(per, units - u0);
@@ -708,6 +840,16 @@ __device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
       seen |= uint64_t(1) << cur.src;
     }
     const int s = cur.src;
+    if (ready) {
+      // Lanes 0..nu-1 wait for the item's units, lane 31 for unit 0 (the metadata).
+      const int uu = lane < nu ? u0 + lane : (lane == 31 && u0 != 0 ? 0 : -1);
+      const bool ok = uu < 0 || wait_ready(a, ready_word(a, me, s, g - start[s], uu), n, s);
+      __syncwarp();  // extends each lane's acquire to the warp's record loads
+      if (!__all_sync(0xffffffffu, ok)) {
+        failed = true;
+        break;
+      }
+    }
     // Every load of the item first (metadata once, then all units' payload), so their
     // latencies overlap.
     const char* rec = record_at(g, s);
@@ -802,15 +944,83 @@ __device__ bool dispatch_recv_body(const LlArgs& a, uint32_t n, uint32_t* smem) 
       }
     }
   }
-  // A missed deadline (`early`): no more credits, like a failed wait above.
-  if (__syncthreads_or(failed)) {
-    mark_failed(a);
+  return failed;
+}
+
+// Every thread of the team: wait for the counts (or, without `early`/`ready`, for all data),
+// then build the receive table in shared memory (first[s][e] rows before source s, start[s]
+// the staged record prefix) and publish it (table word, for the send warps of `sendN`).
+// Block 0 also writes the per-expert counts and ranges. False when the wait failed.
+__device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem, const Team& team) {
+  const int R = a.comm.lsaSize, me = a.comm.lsaRank;
+  const int E = a.experts, L = E / R, T = a.max_tokens;
+  // smem: meta copy [R][L + 1] (becomes first[s][e] after the scan), start[R + 1], then the
+  // table word (kTable*: whether first/start are ready, for the send warps of `sendN`).
+  uint32_t* first = smem;                        // [R][L + 1]; column 0 = token count
+  uint32_t* start = smem + size_t(R) * (L + 1);  // [R + 1] prefix of token counts
+  uint32_t* table = start + R + 1;
+  const bool ready = (a.flags & kFlagReady) != 0;
+  const bool early = ready || (a.flags & kFlagEarlyCounts) != 0;
+  const int tid = team.tid;
+  stamp_if(a, kStDispRecv, tid == 0);
+  // `early`: only the counts now (CTA 0 of each source, +1 per op); each warp waits for the
+  // data of the source it expands below. Otherwise every CTA of every source, now.
+  const bool counted = early ? team_wait_all_peers(a, team, kDispCnt, uint64_t(n), kPhaseDispatchRecv)
+                             : team_wait_all_peers(a, team, kDispSig, uint64_t(n) * gridDim.x, kPhaseDispatchRecv);
+  if (!counted) {
+    if (tid == 0) st_release_cta_shared(table, kTableFailed);
     return false;
   }
-  // No credit here: the next kernel on the set pushes it (push_credits).
-  stamp(a, kStDispExpanded);
-  stamp(a, kStDispEnd);
+  if (!early) stamp_if(a, kStDispSeen, tid == 0);
+  const uint32_t* meta_in = reinterpret_cast<const uint32_t*>(lsa_ptr(a.win, a.set_offset + a.meta_offset, me));
+  for (int i = tid; i < R * (L + 1); i += team.nthreads) first[i] = meta_in[i];
+  team.sync();
+  if (tid < 32) {
+    // Token counts are bounded by T even if a sender were wrong: never read past staging.
+    for (int s = tid; s < R; s += 32) start[s] = min(first[s * (L + 1)], uint32_t(T));
+  }
+  team.sync();
+  warp0_exclusive_scan(start, R, tid);
+  // first[s][1 + e] := rows of expert e before source s (source rank ascending).
+  for (int e = tid; e < L; e += team.nthreads) {
+    uint32_t acc = 0;
+    for (int s = 0; s < R; ++s) {
+      const uint32_t c = first[s * (L + 1) + 1 + e];
+      if (blockIdx.x == 0) {
+        a.layout_range[(size_t(e) * R + s) * 2] = int32_t(acc);
+        a.layout_range[(size_t(e) * R + s) * 2 + 1] = int32_t(c);
+        if (a.user_range != nullptr) a.user_range[size_t(e) * R + s] = (int64_t(acc) << 32) | int64_t(c);
+      }
+      first[s * (L + 1) + 1 + e] = acc;
+      acc += c;
+    }
+    if (blockIdx.x == 0) {
+      a.recv_count[e] = int32_t(acc);
+      if (a.user_count != nullptr) a.user_count[e] = int32_t(acc);
+      // One thread per expert of one CTA: a plain add is race-free (stream order across ops).
+      if (a.stats != nullptr) a.stats[e] += int32_t(acc);
+    }
+  }
+  team.sync();
+  stamp_if(a, kStDispCounts, tid == 0);
+  // The barrier above ordered the whole team's table writes before this release.
+  if (tid == 0) st_release_cta_shared(table, kTableReady);
+  // Records of this dispatch (rows of comb_map); read by the next combine on this set.
+  if (blockIdx.x == 0 && tid == 0) a.state[kRecords] = start[R];
+
   return true;
+}
+
+// A warp's share of the expand (after dispatch_recv_table, or wait_recv_table for a send
+// warp): items over every warp of the grid, first_item, first_item + all warps, ... The
+// receive team's warps take the first ones; with send warps, the senders take the rest
+// once they have sent. A missed deadline (`ready`, `early`) stops the set's credits, like a
+// failed wait above. No credit here: the next kernel on the set pushes it (push_credits).
+__device__ void dispatch_expand(const LlArgs& a, uint32_t n, const uint32_t* table_smem, size_t first_item) {
+  const int R = a.comm.lsaSize, L = a.experts / R;
+  const uint32_t* first = table_smem;
+  const uint32_t* start = table_smem + size_t(R) * (L + 1);
+  if (expand_items(a, n, first, start, first_item, size_t(gridDim.x) * kWarps)) mark_failed(a);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -980,7 +1190,7 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
     pre[e] = uint32_t(min(max(a.recv_count[e], 0), int32_t(cap)));
   }
   __syncthreads();
-  warp0_exclusive_scan(pre, L);
+  warp0_exclusive_scan(pre, L, threadIdx.x);
   // Credit: every source rank has reduced the previous combine of this set.
   if (!wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) return false;
   stamp(a, kStCombCredit);
@@ -1160,7 +1370,7 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
   using namespace gin_ep::ll;
   extern __shared__ uint32_t smem[];
   push_credits(a);
-  dispatch_send_body(a, read_op(a, kOpDispatch), smem);
+  dispatch_send_body(a, read_op(a, kOpDispatch), smem, kWarps);
 }
 
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
@@ -1168,8 +1378,11 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
   using namespace gin_ep::ll;
   extern __shared__ uint32_t smem[];
   const uint32_t n = read_op(a, kOpDispatch);
-  dispatch_recv_body(a, n, smem);
+  const Team team = Team::cta();
+  if (dispatch_recv_table(a, n, smem, team)) dispatch_expand(a, n, smem, team.warp);
   end_op(a, kOpDispatch, n);
+  stamp(a, kStDispExpanded);
+  stamp(a, kStDispEnd);
 }
 
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
@@ -1178,10 +1391,31 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
   extern __shared__ uint32_t smem[];
   push_credits(a);
   const uint32_t n = read_op(a, kOpDispatch);
-  const bool sent = dispatch_send_body(a, n, smem);
-  __syncthreads();  // smem is reused by the receive half
-  if (sent) dispatch_recv_body(a, n, smem);
+  const int sw = fused_send_warps(a.flags);
+  // The receive half's table lies after the send half's masks (ll.rs dispatch_fused_smem);
+  // its state word is cleared before the send half's first barrier.
+  const int R = a.comm.lsaSize, L = a.experts / R;
+  uint32_t* table_smem = smem + size_t(2) * (a.experts + R) * ((a.max_tokens + 31) / 32);
+  if (threadIdx.x == 0) table_smem[size_t(R) * (L + 2) + 1] = kTableNotYet;
+  const bool sent = dispatch_send_body(a, n, smem, sw);
+  // The receive half: every warp once all have sent, or (send warps) the other warps beside
+  // the senders, which join the expand once they have sent.
+  const bool all = sw == kWarps;
+  if (all) __syncthreads();
+  bool ok = sent;
+  size_t first_item = 0;  // of this warp's expand items (dispatch_expand)
+  if (ok && (all || int(threadIdx.x / 32) >= sw)) {
+    const Team team = all ? Team::cta() : Team::range(sw, kWarps - sw, kBarRecv);
+    ok = dispatch_recv_table(a, n, table_smem, team);
+    first_item = team.warp;
+  } else if (ok) {
+    ok = wait_recv_table(a, table_smem);
+    first_item = size_t(gridDim.x) * (kWarps - sw) + Team::range(0, sw, kBarSend).warp;
+  }
+  if (ok) dispatch_expand(a, n, table_smem, first_item);
   end_op(a, kOpDispatch, n);
+  stamp(a, kStDispExpanded);  // every warp of both teams is done only here
+  stamp(a, kStDispEnd);
 }
 
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)

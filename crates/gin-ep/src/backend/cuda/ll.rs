@@ -75,6 +75,14 @@ pub struct LlVariant {
     /// builds its row table while the data are in flight and each warp waits only for the
     /// source of the record it expands.
     pub early_counts: bool,
+    /// `ready`: every send warp fences once after its stores and marks each (record, unit)
+    /// it wrote ready at the destination; the receiver (after the counts, as `early`)
+    /// expands each item as soon as its units are ready, with no per-CTA data signal.
+    pub ready: bool,
+    /// `sendN` (with `ready` and `fused`): in the fused dispatch, warps `0..N` of each CTA
+    /// send the records while the other `16 - N` expand what has landed, at the same time;
+    /// 0 (no `sendN`): every warp sends, then every warp receives.
+    pub send_warps: u32,
     /// `fused`: one launch per operation (send, signal, wait, receive in every CTA). Needs
     /// the whole grid resident at once; refused when the occupancy does not allow it.
     pub fused: bool,
@@ -84,10 +92,15 @@ pub struct LlVariant {
 }
 
 impl LlVariant {
-    /// What [`CudaLl::new`] uses without [`ENV_VARIANT`]: `fused` (measured fastest of the
-    /// first sweep, bench/RESULTS.md; falls back to nothing: refused when the grid cannot be
-    /// resident, as every fused variant).
+    /// What [`CudaLl::new`] uses without [`ENV_VARIANT`]: `tok+rot+ready+send8+fused`
+    /// (session 7, bench/RESULTS.md: FP8 dispatch 28.2–28.6 µs against 31.6 for `fused`,
+    /// BF16 34.4–34.6 against 40.0, same run; combine unchanged). Refused, like every fused
+    /// variant, when the grid cannot be resident at once.
     pub const DEFAULT: LlVariant = LlVariant {
+        token_major: true,
+        rotate: true,
+        ready: true,
+        send_warps: 8,
         fused: true,
         ..LlVariant::BASE
     };
@@ -98,6 +111,8 @@ impl LlVariant {
         pipeline: false,
         rotate: false,
         early_counts: false,
+        ready: false,
+        send_warps: 0,
         fused: false,
         grid: None,
     };
@@ -108,6 +123,8 @@ impl LlVariant {
             | (u32::from(self.pipeline) << 1)
             | (u32::from(self.rotate) << 2)
             | (u32::from(self.early_counts) << 3)
+            | (u32::from(self.ready) << 4)
+            | (self.send_warps << 8)
     }
 
     /// `base`, `tok+pipe`, `tok+pipe+fused@64`, ...
@@ -124,6 +141,13 @@ impl LlVariant {
         }
         if self.early_counts {
             parts.push("early");
+        }
+        if self.ready {
+            parts.push("ready");
+        }
+        let send = format!("send{}", self.send_warps);
+        if self.send_warps != 0 {
+            parts.push(&send);
         }
         if self.fused {
             parts.push("fused");
@@ -171,13 +195,28 @@ impl LlVariant {
                 "pipe" => v.pipeline = true,
                 "rot" => v.rotate = true,
                 "early" => v.early_counts = true,
+                "ready" => v.ready = true,
+                f if f.starts_with("send") => {
+                    let w = f["send".len()..]
+                        .parse::<u32>()
+                        .ok()
+                        .filter(|w| (1..WARPS).contains(w))
+                        .ok_or_else(|| bad(format!("`{f}`: send warps must be 1 to {}", WARPS - 1)))?;
+                    v.send_warps = w;
+                }
                 "fused" => v.fused = true,
                 other => {
                     return Err(bad(format!(
-                        "unknown feature `{other}` (known: base, tok, pipe, rot, early, fused, then @G)"
+                        "unknown feature `{other}` (known: base, tok, pipe, rot, early, ready, sendN, fused, then @G)"
                     )))
                 }
             }
+        }
+        if v.send_warps != 0 && !(v.ready && v.fused) {
+            return Err(bad(format!(
+                "send{} splits the fused dispatch's warps: it needs `ready` and `fused`",
+                v.send_warps
+            )));
         }
         Ok(v)
     }
@@ -192,7 +231,7 @@ impl LlVariant {
 
     /// The variants `gin-ep check --mode ll --variants all` runs: every feature, on all SMs
     /// and on small grids so each warp loops over several items (pipelining across items).
-    /// `fused` on all SMs is the default run's (`gin-ep check --mode ll`).
+    /// [`LlVariant::DEFAULT`] on all SMs is the default run's (`gin-ep check --mode ll`).
     pub fn check_list() -> Vec<LlVariant> {
         [
             "base@all",
@@ -209,6 +248,14 @@ impl LlVariant {
             "early@3",
             "pipe+early+fused@5",
             "tok+pipe+rot+early+fused@all",
+            "ready@3",
+            "tok+ready@5",
+            "ready+fused@all",
+            "tok+rot+ready+fused@all",
+            "tok+pipe+rot+ready+fused@7",
+            "tok+rot+ready+send8+fused@all",
+            "tok+pipe+rot+ready+send4+fused@3",
+            "ready+send12+fused@5",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
@@ -230,6 +277,13 @@ impl LlVariant {
             "tok+rot+early+fused@all",
             "tok+pipe+rot+early+fused@all",
             "tok+rot+early+fused@64",
+            "ready+fused@all",
+            "tok+ready+fused@all",
+            "tok+rot+ready+fused@all",
+            "tok+pipe+rot+ready+fused@all",
+            "tok+rot+ready+send8+fused@all",
+            "tok+pipe+rot+ready+send8+fused@all",
+            "tok+pipe+rot+ready+send12+fused@all",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
@@ -239,6 +293,11 @@ impl LlVariant {
 
 /// Threads per CTA of every LL kernel (`kThreads` in ll.cu).
 pub const THREADS: u32 = 512;
+/// Warps per CTA (`kWarps` in ll.cu).
+pub const WARPS: u32 = THREADS / 32;
+/// Channels of one dispatch work unit (`kDispatchUnit` in ll.cu): the granularity of the
+/// `ready` words.
+pub const DISPATCH_UNIT: usize = 512;
 /// Most tokens per rank the LL kernels accept (`max_tokens_per_rank`).
 pub const MAX_TOKENS: usize = 1024;
 /// Most ranks in one LL group (all must be in one LSA team).
@@ -260,6 +319,12 @@ pub const STAMP_SLOTS: usize = 20;
 /// Word written into every output before a checked run: a row nobody wrote keeps it.
 pub const POISON: u32 = 0xDEAD_BEEF;
 
+/// Staging records start on this boundary (the staging area and the record size are
+/// multiples of it), so a warp's 512-byte store of a record unit covers four whole 128-byte
+/// lines over NVLink instead of five partial ones (a 16-byte-aligned record of 7472 bytes
+/// started at offsets 48, 96, ... modulo 128).
+pub const RECORD_ALIGN: usize = 128;
+
 fn align16(n: usize) -> usize {
     n.div_ceil(16) * 16
 }
@@ -269,7 +334,7 @@ fn align16(n: usize) -> usize {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LlLayout {
     /// Bytes of one staging record: payload, scales (FP8), then `K` local ids, `K`
-    /// positions and the source token (i32 each), rounded up to 16.
+    /// positions and the source token (i32 each), rounded up to [`RECORD_ALIGN`].
     pub record_bytes: usize,
     /// Where the i32 metadata starts inside a record.
     pub meta_in_record: usize,
@@ -277,6 +342,8 @@ pub struct LlLayout {
     pub sig_offset: usize,
     /// `[R src][L + 1]` u32: token count, then per-local-expert counts.
     pub meta_offset: usize,
+    /// `[R src][T][units]` u32 ready words (variant `ready`), units = ceil(H / 512).
+    pub ready_offset: usize,
     /// `[R src][T]` records.
     pub stage_offset: usize,
     /// `[R src][T][K]` f32 top-k weights (combine order `rank-first`).
@@ -323,16 +390,20 @@ impl LlLayout {
         let payload = if fp8 { h } else { 2 * h };
         let scales = if fp8 { h / FP8_BLOCK * 4 } else { 0 };
         let meta_in_record = align16(payload + scales);
-        let record_bytes = align16(meta_in_record + (2 * k + 1) * 4);
+        let record_bytes = (meta_in_record + (2 * k + 1) * 4).div_ceil(RECORD_ALIGN) * RECORD_ALIGN;
         let sig_offset = 0;
         let meta_offset = align16(sig_offset + SIG_KINDS * r * 8);
-        let stage_offset = align16(meta_offset + r * (l + 1) * 4);
+        let ready_offset = align16(meta_offset + r * (l + 1) * 4);
+        let stage_offset =
+            (ready_offset + r * t * h.div_ceil(DISPATCH_UNIT) * 4).div_ceil(RECORD_ALIGN) * RECORD_ALIGN;
         let wts_offset = align16(stage_offset + r * t * record_bytes);
-        let comb_offset = align16(wts_offset + r * t * k * 4);
+        // The combine rows, as the records: whole 128-byte lines per warp store.
+        let comb_offset = (wts_offset + r * t * k * 4).div_ceil(RECORD_ALIGN) * RECORD_ALIGN;
         let set_bytes = (comb_offset + t * k.max(r) * h * 2).div_ceil(4096) * 4096;
         let nch = t.div_ceil(32).max(1);
         let dispatch_send_smem = 2 * (e + r) * nch * 4;
-        let dispatch_recv_smem = (r * (l + 1) + r + 1) * 4;
+        // first[R][L + 1], start[R + 1], the table word (ll.cu dispatch_recv_table).
+        let dispatch_recv_smem = (r * (l + 1) + r + 2) * 4;
         let combine_send_smem = (l + 1) * 4;
         let worst = dispatch_send_smem.max(dispatch_recv_smem).max(combine_send_smem);
         if worst > MAX_SMEM {
@@ -351,6 +422,7 @@ impl LlLayout {
             meta_in_record,
             sig_offset,
             meta_offset,
+            ready_offset,
             stage_offset,
             wts_offset,
             comb_offset,
@@ -362,9 +434,11 @@ impl LlLayout {
         })
     }
 
-    /// Dynamic shared memory of the fused dispatch kernel (both halves reuse it).
+    /// Dynamic shared memory of the fused dispatch kernel: both halves' tables side by side
+    /// (with `sendN` they are in use at the same time; the receive table starts after the
+    /// send half's, as in ll.cu's fused entry point).
     pub fn dispatch_fused_smem(&self) -> usize {
-        self.dispatch_send_smem.max(self.dispatch_recv_smem)
+        self.dispatch_send_smem + self.dispatch_recv_smem
     }
 
     /// Rows of one rank's expert-major output, `L * R * T`.
@@ -450,9 +524,11 @@ struct LlArgs {
     comb_map: u64,
     comb_order: u32,
     pad3: u32,
+    ready_offset: u64,
 }
 // Same numbers as the static_assert in kernels/ll/ll.cu.
-const _: () = assert!(std::mem::size_of::<LlArgs>() == 480);
+const _: () = assert!(std::mem::size_of::<LlArgs>() == 488);
+const _: () = assert!(std::mem::offset_of!(LlArgs, ready_offset) == 480);
 const _: () = assert!(std::mem::offset_of!(LlArgs, wts_offset) == 456);
 const _: () = assert!(std::mem::offset_of!(LlArgs, comb_order) == 472);
 const _: () = assert!(std::mem::offset_of!(LlArgs, user_count) == 424);
@@ -926,6 +1002,7 @@ impl<'r> CudaLl<'r> {
                 LlCombineOrder::RankFirst => 1,
             },
             pad3: 0,
+            ready_offset: self.layout.ready_offset as u64,
         })
     }
 
@@ -2133,31 +2210,49 @@ mod tests {
         assert_eq!(SIG_KINDS, cu_const("kSigKinds"));
         assert_eq!(STAMP_SLOTS, cu_const("kStampSlots"));
         assert_eq!(THREADS as usize, cu_const("kThreads"));
+        assert_eq!(
+            cu_const("kFlagSendWarpsShift"),
+            8,
+            "LlVariant::kernel_flags puts send_warps at bit 8"
+        );
+        assert_eq!(DISPATCH_UNIT, cu_const("kDispatchUnit"));
     }
 
     #[test]
     fn layout_matches_the_kernel_record_formula() {
         let c = peers().with_dtype(DispatchDtype::Fp8);
         let l = LlLayout::new(&c).unwrap();
-        // payload 7168 + 56 scales * 4 = 7392 (16-aligned), then 17 i32 = 68 -> 7460 -> 7472.
+        // payload 7168 + 56 scales * 4 = 7392 (16-aligned), then 17 i32 = 68 -> 7460 -> 7552
+        // (128-aligned).
         assert_eq!(l.meta_in_record, 7392);
-        assert_eq!(l.record_bytes, 7472);
+        assert_eq!(l.record_bytes, 7552);
         let b = LlLayout::new(&peers()).unwrap();
         assert_eq!(b.meta_in_record, 14336);
-        assert_eq!(b.record_bytes, 14416);
+        assert_eq!(b.record_bytes, 14464);
+        assert!(l.stage_offset.is_multiple_of(RECORD_ALIGN) && b.stage_offset.is_multiple_of(RECORD_ALIGN));
         for off in [
             l.sig_offset,
             l.meta_offset,
+            l.ready_offset,
             l.stage_offset,
             l.wts_offset,
             l.comb_offset,
         ] {
             assert!(off.is_multiple_of(16));
         }
-        assert!(l.meta_offset >= SIG_KINDS * 4 * 8 && l.stage_offset >= l.meta_offset + 4 * 65 * 4);
+        assert!(l.meta_offset >= SIG_KINDS * 4 * 8 && l.ready_offset >= l.meta_offset + 4 * 65 * 4);
+        // Ready words [R][T][ceil(7168 / 512) = 14] u32 before the staging.
+        assert_eq!(
+            l.stage_offset,
+            (l.ready_offset + 4 * 128 * 14 * 4).div_ceil(128) * 128
+        );
         // Staging, then the rank-first weights [R][T][K] f32, then the combine rows.
-        assert_eq!(l.wts_offset, l.stage_offset + 4 * 128 * 7472);
+        assert_eq!(l.wts_offset, l.stage_offset + 4 * 128 * 7552);
         assert_eq!(l.comb_offset, l.wts_offset + 4 * 128 * 8 * 4);
+        assert!(l.comb_offset.is_multiple_of(RECORD_ALIGN));
+        let odd = LlLayout::new(&EpConfig::new(4, 8, 256, 3, 5)).unwrap();
+        assert!(odd.stage_offset.is_multiple_of(128) && odd.comb_offset.is_multiple_of(128));
+        assert!(odd.record_bytes.is_multiple_of(128));
         assert!(l.set_bytes >= l.comb_offset + 128 * 8 * 7168 * 2 && l.set_bytes.is_multiple_of(4096));
         assert_eq!(l.window_bytes, 2 * l.set_bytes);
         // (256 experts + 4 ranks) * 4 chunks * 8 bytes.
@@ -2171,7 +2266,11 @@ mod tests {
     fn variants_parse_print_and_map_to_kernel_flags() {
         assert_eq!(LlVariant::parse("base").unwrap(), LlVariant::BASE);
         assert_eq!(LlVariant::BASE.name(), "base");
-        assert_eq!(LlVariant::DEFAULT.name(), "fused");
+        assert_eq!(LlVariant::DEFAULT.name(), "tok+rot+ready+send8+fused");
+        assert_eq!(
+            LlVariant::parse(&LlVariant::DEFAULT.name()).unwrap(),
+            LlVariant::DEFAULT
+        );
         let v = LlVariant::parse("tok+pipe+fused@64").unwrap();
         assert!(v.token_major && v.pipeline && v.fused && v.grid == Some(64));
         assert_eq!(v.kernel_flags(), 3);
@@ -2180,6 +2279,21 @@ mod tests {
         let all = LlVariant::parse("early+rot+tok+pipe+fused@all").unwrap();
         assert_eq!(all.kernel_flags(), 15);
         assert_eq!(all.name(), "tok+pipe+rot+early+fused@all");
+        let r = LlVariant::parse("ready+tok+fused@all").unwrap();
+        assert_eq!(r.kernel_flags(), 17);
+        assert_eq!(r.name(), "tok+ready+fused@all");
+        let s = LlVariant::parse("tok+ready+send8+fused").unwrap();
+        assert_eq!(s.kernel_flags(), 17 | (8 << 8));
+        assert_eq!(s.name(), "tok+ready+send8+fused");
+        for bad in [
+            "ready+send8",
+            "send8+fused",
+            "ready+fused+send0",
+            "ready+fused+send16",
+            "ready+fused+sendx",
+        ] {
+            assert!(LlVariant::parse(bad).unwrap_err().is_usage(), "{bad}");
+        }
         for v in LlVariant::check_list().into_iter().chain(LlVariant::sweep_list()) {
             assert_eq!(LlVariant::parse(&v.name()).unwrap(), v, "{}", v.name());
         }
