@@ -769,9 +769,13 @@ __device__ __forceinline__ uint32_t ld_acquire_cta_shared(const uint32_t* p) {
   return v;
 }
 
-// A send warp of `sendN`, done sending: wait for this CTA's receive table (bounded: the
-// receive team's own waits have deadlines and then publish kTableFailed; the deadline here
-// only guards against a bug). False when the table failed or this wait timed out.
+// A send warp of `sendN`, done sending: wait for this CTA's receive table. Bounded by the
+// receive team: its own waits have deadlines, name the late peer and then publish
+// kTableFailed (and PollDeadline stops this wait as soon as any wait has reported). The
+// deadline here is 1.5x theirs, so it never wins the race to report a stalled peer (it once
+// did, naming this rank itself: `gin-ep check --mode ll --stall R:ll-dispatch`); it only
+// guards against a receive team that never publishes. False when the table failed or this
+// wait timed out.
 __device__ bool wait_recv_table(const LlArgs& a, const uint32_t* table_smem) {
   const int R = a.comm.lsaSize, L = a.experts / R;
   const uint32_t* table = table_smem + size_t(R) * (L + 2) + 1;
@@ -779,8 +783,9 @@ __device__ bool wait_recv_table(const LlArgs& a, const uint32_t* table_smem) {
   uint32_t st = kTableNotYet;
   for (uint32_t spin = 0; (st = ld_acquire_cta_shared(table)) == kTableNotYet; ++spin) {
     __nanosleep(64);
-    if ((spin & 15u) == 15u && !deadline.ok(a.err, a.timeout_ns, static_cast<FabricPhase>(kPhaseDispatchRecv),
-                                            a.comm.lsaRank, a.comm.lsaRank)) {
+    if ((spin & 15u) == 15u && !deadline.ok(a.err, a.timeout_ns + a.timeout_ns / 2,
+                                            static_cast<FabricPhase>(kPhaseDispatchRecv), a.comm.lsaRank,
+                                            a.comm.lsaRank)) {
       mark_failed(a);
       return false;
     }

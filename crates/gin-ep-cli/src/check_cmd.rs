@@ -144,7 +144,8 @@ pub struct CheckArgs {
     #[arg(long, value_name = "all|LIST")]
     pub variants: Option<String>,
     /// With --gpus: instead of the cases, the never-hang check. Rank RANK stays alive but
-    /// never enters OP (`ht-dispatch` or `ht-combine`); every other rank must fail within
+    /// never enters OP (`ht-dispatch`, `ht-combine` with --mode ht; `ll-dispatch`,
+    /// `ll-combine` with --mode ll); every other rank must fail within
     /// --timeout with an error naming RANK as the late peer.
     #[arg(long, value_name = "RANK:OP")]
     pub stall: Option<String>,
@@ -436,13 +437,16 @@ fn relaunch_checked(
 
 /// `check --gpus N --stall RANK:OP` (see [`gin_ep::gpu::stall_check`]).
 fn run_stall(a: &CheckArgs, gpus: usize, spec: &str) -> CliResult {
-    if a.mode != Mode::Ht {
-        return Err(CliError::Usage(
-            "--stall checks the HT operations: use --mode ht".into(),
-        ));
-    }
     let (stall, op) =
         StallOp::parse(spec, gpus).map_err(|e| CliError::Usage(format!("invalid value: {e}")))?;
+    let want = if op.is_ll() { Mode::Ll } else { Mode::Ht };
+    if a.mode != want {
+        return Err(CliError::Usage(format!(
+            "--stall {spec} checks an {} operation: use --mode {}",
+            if op.is_ll() { "LL" } else { "HT" },
+            if op.is_ll() { "ll" } else { "ht" }
+        )));
+    }
     if std::env::var_os(ENV_CHILD).is_none() {
         out!(
             "check: CUDA backend, {gpus} GPUs, never-hang check: rank {stall} never enters {}, deadline {:?}",

@@ -141,8 +141,12 @@ fn bad_stall_spec_exits_2_naming_it() {
         "rank 5 is not below the 2 GPUs",
     );
     usage_error(
-        &["check", "--gpus", "2", "--stall", "1:ll-combine"],
-        "`ll-combine` is not ht-dispatch or ht-combine",
+        &["check", "--gpus", "2", "--stall", "1:ll-nothing"],
+        "`ll-nothing` is not ht-dispatch, ht-combine, ll-dispatch or ll-combine",
+    );
+    usage_error(
+        &["check", "--gpus", "2", "--stall", "1:ll-combine", "--mode", "ht"],
+        "use --mode ll",
     );
     usage_error(&["check", "--gpus", "2", "--stall", "1"], "expected RANK:OP");
     usage_error(

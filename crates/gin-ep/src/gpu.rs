@@ -14,6 +14,7 @@ use crate::backend::cuda::ht::{
     CombineExtras, CudaHt, DispatchEvents, DispatchSource, HtBuf, HtGpuOptions, HtIo, HtVariant, Sizing,
     POISON, STAMP_WORDS,
 };
+use crate::backend::cuda::ll::{CudaLl, LlLayout};
 use crate::backend::cuda::{CudaRank, CudaRankOptions, DeviceBuffer};
 use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
 use crate::check::Case;
@@ -575,10 +576,16 @@ pub enum StallOp {
     HtDispatch,
     /// The HT combine (its peers wait in the combine's start barrier).
     HtCombine,
+    /// The LL dispatch (its peers' receive warps wait for its counts; their send warps for
+    /// the receive table, which then reports the failure).
+    LlDispatch,
+    /// The LL combine, after a dispatch it took part in (its peers wait for its rows).
+    LlCombine,
 }
 
 impl StallOp {
-    /// Parses `RANK:OP` with OP `ht-dispatch` or `ht-combine` (`gin-ep check --stall`).
+    /// Parses `RANK:OP` with OP `ht-dispatch`, `ht-combine`, `ll-dispatch` or `ll-combine`
+    /// (`gin-ep check --stall`).
     pub fn parse(text: &str, world: usize) -> Result<(usize, StallOp)> {
         let bad = |why: String| Error::config("stall", text, why);
         let (r, op) = text
@@ -594,7 +601,13 @@ impl StallOp {
         let op = match op.trim() {
             "ht-dispatch" => StallOp::HtDispatch,
             "ht-combine" => StallOp::HtCombine,
-            other => return Err(bad(format!("`{other}` is not ht-dispatch or ht-combine"))),
+            "ll-dispatch" => StallOp::LlDispatch,
+            "ll-combine" => StallOp::LlCombine,
+            other => {
+                return Err(bad(format!(
+                    "`{other}` is not ht-dispatch, ht-combine, ll-dispatch or ll-combine"
+                )))
+            }
         };
         Ok((rank, op))
     }
@@ -603,7 +616,14 @@ impl StallOp {
         match self {
             StallOp::HtDispatch => "ht-dispatch",
             StallOp::HtCombine => "ht-combine",
+            StallOp::LlDispatch => "ll-dispatch",
+            StallOp::LlCombine => "ll-combine",
         }
+    }
+
+    /// Whether the operation is an LL one (`gin-ep check --mode ll --stall`).
+    pub fn is_ll(self) -> bool {
+        matches!(self, StallOp::LlDispatch | StallOp::LlCombine)
     }
 }
 
@@ -627,8 +647,11 @@ pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) 
         iters: 1,
     };
     let cfg = &case.cfg;
-    let mut ht = CudaHt::new(&rank, cfg, HtGpuOptions::default())?;
     let ins = case_inputs(&case, 0);
+    if op.is_ll() {
+        return stall_check_ll(&rank, cfg, &ins[me], stall, op, timeout);
+    }
+    let mut ht = CudaHt::new(&rank, cfg, HtGpuOptions::default())?;
     let n = upload_dispatch_input(&ht, &rank, cfg, &ins[me], DispatchSource::Bf16)?;
     let t0 = Instant::now();
     let observed = (|| -> Result<()> {
@@ -645,8 +668,57 @@ pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) 
         ht.combine(&rank, &handle, CombineExtras::default(), None)?;
         ht.sync(&rank)
     })();
-    let waited = t0.elapsed();
-    let verdict = if me == stall {
+    let verdict = stall_verdict(me, stall, op, timeout, observed, t0.elapsed());
+    // Every rank's communicator saw (or caused) a failure: abort it rather than finalize,
+    // and leave the window to the process's end (peers never join its collective release).
+    rank.comm().mark_failed();
+    std::mem::forget(ht);
+    verdict
+}
+
+/// [`stall_check`] for the LL operations: one dispatch on set 0 (BF16), then one combine.
+fn stall_check_ll(
+    rank: &CudaRank,
+    cfg: &EpConfig,
+    inp: &RankInput,
+    stall: usize,
+    op: StallOp,
+    timeout: Duration,
+) -> Result<String> {
+    let me = rank.info().rank;
+    let mut ll = CudaLl::new(rank, cfg, None)?;
+    ll.upload_input(0, &inp.x, &inp.topk_idx, &inp.topk_weights)?;
+    let t0 = Instant::now();
+    let observed = (|| -> Result<()> {
+        if me == stall && op == StallOp::LlDispatch {
+            return Ok(());
+        }
+        ll.dispatch(0)?;
+        rank.wait("LL dispatch")?;
+        if me == stall {
+            return Ok(());
+        }
+        ll.upload_expert_output(0, &vec![bf16::ONE; LlLayout::out_rows(cfg) * cfg.hidden])?;
+        ll.combine(0)?;
+        rank.wait("LL combine")
+    })();
+    let verdict = stall_verdict(me, stall, op, timeout, observed, t0.elapsed());
+    rank.comm().mark_failed();
+    std::mem::forget(ll);
+    verdict
+}
+
+/// What one rank of a never-hang check observed: the stalled rank sleeps through the
+/// others' deadlines; every other rank must have failed in time, naming it.
+fn stall_verdict(
+    me: usize,
+    stall: usize,
+    op: StallOp,
+    timeout: Duration,
+    observed: Result<()>,
+    waited: Duration,
+) -> Result<String> {
+    if me == stall {
         // A hung peer, not a dead one: alive and silent until the others have given up.
         std::thread::sleep(timeout + Duration::from_secs(2));
         observed.map(|()| {
@@ -672,12 +744,7 @@ pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) 
                 waited.as_secs_f64()
             ))),
         }
-    };
-    // Every rank's communicator saw (or caused) a failure: abort it rather than finalize,
-    // and leave the window to the process's end (peers never join its collective release).
-    rank.comm().mark_failed();
-    std::mem::forget(ht);
-    verdict
+    }
 }
 
 fn upload_dispatch_input(
