@@ -1112,14 +1112,6 @@ __device__ bool wait_staged(const HtArgs& a, const uint64_t* words, uint32_t c, 
 // with the first warp's acquire of the global mark, that orders their row loads after the
 // producer's stores), so a block polls the global word about once per mark step, not once
 // per warp.
-__device__ __forceinline__ uint32_t ld_acquire_cta_shared(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];"
-               : "=r"(v)
-               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p)))
-               : "memory");
-  return v;
-}
 __device__ __forceinline__ void red_release_cta_shared_max(uint32_t* p, uint32_t v) {
   asm volatile("red.release.cta.shared::cta.max.u32 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))),
                "r"(v)

@@ -283,18 +283,6 @@ __device__ __forceinline__ uint64_t* sig_word(const LlArgs& a, int owner, int ki
       lsa_ptr(a.win, a.set_offset + a.sig_offset + (size_t(kind) * R + src) * sizeof(uint64_t), owner));
 }
 
-__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-
-__device__ __forceinline__ void st_relaxed_sys_u32(uint32_t* p, uint32_t v) {
-  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ uint32_t ld_acquire_sys_u32(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 __device__ __forceinline__ DeadlineBarrier waiter(const LlArgs& a) {
   return DeadlineBarrier{a.win, 0, a.comm.lsaRank, a.comm.lsaSize, a.timeout_ns, a.err};
 }
@@ -755,19 +743,6 @@ __device__ bool wait_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int s
 // warps wait for it before they take expand items.
 constexpr uint32_t kTableNotYet = 0, kTableReady = 1, kTableFailed = 2;
 
-__device__ __forceinline__ void st_release_cta_shared(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.cta.shared::cta.u32 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))),
-               "r"(v)
-               : "memory");
-}
-__device__ __forceinline__ uint32_t ld_acquire_cta_shared(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];"
-               : "=r"(v)
-               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p)))
-               : "memory");
-  return v;
-}
 
 // A send warp of `sendN`, done sending: wait for this CTA's receive table. Bounded by the
 // receive team: its own waits have deadlines, name the late peer and then publish
