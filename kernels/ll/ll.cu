@@ -207,12 +207,12 @@ static_assert(kStCombWeights < kStampSlots, "stamps");
 //   then, per expand item, only for the ready words of that item's units (and unit 0, which
 //   carries the record's metadata). No CTA barrier or signal round sits between the last
 //   store and the expand, and the expand of early records overlaps later records' transfer.
-// (The fused one-kernel-per-operation variant is a host choice: other entry points.)
 // - Send warps (bits kFlagSendWarpsShift.., variant `sendN`, fused dispatch with `ready`
 //   only): after the layout, credit and counts, warps [0, N) of each CTA send the records and
 //   warps [N, kWarps) run the receive half at the same time, so records are expanded while
 //   later ones are still in flight (without it every CTA first finishes sending). 0: all
 //   warps send, then all receive.
+// (The fused one-kernel-per-operation variant is a host choice: other entry points.)
 constexpr uint32_t kFlagTokenMajor = 1u, kFlagPipeline = 2u, kFlagRotate = 4u, kFlagEarlyCounts = 8u,
                    kFlagReady = 16u;
 constexpr int kFlagSendWarpsShift = 8;
@@ -288,13 +288,12 @@ __device__ __forceinline__ DeadlineBarrier waiter(const LlArgs& a) {
 }
 
 // A wait of this set missed its deadline: no credit of the set is pushed again (peers then
-// time out on their next write instead of overwriting data nobody read).
+// time out on their next write instead of overwriting data nobody read). Lane 0 of every
+// calling warp sets it (idempotent): a failing warp may be in either team of the fused
+// dispatch, or alone (a send warp's expand).
 __device__ void mark_failed(const LlArgs& a) {
   if (threadIdx.x % 32 == 0) atomicExch(&a.state[kFailed], 1u);
 }
-
-// Every thread of the CTA: wait until word [kind][p] of this rank is >= target for every
-// peer p, with the deadline; false in every thread when one missed it.
 
 // The threads of a CTA that share one job: the whole CTA (barrier 0), or, in the fused
 // dispatch with send warps (variant `sendN`), the first N warps (send) or the others
@@ -322,7 +321,7 @@ struct Team {
       asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(nthreads) : "memory");
     }
   }
-  // A barrier that also ands (or ors) a predicate over the team.
+  // A barrier that also ands a predicate over the team.
   __device__ __forceinline__ bool sync_and(bool p) const {
     if (bar == 0) return __syncthreads_and(p) != 0;
     uint32_t r;
@@ -333,7 +332,6 @@ struct Team {
         : "memory");
     return r != 0;
   }
-  __device__ __forceinline__ bool sync_or(bool p) const { return !sync_and(!p); }
 };
 
 // Every thread of the team: wait until word [kind][p] of this rank is >= target for every
@@ -350,6 +348,7 @@ __device__ bool team_wait_all_peers(const LlArgs& a, const Team& team, int kind,
   return false;
 }
 
+// The same for every thread of the CTA.
 __device__ bool wait_all_peers(const LlArgs& a, int kind, uint64_t target, uint32_t phase) {
   return team_wait_all_peers(a, Team::cta(), kind, target, phase);
 }
@@ -739,10 +738,22 @@ __device__ bool wait_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int s
   }
 }
 
-// The receive table's state word in shared memory (fused dispatch with send warps): the send
-// warps wait for it before they take expand items.
+// The dispatch receive table in shared memory: first[R][L + 1] (the sources' counts, then,
+// from column 1, the rows of expert e before source s), start[R + 1] (prefix of the sources'
+// record counts), then the table word (kTable*: whether first/start are ready, for the send
+// warps of `sendN`, which wait for it before they take expand items). The host sizes it
+// (ll.rs dispatch_recv_smem).
 constexpr uint32_t kTableNotYet = 0, kTableReady = 1, kTableFailed = 2;
-
+struct RecvTable {
+  uint32_t* first;
+  uint32_t* start;
+  uint32_t* word;
+  __device__ static RecvTable at(const LlArgs& a, uint32_t* smem) {
+    const int R = a.comm.lsaSize, L = a.experts / R;
+    uint32_t* start = smem + size_t(R) * (L + 1);
+    return RecvTable{smem, start, start + R + 1};
+  }
+};
 
 // A send warp of `sendN`, done sending: wait for this CTA's receive table. Bounded by the
 // receive team: its own waits have deadlines, name the late peer and then publish
@@ -751,9 +762,8 @@ constexpr uint32_t kTableNotYet = 0, kTableReady = 1, kTableFailed = 2;
 // did, naming this rank itself: `gin-ep check --mode ll --stall R:ll-dispatch`); it only
 // guards against a receive team that never publishes. False when the table failed or this
 // wait timed out.
-__device__ bool wait_recv_table(const LlArgs& a, const uint32_t* table_smem) {
-  const int R = a.comm.lsaSize, L = a.experts / R;
-  const uint32_t* table = table_smem + size_t(R) * (L + 2) + 1;
+__device__ bool wait_recv_table(const LlArgs& a, uint32_t* table_smem) {
+  const uint32_t* table = RecvTable::at(a, table_smem).word;
   PollDeadline deadline;
   uint32_t st = kTableNotYet;
   for (uint32_t spin = 0; (st = ld_acquire_cta_shared(table)) == kTableNotYet; ++spin) {
@@ -769,7 +779,7 @@ __device__ bool wait_recv_table(const LlArgs& a, const uint32_t* table_smem) {
 }
 
 // The expand loop of a warp: items first_item, first_item + warps, ... of this dispatch, with
-// `first` / `start` the receive table (dispatch_recv_body). `warps` also sizes the items,
+// `first` / `start` the receive table (RecvTable, built by dispatch_recv_table). `warps` also sizes the items,
 // so every caller of one kernel passes the same. True when a wait failed (deadline).
 __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first, const uint32_t* start,
                              size_t first_item, size_t warps) {
@@ -934,11 +944,11 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
 __device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem, const Team& team) {
   const int R = a.comm.lsaSize, me = a.comm.lsaRank;
   const int E = a.experts, L = E / R, T = a.max_tokens;
-  // smem: meta copy [R][L + 1] (becomes first[s][e] after the scan), start[R + 1], then the
-  // table word (kTable*: whether first/start are ready, for the send warps of `sendN`).
-  uint32_t* first = smem;                        // [R][L + 1]; column 0 = token count
-  uint32_t* start = smem + size_t(R) * (L + 1);  // [R + 1] prefix of token counts
-  uint32_t* table = start + R + 1;
+  // first starts as a copy of the sources' counts (column 0 = token count).
+  const RecvTable rt = RecvTable::at(a, smem);
+  uint32_t* first = rt.first;
+  uint32_t* start = rt.start;
+  uint32_t* table = rt.word;
   const bool ready = (a.flags & kFlagReady) != 0;
   const bool early = ready || (a.flags & kFlagEarlyCounts) != 0;
   const int tid = team.tid;
@@ -996,11 +1006,9 @@ __device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem,
 // receive team's warps take the first ones; with send warps, the senders take the rest
 // once they have sent. A missed deadline (`ready`, `early`) stops the set's credits, like a
 // failed wait above. No credit here: the next kernel on the set pushes it (push_credits).
-__device__ void dispatch_expand(const LlArgs& a, uint32_t n, const uint32_t* table_smem, size_t first_item) {
-  const int R = a.comm.lsaSize, L = a.experts / R;
-  const uint32_t* first = table_smem;
-  const uint32_t* start = table_smem + size_t(R) * (L + 1);
-  if (expand_items(a, n, first, start, first_item, size_t(gridDim.x) * kWarps)) mark_failed(a);
+__device__ void dispatch_expand(const LlArgs& a, uint32_t n, uint32_t* table_smem, size_t first_item) {
+  const RecvTable rt = RecvTable::at(a, table_smem);
+  if (expand_items(a, n, rt.first, rt.start, first_item, size_t(gridDim.x) * kWarps)) mark_failed(a);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1374,9 +1382,8 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
   const int sw = fused_send_warps(a.flags);
   // The receive half's table lies after the send half's masks (ll.rs dispatch_fused_smem);
   // its state word is cleared before the send half's first barrier.
-  const int R = a.comm.lsaSize, L = a.experts / R;
-  uint32_t* table_smem = smem + size_t(2) * (a.experts + R) * ((a.max_tokens + 31) / 32);
-  if (threadIdx.x == 0) table_smem[size_t(R) * (L + 2) + 1] = kTableNotYet;
+  uint32_t* table_smem = smem + size_t(2) * (a.experts + a.comm.lsaSize) * ((a.max_tokens + 31) / 32);
+  if (threadIdx.x == 0) *RecvTable::at(a, table_smem).word = kTableNotYet;
   const bool sent = dispatch_send_body(a, n, smem, sw);
   // The receive half: every warp once all have sent, or (send warps) the other warps beside
   // the senders, which join the expand once they have sent.
