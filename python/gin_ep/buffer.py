@@ -830,43 +830,34 @@ class Buffer:
         l_id = g.ll(hidden, k, num_experts, t, dtype, self.num_rdma_bytes, self.ll_combine_order)
         set_ = g.ll_next[l_id]
         g.ll_next[l_id] = 1 - set_
-        g.ll_seq[l_id][set_] += 1
+        seqs = g.ll_seq[l_id]
+        seqs[set_] += 1
         # The kernels read these tensors and write the outputs below directly (zero-copy).
         xc = x.contiguous()
         idx = _gpu.as_i64(topk_idx)
-        dev = x.device
-        rows = r * t
-        if use_fp8:
-            data = _gpu.empty((local, rows, hidden), torch.uint8, dev)
-            # DeepEP's layout: column-major in the last two dimensions (the kernel writes it so).
-            sc = _gpu.empty((local, hidden // _native.FP8_BLOCK, rows), torch.float32, dev)
-            scales = sc.transpose(1, 2)
-            sc_span = _gpu.span(sc)
-        else:
-            data = _gpu.empty((local, rows, hidden), torch.bfloat16, dev)
-            scales = None
-            sc_span = None
-        recv_count = _gpu.empty((local,), torch.int32, dev)
-        layout_range = _gpu.empty((local, r), torch.int64, dev)
+        # FP8 scales in DeepEP's layout: column-major in the last two dimensions (the kernel
+        # writes it so).
+        data, scales, recv_count, layout_range = _gpu.ll_recv_outputs(local, r, t, hidden, use_fp8, x.device)
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
             _gpu.check_cuda("cumulative_local_expert_recv_stats", stats, torch.int32, dim=1)
             if stats.shape[0] != local or not stats.is_contiguous():
                 raise ValueError(f"cumulative_local_expert_recv_stats: shape {tuple(stats.shape)}, expected "
                                  f"a contiguous [{local}] int32 tensor")
-        outs = (_gpu.span(data), sc_span, _gpu.span(recv_count), _gpu.span(layout_range), _gpu.span(stats))
+        span = _gpu.span
+        outs = (span(data), span(scales), span(recv_count), span(layout_range), span(stats))
         if return_recv_hook:
-            g.ep.ll_dispatch(l_id, set_, "dispatch_send", n, _gpu.stream(), _gpu.span(xc), _gpu.span(idx),
+            g.ep.ll_dispatch(l_id, set_, "dispatch_send", n, _gpu.stream(), span(xc), span(idx),
                              None, None, None, None, None)
 
             def hook(keep=(data, scales, recv_count, layout_range, stats)):
                 # `keep`: the output tensors stay alive until the receive is queued.
                 g.ep.ll_dispatch(l_id, set_, "dispatch_recv", n, _gpu.stream(), None, None, *outs)
         else:
-            g.ep.ll_dispatch(l_id, set_, "dispatch", n, _gpu.stream(), _gpu.span(xc), _gpu.span(idx), *outs)
+            g.ep.ll_dispatch(l_id, set_, "dispatch", n, _gpu.stream(), span(xc), span(idx), *outs)
             hook = None
-        recv_x = (data.view(torch.float8_e4m3fn), scales) if use_fp8 else data
-        st = _gpu.GpuLlState(l_id, set_, g.ll_seq[l_id][set_], k, n)
+        recv_x = (data, scales) if use_fp8 else data
+        st = _gpu.GpuLlState(l_id, set_, seqs[set_], k, n)
         handle = (st, layout_range, t, hidden, num_experts)
         return recv_x, recv_count, handle, EventOverlap(_gpu.optional_event(async_finish)), hook
 
@@ -898,7 +889,7 @@ class Buffer:
         # The reduce reads which of the token's slots hold rows from these ids (as DeepEP's
         # combine takes them): they must be the dispatch's.
         idx = _gpu.as_i64(topk_idx)
-        w = topk_weights.to(torch.float32).contiguous()
+        w = _gpu.as_f32(topk_weights)
         if out is not None:
             _gpu.check_cuda("out", out, torch.bfloat16)
             if tuple(out.shape) != (st.num_tokens, hidden):
