@@ -145,7 +145,7 @@ pub struct CheckArgs {
     pub variants: Option<String>,
     /// With --gpus: instead of the cases, the never-hang check. Rank RANK stays alive but
     /// never enters OP (`ht-dispatch`, `ht-combine` with --mode ht; `ll-dispatch`,
-    /// `ll-combine` with --mode ll); every other rank must fail within
+    /// `ll-combine`, `ll-combine-rank-first` with --mode ll); every other rank must fail within
     /// --timeout with an error naming RANK as the late peer.
     #[arg(long, value_name = "RANK:OP")]
     pub stall: Option<String>,

@@ -142,7 +142,7 @@ fn bad_stall_spec_exits_2_naming_it() {
     );
     usage_error(
         &["check", "--gpus", "2", "--stall", "1:ll-nothing"],
-        "`ll-nothing` is not ht-dispatch, ht-combine, ll-dispatch or ll-combine",
+        "`ll-nothing` is not ht-dispatch, ht-combine, ll-dispatch, ll-combine or ll-combine-rank-first",
     );
     usage_error(
         &["check", "--gpus", "2", "--stall", "1:ll-combine", "--mode", "ht"],

@@ -18,7 +18,7 @@ use crate::backend::cuda::ll::{CudaLl, LlLayout};
 use crate::backend::cuda::{CudaRank, CudaRankOptions, DeviceBuffer};
 use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
 use crate::check::Case;
-use crate::config::{DispatchDtype, EpConfig};
+use crate::config::{DispatchDtype, EpConfig, LlCombineOrder};
 use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::ht::{HtCombineInput, HtDispatchOutput, RankInput};
@@ -581,11 +581,13 @@ pub enum StallOp {
     LlDispatch,
     /// The LL combine, after a dispatch it took part in (its peers wait for its rows).
     LlCombine,
+    /// The same in combine order `rank-first` (its peers also wait for its weights).
+    LlCombineRankFirst,
 }
 
 impl StallOp {
-    /// Parses `RANK:OP` with OP `ht-dispatch`, `ht-combine`, `ll-dispatch` or `ll-combine`
-    /// (`gin-ep check --stall`).
+    /// Parses `RANK:OP` with OP `ht-dispatch`, `ht-combine`, `ll-dispatch`, `ll-combine` or
+    /// `ll-combine-rank-first` (`gin-ep check --stall`).
     pub fn parse(text: &str, world: usize) -> Result<(usize, StallOp)> {
         let bad = |why: String| Error::config("stall", text, why);
         let (r, op) = text
@@ -603,10 +605,11 @@ impl StallOp {
             "ht-combine" => StallOp::HtCombine,
             "ll-dispatch" => StallOp::LlDispatch,
             "ll-combine" => StallOp::LlCombine,
+            "ll-combine-rank-first" => StallOp::LlCombineRankFirst,
             other => {
                 return Err(bad(format!(
-                    "`{other}` is not ht-dispatch, ht-combine, ll-dispatch or ll-combine"
-                )))
+                "`{other}` is not ht-dispatch, ht-combine, ll-dispatch, ll-combine or ll-combine-rank-first"
+            )))
             }
         };
         Ok((rank, op))
@@ -618,12 +621,16 @@ impl StallOp {
             StallOp::HtCombine => "ht-combine",
             StallOp::LlDispatch => "ll-dispatch",
             StallOp::LlCombine => "ll-combine",
+            StallOp::LlCombineRankFirst => "ll-combine-rank-first",
         }
     }
 
     /// Whether the operation is an LL one (`gin-ep check --mode ll --stall`).
     pub fn is_ll(self) -> bool {
-        matches!(self, StallOp::LlDispatch | StallOp::LlCombine)
+        matches!(
+            self,
+            StallOp::LlDispatch | StallOp::LlCombine | StallOp::LlCombineRankFirst
+        )
     }
 }
 
@@ -637,7 +644,13 @@ pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) 
     let r = group.world();
     let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?;
     let case = Case {
-        cfg: EpConfig::new(r, 32, 1024, 4, 64).with_dtype(DispatchDtype::Bf16),
+        cfg: EpConfig::new(r, 32, 1024, 4, 64)
+            .with_dtype(DispatchDtype::Bf16)
+            .with_ll_combine_order(if op == StallOp::LlCombineRankFirst {
+                LlCombineOrder::RankFirst
+            } else {
+                LlCombineOrder::Topk
+            }),
         workload: Workload {
             routing: Routing::Uniform,
             seed: 0x57A11,
