@@ -59,22 +59,10 @@
 //     expands a unit as soon as it has landed instead of after every CTA of every source.
 //     src sends no kDispSig then. Written only by src, read only by r; their reuse is
 //     covered by kDispAck like the records they stand for.
-//   - Combine ready words (variant `cready` only; u32, [T][slot][unit] at source s, slot = k
-//     for `topk`, the expert rank for `rank-first`, 512-channel units): each warp of the
-//     expert rank's combine send fences once (.sys) after all of its row stores and then
-//     stores n into the word of every (row, unit) it wrote at s; s's reduce waits for the
-//     words of the slots it adds instead of kCombSig, which is not sent then. Reuse is covered
-//     by kCombAck like the rows. A slot s expects (a valid top-k entry; a rank holding one of
-//     the token's experts) always gets its row, because the reduce reads the dispatch's
-//     topk_idx.
 //   - kCombWts[src] at expert rank r (order `rank-first` only): the CTA of src that serves r
 //     (one CTA per destination rank) adds 1 after writing src's weights into r's area (after
 //     op n: n). No credit is needed: r reads them in its combine send, before its kCombSig,
 //     and src's next combine on the set starts only after src's reduce saw that kCombSig.
-//     Variant `wtag`: no kCombWts; each weight is a u64 word (n << 32 | f32 bits), and r
-//     re-reads a weight until its tag is n. The same reuse argument holds with `cready`
-//     (which `wtag` needs): r publishes its ready words only after the rows it computed
-//     from those weights, so src's next combine starts after r read them.
 //   So no barrier sits on the critical path, no flag is ever cleared, and any sequence of
 //   dispatches and combines on a set is safe (double buffering = two sets, used alternately).
 // - The op number n of a set lives on the device (LlArgs::state), so a CUDA graph replays
@@ -166,17 +154,14 @@ struct LlArgs {
   uint32_t scales_col_major;   // 1: recv_scales is [L][H/128][R*T] (DeepEP), 0: [L][R*T][H/128]
   uint32_t pad2_;
   // Order `rank-first` (kCombOrderRankFirst); unused by `topk`:
-  uint64_t wts_offset;         // relative to set_offset: [R src][T][K] f32 top-k weights (`wtag`: u64)
+  uint64_t wts_offset;         // relative to set_offset: [R src][T][K] f32 top-k weights
   int32_t* comb_map;           // [R*T][2K + 3] i32 per staged record (map_ints): source, token, pairs
   uint32_t comb_order;         // kCombOrder*
   uint32_t pad3_;
   // Variant `ready` (kFlagReady); unused otherwise:
   uint64_t ready_offset;       // relative to set_offset: [R src][T][units] u32 ready words
-  // Variant `cready` (kFlagCombReady); unused otherwise:
-  uint64_t comb_ready_offset;  // relative to set_offset: [T][S][units] u32 (comb_ready_word)
 };
-static_assert(sizeof(LlArgs) == 496 && offsetof(LlArgs, comb_ready_offset) == 488 &&
-                  offsetof(LlArgs, ready_offset) == 480 && offsetof(LlArgs, err) == 368 && offsetof(LlArgs, flags) == 408 &&
+static_assert(sizeof(LlArgs) == 488 && offsetof(LlArgs, ready_offset) == 480 && offsetof(LlArgs, err) == 368 && offsetof(LlArgs, flags) == 408 &&
                   offsetof(LlArgs, stamps) == 416 && offsetof(LlArgs, user_count) == 424 &&
                   offsetof(LlArgs, scales_col_major) == 448 && offsetof(LlArgs, wts_offset) == 456 &&
                   offsetof(LlArgs, comb_order) == 472,
@@ -227,19 +212,9 @@ static_assert(kStCombWeights < kStampSlots, "stamps");
 //   warps [N, kWarps) run the receive half at the same time, so records are expanded while
 //   later ones are still in flight (without it every CTA first finishes sending). 0: all
 //   warps send, then all receive.
-// - kFlagCombReady (`cready`): the combine's ready words (comb_ready_word): every warp of
-//   the combine send fences once after all of its row stores and then publishes each
-//   (row slot, 512-channel unit) it wrote at the source; the reduce waits per item for the
-//   words of the slots it adds (no per-CTA data signal, no CTA barrier between send and
-//   reduce in the fused kernel), so tokens whose rows have landed are reduced while other
-//   rows are still in flight.
-// - kFlagWeightTags (`wtag`, with `cready`; order `rank-first` only): each source writes its
-//   weights as u64 words (op number << 32 | f32 bits) and sends no kCombWts; the expert rank
-//   checks the tag of every weight it uses (8-byte stores are single-copy atomic, so a word
-//   with tag n holds op n's weight) instead of waiting for every source's signal first.
 // (The fused one-kernel-per-operation variant is a host choice: other entry points.)
 constexpr uint32_t kFlagTokenMajor = 1u, kFlagPipeline = 2u, kFlagRotate = 4u, kFlagEarlyCounts = 8u,
-                   kFlagReady = 16u, kFlagCombReady = 32u, kFlagWeightTags = 64u;
+                   kFlagReady = 16u;
 constexpr int kFlagSendWarpsShift = 8;
 // Named barriers of the two teams of the fused dispatch with send warps (0 = the CTA's).
 constexpr int kBarSend = 1, kBarRecv = 2;
@@ -262,24 +237,10 @@ __device__ __forceinline__ void stamp_if(const LlArgs& a, int slot, bool writer)
   if (a.stamps != nullptr && writer && slot >= 0) a.stamps[size_t(blockIdx.x) * kStampSlots + slot] = globaltimer_ns();
 }
 __device__ __forceinline__ void stamp(const LlArgs& a, int slot) { stamp_if(a, slot, threadIdx.x == 0); }
-// Lane 0 of the calling warp raises the slot to now: the latest warp of the CTA sets it, with
-// no CTA barrier (variant `cready`, where the warps of a CTA do not wait for each other).
-// globaltimer only grows, so the previous operation's value is always below.
-__device__ __forceinline__ void stamp_warp_max(const LlArgs& a, int slot) {
-  if (a.stamps != nullptr && (threadIdx.x & 31) == 0) {
-    atomicMax(reinterpret_cast<unsigned long long*>(&a.stamps[size_t(blockIdx.x) * kStampSlots + slot]),
-              static_cast<unsigned long long>(globaltimer_ns()));
-  }
-}
 
 __device__ __forceinline__ uint32_t ld_volatile_u32(const uint32_t* p) {
   return *reinterpret_cast<const volatile uint32_t*>(p);
 }
-// One 8-byte access each (single-copy atomic when aligned): `wtag`'s tagged weights.
-__device__ __forceinline__ uint64_t ld_volatile_u64(const uint64_t* p) {
-  return *reinterpret_cast<const volatile uint64_t*>(p);
-}
-__device__ __forceinline__ void st_volatile_u64(uint64_t* p, uint64_t v) { *reinterpret_cast<volatile uint64_t*>(p) = v; }
 
 __device__ __forceinline__ float bf16_bits_to_f32(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
 
@@ -502,31 +463,6 @@ __device__ __forceinline__ uint32_t* ready_word(const LlArgs& a, int owner, int 
   const int units = (a.hidden + kDispatchUnit - 1) / kDispatchUnit;
   const size_t idx = (size_t(src) * a.max_tokens + slot) * units + u;
   return reinterpret_cast<uint32_t*>(lsa_ptr(a.win, a.set_offset + a.ready_offset + idx * 4, owner));
-}
-
-// Combine ready word of (token t, slot, 512-channel unit u) in owner's window (variant
-// `cready`): [T][S][units] u32, S = K for `topk` (slot = k), R for `rank-first` (slot = the
-// expert rank) (host: LlLayout::comb_ready_offset, sized for the larger S).
-constexpr int kCombReadyUnit = 512;
-__device__ __forceinline__ uint32_t* comb_ready_word(const LlArgs& a, int owner, int t, int slot, int u) {
-  const int units = (a.hidden + kCombReadyUnit - 1) / kCombReadyUnit;
-  const int S = a.comb_order == kCombOrderRankFirst ? a.comm.lsaSize : a.topk;
-  const size_t idx = (size_t(t) * S + slot) * units + u;
-  return reinterpret_cast<uint32_t*>(lsa_ptr(a.win, a.set_offset + a.comb_ready_offset + idx * 4, owner));
-}
-
-// End of a combine send warp's stores (variant `cready`): one system-scope fence (after the
-// warp barrier that orders every lane's stores before it; cumulative), then lane j
-// publishes the warp's j-th, (j + 32)-th, ... item (`publish(item)` stores the op number
-// into the item's ready words). Every lane fences (one warp instruction), so each lane's
-// ready stores follow a fence in its own program order.
-template <typename Publish>
-__device__ __forceinline__ void publish_comb_ready(size_t warp, size_t warps, size_t items, Publish publish) {
-  __syncwarp();
-  if (warp >= items) return;  // warp-uniform
-  fence_acq_rel_sys();
-  const int lane = threadIdx.x & 31;
-  for (size_t item = warp + size_t(lane) * warps; item < items; item += 32 * warps) publish(item);
 }
 
 // Quantizes 16 channels per lane, bit-exact with quant.rs: amax over the 128-channel block
@@ -790,15 +726,13 @@ struct StagedItem {
 // Variant `ready`: waits until ready word w holds op n (or a later one: wrapping compare).
 // The word is local; the back-off keeps hundreds of polling warps from crowding the L2 the
 // records are landing in (polls every 0.5 us starved incoming writes in the HT push combine).
-// `peer` wrote the word; `phase` names the wait in the error.
-__device__ bool wait_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int peer,
-                           uint32_t phase = kPhaseDispatchRecv) {
+__device__ bool wait_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int src) {
   PollDeadline deadline;
   for (uint32_t spin = 0;; ++spin) {
     if (int32_t(ld_acquire_sys_u32(w) - n) >= 0) return true;
     __nanosleep(32u << min(spin, 4u));
     if ((spin & 15u) == 15u &&
-        !deadline.ok(a.err, a.timeout_ns, static_cast<FabricPhase>(phase), peer, a.comm.lsaRank)) {
+        !deadline.ok(a.err, a.timeout_ns, static_cast<FabricPhase>(kPhaseDispatchRecv), src, a.comm.lsaRank)) {
       return false;
     }
   }
@@ -1106,30 +1040,14 @@ __device__ __forceinline__ int32_t entry_at(const LlArgs& a, int32_t held, uint3
   return j < 32 ? v : a.comb_map[size_t(g) * map_ints(a.topk) + j];
 }
 
-// A weight as loaded: (op number << 32) | f32 bits. Untagged weights (no `wtag`) were
-// signalled before they are read and get the current op's number on load.
 struct PartBatch {
   uint4 v[kPartialBatch][kPartialVecs];
-  uint64_t w[kPartialBatch];
-};
-
-// The sources' weights in this rank's window: [R src][T][K], f32 or (`wtag`) tagged u64.
-struct Weights {
-  const float* f32;
-  const uint64_t* tagged;  // non-null with `wtag`
-  uint32_t n;              // this combine's op number
-  __device__ __forceinline__ size_t at(const LlArgs& a, int s, int t, int k) const {
-    return (size_t(s) * a.max_tokens + t) * a.topk + k;
-  }
-  __device__ __forceinline__ uint64_t load(const LlArgs& a, int s, int t, int k) const {
-    if (tagged != nullptr) return ld_volatile_u64(tagged + at(a, s, t, k));
-    return (uint64_t(n) << 32) | __float_as_uint(f32[at(a, s, t, k)]);
-  }
+  float w[kPartialBatch];
 };
 
 // Pairs [p0, p0 + kPartialBatch) of entry `held` (record g): the expert rows' channels
 // c0.. of this lane (unless `weights_only`) and, when `with_w`, the source's weights.
-__device__ __forceinline__ void load_batch(const LlArgs& a, const Weights& wts, int32_t held, uint32_t g, int p0,
+__device__ __forceinline__ void load_batch(const LlArgs& a, const float* wts, int32_t held, uint32_t g, int p0,
                                            int c0, bool with_w, PartBatch& b, bool weights_only = false) {
   const int K = a.topk, H = a.hidden, T = a.max_tokens;
   const int s = __shfl_sync(0xffffffffu, held, 0), t = __shfl_sync(0xffffffffu, held, 1);
@@ -1141,7 +1059,7 @@ __device__ __forceinline__ void load_batch(const LlArgs& a, const Weights& wts, 
     const int32_t row = entry_at(a, held, g, kMapHeader + 2 * p);
     const int32_t k = entry_at(a, held, g, kMapHeader + 2 * p + 1);
     const bool use = st_ok && p < np && row >= 0 && k >= 0 && k < K;
-    if (with_w) b.w[i] = use ? wts.load(a, s, t, k) : uint64_t(wts.n) << 32;  // unused: +0.0, ready
+    if (with_w) b.w[i] = use ? wts[(size_t(s) * T + t) * K + k] : 0.0f;
     if (weights_only) continue;
     const uint16_t* y = a.y + size_t(use ? row : 0) * H;
 #pragma unroll
@@ -1152,48 +1070,16 @@ __device__ __forceinline__ void load_batch(const LlArgs& a, const Weights& wts, 
   }
 }
 
-// `wtag`: until every weight of batch p0 of entry `held` carries this op's tag, re-read the
-// late ones (the whole warp reads the same words, so the loop is warp-uniform). False when a
-// source missed the deadline.
-__device__ bool weights_ready(const LlArgs& a, const Weights& wts, int32_t held, uint32_t g, int p0, PartBatch& b) {
-  if (wts.tagged == nullptr) return true;
-  const int s = __shfl_sync(0xffffffffu, held, 0), t = __shfl_sync(0xffffffffu, held, 1);
-  const int np = min(max(__shfl_sync(0xffffffffu, held, 2), 0), a.topk);
-#pragma unroll
-  for (int i = 0; i < kPartialBatch; ++i) {
-    if (p0 + i >= np || uint32_t(b.w[i] >> 32) == wts.n) continue;
-    const int k = entry_at(a, held, g, kMapHeader + 2 * (p0 + i) + 1);
-    PollDeadline deadline;
-    for (uint32_t spin = 0; uint32_t((b.w[i] = wts.load(a, s, t, k)) >> 32) != wts.n; ++spin) {
-      __nanosleep(64u << min(spin, 4u));
-      if ((spin & 15u) == 15u && !deadline.ok(a.err, a.timeout_ns, static_cast<FabricPhase>(kPhaseCombineWeights),
-                                              s, a.comm.lsaRank)) {
-        return false;
-      }
-    }
-  }
-  return true;
-}
-
 __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   const int R = a.comm.lsaSize, me = a.comm.lsaRank;
   const int K = a.topk, H = a.hidden, T = a.max_tokens, N = a.num_tokens;
   stamp(a, kStCombStart);
   // Our weights into every rank's [me] slot (4 KB at 128 tokens x top-8), one rank per CTA
-  // (CTA b serves rank me + 1 + b, so the fences run in parallel), then that rank's signal;
-  // `wtag`: tagged u64 words and no signal.
-  const bool tags = (a.flags & kFlagWeightTags) != 0;
+  // (CTA b serves rank me + 1 + b, so the fences run in parallel), then that rank's signal.
   const size_t nw = size_t(N) * K;
-  const size_t slot = a.set_offset + a.wts_offset + size_t(me) * T * K * (tags ? 8 : 4);
+  const size_t slot = a.set_offset + a.wts_offset + size_t(me) * T * K * sizeof(float);
   for (int b = blockIdx.x; b < R; b += gridDim.x) {  // CTA-uniform
     const int q = (me + 1 + b) % R;
-    if (tags) {
-      uint64_t* dst = reinterpret_cast<uint64_t*>(lsa_ptr(a.win, slot, q));
-      for (size_t i = threadIdx.x; i < nw; i += blockDim.x) {
-        st_volatile_u64(dst + i, (uint64_t(n) << 32) | __float_as_uint(a.topk_weights[i]));
-      }
-      continue;
-    }
     float* dst = reinterpret_cast<float*>(lsa_ptr(a.win, slot, q));
     const bool vec = ((reinterpret_cast<uintptr_t>(a.topk_weights) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
     const size_t nv = vec ? nw / 4 : 0;
@@ -1211,9 +1097,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   const size_t items = size_t(records) * units;
   const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
-  const char* wbase = lsa_ptr(a.win, a.set_offset + a.wts_offset, me);
-  const Weights wts{reinterpret_cast<const float*>(wbase), tags ? reinterpret_cast<const uint64_t*>(wbase) : nullptr,
-                    n};
+  const float* wts = reinterpret_cast<const float*>(lsa_ptr(a.win, a.set_offset + a.wts_offset, me));
   // Records are sorted by source rank, so consecutive warps would all store to one source's
   // link at a time; a stride coprime with the record count visits every record once and
   // spreads neighbouring warps over the sources.
@@ -1239,10 +1123,8 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   // Credit: every source rank has reduced the previous combine of this set.
   if (!wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) return false;
   stamp(a, kStCombCredit);
-  if (!tags) {
-    if (!wait_all_peers(a, kCombWts, uint64_t(n), kPhaseCombineWeights)) return false;
-    stamp(a, kStCombWeights);
-  }
+  if (!wait_all_peers(a, kCombWts, uint64_t(n), kPhaseCombineWeights)) return false;
+  stamp(a, kStCombWeights);
   bool weighted = false;  // cur's weights are loaded
   for (; item < items; item += warps) {
     const uint32_t g = record(item);
@@ -1257,16 +1139,12 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     for (int i = 0; i < 8 * kPartialVecs; ++i) acc[i] = 0.0f;  // +0, as the oracle
     for (int p0 = 0; p0 < np; p0 += kPartialBatch) {
       if (p0 > 0) load_batch(a, wts, held, g, p0, c0, true, cur);  // more than a batch here
-      if (!weights_ready(a, wts, held, g, p0, cur)) {
-        mark_failed(a);
-        return false;  // `wtag` needs `cready`: no CTA barrier follows that this warp would miss
-      }
       // The fma chain over this rank's experts of the token, k ascending (pair order).
 #pragma unroll
       for (int b = 0; b < kPartialBatch; ++b) {
         if (p0 + b >= np) break;
 #pragma unroll
-        for (int i = 0; i < kPartialVecs; ++i) fma_bf16x8(__uint_as_float(uint32_t(cur.w[b])), cur.v[b][i], acc + i * 8);
+        for (int i = 0; i < kPartialVecs; ++i) fma_bf16x8(cur.w[b], cur.v[b][i], acc + i * 8);
       }
     }
     // The next item's rows and weights, before this item's stores.
@@ -1285,18 +1163,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     held = held_next;
     weighted = true;
   }
-  if ((a.flags & kFlagCombReady) != 0) {
-    static_assert(kPartialUnit == kCombReadyUnit, "a rank-first send unit is one ready word");
-    const int KM = map_ints(K);
-    publish_comb_ready(warp, warps, items, [&](size_t it) {
-      const uint32_t g = record(it);
-      const int s = a.comb_map[size_t(g) * KM], t = a.comb_map[size_t(g) * KM + 1];
-      if (s >= 0 && s < R && t >= 0 && t < T) st_relaxed_sys_u32(comb_ready_word(a, s, t, me, int(it % units)), n);
-    });
-    stamp_warp_max(a, kStCombSent);
-  } else {
-    signal_all_peers(a, kCombSig, kStCombSent, kStCombSignaled);
-  }
+  signal_all_peers(a, kCombSig, kStCombSent, kStCombSignaled);
   return true;
 }
 
@@ -1322,19 +1189,16 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
   const bool pipe = (a.flags & kFlagPipeline) != 0;
-  // The expert-major row of valid row g: expert = the last e with pre[e] <= g (binary
-  // search; warp-uniform in the send loop).
-  auto row_of = [&](uint32_t g) {
+  auto load = [&](size_t item) {
+    const uint32_t g = uint32_t(item / units);
+    const int u = int(item % units);
+    // Expert of valid row g: the last e with pre[e] <= g (binary search, warp-uniform).
     int lo = 0, hi = L;  // invariant: pre[lo] <= g < pre[hi]
     while (hi - lo > 1) {
       const int mid = (lo + hi) / 2;
       if (pre[mid] <= g) lo = mid; else hi = mid;
     }
-    return size_t(lo) * cap + (g - pre[lo]);
-  };
-  auto load = [&](size_t item) {
-    const int u = int(item % units);
-    const size_t row = row_of(uint32_t(item / units));
+    const size_t row = size_t(lo) * cap + (g - pre[lo]);
     CombUnit c;
     // The row's bytes first: they do not depend on the handle loads below.
     const uint16_t* y = a.y + row * H;
@@ -1366,20 +1230,7 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
     }
     if (next < items) cur = pipe ? nxt : load(next);
   }
-  if ((a.flags & kFlagCombReady) != 0) {
-    static_assert(kCombineUnit == 2 * kCombReadyUnit, "a topk send unit is two ready words");
-    const int words = (H + kCombReadyUnit - 1) / kCombReadyUnit;
-    publish_comb_ready(warp, warps, items, [&](size_t it) {
-      const size_t row = row_of(uint32_t(it / units));
-      const int s = a.src_rank[row], t = a.src_token[row], k = a.src_k[row];
-      if (s < 0 || s >= R || t < 0 || t >= T || k < 0 || k >= K) return;
-      const int w0 = int(it % units) * 2;
-      for (int w = w0; w < min(w0 + 2, words); ++w) st_relaxed_sys_u32(comb_ready_word(a, s, t, k, w), n);
-    });
-    stamp_warp_max(a, kStCombSent);
-  } else {
-    signal_all_peers(a, kCombSig, kStCombSent, kStCombSignaled);
-  }
+  signal_all_peers(a, kCombSig, kStCombSent, kStCombSignaled);
   return true;
 }
 
@@ -1389,29 +1240,12 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
 constexpr int kReduceUnit = 256;  // one vector of 8 bf16 per lane
 constexpr int kReduceBatch = 8;   // rows loaded before the fma chain consumes them
 
-// The reduce's wait for one combine ready word (variant `cready`; lane 0 of the warp only):
-// relaxed polls with a back-off of up to 1 us, then one acquire load of the word, which pairs
-// with the writer's fence. Thousands of warps polling words in this GPU's L2 with acquire
-// loads every 0.5 us starved the rows landing there (run 8b: 3.9 ms per combine, as the
-// HT push combine once was); one poller per warp, relaxed, and a longer back-off keep the
-// polls few.
-__device__ bool poll_comb_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int peer) {
-  PollDeadline deadline;
-  for (uint32_t spin = 0; int32_t(ld_volatile_u32(w) - n) < 0; ++spin) {
-    __nanosleep(64u << min(spin, 4u));
-    if ((spin & 7u) == 7u &&
-        !deadline.ok(a.err, a.timeout_ns, static_cast<FabricPhase>(kPhaseCombineRecv), peer, a.comm.lsaRank)) {
-      return false;
-    }
-  }
-  (void)ld_acquire_sys_u32(w);
-  return true;
-}
-
-// Bit r: rank r holds one of token t's experts (every lane of the warp gets the whole mask).
-__device__ __forceinline__ uint64_t token_rank_mask(const LlArgs& a, int t) {
-  const int K = a.topk, L = a.experts / a.comm.lsaSize;
+// Rank-first reduce of token t, channels c..c+8 of this lane: the partials of the ranks
+// holding the token's experts (from topk_idx), rank ascending, f32 adds from +0.
+__device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* comb, int t, int c, float* acc) {
+  const int K = a.topk, H = a.hidden, R = a.comm.lsaSize, L = a.experts / R;
   const int lane = threadIdx.x & 31;
+  // Bit r: rank r holds one of the token's experts (every lane gets the whole mask).
   uint32_t lo = 0, hi = 0;
   for (int k = lane; k < K; k += 32) {
     const int64_t e = a.topk_idx[size_t(t) * K + k];
@@ -1420,14 +1254,7 @@ __device__ __forceinline__ uint64_t token_rank_mask(const LlArgs& a, int t) {
       if (r < 32) lo |= 1u << r; else hi |= 1u << (r - 32);
     }
   }
-  return uint64_t(__reduce_or_sync(0xffffffffu, lo)) | (uint64_t(__reduce_or_sync(0xffffffffu, hi)) << 32);
-}
-
-// Rank-first reduce of token t, channels c..c+8 of this lane: the partials of the ranks in
-// `mask` (token_rank_mask), rank ascending, f32 adds from +0.
-__device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* comb, int t, int c, uint64_t mask,
-                                                  float* acc) {
-  const int H = a.hidden, R = a.comm.lsaSize;
+  uint64_t mask = uint64_t(__reduce_or_sync(0xffffffffu, lo)) | (uint64_t(__reduce_or_sync(0xffffffffu, hi)) << 32);
   while (mask != 0) {
     uint4 v[kReduceBatch];
     int nb = 0;
@@ -1458,13 +1285,8 @@ __device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* c
 __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
   const int N = a.num_tokens, K = a.topk, H = a.hidden, me = a.comm.lsaRank;
   stamp(a, kStCombRecv);
-  // `cready`: each item waits for the ready words of its own slots below instead.
-  const bool cready = (a.flags & kFlagCombReady) != 0;
-  if (!cready) {
-    if (!wait_all_peers(a, kCombSig, uint64_t(n) * gridDim.x, kPhaseCombineRecv)) return false;
-    stamp(a, kStCombSeen);
-  }
-  const int R = a.comm.lsaSize, L = a.experts / R;
+  if (!wait_all_peers(a, kCombSig, uint64_t(n) * gridDim.x, kPhaseCombineRecv)) return false;
+  stamp(a, kStCombSeen);
   const bool rank_first = a.comb_order == kCombOrderRankFirst;
   const int lane = threadIdx.x & 31;
   const int units = (H + kReduceUnit - 1) / kReduceUnit;
@@ -1478,35 +1300,10 @@ __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
   for (size_t item = warp; item < items; item += warps) {
     const int t = int(item / units);
     const int c = int(item % units) * kReduceUnit + lane * 8;
-    const uint64_t ranks = rank_first ? token_rank_mask(a, t) : 0;
-    if (cready) {
-      // Lane 0 waits for the words of the item's slots one after another (the ranks of
-      // `ranks`, or every valid top-k entry), then the warp barrier extends its acquires to
-      // the row loads of the whole warp.
-      const int u = int(item % units) * kReduceUnit / kCombReadyUnit;
-      bool ok = true;
-      if (lane == 0) {
-        if (rank_first) {
-          for (uint64_t m = ranks; m != 0 && ok; m &= m - 1) {
-            const int r = __ffsll(static_cast<long long>(m)) - 1;
-            ok = poll_comb_ready(a, comb_ready_word(a, me, t, r, u), n, r);
-          }
-        } else {
-          for (int k = 0; k < K && ok; ++k) {
-            const int64_t e = a.topk_idx[size_t(t) * K + k];
-            if (e >= 0 && e < a.experts) ok = poll_comb_ready(a, comb_ready_word(a, me, t, k, u), n, int(e / L));
-          }
-        }
-      }
-      if (__shfl_sync(0xffffffffu, int(ok), 0) == 0) {
-        mark_failed(a);
-        break;
-      }
-    }
     float acc[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] = 0.0f;  // +0, as the oracle
-    if (rank_first) reduce_rank_first(a, comb, t, c, ranks, acc);
+    if (rank_first) reduce_rank_first(a, comb, t, c, acc);
     for (int k0 = 0; k0 < K && !rank_first; k0 += kReduceBatch) {
       uint4 v[kReduceBatch];
       float w[kReduceBatch];
@@ -1631,8 +1428,7 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
   push_credits(a);
   const uint32_t n = read_op(a, kOpCombine);
   const bool sent = combine_send_body(a, n, smem);
-  // `cready`: no barrier, a warp reduces as soon as it has sent (its waits are per item).
-  if ((a.flags & kFlagCombReady) == 0) __syncthreads();
+  __syncthreads();
   if (sent) combine_recv_body(a, n);
   end_op(a, kOpCombine, n);
 }

@@ -83,15 +83,6 @@ pub struct LlVariant {
     /// send the records while the other `16 - N` expand what has landed, at the same time;
     /// 0 (no `sendN`): every warp sends, then every warp receives.
     pub send_warps: u32,
-    /// `cready`: the combine's ready words: every combine-send warp fences once after its
-    /// row stores and marks each (row slot, 512-channel unit) it wrote ready at the source;
-    /// the reduce waits per item for its own slots instead of every CTA's data signal, and
-    /// the fused combine has no CTA barrier between send and reduce.
-    pub comb_ready: bool,
-    /// `wtag` (with `cready`; combine order `rank-first`): sources write their weights as
-    /// u64 words tagged with the op number and send no weights signal; the expert rank checks
-    /// each weight's tag as it uses it instead of waiting for every source first.
-    pub weight_tags: bool,
     /// `fused`: one launch per operation (send, signal, wait, receive in every CTA). Needs
     /// the whole grid resident at once; refused when the occupancy does not allow it.
     pub fused: bool,
@@ -122,8 +113,6 @@ impl LlVariant {
         early_counts: false,
         ready: false,
         send_warps: 0,
-        comb_ready: false,
-        weight_tags: false,
         fused: false,
         grid: None,
     };
@@ -135,8 +124,6 @@ impl LlVariant {
             | (u32::from(self.rotate) << 2)
             | (u32::from(self.early_counts) << 3)
             | (u32::from(self.ready) << 4)
-            | (u32::from(self.comb_ready) << 5)
-            | (u32::from(self.weight_tags) << 6)
             | (self.send_warps << 8)
     }
 
@@ -161,12 +148,6 @@ impl LlVariant {
         let send = format!("send{}", self.send_warps);
         if self.send_warps != 0 {
             parts.push(&send);
-        }
-        if self.comb_ready {
-            parts.push("cready");
-        }
-        if self.weight_tags {
-            parts.push("wtag");
         }
         if self.fused {
             parts.push("fused");
@@ -223,12 +204,10 @@ impl LlVariant {
                         .ok_or_else(|| bad(format!("`{f}`: send warps must be 1 to {}", WARPS - 1)))?;
                     v.send_warps = w;
                 }
-                "cready" => v.comb_ready = true,
-                "wtag" => v.weight_tags = true,
                 "fused" => v.fused = true,
                 other => {
                     return Err(bad(format!(
-                        "unknown feature `{other}` (known: base, tok, pipe, rot, early, ready, sendN, cready, wtag, fused, then @G)"
+                        "unknown feature `{other}` (known: base, tok, pipe, rot, early, ready, sendN, fused, then @G)"
                     )))
                 }
             }
@@ -238,11 +217,6 @@ impl LlVariant {
                 "send{} splits the fused dispatch's warps: it needs `ready` and `fused`",
                 v.send_warps
             )));
-        }
-        if v.weight_tags && !v.comb_ready {
-            // A send warp that misses a tagged weight's deadline leaves the send loop on
-            // its own; only `cready` has no CTA barrier after the loop that it would skip.
-            return Err(bad("`wtag` needs `cready`".to_string()));
         }
         Ok(v)
     }
@@ -282,14 +256,6 @@ impl LlVariant {
             "tok+rot+ready+send8+fused@all",
             "tok+pipe+rot+ready+send4+fused@3",
             "ready+send12+fused@5",
-            "cready@3",
-            "pipe+cready@all",
-            "pipe+cready+fused@5",
-            "tok+rot+ready+send8+cready+fused@all",
-            "tok+pipe+rot+ready+send4+cready+fused@2",
-            "cready+wtag@3",
-            "tok+rot+ready+send8+cready+wtag+fused@all",
-            "pipe+cready+wtag+fused@2",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
@@ -318,9 +284,6 @@ impl LlVariant {
             "tok+rot+ready+send8+fused@all",
             "tok+pipe+rot+ready+send8+fused@all",
             "tok+pipe+rot+ready+send12+fused@all",
-            "tok+rot+ready+send8+cready+fused@all",
-            "tok+pipe+rot+ready+send8+cready+fused@all",
-            "tok+rot+ready+send8+cready+wtag+fused@all",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
@@ -335,8 +298,6 @@ pub const WARPS: u32 = THREADS / 32;
 /// Channels of one dispatch work unit (`kDispatchUnit` in ll.cu): the granularity of the
 /// `ready` words.
 pub const DISPATCH_UNIT: usize = 512;
-/// Channels per combine ready word (`kCombReadyUnit` in ll.cu, variant `cready`).
-pub const COMB_READY_UNIT: usize = 512;
 /// Most tokens per rank the LL kernels accept (`max_tokens_per_rank`).
 pub const MAX_TOKENS: usize = 1024;
 /// Most ranks in one LL group (all must be in one LSA team).
@@ -385,15 +346,11 @@ pub struct LlLayout {
     pub ready_offset: usize,
     /// `[R src][T]` records.
     pub stage_offset: usize,
-    /// `[R src][T][K]` top-k weights (combine order `rank-first`): f32, or u64 words
-    /// (op number << 32 | f32 bits) with `wtag`; sized for u64.
+    /// `[R src][T][K]` f32 top-k weights (combine order `rank-first`).
     pub wts_offset: usize,
     /// BF16 combine rows: `[T][K][H]` (order `topk`) or `[T][R][H]` (`rank-first`);
     /// sized for the larger.
     pub comb_offset: usize,
-    /// `[T][S][units]` u32 combine ready words (variant `cready`), S = K (`topk`) or R
-    /// (`rank-first`), sized for the larger; units = ceil(H / 512).
-    pub comb_ready_offset: usize,
     /// One buffer set.
     pub set_bytes: usize,
     /// The whole window: [`SETS`] sets.
@@ -441,10 +398,8 @@ impl LlLayout {
             (ready_offset + r * t * h.div_ceil(DISPATCH_UNIT) * 4).div_ceil(RECORD_ALIGN) * RECORD_ALIGN;
         let wts_offset = align16(stage_offset + r * t * record_bytes);
         // The combine rows, as the records: whole 128-byte lines per warp store.
-        let comb_offset = (wts_offset + r * t * k * 8).div_ceil(RECORD_ALIGN) * RECORD_ALIGN;
-        let comb_ready_offset = align16(comb_offset + t * k.max(r) * h * 2);
-        let set_bytes =
-            (comb_ready_offset + t * k.max(r) * h.div_ceil(COMB_READY_UNIT) * 4).div_ceil(4096) * 4096;
+        let comb_offset = (wts_offset + r * t * k * 4).div_ceil(RECORD_ALIGN) * RECORD_ALIGN;
+        let set_bytes = (comb_offset + t * k.max(r) * h * 2).div_ceil(4096) * 4096;
         let nch = t.div_ceil(32).max(1);
         let dispatch_send_smem = 2 * (e + r) * nch * 4;
         // first[R][L + 1], start[R + 1], the table word (ll.cu RecvTable).
@@ -471,7 +426,6 @@ impl LlLayout {
             stage_offset,
             wts_offset,
             comb_offset,
-            comb_ready_offset,
             set_bytes,
             window_bytes: SETS * set_bytes,
             dispatch_send_smem,
@@ -571,11 +525,9 @@ struct LlArgs {
     comb_order: u32,
     pad3: u32,
     ready_offset: u64,
-    comb_ready_offset: u64,
 }
 // Same numbers as the static_assert in kernels/ll/ll.cu.
-const _: () = assert!(std::mem::size_of::<LlArgs>() == 496);
-const _: () = assert!(std::mem::offset_of!(LlArgs, comb_ready_offset) == 488);
+const _: () = assert!(std::mem::size_of::<LlArgs>() == 488);
 const _: () = assert!(std::mem::offset_of!(LlArgs, ready_offset) == 480);
 const _: () = assert!(std::mem::offset_of!(LlArgs, wts_offset) == 456);
 const _: () = assert!(std::mem::offset_of!(LlArgs, comb_order) == 472);
@@ -1051,7 +1003,6 @@ impl<'r> CudaLl<'r> {
             },
             pad3: 0,
             ready_offset: self.layout.ready_offset as u64,
-            comb_ready_offset: self.layout.comb_ready_offset as u64,
         })
     }
 
@@ -2297,22 +2248,18 @@ mod tests {
         );
         // Staging, then the rank-first weights [R][T][K] f32, then the combine rows.
         assert_eq!(l.wts_offset, l.stage_offset + 4 * 128 * 7552);
-        assert_eq!(l.comb_offset, l.wts_offset + 4 * 128 * 8 * 8);
+        assert_eq!(l.comb_offset, l.wts_offset + 4 * 128 * 8 * 4);
         assert!(l.comb_offset.is_multiple_of(RECORD_ALIGN));
         let odd = LlLayout::new(&EpConfig::new(4, 8, 256, 3, 5)).unwrap();
         assert!(odd.stage_offset.is_multiple_of(128) && odd.comb_offset.is_multiple_of(128));
         assert!(odd.record_bytes.is_multiple_of(128));
-        // The combine ready words [T][max(K, R)][14] u32 after the combine rows.
-        assert_eq!(l.comb_ready_offset, l.comb_offset + 128 * 8 * 7168 * 2);
-        assert!(l.set_bytes >= l.comb_ready_offset + 128 * 8 * 14 * 4 && l.set_bytes.is_multiple_of(4096));
+        assert!(l.set_bytes >= l.comb_offset + 128 * 8 * 7168 * 2 && l.set_bytes.is_multiple_of(4096));
         assert_eq!(l.window_bytes, 2 * l.set_bytes);
         // (256 experts + 4 ranks) * 4 chunks * 8 bytes.
         assert_eq!(l.dispatch_send_smem, 260 * 4 * 8);
         // Top-1 over 4 ranks: rank-first combine rows [T][R][H] outgrow topk's [T][K][H].
         let one = LlLayout::new(&EpConfig::new(4, 8, 256, 1, 16)).unwrap();
         assert!(one.set_bytes >= one.comb_offset + 16 * 4 * 256 * 2);
-        assert!(one.comb_ready_offset >= one.comb_offset + 16 * 4 * 256 * 2);
-        assert!(one.set_bytes >= one.comb_ready_offset + 16 * 4 * 4);
     }
 
     #[test]
@@ -2335,15 +2282,6 @@ mod tests {
         let r = LlVariant::parse("ready+tok+fused@all").unwrap();
         assert_eq!(r.kernel_flags(), 17);
         assert_eq!(r.name(), "tok+ready+fused@all");
-        let c = LlVariant::parse("cready+pipe").unwrap();
-        assert!(c.comb_ready && c.pipeline && !c.ready);
-        assert_eq!(c.kernel_flags(), 2 | 32);
-        assert_eq!(c.name(), "pipe+cready");
-        let w = LlVariant::parse("wtag+cready+fused").unwrap();
-        assert_eq!(w.kernel_flags(), 32 | 64);
-        assert_eq!(w.name(), "cready+wtag+fused");
-        let e = LlVariant::parse("wtag+fused").unwrap_err().to_string();
-        assert!(e.contains("`wtag` needs `cready`"), "{e}");
         let s = LlVariant::parse("tok+ready+send8+fused").unwrap();
         assert_eq!(s.kernel_flags(), 17 | (8 << 8));
         assert_eq!(s.name(), "tok+ready+send8+fused");
