@@ -607,9 +607,8 @@ impl StallOp {
             "ll-combine" => StallOp::LlCombine,
             "ll-combine-rank-first" => StallOp::LlCombineRankFirst,
             other => {
-                return Err(bad(format!(
-                "`{other}` is not ht-dispatch, ht-combine, ll-dispatch, ll-combine or ll-combine-rank-first"
-            )))
+                let known = "ht-dispatch, ht-combine, ll-dispatch, ll-combine or ll-combine-rank-first";
+                return Err(bad(format!("`{other}` is not {known}")));
             }
         };
         Ok((rank, op))
@@ -1289,6 +1288,27 @@ fn sweep_inner(
 mod tests {
     use super::*;
     use crate::group::StoreServer;
+
+    #[test]
+    fn stall_ops_parse_their_names_and_refuse_others() {
+        let ops = [
+            StallOp::HtDispatch,
+            StallOp::HtCombine,
+            StallOp::LlDispatch,
+            StallOp::LlCombine,
+            StallOp::LlCombineRankFirst,
+        ];
+        for op in ops {
+            assert_eq!(StallOp::parse(&format!("1:{}", op.name()), 2).unwrap(), (1, op));
+            assert_eq!(op.is_ll(), op.name().starts_with("ll-"));
+        }
+        assert!(StallOp::parse("2:ll-combine", 2).is_err());
+        let e = StallOp::parse("0:ll-combine-topk", 2).unwrap_err().to_string();
+        assert!(
+            e.contains("`ll-combine-topk` is not") && e.contains("ll-combine-rank-first"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn gpu_cases_cover_the_required_shapes_and_are_valid() {
