@@ -1,7 +1,7 @@
 """Python-call overhead of gin_ep.Buffer on GPUs: time per call of dispatch, combine,
 low_latency_dispatch and low_latency_combine, by CUDA events (device time) and by the
-host clock (call returned), on every GPU of this host (or --world). Compare the device
-figures with `gin-ep bench --mode ht|ll` at the same shape.
+host clock (call returned; rank 0's, and the slowest rank's), on every GPU of this host (or
+--world). Compare the device figures with `gin-ep bench --mode ht|ll` at the same shape.
 
     python python/bench_overhead.py --world 2 --tokens 4096 --hidden 7168 --topk 8 --experts 256
 """
@@ -198,13 +198,18 @@ def worker(rank, world, init, a):
                 _, _, gh, _, _ = out["l"]
                 out["c"] = buf.low_latency_combine(y, idx[:ln], w[:ln], gh)
             rows.append((f"{name} + combine (graph)",) + graphed(both, a.iters))
+    # Every rank's host time: a collective call runs at the pace of the slowest process, so
+    # rank 0's host time alone does not explain a device time above it.
+    hosts = [None] * world
+    dist.all_gather_object(hosts, [hst for _, _, hst in rows])
     if rank == 0:
         print(f"world {world}, HT {n} tokens, LL {ln} tokens, hidden {h}, top-{k} of {e} experts, "
               f"{a.iters} calls each")
-        print(f"{'operation':<36}{'device us/call':>16}{'host us/call':>14}")
-        for name, d, hst in rows:
+        print(f"{'operation':<36}{'device us/call':>16}{'host us/call':>14}{'slowest host':>14}")
+        for i, (name, d, hst) in enumerate(rows):
             dev = "-" if d != d else f"{d:.1f}"  # NaN: a host-timed row (sync each)
-            print(f"{name:<36}{dev:>16}{hst:>14.1f}")
+            slow = max(hs[i] for hs in hosts)
+            print(f"{name:<36}{dev:>16}{hst:>14.1f}{slow:>14.1f}")
         sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
