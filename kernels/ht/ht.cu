@@ -322,6 +322,11 @@ __device__ __forceinline__ uint32_t ld_relaxed_gpu_u32(const uint32_t* p) {
   return v;
 }
 
+// Rows of an expert padded to the expert alignment (the per-expert counts DESIGN.md returns).
+__device__ __forceinline__ uint32_t aligned_rows(uint32_t rows, uint32_t alignment) {
+  return (rows + alignment - 1u) / alignment * alignment;
+}
+
 // The 16-bit code of a topk id: the id, or -2 when outside [-1, E).
 __device__ __forceinline__ int16_t id_code(int64_t e, int E) { return int16_t(e < -1 || e >= E ? -2 : int(e)); }
 
@@ -647,7 +652,7 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
     // The per-expert counts go out before the status: the host acts on the status word
     // before this kernel ends (exact sizing) and may read the counts at once.
     for (int e = 0; e < L && status == kStatusOk; ++e)
-      a.counts_host[e] = (s_hist[e] + a.alignment - 1u) / a.alignment * a.alignment;
+      a.counts_host[e] = aligned_rows(s_hist[e], a.alignment);
     h[kPlanDetail] = detail;
     h[kPlanNumRecv] = num_recv;
     h[kPlanPeer] = uint32_t(peer);
@@ -660,7 +665,7 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
     for (int e = tid; e < L; e += kLayoutTile) {
       const uint32_t sum = s_hist[e];
       local[e] = sum;
-      aligned[e] = (sum + a.alignment - 1u) / a.alignment * a.alignment;
+      aligned[e] = aligned_rows(sum, a.alignment);
     }
   }
   __syncthreads();
@@ -970,6 +975,15 @@ __device__ __forceinline__ uint32_t stage_chunk(uint32_t p, uint32_t len) {
   return 256u - d;
 }
 
+// Row r of a window's stage words ([R][kStageChunks + 2] u64, below).
+template <typename Word>
+__device__ __forceinline__ Word* stage_words_row(Word* words, int r) {
+  return words + size_t(r) * (kStageChunks + 2);
+}
+// Whether staged rows move between this rank and `peer`: pull mode, only this rank's own
+// window (its stage blocks copy there, peer == me); push mode, every other rank's.
+__device__ __forceinline__ bool stages_with(int peer, int me, bool push) { return push ? peer != me : peer == me; }
+
 // Stage words (comb_stage, [R][kStageChunks + 2] u64 per rank): in rank d's window, word
 // [r][c] = seq once chunk c of rank r's copied rows is in d's comb_x (push mode: the rows r
 // pushed to d; pull mode, only row d of d's own window: the rows d staged for its peers to
@@ -987,14 +1001,14 @@ __device__ void stage_mark_scanner(const HtArgs& a, int R, int me, bool push) {
   uint64_t* words = reinterpret_cast<uint64_t*>(lsa_ptr(a.win, a.off_comb_stage, me));
   const uint64_t tag = a.seq << 16;
   // Pull mode: this rank's own row (its stage blocks' copies); push mode: every peer's row.
-  uint32_t mine = (lane < R && (push ? lane != me : lane == me)) ? 0u : uint32_t(kStageChunks);
+  uint32_t mine = (lane < R && stages_with(lane, me, push)) ? 0u : uint32_t(kStageChunks);
   PollDeadline deadline;  // lane 0's decides for the warp
   for (uint32_t spin = 0; __any_sync(0xFFFFFFFFu, mine < uint32_t(kStageChunks)); ++spin) {
     bool advanced = false;
     for (int r = 0; r < R; ++r) {
       const uint32_t n = __shfl_sync(0xFFFFFFFFu, mine, r);
       if (n >= uint32_t(kStageChunks)) continue;
-      uint64_t* row = words + size_t(r) * (kStageChunks + 2);
+      uint64_t* row = stage_words_row(words, r);
       const uint32_t i = n + uint32_t(lane);
       const bool in = i < uint32_t(kStageChunks) && ld_acquire_sys(&row[i]) >= a.seq;
       const uint32_t out = __ballot_sync(0xFFFFFFFFu, !in);  // past the end counts as "not in"
@@ -1081,9 +1095,9 @@ __device__ void stage_comb_x(const HtArgs& a, int R, int me, bool push) {
     } else {
       __syncthreads();
     }
-    if (cw == 0 && lane < R && (push ? lane != me : lane == me)) {
+    if (cw == 0 && lane < R && stages_with(lane, me, push)) {
       uint64_t* w = reinterpret_cast<uint64_t*>(lsa_ptr(a.win, a.off_comb_stage, lane));
-      st_release_sys(w + size_t(me) * (kStageChunks + 2) + c, a.seq);
+      st_release_sys(stage_words_row(w, me) + c, a.seq);
     }
   }
 }
@@ -1141,8 +1155,7 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
     const int at = push ? me : tid;
     s_cx[tid] = lsa_ptr(a.win, a.off_comb_x, at);
     s_cw[tid] = lsa_ptr(a.win, a.off_comb_w, tid);
-    s_stage[tid] = reinterpret_cast<const uint64_t*>(lsa_ptr(a.win, a.off_comb_stage, at)) +
-                   size_t(tid) * (kStageChunks + 2);
+    s_stage[tid] = stage_words_row(reinterpret_cast<const uint64_t*>(lsa_ptr(a.win, a.off_comb_stage, at)), tid);
     s_base[tid] = ld_volatile_u32(a.plan + kPlanHead + R + 1 + tid);
     s_len[tid] = ld_volatile_u32(a.plan + kPlanHead + R + 1 + R + tid);  // tokens_per_rank
     s_mark[tid] = 0u;

@@ -219,6 +219,11 @@ constexpr int kFlagSendWarpsShift = 8;
 // Named barriers of the two teams of the fused dispatch with send warps (0 = the CTA's).
 constexpr int kBarSend = 1, kBarRecv = 2;
 
+// Whether each source signals its counts (kDispCnt) before its records, so the receiver
+// waits for those first and for the data per source (`early`) or per unit (`ready`, which
+// needs the counts the same way).
+__device__ __forceinline__ bool counts_first(uint32_t flags) { return (flags & (kFlagEarlyCounts | kFlagReady)) != 0; }
+
 // Warps per CTA that send records in the fused dispatch (kWarps: all, then all receive).
 __device__ __forceinline__ int fused_send_warps(uint32_t flags) {
   const int v = int((flags >> kFlagSendWarpsShift) & 31u);
@@ -227,10 +232,6 @@ __device__ __forceinline__ int fused_send_warps(uint32_t flags) {
 
 // ---------------------------------------------------------------------------------------
 // Small device helpers
-
-__device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
-  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
 
 // Thread 0 of the CTA records the time in slot `slot` of this CTA's stamp row (when asked).
 __device__ __forceinline__ void stamp_if(const LlArgs& a, int slot, bool writer) {
@@ -363,7 +364,7 @@ __device__ void signal_all_peers(const LlArgs& a, int kind, int before, int afte
   __syncthreads();
   stamp(a, before);
   for (int p = threadIdx.x; p < a.comm.lsaSize; p += blockDim.x) {
-    red_add_release_sys(sig_word(a, p, kind, a.comm.lsaRank), 1);
+    red_release_sys_add(sig_word(a, p, kind, a.comm.lsaRank), 1);
   }
   stamp(a, after);
 }
@@ -634,9 +635,9 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
           lsa_ptr(a.win, a.set_offset + a.meta_offset + (size_t(me) * (L + 1) + j) * 4, dst));
       *m = v;
     }
-    if ((a.flags & (kFlagEarlyCounts | kFlagReady)) != 0) {
+    if (counts_first(a.flags)) {
       __syncthreads();  // CTA 0 only (blockIdx is uniform in the CTA)
-      for (int p = threadIdx.x; p < R; p += blockDim.x) red_add_release_sys(sig_word(a, p, kDispCnt, me), 1);
+      for (int p = threadIdx.x; p < R; p += blockDim.x) red_release_sys_add(sig_word(a, p, kDispCnt, me), 1);
     }
   }
 
@@ -787,7 +788,7 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
   const int K = a.topk, L = a.experts / R, H = a.hidden, T = a.max_tokens;
   const size_t cap = size_t(R) * T;
   const bool ready = (a.flags & kFlagReady) != 0;
-  const bool early = ready || (a.flags & kFlagEarlyCounts) != 0;
+  const bool early = counts_first(a.flags);
   const int lane = threadIdx.x & 31;
   const int units = (H + kDispatchUnit - 1) / kDispatchUnit;
   // Items: (record, chunk of `per` consecutive units); `per` is the smallest chunk (up to
@@ -950,7 +951,7 @@ __device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem,
   uint32_t* start = rt.start;
   uint32_t* table = rt.word;
   const bool ready = (a.flags & kFlagReady) != 0;
-  const bool early = ready || (a.flags & kFlagEarlyCounts) != 0;
+  const bool early = counts_first(a.flags);
   const int tid = team.tid;
   stamp_if(a, kStDispRecv, tid == 0);
   // `early`: only the counts now (CTA 0 of each source, +1 per op); each warp waits for the
@@ -1088,7 +1089,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     }
     for (size_t i = nv * 4 + threadIdx.x; i < nw; i += blockDim.x) dst[i] = a.topk_weights[i];
     __syncthreads();
-    if (threadIdx.x == 0) red_add_release_sys(sig_word(a, q, kCombWts, me), 1);  // release, cumulative
+    if (threadIdx.x == 0) red_release_sys_add(sig_word(a, q, kCombWts, me), 1);  // release, cumulative
   }
 
   const int lane = threadIdx.x & 31;
