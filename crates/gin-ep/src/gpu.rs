@@ -586,6 +586,15 @@ pub enum StallOp {
 }
 
 impl StallOp {
+    /// Every operation, in the order the CLI lists them.
+    pub const ALL: [StallOp; 5] = [
+        StallOp::HtDispatch,
+        StallOp::HtCombine,
+        StallOp::LlDispatch,
+        StallOp::LlCombine,
+        StallOp::LlCombineRankFirst,
+    ];
+
     /// Parses `RANK:OP` with OP `ht-dispatch`, `ht-combine`, `ll-dispatch`, `ll-combine` or
     /// `ll-combine-rank-first` (`gin-ep check --stall`).
     pub fn parse(text: &str, world: usize) -> Result<(usize, StallOp)> {
@@ -600,18 +609,15 @@ impl StallOp {
         if rank >= world {
             return Err(bad(format!("rank {rank} is not below the {world} GPUs")));
         }
-        let op = match op.trim() {
-            "ht-dispatch" => StallOp::HtDispatch,
-            "ht-combine" => StallOp::HtCombine,
-            "ll-dispatch" => StallOp::LlDispatch,
-            "ll-combine" => StallOp::LlCombine,
-            "ll-combine-rank-first" => StallOp::LlCombineRankFirst,
-            other => {
-                let known = "ht-dispatch, ht-combine, ll-dispatch, ll-combine or ll-combine-rank-first";
-                return Err(bad(format!("`{other}` is not {known}")));
+        let op = op.trim();
+        match StallOp::ALL.into_iter().find(|o| o.name() == op) {
+            Some(o) => Ok((rank, o)),
+            None => {
+                let names: Vec<&str> = StallOp::ALL.iter().map(|o| o.name()).collect();
+                let (last, rest) = names.split_last().expect("StallOp::ALL is not empty");
+                Err(bad(format!("`{op}` is not {} or {last}", rest.join(", "))))
             }
-        };
-        Ok((rank, op))
+        }
     }
 
     pub fn name(self) -> &'static str {
@@ -1291,14 +1297,7 @@ mod tests {
 
     #[test]
     fn stall_ops_parse_their_names_and_refuse_others() {
-        let ops = [
-            StallOp::HtDispatch,
-            StallOp::HtCombine,
-            StallOp::LlDispatch,
-            StallOp::LlCombine,
-            StallOp::LlCombineRankFirst,
-        ];
-        for op in ops {
+        for op in StallOp::ALL {
             assert_eq!(StallOp::parse(&format!("1:{}", op.name()), 2).unwrap(), (1, op));
             assert_eq!(op.is_ll(), op.name().starts_with("ll-"));
         }

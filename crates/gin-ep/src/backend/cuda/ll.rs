@@ -390,15 +390,15 @@ impl LlLayout {
         let payload = if fp8 { h } else { 2 * h };
         let scales = if fp8 { h / FP8_BLOCK * 4 } else { 0 };
         let meta_in_record = align16(payload + scales);
-        let record_bytes = (meta_in_record + (2 * k + 1) * 4).div_ceil(RECORD_ALIGN) * RECORD_ALIGN;
+        let record_bytes = (meta_in_record + (2 * k + 1) * 4).next_multiple_of(RECORD_ALIGN);
         let sig_offset = 0;
         let meta_offset = align16(sig_offset + SIG_KINDS * r * 8);
         let ready_offset = align16(meta_offset + r * (l + 1) * 4);
         let stage_offset =
-            (ready_offset + r * t * h.div_ceil(DISPATCH_UNIT) * 4).div_ceil(RECORD_ALIGN) * RECORD_ALIGN;
+            (ready_offset + r * t * h.div_ceil(DISPATCH_UNIT) * 4).next_multiple_of(RECORD_ALIGN);
         let wts_offset = align16(stage_offset + r * t * record_bytes);
         // The combine rows, as the records: whole 128-byte lines per warp store.
-        let comb_offset = (wts_offset + r * t * k * 4).div_ceil(RECORD_ALIGN) * RECORD_ALIGN;
+        let comb_offset = (wts_offset + r * t * k * 4).next_multiple_of(RECORD_ALIGN);
         let set_bytes = (comb_offset + t * k.max(r) * h * 2).div_ceil(4096) * 4096;
         let nch = t.div_ceil(32).max(1);
         let dispatch_send_smem = 2 * (e + r) * nch * 4;
