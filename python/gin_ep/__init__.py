@@ -4,8 +4,8 @@
 
 is a drop-in for `from deep_ep import Buffer, Config, EventOverlap, topk_idx_t`. With a
 gloo process group and CPU tensors the ranks run gin-ep's host backend (shared memory,
-one host); the GPU path (NCCL group, CUDA tensors) is not wired yet and raises
-NotImplementedError. See python/README.md.
+one host); with an NCCL group and CUDA tensors, gin-ep's CUDA kernels. The LL calls trace
+under torch.compile as the custom ops `torch.ops.gin_ep.*` (_ops.py). See python/README.md.
 """
 
 from . import _native

@@ -22,7 +22,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _gpu, _native
+from . import _gpu, _native, _ops
 from ._convert import GPU_PATH, check, check_cpu, from_bytes, to_bytes
 from .utils import CompletedEvent, EventOverlap
 
@@ -117,6 +117,17 @@ def _hook() -> None:
     """Receive hook of the host backend: the data arrived before the call returned."""
 
 
+# HT calls are not traced: torch.compile breaks its graph around them and runs them
+# eagerly (Dynamo cannot follow the native calls). Costs 0.4 us of host time per eager call.
+_eager_only = torch.compiler.disable
+
+
+def _copy_into(out: Optional[torch.Tensor], combined: torch.Tensor) -> None:
+    """`out=` of an LL combine the kernel could not write itself (not contiguous)."""
+    if out is not None and combined is not out:
+        out.copy_(combined)
+
+
 class Buffer:
     """Expert-parallel communication buffers, DeepEP V1's `deep_ep.Buffer` interface.
 
@@ -157,6 +168,9 @@ class Buffer:
             raise ValueError(f"ht_recv_slabs = {ht_recv_slabs!r}: must be an int in "
                              f"0..{_native.MAX_RECV_SLABS - 1}")
         self._ht_recv_slabs = ht_recv_slabs
+        # For the torch.compile ops (_ops.py): how they find this Buffer and their handles.
+        self._op_id = _ops.register(self)
+        self._op_handles = _ops.new_handles()
         self.ll_combine_order = ll_combine_order
         self.runtime = None
         self._server = None
@@ -352,6 +366,7 @@ class Buffer:
 
     # ------------------------------------------------------------ layout
 
+    @_eager_only
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False) -> \
@@ -416,6 +431,7 @@ class Buffer:
         return torch.cat([t, pad]) if t.dtype != torch.float8_e4m3fn else \
             torch.cat([t.view(torch.uint8), pad.view(torch.uint8)]).view(torch.float8_e4m3fn)
 
+    @_eager_only
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
                  handle: Optional[Tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None, num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -502,6 +518,7 @@ class Buffer:
         handle = (st, None, None, recv_src_idx, in_rank, None)
         return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event
 
+    @_eager_only
     def combine(self, x: torch.Tensor, handle: Tuple,
                 topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
@@ -583,6 +600,10 @@ class Buffer:
                                "round_scale=True gives power-of-two f32 scales)")
         if use_per_tensor_quantization or static_scale is not None:
             raise _unsupported("low_latency_dispatch per-tensor quantization (use_per_tensor_quantization, static_scale)")
+        if torch.compiler.is_compiling():
+            return _ops.traced_ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                           cumulative_local_expert_recv_stats, use_fp8, round_scale,
+                                           async_finish, return_recv_hook)
         if self._gpu is not None:
             return self._gpu_ll_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                          cumulative_local_expert_recv_stats, use_fp8, round_scale,
@@ -632,6 +653,9 @@ class Buffer:
         self._live()
         if use_logfmt:
             raise _unsupported("low_latency_combine(use_logfmt=True)")
+        if torch.compiler.is_compiling():
+            return _ops.traced_ll_combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                                          return_recv_hook, out)
         if self._gpu is not None:
             return self._gpu_ll_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
                                         return_recv_hook, out)
@@ -827,37 +851,37 @@ class Buffer:
         t = int(num_max_dispatch_tokens_per_rank)
         r = self.group_size
         local = num_experts // r
-        l_id = g.ll(hidden, k, num_experts, t, dtype, self.num_rdma_bytes, self.ll_combine_order)
-        set_ = g.ll_next[l_id]
-        g.ll_next[l_id] = 1 - set_
-        seqs = g.ll_seq[l_id]
-        seqs[set_] += 1
-        # The kernels read these tensors and write the outputs below directly (zero-copy).
-        xc = x.contiguous()
-        idx = _gpu.as_i64(topk_idx)
-        # FP8 scales in DeepEP's layout: column-major in the last two dimensions (the kernel
-        # writes it so).
-        data, scales, recv_count, layout_range = _gpu.ll_recv_outputs(local, r, t, hidden, use_fp8, x.device)
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
             _gpu.check_cuda("cumulative_local_expert_recv_stats", stats, torch.int32, dim=1)
             if stats.shape[0] != local or not stats.is_contiguous():
                 raise ValueError(f"cumulative_local_expert_recv_stats: shape {tuple(stats.shape)}, expected "
                                  f"a contiguous [{local}] int32 tensor")
+        l_id = g.ll(hidden, k, num_experts, t, dtype, self.num_rdma_bytes, self.ll_combine_order)
+        # Every argument is checked above: a rejected call leaves the buffer sets as they were.
+        set_ = g.ll_next[l_id]
+        g.ll_next[l_id] = 1 - set_
+        seqs = g.ll_seq[l_id]
+        seqs[set_] += 1
+        st = _gpu.GpuLlState(l_id, set_, seqs[set_], k, n)
+        # The kernels read these tensors and write the outputs below directly (zero-copy).
+        xc = x.contiguous()
+        idx = _gpu.as_i64(topk_idx)
+        # FP8 scales in DeepEP's layout: column-major in the last two dimensions (the kernel
+        # writes it so).
+        data, scales, recv_count, layout_range = _gpu.ll_recv_outputs(local, r, t, hidden, use_fp8, x.device)
         span = _gpu.span
-        outs = (span(data), span(scales), span(recv_count), span(layout_range), span(stats))
         if return_recv_hook:
             g.ep.ll_dispatch(l_id, set_, "dispatch_send", n, _gpu.stream(), span(xc), span(idx),
                              None, None, None, None, None)
 
-            def hook(keep=(data, scales, recv_count, layout_range, stats)):
-                # `keep`: the output tensors stay alive until the receive is queued.
-                g.ep.ll_dispatch(l_id, set_, "dispatch_recv", n, _gpu.stream(), None, None, *outs)
+            def hook():
+                self._ll_dispatch_recv(st, data, scales, recv_count, layout_range, stats)
         else:
-            g.ep.ll_dispatch(l_id, set_, "dispatch", n, _gpu.stream(), span(xc), span(idx), *outs)
+            g.ep.ll_dispatch(l_id, set_, "dispatch", n, _gpu.stream(), span(xc), span(idx), span(data),
+                             span(scales), span(recv_count), span(layout_range), span(stats))
             hook = None
         recv_x = (data, scales) if use_fp8 else data
-        st = _gpu.GpuLlState(l_id, set_, seqs[set_], k, n)
         handle = (st, layout_range, t, hidden, num_experts)
         return recv_x, recv_count, handle, EventOverlap(_gpu.optional_event(async_finish)), hook
 
@@ -897,21 +921,35 @@ class Buffer:
         # The kernel writes `out` itself when it can (contiguous), else a new tensor.
         combined = out if out is not None and out.is_contiguous() else \
             _gpu.empty((st.num_tokens, hidden), torch.bfloat16, x.device)
-        ys, ids, ws, cs = _gpu.span(xc), _gpu.span(idx), _gpu.span(w), _gpu.span(combined)
-
-        def receive(op):
-            g.ep.ll_combine(st.ll, st.set, op, _gpu.stream(), ys if op == "combine" else None, ids, ws, cs)
-            if out is not None and combined is not out:
-                out.copy_(combined)
-
         if return_recv_hook:
-            g.ep.ll_combine(st.ll, st.set, "combine_send", _gpu.stream(), ys, ids, ws, None)
+            g.ep.ll_combine(st.ll, st.set, "combine_send", _gpu.stream(), _gpu.span(xc), _gpu.span(idx),
+                            _gpu.span(w), None)
 
-            def hook(keep=(idx, w, combined)):
-                # `keep`: the weights and output stay alive until the receive is queued.
-                receive("combine_recv")
+            def hook():
+                self._ll_combine_recv(st, idx, w, combined)
+                _copy_into(out, combined)
         else:
-            receive("combine")
+            g.ep.ll_combine(st.ll, st.set, "combine", _gpu.stream(), _gpu.span(xc), _gpu.span(idx), _gpu.span(w),
+                            _gpu.span(combined))
+            _copy_into(out, combined)
             hook = None
         result = out if out is not None else combined
         return result, EventOverlap(_gpu.optional_event(async_finish)), hook
+
+    def _ll_dispatch_recv(self, st, data, scales, recv_count, layout_range, stats) -> None:
+        """The receive half of an LL dispatch sent with `return_recv_hook=True`, writing
+        into the given outputs (the hook's own, or the copies torch.compile may pass to
+        `gin_ep::ll_dispatch_recv`). The host backend received before the send returned."""
+        if self._gpu is None:
+            return
+        span = _gpu.span
+        self._gpu.ep.ll_dispatch(st.ll, st.set, "dispatch_recv", st.num_tokens, _gpu.stream(), None, None,
+                                 span(data), span(scales), span(recv_count), span(layout_range), span(stats))
+
+    def _ll_combine_recv(self, st, idx, w, combined) -> None:
+        """The receive half of an LL combine sent with `return_recv_hook=True`: reduces into
+        `combined` with the token's ids and weights (int64 / f32, contiguous)."""
+        if self._gpu is None:
+            return
+        self._gpu.ep.ll_combine(st.ll, st.set, "combine_recv", _gpu.stream(), None, _gpu.span(idx),
+                                _gpu.span(w), _gpu.span(combined))

@@ -1,7 +1,8 @@
 """gin_ep.Buffer on GPUs (NCCL process group, CUDA tensors) on 2 and 4 GPUs, bit for bit
 against gin-ep's oracle: layout, HT dispatch (BF16, FP8, cached), HT combine (weights,
 biases), LL dispatch (BF16, FP8, power-of-two scales; receive hooks), LL combine (plain,
-zero-copy, out=), CUDA events and a CUDA-graph capture of LL. Skipped without 2 GPUs."""
+zero-copy, out=), CUDA events, a CUDA-graph capture of LL, and LL under torch.compile
+(aot_eager, the cudagraphs backend, mode='reduce-overhead'). Skipped without 2 GPUs."""
 
 import os
 import sys
@@ -266,6 +267,26 @@ def ll_worker(rank, world):
         ep.ll_dispatch(l_id, 0, "dispatch", 5, stream, (small.data_ptr(), 16), None, None, None, None, None,
                        None)
     torch.cuda.synchronize()
+
+
+def ll_compile_worker(rank, world):
+    from torch.utils._triton import has_triton
+
+    from _ll_compile import compile_worker
+    modes = [("aot_eager", {"backend": "aot_eager"}), ("cudagraphs", {"backend": "cudagraphs"})]
+    if has_triton():
+        modes.append(("reduce-overhead", {"mode": "reduce-overhead"}))
+    elif rank == 0:
+        print("no triton in this torch: torch.compile(mode='reduce-overhead') not tried")
+    # Five calls: a CUDA-graph mode warms up, records, then replays three times.
+    compile_worker(rank, world, torch.device("cuda", rank), modes, graphed={"cudagraphs", "reduce-overhead"},
+                   calls=5)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpu_ll_compile(world):
+    _need(world)
+    run(world, ll_compile_worker)
 
 
 @pytest.mark.parametrize("world", [2, 4])
