@@ -139,10 +139,43 @@ def split(buf, fn, iters, rank, label):
         print(f"host split {label}: total {total / iters * 1e6:.1f} us/call; {parts}")
 
 
+def _cpulist(text):
+    cpus = []
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def pin(rank, world):
+    """Pins this process to CPUs of its GPU's NUMA node (sysfs local_cpulist), its own share
+    when several ranks' GPUs sit on one node. Returns the CPUs, or None where unknown."""
+    p = torch.cuda.get_device_properties(rank)
+    dev = f"{getattr(p, 'pci_domain_id', 0):04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+    try:
+        with open(f"/sys/bus/pci/devices/{dev}/local_cpulist") as f:
+            local = _cpulist(f.read())
+    except (OSError, ValueError):
+        local = None
+    lists = [None] * world
+    dist.all_gather_object(lists, local)
+    if local is None:
+        return None
+    sharing = [r for r in range(world) if lists[r] == local]
+    share = max(1, len(local) // len(sharing))
+    mine = local[sharing.index(rank) * share:][:share] or local
+    os.sched_setaffinity(0, mine)
+    return mine
+
+
 def worker(rank, world, init, a):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
+    if a.pin:
+        cpus = pin(rank, world)
+        print(f"rank {rank}: pinned to CPUs {cpus[0]}-{cpus[-1]} ({len(cpus)})" if cpus else
+              f"rank {rank}: GPU's local CPUs unknown, not pinned")
     from gin_ep import Buffer
     dev = torch.device("cuda", rank)
     g = torch.Generator(device=dev).manual_seed(rank)
@@ -232,6 +265,8 @@ def main():
                         "the synced HT dispatch calls)")
     p.add_argument("--split", action="store_true",
                    help="rank 0 prints the host time of the LL dispatch calls spent in native calls vs the rest")
+    p.add_argument("--pin", action="store_true",
+                   help="pin each rank to CPUs of its GPU's NUMA node (its own share of them)")
     a = p.parse_args()
     if a.world < 2:
         sys.exit("needs at least 2 GPUs")

@@ -19,8 +19,9 @@ with `fullgraph=True`, and the compiled graph can be captured in a CUDA graph
 the method does. The differences under torch.compile:
 - `buffer` is the Buffer's id (ops take no Python objects); `Buffer` registers itself.
 - Slot 0 of the LL handle is a one-byte `token` tensor instead of the state object (DeepEP's
-  handle has a tensor there too); the Buffer maps the token's address to the dispatch's
-  state, for the last `_MAX_HANDLES` dispatches (LL keeps two in flight).
+  handle has a tensor there too); the Buffer maps the token (its address, and the tensor
+  itself by weak reference) to the dispatch's state, for the last `_MAX_HANDLES` dispatches
+  (LL keeps two in flight).
 - BF16 dispatch returns an empty `scales` from the op; the method returns `recv_x` alone.
 - The receive hooks call the `*_recv` ops, which take the outputs they complete as
   arguments: the compiler may hand them copies (functionalization), and the receive then
@@ -71,18 +72,37 @@ def _key(token: torch.Tensor):
 def _remember(buf, token: torch.Tensor, handle: tuple) -> None:
     handles = buf._op_handles
     handles.pop(_key(token), None)
+    if len(handles) >= _MAX_HANDLES:
+        for key in [k for k, (ref, _) in handles.items() if ref() is None]:
+            del handles[key]
     while len(handles) >= _MAX_HANDLES:
         handles.popitem(last=False)
-    handles[_key(token)] = handle
+    # A weak reference: the entry holds only while the token lives, so a later tensor at a
+    # freed token's address is not taken for it.
+    handles[_key(token)] = (weakref.ref(token), handle)
 
 
 def _recall(buf, token: torch.Tensor) -> tuple:
     if not isinstance(token, torch.Tensor):
         raise TypeError("handle: expected the handle returned by gin_ep.Buffer.low_latency_dispatch")
-    handle = buf._op_handles.get(_key(token))
-    if handle is None:
+    ref, handle = buf._op_handles.get(_key(token), (None, None))
+    if ref is None or ref() is not token:
         raise ValueError(f"LL handle unknown to this Buffer: its token ({token.device}, {token.data_ptr():#x}) "
                          f"is not one of the last {_MAX_HANDLES} dispatches' (traced LL calls)")
+    return handle
+
+
+def traced_handle(handle) -> bool:
+    """Whether `handle` came from a traced dispatch (slot 0 a token)."""
+    return isinstance(handle, (tuple, list)) and len(handle) == 5 and isinstance(handle[0], torch.Tensor)
+
+
+def eager_handle(buf, handle):
+    """The eager form of a handle a traced dispatch returned (slot 0 a token), so a combine
+    outside torch.compile takes it; any other handle as it is."""
+    if traced_handle(handle):
+        st, _, t, hidden, num_experts = _recall(buf, handle[0])
+        return (st, handle[1], t, hidden, num_experts)
     return handle
 
 
@@ -144,12 +164,11 @@ def traced_ll_dispatch(buf, x, topk_idx, num_max_dispatch_tokens_per_rank, num_e
     data, scales, recv_count, layout_range, token = torch.ops.gin_ep.ll_dispatch(
         bid, x, topk_idx, stats, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
         return_recv_hook)
-    hook = None
-    if return_recv_hook:
-        def hook():
-            torch.ops.gin_ep.ll_dispatch_recv(bid, token, data, scales, recv_count, layout_range, stats)
+    def hook():
+        torch.ops.gin_ep.ll_dispatch_recv(bid, token, data, scales, recv_count, layout_range, stats)
     handle = (token, layout_range, num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
-    return (data, scales) if use_fp8 else data, recv_count, handle, EventOverlap(None), hook
+    return (data, scales) if use_fp8 else data, recv_count, handle, EventOverlap(None), \
+        (hook if return_recv_hook else None)
 
 
 # ------------------------------------------------------------------------ combine
@@ -188,12 +207,10 @@ def traced_ll_combine(buf, x, topk_idx, topk_weights, handle, zero_copy, async_f
         x = buf.get_next_low_latency_combine_buffer(handle)
     bid, token = buf._op_id, handle[0]
     combined = torch.ops.gin_ep.ll_combine(bid, x, topk_idx, topk_weights, token, return_recv_hook)
-    hook = None
-    if return_recv_hook:
-        def hook():
-            torch.ops.gin_ep.ll_combine_recv(bid, token, topk_idx, topk_weights, combined)
-            if out is not None:
-                out.copy_(combined)
-    elif out is not None:
+    def hook():
+        torch.ops.gin_ep.ll_combine_recv(bid, token, topk_idx, topk_weights, combined)
+        if out is not None:
+            out.copy_(combined)
+    if not return_recv_hook and out is not None:
         out.copy_(combined)
-    return out if out is not None else combined, EventOverlap(None), hook
+    return out if out is not None else combined, EventOverlap(None), (hook if return_recv_hook else None)

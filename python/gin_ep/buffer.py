@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import _gpu, _native, _ops
-from ._convert import GPU_PATH, check, check_cpu, from_bytes, to_bytes
+from ._convert import check, check_cpu, from_bytes, to_bytes
 from .utils import CompletedEvent, EventOverlap
 
 #: dtype of `topk_idx` (DeepEP's `topk_idx_t`).
@@ -654,8 +654,17 @@ class Buffer:
         if use_logfmt:
             raise _unsupported("low_latency_combine(use_logfmt=True)")
         if torch.compiler.is_compiling():
-            return _ops.traced_ll_combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
-                                          return_recv_hook, out)
+            if _ops.traced_handle(handle):
+                return _ops.traced_ll_combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                                              return_recv_hook, out)
+            # An eager dispatch's handle holds Python state the ops cannot take: this combine
+            # runs eagerly, between graphs.
+            return self._ll_combine_untraced(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                                             return_recv_hook, out)
+        return self._ll_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out)
+
+    def _ll_combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out):
+        handle = _ops.eager_handle(self, handle)
         if self._gpu is not None:
             return self._gpu_ll_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
                                         return_recv_hook, out)
@@ -676,6 +685,8 @@ class Buffer:
             combined = out
         return combined, EventOverlap(CompletedEvent() if async_finish else None), \
             (_hook if return_recv_hook else None)
+
+    _ll_combine_untraced = _eager_only(_ll_combine)
 
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
         """The `[L, R*T, H]` bf16 tensor a `zero_copy=True` LL combine reads (filled by

@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 
 import _dist
-from _inputs import routing
+from _inputs import routing, same_bits
 from _ll_compile import RecordingBackend, T, HIDDEN, compile_worker
-from gin_ep import Buffer
+from gin_ep import Buffer, _native
+from gin_ep._convert import from_bytes, to_bytes
 
 
 def compile_cpu_worker(rank, world):
@@ -23,6 +24,28 @@ def compile_cpu_worker(rank, world):
         torch.ops.gin_ep.ll_combine(buf._op_id, torch.zeros(1, world * T, HIDDEN, dtype=torch.bfloat16),
                                     torch.zeros(1, 3, dtype=torch.int64), torch.zeros(1, 3),
                                     torch.empty(1, dtype=torch.uint8), False)
+
+    # A handle from a traced dispatch works in an eager combine, and an eager dispatch's
+    # handle in a compiled combine (which then runs eagerly, between graphs).
+    experts, local = 2 * world, 2
+    inputs = routing(world, [5, 16], HIDDEN, 3, experts, seed=31)
+    x, idx, w = inputs[rank]
+    cfg = _native.EpConfig(world, experts, HIDDEN, 3, T, "bf16")
+    ref = _native.oracle_ll_dispatch(cfg, [to_bytes(i[0]) for i in inputs], [to_bytes(i[1]) for i in inputs])
+
+    def y_of(r):
+        return torch.randn(local, world * T, HIDDEN, generator=torch.Generator().manual_seed(70 + r)).to(
+            torch.bfloat16)
+    cref = _native.oracle_ll_combine(cfg, [ref[r][3] for r in range(world)], [to_bytes(y_of(r)) for r in range(world)],
+                                     [to_bytes(i[1]) for i in inputs], [to_bytes(i[2]) for i in inputs])
+    _, _, handle, _, _ = torch.compile(lambda x, i: buf.low_latency_dispatch(x, i, T, experts, use_fp8=False),
+                                       backend="aot_eager", fullgraph=True)(x, idx)
+    assert isinstance(handle[0], torch.Tensor)
+    out, _, _ = buf.low_latency_combine(y_of(rank), idx, w, handle)
+    same_bits("eager combine of a traced dispatch", out, from_bytes(cref[rank], torch.bfloat16, (len(x), HIDDEN)))
+    _, _, eager_h, _, _ = buf.low_latency_dispatch(x, idx, T, experts, use_fp8=False)
+    out = torch.compile(lambda y: buf.low_latency_combine(y, idx, w, eager_h)[0], backend="aot_eager")(y_of(rank))
+    same_bits("compiled combine of an eager dispatch", out, from_bytes(cref[rank], torch.bfloat16, (len(x), HIDDEN)))
 
     # HT inside a compiled function: layout, dispatch, expert work, combine.
     experts = 4 * world

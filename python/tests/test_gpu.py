@@ -257,6 +257,14 @@ def ll_worker(rank, world):
         torch.cuda.synchronize()
         same_bits("graph combined_x", gout.cpu(), from_bytes(cref[rank], torch.bfloat16, (tokens[rank], HIDDEN)))
 
+    # A dispatch rejected for its arguments leaves the buffer sets as they were.
+    sets = dict(buf._gpu.ll_next)
+    with pytest.raises(ValueError, match="cumulative_local_expert_recv_stats"):
+        buf.low_latency_dispatch(xd, idd, T, experts, use_fp8=False,
+                                 cumulative_local_expert_recv_stats=torch.zeros(local + 1, dtype=torch.int32,
+                                                                               device=dev))
+    assert buf._gpu.ll_next == sets
+
     # Caller memory is checked before anything is queued, on every rank alike: an address
     # that is not device memory, and a tensor too small for the operation.
     ep, l_id, stream = buf._gpu.ep, next(iter(buf._gpu.lls.values())), torch.cuda.current_stream().cuda_stream
