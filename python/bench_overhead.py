@@ -231,6 +231,18 @@ def worker(rank, world, init, a):
                 _, _, gh, _, _ = out["l"]
                 out["c"] = buf.low_latency_combine(y, idx[:ln], w[:ln], gh)
             rows.append((f"{name} + combine (graph)",) + graphed(both, a.iters))
+        if a.compiled:
+            def step():
+                _, _, ch, _, _ = buf.low_latency_dispatch(x[:ln], idx[:ln], a.ll_tokens, e, use_fp8=fp8)
+                return buf.low_latency_combine(y, idx[:ln], w[:ln], ch)[0]
+            # torch.compile's CUDA graphs: warm-up, record, then replays (timed's warm-up calls).
+            # Static addresses: CUDA-graph replays would otherwise copy every input into the
+            # graph's own buffers first (y alone is 470 MB at the default shape), which a model
+            # computing y inside the compiled graph would not do.
+            for t in (x, idx, w, y):
+                torch._dynamo.mark_static_address(t)
+            rows.append((f"{name} + combine (compiled)",) +
+                        timed(torch.compile(step, mode="reduce-overhead", fullgraph=True), a.iters))
     # Every rank's host time: a collective call runs at the pace of the slowest process, so
     # rank 0's host time alone does not explain a device time above it.
     hosts = [None] * world
@@ -258,6 +270,8 @@ def main():
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--graphs", action="store_true", help="also replay LL dispatch + combine as a CUDA graph")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time LL dispatch + combine under torch.compile(mode='reduce-overhead')")
     p.add_argument("--sync-each", action="store_true",
                    help="also time HT calls with a stream sync after each (as gin-ep bench's total row)")
     p.add_argument("--profile", action="store_true",
