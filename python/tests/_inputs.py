@@ -43,3 +43,29 @@ def same_bits(name, a, b):
     if not torch.equal(ab, bb):
         diff = (ab != bb).nonzero()
         raise AssertionError(f"{name}: {diff.shape[0]} elements differ, first at {diff[0].tolist()}")
+
+
+def check_ll_recv(name, ref, recv_x, recv_count, layout_range, local, world, max_tokens, hidden, use_fp8):
+    """Asserts an LL dispatch's outputs (on any device) equal the oracle's entry `ref` of
+    this rank, `(x bytes, scale bytes, counts, native)`, bit for bit: counts, every valid row
+    of every local expert (FP8 data and column-major scales, or BF16), and layout_range."""
+    rx, rs, rcount, native = ref
+    same_bits(f"{name} recv_count", recv_count.cpu(), torch.tensor(rcount, dtype=torch.int32))
+    shape = (local, world * max_tokens, hidden)
+    if use_fp8:
+        data, scales = recv_x
+        assert tuple(scales.shape) == (local, world * max_tokens, hidden // 128) and scales.stride(1) == 1, \
+            (tuple(scales.shape), scales.stride())
+        want = from_bytes(rx, torch.uint8, shape).view(torch.float8_e4m3fn)
+        want_s = from_bytes(rs, torch.float32, (local, world * max_tokens, hidden // 128))
+        for e in range(local):
+            c = rcount[e]
+            same_bits(f"{name} recv_x[{e}]", data[e, :c].cpu(), want[e, :c])
+            same_bits(f"{name} scales[{e}]", scales[e, :c].cpu(), want_s[e, :c])
+    else:
+        assert tuple(recv_x.shape) == shape, tuple(recv_x.shape)
+        want = from_bytes(rx, torch.bfloat16, shape)
+        for e in range(local):
+            same_bits(f"{name} recv_x[{e}]", recv_x[e, :rcount[e]].cpu(), want[e, :rcount[e]])
+    want_range = torch.tensor([(f << 32) | c for f, c in native.layout_range], dtype=torch.int64).view(local, world)
+    same_bits(f"{name} layout_range", layout_range.cpu(), want_range)

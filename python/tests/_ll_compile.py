@@ -5,7 +5,7 @@ test_gpu.py (NCCL, CUDA tensors)."""
 import torch
 import torch.distributed as dist
 
-from _inputs import routing, same_bits
+from _inputs import check_ll_recv, routing, same_bits
 from gin_ep import Buffer, _native
 from gin_ep._convert import from_bytes, to_bytes
 
@@ -94,26 +94,9 @@ def compile_worker(rank, world, dev, modes, graphed=(), calls=3):
                                                  [to_bytes(y_of(r)) for r in range(world)],
                                                  [to_bytes(i[1]) for i in inputs], [to_bytes(i[2]) for i in inputs])
                 recv_x, count, layout_range, out = fn(x.to(dev), idx.to(dev), w.to(dev), y_of(rank).to(dev))
-                rx, rs, rcount, native = ref[rank]
+                rcount = ref[rank][2]
                 name = f"{mode} {dtype} call {it}"
-                same_bits(f"{name} recv_count", _cpu(count), torch.tensor(rcount, dtype=torch.int32))
-                shape = (local, world * T, HIDDEN)
-                if use_fp8:
-                    data, scales = recv_x
-                    assert scales.stride(1) == 1, scales.stride()
-                    want = from_bytes(rx, torch.uint8, shape).view(torch.float8_e4m3fn)
-                    want_s = from_bytes(rs, torch.float32, (local, world * T, HIDDEN // 128))
-                    for e in range(local):
-                        c = rcount[e]
-                        same_bits(f"{name} recv_x[{e}]", _cpu(data[e, :c]), want[e, :c])
-                        same_bits(f"{name} scales[{e}]", _cpu(scales[e, :c]), want_s[e, :c])
-                else:
-                    want = from_bytes(rx, torch.bfloat16, shape)
-                    for e in range(local):
-                        same_bits(f"{name} recv_x[{e}]", _cpu(recv_x[e, :rcount[e]]), want[e, :rcount[e]])
-                want_range = torch.tensor([(f << 32) | c for f, c in native.layout_range],
-                                          dtype=torch.int64).view(local, world)
-                same_bits(f"{name} layout_range", _cpu(layout_range), want_range)
+                check_ll_recv(name, ref[rank], recv_x, count, layout_range, local, world, T, HIDDEN, use_fp8)
                 same_bits(f"{name} combined_x", _cpu(out),
                           from_bytes(cref[rank], torch.bfloat16, (tokens[rank], HIDDEN)))
                 if step_stats is not None:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import _dist
-from _inputs import quantize, routing, same_bits
+from _inputs import check_ll_recv, quantize, routing, same_bits
 from gin_ep import Buffer, _native
 from gin_ep._convert import from_bytes, to_bytes
 
@@ -189,30 +189,12 @@ def ll_worker(rank, world):
         buf.ll_combine_order = order
         cfg = _native.EpConfig(world, experts, HIDDEN, TOPK, T, dtype, ll_combine_order=order)
         ref = _native.oracle_ll_dispatch(cfg, [to_bytes(i[0]) for i in inputs], [to_bytes(i[1]) for i in inputs])
-        rx, rs, rcount, _ = ref[rank]
         recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(
             x.to(dev), idx.to(dev), T, experts, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
             round_scale=round_scale, return_recv_hook=hook_path)
         if hook_path:
             hook()
-        same_bits("recv_count", cpu(recv_count), torch.tensor(rcount, dtype=torch.int32))
-        shape = (local, world * T, HIDDEN)
-        if use_fp8:
-            data, scales = recv_x
-            assert scales.stride(1) == 1, scales.stride()
-            want = from_bytes(rx, torch.uint8, shape).view(torch.float8_e4m3fn)
-            want_s = from_bytes(rs, torch.float32, (local, world * T, HIDDEN // 128))
-            for e in range(local):
-                c = rcount[e]
-                same_bits(f"{dtype} recv_x[{e}]", cpu(data[e, :c]), want[e, :c])
-                same_bits(f"{dtype} scales[{e}]", cpu(scales[e, :c]), want_s[e, :c])
-        else:
-            want = from_bytes(rx, torch.bfloat16, shape)
-            for e in range(local):
-                same_bits(f"bf16 recv_x[{e}]", cpu(recv_x[e, :rcount[e]]), want[e, :rcount[e]])
-        want_range = torch.tensor([(f << 32) | c for f, c in ref[rank][3].layout_range],
-                                  dtype=torch.int64).view(local, world)
-        same_bits(f"{dtype} layout_range", cpu(handle[1]), want_range)
+        check_ll_recv(dtype, ref[rank], recv_x, recv_count, handle[1], local, world, T, HIDDEN, use_fp8)
         cref = _native.oracle_ll_combine(cfg, [ref[r][3] for r in range(world)],
                                          [to_bytes(y_of(r)) for r in range(world)],
                                          [to_bytes(i[1]) for i in inputs], [to_bytes(i[2]) for i in inputs])

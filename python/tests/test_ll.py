@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import _dist
-from _inputs import routing, same_bits
+from _inputs import check_ll_recv, routing, same_bits
 from gin_ep import Buffer, _native
 from gin_ep._convert import from_bytes, to_bytes
 
@@ -34,7 +34,7 @@ def ll_worker(rank, world):
         buf.ll_combine_order = order
         cfg = _native.EpConfig(world, experts, HIDDEN, TOPK, T, dtype, ll_combine_order=order)
         ref = _native.oracle_ll_dispatch(cfg, [to_bytes(i[0]) for i in inputs], [to_bytes(i[1]) for i in inputs])
-        rx, rs, rcount, _ = ref[rank]
+        rcount = ref[rank][2]
         recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(
             x, idx, T, experts, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
             round_scale=round_scale, return_recv_hook=hook_path)
@@ -43,22 +43,7 @@ def ll_worker(rank, world):
             hook()
         else:
             assert hook is None
-        same_bits("recv_count", recv_count, torch.tensor(rcount, dtype=torch.int32))
-        shape = (local, world * T, HIDDEN)
-        if use_fp8:
-            data, scales = recv_x
-            assert scales.shape == (local, world * T, HIDDEN // 128) and scales.stride(1) == 1
-            want = from_bytes(rx, torch.uint8, shape).view(torch.float8_e4m3fn)
-            want_s = from_bytes(rs, torch.float32, (local, world * T, HIDDEN // 128))
-            for e in range(local):
-                c = rcount[e]
-                same_bits(f"{dtype} recv_x[{e}]", data[e, :c], want[e, :c])
-                same_bits(f"{dtype} scales[{e}]", scales[e, :c], want_s[e, :c])
-        else:
-            want = from_bytes(rx, torch.bfloat16, shape)
-            assert recv_x.shape == shape
-            for e in range(local):
-                same_bits(f"bf16 recv_x[{e}]", recv_x[e, :rcount[e]], want[e, :rcount[e]])
+        check_ll_recv(dtype, ref[rank], recv_x, recv_count, handle[1], local, world, T, HIDDEN, use_fp8)
         src_info, layout_range, t, hidden, n_exp = handle
         assert (t, hidden, n_exp) == (T, HIDDEN, experts) and layout_range.shape == (local, world)
         assert (layout_range & 0xFFFFFFFF).sum().item() == sum(rcount)
