@@ -94,7 +94,8 @@ def ll_recv_outputs(local, ranks, max_tokens, hidden, fp8, device):
     """The tensors one LL dispatch writes, `(data, scales, recv_count, layout_range)`: data
     `[L, R*T, H]` (e4m3, or BF16 with scales None); f32 scales `[L, R*T, H/128]`, column-major
     in the last two dimensions (DeepEP's layout, the kernel writes it so); recv_count `[L]`
-    int32; layout_range `[L, R]` int64.
+    int32; layout_range `[L, R]` int64. The same layout as the host backend's outputs, so
+    `gin_ep::ll_dispatch`'s fake implementation (_ops.py) describes both with it.
 
     Host time, the reason for its form: each tensor is allocated with its final dtype and
     strides (e4m3 data, no `view`; scales by `empty_strided`, no `transpose`) and its sizes

@@ -39,7 +39,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _gpu, _native
+from . import _gpu
 from .utils import EventOverlap
 
 # Dispatch states a Buffer remembers by token address. LL keeps two operations in flight
@@ -159,17 +159,12 @@ def ll_dispatch(buffer: int, x: torch.Tensor, topk_idx: torch.Tensor, stats: Opt
 @_fake("ll_dispatch")
 def _(buffer, x, topk_idx, stats, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, hook):
     r = _buffer(buffer).group_size
-    local, rows, hidden = num_experts // r, r * num_max_dispatch_tokens_per_rank, x.shape[1]
-    if use_fp8:
-        data = x.new_empty((local, rows, hidden), dtype=torch.float8_e4m3fn)
-        sb = hidden // _native.FP8_BLOCK
-        # Column-major in the last two dimensions, as the eager outputs (DeepEP's layout).
-        scales = x.new_empty_strided((local, rows, sb), (rows * sb, 1, rows), dtype=torch.float32)
-    else:
-        data = x.new_empty((local, rows, hidden), dtype=torch.bfloat16)
+    # The outputs' layout (dtypes, column-major FP8 scales) is the one both backends return.
+    data, scales, recv_count, layout_range = _gpu.ll_recv_outputs(
+        num_experts // r, r, num_max_dispatch_tokens_per_rank, x.shape[1], use_fp8, x.device)
+    if scales is None:
         scales = x.new_empty((0,), dtype=torch.float32)
-    return (data, scales, x.new_empty((local,), dtype=torch.int32), x.new_empty((local, r), dtype=torch.int64),
-            x.new_empty((1,), dtype=torch.uint8))
+    return data, scales, recv_count, layout_range, x.new_empty((1,), dtype=torch.uint8)
 
 
 @_impl("ll_dispatch_recv")
