@@ -119,6 +119,21 @@ __device__ __forceinline__ uint32_t ld_acquire_sys_u32(const uint32_t* p) {
   return v;
 }
 
+// Relaxed loads at system scope, for polling: on sm_90 an acquire load is LDG.STRONG.SYS
+// followed by CCTL.IVALL (the SM's whole L1 invalidated), once per try; a poll of relaxed
+// loads ends with one acquire load of the word it saw reach its target instead.
+__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint32_t ld_relaxed_sys_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // Shared-memory words one warp publishes to the other warps of its CTA (CTA scope).
 __device__ __forceinline__ void st_release_cta_shared(uint32_t* p, uint32_t v) {
   asm volatile("st.release.cta.shared::cta.u32 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))),
@@ -215,14 +230,18 @@ struct DeadlineBarrier {
     return __syncthreads_and(ok) != 0;
   }
 
-  __device__ __forceinline__ bool wait_word(const uint64_t* w, uint64_t epoch, FabricPhase phase,
-                                         int peer) const {
+  // `relaxed`: poll with relaxed loads, then acquire once (ld_relaxed_sys); else every poll
+  // is an acquire load.
+  __device__ __forceinline__ bool wait_word(const uint64_t* w, uint64_t epoch, FabricPhase phase, int peer,
+                                            bool relaxed = false) const {
     // The clock is read at the first slow poll and then every 256 polls: cheap enough to
     // keep the poll loop tight, frequent enough for ms-scale deadlines.
     PollDeadline deadline;
-    for (uint32_t spin = 0; ld_acquire_sys(w) < epoch; ++spin) {
+    for (uint32_t spin = 0; (relaxed ? ld_relaxed_sys(w) : ld_acquire_sys(w)) < epoch; ++spin) {
       if ((spin & 255u) == 0u && !deadline.ok(err, timeout_ns, phase, peer, rank)) return false;
     }
+    // The word only grows: the acquire load sees at least what the relaxed one saw.
+    if (relaxed) (void)ld_acquire_sys(w);
     return true;
   }
 };

@@ -212,9 +212,20 @@ static_assert(kStCombWeights < kStampSlots, "stamps");
 //   warps [N, kWarps) run the receive half at the same time, so records are expanded while
 //   later ones are still in flight (without it every CTA first finishes sending). 0: all
 //   warps send, then all receive.
+// - kFlagPdl: programmatic dependent launch (the host launches with programmatic stream
+//   serialization allowed): every entry point first waits for the grids before it on the
+//   stream to complete and flush (griddepcontrol.wait: after it, everything the stream
+//   order promised holds, e.g. push_credits' "the receive kernel completed"), then lets the
+//   next kernel launch (griddepcontrol.launch_dependents). The trigger fires only once every
+//   CTA of this grid has run it, i.e. when the whole grid is resident, so a fused kernel's
+//   co-residency is never contested by its successor, whose CTAs wait in turn.
+// - kFlagQuiet: every wait polls with relaxed loads and acquires once when the word has
+//   reached its target (ld_relaxed_sys). An acquire load invalidates the SM's L1 at every
+//   try; in the fused dispatch the receive team polls while the send warps of the same SM
+//   load, quantize and store.
 // (The fused one-kernel-per-operation variant is a host choice: other entry points.)
 constexpr uint32_t kFlagTokenMajor = 1u, kFlagPipeline = 2u, kFlagRotate = 4u, kFlagEarlyCounts = 8u,
-                   kFlagReady = 16u;
+                   kFlagReady = 16u, kFlagPdl = 32u, kFlagQuiet = 64u;
 constexpr int kFlagSendWarpsShift = 8;
 // Named barriers of the two teams of the fused dispatch with send warps (0 = the CTA's).
 constexpr int kBarSend = 1, kBarRecv = 2;
@@ -223,6 +234,34 @@ constexpr int kBarSend = 1, kBarRecv = 2;
 // waits for those first and for the data per source (`early`) or per unit (`ready`, which
 // needs the counts the same way).
 __device__ __forceinline__ bool counts_first(uint32_t flags) { return (flags & (kFlagEarlyCounts | kFlagReady)) != 0; }
+
+// The window's flat LSA base and per-peer stride, loaded once per kernel (kernel_enter) into
+// shared memory. ncclGetLsaPointer loads both from the window struct at every call, and the
+// compiler reloads them after every asm "memory" clobber (each store and fence here), through
+// an L1 that acquire loads and fences invalidate (CCTL.IVALL): a dependent L2 round trip
+// before many remote stores.
+__shared__ char* s_lsa_base;
+__shared__ uint32_t s_lsa_stride4G;
+
+// Address of `offset` in peer's window (what lsa_ptr(a.win, offset, peer) returns).
+__device__ __forceinline__ char* win_ptr(size_t offset, int peer) {
+  return nccl::utility::add4G(s_lsa_base, peer * int(s_lsa_stride4G)) + offset;
+}
+
+// First thing in every entry point, every thread. Variant `pdl` (kFlagPdl): wait for the
+// grids before this one on the stream, then let the next one launch. Then the window base
+// (win_ptr), published by the CTA barrier.
+__device__ __forceinline__ void kernel_enter(const LlArgs& a) {
+  if ((a.flags & kFlagPdl) != 0u) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  }
+  if (threadIdx.x == 0) {
+    s_lsa_base = nccl::utility::loadConst(&a.win->lsaFlatBase);
+    s_lsa_stride4G = nccl::utility::loadConst(&a.win->stride4G);
+  }
+  __syncthreads();
+}
 
 // Warps per CTA that send records in the fused dispatch (kWarps: all, then all receive).
 __device__ __forceinline__ int fused_send_warps(uint32_t flags) {
@@ -281,7 +320,7 @@ __device__ __forceinline__ size_t meta_in_record(const LlArgs& a) {
 __device__ __forceinline__ uint64_t* sig_word(const LlArgs& a, int owner, int kind, int src) {
   const int R = a.comm.lsaSize;
   return reinterpret_cast<uint64_t*>(
-      lsa_ptr(a.win, a.set_offset + a.sig_offset + (size_t(kind) * R + src) * sizeof(uint64_t), owner));
+      win_ptr(a.set_offset + a.sig_offset + (size_t(kind) * R + src) * sizeof(uint64_t), owner));
 }
 
 __device__ __forceinline__ DeadlineBarrier waiter(const LlArgs& a) {
@@ -340,8 +379,9 @@ struct Team {
 __device__ bool team_wait_all_peers(const LlArgs& a, const Team& team, int kind, uint64_t target, uint32_t phase) {
   const DeadlineBarrier w = waiter(a);
   bool ok = true;
+  const bool relaxed = (a.flags & kFlagQuiet) != 0u;
   for (int p = team.tid; p < a.comm.lsaSize && ok; p += team.nthreads) {
-    ok = w.wait_word(sig_word(a, a.comm.lsaRank, kind, p), target, static_cast<FabricPhase>(phase), p);
+    ok = w.wait_word(sig_word(a, a.comm.lsaRank, kind, p), target, static_cast<FabricPhase>(phase), p, relaxed);
   }
   // The barrier extends each waiter's acquire to the whole team.
   if (team.sync_and(ok)) return true;
@@ -463,7 +503,7 @@ __device__ __forceinline__ int bf16_channel(int u, int lane, int half) {
 __device__ __forceinline__ uint32_t* ready_word(const LlArgs& a, int owner, int src, uint32_t slot, int u) {
   const int units = (a.hidden + kDispatchUnit - 1) / kDispatchUnit;
   const size_t idx = (size_t(src) * a.max_tokens + slot) * units + u;
-  return reinterpret_cast<uint32_t*>(lsa_ptr(a.win, a.set_offset + a.ready_offset + idx * 4, owner));
+  return reinterpret_cast<uint32_t*>(win_ptr(a.set_offset + a.ready_offset + idx * 4, owner));
 }
 
 // Quantizes 16 channels per lane, bit-exact with quant.rs: amax over the 128-channel block
@@ -632,7 +672,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
       const int dst = i / (L + 1), j = i % (L + 1);
       const uint32_t v = j == 0 ? tr.total(E + dst) : tr.total(dst * L + j - 1);
       uint32_t* m = reinterpret_cast<uint32_t*>(
-          lsa_ptr(a.win, a.set_offset + a.meta_offset + (size_t(me) * (L + 1) + j) * 4, dst));
+          win_ptr(a.set_offset + a.meta_offset + (size_t(me) * (L + 1) + j) * 4, dst));
       *m = v;
     }
     if (counts_first(a.flags)) {
@@ -652,7 +692,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
     const int c0 = u * kDispatchUnit + lane * 16;
     auto record = [&](int dst) {
       const uint32_t slot = tr.rank_in(E + dst, t);
-      return lsa_ptr(a.win, a.set_offset + a.stage_offset + (size_t(me) * T + slot) * a.rec_bytes, dst);
+      return win_ptr(a.set_offset + a.stage_offset + (size_t(me) * T + slot) * a.rec_bytes, dst);
     };
     if (tok_major) {
       // Quantized once, stored to every destination of the token (`rot`: starting at a
@@ -729,8 +769,16 @@ struct StagedItem {
 // records are landing in (polls every 0.5 us starved incoming writes in the HT push combine).
 __device__ bool wait_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int src) {
   PollDeadline deadline;
+  const bool relaxed = (a.flags & kFlagQuiet) != 0u;
   for (uint32_t spin = 0;; ++spin) {
-    if (int32_t(ld_acquire_sys_u32(w) - n) >= 0) return true;
+    if (relaxed) {
+      if (int32_t(ld_relaxed_sys_u32(w) - n) >= 0) {
+        (void)ld_acquire_sys_u32(w);  // the word only grows (wrapping): acquire what was seen
+        return true;
+      }
+    } else if (int32_t(ld_acquire_sys_u32(w) - n) >= 0) {
+      return true;
+    }
     __nanosleep(32u << min(spin, 4u));
     if ((spin & 15u) == 15u &&
         !deadline.ok(a.err, a.timeout_ns, static_cast<FabricPhase>(kPhaseDispatchRecv), src, a.comm.lsaRank)) {
@@ -801,7 +849,7 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
   const size_t row_bytes = payload_bytes(a);
   const int nblocks = H / 128;
   const size_t meta_off = meta_in_record(a);
-  const char* stage = lsa_ptr(a.win, a.set_offset + a.stage_offset, me);
+  const char* stage = win_ptr(a.set_offset + a.stage_offset, me);
   // Source rank of staged token g (linear in R: sources are few).
   auto source_of = [&](uint32_t g) {
     int s = 0;
@@ -823,7 +871,7 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
     if (((seen >> cur.src) & 1u) == 0) {
       // Every lane acquires for itself (one broadcast load per poll); warp-uniform result.
       const bool ok = w.wait_word(sig_word(a, me, kDispSig, cur.src), uint64_t(n) * gridDim.x,
-                                  static_cast<FabricPhase>(kPhaseDispatchRecv), cur.src);
+                                  static_cast<FabricPhase>(kPhaseDispatchRecv), cur.src, (a.flags & kFlagQuiet) != 0u);
       if (!__all_sync(0xffffffffu, ok)) {
         failed = true;
         break;
@@ -963,7 +1011,7 @@ __device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem,
     return false;
   }
   if (!early) stamp_if(a, kStDispSeen, tid == 0);
-  const uint32_t* meta_in = reinterpret_cast<const uint32_t*>(lsa_ptr(a.win, a.set_offset + a.meta_offset, me));
+  const uint32_t* meta_in = reinterpret_cast<const uint32_t*>(win_ptr(a.set_offset + a.meta_offset, me));
   for (int i = tid; i < R * (L + 1); i += team.nthreads) first[i] = meta_in[i];
   team.sync();
   if (tid < 32) {
@@ -1081,7 +1129,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   const size_t slot = a.set_offset + a.wts_offset + size_t(me) * T * K * sizeof(float);
   for (int b = blockIdx.x; b < R; b += gridDim.x) {  // CTA-uniform
     const int q = (me + 1 + b) % R;
-    float* dst = reinterpret_cast<float*>(lsa_ptr(a.win, slot, q));
+    float* dst = reinterpret_cast<float*>(win_ptr(slot, q));
     const bool vec = ((reinterpret_cast<uintptr_t>(a.topk_weights) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
     const size_t nv = vec ? nw / 4 : 0;
     for (size_t i = threadIdx.x; i < nv; i += blockDim.x) {
@@ -1098,7 +1146,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   const size_t items = size_t(records) * units;
   const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
-  const float* wts = reinterpret_cast<const float*>(lsa_ptr(a.win, a.set_offset + a.wts_offset, me));
+  const float* wts = reinterpret_cast<const float*>(win_ptr(a.set_offset + a.wts_offset, me));
   // Records are sorted by source rank, so consecutive warps would all store to one source's
   // link at a time; a stride coprime with the record count visits every record once and
   // spreads neighbouring warps over the sources.
@@ -1154,7 +1202,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
                  cur);
     }
     if (s >= 0 && s < R && t >= 0 && t < T) {  // always, for a map our dispatch wrote
-      char* dst = lsa_ptr(a.win, a.set_offset + a.comb_offset + (size_t(t) * R + me) * size_t(H) * 2, s);
+      char* dst = win_ptr(a.set_offset + a.comb_offset + (size_t(t) * R + me) * size_t(H) * 2, s);
 #pragma unroll
       for (int i = 0; i < kPartialVecs; ++i) {
         const int ch = c0 + i * 256;
@@ -1222,7 +1270,7 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
     const int u = int(item % units);
     const int s = cur.s, t = cur.t, k = cur.k;
     if (s >= 0 && s < R && t >= 0 && t < T && k >= 0 && k < K) {  // always, for our handle
-      char* dst = lsa_ptr(a.win, a.set_offset + a.comb_offset + (size_t(t) * K + k) * size_t(H) * 2, s);
+      char* dst = win_ptr(a.set_offset + a.comb_offset + (size_t(t) * K + k) * size_t(H) * 2, s);
 #pragma unroll
       for (int i = 0; i < kCombineVecs; ++i) {
         const int ch = u * kCombineUnit + i * 256 + lane * 8;
@@ -1297,7 +1345,7 @@ __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
   // Pipelined: rows and weights are loaded without waiting for topk_idx (a masked slot is
   // loaded and then skipped, exactly as it is skipped below), so one memory latency per item.
   const bool eager_loads = (a.flags & kFlagPipeline) != 0;
-  const char* comb = lsa_ptr(a.win, a.set_offset + a.comb_offset, me);
+  const char* comb = win_ptr(a.set_offset + a.comb_offset, me);
   for (size_t item = warp; item < items; item += warps) {
     const int t = int(item / units);
     const int c = int(item % units) * kReduceUnit + lane * 8;
@@ -1354,9 +1402,11 @@ __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
 
 // Every kernel that starts an operation pushes the set's deferred credits first (CTA 0),
 // before any wait; the kernel that ends an operation stores this CTA's new op count last.
+// Every entry point begins with kernel_enter (`pdl`, the window base).
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_dispatch_send(const gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
+  kernel_enter(a);
   extern __shared__ uint32_t smem[];
   push_credits(a);
   dispatch_send_body(a, read_op(a, kOpDispatch), smem, kWarps);
@@ -1365,6 +1415,7 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_dispatch_recv(const gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
+  kernel_enter(a);
   extern __shared__ uint32_t smem[];
   const uint32_t n = read_op(a, kOpDispatch);
   const Team team = Team::cta();
@@ -1377,6 +1428,7 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_dispatch_fused(const gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
+  kernel_enter(a);
   extern __shared__ uint32_t smem[];
   push_credits(a);
   const uint32_t n = read_op(a, kOpDispatch);
@@ -1409,6 +1461,7 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_combine_send(const gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
+  kernel_enter(a);
   extern __shared__ uint32_t smem[];
   push_credits(a);
   combine_send_body(a, read_op(a, kOpCombine), smem);
@@ -1417,6 +1470,7 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_combine_recv(const gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
+  kernel_enter(a);
   const uint32_t n = read_op(a, kOpCombine);
   combine_recv_body(a, n);
   end_op(a, kOpCombine, n);
@@ -1425,6 +1479,7 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_combine_fused(const gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
+  kernel_enter(a);
   extern __shared__ uint32_t smem[];
   push_credits(a);
   const uint32_t n = read_op(a, kOpCombine);

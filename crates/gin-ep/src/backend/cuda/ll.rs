@@ -86,22 +86,36 @@ pub struct LlVariant {
     /// `fused`: one launch per operation (send, signal, wait, receive in every CTA). Needs
     /// the whole grid resident at once; refused when the occupancy does not allow it.
     pub fused: bool,
+    /// `pdl`: programmatic dependent launch. Every LL kernel is launched with
+    /// programmatic stream serialization allowed, waits for the kernels before it
+    /// (`griddepcontrol.wait`) before touching memory and then lets the next kernel launch
+    /// (`griddepcontrol.launch_dependents`), so the launch and CTA start of an LL kernel
+    /// overlap the tail of the LL kernel before it on the stream. Results are the same.
+    pub pdl: bool,
+    /// `quiet`: every wait polls with relaxed loads and acquires once when the word has
+    /// reached its target (an acquire load invalidates the SM's L1 at every try, next to
+    /// the warps of the same SM that are still sending).
+    pub quiet: bool,
     /// CTAs per kernel; `None`: the caller's grid (the bench's `--sms`, else every SM);
     /// `Some(0)`: every SM.
     pub grid: Option<u32>,
 }
 
 impl LlVariant {
-    /// What [`CudaLl::new`] uses without [`ENV_VARIANT`]: `tok+rot+ready+send8+fused`
-    /// (session 7, bench/RESULTS.md: FP8 dispatch 28.2–28.6 µs against 31.6 for `fused`,
-    /// BF16 34.4–34.6 against 40.0, same run; combine unchanged). Refused, like every fused
-    /// variant, when the grid cannot be resident at once.
+    /// What [`CudaLl::new`] uses without [`ENV_VARIANT`]: `tok+rot+ready+send8+fused+pdl+quiet`
+    /// (session 7, bench/RESULTS.md: `tok+rot+ready+send8+fused` FP8 dispatch 28.2–28.6 µs
+    /// against 31.6 for `fused`, BF16 34.4–34.6 against 40.0; session 10: `pdl+quiet` on top
+    /// saves ≈ 1 µs per operation back to back, e.g. FP8 dispatch 25.3 → 24.3 µs, and
+    /// nothing with an event between operations). Refused, like every fused variant, when
+    /// the grid cannot be resident at once.
     pub const DEFAULT: LlVariant = LlVariant {
         token_major: true,
         rotate: true,
         ready: true,
         send_warps: 8,
         fused: true,
+        pdl: true,
+        quiet: true,
         ..LlVariant::BASE
     };
 
@@ -114,6 +128,8 @@ impl LlVariant {
         ready: false,
         send_warps: 0,
         fused: false,
+        pdl: false,
+        quiet: false,
         grid: None,
     };
 
@@ -124,6 +140,8 @@ impl LlVariant {
             | (u32::from(self.rotate) << 2)
             | (u32::from(self.early_counts) << 3)
             | (u32::from(self.ready) << 4)
+            | (u32::from(self.pdl) << 5)
+            | (u32::from(self.quiet) << 6)
             | (self.send_warps << 8)
     }
 
@@ -151,6 +169,12 @@ impl LlVariant {
         }
         if self.fused {
             parts.push("fused");
+        }
+        if self.pdl {
+            parts.push("pdl");
+        }
+        if self.quiet {
+            parts.push("quiet");
         }
         let mut n = if parts.is_empty() {
             "base".to_string()
@@ -205,9 +229,11 @@ impl LlVariant {
                     v.send_warps = w;
                 }
                 "fused" => v.fused = true,
+                "pdl" => v.pdl = true,
+                "quiet" => v.quiet = true,
                 other => {
                     return Err(bad(format!(
-                        "unknown feature `{other}` (known: base, tok, pipe, rot, early, ready, sendN, fused, then @G)"
+                        "unknown feature `{other}` (known: base, tok, pipe, rot, early, ready, sendN, fused, pdl, quiet, then @G)"
                     )))
                 }
             }
@@ -255,6 +281,12 @@ impl LlVariant {
             "tok+pipe+rot+ready+fused@7",
             "tok+rot+ready+send8+fused@all",
             "tok+pipe+rot+ready+send4+fused@3",
+            "tok+rot+ready+send8+fused+pdl@all",
+            "tok+pipe+rot+ready+send4+fused+pdl@3",
+            "pdl@3",
+            "tok+rot+ready+send8+fused+quiet@all",
+            "early+quiet@3",
+            "tok+pipe+rot+ready+send4+fused+pdl+quiet@3",
             "ready+send12+fused@5",
         ]
         .iter()
@@ -284,6 +316,9 @@ impl LlVariant {
             "tok+rot+ready+send8+fused@all",
             "tok+pipe+rot+ready+send8+fused@all",
             "tok+pipe+rot+ready+send12+fused@all",
+            "tok+rot+ready+send8+fused+pdl@all",
+            "tok+rot+ready+send8+fused+quiet@all",
+            "tok+rot+ready+send8+fused+pdl+quiet@all",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
@@ -1017,16 +1052,42 @@ impl<'r> CudaLl<'r> {
         // (LlIo), checked by CudaRank::external to be device memory of this GPU and by
         // `args` to hold what this launch touches, kept alive by its owner until the stream
         // passes this launch. Offsets come from LlLayout, which sized the window and buffers.
-        // cuLaunchKernel copies the parameter bytes.
-        let r = unsafe {
-            result::launch_kernel(
-                f,
-                (self.grid, 1, 1),
-                (THREADS, 1, 1),
-                smem as u32,
-                self.rank.stream(),
-                &mut params,
-            )
+        // cuLaunchKernel / cuLaunchKernelEx copy the parameter bytes.
+        let r = if self.variant.pdl {
+            // `pdl`: the kernel may launch before the one before it on the stream has
+            // finished; it waits for it (griddepcontrol.wait in ll.cu) before any access.
+            let mut attr = sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue { pad: [0; 64] },
+            };
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: self.grid,
+                gridDimY: 1,
+                gridDimZ: 1,
+                blockDimX: THREADS,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: smem as u32,
+                hStream: self.rank.stream(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: as above; `config` and `attr` live across the call, which copies them.
+            unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()).result() }
+        } else {
+            // SAFETY: as above.
+            unsafe {
+                result::launch_kernel(
+                    f,
+                    (self.grid, 1, 1),
+                    (THREADS, 1, 1),
+                    smem as u32,
+                    self.rank.stream(),
+                    &mut params,
+                )
+            }
         };
         r.map_err(|e| Error::Device {
             call: name.to_string(),
@@ -1960,6 +2021,46 @@ pub fn sweep_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
     Ok((group.rank() == 0).then_some(lines))
 }
 
+/// Operations per timed span of the back-to-back rows of `gin-ep bench --mode ll`.
+const BATCH: usize = 8;
+/// Time series per rank in [`bench_on`]: eager, graph, back to back, graph of [`BATCH`];
+/// dispatch and combine each.
+const SERIES: usize = 8;
+
+/// `iters` spans of [`BATCH`] dispatches, then as many of combines, events only between
+/// spans: µs per operation (span / BATCH) of each span. A span is `calls` calls of `disp(ll,
+/// i)` (i counting calls): BATCH eager operations, or one replay of a graph of BATCH.
+fn timed_batches(
+    ll: &mut CudaLl<'_>,
+    iters: usize,
+    calls: usize,
+    disp: impl Fn(&CudaLl<'_>, usize) -> Result<()>,
+    comb: impl Fn(&CudaLl<'_>, usize) -> Result<()>,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let mut out = [Vec::with_capacity(iters), Vec::with_capacity(iters)];
+    for (k, series) in out.iter_mut().enumerate() {
+        let op = |l: &CudaLl<'_>, i: usize| if k == 0 { disp(l, i) } else { comb(l, i) };
+        // Warmup: one span.
+        for i in 0..calls {
+            op(ll, i)?;
+        }
+        let events: Vec<Event> = (0..=iters).map(|_| ll.rank.event()).collect::<Result<_>>()?;
+        ll.rank.record(&events[0])?;
+        for (it, ev) in events[1..].iter().enumerate() {
+            for i in 0..calls {
+                op(ll, it * calls + i)?;
+            }
+            ll.rank.record(ev)?;
+        }
+        ll.rank.wait("LL back-to-back timed loop")?;
+        for w in events.windows(2) {
+            series.push(f64::from(w[0].elapsed_ms(&w[1])?) * 1e3 / BATCH as f64);
+        }
+    }
+    let [d, c] = out;
+    Ok((d, c))
+}
+
 fn bench_on(
     group: &Group,
     ll: &mut CudaLl<'_>,
@@ -2044,6 +2145,25 @@ fn bench_on(
     drop(gd);
     drop(gc);
 
+    // Back to back: BATCH operations of one kind per timed span (sets alternating), events
+    // only around the span, eagerly and as one graph of BATCH operations. Time per call =
+    // span / BATCH: no event sits between two operations, as in a model's step, so the
+    // launch of one can overlap the end of the one before (variant `pdl`).
+    let (stream_d, stream_c) = timed_batches(
+        ll,
+        opts.iters,
+        BATCH,
+        |l, i| l.dispatch(i % SETS),
+        |l, i| l.combine(i % SETS),
+    )?;
+    let gbd = ll.capture(|l| (0..BATCH).try_for_each(|i| l.dispatch(i % SETS)))?;
+    let gbc = ll.capture(|l| (0..BATCH).try_for_each(|i| l.combine(i % SETS)))?;
+    group.barrier(&format!("ll-bench/{run}/batch-graphs"))?;
+    let (gbatch_d, gbatch_c) =
+        timed_batches(ll, opts.iters, 1, |l, _| l.replay(&gbd), |l, _| l.replay(&gbc))?;
+    drop(gbd);
+    drop(gbc);
+
     // Device-clock breakdown: an extra eager loop (not timed by events), each iteration
     // stamping its own rows, downloaded once at the end.
     let mut phase_cols: Vec<Vec<f64>> = Vec::new();
@@ -2084,9 +2204,11 @@ fn bench_on(
         }
     }
 
-    // Gather to rank 0: four series and the row counts.
-    let mut mine: Vec<f64> = Vec::with_capacity(4 * opts.iters + 2);
-    for s in [&eager_d, &eager_c, &graph_d, &graph_c] {
+    // Gather to rank 0: the SERIES series and the row counts.
+    let mut mine: Vec<f64> = Vec::with_capacity(SERIES * opts.iters + 2);
+    for s in [
+        &eager_d, &eager_c, &graph_d, &graph_c, &stream_d, &stream_c, &gbatch_d, &gbatch_c,
+    ] {
         mine.extend_from_slice(s);
     }
     mine.push(rows as f64);
@@ -2119,8 +2241,8 @@ fn bench_on(
     }
     let n = opts.iters;
     let ranks = group.world() as f64;
-    let rows_mean = all.iter().map(|v| v[4 * n]).sum::<f64>() / ranks;
-    let remote_mean = all.iter().map(|v| v[4 * n + 1]).sum::<f64>() / ranks;
+    let rows_mean = all.iter().map(|v| v[SERIES * n]).sum::<f64>() / ranks;
+    let remote_mean = all.iter().map(|v| v[SERIES * n + 1]).sum::<f64>() / ranks;
     let op = |name: &str, series: usize, row_bytes: usize| {
         let per_iter: Vec<Duration> = (0..n)
             .map(|i| {
@@ -2137,7 +2259,7 @@ fn bench_on(
     // Phases: slowest rank per iteration, then medians; a column absent anywhere is dropped.
     let mut phases: [Vec<(String, Stats)>; 2] = [Vec::new(), Vec::new()];
     for (c, &(name, _, _)) in PHASES.iter().enumerate().take(phase_cols.len()) {
-        let at = 4 * n + 2 + c * n;
+        let at = SERIES * n + 2 + c * n;
         let per_iter: Vec<f64> = (0..n)
             .map(|i| all.iter().map(|v| v[at + i]).fold(f64::MIN, f64::max))
             .collect();
@@ -2160,6 +2282,10 @@ fn bench_on(
         op("combine", 1, crb),
         op("dispatch (graph)", 2, drb),
         op("combine (graph)", 3, crb),
+        op(&format!("dispatch (x{BATCH} back to back)"), 4, drb),
+        op(&format!("combine (x{BATCH} back to back)"), 5, crb),
+        op(&format!("dispatch (graph of {BATCH})"), 6, drb),
+        op(&format!("combine (graph of {BATCH})"), 7, crb),
     ];
     ops[0].phases = phases_d;
     ops[1].phases = phases_c;
@@ -2266,7 +2392,7 @@ mod tests {
     fn variants_parse_print_and_map_to_kernel_flags() {
         assert_eq!(LlVariant::parse("base").unwrap(), LlVariant::BASE);
         assert_eq!(LlVariant::BASE.name(), "base");
-        assert_eq!(LlVariant::DEFAULT.name(), "tok+rot+ready+send8+fused");
+        assert_eq!(LlVariant::DEFAULT.name(), "tok+rot+ready+send8+fused+pdl+quiet");
         assert_eq!(
             LlVariant::parse(&LlVariant::DEFAULT.name()).unwrap(),
             LlVariant::DEFAULT
@@ -2285,6 +2411,17 @@ mod tests {
         let s = LlVariant::parse("tok+ready+send8+fused").unwrap();
         assert_eq!(s.kernel_flags(), 17 | (8 << 8));
         assert_eq!(s.name(), "tok+ready+send8+fused");
+        let p = LlVariant::parse("pdl+tok+rot+ready+send8+fused@all").unwrap();
+        assert!(p.pdl);
+        assert_eq!(p.kernel_flags(), 1 | 4 | 16 | 32 | (8 << 8));
+        assert_eq!(p.name(), "tok+rot+ready+send8+fused+pdl@all");
+        let q = LlVariant::parse("quiet+early@3").unwrap();
+        assert_eq!(q.kernel_flags(), 8 | 64);
+        assert_eq!(q.name(), "early+quiet@3");
+        assert!(
+            LL_CU.contains("kFlagReady = 16u, kFlagPdl = 32u, kFlagQuiet = 64u;"),
+            "LlVariant::kernel_flags puts pdl at bit 5, quiet at bit 6"
+        );
         for bad in [
             "ready+send8",
             "send8+fused",
