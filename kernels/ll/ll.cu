@@ -235,6 +235,9 @@ constexpr int kBarSend = 1, kBarRecv = 2;
 // needs the counts the same way).
 __device__ __forceinline__ bool counts_first(uint32_t flags) { return (flags & (kFlagEarlyCounts | kFlagReady)) != 0; }
 
+// Whether waits poll with relaxed loads and acquire once at the end (variant `quiet`).
+__device__ __forceinline__ bool relaxed_polls(uint32_t flags) { return (flags & kFlagQuiet) != 0u; }
+
 // The window's flat LSA base and per-peer stride, loaded once per kernel (kernel_enter) into
 // shared memory. ncclGetLsaPointer loads both from the window struct at every call, and the
 // compiler reloads them after every asm "memory" clobber (each store and fence here), through
@@ -379,7 +382,7 @@ struct Team {
 __device__ bool team_wait_all_peers(const LlArgs& a, const Team& team, int kind, uint64_t target, uint32_t phase) {
   const DeadlineBarrier w = waiter(a);
   bool ok = true;
-  const bool relaxed = (a.flags & kFlagQuiet) != 0u;
+  const bool relaxed = relaxed_polls(a.flags);
   for (int p = team.tid; p < a.comm.lsaSize && ok; p += team.nthreads) {
     ok = w.wait_word(sig_word(a, a.comm.lsaRank, kind, p), target, static_cast<FabricPhase>(phase), p, relaxed);
   }
@@ -769,22 +772,17 @@ struct StagedItem {
 // records are landing in (polls every 0.5 us starved incoming writes in the HT push combine).
 __device__ bool wait_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int src) {
   PollDeadline deadline;
-  const bool relaxed = (a.flags & kFlagQuiet) != 0u;
-  for (uint32_t spin = 0;; ++spin) {
-    if (relaxed) {
-      if (int32_t(ld_relaxed_sys_u32(w) - n) >= 0) {
-        (void)ld_acquire_sys_u32(w);  // the word only grows (wrapping): acquire what was seen
-        return true;
-      }
-    } else if (int32_t(ld_acquire_sys_u32(w) - n) >= 0) {
-      return true;
-    }
+  const bool relaxed = relaxed_polls(a.flags);
+  for (uint32_t spin = 0; int32_t((relaxed ? ld_relaxed_sys_u32(w) : ld_acquire_sys_u32(w)) - n) < 0; ++spin) {
     __nanosleep(32u << min(spin, 4u));
     if ((spin & 15u) == 15u &&
         !deadline.ok(a.err, a.timeout_ns, static_cast<FabricPhase>(kPhaseDispatchRecv), src, a.comm.lsaRank)) {
       return false;
     }
   }
+  // The word only grows (wrapping): the acquire load sees at least what the relaxed one saw.
+  if (relaxed) (void)ld_acquire_sys_u32(w);
+  return true;
 }
 
 // The dispatch receive table in shared memory: first[R][L + 1] (the sources' counts, then,
@@ -871,7 +869,7 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
     if (((seen >> cur.src) & 1u) == 0) {
       // Every lane acquires for itself (one broadcast load per poll); warp-uniform result.
       const bool ok = w.wait_word(sig_word(a, me, kDispSig, cur.src), uint64_t(n) * gridDim.x,
-                                  static_cast<FabricPhase>(kPhaseDispatchRecv), cur.src, (a.flags & kFlagQuiet) != 0u);
+                                  static_cast<FabricPhase>(kPhaseDispatchRecv), cur.src, relaxed_polls(a.flags));
       if (!__all_sync(0xffffffffu, ok)) {
         failed = true;
         break;

@@ -450,7 +450,7 @@ class Buffer:
         then source token."""
         self._live()
         if self._gpu is not None:
-            return self._gpu_dispatch(x, handle, num_tokens_per_expert, topk_idx, topk_weights,
+            return self._gpu_dispatch(x, handle, num_tokens_per_expert, is_token_in_rank, topk_idx, topk_weights,
                                       expert_alignment, num_worst_tokens, config, previous_event, async_finish)
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         wire, wire_hidden, fp8 = self._ht_wire(x, x_scales)
@@ -703,7 +703,7 @@ class Buffer:
 
     # ------------------------------------------------------------ GPU path (NCCL group)
 
-    def _gpu_dispatch(self, x, handle, num_tokens_per_expert, topk_idx, topk_weights,
+    def _gpu_dispatch(self, x, handle, num_tokens_per_expert, is_token_in_rank, topk_idx, topk_weights,
                       expert_alignment, num_worst_tokens, config, previous_event, async_finish):
         g = self._gpu
         if previous_event is not None:
@@ -789,7 +789,10 @@ class Buffer:
             recv_topk_weights = g.ht_out(h, "recv_w", (nr, k), torch.float32, s) \
                 if topk_weights is not None else None
             recv_src_idx = g.ht_out(h, "recv_src", (nr,), torch.int32, s)
-        in_rank = g.ht_send_slot(h, n) >= 0
+        # The handle holds the caller's is_token_in_rank, as DeepEP's does (gin-ep itself
+        # never reads it back); only without one is it derived from the send slots, which
+        # costs a kernel on the stream and a view on the host.
+        in_rank = is_token_in_rank if is_token_in_rank is not None else g.ht_send_slot(h, n) >= 0
         counts = [_round_up(c, expert_alignment) for c in g.ep.ht_recv_counts(native, s)]
         if num_worst_tokens:
             if nr > num_worst_tokens:

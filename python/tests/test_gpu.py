@@ -1,8 +1,9 @@
 """gin_ep.Buffer on GPUs (NCCL process group, CUDA tensors) on 2 and 4 GPUs, bit for bit
 against gin-ep's oracle: layout, HT dispatch (BF16, FP8, cached), HT combine (weights,
-biases), LL dispatch (BF16, FP8, power-of-two scales; receive hooks), LL combine (plain,
-zero-copy, out=), CUDA events, a CUDA-graph capture of LL, and LL under torch.compile
-(aot_eager, the cudagraphs backend, mode='reduce-overhead'). Skipped without 2 GPUs."""
+biases), an out-of-range expert id refused on every rank, LL dispatch (BF16, FP8,
+power-of-two scales; receive hooks), LL combine (plain, zero-copy, out=), CUDA events, a
+CUDA-graph capture of LL, and LL under torch.compile (aot_eager, the cudagraphs backend,
+mode='reduce-overhead'). Skipped without 2 GPUs."""
 
 import os
 import sys
@@ -128,6 +129,9 @@ def ht_worker(rank, world):
     same_bits("fp8 recv_x", cpu(fx).view(torch.uint8), want_x)
     same_bits("fp8 recv_scales", cpu(fs), want_s)
     assert fcounts == list(counts)
+    # The handle's is_token_in_rank: the caller's when given, else derived from the layout.
+    assert handle[4] is in_rank
+    assert torch.equal(fhandle[4].cpu(), in_rank.cpu())
     # A second fresh BF16 dispatch replaces the first one's layout: its handle is refused.
     buf.dispatch(x.to(dev), num_tokens_per_expert=per_expert, topk_idx=idx.to(dev), topk_weights=w.to(dev))
     with pytest.raises(ValueError, match="stale"):
@@ -155,6 +159,24 @@ def ht_worker(rank, world):
     same_bits("recv_topk_idx in a reused slab", cpu(again_idx), from_bytes(ridx, torch.int64, (nr, TOPK)))
     same_bits("cached recv_x, still held after the reuse", cpu(cached),
               from_bytes(ref2[rank][0], torch.bfloat16, (nr, HIDDEN)))
+    torch.cuda.synchronize()
+
+
+def ht_bad_ids_worker(rank, world):
+    """An expert id out of range on the last rank: the layout kernel refuses it, the dispatch
+    kernel (queued behind it before the host reads the status) moves nothing, that rank gets
+    a ValueError naming the entry and every other rank an error naming that rank; no hang."""
+    dev = torch.device("cuda", rank)
+    experts, bad = 4 * world, world - 1
+    x, idx, w = routing(world, [8] * world, HIDDEN, TOPK, experts, seed=5)[rank]
+    if rank == bad:
+        idx[3, 1] = experts
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=1 << 26, max_tokens_per_rank=32)
+    per_expert = torch.zeros(experts, dtype=torch.int32, device=dev)
+    want = (ValueError, rf"topk_idx\[3\]\[1\] of rank {bad}") if rank == bad else \
+        (RuntimeError, rf"rank {bad} failed")
+    with pytest.raises(want[0], match=want[1]):
+        buf.dispatch(x.to(dev), num_tokens_per_expert=per_expert, topk_idx=idx.to(dev), topk_weights=w.to(dev))
     torch.cuda.synchronize()
 
 
@@ -283,6 +305,12 @@ def test_gpu_ll_compile(world):
 def test_gpu_ht(world):
     _need(world)
     run(world, ht_worker)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpu_ht_bad_ids(world):
+    _need(world)
+    run(world, ht_bad_ids_worker)
 
 
 @pytest.mark.parametrize("world", [2, 4])

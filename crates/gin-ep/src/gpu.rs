@@ -801,6 +801,8 @@ struct Samples {
     kernel: [Vec<f64>; 2],
     /// dispatch phases: layout + count exchange, dispatch.
     phases: [Vec<f64>; 2],
+    /// Per span of [`HT_SERIES`] fresh dispatches queued back to back: span / HT_SERIES.
+    back_to_back: Vec<f64>,
     rows: f64,
     remote_rows: f64,
 }
@@ -844,10 +846,11 @@ fn bench_source(cfg: &EpConfig) -> DispatchSource {
 }
 
 /// Times HT dispatch and combine on this rank's GPU with an SM budget of `num_sms`; every
-/// rank calls it, rank 0 gets the report. Static sizing (no host synchronization inside
-/// an operation). Total time per call = host clock from the API call to the end of the
-/// stream's work (busy polling), slowest rank per iteration; `kernel` = CUDA events around
-/// the launches (layout + count exchange included for dispatch). FP8 dispatch takes
+/// rank calls it, rank 0 gets the report. Exact or static sizing per `opts.ht_exact`.
+/// Total time per call = host clock from the API call to the end of the stream's work (busy
+/// polling), slowest rank per iteration; `kernel` = CUDA events around the launches (the
+/// layout and count exchange included for dispatch); the dispatch's back-to-back row = CUDA
+/// events around series of fresh dispatches with no sync between them. FP8 dispatch takes
 /// prequantized input (DeepEP's format) unless `GIN_EP_FP8_SOURCE=bf16` asks for in-kernel
 /// quantization.
 pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Option<BenchReport>> {
@@ -877,6 +880,7 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
     let c_kern = max_per_iter(&gather(group, "gpu-bench/ck", &samples.kernel[1])?);
     let p0 = max_per_iter(&gather(group, "gpu-bench/p0", &samples.phases[0])?);
     let p1 = max_per_iter(&gather(group, "gpu-bench/p1", &samples.phases[1])?);
+    let b2b = max_per_iter(&gather(group, "gpu-bench/b2b", &samples.back_to_back)?);
     let rows = gather(group, "gpu-bench/rows", &[samples.rows, samples.remote_rows])?;
     group.barrier("gpu-bench/done")?;
     if group.rank() != 0 {
@@ -904,6 +908,7 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
             vec![
                 ("layout + count exchange".into(), Stats::of(&p0)),
                 ("dispatch".into(), Stats::of(&p1)),
+                (format!("back to back (x{HT_SERIES}), per call"), Stats::of(&b2b)),
             ],
             cfg.dispatch_dtype.row_bytes(cfg.hidden),
         ),
@@ -973,6 +978,7 @@ fn bench_inner(group: &Group, rank: &CudaRank, opts: &BenchOptions, num_sms: u32
         host: [Vec::new(), Vec::new()],
         kernel: [Vec::new(), Vec::new()],
         phases: [Vec::new(), Vec::new()],
+        back_to_back: Vec::new(),
         rows: nr as f64,
         remote_rows: (nr - local) as f64,
     };
@@ -1007,9 +1013,28 @@ fn bench_inner(group: &Group, rank: &CudaRank, opts: &BenchOptions, num_sms: u32
         }
     }
     rank.wait("end of bench")?;
+    // Back to back: HT_SERIES fresh dispatches queued with nothing between them but each
+    // call's own host work (with exact sizing, its wait for the receive count), CUDA events
+    // only around the series: what consecutive calls in a model step (and
+    // python/bench_overhead.py) see, where each call's layout starts when the previous
+    // call's dispatch kernel ends on that GPU, not after a host sync.
+    group.barrier("gpu-bench/series")?;
+    for _ in 0..opts.iters {
+        rank.record(&ev[0])?;
+        for _ in 0..HT_SERIES {
+            ht.dispatch(rank, n, source, None)?;
+        }
+        rank.record(&ev[2])?;
+        rank.wait("end of a back-to-back series")?;
+        s.back_to_back
+            .push(f64::from(ev[0].elapsed_ms(&ev[2])?) * 1e-3 / HT_SERIES as f64);
+    }
     group.barrier("gpu-bench/loop-done")?;
     Ok(s)
 }
+
+/// Fresh dispatches per back-to-back series of the HT bench.
+const HT_SERIES: usize = 8;
 
 /// With `exact` (the bench's `--ht-sizing exact`, what gin_ep.Buffer does): `values` copied
 /// into caller-owned memory, and the HtIo that makes a combine stage them into the window;

@@ -294,7 +294,8 @@ const STATUS_BAD_SLAB: u32 = 5;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Sizing {
     /// The host waits for the count exchange and reads `num_recv` (host-mapped) before the
-    /// dispatch kernel: the handle knows its size at once.
+    /// dispatch returns (the dispatch kernel is already queued): the handle knows its size
+    /// at once.
     Exact,
     /// No host synchronization: buffers are sized for the worst case (`R * T` rows), the size
     /// is read later ([`CudaHt::sync`]). The launches can be captured in a CUDA graph.
@@ -1096,8 +1097,9 @@ impl CudaHt {
     }
 
     /// Fresh dispatch of the `num_tokens` tokens in the input buffers: layout + count exchange
-    /// (one kernel), then the dispatch kernel. With [`Sizing::Exact`] the host reads the
-    /// receive count in between (and reports input errors at once).
+    /// (one kernel), then the dispatch kernel, queued back to back. With [`Sizing::Exact`]
+    /// the host then waits for the layout kernel's published receive count (and reports
+    /// input errors) while the dispatch kernel runs.
     pub fn dispatch(
         &mut self,
         rank: &CudaRank,
@@ -1144,20 +1146,12 @@ impl CudaHt {
         if let Err(e) = launched {
             return self.fail(rank, e);
         }
-        let mut num_recv = None;
-        if self.opts.sizing == Sizing::Exact {
-            // The layout kernel publishes its plan head (status last) before its tail: launch
-            // the dispatch as soon as the status word leaves u32::MAX.
-            let plan_host = &self.plan_host;
-            let mut published = || plan_host.read()[0] != u32::MAX;
-            if let Err(e) = rank
-                .wait_busy_until("HT count exchange", &mut published)
-                .and_then(|_| self.status())
-            {
-                return self.fail(rank, e);
-            }
-            num_recv = Some(self.plan_host.read()[2] as usize);
-        }
+        // The dispatch kernel goes into the stream right behind the layout kernel, before
+        // any host wait: it reads the plan the layout kernel left on the device (and stops,
+        // signalling its peers, on a failed status), and the receive rows land in a window
+        // slab sized for the worst case, so nothing it needs comes from the host. Exact
+        // sizing then waits for the published plan head while the dispatch runs: the host
+        // round trip (status poll, then a launch) is off the GPU's critical path.
         let grid = self.grid();
         let (kname, threads) = self.dispatch_kernel(dtype);
         let out = self
@@ -1168,6 +1162,19 @@ impl CudaHt {
             });
         if let Err(e) = out {
             return self.fail(rank, e);
+        }
+        let mut num_recv = None;
+        if self.opts.sizing == Sizing::Exact {
+            // The layout kernel publishes its plan head (status last) before its tail.
+            let plan_host = &self.plan_host;
+            let mut published = || plan_host.read()[0] != u32::MAX;
+            if let Err(e) = rank
+                .wait_busy_until("HT count exchange", &mut published)
+                .and_then(|_| self.status())
+            {
+                return self.fail(rank, e);
+            }
+            num_recv = Some(self.plan_host.read()[2] as usize);
         }
         self.last_slab = self.io.recv_slab;
         Ok(HtGpuHandle {

@@ -20,7 +20,7 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use cudarc::driver::{result, sys};
+use cudarc::driver::sys;
 use gin_ep_sys as ns;
 use half::bf16;
 
@@ -1043,8 +1043,6 @@ impl<'r> CudaLl<'r> {
 
     fn launch(&self, name: &'static str, smem: usize, set: usize) -> Result<()> {
         let args = self.args(set)?;
-        let f = self.rank.function(name)?;
-        let mut params = [&args as *const LlArgs as *mut c_void];
         // SAFETY: LlArgs mirrors the kernel parameter (size/offset asserts on both sides);
         // every pointer in it belongs to self (window, set buffers) or the rank (error
         // record), which outlive the launch: owners wait for the stream before dropping
@@ -1052,47 +1050,12 @@ impl<'r> CudaLl<'r> {
         // (LlIo), checked by CudaRank::external to be device memory of this GPU and by
         // `args` to hold what this launch touches, kept alive by its owner until the stream
         // passes this launch. Offsets come from LlLayout, which sized the window and buffers.
-        // cuLaunchKernel / cuLaunchKernelEx copy the parameter bytes.
-        let r = if self.variant.pdl {
-            // `pdl`: the kernel may launch before the one before it on the stream has
-            // finished; it waits for it (griddepcontrol.wait in ll.cu) before any access.
-            let mut attr = sys::CUlaunchAttribute {
-                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-                pad: [0; 4],
-                value: sys::CUlaunchAttributeValue { pad: [0; 64] },
-            };
-            attr.value.programmaticStreamSerializationAllowed = 1;
-            let config = sys::CUlaunchConfig {
-                gridDimX: self.grid,
-                gridDimY: 1,
-                gridDimZ: 1,
-                blockDimX: THREADS,
-                blockDimY: 1,
-                blockDimZ: 1,
-                sharedMemBytes: smem as u32,
-                hStream: self.rank.stream(),
-                attrs: &mut attr,
-                numAttrs: 1,
-            };
-            // SAFETY: as above; `config` and `attr` live across the call, which copies them.
-            unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()).result() }
-        } else {
-            // SAFETY: as above.
-            unsafe {
-                result::launch_kernel(
-                    f,
-                    (self.grid, 1, 1),
-                    (THREADS, 1, 1),
-                    smem as u32,
-                    self.rank.stream(),
-                    &mut params,
-                )
-            }
-        };
-        r.map_err(|e| Error::Device {
-            call: name.to_string(),
-            reason: format!("{e:?}"),
-        })
+        // With `pdl` every LL entry point runs griddepcontrol.wait (kernel_enter in ll.cu)
+        // before any access.
+        unsafe {
+            self.rank
+                .launch_ex(name, self.grid, THREADS, smem as u32, self.variant.pdl, &args)
+        }
     }
 
     /// Dispatch, first half: quantize (FP8) and send this rank's tokens of `set`; returns

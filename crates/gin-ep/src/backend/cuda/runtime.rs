@@ -1179,14 +1179,51 @@ impl CudaRank {
         smem: u32,
         args: &A,
     ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.launch_ex(name, grid, block, smem, false, args) }
+    }
+
+    /// [`CudaRank::launch_smem`], with `pdl`: programmatic stream serialization, i.e. the
+    /// kernel may start before the previous kernel on the stream has finished (the kernel
+    /// must run `griddepcontrol.wait` before touching anything that kernel wrote).
+    ///
+    /// # Safety
+    /// As [`CudaRank::launch`]; with `pdl`, the kernel must wait as said above.
+    pub(crate) unsafe fn launch_ex<A: Copy>(
+        &self,
+        name: &'static str,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        pdl: bool,
+        args: &A,
+    ) -> Result<()> {
         let f = self.function(name)?;
         let mut params = [args as *const A as *mut c_void];
-        // SAFETY: the caller's contract; cuLaunchKernel copies the parameter bytes before
-        // returning, so `args` may go out of scope afterwards.
-        let r = unsafe {
-            result::launch_kernel(f, (grid, 1, 1), (block, 1, 1), smem, self.stream(), &mut params)
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue { pad: [0; 64] },
         };
-        cu(name, r)
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: self.stream(),
+            attrs: &mut attr,
+            // Without `pdl` the attribute is not passed: a plain stream-ordered launch.
+            numAttrs: u32::from(pdl),
+        };
+        // SAFETY: the caller's contract; `config`, `attr` and `params` live across the call,
+        // and cuLaunchKernelEx copies the parameter bytes before returning, so `args` may go
+        // out of scope afterwards.
+        let r = unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) };
+        cu_raw(name, r)
     }
 
     /// Raises `name`'s dynamic shared memory ceiling to `bytes`.
