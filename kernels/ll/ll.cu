@@ -180,8 +180,13 @@ constexpr int kStDispStart = 0, kStDispLayout = 1, kStDispCredit = 2, kStDispSen
               kStDispRecv = 5, kStDispCounts = 6, kStDispSeen = 7, kStDispExpanded = 8, kStDispEnd = 9;
 constexpr int kStCombStart = 10, kStCombCredit = 11, kStCombSent = 12, kStCombSignaled = 13, kStCombRecv = 14,
               kStCombSeen = 15, kStCombReduced = 16, kStCombEnd = 17, kStCombWeights = 18;
-constexpr int kStampSlots = 20;
-static_assert(kStCombWeights < kStampSlots, "stamps");
+// Dispatch with `ready`, the latest send warp (max over the CTA's warps, atomicMax): its
+// stores issued (before its fence), its fence done (before its ready words); every send
+// warp: its first item begins (after the counts of step 3), an item's unit encoded (before
+// its stores; the latest item of the CTA).
+constexpr int kStDispStored = 20, kStDispFenced = 21, kStDispLoop = 22, kStDispEncoded = 23;
+constexpr int kStampSlots = 24;
+static_assert(kStDispFenced < kStampSlots, "stamps");
 
 // Variants (LlArgs::flags; host: LlVariant in ll.rs). Each changes only how work is spread
 // and when loads are issued, never an arithmetic order: every variant is bit-exact.
@@ -223,9 +228,12 @@ static_assert(kStCombWeights < kStampSlots, "stamps");
 //   reached its target (ld_relaxed_sys). An acquire load invalidates the SM's L1 at every
 //   try; in the fused dispatch the receive team polls while the send warps of the same SM
 //   load, quantize and store.
+// - kFlagWarm: before the layout, one warp of every dispatch-send CTA loads a word of each
+//   window page its sends store to at every destination (warm_send_pages), so the peer
+//   pages' address translations are cached before the first store.
 // (The fused one-kernel-per-operation variant is a host choice: other entry points.)
 constexpr uint32_t kFlagTokenMajor = 1u, kFlagPipeline = 2u, kFlagRotate = 4u, kFlagEarlyCounts = 8u,
-                   kFlagReady = 16u, kFlagPdl = 32u, kFlagQuiet = 64u;
+                   kFlagReady = 16u, kFlagPdl = 32u, kFlagQuiet = 64u, kFlagWarm = 128u;
 constexpr int kFlagSendWarpsShift = 8;
 // Named barriers of the two teams of the fused dispatch with send warps (0 = the CTA's).
 constexpr int kBarSend = 1, kBarRecv = 2;
@@ -280,6 +288,14 @@ __device__ __forceinline__ void stamp_if(const LlArgs& a, int slot, bool writer)
   if (a.stamps != nullptr && writer && slot >= 0) a.stamps[size_t(blockIdx.x) * kStampSlots + slot] = globaltimer_ns();
 }
 __device__ __forceinline__ void stamp(const LlArgs& a, int slot) { stamp_if(a, slot, threadIdx.x == 0); }
+// The calling thread raises slot `slot` of this CTA's stamp row to the time (when asked):
+// the latest of several warps (the row starts zeroed).
+__device__ __forceinline__ void stamp_max(const LlArgs& a, int slot) {
+  if (a.stamps != nullptr) {
+    atomicMax(reinterpret_cast<unsigned long long*>(a.stamps + size_t(blockIdx.x) * kStampSlots + slot),
+              static_cast<unsigned long long>(globaltimer_ns()));
+  }
+}
 
 __device__ __forceinline__ uint32_t ld_volatile_u32(const uint32_t* p) {
   return *reinterpret_cast<const volatile uint32_t*>(p);
@@ -606,6 +622,29 @@ __device__ __forceinline__ void put_meta(const LlArgs& a, char* rec, int t, int 
   if (lane == 0) meta[2 * K] = t;
 }
 
+// Variant `warm`: the calling warp loads one word per window page that this rank's dispatch
+// sends store to at every destination (its record range, its ready words, its counts), with
+// relaxed loads whose values are never used: the warp does not wait for them, and the
+// translations of the peer pages are cached by the time the send warps store.
+constexpr size_t kWarmPage = size_t(2) << 20;  // the smallest page a window is mapped with
+__device__ void warm_send_pages(const LlArgs& a, int lane) {
+  const int R = a.comm.lsaSize, me = a.comm.lsaRank, L = a.experts / R;
+  const int units = (a.hidden + kDispatchUnit - 1) / kDispatchUnit;
+  const size_t T = size_t(a.max_tokens);
+  const size_t ranges[3][2] = {
+      {a.set_offset + a.stage_offset + size_t(me) * T * a.rec_bytes, T * a.rec_bytes},
+      {a.set_offset + a.ready_offset + size_t(me) * T * units * 4, T * units * 4},
+      {a.set_offset + a.meta_offset + size_t(me) * (L + 1) * 4, size_t(L + 1) * 4}};
+  for (int dst = 0; dst < R; ++dst) {
+    for (int r = 0; r < 3; ++r) {
+      const size_t lo = ranges[r][0], hi = lo + ranges[r][1];
+      for (size_t off = (lo & ~(kWarmPage - 1)) + size_t(lane) * kWarmPage; off < hi; off += 32 * kWarmPage) {
+        (void)ld_relaxed_sys_u32(reinterpret_cast<const uint32_t*>(win_ptr(off < lo ? lo : off, dst)));
+      }
+    }
+  }
+}
+
 // Every thread of the CTA. False (in every thread) when the credit wait failed; nothing was
 // sent then and no signal was added. The layout, credit and counts take the whole CTA; the
 // records are sent by the first `send_warps` warps of each CTA only (all: kWarps), the
@@ -636,6 +675,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   auto tok_of = [&](size_t item) { return int(item / per_tok); };
   auto unit_of = [&](size_t item) { return int(tok_major ? item % per_tok : (item % per_tok) / R); };
   XUnit cur{};
+  if ((a.flags & kFlagWarm) != 0u && int(threadIdx.x / 32) == kWarps - 1) warm_send_pages(a, lane);
   // Token-major: the first item's loads overlap the layout and the credit wait.
   if (tok_major && warp < items) cur = load_x_unit(a, tok_of(warp), unit_of(warp), lane);
 
@@ -680,12 +720,18 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
     }
     if (counts_first(a.flags)) {
       __syncthreads();  // CTA 0 only (blockIdx is uniform in the CTA)
-      for (int p = threadIdx.x; p < R; p += blockDim.x) red_release_sys_add(sig_word(a, p, kDispCnt, me), 1);
+      // The last warp adds (a release after the barrier covers every thread's count stores):
+      // the release waits for those remote stores to be acknowledged, and warp 0 takes the
+      // first record, whose stores at 1 token were ≈ 2 µs late behind that wait.
+      for (int p = int(threadIdx.x) - int(blockDim.x - 32); p >= 0 && p < R; p += 32) {
+        red_release_sys_add(sig_word(a, p, kDispCnt, me), 1);
+      }
     }
   }
 
   // 4. Records (the send team only).
   if (!sender) return true;
+  if (lane == 0 && warp < items) stamp_max(a, kStDispLoop);
   if (!tok_major && warp < items) cur = load_x_unit(a, tok_of(warp), unit_of(warp), lane);
   for (size_t item = warp; item < items; item += warps) {
     const size_t next = item + warps;
@@ -701,6 +747,10 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
       // Quantized once, stored to every destination of the token (`rot`: starting at a
       // destination that differs between neighbouring warps).
       const OutUnit o = encode_unit(a, cur, c0);
+      if (a.stamps != nullptr) {
+        __syncwarp();
+        if (lane == 0) stamp_max(a, kStDispEncoded);
+      }
       const int first_dst = rotate ? int((size_t(me) + 1 + item) % size_t(R)) : 0;
       for (int i = 0; i < R; ++i) {
         const int dst = first_dst + i < R ? first_dst + i : first_dst + i - R;
@@ -727,7 +777,9 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   if ((a.flags & kFlagReady) != 0) {
     __syncwarp();
     if (lane == 0 && warp < items) {
+      stamp_max(a, kStDispStored);
       fence_acq_rel_sys();
+      stamp_max(a, kStDispFenced);
       for (size_t item = warp; item < items; item += warps) {
         const int t = tok_of(item), u = unit_of(item);
         for (int dst = 0; dst < R; ++dst) {

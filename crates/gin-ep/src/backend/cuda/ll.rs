@@ -96,6 +96,11 @@ pub struct LlVariant {
     /// reached its target (an acquire load invalidates the SM's L1 at every try, next to
     /// the warps of the same SM that are still sending).
     pub quiet: bool,
+    /// `warm`: before the layout, one warp of each dispatch-send CTA loads a word of every
+    /// window page the CTA's sends will store to at each destination (records, ready words,
+    /// counts), so the address translations of the peer pages are in the SM's TLBs before
+    /// the first store (a test of whether TLB misses set the send's fixed cost).
+    pub warm: bool,
     /// CTAs per kernel; `None`: the caller's grid (the bench's `--sms`, else every SM);
     /// `Some(0)`: every SM.
     pub grid: Option<u32>,
@@ -130,6 +135,7 @@ impl LlVariant {
         fused: false,
         pdl: false,
         quiet: false,
+        warm: false,
         grid: None,
     };
 
@@ -142,6 +148,7 @@ impl LlVariant {
             | (u32::from(self.ready) << 4)
             | (u32::from(self.pdl) << 5)
             | (u32::from(self.quiet) << 6)
+            | (u32::from(self.warm) << 7)
             | (self.send_warps << 8)
     }
 
@@ -175,6 +182,9 @@ impl LlVariant {
         }
         if self.quiet {
             parts.push("quiet");
+        }
+        if self.warm {
+            parts.push("warm");
         }
         let mut n = if parts.is_empty() {
             "base".to_string()
@@ -231,9 +241,10 @@ impl LlVariant {
                 "fused" => v.fused = true,
                 "pdl" => v.pdl = true,
                 "quiet" => v.quiet = true,
+                "warm" => v.warm = true,
                 other => {
                     return Err(bad(format!(
-                        "unknown feature `{other}` (known: base, tok, pipe, rot, early, ready, sendN, fused, pdl, quiet, then @G)"
+                        "unknown feature `{other}` (known: base, tok, pipe, rot, early, ready, sendN, fused, pdl, quiet, warm, then @G)"
                     )))
                 }
             }
@@ -288,6 +299,8 @@ impl LlVariant {
             "early+quiet@3",
             "tok+pipe+rot+ready+send4+fused+pdl+quiet@3",
             "ready+send12+fused@5",
+            "tok+rot+ready+send8+fused+pdl+quiet+warm@all",
+            "pipe+warm@3",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
@@ -319,6 +332,7 @@ impl LlVariant {
             "tok+rot+ready+send8+fused+pdl@all",
             "tok+rot+ready+send8+fused+quiet@all",
             "tok+rot+ready+send8+fused+pdl+quiet@all",
+            "tok+rot+ready+send8+fused+pdl+quiet+warm@all",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
@@ -350,7 +364,7 @@ pub const SIG_KINDS: usize = 6;
 /// counts.
 pub const STATE_WORDS: usize = 8 + 2 * MAX_GRID as usize;
 /// u64 timestamps per CTA per operation pair (`kStampSlots` in ll.cu).
-pub const STAMP_SLOTS: usize = 20;
+pub const STAMP_SLOTS: usize = 24;
 /// Word written into every output before a checked run: a row nobody wrote keeps it.
 pub const POISON: u32 = 0xDEAD_BEEF;
 
@@ -1847,9 +1861,16 @@ pub const ENV_STAMPS: &str = "GIN_EP_LL_STAMPS";
 /// start of the operation (dispatch slot 0, combine slot 10) on the rank's clock; medians over
 /// iterations of the slowest rank. Absent slots (a variant that does not pass them) are left
 /// out of the report.
-pub const PHASES: [(&str, usize, bool); 18] = [
+pub const PHASES: [(&str, usize, bool); 25] = [
     ("d.lay", 1, false),
     ("d.cred", 2, false),
+    ("d.loop0", 22, true),
+    ("d.loop", 22, false),
+    ("d.enc0", 23, true),
+    ("d.enc", 23, false),
+    ("d.stored0", 20, true),
+    ("d.stored", 20, false),
+    ("d.fenced", 21, false),
     ("d.sent0", 3, true),
     ("d.sent", 3, false),
     ("d.sig", 4, false),
@@ -1868,7 +1889,12 @@ pub const PHASES: [(&str, usize, bool); 18] = [
     ("c.end", 17, false),
 ];
 /// Dispatch columns of [`PHASES`] (the rest are combine).
-const DISPATCH_PHASES: usize = 10;
+const DISPATCH_PHASES: usize = 17;
+
+/// Whether stamp slot `slot` belongs to the dispatch (kStDisp* in ll.cu), else the combine.
+fn dispatch_slot(slot: usize) -> bool {
+    slot < 10 || slot >= 20
+}
 
 /// [`PHASES`] of one operation pair from its `[grid][STAMP_SLOTS]` stamps, µs; -1 where a
 /// slot was never written.
@@ -1881,7 +1907,7 @@ fn phase_values(st: &[u64], grid: usize) -> [f64; PHASES.len()] {
     let origin = |slot: usize| col(slot).min();
     let mut out = [-1.0; PHASES.len()];
     for (i, &(_, slot, first)) in PHASES.iter().enumerate() {
-        let t0 = origin(if slot < 10 { 0 } else { 10 });
+        let t0 = origin(if dispatch_slot(slot) { 0 } else { 10 });
         let t = if first { col(slot).min() } else { col(slot).max() };
         if let (Some(t0), Some(t)) = (t0, t) {
             out[i] = t.saturating_sub(t0) as f64 * 1e-3;
@@ -2381,9 +2407,12 @@ mod tests {
         let q = LlVariant::parse("quiet+early@3").unwrap();
         assert_eq!(q.kernel_flags(), 8 | 64);
         assert_eq!(q.name(), "early+quiet@3");
+        let w = LlVariant::parse("warm+pipe@3").unwrap();
+        assert_eq!(w.kernel_flags(), 2 | 128);
+        assert_eq!(w.name(), "pipe+warm@3");
         assert!(
-            LL_CU.contains("kFlagReady = 16u, kFlagPdl = 32u, kFlagQuiet = 64u;"),
-            "LlVariant::kernel_flags puts pdl at bit 5, quiet at bit 6"
+            LL_CU.contains("kFlagReady = 16u, kFlagPdl = 32u, kFlagQuiet = 64u, kFlagWarm = 128u;"),
+            "LlVariant::kernel_flags puts pdl at bit 5, quiet at bit 6, warm at bit 7"
         );
         for bad in [
             "ready+send8",
@@ -2417,7 +2446,11 @@ mod tests {
         assert_eq!(at("d.sent"), 8.0);
         assert_eq!(at("c.red"), 10.0);
         assert_eq!(at("d.seen"), -1.0);
-        assert_eq!(PHASES.iter().filter(|p| p.1 < 10).count(), DISPATCH_PHASES);
+        assert_eq!(
+            PHASES.iter().filter(|p| dispatch_slot(p.1)).count(),
+            DISPATCH_PHASES
+        );
+        assert!(PHASES[..DISPATCH_PHASES].iter().all(|p| dispatch_slot(p.1)));
     }
 
     #[test]
