@@ -1893,7 +1893,7 @@ const DISPATCH_PHASES: usize = 17;
 
 /// Whether stamp slot `slot` belongs to the dispatch (kStDisp* in ll.cu), else the combine.
 fn dispatch_slot(slot: usize) -> bool {
-    slot < 10 || slot >= 20
+    !(10..20).contains(&slot)
 }
 
 /// [`PHASES`] of one operation pair from its `[grid][STAMP_SLOTS]` stamps, µs; -1 where a
