@@ -186,7 +186,7 @@ constexpr int kStCombStart = 10, kStCombCredit = 11, kStCombSent = 12, kStCombSi
 // its stores; the latest item of the CTA).
 constexpr int kStDispStored = 20, kStDispFenced = 21, kStDispLoop = 22, kStDispEncoded = 23;
 constexpr int kStampSlots = 24;
-static_assert(kStDispFenced < kStampSlots, "stamps");
+static_assert(kStDispEncoded < kStampSlots && kStCombWeights < kStDispStored, "stamps");
 
 // Variants (LlArgs::flags; host: LlVariant in ll.rs). Each changes only how work is spread
 // and when loads are issued, never an arithmetic order: every variant is bit-exact.
