@@ -1025,7 +1025,9 @@ fn bench_inner(group: &Group, rank: &CudaRank, opts: &BenchOptions, num_sms: u32
             ht.dispatch(rank, n, source, None)?;
         }
         rank.record(&ev[2])?;
-        rank.wait("end of a back-to-back series")?;
+        // Busy: a sleeping wait wakes up to 1 ms late, at a different time on every rank, and
+        // the next series' first count exchange would time that skew as dispatch time.
+        rank.wait_busy("end of a back-to-back series")?;
         s.back_to_back
             .push(f64::from(ev[0].elapsed_ms(&ev[2])?) * 1e-3 / HT_SERIES as f64);
     }
