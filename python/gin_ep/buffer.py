@@ -72,6 +72,12 @@ def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
+def _check_rows(x: torch.Tensor, topk_idx: torch.Tensor) -> None:
+    """One `topk_idx` row per token of `x` (both 2-D, checked before)."""
+    if topk_idx.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_idx: {topk_idx.shape[0]} rows, x has {x.shape[0]}")
+
+
 class _HtState:
     """Slot 0 of an HT handle: what combine and cached dispatch need."""
 
@@ -610,6 +616,7 @@ class Buffer:
                                          async_finish, return_recv_hook)
         check("x", x, torch.bfloat16, dim=2)
         check("topk_idx", topk_idx, None, dim=2)
+        _check_rows(x, topk_idx)
         if round_scale and not use_fp8:
             raise ValueError("round_scale=True needs use_fp8=True")
         dtype = "bf16" if not use_fp8 else ("fp8-ue8m0" if round_scale else "fp8")
@@ -860,9 +867,8 @@ class Buffer:
         if round_scale and not use_fp8:
             raise ValueError("round_scale=True needs use_fp8=True")
         dtype = "bf16" if not use_fp8 else ("fp8-ue8m0" if round_scale else "fp8")
+        _check_rows(x, topk_idx)
         n, hidden = x.shape
-        if topk_idx.shape[0] != n:
-            raise ValueError(f"topk_idx: {topk_idx.shape[0]} rows, x has {n}")
         k = topk_idx.shape[1]
         t = int(num_max_dispatch_tokens_per_rank)
         r = self.group_size

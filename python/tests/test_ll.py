@@ -85,6 +85,8 @@ def ll_worker(rank, world):
 
     with pytest.raises(NotImplementedError, match="use_ue8m0"):
         buf.low_latency_dispatch(x, idx, T, experts, use_ue8m0=True, round_scale=True)
+    with pytest.raises(ValueError, match=f"topk_idx: {x.shape[0] + 1} rows, x has {x.shape[0]}"):
+        buf.low_latency_dispatch(x, torch.cat([idx, torch.full((1, TOPK), -1, dtype=idx.dtype)]), T, experts)
     with pytest.raises(NotImplementedError, match="logfmt"):
         buf.low_latency_combine(y_of(rank), idx, w, handle, use_logfmt=True)
 
