@@ -481,8 +481,7 @@ class Buffer:
                              "it gives the number of experts")
         check("topk_idx", topk_idx, None, dim=2)
         check_cpu("num_tokens_per_expert", num_tokens_per_expert)
-        if topk_idx.shape[0] != n:
-            raise ValueError(f"topk_idx: {topk_idx.shape[0]} rows, x has {n}")
+        _check_rows(x, topk_idx)
         if expert_alignment < 1:
             raise ValueError(f"expert_alignment = {expert_alignment}: must be at least 1")
         k = topk_idx.shape[1]
@@ -756,8 +755,7 @@ class Buffer:
             raise ValueError("dispatch: num_tokens_per_expert is required (from get_dispatch_layout); "
                              "it gives the number of experts")
         _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
-        if topk_idx.shape[0] != n:
-            raise ValueError(f"topk_idx: {topk_idx.shape[0]} rows, x has {n}")
+        _check_rows(x, topk_idx)
         if expert_alignment < 1:
             raise ValueError(f"expert_alignment = {expert_alignment}: must be at least 1")
         k = topk_idx.shape[1]
