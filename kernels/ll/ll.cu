@@ -231,10 +231,27 @@ static_assert(kStDispEncoded < kStampSlots && kStCombWeights < kStDispStored, "s
 // - kFlagWarm: before the layout, one warp of every dispatch-send CTA loads a word of each
 //   window page its sends store to at every destination (warm_send_pages), so the peer
 //   pages' address translations are cached before the first store.
+// - kFlagItemReady (with kFlagReady, variant `iready`): a send warp fences and stores the
+//   ready words of each work item right after that item's stores, instead of once after
+//   all of its items, so the receiver can expand a warp's first items while its later ones
+//   are still in flight. One fence per item instead of one per warp.
+// - kFlagSpin (variant `spin`): the two waits that back off with __nanosleep (a ready word,
+//   wait_ready; the send warps' wait for their CTA's receive table, wait_recv_table) spin
+//   instead. A test: at 1 token, eager operations with an event between them sometimes ran
+//   at 1.2-2.4 ms each for a whole loop, in variants with those sleeps only.
 // (The fused one-kernel-per-operation variant is a host choice: other entry points.)
-constexpr uint32_t kFlagTokenMajor = 1u, kFlagPipeline = 2u, kFlagRotate = 4u, kFlagEarlyCounts = 8u,
-                   kFlagReady = 16u, kFlagPdl = 32u, kFlagQuiet = 64u, kFlagWarm = 128u;
-constexpr int kFlagSendWarpsShift = 8;
+// (One per line: the host's tests read each value here, ll.rs FEATURES.)
+constexpr uint32_t kFlagTokenMajor = 1u;
+constexpr uint32_t kFlagPipeline = 2u;
+constexpr uint32_t kFlagRotate = 4u;
+constexpr uint32_t kFlagEarlyCounts = 8u;
+constexpr uint32_t kFlagReady = 16u;
+constexpr uint32_t kFlagPdl = 32u;
+constexpr uint32_t kFlagQuiet = 64u;
+constexpr uint32_t kFlagWarm = 128u;
+constexpr int kFlagSendWarpsShift = 8;  // bits 8..12: the send warp count (`sendN`)
+constexpr uint32_t kFlagItemReady = 65536u;
+constexpr uint32_t kFlagSpin = 131072u;
 // Named barriers of the two teams of the fused dispatch with send warps (0 = the CTA's).
 constexpr int kBarSend = 1, kBarRecv = 2;
 
@@ -608,13 +625,22 @@ __device__ __forceinline__ void put_unit(const LlArgs& a, char* rec, int c0, int
   }
 }
 
-// The record's metadata for destination dst: local ids, positions, source token.
+// This lane's top-k id of token t (k = lane; -1 past K): loaded once per record-0 item, before
+// its encode, for put_meta at every destination. Loading the ids inside put_meta cost one
+// dependent load round per destination (each remote store's "memory" clobber keeps the next
+// destination's loads behind it): ≈ 2 µs at 1 token, where that warp is the last to send.
+__device__ __forceinline__ int64_t lane_topk_id(const LlArgs& a, int t, int lane) {
+  return lane < a.topk ? a.topk_idx[size_t(t) * a.topk + lane] : -1;
+}
+
+// The record's metadata for destination dst: local ids, positions, source token. e_lane =
+// lane_topk_id(a, t, lane) (ids past the first 32 are loaded here).
 __device__ __forceinline__ void put_meta(const LlArgs& a, char* rec, int t, int dst, const TokenRanks& tr,
-                                         int lane) {
+                                         int lane, int64_t e_lane) {
   const int K = a.topk, E = a.experts, L = E / a.comm.lsaSize;
   int32_t* meta = reinterpret_cast<int32_t*>(rec + meta_in_record(a));
   for (int k = lane; k < K; k += 32) {
-    const int64_t e = a.topk_idx[size_t(t) * K + k];
+    const int64_t e = k < 32 ? e_lane : a.topk_idx[size_t(t) * K + k];
     const bool here = e >= 0 && e < E && int(e) / L == dst;
     meta[k] = here ? int(e) - dst * L : -1;
     meta[K + k] = here ? int(tr.rank_in(int(e), t)) : 0;
@@ -674,6 +700,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   const size_t warps = team.warps;
   auto tok_of = [&](size_t item) { return int(item / per_tok); };
   auto unit_of = [&](size_t item) { return int(tok_major ? item % per_tok : (item % per_tok) / R); };
+  const bool item_ready = (a.flags & (kFlagReady | kFlagItemReady)) == (kFlagReady | kFlagItemReady);
   XUnit cur{};
   if ((a.flags & kFlagWarm) != 0u && int(threadIdx.x / 32) == kWarps - 1) warm_send_pages(a, lane);
   // Token-major: the first item's loads overlap the layout and the credit wait.
@@ -729,6 +756,26 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
     }
   }
 
+  // `ready`: the ready words of one work item at each destination it went to (lane 0, after
+  // the warp's fence).
+  auto publish = [&](size_t item) {
+    const int t = tok_of(item), u = unit_of(item);
+    for (int dst = 0; dst < R; ++dst) {
+      if (!tok_major && dst != int(item % R)) continue;
+      if (tr.has(E + dst, t)) st_relaxed_sys_u32(ready_word(a, dst, me, tr.rank_in(E + dst, t), u), n);
+    }
+  };
+  // A system-scope fence by lane 0 after the warp barrier that orders every lane's stores
+  // before it (the fence is cumulative), with the send-path stamps around it.
+  auto warp_fence = [&]() {
+    __syncwarp();
+    if (lane == 0) {
+      stamp_max(a, kStDispStored);
+      fence_acq_rel_sys();
+      stamp_max(a, kStDispFenced);
+    }
+  };
+
   // 4. Records (the send team only).
   if (!sender) return true;
   if (lane == 0 && warp < items) stamp_max(a, kStDispLoop);
@@ -743,6 +790,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
       const uint32_t slot = tr.rank_in(E + dst, t);
       return win_ptr(a.set_offset + a.stage_offset + (size_t(me) * T + slot) * a.rec_bytes, dst);
     };
+    const int64_t e_lane = u == 0 ? lane_topk_id(a, t, lane) : -1;
     if (tok_major) {
       // Quantized once, stored to every destination of the token (`rot`: starting at a
       // destination that differs between neighbouring warps).
@@ -757,35 +805,33 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
         if (!tr.has(E + dst, t)) continue;  // warp-uniform
         char* rec = record(dst);
         put_unit(a, rec, c0, lane, o);
-        if (u == 0) put_meta(a, rec, t, dst, tr, lane);
+        if (u == 0) put_meta(a, rec, t, dst, tr, lane, e_lane);
       }
     } else {
       const int dst = int(item % R);
       if (tr.has(E + dst, t)) {  // warp-uniform
         char* rec = record(dst);
         put_unit(a, rec, c0, lane, encode_unit(a, cur, c0));
-        if (u == 0) put_meta(a, rec, t, dst, tr, lane);
+        if (u == 0) put_meta(a, rec, t, dst, tr, lane, e_lane);
       }
+    }
+    // `iready`: this item's units are marked ready now (the next item's loads, with `pipe`,
+    // are already in flight behind the fence).
+    if (item_ready) {
+      warp_fence();
+      if (lane == 0) publish(item);
     }
     if (next < items) cur = pipe ? nxt : load_x_unit(a, tok_of(next), unit_of(next), lane);
   }
 
-  // 5. `ready`: one system-scope fence per warp (lane 0, after the warp barrier that orders
-  //    every lane's stores before it: the fence is cumulative), then a ready word per
-  //    (record, unit) this warp wrote. Otherwise the data signal: +1 per CTA at every
-  //    destination (also where nothing was sent).
+  // 5. `ready`: one system-scope fence per warp, then a ready word per (record, unit) this
+  //    warp wrote (`iready`: done per item above). Otherwise the data signal: +1 per CTA at
+  //    every destination (also where nothing was sent).
   if ((a.flags & kFlagReady) != 0) {
-    __syncwarp();
-    if (lane == 0 && warp < items) {
-      stamp_max(a, kStDispStored);
-      fence_acq_rel_sys();
-      stamp_max(a, kStDispFenced);
-      for (size_t item = warp; item < items; item += warps) {
-        const int t = tok_of(item), u = unit_of(item);
-        for (int dst = 0; dst < R; ++dst) {
-          if (!tok_major && dst != int(item % R)) continue;
-          if (tr.has(E + dst, t)) st_relaxed_sys_u32(ready_word(a, dst, me, tr.rank_in(E + dst, t), u), n);
-        }
+    if (!item_ready && warp < items) {
+      warp_fence();
+      if (lane == 0) {
+        for (size_t item = warp; item < items; item += warps) publish(item);
       }
     }
     team.sync();
@@ -825,8 +871,9 @@ struct StagedItem {
 __device__ bool wait_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int src) {
   PollDeadline deadline;
   const bool relaxed = relaxed_polls(a.flags);
+  const bool sleep = (a.flags & kFlagSpin) == 0u;
   for (uint32_t spin = 0; int32_t((relaxed ? ld_relaxed_sys_u32(w) : ld_acquire_sys_u32(w)) - n) < 0; ++spin) {
-    __nanosleep(32u << min(spin, 4u));
+    if (sleep) __nanosleep(32u << min(spin, 4u));
     if ((spin & 15u) == 15u &&
         !deadline.ok(a.err, a.timeout_ns, static_cast<FabricPhase>(kPhaseDispatchRecv), src, a.comm.lsaRank)) {
       return false;
@@ -865,8 +912,9 @@ __device__ bool wait_recv_table(const LlArgs& a, uint32_t* table_smem) {
   const uint32_t* table = RecvTable::at(a, table_smem).word;
   PollDeadline deadline;
   uint32_t st = kTableNotYet;
+  const bool sleep = (a.flags & kFlagSpin) == 0u;
   for (uint32_t spin = 0; (st = ld_acquire_cta_shared(table)) == kTableNotYet; ++spin) {
-    __nanosleep(64);
+    if (sleep) __nanosleep(64);
     if ((spin & 15u) == 15u && !deadline.ok(a.err, a.timeout_ns + a.timeout_ns / 2,
                                             static_cast<FabricPhase>(kPhaseDispatchRecv), a.comm.lsaRank,
                                             a.comm.lsaRank)) {

@@ -54,6 +54,39 @@ pub mod names {
 /// [`LlVariant::parse`]); unset or empty: [`LlVariant::DEFAULT`].
 pub const ENV_VARIANT: &str = "GIN_EP_LL_VARIANT";
 
+/// One boolean feature of [`LlVariant`]: its name in a variant's text, its bit in the
+/// kernel's flags word (kFlag* in kernels/ll/ll.cu; 0 for a host-only choice) and its field.
+/// The one list that `name`, `parse` and `kernel_flags` all read, so a new feature is one
+/// entry here. (`sendN` is a count, not a flag: bits from [`SEND_WARPS_SHIFT`].)
+struct Feature {
+    name: &'static str,
+    flag: u32,
+    /// The kernel's name for `flag` (empty for a host-only feature); tests compare values.
+    #[cfg_attr(not(test), allow(dead_code))]
+    cu: &'static str,
+    get: fn(&LlVariant) -> bool,
+    set: fn(&mut LlVariant) -> &mut bool,
+}
+
+/// In the order of a variant's name (one line per feature: a table, kept by rustfmt::skip).
+#[rustfmt::skip]
+const FEATURES: [Feature; 11] = [
+    Feature { name: "tok", flag: 1, cu: "kFlagTokenMajor", get: |v| v.token_major, set: |v| &mut v.token_major },
+    Feature { name: "pipe", flag: 2, cu: "kFlagPipeline", get: |v| v.pipeline, set: |v| &mut v.pipeline },
+    Feature { name: "rot", flag: 4, cu: "kFlagRotate", get: |v| v.rotate, set: |v| &mut v.rotate },
+    Feature { name: "early", flag: 8, cu: "kFlagEarlyCounts", get: |v| v.early_counts, set: |v| &mut v.early_counts },
+    Feature { name: "ready", flag: 16, cu: "kFlagReady", get: |v| v.ready, set: |v| &mut v.ready },
+    Feature { name: "iready", flag: 1 << 16, cu: "kFlagItemReady", get: |v| v.item_ready, set: |v| &mut v.item_ready },
+    Feature { name: "fused", flag: 0, cu: "", get: |v| v.fused, set: |v| &mut v.fused },
+    Feature { name: "pdl", flag: 32, cu: "kFlagPdl", get: |v| v.pdl, set: |v| &mut v.pdl },
+    Feature { name: "quiet", flag: 64, cu: "kFlagQuiet", get: |v| v.quiet, set: |v| &mut v.quiet },
+    Feature { name: "warm", flag: 128, cu: "kFlagWarm", get: |v| v.warm, set: |v| &mut v.warm },
+    Feature { name: "spin", flag: 1 << 17, cu: "kFlagSpin", get: |v| v.spin, set: |v| &mut v.spin },
+];
+
+/// First bit of the send-warp count in the kernel's flags word (kFlagSendWarpsShift).
+const SEND_WARPS_SHIFT: u32 = 8;
+
 /// How the LL kernels spread and order their work. Every variant computes the same bytes
 /// (the same arithmetic in the same order); they differ in latency only, so one GPU run can
 /// time them all (`gin-ep bench --mode ll --sweep`) and the check runs every one
@@ -101,18 +134,26 @@ pub struct LlVariant {
     /// counts), so the address translations of the peer pages are in the SM's TLBs before
     /// the first store (a test of whether TLB misses set the send's fixed cost).
     pub warm: bool,
+    /// `iready` (with `ready`): every send warp fences and marks its units ready after each
+    /// work item instead of once after all of them, so the receiver expands the first items
+    /// while the later ones are still in flight (one fence per item instead of per warp).
+    pub item_ready: bool,
+    /// `spin`: the waits that back off with `__nanosleep` (a `ready` word; a send warp's wait
+    /// for its CTA's receive table) spin instead.
+    pub spin: bool,
     /// CTAs per kernel; `None`: the caller's grid (the bench's `--sms`, else every SM);
     /// `Some(0)`: every SM.
     pub grid: Option<u32>,
 }
 
 impl LlVariant {
-    /// What [`CudaLl::new`] uses without [`ENV_VARIANT`]: `tok+rot+ready+send8+fused+pdl+quiet`
-    /// (session 7, bench/RESULTS.md: `tok+rot+ready+send8+fused` FP8 dispatch 28.2–28.6 µs
-    /// against 31.6 for `fused`, BF16 34.4–34.6 against 40.0; session 10: `pdl+quiet` on top
-    /// saves ≈ 1 µs per operation back to back, e.g. FP8 dispatch 25.3 → 24.3 µs, and
-    /// nothing with an event between operations). Refused, like every fused variant, when
-    /// the grid cannot be resident at once.
+    /// What [`CudaLl::new`] uses without [`ENV_VARIANT`]:
+    /// `tok+rot+ready+send8+fused+pdl+quiet+spin` (session 7, bench/RESULTS.md:
+    /// `tok+rot+ready+send8+fused` FP8 dispatch 28.2–28.6 µs against 31.6 for `fused`, BF16
+    /// 34.4–34.6 against 40.0; session 10: `pdl+quiet` on top saves ≈ 1 µs per operation back
+    /// to back, e.g. FP8 dispatch 25.3 → 24.3 µs, and nothing with an event between
+    /// operations; session 12: `spin` saves 0.2–0.5 µs, e.g. 1 token back to back 12.2 →
+    /// 11.9). Refused, like every fused variant, when the grid cannot be resident at once.
     pub const DEFAULT: LlVariant = LlVariant {
         token_major: true,
         rotate: true,
@@ -121,6 +162,7 @@ impl LlVariant {
         fused: true,
         pdl: true,
         quiet: true,
+        spin: true,
         ..LlVariant::BASE
     };
 
@@ -136,55 +178,31 @@ impl LlVariant {
         pdl: false,
         quiet: false,
         warm: false,
+        item_ready: false,
+        spin: false,
         grid: None,
     };
 
     /// Flags word of `LlArgs` (kFlag* in kernels/ll/ll.cu).
     fn kernel_flags(&self) -> u32 {
-        u32::from(self.token_major)
-            | (u32::from(self.pipeline) << 1)
-            | (u32::from(self.rotate) << 2)
-            | (u32::from(self.early_counts) << 3)
-            | (u32::from(self.ready) << 4)
-            | (u32::from(self.pdl) << 5)
-            | (u32::from(self.quiet) << 6)
-            | (u32::from(self.warm) << 7)
-            | (self.send_warps << 8)
+        FEATURES
+            .iter()
+            .filter(|f| (f.get)(self))
+            .fold(self.send_warps << SEND_WARPS_SHIFT, |acc, f| acc | f.flag)
     }
 
     /// `base`, `tok+pipe`, `tok+pipe+fused@64`, ...
     pub fn name(&self) -> String {
-        let mut parts = Vec::new();
-        if self.token_major {
-            parts.push("tok");
-        }
-        if self.pipeline {
-            parts.push("pipe");
-        }
-        if self.rotate {
-            parts.push("rot");
-        }
-        if self.early_counts {
-            parts.push("early");
-        }
-        if self.ready {
-            parts.push("ready");
-        }
         let send = format!("send{}", self.send_warps);
-        if self.send_warps != 0 {
-            parts.push(&send);
-        }
-        if self.fused {
-            parts.push("fused");
-        }
-        if self.pdl {
-            parts.push("pdl");
-        }
-        if self.quiet {
-            parts.push("quiet");
-        }
-        if self.warm {
-            parts.push("warm");
+        let mut parts = Vec::new();
+        for f in FEATURES.iter() {
+            // `sendN` reads best before `fused`, the feature it splits (and it always has).
+            if f.name == "fused" && self.send_warps != 0 {
+                parts.push(send.as_str());
+            }
+            if (f.get)(self) {
+                parts.push(f.name);
+            }
         }
         let mut n = if parts.is_empty() {
             "base".to_string()
@@ -225,11 +243,11 @@ impl LlVariant {
         for f in feats.split('+') {
             match f {
                 "base" | "" => {}
-                "tok" => v.token_major = true,
-                "pipe" => v.pipeline = true,
-                "rot" => v.rotate = true,
-                "early" => v.early_counts = true,
-                "ready" => v.ready = true,
+                f if FEATURES.iter().any(|g| g.name == f) => {
+                    for g in FEATURES.iter().filter(|g| g.name == f) {
+                        *(g.set)(&mut v) = true;
+                    }
+                }
                 f if f.starts_with("send") => {
                     let w = f["send".len()..]
                         .parse::<u32>()
@@ -238,16 +256,19 @@ impl LlVariant {
                         .ok_or_else(|| bad(format!("`{f}`: send warps must be 1 to {}", WARPS - 1)))?;
                     v.send_warps = w;
                 }
-                "fused" => v.fused = true,
-                "pdl" => v.pdl = true,
-                "quiet" => v.quiet = true,
-                "warm" => v.warm = true,
                 other => {
+                    let known: Vec<&str> = FEATURES.iter().map(|f| f.name).collect();
                     return Err(bad(format!(
-                        "unknown feature `{other}` (known: base, tok, pipe, rot, early, ready, sendN, fused, pdl, quiet, warm, then @G)"
-                    )))
+                        "unknown feature `{other}` (known: base, {}, sendN, then @G)",
+                        known.join(", ")
+                    )));
                 }
             }
+        }
+        if v.item_ready && !v.ready {
+            return Err(bad(
+                "iready publishes `ready` words per item: it needs `ready`".to_string()
+            ));
         }
         if v.send_warps != 0 && !(v.ready && v.fused) {
             return Err(bad(format!(
@@ -301,6 +322,10 @@ impl LlVariant {
             "ready+send12+fused@5",
             "tok+rot+ready+send8+fused+pdl+quiet+warm@all",
             "pipe+warm@3",
+            "tok+rot+ready+iready+send8+fused+pdl+quiet@all",
+            "ready+iready@3",
+            "tok+rot+ready+send8+fused+pdl+quiet@all",
+            "ready+spin@3",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
@@ -333,6 +358,8 @@ impl LlVariant {
             "tok+rot+ready+send8+fused+quiet@all",
             "tok+rot+ready+send8+fused+pdl+quiet@all",
             "tok+rot+ready+send8+fused+pdl+quiet+warm@all",
+            "tok+rot+ready+iready+send8+fused+pdl+quiet@all",
+            "tok+rot+ready+send8+fused+pdl+quiet+spin@all",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
@@ -2087,17 +2114,22 @@ fn bench_on(
     // Eager: dispatch and combine timed separately within each iteration.
     let mut eager_d = Vec::with_capacity(opts.iters);
     let mut eager_c = Vec::with_capacity(opts.iters);
+    let eager_enqueue_us;
     {
         let events: Vec<Event> = (0..=2 * opts.iters)
             .map(|_| ll.rank.event())
             .collect::<Result<_>>()?;
         ll.rank.record(&events[0])?;
+        let enqueue = std::time::Instant::now();
         for i in 0..opts.iters {
             ll.dispatch(i % SETS)?;
             ll.rank.record(&events[2 * i + 1])?;
             ll.combine(i % SETS)?;
             ll.rank.record(&events[2 * i + 2])?;
         }
+        // When the host queues slower than the GPUs run, the events time the host: this
+        // says which (the note of the report, slowest rank).
+        eager_enqueue_us = enqueue.elapsed().as_secs_f64() * 1e6 / (2 * opts.iters.max(1)) as f64;
         ll.rank.wait("LL eager timed loop")?;
         for i in 0..opts.iters {
             eager_d.push(f64::from(events[2 * i].elapsed_ms(&events[2 * i + 1])?) * 1e3);
@@ -2202,6 +2234,7 @@ fn bench_on(
     }
     mine.push(rows as f64);
     mine.push((rows - local) as f64);
+    mine.push(eager_enqueue_us);
     for c in &phase_cols {
         mine.extend_from_slice(c);
     }
@@ -2232,6 +2265,7 @@ fn bench_on(
     let ranks = group.world() as f64;
     let rows_mean = all.iter().map(|v| v[SERIES * n]).sum::<f64>() / ranks;
     let remote_mean = all.iter().map(|v| v[SERIES * n + 1]).sum::<f64>() / ranks;
+    let enqueue_max = all.iter().map(|v| v[SERIES * n + 2]).fold(0.0, f64::max);
     let op = |name: &str, series: usize, row_bytes: usize| {
         let per_iter: Vec<Duration> = (0..n)
             .map(|i| {
@@ -2248,7 +2282,7 @@ fn bench_on(
     // Phases: slowest rank per iteration, then medians; a column absent anywhere is dropped.
     let mut phases: [Vec<(String, Stats)>; 2] = [Vec::new(), Vec::new()];
     for (c, &(name, _, _)) in PHASES.iter().enumerate().take(phase_cols.len()) {
-        let at = SERIES * n + 2 + c * n;
+        let at = SERIES * n + 3 + c * n;
         let per_iter: Vec<f64> = (0..n)
             .map(|i| all.iter().map(|v| v[at + i]).fold(f64::MIN, f64::max))
             .collect();
@@ -2285,7 +2319,8 @@ fn bench_on(
             "GPU LL over NVLink (NCCL LSA), variant {}, {} CTAs x {THREADS} threads per kernel; \
              times are CUDA events around each operation (send + receive kernels, or one fused \
              kernel), slowest rank per iteration; rows count (token, expert) copies as the peers \
-             do, though each token crosses a link once per destination rank",
+             do, though each token crosses a link once per destination rank; the eager loop \
+             took {enqueue_max:.1} µs of host time per operation to queue (slowest rank)",
             ll.variant().name(),
             ll.grid()
         ),
@@ -2327,8 +2362,8 @@ mod tests {
         assert_eq!(THREADS as usize, cu_const("kThreads"));
         assert_eq!(
             cu_const("kFlagSendWarpsShift"),
-            8,
-            "LlVariant::kernel_flags puts send_warps at bit 8"
+            SEND_WARPS_SHIFT as usize,
+            "LlVariant::kernel_flags puts send_warps at SEND_WARPS_SHIFT"
         );
         assert_eq!(DISPATCH_UNIT, cu_const("kDispatchUnit"));
     }
@@ -2381,7 +2416,10 @@ mod tests {
     fn variants_parse_print_and_map_to_kernel_flags() {
         assert_eq!(LlVariant::parse("base").unwrap(), LlVariant::BASE);
         assert_eq!(LlVariant::BASE.name(), "base");
-        assert_eq!(LlVariant::DEFAULT.name(), "tok+rot+ready+send8+fused+pdl+quiet");
+        assert_eq!(
+            LlVariant::DEFAULT.name(),
+            "tok+rot+ready+send8+fused+pdl+quiet+spin"
+        );
         assert_eq!(
             LlVariant::parse(&LlVariant::DEFAULT.name()).unwrap(),
             LlVariant::DEFAULT
@@ -2410,10 +2448,15 @@ mod tests {
         let w = LlVariant::parse("warm+pipe@3").unwrap();
         assert_eq!(w.kernel_flags(), 2 | 128);
         assert_eq!(w.name(), "pipe+warm@3");
-        assert!(
-            LL_CU.contains("kFlagReady = 16u, kFlagPdl = 32u, kFlagQuiet = 64u, kFlagWarm = 128u;"),
-            "LlVariant::kernel_flags puts pdl at bit 5, quiet at bit 6, warm at bit 7"
-        );
+        for f in FEATURES.iter() {
+            let want = if f.cu.is_empty() { 0 } else { cu_const(f.cu) };
+            assert_eq!(f.flag as usize, want, "{} is {} in ll.cu", f.name, f.cu);
+        }
+        let i = LlVariant::parse("send8+iready+tok+fused+ready").unwrap();
+        assert!(i.item_ready);
+        assert_eq!(i.kernel_flags(), 1 | 16 | (1 << 16) | (8 << 8));
+        assert_eq!(i.name(), "tok+ready+iready+send8+fused");
+        assert!(LlVariant::parse("tok+iready").unwrap_err().is_usage());
         for bad in [
             "ready+send8",
             "send8+fused",
