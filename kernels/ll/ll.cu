@@ -235,10 +235,10 @@ static_assert(kStDispEncoded < kStampSlots && kStCombWeights < kStDispStored, "s
 //   ready words of each work item right after that item's stores, instead of once after
 //   all of its items, so the receiver can expand a warp's first items while its later ones
 //   are still in flight. One fence per item instead of one per warp.
-// - kFlagSpin (variant `spin`): the two waits that back off with __nanosleep (a ready word,
-//   wait_ready; the send warps' wait for their CTA's receive table, wait_recv_table) spin
-//   instead. A test: at 1 token, eager operations with an event between them sometimes ran
-//   at 1.2-2.4 ms each for a whole loop, in variants with those sleeps only.
+// - kFlagSpin (variant `spin`, default since session 12): the two waits that back off with
+//   __nanosleep (a ready word, wait_ready; the send warps' wait for their CTA's receive
+//   table, wait_recv_table) spin instead: 0.2-0.5 us less per dispatch. (Tried first as a
+//   suspect of the 1-token eager "ms mode", perf-notes "Session 12": not its cause.)
 // (The fused one-kernel-per-operation variant is a host choice: other entry points.)
 // (One per line: the host's tests read each value here, ll.rs FEATURES.)
 constexpr uint32_t kFlagTokenMajor = 1u;
@@ -628,7 +628,8 @@ __device__ __forceinline__ void put_unit(const LlArgs& a, char* rec, int c0, int
 // This lane's top-k id of token t (k = lane; -1 past K): loaded once per record-0 item, before
 // its encode, for put_meta at every destination. Loading the ids inside put_meta cost one
 // dependent load round per destination (each remote store's "memory" clobber keeps the next
-// destination's loads behind it): ≈ 2 µs at 1 token, where that warp is the last to send.
+// destination's loads behind it): at 1 token, where that warp is the last to send, the
+// dispatch ended 0.7-0.8 us later (bench/RESULTS.md session 12).
 __device__ __forceinline__ int64_t lane_topk_id(const LlArgs& a, int t, int lane) {
   return lane < a.topk ? a.topk_idx[size_t(t) * a.topk + lane] : -1;
 }
