@@ -241,13 +241,12 @@ impl LlVariant {
             ..LlVariant::BASE
         };
         for f in feats.split('+') {
+            if let Some(g) = FEATURES.iter().find(|g| g.name == f) {
+                *(g.set)(&mut v) = true;
+                continue;
+            }
             match f {
                 "base" | "" => {}
-                f if FEATURES.iter().any(|g| g.name == f) => {
-                    for g in FEATURES.iter().filter(|g| g.name == f) {
-                        *(g.set)(&mut v) = true;
-                    }
-                }
                 f if f.starts_with("send") => {
                     let w = f["send".len()..]
                         .parse::<u32>()
