@@ -152,26 +152,40 @@ __device__ __forceinline__ uint32_t ld_acquire_cta_shared(const uint32_t* p) {
 
 // A wait looks at the host-mapped error flag only after this long: never on the fast path.
 constexpr uint64_t kErrorPollAfterNs = 100000;
+// ... and then at most this often per waiting thread. Each look is a read across PCIe, and
+// a thousand waiters looking every few polls flooded the GPU's path to host memory: LL
+// dispatches at 1 token whose waits passed 100 us (a late peer) then took 1-3 ms, and the
+// delay kept itself going from one operation to the next (perf-notes "Session 13"). The
+// deadlines are seconds: a failed wait still stops the others within 0.1 ms of its report.
+constexpr uint64_t kErrorPollEveryNs = 100000;
 
 // The slow path of a bounded poll, shared by wait loops whose fast path differs: call
 // `ok` every few polls once a wait has not succeeded at once (the first call starts the
 // clock). false: stop waiting, because the deadline passed (recorded in err, naming phase,
 // peer and rank) or, once the wait is already slow, another wait has failed (the error
 // flag lives in host memory, a read crosses PCIe, ~1-2 us: not looked at before
-// kErrorPollAfterNs).
+// kErrorPollAfterNs, then once per kErrorPollEveryNs).
 struct PollDeadline {
   uint64_t start = 0;
+  uint64_t next_error_poll = 0;
 
+  // `others`: also stop once another wait has reported (false: this wait's own deadline
+  // only, for a wait bounded by other waits of its own block, which look themselves).
   __device__ __forceinline__ bool ok(FabricError* err, uint64_t timeout_ns, FabricPhase phase, int peer,
-                                     int rank) {
+                                     int rank, bool others = true) {
     const uint64_t now = globaltimer_ns();
-    if (start == 0) start = now;
+    if (start == 0) {
+      start = now;
+      next_error_poll = now + kErrorPollAfterNs;
+    }
     const uint64_t waited = now - start;
     if (waited > timeout_ns) {
       report_error(err, phase, peer, rank, waited);
       return false;
     }
-    return !(waited > kErrorPollAfterNs && error_reported(err));
+    if (!others || now < next_error_poll) return true;
+    next_error_poll = now + kErrorPollEveryNs;
+    return !error_reported(err);
   }
 };
 

@@ -239,6 +239,11 @@ static_assert(kStDispEncoded < kStampSlots && kStCombWeights < kStDispStored, "s
 //   __nanosleep (a ready word, wait_ready; the send warps' wait for their CTA's receive
 //   table, wait_recv_table) spin instead: 0.2-0.5 us less per dispatch. (Tried first as a
 //   suspect of the 1-token eager "ms mode", perf-notes "Session 12": not its cause.)
+// - kFlagFenceFlags (variant `fflag`) and kFlagAtomicFlags (`xflag`): the flags written with
+//   plain relaxed stores and nothing after them (the credits of push_credits, the `ready`
+//   words) are followed by a fence.acq_rel.sys of the storing thread (`fflag`), or written by
+//   atom.exch instead (`xflag`). Tests of whether such a store can linger before it leaves
+//   the GPU (the 1-token eager "ms mode", perf-notes "Session 13").
 // (The fused one-kernel-per-operation variant is a host choice: other entry points.)
 // (One per line: the host's tests read each value here, ll.rs FEATURES.)
 constexpr uint32_t kFlagTokenMajor = 1u;
@@ -252,6 +257,10 @@ constexpr uint32_t kFlagWarm = 128u;
 constexpr int kFlagSendWarpsShift = 8;  // bits 8..12: the send warp count (`sendN`)
 constexpr uint32_t kFlagItemReady = 65536u;
 constexpr uint32_t kFlagSpin = 131072u;
+constexpr uint32_t kFlagFenceFlags = 262144u;
+constexpr uint32_t kFlagAtomicFlags = 524288u;
+// Not a variant: set by the host with LlArgs::stamps for `GIN_EP_LL_STAMPS=edges` (stamp_if).
+constexpr uint32_t kFlagStampEdges = 1048576u;
 // Named barriers of the two teams of the fused dispatch with send warps (0 = the CTA's).
 constexpr int kBarSend = 1, kBarRecv = 2;
 
@@ -301,14 +310,20 @@ __device__ __forceinline__ int fused_send_warps(uint32_t flags) {
 // Small device helpers
 
 // Thread 0 of the CTA records the time in slot `slot` of this CTA's stamp row (when asked).
+// With kFlagStampEdges only the first and last stamp of each operation are written (kernel
+// start and end, the least intrusive breakdown).
 __device__ __forceinline__ void stamp_if(const LlArgs& a, int slot, bool writer) {
-  if (a.stamps != nullptr && writer && slot >= 0) a.stamps[size_t(blockIdx.x) * kStampSlots + slot] = globaltimer_ns();
+  if (a.stamps != nullptr && writer && slot >= 0 &&
+      ((a.flags & kFlagStampEdges) == 0u || slot == kStDispStart || slot == kStDispEnd || slot == kStCombStart ||
+       slot == kStCombEnd)) {
+    a.stamps[size_t(blockIdx.x) * kStampSlots + slot] = globaltimer_ns();
+  }
 }
 __device__ __forceinline__ void stamp(const LlArgs& a, int slot) { stamp_if(a, slot, threadIdx.x == 0); }
 // The calling thread raises slot `slot` of this CTA's stamp row to the time (when asked):
 // the latest of several warps (the row starts zeroed).
 __device__ __forceinline__ void stamp_max(const LlArgs& a, int slot) {
-  if (a.stamps != nullptr) {
+  if (a.stamps != nullptr && (a.flags & kFlagStampEdges) == 0u) {
     atomicMax(reinterpret_cast<unsigned long long*>(a.stamps + size_t(blockIdx.x) * kStampSlots + slot),
               static_cast<unsigned long long>(globaltimer_ns()));
   }
@@ -473,8 +488,35 @@ __device__ void push_credits(const LlArgs& a) {
   const int p = threadIdx.x, me = a.comm.lsaRank;
   // CTA 0's counts: it stores its own new count only at the end of its kernel (end_op).
   const uint64_t disp = ld_volatile_u32(op_word(a, kOpDispatch)), comb = ld_volatile_u32(op_word(a, kOpCombine));
+  if ((a.flags & kFlagAtomicFlags) != 0u) {
+    uint64_t old;
+    asm volatile("atom.relaxed.sys.global.exch.b64 %0, [%1], %2;"
+                 : "=l"(old)
+                 : "l"(sig_word(a, p, kDispAck, me)), "l"(disp)
+                 : "memory");
+    asm volatile("atom.relaxed.sys.global.exch.b64 %0, [%1], %2;"
+                 : "=l"(old)
+                 : "l"(sig_word(a, p, kCombAck, me)), "l"(comb)
+                 : "memory");
+    return;
+  }
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(sig_word(a, p, kDispAck, me)), "l"(disp) : "memory");
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(sig_word(a, p, kCombAck, me)), "l"(comb) : "memory");
+  if ((a.flags & kFlagFenceFlags) != 0u) fence_acq_rel_sys();
+}
+
+// A flag word that nothing else of this thread follows (a `ready` word): a relaxed store, or
+// an exchange (`xflag`). The publishing thread calls flag_fence after its last one (`fflag`).
+__device__ __forceinline__ void put_flag(const LlArgs& a, uint32_t* p, uint32_t v) {
+  if ((a.flags & kFlagAtomicFlags) != 0u) {
+    uint32_t old;
+    asm volatile("atom.relaxed.sys.global.exch.b32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  } else {
+    st_relaxed_sys_u32(p, v);
+  }
+}
+__device__ __forceinline__ void flag_fence(const LlArgs& a) {
+  if ((a.flags & kFlagFenceFlags) != 0u) fence_acq_rel_sys();
 }
 
 // The first warp of a team (threads tid < 32) turns a[0..n) into its exclusive prefix sum
@@ -763,7 +805,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
     const int t = tok_of(item), u = unit_of(item);
     for (int dst = 0; dst < R; ++dst) {
       if (!tok_major && dst != int(item % R)) continue;
-      if (tr.has(E + dst, t)) st_relaxed_sys_u32(ready_word(a, dst, me, tr.rank_in(E + dst, t), u), n);
+      if (tr.has(E + dst, t)) put_flag(a, ready_word(a, dst, me, tr.rank_in(E + dst, t), u), n);
     }
   };
   // A system-scope fence by lane 0 after the warp barrier that orders every lane's stores
@@ -820,7 +862,10 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
     // are already in flight behind the fence).
     if (item_ready) {
       warp_fence();
-      if (lane == 0) publish(item);
+      if (lane == 0) {
+        publish(item);
+        flag_fence(a);
+      }
     }
     if (next < items) cur = pipe ? nxt : load_x_unit(a, tok_of(next), unit_of(next), lane);
   }
@@ -833,6 +878,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
       warp_fence();
       if (lane == 0) {
         for (size_t item = warp; item < items; item += warps) publish(item);
+        flag_fence(a);
       }
     }
     team.sync();
@@ -903,22 +949,25 @@ struct RecvTable {
 };
 
 // A send warp of `sendN`, done sending: wait for this CTA's receive table. Bounded by the
-// receive team: its own waits have deadlines, name the late peer and then publish
-// kTableFailed (and PollDeadline stops this wait as soon as any wait has reported). The
-// deadline here is 1.5x theirs, so it never wins the race to report a stalled peer (it once
-// did, naming this rank itself: `gin-ep check --mode ll --stall R:ll-dispatch`); it only
-// guards against a receive team that never publishes. False when the table failed or this
-// wait timed out.
+// receive team: its own waits have deadlines, name the late peer, stop when another wait
+// has reported, and then publish kTableFailed, so this wait never reads the host-mapped
+// error flag itself (a thousand send warps reading it flooded the path to host memory,
+// perf-notes "Session 13"). The deadline here is 1.5x theirs, so it never wins the race to
+// report a stalled peer (it once did, naming this rank itself: `gin-ep check --mode ll
+// --stall R:ll-dispatch`); it only guards against a receive team that never publishes.
+// False when the table failed or this wait timed out.
 __device__ bool wait_recv_table(const LlArgs& a, uint32_t* table_smem) {
   const uint32_t* table = RecvTable::at(a, table_smem).word;
   PollDeadline deadline;
   uint32_t st = kTableNotYet;
   const bool sleep = (a.flags & kFlagSpin) == 0u;
+  // The word is in shared memory (a poll takes tens of ns): the clock is read every 256
+  // polls, not 16, which is still every few microseconds.
   for (uint32_t spin = 0; (st = ld_acquire_cta_shared(table)) == kTableNotYet; ++spin) {
     if (sleep) __nanosleep(64);
-    if ((spin & 15u) == 15u && !deadline.ok(a.err, a.timeout_ns + a.timeout_ns / 2,
+    if ((spin & 255u) == 255u && !deadline.ok(a.err, a.timeout_ns + a.timeout_ns / 2,
                                             static_cast<FabricPhase>(kPhaseDispatchRecv), a.comm.lsaRank,
-                                            a.comm.lsaRank)) {
+                                            a.comm.lsaRank, /*others=*/false)) {
       mark_failed(a);
       return false;
     }

@@ -70,7 +70,7 @@ struct Feature {
 
 /// In the order of a variant's name (one line per feature: a table, kept by rustfmt::skip).
 #[rustfmt::skip]
-const FEATURES: [Feature; 11] = [
+const FEATURES: [Feature; 13] = [
     Feature { name: "tok", flag: 1, cu: "kFlagTokenMajor", get: |v| v.token_major, set: |v| &mut v.token_major },
     Feature { name: "pipe", flag: 2, cu: "kFlagPipeline", get: |v| v.pipeline, set: |v| &mut v.pipeline },
     Feature { name: "rot", flag: 4, cu: "kFlagRotate", get: |v| v.rotate, set: |v| &mut v.rotate },
@@ -82,7 +82,12 @@ const FEATURES: [Feature; 11] = [
     Feature { name: "quiet", flag: 64, cu: "kFlagQuiet", get: |v| v.quiet, set: |v| &mut v.quiet },
     Feature { name: "warm", flag: 128, cu: "kFlagWarm", get: |v| v.warm, set: |v| &mut v.warm },
     Feature { name: "spin", flag: 1 << 17, cu: "kFlagSpin", get: |v| v.spin, set: |v| &mut v.spin },
+    Feature { name: "fflag", flag: 1 << 18, cu: "kFlagFenceFlags", get: |v| v.fence_flags, set: |v| &mut v.fence_flags },
+    Feature { name: "xflag", flag: 1 << 19, cu: "kFlagAtomicFlags", get: |v| v.atomic_flags, set: |v| &mut v.atomic_flags },
 ];
+
+/// Flags bit that limits the stamps to each operation's first and last (kFlagStampEdges).
+const STAMP_EDGES_FLAG: u32 = 1 << 20;
 
 /// First bit of the send-warp count in the kernel's flags word (kFlagSendWarpsShift).
 const SEND_WARPS_SHIFT: u32 = 8;
@@ -141,6 +146,13 @@ pub struct LlVariant {
     /// `spin`: the waits that back off with `__nanosleep` (a `ready` word; a send warp's wait
     /// for its CTA's receive table) spin instead.
     pub spin: bool,
+    /// `fflag`: the thread that stores flags nothing of its own follows (the credits at
+    /// the start of every send, the `ready` words) fences (.sys) after them, so they cannot
+    /// linger before leaving the GPU (a test of the 1-token eager "ms mode").
+    pub fence_flags: bool,
+    /// `xflag`: those flags are written by atomic exchange instead of plain stores (the
+    /// same test, another way).
+    pub atomic_flags: bool,
     /// CTAs per kernel; `None`: the caller's grid (the bench's `--sms`, else every SM);
     /// `Some(0)`: every SM.
     pub grid: Option<u32>,
@@ -180,6 +192,8 @@ impl LlVariant {
         warm: false,
         item_ready: false,
         spin: false,
+        fence_flags: false,
+        atomic_flags: false,
         grid: None,
     };
 
@@ -325,6 +339,10 @@ impl LlVariant {
             "ready+iready@3",
             "tok+rot+ready+send8+fused+pdl+quiet@all",
             "ready+spin@3",
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+fflag@all",
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+xflag@all",
+            "ready+fflag@3",
+            "tok+ready+xflag@5",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
@@ -718,6 +736,8 @@ pub struct CudaLl<'r> {
     variant: LlVariant,
     /// Device address of `[grid][STAMP_SLOTS]` u64 the next launches stamp, or 0.
     stamps: u64,
+    /// Only the first and last stamp of each operation ([`CudaLl::set_stamp_edges`]).
+    stamp_edges: bool,
 }
 
 impl<'r> CudaLl<'r> {
@@ -863,6 +883,7 @@ impl<'r> CudaLl<'r> {
             grid,
             variant,
             stamps: 0,
+            stamp_edges: false,
         })
     }
 
@@ -871,6 +892,12 @@ impl<'r> CudaLl<'r> {
     /// Captured graphs keep the address they were captured with.
     pub fn set_stamps(&mut self, ptr: Option<u64>) {
         self.stamps = ptr.unwrap_or(0);
+    }
+
+    /// Whether the stamped launches write only each operation's first and last stamp (its
+    /// kernels' start and end: the least intrusive breakdown), see [`StampMode::Edges`].
+    pub fn set_stamp_edges(&mut self, edges: bool) {
+        self.stamp_edges = edges;
     }
 
     /// The kernel variant in use.
@@ -1058,7 +1085,7 @@ impl<'r> CudaLl<'r> {
             } else {
                 0
             },
-            flags: self.variant.kernel_flags(),
+            flags: self.variant.kernel_flags() | if self.stamp_edges { STAMP_EDGES_FLAG } else { 0 },
             pad: 0,
             stamps: self.stamps,
             user_count: Self::io_ptr(io.recv_count, "LL recv_count", l * 4, None)?,
@@ -1873,14 +1900,52 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
     if opts.iters == 0 {
         return Err(Error::config("iters", 0, "must be at least 1"));
     }
+    let stamps = StampMode::from_env()?;
+    let variant = LlVariant::from_env()?;
     let rank = CudaRank::new(group, CudaRankOptions::with_timeout(opts.timeout))?;
-    let stamps = std::env::var(ENV_STAMPS).is_ok_and(|v| !v.trim().is_empty() && v.trim() != "0");
-    bench_with(group, &rank, opts, num_sms, LlVariant::from_env()?, stamps)
+    bench_with(group, &rank, opts, num_sms, variant, stamps)
 }
 
-/// Environment variable: when set (not `0`), `gin-ep bench --mode ll` adds the device-clock
-/// phase breakdown ([`PHASES`]) to dispatch and combine (an extra eager loop, untimed).
+/// Environment variable: the device-clock phase breakdown ([`PHASES`]) of `gin-ep bench
+/// --mode ll`, see [`StampMode`].
 pub const ENV_STAMPS: &str = "GIN_EP_LL_STAMPS";
+
+/// Where `gin-ep bench --mode ll` takes device-clock stamps ([`ENV_STAMPS`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StampMode {
+    /// Unset, empty or `0`: none.
+    Off,
+    /// `1` or `loop`: an extra eager loop after the timed ones, not timed by events (the
+    /// kernels' stamp writes stay out of the timed figures).
+    Loop,
+    /// `eager`: inside the event-timed eager loop itself, and each rank prints how its
+    /// event-to-event time splits into the gap before the kernel and the kernel's span (to
+    /// tell a slow kernel from a late one); the eager figures then include the stamp writes.
+    Eager,
+    /// `edges`: as `eager`, but the kernels write only each operation's first and last
+    /// stamp (start and end of the span), so the loop runs nearly as unstamped.
+    Edges,
+}
+
+impl StampMode {
+    pub fn parse(v: &str) -> Result<StampMode> {
+        match v.trim() {
+            "" | "0" => Ok(StampMode::Off),
+            "1" | "loop" => Ok(StampMode::Loop),
+            "eager" => Ok(StampMode::Eager),
+            "edges" => Ok(StampMode::Edges),
+            other => Err(Error::config(
+                ENV_STAMPS,
+                other,
+                "expected 0, 1 (or loop), eager or edges",
+            )),
+        }
+    }
+
+    pub fn from_env() -> Result<StampMode> {
+        std::env::var(ENV_STAMPS).map_or(Ok(StampMode::Off), |v| StampMode::parse(&v))
+    }
+}
 
 /// One column of the device-clock breakdown: name, stamp slot (kSt* in ll.cu), and whether
 /// it is the first CTA to reach the slot (else the last). Times are µs from the first CTA's
@@ -1949,7 +2014,7 @@ fn bench_with(
     opts: &BenchOptions,
     num_sms: u32,
     variant: LlVariant,
-    stamps: bool,
+    stamps: StampMode,
 ) -> Result<Option<BenchReport>> {
     let grid = (num_sms > 0).then_some(num_sms);
     let mut ll = CudaLl::with_variant(rank, &opts.cfg, grid, variant)?;
@@ -2013,7 +2078,7 @@ pub fn sweep_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
                 phases_us: Vec::new(),
                 refused: None,
             };
-            match bench_with(group, &rank, &o, num_sms, v, true) {
+            match bench_with(group, &rank, &o, num_sms, v, StampMode::Loop) {
                 Ok(Some(r)) => {
                     let med = |i: usize| r.ops.get(i).map_or(f64::NAN, |op| op.total.median_us);
                     line.times_us = Some([med(0), med(2), med(1), med(3)]);
@@ -2034,6 +2099,100 @@ pub fn sweep_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
     }
     rank.wait("LL sweep end")?;
     Ok((group.rank() == 0).then_some(lines))
+}
+
+/// `iters` rows of device stamps (`[grid][STAMP_SLOTS]` u64 each, zeroed) for one stamped
+/// loop of [`bench_on`].
+struct StampRows {
+    buf: DeviceBuffer,
+    per: usize,
+    iters: usize,
+}
+
+impl StampRows {
+    fn new(ll: &CudaLl<'_>, iters: usize, group: &Group, run: u64) -> Result<StampRows> {
+        let per = ll.grid() as usize * STAMP_SLOTS;
+        let buf = ll.rank.alloc(iters * per * 8)?;
+        ll.rank.memset_u32(buf.region(), 0)?;
+        ll.rank.wait("LL stamps setup")?;
+        group.barrier(&format!("ll-bench/{run}/stamps"))?;
+        Ok(StampRows { buf, per, iters })
+    }
+
+    /// Device address of iteration `i`'s row.
+    fn row(&self, i: usize) -> u64 {
+        self.buf.region().ptr + (i * self.per * 8) as u64
+    }
+
+    /// Waits for the kernels and brings every row to the host. On an error the kernels may
+    /// still write the stamps, so the buffer is left to the process's end.
+    fn download(self, ll: &CudaLl<'_>) -> Result<Vec<u64>> {
+        match download_vec(ll.rank, self.buf.region(), self.iters * self.per) {
+            Ok(v) => Ok(v),
+            Err(e) => {
+                self.abandon();
+                Err(e)
+            }
+        }
+    }
+
+    /// Queued kernels may still write the rows: never free them (after a failed launch).
+    fn abandon(self) {
+        std::mem::forget(self.buf);
+    }
+}
+
+/// One rank's eager loop split by its stamps ([`StampMode::Eager`]): per operation, the
+/// event-to-event time, the gap on this GPU's clock from the previous operation's last CTA
+/// end to this one's first CTA start (launch, event, waiting for the stream), and the span
+/// from first CTA start to last CTA end; median and max over iterations, µs. An event time
+/// far above gap + span would point at the events themselves.
+fn eager_split(host: &[u64], grid: usize, ev_d: &[f64], ev_c: &[f64]) -> String {
+    let per = grid * STAMP_SLOTS;
+    let iters = host.len() / per.max(1);
+    let edge = |i: usize, slot: usize, first: bool| {
+        let vals = (0..grid)
+            .map(|c| host[i * per + c * STAMP_SLOTS + slot])
+            .filter(|&v| v != 0);
+        if first {
+            vals.min()
+        } else {
+            vals.max()
+        }
+    };
+    let us = |a: Option<u64>, b: Option<u64>| match (a, b) {
+        (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 * 1e-3),
+        _ => None,
+    };
+    let (mut gap_d, mut span_d, mut gap_c, mut span_c) = (vec![], vec![], vec![], vec![]);
+    for i in 0..iters {
+        let (ds, de) = (edge(i, 0, true), edge(i, 9, false));
+        let (cs, ce) = (edge(i, 10, true), edge(i, 17, false));
+        if i > 0 {
+            gap_d.extend(us(edge(i - 1, 17, false), ds));
+        }
+        span_d.extend(us(ds, de));
+        gap_c.extend(us(de, cs));
+        span_c.extend(us(cs, ce));
+    }
+    let mm = |v: &[f64]| {
+        let mut s = v.to_vec();
+        s.sort_by(f64::total_cmp);
+        match s.last() {
+            Some(max) => format!("{:.1}/{:.1}", s[s.len() / 2], max),
+            None => "-".to_string(),
+        }
+    };
+    format!(
+        "eager loop stamped, median/max µs: dispatch event {} = gap {} + span {}; combine event {} \
+         = gap {} + span {}",
+        mm(ev_d),
+        mm(&gap_d),
+        mm(&span_d),
+        mm(ev_c),
+        mm(&gap_c),
+        mm(&span_c)
+    )
 }
 
 /// Operations per timed span of the back-to-back rows of `gin-ep bench --mode ll`.
@@ -2081,7 +2240,7 @@ fn bench_on(
     ll: &mut CudaLl<'_>,
     opts: &BenchOptions,
     run: u64,
-    stamps: bool,
+    stamps: StampMode,
 ) -> Result<Option<BenchReport>> {
     let cfg = opts.cfg.clone();
     let me = group.rank();
@@ -2114,25 +2273,50 @@ fn bench_on(
     let mut eager_d = Vec::with_capacity(opts.iters);
     let mut eager_c = Vec::with_capacity(opts.iters);
     let eager_enqueue_us;
+    let mut stamped = None;
     {
+        let rows = match stamps {
+            StampMode::Eager | StampMode::Edges => Some(StampRows::new(ll, opts.iters, group, run)?),
+            _ => None,
+        };
+        ll.set_stamp_edges(stamps == StampMode::Edges);
         let events: Vec<Event> = (0..=2 * opts.iters)
             .map(|_| ll.rank.event())
             .collect::<Result<_>>()?;
         ll.rank.record(&events[0])?;
         let enqueue = std::time::Instant::now();
-        for i in 0..opts.iters {
+        let queued = (0..opts.iters).try_for_each(|i| {
+            if let Some(r) = &rows {
+                ll.set_stamps(Some(r.row(i)));
+            }
             ll.dispatch(i % SETS)?;
             ll.rank.record(&events[2 * i + 1])?;
             ll.combine(i % SETS)?;
-            ll.rank.record(&events[2 * i + 2])?;
-        }
+            ll.rank.record(&events[2 * i + 2])
+        });
         // When the host queues slower than the GPUs run, the events time the host: this
         // says which (the note of the report, slowest rank).
         eager_enqueue_us = enqueue.elapsed().as_secs_f64() * 1e6 / (2 * opts.iters.max(1)) as f64;
-        ll.rank.wait("LL eager timed loop")?;
+        ll.set_stamps(None);
+        ll.set_stamp_edges(false);
+        if let Err(e) = queued.and_then(|()| ll.rank.wait("LL eager timed loop")) {
+            if let Some(r) = rows {
+                r.abandon();
+            }
+            return Err(e);
+        }
         for i in 0..opts.iters {
             eager_d.push(f64::from(events[2 * i].elapsed_ms(&events[2 * i + 1])?) * 1e3);
             eager_c.push(f64::from(events[2 * i + 1].elapsed_ms(&events[2 * i + 2])?) * 1e3);
+        }
+        if let Some(r) = rows {
+            let host = r.download(ll)?;
+            // stdout: a `--gpus N` launcher keeps only a failed rank's stderr.
+            println!(
+                "rank {me}: {}",
+                eager_split(&host, ll.grid() as usize, &eager_d, &eager_c)
+            );
+            stamped = Some(host);
         }
     }
     // Graphs: one per (operation, set).
@@ -2187,32 +2371,23 @@ fn bench_on(
     // Device-clock breakdown: an extra eager loop (not timed by events), each iteration
     // stamping its own rows, downloaded once at the end.
     let mut phase_cols: Vec<Vec<f64>> = Vec::new();
-    if stamps {
+    if stamps == StampMode::Loop {
+        let rows = StampRows::new(ll, opts.iters, group, run)?;
+        let queued = (0..opts.iters).try_for_each(|i| {
+            ll.set_stamps(Some(rows.row(i)));
+            ll.dispatch(i % SETS)?;
+            ll.combine(i % SETS)
+        });
+        ll.set_stamps(None);
+        if let Err(e) = queued {
+            rows.abandon();
+            return Err(e);
+        }
+        stamped = Some(rows.download(ll)?);
+    }
+    if let Some(host) = stamped {
         let g = ll.grid() as usize;
         let per = g * STAMP_SLOTS;
-        let buf = ll.rank.alloc(opts.iters * per * 8)?;
-        ll.rank.memset_u32(buf.region(), 0)?;
-        ll.rank.wait("LL stamps setup")?;
-        group.barrier(&format!("ll-bench/{run}/stamps"))?;
-        let base = buf.region().ptr;
-        let mut stamped = || -> Result<Vec<u64>> {
-            for i in 0..opts.iters {
-                ll.set_stamps(Some(base + (i * per * 8) as u64));
-                ll.dispatch(i % SETS)?;
-                ll.combine(i % SETS)?;
-            }
-            download_vec(ll.rank, buf.region(), opts.iters * per)
-        };
-        let got = stamped();
-        ll.set_stamps(None);
-        let host = match got {
-            Ok(h) => h,
-            Err(e) => {
-                // Kernels may still write the stamps: leave the buffer to the process's end.
-                std::mem::forget(buf);
-                return Err(e);
-            }
-        };
         phase_cols = vec![Vec::with_capacity(opts.iters); PHASES.len()];
         for i in 0..opts.iters {
             for (c, v) in phase_values(&host[i * per..(i + 1) * per], g)
@@ -2364,6 +2539,8 @@ mod tests {
             SEND_WARPS_SHIFT as usize,
             "LlVariant::kernel_flags puts send_warps at SEND_WARPS_SHIFT"
         );
+        assert_eq!(STAMP_EDGES_FLAG as usize, cu_const("kFlagStampEdges"));
+        assert!(FEATURES.iter().all(|f| f.flag & STAMP_EDGES_FLAG == 0));
         assert_eq!(DISPATCH_UNIT, cu_const("kDispatchUnit"));
     }
 
@@ -2471,6 +2648,46 @@ mod tests {
         for bad in ["tok+x", "tok@", "tok@-1", "base@100000"] {
             assert!(LlVariant::parse(bad).unwrap_err().is_usage(), "{bad}");
         }
+    }
+
+    #[test]
+    fn stamp_mode_parses_and_names_a_bad_value() {
+        assert_eq!(StampMode::parse("").unwrap(), StampMode::Off);
+        assert_eq!(StampMode::parse(" 0 ").unwrap(), StampMode::Off);
+        assert_eq!(StampMode::parse("1").unwrap(), StampMode::Loop);
+        assert_eq!(StampMode::parse("loop").unwrap(), StampMode::Loop);
+        assert_eq!(StampMode::parse("eager").unwrap(), StampMode::Eager);
+        assert_eq!(StampMode::parse("edges").unwrap(), StampMode::Edges);
+        let e = StampMode::parse("yes").unwrap_err();
+        assert!(e.is_usage() && e.to_string().contains("yes"), "{e}");
+    }
+
+    #[test]
+    fn eager_split_separates_the_gap_before_a_kernel_from_its_span() {
+        // Two iterations, two CTAs: dispatch slots 0 (start) and 9 (end), combine 10 and 17.
+        let per = 2 * STAMP_SLOTS;
+        let mut st = vec![0u64; 2 * per];
+        let mut set =
+            |i: usize, cta: usize, slot: usize, ns: u64| st[i * per + cta * STAMP_SLOTS + slot] = ns;
+        set(0, 0, 0, 1_000);
+        set(0, 1, 0, 2_000);
+        set(0, 0, 9, 11_000);
+        set(0, 1, 9, 12_000); // dispatch 0: span 11 µs
+        set(0, 0, 10, 15_000);
+        set(0, 1, 17, 25_000); // combine 0: gap 3, span 10
+        set(1, 1, 0, 1_225_000); // dispatch 1 starts 1.2 ms after combine 0 ended
+        set(1, 0, 9, 1_236_000);
+        set(1, 0, 10, 1_240_000);
+        set(1, 0, 17, 1_250_000);
+        let line = eager_split(&st, 2, &[20.0, 1215.0], &[14.0, 14.0]);
+        assert!(
+            line.contains("dispatch event 1215.0/1215.0 = gap 1200.0/1200.0 + span 11.0/11.0"),
+            "{line}"
+        );
+        assert!(
+            line.contains("combine event 14.0/14.0 = gap 4.0/4.0 + span 10.0/10.0"),
+            "{line}"
+        );
     }
 
     #[test]
