@@ -70,7 +70,7 @@ struct Feature {
 
 /// In the order of a variant's name (one line per feature: a table, kept by rustfmt::skip).
 #[rustfmt::skip]
-const FEATURES: [Feature; 13] = [
+const FEATURES: [Feature; 14] = [
     Feature { name: "tok", flag: 1, cu: "kFlagTokenMajor", get: |v| v.token_major, set: |v| &mut v.token_major },
     Feature { name: "pipe", flag: 2, cu: "kFlagPipeline", get: |v| v.pipeline, set: |v| &mut v.pipeline },
     Feature { name: "rot", flag: 4, cu: "kFlagRotate", get: |v| v.rotate, set: |v| &mut v.rotate },
@@ -84,6 +84,7 @@ const FEATURES: [Feature; 13] = [
     Feature { name: "spin", flag: 1 << 17, cu: "kFlagSpin", get: |v| v.spin, set: |v| &mut v.spin },
     Feature { name: "fflag", flag: 1 << 18, cu: "kFlagFenceFlags", get: |v| v.fence_flags, set: |v| &mut v.fence_flags },
     Feature { name: "xflag", flag: 1 << 19, cu: "kFlagAtomicFlags", get: |v| v.atomic_flags, set: |v| &mut v.atomic_flags },
+    Feature { name: "carve", flag: 0, cu: "", get: |v| v.carveout, set: |v| &mut v.carveout },
 ];
 
 /// Flags bit that limits the stamps to each operation's first and last (kFlagStampEdges).
@@ -153,6 +154,11 @@ pub struct LlVariant {
     /// `xflag`: those flags are written by atomic exchange instead of plain stores (the
     /// same test, another way).
     pub atomic_flags: bool,
+    /// `carve` (host only): every LL kernel prefers the largest shared-memory carveout, so
+    /// consecutive LL kernels (a dispatch, then a combine) run with one L1/shared split and
+    /// the SMs are never reconfigured between them (without it the driver picks a split per
+    /// kernel from its shared-memory size).
+    pub carveout: bool,
     /// CTAs per kernel; `None`: the caller's grid (the bench's `--sms`, else every SM);
     /// `Some(0)`: every SM.
     pub grid: Option<u32>,
@@ -194,6 +200,7 @@ impl LlVariant {
         spin: false,
         fence_flags: false,
         atomic_flags: false,
+        carveout: false,
         grid: None,
     };
 
@@ -343,6 +350,7 @@ impl LlVariant {
             "tok+rot+ready+send8+fused+pdl+quiet+spin+xflag@all",
             "ready+fflag@3",
             "tok+ready+xflag@5",
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+carve@all",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
@@ -786,6 +794,17 @@ impl<'r> CudaLl<'r> {
                     f,
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     smem as i32,
+                )
+            })?;
+            // Set either way: the attribute belongs to the process's function, which an
+            // earlier object with another variant may have set.
+            let carveout = if variant.carveout { 100 } else { -1 };
+            // SAFETY: as above; a hint for the L1/shared split, -1 = the driver's default.
+            cu("cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT)", unsafe {
+                sys::cuFuncSetAttribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                    carveout,
                 )
             })?;
         }
