@@ -245,9 +245,13 @@ const _: () = assert!(std::mem::offset_of!(HtArgs, num_tokens) == 416);
 #[cfg(test)]
 pub(crate) fn cu_const(src: &str, file: &str, name: &str) -> usize {
     let pat = format!("{name} = ");
-    let value = src
-        .lines()
-        .filter(|l| l.trim_start().starts_with("constexpr"))
+    // Statements, not lines: one `constexpr` may declare several names over several lines.
+    let code: Vec<&str> = src.lines().map(|l| l.split("//").next().unwrap_or("")).collect();
+    let code = code.join("\n");
+    let value = code
+        .split([';', '{', '}'])
+        .map(str::trim_start)
+        .filter(|l| l.starts_with("constexpr"))
         .find_map(|l| {
             let at = l
                 .match_indices(&pat)
@@ -265,6 +269,15 @@ pub(crate) fn cu_const(src: &str, file: &str, name: &str) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cu_const_reads_statements_over_several_lines_and_skips_comments() {
+        let src = "namespace x {\n// constexpr int kA = 7; (a comment)\nconstexpr int kA = 1, kB = 2,\n    \
+                   kC = 30;  // kC = 4\nconstexpr uint32_t kAB = 5u;\n}";
+        assert_eq!(cu_const(src, "t.cu", "kA"), 1);
+        assert_eq!(cu_const(src, "t.cu", "kC"), 30);
+        assert_eq!(cu_const(src, "t.cu", "kAB"), 5);
+    }
 
     #[test]
     fn fatbin_presence_matches_the_reason() {

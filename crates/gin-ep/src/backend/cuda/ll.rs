@@ -417,6 +417,12 @@ pub const SIG_KINDS: usize = 6;
 pub const STATE_WORDS: usize = 8 + 2 * MAX_GRID as usize;
 /// u64 timestamps per CTA per operation pair (`kStampSlots` in ll.cu).
 pub const STAMP_SLOTS: usize = 24;
+/// Stamp slots of each operation's first and last stamp (kStDispStart, kStDispEnd,
+/// kStCombStart, kStCombEnd in ll.cu): the span of its kernels.
+const ST_DISP_START: usize = 0;
+const ST_DISP_END: usize = 9;
+const ST_COMB_START: usize = 10;
+const ST_COMB_END: usize = 17;
 /// Word written into every output before a checked run: a row nobody wrote keeps it.
 pub const POISON: u32 = 0xDEAD_BEEF;
 
@@ -2017,7 +2023,11 @@ fn phase_values(st: &[u64], grid: usize) -> [f64; PHASES.len()] {
     let origin = |slot: usize| col(slot).min();
     let mut out = [-1.0; PHASES.len()];
     for (i, &(_, slot, first)) in PHASES.iter().enumerate() {
-        let t0 = origin(if dispatch_slot(slot) { 0 } else { 10 });
+        let t0 = origin(if dispatch_slot(slot) {
+            ST_DISP_START
+        } else {
+            ST_COMB_START
+        });
         let t = if first { col(slot).min() } else { col(slot).max() };
         if let (Some(t0), Some(t)) = (t0, t) {
             out[i] = t.saturating_sub(t0) as f64 * 1e-3;
@@ -2185,10 +2195,10 @@ fn eager_split(host: &[u64], grid: usize, ev_d: &[f64], ev_c: &[f64]) -> String 
     };
     let (mut gap_d, mut span_d, mut gap_c, mut span_c) = (vec![], vec![], vec![], vec![]);
     for i in 0..iters {
-        let (ds, de) = (edge(i, 0, true), edge(i, 9, false));
-        let (cs, ce) = (edge(i, 10, true), edge(i, 17, false));
+        let (ds, de) = (edge(i, ST_DISP_START, true), edge(i, ST_DISP_END, false));
+        let (cs, ce) = (edge(i, ST_COMB_START, true), edge(i, ST_COMB_END, false));
         if i > 0 {
-            gap_d.extend(us(edge(i - 1, 17, false), ds));
+            gap_d.extend(us(edge(i - 1, ST_COMB_END, false), ds));
         }
         span_d.extend(us(ds, de));
         gap_c.extend(us(de, cs));
@@ -2552,6 +2562,10 @@ mod tests {
         assert_eq!(MAX_GRID as usize, cu_const("kMaxGrid"));
         assert_eq!(SIG_KINDS, cu_const("kSigKinds"));
         assert_eq!(STAMP_SLOTS, cu_const("kStampSlots"));
+        assert_eq!(ST_DISP_START, cu_const("kStDispStart"));
+        assert_eq!(ST_DISP_END, cu_const("kStDispEnd"));
+        assert_eq!(ST_COMB_START, cu_const("kStCombStart"));
+        assert_eq!(ST_COMB_END, cu_const("kStCombEnd"));
         assert_eq!(THREADS as usize, cu_const("kThreads"));
         assert_eq!(
             cu_const("kFlagSendWarpsShift"),
@@ -2683,21 +2697,21 @@ mod tests {
 
     #[test]
     fn eager_split_separates_the_gap_before_a_kernel_from_its_span() {
-        // Two iterations, two CTAs: dispatch slots 0 (start) and 9 (end), combine 10 and 17.
+        // Two iterations, two CTAs: the start and end slots of dispatch and combine.
         let per = 2 * STAMP_SLOTS;
         let mut st = vec![0u64; 2 * per];
         let mut set =
             |i: usize, cta: usize, slot: usize, ns: u64| st[i * per + cta * STAMP_SLOTS + slot] = ns;
-        set(0, 0, 0, 1_000);
-        set(0, 1, 0, 2_000);
-        set(0, 0, 9, 11_000);
-        set(0, 1, 9, 12_000); // dispatch 0: span 11 µs
-        set(0, 0, 10, 15_000);
-        set(0, 1, 17, 25_000); // combine 0: gap 3, span 10
-        set(1, 1, 0, 1_225_000); // dispatch 1 starts 1.2 ms after combine 0 ended
-        set(1, 0, 9, 1_236_000);
-        set(1, 0, 10, 1_240_000);
-        set(1, 0, 17, 1_250_000);
+        set(0, 0, ST_DISP_START, 1_000);
+        set(0, 1, ST_DISP_START, 2_000);
+        set(0, 0, ST_DISP_END, 11_000);
+        set(0, 1, ST_DISP_END, 12_000); // dispatch 0: span 11 µs
+        set(0, 0, ST_COMB_START, 15_000);
+        set(0, 1, ST_COMB_END, 25_000); // combine 0: gap 3, span 10
+        set(1, 1, ST_DISP_START, 1_225_000); // dispatch 1 starts 1.2 ms after combine 0 ended
+        set(1, 0, ST_DISP_END, 1_236_000);
+        set(1, 0, ST_COMB_START, 1_240_000);
+        set(1, 0, ST_COMB_END, 1_250_000);
         let line = eager_split(&st, 2, &[20.0, 1215.0], &[14.0, 14.0]);
         assert!(
             line.contains("dispatch event 1215.0/1215.0 = gap 1200.0/1200.0 + span 11.0/11.0"),
