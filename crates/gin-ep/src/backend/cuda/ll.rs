@@ -2015,25 +2015,35 @@ fn dispatch_slot(slot: usize) -> bool {
 /// [`PHASES`] of one operation pair from its `[grid][STAMP_SLOTS]` stamps, µs; -1 where a
 /// slot was never written.
 fn phase_values(st: &[u64], grid: usize) -> [f64; PHASES.len()] {
-    let col = |slot: usize| {
-        (0..grid)
-            .map(move |c| st[c * STAMP_SLOTS + slot])
-            .filter(|&v| v != 0)
-    };
-    let origin = |slot: usize| col(slot).min();
     let mut out = [-1.0; PHASES.len()];
     for (i, &(_, slot, first)) in PHASES.iter().enumerate() {
-        let t0 = origin(if dispatch_slot(slot) {
+        let origin = if dispatch_slot(slot) {
             ST_DISP_START
         } else {
             ST_COMB_START
-        });
-        let t = if first { col(slot).min() } else { col(slot).max() };
-        if let (Some(t0), Some(t)) = (t0, t) {
-            out[i] = t.saturating_sub(t0) as f64 * 1e-3;
+        };
+        let t0 = slot_time(st, grid, origin, true);
+        if let Some(us) = us_between(t0, slot_time(st, grid, slot, first)) {
+            out[i] = us;
         }
     }
     out
+}
+
+/// The first (`first`) or last CTA's stamp in slot `slot` of one `[grid][STAMP_SLOTS]` row
+/// (ns); None when no CTA wrote the slot.
+fn slot_time(row: &[u64], grid: usize, slot: usize, first: bool) -> Option<u64> {
+    let written = (0..grid).map(|c| row[c * STAMP_SLOTS + slot]).filter(|&v| v != 0);
+    if first {
+        written.min()
+    } else {
+        written.max()
+    }
+}
+
+/// µs from stamp `a` to stamp `b` (ns), when both were written.
+fn us_between(a: Option<u64>, b: Option<u64>) -> Option<f64> {
+    Some(b?.saturating_sub(a?) as f64 * 1e-3)
 }
 
 /// One benchmark of `variant` on an existing rank (a fresh window and buffers).
@@ -2179,30 +2189,18 @@ impl StampRows {
 fn eager_split(host: &[u64], grid: usize, ev_d: &[f64], ev_c: &[f64]) -> String {
     let per = grid * STAMP_SLOTS;
     let iters = host.len() / per.max(1);
-    let edge = |i: usize, slot: usize, first: bool| {
-        let vals = (0..grid)
-            .map(|c| host[i * per + c * STAMP_SLOTS + slot])
-            .filter(|&v| v != 0);
-        if first {
-            vals.min()
-        } else {
-            vals.max()
-        }
-    };
-    let us = |a: Option<u64>, b: Option<u64>| match (a, b) {
-        (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 * 1e-3),
-        _ => None,
-    };
+    let edge =
+        |i: usize, slot: usize, first: bool| slot_time(&host[i * per..(i + 1) * per], grid, slot, first);
     let (mut gap_d, mut span_d, mut gap_c, mut span_c) = (vec![], vec![], vec![], vec![]);
     for i in 0..iters {
         let (ds, de) = (edge(i, ST_DISP_START, true), edge(i, ST_DISP_END, false));
         let (cs, ce) = (edge(i, ST_COMB_START, true), edge(i, ST_COMB_END, false));
         if i > 0 {
-            gap_d.extend(us(edge(i - 1, ST_COMB_END, false), ds));
+            gap_d.extend(us_between(edge(i - 1, ST_COMB_END, false), ds));
         }
-        span_d.extend(us(ds, de));
-        gap_c.extend(us(de, cs));
-        span_c.extend(us(cs, ce));
+        span_d.extend(us_between(ds, de));
+        gap_c.extend(us_between(de, cs));
+        span_c.extend(us_between(cs, ce));
     }
     let mm = |v: &[f64]| {
         let mut s = v.to_vec();
