@@ -144,7 +144,7 @@ struct LlArgs {
   int32_t dtype;               // Dtype
   uint8_t* recv_scales_ue8m0;  // optional [L][R*T][H/128] exponent bytes (fp8-ue8m0), or null
   uint32_t flags;              // kFlag* below: kernel variants, all bit-exact with each other
-  uint32_t pad_;
+  uint32_t lsa_stride4G;       // variant `wargs` (kFlagWinArgs): the window's stride4G
   uint64_t* stamps;            // [gridDim.x][kStampSlots] globaltimer ns, or null (kStamp*)
   // Caller-owned extra outputs (the Python path's tensors, DeepEP's formats), each optional:
   // the library's own recv_count / layout_range stay written because the combine reads them.
@@ -160,8 +160,11 @@ struct LlArgs {
   uint32_t pad3_;
   // Variant `ready` (kFlagReady); unused otherwise:
   uint64_t ready_offset;       // relative to set_offset: [R src][T][units] u32 ready words
+  // Variant `wargs` (kFlagWinArgs); unused otherwise:
+  char* lsa_base;              // the window's lsaFlatBase, as the host read it once
 };
-static_assert(sizeof(LlArgs) == 488 && offsetof(LlArgs, ready_offset) == 480 && offsetof(LlArgs, err) == 368 && offsetof(LlArgs, flags) == 408 &&
+static_assert(sizeof(LlArgs) == 496 && offsetof(LlArgs, ready_offset) == 480 && offsetof(LlArgs, lsa_base) == 488 &&
+                  offsetof(LlArgs, lsa_stride4G) == 412 && offsetof(LlArgs, err) == 368 && offsetof(LlArgs, flags) == 408 &&
                   offsetof(LlArgs, stamps) == 416 && offsetof(LlArgs, user_count) == 424 &&
                   offsetof(LlArgs, scales_col_major) == 448 && offsetof(LlArgs, wts_offset) == 456 &&
                   offsetof(LlArgs, comb_order) == 472,
@@ -185,8 +188,12 @@ constexpr int kStCombStart = 10, kStCombCredit = 11, kStCombSent = 12, kStCombSi
 // warp: its first item begins (after the counts of step 3), an item's unit encoded (before
 // its stores; the latest item of the CTA).
 constexpr int kStDispStored = 20, kStDispFenced = 21, kStDispLoop = 22, kStDispEncoded = 23;
-constexpr int kStampSlots = 24;
-static_assert(kStDispEncoded < kStampSlots && kStCombWeights < kStDispStored, "stamps");
+// The first instruction of the kernel that starts an operation (before kernel_enter: the
+// `pdl` wait, the window base), so the gap before an operation splits into the launch
+// (previous end to entry) and the entry itself (entry to start).
+constexpr int kStCombEntry = 19, kStDispEntry = 24;
+constexpr int kStampSlots = 25;
+static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kStCombEntry < kStDispStored, "stamps");
 
 // Variants (LlArgs::flags; host: LlVariant in ll.rs). Each changes only how work is spread
 // and when loads are issued, never an arithmetic order: every variant is bit-exact.
@@ -244,6 +251,9 @@ static_assert(kStDispEncoded < kStampSlots && kStCombWeights < kStDispStored, "s
 //   words) are followed by a fence.acq_rel.sys of the storing thread (`fflag`), or written by
 //   atom.exch instead (`xflag`). Tests of whether such a store can linger before it leaves
 //   the GPU (the 1-token eager "ms mode", perf-notes "Session 13").
+// - kFlagWinArgs (variant `wargs`): the window's LSA base and stride come from LlArgs (the
+//   host read them once) instead of a load from the window struct by thread 0 of every CTA
+//   followed by a CTA barrier at every kernel entry (kernel_enter).
 // (The fused one-kernel-per-operation variant is a host choice: other entry points.)
 // (One per line: the host's tests read each value here, ll.rs FEATURES.)
 constexpr uint32_t kFlagTokenMajor = 1u;
@@ -261,6 +271,7 @@ constexpr uint32_t kFlagFenceFlags = 262144u;
 constexpr uint32_t kFlagAtomicFlags = 524288u;
 // Not a variant: set by the host with LlArgs::stamps for `GIN_EP_LL_STAMPS=edges` (stamp_if).
 constexpr uint32_t kFlagStampEdges = 1048576u;
+constexpr uint32_t kFlagWinArgs = 2097152u;
 // Named barriers of the two teams of the fused dispatch with send warps (0 = the CTA's).
 constexpr int kBarSend = 1, kBarRecv = 2;
 
@@ -273,7 +284,7 @@ __device__ __forceinline__ bool counts_first(uint32_t flags) { return (flags & (
 __device__ __forceinline__ bool relaxed_polls(uint32_t flags) { return (flags & kFlagQuiet) != 0u; }
 
 // The window's flat LSA base and per-peer stride, loaded once per kernel (kernel_enter) into
-// shared memory. ncclGetLsaPointer loads both from the window struct at every call, and the
+// shared memory (unless `wargs`: from LlArgs, which lives in the constant bank). ncclGetLsaPointer loads both from the window struct at every call, and the
 // compiler reloads them after every asm "memory" clobber (each store and fence here), through
 // an L1 that acquire loads and fences invalidate (CCTL.IVALL): a dependent L2 round trip
 // before many remote stores.
@@ -281,24 +292,18 @@ __shared__ char* s_lsa_base;
 __shared__ uint32_t s_lsa_stride4G;
 
 // Address of `offset` in peer's window (what lsa_ptr(a.win, offset, peer) returns).
-__device__ __forceinline__ char* win_ptr(size_t offset, int peer) {
-  return nccl::utility::add4G(s_lsa_base, peer * int(s_lsa_stride4G)) + offset;
+__device__ __forceinline__ char* win_ptr(const LlArgs& a, size_t offset, int peer) {
+  const bool args = (a.flags & kFlagWinArgs) != 0u;
+  char* base = args ? a.lsa_base : s_lsa_base;
+  const uint32_t stride4G = args ? a.lsa_stride4G : s_lsa_stride4G;
+  return nccl::utility::add4G(base, peer * int(stride4G)) + offset;
 }
 
-// First thing in every entry point, every thread. Variant `pdl` (kFlagPdl): wait for the
-// grids before this one on the stream, then let the next one launch. Then the window base
-// (win_ptr), published by the CTA barrier.
-__device__ __forceinline__ void kernel_enter(const LlArgs& a) {
-  if ((a.flags & kFlagPdl) != 0u) {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  }
-  if (threadIdx.x == 0) {
-    s_lsa_base = nccl::utility::loadConst(&a.win->lsaFlatBase);
-    s_lsa_stride4G = nccl::utility::loadConst(&a.win->stride4G);
-  }
-  __syncthreads();
-}
+// First thing in every entry point, every thread (after the entry stamp, entry_slot >= 0 in
+// the kernels that start an operation). Variant `pdl` (kFlagPdl): wait for the grids before
+// this one on the stream, then let the next one launch. Then the window base (win_ptr),
+// published by the CTA barrier (not needed with `wargs`).
+__device__ __forceinline__ void kernel_enter(const LlArgs& a, int entry_slot = -1);
 
 // Warps per CTA that send records in the fused dispatch (kWarps: all, then all receive).
 __device__ __forceinline__ int fused_send_warps(uint32_t flags) {
@@ -315,7 +320,7 @@ __device__ __forceinline__ int fused_send_warps(uint32_t flags) {
 __device__ __forceinline__ void stamp_if(const LlArgs& a, int slot, bool writer) {
   if (a.stamps != nullptr && writer && slot >= 0 &&
       ((a.flags & kFlagStampEdges) == 0u || slot == kStDispStart || slot == kStDispEnd || slot == kStCombStart ||
-       slot == kStCombEnd)) {
+       slot == kStCombEnd || slot == kStDispEntry || slot == kStCombEntry)) {
     a.stamps[size_t(blockIdx.x) * kStampSlots + slot] = globaltimer_ns();
   }
 }
@@ -327,6 +332,20 @@ __device__ __forceinline__ void stamp_max(const LlArgs& a, int slot) {
     atomicMax(reinterpret_cast<unsigned long long*>(a.stamps + size_t(blockIdx.x) * kStampSlots + slot),
               static_cast<unsigned long long>(globaltimer_ns()));
   }
+}
+
+__device__ __forceinline__ void kernel_enter(const LlArgs& a, int entry_slot) {
+  stamp_if(a, entry_slot, threadIdx.x == 0);
+  if ((a.flags & kFlagPdl) != 0u) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  }
+  if ((a.flags & kFlagWinArgs) != 0u) return;
+  if (threadIdx.x == 0) {
+    s_lsa_base = nccl::utility::loadConst(&a.win->lsaFlatBase);
+    s_lsa_stride4G = nccl::utility::loadConst(&a.win->stride4G);
+  }
+  __syncthreads();
 }
 
 __device__ __forceinline__ uint32_t ld_volatile_u32(const uint32_t* p) {
@@ -371,7 +390,7 @@ __device__ __forceinline__ size_t meta_in_record(const LlArgs& a) {
 __device__ __forceinline__ uint64_t* sig_word(const LlArgs& a, int owner, int kind, int src) {
   const int R = a.comm.lsaSize;
   return reinterpret_cast<uint64_t*>(
-      win_ptr(a.set_offset + a.sig_offset + (size_t(kind) * R + src) * sizeof(uint64_t), owner));
+      win_ptr(a, a.set_offset + a.sig_offset + (size_t(kind) * R + src) * sizeof(uint64_t), owner));
 }
 
 __device__ __forceinline__ DeadlineBarrier waiter(const LlArgs& a) {
@@ -479,6 +498,29 @@ __device__ void end_op(const LlArgs& a, int kind, uint32_t n) {
   if (threadIdx.x == 0) *op_word(a, kind) = n;
 }
 
+// A flag word that nothing else of this thread follows (a credit, a `ready` word): a relaxed
+// store, or an exchange (`xflag`). The publishing thread calls flag_fence after its last one
+// (`fflag`).
+__device__ __forceinline__ void put_flag(const LlArgs& a, uint32_t* p, uint32_t v) {
+  if ((a.flags & kFlagAtomicFlags) != 0u) {
+    uint32_t old;
+    asm volatile("atom.relaxed.sys.global.exch.b32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  } else {
+    st_relaxed_sys_u32(p, v);
+  }
+}
+__device__ __forceinline__ void put_flag(const LlArgs& a, uint64_t* p, uint64_t v) {
+  if ((a.flags & kFlagAtomicFlags) != 0u) {
+    uint64_t old;
+    asm volatile("atom.relaxed.sys.global.exch.b64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+  } else {
+    st_relaxed_sys_u64(p, v);
+  }
+}
+__device__ __forceinline__ void flag_fence(const LlArgs& a) {
+  if ((a.flags & kFlagFenceFlags) != 0u) fence_acq_rel_sys();
+}
+
 // First thing in every send kernel (CTA 0, one thread per peer): the deferred credits of
 // this set (see the head of the file): completed dispatches and combines, as stored by the
 // kernels that ended them, which all completed before this kernel started.
@@ -488,35 +530,9 @@ __device__ void push_credits(const LlArgs& a) {
   const int p = threadIdx.x, me = a.comm.lsaRank;
   // CTA 0's counts: it stores its own new count only at the end of its kernel (end_op).
   const uint64_t disp = ld_volatile_u32(op_word(a, kOpDispatch)), comb = ld_volatile_u32(op_word(a, kOpCombine));
-  if ((a.flags & kFlagAtomicFlags) != 0u) {
-    uint64_t old;
-    asm volatile("atom.relaxed.sys.global.exch.b64 %0, [%1], %2;"
-                 : "=l"(old)
-                 : "l"(sig_word(a, p, kDispAck, me)), "l"(disp)
-                 : "memory");
-    asm volatile("atom.relaxed.sys.global.exch.b64 %0, [%1], %2;"
-                 : "=l"(old)
-                 : "l"(sig_word(a, p, kCombAck, me)), "l"(comb)
-                 : "memory");
-    return;
-  }
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(sig_word(a, p, kDispAck, me)), "l"(disp) : "memory");
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(sig_word(a, p, kCombAck, me)), "l"(comb) : "memory");
-  if ((a.flags & kFlagFenceFlags) != 0u) fence_acq_rel_sys();
-}
-
-// A flag word that nothing else of this thread follows (a `ready` word): a relaxed store, or
-// an exchange (`xflag`). The publishing thread calls flag_fence after its last one (`fflag`).
-__device__ __forceinline__ void put_flag(const LlArgs& a, uint32_t* p, uint32_t v) {
-  if ((a.flags & kFlagAtomicFlags) != 0u) {
-    uint32_t old;
-    asm volatile("atom.relaxed.sys.global.exch.b32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  } else {
-    st_relaxed_sys_u32(p, v);
-  }
-}
-__device__ __forceinline__ void flag_fence(const LlArgs& a) {
-  if ((a.flags & kFlagFenceFlags) != 0u) fence_acq_rel_sys();
+  put_flag(a, sig_word(a, p, kDispAck, me), disp);
+  put_flag(a, sig_word(a, p, kCombAck, me), comb);
+  flag_fence(a);
 }
 
 // The first warp of a team (threads tid < 32) turns a[0..n) into its exclusive prefix sum
@@ -581,7 +597,7 @@ __device__ __forceinline__ int bf16_channel(int u, int lane, int half) {
 __device__ __forceinline__ uint32_t* ready_word(const LlArgs& a, int owner, int src, uint32_t slot, int u) {
   const int units = (a.hidden + kDispatchUnit - 1) / kDispatchUnit;
   const size_t idx = (size_t(src) * a.max_tokens + slot) * units + u;
-  return reinterpret_cast<uint32_t*>(win_ptr(a.set_offset + a.ready_offset + idx * 4, owner));
+  return reinterpret_cast<uint32_t*>(win_ptr(a, a.set_offset + a.ready_offset + idx * 4, owner));
 }
 
 // Quantizes 16 channels per lane, bit-exact with quant.rs: amax over the 128-channel block
@@ -708,7 +724,7 @@ __device__ void warm_send_pages(const LlArgs& a, int lane) {
     for (int r = 0; r < 3; ++r) {
       const size_t lo = ranges[r][0], hi = lo + ranges[r][1];
       for (size_t off = (lo & ~(kWarmPage - 1)) + size_t(lane) * kWarmPage; off < hi; off += 32 * kWarmPage) {
-        (void)ld_relaxed_sys_u32(reinterpret_cast<const uint32_t*>(win_ptr(off < lo ? lo : off, dst)));
+        (void)ld_relaxed_sys_u32(reinterpret_cast<const uint32_t*>(win_ptr(a, off < lo ? lo : off, dst)));
       }
     }
   }
@@ -785,7 +801,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
       const int dst = i / (L + 1), j = i % (L + 1);
       const uint32_t v = j == 0 ? tr.total(E + dst) : tr.total(dst * L + j - 1);
       uint32_t* m = reinterpret_cast<uint32_t*>(
-          win_ptr(a.set_offset + a.meta_offset + (size_t(me) * (L + 1) + j) * 4, dst));
+          win_ptr(a, a.set_offset + a.meta_offset + (size_t(me) * (L + 1) + j) * 4, dst));
       *m = v;
     }
     if (counts_first(a.flags)) {
@@ -831,7 +847,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
     const int c0 = u * kDispatchUnit + lane * 16;
     auto record = [&](int dst) {
       const uint32_t slot = tr.rank_in(E + dst, t);
-      return win_ptr(a.set_offset + a.stage_offset + (size_t(me) * T + slot) * a.rec_bytes, dst);
+      return win_ptr(a, a.set_offset + a.stage_offset + (size_t(me) * T + slot) * a.rec_bytes, dst);
     };
     const int64_t e_lane = u == 0 ? lane_topk_id(a, t, lane) : -1;
     if (tok_major) {
@@ -997,7 +1013,7 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
   const size_t row_bytes = payload_bytes(a);
   const int nblocks = H / 128;
   const size_t meta_off = meta_in_record(a);
-  const char* stage = win_ptr(a.set_offset + a.stage_offset, me);
+  const char* stage = win_ptr(a, a.set_offset + a.stage_offset, me);
   // Source rank of staged token g (linear in R: sources are few).
   auto source_of = [&](uint32_t g) {
     int s = 0;
@@ -1159,7 +1175,7 @@ __device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem,
     return false;
   }
   if (!early) stamp_if(a, kStDispSeen, tid == 0);
-  const uint32_t* meta_in = reinterpret_cast<const uint32_t*>(win_ptr(a.set_offset + a.meta_offset, me));
+  const uint32_t* meta_in = reinterpret_cast<const uint32_t*>(win_ptr(a, a.set_offset + a.meta_offset, me));
   for (int i = tid; i < R * (L + 1); i += team.nthreads) first[i] = meta_in[i];
   team.sync();
   if (tid < 32) {
@@ -1277,7 +1293,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   const size_t slot = a.set_offset + a.wts_offset + size_t(me) * T * K * sizeof(float);
   for (int b = blockIdx.x; b < R; b += gridDim.x) {  // CTA-uniform
     const int q = (me + 1 + b) % R;
-    float* dst = reinterpret_cast<float*>(win_ptr(slot, q));
+    float* dst = reinterpret_cast<float*>(win_ptr(a, slot, q));
     const bool vec = ((reinterpret_cast<uintptr_t>(a.topk_weights) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
     const size_t nv = vec ? nw / 4 : 0;
     for (size_t i = threadIdx.x; i < nv; i += blockDim.x) {
@@ -1294,7 +1310,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   const size_t items = size_t(records) * units;
   const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
-  const float* wts = reinterpret_cast<const float*>(win_ptr(a.set_offset + a.wts_offset, me));
+  const float* wts = reinterpret_cast<const float*>(win_ptr(a, a.set_offset + a.wts_offset, me));
   // Records are sorted by source rank, so consecutive warps would all store to one source's
   // link at a time; a stride coprime with the record count visits every record once and
   // spreads neighbouring warps over the sources.
@@ -1350,7 +1366,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
                  cur);
     }
     if (s >= 0 && s < R && t >= 0 && t < T) {  // always, for a map our dispatch wrote
-      char* dst = win_ptr(a.set_offset + a.comb_offset + (size_t(t) * R + me) * size_t(H) * 2, s);
+      char* dst = win_ptr(a, a.set_offset + a.comb_offset + (size_t(t) * R + me) * size_t(H) * 2, s);
 #pragma unroll
       for (int i = 0; i < kPartialVecs; ++i) {
         const int ch = c0 + i * 256;
@@ -1418,7 +1434,7 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
     const int u = int(item % units);
     const int s = cur.s, t = cur.t, k = cur.k;
     if (s >= 0 && s < R && t >= 0 && t < T && k >= 0 && k < K) {  // always, for our handle
-      char* dst = win_ptr(a.set_offset + a.comb_offset + (size_t(t) * K + k) * size_t(H) * 2, s);
+      char* dst = win_ptr(a, a.set_offset + a.comb_offset + (size_t(t) * K + k) * size_t(H) * 2, s);
 #pragma unroll
       for (int i = 0; i < kCombineVecs; ++i) {
         const int ch = u * kCombineUnit + i * 256 + lane * 8;
@@ -1493,7 +1509,7 @@ __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
   // Pipelined: rows and weights are loaded without waiting for topk_idx (a masked slot is
   // loaded and then skipped, exactly as it is skipped below), so one memory latency per item.
   const bool eager_loads = (a.flags & kFlagPipeline) != 0;
-  const char* comb = win_ptr(a.set_offset + a.comb_offset, me);
+  const char* comb = win_ptr(a, a.set_offset + a.comb_offset, me);
   for (size_t item = warp; item < items; item += warps) {
     const int t = int(item / units);
     const int c = int(item % units) * kReduceUnit + lane * 8;
@@ -1554,7 +1570,7 @@ __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_dispatch_send(const gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
-  kernel_enter(a);
+  kernel_enter(a, kStDispEntry);
   extern __shared__ uint32_t smem[];
   push_credits(a);
   dispatch_send_body(a, read_op(a, kOpDispatch), smem, kWarps);
@@ -1576,7 +1592,7 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_dispatch_fused(const gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
-  kernel_enter(a);
+  kernel_enter(a, kStDispEntry);
   extern __shared__ uint32_t smem[];
   push_credits(a);
   const uint32_t n = read_op(a, kOpDispatch);
@@ -1609,7 +1625,7 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_combine_send(const gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
-  kernel_enter(a);
+  kernel_enter(a, kStCombEntry);
   extern __shared__ uint32_t smem[];
   push_credits(a);
   combine_send_body(a, read_op(a, kOpCombine), smem);
@@ -1627,7 +1643,7 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_combine_fused(const gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
-  kernel_enter(a);
+  kernel_enter(a, kStCombEntry);
   extern __shared__ uint32_t smem[];
   push_credits(a);
   const uint32_t n = read_op(a, kOpCombine);

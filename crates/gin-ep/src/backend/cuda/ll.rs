@@ -70,7 +70,7 @@ struct Feature {
 
 /// In the order of a variant's name (one line per feature: a table, kept by rustfmt::skip).
 #[rustfmt::skip]
-const FEATURES: [Feature; 14] = [
+const FEATURES: [Feature; 15] = [
     Feature { name: "tok", flag: 1, cu: "kFlagTokenMajor", get: |v| v.token_major, set: |v| &mut v.token_major },
     Feature { name: "pipe", flag: 2, cu: "kFlagPipeline", get: |v| v.pipeline, set: |v| &mut v.pipeline },
     Feature { name: "rot", flag: 4, cu: "kFlagRotate", get: |v| v.rotate, set: |v| &mut v.rotate },
@@ -85,6 +85,7 @@ const FEATURES: [Feature; 14] = [
     Feature { name: "fflag", flag: 1 << 18, cu: "kFlagFenceFlags", get: |v| v.fence_flags, set: |v| &mut v.fence_flags },
     Feature { name: "xflag", flag: 1 << 19, cu: "kFlagAtomicFlags", get: |v| v.atomic_flags, set: |v| &mut v.atomic_flags },
     Feature { name: "carve", flag: 0, cu: "", get: |v| v.carveout, set: |v| &mut v.carveout },
+    Feature { name: "wargs", flag: 1 << 21, cu: "kFlagWinArgs", get: |v| v.win_args, set: |v| &mut v.win_args },
 ];
 
 /// Flags bit that limits the stamps to each operation's first and last (kFlagStampEdges).
@@ -159,6 +160,10 @@ pub struct LlVariant {
     /// the SMs are never reconfigured between them (without it the driver picks a split per
     /// kernel from its shared-memory size).
     pub carveout: bool,
+    /// `wargs`: the window's LSA base and stride travel in the kernel arguments (read once by
+    /// the host) instead of thread 0 of every CTA loading them from the window struct and a
+    /// CTA barrier publishing them at every kernel entry.
+    pub win_args: bool,
     /// CTAs per kernel; `None`: the caller's grid (the bench's `--sms`, else every SM);
     /// `Some(0)`: every SM.
     pub grid: Option<u32>,
@@ -201,6 +206,7 @@ impl LlVariant {
         fence_flags: false,
         atomic_flags: false,
         carveout: false,
+        win_args: false,
         grid: None,
     };
 
@@ -351,6 +357,8 @@ impl LlVariant {
             "ready+fflag@3",
             "tok+ready+xflag@5",
             "tok+rot+ready+send8+fused+pdl+quiet+spin+carve@all",
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs@all",
+            "pipe+early+wargs@3",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
@@ -416,13 +424,17 @@ pub const SIG_KINDS: usize = 6;
 /// counts.
 pub const STATE_WORDS: usize = 8 + 2 * MAX_GRID as usize;
 /// u64 timestamps per CTA per operation pair (`kStampSlots` in ll.cu).
-pub const STAMP_SLOTS: usize = 24;
+pub const STAMP_SLOTS: usize = 25;
 /// Stamp slots of each operation's first and last stamp (kStDispStart, kStDispEnd,
 /// kStCombStart, kStCombEnd in ll.cu): the span of its kernels.
 const ST_DISP_START: usize = 0;
 const ST_DISP_END: usize = 9;
 const ST_COMB_START: usize = 10;
 const ST_COMB_END: usize = 17;
+/// Stamp slots of the first instruction of the kernel that starts each operation
+/// (kStDispEntry, kStCombEntry): the gap before an operation is launch, then entry.
+const ST_DISP_ENTRY: usize = 24;
+const ST_COMB_ENTRY: usize = 19;
 /// Word written into every output before a checked run: a row nobody wrote keeps it.
 pub const POISON: u32 = 0xDEAD_BEEF;
 
@@ -620,7 +632,7 @@ struct LlArgs {
     dtype: i32,
     recv_scales_ue8m0: u64,
     flags: u32,
-    pad: u32,
+    lsa_stride4g: u32,
     stamps: u64,
     user_count: u64,
     user_range: u64,
@@ -632,9 +644,12 @@ struct LlArgs {
     comb_order: u32,
     pad3: u32,
     ready_offset: u64,
+    lsa_base: u64,
 }
 // Same numbers as the static_assert in kernels/ll/ll.cu.
-const _: () = assert!(std::mem::size_of::<LlArgs>() == 488);
+const _: () = assert!(std::mem::size_of::<LlArgs>() == 496);
+const _: () = assert!(std::mem::offset_of!(LlArgs, lsa_base) == 488);
+const _: () = assert!(std::mem::offset_of!(LlArgs, lsa_stride4g) == 412);
 const _: () = assert!(std::mem::offset_of!(LlArgs, ready_offset) == 480);
 const _: () = assert!(std::mem::offset_of!(LlArgs, wts_offset) == 456);
 const _: () = assert!(std::mem::offset_of!(LlArgs, comb_order) == 472);
@@ -735,6 +750,36 @@ impl Drop for Graph {
     }
 }
 
+/// The window's LSA base and stride in 4 GiB units from every peer's address of it (index:
+/// LSA rank), as the kernels compute a peer's copy (`add4G(base, peer * stride4G)`, ll.cu
+/// win_ptr) for `wargs`: refused unless every peer lies at exactly that address.
+fn lsa_base_stride(bases: &[u64]) -> Result<(u64, u32)> {
+    let base = *bases.first().ok_or_else(|| Error::Device {
+        call: "ncclGetLsaPointer".into(),
+        reason: "no LSA peer address".into(),
+    })?;
+    let step = bases.get(1).map_or(0, |b| b.wrapping_sub(base));
+    let stride4g = u32::try_from(step >> 32).ok().filter(|_| step & 0xffff_ffff == 0);
+    let fits = |s: u32| u64::from(s) * bases.len() as u64 <= i32::MAX as u64;
+    match stride4g.filter(|&s| fits(s)) {
+        Some(s)
+            if bases
+                .iter()
+                .enumerate()
+                .all(|(p, &b)| b == base.wrapping_add((p as u64 * u64::from(s)) << 32)) =>
+        {
+            Ok((base, s))
+        }
+        _ => Err(Error::Device {
+            call: "ncclGetLsaPointer".into(),
+            reason: format!(
+                "LSA peer addresses {bases:#x?} are not one base plus a whole number of 4 GiB per peer \
+                 (variant `wargs` needs that layout)"
+            ),
+        }),
+    }
+}
+
 /// LL dispatch and combine of one rank: the window, device communicator and both buffer
 /// sets. Collective to create (every rank, same config, same order).
 pub struct CudaLl<'r> {
@@ -752,6 +797,8 @@ pub struct CudaLl<'r> {
     stamps: u64,
     /// Only the first and last stamp of each operation ([`CudaLl::set_stamp_edges`]).
     stamp_edges: bool,
+    /// The window's LSA base and stride4G for `wargs` ([`lsa_base_stride`]); (0, 0) without.
+    lsa: (u64, u32),
 }
 
 impl<'r> CudaLl<'r> {
@@ -854,6 +901,11 @@ impl<'r> CudaLl<'r> {
                 ),
             });
         }
+        let lsa = if variant.win_args {
+            lsa_base_stride(super::ops::lsa_peer_bases(rank, &window, &dev_comm)?)?
+        } else {
+            (0, 0)
+        };
         let (h, k, t, l, r) = (
             cfg.hidden,
             cfg.topk,
@@ -909,6 +961,7 @@ impl<'r> CudaLl<'r> {
             variant,
             stamps: 0,
             stamp_edges: false,
+            lsa,
         })
     }
 
@@ -1111,7 +1164,7 @@ impl<'r> CudaLl<'r> {
                 0
             },
             flags: self.variant.kernel_flags() | if self.stamp_edges { STAMP_EDGES_FLAG } else { 0 },
-            pad: 0,
+            lsa_stride4g: self.lsa.1,
             stamps: self.stamps,
             user_count: Self::io_ptr(io.recv_count, "LL recv_count", l * 4, None)?,
             user_range: Self::io_ptr(io.layout_range, "LL layout_range", l * r * 8, None)?,
@@ -1130,6 +1183,7 @@ impl<'r> CudaLl<'r> {
             },
             pad3: 0,
             ready_offset: self.layout.ready_offset as u64,
+            lsa_base: self.lsa.0,
         })
     }
 
@@ -2192,14 +2246,23 @@ fn eager_split(host: &[u64], grid: usize, ev_d: &[f64], ev_c: &[f64]) -> String 
     let edge =
         |i: usize, slot: usize, first: bool| slot_time(&host[i * per..(i + 1) * per], grid, slot, first);
     let (mut gap_d, mut span_d, mut gap_c, mut span_c) = (vec![], vec![], vec![], vec![]);
+    // The gaps' parts: launch (previous end to the first CTA's first instruction) and entry
+    // (that instruction to the first CTA's start stamp).
+    let (mut launch_d, mut entry_d, mut launch_c, mut entry_c) = (vec![], vec![], vec![], vec![]);
     for i in 0..iters {
         let (ds, de) = (edge(i, ST_DISP_START, true), edge(i, ST_DISP_END, false));
         let (cs, ce) = (edge(i, ST_COMB_START, true), edge(i, ST_COMB_END, false));
+        let (dn, cn) = (edge(i, ST_DISP_ENTRY, true), edge(i, ST_COMB_ENTRY, true));
         if i > 0 {
-            gap_d.extend(us_between(edge(i - 1, ST_COMB_END, false), ds));
+            let prev = edge(i - 1, ST_COMB_END, false);
+            gap_d.extend(us_between(prev, ds));
+            launch_d.extend(us_between(prev, dn));
         }
+        entry_d.extend(us_between(dn, ds));
         span_d.extend(us_between(ds, de));
         gap_c.extend(us_between(de, cs));
+        launch_c.extend(us_between(de, cn));
+        entry_c.extend(us_between(cn, cs));
         span_c.extend(us_between(cs, ce));
     }
     let mm = |v: &[f64]| {
@@ -2211,13 +2274,17 @@ fn eager_split(host: &[u64], grid: usize, ev_d: &[f64], ev_c: &[f64]) -> String 
         }
     };
     format!(
-        "eager loop stamped, median/max µs: dispatch event {} = gap {} + span {}; combine event {} \
-         = gap {} + span {}",
+        "eager loop stamped, median/max µs: dispatch event {} = gap {} (launch {} + entry {}) + span \
+         {}; combine event {} = gap {} (launch {} + entry {}) + span {}",
         mm(ev_d),
         mm(&gap_d),
+        mm(&launch_d),
+        mm(&entry_d),
         mm(&span_d),
         mm(ev_c),
         mm(&gap_c),
+        mm(&launch_c),
+        mm(&entry_c),
         mm(&span_c)
     )
 }
@@ -2564,6 +2631,8 @@ mod tests {
         assert_eq!(ST_DISP_END, cu_const("kStDispEnd"));
         assert_eq!(ST_COMB_START, cu_const("kStCombStart"));
         assert_eq!(ST_COMB_END, cu_const("kStCombEnd"));
+        assert_eq!(ST_DISP_ENTRY, cu_const("kStDispEntry"));
+        assert_eq!(ST_COMB_ENTRY, cu_const("kStCombEntry"));
         assert_eq!(THREADS as usize, cu_const("kThreads"));
         assert_eq!(
             cu_const("kFlagSendWarpsShift"),
@@ -2706,19 +2775,48 @@ mod tests {
         set(0, 1, ST_DISP_END, 12_000); // dispatch 0: span 11 µs
         set(0, 0, ST_COMB_START, 15_000);
         set(0, 1, ST_COMB_END, 25_000); // combine 0: gap 3, span 10
+        set(0, 0, ST_COMB_ENTRY, 14_000); // combine 0: launch 2, entry 1
+        set(1, 0, ST_DISP_ENTRY, 1_224_500); // a later CTA's entry: not the one timed
+        set(1, 1, ST_DISP_ENTRY, 1_224_000); // dispatch 1: launch 1199, entry 1
         set(1, 1, ST_DISP_START, 1_225_000); // dispatch 1 starts 1.2 ms after combine 0 ended
         set(1, 0, ST_DISP_END, 1_236_000);
         set(1, 0, ST_COMB_START, 1_240_000);
         set(1, 0, ST_COMB_END, 1_250_000);
         let line = eager_split(&st, 2, &[20.0, 1215.0], &[14.0, 14.0]);
         assert!(
-            line.contains("dispatch event 1215.0/1215.0 = gap 1200.0/1200.0 + span 11.0/11.0"),
+            line.contains(
+                "dispatch event 1215.0/1215.0 = gap 1200.0/1200.0 (launch 1199.0/1199.0 + entry \
+                 1.0/1.0) + span 11.0/11.0"
+            ),
             "{line}"
         );
         assert!(
-            line.contains("combine event 14.0/14.0 = gap 4.0/4.0 + span 10.0/10.0"),
+            line.contains(
+                "combine event 14.0/14.0 = gap 4.0/4.0 (launch 2.0/2.0 + entry 1.0/1.0) + span 10.0/10.0"
+            ),
             "{line}"
         );
+    }
+
+    #[test]
+    fn lsa_base_stride_accepts_only_evenly_spaced_peers() {
+        let g = 1u64 << 32;
+        let base = 0x7f00_0000_0000u64;
+        assert_eq!(
+            lsa_base_stride(&[base, base + 2 * g, base + 4 * g]).unwrap(),
+            (base, 2)
+        );
+        assert_eq!(lsa_base_stride(&[base]).unwrap(), (base, 0));
+        for bad in [
+            vec![],
+            vec![base, base + 2 * g, base + 5 * g], // uneven
+            vec![base, base + g + 4096],            // not whole 4 GiB
+            vec![base, base - g],                   // below the base
+            vec![base, base + (1u64 << 31) * g],    // peer * stride4G overflows an int
+        ] {
+            let e = lsa_base_stride(&bad).unwrap_err().to_string();
+            assert!(e.contains("LSA peer"), "{bad:x?}: {e}");
+        }
     }
 
     #[test]
