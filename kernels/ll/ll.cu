@@ -254,6 +254,11 @@ static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kSt
 // - kFlagWinArgs (variant `wargs`): the window's LSA base and stride come from LlArgs (the
 //   host read them once) instead of a load from the window struct by thread 0 of every CTA
 //   followed by a CTA barrier at every kernel entry (kernel_enter).
+// - kFlagSolo (variant `solo`, rank-first combine, top-k <= 32): when a token has exactly one
+//   expert on a rank, that rank sends the expert's row as it is, before the weights round,
+//   and the source computes that partial (fma from +0, BF16 rounding: the same bits). The
+//   other partials follow once the weights are in. Needs the combine's topk_idx to be the
+//   dispatch's (as every rank-first combine does: the sender's pairs come from the dispatch).
 // (The fused one-kernel-per-operation variant is a host choice: other entry points.)
 // (One per line: the host's tests read each value here, ll.rs FEATURES.)
 constexpr uint32_t kFlagTokenMajor = 1u;
@@ -272,6 +277,7 @@ constexpr uint32_t kFlagAtomicFlags = 524288u;
 // Not a variant: set by the host with LlArgs::stamps for `GIN_EP_LL_STAMPS=edges` (stamp_if).
 constexpr uint32_t kFlagStampEdges = 1048576u;
 constexpr uint32_t kFlagWinArgs = 2097152u;
+constexpr uint32_t kFlagSolo = 4194304u;
 // Named barriers of the two teams of the fused dispatch with send warps (0 = the CTA's).
 constexpr int kBarSend = 1, kBarRecv = 2;
 
@@ -279,6 +285,11 @@ constexpr int kBarSend = 1, kBarRecv = 2;
 // waits for those first and for the data per source (`early`) or per unit (`ready`, which
 // needs the counts the same way).
 __device__ __forceinline__ bool counts_first(uint32_t flags) { return (flags & (kFlagEarlyCounts | kFlagReady)) != 0; }
+
+// Variant `solo` (rank-first combine): a token's only expert on a rank goes back unweighted
+// and the source weights it. Lanes hold one top-k entry each there, so K <= 32 only (both
+// sides decide alike from K and the flag).
+__device__ __forceinline__ bool solo_rows(const LlArgs& a) { return (a.flags & kFlagSolo) != 0u && a.topk <= 32; }
 
 // Whether waits poll with relaxed loads and acquire once at the end (variant `quiet`).
 __device__ __forceinline__ bool relaxed_polls(uint32_t flags) { return (flags & kFlagQuiet) != 0u; }
@@ -1336,6 +1347,34 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   // Credit: every source rank has reduced the previous combine of this set.
   if (!wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) return false;
   stamp(a, kStCombCredit);
+  // A partial row goes to the source's [t][me] slot.
+  auto partial_row = [&](int s, int t) {
+    return win_ptr(a, a.set_offset + a.comb_offset + (size_t(t) * R + me) * size_t(H) * 2, s);
+  };
+  const bool solo = solo_rows(a);
+  if (solo) {
+    // `solo`: records with one pair (the token's only expert on this rank) go back as the
+    // expert's row itself, before the weights have arrived; the source weights it (the same
+    // fma from +0 and BF16 rounding, reduce_rank_first). Links that would idle during the
+    // weights round carry these rows meanwhile.
+    for (size_t it = warp; it < items; it += warps) {
+      const uint32_t g = record(it);
+      const int32_t h1 = load_entry(a, g, lane);
+      if (__shfl_sync(0xffffffffu, h1, 2) != 1) continue;  // warp-uniform
+      const int s = __shfl_sync(0xffffffffu, h1, 0), t = __shfl_sync(0xffffffffu, h1, 1);
+      const int c0 = int(it % units) * kPartialUnit + lane * 8;
+      PartBatch b1;
+      load_batch(a, wts, h1, g, 0, c0, false, b1);
+      if (s >= 0 && s < R && t >= 0 && t < T) {
+        char* dst = partial_row(s, t);
+#pragma unroll
+        for (int i = 0; i < kPartialVecs; ++i) {
+          const int ch = c0 + i * 256;
+          if (ch < H) st_v4(reinterpret_cast<uint4*>(dst + size_t(ch) * 2), b1.v[0][i]);
+        }
+      }
+    }
+  }
   if (!wait_all_peers(a, kCombWts, uint64_t(n), kPhaseCombineWeights)) return false;
   stamp(a, kStCombWeights);
   bool weighted = false;  // cur's weights are loaded
@@ -1344,8 +1383,16 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     const int c0 = int(item % units) * kPartialUnit + lane * 8;
     const int s = __shfl_sync(0xffffffffu, held, 0), t = __shfl_sync(0xffffffffu, held, 1);
     const int np = min(max(__shfl_sync(0xffffffffu, held, 2), 0), K);
-    if (!weighted) load_batch(a, wts, held, g, 0, c0, true, cur, true);
     const size_t next = item + warps;
+    if (solo && __shfl_sync(0xffffffffu, held, 2) == 1) {  // sent above
+      if (next < items) {
+        held = load_entry(a, record(next), lane);
+        load_batch(a, wts, held, record(next), 0, int(next % units) * kPartialUnit + lane * 8, true, cur);
+        weighted = true;
+      }
+      continue;
+    }
+    if (!weighted) load_batch(a, wts, held, g, 0, c0, true, cur, true);
     const int32_t held_next = next < items ? load_entry(a, record(next), lane) : 0;
     float acc[8 * kPartialVecs];
 #pragma unroll
@@ -1366,7 +1413,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
                  cur);
     }
     if (s >= 0 && s < R && t >= 0 && t < T) {  // always, for a map our dispatch wrote
-      char* dst = win_ptr(a, a.set_offset + a.comb_offset + (size_t(t) * R + me) * size_t(H) * 2, s);
+      char* dst = partial_row(s, t);
 #pragma unroll
       for (int i = 0; i < kPartialVecs; ++i) {
         const int ch = c0 + i * 256;
@@ -1460,31 +1507,51 @@ __device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* c
   const int lane = threadIdx.x & 31;
   // Bit r: rank r holds one of the token's experts (every lane gets the whole mask).
   uint32_t lo = 0, hi = 0;
+  int lane_rank = -1;  // `solo` (K <= 32): the rank of this lane's expert k = lane
   for (int k = lane; k < K; k += 32) {
     const int64_t e = a.topk_idx[size_t(t) * K + k];
     if (e >= 0 && e < a.experts) {
       const int r = int(e / L);
       if (r < 32) lo |= 1u << r; else hi |= 1u << (r - 32);
+      if (k == lane) lane_rank = r;
     }
   }
+  const bool solo = solo_rows(a);
   uint64_t mask = uint64_t(__reduce_or_sync(0xffffffffu, lo)) | (uint64_t(__reduce_or_sync(0xffffffffu, hi)) << 32);
   while (mask != 0) {
     uint4 v[kReduceBatch];
+    bool single[kReduceBatch];   // `solo`: rank b holds only one of the token's experts
+    float solo_w[kReduceBatch];  // and this is its weight
     int nb = 0;
     // Loads of up to kReduceBatch ranks first, then the adds in the same (ascending) order.
 #pragma unroll
     for (int b = 0; b < kReduceBatch; ++b) {
       v[b] = make_uint4(0, 0, 0, 0);
+      single[b] = false;
+      solo_w[b] = 0.0f;
       if (mask != 0) {
         const int r = __ffsll(static_cast<long long>(mask)) - 1;
         mask &= mask - 1;
         if (c < H) v[b] = ld_v4(reinterpret_cast<const uint4*>(comb + ((size_t(t) * R + r) * H + c) * 2));
+        if (solo) {
+          const uint32_t ks = __ballot_sync(0xffffffffu, lane_rank == r);
+          single[b] = __popc(ks) == 1;
+          if (single[b]) solo_w[b] = a.topk_weights[size_t(t) * K + (__ffs(ks) - 1)];
+        }
         nb = b + 1;
       }
     }
 #pragma unroll
     for (int b = 0; b < kReduceBatch; ++b) {
       if (b >= nb) break;
+      if (single[b]) {
+        // The expert's row itself: its partial as the expert rank would have made it.
+        float p[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) p[i] = 0.0f;
+        fma_bf16x8(solo_w[b], v[b], p);
+        v[b] = pack_bf16x8(p);
+      }
       const uint32_t wv[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {

@@ -70,7 +70,7 @@ struct Feature {
 
 /// In the order of a variant's name (one line per feature: a table, kept by rustfmt::skip).
 #[rustfmt::skip]
-const FEATURES: [Feature; 15] = [
+const FEATURES: [Feature; 16] = [
     Feature { name: "tok", flag: 1, cu: "kFlagTokenMajor", get: |v| v.token_major, set: |v| &mut v.token_major },
     Feature { name: "pipe", flag: 2, cu: "kFlagPipeline", get: |v| v.pipeline, set: |v| &mut v.pipeline },
     Feature { name: "rot", flag: 4, cu: "kFlagRotate", get: |v| v.rotate, set: |v| &mut v.rotate },
@@ -86,6 +86,7 @@ const FEATURES: [Feature; 15] = [
     Feature { name: "xflag", flag: 1 << 19, cu: "kFlagAtomicFlags", get: |v| v.atomic_flags, set: |v| &mut v.atomic_flags },
     Feature { name: "carve", flag: 0, cu: "", get: |v| v.carveout, set: |v| &mut v.carveout },
     Feature { name: "wargs", flag: 1 << 21, cu: "kFlagWinArgs", get: |v| v.win_args, set: |v| &mut v.win_args },
+    Feature { name: "solo", flag: 1 << 22, cu: "kFlagSolo", get: |v| v.solo, set: |v| &mut v.solo },
 ];
 
 /// Flags bit that limits the stamps to each operation's first and last (kFlagStampEdges).
@@ -164,6 +165,10 @@ pub struct LlVariant {
     /// the host) instead of thread 0 of every CTA loading them from the window struct and a
     /// CTA barrier publishing them at every kernel entry.
     pub win_args: bool,
+    /// `solo` (the `rank-first` combine, top-k <= 32): a token's only expert on a rank goes
+    /// back as the expert's row itself, sent before the weights round ends, and the source
+    /// weights it (the same fma from +0 and BF16 rounding, so the same bits).
+    pub solo: bool,
     /// CTAs per kernel; `None`: the caller's grid (the bench's `--sms`, else every SM);
     /// `Some(0)`: every SM.
     pub grid: Option<u32>,
@@ -207,6 +212,7 @@ impl LlVariant {
         atomic_flags: false,
         carveout: false,
         win_args: false,
+        solo: false,
         grid: None,
     };
 
@@ -359,6 +365,9 @@ impl LlVariant {
             "tok+rot+ready+send8+fused+pdl+quiet+spin+carve@all",
             "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs@all",
             "pipe+early+wargs@3",
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+solo@all",
+            "pipe+solo@3",
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo@all",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
@@ -2031,7 +2040,7 @@ impl StampMode {
 /// start of the operation (dispatch slot 0, combine slot 10) on the rank's clock; medians over
 /// iterations of the slowest rank. Absent slots (a variant that does not pass them) are left
 /// out of the report.
-pub const PHASES: [(&str, usize, bool); 25] = [
+pub const PHASES: [(&str, usize, bool); 26] = [
     ("d.lay", 1, false),
     ("d.cred", 2, false),
     ("d.loop0", 22, true),
@@ -2050,6 +2059,7 @@ pub const PHASES: [(&str, usize, bool); 25] = [
     ("d.exp", 8, false),
     ("d.end", 9, false),
     ("c.cred", 11, false),
+    ("c.wts", 18, false),
     ("c.sent0", 12, true),
     ("c.sent", 12, false),
     ("c.sig", 13, false),
