@@ -259,6 +259,9 @@ static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kSt
 //   and the source computes that partial (fma from +0, BF16 rounding: the same bits). The
 //   other partials follow once the weights are in. Needs the combine's topk_idx to be the
 //   dispatch's (as every rank-first combine does: the sender's pairs come from the dispatch).
+// - kFlagWeightsWarp (variant `wwarp`, rank-first combine): the CTAs that push this rank's
+//   weights to a peer do it with warp 0 only (a warp barrier, then its release add), not with
+//   every thread and a CTA barrier, so their other warps are not held by the release.
 // (The fused one-kernel-per-operation variant is a host choice: other entry points.)
 // (One per line: the host's tests read each value here, ll.rs FEATURES.)
 constexpr uint32_t kFlagTokenMajor = 1u;
@@ -278,6 +281,7 @@ constexpr uint32_t kFlagAtomicFlags = 524288u;
 constexpr uint32_t kFlagStampEdges = 1048576u;
 constexpr uint32_t kFlagWinArgs = 2097152u;
 constexpr uint32_t kFlagSolo = 4194304u;
+constexpr uint32_t kFlagWeightsWarp = 8388608u;
 // Named barriers of the two teams of the fused dispatch with send warps (0 = the CTA's).
 constexpr int kBarSend = 1, kBarRecv = 2;
 
@@ -1300,18 +1304,26 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   stamp(a, kStCombStart);
   // Our weights into every rank's [me] slot (4 KB at 128 tokens x top-8), one rank per CTA
   // (CTA b serves rank me + 1 + b, so the fences run in parallel), then that rank's signal.
+  // `wwarp`: warp 0 of the CTA alone, so the CTA's other warps go on while its release waits
+  // for the stores to be acknowledged; otherwise every thread, then a CTA barrier.
   const size_t nw = size_t(N) * K;
   const size_t slot = a.set_offset + a.wts_offset + size_t(me) * T * K * sizeof(float);
-  for (int b = blockIdx.x; b < R; b += gridDim.x) {  // CTA-uniform
+  const bool wwarp = (a.flags & kFlagWeightsWarp) != 0u;
+  const int pushers = wwarp ? 32 : int(blockDim.x);
+  for (int b = blockIdx.x; b < R && int(threadIdx.x) < pushers; b += gridDim.x) {  // CTA- or warp-uniform
     const int q = (me + 1 + b) % R;
     float* dst = reinterpret_cast<float*>(win_ptr(a, slot, q));
     const bool vec = ((reinterpret_cast<uintptr_t>(a.topk_weights) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
     const size_t nv = vec ? nw / 4 : 0;
-    for (size_t i = threadIdx.x; i < nv; i += blockDim.x) {
+    for (size_t i = threadIdx.x; i < nv; i += pushers) {
       st_v4(reinterpret_cast<uint4*>(dst) + i, ld_v4(reinterpret_cast<const uint4*>(a.topk_weights) + i));
     }
-    for (size_t i = nv * 4 + threadIdx.x; i < nw; i += blockDim.x) dst[i] = a.topk_weights[i];
-    __syncthreads();
+    for (size_t i = nv * 4 + threadIdx.x; i < nw; i += pushers) dst[i] = a.topk_weights[i];
+    if (wwarp) {
+      __syncwarp();
+    } else {
+      __syncthreads();
+    }
     if (threadIdx.x == 0) red_release_sys_add(sig_word(a, q, kCombWts, me), 1);  // release, cumulative
   }
 

@@ -70,7 +70,7 @@ struct Feature {
 
 /// In the order of a variant's name (one line per feature: a table, kept by rustfmt::skip).
 #[rustfmt::skip]
-const FEATURES: [Feature; 16] = [
+const FEATURES: [Feature; 17] = [
     Feature { name: "tok", flag: 1, cu: "kFlagTokenMajor", get: |v| v.token_major, set: |v| &mut v.token_major },
     Feature { name: "pipe", flag: 2, cu: "kFlagPipeline", get: |v| v.pipeline, set: |v| &mut v.pipeline },
     Feature { name: "rot", flag: 4, cu: "kFlagRotate", get: |v| v.rotate, set: |v| &mut v.rotate },
@@ -87,6 +87,7 @@ const FEATURES: [Feature; 16] = [
     Feature { name: "carve", flag: 0, cu: "", get: |v| v.carveout, set: |v| &mut v.carveout },
     Feature { name: "wargs", flag: 1 << 21, cu: "kFlagWinArgs", get: |v| v.win_args, set: |v| &mut v.win_args },
     Feature { name: "solo", flag: 1 << 22, cu: "kFlagSolo", get: |v| v.solo, set: |v| &mut v.solo },
+    Feature { name: "wwarp", flag: 1 << 23, cu: "kFlagWeightsWarp", get: |v| v.weights_warp, set: |v| &mut v.weights_warp },
 ];
 
 /// Flags bit that limits the stamps to each operation's first and last (kFlagStampEdges).
@@ -169,6 +170,9 @@ pub struct LlVariant {
     /// back as the expert's row itself, sent before the weights round ends, and the source
     /// weights it (the same fma from +0 and BF16 rounding, so the same bits).
     pub solo: bool,
+    /// `wwarp` (the `rank-first` combine): warp 0 alone pushes this rank's weights to a peer
+    /// and adds its signal, so the pushing CTAs' other warps are not held by that release.
+    pub weights_warp: bool,
     /// CTAs per kernel; `None`: the caller's grid (the bench's `--sms`, else every SM);
     /// `Some(0)`: every SM.
     pub grid: Option<u32>,
@@ -176,12 +180,14 @@ pub struct LlVariant {
 
 impl LlVariant {
     /// What [`CudaLl::new`] uses without [`ENV_VARIANT`]:
-    /// `tok+rot+ready+send8+fused+pdl+quiet+spin` (session 7, bench/RESULTS.md:
+    /// `tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+wwarp` (session 7, bench/RESULTS.md:
     /// `tok+rot+ready+send8+fused` FP8 dispatch 28.2–28.6 µs against 31.6 for `fused`, BF16
     /// 34.4–34.6 against 40.0; session 10: `pdl+quiet` on top saves ≈ 1 µs per operation back
     /// to back, e.g. FP8 dispatch 25.3 → 24.3 µs, and nothing with an event between
     /// operations; session 12: `spin` saves 0.2–0.5 µs, e.g. 1 token back to back 12.2 →
-    /// 11.9). Refused, like every fused variant, when the grid cannot be resident at once.
+    /// 11.9; session 14: `wargs` 0.2–0.5 µs per operation (kernel entry 0.7 → 0.4 µs), `solo`
+    /// ≈ 2 µs of the `rank-first` combine, 36.5–37.2 → 34.8–35.6 µs eager). Refused, like
+    /// every fused variant, when the grid cannot be resident at once.
     pub const DEFAULT: LlVariant = LlVariant {
         token_major: true,
         rotate: true,
@@ -191,6 +197,9 @@ impl LlVariant {
         pdl: true,
         quiet: true,
         spin: true,
+        win_args: true,
+        solo: true,
+        weights_warp: true,
         ..LlVariant::BASE
     };
 
@@ -213,6 +222,7 @@ impl LlVariant {
         carveout: false,
         win_args: false,
         solo: false,
+        weights_warp: false,
         grid: None,
     };
 
@@ -368,6 +378,9 @@ impl LlVariant {
             "tok+rot+ready+send8+fused+pdl+quiet+spin+solo@all",
             "pipe+solo@3",
             "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo@all",
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+wwarp@all",
+            "wwarp@3",
+            "fused+solo+wwarp@2",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
@@ -2704,7 +2717,7 @@ mod tests {
         assert_eq!(LlVariant::BASE.name(), "base");
         assert_eq!(
             LlVariant::DEFAULT.name(),
-            "tok+rot+ready+send8+fused+pdl+quiet+spin"
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+wwarp"
         );
         assert_eq!(
             LlVariant::parse(&LlVariant::DEFAULT.name()).unwrap(),
