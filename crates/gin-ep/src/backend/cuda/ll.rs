@@ -180,14 +180,15 @@ pub struct LlVariant {
 
 impl LlVariant {
     /// What [`CudaLl::new`] uses without [`ENV_VARIANT`]:
-    /// `tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+wwarp` (session 7, bench/RESULTS.md:
+    /// `tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo` (session 7, bench/RESULTS.md:
     /// `tok+rot+ready+send8+fused` FP8 dispatch 28.2–28.6 µs against 31.6 for `fused`, BF16
     /// 34.4–34.6 against 40.0; session 10: `pdl+quiet` on top saves ≈ 1 µs per operation back
     /// to back, e.g. FP8 dispatch 25.3 → 24.3 µs, and nothing with an event between
     /// operations; session 12: `spin` saves 0.2–0.5 µs, e.g. 1 token back to back 12.2 →
     /// 11.9; session 14: `wargs` 0.2–0.5 µs per operation (kernel entry 0.7 → 0.4 µs), `solo`
-    /// ≈ 2 µs of the `rank-first` combine, 36.5–37.2 → 34.8–35.6 µs eager). Refused, like
-    /// every fused variant, when the grid cannot be resident at once.
+    /// ≈ 2 µs of the `rank-first` combine, 36.5–37.2 → 34.8–35.6 µs eager; `wwarp` as first
+    /// built cost 4 µs there and is not in). Refused, like every fused variant, when the grid
+    /// cannot be resident at once.
     pub const DEFAULT: LlVariant = LlVariant {
         token_major: true,
         rotate: true,
@@ -199,7 +200,6 @@ impl LlVariant {
         spin: true,
         win_args: true,
         solo: true,
-        weights_warp: true,
         ..LlVariant::BASE
     };
 
@@ -2717,7 +2717,7 @@ mod tests {
         assert_eq!(LlVariant::BASE.name(), "base");
         assert_eq!(
             LlVariant::DEFAULT.name(),
-            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+wwarp"
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo"
         );
         assert_eq!(
             LlVariant::parse(&LlVariant::DEFAULT.name()).unwrap(),
