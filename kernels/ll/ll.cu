@@ -516,18 +516,18 @@ __device__ void end_op(const LlArgs& a, int kind, uint32_t n) {
 // A flag word that nothing else of this thread follows (a credit, a `ready` word): a relaxed
 // store, or an exchange (`xflag`). The publishing thread calls flag_fence after its last one
 // (`fflag`).
-__device__ __forceinline__ void put_flag(const LlArgs& a, uint32_t* p, uint32_t v) {
+template <typename W>  // uint32_t (`ready` words) or uint64_t (credits)
+__device__ __forceinline__ void put_flag(const LlArgs& a, W* p, W v) {
+  static_assert(sizeof(W) == 4 || sizeof(W) == 8, "32- or 64-bit flags");
   if ((a.flags & kFlagAtomicFlags) != 0u) {
-    uint32_t old;
-    asm volatile("atom.relaxed.sys.global.exch.b32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  } else {
+    W old;
+    if constexpr (sizeof(W) == 4) {
+      asm volatile("atom.relaxed.sys.global.exch.b32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    } else {
+      asm volatile("atom.relaxed.sys.global.exch.b64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+    }
+  } else if constexpr (sizeof(W) == 4) {
     st_relaxed_sys_u32(p, v);
-  }
-}
-__device__ __forceinline__ void put_flag(const LlArgs& a, uint64_t* p, uint64_t v) {
-  if ((a.flags & kFlagAtomicFlags) != 0u) {
-    uint64_t old;
-    asm volatile("atom.relaxed.sys.global.exch.b64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
   } else {
     st_relaxed_sys_u64(p, v);
   }
