@@ -299,10 +299,11 @@ __device__ __forceinline__ bool solo_rows(const LlArgs& a) { return (a.flags & k
 __device__ __forceinline__ bool relaxed_polls(uint32_t flags) { return (flags & kFlagQuiet) != 0u; }
 
 // The window's flat LSA base and per-peer stride, loaded once per kernel (kernel_enter) into
-// shared memory (unless `wargs`: from LlArgs, which lives in the constant bank). ncclGetLsaPointer loads both from the window struct at every call, and the
-// compiler reloads them after every asm "memory" clobber (each store and fence here), through
-// an L1 that acquire loads and fences invalidate (CCTL.IVALL): a dependent L2 round trip
-// before many remote stores.
+// shared memory (unless `wargs`: from LlArgs, which lives in the constant bank).
+// ncclGetLsaPointer loads both from the window struct at every call, and the compiler reloads
+// them after every asm "memory" clobber (each store and fence here), through an L1 that
+// acquire loads and fences invalidate (CCTL.IVALL): a dependent L2 round trip before many
+// remote stores.
 __shared__ char* s_lsa_base;
 __shared__ uint32_t s_lsa_stride4G;
 
@@ -313,12 +314,6 @@ __device__ __forceinline__ char* win_ptr(const LlArgs& a, size_t offset, int pee
   const uint32_t stride4G = args ? a.lsa_stride4G : s_lsa_stride4G;
   return nccl::utility::add4G(base, peer * int(stride4G)) + offset;
 }
-
-// First thing in every entry point, every thread (after the entry stamp, entry_slot >= 0 in
-// the kernels that start an operation). Variant `pdl` (kFlagPdl): wait for the grids before
-// this one on the stream, then let the next one launch. Then the window base (win_ptr),
-// published by the CTA barrier (not needed with `wargs`).
-__device__ __forceinline__ void kernel_enter(const LlArgs& a, int entry_slot = -1);
 
 // Warps per CTA that send records in the fused dispatch (kWarps: all, then all receive).
 __device__ __forceinline__ int fused_send_warps(uint32_t flags) {
@@ -349,7 +344,11 @@ __device__ __forceinline__ void stamp_max(const LlArgs& a, int slot) {
   }
 }
 
-__device__ __forceinline__ void kernel_enter(const LlArgs& a, int entry_slot) {
+// First thing in every entry point, every thread (after the entry stamp, entry_slot >= 0 in
+// the kernels that start an operation). Variant `pdl` (kFlagPdl): wait for the grids before
+// this one on the stream, then let the next one launch. Then the window base (win_ptr),
+// published by the CTA barrier (not needed with `wargs`).
+__device__ __forceinline__ void kernel_enter(const LlArgs& a, int entry_slot = -1) {
   stamp_if(a, entry_slot, threadIdx.x == 0);
   if ((a.flags & kFlagPdl) != 0u) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -1373,9 +1372,16 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   // Credit: every source rank has reduced the previous combine of this set.
   if (!wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) return false;
   stamp(a, kStCombCredit);
-  // A partial row goes to the source's [t][me] slot.
-  auto partial_row = [&](int s, int t) {
-    return win_ptr(a, a.set_offset + a.comb_offset + (size_t(t) * R + me) * size_t(H) * 2, s);
+  // This lane's channels c0.. of a partial row into source s's [t][me] slot (s and t come
+  // from the map our dispatch wrote: always in range, checked anyway).
+  auto put_partial = [&](int s, int t, int c0, const uint4 (&v)[kPartialVecs]) {
+    if (s < 0 || s >= R || t < 0 || t >= T) return;
+    char* dst = win_ptr(a, a.set_offset + a.comb_offset + (size_t(t) * R + me) * size_t(H) * 2, s);
+#pragma unroll
+    for (int i = 0; i < kPartialVecs; ++i) {
+      const int ch = c0 + i * 256;
+      if (ch < H) st_v4(reinterpret_cast<uint4*>(dst + size_t(ch) * 2), v[i]);
+    }
   };
   const bool solo = solo_rows(a);
   if (solo) {
@@ -1391,14 +1397,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
       const int c0 = int(it % units) * kPartialUnit + lane * 8;
       PartBatch b1;
       load_batch(a, wts, h1, g, 0, c0, false, b1);
-      if (s >= 0 && s < R && t >= 0 && t < T) {
-        char* dst = partial_row(s, t);
-#pragma unroll
-        for (int i = 0; i < kPartialVecs; ++i) {
-          const int ch = c0 + i * 256;
-          if (ch < H) st_v4(reinterpret_cast<uint4*>(dst + size_t(ch) * 2), b1.v[0][i]);
-        }
-      }
+      put_partial(s, t, c0, b1.v[0]);
     }
   }
   if (!wait_all_peers(a, kCombWts, uint64_t(n), kPhaseCombineWeights)) return false;
@@ -1410,7 +1409,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     const int s = __shfl_sync(0xffffffffu, held, 0), t = __shfl_sync(0xffffffffu, held, 1);
     const int np = min(max(__shfl_sync(0xffffffffu, held, 2), 0), K);
     const size_t next = item + warps;
-    if (solo && __shfl_sync(0xffffffffu, held, 2) == 1) {  // sent above
+    if (solo && np == 1) {  // sent above
       if (next < items) {
         held = load_entry(a, record(next), lane);
         load_batch(a, wts, held, record(next), 0, int(next % units) * kPartialUnit + lane * 8, true, cur);
@@ -1438,14 +1437,10 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
       load_batch(a, wts, held_next, record(next), 0, int(next % units) * kPartialUnit + lane * 8, true,
                  cur);
     }
-    if (s >= 0 && s < R && t >= 0 && t < T) {  // always, for a map our dispatch wrote
-      char* dst = partial_row(s, t);
+    uint4 out[kPartialVecs];
 #pragma unroll
-      for (int i = 0; i < kPartialVecs; ++i) {
-        const int ch = c0 + i * 256;
-        if (ch < H) st_v4(reinterpret_cast<uint4*>(dst + size_t(ch) * 2), pack_bf16x8(acc + i * 8));
-      }
-    }
+    for (int i = 0; i < kPartialVecs; ++i) out[i] = pack_bf16x8(acc + i * 8);
+    put_partial(s, t, c0, out);
     held = held_next;
     weighted = true;
   }
