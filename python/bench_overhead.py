@@ -15,20 +15,26 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Thread CPU µs per call of each `timed` row, in order (see `timed`).
+CPU_US = []
+
 
 def timed(fn, iters):
-    """(device us per call by CUDA events, host us per call) over `iters` calls after warmup."""
+    """(device us per call by CUDA events, host us per call) over `iters` calls after warmup.
+    Also keeps the calling thread's CPU time per call (`CPU_US`): a host time well above it
+    means the thread waited (descheduled, blocked), not that its work got slower."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     dist.barrier()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     start.record()
     for _ in range(iters):
         fn()
     end.record()
     host = (time.perf_counter() - t0) / iters * 1e6
+    CPU_US.append((time.thread_time() - c0) / iters * 1e6)
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / iters, host
 
@@ -168,27 +174,41 @@ def pin(rank, world):
     return mine
 
 
-def worker(rank, world, init, a):
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
-    if a.pin:
-        cpus = pin(rank, world)
-        print(f"rank {rank}: pinned to CPUs {cpus[0]}-{cpus[-1]} ({len(cpus)})" if cpus else
-              f"rank {rank}: GPU's local CPUs unknown, not pinned")
-    from gin_ep import Buffer
-    dev = torch.device("cuda", rank)
-    g = torch.Generator(device=dev).manual_seed(rank)
-    n, h, k, e = a.tokens, a.hidden, a.topk, a.experts
-    x = torch.randn(n, h, device=dev, generator=g).to(torch.bfloat16)
-    idx = torch.rand(n, e, device=dev, generator=g).topk(k, dim=1).indices.to(torch.int64)
-    w = torch.rand(n, k, device=dev, generator=g)
-    rows = []
-    buf = Buffer(dist.group.WORLD, num_nvl_bytes=0, max_tokens_per_rank=n,
-                 num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(a.ll_tokens, h, world, e),
-                 low_latency_mode=True)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+def _thread_ticks():
+    """{(tid, name): utime + stime clock ticks} of this process's threads."""
     out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                text = f.read()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        fields = text[text.rindex(")") + 2:].split()
+        out[(tid, name)] = int(fields[11]) + int(fields[12])
+    return out
+
+
+def _steal_ticks():
+    """(all, steal) CPU ticks of the machine (/proc/stat's first line)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return sum(v), v[7] if len(v) > 7 else 0
+
+
+def thread_report(before, after, wall_s, rank):
+    """One line per rank: its threads that used over 5% of a CPU between two snapshots."""
+    hz = os.sysconf("SC_CLK_TCK")
+    (t0, s0), (t1, s1) = before[1], after[1]
+    busy = sorted(((after[0][k] - v) / hz / wall_s * 100, k[1]) for k, v in before[0].items() if k in after[0])
+    busy = [f"{name} {pct:.0f}%" for pct, name in reversed(busy) if pct > 5]
+    steal = (s1 - s0) / max(1, t1 - t0) * 100
+    return f"rank {rank}: {wall_s:.1f} s, machine steal {steal:.1f}%, threads over 5% of a CPU: " + ", ".join(busy)
+
+
+def ht_rows(buf, x, idx, w, e, a, rows, out, rank):
+    """The HT rows: dispatch, cached dispatch, combine (and the synced ones)."""
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
 
     def disp():
         out["d"] = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
@@ -208,10 +228,40 @@ def worker(rank, world, init, a):
         if a.profile:
             # Where an isolated call's host time goes (the sync is in the profile too).
             profiled(lambda: (disp(), torch.cuda.synchronize()), a.iters, rank)
+
+
+def worker(rank, world, init, a):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    if a.pin:
+        cpus = pin(rank, world)
+        print(f"rank {rank}: pinned to CPUs {cpus[0]}-{cpus[-1]} ({len(cpus)})" if cpus else
+              f"rank {rank}: GPU's local CPUs unknown, not pinned")
+    if a.no_gc:
+        import gc
+        gc.disable()
+    from gin_ep import Buffer
+    dev = torch.device("cuda", rank)
+    g = torch.Generator(device=dev).manual_seed(rank)
+    n, h, k, e = a.tokens, a.hidden, a.topk, a.experts
+    x = torch.randn(n, h, device=dev, generator=g).to(torch.bfloat16)
+    idx = torch.rand(n, e, device=dev, generator=g).topk(k, dim=1).indices.to(torch.int64)
+    w = torch.rand(n, k, device=dev, generator=g)
+    rows = []
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=0, max_tokens_per_rank=n,
+                 num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(a.ll_tokens, h, world, e),
+                 low_latency_mode=True)
+    out = {}
+    if not a.ll_only:
+        ht_rows(buf, x, idx, w, e, a, rows, out, rank)
     ln = min(n, a.ll_tokens)
-    for fp8 in (False, True):
+    # The LL inputs sliced once: the slices are the caller's work, not gin-ep's.
+    xl, il, wl = x[:ln], idx[:ln], w[:ln]
+    snap0, wall0 = (_thread_ticks(), _steal_ticks()), time.perf_counter()
+    for fp8 in [False, True] * a.samples:
         def lld():
-            out["l"] = buf.low_latency_dispatch(x[:ln], idx[:ln], a.ll_tokens, e, use_fp8=fp8)
+            out["l"] = buf.low_latency_dispatch(xl, il, a.ll_tokens, e, use_fp8=fp8)
         y = torch.randn(e // world, world * a.ll_tokens, h, device=dev).to(torch.bfloat16)
         name = f"ll dispatch {'fp8' if fp8 else 'bf16'}"
         rows.append((name,) + timed(lld, a.iters))
@@ -223,30 +273,37 @@ def worker(rank, world, init, a):
         _, _, lh, _, _ = out["l"]
 
         def llc():
-            out["c"] = buf.low_latency_combine(y, idx[:ln], w[:ln], lh)
+            out["c"] = buf.low_latency_combine(y, il, wl, lh)
         rows.append(("ll combine",) + timed(llc, a.iters))
         if a.graphs:
             def both():
                 lld()
                 _, _, gh, _, _ = out["l"]
-                out["c"] = buf.low_latency_combine(y, idx[:ln], w[:ln], gh)
+                out["c"] = buf.low_latency_combine(y, il, wl, gh)
             rows.append((f"{name} + combine (graph)",) + graphed(both, a.iters))
         if a.compiled:
             def step():
-                _, _, ch, _, _ = buf.low_latency_dispatch(x[:ln], idx[:ln], a.ll_tokens, e, use_fp8=fp8)
-                return buf.low_latency_combine(y, idx[:ln], w[:ln], ch)[0]
+                _, _, ch, _, _ = buf.low_latency_dispatch(xl, il, a.ll_tokens, e, use_fp8=fp8)
+                return buf.low_latency_combine(y, il, wl, ch)[0]
             # torch.compile's CUDA graphs: warm-up, record, then replays (timed's warm-up calls).
             # Static addresses: CUDA-graph replays would otherwise copy every input into the
             # graph's own buffers first (y alone is 470 MB at the default shape), which a model
             # computing y inside the compiled graph would not do.
-            for t in (x, idx, w, y):
+            for t in (xl, il, wl, y):
                 torch._dynamo.mark_static_address(t)
             rows.append((f"{name} + combine (compiled)",) +
                         timed(torch.compile(step, mode="reduce-overhead", fullgraph=True), a.iters))
+    if a.threads:
+        line = thread_report(snap0, (_thread_ticks(), _steal_ticks()), time.perf_counter() - wall0, rank)
+        lines = [None] * world
+        dist.all_gather_object(lines, line)
+        if rank == 0:
+            print("\n".join(lines))
     # Every rank's host time: a collective call runs at the pace of the slowest process, so
     # rank 0's host time alone does not explain a device time above it.
-    hosts = [None] * world
+    hosts, cpus = [None] * world, [None] * world
     dist.all_gather_object(hosts, [hst for _, _, hst in rows])
+    dist.all_gather_object(cpus, CPU_US)
     if rank == 0:
         print(f"world {world}, HT {n} tokens, LL {ln} tokens, hidden {h}, top-{k} of {e} experts, "
               f"{a.iters} calls each")
@@ -255,6 +312,11 @@ def worker(rank, world, init, a):
             dev = "-" if d != d else f"{d:.1f}"  # NaN: a host-timed row (sync each)
             slow = max(hs[i] for hs in hosts)
             print(f"{name:<36}{dev:>16}{hst:>14.1f}{slow:>14.1f}")
+        # Per rank: host µs per call / the thread's CPU µs per call (timed rows).
+        print("per rank host / thread CPU us per call:")
+        timed_rows = [j for j, (_, d, hst) in enumerate(rows) if d == d and hst == hst]
+        for i, j in enumerate(timed_rows):
+            print(f"  {rows[j][0]:<34}" + "  ".join(f"r{r} {hosts[r][j]:.1f}/{cpus[r][i]:.1f}" for r in range(world)))
         sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
@@ -279,6 +341,11 @@ def main():
                         "the synced HT dispatch calls)")
     p.add_argument("--split", action="store_true",
                    help="rank 0 prints the host time of the LL dispatch calls spent in native calls vs the rest")
+    p.add_argument("--samples", type=int, default=1, help="LL rows: this many samples of each, in turn")
+    p.add_argument("--threads", action="store_true",
+                   help="each rank prints its threads' CPU use over the LL rows, and the machine's steal time")
+    p.add_argument("--no-gc", action="store_true", help="Python's garbage collector off in every rank")
+    p.add_argument("--ll-only", action="store_true", help="LL rows only (no HT dispatch and combine)")
     p.add_argument("--pin", action="store_true",
                    help="pin each rank to CPUs of its GPU's NUMA node (its own share of them)")
     a = p.parse_args()

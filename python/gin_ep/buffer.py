@@ -26,6 +26,9 @@ from . import _gpu, _native, _ops
 from ._convert import check, check_cpu, from_bytes, to_bytes
 from .utils import CompletedEvent, EventOverlap
 
+# Looked up once: the LL paths compare against them per call.
+_Tensor, _BF16, _I64 = torch.Tensor, torch.bfloat16, torch.int64
+
 #: dtype of `topk_idx` (DeepEP's `topk_idx_t`).
 topk_idx_t = torch.int64
 
@@ -860,14 +863,21 @@ class Buffer:
                          cumulative_local_expert_recv_stats, use_fp8, round_scale, async_finish,
                          return_recv_hook):
         g = self._gpu
-        _gpu.check_cuda("x", x, torch.bfloat16, dim=2)
-        _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
+        # An LL dispatch from Python is host-bound (bench/RESULTS.md, sessions 8-15): the
+        # common case is checked in one expression, anything else by the checks that name
+        # what is wrong.
+        dev = _gpu._get_device()
+        if not (type(x) is _Tensor and type(topk_idx) is _Tensor and x.dtype is _BF16 and x.is_cuda
+                and topk_idx.is_cuda and x.get_device() == dev and topk_idx.get_device() == dev
+                and x.dim() == 2 and topk_idx.dim() == 2):
+            _gpu.check_cuda("x", x, torch.bfloat16, dim=2)
+            _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
         if round_scale and not use_fp8:
             raise ValueError("round_scale=True needs use_fp8=True")
-        dtype = "bf16" if not use_fp8 else ("fp8-ue8m0" if round_scale else "fp8")
-        _check_rows(x, topk_idx)
         n, hidden = x.shape
-        k = topk_idx.shape[1]
+        n_idx, k = topk_idx.shape
+        if n_idx != n:
+            raise ValueError(f"topk_idx: {n_idx} rows, x has {n}")
         t = int(num_max_dispatch_tokens_per_rank)
         r = self.group_size
         local = num_experts // r
@@ -877,23 +887,23 @@ class Buffer:
             if stats.shape[0] != local or not stats.is_contiguous():
                 raise ValueError(f"cumulative_local_expert_recv_stats: shape {tuple(stats.shape)}, expected "
                                  f"a contiguous [{local}] int32 tensor")
+        dtype = "bf16" if not use_fp8 else ("fp8-ue8m0" if round_scale else "fp8")
         l_id = g.ll(hidden, k, num_experts, t, dtype, self.num_rdma_bytes, self.ll_combine_order)
         # Every argument is checked above: a rejected call leaves the buffer sets as they were.
         set_ = g.ll_next[l_id]
         g.ll_next[l_id] = 1 - set_
         seqs = g.ll_seq[l_id]
-        seqs[set_] += 1
-        st = _gpu.GpuLlState(l_id, set_, seqs[set_], k, n)
+        seq = seqs[set_] = seqs[set_] + 1
+        st = _gpu.GpuLlState(l_id, set_, seq, k, n)
         # The kernels read these tensors and write the outputs below directly (zero-copy).
         xc = x.contiguous()
-        idx = _gpu.as_i64(topk_idx)
+        idx = topk_idx.contiguous() if topk_idx.dtype is _I64 else topk_idx.to(torch.int64).contiguous()
         # FP8 scales in DeepEP's layout: column-major in the last two dimensions (the kernel
         # writes it so).
         data, scales, recv_count, layout_range = _gpu.ll_recv_outputs(local, r, t, hidden, use_fp8, x.device)
         # (address, bytes) of each tensor, the sizes from the shapes checked above (exact:
-        # every tensor here is contiguous or, the scales, allocated with these strides). An
-        # LL dispatch from Python is host-bound, and `_gpu.span` per tensor costs ≈ 0.3 µs
-        # more each.
+        # every tensor here is contiguous or, the scales, allocated with these strides);
+        # `_gpu.span` per tensor costs ≈ 0.3 µs more each.
         rows = local * r * t
         spans = ((data.data_ptr(), rows * hidden * (1 if use_fp8 else 2)),
                  (scales.data_ptr(), rows * (hidden // _native.FP8_BLOCK) * 4) if use_fp8 else None,
@@ -909,9 +919,9 @@ class Buffer:
         else:
             g.ep.ll_dispatch(l_id, set_, "dispatch", n, _gpu.stream(), x_span, idx_span, *spans)
             hook = None
-        recv_x = (data, scales) if use_fp8 else data
         handle = (st, layout_range, t, hidden, num_experts)
-        return recv_x, recv_count, handle, EventOverlap(_gpu.optional_event(async_finish)), hook
+        return (data, scales) if use_fp8 else data, recv_count, handle, \
+            EventOverlap(_gpu.CudaEvent() if async_finish else None), hook
 
     def _gpu_ll_combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
                         return_recv_hook, out):
