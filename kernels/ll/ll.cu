@@ -282,6 +282,7 @@ constexpr uint32_t kFlagStampEdges = 1048576u;
 constexpr uint32_t kFlagWinArgs = 2097152u;
 constexpr uint32_t kFlagSolo = 4194304u;
 constexpr uint32_t kFlagWeightsWarp = 8388608u;
+constexpr uint32_t kFlagEagerReduce = 16777216u;
 // Named barriers of the two teams of the fused dispatch with send warps (0 = the CTA's).
 constexpr int kBarSend = 1, kBarRecv = 2;
 
@@ -1583,6 +1584,60 @@ __device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* c
   }
 }
 
+// `eload` with R <= kReduceBatch: the rank-first reduce of token t loads every rank's
+// partial slot and (`solo`) this lane's weight before the token's topk_idx is known, so an
+// item waits one memory latency instead of two. A slot of a rank the token does not use is
+// loaded and never added (no peer writes it in this operation), so the sums are the ones
+// reduce_rank_first makes, in the same order.
+__device__ __forceinline__ void reduce_rank_first_eager(const LlArgs& a, const char* comb, int t, int c,
+                                                        float* acc) {
+  const int K = a.topk, H = a.hidden, R = a.comm.lsaSize, L = a.experts / R;
+  const int lane = threadIdx.x & 31;
+  const bool solo = solo_rows(a);
+  uint4 v[kReduceBatch];
+#pragma unroll
+  for (int r = 0; r < kReduceBatch; ++r) {
+    v[r] = make_uint4(0, 0, 0, 0);
+    if (r < R && c < H) v[r] = ld_v4(reinterpret_cast<const uint4*>(comb + ((size_t(t) * R + r) * H + c) * 2));
+  }
+  // `solo` needs K <= 32 (solo_rows), so lane k holds expert k's weight.
+  const float lane_w = solo && lane < K ? a.topk_weights[size_t(t) * K + lane] : 0.0f;
+  uint32_t ranks = 0;
+  int lane_rank = -1;
+  for (int k = lane; k < K; k += 32) {
+    const int64_t e = a.topk_idx[size_t(t) * K + k];
+    if (e >= 0 && e < a.experts) {
+      const int r = int(e / L);
+      ranks |= 1u << r;
+      if (k == lane) lane_rank = r;
+    }
+  }
+  ranks = __reduce_or_sync(0xffffffffu, ranks);
+#pragma unroll
+  for (int r = 0; r < kReduceBatch; ++r) {
+    if (r >= R || ((ranks >> r) & 1u) == 0u) continue;  // warp-uniform
+    uint4 x = v[r];
+    if (solo) {
+      const uint32_t ks = __ballot_sync(0xffffffffu, lane_rank == r);
+      if (__popc(ks) == 1) {
+        // The expert's row itself: its partial as the expert rank would have made it.
+        const float w = __shfl_sync(0xffffffffu, lane_w, __ffs(ks) - 1);
+        float p[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) p[i] = 0.0f;
+        fma_bf16x8(w, x, p);
+        x = pack_bf16x8(p);
+      }
+    }
+    const uint32_t wv[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      acc[2 * j] = __fadd_rn(acc[2 * j], bf16_bits_to_f32(wv[j] & 0xffffu));
+      acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], bf16_bits_to_f32(wv[j] >> 16));
+    }
+  }
+}
+
 __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
   const int N = a.num_tokens, K = a.topk, H = a.hidden, me = a.comm.lsaRank;
   stamp(a, kStCombRecv);
@@ -1594,9 +1649,11 @@ __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
   const size_t items = size_t(N) * units;
   const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
-  // Pipelined: rows and weights are loaded without waiting for topk_idx (a masked slot is
-  // loaded and then skipped, exactly as it is skipped below), so one memory latency per item.
-  const bool eager_loads = (a.flags & kFlagPipeline) != 0;
+  // Pipelined (`pipe`, `eload`): rows and weights are loaded without waiting for topk_idx
+  // (a masked slot is loaded and then skipped, exactly as it is skipped below), so one
+  // memory latency per item.
+  const bool eager_loads = (a.flags & (kFlagPipeline | kFlagEagerReduce)) != 0;
+  const bool eager_rank_first = (a.flags & kFlagEagerReduce) != 0 && a.comm.lsaSize <= kReduceBatch;
   const char* comb = win_ptr(a, a.set_offset + a.comb_offset, me);
   for (size_t item = warp; item < items; item += warps) {
     const int t = int(item / units);
@@ -1604,7 +1661,8 @@ __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
     float acc[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] = 0.0f;  // +0, as the oracle
-    if (rank_first) reduce_rank_first(a, comb, t, c, acc);
+    if (rank_first && eager_rank_first) reduce_rank_first_eager(a, comb, t, c, acc);
+    else if (rank_first) reduce_rank_first(a, comb, t, c, acc);
     for (int k0 = 0; k0 < K && !rank_first; k0 += kReduceBatch) {
       uint4 v[kReduceBatch];
       float w[kReduceBatch];

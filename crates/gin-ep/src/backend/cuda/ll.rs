@@ -70,7 +70,7 @@ struct Feature {
 
 /// In the order of a variant's name (one line per feature: a table, kept by rustfmt::skip).
 #[rustfmt::skip]
-const FEATURES: [Feature; 17] = [
+const FEATURES: [Feature; 18] = [
     Feature { name: "tok", flag: 1, cu: "kFlagTokenMajor", get: |v| v.token_major, set: |v| &mut v.token_major },
     Feature { name: "pipe", flag: 2, cu: "kFlagPipeline", get: |v| v.pipeline, set: |v| &mut v.pipeline },
     Feature { name: "rot", flag: 4, cu: "kFlagRotate", get: |v| v.rotate, set: |v| &mut v.rotate },
@@ -88,6 +88,7 @@ const FEATURES: [Feature; 17] = [
     Feature { name: "wargs", flag: 1 << 21, cu: "kFlagWinArgs", get: |v| v.win_args, set: |v| &mut v.win_args },
     Feature { name: "solo", flag: 1 << 22, cu: "kFlagSolo", get: |v| v.solo, set: |v| &mut v.solo },
     Feature { name: "wwarp", flag: 1 << 23, cu: "kFlagWeightsWarp", get: |v| v.weights_warp, set: |v| &mut v.weights_warp },
+    Feature { name: "eload", flag: 1 << 24, cu: "kFlagEagerReduce", get: |v| v.eager_reduce, set: |v| &mut v.eager_reduce },
 ];
 
 /// Flags bit that limits the stamps to each operation's first and last (kFlagStampEdges).
@@ -173,6 +174,10 @@ pub struct LlVariant {
     /// `wwarp` (the `rank-first` combine): warp 0 alone pushes this rank's weights to a peer
     /// and adds its signal, so the pushing CTAs' other warps are not held by that release.
     pub weights_warp: bool,
+    /// `eload`: the combine's reduce loads its rows without waiting for the token's
+    /// topk_idx (`topk`: as `pipe` does; `rank-first` with at most 8 ranks: every rank's
+    /// partial slot and the `solo` weight), so each item waits one memory latency, not two.
+    pub eager_reduce: bool,
     /// CTAs per kernel; `None`: the caller's grid (the bench's `--sms`, else every SM);
     /// `Some(0)`: every SM.
     pub grid: Option<u32>,
@@ -223,6 +228,7 @@ impl LlVariant {
         win_args: false,
         solo: false,
         weights_warp: false,
+        eager_reduce: false,
         grid: None,
     };
 
@@ -381,6 +387,10 @@ impl LlVariant {
             "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+wwarp@all",
             "wwarp@3",
             "fused+solo+wwarp@2",
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+eload@all",
+            "eload@3",
+            "solo+eload@2",
+            "fused+eload@all",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
