@@ -27,7 +27,7 @@ from ._convert import check, check_cpu, from_bytes, to_bytes
 from .utils import CompletedEvent, EventOverlap
 
 # Looked up once: the LL paths compare against them per call.
-_Tensor, _BF16, _I64 = torch.Tensor, torch.bfloat16, torch.int64
+_Tensor, _BF16 = torch.Tensor, torch.bfloat16
 
 #: dtype of `topk_idx` (DeepEP's `topk_idx_t`).
 topk_idx_t = torch.int64
@@ -877,7 +877,7 @@ class Buffer:
         n, hidden = x.shape
         n_idx, k = topk_idx.shape
         if n_idx != n:
-            raise ValueError(f"topk_idx: {n_idx} rows, x has {n}")
+            _check_rows(x, topk_idx)  # raises
         t = int(num_max_dispatch_tokens_per_rank)
         r = self.group_size
         local = num_experts // r
@@ -897,7 +897,7 @@ class Buffer:
         st = _gpu.GpuLlState(l_id, set_, seq, k, n)
         # The kernels read these tensors and write the outputs below directly (zero-copy).
         xc = x.contiguous()
-        idx = topk_idx.contiguous() if topk_idx.dtype is _I64 else topk_idx.to(torch.int64).contiguous()
+        idx = _gpu.as_i64(topk_idx)
         # FP8 scales in DeepEP's layout: column-major in the last two dimensions (the kernel
         # writes it so).
         data, scales, recv_count, layout_range = _gpu.ll_recv_outputs(local, r, t, hidden, use_fp8, x.device)
