@@ -391,6 +391,26 @@ __device__ __forceinline__ uint4 pack_bf16x8(const float* x) {
                     f32x2_to_bf16x2(x[6], x[7]));
 }
 
+// acc[i] += channel i of the 8 BF16 values in v (f32 adds, round to nearest), i = 0..8.
+__device__ __forceinline__ void add_bf16x8(const uint4& v, float* acc) {
+  const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    acc[2 * j] = __fadd_rn(acc[2 * j], bf16_bits_to_f32(wv[j] & 0xffffu));
+    acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], bf16_bits_to_f32(wv[j] >> 16));
+  }
+}
+
+// `solo`: the partial of a rank that holds only one of the token's experts, as that rank
+// would have made it from the expert's row y and weight w: bf16(fma(w, y, +0)).
+__device__ __forceinline__ uint4 solo_partial(float w, const uint4& y) {
+  float p[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) p[i] = 0.0f;
+  fma_bf16x8(w, y, p);
+  return pack_bf16x8(p);
+}
+
 // The same arithmetic as LlLayout::meta_in_record in ll.rs (the record size, LlArgs::rec_bytes,
 // comes from the host: a multiple of RECORD_ALIGN = 128 there).
 __device__ __forceinline__ size_t align16(size_t n) { return (n + 15) & ~size_t(15); }
@@ -1522,14 +1542,13 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
 constexpr int kReduceUnit = 256;  // one vector of 8 bf16 per lane
 constexpr int kReduceBatch = 8;   // rows loaded before the fma chain consumes them
 
-// Rank-first reduce of token t, channels c..c+8 of this lane: the partials of the ranks
-// holding the token's experts (from topk_idx), rank ascending, f32 adds from +0.
-__device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* comb, int t, int c, float* acc) {
-  const int K = a.topk, H = a.hidden, R = a.comm.lsaSize, L = a.experts / R;
+// Bit r: rank r holds one of token t's experts (every lane gets the whole mask);
+// `lane_rank` (for `solo`, K <= 32): the rank of this lane's expert k = lane, or -1.
+__device__ __forceinline__ uint64_t token_ranks(const LlArgs& a, int t, int& lane_rank) {
+  const int K = a.topk, L = a.experts / a.comm.lsaSize;
   const int lane = threadIdx.x & 31;
-  // Bit r: rank r holds one of the token's experts (every lane gets the whole mask).
   uint32_t lo = 0, hi = 0;
-  int lane_rank = -1;  // `solo` (K <= 32): the rank of this lane's expert k = lane
+  lane_rank = -1;
   for (int k = lane; k < K; k += 32) {
     const int64_t e = a.topk_idx[size_t(t) * K + k];
     if (e >= 0 && e < a.experts) {
@@ -1538,8 +1557,16 @@ __device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* c
       if (k == lane) lane_rank = r;
     }
   }
+  return uint64_t(__reduce_or_sync(0xffffffffu, lo)) | (uint64_t(__reduce_or_sync(0xffffffffu, hi)) << 32);
+}
+
+// Rank-first reduce of token t, channels c..c+8 of this lane: the partials of the ranks
+// holding the token's experts (from topk_idx), rank ascending, f32 adds from +0.
+__device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* comb, int t, int c, float* acc) {
+  const int K = a.topk, H = a.hidden, R = a.comm.lsaSize;
+  int lane_rank;
+  uint64_t mask = token_ranks(a, t, lane_rank);
   const bool solo = solo_rows(a);
-  uint64_t mask = uint64_t(__reduce_or_sync(0xffffffffu, lo)) | (uint64_t(__reduce_or_sync(0xffffffffu, hi)) << 32);
   while (mask != 0) {
     uint4 v[kReduceBatch];
     bool single[kReduceBatch];   // `solo`: rank b holds only one of the token's experts
@@ -1566,20 +1593,7 @@ __device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* c
 #pragma unroll
     for (int b = 0; b < kReduceBatch; ++b) {
       if (b >= nb) break;
-      if (single[b]) {
-        // The expert's row itself: its partial as the expert rank would have made it.
-        float p[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) p[i] = 0.0f;
-        fma_bf16x8(solo_w[b], v[b], p);
-        v[b] = pack_bf16x8(p);
-      }
-      const uint32_t wv[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        acc[2 * j] = __fadd_rn(acc[2 * j], bf16_bits_to_f32(wv[j] & 0xffffu));
-        acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], bf16_bits_to_f32(wv[j] >> 16));
-      }
+      add_bf16x8(single[b] ? solo_partial(solo_w[b], v[b]) : v[b], acc);
     }
   }
 }
@@ -1591,7 +1605,7 @@ __device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* c
 // reduce_rank_first makes, in the same order.
 __device__ __forceinline__ void reduce_rank_first_eager(const LlArgs& a, const char* comb, int t, int c,
                                                         float* acc) {
-  const int K = a.topk, H = a.hidden, R = a.comm.lsaSize, L = a.experts / R;
+  const int K = a.topk, H = a.hidden, R = a.comm.lsaSize;
   const int lane = threadIdx.x & 31;
   const bool solo = solo_rows(a);
   uint4 v[kReduceBatch];
@@ -1602,39 +1616,18 @@ __device__ __forceinline__ void reduce_rank_first_eager(const LlArgs& a, const c
   }
   // `solo` needs K <= 32 (solo_rows), so lane k holds expert k's weight.
   const float lane_w = solo && lane < K ? a.topk_weights[size_t(t) * K + lane] : 0.0f;
-  uint32_t ranks = 0;
-  int lane_rank = -1;
-  for (int k = lane; k < K; k += 32) {
-    const int64_t e = a.topk_idx[size_t(t) * K + k];
-    if (e >= 0 && e < a.experts) {
-      const int r = int(e / L);
-      ranks |= 1u << r;
-      if (k == lane) lane_rank = r;
-    }
-  }
-  ranks = __reduce_or_sync(0xffffffffu, ranks);
+  int lane_rank;
+  const uint64_t ranks = token_ranks(a, t, lane_rank);
 #pragma unroll
   for (int r = 0; r < kReduceBatch; ++r) {
     if (r >= R || ((ranks >> r) & 1u) == 0u) continue;  // warp-uniform
     uint4 x = v[r];
     if (solo) {
       const uint32_t ks = __ballot_sync(0xffffffffu, lane_rank == r);
-      if (__popc(ks) == 1) {
-        // The expert's row itself: its partial as the expert rank would have made it.
-        const float w = __shfl_sync(0xffffffffu, lane_w, __ffs(ks) - 1);
-        float p[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) p[i] = 0.0f;
-        fma_bf16x8(w, x, p);
-        x = pack_bf16x8(p);
-      }
+      // The expert's row itself: its weight is in the lane of its k.
+      if (__popc(ks) == 1) x = solo_partial(__shfl_sync(0xffffffffu, lane_w, __ffs(ks) - 1), x);
     }
-    const uint32_t wv[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      acc[2 * j] = __fadd_rn(acc[2 * j], bf16_bits_to_f32(wv[j] & 0xffffu));
-      acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], bf16_bits_to_f32(wv[j] >> 16));
-    }
+    add_bf16x8(x, acc);
   }
 }
 
