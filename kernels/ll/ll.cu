@@ -192,8 +192,14 @@ constexpr int kStDispStored = 20, kStDispFenced = 21, kStDispLoop = 22, kStDispE
 // `pdl` wait, the window base), so the gap before an operation splits into the launch
 // (previous end to entry) and the entry itself (entry to start).
 constexpr int kStCombEntry = 19, kStDispEntry = 24;
-constexpr int kStampSlots = 25;
-static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kStCombEntry < kStDispStored, "stamps");
+// Combine reduce, the latest warp of the CTA (atomicMax): its first item stored (one round's
+// latency after the signals were seen), its last item stored (before the CTA barrier that
+// ends the phase).
+constexpr int kStCombFirstItem = 25, kStCombLastItem = 26;
+constexpr int kStampSlots = 27;
+static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kStCombEntry < kStDispStored &&
+                  kStCombLastItem < kStampSlots,
+              "stamps");
 
 // Variants (LlArgs::flags; host: LlVariant in ll.rs). Each changes only how work is spread
 // and when loads are issued, never an arithmetic order: every variant is bit-exact.
@@ -262,6 +268,16 @@ static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kSt
 // - kFlagWeightsWarp (variant `wwarp`, rank-first combine): the CTAs that push this rank's
 //   weights to a peer do it with warp 0 only (a warp barrier, then its release add), not with
 //   every thread and a CTA barrier, so their other warps are not held by the release.
+// - kFlagWideReduce (variant `rwide`): a combine reduce item covers 512 channels of a token
+//   (two vectors of 8 per lane, 256 apart) instead of 256, so at 128 tokens and hidden 7168
+//   the 1792 items take one round over the grid's warps instead of two, with twice the
+//   loads in flight per item. Same adds, same order per channel.
+// - kFlagWarmReduce (variant `rwarm`): before the combine's receive waits for the expert
+//   ranks' signals, every warp prefetches into L2 (prefetch.global.L2: no value, so nothing
+//   stale can be read) the lines of its first two reduce items: the rows it will add, its
+//   output, the token's topk_idx and weights. The lines' page translations and the inputs
+//   are then in place when the rows have landed; the first item took ≈ 4 µs after the
+//   signals (run 16a), against ≈ 2.6 µs for a second one.
 // (The fused one-kernel-per-operation variant is a host choice: other entry points.)
 // (One per line: the host's tests read each value here, ll.rs FEATURES.)
 constexpr uint32_t kFlagTokenMajor = 1u;
@@ -283,6 +299,8 @@ constexpr uint32_t kFlagWinArgs = 2097152u;
 constexpr uint32_t kFlagSolo = 4194304u;
 constexpr uint32_t kFlagWeightsWarp = 8388608u;
 constexpr uint32_t kFlagEagerReduce = 16777216u;
+constexpr uint32_t kFlagWideReduce = 33554432u;
+constexpr uint32_t kFlagWarmReduce = 67108864u;
 // Named barriers of the two teams of the fused dispatch with send warps (0 = the CTA's).
 constexpr int kBarSend = 1, kBarRecv = 2;
 
@@ -1560,28 +1578,38 @@ __device__ __forceinline__ uint64_t token_ranks(const LlArgs& a, int t, int& lan
   return uint64_t(__reduce_or_sync(0xffffffffu, lo)) | (uint64_t(__reduce_or_sync(0xffffffffu, hi)) << 32);
 }
 
-// Rank-first reduce of token t, channels c..c+8 of this lane: the partials of the ranks
-// holding the token's experts (from topk_idx), rank ascending, f32 adds from +0.
-__device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* comb, int t, int c, float* acc) {
+// Rank-first reduce of token t, this lane's V vectors of 8 channels (c + 256 j, j < V): the
+// partials of the ranks holding the token's experts (from topk_idx), rank ascending, f32
+// adds from +0.
+template <int V>
+__device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* comb, int t, int c,
+                                                  float (&acc)[V][8]) {
+  constexpr int B = kReduceBatch / V;  // rows per batch: the same loads in flight for any V
   const int K = a.topk, H = a.hidden, R = a.comm.lsaSize;
   int lane_rank;
   uint64_t mask = token_ranks(a, t, lane_rank);
   const bool solo = solo_rows(a);
   while (mask != 0) {
-    uint4 v[kReduceBatch];
-    bool single[kReduceBatch];   // `solo`: rank b holds only one of the token's experts
-    float solo_w[kReduceBatch];  // and this is its weight
+    uint4 v[B][V];
+    bool single[B];   // `solo`: rank b holds only one of the token's experts
+    float solo_w[B];  // and this is its weight
     int nb = 0;
-    // Loads of up to kReduceBatch ranks first, then the adds in the same (ascending) order.
+    // Loads of up to B ranks first, then the adds in the same (ascending) order.
 #pragma unroll
-    for (int b = 0; b < kReduceBatch; ++b) {
-      v[b] = make_uint4(0, 0, 0, 0);
+    for (int b = 0; b < B; ++b) {
       single[b] = false;
       solo_w[b] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[b][j] = make_uint4(0, 0, 0, 0);
       if (mask != 0) {
         const int r = __ffsll(static_cast<long long>(mask)) - 1;
         mask &= mask - 1;
-        if (c < H) v[b] = ld_v4(reinterpret_cast<const uint4*>(comb + ((size_t(t) * R + r) * H + c) * 2));
+        const char* row = comb + (size_t(t) * R + r) * H * 2;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const int cj = c + j * kReduceUnit;
+          if (cj < H) v[b][j] = ld_v4(reinterpret_cast<const uint4*>(row + size_t(cj) * 2));
+        }
         if (solo) {
           const uint32_t ks = __ballot_sync(0xffffffffu, lane_rank == r);
           single[b] = __popc(ks) == 1;
@@ -1591,54 +1619,102 @@ __device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* c
       }
     }
 #pragma unroll
-    for (int b = 0; b < kReduceBatch; ++b) {
+    for (int b = 0; b < B; ++b) {
       if (b >= nb) break;
-      add_bf16x8(single[b] ? solo_partial(solo_w[b], v[b]) : v[b], acc);
+#pragma unroll
+      for (int j = 0; j < V; ++j) add_bf16x8(single[b] ? solo_partial(solo_w[b], v[b][j]) : v[b][j], acc[j]);
     }
   }
 }
 
-// `eload` with R <= kReduceBatch: the rank-first reduce of token t loads every rank's
-// partial slot and (`solo`) this lane's weight before the token's topk_idx is known, so an
+// `eload` with R <= B (8, or 4 with `rwide`): the rank-first reduce of token t loads every
+// rank's partial slot and (`solo`) this lane's weight before the token's topk_idx is known, so an
 // item waits one memory latency instead of two. A slot of a rank the token does not use is
 // loaded and never added (no peer writes it in this operation), so the sums are the ones
 // reduce_rank_first makes, in the same order.
+template <int V>
 __device__ __forceinline__ void reduce_rank_first_eager(const LlArgs& a, const char* comb, int t, int c,
-                                                        float* acc) {
+                                                        float (&acc)[V][8]) {
+  constexpr int B = kReduceBatch / V;  // rows per batch: the same loads in flight for any V
   const int K = a.topk, H = a.hidden, R = a.comm.lsaSize;
   const int lane = threadIdx.x & 31;
   const bool solo = solo_rows(a);
-  uint4 v[kReduceBatch];
+  uint4 v[B][V];
 #pragma unroll
-  for (int r = 0; r < kReduceBatch; ++r) {
-    v[r] = make_uint4(0, 0, 0, 0);
-    if (r < R && c < H) v[r] = ld_v4(reinterpret_cast<const uint4*>(comb + ((size_t(t) * R + r) * H + c) * 2));
+  for (int r = 0; r < B; ++r) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int cj = c + j * kReduceUnit;
+      v[r][j] = make_uint4(0, 0, 0, 0);
+      if (r < R && cj < H) v[r][j] = ld_v4(reinterpret_cast<const uint4*>(comb + ((size_t(t) * R + r) * H + cj) * 2));
+    }
   }
   // `solo` needs K <= 32 (solo_rows), so lane k holds expert k's weight.
   const float lane_w = solo && lane < K ? a.topk_weights[size_t(t) * K + lane] : 0.0f;
   int lane_rank;
   const uint64_t ranks = token_ranks(a, t, lane_rank);
 #pragma unroll
-  for (int r = 0; r < kReduceBatch; ++r) {
+  for (int r = 0; r < B; ++r) {
     if (r >= R || ((ranks >> r) & 1u) == 0u) continue;  // warp-uniform
-    uint4 x = v[r];
+    bool single = false;
+    float w = 0.0f;
     if (solo) {
       const uint32_t ks = __ballot_sync(0xffffffffu, lane_rank == r);
       // The expert's row itself: its weight is in the lane of its k.
-      if (__popc(ks) == 1) x = solo_partial(__shfl_sync(0xffffffffu, lane_w, __ffs(ks) - 1), x);
+      single = __popc(ks) == 1;
+      if (single) w = __shfl_sync(0xffffffffu, lane_w, __ffs(ks) - 1);
     }
-    add_bf16x8(x, acc);
+#pragma unroll
+    for (int j = 0; j < V; ++j) add_bf16x8(single ? solo_partial(w, v[r][j]) : v[r][j], acc[j]);
   }
 }
 
-__device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
-  const int N = a.num_tokens, K = a.topk, H = a.hidden, me = a.comm.lsaRank;
-  stamp(a, kStCombRecv);
-  if (!wait_all_peers(a, kCombSig, uint64_t(n) * gridDim.x, kPhaseCombineRecv)) return false;
-  stamp(a, kStCombSeen);
+// Top-k reduce of token t, this lane's V vectors (c + 256 j): fma(w[k], y[k], acc) for k
+// ascending from +0, masked entries skipped.
+template <int V>
+__device__ __forceinline__ void reduce_topk(const LlArgs& a, const char* comb, int t, int c, bool eager_loads,
+                                            float (&acc)[V][8]) {
+  constexpr int B = kReduceBatch / V;  // rows per batch: the same loads in flight for any V
+  const int K = a.topk, H = a.hidden;
+  for (int k0 = 0; k0 < K; k0 += B) {
+    uint4 v[B][V];
+    float w[B];
+    bool use[B];
+    // All loads of the batch first, so their latencies overlap.
+#pragma unroll
+    for (int i = 0; i < B; ++i) {
+      const int k = k0 + i;
+      const bool in = k < K && c < H;
+      use[i] = in && a.topk_idx[size_t(t) * K + k] >= 0;
+      const bool load = eager_loads ? in : use[i];
+      w[i] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const int cj = c + j * kReduceUnit;
+        v[i][j] = make_uint4(0, 0, 0, 0);
+        if (load && cj < H) v[i][j] = ld_v4(reinterpret_cast<const uint4*>(comb + ((size_t(t) * K + k) * H + cj) * 2));
+      }
+      if (load) w[i] = a.topk_weights[size_t(t) * K + k];
+    }
+    // Then the fma chain in ascending k, masked entries skipped (not added as 0 * y: a
+    // NaN or -0 row must not change the result).
+#pragma unroll
+    for (int i = 0; i < B; ++i) {
+      if (!use[i]) continue;
+#pragma unroll
+      for (int j = 0; j < V; ++j) fma_bf16x8(w[i], v[i][j], acc[j]);
+    }
+  }
+}
+
+// The reduce loop of one warp: items (token, V * 256 channels), strided over the grid.
+template <int V>
+__device__ void reduce_items(const LlArgs& a, const char* comb) {
+  const int N = a.num_tokens, H = a.hidden;
   const bool rank_first = a.comb_order == kCombOrderRankFirst;
   const int lane = threadIdx.x & 31;
-  const int units = (H + kReduceUnit - 1) / kReduceUnit;
+  constexpr int kItemChannels = V * kReduceUnit;
+  const int units = (H + kItemChannels - 1) / kItemChannels;
   const size_t items = size_t(N) * units;
   const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
@@ -1646,43 +1722,79 @@ __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
   // (a masked slot is loaded and then skipped, exactly as it is skipped below), so one
   // memory latency per item.
   const bool eager_loads = (a.flags & (kFlagPipeline | kFlagEagerReduce)) != 0;
-  const bool eager_rank_first = (a.flags & kFlagEagerReduce) != 0 && a.comm.lsaSize <= kReduceBatch;
-  const char* comb = win_ptr(a, a.set_offset + a.comb_offset, me);
+  const bool eager_rank_first = (a.flags & kFlagEagerReduce) != 0 && a.comm.lsaSize <= kReduceBatch / V;
   for (size_t item = warp; item < items; item += warps) {
     const int t = int(item / units);
-    const int c = int(item % units) * kReduceUnit + lane * 8;
-    float acc[8];
+    const int c = int(item % units) * kItemChannels + lane * 8;
+    float acc[V][8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;  // +0, as the oracle
-    if (rank_first && eager_rank_first) reduce_rank_first_eager(a, comb, t, c, acc);
-    else if (rank_first) reduce_rank_first(a, comb, t, c, acc);
-    for (int k0 = 0; k0 < K && !rank_first; k0 += kReduceBatch) {
-      uint4 v[kReduceBatch];
-      float w[kReduceBatch];
-      bool use[kReduceBatch];
-      // All loads of the batch first, so their latencies overlap.
+    for (int j = 0; j < V; ++j) {
 #pragma unroll
-      for (int i = 0; i < kReduceBatch; ++i) {
-        const int k = k0 + i;
-        const bool in = k < K && c < H;
-        use[i] = in && a.topk_idx[size_t(t) * K + k] >= 0;
-        const bool load = eager_loads ? in : use[i];
-        w[i] = 0.0f;
-        v[i] = make_uint4(0, 0, 0, 0);
-        if (load) {
-          w[i] = a.topk_weights[size_t(t) * K + k];
-          v[i] = ld_v4(reinterpret_cast<const uint4*>(comb + ((size_t(t) * K + k) * H + c) * 2));
-        }
-      }
-      // Then the fma chain in ascending k, masked entries skipped (not added as 0 * y: a
-      // NaN or -0 row must not change the result).
+      for (int i = 0; i < 8; ++i) acc[j][i] = 0.0f;  // +0, as the oracle
+    }
+    if (rank_first && eager_rank_first) reduce_rank_first_eager<V>(a, comb, t, c, acc);
+    else if (rank_first) reduce_rank_first<V>(a, comb, t, c, acc);
+    else reduce_topk<V>(a, comb, t, c, eager_loads, acc);
 #pragma unroll
-      for (int i = 0; i < kReduceBatch; ++i) {
-        if (use[i]) fma_bf16x8(w[i], v[i], acc);
+    for (int j = 0; j < V; ++j) {
+      const int cj = c + j * kReduceUnit;
+      if (cj < H) st_v4(reinterpret_cast<uint4*>(a.combined + size_t(t) * H + cj), pack_bf16x8(acc[j]));
+    }
+    if (a.stamps != nullptr) {
+      __syncwarp();
+      if (lane == 0) {
+        if (item == warp) stamp_max(a, kStCombFirstItem);
+        stamp_max(a, kStCombLastItem);
       }
     }
-    if (c < H) st_v4(reinterpret_cast<uint4*>(a.combined + size_t(t) * H + c), pack_bf16x8(acc));
   }
+}
+
+// Brings the line holding p into L2 (and its page's translation into this SM's TLB); reads
+// no value.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// `rwarm`: the lines this warp's first two reduce items (reduce_items<V>) will touch.
+template <int V>
+__device__ void warm_reduce(const LlArgs& a, const char* comb) {
+  const int N = a.num_tokens, K = a.topk, H = a.hidden;
+  const int rows = a.comb_order == kCombOrderRankFirst ? a.comm.lsaSize : K;  // slots per token
+  const int lane = threadIdx.x & 31;
+  constexpr int kItemChannels = V * kReduceUnit;
+  const int units = (H + kItemChannels - 1) / kItemChannels;
+  const size_t items = size_t(N) * units;
+  const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
+  for (size_t item = warp; item < items && item < warp + 2 * warps; item += warps) {
+    const int t = int(item / units);
+    const int c = int(item % units) * kItemChannels + lane * 8;
+    if (lane < K) {
+      prefetch_l2(a.topk_idx + size_t(t) * K + lane);
+      if (a.topk_weights != nullptr) prefetch_l2(a.topk_weights + size_t(t) * K + lane);
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int cj = c + j * kReduceUnit;
+      if (cj >= H) continue;
+      for (int r = 0; r < rows; ++r) prefetch_l2(comb + ((size_t(t) * rows + r) * H + cj) * 2);
+      prefetch_l2(a.combined + size_t(t) * H + cj);
+    }
+  }
+}
+
+__device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
+  const int me = a.comm.lsaRank;
+  stamp(a, kStCombRecv);
+  const bool wide = (a.flags & kFlagWideReduce) != 0u;
+  const char* comb = win_ptr(a, a.set_offset + a.comb_offset, me);
+  if ((a.flags & kFlagWarmReduce) != 0u) {
+    if (wide) warm_reduce<2>(a, comb);
+    else warm_reduce<1>(a, comb);
+  }
+  if (!wait_all_peers(a, kCombSig, uint64_t(n) * gridDim.x, kPhaseCombineRecv)) return false;
+  stamp(a, kStCombSeen);
+  if (wide) reduce_items<2>(a, comb);
+  else reduce_items<1>(a, comb);
   // No credit here: the next kernel on the set pushes it (push_credits).
   __syncthreads();
   stamp(a, kStCombReduced);

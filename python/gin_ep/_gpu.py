@@ -96,16 +96,16 @@ def poison(t: torch.Tensor) -> None:
 
 
 def ll_recv_outputs(local, ranks, max_tokens, hidden, fp8, device):
-    """The tensors one LL dispatch writes, `(data, scales, recv_count, layout_range)`: data
-    `[L, R*T, H]` (e4m3, or BF16 with scales None); f32 scales `[L, R*T, H/128]`, column-major
-    in the last two dimensions (DeepEP's layout, the kernel writes it so); recv_count `[L]`
-    int32; layout_range `[L, R]` int64. The same layout as the host backend's outputs, so
-    `gin_ep::ll_dispatch`'s fake implementation (_ops.py) describes both with it.
+    """The tensors one LL dispatch returns, `(data, scales, recv_count)`: data `[L, R*T, H]`
+    (e4m3, or BF16 with scales None); f32 scales `[L, R*T, H/128]`, column-major in the last
+    two dimensions (DeepEP's layout, the kernel writes it so); recv_count `[L]` int32. The
+    same layout as the host backend's outputs, so `gin_ep::ll_dispatch`'s fake
+    implementation (_ops.py) describes both with it (with layout_range, `[L, R]` int64).
 
     Host time, the reason for its form: each tensor is allocated with its final dtype and
     strides (e4m3 data, no `view`; scales by `empty_strided`, no `transpose`) and its sizes
     as separate ints (`empty`). H200 host, torch 2.11, us per call holding the previous
-    call's outputs: FP8 8.3 (15.0 before), BF16 6.0 (8.9). One allocation carved into views
+    call's outputs (with layout_range, allocated here until session 16): FP8 8.3 (15.0 before), BF16 6.0 (8.9). One allocation carved into views
     was measured too and costs more (FP8 10.7-12.0, BF16 8.4-9.5): a view costs 0.8-1.5 us,
     about what an allocation costs once its sizes are not parsed from a tuple."""
     rows = ranks * max_tokens
@@ -116,8 +116,7 @@ def ll_recv_outputs(local, ranks, max_tokens, hidden, fp8, device):
         scales = torch.empty_strided((local, rows, sb), (rows * sb, 1, rows), dtype=torch.float32, device=device)
     else:
         data, scales = torch.empty(local, rows, hidden, dtype=torch.bfloat16, device=device), None
-    outs = (data, scales, torch.empty(local, dtype=torch.int32, device=device),
-            torch.empty(local, ranks, dtype=torch.int64, device=device))
+    outs = (data, scales, torch.empty(local, dtype=torch.int32, device=device))
     if _POISON:
         for t in outs:
             if t is not None:
@@ -248,6 +247,7 @@ class Gpu:
         self.lls = {}
         self.ll_next = {}
         self.ll_seq = {}
+        self.ll_ranges = {}
 
     # -------------------------------------------------------------- layout
 
@@ -366,7 +366,19 @@ class Gpu:
             self.lls[key] = l
             self.ll_next[l] = 0
             self.ll_seq[l] = [0, 0]
+            self.ll_ranges[l] = [None, None]
         return l
+
+    def ll_layout_range(self, l, set_, local, device) -> torch.Tensor:
+        """The `[L, R]` int64 layout_range of LL object `l`'s buffer set `set_`, which every
+        dispatch on the set rewrites (poisoned first under GIN_EP_POISON_OUTPUTS=1)."""
+        ranges = self.ll_ranges[l]
+        t = ranges[set_]
+        if t is None:
+            t = ranges[set_] = torch.empty(local, self.group_size, dtype=torch.int64, device=device)
+        if _POISON:
+            poison(t)
+        return t
 
 
 

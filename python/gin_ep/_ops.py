@@ -146,9 +146,15 @@ def ll_dispatch(buffer: int, x: torch.Tensor, topk_idx: torch.Tensor, stats: Opt
                 num_max_dispatch_tokens_per_rank: int, num_experts: int, use_fp8: bool, round_scale: bool,
                 hook: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     buf = _buffer(buffer)
-    recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(
-        x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats=stats,
-        use_fp8=use_fp8, round_scale=round_scale, return_recv_hook=hook)
+    if buf._gpu is not None:
+        # A fresh layout_range: an op's outputs must not alias state kept across calls.
+        recv_x, recv_count, handle, _, _ = buf._gpu_ll_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, stats, use_fp8, round_scale, False, hook,
+            fresh_layout_range=True)
+    else:
+        recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats=stats,
+            use_fp8=use_fp8, round_scale=round_scale, return_recv_hook=hook)
     data, scales = recv_x if use_fp8 else (recv_x, torch.empty(0, dtype=torch.float32, device=x.device))
     token = torch.empty(1, dtype=torch.uint8, device=x.device)
     # Slot 1 (layout_range) is the op's output, not part of the state the others need.
@@ -160,8 +166,9 @@ def ll_dispatch(buffer: int, x: torch.Tensor, topk_idx: torch.Tensor, stats: Opt
 def _(buffer, x, topk_idx, stats, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, hook):
     r = _buffer(buffer).group_size
     # The outputs' layout (dtypes, column-major FP8 scales) is the one both backends return.
-    data, scales, recv_count, layout_range = _gpu.ll_recv_outputs(
+    data, scales, recv_count = _gpu.ll_recv_outputs(
         num_experts // r, r, num_max_dispatch_tokens_per_rank, x.shape[1], use_fp8, x.device)
+    layout_range = x.new_empty((num_experts // r, r), dtype=torch.int64)
     if scales is None:
         scales = x.new_empty((0,), dtype=torch.float32)
     return data, scales, recv_count, layout_range, x.new_empty((1,), dtype=torch.uint8)

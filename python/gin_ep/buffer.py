@@ -861,7 +861,7 @@ class Buffer:
 
     def _gpu_ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                          cumulative_local_expert_recv_stats, use_fp8, round_scale, async_finish,
-                         return_recv_hook):
+                         return_recv_hook, fresh_layout_range=False):
         g = self._gpu
         # An LL dispatch from Python is host-bound (bench/RESULTS.md, sessions 8-15): the
         # common case is checked in one expression, anything else by the checks that name
@@ -900,7 +900,13 @@ class Buffer:
         idx = _gpu.as_i64(topk_idx)
         # FP8 scales in DeepEP's layout: column-major in the last two dimensions (the kernel
         # writes it so).
-        data, scales, recv_count, layout_range = _gpu.ll_recv_outputs(local, r, t, hidden, use_fp8, x.device)
+        data, scales, recv_count = _gpu.ll_recv_outputs(local, r, t, hidden, use_fp8, x.device)
+        # The handle's layout_range lives with the buffer set (one allocation fewer per call,
+        # ≈ 2 µs of host time): it is rewritten by the set's next dispatch, when the handle
+        # goes stale anyway (see _gpu_ll_combine). The torch op returns it as an output, so it
+        # takes a fresh one.
+        layout_range = _gpu.empty((local, r), torch.int64, x.device) if fresh_layout_range else \
+            g.ll_layout_range(l_id, set_, local, x.device)
         # (address, bytes) of each tensor, the sizes from the shapes checked above (exact:
         # every tensor here is contiguous or, the scales, allocated with these strides);
         # `_gpu.span` per tensor costs ≈ 0.3 µs more each.

@@ -204,6 +204,7 @@ def ll_worker(rank, world):
             ("fp8", True, False, True, "rank-first"), ("bf16", False, False, False, "topk"),
             ("bf16", False, False, False, "topk"), ("bf16", False, False, False, "rank-first")]
     want_stats = 0
+    prev = None
     for i, (dtype, use_fp8, round_scale, hook_path, order) in enumerate(runs):
         inputs = routing(world, tokens, HIDDEN, TOPK, experts, seed=77 + world + 1000 * i)
         x, idx, w = inputs[rank]
@@ -217,6 +218,10 @@ def ll_worker(rank, world):
         if hook_path:
             hook()
         check_ll_recv(dtype, ref[rank], recv_x, recv_count, handle[1], local, world, T, HIDDEN, use_fp8)
+        # The previous handle's layout_range (the other buffer set's) is still its own.
+        if prev is not None:
+            same_bits("previous handle's layout_range", prev[0].cpu(), prev[1])
+        prev = (handle[1], handle[1].cpu().clone())
         cref = _native.oracle_ll_combine(cfg, [ref[r][3] for r in range(world)],
                                          [to_bytes(y_of(r)) for r in range(world)],
                                          [to_bytes(i[1]) for i in inputs], [to_bytes(i[2]) for i in inputs])

@@ -40,7 +40,8 @@ def test_empty_poisoned(device, monkeypatch):
 def test_ll_recv_outputs(fp8, device):
     ranks, local, t, hidden = 4, 3, 16, 256
     rows, sb = ranks * t, hidden // 128
-    data, scales, count, ranges = _gpu.ll_recv_outputs(local, ranks, t, hidden, fp8, device)
+    data, scales, count = _gpu.ll_recv_outputs(local, ranks, t, hidden, fp8, device)
+    ranges = _gpu.empty((local, ranks), torch.int64, device)
     assert data.dtype == (torch.float8_e4m3fn if fp8 else torch.bfloat16)
     assert tuple(data.shape) == (local, rows, hidden) and data.is_contiguous()
     assert tuple(count.shape) == (local,) and count.dtype == torch.int32 and count.is_contiguous()
@@ -56,13 +57,35 @@ def test_ll_recv_outputs(fp8, device):
     # The kernel's span of it is its whole storage, from the first element.
     assert _gpu.span(scales) == (scales.untyped_storage().data_ptr(), local * rows * sb * 4)
     assert scales.untyped_storage().nbytes() == local * rows * sb * 4
-    # Four allocations: a write to one leaves the others alone.
+    # Separate allocations: a write to one leaves the others alone.
     data.view(torch.uint8).fill_(7)
     scales.fill_(1)
     count.fill_(2)
     ranges.fill_(3)
     assert (data.view(torch.uint8) == 7).all() and (scales == 1).all()
     assert (count == 2).all() and (ranges == 3).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ll_layout_range_per_buffer_set(device, monkeypatch):
+    """A GPU LL handle's layout_range belongs to its buffer set: the same tensor for every
+    dispatch on the set, another one for the other set and for another LL object."""
+    class FakeGpu:
+        group_size = 4
+        ll_ranges = {7: [None, None], 8: [None, None]}
+
+    g, local = FakeGpu(), 3
+    a = _gpu.Gpu.ll_layout_range(g, 7, 0, local, device)
+    assert tuple(a.shape) == (local, 4) and a.dtype == torch.int64 and a.is_contiguous()
+    assert _gpu.Gpu.ll_layout_range(g, 7, 0, local, device) is a
+    b = _gpu.Gpu.ll_layout_range(g, 7, 1, local, device)
+    c = _gpu.Gpu.ll_layout_range(g, 8, 0, local, device)
+    ptrs = {a.data_ptr(), b.data_ptr(), c.data_ptr()}
+    assert len(ptrs) == 3
+    # Poisoned again before every dispatch on the set under GIN_EP_POISON_OUTPUTS=1.
+    a.fill_(5)
+    monkeypatch.setattr(_gpu, "_POISON", True)
+    assert (_gpu.Gpu.ll_layout_range(g, 7, 0, local, device) == -1).all()
 
 
 def test_as_f32():

@@ -70,7 +70,7 @@ struct Feature {
 
 /// In the order of a variant's name (one line per feature: a table, kept by rustfmt::skip).
 #[rustfmt::skip]
-const FEATURES: [Feature; 18] = [
+const FEATURES: [Feature; 20] = [
     Feature { name: "tok", flag: 1, cu: "kFlagTokenMajor", get: |v| v.token_major, set: |v| &mut v.token_major },
     Feature { name: "pipe", flag: 2, cu: "kFlagPipeline", get: |v| v.pipeline, set: |v| &mut v.pipeline },
     Feature { name: "rot", flag: 4, cu: "kFlagRotate", get: |v| v.rotate, set: |v| &mut v.rotate },
@@ -89,6 +89,8 @@ const FEATURES: [Feature; 18] = [
     Feature { name: "solo", flag: 1 << 22, cu: "kFlagSolo", get: |v| v.solo, set: |v| &mut v.solo },
     Feature { name: "wwarp", flag: 1 << 23, cu: "kFlagWeightsWarp", get: |v| v.weights_warp, set: |v| &mut v.weights_warp },
     Feature { name: "eload", flag: 1 << 24, cu: "kFlagEagerReduce", get: |v| v.eager_reduce, set: |v| &mut v.eager_reduce },
+    Feature { name: "rwide", flag: 1 << 25, cu: "kFlagWideReduce", get: |v| v.wide_reduce, set: |v| &mut v.wide_reduce },
+    Feature { name: "rwarm", flag: 1 << 26, cu: "kFlagWarmReduce", get: |v| v.warm_reduce, set: |v| &mut v.warm_reduce },
 ];
 
 /// Flags bit that limits the stamps to each operation's first and last (kFlagStampEdges).
@@ -178,6 +180,12 @@ pub struct LlVariant {
     /// topk_idx (`topk`: as `pipe` does; `rank-first` with at most 8 ranks: every rank's
     /// partial slot and the `solo` weight), so each item waits one memory latency, not two.
     pub eager_reduce: bool,
+    /// `rwide`: a combine reduce item covers 512 channels of a token (two vectors per
+    /// lane), so 128 tokens at hidden 7168 take one round of items over the grid, not two.
+    pub wide_reduce: bool,
+    /// `rwarm`: the combine's receive prefetches into L2 the lines of each warp's first two
+    /// reduce items (rows, output, topk_idx, weights) before it waits for the rows.
+    pub warm_reduce: bool,
     /// CTAs per kernel; `None`: the caller's grid (the bench's `--sms`, else every SM);
     /// `Some(0)`: every SM.
     pub grid: Option<u32>,
@@ -185,15 +193,16 @@ pub struct LlVariant {
 
 impl LlVariant {
     /// What [`CudaLl::new`] uses without [`ENV_VARIANT`]:
-    /// `tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo` (session 7, bench/RESULTS.md:
+    /// `tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide` (session 7, bench/RESULTS.md:
     /// `tok+rot+ready+send8+fused` FP8 dispatch 28.2–28.6 µs against 31.6 for `fused`, BF16
     /// 34.4–34.6 against 40.0; session 10: `pdl+quiet` on top saves ≈ 1 µs per operation back
     /// to back, e.g. FP8 dispatch 25.3 → 24.3 µs, and nothing with an event between
     /// operations; session 12: `spin` saves 0.2–0.5 µs, e.g. 1 token back to back 12.2 →
     /// 11.9; session 14: `wargs` 0.2–0.5 µs per operation (kernel entry 0.7 → 0.4 µs), `solo`
     /// ≈ 2 µs of the `rank-first` combine, 36.5–37.2 → 34.8–35.6 µs eager; `wwarp` as first
-    /// built cost 4 µs there and is not in). Refused, like every fused variant, when the grid
-    /// cannot be resident at once.
+    /// built cost 4 µs there and is not in; session 16: `rwide` 1–2 µs of the `rank-first`
+    /// combine, 35.0–36.1 → 33.0–34.3 µs eager, and ≈ 1 µs of `topk`). Refused, like every
+    /// fused variant, when the grid cannot be resident at once.
     pub const DEFAULT: LlVariant = LlVariant {
         token_major: true,
         rotate: true,
@@ -205,6 +214,7 @@ impl LlVariant {
         spin: true,
         win_args: true,
         solo: true,
+        wide_reduce: true,
         ..LlVariant::BASE
     };
 
@@ -229,6 +239,8 @@ impl LlVariant {
         solo: false,
         weights_warp: false,
         eager_reduce: false,
+        wide_reduce: false,
+        warm_reduce: false,
         grid: None,
     };
 
@@ -391,6 +403,14 @@ impl LlVariant {
             "eload@3",
             "solo+eload@2",
             "fused+eload@all",
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide@all",
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+eload+rwide@all",
+            "rwide@3",
+            "pipe+rwide@2",
+            "solo+eload+rwide@2",
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide+rwarm@all",
+            "rwarm@3",
+            "pipe+rwide+rwarm@2",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
@@ -456,7 +476,7 @@ pub const SIG_KINDS: usize = 6;
 /// counts.
 pub const STATE_WORDS: usize = 8 + 2 * MAX_GRID as usize;
 /// u64 timestamps per CTA per operation pair (`kStampSlots` in ll.cu).
-pub const STAMP_SLOTS: usize = 25;
+pub const STAMP_SLOTS: usize = 27;
 /// Stamp slots of each operation's first and last stamp (kStDispStart, kStDispEnd,
 /// kStCombStart, kStCombEnd in ll.cu): the span of its kernels.
 const ST_DISP_START: usize = 0;
@@ -467,6 +487,10 @@ const ST_COMB_END: usize = 17;
 /// (kStDispEntry, kStCombEntry): the gap before an operation is launch, then entry.
 const ST_DISP_ENTRY: usize = 24;
 const ST_COMB_ENTRY: usize = 19;
+/// The combine reduce's latest warp: first item stored, last item stored (kStCombFirstItem,
+/// kStCombLastItem).
+const ST_COMB_FIRST_ITEM: usize = 25;
+const ST_COMB_LAST_ITEM: usize = 26;
 /// Word written into every output before a checked run: a row nobody wrote keeps it.
 pub const POISON: u32 = 0xDEAD_BEEF;
 
@@ -2063,7 +2087,7 @@ impl StampMode {
 /// start of the operation (dispatch slot 0, combine slot 10) on the rank's clock; medians over
 /// iterations of the slowest rank. Absent slots (a variant that does not pass them) are left
 /// out of the report.
-pub const PHASES: [(&str, usize, bool); 26] = [
+pub const PHASES: [(&str, usize, bool); 29] = [
     ("d.lay", 1, false),
     ("d.cred", 2, false),
     ("d.loop0", 22, true),
@@ -2087,7 +2111,10 @@ pub const PHASES: [(&str, usize, bool); 26] = [
     ("c.sent", 12, false),
     ("c.sig", 13, false),
     ("c.rstart", 14, false),
+    ("c.seen0", 15, true),
     ("c.seen", 15, false),
+    ("c.item1", ST_COMB_FIRST_ITEM, false),
+    ("c.items", ST_COMB_LAST_ITEM, false),
     ("c.red", 16, false),
     ("c.end", 17, false),
 ];
@@ -2096,7 +2123,7 @@ const DISPATCH_PHASES: usize = 17;
 
 /// Whether stamp slot `slot` belongs to the dispatch (kStDisp* in ll.cu), else the combine.
 fn dispatch_slot(slot: usize) -> bool {
-    !(10..20).contains(&slot)
+    !(10..20).contains(&slot) && slot != ST_COMB_FIRST_ITEM && slot != ST_COMB_LAST_ITEM
 }
 
 /// [`PHASES`] of one operation pair from its `[grid][STAMP_SLOTS]` stamps, µs; -1 where a
@@ -2666,6 +2693,8 @@ mod tests {
         assert_eq!(ST_COMB_END, cu_const("kStCombEnd"));
         assert_eq!(ST_DISP_ENTRY, cu_const("kStDispEntry"));
         assert_eq!(ST_COMB_ENTRY, cu_const("kStCombEntry"));
+        assert_eq!(ST_COMB_FIRST_ITEM, cu_const("kStCombFirstItem"));
+        assert_eq!(ST_COMB_LAST_ITEM, cu_const("kStCombLastItem"));
         assert_eq!(THREADS as usize, cu_const("kThreads"));
         assert_eq!(
             cu_const("kFlagSendWarpsShift"),
@@ -2727,7 +2756,7 @@ mod tests {
         assert_eq!(LlVariant::BASE.name(), "base");
         assert_eq!(
             LlVariant::DEFAULT.name(),
-            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo"
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide"
         );
         assert_eq!(
             LlVariant::parse(&LlVariant::DEFAULT.name()).unwrap(),
