@@ -1707,25 +1707,37 @@ __device__ __forceinline__ void reduce_topk(const LlArgs& a, const char* comb, i
   }
 }
 
-// The reduce loop of one warp: items (token, V * 256 channels), strided over the grid.
+// The combine reduce's work items, (token, V * 256 channels), strided over the grid's warps:
+// this warp takes items warp, warp + warps, ...; item i covers token t(i) and this lane's
+// channels c(i) + 256 j, j < V.
+template <int V>
+struct ReduceItems {
+  static constexpr int kItemChannels = V * kReduceUnit;
+  int units;
+  size_t items, warp, warps;
+  __device__ explicit ReduceItems(const LlArgs& a)
+      : units((a.hidden + kItemChannels - 1) / kItemChannels),
+        items(size_t(a.num_tokens) * units),
+        warp((size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32),
+        warps(size_t(gridDim.x) * blockDim.x / 32) {}
+  __device__ int t(size_t item) const { return int(item / units); }
+  __device__ int c(size_t item) const { return int(item % units) * kItemChannels + int(threadIdx.x & 31) * 8; }
+};
+
+// The reduce loop of one warp.
 template <int V>
 __device__ void reduce_items(const LlArgs& a, const char* comb) {
-  const int N = a.num_tokens, H = a.hidden;
+  const int H = a.hidden;
   const bool rank_first = a.comb_order == kCombOrderRankFirst;
   const int lane = threadIdx.x & 31;
-  constexpr int kItemChannels = V * kReduceUnit;
-  const int units = (H + kItemChannels - 1) / kItemChannels;
-  const size_t items = size_t(N) * units;
-  const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
+  const ReduceItems<V> it(a);
   // Pipelined (`pipe`, `eload`): rows and weights are loaded without waiting for topk_idx
   // (a masked slot is loaded and then skipped, exactly as it is skipped below), so one
   // memory latency per item.
   const bool eager_loads = (a.flags & (kFlagPipeline | kFlagEagerReduce)) != 0;
   const bool eager_rank_first = (a.flags & kFlagEagerReduce) != 0 && a.comm.lsaSize <= kReduceBatch / V;
-  for (size_t item = warp; item < items; item += warps) {
-    const int t = int(item / units);
-    const int c = int(item % units) * kItemChannels + lane * 8;
+  for (size_t item = it.warp; item < it.items; item += it.warps) {
+    const int t = it.t(item), c = it.c(item);
     float acc[V][8];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
@@ -1743,7 +1755,7 @@ __device__ void reduce_items(const LlArgs& a, const char* comb) {
     if (a.stamps != nullptr) {
       __syncwarp();
       if (lane == 0) {
-        if (item == warp) stamp_max(a, kStCombFirstItem);
+        if (item == it.warp) stamp_max(a, kStCombFirstItem);
         stamp_max(a, kStCombLastItem);
       }
     }
@@ -1757,17 +1769,12 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 // `rwarm`: the lines this warp's first two reduce items (reduce_items<V>) will touch.
 template <int V>
 __device__ void warm_reduce(const LlArgs& a, const char* comb) {
-  const int N = a.num_tokens, K = a.topk, H = a.hidden;
+  const int K = a.topk, H = a.hidden;
   const int rows = a.comb_order == kCombOrderRankFirst ? a.comm.lsaSize : K;  // slots per token
   const int lane = threadIdx.x & 31;
-  constexpr int kItemChannels = V * kReduceUnit;
-  const int units = (H + kItemChannels - 1) / kItemChannels;
-  const size_t items = size_t(N) * units;
-  const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
-  for (size_t item = warp; item < items && item < warp + 2 * warps; item += warps) {
-    const int t = int(item / units);
-    const int c = int(item % units) * kItemChannels + lane * 8;
+  const ReduceItems<V> it(a);
+  for (size_t item = it.warp; item < it.items && item < it.warp + 2 * it.warps; item += it.warps) {
+    const int t = it.t(item), c = it.c(item);
     if (lane < K) {
       prefetch_l2(a.topk_idx + size_t(t) * K + lane);
       if (a.topk_weights != nullptr) prefetch_l2(a.topk_weights + size_t(t) * K + lane);
