@@ -21,7 +21,8 @@
 //   acc = fma(w[t][k], y, acc) for k ascending, masked entries skipped, from +0, rounded once
 //   to BF16.
 // - Combine, order `rank-first`: every source first pushes its top-k weights into every
-//   rank's weights area ([src][T][K] f32, signal kCombWts). The expert rank walks the
+//   rank's weights area ([src][T][K], 8 bytes each: f32 and signal kCombWts, or `wflag`'s
+//   (op, f32) pairs and no signal). The expert rank walks the
 //   records of the last dispatch on the set (comb_map, written by dispatch-recv: source,
 //   token, then (row, k) of each of the token's experts held here), sums
 //   fma(w[k], y[row_k], acc) for its own k ascending from +0, rounds that partial to BF16
@@ -63,6 +64,7 @@
 //     (one CTA per destination rank) adds 1 after writing src's weights into r's area (after
 //     op n: n). No credit is needed: r reads them in its combine send, before its kCombSig,
 //     and src's next combine on the set starts only after src's reduce saw that kCombSig.
+//     (`wflag`: no kCombWts; each weight carries n itself, see kFlagFlaggedWeights.)
 //   So no barrier sits on the critical path, no flag is ever cleared, and any sequence of
 //   dispatches and combines on a set is safe (double buffering = two sets, used alternately).
 // - The op number n of a set lives on the device (LlArgs::state), so a CUDA graph replays
@@ -278,6 +280,18 @@ static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kSt
 //   output, the token's topk_idx and weights. The lines' page translations and the inputs
 //   are then in place when the rows have landed; the first item took ≈ 4 µs after the
 //   signals (run 16a), against ≈ 2.6 µs for a second one.
+// - kFlagLateWeights (variant `wlate`, rank-first combine): a CTA that pushed this rank's
+//   weights to a peer adds that peer's kCombWts signal after the credit wait, not before:
+//   the release's wait for the weight stores' acknowledgments held thread 0, and through
+//   the credit wait's CTA barrier the whole CTA (c.cred 5.5 µs in `rank-first` against 1.9
+//   in `topk`, run 16a). After the wait the stores have long been acknowledged.
+// - kFlagFlaggedWeights (variant `wflag`, rank-first combine): the weights round without a
+//   release and signal: each weight goes out as one 64-bit store of (op n << 32 | f32 bits)
+//   into the [src][T][K] u64 area, and the expert rank polls the pairs it reads until their
+//   high half is n. A 64-bit aligned access is single-copy atomic, so a pair whose flag is n
+//   holds op n's weight; no fence orders anything else. The release's wait for the weight
+//   stores' acknowledgments (≈ 2-3 µs) and the signal's trip leave the critical path
+//   (`wlate` showed the weights round on it, run 16e).
 // (The fused one-kernel-per-operation variant is a host choice: other entry points.)
 // (One per line: the host's tests read each value here, ll.rs FEATURES.)
 constexpr uint32_t kFlagTokenMajor = 1u;
@@ -301,6 +315,8 @@ constexpr uint32_t kFlagWeightsWarp = 8388608u;
 constexpr uint32_t kFlagEagerReduce = 16777216u;
 constexpr uint32_t kFlagWideReduce = 33554432u;
 constexpr uint32_t kFlagWarmReduce = 67108864u;
+constexpr uint32_t kFlagLateWeights = 134217728u;
+constexpr uint32_t kFlagFlaggedWeights = 268435456u;
 // Named barriers of the two teams of the fused dispatch with send warps (0 = the CTA's).
 constexpr int kBarSend = 1, kBarRecv = 2;
 
@@ -1309,7 +1325,36 @@ __device__ __forceinline__ int32_t entry_at(const LlArgs& a, int32_t held, uint3
 struct PartBatch {
   uint4 v[kPartialBatch][kPartialVecs];
   float w[kPartialBatch];
+  // `wflag`: the (op << 32 | weight) pairs as loaded and their indices in the area (kNoPair:
+  // pair not used); resolve_weights turns them into w.
+  uint64_t pair[kPartialBatch];
+  uint32_t pair_at[kPartialBatch];
 };
+constexpr uint32_t kNoPair = 0xffffffffu;
+
+// `wflag`: whether the weights area holds (op << 32 | f32 bits) pairs (else f32 weights and a
+// kCombWts signal per source).
+__device__ __forceinline__ bool flagged_weights(const LlArgs& a) { return (a.flags & kFlagFlaggedWeights) != 0u; }
+
+// `wflag`: the batch's weights once each pair carries op n, re-polling the ones that did not
+// yet when loaded (the same value in every lane). False when a pair missed the deadline.
+__device__ bool resolve_weights(const LlArgs& a, const uint64_t* pairs, uint32_t n, int src, PartBatch& b) {
+#pragma unroll
+  for (int i = 0; i < kPartialBatch; ++i) {
+    if (b.pair_at[i] == kNoPair) continue;
+    PollDeadline deadline;
+    for (uint32_t spin = 0; uint32_t(b.pair[i] >> 32) != n; ++spin) {
+      if ((spin & 15u) == 15u && !deadline.ok(a.err, a.timeout_ns, static_cast<FabricPhase>(kPhaseCombineWeights),
+                                              src, a.comm.lsaRank)) {
+        return false;
+      }
+      b.pair[i] = ld_relaxed_sys(pairs + b.pair_at[i]);
+    }
+    b.w[i] = __uint_as_float(uint32_t(b.pair[i]));
+    b.pair_at[i] = kNoPair;
+  }
+  return true;
+}
 
 // Pairs [p0, p0 + kPartialBatch) of entry `held` (record g): the expert rows' channels
 // c0.. of this lane (unless `weights_only`) and, when `with_w`, the source's weights.
@@ -1325,7 +1370,14 @@ __device__ __forceinline__ void load_batch(const LlArgs& a, const float* wts, in
     const int32_t row = entry_at(a, held, g, kMapHeader + 2 * p);
     const int32_t k = entry_at(a, held, g, kMapHeader + 2 * p + 1);
     const bool use = st_ok && p < np && row >= 0 && k >= 0 && k < K;
-    if (with_w) b.w[i] = use ? wts[(size_t(s) * T + t) * K + k] : 0.0f;
+    const size_t wi = (size_t(s) * T + t) * K + k;
+    if (with_w && flagged_weights(a)) {
+      b.w[i] = 0.0f;
+      b.pair_at[i] = use ? uint32_t(wi) : kNoPair;
+      b.pair[i] = use ? ld_relaxed_sys(reinterpret_cast<const uint64_t*>(wts) + wi) : 0;
+    } else if (with_w) {
+      b.w[i] = use ? wts[wi] : 0.0f;
+    }
     if (weights_only) continue;
     const uint16_t* y = a.y + size_t(use ? row : 0) * H;
 #pragma unroll
@@ -1347,9 +1399,30 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   const size_t nw = size_t(N) * K;
   const size_t slot = a.set_offset + a.wts_offset + size_t(me) * T * K * sizeof(float);
   const bool wwarp = (a.flags & kFlagWeightsWarp) != 0u;
+  const bool late_wts = (a.flags & kFlagLateWeights) != 0u;
+  const bool wflag = flagged_weights(a);
   const int pushers = wwarp ? 32 : int(blockDim.x);
   for (int b = blockIdx.x; b < R && int(threadIdx.x) < pushers; b += gridDim.x) {  // CTA- or warp-uniform
     const int q = (me + 1 + b) % R;
+    if (wflag) {
+      // (n << 32 | weight) pairs, loads batched before the stores as below; no signal.
+      constexpr int kPairBatch = 8;
+      uint64_t* dst = reinterpret_cast<uint64_t*>(win_ptr(a, a.set_offset + a.wts_offset, q)) + size_t(me) * T * K;
+      for (size_t i0 = threadIdx.x; i0 < nw; i0 += size_t(pushers) * kPairBatch) {
+        float v[kPairBatch];
+#pragma unroll
+        for (int j = 0; j < kPairBatch; ++j) {
+          const size_t i = i0 + size_t(j) * pushers;
+          v[j] = i < nw ? a.topk_weights[i] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < kPairBatch; ++j) {
+          const size_t i = i0 + size_t(j) * pushers;
+          if (i < nw) st_relaxed_sys_u64(dst + i, (uint64_t(n) << 32) | __float_as_uint(v[j]));
+        }
+      }
+      continue;
+    }
     float* dst = reinterpret_cast<float*>(win_ptr(a, slot, q));
     const bool vec = ((reinterpret_cast<uintptr_t>(a.topk_weights) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
     const size_t nv = vec ? nw / 4 : 0;
@@ -1376,7 +1449,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     } else {
       __syncthreads();
     }
-    if (threadIdx.x == 0) red_release_sys_add(sig_word(a, q, kCombWts, me), 1);  // release, cumulative
+    if (threadIdx.x == 0 && !late_wts) red_release_sys_add(sig_word(a, q, kCombWts, me), 1);  // release, cumulative
   }
 
   const int lane = threadIdx.x & 31;
@@ -1411,6 +1484,11 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   // Credit: every source rank has reduced the previous combine of this set.
   if (!wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) return false;
   stamp(a, kStCombCredit);
+  // `wlate`: the weights signals now (the wait's CTA barrier orders every pusher's stores
+  // before thread 0's release, which is cumulative).
+  for (int b = blockIdx.x; late_wts && !wflag && b < R && threadIdx.x == 0; b += gridDim.x) {
+    red_release_sys_add(sig_word(a, (me + 1 + b) % R, kCombWts, me), 1);
+  }
   // This lane's channels c0.. of a partial row into source s's [t][me] slot (s and t come
   // from the map our dispatch wrote: always in range, checked anyway).
   auto put_partial = [&](int s, int t, int c0, const uint4 (&v)[kPartialVecs]) {
@@ -1439,9 +1517,10 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
       put_partial(s, t, c0, b1.v[0]);
     }
   }
-  if (!wait_all_peers(a, kCombWts, uint64_t(n), kPhaseCombineWeights)) return false;
+  if (!wflag && !wait_all_peers(a, kCombWts, uint64_t(n), kPhaseCombineWeights)) return false;
   stamp(a, kStCombWeights);
   bool weighted = false;  // cur's weights are loaded
+  bool failed = false;    // `wflag`: a pair missed its deadline (this warp stops sending)
   for (; item < items; item += warps) {
     const uint32_t g = record(item);
     const int c0 = int(item % units) * kPartialUnit + lane * 8;
@@ -1463,6 +1542,10 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     for (int i = 0; i < 8 * kPartialVecs; ++i) acc[i] = 0.0f;  // +0, as the oracle
     for (int p0 = 0; p0 < np; p0 += kPartialBatch) {
       if (p0 > 0) load_batch(a, wts, held, g, p0, c0, true, cur);  // more than a batch here
+      if (wflag && !resolve_weights(a, reinterpret_cast<const uint64_t*>(wts), n, s, cur)) {
+        failed = true;
+        break;
+      }
       // The fma chain over this rank's experts of the token, k ascending (pair order).
 #pragma unroll
       for (int b = 0; b < kPartialBatch; ++b) {
@@ -1476,12 +1559,19 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
       load_batch(a, wts, held_next, record(next), 0, int(next % units) * kPartialUnit + lane * 8, true,
                  cur);
     }
+    if (failed) break;
     uint4 out[kPartialVecs];
 #pragma unroll
     for (int i = 0; i < kPartialVecs; ++i) out[i] = pack_bf16x8(acc + i * 8);
     put_partial(s, t, c0, out);
     held = held_next;
     weighted = true;
+  }
+  // `wflag`: a missed weight deadline stops the whole CTA before its signal (as a failed
+  // kCombWts wait does), so the sources time out instead of reducing rows never sent.
+  if (wflag && __syncthreads_or(failed)) {
+    mark_failed(a);
+    return false;
   }
   signal_all_peers(a, kCombSig, kStCombSent, kStCombSignaled);
   return true;

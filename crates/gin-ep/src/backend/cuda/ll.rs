@@ -70,7 +70,7 @@ struct Feature {
 
 /// In the order of a variant's name (one line per feature: a table, kept by rustfmt::skip).
 #[rustfmt::skip]
-const FEATURES: [Feature; 20] = [
+const FEATURES: [Feature; 22] = [
     Feature { name: "tok", flag: 1, cu: "kFlagTokenMajor", get: |v| v.token_major, set: |v| &mut v.token_major },
     Feature { name: "pipe", flag: 2, cu: "kFlagPipeline", get: |v| v.pipeline, set: |v| &mut v.pipeline },
     Feature { name: "rot", flag: 4, cu: "kFlagRotate", get: |v| v.rotate, set: |v| &mut v.rotate },
@@ -91,6 +91,8 @@ const FEATURES: [Feature; 20] = [
     Feature { name: "eload", flag: 1 << 24, cu: "kFlagEagerReduce", get: |v| v.eager_reduce, set: |v| &mut v.eager_reduce },
     Feature { name: "rwide", flag: 1 << 25, cu: "kFlagWideReduce", get: |v| v.wide_reduce, set: |v| &mut v.wide_reduce },
     Feature { name: "rwarm", flag: 1 << 26, cu: "kFlagWarmReduce", get: |v| v.warm_reduce, set: |v| &mut v.warm_reduce },
+    Feature { name: "wlate", flag: 1 << 27, cu: "kFlagLateWeights", get: |v| v.late_weights, set: |v| &mut v.late_weights },
+    Feature { name: "wflag", flag: 1 << 28, cu: "kFlagFlaggedWeights", get: |v| v.flagged_weights, set: |v| &mut v.flagged_weights },
 ];
 
 /// Flags bit that limits the stamps to each operation's first and last (kFlagStampEdges).
@@ -186,6 +188,12 @@ pub struct LlVariant {
     /// `rwarm`: the combine's receive prefetches into L2 the lines of each warp's first two
     /// reduce items (rows, output, topk_idx, weights) before it waits for the rows.
     pub warm_reduce: bool,
+    /// `wlate` (the `rank-first` combine): a CTA that pushed this rank's weights to a peer
+    /// signals them after its credit wait, so the release does not hold the CTA there.
+    pub late_weights: bool,
+    /// `wflag` (the `rank-first` combine): each weight goes out as one 64-bit (op, f32) store
+    /// and the expert rank polls the pairs it reads: no release and no weights signal.
+    pub flagged_weights: bool,
     /// CTAs per kernel; `None`: the caller's grid (the bench's `--sms`, else every SM);
     /// `Some(0)`: every SM.
     pub grid: Option<u32>,
@@ -193,7 +201,7 @@ pub struct LlVariant {
 
 impl LlVariant {
     /// What [`CudaLl::new`] uses without [`ENV_VARIANT`]:
-    /// `tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide` (session 7, bench/RESULTS.md:
+    /// `tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide+wflag` (session 7, bench/RESULTS.md:
     /// `tok+rot+ready+send8+fused` FP8 dispatch 28.2–28.6 µs against 31.6 for `fused`, BF16
     /// 34.4–34.6 against 40.0; session 10: `pdl+quiet` on top saves ≈ 1 µs per operation back
     /// to back, e.g. FP8 dispatch 25.3 → 24.3 µs, and nothing with an event between
@@ -201,8 +209,10 @@ impl LlVariant {
     /// 11.9; session 14: `wargs` 0.2–0.5 µs per operation (kernel entry 0.7 → 0.4 µs), `solo`
     /// ≈ 2 µs of the `rank-first` combine, 36.5–37.2 → 34.8–35.6 µs eager; `wwarp` as first
     /// built cost 4 µs there and is not in; session 16: `rwide` 1–2 µs of the `rank-first`
-    /// combine, 35.0–36.1 → 33.0–34.3 µs eager, and ≈ 1 µs of `topk`). Refused, like every
-    /// fused variant, when the grid cannot be resident at once.
+    /// combine, 35.0–36.1 → 33.0–34.3 µs eager, and ≈ 1 µs of `topk`; `wflag` 0.5–1 µs of the
+    /// `rank-first` combine back to back at 128 tokens, 1.1–1.3 µs at 1 token, eager at 128
+    /// within noise). Refused, like every fused variant, when the grid cannot be resident at
+    /// once.
     pub const DEFAULT: LlVariant = LlVariant {
         token_major: true,
         rotate: true,
@@ -215,6 +225,7 @@ impl LlVariant {
         win_args: true,
         solo: true,
         wide_reduce: true,
+        flagged_weights: true,
         ..LlVariant::BASE
     };
 
@@ -241,6 +252,8 @@ impl LlVariant {
         eager_reduce: false,
         wide_reduce: false,
         warm_reduce: false,
+        late_weights: false,
+        flagged_weights: false,
         grid: None,
     };
 
@@ -411,6 +424,14 @@ impl LlVariant {
             "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide+rwarm@all",
             "rwarm@3",
             "pipe+rwide+rwarm@2",
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide+wlate@all",
+            "wlate@3",
+            "solo+wwarp+wlate@2",
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide+wflag@all",
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide+wwarp+wflag@all",
+            "wflag@3",
+            "fused+solo+wflag@2",
+            "pipe+wflag@all",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
@@ -573,7 +594,8 @@ impl LlLayout {
             (ready_offset + r * t * h.div_ceil(DISPATCH_UNIT) * 4).next_multiple_of(RECORD_ALIGN);
         let wts_offset = align16(stage_offset + r * t * record_bytes);
         // The combine rows, as the records: whole 128-byte lines per warp store.
-        let comb_offset = (wts_offset + r * t * k * 4).next_multiple_of(RECORD_ALIGN);
+        // `rank-first` weights: [src][T][K], 8 bytes each (f32, or `wflag`'s (op, f32) pairs).
+        let comb_offset = (wts_offset + r * t * k * 8).next_multiple_of(RECORD_ALIGN);
         let set_bytes = (comb_offset + t * k.max(r) * h * 2).div_ceil(4096) * 4096;
         let nch = t.div_ceil(32).max(1);
         let dispatch_send_smem = 2 * (e + r) * nch * 4;
@@ -2087,7 +2109,7 @@ impl StampMode {
 /// start of the operation (dispatch slot 0, combine slot 10) on the rank's clock; medians over
 /// iterations of the slowest rank. Absent slots (a variant that does not pass them) are left
 /// out of the report.
-pub const PHASES: [(&str, usize, bool); 29] = [
+pub const PHASES: [(&str, usize, bool); 30] = [
     ("d.lay", 1, false),
     ("d.cred", 2, false),
     ("d.loop0", 22, true),
@@ -2105,6 +2127,7 @@ pub const PHASES: [(&str, usize, bool); 29] = [
     ("d.seen", 7, false),
     ("d.exp", 8, false),
     ("d.end", 9, false),
+    ("c.cred0", 11, true),
     ("c.cred", 11, false),
     ("c.wts", 18, false),
     ("c.sent0", 12, true),
@@ -2736,7 +2759,7 @@ mod tests {
         );
         // Staging, then the rank-first weights [R][T][K] f32, then the combine rows.
         assert_eq!(l.wts_offset, l.stage_offset + 4 * 128 * 7552);
-        assert_eq!(l.comb_offset, l.wts_offset + 4 * 128 * 8 * 4);
+        assert_eq!(l.comb_offset, l.wts_offset + 4 * 128 * 8 * 8);
         assert!(l.comb_offset.is_multiple_of(RECORD_ALIGN));
         let odd = LlLayout::new(&EpConfig::new(4, 8, 256, 3, 5)).unwrap();
         assert!(odd.stage_offset.is_multiple_of(128) && odd.comb_offset.is_multiple_of(128));
@@ -2756,7 +2779,7 @@ mod tests {
         assert_eq!(LlVariant::BASE.name(), "base");
         assert_eq!(
             LlVariant::DEFAULT.name(),
-            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide"
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide+wflag"
         );
         assert_eq!(
             LlVariant::parse(&LlVariant::DEFAULT.name()).unwrap(),
