@@ -292,6 +292,17 @@ static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kSt
 //   holds op n's weight; no fence orders anything else. The release's wait for the weight
 //   stores' acknowledgments (≈ 2-3 µs) and the signal's trip leave the critical path
 //   (`wlate` showed the weights round on it, run 16e).
+// - kFlagPublisher (variant `pub`, with `ready` and `sendN`, N <= 14): the send warps never
+//   fence. After each item's stores a send warp's lane 0 records its progress in shared
+//   memory (st.release.cta, after a warp barrier); the CTA's last warp (the publisher, not
+//   in the receive team until it has published) waits per round of items for every send
+//   warp's progress (ld.acquire.cta), fences (.sys) once and stores the round's ready words,
+//   one lane per (send warp, destination). The chain store -> release.cta -> acquire.cta ->
+//   fence.sys -> ready word is a release pattern by causality order (the cross-warp form of
+//   what a warp barrier and one lane's fence do in `ready`). What it buys: the send warps'
+//   stores are never held by their own fence (`iready`'s per-item fences cost 2.9 µs,
+//   session 12), while the first rounds are published during the later ones, so the
+//   receivers expand them during the transfer.
 // (The fused one-kernel-per-operation variant is a host choice: other entry points.)
 // (One per line: the host's tests read each value here, ll.rs FEATURES.)
 constexpr uint32_t kFlagTokenMajor = 1u;
@@ -317,6 +328,7 @@ constexpr uint32_t kFlagWideReduce = 33554432u;
 constexpr uint32_t kFlagWarmReduce = 67108864u;
 constexpr uint32_t kFlagLateWeights = 134217728u;
 constexpr uint32_t kFlagFlaggedWeights = 268435456u;
+constexpr uint32_t kFlagPublisher = 536870912u;
 // Named barriers of the two teams of the fused dispatch with send warps (0 = the CTA's).
 constexpr int kBarSend = 1, kBarRecv = 2;
 
@@ -799,11 +811,56 @@ __device__ void warm_send_pages(const LlArgs& a, int lane) {
   }
 }
 
+// Variant `pub`: the publisher warp (the CTA's last) of a dispatch send. Round r holds send
+// item `first + w + r * warps` of each send warp w of this CTA (first = this CTA's first send
+// warp in the grid, as Team::range numbers them); once every send warp with an item in the
+// round has stored it (its progress word >= r + 1), one fence (.sys, every lane: each lane
+// stores ready words after it) covers the round and each lane publishes (warp, destination)
+// pairs through publish_at. The send warps never wait, so the deadline here (1.5x, like
+// wait_recv_table, not reading the host flag) only guards a send warp that never advances.
+// False when it expired (the receivers then miss these ready words and report the source).
+template <typename PublishAt>
+__device__ bool publish_rounds(const LlArgs& a, uint32_t n, const uint32_t* progress, int send_warps, size_t warps,
+                               size_t items, PublishAt publish_at) {
+  const int R = a.comm.lsaSize, lane = threadIdx.x & 31;
+  const size_t first = size_t(blockIdx.x) * send_warps;
+  for (size_t r = 0; first + r * warps < items; ++r) {
+    const size_t item0 = first + r * warps;
+    bool late = false;
+    if (lane < send_warps && item0 + lane < items) {
+      PollDeadline deadline;
+      for (uint32_t spin = 0; ld_acquire_cta_shared(progress + lane) < uint32_t(r + 1); ++spin) {
+        if ((spin & 255u) == 255u && !deadline.ok(a.err, a.timeout_ns + a.timeout_ns / 2,
+                                                static_cast<FabricPhase>(kPhaseDispatchRecv), a.comm.lsaRank,
+                                                a.comm.lsaRank, /*others=*/false)) {
+          late = true;
+          break;
+        }
+      }
+    }
+    if (__any_sync(0xffffffffu, late)) {
+      if (late) mark_failed(a);
+      return false;
+    }
+    fence_acq_rel_sys();
+    if (lane == 0) stamp_max(a, kStDispFenced);
+    for (int p = lane; p < send_warps * R; p += 32) {
+      const size_t item = item0 + size_t(p / R);
+      if (item < items) publish_at(item, p % R);
+    }
+    flag_fence(a);
+  }
+  return true;
+}
+
 // Every thread of the CTA. False (in every thread) when the credit wait failed; nothing was
 // sent then and no signal was added. The layout, credit and counts take the whole CTA; the
 // records are sent by the first `send_warps` warps of each CTA only (all: kWarps), the
 // others return once the counts are out (the fused dispatch's receive team, `sendN`).
-__device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, int send_warps) {
+// `progress` (variant `pub`, else null): kWarps words of shared memory, zero at entry; the
+// CTA's last warp publishes the ready words there (publish_rounds) before it returns, and
+// returns false when a send warp's progress missed its deadline.
+__device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, int send_warps, uint32_t* progress) {
   const int R = a.comm.lsaSize, me = a.comm.lsaRank;
   const int N = a.num_tokens, K = a.topk, E = a.experts, L = E / R, H = a.hidden, T = a.max_tokens;
   const int nch = (N + 31) / 32;
@@ -884,14 +941,16 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
     }
   }
 
-  // `ready`: the ready words of one work item at each destination it went to (lane 0, after
-  // the warp's fence).
-  auto publish = [&](size_t item) {
-    const int t = tok_of(item), u = unit_of(item);
-    for (int dst = 0; dst < R; ++dst) {
-      if (!tok_major && dst != int(item % R)) continue;
-      if (tr.has(E + dst, t)) put_flag(a, ready_word(a, dst, me, tr.rank_in(E + dst, t), u), n);
+  // `ready`: the ready word of one work item at destination dst, if the item went there
+  // (after a fence that covers its stores).
+  auto publish_at = [&](size_t item, int dst) {
+    const int t = tok_of(item);
+    if ((tok_major || dst == int(item % R)) && tr.has(E + dst, t)) {
+      put_flag(a, ready_word(a, dst, me, tr.rank_in(E + dst, t), unit_of(item)), n);
     }
+  };
+  auto publish = [&](size_t item) {
+    for (int dst = 0; dst < R; ++dst) publish_at(item, dst);
   };
   // A system-scope fence by lane 0 after the warp barrier that orders every lane's stores
   // before it (the fence is cumulative), with the send-path stamps around it.
@@ -904,10 +963,14 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
     }
   };
 
-  // 4. Records (the send team only).
-  if (!sender) return true;
+  // 4. Records (the send team only; `pub`: the CTA's last warp publishes their ready words).
+  if (!sender) {
+    if (progress == nullptr || int(threadIdx.x / 32) != kWarps - 1) return true;
+    return publish_rounds(a, n, progress, send_warps, warps, items, publish_at);
+  }
   if (lane == 0 && warp < items) stamp_max(a, kStDispLoop);
   if (!tok_major && warp < items) cur = load_x_unit(a, tok_of(warp), unit_of(warp), lane);
+  uint32_t stored = 0;  // `pub`: items of this warp stored so far (lane 0)
   for (size_t item = warp; item < items; item += warps) {
     const size_t next = item + warps;
     XUnit nxt{};
@@ -943,6 +1006,11 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
         if (u == 0) put_meta(a, rec, t, dst, tr, lane, e_lane);
       }
     }
+    // `pub`: this warp's items so far are stored (issued); the publisher fences for them.
+    if (progress != nullptr) {
+      __syncwarp();
+      if (lane == 0) st_release_cta_shared(progress + threadIdx.x / 32, ++stored);
+    }
     // `iready`: this item's units are marked ready now (the next item's loads, with `pipe`,
     // are already in flight behind the fence).
     if (item_ready) {
@@ -959,7 +1027,9 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   //    warp wrote (`iready`: done per item above). Otherwise the data signal: +1 per CTA at
   //    every destination (also where nothing was sent).
   if ((a.flags & kFlagReady) != 0) {
-    if (!item_ready && warp < items) {
+    if (progress != nullptr) {
+      if (lane == 0 && warp < items) stamp_max(a, kStDispStored);
+    } else if (!item_ready && warp < items) {
       warp_fence();
       if (lane == 0) {
         for (size_t item = warp; item < items; item += warps) publish(item);
@@ -1019,17 +1089,19 @@ __device__ bool wait_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int s
 // The dispatch receive table in shared memory: first[R][L + 1] (the sources' counts, then,
 // from column 1, the rows of expert e before source s), start[R + 1] (prefix of the sources'
 // record counts), then the table word (kTable*: whether first/start are ready, for the send
-// warps of `sendN`, which wait for it before they take expand items). The host sizes it
-// (ll.rs dispatch_recv_smem).
+// warps of `sendN`, which wait for it before they take expand items), then kWarps progress
+// words (`pub`: items each send warp has stored). The host sizes it (ll.rs
+// dispatch_recv_smem).
 constexpr uint32_t kTableNotYet = 0, kTableReady = 1, kTableFailed = 2;
 struct RecvTable {
   uint32_t* first;
   uint32_t* start;
   uint32_t* word;
+  uint32_t* progress;  // kWarps words after the table word (`pub`)
   __device__ static RecvTable at(const LlArgs& a, uint32_t* smem) {
     const int R = a.comm.lsaSize, L = a.experts / R;
     uint32_t* start = smem + size_t(R) * (L + 1);
-    return RecvTable{smem, start, start + R + 1};
+    return RecvTable{smem, start, start + R + 1, start + R + 2};
   }
 };
 
@@ -1388,6 +1460,28 @@ __device__ __forceinline__ void load_batch(const LlArgs& a, const float* wts, in
   }
 }
 
+// Elements [0, n) moved by `threads` threads from thread `tid` (load(i), then store(i, v)),
+// up to kCopyBatch per thread loaded before any is stored: every remote store's "memory"
+// clobber keeps later loads behind it, and one load round trip per element cost a warp alone
+// ≈ 4 µs for 8 vectors per lane (`wwarp`, session 14).
+constexpr int kCopyBatch = 8;
+template <typename T, typename Load, typename Store>
+__device__ __forceinline__ void copy_batched(size_t n, size_t tid, size_t threads, Load load, Store store) {
+  for (size_t i0 = tid; i0 < n; i0 += threads * kCopyBatch) {
+    T v[kCopyBatch];
+#pragma unroll
+    for (int j = 0; j < kCopyBatch; ++j) {
+      const size_t i = i0 + size_t(j) * threads;
+      if (i < n) v[j] = load(i);
+    }
+#pragma unroll
+    for (int j = 0; j < kCopyBatch; ++j) {
+      const size_t i = i0 + size_t(j) * threads;
+      if (i < n) store(i, v[j]);
+    }
+  }
+}
+
 __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   const int R = a.comm.lsaSize, me = a.comm.lsaRank;
   const int K = a.topk, H = a.hidden, T = a.max_tokens, N = a.num_tokens;
@@ -1405,44 +1499,20 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   for (int b = blockIdx.x; b < R && int(threadIdx.x) < pushers; b += gridDim.x) {  // CTA- or warp-uniform
     const int q = (me + 1 + b) % R;
     if (wflag) {
-      // (n << 32 | weight) pairs, loads batched before the stores as below; no signal.
-      constexpr int kPairBatch = 8;
+      // (n << 32 | weight) pairs; no signal.
       uint64_t* dst = reinterpret_cast<uint64_t*>(win_ptr(a, a.set_offset + a.wts_offset, q)) + size_t(me) * T * K;
-      for (size_t i0 = threadIdx.x; i0 < nw; i0 += size_t(pushers) * kPairBatch) {
-        float v[kPairBatch];
-#pragma unroll
-        for (int j = 0; j < kPairBatch; ++j) {
-          const size_t i = i0 + size_t(j) * pushers;
-          v[j] = i < nw ? a.topk_weights[i] : 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < kPairBatch; ++j) {
-          const size_t i = i0 + size_t(j) * pushers;
-          if (i < nw) st_relaxed_sys_u64(dst + i, (uint64_t(n) << 32) | __float_as_uint(v[j]));
-        }
-      }
+      copy_batched<float>(
+          nw, threadIdx.x, pushers, [&](size_t i) { return a.topk_weights[i]; },
+          [&](size_t i, float w) { st_relaxed_sys_u64(dst + i, (uint64_t(n) << 32) | __float_as_uint(w)); });
       continue;
     }
     float* dst = reinterpret_cast<float*>(win_ptr(a, slot, q));
     const bool vec = ((reinterpret_cast<uintptr_t>(a.topk_weights) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
     const size_t nv = vec ? nw / 4 : 0;
-    // Up to kWtsBatch vectors per thread loaded before any is stored: a warp alone moves
-    // 8 per lane at 128 tokens x top-8, and one load round trip per vector cost ≈ 4 µs.
-    constexpr int kWtsBatch = 8;
     const uint4* src = reinterpret_cast<const uint4*>(a.topk_weights);
-    for (size_t i0 = threadIdx.x; i0 < nv; i0 += size_t(pushers) * kWtsBatch) {
-      uint4 v[kWtsBatch];
-#pragma unroll
-      for (int j = 0; j < kWtsBatch; ++j) {
-        const size_t i = i0 + size_t(j) * pushers;
-        if (i < nv) v[j] = ld_v4(src + i);
-      }
-#pragma unroll
-      for (int j = 0; j < kWtsBatch; ++j) {
-        const size_t i = i0 + size_t(j) * pushers;
-        if (i < nv) st_v4(reinterpret_cast<uint4*>(dst) + i, v[j]);
-      }
-    }
+    copy_batched<uint4>(
+        nv, threadIdx.x, pushers, [&](size_t i) { return ld_v4(src + i); },
+        [&](size_t i, const uint4& v) { st_v4(reinterpret_cast<uint4*>(dst) + i, v); });
     for (size_t i = nv * 4 + threadIdx.x; i < nw; i += pushers) dst[i] = a.topk_weights[i];
     if (wwarp) {
       __syncwarp();
@@ -1921,7 +1991,7 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
   kernel_enter(a, kStDispEntry);
   extern __shared__ uint32_t smem[];
   push_credits(a);
-  dispatch_send_body(a, read_op(a, kOpDispatch), smem, kWarps);
+  dispatch_send_body(a, read_op(a, kOpDispatch), smem, kWarps, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
@@ -1945,24 +2015,33 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
   push_credits(a);
   const uint32_t n = read_op(a, kOpDispatch);
   const int sw = fused_send_warps(a.flags);
+  // `pub` (with send warps): the CTA's last warp publishes the send warps' ready words and
+  // only then expands, like a send warp.
+  const bool pub = (a.flags & kFlagPublisher) != 0u && sw <= kWarps - 2;
+  const int wic = int(threadIdx.x / 32);
   // The receive half's table lies after the send half's masks (ll.rs dispatch_fused_smem);
-  // its state word is cleared before the send half's first barrier.
+  // its state word (and `pub`'s progress words) are cleared before the send half's first
+  // barrier.
   uint32_t* table_smem = smem + size_t(2) * (a.experts + a.comm.lsaSize) * ((a.max_tokens + 31) / 32);
-  if (threadIdx.x == 0) *RecvTable::at(a, table_smem).word = kTableNotYet;
-  const bool sent = dispatch_send_body(a, n, smem, sw);
+  const RecvTable rt = RecvTable::at(a, table_smem);
+  if (threadIdx.x == 0) *rt.word = kTableNotYet;
+  if (pub && threadIdx.x < kWarps) rt.progress[threadIdx.x] = 0;
+  const bool sent = dispatch_send_body(a, n, smem, sw, pub ? rt.progress : nullptr);
   // The receive half: every warp once all have sent, or (send warps) the other warps beside
-  // the senders, which join the expand once they have sent.
+  // the senders (and the publisher), which join the expand once they have sent (published).
   const bool all = sw == kWarps;
+  const int recv_warps = kWarps - sw - (pub ? 1 : 0);
   if (all) __syncthreads();
   bool ok = sent;
   size_t first_item = 0;  // of this warp's expand items (dispatch_expand)
-  if (ok && (all || int(threadIdx.x / 32) >= sw)) {
-    const Team team = all ? Team::cta() : Team::range(sw, kWarps - sw, kBarRecv);
+  if (ok && (all || (wic >= sw && wic < sw + recv_warps))) {
+    const Team team = all ? Team::cta() : Team::range(sw, recv_warps, kBarRecv);
     ok = dispatch_recv_table(a, n, table_smem, team);
     first_item = team.warp;
   } else if (ok) {
     ok = wait_recv_table(a, table_smem);
-    first_item = size_t(gridDim.x) * (kWarps - sw) + Team::range(0, sw, kBarSend).warp;
+    first_item = wic >= sw ? size_t(gridDim.x) * recv_warps + blockIdx.x
+                           : size_t(gridDim.x) * (kWarps - sw) + Team::range(0, sw, kBarSend).warp;
   }
   if (ok) dispatch_expand(a, n, table_smem, first_item);
   end_op(a, kOpDispatch, n);

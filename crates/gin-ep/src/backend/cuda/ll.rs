@@ -70,7 +70,7 @@ struct Feature {
 
 /// In the order of a variant's name (one line per feature: a table, kept by rustfmt::skip).
 #[rustfmt::skip]
-const FEATURES: [Feature; 22] = [
+const FEATURES: [Feature; 23] = [
     Feature { name: "tok", flag: 1, cu: "kFlagTokenMajor", get: |v| v.token_major, set: |v| &mut v.token_major },
     Feature { name: "pipe", flag: 2, cu: "kFlagPipeline", get: |v| v.pipeline, set: |v| &mut v.pipeline },
     Feature { name: "rot", flag: 4, cu: "kFlagRotate", get: |v| v.rotate, set: |v| &mut v.rotate },
@@ -93,6 +93,7 @@ const FEATURES: [Feature; 22] = [
     Feature { name: "rwarm", flag: 1 << 26, cu: "kFlagWarmReduce", get: |v| v.warm_reduce, set: |v| &mut v.warm_reduce },
     Feature { name: "wlate", flag: 1 << 27, cu: "kFlagLateWeights", get: |v| v.late_weights, set: |v| &mut v.late_weights },
     Feature { name: "wflag", flag: 1 << 28, cu: "kFlagFlaggedWeights", get: |v| v.flagged_weights, set: |v| &mut v.flagged_weights },
+    Feature { name: "pub", flag: 1 << 29, cu: "kFlagPublisher", get: |v| v.publisher, set: |v| &mut v.publisher },
 ];
 
 /// Flags bit that limits the stamps to each operation's first and last (kFlagStampEdges).
@@ -194,6 +195,11 @@ pub struct LlVariant {
     /// `wflag` (the `rank-first` combine): each weight goes out as one 64-bit (op, f32) store
     /// and the expert rank polls the pairs it reads: no release and no weights signal.
     pub flagged_weights: bool,
+    /// `pub` (with `ready` and `sendN`, N <= 14): the send warps of the fused dispatch never
+    /// fence; after each item they record their progress in shared memory, and the CTA's
+    /// last warp fences once per round of items and stores that round's ready words, so the
+    /// receivers expand the first rounds while the last ones are in flight.
+    pub publisher: bool,
     /// CTAs per kernel; `None`: the caller's grid (the bench's `--sms`, else every SM);
     /// `Some(0)`: every SM.
     pub grid: Option<u32>,
@@ -254,6 +260,7 @@ impl LlVariant {
         warm_reduce: false,
         late_weights: false,
         flagged_weights: false,
+        publisher: false,
         grid: None,
     };
 
@@ -341,6 +348,17 @@ impl LlVariant {
         if v.item_ready && !v.ready {
             return Err(bad(
                 "iready publishes `ready` words per item: it needs `ready`".to_string()
+            ));
+        }
+        if v.publisher && !(1..=WARPS - 2).contains(&v.send_warps) {
+            return Err(bad(format!(
+                "pub publishes for the send warps from another warp: it needs sendN with N from 1 to {}",
+                WARPS - 2
+            )));
+        }
+        if v.publisher && v.item_ready {
+            return Err(bad(
+                "pub and iready both publish the ready words: pick one".to_string()
             ));
         }
         if v.send_warps != 0 && !(v.ready && v.fused) {
@@ -432,6 +450,9 @@ impl LlVariant {
             "wflag@3",
             "fused+solo+wflag@2",
             "pipe+wflag@all",
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide+wflag+pub@all",
+            "tok+pipe+rot+ready+send4+fused+pdl+quiet+pub@3",
+            "ready+send14+fused+pub@5",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
@@ -599,8 +620,9 @@ impl LlLayout {
         let set_bytes = (comb_offset + t * k.max(r) * h * 2).div_ceil(4096) * 4096;
         let nch = t.div_ceil(32).max(1);
         let dispatch_send_smem = 2 * (e + r) * nch * 4;
-        // first[R][L + 1], start[R + 1], the table word (ll.cu RecvTable).
-        let dispatch_recv_smem = (r * (l + 1) + r + 2) * 4;
+        // first[R][L + 1], start[R + 1], the table word, `pub`'s progress words (ll.cu
+        // RecvTable).
+        let dispatch_recv_smem = (r * (l + 1) + r + 2 + WARPS as usize) * 4;
         let combine_send_smem = (l + 1) * 4;
         let worst = dispatch_send_smem.max(dispatch_recv_smem).max(combine_send_smem);
         if worst > MAX_SMEM {
