@@ -198,7 +198,9 @@ constexpr int kStCombEntry = 19, kStDispEntry = 24;
 // latency after the signals were seen), its last item stored (before the CTA barrier that
 // ends the phase).
 constexpr int kStCombFirstItem = 25, kStCombLastItem = 26;
-constexpr int kStampSlots = 27;
+// `pub`: the CTA's first batch of ready words published (the publisher warp, publish_rounds).
+constexpr int kStDispFirstPub = 27;
+constexpr int kStampSlots = 28;
 static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kStCombEntry < kStDispStored &&
                   kStCombLastItem < kStampSlots,
               "stamps");
@@ -303,6 +305,13 @@ static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kSt
 //   stores are never held by their own fence (`iready`'s per-item fences cost 2.9 µs,
 //   session 12), while the first rounds are published during the later ones, so the
 //   receivers expand them during the transfer.
+// - kFlagCombPublisher (variant `cpub`, `rank-first` combine): the same for the combine.
+//   Warps 0..14 of each CTA send the partial rows, the last warp fences per round of their
+//   items and stores a combine ready word per (row slot, 512 channels) at the source
+//   ([src][T][units] u32 after the dispatch's ready words, value op n); no kCombSig. The
+//   source's reduce starts once its own CTA has sent (no polling while it sends, the cost
+//   `cready` paid in session 8) and waits per item only for the words of the ranks holding
+//   the token's experts, instead of every CTA of every rank.
 // (The fused one-kernel-per-operation variant is a host choice: other entry points.)
 // (One per line: the host's tests read each value here, ll.rs FEATURES.)
 constexpr uint32_t kFlagTokenMajor = 1u;
@@ -329,6 +338,7 @@ constexpr uint32_t kFlagWarmReduce = 67108864u;
 constexpr uint32_t kFlagLateWeights = 134217728u;
 constexpr uint32_t kFlagFlaggedWeights = 268435456u;
 constexpr uint32_t kFlagPublisher = 536870912u;
+constexpr uint32_t kFlagCombPublisher = 1073741824u;
 // Named barriers of the two teams of the fused dispatch with send warps (0 = the CTA's).
 constexpr int kBarSend = 1, kBarRecv = 2;
 
@@ -681,6 +691,15 @@ __device__ __forceinline__ uint32_t* ready_word(const LlArgs& a, int owner, int 
   return reinterpret_cast<uint32_t*>(win_ptr(a, a.set_offset + a.ready_offset + idx * 4, owner));
 }
 
+// Combine ready word (variant `cpub`) of (expert rank src, source token t, 512-channel unit u) in
+// owner's window: [R src][T][units] u32 right after the dispatch's ready words (host:
+// LlLayout::ready_offset, whose area holds both).
+__device__ __forceinline__ uint32_t* comb_ready_word(const LlArgs& a, int owner, int src, int t, int u) {
+  const int units = (a.hidden + kDispatchUnit - 1) / kDispatchUnit;
+  const size_t idx = (size_t(a.comm.lsaSize) + src) * a.max_tokens * units + size_t(t) * units + u;
+  return reinterpret_cast<uint32_t*>(win_ptr(a, a.set_offset + a.ready_offset + idx * 4, owner));
+}
+
 // Quantizes 16 channels per lane, bit-exact with quant.rs: amax over the 128-channel block
 // (8 lanes), scale = max(amax, 1e-4) / 448 (IEEE division), UE8M0 rounds the scale up to a
 // power of two by its bits, q = e4m3_satfinite_rn(x / scale).
@@ -811,44 +830,63 @@ __device__ void warm_send_pages(const LlArgs& a, int lane) {
   }
 }
 
-// Variant `pub`: the publisher warp (the CTA's last) of a dispatch send. Round r holds send
-// item `first + w + r * warps` of each send warp w of this CTA (first = this CTA's first send
-// warp in the grid, as Team::range numbers them); once every send warp with an item in the
-// round has stored it (its progress word >= r + 1), one fence (.sys, every lane: each lane
-// stores ready words after it) covers the round and each lane publishes (warp, destination)
-// pairs through publish_at. The send warps never wait, so the deadline here (1.5x, like
-// wait_recv_table, not reading the host flag) only guards a send warp that never advances.
-// False when it expired (the receivers then miss these ready words and report the source).
+// A send warp's progress word (`pub`, `cpub`) once it stopped on a failed wait of its own.
+constexpr uint32_t kProgressFailed = 0xffffffffu;
+
+// Variants `pub` and `cpub`: the publisher warp (the CTA's last) of a send. Send warp w of
+// this CTA takes items first + w, first + w + warps, ... (first = blockIdx.x * per_cta, the
+// grid-wide numbering of both sends): its round r is its item r. The publisher waits until
+// every send warp has stored at least one round more than it has published (progress
+// words; a warp that has stored all of its items no longer holds anyone back), then fences
+// once (.sys, every lane: each lane stores ready words after it) for all of those rounds
+// and the lanes publish their (warp, j < per_item) pairs through publish_at(item, j). One
+// fence per round instead fell behind in the combine (≈ 3.3 rounds, each fence a drain of
+// the SM's stores; run 17b). The send warps never wait on the publisher, so the deadline
+// here (1.5x, like wait_recv_table, not reading the host flag) only guards a send warp that
+// never advances. False when it expired or a send warp reported kProgressFailed (the
+// receivers then miss these ready words and report this rank).
 template <typename PublishAt>
-__device__ bool publish_rounds(const LlArgs& a, uint32_t n, const uint32_t* progress, int send_warps, size_t warps,
-                               size_t items, PublishAt publish_at) {
-  const int R = a.comm.lsaSize, lane = threadIdx.x & 31;
-  const size_t first = size_t(blockIdx.x) * send_warps;
-  for (size_t r = 0; first + r * warps < items; ++r) {
-    const size_t item0 = first + r * warps;
-    bool late = false;
-    if (lane < send_warps && item0 + lane < items) {
-      PollDeadline deadline;
-      for (uint32_t spin = 0; ld_acquire_cta_shared(progress + lane) < uint32_t(r + 1); ++spin) {
-        if ((spin & 255u) == 255u && !deadline.ok(a.err, a.timeout_ns + a.timeout_ns / 2,
-                                                static_cast<FabricPhase>(kPhaseDispatchRecv), a.comm.lsaRank,
-                                                a.comm.lsaRank, /*others=*/false)) {
-          late = true;
-          break;
-        }
+__device__ bool publish_rounds(const LlArgs& a, const uint32_t* progress, int per_cta, size_t warps, size_t items,
+                               int per_item, int stamp_slot, int first_slot, PublishAt publish_at) {
+  const int lane = threadIdx.x & 31;
+  const size_t first = size_t(blockIdx.x) * per_cta;
+  const size_t w0 = first + size_t(lane);
+  const uint32_t mine = lane < per_cta && w0 < items ? uint32_t((items - 1 - w0) / warps + 1) : 0u;
+  const uint32_t rounds = __shfl_sync(0xffffffffu, mine, 0);  // warp 0 has the most
+  constexpr uint32_t kAll = kProgressFailed - 1;               // no constraint
+  for (uint32_t published = 0; published < rounds;) {
+    PollDeadline deadline;
+    uint32_t done = 0;
+    for (uint32_t spin = 0;; ++spin) {
+      const uint32_t v = mine == 0u ? kAll : ld_acquire_cta_shared(progress + lane);
+      const bool failed = v == kProgressFailed;
+      if (__any_sync(0xffffffffu, failed)) {
+        if (failed) mark_failed(a);
+        return false;
       }
+      done = __reduce_min_sync(0xffffffffu, v >= mine ? kAll : v);
+      if (done > published) break;
+      bool expired = false;
+      if (lane == 0 && (spin & 255u) == 255u) {
+        expired = !deadline.ok(a.err, a.timeout_ns + a.timeout_ns / 2, static_cast<FabricPhase>(kPhaseDispatchRecv),
+                               a.comm.lsaRank, a.comm.lsaRank, /*others=*/false);
+        if (expired) mark_failed(a);
+      }
+      if (__shfl_sync(0xffffffffu, expired, 0)) return false;
     }
-    if (__any_sync(0xffffffffu, late)) {
-      if (late) mark_failed(a);
-      return false;
-    }
+    done = min(done, rounds);
+    __syncwarp();  // every lane's acquire before every lane's fence
     fence_acq_rel_sys();
-    if (lane == 0) stamp_max(a, kStDispFenced);
-    for (int p = lane; p < send_warps * R; p += 32) {
-      const size_t item = item0 + size_t(p / R);
-      if (item < items) publish_at(item, p % R);
+    if (lane == 0) stamp_max(a, stamp_slot);
+    const int per_round = per_cta * per_item;
+    for (int p = lane; p < int(done - published) * per_round; p += 32) {
+      const int q = p % per_round;
+      const size_t item = first + size_t(published + p / per_round) * warps + size_t(q / per_item);
+      if (item < items) publish_at(item, q % per_item);
     }
     flag_fence(a);
+    if (published == 0 && first_slot >= 0 && lane == 0) stamp_max(a, first_slot);
+    published = done;
   }
   return true;
 }
@@ -966,7 +1004,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   // 4. Records (the send team only; `pub`: the CTA's last warp publishes their ready words).
   if (!sender) {
     if (progress == nullptr || int(threadIdx.x / 32) != kWarps - 1) return true;
-    return publish_rounds(a, n, progress, send_warps, warps, items, publish_at);
+    return publish_rounds(a, progress, send_warps, warps, items, R, kStDispFenced, kStDispFirstPub, publish_at);
   }
   if (lane == 0 && warp < items) stamp_max(a, kStDispLoop);
   if (!tok_major && warp < items) cur = load_x_unit(a, tok_of(warp), unit_of(warp), lane);
@@ -1070,14 +1108,15 @@ struct StagedItem {
 // Variant `ready`: waits until ready word w holds op n (or a later one: wrapping compare).
 // The word is local; the back-off keeps hundreds of polling warps from crowding the L2 the
 // records are landing in (polls every 0.5 us starved incoming writes in the HT push combine).
-__device__ bool wait_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int src) {
+__device__ bool wait_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int src,
+                           uint32_t phase = kPhaseDispatchRecv) {
   PollDeadline deadline;
   const bool relaxed = relaxed_polls(a.flags);
   const bool sleep = (a.flags & kFlagSpin) == 0u;
   for (uint32_t spin = 0; int32_t((relaxed ? ld_relaxed_sys_u32(w) : ld_acquire_sys_u32(w)) - n) < 0; ++spin) {
     if (sleep) __nanosleep(32u << min(spin, 4u));
     if ((spin & 15u) == 15u &&
-        !deadline.ok(a.err, a.timeout_ns, static_cast<FabricPhase>(kPhaseDispatchRecv), src, a.comm.lsaRank)) {
+        !deadline.ok(a.err, a.timeout_ns, static_cast<FabricPhase>(phase), src, a.comm.lsaRank)) {
       return false;
     }
   }
@@ -1380,6 +1419,7 @@ struct CombUnit {
 // Rank-first combine send (see the head of this file): one partial row per record.
 constexpr int kPartialVecs = 2;                        // vectors of 8 bf16 per lane and row
 constexpr int kPartialUnit = 32 * 8 * kPartialVecs;    // channels per warp item
+static_assert(kPartialUnit == kDispatchUnit, "`cpub`'s ready words per unit share the dispatch's unit count");
 constexpr int kPartialBatch = 4;                       // rows loaded before the fma chain
 
 // One comb_map entry held across the warp: lane j holds int j (j < 32), so an entry is one
@@ -1526,8 +1566,15 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   const uint32_t records = min(ld_volatile_u32(&a.state[kRecords]), uint32_t(R) * uint32_t(T));
   const int units = (H + kPartialUnit - 1) / kPartialUnit;
   const size_t items = size_t(records) * units;
-  const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
+  // `cpub`: warps 0..14 of each CTA send and count their items in `progress`; the last one
+  // takes no item and publishes their ready words (publish_rounds).
+  const bool cpub = (a.flags & kFlagCombPublisher) != 0u;
+  const int wic = int(threadIdx.x / 32), per_cta = cpub ? kWarps - 1 : kWarps;
+  const bool publisher = cpub && wic == per_cta;
+  const size_t warps = size_t(gridDim.x) * per_cta;
+  const size_t warp = publisher ? items : size_t(blockIdx.x) * per_cta + wic;
+  __shared__ uint32_t progress[kWarps];
+  if (cpub && threadIdx.x < kWarps) progress[threadIdx.x] = 0;  // before the credit wait's barrier
   const float* wts = reinterpret_cast<const float*>(win_ptr(a, a.set_offset + a.wts_offset, me));
   // Records are sorted by source rank, so consecutive warps would all store to one source's
   // link at a time; a stride coprime with the record count visits every record once and
@@ -1591,6 +1638,22 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   stamp(a, kStCombWeights);
   bool weighted = false;  // cur's weights are loaded
   bool failed = false;    // `wflag`: a pair missed its deadline (this warp stops sending)
+  // `cpub`: the publisher's rounds (after every CTA-wide wait above, which it joins), and
+  // each send warp's progress after every item of the loop below (sent there or by `solo`).
+  if (publisher) {
+    const int KM = map_ints(K);
+    failed = !publish_rounds(a, progress, per_cta, warps, items, 1, kStCombSignaled, -1, [&](size_t it, int) {
+      const uint32_t g = record(it);
+      const int s = a.comb_map[size_t(g) * KM], t = a.comb_map[size_t(g) * KM + 1];
+      if (s >= 0 && s < R && t >= 0 && t < T) put_flag(a, comb_ready_word(a, s, me, t, int(it % units)), n);
+    });
+  }
+  uint32_t stored = 0;
+  auto progressed = [&](bool ok) {
+    if (!cpub) return;
+    __syncwarp();
+    if (lane == 0) st_release_cta_shared(progress + wic, ok ? ++stored : kProgressFailed);
+  };
   for (; item < items; item += warps) {
     const uint32_t g = record(item);
     const int c0 = int(item % units) * kPartialUnit + lane * 8;
@@ -1603,6 +1666,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
         load_batch(a, wts, held, record(next), 0, int(next % units) * kPartialUnit + lane * 8, true, cur);
         weighted = true;
       }
+      progressed(true);
       continue;
     }
     if (!weighted) load_batch(a, wts, held, g, 0, c0, true, cur, true);
@@ -1629,19 +1693,28 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
       load_batch(a, wts, held_next, record(next), 0, int(next % units) * kPartialUnit + lane * 8, true,
                  cur);
     }
-    if (failed) break;
+    if (failed) {
+      progressed(false);
+      break;
+    }
     uint4 out[kPartialVecs];
 #pragma unroll
     for (int i = 0; i < kPartialVecs; ++i) out[i] = pack_bf16x8(acc + i * 8);
     put_partial(s, t, c0, out);
+    progressed(true);
     held = held_next;
     weighted = true;
   }
   // `wflag`: a missed weight deadline stops the whole CTA before its signal (as a failed
   // kCombWts wait does), so the sources time out instead of reducing rows never sent.
-  if (wflag && __syncthreads_or(failed)) {
+  // `cpub`: likewise a publisher that stopped (its ready words are the signal).
+  if ((wflag || cpub) && __syncthreads_or(failed)) {
     mark_failed(a);
     return false;
+  }
+  if (cpub) {
+    stamp(a, kStCombSent);
+    return true;
   }
   signal_all_peers(a, kCombSig, kStCombSent, kStCombSignaled);
   return true;
@@ -1884,9 +1957,27 @@ struct ReduceItems {
   __device__ int c(size_t item) const { return int(item % units) * kItemChannels + int(threadIdx.x & 31) * 8; }
 };
 
-// The reduce loop of one warp.
+// `cpub`: every warp of the team waits until the partial rows of token t, 512-channel unit u
+// (from each rank holding one of its experts) are marked ready with op n. False in every
+// lane when one word missed its deadline.
+__device__ bool wait_comb_ready(const LlArgs& a, uint32_t n, int t, int u) {
+  int lane_rank;
+  const uint64_t ranks = token_ranks(a, t, lane_rank);
+  bool ok = true;
+  for (int r = threadIdx.x & 31; r < a.comm.lsaSize && ok; r += 32) {
+    if (((ranks >> r) & 1u) != 0u) {
+      ok = wait_ready(a, comb_ready_word(a, a.comm.lsaRank, r, t, u), n, r, kPhaseCombineRecv);
+    }
+  }
+  ok = __all_sync(0xffffffffu, ok);
+  __syncwarp();  // extends each lane's acquire to the warp's loads of the rows
+  return ok;
+}
+
+// The reduce loop of one warp. False when a `cpub` ready word missed its deadline (the
+// warp stops there).
 template <int V>
-__device__ void reduce_items(const LlArgs& a, const char* comb) {
+__device__ bool reduce_items(const LlArgs& a, const char* comb, uint32_t n) {
   const int H = a.hidden;
   const bool rank_first = a.comb_order == kCombOrderRankFirst;
   const int lane = threadIdx.x & 31;
@@ -1896,8 +1987,10 @@ __device__ void reduce_items(const LlArgs& a, const char* comb) {
   // memory latency per item.
   const bool eager_loads = (a.flags & (kFlagPipeline | kFlagEagerReduce)) != 0;
   const bool eager_rank_first = (a.flags & kFlagEagerReduce) != 0 && a.comm.lsaSize <= kReduceBatch / V;
+  const bool ready_words = rank_first && (a.flags & kFlagCombPublisher) != 0u;
   for (size_t item = it.warp; item < it.items; item += it.warps) {
     const int t = it.t(item), c = it.c(item);
+    if (ready_words && !wait_comb_ready(a, n, t, (c - lane * 8) / kPartialUnit)) return false;
     float acc[V][8];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
@@ -1920,6 +2013,7 @@ __device__ void reduce_items(const LlArgs& a, const char* comb) {
       }
     }
   }
+  return true;
 }
 
 // Brings the line holding p into L2 (and its page's translation into this SM's TLB); reads
@@ -1958,10 +2052,12 @@ __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
     if (wide) warm_reduce<2>(a, comb);
     else warm_reduce<1>(a, comb);
   }
-  if (!wait_all_peers(a, kCombSig, uint64_t(n) * gridDim.x, kPhaseCombineRecv)) return false;
+  // `cpub`: no signal; each reduce item waits for its rows' ready words.
+  const bool cpub = a.comb_order == kCombOrderRankFirst && (a.flags & kFlagCombPublisher) != 0u;
+  if (!cpub && !wait_all_peers(a, kCombSig, uint64_t(n) * gridDim.x, kPhaseCombineRecv)) return false;
   stamp(a, kStCombSeen);
-  if (wide) reduce_items<2>(a, comb);
-  else reduce_items<1>(a, comb);
+  const bool ok = wide ? reduce_items<2>(a, comb, n) : reduce_items<1>(a, comb, n);
+  if (!ok) mark_failed(a);  // no credit of the set from now on (as a failed signal wait)
   // No credit here: the next kernel on the set pushes it (push_credits).
   __syncthreads();
   stamp(a, kStCombReduced);

@@ -70,7 +70,7 @@ struct Feature {
 
 /// In the order of a variant's name (one line per feature: a table, kept by rustfmt::skip).
 #[rustfmt::skip]
-const FEATURES: [Feature; 23] = [
+const FEATURES: [Feature; 24] = [
     Feature { name: "tok", flag: 1, cu: "kFlagTokenMajor", get: |v| v.token_major, set: |v| &mut v.token_major },
     Feature { name: "pipe", flag: 2, cu: "kFlagPipeline", get: |v| v.pipeline, set: |v| &mut v.pipeline },
     Feature { name: "rot", flag: 4, cu: "kFlagRotate", get: |v| v.rotate, set: |v| &mut v.rotate },
@@ -94,6 +94,7 @@ const FEATURES: [Feature; 23] = [
     Feature { name: "wlate", flag: 1 << 27, cu: "kFlagLateWeights", get: |v| v.late_weights, set: |v| &mut v.late_weights },
     Feature { name: "wflag", flag: 1 << 28, cu: "kFlagFlaggedWeights", get: |v| v.flagged_weights, set: |v| &mut v.flagged_weights },
     Feature { name: "pub", flag: 1 << 29, cu: "kFlagPublisher", get: |v| v.publisher, set: |v| &mut v.publisher },
+    Feature { name: "cpub", flag: 1 << 30, cu: "kFlagCombPublisher", get: |v| v.comb_publisher, set: |v| &mut v.comb_publisher },
 ];
 
 /// Flags bit that limits the stamps to each operation's first and last (kFlagStampEdges).
@@ -200,6 +201,11 @@ pub struct LlVariant {
     /// last warp fences once per round of items and stores that round's ready words, so the
     /// receivers expand the first rounds while the last ones are in flight.
     pub publisher: bool,
+    /// `cpub` (the `rank-first` combine): warps 0..14 of each combine CTA send the partial
+    /// rows and the last warp publishes a ready word per (row slot, 512 channels) at the
+    /// source, once per round of their items; no data signal: the source's reduce waits per
+    /// item for the words of the ranks holding the token's experts.
+    pub comb_publisher: bool,
     /// CTAs per kernel; `None`: the caller's grid (the bench's `--sms`, else every SM);
     /// `Some(0)`: every SM.
     pub grid: Option<u32>,
@@ -207,7 +213,7 @@ pub struct LlVariant {
 
 impl LlVariant {
     /// What [`CudaLl::new`] uses without [`ENV_VARIANT`]:
-    /// `tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide+wflag` (session 7, bench/RESULTS.md:
+    /// `tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide+wflag+pub` (session 7, bench/RESULTS.md:
     /// `tok+rot+ready+send8+fused` FP8 dispatch 28.2–28.6 µs against 31.6 for `fused`, BF16
     /// 34.4–34.6 against 40.0; session 10: `pdl+quiet` on top saves ≈ 1 µs per operation back
     /// to back, e.g. FP8 dispatch 25.3 → 24.3 µs, and nothing with an event between
@@ -217,7 +223,8 @@ impl LlVariant {
     /// built cost 4 µs there and is not in; session 16: `rwide` 1–2 µs of the `rank-first`
     /// combine, 35.0–36.1 → 33.0–34.3 µs eager, and ≈ 1 µs of `topk`; `wflag` 0.5–1 µs of the
     /// `rank-first` combine back to back at 128 tokens, 1.1–1.3 µs at 1 token, eager at 128
-    /// within noise). Refused, like every fused variant, when the grid cannot be resident at
+    /// within noise); session 17: `pub` 2.2 µs of the FP8 dispatch, 29.0 → 26.7–27.0 µs eager,
+    /// and 2.6 µs of BF16). Refused, like every fused variant, when the grid cannot be resident at
     /// once.
     pub const DEFAULT: LlVariant = LlVariant {
         token_major: true,
@@ -232,6 +239,7 @@ impl LlVariant {
         solo: true,
         wide_reduce: true,
         flagged_weights: true,
+        publisher: true,
         ..LlVariant::BASE
     };
 
@@ -261,6 +269,7 @@ impl LlVariant {
         late_weights: false,
         flagged_weights: false,
         publisher: false,
+        comb_publisher: false,
         grid: None,
     };
 
@@ -453,6 +462,11 @@ impl LlVariant {
             "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide+wflag+pub@all",
             "tok+pipe+rot+ready+send4+fused+pdl+quiet+pub@3",
             "ready+send14+fused+pub@5",
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide+wflag+pub+cpub@all",
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide+cpub@all",
+            "cpub@3",
+            "solo+wflag+cpub@2",
+            "pipe+eload+cpub@5",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
@@ -518,7 +532,7 @@ pub const SIG_KINDS: usize = 6;
 /// counts.
 pub const STATE_WORDS: usize = 8 + 2 * MAX_GRID as usize;
 /// u64 timestamps per CTA per operation pair (`kStampSlots` in ll.cu).
-pub const STAMP_SLOTS: usize = 27;
+pub const STAMP_SLOTS: usize = 28;
 /// Stamp slots of each operation's first and last stamp (kStDispStart, kStDispEnd,
 /// kStCombStart, kStCombEnd in ll.cu): the span of its kernels.
 const ST_DISP_START: usize = 0;
@@ -533,6 +547,8 @@ const ST_COMB_ENTRY: usize = 19;
 /// kStCombLastItem).
 const ST_COMB_FIRST_ITEM: usize = 25;
 const ST_COMB_LAST_ITEM: usize = 26;
+/// `pub`: the latest CTA's first batch of ready words published (kStDispFirstPub).
+const ST_DISP_FIRST_PUB: usize = 27;
 /// Word written into every output before a checked run: a row nobody wrote keeps it.
 pub const POISON: u32 = 0xDEAD_BEEF;
 
@@ -611,8 +627,9 @@ impl LlLayout {
         let sig_offset = 0;
         let meta_offset = align16(sig_offset + SIG_KINDS * r * 8);
         let ready_offset = align16(meta_offset + r * (l + 1) * 4);
+        // Ready words [R][T][units] u32: the dispatch's, then the combine's (`cpub`).
         let stage_offset =
-            (ready_offset + r * t * h.div_ceil(DISPATCH_UNIT) * 4).next_multiple_of(RECORD_ALIGN);
+            (ready_offset + 2 * r * t * h.div_ceil(DISPATCH_UNIT) * 4).next_multiple_of(RECORD_ALIGN);
         let wts_offset = align16(stage_offset + r * t * record_bytes);
         // The combine rows, as the records: whole 128-byte lines per warp store.
         // `rank-first` weights: [src][T][K], 8 bytes each (f32, or `wflag`'s (op, f32) pairs).
@@ -2131,7 +2148,7 @@ impl StampMode {
 /// start of the operation (dispatch slot 0, combine slot 10) on the rank's clock; medians over
 /// iterations of the slowest rank. Absent slots (a variant that does not pass them) are left
 /// out of the report.
-pub const PHASES: [(&str, usize, bool); 30] = [
+pub const PHASES: [(&str, usize, bool); 31] = [
     ("d.lay", 1, false),
     ("d.cred", 2, false),
     ("d.loop0", 22, true),
@@ -2140,6 +2157,7 @@ pub const PHASES: [(&str, usize, bool); 30] = [
     ("d.enc", 23, false),
     ("d.stored0", 20, true),
     ("d.stored", 20, false),
+    ("d.pub1", ST_DISP_FIRST_PUB, false),
     ("d.fenced", 21, false),
     ("d.sent0", 3, true),
     ("d.sent", 3, false),
@@ -2164,7 +2182,7 @@ pub const PHASES: [(&str, usize, bool); 30] = [
     ("c.end", 17, false),
 ];
 /// Dispatch columns of [`PHASES`] (the rest are combine).
-const DISPATCH_PHASES: usize = 17;
+const DISPATCH_PHASES: usize = 18;
 
 /// Whether stamp slot `slot` belongs to the dispatch (kStDisp* in ll.cu), else the combine.
 fn dispatch_slot(slot: usize) -> bool {
@@ -2740,6 +2758,7 @@ mod tests {
         assert_eq!(ST_COMB_ENTRY, cu_const("kStCombEntry"));
         assert_eq!(ST_COMB_FIRST_ITEM, cu_const("kStCombFirstItem"));
         assert_eq!(ST_COMB_LAST_ITEM, cu_const("kStCombLastItem"));
+        assert_eq!(ST_DISP_FIRST_PUB, cu_const("kStDispFirstPub"));
         assert_eq!(THREADS as usize, cu_const("kThreads"));
         assert_eq!(
             cu_const("kFlagSendWarpsShift"),
@@ -2774,10 +2793,11 @@ mod tests {
             assert!(off.is_multiple_of(16));
         }
         assert!(l.meta_offset >= SIG_KINDS * 4 * 8 && l.ready_offset >= l.meta_offset + 4 * 65 * 4);
-        // Ready words [R][T][ceil(7168 / 512) = 14] u32 before the staging.
+        // Ready words [R][T][ceil(7168 / 512) = 14] u32, dispatch then combine, before the
+        // staging.
         assert_eq!(
             l.stage_offset,
-            (l.ready_offset + 4 * 128 * 14 * 4).div_ceil(128) * 128
+            (l.ready_offset + 2 * 4 * 128 * 14 * 4).div_ceil(128) * 128
         );
         // Staging, then the rank-first weights [R][T][K] f32, then the combine rows.
         assert_eq!(l.wts_offset, l.stage_offset + 4 * 128 * 7552);
@@ -2801,7 +2821,7 @@ mod tests {
         assert_eq!(LlVariant::BASE.name(), "base");
         assert_eq!(
             LlVariant::DEFAULT.name(),
-            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide+wflag"
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide+wflag+pub"
         );
         assert_eq!(
             LlVariant::parse(&LlVariant::DEFAULT.name()).unwrap(),
