@@ -312,6 +312,10 @@ static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kSt
 //   source's reduce starts once its own CTA has sent (no polling while it sends, the cost
 //   `cready` paid in session 8) and waits per item only for the words of the ranks holding
 //   the token's experts, instead of every CTA of every rank.
+// - kFlagSpread (variant `spread`, dispatch send): the send team's warps are numbered CTA
+//   fastest (warp w of CTA b is w * grid + b), so a second, partial round of items lands on
+//   every CTA instead of on the first CTAs only (at 128 tokens x 14 units over 132 x 8 send
+//   warps: 92 CTAs stored 16 items each and 40 CTAs 8).
 // (The fused one-kernel-per-operation variant is a host choice: other entry points.)
 // (One per line: the host's tests read each value here, ll.rs FEATURES.)
 constexpr uint32_t kFlagTokenMajor = 1u;
@@ -339,6 +343,7 @@ constexpr uint32_t kFlagLateWeights = 134217728u;
 constexpr uint32_t kFlagFlaggedWeights = 268435456u;
 constexpr uint32_t kFlagPublisher = 536870912u;
 constexpr uint32_t kFlagCombPublisher = 1073741824u;
+constexpr uint32_t kFlagSpread = 2147483648u;
 // Named barriers of the two teams of the fused dispatch with send warps (0 = the CTA's).
 constexpr int kBarSend = 1, kBarRecv = 2;
 
@@ -834,8 +839,8 @@ __device__ void warm_send_pages(const LlArgs& a, int lane) {
 constexpr uint32_t kProgressFailed = 0xffffffffu;
 
 // Variants `pub` and `cpub`: the publisher warp (the CTA's last) of a send. Send warp w of
-// this CTA takes items first + w, first + w + warps, ... (first = blockIdx.x * per_cta, the
-// grid-wide numbering of both sends): its round r is its item r. The publisher waits until
+// this CTA takes items i, i + warps, ... with i = blockIdx.x * per_cta + w (or, `spread`
+// in the dispatch, w * grid + blockIdx.x): its round r is its item r. The publisher waits until
 // every send warp has stored at least one round more than it has published (progress
 // words; a warp that has stored all of its items no longer holds anyone back), then fences
 // once (.sys, every lane: each lane stores ready words after it) for all of those rounds
@@ -847,10 +852,13 @@ constexpr uint32_t kProgressFailed = 0xffffffffu;
 // receivers then miss these ready words and report this rank).
 template <typename PublishAt>
 __device__ bool publish_rounds(const LlArgs& a, const uint32_t* progress, int per_cta, size_t warps, size_t items,
-                               int per_item, int stamp_slot, int first_slot, PublishAt publish_at) {
+                               int per_item, bool spread, int stamp_slot, int first_slot, PublishAt publish_at) {
   const int lane = threadIdx.x & 31;
-  const size_t first = size_t(blockIdx.x) * per_cta;
-  const size_t w0 = first + size_t(lane);
+  // Grid-wide index of send warp w of this CTA (`spread`: CTA fastest).
+  auto warp_at = [&](int w) {
+    return spread ? size_t(w) * gridDim.x + blockIdx.x : size_t(blockIdx.x) * per_cta + size_t(w);
+  };
+  const size_t w0 = warp_at(lane);
   const uint32_t mine = lane < per_cta && w0 < items ? uint32_t((items - 1 - w0) / warps + 1) : 0u;
   const uint32_t rounds = __shfl_sync(0xffffffffu, mine, 0);  // warp 0 has the most
   constexpr uint32_t kAll = kProgressFailed - 1;               // no constraint
@@ -881,7 +889,7 @@ __device__ bool publish_rounds(const LlArgs& a, const uint32_t* progress, int pe
     const int per_round = per_cta * per_item;
     for (int p = lane; p < int(done - published) * per_round; p += 32) {
       const int q = p % per_round;
-      const size_t item = first + size_t(published + p / per_round) * warps + size_t(q / per_item);
+      const size_t item = warp_at(q / per_item) + size_t(published + p / per_round) * warps;
       if (item < items) publish_at(item, q % per_item);
     }
     flag_fence(a);
@@ -919,7 +927,10 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   const size_t items = size_t(N) * per_tok;
   const Team team = send_warps >= kWarps ? Team::cta() : Team::range(0, send_warps, kBarSend);
   const bool sender = int(threadIdx.x / 32) < send_warps;
-  const size_t warp = sender ? team.warp : items;  // receive-team warps take no item
+  // Receive-team warps take no item; `spread`: CTA fastest (publish_rounds numbers alike).
+  const size_t warp = !sender ? items
+                      : (a.flags & kFlagSpread) != 0u ? size_t(threadIdx.x / 32) * gridDim.x + blockIdx.x
+                                                      : team.warp;
   const size_t warps = team.warps;
   auto tok_of = [&](size_t item) { return int(item / per_tok); };
   auto unit_of = [&](size_t item) { return int(tok_major ? item % per_tok : (item % per_tok) / R); };
@@ -1004,7 +1015,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   // 4. Records (the send team only; `pub`: the CTA's last warp publishes their ready words).
   if (!sender) {
     if (progress == nullptr || int(threadIdx.x / 32) != kWarps - 1) return true;
-    return publish_rounds(a, progress, send_warps, warps, items, R, kStDispFenced, kStDispFirstPub, publish_at);
+    return publish_rounds(a, progress, send_warps, warps, items, R, (a.flags & kFlagSpread) != 0u, kStDispFenced, kStDispFirstPub, publish_at);
   }
   if (lane == 0 && warp < items) stamp_max(a, kStDispLoop);
   if (!tok_major && warp < items) cur = load_x_unit(a, tok_of(warp), unit_of(warp), lane);
@@ -1642,7 +1653,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   // each send warp's progress after every item of the loop below (sent there or by `solo`).
   if (publisher) {
     const int KM = map_ints(K);
-    failed = !publish_rounds(a, progress, per_cta, warps, items, 1, kStCombSignaled, -1, [&](size_t it, int) {
+    failed = !publish_rounds(a, progress, per_cta, warps, items, 1, false, kStCombSignaled, -1, [&](size_t it, int) {
       const uint32_t g = record(it);
       const int s = a.comb_map[size_t(g) * KM], t = a.comb_map[size_t(g) * KM + 1];
       if (s >= 0 && s < R && t >= 0 && t < T) put_flag(a, comb_ready_word(a, s, me, t, int(it % units)), n);

@@ -70,7 +70,7 @@ struct Feature {
 
 /// In the order of a variant's name (one line per feature: a table, kept by rustfmt::skip).
 #[rustfmt::skip]
-const FEATURES: [Feature; 24] = [
+const FEATURES: [Feature; 25] = [
     Feature { name: "tok", flag: 1, cu: "kFlagTokenMajor", get: |v| v.token_major, set: |v| &mut v.token_major },
     Feature { name: "pipe", flag: 2, cu: "kFlagPipeline", get: |v| v.pipeline, set: |v| &mut v.pipeline },
     Feature { name: "rot", flag: 4, cu: "kFlagRotate", get: |v| v.rotate, set: |v| &mut v.rotate },
@@ -95,6 +95,7 @@ const FEATURES: [Feature; 24] = [
     Feature { name: "wflag", flag: 1 << 28, cu: "kFlagFlaggedWeights", get: |v| v.flagged_weights, set: |v| &mut v.flagged_weights },
     Feature { name: "pub", flag: 1 << 29, cu: "kFlagPublisher", get: |v| v.publisher, set: |v| &mut v.publisher },
     Feature { name: "cpub", flag: 1 << 30, cu: "kFlagCombPublisher", get: |v| v.comb_publisher, set: |v| &mut v.comb_publisher },
+    Feature { name: "spread", flag: 1 << 31, cu: "kFlagSpread", get: |v| v.spread, set: |v| &mut v.spread },
 ];
 
 /// Flags bit that limits the stamps to each operation's first and last (kFlagStampEdges).
@@ -206,6 +207,9 @@ pub struct LlVariant {
     /// source, once per round of their items; no data signal: the source's reduce waits per
     /// item for the words of the ranks holding the token's experts.
     pub comb_publisher: bool,
+    /// `spread`: the dispatch's send warps are numbered CTA fastest, so a partial last round
+    /// of send items is shared by every CTA instead of falling on the first CTAs only.
+    pub spread: bool,
     /// CTAs per kernel; `None`: the caller's grid (the bench's `--sms`, else every SM);
     /// `Some(0)`: every SM.
     pub grid: Option<u32>,
@@ -270,6 +274,7 @@ impl LlVariant {
         flagged_weights: false,
         publisher: false,
         comb_publisher: false,
+        spread: false,
         grid: None,
     };
 
@@ -467,6 +472,10 @@ impl LlVariant {
             "cpub@3",
             "solo+wflag+cpub@2",
             "pipe+eload+cpub@5",
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide+wflag+pub+spread@all",
+            "tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide+wflag+spread@all",
+            "tok+pipe+spread@3",
+            "ready+send6+fused+pub+spread@5",
         ]
         .iter()
         .map(|s| LlVariant::parse(s).expect("built-in variants parse"))
