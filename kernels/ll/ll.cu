@@ -297,14 +297,14 @@ static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kSt
 // - kFlagPublisher (variant `pub`, with `ready` and `sendN`, N <= 14): the send warps never
 //   fence. After each item's stores a send warp's lane 0 records its progress in shared
 //   memory (st.release.cta, after a warp barrier); the CTA's last warp (the publisher, not
-//   in the receive team until it has published) waits per round of items for every send
-//   warp's progress (ld.acquire.cta), fences (.sys) once and stores the round's ready words,
-//   one lane per (send warp, destination). The chain store -> release.cta -> acquire.cta ->
-//   fence.sys -> ready word is a release pattern by causality order (the cross-warp form of
-//   what a warp barrier and one lane's fence do in `ready`). What it buys: the send warps'
-//   stores are never held by their own fence (`iready`'s per-item fences cost 2.9 µs,
-//   session 12), while the first rounds are published during the later ones, so the
-//   receivers expand them during the transfer.
+//   in the receive team until it has published) waits for the send warps' progress
+//   (ld.acquire.cta), fences (.sys) once per batch of rounds and stores their ready words,
+//   one lane per (send warp, destination): publish_rounds. The chain store -> release.cta ->
+//   acquire.cta -> fence.sys -> ready word is a release pattern by causality order (the
+//   cross-warp form of what a warp barrier and one lane's fence do in `ready`). What it buys
+//   (session 17): the send warps are free as soon as their stores are issued (their own
+//   fence held each of them ≈ 3 µs; `iready`'s per-item fences cost 2.9 µs, session 12) and
+//   join the expand; −2.2 µs FP8, −2.6 BF16 at 128 tokens.
 // - kFlagCombPublisher (variant `cpub`, `rank-first` combine): the same for the combine.
 //   Warps 0..14 of each CTA send the partial rows, the last warp fences per round of their
 //   items and stores a combine ready word per (row slot, 512 channels) at the source
@@ -850,13 +850,26 @@ constexpr uint32_t kProgressFailed = 0xffffffffu;
 // here (1.5x, like wait_recv_table, not reading the host flag) only guards a send warp that
 // never advances. False when it expired or a send warp reported kProgressFailed (the
 // receivers then miss these ready words and report this rank).
+struct PublishPlan {
+  int per_cta;        // send warps per CTA (warps 0..per_cta - 1)
+  size_t warps;       // send warps of the grid
+  size_t items;       // send items of the grid
+  int per_item;       // ready words per item (dispatch: one per destination; combine: one)
+  bool spread;        // `spread`: send warps numbered CTA fastest
+  int stamp_slot;     // stamped (max) after each fence
+  int first_slot;     // stamped (max) after the first batch, or -1
+  uint32_t phase;     // of the publisher's own deadline
+};
+
 template <typename PublishAt>
-__device__ bool publish_rounds(const LlArgs& a, const uint32_t* progress, int per_cta, size_t warps, size_t items,
-                               int per_item, bool spread, int stamp_slot, int first_slot, PublishAt publish_at) {
+__device__ bool publish_rounds(const LlArgs& a, const uint32_t* progress, const PublishPlan& plan,
+                               PublishAt publish_at) {
   const int lane = threadIdx.x & 31;
+  const int per_cta = plan.per_cta, per_item = plan.per_item;
+  const size_t warps = plan.warps, items = plan.items;
   // Grid-wide index of send warp w of this CTA (`spread`: CTA fastest).
   auto warp_at = [&](int w) {
-    return spread ? size_t(w) * gridDim.x + blockIdx.x : size_t(blockIdx.x) * per_cta + size_t(w);
+    return plan.spread ? size_t(w) * gridDim.x + blockIdx.x : size_t(blockIdx.x) * per_cta + size_t(w);
   };
   const size_t w0 = warp_at(lane);
   const uint32_t mine = lane < per_cta && w0 < items ? uint32_t((items - 1 - w0) / warps + 1) : 0u;
@@ -876,7 +889,7 @@ __device__ bool publish_rounds(const LlArgs& a, const uint32_t* progress, int pe
       if (done > published) break;
       bool expired = false;
       if (lane == 0 && (spin & 255u) == 255u) {
-        expired = !deadline.ok(a.err, a.timeout_ns + a.timeout_ns / 2, static_cast<FabricPhase>(kPhaseDispatchRecv),
+        expired = !deadline.ok(a.err, a.timeout_ns + a.timeout_ns / 2, static_cast<FabricPhase>(plan.phase),
                                a.comm.lsaRank, a.comm.lsaRank, /*others=*/false);
         if (expired) mark_failed(a);
       }
@@ -885,7 +898,7 @@ __device__ bool publish_rounds(const LlArgs& a, const uint32_t* progress, int pe
     done = min(done, rounds);
     __syncwarp();  // every lane's acquire before every lane's fence
     fence_acq_rel_sys();
-    if (lane == 0) stamp_max(a, stamp_slot);
+    if (lane == 0) stamp_max(a, plan.stamp_slot);
     const int per_round = per_cta * per_item;
     for (int p = lane; p < int(done - published) * per_round; p += 32) {
       const int q = p % per_round;
@@ -893,7 +906,7 @@ __device__ bool publish_rounds(const LlArgs& a, const uint32_t* progress, int pe
       if (item < items) publish_at(item, q % per_item);
     }
     flag_fence(a);
-    if (published == 0 && first_slot >= 0 && lane == 0) stamp_max(a, first_slot);
+    if (published == 0 && plan.first_slot >= 0 && lane == 0) stamp_max(a, plan.first_slot);
     published = done;
   }
   return true;
@@ -1015,7 +1028,9 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   // 4. Records (the send team only; `pub`: the CTA's last warp publishes their ready words).
   if (!sender) {
     if (progress == nullptr || int(threadIdx.x / 32) != kWarps - 1) return true;
-    return publish_rounds(a, progress, send_warps, warps, items, R, (a.flags & kFlagSpread) != 0u, kStDispFenced, kStDispFirstPub, publish_at);
+    const bool spread = (a.flags & kFlagSpread) != 0u;
+    const PublishPlan plan{send_warps, warps, items, R, spread, kStDispFenced, kStDispFirstPub, kPhaseDispatchRecv};
+    return publish_rounds(a, progress, plan, publish_at);
   }
   if (lane == 0 && warp < items) stamp_max(a, kStDispLoop);
   if (!tok_major && warp < items) cur = load_x_unit(a, tok_of(warp), unit_of(warp), lane);
@@ -1653,7 +1668,8 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   // each send warp's progress after every item of the loop below (sent there or by `solo`).
   if (publisher) {
     const int KM = map_ints(K);
-    failed = !publish_rounds(a, progress, per_cta, warps, items, 1, false, kStCombSignaled, -1, [&](size_t it, int) {
+    const PublishPlan plan{per_cta, warps, items, 1, false, kStCombSignaled, -1, kPhaseCombineRecv};
+    failed = !publish_rounds(a, progress, plan, [&](size_t it, int) {
       const uint32_t g = record(it);
       const int s = a.comb_map[size_t(g) * KM], t = a.comb_map[size_t(g) * KM + 1];
       if (s >= 0 && s < R && t >= 0 && t < T) put_flag(a, comb_ready_word(a, s, me, t, int(it % units)), n);
