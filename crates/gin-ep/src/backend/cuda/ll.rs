@@ -2875,9 +2875,20 @@ mod tests {
             "ready+fused+send0",
             "ready+fused+send16",
             "ready+fused+sendx",
+            // `pub` needs a send team and a warp beside it; it replaces `iready`'s fences.
+            "ready+fused+pub",
+            "ready+send15+fused+pub",
+            "ready+iready+send8+fused+pub",
         ] {
             assert!(LlVariant::parse(bad).unwrap_err().is_usage(), "{bad}");
         }
+        let p = LlVariant::parse("pub+ready+send14+fused+cpub+spread@5").unwrap();
+        assert!(p.publisher && p.comb_publisher && p.spread);
+        assert_eq!(
+            p.kernel_flags(),
+            16 | (14 << 8) | (1 << 29) | (1 << 30) | (1 << 31)
+        );
+        assert_eq!(p.name(), "ready+send14+fused+pub+cpub+spread@5");
         for v in LlVariant::check_list().into_iter().chain(LlVariant::sweep_list()) {
             assert_eq!(LlVariant::parse(&v.name()).unwrap(), v, "{}", v.name());
         }
