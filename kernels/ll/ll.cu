@@ -306,8 +306,8 @@ static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kSt
 //   fence held each of them ≈ 3 µs; `iready`'s per-item fences cost 2.9 µs, session 12) and
 //   join the expand; −2.2 µs FP8, −2.6 BF16 at 128 tokens.
 // - kFlagCombPublisher (variant `cpub`, `rank-first` combine): the same for the combine.
-//   Warps 0..14 of each CTA send the partial rows, the last warp fences per round of their
-//   items and stores a combine ready word per (row slot, 512 channels) at the source
+//   Warps 0..14 of each CTA send the partial rows, the last warp fences for their items
+//   (publish_rounds) and stores a combine ready word per (row slot, 512 channels) at the source
 //   ([src][T][units] u32 after the dispatch's ready words, value op n); no kCombSig. The
 //   source's reduce starts once its own CTA has sent (no polling while it sends, the cost
 //   `cready` paid in session 8) and waits per item only for the words of the ranks holding

@@ -199,12 +199,13 @@ pub struct LlVariant {
     pub flagged_weights: bool,
     /// `pub` (with `ready` and `sendN`, N <= 14): the send warps of the fused dispatch never
     /// fence; after each item they record their progress in shared memory, and the CTA's
-    /// last warp fences once per round of items and stores that round's ready words, so the
-    /// receivers expand the first rounds while the last ones are in flight.
+    /// last warp fences once for every round all of them have stored and stores those
+    /// rounds' ready words. The send warps are free once their stores are issued and join
+    /// the expand (session 17: the first batch goes out only about when the transfer ends).
     pub publisher: bool,
     /// `cpub` (the `rank-first` combine): warps 0..14 of each combine CTA send the partial
     /// rows and the last warp publishes a ready word per (row slot, 512 channels) at the
-    /// source, once per round of their items; no data signal: the source's reduce waits per
+    /// source, as `pub` does; no data signal: the source's reduce waits per
     /// item for the words of the ranks holding the token's experts.
     pub comb_publisher: bool,
     /// `spread`: the dispatch's send warps are numbered CTA fastest, so a partial last round
@@ -2808,7 +2809,7 @@ mod tests {
             l.stage_offset,
             (l.ready_offset + 2 * 4 * 128 * 14 * 4).div_ceil(128) * 128
         );
-        // Staging, then the rank-first weights [R][T][K] f32, then the combine rows.
+        // Staging, then the rank-first weights [R][T][K] (8 bytes each), then the combine rows.
         assert_eq!(l.wts_offset, l.stage_offset + 4 * 128 * 7552);
         assert_eq!(l.comb_offset, l.wts_offset + 4 * 128 * 8 * 8);
         assert!(l.comb_offset.is_multiple_of(RECORD_ALIGN));
