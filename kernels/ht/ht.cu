@@ -47,6 +47,7 @@
 #include <cuda_fp8.h>
 
 #include "common/fabric.cuh"
+#include "common/quant.cuh"
 
 namespace gin_ep {
 namespace ht {
@@ -215,17 +216,6 @@ __device__ __forceinline__ void add_bf16x8(float* acc, const uint4 v) {
     acc[2 * i] = __fadd_rn(acc[2 * i], bf16_lo(w[i]));
     acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], bf16_hi(w[i]));
   }
-}
-
-// quant.rs round_scale_ue8m0: keep the exponent, bump it when any mantissa bit is set.
-__device__ __forceinline__ float round_ue8m0(float s) {
-  const uint32_t b = __float_as_uint(s);
-  const uint32_t e = b & 0x7F800000u;
-  return __uint_as_float((b & 0x007FFFFFu) != 0u ? e + 0x00800000u : e);
-}
-
-__device__ __forceinline__ uint32_t e4m3(float x, float scale) {
-  return uint32_t(__nv_cvt_float_to_fp8(__fdiv_rn(x, scale), __NV_SATFINITE, __NV_E4M3));
 }
 
 // Tells `peer` which receive slab this rank takes the current dispatch into (slot `me` of
@@ -845,20 +835,19 @@ __device__ __forceinline__ void dispatch_body(const HtArgs& a) {
           amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 4));
           amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
           amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
-          float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.f);
-          if (ue8m0) scale = round_ue8m0(scale);
+          const ScaleDivisor d = scale_divisor(block_scale(amax, ue8m0));
           uint32_t q[4];
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            q[i] = e4m3(f[4 * i], scale) | (e4m3(f[4 * i + 1], scale) << 8) | (e4m3(f[4 * i + 2], scale) << 16) |
-                   (e4m3(f[4 * i + 3], scale) << 24);
+            q[i] = e4m3_scaled(f[4 * i], d) | (e4m3_scaled(f[4 * i + 1], d) << 8) |
+                   (e4m3_scaled(f[4 * i + 2], d) << 16) | (e4m3_scaled(f[4 * i + 3], d) << 24);
           }
           const uint4 qv = make_uint4(q[0], q[1], q[2], q[3]);
           for_each_dest(mask, r0, R, [&](int r) {
             const uint64_t row = __shfl_sync(0xFFFFFFFFu, my_row, r);
             if (in) {
               st_v4(reinterpret_cast<uint4*>(s_x[r] + row * size_t(H)) + u, qv);
-              if ((lane & 7) == 0) reinterpret_cast<float*>(s_sc[r])[row * nsc + u / 8] = scale;
+              if ((lane & 7) == 0) reinterpret_cast<float*>(s_sc[r])[row * nsc + u / 8] = d.scale;
             }
           });
         }

@@ -79,6 +79,7 @@
 #include <cuda_fp8.h>
 
 #include "common/fabric.cuh"
+#include "common/quant.cuh"
 
 namespace gin_ep {
 namespace ll {
@@ -706,8 +707,8 @@ __device__ __forceinline__ uint32_t* comb_ready_word(const LlArgs& a, int owner,
 }
 
 // Quantizes 16 channels per lane, bit-exact with quant.rs: amax over the 128-channel block
-// (8 lanes), scale = max(amax, 1e-4) / 448 (IEEE division), UE8M0 rounds the scale up to a
-// power of two by its bits, q = e4m3_satfinite_rn(x / scale).
+// (8 lanes), its scale (common/quant.cuh block_scale), q = e4m3_satfinite_rn(x / scale) by
+// one reciprocal per block (e4m3_scaled).
 __device__ __forceinline__ uint4 quantize16(const uint4 lo, const uint4 hi, bool in_range, bool ue8m0,
                                             float* scale_out) {
   float v[16];
@@ -726,18 +727,11 @@ __device__ __forceinline__ uint4 quantize16(const uint4 lo, const uint4 hi, bool
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-  float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
-  if (ue8m0) {
-    const uint32_t bits = __float_as_uint(scale);
-    scale = __uint_as_float((bits & 0x007fffffu) == 0 ? (bits & 0x7f800000u) : (bits & 0x7f800000u) + 0x00800000u);
-  }
-  *scale_out = scale;
+  const ScaleDivisor d = scale_divisor(block_scale(amax, ue8m0));
+  *scale_out = d.scale;
   uint32_t q[4] = {0, 0, 0, 0};
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const uint32_t b = __nv_cvt_float_to_fp8(__fdiv_rn(v[i], scale), __NV_SATFINITE, __NV_E4M3);
-    q[i / 4] |= b << (8 * (i % 4));
-  }
+  for (int i = 0; i < 16; ++i) q[i / 4] |= e4m3_scaled(v[i], d) << (8 * (i % 4));
   return make_uint4(q[0], q[1], q[2], q[3]);
 }
 
@@ -940,13 +934,18 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   const size_t items = size_t(N) * per_tok;
   const Team team = send_warps >= kWarps ? Team::cta() : Team::range(0, send_warps, kBarSend);
   const bool sender = int(threadIdx.x / 32) < send_warps;
+  const bool spread = (a.flags & kFlagSpread) != 0u;
   // Receive-team warps take no item; `spread`: CTA fastest (publish_rounds numbers alike).
-  const size_t warp = !sender ? items
-                      : (a.flags & kFlagSpread) != 0u ? size_t(threadIdx.x / 32) * gridDim.x + blockIdx.x
-                                                      : team.warp;
+  const size_t warp = !sender ? items : spread ? size_t(threadIdx.x / 32) * gridDim.x + blockIdx.x : team.warp;
   const size_t warps = team.warps;
-  auto tok_of = [&](size_t item) { return int(item / per_tok); };
-  auto unit_of = [&](size_t item) { return int(tok_major ? item % per_tok : (item % per_tok) / R); };
+  // Item arithmetic in 32 bits (items < 2^32: ll.rs caps max_tokens at 1024): a 64-bit
+  // division is a subroutine call, and these run for every item of the send and publish loops.
+  const uint32_t per_tok32 = uint32_t(per_tok), R32 = uint32_t(R);
+  auto tok_of = [&](size_t item) { return int(uint32_t(item) / per_tok32); };
+  auto unit_of = [&](size_t item) {
+    const uint32_t in_tok = uint32_t(item) % per_tok32;
+    return int(tok_major ? in_tok : in_tok / R32);
+  };
   const bool item_ready = (a.flags & (kFlagReady | kFlagItemReady)) == (kFlagReady | kFlagItemReady);
   XUnit cur{};
   if ((a.flags & kFlagWarm) != 0u && int(threadIdx.x / 32) == kWarps - 1) warm_send_pages(a, lane);
@@ -1007,7 +1006,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   // (after a fence that covers its stores).
   auto publish_at = [&](size_t item, int dst) {
     const int t = tok_of(item);
-    if ((tok_major || dst == int(item % R)) && tr.has(E + dst, t)) {
+    if ((tok_major || dst == int(uint32_t(item) % R32)) && tr.has(E + dst, t)) {
       put_flag(a, ready_word(a, dst, me, tr.rank_in(E + dst, t), unit_of(item)), n);
     }
   };
@@ -1028,7 +1027,6 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   // 4. Records (the send team only; `pub`: the CTA's last warp publishes their ready words).
   if (!sender) {
     if (progress == nullptr || int(threadIdx.x / 32) != kWarps - 1) return true;
-    const bool spread = (a.flags & kFlagSpread) != 0u;
     const PublishPlan plan{send_warps, warps, items, R, spread, kStDispFenced, kStDispFirstPub, kPhaseDispatchRecv};
     return publish_rounds(a, progress, plan, publish_at);
   }
@@ -1054,7 +1052,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
         __syncwarp();
         if (lane == 0) stamp_max(a, kStDispEncoded);
       }
-      const int first_dst = rotate ? int((size_t(me) + 1 + item) % size_t(R)) : 0;
+      const int first_dst = rotate ? int((uint32_t(me) + 1u + uint32_t(item)) % R32) : 0;
       for (int i = 0; i < R; ++i) {
         const int dst = first_dst + i < R ? first_dst + i : first_dst + i - R;
         if (!tr.has(E + dst, t)) continue;  // warp-uniform
@@ -1063,7 +1061,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
         if (u == 0) put_meta(a, rec, t, dst, tr, lane, e_lane);
       }
     } else {
-      const int dst = int(item % R);
+      const int dst = int(uint32_t(item) % R32);
       if (tr.has(E + dst, t)) {  // warp-uniform
         char* rec = record(dst);
         put_unit(a, rec, c0, lane, encode_unit(a, cur, c0));
@@ -1154,19 +1152,17 @@ __device__ bool wait_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int s
 // The dispatch receive table in shared memory: first[R][L + 1] (the sources' counts, then,
 // from column 1, the rows of expert e before source s), start[R + 1] (prefix of the sources'
 // record counts), then the table word (kTable*: whether first/start are ready, for the send
-// warps of `sendN`, which wait for it before they take expand items), then kWarps progress
-// words (`pub`: items each send warp has stored). The host sizes it (ll.rs
-// dispatch_recv_smem).
+// warps of `sendN`, which wait for it before they take expand items). The host sizes it
+// (ll.rs dispatch_recv_smem).
 constexpr uint32_t kTableNotYet = 0, kTableReady = 1, kTableFailed = 2;
 struct RecvTable {
   uint32_t* first;
   uint32_t* start;
   uint32_t* word;
-  uint32_t* progress;  // kWarps words after the table word (`pub`)
   __device__ static RecvTable at(const LlArgs& a, uint32_t* smem) {
     const int R = a.comm.lsaSize, L = a.experts / R;
     uint32_t* start = smem + size_t(R) * (L + 1);
-    return RecvTable{smem, start, start + R + 1, start + R + 2};
+    return RecvTable{smem, start, start + R + 1};
   }
 };
 
@@ -2143,13 +2139,13 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
   const bool pub = (a.flags & kFlagPublisher) != 0u && sw <= kWarps - 2;
   const int wic = int(threadIdx.x / 32);
   // The receive half's table lies after the send half's masks (ll.rs dispatch_fused_smem);
-  // its state word (and `pub`'s progress words) are cleared before the send half's first
-  // barrier.
+  // its state word (and `pub`'s progress words, static as in the combine's `cpub`) are
+  // cleared before the send half's first barrier.
   uint32_t* table_smem = smem + size_t(2) * (a.experts + a.comm.lsaSize) * ((a.max_tokens + 31) / 32);
-  const RecvTable rt = RecvTable::at(a, table_smem);
-  if (threadIdx.x == 0) *rt.word = kTableNotYet;
-  if (pub && threadIdx.x < kWarps) rt.progress[threadIdx.x] = 0;
-  const bool sent = dispatch_send_body(a, n, smem, sw, pub ? rt.progress : nullptr);
+  __shared__ uint32_t progress[kWarps];
+  if (threadIdx.x == 0) *RecvTable::at(a, table_smem).word = kTableNotYet;
+  if (pub && threadIdx.x < kWarps) progress[threadIdx.x] = 0;
+  const bool sent = dispatch_send_body(a, n, smem, sw, pub ? progress : nullptr);
   // The receive half: every warp once all have sent, or (send warps) the other warps beside
   // the senders (and the publisher), which join the expand once they have sent (published).
   const bool all = sw == kWarps;

@@ -96,6 +96,22 @@ pub fn block_scale(block: &[bf16], ue8m0: bool) -> f32 {
     }
 }
 
+/// `x / scale` as the CUDA kernels compute it (kernels/common/quant.cuh `e4m3_scaled`): one
+/// reciprocal per block, `inv = RN(1 / scale)`, then per element `q = RN(x * inv)`, the exact
+/// remainder `e = q * scale - x` and `RN(q - e * inv)` (Markstein's correction, with `-inv` as
+/// a factor so that -0 stays -0), instead of an IEEE division per element. An infinite scale
+/// (an infinity in the block) uses 0 in the remainder, which gives `x * 0` (= `x / inf`).
+/// Not the oracle's arithmetic (that is `x / scale`, in [`quantize_row`]) but proved to give
+/// the same e4m3 byte for every input a block can hold (the tests below: every BF16 `x` with
+/// `|x| <= amax` or NaN, every scale of every BF16 amax, infinity included, both scale
+/// formats); the quotients themselves differ only below 2^-10, where both bytes are ±0.
+pub fn div_by_reciprocal(x: f32, scale: f32) -> f32 {
+    let neg_inv = -(1.0 / scale);
+    let rem_scale = if scale.is_infinite() { 0.0 } else { scale };
+    let q = x * -neg_inv;
+    q.mul_add(rem_scale, -x).mul_add(neg_inv, q)
+}
+
 /// Quantizes one token row: e4m3(x / scale) per element, one scale per 128 channels.
 /// `out.len() == row.len()`, `scales.len() == row.len() / 128`.
 pub fn quantize_row(row: &[bf16], ue8m0: bool, out: &mut [u8], scales: &mut [f32]) {
@@ -306,6 +322,53 @@ mod tests {
             // -0 and +0 are distinct codes and must both survive.
             assert_eq!(back, b, "code {b:#04x} value {v}");
         }
+    }
+
+    /// The e4m3 bytes of `div_by_reciprocal` against the division's for the BF16 amax
+    /// patterns `0, step, 2 * step, ...` up to infinity, both scale formats, and every BF16
+    /// x a block with that amax can hold (|x| <= amax, NaN). Returns the pairs compared.
+    fn check_div_by_reciprocal(step: usize) -> u64 {
+        let mut pairs = 0u64;
+        for am in (0u16..=0x7F80).step_by(step) {
+            let amax = bf16::from_bits(am).to_f32();
+            for ue8m0 in [false, true] {
+                let s = amax.max(AMAX_FLOOR) / E4M3_MAX;
+                let s = if ue8m0 { round_scale_ue8m0(s) } else { s };
+                for xb in 0..=u16::MAX {
+                    let x = bf16::from_bits(xb).to_f32();
+                    if x.abs() > amax {
+                        continue; // not in a block of this amax (NaN fails the test, so stays)
+                    }
+                    let (want, got) = (f32_to_e4m3(x / s), f32_to_e4m3(div_by_reciprocal(x, s)));
+                    assert_eq!(got, want, "x={x:e} ({xb:#06x}) scale={s:e} ue8m0={ue8m0}");
+                    pairs += 1;
+                }
+            }
+        }
+        pairs
+    }
+
+    #[test]
+    fn div_by_reciprocal_matches_the_division() {
+        // A prime stride walks every mantissa at scattered exponents; the exhaustive run
+        // (step 1, 2.1e9 pairs) is the ignored test below. Infinity's own scale too.
+        assert!(check_div_by_reciprocal(61) > 30_000_000);
+        // amax 0 (±0 and 254 NaNs) and infinity (every x), two formats each.
+        assert_eq!(check_div_by_reciprocal(0x7F80), 2 * (256 + 65_536));
+        // The zeros keep their sign; an infinite scale gives x / inf.
+        assert_eq!(div_by_reciprocal(-0.0, 0.5).to_bits(), (-0.0f32).to_bits());
+        assert_eq!(
+            div_by_reciprocal(-3.0, f32::INFINITY).to_bits(),
+            (-0.0f32).to_bits()
+        );
+        assert!(div_by_reciprocal(f32::INFINITY, f32::INFINITY).is_nan());
+        assert!(div_by_reciprocal(f32::NAN, 0.5).is_nan());
+    }
+
+    #[test]
+    #[ignore = "exhaustive, ≈ 2.1e9 pairs: cargo test --release -p gin-ep -- --ignored div_by_reciprocal"]
+    fn div_by_reciprocal_matches_the_division_everywhere() {
+        assert_eq!(check_div_by_reciprocal(1), 2_147_516_672);
     }
 
     #[test]

@@ -647,9 +647,8 @@ impl LlLayout {
         let set_bytes = (comb_offset + t * k.max(r) * h * 2).div_ceil(4096) * 4096;
         let nch = t.div_ceil(32).max(1);
         let dispatch_send_smem = 2 * (e + r) * nch * 4;
-        // first[R][L + 1], start[R + 1], the table word, `pub`'s progress words (ll.cu
-        // RecvTable).
-        let dispatch_recv_smem = (r * (l + 1) + r + 2 + WARPS as usize) * 4;
+        // first[R][L + 1], start[R + 1], the table word (ll.cu RecvTable).
+        let dispatch_recv_smem = (r * (l + 1) + r + 2) * 4;
         let combine_send_smem = (l + 1) * 4;
         let worst = dispatch_send_smem.max(dispatch_recv_smem).max(combine_send_smem);
         if worst > MAX_SMEM {
