@@ -675,6 +675,11 @@ struct TokenRanks {
   }
 };
 
+// Work item arithmetic in 32 bits: item counts stay far below 2^32 (ll.rs caps max_tokens at
+// 1024), and a 64-bit division is a subroutine call in every send, expand and reduce loop.
+__device__ __forceinline__ uint32_t item_div(size_t item, int n) { return uint32_t(item) / uint32_t(n); }
+__device__ __forceinline__ uint32_t item_mod(size_t item, int n) { return uint32_t(item) % uint32_t(n); }
+
 // ---------------------------------------------------------------------------------------
 // Dispatch send
 
@@ -938,13 +943,10 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   // Receive-team warps take no item; `spread`: CTA fastest (publish_rounds numbers alike).
   const size_t warp = !sender ? items : spread ? size_t(threadIdx.x / 32) * gridDim.x + blockIdx.x : team.warp;
   const size_t warps = team.warps;
-  // Item arithmetic in 32 bits (items < 2^32: ll.rs caps max_tokens at 1024): a 64-bit
-  // division is a subroutine call, and these run for every item of the send and publish loops.
-  const uint32_t per_tok32 = uint32_t(per_tok), R32 = uint32_t(R);
-  auto tok_of = [&](size_t item) { return int(uint32_t(item) / per_tok32); };
+  auto tok_of = [&](size_t item) { return int(item_div(item, int(per_tok))); };
   auto unit_of = [&](size_t item) {
-    const uint32_t in_tok = uint32_t(item) % per_tok32;
-    return int(tok_major ? in_tok : in_tok / R32);
+    const uint32_t in_tok = item_mod(item, int(per_tok));
+    return int(tok_major ? in_tok : in_tok / uint32_t(R));
   };
   const bool item_ready = (a.flags & (kFlagReady | kFlagItemReady)) == (kFlagReady | kFlagItemReady);
   XUnit cur{};
@@ -1006,7 +1008,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   // (after a fence that covers its stores).
   auto publish_at = [&](size_t item, int dst) {
     const int t = tok_of(item);
-    if ((tok_major || dst == int(uint32_t(item) % R32)) && tr.has(E + dst, t)) {
+    if ((tok_major || dst == int(item_mod(item, R))) && tr.has(E + dst, t)) {
       put_flag(a, ready_word(a, dst, me, tr.rank_in(E + dst, t), unit_of(item)), n);
     }
   };
@@ -1052,7 +1054,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
         __syncwarp();
         if (lane == 0) stamp_max(a, kStDispEncoded);
       }
-      const int first_dst = rotate ? int((uint32_t(me) + 1u + uint32_t(item)) % R32) : 0;
+      const int first_dst = rotate ? int(item_mod(size_t(me) + 1 + item, R)) : 0;
       for (int i = 0; i < R; ++i) {
         const int dst = first_dst + i < R ? first_dst + i : first_dst + i - R;
         if (!tr.has(E + dst, t)) continue;  // warp-uniform
@@ -1061,7 +1063,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
         if (u == 0) put_meta(a, rec, t, dst, tr, lane, e_lane);
       }
     } else {
-      const int dst = int(uint32_t(item) % R32);
+      const int dst = int(item_mod(item, R));
       if (tr.has(E + dst, t)) {  // warp-uniform
         char* rec = record(dst);
         put_unit(a, rec, c0, lane, encode_unit(a, cur, c0));
@@ -1229,8 +1231,8 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
   bool failed = false;
   const DeadlineBarrier w = waiter(a);
   for (size_t item = first_item; item < items && !failed; item += warps) {
-    const uint32_t g = uint32_t(item / chunks);
-    const int u0 = int(item % chunks) * per;
+    const uint32_t g = item_div(item, chunks);
+    const int u0 = int(item_mod(item, chunks)) * per;
     const int nu = min(per, units - u0);
     StagedItem cur;
     cur.src = source_of(g);
@@ -1331,9 +1333,11 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
               st_v4(reinterpret_cast<uint4*>(out + c0), cur.v0[j]);
               if ((lane & 7) == 0) {
                 // Row-major [L][R*T][H/128], or DeepEP's [L][H/128][R*T] (row r = lid * cap + i).
-                const size_t si = a.scales_col_major != 0u
-                                      ? (size_t(r / int64_t(cap)) * nblocks + c0 / 128) * cap + size_t(r % int64_t(cap))
-                                      : size_t(r) * nblocks + c0 / 128;
+                // (r = lid * cap + i < L * R * T: 32-bit quotient and remainder.)
+                const size_t si =
+                    a.scales_col_major != 0u
+                        ? (size_t(item_div(r, int(cap))) * nblocks + c0 / 128) * cap + item_mod(r, int(cap))
+                        : size_t(r) * nblocks + c0 / 128;
                 a.recv_scales[si] = cur.scale[j];
                 if (a.recv_scales_ue8m0 != nullptr) {
                   a.recv_scales_ue8m0[size_t(r) * nblocks + c0 / 128] = uint8_t(__float_as_uint(cur.scale[j]) >> 23);
@@ -1601,14 +1605,15 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   // Records are sorted by source rank, so consecutive warps would all store to one source's
   // link at a time; a stride coprime with the record count visits every record once and
   // spreads neighbouring warps over the sources.
-  uint64_t stride = 1;
-  for (const uint64_t p : {97u, 89u, 83u, 79u}) {
+  uint32_t stride = 1;
+  for (const uint32_t p : {97u, 89u, 83u, 79u}) {
     if (records % p != 0) {
       stride = p;
       break;
     }
   }
-  auto record = [&](size_t it) { return uint32_t((uint64_t(it / units) * stride) % max(records, 1u)); };
+  // (it / units < records <= R * T, times a stride < 100: within 32 bits.)
+  auto record = [&](size_t it) { return item_div(it, units) * stride % max(records, 1u); };
   // The warp's first map entry and rows are loaded before the waits (they depend on neither:
   // the map and y are this rank's own, written before this kernel in stream order); its
   // weights after them. Later items: the map entry one item ahead, rows and weights as soon
@@ -1618,7 +1623,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   PartBatch cur;
   if (item < items) {
     held = load_entry(a, record(item), lane);
-    load_batch(a, wts, held, record(item), 0, int(item % units) * kPartialUnit + lane * 8, false, cur);
+    load_batch(a, wts, held, record(item), 0, int(item_mod(item, units)) * kPartialUnit + lane * 8, false, cur);
   }
   // Credit: every source rank has reduced the previous combine of this set.
   if (!wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) return false;
@@ -1679,7 +1684,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   };
   for (; item < items; item += warps) {
     const uint32_t g = record(item);
-    const int c0 = int(item % units) * kPartialUnit + lane * 8;
+    const int c0 = int(item_mod(item, units)) * kPartialUnit + lane * 8;
     const int s = __shfl_sync(0xffffffffu, held, 0), t = __shfl_sync(0xffffffffu, held, 1);
     const int np = min(max(__shfl_sync(0xffffffffu, held, 2), 0), K);
     const size_t next = item + warps;
@@ -1766,8 +1771,8 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
   const bool pipe = (a.flags & kFlagPipeline) != 0;
   auto load = [&](size_t item) {
-    const uint32_t g = uint32_t(item / units);
-    const int u = int(item % units);
+    const uint32_t g = item_div(item, units);
+    const int u = int(item_mod(item, units));
     // Expert of valid row g: the last e with pre[e] <= g (binary search, warp-uniform).
     int lo = 0, hi = L;  // invariant: pre[lo] <= g < pre[hi]
     while (hi - lo > 1) {
@@ -1794,7 +1799,7 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
     const size_t next = item + warps;
     CombUnit nxt{};
     if (pipe && next < items) nxt = load(next);
-    const int u = int(item % units);
+    const int u = int(item_mod(item, units));
     const int s = cur.s, t = cur.t, k = cur.k;
     if (s >= 0 && s < R && t >= 0 && t < T && k >= 0 && k < K) {  // always, for our handle
       char* dst = win_ptr(a, a.set_offset + a.comb_offset + (size_t(t) * K + k) * size_t(H) * 2, s);
@@ -1826,7 +1831,7 @@ __device__ __forceinline__ uint64_t token_ranks(const LlArgs& a, int t, int& lan
   for (int k = lane; k < K; k += 32) {
     const int64_t e = a.topk_idx[size_t(t) * K + k];
     if (e >= 0 && e < a.experts) {
-      const int r = int(e / L);
+      const int r = int(e) / L;  // 0 <= e < E: a 32-bit division
       if (r < 32) lo |= 1u << r; else hi |= 1u << (r - 32);
       if (k == lane) lane_rank = r;
     }
@@ -1976,8 +1981,8 @@ struct ReduceItems {
         items(size_t(a.num_tokens) * units),
         warp((size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32),
         warps(size_t(gridDim.x) * blockDim.x / 32) {}
-  __device__ int t(size_t item) const { return int(item / units); }
-  __device__ int c(size_t item) const { return int(item % units) * kItemChannels + int(threadIdx.x & 31) * 8; }
+  __device__ int t(size_t item) const { return int(item_div(item, units)); }
+  __device__ int c(size_t item) const { return int(item_mod(item, units)) * kItemChannels + int(threadIdx.x & 31) * 8; }
 };
 
 // `cpub`: every warp of the team waits until the partial rows of token t, 512-channel unit u
