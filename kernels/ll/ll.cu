@@ -71,7 +71,8 @@
 //   correctly: one count per CTA and kind (the grid is fixed per set), read as count + 1 at
 //   the start of every kernel of the operation and stored by the CTA itself at the end of
 //   the kernel that ends it (recv half, or fused): no atomic, no grid-wide agreement.
-// - Every wait has a deadline (globaltimer) and records (phase, peer) in FabricError.
+// - Every wait has a deadline (globaltimer) and records (phase, peer) in FabricError; a wait
+//   for a word this rank writes itself gets 1.5x (wait_timeout), so a remote peer is named.
 // - Variants (LlArgs::flags, and the fused entry points at the end) change only how work is
 //   spread over warps and when loads are issued; the bytes written are the same in all.
 
@@ -541,14 +542,30 @@ struct Team {
   }
 };
 
+// The deadline of a wait for a word that `peer` writes. A word this rank writes itself (its
+// own signal, ready words, weights) is late only when its own CTAs are, and they are late
+// only behind waits of their own on a remote peer, with deadlines that name that peer: 1.5x
+// here, so the self wait never wins the race to report. (With equal deadlines the 2-GPU
+// never-hang check `--stall 1:ll-combine-rank-first` named rank 0 itself: session 18.)
+__device__ __forceinline__ uint64_t wait_timeout(const LlArgs& a, int peer) {
+  return peer == a.comm.lsaRank ? a.timeout_ns + a.timeout_ns / 2 : a.timeout_ns;
+}
+
+// A waiter whose deadline is wait_timeout(a, peer).
+__device__ __forceinline__ DeadlineBarrier waiter_for(const LlArgs& a, int peer) {
+  DeadlineBarrier w = waiter(a);
+  w.timeout_ns = wait_timeout(a, peer);
+  return w;
+}
+
 // Every thread of the team: wait until word [kind][p] of this rank is >= target for every
 // peer p, with the deadline; false in every thread of the team when one missed it.
 __device__ bool team_wait_all_peers(const LlArgs& a, const Team& team, int kind, uint64_t target, uint32_t phase) {
-  const DeadlineBarrier w = waiter(a);
   bool ok = true;
   const bool relaxed = relaxed_polls(a.flags);
   for (int p = team.tid; p < a.comm.lsaSize && ok; p += team.nthreads) {
-    ok = w.wait_word(sig_word(a, a.comm.lsaRank, kind, p), target, static_cast<FabricPhase>(phase), p, relaxed);
+    ok = waiter_for(a, p).wait_word(sig_word(a, a.comm.lsaRank, kind, p), target, static_cast<FabricPhase>(phase), p,
+                                    relaxed);
   }
   // The barrier extends each waiter's acquire to the whole team.
   if (team.sync_and(ok)) return true;
@@ -1142,7 +1159,7 @@ __device__ bool wait_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int s
   for (uint32_t spin = 0; int32_t((relaxed ? ld_relaxed_sys_u32(w) : ld_acquire_sys_u32(w)) - n) < 0; ++spin) {
     if (sleep) __nanosleep(32u << min(spin, 4u));
     if ((spin & 15u) == 15u &&
-        !deadline.ok(a.err, a.timeout_ns, static_cast<FabricPhase>(phase), src, a.comm.lsaRank)) {
+        !deadline.ok(a.err, wait_timeout(a, src), static_cast<FabricPhase>(phase), src, a.comm.lsaRank)) {
       return false;
     }
   }
@@ -1229,7 +1246,6 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
   // (`ready` waits per item below instead.)
   uint64_t seen = early && !ready ? 0 : ~uint64_t(0);
   bool failed = false;
-  const DeadlineBarrier w = waiter(a);
   for (size_t item = first_item; item < items && !failed; item += warps) {
     const uint32_t g = item_div(item, chunks);
     const int u0 = int(item_mod(item, chunks)) * per;
@@ -1238,8 +1254,9 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
     cur.src = source_of(g);
     if (((seen >> cur.src) & 1u) == 0) {
       // Every lane acquires for itself (one broadcast load per poll); warp-uniform result.
-      const bool ok = w.wait_word(sig_word(a, me, kDispSig, cur.src), uint64_t(n) * gridDim.x,
-                                  static_cast<FabricPhase>(kPhaseDispatchRecv), cur.src, relaxed_polls(a.flags));
+      const bool ok = waiter_for(a, cur.src).wait_word(sig_word(a, me, kDispSig, cur.src), uint64_t(n) * gridDim.x,
+                                                       static_cast<FabricPhase>(kPhaseDispatchRecv), cur.src,
+                                                       relaxed_polls(a.flags));
       if (!__all_sync(0xffffffffu, ok)) {
         failed = true;
         break;
@@ -1482,8 +1499,8 @@ __device__ bool resolve_weights(const LlArgs& a, const uint64_t* pairs, uint32_t
     if (b.pair_at[i] == kNoPair) continue;
     PollDeadline deadline;
     for (uint32_t spin = 0; uint32_t(b.pair[i] >> 32) != n; ++spin) {
-      if ((spin & 15u) == 15u && !deadline.ok(a.err, a.timeout_ns, static_cast<FabricPhase>(kPhaseCombineWeights),
-                                              src, a.comm.lsaRank)) {
+      if ((spin & 15u) == 15u && !deadline.ok(a.err, wait_timeout(a, src),
+                                              static_cast<FabricPhase>(kPhaseCombineWeights), src, a.comm.lsaRank)) {
         return false;
       }
       b.pair[i] = ld_relaxed_sys(pairs + b.pair_at[i]);
