@@ -546,7 +546,9 @@ struct Team {
 // own signal, ready words, weights) is late only when its own CTAs are, and they are late
 // only behind waits of their own on a remote peer, with deadlines that name that peer: 1.5x
 // here, so the self wait never wins the race to report. (With equal deadlines the 2-GPU
-// never-hang check `--stall 1:ll-combine-rank-first` named rank 0 itself: session 18.)
+// never-hang check `--stall 1:ll-combine-rank-first` named rank 0 itself: session 18.) The
+// same holds for the waits on this CTA's own shared-memory words: the publisher's progress
+// words (publish_rounds) and the send warps' receive table (wait_recv_table).
 __device__ __forceinline__ uint64_t wait_timeout(const LlArgs& a, int peer) {
   return peer == a.comm.lsaRank ? a.timeout_ns + a.timeout_ns / 2 : a.timeout_ns;
 }
@@ -905,7 +907,7 @@ __device__ bool publish_rounds(const LlArgs& a, const uint32_t* progress, const 
       if (done > published) break;
       bool expired = false;
       if (lane == 0 && (spin & 255u) == 255u) {
-        expired = !deadline.ok(a.err, a.timeout_ns + a.timeout_ns / 2, static_cast<FabricPhase>(plan.phase),
+        expired = !deadline.ok(a.err, wait_timeout(a, a.comm.lsaRank), static_cast<FabricPhase>(plan.phase),
                                a.comm.lsaRank, a.comm.lsaRank, /*others=*/false);
         if (expired) mark_failed(a);
       }
@@ -1202,7 +1204,7 @@ __device__ bool wait_recv_table(const LlArgs& a, uint32_t* table_smem) {
   // polls, not 16, which is still every few microseconds.
   for (uint32_t spin = 0; (st = ld_acquire_cta_shared(table)) == kTableNotYet; ++spin) {
     if (sleep) __nanosleep(64);
-    if ((spin & 255u) == 255u && !deadline.ok(a.err, a.timeout_ns + a.timeout_ns / 2,
+    if ((spin & 255u) == 255u && !deadline.ok(a.err, wait_timeout(a, a.comm.lsaRank),
                                             static_cast<FabricPhase>(kPhaseDispatchRecv), a.comm.lsaRank,
                                             a.comm.lsaRank, /*others=*/false)) {
       mark_failed(a);
@@ -1672,7 +1674,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
       const int32_t h1 = load_entry(a, g, lane);
       if (__shfl_sync(0xffffffffu, h1, 2) != 1) continue;  // warp-uniform
       const int s = __shfl_sync(0xffffffffu, h1, 0), t = __shfl_sync(0xffffffffu, h1, 1);
-      const int c0 = int(it % units) * kPartialUnit + lane * 8;
+      const int c0 = int(item_mod(it, units)) * kPartialUnit + lane * 8;
       PartBatch b1;
       load_batch(a, wts, h1, g, 0, c0, false, b1);
       put_partial(s, t, c0, b1.v[0]);
@@ -1690,7 +1692,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     failed = !publish_rounds(a, progress, plan, [&](size_t it, int) {
       const uint32_t g = record(it);
       const int s = a.comb_map[size_t(g) * KM], t = a.comb_map[size_t(g) * KM + 1];
-      if (s >= 0 && s < R && t >= 0 && t < T) put_flag(a, comb_ready_word(a, s, me, t, int(it % units)), n);
+      if (s >= 0 && s < R && t >= 0 && t < T) put_flag(a, comb_ready_word(a, s, me, t, int(item_mod(it, units))), n);
     });
   }
   uint32_t stored = 0;
@@ -1708,7 +1710,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     if (solo && np == 1) {  // sent above
       if (next < items) {
         held = load_entry(a, record(next), lane);
-        load_batch(a, wts, held, record(next), 0, int(next % units) * kPartialUnit + lane * 8, true, cur);
+        load_batch(a, wts, held, record(next), 0, int(item_mod(next, units)) * kPartialUnit + lane * 8, true, cur);
         weighted = true;
       }
       progressed(true);
@@ -1735,7 +1737,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     }
     // The next item's rows and weights, before this item's stores.
     if (next < items) {
-      load_batch(a, wts, held_next, record(next), 0, int(next % units) * kPartialUnit + lane * 8, true,
+      load_batch(a, wts, held_next, record(next), 0, int(item_mod(next, units)) * kPartialUnit + lane * 8, true,
                  cur);
     }
     if (failed) {
