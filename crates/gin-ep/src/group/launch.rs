@@ -63,13 +63,29 @@ pub fn first_failure(exits: &[RankExit]) -> Option<&RankExit> {
 /// serves) and `GIN_EP_CHILD=1`; stdout is inherited, stderr captured. Children still
 /// running `2 * timeout` plus a slack after launch are killed.
 pub fn launch_ranks(world: usize, exe: &Path, args: &[String], timeout: Duration) -> Result<Vec<RankExit>> {
+    launch_ranks_env(world, exe, args, timeout, &|_| Vec::new())
+}
+
+/// [`launch_ranks`], with `env(rank)` added to each rank's environment last (it overrides
+/// the launcher's own variables, e.g. `LOCAL_RANK` of a virtual-node launch).
+pub fn launch_ranks_env(
+    world: usize,
+    exe: &Path,
+    args: &[String],
+    timeout: Duration,
+    env: &RankEnv<'_>,
+) -> Result<Vec<RankExit>> {
     launch_with_deadline(
         world,
         exe,
         args,
         timeout.saturating_mul(2).saturating_add(DEADLINE_SLACK),
+        env,
     )
 }
+
+/// Extra variables of one rank.
+pub type RankEnv<'a> = dyn Fn(usize) -> Vec<(String, String)> + 'a;
 
 struct Running {
     rank: usize,
@@ -79,7 +95,13 @@ struct Running {
     exit: Option<(ExitStatus, bool, Duration)>,
 }
 
-fn launch_with_deadline(world: usize, exe: &Path, args: &[String], limit: Duration) -> Result<Vec<RankExit>> {
+fn launch_with_deadline(
+    world: usize,
+    exe: &Path,
+    args: &[String],
+    limit: Duration,
+    env: &RankEnv<'_>,
+) -> Result<Vec<RankExit>> {
     if world == 0 {
         return Err(Error::input("ranks", "must be at least 1"));
     }
@@ -97,6 +119,7 @@ fn launch_with_deadline(world: usize, exe: &Path, args: &[String], limit: Durati
             .env("MASTER_ADDR", "127.0.0.1")
             .env(ENV_STORE_PORT, &port)
             .env(ENV_CHILD, "1")
+            .envs(env(rank))
             .stdin(Stdio::null())
             .stdout(Stdio::inherit())
             .stderr(Stdio::piped())
@@ -247,6 +270,21 @@ mod tests {
     }
 
     #[test]
+    fn per_rank_variables_override_the_launchers_own() {
+        let (exe, args) = sh("echo \"l=$LOCAL_RANK h=$NCCL_HOSTID\" >&2");
+        let env = |r: usize| {
+            vec![
+                ("LOCAL_RANK".to_string(), (r / 2).to_string()),
+                ("NCCL_HOSTID".to_string(), format!("v{r}")),
+            ]
+        };
+        let exits = launch_ranks_env(4, &exe, &args, Duration::from_secs(5), &env).unwrap();
+        for (r, e) in exits.iter().enumerate() {
+            assert_eq!(e.stderr.trim(), format!("l={} h=v{r}", r / 2));
+        }
+    }
+
+    #[test]
     fn a_failing_rank_does_not_stop_the_others() {
         let (exe, args) = sh("if [ \"$RANK\" = 1 ]; then echo boom >&2; exit 3; fi; sleep 0.3; exit 0");
         let exits = launch_ranks(2, &exe, &args, Duration::from_secs(5)).unwrap();
@@ -260,7 +298,8 @@ mod tests {
     fn stragglers_are_killed_at_the_deadline() {
         let (exe, args) = sh("if [ \"$RANK\" = 0 ]; then exit 0; fi; exec sleep 30");
         let t0 = Instant::now();
-        let exits = launch_with_deadline(2, &exe, &args, Duration::from_millis(300)).unwrap();
+        let exits =
+            launch_with_deadline(2, &exe, &args, Duration::from_millis(300), &|_| Vec::new()).unwrap();
         assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
         assert!(exits[0].success());
         assert!(exits[1].killed && !exits[1].success());

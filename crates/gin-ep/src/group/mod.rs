@@ -3,13 +3,14 @@
 //!
 //! Owns: reading the launcher's environment (torchrun, Slurm, Open MPI, `gin-ep --ranks`),
 //! the group's key-value store ([`store`]), the session id that names shared resources,
-//! and the process launcher of the CLI ([`launch`]).
+//! the process launcher of the CLI ([`launch`]) and its virtual nodes ([`vnodes`]).
 //! Must never: move tensor data, wait without a deadline, listen on more interfaces than
 //! `MASTER_ADDR` names, or use `MASTER_PORT` (torchrun's own store lives there).
 #![forbid(unsafe_code)]
 
 pub mod launch;
 pub mod store;
+pub mod vnodes;
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
-pub use launch::{first_failure, launch_ranks, RankExit};
+pub use launch::{first_failure, launch_ranks, launch_ranks_env, RankEnv, RankExit};
 pub use store::{Store, StoreServer};
 
 /// Port of the gin-ep store. Deliberately not `MASTER_PORT`: torchrun's own store is

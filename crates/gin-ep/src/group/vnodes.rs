@@ -1,0 +1,321 @@
+//! Virtual nodes: `K` processes per GPU, each its own NCCL node, and gin-ep's own grouping of
+//! consecutive ranks into nodes.
+//!
+//! Owns: the rank → GPU mapping of a virtual-node launch, the environment each rank gets
+//! (`NCCL_HOSTID`, `NCCL_NET_PLUGIN`, `NCCL_NVLS_ENABLE=0`, `LOCAL_RANK` = its GPU), where the
+//! project's NCCL net plugin is found, and reading all of that back inside a rank.
+//! Must never: load the plugin where the user did not ask for virtual nodes or the plugin
+//! (it replaces NCCL's network for the whole process), or start anything itself (the
+//! launcher does).
+//!
+//! Why each variable: NCCL counts one node per distinct host hash, and `NCCL_HOSTID`
+//! replaces the string it hashes (read once per process), so a unique value per rank makes
+//! every process its own node — which also lets several processes share one GPU (NCCL's
+//! duplicate-GPU check fires only within one host hash). With more than one node NCCL 2.28.9
+//! activates GIN for every device communicator, so the plugin that provides GIN (and the net
+//! it needs) must be loaded. NVLS needs one process per GPU.
+#![forbid(unsafe_code)]
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+
+/// Processes per GPU in a virtual-node launch (set by the launcher for every rank).
+pub const ENV_VNODES: &str = "GIN_EP_VNODES";
+/// Ranks per gin-ep node (consecutive ranks), when the user chose it.
+pub const ENV_NODE_SIZE: &str = "GIN_EP_NODE_SIZE";
+/// Path of the project's NCCL net + GIN plugin, overriding the one next to the executable.
+pub const ENV_PLUGIN: &str = "GIN_EP_NET_PLUGIN";
+/// File name of the plugin as `cargo build --release -p gin-ep-net` makes it.
+pub const PLUGIN_FILE: &str = "libnccl_net_ginep.so";
+/// Most processes one GPU is asked to carry.
+pub const MAX_VNODES: usize = 16;
+/// Most ranks of one launch (as `--gpus`).
+pub const MAX_WORLD: usize = 1024;
+
+/// The shape of a launch: GPUs, processes per GPU, ranks per gin-ep node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Topology {
+    pub gpus: usize,
+    pub vnodes: usize,
+    /// `None`: gin-ep's node is NCCL's LSA team.
+    pub node_size: Option<usize>,
+}
+
+impl Topology {
+    /// Checks the shape: 1..=[`MAX_VNODES`] processes per GPU, at most [`MAX_WORLD`] ranks,
+    /// and a node size that divides the world.
+    pub fn new(gpus: usize, vnodes: usize, node_size: Option<usize>) -> Result<Topology> {
+        if gpus == 0 {
+            return Err(Error::input("gpus", "0: must be at least 1"));
+        }
+        if vnodes == 0 || vnodes > MAX_VNODES {
+            return Err(Error::input(
+                "vnodes",
+                format!("{vnodes}: must be 1..={MAX_VNODES} processes per GPU"),
+            ));
+        }
+        let world = gpus
+            .checked_mul(vnodes)
+            .filter(|w| *w <= MAX_WORLD)
+            .ok_or_else(|| {
+                Error::input(
+                    "vnodes",
+                    format!("{gpus} GPUs x {vnodes} processes is more than {MAX_WORLD} ranks"),
+                )
+            })?;
+        if let Some(m) = node_size {
+            if m == 0 || world % m != 0 {
+                return Err(Error::input(
+                    "node-size",
+                    format!("{m}: must divide the {world} ranks into whole nodes of consecutive ranks"),
+                ));
+            }
+        }
+        Ok(Topology {
+            gpus,
+            vnodes,
+            node_size,
+        })
+    }
+
+    /// Number of ranks.
+    pub fn world(&self) -> usize {
+        self.gpus * self.vnodes
+    }
+
+    /// The GPU of `rank`: ranks sharing a GPU are consecutive (NCCL's LSA team needs runs of
+    /// consecutive ranks per node).
+    pub fn gpu_of(&self, rank: usize) -> usize {
+        rank / self.vnodes
+    }
+
+    /// Whether processes share GPUs (then every figure is time-sliced).
+    pub fn shares_gpus(&self) -> bool {
+        self.vnodes > 1
+    }
+
+    /// Whether ranks need the project's plugin: several NCCL nodes on this host.
+    pub fn needs_plugin(&self) -> bool {
+        self.vnodes > 1
+    }
+
+    /// The variables rank `rank` gets on top of the launcher's own (`plugin` is required
+    /// when [`Topology::needs_plugin`]).
+    pub fn rank_env(&self, rank: usize, plugin: Option<&Path>) -> Vec<(String, String)> {
+        let mut env = Vec::new();
+        if let Some(m) = self.node_size {
+            env.push((ENV_NODE_SIZE.to_string(), m.to_string()));
+        }
+        if self.vnodes == 1 {
+            return env;
+        }
+        env.push(("LOCAL_RANK".into(), self.gpu_of(rank).to_string()));
+        env.push((ENV_VNODES.into(), self.vnodes.to_string()));
+        env.push(("NCCL_HOSTID".into(), format!("gin-ep-vnode{rank}")));
+        env.push(("NCCL_NVLS_ENABLE".into(), "0".into()));
+        if let Some(p) = plugin {
+            env.push(("NCCL_NET_PLUGIN".into(), p.display().to_string()));
+        }
+        env
+    }
+}
+
+/// The plugin a virtual-node launch loads: `$GIN_EP_NET_PLUGIN` when set (it must exist),
+/// else [`PLUGIN_FILE`] next to `exe`; else an error saying how to build it.
+pub fn find_plugin(exe: &Path, env: &dyn Fn(&str) -> Option<String>) -> Result<PathBuf> {
+    if let Some(p) = env(ENV_PLUGIN).filter(|p| !p.trim().is_empty()) {
+        let path = PathBuf::from(p.trim());
+        return if path.is_file() {
+            Ok(path)
+        } else {
+            Err(Error::input(
+                ENV_PLUGIN,
+                format!("{}: no such file", path.display()),
+            ))
+        };
+    }
+    let beside = exe.parent().map(|d| d.join(PLUGIN_FILE));
+    match beside {
+        Some(p) if p.is_file() => Ok(p),
+        _ => Err(Error::Unavailable {
+            backend: "vnodes",
+            reason: format!(
+                "virtual nodes need the project's NCCL net plugin {PLUGIN_FILE}, not found next to \
+                 {} (nor set in {ENV_PLUGIN}): build it with `cargo build --release -p gin-ep-net` \
+                 and copy target/release/{PLUGIN_FILE} beside the gin-ep binary, or set {ENV_PLUGIN}",
+                exe.display()
+            ),
+        }),
+    }
+}
+
+/// What a rank was told about its launch (inside a rank).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankTopology {
+    /// Processes per GPU (1 outside a virtual-node launch).
+    pub vnodes: usize,
+    /// Ranks per gin-ep node, when chosen.
+    pub node_size: Option<usize>,
+}
+
+impl RankTopology {
+    /// Reads [`ENV_VNODES`] and [`ENV_NODE_SIZE`]; a malformed value is an error naming it.
+    pub fn from_env() -> Result<RankTopology> {
+        Self::parse(&|k| std::env::var(k).ok())
+    }
+
+    fn parse(env: &dyn Fn(&str) -> Option<String>) -> Result<RankTopology> {
+        let num = |name: &str| -> Result<Option<usize>> {
+            match env(name) {
+                None => Ok(None),
+                Some(v) if v.trim().is_empty() => Ok(None),
+                Some(v) => match v.trim().parse::<usize>() {
+                    Ok(n) if n > 0 => Ok(Some(n)),
+                    _ => Err(Error::input(name, format!("{v:?} is not a positive integer"))),
+                },
+            }
+        };
+        Ok(RankTopology {
+            vnodes: num(ENV_VNODES)?.unwrap_or(1),
+            node_size: num(ENV_NODE_SIZE)?,
+        })
+    }
+
+    /// The gin-ep node of `rank` as (first rank, size), for a world of `world` ranks whose
+    /// NCCL LSA team has `lsa_size` ranks (the default node).
+    pub fn node_of(&self, rank: usize, world: usize, lsa_size: usize) -> (usize, usize) {
+        let m = self.node_size.unwrap_or(lsa_size).clamp(1, world.max(1));
+        ((rank / m) * m, m)
+    }
+}
+
+/// Whether this process was told to load the project's plugin (`NCCL_NET_PLUGIN` names it):
+/// the opt-in that makes GIN available without an RDMA device.
+pub fn plugin_configured() -> Option<String> {
+    plugin_configured_in(&|k| std::env::var(k).ok())
+}
+
+fn plugin_configured_in(env: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+    let p = env("NCCL_NET_PLUGIN")?;
+    let name = Path::new(p.trim()).file_name()?.to_string_lossy().into_owned();
+    name.starts_with("libnccl_net_ginep")
+        .then(|| p.trim().to_string())
+}
+
+/// The note every figure of a run with processes sharing a GPU carries.
+pub const TIME_SLICED: &str = "time-sliced: correctness only";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn ranks_sharing_a_gpu_are_consecutive_and_each_is_its_own_nccl_node() {
+        let t = Topology::new(2, 2, None).unwrap();
+        assert_eq!(t.world(), 4);
+        assert_eq!((0..4).map(|r| t.gpu_of(r)).collect::<Vec<_>>(), [0, 0, 1, 1]);
+        let plugin = Path::new("/x/libnccl_net_ginep.so");
+        let envs: Vec<HashMap<String, String>> = (0..4)
+            .map(|r| t.rank_env(r, Some(plugin)).into_iter().collect())
+            .collect();
+        for (r, e) in envs.iter().enumerate() {
+            assert_eq!(e["LOCAL_RANK"], (r / 2).to_string());
+            assert_eq!(e["NCCL_NET_PLUGIN"], "/x/libnccl_net_ginep.so");
+            assert_eq!(e["NCCL_NVLS_ENABLE"], "0");
+            assert_eq!(e[ENV_VNODES], "2");
+            assert!(!e.contains_key(ENV_NODE_SIZE));
+        }
+        let ids: std::collections::HashSet<&String> = envs.iter().map(|e| &e["NCCL_HOSTID"]).collect();
+        assert_eq!(ids.len(), 4, "every rank needs its own NCCL_HOSTID");
+    }
+
+    #[test]
+    fn one_process_per_gpu_changes_nothing_but_the_node_size() {
+        let t = Topology::new(4, 1, None).unwrap();
+        assert!(t.rank_env(3, None).is_empty());
+        assert!(!t.needs_plugin() && !t.shares_gpus());
+        let t = Topology::new(4, 1, Some(2)).unwrap();
+        assert_eq!(
+            t.rank_env(3, None),
+            vec![(ENV_NODE_SIZE.to_string(), "2".to_string())]
+        );
+    }
+
+    #[test]
+    fn bad_shapes_are_refused_naming_the_value() {
+        for (g, k, m, needle) in [
+            (1, 0, None, "vnodes"),
+            (1, 17, None, "17"),
+            (1024, 2, None, "1024"),
+            (0, 2, None, "gpus"),
+            (1, 4, Some(3), "3"),
+            (1, 4, Some(0), "node-size"),
+        ] {
+            let e = Topology::new(g, k, m).unwrap_err().to_string();
+            assert!(e.contains(needle), "({g},{k},{m:?}): {e}");
+        }
+        assert!(Topology::new(1, 4, Some(2)).is_ok());
+        assert!(Topology::new(1, 4, Some(4)).is_ok());
+    }
+
+    #[test]
+    fn the_plugin_is_found_from_the_env_or_beside_the_binary_or_explained() {
+        let dir = std::env::temp_dir().join(format!("gin-ep-vnodes-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let exe = dir.join("gin-ep");
+        let none = env_of(&[]);
+        let e = find_plugin(&exe, &none).unwrap_err().to_string();
+        assert!(e.contains("cargo build --release -p gin-ep-net"), "{e}");
+        assert!(e.contains(PLUGIN_FILE), "{e}");
+        std::fs::write(dir.join(PLUGIN_FILE), b"").unwrap();
+        assert_eq!(find_plugin(&exe, &none).unwrap(), dir.join(PLUGIN_FILE));
+        let missing = dir.join("nope.so").display().to_string();
+        let e = find_plugin(&exe, &env_of(&[(ENV_PLUGIN, &missing)])).unwrap_err();
+        assert!(e.to_string().contains("nope.so"), "{e}");
+        let other = dir.join("libnccl_net_ginep_fault.so");
+        std::fs::write(&other, b"").unwrap();
+        let chosen = find_plugin(&exe, &env_of(&[(ENV_PLUGIN, &other.display().to_string())])).unwrap();
+        assert_eq!(chosen, other);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_rank_reads_its_topology_and_groups_nodes_of_consecutive_ranks() {
+        let t = RankTopology::parse(&env_of(&[(ENV_VNODES, "4"), (ENV_NODE_SIZE, "2")])).unwrap();
+        assert_eq!((t.vnodes, t.node_size), (4, Some(2)));
+        assert_eq!(t.node_of(3, 4, 1), (2, 2));
+        assert_eq!(t.node_of(1, 4, 1), (0, 2));
+        let d = RankTopology::parse(&env_of(&[])).unwrap();
+        assert_eq!((d.vnodes, d.node_size), (1, None));
+        assert_eq!(d.node_of(5, 8, 4), (4, 4));
+        let e = RankTopology::parse(&env_of(&[(ENV_VNODES, "two")])).unwrap_err();
+        assert!(e.to_string().contains("two"), "{e}");
+        assert!(RankTopology::parse(&env_of(&[(ENV_NODE_SIZE, "0")])).is_err());
+    }
+
+    #[test]
+    fn only_the_projects_plugin_counts_as_configured() {
+        assert_eq!(plugin_configured_in(&env_of(&[])), None);
+        assert_eq!(
+            plugin_configured_in(&env_of(&[("NCCL_NET_PLUGIN", "/d/libnccl_net_ginep.so")])).as_deref(),
+            Some("/d/libnccl_net_ginep.so")
+        );
+        assert!(
+            plugin_configured_in(&env_of(&[("NCCL_NET_PLUGIN", "/d/libnccl_net_ginep_fault.so")])).is_some()
+        );
+        assert_eq!(
+            plugin_configured_in(&env_of(&[("NCCL_NET_PLUGIN", "libnccl-net-ib.so")])),
+            None
+        );
+    }
+}
