@@ -20,6 +20,8 @@
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::fmt;
 
+pub mod fdpass;
+
 // ---------------------------------------------------------------------------------------
 // Host API types (nccl.h)
 

@@ -1,0 +1,456 @@
+//! Passing file descriptors between processes of one host.
+//!
+//! Owns: datagrams on abstract-namespace Unix sockets (`AF_UNIX`, `SOCK_DGRAM`, a name that
+//! starts with a NUL byte, so nothing appears in the file system and nothing is left behind
+//! when a process dies) that carry a small payload and up to [`MAX_FDS`] descriptors as
+//! `SCM_RIGHTS`. Never: interprets the payload or the descriptors (the callers exchange cuMem
+//! POSIX fds with it), blocks without a deadline, or raises SIGPIPE.
+//!
+//! Why datagrams: one message is one `sendmsg`, so a payload and its descriptors arrive
+//! together or not at all, and no accept/connect handshake is needed. Unix datagrams are
+//! reliable and ordered per sender; a full receive queue makes the sender wait (here: retry
+//! until its deadline), and a name nobody has bound yet is retried too, so a sender may
+//! start before its receiver.
+//!
+//! ```no_run
+//! use std::time::{Duration, Instant};
+//! use gin_ep_sys::fdpass::{send, FdListener};
+//! # fn demo(fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<()> {
+//! let deadline = Instant::now() + Duration::from_secs(10);
+//! let listener = FdListener::bind("gin-ep.example.rank1")?;
+//! send("gin-ep.example.rank1", b"hello", &[fd], deadline)?;
+//! let (payload, fds) = listener.recv(deadline)?;
+//! assert_eq!(payload, b"hello");
+//! assert_eq!(fds.len(), 1);
+//! # Ok(()) }
+//! ```
+
+use std::io;
+use std::mem::{size_of, zeroed};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::time::{Duration, Instant};
+
+/// Largest payload of one message. Kept far below the kernel's datagram limit
+/// (`net.core.wmem_default`, ~200 KiB) so a send never fails with EMSGSIZE.
+pub const MAX_PAYLOAD: usize = 60 * 1024;
+/// Most descriptors one message carries (the kernel allows 253).
+pub const MAX_FDS: usize = 32;
+/// Longest abstract name: `sun_path` is 108 bytes, the first is the NUL that makes it abstract.
+pub const MAX_NAME: usize = 107;
+
+/// A bound abstract-namespace datagram socket that receives payloads with descriptors.
+/// Dropping it releases the name.
+#[derive(Debug)]
+pub struct FdListener {
+    sock: OwnedFd,
+    name: String,
+}
+
+fn new_socket() -> io::Result<OwnedFd> {
+    // SAFETY: plain socket(2) call; the result is checked before it is wrapped.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor this function owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// The abstract address of `name` and its length for bind/sendto.
+fn abstract_addr(name: &str) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
+    let bytes = name.as_bytes();
+    if bytes.is_empty() || bytes.len() > MAX_NAME || bytes.contains(&0) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("fdpass: socket name {name:?} must be 1..={MAX_NAME} bytes without NUL"),
+        ));
+    }
+    // SAFETY: sockaddr_un is plain old data; all-zero is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    // sun_path[0] stays 0: the abstract namespace.
+    for (dst, src) in addr.sun_path[1..].iter_mut().zip(bytes) {
+        *dst = *src as libc::c_char;
+    }
+    let len = size_of::<libc::sa_family_t>() + 1 + bytes.len();
+    Ok((addr, len as libc::socklen_t))
+}
+
+fn remaining_ms(deadline: Instant) -> Option<libc::c_int> {
+    let now = Instant::now();
+    if now >= deadline {
+        return None;
+    }
+    let ms = (deadline - now).as_millis().clamp(1, i32::MAX as u128);
+    Some(ms as libc::c_int)
+}
+
+fn timed_out(what: &str, name: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::TimedOut,
+        format!("fdpass: {what} on {name:?} passed its deadline"),
+    )
+}
+
+impl FdListener {
+    /// Binds the abstract name `name` (1..=107 bytes, no NUL). Fails with `AddrInUse` when
+    /// another socket of this host's network namespace holds it.
+    pub fn bind(name: &str) -> io::Result<FdListener> {
+        let (addr, len) = abstract_addr(name)?;
+        let sock = new_socket()?;
+        // SAFETY: `addr` is a valid sockaddr_un of `len` bytes; `sock` is open.
+        let rc = unsafe {
+            libc::bind(
+                sock.as_raw_fd(),
+                &addr as *const libc::sockaddr_un as *const libc::sockaddr,
+                len,
+            )
+        };
+        if rc != 0 {
+            let err = io::Error::last_os_error();
+            return Err(io::Error::new(
+                err.kind(),
+                format!("fdpass: bind {name:?}: {err}"),
+            ));
+        }
+        Ok(FdListener {
+            sock,
+            name: name.to_owned(),
+        })
+    }
+
+    /// The name this listener is bound to.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Waits until `deadline` for one message and returns its payload and descriptors (each
+    /// opened close-on-exec and owned by the caller). A message whose payload or descriptors
+    /// did not fit is an error (the descriptors that did arrive are closed).
+    pub fn recv(&self, deadline: Instant) -> io::Result<(Vec<u8>, Vec<OwnedFd>)> {
+        loop {
+            let Some(ms) = remaining_ms(deadline) else {
+                return Err(timed_out("recv", &self.name));
+            };
+            let mut pfd = libc::pollfd {
+                fd: self.sock.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
+            if rc < 0 {
+                let err = io::Error::last_os_error();
+                if err.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(err);
+            }
+            if rc == 0 {
+                continue; // the deadline check above ends the loop
+            }
+            match self.recv_now()? {
+                Some(msg) => return Ok(msg),
+                None => continue, // spurious wake-up
+            }
+        }
+    }
+
+    /// One non-blocking recvmsg; `None` when nothing is queued.
+    fn recv_now(&self) -> io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
+        let mut payload = vec![0u8; MAX_PAYLOAD + 1];
+        // Control buffer for MAX_FDS descriptors, u64-aligned as cmsghdr requires.
+        let space = cmsg_space(MAX_FDS);
+        let mut control = vec![0u64; space.div_ceil(8)];
+        let mut iov = libc::iovec {
+            iov_base: payload.as_mut_ptr().cast(),
+            iov_len: payload.len(),
+        };
+        // SAFETY: msghdr is plain old data; all-zero is a valid value.
+        let mut msg: libc::msghdr = unsafe { zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        // SAFETY: msg points at buffers that live until the call returns.
+        let n = unsafe {
+            libc::recvmsg(
+                self.sock.as_raw_fd(),
+                &mut msg,
+                libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC,
+            )
+        };
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            return match err.kind() {
+                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => Ok(None),
+                _ => Err(err),
+            };
+        }
+        // Take ownership of every descriptor first so an error below closes them.
+        let fds = take_fds(&msg);
+        let n = n as usize;
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "fdpass: a message on {:?} carried more than {MAX_FDS} descriptors",
+                    self.name
+                ),
+            ));
+        }
+        if n > MAX_PAYLOAD || msg.msg_flags & libc::MSG_TRUNC != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "fdpass: a message on {:?} exceeded {MAX_PAYLOAD} payload bytes",
+                    self.name
+                ),
+            ));
+        }
+        payload.truncate(n);
+        Ok(Some((payload, fds)))
+    }
+}
+
+fn cmsg_space(nfds: usize) -> usize {
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    unsafe { libc::CMSG_SPACE((nfds * size_of::<RawFd>()) as u32) as usize }
+}
+
+/// Wraps every SCM_RIGHTS descriptor of a received message in an `OwnedFd`.
+fn take_fds(msg: &libc::msghdr) -> Vec<OwnedFd> {
+    let mut fds = Vec::new();
+    // SAFETY: walks the control buffer the kernel filled, with the libc macros that bound
+    // every header by msg_controllen; each descriptor is new in this process and owned here.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cmsg) as *const RawFd;
+                let bytes = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                for i in 0..bytes / size_of::<RawFd>() {
+                    let fd = std::ptr::read_unaligned(data.add(i));
+                    fds.push(OwnedFd::from_raw_fd(fd));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(msg, cmsg);
+        }
+    }
+    fds
+}
+
+/// Sends `payload` (at most [`MAX_PAYLOAD`] bytes) and `fds` (at most [`MAX_FDS`]) to the
+/// listener bound to `name`. Waits until `deadline` while the name is not bound yet or the
+/// receiver's queue is full. The receiver gets duplicates; the caller keeps its descriptors.
+pub fn send(name: &str, payload: &[u8], fds: &[BorrowedFd<'_>], deadline: Instant) -> io::Result<()> {
+    if payload.len() > MAX_PAYLOAD {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("fdpass: payload of {} bytes exceeds {MAX_PAYLOAD}", payload.len()),
+        ));
+    }
+    if fds.len() > MAX_FDS {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("fdpass: {} descriptors exceed {MAX_FDS}", fds.len()),
+        ));
+    }
+    let (mut addr, len) = abstract_addr(name)?;
+    let sock = new_socket()?;
+    let space = if fds.is_empty() { 0 } else { cmsg_space(fds.len()) };
+    let mut control = vec![0u64; space.div_ceil(8)];
+    let mut iov = libc::iovec {
+        iov_base: payload.as_ptr() as *mut libc::c_void,
+        iov_len: payload.len(),
+    };
+    // SAFETY: msghdr is plain old data; all-zero is a valid value.
+    let mut msg: libc::msghdr = unsafe { zeroed() };
+    msg.msg_name = (&mut addr as *mut libc::sockaddr_un).cast();
+    msg.msg_namelen = len;
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if !fds.is_empty() {
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        // SAFETY: the control buffer holds CMSG_SPACE(n fds) bytes, so the first header and
+        // its n descriptors fit; the descriptors are borrowed and stay open for the call.
+        unsafe {
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN((fds.len() * size_of::<RawFd>()) as u32) as _;
+            let data = libc::CMSG_DATA(cmsg) as *mut RawFd;
+            for (i, fd) in fds.iter().enumerate() {
+                std::ptr::write_unaligned(data.add(i), fd.as_raw_fd());
+            }
+        }
+    }
+    let mut pause = Duration::from_micros(50);
+    loop {
+        // SAFETY: msg points at buffers that live until the call returns.
+        let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        if n >= 0 {
+            return Ok(());
+        }
+        let err = io::Error::last_os_error();
+        let retry = matches!(
+            err.raw_os_error(),
+            Some(libc::EAGAIN) | Some(libc::ECONNREFUSED) | Some(libc::ENOENT) | Some(libc::EINTR)
+        );
+        if !retry {
+            return Err(io::Error::new(
+                err.kind(),
+                format!("fdpass: send to {name:?}: {err}"),
+            ));
+        }
+        if Instant::now() >= deadline {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("fdpass: send to {name:?} passed its deadline (last error: {err})"),
+            ));
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(20));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs::File;
+    use std::io::{Read, Seek, Write};
+    use std::os::fd::AsFd;
+
+    fn unique(tag: &str) -> String {
+        format!("gin-ep-test.fdpass.{}.{tag}", std::process::id())
+    }
+
+    fn soon() -> Instant {
+        Instant::now() + Duration::from_secs(10)
+    }
+
+    fn memfd_with(text: &[u8]) -> File {
+        // SAFETY: memfd_create with a static NUL-terminated name; checked below.
+        let fd = unsafe { libc::memfd_create(c"fdpass-test".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0, "memfd_create: {}", io::Error::last_os_error());
+        // SAFETY: a fresh descriptor owned by the File.
+        let mut f = unsafe { File::from_raw_fd(fd) };
+        f.write_all(text).unwrap();
+        f
+    }
+
+    #[test]
+    fn passes_a_memfd_between_threads() {
+        let name = unique("thread");
+        let listener = FdListener::bind(&name).unwrap();
+        let sender = std::thread::spawn({
+            let name = name.clone();
+            move || {
+                let f = memfd_with(b"through the socket");
+                send(&name, b"payload-1", &[f.as_fd()], soon()).unwrap();
+            }
+        });
+        let (payload, fds) = listener.recv(soon()).unwrap();
+        sender.join().unwrap();
+        assert_eq!(payload, b"payload-1");
+        assert_eq!(fds.len(), 1);
+        let mut f = File::from(fds.into_iter().next().unwrap());
+        f.rewind().unwrap();
+        let mut text = String::new();
+        f.read_to_string(&mut text).unwrap();
+        assert_eq!(text, "through the socket");
+    }
+
+    #[test]
+    fn passes_a_pipe_to_a_child_process() {
+        let name = unique("fork");
+        let listener = FdListener::bind(&name).unwrap();
+        let mut fds = [0; 2];
+        // SAFETY: pipe2 fills two descriptors, which are wrapped right away.
+        assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+        // SAFETY: fresh descriptors owned from here on.
+        let (read_end, write_end) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        // SAFETY: the child runs `send` and leaves with _exit, never returning into the test
+        // harness. `send` allocates; glibc's malloc takes its locks around fork, so the
+        // child's allocator is consistent even though the parent has other threads.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let ok = send(&name, b"from-child", &[write_end.as_fd()], soon()).is_ok();
+            // SAFETY: terminate the child without running the parent's destructors.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        drop(write_end);
+        let (payload, received) = listener.recv(soon()).unwrap();
+        let mut status = 0;
+        // SAFETY: waits for the child forked above.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(status, 0, "child failed to send");
+        assert_eq!(payload, b"from-child");
+        assert_eq!(received.len(), 1);
+        let mut w = File::from(received.into_iter().next().unwrap());
+        w.write_all(b"written by the parent through the child's copy")
+            .unwrap();
+        drop(w);
+        let mut r = File::from(read_end);
+        let mut text = String::new();
+        r.read_to_string(&mut text).unwrap();
+        assert_eq!(text, "written by the parent through the child's copy");
+    }
+
+    #[test]
+    fn several_fds_and_no_fds() {
+        let name = unique("many");
+        let listener = FdListener::bind(&name).unwrap();
+        let files: Vec<File> = (0..3).map(|i| memfd_with(format!("f{i}").as_bytes())).collect();
+        let borrowed: Vec<BorrowedFd<'_>> = files.iter().map(|f| f.as_fd()).collect();
+        send(&name, b"three", &borrowed, soon()).unwrap();
+        send(&name, b"", &[], soon()).unwrap();
+        let (p1, f1) = listener.recv(soon()).unwrap();
+        let (p2, f2) = listener.recv(soon()).unwrap();
+        assert_eq!((p1.as_slice(), f1.len()), (&b"three"[..], 3));
+        assert_eq!((p2.len(), f2.len()), (0, 0));
+        for (i, fd) in f1.into_iter().enumerate() {
+            let mut f = File::from(fd);
+            f.rewind().unwrap();
+            let mut s = String::new();
+            f.read_to_string(&mut s).unwrap();
+            assert_eq!(s, format!("f{i}"));
+        }
+    }
+
+    #[test]
+    fn deadlines_and_bad_input() {
+        let name = unique("deadline");
+        let listener = FdListener::bind(&name).unwrap();
+        let t0 = Instant::now();
+        let err = listener.recv(t0 + Duration::from_millis(100)).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        // Nobody bound: the sender retries, then gives up at its deadline.
+        let err = send(
+            &unique("nobody"),
+            b"x",
+            &[],
+            Instant::now() + Duration::from_millis(100),
+        )
+        .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        // The name is taken while the listener lives.
+        assert_eq!(
+            FdListener::bind(&name).unwrap_err().kind(),
+            io::ErrorKind::AddrInUse
+        );
+        assert!(FdListener::bind("").is_err());
+        assert!(FdListener::bind(&"x".repeat(MAX_NAME + 1)).is_err());
+        let big = vec![0u8; MAX_PAYLOAD + 1];
+        assert_eq!(
+            send(&name, &big, &[], soon()).unwrap_err().kind(),
+            io::ErrorKind::InvalidInput
+        );
+        drop(listener);
+        // The name is free again once the listener is dropped.
+        FdListener::bind(&name).unwrap();
+    }
+}
