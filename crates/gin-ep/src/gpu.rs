@@ -1068,8 +1068,8 @@ pub struct SweepEntry {
 pub const ENV_SWEEP: &str = "GIN_EP_HT_SWEEP";
 
 /// The built-in sweep: the default at 24 SMs, then one knob at a time at 24 SMs, then SM
-/// budgets above 24 (default and a combined variant). docs/perf-notes.md "HT" has the
-/// prediction for each.
+/// budgets above 24 (default and a combined variant). docs/history/perf-notes.md (HT) has
+/// the prediction for each.
 pub const BUILTIN_SWEEP: &[&str] = &[
     "sms=24",
     "sms=24,rot=0,cu=4,cc=0",

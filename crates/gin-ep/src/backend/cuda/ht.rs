@@ -88,7 +88,7 @@ pub fn layout_scan_bytes(cfg: &EpConfig) -> usize {
 /// defaults, except that `du` / `cu` without `dt` / `ct` take that unroll's block-size
 /// ceiling (du 4/8/16: 768/512/384, cu 2/3/4: 512/384/256). `default` is the default:
 /// `du=8,dt=512,dc=0,rot=1,cu=2,ct=512,cc=2,sb=32,cp=0`
-/// (bench/RESULTS.md, HT sweep at commit 9103f98: rot=1 and cu=2,ct=512,cc=2 were the best at
+/// (bench/log/2026-11-21-02.md, HT sweep at commit 9103f98: rot=1 and cu=2,ct=512,cc=2 were the best at
 /// 24 SMs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HtVariant {
@@ -392,7 +392,7 @@ fn align16(n: usize) -> usize {
 pub const STAGE_CHUNKS: usize = 256;
 /// Default CTAs that copy the caller's rows in during a staged combine, beside `num_sms`
 /// (4×H200, 4096 tokens, hidden 7168, 24 SMs, kernel µs: 8 653, 16 531–532, 24 528, 32
-/// 526–527; bench/RESULTS.md "session 6", runs r2 and t2).
+/// 526–527; bench/log/2026-11-21-19.md).
 pub const DEFAULT_STAGE_BLOCKS: u32 = 32;
 
 /// Most receive slabs one HT window may hold.

@@ -201,7 +201,8 @@ pub struct LlVariant {
     /// fence; after each item they record their progress in shared memory, and the CTA's
     /// last warp fences once for every round all of them have stored and stores those
     /// rounds' ready words. The send warps are free once their stores are issued and join
-    /// the expand (session 17: the first batch goes out only about when the transfer ends).
+    /// the expand (measured: the first batch goes out only about when the transfer ends, so
+    /// the gain is the send warps' freedom; docs/performance.md).
     pub publisher: bool,
     /// `cpub` (the `rank-first` combine): warps 0..14 of each combine CTA send the partial
     /// rows and the last warp publishes a ready word per (row slot, 512 channels) at the
@@ -218,17 +219,18 @@ pub struct LlVariant {
 
 impl LlVariant {
     /// What [`CudaLl::new`] uses without [`ENV_VARIANT`]:
-    /// `tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide+wflag+pub` (session 7, bench/RESULTS.md:
+    /// `tok+rot+ready+send8+fused+pdl+quiet+spin+wargs+solo+rwide+wflag+pub` (4×H200, 128 tokens,
+    /// docs/performance.md "Design choices":
     /// `tok+rot+ready+send8+fused` FP8 dispatch 28.2–28.6 µs against 31.6 for `fused`, BF16
-    /// 34.4–34.6 against 40.0; session 10: `pdl+quiet` on top saves ≈ 1 µs per operation back
+    /// 34.4–34.6 against 40.0; `pdl+quiet` on top saves ≈ 1 µs per operation back
     /// to back, e.g. FP8 dispatch 25.3 → 24.3 µs, and nothing with an event between
-    /// operations; session 12: `spin` saves 0.2–0.5 µs, e.g. 1 token back to back 12.2 →
-    /// 11.9; session 14: `wargs` 0.2–0.5 µs per operation (kernel entry 0.7 → 0.4 µs), `solo`
+    /// operations; `spin` saves 0.2–0.5 µs, e.g. 1 token back to back 12.2 →
+    /// 11.9; `wargs` 0.2–0.5 µs per operation (kernel entry 0.7 → 0.4 µs), `solo`
     /// ≈ 2 µs of the `rank-first` combine, 36.5–37.2 → 34.8–35.6 µs eager; `wwarp` as first
-    /// built cost 4 µs there and is not in; session 16: `rwide` 1–2 µs of the `rank-first`
+    /// built cost 4 µs there and is not in; `rwide` 1–2 µs of the `rank-first`
     /// combine, 35.0–36.1 → 33.0–34.3 µs eager, and ≈ 1 µs of `topk`; `wflag` 0.5–1 µs of the
     /// `rank-first` combine back to back at 128 tokens, 1.1–1.3 µs at 1 token, eager at 128
-    /// within noise); session 17: `pub` 2.2 µs of the FP8 dispatch, 29.0 → 26.7–27.0 µs eager,
+    /// within noise); `pub` 2.2 µs of the FP8 dispatch, 29.0 → 26.7–27.0 µs eager,
     /// and 2.6 µs of BF16). Refused, like every fused variant, when the grid cannot be resident at
     /// once.
     pub const DEFAULT: LlVariant = LlVariant {
@@ -483,8 +485,8 @@ impl LlVariant {
         .collect()
     }
 
-    /// The variants `gin-ep bench --mode ll --sweep` times, in order: the round-2 reference
-    /// points, then one change of round 3 at a time on top of `fused`, then combinations.
+    /// The variants `gin-ep bench --mode ll --sweep` times, in order: the reference points
+    /// (`base`, `tok`, `fused`), then one change at a time on top of `fused`, then combinations.
     pub fn sweep_list() -> Vec<LlVariant> {
         [
             "base@all",
