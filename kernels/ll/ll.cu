@@ -254,15 +254,15 @@ static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kSt
 //   ready words of each work item right after that item's stores, instead of once after
 //   all of its items, so the receiver can expand a warp's first items while its later ones
 //   are still in flight. One fence per item instead of one per warp.
-// - kFlagSpin (variant `spin`, default since session 12): the two waits that back off with
+// - kFlagSpin (variant `spin`, in the default): the two waits that back off with
 //   __nanosleep (a ready word, wait_ready; the send warps' wait for their CTA's receive
 //   table, wait_recv_table) spin instead: 0.2-0.5 us less per dispatch. (Tried first as a
-//   suspect of the 1-token eager "ms mode", perf-notes "Session 12": not its cause.)
+//   suspect of the 1-token eager "ms mode", docs/performance.md: not its cause.)
 // - kFlagFenceFlags (variant `fflag`) and kFlagAtomicFlags (`xflag`): the flags written with
 //   plain relaxed stores and nothing after them (the credits of push_credits, the `ready`
 //   words) are followed by a fence.acq_rel.sys of the storing thread (`fflag`), or written by
 //   atom.exch instead (`xflag`). Tests of whether such a store can linger before it leaves
-//   the GPU (the 1-token eager "ms mode", perf-notes "Session 13").
+//   the GPU (the 1-token eager "ms mode"; they were not its cause, docs/performance.md).
 // - kFlagWinArgs (variant `wargs`): the window's LSA base and stride come from LlArgs (the
 //   host read them once) instead of a load from the window struct by thread 0 of every CTA
 //   followed by a CTA barrier at every kernel entry (kernel_enter).
@@ -283,19 +283,19 @@ static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kSt
 //   stale can be read) the lines of its first two reduce items: the rows it will add, its
 //   output, the token's topk_idx and weights. The lines' page translations and the inputs
 //   are then in place when the rows have landed; the first item took ≈ 4 µs after the
-//   signals (run 16a), against ≈ 2.6 µs for a second one.
+//   signals, against ≈ 2.6 µs for a second one (bench/log/2026-11-22-01.md).
 // - kFlagLateWeights (variant `wlate`, rank-first combine): a CTA that pushed this rank's
 //   weights to a peer adds that peer's kCombWts signal after the credit wait, not before:
 //   the release's wait for the weight stores' acknowledgments held thread 0, and through
 //   the credit wait's CTA barrier the whole CTA (c.cred 5.5 µs in `rank-first` against 1.9
-//   in `topk`, run 16a). After the wait the stores have long been acknowledged.
+//   in `topk`, bench/log/2026-11-22-01.md). After the wait the stores have long been acknowledged.
 // - kFlagFlaggedWeights (variant `wflag`, rank-first combine): the weights round without a
 //   release and signal: each weight goes out as one 64-bit store of (op n << 32 | f32 bits)
 //   into the [src][T][K] u64 area, and the expert rank polls the pairs it reads until their
 //   high half is n. A 64-bit aligned access is single-copy atomic, so a pair whose flag is n
 //   holds op n's weight; no fence orders anything else. The release's wait for the weight
 //   stores' acknowledgments (≈ 2-3 µs) and the signal's trip leave the critical path
-//   (`wlate` showed the weights round on it, run 16e).
+//   (`wlate` showed the weights round on it: +2.3 µs, bench/log/2026-11-22-01.md).
 // - kFlagPublisher (variant `pub`, with `ready` and `sendN`, N <= 14): the send warps never
 //   fence. After each item's stores a send warp's lane 0 records its progress in shared
 //   memory (st.release.cta, after a warp barrier); the CTA's last warp (the publisher, not
@@ -304,15 +304,15 @@ static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kSt
 //   one lane per (send warp, destination): publish_rounds. The chain store -> release.cta ->
 //   acquire.cta -> fence.sys -> ready word is a release pattern by causality order (the
 //   cross-warp form of what a warp barrier and one lane's fence do in `ready`). What it buys
-//   (session 17): the send warps are free as soon as their stores are issued (their own
-//   fence held each of them ≈ 3 µs; `iready`'s per-item fences cost 2.9 µs, session 12) and
+//   (measured): the send warps are free as soon as their stores are issued (their own
+//   fence held each of them ≈ 3 µs; `iready`'s per-item fences cost 2.9 µs) and
 //   join the expand; −2.2 µs FP8, −2.6 BF16 at 128 tokens.
 // - kFlagCombPublisher (variant `cpub`, `rank-first` combine): the same for the combine.
 //   Warps 0..14 of each CTA send the partial rows, the last warp fences for their items
 //   (publish_rounds) and stores a combine ready word per (row slot, 512 channels) at the source
 //   ([src][T][units] u32 after the dispatch's ready words, value op n); no kCombSig. The
 //   source's reduce starts once its own CTA has sent (no polling while it sends, the cost
-//   `cready` paid in session 8) and waits per item only for the words of the ranks holding
+//   the per-warp combine ready words paid) and waits per item only for the words of the ranks holding
 //   the token's experts, instead of every CTA of every rank.
 // - kFlagSpread (variant `spread`, dispatch send): the send team's warps are numbered CTA
 //   fastest (warp w of CTA b is w * grid + b), so a second, partial round of items lands on
@@ -546,7 +546,7 @@ struct Team {
 // own signal, ready words, weights) is late only when its own CTAs are, and they are late
 // only behind waits of their own on a remote peer, with deadlines that name that peer: 1.5x
 // here, so the self wait never wins the race to report. (With equal deadlines the 2-GPU
-// never-hang check `--stall 1:ll-combine-rank-first` named rank 0 itself: session 18.) The
+// never-hang check `--stall 1:ll-combine-rank-first` named rank 0 itself.) The
 // same holds for the waits on this CTA's own shared-memory words: the publisher's progress
 // words (publish_rounds) and the send warps' receive table (wait_recv_table).
 __device__ __forceinline__ uint64_t wait_timeout(const LlArgs& a, int peer) {
@@ -810,7 +810,7 @@ __device__ __forceinline__ void put_unit(const LlArgs& a, char* rec, int c0, int
 // its encode, for put_meta at every destination. Loading the ids inside put_meta cost one
 // dependent load round per destination (each remote store's "memory" clobber keeps the next
 // destination's loads behind it): at 1 token, where that warp is the last to send, the
-// dispatch ended 0.7-0.8 us later (bench/RESULTS.md session 12).
+// dispatch ended 0.7-0.8 us later (bench/log/2026-11-21-25.md).
 __device__ __forceinline__ int64_t lane_topk_id(const LlArgs& a, int t, int lane) {
   return lane < a.topk ? a.topk_idx[size_t(t) * a.topk + lane] : -1;
 }
@@ -864,7 +864,7 @@ constexpr uint32_t kProgressFailed = 0xffffffffu;
 // once (.sys, every lane: each lane stores ready words after it) for all of those rounds
 // and the lanes publish their (warp, j < per_item) pairs through publish_at(item, j). One
 // fence per round instead fell behind in the combine (≈ 3.3 rounds, each fence a drain of
-// the SM's stores; run 17b). The send warps never wait on the publisher, so the deadline
+// the SM's stores: +4.3 µs, bench/log/2026-11-22-02.md). The send warps never wait on the publisher, so the deadline
 // here (1.5x, like wait_recv_table, not reading the host flag) only guards a send warp that
 // never advances. False when it expired or a send warp reported kProgressFailed (the
 // receivers then miss these ready words and report this rank).
@@ -1191,7 +1191,7 @@ struct RecvTable {
 // receive team: its own waits have deadlines, name the late peer, stop when another wait
 // has reported, and then publish kTableFailed, so this wait never reads the host-mapped
 // error flag itself (a thousand send warps reading it flooded the path to host memory,
-// perf-notes "Session 13"). The deadline here is 1.5x theirs, so it never wins the race to
+// docs/performance.md). The deadline here is 1.5x theirs, so it never wins the race to
 // report a stalled peer (it once did, naming this rank itself: `gin-ep check --mode ll
 // --stall R:ll-dispatch`); it only guards against a receive team that never publishes.
 // False when the table failed or this wait timed out.
@@ -1548,7 +1548,7 @@ __device__ __forceinline__ void load_batch(const LlArgs& a, const float* wts, in
 // Elements [0, n) moved by `threads` threads from thread `tid` (load(i), then store(i, v)),
 // up to kCopyBatch per thread loaded before any is stored: every remote store's "memory"
 // clobber keeps later loads behind it, and one load round trip per element cost a warp alone
-// ≈ 4 µs for 8 vectors per lane (`wwarp`, session 14).
+// ≈ 4 µs for 8 vectors per lane (`wwarp`, bench/log/2026-11-21-27.md).
 constexpr int kCopyBatch = 8;
 template <typename T, typename Load, typename Store>
 __device__ __forceinline__ void copy_batched(size_t n, size_t tid, size_t threads, Load load, Store store) {
