@@ -27,7 +27,7 @@ __device__ __forceinline__ float block_scale(float amax, bool ue8m0) {
 
 // Divides by one block's scale without a division per element. quant.rs computes
 // e4m3(x / scale) with an IEEE division; that division per element was ≈ 6% of the LL FP8
-// dispatch at 384 tokens on 2 GPUs (perf-notes, session 18). Instead, once per block,
+// dispatch at 384 tokens on 2 GPUs (bench/log/2026-11-22-03.md). Instead, once per block,
 // inv = RN(1 / scale), and per element q = RN(x * inv), e = q * scale - x (exact, by FMA),
 // result RN(q - e * inv) (Markstein's correction, written with -inv so that x = -0 keeps its
 // sign: -0 - (+0 * inv) is +0, +0 * -inv + -0 is -0). An infinite scale (an infinity in the
