@@ -159,7 +159,7 @@ constexpr uint64_t kErrorPollAfterNs = 100000;
 // ... and then at most this often per waiting thread. Each look is a read across PCIe, and
 // a thousand waiters looking every few polls flooded the GPU's path to host memory: LL
 // dispatches at 1 token whose waits passed 100 us (a late peer) then took 1-3 ms, and the
-// delay kept itself going from one operation to the next (perf-notes "Session 13"). The
+// delay kept itself going from one operation to the next (docs/performance.md). The
 // deadlines are seconds: a failed wait still stops the others within 0.1 ms of its report.
 constexpr uint64_t kErrorPollEveryNs = 100000;
 
