@@ -105,9 +105,8 @@ def ll_recv_outputs(local, ranks, max_tokens, hidden, fp8, device):
     Host time, the reason for its form: each tensor is allocated with its final dtype and
     strides (e4m3 data, no `view`; scales by `empty_strided`, no `transpose`) and its sizes
     as separate ints (`empty`). H200 host, torch 2.11, us per call holding the previous
-    call's outputs (figures that include layout_range, which belongs to the buffer set and is
-    not allocated per call): FP8 8.3 (15.0
-    before), BF16 6.0 (8.9). One allocation carved into views was measured too and costs more
+    call's outputs (measured with layout_range among them; it belongs to the buffer set and is
+    not allocated per call): FP8 8.3 (15.0 in the first form), BF16 6.0 (8.9). One allocation carved into views was measured too and costs more
     (FP8 10.7-12.0, BF16 8.4-9.5): a view costs 0.8-1.5 us, about what an allocation costs
     once its sizes are not parsed from a tuple."""
     rows = ranks * max_tokens
