@@ -1,7 +1,8 @@
 //! gin-ep-sys: raw NCCL bindings, loaded at run time. FFI only, no logic.
 //!
-//! Owns: the `#[repr(C)]` mirrors of the NCCL 2.28.9 types gin-ep passes across the boundary
-//! (host API and the Device API's `ncclDevComm`, which kernels take by value), and a table of
+//! Owns: the `#[repr(C)]` mirrors of the NCCL types gin-ep passes across the boundary (host
+//! API; the Device API's `ncclDevComm`, which kernels take by value, and its requirements,
+//! once per supported minor release in `dev_abi.rs`), and a table of
 //! function pointers from `libnccl.so.2` opened with dlopen. Never: turns status codes into
 //! errors, owns communicators or memory, or decides policy; the safe owners in
 //! `gin-ep::backend::cuda` do that (the cudarc split: sys / result / safe).
@@ -10,10 +11,11 @@
 //! must share the one NCCL a Python process already loaded through PyTorch, so the library
 //! is found at run time; see [`Nccl::load`] for the search order.
 //!
-//! Layouts: `build.rs` compiles a C++ probe against the NCCL headers it finds (NCCL_INCLUDE,
-//! or the project's `.cuda` venv from scripts/setup-cuda) and generates `const` assertions
-//! on every size and offset below; a mismatch fails the build. The fixed assertions at the
-//! end of this file pin the 2.28.9 values even on machines without headers.
+//! Layouts: `build.rs` compiles a C++ probe against every NCCL header set it finds (the
+//! project's `.cuda` from scripts/setup-cuda: 2.28.9, 2.29.7, 2.30.7; or NCCL_INCLUDE*) and
+//! generates `const` assertions on every size and offset of that version's mirrors; a
+//! mismatch fails the build. Fixed assertions in dev_abi.rs pin the measured values even on
+//! machines without headers.
 
 #![allow(non_camel_case_types, non_snake_case, non_upper_case_globals)]
 
@@ -95,157 +97,10 @@ pub type ncclComm_t = *mut ncclComm;
 pub type cudaStream_t = *mut c_void;
 
 // ---------------------------------------------------------------------------------------
-// Device API types (nccl_device/core.h, impl/*__types.h). Host code fills the requirements
-// and receives an `ncclDevComm`, which is copied by value into kernel parameters, so its
-// size and alignment must match the headers the kernels were compiled with.
+// Device API types, one mirror per supported NCCL minor (dev_abi.rs).
 
-/// `ncclTeam`: a strided subset of ranks.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ncclTeam {
-    pub nRanks: c_int,
-    pub rank: c_int,
-    pub stride: c_int,
-}
-
-pub type ncclDevResourceHandle_t = u32;
-pub type ncclGinSignal_t = u32;
-pub type ncclGinCounter_t = u32;
-pub type ncclGinWindow_t = *mut c_void;
-
-pub const NCCL_GIN_MAX_CONTEXTS: usize = 4;
-
-/// `struct ncclWindow_vidmem`; host code only holds `ncclWindow_t` pointers to it, but
-/// `ncclDevComm` embeds one by value.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct ncclWindow_vidmem {
-    pub winHost: *mut c_void,
-    pub lsaFlatBase: *mut c_char,
-    pub lsaRank: c_int,
-    pub worldRank: c_int,
-    pub stride4G: u32,
-    pub mcOffset4K: u32,
-    pub ginOffset4K: u32,
-    pub ginWins: [ncclGinWindow_t; NCCL_GIN_MAX_CONTEXTS],
-}
-pub type ncclWindow_t = *mut ncclWindow_vidmem;
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct ncclMultimemHandle {
-    pub mcBasePtr: *mut c_void,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub struct ncclLsaBarrierHandle {
-    pub bufHandle: ncclDevResourceHandle_t,
-    pub nBarriers: c_int,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub struct ncclGinBarrierHandle {
-    pub signal0: ncclGinSignal_t,
-    pub bufHandle: ncclDevResourceHandle_t,
-}
-
-/// Opaque window table (`struct ncclDevCommWindowTable`, device memory).
-#[repr(C)]
-pub struct ncclDevCommWindowTable {
-    _opaque: [u8; 0],
-}
-
-/// `struct ncclDevComm`: filled by `ncclDevCommCreate`, passed by value to kernels.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct ncclDevComm {
-    pub rank: c_int,
-    pub nRanks: c_int,
-    pub nRanks_rcp32: u32,
-    pub lsaRank: c_int,
-    pub lsaSize: c_int,
-    pub lsaSize_rcp32: u32,
-    pub windowTable: *mut ncclDevCommWindowTable,
-    pub resourceWindow: ncclWindow_t,
-    pub resourceWindow_inlined: ncclWindow_vidmem,
-    pub lsaMultimem: ncclMultimemHandle,
-    pub lsaBarrier: ncclLsaBarrierHandle,
-    pub railGinBarrier: ncclGinBarrierHandle,
-    pub ginContextCount: u8,
-    pub ginTypes: [u8; 4],
-    pub ginHandles: [*mut c_void; 4],
-    pub ginSignalBase: u32,
-    pub ginSignalCount: c_int,
-    pub ginCounterBase: u32,
-    pub ginCounterCount: c_int,
-    pub ginSignalShadows: *mut u64,
-}
-
-impl ncclDevComm {
-    /// All zero: the state NCCL expects to overwrite in `ncclDevCommCreate`.
-    pub fn zeroed() -> Self {
-        // SAFETY: every field is an integer, an array of integers or a raw pointer, for all
-        // of which all-zero bytes are a valid value (null pointers, zero counts).
-        unsafe { std::mem::zeroed() }
-    }
-}
-
-/// `struct ncclDevResourceRequirements`: a linked list node asking for extra symmetric
-/// memory or GIN signals/counters in the device communicator.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct ncclDevResourceRequirements {
-    pub next: *mut ncclDevResourceRequirements,
-    pub bufferSize: usize,
-    pub bufferAlign: usize,
-    pub outBufferHandle: *mut ncclDevResourceHandle_t,
-    pub ginSignalCount: c_int,
-    pub ginCounterCount: c_int,
-    pub outGinSignalStart: *mut ncclGinSignal_t,
-    pub outGinCounterStart: *mut ncclGinCounter_t,
-}
-
-/// `struct ncclTeamRequirements`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct ncclTeamRequirements {
-    pub next: *mut ncclTeamRequirements,
-    pub team: ncclTeam,
-    pub multimem: bool,
-    pub outMultimemHandle: *mut ncclMultimemHandle,
-}
-
-/// `struct ncclDevCommRequirements`: what `ncclDevCommCreate` must provide. Zero means
-/// "none" for every field, so start from [`ncclDevCommRequirements::zeroed`].
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct ncclDevCommRequirements {
-    pub resourceRequirementsList: *mut ncclDevResourceRequirements,
-    pub teamRequirementsList: *mut ncclTeamRequirements,
-    pub lsaMultimem: bool,
-    pub barrierCount: c_int,
-    pub lsaBarrierCount: c_int,
-    pub railGinBarrierCount: c_int,
-    pub lsaLLA2ABlockCount: c_int,
-    pub lsaLLA2ASlotCount: c_int,
-    /// Asking for GIN where the network has none crashes NCCL 2.28.9 (shared/ANCHORS.md):
-    /// callers must check for a GIN-capable network before setting this.
-    pub ginForceEnable: bool,
-    pub ginContextCount: c_int,
-    pub ginSignalCount: c_int,
-    pub ginCounterCount: c_int,
-}
-
-impl ncclDevCommRequirements {
-    /// No requirements at all (null lists, zero counts, multimem and GIN off).
-    pub fn zeroed() -> Self {
-        // SAFETY: integers, bools and raw pointers; all-zero bytes are valid for each
-        // (false, 0, null).
-        unsafe { std::mem::zeroed() }
-    }
-}
+mod dev_abi;
+pub use dev_abi::*;
 
 // ---------------------------------------------------------------------------------------
 // Function pointer types, one per bound entry point, exactly as in nccl.h / core.h.
@@ -279,13 +134,15 @@ pub type ncclCommWindowRegister_t = unsafe extern "C" fn(
 ) -> ncclResult_t;
 pub type ncclCommWindowDeregister_t =
     unsafe extern "C" fn(comm: ncclComm_t, win: ncclWindow_t) -> ncclResult_t;
+/// `reqs` points to the `ncclDevCommRequirements` of the loaded library's version
+/// ([`DevCommRequirementsC::as_ptr`]); NCCL writes its version's `ncclDevComm` into the slot.
 pub type ncclDevCommCreate_t = unsafe extern "C" fn(
     comm: ncclComm_t,
-    reqs: *const ncclDevCommRequirements,
-    outDevComm: *mut ncclDevComm,
+    reqs: *const c_void,
+    outDevComm: *mut DevCommSlot,
 ) -> ncclResult_t;
 pub type ncclDevCommDestroy_t =
-    unsafe extern "C" fn(comm: ncclComm_t, devComm: *const ncclDevComm) -> ncclResult_t;
+    unsafe extern "C" fn(comm: ncclComm_t, devComm: *const DevCommSlot) -> ncclResult_t;
 pub type ncclAlltoAll_t = unsafe extern "C" fn(
     sendbuff: *const c_void,
     recvbuff: *mut c_void,
@@ -328,6 +185,8 @@ pub enum NcclSource {
     Env(String),
     /// Already mapped in this process (e.g. by PyTorch), found with RTLD_NOLOAD.
     AlreadyLoaded,
+    /// The `nvidia-nccl` wheel of the Python on PATH (the NCCL PyTorch loads).
+    PythonWheel(String),
     /// `dlopen("libnccl.so.2")` through the default loader path.
     LoaderPath,
 }
@@ -398,13 +257,50 @@ impl fmt::Debug for Nccl {
     }
 }
 
+/// Environment variable naming the Python whose `nvidia-nccl` wheel [`Nccl::load`] tries.
+pub const PYTHON_ENV: &str = "GIN_EP_PYTHON";
+
+/// Path of `libnccl.so.2` inside the `nvidia-nccl` wheel of `python3` (or `$GIN_EP_PYTHON`),
+/// or why there is none. Asks the interpreter (the wheel is a namespace package, found only
+/// through its `__path__`); bounded by the interpreter's own start-up, no network.
+fn python_wheel_nccl() -> Result<String, String> {
+    let python = std::env::var(PYTHON_ENV).unwrap_or_else(|_| "python3".to_string());
+    let script = concat!(
+        "import os, sys\n",
+        "try:\n",
+        "    import nvidia.nccl as n\n",
+        "except Exception:\n",
+        "    sys.exit(3)\n",
+        "for b in n.__path__:\n",
+        "    p = os.path.join(b, 'lib', 'libnccl.so.2')\n",
+        "    if os.path.isfile(p):\n",
+        "        print(p)\n",
+        "        sys.exit(0)\n",
+        "sys.exit(4)\n",
+    );
+    let out = std::process::Command::new(&python)
+        .args(["-c", script])
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output()
+        .map_err(|e| format!("{python}: {e}"))?;
+    match out.status.code() {
+        Some(0) => Ok(String::from_utf8_lossy(&out.stdout).trim().to_string()),
+        Some(3) => Err(format!("{python} has no nvidia-nccl wheel")),
+        _ => Err(format!("{python}: no lib/libnccl.so.2 in its nvidia-nccl wheel")),
+    }
+}
+
 impl Nccl {
     /// Opens NCCL, in this order:
     /// 1. `$GIN_EP_NCCL_LIB` (a path) when set; no fallback, so an explicit choice is never
     ///    silently replaced;
     /// 2. a `libnccl.so.2` already loaded in the process (RTLD_NOLOAD), so gin-ep inside a
     ///    PyTorch process shares torch's NCCL instead of mapping a second copy;
-    /// 3. `libnccl.so.2` through the default loader path (LD_LIBRARY_PATH, ld.so.cache).
+    /// 3. the `nvidia-nccl` wheel of `python3` on PATH (`$GIN_EP_PYTHON` if set): the NCCL
+    ///    PyTorch ships and loads, which is the one the kernels are built for; a system
+    ///    libnccl of another patch level can refuse symmetric memory (2.28.3 does at 1 rank);
+    /// 4. `libnccl.so.2` through the default loader path (LD_LIBRARY_PATH, ld.so.cache).
     pub fn load() -> Result<Nccl, LoadError> {
         let mut tried = Vec::new();
         if let Some(path) = std::env::var_os(NCCL_LIB_ENV) {
@@ -423,6 +319,16 @@ impl Nccl {
                 Ok(lib) => return Self::from_library(lib.into(), NcclSource::AlreadyLoaded),
                 Err(e) => tried.push(format!("already loaded: {e}")),
             }
+        }
+        match python_wheel_nccl() {
+            Ok(path) => {
+                // SAFETY: as above.
+                match unsafe { libloading::Library::new(&path) } {
+                    Ok(lib) => return Self::from_library(lib, NcclSource::PythonWheel(path)),
+                    Err(e) => tried.push(format!("Python's nvidia-nccl wheel {path}: {e}")),
+                }
+            }
+            Err(why) => tried.push(format!("Python's nvidia-nccl wheel: {why}")),
         }
         // SAFETY: as above.
         match unsafe { libloading::Library::new(NCCL_SONAME) } {
@@ -510,40 +416,8 @@ pub const fn nccl_version_code(major: i32, minor: i32, patch: i32) -> i32 {
     }
 }
 
-/// The NCCL these bindings mirror.
-pub const NCCL_BINDINGS_VERSION: i32 = nccl_version_code(2, 28, 9);
-
-// ---------------------------------------------------------------------------------------
-// Layout checks.
-
-/// Generated by build.rs from the NCCL headers it found (no checks without headers).
-mod generated_layout_checks {
-    #[allow(unused_imports)]
-    use super::*;
-    include!(concat!(env!("OUT_DIR"), "/layout_checks.rs"));
-}
-
-/// NCCL_VERSION_CODE of the headers the struct layouts were checked against at build time,
-/// or `None` when the build had no headers (then only the fixed 2.28.9 checks ran).
-pub use generated_layout_checks::CHECKED_AGAINST as LAYOUT_CHECKED_AGAINST;
-
-/// NCCL 2.28.9 on 64-bit targets, measured with its headers; fails to compile when a field
-/// above is added, removed or retyped, even where no headers are installed.
-#[cfg(target_pointer_width = "64")]
-const _: () = {
-    use std::mem::{align_of, offset_of, size_of};
-    assert!(size_of::<ncclUniqueId>() == 128);
-    assert!(size_of::<ncclTeam>() == 12);
-    assert!(size_of::<ncclWindow_vidmem>() == 72);
-    assert!(size_of::<ncclDevComm>() == 200 && align_of::<ncclDevComm>() == 8);
-    assert!(offset_of!(ncclDevComm, resourceWindow_inlined) == 40);
-    assert!(offset_of!(ncclDevComm, ginContextCount) == 136);
-    assert!(offset_of!(ncclDevComm, ginSignalShadows) == 192);
-    assert!(size_of::<ncclDevCommRequirements>() == 56);
-    assert!(offset_of!(ncclDevCommRequirements, ginForceEnable) == 40);
-    assert!(size_of::<ncclDevResourceRequirements>() == 56);
-    assert!(size_of::<ncclTeamRequirements>() == 32);
-};
+/// ncclUniqueId is the one host struct passed by value; pin its size.
+const _: () = assert!(std::mem::size_of::<ncclUniqueId>() == NCCL_UNIQUE_ID_BYTES);
 
 #[cfg(test)]
 mod tests {
