@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from . import _native
+from ._bootstrap import fields_of
 
 
 # The current device and its current stream as raw values, without building the Python
@@ -233,11 +234,32 @@ class GpuLlState:
         self.num_tokens = num_tokens
 
 
+def layout(topk_idx: torch.Tensor, num_experts: int, r: int):
+    """(per_rank int32 [R], per_expert int32 [E], is_token_in_rank bool [N, R]),
+    computed on the device without host synchronization."""
+    if num_experts % r:
+        raise ValueError(f"num_experts = {num_experts} is not a multiple of {r} ranks")
+    n = topk_idx.shape[0]
+    idx = topk_idx.to(torch.int64)
+    valid = idx >= 0
+    e_col = torch.where(valid, idx, num_experts).flatten()
+    per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx.device)
+    per_expert.scatter_add_(0, e_col, torch.ones_like(e_col))
+    r_col = torch.where(valid, idx // (num_experts // r), r)
+    in_rank = torch.zeros((n, r + 1), dtype=torch.bool, device=idx.device)
+    in_rank.scatter_(1, r_col, True)
+    in_rank = in_rank[:, :r].contiguous()
+    per_rank = in_rank.sum(0, dtype=torch.int32)
+    return per_rank, per_expert[:num_experts].to(torch.int32), in_rank
+
+
 class Gpu:
     """The GPU state of one Buffer."""
 
-    def __init__(self, runtime, timeout_s: float, group_size: int, rank: int) -> None:
+    def __init__(self, runtime, timeout_s: float, group_size: int, rank: int, agree) -> None:
         self.device = torch.cuda.current_device()
+        # `_bootstrap.ShapeAgreement`: every rank shows the same shape before each window.
+        self.agree = agree
         self.ep = _native.CudaEp(runtime, self.device, timeout_s)
         self.group_size = group_size
         self.rank = rank
@@ -250,27 +272,6 @@ class Gpu:
         self.ll_seq = {}
         self.ll_ranges = {}
 
-    # -------------------------------------------------------------- layout
-
-    def layout(self, topk_idx: torch.Tensor, num_experts: int):
-        """(per_rank int32 [R], per_expert int32 [E], is_token_in_rank bool [N, R]),
-        computed on the device without host synchronization."""
-        r = self.group_size
-        if num_experts % r:
-            raise ValueError(f"num_experts = {num_experts} is not a multiple of {r} ranks")
-        n = topk_idx.shape[0]
-        idx = topk_idx.to(torch.int64)
-        valid = idx >= 0
-        e_col = torch.where(valid, idx, num_experts).flatten()
-        per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx.device)
-        per_expert.scatter_add_(0, e_col, torch.ones_like(e_col))
-        r_col = torch.where(valid, idx // (num_experts // r), r)
-        in_rank = torch.zeros((n, r + 1), dtype=torch.bool, device=idx.device)
-        in_rank.scatter_(1, r_col, True)
-        in_rank = in_rank[:, :r].contiguous()
-        per_rank = in_rank.sum(0, dtype=torch.int32)
-        return per_rank, per_expert[:num_experts].to(torch.int32), in_rank
-
     # -------------------------------------------------------------- HT
 
     def ht(self, hidden, topk, experts, max_tokens, fp8, num_sms, lend_slabs):
@@ -280,6 +281,7 @@ class Gpu:
         h = self.hts.get(key)
         if h is None:
             cfg = _native.EpConfig(self.group_size, experts, hidden, topk, max_tokens, "fp8" if fp8 else "bf16")
+            self.agree.check("an HT window of the GPU path", {**fields_of(cfg, False), "ht_recv_slabs": lend_slabs})
             h = self.ep.ht_new(cfg, num_sms=num_sms, exact=True, recv_slabs=1 + lend_slabs)
             self.hts[key] = h
             self.ht_free[h] = list(range(lend_slabs, 0, -1))
@@ -363,6 +365,7 @@ class Gpu:
                     f"num_rdma_bytes = {num_rdma_bytes} is too small for LL with {max_tokens} tokens per "
                     f"rank, hidden = {hidden}, top-{topk} of {experts} experts ({dtype}): gin-ep needs "
                     f"{need} bytes (see Buffer.get_low_latency_rdma_size_hint)")
+            self.agree.check("an LL window of the GPU path", fields_of(cfg, True))
             l = self.ep.ll_new(cfg)
             self.lls[key] = l
             self.ll_next[l] = 0

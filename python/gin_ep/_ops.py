@@ -146,9 +146,10 @@ def ll_dispatch(buffer: int, x: torch.Tensor, topk_idx: torch.Tensor, stats: Opt
                 num_max_dispatch_tokens_per_rank: int, num_experts: int, use_fp8: bool, round_scale: bool,
                 hook: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     buf = _buffer(buffer)
-    if buf._gpu is not None:
+    buf._live()
+    if buf._on_gpu(x):
+        buf._ll_gpu_mask_check()
         # A fresh layout_range: an op's outputs must not alias state kept across calls.
-        buf._live()
         recv_x, recv_count, handle, _, _ = buf._gpu_ll_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, stats, use_fp8, round_scale, False, hook,
             fresh_layout_range=True)

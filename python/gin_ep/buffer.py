@@ -16,18 +16,18 @@ given shape creates the heap for that shape (collectively, on every rank):
     `num_rdma_bytes` (see `get_low_latency_rdma_size_hint`).
 """
 
-import socket
+import math
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from . import _gpu, _native, _ops
+from . import _bootstrap, _gpu, _native, _ops
 from ._convert import check, check_cpu, from_bytes, to_bytes
+from ._gpu_path import GpuPath
+from ._util import BF16 as _BF16, Tensor as _Tensor, check_rows as _check_rows, refuse_keywords, \
+    round_up as _round_up, unsupported as _unsupported
 from .utils import CompletedEvent, EventOverlap
-
-# Looked up once: the LL paths compare against them per call.
-_Tensor, _BF16 = torch.Tensor, torch.bfloat16
 
 #: dtype of `topk_idx` (DeepEP's `topk_idx_t`).
 topk_idx_t = torch.int64
@@ -71,16 +71,6 @@ class Config:
                 f"{self.num_max_rdma_chunked_recv_tokens})")
 
 
-def _round_up(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
-
-
-def _check_rows(x: torch.Tensor, topk_idx: torch.Tensor) -> None:
-    """One `topk_idx` row per token of `x` (both 2-D, checked before)."""
-    if topk_idx.shape[0] != x.shape[0]:
-        raise ValueError(f"topk_idx: {topk_idx.shape[0]} rows, x has {x.shape[0]}")
-
-
 class _HtState:
     """Slot 0 of an HT handle: what combine and cached dispatch need."""
 
@@ -118,10 +108,6 @@ def _ll_state(handle) -> _LlState:
     return st
 
 
-def _unsupported(what: str) -> NotImplementedError:
-    return NotImplementedError(f"gin_ep: {what} is not supported")
-
-
 def _hook() -> None:
     """Receive hook of the host backend: the data arrived before the call returned."""
 
@@ -131,13 +117,7 @@ def _hook() -> None:
 _eager_only = torch.compiler.disable
 
 
-def _copy_into(out: Optional[torch.Tensor], combined: torch.Tensor) -> None:
-    """`out=` of an LL combine the kernel could not write itself (not contiguous)."""
-    if out is not None and combined is not out:
-        out.copy_(combined)
-
-
-class Buffer:
+class Buffer(GpuPath):
     """Expert-parallel communication buffers, DeepEP V1's `deep_ep.Buffer` interface.
 
     Attributes match DeepEP's: `num_sms`, `rank`, `group_size`, `group`, `num_nvl_bytes`,
@@ -167,10 +147,12 @@ class Buffer:
                  allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False,
+                 enable_shrink: bool = False,
                  comm=None,
                  *, max_tokens_per_rank: Optional[int] = None,
                  timeout_s: float = 100.0, ll_combine_order: str = "topk",
-                 ht_recv_slabs: int = 2) -> None:
+                 ht_recv_slabs: int = 2, **deepep_only) -> None:
+        refuse_keywords("Buffer", deepep_only)
         if ll_combine_order not in ("topk", "rank-first"):
             raise ValueError(f"ll_combine_order = {ll_combine_order!r}: expected 'topk' or 'rank-first'")
         if not isinstance(ht_recv_slabs, int) or not 0 <= ht_recv_slabs <= _native.MAX_RECV_SLABS - 1:
@@ -184,17 +166,19 @@ class Buffer:
         self.runtime = None
         self._server = None
         self._gpu = None
-        use_gpu = False
+        # The group only bootstraps: each call runs where its tensors live (CUDA tensors on
+        # gin-ep's CUDA kernels, CPU tensors on the host backend), whatever the backend. An
+        # NCCL group starts the CUDA rank now (NCCL groups carry CUDA tensors); any other
+        # group on the first call with CUDA tensors (`_on_gpu`).
+        start_gpu = False
         if group is not None:
             self.rank = group.rank()
             self.group_size = group.size()
             backend = str(dist.get_backend(group)).lower()
             if "nccl" in backend:
-                use_gpu = True
+                start_gpu = True
                 if not torch.cuda.is_available():
                     raise RuntimeError("gin_ep GPU path: the process group is NCCL but torch.cuda sees no GPU")
-            elif "gloo" not in backend:
-                raise NotImplementedError(f"gin_ep: process group backend {backend!r} (use nccl or gloo)")
 
             def all_gather_object(obj):
                 out = [None] * self.group_size
@@ -219,17 +203,18 @@ class Buffer:
         self.num_rdma_bytes = int(num_rdma_bytes)
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = bool(enable_shrink)
         self._max_tokens_override = max_tokens_per_rank
         self._timeout_s = float(timeout_s)
         self._eps = {}
         self._ht_tokens = {}
         self._ll_comb_bufs = {}
+        self._ll_mask = [False] * self.group_size
+        self._local_tensors = {}
 
-        # Both backends need one host (shared memory; NVLink load/store on the GPU path).
-        hosts = all_gather_object(socket.gethostname())
-        if len(set(hosts)) != 1:
-            raise NotImplementedError(
-                f"gin_ep: all ranks must run on one host (got {sorted(set(hosts))})")
+        # Whether the host backend can run here (one machine, one /dev/shm); the GPU path
+        # leaves that to NCCL's LSA team (see _bootstrap.py).
+        self._host_reason = _bootstrap.host_backend_check(self.rank, all_gather_object)
 
         # Rank 0 serves gin-ep's store on loopback; the others learn its port.
         port = None
@@ -238,8 +223,42 @@ class Buffer:
             port = self._server.port
         ports = all_gather_object(port)
         self.runtime = _native.Group.join(self.rank, self.group_size, f"127.0.0.1:{ports[0]}", self._timeout_s)
-        if use_gpu:
-            self._gpu = _gpu.Gpu(self.runtime, self._timeout_s, self.group_size, self.rank)
+        self._agree = _bootstrap.ShapeAgreement(self.runtime, self.rank)
+        if start_gpu:
+            self._start_gpu()
+
+    # ------------------------------------------------------------ where a call runs
+
+    def _start_gpu(self) -> None:
+        """Collective: this rank's CUDA rank (NCCL communicator through gin-ep's store)."""
+        if not _bootstrap.kernels_built():
+            why = _bootstrap.kernels_info()["why_not"]
+            raise RuntimeError(f"gin_ep GPU path: this build of gin_ep has no CUDA kernels ({why}); "
+                               "rebuild the wheel with them (python/README.md, Install)")
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("gin_ep GPU path: the first call with CUDA tensors sets up NCCL (collective) "
+                               "and cannot be captured in a CUDA graph; make one eager call first")
+        self._gpu = _gpu.Gpu(self.runtime, self._timeout_s, self.group_size, self.rank, self._agree)
+
+    def _on_gpu(self, t) -> bool:
+        """True when tensor `t` (or the first of a tuple) is a CUDA tensor: the call runs on
+        the GPU path, whose CUDA rank starts here on first use (every rank makes the same
+        call). False for a CPU tensor: the host backend. Anything else is refused."""
+        if type(t) is tuple and t:
+            t = t[0]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+        if t.is_cuda:
+            if self._gpu is None:
+                self._live()
+                self._start_gpu()
+            return True
+        if t.device.type != "cpu":
+            raise NotImplementedError(f"gin_ep: tensors on {t.device}: CUDA tensors run gin-ep's CUDA kernels, "
+                                      "CPU tensors its host backend")
+        if self._host_reason is not None:
+            raise NotImplementedError(f"gin_ep: CPU tensors run the host backend, and {self._host_reason}")
+        return False
 
     # ------------------------------------------------------------ lifetime
 
@@ -252,6 +271,7 @@ class Buffer:
     def _release(self, collective: bool) -> None:
         self._eps = {}
         self._ll_comb_bufs = {}
+        self._local_tensors = {}
         if self._gpu is not None:
             if collective:
                 torch.cuda.current_stream().synchronize()
@@ -279,7 +299,8 @@ class Buffer:
 
     @staticmethod
     def is_sm90_compiled() -> bool:
-        return False
+        """True when this build carries gin-ep's CUDA kernels (sm_90 SASS and compute_90 PTX)."""
+        return _bootstrap.kernels_built()
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
@@ -323,32 +344,96 @@ class Buffer:
         return Config(Buffer.num_sms, 6, 256, 6, 128)
 
     def get_comm_stream(self):
-        raise _unsupported("get_comm_stream (the host backend has no CUDA stream)")
+        """The CUDA stream gin-ep's GPU operations run on: the caller's current stream
+        (gin-ep has no stream of its own, so waiting on it orders nothing extra)."""
+        if not torch.cuda.is_available():
+            raise _unsupported("get_comm_stream without CUDA (the host backend has no stream)")
+        return torch.cuda.current_stream()
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None,
                                 offset: int = 0, use_rdma_buffer: bool = False) -> torch.Tensor:
-        raise _unsupported("get_local_buffer_tensor (the host backend's heaps are created per "
-                           "shape and are not exposed as tensors)")
+        """A tensor over `num_rdma_bytes` (`use_rdma_buffer`) or `num_nvl_bytes` bytes this
+        Buffer owns, from byte `offset`, of `dtype` and `size` (default: all of it). gin-ep's
+        own heaps are per shape and their signals are sequence numbers that must never be
+        reset, so this is a separate allocation (on the GPU once the Buffer has its CUDA
+        rank): writing it (DeepEP callers zero it to recover) leaves gin-ep consistent, and
+        gin-ep never reads it."""
+        self._live()
+        total = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        item = torch.empty((), dtype=dtype).element_size()
+        if offset < 0 or offset % item:
+            raise ValueError(f"offset = {offset}: must be a non-negative multiple of {item} ({dtype})")
+        count = (total - offset) // item if size is None else math.prod(size)
+        if offset + count * item > total:
+            raise ValueError(f"get_local_buffer_tensor: {count} x {dtype} from byte {offset} exceed the "
+                             f"{total} bytes of {'num_rdma_bytes' if use_rdma_buffer else 'num_nvl_bytes'}")
+        dev = torch.device("cuda", self._gpu.device) if self._gpu is not None else torch.device("cpu")
+        key = (use_rdma_buffer, dev)
+        raw = self._local_tensors.get(key)
+        if raw is None:
+            raw = self._local_tensors[key] = torch.zeros(total, dtype=torch.uint8, device=dev)
+        t = raw[offset:offset + count * item].view(dtype)
+        return t if size is None else t.view(size)
+
+    # ------------------------------------------------------------ LL rank mask
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Masks (`mask=True`) or unmasks a rank for this rank's LL operations: they neither
+        send to nor wait for a masked rank (its experts' rows count as absent). Needs
+        `enable_shrink=True`, as DeepEP's."""
+        self._live()
+        if not self.enable_shrink:
+            raise RuntimeError("low_latency_update_mask_buffer needs Buffer(enable_shrink=True)")
+        if not 0 <= rank_to_mask < self.group_size:
+            raise ValueError(f"rank_to_mask = {rank_to_mask}: not a rank of this {self.group_size}-rank group")
+        if rank_to_mask == self.rank and mask:
+            raise ValueError(f"rank_to_mask = {rank_to_mask}: a rank cannot mask itself")
+        self._ll_mask[rank_to_mask] = bool(mask)
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Writes each rank's mask (1 masked, 0 not) into `mask_status` (`[num_ranks]`
+        int32): the ones set by `low_latency_update_mask_buffer` and, with
+        `enable_shrink=True`, the peers an LL wait gave up on."""
+        self._live()
+        if not isinstance(mask_status, torch.Tensor) or mask_status.dim() != 1 \
+                or mask_status.shape[0] != self.group_size:
+            raise ValueError(f"mask_status: expected a [{self.group_size}] tensor, got "
+                             f"{getattr(mask_status, 'shape', type(mask_status).__name__)}")
+        mask_status.copy_(torch.tensor(self._ll_mask, dtype=mask_status.dtype))
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmasks every rank."""
+        self._live()
+        self._ll_mask = [False] * self.group_size
+
+    def _ll_gpu_mask_check(self) -> None:
+        if self.enable_shrink or any(self._ll_mask):
+            raise _unsupported("LL on the GPU path with enable_shrink=True or masked ranks "
+                               "(low_latency_update_mask_buffer): the GPU kernels wait for every rank "
+                               "and fail naming the one that missed its deadline")
 
     # ------------------------------------------------------------ heaps
 
     def _ep(self, key, cfg, ht: bool, ll: bool):
-        """The host-backend rank for `cfg`, created collectively on first use."""
+        """The host-backend rank for `cfg`, created collectively on first use (after every
+        rank showed the same shape)."""
         ep = self._eps.get(key)
         if ep is None:
+            self._agree.check("an LL heap of the host backend" if ll else "an HT heap of the host backend",
+                              _bootstrap.fields_of(cfg, ll))
             ep = _native.Ep(self._live(), cfg, ht=ht, ll=ll, timeout_s=self._timeout_s)
             self._eps[key] = ep
         return ep
 
-    def _ht_max_tokens(self, hidden: int, topk: int, experts: int, fp8: bool = False) -> int:
+    def _ht_max_tokens(self, hidden: int, topk: int, experts: int, fp8: bool = False, gpu: bool = False) -> int:
         if self._max_tokens_override is not None:
             return self._max_tokens_override
-        key = (hidden, topk, experts, fp8)
+        key = (hidden, topk, experts, fp8, gpu)
         if key in self._ht_tokens:
             return self._ht_tokens[key]
 
         def need(t):
-            if self._gpu is not None:
+            if gpu:
                 return _native.gpu_ht_bytes(_native.EpConfig(self.group_size, experts, hidden, topk, t,
                                                              "fp8" if fp8 else "bf16"))
             return _native.EpConfig(self.group_size, experts, hidden, topk, t).required_bytes(ht=True, ll=False)
@@ -378,17 +463,20 @@ class Buffer:
     @_eager_only
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                            allocate_on_comm_stream: bool = False) -> \
+                            allocate_on_comm_stream: bool = False, **deepep_only) -> \
             Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
         """Returns (num_tokens_per_rank `[R]` int32, None, num_tokens_per_expert `[E]` int32,
         is_token_in_rank `[N, R]` bool, event)."""
         self._live()
-        if self._gpu is not None:
+        refuse_keywords("get_dispatch_layout", deepep_only)
+        # Torch operations on the device: no CUDA rank needed.
+        if isinstance(topk_idx, torch.Tensor) and topk_idx.is_cuda:
             if previous_event is not None:
                 previous_event.current_stream_wait()
             _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
-            per_rank, per_expert, in_rank = self._gpu.layout(topk_idx, num_experts)
+            per_rank, per_expert, in_rank = _gpu.layout(topk_idx, num_experts, self.group_size)
             return per_rank, None, per_expert, in_rank, EventOverlap(_gpu.optional_event(async_finish))
+        self._on_gpu(topk_idx)
         check("topk_idx", topk_idx, None, dim=2)
         n, k = topk_idx.shape
         cfg = _native.EpConfig(self.group_size, num_experts, 8, max(k, 1), max(n, 1))
@@ -449,7 +537,7 @@ class Buffer:
                  expert_alignment: int = 1, num_worst_tokens: int = 0,
                  config: Optional[Config] = None,
                  previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False) -> \
+                 allocate_on_comm_stream: bool = False, **deepep_only) -> \
             Tuple[Union[Tuple[torch.Tensor, torch.Tensor], torch.Tensor], Optional[torch.Tensor],
                   Optional[torch.Tensor], List[int], Tuple, EventOverlap]:
         """HT dispatch. Returns (recv_x, recv_topk_idx, recv_topk_weights,
@@ -458,7 +546,8 @@ class Buffer:
         (FP8 tensor, scales) when `x` is such a tuple. Rows are ordered by source rank,
         then source token."""
         self._live()
-        if self._gpu is not None:
+        refuse_keywords("dispatch", deepep_only)
+        if self._on_gpu(x):
             return self._gpu_dispatch(x, handle, num_tokens_per_expert, is_token_in_rank, topk_idx, topk_weights,
                                       expert_alignment, num_worst_tokens, config, previous_event, async_finish)
         x, x_scales = x if isinstance(x, tuple) else (x, None)
@@ -532,13 +621,14 @@ class Buffer:
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
                 config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False) -> \
+                allocate_on_comm_stream: bool = False, **deepep_only) -> \
             Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
         """HT combine: sums the rows of each token from every rank it went to (no
         weights applied), then adds the bias(es). Returns (combined_x `[N, H]` bf16,
         combined_topk_weights `[N, K]` f32 or None, event)."""
         self._live()
-        if self._gpu is not None:
+        refuse_keywords("combine", deepep_only)
+        if self._on_gpu(x):
             return self._gpu_combine(x, handle, topk_weights, bias, previous_event, async_finish)
         st = _ht_state(handle)
         check("x", x, torch.bfloat16, dim=2)
@@ -570,6 +660,15 @@ class Buffer:
 
     # ------------------------------------------------------------ LL
 
+    def _ll_masked(self, ep, op, *args):
+        """Runs host LL operation `op` of `ep` under this Buffer's rank mask, keeping the
+        peers it masked (enable_shrink) for the next operations."""
+        ep.set_ll_mask(self._ll_mask, self.enable_shrink)
+        try:
+            return op(*args)
+        finally:
+            self._ll_mask = ep.ll_mask()
+
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Nothing to clean: gin-ep's LL protocol needs no zeroed buffer (its signals are
         sequence numbers that only grow)."""
@@ -595,7 +694,7 @@ class Buffer:
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                              async_finish: bool = False, return_recv_hook: bool = False,
                              use_per_tensor_quantization: bool = False,
-                             static_scale: Optional[torch.Tensor] = None) -> \
+                             static_scale: Optional[torch.Tensor] = None, **deepep_only) -> \
             Tuple[Union[Tuple[torch.Tensor, torch.Tensor], torch.Tensor], torch.Tensor, Tuple, EventOverlap, Callable]:
         """LL dispatch. Returns (recv_x, recv_count, handle, event, hook): recv_x is
         `[L, R*T, H]` BF16, or with `use_fp8` (e4m3 `[L, R*T, H]`, f32 scales
@@ -603,6 +702,8 @@ class Buffer:
         `recv_count[e]` rows of expert `e` are valid, ordered by source rank then source
         token. `round_scale` rounds the scales up to powers of two."""
         self._live()
+        if deepep_only:
+            refuse_keywords("low_latency_dispatch", deepep_only)
         if use_ue8m0:
             raise _unsupported("low_latency_dispatch(use_ue8m0=True) (packed UE8M0 int scales; "
                                "round_scale=True gives power-of-two f32 scales)")
@@ -612,7 +713,8 @@ class Buffer:
             return _ops.traced_ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                            cumulative_local_expert_recv_stats, use_fp8, round_scale,
                                            async_finish, return_recv_hook)
-        if self._gpu is not None:
+        if self._on_gpu(x):
+            self._ll_gpu_mask_check()
             return self._gpu_ll_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                          cumulative_local_expert_recv_stats, use_fp8, round_scale,
                                          async_finish, return_recv_hook)
@@ -627,7 +729,7 @@ class Buffer:
         t = int(num_max_dispatch_tokens_per_rank)
         r = self.group_size
         ep = self._ll_ep(hidden, k, num_experts, t, dtype)
-        xb, sb, counts, native = ep.ll_dispatch(to_bytes(x), to_bytes(topk_idx.to(torch.int64)))
+        xb, sb, counts, native = self._ll_masked(ep, ep.ll_dispatch, to_bytes(x), to_bytes(topk_idx.to(torch.int64)))
         local = num_experts // r
         if use_fp8:
             data = from_bytes(xb, torch.uint8, (local, r * t, hidden)).view(torch.float8_e4m3fn)
@@ -653,13 +755,15 @@ class Buffer:
                             handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None) -> \
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None, **deepep_only) -> \
             Tuple[torch.Tensor, EventOverlap, Callable]:
         """LL combine: every valid row of `x` `[L, R*T, H]` goes back to its token, which
         sums `weight * row` over its top-k in order (f32, rounded once to BF16). Returns
         (combined_x `[N, H]` bf16, event, hook). With `zero_copy`, the rows are taken from
         `get_next_low_latency_combine_buffer(handle)` instead of `x`."""
         self._live()
+        if deepep_only:
+            refuse_keywords("low_latency_combine", deepep_only)
         if use_logfmt:
             raise _unsupported("low_latency_combine(use_logfmt=True)")
         if torch.compiler.is_compiling():
@@ -674,7 +778,8 @@ class Buffer:
 
     def _ll_combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out):
         handle = _ops.eager_handle(self, handle)
-        if self._gpu is not None:
+        if isinstance(handle[0], _gpu.GpuLlState):
+            self._ll_gpu_mask_check()
             return self._gpu_ll_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
                                         return_recv_hook, out)
         st = _ll_state(handle)
@@ -685,8 +790,9 @@ class Buffer:
         check("topk_idx", topk_idx, None, dim=2)
         check("topk_weights", topk_weights, None, dim=2)
         n = st.native.num_tokens
-        yb = st.ep.ll_combine(to_bytes(x), to_bytes(topk_idx.to(torch.int64)),
-                              to_bytes(topk_weights.to(torch.float32)), st.native)
+        self._on_gpu(x)
+        yb = self._ll_masked(st.ep, st.ep.ll_combine, to_bytes(x), to_bytes(topk_idx.to(torch.int64)),
+                             to_bytes(topk_weights.to(torch.float32)), st.native)
         combined = from_bytes(yb, torch.bfloat16, (n, hidden))
         if out is not None:
             check("out", out, torch.bfloat16)
@@ -705,295 +811,9 @@ class Buffer:
         shape = (num_experts // self.group_size, self.group_size * t, hidden)
         buf = self._ll_comb_bufs.get(shape)
         if buf is None:
-            dev = torch.device("cuda", self._gpu.device) if self._gpu is not None else "cpu"
+            st = handle[0]
+            dev = st.device if isinstance(st, torch.Tensor) else \
+                torch.device("cuda", self._gpu.device) if isinstance(st, _gpu.GpuLlState) else "cpu"
             buf = torch.zeros(shape, dtype=torch.bfloat16, device=dev)
             self._ll_comb_bufs[shape] = buf
         return buf
-
-    # ------------------------------------------------------------ GPU path (NCCL group)
-
-    def _gpu_dispatch(self, x, handle, num_tokens_per_expert, is_token_in_rank, topk_idx, topk_weights,
-                      expert_alignment, num_worst_tokens, config, previous_event, async_finish):
-        g = self._gpu
-        if previous_event is not None:
-            previous_event.current_stream_wait()
-        x, x_scales = x if isinstance(x, tuple) else (x, None)
-        fp8 = x_scales is not None
-        if fp8:
-            _gpu.check_cuda("x[0]", x, torch.float8_e4m3fn, dim=2)
-            _gpu.check_cuda("x[1]", x_scales, None, dim=2)
-            n, hidden = x.shape
-            if x_scales.dtype != torch.float32 or tuple(x_scales.shape) != (n, hidden // _native.FP8_BLOCK):
-                raise _unsupported(f"GPU dispatch with FP8 scales {tuple(x_scales.shape)} {x_scales.dtype} "
-                                   f"(only float32 [N, hidden/128])")
-            xin = x.view(torch.uint8)
-        else:
-            _gpu.check_cuda("x", x, torch.bfloat16, dim=2)
-            n, hidden = x.shape
-            xin = x
-        s = _gpu.stream()
-        if handle is not None:
-            assert topk_idx is None and topk_weights is None
-            st = handle[0] if isinstance(handle, (tuple, list)) and handle else None
-            if not isinstance(st, _gpu.GpuHtState):
-                raise TypeError("handle: expected the handle returned by gin_ep.Buffer.dispatch (GPU)")
-            if st.fp8 != fp8:
-                raise _unsupported("cached dispatch with another dtype (BF16 vs FP8) than the handle's dispatch")
-            xin, x_scales = xin.contiguous(), (x_scales.contiguous() if fp8 else None)
-            lease = g.ht_lend(st.ht)
-            g.ep.ht_dispatch_cached(st.native, fp8, s, _gpu.span(xin), _gpu.span(x_scales),
-                                    lease.slab if lease else 0)
-            if lease is not None:
-                recv = g.ht_lent_x(st.ht, lease, st.num_recv, hidden, fp8, torch.float32)
-            else:
-                recv = g.ht_recv_x(st.ht, st.num_recv, hidden, fp8, torch.float32, s)
-            worst = max(num_worst_tokens, st.num_worst_tokens)
-            if worst:
-                recv = tuple(_gpu.pad_rows(t, worst) for t in recv) if fp8 else _gpu.pad_rows(recv, worst)
-            return recv, None, None, None, None, EventOverlap(_gpu.optional_event(async_finish))
-
-        if topk_idx is None:
-            raise _unsupported("dispatch without topk_idx (routing by is_token_in_rank alone)")
-        if num_tokens_per_expert is None:
-            raise ValueError("dispatch: num_tokens_per_expert is required (from get_dispatch_layout); "
-                             "it gives the number of experts")
-        _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
-        _check_rows(x, topk_idx)
-        if expert_alignment < 1:
-            raise ValueError(f"expert_alignment = {expert_alignment}: must be at least 1")
-        k = topk_idx.shape[1]
-        experts = num_tokens_per_expert.numel()
-        if topk_weights is not None:
-            _gpu.check_cuda("topk_weights", topk_weights, None, dim=2)
-            w = topk_weights.to(torch.float32).contiguous()
-        else:
-            w = torch.zeros((n, k), dtype=torch.float32, device=x.device)
-        max_tokens = self._ht_max_tokens(hidden, k, experts, fp8)
-        if n > max_tokens:
-            raise ValueError(f"{n} tokens exceed the {max_tokens} tokens per rank this Buffer holds for HT "
-                             f"(num_nvl_bytes = {self.num_nvl_bytes}; raise it or pass max_tokens_per_rank=)")
-        num_sms = (config.num_sms if config is not None else Buffer.num_sms)
-        h = g.ht(hidden, k, experts, max_tokens, fp8, max(1, min(num_sms, 128)), self._ht_recv_slabs)
-        idx = _gpu.as_i64(topk_idx)
-        xin, x_scales = xin.contiguous(), (x_scales.contiguous() if fp8 else None)
-        # The kernels read x, scales, ids and weights from these tensors (zero-copy) and
-        # receive into a lent slab of the window when one is free (the returned tensors
-        # are views of it), else into the copy slab.
-        lease = g.ht_lend(h)
-        native = g.ep.ht_dispatch(h, n, fp8, s, _gpu.span(xin), _gpu.span(x_scales), _gpu.span(idx),
-                                  _gpu.span(w), lease.slab if lease else 0)
-        nr = native.num_recv
-        if lease is not None:
-            # Views of the slab; the handle's recv_src_idx too (it keeps the slab until the
-            # handle goes: in training, recv_x lives as long for the backward pass anyway).
-            recv_x = g.ht_lent_x(h, lease, nr, hidden, fp8, torch.float32)
-            recv_topk_idx = g.ht_view(h, lease, "recv_idx", (nr, k), torch.int64).to(topk_idx.dtype)
-            recv_topk_weights = g.ht_view(h, lease, "recv_w", (nr, k), torch.float32) \
-                if topk_weights is not None else None
-            recv_src_idx = g.ht_view(h, lease, "recv_src", (nr,), torch.int32)
-        else:
-            recv_x = g.ht_recv_x(h, nr, hidden, fp8, torch.float32, s)
-            recv_topk_idx = g.ht_out(h, "recv_idx", (nr, k), torch.int64, s).to(topk_idx.dtype)
-            recv_topk_weights = g.ht_out(h, "recv_w", (nr, k), torch.float32, s) \
-                if topk_weights is not None else None
-            recv_src_idx = g.ht_out(h, "recv_src", (nr,), torch.int32, s)
-        # The handle holds the caller's is_token_in_rank, as DeepEP's does (gin-ep itself
-        # never reads it back); only without one is it derived from the send slots, which
-        # costs a kernel on the stream and a view on the host.
-        in_rank = is_token_in_rank if is_token_in_rank is not None else g.ht_send_slot(h, n) >= 0
-        counts = [_round_up(c, expert_alignment) for c in g.ep.ht_recv_counts(native, s)]
-        if num_worst_tokens:
-            if nr > num_worst_tokens:
-                raise ValueError(f"num_worst_tokens = {num_worst_tokens}: this rank received {nr} tokens")
-            recv_x = tuple(_gpu.pad_rows(t, num_worst_tokens) for t in recv_x) if fp8 else \
-                _gpu.pad_rows(recv_x, num_worst_tokens)
-            recv_topk_idx = _gpu.pad_rows(recv_topk_idx, num_worst_tokens, -1)
-            if recv_topk_weights is not None:
-                recv_topk_weights = _gpu.pad_rows(recv_topk_weights, num_worst_tokens)
-            recv_src_idx = _gpu.pad_rows(recv_src_idx, num_worst_tokens, -1)
-            counts = []
-        st = _gpu.GpuHtState(native, h, experts, k, hidden, fp8, num_worst_tokens)
-        handle = (st, None, None, recv_src_idx, in_rank, None)
-        return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, \
-            EventOverlap(_gpu.optional_event(async_finish))
-
-    def _gpu_combine(self, x, handle, topk_weights, bias, previous_event, async_finish):
-        g = self._gpu
-        if previous_event is not None:
-            previous_event.current_stream_wait()
-        st = handle[0] if isinstance(handle, (tuple, list)) and handle else None
-        if not isinstance(st, _gpu.GpuHtState):
-            raise TypeError("handle: expected the handle returned by gin_ep.Buffer.dispatch (GPU)")
-        _gpu.check_cuda("x", x, torch.bfloat16, dim=2)
-        if x.shape[0] < st.num_recv or x.shape[1] != st.hidden:
-            raise ValueError(f"x: shape {tuple(x.shape)}, the dispatch received [{st.num_recv}, {st.hidden}]")
-        s = _gpu.stream()
-        h = st.ht
-        # Read in place: extra CTAs of the combine copy its rows into the window while the
-        # pulls run (peers cannot read the caller's memory).
-        xr = x[:st.num_recv].contiguous()
-        if topk_weights is not None:
-            _gpu.check_cuda("topk_weights", topk_weights, None, dim=2)
-            w = topk_weights[:st.num_recv].to(torch.float32).contiguous()
-            g.ep.ht_copy_in(h, "comb_w", w.data_ptr(), _gpu.nbytes(w), s)
-        if isinstance(bias, torch.Tensor):
-            bias = (bias, None)
-        elif bias is None:
-            bias = (None, None)
-        elif not (isinstance(bias, tuple) and len(bias) == 2):
-            raise TypeError("bias: expected a tensor or a tuple of two tensors")
-        biases = []
-        for i, b in enumerate(bias):
-            if b is not None:
-                _gpu.check_cuda(f"bias[{i}]", b, torch.bfloat16, dim=2)
-                if tuple(b.shape) != (st.num_tokens, st.hidden):
-                    raise ValueError(f"bias[{i}]: shape {tuple(b.shape)}, expected [{st.num_tokens}, {st.hidden}]")
-                b = b.contiguous()
-            biases.append(b)
-        dev = x.device
-        combined_x = _gpu.empty((st.num_tokens, st.hidden), torch.bfloat16, dev)
-        combined_w = _gpu.empty((st.num_tokens, st.topk), torch.float32, dev) \
-            if topk_weights is not None else None
-        # The kernel reads the biases and writes the outputs in place (zero-copy).
-        g.ep.ht_combine(st.native, topk_weights is not None, s, _gpu.span(biases[0]), _gpu.span(biases[1]),
-                        _gpu.span(combined_x), _gpu.span(combined_w), _gpu.span(xr))
-        return combined_x, combined_w, EventOverlap(_gpu.optional_event(async_finish))
-
-    def _gpu_ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                         cumulative_local_expert_recv_stats, use_fp8, round_scale, async_finish,
-                         return_recv_hook, fresh_layout_range=False):
-        g = self._gpu
-        # An LL dispatch from Python is host-bound (bench/RESULTS.md, sessions 8-15): the
-        # common case is checked in one expression, anything else by the checks that name
-        # what is wrong.
-        dev = _gpu._get_device()
-        if not (type(x) is _Tensor and type(topk_idx) is _Tensor and x.dtype is _BF16 and x.is_cuda
-                and topk_idx.is_cuda and x.get_device() == dev and topk_idx.get_device() == dev
-                and x.dim() == 2 and topk_idx.dim() == 2):
-            _gpu.check_cuda("x", x, torch.bfloat16, dim=2)
-            _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
-        if round_scale and not use_fp8:
-            raise ValueError("round_scale=True needs use_fp8=True")
-        n, hidden = x.shape
-        n_idx, k = topk_idx.shape
-        if n_idx != n:
-            _check_rows(x, topk_idx)  # raises
-        t = int(num_max_dispatch_tokens_per_rank)
-        r = self.group_size
-        local = num_experts // r
-        stats = cumulative_local_expert_recv_stats
-        if stats is not None:
-            _gpu.check_cuda("cumulative_local_expert_recv_stats", stats, torch.int32, dim=1)
-            if stats.shape[0] != local or not stats.is_contiguous():
-                raise ValueError(f"cumulative_local_expert_recv_stats: shape {tuple(stats.shape)}, expected "
-                                 f"a contiguous [{local}] int32 tensor")
-        dtype = "bf16" if not use_fp8 else ("fp8-ue8m0" if round_scale else "fp8")
-        l_id = g.ll(hidden, k, num_experts, t, dtype, self.num_rdma_bytes, self.ll_combine_order)
-        # Every argument is checked above: a rejected call leaves the buffer sets as they were.
-        set_ = g.ll_next[l_id]
-        g.ll_next[l_id] = 1 - set_
-        seqs = g.ll_seq[l_id]
-        seq = seqs[set_] = seqs[set_] + 1
-        st = _gpu.GpuLlState(l_id, set_, seq, k, n)
-        # The kernels read these tensors and write the outputs below directly (zero-copy).
-        xc = x.contiguous()
-        idx = _gpu.as_i64(topk_idx)
-        # FP8 scales in DeepEP's layout: column-major in the last two dimensions (the kernel
-        # writes it so).
-        data, scales, recv_count = _gpu.ll_recv_outputs(local, r, t, hidden, use_fp8, x.device)
-        # The handle's layout_range lives with the buffer set (one allocation fewer per call,
-        # ≈ 2 µs of host time): it is rewritten by the set's next dispatch, when the handle
-        # goes stale anyway (see _gpu_ll_combine). The torch op returns it as an output, so it
-        # takes a fresh one.
-        layout_range = _gpu.empty((local, r), torch.int64, x.device) if fresh_layout_range else \
-            g.ll_layout_range(l_id, set_, local, x.device)
-        # (address, bytes) of each tensor, the sizes from the shapes checked above (exact:
-        # every tensor here is contiguous or, the scales, allocated with these strides);
-        # `_gpu.span` per tensor costs ≈ 0.3 µs more each.
-        rows = local * r * t
-        spans = ((data.data_ptr(), rows * hidden * (1 if use_fp8 else 2)),
-                 (scales.data_ptr(), rows * (hidden // _native.FP8_BLOCK) * 4) if use_fp8 else None,
-                 (recv_count.data_ptr(), local * 4), (layout_range.data_ptr(), local * r * 8),
-                 (stats.data_ptr(), local * 4) if stats is not None else None)
-        x_span, idx_span = (xc.data_ptr(), n * hidden * 2), (idx.data_ptr(), n * k * 8)
-        if return_recv_hook:
-            g.ep.ll_dispatch(l_id, set_, "dispatch_send", n, _gpu.stream(), x_span, idx_span,
-                             None, None, None, None, None)
-
-            def hook():
-                self._ll_dispatch_recv(st, data, scales, recv_count, layout_range, stats)
-        else:
-            g.ep.ll_dispatch(l_id, set_, "dispatch", n, _gpu.stream(), x_span, idx_span, *spans)
-            hook = None
-        handle = (st, layout_range, t, hidden, num_experts)
-        return (data, scales) if use_fp8 else data, recv_count, handle, \
-            EventOverlap(_gpu.CudaEvent() if async_finish else None), hook
-
-    def _gpu_ll_combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
-                        return_recv_hook, out):
-        g = self._gpu
-        st = handle[0] if isinstance(handle, (tuple, list)) and len(handle) == 5 else None
-        if not isinstance(st, _gpu.GpuLlState):
-            raise TypeError("handle: expected the handle returned by gin_ep.Buffer.low_latency_dispatch (GPU)")
-        if g.ll_seq[st.ll][st.set] != st.seq:
-            raise ValueError("LL handle is stale: two later low_latency_dispatch calls reused its buffer set "
-                             "(gin-ep keeps two LL handles alive, as DeepEP's double buffering)")
-        _, _, t, hidden, num_experts = handle
-        if zero_copy:
-            x = self.get_next_low_latency_combine_buffer(handle)
-        _gpu.check_cuda("x", x, torch.bfloat16, dim=3)
-        _gpu.check_cuda("topk_weights", topk_weights, None, dim=2)
-        shape = (num_experts // self.group_size, self.group_size * t, hidden)
-        if tuple(x.shape) != shape:
-            raise ValueError(f"x: shape {tuple(x.shape)}, expected {list(shape)} (the dispatch's recv_x)")
-        if tuple(topk_weights.shape) != (st.num_tokens, st.topk):
-            raise ValueError(f"topk_weights: shape {tuple(topk_weights.shape)}, the dispatch had "
-                             f"[{st.num_tokens}, {st.topk}]")
-        _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
-        if tuple(topk_idx.shape) != (st.num_tokens, st.topk):
-            raise ValueError(f"topk_idx: shape {tuple(topk_idx.shape)}, the dispatch had "
-                             f"[{st.num_tokens}, {st.topk}]")
-        xc = x.contiguous()
-        # The reduce reads which of the token's slots hold rows from these ids (as DeepEP's
-        # combine takes them): they must be the dispatch's.
-        idx = _gpu.as_i64(topk_idx)
-        w = _gpu.as_f32(topk_weights)
-        if out is not None:
-            _gpu.check_cuda("out", out, torch.bfloat16)
-            if tuple(out.shape) != (st.num_tokens, hidden):
-                raise ValueError(f"out: shape {tuple(out.shape)}, expected [{st.num_tokens}, {hidden}]")
-        # The kernel writes `out` itself when it can (contiguous), else a new tensor.
-        combined = out if out is not None and out.is_contiguous() else \
-            _gpu.empty((st.num_tokens, hidden), torch.bfloat16, x.device)
-        if return_recv_hook:
-            g.ep.ll_combine(st.ll, st.set, "combine_send", _gpu.stream(), _gpu.span(xc), _gpu.span(idx),
-                            _gpu.span(w), None)
-
-            def hook():
-                self._ll_combine_recv(st, idx, w, combined)
-                _copy_into(out, combined)
-        else:
-            g.ep.ll_combine(st.ll, st.set, "combine", _gpu.stream(), _gpu.span(xc), _gpu.span(idx), _gpu.span(w),
-                            _gpu.span(combined))
-            _copy_into(out, combined)
-            hook = None
-        result = out if out is not None else combined
-        return result, EventOverlap(_gpu.optional_event(async_finish)), hook
-
-    def _ll_dispatch_recv(self, st, data, scales, recv_count, layout_range, stats) -> None:
-        """The receive half of an LL dispatch sent with `return_recv_hook=True`, writing
-        into the given outputs (the hook's own, or the copies torch.compile may pass to
-        `gin_ep::ll_dispatch_recv`). The host backend received before the send returned."""
-        if self._gpu is None:
-            return
-        span = _gpu.span
-        self._gpu.ep.ll_dispatch(st.ll, st.set, "dispatch_recv", st.num_tokens, _gpu.stream(), None, None,
-                                 span(data), span(scales), span(recv_count), span(layout_range), span(stats))
-
-    def _ll_combine_recv(self, st, idx, w, combined) -> None:
-        """The receive half of an LL combine sent with `return_recv_hook=True`: reduces into
-        `combined` with the token's ids and weights (int64 / f32, contiguous)."""
-        if self._gpu is None:
-            return
-        self._gpu.ep.ll_combine(st.ll, st.set, "combine_recv", _gpu.stream(), None, _gpu.span(idx),
-                                _gpu.span(w), _gpu.span(combined))

@@ -1,7 +1,10 @@
-"""Events of the host backend: every operation has finished when it returns, so an
-event is always complete and waiting on it does nothing."""
+"""Events: DeepEP's `EventHandle` and `EventOverlap`. On the host backend every operation
+has finished when it returns, so its events are complete and waiting on them does nothing;
+on the GPU path they are CUDA events on the current stream."""
 
 from typing import Any, Optional, Tuple
+
+import torch
 
 
 class CompletedEvent:
@@ -15,6 +18,28 @@ class CompletedEvent:
 
     def synchronize(self) -> None:
         pass
+
+
+class EventHandle:
+    """DeepEP's `EventHandle()`: an event recorded on the current CUDA stream when PyTorch's
+    CUDA is in use, else one that is already complete (CPU)."""
+
+    def __init__(self) -> None:
+        self.event = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream())
+
+    def current_stream_wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def query(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def synchronize(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
 
 
 class EventOverlap:

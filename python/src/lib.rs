@@ -264,6 +264,33 @@ impl PyGroup {
         guard(|| self.with(|g| g.barrier(name).map_err(to_py)))
     }
 
+    /// Collective: every rank's `value` under the exchange named `name` (each rank calls
+    /// it with the same `name`, once), in rank order, through the group's store. A rank
+    /// that does not arrive within the group's timeout is named in the error.
+    fn all_gather<'py>(&self, py: Python<'py>, name: &str, value: &[u8]) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let got = py.detach(|| {
+            guard(|| {
+                self.with(|g| {
+                    let key = |r: usize| g.key(&format!("all_gather/{name}/{r}"));
+                    g.store().set(&key(g.rank()), value).map_err(to_py)?;
+                    (0..g.world())
+                        .map(|r| {
+                            g.store().get(&key(r), g.timeout()).map_err(|e| match e {
+                                Error::Bootstrap(_) => PyTimeoutError::new_err(format!(
+                                    "gin_ep: rank {r} did not reach `{name}` within {:?} (rank {} waited): {e}",
+                                    g.timeout(),
+                                    g.rank()
+                                )),
+                                e => to_py(e),
+                            })
+                        })
+                        .collect::<PyResult<Vec<Vec<u8>>>>()
+                })
+            })
+        })?;
+        Ok(got.iter().map(|v| PyBytes::new(py, v)).collect())
+    }
+
     /// Waits for every rank, then lets go of the store (collective).
     fn close(&self) -> PyResult<()> {
         guard(|| match lock(&self.inner, "group")?.take() {
@@ -442,6 +469,17 @@ impl PyEp {
     #[getter]
     fn rank(&self) -> PyResult<usize> {
         guard(|| Ok(lock(&self.inner, "ep")?.rank()))
+    }
+
+    /// Sets the LL rank mask (True = masked: LL neither sends to nor waits for that rank)
+    /// and whether a failed LL wait masks the peer instead of failing (`shrink`).
+    fn set_ll_mask(&self, mask: Vec<bool>, shrink: bool) -> PyResult<()> {
+        guard(|| lock(&self.inner, "ep")?.set_ll_mask(&mask, shrink).map_err(to_py))
+    }
+
+    /// The LL rank mask after the last operation (peers masked under `shrink` included).
+    fn ll_mask(&self) -> PyResult<Vec<bool>> {
+        guard(|| Ok(lock(&self.inner, "ep")?.ll_mask().to_vec()))
     }
 
     /// HT dispatch. Returns (recv_x, recv_scales or None, recv_topk_idx i64,
@@ -719,6 +757,38 @@ fn oracle_ll_combine<'py>(
     Ok(outs.iter().map(|o| bytes(py, o)).collect())
 }
 
+/// One embedded kernel set: (NCCL minor, e.g. "2.28"; NCCL header version code; built; why
+/// not built).
+type KernelSetInfo = (&'static str, Option<u32>, bool, Option<&'static str>);
+
+/// How this build's CUDA kernels came to be: one entry per supported NCCL minor, and
+/// nvcc's version line.
+#[pyfunction]
+fn kernels_info() -> (Vec<KernelSetInfo>, Option<&'static str>) {
+    use gin_ep::backend::cuda::kernels as k;
+    let sets = k::KERNEL_SETS
+        .iter()
+        .map(|s| (s.nccl, s.nccl_header_version, s.fatbin.is_some(), s.absent_reason))
+        .collect();
+    (sets, k::NVCC_VERSION)
+}
+
+/// The NCCL the GPU path would load here (the one already in the process, e.g. PyTorch's,
+/// else `GIN_EP_NCCL_LIB` or the loader's), and gin-ep's verdict on it: (version code or
+/// None, where it came from or why it did not load, supported, the refusal or None, the
+/// supported versions). Loads no GPU library besides NCCL.
+#[pyfunction]
+fn nccl_info() -> (Option<i32>, String, bool, Option<String>, String) {
+    use gin_ep::backend::cuda::{kernels_for, nccl_probe, supported_text};
+    match nccl_probe() {
+        Ok((source, version)) => match kernels_for(version, &source) {
+            Ok(_) => (Some(version), source, true, None, supported_text()),
+            Err(e) => (Some(version), source, false, Some(e.to_string()), supported_text()),
+        },
+        Err(why) => (None, why, false, None, supported_text()),
+    }
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEpConfig>()?;
@@ -731,6 +801,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<cuda::PyCudaHtHandle>()?;
     m.add_function(wrap_pyfunction!(cuda::gpu_ht_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::gpu_ll_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels_info, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl_info, m)?)?;
     m.add_function(wrap_pyfunction!(layout, m)?)?;
     m.add_function(wrap_pyfunction!(quantize, m)?)?;
     m.add_function(wrap_pyfunction!(oracle_ht_dispatch, m)?)?;
@@ -738,6 +810,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(oracle_ll_dispatch, m)?)?;
     m.add_function(wrap_pyfunction!(oracle_ll_combine, m)?)?;
     m.add("FP8_BLOCK", gin_ep::config::FP8_BLOCK)?;
+    // The package version has one source: the workspace's Cargo version (maturin writes
+    // the same into the wheel's metadata).
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_RECV_SLABS", gin_ep::backend::cuda::ht::MAX_RECV_SLABS)?;
     Ok(())
 }

@@ -162,6 +162,12 @@ pub struct HostEp {
     phases: Vec<(&'static str, Duration)>,
     /// Scratch record, reused so the hot loops do not allocate.
     rec: Vec<u8>,
+    /// LL rank mask (DeepEP's `low_latency_*_mask_buffer`): LL operations neither send to
+    /// nor wait for a masked rank. HT ignores it, as DeepEP's does.
+    mask: Vec<bool>,
+    /// DeepEP's `enable_shrink`: an LL wait on a peer that fails (deadline, or the peer
+    /// gave up) masks that peer and goes on instead of failing the operation.
+    shrink: bool,
 }
 
 impl HostEp {
@@ -188,7 +194,6 @@ impl HostEp {
         }
         Ok(HostEp {
             heap,
-            cfg,
             reg,
             modes,
             seq: 0,
@@ -197,7 +202,35 @@ impl HostEp {
             dead: std::cell::Cell::new(false),
             phases: Vec::new(),
             rec: Vec::new(),
+            mask: vec![false; cfg.ranks],
+            shrink: false,
+            cfg,
         })
+    }
+
+    /// Sets the LL rank mask (one entry per rank; this rank's own entry must be false) and
+    /// whether a failed LL wait masks the peer (`shrink`) instead of failing.
+    pub fn set_ll_mask(&mut self, mask: &[bool], shrink: bool) -> Result<()> {
+        if mask.len() != self.cfg.ranks {
+            return Err(Error::input(
+                "LL mask",
+                format!("{} entries for {} ranks", mask.len(), self.cfg.ranks),
+            ));
+        }
+        if mask[self.rank()] {
+            return Err(Error::input(
+                "LL mask",
+                format!("rank {} cannot mask itself", self.rank()),
+            ));
+        }
+        self.mask.copy_from_slice(mask);
+        self.shrink = shrink;
+        Ok(())
+    }
+
+    /// The LL rank mask, with the peers an LL wait masked under `shrink`.
+    pub fn ll_mask(&self) -> &[bool] {
+        &self.mask
     }
 
     /// Fills this rank's data regions with a poison pattern so a row that no
@@ -335,6 +368,49 @@ impl HostEp {
             )?;
         }
         Ok(())
+    }
+
+    /// `signal_all` to the ranks the LL mask leaves.
+    fn ll_signal(&self, kind: Sig, seq: u64) -> Result<()> {
+        let me = self.rank();
+        for peer in (0..self.cfg.ranks).filter(|&p| !self.mask[p]) {
+            self.heap
+                .signal(peer, self.reg.sig(kind, me, self.cfg.ranks), seq)?;
+        }
+        Ok(())
+    }
+
+    /// `wait_all` on the ranks the LL mask leaves; under `shrink`, a peer whose wait fails
+    /// (deadline, or it gave up) is masked instead of failing the operation.
+    fn ll_wait(&mut self, kind: Sig, seq: u64, phase: &'static str) -> Result<()> {
+        let deadline = Instant::now() + self.timeout;
+        for src in 0..self.cfg.ranks {
+            if self.mask[src] {
+                continue;
+            }
+            let r = self.heap.wait_signal(
+                self.reg.sig(kind, src, self.cfg.ranks),
+                seq,
+                deadline,
+                phase,
+                src,
+                seq,
+            );
+            match r {
+                Ok(_) => {}
+                Err(Error::Timeout { .. } | Error::PeerFailed { .. }) if self.shrink => {
+                    self.mask[src] = true;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    fn ll_barrier(&mut self, seq: u64, phase: &'static str) -> Result<()> {
+        self.fault_point(phase)?;
+        self.ll_signal(Sig::Barrier, seq)?;
+        self.ll_wait(Sig::Barrier, seq, phase)
     }
 
     fn barrier(&self, seq: u64, phase: &'static str) -> Result<()> {
@@ -692,16 +768,17 @@ impl HostEp {
         check_len(me, "x", x.len(), n * h)?;
         let layout = routing::layout(&cfg, me, topk_idx)?;
         let mut t0 = Instant::now();
-        self.barrier(seq, "LL dispatch barrier")?;
+        self.ll_barrier(seq, "LL dispatch barrier")?;
         t0 = self.mark("barrier", t0);
 
         self.fault_point("LL dispatch")?;
+        let mask = self.mask.clone();
         let pay = cfg.dispatch_dtype.row_bytes(h);
         let rec_len = self.reg.ll_rec;
         let mut rec = vec![0u8; rec_len];
         for t in 0..n {
             let mut encoded = false;
-            for dst in 0..r_n {
+            for dst in (0..r_n).filter(|&d| !mask[d]) {
                 let Some(slot) = layout.slot(t, dst) else {
                     continue;
                 };
@@ -718,15 +795,15 @@ impl HostEp {
                     .put(dst, self.reg.ll_stage + (me * t_max + slot) * rec_len, &rec)?;
             }
         }
-        for dst in 0..r_n {
+        for dst in (0..r_n).filter(|&d| !mask[d]) {
             self.heap.put(
                 dst,
                 self.reg.ll_counts + me * 4,
                 &layout.tokens_per_rank[dst].to_le_bytes(),
             )?;
         }
-        self.signal_all(Sig::LlDispatch, seq)?;
-        self.wait_all(Sig::LlDispatch, seq, "LL dispatch")?;
+        self.ll_signal(Sig::LlDispatch, seq)?;
+        self.ll_wait(Sig::LlDispatch, seq, "LL dispatch")?;
         t0 = self.mark("dispatch", t0);
 
         // Expand: expert e's rows are source rank ascending, then token ascending.
@@ -739,8 +816,13 @@ impl HostEp {
         let mut src_k = vec![-1i32; l_n * cap];
         let mut counts = [0u8; 4];
         for src in 0..r_n {
-            self.heap.get(me, self.reg.ll_counts + src * 4, &mut counts)?;
-            let c = u32::from_le_bytes(counts) as usize;
+            // A masked source sent nothing this rank may read (it may not have run at all).
+            let c = if self.mask[src] {
+                0
+            } else {
+                self.heap.get(me, self.reg.ll_counts + src * 4, &mut counts)?;
+                u32::from_le_bytes(counts) as usize
+            };
             if c > t_max {
                 return Err(Error::input(
                     format!("LL count from rank {src}"),
@@ -840,10 +922,11 @@ impl HostEp {
             ));
         }
         let mut t0 = Instant::now();
-        self.barrier(seq, "LL combine barrier")?;
+        self.ll_barrier(seq, "LL combine barrier")?;
         t0 = self.mark("barrier", t0);
 
         self.fault_point("LL combine")?;
+        let mask = self.mask.clone();
         for e in 0..l_n {
             for i in 0..cap {
                 let row = e * cap + i;
@@ -857,13 +940,18 @@ impl HostEp {
                         format!("row {row} names source ({sr}, {st}, {sk})"),
                     ));
                 }
+                if mask[sr as usize] {
+                    continue;
+                }
                 let off = self.reg.ll_comb + ((st as usize) * k + sk as usize) * h * 2;
                 self.heap
                     .put(sr as usize, off, bytemuck::cast_slice(&y[row * h..(row + 1) * h]))?;
             }
         }
-        self.signal_all(Sig::LlCombine, seq)?;
-        self.wait_all(Sig::LlCombine, seq, "LL combine")?;
+        self.ll_signal(Sig::LlCombine, seq)?;
+        self.ll_wait(Sig::LlCombine, seq, "LL combine")?;
+        // Rows of experts on a masked rank never came back: they add nothing.
+        let mask = self.mask.clone();
         t0 = self.mark("combine", t0);
 
         // The source holds every (token, k) row and sums them in the config's order itself
@@ -889,14 +977,14 @@ impl HostEp {
             acc.fill(0.0);
             match cfg.ll_combine_order {
                 LlCombineOrder::Topk => {
-                    for j in (0..k).filter(|&j| ids[j] >= 0) {
+                    for j in (0..k).filter(|&j| ids[j] >= 0 && !mask[ids[j] as usize / l_n]) {
                         fma_row(j, &mut acc)?;
                     }
                 }
                 LlCombineOrder::RankFirst => {
                     // Every rank in order; a rank holding none of the token's experts adds
                     // nothing (not even a rounded +0).
-                    for r in 0..r_n {
+                    for r in (0..r_n).filter(|&r| !mask[r]) {
                         let of_r = |j: &usize| ids[*j] >= 0 && ids[*j] as usize / l_n == r;
                         if !(0..k).any(|j| of_r(&j)) {
                             continue;

@@ -1,0 +1,305 @@
+"""The GPU path of `gin_ep.Buffer`: its HT and LL calls on CUDA tensors.
+
+Owns the checks and the launches of one call with CUDA tensors (through `_gpu.Gpu`, the
+Buffer's CUDA rank); `Buffer` chooses this path by where the tensors live and owns
+everything else. Never touches the host backend.
+"""
+
+from typing import Optional
+
+import torch
+
+from . import _gpu, _native
+from ._util import BF16 as _BF16, Tensor as _Tensor, check_rows as _check_rows, copy_into as _copy_into, \
+    round_up as _round_up, unsupported as _unsupported
+from .utils import EventOverlap
+
+
+class GpuPath:
+    """Mixed into `Buffer`: `self._gpu` is the Buffer's `_gpu.Gpu`, created on first use."""
+
+    def _gpu_dispatch(self, x, handle, num_tokens_per_expert, is_token_in_rank, topk_idx, topk_weights,
+                      expert_alignment, num_worst_tokens, config, previous_event, async_finish):
+        g = self._gpu
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        fp8 = x_scales is not None
+        if fp8:
+            _gpu.check_cuda("x[0]", x, torch.float8_e4m3fn, dim=2)
+            _gpu.check_cuda("x[1]", x_scales, None, dim=2)
+            n, hidden = x.shape
+            if x_scales.dtype != torch.float32 or tuple(x_scales.shape) != (n, hidden // _native.FP8_BLOCK):
+                raise _unsupported(f"GPU dispatch with FP8 scales {tuple(x_scales.shape)} {x_scales.dtype} "
+                                   f"(only float32 [N, hidden/128])")
+            xin = x.view(torch.uint8)
+        else:
+            _gpu.check_cuda("x", x, torch.bfloat16, dim=2)
+            n, hidden = x.shape
+            xin = x
+        s = _gpu.stream()
+        if handle is not None:
+            assert topk_idx is None and topk_weights is None
+            st = handle[0] if isinstance(handle, (tuple, list)) and handle else None
+            if not isinstance(st, _gpu.GpuHtState):
+                raise TypeError("handle: expected the handle returned by gin_ep.Buffer.dispatch (GPU)")
+            if st.fp8 != fp8:
+                raise _unsupported("cached dispatch with another dtype (BF16 vs FP8) than the handle's dispatch")
+            xin, x_scales = xin.contiguous(), (x_scales.contiguous() if fp8 else None)
+            lease = g.ht_lend(st.ht)
+            g.ep.ht_dispatch_cached(st.native, fp8, s, _gpu.span(xin), _gpu.span(x_scales),
+                                    lease.slab if lease else 0)
+            if lease is not None:
+                recv = g.ht_lent_x(st.ht, lease, st.num_recv, hidden, fp8, torch.float32)
+            else:
+                recv = g.ht_recv_x(st.ht, st.num_recv, hidden, fp8, torch.float32, s)
+            worst = max(num_worst_tokens, st.num_worst_tokens)
+            if worst:
+                recv = tuple(_gpu.pad_rows(t, worst) for t in recv) if fp8 else _gpu.pad_rows(recv, worst)
+            return recv, None, None, None, None, EventOverlap(_gpu.optional_event(async_finish))
+
+        if topk_idx is None:
+            raise _unsupported("dispatch without topk_idx (routing by is_token_in_rank alone)")
+        if num_tokens_per_expert is None:
+            raise ValueError("dispatch: num_tokens_per_expert is required (from get_dispatch_layout); "
+                             "it gives the number of experts")
+        _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
+        _check_rows(x, topk_idx)
+        if expert_alignment < 1:
+            raise ValueError(f"expert_alignment = {expert_alignment}: must be at least 1")
+        k = topk_idx.shape[1]
+        experts = num_tokens_per_expert.numel()
+        if topk_weights is not None:
+            _gpu.check_cuda("topk_weights", topk_weights, None, dim=2)
+            w = topk_weights.to(torch.float32).contiguous()
+        else:
+            w = torch.zeros((n, k), dtype=torch.float32, device=x.device)
+        max_tokens = self._ht_max_tokens(hidden, k, experts, fp8, gpu=True)
+        if n > max_tokens:
+            raise ValueError(f"{n} tokens exceed the {max_tokens} tokens per rank this Buffer holds for HT "
+                             f"(num_nvl_bytes = {self.num_nvl_bytes}; raise it or pass max_tokens_per_rank=)")
+        num_sms = (config.num_sms if config is not None else type(self).num_sms)
+        h = g.ht(hidden, k, experts, max_tokens, fp8, max(1, min(num_sms, 128)), self._ht_recv_slabs)
+        idx = _gpu.as_i64(topk_idx)
+        xin, x_scales = xin.contiguous(), (x_scales.contiguous() if fp8 else None)
+        # The kernels read x, scales, ids and weights from these tensors (zero-copy) and
+        # receive into a lent slab of the window when one is free (the returned tensors
+        # are views of it), else into the copy slab.
+        lease = g.ht_lend(h)
+        native = g.ep.ht_dispatch(h, n, fp8, s, _gpu.span(xin), _gpu.span(x_scales), _gpu.span(idx),
+                                  _gpu.span(w), lease.slab if lease else 0)
+        nr = native.num_recv
+        if lease is not None:
+            # Views of the slab; the handle's recv_src_idx too (it keeps the slab until the
+            # handle goes: in training, recv_x lives as long for the backward pass anyway).
+            recv_x = g.ht_lent_x(h, lease, nr, hidden, fp8, torch.float32)
+            recv_topk_idx = g.ht_view(h, lease, "recv_idx", (nr, k), torch.int64).to(topk_idx.dtype)
+            recv_topk_weights = g.ht_view(h, lease, "recv_w", (nr, k), torch.float32) \
+                if topk_weights is not None else None
+            recv_src_idx = g.ht_view(h, lease, "recv_src", (nr,), torch.int32)
+        else:
+            recv_x = g.ht_recv_x(h, nr, hidden, fp8, torch.float32, s)
+            recv_topk_idx = g.ht_out(h, "recv_idx", (nr, k), torch.int64, s).to(topk_idx.dtype)
+            recv_topk_weights = g.ht_out(h, "recv_w", (nr, k), torch.float32, s) \
+                if topk_weights is not None else None
+            recv_src_idx = g.ht_out(h, "recv_src", (nr,), torch.int32, s)
+        # The handle holds the caller's is_token_in_rank, as DeepEP's does (gin-ep itself
+        # never reads it back); only without one is it derived from the send slots, which
+        # costs a kernel on the stream and a view on the host.
+        in_rank = is_token_in_rank if is_token_in_rank is not None else g.ht_send_slot(h, n) >= 0
+        counts = [_round_up(c, expert_alignment) for c in g.ep.ht_recv_counts(native, s)]
+        if num_worst_tokens:
+            if nr > num_worst_tokens:
+                raise ValueError(f"num_worst_tokens = {num_worst_tokens}: this rank received {nr} tokens")
+            recv_x = tuple(_gpu.pad_rows(t, num_worst_tokens) for t in recv_x) if fp8 else \
+                _gpu.pad_rows(recv_x, num_worst_tokens)
+            recv_topk_idx = _gpu.pad_rows(recv_topk_idx, num_worst_tokens, -1)
+            if recv_topk_weights is not None:
+                recv_topk_weights = _gpu.pad_rows(recv_topk_weights, num_worst_tokens)
+            recv_src_idx = _gpu.pad_rows(recv_src_idx, num_worst_tokens, -1)
+            counts = []
+        st = _gpu.GpuHtState(native, h, experts, k, hidden, fp8, num_worst_tokens)
+        handle = (st, None, None, recv_src_idx, in_rank, None)
+        return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, \
+            EventOverlap(_gpu.optional_event(async_finish))
+
+    def _gpu_combine(self, x, handle, topk_weights, bias, previous_event, async_finish):
+        g = self._gpu
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        st = handle[0] if isinstance(handle, (tuple, list)) and handle else None
+        if not isinstance(st, _gpu.GpuHtState):
+            raise TypeError("handle: expected the handle returned by gin_ep.Buffer.dispatch (GPU)")
+        _gpu.check_cuda("x", x, torch.bfloat16, dim=2)
+        if x.shape[0] < st.num_recv or x.shape[1] != st.hidden:
+            raise ValueError(f"x: shape {tuple(x.shape)}, the dispatch received [{st.num_recv}, {st.hidden}]")
+        s = _gpu.stream()
+        h = st.ht
+        # Read in place: extra CTAs of the combine copy its rows into the window while the
+        # pulls run (peers cannot read the caller's memory).
+        xr = x[:st.num_recv].contiguous()
+        if topk_weights is not None:
+            _gpu.check_cuda("topk_weights", topk_weights, None, dim=2)
+            w = topk_weights[:st.num_recv].to(torch.float32).contiguous()
+            g.ep.ht_copy_in(h, "comb_w", w.data_ptr(), _gpu.nbytes(w), s)
+        if isinstance(bias, torch.Tensor):
+            bias = (bias, None)
+        elif bias is None:
+            bias = (None, None)
+        elif not (isinstance(bias, tuple) and len(bias) == 2):
+            raise TypeError("bias: expected a tensor or a tuple of two tensors")
+        biases = []
+        for i, b in enumerate(bias):
+            if b is not None:
+                _gpu.check_cuda(f"bias[{i}]", b, torch.bfloat16, dim=2)
+                if tuple(b.shape) != (st.num_tokens, st.hidden):
+                    raise ValueError(f"bias[{i}]: shape {tuple(b.shape)}, expected [{st.num_tokens}, {st.hidden}]")
+                b = b.contiguous()
+            biases.append(b)
+        dev = x.device
+        combined_x = _gpu.empty((st.num_tokens, st.hidden), torch.bfloat16, dev)
+        combined_w = _gpu.empty((st.num_tokens, st.topk), torch.float32, dev) \
+            if topk_weights is not None else None
+        # The kernel reads the biases and writes the outputs in place (zero-copy).
+        g.ep.ht_combine(st.native, topk_weights is not None, s, _gpu.span(biases[0]), _gpu.span(biases[1]),
+                        _gpu.span(combined_x), _gpu.span(combined_w), _gpu.span(xr))
+        return combined_x, combined_w, EventOverlap(_gpu.optional_event(async_finish))
+
+    def _gpu_ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                         cumulative_local_expert_recv_stats, use_fp8, round_scale, async_finish,
+                         return_recv_hook, fresh_layout_range=False):
+        g = self._gpu
+        # An LL dispatch from Python is host-bound (docs/performance.md, "Python"): the
+        # common case is checked in one expression, anything else by the checks that name
+        # what is wrong.
+        dev = _gpu._get_device()
+        if not (type(x) is _Tensor and type(topk_idx) is _Tensor and x.dtype is _BF16 and x.is_cuda
+                and topk_idx.is_cuda and x.get_device() == dev and topk_idx.get_device() == dev
+                and x.dim() == 2 and topk_idx.dim() == 2):
+            _gpu.check_cuda("x", x, torch.bfloat16, dim=2)
+            _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
+        if round_scale and not use_fp8:
+            raise ValueError("round_scale=True needs use_fp8=True")
+        n, hidden = x.shape
+        n_idx, k = topk_idx.shape
+        if n_idx != n:
+            _check_rows(x, topk_idx)  # raises
+        t = int(num_max_dispatch_tokens_per_rank)
+        r = self.group_size
+        local = num_experts // r
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            _gpu.check_cuda("cumulative_local_expert_recv_stats", stats, torch.int32, dim=1)
+            if stats.shape[0] != local or not stats.is_contiguous():
+                raise ValueError(f"cumulative_local_expert_recv_stats: shape {tuple(stats.shape)}, expected "
+                                 f"a contiguous [{local}] int32 tensor")
+        dtype = "bf16" if not use_fp8 else ("fp8-ue8m0" if round_scale else "fp8")
+        l_id = g.ll(hidden, k, num_experts, t, dtype, self.num_rdma_bytes, self.ll_combine_order)
+        # Every argument is checked above: a rejected call leaves the buffer sets as they were.
+        set_ = g.ll_next[l_id]
+        g.ll_next[l_id] = 1 - set_
+        seqs = g.ll_seq[l_id]
+        seq = seqs[set_] = seqs[set_] + 1
+        st = _gpu.GpuLlState(l_id, set_, seq, k, n)
+        # The kernels read these tensors and write the outputs below directly (zero-copy).
+        xc = x.contiguous()
+        idx = _gpu.as_i64(topk_idx)
+        # FP8 scales in DeepEP's layout: column-major in the last two dimensions (the kernel
+        # writes it so).
+        data, scales, recv_count = _gpu.ll_recv_outputs(local, r, t, hidden, use_fp8, x.device)
+        # The handle's layout_range lives with the buffer set (one allocation fewer per call,
+        # ≈ 2 µs of host time): it is rewritten by the set's next dispatch, when the handle
+        # goes stale anyway (see _gpu_ll_combine). The torch op returns it as an output, so it
+        # takes a fresh one.
+        layout_range = _gpu.empty((local, r), torch.int64, x.device) if fresh_layout_range else \
+            g.ll_layout_range(l_id, set_, local, x.device)
+        # (address, bytes) of each tensor, the sizes from the shapes checked above (exact:
+        # every tensor here is contiguous or, the scales, allocated with these strides);
+        # `_gpu.span` per tensor costs ≈ 0.3 µs more each.
+        rows = local * r * t
+        spans = ((data.data_ptr(), rows * hidden * (1 if use_fp8 else 2)),
+                 (scales.data_ptr(), rows * (hidden // _native.FP8_BLOCK) * 4) if use_fp8 else None,
+                 (recv_count.data_ptr(), local * 4), (layout_range.data_ptr(), local * r * 8),
+                 (stats.data_ptr(), local * 4) if stats is not None else None)
+        x_span, idx_span = (xc.data_ptr(), n * hidden * 2), (idx.data_ptr(), n * k * 8)
+        if return_recv_hook:
+            g.ep.ll_dispatch(l_id, set_, "dispatch_send", n, _gpu.stream(), x_span, idx_span,
+                             None, None, None, None, None)
+
+            def hook():
+                self._ll_dispatch_recv(st, data, scales, recv_count, layout_range, stats)
+        else:
+            g.ep.ll_dispatch(l_id, set_, "dispatch", n, _gpu.stream(), x_span, idx_span, *spans)
+            hook = None
+        handle = (st, layout_range, t, hidden, num_experts)
+        return (data, scales) if use_fp8 else data, recv_count, handle, \
+            EventOverlap(_gpu.CudaEvent() if async_finish else None), hook
+
+    def _gpu_ll_combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                        return_recv_hook, out):
+        g = self._gpu
+        st = handle[0] if isinstance(handle, (tuple, list)) and len(handle) == 5 else None
+        if not isinstance(st, _gpu.GpuLlState):
+            raise TypeError("handle: expected the handle returned by gin_ep.Buffer.low_latency_dispatch (GPU)")
+        if g.ll_seq[st.ll][st.set] != st.seq:
+            raise ValueError("LL handle is stale: two later low_latency_dispatch calls reused its buffer set "
+                             "(gin-ep keeps two LL handles alive, as DeepEP's double buffering)")
+        _, _, t, hidden, num_experts = handle
+        if zero_copy:
+            x = self.get_next_low_latency_combine_buffer(handle)
+        _gpu.check_cuda("x", x, torch.bfloat16, dim=3)
+        _gpu.check_cuda("topk_weights", topk_weights, None, dim=2)
+        shape = (num_experts // self.group_size, self.group_size * t, hidden)
+        if tuple(x.shape) != shape:
+            raise ValueError(f"x: shape {tuple(x.shape)}, expected {list(shape)} (the dispatch's recv_x)")
+        if tuple(topk_weights.shape) != (st.num_tokens, st.topk):
+            raise ValueError(f"topk_weights: shape {tuple(topk_weights.shape)}, the dispatch had "
+                             f"[{st.num_tokens}, {st.topk}]")
+        _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
+        if tuple(topk_idx.shape) != (st.num_tokens, st.topk):
+            raise ValueError(f"topk_idx: shape {tuple(topk_idx.shape)}, the dispatch had "
+                             f"[{st.num_tokens}, {st.topk}]")
+        xc = x.contiguous()
+        # The reduce reads which of the token's slots hold rows from these ids (as DeepEP's
+        # combine takes them): they must be the dispatch's.
+        idx = _gpu.as_i64(topk_idx)
+        w = _gpu.as_f32(topk_weights)
+        if out is not None:
+            _gpu.check_cuda("out", out, torch.bfloat16)
+            if tuple(out.shape) != (st.num_tokens, hidden):
+                raise ValueError(f"out: shape {tuple(out.shape)}, expected [{st.num_tokens}, {hidden}]")
+        # The kernel writes `out` itself when it can (contiguous), else a new tensor.
+        combined = out if out is not None and out.is_contiguous() else \
+            _gpu.empty((st.num_tokens, hidden), torch.bfloat16, x.device)
+        if return_recv_hook:
+            g.ep.ll_combine(st.ll, st.set, "combine_send", _gpu.stream(), _gpu.span(xc), _gpu.span(idx),
+                            _gpu.span(w), None)
+
+            def hook():
+                self._ll_combine_recv(st, idx, w, combined)
+                _copy_into(out, combined)
+        else:
+            g.ep.ll_combine(st.ll, st.set, "combine", _gpu.stream(), _gpu.span(xc), _gpu.span(idx), _gpu.span(w),
+                            _gpu.span(combined))
+            _copy_into(out, combined)
+            hook = None
+        result = out if out is not None else combined
+        return result, EventOverlap(_gpu.optional_event(async_finish)), hook
+
+    def _ll_dispatch_recv(self, st, data, scales, recv_count, layout_range, stats) -> None:
+        """The receive half of an LL dispatch sent with `return_recv_hook=True`, writing
+        into the given outputs (the hook's own, or the copies torch.compile may pass to
+        `gin_ep::ll_dispatch_recv`). The host backend received before the send returned."""
+        if not isinstance(st, _gpu.GpuLlState):
+            return
+        span = _gpu.span
+        self._gpu.ep.ll_dispatch(st.ll, st.set, "dispatch_recv", st.num_tokens, _gpu.stream(), None, None,
+                                 span(data), span(scales), span(recv_count), span(layout_range), span(stats))
+
+    def _ll_combine_recv(self, st, idx, w, combined) -> None:
+        """The receive half of an LL combine sent with `return_recv_hook=True`: reduces into
+        `combined` with the token's ids and weights (int64 / f32, contiguous)."""
+        if not isinstance(st, _gpu.GpuLlState):
+            return
+        self._gpu.ep.ll_combine(st.ll, st.set, "combine_recv", _gpu.stream(), None, _gpu.span(idx),
+                                _gpu.span(w), _gpu.span(combined))
