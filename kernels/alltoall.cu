@@ -24,6 +24,7 @@
 // Kernels are extern "C" so the host finds them by plain name with cuModuleGetFunction.
 
 #include "common/fabric.cuh"
+#include "common/nccl_compat.cuh"
 
 namespace gin_ep {
 
@@ -33,7 +34,10 @@ namespace gin_ep {
 constexpr int kMaxThreads = 512;
 
 struct AlltoallArgs {
-  ncclDevComm comm;
+  union {
+    ncclDevComm comm;
+    DevCommSlot comm_slot;  // one size for every NCCL version (nccl_compat.cuh)
+  };
   ncclWindow_t win;
   const char* send;      // local device memory, n_ranks * chunk_bytes
   size_t send_offset;    // in win, where `send` lies in it (pull kernels only)
@@ -53,10 +57,9 @@ struct AlltoallArgs {
   uint32_t pad;
 };
 // Mirrored by AlltoallArgs in crates/gin-ep/src/backend/cuda/kernels.rs (same asserts there).
-static_assert(sizeof(ncclDevComm) == 200, "NCCL 2.28 ncclDevComm");
-static_assert(sizeof(AlltoallArgs) == 304 && offsetof(AlltoallArgs, err) == 264 &&
-                  offsetof(AlltoallArgs, flag_offset) == 280 && offsetof(AlltoallArgs, stamps) == 288 &&
-                  offsetof(AlltoallArgs, vflags) == 296,
+static_assert(sizeof(AlltoallArgs) == kDevCommSlotBytes + 104 && offsetof(AlltoallArgs, err) == kDevCommSlotBytes + 64 &&
+                  offsetof(AlltoallArgs, flag_offset) == kDevCommSlotBytes + 80 && offsetof(AlltoallArgs, stamps) == kDevCommSlotBytes + 88 &&
+                  offsetof(AlltoallArgs, vflags) == kDevCommSlotBytes + 96,
               "host ABI");
 
 // --breakdown: thread 0 of every CTA writes globaltimer at these points into
@@ -558,7 +561,10 @@ extern "C" __global__ void gin_ep_lsa_pointers(const LsaPointerArgs a) {
 // GIN-capable network, else the runtime reports "needs a GIN-capable network" and never
 // launches this.
 struct GinAlltoallArgs {
-  ncclDevComm comm;
+  union {
+    ncclDevComm comm;
+    DevCommSlot comm_slot;  // one size for every NCCL version (nccl_compat.cuh)
+  };
   ncclWindow_t win;
   size_t send_offset;    // in win, n_ranks * chunk_bytes
   size_t recv_offset;    // in win

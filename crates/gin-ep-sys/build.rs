@@ -1,64 +1,38 @@
-//! Build script of gin-ep-sys: checks the Rust mirrors of NCCL's structs against nccl.h.
+//! Build script of gin-ep-sys: checks the Rust mirrors of NCCL's structs against nccl.h, once
+//! per supported NCCL minor (2.28, 2.29, 2.30: the mirrors in src/dev_abi.rs).
 //!
-//! When NCCL >= 2.28 headers are found, a small C++ probe is compiled against them and run;
-//! it prints `const` assertions (size, alignment, every field offset) into
-//! `OUT_DIR/layout_checks.rs`, which lib.rs includes, so a struct that differs from the
-//! headers is a compile error, not memory corruption inside a kernel launch. Without headers
-//! or a C++ compiler the file holds no checks (lib.rs's fixed 2.28.9 checks still apply).
-//! Never: links NCCL (it is loaded at run time) or fails for a missing toolchain.
+//! For each header set found, a small C++ probe is compiled against it and run; it prints
+//! `const` assertions (size, alignment, every field offset) on that version's mirrors into
+//! `OUT_DIR/layout_checks.rs`, which dev_abi.rs includes, so a struct that differs from its
+//! version's headers is a compile error, not memory corruption inside a kernel launch.
+//! Without headers or a C++ compiler a version gets no generated checks (dev_abi.rs's fixed
+//! ones still apply). Never: links NCCL (it is loaded at run time) or fails for a missing
+//! toolchain.
 
 use std::env;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// (struct, fields) mirrored in src/lib.rs. Keep in step with the Rust definitions.
-const STRUCTS: &[(&str, &[&str])] = &[
-    ("ncclUniqueId", &["internal"]),
-    ("ncclTeam", &["nRanks", "rank", "stride"]),
+/// (C struct, Rust path, fields), checked against every header set.
+const COMMON: &[(&str, &str, &[&str])] = &[
+    ("ncclUniqueId", "crate::ncclUniqueId", &["internal"]),
+    ("ncclTeam", "crate::ncclTeam", &["nRanks", "rank", "stride"]),
+    ("ncclMultimemHandle", "crate::ncclMultimemHandle", &["mcBasePtr"]),
     (
-        "ncclWindow_vidmem",
-        &[
-            "winHost",
-            "lsaFlatBase",
-            "lsaRank",
-            "worldRank",
-            "stride4G",
-            "mcOffset4K",
-            "ginOffset4K",
-            "ginWins",
-        ],
+        "ncclLsaBarrierHandle",
+        "crate::ncclLsaBarrierHandle",
+        &["bufHandle", "nBarriers"],
     ),
-    ("ncclMultimemHandle", &["mcBasePtr"]),
-    ("ncclLsaBarrierHandle", &["bufHandle", "nBarriers"]),
-    ("ncclGinBarrierHandle", &["signal0", "bufHandle"]),
+    // The second word is `bufHandle` in 2.28 and `unused` later: only its size is common.
     (
-        "ncclDevComm",
-        &[
-            "rank",
-            "nRanks",
-            "nRanks_rcp32",
-            "lsaRank",
-            "lsaSize",
-            "lsaSize_rcp32",
-            "windowTable",
-            "resourceWindow",
-            "resourceWindow_inlined",
-            "lsaMultimem",
-            "lsaBarrier",
-            "railGinBarrier",
-            "ginContextCount",
-            "ginTypes",
-            "ginHandles",
-            "ginSignalBase",
-            "ginSignalCount",
-            "ginCounterBase",
-            "ginCounterCount",
-            "ginSignalShadows",
-        ],
+        "ncclGinBarrierHandle",
+        "crate::ncclGinBarrierHandle",
+        &["signal0"],
     ),
     (
         "ncclDevResourceRequirements",
+        "crate::ncclDevResourceRequirements",
         &[
             "next",
             "bufferSize",
@@ -72,23 +46,227 @@ const STRUCTS: &[(&str, &[&str])] = &[
     ),
     (
         "ncclTeamRequirements",
+        "crate::ncclTeamRequirements",
         &["next", "team", "multimem", "outMultimemHandle"],
     ),
+];
+
+const WINDOW_2_28: &[&str] = &[
+    "winHost",
+    "lsaFlatBase",
+    "lsaRank",
+    "worldRank",
+    "stride4G",
+    "mcOffset4K",
+    "ginOffset4K",
+    "ginWins",
+];
+
+const REQS_2_28: &[&str] = &[
+    "resourceRequirementsList",
+    "teamRequirementsList",
+    "lsaMultimem",
+    "barrierCount",
+    "lsaBarrierCount",
+    "railGinBarrierCount",
+    "lsaLLA2ABlockCount",
+    "lsaLLA2ASlotCount",
+    "ginForceEnable",
+    "ginContextCount",
+    "ginSignalCount",
+    "ginCounterCount",
+];
+
+/// Per minor: (label, Rust module, the version's own structs).
+type Versioned = (
+    &'static str,
+    &'static str,
+    &'static [(&'static str, &'static [&'static str])],
+);
+const VERSIONS: &[Versioned] = &[
     (
-        "ncclDevCommRequirements",
+        "2.28",
+        "v2_28",
         &[
-            "resourceRequirementsList",
-            "teamRequirementsList",
-            "lsaMultimem",
-            "barrierCount",
-            "lsaBarrierCount",
-            "railGinBarrierCount",
-            "lsaLLA2ABlockCount",
-            "lsaLLA2ASlotCount",
-            "ginForceEnable",
-            "ginContextCount",
-            "ginSignalCount",
-            "ginCounterCount",
+            ("ncclWindow_vidmem", WINDOW_2_28),
+            (
+                "ncclDevComm",
+                &[
+                    "rank",
+                    "nRanks",
+                    "nRanks_rcp32",
+                    "lsaRank",
+                    "lsaSize",
+                    "lsaSize_rcp32",
+                    "windowTable",
+                    "resourceWindow",
+                    "resourceWindow_inlined",
+                    "lsaMultimem",
+                    "lsaBarrier",
+                    "railGinBarrier",
+                    "ginContextCount",
+                    "ginTypes",
+                    "ginHandles",
+                    "ginSignalBase",
+                    "ginSignalCount",
+                    "ginCounterBase",
+                    "ginCounterCount",
+                    "ginSignalShadows",
+                ],
+            ),
+            ("ncclDevCommRequirements", REQS_2_28),
+        ],
+    ),
+    (
+        "2.29",
+        "v2_29",
+        &[
+            ("ncclWindow_vidmem", WINDOW_2_28),
+            (
+                "ncclDevComm",
+                &[
+                    "rank",
+                    "nRanks",
+                    "nRanks_rcp32",
+                    "lsaRank",
+                    "lsaSize",
+                    "lsaSize_rcp32",
+                    "windowTable",
+                    "resourceWindow",
+                    "resourceWindow_inlined",
+                    "lsaMultimem",
+                    "lsaBarrier",
+                    "railGinBarrier",
+                    "ginConnectionCount",
+                    "ginNetDeviceTypes",
+                    "ginHandles",
+                    "ginSignalBase",
+                    "ginSignalCount",
+                    "ginCounterBase",
+                    "ginCounterCount",
+                    "ginSignalShadows",
+                    "ginContextCount",
+                    "ginContextBase",
+                    "ginIsRailed",
+                    "abortFlag",
+                ],
+            ),
+            (
+                "ncclDevCommRequirements",
+                &[
+                    "size",
+                    "magic",
+                    "version",
+                    "resourceRequirementsList",
+                    "teamRequirementsList",
+                    "lsaMultimem",
+                    "barrierCount",
+                    "lsaBarrierCount",
+                    "railGinBarrierCount",
+                    "lsaLLA2ABlockCount",
+                    "lsaLLA2ASlotCount",
+                    "ginForceEnable",
+                    "ginContextCount",
+                    "ginSignalCount",
+                    "ginCounterCount",
+                    "ginConnectionType",
+                    "ginExclusiveContexts",
+                    "ginQueueDepth",
+                ],
+            ),
+        ],
+    ),
+    (
+        "2.30",
+        "v2_30",
+        &[
+            (
+                "ncclWindow_vidmem",
+                &[
+                    "winHost",
+                    "lsaFlatBase",
+                    "lsaRank",
+                    "worldRank",
+                    "stride4G",
+                    "mcOffset4K",
+                    "ginOffset4K",
+                    "ginWins",
+                    "ginMultiSegmentWins",
+                    "numSegments",
+                ],
+            ),
+            (
+                "ncclResourceWindow_vidmem",
+                &[
+                    "reserved1",
+                    "lsaFlatBase",
+                    "reserved2",
+                    "stride4G",
+                    "mcOffset4K",
+                    "reserved3",
+                ],
+            ),
+            (
+                "ncclDevComm",
+                &[
+                    "magic",
+                    "version",
+                    "rank",
+                    "nRanks",
+                    "nRanks_rcp32",
+                    "lsaRank",
+                    "lsaSize",
+                    "lsaSize_rcp32",
+                    "windowTable",
+                    "resourceWindow",
+                    "resourceWindow_inlined",
+                    "hybridWorldGinBarrier",
+                    "lsaMultimem",
+                    "lsaBarrier",
+                    "railGinBarrier",
+                    "ginConnectionCount",
+                    "ginNetDeviceTypes",
+                    "ginHandles",
+                    "ginSignalCount",
+                    "ginCounterCount",
+                    "ginSignalShadows",
+                    "ginContextCount",
+                    "ginConnectionsRailed",
+                    "ginStrongLegacySignals",
+                    "ginContextsRailed",
+                    "abortFlag",
+                    "hybridLsaBarrier",
+                    "hybridRailGinBarrier",
+                    "worldGinBarrier",
+                ],
+            ),
+            (
+                "ncclDevCommRequirements",
+                &[
+                    "size",
+                    "magic",
+                    "version",
+                    "resourceRequirementsList",
+                    "teamRequirementsList",
+                    "lsaMultimem",
+                    "barrierCount",
+                    "lsaBarrierCount",
+                    "railGinBarrierCount",
+                    "lsaLLA2ABlockCount",
+                    "lsaLLA2ASlotCount",
+                    "ginForceEnable",
+                    "ginContextCount",
+                    "ginSignalCount",
+                    "ginCounterCount",
+                    "ginConnectionType",
+                    "ginExclusiveContexts",
+                    "ginQueueDepth",
+                    "ginTrafficClass",
+                    "worldGinBarrierCount",
+                    "ginStrongSignalsRequired",
+                    "ginVaSignalsRequired",
+                ],
+            ),
         ],
     ),
 ];
@@ -101,7 +279,14 @@ fn main() {
         .expect("crates/gin-ep-sys")
         .to_path_buf();
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets this"));
-    for var in ["NCCL_INCLUDE", "CUDA_HOME", "CXX"] {
+    for var in [
+        "NCCL_INCLUDE",
+        "NCCL_INCLUDE_2_28",
+        "NCCL_INCLUDE_2_29",
+        "NCCL_INCLUDE_2_30",
+        "CUDA_HOME",
+        "CXX",
+    ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
     println!("cargo:rerun-if-changed=build.rs");
@@ -110,48 +295,74 @@ fn main() {
         workspace.join(".cuda/.pins").display()
     );
 
-    const UNCHECKED: &str =
-        "/// No NCCL headers were found at build time.\npub const CHECKED_AGAINST: Option<i32> = None;\n";
-    let checks = match probe(&workspace, &out_dir) {
-        Ok(checks) => checks,
-        Err(Skip::NoHeaders) => UNCHECKED.to_string(),
-        Err(Skip::Failed(why)) => {
-            // Headers exist but the probe did not run: say so, since the checks that should
-            // guard the layouts are then missing.
-            println!("cargo:warning=gin-ep-sys: NCCL layout probe failed, layouts unchecked against headers: {why}");
-            UNCHECKED.to_string()
+    let mut checks = String::new();
+    let mut checked = Vec::new();
+    for (label, module, structs) in VERSIONS {
+        let Some(nccl_include) = find_nccl_include(&workspace, label) else {
+            continue;
+        };
+        match probe(&workspace, &out_dir, &nccl_include, module, structs) {
+            Ok((version, text)) => {
+                checked.push(version);
+                checks.push_str(&text);
+            }
+            Err(why) => {
+                // Headers exist but the probe did not run: say so, since the checks that
+                // should guard the layouts are then missing.
+                println!(
+                    "cargo:warning=gin-ep-sys: NCCL {label} layout probe failed, layouts unchecked against {}: {why}",
+                    nccl_include.display()
+                );
+            }
         }
-    };
-    let text =
-        format!("// @generated by crates/gin-ep-sys/build.rs from the NCCL headers; do not edit.\n{checks}");
+    }
+    let text = format!(
+        "// @generated by crates/gin-ep-sys/build.rs from the NCCL headers; do not edit.\n\
+         /// NCCL_VERSION_CODE of each header set these checks came from.\n\
+         pub const CHECKED_AGAINST: &[i32] = &{checked:?};\n{checks}"
+    );
     fs::write(out_dir.join("layout_checks.rs"), text).expect("OUT_DIR is writable");
 }
 
-enum Skip {
-    NoHeaders,
-    Failed(String),
-}
-
-fn probe(workspace: &Path, out_dir: &Path) -> Result<String, Skip> {
-    let (nccl_include, cuda_include) = find_headers(workspace)?;
+/// Runs the probe for one version; returns its NCCL_VERSION_CODE and the assertions.
+fn probe(
+    workspace: &Path,
+    out_dir: &Path,
+    nccl_include: &Path,
+    module: &str,
+    structs: &[(&str, &[&str])],
+) -> Result<(i32, String), String> {
+    let cuda_include = find_cuda_include(workspace).ok_or_else(|| {
+        format!(
+            "{} has NCCL headers but no cuda.h was found (set CUDA_HOME)",
+            nccl_include.display()
+        )
+    })?;
     println!("cargo:rerun-if-changed={}", nccl_include.join("nccl.h").display());
 
     let mut src = String::from(
         "#include <nccl.h>\n#include <nccl_device.h>\n#include <cstddef>\n#include <cstdio>\n\
-         #define SIZE(T) std::printf(\"const _: () = assert!(core::mem::size_of::<%s>() == %zu && core::mem::align_of::<%s>() == %zu, \\\"%s: size/align differ from nccl.h\\\");\\n\", #T, sizeof(T), #T, alignof(T), #T);\n\
-         #define FIELD(T, f) std::printf(\"const _: () = assert!(core::mem::offset_of!(%s, %s) == %zu, \\\"%s.%s: offset differs from nccl.h\\\");\\n\", #T, #f, offsetof(T, f), #T, #f);\n\
-         int main() {\n  std::printf(\"/// NCCL_VERSION_CODE of the headers these checks came from.\\npub const CHECKED_AGAINST: Option<i32> = Some(%d);\\n\", NCCL_VERSION_CODE);\n",
+         #define SIZE(T, R) std::printf(\"const _: () = assert!(core::mem::size_of::<%s>() == %zu && core::mem::align_of::<%s>() == %zu, \\\"%s: size/align differ from nccl.h %d\\\");\\n\", R, sizeof(T), R, alignof(T), R, NCCL_VERSION_CODE);\n\
+         #define FIELD(T, R, f) std::printf(\"const _: () = assert!(core::mem::offset_of!(%s, %s) == %zu, \\\"%s.%s: offset differs from nccl.h %d\\\");\\n\", R, #f, offsetof(T, f), R, #f, NCCL_VERSION_CODE);\n\
+         int main() {\n  std::printf(\"%d\\n\", NCCL_VERSION_CODE);\n",
     );
-    for (name, fields) in STRUCTS {
-        src.push_str(&format!("  SIZE({name})\n"));
-        for f in *fields {
-            src.push_str(&format!("  FIELD({name}, {f})\n"));
+    let own: Vec<(String, String, &[&str])> = structs
+        .iter()
+        .map(|(c, fields)| (c.to_string(), format!("crate::{module}::{c}"), *fields))
+        .collect();
+    let common = COMMON
+        .iter()
+        .map(|(c, r, fields)| (c.to_string(), r.to_string(), *fields));
+    for (c, rust, fields) in common.chain(own) {
+        src.push_str(&format!("  SIZE({c}, \"{rust}\")\n"));
+        for f in fields {
+            src.push_str(&format!("  FIELD({c}, \"{rust}\", {f})\n"));
         }
     }
     src.push_str("  return 0;\n}\n");
-    let cpp = out_dir.join("nccl_layout_probe.cpp");
-    let exe = out_dir.join("nccl_layout_probe");
-    fs::write(&cpp, src).map_err(|e| Skip::Failed(e.to_string()))?;
+    let cpp = out_dir.join(format!("nccl_layout_probe_{module}.cpp"));
+    let exe = out_dir.join(format!("nccl_layout_probe_{module}"));
+    fs::write(&cpp, src).map_err(|e| e.to_string())?;
 
     let cxx = env::var("CXX").unwrap_or_else(|_| "c++".to_string());
     let mut cmd = Command::new(&cxx);
@@ -161,57 +372,91 @@ fn probe(workspace: &Path, out_dir: &Path) -> Result<String, Skip> {
     cmd.arg(format!("-I{}", cuda_include.display()));
     cmd.arg(format!("-I{}", cuda_include.join("cccl").display()));
     cmd.arg(&cpp).arg("-o").arg(&exe);
-    let out = cmd.output().map_err(|e| Skip::Failed(format!("{cxx}: {e}")))?;
+    let out = cmd.output().map_err(|e| format!("{cxx}: {e}"))?;
     if !out.status.success() {
-        return Err(Skip::Failed(format!(
-            "{cxx}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        )));
+        return Err(format!("{cxx}: {}", String::from_utf8_lossy(&out.stderr)));
     }
-    let run = Command::new(&exe)
-        .output()
-        .map_err(|e| Skip::Failed(e.to_string()))?;
+    let run = Command::new(&exe).output().map_err(|e| e.to_string())?;
     if !run.status.success() {
-        return Err(Skip::Failed(format!("probe exited with {}", run.status)));
+        return Err(format!("probe exited with {}", run.status));
     }
-    Ok(String::from_utf8_lossy(&run.stdout).into_owned())
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let (version, checks) = stdout.split_once('\n').ok_or("probe printed nothing")?;
+    let version: i32 = version
+        .trim()
+        .parse()
+        .map_err(|_| format!("probe printed {version:?}"))?;
+    Ok((version, format!("// NCCL {version} ({module})\n{checks}")))
 }
 
-/// (dir with nccl.h + nccl_device.h, dir with cuda.h): NCCL_INCLUDE / CUDA_HOME first, then
-/// the `.cuda` venv that scripts/setup-cuda makes (nvidia/nccl/include, nvidia/cu13/include).
-fn find_headers(workspace: &Path) -> Result<(PathBuf, PathBuf), Skip> {
-    let venvs: Vec<PathBuf> = fs::read_dir(workspace.join(".cuda/lib"))
+/// The header set of NCCL `label` ("2.29"): `$NCCL_INCLUDE_2_29`, then `$NCCL_INCLUDE`, the
+/// `.cuda/nccl-2.29.*/include` that scripts/setup-cuda extracts, the `.cuda` venv's
+/// nvidia/nccl/include and /usr/include, whichever first has nccl_device.h and a nccl.h of
+/// that minor. The same search as crates/gin-ep/build.rs.
+fn find_nccl_include(workspace: &Path, label: &str) -> Option<PathBuf> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(p) = env::var_os(format!("NCCL_INCLUDE_{}", label.replace('.', "_"))) {
+        candidates.push(PathBuf::from(p));
+    }
+    if let Some(p) = env::var_os("NCCL_INCLUDE") {
+        candidates.push(PathBuf::from(p));
+    }
+    let mut extracted: Vec<PathBuf> = fs::read_dir(workspace.join(".cuda"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(&format!("nccl-{label}."))
+        })
+        .map(|e| e.path().join("include"))
+        .collect();
+    extracted.sort();
+    candidates.extend(extracted.into_iter().rev());
+    candidates.extend(venvs(workspace).map(|v| v.join("nccl/include")));
+    candidates.push(PathBuf::from("/usr/include"));
+    candidates.into_iter().find(|d| {
+        d.join("nccl_device.h").is_file()
+            && nccl_version_code(&d.join("nccl.h")).is_some_and(|v| minor_label(v) == label)
+    })
+}
+
+fn find_cuda_include(workspace: &Path) -> Option<PathBuf> {
+    let mut cuda: Vec<PathBuf> = env::var_os("CUDA_HOME")
+        .map(|h| PathBuf::from(h).join("include"))
+        .into_iter()
+        .collect();
+    cuda.extend(venvs(workspace).map(|v| v.join("cu13/include")));
+    cuda.push(PathBuf::from("/usr/local/cuda/include"));
+    cuda.into_iter().find(|d| d.join("cuda.h").is_file())
+}
+
+/// `<workspace>/.cuda/lib/python3.*/site-packages/nvidia`.
+fn venvs(workspace: &Path) -> impl Iterator<Item = PathBuf> {
+    let mut dirs: Vec<PathBuf> = fs::read_dir(workspace.join(".cuda/lib"))
         .into_iter()
         .flatten()
         .flatten()
         .map(|e| e.path().join("site-packages/nvidia"))
         .collect();
-    let mut nccl: Vec<PathBuf> = env::var_os("NCCL_INCLUDE")
-        .map(PathBuf::from)
-        .into_iter()
-        .collect();
-    nccl.extend(venvs.iter().map(|v| v.join("nccl/include")));
-    nccl.push(PathBuf::from("/usr/include"));
-    let mut cuda: Vec<PathBuf> = env::var_os("CUDA_HOME")
-        .map(|h| PathBuf::from(h).join("include"))
-        .into_iter()
-        .collect();
-    cuda.extend(venvs.iter().map(|v| v.join("cu13/include")));
-    cuda.push(PathBuf::from("/usr/local/cuda/include"));
+    dirs.sort();
+    dirs.into_iter()
+}
 
-    let nccl = nccl
-        .into_iter()
-        .find(|d| d.join("nccl.h").is_file() && d.join("nccl_device.h").is_file())
-        .ok_or(Skip::NoHeaders)?;
-    // NCCL headers without CUDA's is a half-installed toolchain worth a warning.
-    let cuda = cuda
-        .into_iter()
-        .find(|d| d.join("cuda.h").is_file())
-        .ok_or_else(|| {
-            Skip::Failed(format!(
-                "{} has NCCL headers but no cuda.h was found (set CUDA_HOME)",
-                nccl.display()
-            ))
-        })?;
-    Ok((nccl, cuda))
+/// "2.29" for 22907.
+fn minor_label(code: u32) -> String {
+    format!("{}.{}", code / 10000, code / 100 % 100)
+}
+
+/// `#define NCCL_VERSION_CODE 22809` from nccl.h.
+fn nccl_version_code(header: &Path) -> Option<u32> {
+    let text = fs::read_to_string(header).ok()?;
+    text.lines().find_map(|l| {
+        let mut words = l.split_whitespace();
+        match (words.next(), words.next(), words.next()) {
+            (Some("#define"), Some("NCCL_VERSION_CODE"), Some(v)) => v.parse().ok(),
+            _ => None,
+        }
+    })
 }

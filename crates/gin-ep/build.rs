@@ -1,22 +1,29 @@
-//! Build script of gin-ep: compiles `kernels/**/*.cu` into one fatbin for the CUDA backend.
+//! Build script of gin-ep: compiles `kernels/**/*.cu` into one fatbin per supported NCCL
+//! minor release (2.28, 2.29, 2.30), each against that version's headers.
 //!
-//! Owns: finding nvcc and the NCCL headers, the nvcc command line, the ptxas spill check, and
-//! the generated `OUT_DIR/kernels_meta.rs` (NCCL header version, nvcc version, how the
-//! kernels were built or why not). Never: downloads anything (scripts/setup-cuda does that),
-//! or fails a build without nvcc unless `GIN_EP_REQUIRE_KERNELS=1` asks it to, because the
-//! host backend must build on any laptop.
+//! Owns: finding nvcc and each NCCL header set, the nvcc command lines (run concurrently), the
+//! ptxas spill check, and the generated `OUT_DIR/kernels_meta.rs` (per set: NCCL header
+//! version, how it was built or why not; nvcc version). Never: downloads anything
+//! (scripts/setup-cuda does that), or fails a build without nvcc unless
+//! `GIN_EP_REQUIRE_KERNELS=1` asks it to, because the host backend must build on any laptop.
+//!
+//! Why one fatbin per NCCL minor: kernels take `ncclDevComm` by value and inline NCCL's
+//! Device API, whose layout changes between minors; the runtime picks the fatbin whose
+//! major.minor matches `ncclGetVersion` of the library it loads (backend/cuda/mod.rs).
 //!
 //! Outputs for `src/backend/cuda/kernels.rs`:
-//! - `OUT_DIR/gin_ep.fatbin` (only when built) and `cfg(gin_ep_no_kernels)` otherwise;
-//! - `OUT_DIR/kernels_meta.rs`, always;
-//! - `OUT_DIR/ptxas.txt`, the resource report of every kernel, when built.
+//! - `OUT_DIR/gin_ep_2_XX.fatbin` for each set built;
+//! - `OUT_DIR/kernels_meta.rs`, always: `KERNEL_SETS`, one entry per supported minor, with
+//!   the fatbin or why it is absent;
+//! - `OUT_DIR/ptxas.txt`, the resource report of every kernel of every set built (and
+//!   `ptxas_2_XX.txt` per set).
 
 use std::env;
 use std::ffi::OsString;
 use std::fmt::Write as _;
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
 
 /// Architectures with SASS in the fatbin. sm_90 is the floor (the Device API's LSA path
 /// needs Hopper's multimem/fence semantics and we tune for H200); sm_100 is added when
@@ -24,6 +31,10 @@ use std::process::Command;
 const SASS_ARCHS: &[&str] = &["90", "100"];
 /// PTX kept in the fatbin so a newer GPU can JIT; compute_90 is the oldest we support.
 const PTX_ARCH: &str = "90";
+/// The NCCL minor releases the kernels are built for, oldest first: one header set each
+/// (scripts/setup-cuda's venv has 2.28.9, its `.cuda/nccl-2.29.7`, `.cuda/nccl-2.30.7` the
+/// others). gin-ep-sys mirrors the same versions (`DevAbi`); a test checks they agree.
+const SUPPORTED_NCCL: &[&str] = &["2.28", "2.29", "2.30"];
 
 fn main() {
     let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets this"));
@@ -37,7 +48,7 @@ fn main() {
 
     println!("cargo:rustc-check-cfg=cfg(gin_ep_no_kernels)");
     println!("cargo:rerun-if-changed={}", kernels_dir.display());
-    // setup-cuda rewrites its stamp when it (re)installs the toolchain.
+    // setup-cuda rewrites its stamp when it (re)installs the toolchain or a header set.
     println!(
         "cargo:rerun-if-changed={}",
         workspace.join(".cuda/.pins").display()
@@ -52,33 +63,65 @@ fn main() {
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
+    for label in SUPPORTED_NCCL {
+        println!("cargo:rerun-if-env-changed={}", include_var(label));
+    }
     let require = env::var("GIN_EP_REQUIRE_KERNELS").is_ok_and(|v| v == "1");
 
-    let mut meta = Meta::default();
-    match build_kernels(&workspace, &kernels_dir, &out_dir, &mut meta) {
-        Ok(()) => {}
-        Err(why) => {
-            if require {
-                // A CI box that sets GIN_EP_REQUIRE_KERNELS must never ship a library that
-                // silently lacks its kernels.
-                fail(&format!(
-                    "GIN_EP_REQUIRE_KERNELS=1 and the kernels were not built: {why}"
-                ));
-            }
-            println!("cargo:warning=gin-ep: CUDA kernels not built ({why}); the cuda backend will report \"kernels absent\"");
-            println!("cargo:rustc-cfg=gin_ep_no_kernels");
-            meta.absent_reason = Some(why);
+    let mut meta = Meta {
+        sets: SUPPORTED_NCCL
+            .iter()
+            .map(|label| SetMeta {
+                label,
+                ..SetMeta::default()
+            })
+            .collect(),
+        ..Meta::default()
+    };
+    if let Err(why) = build_kernels(&workspace, &kernels_dir, &out_dir, &mut meta) {
+        for set in &mut meta.sets {
+            set.absent_reason = Some(why.clone());
         }
+    }
+    let absent: Vec<String> = meta
+        .sets
+        .iter()
+        .filter_map(|s| Some(format!("NCCL {}: {}", s.label, s.absent_reason.as_ref()?)))
+        .collect();
+    if !absent.is_empty() {
+        if require {
+            // A CI box that sets GIN_EP_REQUIRE_KERNELS must never ship a library that
+            // silently lacks kernels for a supported NCCL.
+            fail(&format!(
+                "GIN_EP_REQUIRE_KERNELS=1 and kernels were not built for every supported NCCL:\n  {}",
+                absent.join("\n  ")
+            ));
+        }
+        for line in &absent {
+            println!("cargo:warning=gin-ep: CUDA kernels not built for {line}; that NCCL will be refused at run time");
+        }
+    }
+    if meta.sets.iter().all(|s| s.absent_reason.is_some()) {
+        println!("cargo:rustc-cfg=gin_ep_no_kernels");
     }
     fs::write(out_dir.join("kernels_meta.rs"), meta.render()).expect("OUT_DIR is writable");
 }
 
 #[derive(Default)]
 struct Meta {
-    nccl_header_version: Option<u32>,
     nvcc_version: Option<String>,
-    nvcc_command: Option<String>,
     archs: Vec<String>,
+    sets: Vec<SetMeta>,
+}
+
+/// One supported NCCL minor's kernels.
+#[derive(Default)]
+struct SetMeta {
+    label: &'static str,
+    nccl_header_version: Option<u32>,
+    nvcc_command: Option<String>,
+    /// File name in OUT_DIR, when built.
+    fatbin: Option<String>,
     absent_reason: Option<String>,
 }
 
@@ -91,41 +134,54 @@ impl Meta {
         let mut out = String::from("// @generated by crates/gin-ep/build.rs; do not edit.\n");
         let _ = writeln!(
             out,
-            "/// NCCL_VERSION_CODE of the nccl.h the kernels were compiled against (e.g. 22809).\n\
-             pub const NCCL_HEADER_VERSION: Option<u32> = {};",
-            match self.nccl_header_version {
-                Some(v) => format!("Some({v})"),
-                None => "None".into(),
-            }
-        );
-        let _ = writeln!(
-            out,
-            "/// `nvcc --version` release line of the compiler that built the fatbin.\n\
+            "/// `nvcc --version` release line of the compiler that built the fatbins.\n\
              pub const NVCC_VERSION: Option<&str> = {};",
             opt_str(&self.nvcc_version)
         );
         let _ = writeln!(
             out,
-            "/// The exact nvcc command line that built the fatbin.\n\
-             pub const NVCC_COMMAND: Option<&str> = {};",
-            opt_str(&self.nvcc_command)
-        );
-        let _ = writeln!(
-            out,
-            "/// Targets in the fatbin: `sm_XX` are SASS, `compute_XX` is PTX.\n\
+            "/// Targets in every fatbin: `sm_XX` are SASS, `compute_XX` is PTX.\n\
              pub const KERNEL_TARGETS: &[&str] = &{:?};",
             self.archs
         );
+        let mut entries = String::new();
+        for set in &self.sets {
+            let fatbin = match &set.fatbin {
+                Some(file) => {
+                    let name = format!("FATBIN_{}", set.label.replace('.', "_"));
+                    let _ = writeln!(
+                        out,
+                        "#[cfg(not(gin_ep_no_kernels))]\n\
+                         static {name}: &Aligned<[u8]> = &Aligned(*include_bytes!(concat!(env!(\"OUT_DIR\"), \"/{file}\")));"
+                    );
+                    format!("Some(&{name}.0)")
+                }
+                None => "None".to_string(),
+            };
+            let _ = writeln!(
+                entries,
+                "    KernelSet {{\n        nccl: {:?},\n        nccl_header_version: {},\n        \
+                 fatbin: {fatbin},\n        nvcc_command: {},\n        absent_reason: {},\n    }},",
+                set.label,
+                match set.nccl_header_version {
+                    Some(v) => format!("Some({v})"),
+                    None => "None".into(),
+                },
+                opt_str(&set.nvcc_command),
+                opt_str(&set.absent_reason),
+            );
+        }
         let _ = writeln!(
             out,
-            "/// Why the kernels were not built, when they were not.\n\
-             pub const KERNELS_ABSENT_REASON: Option<&str> = {};",
-            opt_str(&self.absent_reason)
+            "/// One entry per supported NCCL minor, oldest first.\n\
+             pub const KERNEL_SETS: &[KernelSet] = &[\n{entries}];"
         );
         out
     }
 }
 
+/// Builds every set it can. `Err` only for what stops all of them (no nvcc, no kernel
+/// sources); a missing header set is recorded in that set's `absent_reason`.
 fn build_kernels(
     workspace: &Path,
     kernels_dir: &Path,
@@ -135,14 +191,6 @@ fn build_kernels(
     let nvcc = find_nvcc(workspace).ok_or_else(|| {
         "no nvcc: set NVCC or CUDA_HOME, put nvcc on PATH, or run scripts/setup-cuda".to_string()
     })?;
-    let nccl_include = find_nccl_include(workspace, &nvcc).ok_or_else(|| {
-        format!(
-            "nvcc found at {} but no NCCL >= 2.28 headers (nccl.h + nccl_device.h): set NCCL_INCLUDE or run scripts/setup-cuda",
-            nvcc.display()
-        )
-    })?;
-    meta.nccl_header_version = nccl_version_code(&nccl_include.join("nccl.h"));
-
     let version = run_capture(Command::new(&nvcc).arg("--version"))
         .map_err(|e| format!("{} --version failed: {e}", nvcc.display()))?;
     meta.nvcc_version = version
@@ -170,15 +218,13 @@ fn build_kernels(
     let unity_path = out_dir.join("gin_ep_kernels.cu");
     fs::write(&unity_path, unity).map_err(|e| format!("writing {}: {e}", unity_path.display()))?;
 
-    let fatbin = out_dir.join("gin_ep.fatbin");
-    let mut cmd = Command::new(&nvcc);
-    cmd.args(["--fatbin", "-O3", "-std=c++17", "-Xptxas", "-v"]);
+    let mut gencode = Vec::new();
     for arch in SASS_ARCHS {
         if known_archs
             .split_whitespace()
             .any(|a| a == format!("compute_{arch}"))
         {
-            cmd.arg(format!("-gencode=arch=compute_{arch},code=sm_{arch}"));
+            gencode.push(format!("-gencode=arch=compute_{arch},code=sm_{arch}"));
             meta.archs.push(format!("sm_{arch}"));
         }
     }
@@ -188,46 +234,127 @@ fn build_kernels(
             nvcc.display()
         ));
     }
-    cmd.arg(format!(
+    gencode.push(format!(
         "-gencode=arch=compute_{PTX_ARCH},code=compute_{PTX_ARCH}"
     ));
     meta.archs.push(format!("compute_{PTX_ARCH}"));
-    cmd.arg(format!("-I{}", kernels_dir.display()));
-    cmd.arg(format!("-I{}", nccl_include.display()));
-    if let Ok(extra) = env::var("GIN_EP_NVCC_FLAGS") {
-        cmd.args(extra.split_whitespace());
-    }
-    cmd.arg(&unity_path).arg("-o").arg(&fatbin);
-    meta.nvcc_command = Some(render_command(&cmd));
 
-    let output = cmd
-        .output()
-        .map_err(|e| format!("running {}: {e}", nvcc.display()))?;
-    // ptxas -v reports on stderr; keep it all so the resource report is one file to read.
-    let report = String::from_utf8_lossy(&output.stderr).into_owned();
-    fs::write(out_dir.join("ptxas.txt"), &report).map_err(|e| format!("writing ptxas.txt: {e}"))?;
-    if !output.status.success() {
-        // A compile error is a bug in our kernels, not a missing toolchain: fail loudly even
-        // without GIN_EP_REQUIRE_KERNELS, or kernel breakage would hide behind a warning.
-        eprintln!("{report}");
-        fail(&format!(
-            "nvcc failed ({}); command: {}",
-            output.status,
-            render_command(&cmd)
-        ));
+    // One nvcc per header set, `NUM_JOBS` (cargo's -j, the core count by default) at a time:
+    // each nvcc runs its cicc/ptxas steps one after another, so concurrent sets are what uses
+    // a second core.
+    let jobs: usize = env::var("NUM_JOBS")
+        .ok()
+        .and_then(|j| j.parse().ok())
+        .unwrap_or(1)
+        .max(1);
+    let mut queue: Vec<(usize, Command)> = Vec::new();
+    for (i, set) in meta.sets.iter_mut().enumerate() {
+        let Some(nccl_include) = find_nccl_include(workspace, &nvcc, set.label) else {
+            set.absent_reason = Some(format!(
+                "no NCCL {} headers (nccl.h + nccl_device.h of that minor): run scripts/setup-cuda or set {}",
+                set.label,
+                include_var(set.label)
+            ));
+            continue;
+        };
+        set.nccl_header_version = nccl_version_code(&nccl_include.join("nccl.h"));
+        let suffix = set.label.replace('.', "_");
+        let fatbin = format!("gin_ep_{suffix}.fatbin");
+        let mut cmd = Command::new(&nvcc);
+        cmd.args(["--fatbin", "-O3", "-std=c++17", "-Xptxas", "-v"]);
+        cmd.args(&gencode);
+        cmd.arg(format!("-I{}", kernels_dir.display()));
+        cmd.arg(format!("-I{}", nccl_include.display()));
+        if let Ok(extra) = env::var("GIN_EP_NVCC_FLAGS") {
+            cmd.args(extra.split_whitespace());
+        }
+        cmd.arg(&unity_path).arg("-o").arg(out_dir.join(&fatbin));
+        set.nvcc_command = Some(render_command(&cmd));
+        set.fatbin = Some(fatbin);
+        queue.push((i, cmd));
     }
-    let spills = find_spills(&report);
-    if !spills.is_empty() {
-        // Spills on these kernels mean local-memory traffic in the copy loop, which costs
-        // bandwidth we measure against; treat them as a build error so they are fixed at
-        // once (reduce unrolling or vector width), not found later in a benchmark.
-        fail(&format!(
-            "kernels spill registers (see {}):\n{}",
-            out_dir.join("ptxas.txt").display(),
-            spills.join("\n")
-        ));
+
+    let mut reports = String::new();
+    let mut running: Vec<(usize, Child)> = Vec::new();
+    let mut pending = queue.into_iter();
+    let mut failure: Option<String> = None;
+    loop {
+        while failure.is_none() && running.len() < jobs {
+            let Some((i, mut cmd)) = pending.next() else {
+                break;
+            };
+            // ptxas -v reports on stderr; stdout is unused.
+            cmd.stdout(Stdio::null()).stderr(Stdio::piped());
+            match cmd.spawn() {
+                Ok(child) => running.push((i, child)),
+                Err(e) => failure = Some(format!("running {}: {e}", nvcc.display())),
+            }
+        }
+        if running.is_empty() {
+            break;
+        }
+        if failure.is_some() {
+            // Stop the other compiles rather than leave them running after the build ends.
+            for (_, child) in &mut running {
+                let _ = child.kill();
+            }
+        }
+        // Wait for the oldest; the others keep running meanwhile.
+        let (i, child) = running.remove(0);
+        let Ok(output) = child.wait_with_output() else {
+            failure.get_or_insert_with(|| format!("waiting for {}", nvcc.display()));
+            continue;
+        };
+        if failure.is_some() {
+            continue;
+        }
+        let set = &meta.sets[i];
+        let report = String::from_utf8_lossy(&output.stderr).into_owned();
+        let suffix = set.label.replace('.', "_");
+        let report_path = out_dir.join(format!("ptxas_{suffix}.txt"));
+        if let Err(e) = fs::write(&report_path, &report) {
+            failure = Some(format!("writing {}: {e}", report_path.display()));
+            continue;
+        }
+        if !output.status.success() {
+            // A compile error is a bug in our kernels (or a version guard they lack), not a
+            // missing toolchain: fail loudly even without GIN_EP_REQUIRE_KERNELS, or kernel
+            // breakage would hide behind a warning.
+            eprintln!("{report}");
+            failure = Some(format!(
+                "nvcc failed with the NCCL {} headers ({}); command: {}",
+                set.label,
+                output.status,
+                set.nvcc_command.as_deref().unwrap_or_default()
+            ));
+            continue;
+        }
+        let spills = find_spills(&report);
+        if !spills.is_empty() {
+            // Spills on these kernels mean local-memory traffic in the copy loop, which costs
+            // bandwidth we measure against; treat them as a build error so they are fixed at
+            // once (reduce unrolling or vector width), not found later in a benchmark.
+            failure = Some(format!(
+                "kernels spill registers with the NCCL {} headers (see {}):\n{}",
+                set.label,
+                report_path.display(),
+                spills.join("\n")
+            ));
+            continue;
+        }
+        let _ = writeln!(reports, "# kernels built against the NCCL {} headers", set.label);
+        reports.push_str(&report);
     }
+    if let Some(message) = failure {
+        fail(&message);
+    }
+    fs::write(out_dir.join("ptxas.txt"), &reports).map_err(|e| format!("writing ptxas.txt: {e}"))?;
     Ok(())
+}
+
+/// `NCCL_INCLUDE_2_29` for "2.29": the variable naming that minor's header set.
+fn include_var(label: &str) -> String {
+    format!("NCCL_INCLUDE_{}", label.replace('.', "_"))
 }
 
 /// Ends the build with a message; cargo shows a build script's stderr on failure.
@@ -294,14 +421,33 @@ fn venv_site_packages(workspace: &Path) -> impl Iterator<Item = PathBuf> {
     dirs.into_iter()
 }
 
-/// NCCL headers in order: $NCCL_INCLUDE, the NCCL wheel beside a PyPI nvcc
-/// (`site-packages/nvidia/{cu13/bin/nvcc,nccl/include}`), the .cuda venv, $CUDA_HOME/include,
-/// /usr/include. Only a directory with nccl_device.h counts: the kernels need NCCL >= 2.28.
-fn find_nccl_include(workspace: &Path, nvcc: &Path) -> Option<PathBuf> {
+/// The header set of NCCL `label` ("2.29"), in order: `$NCCL_INCLUDE_2_29`, `$NCCL_INCLUDE`,
+/// the `.cuda/nccl-2.29.*/include` that scripts/setup-cuda extracts, the NCCL wheel beside a
+/// PyPI nvcc (`site-packages/nvidia/{cu13/bin/nvcc,nccl/include}`), the .cuda venv,
+/// $CUDA_HOME/include, /usr/include; the first with nccl_device.h and a nccl.h of that
+/// minor. The same search as crates/gin-ep-sys/build.rs.
+fn find_nccl_include(workspace: &Path, nvcc: &Path, label: &str) -> Option<PathBuf> {
     let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(p) = env::var_os(include_var(label)) {
+        candidates.push(PathBuf::from(p));
+    }
     if let Some(p) = env::var_os("NCCL_INCLUDE") {
         candidates.push(PathBuf::from(p));
     }
+    let mut extracted: Vec<PathBuf> = fs::read_dir(workspace.join(".cuda"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(&format!("nccl-{label}."))
+        })
+        .map(|e| e.path().join("include"))
+        .collect();
+    // The newest patch first.
+    extracted.sort();
+    candidates.extend(extracted.into_iter().rev());
     if let Some(nvidia) = nvcc.parent().and_then(Path::parent).and_then(Path::parent) {
         candidates.push(nvidia.join("nccl/include"));
     }
@@ -310,9 +456,11 @@ fn find_nccl_include(workspace: &Path, nvcc: &Path) -> Option<PathBuf> {
         candidates.push(PathBuf::from(home).join("include"));
     }
     candidates.push(PathBuf::from("/usr/include"));
-    candidates
-        .into_iter()
-        .find(|d| d.join("nccl.h").is_file() && d.join("nccl_device.h").is_file())
+    candidates.into_iter().find(|d| {
+        d.join("nccl_device.h").is_file()
+            && nccl_version_code(&d.join("nccl.h"))
+                .is_some_and(|v| format!("{}.{}", v / 10000, v / 100 % 100) == label)
+    })
 }
 
 /// `#define NCCL_VERSION_CODE 22809` from nccl.h, so run time can compare it with

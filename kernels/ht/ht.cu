@@ -47,6 +47,7 @@
 #include <cuda_fp8.h>
 
 #include "common/fabric.cuh"
+#include "common/nccl_compat.cuh"
 #include "common/quant.cuh"
 
 namespace gin_ep {
@@ -89,7 +90,10 @@ constexpr uint32_t kStatusTimeout = 4;
 constexpr uint32_t kStatusBadSlab = 5;     // detail: the slab a peer published, peer: that peer
 
 struct HtArgs {
-  ncclDevComm comm;
+  union {
+    ncclDevComm comm;
+    DevCommSlot comm_slot;  // one size for every NCCL version (nccl_compat.cuh)
+  };
   ncclWindow_t win;
   uint64_t off_count_sig;
   uint64_t off_disp_sig;
@@ -141,8 +145,8 @@ struct HtArgs {
   uint32_t pad0;
 };
 // Mirrored by HtArgs in crates/gin-ep/src/backend/cuda/kernels.rs (same asserts there).
-static_assert(sizeof(HtArgs) == 528 && offsetof(HtArgs, pull_blocks) == 520 && offsetof(HtArgs, fail_host) == 504 && offsetof(HtArgs, counts_host) == 496 && offsetof(HtArgs, recv_slab) == 488 && offsetof(HtArgs, scan) == 464 && offsetof(HtArgs, x) == 296 && offsetof(HtArgs, seq) == 392 &&
-                  offsetof(HtArgs, num_tokens) == 416 && offsetof(HtArgs, stamps) == 448,
+static_assert(sizeof(HtArgs) == kDevCommSlotBytes + 328 && offsetof(HtArgs, pull_blocks) == kDevCommSlotBytes + 320 && offsetof(HtArgs, fail_host) == kDevCommSlotBytes + 304 && offsetof(HtArgs, counts_host) == kDevCommSlotBytes + 296 && offsetof(HtArgs, recv_slab) == kDevCommSlotBytes + 288 && offsetof(HtArgs, scan) == kDevCommSlotBytes + 264 && offsetof(HtArgs, x) == kDevCommSlotBytes + 96 && offsetof(HtArgs, seq) == kDevCommSlotBytes + 192 &&
+                  offsetof(HtArgs, num_tokens) == kDevCommSlotBytes + 216 && offsetof(HtArgs, stamps) == kDevCommSlotBytes + 248,
               "host ABI");
 
 // vflags of HtArgs (host ABI, ht.rs HtVariant).

@@ -80,6 +80,7 @@
 #include <cuda_fp8.h>
 
 #include "common/fabric.cuh"
+#include "common/nccl_compat.cuh"
 #include "common/quant.cuh"
 
 namespace gin_ep {
@@ -117,7 +118,10 @@ constexpr uint32_t kCombOrderTopk = 0, kCombOrderRankFirst = 1;
 enum Dtype : int32_t { kBf16 = 0, kFp8 = 1, kFp8Ue8m0 = 2 };
 
 struct LlArgs {
-  ncclDevComm comm;
+  union {
+    ncclDevComm comm;
+    DevCommSlot comm_slot;  // one size for every NCCL version (nccl_compat.cuh)
+  };
   ncclWindow_t win;
   uint64_t set_offset;    // this buffer set in the window
   uint64_t sig_offset;    // relative to set_offset: [4][R] u64
@@ -167,11 +171,11 @@ struct LlArgs {
   // Variant `wargs` (kFlagWinArgs); unused otherwise:
   char* lsa_base;              // the window's lsaFlatBase, as the host read it once
 };
-static_assert(sizeof(LlArgs) == 496 && offsetof(LlArgs, ready_offset) == 480 && offsetof(LlArgs, lsa_base) == 488 &&
-                  offsetof(LlArgs, lsa_stride4G) == 412 && offsetof(LlArgs, err) == 368 && offsetof(LlArgs, flags) == 408 &&
-                  offsetof(LlArgs, stamps) == 416 && offsetof(LlArgs, user_count) == 424 &&
-                  offsetof(LlArgs, scales_col_major) == 448 && offsetof(LlArgs, wts_offset) == 456 &&
-                  offsetof(LlArgs, comb_order) == 472,
+static_assert(sizeof(LlArgs) == kDevCommSlotBytes + 296 && offsetof(LlArgs, ready_offset) == kDevCommSlotBytes + 280 && offsetof(LlArgs, lsa_base) == kDevCommSlotBytes + 288 &&
+                  offsetof(LlArgs, lsa_stride4G) == kDevCommSlotBytes + 212 && offsetof(LlArgs, err) == kDevCommSlotBytes + 168 && offsetof(LlArgs, flags) == kDevCommSlotBytes + 208 &&
+                  offsetof(LlArgs, stamps) == kDevCommSlotBytes + 216 && offsetof(LlArgs, user_count) == kDevCommSlotBytes + 224 &&
+                  offsetof(LlArgs, scales_col_major) == kDevCommSlotBytes + 248 && offsetof(LlArgs, wts_offset) == kDevCommSlotBytes + 256 &&
+                  offsetof(LlArgs, comb_order) == kDevCommSlotBytes + 272,
               "mirrored in backend/cuda/ll.rs");
 
 // Device timestamps (globaltimer ns), one row of kStampSlots per CTA, written by thread 0 at

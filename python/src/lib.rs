@@ -267,7 +267,12 @@ impl PyGroup {
     /// Collective: every rank's `value` under the exchange named `name` (each rank calls
     /// it with the same `name`, once), in rank order, through the group's store. A rank
     /// that does not arrive within the group's timeout is named in the error.
-    fn all_gather<'py>(&self, py: Python<'py>, name: &str, value: &[u8]) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    fn all_gather<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        value: &[u8],
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
         let got = py.detach(|| {
             guard(|| {
                 self.with(|g| {
@@ -783,7 +788,13 @@ fn nccl_info() -> (Option<i32>, String, bool, Option<String>, String) {
     match nccl_probe() {
         Ok((source, version)) => match kernels_for(version, &source) {
             Ok(_) => (Some(version), source, true, None, supported_text()),
-            Err(e) => (Some(version), source, false, Some(e.to_string()), supported_text()),
+            Err(e) => (
+                Some(version),
+                source,
+                false,
+                Some(e.to_string()),
+                supported_text(),
+            ),
         },
         Err(why) => (None, why, false, None, supported_text()),
     }

@@ -99,19 +99,30 @@ pub fn run() -> CliResult {
         ),
         Err(e) => out!("driver:   unusable: {e}"),
     }
+    // The NCCL gin-ep would load, whether its kernels are here, and the supported set.
+    use gin_ep::backend::cuda::{kernels_for, supported_text, version_text};
     match nccl_probe() {
-        Ok((src, v)) => out!(
-            "nccl:     {v} loaded ({src}); kernels built against headers {:?}",
-            kernels::NCCL_HEADER_VERSION
-        ),
+        Ok((src, v)) => match kernels_for(v, &src) {
+            Ok(_) => out!("nccl:     {} loaded ({src}): supported", version_text(v)),
+            Err(e) => out!("nccl:     {} loaded ({src}): NOT usable: {e}", version_text(v)),
+        },
         Err(e) => out!("nccl:     not loadable: {e}"),
     }
-    match kernels::KERNELS_FATBIN {
-        Some(f) => out!("kernels:  {} KiB fatbin embedded", f.len() / 1024),
-        None => out!(
-            "kernels:  absent: {}",
-            kernels::KERNELS_ABSENT_REASON.unwrap_or("not built")
-        ),
+    out!("          supported: {}", supported_text());
+    for set in kernels::KERNEL_SETS {
+        match (set.fatbin, set.nccl_header_version) {
+            (Some(f), Some(h)) => out!(
+                "kernels:  NCCL {}: {} KiB fatbin (headers {})",
+                set.nccl,
+                f.len() / 1024,
+                version_text(h as i32)
+            ),
+            _ => out!(
+                "kernels:  NCCL {}: absent: {}",
+                set.nccl,
+                set.absent_reason.unwrap_or("not built")
+            ),
+        }
     }
     match gin_network() {
         Ok(n) => out!("gin:      {n}"),
@@ -122,7 +133,7 @@ pub fn run() -> CliResult {
          POSIX shared memory); cuda: {}",
         host::HOST_MAX_RANKS,
         host::HOST_MAX_RANKS,
-        if kernels::KERNELS_FATBIN.is_some() && driver::probe().is_ok() {
+        if kernels::KERNEL_SETS.iter().any(|s| s.fatbin.is_some()) && driver::probe().is_ok() {
             "usable (all-to-all)"
         } else {
             "not usable here"

@@ -136,11 +136,8 @@ pub type ncclCommWindowDeregister_t =
     unsafe extern "C" fn(comm: ncclComm_t, win: ncclWindow_t) -> ncclResult_t;
 /// `reqs` points to the `ncclDevCommRequirements` of the loaded library's version
 /// ([`DevCommRequirementsC::as_ptr`]); NCCL writes its version's `ncclDevComm` into the slot.
-pub type ncclDevCommCreate_t = unsafe extern "C" fn(
-    comm: ncclComm_t,
-    reqs: *const c_void,
-    outDevComm: *mut DevCommSlot,
-) -> ncclResult_t;
+pub type ncclDevCommCreate_t =
+    unsafe extern "C" fn(comm: ncclComm_t, reqs: *const c_void, outDevComm: *mut DevCommSlot) -> ncclResult_t;
 pub type ncclDevCommDestroy_t =
     unsafe extern "C" fn(comm: ncclComm_t, devComm: *const DevCommSlot) -> ncclResult_t;
 pub type ncclAlltoAll_t = unsafe extern "C" fn(

@@ -1,28 +1,34 @@
-//! The compiled CUDA kernels: one fatbin embedded at build time, plus what built it.
+//! The compiled CUDA kernels: one fatbin per supported NCCL minor, embedded at build time,
+//! plus what built them.
 //!
-//! Owns: the bytes handed to `cuModuleLoadData` and the build facts (NCCL header version,
-//! nvcc, targets). Never: loads the module or touches a GPU; the cuda backend does.
-//! `build.rs` decides what lands here; without nvcc the library still builds and
-//! [`KERNELS_FATBIN`] is `None`, with [`KERNELS_ABSENT_REASON`] saying why.
+//! Owns: the bytes handed to `cuModuleLoadData` and the build facts (NCCL header version per
+//! set, nvcc, targets). Never: loads a module, chooses a set or touches a GPU; the cuda
+//! backend does (`super::kernels_for`). `build.rs` decides what lands here; without nvcc
+//! the library still builds and every [`KernelSet::fatbin`] is `None`, with
+//! [`KernelSet::absent_reason`] saying why.
 
-include!(concat!(env!("OUT_DIR"), "/kernels_meta.rs"));
-
-/// 8-byte-or-better alignment for the embedded image: `include_bytes!` gives alignment 1,
+/// 8-byte-or-better alignment for the embedded images: `include_bytes!` gives alignment 1,
 /// and the CUDA driver reads the fatbin header with aligned loads.
 #[cfg(not(gin_ep_no_kernels))]
 #[repr(C, align(64))]
 struct Aligned<T: ?Sized>(T);
 
-#[cfg(not(gin_ep_no_kernels))]
-static FATBIN: &Aligned<[u8]> = &Aligned(*include_bytes!(concat!(env!("OUT_DIR"), "/gin_ep.fatbin")));
+/// The kernels built against one NCCL minor's headers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelSet {
+    /// "2.28", "2.29", "2.30".
+    pub nccl: &'static str,
+    /// NCCL_VERSION_CODE of the nccl.h they were compiled against (e.g. 22809).
+    pub nccl_header_version: Option<u32>,
+    /// The fatbin (sm_90 SASS, compute_90 PTX, sm_100 SASS when nvcc knew it), or `None`.
+    pub fatbin: Option<&'static [u8]>,
+    /// The exact nvcc command line that built it.
+    pub nvcc_command: Option<&'static str>,
+    /// Why this set was not built, when it was not.
+    pub absent_reason: Option<&'static str>,
+}
 
-/// The kernels' fatbin (sm_90 SASS, compute_90 PTX, sm_100 SASS when nvcc knew it), or
-/// `None` when this build had no CUDA compiler.
-#[cfg(not(gin_ep_no_kernels))]
-pub const KERNELS_FATBIN: Option<&[u8]> = Some(&FATBIN.0);
-/// The kernels' fatbin, or `None` when this build had no CUDA compiler.
-#[cfg(gin_ep_no_kernels)]
-pub const KERNELS_FATBIN: Option<&[u8]> = None;
+include!(concat!(env!("OUT_DIR"), "/kernels_meta.rs"));
 
 /// Kernel entry points in the fatbin (extern "C" names in kernels/alltoall.cu).
 pub mod names {
@@ -80,7 +86,7 @@ pub mod names {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct HtArgs {
-    pub comm: gin_ep_sys::ncclDevComm,
+    pub comm: gin_ep_sys::DevCommSlot,
     pub win: gin_ep_sys::ncclWindow_t,
     pub off_count_sig: u64,
     pub off_disp_sig: u64,
@@ -164,7 +170,7 @@ pub struct FabricError {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct AlltoallArgs {
-    pub comm: gin_ep_sys::ncclDevComm,
+    pub comm: gin_ep_sys::DevCommSlot,
     pub win: gin_ep_sys::ncclWindow_t,
     /// Local device memory, n_ranks * chunk_bytes.
     pub send: *const u8,
@@ -220,25 +226,28 @@ pub struct PatternArgs {
     pub out: u64,
 }
 
-// Same numbers as the static_asserts in fabric.cuh / alltoall.cu / pattern.cu.
+// Same numbers as the static_asserts in fabric.cuh / alltoall.cu / ht.cu / pattern.cu; `S`
+// is the devcomm slot every argument struct starts with (kDevCommSlotBytes in
+// nccl_compat.cuh), so no offset depends on the NCCL version.
+const S: usize = gin_ep_sys::DEV_COMM_SLOT_BYTES;
 const _: () = assert!(std::mem::size_of::<FabricError>() == 32);
-const _: () = assert!(std::mem::size_of::<AlltoallArgs>() == 304);
-const _: () = assert!(std::mem::offset_of!(AlltoallArgs, stamps) == 288);
-const _: () = assert!(std::mem::offset_of!(AlltoallArgs, vflags) == 296);
-const _: () = assert!(std::mem::offset_of!(AlltoallArgs, err) == 264);
-const _: () = assert!(std::mem::offset_of!(AlltoallArgs, flag_offset) == 280);
+const _: () = assert!(std::mem::size_of::<AlltoallArgs>() == S + 104);
+const _: () = assert!(std::mem::offset_of!(AlltoallArgs, stamps) == S + 88);
+const _: () = assert!(std::mem::offset_of!(AlltoallArgs, vflags) == S + 96);
+const _: () = assert!(std::mem::offset_of!(AlltoallArgs, err) == S + 64);
+const _: () = assert!(std::mem::offset_of!(AlltoallArgs, flag_offset) == S + 80);
 const _: () = assert!(std::mem::size_of::<PatternArgs>() == 40);
 const _: () = assert!(std::mem::size_of::<LsaPointerArgs>() == 24);
-const _: () = assert!(std::mem::size_of::<HtArgs>() == 528);
-const _: () = assert!(std::mem::offset_of!(HtArgs, pull_blocks) == 520);
-const _: () = assert!(std::mem::offset_of!(HtArgs, fail_host) == 504);
-const _: () = assert!(std::mem::offset_of!(HtArgs, counts_host) == 496);
-const _: () = assert!(std::mem::offset_of!(HtArgs, recv_slab) == 488);
-const _: () = assert!(std::mem::offset_of!(HtArgs, scan) == 464);
-const _: () = assert!(std::mem::offset_of!(HtArgs, stamps) == 448);
-const _: () = assert!(std::mem::offset_of!(HtArgs, x) == 296);
-const _: () = assert!(std::mem::offset_of!(HtArgs, seq) == 392);
-const _: () = assert!(std::mem::offset_of!(HtArgs, num_tokens) == 416);
+const _: () = assert!(std::mem::size_of::<HtArgs>() == S + 328);
+const _: () = assert!(std::mem::offset_of!(HtArgs, pull_blocks) == S + 320);
+const _: () = assert!(std::mem::offset_of!(HtArgs, fail_host) == S + 304);
+const _: () = assert!(std::mem::offset_of!(HtArgs, counts_host) == S + 296);
+const _: () = assert!(std::mem::offset_of!(HtArgs, recv_slab) == S + 288);
+const _: () = assert!(std::mem::offset_of!(HtArgs, scan) == S + 264);
+const _: () = assert!(std::mem::offset_of!(HtArgs, stamps) == S + 248);
+const _: () = assert!(std::mem::offset_of!(HtArgs, x) == S + 96);
+const _: () = assert!(std::mem::offset_of!(HtArgs, seq) == S + 192);
+const _: () = assert!(std::mem::offset_of!(HtArgs, num_tokens) == S + 216);
 
 /// The value of `constexpr ... name = <digits>` in a kernel source (tests: host constants
 /// that size device memory must equal the kernel's).
@@ -280,17 +289,48 @@ mod tests {
     }
 
     #[test]
-    fn fatbin_presence_matches_the_reason() {
-        assert_eq!(KERNELS_FATBIN.is_none(), KERNELS_ABSENT_REASON.is_some());
+    fn the_devcomm_slot_is_the_same_size_on_both_sides() {
+        let src = include_str!("../../../../../kernels/common/nccl_compat.cuh");
+        assert_eq!(
+            cu_const(src, "nccl_compat.cuh", "kDevCommSlotBytes"),
+            gin_ep_sys::DEV_COMM_SLOT_BYTES
+        );
     }
 
-    #[cfg(not(gin_ep_no_kernels))]
     #[test]
-    fn embedded_fatbin_is_aligned_and_starts_with_the_fatbin_magic() {
-        let bytes = KERNELS_FATBIN.unwrap();
-        assert_eq!(bytes.as_ptr() as usize % 8, 0);
-        // fatbinary's header magic, 0xBA55ED50 little-endian.
-        assert_eq!(&bytes[..4], &[0x50, 0xed, 0x55, 0xba]);
-        assert_eq!(NCCL_HEADER_VERSION.map(|v| v >= 22800), Some(true));
+    fn fatbin_presence_matches_the_reason() {
+        for set in KERNEL_SETS {
+            assert_eq!(set.fatbin.is_none(), set.absent_reason.is_some(), "{set:?}");
+        }
+    }
+
+    #[test]
+    fn one_set_per_mirrored_nccl_abi_in_the_same_order() {
+        let sets: Vec<&str> = KERNEL_SETS.iter().map(|s| s.nccl).collect();
+        let abis: Vec<String> = gin_ep_sys::DevAbi::ALL.iter().map(|a| a.to_string()).collect();
+        assert_eq!(sets, abis);
+    }
+
+    #[test]
+    fn every_built_set_is_aligned_has_the_fatbin_magic_and_its_own_headers() {
+        for (set, abi) in KERNEL_SETS.iter().zip(gin_ep_sys::DevAbi::ALL) {
+            let Some(bytes) = set.fatbin else { continue };
+            assert_eq!(bytes.as_ptr() as usize % 8, 0);
+            // fatbinary's header magic, 0xBA55ED50 little-endian.
+            assert_eq!(&bytes[..4], &[0x50, 0xed, 0x55, 0xba]);
+            let v = set.nccl_header_version.expect("a built set knows its headers") as i32;
+            assert_eq!(v / 100, abi.headers() / 100, "{}", set.nccl);
+        }
+    }
+
+    /// CI sets GIN_EP_REQUIRE_KERNELS=1: then every supported NCCL must have its kernels (the
+    /// build script fails otherwise; this says so again where tests are read).
+    #[test]
+    fn every_supported_set_is_built_when_kernels_are_required() {
+        if std::env::var("GIN_EP_REQUIRE_KERNELS").is_ok_and(|v| v == "1") {
+            for set in KERNEL_SETS {
+                assert!(set.fatbin.is_some(), "NCCL {}: {:?}", set.nccl, set.absent_reason);
+            }
+        }
     }
 }

@@ -729,7 +729,7 @@ pub fn buffer_bytes(cfg: &EpConfig) -> Result<usize> {
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct LlArgs {
-    comm: ns::ncclDevComm,
+    comm: ns::DevCommSlot,
     win: ns::ncclWindow_t,
     set_offset: u64,
     sig_offset: u64,
@@ -775,18 +775,20 @@ struct LlArgs {
     lsa_base: u64,
 }
 // Same numbers as the static_assert in kernels/ll/ll.cu.
-const _: () = assert!(std::mem::size_of::<LlArgs>() == 496);
-const _: () = assert!(std::mem::offset_of!(LlArgs, lsa_base) == 488);
-const _: () = assert!(std::mem::offset_of!(LlArgs, lsa_stride4g) == 412);
-const _: () = assert!(std::mem::offset_of!(LlArgs, ready_offset) == 480);
-const _: () = assert!(std::mem::offset_of!(LlArgs, wts_offset) == 456);
-const _: () = assert!(std::mem::offset_of!(LlArgs, comb_order) == 472);
-const _: () = assert!(std::mem::offset_of!(LlArgs, user_count) == 424);
-const _: () = assert!(std::mem::offset_of!(LlArgs, scales_col_major) == 448);
-const _: () = assert!(std::mem::offset_of!(LlArgs, stamps) == 416);
-const _: () = assert!(std::mem::offset_of!(LlArgs, err) == 368);
-const _: () = assert!(std::mem::offset_of!(LlArgs, recv_scales_ue8m0) == 400);
-const _: () = assert!(std::mem::offset_of!(LlArgs, flags) == 408);
+// `S`: the devcomm slot LlArgs starts with (nccl_compat.cuh), the same for every NCCL.
+const S: usize = ns::DEV_COMM_SLOT_BYTES;
+const _: () = assert!(std::mem::size_of::<LlArgs>() == S + 296);
+const _: () = assert!(std::mem::offset_of!(LlArgs, lsa_base) == S + 288);
+const _: () = assert!(std::mem::offset_of!(LlArgs, lsa_stride4g) == S + 212);
+const _: () = assert!(std::mem::offset_of!(LlArgs, ready_offset) == S + 280);
+const _: () = assert!(std::mem::offset_of!(LlArgs, wts_offset) == S + 256);
+const _: () = assert!(std::mem::offset_of!(LlArgs, comb_order) == S + 272);
+const _: () = assert!(std::mem::offset_of!(LlArgs, user_count) == S + 224);
+const _: () = assert!(std::mem::offset_of!(LlArgs, scales_col_major) == S + 248);
+const _: () = assert!(std::mem::offset_of!(LlArgs, stamps) == S + 216);
+const _: () = assert!(std::mem::offset_of!(LlArgs, err) == S + 168);
+const _: () = assert!(std::mem::offset_of!(LlArgs, recv_scales_ue8m0) == S + 200);
+const _: () = assert!(std::mem::offset_of!(LlArgs, flags) == S + 208);
 
 fn dtype_code(d: DispatchDtype) -> i32 {
     match d {

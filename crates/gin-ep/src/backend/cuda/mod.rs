@@ -1,9 +1,13 @@
 //! CUDA backend: NCCL windows and device communicators, the embedded kernels, the driver.
+//! This file also owns which NCCL the kernels run with ([`kernels_for`]): one embedded
+//! kernel set per supported minor, chosen from `ncclGetVersion`.
 //!
 //! Owns every unsafe call into the CUDA driver (through cudarc) and into gin-ep-sys's NCCL
 //! bindings, behind safe owners whose `Drop` frees. Never panics when libcuda or libnccl is
 //! missing: that is a typed error, because the host backend must keep working on machines
 //! without a GPU.
+
+use gin_ep_sys as ns;
 
 pub mod driver;
 pub mod ht;
@@ -31,60 +35,144 @@ pub enum CudaError {
     NoDevice,
     #[error("kernels absent: this gin-ep was built without nvcc ({0}); run scripts/setup-cuda and rebuild")]
     KernelsAbsent(&'static str),
-    #[error("NCCL {loaded} is loaded but the kernels were compiled against NCCL {headers} headers; ncclDevComm's layout differs between minor versions (point GIN_EP_NCCL_LIB at a libnccl.so.2 of the same major.minor)")]
-    NcclMismatch { loaded: i32, headers: u32 },
+    #[error("NCCL {} is loaded ({source_}) but gin-ep supports only NCCL {}; install a PyTorch whose NCCL is supported or point GIN_EP_NCCL_LIB at a supported libnccl.so.2", version_text(*.loaded), supported_text())]
+    NcclUnsupported { loaded: i32, source_: String },
+    #[error("NCCL {} is loaded and supported, but this gin-ep was built without its kernels ({reason}); rebuild after scripts/setup-cuda, or use an NCCL whose kernels are built ({})", version_text(*.loaded), built_text())]
+    NcclKernelsAbsent { loaded: i32, reason: &'static str },
     #[error("needs a GIN-capable network (NCCL GPU-Initiated Networking); none was found")]
     NoGin,
 }
 
-/// The embedded fatbin, or why there is none.
+/// Any embedded fatbin, or why there is none: the early check before NCCL is loaded.
 pub fn kernels_fatbin() -> Result<&'static [u8], CudaError> {
-    kernels::KERNELS_FATBIN.ok_or(CudaError::KernelsAbsent(
-        kernels::KERNELS_ABSENT_REASON.unwrap_or("unknown"),
-    ))
+    kernels::KERNEL_SETS
+        .iter()
+        .find_map(|s| s.fatbin)
+        .ok_or(CudaError::KernelsAbsent(
+            kernels::KERNEL_SETS
+                .iter()
+                .find_map(|s| s.absent_reason)
+                .unwrap_or("unknown"),
+        ))
 }
 
-/// The loaded NCCL (ncclGetVersion) must be the major.minor the kernels were compiled for:
-/// kernels take `ncclDevComm` by value and inline the Device API, whose layout is only
-/// stable within a minor release. Patch releases may differ.
-pub fn check_nccl_version(loaded: i32) -> Result<(), CudaError> {
-    let Some(headers) = kernels::NCCL_HEADER_VERSION else {
-        return Err(CudaError::KernelsAbsent(
-            kernels::KERNELS_ABSENT_REASON.unwrap_or("no NCCL headers"),
-        ));
-    };
-    // NCCL_VERSION codes from 2.9 on are major*10000 + minor*100 + patch.
-    if loaded / 100 != headers as i32 / 100 {
-        return Err(CudaError::NcclMismatch { loaded, headers });
+/// "2.30.7" for 23007 (codes from 2.9 on are major*10000 + minor*100 + patch).
+pub fn version_text(code: i32) -> String {
+    if code >= 10000 {
+        format!("{}.{}.{}", code / 10000, code / 100 % 100, code % 100)
+    } else {
+        format!("{}.{}.{}", code / 1000, code / 100 % 10, code % 100)
     }
-    Ok(())
+}
+
+/// The NCCL versions gin-ep can run with, e.g. "2.28.7+, 2.29.7+ or 2.30.7+ (2.28.x from
+/// 2.28.7, 2.29.x from 2.29.7, 2.30.x from 2.30.7)": one range per mirrored minor.
+pub fn supported_text() -> String {
+    let parts: Vec<String> = ns::DevAbi::ALL
+        .iter()
+        .map(|a| format!("{}.x from {}", a, version_text(a.min_library())))
+        .collect();
+    parts.join(", ")
+}
+
+/// The minors whose kernels this build embeds, e.g. "2.28, 2.29, 2.30".
+fn built_text() -> String {
+    let built: Vec<&str> = kernels::KERNEL_SETS
+        .iter()
+        .filter(|s| s.fatbin.is_some())
+        .map(|s| s.nccl)
+        .collect();
+    if built.is_empty() {
+        "none".into()
+    } else {
+        built.join(", ")
+    }
+}
+
+/// The fatbin for a loaded NCCL and its device-API ABI: the set built against the same
+/// major.minor. Kernels take `ncclDevComm` by value and inline the Device API, whose layout is
+/// only stable within a minor release (and within 2.28 and 2.29 only from the patch
+/// [`ns::DevAbi::min_library`] names). `source` says where the library came from, for the
+/// message.
+pub fn kernels_for(loaded: i32, source: &str) -> Result<(&'static [u8], ns::DevAbi), CudaError> {
+    let Some(abi) = ns::DevAbi::for_library(loaded) else {
+        return Err(CudaError::NcclUnsupported {
+            loaded,
+            source_: source.to_string(),
+        });
+    };
+    let set = kernels::KERNEL_SETS
+        .iter()
+        .find(|s| s.nccl == abi.to_string())
+        .expect("build.rs makes one KernelSet per DevAbi (kernels.rs tests it)");
+    match set.fatbin {
+        Some(fatbin) => Ok((fatbin, abi)),
+        None => Err(CudaError::NcclKernelsAbsent {
+            loaded,
+            reason: set.absent_reason.unwrap_or("unknown"),
+        }),
+    }
+}
+
+/// [`kernels_for`] when only the verdict matters.
+pub fn check_nccl_version(loaded: i32) -> Result<(), CudaError> {
+    kernels_for(loaded, "ncclGetVersion").map(|_| ())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[cfg(not(gin_ep_no_kernels))]
     #[test]
-    fn nccl_patch_releases_are_accepted_and_other_minors_are_not() {
-        let headers = kernels::NCCL_HEADER_VERSION.unwrap() as i32;
-        assert_eq!(check_nccl_version(headers - headers % 100 + 99), Ok(()));
-        assert!(matches!(
-            check_nccl_version(headers + 100),
-            Err(CudaError::NcclMismatch { .. })
-        ));
+    fn each_supported_nccl_gets_the_kernels_of_its_minor() {
+        for (set, abi) in kernels::KERNEL_SETS.iter().zip(ns::DevAbi::ALL) {
+            let newest_patch = abi.headers() - abi.headers() % 100 + 99;
+            for loaded in [abi.min_library(), abi.headers(), newest_patch] {
+                match kernels_for(loaded, "test") {
+                    Ok((fatbin, chosen_abi)) => {
+                        assert_eq!(chosen_abi, abi);
+                        assert_eq!(
+                            Some(fatbin.as_ptr()),
+                            set.fatbin.map(<[u8]>::as_ptr),
+                            "{}",
+                            set.nccl
+                        );
+                    }
+                    Err(CudaError::NcclKernelsAbsent { loaded: l, .. }) => {
+                        assert!(set.fatbin.is_none() && l == loaded)
+                    }
+                    Err(e) => panic!("{loaded}: {e}"),
+                }
+            }
+        }
     }
 
     #[test]
-    fn an_nccl_mismatch_names_both_versions_and_the_override() {
-        let msg = CudaError::NcclMismatch {
-            loaded: 22705,
-            headers: 22809,
+    fn versions_outside_the_supported_set_are_refused_naming_it_and_the_range() {
+        // 2.28.3 (another ncclDevComm), 2.29.3 (another layout), 2.27, 2.31, 2.32, 3.0.
+        for loaded in [22803, 22903, 23004, 22705, 23102, 23203, 30001] {
+            let err = kernels_for(loaded, "GIN_EP_NCCL_LIB=/x/libnccl.so.2").unwrap_err();
+            let msg = err.to_string();
+            assert!(matches!(err, CudaError::NcclUnsupported { .. }), "{msg}");
+            for needle in [
+                version_text(loaded).as_str(),
+                "/x/libnccl.so.2",
+                "2.28.x from 2.28.7",
+                "2.29.x from 2.29.7",
+                "2.30.x from 2.30.7",
+                "GIN_EP_NCCL_LIB",
+            ] {
+                assert!(msg.contains(needle), "{needle:?} not in {msg}");
+            }
         }
-        .to_string();
-        for needle in ["22705", "22809", "GIN_EP_NCCL_LIB"] {
-            assert!(msg.contains(needle), "{msg}");
-        }
+        assert!(check_nccl_version(22803).is_err());
+    }
+
+    #[test]
+    fn version_text_reads_both_encodings() {
+        assert_eq!(version_text(23007), "2.30.7");
+        assert_eq!(version_text(22809), "2.28.9");
+        assert_eq!(version_text(2804), "2.8.4");
     }
 
     #[test]

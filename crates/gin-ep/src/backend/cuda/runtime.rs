@@ -32,7 +32,7 @@ use cudarc::driver::{result, sys, CudaContext, DriverError};
 use gin_ep_sys as ns;
 
 use super::kernels::FabricError;
-use super::{check_nccl_version, driver, kernels_fatbin};
+use super::{driver, kernels_fatbin, kernels_for};
 use crate::error::{Error, Result};
 use crate::group::Group;
 
@@ -492,7 +492,9 @@ pub struct DevCommRequest {
 
 /// A device communicator (`ncclDevCommCreate`), passed by value to kernels.
 pub struct DevComm {
-    raw: Box<ns::ncclDevComm>,
+    /// The loaded NCCL's `ncclDevComm`, in the slot kernels take it in.
+    raw: Box<ns::DevCommSlot>,
+    abi: ns::DevAbi,
     req: DevCommRequest,
     comm: Rc<Comm>,
 }
@@ -503,13 +505,14 @@ impl DevComm {
         self.req
     }
 
-    pub(crate) fn raw(&self) -> ns::ncclDevComm {
+    pub(crate) fn raw(&self) -> ns::DevCommSlot {
         *self.raw
     }
 
     /// This rank in the LSA team, and the team's size.
     pub fn lsa(&self) -> (usize, usize) {
-        (self.raw.lsaRank as usize, self.raw.lsaSize as usize)
+        let (rank, size) = self.abi.lsa(&self.raw);
+        (rank as usize, size as usize)
     }
 }
 
@@ -708,7 +711,8 @@ impl CudaRank {
     /// the device's primary context, the one the CUDA runtime (and PyTorch) uses.
     pub fn on_device(group: &Group, device: usize, opts: CudaRankOptions) -> Result<CudaRank> {
         let drv = driver::probe().map_err(unavailable)?;
-        let fatbin = kernels_fatbin().map_err(unavailable)?;
+        // Kernels of some NCCL must be embedded at all; which set is chosen once NCCL is loaded.
+        kernels_fatbin().map_err(unavailable)?;
         let nccl =
             Arc::new(ns::Nccl::load().map_err(|e| {
                 unavailable(format!("{e} (set {}=<path to libnccl.so.2>)", ns::NCCL_LIB_ENV))
@@ -718,7 +722,8 @@ impl CudaRank {
         nccl_ok(&nccl, std::ptr::null_mut(), "ncclGetVersion", unsafe {
             (nccl.ncclGetVersion)(&mut version)
         })?;
-        check_nccl_version(version).map_err(unavailable)?;
+        // The kernels built against this NCCL's minor; any other NCCL is refused here.
+        let (fatbin, _) = kernels_for(version, &format!("{:?}", nccl.source)).map_err(unavailable)?;
         if nccl.ncclCommWindowRegister.is_none()
             || nccl.ncclDevCommCreate.is_none()
             || nccl.ncclCommWindowDeregister.is_none()
@@ -1315,7 +1320,13 @@ impl CudaRank {
             .nccl
             .ncclDevCommCreate
             .ok_or_else(|| unavailable("NCCL lacks ncclDevCommCreate"))?;
-        let mut reqs = ns::ncclDevCommRequirements::zeroed();
+        let abi = ns::DevAbi::for_library(self.info.nccl_version).ok_or_else(|| {
+            unavailable(format!(
+                "NCCL {} has no device-API mirror",
+                self.info.nccl_version
+            ))
+        })?;
+        let mut reqs = ns::DevCommRequirements::zeroed();
         reqs.lsaBarrierCount = req.lsa_barriers as i32;
         if req.gin_signals > 0 {
             if let Err(why) = gin_network() {
@@ -1325,12 +1336,15 @@ impl CudaRank {
             reqs.ginContextCount = 1;
             reqs.ginSignalCount = req.gin_signals as i32;
         }
-        let mut raw = Box::new(ns::ncclDevComm::zeroed());
-        // SAFETY: reqs has no lists (null pointers) and raw is a writable ncclDevComm.
-        let r = unsafe { create(self.comm.raw, &reqs, &mut *raw) };
+        let reqs = abi.requirements(&reqs);
+        let mut raw = Box::new(ns::DevCommSlot::zeroed());
+        // SAFETY: reqs is the loaded version's struct with no lists (null pointers); raw is a
+        // writable slot larger than that version's ncclDevComm (gin-ep-sys checks the sizes).
+        let r = unsafe { create(self.comm.raw, reqs.as_ptr(), &mut *raw) };
         self.comm.check("ncclDevCommCreate", r)?;
         Ok(DevComm {
             raw,
+            abi,
             req,
             comm: self.comm.clone(),
         })

@@ -1,0 +1,58 @@
+// kernels/common/nccl_compat.cuh: what differs between the NCCL versions the kernels are
+// built against (2.28.7+, 2.29.7+, 2.30.7+; crates/gin-ep/build.rs builds every kernel once
+// per header set and the runtime picks the one matching ncclGetVersion).
+//
+// Owns: the fixed-size slot that carries an `ncclDevComm` in every kernel argument struct,
+// the version macros, and the record of which Device API calls differ between versions.
+// Never: decides protocol or buffer layout, and never spins (fabric.cuh owns waits).
+//
+// Kernels call NCCL's Device API directly only where it is the same in every supported
+// version (ncclGetLsaPointer, ncclTeamWorld/Lsa/Rail, ncclLsaBarrierSession, ncclGin's
+// constructor, readSignal, readCounter, flush; the window fields lsaFlatBase and stride4G
+// that ll.cu's `wargs` variant reads sit at offsets 8 and 24 in every version). Where a
+// version differs, the difference is handled here or in the one wrapper named below, and
+// guarded with NCCL_VERSION_CODE if behaviour must differ.
+
+#pragma once
+
+#include <nccl.h>
+#include <nccl_device.h>
+#include <stddef.h>
+#include <stdint.h>
+
+// 2.28.3 had no GIN fields in ncclDevComm and ncclWindow_vidmem; 2.28.7 is the first layout
+// the host mirrors (crates/gin-ep-sys) know.
+#if !defined(NCCL_VERSION_CODE) || NCCL_VERSION_CODE < 22807
+#error "gin-ep kernels need NCCL >= 2.28.7 headers"
+#endif
+
+// The minor release of the headers being compiled against, e.g. 30 for 2.30.7.
+#define GIN_EP_NCCL_MINOR ((NCCL_VERSION_CODE / 100) % 100)
+
+namespace gin_ep {
+
+// Bytes reserved for `ncclDevComm` at the start of every kernel argument struct: 200 in
+// 2.28, 224 in 2.29, 240 in 2.30, 248 in 2.31/2.32. A fixed slot keeps every later field at
+// the same offset in every build, so the host mirrors (crates/gin-ep/src/backend/cuda,
+// `DEV_COMM_SLOT_BYTES` in gin-ep-sys) have one layout whatever NCCL is loaded. The room
+// above 2.30's size leaves later minors a place without moving any field.
+constexpr size_t kDevCommSlotBytes = 384;
+static_assert(sizeof(ncclDevComm) <= kDevCommSlotBytes, "ncclDevComm outgrew the argument slot");
+static_assert(alignof(ncclDevComm) <= 8, "ncclDevComm needs more than 8-byte alignment");
+
+// The slot's storage. Argument structs embed it in an anonymous union with the devcomm
+// itself, so kernels keep writing `a.comm`:
+//   union { ncclDevComm comm; DevCommSlot comm_slot; };
+struct alignas(8) DevCommSlot {
+  unsigned char bytes[kDevCommSlotBytes];
+};
+
+}  // namespace gin_ep
+
+// GIN's release scopes. ncclGin::put and ::signal end with two cuda::thread_scope arguments
+// whose order differs: 2.28 declares (alreadyReleased, expected_scope) but implements them as
+// (required, given); 2.29 and 2.30 take (givenRelease, requiredRelease). gin-ep's only GIN
+// issuers, gin_put and gin_signal in fabric.cuh, fence first (fence.acq_rel.sys) and pass
+// thread_scope_system for both, which makes the order irrelevant; with given == required ==
+// system no backend (proxy, GDAKI, 2.30's GPI) adds a fence of its own. Kernels never call
+// put/signal directly, and never putValue (fabric.cuh makes that a compile error).

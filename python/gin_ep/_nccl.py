@@ -1,0 +1,30 @@
+"""Which NCCL gin-ep's GPU path would run with, and whether it is supported.
+
+Owns: reporting only (`nccl_info`). Never loads CUDA or starts a communicator; the GPU path
+itself refuses an unsupported NCCL when a Buffer starts it, with the same message.
+"""
+
+from typing import Dict, Optional
+
+from . import _native
+
+
+def _version(code: Optional[int]) -> Optional[str]:
+    return f"{code // 10000}.{code // 100 % 100}.{code % 100}" if code else None
+
+
+def nccl_info() -> Dict[str, object]:
+    """The NCCL gin-ep finds in this process (PyTorch's once `torch` is imported, else
+    `GIN_EP_NCCL_LIB` or the dynamic loader's): `version` ("2.28.9" or None when none
+    loads), `source` (where it came from, or why none loaded), `supported` (its kernels are
+    built and its device API is mirrored), `why_not` (the refusal the GPU path would raise,
+    naming the version and the supported range) and `supported_versions` (e.g. "2.28.x from
+    2.28.7, 2.29.x from 2.29.7, 2.30.x from 2.30.7")."""
+    code, source, supported, why_not, supported_versions = _native.nccl_info()
+    return {
+        "version": _version(code),
+        "source": source,
+        "supported": supported,
+        "why_not": why_not,
+        "supported_versions": supported_versions,
+    }
