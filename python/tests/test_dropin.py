@@ -77,6 +77,8 @@ def test_kernels_info():
         assert info["built"] and s["built"] and s["nccl_headers"].startswith("2.28"), info
     plugin = gin_ep.net_plugin_path()
     assert plugin is None or os.path.isfile(plugin)
+    if os.environ.get("GIN_EP_EXPECT_NET_PLUGIN") == "1":
+        assert plugin is not None and plugin.endswith("gin_ep/libnccl_net_ginep.so")
     assert "NCCL_NET_PLUGIN" not in os.environ or os.environ["NCCL_NET_PLUGIN"] != plugin
 
 
