@@ -1,0 +1,644 @@
+//! One GIN context (`collComm`): its peers, registrations, operations and errors.
+//!
+//! Owns: the registration table (the n-th `regMrSym` of a context is registration n on every
+//! rank), the per-peer worker queues that execute puts in submission order, the owner-side
+//! application of signals, the context's first error, and teardown. Never: byte layouts
+//! (`wire.rs`), driver calls (`cuda.rs`), or blocking NCCL's progress thread (`iput` and
+//! `test` only enqueue and look).
+//!
+//! Ordering contract and why it holds: every operation for peer p goes through p's single
+//! worker thread in submission order. A put's request is done once its source was read
+//! (staged or copied). A signal is sent/applied by that worker only after the data of its
+//! own put is in the target's memory (IPC: the copy into the mapped peer memory completed)
+//! or ahead of it on the same in-order connection (TCP: the receiver writes a frame's data,
+//! waits for that copy, then applies the signal, and handles frames one at a time). Hence
+//! every earlier put of the context to p has landed before the signal changes.
+
+use std::collections::HashMap;
+use std::net::TcpStream;
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use gin_ep_sys::fdpass::{self, FdListener};
+
+use super::cuda::{self, Ctx, Mapping, Side};
+use super::wire::{Header, Kind, RegMsg, SignalAction};
+use crate::abi::{NCCL_NET_SIGNAL_OP_ADD, NCCL_NET_SIGNAL_OP_INC, NCCL_PTR_CUDA, NCCL_PTR_HOST};
+use crate::config::{Config, Fault};
+use crate::error::{Error, Result};
+
+/// Registration handles given to NCCL: a tag in the high bits and `id + 1` below, so a
+/// stray value is recognized instead of dereferenced.
+const HANDLE_TAG: u64 = 0x4750_0000_0000_0000;
+
+pub fn handle_of(id: u32) -> u64 {
+    HANDLE_TAG | (u64::from(id) + 1)
+}
+
+pub fn id_of(handle: u64) -> Option<u32> {
+    if handle & 0xffff_ffff_0000_0000 != HANDLE_TAG || handle as u32 == 0 {
+        return None;
+    }
+    Some(handle as u32 - 1)
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mem {
+    Host,
+    Cuda,
+}
+
+impl Mem {
+    pub fn side(self) -> Side {
+        match self {
+            Mem::Host => Side::Host,
+            Mem::Cuda => Side::Device,
+        }
+    }
+}
+
+/// A peer's registration mapped into this process (CUDA IPC).
+#[derive(Clone, Debug)]
+pub struct Mapped {
+    pub map: Arc<Mapping>,
+    /// Device address of the registration's first byte in this process.
+    pub ptr: u64,
+}
+
+#[derive(Debug)]
+pub struct Reg {
+    pub base: usize,
+    pub size: u64,
+    pub mem: Mem,
+    pub live: bool,
+    /// Per rank: the peer's registration mapped here, when the IPC path applies.
+    pub mapped: Vec<Option<Mapped>>,
+}
+
+pub struct Peer {
+    pub rank: usize,
+    /// "rank 2 (10.0.0.5:4312, pid 777)": how errors name the peer.
+    pub label: String,
+    pub ipc: bool,
+    pub fd_name: String,
+    /// The connection this rank's frames to the peer travel on (None for self).
+    pub tx: Option<Mutex<TcpStream>>,
+    /// The connection the peer's frames arrive on (None for self).
+    pub rx: Option<TcpStream>,
+}
+
+pub const PENDING: u8 = 0;
+pub const DONE: u8 = 1;
+pub const FAILED: u8 = 2;
+
+/// One put as the worker executes it.
+pub struct PutOp {
+    pub src: usize,
+    pub src_mem: Mem,
+    pub size: usize,
+    pub dst_reg: u32,
+    pub dst_off: u64,
+    pub signal: Option<SignalAction>,
+    pub state: Arc<AtomicU8>,
+}
+
+pub enum Op {
+    Put(PutOp),
+    /// Announce registration `id` of `size` bytes to the peer.
+    Reg {
+        id: u32,
+        size: u64,
+    },
+    Bye,
+}
+
+/// fd-exchange messages keyed by (registration, sender rank).
+type EarlyRegs = HashMap<(u32, u32), (RegMsg, Option<std::os::fd::OwnedFd>)>;
+/// (host, pid, allocation base, allocation size) of an exporter -> its mapping here.
+type ImportCache = Mutex<HashMap<(u64, u32, u64, u64), Weak<Mapping>>>;
+
+pub struct Coll {
+    pub label: String,
+    pub rank: usize,
+    pub nranks: usize,
+    pub mesh: u64,
+    pub config: Config,
+    pub peers: Vec<Peer>,
+    pub regs: RwLock<Vec<Reg>>,
+    /// Per peer: the sizes of its registrations, in order, from its Reg frames.
+    pub announced: Mutex<Vec<Vec<u64>>>,
+    pub announced_cv: Condvar,
+    pub cuda: OnceLock<Ctx>,
+    /// Serializes read-modify-writes of signals (several peers' receivers apply them).
+    pub signal_lock: Mutex<()>,
+    error: Mutex<Option<String>>,
+    pub has_error: AtomicBool,
+    pub closing: AtomicBool,
+    /// Per peer: its Bye arrived (or its receiver ended).
+    pub rx_done: Vec<AtomicBool>,
+    pub queues: Mutex<Vec<Option<Sender<Op>>>>,
+    pub threads: Mutex<Vec<JoinHandle<()>>>,
+    pub fd_listener: Mutex<Option<FdListener>>,
+    /// fd-exchange messages that arrived ahead of their registration: (reg, rank).
+    pub early_regs: Mutex<EarlyRegs>,
+}
+
+/// Every live context of this process, for queryLastError.
+pub fn live() -> &'static Mutex<Vec<Weak<Coll>>> {
+    static LIVE: OnceLock<Mutex<Vec<Weak<Coll>>>> = OnceLock::new();
+    LIVE.get_or_init(|| Mutex::new(Vec::new()))
+}
+
+/// The first error of any live context of this process, if one failed.
+pub fn last_error() -> Option<String> {
+    let live = live().lock().unwrap_or_else(|p| p.into_inner());
+    live.iter().filter_map(Weak::upgrade).find_map(|c| c.error())
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Process-wide cache of imported peer allocations, keyed by (host, pid, allocation base,
+/// size): NCCL registers each window once per context, the mapping is made once.
+fn import_cache() -> &'static ImportCache {
+    static CACHE: OnceLock<ImportCache> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+impl Coll {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        label: String,
+        rank: usize,
+        nranks: usize,
+        mesh: u64,
+        config: Config,
+        peers: Vec<Peer>,
+        fd_listener: FdListener,
+    ) -> Coll {
+        Coll {
+            label,
+            rank,
+            nranks,
+            mesh,
+            config,
+            peers,
+            regs: RwLock::new(Vec::new()),
+            announced: Mutex::new(vec![Vec::new(); nranks]),
+            announced_cv: Condvar::new(),
+            cuda: OnceLock::new(),
+            signal_lock: Mutex::new(()),
+            error: Mutex::new(None),
+            has_error: AtomicBool::new(false),
+            closing: AtomicBool::new(false),
+            rx_done: (0..nranks).map(|_| AtomicBool::new(false)).collect(),
+            queues: Mutex::new(Vec::new()),
+            threads: Mutex::new(Vec::new()),
+            fd_listener: Mutex::new(Some(fd_listener)),
+            early_regs: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn deadline(&self) -> Instant {
+        Instant::now() + self.config.timeout
+    }
+
+    /// Records the context's first error (later ones are logged only) and returns it.
+    pub fn fail(&self, why: String) -> Error {
+        let mut e = lock(&self.error);
+        if e.is_none() {
+            crate::warn!("{}: {why}", self.label);
+            *e = Some(format!("{}: {why}", self.label));
+            self.has_error.store(true, Ordering::Release);
+        } else if !self.closing.load(Ordering::Acquire) {
+            crate::info!("{}: (after the first error) {why}", self.label);
+        }
+        Error::remote(e.clone().unwrap())
+    }
+
+    pub fn error(&self) -> Option<String> {
+        if !self.has_error.load(Ordering::Acquire) {
+            return None;
+        }
+        lock(&self.error).clone()
+    }
+
+    pub fn check(&self) -> Result<()> {
+        match self.error() {
+            Some(e) => Err(Error::remote(e)),
+            None => Ok(()),
+        }
+    }
+
+    pub fn cuda_ctx(&self) -> Result<Ctx> {
+        self.cuda
+            .get()
+            .copied()
+            .ok_or_else(|| Error::internal("a CUDA copy before any CUDA registration"))
+    }
+
+    // -----------------------------------------------------------------------------------
+    // Registration
+
+    /// `regMrSym`: registers `[data, data+size)` as the next registration id and performs
+    /// the collective part: announce it to every peer, exchange cuMem fds with IPC peers,
+    /// and wait (by the deadline) until every peer has announced the same id.
+    pub fn register(&self, data: usize, size: usize, ptr_type: i32) -> Result<u32> {
+        self.check()?;
+        let mem = match ptr_type {
+            NCCL_PTR_HOST => Mem::Host,
+            NCCL_PTR_CUDA => Mem::Cuda,
+            t => {
+                return Err(Error::arg(format!(
+                    "regMrSym: memory type {t} (HOST or CUDA only)"
+                )))
+            }
+        };
+        if data == 0 && size > 0 {
+            return Err(Error::arg(format!("regMrSym: NULL address for {size} bytes")));
+        }
+        if mem == Mem::Cuda {
+            let ctx = cuda::current()?;
+            let have = *self.cuda.get_or_init(|| ctx);
+            if have != ctx {
+                return Err(Error::arg(format!(
+                    "regMrSym: CUDA context changed within one GIN context (device {} then {})",
+                    have.device, ctx.device
+                )));
+            }
+        }
+        let id = {
+            let mut regs = self.regs.write().unwrap_or_else(|p| p.into_inner());
+            regs.push(Reg {
+                base: data,
+                size: size as u64,
+                mem,
+                live: true,
+                mapped: vec![None; self.nranks],
+            });
+            (regs.len() - 1) as u32
+        };
+        let deadline = self.deadline();
+        self.exchange_fds(id, data, size, mem, deadline)?;
+        for p in self.peers.iter().filter(|p| p.rank != self.rank) {
+            self.enqueue(
+                p.rank,
+                Op::Reg {
+                    id,
+                    size: size as u64,
+                },
+            )?;
+        }
+        let mut ann = lock(&self.announced);
+        loop {
+            self.check()?;
+            let missing: Vec<usize> = (0..self.nranks)
+                .filter(|&r| r != self.rank && ann[r].len() <= id as usize)
+                .collect();
+            if missing.is_empty() {
+                break;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(self.fail(format!(
+                    "regMrSym #{id}: ranks {missing:?} did not register within {:?}",
+                    self.config.timeout
+                )));
+            }
+            ann = self
+                .announced_cv
+                .wait_timeout(ann, (deadline - now).min(Duration::from_millis(200)))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        for r in 0..self.nranks {
+            if r != self.rank && ann[r][id as usize] != size as u64 {
+                return Err(self.fail(format!(
+                    "regMrSym #{id}: {} registered {} bytes, this rank {size} (not symmetric)",
+                    self.peers[r].label, ann[r][id as usize]
+                )));
+            }
+        }
+        Ok(id)
+    }
+
+    /// The fd exchange of registration `id` with the IPC peers (all of them take part, even
+    /// when this rank's memory cannot be exported, so the exchange stays collective).
+    fn exchange_fds(&self, id: u32, data: usize, size: usize, mem: Mem, deadline: Instant) -> Result<()> {
+        let ipc_peers: Vec<&Peer> = self
+            .peers
+            .iter()
+            .filter(|p| p.ipc && p.rank != self.rank)
+            .collect();
+        if ipc_peers.is_empty() {
+            return Ok(());
+        }
+        let exported = match mem {
+            Mem::Cuda => cuda::export(self.cuda_ctx()?, data, size),
+            Mem::Host => Err("host memory".to_string()),
+        };
+        let msg = RegMsg {
+            mesh: self.mesh,
+            from_rank: self.rank as u32,
+            reg_id: id,
+            exported: exported.is_ok(),
+            pid: std::process::id(),
+            alloc_base: exported.as_ref().map_or(0, |e| e.alloc_base),
+            alloc_size: exported.as_ref().map_or(0, |e| e.alloc_size),
+            offset: exported.as_ref().map_or(0, |e| e.offset),
+            reg_size: size as u64,
+        };
+        if let (Mem::Cuda, Err(why)) = (mem, &exported) {
+            crate::info!(
+                "{}: registration #{id} ({size} bytes) is not exportable ({why}); peers reach it through its owner",
+                self.label
+            );
+        }
+        let payload = msg.encode();
+        for p in &ipc_peers {
+            let fds: Vec<_> = exported.iter().map(|e| e.fd.as_fd()).collect();
+            fdpass::send(&p.fd_name, &payload, &fds, deadline)
+                .map_err(|e| self.fail(format!("regMrSym #{id}: fd exchange with {}: {e}", p.label)))?;
+        }
+        for p in &ipc_peers {
+            let (m, fd) = self.recv_reg_msg(id, p.rank as u32, deadline)?;
+            if m.reg_size != size as u64 {
+                return Err(self.fail(format!(
+                    "regMrSym #{id}: {} registered {} bytes, this rank {size}",
+                    p.label, m.reg_size
+                )));
+            }
+            let (true, Some(fd), Mem::Cuda) = (m.exported, fd, mem) else {
+                continue;
+            };
+            let key = (self.peer_host(p.rank), m.pid, m.alloc_base, m.alloc_size);
+            let ctx = self.cuda_ctx()?;
+            let cached = lock(import_cache()).get(&key).and_then(Weak::upgrade);
+            let map = match cached {
+                Some(map) => map, // `fd` drops here: the allocation is mapped already
+                None => match cuda::import(ctx, fd, m.alloc_size) {
+                    Ok(map) => {
+                        let map = Arc::new(map);
+                        lock(import_cache()).insert(key, Arc::downgrade(&map));
+                        map
+                    }
+                    Err(e) => {
+                        crate::info!(
+                            "{}: registration #{id} of {} cannot be mapped here ({}); using TCP for it",
+                            self.label,
+                            p.label,
+                            e.msg
+                        );
+                        continue;
+                    }
+                },
+            };
+            let ptr = map.va + m.offset;
+            let mut regs = self.regs.write().unwrap_or_else(|p| p.into_inner());
+            regs[id as usize].mapped[p.rank] = Some(Mapped { map, ptr });
+        }
+        Ok(())
+    }
+
+    fn peer_host(&self, _rank: usize) -> u64 {
+        // Peers on the IPC path share this host by construction.
+        crate::config::host_id()
+    }
+
+    /// Receives the fd-exchange message of (`id`, `from`), keeping others for later.
+    fn recv_reg_msg(
+        &self,
+        id: u32,
+        from: u32,
+        deadline: Instant,
+    ) -> Result<(RegMsg, Option<std::os::fd::OwnedFd>)> {
+        if let Some(m) = lock(&self.early_regs).remove(&(id, from)) {
+            return Ok(m);
+        }
+        let guard = lock(&self.fd_listener);
+        let listener = guard
+            .as_ref()
+            .ok_or_else(|| Error::internal("fd exchange after close"))?;
+        loop {
+            let (payload, mut fds) = listener.recv(deadline).map_err(|e| {
+                self.fail(format!(
+                    "regMrSym #{id}: no fd-exchange message from {}: {e}",
+                    self.peers[from as usize].label
+                ))
+            })?;
+            let m = RegMsg::decode(&payload)
+                .map_err(|e| self.fail(format!("regMrSym #{id}: fd exchange: {e}")))?;
+            if m.mesh != self.mesh || m.from_rank as usize >= self.nranks || fds.len() > 1 {
+                return Err(self.fail(format!(
+                    "regMrSym #{id}: fd-exchange message for another context or malformed (rank {}, {} fds)",
+                    m.from_rank,
+                    fds.len()
+                )));
+            }
+            let fd = fds.pop();
+            if (m.reg_id, m.from_rank) == (id, from) {
+                return Ok((m, fd));
+            }
+            lock(&self.early_regs).insert((m.reg_id, m.from_rank), (m, fd));
+        }
+    }
+
+    /// `deregMrSym`: the id stays allocated (ids are symmetric), its memory is no longer
+    /// written; frames naming it are errors.
+    pub fn deregister(&self, id: u32) -> Result<()> {
+        let mut regs = self.regs.write().unwrap_or_else(|p| p.into_inner());
+        let Some(r) = regs.get_mut(id as usize).filter(|r| r.live) else {
+            return Err(Error::arg(format!("deregMrSym: unknown registration #{id}")));
+        };
+        r.live = false;
+        for m in r.mapped.iter_mut() {
+            *m = None;
+        }
+        Ok(())
+    }
+
+    /// (base, size, mem) of a live local registration.
+    pub fn local(&self, id: u32) -> Result<(usize, u64, Mem)> {
+        let regs = self.regs.read().unwrap_or_else(|p| p.into_inner());
+        match regs.get(id as usize) {
+            Some(r) if r.live => Ok((r.base, r.size, r.mem)),
+            Some(_) => Err(Error::arg(format!("registration #{id} was deregistered"))),
+            None => Err(Error::arg(format!(
+                "unknown registration #{id} ({} registered)",
+                regs.len()
+            ))),
+        }
+    }
+
+    pub fn mapped(&self, id: u32, rank: usize) -> Option<Mapped> {
+        let regs = self.regs.read().unwrap_or_else(|p| p.into_inner());
+        regs.get(id as usize).filter(|r| r.live)?.mapped[rank].clone()
+    }
+
+    // -----------------------------------------------------------------------------------
+    // Operations
+
+    pub fn enqueue(&self, rank: usize, op: Op) -> Result<()> {
+        let q = lock(&self.queues);
+        let tx = q
+            .get(rank)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| Error::internal(format!("no worker for rank {rank}")))?;
+        tx.send(op)
+            .map_err(|_| self.fail(format!("the worker for {} has stopped", self.peers[rank].label)))
+    }
+
+    /// `iput`/`iputSignal`: validates everything against the local table (and the peer's
+    /// announced sizes) and queues the put; the returned state turns DONE once the source
+    /// was read.
+    #[allow(clippy::too_many_arguments)]
+    pub fn put(
+        &self,
+        src_off: u64,
+        src_handle: u64,
+        size: usize,
+        dst_off: u64,
+        dst_handle: u64,
+        rank: u32,
+        signal: Option<(u64, u64, u64, u32)>,
+    ) -> Result<Arc<AtomicU8>> {
+        self.check()?;
+        let rank = rank as usize;
+        if rank >= self.nranks {
+            return Err(Error::arg(format!("put to rank {rank} of {}", self.nranks)));
+        }
+        let (mut src, mut src_mem, mut dst_reg) = (0usize, Mem::Host, 0u32);
+        if size > 0 {
+            let sid = id_of(src_handle)
+                .ok_or_else(|| Error::arg(format!("put: source handle {src_handle:#x} is not ours")))?;
+            let (base, len, mem) = self.local(sid)?;
+            if src_off.checked_add(size as u64).is_none_or(|e| e > len) {
+                return Err(Error::arg(format!(
+                    "put: source range {src_off}+{size} exceeds registration #{sid} of {len} bytes"
+                )));
+            }
+            (src, src_mem) = (base + src_off as usize, mem);
+            dst_reg = id_of(dst_handle)
+                .ok_or_else(|| Error::arg(format!("put: destination handle {dst_handle:#x} is not ours")))?;
+            let dst_len = self.remote_size(rank, dst_reg)?;
+            if dst_off.checked_add(size as u64).is_none_or(|e| e > dst_len) {
+                return Err(Error::arg(format!(
+                    "put to {}: destination range {dst_off}+{size} exceeds registration #{dst_reg} of {dst_len} bytes",
+                    self.peers[rank].label
+                )));
+            }
+        }
+        let signal = match signal {
+            None => None,
+            Some((off, handle, value, op)) => {
+                if op != NCCL_NET_SIGNAL_OP_INC && op != NCCL_NET_SIGNAL_OP_ADD {
+                    return Err(Error::arg(format!("iputSignal: signal op {op}")));
+                }
+                let reg = id_of(handle).ok_or_else(|| {
+                    Error::arg(format!("iputSignal: signal handle {handle:#x} is not ours"))
+                })?;
+                let len = self.remote_size(rank, reg)?;
+                if !off.is_multiple_of(8) || off.checked_add(8).is_none_or(|e| e > len) {
+                    return Err(Error::arg(format!(
+                        "iputSignal: signal offset {off} invalid for registration #{reg} of {len} bytes"
+                    )));
+                }
+                Some(SignalAction { reg, off, op, value })
+            }
+        };
+        if size == 0 && signal.is_none() {
+            // Nothing to move: done at once (keeps NCCL's counters and CI moving).
+            return Ok(Arc::new(AtomicU8::new(DONE)));
+        }
+        let state = Arc::new(AtomicU8::new(PENDING));
+        let mut op = PutOp {
+            src,
+            src_mem,
+            size,
+            dst_reg,
+            dst_off,
+            signal,
+            state: state.clone(),
+        };
+        if self.config.fault == Fault::EarlySignal && cfg!(feature = "fault-injection") {
+            if let Some(s) = op.signal.take() {
+                self.early_signal(rank, s)?;
+            }
+            if op.size == 0 {
+                state.store(DONE, Ordering::Release);
+                return Ok(state);
+            }
+        }
+        self.enqueue(rank, Op::Put(op))?;
+        Ok(state)
+    }
+
+    /// Size of registration `id` as `rank` announced it (own table for self).
+    fn remote_size(&self, rank: usize, id: u32) -> Result<u64> {
+        if rank == self.rank {
+            return Ok(self.local(id)?.1);
+        }
+        let ann = lock(&self.announced);
+        ann[rank].get(id as usize).copied().ok_or_else(|| {
+            Error::arg(format!(
+                "registration #{id} unknown at {} ({} announced)",
+                self.peers[rank].label,
+                ann[rank].len()
+            ))
+        })
+    }
+
+    /// The fault: the signal goes out now, ahead of data still queued or in flight.
+    fn early_signal(&self, rank: usize, s: SignalAction) -> Result<()> {
+        if rank == self.rank {
+            return self.apply_signal(&s);
+        }
+        let h = Header {
+            kind: Kind::Signal,
+            dst_reg: 0,
+            dst_off: 0,
+            size: 0,
+            signal: Some(s),
+        };
+        super::worker::write_frame(self, rank, &h, &[])
+    }
+
+    /// Applies a signal to this rank's own registration (the owner's job).
+    pub fn apply_signal(&self, s: &SignalAction) -> Result<()> {
+        let (base, len, mem) = self.local(s.reg)?;
+        if !s.off.is_multiple_of(8) || s.off.checked_add(8).is_none_or(|e| e > len) {
+            return Err(Error::remote(format!(
+                "signal offset {} invalid for registration #{} of {len} bytes",
+                s.off, s.reg
+            )));
+        }
+        let addr = base + s.off as usize;
+        let _g = lock(&self.signal_lock);
+        match mem {
+            Mem::Host => {
+                // SAFETY: `addr` is 8-aligned if the registration is (NCCL's are) and inside
+                // a live host registration; checked for alignment here.
+                if !addr.is_multiple_of(8) {
+                    return Err(Error::arg(format!("host signal at unaligned address {addr:#x}")));
+                }
+                let a = unsafe { std::sync::atomic::AtomicU64::from_ptr(addr as *mut u64) };
+                a.fetch_add(s.addend(), Ordering::AcqRel);
+            }
+            Mem::Cuda => {
+                cuda::add_u64(
+                    self.cuda_ctx()?,
+                    addr,
+                    s.addend(),
+                    self.deadline(),
+                    "signal update",
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
