@@ -92,6 +92,11 @@ pub fn fabric_phase_name(phase: u32) -> &'static str {
         8 => "HT combine end barrier",
         9 => "HT layout scan (an earlier tile of this GPU)",
         10 => "HT combine staging (a peer copying its expert outputs into its window)",
+        11 => "GIN signal from a peer (its puts to this rank)",
+        12 => "GIN counter (this rank's own puts still unconsumed)",
+        13 => "GIN signal barrier",
+        14 => "GIN ordering test signal",
+        15 => "same-node peer's stores (IPC-mapped window)",
         // LL kernels (kernels/ll/ll.cu kPhase*).
         16 => "LL dispatch credit (receiver still reading the previous dispatch)",
         17 => "LL dispatch receive",
@@ -135,6 +140,24 @@ pub fn fabric_error_to_error(rec: &FabricError, seq: u64) -> Error {
 /// message. This is necessary, not sufficient: NCCL may still lack a GIN plugin for it.
 pub fn gin_network() -> std::result::Result<String, String> {
     gin_network_at(Path::new("/sys/class/infiniband"), &|k| std::env::var(k).ok())
+}
+
+/// Whether kernels may ask NCCL for GIN here: an RDMA network ([`gin_network`]), or the
+/// project's plugin configured in `NCCL_NET_PLUGIN` (the opt-in of virtual nodes and of hosts
+/// without an RDMA NIC; never chosen by gin-ep where the user did not ask for it). `Err` says
+/// why neither holds.
+pub fn gin_available() -> std::result::Result<String, String> {
+    match gin_network() {
+        Ok(n) => Ok(n),
+        Err(why) => match crate::group::vnodes::plugin_configured() {
+            Some(p) => Ok(format!("the project's NCCL net plugin ({p})")),
+            None => Err(format!(
+                "{why}; nor is the project's plugin configured (NCCL_NET_PLUGIN=<path to {}>, \
+                 or `--vnodes` with `--gpus`)",
+                crate::group::vnodes::PLUGIN_FILE
+            )),
+        },
+    }
 }
 
 fn gin_network_at(sysfs: &Path, env: &dyn Fn(&str) -> Option<String>) -> std::result::Result<String, String> {
@@ -480,6 +503,10 @@ impl Drop for Window {
         }
     }
 }
+
+/// GIN contexts gin-ep kernels use (NCCL 2.28.9 makes at most 4 per communicator; each has
+/// its own signal and counter arrays).
+pub const GIN_CONTEXTS: u32 = 4;
 
 /// What a device communicator must provide.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -1312,9 +1339,15 @@ impl CudaRank {
         })
     }
 
-    /// A device communicator. Asking for GIN signals where [`gin_network`] found no network
-    /// is refused here, before NCCL sees the request (which would crash later).
+    /// A device communicator. Asking for GIN signals where [`gin_available`] found neither a
+    /// network nor the project's plugin is refused here, before NCCL sees the request.
     pub fn dev_comm(&self, req: DevCommRequest) -> Result<DevComm> {
+        self.dev_comm_with_counters(req, 0)
+    }
+
+    /// [`CudaRank::dev_comm`] with `gin_counters` GIN counters per context as well (GIN on
+    /// when `req.gin_signals` or `gin_counters` is non-zero).
+    pub fn dev_comm_with_counters(&self, req: DevCommRequest, gin_counters: u32) -> Result<DevComm> {
         let create = self
             .comm
             .nccl
@@ -1328,13 +1361,15 @@ impl CudaRank {
         })?;
         let mut reqs = ns::DevCommRequirements::zeroed();
         reqs.lsaBarrierCount = req.lsa_barriers as i32;
-        if req.gin_signals > 0 {
-            if let Err(why) = gin_network() {
+        if req.gin_signals > 0 || gin_counters > 0 {
+            if let Err(why) = gin_available() {
                 return Err(unavailable(format!("needs a GIN-capable network ({why})")));
             }
             reqs.ginForceEnable = true;
-            reqs.ginContextCount = 1;
+            // A hint NCCL 2.28.9 does not read: it makes min(4, NCCL_GIN_NCONTEXTS) contexts.
+            reqs.ginContextCount = GIN_CONTEXTS as i32;
             reqs.ginSignalCount = req.gin_signals as i32;
+            reqs.ginCounterCount = gin_counters as i32;
         }
         let reqs = abi.requirements(&reqs);
         let mut raw = Box::new(ns::DevCommSlot::zeroed());
