@@ -39,7 +39,11 @@ fn early_signals_break_the_ordering_check() {
         });
         until("the signal", || sig1.word(0) == iter * N as u64);
         let got = dst.bytes();
-        if got.iter().enumerate().any(|(i, b)| *b != (i as u64 * 7 + iter * 101) as u8) {
+        if got
+            .iter()
+            .enumerate()
+            .any(|(i, b)| *b != (i as u64 * 7 + iter * 101) as u8)
+        {
             violations += 1;
         }
         sender.join().unwrap();
@@ -47,6 +51,9 @@ fn early_signals_break_the_ordering_check() {
         until("the data", || dst.bytes() == src.bytes());
     }
     close_all(ranks);
-    assert!(violations > 0, "early signals were never caught by the ordering check");
+    assert!(
+        violations > 0,
+        "early signals were never caught by the ordering check"
+    );
     eprintln!("early-signal fault caught in {violations} of 5 iterations");
 }
