@@ -2,7 +2,7 @@
 //! process starts one process per GPU (itself, with `GIN_EP_CHILD=1`); each child
 //! runs `gin_ep::alltoall::run_rank` and rank 0 prints the table or JSON.
 
-use crate::error::{parse_secs, CliError, CliResult};
+use crate::error::{parse_secs, parse_whole, CliError, CliResult};
 use crate::gpus;
 use clap::Args;
 use comfy_table::{presets, CellAlignment, Table};
@@ -12,9 +12,10 @@ use gin_ep::group::{Group, ENV_CHILD};
 use std::time::Duration;
 
 #[derive(Args, Debug, Clone)]
+#[command(allow_negative_numbers = true)]
 pub struct AlltoallArgs {
     /// Ranks, one process per GPU [default: every GPU].
-    #[arg(long)]
+    #[arg(long, value_parser = parse_whole::<usize>)]
     pub gpus: Option<usize>,
     /// Smallest per-rank total send size (K/M/G suffixes).
     #[arg(short = 'b', long = "min-bytes", default_value = "1M", value_parser = parse_bytes)]
@@ -23,7 +24,7 @@ pub struct AlltoallArgs {
     #[arg(short = 'e', long = "max-bytes", default_value = "1G", value_parser = parse_bytes)]
     pub max_bytes: usize,
     /// Size multiplier per step.
-    #[arg(short = 'f', long, default_value_t = 2)]
+    #[arg(short = 'f', long, default_value_t = 2, value_parser = parse_whole::<usize>)]
     pub factor: usize,
     /// Comma list of modes: nccl, ce, ce-serial, lsa-simple, lsa-opt, lsa-count, lsa-run,
     /// lsa-bulk, lsa-pull, lsa-opt-ncclbar, gin, hybrid, or all [default: all but
@@ -32,27 +33,27 @@ pub struct AlltoallArgs {
     #[arg(long)]
     pub modes: Option<String>,
     /// Timed iterations per point.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, value_parser = parse_whole::<usize>)]
     pub iters: usize,
     /// Untimed iterations first.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = parse_whole::<usize>)]
     pub warmup: usize,
     /// CTAs of the LSA kernels [default: lsa-opt, lsa-count and lsa-run size their grid to
     /// the point (at most the SM count); the others use the SM count].
-    #[arg(long)]
+    #[arg(long, value_parser = parse_whole::<u32>)]
     pub blocks: Option<u32>,
     /// Threads per CTA.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = parse_whole::<u32>)]
     pub threads: u32,
     /// lsa-opt tiles (512 B) in flight per warp: 1, 2, 4 or 8 (the other kernels' copies
     /// are fixed).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = parse_whole::<u32>)]
     pub unroll: u32,
     /// Per LSA point, try several grids (each validated) and report the fastest.
     #[arg(long)]
     pub grid_sweep: bool,
     /// Grids --grid-sweep tries, comma list (0 = the default grid) [default: 0,8,16,32,64,SMs,2xSMs].
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', value_parser = parse_whole::<u32>)]
     pub grids: Option<Vec<u32>>,
     /// lsa-run's peer store instruction: plain, cs (st.global.cs) or na (L1::no_allocate).
     #[arg(long, default_value = "plain")]

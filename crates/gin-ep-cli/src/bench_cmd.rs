@@ -1,12 +1,11 @@
 //! `gin-ep bench`: options, progress, tables and the JSON file. The timing
 //! loops and every figure come from `gin_ep::bench`.
 
-use crate::error::{parse_secs, CliError, CliResult};
+use crate::error::{parse_secs, parse_whole, CliError, CliResult};
 use crate::gpus;
 use crate::host;
 use clap::{Args, ValueEnum};
 use comfy_table::{presets, CellAlignment, Table};
-use gin_ep::backend::host::protocol::Modes;
 use gin_ep::bench::{BenchMode, BenchOptions, BenchReport, Launch, OpReport, Stats};
 use gin_ep::group::{Group, ENV_CHILD};
 use gin_ep::workload::Routing;
@@ -32,55 +31,57 @@ const HT_DEFAULTS: (usize, usize, usize) = (4096, 5, 1); // tokens, iters, warmu
 const LL_DEFAULTS: (usize, usize, usize) = (128, 5, 1);
 
 #[derive(Args, Debug)]
+#[command(allow_negative_numbers = true)]
 pub struct BenchArgs {
     /// ht (high throughput) or ll (low latency).
     #[arg(long, value_enum, default_value_t = Mode::Ht)]
     pub mode: Mode,
-    /// Ranks (threads on the host backend).
-    #[arg(long, default_value_t = 4)]
-    pub ranks: usize,
+    /// Ranks: threads on the host backend [default: 4] (with --gpus N the run has N ranks).
+    #[arg(long, value_parser = parse_whole::<usize>)]
+    pub ranks: Option<usize>,
     /// Tokens per rank [default: 4096 for ht, 128 for ll].
-    #[arg(long)]
+    #[arg(long, value_parser = parse_whole::<usize>)]
     pub tokens: Option<usize>,
     /// Buffer capacity in tokens per rank [default: --tokens].
-    #[arg(long)]
+    #[arg(long, value_parser = parse_whole::<usize>)]
     pub max_tokens: Option<usize>,
     /// Channels per token.
-    #[arg(long, default_value_t = 7168)]
+    #[arg(long, default_value_t = 7168, value_parser = parse_whole::<usize>)]
     pub hidden: usize,
     /// Experts per token.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = parse_whole::<usize>)]
     pub topk: usize,
     /// Total experts (divisible by --ranks).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = parse_whole::<usize>)]
     pub experts: usize,
     /// Dispatch format: bf16, fp8 or fp8-ue8m0.
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
-    /// HT per-expert receive counts are rounded up to a multiple of this.
-    #[arg(long, default_value_t = 1)]
-    pub alignment: usize,
+    /// HT per-expert receive counts are rounded up to a multiple of this [default: 1].
+    #[arg(long, value_parser = parse_whole::<usize>)]
+    pub alignment: Option<usize>,
     /// LL combine summation order: topk (one row per token and expert crosses back) or
-    /// rank-first (each expert rank pre-reduces its experts: one row per token and rank).
-    #[arg(long, default_value = "topk")]
-    pub ll_combine_order: String,
+    /// rank-first (each expert rank pre-reduces its experts: one row per token and rank)
+    /// [default: topk].
+    #[arg(long)]
+    pub ll_combine_order: Option<String>,
     /// GPU HT receive sizing: static (no host wait; combine input already in the window) or
     /// exact (the host reads the receive count after the count exchange, and the combine
     /// input comes from caller memory, staged into the window during the combine: what
-    /// gin_ep.Buffer does).
-    #[arg(long, default_value = "static", value_parser = ["static", "exact"])]
-    pub ht_sizing: String,
-    /// Timed iterations [default: 5].
-    #[arg(long)]
+    /// gin_ep.Buffer does) [default: static].
+    #[arg(long, value_parser = ["static", "exact"])]
+    pub ht_sizing: Option<String>,
+    /// Timed iterations [default: 5; at most 1000000].
+    #[arg(long, value_parser = parse_whole::<usize>)]
     pub iters: Option<usize>,
-    /// Untimed iterations before them [default: 1].
-    #[arg(long)]
+    /// Untimed iterations before them [default: 1; at most 1000000].
+    #[arg(long, value_parser = parse_whole::<usize>)]
     pub warmup: Option<usize>,
     /// uniform, zipf:S (S in (0, 10]) or hot:F (fraction F of tokens picks expert 0).
     #[arg(long, default_value = "uniform")]
     pub routing: String,
     /// Seed of the synthetic activations and routing.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = parse_whole::<u64>)]
     pub seed: u64,
     /// Also write the report and the options to this file as JSON.
     #[arg(long, value_name = "FILE")]
@@ -89,18 +90,19 @@ pub struct BenchArgs {
     #[arg(long, value_name = "SECS", default_value = "100", value_parser = parse_secs)]
     pub timeout: Duration,
     /// Run on N GPUs, one process per GPU (the CUDA backend; overrides --ranks).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = parse_whole::<usize>)]
     pub gpus: Option<usize>,
     /// SMs (CTAs) per dispatch/combine kernel on GPUs [default: 24 for ht; 0 for ll, which
     /// means every SM (LL kernels are latency-bound)].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = parse_whole::<u32>)]
     pub sms: Option<u32>,
     /// With --gpus: time every kernel variant of a list and print one line per variant.
     /// HT: --sweep-list, else $GIN_EP_HT_SWEEP, else the built-in list. LL: the built-in
     /// list (FP8 and BF16, eager and graph); one LL variant alone: GIN_EP_LL_VARIANT.
     #[arg(long)]
     pub sweep: bool,
-    /// HT: `;`-separated sweep entries like `sms=32,du=4,dt=768,dc=2` (see HtVariant).
+    /// With --gpus --sweep --mode ht: `;`-separated sweep entries like
+    /// `sms=32,du=4,dt=768,dc=2` (see HtVariant).
     #[arg(long, value_name = "LIST")]
     pub sweep_list: Option<String>,
 }
@@ -135,8 +137,51 @@ struct Resolved {
     sms: u32,
 }
 
+/// Where each option applies (see `applies`): GPU-only options are refused without
+/// --gpus, host-only ones with it, mode-bound ones in the other mode.
+fn refuse_inapplicable(a: &BenchArgs) -> CliResult {
+    use crate::applies::{Opt, Rule, Run};
+    const HT: &[Mode] = &[Mode::Ht];
+    const LL: &[Mode] = &[Mode::Ll];
+    let sizing = match &a.ht_sizing {
+        Some(v) => format!("--ht-sizing {v}"),
+        None => "--ht-sizing".into(),
+    };
+    let opts = [
+        Opt::new("--ranks", a.ranks.is_some(), Rule::ANY.host()),
+        Opt::new("--alignment", a.alignment.is_some(), Rule::ANY.modes(HT)),
+        Opt::new(
+            "--ll-combine-order",
+            a.ll_combine_order.is_some(),
+            Rule::ANY.modes(LL),
+        ),
+        Opt::new(sizing, a.ht_sizing.is_some(), Rule::ANY.gpus().modes(HT)),
+        Opt::new("--sms", a.sms.is_some(), Rule::ANY.gpus()),
+        Opt::new("--sweep", a.sweep, Rule::ANY.gpus()),
+        Opt::new(
+            "--sweep-list",
+            a.sweep_list.is_some(),
+            Rule::ANY.gpus().modes(HT).needs("--sweep"),
+        ),
+        // The LL sweep prints its table only.
+        Opt::new(
+            "--json",
+            a.json.is_some() && a.sweep && a.mode == Mode::Ll,
+            Rule::ANY.not_with("--sweep"),
+        ),
+    ];
+    crate::applies::refuse_inapplicable(
+        &Run {
+            gpus: a.gpus.is_some(),
+            mode: a.mode,
+        },
+        &opts,
+    )
+}
+
 fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
-    let ranks = a.gpus.unwrap_or(a.ranks);
+    refuse_inapplicable(a)?;
+    let ranks = a.gpus.or(a.ranks).unwrap_or(4);
     let (mode, (tokens_d, iters_d, warmup_d)) = match a.mode {
         Mode::Ht => (BenchMode::Ht, HT_DEFAULTS),
         Mode::Ll => (BenchMode::Ll, LL_DEFAULTS),
@@ -145,21 +190,32 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
     let routing = Routing::parse(&a.routing).map_err(lib_err)?;
     let tokens = a.tokens.unwrap_or(tokens_d);
     let max_tokens = a.max_tokens.unwrap_or(tokens);
-    let order = gin_ep::LlCombineOrder::parse(&a.ll_combine_order).map_err(lib_err)?;
+    let order =
+        gin_ep::LlCombineOrder::parse(a.ll_combine_order.as_deref().unwrap_or("topk")).map_err(lib_err)?;
     let cfg = EpConfig::new(ranks, a.experts, a.hidden, a.topk, max_tokens)
         .with_dtype(dtype)
-        .with_alignment(a.alignment)
+        .with_alignment(a.alignment.unwrap_or(1))
         .with_ll_combine_order(order);
     cfg.validate().map_err(lib_err)?;
+    let ht_exact = a.ht_sizing.as_deref() == Some("exact");
+    let opts = BenchOptions {
+        mode,
+        cfg,
+        tokens,
+        routing,
+        seed: a.seed,
+        iters: a.iters.unwrap_or(iters_d),
+        warmup: a.warmup.unwrap_or(warmup_d),
+        timeout: a.timeout,
+        launch: Launch::Threads,
+        ht_exact,
+    };
+    opts.validate().map_err(lib_err)?;
     if a.gpus.is_none() {
-        host::check_ranks(cfg.ranks, "threads")?;
-        let modes = Modes {
-            ht: mode == BenchMode::Ht,
-            ll: mode == BenchMode::Ll,
-        };
-        host::check_memory(&cfg, modes)?;
+        host::check_ranks(opts.cfg.ranks, "threads")?;
+        host::check_bench_memory(&opts)?;
     } else if mode == BenchMode::Ht {
-        gin_ep::backend::cuda::ht::check_gpu_config(&cfg, ranks).map_err(lib_err)?;
+        gin_ep::backend::cuda::ht::check_gpu_config(&opts.cfg, ranks).map_err(lib_err)?;
     }
     let sms = match mode {
         BenchMode::Ht => a.sms.unwrap_or(gin_ep::backend::cuda::ht::DEFAULT_SMS),
@@ -172,34 +228,13 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
         };
         if sms < lo || sms > hi {
             return Err(CliError::Usage(format!(
-                "invalid value: sms = {sms}: must be in {lo}..={hi}{}",
+                "invalid value: sms = {sms}: must be in {lo}..={hi}{} (set by --sms)",
                 if lo == 0 { " (0: every SM)" } else { "" }
             )));
         }
     }
-    if a.ht_sizing == "exact" && (a.gpus.is_none() || mode != BenchMode::Ht) {
-        return Err(CliError::Usage(
-            "--ht-sizing exact applies to the GPU HT bench: use it with --gpus N and --mode ht".into(),
-        ));
-    }
-    if a.sweep && a.gpus.is_none() {
-        return Err(CliError::Usage(
-            "--sweep times GPU kernel variants: use it with --gpus N".into(),
-        ));
-    }
     Ok(Resolved {
-        opts: BenchOptions {
-            mode,
-            cfg,
-            tokens,
-            routing,
-            seed: a.seed,
-            iters: a.iters.unwrap_or(iters_d),
-            warmup: a.warmup.unwrap_or(warmup_d),
-            timeout: a.timeout,
-            launch: Launch::Threads,
-            ht_exact: a.ht_sizing == "exact",
-        },
+        opts,
         max_tokens,
         sms,
     })
@@ -211,15 +246,27 @@ fn run_gpus(a: &BenchArgs, gpus: usize) -> CliResult {
     gpus::check_count(gpus)?;
     let r = resolve(a)?;
     if std::env::var_os(ENV_CHILD).is_none() {
+        // A bad --json path is bad input: refuse it before starting any GPU process.
+        let json = a.json.as_deref().map(JsonFile::create).transpose()?;
+        if !a.sweep {
+            out!("backend: cuda, {gpus} GPUs (one process per GPU)");
+            print_shape(&r);
+        }
         // The launcher's deadline covers the whole run (setup, warmup, iterations).
-        return match gpus::relaunch(gpus, a.timeout.max(Duration::from_secs(300)))? {
+        let failed = gpus::relaunch(gpus, a.timeout.max(Duration::from_secs(300)))?;
+        return match failed {
             None => Ok(()),
-            Some(f) => Err(CliError::Failed(format!(
-                "rank {} failed ({}):\n{}",
-                f.rank,
-                gpus::how(&f),
-                f.stderr.trim_end()
-            ))),
+            Some(f) => {
+                if let Some(j) = json {
+                    j.discard();
+                }
+                Err(CliError::Failed(format!(
+                    "rank {} failed ({}):\n{}",
+                    f.rank,
+                    gpus::how(&f),
+                    f.stderr.trim_end()
+                )))
+            }
         };
     }
     let group = Group::from_env(a.timeout)?;
@@ -258,7 +305,7 @@ fn run_gpus(a: &BenchArgs, gpus: usize) -> CliResult {
         return Ok(());
     };
     out!("backend: {} — {}", report.backend, report.note);
-    print_report(&r, &report);
+    print_tables(&report);
     if let Some(path) = &a.json {
         let doc = json_doc(a, &r, &report)?;
         let text = serde_json::to_string_pretty(&doc)
@@ -270,19 +317,63 @@ fn run_gpus(a: &BenchArgs, gpus: usize) -> CliResult {
     Ok(())
 }
 
+/// A `--json` file opened before the run, so a bad path is refused as bad input (exit 2)
+/// before anything long starts.
+struct JsonFile {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl JsonFile {
+    fn create(path: &std::path::Path) -> CliResult<JsonFile> {
+        let file = std::fs::File::create(path)
+            .map_err(|e| CliError::Usage(format!("invalid value: --json {}: {e}", path.display())))?;
+        Ok(JsonFile {
+            path: path.to_path_buf(),
+            file,
+        })
+    }
+
+    /// Removes the still empty file of a run that failed.
+    fn discard(self) {
+        drop(self.file);
+        let _ = std::fs::remove_file(&self.path);
+    }
+
+    /// Writes `doc`; a failure now (disk full) is a failed run, not bad input.
+    fn write(mut self, doc: &serde_json::Value) -> CliResult {
+        let text = serde_json::to_string_pretty(doc)
+            .map_err(|e| CliError::Failed(format!("encoding the JSON report: {e}")))?;
+        self.file
+            .write_all(text.as_bytes())
+            .and_then(|_| self.file.write_all(b"\n"))
+            .map_err(|e| CliError::Failed(format!("cannot write --json {}: {e}", self.path.display())))?;
+        out!("wrote {}", self.path.display());
+        Ok(())
+    }
+}
+
+/// The host banner: which backend runs and why, and whether this build could run GPUs.
+fn host_banner() -> String {
+    let build = match gin_ep::backend::cuda::kernels_fatbin() {
+        Ok(_) => "this build has the CUDA kernels: add --gpus N to run on GPUs".to_string(),
+        Err(e) => format!("this build has no CUDA kernels: {e}"),
+    };
+    format!(
+        "backend: host (ranks are CPU threads on shared memory, as no --gpus was given; {build}) \
+         — times are CPU times, not GPU figures"
+    )
+}
+
 pub fn run(a: &BenchArgs) -> CliResult {
     if let Some(n) = a.gpus {
         return run_gpus(a, n);
     }
     let r = resolve(a)?;
-    // Open the JSON file first, so a bad path fails before a long run.
-    let json_file = match &a.json {
-        Some(p) => Some(
-            std::fs::File::create(p)
-                .map_err(|e| CliError::Failed(format!("cannot write --json {}: {e}", p.display())))?,
-        ),
-        None => None,
-    };
+    let json = a.json.as_deref().map(JsonFile::create).transpose()?;
+    // The header first, so a log shows what runs before it ends.
+    out!("{}", host_banner());
+    print_shape(&r);
 
     let progress = Progress::start(r.opts.warmup + r.opts.iters);
     let report = {
@@ -290,6 +381,7 @@ pub fn run(a: &BenchArgs) -> CliResult {
         let mut tick = move |done: usize, total: usize| {
             bar.set_length(total as u64);
             bar.set_position(done as u64);
+            bar.set_message("iterations");
         };
         gin_ep::bench::run_host(&r.opts, &mut tick)
     };
@@ -297,32 +389,15 @@ pub fn run(a: &BenchArgs) -> CliResult {
     let report = match report {
         Ok(r) => r,
         Err(e) => {
-            if let Some(p) = &a.json {
-                // Do not leave the empty file created above behind.
-                let _ = std::fs::remove_file(p);
+            if let Some(j) = json {
+                j.discard();
             }
             return Err(lib_err(e));
         }
     };
-
-    if report.backend.starts_with("host") {
-        out!(
-            "backend: host (threads on shared memory; no GPU backend in this build) — times \
-             are CPU times, not GPU figures"
-        );
-    } else {
-        out!("backend: {} — {}", report.backend, report.note);
-    }
-    print_report(&r, &report);
-
-    if let (Some(mut f), Some(path)) = (json_file, &a.json) {
-        let doc = json_doc(a, &r, &report)?;
-        let text = serde_json::to_string_pretty(&doc)
-            .map_err(|e| CliError::Failed(format!("encoding the JSON report: {e}")))?;
-        f.write_all(text.as_bytes())
-            .and_then(|_| f.write_all(b"\n"))
-            .map_err(|e| CliError::Failed(format!("cannot write --json {}: {e}", path.display())))?;
-        out!("wrote {}", path.display());
+    print_tables(&report);
+    if let Some(j) = json {
+        j.write(&json_doc(a, &r, &report)?)?;
     }
     Ok(())
 }
@@ -490,7 +565,8 @@ fn print_ll_sweep(r: &Resolved, lines: &[gin_ep::backend::cuda::ll::SweepLine]) 
     );
 }
 
-fn print_report(r: &Resolved, report: &BenchReport) {
+/// The shape line, printed before the run.
+fn print_shape(r: &Resolved) {
     let o = &r.opts;
     let mode = match o.mode {
         BenchMode::Ht => "HT",
@@ -509,6 +585,10 @@ fn print_report(r: &Resolved, report: &BenchReport) {
         o.iters,
         o.warmup
     );
+}
+
+/// The figures, printed after the run.
+fn print_tables(report: &BenchReport) {
     for op in &report.ops {
         out!();
         out!("{}", op_table(op));
@@ -578,12 +658,13 @@ fn print_sweep(r: &Resolved, rows: &[gin_ep::gpu::SweepRow]) {
     );
 }
 
-/// A progress bar on stderr that appears only when the run takes more than a
-/// second and stderr is a terminal.
+/// Progress on stderr: on a terminal a bar that appears once the run takes more than a
+/// second; otherwise (a log) a line every [`crate::output::progress_every`] seconds.
 struct Progress {
     bar: ProgressBar,
     done: Arc<AtomicBool>,
     shower: Option<std::thread::JoinHandle<()>>,
+    ticker: Option<crate::output::Ticker>,
 }
 
 impl Progress {
@@ -595,7 +676,28 @@ impl Progress {
             bar.set_style(style.progress_chars("=> "));
         }
         let done = Arc::new(AtomicBool::new(false));
-        let shower = if std::io::stderr().is_terminal() {
+        if !std::io::stderr().is_terminal() {
+            let b = bar.clone();
+            let ticker = crate::output::Ticker::start(move |elapsed| {
+                let at = if b.message().is_empty() {
+                    "drawing inputs and allocating heaps".to_string()
+                } else {
+                    format!(
+                        "{} of {} iterations (warm-up included) done",
+                        b.position(),
+                        b.length().unwrap_or(0)
+                    )
+                };
+                format!("bench: {at}, {:.0} s", elapsed.as_secs_f64())
+            });
+            return Progress {
+                bar,
+                done,
+                shower: None,
+                ticker: Some(ticker),
+            };
+        }
+        let shower = {
             let (bar, done) = (bar.clone(), Arc::clone(&done));
             std::thread::Builder::new()
                 .name("gin-ep-progress".into())
@@ -613,14 +715,18 @@ impl Progress {
                     }
                 })
                 .ok()
-        } else {
-            None
         };
-        Progress { bar, done, shower }
+        Progress {
+            bar,
+            done,
+            shower,
+            ticker: None,
+        }
     }
 
     fn finish(self) {
         self.done.store(true, Ordering::Release);
+        drop(self.ticker);
         if let Some(h) = self.shower {
             let _ = h.join();
         }

@@ -6,14 +6,14 @@
 //! `gin_ep::check::run_rank_case`.
 
 use crate::bench_cmd::Mode;
-use crate::error::{parse_secs, CliError, CliResult};
+use crate::error::{parse_secs, parse_whole, CliError, CliResult};
 use crate::gpus;
 use crate::host;
 use clap::{Args, ValueEnum};
 use gin_ep::backend::host::protocol::{Fault, Modes};
 use gin_ep::backend::host::run::{join_process, run_threads, HostOptions};
 use gin_ep::bench::BenchMode;
-use gin_ep::check::{run_rank_case, Case};
+use gin_ep::check::{run_rank_case_modes, Case};
 use gin_ep::gpu::{gpu_cases, StallOp};
 use gin_ep::group::{first_failure, launch_ranks, Group, ENV_CHILD};
 use gin_ep::workload::{Routing, Workload};
@@ -106,35 +106,38 @@ fn format_ranks(v: &[usize]) -> String {
 }
 
 #[derive(Args, Debug)]
+#[command(allow_negative_numbers = true)]
 pub struct CheckArgs {
     /// Rank counts to check: `1-8`, `2,4`, `1-3,6` [default: 1-8 for threads, 2-4 for processes].
     #[arg(long, value_name = "LIST", value_parser = parse_rank_list)]
     pub ranks: Option<RankList>,
-    /// How ranks run.
-    #[arg(long, value_enum, default_value_t = LaunchKind::Threads)]
-    pub launch: LaunchKind,
-    /// Random cases per rank count.
-    #[arg(long, default_value_t = 12)]
-    pub cases: usize,
-    /// Run only case number K of each rank count (to reproduce a failure).
-    #[arg(long, value_name = "K")]
+    /// How ranks run (host backend) [default: threads].
+    #[arg(long, value_enum)]
+    pub launch: Option<LaunchKind>,
+    /// Random cases per rank count [default: 12; at most 1000000].
+    #[arg(long, value_parser = parse_whole::<usize>)]
+    pub cases: Option<usize>,
+    /// Run only case number K of each rank count (to reproduce a failure; host backend).
+    #[arg(long, value_name = "K", value_parser = parse_whole::<usize>)]
     pub case: Option<usize>,
-    /// Seed of the case generator.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Back-to-back iterations of every operation per case, each with fresh data.
-    #[arg(long, default_value_t = 2)]
-    pub iters: usize,
+    /// Seed of the case generator [default: 0].
+    #[arg(long, value_parser = parse_whole::<u64>)]
+    pub seed: Option<u64>,
+    /// Back-to-back iterations of every operation per case, each with fresh data (host
+    /// backend) [default: 2; at most 1000000].
+    #[arg(long, value_parser = parse_whole::<usize>)]
+    pub iters: Option<usize>,
     /// Deadline of every wait on a peer, in seconds.
     #[arg(long, value_name = "SECS", default_value = "60", value_parser = parse_secs)]
     pub timeout: Duration,
     /// Check the CUDA backend on N GPUs (one process per GPU) instead of the host backend;
     /// --cases then counts the small random cases added to the fixed GPU cases.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = parse_whole::<usize>)]
     pub gpus: Option<usize>,
-    /// Which GPU mode to check (with --gpus).
-    #[arg(long, value_enum, default_value_t = Mode::Ht)]
-    pub mode: Mode,
+    /// Which operations to check: ht or ll. On the host backend every case checks both
+    /// unless --mode names one; with --gpus the default is ht.
+    #[arg(long, value_enum)]
+    pub mode: Option<Mode>,
     /// GPU kernel variants to check (with --gpus). HT: absent checks every case with the
     /// default variant ($GIN_EP_HT_VARIANT); `all` also checks the small cases with every
     /// sweep variant ($GIN_EP_HT_SWEEP or the built-in list); anything else is a
@@ -177,6 +180,104 @@ pub struct RankCheckArgs {
     pub iters: usize,
     #[arg(long, value_parser = parse_secs)]
     pub timeout: Duration,
+    /// Only the operations of this mode (both when absent).
+    #[arg(long, value_enum)]
+    pub mode: Option<Mode>,
+}
+
+/// Most cases, and most iterations per case, one check runs.
+const MAX_CASES: usize = 1_000_000;
+const MAX_ITERS: usize = 1_000_000;
+
+/// Every option's defaults applied.
+struct Resolved {
+    launch: LaunchKind,
+    cases: usize,
+    seed: u64,
+    iters: usize,
+    /// Host backend: which operations every case checks.
+    modes: Modes,
+}
+
+/// The host modes `--mode` selects: both when absent.
+fn host_modes(mode: Option<Mode>) -> Modes {
+    match mode {
+        None => Modes { ht: true, ll: true },
+        Some(Mode::Ht) => Modes { ht: true, ll: false },
+        Some(Mode::Ll) => Modes { ht: false, ll: true },
+    }
+}
+
+fn modes_name(m: Modes) -> &'static str {
+    match (m.ht, m.ll) {
+        (true, true) => "HT and LL",
+        (true, false) => "HT only",
+        _ => "LL only",
+    }
+}
+
+/// Where each option applies (see `applies`), then the defaults and limits.
+fn resolve(a: &CheckArgs) -> CliResult<Resolved> {
+    use crate::applies::{Opt, Rule, Run};
+    const HT: &[Mode] = &[Mode::Ht];
+    let opts = [
+        Opt::new("--ranks", a.ranks.is_some(), Rule::ANY.host()),
+        Opt::new("--launch", a.launch.is_some(), Rule::ANY.host()),
+        Opt::new("--case", a.case.is_some(), Rule::ANY.host()),
+        Opt::new("--iters", a.iters.is_some(), Rule::ANY.host()),
+        // The GPU LL check runs its own fixed cases; the never-hang check runs none.
+        Opt::new(
+            "--cases",
+            a.cases.is_some(),
+            Rule::ANY.gpu_modes(HT).not_with("--stall"),
+        ),
+        Opt::new(
+            "--seed",
+            a.seed.is_some(),
+            Rule::ANY.gpu_modes(HT).not_with("--stall"),
+        ),
+        Opt::new(
+            "--variants",
+            a.variants.is_some(),
+            Rule::ANY.gpus().not_with("--stall"),
+        ),
+        Opt::new("--stall", a.stall.is_some(), Rule::ANY.gpus()),
+    ];
+    crate::applies::refuse_inapplicable(
+        &Run {
+            gpus: a.gpus.is_some(),
+            mode: a.mode.unwrap_or(Mode::Ht),
+        },
+        &opts,
+    )?;
+    let r = Resolved {
+        launch: a.launch.unwrap_or(LaunchKind::Threads),
+        cases: a.cases.unwrap_or(12),
+        seed: a.seed.unwrap_or(0),
+        iters: a.iters.unwrap_or(2),
+        modes: host_modes(a.mode),
+    };
+    for (flag, v, max) in [("cases", r.cases, MAX_CASES), ("iters", r.iters, MAX_ITERS)] {
+        if v == 0 {
+            return Err(CliError::Usage(format!(
+                "invalid value: {flag} = 0: must be at least 1 (set by --{flag})"
+            )));
+        }
+        if v > max {
+            return Err(CliError::Usage(format!(
+                "invalid value: {flag} = {v}: larger than the limit {max} (set by --{flag})"
+            )));
+        }
+    }
+    if let Some(k) = a.case {
+        if k >= r.cases {
+            return Err(CliError::Usage(format!(
+                "invalid value: case = {k}: cases are numbered 0..{} (see --cases)",
+                r.cases
+            )));
+        }
+    }
+    Ok(r)
 }
 
 /// Case numbers to run out of `cases`.
@@ -271,9 +372,9 @@ fn describe(case: &Case) -> String {
     )
 }
 
-fn host_options(a_timeout: Duration, fault: Option<Fault>) -> HostOptions {
+fn host_options(a_timeout: Duration, modes: Modes, fault: Option<Fault>) -> HostOptions {
     HostOptions {
-        modes: Modes { ht: true, ll: true },
+        modes,
         timeout: a_timeout,
         fault,
     }
@@ -312,7 +413,9 @@ fn one_line(s: &str) -> String {
 /// `gin_ep::gpu::check_rank` over `gin_ep::gpu::gpu_cases`, rank 0 prints.
 fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
     gpus::check_count(gpus)?;
-    let mode = match a.mode {
+    let r = resolve(a)?;
+    let a_mode = a.mode.unwrap_or(Mode::Ht);
+    let mode = match a_mode {
         Mode::Ht => BenchMode::Ht,
         Mode::Ll => BenchMode::Ll,
     };
@@ -356,18 +459,18 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
     }
     if std::env::var_os(ENV_CHILD).is_none() {
         // LL runs its own fixed cases (decode-sized buffers); --cases and --seed shape HT's.
-        let (mode_name, n_cases) = match a.mode {
-            Mode::Ht => ("ht", gpu_cases(gpus, a.cases, a.seed).len()),
+        let (mode_name, n_cases) = match a_mode {
+            Mode::Ht => ("ht", gpu_cases(gpus, r.cases, r.seed).len()),
             Mode::Ll => ("ll", gin_ep::backend::cuda::ll::selftest_cases(gpus).len()),
         };
         out!(
             "check: CUDA backend, {gpus} GPUs, mode {mode_name}, seed {}, {n_cases} case(s)",
-            a.seed
+            r.seed
         );
         // The launcher's deadline covers every case.
         let again = format!(
-            "\nreproduce with `gin-ep check --gpus {gpus} --cases {} --seed {}`",
-            a.cases, a.seed
+            "\nreproduce with `gin-ep check --gpus {gpus} --mode {mode_name} --cases {} --seed {}`",
+            r.cases, r.seed
         );
         let with = if a.variants.is_none() {
             ""
@@ -388,7 +491,7 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
         Some(list) => gin_ep::gpu::sweep_entries(Some(list)).map_err(|e| CliError::Usage(e.to_string()))?,
     };
     let group = Group::from_env(a.timeout)?;
-    let cases = gpu_cases(group.world(), a.cases, a.seed);
+    let cases = gpu_cases(group.world(), r.cases, r.seed);
     let t0 = Instant::now();
     let passed = gin_ep::gpu::check_rank_variants(&group, mode, &cases, a.timeout, &variants);
     let rank = group.rank();
@@ -440,7 +543,7 @@ fn run_stall(a: &CheckArgs, gpus: usize, spec: &str) -> CliResult {
     let (stall, op) =
         StallOp::parse(spec, gpus).map_err(|e| CliError::Usage(format!("invalid value: {e}")))?;
     let want = if op.is_ll() { Mode::Ll } else { Mode::Ht };
-    if a.mode != want {
+    if a.mode.unwrap_or(Mode::Ht) != want {
         return Err(CliError::Usage(format!(
             "--stall {spec} checks an {} operation: use --mode {}",
             if op.is_ll() { "LL" } else { "HT" },
@@ -475,51 +578,44 @@ pub fn run(a: &CheckArgs) -> CliResult {
     if let Some(n) = a.gpus {
         return run_gpus(a, n);
     }
-    if a.variants.is_some() {
-        return Err(CliError::Usage(
-            "--variants checks GPU kernel variants: use it with --gpus N".into(),
-        ));
-    }
-    let ranks = match (&a.ranks, a.launch) {
-        (Some(r), _) => r.0.clone(),
+    let r = resolve(a)?;
+    let ranks = match (&a.ranks, r.launch) {
+        (Some(list), _) => list.0.clone(),
         (None, LaunchKind::Threads) => (1..=8).collect(),
         (None, LaunchKind::Processes) => (2..=4).collect(),
     };
-    if a.cases == 0 {
-        return Err(CliError::Usage(
-            "invalid value: cases = 0: must be at least 1".into(),
-        ));
-    }
-    if a.iters == 0 {
-        return Err(CliError::Usage(
-            "invalid value: iters = 0: must be at least 1".into(),
-        ));
-    }
-    if let Some(k) = a.case {
-        if k >= a.cases {
-            return Err(CliError::Usage(format!(
-                "invalid value: case = {k}: cases are numbered 0..{} (see --cases)",
-                a.cases
-            )));
-        }
-    }
     // Validate the fault spec before starting anything.
-    let fault = fault_from_env(a.launch == LaunchKind::Processes)?;
-    let indices = case_indices(a.cases, a.case);
+    let fault = fault_from_env(r.launch == LaunchKind::Processes)?;
+    let indices = case_indices(r.cases, a.case);
     out!(
-        "check: {} ranks {}, seed {}, {} case(s) per rank count, {} iteration(s) each",
-        a.launch.name(),
+        "check: host backend, {} ranks {}, operations {}, seed {}, {} case(s) per rank count, \
+         {} iteration(s) each",
+        r.launch.name(),
         format_ranks(&ranks),
-        a.seed,
+        modes_name(r.modes),
+        r.seed,
         indices.len(),
-        a.iters
+        r.iters
     );
+    let at = std::sync::Arc::new(std::sync::Mutex::new(String::from("starting")));
+    let ticker = {
+        let at = std::sync::Arc::clone(&at);
+        crate::output::Ticker::start(move |elapsed| {
+            let now = at.lock().map(|s| s.clone()).unwrap_or_default();
+            format!("check: {now}, {:.0} s", elapsed.as_secs_f64())
+        })
+    };
     let mut passed = 0usize;
     for &n in &ranks {
         let t0 = Instant::now();
-        let outcome = match a.launch {
-            LaunchKind::Threads => run_threads_cases(a, n, &indices, fault.clone()),
-            LaunchKind::Processes => run_process_cases(a, n),
+        let outcome = match r.launch {
+            LaunchKind::Threads => run_threads_cases(a, &r, n, &indices, fault.clone(), &at),
+            LaunchKind::Processes => {
+                if let Ok(mut s) = at.lock() {
+                    *s = format!("ranks {n}: {} case(s) in rank processes", indices.len());
+                }
+                run_process_cases(a, &r, n)
+            }
         };
         match outcome {
             Ok(()) => {
@@ -531,27 +627,32 @@ pub fn run(a: &CheckArgs) -> CliResult {
                 );
             }
             Err(Failure { passed: p, report }) => {
+                drop(ticker);
                 passed += p;
                 out!("ranks {n}: FAILED");
                 err!("{report}");
                 out!("{passed} passed, 1 failed");
                 return Err(CliError::Failed(format!(
                     "check failed with {n} ranks ({}); reproduce with `gin-ep check --launch {} \
-                     --ranks {n} --seed {} --cases {} --iters {}{}`",
-                    a.launch.name(),
-                    a.launch.name(),
-                    a.seed,
-                    a.cases,
-                    a.iters,
+                     --ranks {n} --seed {} --cases {} --iters {}{}{}`",
+                    r.launch.name(),
+                    r.launch.name(),
+                    r.seed,
+                    r.cases,
+                    r.iters,
+                    a.mode
+                        .map(|m| format!(" --mode {}", crate::applies::mode_name(m)))
+                        .unwrap_or_default(),
                     a.case.map(|k| format!(" --case {k}")).unwrap_or_default()
                 )));
             }
         }
     }
+    drop(ticker);
     out!(
         "check: {passed} cases passed (ranks {}, {})",
         format_ranks(&ranks),
-        a.launch.name()
+        r.launch.name()
     );
     out!("{passed} passed, 0 failed");
     Ok(())
@@ -565,14 +666,19 @@ struct Failure {
 
 fn run_threads_cases(
     a: &CheckArgs,
+    r: &Resolved,
     n: usize,
     indices: &[usize],
     fault: Option<Fault>,
+    at: &std::sync::Mutex<String>,
 ) -> Result<(), Failure> {
-    let opts = host_options(a.timeout, fault);
+    let opts = host_options(a.timeout, r.modes, fault);
     for (done, &i) in indices.iter().enumerate() {
-        let case = gen_case(a.seed, n, i, a.iters);
-        let head = format!("case {i} (seed {}): {}", a.seed, describe(&case));
+        if let Ok(mut s) = at.lock() {
+            *s = format!("ranks {n}: case {i} ({} of {} done)", done, indices.len());
+        }
+        let case = gen_case(r.seed, n, i, r.iters);
+        let head = format!("case {i} (seed {}): {}", r.seed, describe(&case));
         let fail = |report: String| Failure {
             passed: done,
             report: format!("{head}\n{report}"),
@@ -580,7 +686,7 @@ fn run_threads_cases(
         if let Err(e) = case.cfg.validate() {
             return Err(fail(format!("the generated config is invalid: {e}")));
         }
-        let results = match run_threads(&case.cfg, &opts, |ep| run_rank_case(&case, ep)) {
+        let results = match run_threads(&case.cfg, &opts, |ep| run_rank_case_modes(&case, ep, r.modes)) {
             Ok(r) => r,
             Err(e) => return Err(fail(format!("could not start the ranks: {e}"))),
         };
@@ -602,23 +708,26 @@ fn run_threads_cases(
     Ok(())
 }
 
-fn run_process_cases(a: &CheckArgs, n: usize) -> Result<(), Failure> {
+fn run_process_cases(a: &CheckArgs, r: &Resolved, n: usize) -> Result<(), Failure> {
     let fail = |report: String| Failure { passed: 0, report };
     let exe = std::env::current_exe()
         .map_err(|e| fail(format!("cannot find this program to start the ranks: {e}")))?;
     let mut args: Vec<String> = vec![
         "__rank-check".into(),
         "--seed".into(),
-        a.seed.to_string(),
+        r.seed.to_string(),
         "--ranks".into(),
         n.to_string(),
         "--cases".into(),
-        a.cases.to_string(),
+        r.cases.to_string(),
         "--iters".into(),
-        a.iters.to_string(),
+        r.iters.to_string(),
         "--timeout".into(),
         a.timeout.as_secs_f64().to_string(),
     ];
+    if let Some(m) = a.mode {
+        args.extend(["--mode".into(), crate::applies::mode_name(m).into()]);
+    }
     if let Some(k) = a.case {
         args.extend(["--case".into(), k.to_string()]);
     }
@@ -668,7 +777,8 @@ pub fn run_rank(a: &RankCheckArgs) -> CliResult {
             a.ranks
         )));
     }
-    let opts = host_options(a.timeout, fault);
+    let modes = host_modes(a.mode);
+    let opts = host_options(a.timeout, modes, fault);
     for i in case_indices(a.cases, a.case) {
         let case = gen_case(a.seed, a.ranks, i, a.iters);
         let fail = |e: Error| {
@@ -679,7 +789,7 @@ pub fn run_rank(a: &RankCheckArgs) -> CliResult {
             ))
         };
         let mut ep = join_process(&group, &case.cfg, &opts).map_err(fail)?;
-        run_rank_case(&case, &mut ep).map_err(fail)?;
+        run_rank_case_modes(&case, &mut ep, modes).map_err(fail)?;
     }
     group.close()?;
     Ok(())

@@ -1,8 +1,21 @@
-//! The CLI's two kinds of failure and their exit codes.
+//! The CLI's two kinds of failure and every exit code it ends with, in one place.
 
 use std::fmt;
 
-/// A failed command: bad input (exit 2) or a run that went wrong (exit 1).
+/// Exit codes of `gin-ep` (the README's Usage section states the same):
+/// - 0: success (also `--help`, `--version`);
+/// - 1 ([`EXIT_FAILED`]): a run failed: a mismatch with the oracle, a timeout, a dead rank,
+///   no usable GPU, an I/O error during or after the run;
+/// - 2 ([`EXIT_USAGE`]): bad input, refused before anything runs: a bad or out-of-range
+///   value (naming the flag), an option that does not apply to this run, a run that would
+///   not fit in memory, an unwritable `--json` path, clap's own errors (unknown flag);
+/// - 141 ([`EXIT_BROKEN_PIPE`]): stdout closed (`gin-ep check | head -1`), as a shell
+///   reports a program killed by SIGPIPE.
+pub const EXIT_FAILED: u8 = 1;
+pub const EXIT_USAGE: u8 = 2;
+pub const EXIT_BROKEN_PIPE: u8 = 141;
+
+/// A failed command: bad input ([`EXIT_USAGE`]) or a run that went wrong ([`EXIT_FAILED`]).
 #[derive(Debug)]
 pub enum CliError {
     /// The user's input is wrong; the message names the bad value.
@@ -14,8 +27,8 @@ pub enum CliError {
 impl CliError {
     pub fn exit_code(&self) -> u8 {
         match self {
-            CliError::Usage(_) => 2,
-            CliError::Failed(_) => 1,
+            CliError::Usage(_) => EXIT_USAGE,
+            CliError::Failed(_) => EXIT_FAILED,
         }
     }
 
@@ -62,4 +75,38 @@ pub fn parse_secs(s: &str) -> Result<std::time::Duration, String> {
         return Err("must be more than 0 and at most 86400 seconds".into());
     }
     Ok(std::time::Duration::from_secs_f64(v))
+}
+
+/// Parses a whole number for clap, refusing a negative one or a fraction in words that
+/// name the problem (clap then names the flag and the value): `--tokens -3` gets
+/// "invalid value '-3' for '--tokens': negative: must be a whole number, 0 or more".
+pub fn parse_whole<T>(s: &str) -> Result<T, String>
+where
+    T: std::str::FromStr + num_bounds::Max,
+{
+    let t = s.trim();
+    if t.starts_with('-') {
+        return Err("negative: must be a whole number, 0 or more".into());
+    }
+    if t.is_empty() || !t.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!("`{s}` is not a whole number"));
+    }
+    t.parse::<T>()
+        .map_err(|_| format!("too large: at most {}", T::MAX_TEXT))
+}
+
+/// The largest value of each integer type `parse_whole` reads, as text.
+pub mod num_bounds {
+    pub trait Max {
+        const MAX_TEXT: &'static str;
+    }
+    impl Max for usize {
+        const MAX_TEXT: &'static str = "18446744073709551615";
+    }
+    impl Max for u64 {
+        const MAX_TEXT: &'static str = "18446744073709551615";
+    }
+    impl Max for u32 {
+        const MAX_TEXT: &'static str = "4294967295";
+    }
 }

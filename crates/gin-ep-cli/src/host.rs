@@ -1,10 +1,9 @@
 //! Guards the CLI puts in front of the host backend so an absurd request is
 //! refused with a message rather than thrashing or being OOM-killed on a shared
-//! machine. The sizes come from the library (`HostEp::required_bytes`).
+//! machine. The sizes come from the library (`BenchOptions::host_memory`).
 
 use crate::error::{CliError, CliResult};
-use gin_ep::backend::host::protocol::{HostEp, Modes};
-use gin_ep::EpConfig;
+use gin_ep::bench::BenchOptions;
 
 /// Most ranks the host backend runs on one machine (threads or processes).
 pub const HOST_MAX_RANKS: usize = 64;
@@ -41,25 +40,37 @@ pub fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
 
-/// Refuses a validated `cfg` whose symmetric heaps (all ranks together) would
-/// not fit in the memory available now.
-pub fn check_memory(cfg: &EpConfig, modes: Modes) -> CliResult {
-    let per_rank = HostEp::required_bytes(cfg, modes) as u64;
-    let need = per_rank.saturating_mul(cfg.ranks as u64);
-    if let Some(avail) = mem_available() {
-        if need > avail {
-            return Err(CliError::Usage(format!(
-                "invalid config: ranks = {} × hidden = {} × max tokens = {} needs {:.1} GiB of \
-                 host memory for the symmetric heaps alone ({:.2} GiB per rank); {:.1} GiB \
-                 is available",
-                cfg.ranks,
-                cfg.hidden,
-                cfg.max_tokens_per_rank,
-                gib(need),
-                gib(per_rank),
-                gib(avail)
-            )));
-        }
+/// Refuses validated bench options whose whole run (heaps, inputs, each iteration's
+/// outputs, time records) would not fit in the memory available now, naming the flags
+/// that size it; the estimate is an upper bound, so a refused run would risk the OOM killer.
+pub fn check_bench_memory(o: &BenchOptions) -> CliResult {
+    let m = o.host_memory();
+    let Some(avail) = mem_available() else {
+        return Ok(());
+    };
+    if m.total() <= avail {
+        return Ok(());
     }
-    Ok(())
+    let cfg = &o.cfg;
+    // Name the flags of the largest part first.
+    let sizes = "--ranks, --max-tokens (default --tokens), --hidden";
+    let blame = if m.timing > m.heaps.saturating_add(m.buffers) {
+        format!("iters = {} (set by --iters)", o.iters)
+    } else {
+        format!(
+            "ranks = {} × max tokens = {} × hidden = {} (set by {sizes})",
+            cfg.ranks, cfg.max_tokens_per_rank, cfg.hidden
+        )
+    };
+    Err(CliError::Usage(format!(
+        "invalid config: {blame}: the run needs about {:.1} GiB of host memory ({:.1} GiB \
+         symmetric heaps, {:.1} GiB inputs and per-iteration buffers, {:.1} GiB time records \
+         for {} iterations); {:.1} GiB is available (MemAvailable)",
+        gib(m.total()),
+        gib(m.heaps),
+        gib(m.buffers),
+        gib(m.timing),
+        o.iters,
+        gib(avail)
+    )))
 }

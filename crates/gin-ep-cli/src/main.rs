@@ -1,13 +1,12 @@
 //! The `gin-ep` command: `bench`, `check`, `alltoall` and `info`.
 //!
-//! Owns argument parsing, tables, progress display and exit codes; every
-//! figure and every verdict comes from the gin-ep library. Exit codes: 0 success,
-//! 1 a run failed (mismatch, timeout, dead rank, I/O), 2 bad input (clap's own
-//! errors included).
+//! Owns argument parsing, tables, progress display and exit codes (listed in
+//! `error`); every figure and every verdict comes from the gin-ep library.
 
 #[macro_use]
 mod output;
 mod alltoall_cmd;
+mod applies;
 mod bench_cmd;
 mod check_cmd;
 mod error;

@@ -312,3 +312,243 @@ fn info_reports_this_machine() {
         assert!(out.contains(needle), "no `{needle}` in {out}");
     }
 }
+
+#[test]
+fn negative_numbers_are_refused_naming_the_flag() {
+    for (args, flag) in [
+        (&["bench", "--tokens", "-1"][..], "--tokens"),
+        (&["bench", "--iters", "-2"][..], "--iters"),
+        (&["check", "--seed", "-5"][..], "--seed"),
+        (&["check", "--cases", "-1"][..], "--cases"),
+        (&["alltoall", "--iters", "-1"][..], "--iters"),
+    ] {
+        let o = gin_ep(args);
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(flag) && err.contains("negative"), "{args:?}: {err}");
+        assert!(!err.contains("unexpected argument"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn huge_counts_are_refused_before_any_allocation() {
+    let t0 = Instant::now();
+    usage_error(&["bench", "--iters", "99999999999"], "iters = 99999999999");
+    usage_error(&["bench", "--warmup", "99999999999"], "warmup = 99999999999");
+    usage_error(&["check", "--cases", "99999999999"], "cases = 99999999999");
+    usage_error(&["check", "--iters", "99999999999"], "iters = 99999999999");
+    usage_error(&["bench", "--tokens", "99999999999999999999999"], "--tokens");
+    assert!(t0.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn the_memory_estimate_covers_more_than_the_heaps() {
+    // Small heaps (about 1.5 GiB) but expert-major LL buffers of 16384 local experts × 4
+    // ranks × 2^20 tokens: terabytes. The check used to count the heaps alone and let the
+    // OOM killer end the run without a message.
+    let t0 = Instant::now();
+    let args = [
+        "bench",
+        "--mode",
+        "ll",
+        "--experts",
+        "65536",
+        "--max-tokens",
+        "1048576",
+        "--tokens",
+        "1",
+        "--hidden",
+        "8",
+    ];
+    usage_error(&args, "inputs and per-iteration buffers");
+    usage_error(&args, "MemAvailable");
+    usage_error(&args, "--max-tokens");
+    assert!(t0.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn options_that_do_not_apply_are_refused_not_ignored() {
+    let cases: &[(&[&str], &[&str])] = &[
+        // GPU-only options without --gpus.
+        (&["check", "--stall", "2:ht-combine"], &["--stall", "--gpus"]),
+        (&["check", "--variants", "all"], &["--variants", "--gpus"]),
+        (&["bench", "--sms", "4"], &["--sms", "--gpus"]),
+        (&["bench", "--sweep"], &["--sweep", "--gpus"]),
+        (&["bench", "--sweep-list", "sms=32"], &["--sweep-list", "--gpus"]),
+        (
+            &["bench", "--ht-sizing", "static"],
+            &["--ht-sizing static", "--gpus"],
+        ),
+        // Options of the other mode.
+        (
+            &["bench", "--ll-combine-order", "rank-first"],
+            &["--ll-combine-order", "--mode ll", "--mode ht"],
+        ),
+        (
+            &["bench", "--mode", "ll", "--alignment", "4"],
+            &["--alignment", "--mode ll"],
+        ),
+        (
+            &["bench", "--gpus", "2", "--mode", "ll", "--ht-sizing", "exact"],
+            &["--ht-sizing exact", "--mode ll"],
+        ),
+        // Host-only options with --gpus, and options another one replaces.
+        (&["bench", "--gpus", "2", "--ranks", "2"], &["--ranks", "--gpus"]),
+        (&["check", "--gpus", "2", "--launch", "processes"], &["--launch"]),
+        (&["check", "--gpus", "2", "--iters", "3"], &["--iters"]),
+        (&["check", "--gpus", "2", "--case", "1"], &["--case"]),
+        (
+            &["check", "--gpus", "2", "--mode", "ll", "--seed", "3"],
+            &["--seed", "--mode ll"],
+        ),
+        (
+            &["check", "--gpus", "2", "--stall", "1:ht-combine", "--cases", "3"],
+            &["--cases", "--stall"],
+        ),
+        (
+            &["bench", "--gpus", "2", "--sweep-list", "sms=32"],
+            &["--sweep-list", "--sweep"],
+        ),
+        (
+            &[
+                "bench", "--gpus", "2", "--mode", "ll", "--sweep", "--json", "x.json",
+            ],
+            &["--json", "--sweep"],
+        ),
+    ];
+    for (args, needles) in cases {
+        for needle in *needles {
+            usage_error(args, needle);
+        }
+    }
+}
+
+#[test]
+fn check_mode_ll_runs_only_ll_on_the_host() {
+    let o = gin_ep(&["check", "--mode", "ll", "--ranks", "1-3", "--cases", "3"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
+    assert!(out.contains("operations LL only"), "{out}");
+    assert!(out.contains("9 passed, 0 failed"), "{out}");
+    let o = gin_ep(&["check", "--ranks", "2", "--cases", "1"]);
+    assert!(text(&o).0.contains("operations HT and LL"), "{:?}", text(&o));
+}
+
+#[test]
+fn bench_banner_tells_whether_the_kernels_are_in_this_build() {
+    let info = text(&gin_ep(&["info"])).0;
+    let absent = info
+        .lines()
+        .any(|l| l.starts_with("kernels:") && l.contains("absent"));
+    let o = gin_ep(&[
+        "bench",
+        "--ranks",
+        "2",
+        "--tokens",
+        "8",
+        "--hidden",
+        "128",
+        "--experts",
+        "4",
+        "--topk",
+        "2",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
+    let banner = out.lines().next().unwrap_or("");
+    assert!(
+        banner.starts_with("backend: host") && banner.contains("no --gpus"),
+        "{banner}"
+    );
+    let want = if absent {
+        "this build has no CUDA kernels"
+    } else {
+        "this build has the CUDA kernels"
+    };
+    assert!(
+        banner.contains(want),
+        "info says kernels absent = {absent}: {banner}"
+    );
+    // The shape comes before the run's tables.
+    let shape = out.find("HT: 2 ranks").expect("shape line");
+    assert!(shape < out.find("median µs").expect("table"), "{out}");
+}
+
+#[test]
+fn long_runs_print_progress_lines_into_a_log() {
+    let o = Command::new(EXE)
+        .args([
+            "bench",
+            "--ranks",
+            "2",
+            "--tokens",
+            "512",
+            "--hidden",
+            "1024",
+            "--experts",
+            "8",
+            "--iters",
+            "40",
+            "--warmup",
+            "0",
+        ])
+        .env("GIN_EP_PROGRESS_SECS", "0.02")
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
+    assert!(
+        err.lines().any(|l| l.starts_with("bench: ")),
+        "no progress line: {err}"
+    );
+    let o = Command::new(EXE)
+        .args(["check", "--ranks", "1-4", "--cases", "4"])
+        .env("GIN_EP_PROGRESS_SECS", "0.02")
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
+    assert!(
+        err.lines().any(|l| l.starts_with("check: ranks")),
+        "no progress line: {err}"
+    );
+}
+
+#[test]
+fn an_unwritable_json_path_is_bad_input() {
+    usage_error(
+        &["bench", "--tokens", "8", "--json", "/nonexistent-dir/bench.json"],
+        "--json /nonexistent-dir/bench.json",
+    );
+}
+
+#[test]
+fn steep_zipf_routing_runs_in_time() {
+    // Rejection sampling needed about 1e9 draws per token here, so the run printed nothing
+    // and a peer's deadline blamed "rank 1".
+    let t0 = Instant::now();
+    let o = gin_ep(&[
+        "bench",
+        "--routing",
+        "zipf:10",
+        "--ranks",
+        "4",
+        "--tokens",
+        "4096",
+        "--hidden",
+        "128",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--timeout",
+        "20",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
+    assert!(t0.elapsed() < Duration::from_secs(60), "took {:?}", t0.elapsed());
+}

@@ -12,7 +12,7 @@ use crate::backend::host::protocol::{HostEp, Modes};
 use crate::backend::host::run::{run_threads, HostOptions};
 use crate::config::EpConfig;
 use crate::error::{Error, Result};
-use crate::ht::HtCombineInput;
+use crate::ht::{HtCombineInput, RankInput};
 use crate::quant::Rows;
 use crate::workload::{Routing, Workload};
 use serde::Serialize;
@@ -50,6 +50,131 @@ pub struct BenchOptions {
     /// dispatch kernel) and the combine input staged from caller memory, as the Python
     /// `Buffer` does, instead of static sizing and a window-resident combine input.
     pub ht_exact: bool,
+}
+
+/// Most timed iterations, and most warm-up iterations, of one bench: every timed
+/// iteration keeps its times (about [`TIMING_BYTES_PER_ITER`] per rank), and a million
+/// is already hours of host run.
+pub const MAX_ITERS: usize = 1_000_000;
+
+/// Host bytes one timed iteration's records take on one rank: the iteration's entry, its
+/// two operations' totals and up to 8 named phases each, with allocator overhead.
+pub const TIMING_BYTES_PER_ITER: u64 = 768;
+
+/// Process baseline beside the counted buffers: code, thread stacks, allocator slack.
+const BASELINE_BYTES: u64 = 64 << 20;
+
+/// Host memory a host-backend bench needs at its peak, all ranks together; an upper
+/// bound (receive sizes at their worst routing), so a run that fits is never refused
+/// for a routing it might draw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryEstimate {
+    /// Symmetric heaps (`HostEp::required_bytes` per rank).
+    pub heaps: u64,
+    /// Inputs, each iteration's outputs and expert outputs, and the process baseline.
+    pub buffers: u64,
+    /// Per-iteration time records (`iters`).
+    pub timing: u64,
+}
+
+impl MemoryEstimate {
+    pub fn total(&self) -> u64 {
+        self.heaps
+            .saturating_add(self.buffers)
+            .saturating_add(self.timing)
+    }
+}
+
+impl BenchOptions {
+    /// Checks the config and the run's own sizes; the error names the field.
+    pub fn validate(&self) -> Result<()> {
+        self.cfg.validate()?;
+        if self.tokens == 0 {
+            return Err(Error::config(
+                "tokens",
+                0,
+                "must be at least 1 to measure anything",
+            ));
+        }
+        if self.tokens > self.cfg.max_tokens_per_rank {
+            return Err(Error::config(
+                "tokens",
+                self.tokens,
+                format!("above max_tokens_per_rank = {}", self.cfg.max_tokens_per_rank),
+            ));
+        }
+        if self.iters == 0 {
+            return Err(Error::config("iters", 0, "must be at least 1"));
+        }
+        if self.iters > MAX_ITERS {
+            return Err(Error::config(
+                "iters",
+                self.iters,
+                format!("larger than the limit {MAX_ITERS}"),
+            ));
+        }
+        if self.warmup > MAX_ITERS {
+            return Err(Error::config(
+                "warmup",
+                self.warmup,
+                format!("larger than the limit {MAX_ITERS}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The host memory [`run_host`] needs (see [`MemoryEstimate`]); call on validated
+    /// options. Counted in u128, so no size the limits allow can overflow.
+    pub fn host_memory(&self) -> MemoryEstimate {
+        let cfg = &self.cfg;
+        let modes = Modes {
+            ht: self.mode == BenchMode::Ht,
+            ll: self.mode == BenchMode::Ll,
+        };
+        let u = |v: usize| v as u128;
+        let (r, t, n, h, k) = (
+            u(cfg.ranks),
+            u(cfg.max_tokens_per_rank),
+            u(self.tokens),
+            u(cfg.hidden),
+            u(cfg.topk),
+        );
+        let row = u(cfg.dispatch_dtype.row_bytes(cfg.hidden));
+        let heaps = u(HostEp::required_bytes(cfg, modes)) * r;
+        // Per rank: activations, routing, weights, layout (one slot per token and rank),
+        // and the combine's output (activations and weights).
+        let inputs = n * (h * 2 + k * 12 + r * 8);
+        let combined = n * (h * 2 + k * 4) + h * 8;
+        let per_iter = match self.mode {
+            BenchMode::Ht => {
+                // All ranks together receive at most one row per (token, destination rank);
+                // each row: payload and scales, routing, weights, source index, and the BF16
+                // expert output combine sends back (FP8 rows cannot be sent back as they are).
+                let rows = r * n * r.min(k);
+                let back = if cfg.dispatch_dtype.is_fp8() { h * 2 } else { 0 };
+                rows * (row + back + k * 12 + 16) + r * combined
+            }
+            BenchMode::Ll => {
+                // Expert-major receive buffers at full capacity: three source arrays (filled,
+                // so resident) and the expert outputs the combine reads (allocated once,
+                // filled). The zeroed row buffer is resident only where rows land: at most
+                // one row per (token, top-k entry) of every rank, all ranks together.
+                let cap_rows = u(cfg.local_experts()) * r * t;
+                let landed = (r * cap_rows).min(r * n * k);
+                r * (cap_rows * (12 + h * 2) + combined) + landed * row
+            }
+        };
+        // Freed buffers stay with the allocator's per-thread arenas for a while.
+        let per_iter = per_iter + per_iter / 8;
+        let buffers = r * inputs + per_iter + u(BASELINE_BYTES as usize);
+        let timing = r * u(self.iters) * u(TIMING_BYTES_PER_ITER as usize);
+        let sat = |v: u128| u64::try_from(v).unwrap_or(u64::MAX);
+        MemoryEstimate {
+            heaps: sat(heaps),
+            buffers: sat(buffers),
+            timing: sat(timing),
+        }
+    }
 }
 
 /// Median, 10th and 90th percentile of a set of times, in microseconds.
@@ -188,19 +313,23 @@ fn time_op<T>(
     Ok((out, (total, ep.last_phases().to_vec())))
 }
 
+fn workload(opts: &BenchOptions) -> Workload {
+    Workload {
+        routing: opts.routing,
+        seed: opts.seed,
+        mask_prob: 0.0,
+    }
+}
+
 fn rank_loop(
     opts: &BenchOptions,
     ep: &mut HostEp,
+    input: &RankInput,
     progress: &Mutex<&mut (dyn FnMut(usize, usize) + Send)>,
 ) -> Result<RankRun> {
     let cfg = &opts.cfg;
     let me = ep.rank();
-    let w = Workload {
-        routing: opts.routing,
-        seed: opts.seed,
-        mask_prob: 0.0,
-    };
-    let input = w.rank_input(cfg, me, opts.tokens);
+    let w = workload(opts);
     let total = opts.warmup + opts.iters;
     let mut times = Vec::with_capacity(opts.iters);
     let mut rows = Vec::new();
@@ -260,26 +389,34 @@ fn rank_loop(
     Ok(RankRun { times, rows })
 }
 
-/// Runs the benchmark on the host backend.
+/// Every rank's input, drawn in parallel before any rank starts: drawing it inside the
+/// ranks would let a slow draw run out a peer's deadline and be reported as that peer's
+/// timeout.
+fn rank_inputs(opts: &BenchOptions) -> Result<Vec<RankInput>> {
+    let w = workload(opts);
+    let (w, cfg) = (&w, &opts.cfg);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..cfg.ranks)
+            .map(|r| s.spawn(move || w.rank_input(cfg, r, opts.tokens)))
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(r, h)| {
+                h.join().map_err(|_| Error::PeerFailed {
+                    peer: r,
+                    phase: "input generation".into(),
+                    reason: "the thread drawing the rank's input panicked".into(),
+                })
+            })
+            .collect()
+    })
+}
+
+/// Runs the benchmark on the host backend. `progress(done, total)` is called by rank 0
+/// after each iteration; `(0, total)` first, once the inputs are drawn.
 pub fn run_host(opts: &BenchOptions, progress: &mut (dyn FnMut(usize, usize) + Send)) -> Result<BenchReport> {
-    opts.cfg.validate()?;
-    if opts.tokens > opts.cfg.max_tokens_per_rank {
-        return Err(Error::config(
-            "tokens",
-            opts.tokens,
-            format!("above max_tokens_per_rank = {}", opts.cfg.max_tokens_per_rank),
-        ));
-    }
-    if opts.tokens == 0 {
-        return Err(Error::config(
-            "tokens",
-            0,
-            "must be at least 1 to measure anything",
-        ));
-    }
-    if opts.iters == 0 {
-        return Err(Error::config("iters", 0, "must be at least 1"));
-    }
+    opts.validate()?;
     let modes = Modes {
         ht: opts.mode == BenchMode::Ht,
         ll: opts.mode == BenchMode::Ll,
@@ -289,8 +426,12 @@ pub fn run_host(opts: &BenchOptions, progress: &mut (dyn FnMut(usize, usize) + S
         timeout: opts.timeout,
         fault: None,
     };
+    let inputs = rank_inputs(opts)?;
+    progress(0, opts.warmup + opts.iters);
     let progress = Mutex::new(progress);
-    let runs = run_threads(&opts.cfg, &host, |ep| rank_loop(opts, ep, &progress))?;
+    let runs = run_threads(&opts.cfg, &host, |ep| {
+        rank_loop(opts, ep, &inputs[ep.rank()], &progress)
+    })?;
     let runs: Vec<RankRun> = runs.into_iter().collect::<Result<_>>()?;
     Ok(report(opts, &runs))
 }
@@ -369,11 +510,62 @@ mod tests {
         };
         let mut calls = 0;
         let r = run_host(&opts, &mut |_, _| calls += 1).unwrap();
-        assert_eq!(calls, 4);
+        assert_eq!(
+            calls, 5,
+            "once when the inputs are drawn, then once per iteration"
+        );
         assert_eq!(r.ops.len(), 2);
         let d = &r.ops[0];
         assert!(d.rows_per_rank > 0.0 && d.remote_rows_per_rank <= d.rows_per_rank);
         assert!(d.logical_gbps > 0.0 && d.remote_gbps <= d.logical_gbps);
         assert!(d.phases.iter().any(|p| p.0 == "count exchange"));
+    }
+
+    fn opts(mode: BenchMode, cfg: EpConfig, tokens: usize, iters: usize) -> BenchOptions {
+        BenchOptions {
+            mode,
+            cfg,
+            tokens,
+            routing: Routing::Uniform,
+            seed: 1,
+            iters,
+            warmup: 0,
+            timeout: Duration::from_secs(30),
+            launch: Launch::Threads,
+            ht_exact: false,
+        }
+    }
+
+    #[test]
+    fn iteration_counts_past_the_limit_are_refused_naming_the_field() {
+        let cfg = EpConfig::new(2, 8, 256, 2, 32);
+        let e = opts(BenchMode::Ht, cfg.clone(), 32, 99_999_999_999)
+            .validate()
+            .unwrap_err();
+        assert!(
+            e.is_usage() && e.to_string().contains("iters = 99999999999"),
+            "{e}"
+        );
+        let mut o = opts(BenchMode::Ht, cfg, 32, 1);
+        o.warmup = MAX_ITERS + 1;
+        assert!(o.validate().unwrap_err().to_string().contains("warmup"));
+    }
+
+    #[test]
+    fn memory_estimate_counts_more_than_the_heaps() {
+        // The peers' shape: the heaps are most of it, the receive rows and outputs the rest.
+        let ht = opts(BenchMode::Ht, EpConfig::new(4, 256, 7168, 8, 20_000), 20_000, 5);
+        let m = ht.host_memory();
+        let modes = Modes { ht: true, ll: false };
+        assert_eq!(m.heaps, HostEp::required_bytes(&ht.cfg, modes) as u64 * 4);
+        assert!(m.total() as f64 > 1.8 * m.heaps as f64, "{m:?}");
+        // LL buffers are expert-major at full capacity: a tiny --tokens with a huge
+        // --max-tokens still needs over 30 GiB although its heaps are small.
+        let ll = opts(BenchMode::Ll, EpConfig::new(4, 256, 8, 8, 1 << 20), 1, 5);
+        let m = ll.host_memory();
+        assert!(m.heaps < 4 << 30 && m.total() > 30 << 30, "{m:?}");
+        // Time records grow with --iters.
+        let many = opts(BenchMode::Ht, EpConfig::new(2, 8, 256, 2, 32), 32, MAX_ITERS);
+        assert!(many.host_memory().timing >= 2 * MAX_ITERS as u64 * TIMING_BYTES_PER_ITER);
     }
 }

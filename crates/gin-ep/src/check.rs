@@ -4,6 +4,7 @@
 //! differing element with both values. Never decides what is correct; the
 //! oracle does.
 
+use crate::backend::host::protocol::{HostEp, Modes};
 use crate::config::EpConfig;
 use crate::error::{Error, Result};
 use crate::ht::{HtCombineOutput, HtDispatchOutput};
@@ -247,7 +248,13 @@ impl Case {
 /// cached HT dispatch with new activations, HT combine with weights and bias,
 /// LL dispatch and LL combine. Buffers are poisoned before every iteration.
 pub fn run_rank_case(case: &Case, ep: &mut crate::backend::host::protocol::HostEp) -> Result<()> {
-    let r = run_rank_case_inner(case, ep);
+    run_rank_case_modes(case, ep, Modes { ht: true, ll: true })
+}
+
+/// [`run_rank_case`] restricted to the operations of `modes` (HT: dispatch, cached
+/// dispatch, combine; LL: dispatch, combine); `ep`'s heap must be sized for them.
+pub fn run_rank_case_modes(case: &Case, ep: &mut HostEp, modes: Modes) -> Result<()> {
+    let r = run_rank_case_inner(case, ep, modes);
     if r.is_err() {
         // Peers would otherwise wait out their deadline before reporting.
         ep.abandon();
@@ -255,7 +262,7 @@ pub fn run_rank_case(case: &Case, ep: &mut crate::backend::host::protocol::HostE
     r
 }
 
-fn run_rank_case_inner(case: &Case, ep: &mut crate::backend::host::protocol::HostEp) -> Result<()> {
+fn run_rank_case_inner(case: &Case, ep: &mut HostEp, modes: Modes) -> Result<()> {
     use crate::ht::HtCombineInput;
     use crate::oracle;
     let cfg = &case.cfg;
@@ -279,69 +286,72 @@ fn run_rank_case_inner(case: &Case, ep: &mut crate::backend::host::protocol::Hos
         ep.poison_buffers();
         let mine = &ins[me];
 
-        // HT dispatch.
-        let want = oracle::ht_dispatch(cfg, &ins)?;
-        let got = ep.ht_dispatch(&mine.x, &mine.topk_idx, &mine.topk_weights)?;
-        ht_dispatch(cfg, me, &got, &want[me]).map_err(|e| ctx(e, "HT dispatch", iter))?;
+        if modes.ht {
+            // HT dispatch.
+            let want = oracle::ht_dispatch(cfg, &ins)?;
+            let got = ep.ht_dispatch(&mine.x, &mine.topk_idx, &mine.topk_weights)?;
+            ht_dispatch(cfg, me, &got, &want[me]).map_err(|e| ctx(e, "HT dispatch", iter))?;
 
-        // Cached dispatch of new activations through the same handle.
-        let new_ins: Vec<_> = ins
-            .iter()
-            .enumerate()
-            .map(|(r, i)| crate::ht::RankInput {
-                x: w.bf16_values(r, 11, i.x.len()),
-                ..i.clone()
-            })
-            .collect();
-        let want_cached = oracle::ht_dispatch(cfg, &new_ins)?;
-        ep.poison_buffers();
-        let got_cached = ep.ht_dispatch_cached(&new_ins[me].x, &got.handle)?;
-        let probe = crate::ht::HtDispatchOutput {
-            recv_x: got_cached,
-            ..want_cached[me].clone()
-        };
-        ht_dispatch(cfg, me, &probe, &want_cached[me]).map_err(|e| ctx(e, "cached HT dispatch", iter))?;
+            // Cached dispatch of new activations through the same handle.
+            let new_ins: Vec<_> = ins
+                .iter()
+                .enumerate()
+                .map(|(r, i)| crate::ht::RankInput {
+                    x: w.bf16_values(r, 11, i.x.len()),
+                    ..i.clone()
+                })
+                .collect();
+            let want_cached = oracle::ht_dispatch(cfg, &new_ins)?;
+            ep.poison_buffers();
+            let got_cached = ep.ht_dispatch_cached(&new_ins[me].x, &got.handle)?;
+            let probe = crate::ht::HtDispatchOutput {
+                recv_x: got_cached,
+                ..want_cached[me].clone()
+            };
+            ht_dispatch(cfg, me, &probe, &want_cached[me]).map_err(|e| ctx(e, "cached HT dispatch", iter))?;
 
-        // HT combine of random expert outputs, with weights and (odd iterations) bias.
-        let handles: Vec<_> = want.iter().map(|o| o.handle.clone()).collect();
-        let comb_in: Vec<HtCombineInput> = (0..cfg.ranks)
-            .map(|r| {
-                let nr = handles[r].num_recv();
-                HtCombineInput {
-                    x: w.bf16_values(r, 21, nr * cfg.hidden),
-                    topk_weights: Some(w.f32_values(r, 22, nr * cfg.topk)),
-                    bias: if iter % 2 == 1 {
-                        [
-                            Some(w.bf16_values(r, 23, case.tokens[r] * cfg.hidden)),
-                            Some(w.bf16_values(r, 24, case.tokens[r] * cfg.hidden)),
-                        ]
-                    } else {
-                        [None, None]
-                    },
-                }
-            })
-            .collect();
-        let want_comb = oracle::ht_combine(cfg, &handles, &comb_in)?;
-        ep.poison_buffers();
-        let got_comb = ep.ht_combine(&comb_in[me], &got.handle)?;
-        ht_combine(me, &got_comb, &want_comb[me]).map_err(|e| ctx(e, "HT combine", iter))?;
-
-        // LL dispatch and combine.
-        let want_ll = oracle::ll_dispatch(cfg, &ins)?;
-        ep.poison_buffers();
-        let got_ll = ep.ll_dispatch(&mine.x, &mine.topk_idx)?;
-        ll_dispatch(cfg, me, &got_ll, &want_ll[me]).map_err(|e| ctx(e, "LL dispatch", iter))?;
-        let cap_rows = cfg.local_experts() * cfg.ranks * cfg.max_tokens_per_rank;
-        let ys: Vec<Vec<bf16>> = (0..cfg.ranks)
-            .map(|r| w.bf16_values(r, 31, cap_rows * cfg.hidden))
-            .collect();
-        let ll_handles: Vec<_> = want_ll.iter().map(|o| o.handle.clone()).collect();
-        let idx: Vec<_> = ins.iter().map(|i| i.topk_idx.clone()).collect();
-        let wts: Vec<_> = ins.iter().map(|i| i.topk_weights.clone()).collect();
-        let want_llc = oracle::ll_combine(cfg, &ll_handles, &ys, &idx, &wts)?;
-        ep.poison_buffers();
-        let got_llc = ep.ll_combine(&ys[me], &mine.topk_idx, &mine.topk_weights, &got_ll.handle)?;
-        ll_combine(me, &got_llc, &want_llc[me]).map_err(|e| ctx(e, "LL combine", iter))?;
+            // HT combine of random expert outputs, with weights and (odd iterations) bias.
+            let handles: Vec<_> = want.iter().map(|o| o.handle.clone()).collect();
+            let comb_in: Vec<HtCombineInput> = (0..cfg.ranks)
+                .map(|r| {
+                    let nr = handles[r].num_recv();
+                    HtCombineInput {
+                        x: w.bf16_values(r, 21, nr * cfg.hidden),
+                        topk_weights: Some(w.f32_values(r, 22, nr * cfg.topk)),
+                        bias: if iter % 2 == 1 {
+                            [
+                                Some(w.bf16_values(r, 23, case.tokens[r] * cfg.hidden)),
+                                Some(w.bf16_values(r, 24, case.tokens[r] * cfg.hidden)),
+                            ]
+                        } else {
+                            [None, None]
+                        },
+                    }
+                })
+                .collect();
+            let want_comb = oracle::ht_combine(cfg, &handles, &comb_in)?;
+            ep.poison_buffers();
+            let got_comb = ep.ht_combine(&comb_in[me], &got.handle)?;
+            ht_combine(me, &got_comb, &want_comb[me]).map_err(|e| ctx(e, "HT combine", iter))?;
+        }
+        if modes.ll {
+            // LL dispatch and combine.
+            let want_ll = oracle::ll_dispatch(cfg, &ins)?;
+            ep.poison_buffers();
+            let got_ll = ep.ll_dispatch(&mine.x, &mine.topk_idx)?;
+            ll_dispatch(cfg, me, &got_ll, &want_ll[me]).map_err(|e| ctx(e, "LL dispatch", iter))?;
+            let cap_rows = cfg.local_experts() * cfg.ranks * cfg.max_tokens_per_rank;
+            let ys: Vec<Vec<bf16>> = (0..cfg.ranks)
+                .map(|r| w.bf16_values(r, 31, cap_rows * cfg.hidden))
+                .collect();
+            let ll_handles: Vec<_> = want_ll.iter().map(|o| o.handle.clone()).collect();
+            let idx: Vec<_> = ins.iter().map(|i| i.topk_idx.clone()).collect();
+            let wts: Vec<_> = ins.iter().map(|i| i.topk_weights.clone()).collect();
+            let want_llc = oracle::ll_combine(cfg, &ll_handles, &ys, &idx, &wts)?;
+            ep.poison_buffers();
+            let got_llc = ep.ll_combine(&ys[me], &mine.topk_idx, &mine.topk_weights, &got_ll.handle)?;
+            ll_combine(me, &got_llc, &want_llc[me]).map_err(|e| ctx(e, "LL combine", iter))?;
+        }
     }
     Ok(())
 }
