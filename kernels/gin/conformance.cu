@@ -72,6 +72,10 @@ struct GinCheckArgs {
   uint32_t order_every;      // 0: no ordering test
   uint32_t n_signals;        // per context: 3 n + 1
 };
+// Mirrored by GinCheckArgs in crates/gin-ep/src/backend/cuda/gincheck.rs.
+static_assert(sizeof(GinCheckArgs) == kDevCommSlotBytes + 136 && offsetof(GinCheckArgs, max_bytes) == kDevCommSlotBytes + 64 &&
+                  offsetof(GinCheckArgs, order_every) == kDevCommSlotBytes + 128,
+              "host ABI");
 
 struct GcOp {
   uint64_t bytes, src_off, dst_off, add;

@@ -10,7 +10,9 @@
 use gin_ep_sys as ns;
 
 pub mod driver;
+pub mod gincheck;
 pub mod ht;
+pub mod ipc;
 pub mod kernels;
 pub mod ll;
 pub mod ops;
@@ -18,8 +20,8 @@ pub mod runtime;
 
 pub use ops::{AlltoallKernel, AlltoallLaunch};
 pub use runtime::{
-    gin_network, nccl_probe, CudaRank, CudaRankOptions, DevComm, DevCommRequest, DeviceBuffer, DeviceRegion,
-    Event, ExternalSpan, PeerCopy, RankInfo, SideStreams, Window,
+    gin_available, gin_network, nccl_probe, CudaRank, CudaRankOptions, DevComm, DevCommRequest, DeviceBuffer,
+    DeviceRegion, Event, ExternalSpan, PeerCopy, RankInfo, SideStreams, Window,
 };
 
 /// Why the CUDA backend cannot run here. Messages name the missing piece and the fix.
