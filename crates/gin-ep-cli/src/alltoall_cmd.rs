@@ -17,6 +17,13 @@ pub struct AlltoallArgs {
     /// Ranks, one process per GPU [default: every GPU].
     #[arg(long, value_parser = parse_whole::<usize>)]
     pub gpus: Option<usize>,
+    /// With --gpus: K processes per GPU, each its own NCCL node (consecutive ranks share a
+    /// GPU), with the project's NCCL net plugin loaded. Figures are then time-sliced.
+    #[arg(long, value_name = "K", value_parser = parse_whole::<usize>)]
+    pub vnodes: Option<usize>,
+    /// With --gpus: M consecutive ranks form one gin-ep node [default: NCCL's LSA team].
+    #[arg(long, value_name = "M", value_parser = parse_whole::<usize>)]
+    pub node_size: Option<usize>,
     /// Smallest per-rank total send size (K/M/G suffixes).
     #[arg(short = 'b', long = "min-bytes", default_value = "1M", value_parser = parse_bytes)]
     pub min_bytes: usize,
@@ -129,7 +136,13 @@ pub fn run(a: &AlltoallArgs) -> CliResult {
         }
     };
     gpus::check_count(gpus)?;
-    opts.validate(gpus)?;
+    if a.gpus.is_none() && (a.vnodes.is_some() || a.node_size.is_some()) {
+        return Err(CliError::Usage(
+            "--vnodes and --node-size shape a GPU launch: use them with --gpus N".into(),
+        ));
+    }
+    let world = gpus::set_topology(gpus, a.vnodes, a.node_size)?;
+    opts.validate(world)?;
     match gpus::relaunch(gpus, a.timeout)? {
         None => Ok(()),
         Some(f) => Err(CliError::Failed(format!(
@@ -156,6 +169,12 @@ fn run_child(a: &AlltoallArgs, opts: &AlltoallOptions) -> CliResult {
                 .map_err(|e| CliError::Failed(format!("cannot encode the report: {e}")))?;
             println!("{s}");
         } else {
+            if gin_ep::group::vnodes::RankTopology::from_env()?.vnodes > 1 {
+                println!(
+                    "processes share GPUs: every figure below is {}",
+                    gin_ep::group::vnodes::TIME_SLICED
+                );
+            }
             print_table(&report);
         }
     }

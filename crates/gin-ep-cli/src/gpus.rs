@@ -3,8 +3,22 @@
 //! rank that failed. Owns only that plumbing; each command words its own report.
 
 use crate::error::{CliError, CliResult};
-use gin_ep::group::{first_failure, launch_ranks, RankExit};
+use gin_ep::group::vnodes::{find_plugin, Topology};
+use gin_ep::group::{first_failure, launch_ranks_env, RankExit};
+use std::sync::OnceLock;
 use std::time::Duration;
+
+/// The launch shape of this command (`--vnodes`, `--node-size`), set once before relaunching.
+static TOPOLOGY: OnceLock<Topology> = OnceLock::new();
+
+/// Records `--gpus G --vnodes K --node-size M` for [`relaunch`]; a bad shape is a usage error
+/// naming the value. Returns the number of ranks.
+pub fn set_topology(gpus: usize, vnodes: Option<usize>, node_size: Option<usize>) -> CliResult<usize> {
+    let t =
+        Topology::new(gpus, vnodes.unwrap_or(1), node_size).map_err(|e| CliError::Usage(e.to_string()))?;
+    let _ = TOPOLOGY.set(t);
+    Ok(t.world())
+}
 
 /// `--gpus N` must name 1 to 1024 ranks.
 pub fn check_count(gpus: usize) -> CliResult {
@@ -19,11 +33,22 @@ pub fn check_count(gpus: usize) -> CliResult {
 /// Starts `gpus` ranks of this binary with this process's arguments and waits for them
 /// (the launcher kills stragglers at `deadline`). `Ok(None)`: every rank succeeded;
 /// `Ok(Some(exit))`: the first rank to fail.
+/// With [`set_topology`], `gpus` x vnodes ranks, each with its virtual-node environment.
 pub fn relaunch(gpus: usize, deadline: Duration) -> CliResult<Option<RankExit>> {
     let exe =
         std::env::current_exe().map_err(|e| CliError::Failed(format!("cannot find own binary: {e}")))?;
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let exits = launch_ranks(gpus, &exe, &args, deadline)?;
+    let topo = match TOPOLOGY.get() {
+        Some(t) => *t,
+        None => Topology::new(gpus, 1, None).map_err(|e| CliError::Usage(e.to_string()))?,
+    };
+    let plugin = if topo.needs_plugin() {
+        Some(find_plugin(&exe, &|k| std::env::var(k).ok()).map_err(|e| CliError::Failed(e.to_string()))?)
+    } else {
+        None
+    };
+    let env = |r: usize| topo.rank_env(r, plugin.as_deref());
+    let exits = launch_ranks_env(topo.world(), &exe, &args, deadline, &env)?;
     Ok(first_failure(&exits).cloned())
 }
 
