@@ -283,8 +283,18 @@ fn build_kernels(
             let Some((i, mut cmd)) = pending.next() else {
                 break;
             };
-            // ptxas -v reports on stderr; stdout is unused.
-            cmd.stdout(Stdio::null()).stderr(Stdio::piped());
+            // ptxas -v reports on stderr, straight into the set's report file (a pipe would
+            // stall a compile whose report outgrows it while another one is awaited).
+            let suffix = meta.sets[i].label.replace('.', "_");
+            let report_path = out_dir.join(format!("ptxas_{suffix}.txt"));
+            let report_file = match fs::File::create(&report_path) {
+                Ok(f) => f,
+                Err(e) => {
+                    failure = Some(format!("creating {}: {e}", report_path.display()));
+                    continue;
+                }
+            };
+            cmd.stdout(Stdio::null()).stderr(report_file);
             match cmd.spawn() {
                 Ok(child) => running.push((i, child)),
                 Err(e) => failure = Some(format!("running {}: {e}", nvcc.display())),
@@ -300,8 +310,8 @@ fn build_kernels(
             }
         }
         // Wait for the oldest; the others keep running meanwhile.
-        let (i, child) = running.remove(0);
-        let Ok(output) = child.wait_with_output() else {
+        let (i, mut child) = running.remove(0);
+        let Ok(status) = child.wait() else {
             failure.get_or_insert_with(|| format!("waiting for {}", nvcc.display()));
             continue;
         };
@@ -309,14 +319,16 @@ fn build_kernels(
             continue;
         }
         let set = &meta.sets[i];
-        let report = String::from_utf8_lossy(&output.stderr).into_owned();
         let suffix = set.label.replace('.', "_");
         let report_path = out_dir.join(format!("ptxas_{suffix}.txt"));
-        if let Err(e) = fs::write(&report_path, &report) {
-            failure = Some(format!("writing {}: {e}", report_path.display()));
-            continue;
-        }
-        if !output.status.success() {
+        let report = match fs::read(&report_path) {
+            Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+            Err(e) => {
+                failure = Some(format!("reading {}: {e}", report_path.display()));
+                continue;
+            }
+        };
+        if !status.success() {
             // A compile error is a bug in our kernels (or a version guard they lack), not a
             // missing toolchain: fail loudly even without GIN_EP_REQUIRE_KERNELS, or kernel
             // breakage would hide behind a warning.
@@ -324,7 +336,7 @@ fn build_kernels(
             failure = Some(format!(
                 "nvcc failed with the NCCL {} headers ({}); command: {}",
                 set.label,
-                output.status,
+                status,
                 set.nvcc_command.as_deref().unwrap_or_default()
             ));
             continue;
