@@ -105,6 +105,7 @@ pub fn mode_name(m: Mode) -> &'static str {
     match m {
         Mode::Ht => "ht",
         Mode::Ll => "ll",
+        Mode::Gin => "gin",
     }
 }
 

@@ -23,6 +23,9 @@ pub enum Mode {
     Ht,
     /// Low latency (decode): expert-major buffers, 1-256 tokens.
     Ll,
+    /// GIN conformance (`check --gpus N --mode gin` only): puts, signals, counters and
+    /// ordering between NCCL nodes, bit-exact.
+    Gin,
 }
 
 /// Defaults of `--iters` and `--warmup` per mode, chosen so that `gin-ep bench`
@@ -92,6 +95,13 @@ pub struct BenchArgs {
     /// Run on N GPUs, one process per GPU (the CUDA backend; overrides --ranks).
     #[arg(long, value_name = "N", value_parser = parse_whole::<usize>)]
     pub gpus: Option<usize>,
+    /// With --gpus: K processes per GPU, each its own NCCL node. HT and LL refuse K > 1
+    /// (they reach peers only through NCCL's LSA team).
+    #[arg(long, value_name = "K", value_parser = parse_whole::<usize>)]
+    pub vnodes: Option<usize>,
+    /// With --gpus: M consecutive ranks form one gin-ep node [default: NCCL's LSA team].
+    #[arg(long, value_name = "M", value_parser = parse_whole::<usize>)]
+    pub node_size: Option<usize>,
     /// SMs (CTAs) per dispatch/combine kernel on GPUs [default: 24 for ht; 0 for ll, which
     /// means every SM (LL kernels are latency-bound)].
     #[arg(long, value_name = "N", value_parser = parse_whole::<u32>)]
@@ -157,6 +167,8 @@ fn refuse_inapplicable(a: &BenchArgs) -> CliResult {
         ),
         Opt::new(sizing, a.ht_sizing.is_some(), Rule::ANY.gpus().modes(HT)),
         Opt::new("--sms", a.sms.is_some(), Rule::ANY.gpus()),
+        Opt::new("--vnodes", a.vnodes.is_some(), Rule::ANY.gpus()),
+        Opt::new("--node-size", a.node_size.is_some(), Rule::ANY.gpus()),
         Opt::new("--sweep", a.sweep, Rule::ANY.gpus()),
         Opt::new(
             "--sweep-list",
@@ -180,12 +192,24 @@ fn refuse_inapplicable(a: &BenchArgs) -> CliResult {
 }
 
 fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
-    refuse_inapplicable(a)?;
-    let ranks = a.gpus.or(a.ranks).unwrap_or(4);
     let (mode, (tokens_d, iters_d, warmup_d)) = match a.mode {
         Mode::Ht => (BenchMode::Ht, HT_DEFAULTS),
         Mode::Ll => (BenchMode::Ll, LL_DEFAULTS),
+        Mode::Gin => {
+            return Err(CliError::Usage(
+                "--mode gin is a conformance check, not a benchmark: run `gin-ep check --gpus N \
+                 --vnodes K --mode gin` (bench times --mode ht or --mode ll)"
+                    .into(),
+            ))
+        }
     };
+    refuse_inapplicable(a)?;
+    if let Some(gpus) = a.gpus {
+        gpus::check_count(gpus)?;
+        gpus::set_topology(gpus, a.vnodes, a.node_size)?;
+        gpus::refuse_lsa_only(crate::applies::mode_name(a.mode), gpus, a.vnodes, a.node_size)?;
+    }
+    let ranks = a.gpus.or(a.ranks).unwrap_or(4);
     let dtype = DispatchDtype::parse(&a.dtype).map_err(lib_err)?;
     let routing = Routing::parse(&a.routing).map_err(lib_err)?;
     let tokens = a.tokens.unwrap_or(tokens_d);
@@ -408,7 +432,7 @@ fn json_doc(a: &BenchArgs, r: &Resolved, report: &BenchReport) -> CliResult<serd
         .map_err(|e| CliError::Failed(format!("encoding the JSON report: {e}")))?;
     let o = &r.opts;
     let options = serde_json::json!({
-        "mode": match a.mode { Mode::Ht => "ht", Mode::Ll => "ll" },
+        "mode": crate::applies::mode_name(a.mode),
         "ranks": o.cfg.ranks,
         "tokens": o.tokens,
         "max_tokens": r.max_tokens,

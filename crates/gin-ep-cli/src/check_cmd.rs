@@ -134,8 +134,10 @@ pub struct CheckArgs {
     /// --cases then counts the small random cases added to the fixed GPU cases.
     #[arg(long, value_name = "N", value_parser = parse_whole::<usize>)]
     pub gpus: Option<usize>,
-    /// Which operations to check: ht or ll. On the host backend every case checks both
-    /// unless --mode names one; with --gpus the default is ht.
+    /// Which operations to check: ht, ll or gin. On the host backend every case checks both
+    /// HT and LL unless --mode names one; with --gpus the default is ht. gin (with --gpus):
+    /// the GIN conformance check (puts, SignalInc/SignalAdd, counters, the ordering test,
+    /// same-node stores) for --iters iterations [default: 100].
     #[arg(long, value_enum)]
     pub mode: Option<Mode>,
     /// GPU kernel variants to check (with --gpus). HT: absent checks every case with the
@@ -152,6 +154,19 @@ pub struct CheckArgs {
     /// --timeout with an error naming RANK as the late peer.
     #[arg(long, value_name = "RANK:OP")]
     pub stall: Option<String>,
+    /// With --gpus: K processes per GPU, each its own NCCL node (consecutive ranks share a
+    /// GPU), with the project's NCCL net plugin loaded; --mode gin only (HT and LL reach
+    /// peers only through NCCL's LSA team). Timings are then time-sliced.
+    #[arg(long, value_name = "K", value_parser = parse_whole::<usize>)]
+    pub vnodes: Option<usize>,
+    /// With --gpus: M consecutive ranks form one gin-ep node, whose windows are mapped into
+    /// one another and reached by stores [default: NCCL's LSA team].
+    #[arg(long, value_name = "M", value_parser = parse_whole::<usize>)]
+    pub node_size: Option<usize>,
+    /// With --gpus --mode gin: rank RANK exits abruptly before iteration ITER; every other
+    /// rank must then fail within the deadline naming it (the run fails either way).
+    #[arg(long, value_name = "RANK:ITER")]
+    pub kill: Option<String>,
 }
 
 /// `--variants`: `all` or a comma-separated list of LL variant names.
@@ -199,12 +214,17 @@ struct Resolved {
     modes: Modes,
 }
 
-/// The host modes `--mode` selects: both when absent.
-fn host_modes(mode: Option<Mode>) -> Modes {
+/// The host modes `--mode` selects: both when absent. GIN has no host backend.
+fn host_modes(mode: Option<Mode>) -> CliResult<Modes> {
     match mode {
-        None => Modes { ht: true, ll: true },
-        Some(Mode::Ht) => Modes { ht: true, ll: false },
-        Some(Mode::Ll) => Modes { ht: false, ll: true },
+        None => Ok(Modes { ht: true, ll: true }),
+        Some(Mode::Ht) => Ok(Modes { ht: true, ll: false }),
+        Some(Mode::Ll) => Ok(Modes { ht: false, ll: true }),
+        Some(Mode::Gin) => Err(CliError::Usage(
+            "--mode gin checks NCCL's GPU-initiated networking, which the host backend does not \
+             have: add --gpus N (and --vnodes K for several NCCL nodes per GPU)"
+                .into(),
+        )),
     }
 }
 
@@ -220,11 +240,17 @@ fn modes_name(m: Modes) -> &'static str {
 fn resolve(a: &CheckArgs) -> CliResult<Resolved> {
     use crate::applies::{Opt, Rule, Run};
     const HT: &[Mode] = &[Mode::Ht];
+    const HT_GIN: &[Mode] = &[Mode::Ht, Mode::Gin];
+    const HT_LL: &[Mode] = &[Mode::Ht, Mode::Ll];
+    const GIN: &[Mode] = &[Mode::Gin];
     let opts = [
         Opt::new("--ranks", a.ranks.is_some(), Rule::ANY.host()),
         Opt::new("--launch", a.launch.is_some(), Rule::ANY.host()),
         Opt::new("--case", a.case.is_some(), Rule::ANY.host()),
-        Opt::new("--iters", a.iters.is_some(), Rule::ANY.host()),
+        Opt::new("--iters", a.iters.is_some(), Rule::ANY.gpu_modes(GIN)),
+        Opt::new("--vnodes", a.vnodes.is_some(), Rule::ANY.gpus()),
+        Opt::new("--node-size", a.node_size.is_some(), Rule::ANY.gpus()),
+        Opt::new("--kill", a.kill.is_some(), Rule::ANY.gpus().modes(GIN)),
         // The GPU LL check runs its own fixed cases; the never-hang check runs none.
         Opt::new(
             "--cases",
@@ -234,14 +260,14 @@ fn resolve(a: &CheckArgs) -> CliResult<Resolved> {
         Opt::new(
             "--seed",
             a.seed.is_some(),
-            Rule::ANY.gpu_modes(HT).not_with("--stall"),
+            Rule::ANY.gpu_modes(HT_GIN).not_with("--stall"),
         ),
         Opt::new(
             "--variants",
             a.variants.is_some(),
-            Rule::ANY.gpus().not_with("--stall"),
+            Rule::ANY.gpus().gpu_modes(HT_LL).not_with("--stall"),
         ),
-        Opt::new("--stall", a.stall.is_some(), Rule::ANY.gpus()),
+        Opt::new("--stall", a.stall.is_some(), Rule::ANY.gpus().gpu_modes(HT_LL)),
     ];
     crate::applies::refuse_inapplicable(
         &Run {
@@ -255,7 +281,11 @@ fn resolve(a: &CheckArgs) -> CliResult<Resolved> {
         cases: a.cases.unwrap_or(12),
         seed: a.seed.unwrap_or(0),
         iters: a.iters.unwrap_or(2),
-        modes: host_modes(a.mode),
+        modes: match (a.gpus, a.mode) {
+            // GPU runs choose their mode themselves; --mode gin has no host modes.
+            (Some(_), _) => Modes { ht: true, ll: true },
+            (None, m) => host_modes(m)?,
+        },
     };
     for (flag, v, max) in [("cases", r.cases, MAX_CASES), ("iters", r.iters, MAX_ITERS)] {
         if v == 0 {
@@ -418,7 +448,10 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
     let mode = match a_mode {
         Mode::Ht => BenchMode::Ht,
         Mode::Ll => BenchMode::Ll,
+        Mode::Gin => return crate::check_gin::run(a, gpus),
     };
+    gpus::set_topology(gpus, a.vnodes, a.node_size)?;
+    gpus::refuse_lsa_only(crate::applies::mode_name(a_mode), gpus, a.vnodes, a.node_size)?;
     if let Some(spec) = &a.stall {
         return run_stall(a, gpus, spec);
     }
@@ -459,9 +492,9 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
     }
     if std::env::var_os(ENV_CHILD).is_none() {
         // LL runs its own fixed cases (decode-sized buffers); --cases and --seed shape HT's.
-        let (mode_name, n_cases) = match a_mode {
-            Mode::Ht => ("ht", gpu_cases(gpus, r.cases, r.seed).len()),
-            Mode::Ll => ("ll", gin_ep::backend::cuda::ll::selftest_cases(gpus).len()),
+        let (mode_name, n_cases) = match mode {
+            BenchMode::Ht => ("ht", gpu_cases(gpus, r.cases, r.seed).len()),
+            BenchMode::Ll => ("ll", gin_ep::backend::cuda::ll::selftest_cases(gpus).len()),
         };
         out!(
             "check: CUDA backend, {gpus} GPUs, mode {mode_name}, seed {}, {n_cases} case(s)",
@@ -777,7 +810,7 @@ pub fn run_rank(a: &RankCheckArgs) -> CliResult {
             a.ranks
         )));
     }
-    let modes = host_modes(a.mode);
+    let modes = host_modes(a.mode)?;
     let opts = host_options(a.timeout, modes, fault);
     for i in case_indices(a.cases, a.case) {
         let case = gen_case(a.seed, a.ranks, i, a.iters);

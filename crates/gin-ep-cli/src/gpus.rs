@@ -20,6 +20,33 @@ pub fn set_topology(gpus: usize, vnodes: Option<usize>, node_size: Option<usize>
     Ok(t.world())
 }
 
+/// HT and LL (`mode`) on a launch of `gpus` GPUs: refused with virtual nodes or a gin-ep
+/// node other than NCCL's LSA team, which is every rank of a one-process-per-GPU launch on
+/// this host. Their kernels reach peers only through that team, so across NCCL nodes they
+/// would find no peer at all.
+pub fn refuse_lsa_only(
+    mode: &str,
+    gpus: usize,
+    vnodes: Option<usize>,
+    node_size: Option<usize>,
+) -> CliResult {
+    let why = "HT and LL reach peers only through NCCL's LSA team; across virtual nodes they need \
+               the GIN fabric (not yet)";
+    if let Some(k) = vnodes.filter(|&k| k > 1) {
+        return Err(CliError::Usage(format!(
+            "--vnodes {k} does not apply to --mode {mode}: {why}. Use --vnodes 1, or \
+             `gin-ep check --gpus {gpus} --vnodes {k} --mode gin` for the GIN conformance check"
+        )));
+    }
+    if let Some(m) = node_size.filter(|&m| m != gpus) {
+        return Err(CliError::Usage(format!(
+            "--node-size {m} does not apply to --mode {mode}: their node is NCCL's LSA team (all \
+             {gpus} ranks of this launch); {why}"
+        )));
+    }
+    Ok(())
+}
+
 /// `--gpus N` must name 1 to 1024 ranks.
 pub fn check_count(gpus: usize) -> CliResult {
     if gpus == 0 || gpus > 1024 {
@@ -35,6 +62,12 @@ pub fn check_count(gpus: usize) -> CliResult {
 /// `Ok(Some(exit))`: the first rank to fail.
 /// With [`set_topology`], `gpus` x vnodes ranks, each with its virtual-node environment.
 pub fn relaunch(gpus: usize, deadline: Duration) -> CliResult<Option<RankExit>> {
+    let exits = relaunch_all(gpus, deadline)?;
+    Ok(first_failure(&exits).cloned())
+}
+
+/// [`relaunch`], returning how every rank ended (ordered by rank).
+pub fn relaunch_all(gpus: usize, deadline: Duration) -> CliResult<Vec<RankExit>> {
     let exe =
         std::env::current_exe().map_err(|e| CliError::Failed(format!("cannot find own binary: {e}")))?;
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -48,8 +81,7 @@ pub fn relaunch(gpus: usize, deadline: Duration) -> CliResult<Option<RankExit>> 
         None
     };
     let env = |r: usize| topo.rank_env(r, plugin.as_deref());
-    let exits = launch_ranks_env(topo.world(), &exe, &args, deadline, &env)?;
-    Ok(first_failure(&exits).cloned())
+    Ok(launch_ranks_env(topo.world(), &exe, &args, deadline, &env)?)
 }
 
 /// How a failed rank ended: "killed at the deadline" or its exit status.

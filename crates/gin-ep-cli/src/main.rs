@@ -9,6 +9,7 @@ mod alltoall_cmd;
 mod applies;
 mod bench_cmd;
 mod check_cmd;
+mod check_gin;
 mod error;
 mod gpus;
 mod host;

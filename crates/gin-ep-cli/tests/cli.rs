@@ -552,3 +552,185 @@ fn steep_zipf_routing_runs_in_time() {
     assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
     assert!(t0.elapsed() < Duration::from_secs(60), "took {:?}", t0.elapsed());
 }
+
+#[test]
+fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
+    let lsa = "HT and LL reach peers only through NCCL's LSA team";
+    let cases: &[(&[&str], &[&str])] = &[
+        // GPU-only options without --gpus.
+        (&["check", "--vnodes", "2"], &["--vnodes", "--gpus"]),
+        (&["check", "--node-size", "2"], &["--node-size", "--gpus"]),
+        (&["check", "--kill", "1:5"], &["--kill", "--gpus"]),
+        (&["bench", "--vnodes", "2"], &["--vnodes", "--gpus"]),
+        (&["bench", "--node-size", "2"], &["--node-size", "--gpus"]),
+        // GIN has no host backend, and bench does not time it.
+        (&["check", "--mode", "gin"], &["--mode gin", "--gpus"]),
+        (&["bench", "--mode", "gin"], &["--mode gin", "gin-ep check"]),
+        (&["bench", "--gpus", "1", "--mode", "gin"], &["--mode gin"]),
+        // --kill only with --mode gin; --stall, --cases, --variants never with it.
+        (
+            &["check", "--gpus", "1", "--vnodes", "2", "--kill", "1:5"],
+            &["--kill", "--mode gin", "--mode ht"],
+        ),
+        (
+            &[
+                "check",
+                "--gpus",
+                "1",
+                "--vnodes",
+                "2",
+                "--mode",
+                "gin",
+                "--stall",
+                "1:ht-combine",
+            ],
+            &["--stall", "--mode gin"],
+        ),
+        (
+            &[
+                "check", "--gpus", "1", "--vnodes", "2", "--mode", "gin", "--cases", "3",
+            ],
+            &["--cases", "--mode gin"],
+        ),
+        (
+            &[
+                "check",
+                "--gpus",
+                "1",
+                "--vnodes",
+                "2",
+                "--mode",
+                "gin",
+                "--variants",
+                "all",
+            ],
+            &["--variants", "--mode gin"],
+        ),
+        // HT and LL across virtual nodes, or with a node other than the LSA team.
+        (&["check", "--gpus", "1", "--vnodes", "2"], &["--vnodes 2", lsa]),
+        (
+            &["check", "--gpus", "2", "--vnodes", "2", "--mode", "ll"],
+            &["--vnodes 2", "--mode ll", lsa],
+        ),
+        (
+            &[
+                "check",
+                "--gpus",
+                "1",
+                "--vnodes",
+                "2",
+                "--mode",
+                "ll",
+                "--stall",
+                "1:ll-combine",
+            ],
+            &[lsa],
+        ),
+        (
+            &["check", "--gpus", "2", "--node-size", "1"],
+            &["--node-size 1", lsa],
+        ),
+        (&["bench", "--gpus", "1", "--vnodes", "2"], &["--vnodes 2", lsa]),
+        (
+            &["bench", "--gpus", "2", "--mode", "ll", "--node-size", "1"],
+            &["--node-size 1", "--mode ll", lsa],
+        ),
+        // Bad shapes and bad --kill values, named.
+        (
+            &["check", "--gpus", "1", "--vnodes", "17", "--mode", "gin"],
+            &["vnodes", "17"],
+        ),
+        (
+            &[
+                "check",
+                "--gpus",
+                "1",
+                "--vnodes",
+                "4",
+                "--node-size",
+                "3",
+                "--mode",
+                "gin",
+            ],
+            &["node-size", "3"],
+        ),
+        (
+            &[
+                "check", "--gpus", "1", "--vnodes", "2", "--mode", "gin", "--kill", "5:3",
+            ],
+            &["--kill", "rank 5 is out of range for 2 ranks"],
+        ),
+        (
+            &[
+                "check", "--gpus", "1", "--vnodes", "2", "--mode", "gin", "--iters", "100", "--kill", "1:500",
+            ],
+            &["--kill", "iteration 500 is never reached"],
+        ),
+        (
+            &["check", "--gpus", "1", "--mode", "gin", "--kill", "0:1"],
+            &["--kill", "at least 2 ranks"],
+        ),
+        (
+            &[
+                "check", "--gpus", "1", "--vnodes", "2", "--mode", "gin", "--kill", "two:3",
+            ],
+            &["kill = `two:3`", "RANK"],
+        ),
+        (
+            &[
+                "check", "--gpus", "1", "--vnodes", "2", "--mode", "gin", "--kill", "1",
+            ],
+            &["RANK:ITER"],
+        ),
+        (
+            &[
+                "check", "--gpus", "1", "--vnodes", "2", "--mode", "gin", "--iters", "0",
+            ],
+            &["iters = 0"],
+        ),
+    ];
+    for (args, needles) in cases {
+        for needle in *needles {
+            usage_error(args, needle);
+        }
+    }
+    // Shapes that do apply pass the refusals (then fail for want of a GPU, not for usage).
+    for args in [
+        &["check", "--gpus", "2", "--node-size", "2", "--cases", "1"][..],
+        &["check", "--gpus", "1", "--vnodes", "1", "--mode", "ll"][..],
+    ] {
+        let o = gin_ep(args);
+        let (_, err) = text(&o);
+        assert_ne!(o.status.code(), Some(2), "{args:?} refused: {err}");
+    }
+}
+
+#[test]
+fn the_gin_check_without_a_gpu_fails_clearly_and_in_time() {
+    if gin_ep::backend::cuda::driver::probe().is_ok() {
+        return;
+    }
+    let t0 = Instant::now();
+    let o = gin_ep(&[
+        "check",
+        "--gpus",
+        "1",
+        "--vnodes",
+        "2",
+        "--mode",
+        "gin",
+        "--iters",
+        "1",
+        "--timeout",
+        "10",
+    ]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "stdout: {out}\nstderr: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    // Either the plugin is not beside the binary, or it is and the ranks find no GPU.
+    assert!(
+        err.contains("libnccl_net_ginep.so") || err.contains("unavailable"),
+        "{err}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
+}
