@@ -553,53 +553,190 @@ extern "C" __global__ void gin_ep_lsa_pointers(const LsaPointerArgs a) {
 }
 
 #if GIN_EP_HAVE_GIN
-// gin: one put per peer through NCCL's GPU-Initiated Networking, each carrying a signal
-// increment, then a deadline wait until all n puts of this launch have landed here. A stub
-// for the wiring (args, requirements, signal accounting): one block, thread p serves peer p,
-// no chunking or pipelining yet. The send buffer must be inside the window too (GIN puts
-// read a registered source), at send_offset. Host side: ginSignalCount >= 1 and a
-// GIN-capable network, else the runtime reports "needs a GIN-capable network" and never
-// launches this.
+// ---------------------------------------------------------------------------------------
+// gin and hybrid: the all-to-all over NCCL's GPU-Initiated Networking, with the semantics of
+// nccl-tests' `-D 3` (every peer, self included, by GIN puts) and `-D 4` (the ranks of this
+// rank's gin-ep node by stores, the rest by GIN). Layout as the push kernels: the send region
+// (inside the window: GIN puts read a registered source) at send_offset, chunk p for rank p;
+// rank r's chunk lands in every peer's receive region at recv_offset + r * chunk_bytes.
+//
+// One launch (every rank launches the same sequence of these, with the same grid):
+// 1. Start barrier (gin-ep's, signal based): CTA 0 sends SignalInc on barrier signal [me] of
+//    context 0 to every rank; every CTA then polls (deadline) until barrier signal [src]
+//    reached `barrier_target` (the host's count of GIN all-to-all launches on this device
+//    communicator) for every src. A rank past it knows every peer has entered this launch, so
+//    the peer's stream-ordered readers of the previous output are done.
+// 2. Data. CTA 0, thread per destination outside the node: one put of the chunk with
+//    SignalInc on data signal [data_base + me] of context (me + dst) & 3 (puts spread over
+//    the four contexts; the receiver reads the signal through the sender's context) and
+//    CounterInc on counter `counter` of the same context. Every CTA: 16-byte stores of the
+//    chunks for the node's ranks straight into their windows (node_bases: this process's
+//    address of each node rank's window; its own included), then, after a bar.sync, one
+//    release add per node rank on its arrival word [me] at node_flag_offset.
+// 3. CTA 0, thread per source: a node rank's arrival word [src] reaching node_target (the
+//    sum of the grids of all hybrid launches so far), or data signal [data_base + src] of
+//    context (src + me) & 3 reaching data_target (launches of this mode so far); deadlines
+//    name the source. Threads 0..3 then poll counter `counter` of their context until this
+//    rank's puts on it are consumed (data_target * puts per launch on that context): the send
+//    region may be rewritten once the kernel ends. Never flush or waitSignal: no deadline.
+// Signals and counters are monotonic, never reset; gin and hybrid use their own data signals
+// and counters (data_base, counter), so their targets count only their own launches.
 struct GinAlltoallArgs {
   union {
     ncclDevComm comm;
     DevCommSlot comm_slot;  // one size for every NCCL version (nccl_compat.cuh)
   };
   ncclWindow_t win;
-  size_t send_offset;    // in win, n_ranks * chunk_bytes
-  size_t recv_offset;    // in win
-  size_t chunk_bytes;
-  uint64_t expected;     // signal 0 value once this launch's puts arrived: (e + 1) * n_ranks
+  size_t send_offset;         // in win, n_ranks * chunk_bytes
+  size_t recv_offset;         // in win, n_ranks * chunk_bytes
+  size_t chunk_bytes;         // multiple of 16
+  size_t node_flag_offset;    // in win, n_ranks u64 arrival words (hybrid)
+  const uint64_t* node_bases;  // [n_ranks] device memory: window base of a node rank here, 0 otherwise
+  uint64_t barrier_target;    // barrier signals every rank has sent after this launch's
+  uint64_t data_target;       // data signals from each source after this launch's
+  uint64_t node_target;       // node arrival words after this launch's stores
   uint64_t timeout_ns;
   FabricError* err;
+  uint32_t data_base;         // first data signal of this mode (n_ranks signals)
+  uint32_t barrier_base;      // first barrier signal (n_ranks signals)
+  uint32_t counter;           // this mode's counter id (per context)
+  uint32_t pad;
 };
+// Mirrored by GinAlltoallArgs in crates/gin-ep/src/backend/cuda/gin_alltoall.rs.
+static_assert(sizeof(GinAlltoallArgs) == kDevCommSlotBytes + 104 &&
+                  offsetof(GinAlltoallArgs, node_bases) == kDevCommSlotBytes + 40 &&
+                  offsetof(GinAlltoallArgs, err) == kDevCommSlotBytes + 80 &&
+                  offsetof(GinAlltoallArgs, data_base) == kDevCommSlotBytes + 88,
+              "host ABI");
 
-extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_gin(const GinAlltoallArgs a) {
-  ncclGin gin(a.comm, 0);
-  const ncclTeam world = ncclTeamWorld(a.comm);
-  const ncclGinSignal_t signal = 0;
-  for (int peer = threadIdx.x; peer < world.nRanks; peer += blockDim.x) {
-    gin.put(world, peer, a.win, a.recv_offset + size_t(world.rank) * a.chunk_bytes, a.win,
-            a.send_offset + size_t(peer) * a.chunk_bytes, a.chunk_bytes, ncclGin_SignalInc{signal});
-  }
-  // Sources must stay untouched until consumed; flush before the kernel may end.
-  gin.flush(ncclCoopCta());
+__device__ __forceinline__ int gin_a2a_context(int src, int dst) { return (src + dst) & 3; }
 
-  bool ok = true;
-  if (threadIdx.x == 0) {
-    const uint64_t start = globaltimer_ns();
-    for (uint32_t spin = 1; gin.readSignal(signal) < a.expected; ++spin) {
-      if ((spin & 255u) == 0u) {
-        const uint64_t now = globaltimer_ns();
-        if (now - start > a.timeout_ns) {
-          // Which peer is late is unknown from one counter; -1 says "some peer".
-          report_error(a.err, kPhaseGinSignal, -1, world.rank, now - start);
-          ok = false;
-          break;
+// Stores this rank's chunks for node ranks [first, first + m) (all with a node base) into
+// their windows: 512-byte tiles (one 16-byte vector per lane), four in flight per warp, tile
+// i to node rank (first + (off + i) % m), warps striding over tiles.
+__device__ __forceinline__ void gin_a2a_node_stores(const GinAlltoallArgs& a, const char* send, int me, int first,
+                                                    int m) {
+  const uint32_t vecs = uint32_t(a.chunk_bytes / 16);
+  const uint32_t tiles_per_chunk = (vecs + 31) / 32;
+  const uint32_t tiles = tiles_per_chunk * uint32_t(m);
+  const uint32_t lane = threadIdx.x % 32;
+  const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const uint32_t warps = gridDim.x * blockDim.x / 32;
+  const uint32_t off = uint32_t(me - first + 1);
+  constexpr int kUnroll = 4;
+  for (uint32_t tb = warp * kUnroll; tb < tiles; tb += warps * kUnroll) {
+    uint4 v[kUnroll];
+    uint4* dst[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      dst[u] = nullptr;
+      const uint32_t t = tb + u;
+      if (t < tiles) {
+        const int peer = first + int((off + t % uint32_t(m)) % uint32_t(m));
+        const uint32_t vec = (t / uint32_t(m)) * 32 + lane;
+        if (vec < vecs) {
+          v[u] = ld_nc_v4(reinterpret_cast<const uint4*>(send + size_t(peer) * a.chunk_bytes) + vec);
+          dst[u] = reinterpret_cast<uint4*>(reinterpret_cast<char*>(a.node_bases[peer]) + a.recv_offset +
+                                            size_t(me) * a.chunk_bytes) +
+                   vec;
         }
       }
     }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (dst[u] != nullptr) st_v4(dst[u], v[u]);
+    }
   }
-  __syncthreads_and(ok);
+}
+
+extern "C" __global__ void __launch_bounds__(kMaxThreads, 1) gin_ep_alltoall_gin(const GinAlltoallArgs a) {
+  const ncclTeam world = ncclTeamWorld(a.comm);
+  const int n = world.nRanks, me = world.rank;
+  __shared__ int ok_all;
+  __shared__ int node_first, node_size;
+  if (threadIdx.x == 0) {
+    ok_all = 1;
+    // The node is the run of consecutive ranks around `me` that have a base (host-checked).
+    int f = me, l = me;
+    if (a.node_bases[me] != 0) {
+      while (f > 0 && a.node_bases[f - 1] != 0) --f;
+      while (l + 1 < n && a.node_bases[l + 1] != 0) ++l;
+      node_first = f;
+      node_size = l - f + 1;
+    } else {
+      node_first = me;
+      node_size = 0;
+    }
+  }
+  __syncthreads();
+  const int first = node_first, m = node_size;
+  const bool in_node_me = m > 0;
+  auto in_node = [&](int r) { return in_node_me && r >= first && r < first + m; };
+
+  // 1. Start barrier.
+  if (blockIdx.x == 0) {
+    ncclGin gin(a.comm, 0);
+    for (int dst = threadIdx.x; dst < n; dst += blockDim.x) {
+      gin_signal(gin, world, dst, ncclGin_SignalInc{a.barrier_base + uint32_t(me)});
+    }
+  }
+  {
+    ncclGin gin(a.comm, 0);
+    bool ok = true;
+    for (int src = threadIdx.x; src < n && ok; src += blockDim.x) {
+      ok = gin_wait_signal(gin, a.barrier_base + uint32_t(src), a.barrier_target, a.err, a.timeout_ns,
+                           kPhaseGinBarrier, src, me);
+    }
+    if (!__syncthreads_and(ok)) return;
+  }
+
+  // 2. Data: GIN puts from CTA 0, stores from every CTA.
+  if (blockIdx.x == 0) {
+    for (int dst = threadIdx.x; dst < n; dst += blockDim.x) {
+      if (in_node(dst)) continue;
+      ncclGin gin(a.comm, gin_a2a_context(me, dst));
+      gin_put(gin, world, dst, a.win, a.recv_offset + size_t(me) * a.chunk_bytes, a.win,
+              a.send_offset + size_t(dst) * a.chunk_bytes, a.chunk_bytes,
+              ncclGin_SignalInc{a.data_base + uint32_t(me)}, ncclGin_CounterInc{a.counter});
+    }
+  }
+  if (in_node_me) {
+    const char* send = static_cast<const char*>(ncclGetLocalPointer(a.win, a.send_offset));
+    gin_a2a_node_stores(a, send, me, first, m);
+    __syncthreads();  // every thread's stores happen-before the releases below (bar.sync)
+    for (int p = threadIdx.x; p < m; p += blockDim.x) {
+      red_release_sys_add(reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(a.node_bases[first + p]) +
+                                                      a.node_flag_offset + size_t(me) * 8),
+                          1);
+    }
+  }
+  if (blockIdx.x != 0) return;
+
+  // 3. Arrivals, then local completion of this rank's puts.
+  bool ok = true;
+  for (int src = threadIdx.x; src < n && ok; src += blockDim.x) {
+    if (in_node(src)) {
+      const uint64_t* w = reinterpret_cast<const uint64_t*>(reinterpret_cast<const char*>(a.node_bases[me]) +
+                                                            a.node_flag_offset + size_t(src) * 8);
+      DeadlineBarrier waiter{a.win, 0, me, n, a.timeout_ns, a.err};
+      ok = waiter.wait_word(w, a.node_target, kPhaseNodeStore, src);
+    } else {
+      ncclGin gin(a.comm, gin_a2a_context(src, me));
+      ok = gin_wait_signal(gin, a.data_base + uint32_t(src), a.data_target, a.err, a.timeout_ns,
+                           kPhaseGinPeerSignal, src, me);
+    }
+  }
+  if (!__syncthreads_and(ok)) return;
+  if (threadIdx.x < 4) {
+    uint64_t puts = 0;
+    for (int dst = 0; dst < n; ++dst) {
+      if (!in_node(dst) && gin_a2a_context(me, dst) == int(threadIdx.x)) ++puts;
+    }
+    if (puts != 0) {
+      ncclGin gin(a.comm, int(threadIdx.x));
+      ok = gin_wait_counter(gin, a.counter, puts * a.data_target, a.err, a.timeout_ns, me);
+    }
+  }
+  __syncthreads_and(ok);  // extends the waiters' acquires to the block (and the kernel end)
 }
 #endif

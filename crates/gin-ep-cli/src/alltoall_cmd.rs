@@ -202,6 +202,12 @@ fn print_table(r: &AlltoallReport) {
         Ok(n) => println!("GIN network: {n}"),
         Err(why) => println!("GIN network: none ({why})"),
     }
+    if let Some((first, size, source)) = &r.gin_node {
+        println!(
+            "hybrid: ranks {first}..{} form this rank's gin-ep node ({source}), reached by stores; the rest by GIN",
+            first + size
+        );
+    }
     let mut t = Table::new();
     t.load_preset(presets::UTF8_FULL_CONDENSED);
     t.set_header(vec![
@@ -214,6 +220,7 @@ fn print_table(r: &AlltoallReport) {
         "× nccl",
         "validated",
         "grids tried (CTAs:µs)",
+        "note",
     ]);
     for p in &r.results {
         let nccl = r
@@ -239,6 +246,7 @@ fn print_table(r: &AlltoallReport) {
                 "no".to_string()
             },
             tries.join(" "),
+            p.note.clone().unwrap_or_default(),
         ]);
     }
     for i in 1..7 {

@@ -10,6 +10,7 @@
 use gin_ep_sys as ns;
 
 pub mod driver;
+pub mod gin_alltoall;
 pub mod gincheck;
 pub mod ht;
 pub mod ipc;
