@@ -11,7 +11,7 @@
 use crate::check_cmd::CheckArgs;
 use crate::error::{CliError, CliResult};
 use crate::gpus;
-use gin_ep::backend::cuda::gincheck::{check_rank, GinCheckOptions, GinCheckReport, KILL_EXIT};
+use gin_ep::backend::cuda::gincheck::{check_rank, GinCheckOptions, KILL_EXIT};
 use gin_ep::group::vnodes::TIME_SLICED;
 use gin_ep::group::{Group, RankExit, ENV_CHILD};
 use std::time::{Duration, Instant};
@@ -295,6 +295,7 @@ fn kill_verdict(exits: &[RankExit], victim: usize, it: u64, timeout: Duration) -
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gin_ep::backend::cuda::gincheck::GinCheckReport;
 
     #[test]
     fn kill_specs_parse_or_name_the_bad_part() {
