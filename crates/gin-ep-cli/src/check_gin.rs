@@ -285,8 +285,9 @@ fn kill_verdict(exits: &[RankExit], victim: usize, it: u64, timeout: Duration) -
         ),
     };
     format!(
-        "GIN conformance check failed as --kill {victim}:{it} asked: rank {victim} exited \
-         abruptly (status {KILL_EXIT} expected) after {:.1} s; {verdict}\n{}",
+        "GIN conformance check failed with --kill {victim}:{it}: rank {victim} {} after {:.1} s \
+         (status {KILL_EXIT} is the kill); {verdict}\n{}",
+        how(v),
         v.elapsed.as_secs_f64(),
         lines.join("\n")
     )
