@@ -183,7 +183,7 @@ def ht_bad_ids_worker(rank, world):
 def ll_worker(rank, world):
     dev = torch.device("cuda", rank)
     T = 16
-    experts = 2 * world
+    experts = max(2 * world, TOPK + 1)  # world 1: top-3 needs at least 3 experts
     local = experts // world
     tokens = [5, 16, 0, 9][:world]
     hint = Buffer.get_low_latency_rdma_size_hint(T, HIDDEN, world, experts)
