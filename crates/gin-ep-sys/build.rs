@@ -14,6 +14,11 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+// The NCCL header search, shared with gin-ep's build script (see the file's first lines).
+#[path = "nccl_headers.rs"]
+mod nccl_headers;
+use nccl_headers::venv_site_packages;
+
 /// (C struct, Rust path, fields), checked against every header set.
 const COMMON: &[(&str, &str, &[&str])] = &[
     ("ncclUniqueId", "crate::ncclUniqueId", &["internal"]),
@@ -298,7 +303,7 @@ fn main() {
     let mut checks = String::new();
     let mut checked = Vec::new();
     for (label, module, structs) in VERSIONS {
-        let Some(nccl_include) = find_nccl_include(&workspace, label) else {
+        let Some(nccl_include) = nccl_headers::find_nccl_include(&workspace, label, None, None) else {
             continue;
         };
         match probe(&workspace, &out_dir, &nccl_include, module, structs) {
@@ -389,74 +394,12 @@ fn probe(
     Ok((version, format!("// NCCL {version} ({module})\n{checks}")))
 }
 
-/// The header set of NCCL `label` ("2.29"): `$NCCL_INCLUDE_2_29`, then `$NCCL_INCLUDE`, the
-/// `.cuda/nccl-2.29.*/include` that scripts/setup-cuda extracts, the `.cuda` venv's
-/// nvidia/nccl/include and /usr/include, whichever first has nccl_device.h and a nccl.h of
-/// that minor. The same search as crates/gin-ep/build.rs.
-fn find_nccl_include(workspace: &Path, label: &str) -> Option<PathBuf> {
-    let mut candidates: Vec<PathBuf> = Vec::new();
-    if let Some(p) = env::var_os(format!("NCCL_INCLUDE_{}", label.replace('.', "_"))) {
-        candidates.push(PathBuf::from(p));
-    }
-    if let Some(p) = env::var_os("NCCL_INCLUDE") {
-        candidates.push(PathBuf::from(p));
-    }
-    let mut extracted: Vec<PathBuf> = fs::read_dir(workspace.join(".cuda"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| {
-            e.file_name()
-                .to_string_lossy()
-                .starts_with(&format!("nccl-{label}."))
-        })
-        .map(|e| e.path().join("include"))
-        .collect();
-    extracted.sort();
-    candidates.extend(extracted.into_iter().rev());
-    candidates.extend(venvs(workspace).map(|v| v.join("nccl/include")));
-    candidates.push(PathBuf::from("/usr/include"));
-    candidates.into_iter().find(|d| {
-        d.join("nccl_device.h").is_file()
-            && nccl_version_code(&d.join("nccl.h")).is_some_and(|v| minor_label(v) == label)
-    })
-}
-
 fn find_cuda_include(workspace: &Path) -> Option<PathBuf> {
     let mut cuda: Vec<PathBuf> = env::var_os("CUDA_HOME")
         .map(|h| PathBuf::from(h).join("include"))
         .into_iter()
         .collect();
-    cuda.extend(venvs(workspace).map(|v| v.join("cu13/include")));
+    cuda.extend(venv_site_packages(workspace).map(|sp| sp.join("nvidia/cu13/include")));
     cuda.push(PathBuf::from("/usr/local/cuda/include"));
     cuda.into_iter().find(|d| d.join("cuda.h").is_file())
-}
-
-/// `<workspace>/.cuda/lib/python3.*/site-packages/nvidia`.
-fn venvs(workspace: &Path) -> impl Iterator<Item = PathBuf> {
-    let mut dirs: Vec<PathBuf> = fs::read_dir(workspace.join(".cuda/lib"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path().join("site-packages/nvidia"))
-        .collect();
-    dirs.sort();
-    dirs.into_iter()
-}
-
-/// "2.29" for 22907.
-fn minor_label(code: u32) -> String {
-    format!("{}.{}", code / 10000, code / 100 % 100)
-}
-
-/// `#define NCCL_VERSION_CODE 22809` from nccl.h.
-fn nccl_version_code(header: &Path) -> Option<u32> {
-    let text = fs::read_to_string(header).ok()?;
-    text.lines().find_map(|l| {
-        let mut words = l.split_whitespace();
-        match (words.next(), words.next(), words.next()) {
-            (Some("#define"), Some("NCCL_VERSION_CODE"), Some(v)) => v.parse().ok(),
-            _ => None,
-        }
-    })
 }

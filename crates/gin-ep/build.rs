@@ -25,6 +25,11 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
+// The NCCL header search, shared with gin-ep-sys's build script (see the file's first lines).
+#[path = "../gin-ep-sys/nccl_headers.rs"]
+mod nccl_headers;
+use nccl_headers::{include_var, nccl_version_code, venv_site_packages};
+
 /// Architectures with SASS in the fatbin. sm_90 is the floor (the Device API's LSA path
 /// needs Hopper's multimem/fence semantics and we tune for H200); sm_100 is added when
 /// nvcc knows it so Blackwell does not fall back to JIT from PTX.
@@ -249,7 +254,15 @@ fn build_kernels(
         .max(1);
     let mut queue: Vec<(usize, Command)> = Vec::new();
     for (i, set) in meta.sets.iter_mut().enumerate() {
-        let Some(nccl_include) = find_nccl_include(workspace, &nvcc, set.label) else {
+        // The NCCL wheel beside a PyPI nvcc: site-packages/nvidia/{cu13/bin/nvcc,nccl/include}.
+        let beside_nvcc = nvcc
+            .parent()
+            .and_then(Path::parent)
+            .and_then(Path::parent)
+            .map(|nvidia| nvidia.join("nccl/include"));
+        let cuda_home = env::var_os("CUDA_HOME").map(|h| PathBuf::from(h).join("include"));
+        let found = nccl_headers::find_nccl_include(workspace, set.label, beside_nvcc, cuda_home);
+        let Some(nccl_include) = found else {
             set.absent_reason = Some(format!(
                 "no NCCL {} headers (nccl.h + nccl_device.h of that minor): run scripts/setup-cuda or set {}",
                 set.label,
@@ -257,6 +270,8 @@ fn build_kernels(
             ));
             continue;
         };
+        // Run time compares it with ncclGetVersion of the library it loads (the ncclDevComm
+        // layout is version-specific).
         set.nccl_header_version = nccl_version_code(&nccl_include.join("nccl.h"));
         let suffix = set.label.replace('.', "_");
         let fatbin = format!("gin_ep_{suffix}.fatbin");
@@ -364,11 +379,6 @@ fn build_kernels(
     Ok(())
 }
 
-/// `NCCL_INCLUDE_2_29` for "2.29": the variable naming that minor's header set.
-fn include_var(label: &str) -> String {
-    format!("NCCL_INCLUDE_{}", label.replace('.', "_"))
-}
-
 /// Ends the build with a message; cargo shows a build script's stderr on failure.
 fn fail(message: &str) -> ! {
     eprintln!("gin-ep build: {message}");
@@ -417,75 +427,6 @@ fn find_nvcc(workspace: &Path) -> Option<PathBuf> {
     venv_site_packages(workspace)
         .map(|sp| sp.join("nvidia/cu13/bin/nvcc"))
         .find(|p| p.is_file())
-}
-
-/// `<workspace>/.cuda/lib/python3.*/site-packages`, whatever the Python minor version.
-fn venv_site_packages(workspace: &Path) -> impl Iterator<Item = PathBuf> {
-    let lib = workspace.join(".cuda/lib");
-    let mut dirs: Vec<PathBuf> = fs::read_dir(&lib)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path().join("site-packages"))
-        .filter(|p| p.is_dir())
-        .collect();
-    dirs.sort();
-    dirs.into_iter()
-}
-
-/// The header set of NCCL `label` ("2.29"), in order: `$NCCL_INCLUDE_2_29`, `$NCCL_INCLUDE`,
-/// the `.cuda/nccl-2.29.*/include` that scripts/setup-cuda extracts, the NCCL wheel beside a
-/// PyPI nvcc (`site-packages/nvidia/{cu13/bin/nvcc,nccl/include}`), the .cuda venv,
-/// $CUDA_HOME/include, /usr/include; the first with nccl_device.h and a nccl.h of that
-/// minor. The same search as crates/gin-ep-sys/build.rs.
-fn find_nccl_include(workspace: &Path, nvcc: &Path, label: &str) -> Option<PathBuf> {
-    let mut candidates: Vec<PathBuf> = Vec::new();
-    if let Some(p) = env::var_os(include_var(label)) {
-        candidates.push(PathBuf::from(p));
-    }
-    if let Some(p) = env::var_os("NCCL_INCLUDE") {
-        candidates.push(PathBuf::from(p));
-    }
-    let mut extracted: Vec<PathBuf> = fs::read_dir(workspace.join(".cuda"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| {
-            e.file_name()
-                .to_string_lossy()
-                .starts_with(&format!("nccl-{label}."))
-        })
-        .map(|e| e.path().join("include"))
-        .collect();
-    // The newest patch first.
-    extracted.sort();
-    candidates.extend(extracted.into_iter().rev());
-    if let Some(nvidia) = nvcc.parent().and_then(Path::parent).and_then(Path::parent) {
-        candidates.push(nvidia.join("nccl/include"));
-    }
-    candidates.extend(venv_site_packages(workspace).map(|sp| sp.join("nvidia/nccl/include")));
-    if let Some(home) = env::var_os("CUDA_HOME") {
-        candidates.push(PathBuf::from(home).join("include"));
-    }
-    candidates.push(PathBuf::from("/usr/include"));
-    candidates.into_iter().find(|d| {
-        d.join("nccl_device.h").is_file()
-            && nccl_version_code(&d.join("nccl.h"))
-                .is_some_and(|v| format!("{}.{}", v / 10000, v / 100 % 100) == label)
-    })
-}
-
-/// `#define NCCL_VERSION_CODE 22809` from nccl.h, so run time can compare it with
-/// ncclGetVersion of the library it loads (the ncclDevComm layout is version-specific).
-fn nccl_version_code(header: &Path) -> Option<u32> {
-    let text = fs::read_to_string(header).ok()?;
-    text.lines().find_map(|l| {
-        let mut words = l.split_whitespace();
-        match (words.next(), words.next(), words.next()) {
-            (Some("#define"), Some("NCCL_VERSION_CODE"), Some(v)) => v.parse().ok(),
-            _ => None,
-        }
-    })
 }
 
 fn run_capture(cmd: &mut Command) -> Result<String, String> {
