@@ -15,7 +15,7 @@
 
 use std::collections::VecDeque;
 use std::ffi::{c_int, c_void};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -55,14 +55,7 @@ const _: () = assert!(std::mem::size_of::<NetHandle>() <= NCCL_NET_HANDLE_MAXSIZ
 
 impl NetHandle {
     fn new(addr: SocketAddr, nonce: u64) -> NetHandle {
-        let (family, bytes) = match addr.ip() {
-            IpAddr::V4(a) => {
-                let mut b = [0u8; 16];
-                b[..4].copy_from_slice(&a.octets());
-                (4, b)
-            }
-            IpAddr::V6(a) => (6, a.octets()),
-        };
+        let (family, bytes) = sock::ip_to_bytes(addr.ip());
         NetHandle {
             magic: HANDLE_MAGIC,
             nonce,
@@ -81,11 +74,8 @@ impl NetHandle {
                 self.magic
             )));
         }
-        let ip: IpAddr = match self.family {
-            4 => Ipv4Addr::new(self.addr[0], self.addr[1], self.addr[2], self.addr[3]).into(),
-            6 => Ipv6Addr::from(self.addr).into(),
-            f => return Err(Error::arg(format!("connect: handle has address family {f}"))),
-        };
+        let ip = sock::ip_from_bytes(self.family, self.addr)
+            .map_err(|f| Error::arg(format!("connect: handle has address family {f}")))?;
         Ok(SocketAddr::new(ip, self.port))
     }
 }

@@ -1,13 +1,36 @@
 //! TCP helpers shared by the net and the GIN transport.
 //!
-//! Owns: non-blocking connect, and reads/writes that either finish or fail by a deadline,
+//! Owns: non-blocking connect, reads/writes that either finish or fail by a deadline,
 //! always with `MSG_NOSIGNAL` (a peer that vanished must give an error, never SIGPIPE the
-//! host process). Never: framing or policy.
+//! host process), and the (family, 16 bytes) form of an IP address that both listen handles
+//! carry. Never: framing or policy.
 
 use std::io;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::time::Instant;
+
+/// `ip` as a listen handle stores it: family 4 or 6 and 16 address bytes (an IPv4 address in
+/// the first 4, the rest 0).
+pub fn ip_to_bytes(ip: IpAddr) -> (u8, [u8; 16]) {
+    match ip {
+        IpAddr::V4(a) => {
+            let mut b = [0u8; 16];
+            b[..4].copy_from_slice(&a.octets());
+            (4, b)
+        }
+        IpAddr::V6(a) => (6, a.octets()),
+    }
+}
+
+/// The address `ip_to_bytes` stored; `Err(family)` for a family other than 4 or 6.
+pub fn ip_from_bytes(family: u8, addr: [u8; 16]) -> Result<IpAddr, u8> {
+    match family {
+        4 => Ok(Ipv4Addr::new(addr[0], addr[1], addr[2], addr[3]).into()),
+        6 => Ok(Ipv6Addr::from(addr).into()),
+        f => Err(f),
+    }
+}
 
 /// Milliseconds left until `deadline` for poll(2), at least 1; `None` once it has passed.
 pub fn remaining_ms(deadline: Instant) -> Option<i32> {

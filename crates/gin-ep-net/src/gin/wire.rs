@@ -9,7 +9,7 @@
 //! connection i opened to j, in submission order; TCP keeps that order, the receiver
 //! processes frames one at a time, which is the per-(context, peer) FIFO of the contract.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::SocketAddr;
 
 use crate::abi::{NCCL_NET_HANDLE_MAXSIZE, NCCL_NET_SIGNAL_OP_ADD, NCCL_NET_SIGNAL_OP_INC};
 
@@ -43,14 +43,7 @@ const _: () = assert!(std::mem::size_of::<GinHandle>() <= NCCL_NET_HANDLE_MAXSIZ
 
 impl GinHandle {
     pub fn new(addr: SocketAddr, nonce: u64, host_id: u64, uds_seq: u64) -> GinHandle {
-        let (family, bytes) = match addr.ip() {
-            IpAddr::V4(a) => {
-                let mut b = [0u8; 16];
-                b[..4].copy_from_slice(&a.octets());
-                (4, b)
-            }
-            IpAddr::V6(a) => (6, a.octets()),
-        };
+        let (family, bytes) = crate::sock::ip_to_bytes(addr.ip());
         GinHandle {
             magic: HANDLE_MAGIC,
             nonce,
@@ -68,11 +61,8 @@ impl GinHandle {
         if self.magic != HANDLE_MAGIC {
             return Err(format!("not a gin-ep-net GIN handle (magic {:#x})", self.magic));
         }
-        let ip: IpAddr = match self.family {
-            4 => Ipv4Addr::new(self.addr[0], self.addr[1], self.addr[2], self.addr[3]).into(),
-            6 => Ipv6Addr::from(self.addr).into(),
-            f => return Err(format!("handle with address family {f}")),
-        };
+        let ip = crate::sock::ip_from_bytes(self.family, self.addr)
+            .map_err(|f| format!("handle with address family {f}"))?;
         Ok(SocketAddr::new(ip, self.port))
     }
 
