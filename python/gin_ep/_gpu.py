@@ -385,16 +385,5 @@ class Gpu:
         return t
 
 
-
-def pad_rows(t: torch.Tensor, rows: int, fill=0) -> torch.Tensor:
-    if t.shape[0] >= rows:
-        return t
-    if t.dtype == torch.float8_e4m3fn:
-        return pad_rows(t.view(torch.uint8), rows, fill).view(torch.float8_e4m3fn)
-    out = torch.full((rows,) + tuple(t.shape[1:]), fill, dtype=t.dtype, device=t.device)
-    out[:t.shape[0]] = t
-    return out
-
-
 def optional_event(async_finish: bool) -> Optional[CudaEvent]:
     return CudaEvent() if async_finish else None

@@ -11,6 +11,7 @@ import torch
 
 from . import _gpu, _native
 from ._util import BF16 as _BF16, Tensor as _Tensor, check_rows as _check_rows, copy_into as _copy_into, \
+    pad_rows as _pad_rows, pad_worst as _pad_worst, \
     round_up as _round_up, unsupported as _unsupported
 from .utils import EventOverlap
 
@@ -55,7 +56,7 @@ class GpuPath:
                 recv = g.ht_recv_x(st.ht, st.num_recv, hidden, fp8, torch.float32, s)
             worst = max(num_worst_tokens, st.num_worst_tokens)
             if worst:
-                recv = tuple(_gpu.pad_rows(t, worst) for t in recv) if fp8 else _gpu.pad_rows(recv, worst)
+                recv = tuple(_pad_rows(t, worst) for t in recv) if fp8 else _pad_rows(recv, worst)
             return recv, None, None, None, None, EventOverlap(_gpu.optional_event(async_finish))
 
         if topk_idx is None:
@@ -109,14 +110,8 @@ class GpuPath:
         in_rank = is_token_in_rank if is_token_in_rank is not None else g.ht_send_slot(h, n) >= 0
         counts = [_round_up(c, expert_alignment) for c in g.ep.ht_recv_counts(native, s)]
         if num_worst_tokens:
-            if nr > num_worst_tokens:
-                raise ValueError(f"num_worst_tokens = {num_worst_tokens}: this rank received {nr} tokens")
-            recv_x = tuple(_gpu.pad_rows(t, num_worst_tokens) for t in recv_x) if fp8 else \
-                _gpu.pad_rows(recv_x, num_worst_tokens)
-            recv_topk_idx = _gpu.pad_rows(recv_topk_idx, num_worst_tokens, -1)
-            if recv_topk_weights is not None:
-                recv_topk_weights = _gpu.pad_rows(recv_topk_weights, num_worst_tokens)
-            recv_src_idx = _gpu.pad_rows(recv_src_idx, num_worst_tokens, -1)
+            recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx = _pad_worst(
+                num_worst_tokens, nr, recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx, fp8)
             counts = []
         st = _gpu.GpuHtState(native, h, experts, k, hidden, fp8, num_worst_tokens)
         handle = (st, None, None, recv_src_idx, in_rank, None)

@@ -18,6 +18,36 @@ def check_rows(x: torch.Tensor, topk_idx: torch.Tensor) -> None:
         raise ValueError(f"topk_idx: {topk_idx.shape[0]} rows, x has {x.shape[0]}")
 
 
+def pad_rows(t: torch.Tensor, rows: int, fill=0) -> torch.Tensor:
+    """`t` grown to `rows` rows (on its own device), the new rows set to `fill`; `t` itself
+    when it has that many already. FP8 rows are padded as bytes (`fill` a byte value), as
+    torch cannot fill a float8 tensor on every device."""
+    if t.shape[0] >= rows:
+        return t
+    if t.dtype == torch.float8_e4m3fn:
+        return pad_rows(t.view(torch.uint8), rows, fill).view(torch.float8_e4m3fn)
+    out = torch.full((rows,) + tuple(t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+    out[:t.shape[0]] = t
+    return out
+
+
+def pad_worst(num_worst_tokens: int, num_recv: int, recv_x, recv_topk_idx: torch.Tensor,
+              recv_topk_weights: Optional[torch.Tensor], recv_src_idx: torch.Tensor, fp8):
+    """HT dispatch outputs at DeepEP's `num_worst_tokens` rows (index rows padded with -1,
+    data rows with 0) for both paths; refuses a receive that does not fit. `recv_x` is a
+    tuple (FP8 data, scales) when `fp8` is set. Returns (recv_x, recv_topk_idx,
+    recv_topk_weights, recv_src_idx)."""
+    if num_recv > num_worst_tokens:
+        raise ValueError(f"num_worst_tokens = {num_worst_tokens}: this rank received {num_recv} tokens")
+    recv_x = tuple(pad_rows(t, num_worst_tokens) for t in recv_x) if fp8 else \
+        pad_rows(recv_x, num_worst_tokens)
+    recv_topk_idx = pad_rows(recv_topk_idx, num_worst_tokens, -1)
+    if recv_topk_weights is not None:
+        recv_topk_weights = pad_rows(recv_topk_weights, num_worst_tokens)
+    recv_src_idx = pad_rows(recv_src_idx, num_worst_tokens, -1)
+    return recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx
+
+
 def unsupported(what: str) -> NotImplementedError:
     return NotImplementedError(f"gin_ep: {what} is not supported")
 

@@ -26,6 +26,7 @@ from . import _bootstrap, _gpu, _native, _ops
 from ._convert import check, check_cpu, from_bytes, to_bytes
 from ._gpu_path import GpuPath
 from ._util import BF16 as _BF16, Tensor as _Tensor, check_rows as _check_rows, refuse_keywords, \
+    pad_rows as _pad_rows, pad_worst as _pad_worst, \
     round_up as _round_up, unsupported as _unsupported
 from .utils import CompletedEvent, EventOverlap
 
@@ -520,14 +521,6 @@ class Buffer(GpuPath):
         scales = packed[:, h:h + 4 * s].contiguous().view(sdtype)
         return x, scales
 
-    @staticmethod
-    def _pad_rows(t: torch.Tensor, rows: int, fill=0) -> torch.Tensor:
-        if t.shape[0] >= rows:
-            return t
-        pad = torch.full((rows - t.shape[0],) + tuple(t.shape[1:]), fill, dtype=t.dtype)
-        return torch.cat([t, pad]) if t.dtype != torch.float8_e4m3fn else \
-            torch.cat([t.view(torch.uint8), pad.view(torch.uint8)]).view(torch.float8_e4m3fn)
-
     @_eager_only
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
                  handle: Optional[Tuple] = None,
@@ -563,7 +556,7 @@ class Buffer(GpuPath):
             recv = self._ht_unwire(rb, st.num_recv, wire_hidden, fp8)
             worst = max(num_worst_tokens, st.num_worst_tokens)
             if worst:
-                recv = tuple(self._pad_rows(t, worst) for t in recv) if fp8 else self._pad_rows(recv, worst)
+                recv = tuple(_pad_rows(t, worst) for t in recv) if fp8 else _pad_rows(recv, worst)
             return recv, None, None, None, None, event
 
         if topk_idx is None:
@@ -602,14 +595,8 @@ class Buffer(GpuPath):
         recv_src_idx = from_bytes(native.recv_src_token(), torch.int32, (nr,))
         in_rank = from_bytes(native.is_token_in_rank(), torch.uint8, (n, self.group_size)).bool()
         if num_worst_tokens:
-            if nr > num_worst_tokens:
-                raise ValueError(f"num_worst_tokens = {num_worst_tokens}: this rank received {nr} tokens")
-            recv_x = tuple(self._pad_rows(t, num_worst_tokens) for t in recv_x) if fp8 else \
-                self._pad_rows(recv_x, num_worst_tokens)
-            recv_topk_idx = self._pad_rows(recv_topk_idx, num_worst_tokens, -1)
-            if recv_topk_weights is not None:
-                recv_topk_weights = self._pad_rows(recv_topk_weights, num_worst_tokens)
-            recv_src_idx = self._pad_rows(recv_src_idx, num_worst_tokens, -1)
+            recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx = _pad_worst(
+                num_worst_tokens, nr, recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx, fp8)
             counts = []
         st = _HtState(native, experts, k, max_tokens, hidden, num_worst_tokens)
         handle = (st, None, None, recv_src_idx, in_rank, None)
