@@ -43,7 +43,7 @@ def compile_worker(rank, world, dev, modes, graphed=(), calls=3):
     """`modes`: (name, torch.compile keyword arguments). For the names in `graphed` (CUDA-graph
     modes), the plain BF16 step (nothing mutated outside the graph) must not be skipped by
     the CUDA-graph check."""
-    experts = 2 * world
+    experts = max(2 * world, TOPK + 1)  # world 1: top-3 needs at least 3 experts
     local = experts // world
     tokens = [5, 16, 0, 9][:world]
     hint = Buffer.get_low_latency_rdma_size_hint(T, HIDDEN, world, experts)
