@@ -127,6 +127,12 @@ pub fn run(a: &AlltoallArgs) -> CliResult {
     if std::env::var_os(ENV_CHILD).is_some() {
         return run_child(a, &opts);
     }
+    // Refused before the GPU probe, so the answer to bad input does not depend on the machine.
+    if a.gpus.is_none() && (a.vnodes.is_some() || a.node_size.is_some()) {
+        return Err(CliError::Usage(
+            "--vnodes and --node-size shape a GPU launch: use them with --gpus N".into(),
+        ));
+    }
     let gpus = match a.gpus {
         Some(n) => n,
         None => {
@@ -136,11 +142,6 @@ pub fn run(a: &AlltoallArgs) -> CliResult {
         }
     };
     gpus::check_count(gpus)?;
-    if a.gpus.is_none() && (a.vnodes.is_some() || a.node_size.is_some()) {
-        return Err(CliError::Usage(
-            "--vnodes and --node-size shape a GPU launch: use them with --gpus N".into(),
-        ));
-    }
     let world = gpus::set_topology(gpus, a.vnodes, a.node_size)?;
     opts.validate(world)?;
     match gpus::relaunch(gpus, a.timeout)? {

@@ -563,6 +563,8 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
         (&["check", "--kill", "1:5"], &["--kill", "--gpus"]),
         (&["bench", "--vnodes", "2"], &["--vnodes", "--gpus"]),
         (&["bench", "--node-size", "2"], &["--node-size", "--gpus"]),
+        (&["alltoall", "--vnodes", "2"], &["--vnodes", "--gpus"]),
+        (&["alltoall", "--node-size", "2"], &["--node-size", "--gpus"]),
         // GIN has no host backend, and bench does not time it.
         (&["check", "--mode", "gin"], &["--mode gin", "--gpus"]),
         (&["bench", "--mode", "gin"], &["--mode gin", "gin-ep check"]),
