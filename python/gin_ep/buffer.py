@@ -281,7 +281,9 @@ class Buffer(GpuPath):
         if runtime is not None and collective:
             runtime.close()
         if self._server is not None:
-            self._server.close()
+            # After the closing barrier the peers' last replies may still be in flight: the
+            # server stops once they hang up (bounded by the deadline), not before.
+            self._server.close(self._timeout_s if collective else 0.0)
             self._server = None
 
     def __del__(self) -> None:

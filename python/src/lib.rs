@@ -206,10 +206,19 @@ impl PyStoreServer {
         self.port
     }
 
-    /// Stops serving (peers still talking to the store fail).
-    fn close(&self) -> PyResult<()> {
+    /// Stops serving once every peer has hung up, or after `linger_s` seconds at the latest
+    /// (0: at once; peers still talking to the store then fail).
+    #[pyo3(signature = (linger_s = 0.0))]
+    fn close(&self, linger_s: f64) -> PyResult<()> {
+        let linger = if linger_s == 0.0 {
+            Duration::ZERO
+        } else {
+            duration(linger_s)?
+        };
         guard(|| {
-            lock(&self.inner, "store server")?.take();
+            if let Some(server) = lock(&self.inner, "store server")?.take() {
+                server.close(linger);
+            }
             Ok(())
         })
     }

@@ -130,6 +130,28 @@ impl StoreServer {
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }
+
+    /// Stops serving once every client has hung up, or at `linger` at the latest. After a
+    /// closing barrier the last rank to arrive returns at once while the others' replies
+    /// may still be on their way; stopping then would cut those replies off (a peer then
+    /// fails its close with "failed to fill whole buffer"). Clients hang up right after the
+    /// barrier, so the wait is short; the bound keeps a client that never does from
+    /// holding the owner.
+    pub fn close(self, linger: Duration) {
+        let deadline = Instant::now() + linger;
+        while Instant::now() < deadline {
+            let open = {
+                let mut conns = lock(&self.shared.conns);
+                conns.retain(|(_, h)| !h.is_finished());
+                conns.len()
+            };
+            if open == 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(self);
+    }
 }
 
 impl Drop for StoreServer {
@@ -700,6 +722,42 @@ mod tests {
         assert!(err.to_string().contains("text"), "{err}");
         st.add("big", i64::MAX).unwrap();
         assert!(st.add("big", 1).is_err());
+    }
+
+    /// `close` stops serving only once every client has hung up (a peer's last barrier
+    /// reply may still be on its way when the owner leaves the barrier), and at the linger
+    /// bound when a client never does.
+    #[test]
+    fn close_waits_for_clients_to_hang_up_within_its_linger() {
+        let (s, addr) = server();
+        let client = Store::connect(addr.as_str(), T).unwrap();
+        client.set("k", b"v").unwrap();
+        let hang_up = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            // Still served while the owner is closing.
+            assert_eq!(client.get("k", T).unwrap(), b"v");
+            drop(client);
+        });
+        let t0 = Instant::now();
+        s.close(T);
+        let waited = t0.elapsed();
+        hang_up.join().unwrap();
+        assert!(
+            waited >= Duration::from_millis(300) && waited < T,
+            "close returned after {waited:?}: before the client hung up, or at the bound"
+        );
+
+        let (s, addr) = server();
+        let stays = Store::connect(addr.as_str(), T).unwrap();
+        stays.set("k", b"v").unwrap(); // admitted by the server, as every rank is by then
+        let t0 = Instant::now();
+        s.close(Duration::from_millis(200));
+        let waited = t0.elapsed();
+        assert!(
+            waited >= Duration::from_millis(200) && waited < Duration::from_secs(5),
+            "close with a client that never hangs up returned after {waited:?}"
+        );
+        drop(stays);
     }
 
     #[test]
