@@ -1,0 +1,243 @@
+// kernels/ht/common.cuh: HT (high-throughput) dispatch and combine over NVLink (NCCL LSA): the
+// arguments (HtArgs), the window layout below and the helpers every phase shares.
+//
+// Owns the device side of docs/protocol.md's HT phases on GPUs: layout + count exchange
+// (one small kernel), dispatch (push), combine (pull + reduce). Never: allocates, decides
+// window offsets (crates/gin-ep/src/backend/cuda/ht.rs does and passes them in HtArgs), or
+// spins without a deadline.
+//
+// Window layout (byte offsets in HtArgs, identical on every rank; see ht.rs `HtLayout`):
+//   count_sig [R] u64          slot s written by source s: seq of its count row (or kFailed)
+//   disp_sig  [R][kMaxGrid] u64 slot (s, b) written by block b of source s when its rows landed
+//   bar       [kMaxGrid][R] u64 DeadlineBarrier words (cached dispatch, combine start/end)
+//   counts    [R][R + E] u32   row s = tokens_per_rank then tokens_per_expert of source s
+//   recv_slab [R] u32          slot s written by rank s: the receive slab it chose for the
+//                              current dispatch (fresh: with its count row; cached: before
+//                              the start barrier)
+//   slabs x {                  `slabs` receive slabs, `slab_bytes` apart (the offsets below
+//                              are slab 0's); the receiver picks one per dispatch, so rows a
+//                              caller still holds from an earlier dispatch stay intact
+//     recv_x    [R*T][row]       dispatched rows (bf16, or e4m3), receive order of routing.rs
+//     recv_sc   [R*T][H/128] f32 FP8 scales
+//     recv_idx  [R*T][K] i64     local expert ids, -1 where the expert is elsewhere
+//     recv_w    [R*T][K] f32     weights, 0 where recv_idx is -1
+//     recv_src  [R*T] i32        source token
+//   }
+//   comb_x    [R*T][H] bf16    combine input (expert outputs in receive order); read by
+//                              the source ranks (pull). Staged push mode (kFlagPush): row
+//                              r * T + i = the row rank r pushed for position i of this
+//                              rank's segment on r
+//   comb_w    [R*T][K] f32     combine weights input
+//   comb_stage [R][kStageChunks + 2] u64  staged combine (kFlagStage): word [r][c] = seq once
+//                              chunk c of rank r's copied rows is in this rank's comb_x;
+//                              word [r][kStageChunks] = the stage mark (seq << 16) | n:
+//                              chunks [0, n) are in; word [r][kStageChunks + 1] unused
+//                              (see stage_mark_scanner)
+//
+// Ordering contract (protocol.md "Signals and ordering"): data stores, __syncthreads, then a
+// st.release.sys of the signal by one thread per peer (cumulative over the block's stores
+// through the barrier; a fence.sc.sys before it only doubled the drain); the waiter polls with
+// ld.acquire.sys and a globaltimer deadline, then bar.sync extends the acquire to its block.
+// Signals carry the operation's sequence number `seq` (same on every rank, monotonic), so
+// they are never reset. kFailed (u64 max) means "this rank refused its input / gave up".
+//
+// Every rank launches every kernel with the same grid (the host derives it from the SM
+// budget, equal on all ranks), so block b pairs with block b of each peer.
+
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "common/fabric.cuh"
+#include "common/nccl_compat.cuh"
+#include "common/quant.cuh"
+
+namespace gin_ep {
+namespace ht {
+
+constexpr int kMaxRanks = 32;          // rank masks are u32; host refuses more
+constexpr int kMaxGrid = 128;          // dispatch signal words per source; host caps the grid
+constexpr int kMaxExperts = 8192;      // layout ids are int16, histogram in shared memory; host refuses more
+static_assert(kMaxExperts <= 32767, "layout ids are int16");
+constexpr uint64_t kFailed = ~uint64_t(0);
+
+// dtype of HtArgs
+constexpr uint32_t kDtypeBf16 = 0;
+constexpr uint32_t kDtypeFp8 = 1;         // quantize BF16 input, f32 scales
+constexpr uint32_t kDtypeFp8Ue8m0 = 2;    // quantize BF16 input, power-of-two scales
+constexpr uint32_t kDtypeFp8Pre = 3;      // input already e4m3 + f32 scales: copy
+
+// flags of HtArgs
+constexpr uint32_t kFlagCached = 1;       // dispatch: cached (barrier first, payload only)
+constexpr uint32_t kFlagWeights = 2;      // combine: reduce comb_w too
+constexpr uint32_t kFlagBias0 = 4;
+constexpr uint32_t kFlagBias1 = 8;
+constexpr uint32_t kFlagStage = 16;       // combine: blocks >= pull_blocks copy x into comb_x
+constexpr uint32_t kFlagPush = 32;        // with kFlagStage: they push x into the sources' comb_x
+constexpr int kStageChunks = 256;         // host: ht.rs STAGE_CHUNKS
+
+// Plan words (u32, device memory; the first four mirrored into host-mapped memory).
+constexpr int kPlanStatus = 0;   // HtStatus
+constexpr int kPlanDetail = 1;   // invalid entry t*K+k, received rows, or the phase
+constexpr int kPlanNumRecv = 2;
+constexpr int kPlanPeer = 3;
+constexpr int kPlanHead = 4;     // then src_offset[R+1], send_base[R], tokens_per_rank[R],
+                                 // tokens_per_expert[E], local[L], aligned[L]
+// HtStatus: numbers are host ABI (ht.rs), append only.
+constexpr uint32_t kStatusOk = 0;
+constexpr uint32_t kStatusInvalidInput = 1;
+constexpr uint32_t kStatusPeerFailed = 2;
+constexpr uint32_t kStatusCapacity = 3;
+constexpr uint32_t kStatusTimeout = 4;
+constexpr uint32_t kStatusBadSlab = 5;     // detail: the slab a peer published, peer: that peer
+
+struct HtArgs {
+  union {
+    ncclDevComm comm;
+    DevCommSlot comm_slot;  // one size for every NCCL version (nccl_compat.cuh)
+  };
+  ncclWindow_t win;
+  uint64_t off_count_sig;
+  uint64_t off_disp_sig;
+  uint64_t off_bar;
+  uint64_t off_counts;
+  uint64_t off_recv_x;
+  uint64_t off_recv_sc;
+  uint64_t off_recv_idx;
+  uint64_t off_recv_w;
+  uint64_t off_recv_src;
+  uint64_t off_comb_x;
+  uint64_t off_comb_w;
+  const void* x;             // [N][H] bf16, or e4m3 bytes when kDtypeFp8Pre
+  const float* x_scales;     // [N][H/128] (kDtypeFp8Pre)
+  const int64_t* topk_idx;   // [N][K]
+  const float* topk_w;       // [N][K]
+  const uint16_t* bias0;     // [N][H] bf16
+  const uint16_t* bias1;
+  uint16_t* out_x;           // [N][H] bf16 combine output
+  float* out_w;              // [N][K] combine weights output
+  int32_t* send_slot;        // [T][R]
+  uint32_t* plan;            // device plan
+  uint32_t* plan_host;       // host-mapped mirror of the plan head
+  FabricError* err;          // host-mapped
+  uint64_t seq;              // operation number (signals)
+  uint64_t bar_epoch;        // DeadlineBarrier epoch of the first barrier of this launch
+  uint64_t timeout_ns;
+  uint32_t num_tokens;
+  uint32_t max_tokens;
+  uint32_t hidden;
+  uint32_t topk;
+  uint32_t experts;
+  uint32_t alignment;
+  uint32_t dtype;
+  uint32_t flags;
+  uint64_t* stamps;          // [kStampWords] u64 device timestamps (globaltimer), see kStamp*
+  uint32_t chunk;            // dispatch / combine: row steps per work item, 0 = whole row
+  uint32_t vflags;           // variant flags (kVar*): performance only, never the result
+  uint32_t* scan;            // layout kernel's scan scratch (see kScan*)
+  uint64_t off_recv_slab;    // recv_slab words
+  uint64_t slab_bytes;       // distance between receive slabs
+  uint32_t recv_slab;        // the slab this rank receives the current dispatch into
+  uint32_t slabs;            // receive slabs in the window (>= 1)
+  uint32_t* counts_host;     // [L] host-mapped: the aligned rows per local expert (layout kernel)
+  uint32_t* fail_host;       // [4] host-mapped: status, detail, -, peer of a failure after the
+                             // layout (never reset: the host may read it operations later)
+  uint64_t off_comb_stage;   // comb_stage words
+  uint32_t pull_blocks;      // combine with kFlagStage: blocks [0, pull_blocks) pull, the rest stage
+  uint32_t pad0;
+};
+// Mirrored by HtArgs in crates/gin-ep/src/backend/cuda/kernels.rs (same asserts there).
+static_assert(sizeof(HtArgs) == kDevCommSlotBytes + 328 && offsetof(HtArgs, pull_blocks) == kDevCommSlotBytes + 320 && offsetof(HtArgs, fail_host) == kDevCommSlotBytes + 304 && offsetof(HtArgs, counts_host) == kDevCommSlotBytes + 296 && offsetof(HtArgs, recv_slab) == kDevCommSlotBytes + 288 && offsetof(HtArgs, scan) == kDevCommSlotBytes + 264 && offsetof(HtArgs, x) == kDevCommSlotBytes + 96 && offsetof(HtArgs, seq) == kDevCommSlotBytes + 192 &&
+                  offsetof(HtArgs, num_tokens) == kDevCommSlotBytes + 216 && offsetof(HtArgs, stamps) == kDevCommSlotBytes + 248,
+              "host ABI");
+
+// vflags of HtArgs (host ABI, ht.rs HtVariant).
+constexpr uint32_t kVarRotate = 1;        // dispatch: destinations in rotated order per item
+
+// Timestamps (globaltimer ns) of the last operation, for the benchmark's phase breakdown.
+// Layout kernel: start, layout done, counts received, end. Dispatch: block 0 start, the
+// last block's payload end (atomicMax), the last block's end (atomicMax). Combine: block 0
+// after the start barrier, the last block's pull end, the last block's end. The layout
+// kernel zeroes the dispatch maxima, the dispatch kernel the combine maxima.
+constexpr int kStampLayStart = 0, kStampLayDone = 1, kStampLayCounts = 2, kStampLayEnd = 3;
+constexpr int kStampDispStart = 4, kStampDispPayload = 5, kStampDispEnd = 6;
+constexpr int kStampCombStart = 8, kStampCombPull = 9, kStampCombEnd = 10;
+constexpr int kStampCombStaged = 11;  // staged combine: the stage mark covers every chunk
+constexpr int kStampWords = 16;  // host: ht.rs STAMP_WORDS
+static_assert(kStampCombEnd < kStampWords, "stamps");
+
+// Waits until *w >= target (acquire, sys scope). 0: ok; kStatusPeerFailed: the peer stored
+// kFailed; kStatusTimeout: deadline passed (recorded in err) or another wait already failed.
+__device__ __forceinline__ uint32_t wait_signal(const uint64_t* w, uint64_t target, FabricPhase phase,
+                                                int peer, int rank, uint64_t timeout_ns, FabricError* err) {
+  uint64_t v = ld_acquire_sys(w);
+  PollDeadline deadline;
+  for (uint32_t spin = 0; v < target; ++spin) {
+    if ((spin & 255u) == 0u && !deadline.ok(err, timeout_ns, phase, peer, rank)) return kStatusTimeout;
+    v = ld_acquire_sys(w);
+  }
+  return v == kFailed ? kStatusPeerFailed : kStatusOk;
+}
+
+// Callers reach this after a __syncthreads that follows the block's data stores: the
+// release store is cumulative over them at system scope, so no separate fence is needed.
+__device__ __forceinline__ void signal_peer(const HtArgs& a, uint64_t offset, int peer, uint64_t value) {
+  st_release_sys(reinterpret_cast<uint64_t*>(lsa_ptr(a.win, offset, peer)), value);
+}
+
+// Records a failure seen after the count exchange (first one wins), in the device plan and
+// in fail_host, which the next layout kernel does not overwrite: the host need not wait
+// for this kernel to learn of it later.
+__device__ void record_status(const HtArgs& a, uint32_t status, uint32_t detail, int peer) {
+  if (atomicCAS(&a.plan[kPlanStatus], kStatusOk, status) == kStatusOk) {
+    a.plan[kPlanDetail] = detail;
+    a.plan[kPlanPeer] = uint32_t(peer);
+    volatile uint32_t* h = a.fail_host;
+    h[kPlanDetail] = detail;
+    h[kPlanPeer] = uint32_t(peer);
+    __threadfence_system();
+    h[kPlanStatus] = status;
+    __threadfence_system();
+  }
+}
+
+__device__ __forceinline__ uint32_t ld_volatile_u32(const uint32_t* p) {
+  return *reinterpret_cast<const volatile uint32_t*>(p);
+}
+
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const uint32_t l = __bfloat16_as_ushort(__float2bfloat16_rn(lo));
+  const uint32_t h = __bfloat16_as_ushort(__float2bfloat16_rn(hi));
+  return l | (h << 16);
+}
+
+// acc[0..8) += the 8 bf16 of v, element order, one IEEE f32 add each (no contraction).
+__device__ __forceinline__ void add_bf16x8(float* acc, const uint4 v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    acc[2 * i] = __fadd_rn(acc[2 * i], bf16_lo(w[i]));
+    acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], bf16_hi(w[i]));
+  }
+}
+
+// Tells `peer` which receive slab this rank takes the current dispatch into (slot `me` of
+// the peer's recv_slab words). Ordered before the peer reads it by the signal that follows
+// (count signal, or the cached dispatch's start barrier). The peer has read the previous
+// value: this rank's previous dispatch ended only after every peer block had sent its rows,
+// and a block reads the slot before it sends.
+__device__ __forceinline__ void publish_recv_slab(const HtArgs& a, int peer) {
+  *reinterpret_cast<uint32_t*>(lsa_ptr(a.win, a.off_recv_slab + size_t(a.comm.lsaRank) * sizeof(uint32_t), peer)) =
+      a.recv_slab;
+}
+
+__device__ __forceinline__ uint32_t plan_words(int R, int E) {
+  return kPlanHead + (R + 1) + R + R + E + 2 * (E / R);
+}
+
+}  // namespace ht
+}  // namespace gin_ep

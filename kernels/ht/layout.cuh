@@ -1,0 +1,436 @@
+// kernels/ht/layout.cuh: HT layout and count exchange (one small kernel).
+// Part of the HT kernels (kernels/ht/ht.cu includes every part; ht/common.cuh holds the
+// arguments, the window layout and the helpers the phases share).
+#pragma once
+
+#include "ht/common.cuh"
+
+// The entry points below name the kernel namespaces' types and helpers unqualified.
+using namespace gin_ep;
+using namespace gin_ep::ht;
+// ---------------------------------------------------------------------------------------
+// Layout + count exchange: ceil(N / kLayoutTile) blocks (at least one) of kLayoutTile
+// threads, one token per thread; dynamic shared memory (layout_smem_bytes): the E-bin
+// histogram, the tile's topk ids as int16, the tile's send slots.
+//
+// Layout (routing.rs `layout`), per block = tile of kLayoutTile tokens:
+// - the tile's ids are staged into shared memory with 16-byte coalesced loads (16-bit codes,
+//   -2 for out of range; odd row stride), so the per-token pass reads shared memory only;
+// - per token: validation (mirrors routing::validate_topk: the first bad (t, k) in row-major
+//   order, range [-1, E), no expert twice in a row), the rank mask, the per-expert histogram
+//   with warp-aggregated shared atomics (__match_any: one atomic per distinct expert per
+//   warp and k, so hot routing does not serialize 32 lanes on one counter);
+// - per rank a warp ballot gives each token its position among the warp's tokens for that
+//   rank, a prefix over the tile's warps its position in the tile (slots staged in shared
+//   memory);
+// - tile offsets per rank by a decoupled look-back over the tile words of the scan scratch
+//   (a.scan): each block publishes its tile count (aggregate) at once, then one warp per
+//   rank reads 32 predecessors at a time (nearest first) and sums back to the nearest
+//   inclusive prefix; then it publishes its own inclusive prefix. Words carry the operation
+//   (seq) in a tag, so they are never reset. Blocks wait only on lower block indices (as
+//   CUB's single-pass scan), with a deadline;
+// - send_slot [tile][R] is written with 16-byte coalesced stores (in-tile slot + tile offset):
+//   the send slot in ascending token order, exactly the protocol's;
+// - the histogram is added into the scratch's global histogram (red.add per non-zero bin),
+//   the first bad entry into its word (atomicMax of the complement).
+// The last block to finish (atomic counter, threadfence-reduction pattern) reads the totals
+// (the last tile's inclusive prefix, the global histogram), resets the scratch for the next
+// operation, and does the count exchange and the plan; the others exit. No block waits for
+// a block that may not be resident, except the look-back on lower indices.
+//
+// Count exchange: the row (tokens_per_rank[R], tokens_per_expert[E]) goes into row `me` of
+// every peer's count region, then the count signal (seq) into slot `me` of every peer; wait
+// for all R slots; then the plan: src_offset, send_base, per-local-expert counts (aligned),
+// from the R x R count matrix and the local-expert sums, loaded by all threads at once.
+// If invalid input or a failed look-back: nothing is sent, every peer's count signal gets
+// kFailed, and peers skip their dispatch too.
+namespace gin_ep {
+namespace ht {
+constexpr int kLayoutTile = 256;  // host mirror: ht.rs LAYOUT_TILE
+constexpr int kLayoutWarps = kLayoutTile / 32;
+// Scan scratch (u32 words; host mirror: ht.rs layout_scan_bytes; zeroed at allocation, the
+// last block of every layout launch leaves it zeroed again, tile words excepted):
+//   [0] blocks finished, [1] ~(first bad entry) (0: none), [2] look-back failed, [3] pad,
+//   [4, 4 + E) the histogram, then (8-byte aligned) u64 tile words [tiles][R].
+constexpr int kScanDone = 0, kScanBadInv = 1, kScanFail = 2, kScanHead = 4;
+// Tile word: tag (30 bits of seq, then flag) << 32 | count. Flag 1: aggregate (the tile's
+// count), 2: inclusive prefix (through this tile). Never 0, so a zeroed word is "not yet".
+constexpr uint32_t kTileAggregate = 1u, kTileInclusive = 2u;
+
+// Host mirror: ht.rs layout_smem_bytes.
+__host__ __device__ constexpr uint32_t layout_ids_offset(uint32_t experts) { return (experts * 4u + 15u) / 16u * 16u; }
+__host__ __device__ constexpr uint32_t layout_slot_offset(uint32_t experts, uint32_t topk) {
+  return layout_ids_offset(experts) + (uint32_t(kLayoutTile) * (topk | 1u) * 2u + 15u) / 16u * 16u;
+}
+
+__device__ __forceinline__ uint64_t tile_word(uint64_t seq, uint32_t flag, uint32_t count) {
+  const uint32_t tag = ((uint32_t(seq) & 0x3FFFFFFFu) << 2) | flag;
+  return (uint64_t(tag) << 32) | count;
+}
+
+__device__ __forceinline__ uint64_t ld_relaxed_gpu_u64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_relaxed_gpu_u64(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_relaxed_gpu_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Rows of an expert padded to the expert alignment (the per-expert counts DESIGN.md returns).
+__device__ __forceinline__ uint32_t aligned_rows(uint32_t rows, uint32_t alignment) {
+  return (rows + alignment - 1u) / alignment * alignment;
+}
+
+// The 16-bit code of a topk id: the id, or -2 when outside [-1, E).
+__device__ __forceinline__ int16_t id_code(int64_t e, int E) { return int16_t(e < -1 || e >= E ? -2 : int(e)); }
+
+// Exclusive prefix of rank r's counts over tiles [0, tile), by one warp (decoupled
+// look-back: lane i reads tile end - 1 - i, the sum stops at the nearest inclusive prefix).
+// Returns false on a missed deadline (recorded in err; the caller fails the operation).
+__device__ __forceinline__ bool look_back(const uint64_t* tiles, int R, int r, int tile, uint64_t seq,
+                                          uint64_t timeout_ns, int me, FabricError* err, uint32_t* out) {
+  const int lane = threadIdx.x & 31;
+  const uint32_t want = (uint32_t(seq) & 0x3FFFFFFFu);
+  uint32_t excl = 0u;
+  bool ok = true;
+  for (int end = tile; end > 0; end -= 32) {
+    const int p = end - 1 - lane;  // lane 0: nearest predecessor
+    uint32_t flag = 0u, val = 0u;
+    if (p >= 0) {
+      const uint64_t* w = tiles + size_t(p) * R + r;
+      uint64_t v = ld_relaxed_gpu_u64(w);
+      uint64_t start = 0;
+      for (uint32_t spin = 0; (uint32_t(v >> 34) != want) || ((v >> 32) & 3u) == 0u; ++spin) {
+        if ((spin & 63u) == 63u) {
+          const uint64_t now = globaltimer_ns();
+          if (start == 0) start = now;
+          if (now - start > timeout_ns) {
+            report_error(err, kPhaseHtLayoutScan, me, me, now - start);
+            ok = false;
+            break;
+          }
+        }
+        v = ld_relaxed_gpu_u64(w);
+      }
+      flag = ok ? uint32_t(v >> 32) & 3u : kTileInclusive;
+      val = ok ? uint32_t(v) : 0u;
+    }
+    ok = __all_sync(0xFFFFFFFFu, ok);
+    const uint32_t incl = __ballot_sync(0xFFFFFFFFu, p >= 0 && flag == kTileInclusive);
+    const int stop = incl != 0u ? __ffs(incl) - 1 : 31;
+    uint32_t s = lane <= stop ? val : 0u;
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, d);
+    excl += s;
+    if (incl != 0u || !ok) break;
+  }
+  *out = excl;
+  return ok;
+}
+}  // namespace ht
+}  // namespace gin_ep
+
+extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count(const HtArgs a) {
+  extern __shared__ __align__(16) unsigned char s_dyn[];
+  __shared__ uint32_t s_warp[kLayoutWarps][kMaxRanks];
+  __shared__ uint32_t s_tile[kMaxRanks];   // this tile's count per rank
+  __shared__ uint32_t s_off[kMaxRanks];    // tokens of earlier tiles per rank
+  __shared__ uint32_t s_total[kMaxRanks];  // last block: tokens_per_rank
+  __shared__ uint32_t s_cnt[kMaxRanks][kMaxRanks];  // [source][destination] tokens_per_rank
+  __shared__ uint32_t s_bad;
+  __shared__ uint32_t s_fail;
+  __shared__ int s_fail_peer;
+  __shared__ uint32_t s_last;
+
+  const int R = a.comm.lsaSize;
+  const int me = a.comm.lsaRank;
+  const int E = int(a.experts), K = int(a.topk), N = int(a.num_tokens);
+  const int KP = K | 1;  // odd row stride: conflict-free shared reads
+  const int L = E / R;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tile = blockIdx.x, tiles = gridDim.x;
+  const uint32_t lanemask_lt = (1u << lane) - 1u;
+  uint32_t* const s_hist = reinterpret_cast<uint32_t*>(s_dyn);
+  int16_t* const s_ids = reinterpret_cast<int16_t*>(s_dyn + layout_ids_offset(uint32_t(E)));
+  int32_t* const s_slot = reinterpret_cast<int32_t*>(s_dyn + layout_slot_offset(uint32_t(E), uint32_t(K)));
+  uint32_t* const g_scan = a.scan;
+  uint32_t* const g_hist = g_scan + kScanHead;
+  uint64_t* const g_tiles = reinterpret_cast<uint64_t*>(g_scan + kScanHead + ((E + 1) & ~1));
+
+  if (tid == 0 && tile == 0 && a.stamps != nullptr) {
+    a.stamps[kStampLayStart] = globaltimer_ns();
+    a.stamps[kStampDispPayload] = 0;
+    a.stamps[kStampDispEnd] = 0;
+  }
+  const int t0 = tile * kLayoutTile;
+  const int tn = max(0, min(kLayoutTile, N - t0));
+  {
+    // Stage the tile's ids: 16-byte loads first (all in flight), then the 16-bit codes.
+    const int64_t* src = a.topk_idx + size_t(t0) * K;
+    const int n = tn * K;
+    const int nv = n / 2;  // int64 pairs; t0 * K * 8 is a multiple of 16 (kLayoutTile even)
+    constexpr int kV = 4;
+    for (int base = 0; base < nv; base += kV * kLayoutTile) {
+      longlong2 v[kV];
+#pragma unroll
+      for (int u = 0; u < kV; ++u) {
+        const int i = base + u * kLayoutTile + tid;
+        if (i < nv) v[u] = __ldg(reinterpret_cast<const longlong2*>(src) + i);
+      }
+#pragma unroll
+      for (int u = 0; u < kV; ++u) {
+        const int i = base + u * kLayoutTile + tid;
+        if (i < nv) {
+          const int j = 2 * i;
+          const int tl = j / K, k = j - tl * K;
+          s_ids[tl * KP + k] = id_code(v[u].x, E);
+          // j + 1 is (tl, k + 1), or (tl + 1, 0) when k is the row's last entry.
+          s_ids[k + 1 < K ? tl * KP + k + 1 : (tl + 1) * KP] = id_code(v[u].y, E);
+        }
+      }
+    }
+    if ((n & 1) != 0 && tid == 0) {
+      const int j = n - 1;
+      const int tl = j / K;
+      s_ids[tl * KP + (j - tl * K)] = id_code(src[j], E);
+    }
+  }
+  for (int e = tid; e < E; e += kLayoutTile) s_hist[e] = 0u;
+  if (tid == 0) {
+    s_bad = 0xFFFFFFFFu;
+    s_fail = 0u;
+    s_fail_peer = -1;
+  }
+  __syncthreads();
+
+  const int t = t0 + tid;
+  const bool live = tid < tn;
+  uint32_t mask = 0u;
+  {
+    const int16_t* row = s_ids + tid * KP;
+    for (int k = 0; k < K; ++k) {  // warp-uniform trip count
+      const int e = live ? int(row[k]) : -1;
+      bool ok = e >= 0;
+      if (e == -2) {
+        atomicMin(&s_bad, uint32_t(t * K + k));
+      } else if (ok) {
+        bool dup = false;
+        for (int j = 0; j < k; ++j) dup |= (int(row[j]) == e);
+        if (dup) {
+          atomicMin(&s_bad, uint32_t(t * K + k));
+          ok = false;
+        }
+      }
+      const uint32_t same = __match_any_sync(0xFFFFFFFFu, ok ? e : -1);
+      if (ok) {
+        if ((same & lanemask_lt) == 0u) atomicAdd(&s_hist[e], uint32_t(__popc(same)));
+        mask |= 1u << (e / L);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const uint32_t b = __ballot_sync(0xFFFFFFFFu, (mask >> r) & 1u);
+    if (lane == 0) s_warp[warp][r] = __popc(b);
+  }
+  __syncthreads();
+  if (tid < R) {  // exclusive prefix over the tile's warps, per rank
+    uint32_t acc = 0u;
+#pragma unroll
+    for (int w = 0; w < kLayoutWarps; ++w) {
+      const uint32_t c = s_warp[w][tid];
+      s_warp[w][tid] = acc;
+      acc += c;
+    }
+    s_tile[tid] = acc;
+    // Publish at once: tile 0's count is already its inclusive prefix.
+    st_relaxed_gpu_u64(g_tiles + size_t(tile) * R + tid,
+                       tile_word(a.seq, tile == 0 ? kTileInclusive : kTileAggregate, acc));
+    if (tile == 0) s_off[tid] = 0u;
+  }
+  __syncthreads();
+  for (int r = 0; r < R; ++r) {
+    const bool in = (mask >> r) & 1u;
+    const uint32_t b = __ballot_sync(0xFFFFFFFFu, in);
+    if (live) s_slot[tid * R + r] = in ? int32_t(s_warp[warp][r] + __popc(b & lanemask_lt)) : -1;
+  }
+  // Histogram and first bad entry into the scratch (the last block reads them).
+  for (int e = tid; e < E; e += kLayoutTile) {
+    const uint32_t v = s_hist[e];
+    if (v != 0u) atomicAdd(&g_hist[e], v);
+  }
+  if (tid == 0 && s_bad != 0xFFFFFFFFu) atomicMax(&g_scan[kScanBadInv], ~s_bad);
+  if (tile > 0) {
+    for (int r = warp; r < R; r += kLayoutWarps) {
+      uint32_t off = 0u;
+      const bool ok = look_back(g_tiles, R, r, tile, a.seq, a.timeout_ns, me, a.err, &off);
+      if (lane == 0) {
+        s_off[r] = off;
+        if (!ok) atomicOr(&g_scan[kScanFail], 1u);
+        st_relaxed_gpu_u64(g_tiles + size_t(tile) * R + r, tile_word(a.seq, kTileInclusive, off + s_tile[r]));
+      }
+    }
+  }
+  __syncthreads();
+  {
+    // send_slot rows [t0, t0 + tn) are contiguous: tn * R words from t0 * R, 16-byte aligned.
+    int32_t* dst = a.send_slot + size_t(t0) * R;
+    const int n = tn * R;
+    const int nv = n / 4;
+    for (int i = tid; i < nv; i += kLayoutTile) {
+      const int4 v = reinterpret_cast<const int4*>(s_slot)[i];
+      const auto fix = [&](int32_t s, int q) { return s >= 0 ? s + int32_t(s_off[(4 * i + q) % R]) : -1; };
+      reinterpret_cast<int4*>(dst)[i] = make_int4(fix(v.x, 0), fix(v.y, 1), fix(v.z, 2), fix(v.w, 3));
+    }
+    for (int i = 4 * nv + tid; i < n; i += kLayoutTile) {
+      const int32_t s = s_slot[i];
+      dst[i] = s >= 0 ? s + int32_t(s_off[i % R]) : -1;
+    }
+  }
+  __syncthreads();  // every store of this block happens-before the fence and the count below
+  if (tid == 0) {
+    __threadfence();
+    s_last = atomicAdd(&g_scan[kScanDone], 1u) == uint32_t(tiles - 1) ? 1u : 0u;
+    if (s_last != 0u) __threadfence();
+  }
+  __syncthreads();
+  if (s_last == 0u) return;
+
+  // ---- The last block: totals, count exchange, plan.
+  if (tid == 0) {
+    if (a.stamps != nullptr) a.stamps[kStampLayDone] = globaltimer_ns();
+    const uint32_t inv = ld_relaxed_gpu_u32(&g_scan[kScanBadInv]);
+    s_bad = ~inv;  // 0xFFFFFFFF: none
+    s_fail = ld_relaxed_gpu_u32(&g_scan[kScanFail]) != 0u ? kStatusTimeout : kStatusOk;
+    g_scan[kScanDone] = 0u;
+    g_scan[kScanBadInv] = 0u;
+    g_scan[kScanFail] = 0u;
+  }
+  if (tid < R) s_total[tid] = uint32_t(ld_relaxed_gpu_u64(g_tiles + size_t(tiles - 1) * R + tid));
+  for (int e = tid; e < E; e += kLayoutTile) {
+    s_hist[e] = ld_relaxed_gpu_u32(&g_hist[e]);
+    g_hist[e] = 0u;
+  }
+  __syncthreads();
+
+  const bool bad = s_bad != 0xFFFFFFFFu;
+  const bool refuse = bad || s_fail != kStatusOk;
+  uint32_t* const src_offset = a.plan + kPlanHead;
+  uint32_t* const send_base = src_offset + R + 1;
+  uint32_t* const tpr = send_base + R;
+  uint32_t* const tpe = tpr + R;
+  uint32_t* const local = tpe + E;
+  uint32_t* const aligned = local + L;
+  for (int r = tid; r < R; r += kLayoutTile) tpr[r] = s_total[r];
+  for (int e = tid; e < E; e += kLayoutTile) tpe[e] = s_hist[e];
+
+  const int row_words = R + E;
+  if (!refuse) {
+    for (int i = tid; i < R * row_words; i += kLayoutTile) {
+      const int peer = i / row_words, w = i - peer * row_words;
+      const uint32_t v = w < R ? s_total[w] : s_hist[w - R];
+      *reinterpret_cast<uint32_t*>(
+          lsa_ptr(a.win, a.off_counts + (size_t(me) * row_words + w) * sizeof(uint32_t), peer)) = v;
+    }
+    if (tid < R) publish_recv_slab(a, tid);
+  }
+  __syncthreads();  // every thread's count stores happen-before the signals below
+  if (tid < R) signal_peer(a, a.off_count_sig + size_t(me) * sizeof(uint64_t), tid, refuse ? kFailed : a.seq);
+  if (!refuse && tid < R) {
+    const uint64_t* w = reinterpret_cast<const uint64_t*>(lsa_ptr(a.win, a.off_count_sig + size_t(tid) * 8, me));
+    const uint32_t st = wait_signal(w, a.seq, kPhaseHtCountExchange, tid, me, a.timeout_ns, a.err);
+    if (st != kStatusOk) {
+      atomicCAS(&s_fail, kStatusOk, st);
+      atomicMax(&s_fail_peer, tid);
+    }
+  }
+  __syncthreads();  // extends the waiters' acquire to the block
+  if (tid == 0 && a.stamps != nullptr) a.stamps[kStampLayCounts] = globaltimer_ns();
+
+  // The R x R count matrix and this rank's local-expert sums (into s_hist[0, L): the
+  // histogram is no longer needed), loaded at once.
+  const uint32_t* counts = reinterpret_cast<const uint32_t*>(lsa_ptr(a.win, a.off_counts, me));
+  const bool counted = !refuse && s_fail == kStatusOk;
+  __syncthreads();  // everyone read s_fail before thread 0 reuses it below
+  if (counted) {
+    for (int i = tid; i < R * R; i += kLayoutTile) {
+      const int s = i / R, d = i - s * R;
+      s_cnt[s][d] = ld_volatile_u32(counts + size_t(s) * row_words + d);
+    }
+    for (int e = tid; e < L; e += kLayoutTile) {
+      uint32_t sum = 0u;
+      for (int s = 0; s < R; ++s) sum += ld_volatile_u32(counts + size_t(s) * row_words + R + me * L + e);
+      s_hist[e] = sum;
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    uint32_t status = kStatusOk, detail = 0u, num_recv = 0u;
+    int peer = -1;
+    if (bad) {
+      status = kStatusInvalidInput;
+      detail = s_bad;
+    } else if (s_fail != kStatusOk) {
+      status = s_fail;
+      peer = refuse ? me : s_fail_peer;
+      detail = refuse ? uint32_t(kPhaseHtLayoutScan) : uint32_t(kPhaseHtCountExchange);
+    } else {
+      const uint64_t cap = uint64_t(R) * a.max_tokens;
+      uint64_t acc = 0;
+      for (int s = 0; s < R; ++s) {
+        src_offset[s] = uint32_t(acc);
+        acc += s_cnt[s][me];
+      }
+      src_offset[R] = uint32_t(acc < cap ? acc : cap);
+      num_recv = uint32_t(acc < cap ? acc : cap);
+      if (acc > cap) {
+        status = kStatusCapacity;
+        detail = uint32_t(acc > 0xFFFFFFFFull ? 0xFFFFFFFFull : acc);
+      }
+      for (int d = 0; d < R && status == kStatusOk; ++d) {
+        uint64_t b = 0;
+        for (int s = 0; s < me; ++s) b += s_cnt[s][d];
+        send_base[d] = uint32_t(b);
+        // A corrupt peer count must never make us write past the receiver's capacity.
+        if (b + s_total[d] > cap) {
+          status = kStatusCapacity;
+          detail = uint32_t(b + s_total[d] > 0xFFFFFFFFull ? 0xFFFFFFFFull : b + s_total[d]);
+          peer = d;
+        }
+      }
+    }
+    a.plan[kPlanStatus] = status;
+    a.plan[kPlanDetail] = detail;
+    a.plan[kPlanNumRecv] = num_recv;
+    a.plan[kPlanPeer] = uint32_t(peer);
+    volatile uint32_t* h = a.plan_host;
+    // The per-expert counts go out before the status: the host acts on the status word
+    // before this kernel ends (exact sizing) and may read the counts at once.
+    for (int e = 0; e < L && status == kStatusOk; ++e)
+      a.counts_host[e] = aligned_rows(s_hist[e], a.alignment);
+    h[kPlanDetail] = detail;
+    h[kPlanNumRecv] = num_recv;
+    h[kPlanPeer] = uint32_t(peer);
+    __threadfence_system();
+    h[kPlanStatus] = status;
+    s_fail = status;  // reused: the final status, for the block
+  }
+  __syncthreads();
+  if (s_fail == kStatusOk) {
+    for (int e = tid; e < L; e += kLayoutTile) {
+      const uint32_t sum = s_hist[e];
+      local[e] = sum;
+      aligned[e] = aligned_rows(sum, a.alignment);
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    if (a.stamps != nullptr) a.stamps[kStampLayEnd] = globaltimer_ns();
+    __threadfence_system();
+  }
+}

@@ -1,0 +1,395 @@
+// kernels/ll/combine_send.cuh: LL combine, send half: expert rows (or rank-first partials) back to their sources.
+// Part of the LL kernels (kernels/ll/ll.cu holds the entry points; ll/common.cuh the
+// arguments, the signal protocol and the helpers every phase shares).
+#pragma once
+
+#include "ll/common.cuh"
+#include "ll/publisher.cuh"
+
+namespace gin_ep {
+namespace ll {
+// ---------------------------------------------------------------------------------------
+// Combine send: every valid expert row goes to its source rank's [src_token][src_k] slot.
+
+// Combine work unit: 4 vectors of 8 bf16 per lane, 1024 channels per warp item.
+constexpr int kCombineVecs = 4;
+constexpr int kCombineUnit = 32 * 8 * kCombineVecs;
+
+struct CombUnit {
+  uint4 v[kCombineVecs];
+  int32_t s, t, k;
+};
+
+// Rank-first combine send (ll/common.cuh, "Combine, order `rank-first`"): one partial row per
+// record.
+constexpr int kPartialBatch = 4;                       // rows loaded before the fma chain
+
+// One comb_map entry held across the warp: lane j holds int j (j < 32), so an entry is one
+// load and its fields are shuffles; ints past 31 (more than 14 experts of one token on this
+// rank) are read from memory.
+__device__ __forceinline__ int32_t load_entry(const LlArgs& a, uint32_t g, int lane) {
+  const int KM = map_ints(a.topk);
+  return lane < KM ? a.comb_map[size_t(g) * KM + lane] : 0;
+}
+__device__ __forceinline__ int32_t entry_at(const LlArgs& a, int32_t held, uint32_t g, int j) {
+  const int32_t v = __shfl_sync(0xffffffffu, held, j & 31);
+  return j < 32 ? v : a.comb_map[size_t(g) * map_ints(a.topk) + j];
+}
+
+struct PartBatch {
+  uint4 v[kPartialBatch][kPartialVecs];
+  float w[kPartialBatch];
+  // `wflag`: the (op << 32 | weight) pairs as loaded and their indices in the area (kNoPair:
+  // pair not used); resolve_weights turns them into w.
+  uint64_t pair[kPartialBatch];
+  uint32_t pair_at[kPartialBatch];
+};
+constexpr uint32_t kNoPair = 0xffffffffu;
+
+// `wflag`: whether the weights area holds (op << 32 | f32 bits) pairs (else f32 weights and a
+// kCombWts signal per source).
+__device__ __forceinline__ bool flagged_weights(const LlArgs& a) { return (a.flags & kFlagFlaggedWeights) != 0u; }
+
+// `wflag`: the batch's weights once each pair carries op n, re-polling the ones that did not
+// yet when loaded (the same value in every lane). False when a pair missed the deadline.
+__device__ bool resolve_weights(const LlArgs& a, const uint64_t* pairs, uint32_t n, int src, PartBatch& b) {
+#pragma unroll
+  for (int i = 0; i < kPartialBatch; ++i) {
+    if (b.pair_at[i] == kNoPair) continue;
+    PollDeadline deadline;
+    for (uint32_t spin = 0; uint32_t(b.pair[i] >> 32) != n; ++spin) {
+      if ((spin & 15u) == 15u && !deadline.ok(a.err, wait_timeout(a, src),
+                                              static_cast<FabricPhase>(kPhaseCombineWeights), src, a.comm.lsaRank)) {
+        return false;
+      }
+      b.pair[i] = ld_relaxed_sys(pairs + b.pair_at[i]);
+    }
+    b.w[i] = __uint_as_float(uint32_t(b.pair[i]));
+    b.pair_at[i] = kNoPair;
+  }
+  return true;
+}
+
+// Pairs [p0, p0 + kPartialBatch) of entry `held` (record g): the expert rows' channels
+// c0.. of this lane (unless `weights_only`) and, when `with_w`, the source's weights.
+__device__ __forceinline__ void load_batch(const LlArgs& a, const float* wts, int32_t held, uint32_t g, int p0,
+                                           int c0, bool with_w, PartBatch& b, bool weights_only = false) {
+  const int K = a.topk, H = a.hidden, T = a.max_tokens;
+  const int s = __shfl_sync(0xffffffffu, held, 0), t = __shfl_sync(0xffffffffu, held, 1);
+  const int np = min(max(__shfl_sync(0xffffffffu, held, 2), 0), K);
+  const bool st_ok = s >= 0 && s < a.comm.lsaSize && t >= 0 && t < T;
+#pragma unroll
+  for (int i = 0; i < kPartialBatch; ++i) {
+    const int p = p0 + i;
+    const int32_t row = entry_at(a, held, g, kMapHeader + 2 * p);
+    const int32_t k = entry_at(a, held, g, kMapHeader + 2 * p + 1);
+    const bool use = st_ok && p < np && row >= 0 && k >= 0 && k < K;
+    const size_t wi = (size_t(s) * T + t) * K + k;
+    if (with_w && flagged_weights(a)) {
+      b.w[i] = 0.0f;
+      b.pair_at[i] = use ? uint32_t(wi) : kNoPair;
+      b.pair[i] = use ? ld_relaxed_sys(reinterpret_cast<const uint64_t*>(wts) + wi) : 0;
+    } else if (with_w) {
+      b.w[i] = use ? wts[wi] : 0.0f;
+    }
+    if (weights_only) continue;
+    const uint16_t* y = a.y + size_t(use ? row : 0) * H;
+#pragma unroll
+    for (int v = 0; v < kPartialVecs; ++v) {
+      const int ch = c0 + v * 256;
+      b.v[i][v] = use && ch < H ? ld_nc_v4(reinterpret_cast<const uint4*>(y + ch)) : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// Elements [0, n) moved by `threads` threads from thread `tid` (load(i), then store(i, v)),
+// up to kCopyBatch per thread loaded before any is stored: every remote store's "memory"
+// clobber keeps later loads behind it, and one load round trip per element cost a warp alone
+// ≈ 4 µs for 8 vectors per lane (`wwarp`, bench/log/2026-11-21-27.md).
+constexpr int kCopyBatch = 8;
+template <typename T, typename Load, typename Store>
+__device__ __forceinline__ void copy_batched(size_t n, size_t tid, size_t threads, Load load, Store store) {
+  for (size_t i0 = tid; i0 < n; i0 += threads * kCopyBatch) {
+    T v[kCopyBatch];
+#pragma unroll
+    for (int j = 0; j < kCopyBatch; ++j) {
+      const size_t i = i0 + size_t(j) * threads;
+      if (i < n) v[j] = load(i);
+    }
+#pragma unroll
+    for (int j = 0; j < kCopyBatch; ++j) {
+      const size_t i = i0 + size_t(j) * threads;
+      if (i < n) store(i, v[j]);
+    }
+  }
+}
+
+__device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
+  const int R = a.comm.lsaSize, me = a.comm.lsaRank;
+  const int K = a.topk, H = a.hidden, T = a.max_tokens, N = a.num_tokens;
+  stamp(a, kStCombStart);
+  // Our weights into every rank's [me] slot (4 KB at 128 tokens x top-8), one rank per CTA
+  // (CTA b serves rank me + 1 + b, so the fences run in parallel), then that rank's signal.
+  // `wwarp`: warp 0 of the CTA alone, so the CTA's other warps go on while its release waits
+  // for the stores to be acknowledged; otherwise every thread, then a CTA barrier.
+  const size_t nw = size_t(N) * K;
+  const size_t slot = a.set_offset + a.wts_offset + size_t(me) * T * K * sizeof(float);
+  const bool wwarp = (a.flags & kFlagWeightsWarp) != 0u;
+  const bool late_wts = (a.flags & kFlagLateWeights) != 0u;
+  const bool wflag = flagged_weights(a);
+  const int pushers = wwarp ? 32 : int(blockDim.x);
+  for (int b = blockIdx.x; b < R && int(threadIdx.x) < pushers; b += gridDim.x) {  // CTA- or warp-uniform
+    const int q = (me + 1 + b) % R;
+    if (wflag) {
+      // (n << 32 | weight) pairs; no signal.
+      uint64_t* dst = reinterpret_cast<uint64_t*>(win_ptr(a, a.set_offset + a.wts_offset, q)) + size_t(me) * T * K;
+      copy_batched<float>(
+          nw, threadIdx.x, pushers, [&](size_t i) { return a.topk_weights[i]; },
+          [&](size_t i, float w) { st_relaxed_sys_u64(dst + i, (uint64_t(n) << 32) | __float_as_uint(w)); });
+      continue;
+    }
+    float* dst = reinterpret_cast<float*>(win_ptr(a, slot, q));
+    const bool vec = ((reinterpret_cast<uintptr_t>(a.topk_weights) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
+    const size_t nv = vec ? nw / 4 : 0;
+    const uint4* src = reinterpret_cast<const uint4*>(a.topk_weights);
+    copy_batched<uint4>(
+        nv, threadIdx.x, pushers, [&](size_t i) { return ld_v4(src + i); },
+        [&](size_t i, const uint4& v) { st_v4(reinterpret_cast<uint4*>(dst) + i, v); });
+    for (size_t i = nv * 4 + threadIdx.x; i < nw; i += pushers) dst[i] = a.topk_weights[i];
+    if (wwarp) {
+      __syncwarp();
+    } else {
+      __syncthreads();
+    }
+    if (threadIdx.x == 0 && !late_wts) red_release_sys_add(sig_word(a, q, kCombWts, me), 1);  // release, cumulative
+  }
+
+  const int lane = threadIdx.x & 31;
+  const uint32_t records = min(ld_volatile_u32(&a.state[kRecords]), uint32_t(R) * uint32_t(T));
+  const int units = (H + kPartialUnit - 1) / kPartialUnit;
+  const size_t items = size_t(records) * units;
+  // `cpub`: warps 0..14 of each CTA send and count their items in `progress`; the last one
+  // takes no item and publishes their ready words (publish_rounds).
+  const bool cpub = (a.flags & kFlagCombPublisher) != 0u;
+  const int wic = int(threadIdx.x / 32), per_cta = cpub ? kWarps - 1 : kWarps;
+  const bool publisher = cpub && wic == per_cta;
+  const size_t warps = size_t(gridDim.x) * per_cta;
+  const size_t warp = publisher ? items : size_t(blockIdx.x) * per_cta + wic;
+  __shared__ uint32_t progress[kWarps];
+  if (cpub && threadIdx.x < kWarps) progress[threadIdx.x] = 0;  // before the credit wait's barrier
+  const float* wts = reinterpret_cast<const float*>(win_ptr(a, a.set_offset + a.wts_offset, me));
+  // Records are sorted by source rank, so consecutive warps would all store to one source's
+  // link at a time; a stride coprime with the record count visits every record once and
+  // spreads neighbouring warps over the sources.
+  uint32_t stride = 1;
+  for (const uint32_t p : {97u, 89u, 83u, 79u}) {
+    if (records % p != 0) {
+      stride = p;
+      break;
+    }
+  }
+  // (it / units < records <= R * T, times a stride < 100: within 32 bits.)
+  auto record = [&](size_t it) { return item_div(it, units) * stride % max(records, 1u); };
+  // The warp's first map entry and rows are loaded before the waits (they depend on neither:
+  // the map and y are this rank's own, written before this kernel in stream order); its
+  // weights after them. Later items: the map entry one item ahead, rows and weights as soon
+  // as the entry is in, before the current item's stores.
+  size_t item = warp;
+  int32_t held = 0;
+  PartBatch cur;
+  if (item < items) {
+    held = load_entry(a, record(item), lane);
+    load_batch(a, wts, held, record(item), 0, int(item_mod(item, units)) * kPartialUnit + lane * 8, false, cur);
+  }
+  // Credit: every source rank has reduced the previous combine of this set.
+  if (!wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) return false;
+  stamp(a, kStCombCredit);
+  // `wlate`: the weights signals now (the wait's CTA barrier orders every pusher's stores
+  // before thread 0's release, which is cumulative).
+  for (int b = blockIdx.x; late_wts && !wflag && b < R && threadIdx.x == 0; b += gridDim.x) {
+    red_release_sys_add(sig_word(a, (me + 1 + b) % R, kCombWts, me), 1);
+  }
+  // This lane's channels c0.. of a partial row into source s's [t][me] slot (s and t come
+  // from the map our dispatch wrote: always in range, checked anyway).
+  auto put_partial = [&](int s, int t, int c0, const uint4 (&v)[kPartialVecs]) {
+    if (s < 0 || s >= R || t < 0 || t >= T) return;
+    char* dst = win_ptr(a, a.set_offset + a.comb_offset + (size_t(t) * R + me) * size_t(H) * 2, s);
+#pragma unroll
+    for (int i = 0; i < kPartialVecs; ++i) {
+      const int ch = c0 + i * 256;
+      if (ch < H) st_v4(reinterpret_cast<uint4*>(dst + size_t(ch) * 2), v[i]);
+    }
+  };
+  const bool solo = solo_rows(a);
+  if (solo) {
+    // `solo`: records with one pair (the token's only expert on this rank) go back as the
+    // expert's row itself, before the weights have arrived; the source weights it (the same
+    // fma from +0 and BF16 rounding, reduce_rank_first). Links that would idle during the
+    // weights round carry these rows meanwhile.
+    for (size_t it = warp; it < items; it += warps) {
+      const uint32_t g = record(it);
+      const int32_t h1 = load_entry(a, g, lane);
+      if (__shfl_sync(0xffffffffu, h1, 2) != 1) continue;  // warp-uniform
+      const int s = __shfl_sync(0xffffffffu, h1, 0), t = __shfl_sync(0xffffffffu, h1, 1);
+      const int c0 = int(item_mod(it, units)) * kPartialUnit + lane * 8;
+      PartBatch b1;
+      load_batch(a, wts, h1, g, 0, c0, false, b1);
+      put_partial(s, t, c0, b1.v[0]);
+    }
+  }
+  if (!wflag && !wait_all_peers(a, kCombWts, uint64_t(n), kPhaseCombineWeights)) return false;
+  stamp(a, kStCombWeights);
+  bool weighted = false;  // cur's weights are loaded
+  bool failed = false;    // `wflag`: a pair missed its deadline (this warp stops sending)
+  // `cpub`: the publisher's rounds (after every CTA-wide wait above, which it joins), and
+  // each send warp's progress after every item of the loop below (sent there or by `solo`).
+  if (publisher) {
+    const int KM = map_ints(K);
+    const PublishPlan plan{per_cta, warps, items, 1, false, kStCombSignaled, -1, kPhaseCombineRecv};
+    failed = !publish_rounds(a, progress, plan, [&](size_t it, int) {
+      const uint32_t g = record(it);
+      const int s = a.comb_map[size_t(g) * KM], t = a.comb_map[size_t(g) * KM + 1];
+      if (s >= 0 && s < R && t >= 0 && t < T) put_flag(a, comb_ready_word(a, s, me, t, int(item_mod(it, units))), n);
+    });
+  }
+  uint32_t stored = 0;
+  auto progressed = [&](bool ok) {
+    if (!cpub) return;
+    __syncwarp();
+    if (lane == 0) st_release_cta_shared(progress + wic, ok ? ++stored : kProgressFailed);
+  };
+  for (; item < items; item += warps) {
+    const uint32_t g = record(item);
+    const int c0 = int(item_mod(item, units)) * kPartialUnit + lane * 8;
+    const int s = __shfl_sync(0xffffffffu, held, 0), t = __shfl_sync(0xffffffffu, held, 1);
+    const int np = min(max(__shfl_sync(0xffffffffu, held, 2), 0), K);
+    const size_t next = item + warps;
+    if (solo && np == 1) {  // sent above
+      if (next < items) {
+        held = load_entry(a, record(next), lane);
+        load_batch(a, wts, held, record(next), 0, int(item_mod(next, units)) * kPartialUnit + lane * 8, true, cur);
+        weighted = true;
+      }
+      progressed(true);
+      continue;
+    }
+    if (!weighted) load_batch(a, wts, held, g, 0, c0, true, cur, true);
+    const int32_t held_next = next < items ? load_entry(a, record(next), lane) : 0;
+    float acc[8 * kPartialVecs];
+#pragma unroll
+    for (int i = 0; i < 8 * kPartialVecs; ++i) acc[i] = 0.0f;  // +0, as the oracle
+    for (int p0 = 0; p0 < np; p0 += kPartialBatch) {
+      if (p0 > 0) load_batch(a, wts, held, g, p0, c0, true, cur);  // more than a batch here
+      if (wflag && !resolve_weights(a, reinterpret_cast<const uint64_t*>(wts), n, s, cur)) {
+        failed = true;
+        break;
+      }
+      // The fma chain over this rank's experts of the token, k ascending (pair order).
+#pragma unroll
+      for (int b = 0; b < kPartialBatch; ++b) {
+        if (p0 + b >= np) break;
+#pragma unroll
+        for (int i = 0; i < kPartialVecs; ++i) fma_bf16x8(cur.w[b], cur.v[b][i], acc + i * 8);
+      }
+    }
+    // The next item's rows and weights, before this item's stores.
+    if (next < items) {
+      load_batch(a, wts, held_next, record(next), 0, int(item_mod(next, units)) * kPartialUnit + lane * 8, true,
+                 cur);
+    }
+    if (failed) {
+      progressed(false);
+      break;
+    }
+    uint4 out[kPartialVecs];
+#pragma unroll
+    for (int i = 0; i < kPartialVecs; ++i) out[i] = pack_bf16x8(acc + i * 8);
+    put_partial(s, t, c0, out);
+    progressed(true);
+    held = held_next;
+    weighted = true;
+  }
+  // `wflag`: a missed weight deadline stops the whole CTA before its signal (as a failed
+  // kCombWts wait does), so the sources time out instead of reducing rows never sent.
+  // `cpub`: likewise a publisher that stopped (its ready words are the signal).
+  if ((wflag || cpub) && __syncthreads_or(failed)) {
+    mark_failed(a);
+    return false;
+  }
+  if (cpub) {
+    stamp(a, kStCombSent);
+    return true;
+  }
+  signal_all_peers(a, kCombSig, kStCombSent, kStCombSignaled);
+  return true;
+}
+
+__device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
+  if (a.comb_order == kCombOrderRankFirst) return combine_send_rank_first(a, n);
+  const int R = a.comm.lsaSize;
+  const int K = a.topk, E = a.experts, L = E / R, H = a.hidden, T = a.max_tokens;
+  const size_t cap = size_t(R) * T;
+  uint32_t* pre = smem;  // [L + 1]
+  stamp(a, kStCombStart);
+  for (int e = threadIdx.x; e < L; e += blockDim.x) {
+    pre[e] = uint32_t(min(max(a.recv_count[e], 0), int32_t(cap)));
+  }
+  __syncthreads();
+  warp0_exclusive_scan(pre, L, threadIdx.x);
+  // Credit: every source rank has reduced the previous combine of this set.
+  if (!wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) return false;
+  stamp(a, kStCombCredit);
+
+  const int lane = threadIdx.x & 31;
+  const int units = (H + kCombineUnit - 1) / kCombineUnit;
+  const size_t items = size_t(pre[L]) * units;
+  const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
+  const bool pipe = (a.flags & kFlagPipeline) != 0;
+  auto load = [&](size_t item) {
+    const uint32_t g = item_div(item, units);
+    const int u = int(item_mod(item, units));
+    // Expert of valid row g: the last e with pre[e] <= g (binary search, warp-uniform).
+    int lo = 0, hi = L;  // invariant: pre[lo] <= g < pre[hi]
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (pre[mid] <= g) lo = mid; else hi = mid;
+    }
+    const size_t row = size_t(lo) * cap + (g - pre[lo]);
+    CombUnit c;
+    // The row's bytes first: they do not depend on the handle loads below.
+    const uint16_t* y = a.y + row * H;
+#pragma unroll
+    for (int i = 0; i < kCombineVecs; ++i) {
+      const int ch = u * kCombineUnit + i * 256 + lane * 8;
+      c.v[i] = ch < H ? ld_nc_v4(reinterpret_cast<const uint4*>(y + ch)) : make_uint4(0, 0, 0, 0);
+    }
+    c.s = a.src_rank[row];
+    c.t = a.src_token[row];
+    c.k = a.src_k[row];
+    return c;
+  };
+  CombUnit cur{};
+  if (warp < items) cur = load(warp);
+  for (size_t item = warp; item < items; item += warps) {
+    const size_t next = item + warps;
+    CombUnit nxt{};
+    if (pipe && next < items) nxt = load(next);
+    const int u = int(item_mod(item, units));
+    const int s = cur.s, t = cur.t, k = cur.k;
+    if (s >= 0 && s < R && t >= 0 && t < T && k >= 0 && k < K) {  // always, for our handle
+      char* dst = win_ptr(a, a.set_offset + a.comb_offset + (size_t(t) * K + k) * size_t(H) * 2, s);
+#pragma unroll
+      for (int i = 0; i < kCombineVecs; ++i) {
+        const int ch = u * kCombineUnit + i * 256 + lane * 8;
+        if (ch < H) st_v4(reinterpret_cast<uint4*>(dst + size_t(ch) * 2), cur.v[i]);
+      }
+    }
+    if (next < items) cur = pipe ? nxt : load(next);
+  }
+  signal_all_peers(a, kCombSig, kStCombSent, kStCombSignaled);
+  return true;
+}
+
+}  // namespace ll
+}  // namespace gin_ep

@@ -1,0 +1,308 @@
+// kernels/ll/dispatch_recv.cuh: LL dispatch, receive half: the row table and the expand of staged records.
+// Part of the LL kernels (kernels/ll/ll.cu holds the entry points; ll/common.cuh the
+// arguments, the signal protocol and the helpers every phase shares).
+#pragma once
+
+#include "ll/common.cuh"
+
+namespace gin_ep {
+namespace ll {
+// ---------------------------------------------------------------------------------------
+// Dispatch recv: wait for every source, then expand staged records into the expert-major
+// output, fused (no second pass over memory).
+
+// Dispatch units one expand item covers at most. The item count per record is chosen so
+// that one round of items covers every warp (6454 units over 2112 warps at 128 tokens,
+// hidden 7168: 4 units per item); a warp loads the record's metadata once and all of its
+// units' payload at once, so each item costs one memory latency instead of one per unit.
+constexpr int kExpandUnits = 4;
+
+// One expand item in registers: up to kExpandUnits units of one staged record (this lane's
+// payload and FP8 scales) and, for k = lane < 32, the record's local id and position.
+struct StagedItem {
+  uint4 v0[kExpandUnits], v1[kExpandUnits];
+  float scale[kExpandUnits];
+  int32_t tok, lid, pos, src;
+};
+
+// The dispatch receive table in shared memory: first[R][L + 1] (the sources' counts, then,
+// from column 1, the rows of expert e before source s), start[R + 1] (prefix of the sources'
+// record counts), then the table word (kTable*: whether first/start are ready, for the send
+// warps of `sendN`, which wait for it before they take expand items). The host sizes it
+// (ll.rs dispatch_recv_smem).
+constexpr uint32_t kTableNotYet = 0, kTableReady = 1, kTableFailed = 2;
+struct RecvTable {
+  uint32_t* first;
+  uint32_t* start;
+  uint32_t* word;
+  __device__ static RecvTable at(const LlArgs& a, uint32_t* smem) {
+    const int R = a.comm.lsaSize, L = a.experts / R;
+    uint32_t* start = smem + size_t(R) * (L + 1);
+    return RecvTable{smem, start, start + R + 1};
+  }
+};
+
+// A send warp of `sendN`, done sending: wait for this CTA's receive table. Bounded by the
+// receive team: its own waits have deadlines, name the late peer, stop when another wait
+// has reported, and then publish kTableFailed, so this wait never reads the host-mapped
+// error flag itself (a thousand send warps reading it flooded the path to host memory,
+// docs/performance.md). The deadline here is 1.5x theirs, so it never wins the race to
+// report a stalled peer (it once did, naming this rank itself: `gin-ep check --mode ll
+// --stall R:ll-dispatch`); it only guards against a receive team that never publishes.
+// False when the table failed or this wait timed out.
+__device__ bool wait_recv_table(const LlArgs& a, uint32_t* table_smem) {
+  const uint32_t* table = RecvTable::at(a, table_smem).word;
+  PollDeadline deadline;
+  uint32_t st = kTableNotYet;
+  const bool sleep = (a.flags & kFlagSpin) == 0u;
+  // The word is in shared memory (a poll takes tens of ns): the clock is read every 256
+  // polls, not 16, which is still every few microseconds.
+  for (uint32_t spin = 0; (st = ld_acquire_cta_shared(table)) == kTableNotYet; ++spin) {
+    if (sleep) __nanosleep(64);
+    if ((spin & 255u) == 255u && !deadline.ok(a.err, wait_timeout(a, a.comm.lsaRank),
+                                            static_cast<FabricPhase>(kPhaseDispatchRecv), a.comm.lsaRank,
+                                            a.comm.lsaRank, /*others=*/false)) {
+      mark_failed(a);
+      return false;
+    }
+  }
+  return st == kTableReady;  // else the receive team failed and reported it
+}
+
+// The expand loop of a warp: items first_item, first_item + warps, ... of this dispatch, with
+// `first` / `start` the receive table (RecvTable, built by dispatch_recv_table). `warps` also sizes the items,
+// so every caller of one kernel passes the same. True when a wait failed (deadline).
+__device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first, const uint32_t* start,
+                             size_t first_item, size_t warps) {
+  const int R = a.comm.lsaSize, me = a.comm.lsaRank;
+  const int K = a.topk, L = a.experts / R, H = a.hidden, T = a.max_tokens;
+  const size_t cap = size_t(R) * T;
+  const bool ready = (a.flags & kFlagReady) != 0;
+  const bool early = counts_first(a.flags);
+  const int lane = threadIdx.x & 31;
+  const int units = (H + kDispatchUnit - 1) / kDispatchUnit;
+  // Items: (record, chunk of `per` consecutive units); `per` is the smallest chunk (up to
+  // kExpandUnits) that lets one round of items cover every unit.
+  const size_t unit_total = size_t(start[R]) * units;
+  const int per = int(min(size_t(kExpandUnits), max(size_t(1), (unit_total + warps - 1) / warps)));
+  const int chunks = (units + per - 1) / per;
+  const size_t items = size_t(start[R]) * chunks;
+  const bool fp8 = a.dtype != kBf16;
+  const size_t row_bytes = payload_bytes(a);
+  const int nblocks = H / 128;
+  const size_t meta_off = meta_in_record(a);
+  const char* stage = win_ptr(a, a.set_offset + a.stage_offset, me);
+  // Source rank of staged token g (linear in R: sources are few).
+  auto source_of = [&](uint32_t g) {
+    int s = 0;
+    while (s + 1 < R && start[s + 1] <= g) ++s;
+    return s;
+  };
+  auto record_at = [&](uint32_t g, int s) { return stage + (size_t(s) * T + (g - start[s])) * a.rec_bytes; };
+  // `early`: sources whose data this warp has seen (bit s), and whether a wait failed.
+  // (`ready` waits per item below instead.)
+  uint64_t seen = early && !ready ? 0 : ~uint64_t(0);
+  bool failed = false;
+  for (size_t item = first_item; item < items && !failed; item += warps) {
+    const uint32_t g = item_div(item, chunks);
+    const int u0 = int(item_mod(item, chunks)) * per;
+    const int nu = min(per, units - u0);
+    StagedItem cur;
+    cur.src = source_of(g);
+    if (((seen >> cur.src) & 1u) == 0) {
+      // Every lane acquires for itself (one broadcast load per poll); warp-uniform result.
+      const bool ok = waiter_for(a, cur.src).wait_word(sig_word(a, me, kDispSig, cur.src), uint64_t(n) * gridDim.x,
+                                                       static_cast<FabricPhase>(kPhaseDispatchRecv), cur.src,
+                                                       relaxed_polls(a.flags));
+      if (!__all_sync(0xffffffffu, ok)) {
+        failed = true;
+        break;
+      }
+      seen |= uint64_t(1) << cur.src;
+    }
+    const int s = cur.src;
+    if (ready) {
+      // Lanes 0..nu-1 wait for the item's units, lane 31 for unit 0 (the metadata).
+      const int uu = lane < nu ? u0 + lane : (lane == 31 && u0 != 0 ? 0 : -1);
+      const bool ok = uu < 0 || wait_ready(a, ready_word(a, me, s, g - start[s], uu), n, s);
+      __syncwarp();  // extends each lane's acquire to the warp's record loads
+      if (!__all_sync(0xffffffffu, ok)) {
+        failed = true;
+        break;
+      }
+    }
+    // Every load of the item first (metadata once, then all units' payload), so their
+    // latencies overlap.
+    const char* rec = record_at(g, s);
+    const int32_t* meta = reinterpret_cast<const int32_t*>(rec + meta_off);
+    cur.tok = meta[2 * K];
+    cur.lid = lane < K ? meta[lane] : -1;
+    cur.pos = lane < K ? meta[K + lane] : -1;
+#pragma unroll
+    for (int j = 0; j < kExpandUnits; ++j) {
+      cur.v0[j] = cur.v1[j] = make_uint4(0, 0, 0, 0);
+      cur.scale[j] = 0.0f;
+      if (j >= nu) continue;
+      const int u = u0 + j;
+      if (fp8) {
+        const int c0 = u * kDispatchUnit + lane * 16;
+        if (c0 < H) cur.v0[j] = ld_v4(reinterpret_cast<const uint4*>(rec + c0));
+        if (c0 < H && (lane & 7) == 0) cur.scale[j] = reinterpret_cast<const float*>(rec + H)[c0 / 128];
+      } else {
+        const int lo = bf16_channel(u, lane, 0), hi = bf16_channel(u, lane, 1);
+        if (lo < H) cur.v0[j] = ld_v4(reinterpret_cast<const uint4*>(rec + size_t(lo) * 2));
+        if (hi < H) cur.v1[j] = ld_v4(reinterpret_cast<const uint4*>(rec + size_t(hi) * 2));
+      }
+    }
+    int mapped = 0;  // comb_map pairs written so far (warp-uniform)
+    for (int k0 = 0; k0 < K; k0 += 32) {
+      const int k = k0 + lane;
+      int64_t row = -1;
+      if (k < K) {
+        int32_t lid = cur.lid, pos = cur.pos;
+        if (k0 > 0) {  // only for K > 32
+          lid = meta[k];
+          pos = meta[K + k];
+        }
+        if (lid >= 0 && lid < L && pos >= 0) {
+          const size_t r = size_t(first[s * (L + 1) + 1 + lid]) + size_t(pos);
+          if (r < cap) row = int64_t(lid) * int64_t(cap) + int64_t(r);
+        }
+      }
+      if (u0 == 0 && row >= 0) {
+        a.src_rank[row] = s;
+        a.src_token[row] = cur.tok;
+        a.src_k[row] = k;
+      }
+      if (u0 == 0 && a.comb_map != nullptr) {
+        // Rank-first combine walks the records: source, token, pair count, then (row, k) of
+        // each of this rank's experts of the token, k ascending, packed (see map_ints).
+        int32_t* m = a.comb_map + size_t(g) * map_ints(K);
+        const uint32_t valid = __ballot_sync(0xffffffffu, row >= 0);
+        if (row >= 0) {
+          const int p = mapped + __popc(valid & ((1u << lane) - 1u));
+          m[kMapHeader + 2 * p] = int32_t(row);
+          m[kMapHeader + 2 * p + 1] = k;
+        }
+        mapped += __popc(valid);
+        if (lane == 0 && k0 + 32 >= K) {
+          m[0] = s;
+          m[1] = cur.tok;
+          m[2] = mapped;
+        }
+      }
+      uint32_t todo = __ballot_sync(0xffffffffu, row >= 0);
+      while (todo != 0) {
+        const int src_lane = __ffs(todo) - 1;
+        todo &= todo - 1;
+        const int64_t r = __shfl_sync(0xffffffffu, row, src_lane);
+        uint8_t* out = a.recv_x + size_t(r) * row_bytes;
+#pragma unroll
+        for (int j = 0; j < kExpandUnits; ++j) {
+          if (j >= nu) break;
+          const int u = u0 + j;
+          if (fp8) {
+            const int c0 = u * kDispatchUnit + lane * 16;
+            if (c0 < H) {
+              st_v4(reinterpret_cast<uint4*>(out + c0), cur.v0[j]);
+              if ((lane & 7) == 0) {
+                // Row-major [L][R*T][H/128], or DeepEP's [L][H/128][R*T] (row r = lid * cap + i).
+                // (r = lid * cap + i < L * R * T: 32-bit quotient and remainder.)
+                const size_t si =
+                    a.scales_col_major != 0u
+                        ? (size_t(item_div(r, int(cap))) * nblocks + c0 / 128) * cap + item_mod(r, int(cap))
+                        : size_t(r) * nblocks + c0 / 128;
+                a.recv_scales[si] = cur.scale[j];
+                if (a.recv_scales_ue8m0 != nullptr) {
+                  a.recv_scales_ue8m0[size_t(r) * nblocks + c0 / 128] = uint8_t(__float_as_uint(cur.scale[j]) >> 23);
+                }
+              }
+            }
+          } else {
+            const int lo = bf16_channel(u, lane, 0), hi = bf16_channel(u, lane, 1);
+            if (lo < H) st_v4(reinterpret_cast<uint4*>(out + size_t(lo) * 2), cur.v0[j]);
+            if (hi < H) st_v4(reinterpret_cast<uint4*>(out + size_t(hi) * 2), cur.v1[j]);
+          }
+        }
+      }
+    }
+  }
+  return failed;
+}
+
+// Every thread of the team: wait for the counts (or, without `early`/`ready`, for all data),
+// then build the receive table in shared memory (first[s][e] rows before source s, start[s]
+// the staged record prefix) and publish it (table word, for the send warps of `sendN`).
+// Block 0 also writes the per-expert counts and ranges. False when the wait failed.
+__device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem, const Team& team) {
+  const int R = a.comm.lsaSize, me = a.comm.lsaRank;
+  const int E = a.experts, L = E / R, T = a.max_tokens;
+  // first starts as a copy of the sources' counts (column 0 = token count).
+  const RecvTable rt = RecvTable::at(a, smem);
+  uint32_t* first = rt.first;
+  uint32_t* start = rt.start;
+  uint32_t* table = rt.word;
+  const bool ready = (a.flags & kFlagReady) != 0;
+  const bool early = counts_first(a.flags);
+  const int tid = team.tid;
+  stamp_if(a, kStDispRecv, tid == 0);
+  // `early`: only the counts now (CTA 0 of each source, +1 per op); each warp waits for the
+  // data of the source it expands below. Otherwise every CTA of every source, now.
+  const bool counted = early ? team_wait_all_peers(a, team, kDispCnt, uint64_t(n), kPhaseDispatchRecv)
+                             : team_wait_all_peers(a, team, kDispSig, uint64_t(n) * gridDim.x, kPhaseDispatchRecv);
+  if (!counted) {
+    if (tid == 0) st_release_cta_shared(table, kTableFailed);
+    return false;
+  }
+  if (!early) stamp_if(a, kStDispSeen, tid == 0);
+  const uint32_t* meta_in = reinterpret_cast<const uint32_t*>(win_ptr(a, a.set_offset + a.meta_offset, me));
+  for (int i = tid; i < R * (L + 1); i += team.nthreads) first[i] = meta_in[i];
+  team.sync();
+  if (tid < 32) {
+    // Token counts are bounded by T even if a sender were wrong: never read past staging.
+    for (int s = tid; s < R; s += 32) start[s] = min(first[s * (L + 1)], uint32_t(T));
+  }
+  team.sync();
+  warp0_exclusive_scan(start, R, tid);
+  // first[s][1 + e] := rows of expert e before source s (source rank ascending).
+  for (int e = tid; e < L; e += team.nthreads) {
+    uint32_t acc = 0;
+    for (int s = 0; s < R; ++s) {
+      const uint32_t c = first[s * (L + 1) + 1 + e];
+      if (blockIdx.x == 0) {
+        a.layout_range[(size_t(e) * R + s) * 2] = int32_t(acc);
+        a.layout_range[(size_t(e) * R + s) * 2 + 1] = int32_t(c);
+        if (a.user_range != nullptr) a.user_range[size_t(e) * R + s] = (int64_t(acc) << 32) | int64_t(c);
+      }
+      first[s * (L + 1) + 1 + e] = acc;
+      acc += c;
+    }
+    if (blockIdx.x == 0) {
+      a.recv_count[e] = int32_t(acc);
+      if (a.user_count != nullptr) a.user_count[e] = int32_t(acc);
+      // One thread per expert of one CTA: a plain add is race-free (stream order across ops).
+      if (a.stats != nullptr) a.stats[e] += int32_t(acc);
+    }
+  }
+  team.sync();
+  stamp_if(a, kStDispCounts, tid == 0);
+  // The barrier above ordered the whole team's table writes before this release.
+  if (tid == 0) st_release_cta_shared(table, kTableReady);
+  // Records of this dispatch (rows of comb_map); read by the next combine on this set.
+  if (blockIdx.x == 0 && tid == 0) a.state[kRecords] = start[R];
+
+  return true;
+}
+
+// A warp's share of the expand (after dispatch_recv_table, or wait_recv_table for a send
+// warp): items over every warp of the grid, first_item, first_item + all warps, ... The
+// receive team's warps take the first ones; with send warps, the senders take the rest
+// once they have sent. A missed deadline (`ready`, `early`) stops the set's credits, like a
+// failed wait above. No credit here: the next kernel on the set pushes it (push_credits).
+__device__ void dispatch_expand(const LlArgs& a, uint32_t n, uint32_t* table_smem, size_t first_item) {
+  const RecvTable rt = RecvTable::at(a, table_smem);
+  if (expand_items(a, n, rt.first, rt.start, first_item, size_t(gridDim.x) * kWarps)) mark_failed(a);
+}
+
+}  // namespace ll
+}  // namespace gin_ep

@@ -1,0 +1,303 @@
+// kernels/ll/dispatch_send.cuh: LL dispatch, send half: layout, credits, counts and the records of every token.
+// Part of the LL kernels (kernels/ll/ll.cu holds the entry points; ll/common.cuh the
+// arguments, the signal protocol and the helpers every phase shares).
+#pragma once
+
+#include "ll/common.cuh"
+#include "ll/publisher.cuh"
+
+namespace gin_ep {
+namespace ll {
+// ---------------------------------------------------------------------------------------
+// Dispatch send: one unit of a token (load, encode, store)
+
+// One dispatch unit of a token in registers: 16 BF16 channels per lane (lo = 8, hi = 8).
+struct XUnit {
+  uint4 lo, hi;
+};
+
+__device__ __forceinline__ XUnit load_x_unit(const LlArgs& a, int t, int u, int lane) {
+  const uint16_t* row = a.x + size_t(t) * a.hidden;
+  XUnit v{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+  // H % 8 == 0 (bf16) or % 128 == 0 (fp8): whole vectors.
+  const int lo = a.dtype == kBf16 ? bf16_channel(u, lane, 0) : u * kDispatchUnit + lane * 16;
+  const int hi = a.dtype == kBf16 ? bf16_channel(u, lane, 1) : lo + 8;
+  if (lo < a.hidden) v.lo = ld_nc_v4(reinterpret_cast<const uint4*>(row + lo));
+  if (hi < a.hidden) v.hi = ld_nc_v4(reinterpret_cast<const uint4*>(row + hi));
+  return v;
+}
+
+// What a lane stores of one unit: FP8 (q in v0, its block's scale) or BF16 (v0, v1).
+struct OutUnit {
+  uint4 v0, v1;
+  float scale;
+};
+
+// Warp-collective (FP8: shuffles over 8 lanes), so callers keep it warp-uniform.
+__device__ __forceinline__ OutUnit encode_unit(const LlArgs& a, const XUnit& x, int c0) {
+  OutUnit o{x.lo, x.hi, 0.0f};
+  if (a.dtype != kBf16) o.v0 = quantize16(x.lo, x.hi, c0 < a.hidden, a.dtype == kFp8Ue8m0, &o.scale);
+  return o;
+}
+
+// c0 = the lane's first FP8 channel (u * kDispatchUnit + lane * 16).
+__device__ __forceinline__ void put_unit(const LlArgs& a, char* rec, int c0, int lane, const OutUnit& o) {
+  const int H = a.hidden;
+  if (a.dtype != kBf16) {
+    if (c0 < H) {
+      st_v4(reinterpret_cast<uint4*>(rec + c0), o.v0);
+      if ((lane & 7) == 0) reinterpret_cast<float*>(rec + H)[c0 / 128] = o.scale;
+    }
+  } else {
+    const int u = c0 / kDispatchUnit, lo = bf16_channel(u, lane, 0), hi = bf16_channel(u, lane, 1);
+    if (lo < H) st_v4(reinterpret_cast<uint4*>(rec + size_t(lo) * 2), o.v0);
+    if (hi < H) st_v4(reinterpret_cast<uint4*>(rec + size_t(hi) * 2), o.v1);
+  }
+}
+
+// This lane's top-k id of token t (k = lane; -1 past K): loaded once per record-0 item, before
+// its encode, for put_meta at every destination. Loading the ids inside put_meta cost one
+// dependent load round per destination (each remote store's "memory" clobber keeps the next
+// destination's loads behind it): at 1 token, where that warp is the last to send, the
+// dispatch ended 0.7-0.8 us later (bench/log/2026-11-21-25.md).
+__device__ __forceinline__ int64_t lane_topk_id(const LlArgs& a, int t, int lane) {
+  return lane < a.topk ? a.topk_idx[size_t(t) * a.topk + lane] : -1;
+}
+
+// The record's metadata for destination dst: local ids, positions, source token. e_lane =
+// lane_topk_id(a, t, lane) (ids past the first 32 are loaded here).
+__device__ __forceinline__ void put_meta(const LlArgs& a, char* rec, int t, int dst, const TokenRanks& tr,
+                                         int lane, int64_t e_lane) {
+  const int K = a.topk, E = a.experts, L = E / a.comm.lsaSize;
+  int32_t* meta = reinterpret_cast<int32_t*>(rec + meta_in_record(a));
+  for (int k = lane; k < K; k += 32) {
+    const int64_t e = k < 32 ? e_lane : a.topk_idx[size_t(t) * K + k];
+    const bool here = e >= 0 && e < E && int(e) / L == dst;
+    meta[k] = here ? int(e) - dst * L : -1;
+    meta[K + k] = here ? int(tr.rank_in(int(e), t)) : 0;
+  }
+  if (lane == 0) meta[2 * K] = t;
+}
+
+// Variant `warm`: the calling warp loads one word per window page that this rank's dispatch
+// sends store to at every destination (its record range, its ready words, its counts), with
+// relaxed loads whose values are never used: the warp does not wait for them, and the
+// translations of the peer pages are cached by the time the send warps store.
+constexpr size_t kWarmPage = size_t(2) << 20;  // the smallest page a window is mapped with
+__device__ void warm_send_pages(const LlArgs& a, int lane) {
+  const int R = a.comm.lsaSize, me = a.comm.lsaRank, L = a.experts / R;
+  const int units = (a.hidden + kDispatchUnit - 1) / kDispatchUnit;
+  const size_t T = size_t(a.max_tokens);
+  const size_t ranges[3][2] = {
+      {a.set_offset + a.stage_offset + size_t(me) * T * a.rec_bytes, T * a.rec_bytes},
+      {a.set_offset + a.ready_offset + size_t(me) * T * units * 4, T * units * 4},
+      {a.set_offset + a.meta_offset + size_t(me) * (L + 1) * 4, size_t(L + 1) * 4}};
+  for (int dst = 0; dst < R; ++dst) {
+    for (int r = 0; r < 3; ++r) {
+      const size_t lo = ranges[r][0], hi = lo + ranges[r][1];
+      for (size_t off = (lo & ~(kWarmPage - 1)) + size_t(lane) * kWarmPage; off < hi; off += 32 * kWarmPage) {
+        (void)ld_relaxed_sys_u32(reinterpret_cast<const uint32_t*>(win_ptr(a, off < lo ? lo : off, dst)));
+      }
+    }
+  }
+}
+
+// Every thread of the CTA. False (in every thread) when the credit wait failed; nothing was
+// sent then and no signal was added. The layout, credit and counts take the whole CTA; the
+// records are sent by the first `send_warps` warps of each CTA only (all: kWarps), the
+// others return once the counts are out (the fused dispatch's receive team, `sendN`).
+// `progress` (variant `pub`, else null): kWarps words of shared memory, zero at entry; the
+// CTA's last warp publishes the ready words there (publish_rounds) before it returns, and
+// returns false when a send warp's progress missed its deadline.
+__device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, int send_warps, uint32_t* progress) {
+  const int R = a.comm.lsaSize, me = a.comm.lsaRank;
+  const int N = a.num_tokens, K = a.topk, E = a.experts, L = E / R, H = a.hidden, T = a.max_tokens;
+  const int nch = (N + 31) / 32;
+  const int rows = E + R;  // experts, then destination ranks
+  uint32_t* mask = smem;
+  uint32_t* base = smem + size_t(rows) * nch;
+  stamp(a, kStDispStart);
+
+  // Work items: token-major (token, unit), or (token, unit, destination) with the
+  // destination fastest so neighbouring warps feed different links from the same (cached)
+  // source bytes.
+  const int lane = threadIdx.x & 31;
+  const int units = (H + kDispatchUnit - 1) / kDispatchUnit;
+  const bool tok_major = (a.flags & kFlagTokenMajor) != 0;
+  const bool pipe = (a.flags & kFlagPipeline) != 0;
+  const bool rotate = (a.flags & kFlagRotate) != 0;
+  const size_t per_tok = tok_major ? size_t(units) : size_t(units) * R;
+  const size_t items = size_t(N) * per_tok;
+  const Team team = send_warps >= kWarps ? Team::cta() : Team::range(0, send_warps, kBarSend);
+  const bool sender = int(threadIdx.x / 32) < send_warps;
+  const bool spread = (a.flags & kFlagSpread) != 0u;
+  // Receive-team warps take no item; `spread`: CTA fastest (publish_rounds numbers alike).
+  const size_t warp = !sender ? items : spread ? size_t(threadIdx.x / 32) * gridDim.x + blockIdx.x : team.warp;
+  const size_t warps = team.warps;
+  auto tok_of = [&](size_t item) { return int(item_div(item, int(per_tok))); };
+  auto unit_of = [&](size_t item) {
+    const uint32_t in_tok = item_mod(item, int(per_tok));
+    return int(tok_major ? in_tok : in_tok / uint32_t(R));
+  };
+  const bool item_ready = (a.flags & (kFlagReady | kFlagItemReady)) == (kFlagReady | kFlagItemReady);
+  XUnit cur{};
+  if ((a.flags & kFlagWarm) != 0u && int(threadIdx.x / 32) == kWarps - 1) warm_send_pages(a, lane);
+  // Token-major: the first item's loads overlap the layout and the credit wait.
+  if (tok_major && warp < items) cur = load_x_unit(a, tok_of(warp), unit_of(warp), lane);
+
+  // 1. Layout, redundantly in every CTA (no grid sync): which tokens go to which expert and
+  //    rank, and each token's rank among them, in token order.
+  for (int i = threadIdx.x; i < rows * nch; i += blockDim.x) mask[i] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < N * K; i += blockDim.x) {
+    const int64_t e = a.topk_idx[i];
+    if (e < 0 || e >= E) continue;
+    const int t = i / K;
+    const uint32_t bit = 1u << (t & 31);
+    atomicOr(&mask[int(e) * nch + (t >> 5)], bit);
+    atomicOr(&mask[(E + int(e) / L) * nch + (t >> 5)], bit);  // idempotent per token
+  }
+  __syncthreads();
+  for (int row = threadIdx.x; row < rows; row += blockDim.x) {
+    uint32_t acc = 0;
+    for (int c = 0; c < nch; ++c) {
+      base[row * nch + c] = acc;
+      acc += __popc(mask[row * nch + c]);
+    }
+  }
+  __syncthreads();
+  const TokenRanks tr{mask, base, nch};
+  stamp(a, kStDispLayout);
+
+  // 2. Credit: every destination has finished reading what we sent it in the previous op of
+  //    this set (its next kernel on the set pushed its count: push_credits).
+  if (!wait_all_peers(a, kDispAck, uint64_t(n - 1), kPhaseDispatchCredit)) return false;
+  stamp(a, kStDispCredit);
+
+  // 3. CTA 0 writes meta[me] at every destination: token count, then per-local-expert counts
+  //    (`early`: then signals them at once, before its records).
+  if (blockIdx.x == 0) {
+    for (int i = threadIdx.x; i < R * (L + 1); i += blockDim.x) {
+      const int dst = i / (L + 1), j = i % (L + 1);
+      const uint32_t v = j == 0 ? tr.total(E + dst) : tr.total(dst * L + j - 1);
+      uint32_t* m = reinterpret_cast<uint32_t*>(
+          win_ptr(a, a.set_offset + a.meta_offset + (size_t(me) * (L + 1) + j) * 4, dst));
+      *m = v;
+    }
+    if (counts_first(a.flags)) {
+      __syncthreads();  // CTA 0 only (blockIdx is uniform in the CTA)
+      // The last warp adds (a release after the barrier covers every thread's count stores):
+      // the release waits for those remote stores to be acknowledged, and warp 0 takes the
+      // first record, whose stores at 1 token were ≈ 2 µs late behind that wait.
+      for (int p = int(threadIdx.x) - int(blockDim.x - 32); p >= 0 && p < R; p += 32) {
+        red_release_sys_add(sig_word(a, p, kDispCnt, me), 1);
+      }
+    }
+  }
+
+  // `ready`: the ready word of one work item at destination dst, if the item went there
+  // (after a fence that covers its stores).
+  auto publish_at = [&](size_t item, int dst) {
+    const int t = tok_of(item);
+    if ((tok_major || dst == int(item_mod(item, R))) && tr.has(E + dst, t)) {
+      put_flag(a, ready_word(a, dst, me, tr.rank_in(E + dst, t), unit_of(item)), n);
+    }
+  };
+  auto publish = [&](size_t item) {
+    for (int dst = 0; dst < R; ++dst) publish_at(item, dst);
+  };
+  // A system-scope fence by lane 0 after the warp barrier that orders every lane's stores
+  // before it (the fence is cumulative), with the send-path stamps around it.
+  auto warp_fence = [&]() {
+    __syncwarp();
+    if (lane == 0) {
+      stamp_max(a, kStDispStored);
+      fence_acq_rel_sys();
+      stamp_max(a, kStDispFenced);
+    }
+  };
+
+  // 4. Records (the send team only; `pub`: the CTA's last warp publishes their ready words).
+  if (!sender) {
+    if (progress == nullptr || int(threadIdx.x / 32) != kWarps - 1) return true;
+    const PublishPlan plan{send_warps, warps, items, R, spread, kStDispFenced, kStDispFirstPub, kPhaseDispatchRecv};
+    return publish_rounds(a, progress, plan, publish_at);
+  }
+  if (lane == 0 && warp < items) stamp_max(a, kStDispLoop);
+  if (!tok_major && warp < items) cur = load_x_unit(a, tok_of(warp), unit_of(warp), lane);
+  uint32_t stored = 0;  // `pub`: items of this warp stored so far (lane 0)
+  for (size_t item = warp; item < items; item += warps) {
+    const size_t next = item + warps;
+    XUnit nxt{};
+    if (pipe && next < items) nxt = load_x_unit(a, tok_of(next), unit_of(next), lane);
+    const int t = tok_of(item), u = unit_of(item);
+    const int c0 = u * kDispatchUnit + lane * 16;
+    auto record = [&](int dst) {
+      const uint32_t slot = tr.rank_in(E + dst, t);
+      return win_ptr(a, a.set_offset + a.stage_offset + (size_t(me) * T + slot) * a.rec_bytes, dst);
+    };
+    const int64_t e_lane = u == 0 ? lane_topk_id(a, t, lane) : -1;
+    if (tok_major) {
+      // Quantized once, stored to every destination of the token (`rot`: starting at a
+      // destination that differs between neighbouring warps).
+      const OutUnit o = encode_unit(a, cur, c0);
+      if (a.stamps != nullptr) {
+        __syncwarp();
+        if (lane == 0) stamp_max(a, kStDispEncoded);
+      }
+      const int first_dst = rotate ? int(item_mod(size_t(me) + 1 + item, R)) : 0;
+      for (int i = 0; i < R; ++i) {
+        const int dst = first_dst + i < R ? first_dst + i : first_dst + i - R;
+        if (!tr.has(E + dst, t)) continue;  // warp-uniform
+        char* rec = record(dst);
+        put_unit(a, rec, c0, lane, o);
+        if (u == 0) put_meta(a, rec, t, dst, tr, lane, e_lane);
+      }
+    } else {
+      const int dst = int(item_mod(item, R));
+      if (tr.has(E + dst, t)) {  // warp-uniform
+        char* rec = record(dst);
+        put_unit(a, rec, c0, lane, encode_unit(a, cur, c0));
+        if (u == 0) put_meta(a, rec, t, dst, tr, lane, e_lane);
+      }
+    }
+    // `pub`: this warp's items so far are stored (issued); the publisher fences for them.
+    if (progress != nullptr) {
+      __syncwarp();
+      if (lane == 0) st_release_cta_shared(progress + threadIdx.x / 32, ++stored);
+    }
+    // `iready`: this item's units are marked ready now (the next item's loads, with `pipe`,
+    // are already in flight behind the fence).
+    if (item_ready) {
+      warp_fence();
+      if (lane == 0) {
+        publish(item);
+        flag_fence(a);
+      }
+    }
+    if (next < items) cur = pipe ? nxt : load_x_unit(a, tok_of(next), unit_of(next), lane);
+  }
+
+  // 5. `ready`: one system-scope fence per warp, then a ready word per (record, unit) this
+  //    warp wrote (`iready`: done per item above). Otherwise the data signal: +1 per CTA at
+  //    every destination (also where nothing was sent).
+  if ((a.flags & kFlagReady) != 0) {
+    if (progress != nullptr) {
+      if (lane == 0 && warp < items) stamp_max(a, kStDispStored);
+    } else if (!item_ready && warp < items) {
+      warp_fence();
+      if (lane == 0) {
+        for (size_t item = warp; item < items; item += warps) publish(item);
+        flag_fence(a);
+      }
+    }
+    team.sync();
+    stamp_if(a, kStDispSent, team.tid == 0);
+  } else {
+    signal_all_peers(a, kDispSig, kStDispSent, kStDispSignaled);
+  }
+  return true;
+}
+
+}  // namespace ll
+}  // namespace gin_ep
