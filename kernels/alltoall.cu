@@ -44,21 +44,23 @@ struct AlltoallArgs {
   size_t recv_offset;    // in win
   size_t signal_offset;  // in win, gridDim.x * n_ranks u64 words
   size_t chunk_bytes;
-  uint64_t epoch;        // launch counter e; barriers use 2e+1 and 2e+2
+  uint64_t epoch;  // launch counter e; barriers use 2e+1 and 2e+2
   uint64_t timeout_ns;
-  FabricError* err;      // host-mapped
-  size_t recv_stride;    // double-buffered kernels: bytes from receive buffer 0 to buffer 1
-                         // (>= n * chunk)
-  size_t flag_offset;    // double-buffered kernels: in win, lsa_count's n_ranks u64 signal
-                         // words + 1 u64 arrival counter, then 2 * n_ranks u64 per-CTA
-                         // arrival counters (the `each` kernels)
-  uint64_t* stamps;      // optional (nullptr: off): kStampsPerCta globaltimer words per CTA
-  uint32_t vflags;       // performance-only variant bits (kVflag*)
+  FabricError* err;    // host-mapped
+  size_t recv_stride;  // double-buffered kernels: bytes from receive buffer 0 to buffer 1
+                       // (>= n * chunk)
+  size_t flag_offset;  // double-buffered kernels: in win, lsa_count's n_ranks u64 signal
+                       // words + 1 u64 arrival counter, then 2 * n_ranks u64 per-CTA
+                       // arrival counters (the `each` kernels)
+  uint64_t* stamps;    // optional (nullptr: off): kStampsPerCta globaltimer words per CTA
+  uint32_t vflags;     // performance-only variant bits (kVflag*)
   uint32_t pad;
 };
 // Mirrored by AlltoallArgs in crates/gin-ep/src/backend/cuda/kernels.rs (same asserts there).
-static_assert(sizeof(AlltoallArgs) == kDevCommSlotBytes + 104 && offsetof(AlltoallArgs, err) == kDevCommSlotBytes + 64 &&
-                  offsetof(AlltoallArgs, flag_offset) == kDevCommSlotBytes + 80 && offsetof(AlltoallArgs, stamps) == kDevCommSlotBytes + 88 &&
+static_assert(sizeof(AlltoallArgs) == kDevCommSlotBytes + 104 &&
+                  offsetof(AlltoallArgs, err) == kDevCommSlotBytes + 64 &&
+                  offsetof(AlltoallArgs, flag_offset) == kDevCommSlotBytes + 80 &&
+                  offsetof(AlltoallArgs, stamps) == kDevCommSlotBytes + 88 &&
                   offsetof(AlltoallArgs, vflags) == kDevCommSlotBytes + 96,
               "host ABI");
 
@@ -66,10 +68,10 @@ static_assert(sizeof(AlltoallArgs) == kDevCommSlotBytes + 104 && offsetof(Alltoa
 // stamps[blockIdx.x * kStampsPerCta + i]; a point the CTA never reaches stays 0 (the host
 // zeroes the buffer). Off (stamps == nullptr) it costs one uniform branch per point.
 enum Stamp : int {
-  kStampStart = 0,    // the CTA began
-  kStampCopied = 1,   // every thread of the CTA issued its stores (not yet acknowledged)
-  kStampSignal = 2,   // this CTA's signal(s) issued (lsa_count: only the last CTA signals)
-  kStampSeen = 3,     // every peer's signal seen (only the waiting CTA)
+  kStampStart = 0,   // the CTA began
+  kStampCopied = 1,  // every thread of the CTA issued its stores (not yet acknowledged)
+  kStampSignal = 2,  // this CTA's signal(s) issued (lsa_count: only the last CTA signals)
+  kStampSeen = 3,    // every peer's signal seen (only the waiting CTA)
   kStampsPerCta = 4,
 };
 static_assert(kStampsPerCta == 4, "mirrored by STAMPS_PER_CTA in crates/gin-ep/src/alltoall.rs");
@@ -98,8 +100,7 @@ using namespace gin_ep;
 // links; blocks stride over items, so a grid smaller than n_ranks still covers every peer
 // (the first version mapped block b to peer b % n only, and a grid < n skipped peers).
 // 4-byte loads and stores.
-extern "C" __global__ void __launch_bounds__(kMaxThreads)
-    gin_ep_alltoall_lsa_simple(const AlltoallArgs a) {
+extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_lsa_simple(const AlltoallArgs a) {
   const DeadlineBarrier bar = make_barrier(a);
   if (!bar.sync(2 * a.epoch + 1, kPhaseAlltoallStart)) return;
 
@@ -113,8 +114,8 @@ extern "C" __global__ void __launch_bounds__(kMaxThreads)
     const size_t begin = min(words, size_t(slice) * per_slice);
     const size_t end = min(words, begin + per_slice);
     const uint32_t* src = reinterpret_cast<const uint32_t*>(a.send + size_t(peer) * a.chunk_bytes);
-    uint32_t* dst = reinterpret_cast<uint32_t*>(
-        lsa_ptr(a.win, a.recv_offset + size_t(a.comm.lsaRank) * a.chunk_bytes, peer));
+    uint32_t* dst =
+        reinterpret_cast<uint32_t*>(lsa_ptr(a.win, a.recv_offset + size_t(a.comm.lsaRank) * a.chunk_bytes, peer));
     for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) dst[i] = src[i];
   }
 
@@ -353,9 +354,7 @@ extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_lsa_ru
 constexpr int kBulkStages = 4;
 constexpr uint32_t kBulkBytes = 8192;  // 4 x 8 KiB = 32 KiB static shared memory per CTA
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return uint32_t(__cvta_generic_to_shared(p));
-}
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
 __device__ __forceinline__ void bulk_load(uint32_t dst_smem, const void* src, uint32_t bytes, uint32_t bar) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
@@ -375,11 +374,10 @@ __device__ __forceinline__ void bulk_store(void* dst, uint32_t src_smem, uint32_
 __device__ __forceinline__ bool mbar_wait(uint32_t bar, uint32_t parity, uint64_t start, uint64_t timeout_ns) {
   for (uint32_t spin = 0;; ++spin) {
     uint32_t done;
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
     if (done) return true;
     if ((spin & 63u) == 63u && globaltimer_ns() - start > timeout_ns) return false;
   }
@@ -497,8 +495,7 @@ extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_lsa_pu
 // benchmark does: the reference point that tells whether our barrier costs anything. Needs
 // ncclDevCommRequirements.lsaBarrierCount >= gridDim.x. Use only where a hang is acceptable
 // (benchmarks run under an outer timeout).
-extern "C" __global__ void __launch_bounds__(kMaxThreads)
-    gin_ep_alltoall_lsa_opt_nccl_barrier(const AlltoallArgs a) {
+extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_lsa_opt_nccl_barrier(const AlltoallArgs a) {
   {
     ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), a.comm, ncclTeamTagLsa(), blockIdx.x);
     bar.sync(ncclCoopCta(), cuda::memory_order_relaxed);
@@ -587,19 +584,19 @@ struct GinAlltoallArgs {
     DevCommSlot comm_slot;  // one size for every NCCL version (nccl_compat.cuh)
   };
   ncclWindow_t win;
-  size_t send_offset;         // in win, n_ranks * chunk_bytes
-  size_t recv_offset;         // in win, n_ranks * chunk_bytes
-  size_t chunk_bytes;         // multiple of 16
-  size_t node_flag_offset;    // in win, n_ranks u64 arrival words (hybrid)
+  size_t send_offset;          // in win, n_ranks * chunk_bytes
+  size_t recv_offset;          // in win, n_ranks * chunk_bytes
+  size_t chunk_bytes;          // multiple of 16
+  size_t node_flag_offset;     // in win, n_ranks u64 arrival words (hybrid)
   const uint64_t* node_bases;  // [n_ranks] device memory: window base of a node rank here, 0 otherwise
-  uint64_t barrier_target;    // barrier signals every rank has sent after this launch's
-  uint64_t data_target;       // data signals from each source after this launch's
-  uint64_t node_target;       // node arrival words after this launch's stores
+  uint64_t barrier_target;     // barrier signals every rank has sent after this launch's
+  uint64_t data_target;        // data signals from each source after this launch's
+  uint64_t node_target;        // node arrival words after this launch's stores
   uint64_t timeout_ns;
   FabricError* err;
-  uint32_t data_base;         // first data signal of this mode (n_ranks signals)
-  uint32_t barrier_base;      // first barrier signal (n_ranks signals)
-  uint32_t counter;           // this mode's counter id (per context)
+  uint32_t data_base;     // first data signal of this mode (n_ranks signals)
+  uint32_t barrier_base;  // first barrier signal (n_ranks signals)
+  uint32_t counter;       // this mode's counter id (per context)
   uint32_t pad;
 };
 // Mirrored by GinAlltoallArgs in crates/gin-ep/src/backend/cuda/gin_alltoall.rs.
@@ -684,8 +681,8 @@ extern "C" __global__ void __launch_bounds__(kMaxThreads, 1) gin_ep_alltoall_gin
     ncclGin gin(a.comm, 0);
     bool ok = true;
     for (int src = threadIdx.x; src < n && ok; src += blockDim.x) {
-      ok = gin_wait_signal(gin, a.barrier_base + uint32_t(src), a.barrier_target, a.err, a.timeout_ns,
-                           kPhaseGinBarrier, src, me);
+      ok = gin_wait_signal(gin, a.barrier_base + uint32_t(src), a.barrier_target, a.err, a.timeout_ns, kPhaseGinBarrier,
+                           src, me);
     }
     if (!__syncthreads_and(ok)) return;
   }
@@ -696,8 +693,8 @@ extern "C" __global__ void __launch_bounds__(kMaxThreads, 1) gin_ep_alltoall_gin
       if (in_node(dst)) continue;
       ncclGin gin(a.comm, gin_a2a_context(me, dst));
       gin_put(gin, world, dst, a.win, a.recv_offset + size_t(me) * a.chunk_bytes, a.win,
-              a.send_offset + size_t(dst) * a.chunk_bytes, a.chunk_bytes,
-              ncclGin_SignalInc{a.data_base + uint32_t(me)}, ncclGin_CounterInc{a.counter});
+              a.send_offset + size_t(dst) * a.chunk_bytes, a.chunk_bytes, ncclGin_SignalInc{a.data_base + uint32_t(me)},
+              ncclGin_CounterInc{a.counter});
     }
   }
   if (in_node_me) {
@@ -722,8 +719,8 @@ extern "C" __global__ void __launch_bounds__(kMaxThreads, 1) gin_ep_alltoall_gin
       ok = waiter.wait_word(w, a.node_target, kPhaseNodeStore, src);
     } else {
       ncclGin gin(a.comm, gin_a2a_context(src, me));
-      ok = gin_wait_signal(gin, a.data_base + uint32_t(src), a.data_target, a.err, a.timeout_ns,
-                           kPhaseGinPeerSignal, src, me);
+      ok = gin_wait_signal(gin, a.data_base + uint32_t(src), a.data_target, a.err, a.timeout_ns, kPhaseGinPeerSignal,
+                           src, me);
     }
   }
   if (!__syncthreads_and(ok)) return;

@@ -14,21 +14,20 @@
 namespace gin_ep {
 
 struct PatternArgs {
-  uint32_t* buf;        // n_ranks chunks of chunk_words words
+  uint32_t* buf;  // n_ranks chunks of chunk_words words
   uint64_t chunk_words;
   uint32_t n_ranks;
-  uint32_t rank;        // fill: the sender (src); check: the receiver (dst)
+  uint32_t rank;  // fill: the sender (src); check: the receiver (dst)
   uint32_t seed;
   uint32_t pad;
-  uint64_t* out;        // check only: [0] mismatches, [1] first bad word index (~0 = none)
+  uint64_t* out;  // check only: [0] mismatches, [1] first bad word index (~0 = none)
 };
 static_assert(sizeof(PatternArgs) == 40, "host ABI");
 
 // __host__ too, so the Rust mirror's test values can be printed from this very definition.
 // splitmix64's finalizer over the packed coordinates: every bit of src, dst, j and seed
 // reaches every output bit, so swapped chunks, shifted offsets and stale runs all differ.
-__host__ __device__ __forceinline__ uint32_t pattern_word(uint32_t seed, uint32_t src, uint32_t dst,
-                                                 uint64_t j) {
+__host__ __device__ __forceinline__ uint32_t pattern_word(uint32_t seed, uint32_t src, uint32_t dst, uint64_t j) {
   uint64_t x = j * 0x9E3779B97F4A7C15ull ^ (uint64_t(src) << 48 | uint64_t(dst) << 32 | seed);
   x ^= x >> 30;
   x *= 0xBF58476D1CE4E5B9ull;
@@ -43,8 +42,7 @@ __host__ __device__ __forceinline__ uint32_t pattern_word(uint32_t seed, uint32_
 // Sender side: chunk p of rank `rank`'s buffer gets pattern(seed, rank, p, j).
 extern "C" __global__ void gin_ep_pattern_fill(const gin_ep::PatternArgs a) {
   const uint64_t total = a.chunk_words * a.n_ranks;
-  for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += uint64_t(gridDim.x) * blockDim.x) {
+  for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += uint64_t(gridDim.x) * blockDim.x) {
     const uint32_t peer = uint32_t(i / a.chunk_words);
     a.buf[i] = gin_ep::pattern_word(a.seed, a.rank, peer, i % a.chunk_words);
   }
@@ -56,8 +54,7 @@ extern "C" __global__ void gin_ep_pattern_check(const gin_ep::PatternArgs a) {
   const uint64_t total = a.chunk_words * a.n_ranks;
   uint64_t bad = 0;
   uint64_t first = ~0ull;
-  for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += uint64_t(gridDim.x) * blockDim.x) {
+  for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += uint64_t(gridDim.x) * blockDim.x) {
     const uint32_t src = uint32_t(i / a.chunk_words);
     if (a.buf[i] != gin_ep::pattern_word(a.seed, src, a.rank, i % a.chunk_words)) {
       ++bad;

@@ -31,9 +31,9 @@ namespace gin_ep {
 // renumber, only append.
 enum FabricPhase : uint32_t {
   kPhaseNone = 0,
-  kPhaseAlltoallStart = 1,  // waiting for peers to enter the all-to-all (buffers free)
-  kPhaseAlltoallEnd = 2,    // waiting for peers' data to land
-  kPhaseGinSignal = 3,      // waiting for GIN put signals
+  kPhaseAlltoallStart = 1,    // waiting for peers to enter the all-to-all (buffers free)
+  kPhaseAlltoallEnd = 2,      // waiting for peers' data to land
+  kPhaseGinSignal = 3,        // waiting for GIN put signals
   kPhaseHtCountExchange = 4,  // HT: waiting for a peer's count row (kernels/ht/ht.cu)
   kPhaseHtDispatchWait = 5,   // HT: waiting for a peer's dispatched rows to land
   kPhaseHtCachedBarrier = 6,  // HT: cached dispatch start barrier
@@ -176,8 +176,8 @@ struct PollDeadline {
 
   // `others`: also stop once another wait has reported (false: this wait's own deadline
   // only, for a wait bounded by other waits of its own block, which look themselves).
-  __device__ __forceinline__ bool ok(FabricError* err, uint64_t timeout_ns, FabricPhase phase, int peer,
-                                     int rank, bool others = true) {
+  __device__ __forceinline__ bool ok(FabricError* err, uint64_t timeout_ns, FabricPhase phase, int peer, int rank,
+                                     bool others = true) {
     const uint64_t now = globaltimer_ns();
     if (start == 0) {
       start = now;
@@ -196,8 +196,7 @@ struct PollDeadline {
 
 // Polls `*w` (acquire, .sys) until it reaches `value` or `timeout_ns` has passed since
 // `start` (globaltimer). Touches device memory only: no host-mapped read in the loop.
-__device__ __forceinline__ bool wait_at_least(const uint64_t* w, uint64_t value, uint64_t start,
-                                              uint64_t timeout_ns) {
+__device__ __forceinline__ bool wait_at_least(const uint64_t* w, uint64_t value, uint64_t start, uint64_t timeout_ns) {
   for (uint32_t spin = 0;; ++spin) {
     if (ld_acquire_sys(w) >= value) return true;
     if ((spin & 63u) == 63u && globaltimer_ns() - start > timeout_ns) return false;
@@ -289,22 +288,17 @@ __device__ __forceinline__ uint4 ld_v4(const uint4* p) {
 }
 
 __device__ __forceinline__ void st_v4(uint4* p, uint4 v) {
-  asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
-               "r"(v.w)
-               : "memory");
+  asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
 // Streaming store (.cs: likely accessed once, evict first).
 __device__ __forceinline__ void st_cs_v4(uint4* p, uint4 v) {
-  asm volatile("st.global.cs.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
-               "r"(v.w)
-               : "memory");
+  asm volatile("st.global.cs.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
 // Store without L1 allocation.
 __device__ __forceinline__ void st_na_v4(uint4* p, uint4 v) {
-  asm volatile("st.global.L1::no_allocate.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y),
-               "r"(v.z), "r"(v.w)
+  asm volatile("st.global.L1::no_allocate.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
 }
 
@@ -355,8 +349,8 @@ __device__ __forceinline__ void gin_signal(const ncclGin& gin, ncclTeam team, in
 // start at 0 and never wrap in practice) or the deadline passes; never NCCL's waitSignal, which
 // has no deadline. false: recorded in err naming phase and peer.
 __device__ __forceinline__ bool gin_wait_signal(const ncclGin& gin, ncclGinSignal_t sig, uint64_t least,
-                                                FabricError* err, uint64_t timeout_ns, FabricPhase phase,
-                                                int peer, int rank) {
+                                                FabricError* err, uint64_t timeout_ns, FabricPhase phase, int peer,
+                                                int rank) {
   PollDeadline deadline;
   for (uint32_t spin = 0; gin.readSignal(sig) < least; ++spin) {
     if ((spin & 63u) == 0u && !deadline.ok(err, timeout_ns, phase, peer, rank)) return false;

@@ -42,7 +42,7 @@ struct GinCheckResult {
   int32_t src;       // the rank whose data was wrong
   uint32_t op;       // 0, 1: puts; 4: same-node store; 5: ordering test
   uint32_t pad;
-  uint64_t index;    // byte index within the put
+  uint64_t index;  // byte index within the put
   uint32_t expected;
   uint32_t got;
 };
@@ -59,21 +59,22 @@ struct GinCheckArgs {
   uint64_t timeout_ns;
   FabricError* err;
   GinCheckResult* result;
-  uint64_t* expect;          // [4][n_signals] expected signal values, then [4] counters
+  uint64_t* expect;            // [4][n_signals] expected signal values, then [4] counters
   const uint64_t* node_peers;  // [n] IPC-mapped base of a same-node peer's window, 0 otherwise
-  uint64_t max_bytes;        // largest random put
-  uint64_t slot;             // bytes of one send/receive slot (>= max_bytes)
-  uint64_t send_offset;      // [dst][2] slots
-  uint64_t recv_offset;      // [src][2] slots
+  uint64_t max_bytes;          // largest random put
+  uint64_t slot;               // bytes of one send/receive slot (>= max_bytes)
+  uint64_t send_offset;        // [dst][2] slots
+  uint64_t recv_offset;        // [src][2] slots
   uint64_t order_send_offset;  // kOrderPuts * kOrderBytes
   uint64_t order_recv_offset;
-  uint64_t node_recv_offset;   // [src] slots, written by same-node peers' stores
-  uint64_t node_flag_offset;   // [src] u64, released by same-node peers after their stores
-  uint32_t order_every;      // 0: no ordering test
-  uint32_t n_signals;        // per context: 3 n + 1
+  uint64_t node_recv_offset;  // [src] slots, written by same-node peers' stores
+  uint64_t node_flag_offset;  // [src] u64, released by same-node peers after their stores
+  uint32_t order_every;       // 0: no ordering test
+  uint32_t n_signals;         // per context: 3 n + 1
 };
 // Mirrored by GinCheckArgs in crates/gin-ep/src/backend/cuda/gincheck.rs.
-static_assert(sizeof(GinCheckArgs) == kDevCommSlotBytes + 136 && offsetof(GinCheckArgs, max_bytes) == kDevCommSlotBytes + 64 &&
+static_assert(sizeof(GinCheckArgs) == kDevCommSlotBytes + 136 &&
+                  offsetof(GinCheckArgs, max_bytes) == kDevCommSlotBytes + 64 &&
                   offsetof(GinCheckArgs, order_every) == kDevCommSlotBytes + 128,
               "host ABI");
 
@@ -97,14 +98,17 @@ __host__ __device__ __forceinline__ uint64_t gc_key(uint64_t seed, uint64_t it, 
 }
 
 // Operation `op` of src -> dst in iteration `it`.
-__host__ __device__ __forceinline__ GcOp gc_plan(uint64_t seed, uint64_t it, uint32_t src, uint32_t dst,
-                                                 uint32_t op, uint64_t max_bytes, uint64_t slot) {
+__host__ __device__ __forceinline__ GcOp gc_plan(uint64_t seed, uint64_t it, uint32_t src, uint32_t dst, uint32_t op,
+                                                 uint64_t max_bytes, uint64_t slot) {
   const uint64_t k = gc_key(seed, it, src, dst, op);
   GcOp o;
   o.ctx = int((it + 3ull * src + dst + op) & 3ull);
   // One put in eight is empty, one in eight as large as allowed; the rest anywhere between.
   const uint64_t pick = gc_mix(k + 1);
-  o.bytes = (op == 2 || op == 3) ? 0 : ((pick & 7) == 0 ? 0 : (pick & 7) == 1 ? max_bytes : (pick >> 8) % (max_bytes + 1));
+  o.bytes = (op == 2 || op == 3) ? 0
+                                 : ((pick & 7) == 0   ? 0
+                                    : (pick & 7) == 1 ? max_bytes
+                                                      : (pick >> 8) % (max_bytes + 1));
   o.src_off = gc_mix(k + 2) % (slot - o.bytes + 1);
   o.dst_off = gc_mix(k + 3) % (slot - o.bytes + 1);
   o.add = 1 + (gc_mix(k + 4) & 0xFFFF);
@@ -116,8 +120,8 @@ __host__ __device__ __forceinline__ uint32_t gc_byte(uint64_t key, uint64_t i) {
   return uint32_t(gc_mix(key ^ (i >> 3) * 0xD6E8FEB86659FD93ull) >> (8 * (i & 7))) & 0xFFu;
 }
 
-__device__ __forceinline__ void gc_mismatch(GinCheckResult* r, int src, uint32_t op, uint64_t index,
-                                            uint32_t expected, uint32_t got) {
+__device__ __forceinline__ void gc_mismatch(GinCheckResult* r, int src, uint32_t op, uint64_t index, uint32_t expected,
+                                            uint32_t got) {
   atomicAdd(&r->mismatches, 1ull);
   if (atomicCAS(&r->claimed, 0u, 1u) == 0u) {
     r->src = src;
@@ -226,8 +230,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) gin_ep_gin_conformance(cons
   // above orders them before this thread's release).
   for (int dst = threadIdx.x; dst < n; dst += blockDim.x) {
     if (a.node_peers[dst] != 0) {
-      uint64_t* flag = reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(a.node_peers[dst]) +
-                                                   a.node_flag_offset + size_t(me) * 8);
+      uint64_t* flag =
+          reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(a.node_peers[dst]) + a.node_flag_offset + size_t(me) * 8);
       st_release_sys(flag, it + 1);
     }
     for (uint32_t op = 0; op < kGcOps; ++op) gc_issue(a, world, me, dst, op);

@@ -164,9 +164,9 @@ __device__ void stage_comb_x(const HtArgs& a, int R, int me, bool push) {
       const uint64_t pos = __shfl_sync(0xFFFFFFFFu, first, k) + i;
       const uint64_t row = __shfl_sync(0xFFFFFFFFu, seg_o, k) + pos;
       const uint4* in = src + row * nvec;
-      uint4* out = push ? reinterpret_cast<uint4*>(lsa_ptr(a.win, a.off_comb_x, s)) +
-                              (uint64_t(me) * a.max_tokens + pos) * nvec
-                        : reinterpret_cast<uint4*>(lsa_ptr(a.win, a.off_comb_x, me)) + row * nvec;
+      uint4* out =
+          push ? reinterpret_cast<uint4*>(lsa_ptr(a.win, a.off_comb_x, s)) + (uint64_t(me) * a.max_tokens + pos) * nvec
+               : reinterpret_cast<uint4*>(lsa_ptr(a.win, a.off_comb_x, me)) + row * nvec;
       for (int v0 = lane; v0 < nvec; v0 += 32 * kStageUnroll) {
         uint4 v[kStageUnroll];
 #pragma unroll
@@ -199,8 +199,7 @@ __device__ void stage_comb_x(const HtArgs& a, int R, int me, bool push) {
 // in push mode that word is in this GPU's own L2, where unthrottled polls starved the
 // peers' incoming row writes (3-15 ms combines). false: the deadline passed or another wait
 // failed (recorded in err).
-__device__ bool wait_staged(const HtArgs& a, const uint64_t* words, uint32_t c, uint32_t& mark, int peer,
-                            int me) {
+__device__ bool wait_staged(const HtArgs& a, const uint64_t* words, uint32_t c, uint32_t& mark, int peer, int me) {
   const uint64_t tag = a.seq << 16;
   PollDeadline deadline;
   for (uint32_t spin = 0;; ++spin) {
@@ -218,9 +217,9 @@ __device__ bool wait_staged(const HtArgs& a, const uint64_t* words, uint32_t c, 
 // producer's stores), so a block polls the global word about once per mark step, not once
 // per warp.
 __device__ __forceinline__ void red_release_cta_shared_max(uint32_t* p, uint32_t v) {
-  asm volatile("red.release.cta.shared::cta.max.u32 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))),
-               "r"(v)
-               : "memory");
+  asm volatile(
+      "red.release.cta.shared::cta.max.u32 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))), "r"(v)
+      : "memory");
 }
 
 template <int U>

@@ -38,8 +38,7 @@ __device__ __forceinline__ void for_each_dest(uint32_t mask, int r0, int R, F&& 
 
 template <int UNROLL>
 __device__ __forceinline__ void copy_steps(const uint4* src, int v0, int v1, uint32_t mask, int r0, int R,
-                                           uint64_t my_row, char* const* s_base_ptr, size_t row_bytes,
-                                           int lane) {
+                                           uint64_t my_row, char* const* s_base_ptr, size_t row_bytes, int lane) {
   for (int base = v0; base < v1; base += 32 * UNROLL) {
     uint4 v[UNROLL];
 #pragma unroll
@@ -140,8 +139,8 @@ __device__ __forceinline__ void dispatch_body(const HtArgs& a) {
       const int s0 = c * cs * step, s1 = min((c + 1) * cs * step, quant ? nunits : nvec);
 
       if constexpr (!QUANT) {
-        copy_steps<UNROLL>(reinterpret_cast<const uint4*>(static_cast<const char*>(a.x) + size_t(t) * rb), s0, s1,
-                           mask, r0, R, my_row, s_x, rb, lane);
+        copy_steps<UNROLL>(reinterpret_cast<const uint4*>(static_cast<const char*>(a.x) + size_t(t) * rb), s0, s1, mask,
+                           r0, R, my_row, s_x, rb, lane);
         if (a.dtype == kDtypeFp8Pre && c == 0) {
           for (int base = 0; base < nsc; base += 32) {
             const int j = base + lane;
@@ -216,8 +215,9 @@ __device__ __forceinline__ void dispatch_body(const HtArgs& a) {
     }
   }
   __syncthreads();  // every row this block stored happens-before its signals
-  if (tid == 0 && a.stamps != nullptr) atomicMax(reinterpret_cast<unsigned long long*>(&a.stamps[kStampDispPayload]),
-                                                 static_cast<unsigned long long>(globaltimer_ns()));
+  if (tid == 0 && a.stamps != nullptr)
+    atomicMax(reinterpret_cast<unsigned long long*>(&a.stamps[kStampDispPayload]),
+              static_cast<unsigned long long>(globaltimer_ns()));
   const uint64_t my_slot = (size_t(me) * kMaxGrid + blockIdx.x) * sizeof(uint64_t);
   if (tid < R) signal_peer(a, a.off_disp_sig + my_slot, tid, s_status == kStatusOk ? a.seq : kFailed);
   if (s_status == kStatusOk && tid < R) {
@@ -227,8 +227,9 @@ __device__ __forceinline__ void dispatch_body(const HtArgs& a) {
     if (st != kStatusOk) record_status(a, st, kPhaseHtDispatchWait, tid);
   }
   __syncthreads();  // the acquire covers the block before the kernel ends
-  if (tid == 0 && a.stamps != nullptr) atomicMax(reinterpret_cast<unsigned long long*>(&a.stamps[kStampDispEnd]),
-                                                 static_cast<unsigned long long>(globaltimer_ns()));
+  if (tid == 0 && a.stamps != nullptr)
+    atomicMax(reinterpret_cast<unsigned long long*>(&a.stamps[kStampDispEnd]),
+              static_cast<unsigned long long>(globaltimer_ns()));
 }
 
 }  // namespace ht

@@ -139,9 +139,9 @@ __device__ __forceinline__ bool look_back(const uint64_t* tiles, int R, int r, i
 extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count(const HtArgs a) {
   extern __shared__ __align__(16) unsigned char s_dyn[];
   __shared__ uint32_t s_warp[kLayoutWarps][kMaxRanks];
-  __shared__ uint32_t s_tile[kMaxRanks];   // this tile's count per rank
-  __shared__ uint32_t s_off[kMaxRanks];    // tokens of earlier tiles per rank
-  __shared__ uint32_t s_total[kMaxRanks];  // last block: tokens_per_rank
+  __shared__ uint32_t s_tile[kMaxRanks];            // this tile's count per rank
+  __shared__ uint32_t s_off[kMaxRanks];             // tokens of earlier tiles per rank
+  __shared__ uint32_t s_total[kMaxRanks];           // last block: tokens_per_rank
   __shared__ uint32_t s_cnt[kMaxRanks][kMaxRanks];  // [source][destination] tokens_per_rank
   __shared__ uint32_t s_bad;
   __shared__ uint32_t s_fail;
@@ -411,8 +411,7 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
     volatile uint32_t* h = a.plan_host;
     // The per-expert counts go out before the status: the host acts on the status word
     // before this kernel ends (exact sizing) and may read the counts at once.
-    for (int e = 0; e < L && status == kStatusOk; ++e)
-      a.counts_host[e] = aligned_rows(s_hist[e], a.alignment);
+    for (int e = 0; e < L && status == kStatusOk; ++e) a.counts_host[e] = aligned_rows(s_hist[e], a.alignment);
     h[kPlanDetail] = detail;
     h[kPlanNumRecv] = num_recv;
     h[kPlanPeer] = uint32_t(peer);

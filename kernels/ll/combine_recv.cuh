@@ -24,7 +24,10 @@ __device__ __forceinline__ uint64_t token_ranks(const LlArgs& a, int t, int& lan
     const int64_t e = a.topk_idx[size_t(t) * K + k];
     if (e >= 0 && e < a.experts) {
       const int r = int(e) / L;  // 0 <= e < E: a 32-bit division
-      if (r < 32) lo |= 1u << r; else hi |= 1u << (r - 32);
+      if (r < 32)
+        lo |= 1u << r;
+      else
+        hi |= 1u << (r - 32);
       if (k == lane) lane_rank = r;
     }
   }
@@ -35,8 +38,7 @@ __device__ __forceinline__ uint64_t token_ranks(const LlArgs& a, int t, int& lan
 // partials of the ranks holding the token's experts (from topk_idx), rank ascending, f32
 // adds from +0.
 template <int V>
-__device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* comb, int t, int c,
-                                                  float (&acc)[V][8]) {
+__device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* comb, int t, int c, float (&acc)[V][8]) {
   constexpr int B = kReduceBatch / V;  // rows per batch: the same loads in flight for any V
   const int K = a.topk, H = a.hidden, R = a.comm.lsaSize;
   int lane_rank;
@@ -217,9 +219,12 @@ __device__ bool reduce_items(const LlArgs& a, const char* comb, uint32_t n) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[j][i] = 0.0f;  // +0, as the oracle
     }
-    if (rank_first && eager_rank_first) reduce_rank_first_eager<V>(a, comb, t, c, acc);
-    else if (rank_first) reduce_rank_first<V>(a, comb, t, c, acc);
-    else reduce_topk<V>(a, comb, t, c, eager_loads, acc);
+    if (rank_first && eager_rank_first)
+      reduce_rank_first_eager<V>(a, comb, t, c, acc);
+    else if (rank_first)
+      reduce_rank_first<V>(a, comb, t, c, acc);
+    else
+      reduce_topk<V>(a, comb, t, c, eager_loads, acc);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const int cj = c + j * kReduceUnit;
@@ -269,8 +274,10 @@ __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
   const bool wide = (a.flags & kFlagWideReduce) != 0u;
   const char* comb = win_ptr(a, a.set_offset + a.comb_offset, me);
   if ((a.flags & kFlagWarmReduce) != 0u) {
-    if (wide) warm_reduce<2>(a, comb);
-    else warm_reduce<1>(a, comb);
+    if (wide)
+      warm_reduce<2>(a, comb);
+    else
+      warm_reduce<1>(a, comb);
   }
   // `cpub`: no signal; each reduce item waits for its rows' ready words.
   const bool cpub = a.comb_order == kCombOrderRankFirst && (a.flags & kFlagCombPublisher) != 0u;
@@ -284,7 +291,6 @@ __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
   stamp(a, kStCombEnd);
   return true;
 }
-
 
 }  // namespace ll
 }  // namespace gin_ep

@@ -22,7 +22,7 @@ struct CombUnit {
 
 // Rank-first combine send (ll/common.cuh, "Combine, order `rank-first`"): one partial row per
 // record.
-constexpr int kPartialBatch = 4;                       // rows loaded before the fma chain
+constexpr int kPartialBatch = 4;  // rows loaded before the fma chain
 
 // One comb_map entry held across the warp: lane j holds int j (j < 32), so an entry is one
 // load and its fields are shuffles; ints past 31 (more than 14 experts of one token on this
@@ -72,8 +72,8 @@ __device__ bool resolve_weights(const LlArgs& a, const uint64_t* pairs, uint32_t
 
 // Pairs [p0, p0 + kPartialBatch) of entry `held` (record g): the expert rows' channels
 // c0.. of this lane (unless `weights_only`) and, when `with_w`, the source's weights.
-__device__ __forceinline__ void load_batch(const LlArgs& a, const float* wts, int32_t held, uint32_t g, int p0,
-                                           int c0, bool with_w, PartBatch& b, bool weights_only = false) {
+__device__ __forceinline__ void load_batch(const LlArgs& a, const float* wts, int32_t held, uint32_t g, int p0, int c0,
+                                           bool with_w, PartBatch& b, bool weights_only = false) {
   const int K = a.topk, H = a.hidden, T = a.max_tokens;
   const int s = __shfl_sync(0xffffffffu, held, 0), t = __shfl_sync(0xffffffffu, held, 1);
   const int np = min(max(__shfl_sync(0xffffffffu, held, 2), 0), K);
@@ -211,7 +211,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   }
   // This lane's channels c0.. of a partial row into source s's [t][me] slot (s and t come
   // from the map our dispatch wrote: always in range, checked anyway).
-  auto put_partial = [&](int s, int t, int c0, const uint4 (&v)[kPartialVecs]) {
+  auto put_partial = [&](int s, int t, int c0, const uint4(&v)[kPartialVecs]) {
     if (s < 0 || s >= R || t < 0 || t >= T) return;
     char* dst = win_ptr(a, a.set_offset + a.comb_offset + (size_t(t) * R + me) * size_t(H) * 2, s);
 #pragma unroll
@@ -294,8 +294,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     }
     // The next item's rows and weights, before this item's stores.
     if (next < items) {
-      load_batch(a, wts, held_next, record(next), 0, int(item_mod(next, units)) * kPartialUnit + lane * 8, true,
-                 cur);
+      load_batch(a, wts, held_next, record(next), 0, int(item_mod(next, units)) * kPartialUnit + lane * 8, true, cur);
     }
     if (failed) {
       progressed(false);
@@ -353,7 +352,10 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
     int lo = 0, hi = L;  // invariant: pre[lo] <= g < pre[hi]
     while (hi - lo > 1) {
       const int mid = (lo + hi) / 2;
-      if (pre[mid] <= g) lo = mid; else hi = mid;
+      if (pre[mid] <= g)
+        lo = mid;
+      else
+        hi = mid;
     }
     const size_t row = size_t(lo) * cap + (g - pre[lo]);
     CombUnit c;

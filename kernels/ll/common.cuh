@@ -133,22 +133,22 @@ struct LlArgs {
   uint64_t stage_offset;  // [R src][T] records of rec_bytes
   uint64_t comb_offset;   // [T][K][H] bf16
   uint64_t rec_bytes;
-  const uint16_t* x;           // [N][H] bf16
-  const int64_t* topk_idx;     // [N][K]
-  const float* topk_weights;   // [N][K]
-  const uint16_t* y;           // [L][R*T][H] bf16 expert outputs
-  uint8_t* recv_x;             // [L][R*T][H] fp8 bytes or bf16
-  float* recv_scales;          // [L][R*T][H/128] (fp8 only)
-  int32_t* recv_count;         // [L]
-  int32_t* layout_range;       // [L][R] (first, count) pairs
-  int32_t* src_rank;           // [L][R*T]
-  int32_t* src_token;          // [L][R*T]
-  int32_t* src_k;              // [L][R*T]
-  uint16_t* combined;          // [N][H] bf16
-  uint32_t* state;             // kStateWords words, then [kOpKinds][kMaxGrid] op counts
+  const uint16_t* x;          // [N][H] bf16
+  const int64_t* topk_idx;    // [N][K]
+  const float* topk_weights;  // [N][K]
+  const uint16_t* y;          // [L][R*T][H] bf16 expert outputs
+  uint8_t* recv_x;            // [L][R*T][H] fp8 bytes or bf16
+  float* recv_scales;         // [L][R*T][H/128] (fp8 only)
+  int32_t* recv_count;        // [L]
+  int32_t* layout_range;      // [L][R] (first, count) pairs
+  int32_t* src_rank;          // [L][R*T]
+  int32_t* src_token;         // [L][R*T]
+  int32_t* src_k;             // [L][R*T]
+  uint16_t* combined;         // [N][H] bf16
+  uint32_t* state;            // kStateWords words, then [kOpKinds][kMaxGrid] op counts
   uint64_t timeout_ns;
-  FabricError* err;            // host-mapped
-  int32_t num_tokens;          // N of this rank (<= max_tokens)
+  FabricError* err;    // host-mapped
+  int32_t num_tokens;  // N of this rank (<= max_tokens)
   int32_t hidden;
   int32_t topk;
   int32_t experts;
@@ -160,25 +160,30 @@ struct LlArgs {
   uint64_t* stamps;            // [gridDim.x][kStampSlots] globaltimer ns, or null (kStamp*)
   // Caller-owned extra outputs (the Python path's tensors, DeepEP's formats), each optional:
   // the library's own recv_count / layout_range stay written because the combine reads them.
-  int32_t* user_count;         // [L] i32 copy of recv_count, or null
-  int64_t* user_range;         // [L][R] (first << 32) | count, or null
-  int32_t* stats;              // [L] i32 cumulative receive counts (+= recv_count), or null
-  uint32_t scales_col_major;   // 1: recv_scales is [L][H/128][R*T] (DeepEP), 0: [L][R*T][H/128]
+  int32_t* user_count;        // [L] i32 copy of recv_count, or null
+  int64_t* user_range;        // [L][R] (first << 32) | count, or null
+  int32_t* stats;             // [L] i32 cumulative receive counts (+= recv_count), or null
+  uint32_t scales_col_major;  // 1: recv_scales is [L][H/128][R*T] (DeepEP), 0: [L][R*T][H/128]
   uint32_t pad2_;
   // Order `rank-first` (kCombOrderRankFirst); unused by `topk`:
-  uint64_t wts_offset;         // relative to set_offset: [R src][T][K] f32 top-k weights
-  int32_t* comb_map;           // [R*T][2K + 3] i32 per staged record (map_ints): source, token, pairs
-  uint32_t comb_order;         // kCombOrder*
+  uint64_t wts_offset;  // relative to set_offset: [R src][T][K] f32 top-k weights
+  int32_t* comb_map;    // [R*T][2K + 3] i32 per staged record (map_ints): source, token, pairs
+  uint32_t comb_order;  // kCombOrder*
   uint32_t pad3_;
   // Variant `ready` (kFlagReady); unused otherwise:
-  uint64_t ready_offset;       // relative to set_offset: [R src][T][units] u32 ready words
+  uint64_t ready_offset;  // relative to set_offset: [R src][T][units] u32 ready words
   // Variant `wargs` (kFlagWinArgs); unused otherwise:
-  char* lsa_base;              // the window's lsaFlatBase, as the host read it once
+  char* lsa_base;  // the window's lsaFlatBase, as the host read it once
 };
-static_assert(sizeof(LlArgs) == kDevCommSlotBytes + 296 && offsetof(LlArgs, ready_offset) == kDevCommSlotBytes + 280 && offsetof(LlArgs, lsa_base) == kDevCommSlotBytes + 288 &&
-                  offsetof(LlArgs, lsa_stride4G) == kDevCommSlotBytes + 212 && offsetof(LlArgs, err) == kDevCommSlotBytes + 168 && offsetof(LlArgs, flags) == kDevCommSlotBytes + 208 &&
-                  offsetof(LlArgs, stamps) == kDevCommSlotBytes + 216 && offsetof(LlArgs, user_count) == kDevCommSlotBytes + 224 &&
-                  offsetof(LlArgs, scales_col_major) == kDevCommSlotBytes + 248 && offsetof(LlArgs, wts_offset) == kDevCommSlotBytes + 256 &&
+static_assert(sizeof(LlArgs) == kDevCommSlotBytes + 296 && offsetof(LlArgs, ready_offset) == kDevCommSlotBytes + 280 &&
+                  offsetof(LlArgs, lsa_base) == kDevCommSlotBytes + 288 &&
+                  offsetof(LlArgs, lsa_stride4G) == kDevCommSlotBytes + 212 &&
+                  offsetof(LlArgs, err) == kDevCommSlotBytes + 168 &&
+                  offsetof(LlArgs, flags) == kDevCommSlotBytes + 208 &&
+                  offsetof(LlArgs, stamps) == kDevCommSlotBytes + 216 &&
+                  offsetof(LlArgs, user_count) == kDevCommSlotBytes + 224 &&
+                  offsetof(LlArgs, scales_col_major) == kDevCommSlotBytes + 248 &&
+                  offsetof(LlArgs, wts_offset) == kDevCommSlotBytes + 256 &&
                   offsetof(LlArgs, comb_order) == kDevCommSlotBytes + 272,
               "mirrored in backend/cuda/ll.rs");
 
@@ -541,11 +546,10 @@ struct Team {
   __device__ __forceinline__ bool sync_and(bool p) const {
     if (bar == 0) return __syncthreads_and(p) != 0;
     uint32_t r;
-    asm volatile(
-        "{ .reg .pred a, b; setp.ne.u32 a, %1, 0; bar.red.and.pred b, %2, %3, a; selp.u32 %0, 1, 0, b; }"
-        : "=r"(r)
-        : "r"(uint32_t(p)), "r"(bar), "r"(nthreads)
-        : "memory");
+    asm volatile("{ .reg .pred a, b; setp.ne.u32 a, %1, 0; bar.red.and.pred b, %2, %3, a; selp.u32 %0, 1, 0, b; }"
+                 : "=r"(r)
+                 : "r"(uint32_t(p)), "r"(bar), "r"(nthreads)
+                 : "memory");
     return r != 0;
   }
 };
@@ -690,9 +694,7 @@ struct TokenRanks {
   const uint32_t* mask;
   const uint32_t* base;
   int nch;
-  __device__ __forceinline__ bool has(int row, int t) const {
-    return (mask[row * nch + (t >> 5)] >> (t & 31)) & 1u;
-  }
+  __device__ __forceinline__ bool has(int row, int t) const { return (mask[row * nch + (t >> 5)] >> (t & 31)) & 1u; }
   __device__ __forceinline__ uint32_t rank_in(int row, int t) const {
     const int c = t >> 5;
     return base[row * nch + c] + __popc(mask[row * nch + c] & ((1u << (t & 31)) - 1u));
@@ -792,8 +794,8 @@ __device__ bool wait_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int s
 }
 
 // Rank-first combine rows (combine send) and their ready words (combine receive).
-constexpr int kPartialVecs = 2;                        // vectors of 8 bf16 per lane and row
-constexpr int kPartialUnit = 32 * 8 * kPartialVecs;    // channels per warp item
+constexpr int kPartialVecs = 2;                      // vectors of 8 bf16 per lane and row
+constexpr int kPartialUnit = 32 * 8 * kPartialVecs;  // channels per warp item
 static_assert(kPartialUnit == kDispatchUnit, "`cpub`'s ready words per unit share the dispatch's unit count");
 
 }  // namespace ll

@@ -59,9 +59,9 @@ __device__ bool wait_recv_table(const LlArgs& a, uint32_t* table_smem) {
   // polls, not 16, which is still every few microseconds.
   for (uint32_t spin = 0; (st = ld_acquire_cta_shared(table)) == kTableNotYet; ++spin) {
     if (sleep) __nanosleep(64);
-    if ((spin & 255u) == 255u && !deadline.ok(a.err, wait_timeout(a, a.comm.lsaRank),
-                                            static_cast<FabricPhase>(kPhaseDispatchRecv), a.comm.lsaRank,
-                                            a.comm.lsaRank, /*others=*/false)) {
+    if ((spin & 255u) == 255u &&
+        !deadline.ok(a.err, wait_timeout(a, a.comm.lsaRank), static_cast<FabricPhase>(kPhaseDispatchRecv),
+                     a.comm.lsaRank, a.comm.lsaRank, /*others=*/false)) {
       mark_failed(a);
       return false;
     }
@@ -111,9 +111,9 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
     cur.src = source_of(g);
     if (((seen >> cur.src) & 1u) == 0) {
       // Every lane acquires for itself (one broadcast load per poll); warp-uniform result.
-      const bool ok = waiter_for(a, cur.src).wait_word(sig_word(a, me, kDispSig, cur.src), uint64_t(n) * gridDim.x,
-                                                       static_cast<FabricPhase>(kPhaseDispatchRecv), cur.src,
-                                                       relaxed_polls(a.flags));
+      const bool ok = waiter_for(a, cur.src)
+                          .wait_word(sig_word(a, me, kDispSig, cur.src), uint64_t(n) * gridDim.x,
+                                     static_cast<FabricPhase>(kPhaseDispatchRecv), cur.src, relaxed_polls(a.flags));
       if (!__all_sync(0xffffffffu, ok)) {
         failed = true;
         break;

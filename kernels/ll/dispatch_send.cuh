@@ -66,8 +66,8 @@ __device__ __forceinline__ int64_t lane_topk_id(const LlArgs& a, int t, int lane
 
 // The record's metadata for destination dst: local ids, positions, source token. e_lane =
 // lane_topk_id(a, t, lane) (ids past the first 32 are loaded here).
-__device__ __forceinline__ void put_meta(const LlArgs& a, char* rec, int t, int dst, const TokenRanks& tr,
-                                         int lane, int64_t e_lane) {
+__device__ __forceinline__ void put_meta(const LlArgs& a, char* rec, int t, int dst, const TokenRanks& tr, int lane,
+                                         int64_t e_lane) {
   const int K = a.topk, E = a.experts, L = E / a.comm.lsaSize;
   int32_t* meta = reinterpret_cast<int32_t*>(rec + meta_in_record(a));
   for (int k = lane; k < K; k += 32) {
@@ -88,10 +88,9 @@ __device__ void warm_send_pages(const LlArgs& a, int lane) {
   const int R = a.comm.lsaSize, me = a.comm.lsaRank, L = a.experts / R;
   const int units = (a.hidden + kDispatchUnit - 1) / kDispatchUnit;
   const size_t T = size_t(a.max_tokens);
-  const size_t ranges[3][2] = {
-      {a.set_offset + a.stage_offset + size_t(me) * T * a.rec_bytes, T * a.rec_bytes},
-      {a.set_offset + a.ready_offset + size_t(me) * T * units * 4, T * units * 4},
-      {a.set_offset + a.meta_offset + size_t(me) * (L + 1) * 4, size_t(L + 1) * 4}};
+  const size_t ranges[3][2] = {{a.set_offset + a.stage_offset + size_t(me) * T * a.rec_bytes, T * a.rec_bytes},
+                               {a.set_offset + a.ready_offset + size_t(me) * T * units * 4, T * units * 4},
+                               {a.set_offset + a.meta_offset + size_t(me) * (L + 1) * 4, size_t(L + 1) * 4}};
   for (int dst = 0; dst < R; ++dst) {
     for (int r = 0; r < 3; ++r) {
       const size_t lo = ranges[r][0], hi = lo + ranges[r][1];
@@ -180,8 +179,8 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
     for (int i = threadIdx.x; i < R * (L + 1); i += blockDim.x) {
       const int dst = i / (L + 1), j = i % (L + 1);
       const uint32_t v = j == 0 ? tr.total(E + dst) : tr.total(dst * L + j - 1);
-      uint32_t* m = reinterpret_cast<uint32_t*>(
-          win_ptr(a, a.set_offset + a.meta_offset + (size_t(me) * (L + 1) + j) * 4, dst));
+      uint32_t* m =
+          reinterpret_cast<uint32_t*>(win_ptr(a, a.set_offset + a.meta_offset + (size_t(me) * (L + 1) + j) * 4, dst));
       *m = v;
     }
     if (counts_first(a.flags)) {

@@ -12,8 +12,6 @@
 #include "ll/combine_send.cuh"
 #include "ll/combine_recv.cuh"
 
-
-
 // ---------------------------------------------------------------------------------------
 // Entry points. Split: send and receive halves (two launches per operation; the receive
 // hooks). Fused: one launch per operation, send then receive in every CTA; needs every CTA

@@ -24,14 +24,14 @@ constexpr uint32_t kProgressFailed = 0xffffffffu;
 // never advances. False when it expired or a send warp reported kProgressFailed (the
 // receivers then miss these ready words and report this rank).
 struct PublishPlan {
-  int per_cta;        // send warps per CTA (warps 0..per_cta - 1)
-  size_t warps;       // send warps of the grid
-  size_t items;       // send items of the grid
-  int per_item;       // ready words per item (dispatch: one per destination; combine: one)
-  bool spread;        // `spread`: send warps numbered CTA fastest
-  int stamp_slot;     // stamped (max) after each fence
-  int first_slot;     // stamped (max) after the first batch, or -1
-  uint32_t phase;     // of the publisher's own deadline
+  int per_cta;     // send warps per CTA (warps 0..per_cta - 1)
+  size_t warps;    // send warps of the grid
+  size_t items;    // send items of the grid
+  int per_item;    // ready words per item (dispatch: one per destination; combine: one)
+  bool spread;     // `spread`: send warps numbered CTA fastest
+  int stamp_slot;  // stamped (max) after each fence
+  int first_slot;  // stamped (max) after the first batch, or -1
+  uint32_t phase;  // of the publisher's own deadline
 };
 
 template <typename PublishAt>
@@ -47,7 +47,7 @@ __device__ bool publish_rounds(const LlArgs& a, const uint32_t* progress, const 
   const size_t w0 = warp_at(lane);
   const uint32_t mine = lane < per_cta && w0 < items ? uint32_t((items - 1 - w0) / warps + 1) : 0u;
   const uint32_t rounds = __shfl_sync(0xffffffffu, mine, 0);  // warp 0 has the most
-  constexpr uint32_t kAll = kProgressFailed - 1;               // no constraint
+  constexpr uint32_t kAll = kProgressFailed - 1;              // no constraint
   for (uint32_t published = 0; published < rounds;) {
     PollDeadline deadline;
     uint32_t done = 0;
