@@ -34,7 +34,7 @@ enum FabricPhase : uint32_t {
   kPhaseAlltoallStart = 1,    // waiting for peers to enter the all-to-all (buffers free)
   kPhaseAlltoallEnd = 2,      // waiting for peers' data to land
   kPhaseGinSignal = 3,        // waiting for GIN put signals
-  kPhaseHtCountExchange = 4,  // HT: waiting for a peer's count row (kernels/ht/ht.cu)
+  kPhaseHtCountExchange = 4,  // HT: waiting for a peer's count row (kernels/ht/layout.cuh)
   kPhaseHtDispatchWait = 5,   // HT: waiting for a peer's dispatched rows to land
   kPhaseHtCachedBarrier = 6,  // HT: cached dispatch start barrier
   kPhaseHtCombineStart = 7,   // HT: combine start barrier (peers' expert outputs ready)
