@@ -11,7 +11,7 @@ import torch
 
 from . import _gpu, _native
 from ._util import BF16 as _BF16, Tensor as _Tensor, check_rows as _check_rows, copy_into as _copy_into, \
-    pad_rows as _pad_rows, pad_worst as _pad_worst, \
+    bias_pair as _bias_pair, pad_rows as _pad_rows, pad_worst as _pad_worst, \
     round_up as _round_up, unsupported as _unsupported
 from .utils import EventOverlap
 
@@ -137,12 +137,7 @@ class GpuPath:
             _gpu.check_cuda("topk_weights", topk_weights, None, dim=2)
             w = topk_weights[:st.num_recv].to(torch.float32).contiguous()
             g.ep.ht_copy_in(h, "comb_w", w.data_ptr(), _gpu.nbytes(w), s)
-        if isinstance(bias, torch.Tensor):
-            bias = (bias, None)
-        elif bias is None:
-            bias = (None, None)
-        elif not (isinstance(bias, tuple) and len(bias) == 2):
-            raise TypeError("bias: expected a tensor or a tuple of two tensors")
+        bias = _bias_pair(bias)
         biases = []
         for i, b in enumerate(bias):
             if b is not None:

@@ -48,6 +48,17 @@ def pad_worst(num_worst_tokens: int, num_recv: int, recv_x, recv_topk_idx: torch
     return recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx
 
 
+def bias_pair(bias) -> tuple:
+    """Combine's `bias` as DeepEP takes it (a tensor, a pair of tensors or None) as a pair."""
+    if isinstance(bias, torch.Tensor):
+        return (bias, None)
+    if bias is None:
+        return (None, None)
+    if not (isinstance(bias, tuple) and len(bias) == 2):
+        raise TypeError("bias: expected a tensor or a tuple of two tensors")
+    return bias
+
+
 def unsupported(what: str) -> NotImplementedError:
     return NotImplementedError(f"gin_ep: {what} is not supported")
 

@@ -26,7 +26,7 @@ from . import _bootstrap, _gpu, _native, _ops
 from ._convert import check, check_cpu, from_bytes, to_bytes
 from ._gpu_path import GpuPath
 from ._util import BF16 as _BF16, Tensor as _Tensor, check_rows as _check_rows, refuse_keywords, \
-    pad_rows as _pad_rows, pad_worst as _pad_worst, \
+    bias_pair as _bias_pair, pad_rows as _pad_rows, pad_worst as _pad_worst, \
     round_up as _round_up, unsupported as _unsupported
 from .utils import CompletedEvent, EventOverlap
 
@@ -629,12 +629,7 @@ class Buffer(GpuPath):
         if topk_weights is not None:
             check("topk_weights", topk_weights, None, dim=2)
             w = to_bytes(topk_weights[:st.num_recv].to(torch.float32))
-        if isinstance(bias, torch.Tensor):
-            bias = (bias, None)
-        elif bias is None:
-            bias = (None, None)
-        elif not (isinstance(bias, tuple) and len(bias) == 2):
-            raise TypeError("bias: expected a tensor or a tuple of two tensors")
+        bias = _bias_pair(bias)
         biases = []
         for i, b in enumerate(bias):
             if b is not None:
