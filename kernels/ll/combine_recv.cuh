@@ -179,7 +179,7 @@ struct ReduceItems {
   __device__ int c(size_t item) const { return int(item_mod(item, units)) * kItemChannels + int(threadIdx.x & 31) * 8; }
 };
 
-// `cpub`: every warp of the team waits until the partial rows of token t, 512-channel unit u
+// `cpub`: every warp of the group waits until the partial rows of token t, 512-channel unit u
 // (from each rank holding one of its experts) are marked ready with op n. False in every
 // lane when one word missed its deadline.
 __device__ bool wait_comb_ready(const LlArgs& a, uint32_t n, int t, int u) {

@@ -258,7 +258,7 @@ static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kSt
 //   co-residency is never contested by its successor, whose CTAs wait in turn.
 // - kFlagQuiet: every wait polls with relaxed loads and acquires once when the word has
 //   reached its target (ld_relaxed_sys). An acquire load invalidates the SM's L1 at every
-//   try; in the fused dispatch the receive team polls while the send warps of the same SM
+//   try; in the fused dispatch the receive group polls while the send warps of the same SM
 //   load, quantize and store.
 // - kFlagWarm: before the layout, one warp of every dispatch-send CTA loads a word of each
 //   window page its sends store to at every destination (warm_send_pages), so the peer
@@ -312,7 +312,7 @@ static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kSt
 // - kFlagPublisher (variant `pub`, with `ready` and `sendN`, N <= 14): the send warps never
 //   fence. After each item's stores a send warp's lane 0 records its progress in shared
 //   memory (st.release.cta, after a warp barrier); the CTA's last warp (the publisher, not
-//   in the receive team until it has published) waits for the send warps' progress
+//   in the receive group until it has published) waits for the send warps' progress
 //   (ld.acquire.cta), fences (.sys) once per batch of rounds and stores their ready words,
 //   one lane per (send warp, destination): publish_rounds. The chain store -> release.cta ->
 //   acquire.cta -> fence.sys -> ready word is a release pattern by causality order (the
@@ -327,7 +327,7 @@ static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kSt
 //   source's reduce starts once its own CTA has sent (no polling while it sends, the cost
 //   the per-warp combine ready words paid) and waits per item only for the words of the ranks holding
 //   the token's experts, instead of every CTA of every rank.
-// - kFlagSpread (variant `spread`, dispatch send): the send team's warps are numbered CTA
+// - kFlagSpread (variant `spread`, dispatch send): the send group's warps are numbered CTA
 //   fastest (warp w of CTA b is w * grid + b), so a second, partial round of items lands on
 //   every CTA instead of on the first CTAs only (at 128 tokens x 14 units over 132 x 8 send
 //   warps: 92 CTAs stored 16 items each and 40 CTAs 8).
@@ -359,7 +359,7 @@ constexpr uint32_t kFlagFlaggedWeights = 268435456u;
 constexpr uint32_t kFlagPublisher = 536870912u;
 constexpr uint32_t kFlagCombPublisher = 1073741824u;
 constexpr uint32_t kFlagSpread = 2147483648u;
-// Named barriers of the two teams of the fused dispatch with send warps (0 = the CTA's).
+// Named barriers of the two groups of the fused dispatch with send warps (0 = the CTA's).
 constexpr int kBarSend = 1, kBarRecv = 2;
 
 // Whether each source signals its counts (kDispCnt) before its records, so the receiver
@@ -510,7 +510,7 @@ __device__ __forceinline__ DeadlineBarrier waiter(const LlArgs& a) {
 
 // A wait of this set missed its deadline: no credit of the set is pushed again (peers then
 // time out on their next write instead of overwriting data nobody read). Lane 0 of every
-// calling warp sets it (idempotent): a failing warp may be in either team of the fused
+// calling warp sets it (idempotent): a failing warp may be in either group of the fused
 // dispatch, or alone (a send warp's expand).
 __device__ void mark_failed(const LlArgs& a) {
   if (threadIdx.x % 32 == 0) atomicExch(&a.state[kFailed], 1u);
@@ -519,21 +519,21 @@ __device__ void mark_failed(const LlArgs& a) {
 // The threads of a CTA that share one job: the whole CTA (barrier 0), or, in the fused
 // dispatch with send warps (variant `sendN`), the first N warps (send) or the others
 // (receive), each with its own named barrier so the two run at the same time. `warp` and
-// `warps` number the team's warps across the grid (work items are strided over them).
-struct Team {
-  int tid;       // thread index within the team
-  int nthreads;  // threads of the team in this CTA (a multiple of 32)
+// `warps` number the group's warps across the grid (work items are strided over them).
+struct WarpGroup {
+  int tid;       // thread index within the group
+  int nthreads;  // threads of the group in this CTA (a multiple of 32)
   int bar;       // barrier id: 0 = __syncthreads
   size_t warp, warps;
 
-  __device__ static Team cta() {
-    return Team{int(threadIdx.x), int(blockDim.x), 0, (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32,
-                size_t(gridDim.x) * blockDim.x / 32};
+  __device__ static WarpGroup cta() {
+    return WarpGroup{int(threadIdx.x), int(blockDim.x), 0, (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32,
+                     size_t(gridDim.x) * blockDim.x / 32};
   }
   // Warps [w0, w0 + nw) of every CTA, barrier id `bar` (> 0).
-  __device__ static Team range(int w0, int nw, int bar) {
+  __device__ static WarpGroup range(int w0, int nw, int bar) {
     const int wic = int(threadIdx.x / 32) - w0;
-    return Team{int(threadIdx.x) - 32 * w0, 32 * nw, bar, size_t(blockIdx.x) * nw + wic, size_t(gridDim.x) * nw};
+    return WarpGroup{int(threadIdx.x) - 32 * w0, 32 * nw, bar, size_t(blockIdx.x) * nw + wic, size_t(gridDim.x) * nw};
   }
   __device__ __forceinline__ void sync() const {
     if (bar == 0) {
@@ -542,7 +542,7 @@ struct Team {
       asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(nthreads) : "memory");
     }
   }
-  // A barrier that also ands a predicate over the team.
+  // A barrier that also ands a predicate over the group.
   __device__ __forceinline__ bool sync_and(bool p) const {
     if (bar == 0) return __syncthreads_and(p) != 0;
     uint32_t r;
@@ -572,24 +572,25 @@ __device__ __forceinline__ DeadlineBarrier waiter_for(const LlArgs& a, int peer)
   return w;
 }
 
-// Every thread of the team: wait until word [kind][p] of this rank is >= target for every
-// peer p, with the deadline; false in every thread of the team when one missed it.
-__device__ bool team_wait_all_peers(const LlArgs& a, const Team& team, int kind, uint64_t target, uint32_t phase) {
+// Every thread of the group: wait until word [kind][p] of this rank is >= target for every
+// peer p, with the deadline; false in every thread of the group when one missed it.
+__device__ bool group_wait_all_peers(const LlArgs& a, const WarpGroup& group, int kind, uint64_t target,
+                                     uint32_t phase) {
   bool ok = true;
   const bool relaxed = relaxed_polls(a.flags);
-  for (int p = team.tid; p < a.comm.lsaSize && ok; p += team.nthreads) {
+  for (int p = group.tid; p < a.comm.lsaSize && ok; p += group.nthreads) {
     ok = waiter_for(a, p).wait_word(sig_word(a, a.comm.lsaRank, kind, p), target, static_cast<FabricPhase>(phase), p,
                                     relaxed);
   }
-  // The barrier extends each waiter's acquire to the whole team.
-  if (team.sync_and(ok)) return true;
+  // The barrier extends each waiter's acquire to the whole group.
+  if (group.sync_and(ok)) return true;
   mark_failed(a);
   return false;
 }
 
 // The same for every thread of the CTA.
 __device__ bool wait_all_peers(const LlArgs& a, int kind, uint64_t target, uint32_t phase) {
-  return team_wait_all_peers(a, Team::cta(), kind, target, phase);
+  return group_wait_all_peers(a, WarpGroup::cta(), kind, target, phase);
 }
 
 // Every thread of the CTA: after this CTA's stores (or reads) of a phase, add 1 to word
@@ -663,7 +664,7 @@ __device__ void push_credits(const LlArgs& a) {
   flag_fence(a);
 }
 
-// The first warp of a team (threads tid < 32) turns a[0..n) into its exclusive prefix sum
+// The first warp of a group (threads tid < 32) turns a[0..n) into its exclusive prefix sum
 // and writes the total to a[n].
 __device__ void warp0_exclusive_scan(uint32_t* a, int n, int tid) {
   if (tid >= 32) return;

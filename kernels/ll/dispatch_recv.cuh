@@ -43,12 +43,12 @@ struct RecvTable {
 };
 
 // A send warp of `sendN`, done sending: wait for this CTA's receive table. Bounded by the
-// receive team: its own waits have deadlines, name the late peer, stop when another wait
+// receive group: its own waits have deadlines, name the late peer, stop when another wait
 // has reported, and then publish kTableFailed, so this wait never reads the host-mapped
 // error flag itself (a thousand send warps reading it flooded the path to host memory,
 // docs/performance.md). The deadline here is 1.5x theirs, so it never wins the race to
 // report a stalled peer (it once did, naming this rank itself: `gin-ep check --mode ll
-// --stall R:ll-dispatch`); it only guards against a receive team that never publishes.
+// --stall R:ll-dispatch`); it only guards against a receive group that never publishes.
 // False when the table failed or this wait timed out.
 __device__ bool wait_recv_table(const LlArgs& a, uint32_t* table_smem) {
   const uint32_t* table = RecvTable::at(a, table_smem).word;
@@ -66,7 +66,7 @@ __device__ bool wait_recv_table(const LlArgs& a, uint32_t* table_smem) {
       return false;
     }
   }
-  return st == kTableReady;  // else the receive team failed and reported it
+  return st == kTableReady;  // else the receive group failed and reported it
 }
 
 // The expand loop of a warp: items first_item, first_item + warps, ... of this dispatch, with
@@ -230,11 +230,11 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
   return failed;
 }
 
-// Every thread of the team: wait for the counts (or, without `early`/`ready`, for all data),
+// Every thread of the group: wait for the counts (or, without `early`/`ready`, for all data),
 // then build the receive table in shared memory (first[s][e] rows before source s, start[s]
 // the staged record prefix) and publish it (table word, for the send warps of `sendN`).
 // Block 0 also writes the per-expert counts and ranges. False when the wait failed.
-__device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem, const Team& team) {
+__device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem, const WarpGroup& group) {
   const int R = a.comm.lsaSize, me = a.comm.lsaRank;
   const int E = a.experts, L = E / R, T = a.max_tokens;
   // first starts as a copy of the sources' counts (column 0 = token count).
@@ -244,28 +244,28 @@ __device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem,
   uint32_t* table = rt.word;
   const bool ready = (a.flags & kFlagReady) != 0;
   const bool early = counts_first(a.flags);
-  const int tid = team.tid;
+  const int tid = group.tid;
   stamp_if(a, kStDispRecv, tid == 0);
   // `early`: only the counts now (CTA 0 of each source, +1 per op); each warp waits for the
   // data of the source it expands below. Otherwise every CTA of every source, now.
-  const bool counted = early ? team_wait_all_peers(a, team, kDispCnt, uint64_t(n), kPhaseDispatchRecv)
-                             : team_wait_all_peers(a, team, kDispSig, uint64_t(n) * gridDim.x, kPhaseDispatchRecv);
+  const bool counted = early ? group_wait_all_peers(a, group, kDispCnt, uint64_t(n), kPhaseDispatchRecv)
+                             : group_wait_all_peers(a, group, kDispSig, uint64_t(n) * gridDim.x, kPhaseDispatchRecv);
   if (!counted) {
     if (tid == 0) st_release_cta_shared(table, kTableFailed);
     return false;
   }
   if (!early) stamp_if(a, kStDispSeen, tid == 0);
   const uint32_t* meta_in = reinterpret_cast<const uint32_t*>(win_ptr(a, a.set_offset + a.meta_offset, me));
-  for (int i = tid; i < R * (L + 1); i += team.nthreads) first[i] = meta_in[i];
-  team.sync();
+  for (int i = tid; i < R * (L + 1); i += group.nthreads) first[i] = meta_in[i];
+  group.sync();
   if (tid < 32) {
     // Token counts are bounded by T even if a sender were wrong: never read past staging.
     for (int s = tid; s < R; s += 32) start[s] = min(first[s * (L + 1)], uint32_t(T));
   }
-  team.sync();
+  group.sync();
   warp0_exclusive_scan(start, R, tid);
   // first[s][1 + e] := rows of expert e before source s (source rank ascending).
-  for (int e = tid; e < L; e += team.nthreads) {
+  for (int e = tid; e < L; e += group.nthreads) {
     uint32_t acc = 0;
     for (int s = 0; s < R; ++s) {
       const uint32_t c = first[s * (L + 1) + 1 + e];
@@ -284,9 +284,9 @@ __device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem,
       if (a.stats != nullptr) a.stats[e] += int32_t(acc);
     }
   }
-  team.sync();
+  group.sync();
   stamp_if(a, kStDispCounts, tid == 0);
-  // The barrier above ordered the whole team's table writes before this release.
+  // The barrier above ordered the whole group's table writes before this release.
   if (tid == 0) st_release_cta_shared(table, kTableReady);
   // Records of this dispatch (rows of comb_map); read by the next combine on this set.
   if (blockIdx.x == 0 && tid == 0) a.state[kRecords] = start[R];
@@ -296,7 +296,7 @@ __device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem,
 
 // A warp's share of the expand (after dispatch_recv_table, or wait_recv_table for a send
 // warp): items over every warp of the grid, first_item, first_item + all warps, ... The
-// receive team's warps take the first ones; with send warps, the senders take the rest
+// receive group's warps take the first ones; with send warps, the senders take the rest
 // once they have sent. A missed deadline (`ready`, `early`) stops the set's credits, like a
 // failed wait above. No credit here: the next kernel on the set pushes it (push_credits).
 __device__ void dispatch_expand(const LlArgs& a, uint32_t n, uint32_t* table_smem, size_t first_item) {

@@ -104,7 +104,7 @@ __device__ void warm_send_pages(const LlArgs& a, int lane) {
 // Every thread of the CTA. False (in every thread) when the credit wait failed; nothing was
 // sent then and no signal was added. The layout, credit and counts take the whole CTA; the
 // records are sent by the first `send_warps` warps of each CTA only (all: kWarps), the
-// others return once the counts are out (the fused dispatch's receive team, `sendN`).
+// others return once the counts are out (the fused dispatch's receive group, `sendN`).
 // `progress` (variant `pub`, else null): kWarps words of shared memory, zero at entry; the
 // CTA's last warp publishes the ready words there (publish_rounds) before it returns, and
 // returns false when a send warp's progress missed its deadline.
@@ -127,12 +127,12 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   const bool rotate = (a.flags & kFlagRotate) != 0;
   const size_t per_tok = tok_major ? size_t(units) : size_t(units) * R;
   const size_t items = size_t(N) * per_tok;
-  const Team team = send_warps >= kWarps ? Team::cta() : Team::range(0, send_warps, kBarSend);
+  const WarpGroup group = send_warps >= kWarps ? WarpGroup::cta() : WarpGroup::range(0, send_warps, kBarSend);
   const bool sender = int(threadIdx.x / 32) < send_warps;
   const bool spread = (a.flags & kFlagSpread) != 0u;
-  // Receive-team warps take no item; `spread`: CTA fastest (publish_rounds numbers alike).
-  const size_t warp = !sender ? items : spread ? size_t(threadIdx.x / 32) * gridDim.x + blockIdx.x : team.warp;
-  const size_t warps = team.warps;
+  // Receive-group warps take no item; `spread`: CTA fastest (publish_rounds numbers alike).
+  const size_t warp = !sender ? items : spread ? size_t(threadIdx.x / 32) * gridDim.x + blockIdx.x : group.warp;
+  const size_t warps = group.warps;
   auto tok_of = [&](size_t item) { return int(item_div(item, int(per_tok))); };
   auto unit_of = [&](size_t item) {
     const uint32_t in_tok = item_mod(item, int(per_tok));
@@ -216,7 +216,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
     }
   };
 
-  // 4. Records (the send team only; `pub`: the CTA's last warp publishes their ready words).
+  // 4. Records (the send group only; `pub`: the CTA's last warp publishes their ready words).
   if (!sender) {
     if (progress == nullptr || int(threadIdx.x / 32) != kWarps - 1) return true;
     const PublishPlan plan{send_warps, warps, items, R, spread, kStDispFenced, kStDispFirstPub, kPhaseDispatchRecv};
@@ -290,8 +290,8 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
         flag_fence(a);
       }
     }
-    team.sync();
-    stamp_if(a, kStDispSent, team.tid == 0);
+    group.sync();
+    stamp_if(a, kStDispSent, group.tid == 0);
   } else {
     signal_all_peers(a, kDispSig, kStDispSent, kStDispSignaled);
   }

@@ -40,8 +40,8 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
   kernel_enter(a);
   extern __shared__ uint32_t smem[];
   const uint32_t n = read_op(a, kOpDispatch);
-  const Team team = Team::cta();
-  if (dispatch_recv_table(a, n, smem, team)) dispatch_expand(a, n, smem, team.warp);
+  const WarpGroup group = WarpGroup::cta();
+  if (dispatch_recv_table(a, n, smem, group)) dispatch_expand(a, n, smem, group.warp);
   end_op(a, kOpDispatch, n);
   stamp(a, kStDispExpanded);
   stamp(a, kStDispEnd);
@@ -75,17 +75,17 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
   bool ok = sent;
   size_t first_item = 0;  // of this warp's expand items (dispatch_expand)
   if (ok && (all || (wic >= sw && wic < sw + recv_warps))) {
-    const Team team = all ? Team::cta() : Team::range(sw, recv_warps, kBarRecv);
-    ok = dispatch_recv_table(a, n, table_smem, team);
-    first_item = team.warp;
+    const WarpGroup group = all ? WarpGroup::cta() : WarpGroup::range(sw, recv_warps, kBarRecv);
+    ok = dispatch_recv_table(a, n, table_smem, group);
+    first_item = group.warp;
   } else if (ok) {
     ok = wait_recv_table(a, table_smem);
     first_item = wic >= sw ? size_t(gridDim.x) * recv_warps + blockIdx.x
-                           : size_t(gridDim.x) * (kWarps - sw) + Team::range(0, sw, kBarSend).warp;
+                           : size_t(gridDim.x) * (kWarps - sw) + WarpGroup::range(0, sw, kBarSend).warp;
   }
   if (ok) dispatch_expand(a, n, table_smem, first_item);
   end_op(a, kOpDispatch, n);
-  stamp(a, kStDispExpanded);  // every warp of both teams is done only here
+  stamp(a, kStDispExpanded);  // every warp of both groups is done only here
   stamp(a, kStDispEnd);
 }
 
