@@ -516,7 +516,7 @@ fn op_table(op: &OpReport) -> Table {
 }
 
 /// One line per (dtype, variant): medians in µs, eager / graph.
-fn print_ll_sweep(r: &Resolved, lines: &[gin_ep::backend::cuda::ll::SweepLine]) {
+fn print_ll_sweep(r: &Resolved, lines: &[gin_ep::backend::cuda::ll::bench::SweepLine]) {
     let o = &r.opts;
     out!(
         "LL sweep: {} GPUs × {} tokens, hidden {}, top-{} of {} experts, routing {}, {} iterations \
@@ -556,8 +556,11 @@ fn print_ll_sweep(r: &Resolved, lines: &[gin_ep::backend::cuda::ll::SweepLine]) 
             (None, None) => out!("{:<30} {:<6} {:>5}  (no figures)", l.variant, l.dtype, l.grid),
         }
     }
-    // Device-clock breakdown: one column per phase name, in the order of ll::PHASES.
-    let names: Vec<&str> = gin_ep::backend::cuda::ll::PHASES.iter().map(|p| p.0).collect();
+    // Device-clock breakdown: one column per phase name, in the order of ll::stamps::PHASES.
+    let names: Vec<&str> = gin_ep::backend::cuda::ll::stamps::PHASES
+        .iter()
+        .map(|p| p.0)
+        .collect();
     if lines.iter().all(|l| l.phases_us.is_empty()) {
         return;
     }

@@ -494,7 +494,7 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
         // LL runs its own fixed cases (decode-sized buffers); --cases and --seed shape HT's.
         let (mode_name, n_cases) = match mode {
             BenchMode::Ht => ("ht", gpu_cases(gpus, r.cases, r.seed).len()),
-            BenchMode::Ll => ("ll", gin_ep::backend::cuda::ll::selftest_cases(gpus).len()),
+            BenchMode::Ll => ("ll", gin_ep::backend::cuda::ll::check::selftest_cases(gpus).len()),
         };
         out!(
             "check: CUDA backend, {gpus} GPUs, mode {mode_name}, seed {}, {n_cases} case(s)",

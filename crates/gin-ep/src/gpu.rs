@@ -280,22 +280,22 @@ fn per_rank<T: Send>(ranks: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
 /// prequantized input. Output regions are poisoned before every operation. Returns the
 /// number of cases passed.
 /// The LL small cases on every variant of `variants` (see
-/// [`crate::backend::cuda::ll::check_variants`]); every rank passes the same list.
+/// [`crate::backend::cuda::ll::check::check_variants`]); every rank passes the same list.
 pub fn check_ll_variants(
     group: &Group,
     variants: &[crate::backend::cuda::ll::LlVariant],
     timeout: Duration,
 ) -> Result<usize> {
-    crate::backend::cuda::ll::check_variants(group, variants, timeout)
+    crate::backend::cuda::ll::check::check_variants(group, variants, timeout)
 }
 
-/// `gin-ep bench --mode ll --sweep` on this rank (see [`crate::backend::cuda::ll::sweep_rank`]).
+/// `gin-ep bench --mode ll --sweep` on this rank (see [`crate::backend::cuda::ll::bench::sweep_rank`]).
 pub fn ll_sweep_rank(
     group: &Group,
     opts: &BenchOptions,
     num_sms: u32,
-) -> Result<Option<Vec<crate::backend::cuda::ll::SweepLine>>> {
-    crate::backend::cuda::ll::sweep_rank(group, opts, num_sms)
+) -> Result<Option<Vec<crate::backend::cuda::ll::bench::SweepLine>>> {
+    crate::backend::cuda::ll::bench::sweep_rank(group, opts, num_sms)
 }
 
 pub fn check_rank(group: &Group, mode: BenchMode, cases: &[Case], timeout: Duration) -> Result<usize> {
@@ -320,9 +320,9 @@ pub fn check_rank_variants(
     if mode == BenchMode::Ll {
         // LL has its own case set: its buffers are sized for decode batches
         // (<= 1024 tokens), so the HT cases above do not apply.
-        return crate::backend::cuda::ll::check_rank(
+        return crate::backend::cuda::ll::check::check_rank(
             group,
-            &crate::backend::cuda::ll::selftest_cases(group.world()),
+            &crate::backend::cuda::ll::check::selftest_cases(group.world()),
             timeout,
         );
     }
@@ -855,7 +855,7 @@ fn bench_source(cfg: &EpConfig) -> DispatchSource {
 /// quantization.
 pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Option<BenchReport>> {
     if opts.mode == BenchMode::Ll {
-        return crate::backend::cuda::ll::bench_rank(group, opts, num_sms);
+        return crate::backend::cuda::ll::bench::bench_rank(group, opts, num_sms);
     }
     let cfg = &opts.cfg;
     if opts.tokens > cfg.max_tokens_per_rank || opts.iters == 0 {

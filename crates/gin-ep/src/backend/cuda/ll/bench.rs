@@ -1,0 +1,529 @@
+//! The GPU benchmark of the LL driver: times [`CudaLl`] dispatch and combine as one rank of
+//! a group, eagerly, as graph replays and back to back, and the variant sweep.
+//!
+//! Owns: the timed loops, the gathering of every rank's times to rank 0 and the report.
+//! Never: part of the product path (the driver does not import it), or checks results (the
+//! GPU check in [`super::check`] does). Stamp arithmetic is in [`super::stamps`].
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use super::stamps::{eager_split, phase_values, StampMode, DISPATCH_PHASES, PHASES};
+use super::{download_vec, CudaLl, LlLayout, LlVariant, RUNS, SETS, STAMP_SLOTS, THREADS};
+use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions, DeviceBuffer, Event};
+use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
+use crate::config::DispatchDtype;
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::workload::Workload;
+
+/// Times LL dispatch and combine on GPUs as one rank of `group`: eager calls (two launches
+/// per operation) and graph replays (one graph per operation and set), alternating buffer
+/// sets. Time per call = CUDA events around the operation on each rank, the slowest rank
+/// per iteration, then median/p10/p90 over iterations (bench.rs). `num_sms` = CTAs per
+/// kernel (0: the GPU's SM count). Some(report) on rank 0, None elsewhere.
+pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Option<BenchReport>> {
+    let cfg = &opts.cfg;
+    if opts.mode != BenchMode::Ll {
+        return Err(Error::config(
+            "mode",
+            "ht",
+            "backend::cuda::ll benchmarks LL only",
+        ));
+    }
+    LlLayout::new(cfg)?;
+    if opts.tokens == 0 || opts.tokens > cfg.max_tokens_per_rank {
+        return Err(Error::config(
+            "tokens",
+            opts.tokens,
+            format!("must be in 1..={}", cfg.max_tokens_per_rank),
+        ));
+    }
+    if opts.iters == 0 {
+        return Err(Error::config("iters", 0, "must be at least 1"));
+    }
+    let stamps = StampMode::from_env()?;
+    let variant = LlVariant::from_env()?;
+    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(opts.timeout))?;
+    bench_with(group, &rank, opts, num_sms, variant, stamps)
+}
+
+/// One benchmark of `variant` on an existing rank (a fresh window and buffers).
+fn bench_with(
+    group: &Group,
+    rank: &CudaRank,
+    opts: &BenchOptions,
+    num_sms: u32,
+    variant: LlVariant,
+    stamps: StampMode,
+) -> Result<Option<BenchReport>> {
+    let grid = (num_sms > 0).then_some(num_sms);
+    let mut ll = CudaLl::with_variant(rank, &opts.cfg, grid, variant)?;
+    let run = RUNS.fetch_add(1, Ordering::Relaxed);
+    let out = bench_on(group, &mut ll, opts, run, stamps);
+    match out {
+        Ok(r) => {
+            rank.wait("LL bench end")?;
+            group.barrier(&format!("ll-bench/{run}/done"))?;
+            drop(ll);
+            Ok(r)
+        }
+        Err(e) => {
+            rank.comm().mark_failed();
+            std::mem::forget(ll);
+            Err(e)
+        }
+    }
+}
+
+/// One line of `gin-ep bench --mode ll --sweep`: medians (slowest rank per iteration) of
+/// one variant and dispatch dtype, or why the variant was refused.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SweepLine {
+    pub variant: String,
+    pub dtype: String,
+    /// CTAs per kernel actually used.
+    pub grid: u32,
+    /// dispatch eager, dispatch graph, combine eager, combine graph (µs); None when refused.
+    pub times_us: Option<[f64; 4]>,
+    /// Device-clock breakdown (names of [`PHASES`] present for this variant, median µs).
+    pub phases_us: Vec<(String, f64)>,
+    pub refused: Option<String>,
+}
+
+/// Times every variant of [`LlVariant::sweep_list`] for FP8 and BF16 dispatch with `opts`'
+/// shape and iterations, one rank of `group` (a fresh window per variant). Variants without
+/// a grid use `num_sms` (0: every SM). Some(lines) on rank 0.
+pub fn sweep_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Option<Vec<SweepLine>>> {
+    if opts.mode != BenchMode::Ll {
+        return Err(Error::config("mode", "ht", "the sweep covers LL only"));
+    }
+    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(opts.timeout))?;
+    let mut lines = Vec::new();
+    for dtype in [DispatchDtype::Fp8, DispatchDtype::Bf16] {
+        let o = BenchOptions {
+            cfg: opts.cfg.clone().with_dtype(dtype),
+            ..opts.clone()
+        };
+        LlLayout::new(&o.cfg)?;
+        for v in LlVariant::sweep_list() {
+            let grid = match v.grid.unwrap_or(num_sms) {
+                0 => rank.info().sm_count,
+                g => g,
+            };
+            let mut line = SweepLine {
+                variant: v.name(),
+                dtype: dtype.name().to_string(),
+                grid,
+                times_us: None,
+                phases_us: Vec::new(),
+                refused: None,
+            };
+            match bench_with(group, &rank, &o, num_sms, v, StampMode::Loop) {
+                Ok(Some(r)) => {
+                    let med = |i: usize| r.ops.get(i).map_or(f64::NAN, |op| op.total.median_us);
+                    line.times_us = Some([med(0), med(2), med(1), med(3)]);
+                    line.phases_us = r
+                        .ops
+                        .iter()
+                        .take(2)
+                        .flat_map(|op| op.phases.iter().map(|(n, s)| (n.clone(), s.median_us)))
+                        .collect();
+                }
+                Ok(None) => {}
+                // Refused before any collective work, identically on every rank.
+                Err(e) if e.is_usage() => line.refused = Some(e.to_string()),
+                Err(e) => return Err(e),
+            }
+            lines.push(line);
+        }
+    }
+    rank.wait("LL sweep end")?;
+    Ok((group.rank() == 0).then_some(lines))
+}
+
+/// `iters` rows of device stamps (`[grid][STAMP_SLOTS]` u64 each, zeroed) for one stamped
+/// loop of [`bench_on`].
+struct StampRows {
+    buf: DeviceBuffer,
+    per: usize,
+    iters: usize,
+}
+
+impl StampRows {
+    fn new(ll: &CudaLl<'_>, iters: usize, group: &Group, run: u64) -> Result<StampRows> {
+        let per = ll.grid() as usize * STAMP_SLOTS;
+        let buf = ll.rank.alloc(iters * per * 8)?;
+        ll.rank.memset_u32(buf.region(), 0)?;
+        ll.rank.wait("LL stamps setup")?;
+        group.barrier(&format!("ll-bench/{run}/stamps"))?;
+        Ok(StampRows { buf, per, iters })
+    }
+
+    /// Device address of iteration `i`'s row.
+    fn row(&self, i: usize) -> u64 {
+        self.buf.region().ptr + (i * self.per * 8) as u64
+    }
+
+    /// Waits for the kernels and brings every row to the host. On an error the kernels may
+    /// still write the stamps, so the buffer is left to the process's end.
+    fn download(self, ll: &CudaLl<'_>) -> Result<Vec<u64>> {
+        match download_vec(ll.rank, self.buf.region(), self.iters * self.per) {
+            Ok(v) => Ok(v),
+            Err(e) => {
+                self.abandon();
+                Err(e)
+            }
+        }
+    }
+
+    /// Queued kernels may still write the rows: never free them (after a failed launch).
+    fn abandon(self) {
+        std::mem::forget(self.buf);
+    }
+}
+/// Operations per timed span of the back-to-back rows of `gin-ep bench --mode ll`.
+const BATCH: usize = 8;
+/// Time series per rank in [`bench_on`]: eager, graph, back to back, graph of [`BATCH`];
+/// dispatch and combine each.
+const SERIES: usize = 8;
+
+/// `iters` spans of [`BATCH`] dispatches, then as many of combines, events only between
+/// spans: µs per operation (span / BATCH) of each span. A span is `calls` calls of `disp(ll,
+/// i)` (i counting calls): BATCH eager operations, or one replay of a graph of BATCH.
+fn timed_batches(
+    ll: &mut CudaLl<'_>,
+    iters: usize,
+    calls: usize,
+    disp: impl Fn(&CudaLl<'_>, usize) -> Result<()>,
+    comb: impl Fn(&CudaLl<'_>, usize) -> Result<()>,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let mut out = [Vec::with_capacity(iters), Vec::with_capacity(iters)];
+    for (k, series) in out.iter_mut().enumerate() {
+        let op = |l: &CudaLl<'_>, i: usize| if k == 0 { disp(l, i) } else { comb(l, i) };
+        // Warmup: one span.
+        for i in 0..calls {
+            op(ll, i)?;
+        }
+        let events: Vec<Event> = (0..=iters).map(|_| ll.rank.event()).collect::<Result<_>>()?;
+        ll.rank.record(&events[0])?;
+        for (it, ev) in events[1..].iter().enumerate() {
+            for i in 0..calls {
+                op(ll, it * calls + i)?;
+            }
+            ll.rank.record(ev)?;
+        }
+        ll.rank.wait("LL back-to-back timed loop")?;
+        for w in events.windows(2) {
+            series.push(f64::from(w[0].elapsed_ms(&w[1])?) * 1e3 / BATCH as f64);
+        }
+    }
+    let [d, c] = out;
+    Ok((d, c))
+}
+
+fn bench_on(
+    group: &Group,
+    ll: &mut CudaLl<'_>,
+    opts: &BenchOptions,
+    run: u64,
+    stamps: StampMode,
+) -> Result<Option<BenchReport>> {
+    let cfg = opts.cfg.clone();
+    let me = group.rank();
+    let w = Workload {
+        routing: opts.routing,
+        seed: opts.seed,
+        mask_prob: 0.0,
+    };
+    let input = w.rank_input(&cfg, me, opts.tokens);
+    let y = w.bf16_values(me, 6, LlLayout::out_rows(&cfg) * cfg.hidden);
+    for set in 0..SETS {
+        ll.upload_input(set, &input.x, &input.topk_idx, &input.topk_weights)?;
+        ll.upload_expert_output(set, &y)?;
+    }
+    drop(y);
+    group.barrier(&format!("ll-bench/{run}/start"))?;
+    // Warmup, and the row counts of this rank.
+    for i in 0..opts.warmup.max(1) * SETS {
+        ll.dispatch(i % SETS)?;
+        ll.combine(i % SETS)?;
+    }
+    let d = ll.download_dispatch(0)?;
+    let rows: usize = d.recv_count.iter().sum();
+    let local: usize = (0..cfg.local_experts())
+        .map(|e| d.handle.layout_range[e * cfg.ranks + me].1 as usize)
+        .sum();
+    drop(d);
+
+    // Eager: dispatch and combine timed separately within each iteration.
+    let mut eager_d = Vec::with_capacity(opts.iters);
+    let mut eager_c = Vec::with_capacity(opts.iters);
+    let eager_enqueue_us;
+    let mut stamped = None;
+    {
+        let rows = match stamps {
+            StampMode::Eager | StampMode::Edges => Some(StampRows::new(ll, opts.iters, group, run)?),
+            _ => None,
+        };
+        ll.set_stamp_edges(stamps == StampMode::Edges);
+        let events: Vec<Event> = (0..=2 * opts.iters)
+            .map(|_| ll.rank.event())
+            .collect::<Result<_>>()?;
+        ll.rank.record(&events[0])?;
+        let enqueue = std::time::Instant::now();
+        let queued = (0..opts.iters).try_for_each(|i| {
+            if let Some(r) = &rows {
+                ll.set_stamps(Some(r.row(i)));
+            }
+            ll.dispatch(i % SETS)?;
+            ll.rank.record(&events[2 * i + 1])?;
+            ll.combine(i % SETS)?;
+            ll.rank.record(&events[2 * i + 2])
+        });
+        // When the host queues slower than the GPUs run, the events time the host: this
+        // says which (the note of the report, slowest rank).
+        eager_enqueue_us = enqueue.elapsed().as_secs_f64() * 1e6 / (2 * opts.iters.max(1)) as f64;
+        ll.set_stamps(None);
+        ll.set_stamp_edges(false);
+        if let Err(e) = queued.and_then(|()| ll.rank.wait("LL eager timed loop")) {
+            if let Some(r) = rows {
+                r.abandon();
+            }
+            return Err(e);
+        }
+        for i in 0..opts.iters {
+            eager_d.push(f64::from(events[2 * i].elapsed_ms(&events[2 * i + 1])?) * 1e3);
+            eager_c.push(f64::from(events[2 * i + 1].elapsed_ms(&events[2 * i + 2])?) * 1e3);
+        }
+        if let Some(r) = rows {
+            let host = r.download(ll)?;
+            // stdout: a `--gpus N` launcher keeps only a failed rank's stderr.
+            println!(
+                "rank {me}: {}",
+                eager_split(&host, ll.grid() as usize, &eager_d, &eager_c)
+            );
+            stamped = Some(host);
+        }
+    }
+    // Graphs: one per (operation, set).
+    let gd = [ll.capture(|l| l.dispatch(0))?, ll.capture(|l| l.dispatch(1))?];
+    let gc = [ll.capture(|l| l.combine(0))?, ll.capture(|l| l.combine(1))?];
+    group.barrier(&format!("ll-bench/{run}/graphs"))?;
+    for i in 0..opts.warmup.max(1) * SETS {
+        ll.replay(&gd[i % SETS])?;
+        ll.replay(&gc[i % SETS])?;
+    }
+    let mut graph_d = Vec::with_capacity(opts.iters);
+    let mut graph_c = Vec::with_capacity(opts.iters);
+    {
+        let events: Vec<Event> = (0..=2 * opts.iters)
+            .map(|_| ll.rank.event())
+            .collect::<Result<_>>()?;
+        ll.rank.record(&events[0])?;
+        for i in 0..opts.iters {
+            ll.replay(&gd[i % SETS])?;
+            ll.rank.record(&events[2 * i + 1])?;
+            ll.replay(&gc[i % SETS])?;
+            ll.rank.record(&events[2 * i + 2])?;
+        }
+        ll.rank.wait("LL graph timed loop")?;
+        for i in 0..opts.iters {
+            graph_d.push(f64::from(events[2 * i].elapsed_ms(&events[2 * i + 1])?) * 1e3);
+            graph_c.push(f64::from(events[2 * i + 1].elapsed_ms(&events[2 * i + 2])?) * 1e3);
+        }
+    }
+    drop(gd);
+    drop(gc);
+
+    // Back to back: BATCH operations of one kind per timed span (sets alternating), events
+    // only around the span, eagerly and as one graph of BATCH operations. Time per call =
+    // span / BATCH: no event sits between two operations, as in a model's step, so the
+    // launch of one can overlap the end of the one before (variant `pdl`).
+    let (stream_d, stream_c) = timed_batches(
+        ll,
+        opts.iters,
+        BATCH,
+        |l, i| l.dispatch(i % SETS),
+        |l, i| l.combine(i % SETS),
+    )?;
+    let gbd = ll.capture(|l| (0..BATCH).try_for_each(|i| l.dispatch(i % SETS)))?;
+    let gbc = ll.capture(|l| (0..BATCH).try_for_each(|i| l.combine(i % SETS)))?;
+    group.barrier(&format!("ll-bench/{run}/batch-graphs"))?;
+    let (gbatch_d, gbatch_c) =
+        timed_batches(ll, opts.iters, 1, |l, _| l.replay(&gbd), |l, _| l.replay(&gbc))?;
+    drop(gbd);
+    drop(gbc);
+
+    // Device-clock breakdown: an extra eager loop (not timed by events), each iteration
+    // stamping its own rows, downloaded once at the end.
+    let mut phase_cols: Vec<Vec<f64>> = Vec::new();
+    if stamps == StampMode::Loop {
+        let rows = StampRows::new(ll, opts.iters, group, run)?;
+        let queued = (0..opts.iters).try_for_each(|i| {
+            ll.set_stamps(Some(rows.row(i)));
+            ll.dispatch(i % SETS)?;
+            ll.combine(i % SETS)
+        });
+        ll.set_stamps(None);
+        if let Err(e) = queued {
+            rows.abandon();
+            return Err(e);
+        }
+        stamped = Some(rows.download(ll)?);
+    }
+    if let Some(host) = stamped {
+        let g = ll.grid() as usize;
+        let per = g * STAMP_SLOTS;
+        phase_cols = vec![Vec::with_capacity(opts.iters); PHASES.len()];
+        for i in 0..opts.iters {
+            for (c, v) in phase_values(&host[i * per..(i + 1) * per], g)
+                .into_iter()
+                .enumerate()
+            {
+                phase_cols[c].push(v);
+            }
+        }
+    }
+
+    // Gather to rank 0: the SERIES series and the row counts.
+    let mut mine: Vec<f64> = Vec::with_capacity(SERIES * opts.iters + 2);
+    for s in [
+        &eager_d, &eager_c, &graph_d, &graph_c, &stream_d, &stream_c, &gbatch_d, &gbatch_c,
+    ] {
+        mine.extend_from_slice(s);
+    }
+    mine.push(rows as f64);
+    mine.push((rows - local) as f64);
+    mine.push(eager_enqueue_us);
+    for c in &phase_cols {
+        mine.extend_from_slice(c);
+    }
+    let store = group.store();
+    let bytes: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
+    store.set(&group.key(&format!("ll-bench/{run}/times/{me}")), &bytes)?;
+    if me != 0 {
+        return Ok(None);
+    }
+    let mut all: Vec<Vec<f64>> = Vec::with_capacity(group.world());
+    for r in 0..group.world() {
+        let key = group.key(&format!("ll-bench/{run}/times/{r}"));
+        let raw = store.get(&key, group.timeout())?;
+        if raw.len() != bytes.len() {
+            return Err(Error::Bootstrap(format!(
+                "store key `{key}` holds {} bytes, expected {}",
+                raw.len(),
+                bytes.len()
+            )));
+        }
+        all.push(
+            raw.chunks(8)
+                .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                .collect(),
+        );
+    }
+    let n = opts.iters;
+    let ranks = group.world() as f64;
+    let rows_mean = all.iter().map(|v| v[SERIES * n]).sum::<f64>() / ranks;
+    let remote_mean = all.iter().map(|v| v[SERIES * n + 1]).sum::<f64>() / ranks;
+    let enqueue_max = all.iter().map(|v| v[SERIES * n + 2]).fold(0.0, f64::max);
+    let op = |name: &str, series: usize, row_bytes: usize| {
+        let per_iter: Vec<Duration> = (0..n)
+            .map(|i| {
+                let us = all.iter().map(|v| v[series * n + i]).fold(0.0, f64::max);
+                Duration::from_secs_f64(us * 1e-6)
+            })
+            .collect();
+        let total = Stats::of(&per_iter);
+        OpReport {
+            kernel: Some(total),
+            ..OpReport::new(name, total, rows_mean, remote_mean, row_bytes)
+        }
+    };
+    // Phases: slowest rank per iteration, then medians; a column absent anywhere is dropped.
+    let mut phases: [Vec<(String, Stats)>; 2] = [Vec::new(), Vec::new()];
+    for (c, &(name, _, _)) in PHASES.iter().enumerate().take(phase_cols.len()) {
+        let at = SERIES * n + 3 + c * n;
+        let per_iter: Vec<f64> = (0..n)
+            .map(|i| all.iter().map(|v| v[at + i]).fold(f64::MIN, f64::max))
+            .collect();
+        if per_iter.iter().any(|&v| v.is_nan() || v < 0.0)
+            || all.iter().any(|v| v[at..at + n].iter().any(|&x| x < 0.0))
+        {
+            continue;
+        }
+        let d: Vec<Duration> = per_iter
+            .iter()
+            .map(|&us| Duration::from_secs_f64(us * 1e-6))
+            .collect();
+        phases[usize::from(c >= DISPATCH_PHASES)].push((name.to_string(), Stats::of(&d)));
+    }
+    let [phases_d, phases_c] = phases;
+    let drb = cfg.dispatch_dtype.row_bytes(cfg.hidden);
+    let crb = cfg.hidden * 2;
+    let mut ops = vec![
+        op("dispatch", 0, drb),
+        op("combine", 1, crb),
+        op("dispatch (graph)", 2, drb),
+        op("combine (graph)", 3, crb),
+        op(&format!("dispatch (x{BATCH} back to back)"), 4, drb),
+        op(&format!("combine (x{BATCH} back to back)"), 5, crb),
+        op(&format!("dispatch (graph of {BATCH})"), 6, drb),
+        op(&format!("combine (graph of {BATCH})"), 7, crb),
+    ];
+    ops[0].phases = phases_d;
+    ops[1].phases = phases_c;
+    // The LL sweep passes options whose mode may say otherwise; this report is LL.
+    let mut report = BenchReport::new(
+        "cuda".into(),
+        format!(
+            "GPU LL over NVLink (NCCL LSA), variant {}, {} CTAs x {THREADS} threads per kernel; \
+             times are CUDA events around each operation (send + receive kernels, or one fused \
+             kernel), slowest rank per iteration; rows count (token, expert) copies as the peers \
+             do, though each token crosses a link once per destination rank; the eager loop \
+             took {enqueue_max:.1} µs of host time per operation to queue (slowest rank)",
+            ll.variant().name(),
+            ll.grid()
+        ),
+        opts,
+        ops,
+    );
+    report.mode = BenchMode::Ll;
+    Ok(Some(report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::EpConfig;
+    use crate::group::StoreServer;
+    use crate::workload::Routing;
+
+    #[test]
+    fn without_a_gpu_the_bench_is_an_error_not_a_panic() {
+        if super::super::super::driver::probe().is_ok() {
+            eprintln!("skipped: this machine has a CUDA driver");
+            return;
+        }
+        let server = StoreServer::bind("127.0.0.1:0").unwrap();
+        let group = Group::join(0, 1, &server.addr().to_string(), Duration::from_secs(5)).unwrap();
+        let opts = BenchOptions {
+            mode: BenchMode::Ll,
+            cfg: EpConfig::new(1, 8, 128, 2, 16),
+            tokens: 16,
+            routing: Routing::Uniform,
+            seed: 1,
+            iters: 2,
+            warmup: 1,
+            timeout: Duration::from_secs(5),
+            launch: crate::bench::Launch::Threads,
+            ht_exact: false,
+        };
+        let e = bench_rank(&group, &opts, 0).unwrap_err();
+        assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");
+        // Bad options are refused before any device work.
+        let bad = BenchOptions { tokens: 0, ..opts };
+        assert!(bench_rank(&group, &bad, 0).unwrap_err().is_usage());
+        group.close().unwrap();
+    }
+}

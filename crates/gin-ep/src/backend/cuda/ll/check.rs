@@ -1,0 +1,613 @@
+//! The GPU check of the LL driver: every result of [`CudaLl`] against the oracle, as one
+//! rank of a group (one process per GPU), eager, double-buffered, with caller-owned memory
+//! and as graph replays.
+//!
+//! Owns: the LL check cases ([`selftest_cases`], [`variant_cases`]) and the comparison of
+//! each operation's outputs with `crate::oracle` (through `crate::check`). Never: part of
+//! the product path (the driver does not import it), prints, or decides what is correct
+//! itself.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use half::bf16;
+
+use super::{download_vec, poison, upload, CudaLl, LlIo, LlLayout, LlVariant, RUNS, SETS};
+use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions, DeviceBuffer};
+use crate::check::Case;
+use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::ht::RankInput;
+use crate::ll::{LlDispatchOutput, LlHandle};
+use crate::quant::Rows;
+use crate::workload::{Routing, Workload};
+
+/// How many graph replays [`check_rank`] runs per case, and how often it compares a replay
+/// in full (counts are compared on every replay).
+#[derive(Clone, Copy, Debug)]
+struct GraphPlan {
+    replays: usize,
+    full_every: usize,
+}
+
+fn graph_plan(cfg: &EpConfig) -> GraphPlan {
+    // The full oracle of a replay touches every rank's [L, R*T, H] rows; keep big shapes to a
+    // few full comparisons.
+    if LlLayout::out_rows(cfg) * cfg.hidden * cfg.ranks > (64 << 20) {
+        GraphPlan {
+            replays: 40,
+            full_every: 20,
+        }
+    } else {
+        GraphPlan {
+            replays: 1000,
+            full_every: 100,
+        }
+    }
+}
+
+/// Inputs of every rank for iteration `iter` of `case`, exactly as check::run_rank_case
+/// makes them (Case::inputs), plus the seed of that iteration's expert outputs.
+fn case_inputs(case: &Case, iter: u64) -> (Vec<RankInput>, Workload) {
+    let w = Workload {
+        seed: case.workload.seed.wrapping_add(iter.wrapping_mul(7919)),
+        ..case.workload.clone()
+    };
+    let ins = case
+        .tokens
+        .iter()
+        .enumerate()
+        .map(|(r, &n)| w.rank_input(&case.cfg, r, n))
+        .collect();
+    let wy = Workload {
+        seed: case.workload.seed ^ 0xC0FFEE ^ iter,
+        ..case.workload.clone()
+    };
+    (ins, wy)
+}
+
+/// The oracle's answers for one iteration, for this rank.
+struct Expected {
+    dispatch: LlDispatchOutput,
+    combined: Vec<bf16>,
+    y_mine: Vec<bf16>,
+}
+
+fn expected(case: &Case, ins: &[RankInput], wy: &Workload, me: usize) -> Result<Expected> {
+    let cfg = &case.cfg;
+    let want = crate::oracle::ll_dispatch(cfg, ins)?;
+    let rows = LlLayout::out_rows(cfg);
+    let ys: Vec<Vec<bf16>> = (0..cfg.ranks)
+        .map(|r| wy.bf16_values(r, 31, rows * cfg.hidden))
+        .collect();
+    let handles: Vec<LlHandle> = want.iter().map(|o| o.handle.clone()).collect();
+    let idx: Vec<Vec<i64>> = ins.iter().map(|i| i.topk_idx.clone()).collect();
+    let wts: Vec<Vec<f32>> = ins.iter().map(|i| i.topk_weights.clone()).collect();
+    let mut combined = crate::oracle::ll_combine(cfg, &handles, &ys, &idx, &wts)?;
+    let mut ys = ys;
+    Ok(Expected {
+        dispatch: want.into_iter().nth(me).ok_or_else(|| Error::input("rank", me))?,
+        combined: std::mem::take(&mut combined[me]),
+        y_mine: std::mem::take(&mut ys[me]),
+    })
+}
+
+/// Compares one set's results with the oracle (and the UE8M0 exponent bytes with the
+/// oracle's scales).
+fn compare(ll: &CudaLl<'_>, set: usize, want: &Expected, what: &str) -> Result<()> {
+    let cfg = &ll.cfg;
+    let me = ll.rank.info().rank;
+    let ctx = |e: Error| match e {
+        Error::Mismatch(m) => Error::Mismatch(format!("GPU LL, {what}, config {cfg:?}: {m}")),
+        other => other,
+    };
+    let got = ll.download_dispatch(set)?;
+    crate::check::ll_dispatch(cfg, me, &got, &want.dispatch).map_err(ctx)?;
+    if cfg.dispatch_dtype == DispatchDtype::Fp8Ue8m0 {
+        let bytes = ll.download_ue8m0(set)?;
+        let spr = cfg.hidden / FP8_BLOCK;
+        let cap = cfg.ranks * cfg.max_tokens_per_rank;
+        for (e, &c) in want.dispatch.recv_count.iter().enumerate() {
+            for row in e * cap..e * cap + c {
+                for b in 0..spr {
+                    let exp = (want.dispatch.recv_x.scale_bits(row, b, cfg.hidden) >> 23) as u8;
+                    if bytes[row * spr + b] != exp {
+                        return Err(ctx(Error::Mismatch(format!(
+                            "rank {me}: ue8m0 scale byte [row {row}][{b}]: got {:#x}, oracle {exp:#x}",
+                            bytes[row * spr + b]
+                        ))));
+                    }
+                }
+            }
+        }
+    }
+    let got_c = ll.download_combined(set)?;
+    crate::check::ll_combine(me, &got_c, &want.combined).map_err(ctx)
+}
+
+/// One dispatch + combine on set 0 with every input and output in caller-owned device
+/// memory (`LlIo`, DeepEP's formats: column-major scales, packed layout range, a counts copy,
+/// cumulative stats), compared with the oracle. The set's own input buffers hold another
+/// iteration's data meanwhile, so a kernel reading them instead of the caller's memory is
+/// caught; the caller's outputs are poisoned first.
+fn check_caller_io(group: &Group, ll: &mut CudaLl<'_>, case: &Case, run: u64) -> Result<usize> {
+    const SET: usize = 0;
+    let me = group.rank();
+    let rank = ll.rank;
+    let cfg = ll.cfg.clone();
+    let (h, k, l, r) = (cfg.hidden, cfg.topk, cfg.local_experts(), cfg.ranks);
+    let rows = LlLayout::out_rows(&cfg);
+    let spr = h / FP8_BLOCK;
+    let fp8 = cfg.dispatch_dtype.is_fp8();
+    let (ins, wy) = case_inputs(case, 4242);
+    let want = expected(case, &ins, &wy, me)?;
+    let (decoy_ins, decoy_y) = case_inputs(case, 4343);
+    let decoy_want = expected(case, &decoy_ins, &decoy_y, me)?;
+    let n = ins[me].topk_idx.len() / k;
+    // Decoys in the set's own buffers (same token count, other routing and values).
+    ll.upload_input(
+        SET,
+        &decoy_ins[me].x,
+        &decoy_ins[me].topk_idx,
+        &decoy_ins[me].topk_weights,
+    )?;
+    ll.upload_expert_output(SET, &decoy_want.y_mine)?;
+    ll.poison_outputs(SET)?;
+    let alloc = |bytes: usize| rank.alloc(bytes.max(16));
+    let x = alloc(n * h * 2)?;
+    let idx = alloc(n * k * 8)?;
+    let wts = alloc(n * k * 4)?;
+    let y = alloc(rows * h * 2)?;
+    let recv_x = alloc(rows * if fp8 { h } else { 2 * h })?;
+    let scales = alloc(if fp8 { rows * spr * 4 } else { 16 })?;
+    let count = alloc(l * 4)?;
+    let range = alloc(l * r * 8)?;
+    let stats = alloc(l * 4)?;
+    let combined = alloc(n * h * 2)?;
+    upload(rank, x.region(), bytemuck::cast_slice(&ins[me].x))?;
+    upload(rank, idx.region(), bytemuck::cast_slice(&ins[me].topk_idx))?;
+    upload(rank, wts.region(), bytemuck::cast_slice(&ins[me].topk_weights))?;
+    upload(rank, y.region(), bytemuck::cast_slice(&want.y_mine))?;
+    poison(rank, &[&recv_x, &scales, &count, &range, &combined])?;
+    rank.memset_u32(stats.region().sub(0, l * 4)?, 0)?;
+    let span = |what: &str, b: &DeviceBuffer| {
+        let g = b.region();
+        rank.external(what, g.ptr, g.len())
+    };
+    let io = LlIo {
+        x: Some(span("x", &x)?),
+        topk_idx: Some(span("topk_idx", &idx)?),
+        recv_x: Some(span("recv_x", &recv_x)?),
+        recv_scales: if fp8 {
+            Some(span("recv_scales", &scales)?)
+        } else {
+            None
+        },
+        recv_count: Some(span("recv_count", &count)?),
+        layout_range: Some(span("layout_range", &range)?),
+        stats: Some(span("stats", &stats)?),
+        y: Some(span("y", &y)?),
+        weights: Some(span("weights", &wts)?),
+        combined: Some(span("combined", &combined)?),
+    };
+    ll.set_num_tokens(SET, n)?;
+    group.barrier(&format!("ll-check/{run}/caller-io"))?;
+    let ran = ll.with_io(SET, io, |ll| {
+        ll.dispatch(SET)?;
+        ll.combine(SET)?;
+        rank.wait("LL caller-owned check")
+    });
+    if let Err(e) = ran {
+        // A kernel may still use the caller's buffers: leave them to the process's end.
+        std::mem::forget([x, idx, wts, y, recv_x, scales, count, range, stats, combined]);
+        return Err(e);
+    }
+
+    // The handle stays in the set's own buffers; the rest comes from the caller's memory.
+    let recv_rows = if fp8 {
+        let data: Vec<u8> = download_vec(rank, recv_x.region(), rows * h)?;
+        let cm: Vec<f32> = download_vec(rank, scales.region(), rows * spr)?;
+        // [L][H/128][R*T] (DeepEP) back to the oracle's [L][R*T][H/128].
+        let cap = rows / l;
+        let mut rm = vec![0f32; rows * spr];
+        for e in 0..l {
+            for b in 0..spr {
+                for i in 0..cap {
+                    rm[(e * cap + i) * spr + b] = cm[(e * spr + b) * cap + i];
+                }
+            }
+        }
+        Rows::Fp8 { data, scales: rm }
+    } else {
+        Rows::Bf16(download_vec(rank, recv_x.region(), rows * h)?)
+    };
+    let counts: Vec<i32> = download_vec(rank, count.region(), l)?;
+    let packed: Vec<i64> = download_vec(rank, range.region(), l * r)?;
+    let mut handle = ll.download_handle(SET)?;
+    handle.layout_range = packed.iter().map(|&v| ((v >> 32) as u32, v as u32)).collect();
+    let got = LlDispatchOutput {
+        recv_x: recv_rows,
+        recv_count: counts.iter().map(|&c| c.max(0) as usize).collect(),
+        handle,
+    };
+    let ctx = |e: Error| match e {
+        Error::Mismatch(m) => Error::Mismatch(format!("GPU LL, caller-owned memory, config {cfg:?}: {m}")),
+        other => other,
+    };
+    crate::check::ll_dispatch(&cfg, me, &got, &want.dispatch).map_err(ctx)?;
+    let st: Vec<i32> = download_vec(rank, stats.region(), l)?;
+    let want_counts: Vec<i32> = want.dispatch.recv_count.iter().map(|&c| c as i32).collect();
+    if st != want_counts {
+        return Err(ctx(Error::Mismatch(format!(
+            "rank {me}: cumulative stats {st:?}, oracle counts {want_counts:?}"
+        ))));
+    }
+    let got_c: Vec<bf16> = download_vec(rank, combined.region(), n * h)?;
+    crate::check::ll_combine(me, &got_c, &want.combined).map_err(ctx)?;
+    Ok(2)
+}
+
+/// Oracle recv_count of rank `me` from every rank's routing alone (no payloads).
+fn expected_counts(cfg: &EpConfig, topk: &[Vec<i64>], me: usize) -> Vec<i32> {
+    let l = cfg.local_experts();
+    let mut c = vec![0i32; l];
+    for idx in topk {
+        for &e in idx {
+            if e >= 0 && cfg.rank_of_expert(e as usize) == me {
+                c[e as usize % l] += 1;
+            }
+        }
+    }
+    c
+}
+
+/// Runs `cases` as one rank of `group` (one process per GPU) and compares every result with
+/// the oracle: per case, `iters` eager dispatch+combine iterations with fresh data into
+/// poisoned outputs (alternating buffer sets), one double-buffered round with the send and
+/// receive halves launched separately (two operations in flight), and graph replays (one
+/// graph per set holding dispatch+combine; new inputs copied in before every replay; counts
+/// compared on every replay, everything on every `full_every`-th). Returns the number of
+/// operations compared in full. Every rank must pass the same cases.
+pub fn check_rank(group: &Group, cases: &[Case], timeout: Duration) -> Result<usize> {
+    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?;
+    let variant = LlVariant::from_env()?;
+    let mut compared = 0;
+    for (ci, case) in cases.iter().enumerate() {
+        compared += check_case(group, &rank, case, ci, variant, graph_plan(&case.cfg))?;
+    }
+    Ok(compared)
+}
+
+/// The small cases of [`selftest_cases`] (not the peers' shape) on every variant of
+/// `variants`, each with a short graph plan: what `gin-ep check --gpus N --mode ll
+/// --variants all` runs (well under a minute on 4 GPUs). Returns the operations compared.
+pub fn check_variants(group: &Group, variants: &[LlVariant], timeout: Duration) -> Result<usize> {
+    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?;
+    let cases = variant_cases(group.world());
+    let plan = GraphPlan {
+        replays: 6,
+        full_every: 3,
+    };
+    let mut compared = 0;
+    for v in variants {
+        for (ci, case) in cases.iter().enumerate() {
+            compared += check_case(group, &rank, case, ci, *v, plan).map_err(|e| match e {
+                Error::Mismatch(m) => Error::Mismatch(format!("variant {}: {m}", v.name())),
+                other => other,
+            })?;
+        }
+    }
+    Ok(compared)
+}
+
+fn check_case(
+    group: &Group,
+    rank: &CudaRank,
+    case: &Case,
+    ci: usize,
+    variant: LlVariant,
+    plan: GraphPlan,
+) -> Result<usize> {
+    let cfg = &case.cfg;
+    let (me, world) = (group.rank(), group.world());
+    if case.tokens.len() != world || cfg.ranks != world {
+        return Err(Error::input(
+            format!("LL check case {ci}"),
+            format!(
+                "{} token counts and {} config ranks for a group of {world}",
+                case.tokens.len(),
+                cfg.ranks
+            ),
+        ));
+    }
+    let run = RUNS.fetch_add(1, Ordering::Relaxed);
+    let mut ll = CudaLl::with_variant(rank, cfg, None, variant)?;
+    let out = check_case_on(group, &mut ll, case, run, plan);
+    match out {
+        Ok(n) => {
+            rank.wait("LL check end")?;
+            // Window deregistration is collective: tear down together.
+            group.barrier(&format!("ll-check/{run}/done"))?;
+            drop(ll);
+            Ok(n)
+        }
+        Err(e) => {
+            // A kernel may still use these buffers and peers may be stuck: abort the
+            // communicator and leave the memory to the process's end.
+            rank.comm().mark_failed();
+            std::mem::forget(ll);
+            Err(match e {
+                Error::Mismatch(m) => Error::Mismatch(format!(
+                    "case {ci} (seed {}, routing {}, tokens {:?}, rank {me}): {m}",
+                    case.workload.seed,
+                    case.workload.routing.name(),
+                    case.tokens
+                )),
+                other => other,
+            })
+        }
+    }
+}
+
+fn check_case_on(
+    group: &Group,
+    ll: &mut CudaLl<'_>,
+    case: &Case,
+    run: u64,
+    plan: GraphPlan,
+) -> Result<usize> {
+    let me = group.rank();
+    let mut compared = 0;
+    // Eager, one operation at a time, alternating sets.
+    for iter in 0..case.iters {
+        let (ins, wy) = case_inputs(case, iter as u64);
+        let want = expected(case, &ins, &wy, me)?;
+        let set = iter % SETS;
+        ll.upload_input(set, &ins[me].x, &ins[me].topk_idx, &ins[me].topk_weights)?;
+        ll.upload_expert_output(set, &want.y_mine)?;
+        ll.poison_outputs(set)?;
+        // Ranks spend different host time in the oracle; start each run together so the
+        // in-kernel deadlines measure peers, not the oracle.
+        group.barrier(&format!("ll-check/{run}/eager/{iter}"))?;
+        ll.dispatch(set)?;
+        ll.combine(set)?;
+        compare(ll, set, &want, &format!("eager iteration {iter}, set {set}"))?;
+        compared += 2;
+    }
+
+    // Caller-owned memory (LlIo, the Python package's path), set 0.
+    compared += check_caller_io(group, ll, case, run)?;
+
+    // Double buffering and receive hooks: both sets in flight, halves launched separately.
+    let base = case.iters as u64 + 1000;
+    let wants: Vec<Expected> = (0..SETS as u64)
+        .map(|i| {
+            let (ins, wy) = case_inputs(case, base + i);
+            let w = expected(case, &ins, &wy, me)?;
+            ll.upload_input(i as usize, &ins[me].x, &ins[me].topk_idx, &ins[me].topk_weights)?;
+            ll.upload_expert_output(i as usize, &w.y_mine)?;
+            ll.poison_outputs(i as usize)?;
+            Ok(w)
+        })
+        .collect::<Result<_>>()?;
+    group.barrier(&format!("ll-check/{run}/overlap"))?;
+    ll.dispatch_send(0)?;
+    ll.dispatch_send(1)?;
+    ll.dispatch_recv(0)?;
+    ll.combine_send(0)?;
+    ll.dispatch_recv(1)?;
+    ll.combine_send(1)?;
+    ll.combine_recv(0)?;
+    ll.combine_recv(1)?;
+    for (set, w) in wants.iter().enumerate() {
+        compare(ll, set, w, &format!("two in flight with split halves, set {set}"))?;
+        compared += 2;
+    }
+
+    // CUDA graphs: one per set, dispatch + combine; new inputs before every replay.
+    let graphs = [
+        ll.capture(|l| l.dispatch(0).and_then(|_| l.combine(0)))?,
+        ll.capture(|l| l.dispatch(1).and_then(|_| l.combine(1)))?,
+    ];
+    let base = base + 100;
+    for i in 0..plan.replays {
+        let set = i % SETS;
+        let full = i % plan.full_every == 0 || i + 1 == plan.replays;
+        let (ins, wy) = case_inputs(case, base + i as u64);
+        let want = if full {
+            Some(expected(case, &ins, &wy, me)?)
+        } else {
+            None
+        };
+        ll.upload_input(set, &ins[me].x, &ins[me].topk_idx, &ins[me].topk_weights)?;
+        if let Some(w) = &want {
+            ll.upload_expert_output(set, &w.y_mine)?;
+            ll.poison_outputs(set)?;
+            group.barrier(&format!("ll-check/{run}/graph/{i}"))?;
+        }
+        ll.replay(&graphs[set])?;
+        match &want {
+            Some(w) => {
+                compare(
+                    ll,
+                    set,
+                    w,
+                    &format!("graph replay {i} of {}, set {set}", plan.replays),
+                )?;
+                compared += 2;
+            }
+            None => {
+                let topk: Vec<Vec<i64>> = ins.iter().map(|r| r.topk_idx.clone()).collect();
+                let counts = ll.download_counts(set)?;
+                let wc = expected_counts(&case.cfg, &topk, me);
+                if counts != wc {
+                    let e = (0..wc.len()).find(|&e| counts[e] != wc[e]).unwrap_or(0);
+                    return Err(Error::Mismatch(format!(
+                        "rank {me}: graph replay {i}, set {set}: recv_count[{e}] = {}, oracle {}",
+                        counts[e], wc[e]
+                    )));
+                }
+            }
+        }
+    }
+    ll.rank.wait("graph replays")?;
+    drop(graphs);
+    Ok(compared)
+}
+
+/// A fixed small set of cases over the whole group (uneven and empty ranks, masked top-k,
+/// skewed routing, every dtype, the peers' shape once): what `gin-ep check --gpus N --mode ll`
+/// runs by default. Errors name the case, iteration, rank and first differing element.
+pub fn selftest_rank(group: &Group) -> Result<()> {
+    check_rank(group, &selftest_cases(group.world()), Duration::from_secs(120)).map(|_| ())
+}
+
+/// The cases of [`check_variants`] for `world` ranks: the small selftest cases and two with
+/// several work units per row.
+pub fn variant_cases(world: usize) -> Vec<Case> {
+    let mut cases: Vec<Case> = selftest_cases(world)
+        .into_iter()
+        .filter(|c| c.cfg.hidden < 1024)
+        .collect();
+    // Several dispatch (512-channel) and combine (1024-channel) units per row, the last one
+    // partial, so per-unit paths and metadata-on-unit-0 run in every variant.
+    for (i, (dtype, order)) in [
+        (DispatchDtype::Fp8Ue8m0, LlCombineOrder::RankFirst),
+        (DispatchDtype::Bf16, LlCombineOrder::Topk),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        cases.push(Case {
+            cfg: EpConfig::new(world, 16 * world, 1280, 6, 24)
+                .with_dtype(dtype)
+                .with_ll_combine_order(order),
+            workload: Workload {
+                routing: Routing::Zipf(1.2),
+                seed: 0x41 + i as u64,
+                mask_prob: 0.1,
+            },
+            tokens: (0..world).map(|r| [24, 0, 17, 1][r % 4]).collect(),
+            iters: 1,
+        });
+    }
+    cases
+}
+
+/// The cases of [`selftest_rank`] for `world` ranks. Both combine orders run: `topk` with
+/// uniform routing, `rank-first` with hot routing (a token's experts bunch on one rank), the
+/// K = 40 case and the peers' shape in FP8.
+pub fn selftest_cases(world: usize) -> Vec<Case> {
+    let mut cases = Vec::new();
+    let uneven: Vec<usize> = (0..world)
+        .map(|r| if r == 1 { 0 } else { 32 - 5 * (r % 4) })
+        .collect();
+    let dtypes = [DispatchDtype::Bf16, DispatchDtype::Fp8, DispatchDtype::Fp8Ue8m0];
+    for (i, dtype) in dtypes.into_iter().enumerate() {
+        for (j, (routing, order)) in [
+            (Routing::Uniform, LlCombineOrder::Topk),
+            (Routing::Hot(0.7), LlCombineOrder::RankFirst),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            cases.push(Case {
+                cfg: EpConfig::new(world, 8 * world, 384, 4, 32)
+                    .with_dtype(dtype)
+                    .with_ll_combine_order(order),
+                workload: Workload {
+                    routing,
+                    seed: 0x11 + (i * 2 + j) as u64,
+                    mask_prob: 0.1,
+                },
+                tokens: uneven.clone(),
+                iters: 2,
+            });
+        }
+    }
+    // K > 32 lanes of metadata, hidden not a multiple of the 512/1024-channel work units.
+    cases.push(Case {
+        cfg: EpConfig::new(world, 48 * world, 136, 40, 64).with_ll_combine_order(LlCombineOrder::RankFirst),
+        workload: Workload {
+            routing: Routing::Zipf(1.1),
+            seed: 0x21,
+            mask_prob: 0.2,
+        },
+        tokens: vec![64; world],
+        iters: 1,
+    });
+    // The peers' shape (shared/ANCHORS.md): 128 tokens, hidden 7168, top-8 of 256.
+    let experts = if 256 % world == 0 { 256 } else { 64 * world };
+    for (dtype, order) in [
+        (DispatchDtype::Fp8, LlCombineOrder::RankFirst),
+        (DispatchDtype::Bf16, LlCombineOrder::Topk),
+    ] {
+        cases.push(Case {
+            cfg: EpConfig::new(world, experts, 7168, 8, 128)
+                .with_dtype(dtype)
+                .with_ll_combine_order(order),
+            workload: Workload {
+                routing: Routing::Uniform,
+                seed: 0x31,
+                mask_prob: 0.0,
+            },
+            tokens: vec![128; world],
+            iters: 1,
+        });
+    }
+    cases
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::group::StoreServer;
+
+    #[test]
+    fn selftest_cases_are_valid_for_common_group_sizes() {
+        for world in [1, 2, 3, 4, 8] {
+            for case in selftest_cases(world).into_iter().chain(variant_cases(world)) {
+                LlLayout::new(&case.cfg).unwrap();
+                assert_eq!(case.tokens.len(), world);
+                assert!(case.tokens.iter().all(|&t| t <= case.cfg.max_tokens_per_rank));
+            }
+        }
+    }
+
+    #[test]
+    fn expected_counts_follow_the_oracle() {
+        let cfg = EpConfig::new(2, 8, 128, 2, 16);
+        let case = Case {
+            cfg: cfg.clone(),
+            workload: Workload {
+                routing: Routing::Uniform,
+                seed: 5,
+                mask_prob: 0.2,
+            },
+            tokens: vec![16, 9],
+            iters: 1,
+        };
+        let (ins, _) = case_inputs(&case, 3);
+        let want = crate::oracle::ll_dispatch(&cfg, &ins).unwrap();
+        let topk: Vec<Vec<i64>> = ins.iter().map(|i| i.topk_idx.clone()).collect();
+        for (me, w) in want.iter().enumerate() {
+            let c = expected_counts(&cfg, &topk, me);
+            let wc: Vec<i32> = w.recv_count.iter().map(|&x| x as i32).collect();
+            assert_eq!(c, wc);
+        }
+    }
+
+    #[test]
+    fn without_a_gpu_the_check_is_an_error_not_a_panic() {
+        if super::super::super::driver::probe().is_ok() {
+            eprintln!("skipped: this machine has a CUDA driver");
+            return;
+        }
+        let server = StoreServer::bind("127.0.0.1:0").unwrap();
+        let group = Group::join(0, 1, &server.addr().to_string(), Duration::from_secs(5)).unwrap();
+        let e = selftest_rank(&group).unwrap_err();
+        assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");
+        group.close().unwrap();
+    }
+}

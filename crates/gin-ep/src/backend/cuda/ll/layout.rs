@@ -1,0 +1,329 @@
+//! Where the LL kernels find everything: the window layout of one group ([`LlLayout`]) and
+//! the host mirror of the kernels' one parameter ([`LlArgs`]).
+//!
+//! Owns: the offset and size arithmetic that the record arithmetic in kernels/ll/ll.cu
+//! mirrors, and the shapes the kernels refuse. Never: allocates, launches or touches the
+//! device; a change here is a change of the kernel ABI and needs the same change in ll.cu.
+
+use gin_ep_sys as ns;
+
+use super::{DISPATCH_UNIT, MAX_RANKS, MAX_SMEM, MAX_TOKENS, SETS, SIG_KINDS};
+use crate::config::{DispatchDtype, EpConfig, FP8_BLOCK};
+use crate::error::{Error, Result};
+
+/// Staging records start on this boundary (the staging area and the record size are
+/// multiples of it), so a warp's 512-byte store of a record unit covers four whole 128-byte
+/// lines over NVLink instead of five partial ones (a 16-byte-aligned record of 7472 bytes
+/// started at offsets 48, 96, ... modulo 128).
+pub const RECORD_ALIGN: usize = 128;
+
+fn align16(n: usize) -> usize {
+    n.div_ceil(16) * 16
+}
+
+/// Where everything of one LL group lies in the symmetric window, per buffer set, and what
+/// the kernels need besides. All offsets are 16-byte aligned; sets are 4 KiB aligned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LlLayout {
+    /// Bytes of one staging record: payload, scales (FP8), then `K` local ids, `K`
+    /// positions and the source token (i32 each), rounded up to [`RECORD_ALIGN`].
+    pub record_bytes: usize,
+    /// Where the i32 metadata starts inside a record.
+    pub meta_in_record: usize,
+    /// Signal words `[SIG_KINDS][R]` u64, relative to the set.
+    pub sig_offset: usize,
+    /// `[R src][L + 1]` u32: token count, then per-local-expert counts.
+    pub meta_offset: usize,
+    /// `[R src][T][units]` u32 ready words (variant `ready`), units = ceil(H / 512).
+    pub ready_offset: usize,
+    /// `[R src][T]` records.
+    pub stage_offset: usize,
+    /// `[R src][T][K]` f32 top-k weights (combine order `rank-first`).
+    pub wts_offset: usize,
+    /// BF16 combine rows: `[T][K][H]` (order `topk`) or `[T][R][H]` (`rank-first`);
+    /// sized for the larger.
+    pub comb_offset: usize,
+    /// One buffer set.
+    pub set_bytes: usize,
+    /// The whole window: [`SETS`] sets.
+    pub window_bytes: usize,
+    pub dispatch_send_smem: usize,
+    pub dispatch_recv_smem: usize,
+    pub combine_send_smem: usize,
+}
+
+impl LlLayout {
+    /// The layout for `cfg`, refusing shapes the LL kernels do not take.
+    pub fn new(cfg: &EpConfig) -> Result<LlLayout> {
+        cfg.validate()?;
+        let (r, e, h, k, t) = (
+            cfg.ranks,
+            cfg.experts,
+            cfg.hidden,
+            cfg.topk,
+            cfg.max_tokens_per_rank,
+        );
+        if t > MAX_TOKENS {
+            return Err(Error::config(
+                "max_tokens_per_rank",
+                t,
+                format!("LL on GPUs takes at most {MAX_TOKENS} tokens per rank"),
+            ));
+        }
+        if r > MAX_RANKS {
+            return Err(Error::config(
+                "ranks",
+                r,
+                format!("LL on GPUs takes at most {MAX_RANKS} ranks (one NVLink domain)"),
+            ));
+        }
+        let l = cfg.local_experts();
+        let fp8 = cfg.dispatch_dtype.is_fp8();
+        let payload = if fp8 { h } else { 2 * h };
+        let scales = if fp8 { h / FP8_BLOCK * 4 } else { 0 };
+        let meta_in_record = align16(payload + scales);
+        let record_bytes = (meta_in_record + (2 * k + 1) * 4).next_multiple_of(RECORD_ALIGN);
+        let sig_offset = 0;
+        let meta_offset = align16(sig_offset + SIG_KINDS * r * 8);
+        let ready_offset = align16(meta_offset + r * (l + 1) * 4);
+        // Ready words [R][T][units] u32: the dispatch's, then the combine's (`cpub`).
+        let stage_offset =
+            (ready_offset + 2 * r * t * h.div_ceil(DISPATCH_UNIT) * 4).next_multiple_of(RECORD_ALIGN);
+        let wts_offset = align16(stage_offset + r * t * record_bytes);
+        // The combine rows, as the records: whole 128-byte lines per warp store.
+        // `rank-first` weights: [src][T][K], 8 bytes each (f32, or `wflag`'s (op, f32) pairs).
+        let comb_offset = (wts_offset + r * t * k * 8).next_multiple_of(RECORD_ALIGN);
+        let set_bytes = (comb_offset + t * k.max(r) * h * 2).div_ceil(4096) * 4096;
+        let nch = t.div_ceil(32).max(1);
+        let dispatch_send_smem = 2 * (e + r) * nch * 4;
+        // first[R][L + 1], start[R + 1], the table word (ll.cu RecvTable).
+        let dispatch_recv_smem = (r * (l + 1) + r + 2) * 4;
+        let combine_send_smem = (l + 1) * 4;
+        let worst = dispatch_send_smem.max(dispatch_recv_smem).max(combine_send_smem);
+        if worst > MAX_SMEM {
+            return Err(Error::config(
+                "experts",
+                e,
+                format!(
+                    "the LL dispatch layout needs {worst} bytes of shared memory per CTA \
+                     ((experts + ranks) * ceil(max_tokens / 32) * 8), above {MAX_SMEM}; use fewer \
+                     experts or tokens per rank"
+                ),
+            ));
+        }
+        Ok(LlLayout {
+            record_bytes,
+            meta_in_record,
+            sig_offset,
+            meta_offset,
+            ready_offset,
+            stage_offset,
+            wts_offset,
+            comb_offset,
+            set_bytes,
+            window_bytes: SETS * set_bytes,
+            dispatch_send_smem,
+            dispatch_recv_smem,
+            combine_send_smem,
+        })
+    }
+
+    /// Dynamic shared memory of the fused dispatch kernel: both halves' tables side by side
+    /// (with `sendN` they are in use at the same time; the receive table starts after the
+    /// send half's, as in ll.cu's fused entry point).
+    pub fn dispatch_fused_smem(&self) -> usize {
+        self.dispatch_send_smem + self.dispatch_recv_smem
+    }
+
+    /// Rows of one rank's expert-major output, `L * R * T`.
+    pub fn out_rows(cfg: &EpConfig) -> usize {
+        cfg.local_experts() * cfg.ranks * cfg.max_tokens_per_rank
+    }
+
+    /// Bytes of local (non-symmetric) device memory per set: inputs, outputs, handle.
+    pub fn local_bytes(cfg: &EpConfig) -> usize {
+        let (h, k, t, l, r) = (
+            cfg.hidden,
+            cfg.topk,
+            cfg.max_tokens_per_rank,
+            cfg.local_experts(),
+            cfg.ranks,
+        );
+        let rows = Self::out_rows(cfg);
+        let spr = if cfg.dispatch_dtype.is_fp8() {
+            h / FP8_BLOCK
+        } else {
+            0
+        };
+        t * h * 2 + t * k * 12 + rows * h * 2 // x, topk, weights, y
+            + rows * cfg.dispatch_dtype.row_bytes(h) + rows * spr // recv_x + scales, ue8m0 bytes
+            + l * 4 + l * r * 8 + rows * 12 // counts, layout range, handle
+            + r * t * (2 * k + 3) * 4 // record map (rank-first combine)
+            + t * h * 2 // combined
+    }
+}
+
+/// Bytes of the symmetric (NCCL window) memory one rank needs for LL with `cfg`: both buffer
+/// sets (signals, counts, staging, combine rows). A hint in the manner of DeepEP's
+/// `get_low_latency_rdma_size_hint`; local inputs and outputs come on top
+/// ([`LlLayout::local_bytes`] per set).
+pub fn buffer_bytes(cfg: &EpConfig) -> Result<usize> {
+    Ok(LlLayout::new(cfg)?.window_bytes)
+}
+
+/// Host mirror of `gin_ep::ll::LlArgs` (kernels/ll/ll.cu), the one parameter of every LL
+/// kernel. Device pointers are `u64` (CUdeviceptr), the same size as the C pointers.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(super) struct LlArgs {
+    pub(super) comm: ns::DevCommSlot,
+    pub(super) win: ns::ncclWindow_t,
+    pub(super) set_offset: u64,
+    pub(super) sig_offset: u64,
+    pub(super) meta_offset: u64,
+    pub(super) stage_offset: u64,
+    pub(super) comb_offset: u64,
+    pub(super) rec_bytes: u64,
+    pub(super) x: u64,
+    pub(super) topk_idx: u64,
+    pub(super) topk_weights: u64,
+    pub(super) y: u64,
+    pub(super) recv_x: u64,
+    pub(super) recv_scales: u64,
+    pub(super) recv_count: u64,
+    pub(super) layout_range: u64,
+    pub(super) src_rank: u64,
+    pub(super) src_token: u64,
+    pub(super) src_k: u64,
+    pub(super) combined: u64,
+    pub(super) state: u64,
+    pub(super) timeout_ns: u64,
+    pub(super) err: u64,
+    pub(super) num_tokens: i32,
+    pub(super) hidden: i32,
+    pub(super) topk: i32,
+    pub(super) experts: i32,
+    pub(super) max_tokens: i32,
+    pub(super) dtype: i32,
+    pub(super) recv_scales_ue8m0: u64,
+    pub(super) flags: u32,
+    pub(super) lsa_stride4g: u32,
+    pub(super) stamps: u64,
+    pub(super) user_count: u64,
+    pub(super) user_range: u64,
+    pub(super) stats: u64,
+    pub(super) scales_col_major: u32,
+    pub(super) pad2: u32,
+    pub(super) wts_offset: u64,
+    pub(super) comb_map: u64,
+    pub(super) comb_order: u32,
+    pub(super) pad3: u32,
+    pub(super) ready_offset: u64,
+    pub(super) lsa_base: u64,
+}
+// Same numbers as the static_assert in kernels/ll/ll.cu.
+// `S`: the devcomm slot LlArgs starts with (nccl_compat.cuh), the same for every NCCL.
+const S: usize = ns::DEV_COMM_SLOT_BYTES;
+const _: () = assert!(std::mem::size_of::<LlArgs>() == S + 296);
+const _: () = assert!(std::mem::offset_of!(LlArgs, lsa_base) == S + 288);
+const _: () = assert!(std::mem::offset_of!(LlArgs, lsa_stride4g) == S + 212);
+const _: () = assert!(std::mem::offset_of!(LlArgs, ready_offset) == S + 280);
+const _: () = assert!(std::mem::offset_of!(LlArgs, wts_offset) == S + 256);
+const _: () = assert!(std::mem::offset_of!(LlArgs, comb_order) == S + 272);
+const _: () = assert!(std::mem::offset_of!(LlArgs, user_count) == S + 224);
+const _: () = assert!(std::mem::offset_of!(LlArgs, scales_col_major) == S + 248);
+const _: () = assert!(std::mem::offset_of!(LlArgs, stamps) == S + 216);
+const _: () = assert!(std::mem::offset_of!(LlArgs, err) == S + 168);
+const _: () = assert!(std::mem::offset_of!(LlArgs, recv_scales_ue8m0) == S + 200);
+const _: () = assert!(std::mem::offset_of!(LlArgs, flags) == S + 208);
+
+pub(super) fn dtype_code(d: DispatchDtype) -> i32 {
+    match d {
+        DispatchDtype::Bf16 => 0,
+        DispatchDtype::Fp8 => 1,
+        DispatchDtype::Fp8Ue8m0 => 2,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::peers;
+    use super::*;
+
+    #[test]
+    fn layout_matches_the_kernel_record_formula() {
+        let c = peers().with_dtype(DispatchDtype::Fp8);
+        let l = LlLayout::new(&c).unwrap();
+        // payload 7168 + 56 scales * 4 = 7392 (16-aligned), then 17 i32 = 68 -> 7460 -> 7552
+        // (128-aligned).
+        assert_eq!(l.meta_in_record, 7392);
+        assert_eq!(l.record_bytes, 7552);
+        let b = LlLayout::new(&peers()).unwrap();
+        assert_eq!(b.meta_in_record, 14336);
+        assert_eq!(b.record_bytes, 14464);
+        assert!(l.stage_offset.is_multiple_of(RECORD_ALIGN) && b.stage_offset.is_multiple_of(RECORD_ALIGN));
+        for off in [
+            l.sig_offset,
+            l.meta_offset,
+            l.ready_offset,
+            l.stage_offset,
+            l.wts_offset,
+            l.comb_offset,
+        ] {
+            assert!(off.is_multiple_of(16));
+        }
+        assert!(l.meta_offset >= SIG_KINDS * 4 * 8 && l.ready_offset >= l.meta_offset + 4 * 65 * 4);
+        // Ready words [R][T][ceil(7168 / 512) = 14] u32, dispatch then combine, before the
+        // staging.
+        assert_eq!(
+            l.stage_offset,
+            (l.ready_offset + 2 * 4 * 128 * 14 * 4).div_ceil(128) * 128
+        );
+        // Staging, then the rank-first weights [R][T][K] (8 bytes each), then the combine rows.
+        assert_eq!(l.wts_offset, l.stage_offset + 4 * 128 * 7552);
+        assert_eq!(l.comb_offset, l.wts_offset + 4 * 128 * 8 * 8);
+        assert!(l.comb_offset.is_multiple_of(RECORD_ALIGN));
+        let odd = LlLayout::new(&EpConfig::new(4, 8, 256, 3, 5)).unwrap();
+        assert!(odd.stage_offset.is_multiple_of(128) && odd.comb_offset.is_multiple_of(128));
+        assert!(odd.record_bytes.is_multiple_of(128));
+        assert!(l.set_bytes >= l.comb_offset + 128 * 8 * 7168 * 2 && l.set_bytes.is_multiple_of(4096));
+        assert_eq!(l.window_bytes, 2 * l.set_bytes);
+        // (256 experts + 4 ranks) * 4 chunks * 8 bytes.
+        assert_eq!(l.dispatch_send_smem, 260 * 4 * 8);
+        // Top-1 over 4 ranks: rank-first combine rows [T][R][H] outgrow topk's [T][K][H].
+        let one = LlLayout::new(&EpConfig::new(4, 8, 256, 1, 16)).unwrap();
+        assert!(one.set_bytes >= one.comb_offset + 16 * 4 * 256 * 2);
+    }
+
+    #[test]
+    fn buffer_hint_is_both_sets_and_grows_with_tokens() {
+        let small = buffer_bytes(&peers()).unwrap();
+        let mut big = peers();
+        big.max_tokens_per_rank = 256;
+        assert!(buffer_bytes(&big).unwrap() > small);
+        // BF16 at the peers' shape: 2 * (staging 7.4 MB + combine 14.7 MB) ≈ 44 MB.
+        assert!((40 << 20..50 << 20).contains(&small), "{small}");
+        assert!(LlLayout::local_bytes(&peers()) > 0);
+    }
+
+    #[test]
+    fn shapes_the_kernels_refuse_are_config_errors_naming_the_field() {
+        let mut c = peers();
+        c.max_tokens_per_rank = MAX_TOKENS + 1;
+        let e = buffer_bytes(&c).unwrap_err();
+        assert!(
+            e.is_usage() && e.to_string().contains("max_tokens_per_rank"),
+            "{e}"
+        );
+        let c = EpConfig::new(128, 128, 128, 1, 8);
+        c.validate().unwrap();
+        let e = buffer_bytes(&c).unwrap_err();
+        assert!(e.to_string().contains("ranks"), "{e}");
+        let c = EpConfig::new(4, 65_536, 128, 8, 1024);
+        let e = buffer_bytes(&c).unwrap_err();
+        assert!(e.to_string().contains("shared memory"), "{e}");
+        let mut c = peers();
+        c.hidden = 7;
+        assert!(buffer_bytes(&c).unwrap_err().is_usage());
+    }
+}

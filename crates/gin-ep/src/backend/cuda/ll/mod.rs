@@ -1,0 +1,879 @@
+//! LL (low-latency) dispatch and combine on GPUs over NVLink: the per-rank driver of
+//! `kernels/ll/ll.cu`.
+//!
+//! Owns: the two buffer sets (double buffering), the four typed launches (dispatch send
+//! and receive, combine send and receive: the receive hooks), CUDA-graph capture, and the
+//! kernel constants the host mirrors. The window layout and the kernel's argument block are
+//! in [`layout`], the kernel variants in [`variant`]. Never: decides what is correct (the
+//! oracle does, through `check`), prints, imports the GPU check ([`check`]) or benchmark
+//! ([`bench`], [`stamps`]) that drive it, or waits on the device without a deadline (every
+//! wait is [`CudaRank::wait`]; every in-kernel wait has one and names phase and peer).
+//!
+//! Device-side protocol (see the head of kernels/ll/ll.cu): no barrier and no host
+//! synchronization; counts stay on the device; signals are monotonic counters with credits,
+//! and the op number of each buffer set lives on the device, so a captured graph replays.
+//! Rules for callers: every rank issues the same sequence of operations per set; a dispatch
+//! on a set overwrites that set's outputs and handle; combine on a set uses the handle of the
+//! last dispatch on that set. At most two operations are in flight (one per set).
+
+use std::ffi::c_void;
+use std::sync::atomic::AtomicU64;
+
+use cudarc::driver::sys;
+use half::bf16;
+
+use super::runtime::{CudaRank, DevComm, DevCommRequest, DeviceBuffer, DeviceRegion, ExternalSpan, Window};
+use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
+use crate::error::{Error, Result};
+use crate::ll::{LlDispatchOutput, LlHandle};
+use crate::quant::Rows;
+
+pub mod bench;
+pub mod check;
+pub mod layout;
+pub mod stamps;
+pub mod variant;
+
+pub use layout::{buffer_bytes, LlLayout, RECORD_ALIGN};
+use layout::{dtype_code, LlArgs};
+use variant::STAMP_EDGES_FLAG;
+pub use variant::{LlVariant, ENV_VARIANT};
+
+/// Kernel entry points (extern "C" names in kernels/ll/ll.cu).
+pub mod names {
+    pub const DISPATCH_SEND: &str = "gin_ep_ll_dispatch_send";
+    pub const DISPATCH_RECV: &str = "gin_ep_ll_dispatch_recv";
+    pub const COMBINE_SEND: &str = "gin_ep_ll_combine_send";
+    pub const COMBINE_RECV: &str = "gin_ep_ll_combine_recv";
+    /// Dispatch send + receive in one launch (variant `fused`).
+    pub const DISPATCH_FUSED: &str = "gin_ep_ll_dispatch_fused";
+    /// Combine send + reduce in one launch (variant `fused`).
+    pub const COMBINE_FUSED: &str = "gin_ep_ll_combine_fused";
+}
+
+/// Threads per CTA of every LL kernel (`kThreads` in ll.cu).
+pub const THREADS: u32 = 512;
+/// Warps per CTA (`kWarps` in ll.cu).
+pub const WARPS: u32 = THREADS / 32;
+/// Channels of one dispatch work unit (`kDispatchUnit` in ll.cu): the granularity of the
+/// `ready` words.
+pub const DISPATCH_UNIT: usize = 512;
+/// Most tokens per rank the LL kernels accept (`max_tokens_per_rank`).
+pub const MAX_TOKENS: usize = 1024;
+/// Most ranks in one LL group (all must be in one LSA team).
+pub const MAX_RANKS: usize = 64;
+/// Most CTAs per LL kernel.
+pub const MAX_GRID: u32 = 1024;
+/// Dynamic shared memory a kernel may use (H100/H200 allow 227 KiB per CTA by opt-in).
+pub const MAX_SMEM: usize = 200 * 1024;
+/// Buffer sets (double buffering).
+pub const SETS: usize = 2;
+/// Signal kinds per set (`kSigKinds` in ll.cu): words `[SIG_KINDS][R]` u64.
+pub const SIG_KINDS: usize = 6;
+/// u32 words of a set's device state (ll.cu: `kStateWords` words, then the op counts, one
+/// per CTA and kind, `[2][MAX_GRID]`): record count of the last dispatch, failure flag, op
+/// counts.
+pub const STATE_WORDS: usize = 8 + 2 * MAX_GRID as usize;
+/// u64 timestamps per CTA per operation pair (`kStampSlots` in ll.cu).
+pub const STAMP_SLOTS: usize = 28;
+/// Word written into every output before a checked run: a row nobody wrote keeps it.
+pub const POISON: u32 = 0xDEAD_BEEF;
+
+fn cu(call: &str, r: sys::CUresult) -> Result<()> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Device {
+            call: call.to_string(),
+            reason: format!("{r:?}"),
+        })
+    }
+}
+
+/// One buffer set's local device memory.
+struct SetBuffers {
+    x: DeviceBuffer,
+    topk_idx: DeviceBuffer,
+    weights: DeviceBuffer,
+    y: DeviceBuffer,
+    recv_x: DeviceBuffer,
+    recv_scales: DeviceBuffer,
+    recv_ue8m0: DeviceBuffer,
+    recv_count: DeviceBuffer,
+    layout_range: DeviceBuffer,
+    src_rank: DeviceBuffer,
+    src_token: DeviceBuffer,
+    src_k: DeviceBuffer,
+    combined: DeviceBuffer,
+    /// `[R*T][2K + 3]` i32 per staged record of the last dispatch: source, token, pair
+    /// count, then (local row, k) of the token's experts here (combine order `rank-first`
+    /// only; 16 bytes otherwise).
+    comb_map: DeviceBuffer,
+    /// `[STATE_WORDS]` u32: record count, failure flag, per-CTA op counts (kernels/ll/ll.cu
+    /// `op_word`), zeroed once.
+    state: DeviceBuffer,
+    /// Tokens of the input now in `x` (host-known shape, as in DeepEP).
+    num_tokens: usize,
+    /// Caller-owned memory the next launches of this set use instead (see [`LlIo`]).
+    io: LlIo,
+}
+
+/// Caller-owned memory (PyTorch tensors) that the launches of one buffer set read and write
+/// instead of the set's own buffers: the zero-copy path of the Python package. Every field
+/// is optional; unset ones use the set's buffers. Sizes are checked at launch against the
+/// set's token count and the config. The outputs come in DeepEP's formats.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LlIo {
+    /// Dispatch input `[N, H]` BF16 and `[N, K]` i64 expert ids.
+    pub x: Option<ExternalSpan>,
+    pub topk_idx: Option<ExternalSpan>,
+    /// Dispatch outputs: rows `[L, R*T, H]` (e4m3 bytes or BF16); FP8 scales as DeepEP lays
+    /// them out, `[L, H/128, R*T]` f32 (column-major in the last two dimensions).
+    pub recv_x: Option<ExternalSpan>,
+    pub recv_scales: Option<ExternalSpan>,
+    /// `[L]` i32 receive counts (a copy: the set keeps its own for the combine).
+    pub recv_count: Option<ExternalSpan>,
+    /// `[L, R]` i64 `(first << 32) | count` per expert and source rank (DeepEP's packing).
+    pub layout_range: Option<ExternalSpan>,
+    /// `[L]` i32 cumulative receive counts: the dispatch adds its counts.
+    pub stats: Option<ExternalSpan>,
+    /// Combine input `[L, R*T, H]` BF16 and `[N, K]` f32 top-k weights.
+    pub y: Option<ExternalSpan>,
+    pub weights: Option<ExternalSpan>,
+    /// Combine output `[N, H]` BF16.
+    pub combined: Option<ExternalSpan>,
+}
+
+/// A captured CUDA graph, instantiated; destroyed on drop.
+pub struct Graph {
+    exec: sys::CUgraphExec,
+    graph: sys::CUgraph,
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: both handles were made by capture() and are destroyed once; the owner
+        // waits for replays before dropping (CudaLl users wait before teardown).
+        unsafe {
+            let _ = sys::cuGraphExecDestroy(self.exec);
+            let _ = sys::cuGraphDestroy(self.graph);
+        }
+    }
+}
+
+/// The window's LSA base and stride in 4 GiB units from every peer's address of it (index:
+/// LSA rank), as the kernels compute a peer's copy (`add4G(base, peer * stride4G)`, ll.cu
+/// win_ptr) for `wargs`: refused unless every peer lies at exactly that address.
+fn lsa_base_stride(bases: &[u64]) -> Result<(u64, u32)> {
+    let base = *bases.first().ok_or_else(|| Error::Device {
+        call: "ncclGetLsaPointer".into(),
+        reason: "no LSA peer address".into(),
+    })?;
+    let step = bases.get(1).map_or(0, |b| b.wrapping_sub(base));
+    let stride4g = u32::try_from(step >> 32).ok().filter(|_| step & 0xffff_ffff == 0);
+    let fits = |s: u32| u64::from(s) * bases.len() as u64 <= i32::MAX as u64;
+    match stride4g.filter(|&s| fits(s)) {
+        Some(s)
+            if bases
+                .iter()
+                .enumerate()
+                .all(|(p, &b)| b == base.wrapping_add((p as u64 * u64::from(s)) << 32)) =>
+        {
+            Ok((base, s))
+        }
+        _ => Err(Error::Device {
+            call: "ncclGetLsaPointer".into(),
+            reason: format!(
+                "LSA peer addresses {bases:#x?} are not one base plus a whole number of 4 GiB per peer \
+                 (variant `wargs` needs that layout)"
+            ),
+        }),
+    }
+}
+
+/// LL dispatch and combine of one rank: the window, device communicator and both buffer
+/// sets. Collective to create (every rank, same config, same order).
+pub struct CudaLl<'r> {
+    // Field order is drop order: the window is deregistered before the device
+    // communicator is destroyed (both hold the NCCL communicator alive).
+    window: Window,
+    dev_comm: DevComm,
+    sets: [SetBuffers; SETS],
+    rank: &'r CudaRank,
+    cfg: EpConfig,
+    layout: LlLayout,
+    grid: u32,
+    variant: LlVariant,
+    /// Device address of `[grid][STAMP_SLOTS]` u64 the next launches stamp, or 0.
+    stamps: u64,
+    /// Only the first and last stamp of each operation ([`CudaLl::set_stamp_edges`]).
+    stamp_edges: bool,
+    /// The window's LSA base and stride4G for `wargs` ([`lsa_base_stride`]); (0, 0) without.
+    lsa: (u64, u32),
+}
+
+impl<'r> CudaLl<'r> {
+    /// Makes the window and buffers for `cfg` on `rank`. `grid` CTAs per kernel (`None`: the
+    /// GPU's SM count); every rank must pass the same grid. The kernel variant comes from
+    /// [`ENV_VARIANT`] (its `@G`, when given, overrides `grid`).
+    pub fn new(rank: &'r CudaRank, cfg: &EpConfig, grid: Option<u32>) -> Result<CudaLl<'r>> {
+        Self::with_variant(rank, cfg, grid, LlVariant::from_env()?)
+    }
+
+    /// As [`CudaLl::new`] with an explicit variant (`variant.grid`, when set, overrides
+    /// `grid`; 0 = every SM).
+    pub fn with_variant(
+        rank: &'r CudaRank,
+        cfg: &EpConfig,
+        grid: Option<u32>,
+        variant: LlVariant,
+    ) -> Result<CudaLl<'r>> {
+        let layout = LlLayout::new(cfg)?;
+        let world = rank.info().world;
+        if cfg.ranks != world {
+            return Err(Error::config(
+                "ranks",
+                cfg.ranks,
+                format!("the group has {world} ranks"),
+            ));
+        }
+        let sms = rank.info().sm_count;
+        let grid = match variant.grid.or(grid) {
+            None | Some(0) => sms,
+            Some(g) => g,
+        }
+        .clamp(1, MAX_GRID);
+        for (name, smem) in [
+            (names::DISPATCH_SEND, layout.dispatch_send_smem),
+            (names::DISPATCH_RECV, layout.dispatch_recv_smem),
+            (names::COMBINE_SEND, layout.combine_send_smem),
+            (names::DISPATCH_FUSED, layout.dispatch_fused_smem()),
+            (names::COMBINE_FUSED, layout.combine_send_smem),
+        ] {
+            let f = rank.function(name)?;
+            // SAFETY: f is a live function of the rank's module; the attribute only raises
+            // the dynamic shared memory ceiling (needed above 48 KiB).
+            cu("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
+                sys::cuFuncSetAttribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+            })?;
+            // Set either way: the attribute belongs to the process's function, which an
+            // earlier object with another variant may have set.
+            let carveout = if variant.carveout { 100 } else { -1 };
+            // SAFETY: as above; a hint for the L1/shared split, -1 = the driver's default.
+            cu("cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT)", unsafe {
+                sys::cuFuncSetAttribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                    carveout,
+                )
+            })?;
+        }
+        if variant.fused {
+            // Every CTA waits for all CTAs of every peer: the grid must be resident at once.
+            for (name, smem) in [
+                (names::DISPATCH_FUSED, layout.dispatch_fused_smem()),
+                (names::COMBINE_FUSED, layout.combine_send_smem),
+            ] {
+                let f = rank.function(name)?;
+                let mut per_sm: i32 = 0;
+                // SAFETY: f is live; per_sm receives one int.
+                cu("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
+                    sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm, f, THREADS as i32, smem)
+                })?;
+                let resident = u64::from(per_sm.max(0) as u32) * u64::from(sms);
+                if u64::from(grid) > resident {
+                    return Err(Error::config(
+                        "ll variant",
+                        variant.name(),
+                        format!(
+                            "fused needs the whole grid resident: {grid} CTAs, at most {resident} fit \
+                             ({per_sm} per SM x {sms} SMs)"
+                        ),
+                    ));
+                }
+            }
+        }
+        let window = rank.window(layout.window_bytes)?;
+        let dev_comm = rank.dev_comm(DevCommRequest {
+            lsa_barriers: 1,
+            gin_signals: 0,
+        })?;
+        let (_, lsa_size) = dev_comm.lsa();
+        if lsa_size != world {
+            return Err(Error::Unavailable {
+                backend: "cuda",
+                reason: format!(
+                    "LL over NVLink needs every rank reachable by load/store; the LSA team has \
+                     {lsa_size} of {world} ranks"
+                ),
+            });
+        }
+        let lsa = if variant.win_args {
+            lsa_base_stride(super::ops::lsa_peer_bases(rank, &window, &dev_comm)?)?
+        } else {
+            (0, 0)
+        };
+        let (h, k, t, l, r) = (
+            cfg.hidden,
+            cfg.topk,
+            cfg.max_tokens_per_rank,
+            cfg.local_experts(),
+            cfg.ranks,
+        );
+        let rows = LlLayout::out_rows(cfg);
+        let spr = h / FP8_BLOCK;
+        let rank_first = cfg.ll_combine_order == LlCombineOrder::RankFirst;
+        let alloc = |bytes: usize| rank.alloc(bytes.max(16));
+        let make_set = || -> Result<SetBuffers> {
+            let s = SetBuffers {
+                x: alloc(t * h * 2)?,
+                topk_idx: alloc(t * k * 8)?,
+                weights: alloc(t * k * 4)?,
+                y: alloc(rows * h * 2)?,
+                recv_x: alloc(rows * if cfg.dispatch_dtype.is_fp8() { h } else { 2 * h })?,
+                recv_scales: alloc(if cfg.dispatch_dtype.is_fp8() {
+                    rows * spr * 4
+                } else {
+                    16
+                })?,
+                recv_ue8m0: alloc(if cfg.dispatch_dtype == DispatchDtype::Fp8Ue8m0 {
+                    rows * spr
+                } else {
+                    16
+                })?,
+                recv_count: alloc(l * 4)?,
+                layout_range: alloc(l * r * 8)?,
+                src_rank: alloc(rows * 4)?,
+                src_token: alloc(rows * 4)?,
+                src_k: alloc(rows * 4)?,
+                combined: alloc(t * h * 2)?,
+                comb_map: alloc(if rank_first { r * t * (2 * k + 3) * 4 } else { 16 })?,
+                state: alloc(STATE_WORDS * 4)?,
+                num_tokens: 0,
+                io: LlIo::default(),
+            };
+            rank.memset_u32(s.state.region(), 0)?;
+            Ok(s)
+        };
+        let sets = [make_set()?, make_set()?];
+        rank.wait("LL buffer setup")?;
+        Ok(CudaLl {
+            window,
+            dev_comm,
+            sets,
+            rank,
+            cfg: cfg.clone(),
+            layout,
+            grid,
+            variant,
+            stamps: 0,
+            stamp_edges: false,
+            lsa,
+        })
+    }
+
+    /// Where the following launches write their device timestamps: `[grid][STAMP_SLOTS]`
+    /// u64 at `ptr` (a device address the caller keeps alive while they run), or none.
+    /// Captured graphs keep the address they were captured with.
+    pub fn set_stamps(&mut self, ptr: Option<u64>) {
+        self.stamps = ptr.unwrap_or(0);
+    }
+
+    /// Whether the stamped launches write only each operation's first and last stamp (its
+    /// kernels' start and end: the least intrusive breakdown), see [`stamps::StampMode::Edges`].
+    pub fn set_stamp_edges(&mut self, edges: bool) {
+        self.stamp_edges = edges;
+    }
+
+    /// The kernel variant in use.
+    pub fn variant(&self) -> LlVariant {
+        self.variant
+    }
+
+    /// CTAs per kernel.
+    pub fn grid(&self) -> u32 {
+        self.grid
+    }
+
+    /// The window layout in use.
+    pub fn layout(&self) -> &LlLayout {
+        &self.layout
+    }
+
+    fn set(&self, set: usize) -> Result<&SetBuffers> {
+        self.sets
+            .get(set)
+            .ok_or_else(|| Error::input("LL buffer set", format!("{set} is not 0 or 1")))
+    }
+
+    /// Copies this rank's dispatch input into `set` (waits for earlier work first: the
+    /// buffers may still be read by a kernel).
+    pub fn upload_input(&mut self, set: usize, x: &[bf16], topk_idx: &[i64], weights: &[f32]) -> Result<()> {
+        let me = self.rank.info().rank;
+        let n = crate::routing::validate_topk(&self.cfg, me, topk_idx)?;
+        let (h, k) = (self.cfg.hidden, self.cfg.topk);
+        if x.len() != n * h || weights.len() != n * k {
+            return Err(Error::input(
+                format!("LL input of rank {me}"),
+                format!(
+                    "x {} / weights {} values for {n} tokens (hidden {h}, topk {k})",
+                    x.len(),
+                    weights.len()
+                ),
+            ));
+        }
+        self.rank.wait("before LL input upload")?;
+        let s = self.set(set)?;
+        upload(self.rank, s.x.region(), bytemuck::cast_slice(x))?;
+        upload(self.rank, s.topk_idx.region(), bytemuck::cast_slice(topk_idx))?;
+        upload(self.rank, s.weights.region(), bytemuck::cast_slice(weights))?;
+        self.sets[set].num_tokens = n;
+        Ok(())
+    }
+
+    /// Declares that `set`'s input holds `n` tokens (caller-owned memory bound with
+    /// [`CudaLl::set_io`], not [`CudaLl::upload_input`]). The ids are not checked on the host.
+    pub fn set_num_tokens(&mut self, set: usize, n: usize) -> Result<()> {
+        self.set(set)?;
+        if n > self.cfg.max_tokens_per_rank {
+            return Err(Error::input(
+                "LL tokens",
+                format!(
+                    "{n} exceed max_tokens_per_rank = {}",
+                    self.cfg.max_tokens_per_rank
+                ),
+            ));
+        }
+        self.sets[set].num_tokens = n;
+        Ok(())
+    }
+
+    /// Copies expert outputs `[L, R*T, H]` BF16 into `set` (the combine input).
+    pub fn upload_expert_output(&self, set: usize, y: &[bf16]) -> Result<()> {
+        let want = LlLayout::out_rows(&self.cfg) * self.cfg.hidden;
+        if y.len() != want {
+            return Err(Error::input(
+                "LL combine input",
+                format!("{} values, expected {want} ([L, R*T, H])", y.len()),
+            ));
+        }
+        self.rank.wait("before LL expert output upload")?;
+        upload(self.rank, self.set(set)?.y.region(), bytemuck::cast_slice(y))
+    }
+
+    /// The launches of `set` use `io`'s caller-owned memory from now on (until
+    /// [`CudaLl::clear_io`]); sizes are checked when they launch. Captured graphs keep the
+    /// addresses they were captured with.
+    pub fn set_io(&mut self, set: usize, io: LlIo) -> Result<()> {
+        self.set(set)?;
+        self.sets[set].io = io;
+        Ok(())
+    }
+
+    /// Back to the set's own buffers.
+    pub fn clear_io(&mut self, set: usize) -> Result<()> {
+        self.set_io(set, LlIo::default())
+    }
+
+    /// Runs `f` with `io` bound to `set`, unbinding it afterwards whatever `f` returned: a
+    /// later launch never sees this call's memory (as `CudaHt::with_io`).
+    pub fn with_io<T>(&mut self, set: usize, io: LlIo, f: impl FnOnce(&Self) -> Result<T>) -> Result<T> {
+        self.set_io(set, io)?;
+        let out = f(self);
+        self.clear_io(set)?;
+        out
+    }
+
+    /// Fills every output of `set` with [`POISON`] (queued on the stream).
+    pub fn poison_outputs(&self, set: usize) -> Result<()> {
+        let s = self.set(set)?;
+        poison(
+            self.rank,
+            &[
+                &s.recv_x,
+                &s.recv_scales,
+                &s.recv_ue8m0,
+                &s.recv_count,
+                &s.layout_range,
+                &s.src_rank,
+                &s.src_token,
+                &s.src_k,
+                &s.combined,
+                &s.comb_map,
+            ],
+        )
+    }
+
+    /// The address `io` gives for `what` (checked to hold `need` bytes), else the set's
+    /// own buffer, else 0 (an optional output the kernel skips).
+    fn io_ptr(
+        span: Option<ExternalSpan>,
+        what: &str,
+        need: usize,
+        own: Option<&DeviceBuffer>,
+    ) -> Result<u64> {
+        match span {
+            Some(sp) => sp.require(what, need).map(|_| sp.ptr),
+            None => Ok(own.map_or(0, |b| b.region().ptr)),
+        }
+    }
+
+    fn args(&self, set: usize) -> Result<LlArgs> {
+        let s = self.set(set)?;
+        let cfg = &self.cfg;
+        let io = &s.io;
+        let (n, h, k, l, r) = (s.num_tokens, cfg.hidden, cfg.topk, cfg.local_experts(), cfg.ranks);
+        let rows = LlLayout::out_rows(cfg);
+        let fp8 = cfg.dispatch_dtype.is_fp8();
+        Ok(LlArgs {
+            comm: self.dev_comm.raw(),
+            win: self.window.raw(),
+            set_offset: (set * self.layout.set_bytes) as u64,
+            sig_offset: self.layout.sig_offset as u64,
+            meta_offset: self.layout.meta_offset as u64,
+            stage_offset: self.layout.stage_offset as u64,
+            comb_offset: self.layout.comb_offset as u64,
+            rec_bytes: self.layout.record_bytes as u64,
+            x: Self::io_ptr(io.x, "LL x", n * h * 2, Some(&s.x))?,
+            topk_idx: Self::io_ptr(io.topk_idx, "LL topk_idx", n * k * 8, Some(&s.topk_idx))?,
+            topk_weights: Self::io_ptr(io.weights, "LL topk_weights", n * k * 4, Some(&s.weights))?,
+            y: Self::io_ptr(io.y, "LL combine input", rows * h * 2, Some(&s.y))?,
+            recv_x: Self::io_ptr(
+                io.recv_x,
+                "LL recv_x",
+                rows * if fp8 { h } else { 2 * h },
+                Some(&s.recv_x),
+            )?,
+            recv_scales: Self::io_ptr(
+                io.recv_scales,
+                "LL recv scales",
+                if fp8 { rows * (h / FP8_BLOCK) * 4 } else { 0 },
+                Some(&s.recv_scales),
+            )?,
+            recv_count: s.recv_count.region().ptr,
+            layout_range: s.layout_range.region().ptr,
+            src_rank: s.src_rank.region().ptr,
+            src_token: s.src_token.region().ptr,
+            src_k: s.src_k.region().ptr,
+            combined: Self::io_ptr(io.combined, "LL combined output", n * h * 2, Some(&s.combined))?,
+            state: s.state.region().ptr,
+            timeout_ns: u64::try_from(self.rank.options().kernel_timeout.as_nanos()).unwrap_or(u64::MAX),
+            err: self.rank.fabric_err_dev(),
+            num_tokens: s.num_tokens as i32,
+            hidden: cfg.hidden as i32,
+            topk: cfg.topk as i32,
+            experts: cfg.experts as i32,
+            max_tokens: cfg.max_tokens_per_rank as i32,
+            dtype: dtype_code(cfg.dispatch_dtype),
+            recv_scales_ue8m0: if cfg.dispatch_dtype == DispatchDtype::Fp8Ue8m0 {
+                s.recv_ue8m0.region().ptr
+            } else {
+                0
+            },
+            flags: self.variant.kernel_flags() | if self.stamp_edges { STAMP_EDGES_FLAG } else { 0 },
+            lsa_stride4g: self.lsa.1,
+            stamps: self.stamps,
+            user_count: Self::io_ptr(io.recv_count, "LL recv_count", l * 4, None)?,
+            user_range: Self::io_ptr(io.layout_range, "LL layout_range", l * r * 8, None)?,
+            stats: Self::io_ptr(io.stats, "LL cumulative receive stats", l * 4, None)?,
+            scales_col_major: u32::from(io.recv_scales.is_some()),
+            pad2: 0,
+            wts_offset: self.layout.wts_offset as u64,
+            comb_map: if cfg.ll_combine_order == LlCombineOrder::RankFirst {
+                s.comb_map.region().ptr
+            } else {
+                0
+            },
+            comb_order: match cfg.ll_combine_order {
+                LlCombineOrder::Topk => 0,
+                LlCombineOrder::RankFirst => 1,
+            },
+            pad3: 0,
+            ready_offset: self.layout.ready_offset as u64,
+            lsa_base: self.lsa.0,
+        })
+    }
+
+    fn launch(&self, name: &'static str, smem: usize, set: usize) -> Result<()> {
+        let args = self.args(set)?;
+        // SAFETY: LlArgs mirrors the kernel parameter (size/offset asserts on both sides);
+        // every pointer in it belongs to self (window, set buffers) or the rank (error
+        // record), which outlive the launch: owners wait for the stream before dropping
+        // them, and on errors they are leaked, not freed; or it is a caller-owned span
+        // (LlIo), checked by CudaRank::external to be device memory of this GPU and by
+        // `args` to hold what this launch touches, kept alive by its owner until the stream
+        // passes this launch. Offsets come from LlLayout, which sized the window and buffers.
+        // With `pdl` every LL entry point runs griddepcontrol.wait (kernel_enter in ll.cu)
+        // before any access.
+        unsafe {
+            self.rank
+                .launch_ex(name, self.grid, THREADS, smem as u32, self.variant.pdl, &args)
+        }
+    }
+
+    /// Dispatch, first half: quantize (FP8) and send this rank's tokens of `set`; returns
+    /// once the launch is queued.
+    pub fn dispatch_send(&self, set: usize) -> Result<()> {
+        self.launch(names::DISPATCH_SEND, self.layout.dispatch_send_smem, set)
+    }
+
+    /// Dispatch, second half: wait for every source (deadline) and expand into the
+    /// expert-major output of `set`.
+    pub fn dispatch_recv(&self, set: usize) -> Result<()> {
+        self.launch(names::DISPATCH_RECV, self.layout.dispatch_recv_smem, set)
+    }
+
+    /// Combine, first half: send every valid expert row of `set` back to its source.
+    pub fn combine_send(&self, set: usize) -> Result<()> {
+        self.launch(names::COMBINE_SEND, self.layout.combine_send_smem, set)
+    }
+
+    /// Combine, second half: wait for every expert rank and reduce in top-k order.
+    pub fn combine_recv(&self, set: usize) -> Result<()> {
+        self.launch(names::COMBINE_RECV, 0, set)
+    }
+
+    /// Both halves of dispatch (one launch with the `fused` variant).
+    pub fn dispatch(&self, set: usize) -> Result<()> {
+        if self.variant.fused {
+            return self.launch(names::DISPATCH_FUSED, self.layout.dispatch_fused_smem(), set);
+        }
+        self.dispatch_send(set)?;
+        self.dispatch_recv(set)
+    }
+
+    /// Both halves of combine (one launch with the `fused` variant).
+    pub fn combine(&self, set: usize) -> Result<()> {
+        if self.variant.fused {
+            return self.launch(names::COMBINE_FUSED, self.layout.combine_send_smem, set);
+        }
+        self.combine_send(set)?;
+        self.combine_recv(set)
+    }
+
+    /// Captures what `f` queues on the rank's stream into a graph (nothing runs now). `f`
+    /// must only launch (no waits, copies from pageable memory or memsets of other streams).
+    pub fn capture(&self, f: impl FnOnce(&Self) -> Result<()>) -> Result<Graph> {
+        self.rank.wait("before graph capture")?;
+        let stream = self.rank.stream();
+        // SAFETY: the stream is live and idle; thread-local mode restricts only this thread.
+        cu("cuStreamBeginCapture", unsafe {
+            sys::cuStreamBeginCapture_v2(
+                stream,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        })?;
+        let queued = f(self);
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: ends the capture begun above (always, also when f failed).
+        let ended = cu("cuStreamEndCapture", unsafe {
+            sys::cuStreamEndCapture(stream, &mut graph)
+        });
+        if let Err(e) = queued.and(ended) {
+            if !graph.is_null() {
+                // SAFETY: a graph returned by the capture, destroyed once.
+                unsafe {
+                    let _ = sys::cuGraphDestroy(graph);
+                }
+            }
+            return Err(e);
+        }
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: graph is the captured graph; exec receives its instantiation.
+        let inst = cu("cuGraphInstantiate", unsafe {
+            sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
+        });
+        if let Err(e) = inst {
+            // SAFETY: as above.
+            unsafe {
+                let _ = sys::cuGraphDestroy(graph);
+            }
+            return Err(e);
+        }
+        Ok(Graph { exec, graph })
+    }
+
+    /// Queues one replay of `g` on the rank's stream.
+    pub fn replay(&self, g: &Graph) -> Result<()> {
+        // SAFETY: exec is live; the graph's kernels reference self's buffers (alive).
+        cu("cuGraphLaunch", unsafe {
+            sys::cuGraphLaunch(g.exec, self.rank.stream())
+        })
+    }
+
+    /// Waits (bounded) and reads the dispatch outputs of `set`.
+    pub fn download_dispatch(&self, set: usize) -> Result<LlDispatchOutput> {
+        self.rank.wait("LL dispatch")?;
+        let s = self.set(set)?;
+        let cfg = &self.cfg;
+        let (h, l) = (cfg.hidden, cfg.local_experts());
+        let rows = LlLayout::out_rows(cfg);
+        let recv_x = if cfg.dispatch_dtype.is_fp8() {
+            let mut data = vec![0u8; rows * h];
+            let mut scales = vec![0f32; rows * (h / FP8_BLOCK)];
+            download(self.rank, s.recv_x.region(), &mut data)?;
+            download(
+                self.rank,
+                s.recv_scales.region(),
+                bytemuck::cast_slice_mut(&mut scales),
+            )?;
+            Rows::Fp8 { data, scales }
+        } else {
+            let mut v = vec![bf16::ZERO; rows * h];
+            download(self.rank, s.recv_x.region(), bytemuck::cast_slice_mut(&mut v))?;
+            Rows::Bf16(v)
+        };
+        let counts: Vec<i32> = download_vec(self.rank, s.recv_count.region(), l)?;
+        Ok(LlDispatchOutput {
+            recv_x,
+            recv_count: counts.iter().map(|&c| c.max(0) as usize).collect(),
+            handle: self.download_handle(set)?,
+        })
+    }
+
+    /// Waits and reads the combine handle of `set`'s last dispatch (the set's own buffers:
+    /// the handle never lives in caller memory).
+    fn download_handle(&self, set: usize) -> Result<LlHandle> {
+        self.rank.wait("LL dispatch handle")?;
+        let s = self.set(set)?;
+        let (l, r) = (self.cfg.local_experts(), self.cfg.ranks);
+        let rows = LlLayout::out_rows(&self.cfg);
+        let ranges: Vec<u32> = download_vec(self.rank, s.layout_range.region(), 2 * l * r)?;
+        Ok(LlHandle {
+            num_tokens: s.num_tokens,
+            layout_range: ranges.chunks(2).map(|p| (p[0], p[1])).collect(),
+            src_rank: download_vec(self.rank, s.src_rank.region(), rows)?,
+            src_token: download_vec(self.rank, s.src_token.region(), rows)?,
+            src_k: download_vec(self.rank, s.src_k.region(), rows)?,
+        })
+    }
+
+    /// Waits and reads `recv_count` of `set` (i32, as the device holds it).
+    pub fn download_counts(&self, set: usize) -> Result<Vec<i32>> {
+        self.rank.wait("LL dispatch counts")?;
+        download_vec(
+            self.rank,
+            self.set(set)?.recv_count.region(),
+            self.cfg.local_experts(),
+        )
+    }
+
+    /// Waits and reads the packed UE8M0 scale exponents of `set` (`[L, R*T, H/128]` bytes).
+    pub fn download_ue8m0(&self, set: usize) -> Result<Vec<u8>> {
+        self.rank.wait("LL dispatch scales")?;
+        let n = LlLayout::out_rows(&self.cfg) * (self.cfg.hidden / FP8_BLOCK);
+        download_vec(self.rank, self.set(set)?.recv_ue8m0.region(), n)
+    }
+
+    /// Waits and reads the combined tokens `[N, H]` of `set`.
+    pub fn download_combined(&self, set: usize) -> Result<Vec<bf16>> {
+        self.rank.wait("LL combine")?;
+        let s = self.set(set)?;
+        download_vec(self.rank, s.combined.region(), s.num_tokens * self.cfg.hidden)
+    }
+}
+
+fn upload(rank: &CudaRank, dst: DeviceRegion<'_>, src: &[u8]) -> Result<()> {
+    if src.is_empty() {
+        return Ok(());
+    }
+    let dst = dst.sub(0, src.len())?;
+    // SAFETY: dst is a live region of src.len() bytes (checked); from pageable memory the
+    // driver stages src before returning, so src may go away afterwards.
+    cu("cuMemcpyHtoDAsync", unsafe {
+        sys::cuMemcpyHtoDAsync_v2(dst.ptr, src.as_ptr() as *const c_void, src.len(), rank.stream())
+    })
+}
+
+fn download(rank: &CudaRank, src: DeviceRegion<'_>, dst: &mut [u8]) -> Result<()> {
+    if dst.is_empty() {
+        return Ok(());
+    }
+    let src = src.sub(0, dst.len())?;
+    // SAFETY: src is live for dst.len() bytes; into pageable memory the copy completes
+    // before the call returns, and the caller waited (bounded) for earlier work first.
+    cu("cuMemcpyDtoHAsync", unsafe {
+        sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr() as *mut c_void, src.ptr, dst.len(), rank.stream())
+    })?;
+    rank.wait("device-to-host copy")
+}
+
+fn download_vec<T: bytemuck::Pod + bytemuck::Zeroable>(
+    rank: &CudaRank,
+    src: DeviceRegion<'_>,
+    n: usize,
+) -> Result<Vec<T>> {
+    let mut v: Vec<T> = bytemuck::zeroed_vec(n);
+    download(rank, src, bytemuck::cast_slice_mut(&mut v))?;
+    Ok(v)
+}
+
+/// Fills every whole u32 of `bufs` with POISON, so a row the kernels do not write shows.
+fn poison(rank: &CudaRank, bufs: &[&DeviceBuffer]) -> Result<()> {
+    for b in bufs {
+        let r = b.region();
+        rank.memset_u32(r.sub(0, r.len() / 4 * 4)?, POISON)?;
+    }
+    Ok(())
+}
+
+/// Run number of each check or benchmark on this process, for its barrier and store keys
+/// (every rank runs them in the same order).
+static RUNS: AtomicU64 = AtomicU64::new(0);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(super) fn peers() -> EpConfig {
+        EpConfig::new(4, 256, 7168, 8, 128)
+    }
+
+    /// The kernel source the constants below mirror.
+    const LL_CU: &str = include_str!("../../../../../../kernels/ll/ll.cu");
+
+    /// `constexpr int NAME = VALUE` of ll.cu, wherever it sits in a declaration list.
+    pub(super) fn cu_const(name: &str) -> usize {
+        super::super::kernels::cu_const(LL_CU, "ll.cu", name)
+    }
+
+    #[test]
+    fn host_sizes_mirror_the_kernel_constants() {
+        // The device state holds kStateWords words and one op count per CTA and kind: a
+        // smaller host allocation would let the kernels write past it.
+        assert_eq!(
+            STATE_WORDS,
+            cu_const("kStateWords") + cu_const("kOpKinds") * cu_const("kMaxGrid")
+        );
+        assert_eq!(MAX_GRID as usize, cu_const("kMaxGrid"));
+        assert_eq!(SIG_KINDS, cu_const("kSigKinds"));
+        assert_eq!(STAMP_SLOTS, cu_const("kStampSlots"));
+        assert_eq!(THREADS as usize, cu_const("kThreads"));
+        assert_eq!(DISPATCH_UNIT, cu_const("kDispatchUnit"));
+    }
+
+    #[test]
+    fn lsa_base_stride_accepts_only_evenly_spaced_peers() {
+        let g = 1u64 << 32;
+        let base = 0x7f00_0000_0000u64;
+        assert_eq!(
+            lsa_base_stride(&[base, base + 2 * g, base + 4 * g]).unwrap(),
+            (base, 2)
+        );
+        assert_eq!(lsa_base_stride(&[base]).unwrap(), (base, 0));
+        for bad in [
+            vec![],
+            vec![base, base + 2 * g, base + 5 * g], // uneven
+            vec![base, base + g + 4096],            // not whole 4 GiB
+            vec![base, base - g],                   // below the base
+            vec![base, base + (1u64 << 31) * g],    // peer * stride4G overflows an int
+        ] {
+            let e = lsa_base_stride(&bad).unwrap_err().to_string();
+            assert!(e.contains("LSA peer"), "{bad:x?}: {e}");
+        }
+    }
+}
