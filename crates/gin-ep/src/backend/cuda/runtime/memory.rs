@@ -1,0 +1,464 @@
+//! Device memory of a rank: owned buffers ([`DeviceBuffer`]), borrowed views
+//! ([`DeviceRegion`]), caller-owned spans ([`ExternalSpan`]), host-mapped records
+//! ([`HostMapped`]), and the rank's copies and fills between them.
+//!
+//! Owns: every cuMemAlloc / cuMemHostAlloc of a rank and its free, and the bounds check of
+//! every region and span a kernel or copy is given. Never: decides layouts (the drivers do),
+//! or frees memory a queued kernel may still use (owners wait, or leak on error).
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext};
+
+use super::result::{cu, cu_raw};
+use super::stream::SideStreams;
+use super::CudaRank;
+use crate::error::{Error, Result};
+
+/// A non-owning view of device memory borrowed from a [`DeviceBuffer`] or [`Window`]: what
+/// the typed launches take, so a kernel never sees memory that may already be freed.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceRegion<'a> {
+    pub(crate) ptr: sys::CUdeviceptr,
+    pub(crate) bytes: usize,
+    _owner: std::marker::PhantomData<&'a ()>,
+}
+
+impl<'a> DeviceRegion<'a> {
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// True for an empty region.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// The device address, for an embedding that wraps the memory (a PyTorch tensor over a
+    /// receive slab). The address outlives this borrow's checks: the embedding keeps the
+    /// owner alive for as long as it hands the memory out.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// A sub-range, checked.
+    pub fn sub(&self, offset: usize, bytes: usize) -> Result<DeviceRegion<'a>> {
+        region(self.ptr, self.bytes, offset, bytes)
+    }
+}
+
+/// Device memory a caller owns (a PyTorch tensor's storage), checked by
+/// [`CudaRank::external`] to start and end in plain device memory of the rank's GPU. Kernels
+/// read inputs from it and write outputs into it directly (no copy through the library's
+/// buffers). The check cannot see the future: the owner keeps the memory alive until the
+/// work queued with it has finished (PyTorch's stream-ordered allocator does, as long as the
+/// tensor is referenced or was freed on the same stream).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExternalSpan {
+    pub(crate) ptr: sys::CUdeviceptr,
+    pub(crate) bytes: usize,
+}
+
+impl ExternalSpan {
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// True for an empty span (its address is never used).
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// Fails naming `what` unless the span holds at least `need` bytes.
+    pub(crate) fn require(&self, what: &str, need: usize) -> Result<()> {
+        if self.bytes < need {
+            return Err(Error::input(
+                what,
+                format!("{} bytes given, the operation needs {need}", self.bytes),
+            ));
+        }
+        Ok(())
+    }
+}
+
+pub(super) fn region<'a>(
+    base: sys::CUdeviceptr,
+    len: usize,
+    offset: usize,
+    bytes: usize,
+) -> Result<DeviceRegion<'a>> {
+    match offset.checked_add(bytes) {
+        Some(end) if end <= len => Ok(DeviceRegion {
+            ptr: base + offset as u64,
+            bytes,
+            _owner: std::marker::PhantomData,
+        }),
+        _ => Err(Error::input(
+            "device region",
+            format!("[{offset}, {offset}+{bytes}) is outside a buffer of {len} bytes"),
+        )),
+    }
+}
+
+/// Device memory from cuMemAlloc, freed on drop.
+pub struct DeviceBuffer {
+    pub(super) ptr: sys::CUdeviceptr,
+    pub(super) bytes: usize,
+    pub(super) ctx: Arc<CudaContext>,
+}
+
+impl DeviceBuffer {
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// True for an empty buffer.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// The whole buffer as a region.
+    pub fn region(&self) -> DeviceRegion<'_> {
+        DeviceRegion {
+            ptr: self.ptr,
+            bytes: self.bytes,
+            _owner: std::marker::PhantomData,
+        }
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: ptr came from malloc_sync in this context and is freed once. cuMemFree
+        // waits for work using it to finish.
+        unsafe {
+            let _ = result::free_sync(self.ptr);
+        }
+    }
+}
+
+/// Pinned host memory mapped into the device (cuMemHostAlloc DEVICEMAP): kernels write
+/// error records here, and the host reads them without a copy.
+pub(crate) struct HostMapped<T: Copy + Default> {
+    host: *mut T,
+    pub(crate) dev: sys::CUdeviceptr,
+    ctx: Arc<CudaContext>,
+}
+
+impl<T: Copy + Default> HostMapped<T> {
+    pub(super) fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
+        // SAFETY: allocates size_of::<T>() pinned bytes; we initialize them at once below
+        // and only read them as T, a plain-old-data mirror.
+        unsafe {
+            let host = cu(
+                "cuMemHostAlloc",
+                result::malloc_host(
+                    std::mem::size_of::<T>(),
+                    sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+                ),
+            )? as *mut T;
+            let mut dev = 0;
+            let got = sys::cuMemHostGetDevicePointer_v2(&mut dev, host as *mut c_void, 0);
+            let this = HostMapped {
+                host,
+                dev,
+                ctx: ctx.clone(),
+            };
+            cu_raw("cuMemHostGetDevicePointer", got)?;
+            this.write(T::default());
+            Ok(this)
+        }
+    }
+
+    /// Volatile: the device writes this memory behind the compiler's back.
+    pub(crate) fn read(&self) -> T {
+        // SAFETY: host points to a live, initialized, aligned T.
+        unsafe { std::ptr::read_volatile(self.host) }
+    }
+
+    /// The first `n` elements of a `T` that is an array of `E` (volatile, one by one): a
+    /// reader that needs a few words of a large mirror need not copy all of it.
+    pub(crate) fn read_prefix<E: Copy>(&self, n: usize) -> Vec<E> {
+        assert!(
+            n * std::mem::size_of::<E>() <= std::mem::size_of::<T>()
+                && std::mem::align_of::<E>() <= std::mem::align_of::<T>(),
+            "read_prefix: {n} elements do not fit the mirror"
+        );
+        let base = self.host as *const E;
+        // SAFETY: host points to a live, initialized T of at least n E's (checked above),
+        // aligned for E; the device writes it behind the compiler's back, hence volatile.
+        (0..n)
+            .map(|i| unsafe { std::ptr::read_volatile(base.add(i)) })
+            .collect()
+    }
+
+    pub(crate) fn write(&self, v: T) {
+        // SAFETY: as in read; callers write only while no kernel using it runs.
+        unsafe { std::ptr::write_volatile(self.host, v) }
+    }
+}
+
+impl<T: Copy + Default> Drop for HostMapped<T> {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: host came from malloc_host and is freed once.
+        unsafe {
+            let _ = result::free_host(self.host as *mut c_void);
+        }
+    }
+}
+
+impl CudaRank {
+    /// Copies `bytes` from device address `src` to device address `dst` on the stream (not
+    /// waited for).
+    ///
+    /// # Safety
+    /// Both ranges must be live device memory of this context (or peer-accessible) for
+    /// `bytes` until the copy completes, and must not overlap.
+    pub unsafe fn copy_raw(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.copy_raw_on(None, dst, src, bytes) }
+    }
+
+    /// [`CudaRank::copy_raw`] on side stream `i` of `side` (`Some((side, i))`, made by this
+    /// rank) or on the rank's stream (`None`).
+    ///
+    /// # Safety
+    /// As [`CudaRank::copy_raw`]; `dst` and `src` may be UVA addresses of peer memory mapped
+    /// into this process.
+    pub(crate) unsafe fn copy_raw_on(
+        &self,
+        side: Option<(&SideStreams, usize)>,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    ) -> Result<()> {
+        let stream = match side {
+            None => self.stream(),
+            Some((s, i)) => {
+                self.check_side(s)?;
+                *s.streams
+                    .get(i)
+                    .ok_or_else(|| Error::input("side stream", format!("index {i} of {} streams", s.len())))?
+            }
+        };
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract; stream is live (ours, or side's, which we checked
+        // belongs to this context).
+        cu("cuMemcpyDtoDAsync", unsafe {
+            result::memcpy_dtod_async(dst, src, bytes, stream)
+        })
+    }
+
+    /// Checks that `[ptr, ptr + bytes)` starts and ends in device memory of this rank's GPU
+    /// (not host memory, not managed memory) and returns it as a span kernels may use.
+    /// `bytes == 0` is accepted with any address (an empty tensor), which is never used.
+    pub fn external(&self, what: &str, ptr: u64, bytes: usize) -> Result<ExternalSpan> {
+        if bytes == 0 {
+            return Ok(ExternalSpan { ptr: 0, bytes: 0 });
+        }
+        let last = ptr
+            .checked_add(bytes as u64 - 1)
+            .ok_or_else(|| Error::input(what, format!("address {ptr:#x} + {bytes} bytes overflows")))?;
+        // One driver query in the common case: the span ends inside the allocation it starts
+        // in. Otherwise (e.g. PyTorch's expandable segments, mapped in pieces) the last byte
+        // is checked on its own.
+        let (start, size) = self.check_device_address(what, ptr)?;
+        if last >= start.saturating_add(size) {
+            self.check_device_address(what, last)?;
+        }
+        Ok(ExternalSpan { ptr, bytes })
+    }
+
+    /// Checks that `addr` is device memory of this GPU, not managed; returns the start and
+    /// size of the allocation (mapping) it lies in.
+    fn check_device_address(&self, what: &str, addr: u64) -> Result<(u64, u64)> {
+        use sys::CUpointer_attribute as A;
+        let mut mem_type: u32 = 0;
+        let mut ordinal: i32 = -1;
+        let mut managed: i32 = 0;
+        let mut start: u64 = 0;
+        let mut size: usize = 0;
+        let mut attrs = [
+            A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            A::CU_POINTER_ATTRIBUTE_IS_MANAGED,
+            A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+            A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+        ];
+        let mut data: [*mut c_void; 5] = [
+            (&mut mem_type as *mut u32).cast(),
+            (&mut ordinal as *mut i32).cast(),
+            (&mut managed as *mut i32).cast(),
+            (&mut start as *mut u64).cast(),
+            (&mut size as *mut usize).cast(),
+        ];
+        // SAFETY: five attributes, each with an out-location of the size the driver writes
+        // (MEMORY_TYPE: a CUmemorytype enum = u32, DEVICE_ORDINAL: int, IS_MANAGED: a bool
+        // written as an int, RANGE_START_ADDR: CUdeviceptr = u64, RANGE_SIZE: size_t); the
+        // address is only looked up, never dereferenced.
+        let r = unsafe { sys::cuPointerGetAttributes(5, attrs.as_mut_ptr(), data.as_mut_ptr(), addr) };
+        let device = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32;
+        if r != sys::CUresult::CUDA_SUCCESS || mem_type != device {
+            return Err(Error::input(
+                what,
+                format!("address {addr:#x} is not CUDA device memory ({r:?}, memory type {mem_type})"),
+            ));
+        }
+        if managed != 0 {
+            return Err(Error::input(what, format!("address {addr:#x} is managed memory")));
+        }
+        if ordinal != self.info.device as i32 {
+            return Err(Error::input(
+                what,
+                format!(
+                    "address {addr:#x} is on GPU {ordinal}, this rank runs on GPU {}",
+                    self.info.device
+                ),
+            ));
+        }
+        // A range the driver does not report (size 0) only means the last byte gets its own
+        // query.
+        Ok((start, size as u64))
+    }
+
+    /// Copies the caller's `src` (all of it) into the start of `dst`, on the stream.
+    pub fn copy_from_external(&self, dst: DeviceRegion<'_>, src: ExternalSpan) -> Result<()> {
+        let dst = dst.sub(0, src.bytes)?;
+        // SAFETY: dst is live and holds src.bytes (checked); src was checked to be device
+        // memory of this GPU by `external`, its owner keeps it alive until the copy is done.
+        unsafe { self.copy_raw(dst.ptr, src.ptr, src.bytes) }
+    }
+
+    /// Copies the first `dst.len()` bytes of `src` into the caller's `dst`, on the stream.
+    pub fn copy_to_external(&self, src: DeviceRegion<'_>, dst: ExternalSpan) -> Result<()> {
+        let src = src.sub(0, dst.bytes)?;
+        // SAFETY: as copy_from_external, the other way round.
+        unsafe { self.copy_raw(dst.ptr, src.ptr, dst.bytes) }
+    }
+
+    /// Allocates `bytes` of device memory.
+    pub fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
+        if bytes == 0 {
+            return Err(Error::input("device buffer", "size 0"));
+        }
+        // SAFETY: the memory is uninitialized bytes, which is all a DeviceBuffer promises.
+        let ptr = cu("cuMemAlloc", unsafe { result::malloc_sync(bytes) })?;
+        Ok(DeviceBuffer {
+            ptr,
+            bytes,
+            ctx: self.ctx.clone(),
+        })
+    }
+
+    /// Pinned host memory the kernels can write (host-mapped), initialized to `T::default()`.
+    pub(crate) fn host_mapped<T: Copy + Default>(&self) -> Result<HostMapped<T>> {
+        HostMapped::new(&self.ctx)
+    }
+
+    /// Copies `src` into device memory `dst` (same length). Waits (bounded) for the stream
+    /// to be idle first, so the copy from pageable memory cannot block behind a kernel, and
+    /// again after it.
+    pub fn upload(&self, dst: DeviceRegion<'_>, src: &[u8]) -> Result<()> {
+        if src.len() != dst.bytes {
+            return Err(Error::input(
+                "upload",
+                format!("{} bytes into a region of {}", src.len(), dst.bytes),
+            ));
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.wait("before upload")?;
+        // SAFETY: dst is a live region of src.len() bytes; src is a live host slice that
+        // outlives the copy (we wait for it below).
+        let r = unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst.ptr, src.as_ptr() as *const c_void, src.len(), self.stream())
+        };
+        cu_raw("cuMemcpyHtoDAsync", r)?;
+        self.wait("upload")
+    }
+
+    /// Copies device memory `src` into `dst` (same length), waiting (bounded) before and after.
+    pub fn download(&self, src: DeviceRegion<'_>, dst: &mut [u8]) -> Result<()> {
+        if dst.len() != src.bytes {
+            return Err(Error::input(
+                "download",
+                format!("{} bytes from a region of {}", dst.len(), src.bytes),
+            ));
+        }
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.wait("before download")?;
+        // SAFETY: src is a live region of dst.len() bytes; dst is a live, writable host
+        // slice that outlives the copy (we wait for it below).
+        let r = unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr() as *mut c_void, src.ptr, dst.len(), self.stream())
+        };
+        cu_raw("cuMemcpyDtoHAsync", r)?;
+        self.wait("download")
+    }
+
+    /// Fills `r` with the byte `value` (on the stream, not waited for).
+    pub fn memset_u8(&self, r: DeviceRegion<'_>, value: u8) -> Result<()> {
+        if r.bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: r is a live region of r.bytes bytes.
+        cu_raw("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(r.ptr, value, r.bytes, self.stream())
+        })
+    }
+
+    /// Fills `r` with the 32-bit `value` (r.len() must be a multiple of 4).
+    pub fn memset_u32(&self, r: DeviceRegion<'_>, value: u32) -> Result<()> {
+        if !r.bytes.is_multiple_of(4) {
+            return Err(Error::input("memset_u32", "length not a multiple of 4"));
+        }
+        // SAFETY: r is a live region of r.bytes bytes.
+        let res = unsafe { sys::cuMemsetD32Async(r.ptr, value, r.bytes / 4, self.stream()) };
+        if res != sys::CUresult::CUDA_SUCCESS {
+            // Say which context is current: a region of another context (or a thread
+            // bound to the wrong one) is the usual cause of INVALID_VALUE here.
+            let mut cur: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: writes one handle.
+            unsafe { sys::cuCtxGetCurrent(&mut cur) };
+            return Err(Error::Device {
+                call: "cuMemsetD32Async".into(),
+                reason: format!(
+                    "{res:?} (ptr {:#x}, {} bytes, current context {:?}, rank context {:?})",
+                    r.ptr,
+                    r.bytes,
+                    cur,
+                    self.ctx.cu_ctx()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Copies the first two u64 of `src` to the host, waiting (bounded). The copy lands in
+    /// pinned memory this rank owns, so a copy still pending after a timeout writes into
+    /// memory that is still ours.
+    pub fn read_u64_pair(&self, src: DeviceRegion<'_>) -> Result<[u64; 2]> {
+        let bytes = std::mem::size_of::<[u64; 2]>();
+        if bytes > src.bytes {
+            return Err(Error::input("read_u64_pair", "region too small"));
+        }
+        // SAFETY: staging.host is pinned memory of `bytes` owned by self; src is live.
+        let r = unsafe {
+            sys::cuMemcpyDtoHAsync_v2(self.staging.host as *mut c_void, src.ptr, bytes, self.stream())
+        };
+        cu_raw("cuMemcpyDtoHAsync", r)?;
+        self.wait("device-to-host copy")?;
+        Ok(self.staging.read())
+    }
+}

@@ -1,0 +1,552 @@
+//! The rank ([`CudaRank`]): one process per GPU, its context, stream, embedded kernels,
+//! host-mapped error record and NCCL communicator, and the typed kernel launches.
+//!
+//! Owns: setting all of that up (every missing piece an `Error::Unavailable` naming it) and
+//! tearing it down in order. Memory, windows and streams of a rank are in the sibling
+//! modules. Never: decides buffer layouts or which kernel runs.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{result, sys, CudaContext};
+use gin_ep_sys as ns;
+
+use super::comm::Comm;
+use super::memory::{DeviceBuffer, HostMapped};
+use super::result::{cu, cu_raw, nccl_ok, unavailable};
+use super::stream::Event;
+use crate::backend::cuda::kernels::FabricError;
+use crate::backend::cuda::{driver, kernels_fatbin, kernels_for};
+use crate::error::{Error, Result};
+use crate::group::Group;
+
+/// Settings of a [`CudaRank`].
+#[derive(Clone, Copy, Debug)]
+pub struct CudaRankOptions {
+    /// Deadline of every host wait on the stream.
+    pub host_timeout: Duration,
+    /// Deadline of every in-kernel wait on a peer.
+    pub kernel_timeout: Duration,
+}
+
+impl CudaRankOptions {
+    /// Host waits get `timeout`, in-kernel waits half of it: a stuck peer is then reported
+    /// by the kernel's deadline (naming phase and peer) before the host gives up.
+    pub fn with_timeout(timeout: Duration) -> Self {
+        CudaRankOptions {
+            host_timeout: timeout,
+            kernel_timeout: timeout / 2,
+        }
+    }
+}
+
+impl Default for CudaRankOptions {
+    fn default() -> Self {
+        CudaRankOptions {
+            host_timeout: Duration::from_secs(60),
+            kernel_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Facts about a rank's GPU and NCCL, for reports.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RankInfo {
+    pub rank: usize,
+    pub world: usize,
+    pub device: usize,
+    pub device_name: String,
+    pub sm_count: u32,
+    pub driver_version: i32,
+    /// ncclGetVersion of the loaded library (22809 = 2.28.9).
+    pub nccl_version: i32,
+    /// Where NCCL was loaded from.
+    pub nccl_source: String,
+}
+
+/// Median of a copy-engine peer copy.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct PeerCopy {
+    pub src_device: usize,
+    pub dst_device: usize,
+    pub bytes: usize,
+    pub time_us: f64,
+    /// bytes / time, in GB/s (1e9 bytes per second).
+    pub gbps: f64,
+}
+
+/// One rank of a multi-process CUDA job: device `LOCAL_RANK`, a non-blocking stream, the
+/// embedded kernels, and an NCCL communicator over the group.
+pub struct CudaRank {
+    pub(super) fabric_err: HostMapped<FabricError>,
+    pub(super) staging: HostMapped<[u64; 2]>,
+    pub(super) functions: RefCell<HashMap<&'static str, sys::CUfunction>>,
+    pub(super) module: sys::CUmodule,
+    pub(super) stream: sys::CUstream,
+    /// A stream of the embedding framework used instead of `stream` ([`CudaRank::set_stream`]).
+    pub(super) external_stream: Cell<Option<sys::CUstream>>,
+    pub(super) comm: Rc<Comm>,
+    pub(super) ctx: Arc<CudaContext>,
+    pub(super) info: RankInfo,
+    pub(super) opts: CudaRankOptions,
+    /// Launch counter for the deadline barriers (`epoch` of kernels/common/fabric.cuh).
+    pub(super) epoch: Cell<u64>,
+}
+
+/// Process-wide count of communicators made, so each gets its own unique-id store key
+/// (every rank makes them in the same order).
+static COMMS_MADE: AtomicU64 = AtomicU64::new(0);
+
+impl CudaRank {
+    /// Sets up the rank: driver, GPU `group.local_rank()`, kernels, NCCL (checked against
+    /// the kernels' headers), and `ncclCommInitRank` with a unique id rank 0 publishes in
+    /// the group's store. Every missing piece is an `Error::Unavailable` naming it.
+    pub fn new(group: &Group, opts: CudaRankOptions) -> Result<CudaRank> {
+        Self::on_device(group, group.local_rank(), opts)
+    }
+
+    /// As [`CudaRank::new`] on GPU `device` instead of `group.local_rank()` (a framework
+    /// that chose the device itself, e.g. `torch.cuda.current_device()`). The context is
+    /// the device's primary context, the one the CUDA runtime (and PyTorch) uses.
+    pub fn on_device(group: &Group, device: usize, opts: CudaRankOptions) -> Result<CudaRank> {
+        let drv = driver::probe().map_err(unavailable)?;
+        // Kernels of some NCCL must be embedded at all; which set is chosen once NCCL is loaded.
+        kernels_fatbin().map_err(unavailable)?;
+        let nccl =
+            Arc::new(ns::Nccl::load().map_err(|e| {
+                unavailable(format!("{e} (set {}=<path to libnccl.so.2>)", ns::NCCL_LIB_ENV))
+            })?);
+        let mut version = 0;
+        // SAFETY: writes one int.
+        nccl_ok(&nccl, std::ptr::null_mut(), "ncclGetVersion", unsafe {
+            (nccl.ncclGetVersion)(&mut version)
+        })?;
+        // The kernels built against this NCCL's minor; any other NCCL is refused here.
+        let (fatbin, _) = kernels_for(version, &format!("{:?}", nccl.source)).map_err(unavailable)?;
+        if nccl.ncclCommWindowRegister.is_none()
+            || nccl.ncclDevCommCreate.is_none()
+            || nccl.ncclCommWindowDeregister.is_none()
+            || nccl.ncclDevCommDestroy.is_none()
+        {
+            return Err(unavailable(format!(
+                "NCCL {version} lacks the Device API (ncclCommWindowRegister/ncclDevCommCreate); \
+                 need 2.28 (set {})",
+                ns::NCCL_LIB_ENV
+            )));
+        }
+        if device >= drv.device_count as usize {
+            return Err(unavailable(format!(
+                "device {device} (LOCAL_RANK or the caller's choice) but the driver sees {} GPU(s)",
+                drv.device_count
+            )));
+        }
+        let ctx = cu("cuCtx (primary context)", CudaContext::new(device))?;
+        let stream = cu(
+            "cuStreamCreate",
+            result::stream::create(result::stream::StreamKind::NonBlocking),
+        )?;
+        // From here on a failure must release what was made; build owners step by step.
+        let module = {
+            // SAFETY: the fatbin is a complete image embedded at build time and aligned.
+            match unsafe { result::module::load_data(fatbin.as_ptr() as *const c_void) } {
+                Ok(m) => m,
+                Err(e) => {
+                    // SAFETY: stream is live and unused.
+                    unsafe {
+                        let _ = result::stream::destroy(stream);
+                    }
+                    return Err(unavailable(format!(
+                        "cuModuleLoadData of the embedded kernels failed: {e:?} \
+                         (GPU {} may be older than sm_90)",
+                        device
+                    )));
+                }
+            }
+        };
+        let guard = PartialRank {
+            stream,
+            module,
+            ctx: ctx.clone(),
+        };
+        let fabric_err = HostMapped::<FabricError>::new(&ctx)?;
+        let staging = HostMapped::<[u64; 2]>::new(&ctx)?;
+
+        // Unique id through the store: rank 0 creates, everyone reads.
+        let n = COMMS_MADE.fetch_add(1, Ordering::Relaxed);
+        let key = group.key(&format!("cuda/nccl-unique-id/{n}"));
+        let mut id = ns::ncclUniqueId::default();
+        if group.rank() == 0 {
+            // SAFETY: writes one ncclUniqueId.
+            nccl_ok(&nccl, std::ptr::null_mut(), "ncclGetUniqueId", unsafe {
+                (nccl.ncclGetUniqueId)(&mut id)
+            })?;
+            let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
+            group.store().set(&key, &bytes)?;
+        } else {
+            let bytes = group.store().get(&key, group.timeout())?;
+            if bytes.len() != ns::NCCL_UNIQUE_ID_BYTES {
+                return Err(Error::Bootstrap(format!(
+                    "store key `{key}` holds {} bytes, not an ncclUniqueId",
+                    bytes.len()
+                )));
+            }
+            for (d, s) in id.internal.iter_mut().zip(bytes) {
+                *d = s as std::ffi::c_char;
+            }
+        }
+        let mut raw: ns::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: the context of `device` is current on this thread (CudaContext::new binds
+        // it), so NCCL's runtime calls use it; raw receives the communicator.
+        let r = unsafe { (nccl.ncclCommInitRank)(&mut raw, group.world() as i32, id, group.rank() as i32) };
+        nccl_ok(&nccl, std::ptr::null_mut(), "ncclCommInitRank", r)?;
+        let comm = Rc::new(Comm {
+            raw,
+            failed: AtomicBool::new(false),
+            nccl: nccl.clone(),
+            ctx: ctx.clone(),
+        });
+
+        let sm_count = cu(
+            "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)",
+            ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+        )? as u32;
+        let info = RankInfo {
+            rank: group.rank(),
+            world: group.world(),
+            device,
+            device_name: ctx.name().unwrap_or_else(|_| "unknown GPU".into()),
+            sm_count,
+            driver_version: drv.version,
+            nccl_version: version,
+            nccl_source: format!("{:?}", nccl.source),
+        };
+        let (stream, module) = guard.defuse();
+        Ok(CudaRank {
+            fabric_err,
+            staging,
+            functions: RefCell::new(HashMap::new()),
+            module,
+            stream,
+            external_stream: Cell::new(None),
+            comm,
+            ctx,
+            info,
+            opts,
+            epoch: Cell::new(0),
+        })
+    }
+
+    /// Device, NCCL and group facts.
+    pub fn info(&self) -> &RankInfo {
+        &self.info
+    }
+
+    /// The deadlines in use.
+    pub fn options(&self) -> CudaRankOptions {
+        self.opts
+    }
+
+    /// The communicator (to mark it failed, or for windows).
+    pub fn comm(&self) -> &Rc<Comm> {
+        &self.comm
+    }
+
+    pub(crate) fn nccl(&self) -> &ns::Nccl {
+        &self.comm.nccl
+    }
+
+    pub(crate) fn raw_comm(&self) -> ns::ncclComm_t {
+        self.comm.raw
+    }
+
+    /// An NCCL status of a call on this rank's communicator as a typed error (marks the
+    /// communicator failed).
+    pub(crate) fn comm_check(&self, call: &str, r: ns::ncclResult_t) -> Result<()> {
+        self.comm.check(call, r)
+    }
+
+    pub(crate) fn fabric_err_dev(&self) -> sys::CUdeviceptr {
+        self.fabric_err.dev
+    }
+
+    /// Next barrier epoch; the same sequence on every rank as long as every rank launches
+    /// the same barrier kernels in the same order.
+    pub(crate) fn next_epoch(&self) -> u64 {
+        let e = self.epoch.get();
+        self.epoch.set(e + 1);
+        e
+    }
+
+    /// The kernel `name` of the embedded module.
+    pub(crate) fn function(&self, name: &'static str) -> Result<sys::CUfunction> {
+        if let Some(f) = self.functions.borrow().get(name) {
+            return Ok(*f);
+        }
+        let cname = CString::new(name).map_err(|_| Error::input("kernel name", name))?;
+        // SAFETY: module is live for as long as self, and so is the function handle.
+        let f = unsafe { result::module::get_function(self.module, cname) }.map_err(|e| {
+            unavailable(format!(
+                "kernel `{name}` is not in the embedded fatbin ({e:?}); rebuild gin-ep"
+            ))
+        })?;
+        self.functions.borrow_mut().insert(name, f);
+        Ok(f)
+    }
+
+    /// Launches `name` with one by-value struct parameter.
+    ///
+    /// # Safety
+    /// `args` must be the exact host mirror of the kernel's parameter, and every pointer in
+    /// it must stay valid (and be of the right size) until the kernel ends.
+    pub(crate) unsafe fn launch<A: Copy>(
+        &self,
+        name: &'static str,
+        grid: u32,
+        block: u32,
+        args: &A,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.launch_smem(name, grid, block, 0, args) }
+    }
+
+    /// [`CudaRank::launch`] with `smem` bytes of dynamic shared memory (above 48 KiB the
+    /// caller must have raised the function's ceiling, see [`CudaRank::set_max_smem`]).
+    ///
+    /// # Safety
+    /// As [`CudaRank::launch`].
+    pub(crate) unsafe fn launch_smem<A: Copy>(
+        &self,
+        name: &'static str,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        args: &A,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.launch_ex(name, grid, block, smem, false, args) }
+    }
+
+    /// [`CudaRank::launch_smem`], with `pdl`: programmatic stream serialization, i.e. the
+    /// kernel may start before the previous kernel on the stream has finished (the kernel
+    /// must run `griddepcontrol.wait` before touching anything that kernel wrote).
+    ///
+    /// # Safety
+    /// As [`CudaRank::launch`]; with `pdl`, the kernel must wait as said above.
+    pub(crate) unsafe fn launch_ex<A: Copy>(
+        &self,
+        name: &'static str,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        pdl: bool,
+        args: &A,
+    ) -> Result<()> {
+        let f = self.function(name)?;
+        let mut params = [args as *const A as *mut c_void];
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue { pad: [0; 64] },
+        };
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: self.stream(),
+            attrs: &mut attr,
+            // Without `pdl` the attribute is not passed: a plain stream-ordered launch.
+            numAttrs: u32::from(pdl),
+        };
+        // SAFETY: the caller's contract; `config`, `attr` and `params` live across the call,
+        // and cuLaunchKernelEx copies the parameter bytes before returning, so `args` may go
+        // out of scope afterwards.
+        let r = unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) };
+        cu_raw(name, r)
+    }
+
+    /// Raises `name`'s dynamic shared memory ceiling to `bytes`.
+    pub(crate) fn set_max_smem(&self, name: &'static str, bytes: u32) -> Result<()> {
+        let f = self.function(name)?;
+        // SAFETY: f is a live function of the rank's module; the attribute only raises the
+        // dynamic shared memory ceiling.
+        cu("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
+            result::function::set_function_attribute(
+                f,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+        })
+    }
+
+    /// Copy-engine bandwidth from this rank's GPU to GPU `dst_device` (cuMemcpyPeerAsync
+    /// between the two primary contexts with peer access enabled): median of `iters` copies
+    /// of `bytes`, after one warmup copy. Uses `2 * bytes` of device memory (one buffer per
+    /// GPU) for the duration of the call.
+    pub fn peer_copy(&self, dst_device: usize, bytes: usize, iters: usize) -> Result<PeerCopy> {
+        if dst_device == self.info.device || iters == 0 || bytes == 0 {
+            return Err(Error::input(
+                "peer copy",
+                "needs another GPU, bytes > 0 and iters > 0",
+            ));
+        }
+        let peer_ctx = cu("cuCtx (peer primary context)", CudaContext::new(dst_device))?;
+        let out = (|| {
+            cu("cuCtxSetCurrent", self.ctx.bind_to_thread())?;
+            let mut can = 0;
+            // SAFETY: two valid device handles, one out-int.
+            cu_raw("cuDeviceCanAccessPeer", unsafe {
+                sys::cuDeviceCanAccessPeer(&mut can, self.ctx.cu_device(), peer_ctx.cu_device())
+            })?;
+            if can == 0 {
+                return Err(unavailable(format!(
+                    "GPU {} cannot access GPU {dst_device} as a peer",
+                    self.info.device
+                )));
+            }
+            // SAFETY: enables access from the current context (ours) to the peer's.
+            let r = unsafe { sys::cuCtxEnablePeerAccess(peer_ctx.cu_ctx(), 0) };
+            // Access that was already on (NCCL may rely on it) must stay on afterwards.
+            let we_enabled = r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED;
+            if we_enabled {
+                cu_raw("cuCtxEnablePeerAccess", r)?;
+            }
+            let dst = {
+                cu("cuCtxSetCurrent", peer_ctx.bind_to_thread())?;
+                // SAFETY: plain allocation in the peer context.
+                let p = cu("cuMemAlloc(peer)", unsafe { result::malloc_sync(bytes) });
+                cu("cuCtxSetCurrent", self.ctx.bind_to_thread())?;
+                DeviceBuffer {
+                    ptr: p?,
+                    bytes,
+                    ctx: peer_ctx.clone(),
+                }
+            };
+            let src = self.alloc(bytes)?;
+            let events: Vec<Event> = (0..=iters + 1).map(|_| self.event()).collect::<Result<_>>()?;
+            self.record(&events[0])?;
+            for ev in &events[1..] {
+                // SAFETY: both buffers are live for bytes; they outlive the wait below.
+                cu("cuMemcpyPeerAsync", unsafe {
+                    result::memcpy_peer_async(
+                        peer_ctx.cu_ctx(),
+                        dst.ptr,
+                        self.ctx.cu_ctx(),
+                        src.ptr,
+                        bytes,
+                        self.stream(),
+                    )
+                })?;
+                self.record(ev)?;
+            }
+            self.wait("peer copy")?;
+            let mut times = Vec::with_capacity(iters);
+            for w in events[1..].windows(2) {
+                times.push(f64::from(w[0].elapsed_ms(&w[1])?) * 1e3);
+            }
+            let time_us = median(&mut times);
+            if we_enabled {
+                // SAFETY: disables what we enabled; the copies are complete.
+                unsafe {
+                    let _ = sys::cuCtxDisablePeerAccess(peer_ctx.cu_ctx());
+                }
+            }
+            Ok(PeerCopy {
+                src_device: self.info.device,
+                dst_device,
+                bytes,
+                time_us,
+                gbps: bytes as f64 / (time_us * 1e3),
+            })
+        })();
+        // Dropping the peer context (and the peer buffer inside the closure) binds it to
+        // this thread; every later call of this rank expects its own context current.
+        drop(peer_ctx);
+        let _ = self.ctx.bind_to_thread();
+        out
+    }
+}
+
+impl Drop for CudaRank {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // Work still queued may use memory freed below; wait for it (bounded), and abort the
+        // communicator rather than finalize if it does not finish.
+        if self.wait("teardown").is_err() {
+            self.comm.mark_failed();
+        }
+        if self.comm.failed.load(Ordering::Relaxed) {
+            // Something may still run on the stream (a stuck NCCL kernel): unloading its
+            // module or destroying its stream could block; the abort of the communicator
+            // (dropped next) and the end of the process reclaim them.
+            return;
+        }
+        // SAFETY: module and stream are live and released once; no kernel is pending, or
+        // we gave up on it above (then the context's teardown reclaims them).
+        unsafe {
+            let _ = result::module::unload(self.module);
+            let _ = result::stream::destroy(self.stream);
+        }
+    }
+}
+
+/// Releases the stream and module when `CudaRank::new` fails half-way.
+struct PartialRank {
+    stream: sys::CUstream,
+    module: sys::CUmodule,
+    ctx: Arc<CudaContext>,
+}
+
+impl PartialRank {
+    fn defuse(self) -> (sys::CUstream, sys::CUmodule) {
+        let out = (self.stream, self.module);
+        std::mem::forget(self);
+        out
+    }
+}
+
+impl Drop for PartialRank {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: both are live and unused (construction failed before any launch).
+        unsafe {
+            let _ = result::module::unload(self.module);
+            let _ = result::stream::destroy(self.stream);
+        }
+    }
+}
+
+/// Median of `v` (sorted in place); 0 for an empty slice.
+pub fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_even_and_odd_counts() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(&mut []), 0.0);
+    }
+}
