@@ -22,16 +22,10 @@ use std::time::Instant;
 use cudarc::driver::sys;
 use gin_ep_sys::fdpass::{send, FdListener};
 
+use super::runtime::result::cu_raw;
 use super::runtime::{CudaRank, Window};
 use crate::error::{Error, Result};
 use crate::group::Group;
-
-fn cu(call: &str, r: sys::CUresult) -> Result<()> {
-    r.result().map_err(|e| Error::Device {
-        call: call.to_string(),
-        reason: format!("{e:?}"),
-    })
-}
 
 /// One peer window mapped into this process.
 struct Mapping {
@@ -98,13 +92,13 @@ pub fn map_node_windows(
     let ptr = window.region(0, window.len())?.ptr;
     let (mut alloc_base, mut alloc_size) = (0 as sys::CUdeviceptr, 0usize);
     // SAFETY: writes two values; ptr is device memory of the current context (the window).
-    cu("cuMemGetAddressRange", unsafe {
+    cu_raw("cuMemGetAddressRange", unsafe {
         sys::cuMemGetAddressRange_v2(&mut alloc_base, &mut alloc_size, ptr)
     })?;
     let mut h: sys::CUmemGenericAllocationHandle = 0;
     // SAFETY: alloc_base is the start of a cuMem allocation (ncclMemAlloc); retaining adds
     // one reference we release below.
-    cu("cuMemRetainAllocationHandle", unsafe {
+    cu_raw("cuMemRetainAllocationHandle", unsafe {
         sys::cuMemRetainAllocationHandle(&mut h, alloc_base as *mut c_void)
     })?;
     let mut raw_fd: i32 = -1;
@@ -121,7 +115,7 @@ pub fn map_node_windows(
     unsafe {
         let _ = sys::cuMemRelease(h);
     }
-    cu(
+    cu_raw(
         "cuMemExportToShareableHandle(POSIX fd) of the window (was it made by ncclMemAlloc?)",
         exported,
     )?;
@@ -169,7 +163,7 @@ pub fn map_node_windows(
         let mut ph: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: the fd is a cuMem POSIX-fd export we received; the driver reads it (the
         // handle type says the pointer argument carries the fd value) and we keep owning it.
-        cu("cuMemImportFromShareableHandle", unsafe {
+        cu_raw("cuMemImportFromShareableHandle", unsafe {
             sys::cuMemImportFromShareableHandle(
                 &mut ph,
                 peer_fd.as_raw_fd() as usize as *mut c_void,
@@ -178,7 +172,7 @@ pub fn map_node_windows(
         })?;
         let mut va: sys::CUdeviceptr = 0;
         // SAFETY: reserves a fresh range; on failure the handle is released.
-        if let Err(e) = cu("cuMemAddressReserve", unsafe {
+        if let Err(e) = cu_raw("cuMemAddressReserve", unsafe {
             sys::cuMemAddressReserve(&mut va, bytes, 0, 0, 0)
         }) {
             // SAFETY: ph was imported above and is not mapped.
@@ -193,7 +187,7 @@ pub fn map_node_windows(
             handle: ph,
         };
         // SAFETY: maps the whole imported allocation into the range just reserved for it.
-        cu("cuMemMap", unsafe { sys::cuMemMap(va, bytes, 0, ph, 0) })?;
+        cu_raw("cuMemMap", unsafe { sys::cuMemMap(va, bytes, 0, ph, 0) })?;
         let access = sys::CUmemAccessDesc {
             location: sys::CUmemLocation {
                 type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
@@ -202,7 +196,7 @@ pub fn map_node_windows(
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         // SAFETY: the range is mapped; one descriptor for this rank's GPU.
-        cu("cuMemSetAccess", unsafe {
+        cu_raw("cuMemSetAccess", unsafe {
             sys::cuMemSetAccess(va, bytes, &access, 1)
         })?;
         bases[src] = va + off;

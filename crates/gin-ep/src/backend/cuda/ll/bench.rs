@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::stamps::{eager_split, phase_values, StampMode, DISPATCH_PHASES, PHASES};
-use super::{download_vec, CudaLl, LlLayout, LlVariant, RUNS, SETS, STAMP_SLOTS, THREADS};
+use super::{CudaLl, LlLayout, LlVariant, RUNS, SETS, STAMP_SLOTS, THREADS};
 use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions, DeviceBuffer, Event};
 use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
 use crate::config::DispatchDtype;
@@ -168,7 +168,10 @@ impl StampRows {
     /// Waits for the kernels and brings every row to the host. On an error the kernels may
     /// still write the stamps, so the buffer is left to the process's end.
     fn download(self, ll: &CudaLl<'_>) -> Result<Vec<u64>> {
-        match download_vec(ll.rank, self.buf.region(), self.iters * self.per) {
+        match ll
+            .rank
+            .download_prefix_vec(self.buf.region(), self.iters * self.per)
+        {
             Ok(v) => Ok(v),
             Err(e) => {
                 self.abandon();

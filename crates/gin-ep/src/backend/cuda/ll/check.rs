@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use half::bf16;
 
-use super::{download_vec, poison, upload, CudaLl, LlIo, LlLayout, LlVariant, RUNS, SETS};
+use super::{poison, CudaLl, LlIo, LlLayout, LlVariant, RUNS, SETS};
 use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions, DeviceBuffer};
 use crate::check::Case;
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
@@ -165,10 +165,10 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl<'_>, case: &Case, run: u64) ->
     let range = alloc(l * r * 8)?;
     let stats = alloc(l * 4)?;
     let combined = alloc(n * h * 2)?;
-    upload(rank, x.region(), bytemuck::cast_slice(&ins[me].x))?;
-    upload(rank, idx.region(), bytemuck::cast_slice(&ins[me].topk_idx))?;
-    upload(rank, wts.region(), bytemuck::cast_slice(&ins[me].topk_weights))?;
-    upload(rank, y.region(), bytemuck::cast_slice(&want.y_mine))?;
+    rank.upload_prefix(x.region(), bytemuck::cast_slice(&ins[me].x))?;
+    rank.upload_prefix(idx.region(), bytemuck::cast_slice(&ins[me].topk_idx))?;
+    rank.upload_prefix(wts.region(), bytemuck::cast_slice(&ins[me].topk_weights))?;
+    rank.upload_prefix(y.region(), bytemuck::cast_slice(&want.y_mine))?;
     poison(rank, &[&recv_x, &scales, &count, &range, &combined])?;
     rank.memset_u32(stats.region().sub(0, l * 4)?, 0)?;
     let span = |what: &str, b: &DeviceBuffer| {
@@ -206,8 +206,8 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl<'_>, case: &Case, run: u64) ->
 
     // The handle stays in the set's own buffers; the rest comes from the caller's memory.
     let recv_rows = if fp8 {
-        let data: Vec<u8> = download_vec(rank, recv_x.region(), rows * h)?;
-        let cm: Vec<f32> = download_vec(rank, scales.region(), rows * spr)?;
+        let data: Vec<u8> = rank.download_prefix_vec(recv_x.region(), rows * h)?;
+        let cm: Vec<f32> = rank.download_prefix_vec(scales.region(), rows * spr)?;
         // [L][H/128][R*T] (DeepEP) back to the oracle's [L][R*T][H/128].
         let cap = rows / l;
         let mut rm = vec![0f32; rows * spr];
@@ -220,10 +220,10 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl<'_>, case: &Case, run: u64) ->
         }
         Rows::Fp8 { data, scales: rm }
     } else {
-        Rows::Bf16(download_vec(rank, recv_x.region(), rows * h)?)
+        Rows::Bf16(rank.download_prefix_vec(recv_x.region(), rows * h)?)
     };
-    let counts: Vec<i32> = download_vec(rank, count.region(), l)?;
-    let packed: Vec<i64> = download_vec(rank, range.region(), l * r)?;
+    let counts: Vec<i32> = rank.download_prefix_vec(count.region(), l)?;
+    let packed: Vec<i64> = rank.download_prefix_vec(range.region(), l * r)?;
     let mut handle = ll.download_handle(SET)?;
     handle.layout_range = packed.iter().map(|&v| ((v >> 32) as u32, v as u32)).collect();
     let got = LlDispatchOutput {
@@ -236,14 +236,14 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl<'_>, case: &Case, run: u64) ->
         other => other,
     };
     crate::check::ll_dispatch(&cfg, me, &got, &want.dispatch).map_err(ctx)?;
-    let st: Vec<i32> = download_vec(rank, stats.region(), l)?;
+    let st: Vec<i32> = rank.download_prefix_vec(stats.region(), l)?;
     let want_counts: Vec<i32> = want.dispatch.recv_count.iter().map(|&c| c as i32).collect();
     if st != want_counts {
         return Err(ctx(Error::Mismatch(format!(
             "rank {me}: cumulative stats {st:?}, oracle counts {want_counts:?}"
         ))));
     }
-    let got_c: Vec<bf16> = download_vec(rank, combined.region(), n * h)?;
+    let got_c: Vec<bf16> = rank.download_prefix_vec(combined.region(), n * h)?;
     crate::check::ll_combine(me, &got_c, &want.combined).map_err(ctx)?;
     Ok(2)
 }

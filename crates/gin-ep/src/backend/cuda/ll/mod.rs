@@ -16,13 +16,13 @@
 //! on a set overwrites that set's outputs and handle; combine on a set uses the handle of the
 //! last dispatch on that set. At most two operations are in flight (one per set).
 
-use std::ffi::c_void;
 use std::sync::atomic::AtomicU64;
 
 use cudarc::driver::sys;
 use half::bf16;
 
-use super::runtime::{CudaRank, DevComm, DevCommRequest, DeviceBuffer, DeviceRegion, ExternalSpan, Window};
+use super::runtime::result::cu_raw;
+use super::runtime::{CudaRank, DevComm, DevCommRequest, DeviceBuffer, ExternalSpan, Window};
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
 use crate::error::{Error, Result};
 use crate::ll::{LlDispatchOutput, LlHandle};
@@ -78,17 +78,6 @@ pub const STATE_WORDS: usize = 8 + 2 * MAX_GRID as usize;
 pub const STAMP_SLOTS: usize = 28;
 /// Word written into every output before a checked run: a row nobody wrote keeps it.
 pub const POISON: u32 = 0xDEAD_BEEF;
-
-fn cu(call: &str, r: sys::CUresult) -> Result<()> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::Device {
-            call: call.to_string(),
-            reason: format!("{r:?}"),
-        })
-    }
-}
 
 /// One buffer set's local device memory.
 struct SetBuffers {
@@ -253,7 +242,7 @@ impl<'r> CudaLl<'r> {
             let f = rank.function(name)?;
             // SAFETY: f is a live function of the rank's module; the attribute only raises
             // the dynamic shared memory ceiling (needed above 48 KiB).
-            cu("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
+            cu_raw("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
                 sys::cuFuncSetAttribute(
                     f,
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -264,7 +253,7 @@ impl<'r> CudaLl<'r> {
             // earlier object with another variant may have set.
             let carveout = if variant.carveout { 100 } else { -1 };
             // SAFETY: as above; a hint for the L1/shared split, -1 = the driver's default.
-            cu("cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT)", unsafe {
+            cu_raw("cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT)", unsafe {
                 sys::cuFuncSetAttribute(
                     f,
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
@@ -281,7 +270,7 @@ impl<'r> CudaLl<'r> {
                 let f = rank.function(name)?;
                 let mut per_sm: i32 = 0;
                 // SAFETY: f is live; per_sm receives one int.
-                cu("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
+                cu_raw("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
                     sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm, f, THREADS as i32, smem)
                 })?;
                 let resident = u64::from(per_sm.max(0) as u32) * u64::from(sms);
@@ -428,9 +417,11 @@ impl<'r> CudaLl<'r> {
         }
         self.rank.wait("before LL input upload")?;
         let s = self.set(set)?;
-        upload(self.rank, s.x.region(), bytemuck::cast_slice(x))?;
-        upload(self.rank, s.topk_idx.region(), bytemuck::cast_slice(topk_idx))?;
-        upload(self.rank, s.weights.region(), bytemuck::cast_slice(weights))?;
+        self.rank.upload_prefix(s.x.region(), bytemuck::cast_slice(x))?;
+        self.rank
+            .upload_prefix(s.topk_idx.region(), bytemuck::cast_slice(topk_idx))?;
+        self.rank
+            .upload_prefix(s.weights.region(), bytemuck::cast_slice(weights))?;
         self.sets[set].num_tokens = n;
         Ok(())
     }
@@ -462,7 +453,8 @@ impl<'r> CudaLl<'r> {
             ));
         }
         self.rank.wait("before LL expert output upload")?;
-        upload(self.rank, self.set(set)?.y.region(), bytemuck::cast_slice(y))
+        self.rank
+            .upload_prefix(self.set(set)?.y.region(), bytemuck::cast_slice(y))
     }
 
     /// The launches of `set` use `io`'s caller-owned memory from now on (until
@@ -661,7 +653,7 @@ impl<'r> CudaLl<'r> {
         self.rank.wait("before graph capture")?;
         let stream = self.rank.stream();
         // SAFETY: the stream is live and idle; thread-local mode restricts only this thread.
-        cu("cuStreamBeginCapture", unsafe {
+        cu_raw("cuStreamBeginCapture", unsafe {
             sys::cuStreamBeginCapture_v2(
                 stream,
                 sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
@@ -670,7 +662,7 @@ impl<'r> CudaLl<'r> {
         let queued = f(self);
         let mut graph: sys::CUgraph = std::ptr::null_mut();
         // SAFETY: ends the capture begun above (always, also when f failed).
-        let ended = cu("cuStreamEndCapture", unsafe {
+        let ended = cu_raw("cuStreamEndCapture", unsafe {
             sys::cuStreamEndCapture(stream, &mut graph)
         });
         if let Err(e) = queued.and(ended) {
@@ -684,7 +676,7 @@ impl<'r> CudaLl<'r> {
         }
         let mut exec: sys::CUgraphExec = std::ptr::null_mut();
         // SAFETY: graph is the captured graph; exec receives its instantiation.
-        let inst = cu("cuGraphInstantiate", unsafe {
+        let inst = cu_raw("cuGraphInstantiate", unsafe {
             sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
         });
         if let Err(e) = inst {
@@ -700,7 +692,7 @@ impl<'r> CudaLl<'r> {
     /// Queues one replay of `g` on the rank's stream.
     pub fn replay(&self, g: &Graph) -> Result<()> {
         // SAFETY: exec is live; the graph's kernels reference self's buffers (alive).
-        cu("cuGraphLaunch", unsafe {
+        cu_raw("cuGraphLaunch", unsafe {
             sys::cuGraphLaunch(g.exec, self.rank.stream())
         })
     }
@@ -715,19 +707,17 @@ impl<'r> CudaLl<'r> {
         let recv_x = if cfg.dispatch_dtype.is_fp8() {
             let mut data = vec![0u8; rows * h];
             let mut scales = vec![0f32; rows * (h / FP8_BLOCK)];
-            download(self.rank, s.recv_x.region(), &mut data)?;
-            download(
-                self.rank,
-                s.recv_scales.region(),
-                bytemuck::cast_slice_mut(&mut scales),
-            )?;
+            self.rank.download_prefix(s.recv_x.region(), &mut data)?;
+            self.rank
+                .download_prefix(s.recv_scales.region(), bytemuck::cast_slice_mut(&mut scales))?;
             Rows::Fp8 { data, scales }
         } else {
             let mut v = vec![bf16::ZERO; rows * h];
-            download(self.rank, s.recv_x.region(), bytemuck::cast_slice_mut(&mut v))?;
+            self.rank
+                .download_prefix(s.recv_x.region(), bytemuck::cast_slice_mut(&mut v))?;
             Rows::Bf16(v)
         };
-        let counts: Vec<i32> = download_vec(self.rank, s.recv_count.region(), l)?;
+        let counts: Vec<i32> = self.rank.download_prefix_vec(s.recv_count.region(), l)?;
         Ok(LlDispatchOutput {
             recv_x,
             recv_count: counts.iter().map(|&c| c.max(0) as usize).collect(),
@@ -742,74 +732,40 @@ impl<'r> CudaLl<'r> {
         let s = self.set(set)?;
         let (l, r) = (self.cfg.local_experts(), self.cfg.ranks);
         let rows = LlLayout::out_rows(&self.cfg);
-        let ranges: Vec<u32> = download_vec(self.rank, s.layout_range.region(), 2 * l * r)?;
+        let ranges: Vec<u32> = self
+            .rank
+            .download_prefix_vec(s.layout_range.region(), 2 * l * r)?;
         Ok(LlHandle {
             num_tokens: s.num_tokens,
             layout_range: ranges.chunks(2).map(|p| (p[0], p[1])).collect(),
-            src_rank: download_vec(self.rank, s.src_rank.region(), rows)?,
-            src_token: download_vec(self.rank, s.src_token.region(), rows)?,
-            src_k: download_vec(self.rank, s.src_k.region(), rows)?,
+            src_rank: self.rank.download_prefix_vec(s.src_rank.region(), rows)?,
+            src_token: self.rank.download_prefix_vec(s.src_token.region(), rows)?,
+            src_k: self.rank.download_prefix_vec(s.src_k.region(), rows)?,
         })
     }
 
     /// Waits and reads `recv_count` of `set` (i32, as the device holds it).
     pub fn download_counts(&self, set: usize) -> Result<Vec<i32>> {
         self.rank.wait("LL dispatch counts")?;
-        download_vec(
-            self.rank,
-            self.set(set)?.recv_count.region(),
-            self.cfg.local_experts(),
-        )
+        self.rank
+            .download_prefix_vec(self.set(set)?.recv_count.region(), self.cfg.local_experts())
     }
 
     /// Waits and reads the packed UE8M0 scale exponents of `set` (`[L, R*T, H/128]` bytes).
     pub fn download_ue8m0(&self, set: usize) -> Result<Vec<u8>> {
         self.rank.wait("LL dispatch scales")?;
         let n = LlLayout::out_rows(&self.cfg) * (self.cfg.hidden / FP8_BLOCK);
-        download_vec(self.rank, self.set(set)?.recv_ue8m0.region(), n)
+        self.rank
+            .download_prefix_vec(self.set(set)?.recv_ue8m0.region(), n)
     }
 
     /// Waits and reads the combined tokens `[N, H]` of `set`.
     pub fn download_combined(&self, set: usize) -> Result<Vec<bf16>> {
         self.rank.wait("LL combine")?;
         let s = self.set(set)?;
-        download_vec(self.rank, s.combined.region(), s.num_tokens * self.cfg.hidden)
+        self.rank
+            .download_prefix_vec(s.combined.region(), s.num_tokens * self.cfg.hidden)
     }
-}
-
-fn upload(rank: &CudaRank, dst: DeviceRegion<'_>, src: &[u8]) -> Result<()> {
-    if src.is_empty() {
-        return Ok(());
-    }
-    let dst = dst.sub(0, src.len())?;
-    // SAFETY: dst is a live region of src.len() bytes (checked); from pageable memory the
-    // driver stages src before returning, so src may go away afterwards.
-    cu("cuMemcpyHtoDAsync", unsafe {
-        sys::cuMemcpyHtoDAsync_v2(dst.ptr, src.as_ptr() as *const c_void, src.len(), rank.stream())
-    })
-}
-
-fn download(rank: &CudaRank, src: DeviceRegion<'_>, dst: &mut [u8]) -> Result<()> {
-    if dst.is_empty() {
-        return Ok(());
-    }
-    let src = src.sub(0, dst.len())?;
-    // SAFETY: src is live for dst.len() bytes; into pageable memory the copy completes
-    // before the call returns, and the caller waited (bounded) for earlier work first.
-    cu("cuMemcpyDtoHAsync", unsafe {
-        sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr() as *mut c_void, src.ptr, dst.len(), rank.stream())
-    })?;
-    rank.wait("device-to-host copy")
-}
-
-fn download_vec<T: bytemuck::Pod + bytemuck::Zeroable>(
-    rank: &CudaRank,
-    src: DeviceRegion<'_>,
-    n: usize,
-) -> Result<Vec<T>> {
-    let mut v: Vec<T> = bytemuck::zeroed_vec(n);
-    download(rank, src, bytemuck::cast_slice_mut(&mut v))?;
-    Ok(v)
 }
 
 /// Fills every whole u32 of `bufs` with POISON, so a row the kernels do not write shows.

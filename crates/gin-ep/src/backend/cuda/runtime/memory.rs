@@ -377,12 +377,7 @@ impl CudaRank {
             return Ok(());
         }
         self.wait("before upload")?;
-        // SAFETY: dst is a live region of src.len() bytes; src is a live host slice that
-        // outlives the copy (we wait for it below).
-        let r = unsafe {
-            sys::cuMemcpyHtoDAsync_v2(dst.ptr, src.as_ptr() as *const c_void, src.len(), self.stream())
-        };
-        cu_raw("cuMemcpyHtoDAsync", r)?;
+        self.copy_htod(dst, src)?;
         self.wait("upload")
     }
 
@@ -398,13 +393,60 @@ impl CudaRank {
             return Ok(());
         }
         self.wait("before download")?;
-        // SAFETY: src is a live region of dst.len() bytes; dst is a live, writable host
-        // slice that outlives the copy (we wait for it below).
-        let r = unsafe {
-            sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr() as *mut c_void, src.ptr, dst.len(), self.stream())
-        };
-        cu_raw("cuMemcpyDtoHAsync", r)?;
+        self.copy_dtoh(src, dst)?;
         self.wait("download")
+    }
+
+    /// Queues a copy of `src` into the start of `dst` (which may be larger), not waited for:
+    /// the caller waits first when a kernel may still use `dst`.
+    pub(crate) fn upload_prefix(&self, dst: DeviceRegion<'_>, src: &[u8]) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.copy_htod(dst, src)
+    }
+
+    /// Copies the start of `src` (which may be larger) into `dst` and waits (bounded) for
+    /// it; the caller waited for earlier work first.
+    pub(crate) fn download_prefix(&self, src: DeviceRegion<'_>, dst: &mut [u8]) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.copy_dtoh(src, dst)?;
+        self.wait("device-to-host copy")
+    }
+
+    /// [`CudaRank::download_prefix`] of `n` values of `T`.
+    pub(crate) fn download_prefix_vec<T: bytemuck::Pod + bytemuck::Zeroable>(
+        &self,
+        src: DeviceRegion<'_>,
+        n: usize,
+    ) -> Result<Vec<T>> {
+        let mut v: Vec<T> = bytemuck::zeroed_vec(n);
+        self.download_prefix(src, bytemuck::cast_slice_mut(&mut v))?;
+        Ok(v)
+    }
+
+    /// The one host-to-device copy of the rank: `src` into the start of `dst`, queued on the
+    /// stream.
+    fn copy_htod(&self, dst: DeviceRegion<'_>, src: &[u8]) -> Result<()> {
+        let dst = dst.sub(0, src.len())?;
+        // SAFETY: dst is a live region of src.len() bytes (checked); from pageable memory the
+        // driver stages src before returning, so src may go away afterwards.
+        cu_raw("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst.ptr, src.as_ptr() as *const c_void, src.len(), self.stream())
+        })
+    }
+
+    /// The one device-to-host copy of the rank: the start of `src` into `dst`, queued on the
+    /// stream.
+    fn copy_dtoh(&self, src: DeviceRegion<'_>, dst: &mut [u8]) -> Result<()> {
+        let src = src.sub(0, dst.len())?;
+        // SAFETY: src is live for dst.len() bytes (checked); into pageable memory the copy
+        // completes before the call returns.
+        cu_raw("cuMemcpyDtoHAsync", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr() as *mut c_void, src.ptr, dst.len(), self.stream())
+        })
     }
 
     /// Fills `r` with the byte `value` (on the stream, not waited for).
