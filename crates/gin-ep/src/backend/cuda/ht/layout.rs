@@ -1,0 +1,271 @@
+//! Where the HT kernels find everything: the window layout ([`HtLayout`]), the plan and
+//! layout-kernel sizes, and the shapes the GPU HT path refuses ([`check_gpu_config`]).
+//!
+//! Owns: the offset and size arithmetic that the table at the top of kernels/ht/ht.cu
+//! mirrors. Never: allocates, launches or touches the device; a change here is a change of
+//! the kernel ABI and needs the same change in ht.cu.
+
+use super::{MAX_EXPERTS, MAX_GRID, MAX_RANKS, PLAN_HEAD};
+use crate::config::{EpConfig, FP8_BLOCK};
+use crate::error::{Error, Result};
+
+/// Tokens per block of the layout kernel (= its threads; kernels/ht/ht.cu kLayoutTile).
+pub(super) const LAYOUT_TILE: usize = 256;
+
+/// Dynamic shared memory of the layout kernel: the E-bin histogram (16-byte aligned), one
+/// tile of LAYOUT_TILE tokens x (K | 1) int16 ids (16-byte aligned), then the tile's send
+/// slots, LAYOUT_TILE x R i32 (kernels/ht/ht.cu layout_ids_offset, layout_slot_offset).
+pub fn layout_smem_bytes(cfg: &EpConfig) -> u32 {
+    (align16(cfg.experts * 4) + align16(LAYOUT_TILE * (cfg.topk | 1) * 2) + LAYOUT_TILE * cfg.ranks * 4)
+        as u32
+}
+
+/// Blocks of the layout kernel for `num_tokens` tokens: one per tile, at least one.
+pub fn layout_blocks(num_tokens: usize) -> u32 {
+    num_tokens.div_ceil(LAYOUT_TILE).max(1) as u32
+}
+
+/// Bytes of the layout kernel's scan scratch (kernels/ht/ht.cu kScan*): 4 head words, the
+/// E-bin histogram (rounded to 8 bytes), then one u64 tile word per (tile, rank) for the
+/// most tiles `max_tokens_per_rank` can need. Zeroed once; the kernel leaves it so.
+pub fn layout_scan_bytes(cfg: &EpConfig) -> usize {
+    16 + cfg.experts.div_ceil(2) * 8 + layout_blocks(cfg.max_tokens_per_rank) as usize * cfg.ranks * 8
+}
+
+/// Refuses configs the GPU HT path cannot run, naming the field.
+pub fn check_gpu_config(cfg: &EpConfig, world: usize) -> Result<()> {
+    cfg.validate()?;
+    if cfg.ranks != world {
+        return Err(Error::config(
+            "ranks",
+            cfg.ranks,
+            format!("the group has {world} ranks"),
+        ));
+    }
+    if cfg.ranks > MAX_RANKS {
+        return Err(Error::config(
+            "ranks",
+            cfg.ranks,
+            format!("the GPU HT path supports at most {MAX_RANKS} ranks (one NVLink domain)"),
+        ));
+    }
+    if cfg.experts > MAX_EXPERTS {
+        return Err(Error::config(
+            "experts",
+            cfg.experts,
+            format!("the GPU HT path supports at most {MAX_EXPERTS} experts"),
+        ));
+    }
+    Ok(())
+}
+
+fn align16(n: usize) -> usize {
+    n.div_ceil(16) * 16
+}
+
+/// Chunks of a staged combine's copy (kernels/ht/ht.cu kStageChunks).
+pub const STAGE_CHUNKS: usize = 256;
+/// Default CTAs that copy the caller's rows in during a staged combine, beside `num_sms`
+/// (4×H200, 4096 tokens, hidden 7168, 24 SMs, kernel µs: 8 653, 16 531–532, 24 528, 32
+/// 526–527; bench/log/2026-11-21-19.md).
+pub const DEFAULT_STAGE_BLOCKS: u32 = 32;
+
+/// Most receive slabs one HT window may hold.
+pub const MAX_RECV_SLABS: usize = 64;
+
+pub(super) fn check_recv_slabs(slabs: usize) -> Result<()> {
+    if !(1..=MAX_RECV_SLABS).contains(&slabs) {
+        return Err(Error::config(
+            "recv_slabs",
+            slabs,
+            format!("must be in 1..={MAX_RECV_SLABS}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Byte offsets of the HT regions in the window (identical on every rank); see the table at
+/// the top of kernels/ht/ht.cu. The receive regions (`recv_x` .. `recv_src`) are those of
+/// slab 0; slab `s` lies `s * slab_bytes` further on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HtLayout {
+    pub count_sig: usize,
+    pub disp_sig: usize,
+    pub bar: usize,
+    pub counts: usize,
+    /// `[R]` u32: slot `s` = the receive slab rank `s` chose for the current dispatch.
+    pub recv_slab: usize,
+    /// `[R][STAGE_CHUNKS + 2]` u64: staged-combine chunk words, the stage mark, one unused
+    /// word, per producing rank.
+    pub comb_stage: usize,
+    pub slabs: usize,
+    pub slab_bytes: usize,
+    pub recv_x: usize,
+    pub recv_sc: usize,
+    pub recv_idx: usize,
+    pub recv_w: usize,
+    pub recv_src: usize,
+    pub comb_x: usize,
+    pub comb_w: usize,
+    pub total: usize,
+}
+
+impl HtLayout {
+    /// The layout for `cfg` with `slabs` receive slabs (1..=[`MAX_RECV_SLABS`]).
+    pub fn new(cfg: &EpConfig, slabs: usize) -> Result<HtLayout> {
+        check_recv_slabs(slabs)?;
+        let (r, t, h, k, e) = (
+            cfg.ranks,
+            cfg.max_tokens_per_rank,
+            cfg.hidden,
+            cfg.topk,
+            cfg.experts,
+        );
+        let rows = r
+            .checked_mul(t)
+            .ok_or_else(|| Error::config("max_tokens_per_rank", t, "too large"))?;
+        let row_bytes = if cfg.dispatch_dtype.is_fp8() { h } else { h * 2 };
+        let mut at = 0usize;
+        let mut take = |n: usize| -> Result<usize> {
+            let o = at;
+            at = at
+                .checked_add(align16(n))
+                .ok_or_else(|| Error::config("max_tokens_per_rank", t, "window size overflows"))?;
+            Ok(o)
+        };
+        let count_sig = take(r * 8)?;
+        let disp_sig = take(r * MAX_GRID as usize * 8)?;
+        let bar = take(r * MAX_GRID as usize * 8)?;
+        let counts = take(r * (r + e) * 4)?;
+        let recv_slab = take(r * 4)?;
+        let comb_stage = take(r * (STAGE_CHUNKS + 2) * 8)?;
+        // Large regions (and every slab) start on their own 4 KiB page.
+        let page = |at: usize| at.div_ceil(4096) * 4096 - at;
+        let _ = take(page(comb_stage + align16(r * (STAGE_CHUNKS + 2) * 8)))?;
+        let recv_x = take(rows * row_bytes)?;
+        let recv_sc = take(rows * (h / FP8_BLOCK) * 4)?;
+        let recv_idx = take(rows * k * 8)?;
+        let recv_w = take(rows * k * 4)?;
+        let recv_src = take(rows * 4)?;
+        let slab_end = recv_src + align16(rows * 4);
+        let slab_bytes = slab_end + page(slab_end) - recv_x;
+        let _ = take(slab_bytes * slabs - (slab_end - recv_x))?;
+        let comb_x = take(rows * h * 2)?;
+        let comb_w = take(rows * k * 4)?;
+        Ok(HtLayout {
+            count_sig,
+            disp_sig,
+            bar,
+            counts,
+            recv_slab,
+            comb_stage,
+            slabs,
+            slab_bytes,
+            recv_x,
+            recv_sc,
+            recv_idx,
+            recv_w,
+            recv_src,
+            comb_x,
+            comb_w,
+            total: at.max(16),
+        })
+    }
+}
+
+/// Words of the device plan: head, src_offset[R+1], send_base[R], tokens_per_rank[R],
+/// tokens_per_expert[E], local[L], aligned[L].
+pub fn plan_words(cfg: &EpConfig) -> usize {
+    PLAN_HEAD + (cfg.ranks + 1) + 2 * cfg.ranks + cfg.experts + 2 * cfg.local_experts()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::DispatchDtype;
+
+    #[test]
+    fn layout_regions_are_aligned_ordered_and_sized_for_the_worst_case() {
+        let cfg = EpConfig::new(4, 256, 7168, 8, 4096).with_dtype(DispatchDtype::Fp8);
+        let l = HtLayout::new(&cfg, 1).unwrap();
+        let offs = [
+            l.count_sig,
+            l.disp_sig,
+            l.bar,
+            l.counts,
+            l.recv_slab,
+            l.comb_stage,
+            l.recv_x,
+            l.recv_sc,
+            l.recv_idx,
+            l.recv_w,
+            l.recv_src,
+            l.comb_x,
+            l.comb_w,
+        ];
+        assert!(offs.windows(2).all(|w| w[0] < w[1]), "{l:?}");
+        assert!(offs.iter().all(|o| o.is_multiple_of(16)));
+        assert!(l.recv_x.is_multiple_of(4096));
+        // One row of stage words per producing rank (push mode writes row `me` of every peer).
+        assert!(l.recv_x >= l.comb_stage + 4 * (STAGE_CHUNKS + 2) * 8);
+        let rows = 4 * 4096;
+        assert_eq!(l.recv_sc - l.recv_x, rows * 7168);
+        assert_eq!(l.comb_w - l.comb_x, rows * 7168 * 2);
+        assert!(l.total >= l.comb_w + rows * 8 * 4);
+        let bf = HtLayout::new(&cfg.clone().with_dtype(DispatchDtype::Bf16), 1).unwrap();
+        assert_eq!(bf.recv_sc - bf.recv_x, rows * 7168 * 2);
+    }
+
+    #[test]
+    fn receive_slabs_are_page_aligned_disjoint_and_counted_in_the_window() {
+        let cfg = EpConfig::new(4, 256, 7168, 8, 4096);
+        let one = HtLayout::new(&cfg, 1).unwrap();
+        let three = HtLayout::new(&cfg, 3).unwrap();
+        // A slab holds every receive region, on its own pages.
+        assert!(one.slab_bytes.is_multiple_of(4096));
+        assert!(one.slab_bytes >= one.recv_src + 4 * 4096 * 4 - one.recv_x);
+        assert!(one.comb_x >= one.recv_x + one.slab_bytes);
+        // Each extra slab adds exactly one slab to the window, before the combine rows.
+        assert_eq!(three.slab_bytes, one.slab_bytes);
+        assert_eq!(three.recv_x, one.recv_x);
+        assert_eq!(three.comb_x - one.comb_x, 2 * one.slab_bytes);
+        assert_eq!(three.total - one.total, 2 * one.slab_bytes);
+        for bad in [0, MAX_RECV_SLABS + 1] {
+            let e = HtLayout::new(&cfg, bad).unwrap_err();
+            assert!(e.is_usage() && e.to_string().contains("recv_slabs"), "{e}");
+        }
+    }
+
+    #[test]
+    fn gpu_config_limits_name_the_field() {
+        let cfg = EpConfig::new(4, 256, 7168, 8, 4096);
+        check_gpu_config(&cfg, 4).unwrap();
+        let e = check_gpu_config(&cfg, 2).unwrap_err().to_string();
+        assert!(e.contains("ranks = 4") && e.contains("2 ranks"), "{e}");
+        let e = check_gpu_config(&EpConfig::new(2, 16384, 128, 2, 8), 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("experts = 16384"), "{e}");
+        let e = check_gpu_config(&EpConfig::new(64, 64, 128, 2, 8), 64)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("at most 32"), "{e}");
+    }
+
+    #[test]
+    fn layout_smem_fits_the_largest_config() {
+        let cfg = EpConfig::new(32, MAX_EXPERTS, 128, crate::config::MAX_TOPK, 16);
+        assert!(
+            layout_smem_bytes(&cfg) <= 227 * 1024,
+            "{}",
+            layout_smem_bytes(&cfg)
+        );
+    }
+
+    #[test]
+    fn plan_words_match_the_kernel_formula() {
+        // kPlanHead + (R + 1) + R + R + E + 2 * (E / R)
+        let cfg = EpConfig::new(4, 256, 128, 8, 16);
+        assert_eq!(plan_words(&cfg), 4 + 5 + 4 + 4 + 256 + 128);
+    }
+}

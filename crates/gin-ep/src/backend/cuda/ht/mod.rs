@@ -1,0 +1,769 @@
+//! HT dispatch and combine on GPUs over NVLink (NCCL LSA): the per-rank driver of
+//! kernels/ht/ht.cu.
+//!
+//! Owns: the local device buffers (inputs, send slots, plan, combine outputs), the
+//! operation and barrier counters every rank advances in lockstep, and the translation of
+//! the kernels' status words into typed errors. Never: decides the routing or the result (kernels follow `routing`, the oracle
+//! checks), or waits on the device without a deadline.
+//!
+//! Contract with callers: every rank of the group makes the same sequence of calls
+//! (`dispatch`, `dispatch_cached`, `combine`) with the same options, because kernels pair
+//! with their peers by sequence number and block index. Outputs stay in this object's
+//! window and buffers and are valid until the next call. After any error the object refuses
+//! further operations (peers may be stuck in a kernel that will never pair).
+//!
+//! The window layout is in [`layout`], the kernel variants in [`variant`], copies in and
+//! out and caller-owned memory in [`io`]. The GPU check and benchmark of this driver are in
+//! `crate::gpu`; nothing here imports them.
+
+use super::kernels::{names, HtArgs};
+use super::runtime::{
+    fabric_phase_name, CudaRank, DevComm, DevCommRequest, DeviceBuffer, Event, ExternalSpan, HostMapped,
+    Window,
+};
+use crate::config::{DispatchDtype, EpConfig, FP8_BLOCK};
+use crate::error::{Error, Result};
+use io::io_or;
+use layout::{check_recv_slabs, LAYOUT_TILE};
+
+pub mod io;
+pub mod layout;
+pub mod variant;
+
+pub use io::{HtBuf, HtIo};
+pub use layout::{
+    check_gpu_config, layout_blocks, layout_scan_bytes, layout_smem_bytes, plan_words, HtLayout,
+    DEFAULT_STAGE_BLOCKS, MAX_RECV_SLABS, STAGE_CHUNKS,
+};
+pub use variant::{HtVariant, ENV_VARIANT};
+
+/// Most ranks of the GPU HT path (rank masks are 32-bit in the kernels).
+pub const MAX_RANKS: usize = 32;
+/// Most CTAs per HT kernel (signal words reserved per source).
+pub const MAX_GRID: u32 = 128;
+/// Most experts (the layout kernel's histogram lives in shared memory).
+pub const MAX_EXPERTS: usize = 8192;
+/// The layout kernel's host-mapped copy of the aligned rows per local expert (at most
+/// MAX_EXPERTS local experts, on one rank).
+#[derive(Clone, Copy)]
+struct HostCounts(
+    #[expect(dead_code, reason = "read as a prefix through HostMapped::read_prefix")] [u32; MAX_EXPERTS],
+);
+
+impl Default for HostCounts {
+    fn default() -> Self {
+        HostCounts([0; MAX_EXPERTS])
+    }
+}
+
+/// Default SM budget (CTAs of dispatch and combine), as DeepEP's tuned HT setting.
+pub const DEFAULT_SMS: u32 = 24;
+
+/// u64 device timestamps per CudaHt (kernels/ht/ht.cu kStampWords).
+pub const STAMP_WORDS: usize = 16;
+
+/// Byte a poisoned output region holds: a row nobody wrote shows up as garbage.
+pub const POISON: u8 = 0xA5;
+
+// kernels/ht/ht.cu constants (host ABI).
+const DTYPE_BF16: u32 = 0;
+const DTYPE_FP8: u32 = 1;
+const DTYPE_FP8_UE8M0: u32 = 2;
+const DTYPE_FP8_PRE: u32 = 3;
+const FLAG_CACHED: u32 = 1;
+const FLAG_WEIGHTS: u32 = 2;
+const FLAG_BIAS0: u32 = 4;
+const FLAG_BIAS1: u32 = 8;
+const FLAG_STAGE: u32 = 16;
+const FLAG_PUSH: u32 = 32;
+const VAR_ROTATE: u32 = 1;
+const PLAN_HEAD: usize = 4;
+const STATUS_OK: u32 = 0;
+const STATUS_INVALID_INPUT: u32 = 1;
+const STATUS_PEER_FAILED: u32 = 2;
+const STATUS_CAPACITY: u32 = 3;
+const STATUS_TIMEOUT: u32 = 4;
+const STATUS_BAD_SLAB: u32 = 5;
+
+/// How the receive size reaches the host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sizing {
+    /// The host waits for the count exchange and reads `num_recv` (host-mapped) before the
+    /// dispatch returns (the dispatch kernel is already queued): the handle knows its size
+    /// at once.
+    Exact,
+    /// No host synchronization: buffers are sized for the worst case (`R * T` rows), the size
+    /// is read later ([`CudaHt::sync`]). The launches can be captured in a CUDA graph.
+    Static,
+}
+
+/// Options of [`CudaHt`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HtGpuOptions {
+    /// CTAs of the dispatch and combine kernels (the SM budget), equal on every rank.
+    pub num_sms: u32,
+    pub sizing: Sizing,
+    /// Kernel variant (performance only), equal on every rank.
+    pub variant: HtVariant,
+    /// Receive slabs in the window (1..=[`MAX_RECV_SLABS`]), equal on every rank: each
+    /// dispatch lands in the slab its receiver names ([`HtIo::recv_slab`]), so the rows of
+    /// earlier dispatches in other slabs stay intact while a caller still holds them.
+    pub recv_slabs: usize,
+}
+
+impl Default for HtGpuOptions {
+    fn default() -> Self {
+        HtGpuOptions {
+            num_sms: DEFAULT_SMS,
+            sizing: Sizing::Exact,
+            variant: HtVariant::default(),
+            recv_slabs: 1,
+        }
+    }
+}
+
+impl HtGpuOptions {
+    pub fn validate(&self) -> Result<()> {
+        if self.num_sms == 0 || self.num_sms > MAX_GRID {
+            return Err(Error::config(
+                "num_sms",
+                self.num_sms,
+                format!("must be in 1..={MAX_GRID}"),
+            ));
+        }
+        check_recv_slabs(self.recv_slabs)?;
+        self.variant.validate()
+    }
+}
+
+/// What the dispatch input buffer holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DispatchSource {
+    /// BF16 `[N, H]`; with an FP8 config the kernel quantizes (bit-exact with `quant`).
+    Bf16,
+    /// FP8 already: e4m3 `[N, H]` plus f32 scales `[N, H/128]` (DeepEP's format); copied.
+    Fp8,
+}
+
+/// Which extras a combine reduces.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CombineExtras {
+    pub weights: bool,
+    pub bias: [bool; 2],
+}
+
+/// A fresh dispatch's handle: valid until the next fresh dispatch of the same [`CudaHt`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HtGpuHandle {
+    generation: u64,
+    pub num_tokens: usize,
+    /// Known at once with [`Sizing::Exact`], after [`CudaHt::sync`] otherwise.
+    pub num_recv: Option<usize>,
+}
+
+/// Events recorded around a dispatch's kernels: start, after layout + count exchange, end.
+pub struct DispatchEvents<'a> {
+    pub start: &'a Event,
+    pub counted: &'a Event,
+    pub end: &'a Event,
+}
+
+/// The HT state of one rank. Field order is drop order: the window goes before the device
+/// communicator.
+pub struct CudaHt {
+    window: Window,
+    dev_comm: DevComm,
+    x_in: DeviceBuffer,
+    scales_in: DeviceBuffer,
+    topk_idx_in: DeviceBuffer,
+    topk_w_in: DeviceBuffer,
+    bias: [DeviceBuffer; 2],
+    out_x: DeviceBuffer,
+    out_w: DeviceBuffer,
+    send_slot: DeviceBuffer,
+    plan: DeviceBuffer,
+    scan: DeviceBuffer,
+    stamps: DeviceBuffer,
+    plan_host: HostMapped<[u32; 4]>,
+    counts_host: HostMapped<HostCounts>,
+    /// Status, detail, -, peer of a failure a dispatch kernel recorded; never reset (after a
+    /// failure the object refuses further operations).
+    fail_host: HostMapped<[u32; 4]>,
+    lay: HtLayout,
+    cfg: EpConfig,
+    opts: HtGpuOptions,
+    me: usize,
+    seq: u64,
+    bar_epoch: u64,
+    generation: u64,
+    /// The receive slab of the last dispatch (fresh or cached).
+    last_slab: usize,
+    failed: bool,
+    /// Caller-owned memory the next operations use instead of the input/output buffers.
+    io: HtIo,
+}
+
+impl CudaHt {
+    /// Allocates the window (collective: every rank, same config, same order) and buffers.
+    pub fn new(rank: &CudaRank, cfg: &EpConfig, opts: HtGpuOptions) -> Result<CudaHt> {
+        let world = rank.info().world;
+        check_gpu_config(cfg, world)?;
+        opts.validate()?;
+        let lay = HtLayout::new(cfg, opts.recv_slabs)?;
+        let window = rank.window(lay.total)?;
+        let dev_comm = rank.dev_comm(DevCommRequest {
+            lsa_barriers: 1,
+            gin_signals: 0,
+        })?;
+        let (lsa_rank, lsa_size) = dev_comm.lsa();
+        if lsa_size != world {
+            return Err(Error::Unavailable {
+                backend: "cuda",
+                reason: format!(
+                    "the GPU HT path needs every rank reachable by NVLink load/store; the LSA team \
+                     has {lsa_size} of {world} ranks"
+                ),
+            });
+        }
+        let (t, h, k, r) = (cfg.max_tokens_per_rank, cfg.hidden, cfg.topk, cfg.ranks);
+        let alloc = |n: usize| rank.alloc(n.max(16));
+        rank.set_max_smem(names::HT_LAYOUT_COUNT, layout_smem_bytes(cfg))?;
+        let stamps = alloc(STAMP_WORDS * 8)?;
+        rank.memset_u8(stamps.region(), 0)?;
+        let scan = alloc(layout_scan_bytes(cfg))?;
+        rank.memset_u8(scan.region(), 0)?;
+        Ok(CudaHt {
+            stamps,
+            scan,
+            x_in: alloc(t * h * 2)?,
+            scales_in: alloc(t * (h / FP8_BLOCK) * 4)?,
+            topk_idx_in: alloc(t * k * 8)?,
+            topk_w_in: alloc(t * k * 4)?,
+            bias: [alloc(t * h * 2)?, alloc(t * h * 2)?],
+            out_x: alloc(t * h * 2)?,
+            out_w: alloc(t * k * 4)?,
+            send_slot: alloc(t * r * 4)?,
+            plan: alloc(plan_words(cfg) * 4)?,
+            plan_host: rank.host_mapped()?,
+            counts_host: rank.host_mapped()?,
+            fail_host: rank.host_mapped()?,
+            window,
+            dev_comm,
+            lay,
+            cfg: cfg.clone(),
+            opts,
+            me: lsa_rank,
+            seq: 0,
+            bar_epoch: 0,
+            generation: 0,
+            last_slab: 0,
+            failed: false,
+            io: HtIo::default(),
+        })
+    }
+
+    pub fn config(&self) -> &EpConfig {
+        &self.cfg
+    }
+
+    pub fn options(&self) -> HtGpuOptions {
+        self.opts
+    }
+
+    pub fn layout(&self) -> &HtLayout {
+        &self.lay
+    }
+
+    /// Switches between exact and static sizing (every rank must do the same).
+    pub fn set_sizing(&mut self, sizing: Sizing) {
+        self.opts.sizing = sizing;
+    }
+
+    /// Switches the SM budget and kernel variant (every rank must do the same, between
+    /// operations). The handle of the last dispatch stays valid.
+    pub fn set_tuning(&mut self, num_sms: u32, variant: HtVariant) -> Result<()> {
+        let o = HtGpuOptions {
+            num_sms,
+            variant,
+            ..self.opts
+        };
+        o.validate()?;
+        self.opts = o;
+        Ok(())
+    }
+
+    /// The device timestamps (globaltimer ns) of the last operations, see kernels/ht/ht.cu
+    /// kStamp*: [0..4) layout start, layout done, counts received, end; [4..7) dispatch
+    /// start, last payload end, last end; [8..11) combine start, last pull end, last end.
+    pub fn stamps(&self, rank: &CudaRank) -> Result<[u64; STAMP_WORDS]> {
+        rank.wait("HT stamps")?;
+        let v: Vec<u64> = self.download_vec(rank, self.stamps.region(), STAMP_WORDS)?;
+        let mut out = [0u64; STAMP_WORDS];
+        out.copy_from_slice(&v);
+        Ok(out)
+    }
+
+    fn usable(&self) -> Result<()> {
+        if self.failed {
+            return Err(Error::Device {
+                call: "HT on CUDA".into(),
+                reason: "an earlier operation failed; peers may be stuck, make a new CudaHt".into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn fail<T>(&mut self, rank: &CudaRank, e: Error) -> Result<T> {
+        self.failed = true;
+        rank.comm().mark_failed();
+        Err(e)
+    }
+
+    fn args(
+        &self,
+        rank: &CudaRank,
+        num_tokens: usize,
+        dtype: u32,
+        flags: u32,
+        bar_epoch: u64,
+        chunk: u32,
+    ) -> HtArgs {
+        let l = &self.lay;
+        let timeout_ns = u64::try_from(rank.options().kernel_timeout.as_nanos()).unwrap_or(u64::MAX);
+        HtArgs {
+            comm: self.dev_comm.raw(),
+            win: self.window.raw(),
+            off_count_sig: l.count_sig as u64,
+            off_disp_sig: l.disp_sig as u64,
+            off_bar: l.bar as u64,
+            off_counts: l.counts as u64,
+            off_recv_x: l.recv_x as u64,
+            off_recv_sc: l.recv_sc as u64,
+            off_recv_idx: l.recv_idx as u64,
+            off_recv_w: l.recv_w as u64,
+            off_recv_src: l.recv_src as u64,
+            off_comb_x: l.comb_x as u64,
+            off_comb_w: l.comb_w as u64,
+            // A staged combine reads the caller's expert outputs through `x`.
+            x: match (flags & FLAG_STAGE, self.io.comb_x) {
+                (FLAG_STAGE, Some(sp)) => sp.ptr,
+                _ => io_or(self.io.x, &self.x_in),
+            },
+            x_scales: io_or(self.io.scales, &self.scales_in),
+            topk_idx: io_or(self.io.topk_idx, &self.topk_idx_in),
+            topk_w: io_or(self.io.topk_w, &self.topk_w_in),
+            bias0: io_or(self.io.bias0, &self.bias[0]),
+            bias1: io_or(self.io.bias1, &self.bias[1]),
+            out_x: io_or(self.io.out_x, &self.out_x),
+            out_w: io_or(self.io.out_w, &self.out_w),
+            send_slot: self.send_slot.region().ptr,
+            plan: self.plan.region().ptr,
+            plan_host: self.plan_host.dev,
+            err: rank.fabric_err_dev(),
+            seq: self.seq,
+            bar_epoch,
+            timeout_ns,
+            num_tokens: num_tokens as u32,
+            max_tokens: self.cfg.max_tokens_per_rank as u32,
+            hidden: self.cfg.hidden as u32,
+            topk: self.cfg.topk as u32,
+            experts: self.cfg.experts as u32,
+            alignment: self.cfg.expert_alignment as u32,
+            dtype,
+            flags,
+            stamps: self.stamps.region().ptr,
+            chunk,
+            vflags: if self.opts.variant.rotate { VAR_ROTATE } else { 0 },
+            scan: self.scan.region().ptr,
+            off_recv_slab: l.recv_slab as u64,
+            slab_bytes: l.slab_bytes as u64,
+            recv_slab: self.io.recv_slab as u32,
+            slabs: l.slabs as u32,
+            counts_host: self.counts_host.dev,
+            fail_host: self.fail_host.dev,
+            off_comb_stage: l.comb_stage as u64,
+            pull_blocks: self.grid(),
+            pad0: 0,
+        }
+    }
+
+    /// The dispatch kernel for `dtype` under the current variant, and its block size.
+    fn dispatch_kernel(&self, dtype: u32) -> (&'static str, u32) {
+        let v = &self.opts.variant;
+        if dtype == DTYPE_FP8 || dtype == DTYPE_FP8_UE8M0 {
+            return (names::HT_DISPATCH_QUANT, v.dispatch_threads.min(512));
+        }
+        let (name, _) = v.dispatch_kernel().unwrap_or((names::HT_DISPATCH, 512));
+        (name, v.dispatch_threads)
+    }
+
+    fn combine_kernel(&self) -> (&'static str, u32) {
+        let v = &self.opts.variant;
+        let (name, _) = v.combine_kernel().unwrap_or((names::HT_COMBINE, 256));
+        (name, v.combine_threads)
+    }
+
+    fn dtype_code(&self, source: DispatchSource) -> Result<u32> {
+        Ok(match (self.cfg.dispatch_dtype, source) {
+            (DispatchDtype::Bf16, DispatchSource::Bf16) => DTYPE_BF16,
+            (DispatchDtype::Fp8, DispatchSource::Bf16) => DTYPE_FP8,
+            (DispatchDtype::Fp8Ue8m0, DispatchSource::Bf16) => DTYPE_FP8_UE8M0,
+            (DispatchDtype::Fp8 | DispatchDtype::Fp8Ue8m0, DispatchSource::Fp8) => DTYPE_FP8_PRE,
+            (DispatchDtype::Bf16, DispatchSource::Fp8) => {
+                return Err(Error::input(
+                    "dispatch source",
+                    "FP8 input but the config dispatches BF16",
+                ))
+            }
+        })
+    }
+
+    fn grid(&self) -> u32 {
+        self.opts.num_sms.min(MAX_GRID)
+    }
+
+    /// Launches `name` with `args`.
+    fn launch(
+        &self,
+        rank: &CudaRank,
+        name: &'static str,
+        grid: u32,
+        block: u32,
+        args: &HtArgs,
+    ) -> Result<()> {
+        // SAFETY: HtArgs mirrors the kernel parameter (size and offset asserts on both
+        // sides); every pointer in it is a buffer or window of self (which outlives the launch:
+        // callers wait before dropping it, and CudaRank's Drop waits), the rank's host-mapped
+        // error record, or a caller-owned span of HtIo (device memory of this GPU per
+        // CudaRank::external, sized for the operation per check_io, kept alive by its owner
+        // until the stream passes the launch); offsets come from HtLayout, which sized the
+        // window for this config; num_tokens <= max_tokens_per_rank was checked by the caller.
+        unsafe { rank.launch(name, grid, block, args) }
+    }
+
+    /// Fresh dispatch of the `num_tokens` tokens in the input buffers: layout + count exchange
+    /// (one kernel), then the dispatch kernel, queued back to back. With [`Sizing::Exact`]
+    /// the host then waits for the layout kernel's published receive count (and reports
+    /// input errors) while the dispatch kernel runs.
+    pub fn dispatch(
+        &mut self,
+        rank: &CudaRank,
+        num_tokens: usize,
+        source: DispatchSource,
+        events: Option<&DispatchEvents<'_>>,
+    ) -> Result<HtGpuHandle> {
+        self.usable()?;
+        if num_tokens > self.cfg.max_tokens_per_rank {
+            return Err(Error::input(
+                format!("tokens of rank {}", self.me),
+                format!(
+                    "{num_tokens} exceed max_tokens_per_rank = {}",
+                    self.cfg.max_tokens_per_rank
+                ),
+            ));
+        }
+        let dtype = self.dtype_code(source)?;
+        self.check_io(num_tokens, dtype)?;
+        self.seq += 1;
+        self.generation += 1;
+        self.plan_host.write([u32::MAX, 0, 0, 0]);
+        let args = self.args(rank, num_tokens, dtype, 0, 0, self.opts.variant.dispatch_chunk);
+        let launched = (|| {
+            if let Some(ev) = events {
+                rank.record(ev.start)?;
+            }
+            // SAFETY: as `launch`; the layout kernel's shared memory ceiling was raised to
+            // layout_smem_bytes in `new`.
+            unsafe {
+                rank.launch_smem(
+                    names::HT_LAYOUT_COUNT,
+                    layout_blocks(num_tokens),
+                    LAYOUT_TILE as u32,
+                    layout_smem_bytes(&self.cfg),
+                    &args,
+                )
+            }?;
+            if let Some(ev) = events {
+                rank.record(ev.counted)?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = launched {
+            return self.fail(rank, e);
+        }
+        // The dispatch kernel goes into the stream right behind the layout kernel, before
+        // any host wait: it reads the plan the layout kernel left on the device (and stops,
+        // signalling its peers, on a failed status), and the receive rows land in a window
+        // slab sized for the worst case, so nothing it needs comes from the host. Exact
+        // sizing then waits for the published plan head while the dispatch runs: the host
+        // round trip (status poll, then a launch) is off the GPU's critical path.
+        let grid = self.grid();
+        let (kname, threads) = self.dispatch_kernel(dtype);
+        let out = self
+            .launch(rank, kname, grid, threads, &args)
+            .and_then(|_| match events {
+                Some(ev) => rank.record(ev.end),
+                None => Ok(()),
+            });
+        if let Err(e) = out {
+            return self.fail(rank, e);
+        }
+        let mut num_recv = None;
+        if self.opts.sizing == Sizing::Exact {
+            // The layout kernel publishes its plan head (status last) before its tail.
+            let plan_host = &self.plan_host;
+            let mut published = || plan_host.read()[0] != u32::MAX;
+            if let Err(e) = rank
+                .wait_busy_until("HT count exchange", &mut published)
+                .and_then(|_| self.status())
+            {
+                return self.fail(rank, e);
+            }
+            num_recv = Some(self.plan_host.read()[2] as usize);
+        }
+        self.last_slab = self.io.recv_slab;
+        Ok(HtGpuHandle {
+            generation: self.generation,
+            num_tokens,
+            num_recv,
+        })
+    }
+
+    fn check_handle(&self, handle: &HtGpuHandle) -> Result<()> {
+        if handle.generation != self.generation {
+            return Err(Error::input(
+                format!("HT handle of rank {}", self.me),
+                "stale: a later fresh dispatch replaced its layout (one handle at a time)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Cached dispatch: the activations in the input buffer go where the handle's dispatch
+    /// sent its tokens (barrier, then the dispatch kernel; no layout, no count exchange).
+    pub fn dispatch_cached(
+        &mut self,
+        rank: &CudaRank,
+        handle: &HtGpuHandle,
+        source: DispatchSource,
+        events: Option<(&Event, &Event)>,
+    ) -> Result<()> {
+        self.usable()?;
+        self.check_handle(handle)?;
+        let dtype = self.dtype_code(source)?;
+        self.check_io(handle.num_tokens, dtype)?;
+        self.seq += 1;
+        self.bar_epoch += 1;
+        let args = self.args(
+            rank,
+            handle.num_tokens,
+            dtype,
+            FLAG_CACHED,
+            self.bar_epoch,
+            self.opts.variant.dispatch_chunk,
+        );
+        let grid = self.grid();
+        let (kname, threads) = self.dispatch_kernel(dtype);
+        let out = (|| {
+            if let Some((s, _)) = events {
+                rank.record(s)?;
+            }
+            self.launch(rank, kname, grid, threads, &args)?;
+            if let Some((_, e)) = events {
+                rank.record(e)?;
+            }
+            Ok(())
+        })();
+        match out {
+            Ok(()) => {
+                self.last_slab = self.io.recv_slab;
+                Ok(())
+            }
+            Err(e) => self.fail(rank, e),
+        }
+    }
+
+    /// Combine: every rank's combine input (uploaded, in receive order) goes back to the
+    /// tokens' source ranks, which reduce in the oracle's order into the output buffers.
+    pub fn combine(
+        &mut self,
+        rank: &CudaRank,
+        handle: &HtGpuHandle,
+        extras: CombineExtras,
+        events: Option<(&Event, &Event)>,
+    ) -> Result<()> {
+        self.usable()?;
+        self.check_handle(handle)?;
+        self.check_io(handle.num_tokens, DTYPE_BF16)?;
+        let mut flags = 0;
+        let mut grid = self.grid();
+        if let Some(sp) = self.io.comb_x {
+            let nr = handle.num_recv.ok_or_else(|| {
+                Error::input(
+                    "HT combine x",
+                    "caller-owned combine input needs exact sizing (the host must know num_recv)",
+                )
+            })?;
+            let need = nr * self.cfg.hidden * 2;
+            sp.require("HT combine x", need)?;
+            let stage = self.opts.variant.stage_blocks.min(MAX_GRID - grid);
+            if stage > 0 {
+                flags |= FLAG_STAGE;
+                if self.opts.variant.combine_push {
+                    flags |= FLAG_PUSH;
+                }
+                grid += stage;
+            } else {
+                // The SM budget leaves no CTA for staging: copy the rows in first.
+                let rows = ExternalSpan {
+                    ptr: sp.ptr,
+                    bytes: need,
+                };
+                if let Err(e) = rank.copy_from_external(self.buffer(HtBuf::CombX)?, rows) {
+                    return self.fail(rank, e);
+                }
+            }
+        }
+        self.seq += 1;
+        let epoch = self.bar_epoch + 1;
+        self.bar_epoch += 2;
+        if extras.weights {
+            flags |= FLAG_WEIGHTS;
+        }
+        if extras.bias[0] {
+            flags |= FLAG_BIAS0;
+        }
+        if extras.bias[1] {
+            flags |= FLAG_BIAS1;
+        }
+        let args = self.args(
+            rank,
+            handle.num_tokens,
+            DTYPE_BF16,
+            flags,
+            epoch,
+            self.opts.variant.combine_chunk,
+        );
+        let (kname, threads) = self.combine_kernel();
+        let out = (|| {
+            if let Some((s, _)) = events {
+                rank.record(s)?;
+            }
+            self.launch(rank, kname, grid, threads, &args)?;
+            if let Some((_, e)) = events {
+                rank.record(e)?;
+            }
+            Ok(())
+        })();
+        match out {
+            Ok(()) => Ok(()),
+            Err(e) => self.fail(rank, e),
+        }
+    }
+
+    /// The kernels' status word as a result (call after the stream is idle).
+    fn status(&self) -> Result<()> {
+        // A dispatch kernel's failure first: the layout status may belong to a later operation.
+        let [status, detail, num_recv, peer] = match self.fail_host.read() {
+            [STATUS_OK, ..] => self.plan_host.read(),
+            failed => failed,
+        };
+        let k = self.cfg.topk.max(1);
+        match status {
+            STATUS_OK => Ok(()),
+            STATUS_INVALID_INPUT => Err(Error::input(
+                format!(
+                    "topk_idx[{}][{}] of rank {}",
+                    detail as usize / k,
+                    detail as usize % k,
+                    self.me
+                ),
+                format!(
+                    "expert id outside [-1, {}) or chosen twice by one token (checked on the GPU)",
+                    self.cfg.experts
+                ),
+            )),
+            STATUS_PEER_FAILED => Err(Error::PeerFailed {
+                peer: peer as usize,
+                phase: fabric_phase_name(detail).to_string(),
+                reason: "it refused its input or gave up (signalled failure)".into(),
+            }),
+            STATUS_CAPACITY => Err(Error::input(
+                format!("received rows of rank {}", self.me),
+                format!(
+                    "{detail} rows exceed the capacity {} (a peer's counts are corrupt?)",
+                    self.cfg.ranks * self.cfg.max_tokens_per_rank
+                ),
+            )),
+            STATUS_TIMEOUT => Err(Error::Device {
+                call: format!("HT kernel, {}", fabric_phase_name(detail)),
+                reason: format!(
+                    "rank {} stopped waiting for rank {peer} (deadline or an earlier failure)",
+                    self.me
+                ),
+            }),
+            STATUS_BAD_SLAB => Err(Error::Device {
+                call: "HT dispatch".into(),
+                reason: format!(
+                    "rank {peer} named receive slab {detail}, outside 0..{} (ranks built with \
+                     different recv_slabs?)",
+                    self.lay.slabs
+                ),
+            }),
+            u32::MAX => Err(Error::Device {
+                call: "HT layout kernel".into(),
+                reason: format!("finished without writing its status (num_recv word {num_recv})"),
+            }),
+            other => Err(Error::Device {
+                call: "HT kernel".into(),
+                reason: format!("unknown status {other}"),
+            }),
+        }
+    }
+
+    /// Waits (bounded) for all queued work and turns any recorded failure into an error.
+    pub fn sync(&mut self, rank: &CudaRank) -> Result<()> {
+        self.usable()?;
+        match rank.wait_busy("HT operation").and_then(|_| self.status()) {
+            Ok(()) => Ok(()),
+            Err(e) => self.fail(rank, e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sm_budget_is_validated() {
+        assert!(HtGpuOptions::default().validate().is_ok());
+        assert_eq!(HtGpuOptions::default().num_sms, 24);
+        for bad in [0, MAX_GRID + 1] {
+            let e = HtGpuOptions {
+                num_sms: bad,
+                sizing: Sizing::Static,
+                variant: HtVariant::default(),
+                recv_slabs: 1,
+            }
+            .validate()
+            .unwrap_err();
+            assert!(e.is_usage() && e.to_string().contains("num_sms"), "{e}");
+        }
+    }
+
+    #[test]
+    fn host_sizes_mirror_the_kernel_constants() {
+        let src = include_str!("../../../../../../kernels/ht/ht.cu");
+        let k = |name: &str| super::super::kernels::cu_const(src, "ht.cu", name);
+        // The window's comb_stage region holds [R][kStageChunks + 2] words.
+        assert_eq!(STAGE_CHUNKS, k("kStageChunks"));
+        assert_eq!(MAX_GRID as usize, k("kMaxGrid"));
+        assert_eq!(MAX_RANKS, k("kMaxRanks"));
+        assert_eq!(MAX_EXPERTS, k("kMaxExperts"));
+        assert_eq!(STAMP_WORDS, k("kStampWords"));
+        assert_eq!(FLAG_STAGE as usize, k("kFlagStage"));
+        assert_eq!(FLAG_PUSH as usize, k("kFlagPush"));
+        assert_eq!(STATUS_BAD_SLAB as usize, k("kStatusBadSlab"));
+    }
+}
