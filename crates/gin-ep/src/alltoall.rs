@@ -66,6 +66,7 @@ use std::time::Duration;
 use crate::backend::cuda::gin_alltoall::{
     self, ce_local_copy, gin_node, launch_gin_alltoall, GinAlltoall, GinCounts, GinNode, GinVariant,
 };
+use crate::backend::cuda::ll::POISON;
 use crate::backend::cuda::ops::{
     self, check_pattern, fill_pattern, flag_words, nccl_alltoall, nccl_alltoall_api, AlltoallKernel,
     AlltoallLaunch, CeAlltoall, NcclAlltoallApi, STAMP_WORDS_PER_CTA,
@@ -81,8 +82,6 @@ use crate::group::Group;
 /// Most CTAs an LSA all-to-all may use: the window reserves `MAX_BLOCKS * world` barrier
 /// words.
 pub const MAX_BLOCKS: u32 = 1024;
-/// What receive buffers hold before a validated run: a chunk nobody wrote keeps it.
-pub const POISON: u32 = 0xDEAD_BEEF;
 /// Largest per-rank size accepted (the window holds two of them).
 pub const MAX_BYTES_LIMIT: usize = 16 << 30;
 

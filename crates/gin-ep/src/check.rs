@@ -233,6 +233,15 @@ impl Case {
         }
     }
 
+    /// The workload of iteration `iter`'s second values (expert outputs, the activations of a
+    /// cached dispatch), seeded apart from its inputs.
+    pub(crate) fn values_workload(&self, iter: usize) -> crate::workload::Workload {
+        crate::workload::Workload {
+            seed: self.workload.seed ^ 0xC0FFEE ^ iter as u64,
+            ..self.workload.clone()
+        }
+    }
+
     pub(crate) fn inputs(&self, iter: usize) -> Vec<crate::ht::RankInput> {
         let w = self.iter_workload(iter);
         self.tokens
@@ -279,10 +288,7 @@ fn run_rank_case_inner(case: &Case, ep: &mut HostEp, modes: Modes) -> Result<()>
     };
     for iter in 0..case.iters {
         let ins = case.inputs(iter);
-        let w = crate::workload::Workload {
-            seed: case.workload.seed ^ 0xC0FFEE ^ iter as u64,
-            ..case.workload.clone()
-        };
+        let w = case.values_workload(iter);
         ep.poison_buffers();
         let mine = &ins[me];
 

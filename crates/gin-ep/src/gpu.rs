@@ -464,10 +464,7 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
             }
 
             // Cached dispatch of new activations through the same handle.
-            let w = Workload {
-                seed: case.workload.seed ^ 0xC0FFEE ^ iter as u64,
-                ..case.workload.clone()
-            };
+            let w = case.values_workload(iter);
             let new_ins: Vec<RankInput> = {
                 let xs = per_rank(cfg.ranks, |r| w.bf16_values(r, 11, ins[r].x.len()));
                 ins.iter()

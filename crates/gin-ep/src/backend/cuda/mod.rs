@@ -46,6 +46,11 @@ pub enum CudaError {
     NoGin,
 }
 
+/// `n` rounded up to 16 bytes: where the HT and LL window layouts start each region.
+pub(crate) fn align16(n: usize) -> usize {
+    n.div_ceil(16) * 16
+}
+
 /// Any embedded fatbin, or why there is none: the early check before NCCL is loaded.
 pub fn kernels_fatbin() -> Result<&'static [u8], CudaError> {
     kernels::KERNEL_SETS

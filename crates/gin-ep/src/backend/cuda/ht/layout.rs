@@ -6,6 +6,7 @@
 //! the kernel ABI and needs the same change in ht.cu.
 
 use super::{MAX_EXPERTS, MAX_GRID, MAX_RANKS, PLAN_HEAD};
+use crate::backend::cuda::align16;
 use crate::config::{EpConfig, FP8_BLOCK};
 use crate::error::{Error, Result};
 
@@ -57,10 +58,6 @@ pub fn check_gpu_config(cfg: &EpConfig, world: usize) -> Result<()> {
         ));
     }
     Ok(())
-}
-
-fn align16(n: usize) -> usize {
-    n.div_ceil(16) * 16
 }
 
 /// Chunks of a staged combine's copy (kernels/ht/ht.cu kStageChunks).

@@ -48,23 +48,9 @@ fn graph_plan(cfg: &EpConfig) -> GraphPlan {
 }
 
 /// Inputs of every rank for iteration `iter` of `case`, exactly as check::run_rank_case
-/// makes them (Case::inputs), plus the seed of that iteration's expert outputs.
+/// makes them (Case::inputs), plus the workload of that iteration's expert outputs.
 fn case_inputs(case: &Case, iter: u64) -> (Vec<RankInput>, Workload) {
-    let w = Workload {
-        seed: case.workload.seed.wrapping_add(iter.wrapping_mul(7919)),
-        ..case.workload.clone()
-    };
-    let ins = case
-        .tokens
-        .iter()
-        .enumerate()
-        .map(|(r, &n)| w.rank_input(&case.cfg, r, n))
-        .collect();
-    let wy = Workload {
-        seed: case.workload.seed ^ 0xC0FFEE ^ iter,
-        ..case.workload.clone()
-    };
-    (ins, wy)
+    (case.inputs(iter as usize), case.values_workload(iter as usize))
 }
 
 /// The oracle's answers for one iteration, for this rank.

@@ -8,6 +8,7 @@
 use gin_ep_sys as ns;
 
 use super::{DISPATCH_UNIT, MAX_RANKS, MAX_SMEM, MAX_TOKENS, SETS, SIG_KINDS};
+use crate::backend::cuda::align16;
 use crate::config::{DispatchDtype, EpConfig, FP8_BLOCK};
 use crate::error::{Error, Result};
 
@@ -16,10 +17,6 @@ use crate::error::{Error, Result};
 /// lines over NVLink instead of five partial ones (a 16-byte-aligned record of 7472 bytes
 /// started at offsets 48, 96, ... modulo 128).
 pub const RECORD_ALIGN: usize = 128;
-
-fn align16(n: usize) -> usize {
-    n.div_ceil(16) * 16
-}
 
 /// Where everything of one LL group lies in the symmetric window, per buffer set, and what
 /// the kernels need besides. All offsets are 16-byte aligned; sets are 4 KiB aligned.
