@@ -1,0 +1,263 @@
+//! The GPU HT benchmark ([`bench_rank`]): times HT dispatch and combine on this rank's GPU
+//! and gathers every rank's times to rank 0.
+//!
+//! Owns: the timed loops and the report. Never: checks results (the check does).
+
+use std::time::{Duration, Instant};
+
+use super::{combine_input_io, upload_dispatch_input};
+
+use crate::backend::cuda::ht::{
+    CombineExtras, CudaHt, DispatchEvents, DispatchSource, HtGpuOptions, HtVariant, Sizing,
+};
+use crate::backend::cuda::{CudaRank, CudaRankOptions};
+use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
+use crate::config::EpConfig;
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::workload::Workload;
+
+/// Per-rank samples of one benchmark run, in seconds: host totals, kernel times, phases.
+struct Samples {
+    /// `[op][iter]` host wall time from the API call to the end of work on the stream.
+    host: [Vec<f64>; 2],
+    /// `[op][iter]` kernel time (CUDA events around the launches).
+    kernel: [Vec<f64>; 2],
+    /// dispatch phases: layout + count exchange, dispatch.
+    phases: [Vec<f64>; 2],
+    /// Per span of [`HT_SERIES`] fresh dispatches queued back to back: span / HT_SERIES.
+    back_to_back: Vec<f64>,
+    rows: f64,
+    remote_rows: f64,
+}
+
+/// Gathers one f64 vector per rank on every rank (through the store).
+pub(super) fn gather(group: &Group, name: &str, mine: &[f64]) -> Result<Vec<Vec<f64>>> {
+    let store = group.store();
+    let bytes: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
+    store.set(&group.key(&format!("{name}/{}", group.rank())), &bytes)?;
+    (0..group.world())
+        .map(|r| {
+            let key = group.key(&format!("{name}/{r}"));
+            let raw = store.get(&key, group.timeout())?;
+            if !raw.len().is_multiple_of(8) {
+                return Err(Error::Bootstrap(format!("store key `{key}` does not hold f64s")));
+            }
+            Ok(raw
+                .chunks_exact(8)
+                .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                .collect())
+        })
+        .collect()
+}
+
+/// Slowest rank per iteration.
+pub(super) fn max_per_iter(all: &[Vec<f64>]) -> Vec<Duration> {
+    let n = all.iter().map(Vec::len).min().unwrap_or(0);
+    (0..n)
+        .map(|i| Duration::from_secs_f64(all.iter().map(|v| v[i]).fold(0.0, f64::max)))
+        .collect()
+}
+
+/// What FP8 benchmarks dispatch: prequantized e4m3 input (DeepEP's format) unless
+/// `GIN_EP_FP8_SOURCE=bf16` asks for quantization inside the kernel.
+pub(super) fn bench_source(cfg: &EpConfig) -> DispatchSource {
+    if cfg.dispatch_dtype.is_fp8() && std::env::var("GIN_EP_FP8_SOURCE").map_or(true, |v| v != "bf16") {
+        DispatchSource::Fp8
+    } else {
+        DispatchSource::Bf16
+    }
+}
+
+/// Times HT dispatch and combine on this rank's GPU with an SM budget of `num_sms`; every
+/// rank calls it, rank 0 gets the report. Exact or static sizing per `opts.ht_exact`.
+/// Total time per call = host clock from the API call to the end of the stream's work (busy
+/// polling), slowest rank per iteration; `kernel` = CUDA events around the launches (the
+/// layout and count exchange included for dispatch); the dispatch's back-to-back row = CUDA
+/// events around series of fresh dispatches with no sync between them. FP8 dispatch takes
+/// prequantized input (DeepEP's format) unless `GIN_EP_FP8_SOURCE=bf16` asks for in-kernel
+/// quantization.
+pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Option<BenchReport>> {
+    if opts.mode == BenchMode::Ll {
+        return crate::backend::cuda::ll::bench::bench_rank(group, opts, num_sms);
+    }
+    let cfg = &opts.cfg;
+    if opts.tokens > cfg.max_tokens_per_rank || opts.iters == 0 {
+        return Err(Error::config(
+            "tokens",
+            opts.tokens,
+            format!(
+                "need tokens <= max_tokens_per_rank = {} and iters >= 1",
+                cfg.max_tokens_per_rank
+            ),
+        ));
+    }
+    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(opts.timeout))?;
+    let out = bench_inner(group, &rank, opts, num_sms);
+    if out.is_err() {
+        rank.comm().mark_failed();
+    }
+    let samples = out?;
+    let d_host = max_per_iter(&gather(group, "gpu-bench/dh", &samples.host[0])?);
+    let c_host = max_per_iter(&gather(group, "gpu-bench/ch", &samples.host[1])?);
+    let d_kern = max_per_iter(&gather(group, "gpu-bench/dk", &samples.kernel[0])?);
+    let c_kern = max_per_iter(&gather(group, "gpu-bench/ck", &samples.kernel[1])?);
+    let p0 = max_per_iter(&gather(group, "gpu-bench/p0", &samples.phases[0])?);
+    let p1 = max_per_iter(&gather(group, "gpu-bench/p1", &samples.phases[1])?);
+    let b2b = max_per_iter(&gather(group, "gpu-bench/b2b", &samples.back_to_back)?);
+    let rows = gather(group, "gpu-bench/rows", &[samples.rows, samples.remote_rows])?;
+    group.barrier("gpu-bench/done")?;
+    if group.rank() != 0 {
+        return Ok(None);
+    }
+    let ranks = rows.len() as f64;
+    let mean_rows = rows.iter().map(|v| v[0]).sum::<f64>() / ranks;
+    let mean_remote = rows.iter().map(|v| v[1]).sum::<f64>() / ranks;
+    let op = |name: &str,
+              total: &[Duration],
+              kernel: &[Duration],
+              phases: Vec<(String, Stats)>,
+              row_bytes: usize| {
+        OpReport {
+            phases,
+            kernel: Some(Stats::of(kernel)),
+            ..OpReport::new(name, Stats::of(total), mean_rows, mean_remote, row_bytes)
+        }
+    };
+    let ops = vec![
+        op(
+            "dispatch",
+            &d_host,
+            &d_kern,
+            vec![
+                ("layout + count exchange".into(), Stats::of(&p0)),
+                ("dispatch".into(), Stats::of(&p1)),
+                (format!("back to back (x{HT_SERIES}), per call"), Stats::of(&b2b)),
+            ],
+            cfg.dispatch_dtype.row_bytes(cfg.hidden),
+        ),
+        op(
+            "combine",
+            &c_host,
+            &c_kern,
+            vec![("combine".into(), Stats::of(&c_kern))],
+            cfg.hidden * 2,
+        ),
+    ];
+    Ok(Some(BenchReport::new(
+        format!("cuda-lsa ({})", rank.info().device_name),
+        format!(
+            "GPU HT over NVLink (NCCL LSA), {} SMs per kernel, {}; total = host clock from the API call \
+             to the end of the stream's work, kernel = CUDA events; slowest rank per iteration",
+            num_sms,
+            if opts.ht_exact {
+                "exact sizing, combine input staged from caller memory (as gin_ep.Buffer)"
+            } else {
+                "static sizing, combine input in the window"
+            }
+        ),
+        opts,
+        ops,
+    )))
+}
+
+fn bench_inner(group: &Group, rank: &CudaRank, opts: &BenchOptions, num_sms: u32) -> Result<Samples> {
+    let cfg = &opts.cfg;
+    let me = group.rank();
+    let mut ht = CudaHt::new(
+        rank,
+        cfg,
+        HtGpuOptions {
+            num_sms,
+            sizing: if opts.ht_exact {
+                Sizing::Exact
+            } else {
+                Sizing::Static
+            },
+            variant: HtVariant::from_env()?,
+            ..HtGpuOptions::default()
+        },
+    )?;
+    let w = Workload {
+        routing: opts.routing,
+        seed: opts.seed,
+        mask_prob: 0.0,
+    };
+    let input = w.rank_input(cfg, me, opts.tokens);
+    let source = bench_source(cfg);
+    let n = upload_dispatch_input(&ht, rank, cfg, &input, source)?;
+    // One dispatch to learn the receive size, then the expert outputs, once.
+    let handle = ht.dispatch(rank, n, source, None)?;
+    ht.sync(rank)?;
+    let nr = ht.num_recv();
+    let plan = ht.download_dispatch(rank, &handle)?.handle.plan;
+    let local = plan.src_offset[me + 1] - plan.src_offset[me];
+    let comb_in = w.bf16_values(me, 5, nr * cfg.hidden);
+    ht.upload_combine(rank, &comb_in, None, [None, None])?;
+    let (_caller_x, comb_io) = combine_input_io(rank, opts.ht_exact, &comb_in)?;
+    group.barrier("gpu-bench/start")?;
+
+    let ev: Vec<_> = (0..5).map(|_| rank.event()).collect::<Result<_>>()?;
+    let mut s = Samples {
+        host: [Vec::new(), Vec::new()],
+        kernel: [Vec::new(), Vec::new()],
+        phases: [Vec::new(), Vec::new()],
+        back_to_back: Vec::new(),
+        rows: nr as f64,
+        remote_rows: (nr - local) as f64,
+    };
+    for i in 0..opts.warmup + opts.iters {
+        let t0 = Instant::now();
+        let h = ht.dispatch(
+            rank,
+            n,
+            source,
+            Some(&DispatchEvents {
+                start: &ev[0],
+                counted: &ev[1],
+                end: &ev[2],
+            }),
+        )?;
+        ht.sync(rank)?;
+        let td = t0.elapsed();
+        let t1 = Instant::now();
+        ht.with_io(comb_io, |ht| {
+            ht.combine(rank, &h, CombineExtras::default(), Some((&ev[3], &ev[4])))
+        })?;
+        ht.sync(rank)?;
+        let tc = t1.elapsed();
+        if i >= opts.warmup {
+            s.host[0].push(td.as_secs_f64());
+            s.host[1].push(tc.as_secs_f64());
+            let ms = |a: usize, b: usize| ev[a].elapsed_ms(&ev[b]).map(|v| f64::from(v) * 1e-3);
+            s.kernel[0].push(ms(0, 2)?);
+            s.phases[0].push(ms(0, 1)?);
+            s.phases[1].push(ms(1, 2)?);
+            s.kernel[1].push(ms(3, 4)?);
+        }
+    }
+    rank.wait("end of bench")?;
+    // Back to back: HT_SERIES fresh dispatches queued with nothing between them but each
+    // call's own host work (with exact sizing, its wait for the receive count), CUDA events
+    // only around the series: what consecutive calls in a model step (and
+    // python/bench_overhead.py) see, where each call's layout starts when the previous
+    // call's dispatch kernel ends on that GPU, not after a host sync.
+    group.barrier("gpu-bench/series")?;
+    for _ in 0..opts.iters {
+        rank.record(&ev[0])?;
+        for _ in 0..HT_SERIES {
+            ht.dispatch(rank, n, source, None)?;
+        }
+        rank.record(&ev[2])?;
+        // Busy: a sleeping wait wakes up to 1 ms late, at a different time on every rank, and
+        // the next series' first count exchange would time that skew as dispatch time.
+        rank.wait_busy("end of a back-to-back series")?;
+        s.back_to_back
+            .push(f64::from(ev[0].elapsed_ms(&ev[2])?) * 1e-3 / HT_SERIES as f64);
+    }
+    group.barrier("gpu-bench/loop-done")?;
+    Ok(s)
+}
+
+/// Fresh dispatches per back-to-back series of the HT bench.
+const HT_SERIES: usize = 8;

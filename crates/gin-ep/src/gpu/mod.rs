@@ -1,0 +1,190 @@
+//! Per-rank entry points of the GPU checks and benchmarks: what one process (one GPU) of
+//! `gin-ep check --gpus N` and `gin-ep bench --gpus N` runs.
+//!
+//! Owns: the GPU check cases ([`gpu_cases`]), running a case on a rank and comparing every
+//! result with the oracle (through `check`), and the GPU timing loop. Never: prints, parses
+//! command lines (the CLI does), or touches CUDA directly (`backend::cuda` does).
+//!
+//! Every rank of the group calls these with the same arguments: the kernels pair ranks by
+//! operation number, so all ranks must make the same calls in the same order.
+//!
+//! One part per file: [`cases`] (the check cases), [`check`] (the HT check), [`stall`] (the
+//! never-hang check), [`bench`] (the HT benchmark), [`sweep`] (the HT variant sweep); the LL
+//! check and benchmark are in `backend::cuda::ll`, reached through the entry points here.
+
+use std::time::Duration;
+
+use crate::backend::cuda::ht::{CudaHt, DispatchSource, HtIo};
+use crate::backend::cuda::{CudaRank, DeviceBuffer};
+use crate::bench::BenchOptions;
+use crate::check::Case;
+use crate::config::EpConfig;
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::ht::RankInput;
+use crate::quant::Rows;
+use half::bf16;
+
+pub mod bench;
+pub mod cases;
+pub mod check;
+pub mod stall;
+pub mod sweep;
+
+pub use bench::bench_rank;
+pub use cases::gpu_cases;
+pub use check::{check_rank, check_rank_variants};
+pub use stall::{stall_check, StallOp};
+pub use sweep::{
+    parse_sweep_entry, sweep_entries, sweep_rank, sweep_variants, SweepEntry, SweepRow, BUILTIN_SWEEP,
+    ENV_SWEEP,
+};
+
+/// The LL small cases on every variant of `variants` (see
+/// [`crate::backend::cuda::ll::check::check_variants`]); every rank passes the same list.
+pub fn check_ll_variants(
+    group: &Group,
+    variants: &[crate::backend::cuda::ll::LlVariant],
+    timeout: Duration,
+) -> Result<usize> {
+    crate::backend::cuda::ll::check::check_variants(group, variants, timeout)
+}
+
+/// `gin-ep bench --mode ll --sweep` on this rank (see [`crate::backend::cuda::ll::bench::sweep_rank`]).
+pub fn ll_sweep_rank(
+    group: &Group,
+    opts: &BenchOptions,
+    num_sms: u32,
+) -> Result<Option<Vec<crate::backend::cuda::ll::bench::SweepLine>>> {
+    crate::backend::cuda::ll::bench::sweep_rank(group, opts, num_sms)
+}
+
+/// Generates every rank's inputs of iteration `iter` exactly as `check::run_rank_case`
+/// does (`Case::inputs`), one thread per rank.
+fn case_inputs(case: &Case, iter: usize) -> Vec<RankInput> {
+    let w = case.iter_workload(iter);
+    let cfg = &case.cfg;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = case
+            .tokens
+            .iter()
+            .enumerate()
+            .map(|(r, &n)| {
+                let w = &w;
+                s.spawn(move || w.rank_input(cfg, r, n))
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("input generation does not panic"))
+            .collect()
+    })
+}
+
+/// `f(r)` for every rank, one thread per rank.
+fn per_rank<T: Send>(ranks: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let f = &f;
+        let hs: Vec<_> = (0..ranks).map(|r| s.spawn(move || f(r))).collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("generation does not panic"))
+            .collect()
+    })
+}
+
+fn upload_dispatch_input(
+    ht: &CudaHt,
+    rank: &CudaRank,
+    cfg: &EpConfig,
+    inp: &RankInput,
+    source: DispatchSource,
+) -> Result<usize> {
+    match source {
+        DispatchSource::Bf16 => ht.upload_input(rank, &inp.x, &inp.topk_idx, &inp.topk_weights),
+        DispatchSource::Fp8 => match Rows::encode(cfg.dispatch_dtype, &inp.x, cfg.hidden) {
+            Rows::Fp8 { data, scales } => {
+                ht.upload_input_fp8(rank, &data, &scales, &inp.topk_idx, &inp.topk_weights)
+            }
+            Rows::Bf16(_) => Err(Error::input("dispatch source", "FP8 source with a BF16 config")),
+        },
+    }
+}
+
+fn upload_x(ht: &CudaHt, rank: &CudaRank, cfg: &EpConfig, x: &[bf16], source: DispatchSource) -> Result<()> {
+    match source {
+        DispatchSource::Bf16 => ht.upload_x(rank, x),
+        DispatchSource::Fp8 => match Rows::encode(cfg.dispatch_dtype, x, cfg.hidden) {
+            Rows::Fp8 { data, scales } => ht.upload_x_fp8(rank, &data, &scales),
+            Rows::Bf16(_) => Err(Error::input("dispatch source", "FP8 source with a BF16 config")),
+        },
+    }
+}
+
+/// With `exact` (the bench's `--ht-sizing exact`, what gin_ep.Buffer does): `values` copied
+/// into caller-owned memory, and the HtIo that makes a combine stage them into the window;
+/// keep the buffer alive while combines use it. Otherwise no buffer and no caller memory
+/// (the combine input already uploaded into the window).
+fn combine_input_io(rank: &CudaRank, exact: bool, values: &[bf16]) -> Result<(Option<DeviceBuffer>, HtIo)> {
+    if !exact {
+        return Ok((None, HtIo::default()));
+    }
+    let bytes = values.len() * 2;
+    let b = rank.alloc(bytes.max(16))?;
+    rank.upload(b.region().sub(0, bytes)?, bytemuck::cast_slice(values))?;
+    let io = HtIo {
+        comb_x: Some(rank.external("combine x", b.region().device_ptr(), bytes)?),
+        ..HtIo::default()
+    };
+    Ok((Some(b), io))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::BenchMode;
+    use crate::group::StoreServer;
+    use crate::workload::Routing;
+
+    #[test]
+    fn parallel_inputs_equal_the_host_checks_inputs() {
+        let c = &gpu_cases(3, 1, 9)[8];
+        for iter in 0..2 {
+            let a = case_inputs(c, iter);
+            let b = c.inputs(iter);
+            for (x, y) in a.iter().zip(&b) {
+                assert_eq!(x.x, y.x);
+                assert_eq!(x.topk_idx, y.topk_idx);
+                assert_eq!(x.topk_weights, y.topk_weights);
+            }
+        }
+    }
+
+    #[test]
+    fn without_a_gpu_check_and_bench_are_errors_not_panics() {
+        if crate::backend::cuda::driver::probe().is_ok() {
+            eprintln!("skipped: this machine has a CUDA driver");
+            return;
+        }
+        let server = StoreServer::bind("127.0.0.1:0").unwrap();
+        let group = Group::join(0, 1, &server.addr().to_string(), Duration::from_secs(5)).unwrap();
+        let cases = gpu_cases(1, 0, 1);
+        let e = check_rank(&group, BenchMode::Ht, &cases[..1], Duration::from_secs(5)).unwrap_err();
+        assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");
+        let e = check_rank(&group, BenchMode::Ll, &cases[..1], Duration::from_secs(5)).unwrap_err();
+        assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");
+        let opts = BenchOptions {
+            mode: BenchMode::Ht,
+            cfg: EpConfig::new(1, 8, 128, 2, 16),
+            tokens: 16,
+            routing: Routing::Uniform,
+            seed: 0,
+            iters: 1,
+            warmup: 0,
+            timeout: Duration::from_secs(5),
+            launch: crate::bench::Launch::Threads,
+            ht_exact: false,
+        };
+        let e = bench_rank(&group, &opts, 24).unwrap_err();
+        assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");
+        group.close().unwrap();
+    }
+}

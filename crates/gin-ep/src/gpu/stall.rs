@@ -1,0 +1,235 @@
+//! The never-hang check on GPUs ([`stall_check`]): one rank never enters an operation, and
+//! every other rank must fail within its deadline naming it.
+//!
+//! Owns: the stalled operations ([`StallOp`]) and the verdict of each rank. Never: waits
+//! without a deadline (the stalled rank sleeps a bounded time).
+
+use std::time::{Duration, Instant};
+
+use super::{case_inputs, upload_dispatch_input};
+
+use crate::backend::cuda::ht::{CombineExtras, CudaHt, DispatchSource, HtGpuOptions};
+use crate::backend::cuda::ll::{CudaLl, LlLayout};
+use crate::backend::cuda::{CudaRank, CudaRankOptions};
+use crate::check::Case;
+use crate::config::{DispatchDtype, EpConfig, LlCombineOrder};
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::ht::RankInput;
+use crate::workload::{Routing, Workload};
+use half::bf16;
+
+/// The operation one rank never enters in [`stall_check`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StallOp {
+    /// The fresh HT dispatch (its peers wait in the layout kernel's count exchange).
+    HtDispatch,
+    /// The HT combine (its peers wait in the combine's start barrier).
+    HtCombine,
+    /// The LL dispatch (its peers' receive warps wait for its counts; their send warps for
+    /// the receive table, which then reports the failure).
+    LlDispatch,
+    /// The LL combine, after a dispatch it took part in (its peers wait for its rows).
+    LlCombine,
+    /// The same in combine order `rank-first` (its peers also wait for its weights).
+    LlCombineRankFirst,
+}
+
+impl StallOp {
+    /// Every operation, in the order the CLI lists them.
+    pub const ALL: [StallOp; 5] = [
+        StallOp::HtDispatch,
+        StallOp::HtCombine,
+        StallOp::LlDispatch,
+        StallOp::LlCombine,
+        StallOp::LlCombineRankFirst,
+    ];
+
+    /// Parses `RANK:OP` with OP `ht-dispatch`, `ht-combine`, `ll-dispatch`, `ll-combine` or
+    /// `ll-combine-rank-first` (`gin-ep check --stall`).
+    pub fn parse(text: &str, world: usize) -> Result<(usize, StallOp)> {
+        let bad = |why: String| Error::config("stall", text, why);
+        let (r, op) = text
+            .split_once(':')
+            .ok_or_else(|| bad("expected RANK:OP, e.g. 1:ht-combine".into()))?;
+        let rank: usize = r
+            .trim()
+            .parse()
+            .map_err(|_| bad(format!("rank `{r}` is not a number")))?;
+        if rank >= world {
+            return Err(bad(format!("rank {rank} is not below the {world} GPUs")));
+        }
+        let op = op.trim();
+        match StallOp::ALL.into_iter().find(|o| o.name() == op) {
+            Some(o) => Ok((rank, o)),
+            None => {
+                let names: Vec<&str> = StallOp::ALL.iter().map(|o| o.name()).collect();
+                let (last, rest) = names.split_last().expect("StallOp::ALL is not empty");
+                Err(bad(format!("`{op}` is not {} or {last}", rest.join(", "))))
+            }
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            StallOp::HtDispatch => "ht-dispatch",
+            StallOp::HtCombine => "ht-combine",
+            StallOp::LlDispatch => "ll-dispatch",
+            StallOp::LlCombine => "ll-combine",
+            StallOp::LlCombineRankFirst => "ll-combine-rank-first",
+        }
+    }
+
+    /// Whether the operation is an LL one (`gin-ep check --mode ll --stall`).
+    pub fn is_ll(self) -> bool {
+        matches!(
+            self,
+            StallOp::LlDispatch | StallOp::LlCombine | StallOp::LlCombineRankFirst
+        )
+    }
+}
+
+/// The never-hang check on GPUs: rank `stall` stays alive but never enters `op` (it sleeps
+/// through the others' deadlines), and every other rank must fail within its deadline with
+/// an error that names the stalled rank as the late peer. `timeout` is the host deadline
+/// (kernels get half of it). Returns, per rank, what it observed (the stalled rank: that it
+/// stalled); an error when a rank saw no failure, the wrong peer, or failed too late.
+pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) -> Result<String> {
+    let me = group.rank();
+    let r = group.world();
+    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?;
+    let case = Case {
+        cfg: EpConfig::new(r, 32, 1024, 4, 64)
+            .with_dtype(DispatchDtype::Bf16)
+            .with_ll_combine_order(if op == StallOp::LlCombineRankFirst {
+                LlCombineOrder::RankFirst
+            } else {
+                LlCombineOrder::Topk
+            }),
+        workload: Workload {
+            routing: Routing::Uniform,
+            seed: 0x57A11,
+            mask_prob: 0.0,
+        },
+        tokens: vec![64; r],
+        iters: 1,
+    };
+    let cfg = &case.cfg;
+    let ins = case_inputs(&case, 0);
+    if op.is_ll() {
+        return stall_check_ll(&rank, cfg, &ins[me], stall, op, timeout);
+    }
+    let mut ht = CudaHt::new(&rank, cfg, HtGpuOptions::default())?;
+    let n = upload_dispatch_input(&ht, &rank, cfg, &ins[me], DispatchSource::Bf16)?;
+    let t0 = Instant::now();
+    let observed = (|| -> Result<()> {
+        if me == stall && op == StallOp::HtDispatch {
+            return Ok(());
+        }
+        let handle = ht.dispatch(&rank, n, DispatchSource::Bf16, None)?;
+        ht.sync(&rank)?;
+        if me == stall {
+            return Ok(());
+        }
+        let nr = handle.num_recv.unwrap_or(0);
+        ht.upload_combine(&rank, &vec![bf16::ONE; nr * cfg.hidden], None, [None, None])?;
+        ht.combine(&rank, &handle, CombineExtras::default(), None)?;
+        ht.sync(&rank)
+    })();
+    let verdict = stall_verdict(me, stall, op, timeout, observed, t0.elapsed());
+    // Every rank's communicator saw (or caused) a failure: abort it rather than finalize,
+    // and leave the window to the process's end (peers never join its collective release).
+    rank.comm().mark_failed();
+    std::mem::forget(ht);
+    verdict
+}
+
+/// [`stall_check`] for the LL operations: one dispatch on set 0 (BF16), then one combine.
+fn stall_check_ll(
+    rank: &CudaRank,
+    cfg: &EpConfig,
+    inp: &RankInput,
+    stall: usize,
+    op: StallOp,
+    timeout: Duration,
+) -> Result<String> {
+    let me = rank.info().rank;
+    let mut ll = CudaLl::new(rank, cfg, None)?;
+    ll.upload_input(0, &inp.x, &inp.topk_idx, &inp.topk_weights)?;
+    let t0 = Instant::now();
+    let observed = (|| -> Result<()> {
+        if me == stall && op == StallOp::LlDispatch {
+            return Ok(());
+        }
+        ll.dispatch(0)?;
+        rank.wait("LL dispatch")?;
+        if me == stall {
+            return Ok(());
+        }
+        ll.upload_expert_output(0, &vec![bf16::ONE; LlLayout::out_rows(cfg) * cfg.hidden])?;
+        ll.combine(0)?;
+        rank.wait("LL combine")
+    })();
+    let verdict = stall_verdict(me, stall, op, timeout, observed, t0.elapsed());
+    rank.comm().mark_failed();
+    std::mem::forget(ll);
+    verdict
+}
+
+/// What one rank of a never-hang check observed: the stalled rank sleeps through the
+/// others' deadlines; every other rank must have failed in time, naming it.
+fn stall_verdict(
+    me: usize,
+    stall: usize,
+    op: StallOp,
+    timeout: Duration,
+    observed: Result<()>,
+    waited: Duration,
+) -> Result<String> {
+    if me == stall {
+        // A hung peer, not a dead one: alive and silent until the others have given up.
+        std::thread::sleep(timeout + Duration::from_secs(2));
+        observed.map(|()| {
+            format!(
+                "rank {me}: never entered {}, slept through the deadlines",
+                op.name()
+            )
+        })
+    } else {
+        match observed {
+            Ok(()) => Err(Error::Mismatch(format!(
+                "rank {me}: {} returned without an error although rank {stall} never entered it",
+                op.name()
+            ))),
+            Err(Error::Timeout { phase, peer, .. }) if peer == stall && waited <= timeout + Duration::from_secs(5) => {
+                Ok(format!(
+                    "rank {me}: failed after {:.1} s in {phase}, naming rank {peer} as the late peer",
+                    waited.as_secs_f64()
+                ))
+            }
+            Err(e) => Err(Error::Mismatch(format!(
+                "rank {me}: expected a deadline naming rank {stall} within {timeout:?}, got after {:.1} s: {e}",
+                waited.as_secs_f64()
+            ))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stall_ops_parse_their_names_and_refuse_others() {
+        for op in StallOp::ALL {
+            assert_eq!(StallOp::parse(&format!("1:{}", op.name()), 2).unwrap(), (1, op));
+            assert_eq!(op.is_ll(), op.name().starts_with("ll-"));
+        }
+        assert!(StallOp::parse("2:ll-combine", 2).is_err());
+        let e = StallOp::parse("0:ll-combine-topk", 2).unwrap_err().to_string();
+        assert!(
+            e.contains("`ll-combine-topk` is not") && e.contains("ll-combine-rank-first"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,302 @@
+//! The HT variant sweep: the (SM budget, variant) entries `gin-ep bench --sweep` and
+//! `gin-ep check --variants` run ([`sweep_entries`]), and timing each ([`sweep_rank`]).
+//!
+//! Owns: the built-in list and the entry text form. Never: checks results.
+
+use std::time::Instant;
+
+use super::bench::{bench_source, gather, max_per_iter};
+use super::{combine_input_io, upload_dispatch_input};
+
+use crate::backend::cuda::ht::{
+    CombineExtras, CudaHt, DispatchEvents, HtGpuOptions, HtVariant, Sizing, STAMP_WORDS,
+};
+use crate::backend::cuda::{CudaRank, CudaRankOptions};
+use crate::bench::{BenchMode, BenchOptions, Stats};
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::workload::Workload;
+
+/// One entry of a sweep: SM budget, kernel variant, and its name in the output.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SweepEntry {
+    pub sms: u32,
+    pub variant: HtVariant,
+    pub name: String,
+}
+
+/// Environment variable with a `;`-separated sweep list (entries as [`parse_sweep_entry`]).
+pub const ENV_SWEEP: &str = "GIN_EP_HT_SWEEP";
+
+/// The built-in sweep: the default at 24 SMs, then one knob at a time at 24 SMs, then SM
+/// budgets above 24 (default and a combined variant). docs/history/perf-notes.md (HT) has
+/// the prediction for each.
+pub const BUILTIN_SWEEP: &[&str] = &[
+    "sms=24",
+    "sms=24,rot=0,cu=4,cc=0",
+    "sms=24,dc=1,cc=1",
+    "sms=24,rot=1",
+    "sms=24,dt=256,ct=128",
+    "sms=24,du=4,dt=768",
+    "sms=24,du=4,dt=768,dc=2",
+    "sms=24,du=16,dt=384",
+    "sms=24,du=16,dt=384,dc=1,rot=1",
+    "sms=24,cu=3,ct=384",
+    "sms=24,cu=3,ct=384,cc=2",
+    "sms=24,cu=2,ct=512",
+    "sms=24,cu=2,ct=512,cc=2",
+    "sms=32",
+    "sms=32,du=4,dt=768,dc=2,cu=3,ct=384,cc=2",
+    "sms=48",
+    "sms=48,du=4,dt=768,dc=2,cu=3,ct=384,cc=2",
+    "sms=64",
+    "sms=96",
+];
+
+/// `sms=N,` followed by an [`HtVariant`] text (either part optional; `default_sms` when no
+/// `sms=`).
+pub fn parse_sweep_entry(text: &str, default_sms: u32) -> Result<SweepEntry> {
+    let mut sms = default_sms;
+    let mut rest = Vec::new();
+    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        match part.strip_prefix("sms=") {
+            Some(n) => {
+                sms = n
+                    .trim()
+                    .parse()
+                    .map_err(|_| Error::config("sweep", part, "sms is not a number"))?;
+            }
+            None => rest.push(part),
+        }
+    }
+    let variant = HtVariant::parse(&rest.join(","))?;
+    HtGpuOptions {
+        num_sms: sms,
+        sizing: Sizing::Static,
+        variant,
+        ..HtGpuOptions::default()
+    }
+    .validate()?;
+    Ok(SweepEntry {
+        sms,
+        variant,
+        name: text.trim().to_string(),
+    })
+}
+
+/// The sweep list: `list` (`;`-separated) when given, else `GIN_EP_HT_SWEEP`, else the
+/// built-in list, at 24 SMs unless an entry says otherwise. Returned as (name, variant)
+/// pairs plus SMs in [`SweepEntry`].
+pub fn sweep_variants(list: Option<&str>) -> Result<Vec<(String, HtVariant, u32)>> {
+    Ok(sweep_entries(list)?
+        .into_iter()
+        .map(|e| (e.name, e.variant, e.sms))
+        .collect())
+}
+
+/// As [`sweep_variants`], as entries.
+pub fn sweep_entries(list: Option<&str>) -> Result<Vec<SweepEntry>> {
+    let env = std::env::var(ENV_SWEEP).ok();
+    let text: Vec<String> = match list.map(str::to_string).or(env) {
+        Some(t) => t
+            .split(';')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(str::to_string)
+            .collect(),
+        None => BUILTIN_SWEEP.iter().map(|s| s.to_string()).collect(),
+    };
+    if text.is_empty() {
+        return Err(Error::config("sweep", "(empty)", "no entries"));
+    }
+    text.iter()
+        .map(|t| parse_sweep_entry(t, crate::backend::cuda::ht::DEFAULT_SMS))
+        .collect()
+}
+
+/// One line of a sweep: medians (µs) over iterations of the slowest rank per iteration.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct SweepRow {
+    pub name: String,
+    /// Host clock, API call to the end of the stream's work.
+    pub dispatch_us: f64,
+    /// CUDA events around both dispatch launches.
+    pub dispatch_kernel_us: f64,
+    /// CUDA events around the layout + count exchange kernel.
+    pub layout_us: f64,
+    /// Device clock inside the layout kernel: layout work before the count stores.
+    pub layout_compute_us: f64,
+    /// Device clock: count stores + signals until every peer's counts arrived (includes
+    /// the peers' launch skew).
+    pub count_wait_us: f64,
+    /// Device clock: dispatch block 0 start until the last block's last row was stored.
+    pub dispatch_payload_us: f64,
+    pub combine_us: f64,
+    pub combine_kernel_us: f64,
+    /// Device clock: combine block 0 after the start barrier until the last block's pull end.
+    pub combine_pull_us: f64,
+    /// Device clock: combine block 0 after the start barrier until the last stage CTA's end
+    /// (staged combine, `--ht-sizing exact`; 0 otherwise).
+    pub combine_staged_us: f64,
+}
+
+/// Runs every entry of `entries` (all ranks the same list) with `opts` (iterations, shape,
+/// routing; SMs from the entries) on one CudaHt; rank 0 gets one row per entry.
+pub fn sweep_rank(
+    group: &Group,
+    opts: &BenchOptions,
+    entries: &[SweepEntry],
+) -> Result<Option<Vec<SweepRow>>> {
+    let cfg = &opts.cfg;
+    if opts.mode != BenchMode::Ht
+        || entries.is_empty()
+        || opts.tokens > cfg.max_tokens_per_rank
+        || opts.iters == 0
+    {
+        return Err(Error::config(
+            "sweep",
+            entries.len(),
+            "needs --mode ht, at least one entry, tokens <= max_tokens and iters >= 1",
+        ));
+    }
+    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(opts.timeout))?;
+    let out = sweep_inner(group, &rank, opts, entries);
+    if out.is_err() {
+        rank.comm().mark_failed();
+    }
+    let rows = out?;
+    group.barrier("gpu-sweep/done")?;
+    Ok(if group.rank() == 0 { Some(rows) } else { None })
+}
+
+fn sweep_inner(
+    group: &Group,
+    rank: &CudaRank,
+    opts: &BenchOptions,
+    entries: &[SweepEntry],
+) -> Result<Vec<SweepRow>> {
+    let cfg = &opts.cfg;
+    let me = group.rank();
+    let mut ht = CudaHt::new(
+        rank,
+        cfg,
+        HtGpuOptions {
+            num_sms: entries[0].sms,
+            sizing: if opts.ht_exact {
+                Sizing::Exact
+            } else {
+                Sizing::Static
+            },
+            variant: entries[0].variant,
+            ..HtGpuOptions::default()
+        },
+    )?;
+    let w = Workload {
+        routing: opts.routing,
+        seed: opts.seed,
+        mask_prob: 0.0,
+    };
+    let input = w.rank_input(cfg, me, opts.tokens);
+    let source = bench_source(cfg);
+    let n = upload_dispatch_input(&ht, rank, cfg, &input, source)?;
+    let handle = ht.dispatch(rank, n, source, None)?;
+    ht.sync(rank)?;
+    let nr = ht.num_recv();
+    let _ = handle;
+    let comb_in = w.bf16_values(me, 5, nr * cfg.hidden);
+    ht.upload_combine(rank, &comb_in, None, [None, None])?;
+    let (_caller_x, comb_io) = combine_input_io(rank, opts.ht_exact, &comb_in)?;
+    let ev: Vec<_> = (0..5).map(|_| rank.event()).collect::<Result<_>>()?;
+    let mut rows = Vec::new();
+    for (vi, e) in entries.iter().enumerate() {
+        ht.set_tuning(e.sms, e.variant)?;
+        group.barrier(&format!("gpu-sweep/{vi}"))?;
+        // [metric][iter], seconds.
+        let mut m: Vec<Vec<f64>> = vec![Vec::new(); 10];
+        for i in 0..opts.warmup + opts.iters {
+            let t0 = Instant::now();
+            let h = ht.dispatch(
+                rank,
+                n,
+                source,
+                Some(&DispatchEvents {
+                    start: &ev[0],
+                    counted: &ev[1],
+                    end: &ev[2],
+                }),
+            )?;
+            ht.sync(rank)?;
+            let td = t0.elapsed();
+            let t1 = Instant::now();
+            ht.with_io(comb_io, |ht| {
+                ht.combine(rank, &h, CombineExtras::default(), Some((&ev[3], &ev[4])))
+            })?;
+            ht.sync(rank)?;
+            let tc = t1.elapsed();
+            let st: [u64; STAMP_WORDS] = ht.stamps(rank)?;
+            if i >= opts.warmup {
+                let ms = |a: usize, b: usize| ev[a].elapsed_ms(&ev[b]).map(|v| f64::from(v) * 1e-3);
+                let d = |a: usize, b: usize| st[b].saturating_sub(st[a]) as f64 * 1e-9;
+                let vals = [
+                    td.as_secs_f64(),
+                    ms(0, 2)?,
+                    ms(0, 1)?,
+                    d(0, 1),
+                    d(1, 2),
+                    d(4, 5),
+                    tc.as_secs_f64(),
+                    ms(3, 4)?,
+                    d(8, 9),
+                    d(8, 11),
+                ];
+                for (k, v) in vals.into_iter().enumerate() {
+                    m[k].push(v);
+                }
+            }
+        }
+        let mut med = [0.0f64; 10];
+        for (k, v) in m.iter().enumerate() {
+            let all = gather(group, &format!("gpu-sweep/{vi}/{k}"), v)?;
+            med[k] = Stats::of(&max_per_iter(&all)).median_us;
+        }
+        rows.push(SweepRow {
+            name: e.name.clone(),
+            dispatch_us: med[0],
+            dispatch_kernel_us: med[1],
+            layout_us: med[2],
+            layout_compute_us: med[3],
+            count_wait_us: med[4],
+            dispatch_payload_us: med[5],
+            combine_us: med[6],
+            combine_kernel_us: med[7],
+            combine_pull_us: med[8],
+            combine_staged_us: med[9],
+        });
+    }
+    rank.wait("end of sweep")?;
+    group.barrier("gpu-sweep/loop-done")?;
+    Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::cases::gpu_cases;
+    use super::super::check::small_case;
+    use super::*;
+
+    #[test]
+    fn sweep_lists_parse() {
+        let all = sweep_entries(None).unwrap();
+        assert_eq!(all.len(), BUILTIN_SWEEP.len());
+        assert_eq!(all[0].sms, 24);
+        assert_eq!(all[0].variant, HtVariant::default());
+        let e = sweep_entries(Some("sms=48,du=4,dt=768; rot=1")).unwrap();
+        assert_eq!((e[0].sms, e[0].variant.dispatch_unroll), (48, 4));
+        assert_eq!((e[1].sms, e[1].variant.rotate), (24, true));
+        assert!(sweep_entries(Some("sms=0")).is_err());
+        assert!(sweep_entries(Some("sms=200")).is_err());
+        assert!(sweep_entries(Some(" ; ")).is_err());
+        let cases = gpu_cases(4, 6, 0);
+        assert!(cases.iter().filter(|c| small_case(c)).count() >= 8);
+    }
+}
