@@ -22,7 +22,7 @@ use cudarc::driver::sys;
 use half::bf16;
 
 use super::runtime::result::cu_raw;
-use super::runtime::{CudaRank, DevComm, DevCommRequest, DeviceBuffer, ExternalSpan, Window};
+use super::runtime::{CudaRank, DevComm, DevCommRequest, DeviceBuffer, ExternalSpan, Graph, Window};
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
 use crate::error::{Error, Result};
 use crate::ll::{LlDispatchOutput, LlHandle};
@@ -131,23 +131,6 @@ pub struct LlIo {
     pub weights: Option<ExternalSpan>,
     /// Combine output `[N, H]` BF16.
     pub combined: Option<ExternalSpan>,
-}
-
-/// A captured CUDA graph, instantiated; destroyed on drop.
-pub struct Graph {
-    exec: sys::CUgraphExec,
-    graph: sys::CUgraph,
-}
-
-impl Drop for Graph {
-    fn drop(&mut self) {
-        // SAFETY: both handles were made by capture() and are destroyed once; the owner
-        // waits for replays before dropping (CudaLl users wait before teardown).
-        unsafe {
-            let _ = sys::cuGraphExecDestroy(self.exec);
-            let _ = sys::cuGraphDestroy(self.graph);
-        }
-    }
 }
 
 /// The window's LSA base and stride in 4 GiB units from every peer's address of it (index:
@@ -650,51 +633,13 @@ impl<'r> CudaLl<'r> {
     /// Captures what `f` queues on the rank's stream into a graph (nothing runs now). `f`
     /// must only launch (no waits, copies from pageable memory or memsets of other streams).
     pub fn capture(&self, f: impl FnOnce(&Self) -> Result<()>) -> Result<Graph> {
-        self.rank.wait("before graph capture")?;
-        let stream = self.rank.stream();
-        // SAFETY: the stream is live and idle; thread-local mode restricts only this thread.
-        cu_raw("cuStreamBeginCapture", unsafe {
-            sys::cuStreamBeginCapture_v2(
-                stream,
-                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-            )
-        })?;
-        let queued = f(self);
-        let mut graph: sys::CUgraph = std::ptr::null_mut();
-        // SAFETY: ends the capture begun above (always, also when f failed).
-        let ended = cu_raw("cuStreamEndCapture", unsafe {
-            sys::cuStreamEndCapture(stream, &mut graph)
-        });
-        if let Err(e) = queued.and(ended) {
-            if !graph.is_null() {
-                // SAFETY: a graph returned by the capture, destroyed once.
-                unsafe {
-                    let _ = sys::cuGraphDestroy(graph);
-                }
-            }
-            return Err(e);
-        }
-        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
-        // SAFETY: graph is the captured graph; exec receives its instantiation.
-        let inst = cu_raw("cuGraphInstantiate", unsafe {
-            sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
-        });
-        if let Err(e) = inst {
-            // SAFETY: as above.
-            unsafe {
-                let _ = sys::cuGraphDestroy(graph);
-            }
-            return Err(e);
-        }
-        Ok(Graph { exec, graph })
+        self.rank.capture(|| f(self))
     }
 
     /// Queues one replay of `g` on the rank's stream.
     pub fn replay(&self, g: &Graph) -> Result<()> {
-        // SAFETY: exec is live; the graph's kernels reference self's buffers (alive).
-        cu_raw("cuGraphLaunch", unsafe {
-            sys::cuGraphLaunch(g.exec, self.rank.stream())
-        })
+        // SAFETY: the graph's kernels reference self's buffers (alive).
+        unsafe { self.rank.replay(g) }
     }
 
     /// Waits (bounded) and reads the dispatch outputs of `set`.

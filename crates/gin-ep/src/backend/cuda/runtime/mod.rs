@@ -4,9 +4,9 @@
 //! Owns: every raw CUDA driver and NCCL handle of a rank, each behind a safe owner whose
 //! `Drop` releases it: [`CudaRank`] (context, stream, module, host-mapped error record, NCCL
 //! communicator), [`Window`] (ncclMemAlloc + symmetric registration), [`DevComm`]
-//! (ncclDevCommCreate), [`DeviceBuffer`] (cuMemAlloc), [`Event`], [`SideStreams`]. Never:
-//! decides buffer layouts or which kernel runs (the callers do, through the typed launches
-//! in [`super::ops`]), or waits on the device without a deadline.
+//! (ncclDevCommCreate), [`DeviceBuffer`] (cuMemAlloc), [`Event`], [`SideStreams`],
+//! [`Graph`]. Never: decides buffer layouts or which kernel runs (the callers do, through
+//! the typed launches in [`super::ops`]), or waits on the device without a deadline.
 //!
 //! Drop order is carried by reference counts, not by the caller's discipline: windows and
 //! device communicators hold the communicator (`Rc<Comm>`), which holds the context, so a
@@ -21,11 +21,13 @@
 //!
 //! One owner per file: [`rank`] ([`CudaRank`]), [`memory`] (device and host-mapped memory),
 //! [`window`] ([`Window`], [`DevComm`]), [`stream`] (the stream, [`SideStreams`], [`Event`],
-//! the bounded wait), [`comm`] (the NCCL communicator); [`result`] turns driver and NCCL
-//! statuses into typed errors, [`gin`] decides whether GIN may be asked for.
+//! the bounded wait), [`graph`] ([`Graph`]), [`comm`] (the NCCL communicator); [`result`]
+//! turns driver and NCCL statuses into typed errors, [`gin`] decides whether GIN may be
+//! asked for.
 
 pub mod comm;
 pub mod gin;
+pub mod graph;
 pub mod memory;
 pub mod rank;
 pub mod result;
@@ -34,6 +36,7 @@ pub mod window;
 
 pub use comm::{nccl_probe, Comm};
 pub use gin::{gin_available, gin_network};
+pub use graph::Graph;
 pub(crate) use memory::HostMapped;
 pub use memory::{DeviceBuffer, DeviceRegion, ExternalSpan};
 pub use rank::{median, CudaRank, CudaRankOptions, PeerCopy, RankInfo};
