@@ -18,10 +18,8 @@
 
 use std::sync::atomic::AtomicU64;
 
-use cudarc::driver::sys;
 use half::bf16;
 
-use super::runtime::result::cu_raw;
 use super::runtime::{CudaRank, DevComm, DevCommRequest, DeviceBuffer, ExternalSpan, Graph, Window};
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
 use crate::error::{Error, Result};
@@ -222,27 +220,12 @@ impl<'r> CudaLl<'r> {
             (names::DISPATCH_FUSED, layout.dispatch_fused_smem()),
             (names::COMBINE_FUSED, layout.combine_send_smem),
         ] {
-            let f = rank.function(name)?;
-            // SAFETY: f is a live function of the rank's module; the attribute only raises
-            // the dynamic shared memory ceiling (needed above 48 KiB).
-            cu_raw("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
-                sys::cuFuncSetAttribute(
-                    f,
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )
-            })?;
+            // Needed above 48 KiB. Every size is at most 2 * MAX_SMEM (LlLayout::new).
+            rank.set_max_smem(name, smem as u32)?;
             // Set either way: the attribute belongs to the process's function, which an
             // earlier object with another variant may have set.
             let carveout = if variant.carveout { 100 } else { -1 };
-            // SAFETY: as above; a hint for the L1/shared split, -1 = the driver's default.
-            cu_raw("cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT)", unsafe {
-                sys::cuFuncSetAttribute(
-                    f,
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                    carveout,
-                )
-            })?;
+            rank.set_carveout(name, carveout)?;
         }
         if variant.fused {
             // Every CTA waits for all CTAs of every peer: the grid must be resident at once.
@@ -250,12 +233,7 @@ impl<'r> CudaLl<'r> {
                 (names::DISPATCH_FUSED, layout.dispatch_fused_smem()),
                 (names::COMBINE_FUSED, layout.combine_send_smem),
             ] {
-                let f = rank.function(name)?;
-                let mut per_sm: i32 = 0;
-                // SAFETY: f is live; per_sm receives one int.
-                cu_raw("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
-                    sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm, f, THREADS as i32, smem)
-                })?;
+                let per_sm = rank.max_blocks_per_sm(name, THREADS, smem)?;
                 let resident = u64::from(per_sm.max(0) as u32) * u64::from(sms);
                 if u64::from(grid) > resident {
                     return Err(Error::config(

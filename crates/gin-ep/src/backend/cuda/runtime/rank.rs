@@ -388,6 +388,32 @@ impl CudaRank {
         })
     }
 
+    /// Sets `name`'s preferred shared-memory carveout: a percentage of the L1/shared split,
+    /// or -1 for the driver's default.
+    pub(crate) fn set_carveout(&self, name: &'static str, percent: i32) -> Result<()> {
+        let f = self.function(name)?;
+        // SAFETY: f is a live function of the rank's module; a hint for the L1/shared split.
+        cu("cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT)", unsafe {
+            result::function::set_function_attribute(
+                f,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                percent,
+            )
+        })
+    }
+
+    /// How many CTAs of `name` with `threads` threads and `smem` bytes of dynamic shared
+    /// memory one SM holds at once.
+    pub(crate) fn max_blocks_per_sm(&self, name: &'static str, threads: u32, smem: usize) -> Result<i32> {
+        let f = self.function(name)?;
+        let mut per_sm: i32 = 0;
+        // SAFETY: f is live; per_sm receives one int.
+        cu_raw("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm, f, threads as i32, smem)
+        })?;
+        Ok(per_sm)
+    }
+
     /// Copy-engine bandwidth from this rank's GPU to GPU `dst_device` (cuMemcpyPeerAsync
     /// between the two primary contexts with peer access enabled): median of `iters` copies
     /// of `bytes`, after one warmup copy. Uses `2 * bytes` of device memory (one buffer per
