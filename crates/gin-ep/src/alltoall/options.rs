@@ -240,7 +240,7 @@ pub struct AlltoallOptions {
     pub seed: u32,
     /// `lsa-run`'s store instruction.
     pub store_hint: StoreHint,
-    /// Stamp one extra loop per double-buffered LSA point (see [`Breakdown`]).
+    /// Stamp one extra loop per double-buffered LSA point (see [`super::Breakdown`]).
     pub breakdown: bool,
     /// Copy-engine peer copy GPU0 -> GPU1 size; 0 skips it.
     pub peer_copy_bytes: usize,

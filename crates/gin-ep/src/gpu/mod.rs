@@ -9,7 +9,7 @@
 //! operation number, so all ranks must make the same calls in the same order.
 //!
 //! One part per file: [`cases`] (the check cases), [`check`] (the HT check), [`stall`] (the
-//! never-hang check), [`bench`] (the HT benchmark), [`sweep`] (the HT variant sweep); the LL
+//! never-hang check), [`mod@bench`] (the HT benchmark), [`sweep`] (the HT variant sweep); the LL
 //! check and benchmark are in `backend::cuda::ll`, reached through the entry points here.
 
 use std::time::Duration;

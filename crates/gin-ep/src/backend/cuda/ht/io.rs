@@ -95,7 +95,7 @@ pub struct HtIo {
     pub out_x: Option<ExternalSpan>,
     pub out_w: Option<ExternalSpan>,
     /// The receive slab this rank's next dispatch (fresh or cached) lands in, below
-    /// [`HtGpuOptions::recv_slabs`]; each rank picks its own.
+    /// [`super::HtGpuOptions::recv_slabs`]; each rank picks its own.
     pub recv_slab: usize,
     /// Combine input `[num_recv, H]` BF16 in receive order (expert outputs): copied into the
     /// window by extra CTAs while the combine runs (peers read rows as they land) instead of

@@ -9,7 +9,7 @@ use super::{DEFAULT_STAGE_BLOCKS, MAX_GRID};
 use crate::backend::cuda::kernels::names;
 use crate::error::{Error, Result};
 
-/// Environment variable naming the default [`HtVariant`] of every [`CudaHt`].
+/// Environment variable naming the default [`HtVariant`] of every [`super::CudaHt`].
 pub const ENV_VARIANT: &str = "GIN_EP_HT_VARIANT";
 
 /// A performance variant of the HT kernels: which compiled instantiation (unroll), block
@@ -38,7 +38,7 @@ pub struct HtVariant {
     pub combine_threads: u32,
     pub combine_chunk: u32,
     /// CTAs beside the SM budget that copy the caller's rows into the window during a
-    /// combine from caller-owned memory ([`HtIo::comb_x`]).
+    /// combine from caller-owned memory ([`super::HtIo::comb_x`]).
     pub stage_blocks: u32,
     /// The stage CTAs push the rows into the sources' windows (the sources then reduce from
     /// local memory) instead of copying them into this rank's window for the sources to pull.

@@ -1,5 +1,5 @@
 //! Where the LL kernels find everything: the window layout of one group ([`LlLayout`]) and
-//! the host mirror of the kernels' one parameter ([`LlArgs`]).
+//! the host mirror of the kernels' one parameter (`LlArgs`).
 //!
 //! Owns: the offset and size arithmetic that the record arithmetic in kernels/ll/ll.cu
 //! mirrors, and the shapes the kernels refuse. Never: allocates, launches or touches the

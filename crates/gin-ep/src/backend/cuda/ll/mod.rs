@@ -6,7 +6,7 @@
 //! kernel constants the host mirrors. The window layout and the kernel's argument block are
 //! in [`layout`], the kernel variants in [`variant`]. Never: decides what is correct (the
 //! oracle does, through `check`), prints, imports the GPU check ([`check`]) or benchmark
-//! ([`bench`], [`stamps`]) that drive it, or waits on the device without a deadline (every
+//! ([`mod@bench`], [`stamps`]) that drive it, or waits on the device without a deadline (every
 //! wait is [`CudaRank::wait`]; every in-kernel wait has one and names phase and peer).
 //!
 //! Device-side protocol (see the head of kernels/ll/ll.cu): no barrier and no host

@@ -1,7 +1,7 @@
 //! The LL kernel variants: how the kernels spread and order their work ([`LlVariant`]), its
 //! text form, and the kernel's flags word it maps to.
 //!
-//! Owns: the feature table ([`FEATURES`]) that `name`, `parse` and `kernel_flags` all read,
+//! Owns: the feature table (`FEATURES`) that `name`, `parse` and `kernel_flags` all read,
 //! and the variant lists the check and the sweep run. Never: launches, allocates or reads
 //! the environment beyond [`ENV_VARIANT`]; every variant computes the same bytes, so nothing
 //! here may change a result.

@@ -55,7 +55,7 @@ impl Drop for Comm {
     }
 }
 
-/// Loads NCCL the way [`CudaRank::new`] would and returns where it came from and
+/// Loads NCCL the way [`super::CudaRank::new`] would and returns where it came from and
 /// its `ncclGetVersion`, for `gin-ep info`. Needs no GPU.
 pub fn nccl_probe() -> std::result::Result<(String, i32), String> {
     let nccl = ns::Nccl::load().map_err(|e| e.to_string())?;

@@ -3,7 +3,7 @@
 //!
 //! Owns: the graph and its instantiation, destroyed on drop. Never: decides what is
 //! captured, or keeps the memory a graph's kernels use alive: its owner does, while replays
-//! run (hence [`CudaRank::replay`] is unsafe).
+//! run (hence `CudaRank::replay` is unsafe).
 
 use cudarc::driver::sys;
 

@@ -1,6 +1,6 @@
 //! Device memory of a rank: owned buffers ([`DeviceBuffer`]), borrowed views
 //! ([`DeviceRegion`]), caller-owned spans ([`ExternalSpan`]), host-mapped records
-//! ([`HostMapped`]), and the rank's copies and fills between them.
+//! (`HostMapped`), and the rank's copies and fills between them.
 //!
 //! Owns: every cuMemAlloc / cuMemHostAlloc of a rank and its free, and the bounds check of
 //! every region and span a kernel or copy is given. Never: decides layouts (the drivers do),
@@ -16,7 +16,7 @@ use super::stream::SideStreams;
 use super::CudaRank;
 use crate::error::{Error, Result};
 
-/// A non-owning view of device memory borrowed from a [`DeviceBuffer`] or [`Window`]: what
+/// A non-owning view of device memory borrowed from a [`DeviceBuffer`] or [`super::Window`]: what
 /// the typed launches take, so a kernel never sees memory that may already be freed.
 #[derive(Clone, Copy, Debug)]
 pub struct DeviceRegion<'a> {

@@ -1,6 +1,6 @@
 //! The result layer: every status the device side reports, as a typed [`Error`]. CUDA
-//! driver results ([`cu`], [`cu_raw`]), NCCL results with NCCL's own last message
-//! ([`nccl_ok`]), and the kernels' missed-deadline records ([`fabric_error_to_error`]).
+//! driver results (`cu`, `cu_raw`), NCCL results with NCCL's own last message
+//! (`nccl_ok`), and the kernels' missed-deadline records ([`fabric_error_to_error`]).
 //!
 //! Owns: the wording of those errors. Never: makes a call itself, holds a handle, or decides
 //! what to do about a failure (the owners mark their communicator failed).

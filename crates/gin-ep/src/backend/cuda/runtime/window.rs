@@ -105,7 +105,7 @@ pub const GIN_CONTEXTS: u32 = 4;
 pub struct DevCommRequest {
     /// NCCL LSA barriers (one per block that uses `ncclLsaBarrierSession`).
     pub lsa_barriers: u32,
-    /// GIN signals; > 0 asks NCCL for GIN, allowed only where [`gin_network`] found one.
+    /// GIN signals; > 0 asks NCCL for GIN, allowed only where [`super::gin_network`] found one.
     pub gin_signals: u32,
 }
 
