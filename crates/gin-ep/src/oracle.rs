@@ -292,7 +292,7 @@ fn ll_row_of(
 
 /// One token's LL combine, in the order `cfg.ll_combine_order` names: the arithmetic every
 /// backend reproduces bit for bit (the host backend in its own code, the GPU kernels in
-/// kernels/ll/ll.cu). Holds the f32 scratch rows so a loop over tokens allocates once.
+/// kernels/ll/combine_recv.cuh). Holds the f32 scratch rows so a loop over tokens allocates once.
 pub struct LlReducer {
     acc: Vec<f32>,
     part: Vec<f32>,

@@ -64,7 +64,7 @@ pub mod names {
     pub const PATTERN_FILL: &str = "gin_ep_pattern_fill";
     /// Counts receive-buffer words that differ from the pattern; keeps the first index.
     pub const PATTERN_CHECK: &str = "gin_ep_pattern_check";
-    /// HT layout + count exchange + receive plan (kernels/ht/ht.cu), one block.
+    /// HT layout + count exchange + receive plan (kernels/ht/layout.cuh), one block.
     pub const HT_LAYOUT_COUNT: &str = "gin_ep_ht_layout_count";
     /// HT dispatch (push; fresh or cached), copy of BF16 / prequantized FP8, unroll 8, <= 512
     /// threads (the default).
@@ -81,7 +81,7 @@ pub mod names {
     pub const HT_COMBINE_U2_T512: &str = "gin_ep_ht_combine_u2_t512";
 }
 
-/// Host mirror of `gin_ep::ht::HtArgs` (kernels/ht/ht.cu), the one parameter of every HT
+/// Host mirror of `gin_ep::ht::HtArgs` (kernels/ht/common.cuh), the one parameter of every HT
 /// kernel. Offsets are bytes in the window; pointers are device addresses (u64).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]

@@ -1,21 +1,21 @@
 //! Where the HT kernels find everything: the window layout ([`HtLayout`]), the plan and
 //! layout-kernel sizes, and the shapes the GPU HT path refuses ([`check_gpu_config`]).
 //!
-//! Owns: the offset and size arithmetic that the table at the top of kernels/ht/ht.cu
+//! Owns: the offset and size arithmetic that the table at the top of kernels/ht/common.cuh
 //! mirrors. Never: allocates, launches or touches the device; a change here is a change of
-//! the kernel ABI and needs the same change in ht.cu.
+//! the kernel ABI and needs the same change in the kernels (kernels/ht/).
 
 use super::{MAX_EXPERTS, MAX_GRID, MAX_RANKS, PLAN_HEAD};
 use crate::backend::cuda::align16;
 use crate::config::{EpConfig, FP8_BLOCK};
 use crate::error::{Error, Result};
 
-/// Tokens per block of the layout kernel (= its threads; kernels/ht/ht.cu kLayoutTile).
+/// Tokens per block of the layout kernel (= its threads; kernels/ht/layout.cuh kLayoutTile).
 pub(super) const LAYOUT_TILE: usize = 256;
 
 /// Dynamic shared memory of the layout kernel: the E-bin histogram (16-byte aligned), one
 /// tile of LAYOUT_TILE tokens x (K | 1) int16 ids (16-byte aligned), then the tile's send
-/// slots, LAYOUT_TILE x R i32 (kernels/ht/ht.cu layout_ids_offset, layout_slot_offset).
+/// slots, LAYOUT_TILE x R i32 (kernels/ht/layout.cuh layout_ids_offset, layout_slot_offset).
 pub fn layout_smem_bytes(cfg: &EpConfig) -> u32 {
     (align16(cfg.experts * 4) + align16(LAYOUT_TILE * (cfg.topk | 1) * 2) + LAYOUT_TILE * cfg.ranks * 4)
         as u32
@@ -26,7 +26,7 @@ pub fn layout_blocks(num_tokens: usize) -> u32 {
     num_tokens.div_ceil(LAYOUT_TILE).max(1) as u32
 }
 
-/// Bytes of the layout kernel's scan scratch (kernels/ht/ht.cu kScan*): 4 head words, the
+/// Bytes of the layout kernel's scan scratch (kernels/ht/layout.cuh kScan*): 4 head words, the
 /// E-bin histogram (rounded to 8 bytes), then one u64 tile word per (tile, rank) for the
 /// most tiles `max_tokens_per_rank` can need. Zeroed once; the kernel leaves it so.
 pub fn layout_scan_bytes(cfg: &EpConfig) -> usize {
@@ -60,7 +60,7 @@ pub fn check_gpu_config(cfg: &EpConfig, world: usize) -> Result<()> {
     Ok(())
 }
 
-/// Chunks of a staged combine's copy (kernels/ht/ht.cu kStageChunks).
+/// Chunks of a staged combine's copy (kernels/ht/ kStageChunks).
 pub const STAGE_CHUNKS: usize = 256;
 /// Default CTAs that copy the caller's rows in during a staged combine, beside `num_sms`
 /// (4×H200, 4096 tokens, hidden 7168, 24 SMs, kernel µs: 8 653, 16 531–532, 24 528, 32
@@ -82,7 +82,7 @@ pub(super) fn check_recv_slabs(slabs: usize) -> Result<()> {
 }
 
 /// Byte offsets of the HT regions in the window (identical on every rank); see the table at
-/// the top of kernels/ht/ht.cu. The receive regions (`recv_x` .. `recv_src`) are those of
+/// the top of kernels/ht/common.cuh. The receive regions (`recv_x` .. `recv_src`) are those of
 /// slab 0; slab `s` lies `s * slab_bytes` further on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HtLayout {

@@ -59,13 +59,13 @@ impl Default for HostCounts {
 /// Default SM budget (CTAs of dispatch and combine), as DeepEP's tuned HT setting.
 pub const DEFAULT_SMS: u32 = 24;
 
-/// u64 device timestamps per CudaHt (kernels/ht/ht.cu kStampWords).
+/// u64 device timestamps per CudaHt (kernels/ht/ kStampWords).
 pub const STAMP_WORDS: usize = 16;
 
 /// Byte a poisoned output region holds: a row nobody wrote shows up as garbage.
 pub const POISON: u8 = 0xA5;
 
-// kernels/ht/ht.cu constants (host ABI).
+// kernels/ht/ constants (host ABI).
 const DTYPE_BF16: u32 = 0;
 const DTYPE_FP8: u32 = 1;
 const DTYPE_FP8_UE8M0: u32 = 2;
@@ -292,7 +292,7 @@ impl CudaHt {
         Ok(())
     }
 
-    /// The device timestamps (globaltimer ns) of the last operations, see kernels/ht/ht.cu
+    /// The device timestamps (globaltimer ns) of the last operations, see kernels/ht/common.cuh
     /// kStamp*: [0..4) layout start, layout done, counts received, end; [4..7) dispatch
     /// start, last payload end, last end; [8..11) combine start, last pull end, last end.
     pub fn stamps(&self, rank: &CudaRank) -> Result<[u64; STAMP_WORDS]> {
@@ -754,8 +754,14 @@ mod tests {
 
     #[test]
     fn host_sizes_mirror_the_kernel_constants() {
-        let src = include_str!("../../../../../../kernels/ht/ht.cu");
-        let k = |name: &str| super::super::kernels::cu_const(src, "ht.cu", name);
+        // Every part of the HT kernels: a constant may sit in the phase that uses it.
+        let src = concat!(
+            include_str!("../../../../../../kernels/ht/common.cuh"),
+            include_str!("../../../../../../kernels/ht/layout.cuh"),
+            include_str!("../../../../../../kernels/ht/dispatch.cuh"),
+            include_str!("../../../../../../kernels/ht/combine.cuh"),
+        );
+        let k = |name: &str| super::super::kernels::cu_const(src, "kernels/ht/*.cuh", name);
         // The window's comb_stage region holds [R][kStageChunks + 2] words.
         assert_eq!(STAGE_CHUNKS, k("kStageChunks"));
         assert_eq!(MAX_GRID as usize, k("kMaxGrid"));

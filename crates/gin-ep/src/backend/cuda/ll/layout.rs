@@ -1,9 +1,9 @@
 //! Where the LL kernels find everything: the window layout of one group ([`LlLayout`]) and
 //! the host mirror of the kernels' one parameter (`LlArgs`).
 //!
-//! Owns: the offset and size arithmetic that the record arithmetic in kernels/ll/ll.cu
+//! Owns: the offset and size arithmetic that the record arithmetic in kernels/ll/common.cuh
 //! mirrors, and the shapes the kernels refuse. Never: allocates, launches or touches the
-//! device; a change here is a change of the kernel ABI and needs the same change in ll.cu.
+//! device; a change here is a change of the kernel ABI and needs the same change in the kernels (kernels/ll/).
 
 use gin_ep_sys as ns;
 
@@ -93,7 +93,7 @@ impl LlLayout {
         let set_bytes = (comb_offset + t * k.max(r) * h * 2).div_ceil(4096) * 4096;
         let nch = t.div_ceil(32).max(1);
         let dispatch_send_smem = 2 * (e + r) * nch * 4;
-        // first[R][L + 1], start[R + 1], the table word (ll.cu RecvTable).
+        // first[R][L + 1], start[R + 1], the table word (kernels/ll/dispatch_recv.cuh RecvTable).
         let dispatch_recv_smem = (r * (l + 1) + r + 2) * 4;
         let combine_send_smem = (l + 1) * 4;
         let worst = dispatch_send_smem.max(dispatch_recv_smem).max(combine_send_smem);
@@ -168,7 +168,7 @@ pub fn buffer_bytes(cfg: &EpConfig) -> Result<usize> {
     Ok(LlLayout::new(cfg)?.window_bytes)
 }
 
-/// Host mirror of `gin_ep::ll::LlArgs` (kernels/ll/ll.cu), the one parameter of every LL
+/// Host mirror of `gin_ep::ll::LlArgs` (kernels/ll/common.cuh), the one parameter of every LL
 /// kernel. Device pointers are `u64` (CUdeviceptr), the same size as the C pointers.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -218,7 +218,7 @@ pub(super) struct LlArgs {
     pub(super) ready_offset: u64,
     pub(super) lsa_base: u64,
 }
-// Same numbers as the static_assert in kernels/ll/ll.cu.
+// Same numbers as the static_assert in kernels/ll/common.cuh.
 // `S`: the devcomm slot LlArgs starts with (nccl_compat.cuh), the same for every NCCL.
 const S: usize = ns::DEV_COMM_SLOT_BYTES;
 const _: () = assert!(std::mem::size_of::<LlArgs>() == S + 296);

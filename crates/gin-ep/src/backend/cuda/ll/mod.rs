@@ -9,7 +9,7 @@
 //! ([`mod@bench`], [`stamps`]) that drive it, or waits on the device without a deadline (every
 //! wait is [`CudaRank::wait`]; every in-kernel wait has one and names phase and peer).
 //!
-//! Device-side protocol (see the head of kernels/ll/ll.cu): no barrier and no host
+//! Device-side protocol (see the head of kernels/ll/common.cuh): no barrier and no host
 //! synchronization; counts stay on the device; signals are monotonic counters with credits,
 //! and the op number of each buffer set lives on the device, so a captured graph replays.
 //! Rules for callers: every rank issues the same sequence of operations per set; a dispatch
@@ -49,11 +49,11 @@ pub mod names {
     pub const COMBINE_FUSED: &str = "gin_ep_ll_combine_fused";
 }
 
-/// Threads per CTA of every LL kernel (`kThreads` in ll.cu).
+/// Threads per CTA of every LL kernel (`kThreads` in ll/common.cuh).
 pub const THREADS: u32 = 512;
-/// Warps per CTA (`kWarps` in ll.cu).
+/// Warps per CTA (`kWarps` in ll/common.cuh).
 pub const WARPS: u32 = THREADS / 32;
-/// Channels of one dispatch work unit (`kDispatchUnit` in ll.cu): the granularity of the
+/// Channels of one dispatch work unit (`kDispatchUnit` in ll/common.cuh): the granularity of the
 /// `ready` words.
 pub const DISPATCH_UNIT: usize = 512;
 /// Most tokens per rank the LL kernels accept (`max_tokens_per_rank`).
@@ -66,13 +66,13 @@ pub const MAX_GRID: u32 = 1024;
 pub const MAX_SMEM: usize = 200 * 1024;
 /// Buffer sets (double buffering).
 pub const SETS: usize = 2;
-/// Signal kinds per set (`kSigKinds` in ll.cu): words `[SIG_KINDS][R]` u64.
+/// Signal kinds per set (`kSigKinds` in ll/common.cuh): words `[SIG_KINDS][R]` u64.
 pub const SIG_KINDS: usize = 6;
-/// u32 words of a set's device state (ll.cu: `kStateWords` words, then the op counts, one
+/// u32 words of a set's device state (ll/common.cuh: `kStateWords` words, then the op counts, one
 /// per CTA and kind, `[2][MAX_GRID]`): record count of the last dispatch, failure flag, op
 /// counts.
 pub const STATE_WORDS: usize = 8 + 2 * MAX_GRID as usize;
-/// u64 timestamps per CTA per operation pair (`kStampSlots` in ll.cu).
+/// u64 timestamps per CTA per operation pair (`kStampSlots` in ll/common.cuh).
 pub const STAMP_SLOTS: usize = 28;
 /// Word written into every output before a checked run: a row nobody wrote keeps it.
 pub const POISON: u32 = 0xDEAD_BEEF;
@@ -96,7 +96,7 @@ struct SetBuffers {
     /// count, then (local row, k) of the token's experts here (combine order `rank-first`
     /// only; 16 bytes otherwise).
     comb_map: DeviceBuffer,
-    /// `[STATE_WORDS]` u32: record count, failure flag, per-CTA op counts (kernels/ll/ll.cu
+    /// `[STATE_WORDS]` u32: record count, failure flag, per-CTA op counts (kernels/ll/common.cuh
     /// `op_word`), zeroed once.
     state: DeviceBuffer,
     /// Tokens of the input now in `x` (host-known shape, as in DeepEP).
@@ -132,8 +132,8 @@ pub struct LlIo {
 }
 
 /// The window's LSA base and stride in 4 GiB units from every peer's address of it (index:
-/// LSA rank), as the kernels compute a peer's copy (`add4G(base, peer * stride4G)`, ll.cu
-/// win_ptr) for `wargs`: refused unless every peer lies at exactly that address.
+/// LSA rank), as the kernels compute a peer's copy (`add4G(base, peer * stride4G)`,
+/// ll/common.cuh win_ptr) for `wargs`: refused unless every peer lies at exactly that address.
 fn lsa_base_stride(bases: &[u64]) -> Result<(u64, u32)> {
     let base = *bases.first().ok_or_else(|| Error::Device {
         call: "ncclGetLsaPointer".into(),
@@ -560,7 +560,7 @@ impl<'r> CudaLl<'r> {
         // (LlIo), checked by CudaRank::external to be device memory of this GPU and by
         // `args` to hold what this launch touches, kept alive by its owner until the stream
         // passes this launch. Offsets come from LlLayout, which sized the window and buffers.
-        // With `pdl` every LL entry point runs griddepcontrol.wait (kernel_enter in ll.cu)
+        // With `pdl` every LL entry point runs griddepcontrol.wait (kernel_enter in ll/common.cuh)
         // before any access.
         unsafe {
             self.rank
@@ -712,12 +712,12 @@ mod tests {
         EpConfig::new(4, 256, 7168, 8, 128)
     }
 
-    /// The kernel source the constants below mirror.
-    const LL_CU: &str = include_str!("../../../../../../kernels/ll/ll.cu");
+    /// The kernel source the constants below mirror (the LL kernels' shared header).
+    const LL_COMMON: &str = include_str!("../../../../../../kernels/ll/common.cuh");
 
-    /// `constexpr int NAME = VALUE` of ll.cu, wherever it sits in a declaration list.
+    /// `constexpr int NAME = VALUE` of ll/common.cuh, wherever it sits in a declaration list.
     pub(super) fn cu_const(name: &str) -> usize {
-        super::super::kernels::cu_const(LL_CU, "ll.cu", name)
+        super::super::kernels::cu_const(LL_COMMON, "ll/common.cuh", name)
     }
 
     #[test]

@@ -1,8 +1,8 @@
 //! The LL kernels' device-clock stamps, read on the host: where the benchmark takes them
-//! ([`StampMode`]), the stamp slots of ll.cu, and the phase breakdown ([`PHASES`]) and
+//! ([`StampMode`]), the stamp slots of ll/common.cuh, and the phase breakdown ([`PHASES`]) and
 //! eager-loop split computed from one rank's rows.
 //!
-//! Owns: the meaning of each stamp slot (kSt* in kernels/ll/ll.cu). Never: allocates,
+//! Owns: the meaning of each stamp slot (kSt* in kernels/ll/common.cuh). Never: allocates,
 //! launches or times anything (the benchmark does, in [`super::bench`]); pure arithmetic on
 //! downloaded rows.
 
@@ -10,7 +10,7 @@ use super::STAMP_SLOTS;
 use crate::error::{Error, Result};
 
 /// Stamp slots of each operation's first and last stamp (kStDispStart, kStDispEnd,
-/// kStCombStart, kStCombEnd in ll.cu): the span of its kernels.
+/// kStCombStart, kStCombEnd in ll/common.cuh): the span of its kernels.
 const ST_DISP_START: usize = 0;
 const ST_DISP_END: usize = 9;
 const ST_COMB_START: usize = 10;
@@ -67,7 +67,7 @@ impl StampMode {
     }
 }
 
-/// One column of the device-clock breakdown: name, stamp slot (kSt* in ll.cu), and whether
+/// One column of the device-clock breakdown: name, stamp slot (kSt* in ll/common.cuh), and whether
 /// it is the first CTA to reach the slot (else the last). Times are µs from the first CTA's
 /// start of the operation (dispatch slot 0, combine slot 10) on the rank's clock; medians over
 /// iterations of the slowest rank. Absent slots (a variant that does not pass them) are left
@@ -108,7 +108,7 @@ pub const PHASES: [(&str, usize, bool); 31] = [
 /// Dispatch columns of [`PHASES`] (the rest are combine).
 pub(super) const DISPATCH_PHASES: usize = 18;
 
-/// Whether stamp slot `slot` belongs to the dispatch (kStDisp* in ll.cu), else the combine.
+/// Whether stamp slot `slot` belongs to the dispatch (kStDisp* in ll/common.cuh), else the combine.
 fn dispatch_slot(slot: usize) -> bool {
     !(10..20).contains(&slot) && slot != ST_COMB_FIRST_ITEM && slot != ST_COMB_LAST_ITEM
 }

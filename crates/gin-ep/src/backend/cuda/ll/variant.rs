@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 pub const ENV_VARIANT: &str = "GIN_EP_LL_VARIANT";
 
 /// One boolean feature of [`LlVariant`]: its name in a variant's text, its bit in the
-/// kernel's flags word (kFlag* in kernels/ll/ll.cu; 0 for a host-only choice) and its field.
+/// kernel's flags word (kFlag* in kernels/ll/common.cuh; 0 for a host-only choice) and its field.
 /// The one list that `name`, `parse` and `kernel_flags` all read, so a new feature is one
 /// entry here. (`sendN` is a count, not a flag: bits from [`SEND_WARPS_SHIFT`].)
 struct Feature {
@@ -240,7 +240,7 @@ impl LlVariant {
         grid: None,
     };
 
-    /// Flags word of `LlArgs` (kFlag* in kernels/ll/ll.cu).
+    /// Flags word of `LlArgs` (kFlag* in kernels/ll/common.cuh).
     pub(super) fn kernel_flags(&self) -> u32 {
         FEATURES
             .iter()
@@ -533,7 +533,7 @@ mod tests {
         assert_eq!(w.name(), "pipe+warm@3");
         for f in FEATURES.iter() {
             let want = if f.cu.is_empty() { 0 } else { cu_const(f.cu) };
-            assert_eq!(f.flag as usize, want, "{} is {} in ll.cu", f.name, f.cu);
+            assert_eq!(f.flag as usize, want, "{} is {} in ll/common.cuh", f.name, f.cu);
         }
         let i = LlVariant::parse("send8+iready+tok+fused+ready").unwrap();
         assert!(i.item_ready);

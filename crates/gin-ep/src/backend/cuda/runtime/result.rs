@@ -74,7 +74,7 @@ pub fn fabric_phase_name(phase: u32) -> &'static str {
         13 => "GIN signal barrier",
         14 => "GIN ordering test signal",
         15 => "same-node peer's stores (IPC-mapped window)",
-        // LL kernels (kernels/ll/ll.cu kPhase*).
+        // LL kernels (kernels/ll/common.cuh kPhase*).
         16 => "LL dispatch credit (receiver still reading the previous dispatch)",
         17 => "LL dispatch receive",
         18 => "LL combine credit (source still reducing the previous combine)",
