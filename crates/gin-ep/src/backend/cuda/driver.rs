@@ -69,11 +69,16 @@ fn probe_uncached() -> Result<DriverInfo, CudaError> {
             })
         }
     });
-    let info = match calls {
-        Ok(Ok(info)) => info,
-        Ok(Err(why)) => return Err(CudaError::NoDriver(why)),
-        Err(_) => return Err(CudaError::NoDriver("libcuda lacks a basic entry point".into())),
-    };
+    match calls {
+        Ok(Ok(info)) => judge(info),
+        Ok(Err(why)) => Err(CudaError::NoDriver(why)),
+        Err(_) => Err(CudaError::NoDriver("libcuda lacks a basic entry point".into())),
+    }
+}
+
+/// Whether a driver that loaded and answered is usable: new enough for our fatbin, with a
+/// device.
+fn judge(info: DriverInfo) -> Result<DriverInfo, CudaError> {
     if info.version < MIN_DRIVER_VERSION {
         return Err(CudaError::DriverTooOld {
             found: info.version,
@@ -84,4 +89,32 @@ fn probe_uncached() -> Result<DriverInfo, CudaError> {
         return Err(CudaError::NoDevice);
     }
     Ok(info)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_driver_is_refused_when_too_old_or_without_devices() {
+        let info = |version, device_count| DriverInfo {
+            version,
+            device_count,
+        };
+        assert_eq!(judge(info(13000, 1)), Ok(info(13000, 1)));
+        assert_eq!(judge(info(13020, 8)), Ok(info(13020, 8)));
+        assert_eq!(
+            judge(info(12080, 4)),
+            Err(CudaError::DriverTooOld {
+                found: 12080,
+                need: MIN_DRIVER_VERSION
+            })
+        );
+        assert_eq!(judge(info(13000, 0)), Err(CudaError::NoDevice));
+        // Too old wins over no device: upgrading the driver is the first thing to do.
+        assert!(matches!(
+            judge(info(11000, 0)),
+            Err(CudaError::DriverTooOld { .. })
+        ));
+    }
 }

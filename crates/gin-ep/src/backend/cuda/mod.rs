@@ -185,9 +185,16 @@ mod tests {
 
     #[test]
     fn a_machine_without_a_driver_gets_an_error_not_a_panic() {
-        // On GPU machines this succeeds; elsewhere it must be a typed error. Either way it
-        // returns, and returns the same answer twice.
-        let first = driver::probe();
-        assert_eq!(first, driver::probe());
+        // Without /dev/nvidiactl no driver can initialize: the probe must say so with a typed
+        // error instead of panicking inside cudarc. Elsewhere the answer depends on the driver
+        // (driver::tests checks that judgement).
+        let r = driver::probe();
+        if std::path::Path::new("/dev/nvidiactl").exists() {
+            return;
+        }
+        assert!(
+            matches!(r, Err(CudaError::NoDriver(_) | CudaError::NoDevice)),
+            "{r:?}"
+        );
     }
 }
