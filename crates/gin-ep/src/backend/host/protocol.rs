@@ -10,15 +10,18 @@
 //! Signalling contract (as on the GPU): a rank first writes all of a phase's
 //! data into a peer's segment, then stores the operation's sequence number into
 //! its signal slot there (release); the peer waits for `slot >= seq` (acquire)
-//! before reading. Every operation starts with either the count exchange or a
+//! before reading. Every HT operation starts with either the count exchange or a
 //! barrier, so no rank writes into a region that a slower peer is still
-//! reading from the previous operation. Every wait has a deadline.
+//! reading from the previous operation. LL operations (`protocol/ll.rs`) have no barrier: they
+//! run the CUDA LL protocol (two buffer sets, data signals, deferred credits, ready
+//! words). Every wait has a deadline.
+
+mod ll;
 
 use super::heap::SymmetricHeap;
-use crate::config::{EpConfig, LlCombineOrder, FP8_BLOCK};
+use crate::config::{EpConfig, FP8_BLOCK};
 use crate::error::{Error, Result};
 use crate::ht::{HtCombineInput, HtCombineOutput, HtDispatchOutput, HtHandle};
-use crate::ll::{LlDispatchOutput, LlHandle};
 use crate::oracle;
 use crate::quant::{f32_to_bf16, quantize_row, Rows};
 use crate::routing::{self, align_counts, local_expert};
@@ -32,17 +35,33 @@ pub struct Modes {
     pub ll: bool,
 }
 
-/// Signal kinds; each has one u64 slot per source rank.
+/// HT signal kinds; each has one u64 slot per source rank.
 #[derive(Clone, Copy, Debug)]
 enum Sig {
     Barrier = 0,
     Counts = 1,
     Dispatch = 2,
     Combine = 3,
-    LlDispatch = 4,
-    LlCombine = 5,
 }
-const NUM_SIGS: usize = 6;
+const NUM_SIGS: usize = 4;
+
+/// LL buffer sets (double buffering, as `backend::cuda::ll::SETS`).
+const LL_SETS: usize = 2;
+
+/// LL words of a set, `[kind][src]` u64 in the owner's segment, each written only by `src`
+/// (the CUDA kinds of the same names; `kDispSig` and `kCombWts` have no host use).
+#[derive(Clone, Copy, Debug)]
+enum LlWord {
+    /// Data signal of the dispatch counts: `src` stores op `n` after writing its count.
+    DispCnt = 0,
+    /// Credit: dispatches on the set whose receive half `src` has completed.
+    DispAck = 1,
+    /// Data signal of the combine: `src` stores op `n` after writing its rows.
+    CombSig = 2,
+    /// Credit: combines on the set whose receive half `src` has completed.
+    CombAck = 3,
+}
+const LL_WORDS: usize = 4;
 
 fn align16(n: usize) -> usize {
     n.div_ceil(16) * 16
@@ -52,6 +71,10 @@ fn align16(n: usize) -> usize {
 #[derive(Clone, Debug)]
 pub struct Regions {
     signals: usize,
+    /// LL words: `[LL_SETS][LL_WORDS][R src]` u64.
+    ll_words: usize,
+    /// LL ready words: `[LL_SETS][R src][T slot]` u64, `src` stores op `n` after record `slot`.
+    ll_ready: usize,
     counts: usize,
     count_row: usize,
     /// HT receive buffer: `[R*T]` records of [payload | scales | local idx K×i32 | weights K×f32 | src u32].
@@ -60,15 +83,18 @@ pub struct Regions {
     /// HT combine buffer on the source: `[R dst][T]` records of [bf16 row | weights K×f32].
     ht_comb: usize,
     ht_comb_rec: usize,
-    /// LL staging on the receiver: `[R src][T]` records of [payload | scales | local idx K×i32 | src u32],
-    /// plus `[R]` u32 counts.
+    /// LL data of set 0 (set `s` is `s * ll_set` bytes further): staging on the receiver,
+    /// `[R src][T]` records of [payload | scales | local idx K×i32 | src u32], then `[R]` u32
+    /// counts, then the combine buffer on the source, `[T][K]` bf16 rows.
     ll_stage: usize,
     ll_rec: usize,
     ll_counts: usize,
-    /// LL combine buffer on the source: `[T][K]` bf16 rows.
     ll_comb: usize,
-    /// Start of the data regions (everything after signals and counts).
+    ll_set: usize,
+    /// Start of the data regions (everything after signals, LL words and counts).
     data_start: usize,
+    /// End of the HT data regions (the LL ones follow).
+    ht_end: usize,
     pub total: usize,
 }
 
@@ -84,6 +110,11 @@ impl Regions {
             o
         };
         let signals = take(NUM_SIGS * r * 8);
+        let (ll_words, ll_ready) = if modes.ll {
+            (take(LL_SETS * LL_WORDS * r * 8), take(LL_SETS * r * t * 8))
+        } else {
+            (0, 0)
+        };
         let count_row = align16((r + e) * 4);
         let counts = take(r * count_row);
         let data_start = take(0);
@@ -94,14 +125,18 @@ impl Regions {
         } else {
             (0, 0)
         };
+        let ht_end = take(0);
         let ll_rec = align16(row + k * 4 + 4);
-        let (ll_stage, ll_counts, ll_comb) = if modes.ll {
-            (take(r * t * ll_rec), take(r * 4), take(t * k * h * 2))
-        } else {
-            (0, 0, 0)
-        };
+        let (mut ll_stage, mut ll_counts, mut ll_comb, mut ll_set) = (0, 0, 0, 0);
+        if modes.ll {
+            (ll_stage, ll_counts, ll_comb) = (take(r * t * ll_rec), take(r * 4), take(t * k * h * 2));
+            ll_set = take(0) - ll_stage;
+            take(ll_set * (LL_SETS - 1));
+        }
         Regions {
             signals,
+            ll_words,
+            ll_ready,
             counts,
             count_row,
             ht_recv,
@@ -112,13 +147,23 @@ impl Regions {
             ll_rec,
             ll_counts,
             ll_comb,
+            ll_set,
             data_start,
+            ht_end,
             total: at,
         }
     }
 
     fn sig(&self, kind: Sig, src: usize, ranks: usize) -> usize {
         self.signals + ((kind as usize) * ranks + src) * 8
+    }
+
+    fn ll_word(&self, set: usize, kind: LlWord, src: usize, ranks: usize) -> usize {
+        self.ll_words + ((set * LL_WORDS + kind as usize) * ranks + src) * 8
+    }
+
+    fn ll_ready(&self, set: usize, src: usize, slot: usize, ranks: usize, t_max: usize) -> usize {
+        self.ll_ready + ((set * ranks + src) * t_max + slot) * 8
     }
 }
 
@@ -168,6 +213,8 @@ pub struct HostEp {
     /// DeepEP's `enable_shrink`: an LL wait on a peer that fails (deadline, or the peer
     /// gave up) masks that peer and goes on instead of failing the operation.
     shrink: bool,
+    /// LL op numbers and credits per set.
+    ll: ll::LlState,
 }
 
 impl HostEp {
@@ -204,6 +251,7 @@ impl HostEp {
             rec: Vec::new(),
             mask: vec![false; cfg.ranks],
             shrink: false,
+            ll: ll::LlState::default(),
             cfg,
         })
     }
@@ -235,19 +283,26 @@ impl HostEp {
 
     /// Fills this rank's data regions with a poison pattern so a row that no
     /// peer wrote shows up as garbage, never as a stale correct value. Safe to
-    /// call between operations: peers write data regions only after this rank
-    /// has entered the next operation's barrier or count exchange. The count
-    /// region is left alone because peers may already be writing it.
+    /// call between operations. HT regions: peers write them only after this rank
+    /// has entered the next HT operation's barrier or count exchange. LL regions: only
+    /// those of a (kind, set) whose credit this rank still owes (it is pushed by the next
+    /// LL operation on the set): a peer may already be writing every other one, for its
+    /// next operation. The count region is left alone because peers may already be
+    /// writing it.
     pub fn poison_buffers(&mut self) {
+        let mut ranges = vec![(self.reg.data_start, self.reg.ht_end - self.reg.data_start)];
+        ranges.extend(self.ll_poisonable());
         const CHUNK: usize = 1 << 20;
         let pattern = vec![0xA5u8; CHUNK];
         let me = self.rank();
-        let mut off = self.reg.data_start;
-        while off < self.reg.total {
-            let n = CHUNK.min(self.reg.total - off);
-            // In bounds by construction; an error here cannot happen.
-            let _ = self.heap.put(me, off, &pattern[..n]);
-            off += n;
+        for (start, len) in ranges {
+            let mut off = start;
+            while off < start + len {
+                let n = CHUNK.min(start + len - off);
+                // In bounds by construction; an error here cannot happen.
+                let _ = self.heap.put(me, off, &pattern[..n]);
+                off += n;
+            }
         }
     }
 
@@ -322,17 +377,11 @@ impl HostEp {
         }
         let me = self.rank();
         for peer in 0..self.cfg.ranks {
-            for kind in [
-                Sig::Barrier,
-                Sig::Counts,
-                Sig::Dispatch,
-                Sig::Combine,
-                Sig::LlDispatch,
-                Sig::LlCombine,
-            ] {
+            for kind in [Sig::Barrier, Sig::Counts, Sig::Dispatch, Sig::Combine] {
                 let _ = self.heap.poison(peer, self.reg.sig(kind, me, self.cfg.ranks));
             }
         }
+        self.ll_abandon();
     }
 
     /// Runs `f`; on a local input error, poisons the peers before returning it.
@@ -368,49 +417,6 @@ impl HostEp {
             )?;
         }
         Ok(())
-    }
-
-    /// `signal_all` to the ranks the LL mask leaves.
-    fn ll_signal(&self, kind: Sig, seq: u64) -> Result<()> {
-        let me = self.rank();
-        for peer in (0..self.cfg.ranks).filter(|&p| !self.mask[p]) {
-            self.heap
-                .signal(peer, self.reg.sig(kind, me, self.cfg.ranks), seq)?;
-        }
-        Ok(())
-    }
-
-    /// `wait_all` on the ranks the LL mask leaves; under `shrink`, a peer whose wait fails
-    /// (deadline, or it gave up) is masked instead of failing the operation.
-    fn ll_wait(&mut self, kind: Sig, seq: u64, phase: &'static str) -> Result<()> {
-        let deadline = Instant::now() + self.timeout;
-        for src in 0..self.cfg.ranks {
-            if self.mask[src] {
-                continue;
-            }
-            let r = self.heap.wait_signal(
-                self.reg.sig(kind, src, self.cfg.ranks),
-                seq,
-                deadline,
-                phase,
-                src,
-                seq,
-            );
-            match r {
-                Ok(_) => {}
-                Err(Error::Timeout { .. } | Error::PeerFailed { .. }) if self.shrink => {
-                    self.mask[src] = true;
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
-    }
-
-    fn ll_barrier(&mut self, seq: u64, phase: &'static str) -> Result<()> {
-        self.fault_point(phase)?;
-        self.ll_signal(Sig::Barrier, seq)?;
-        self.ll_wait(Sig::Barrier, seq, phase)
     }
 
     fn barrier(&self, seq: u64, phase: &'static str) -> Result<()> {
@@ -741,270 +747,6 @@ impl HostEp {
             x,
             topk_weights: w_out,
         })
-    }
-
-    // ---------------------------------------------------------------- LL
-
-    /// LL dispatch: each token goes once to every rank holding one of its
-    /// experts (staging slot = its send slot); the receiver expands the staged
-    /// tokens into the expert-major layout in the order `routing` defines.
-    pub fn ll_dispatch(&mut self, x: &[bf16], topk_idx: &[i64]) -> Result<LlDispatchOutput> {
-        self.need(false)?;
-        let seq = self.begin();
-        self.guarded(|s| s.ll_dispatch_inner(seq, x, topk_idx))
-    }
-
-    fn ll_dispatch_inner(&mut self, seq: u64, x: &[bf16], topk_idx: &[i64]) -> Result<LlDispatchOutput> {
-        let cfg = self.cfg.clone();
-        let (me, r_n, h, k, t_max) = (
-            self.rank(),
-            cfg.ranks,
-            cfg.hidden,
-            cfg.topk,
-            cfg.max_tokens_per_rank,
-        );
-        let l_n = cfg.local_experts();
-        let n = routing::validate_topk(&cfg, me, topk_idx)?;
-        check_len(me, "x", x.len(), n * h)?;
-        let layout = routing::layout(&cfg, me, topk_idx)?;
-        let mut t0 = Instant::now();
-        self.ll_barrier(seq, "LL dispatch barrier")?;
-        t0 = self.mark("barrier", t0);
-
-        self.fault_point("LL dispatch")?;
-        let mask = self.mask.clone();
-        let pay = cfg.dispatch_dtype.row_bytes(h);
-        let rec_len = self.reg.ll_rec;
-        let mut rec = vec![0u8; rec_len];
-        for t in 0..n {
-            let mut encoded = false;
-            for dst in (0..r_n).filter(|&d| !mask[d]) {
-                let Some(slot) = layout.slot(t, dst) else {
-                    continue;
-                };
-                if !encoded {
-                    Self::encode_row(&cfg, x, t, &mut rec);
-                    rec[pay + k * 4..pay + k * 4 + 4].copy_from_slice(&(t as u32).to_le_bytes());
-                    encoded = true;
-                }
-                for j in 0..k {
-                    let le = local_expert(&cfg, dst, topk_idx[t * k + j]) as i32;
-                    rec[pay + j * 4..pay + j * 4 + 4].copy_from_slice(&le.to_le_bytes());
-                }
-                self.heap
-                    .put(dst, self.reg.ll_stage + (me * t_max + slot) * rec_len, &rec)?;
-            }
-        }
-        for dst in (0..r_n).filter(|&d| !mask[d]) {
-            self.heap.put(
-                dst,
-                self.reg.ll_counts + me * 4,
-                &layout.tokens_per_rank[dst].to_le_bytes(),
-            )?;
-        }
-        self.ll_signal(Sig::LlDispatch, seq)?;
-        self.ll_wait(Sig::LlDispatch, seq, "LL dispatch")?;
-        t0 = self.mark("dispatch", t0);
-
-        // Expand: expert e's rows are source rank ascending, then token ascending.
-        let cap = r_n * t_max;
-        let mut recv_x = Rows::zeros(cfg.dispatch_dtype, l_n * cap, h);
-        let mut recv_count = vec![0usize; l_n];
-        let mut layout_range = vec![(0u32, 0u32); l_n * r_n];
-        let mut src_rank = vec![-1i32; l_n * cap];
-        let mut src_token = vec![-1i32; l_n * cap];
-        let mut src_k = vec![-1i32; l_n * cap];
-        let mut counts = [0u8; 4];
-        for src in 0..r_n {
-            // A masked source sent nothing this rank may read (it may not have run at all).
-            let c = if self.mask[src] {
-                0
-            } else {
-                self.heap.get(me, self.reg.ll_counts + src * 4, &mut counts)?;
-                u32::from_le_bytes(counts) as usize
-            };
-            if c > t_max {
-                return Err(Error::input(
-                    format!("LL count from rank {src}"),
-                    format!("{c} exceeds max_tokens_per_rank {t_max}"),
-                ));
-            }
-            for e in 0..l_n {
-                layout_range[e * r_n + src].0 = recv_count[e] as u32;
-            }
-            for slot in 0..c {
-                self.heap
-                    .get(me, self.reg.ll_stage + (src * t_max + slot) * rec_len, &mut rec)?;
-                let tok =
-                    i32::from_le_bytes(rec[pay + k * 4..pay + k * 4 + 4].try_into().unwrap_or_default());
-                for j in 0..k {
-                    let le =
-                        i32::from_le_bytes(rec[pay + j * 4..pay + j * 4 + 4].try_into().unwrap_or_default());
-                    if le < 0 || le as usize >= l_n {
-                        continue;
-                    }
-                    let e = le as usize;
-                    let row = e * cap + recv_count[e];
-                    Self::decode_row(&cfg, &rec, &mut recv_x, row);
-                    src_rank[row] = src as i32;
-                    src_token[row] = tok;
-                    src_k[row] = j as i32;
-                    recv_count[e] += 1;
-                }
-            }
-            for e in 0..l_n {
-                let first = layout_range[e * r_n + src].0;
-                layout_range[e * r_n + src].1 = recv_count[e] as u32 - first;
-            }
-        }
-        self.mark("expand", t0);
-        Ok(LlDispatchOutput {
-            recv_x,
-            recv_count,
-            handle: LlHandle {
-                num_tokens: n,
-                layout_range,
-                src_rank,
-                src_token,
-                src_k,
-            },
-        })
-    }
-
-    /// LL combine: each valid expert row goes back to its token's (k) slot on the
-    /// source rank, which applies the weights in top-k order (see `oracle`).
-    pub fn ll_combine(
-        &mut self,
-        y: &[bf16],
-        topk_idx: &[i64],
-        topk_weights: &[f32],
-        handle: &LlHandle,
-    ) -> Result<Vec<bf16>> {
-        self.need(false)?;
-        let seq = self.begin();
-        self.guarded(|s| s.ll_combine_inner(seq, y, topk_idx, topk_weights, handle))
-    }
-
-    fn ll_combine_inner(
-        &mut self,
-        seq: u64,
-        y: &[bf16],
-        topk_idx: &[i64],
-        topk_weights: &[f32],
-        handle: &LlHandle,
-    ) -> Result<Vec<bf16>> {
-        let cfg = self.cfg.clone();
-        let (me, r_n, h, k, t_max) = (
-            self.rank(),
-            cfg.ranks,
-            cfg.hidden,
-            cfg.topk,
-            cfg.max_tokens_per_rank,
-        );
-        let l_n = cfg.local_experts();
-        let cap = r_n * t_max;
-        check_len(me, "LL combine x", y.len(), l_n * cap * h)?;
-        let n = routing::validate_topk(&cfg, me, topk_idx)?;
-        if n != handle.num_tokens {
-            return Err(Error::input(
-                format!("LL combine topk_idx of rank {me}"),
-                format!("{n} tokens, the dispatch handle has {}", handle.num_tokens),
-            ));
-        }
-        check_len(me, "LL combine topk_weights", topk_weights.len(), n * k)?;
-        if handle.src_rank.len() != l_n * cap
-            || handle.src_token.len() != l_n * cap
-            || handle.src_k.len() != l_n * cap
-        {
-            return Err(Error::input(
-                format!("LL handle of rank {me}"),
-                "does not match this config",
-            ));
-        }
-        let mut t0 = Instant::now();
-        self.ll_barrier(seq, "LL combine barrier")?;
-        t0 = self.mark("barrier", t0);
-
-        self.fault_point("LL combine")?;
-        let mask = self.mask.clone();
-        for e in 0..l_n {
-            for i in 0..cap {
-                let row = e * cap + i;
-                let (sr, st, sk) = (handle.src_rank[row], handle.src_token[row], handle.src_k[row]);
-                if sr < 0 {
-                    continue;
-                }
-                if sr as usize >= r_n || st < 0 || st as usize >= t_max || sk < 0 || sk as usize >= k {
-                    return Err(Error::input(
-                        format!("LL handle of rank {me}"),
-                        format!("row {row} names source ({sr}, {st}, {sk})"),
-                    ));
-                }
-                if mask[sr as usize] {
-                    continue;
-                }
-                let off = self.reg.ll_comb + ((st as usize) * k + sk as usize) * h * 2;
-                self.heap
-                    .put(sr as usize, off, bytemuck::cast_slice(&y[row * h..(row + 1) * h]))?;
-            }
-        }
-        self.ll_signal(Sig::LlCombine, seq)?;
-        self.ll_wait(Sig::LlCombine, seq, "LL combine")?;
-        // Rows of experts on a masked rank never came back: they add nothing.
-        let mask = self.mask.clone();
-        t0 = self.mark("combine", t0);
-
-        // The source holds every (token, k) row and sums them in the config's order itself
-        // (the GPU's `RankFirst` sums on the expert rank instead, to send fewer bytes; the
-        // arithmetic is the same). Written apart from oracle::LlReducer, which it is checked
-        // against.
-        let mut out = vec![bf16::ZERO; n * h];
-        let mut acc = vec![0f32; h];
-        let mut part = vec![0f32; h];
-        let mut row = vec![bf16::ZERO; h];
-        let (heap, comb) = (&self.heap, self.reg.ll_comb);
-        for t in 0..n {
-            let ids = &topk_idx[t * k..(t + 1) * k];
-            let ws = &topk_weights[t * k..(t + 1) * k];
-            // Adds w[j] * row j of token t into `sum` (f32 fma, channel by channel).
-            let mut fma_row = |j: usize, sum: &mut [f32]| -> Result<()> {
-                heap.get(me, comb + (t * k + j) * h * 2, bytemuck::cast_slice_mut(&mut row))?;
-                for (a, v) in sum.iter_mut().zip(&row) {
-                    *a = ws[j].mul_add(v.to_f32(), *a);
-                }
-                Ok(())
-            };
-            acc.fill(0.0);
-            match cfg.ll_combine_order {
-                LlCombineOrder::Topk => {
-                    for j in (0..k).filter(|&j| ids[j] >= 0 && !mask[ids[j] as usize / l_n]) {
-                        fma_row(j, &mut acc)?;
-                    }
-                }
-                LlCombineOrder::RankFirst => {
-                    // Every rank in order; a rank holding none of the token's experts adds
-                    // nothing (not even a rounded +0).
-                    for r in (0..r_n).filter(|&r| !mask[r]) {
-                        let of_r = |j: &usize| ids[*j] >= 0 && ids[*j] as usize / l_n == r;
-                        if !(0..k).any(|j| of_r(&j)) {
-                            continue;
-                        }
-                        part.fill(0.0);
-                        for j in (0..k).filter(of_r) {
-                            fma_row(j, &mut part)?;
-                        }
-                        for (a, p) in acc.iter_mut().zip(&part) {
-                            *a += f32_to_bf16(*p).to_f32();
-                        }
-                    }
-                }
-            }
-            for (o, a) in out[t * h..(t + 1) * h].iter_mut().zip(&acc) {
-                *o = f32_to_bf16(*a);
-            }
-        }
-        self.mark("reduce", t0);
-        Ok(out)
     }
 }
 
