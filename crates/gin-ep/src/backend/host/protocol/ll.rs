@@ -277,6 +277,13 @@ impl HostEp {
         let rec_len = self.reg.ll_rec;
         let mut rec = vec![0u8; rec_len];
         for t in 0..n {
+            #[cfg(test)]
+            if self.ll.hooks.stop_at_token == Some(t) {
+                self.dead.set(true);
+                return Err(Error::Bootstrap(format!(
+                    "rank {me} stopped at token {t} of its LL dispatch (test hook)"
+                )));
+            }
             let mut encoded = false;
             for &dst in &dsts {
                 let Some(slot) = layout.slot(t, dst) else {
