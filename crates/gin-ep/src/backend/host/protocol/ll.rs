@@ -129,13 +129,15 @@ impl HostEp {
     /// to every unmasked peer. Called first thing in every LL operation on the set.
     ///
     /// Safe: the receive half these credits count has returned, so its reads of the set's
-    /// buffers are done, and the push is a release store after them. Cannot deadlock: every
-    /// rank runs the same LL operations per set and pushes before it waits, so the credit for
-    /// op `n` of a set is out once the rank has started its next operation on that set. A
-    /// peer needs it only in a later operation on the set (its op `n + 1` of the kind), and
-    /// by the time any rank waits in that operation every rank has finished the operations
-    /// before it (their waits need only data sent at the start of those operations) and
-    /// started this one, pushing first.
+    /// buffers are done, and the push is a release store after them.
+    ///
+    /// Cannot deadlock, by induction over the sequence of LL operations, which every rank
+    /// runs in the same order: once every rank has finished the operations before op `j`,
+    /// each starts op `j` and pushes before it waits. The credit waits of op `j` need
+    /// credits for earlier operations on its set, which every rank has pushed by then (at
+    /// the latest at the start of op `j`, its next operation on the set); its data waits
+    /// need only what the peers send in op `j` after those credit waits. So every rank
+    /// finishes op `j`.
     fn ll_push_credits(&mut self, set: usize) -> Result<()> {
         let (me, r_n) = (self.rank(), self.cfg.ranks);
         for peer in self.ll_peers() {
@@ -155,7 +157,6 @@ impl HostEp {
     /// Waits until word `off` of this rank's segment, written by `peer`, is at least
     /// `at_least`, and returns it. Under `shrink`, a failed wait masks `peer` and returns
     /// `None`.
-    #[allow(clippy::too_many_arguments)]
     fn ll_wait_word(
         &mut self,
         off: usize,
