@@ -22,6 +22,9 @@ pub struct LlHandle {
     pub src_token: Vec<i32>,
     /// `[L * R*T]` which top-k entry of the source token chose this expert, -1 elsewhere.
     pub src_k: Vec<i32>,
+    /// The LL buffer set (0 or 1) the dispatch used; a combine with this handle uses the same
+    /// set. The oracle, which has no buffers, says 0.
+    pub set: usize,
 }
 
 /// What LL dispatch returns on one rank.

@@ -263,6 +263,7 @@ pub fn ll_dispatch(cfg: &EpConfig, inputs: &[RankInput]) -> Result<Vec<LlDispatc
                 src_rank,
                 src_token,
                 src_k,
+                set: 0,
             },
         });
     }

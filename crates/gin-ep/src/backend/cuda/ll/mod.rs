@@ -664,6 +664,7 @@ impl<'r> CudaLl<'r> {
             src_rank: self.rank.download_prefix_vec(s.src_rank.region(), rows)?,
             src_token: self.rank.download_prefix_vec(s.src_token.region(), rows)?,
             src_k: self.rank.download_prefix_vec(s.src_k.region(), rows)?,
+            set,
         })
     }
 

@@ -1,4 +1,4 @@
-//! LL dispatch and combine of the host backend: the CUDA LL protocol (kernels/ll/ll.cu,
+//! LL dispatch and combine of the host backend: the CUDA LL protocol (kernels/ll/,
 //! docs/protocol.md "CUDA LL signals and credits") run by CPU ranks, so a host run (CI has
 //! no GPU) checks the ordering rules the kernels rely on. No barrier:
 //!
@@ -27,7 +27,6 @@ use crate::ll::{LlDispatchOutput, LlHandle};
 use crate::quant::{f32_to_bf16, Rows};
 use crate::routing::{self, local_expert};
 use half::bf16;
-use std::collections::VecDeque;
 use std::time::Instant;
 
 /// Every LL word kind.
@@ -43,10 +42,6 @@ const COMBINE: usize = 1;
 pub(super) struct LlState {
     /// The set of the next dispatch.
     next_set: usize,
-    /// Sets of the dispatches not combined yet, oldest first.
-    uncombined: VecDeque<usize>,
-    /// The set of the latest dispatch.
-    last_set: usize,
     /// `[kind][set]`: ops started, i.e. the number of the current or last op.
     ops: [[u64; LL_SETS]; 2],
     /// `[kind][set]`: ops whose receive half this rank completed (the credit it owes).
@@ -62,24 +57,13 @@ impl LlState {
     fn start_dispatch(&mut self) -> (usize, u64) {
         let set = self.next_set;
         self.next_set = (set + 1) % LL_SETS;
-        // The set's previous dispatch is replaced (on the GPU its handle goes stale).
-        self.uncombined.retain(|&s| s != set);
-        self.uncombined.push_back(set);
-        self.last_set = set;
         self.ops[DISPATCH][set] += 1;
         (set, self.ops[DISPATCH][set])
     }
 
-    /// The set and op number of a new combine. On the GPU a combine uses its handle's set;
-    /// `LlHandle` does not carry it (the CUDA backend shares the type), so the host takes the
-    /// set of the oldest dispatch not combined yet, else of the latest dispatch: the handle's
-    /// set whenever combines follow their dispatches in order (dispatch, combine, ...;
-    /// dispatch A, dispatch B, combine A, combine B; repeated combines of one handle). In any
-    /// other order the host is still correct (its combine reads nothing the dispatch left in
-    /// the set), only the set differs from the GPU's. The rule depends on the op sequence
-    /// alone, so every rank picks the same set.
-    fn start_combine(&mut self) -> (usize, u64) {
-        let set = self.uncombined.pop_front().unwrap_or(self.last_set);
+    /// The op number of a new combine on `set`, its handle's set (as on the GPU): every rank
+    /// combines the same handles in the same order, so the numbers agree.
+    fn start_combine(&mut self, set: usize) -> (usize, u64) {
         self.ops[COMBINE][set] += 1;
         (set, self.ops[COMBINE][set])
     }
@@ -348,6 +332,7 @@ impl HostEp {
                 src_rank: out.src_rank,
                 src_token: out.src_token,
                 src_k: out.src_k,
+                set,
             },
         })
     }
@@ -496,7 +481,13 @@ impl HostEp {
                 ));
             }
         }
-        let (set, op) = self.ll.start_combine();
+        if handle.set >= LL_SETS {
+            return Err(Error::input(
+                format!("LL handle of rank {me}"),
+                format!("buffer set {} (there are {LL_SETS})", handle.set),
+            ));
+        }
+        let (set, op) = self.ll.start_combine(handle.set);
         let mut t0 = Instant::now();
 
         self.fault_point("LL combine")?;

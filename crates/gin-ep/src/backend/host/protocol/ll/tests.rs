@@ -191,23 +191,19 @@ fn ll_matches_the_oracle_on_both_sets_for_1_to_4_ranks() {
 }
 
 #[test]
-fn combine_takes_the_set_of_its_dispatch() {
+fn dispatches_take_the_sets_in_turn_and_combines_count_per_set() {
     let mut st = LlState::default();
-    // dispatch A, dispatch B, combine A, combine B: sets 0, 1, 0, 1.
+    // dispatch A, dispatch B, combine B, combine A: sets 0, 1, then each handle's own set.
     assert_eq!(st.start_dispatch(), (0, 1));
     assert_eq!(st.start_dispatch(), (1, 1));
-    assert_eq!(st.start_combine(), (0, 1));
-    assert_eq!(st.start_combine(), (1, 1));
-    // dispatch, combine, combine again (same handle): the dispatch's set each time.
+    assert_eq!(st.start_combine(1), (1, 1));
+    assert_eq!(st.start_combine(0), (0, 1));
+    // dispatch, combine, combine again (same handle): its set each time, numbered on.
     assert_eq!(st.start_dispatch(), (0, 2));
-    assert_eq!(st.start_combine(), (0, 2));
-    assert_eq!(st.start_combine(), (0, 3));
-    // A dispatch replaces its set's uncombined dispatch.
+    assert_eq!(st.start_combine(0), (0, 2));
+    assert_eq!(st.start_combine(0), (0, 3));
     assert_eq!(st.start_dispatch(), (1, 2));
-    assert_eq!(st.start_dispatch(), (0, 3));
-    assert_eq!(st.start_dispatch(), (1, 3));
-    assert_eq!(st.start_combine(), (0, 4));
-    assert_eq!(st.start_combine(), (1, 2));
+    assert_eq!(st.start_combine(1), (1, 2));
 }
 
 /// Rank 1 reduces slowly; rank 0 starts the next combine of the same handle (same set) at
@@ -403,4 +399,57 @@ fn shrink_masks_a_rank_that_stops_mid_dispatch_and_drops_its_rows() {
         .as_ref()
         .is_err_and(|e| e.to_string().contains("test hook")));
     assert_all_ok(&results[..2], "shrink");
+}
+
+/// Two live handles combined in the reverse order of their dispatches: each combine runs on
+/// its own handle's set (0 and 1) and matches the oracle; a handle naming a third set is
+/// refused as bad input.
+#[test]
+fn combines_in_any_order_use_their_handles_sets_and_a_bad_set_is_refused() {
+    let sc = Scenario::new(2, 2, 1);
+    let cfg = &sc.cfg;
+    let opts = HostOptions {
+        modes: Modes { ht: false, ll: true },
+        timeout: sc.timeout,
+        fault: None,
+    };
+    // The refusal abandons (poisons the peers' words): no rank may still be combining then.
+    let combined = Barrier::new(cfg.ranks);
+    let results = run_threads(cfg, &opts, |ep| {
+        let me = ep.rank();
+        let cap_rows = cfg.local_experts() * cfg.ranks * cfg.max_tokens_per_rank;
+        let ins: Vec<Vec<RankInput>> = (0..2).map(|i| inputs(&sc, i)).collect();
+        let mut got = Vec::new();
+        for input in &ins {
+            got.push(ep.ll_dispatch(&input[me].x, &input[me].topk_idx)?);
+        }
+        assert_eq!((got[0].handle.set, got[1].handle.set), (0, 1));
+        for i in [1, 0] {
+            let want = oracle::ll_dispatch(cfg, &ins[i])?;
+            let handles: Vec<LlHandle> = want.iter().map(|o| o.handle.clone()).collect();
+            let idx: Vec<_> = ins[i].iter().map(|x| x.topk_idx.clone()).collect();
+            let wts: Vec<_> = ins[i].iter().map(|x| x.topk_weights.clone()).collect();
+            let ys: Vec<Vec<bf16>> = (0..cfg.ranks)
+                .map(|r| bf16s(&mut rng(r, i, 30), cap_rows * cfg.hidden))
+                .collect();
+            let want_c = oracle::ll_combine(cfg, &handles, &ys, &idx, &wts)?;
+            let got_c = ep.ll_combine(
+                &ys[me],
+                &ins[i][me].topk_idx,
+                &ins[i][me].topk_weights,
+                &got[i].handle,
+            )?;
+            check::ll_combine(me, &got_c, &want_c[me]).map_err(|e| in_context(e, "LL combine", i))?;
+        }
+        combined.wait();
+        let mut bad = got[0].handle.clone();
+        bad.set = 2;
+        let ys = vec![bf16::ZERO; cap_rows * cfg.hidden];
+        match ep.ll_combine(&ys, &ins[0][me].topk_idx, &ins[0][me].topk_weights, &bad) {
+            Err(e) if e.is_usage() && e.to_string().contains("buffer set 2") => Ok(()),
+            other => panic!("rank {me}: a handle of set 2 must be refused, got {other:?}"),
+        }
+    })
+    .unwrap();
+    assert_all_ok(&results, "reverse-order combines");
 }
