@@ -176,8 +176,22 @@ pub struct Fault {
     pub exit_process: bool,
 }
 
+/// The phases a [`Fault`] can stop at: every `fault_point` of the host protocol.
+pub const FAULT_PHASES: [&str; 9] = [
+    "layout",
+    "count exchange",
+    "dispatch",
+    "cached dispatch barrier",
+    "combine barrier",
+    "combine",
+    "LL dispatch",
+    "LL dispatch records",
+    "LL combine",
+];
+
 impl Fault {
-    /// Parses `RANK:PHASE` (the `GIN_EP_FAULT` variable).
+    /// Parses `RANK:PHASE` (the `GIN_EP_FAULT` variable). A phase the protocol does not have
+    /// is refused: such a fault would never fire, and the run would pass for the wrong reason.
     pub fn parse(s: &str, exit_process: bool) -> Result<Fault> {
         let (r, p) = s
             .split_once(':')
@@ -185,6 +199,12 @@ impl Fault {
         let rank = r
             .parse()
             .map_err(|_| Error::input("GIN_EP_FAULT", format!("rank `{r}` is not a number")))?;
+        if !FAULT_PHASES.contains(&p) {
+            return Err(Error::input(
+                "GIN_EP_FAULT",
+                format!("phase `{p}` is not one of: {}", FAULT_PHASES.join(", ")),
+            ));
+        }
         Ok(Fault {
             rank,
             phase: p.to_string(),
@@ -350,6 +370,10 @@ impl HostEp {
     }
 
     fn fault_point(&self, phase: &str) -> Result<()> {
+        debug_assert!(
+            FAULT_PHASES.contains(&phase),
+            "fault point `{phase}` missing from FAULT_PHASES"
+        );
         if let Some(f) = &self.fault {
             if f.rank == self.rank() && f.phase == phase {
                 if f.exit_process {
@@ -777,5 +801,31 @@ fn check_handle(cfg: &EpConfig, rank: usize, handle: &HtHandle) -> Result<()> {
             format!("HT handle of rank {rank}"),
             "does not match this config",
         ))
+    }
+}
+
+#[cfg(test)]
+mod fault_tests {
+    use super::*;
+
+    #[test]
+    fn a_fault_names_a_rank_and_a_phase_the_protocol_has() {
+        let f = Fault::parse("1:LL dispatch records", true).unwrap();
+        assert_eq!(
+            (f.rank, f.phase.as_str(), f.exit_process),
+            (1, "LL dispatch records", true)
+        );
+        for bad in ["1:LL dispatch barrier", "0:Combine", "x:layout", "layout"] {
+            let e = Fault::parse(bad, false).unwrap_err();
+            assert!(e.is_usage(), "{bad}: {e}");
+            assert!(e.to_string().contains("GIN_EP_FAULT"), "{bad}: {e}");
+        }
+        let e = Fault::parse("2:LL dispatch barrier", false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`LL dispatch barrier`") && e.contains("LL dispatch records"),
+            "{e}"
+        );
     }
 }
