@@ -39,6 +39,7 @@ fn reg_frame(id: u32, size: u64) -> [u8; HEADER_BYTES] {
         dst_off: 0,
         size,
         signal: None,
+        token: 0,
     }
     .encode()
 }
@@ -136,6 +137,7 @@ fn put(dst_reg: u32, dst_off: u64, size: u64, signal: Option<SignalAction>) -> [
         dst_off,
         size,
         signal,
+        token: 0,
     }
     .encode()
 }
@@ -227,6 +229,36 @@ fn a_valid_frame_lands_and_signals() {
     finish(s);
 }
 
+/// A get request on the wire is answered with the registration's bytes, tagged with the
+/// request's token, on the plugin's own connection.
+#[test]
+fn a_get_request_is_answered() {
+    let mut s = setup();
+    let b = s.mem.bytes();
+    assert!(b.iter().all(|&x| x == 0xAA));
+    let mut f = put(0, 40, 16, None).to_vec();
+    f.extend_from_slice(b"0123456789abcdef");
+    f.extend_from_slice(&Header::get_req(0, 36, 24, 0x1234_5678_9abc).encode());
+    s.imp.tx.write_all(&f).unwrap();
+    s.imp.rx.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut hb = [0u8; HEADER_BYTES];
+    s.imp.rx.read_exact(&mut hb).unwrap();
+    assert_eq!(
+        Header::decode(&hb).unwrap(),
+        Header::get_resp(24, 0x1234_5678_9abc),
+        "the response header"
+    );
+    let mut payload = [0u8; 24];
+    s.imp.rx.read_exact(&mut payload).unwrap();
+    assert_eq!(&payload, b"\xAA\xAA\xAA\xAA0123456789abcdef\xAA\xAA\xAA\xAA");
+    s.imp.tx.write_all(&Header::bye().encode()).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    // SAFETY: coll from setup().
+    assert_eq!(unsafe { (gin().ginProgress.unwrap())(s.coll.ptr()) }, ncclSuccess);
+    check_guards(&s, "get");
+    finish(s);
+}
+
 /// A fuzz-style table: each entry is a byte stream the impostor sends, then closes.
 #[test]
 fn bad_frames_are_errors_never_out_of_bounds_writes() {
@@ -273,6 +305,26 @@ fn bad_frames_are_errors_never_out_of_bounds_writes() {
         ("truncated payload", with_payload(put(0, 0, 100, None), 10), true),
         ("truncated header", put(0, 0, 8, None)[..20].to_vec(), true),
         ("registration out of order", reg_frame(5, 64).to_vec(), false),
+        (
+            "get of an unknown registration",
+            Header::get_req(7, 0, 8, 1).encode().to_vec(),
+            false,
+        ),
+        (
+            "get past the end",
+            Header::get_req(0, REG as u64 - 4, 8, 1).encode().to_vec(),
+            false,
+        ),
+        (
+            "get offset overflow",
+            Header::get_req(0, u64::MAX - 3, 8, 1).encode().to_vec(),
+            false,
+        ),
+        (
+            "get response nobody asked for",
+            with_payload(Header::get_resp(8, 99).encode(), 8),
+            false,
+        ),
         ("closed without goodbye", Vec::new(), true),
     ];
     for (what, bytes, close) in cases {

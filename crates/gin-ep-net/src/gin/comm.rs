@@ -6,8 +6,14 @@
 //! (`wire.rs`), driver calls (`cuda.rs`), or blocking NCCL's progress thread (`iput` and
 //! `test` only enqueue and look).
 //!
-//! Ordering contract and why it holds: every operation for peer p goes through p's single
-//! worker thread in submission order. A put's request is done once its source was read
+//! Lanes: a v13 `createContext` asks for several contexts inside one `collComm`; each
+//! context index is a lane with its own sender thread per peer (lane 0 exists from `connect`
+//! on, v11 uses only it). Lanes share the per-peer connections, whose frames the receiver
+//! applies in arrival order, so a lane's ordering holds as below and lanes never wait for
+//! one another's copies.
+//!
+//! Ordering contract and why it holds: every operation of one lane for peer p goes through
+//! that lane's single worker thread for p in submission order. A put's request is done once its source was read
 //! (staged or copied). A signal is sent/applied by that worker only after the data of its
 //! own put is in the target's memory (IPC: the copy into the mapped peer memory completed)
 //! or ahead of it on the same in-order connection (TCP: the receiver writes a frame's data,
@@ -26,7 +32,7 @@ use std::time::{Duration, Instant};
 use gin_ep_sys::fdpass::{self, FdListener};
 
 use super::cuda::{self, Ctx, Mapping, Side};
-use super::wire::{Header, Kind, RegMsg, SignalAction};
+use super::wire::{Header, RegMsg, SignalAction};
 use crate::abi::{NCCL_NET_SIGNAL_OP_ADD, NCCL_NET_SIGNAL_OP_INC, NCCL_PTR_CUDA, NCCL_PTR_HOST};
 use crate::config::{Config, Fault};
 use crate::error::{Error, Result};
@@ -106,8 +112,54 @@ pub struct PutOp {
     pub state: Arc<AtomicU8>,
 }
 
+/// One get as the requesting worker executes it: `size` bytes of the peer's registration
+/// `remote_reg` at `remote_off` into local memory at `dst`.
+pub struct GetOp {
+    pub token: u64,
+    pub remote_reg: u32,
+    pub remote_off: u64,
+    pub size: usize,
+    pub dst: usize,
+    pub dst_mem: Mem,
+    pub state: Arc<AtomicU8>,
+}
+
+/// A get this rank issued and whose data has not landed yet.
+#[derive(Clone)]
+pub struct PendingGet {
+    pub lane: usize,
+    pub rank: usize,
+    pub dst: usize,
+    pub mem: Mem,
+    pub size: u64,
+    pub state: Arc<AtomicU8>,
+    /// Set when the request frame went out: the response must arrive by then.
+    pub deadline: Option<Instant>,
+}
+
+/// What a request handle given to NCCL points at.
+pub enum Req {
+    /// A put or signal: done once its source was read (and, for IPC, its copy completed).
+    Op(Arc<AtomicU8>),
+    /// A get: done once its bytes are in local memory.
+    Get(Arc<AtomicU8>, u64),
+    /// A flush: done once every get it waits for is done.
+    Flush(Vec<Arc<AtomicU8>>),
+}
+
+/// The most contexts one `createContext` may ask for (each is a sender thread per peer).
+pub const MAX_LANES: usize = 64;
+
 pub enum Op {
     Put(PutOp),
+    Get(GetOp),
+    /// Answer the peer's get `token`: send `size` bytes of registration `reg` at `off`.
+    GetResp {
+        token: u64,
+        reg: u32,
+        off: u64,
+        size: usize,
+    },
     /// Announce registration `id` of `size` bytes to the peer.
     Reg {
         id: u32,
@@ -140,8 +192,15 @@ pub struct Coll {
     pub closing: AtomicBool,
     /// Per peer: its Bye arrived (or its receiver ended).
     pub rx_done: Vec<AtomicBool>,
-    pub queues: Mutex<Vec<Option<Sender<Op>>>>,
+    /// Per lane, per peer: the queue of that lane's sender worker (None for no worker).
+    pub queues: Mutex<Vec<Vec<Option<Sender<Op>>>>>,
+    /// Lane 0's senders and the receivers.
     pub threads: Mutex<Vec<JoinHandle<()>>>,
+    /// The senders of lanes 1 and up (stopped before lane 0, which says goodbye last).
+    pub lane_threads: Mutex<Vec<JoinHandle<()>>>,
+    /// Gets in flight, by token.
+    pub gets: Mutex<HashMap<u64, PendingGet>>,
+    next_token: std::sync::atomic::AtomicU64,
     pub fd_listener: Mutex<Option<FdListener>>,
     /// fd-exchange messages that arrived ahead of their registration: (reg, rank).
     pub early_regs: Mutex<EarlyRegs>,
@@ -199,6 +258,9 @@ impl Coll {
             rx_done: (0..nranks).map(|_| AtomicBool::new(false)).collect(),
             queues: Mutex::new(Vec::new()),
             threads: Mutex::new(Vec::new()),
+            lane_threads: Mutex::new(Vec::new()),
+            gets: Mutex::new(HashMap::new()),
+            next_token: std::sync::atomic::AtomicU64::new(1),
             fd_listener: Mutex::new(Some(fd_listener)),
             early_regs: Mutex::new(HashMap::new()),
         }
@@ -287,6 +349,7 @@ impl Coll {
         self.exchange_fds(id, data, size, mem, deadline)?;
         for p in self.peers.iter().filter(|p| p.rank != self.rank) {
             self.enqueue(
+                0,
                 p.rank,
                 Op::Reg {
                     id,
@@ -483,14 +546,59 @@ impl Coll {
     // -----------------------------------------------------------------------------------
     // Operations
 
-    pub fn enqueue(&self, rank: usize, op: Op) -> Result<()> {
+    pub fn enqueue(&self, lane: usize, rank: usize, op: Op) -> Result<()> {
         let q = lock(&self.queues);
         let tx = q
-            .get(rank)
+            .get(lane)
+            .and_then(|l| l.get(rank))
             .and_then(Option::as_ref)
-            .ok_or_else(|| Error::internal(format!("no worker for rank {rank}")))?;
-        tx.send(op)
-            .map_err(|_| self.fail(format!("the worker for {} has stopped", self.peers[rank].label)))
+            .ok_or_else(|| Error::internal(format!("no worker for rank {rank} on lane {lane}")))?;
+        tx.send(op).map_err(|_| {
+            self.fail(format!(
+                "the lane {lane} worker for {} has stopped",
+                self.peers[rank].label
+            ))
+        })
+    }
+
+    /// Number of lanes with workers.
+    pub fn lanes(&self) -> usize {
+        lock(&self.queues).len()
+    }
+
+    /// Starts the sender workers of lanes up to `n` (lanes that exist are kept: contexts of
+    /// several `createContext` calls with the same index share a lane, which only orders
+    /// more than required).
+    pub fn ensure_lanes(self: &Arc<Self>, n: usize) -> Result<()> {
+        if n == 0 || n > MAX_LANES {
+            return Err(Error::arg(format!(
+                "{}: {n} contexts requested (1 to {MAX_LANES} supported)",
+                self.label
+            )));
+        }
+        if self.closing.load(Ordering::Acquire) {
+            return Err(Error::arg(format!(
+                "{}: createContext after closeColl",
+                self.label
+            )));
+        }
+        let mut q = lock(&self.queues);
+        while q.len() < n {
+            let lane = q.len();
+            let mut senders = Vec::with_capacity(self.nranks);
+            for r in 0..self.nranks {
+                let (tx, rx) = std::sync::mpsc::channel();
+                let cc = self.clone();
+                let t = std::thread::Builder::new()
+                    .name(format!("ginep-tx{r}.{lane}"))
+                    .spawn(move || super::worker::sender(cc, lane, r, rx))
+                    .map_err(|e| Error::sys(format!("spawning a sender thread: {e}")))?;
+                lock(&self.lane_threads).push(t);
+                senders.push(Some(tx));
+            }
+            q.push(senders);
+        }
+        Ok(())
     }
 
     /// `iput`/`iputSignal`: validates everything against the local table (and the peer's
@@ -499,6 +607,7 @@ impl Coll {
     #[allow(clippy::too_many_arguments)]
     pub fn put(
         &self,
+        lane: usize,
         src_off: u64,
         src_handle: u64,
         size: usize,
@@ -574,8 +683,119 @@ impl Coll {
                 return Ok(state);
             }
         }
-        self.enqueue(rank, Op::Put(op))?;
+        self.enqueue(lane, rank, Op::Put(op))?;
         Ok(state)
+    }
+
+    /// `iget`: validates both ranges (the remote one against the peer's announced size) and
+    /// queues the get on `lane`'s worker for `rank`; the request is done once the bytes are
+    /// in local memory.
+    #[allow(clippy::too_many_arguments)]
+    pub fn get(
+        &self,
+        lane: usize,
+        remote_off: u64,
+        remote_handle: u64,
+        size: usize,
+        local_off: u64,
+        local_handle: u64,
+        rank: u32,
+    ) -> Result<Req> {
+        self.check()?;
+        let rank = rank as usize;
+        if rank >= self.nranks {
+            return Err(Error::arg(format!("get from rank {rank} of {}", self.nranks)));
+        }
+        if size == 0 {
+            return Ok(Req::Get(Arc::new(AtomicU8::new(DONE)), 0));
+        }
+        let lid = id_of(local_handle)
+            .ok_or_else(|| Error::arg(format!("get: local handle {local_handle:#x} is not ours")))?;
+        let (base, len, mem) = self.local(lid)?;
+        if local_off.checked_add(size as u64).is_none_or(|e| e > len) {
+            return Err(Error::arg(format!(
+                "get: local range {local_off}+{size} exceeds registration #{lid} of {len} bytes"
+            )));
+        }
+        let rid = id_of(remote_handle)
+            .ok_or_else(|| Error::arg(format!("get: remote handle {remote_handle:#x} is not ours")))?;
+        let rlen = self.remote_size(rank, rid)?;
+        if remote_off.checked_add(size as u64).is_none_or(|e| e > rlen) {
+            return Err(Error::arg(format!(
+                "get from {}: remote range {remote_off}+{size} exceeds registration #{rid} of {rlen} bytes",
+                self.peers[rank].label
+            )));
+        }
+        let token = self.next_token.fetch_add(1, Ordering::Relaxed);
+        let state = Arc::new(AtomicU8::new(PENDING));
+        let dst = base + local_off as usize;
+        lock(&self.gets).insert(
+            token,
+            PendingGet {
+                lane,
+                rank,
+                dst,
+                mem,
+                size: size as u64,
+                state: state.clone(),
+                deadline: None,
+            },
+        );
+        let op = GetOp {
+            token,
+            remote_reg: rid,
+            remote_off,
+            size,
+            dst,
+            dst_mem: mem,
+            state: state.clone(),
+        };
+        if let Err(e) = self.enqueue(lane, rank, Op::Get(op)) {
+            lock(&self.gets).remove(&token);
+            return Err(e);
+        }
+        Ok(Req::Get(state, token))
+    }
+
+    /// `iflush`: a request that completes once every get of `lane` from `rank` issued so far
+    /// has completed. A get completes only after its bytes were copied into local memory and
+    /// that copy was waited for (a host `memcpy`, or a driver copy whose stream
+    /// `cuStreamQuery` reported idle), so a completed get is visible to the GPU and nothing
+    /// beyond waiting for the gets still in flight is needed.
+    pub fn flush(&self, lane: usize, rank: u32) -> Result<Req> {
+        self.check()?;
+        let rank = rank as usize;
+        if rank >= self.nranks {
+            return Err(Error::arg(format!("flush of rank {rank} of {}", self.nranks)));
+        }
+        let waits = lock(&self.gets)
+            .values()
+            .filter(|g| g.lane == lane && g.rank == rank)
+            .map(|g| g.state.clone())
+            .collect();
+        Ok(Req::Flush(waits))
+    }
+
+    /// Marks get `token` done and forgets it (after its bytes landed).
+    pub fn get_done(&self, token: u64) {
+        if let Some(g) = lock(&self.gets).remove(&token) {
+            g.state.store(DONE, Ordering::Release);
+        }
+    }
+
+    /// Whether an issued get's response is overdue; fails the context if so.
+    pub fn check_get(&self, token: u64) -> Result<()> {
+        let overdue = lock(&self.gets)
+            .get(&token)
+            .filter(|g| g.deadline.is_some_and(|d| Instant::now() >= d))
+            .cloned();
+        match overdue {
+            None => Ok(()),
+            Some(g) => Err(self.fail(format!(
+                "a get of {} bytes from {} had no response within {:?}",
+                g.size, self.peers[g.rank].label, self.config.timeout
+            ))),
+        }
     }
 
     /// Size of registration `id` as `rank` announced it (own table for self).
@@ -598,14 +818,7 @@ impl Coll {
         if rank == self.rank {
             return self.apply_signal(&s);
         }
-        let h = Header {
-            kind: Kind::Signal,
-            dst_reg: 0,
-            dst_off: 0,
-            size: 0,
-            signal: Some(s),
-        };
-        super::worker::write_frame(self, rank, &h, &[])
+        super::worker::write_frame(self, rank, &Header::signal_only(s), &[])
     }
 
     /// Applies a signal to this rank's own registration (the owner's job).

@@ -1,5 +1,7 @@
-//! `ncclGin` v11, proxy type: NCCL's GIN progress thread turns a kernel's put/signal
-//! descriptors into calls of this table.
+//! `ncclGin` v11 and v13, proxy type: NCCL's GIN progress thread turns a kernel's
+//! put/signal (v13 also get/flush) descriptors into calls of these tables. v11 is one context
+//! per `collComm`; v13's `createContext` adds contexts (lanes) to a `collComm`, and NCCL 2.30
+//! drives the v13 table as its RMA backend.
 //!
 //! Owns: listen (a TCP listener and an fd-exchange socket per context), connect (the full
 //! mesh, collective, with a deadline), the choice of data path per peer, teardown, and the
@@ -16,7 +18,7 @@ pub mod worker;
 use std::ffi::{c_int, c_void};
 use std::net::TcpListener;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -26,7 +28,7 @@ use crate::abi::*;
 use crate::config::{host_id, Config, GinPath};
 use crate::error::{ffi, Error, Result};
 use crate::sock;
-use comm::{Coll, Op, Peer, DONE, FAILED};
+use comm::{Coll, Op, Peer, Req, DONE, FAILED};
 use wire::{GinHandle, HELLO_BYTES};
 
 /// Per-`init` state.
@@ -196,7 +198,7 @@ fn start_threads(c: &Arc<Coll>) -> Result<()> {
         threads.push(
             std::thread::Builder::new()
                 .name(format!("ginep-tx{r}"))
-                .spawn(move || worker::sender(cc, r, rx))
+                .spawn(move || worker::sender(cc, 0, r, rx))
                 .map_err(|e| Error::sys(format!("spawning a sender thread: {e}")))?,
         );
         if r != c.rank {
@@ -209,7 +211,7 @@ fn start_threads(c: &Arc<Coll>) -> Result<()> {
             );
         }
     }
-    *c.queues.lock().unwrap_or_else(|p| p.into_inner()) = queues;
+    *c.queues.lock().unwrap_or_else(|p| p.into_inner()) = vec![queues];
     *c.threads.lock().unwrap_or_else(|p| p.into_inner()) = threads;
     Ok(())
 }
@@ -218,9 +220,21 @@ fn start_threads(c: &Arc<Coll>) -> Result<()> {
 /// bounded time to hear every peer's Bye before the connections are shut down.
 pub fn close(c: &Arc<Coll>) {
     c.closing.store(true, Ordering::Release);
+    // Lanes 1.. finish their queues first; lane 0 then sends the goodbye, which must be the
+    // last frame on each connection.
     {
         let q = c.queues.lock().unwrap_or_else(|p| p.into_inner());
-        for tx in q.iter().flatten() {
+        for tx in q.iter().skip(1).flatten().flatten() {
+            let _ = tx.send(Op::Bye);
+        }
+    }
+    let lane_threads = std::mem::take(&mut *c.lane_threads.lock().unwrap_or_else(|p| p.into_inner()));
+    for t in lane_threads {
+        let _ = t.join();
+    }
+    {
+        let q = c.queues.lock().unwrap_or_else(|p| p.into_inner());
+        for tx in q.iter().take(1).flatten().flatten() {
             let _ = tx.send(Op::Bye);
         }
     }
@@ -253,19 +267,39 @@ pub fn close(c: &Arc<Coll>) {
     live.retain(|w| w.upgrade().is_some_and(|x| !Arc::ptr_eq(&x, c)));
 }
 
-/// A request handed to NCCL: the put's state.
-type Request = Arc<AtomicU8>;
-
 /// `test`: `Ok(true)` once the request completed (the box is then freed by the caller).
-pub fn test(c: &Coll, r: &Request) -> Result<bool> {
-    match r.load(Ordering::Acquire) {
-        DONE => Ok(true),
-        FAILED => Err(Error::remote(
-            c.error().unwrap_or_else(|| format!("{}: a put failed", c.label)),
-        )),
-        _ => {
-            c.check()?;
-            Ok(false)
+pub fn test(c: &Coll, r: &Req) -> Result<bool> {
+    let failed = || {
+        Error::remote(
+            c.error()
+                .unwrap_or_else(|| format!("{}: an operation failed", c.label)),
+        )
+    };
+    match r {
+        Req::Op(st) | Req::Get(st, _) => match st.load(Ordering::Acquire) {
+            DONE => Ok(true),
+            FAILED => Err(failed()),
+            _ => {
+                c.check()?;
+                if let Req::Get(_, token) = r {
+                    c.check_get(*token)?;
+                }
+                Ok(false)
+            }
+        },
+        Req::Flush(waits) => {
+            let mut all = true;
+            for st in waits {
+                match st.load(Ordering::Acquire) {
+                    DONE => {}
+                    FAILED => return Err(failed()),
+                    _ => all = false,
+                }
+            }
+            if !all {
+                c.check()?;
+            }
+            Ok(all)
         }
     }
 }
@@ -421,8 +455,17 @@ unsafe extern "C" fn gin_iput(
     ffi("gin iput", || {
         *request = std::ptr::null_mut();
         let c = &*(coll as *const Arc<Coll>);
-        let st = c.put(src_off, src_mh as u64, size, dst_off, dst_mh as u64, rank, None)?;
-        *request = Box::into_raw(Box::new(st)).cast();
+        let st = c.put(
+            0,
+            src_off,
+            src_mh as u64,
+            size,
+            dst_off,
+            dst_mh as u64,
+            rank,
+            None,
+        )?;
+        *request = Box::into_raw(Box::new(Req::Op(st))).cast();
         Ok(())
     })
 }
@@ -445,8 +488,8 @@ unsafe extern "C" fn gin_iput_signal(
         *request = std::ptr::null_mut();
         let c = &*(coll as *const Arc<Coll>);
         let sig = Some((signal_off, signal_mh as u64, signal_value, signal_op));
-        let st = c.put(src_off, src_mh as u64, size, dst_off, dst_mh as u64, rank, sig)?;
-        *request = Box::into_raw(Box::new(st)).cast();
+        let st = c.put(0, src_off, src_mh as u64, size, dst_off, dst_mh as u64, rank, sig)?;
+        *request = Box::into_raw(Box::new(Req::Op(st))).cast();
         Ok(())
     })
 }
@@ -455,7 +498,7 @@ unsafe extern "C" fn gin_test(coll: *mut c_void, request: *mut c_void, done: *mu
     ffi("gin test", || {
         *done = 0;
         let c = &*(coll as *const Arc<Coll>);
-        let r = request as *mut Request;
+        let r = request as *mut Req;
         if r.is_null() {
             return Err(Error::arg("test: NULL request"));
         }
@@ -513,5 +556,283 @@ pub const GIN_V11: ncclGin_v11_t = ncclGin_v11_t {
     test: gin_test,
     ginProgress: Some(gin_progress),
     queryLastError: Some(gin_query_last_error),
+    finalize: gin_finalize,
+};
+
+// ---------------------------------------------------------------------------------------
+// The v13 table. NCCL 2.30 loads it as its RMA backend (`rma_v13.cc` falls back to the
+// `ncclGinPlugin_v13` symbol) and drives it from its own GIN proxy: `createContext` returns
+// the `ginCtx` that puts, gets, flushes, progress and error queries name; `test` takes the
+// `collComm`. listen, connect, registration, close and finalize are the v11 functions.
+
+/// A v13 `ginCtx`: `n` contexts of one `collComm`, context i being the collComm's lane i.
+pub struct GinContexts {
+    pub coll: Arc<Coll>,
+    pub n: usize,
+}
+
+/// Validates a v13 context configuration; returns the number of contexts.
+pub fn check_config(cfg: &ncclGinConfig_v13_t) -> Result<usize> {
+    if cfg.nContexts < 1 || cfg.nContexts as usize > comm::MAX_LANES {
+        return Err(Error::arg(format!(
+            "createContext: nContexts {} (1 to {} supported)",
+            cfg.nContexts,
+            comm::MAX_LANES
+        )));
+    }
+    if cfg.queueDepth != 0 {
+        return Err(Error::arg(format!(
+            "createContext: queueDepth {} requested; this plugin has no per-context queue to size (only 0 is accepted)",
+            cfg.queueDepth
+        )));
+    }
+    // NCCL 2.30 passes the communicator's traffic class as is: INT_MIN when unset.
+    if ![0, NCCL_NET_TRAFFIC_CLASS_UNDEF, NCCL_CONFIG_UNDEF_INT].contains(&cfg.trafficClass) {
+        return Err(Error::arg(format!(
+            "createContext: trafficClass {} requested; TCP and CUDA IPC have no traffic classes (only unset or 0 is accepted)",
+            cfg.trafficClass
+        )));
+    }
+    Ok(cfg.nContexts as usize)
+}
+
+/// The contexts and lane behind (`gin_ctx`, `context`), with the range check.
+unsafe fn lane_of<'a>(gin_ctx: *mut c_void, context: c_int, what: &str) -> Result<(&'a Arc<Coll>, usize)> {
+    if gin_ctx.is_null() {
+        return Err(Error::arg(format!("{what}: NULL GIN context")));
+    }
+    let g = &*(gin_ctx as *const GinContexts);
+    if context < 0 || context as usize >= g.n {
+        return Err(Error::arg(format!(
+            "{what}: context {context} out of range ({}: contexts 0..{})",
+            g.coll.label, g.n
+        )));
+    }
+    Ok((&g.coll, context as usize))
+}
+
+unsafe extern "C" fn gin13_get_properties(dev: c_int, props: *mut ncclNetProperties_v12_t) -> ncclResult_t {
+    ffi("gin getProperties", || {
+        if dev != 0 || props.is_null() {
+            return Err(Error::arg(format!("getProperties: device {dev} (only 0 exists)")));
+        }
+        let mut v11: ncclNetProperties_v11_t = std::mem::zeroed();
+        crate::net::base_properties(&mut v11);
+        let mut devs = [0; NCCL_NET_MAX_DEVS_PER_NIC_V12];
+        devs[..NCCL_NET_MAX_DEVS_PER_NIC].copy_from_slice(&v11.vProps.devs);
+        *props = ncclNetProperties_v12_t {
+            name: v11.name,
+            pciPath: v11.pciPath,
+            guid: v11.guid,
+            ptrSupport: NCCL_PTR_HOST | NCCL_PTR_CUDA,
+            regIsGlobal: v11.regIsGlobal,
+            forceFlush: v11.forceFlush,
+            speed: v11.speed,
+            port: v11.port,
+            latency: v11.latency,
+            maxComms: v11.maxComms,
+            maxRecvs: GIN_MAX_RECVS,
+            netDeviceType: NCCL_NET_DEVICE_GIN_PROXY,
+            netDeviceVersion: v11.netDeviceVersion,
+            vProps: ncclNetVDeviceProps_v12_t {
+                ndevs: v11.vProps.ndevs,
+                devs,
+            },
+            maxP2pBytes: v11.maxP2pBytes,
+            maxCollBytes: v11.maxCollBytes,
+            maxMultiRequestSize: v11.maxMultiRequestSize,
+            railId: NCCL_NET_ID_UNDEF,
+            planeId: NCCL_NET_ID_UNDEF,
+        };
+        Ok(())
+    })
+}
+
+unsafe extern "C" fn gin13_create_context(
+    coll: *mut c_void,
+    config: *mut ncclGinConfig_v13_t,
+    gin_ctx: *mut *mut c_void,
+    dev_handle: *mut *mut ncclNetDeviceHandle_v11_t,
+) -> ncclResult_t {
+    ffi("gin createContext", || {
+        if !dev_handle.is_null() {
+            // Proxy type: NCCL's proxy builds the device-side handle itself.
+            *dev_handle = std::ptr::null_mut();
+        }
+        *gin_ctx = std::ptr::null_mut();
+        if coll.is_null() || config.is_null() {
+            return Err(Error::arg("createContext: NULL collComm or config"));
+        }
+        let c = &*(coll as *const Arc<Coll>);
+        let n = check_config(&*config)?;
+        c.ensure_lanes(n)?;
+        crate::info!("{}: {n} context(s) created", c.label);
+        *gin_ctx = Box::into_raw(Box::new(GinContexts { coll: c.clone(), n })).cast();
+        Ok(())
+    })
+}
+
+unsafe extern "C" fn gin13_destroy_context(gin_ctx: *mut c_void) -> ncclResult_t {
+    // The lanes stay with the collComm (closeColl stops them); only the handle goes.
+    if !gin_ctx.is_null() {
+        drop(Box::from_raw(gin_ctx as *mut GinContexts));
+    }
+    ncclSuccess
+}
+
+unsafe extern "C" fn gin13_iput(
+    gin_ctx: *mut c_void,
+    context: c_int,
+    src_off: u64,
+    src_mh: *mut c_void,
+    size: usize,
+    dst_off: u64,
+    dst_mh: *mut c_void,
+    rank: u32,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    ffi("gin iput", || {
+        *request = std::ptr::null_mut();
+        let (c, lane) = lane_of(gin_ctx, context, "iput")?;
+        let st = c.put(
+            lane,
+            src_off,
+            src_mh as u64,
+            size,
+            dst_off,
+            dst_mh as u64,
+            rank,
+            None,
+        )?;
+        *request = Box::into_raw(Box::new(Req::Op(st))).cast();
+        Ok(())
+    })
+}
+
+unsafe extern "C" fn gin13_iput_signal(
+    gin_ctx: *mut c_void,
+    context: c_int,
+    src_off: u64,
+    src_mh: *mut c_void,
+    size: usize,
+    dst_off: u64,
+    dst_mh: *mut c_void,
+    rank: u32,
+    signal_off: u64,
+    signal_mh: *mut c_void,
+    signal_value: u64,
+    signal_op: u32,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    ffi("gin iputSignal", || {
+        *request = std::ptr::null_mut();
+        let (c, lane) = lane_of(gin_ctx, context, "iputSignal")?;
+        let sig = Some((signal_off, signal_mh as u64, signal_value, signal_op));
+        let st = c.put(
+            lane,
+            src_off,
+            src_mh as u64,
+            size,
+            dst_off,
+            dst_mh as u64,
+            rank,
+            sig,
+        )?;
+        *request = Box::into_raw(Box::new(Req::Op(st))).cast();
+        Ok(())
+    })
+}
+
+unsafe extern "C" fn gin13_iget(
+    gin_ctx: *mut c_void,
+    context: c_int,
+    remote_off: u64,
+    remote_mh: *mut c_void,
+    size: usize,
+    local_off: u64,
+    local_mh: *mut c_void,
+    rank: u32,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    ffi("gin iget", || {
+        *request = std::ptr::null_mut();
+        let (c, lane) = lane_of(gin_ctx, context, "iget")?;
+        let r = c.get(
+            lane,
+            remote_off,
+            remote_mh as u64,
+            size,
+            local_off,
+            local_mh as u64,
+            rank,
+        )?;
+        *request = Box::into_raw(Box::new(r)).cast();
+        Ok(())
+    })
+}
+
+unsafe extern "C" fn gin13_iflush(
+    gin_ctx: *mut c_void,
+    context: c_int,
+    _mhandle: *mut c_void,
+    rank: u32,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    // The memory handle names what an RDMA NIC would read back to flush; gets here land
+    // through completed copies, so only the gets in flight matter (Coll::flush).
+    ffi("gin iflush", || {
+        *request = std::ptr::null_mut();
+        let (c, lane) = lane_of(gin_ctx, context, "iflush")?;
+        let r = c.flush(lane, rank)?;
+        *request = Box::into_raw(Box::new(r)).cast();
+        Ok(())
+    })
+}
+
+unsafe extern "C" fn gin13_progress(gin_ctx: *mut c_void) -> ncclResult_t {
+    // As gin_progress: reports a failed collComm even when nothing is outstanding.
+    if gin_ctx.is_null() {
+        return ncclInvalidArgument;
+    }
+    let g = &*(gin_ctx as *const GinContexts);
+    match g.coll.error() {
+        None => ncclSuccess,
+        Some(_) => ncclRemoteError,
+    }
+}
+
+unsafe extern "C" fn gin13_query_last_error(gin_ctx: *mut c_void, has_error: *mut bool) -> ncclResult_t {
+    if has_error.is_null() {
+        return ncclInvalidArgument;
+    }
+    *has_error = if gin_ctx.is_null() {
+        comm::last_error().is_some()
+    } else {
+        (*(gin_ctx as *const GinContexts)).coll.error().is_some()
+    };
+    ncclSuccess
+}
+
+pub const GIN_V13: ncclGin_v13_t = ncclGin_v13_t {
+    name: c"GinEp".as_ptr(),
+    init: gin_init,
+    devices: gin_devices,
+    getProperties: gin13_get_properties,
+    listen: gin_listen,
+    connect: gin_connect,
+    createContext: gin13_create_context,
+    regMrSym: gin_reg_mr_sym,
+    regMrSymDmaBuf: None,
+    deregMrSym: gin_dereg_mr_sym,
+    destroyContext: gin13_destroy_context,
+    closeColl: gin_close_coll,
+    closeListen: gin_close_listen,
+    iput: gin13_iput,
+    iputSignal: gin13_iput_signal,
+    iget: gin13_iget,
+    iflush: gin13_iflush,
+    test: gin_test,
+    ginProgress: Some(gin13_progress),
+    queryLastError: Some(gin13_query_last_error),
     finalize: gin_finalize,
 };

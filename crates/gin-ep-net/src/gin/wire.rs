@@ -5,9 +5,11 @@
 //! decodes is self-consistent; whether its registration and offsets exist is checked by the
 //! receiver against its table (`comm.rs`) before any byte is written. Never: I/O.
 //!
-//! One connection per ordered pair of ranks and context: rank i's frames to j travel on the
-//! connection i opened to j, in submission order; TCP keeps that order, the receiver
-//! processes frames one at a time, which is the per-(context, peer) FIFO of the contract.
+//! One connection per ordered pair of ranks and `collComm`: rank i's frames to j travel on the
+//! connection i opened to j; each lane's (context's) frames in its submission order, the
+//! lanes' frames interleaved whole. TCP keeps that order and the receiver processes frames one
+//! at a time, which gives the per-(context, peer) FIFO of the contract. A get is a `GetReq`
+//! on the requester's connection and a `GetResp` with the same token on the peer's.
 
 use std::net::SocketAddr;
 
@@ -105,6 +107,11 @@ pub enum Kind {
     Reg = 3,
     /// Orderly close: the sender sends nothing more.
     Bye = 4,
+    /// "Send me `size` bytes of your registration `dst_reg` at `dst_off`", answered by a
+    /// `GetResp` with the same `token`.
+    GetReq = 5,
+    /// The `size` payload bytes a `GetReq` with `token` asked for.
+    GetResp = 6,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -134,6 +141,9 @@ pub struct Header {
     pub dst_off: u64,
     pub size: u64,
     pub signal: Option<SignalAction>,
+    /// Matches a `GetResp` to its `GetReq` (0 in every other kind). It travels in the bytes
+    /// of the signal value, which get frames never carry.
+    pub token: u64,
 }
 
 impl Header {
@@ -144,6 +154,36 @@ impl Header {
             dst_off: 0,
             size: 0,
             signal: None,
+            token: 0,
+        }
+    }
+
+    /// A frame carrying only a signal.
+    pub fn signal_only(s: SignalAction) -> Header {
+        Header {
+            kind: Kind::Signal,
+            signal: Some(s),
+            ..Header::bye()
+        }
+    }
+
+    pub fn get_req(reg: u32, off: u64, size: u64, token: u64) -> Header {
+        Header {
+            kind: Kind::GetReq,
+            dst_reg: reg,
+            dst_off: off,
+            size,
+            signal: None,
+            token,
+        }
+    }
+
+    pub fn get_resp(size: u64, token: u64) -> Header {
+        Header {
+            kind: Kind::GetResp,
+            size,
+            token,
+            ..Header::bye()
         }
     }
 
@@ -153,7 +193,7 @@ impl Header {
         b[4] = self.kind as u8;
         let (op, sreg, soff, sval) = match self.signal {
             Some(s) => (s.op as u8, s.reg, s.off, s.value),
-            None => (0, 0, 0, 0),
+            None => (0, 0, 0, self.token),
         };
         b[5] = op;
         b[8..12].copy_from_slice(&self.dst_reg.to_le_bytes());
@@ -176,6 +216,8 @@ impl Header {
             2 => Kind::Signal,
             3 => Kind::Reg,
             4 => Kind::Bye,
+            5 => Kind::GetReq,
+            6 => Kind::GetResp,
             k => return Err(format!("unknown frame kind {k}")),
         };
         if b[6] != 0 || b[7] != 0 {
@@ -186,6 +228,25 @@ impl Header {
         let u64at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap());
         let (dst_reg, sreg, dst_off, size, soff, sval) =
             (u32at(8), u32at(12), u64at(16), u64at(24), u64at(32), u64at(40));
+        if matches!(kind, Kind::GetReq | Kind::GetResp) {
+            if op != 0 || sreg != 0 || soff != 0 {
+                return Err("a get frame with signal fields".into());
+            }
+            if size == 0 {
+                return Err("a get frame of 0 bytes".into());
+            }
+            if kind == Kind::GetResp && (dst_reg != 0 || dst_off != 0) {
+                return Err("a get response with registration fields".into());
+            }
+            return Ok(Header {
+                kind,
+                dst_reg,
+                dst_off,
+                size,
+                signal: None,
+                token: sval,
+            });
+        }
         let signal = match op {
             0 => {
                 if sreg != 0 || soff != 0 || sval != 0 {
@@ -207,6 +268,7 @@ impl Header {
             dst_off,
             size,
             signal,
+            token: 0,
         };
         match kind {
             Kind::Put if size == 0 => Err("a put frame without payload".into()),
@@ -304,6 +366,7 @@ mod tests {
                 op: NCCL_NET_SIGNAL_OP_ADD,
                 value: 7,
             }),
+            token: 0,
         }
     }
 
@@ -328,8 +391,11 @@ mod tests {
                 dst_off: 0,
                 size: 1 << 40,
                 signal: None,
+                token: 0,
             },
             Header::bye(),
+            Header::get_req(3, 4096, 100, 77),
+            Header::get_resp(100, u64::MAX),
         ] {
             assert_eq!(Header::decode(&h.encode()), Ok(h));
         }
@@ -368,9 +434,30 @@ mod tests {
             dst_off: 0,
             size: 0,
             signal: None,
+            token: 0,
         }
         .encode();
         assert!(Header::decode(&signal_only).is_err());
+        let req = Header::get_req(3, 8, 100, 5).encode();
+        let resp = Header::get_resp(100, 5).encode();
+        let mutate = |b0: [u8; HEADER_BYTES], f: &dyn Fn(&mut [u8; HEADER_BYTES])| {
+            let mut b = b0;
+            f(&mut b);
+            b
+        };
+        let bad_gets: Vec<(&str, [u8; HEADER_BYTES])> = vec![
+            ("get with a signal op", mutate(req, &|b| b[5] = 1)),
+            ("get with a signal registration", mutate(req, &|b| b[12] = 1)),
+            ("get with a signal offset", mutate(req, &|b| b[32] = 8)),
+            ("get of 0 bytes", mutate(req, &|b| b[24..32].fill(0))),
+            ("response with a registration", mutate(resp, &|b| b[8] = 1)),
+            ("response with an offset", mutate(resp, &|b| b[16] = 1)),
+            ("response of 0 bytes", mutate(resp, &|b| b[24..32].fill(0))),
+            ("kind 7", mutate(req, &|b| b[4] = 7)),
+        ];
+        for (what, b) in bad_gets {
+            assert!(Header::decode(&b).is_err(), "{what} was accepted");
+        }
     }
 
     #[test]

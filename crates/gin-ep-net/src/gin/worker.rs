@@ -1,5 +1,8 @@
-//! The threads of a GIN context: one sender per peer (self included) that executes puts in
-//! submission order, and one receiver per remote peer that applies its frames.
+//! The threads of a GIN context: per lane, one sender per peer (self included) that executes
+//! puts and gets in submission order, and one receiver per remote peer that applies its
+//! frames. Receivers never write to a socket (a get request is answered by lane 0's sender
+//! for that peer), so a receiver always drains its connection and two ranks answering each
+//! other's gets cannot block each other.
 //!
 //! Owns: moving bytes (staging, copies, socket I/O), the receiver's validation of every frame
 //! against the local registration table before any write, and reporting a peer that
@@ -13,7 +16,7 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 
-use super::comm::{Coll, Op, PutOp, DONE, FAILED};
+use super::comm::{Coll, GetOp, Op, PutOp, DONE, FAILED};
 use super::cuda::{self, Side};
 use super::wire::{Header, Kind, HEADER_BYTES};
 use crate::error::{Error, Result};
@@ -35,11 +38,36 @@ pub fn write_frame(c: &Coll, rank: usize, h: &Header, payload: &[u8]) -> Result<
         .map_err(|e| c.fail(format!("sending to {}: {e}", p.label)))
 }
 
-/// The sender worker of `rank`: runs until Bye or until its queue closes.
-pub fn sender(c: Arc<Coll>, rank: usize, rx: Receiver<Op>) {
+/// The sender worker of (`lane`, `rank`): runs until Bye or until its queue closes.
+pub fn sender(c: Arc<Coll>, lane: usize, rank: usize, rx: Receiver<Op>) {
     let mut staging: Vec<u8> = Vec::new();
     while let Ok(op) = rx.recv() {
         match op {
+            Op::Get(get) => {
+                let (state, token) = (get.state.clone(), get.token);
+                if c.has_error.load(Ordering::Acquire) {
+                    state.store(FAILED, Ordering::Release);
+                    continue;
+                }
+                if let Err(e) = execute_get(&c, rank, get) {
+                    c.fail(format!("get from {}: {}", c.peers[rank].label, e.msg));
+                    state.store(FAILED, Ordering::Release);
+                    c.gets.lock().unwrap_or_else(|p| p.into_inner()).remove(&token);
+                }
+            }
+            Op::GetResp {
+                token,
+                reg,
+                off,
+                size,
+            } => {
+                if c.has_error.load(Ordering::Acquire) {
+                    continue;
+                }
+                if let Err(e) = answer_get(&c, rank, token, reg, off, size, &mut staging) {
+                    c.fail(format!("answering a get from {}: {}", c.peers[rank].label, e.msg));
+                }
+            }
             Op::Put(put) => {
                 let state = put.state.clone();
                 if c.has_error.load(Ordering::Acquire) {
@@ -58,14 +86,15 @@ pub fn sender(c: Arc<Coll>, rank: usize, rx: Receiver<Op>) {
                 let h = Header {
                     kind: Kind::Reg,
                     dst_reg: id,
-                    dst_off: 0,
                     size,
-                    signal: None,
+                    ..Header::bye()
                 };
                 let _ = write_frame(&c, rank, &h, &[]);
             }
             Op::Bye => {
-                if rank != c.rank && !c.has_error.load(Ordering::Acquire) {
+                // Only lane 0 says goodbye: `close` stops the other lanes first, so the Bye
+                // frame is the last one on the connection.
+                if lane == 0 && rank != c.rank && !c.has_error.load(Ordering::Acquire) {
                     let _ = write_frame(&c, rank, &Header::bye(), &[]);
                 }
                 break;
@@ -121,14 +150,7 @@ fn execute(c: &Coll, rank: usize, put: PutOp, staging: &mut Vec<u8>) -> Result<(
         )?;
         put.state.store(DONE, Ordering::Release);
         if let Some(s) = put.signal {
-            let h = Header {
-                kind: Kind::Signal,
-                dst_reg: 0,
-                dst_off: 0,
-                size: 0,
-                signal: Some(s),
-            };
-            write_frame(c, rank, &h, &[])?;
+            write_frame(c, rank, &Header::signal_only(s), &[])?;
         }
         return Ok(());
     }
@@ -147,24 +169,89 @@ fn execute(c: &Coll, rank: usize, put: PutOp, staging: &mut Vec<u8>) -> Result<(
         )?;
     }
     put.state.store(DONE, Ordering::Release);
-    let h = if put.size > 0 {
-        Header {
+    let h = match put.signal {
+        Some(s) if put.size == 0 => Header::signal_only(s),
+        _ => Header {
             kind: Kind::Put,
             dst_reg: put.dst_reg,
             dst_off: put.dst_off,
             size: put.size as u64,
             signal: put.signal,
-        }
-    } else {
-        Header {
-            kind: Kind::Signal,
-            dst_reg: 0,
-            dst_off: 0,
-            size: 0,
-            signal: put.signal,
-        }
+            token: 0,
+        },
     };
     write_frame(c, rank, &h, &staging[..put.size])
+}
+
+/// One get: self and CUDA IPC peers are read directly (the request is done once the copy
+/// completed); a TCP peer is sent a request frame and the receiver lands its response.
+fn execute_get(c: &Coll, rank: usize, get: GetOp) -> Result<()> {
+    let deadline = c.deadline();
+    let direct = if rank == c.rank {
+        let (base, _, mem) = c.local(get.remote_reg)?;
+        Some((base + get.remote_off as usize, mem.side()))
+    } else if c.peers[rank].ipc {
+        c.mapped(get.remote_reg, rank)
+            .map(|m| ((m.ptr + get.remote_off) as usize, Side::Device))
+    } else {
+        None
+    };
+    if let Some((src, src_side)) = direct {
+        copy(
+            c,
+            get.dst,
+            get.dst_mem.side(),
+            src,
+            src_side,
+            get.size,
+            deadline,
+            if rank == c.rank { "self get" } else { "IPC get" },
+        )?;
+        c.get_done(get.token);
+        return Ok(());
+    }
+    // Armed before the frame goes out: the response may land before write_frame returns.
+    if let Some(g) = c
+        .gets
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get_mut(&get.token)
+    {
+        g.deadline = Some(deadline);
+    }
+    let h = Header::get_req(get.remote_reg, get.remote_off, get.size as u64, get.token);
+    write_frame(c, rank, &h, &[])
+}
+
+/// Sends `size` bytes of local registration `reg` at `off` as the response to `rank`'s get
+/// `token` (bounds checked again here: the registration may have gone since the request).
+fn answer_get(
+    c: &Coll,
+    rank: usize,
+    token: u64,
+    reg: u32,
+    off: u64,
+    size: usize,
+    staging: &mut Vec<u8>,
+) -> Result<()> {
+    let (base, len, mem) = c.local(reg)?;
+    if off.checked_add(size as u64).is_none_or(|e| e > len) {
+        return Err(Error::remote(format!(
+            "a get of {size} bytes at offset {off} exceeds registration #{reg} of {len} bytes"
+        )));
+    }
+    staging.resize(size, 0);
+    copy(
+        c,
+        staging.as_mut_ptr() as usize,
+        Side::Host,
+        base + off as usize,
+        mem.side(),
+        size,
+        c.deadline(),
+        "staging a get response",
+    )?;
+    write_frame(c, rank, &Header::get_resp(size as u64, token), &staging[..size])
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -255,6 +342,28 @@ fn receive_one(c: &Coll, rank: usize, s: &TcpStream, buf: &mut Vec<u8>) -> std::
             c.announced_cv.notify_all();
             return Ok(true);
         }
+        Kind::GetReq => {
+            // Checked here so a bad request fails at once, and again by the answering sender.
+            let (_, len, _) = c.local(h.dst_reg).map_err(|e| e.msg)?;
+            if h.dst_off.checked_add(h.size).is_none_or(|e| e > len) {
+                return Err(format!(
+                    "a get of {} bytes at offset {} exceeds registration #{} of {len} bytes",
+                    h.size, h.dst_off, h.dst_reg
+                ));
+            }
+            let op = Op::GetResp {
+                token: h.token,
+                reg: h.dst_reg,
+                off: h.dst_off,
+                size: h.size as usize,
+            };
+            c.enqueue(0, rank, op).map_err(|e| e.msg)?;
+            return Ok(true);
+        }
+        Kind::GetResp => {
+            land_get(c, rank, fd, &h, buf)?;
+            return Ok(true);
+        }
         Kind::Put | Kind::Signal => {}
     }
     // Validate the destination and the signal before a single byte is written.
@@ -305,4 +414,49 @@ fn receive_one(c: &Coll, rank: usize, s: &TcpStream, buf: &mut Vec<u8>) -> std::
         c.apply_signal(&sig).map_err(|e| e.msg)?;
     }
     Ok(true)
+}
+
+/// Lands the payload of a get response into the memory its request named, then completes it.
+fn land_get(
+    c: &Coll,
+    rank: usize,
+    fd: i32,
+    h: &Header,
+    buf: &mut Vec<u8>,
+) -> std::result::Result<(), String> {
+    let g = c
+        .gets
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&h.token)
+        .cloned()
+        .ok_or_else(|| format!("a get response with unknown token {}", h.token))?;
+    if g.rank != rank || g.size != h.size || g.deadline.is_none() {
+        return Err(format!(
+            "a get response (token {}, {} bytes) that does not match its request ({} bytes from rank {})",
+            h.token, h.size, g.size, g.rank
+        ));
+    }
+    let size = h.size as usize;
+    let mut done = 0usize;
+    while done < size {
+        let n = (size - done).min(CHUNK);
+        buf.resize(n, 0);
+        sock::read_exact(fd, &mut buf[..n], c.deadline())
+            .map_err(|e| format!("reading {n} bytes at {done} of a get response: {e}"))?;
+        copy(
+            c,
+            g.dst + done,
+            g.mem.side(),
+            buf.as_ptr() as usize,
+            Side::Host,
+            n,
+            c.deadline(),
+            "landing a get",
+        )
+        .map_err(|e| e.msg)?;
+        done += n;
+    }
+    c.get_done(h.token);
+    Ok(())
 }

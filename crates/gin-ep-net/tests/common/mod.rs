@@ -13,6 +13,66 @@ pub fn gin() -> &'static ncclGin_v11_t {
     &nccl_net_ginep::ncclGinPlugin_v11.0
 }
 
+pub fn gin13() -> &'static ncclGin_v13_t {
+    &nccl_net_ginep::ncclGinPlugin_v13.0
+}
+
+/// The setup functions of a GIN table (v11 and v13 share their signatures).
+#[derive(Clone, Copy)]
+pub struct Setup {
+    pub init: unsafe extern "C" fn(*mut *mut c_void, u64, ncclDebugLogger_t) -> ncclResult_t,
+    pub devices: unsafe extern "C" fn(*mut c_int) -> ncclResult_t,
+    pub listen: unsafe extern "C" fn(*mut c_void, c_int, *mut c_void, *mut *mut c_void) -> ncclResult_t,
+    pub connect: unsafe extern "C" fn(
+        *mut c_void,
+        *mut *mut c_void,
+        c_int,
+        c_int,
+        *mut c_void,
+        *mut *mut c_void,
+    ) -> ncclResult_t,
+    pub close_listen: unsafe extern "C" fn(*mut c_void) -> ncclResult_t,
+    pub reg_mr_sym: unsafe extern "C" fn(
+        *mut c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        u64,
+        *mut *mut c_void,
+        *mut *mut c_void,
+    ) -> ncclResult_t,
+    pub close_coll: unsafe extern "C" fn(*mut c_void) -> ncclResult_t,
+    pub finalize: unsafe extern "C" fn(*mut c_void) -> ncclResult_t,
+}
+
+pub fn v11() -> Setup {
+    let g = gin();
+    Setup {
+        init: g.init,
+        devices: g.devices,
+        listen: g.listen,
+        connect: g.connect,
+        close_listen: g.closeListen,
+        reg_mr_sym: g.regMrSym,
+        close_coll: g.closeColl,
+        finalize: g.finalize,
+    }
+}
+
+pub fn v13() -> Setup {
+    let g = gin13();
+    Setup {
+        init: g.init,
+        devices: g.devices,
+        listen: g.listen,
+        connect: g.connect,
+        close_listen: g.closeListen,
+        reg_mr_sym: g.regMrSym,
+        close_coll: g.closeColl,
+        finalize: g.finalize,
+    }
+}
+
 pub fn net() -> &'static ncclNet_v11_t {
     &nccl_net_ginep::ncclNetPlugin_v11.0
 }
@@ -74,7 +134,11 @@ pub fn ok(r: ncclResult_t, what: &str) {
 
 /// init + listen + connect for `n` ranks (connect runs concurrently: it is collective).
 pub fn mesh(n: usize) -> Vec<Rank> {
-    let g = gin();
+    mesh_via(v11(), n)
+}
+
+/// `mesh` through the given table's functions.
+pub fn mesh_via(g: Setup, n: usize) -> Vec<Rank> {
     let mut ctxs = Vec::new();
     let mut lcomms = Vec::new();
     let mut handles = vec![[0u8; NCCL_NET_HANDLE_MAXSIZE]; n];
@@ -103,7 +167,7 @@ pub fn mesh(n: usize) -> Vec<Rank> {
                     // SAFETY: handles live in `handles` for the scope; out-pointer valid.
                     unsafe {
                         ok(
-                            (gin().connect)(
+                            (g.connect)(
                                 ctx.ptr(),
                                 hs.as_mut_ptr(),
                                 n as c_int,
@@ -113,7 +177,7 @@ pub fn mesh(n: usize) -> Vec<Rank> {
                             ),
                             "gin connect",
                         );
-                        ok((gin().closeListen)(l.ptr()), "closeListen");
+                        ok((g.close_listen)(l.ptr()), "closeListen");
                     }
                     P(coll as usize)
                 })
@@ -129,6 +193,11 @@ pub fn mesh(n: usize) -> Vec<Rank> {
 
 /// Collective regMrSym of one host buffer per rank; returns the handles.
 pub fn register(ranks: &[Rank], bufs: &[&Buf]) -> Vec<P> {
+    register_via(v11(), ranks, bufs)
+}
+
+/// `register` through the given table's regMrSym.
+pub fn register_via(g: Setup, ranks: &[Rank], bufs: &[&Buf]) -> Vec<P> {
     std::thread::scope(|s| {
         let joins: Vec<_> = ranks
             .iter()
@@ -141,7 +210,7 @@ pub fn register(ranks: &[Rank], bufs: &[&Buf]) -> Vec<P> {
                     // close before dropping it).
                     unsafe {
                         ok(
-                            (gin().regMrSym)(
+                            (g.reg_mr_sym)(
                                 coll.ptr(),
                                 addr as *mut c_void,
                                 len,
@@ -234,13 +303,18 @@ pub fn until(what: &str, f: impl Fn() -> bool) {
 }
 
 pub fn close_all(ranks: Vec<Rank>) {
+    close_all_via(v11(), ranks)
+}
+
+/// `close_all` through the given table's closeColl and finalize.
+pub fn close_all_via(g: Setup, ranks: Vec<Rank>) {
     std::thread::scope(|s| {
         for r in ranks {
             s.spawn(move || {
                 // SAFETY: coll and ctx from mesh(); closed once.
                 unsafe {
-                    ok((gin().closeColl)(r.coll.ptr()), "closeColl");
-                    ok((gin().finalize)(r.ctx.ptr()), "finalize");
+                    ok((g.close_coll)(r.coll.ptr()), "closeColl");
+                    ok((g.finalize)(r.ctx.ptr()), "finalize");
                 }
             });
         }
