@@ -16,7 +16,11 @@
 //! - `OUT_DIR/kernels_meta.rs`, always: `KERNEL_SETS`, one entry per supported minor, with
 //!   the fatbin or why it is absent;
 //! - `OUT_DIR/ptxas.txt`, the resource report of every kernel of every set built (and
-//!   `ptxas_2_XX.txt` per set).
+//!   `ptxas_2_XX.txt` per set);
+//! - `OUT_DIR/abi.rs`, always: the Rust form of kernels/abi/*.h (abi_gen.rs; the module
+//!   `backend::cuda::abi`), and `OUT_DIR/abi_checks.h`, the same layouts as static_asserts
+//!   that every kernel build includes. A header outside the generator's subset fails the
+//!   build with or without nvcc.
 
 use std::env;
 use std::ffi::OsString;
@@ -29,6 +33,14 @@ use std::process::{Child, Command, Stdio};
 #[path = "../gin-ep-sys/nccl_headers.rs"]
 mod nccl_headers;
 use nccl_headers::{include_var, nccl_version_code, venv_site_packages};
+
+// The kernel ABI generator (kernels/abi/*.h to Rust), also compiled into the crate's tests.
+#[path = "abi_gen.rs"]
+mod abi_gen;
+
+/// The headers of kernels/abi/, in the order they are read (a header may use what an
+/// earlier one defines). A new header is added here and in backend/cuda/abi.rs's docs.
+const ABI_HEADERS: &[&str] = &["abi/common.h", "abi/ll.h"];
 
 /// Architectures with SASS in the fatbin. sm_90 is the floor (the Device API's LSA path
 /// needs Hopper's multimem/fence semantics and we tune for H200); sm_100 is added when
@@ -72,6 +84,7 @@ fn main() {
         println!("cargo:rerun-if-env-changed={}", include_var(label));
     }
     let require = env::var("GIN_EP_REQUIRE_KERNELS").is_ok_and(|v| v == "1");
+    generate_abi(&kernels_dir, &out_dir);
 
     let mut meta = Meta {
         sets: SUPPORTED_NCCL
@@ -220,6 +233,8 @@ fn build_kernels(
     for unit in &units {
         let _ = writeln!(unity, "#include \"{}\"", unit.display());
     }
+    // Last: the layouts abi.rs was generated with, checked against the kernels' structs.
+    let _ = writeln!(unity, "#include \"{}\"", out_dir.join("abi_checks.h").display());
     let unity_path = out_dir.join("gin_ep_kernels.cu");
     fs::write(&unity_path, unity).map_err(|e| format!("writing {}: {e}", unity_path.display()))?;
 
@@ -377,6 +392,23 @@ fn build_kernels(
     }
     fs::write(out_dir.join("ptxas.txt"), &reports).map_err(|e| format!("writing ptxas.txt: {e}"))?;
     Ok(())
+}
+
+/// Reads kernels/abi/*.h ([`ABI_HEADERS`]) and writes `OUT_DIR/abi.rs` and
+/// `OUT_DIR/abi_checks.h`; any header outside the generator's subset ends the build.
+fn generate_abi(kernels_dir: &Path, out_dir: &Path) {
+    let mut abi = abi_gen::Abi::new();
+    for file in ABI_HEADERS {
+        let path = kernels_dir.join(file);
+        let src =
+            fs::read_to_string(&path).unwrap_or_else(|e| fail(&format!("reading {}: {e}", path.display())));
+        if let Err(e) = abi.read(file, &src) {
+            fail(&format!("kernels/{e}"));
+        }
+    }
+    for (name, text) in [("abi.rs", abi.rust()), ("abi_checks.h", abi.c_checks())] {
+        fs::write(out_dir.join(name), text).expect("OUT_DIR is writable");
+    }
 }
 
 /// Ends the build with a message; cargo shows a build script's stderr on failure.

@@ -20,6 +20,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "abi/common.h"
+
 // 2.28.3 had no GIN fields in ncclDevComm and ncclWindow_vidmem; 2.28.7 is the first layout
 // the host mirrors (crates/gin-ep-sys) know.
 #if !defined(NCCL_VERSION_CODE) || NCCL_VERSION_CODE < 22807
@@ -31,12 +33,8 @@
 
 namespace gin_ep {
 
-// Bytes reserved for `ncclDevComm` at the start of every kernel argument struct: 200 in
-// 2.28, 224 in 2.29, 240 in 2.30, 248 in 2.31/2.32. A fixed slot keeps every later field at
-// the same offset in every build, so the host mirrors (crates/gin-ep/src/backend/cuda,
-// `DEV_COMM_SLOT_BYTES` in gin-ep-sys) have one layout whatever NCCL is loaded. The room
-// above 2.30's size leaves later minors a place without moving any field.
-constexpr size_t kDevCommSlotBytes = 384;
+// kDevCommSlotBytes (abi/common.h): the bytes reserved for `ncclDevComm` at the start of
+// every kernel argument struct.
 static_assert(sizeof(ncclDevComm) <= kDevCommSlotBytes, "ncclDevComm outgrew the argument slot");
 static_assert(alignof(ncclDevComm) <= 8, "ncclDevComm needs more than 8-byte alignment");
 

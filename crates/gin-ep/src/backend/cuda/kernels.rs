@@ -289,15 +289,6 @@ mod tests {
     }
 
     #[test]
-    fn the_devcomm_slot_is_the_same_size_on_both_sides() {
-        let src = include_str!("../../../../../kernels/common/nccl_compat.cuh");
-        assert_eq!(
-            cu_const(src, "nccl_compat.cuh", "kDevCommSlotBytes"),
-            gin_ep_sys::DEV_COMM_SLOT_BYTES
-        );
-    }
-
-    #[test]
     fn fatbin_presence_matches_the_reason() {
         for set in KERNEL_SETS {
             assert_eq!(set.fatbin.is_none(), set.absent_reason.is_some(), "{set:?}");

@@ -9,6 +9,7 @@
 
 use gin_ep_sys as ns;
 
+pub(crate) mod abi;
 pub mod driver;
 pub mod gin_alltoall;
 pub mod gincheck;

@@ -1,13 +1,11 @@
-//! Where the LL kernels find everything: the window layout of one group ([`LlLayout`]) and
-//! the host mirror of the kernels' one parameter (`LlArgs`).
+//! Where the LL kernels find everything: the window layout of one group ([`LlLayout`]), whose
+//! offsets travel in the kernels' one parameter (`LlArgs`, generated from kernels/abi/ll.h).
 //!
 //! Owns: the offset and size arithmetic that the record arithmetic in kernels/ll/common.cuh
 //! mirrors, and the shapes the kernels refuse. Never: allocates, launches or touches the
 //! device; a change here is a change of the kernel ABI and needs the same change in the kernels (kernels/ll/).
 
-use gin_ep_sys as ns;
-
-use super::{DISPATCH_UNIT, MAX_RANKS, MAX_SMEM, MAX_TOKENS, SETS, SIG_KINDS};
+use super::{abi, map_ints, DISPATCH_UNIT, MAX_RANKS, MAX_SMEM, MAX_TOKENS, SETS, SIG_KINDS};
 use crate::backend::cuda::align16;
 use crate::config::{DispatchDtype, EpConfig, FP8_BLOCK};
 use crate::error::{Error, Result};
@@ -155,7 +153,7 @@ impl LlLayout {
         t * h * 2 + t * k * 12 + rows * h * 2 // x, topk, weights, y
             + rows * cfg.dispatch_dtype.row_bytes(h) + rows * spr // recv_x + scales, ue8m0 bytes
             + l * 4 + l * r * 8 + rows * 12 // counts, layout range, handle
-            + r * t * (2 * k + 3) * 4 // record map (rank-first combine)
+            + r * t * map_ints(k) * 4 // record map (rank-first combine)
             + t * h * 2 // combined
     }
 }
@@ -168,77 +166,12 @@ pub fn buffer_bytes(cfg: &EpConfig) -> Result<usize> {
     Ok(LlLayout::new(cfg)?.window_bytes)
 }
 
-/// Host mirror of `gin_ep::ll::LlArgs` (kernels/ll/common.cuh), the one parameter of every LL
-/// kernel. Device pointers are `u64` (CUdeviceptr), the same size as the C pointers.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub(super) struct LlArgs {
-    pub(super) comm: ns::DevCommSlot,
-    pub(super) win: ns::ncclWindow_t,
-    pub(super) set_offset: u64,
-    pub(super) sig_offset: u64,
-    pub(super) meta_offset: u64,
-    pub(super) stage_offset: u64,
-    pub(super) comb_offset: u64,
-    pub(super) rec_bytes: u64,
-    pub(super) x: u64,
-    pub(super) topk_idx: u64,
-    pub(super) topk_weights: u64,
-    pub(super) y: u64,
-    pub(super) recv_x: u64,
-    pub(super) recv_scales: u64,
-    pub(super) recv_count: u64,
-    pub(super) layout_range: u64,
-    pub(super) src_rank: u64,
-    pub(super) src_token: u64,
-    pub(super) src_k: u64,
-    pub(super) combined: u64,
-    pub(super) state: u64,
-    pub(super) timeout_ns: u64,
-    pub(super) err: u64,
-    pub(super) num_tokens: i32,
-    pub(super) hidden: i32,
-    pub(super) topk: i32,
-    pub(super) experts: i32,
-    pub(super) max_tokens: i32,
-    pub(super) dtype: i32,
-    pub(super) recv_scales_ue8m0: u64,
-    pub(super) flags: u32,
-    pub(super) lsa_stride4g: u32,
-    pub(super) stamps: u64,
-    pub(super) user_count: u64,
-    pub(super) user_range: u64,
-    pub(super) stats: u64,
-    pub(super) scales_col_major: u32,
-    pub(super) pad2: u32,
-    pub(super) wts_offset: u64,
-    pub(super) comb_map: u64,
-    pub(super) comb_order: u32,
-    pub(super) pad3: u32,
-    pub(super) ready_offset: u64,
-    pub(super) lsa_base: u64,
-}
-// Same numbers as the static_assert in kernels/ll/common.cuh.
-// `S`: the devcomm slot LlArgs starts with (nccl_compat.cuh), the same for every NCCL.
-const S: usize = ns::DEV_COMM_SLOT_BYTES;
-const _: () = assert!(std::mem::size_of::<LlArgs>() == S + 296);
-const _: () = assert!(std::mem::offset_of!(LlArgs, lsa_base) == S + 288);
-const _: () = assert!(std::mem::offset_of!(LlArgs, lsa_stride4g) == S + 212);
-const _: () = assert!(std::mem::offset_of!(LlArgs, ready_offset) == S + 280);
-const _: () = assert!(std::mem::offset_of!(LlArgs, wts_offset) == S + 256);
-const _: () = assert!(std::mem::offset_of!(LlArgs, comb_order) == S + 272);
-const _: () = assert!(std::mem::offset_of!(LlArgs, user_count) == S + 224);
-const _: () = assert!(std::mem::offset_of!(LlArgs, scales_col_major) == S + 248);
-const _: () = assert!(std::mem::offset_of!(LlArgs, stamps) == S + 216);
-const _: () = assert!(std::mem::offset_of!(LlArgs, err) == S + 168);
-const _: () = assert!(std::mem::offset_of!(LlArgs, recv_scales_ue8m0) == S + 200);
-const _: () = assert!(std::mem::offset_of!(LlArgs, flags) == S + 208);
-
+/// `LlArgs::dtype` of a dispatch dtype (`Dtype` in abi/ll.h).
 pub(super) fn dtype_code(d: DispatchDtype) -> i32 {
     match d {
-        DispatchDtype::Bf16 => 0,
-        DispatchDtype::Fp8 => 1,
-        DispatchDtype::Fp8Ue8m0 => 2,
+        DispatchDtype::Bf16 => abi::K_BF16,
+        DispatchDtype::Fp8 => abi::K_FP8,
+        DispatchDtype::Fp8Ue8m0 => abi::K_FP8_UE8M0,
     }
 }
 

@@ -3,8 +3,9 @@
 //!
 //! Owns: the two buffer sets (double buffering), the four typed launches (dispatch send
 //! and receive, combine send and receive: the receive hooks), CUDA-graph capture, and the
-//! kernel constants the host mirrors. The window layout and the kernel's argument block are
-//! in [`layout`], the kernel variants in [`variant`]. Never: decides what is correct (the
+//! host's limits, named after the kernel constants they derive from (those and the argument
+//! block `LlArgs` are generated from kernels/abi/ll.h: `backend::cuda::abi::ll`). The window
+//! layout is in [`layout`], the kernel variants in [`variant`]. Never: decides what is correct (the
 //! oracle does, through `check`), prints, imports the GPU check ([`check`]) or benchmark
 //! ([`mod@bench`], [`stamps`]) that drive it, or waits on the device without a deadline (every
 //! wait is [`CudaRank::wait`]; every in-kernel wait has one and names phase and peer).
@@ -20,6 +21,7 @@ use std::sync::atomic::AtomicU64;
 
 use half::bf16;
 
+use super::abi::ll as abi;
 use super::runtime::{CudaRank, DevComm, DevCommRequest, DeviceBuffer, ExternalSpan, Graph, Window};
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
 use crate::error::{Error, Result};
@@ -32,8 +34,9 @@ pub mod layout;
 pub mod stamps;
 pub mod variant;
 
+use abi::LlArgs;
+use layout::dtype_code;
 pub use layout::{buffer_bytes, LlLayout, RECORD_ALIGN};
-use layout::{dtype_code, LlArgs};
 use variant::STAMP_EDGES_FLAG;
 pub use variant::{LlVariant, ENV_VARIANT};
 
@@ -49,31 +52,35 @@ pub mod names {
     pub const COMBINE_FUSED: &str = "gin_ep_ll_combine_fused";
 }
 
-/// Threads per CTA of every LL kernel (`kThreads` in ll/common.cuh).
-pub const THREADS: u32 = 512;
-/// Warps per CTA (`kWarps` in ll/common.cuh).
-pub const WARPS: u32 = THREADS / 32;
-/// Channels of one dispatch work unit (`kDispatchUnit` in ll/common.cuh): the granularity of the
-/// `ready` words.
-pub const DISPATCH_UNIT: usize = 512;
+/// Threads per CTA of every LL kernel (`kThreads`, abi/ll.h).
+pub const THREADS: u32 = abi::K_THREADS as u32;
+/// Warps per CTA (`kWarps`).
+pub const WARPS: u32 = abi::K_WARPS as u32;
+/// Channels of one dispatch work unit (`kDispatchUnit`): the granularity of the `ready` words.
+pub const DISPATCH_UNIT: usize = abi::K_DISPATCH_UNIT as usize;
 /// Most tokens per rank the LL kernels accept (`max_tokens_per_rank`).
 pub const MAX_TOKENS: usize = 1024;
 /// Most ranks in one LL group (all must be in one LSA team).
 pub const MAX_RANKS: usize = 64;
-/// Most CTAs per LL kernel.
-pub const MAX_GRID: u32 = 1024;
+/// Most CTAs per LL kernel (`kMaxGrid`: the device state holds one op count per CTA).
+pub const MAX_GRID: u32 = abi::K_MAX_GRID as u32;
 /// Dynamic shared memory a kernel may use (H100/H200 allow 227 KiB per CTA by opt-in).
 pub const MAX_SMEM: usize = 200 * 1024;
 /// Buffer sets (double buffering).
 pub const SETS: usize = 2;
-/// Signal kinds per set (`kSigKinds` in ll/common.cuh): words `[SIG_KINDS][R]` u64.
-pub const SIG_KINDS: usize = 6;
-/// u32 words of a set's device state (ll/common.cuh: `kStateWords` words, then the op counts, one
-/// per CTA and kind, `[2][MAX_GRID]`): record count of the last dispatch, failure flag, op
-/// counts.
-pub const STATE_WORDS: usize = 8 + 2 * MAX_GRID as usize;
-/// u64 timestamps per CTA per operation pair (`kStampSlots` in ll/common.cuh).
-pub const STAMP_SLOTS: usize = 28;
+/// Signal kinds per set (`kSigKinds`): words `[SIG_KINDS][R]` u64.
+pub const SIG_KINDS: usize = abi::K_SIG_KINDS as usize;
+/// u32 words of a set's device state (`LlArgs::state`): `kStateWords` words (record count of
+/// the last dispatch, failure flag), then the op counts, one per CTA and kind,
+/// `[kOpKinds][kMaxGrid]`.
+pub const STATE_WORDS: usize = (abi::K_STATE_WORDS + abi::K_OP_KINDS * abi::K_MAX_GRID) as usize;
+/// u64 timestamps per CTA per operation pair (`kStampSlots`).
+pub const STAMP_SLOTS: usize = abi::K_STAMP_SLOTS as usize;
+/// i32 of one `comb_map` entry (`map_ints` in ll/common.cuh): `kMapHeader`, then (row, k)
+/// per expert of the token held here.
+pub(crate) fn map_ints(topk: usize) -> usize {
+    abi::K_MAP_HEADER as usize + 2 * topk
+}
 /// Word written into every output before a checked run: a row nobody wrote keeps it.
 pub const POISON: u32 = 0xDEAD_BEEF;
 
@@ -301,7 +308,7 @@ impl<'r> CudaLl<'r> {
                 src_token: alloc(rows * 4)?,
                 src_k: alloc(rows * 4)?,
                 combined: alloc(t * h * 2)?,
-                comb_map: alloc(if rank_first { r * t * (2 * k + 3) * 4 } else { 16 })?,
+                comb_map: alloc(if rank_first { r * t * map_ints(k) * 4 } else { 16 })?,
                 state: alloc(STATE_WORDS * 4)?,
                 num_tokens: 0,
                 io: LlIo::default(),
@@ -542,8 +549,8 @@ impl<'r> CudaLl<'r> {
                 0
             },
             comb_order: match cfg.ll_combine_order {
-                LlCombineOrder::Topk => 0,
-                LlCombineOrder::RankFirst => 1,
+                LlCombineOrder::Topk => abi::K_COMB_ORDER_TOPK,
+                LlCombineOrder::RankFirst => abi::K_COMB_ORDER_RANK_FIRST,
             },
             pad3: 0,
             ready_offset: self.layout.ready_offset as u64,
@@ -553,9 +560,9 @@ impl<'r> CudaLl<'r> {
 
     fn launch(&self, name: &'static str, smem: usize, set: usize) -> Result<()> {
         let args = self.args(set)?;
-        // SAFETY: LlArgs mirrors the kernel parameter (size/offset asserts on both sides);
-        // every pointer in it belongs to self (window, set buffers) or the rank (error
-        // record), which outlive the launch: owners wait for the stream before dropping
+        // SAFETY: LlArgs is the kernel parameter (generated from abi/ll.h; rustc and nvcc
+        // assert its layout); every pointer in it belongs to self (window, set buffers) or the
+        // rank (error record), which outlive the launch: owners wait for the stream before dropping
         // them, and on errors they are leaked, not freed; or it is a caller-owned span
         // (LlIo), checked by CudaRank::external to be device memory of this GPU and by
         // `args` to hold what this launch touches, kept alive by its owner until the stream
@@ -711,29 +718,6 @@ mod tests {
 
     pub(super) fn peers() -> EpConfig {
         EpConfig::new(4, 256, 7168, 8, 128)
-    }
-
-    /// The kernel source the constants below mirror (the LL kernels' shared header).
-    const LL_COMMON: &str = include_str!("../../../../../../kernels/ll/common.cuh");
-
-    /// `constexpr int NAME = VALUE` of ll/common.cuh, wherever it sits in a declaration list.
-    pub(super) fn cu_const(name: &str) -> usize {
-        super::super::kernels::cu_const(LL_COMMON, "ll/common.cuh", name)
-    }
-
-    #[test]
-    fn host_sizes_mirror_the_kernel_constants() {
-        // The device state holds kStateWords words and one op count per CTA and kind: a
-        // smaller host allocation would let the kernels write past it.
-        assert_eq!(
-            STATE_WORDS,
-            cu_const("kStateWords") + cu_const("kOpKinds") * cu_const("kMaxGrid")
-        );
-        assert_eq!(MAX_GRID as usize, cu_const("kMaxGrid"));
-        assert_eq!(SIG_KINDS, cu_const("kSigKinds"));
-        assert_eq!(STAMP_SLOTS, cu_const("kStampSlots"));
-        assert_eq!(THREADS as usize, cu_const("kThreads"));
-        assert_eq!(DISPATCH_UNIT, cu_const("kDispatchUnit"));
     }
 
     #[test]

@@ -1,30 +1,36 @@
 //! The LL kernels' device-clock stamps, read on the host: where the benchmark takes them
-//! ([`StampMode`]), the stamp slots of ll/common.cuh, and the phase breakdown ([`PHASES`]) and
+//! ([`StampMode`]), the stamp slots of abi/ll.h, and the phase breakdown ([`PHASES`]) and
 //! eager-loop split computed from one rank's rows.
 //!
-//! Owns: the meaning of each stamp slot (kSt* in kernels/ll/common.cuh). Never: allocates,
+//! Owns: the meaning of each stamp slot (kSt* in kernels/abi/ll.h). Never: allocates,
 //! launches or times anything (the benchmark does, in [`super::bench`]); pure arithmetic on
 //! downloaded rows.
 
+use super::abi;
 use super::STAMP_SLOTS;
 use crate::error::{Error, Result};
 
 /// Stamp slots of each operation's first and last stamp (kStDispStart, kStDispEnd,
-/// kStCombStart, kStCombEnd in ll/common.cuh): the span of its kernels.
-const ST_DISP_START: usize = 0;
-const ST_DISP_END: usize = 9;
-const ST_COMB_START: usize = 10;
-const ST_COMB_END: usize = 17;
+/// kStCombStart, kStCombEnd in abi/ll.h): the span of its kernels.
+const ST_DISP_START: usize = slot(abi::K_ST_DISP_START);
+const ST_DISP_END: usize = slot(abi::K_ST_DISP_END);
+const ST_COMB_START: usize = slot(abi::K_ST_COMB_START);
+const ST_COMB_END: usize = slot(abi::K_ST_COMB_END);
 /// Stamp slots of the first instruction of the kernel that starts each operation
 /// (kStDispEntry, kStCombEntry): the gap before an operation is launch, then entry.
-const ST_DISP_ENTRY: usize = 24;
-const ST_COMB_ENTRY: usize = 19;
+const ST_DISP_ENTRY: usize = slot(abi::K_ST_DISP_ENTRY);
+const ST_COMB_ENTRY: usize = slot(abi::K_ST_COMB_ENTRY);
 /// The combine reduce's latest warp: first item stored, last item stored (kStCombFirstItem,
 /// kStCombLastItem).
-const ST_COMB_FIRST_ITEM: usize = 25;
-const ST_COMB_LAST_ITEM: usize = 26;
+const ST_COMB_FIRST_ITEM: usize = slot(abi::K_ST_COMB_FIRST_ITEM);
+const ST_COMB_LAST_ITEM: usize = slot(abi::K_ST_COMB_LAST_ITEM);
 /// `pub`: the latest CTA's first batch of ready words published (kStDispFirstPub).
-const ST_DISP_FIRST_PUB: usize = 27;
+const ST_DISP_FIRST_PUB: usize = slot(abi::K_ST_DISP_FIRST_PUB);
+
+/// A stamp slot as an index into a CTA's row.
+const fn slot(s: i32) -> usize {
+    s as usize
+}
 
 /// Environment variable: the device-clock phase breakdown ([`PHASES`]) of `gin-ep bench
 /// --mode ll`, see [`StampMode`].
@@ -67,50 +73,53 @@ impl StampMode {
     }
 }
 
-/// One column of the device-clock breakdown: name, stamp slot (kSt* in ll/common.cuh), and whether
+/// One column of the device-clock breakdown: name, stamp slot (kSt* in abi/ll.h), and whether
 /// it is the first CTA to reach the slot (else the last). Times are µs from the first CTA's
-/// start of the operation (dispatch slot 0, combine slot 10) on the rank's clock; medians over
+/// start of the operation (kStDispStart, kStCombStart) on the rank's clock; medians over
 /// iterations of the slowest rank. Absent slots (a variant that does not pass them) are left
 /// out of the report.
 pub const PHASES: [(&str, usize, bool); 31] = [
-    ("d.lay", 1, false),
-    ("d.cred", 2, false),
-    ("d.loop0", 22, true),
-    ("d.loop", 22, false),
-    ("d.enc0", 23, true),
-    ("d.enc", 23, false),
-    ("d.stored0", 20, true),
-    ("d.stored", 20, false),
+    ("d.lay", slot(abi::K_ST_DISP_LAYOUT), false),
+    ("d.cred", slot(abi::K_ST_DISP_CREDIT), false),
+    ("d.loop0", slot(abi::K_ST_DISP_LOOP), true),
+    ("d.loop", slot(abi::K_ST_DISP_LOOP), false),
+    ("d.enc0", slot(abi::K_ST_DISP_ENCODED), true),
+    ("d.enc", slot(abi::K_ST_DISP_ENCODED), false),
+    ("d.stored0", slot(abi::K_ST_DISP_STORED), true),
+    ("d.stored", slot(abi::K_ST_DISP_STORED), false),
     ("d.pub1", ST_DISP_FIRST_PUB, false),
-    ("d.fenced", 21, false),
-    ("d.sent0", 3, true),
-    ("d.sent", 3, false),
-    ("d.sig", 4, false),
-    ("d.rstart", 5, false),
-    ("d.cnts", 6, false),
-    ("d.seen", 7, false),
-    ("d.exp", 8, false),
-    ("d.end", 9, false),
-    ("c.cred0", 11, true),
-    ("c.cred", 11, false),
-    ("c.wts", 18, false),
-    ("c.sent0", 12, true),
-    ("c.sent", 12, false),
-    ("c.sig", 13, false),
-    ("c.rstart", 14, false),
-    ("c.seen0", 15, true),
-    ("c.seen", 15, false),
+    ("d.fenced", slot(abi::K_ST_DISP_FENCED), false),
+    ("d.sent0", slot(abi::K_ST_DISP_SENT), true),
+    ("d.sent", slot(abi::K_ST_DISP_SENT), false),
+    ("d.sig", slot(abi::K_ST_DISP_SIGNALED), false),
+    ("d.rstart", slot(abi::K_ST_DISP_RECV), false),
+    ("d.cnts", slot(abi::K_ST_DISP_COUNTS), false),
+    ("d.seen", slot(abi::K_ST_DISP_SEEN), false),
+    ("d.exp", slot(abi::K_ST_DISP_EXPANDED), false),
+    ("d.end", slot(abi::K_ST_DISP_END), false),
+    ("c.cred0", slot(abi::K_ST_COMB_CREDIT), true),
+    ("c.cred", slot(abi::K_ST_COMB_CREDIT), false),
+    ("c.wts", slot(abi::K_ST_COMB_WEIGHTS), false),
+    ("c.sent0", slot(abi::K_ST_COMB_SENT), true),
+    ("c.sent", slot(abi::K_ST_COMB_SENT), false),
+    ("c.sig", slot(abi::K_ST_COMB_SIGNALED), false),
+    ("c.rstart", slot(abi::K_ST_COMB_RECV), false),
+    ("c.seen0", slot(abi::K_ST_COMB_SEEN), true),
+    ("c.seen", slot(abi::K_ST_COMB_SEEN), false),
     ("c.item1", ST_COMB_FIRST_ITEM, false),
     ("c.items", ST_COMB_LAST_ITEM, false),
-    ("c.red", 16, false),
-    ("c.end", 17, false),
+    ("c.red", slot(abi::K_ST_COMB_REDUCED), false),
+    ("c.end", slot(abi::K_ST_COMB_END), false),
 ];
 /// Dispatch columns of [`PHASES`] (the rest are combine).
 pub(super) const DISPATCH_PHASES: usize = 18;
 
-/// Whether stamp slot `slot` belongs to the dispatch (kStDisp* in ll/common.cuh), else the combine.
+/// Whether stamp slot `slot` belongs to the dispatch (kStDisp* in abi/ll.h), else the combine
+/// (kStCombStart to kStCombEntry, and the reduce's item slots).
 fn dispatch_slot(slot: usize) -> bool {
-    !(10..20).contains(&slot) && slot != ST_COMB_FIRST_ITEM && slot != ST_COMB_LAST_ITEM
+    !(ST_COMB_START..=ST_COMB_ENTRY).contains(&slot)
+        && slot != ST_COMB_FIRST_ITEM
+        && slot != ST_COMB_LAST_ITEM
 }
 
 /// [`PHASES`] of one operation pair from its `[grid][STAMP_SLOTS]` stamps, µs; -1 where a
@@ -202,21 +211,7 @@ pub(super) fn eager_split(host: &[u64], grid: usize, ev_d: &[f64], ev_c: &[f64])
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::cu_const;
     use super::*;
-
-    #[test]
-    fn stamp_slots_mirror_the_kernel_constants() {
-        assert_eq!(ST_DISP_START, cu_const("kStDispStart"));
-        assert_eq!(ST_DISP_END, cu_const("kStDispEnd"));
-        assert_eq!(ST_COMB_START, cu_const("kStCombStart"));
-        assert_eq!(ST_COMB_END, cu_const("kStCombEnd"));
-        assert_eq!(ST_DISP_ENTRY, cu_const("kStDispEntry"));
-        assert_eq!(ST_COMB_ENTRY, cu_const("kStCombEntry"));
-        assert_eq!(ST_COMB_FIRST_ITEM, cu_const("kStCombFirstItem"));
-        assert_eq!(ST_COMB_LAST_ITEM, cu_const("kStCombLastItem"));
-        assert_eq!(ST_DISP_FIRST_PUB, cu_const("kStDispFirstPub"));
-    }
 
     #[test]
     fn stamp_mode_parses_and_names_a_bad_value() {

@@ -6,6 +6,7 @@
 //! the environment beyond [`ENV_VARIANT`]; every variant computes the same bytes, so nothing
 //! here may change a result.
 
+use super::abi;
 use super::{MAX_GRID, WARPS};
 use crate::error::{Error, Result};
 
@@ -14,15 +15,12 @@ use crate::error::{Error, Result};
 pub const ENV_VARIANT: &str = "GIN_EP_LL_VARIANT";
 
 /// One boolean feature of [`LlVariant`]: its name in a variant's text, its bit in the
-/// kernel's flags word (kFlag* in kernels/ll/common.cuh; 0 for a host-only choice) and its field.
+/// kernel's flags word (kFlag* in kernels/abi/ll.h; 0 for a host-only choice) and its field.
 /// The one list that `name`, `parse` and `kernel_flags` all read, so a new feature is one
 /// entry here. (`sendN` is a count, not a flag: bits from [`SEND_WARPS_SHIFT`].)
 struct Feature {
     name: &'static str,
     flag: u32,
-    /// The kernel's name for `flag` (empty for a host-only feature); tests compare values.
-    #[cfg_attr(not(test), allow(dead_code))]
-    cu: &'static str,
     get: fn(&LlVariant) -> bool,
     set: fn(&mut LlVariant) -> &mut bool,
 }
@@ -30,38 +28,40 @@ struct Feature {
 /// In the order of a variant's name (one line per feature: a table, kept by rustfmt::skip).
 #[rustfmt::skip]
 const FEATURES: [Feature; 25] = [
-    Feature { name: "tok", flag: 1, cu: "kFlagTokenMajor", get: |v| v.token_major, set: |v| &mut v.token_major },
-    Feature { name: "pipe", flag: 2, cu: "kFlagPipeline", get: |v| v.pipeline, set: |v| &mut v.pipeline },
-    Feature { name: "rot", flag: 4, cu: "kFlagRotate", get: |v| v.rotate, set: |v| &mut v.rotate },
-    Feature { name: "early", flag: 8, cu: "kFlagEarlyCounts", get: |v| v.early_counts, set: |v| &mut v.early_counts },
-    Feature { name: "ready", flag: 16, cu: "kFlagReady", get: |v| v.ready, set: |v| &mut v.ready },
-    Feature { name: "iready", flag: 1 << 16, cu: "kFlagItemReady", get: |v| v.item_ready, set: |v| &mut v.item_ready },
-    Feature { name: "fused", flag: 0, cu: "", get: |v| v.fused, set: |v| &mut v.fused },
-    Feature { name: "pdl", flag: 32, cu: "kFlagPdl", get: |v| v.pdl, set: |v| &mut v.pdl },
-    Feature { name: "quiet", flag: 64, cu: "kFlagQuiet", get: |v| v.quiet, set: |v| &mut v.quiet },
-    Feature { name: "warm", flag: 128, cu: "kFlagWarm", get: |v| v.warm, set: |v| &mut v.warm },
-    Feature { name: "spin", flag: 1 << 17, cu: "kFlagSpin", get: |v| v.spin, set: |v| &mut v.spin },
-    Feature { name: "fflag", flag: 1 << 18, cu: "kFlagFenceFlags", get: |v| v.fence_flags, set: |v| &mut v.fence_flags },
-    Feature { name: "xflag", flag: 1 << 19, cu: "kFlagAtomicFlags", get: |v| v.atomic_flags, set: |v| &mut v.atomic_flags },
-    Feature { name: "carve", flag: 0, cu: "", get: |v| v.carveout, set: |v| &mut v.carveout },
-    Feature { name: "wargs", flag: 1 << 21, cu: "kFlagWinArgs", get: |v| v.win_args, set: |v| &mut v.win_args },
-    Feature { name: "solo", flag: 1 << 22, cu: "kFlagSolo", get: |v| v.solo, set: |v| &mut v.solo },
-    Feature { name: "wwarp", flag: 1 << 23, cu: "kFlagWeightsWarp", get: |v| v.weights_warp, set: |v| &mut v.weights_warp },
-    Feature { name: "eload", flag: 1 << 24, cu: "kFlagEagerReduce", get: |v| v.eager_reduce, set: |v| &mut v.eager_reduce },
-    Feature { name: "rwide", flag: 1 << 25, cu: "kFlagWideReduce", get: |v| v.wide_reduce, set: |v| &mut v.wide_reduce },
-    Feature { name: "rwarm", flag: 1 << 26, cu: "kFlagWarmReduce", get: |v| v.warm_reduce, set: |v| &mut v.warm_reduce },
-    Feature { name: "wlate", flag: 1 << 27, cu: "kFlagLateWeights", get: |v| v.late_weights, set: |v| &mut v.late_weights },
-    Feature { name: "wflag", flag: 1 << 28, cu: "kFlagFlaggedWeights", get: |v| v.flagged_weights, set: |v| &mut v.flagged_weights },
-    Feature { name: "pub", flag: 1 << 29, cu: "kFlagPublisher", get: |v| v.publisher, set: |v| &mut v.publisher },
-    Feature { name: "cpub", flag: 1 << 30, cu: "kFlagCombPublisher", get: |v| v.comb_publisher, set: |v| &mut v.comb_publisher },
-    Feature { name: "spread", flag: 1 << 31, cu: "kFlagSpread", get: |v| v.spread, set: |v| &mut v.spread },
+    Feature { name: "tok", flag: abi::K_FLAG_TOKEN_MAJOR, get: |v| v.token_major, set: |v| &mut v.token_major },
+    Feature { name: "pipe", flag: abi::K_FLAG_PIPELINE, get: |v| v.pipeline, set: |v| &mut v.pipeline },
+    Feature { name: "rot", flag: abi::K_FLAG_ROTATE, get: |v| v.rotate, set: |v| &mut v.rotate },
+    Feature { name: "early", flag: abi::K_FLAG_EARLY_COUNTS, get: |v| v.early_counts, set: |v| &mut v.early_counts },
+    Feature { name: "ready", flag: abi::K_FLAG_READY, get: |v| v.ready, set: |v| &mut v.ready },
+    Feature { name: "iready", flag: abi::K_FLAG_ITEM_READY, get: |v| v.item_ready, set: |v| &mut v.item_ready },
+    Feature { name: "fused", flag: 0, get: |v| v.fused, set: |v| &mut v.fused },
+    Feature { name: "pdl", flag: abi::K_FLAG_PDL, get: |v| v.pdl, set: |v| &mut v.pdl },
+    Feature { name: "quiet", flag: abi::K_FLAG_QUIET, get: |v| v.quiet, set: |v| &mut v.quiet },
+    Feature { name: "warm", flag: abi::K_FLAG_WARM, get: |v| v.warm, set: |v| &mut v.warm },
+    Feature { name: "spin", flag: abi::K_FLAG_SPIN, get: |v| v.spin, set: |v| &mut v.spin },
+    Feature { name: "fflag", flag: abi::K_FLAG_FENCE_FLAGS, get: |v| v.fence_flags, set: |v| &mut v.fence_flags },
+    Feature { name: "xflag", flag: abi::K_FLAG_ATOMIC_FLAGS, get: |v| v.atomic_flags, set: |v| &mut v.atomic_flags },
+    Feature { name: "carve", flag: 0, get: |v| v.carveout, set: |v| &mut v.carveout },
+    Feature { name: "wargs", flag: abi::K_FLAG_WIN_ARGS, get: |v| v.win_args, set: |v| &mut v.win_args },
+    Feature { name: "solo", flag: abi::K_FLAG_SOLO, get: |v| v.solo, set: |v| &mut v.solo },
+    Feature { name: "wwarp", flag: abi::K_FLAG_WEIGHTS_WARP, get: |v| v.weights_warp, set: |v| &mut v.weights_warp },
+    Feature { name: "eload", flag: abi::K_FLAG_EAGER_REDUCE, get: |v| v.eager_reduce, set: |v| &mut v.eager_reduce },
+    Feature { name: "rwide", flag: abi::K_FLAG_WIDE_REDUCE, get: |v| v.wide_reduce, set: |v| &mut v.wide_reduce },
+    Feature { name: "rwarm", flag: abi::K_FLAG_WARM_REDUCE, get: |v| v.warm_reduce, set: |v| &mut v.warm_reduce },
+    Feature { name: "wlate", flag: abi::K_FLAG_LATE_WEIGHTS, get: |v| v.late_weights, set: |v| &mut v.late_weights },
+    Feature { name: "wflag", flag: abi::K_FLAG_FLAGGED_WEIGHTS, get: |v| v.flagged_weights, set: |v| &mut v.flagged_weights },
+    Feature { name: "pub", flag: abi::K_FLAG_PUBLISHER, get: |v| v.publisher, set: |v| &mut v.publisher },
+    Feature { name: "cpub", flag: abi::K_FLAG_COMB_PUBLISHER, get: |v| v.comb_publisher, set: |v| &mut v.comb_publisher },
+    Feature { name: "spread", flag: abi::K_FLAG_SPREAD, get: |v| v.spread, set: |v| &mut v.spread },
 ];
 
 /// Flags bit that limits the stamps to each operation's first and last (kFlagStampEdges).
-pub(super) const STAMP_EDGES_FLAG: u32 = 1 << 20;
+pub(super) const STAMP_EDGES_FLAG: u32 = abi::K_FLAG_STAMP_EDGES;
 
 /// First bit of the send-warp count in the kernel's flags word (kFlagSendWarpsShift).
-const SEND_WARPS_SHIFT: u32 = 8;
+const SEND_WARPS_SHIFT: u32 = abi::K_FLAG_SEND_WARPS_SHIFT as u32;
+// `sendN` goes up to WARPS - 1, in the 5 bits the kernel reads (fused_send_warps).
+const _: () = assert!(WARPS - 1 <= 31);
 
 /// How the LL kernels spread and order their work. Every variant computes the same bytes
 /// (the same arithmetic in the same order); they differ in latency only, so one GPU run can
@@ -240,7 +240,7 @@ impl LlVariant {
         grid: None,
     };
 
-    /// Flags word of `LlArgs` (kFlag* in kernels/ll/common.cuh).
+    /// Flags word of `LlArgs` (kFlag* in kernels/abi/ll.h).
     pub(super) fn kernel_flags(&self) -> u32 {
         FEATURES
             .iter()
@@ -481,18 +481,20 @@ impl LlVariant {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::cu_const;
     use super::*;
 
     #[test]
-    fn variant_flags_mirror_the_kernel_constants() {
-        assert_eq!(
-            cu_const("kFlagSendWarpsShift"),
-            SEND_WARPS_SHIFT as usize,
-            "LlVariant::kernel_flags puts send_warps at SEND_WARPS_SHIFT"
-        );
-        assert_eq!(STAMP_EDGES_FLAG as usize, cu_const("kFlagStampEdges"));
-        assert!(FEATURES.iter().all(|f| f.flag & STAMP_EDGES_FLAG == 0));
+    fn every_kernel_flag_has_its_own_bit() {
+        // The send-warp count (bits 8..12, 1 to WARPS - 1), the stamp-edges bit and every
+        // feature's flag must not overlap, or a variant would switch on another one.
+        let send_bits = 31u32 << SEND_WARPS_SHIFT;
+        let mut seen = send_bits | STAMP_EDGES_FLAG;
+        assert_eq!(send_bits & STAMP_EDGES_FLAG, 0);
+        for f in FEATURES.iter().filter(|f| f.flag != 0) {
+            assert_eq!(f.flag.count_ones(), 1, "{}", f.name);
+            assert_eq!(seen & f.flag, 0, "{} overlaps another flag", f.name);
+            seen |= f.flag;
+        }
     }
 
     #[test]
@@ -531,10 +533,6 @@ mod tests {
         let w = LlVariant::parse("warm+pipe@3").unwrap();
         assert_eq!(w.kernel_flags(), 2 | 128);
         assert_eq!(w.name(), "pipe+warm@3");
-        for f in FEATURES.iter() {
-            let want = if f.cu.is_empty() { 0 } else { cu_const(f.cu) };
-            assert_eq!(f.flag as usize, want, "{} is {} in ll/common.cuh", f.name, f.cu);
-        }
         let i = LlVariant::parse("send8+iready+tok+fused+ready").unwrap();
         assert!(i.item_ready);
         assert_eq!(i.kernel_flags(), 1 | 16 | (1 << 16) | (8 << 8));

@@ -10,6 +10,7 @@ use std::time::Duration;
 use cudarc::driver::{sys, DriverError};
 use gin_ep_sys as ns;
 
+use crate::backend::cuda::abi::ll;
 use crate::backend::cuda::kernels::FabricError;
 use crate::error::{Error, Result};
 
@@ -74,12 +75,12 @@ pub fn fabric_phase_name(phase: u32) -> &'static str {
         13 => "GIN signal barrier",
         14 => "GIN ordering test signal",
         15 => "same-node peer's stores (IPC-mapped window)",
-        // LL kernels (kernels/ll/common.cuh kPhase*).
-        16 => "LL dispatch credit (receiver still reading the previous dispatch)",
-        17 => "LL dispatch receive",
-        18 => "LL combine credit (source still reducing the previous combine)",
-        19 => "LL combine receive",
-        20 => "LL combine weights (rank-first order)",
+        // LL kernels (kPhase* in kernels/abi/ll.h).
+        ll::K_PHASE_DISPATCH_CREDIT => "LL dispatch credit (receiver still reading the previous dispatch)",
+        ll::K_PHASE_DISPATCH_RECV => "LL dispatch receive",
+        ll::K_PHASE_COMBINE_CREDIT => "LL combine credit (source still reducing the previous combine)",
+        ll::K_PHASE_COMBINE_RECV => "LL combine receive",
+        ll::K_PHASE_COMBINE_WEIGHTS => "LL combine weights (rank-first order)",
         _ => "unknown kernel phase",
     }
 }
