@@ -5,7 +5,7 @@
 // vector io. Never: allocates, registers windows or decides buffer layout (the host does,
 // in crates/gin-ep/src/backend/cuda), and never spins without a deadline.
 //
-// Contract with the host (mirrored in Rust; change both together):
+// Contract with the host (the shared records and phase numbers are in abi/fabric.h):
 // - Every rank launches the same kernel with the same grid, so block b of one rank pairs
 //   with block b of every other rank.
 // - The window holds, at `signal_offset`, `gridDim.x * nRanks` u64 signal words, zeroed
@@ -22,41 +22,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "abi/fabric.h"
+
 namespace gin_ep {
 
 // ---------------------------------------------------------------------------------------
 // Errors a kernel can report instead of hanging.
 
-// Which wait failed. Numbers are part of the host ABI (crates/gin-ep backend/cuda): never
-// renumber, only append.
-enum FabricPhase : uint32_t {
-  kPhaseNone = 0,
-  kPhaseAlltoallStart = 1,    // waiting for peers to enter the all-to-all (buffers free)
-  kPhaseAlltoallEnd = 2,      // waiting for peers' data to land
-  kPhaseGinSignal = 3,        // waiting for GIN put signals
-  kPhaseHtCountExchange = 4,  // HT: waiting for a peer's count row (kernels/ht/layout.cuh)
-  kPhaseHtDispatchWait = 5,   // HT: waiting for a peer's dispatched rows to land
-  kPhaseHtCachedBarrier = 6,  // HT: cached dispatch start barrier
-  kPhaseHtCombineStart = 7,   // HT: combine start barrier (peers' expert outputs ready)
-  kPhaseHtCombineEnd = 8,     // HT: combine end barrier (peers done reading ours)
-  kPhaseHtLayoutScan = 9,     // HT: layout kernel waiting for an earlier tile's prefix (own GPU)
-  kPhaseHtCombineStage = 10,  // HT: a peer's staged combine input (its copy of the caller's rows)
-  // 11-15: the GIN phases, below GIN_EP_HAVE_GIN.
-};
-
-// The first failed wait of a launch, written once. `claimed` goes 0 -> 1 by atomicCAS so
-// exactly one block fills the rest; later failures (usually the same stall seen by other
-// blocks) are dropped on purpose: the first names the peer that stopped.
-struct FabricError {
-  uint32_t claimed;  // 0 = no error
-  uint32_t phase;    // FabricPhase
-  int32_t peer;      // rank (in the team) that did not arrive
-  int32_t rank;      // the rank that waited
-  uint32_t block;    // blockIdx.x of the waiter
-  uint32_t pad;
-  uint64_t waited_ns;  // how long it waited before giving up
-};
-static_assert(sizeof(FabricError) == 32, "FabricError is mirrored in Rust");
+// FabricPhase (which wait failed) and FabricError (the first failed wait of a launch, read
+// by the host): abi/fabric.h.
 
 // %globaltimer: nanoseconds, the same clock across SMs of one GPU (microsecond update
 // granularity is plenty for deadlines of milliseconds to seconds).
@@ -316,13 +290,6 @@ __device__ __forceinline__ void st_na_v4(uint4* p, uint4 v) {
 
 #if GIN_EP_HAVE_GIN
 namespace gin_ep {
-
-// Phases of the GIN waits (host names: backend/cuda/runtime.rs `fabric_phase_name`).
-constexpr FabricPhase kPhaseGinPeerSignal = FabricPhase(11);  // a peer's put + signal
-constexpr FabricPhase kPhaseGinCounter = FabricPhase(12);     // own puts' sources consumed
-constexpr FabricPhase kPhaseGinBarrier = FabricPhase(13);     // gin-ep's signal barrier
-constexpr FabricPhase kPhaseGinOrdering = FabricPhase(14);    // the ordering test's signal
-constexpr FabricPhase kPhaseNodeStore = FabricPhase(15);      // a same-node peer's stores (IPC)
 
 // The only ways gin-ep kernels issue GIN operations. Each one fences first (fence.acq_rel.sys:
 // every store this thread, or its CTA before a bar.sync, made to the source is visible system

@@ -148,22 +148,9 @@ pub struct HtArgs {
     pub pad0: u32,
 }
 
-/// Host mirror of `gin_ep::FabricError` (kernels/common/fabric.cuh): the first failed
-/// wait of a launch, in host-mapped memory, read after the kernel ends.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct FabricError {
-    /// 0 = no error.
-    pub claimed: u32,
-    /// `FabricPhase`: 1 all-to-all start barrier, 2 all-to-all end barrier, 3 GIN signal.
-    pub phase: u32,
-    /// Team rank that did not arrive (-1: unknown, e.g. a GIN signal count).
-    pub peer: i32,
-    pub rank: i32,
-    pub block: u32,
-    pub pad: u32,
-    pub waited_ns: u64,
-}
+/// The first failed wait of a launch, in host-mapped memory, read after the kernel ends
+/// (`gin_ep::FabricError`, kernels/abi/fabric.h).
+pub use super::abi::fabric::FabricError;
 
 /// Host mirror of `gin_ep::AlltoallArgs` (kernels/alltoall.cu), the one parameter of every
 /// LSA all-to-all kernel.
@@ -230,7 +217,6 @@ pub struct PatternArgs {
 // is the devcomm slot every argument struct starts with (kDevCommSlotBytes in
 // nccl_compat.cuh), so no offset depends on the NCCL version.
 const S: usize = gin_ep_sys::DEV_COMM_SLOT_BYTES;
-const _: () = assert!(std::mem::size_of::<FabricError>() == 32);
 const _: () = assert!(std::mem::size_of::<AlltoallArgs>() == S + 104);
 const _: () = assert!(std::mem::offset_of!(AlltoallArgs, stamps) == S + 88);
 const _: () = assert!(std::mem::offset_of!(AlltoallArgs, vflags) == S + 96);

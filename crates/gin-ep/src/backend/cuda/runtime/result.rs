@@ -10,7 +10,7 @@ use std::time::Duration;
 use cudarc::driver::{sys, DriverError};
 use gin_ep_sys as ns;
 
-use crate::backend::cuda::abi::ll;
+use crate::backend::cuda::abi::{fabric, ll};
 use crate::backend::cuda::kernels::FabricError;
 use crate::error::{Error, Result};
 
@@ -57,24 +57,27 @@ pub(crate) fn nccl_ok(nccl: &ns::Nccl, comm: ns::ncclComm_t, call: &str, r: ns::
     })
 }
 
-/// Names of the kernel phases in `FabricError::phase` (kernels/common/fabric.cuh).
+/// Names of the kernel phases in `FabricError::phase` (FabricPhase in kernels/abi/fabric.h,
+/// kPhase* in kernels/abi/ll.h).
 pub fn fabric_phase_name(phase: u32) -> &'static str {
     match phase {
-        1 => "all-to-all start barrier",
-        2 => "all-to-all end barrier",
-        3 => "GIN signal wait",
-        4 => "HT count exchange",
-        5 => "HT dispatch (waiting for rows)",
-        6 => "HT cached dispatch barrier",
-        7 => "HT combine start barrier",
-        8 => "HT combine end barrier",
-        9 => "HT layout scan (an earlier tile of this GPU)",
-        10 => "HT combine staging (a peer copying its expert outputs into its window)",
-        11 => "GIN signal from a peer (its puts to this rank)",
-        12 => "GIN counter (this rank's own puts still unconsumed)",
-        13 => "GIN signal barrier",
-        14 => "GIN ordering test signal",
-        15 => "same-node peer's stores (IPC-mapped window)",
+        fabric::K_PHASE_ALLTOALL_START => "all-to-all start barrier",
+        fabric::K_PHASE_ALLTOALL_END => "all-to-all end barrier",
+        fabric::K_PHASE_GIN_SIGNAL => "GIN signal wait",
+        fabric::K_PHASE_HT_COUNT_EXCHANGE => "HT count exchange",
+        fabric::K_PHASE_HT_DISPATCH_WAIT => "HT dispatch (waiting for rows)",
+        fabric::K_PHASE_HT_CACHED_BARRIER => "HT cached dispatch barrier",
+        fabric::K_PHASE_HT_COMBINE_START => "HT combine start barrier",
+        fabric::K_PHASE_HT_COMBINE_END => "HT combine end barrier",
+        fabric::K_PHASE_HT_LAYOUT_SCAN => "HT layout scan (an earlier tile of this GPU)",
+        fabric::K_PHASE_HT_COMBINE_STAGE => {
+            "HT combine staging (a peer copying its expert outputs into its window)"
+        }
+        fabric::K_PHASE_GIN_PEER_SIGNAL => "GIN signal from a peer (its puts to this rank)",
+        fabric::K_PHASE_GIN_COUNTER => "GIN counter (this rank's own puts still unconsumed)",
+        fabric::K_PHASE_GIN_BARRIER => "GIN signal barrier",
+        fabric::K_PHASE_GIN_ORDERING => "GIN ordering test signal",
+        fabric::K_PHASE_NODE_STORE => "same-node peer's stores (IPC-mapped window)",
         // LL kernels (kPhase* in kernels/abi/ll.h).
         ll::K_PHASE_DISPATCH_CREDIT => "LL dispatch credit (receiver still reading the previous dispatch)",
         ll::K_PHASE_DISPATCH_RECV => "LL dispatch receive",
@@ -113,10 +116,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn every_phase_the_kernels_report_has_a_name() {
+        // FabricPhase numbers 1.. and the LL waits after them, without a gap.
+        for phase in fabric::K_PHASE_ALLTOALL_START..=ll::K_PHASE_COMBINE_WEIGHTS {
+            assert_ne!(fabric_phase_name(phase), "unknown kernel phase", "phase {phase}");
+        }
+        assert_eq!(fabric::K_PHASE_NODE_STORE + 1, ll::K_PHASE_DISPATCH_CREDIT);
+        assert_eq!(fabric_phase_name(fabric::K_PHASE_NONE), "unknown kernel phase");
+    }
+
+    #[test]
     fn a_missed_deadline_names_phase_and_peer() {
         let rec = FabricError {
             claimed: 1,
-            phase: 2,
+            phase: fabric::K_PHASE_ALLTOALL_END,
             peer: 3,
             rank: 1,
             block: 7,
@@ -126,7 +139,7 @@ mod tests {
         let msg = fabric_error_to_error(&rec, 9).to_string();
         assert!(msg.contains("end barrier") && msg.contains("rank 3"), "{msg}");
         let gin = FabricError {
-            phase: 3,
+            phase: fabric::K_PHASE_GIN_SIGNAL,
             peer: -1,
             ..rec
         };

@@ -1,0 +1,50 @@
+// kernels/abi/fabric.h: what a failed wait tells the host: the phase numbers (FabricPhase)
+// and the error record (FabricError) every kernel writes instead of hanging
+// (common/fabric.cuh reports it; the host reads it in backend/cuda/runtime/result.rs).
+//
+// Format: the subset at the head of abi/common.h (the host reads this file through
+// crates/gin-ep/build.rs: backend::cuda::abi::fabric).
+#pragma once
+
+#include <stdint.h>
+
+namespace gin_ep {
+
+// Which wait failed. Numbers are part of the host ABI (the host names each one in
+// fabric_phase_name): never renumber, only append. 16-20 are the LL waits (kPhase* in
+// abi/ll.h).
+enum FabricPhase : uint32_t {
+  kPhaseNone = 0,
+  kPhaseAlltoallStart = 1,    // waiting for peers to enter the all-to-all (buffers free)
+  kPhaseAlltoallEnd = 2,      // waiting for peers' data to land
+  kPhaseGinSignal = 3,        // waiting for GIN put signals
+  kPhaseHtCountExchange = 4,  // HT: waiting for a peer's count row (kernels/ht/layout.cuh)
+  kPhaseHtDispatchWait = 5,   // HT: waiting for a peer's dispatched rows to land
+  kPhaseHtCachedBarrier = 6,  // HT: cached dispatch start barrier
+  kPhaseHtCombineStart = 7,   // HT: combine start barrier (peers' expert outputs ready)
+  kPhaseHtCombineEnd = 8,     // HT: combine end barrier (peers done reading ours)
+  kPhaseHtLayoutScan = 9,     // HT: layout kernel waiting for an earlier tile's prefix (own GPU)
+  kPhaseHtCombineStage = 10,  // HT: a peer's staged combine input (its copy of the caller's rows)
+  // The GIN waits (common/fabric.cuh gin_wait_*, gin/conformance.cu):
+  kPhaseGinPeerSignal = 11,  // a peer's put + signal
+  kPhaseGinCounter = 12,     // own puts' sources consumed
+  kPhaseGinBarrier = 13,     // gin-ep's signal barrier
+  kPhaseGinOrdering = 14,    // the ordering test's signal
+  kPhaseNodeStore = 15,      // a same-node peer's stores (IPC)
+};
+
+// The first failed wait of a launch, written once. `claimed` goes 0 -> 1 by atomicCAS so
+// exactly one block fills the rest; later failures (usually the same stall seen by other
+// blocks) are dropped on purpose: the first names the peer that stopped. Lives in
+// host-mapped memory; the host reads it after the kernel ends.
+struct FabricError {
+  uint32_t claimed;  // 0 = no error
+  uint32_t phase;    // FabricPhase
+  int32_t peer;      // rank (in the team) that did not arrive; -1: unknown (a GIN counter)
+  int32_t rank;      // the rank that waited
+  uint32_t block;    // blockIdx.x of the waiter
+  uint32_t pad;
+  uint64_t waited_ns;  // how long it waited before giving up
+};
+
+}  // namespace gin_ep
