@@ -19,9 +19,12 @@ use std::fmt::Write as _;
 #[derive(Default)]
 pub struct Abi {
     modules: Vec<Module>,
-    /// Every constant (enumerators included) of every header read so far, by C name.
+    /// Every constant (enumerators included) of every header read so far, by qualified C
+    /// name (`gin_ep::ll::kMaxGrid`).
     values: HashMap<String, i128>,
-    /// Rust names in use, per module, to refuse two C names that spell the same.
+    /// The namespaces open where the reader is.
+    scope: Vec<String>,
+    /// The headers read so far (`abi/ll.h`), which later ones may include.
     files: Vec<String>,
 }
 
@@ -159,20 +162,21 @@ impl Abi {
             file: file.to_string(),
             items: Vec::new(),
         };
-        let mut namespaces: Vec<String> = Vec::new();
+        self.scope.clear();
         while let Some((tok, line)) = p.peek() {
+            let namespaces = self.scope.clone();
             match tok {
                 Tok::Ident(w) if w == "namespace" => {
                     p.bump();
                     let ns = p.ident("a namespace name")?;
                     p.punct("{")?;
-                    namespaces.push(ns);
+                    self.scope.push(ns);
                     // Comments before the first namespace are the file's own head.
                     p.take_comments(line + 1);
                 }
                 Tok::Punct("}") => {
                     p.bump();
-                    if namespaces.pop().is_none() {
+                    if self.scope.pop().is_none() {
                         return Err(format!("{file}:{line}: `}}` closes no namespace"));
                     }
                 }
@@ -203,7 +207,7 @@ impl Abi {
                 }
             }
         }
-        if let Some(ns) = namespaces.last() {
+        if let Some(ns) = self.scope.last() {
             return Err(format!("{file}: namespace {ns} is not closed"));
         }
         let mut seen: HashMap<String, String> = HashMap::new();
@@ -392,7 +396,7 @@ impl Abi {
                         p.file
                     ));
                 }
-                if !self.values.contains_key(SLOT_BYTES) {
+                if self.lookup(SLOT_BYTES).is_none() {
                     return Err(format!(
                         "{}:{fline}: the devcomm union needs {SLOT_BYTES} (abi/common.h) read first",
                         p.file
@@ -440,7 +444,7 @@ impl Abi {
             let (size, falign) = match kind {
                 Kind::Int(i) => (i.bytes(), i.bytes()),
                 Kind::Addr | Kind::Window => (8, 8),
-                Kind::DevComm => (self.values[SLOT_BYTES] as usize, 8),
+                Kind::DevComm => (self.lookup(SLOT_BYTES).unwrap_or_default() as usize, 8),
             };
             if offset % falign != 0 {
                 return Err(format!(
@@ -490,10 +494,22 @@ impl Abi {
                 rust_c_type(ty)
             ));
         }
-        if self.values.insert(name.to_string(), value).is_some() {
+        let key = format!("{}::{name}", self.scope.join("::"));
+        if self.values.insert(key, value).is_some() {
             return Err(format!("{file}:{line}: {name} is defined twice"));
         }
         Ok(())
+    }
+
+    /// `name` as C++ finds it from the open namespaces: innermost first.
+    fn lookup(&self, name: &str) -> Option<i128> {
+        (0..=self.scope.len())
+            .rev()
+            .find_map(|n| {
+                self.values
+                    .get(&format!("{}::{name}", self.scope[..n].join("::")))
+            })
+            .copied()
     }
 
     /// `|` over `<<` over `+ -` over `* /`, with parentheses, literals and known constants.
@@ -559,9 +575,7 @@ impl Abi {
                 )
             }),
             Some(Tok::Ident(n)) => self
-                .values
-                .get(&n)
-                .copied()
+                .lookup(&n)
                 .ok_or_else(|| format!("{}:{line}: `{n}` is no constant defined above", p.file)),
             other => Err(format!(
                 "{}:{line}: expected a number, a constant or `(`, found {}",
@@ -970,6 +984,33 @@ mod tests {
             .read("abi/t.h", "namespace x {\nstruct S {\n  union {\n")
             .unwrap_err()
             .contains("kDevCommSlotBytes"));
+    }
+
+    #[test]
+    fn names_are_scoped_by_namespace_as_in_cpp() {
+        let mut abi =
+            read("namespace gin_ep {\nnamespace a {\nstatic const int kMax = 1;\n}  // namespace a\n}\n")
+                .unwrap();
+        abi.read(
+            "abi/u.h",
+            "namespace gin_ep {\nnamespace b {\nstatic const int kMax = 2;\nstatic const int kTwice = kMax * 2;\n\
+             static const size_t kSlot = kDevCommSlotBytes;\n}  // namespace b\n}  // namespace gin_ep\n",
+        )
+        .unwrap();
+        let rust = abi.rust();
+        assert!(rust.contains("pub const K_TWICE: i32 = 4;"), "{rust}");
+        assert!(rust.contains("pub const K_SLOT: usize = 384;"), "{rust}");
+        let e = abi
+            .read(
+                "abi/v.h",
+                "namespace gin_ep {\nnamespace a {\nstatic const int kMax = 3;\n}\n}\n",
+            )
+            .unwrap_err();
+        assert!(e.contains("v.h:3: kMax is defined twice"), "{e}");
+        let e = abi
+            .read("abi/w.h", "namespace gin_ep {\nnamespace c {\nstatic const int kMax = 3;\n}\nnamespace d {\nstatic const int kMax = 4;\n}\n}\n")
+            .unwrap_err();
+        assert!(e.contains("kMax and kMax are both K_MAX"), "{e}");
     }
 
     #[test]

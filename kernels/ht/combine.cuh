@@ -395,7 +395,7 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
 }  // namespace ht
 }  // namespace gin_ep
 
-// Instantiations: name = unroll and the block-size ceiling. Default (ht.rs HtVariant::default):
+// Instantiations: name = unroll and the block-size ceiling. Default (ht/variant.rs HtVariant::default):
 // gin_ep_ht_combine_u2_t512 with 512 threads and chunk 2.
 extern "C" __global__ void __launch_bounds__(256) gin_ep_ht_combine(const HtArgs a) { combine_body<4>(a); }
 extern "C" __global__ void __launch_bounds__(384) gin_ep_ht_combine_u3_t384(const HtArgs a) { combine_body<3>(a); }

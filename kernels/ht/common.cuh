@@ -1,12 +1,13 @@
 // kernels/ht/common.cuh: HT (high-throughput) dispatch and combine over NVLink (NCCL LSA): the
-// arguments (HtArgs), the window layout below and the helpers every phase shares.
+// window layout below and the helpers every phase shares. The arguments (HtArgs) and the
+// constants the host shares (dtypes, flags, plan words, status codes, stamps) are in abi/ht.h.
 //
 // Owns the device side of docs/protocol.md's HT phases on GPUs: layout + count exchange
 // (one small kernel), dispatch (push), combine (pull + reduce). Never: allocates, decides
-// window offsets (crates/gin-ep/src/backend/cuda/ht.rs does and passes them in HtArgs), or
+// window offsets (crates/gin-ep/src/backend/cuda/ht/layout.rs does, passed in HtArgs), or
 // spins without a deadline.
 //
-// Window layout (byte offsets in HtArgs, identical on every rank; see ht.rs `HtLayout`):
+// Window layout (byte offsets in HtArgs, identical on every rank; see ht/layout.rs `HtLayout`):
 //   count_sig [R] u64          slot s written by source s: seq of its count row (or kFailed)
 //   disp_sig  [R][kMaxGrid] u64 slot (s, b) written by block b of source s when its rows landed
 //   bar       [kMaxGrid][R] u64 DeadlineBarrier words (cached dispatch, combine start/end)
@@ -53,124 +54,14 @@
 #include "common/nccl_compat.cuh"
 #include "common/quant.cuh"
 
+// HtArgs and every constant the host shares (after the headers that define the types it names).
+#include "abi/ht.h"
+
 namespace gin_ep {
 namespace ht {
 
-constexpr int kMaxRanks = 32;      // rank masks are u32; host refuses more
-constexpr int kMaxGrid = 128;      // dispatch signal words per source; host caps the grid
-constexpr int kMaxExperts = 8192;  // layout ids are int16, histogram in shared memory; host refuses more
 static_assert(kMaxExperts <= 32767, "layout ids are int16");
 constexpr uint64_t kFailed = ~uint64_t(0);
-
-// dtype of HtArgs
-constexpr uint32_t kDtypeBf16 = 0;
-constexpr uint32_t kDtypeFp8 = 1;       // quantize BF16 input, f32 scales
-constexpr uint32_t kDtypeFp8Ue8m0 = 2;  // quantize BF16 input, power-of-two scales
-constexpr uint32_t kDtypeFp8Pre = 3;    // input already e4m3 + f32 scales: copy
-
-// flags of HtArgs
-constexpr uint32_t kFlagCached = 1;   // dispatch: cached (barrier first, payload only)
-constexpr uint32_t kFlagWeights = 2;  // combine: reduce comb_w too
-constexpr uint32_t kFlagBias0 = 4;
-constexpr uint32_t kFlagBias1 = 8;
-constexpr uint32_t kFlagStage = 16;  // combine: blocks >= pull_blocks copy x into comb_x
-constexpr uint32_t kFlagPush = 32;   // with kFlagStage: they push x into the sources' comb_x
-constexpr int kStageChunks = 256;    // host: ht.rs STAGE_CHUNKS
-
-// Plan words (u32, device memory; the first four mirrored into host-mapped memory).
-constexpr int kPlanStatus = 0;  // HtStatus
-constexpr int kPlanDetail = 1;  // invalid entry t*K+k, received rows, or the phase
-constexpr int kPlanNumRecv = 2;
-constexpr int kPlanPeer = 3;
-constexpr int kPlanHead = 4;  // then src_offset[R+1], send_base[R], tokens_per_rank[R],
-                              // tokens_per_expert[E], local[L], aligned[L]
-// HtStatus: numbers are host ABI (ht.rs), append only.
-constexpr uint32_t kStatusOk = 0;
-constexpr uint32_t kStatusInvalidInput = 1;
-constexpr uint32_t kStatusPeerFailed = 2;
-constexpr uint32_t kStatusCapacity = 3;
-constexpr uint32_t kStatusTimeout = 4;
-constexpr uint32_t kStatusBadSlab = 5;  // detail: the slab a peer published, peer: that peer
-
-struct HtArgs {
-  union {
-    ncclDevComm comm;
-    DevCommSlot comm_slot;  // one size for every NCCL version (nccl_compat.cuh)
-  };
-  ncclWindow_t win;
-  uint64_t off_count_sig;
-  uint64_t off_disp_sig;
-  uint64_t off_bar;
-  uint64_t off_counts;
-  uint64_t off_recv_x;
-  uint64_t off_recv_sc;
-  uint64_t off_recv_idx;
-  uint64_t off_recv_w;
-  uint64_t off_recv_src;
-  uint64_t off_comb_x;
-  uint64_t off_comb_w;
-  const void* x;            // [N][H] bf16, or e4m3 bytes when kDtypeFp8Pre
-  const float* x_scales;    // [N][H/128] (kDtypeFp8Pre)
-  const int64_t* topk_idx;  // [N][K]
-  const float* topk_w;      // [N][K]
-  const uint16_t* bias0;    // [N][H] bf16
-  const uint16_t* bias1;
-  uint16_t* out_x;      // [N][H] bf16 combine output
-  float* out_w;         // [N][K] combine weights output
-  int32_t* send_slot;   // [T][R]
-  uint32_t* plan;       // device plan
-  uint32_t* plan_host;  // host-mapped mirror of the plan head
-  FabricError* err;     // host-mapped
-  uint64_t seq;         // operation number (signals)
-  uint64_t bar_epoch;   // DeadlineBarrier epoch of the first barrier of this launch
-  uint64_t timeout_ns;
-  uint32_t num_tokens;
-  uint32_t max_tokens;
-  uint32_t hidden;
-  uint32_t topk;
-  uint32_t experts;
-  uint32_t alignment;
-  uint32_t dtype;
-  uint32_t flags;
-  uint64_t* stamps;         // [kStampWords] u64 device timestamps (globaltimer), see kStamp*
-  uint32_t chunk;           // dispatch / combine: row steps per work item, 0 = whole row
-  uint32_t vflags;          // variant flags (kVar*): performance only, never the result
-  uint32_t* scan;           // layout kernel's scan scratch (see kScan*)
-  uint64_t off_recv_slab;   // recv_slab words
-  uint64_t slab_bytes;      // distance between receive slabs
-  uint32_t recv_slab;       // the slab this rank receives the current dispatch into
-  uint32_t slabs;           // receive slabs in the window (>= 1)
-  uint32_t* counts_host;    // [L] host-mapped: the aligned rows per local expert (layout kernel)
-  uint32_t* fail_host;      // [4] host-mapped: status, detail, -, peer of a failure after the
-                            // layout (never reset: the host may read it operations later)
-  uint64_t off_comb_stage;  // comb_stage words
-  uint32_t pull_blocks;     // combine with kFlagStage: blocks [0, pull_blocks) pull, the rest stage
-  uint32_t pad0;
-};
-// Mirrored by HtArgs in crates/gin-ep/src/backend/cuda/kernels.rs (same asserts there).
-static_assert(sizeof(HtArgs) == kDevCommSlotBytes + 328 && offsetof(HtArgs, pull_blocks) == kDevCommSlotBytes + 320 &&
-                  offsetof(HtArgs, fail_host) == kDevCommSlotBytes + 304 &&
-                  offsetof(HtArgs, counts_host) == kDevCommSlotBytes + 296 &&
-                  offsetof(HtArgs, recv_slab) == kDevCommSlotBytes + 288 &&
-                  offsetof(HtArgs, scan) == kDevCommSlotBytes + 264 && offsetof(HtArgs, x) == kDevCommSlotBytes + 96 &&
-                  offsetof(HtArgs, seq) == kDevCommSlotBytes + 192 &&
-                  offsetof(HtArgs, num_tokens) == kDevCommSlotBytes + 216 &&
-                  offsetof(HtArgs, stamps) == kDevCommSlotBytes + 248,
-              "host ABI");
-
-// vflags of HtArgs (host ABI, ht.rs HtVariant).
-constexpr uint32_t kVarRotate = 1;  // dispatch: destinations in rotated order per item
-
-// Timestamps (globaltimer ns) of the last operation, for the benchmark's phase breakdown.
-// Layout kernel: start, layout done, counts received, end. Dispatch: block 0 start, the
-// last block's payload end (atomicMax), the last block's end (atomicMax). Combine: block 0
-// after the start barrier, the last block's pull end, the last block's end. The layout
-// kernel zeroes the dispatch maxima, the dispatch kernel the combine maxima.
-constexpr int kStampLayStart = 0, kStampLayDone = 1, kStampLayCounts = 2, kStampLayEnd = 3;
-constexpr int kStampDispStart = 4, kStampDispPayload = 5, kStampDispEnd = 6;
-constexpr int kStampCombStart = 8, kStampCombPull = 9, kStampCombEnd = 10;
-constexpr int kStampCombStaged = 11;  // staged combine: the stage mark covers every chunk
-constexpr int kStampWords = 16;       // host: ht.rs STAMP_WORDS
 static_assert(kStampCombEnd < kStampWords, "stamps");
 
 // Waits until *w >= target (acquire, sys scope). 0: ok; kStatusPeerFailed: the peer stored

@@ -237,7 +237,7 @@ __device__ __forceinline__ void dispatch_body(const HtArgs& a) {
 
 // Instantiations: name = unroll and the block-size ceiling (launch bounds) the host may use.
 // Copy kernels serve BF16 and prequantized FP8; gin_ep_ht_dispatch_quant quantizes BF16 input
-// (its own kernel, so the copy kernels keep few registers). Defaults (ht.rs
+// (its own kernel, so the copy kernels keep few registers). Defaults (ht/variant.rs
 // HtVariant::default): gin_ep_ht_dispatch (UNROLL 8, <= 512 threads), gin_ep_ht_dispatch_quant.
 extern "C" __global__ void __launch_bounds__(512) gin_ep_ht_dispatch(const HtArgs a) { dispatch_body<8, false>(a); }
 extern "C" __global__ void __launch_bounds__(512) gin_ep_ht_dispatch_quant(const HtArgs a) {

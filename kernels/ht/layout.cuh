@@ -46,18 +46,12 @@ using namespace gin_ep::ht;
 // kFailed, and peers skip their dispatch too.
 namespace gin_ep {
 namespace ht {
-constexpr int kLayoutTile = 256;  // host mirror: ht.rs LAYOUT_TILE
 constexpr int kLayoutWarps = kLayoutTile / 32;
-// Scan scratch (u32 words; host mirror: ht.rs layout_scan_bytes; zeroed at allocation, the
-// last block of every layout launch leaves it zeroed again, tile words excepted):
-//   [0] blocks finished, [1] ~(first bad entry) (0: none), [2] look-back failed, [3] pad,
-//   [4, 4 + E) the histogram, then (8-byte aligned) u64 tile words [tiles][R].
-constexpr int kScanDone = 0, kScanBadInv = 1, kScanFail = 2, kScanHead = 4;
 // Tile word: tag (30 bits of seq, then flag) << 32 | count. Flag 1: aggregate (the tile's
 // count), 2: inclusive prefix (through this tile). Never 0, so a zeroed word is "not yet".
 constexpr uint32_t kTileAggregate = 1u, kTileInclusive = 2u;
 
-// Host mirror: ht.rs layout_smem_bytes.
+// Host mirror: backend/cuda/ht/layout.rs layout_smem_bytes.
 __host__ __device__ constexpr uint32_t layout_ids_offset(uint32_t experts) { return (experts * 4u + 15u) / 16u * 16u; }
 __host__ __device__ constexpr uint32_t layout_slot_offset(uint32_t experts, uint32_t topk) {
   return layout_ids_offset(experts) + (uint32_t(kLayoutTile) * (topk | 1u) * 2u + 15u) / 16u * 16u;

@@ -8,6 +8,7 @@ use std::time::Instant;
 use super::bench::{bench_source, gather, max_per_iter};
 use super::{combine_input_io, upload_dispatch_input};
 
+use crate::backend::cuda::abi::ht as ht_abi;
 use crate::backend::cuda::ht::{
     CombineExtras, CudaHt, DispatchEvents, HtGpuOptions, HtVariant, Sizing, STAMP_WORDS,
 };
@@ -236,18 +237,19 @@ fn sweep_inner(
             let st: [u64; STAMP_WORDS] = ht.stamps(rank)?;
             if i >= opts.warmup {
                 let ms = |a: usize, b: usize| ev[a].elapsed_ms(&ev[b]).map(|v| f64::from(v) * 1e-3);
-                let d = |a: usize, b: usize| st[b].saturating_sub(st[a]) as f64 * 1e-9;
+                // Stamp words (kStamp* in kernels/abi/ht.h), seconds between two.
+                let d = |a: i32, b: i32| st[b as usize].saturating_sub(st[a as usize]) as f64 * 1e-9;
                 let vals = [
                     td.as_secs_f64(),
                     ms(0, 2)?,
                     ms(0, 1)?,
-                    d(0, 1),
-                    d(1, 2),
-                    d(4, 5),
+                    d(ht_abi::K_STAMP_LAY_START, ht_abi::K_STAMP_LAY_DONE),
+                    d(ht_abi::K_STAMP_LAY_DONE, ht_abi::K_STAMP_LAY_COUNTS),
+                    d(ht_abi::K_STAMP_DISP_START, ht_abi::K_STAMP_DISP_PAYLOAD),
                     tc.as_secs_f64(),
                     ms(3, 4)?,
-                    d(8, 9),
-                    d(8, 11),
+                    d(ht_abi::K_STAMP_COMB_START, ht_abi::K_STAMP_COMB_PULL),
+                    d(ht_abi::K_STAMP_COMB_START, ht_abi::K_STAMP_COMB_STAGED),
                 ];
                 for (k, v) in vals.into_iter().enumerate() {
                     m[k].push(v);

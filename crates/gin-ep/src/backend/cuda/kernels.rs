@@ -81,73 +81,6 @@ pub mod names {
     pub const HT_COMBINE_U2_T512: &str = "gin_ep_ht_combine_u2_t512";
 }
 
-/// Host mirror of `gin_ep::ht::HtArgs` (kernels/ht/common.cuh), the one parameter of every HT
-/// kernel. Offsets are bytes in the window; pointers are device addresses (u64).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct HtArgs {
-    pub comm: gin_ep_sys::DevCommSlot,
-    pub win: gin_ep_sys::ncclWindow_t,
-    pub off_count_sig: u64,
-    pub off_disp_sig: u64,
-    pub off_bar: u64,
-    pub off_counts: u64,
-    pub off_recv_x: u64,
-    pub off_recv_sc: u64,
-    pub off_recv_idx: u64,
-    pub off_recv_w: u64,
-    pub off_recv_src: u64,
-    pub off_comb_x: u64,
-    pub off_comb_w: u64,
-    pub x: u64,
-    pub x_scales: u64,
-    pub topk_idx: u64,
-    pub topk_w: u64,
-    pub bias0: u64,
-    pub bias1: u64,
-    pub out_x: u64,
-    pub out_w: u64,
-    pub send_slot: u64,
-    pub plan: u64,
-    pub plan_host: u64,
-    pub err: u64,
-    pub seq: u64,
-    pub bar_epoch: u64,
-    pub timeout_ns: u64,
-    pub num_tokens: u32,
-    pub max_tokens: u32,
-    pub hidden: u32,
-    pub topk: u32,
-    pub experts: u32,
-    pub alignment: u32,
-    pub dtype: u32,
-    pub flags: u32,
-    /// Device timestamps `[16]` u64 (0: none).
-    pub stamps: u64,
-    /// Dispatch / combine: row steps per work item (0 = whole row).
-    pub chunk: u32,
-    /// Variant flags (performance only).
-    pub vflags: u32,
-    /// Layout kernel's scan scratch (ht.rs `layout_scan_bytes`).
-    pub scan: u64,
-    /// The recv_slab words (ht.rs `HtLayout::recv_slab`).
-    pub off_recv_slab: u64,
-    /// Distance between receive slabs.
-    pub slab_bytes: u64,
-    /// The slab this rank receives the current dispatch into, and how many there are.
-    pub recv_slab: u32,
-    pub slabs: u32,
-    /// `[L]` u32 host-mapped: aligned rows per local expert, written by the layout kernel.
-    pub counts_host: u64,
-    /// `[4]` u32 host-mapped: a failure recorded after the layout (status, detail, -, peer).
-    pub fail_host: u64,
-    /// The comb_stage words (ht.rs `HtLayout::comb_stage`).
-    pub off_comb_stage: u64,
-    /// Combine with FLAG_STAGE: blocks below this pull, the rest copy the caller's rows in.
-    pub pull_blocks: u32,
-    pub pad0: u32,
-}
-
 /// The first failed wait of a launch, in host-mapped memory, read after the kernel ends
 /// (`gin_ep::FabricError`, kernels/abi/fabric.h).
 pub use super::abi::fabric::FabricError;
@@ -213,9 +146,9 @@ pub struct PatternArgs {
     pub out: u64,
 }
 
-// Same numbers as the static_asserts in fabric.cuh / alltoall.cu / ht.cu / pattern.cu; `S`
-// is the devcomm slot every argument struct starts with (kDevCommSlotBytes in
-// nccl_compat.cuh), so no offset depends on the NCCL version.
+// Same numbers as the static_asserts in alltoall.cu / pattern.cu; `S` is the devcomm slot
+// every argument struct starts with (kDevCommSlotBytes in abi/common.h), so no offset
+// depends on the NCCL version.
 const S: usize = gin_ep_sys::DEV_COMM_SLOT_BYTES;
 const _: () = assert!(std::mem::size_of::<AlltoallArgs>() == S + 104);
 const _: () = assert!(std::mem::offset_of!(AlltoallArgs, stamps) == S + 88);
@@ -224,55 +157,10 @@ const _: () = assert!(std::mem::offset_of!(AlltoallArgs, err) == S + 64);
 const _: () = assert!(std::mem::offset_of!(AlltoallArgs, flag_offset) == S + 80);
 const _: () = assert!(std::mem::size_of::<PatternArgs>() == 40);
 const _: () = assert!(std::mem::size_of::<LsaPointerArgs>() == 24);
-const _: () = assert!(std::mem::size_of::<HtArgs>() == S + 328);
-const _: () = assert!(std::mem::offset_of!(HtArgs, pull_blocks) == S + 320);
-const _: () = assert!(std::mem::offset_of!(HtArgs, fail_host) == S + 304);
-const _: () = assert!(std::mem::offset_of!(HtArgs, counts_host) == S + 296);
-const _: () = assert!(std::mem::offset_of!(HtArgs, recv_slab) == S + 288);
-const _: () = assert!(std::mem::offset_of!(HtArgs, scan) == S + 264);
-const _: () = assert!(std::mem::offset_of!(HtArgs, stamps) == S + 248);
-const _: () = assert!(std::mem::offset_of!(HtArgs, x) == S + 96);
-const _: () = assert!(std::mem::offset_of!(HtArgs, seq) == S + 192);
-const _: () = assert!(std::mem::offset_of!(HtArgs, num_tokens) == S + 216);
-
-/// The value of `constexpr ... name = <digits>` in a kernel source (tests: host constants
-/// that size device memory must equal the kernel's).
-#[cfg(test)]
-pub(crate) fn cu_const(src: &str, file: &str, name: &str) -> usize {
-    let pat = format!("{name} = ");
-    // Statements, not lines: one `constexpr` may declare several names over several lines.
-    let code: Vec<&str> = src.lines().map(|l| l.split("//").next().unwrap_or("")).collect();
-    let code = code.join("\n");
-    let value = code
-        .split([';', '{', '}'])
-        .map(str::trim_start)
-        .filter(|l| l.starts_with("constexpr"))
-        .find_map(|l| {
-            let at = l
-                .match_indices(&pat)
-                .map(|(i, _)| i)
-                .find(|&i| !l[..i].ends_with(|c: char| c.is_alphanumeric() || c == '_'))?;
-            Some(&l[at + pat.len()..])
-        })
-        .unwrap_or_else(|| panic!("no constexpr {name} in {file}"));
-    let end = value.find(|c: char| !c.is_ascii_digit()).unwrap_or(value.len());
-    value[..end]
-        .parse()
-        .unwrap_or_else(|_| panic!("{name} in {file} is not a number"))
-}
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cu_const_reads_statements_over_several_lines_and_skips_comments() {
-        let src = "namespace x {\n// constexpr int kA = 7; (a comment)\nconstexpr int kA = 1, kB = 2,\n    \
-                   kC = 30;  // kC = 4\nconstexpr uint32_t kAB = 5u;\n}";
-        assert_eq!(cu_const(src, "t.cu", "kA"), 1);
-        assert_eq!(cu_const(src, "t.cu", "kC"), 30);
-        assert_eq!(cu_const(src, "t.cu", "kAB"), 5);
-    }
 
     #[test]
     fn fatbin_presence_matches_the_reason() {

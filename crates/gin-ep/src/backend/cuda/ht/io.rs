@@ -398,7 +398,7 @@ impl CudaHt {
 
     /// Receive rows of the last dispatch after [`CudaHt::sync`].
     pub fn num_recv(&self) -> usize {
-        self.plan_host.read()[2] as usize
+        self.plan_host.read()[super::abi::K_PLAN_NUM_RECV as usize] as usize
     }
 
     /// The received rows (BF16 or FP8 + scales) of the last dispatch.

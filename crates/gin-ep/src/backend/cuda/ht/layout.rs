@@ -5,13 +5,13 @@
 //! mirrors. Never: allocates, launches or touches the device; a change here is a change of
 //! the kernel ABI and needs the same change in the kernels (kernels/ht/).
 
-use super::{MAX_EXPERTS, MAX_GRID, MAX_RANKS, PLAN_HEAD};
+use super::{abi, MAX_EXPERTS, MAX_GRID, MAX_RANKS, PLAN_HEAD};
 use crate::backend::cuda::align16;
 use crate::config::{EpConfig, FP8_BLOCK};
 use crate::error::{Error, Result};
 
-/// Tokens per block of the layout kernel (= its threads; kernels/ht/layout.cuh kLayoutTile).
-pub(super) const LAYOUT_TILE: usize = 256;
+/// Tokens per block of the layout kernel (= its threads; `kLayoutTile`, abi/ht.h).
+pub(super) const LAYOUT_TILE: usize = abi::K_LAYOUT_TILE as usize;
 
 /// Dynamic shared memory of the layout kernel: the E-bin histogram (16-byte aligned), one
 /// tile of LAYOUT_TILE tokens x (K | 1) int16 ids (16-byte aligned), then the tile's send
@@ -26,11 +26,13 @@ pub fn layout_blocks(num_tokens: usize) -> u32 {
     num_tokens.div_ceil(LAYOUT_TILE).max(1) as u32
 }
 
-/// Bytes of the layout kernel's scan scratch (kernels/ht/layout.cuh kScan*): 4 head words, the
-/// E-bin histogram (rounded to 8 bytes), then one u64 tile word per (tile, rank) for the
+/// Bytes of the layout kernel's scan scratch (kScan* in abi/ht.h): `kScanHead` head words,
+/// the E-bin histogram (rounded to 8 bytes), then one u64 tile word per (tile, rank) for the
 /// most tiles `max_tokens_per_rank` can need. Zeroed once; the kernel leaves it so.
 pub fn layout_scan_bytes(cfg: &EpConfig) -> usize {
-    16 + cfg.experts.div_ceil(2) * 8 + layout_blocks(cfg.max_tokens_per_rank) as usize * cfg.ranks * 8
+    abi::K_SCAN_HEAD as usize * 4
+        + cfg.experts.div_ceil(2) * 8
+        + layout_blocks(cfg.max_tokens_per_rank) as usize * cfg.ranks * 8
 }
 
 /// Refuses configs the GPU HT path cannot run, naming the field.
@@ -60,8 +62,8 @@ pub fn check_gpu_config(cfg: &EpConfig, world: usize) -> Result<()> {
     Ok(())
 }
 
-/// Chunks of a staged combine's copy (kernels/ht/ kStageChunks).
-pub const STAGE_CHUNKS: usize = 256;
+/// Chunks of a staged combine's copy (`kStageChunks`, abi/ht.h).
+pub const STAGE_CHUNKS: usize = abi::K_STAGE_CHUNKS as usize;
 /// Default CTAs that copy the caller's rows in during a staged combine, beside `num_sms`
 /// (4×H200, 4096 tokens, hidden 7168, 24 SMs, kernel µs: 8 653, 16 531–532, 24 528, 32
 /// 526–527; bench/log/2026-11-21-19.md).

@@ -16,7 +16,17 @@
 //! out and caller-owned memory in [`io`]. The GPU check and benchmark of this driver are in
 //! `crate::gpu`; nothing here imports them.
 
-use super::kernels::{names, HtArgs};
+use super::abi::ht as abi;
+use super::abi::ht::{
+    HtArgs, K_DTYPE_BF16 as DTYPE_BF16, K_DTYPE_FP8 as DTYPE_FP8, K_DTYPE_FP8_PRE as DTYPE_FP8_PRE,
+    K_DTYPE_FP8_UE8M0 as DTYPE_FP8_UE8M0, K_FLAG_BIAS0 as FLAG_BIAS0, K_FLAG_BIAS1 as FLAG_BIAS1,
+    K_FLAG_CACHED as FLAG_CACHED, K_FLAG_PUSH as FLAG_PUSH, K_FLAG_STAGE as FLAG_STAGE,
+    K_FLAG_WEIGHTS as FLAG_WEIGHTS, K_STATUS_BAD_SLAB as STATUS_BAD_SLAB,
+    K_STATUS_CAPACITY as STATUS_CAPACITY, K_STATUS_INVALID_INPUT as STATUS_INVALID_INPUT,
+    K_STATUS_OK as STATUS_OK, K_STATUS_PEER_FAILED as STATUS_PEER_FAILED, K_STATUS_TIMEOUT as STATUS_TIMEOUT,
+    K_VAR_ROTATE as VAR_ROTATE,
+};
+use super::kernels::names;
 use super::runtime::{
     fabric_phase_name, CudaRank, DevComm, DevCommRequest, DeviceBuffer, Event, ExternalSpan, HostMapped,
     Window,
@@ -37,12 +47,12 @@ pub use layout::{
 };
 pub use variant::{HtVariant, ENV_VARIANT};
 
-/// Most ranks of the GPU HT path (rank masks are 32-bit in the kernels).
-pub const MAX_RANKS: usize = 32;
-/// Most CTAs per HT kernel (signal words reserved per source).
-pub const MAX_GRID: u32 = 128;
-/// Most experts (the layout kernel's histogram lives in shared memory).
-pub const MAX_EXPERTS: usize = 8192;
+/// Most ranks of the GPU HT path (`kMaxRanks`: rank masks are 32-bit in the kernels).
+pub const MAX_RANKS: usize = abi::K_MAX_RANKS as usize;
+/// Most CTAs per HT kernel (`kMaxGrid`: signal words reserved per source).
+pub const MAX_GRID: u32 = abi::K_MAX_GRID as u32;
+/// Most experts (`kMaxExperts`: the layout kernel's histogram lives in shared memory).
+pub const MAX_EXPERTS: usize = abi::K_MAX_EXPERTS as usize;
 /// The layout kernel's host-mapped copy of the aligned rows per local expert (at most
 /// MAX_EXPERTS local experts, on one rank).
 #[derive(Clone, Copy)]
@@ -59,31 +69,18 @@ impl Default for HostCounts {
 /// Default SM budget (CTAs of dispatch and combine), as DeepEP's tuned HT setting.
 pub const DEFAULT_SMS: u32 = 24;
 
-/// u64 device timestamps per CudaHt (kernels/ht/ kStampWords).
-pub const STAMP_WORDS: usize = 16;
+/// u64 device timestamps per CudaHt (`kStampWords`, abi/ht.h; the slots are its kStamp*).
+pub const STAMP_WORDS: usize = abi::K_STAMP_WORDS as usize;
 
 /// Byte a poisoned output region holds: a row nobody wrote shows up as garbage.
 pub const POISON: u8 = 0xA5;
 
-// kernels/ht/ constants (host ABI).
-const DTYPE_BF16: u32 = 0;
-const DTYPE_FP8: u32 = 1;
-const DTYPE_FP8_UE8M0: u32 = 2;
-const DTYPE_FP8_PRE: u32 = 3;
-const FLAG_CACHED: u32 = 1;
-const FLAG_WEIGHTS: u32 = 2;
-const FLAG_BIAS0: u32 = 4;
-const FLAG_BIAS1: u32 = 8;
-const FLAG_STAGE: u32 = 16;
-const FLAG_PUSH: u32 = 32;
-const VAR_ROTATE: u32 = 1;
-const PLAN_HEAD: usize = 4;
-const STATUS_OK: u32 = 0;
-const STATUS_INVALID_INPUT: u32 = 1;
-const STATUS_PEER_FAILED: u32 = 2;
-const STATUS_CAPACITY: u32 = 3;
-const STATUS_TIMEOUT: u32 = 4;
-const STATUS_BAD_SLAB: u32 = 5;
+/// Where the plan's arrays start (`kPlanHead`), after the head the host reads.
+const PLAN_HEAD: usize = abi::K_PLAN_HEAD as usize;
+// The host reads the head as [status, detail, num_recv, peer] (CudaHt::status).
+const _: () = assert!(
+    abi::K_PLAN_STATUS == 0 && abi::K_PLAN_DETAIL == 1 && abi::K_PLAN_NUM_RECV == 2 && abi::K_PLAN_PEER == 3
+);
 
 /// How the receive size reaches the host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -431,8 +428,8 @@ impl CudaHt {
         block: u32,
         args: &HtArgs,
     ) -> Result<()> {
-        // SAFETY: HtArgs mirrors the kernel parameter (size and offset asserts on both
-        // sides); every pointer in it is a buffer or window of self (which outlives the launch:
+        // SAFETY: HtArgs is the kernel parameter (generated from abi/ht.h; rustc and nvcc
+        // assert its layout); every pointer in it is a buffer or window of self (which outlives the launch:
         // callers wait before dropping it, and CudaRank's Drop waits), the rank's host-mapped
         // error record, or a caller-owned span of HtIo (device memory of this GPU per
         // CudaRank::external, sized for the operation per check_io, kept alive by its owner
@@ -512,14 +509,14 @@ impl CudaHt {
         if self.opts.sizing == Sizing::Exact {
             // The layout kernel publishes its plan head (status last) before its tail.
             let plan_host = &self.plan_host;
-            let mut published = || plan_host.read()[0] != u32::MAX;
+            let mut published = || plan_host.read()[abi::K_PLAN_STATUS as usize] != u32::MAX;
             if let Err(e) = rank
                 .wait_busy_until("HT count exchange", &mut published)
                 .and_then(|_| self.status())
             {
                 return self.fail(rank, e);
             }
-            num_recv = Some(self.plan_host.read()[2] as usize);
+            num_recv = Some(self.plan_host.read()[abi::K_PLAN_NUM_RECV as usize] as usize);
         }
         self.last_slab = self.io.recv_slab;
         Ok(HtGpuHandle {
@@ -750,26 +747,5 @@ mod tests {
             .unwrap_err();
             assert!(e.is_usage() && e.to_string().contains("num_sms"), "{e}");
         }
-    }
-
-    #[test]
-    fn host_sizes_mirror_the_kernel_constants() {
-        // Every part of the HT kernels: a constant may sit in the phase that uses it.
-        let src = concat!(
-            include_str!("../../../../../../kernels/ht/common.cuh"),
-            include_str!("../../../../../../kernels/ht/layout.cuh"),
-            include_str!("../../../../../../kernels/ht/dispatch.cuh"),
-            include_str!("../../../../../../kernels/ht/combine.cuh"),
-        );
-        let k = |name: &str| super::super::kernels::cu_const(src, "kernels/ht/*.cuh", name);
-        // The window's comb_stage region holds [R][kStageChunks + 2] words.
-        assert_eq!(STAGE_CHUNKS, k("kStageChunks"));
-        assert_eq!(MAX_GRID as usize, k("kMaxGrid"));
-        assert_eq!(MAX_RANKS, k("kMaxRanks"));
-        assert_eq!(MAX_EXPERTS, k("kMaxExperts"));
-        assert_eq!(STAMP_WORDS, k("kStampWords"));
-        assert_eq!(FLAG_STAGE as usize, k("kFlagStage"));
-        assert_eq!(FLAG_PUSH as usize, k("kFlagPush"));
-        assert_eq!(STATUS_BAD_SLAB as usize, k("kStatusBadSlab"));
     }
 }
