@@ -26,65 +26,16 @@
 #include "common/fabric.cuh"
 #include "common/nccl_compat.cuh"
 
+// The argument structs, the block size ceiling, the variant bits and the stamp points the host
+// shares (after the headers that define the types they name).
+#include "abi/alltoall.h"
+
 namespace gin_ep {
-
-// Block size ceiling, and the launch bound ptxas plans registers for: 512 threads leave up to
-// 128 registers per thread, room for UNROLL vectors and peer pointers without spilling.
-// The host launches at most this many threads per block.
-constexpr int kMaxThreads = 512;
-
-struct AlltoallArgs {
-  union {
-    ncclDevComm comm;
-    DevCommSlot comm_slot;  // one size for every NCCL version (nccl_compat.cuh)
-  };
-  ncclWindow_t win;
-  const char* send;      // local device memory, n_ranks * chunk_bytes
-  size_t send_offset;    // in win, where `send` lies in it (pull kernels only)
-  size_t recv_offset;    // in win
-  size_t signal_offset;  // in win, gridDim.x * n_ranks u64 words
-  size_t chunk_bytes;
-  uint64_t epoch;  // launch counter e; barriers use 2e+1 and 2e+2
-  uint64_t timeout_ns;
-  FabricError* err;    // host-mapped
-  size_t recv_stride;  // double-buffered kernels: bytes from receive buffer 0 to buffer 1
-                       // (>= n * chunk)
-  size_t flag_offset;  // double-buffered kernels: in win, lsa_count's n_ranks u64 signal
-                       // words + 1 u64 arrival counter, then 2 * n_ranks u64 per-CTA
-                       // arrival counters (the `each` kernels)
-  uint64_t* stamps;    // optional (nullptr: off): kStampsPerCta globaltimer words per CTA
-  uint32_t vflags;     // performance-only variant bits (kVflag*)
-  uint32_t pad;
-};
-// Mirrored by AlltoallArgs in crates/gin-ep/src/backend/cuda/kernels.rs (same asserts there).
-static_assert(sizeof(AlltoallArgs) == kDevCommSlotBytes + 104 &&
-                  offsetof(AlltoallArgs, err) == kDevCommSlotBytes + 64 &&
-                  offsetof(AlltoallArgs, flag_offset) == kDevCommSlotBytes + 80 &&
-                  offsetof(AlltoallArgs, stamps) == kDevCommSlotBytes + 88 &&
-                  offsetof(AlltoallArgs, vflags) == kDevCommSlotBytes + 96,
-              "host ABI");
-
-// --breakdown: thread 0 of every CTA writes globaltimer at these points into
-// stamps[blockIdx.x * kStampsPerCta + i]; a point the CTA never reaches stays 0 (the host
-// zeroes the buffer). Off (stamps == nullptr) it costs one uniform branch per point.
-enum Stamp : int {
-  kStampStart = 0,   // the CTA began
-  kStampCopied = 1,  // every thread of the CTA issued its stores (not yet acknowledged)
-  kStampSignal = 2,  // this CTA's signal(s) issued (lsa_count: only the last CTA signals)
-  kStampSeen = 3,    // every peer's signal seen (only the waiting CTA)
-  kStampsPerCta = 4,
-};
-static_assert(kStampsPerCta == 4, "mirrored by STAMPS_PER_CTA in crates/gin-ep/src/alltoall.rs");
 
 __device__ __forceinline__ void stamp(const AlltoallArgs& a, Stamp i) {
   if (a.stamps != nullptr && threadIdx.x == 0) a.stamps[blockIdx.x * kStampsPerCta + i] = globaltimer_ns();
 }
 
-// vflags: the store instruction of the `lsa_run` copy (2 bits).
-constexpr uint32_t kVflagStoreMask = 3u;
-constexpr uint32_t kVflagStorePlain = 0u;  // st.global.v4
-constexpr uint32_t kVflagStoreCs = 1u;     // st.global.cs.v4 (streaming, evict first)
-constexpr uint32_t kVflagStoreNa = 2u;     // st.global.L1::no_allocate.v4
 static_assert(kVflagStorePlain == 0u, "the host's default (vflags 0) is the plain store");
 
 __device__ __forceinline__ DeadlineBarrier make_barrier(const AlltoallArgs& a) {
@@ -533,16 +484,7 @@ extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_ce_end
 // The address of every LSA peer's copy of a window as this process maps it, for copies the
 // host issues: ncclGetLsaPointer reads the window's device-side descriptor, which the host
 // cannot. Offset 0: NCCL maps each peer's window contiguously (pointer = base + offset), so
-// the host asks once per window and adds offsets itself.
-struct LsaPointerArgs {
-  ncclWindow_t win;
-  uint64_t* out;  // n u64, device memory
-  uint32_t n;     // LSA team size
-  uint32_t pad;
-};
-// Mirrored by LsaPointerArgs in crates/gin-ep/src/backend/cuda/kernels.rs.
-static_assert(sizeof(LsaPointerArgs) == 24, "host ABI");
-
+// the host asks once per window and adds offsets itself. LsaPointerArgs: abi/alltoall.h.
 extern "C" __global__ void gin_ep_lsa_pointers(const LsaPointerArgs a) {
   for (uint32_t p = threadIdx.x; p < a.n; p += blockDim.x) {
     a.out[p] = reinterpret_cast<uint64_t>(lsa_ptr(a.win, 0, int(p)));
@@ -578,33 +520,7 @@ extern "C" __global__ void gin_ep_lsa_pointers(const LsaPointerArgs a) {
 //    region may be rewritten once the kernel ends. Never flush or waitSignal: no deadline.
 // Signals and counters are monotonic, never reset; gin and hybrid use their own data signals
 // and counters (data_base, counter), so their targets count only their own launches.
-struct GinAlltoallArgs {
-  union {
-    ncclDevComm comm;
-    DevCommSlot comm_slot;  // one size for every NCCL version (nccl_compat.cuh)
-  };
-  ncclWindow_t win;
-  size_t send_offset;          // in win, n_ranks * chunk_bytes
-  size_t recv_offset;          // in win, n_ranks * chunk_bytes
-  size_t chunk_bytes;          // multiple of 16
-  size_t node_flag_offset;     // in win, n_ranks u64 arrival words (hybrid)
-  const uint64_t* node_bases;  // [n_ranks] device memory: window base of a node rank here, 0 otherwise
-  uint64_t barrier_target;     // barrier signals every rank has sent after this launch's
-  uint64_t data_target;        // data signals from each source after this launch's
-  uint64_t node_target;        // node arrival words after this launch's stores
-  uint64_t timeout_ns;
-  FabricError* err;
-  uint32_t data_base;     // first data signal of this mode (n_ranks signals)
-  uint32_t barrier_base;  // first barrier signal (n_ranks signals)
-  uint32_t counter;       // this mode's counter id (per context)
-  uint32_t pad;
-};
-// Mirrored by GinAlltoallArgs in crates/gin-ep/src/backend/cuda/gin_alltoall.rs.
-static_assert(sizeof(GinAlltoallArgs) == kDevCommSlotBytes + 104 &&
-                  offsetof(GinAlltoallArgs, node_bases) == kDevCommSlotBytes + 40 &&
-                  offsetof(GinAlltoallArgs, err) == kDevCommSlotBytes + 80 &&
-                  offsetof(GinAlltoallArgs, data_base) == kDevCommSlotBytes + 88,
-              "host ABI");
+// GinAlltoallArgs: abi/alltoall.h.
 
 __device__ __forceinline__ int gin_a2a_context(int src, int dst) { return (src + dst) & 3; }
 

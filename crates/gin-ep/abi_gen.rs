@@ -119,8 +119,9 @@ impl Int {
     }
 }
 
-/// The C name of the devcomm slot size, which must be known before a struct embeds the slot.
-const SLOT_BYTES: &str = "kDevCommSlotBytes";
+/// The qualified C name of the devcomm slot size (abi/common.h), which must be known before a
+/// struct embeds the slot.
+const SLOT_BYTES: &str = "gin_ep::kDevCommSlotBytes";
 
 #[derive(Clone, Debug, PartialEq)]
 enum Tok {
@@ -180,10 +181,9 @@ impl Abi {
                         return Err(format!("{file}:{line}: `}}` closes no namespace"));
                     }
                 }
-                Tok::Ident(w)
-                    if namespaces.is_empty() && ["static", "enum", "struct"].contains(&w.as_str()) =>
-                {
-                    // Outside a namespace it would be a global name in the kernels' one TU.
+                Tok::Ident(w) if namespaces.is_empty() && ["static", "enum"].contains(&w.as_str()) => {
+                    // A global constant would be a name of every kernel in the one TU. (A struct
+                    // may be global: some were, and their names are in the kernels' symbols.)
                     return Err(format!("{file}:{line}: `{w}` outside a namespace"));
                 }
                 Tok::Ident(w) if w == "static" => {
@@ -274,9 +274,14 @@ impl Abi {
                 if c.is_whitespace() {
                     j += 1;
                 } else if c.is_ascii_alphabetic() || c == '_' {
+                    // A qualified name (`gin_ep::FabricError`) is one token.
                     let start = j;
-                    while j < b.len() && (b[j].is_ascii_alphanumeric() || b[j] == b'_') {
-                        j += 1;
+                    while j < b.len()
+                        && (b[j].is_ascii_alphanumeric()
+                            || b[j] == b'_'
+                            || code[j..].starts_with("::") && j > start)
+                    {
+                        j += if b[j] == b':' { 2 } else { 1 };
                     }
                     out.toks.push((Tok::Ident(code[start..j].to_string()), line));
                 } else if c.is_ascii_digit() {
@@ -383,6 +388,9 @@ impl Abi {
         let line = p.line();
         p.keyword("struct")?;
         let name = p.ident("a struct name")?;
+        if name.contains(':') {
+            return Err(format!("{}:{line}: struct name `{name}`", p.file));
+        }
         p.punct("{")?;
         let mut fields: Vec<Field> = Vec::new();
         let (mut offset, mut align) = (0usize, 1usize);
@@ -396,7 +404,7 @@ impl Abi {
                         p.file
                     ));
                 }
-                if self.lookup(SLOT_BYTES).is_none() {
+                if !self.values.contains_key(SLOT_BYTES) {
                     return Err(format!(
                         "{}:{fline}: the devcomm union needs {SLOT_BYTES} (abi/common.h) read first",
                         p.file
@@ -413,6 +421,10 @@ impl Abi {
                     "}",
                     ";",
                 ] {
+                    // Outside namespace gin_ep the slot is spelt with it.
+                    if want == "DevCommSlot" && p.eat_keyword("gin_ep::DevCommSlot") {
+                        continue;
+                    }
                     p.expect_text(
                         want,
                         "the devcomm union `union { ncclDevComm comm; DevCommSlot comm_slot; };`",
@@ -438,13 +450,16 @@ impl Abi {
                     })?)
                 };
                 let fname = p.ident("a field name")?;
+                if fname.contains(':') {
+                    return Err(format!("{}:{fline}: field name `{fname}`", p.file));
+                }
                 p.punct(";")?;
                 (kind, fname)
             };
             let (size, falign) = match kind {
                 Kind::Int(i) => (i.bytes(), i.bytes()),
                 Kind::Addr | Kind::Window => (8, 8),
-                Kind::DevComm => (self.lookup(SLOT_BYTES).unwrap_or_default() as usize, 8),
+                Kind::DevComm => (self.values[SLOT_BYTES] as usize, 8),
             };
             if offset % falign != 0 {
                 return Err(format!(
@@ -473,11 +488,17 @@ impl Abi {
                 p.file
             ));
         }
+        // A global struct is `::Name` in the C checks.
         let mut path: Vec<&str> = namespaces.iter().map(String::as_str).collect();
         path.push(&name);
+        let path = if namespaces.is_empty() {
+            format!("::{name}")
+        } else {
+            path.join("::")
+        };
         Ok(Struct {
             comments,
-            path: path.join("::"),
+            path,
             name,
             line,
             fields,
@@ -975,6 +996,18 @@ mod tests {
         }
         assert!(err("namespace gin_ep {\n").contains("not closed"));
         assert!(err("static const int kA = 1;\n").contains("t.h:1: `static` outside a namespace"));
+        // A global struct may name the slot and pointees by their qualified names.
+        let abi = read(
+            "struct G {\n  union {\n    ncclDevComm comm;\n    gin_ep::DevCommSlot comm_slot;\n  };\n\
+             gin_ep::FabricError* err;\n};\n",
+        )
+        .unwrap();
+        assert!(
+            abi.c_checks().contains("offsetof(::G, err) == 384"),
+            "{}",
+            abi.c_checks()
+        );
+        assert!(err("struct S {\n  uint64_t a::b;\n};\n").contains("t.h:2: field name `a::b`"));
         let mut abi = Abi::new();
         assert!(abi
             .read("ll.h", "")

@@ -40,7 +40,13 @@ mod abi_gen;
 
 /// The headers of kernels/abi/, in the order they are read (a header may use what an
 /// earlier one defines). A new header is added here and in backend/cuda/abi.rs's docs.
-const ABI_HEADERS: &[&str] = &["abi/common.h", "abi/fabric.h", "abi/ll.h", "abi/ht.h"];
+const ABI_HEADERS: &[&str] = &[
+    "abi/common.h",
+    "abi/fabric.h",
+    "abi/ll.h",
+    "abi/ht.h",
+    "abi/alltoall.h",
+];
 
 /// Architectures with SASS in the fatbin. sm_90 is the floor (the Device API's LSA path
 /// needs Hopper's multimem/fence semantics and we tune for H200); sm_100 is added when

@@ -11,8 +11,10 @@
 // - `//` comments (own-line comments above a declaration are copied into the Rust), blanks;
 // - `#pragma once`, `#include <stdint.h>`, `#include <stddef.h>`, and `#include "abi/X.h"`
 //   of a header read before (build.rs reads common, then the others in a fixed order);
-// - `namespace NAME {` ... `}  // namespace NAME`; every declaration sits inside one (the
-//   kernels are one translation unit);
+// - `namespace NAME {` ... `}  // namespace NAME`; every constant and enum sits inside one
+//   (the kernels are one translation unit); a struct may be global, with qualified type
+//   names (`gin_ep::FabricError*`, `gin_ep::DevCommSlot` in the union), where the kernels
+//   always had it there (its name is in kernel symbols);
 // - `static const T kName = EXPR;`, several `kName = EXPR` separated by commas allowed. T is
 //   int, int32_t, uint32_t, int64_t, uint64_t or size_t; EXPR is made of integer literals
 //   (decimal or 0x hex, optional u suffix), constants defined above (in any header read),

@@ -190,12 +190,13 @@ pub enum StoreHint {
 }
 
 impl StoreHint {
-    /// The kernel's `vflags` bits (kVflagStore* in kernels/alltoall.cu).
+    /// The kernel's `vflags` bits (kVflagStore* in kernels/abi/alltoall.h).
     pub fn vflags(self) -> u32 {
+        use crate::backend::cuda::abi::alltoall as abi;
         match self {
-            StoreHint::Plain => 0,
-            StoreHint::Cs => 1,
-            StoreHint::Na => 2,
+            StoreHint::Plain => abi::K_VFLAG_STORE_PLAIN,
+            StoreHint::Cs => abi::K_VFLAG_STORE_CS,
+            StoreHint::Na => abi::K_VFLAG_STORE_NA,
         }
     }
 

@@ -4,6 +4,7 @@
 //! Owns: the report types and the breakdown arithmetic on downloaded stamps. Never: runs or
 //! times anything.
 
+use crate::backend::cuda::abi::alltoall as abi;
 use crate::backend::cuda::ops::{NcclAlltoallApi, STAMP_WORDS_PER_CTA};
 use crate::backend::cuda::{PeerCopy, RankInfo};
 
@@ -71,21 +72,22 @@ pub fn breakdown_from_stamps(words: &[u64], grid: usize, launches: usize, event_
         let Some(w) = words.get(l * per..(l + 1) * per) else {
             break;
         };
-        let col = |i: usize| {
+        let col = |i: i32| {
             w.chunks(STAMP_WORDS_PER_CTA)
-                .map(move |c| c[i])
+                .map(move |c| c[i as usize])
                 .filter(|&t| t != 0)
         };
-        let (Some(t0), Some(first_max)) = (col(0).min(), col(0).max()) else {
+        let (Some(t0), Some(first_max)) = (col(abi::K_STAMP_START).min(), col(abi::K_STAMP_START).max())
+        else {
             continue;
         };
         let end = w.iter().copied().max().unwrap_or(t0);
         let us = |t: Option<u64>| t.map_or(0.0, |t| t.saturating_sub(t0) as f64 / 1e3);
         cols[0].push(us(Some(end)));
         cols[1].push(us(Some(first_max)));
-        cols[2].push(us(col(1).max()));
-        cols[3].push(us(col(2).max()));
-        cols[4].push(us(col(3).max()));
+        cols[2].push(us(col(abi::K_STAMP_COPIED).max()));
+        cols[3].push(us(col(abi::K_STAMP_SIGNAL).max()));
+        cols[4].push(us(col(abi::K_STAMP_SEEN).max()));
         if let Some(p) = prev_end {
             cols[5].push(t0.saturating_sub(p) as f64 / 1e3);
         }

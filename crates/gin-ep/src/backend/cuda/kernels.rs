@@ -85,49 +85,9 @@ pub mod names {
 /// (`gin_ep::FabricError`, kernels/abi/fabric.h).
 pub use super::abi::fabric::FabricError;
 
-/// Host mirror of `gin_ep::AlltoallArgs` (kernels/alltoall.cu), the one parameter of every
-/// LSA all-to-all kernel.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct AlltoallArgs {
-    pub comm: gin_ep_sys::DevCommSlot,
-    pub win: gin_ep_sys::ncclWindow_t,
-    /// Local device memory, n_ranks * chunk_bytes.
-    pub send: *const u8,
-    /// Where `send` lies in the window (pull kernels read peers' send buffers there).
-    pub send_offset: usize,
-    pub recv_offset: usize,
-    pub signal_offset: usize,
-    pub chunk_bytes: usize,
-    /// Launch counter e; the two-barrier kernels use epochs 2e+1 and 2e+2, the
-    /// double-buffered ones write receive buffer e & 1 (`lsa_count` signals e+1).
-    pub epoch: u64,
-    pub timeout_ns: u64,
-    pub err: *mut FabricError,
-    /// Double-buffered kernels: bytes from receive buffer 0 to buffer 1.
-    pub recv_stride: usize,
-    /// Double-buffered kernels: window offset of `lsa_count`'s n signal words and one
-    /// arrival counter (u64 each), then the `each` kernels' 2n counters.
-    pub flag_offset: usize,
-    /// `--breakdown`: 4 globaltimer words per CTA (device memory), or null.
-    pub stamps: *mut u64,
-    /// Performance-only variant bits (`lsa_run`'s store instruction in bits 0-1).
-    pub vflags: u32,
-    pub pad: u32,
-}
-
-/// Host mirror of `LsaPointerArgs` (kernels/alltoall.cu), the parameter of
-/// [`names::LSA_POINTERS`].
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct LsaPointerArgs {
-    pub win: gin_ep_sys::ncclWindow_t,
-    /// `n` u64 of device memory.
-    pub out: u64,
-    /// LSA team size.
-    pub n: u32,
-    pub pad: u32,
-}
+/// The parameters of the all-to-all kernels (kernels/abi/alltoall.h): every LSA kernel's,
+/// [`names::LSA_POINTERS`]'s and [`names::ALLTOALL_GIN`]'s.
+pub use super::abi::alltoall::{AlltoallArgs, GinAlltoallArgs, LsaPointerArgs};
 
 /// Host mirror of `gin_ep::PatternArgs` (kernels/pattern.cu), the one parameter of the
 /// pattern fill and check kernels.
@@ -146,17 +106,8 @@ pub struct PatternArgs {
     pub out: u64,
 }
 
-// Same numbers as the static_asserts in alltoall.cu / pattern.cu; `S` is the devcomm slot
-// every argument struct starts with (kDevCommSlotBytes in abi/common.h), so no offset
-// depends on the NCCL version.
-const S: usize = gin_ep_sys::DEV_COMM_SLOT_BYTES;
-const _: () = assert!(std::mem::size_of::<AlltoallArgs>() == S + 104);
-const _: () = assert!(std::mem::offset_of!(AlltoallArgs, stamps) == S + 88);
-const _: () = assert!(std::mem::offset_of!(AlltoallArgs, vflags) == S + 96);
-const _: () = assert!(std::mem::offset_of!(AlltoallArgs, err) == S + 64);
-const _: () = assert!(std::mem::offset_of!(AlltoallArgs, flag_offset) == S + 80);
+// Same number as the static_assert in pattern.cu.
 const _: () = assert!(std::mem::size_of::<PatternArgs>() == 40);
-const _: () = assert!(std::mem::size_of::<LsaPointerArgs>() == 24);
 
 #[cfg(test)]
 mod tests {

@@ -8,13 +8,14 @@
 //! peer address fetch, [`lsa_peer_bases`]), or waits (callers wait with
 //! [`CudaRank::wait`], which also reports missed in-kernel deadlines).
 
+use super::abi::alltoall as abi;
 use super::kernels::{names, AlltoallArgs, LsaPointerArgs, PatternArgs};
 use super::runtime::{CudaRank, DevComm, DeviceRegion, SideStreams, Window};
 use crate::error::{Error, Result};
 use gin_ep_sys as ns;
 
-/// Most threads per block of the all-to-all kernels (`kMaxThreads` in kernels/alltoall.cu).
-pub const MAX_THREADS: u32 = 512;
+/// Most threads per block of the all-to-all kernels (`kMaxThreads` in kernels/abi/alltoall.h).
+pub const MAX_THREADS: u32 = abi::K_MAX_THREADS as u32;
 
 /// Which LSA all-to-all kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -144,8 +145,8 @@ pub struct AlltoallLaunch<'a> {
 }
 
 /// u64 globaltimer words per CTA a stamped launch writes (`kStampsPerCta` in
-/// kernels/alltoall.cu): start, stores issued, signal issued, every peer seen.
-pub const STAMP_WORDS_PER_CTA: usize = 4;
+/// kernels/abi/alltoall.h): start, stores issued, signal issued, every peer seen (kStamp*).
+pub const STAMP_WORDS_PER_CTA: usize = abi::K_STAMPS_PER_CTA as usize;
 
 fn bad(what: &str, reason: String) -> Error {
     Error::input(format!("all-to-all launch: {what}"), reason)
@@ -298,21 +299,22 @@ pub fn launch_alltoall(rank: &CudaRank, l: &AlltoallLaunch<'_>) -> Result<usize>
     let args = AlltoallArgs {
         comm: l.dev_comm.raw(),
         win: l.window.raw(),
-        send: send.ptr as *const u8,
+        send: send.ptr,
         send_offset: l.send_offset,
         recv_offset: l.recv_offset,
         signal_offset: l.signal_offset,
         chunk_bytes: l.chunk_bytes,
         epoch,
         timeout_ns: u64::try_from(rank.options().kernel_timeout.as_nanos()).unwrap_or(u64::MAX),
-        err: rank.fabric_err_dev() as *mut _,
+        err: rank.fabric_err_dev(),
         recv_stride: l.recv_stride,
         flag_offset: l.flag_offset,
-        stamps: l.stamps.map_or(std::ptr::null_mut(), |r| r.ptr as *mut u64),
+        stamps: l.stamps.map_or(0, |r| r.ptr),
         vflags: l.vflags,
         pad: 0,
     };
-    // SAFETY: AlltoallArgs mirrors the kernel parameter (size asserts on both sides); the
+    // SAFETY: AlltoallArgs is the kernel parameter (generated from abi/alltoall.h; rustc and
+    // nvcc assert its layout); the
     // window, device communicator and error record outlive the launch (callers wait before
     // dropping them: CudaRank's Drop waits, and windows hold the communicator); check()
     // proved every region the kernel touches lies inside the window.
@@ -334,7 +336,7 @@ pub fn lsa_peer_bases<'w>(rank: &CudaRank, window: &'w Window, dev_comm: &DevCom
             n: u32::try_from(n).map_err(|_| bad("LSA team", format!("{n} ranks")))?,
             pad: 0,
         };
-        // SAFETY: LsaPointerArgs mirrors the kernel parameter (size asserts on both sides);
+        // SAFETY: LsaPointerArgs is the kernel parameter (generated, layout asserted);
         // the window is live and `out` holds n u64 until the download below has waited.
         unsafe { rank.launch(names::LSA_POINTERS, 1, 32, &args)? };
         let mut raw = vec![0u8; n * 8];
