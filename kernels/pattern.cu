@@ -11,18 +11,10 @@
 
 #include <stdint.h>
 
-namespace gin_ep {
+// PatternArgs, the kernels' parameter, shared with the host.
+#include "abi/pattern.h"
 
-struct PatternArgs {
-  uint32_t* buf;  // n_ranks chunks of chunk_words words
-  uint64_t chunk_words;
-  uint32_t n_ranks;
-  uint32_t rank;  // fill: the sender (src); check: the receiver (dst)
-  uint32_t seed;
-  uint32_t pad;
-  uint64_t* out;  // check only: [0] mismatches, [1] first bad word index (~0 = none)
-};
-static_assert(sizeof(PatternArgs) == 40, "host ABI");
+namespace gin_ep {
 
 // __host__ too, so the Rust mirror's test values can be printed from this very definition.
 // splitmix64's finalizer over the packed coordinates: every bit of src, dst, j and seed

@@ -440,11 +440,16 @@ impl Abi {
                     return Err(format!("{}:{fline}: `const` only on pointer fields", p.file));
                 } else if ty == "ncclWindow_t" {
                     Kind::Window
+                } else if ty == "unsigned" {
+                    // `unsigned long long` (what atomicAdd takes), 64 bits where the kernels run.
+                    p.keyword("long")?;
+                    p.keyword("long")?;
+                    Kind::Int(Int::U64)
                 } else {
                     Kind::Int(Int::parse(&ty).ok_or_else(|| {
                         format!(
                             "{}:{fline}: field type `{ty}`: only int, int32_t, uint32_t, int64_t, uint64_t, \
-                             size_t, T* or ncclWindow_t",
+                             unsigned long long, size_t, T* or ncclWindow_t",
                             p.file
                         )
                     })?)
@@ -924,7 +929,7 @@ mod tests {
             "#pragma once\n#include \"abi/common.h\"\nnamespace gin_ep {\nnamespace t {\n\
              // Threads.\nstatic const int kThreads = 512;\nstatic const int kWarps = kThreads / 32, kTwo = (1 + 1) * 1;\n\
              static const uint32_t kFlagTop = 1u << 31 | 0x1;\nenum Dtype : int32_t { kBf16 = 0, kFp8Ue8m0 = 2 };\n\
-             struct Args {\n  union {\n    ncclDevComm comm;\n    DevCommSlot comm_slot;\n  };\n  ncclWindow_t win;\n\
+             struct R {\n  unsigned long long n;\n};\nstruct Args {\n  union {\n    ncclDevComm comm;\n    DevCommSlot comm_slot;\n  };\n  ncclWindow_t win;\n\
              const uint16_t* x;  // [N][H]\n  uint32_t lsa_stride4G;\n  int32_t n;\n  uint64_t* stamps;\n};\n\
              }  // namespace t\n}  // namespace gin_ep\n",
         )
@@ -942,6 +947,7 @@ mod tests {
             "size_of::<Args>() == 416 &&",
             "offset_of!(Args, x) == 392)",
             "offset_of!(Args, stamps) == 408)",
+            "pub n: u64,",
         ] {
             assert!(rust.contains(want), "{want:?} not in\n{rust}");
         }

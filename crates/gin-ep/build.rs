@@ -46,6 +46,8 @@ const ABI_HEADERS: &[&str] = &[
     "abi/ll.h",
     "abi/ht.h",
     "abi/alltoall.h",
+    "abi/pattern.h",
+    "abi/gin.h",
 ];
 
 /// Architectures with SASS in the fatbin. sm_90 is the floor (the Device API's LSA path

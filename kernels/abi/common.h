@@ -21,8 +21,9 @@
 //   `+ - * / << |` and parentheses. The generator evaluates it and checks it fits T; Rust
 //   gets the value: `kStateWords` becomes `K_STATE_WORDS: i32`;
 // - `enum Name : T { kA = EXPR, ... };`, every enumerator valued; Rust gets constants;
-// - `struct Name { ... };` of fields `T name;` (T as above), `T* name;` or `const T* name;`
-//   (any T: an address, u64 in Rust), `ncclWindow_t name;`, and, as the first field only,
+// - `struct Name { ... };` of fields `T name;` (T as above, or unsigned long long: u64),
+//   `T* name;` or `const T* name;` (any T: an address, u64 in Rust), `ncclWindow_t name;`,
+//   and, as the first field only,
 //   `union { ncclDevComm comm; DevCommSlot comm_slot; };` (kDevCommSlotBytes bytes). Every
 //   field must sit at a multiple of its size and the struct must end at a multiple of its
 //   largest field: padding is explicit (`uint32_t pad0_;`), so the layout follows from the

@@ -29,54 +29,11 @@
 #include "common/fabric.cuh"
 #include "common/nccl_compat.cuh"
 
+// GinCheckArgs, GinCheckResult and the constants the host shares (after the headers that
+// define the types they name).
+#include "abi/gin.h"
+
 namespace gin_ep {
-
-constexpr int kGcOps = 4;
-constexpr uint32_t kOrderPuts = 1000;
-constexpr uint32_t kOrderBytes = 64;
-
-// Results of one launch (device memory, read by the host after the launch).
-struct GinCheckResult {
-  unsigned long long mismatches;
-  uint32_t claimed;  // 0 until the first mismatch is recorded
-  int32_t src;       // the rank whose data was wrong
-  uint32_t op;       // 0, 1: puts; 4: same-node store; 5: ordering test
-  uint32_t pad;
-  uint64_t index;  // byte index within the put
-  uint32_t expected;
-  uint32_t got;
-};
-static_assert(sizeof(GinCheckResult) == 40, "mirrored in gincheck.rs");
-
-struct GinCheckArgs {
-  union {
-    ncclDevComm comm;
-    DevCommSlot comm_slot;  // one size for every NCCL version (nccl_compat.cuh)
-  };
-  ncclWindow_t win;
-  uint64_t seed;
-  uint64_t iteration;
-  uint64_t timeout_ns;
-  FabricError* err;
-  GinCheckResult* result;
-  uint64_t* expect;            // [4][n_signals] expected signal values, then [4] counters
-  const uint64_t* node_peers;  // [n] IPC-mapped base of a same-node peer's window, 0 otherwise
-  uint64_t max_bytes;          // largest random put
-  uint64_t slot;               // bytes of one send/receive slot (>= max_bytes)
-  uint64_t send_offset;        // [dst][2] slots
-  uint64_t recv_offset;        // [src][2] slots
-  uint64_t order_send_offset;  // kOrderPuts * kOrderBytes
-  uint64_t order_recv_offset;
-  uint64_t node_recv_offset;  // [src] slots, written by same-node peers' stores
-  uint64_t node_flag_offset;  // [src] u64, released by same-node peers after their stores
-  uint32_t order_every;       // 0: no ordering test
-  uint32_t n_signals;         // per context: 3 n + 1
-};
-// Mirrored by GinCheckArgs in crates/gin-ep/src/backend/cuda/gincheck.rs.
-static_assert(sizeof(GinCheckArgs) == kDevCommSlotBytes + 136 &&
-                  offsetof(GinCheckArgs, max_bytes) == kDevCommSlotBytes + 64 &&
-                  offsetof(GinCheckArgs, order_every) == kDevCommSlotBytes + 128,
-              "host ABI");
 
 struct GcOp {
   uint64_t bytes, src_off, dst_off, add;
@@ -190,7 +147,7 @@ __device__ __forceinline__ bool gc_wait_source(const GinCheckArgs& a, int n, int
   return true;
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) gin_ep_gin_conformance(const GinCheckArgs a) {
+extern "C" __global__ void __launch_bounds__(kGinCheckThreads, 1) gin_ep_gin_conformance(const GinCheckArgs a) {
   const ncclTeam world = ncclTeamWorld(a.comm);
   const int n = world.nRanks, me = world.rank;
   const uint64_t it = a.iteration;

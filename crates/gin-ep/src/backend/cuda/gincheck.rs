@@ -13,19 +13,23 @@
 
 use std::time::{Duration, Instant};
 
+use super::abi::gin as abi;
 use super::ipc::{map_node_windows, NodeWindows};
 use super::runtime::{CudaRank, CudaRankOptions, DevCommRequest};
 use crate::error::{Error, Result};
 use crate::group::vnodes::RankTopology;
 use crate::group::Group;
+use abi::GinCheckArgs;
 
 /// Kernel entry point.
 pub const KERNEL: &str = "gin_ep_gin_conformance";
-/// Threads of the check's one CTA (the kernel's launch bound).
-const THREADS: u32 = 256;
-/// Ordering test: puts per round and bytes per put (kernels/gin/conformance.cu kOrder*).
-pub const ORDER_PUTS: usize = 1000;
-pub const ORDER_BYTES: usize = 64;
+/// Threads of the check's one CTA (`kGinCheckThreads`, the kernel's launch bound).
+const THREADS: u32 = abi::K_GIN_CHECK_THREADS as u32;
+/// Ordering test: puts per round and bytes per put (kOrder* in kernels/abi/gin.h).
+pub const ORDER_PUTS: usize = abi::K_ORDER_PUTS as usize;
+pub const ORDER_BYTES: usize = abi::K_ORDER_BYTES as usize;
+/// Bytes of the kernel's result record (`GinCheckResult`).
+const RESULT_BYTES: usize = std::mem::size_of::<abi::GinCheckResult>();
 /// Exit status of a rank killed by `--kill`.
 pub const KILL_EXIT: i32 = 86;
 
@@ -188,33 +192,7 @@ pub fn data_byte(key: u64, i: u64) -> u8 {
     (mix(key ^ (i >> 3).wrapping_mul(0xD6E8_FEB8_6659_FD93)) >> (8 * (i & 7))) as u8
 }
 
-/// Host mirror of the kernel's `GinCheckArgs`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct GinCheckArgs {
-    comm: gin_ep_sys::DevCommSlot,
-    win: gin_ep_sys::ncclWindow_t,
-    seed: u64,
-    iteration: u64,
-    timeout_ns: u64,
-    err: u64,
-    result: u64,
-    expect: u64,
-    node_peers: u64,
-    max_bytes: u64,
-    slot: u64,
-    send_offset: u64,
-    recv_offset: u64,
-    order_send_offset: u64,
-    order_recv_offset: u64,
-    node_recv_offset: u64,
-    node_flag_offset: u64,
-    order_every: u32,
-    n_signals: u32,
-}
-const _: () = assert!(std::mem::size_of::<GinCheckArgs>() == gin_ep_sys::DEV_COMM_SLOT_BYTES + 136);
-
-/// The kernel's `GinCheckResult` (40 bytes).
+/// The kernel's `GinCheckResult`, decoded.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Mismatch {
     pub count: u64,
@@ -225,16 +203,18 @@ pub struct Mismatch {
     pub got: u32,
 }
 
-fn decode_result(raw: &[u8; 40]) -> Mismatch {
+fn decode_result(raw: &[u8; RESULT_BYTES]) -> Mismatch {
+    use abi::GinCheckResult as R;
+    use std::mem::offset_of;
     let u64_at = |o: usize| u64::from_le_bytes(raw[o..o + 8].try_into().unwrap_or([0; 8]));
     let u32_at = |o: usize| u32::from_le_bytes(raw[o..o + 4].try_into().unwrap_or([0; 4]));
     Mismatch {
-        count: u64_at(0),
-        src: u32_at(12) as i32,
-        op: u32_at(16),
-        index: u64_at(24),
-        expected: u32_at(32),
-        got: u32_at(36),
+        count: u64_at(offset_of!(R, mismatches)),
+        src: u32_at(offset_of!(R, src)) as i32,
+        op: u32_at(offset_of!(R, op)),
+        index: u64_at(offset_of!(R, index)),
+        expected: u32_at(offset_of!(R, expected)),
+        got: u32_at(offset_of!(R, got)),
     }
 }
 
@@ -346,7 +326,7 @@ fn run(
     let expect_bytes = (4 * lay.signals + 4) * 8;
     let expect = rank.alloc(expect_bytes)?;
     rank.memset_u8(expect.region(), 0)?;
-    let result = rank.alloc(40)?;
+    let result = rank.alloc(RESULT_BYTES)?;
     rank.memset_u8(result.region(), 0)?;
     let peers = rank.alloc(world * 8)?;
     let raw_peers: Vec<u8> = nodes.bases().iter().flat_map(|b| b.to_le_bytes()).collect();
@@ -384,7 +364,8 @@ fn run(
             order_every: opts.order_every,
             n_signals: lay.signals as u32,
         };
-        // SAFETY: GinCheckArgs mirrors the kernel parameter (size asserted on both sides);
+        // SAFETY: GinCheckArgs is the kernel parameter (generated from abi/gin.h, layout
+        // asserted by rustc and nvcc);
         // the window, device communicator, buffers and IPC mappings outlive the launch: the
         // wait below bounds it, and on failure they are leaked, never freed under it.
         let launched = unsafe { rank.launch(KERNEL, 1, THREADS, &args) };
@@ -393,7 +374,7 @@ fn run(
             std::mem::forget((window, dev_comm, nodes, expect, result, peers));
             return Err(e);
         }
-        let mut raw = [0u8; 40];
+        let mut raw = [0u8; RESULT_BYTES];
         rank.download(result.region(), &mut raw)?;
         let m = decode_result(&raw);
         if m.count != 0 {
@@ -527,14 +508,19 @@ mod tests {
 
     #[test]
     fn results_decode_from_the_kernels_layout() {
-        let mut raw = [0u8; 40];
-        raw[0..8].copy_from_slice(&3u64.to_le_bytes());
-        raw[8..12].copy_from_slice(&1u32.to_le_bytes());
-        raw[12..16].copy_from_slice(&2i32.to_le_bytes());
-        raw[16..20].copy_from_slice(&5u32.to_le_bytes());
-        raw[24..32].copy_from_slice(&777u64.to_le_bytes());
-        raw[32..36].copy_from_slice(&0xAAu32.to_le_bytes());
-        raw[36..40].copy_from_slice(&0x55u32.to_le_bytes());
+        // The record as the kernel writes it: its fields at the offsets of the generated struct
+        // (which nvcc asserts are the kernel's).
+        use abi::GinCheckResult as R;
+        use std::mem::offset_of;
+        let mut raw = [0u8; RESULT_BYTES];
+        let mut put = |o: usize, b: &[u8]| raw[o..o + b.len()].copy_from_slice(b);
+        put(offset_of!(R, mismatches), &3u64.to_le_bytes());
+        put(offset_of!(R, claimed), &1u32.to_le_bytes());
+        put(offset_of!(R, src), &2i32.to_le_bytes());
+        put(offset_of!(R, op), &5u32.to_le_bytes());
+        put(offset_of!(R, index), &777u64.to_le_bytes());
+        put(offset_of!(R, expected), &0xAAu32.to_le_bytes());
+        put(offset_of!(R, got), &0x55u32.to_le_bytes());
         let m = decode_result(&raw);
         assert_eq!(
             m,

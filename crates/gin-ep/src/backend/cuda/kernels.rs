@@ -89,25 +89,8 @@ pub use super::abi::fabric::FabricError;
 /// [`names::LSA_POINTERS`]'s and [`names::ALLTOALL_GIN`]'s.
 pub use super::abi::alltoall::{AlltoallArgs, GinAlltoallArgs, LsaPointerArgs};
 
-/// Host mirror of `gin_ep::PatternArgs` (kernels/pattern.cu), the one parameter of the
-/// pattern fill and check kernels.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct PatternArgs {
-    /// n_ranks chunks of chunk_words 32-bit words (device memory).
-    pub buf: u64,
-    pub chunk_words: u64,
-    pub n_ranks: u32,
-    /// Fill: the sending rank; check: the receiving rank.
-    pub rank: u32,
-    pub seed: u32,
-    pub pad: u32,
-    /// Check only: two u64 in device memory, mismatches and first bad word index.
-    pub out: u64,
-}
-
-// Same number as the static_assert in pattern.cu.
-const _: () = assert!(std::mem::size_of::<PatternArgs>() == 40);
+/// The one parameter of the pattern fill and check kernels (kernels/abi/pattern.h).
+pub use super::abi::pattern::PatternArgs;
 
 #[cfg(test)]
 mod tests {
