@@ -446,7 +446,7 @@ struct TokenRanks {
   }
 };
 
-// Work item arithmetic in 32 bits: item counts stay far below 2^32 (ll.rs caps max_tokens at
+// Work item arithmetic in 32 bits: item counts stay far below 2^32 (ll/mod.rs caps max_tokens at
 // 1024), and a 64-bit division is a subroutine call in every send, expand and reduce loop.
 __device__ __forceinline__ uint32_t item_div(size_t item, int n) { return uint32_t(item) / uint32_t(n); }
 __device__ __forceinline__ uint32_t item_mod(size_t item, int n) { return uint32_t(item) % uint32_t(n); }

@@ -29,7 +29,7 @@ struct StagedItem {
 // from column 1, the rows of expert e before source s), start[R + 1] (prefix of the sources'
 // record counts), then the table word (kTable*: whether first/start are ready, for the send
 // warps of `sendN`, which wait for it before they take expand items). The host sizes it
-// (ll.rs dispatch_recv_smem).
+// (ll/layout.rs dispatch_recv_smem).
 constexpr uint32_t kTableNotYet = 0, kTableReady = 1, kTableFailed = 2;
 struct RecvTable {
   uint32_t* first;

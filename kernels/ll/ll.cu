@@ -3,7 +3,7 @@
 // phase has its own part (dispatch send and receive, combine send and receive).
 //
 // Owns: the LL entry points and which phase bodies each one runs. Never: allocates, or
-// decides where a buffer lies (crates/gin-ep/src/backend/cuda/ll.rs computes every offset
+// decides where a buffer lies (crates/gin-ep/src/backend/cuda/ll/layout.rs computes every offset
 // and passes it in LlArgs).
 
 #include "ll/common.cuh"
@@ -18,7 +18,7 @@
 // of the grid resident at once on every rank (the host checks occupancy), since a CTA waits
 // for all CTAs of every peer.
 //
-// Dynamic shared memory (ll.rs sizes it): dispatch-send: mask and base, (E + R) rows of
+// Dynamic shared memory (ll/layout.rs sizes it): dispatch-send: mask and base, (E + R) rows of
 // ceil(T / 32) u32 each; dispatch-recv: the L x R table; combine-send: L + 1 u32; fused:
 // the larger of its halves.
 
@@ -59,7 +59,7 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
   // only then expands, like a send warp.
   const bool pub = (a.flags & kFlagPublisher) != 0u && sw <= kWarps - 2;
   const int wic = int(threadIdx.x / 32);
-  // The receive half's table lies after the send half's masks (ll.rs dispatch_fused_smem);
+  // The receive half's table lies after the send half's masks (ll/layout.rs dispatch_fused_smem);
   // its state word (and `pub`'s progress words, static as in the combine's `cpub`) are
   // cleared before the send half's first barrier.
   uint32_t* table_smem = smem + size_t(2) * (a.experts + a.comm.lsaSize) * ((a.max_tokens + 31) / 32);
