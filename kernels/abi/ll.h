@@ -43,8 +43,11 @@ static const int kMaxGrid = 1024;  // state = kStateWords + kOpKinds * kMaxGrid 
 // LlArgs::comb_order (host: LlCombineOrder in config.rs).
 static const uint32_t kCombOrderTopk = 0, kCombOrderRankFirst = 1;
 
+// LlArgs::dtype (host: dtype_code in backend/cuda/ll/layout.rs).
 enum Dtype : int32_t { kBf16 = 0, kFp8 = 1, kFp8Ue8m0 = 2 };
 
+// The one parameter of every LL kernel (the entry points in ll/ll.cu). Offsets are bytes in
+// the window, relative to set_offset where noted; pointers are local device memory.
 struct LlArgs {
   union {
     ncclDevComm comm;

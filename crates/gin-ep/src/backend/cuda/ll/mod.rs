@@ -74,6 +74,13 @@ pub const SIG_KINDS: usize = abi::K_SIG_KINDS as usize;
 /// the last dispatch, failure flag), then the op counts, one per CTA and kind,
 /// `[kOpKinds][kMaxGrid]`.
 pub const STATE_WORDS: usize = (abi::K_STATE_WORDS + abi::K_OP_KINDS * abi::K_MAX_GRID) as usize;
+// The named state words lie before the op counts, and each op kind has its row.
+const _: () = assert!(
+    abi::K_RECORDS < abi::K_STATE_WORDS
+        && abi::K_FAILED < abi::K_STATE_WORDS
+        && abi::K_OP_DISPATCH < abi::K_OP_KINDS
+        && abi::K_OP_COMBINE < abi::K_OP_KINDS
+);
 /// u64 timestamps per CTA per operation pair (`kStampSlots`).
 pub const STAMP_SLOTS: usize = abi::K_STAMP_SLOTS as usize;
 /// i32 of one `comb_map` entry (`map_ints` in ll/common.cuh): `kMapHeader`, then (row, k)
