@@ -6,6 +6,7 @@
 //! a group of ranks ([`group`]) and the backends that execute the protocol
 //! ([`backend`]). See `docs/protocol.md` for buffer layout and signalling.
 
+#[cfg(feature = "harness")]
 pub mod alltoall;
 pub mod backend;
 pub mod config;
@@ -17,9 +18,13 @@ pub mod routing;
 
 pub use config::{DispatchDtype, EpConfig, LlCombineOrder};
 pub use error::{Error, Result};
+#[cfg(feature = "harness")]
 pub mod bench;
+#[cfg(feature = "harness")]
 pub mod check;
+#[cfg(feature = "harness")]
 pub mod gpu;
 pub mod ht;
 pub mod ll;
+#[cfg(feature = "harness")]
 pub mod workload;

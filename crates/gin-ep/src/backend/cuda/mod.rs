@@ -11,7 +11,9 @@ use gin_ep_sys as ns;
 
 pub(crate) mod abi;
 pub mod driver;
+#[cfg(feature = "harness")]
 pub mod gin_alltoall;
+#[cfg(feature = "harness")]
 pub mod gincheck;
 pub mod ht;
 pub mod ipc;

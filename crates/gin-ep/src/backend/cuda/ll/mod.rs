@@ -17,7 +17,6 @@
 //! on a set overwrites that set's outputs and handle; combine on a set uses the handle of the
 //! last dispatch on that set. At most two operations are in flight (one per set).
 
-use std::sync::atomic::AtomicU64;
 
 use half::bf16;
 
@@ -28,9 +27,12 @@ use crate::error::{Error, Result};
 use crate::ll::{LlDispatchOutput, LlHandle};
 use crate::quant::Rows;
 
+#[cfg(feature = "harness")]
 pub mod bench;
+#[cfg(feature = "harness")]
 pub mod check;
 pub mod layout;
+#[cfg(feature = "harness")]
 pub mod stamps;
 pub mod variant;
 
@@ -717,7 +719,8 @@ fn poison(rank: &CudaRank, bufs: &[&DeviceBuffer]) -> Result<()> {
 
 /// Run number of each check or benchmark on this process, for its barrier and store keys
 /// (every rank runs them in the same order).
-static RUNS: AtomicU64 = AtomicU64::new(0);
+#[cfg(feature = "harness")]
+static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 #[cfg(test)]
 mod tests {
