@@ -17,7 +17,6 @@
 //! on a set overwrites that set's outputs and handle; combine on a set uses the handle of the
 //! last dispatch on that set. At most two operations are in flight (one per set).
 
-
 use half::bf16;
 
 use super::abi::ll as abi;
