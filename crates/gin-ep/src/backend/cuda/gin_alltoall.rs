@@ -113,7 +113,7 @@ pub fn gin_node(rank: &CudaRank, group: &Group, window: &Window, dev_comm: &DevC
     let own = window.region(0, window.len())?.ptr;
     let (first, size, source, table, ipc) = if topo.node_size.is_some() {
         let (first, size) = topo.node_of(me, world, lsa_size);
-        let nodes = map_node_windows(rank, group, window, first, size)?;
+        let nodes = map_node_windows(rank, window, first, size)?;
         let table = node_table(world, me, first, size, own, &|r| nodes.bases().get(r).copied())?;
         (
             first,

@@ -322,7 +322,7 @@ fn run(
         Some(_) => topo.node_of(me, world, dev_comm.lsa().1),
         None => (me, 1),
     };
-    let nodes: NodeWindows = map_node_windows(rank, group, &window, first, size)?;
+    let nodes: NodeWindows = map_node_windows(rank, &window, first, size)?;
     let expect_bytes = (4 * lay.signals + 4) * 8;
     let expect = rank.alloc(expect_bytes)?;
     rank.memset_u8(expect.region(), 0)?;

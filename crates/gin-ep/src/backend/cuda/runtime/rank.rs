@@ -67,6 +67,10 @@ pub struct RankInfo {
     pub nccl_version: i32,
     /// Where NCCL was loaded from.
     pub nccl_source: String,
+    /// The group's session name and deadline, which name and bound the node's window
+    /// exchange (backend/cuda/ipc.rs) long after the group itself is gone.
+    pub session: String,
+    pub group_timeout: std::time::Duration,
 }
 
 /// Median of a copy-engine peer copy.
@@ -224,6 +228,8 @@ impl CudaRank {
             driver_version: drv.version,
             nccl_version: version,
             nccl_source: format!("{:?}", nccl.source),
+            session: group.session().to_string(),
+            group_timeout: group.timeout(),
         };
         let (stream, module) = guard.defuse();
         Ok(CudaRank {

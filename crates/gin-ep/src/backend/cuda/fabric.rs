@@ -1,0 +1,157 @@
+//! How the kernels reach the ranks of this rank's gin-ep node: rank `i`'s copy of a window
+//! offset lies at `base + i * stride4g * 4 GiB` (kernels/common/fabric.cuh `peer_ptr`), with
+//! this rank's index and the node's size beside it. The kernels take all four from their
+//! arguments and never from NCCL's team, so the same kernels run over either source:
+//! - **LSA**: NCCL's LSA team (the GPUs of one NVLink domain). The host reads every peer's
+//!   address of the window once (`ncclGetLsaPointer`, ops::lsa_peer_bases) and accepts only
+//!   NCCL's layout of one base plus a whole number of 4 GiB per peer.
+//! - **IPC**: gin-ep's node grouping (`--vnodes`/`--node-size` launches, several NCCL nodes
+//!   that share a GPU or an NVLink domain): the node's windows are mapped into this process
+//!   with CUDA IPC in that same layout (ipc::map_node_windows_strided).
+//!
+//! Owns: choosing the source from the launch topology and producing (base, stride, rank,
+//! size). Never: launches kernels or decides the window's layout.
+
+use super::ipc::{map_node_windows_strided, StridedNodeWindows};
+use super::ops::lsa_peer_bases;
+use super::runtime::{CudaRank, DevComm, Window};
+use crate::error::{Error, Result};
+use crate::group::vnodes::RankTopology;
+
+/// Where the peers of this rank's node are, for the kernels' arguments.
+pub struct NodeFabric {
+    /// Node rank 0's window in this process.
+    pub base: u64,
+    /// Distance between two node ranks' windows, in 4 GiB units.
+    pub stride4g: u32,
+    /// This rank's index in its node.
+    pub rank: u32,
+    /// Ranks in the node.
+    pub size: u32,
+    /// Which source gave them.
+    pub source: FabricSource,
+    /// The IPC mappings, kept alive for as long as the kernels may use them.
+    _ipc: Option<StridedNodeWindows>,
+}
+
+/// How the node's windows are reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FabricSource {
+    /// NCCL's LSA team.
+    Lsa,
+    /// gin-ep's node grouping, windows mapped with CUDA IPC.
+    Ipc,
+}
+
+impl FabricSource {
+    pub fn name(self) -> &'static str {
+        match self {
+            FabricSource::Lsa => "NVLink (NCCL LSA)",
+            FabricSource::Ipc => "gin-ep node (CUDA IPC)",
+        }
+    }
+}
+
+impl NodeFabric {
+    /// The node of this rank as the launch described it (`topo`): NCCL's LSA team for a
+    /// one-process-per-GPU launch, else the gin-ep node `topo` names. Collective over the
+    /// node (the IPC source exchanges window handles). `what` names the operation for errors.
+    pub fn new(
+        rank: &CudaRank,
+        window: &Window,
+        dev_comm: &DevComm,
+        topo: &RankTopology,
+        what: &str,
+    ) -> Result<NodeFabric> {
+        let (me, world) = (rank.info().rank, rank.info().world);
+        let (lsa_rank, lsa_size) = dev_comm.lsa();
+        if topo.vnodes <= 1 && topo.node_size.is_none() {
+            let (base, stride4g) = lsa_base_stride(lsa_peer_bases(rank, window, dev_comm)?)?;
+            return Ok(NodeFabric {
+                base,
+                stride4g,
+                rank: lsa_rank as u32,
+                size: lsa_size as u32,
+                source: FabricSource::Lsa,
+                _ipc: None,
+            });
+        }
+        let (first, size) = topo.node_of(me, world, lsa_size);
+        let ipc = map_node_windows_strided(rank, window, first, size)?;
+        let (base, stride4g) = ipc.base_stride4g();
+        if size != world {
+            return Err(Error::Unavailable {
+                backend: "cuda",
+                reason: format!(
+                    "{what} across gin-ep nodes needs the GIN fabric, which it does not use yet: this \
+                     rank's node has {size} of {world} ranks (use a node of every rank, e.g. \
+                     --node-size {world})"
+                ),
+            });
+        }
+        Ok(NodeFabric {
+            base,
+            stride4g,
+            rank: (me - first) as u32,
+            size: size as u32,
+            source: FabricSource::Ipc,
+            _ipc: Some(ipc),
+        })
+    }
+}
+
+/// The window's base and stride in 4 GiB units from every peer's address of it (index:
+/// node rank), as the kernels compute a peer's copy (`add4G(base, peer * stride4G)`):
+/// refused unless every peer lies at exactly that address.
+pub fn lsa_base_stride(bases: &[u64]) -> Result<(u64, u32)> {
+    let base = *bases.first().ok_or_else(|| Error::Device {
+        call: "ncclGetLsaPointer".into(),
+        reason: "no LSA peer address".into(),
+    })?;
+    let step = bases.get(1).map_or(0, |b| b.wrapping_sub(base));
+    let stride4g = u32::try_from(step >> 32).ok().filter(|_| step & 0xffff_ffff == 0);
+    let fits = |s: u32| u64::from(s) * bases.len() as u64 <= i32::MAX as u64;
+    match stride4g.filter(|&s| fits(s)) {
+        Some(s)
+            if bases
+                .iter()
+                .enumerate()
+                .all(|(p, &b)| b == base.wrapping_add((p as u64 * u64::from(s)) << 32)) =>
+        {
+            Ok((base, s))
+        }
+        _ => Err(Error::Device {
+            call: "ncclGetLsaPointer".into(),
+            reason: format!(
+                "LSA peer addresses {bases:#x?} are not one base plus a whole number of 4 GiB per peer \
+                 (the layout the kernels address peers by)"
+            ),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lsa_base_stride_accepts_only_evenly_spaced_peers() {
+        let g = 1u64 << 32;
+        let base = 0x7f00_0000_0000u64;
+        assert_eq!(
+            lsa_base_stride(&[base, base + 2 * g, base + 4 * g]).unwrap(),
+            (base, 2)
+        );
+        assert_eq!(lsa_base_stride(&[base]).unwrap(), (base, 0));
+        for bad in [
+            vec![],
+            vec![base, base + 2 * g, base + 5 * g], // uneven
+            vec![base, base + g + 4096],            // not whole 4 GiB
+            vec![base, base - g],                   // below the base
+            vec![base, base + (1u64 << 31) * g],    // peer * stride4G overflows an int
+        ] {
+            let e = lsa_base_stride(&bad).unwrap_err().to_string();
+            assert!(e.contains("LSA peer"), "{bad:x?}: {e}");
+        }
+    }
+}
