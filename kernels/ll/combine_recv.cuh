@@ -12,9 +12,13 @@ namespace ll {
 
 constexpr int kReduceUnit = 256;  // one vector of 8 bf16 per lane
 constexpr int kReduceBatch = 8;   // rows loaded before the fma chain consumes them
+// Vectors of 8 channels per lane in one reduce item: 512 channels of a token, so at 128
+// tokens and hidden 7168 the 1792 items take one round over the grid's warps instead of
+// two, with twice the loads in flight per item. Same adds, same order per channel.
+constexpr int kReduceVecs = 2;
 
 // Bit r: rank r holds one of token t's experts (every lane gets the whole mask);
-// `lane_rank` (for `solo`, K <= 32): the rank of this lane's expert k = lane, or -1.
+// `lane_rank` (for `solo` rows, K <= 32): the rank of this lane's expert k = lane, or -1.
 __device__ __forceinline__ uint64_t token_ranks(const LlArgs& a, int t, int& lane_rank) {
   const int K = a.topk, L = a.experts / a.comm.lsaSize;
   const int lane = threadIdx.x & 31;
@@ -46,7 +50,7 @@ __device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* c
   const bool solo = solo_rows(a);
   while (mask != 0) {
     uint4 v[B][V];
-    bool single[B];   // `solo`: rank b holds only one of the token's experts
+    bool single[B];   // `solo` row: rank b holds only one of the token's experts
     float solo_w[B];  // and this is its weight
     int nb = 0;
     // Loads of up to B ranks first, then the adds in the same (ascending) order.
@@ -82,53 +86,11 @@ __device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* c
   }
 }
 
-// `eload` with R <= B (8, or 4 with `rwide`): the rank-first reduce of token t loads every
-// rank's partial slot and (`solo`) this lane's weight before the token's topk_idx is known, so an
-// item waits one memory latency instead of two. A slot of a rank the token does not use is
-// loaded and never added (no peer writes it in this operation), so the sums are the ones
-// reduce_rank_first makes, in the same order.
-template <int V>
-__device__ __forceinline__ void reduce_rank_first_eager(const LlArgs& a, const char* comb, int t, int c,
-                                                        float (&acc)[V][8]) {
-  constexpr int B = kReduceBatch / V;  // rows per batch: the same loads in flight for any V
-  const int K = a.topk, H = a.hidden, R = a.comm.lsaSize;
-  const int lane = threadIdx.x & 31;
-  const bool solo = solo_rows(a);
-  uint4 v[B][V];
-#pragma unroll
-  for (int r = 0; r < B; ++r) {
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const int cj = c + j * kReduceUnit;
-      v[r][j] = make_uint4(0, 0, 0, 0);
-      if (r < R && cj < H) v[r][j] = ld_v4(reinterpret_cast<const uint4*>(comb + ((size_t(t) * R + r) * H + cj) * 2));
-    }
-  }
-  // `solo` needs K <= 32 (solo_rows), so lane k holds expert k's weight.
-  const float lane_w = solo && lane < K ? a.topk_weights[size_t(t) * K + lane] : 0.0f;
-  int lane_rank;
-  const uint64_t ranks = token_ranks(a, t, lane_rank);
-#pragma unroll
-  for (int r = 0; r < B; ++r) {
-    if (r >= R || ((ranks >> r) & 1u) == 0u) continue;  // warp-uniform
-    bool single = false;
-    float w = 0.0f;
-    if (solo) {
-      const uint32_t ks = __ballot_sync(0xffffffffu, lane_rank == r);
-      // The expert's row itself: its weight is in the lane of its k.
-      single = __popc(ks) == 1;
-      if (single) w = __shfl_sync(0xffffffffu, lane_w, __ffs(ks) - 1);
-    }
-#pragma unroll
-    for (int j = 0; j < V; ++j) add_bf16x8(single ? solo_partial(w, v[r][j]) : v[r][j], acc[j]);
-  }
-}
-
 // Top-k reduce of token t, this lane's V vectors (c + 256 j): fma(w[k], y[k], acc) for k
-// ascending from +0, masked entries skipped.
+// ascending from +0, masked entries skipped (and not loaded: each item waits for the
+// token's topk_idx, then for its rows).
 template <int V>
-__device__ __forceinline__ void reduce_topk(const LlArgs& a, const char* comb, int t, int c, bool eager_loads,
-                                            float (&acc)[V][8]) {
+__device__ __forceinline__ void reduce_topk(const LlArgs& a, const char* comb, int t, int c, float (&acc)[V][8]) {
   constexpr int B = kReduceBatch / V;  // rows per batch: the same loads in flight for any V
   const int K = a.topk, H = a.hidden;
   for (int k0 = 0; k0 < K; k0 += B) {
@@ -141,7 +103,7 @@ __device__ __forceinline__ void reduce_topk(const LlArgs& a, const char* comb, i
       const int k = k0 + i;
       const bool in = k < K && c < H;
       use[i] = in && a.topk_idx[size_t(t) * K + k] >= 0;
-      const bool load = eager_loads ? in : use[i];
+      const bool load = use[i];
       w[i] = 0.0f;
 #pragma unroll
       for (int j = 0; j < V; ++j) {
@@ -179,52 +141,25 @@ struct ReduceItems {
   __device__ int c(size_t item) const { return int(item_mod(item, units)) * kItemChannels + int(threadIdx.x & 31) * 8; }
 };
 
-// `cpub`: every warp of the group waits until the partial rows of token t, 512-channel unit u
-// (from each rank holding one of its experts) are marked ready with op n. False in every
-// lane when one word missed its deadline.
-__device__ bool wait_comb_ready(const LlArgs& a, uint32_t n, int t, int u) {
-  int lane_rank;
-  const uint64_t ranks = token_ranks(a, t, lane_rank);
-  bool ok = true;
-  for (int r = threadIdx.x & 31; r < a.comm.lsaSize && ok; r += 32) {
-    if (((ranks >> r) & 1u) != 0u) {
-      ok = wait_ready(a, comb_ready_word(a, a.comm.lsaRank, r, t, u), n, r, kPhaseCombineRecv);
-    }
-  }
-  ok = __all_sync(0xffffffffu, ok);
-  __syncwarp();  // extends each lane's acquire to the warp's loads of the rows
-  return ok;
-}
-
-// The reduce loop of one warp. False when a `cpub` ready word missed its deadline (the
-// warp stops there).
+// The reduce loop of one warp.
 template <int V>
-__device__ bool reduce_items(const LlArgs& a, const char* comb, uint32_t n) {
+__device__ void reduce_items(const LlArgs& a, const char* comb) {
   const int H = a.hidden;
   const bool rank_first = a.comb_order == kCombOrderRankFirst;
   const int lane = threadIdx.x & 31;
   const ReduceItems<V> it(a);
-  // Pipelined (`pipe`, `eload`): rows and weights are loaded without waiting for topk_idx
-  // (a masked slot is loaded and then skipped, exactly as it is skipped below), so one
-  // memory latency per item.
-  const bool eager_loads = (a.flags & (kFlagPipeline | kFlagEagerReduce)) != 0;
-  const bool eager_rank_first = (a.flags & kFlagEagerReduce) != 0 && a.comm.lsaSize <= kReduceBatch / V;
-  const bool ready_words = rank_first && (a.flags & kFlagCombPublisher) != 0u;
   for (size_t item = it.warp; item < it.items; item += it.warps) {
     const int t = it.t(item), c = it.c(item);
-    if (ready_words && !wait_comb_ready(a, n, t, (c - lane * 8) / kPartialUnit)) return false;
     float acc[V][8];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[j][i] = 0.0f;  // +0, as the oracle
     }
-    if (rank_first && eager_rank_first)
-      reduce_rank_first_eager<V>(a, comb, t, c, acc);
-    else if (rank_first)
+    if (rank_first)
       reduce_rank_first<V>(a, comb, t, c, acc);
     else
-      reduce_topk<V>(a, comb, t, c, eager_loads, acc);
+      reduce_topk<V>(a, comb, t, c, acc);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const int cj = c + j * kReduceUnit;
@@ -238,53 +173,15 @@ __device__ bool reduce_items(const LlArgs& a, const char* comb, uint32_t n) {
       }
     }
   }
-  return true;
-}
-
-// Brings the line holding p into L2 (and its page's translation into this SM's TLB); reads
-// no value.
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
-// `rwarm`: the lines this warp's first two reduce items (reduce_items<V>) will touch.
-template <int V>
-__device__ void warm_reduce(const LlArgs& a, const char* comb) {
-  const int K = a.topk, H = a.hidden;
-  const int rows = a.comb_order == kCombOrderRankFirst ? a.comm.lsaSize : K;  // slots per token
-  const int lane = threadIdx.x & 31;
-  const ReduceItems<V> it(a);
-  for (size_t item = it.warp; item < it.items && item < it.warp + 2 * it.warps; item += it.warps) {
-    const int t = it.t(item), c = it.c(item);
-    if (lane < K) {
-      prefetch_l2(a.topk_idx + size_t(t) * K + lane);
-      if (a.topk_weights != nullptr) prefetch_l2(a.topk_weights + size_t(t) * K + lane);
-    }
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const int cj = c + j * kReduceUnit;
-      if (cj >= H) continue;
-      for (int r = 0; r < rows; ++r) prefetch_l2(comb + ((size_t(t) * rows + r) * H + cj) * 2);
-      prefetch_l2(a.combined + size_t(t) * H + cj);
-    }
-  }
 }
 
 __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
   const int me = a.comm.lsaRank;
   stamp(a, kStCombRecv);
-  const bool wide = (a.flags & kFlagWideReduce) != 0u;
   const char* comb = win_ptr(a, a.set_offset + a.comb_offset, me);
-  if ((a.flags & kFlagWarmReduce) != 0u) {
-    if (wide)
-      warm_reduce<2>(a, comb);
-    else
-      warm_reduce<1>(a, comb);
-  }
-  // `cpub`: no signal; each reduce item waits for its rows' ready words.
-  const bool cpub = a.comb_order == kCombOrderRankFirst && (a.flags & kFlagCombPublisher) != 0u;
-  if (!cpub && !wait_all_peers(a, kCombSig, uint64_t(n) * gridDim.x, kPhaseCombineRecv)) return false;
+  if (!wait_all_peers(a, kCombSig, uint64_t(n) * gridDim.x, kPhaseCombineRecv)) return false;
   stamp(a, kStCombSeen);
-  const bool ok = wide ? reduce_items<2>(a, comb, n) : reduce_items<1>(a, comb, n);
-  if (!ok) mark_failed(a);  // no credit of the set from now on (as a failed signal wait)
+  reduce_items<kReduceVecs>(a, comb);
   // No credit here: the next kernel on the set pushes it (push_credits).
   __syncthreads();
   stamp(a, kStCombReduced);

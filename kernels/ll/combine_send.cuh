@@ -4,7 +4,6 @@
 #pragma once
 
 #include "ll/common.cuh"
-#include "ll/publisher.cuh"
 
 namespace gin_ep {
 namespace ll {
@@ -39,18 +38,14 @@ __device__ __forceinline__ int32_t entry_at(const LlArgs& a, int32_t held, uint3
 struct PartBatch {
   uint4 v[kPartialBatch][kPartialVecs];
   float w[kPartialBatch];
-  // `wflag`: the (op << 32 | weight) pairs as loaded and their indices in the area (kNoPair:
-  // pair not used); resolve_weights turns them into w.
+  // The (op << 32 | weight) pairs as loaded and their indices in the area (kNoPair: pair
+  // not used); resolve_weights turns them into w.
   uint64_t pair[kPartialBatch];
   uint32_t pair_at[kPartialBatch];
 };
 constexpr uint32_t kNoPair = 0xffffffffu;
 
-// `wflag`: whether the weights area holds (op << 32 | f32 bits) pairs (else f32 weights and a
-// kCombWts signal per source).
-__device__ __forceinline__ bool flagged_weights(const LlArgs& a) { return (a.flags & kFlagFlaggedWeights) != 0u; }
-
-// `wflag`: the batch's weights once each pair carries op n, re-polling the ones that did not
+// The batch's weights once each pair carries op n, re-polling the ones that did not
 // yet when loaded (the same value in every lane). False when a pair missed the deadline.
 __device__ bool resolve_weights(const LlArgs& a, const uint64_t* pairs, uint32_t n, int src, PartBatch& b) {
 #pragma unroll
@@ -85,12 +80,10 @@ __device__ __forceinline__ void load_batch(const LlArgs& a, const float* wts, in
     const int32_t k = entry_at(a, held, g, kMapHeader + 2 * p + 1);
     const bool use = st_ok && p < np && row >= 0 && k >= 0 && k < K;
     const size_t wi = (size_t(s) * T + t) * K + k;
-    if (with_w && flagged_weights(a)) {
+    if (with_w) {
       b.w[i] = 0.0f;
       b.pair_at[i] = use ? uint32_t(wi) : kNoPair;
       b.pair[i] = use ? ld_relaxed_sys(reinterpret_cast<const uint64_t*>(wts) + wi) : 0;
-    } else if (with_w) {
-      b.w[i] = use ? wts[wi] : 0.0f;
     }
     if (weights_only) continue;
     const uint16_t* y = a.y + size_t(use ? row : 0) * H;
@@ -105,7 +98,7 @@ __device__ __forceinline__ void load_batch(const LlArgs& a, const float* wts, in
 // Elements [0, n) moved by `threads` threads from thread `tid` (load(i), then store(i, v)),
 // up to kCopyBatch per thread loaded before any is stored: every remote store's "memory"
 // clobber keeps later loads behind it, and one load round trip per element cost a warp alone
-// ≈ 4 µs for 8 vectors per lane (`wwarp`, bench/log/2026-11-21-27.md).
+// ≈ 4 µs for 8 vectors per lane (weights pushed by one warp, bench/log/2026-11-21-27.md).
 constexpr int kCopyBatch = 8;
 template <typename T, typename Load, typename Store>
 __device__ __forceinline__ void copy_batched(size_t n, size_t tid, size_t threads, Load load, Store store) {
@@ -128,55 +121,26 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   const int R = a.comm.lsaSize, me = a.comm.lsaRank;
   const int K = a.topk, H = a.hidden, T = a.max_tokens, N = a.num_tokens;
   stamp(a, kStCombStart);
-  // Our weights into every rank's [me] slot (4 KB at 128 tokens x top-8), one rank per CTA
-  // (CTA b serves rank me + 1 + b, so the fences run in parallel), then that rank's signal.
-  // `wwarp`: warp 0 of the CTA alone, so the CTA's other warps go on while its release waits
-  // for the stores to be acknowledged; otherwise every thread, then a CTA barrier.
+  // Our weights into every rank's [me] slot (8 KB at 128 tokens x top-8), one rank per CTA
+  // (CTA b serves rank me + 1 + b), every thread of the CTA: (n << 32 | weight) pairs, no
+  // signal (the expert rank polls the pairs it reads: resolve_weights).
   const size_t nw = size_t(N) * K;
-  const size_t slot = a.set_offset + a.wts_offset + size_t(me) * T * K * sizeof(float);
-  const bool wwarp = (a.flags & kFlagWeightsWarp) != 0u;
-  const bool late_wts = (a.flags & kFlagLateWeights) != 0u;
-  const bool wflag = flagged_weights(a);
-  const int pushers = wwarp ? 32 : int(blockDim.x);
-  for (int b = blockIdx.x; b < R && int(threadIdx.x) < pushers; b += gridDim.x) {  // CTA- or warp-uniform
+  const int pushers = int(blockDim.x);
+  for (int b = blockIdx.x; b < R; b += gridDim.x) {  // CTA-uniform
     const int q = (me + 1 + b) % R;
-    if (wflag) {
-      // (n << 32 | weight) pairs; no signal.
-      uint64_t* dst = reinterpret_cast<uint64_t*>(win_ptr(a, a.set_offset + a.wts_offset, q)) + size_t(me) * T * K;
-      copy_batched<float>(
-          nw, threadIdx.x, pushers, [&](size_t i) { return a.topk_weights[i]; },
-          [&](size_t i, float w) { st_relaxed_sys_u64(dst + i, (uint64_t(n) << 32) | __float_as_uint(w)); });
-      continue;
-    }
-    float* dst = reinterpret_cast<float*>(win_ptr(a, slot, q));
-    const bool vec = ((reinterpret_cast<uintptr_t>(a.topk_weights) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
-    const size_t nv = vec ? nw / 4 : 0;
-    const uint4* src = reinterpret_cast<const uint4*>(a.topk_weights);
-    copy_batched<uint4>(
-        nv, threadIdx.x, pushers, [&](size_t i) { return ld_v4(src + i); },
-        [&](size_t i, const uint4& v) { st_v4(reinterpret_cast<uint4*>(dst) + i, v); });
-    for (size_t i = nv * 4 + threadIdx.x; i < nw; i += pushers) dst[i] = a.topk_weights[i];
-    if (wwarp) {
-      __syncwarp();
-    } else {
-      __syncthreads();
-    }
-    if (threadIdx.x == 0 && !late_wts) red_release_sys_add(sig_word(a, q, kCombWts, me), 1);  // release, cumulative
+    uint64_t* dst = reinterpret_cast<uint64_t*>(win_ptr(a, a.set_offset + a.wts_offset, q)) + size_t(me) * T * K;
+    copy_batched<float>(
+        nw, threadIdx.x, pushers, [&](size_t i) { return a.topk_weights[i]; },
+        [&](size_t i, float w) { st_relaxed_sys_u64(dst + i, (uint64_t(n) << 32) | __float_as_uint(w)); });
   }
 
   const int lane = threadIdx.x & 31;
   const uint32_t records = min(ld_volatile_u32(&a.state[kRecords]), uint32_t(R) * uint32_t(T));
   const int units = (H + kPartialUnit - 1) / kPartialUnit;
   const size_t items = size_t(records) * units;
-  // `cpub`: warps 0..14 of each CTA send and count their items in `progress`; the last one
-  // takes no item and publishes their ready words (publish_rounds).
-  const bool cpub = (a.flags & kFlagCombPublisher) != 0u;
-  const int wic = int(threadIdx.x / 32), per_cta = cpub ? kWarps - 1 : kWarps;
-  const bool publisher = cpub && wic == per_cta;
+  const int wic = int(threadIdx.x / 32), per_cta = kWarps;
   const size_t warps = size_t(gridDim.x) * per_cta;
-  const size_t warp = publisher ? items : size_t(blockIdx.x) * per_cta + wic;
-  __shared__ uint32_t progress[kWarps];
-  if (cpub && threadIdx.x < kWarps) progress[threadIdx.x] = 0;  // before the credit wait's barrier
+  const size_t warp = size_t(blockIdx.x) * per_cta + wic;
   const float* wts = reinterpret_cast<const float*>(win_ptr(a, a.set_offset + a.wts_offset, me));
   // Records are sorted by source rank, so consecutive warps would all store to one source's
   // link at a time; a stride coprime with the record count visits every record once and
@@ -204,11 +168,6 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   // Credit: every source rank has reduced the previous combine of this set.
   if (!wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) return false;
   stamp(a, kStCombCredit);
-  // `wlate`: the weights signals now (the wait's CTA barrier orders every pusher's stores
-  // before thread 0's release, which is cumulative).
-  for (int b = blockIdx.x; late_wts && !wflag && b < R && threadIdx.x == 0; b += gridDim.x) {
-    red_release_sys_add(sig_word(a, (me + 1 + b) % R, kCombWts, me), 1);
-  }
   // This lane's channels c0.. of a partial row into source s's [t][me] slot (s and t come
   // from the map our dispatch wrote: always in range, checked anyway).
   auto put_partial = [&](int s, int t, int c0, const uint4(&v)[kPartialVecs]) {
@@ -222,10 +181,10 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   };
   const bool solo = solo_rows(a);
   if (solo) {
-    // `solo`: records with one pair (the token's only expert on this rank) go back as the
-    // expert's row itself, before the weights have arrived; the source weights it (the same
-    // fma from +0 and BF16 rounding, reduce_rank_first). Links that would idle during the
-    // weights round carry these rows meanwhile.
+    // `solo` rows: records with one pair (the token's only expert on this rank) go back as
+    // the expert's row itself, before the weights have arrived; the source weights it (the
+    // same fma from +0 and BF16 rounding, reduce_rank_first). Links that would idle during
+    // the weights round carry these rows meanwhile.
     for (size_t it = warp; it < items; it += warps) {
       const uint32_t g = record(it);
       const int32_t h1 = load_entry(a, g, lane);
@@ -237,27 +196,9 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
       put_partial(s, t, c0, b1.v[0]);
     }
   }
-  if (!wflag && !wait_all_peers(a, kCombWts, uint64_t(n), kPhaseCombineWeights)) return false;
   stamp(a, kStCombWeights);
   bool weighted = false;  // cur's weights are loaded
-  bool failed = false;    // `wflag`: a pair missed its deadline (this warp stops sending)
-  // `cpub`: the publisher's rounds (after every CTA-wide wait above, which it joins), and
-  // each send warp's progress after every item of the loop below (sent there or by `solo`).
-  if (publisher) {
-    const int KM = map_ints(K);
-    const PublishPlan plan{per_cta, warps, items, 1, false, kStCombSignaled, -1, kPhaseCombineRecv};
-    failed = !publish_rounds(a, progress, plan, [&](size_t it, int) {
-      const uint32_t g = record(it);
-      const int s = a.comb_map[size_t(g) * KM], t = a.comb_map[size_t(g) * KM + 1];
-      if (s >= 0 && s < R && t >= 0 && t < T) put_flag(a, comb_ready_word(a, s, me, t, int(item_mod(it, units))), n);
-    });
-  }
-  uint32_t stored = 0;
-  auto progressed = [&](bool ok) {
-    if (!cpub) return;
-    __syncwarp();
-    if (lane == 0) st_release_cta_shared(progress + wic, ok ? ++stored : kProgressFailed);
-  };
+  bool failed = false;    // a weight pair missed its deadline (this warp stops sending)
   for (; item < items; item += warps) {
     const uint32_t g = record(item);
     const int c0 = int(item_mod(item, units)) * kPartialUnit + lane * 8;
@@ -270,7 +211,6 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
         load_batch(a, wts, held, record(next), 0, int(item_mod(next, units)) * kPartialUnit + lane * 8, true, cur);
         weighted = true;
       }
-      progressed(true);
       continue;
     }
     if (!weighted) load_batch(a, wts, held, g, 0, c0, true, cur, true);
@@ -280,7 +220,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     for (int i = 0; i < 8 * kPartialVecs; ++i) acc[i] = 0.0f;  // +0, as the oracle
     for (int p0 = 0; p0 < np; p0 += kPartialBatch) {
       if (p0 > 0) load_batch(a, wts, held, g, p0, c0, true, cur);  // more than a batch here
-      if (wflag && !resolve_weights(a, reinterpret_cast<const uint64_t*>(wts), n, s, cur)) {
+      if (!resolve_weights(a, reinterpret_cast<const uint64_t*>(wts), n, s, cur)) {
         failed = true;
         break;
       }
@@ -296,28 +236,19 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     if (next < items) {
       load_batch(a, wts, held_next, record(next), 0, int(item_mod(next, units)) * kPartialUnit + lane * 8, true, cur);
     }
-    if (failed) {
-      progressed(false);
-      break;
-    }
+    if (failed) break;
     uint4 out[kPartialVecs];
 #pragma unroll
     for (int i = 0; i < kPartialVecs; ++i) out[i] = pack_bf16x8(acc + i * 8);
     put_partial(s, t, c0, out);
-    progressed(true);
     held = held_next;
     weighted = true;
   }
-  // `wflag`: a missed weight deadline stops the whole CTA before its signal (as a failed
-  // kCombWts wait does), so the sources time out instead of reducing rows never sent.
-  // `cpub`: likewise a publisher that stopped (its ready words are the signal).
-  if ((wflag || cpub) && __syncthreads_or(failed)) {
+  // A missed weight deadline stops the whole CTA before its signal, so the sources time
+  // out instead of reducing rows never sent.
+  if (__syncthreads_or(failed)) {
     mark_failed(a);
     return false;
-  }
-  if (cpub) {
-    stamp(a, kStCombSent);
-    return true;
   }
   signal_all_peers(a, kCombSig, kStCombSent, kStCombSignaled);
   return true;
@@ -344,7 +275,6 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   const size_t items = size_t(pre[L]) * units;
   const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
-  const bool pipe = (a.flags & kFlagPipeline) != 0;
   auto load = [&](size_t item) {
     const uint32_t g = item_div(item, units);
     const int u = int(item_mod(item, units));
@@ -375,8 +305,6 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   if (warp < items) cur = load(warp);
   for (size_t item = warp; item < items; item += warps) {
     const size_t next = item + warps;
-    CombUnit nxt{};
-    if (pipe && next < items) nxt = load(next);
     const int u = int(item_mod(item, units));
     const int s = cur.s, t = cur.t, k = cur.k;
     if (s >= 0 && s < R && t >= 0 && t < T && k >= 0 && k < K) {  // always, for our handle
@@ -387,7 +315,7 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
         if (ch < H) st_v4(reinterpret_cast<uint4*>(dst + size_t(ch) * 2), cur.v[i]);
       }
     }
-    if (next < items) cur = pipe ? nxt : load(next);
+    if (next < items) cur = load(next);
   }
   signal_all_peers(a, kCombSig, kStCombSent, kStCombSignaled);
   return true;

@@ -25,8 +25,8 @@
 //   acc = fma(w[t][k], y, acc) for k ascending, masked entries skipped, from +0, rounded once
 //   to BF16.
 // - Combine, order `rank-first`: every source first pushes its top-k weights into every
-//   rank's weights area ([src][T][K], 8 bytes each: f32 and signal kCombWts, or `wflag`'s
-//   (op, f32) pairs and no signal). The expert rank walks the
+//   rank's weights area ([src][T][K], 8 bytes each: (op, f32) pairs, no signal). The
+//   expert rank walks the
 //   records of the last dispatch on the set (comb_map, written by dispatch-recv: source,
 //   token, then (row, k) of each of the token's experts held here), sums
 //   fma(w[k], y[row_k], acc) for its own k ascending from +0, rounds that partial to BF16
@@ -38,8 +38,8 @@
 // Signals (per buffer set, in the window; u64, monotonic, never reset):
 //   word [kind][src] of rank r is written only by rank src (red.add.release.sys, +1 per CTA
 //   of src's kernel), read only by r (ld.acquire.sys, with a deadline):
-//   - kDispSig[src] at receiver r: every CTA of src's dispatch-send adds 1 after its stores;
-//     after op n of this set it holds n * G (G = grid, the same on every rank and kernel).
+//   - kDispSig: unused (the ready words below replaced the per-CTA data signal; the kind
+//     keeps its index so the others keep theirs).
 //   - kDispAck[r] at sender s: the number of dispatches on the set whose receive half r has
 //     completed (credit: the staging slots of s at r are free again); s's dispatch-send of op
 //     n waits for n - 1 before writing into r. r does not signal it at the end of its receive
@@ -48,27 +48,32 @@
 //     (push_credits). That kernel starts after the receive kernel completed in stream order,
 //     and kernel completion makes all of its memory accesses (the staging loads included)
 //     performed, so a relaxed store suffices and no fence is needed.
-//   - kCombSig / kCombAck: the same for combine (expert rank -> source rank data, source ->
-//     expert rank "combine buffer free": completed combines, pushed the same way).
+//   - kCombSig / kCombAck: as kDispAck for combine, with a data signal: every CTA of the
+//     expert rank's combine send adds 1 to kCombSig[src] at the source after its stores
+//     (after op n: n * G, G = grid, the same on every rank and kernel); kCombAck (source ->
+//     expert rank "combine buffer free": completed combines) is pushed as kDispAck is.
 //   Every rank runs the same sequence of operations per set and every kernel pushes before
 //   it waits, so a deferred credit is always pushed before a peer needs it: the next kernel
 //   on the set (a combine after a dispatch, or the next dispatch) comes before that peer's
 //   next write into the buffer the credit frees. A receive half that missed a deadline sets
 //   the set's kFailed word and no credit of the set is pushed again.
-//   - kDispCnt[src] at receiver r (variants `early` and `ready`): CTA 0 of src adds 1 after
-//     writing meta[src] at r (after op n: n); the receiver then waits per source for kDispSig
-//     (`early`) or per record unit for its ready word (`ready`, below).
-//   - Ready words (variant `ready` only; u32, [src][slot][unit] at receiver r, not signal
-//     words): after its stores, each warp of src's dispatch-send fences once (.sys) and
-//     then stores n into the word of every (record, 512-channel unit) it wrote at r, so r
-//     expands a unit as soon as it has landed instead of after every CTA of every source.
-//     src sends no kDispSig then. Written only by src, read only by r; their reuse is
-//     covered by kDispAck like the records they stand for.
-//   - kCombWts[src] at expert rank r (order `rank-first` only): the CTA of src that serves r
-//     (one CTA per destination rank) adds 1 after writing src's weights into r's area (after
-//     op n: n). No credit is needed: r reads them in its combine send, before its kCombSig,
-//     and src's next combine on the set starts only after src's reduce saw that kCombSig.
-//     (`wflag`: no kCombWts; each weight carries n itself, see kFlagFlaggedWeights.)
+//   - kDispCnt[src] at receiver r: CTA 0 of src adds 1 after writing meta[src] at r (after
+//     op n: n); the receiver then waits per record unit for its ready word (below).
+//   - Ready words (u32, [src][slot][unit] at receiver r, not signal words): after its
+//     stores, src's dispatch-send fences (.sys) and then stores n into the word of every
+//     (record, 512-channel unit) it wrote at r, so r expands a unit as soon as it has landed
+//     instead of after every CTA of every source. In the split send kernel each warp fences
+//     once after its stores and publishes its own units; in the fused kernel the send warps
+//     never fence and the CTA's last warp fences and publishes for them (publish_rounds).
+//     Written only by src, read only by r; their reuse is covered by kDispAck like the
+//     records they stand for.
+//   - Weights (order `rank-first` only): no signal. Each weight goes out as one 64-bit store
+//     of (op n << 32 | f32 bits) into r's [src][T][K] u64 area, and r polls the pairs it
+//     reads until their high half is n (a 64-bit aligned access is single-copy atomic, so a
+//     pair whose flag is n holds op n's weight; no fence orders anything else). No credit is
+//     needed: r reads them in its combine send, before its kCombSig, and src's next combine
+//     on the set starts only after src's reduce saw that kCombSig. kCombWts: unused (the
+//     kind keeps its index).
 //   So no barrier sits on the critical path, no flag is ever cleared, and any sequence of
 //   dispatches and combines on a set is safe (double buffering = two sets, used alternately).
 // - The op number n of a set lives on the device (LlArgs::state), so a CUDA graph replays
@@ -77,8 +82,8 @@
 //   the kernel that ends it (recv half, or fused): no atomic, no grid-wide agreement.
 // - Every wait has a deadline (globaltimer) and records (phase, peer) in FabricError; a wait
 //   for a word this rank writes itself gets 1.5x (wait_timeout), so a remote peer is named.
-// - Variants (LlArgs::flags, and the fused entry points in ll.cu) change only how work is
-//   spread over warps and when loads are issued; the bytes written are the same in all.
+// - The fused entry points (ll.cu) and the tuning values (grid, send warps: LlArgs::flags)
+//   change only how work is spread over warps; the bytes written are the same in all.
 
 #pragma once
 
@@ -103,40 +108,26 @@ static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kSt
 // Named barriers of the two groups of the fused dispatch with send warps (0 = the CTA's).
 constexpr int kBarSend = 1, kBarRecv = 2;
 
-// Whether each source signals its counts (kDispCnt) before its records, so the receiver
-// waits for those first and for the data per source (`early`) or per unit (`ready`, which
-// needs the counts the same way).
-__device__ __forceinline__ bool counts_first(uint32_t flags) { return (flags & (kFlagEarlyCounts | kFlagReady)) != 0; }
+// Rank-first combine: a token's only expert on a rank goes back unweighted and the source
+// weights it (`solo` rows). Lanes hold one top-k entry each there, so K <= 32 only (both
+// sides decide alike from K).
+__device__ __forceinline__ bool solo_rows(const LlArgs& a) { return a.topk <= 32; }
 
-// Variant `solo` (rank-first combine): a token's only expert on a rank goes back unweighted
-// and the source weights it. Lanes hold one top-k entry each there, so K <= 32 only (both
-// sides decide alike from K and the flag).
-__device__ __forceinline__ bool solo_rows(const LlArgs& a) { return (a.flags & kFlagSolo) != 0u && a.topk <= 32; }
-
-// Whether waits poll with relaxed loads and acquire once at the end (variant `quiet`).
-__device__ __forceinline__ bool relaxed_polls(uint32_t flags) { return (flags & kFlagQuiet) != 0u; }
-
-// The window's flat LSA base and per-peer stride, loaded once per kernel (kernel_enter) into
-// shared memory (unless `wargs`: from LlArgs, which lives in the constant bank).
-// ncclGetLsaPointer loads both from the window struct at every call, and the compiler reloads
-// them after every asm "memory" clobber (each store and fence here), through an L1 that
-// acquire loads and fences invalidate (CCTL.IVALL): a dependent L2 round trip before many
-// remote stores.
-__shared__ char* s_lsa_base;
-__shared__ uint32_t s_lsa_stride4G;
-
-// Address of `offset` in peer's window (what lsa_ptr(a.win, offset, peer) returns).
+// Address of `offset` in peer's window (what lsa_ptr(a.win, offset, peer) returns). The
+// window's flat LSA base and per-peer stride come from LlArgs (the host read them once; the
+// argument lives in the constant bank): ncclGetLsaPointer loads both from the window struct
+// at every call, and the compiler reloads them after every asm "memory" clobber (each store
+// and fence here), through an L1 that acquire loads and fences invalidate (CCTL.IVALL): a
+// dependent L2 round trip before many remote stores.
 __device__ __forceinline__ char* win_ptr(const LlArgs& a, size_t offset, int peer) {
-  const bool args = (a.flags & kFlagWinArgs) != 0u;
-  char* base = args ? a.lsa_base : s_lsa_base;
-  const uint32_t stride4G = args ? a.lsa_stride4G : s_lsa_stride4G;
-  return nccl::utility::add4G(base, peer * int(stride4G)) + offset;
+  return nccl::utility::add4G(a.lsa_base, peer * int(a.lsa_stride4G)) + offset;
 }
 
-// Warps per CTA that send records in the fused dispatch (kWarps: all, then all receive).
+// Warps per CTA that send records in the fused dispatch (the host's send warps, 1 to
+// kWarps - 2: the CTA's last warp publishes their ready words and at least one receives).
 __device__ __forceinline__ int fused_send_warps(uint32_t flags) {
   const int v = int((flags >> kFlagSendWarpsShift) & 31u);
-  return (v == 0 || v >= kWarps || (flags & kFlagReady) == 0) ? kWarps : v;
+  return min(max(v, 1), kWarps - 2);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -163,21 +154,17 @@ __device__ __forceinline__ void stamp_max(const LlArgs& a, int slot) {
 }
 
 // First thing in every entry point, every thread (after the entry stamp, entry_slot >= 0 in
-// the kernels that start an operation). Variant `pdl` (kFlagPdl): wait for the grids before
-// this one on the stream, then let the next one launch. Then the window base (win_ptr),
-// published by the CTA barrier (not needed with `wargs`).
+// the kernels that start an operation): programmatic dependent launch (the host launches
+// every LL kernel with programmatic stream serialization allowed). Wait for the grids before
+// this one on the stream to complete and flush (griddepcontrol.wait: after it, everything the
+// stream order promised holds, e.g. push_credits' "the receive kernel completed"), then let
+// the next kernel launch (griddepcontrol.launch_dependents). The trigger fires only once
+// every CTA of this grid has run it, i.e. when the whole grid is resident, so a fused
+// kernel's co-residency is never contested by its successor, whose CTAs wait in turn.
 __device__ __forceinline__ void kernel_enter(const LlArgs& a, int entry_slot = -1) {
   stamp_if(a, entry_slot, threadIdx.x == 0);
-  if ((a.flags & kFlagPdl) != 0u) {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  }
-  if ((a.flags & kFlagWinArgs) != 0u) return;
-  if (threadIdx.x == 0) {
-    s_lsa_base = nccl::utility::loadConst(&a.win->lsaFlatBase);
-    s_lsa_stride4G = nccl::utility::loadConst(&a.win->stride4G);
-  }
-  __syncthreads();
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 __device__ __forceinline__ uint32_t ld_volatile_u32(const uint32_t* p) {
@@ -258,7 +245,7 @@ __device__ void mark_failed(const LlArgs& a) {
 }
 
 // The threads of a CTA that share one job: the whole CTA (barrier 0), or, in the fused
-// dispatch with send warps (variant `sendN`), the first N warps (send) or the others
+// dispatch, its first N warps (send, N = fused_send_warps) or the others
 // (receive), each with its own named barrier so the two run at the same time. `warp` and
 // `warps` number the group's warps across the grid (work items are strided over them).
 struct WarpGroup {
@@ -318,10 +305,11 @@ __device__ __forceinline__ DeadlineBarrier waiter_for(const LlArgs& a, int peer)
 __device__ bool group_wait_all_peers(const LlArgs& a, const WarpGroup& group, int kind, uint64_t target,
                                      uint32_t phase) {
   bool ok = true;
-  const bool relaxed = relaxed_polls(a.flags);
+  // Relaxed polls, one acquire once the word has reached its target: an acquire load
+  // invalidates the SM's L1 at every try, next to the warps of the same SM still sending.
   for (int p = group.tid; p < a.comm.lsaSize && ok; p += group.nthreads) {
     ok = waiter_for(a, p).wait_word(sig_word(a, a.comm.lsaRank, kind, p), target, static_cast<FabricPhase>(phase), p,
-                                    relaxed);
+                                    /*relaxed=*/true);
   }
   // The barrier extends each waiter's acquire to the whole group.
   if (group.sync_and(ok)) return true;
@@ -368,27 +356,16 @@ __device__ void end_op(const LlArgs& a, int kind, uint32_t n) {
   if (threadIdx.x == 0) *op_word(a, kind) = n;
 }
 
-// A flag word that nothing else of this thread follows (a credit, a `ready` word): a relaxed
-// store, or an exchange (`xflag`). The publishing thread calls flag_fence after its last one
-// (`fflag`).
-template <typename W>  // uint32_t (`ready` words) or uint64_t (credits)
-__device__ __forceinline__ void put_flag(const LlArgs& a, W* p, W v) {
+// A flag word that nothing else of this thread follows (a credit, a ready word): a relaxed
+// store, no fence after it.
+template <typename W>  // uint32_t (ready words) or uint64_t (credits)
+__device__ __forceinline__ void put_flag(W* p, W v) {
   static_assert(sizeof(W) == 4 || sizeof(W) == 8, "32- or 64-bit flags");
-  if ((a.flags & kFlagAtomicFlags) != 0u) {
-    W old;
-    if constexpr (sizeof(W) == 4) {
-      asm volatile("atom.relaxed.sys.global.exch.b32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-    } else {
-      asm volatile("atom.relaxed.sys.global.exch.b64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
-    }
-  } else if constexpr (sizeof(W) == 4) {
+  if constexpr (sizeof(W) == 4) {
     st_relaxed_sys_u32(p, v);
   } else {
     st_relaxed_sys_u64(p, v);
   }
-}
-__device__ __forceinline__ void flag_fence(const LlArgs& a) {
-  if ((a.flags & kFlagFenceFlags) != 0u) fence_acq_rel_sys();
 }
 
 // First thing in every send kernel (CTA 0, one thread per peer): the deferred credits of
@@ -400,9 +377,8 @@ __device__ void push_credits(const LlArgs& a) {
   const int p = threadIdx.x, me = a.comm.lsaRank;
   // CTA 0's counts: it stores its own new count only at the end of its kernel (end_op).
   const uint64_t disp = ld_volatile_u32(op_word(a, kOpDispatch)), comb = ld_volatile_u32(op_word(a, kOpCombine));
-  put_flag(a, sig_word(a, p, kDispAck, me), disp);
-  put_flag(a, sig_word(a, p, kCombAck, me), comb);
-  flag_fence(a);
+  put_flag(sig_word(a, p, kDispAck, me), disp);
+  put_flag(sig_word(a, p, kCombAck, me), comb);
 }
 
 // The first warp of a group (threads tid < 32) turns a[0..n) into its exclusive prefix sum
@@ -457,20 +433,11 @@ __device__ __forceinline__ int bf16_channel(int u, int lane, int half) {
   return u * kDispatchUnit + half * 256 + lane * 8;
 }
 
-// Ready word of (source src, staging slot, dispatch unit u) in owner's window (variant
-// `ready`): [R src][T][units] u32 (host: LlLayout::ready_offset).
+// Ready word of (source src, staging slot, dispatch unit u) in owner's window:
+// [R src][T][units] u32 (host: LlLayout::ready_offset).
 __device__ __forceinline__ uint32_t* ready_word(const LlArgs& a, int owner, int src, uint32_t slot, int u) {
   const int units = (a.hidden + kDispatchUnit - 1) / kDispatchUnit;
   const size_t idx = (size_t(src) * a.max_tokens + slot) * units + u;
-  return reinterpret_cast<uint32_t*>(win_ptr(a, a.set_offset + a.ready_offset + idx * 4, owner));
-}
-
-// Combine ready word (variant `cpub`) of (expert rank src, source token t, 512-channel unit u) in
-// owner's window: [R src][T][units] u32 right after the dispatch's ready words (host:
-// LlLayout::ready_offset, whose area holds both).
-__device__ __forceinline__ uint32_t* comb_ready_word(const LlArgs& a, int owner, int src, int t, int u) {
-  const int units = (a.hidden + kDispatchUnit - 1) / kDispatchUnit;
-  const size_t idx = (size_t(a.comm.lsaSize) + src) * a.max_tokens * units + size_t(t) * units + u;
   return reinterpret_cast<uint32_t*>(win_ptr(a, a.set_offset + a.ready_offset + idx * 4, owner));
 }
 
@@ -505,30 +472,25 @@ __device__ __forceinline__ uint4 quantize16(const uint4 lo, const uint4 hi, bool
 
 __device__ __forceinline__ int map_ints(int K) { return kMapHeader + 2 * K; }
 
-// Variant `ready`: waits until ready word w holds op n (or a later one: wrapping compare).
-// The word is local; the back-off keeps hundreds of polling warps from crowding the L2 the
-// records are landing in (polls every 0.5 us starved incoming writes in the HT push combine).
-__device__ bool wait_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int src,
-                           uint32_t phase = kPhaseDispatchRecv) {
+// Waits until ready word w holds op n (or a later one: wrapping compare). The word is
+// local; it is polled with relaxed loads and no back-off (a __nanosleep back-off cost
+// 0.2-0.5 us per dispatch), and acquired once it has reached n.
+__device__ bool wait_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int src) {
   PollDeadline deadline;
-  const bool relaxed = relaxed_polls(a.flags);
-  const bool sleep = (a.flags & kFlagSpin) == 0u;
-  for (uint32_t spin = 0; int32_t((relaxed ? ld_relaxed_sys_u32(w) : ld_acquire_sys_u32(w)) - n) < 0; ++spin) {
-    if (sleep) __nanosleep(32u << min(spin, 4u));
+  for (uint32_t spin = 0; int32_t(ld_relaxed_sys_u32(w) - n) < 0; ++spin) {
     if ((spin & 15u) == 15u &&
-        !deadline.ok(a.err, wait_timeout(a, src), static_cast<FabricPhase>(phase), src, a.comm.lsaRank)) {
+        !deadline.ok(a.err, wait_timeout(a, src), static_cast<FabricPhase>(kPhaseDispatchRecv), src, a.comm.lsaRank)) {
       return false;
     }
   }
   // The word only grows (wrapping): the acquire load sees at least what the relaxed one saw.
-  if (relaxed) (void)ld_acquire_sys_u32(w);
+  (void)ld_acquire_sys_u32(w);
   return true;
 }
 
-// Rank-first combine rows (combine send) and their ready words (combine receive).
+// Rank-first combine rows (combine send).
 constexpr int kPartialVecs = 2;                      // vectors of 8 bf16 per lane and row
 constexpr int kPartialUnit = 32 * 8 * kPartialVecs;  // channels per warp item
-static_assert(kPartialUnit == kDispatchUnit, "`cpub`'s ready words per unit share the dispatch's unit count");
 
 }  // namespace ll
 }  // namespace gin_ep

@@ -8,8 +8,8 @@
 namespace gin_ep {
 namespace ll {
 // ---------------------------------------------------------------------------------------
-// Dispatch recv: wait for every source, then expand staged records into the expert-major
-// output, fused (no second pass over memory).
+// Dispatch recv: wait for every source's counts, then expand staged records into the
+// expert-major output as their units' ready words arrive, fused (no second pass over memory).
 
 // Dispatch units one expand item covers at most. The item count per record is chosen so
 // that one round of items covers every warp (6454 units over 2112 warps at 128 tokens,
@@ -28,7 +28,7 @@ struct StagedItem {
 // The dispatch receive table in shared memory: first[R][L + 1] (the sources' counts, then,
 // from column 1, the rows of expert e before source s), start[R + 1] (prefix of the sources'
 // record counts), then the table word (kTable*: whether first/start are ready, for the send
-// warps of `sendN`, which wait for it before they take expand items). The host sizes it
+// warps of the fused dispatch, which wait for it before they take expand items). The host sizes it
 // (ll/layout.rs dispatch_recv_smem).
 constexpr uint32_t kTableNotYet = 0, kTableReady = 1, kTableFailed = 2;
 struct RecvTable {
@@ -42,7 +42,7 @@ struct RecvTable {
   }
 };
 
-// A send warp of `sendN`, done sending: wait for this CTA's receive table. Bounded by the
+// A send warp of the fused dispatch, done sending: wait for this CTA's receive table. Bounded by the
 // receive group: its own waits have deadlines, name the late peer, stop when another wait
 // has reported, and then publish kTableFailed, so this wait never reads the host-mapped
 // error flag itself (a thousand send warps reading it flooded the path to host memory,
@@ -54,11 +54,9 @@ __device__ bool wait_recv_table(const LlArgs& a, uint32_t* table_smem) {
   const uint32_t* table = RecvTable::at(a, table_smem).word;
   PollDeadline deadline;
   uint32_t st = kTableNotYet;
-  const bool sleep = (a.flags & kFlagSpin) == 0u;
-  // The word is in shared memory (a poll takes tens of ns): the clock is read every 256
-  // polls, not 16, which is still every few microseconds.
+  // The word is in shared memory (a poll takes tens of ns): no back-off, and the clock is
+  // read every 256 polls, not 16, which is still every few microseconds.
   for (uint32_t spin = 0; (st = ld_acquire_cta_shared(table)) == kTableNotYet; ++spin) {
-    if (sleep) __nanosleep(64);
     if ((spin & 255u) == 255u &&
         !deadline.ok(a.err, wait_timeout(a, a.comm.lsaRank), static_cast<FabricPhase>(kPhaseDispatchRecv),
                      a.comm.lsaRank, a.comm.lsaRank, /*others=*/false)) {
@@ -77,8 +75,6 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
   const int R = a.comm.lsaSize, me = a.comm.lsaRank;
   const int K = a.topk, L = a.experts / R, H = a.hidden, T = a.max_tokens;
   const size_t cap = size_t(R) * T;
-  const bool ready = (a.flags & kFlagReady) != 0;
-  const bool early = counts_first(a.flags);
   const int lane = threadIdx.x & 31;
   const int units = (H + kDispatchUnit - 1) / kDispatchUnit;
   // Items: (record, chunk of `per` consecutive units); `per` is the smallest chunk (up to
@@ -99,9 +95,6 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
     return s;
   };
   auto record_at = [&](uint32_t g, int s) { return stage + (size_t(s) * T + (g - start[s])) * a.rec_bytes; };
-  // `early`: sources whose data this warp has seen (bit s), and whether a wait failed.
-  // (`ready` waits per item below instead.)
-  uint64_t seen = early && !ready ? 0 : ~uint64_t(0);
   bool failed = false;
   for (size_t item = first_item; item < items && !failed; item += warps) {
     const uint32_t g = item_div(item, chunks);
@@ -109,27 +102,14 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
     const int nu = min(per, units - u0);
     StagedItem cur;
     cur.src = source_of(g);
-    if (((seen >> cur.src) & 1u) == 0) {
-      // Every lane acquires for itself (one broadcast load per poll); warp-uniform result.
-      const bool ok = waiter_for(a, cur.src)
-                          .wait_word(sig_word(a, me, kDispSig, cur.src), uint64_t(n) * gridDim.x,
-                                     static_cast<FabricPhase>(kPhaseDispatchRecv), cur.src, relaxed_polls(a.flags));
-      if (!__all_sync(0xffffffffu, ok)) {
-        failed = true;
-        break;
-      }
-      seen |= uint64_t(1) << cur.src;
-    }
     const int s = cur.src;
-    if (ready) {
-      // Lanes 0..nu-1 wait for the item's units, lane 31 for unit 0 (the metadata).
-      const int uu = lane < nu ? u0 + lane : (lane == 31 && u0 != 0 ? 0 : -1);
-      const bool ok = uu < 0 || wait_ready(a, ready_word(a, me, s, g - start[s], uu), n, s);
-      __syncwarp();  // extends each lane's acquire to the warp's record loads
-      if (!__all_sync(0xffffffffu, ok)) {
-        failed = true;
-        break;
-      }
+    // Lanes 0..nu-1 wait for the item's units, lane 31 for unit 0 (the metadata).
+    const int uu = lane < nu ? u0 + lane : (lane == 31 && u0 != 0 ? 0 : -1);
+    const bool ok = uu < 0 || wait_ready(a, ready_word(a, me, s, g - start[s], uu), n, s);
+    __syncwarp();  // extends each lane's acquire to the warp's record loads
+    if (!__all_sync(0xffffffffu, ok)) {
+      failed = true;
+      break;
     }
     // Every load of the item first (metadata once, then all units' payload), so their
     // latencies overlap.
@@ -230,9 +210,9 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
   return failed;
 }
 
-// Every thread of the group: wait for the counts (or, without `early`/`ready`, for all data),
-// then build the receive table in shared memory (first[s][e] rows before source s, start[s]
-// the staged record prefix) and publish it (table word, for the send warps of `sendN`).
+// Every thread of the group: wait for the counts, then build the receive table in shared
+// memory (first[s][e] rows before source s, start[s] the staged record prefix) and publish
+// it (table word, for the send warps of the fused dispatch).
 // Block 0 also writes the per-expert counts and ranges. False when the wait failed.
 __device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem, const WarpGroup& group) {
   const int R = a.comm.lsaSize, me = a.comm.lsaRank;
@@ -242,19 +222,15 @@ __device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem,
   uint32_t* first = rt.first;
   uint32_t* start = rt.start;
   uint32_t* table = rt.word;
-  const bool ready = (a.flags & kFlagReady) != 0;
-  const bool early = counts_first(a.flags);
   const int tid = group.tid;
   stamp_if(a, kStDispRecv, tid == 0);
-  // `early`: only the counts now (CTA 0 of each source, +1 per op); each warp waits for the
-  // data of the source it expands below. Otherwise every CTA of every source, now.
-  const bool counted = early ? group_wait_all_peers(a, group, kDispCnt, uint64_t(n), kPhaseDispatchRecv)
-                             : group_wait_all_peers(a, group, kDispSig, uint64_t(n) * gridDim.x, kPhaseDispatchRecv);
+  // Only the counts now (CTA 0 of each source, +1 per op); each expand item waits for the
+  // ready words of its units (expand_items).
+  const bool counted = group_wait_all_peers(a, group, kDispCnt, uint64_t(n), kPhaseDispatchRecv);
   if (!counted) {
     if (tid == 0) st_release_cta_shared(table, kTableFailed);
     return false;
   }
-  if (!early) stamp_if(a, kStDispSeen, tid == 0);
   const uint32_t* meta_in = reinterpret_cast<const uint32_t*>(win_ptr(a, a.set_offset + a.meta_offset, me));
   for (int i = tid; i < R * (L + 1); i += group.nthreads) first[i] = meta_in[i];
   group.sync();
@@ -297,7 +273,7 @@ __device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem,
 // A warp's share of the expand (after dispatch_recv_table, or wait_recv_table for a send
 // warp): items over every warp of the grid, first_item, first_item + all warps, ... The
 // receive group's warps take the first ones; with send warps, the senders take the rest
-// once they have sent. A missed deadline (`ready`, `early`) stops the set's credits, like a
+// once they have sent. A missed deadline (a ready word) stops the set's credits, like a
 // failed wait above. No credit here: the next kernel on the set pushes it (push_credits).
 __device__ void dispatch_expand(const LlArgs& a, uint32_t n, uint32_t* table_smem, size_t first_item) {
   const RecvTable rt = RecvTable::at(a, table_smem);

@@ -79,35 +79,15 @@ __device__ __forceinline__ void put_meta(const LlArgs& a, char* rec, int t, int 
   if (lane == 0) meta[2 * K] = t;
 }
 
-// Variant `warm`: the calling warp loads one word per window page that this rank's dispatch
-// sends store to at every destination (its record range, its ready words, its counts), with
-// relaxed loads whose values are never used: the warp does not wait for them, and the
-// translations of the peer pages are cached by the time the send warps store.
-constexpr size_t kWarmPage = size_t(2) << 20;  // the smallest page a window is mapped with
-__device__ void warm_send_pages(const LlArgs& a, int lane) {
-  const int R = a.comm.lsaSize, me = a.comm.lsaRank, L = a.experts / R;
-  const int units = (a.hidden + kDispatchUnit - 1) / kDispatchUnit;
-  const size_t T = size_t(a.max_tokens);
-  const size_t ranges[3][2] = {{a.set_offset + a.stage_offset + size_t(me) * T * a.rec_bytes, T * a.rec_bytes},
-                               {a.set_offset + a.ready_offset + size_t(me) * T * units * 4, T * units * 4},
-                               {a.set_offset + a.meta_offset + size_t(me) * (L + 1) * 4, size_t(L + 1) * 4}};
-  for (int dst = 0; dst < R; ++dst) {
-    for (int r = 0; r < 3; ++r) {
-      const size_t lo = ranges[r][0], hi = lo + ranges[r][1];
-      for (size_t off = (lo & ~(kWarmPage - 1)) + size_t(lane) * kWarmPage; off < hi; off += 32 * kWarmPage) {
-        (void)ld_relaxed_sys_u32(reinterpret_cast<const uint32_t*>(win_ptr(a, off < lo ? lo : off, dst)));
-      }
-    }
-  }
-}
-
 // Every thread of the CTA. False (in every thread) when the credit wait failed; nothing was
-// sent then and no signal was added. The layout, credit and counts take the whole CTA; the
-// records are sent by the first `send_warps` warps of each CTA only (all: kWarps), the
-// others return once the counts are out (the fused dispatch's receive group, `sendN`).
-// `progress` (variant `pub`, else null): kWarps words of shared memory, zero at entry; the
-// CTA's last warp publishes the ready words there (publish_rounds) before it returns, and
-// returns false when a send warp's progress missed its deadline.
+// sent then and no ready word was stored. The layout, credit and counts take the whole CTA;
+// the records are sent by the first `send_warps` warps of each CTA only (all: kWarps, the
+// split send kernel), the others return once the counts are out (the fused dispatch's
+// receive group). `progress` (the fused dispatch, else null): kWarps words of shared memory,
+// zero at entry; the send warps record their items there and the CTA's last warp publishes
+// their ready words (publish_rounds) before it returns, and returns false when a send warp's
+// progress missed its deadline. Without it every send warp fences once after its stores
+// and publishes its own ready words.
 __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, int send_warps, uint32_t* progress) {
   const int R = a.comm.lsaSize, me = a.comm.lsaRank;
   const int N = a.num_tokens, K = a.topk, E = a.experts, L = E / R, H = a.hidden, T = a.max_tokens;
@@ -117,32 +97,25 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   uint32_t* base = smem + size_t(rows) * nch;
   stamp(a, kStDispStart);
 
-  // Work items: token-major (token, unit), or (token, unit, destination) with the
-  // destination fastest so neighbouring warps feed different links from the same (cached)
-  // source bytes.
+  // Work items: (token, 512-channel unit); the unit is loaded and quantized once and stored
+  // to every destination rank of the token.
   const int lane = threadIdx.x & 31;
   const int units = (H + kDispatchUnit - 1) / kDispatchUnit;
-  const bool tok_major = (a.flags & kFlagTokenMajor) != 0;
-  const bool pipe = (a.flags & kFlagPipeline) != 0;
-  const bool rotate = (a.flags & kFlagRotate) != 0;
-  const size_t per_tok = tok_major ? size_t(units) : size_t(units) * R;
+  const size_t per_tok = size_t(units);
   const size_t items = size_t(N) * per_tok;
   const WarpGroup group = send_warps >= kWarps ? WarpGroup::cta() : WarpGroup::range(0, send_warps, kBarSend);
   const bool sender = int(threadIdx.x / 32) < send_warps;
-  const bool spread = (a.flags & kFlagSpread) != 0u;
-  // Receive-group warps take no item; `spread`: CTA fastest (publish_rounds numbers alike).
-  const size_t warp = !sender ? items : spread ? size_t(threadIdx.x / 32) * gridDim.x + blockIdx.x : group.warp;
+  // Receive-group warps take no item.
+  const size_t warp = !sender ? items : group.warp;
   const size_t warps = group.warps;
   auto tok_of = [&](size_t item) { return int(item_div(item, int(per_tok))); };
   auto unit_of = [&](size_t item) {
     const uint32_t in_tok = item_mod(item, int(per_tok));
-    return int(tok_major ? in_tok : in_tok / uint32_t(R));
+    return int(in_tok);
   };
-  const bool item_ready = (a.flags & (kFlagReady | kFlagItemReady)) == (kFlagReady | kFlagItemReady);
   XUnit cur{};
-  if ((a.flags & kFlagWarm) != 0u && int(threadIdx.x / 32) == kWarps - 1) warm_send_pages(a, lane);
-  // Token-major: the first item's loads overlap the layout and the credit wait.
-  if (tok_major && warp < items) cur = load_x_unit(a, tok_of(warp), unit_of(warp), lane);
+  // The first item's loads overlap the layout and the credit wait.
+  if (warp < items) cur = load_x_unit(a, tok_of(warp), unit_of(warp), lane);
 
   // 1. Layout, redundantly in every CTA (no grid sync): which tokens go to which expert and
   //    rank, and each token's rank among them, in token order.
@@ -173,8 +146,8 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   if (!wait_all_peers(a, kDispAck, uint64_t(n - 1), kPhaseDispatchCredit)) return false;
   stamp(a, kStDispCredit);
 
-  // 3. CTA 0 writes meta[me] at every destination: token count, then per-local-expert counts
-  //    (`early`: then signals them at once, before its records).
+  // 3. CTA 0 writes meta[me] at every destination: token count, then per-local-expert counts,
+  //    then signals them at once (kDispCnt), before its records.
   if (blockIdx.x == 0) {
     for (int i = threadIdx.x; i < R * (L + 1); i += blockDim.x) {
       const int dst = i / (L + 1), j = i % (L + 1);
@@ -183,23 +156,21 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
           reinterpret_cast<uint32_t*>(win_ptr(a, a.set_offset + a.meta_offset + (size_t(me) * (L + 1) + j) * 4, dst));
       *m = v;
     }
-    if (counts_first(a.flags)) {
-      __syncthreads();  // CTA 0 only (blockIdx is uniform in the CTA)
-      // The last warp adds (a release after the barrier covers every thread's count stores):
-      // the release waits for those remote stores to be acknowledged, and warp 0 takes the
-      // first record, whose stores at 1 token were ≈ 2 µs late behind that wait.
-      for (int p = int(threadIdx.x) - int(blockDim.x - 32); p >= 0 && p < R; p += 32) {
-        red_release_sys_add(sig_word(a, p, kDispCnt, me), 1);
-      }
+    __syncthreads();  // CTA 0 only (blockIdx is uniform in the CTA)
+    // The last warp adds (a release after the barrier covers every thread's count stores):
+    // the release waits for those remote stores to be acknowledged, and warp 0 takes the
+    // first record, whose stores at 1 token were ≈ 2 µs late behind that wait.
+    for (int p = int(threadIdx.x) - int(blockDim.x - 32); p >= 0 && p < R; p += 32) {
+      red_release_sys_add(sig_word(a, p, kDispCnt, me), 1);
     }
   }
 
-  // `ready`: the ready word of one work item at destination dst, if the item went there
-  // (after a fence that covers its stores).
+  // The ready word of one work item at destination dst, if the item went there (after a
+  // fence that covers its stores).
   auto publish_at = [&](size_t item, int dst) {
     const int t = tok_of(item);
-    if ((tok_major || dst == int(item_mod(item, R))) && tr.has(E + dst, t)) {
-      put_flag(a, ready_word(a, dst, me, tr.rank_in(E + dst, t), unit_of(item)), n);
+    if (tr.has(E + dst, t)) {
+      put_flag(ready_word(a, dst, me, tr.rank_in(E + dst, t), unit_of(item)), n);
     }
   };
   auto publish = [&](size_t item) {
@@ -216,19 +187,17 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
     }
   };
 
-  // 4. Records (the send group only; `pub`: the CTA's last warp publishes their ready words).
+  // 4. Records (the send group only; with `progress` the CTA's last warp publishes their
+  //    ready words).
   if (!sender) {
     if (progress == nullptr || int(threadIdx.x / 32) != kWarps - 1) return true;
-    const PublishPlan plan{send_warps, warps, items, R, spread, kStDispFenced, kStDispFirstPub, kPhaseDispatchRecv};
+    const PublishPlan plan{send_warps, warps, items, R, kStDispFenced, kStDispFirstPub, kPhaseDispatchRecv};
     return publish_rounds(a, progress, plan, publish_at);
   }
   if (lane == 0 && warp < items) stamp_max(a, kStDispLoop);
-  if (!tok_major && warp < items) cur = load_x_unit(a, tok_of(warp), unit_of(warp), lane);
-  uint32_t stored = 0;  // `pub`: items of this warp stored so far (lane 0)
+  uint32_t stored = 0;  // with `progress`: items of this warp stored so far (lane 0)
   for (size_t item = warp; item < items; item += warps) {
     const size_t next = item + warps;
-    XUnit nxt{};
-    if (pipe && next < items) nxt = load_x_unit(a, tok_of(next), unit_of(next), lane);
     const int t = tok_of(item), u = unit_of(item);
     const int c0 = u * kDispatchUnit + lane * 16;
     auto record = [&](int dst) {
@@ -236,65 +205,42 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
       return win_ptr(a, a.set_offset + a.stage_offset + (size_t(me) * T + slot) * a.rec_bytes, dst);
     };
     const int64_t e_lane = u == 0 ? lane_topk_id(a, t, lane) : -1;
-    if (tok_major) {
-      // Quantized once, stored to every destination of the token (`rot`: starting at a
-      // destination that differs between neighbouring warps).
-      const OutUnit o = encode_unit(a, cur, c0);
-      if (a.stamps != nullptr) {
-        __syncwarp();
-        if (lane == 0) stamp_max(a, kStDispEncoded);
-      }
-      const int first_dst = rotate ? int(item_mod(size_t(me) + 1 + item, R)) : 0;
-      for (int i = 0; i < R; ++i) {
-        const int dst = first_dst + i < R ? first_dst + i : first_dst + i - R;
-        if (!tr.has(E + dst, t)) continue;  // warp-uniform
-        char* rec = record(dst);
-        put_unit(a, rec, c0, lane, o);
-        if (u == 0) put_meta(a, rec, t, dst, tr, lane, e_lane);
-      }
-    } else {
-      const int dst = int(item_mod(item, R));
-      if (tr.has(E + dst, t)) {  // warp-uniform
-        char* rec = record(dst);
-        put_unit(a, rec, c0, lane, encode_unit(a, cur, c0));
-        if (u == 0) put_meta(a, rec, t, dst, tr, lane, e_lane);
-      }
+    // Quantized once, stored to every destination of the token, starting at a destination
+    // that differs between neighbouring warps (not all warps at the lowest one first).
+    const OutUnit o = encode_unit(a, cur, c0);
+    if (a.stamps != nullptr) {
+      __syncwarp();
+      if (lane == 0) stamp_max(a, kStDispEncoded);
     }
-    // `pub`: this warp's items so far are stored (issued); the publisher fences for them.
+    const int first_dst = int(item_mod(size_t(me) + 1 + item, R));
+    for (int i = 0; i < R; ++i) {
+      const int dst = first_dst + i < R ? first_dst + i : first_dst + i - R;
+      if (!tr.has(E + dst, t)) continue;  // warp-uniform
+      char* rec = record(dst);
+      put_unit(a, rec, c0, lane, o);
+      if (u == 0) put_meta(a, rec, t, dst, tr, lane, e_lane);
+    }
+    // With `progress`: this warp's items so far are stored (issued); the publisher fences
+    // for them.
     if (progress != nullptr) {
       __syncwarp();
       if (lane == 0) st_release_cta_shared(progress + threadIdx.x / 32, ++stored);
     }
-    // `iready`: this item's units are marked ready now (the next item's loads, with `pipe`,
-    // are already in flight behind the fence).
-    if (item_ready) {
-      warp_fence();
-      if (lane == 0) {
-        publish(item);
-        flag_fence(a);
-      }
-    }
-    if (next < items) cur = pipe ? nxt : load_x_unit(a, tok_of(next), unit_of(next), lane);
+    if (next < items) cur = load_x_unit(a, tok_of(next), unit_of(next), lane);
   }
 
-  // 5. `ready`: one system-scope fence per warp, then a ready word per (record, unit) this
-  //    warp wrote (`iready`: done per item above). Otherwise the data signal: +1 per CTA at
-  //    every destination (also where nothing was sent).
-  if ((a.flags & kFlagReady) != 0) {
-    if (progress != nullptr) {
-      if (lane == 0 && warp < items) stamp_max(a, kStDispStored);
-    } else if (!item_ready && warp < items) {
-      warp_fence();
-      if (lane == 0) {
-        for (size_t item = warp; item < items; item += warps) publish(item);
-        flag_fence(a);
-      }
+  // 5. Without `progress`: one system-scope fence per warp, then a ready word per (record,
+  //    unit) this warp wrote.
+  if (progress != nullptr) {
+    if (lane == 0 && warp < items) stamp_max(a, kStDispStored);
+  } else if (warp < items) {
+    warp_fence();
+    if (lane == 0) {
+      for (size_t item = warp; item < items; item += warps) publish(item);
     }
-    group.sync();
-    stamp_if(a, kStDispSent, group.tid == 0);
-  } else {
-    signal_all_peers(a, kDispSig, kStDispSent, kStDispSignaled);
   }
+  group.sync();
+  stamp_if(a, kStDispSent, group.tid == 0);
   return true;
 }
 

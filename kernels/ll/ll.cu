@@ -24,7 +24,7 @@
 
 // Every kernel that starts an operation pushes the set's deferred credits first (CTA 0),
 // before any wait; the kernel that ends an operation stores this CTA's new op count last.
-// Every entry point begins with kernel_enter (`pdl`, the window base).
+// Every entry point begins with kernel_enter (programmatic dependent launch).
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_dispatch_send(const gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
@@ -54,28 +54,26 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
   extern __shared__ uint32_t smem[];
   push_credits(a);
   const uint32_t n = read_op(a, kOpDispatch);
+  // Warps [0, sw) send the records; the CTA's last warp publishes their ready words
+  // (publish_rounds) and then expands, like a send warp; the warps between build the receive
+  // table and expand what has landed meanwhile.
   const int sw = fused_send_warps(a.flags);
-  // `pub` (with send warps): the CTA's last warp publishes the send warps' ready words and
-  // only then expands, like a send warp.
-  const bool pub = (a.flags & kFlagPublisher) != 0u && sw <= kWarps - 2;
   const int wic = int(threadIdx.x / 32);
   // The receive half's table lies after the send half's masks (ll/layout.rs dispatch_fused_smem);
-  // its state word (and `pub`'s progress words, static as in the combine's `cpub`) are
-  // cleared before the send half's first barrier.
+  // its state word and the publisher's progress words are cleared before the send half's
+  // first barrier.
   uint32_t* table_smem = smem + size_t(2) * (a.experts + a.comm.lsaSize) * ((a.max_tokens + 31) / 32);
   __shared__ uint32_t progress[kWarps];
   if (threadIdx.x == 0) *RecvTable::at(a, table_smem).word = kTableNotYet;
-  if (pub && threadIdx.x < kWarps) progress[threadIdx.x] = 0;
-  const bool sent = dispatch_send_body(a, n, smem, sw, pub ? progress : nullptr);
-  // The receive half: every warp once all have sent, or (send warps) the other warps beside
-  // the senders (and the publisher), which join the expand once they have sent (published).
-  const bool all = sw == kWarps;
-  const int recv_warps = kWarps - sw - (pub ? 1 : 0);
-  if (all) __syncthreads();
+  if (threadIdx.x < kWarps) progress[threadIdx.x] = 0;
+  const bool sent = dispatch_send_body(a, n, smem, sw, progress);
+  // The receive half: the warps beside the senders and the publisher; those join the expand
+  // once they have sent (published).
+  const int recv_warps = kWarps - sw - 1;
   bool ok = sent;
   size_t first_item = 0;  // of this warp's expand items (dispatch_expand)
-  if (ok && (all || (wic >= sw && wic < sw + recv_warps))) {
-    const WarpGroup group = all ? WarpGroup::cta() : WarpGroup::range(sw, recv_warps, kBarRecv);
+  if (ok && wic >= sw && wic < sw + recv_warps) {
+    const WarpGroup group = WarpGroup::range(sw, recv_warps, kBarRecv);
     ok = dispatch_recv_table(a, n, table_smem, group);
     first_item = group.warp;
   } else if (ok) {

@@ -23,7 +23,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use gin_ep::backend::cuda::ht::{
     CombineExtras, CudaHt, DispatchSource, HtBuf, HtGpuHandle, HtGpuOptions, HtIo, Sizing,
 };
-use gin_ep::backend::cuda::ll::{CudaLl, LlIo, LlVariant};
+use gin_ep::backend::cuda::ll::{CudaLl, LlIo};
 use gin_ep::backend::cuda::{CudaRank, CudaRankOptions, ExternalSpan};
 use gin_ep::Result;
 use pyo3::exceptions::PyValueError;
@@ -209,8 +209,7 @@ impl PyCudaEp {
             let ll = guard(|| {
                 let _one_at_a_time = locked(&self.op);
                 rank.bind_to_thread().map_err(to_py)?;
-                let v = LlVariant::from_env().map_err(to_py)?;
-                CudaLl::with_variant(rank, &config.cfg, grid, v).map_err(to_py)
+                CudaLl::new(rank, &config.cfg, grid).map_err(to_py)
             })?;
             let mut lls = locked(lls);
             lls.push(ll);

@@ -106,9 +106,8 @@ pub struct BenchArgs {
     /// means every SM (LL kernels are latency-bound)].
     #[arg(long, value_name = "N", value_parser = parse_whole::<u32>)]
     pub sms: Option<u32>,
-    /// With --gpus: time every kernel variant of a list and print one line per variant.
-    /// HT: --sweep-list, else $GIN_EP_HT_SWEEP, else the built-in list. LL: the built-in
-    /// list (FP8 and BF16, eager and graph); one LL variant alone: GIN_EP_LL_VARIANT.
+    /// With --gpus --mode ht: time every kernel variant of a list and print one line per
+    /// variant: --sweep-list, else $GIN_EP_HT_SWEEP, else the built-in list.
     #[arg(long)]
     pub sweep: bool,
     /// With --gpus --sweep --mode ht: `;`-separated sweep entries like
@@ -169,17 +168,11 @@ fn refuse_inapplicable(a: &BenchArgs) -> CliResult {
         Opt::new("--sms", a.sms.is_some(), Rule::ANY.gpus()),
         Opt::new("--vnodes", a.vnodes.is_some(), Rule::ANY.gpus()),
         Opt::new("--node-size", a.node_size.is_some(), Rule::ANY.gpus()),
-        Opt::new("--sweep", a.sweep, Rule::ANY.gpus()),
+        Opt::new("--sweep", a.sweep, Rule::ANY.gpus().modes(HT)),
         Opt::new(
             "--sweep-list",
             a.sweep_list.is_some(),
             Rule::ANY.gpus().modes(HT).needs("--sweep"),
-        ),
-        // The LL sweep prints its table only.
-        Opt::new(
-            "--json",
-            a.json.is_some() && a.sweep && a.mode == Mode::Ll,
-            Rule::ANY.not_with("--sweep"),
         ),
     ];
     crate::applies::refuse_inapplicable(
@@ -295,16 +288,6 @@ fn run_gpus(a: &BenchArgs, gpus: usize) -> CliResult {
     }
     let group = Group::from_env(a.timeout)?;
     if a.sweep {
-        if r.opts.mode == BenchMode::Ll {
-            let lines = gin_ep::gpu::ll_sweep_rank(&group, &r.opts, r.sms);
-            let closed = group.close();
-            let lines = lines.map_err(lib_err)?;
-            closed?;
-            if let Some(lines) = lines {
-                print_ll_sweep(&r, &lines);
-            }
-            return Ok(());
-        }
         let entries = gin_ep::gpu::sweep_entries(a.sweep_list.as_deref()).map_err(lib_err)?;
         let rows = gin_ep::gpu::sweep_rank(&group, &r.opts, &entries);
         let closed = group.close();
@@ -513,83 +496,6 @@ fn op_table(op: &OpReport) -> Table {
         }
     }
     t
-}
-
-/// One line per (dtype, variant): medians in µs, eager / graph.
-fn print_ll_sweep(r: &Resolved, lines: &[gin_ep::backend::cuda::ll::bench::SweepLine]) {
-    let o = &r.opts;
-    out!(
-        "LL sweep: {} GPUs × {} tokens, hidden {}, top-{} of {} experts, routing {}, {} iterations \
-         after {} warm-up; medians (slowest rank per iteration), µs",
-        o.cfg.ranks,
-        o.tokens,
-        o.cfg.hidden,
-        o.cfg.topk,
-        o.cfg.experts,
-        o.routing.name(),
-        o.iters,
-        o.warmup
-    );
-    out!(
-        "{:<30} {:<6} {:>5}  {:>9} {:>9}  {:>9} {:>9}",
-        "variant",
-        "dtype",
-        "CTAs",
-        "disp",
-        "disp-gr",
-        "comb",
-        "comb-gr"
-    );
-    for l in lines {
-        match (&l.times_us, &l.refused) {
-            (Some(t), _) => out!(
-                "{:<30} {:<6} {:>5}  {:>9.1} {:>9.1}  {:>9.1} {:>9.1}",
-                l.variant,
-                l.dtype,
-                l.grid,
-                t[0],
-                t[1],
-                t[2],
-                t[3]
-            ),
-            (None, Some(why)) => out!("{:<30} {:<6} {:>5}  refused: {why}", l.variant, l.dtype, l.grid),
-            (None, None) => out!("{:<30} {:<6} {:>5}  (no figures)", l.variant, l.dtype, l.grid),
-        }
-    }
-    // Device-clock breakdown: one column per phase name, in the order of ll::stamps::PHASES.
-    let names: Vec<&str> = gin_ep::backend::cuda::ll::stamps::PHASES
-        .iter()
-        .map(|p| p.0)
-        .collect();
-    if lines.iter().all(|l| l.phases_us.is_empty()) {
-        return;
-    }
-    out!();
-    out!(
-        "LL phases (device clock, eager, µs from the first CTA's start of the operation; the last CTA \
-         to reach each point unless named 0 = first; median of the slowest rank; - = not in this variant)"
-    );
-    let mut head = format!("{:<30} {:<5}", "variant", "dtype");
-    for n in &names {
-        head.push_str(&format!(" {:>8}", n));
-    }
-    out!("{head}");
-    for l in lines.iter().filter(|l| !l.phases_us.is_empty()) {
-        let mut row = format!("{:<30} {:<5}", l.variant, l.dtype);
-        for n in &names {
-            match l.phases_us.iter().find(|(p, _)| p == n) {
-                Some((_, v)) => row.push_str(&format!(" {:>8.1}", v)),
-                None => row.push_str(&format!(" {:>8}", "-")),
-            }
-        }
-        out!("{row}");
-    }
-    out!(
-        "d.lay layout done, d.cred credit seen, d.sent(0) records stored, d.sig data signal added \
-         (fence), d.rstart receive start, d.cnts row table ready, d.seen all sources' data seen, \
-         d.exp expand done, d.end credit added; c.*: credit, rows stored, signal, reduce start, \
-         all rows seen, reduce done, end. Peers' launch skew shows in d.seen / c.seen."
-    );
 }
 
 /// The shape line, printed before the run.

@@ -140,12 +140,11 @@ pub struct CheckArgs {
     /// same-node stores) for --iters iterations [default: 100].
     #[arg(long, value_enum)]
     pub mode: Option<Mode>,
-    /// GPU kernel variants to check (with --gpus). HT: absent checks every case with the
+    /// HT kernel variants to check (with --gpus --mode ht): absent checks every case with the
     /// default variant ($GIN_EP_HT_VARIANT); `all` also checks the small cases with every
     /// sweep variant ($GIN_EP_HT_SWEEP or the built-in list); anything else is a
-    /// `;`-separated sweep list. LL: `all` (the built-in list) or a comma-separated list such
-    /// as `base,tok+pipe@2,fused@all`, checked on the small LL cases instead of the default
-    /// run (whose variant comes from GIN_EP_LL_VARIANT).
+    /// `;`-separated sweep list. (LL has one kernel path: its check also runs its small
+    /// cases on a few grids and send-warp counts.)
     #[arg(long, value_name = "all|LIST")]
     pub variants: Option<String>,
     /// With --gpus: instead of the cases, the never-hang check. Rank RANK stays alive but
@@ -167,17 +166,6 @@ pub struct CheckArgs {
     /// rank must then fail within the deadline naming it (the run fails either way).
     #[arg(long, value_name = "RANK:ITER")]
     pub kill: Option<String>,
-}
-
-/// `--variants`: `all` or a comma-separated list of LL variant names.
-fn parse_variants(s: &str) -> CliResult<Vec<gin_ep::backend::cuda::ll::LlVariant>> {
-    use gin_ep::backend::cuda::ll::LlVariant;
-    if s.trim() == "all" {
-        return Ok(LlVariant::check_list());
-    }
-    s.split(',')
-        .map(|v| LlVariant::parse(v).map_err(|e| CliError::Usage(format!("invalid value: variants: {e}"))))
-        .collect()
 }
 
 /// Arguments of one rank process of `check --launch processes`.
@@ -265,7 +253,7 @@ fn resolve(a: &CheckArgs) -> CliResult<Resolved> {
         Opt::new(
             "--variants",
             a.variants.is_some(),
-            Rule::ANY.gpus().gpu_modes(HT_LL).not_with("--stall"),
+            Rule::ANY.gpus().gpu_modes(HT).not_with("--stall"),
         ),
         Opt::new("--stall", a.stall.is_some(), Rule::ANY.gpus().gpu_modes(HT_LL)),
     ];
@@ -455,41 +443,6 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
     if let Some(spec) = &a.stall {
         return run_stall(a, gpus, spec);
     }
-    let variants = match &a.variants {
-        Some(v) if mode == BenchMode::Ll => Some(parse_variants(v)?),
-        _ => None,
-    };
-    if let (Some(vs), true) = (&variants, std::env::var_os(ENV_CHILD).is_none()) {
-        out!(
-            "check: CUDA backend, {gpus} GPUs, mode ll, small cases on {} variant(s): {}",
-            vs.len(),
-            vs.iter().map(|v| v.name()).collect::<Vec<_>>().join(", ")
-        );
-        return relaunch_checked(
-            gpus,
-            a.timeout.max(Duration::from_secs(600)),
-            "GPU LL variant check",
-            "",
-            |secs| out!("{} variant(s) passed, 0 failed ({secs:.1} s)", vs.len()),
-        );
-    }
-    if let Some(vs) = &variants {
-        let group = Group::from_env(a.timeout)?;
-        let t0 = Instant::now();
-        let passed = gin_ep::gpu::check_ll_variants(&group, vs, a.timeout);
-        let rank = group.rank();
-        let closed = group.close();
-        let passed = passed.map_err(|e| CliError::Failed(format!("rank {rank}: {e}")))?;
-        closed?;
-        if rank == 0 {
-            out!(
-                "rank 0: {passed} LL operations compared over {} variant(s) in {:.1} s",
-                vs.len(),
-                t0.elapsed().as_secs_f64()
-            );
-        }
-        return Ok(());
-    }
     if std::env::var_os(ENV_CHILD).is_none() {
         // LL runs its own fixed cases (decode-sized buffers); --cases and --seed shape HT's.
         let (mode_name, n_cases) = match mode {
@@ -505,10 +458,10 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
             "\nreproduce with `gin-ep check --gpus {gpus} --mode {mode_name} --cases {} --seed {}`",
             r.cases, r.seed
         );
-        let with = if a.variants.is_none() {
-            ""
-        } else {
-            ", small cases with every listed variant too"
+        let with = match (mode, a.variants.is_some()) {
+            (BenchMode::Ll, _) => ", small cases on every check tuning too",
+            (BenchMode::Ht, true) => ", small cases with every listed variant too",
+            (BenchMode::Ht, false) => "",
         };
         return relaunch_checked(
             gpus,

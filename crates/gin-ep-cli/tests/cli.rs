@@ -409,11 +409,14 @@ fn options_that_do_not_apply_are_refused_not_ignored() {
             &["bench", "--gpus", "2", "--sweep-list", "sms=32"],
             &["--sweep-list", "--sweep"],
         ),
+        // LL has one kernel path: no variant sweep, no variant list to check.
         (
-            &[
-                "bench", "--gpus", "2", "--mode", "ll", "--sweep", "--json", "x.json",
-            ],
-            &["--json", "--sweep"],
+            &["bench", "--gpus", "2", "--mode", "ll", "--sweep"],
+            &["--sweep", "--mode ll"],
+        ),
+        (
+            &["check", "--gpus", "2", "--mode", "ll", "--variants", "all"],
+            &["--variants", "--mode ll"],
         ),
     ];
     for (args, needles) in cases {

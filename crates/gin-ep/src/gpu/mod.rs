@@ -12,15 +12,11 @@
 //! never-hang check), [`mod@bench`] (the HT benchmark), [`sweep`] (the HT variant sweep); the LL
 //! check and benchmark are in `backend::cuda::ll`, reached through the entry points here.
 
-use std::time::Duration;
-
 use crate::backend::cuda::ht::{CudaHt, DispatchSource, HtIo};
 use crate::backend::cuda::{CudaRank, DeviceBuffer};
-use crate::bench::BenchOptions;
 use crate::check::Case;
 use crate::config::EpConfig;
 use crate::error::{Error, Result};
-use crate::group::Group;
 use crate::ht::RankInput;
 use crate::quant::Rows;
 use half::bf16;
@@ -39,25 +35,6 @@ pub use sweep::{
     parse_sweep_entry, sweep_entries, sweep_rank, sweep_variants, SweepEntry, SweepRow, BUILTIN_SWEEP,
     ENV_SWEEP,
 };
-
-/// The LL small cases on every variant of `variants` (see
-/// [`crate::backend::cuda::ll::check::check_variants`]); every rank passes the same list.
-pub fn check_ll_variants(
-    group: &Group,
-    variants: &[crate::backend::cuda::ll::LlVariant],
-    timeout: Duration,
-) -> Result<usize> {
-    crate::backend::cuda::ll::check::check_variants(group, variants, timeout)
-}
-
-/// `gin-ep bench --mode ll --sweep` on this rank (see [`crate::backend::cuda::ll::bench::sweep_rank`]).
-pub fn ll_sweep_rank(
-    group: &Group,
-    opts: &BenchOptions,
-    num_sms: u32,
-) -> Result<Option<Vec<crate::backend::cuda::ll::bench::SweepLine>>> {
-    crate::backend::cuda::ll::bench::sweep_rank(group, opts, num_sms)
-}
 
 /// Generates every rank's inputs of iteration `iter` exactly as `check::run_rank_case`
 /// does (`Case::inputs`), one thread per rank.
@@ -139,9 +116,11 @@ fn combine_input_io(rank: &CudaRank, exact: bool, values: &[bf16]) -> Result<(Op
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
-    use crate::bench::BenchMode;
-    use crate::group::StoreServer;
+    use crate::bench::{BenchMode, BenchOptions};
+    use crate::group::{Group, StoreServer};
     use crate::workload::Routing;
 
     #[test]

@@ -1,5 +1,5 @@
 //! The GPU benchmark of the LL driver: times [`CudaLl`] dispatch and combine as one rank of
-//! a group, eagerly, as graph replays and back to back, and the variant sweep.
+//! a group, eagerly, as graph replays and back to back.
 //!
 //! Owns: the timed loops, the gathering of every rank's times to rank 0 and the report.
 //! Never: part of the product path (the driver does not import it), or checks results (the
@@ -9,10 +9,9 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::stamps::{eager_split, phase_values, StampMode, DISPATCH_PHASES, PHASES};
-use super::{CudaLl, LlLayout, LlVariant, RUNS, SETS, STAMP_SLOTS, THREADS};
+use super::{CudaLl, LlLayout, LlTuning, RUNS, SETS, STAMP_SLOTS, THREADS};
 use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions, DeviceBuffer, Event};
 use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
-use crate::config::DispatchDtype;
 use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::workload::Workload;
@@ -43,22 +42,21 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
         return Err(Error::config("iters", 0, "must be at least 1"));
     }
     let stamps = StampMode::from_env()?;
-    let variant = LlVariant::from_env()?;
     let rank = CudaRank::new(group, CudaRankOptions::with_timeout(opts.timeout))?;
-    bench_with(group, &rank, opts, num_sms, variant, stamps)
+    bench_with(group, &rank, opts, num_sms, LlTuning::DEFAULT, stamps)
 }
 
-/// One benchmark of `variant` on an existing rank (a fresh window and buffers).
+/// One benchmark with `tuning` on an existing rank (a fresh window and buffers).
 fn bench_with(
     group: &Group,
     rank: &CudaRank,
     opts: &BenchOptions,
     num_sms: u32,
-    variant: LlVariant,
+    tuning: LlTuning,
     stamps: StampMode,
 ) -> Result<Option<BenchReport>> {
     let grid = (num_sms > 0).then_some(num_sms);
-    let mut ll = CudaLl::with_variant(rank, &opts.cfg, grid, variant)?;
+    let mut ll = CudaLl::with_tuning(rank, &opts.cfg, grid, tuning)?;
     let run = RUNS.fetch_add(1, Ordering::Relaxed);
     let out = bench_on(group, &mut ll, opts, run, stamps);
     match out {
@@ -74,72 +72,6 @@ fn bench_with(
             Err(e)
         }
     }
-}
-
-/// One line of `gin-ep bench --mode ll --sweep`: medians (slowest rank per iteration) of
-/// one variant and dispatch dtype, or why the variant was refused.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SweepLine {
-    pub variant: String,
-    pub dtype: String,
-    /// CTAs per kernel actually used.
-    pub grid: u32,
-    /// dispatch eager, dispatch graph, combine eager, combine graph (µs); None when refused.
-    pub times_us: Option<[f64; 4]>,
-    /// Device-clock breakdown (names of [`PHASES`] present for this variant, median µs).
-    pub phases_us: Vec<(String, f64)>,
-    pub refused: Option<String>,
-}
-
-/// Times every variant of [`LlVariant::sweep_list`] for FP8 and BF16 dispatch with `opts`'
-/// shape and iterations, one rank of `group` (a fresh window per variant). Variants without
-/// a grid use `num_sms` (0: every SM). Some(lines) on rank 0.
-pub fn sweep_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Option<Vec<SweepLine>>> {
-    if opts.mode != BenchMode::Ll {
-        return Err(Error::config("mode", "ht", "the sweep covers LL only"));
-    }
-    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(opts.timeout))?;
-    let mut lines = Vec::new();
-    for dtype in [DispatchDtype::Fp8, DispatchDtype::Bf16] {
-        let o = BenchOptions {
-            cfg: opts.cfg.clone().with_dtype(dtype),
-            ..opts.clone()
-        };
-        LlLayout::new(&o.cfg)?;
-        for v in LlVariant::sweep_list() {
-            let grid = match v.grid.unwrap_or(num_sms) {
-                0 => rank.info().sm_count,
-                g => g,
-            };
-            let mut line = SweepLine {
-                variant: v.name(),
-                dtype: dtype.name().to_string(),
-                grid,
-                times_us: None,
-                phases_us: Vec::new(),
-                refused: None,
-            };
-            match bench_with(group, &rank, &o, num_sms, v, StampMode::Loop) {
-                Ok(Some(r)) => {
-                    let med = |i: usize| r.ops.get(i).map_or(f64::NAN, |op| op.total.median_us);
-                    line.times_us = Some([med(0), med(2), med(1), med(3)]);
-                    line.phases_us = r
-                        .ops
-                        .iter()
-                        .take(2)
-                        .flat_map(|op| op.phases.iter().map(|(n, s)| (n.clone(), s.median_us)))
-                        .collect();
-                }
-                Ok(None) => {}
-                // Refused before any collective work, identically on every rank.
-                Err(e) if e.is_usage() => line.refused = Some(e.to_string()),
-                Err(e) => return Err(e),
-            }
-            lines.push(line);
-        }
-    }
-    rank.wait("LL sweep end")?;
-    Ok((group.rank() == 0).then_some(lines))
 }
 
 /// `iters` rows of device stamps (`[grid][STAMP_SLOTS]` u64 each, zeroed) for one stamped
@@ -342,7 +274,7 @@ fn bench_on(
     // Back to back: BATCH operations of one kind per timed span (sets alternating), events
     // only around the span, eagerly and as one graph of BATCH operations. Time per call =
     // span / BATCH: no event sits between two operations, as in a model's step, so the
-    // launch of one can overlap the end of the one before (variant `pdl`).
+    // launch of one can overlap the end of the one before (programmatic dependent launch).
     let (stream_d, stream_c) = timed_batches(
         ll,
         opts.iters,
@@ -476,16 +408,14 @@ fn bench_on(
     ];
     ops[0].phases = phases_d;
     ops[1].phases = phases_c;
-    // The LL sweep passes options whose mode may say otherwise; this report is LL.
     let mut report = BenchReport::new(
         "cuda".into(),
         format!(
-            "GPU LL over NVLink (NCCL LSA), variant {}, {} CTAs x {THREADS} threads per kernel; \
-             times are CUDA events around each operation (send + receive kernels, or one fused \
-             kernel), slowest rank per iteration; rows count (token, expert) copies as the peers \
+            "GPU LL over NVLink (NCCL LSA), {} send warps, {} CTAs x {THREADS} threads per kernel; \
+             times are CUDA events around each operation (one fused kernel), slowest rank per iteration; rows count (token, expert) copies as the peers \
              do, though each token crosses a link once per destination rank; the eager loop \
              took {enqueue_max:.1} µs of host time per operation to queue (slowest rank)",
-            ll.variant().name(),
+            ll.tuning().send_warps,
             ll.grid()
         ),
         opts,

@@ -2,7 +2,7 @@
 //! rank of a group (one process per GPU), eager, double-buffered, with caller-owned memory
 //! and as graph replays.
 //!
-//! Owns: the LL check cases ([`selftest_cases`], [`variant_cases`]) and the comparison of
+//! Owns: the LL check cases ([`selftest_cases`], [`tuning_cases`]) and the comparison of
 //! each operation's outputs with `crate::oracle` (through `crate::check`). Never: part of
 //! the product path (the driver does not import it), prints, or decides what is correct
 //! itself.
@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use half::bf16;
 
-use super::{poison, CudaLl, LlIo, LlLayout, LlVariant, RUNS, SETS};
+use super::{poison, CudaLl, LlIo, LlLayout, LlTuning, RUNS, SETS};
 use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions, DeviceBuffer};
 use crate::check::Case;
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
@@ -253,33 +253,25 @@ fn expected_counts(cfg: &EpConfig, topk: &[Vec<i64>], me: usize) -> Vec<i32> {
 /// poisoned outputs (alternating buffer sets), one double-buffered round with the send and
 /// receive halves launched separately (two operations in flight), and graph replays (one
 /// graph per set holding dispatch+combine; new inputs copied in before every replay; counts
-/// compared on every replay, everything on every `full_every`-th). Returns the number of
-/// operations compared in full. Every rank must pass the same cases.
+/// compared on every replay, everything on every `full_every`-th), all with
+/// [`LlTuning::DEFAULT`]; then the small cases of [`tuning_cases`] on every tuning of
+/// [`LlTuning::check_list`] (small grids, the extremes of the send warps), each with a short
+/// graph plan. Returns the number of operations compared in full. Every rank must pass the
+/// same cases.
 pub fn check_rank(group: &Group, cases: &[Case], timeout: Duration) -> Result<usize> {
     let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?;
-    let variant = LlVariant::from_env()?;
     let mut compared = 0;
     for (ci, case) in cases.iter().enumerate() {
-        compared += check_case(group, &rank, case, ci, variant, graph_plan(&case.cfg))?;
+        compared += check_case(group, &rank, case, ci, LlTuning::DEFAULT, graph_plan(&case.cfg))?;
     }
-    Ok(compared)
-}
-
-/// The small cases of [`selftest_cases`] (not the peers' shape) on every variant of
-/// `variants`, each with a short graph plan: what `gin-ep check --gpus N --mode ll
-/// --variants all` runs (well under a minute on 4 GPUs). Returns the operations compared.
-pub fn check_variants(group: &Group, variants: &[LlVariant], timeout: Duration) -> Result<usize> {
-    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?;
-    let cases = variant_cases(group.world());
     let plan = GraphPlan {
         replays: 6,
         full_every: 3,
     };
-    let mut compared = 0;
-    for v in variants {
-        for (ci, case) in cases.iter().enumerate() {
-            compared += check_case(group, &rank, case, ci, *v, plan).map_err(|e| match e {
-                Error::Mismatch(m) => Error::Mismatch(format!("variant {}: {m}", v.name())),
+    for t in LlTuning::check_list() {
+        for (ci, case) in tuning_cases(group.world()).iter().enumerate() {
+            compared += check_case(group, &rank, case, ci, t, plan).map_err(|e| match e {
+                Error::Mismatch(m) => Error::Mismatch(format!("tuning {}: {m}", t.name())),
                 other => other,
             })?;
         }
@@ -292,7 +284,7 @@ fn check_case(
     rank: &CudaRank,
     case: &Case,
     ci: usize,
-    variant: LlVariant,
+    tuning: LlTuning,
     plan: GraphPlan,
 ) -> Result<usize> {
     let cfg = &case.cfg;
@@ -308,7 +300,7 @@ fn check_case(
         ));
     }
     let run = RUNS.fetch_add(1, Ordering::Relaxed);
-    let mut ll = CudaLl::with_variant(rank, cfg, None, variant)?;
+    let mut ll = CudaLl::with_tuning(rank, cfg, None, tuning)?;
     let out = check_case_on(group, &mut ll, case, run, plan);
     match out {
         Ok(n) => {
@@ -449,15 +441,15 @@ pub fn selftest_rank(group: &Group) -> Result<()> {
     check_rank(group, &selftest_cases(group.world()), Duration::from_secs(120)).map(|_| ())
 }
 
-/// The cases of [`check_variants`] for `world` ranks: the small selftest cases and two with
-/// several work units per row.
-pub fn variant_cases(world: usize) -> Vec<Case> {
+/// The cases [`check_rank`] runs on every tuning of [`LlTuning::check_list`], for `world`
+/// ranks: the small selftest cases and two with several work units per row.
+pub fn tuning_cases(world: usize) -> Vec<Case> {
     let mut cases: Vec<Case> = selftest_cases(world)
         .into_iter()
         .filter(|c| c.cfg.hidden < 1024)
         .collect();
     // Several dispatch (512-channel) and combine (1024-channel) units per row, the last one
-    // partial, so per-unit paths and metadata-on-unit-0 run in every variant.
+    // partial, so per-unit paths and metadata-on-unit-0 run in every tuning.
     for (i, (dtype, order)) in [
         (DispatchDtype::Fp8Ue8m0, LlCombineOrder::RankFirst),
         (DispatchDtype::Bf16, LlCombineOrder::Topk),
@@ -553,7 +545,7 @@ mod tests {
     #[test]
     fn selftest_cases_are_valid_for_common_group_sizes() {
         for world in [1, 2, 3, 4, 8] {
-            for case in selftest_cases(world).into_iter().chain(variant_cases(world)) {
+            for case in selftest_cases(world).into_iter().chain(tuning_cases(world)) {
                 LlLayout::new(&case.cfg).unwrap();
                 assert_eq!(case.tokens.len(), world);
                 assert!(case.tokens.iter().all(|&t| t <= case.cfg.max_tokens_per_rank));

@@ -29,11 +29,11 @@ pub struct LlLayout {
     pub sig_offset: usize,
     /// `[R src][L + 1]` u32: token count, then per-local-expert counts.
     pub meta_offset: usize,
-    /// `[R src][T][units]` u32 ready words (variant `ready`), units = ceil(H / 512).
+    /// `[R src][T][units]` u32 ready words of the dispatch, units = ceil(H / 512).
     pub ready_offset: usize,
     /// `[R src][T]` records.
     pub stage_offset: usize,
-    /// `[R src][T][K]` f32 top-k weights (combine order `rank-first`).
+    /// `[R src][T][K]` u64 top-k weights, `(op << 32) | f32 bits` (combine order `rank-first`).
     pub wts_offset: usize,
     /// BF16 combine rows: `[T][K][H]` (order `topk`) or `[T][R][H]` (`rank-first`);
     /// sized for the larger.
@@ -81,12 +81,12 @@ impl LlLayout {
         let sig_offset = 0;
         let meta_offset = align16(sig_offset + SIG_KINDS * r * 8);
         let ready_offset = align16(meta_offset + r * (l + 1) * 4);
-        // Ready words [R][T][units] u32: the dispatch's, then the combine's (`cpub`).
+        // Ready words [R][T][units] u32.
         let stage_offset =
-            (ready_offset + 2 * r * t * h.div_ceil(DISPATCH_UNIT) * 4).next_multiple_of(RECORD_ALIGN);
+            (ready_offset + r * t * h.div_ceil(DISPATCH_UNIT) * 4).next_multiple_of(RECORD_ALIGN);
         let wts_offset = align16(stage_offset + r * t * record_bytes);
         // The combine rows, as the records: whole 128-byte lines per warp store.
-        // `rank-first` weights: [src][T][K], 8 bytes each (f32, or `wflag`'s (op, f32) pairs).
+        // `rank-first` weights: [src][T][K], 8 bytes each ((op, f32) pairs).
         let comb_offset = (wts_offset + r * t * k * 8).next_multiple_of(RECORD_ALIGN);
         let set_bytes = (comb_offset + t * k.max(r) * h * 2).div_ceil(4096) * 4096;
         let nch = t.div_ceil(32).max(1);
@@ -203,11 +203,10 @@ mod tests {
             assert!(off.is_multiple_of(16));
         }
         assert!(l.meta_offset >= SIG_KINDS * 4 * 8 && l.ready_offset >= l.meta_offset + 4 * 65 * 4);
-        // Ready words [R][T][ceil(7168 / 512) = 14] u32, dispatch then combine, before the
-        // staging.
+        // Ready words [R][T][ceil(7168 / 512) = 14] u32, before the staging.
         assert_eq!(
             l.stage_offset,
-            (l.ready_offset + 2 * 4 * 128 * 14 * 4).div_ceil(128) * 128
+            (l.ready_offset + 4 * 128 * 14 * 4).div_ceil(128) * 128
         );
         // Staging, then the rank-first weights [R][T][K] (8 bytes each), then the combine rows.
         assert_eq!(l.wts_offset, l.stage_offset + 4 * 128 * 7552);

@@ -5,7 +5,7 @@
 //! and receive, combine send and receive: the receive hooks), CUDA-graph capture, and the
 //! host's limits, named after the kernel constants they derive from (those and the argument
 //! block `LlArgs` are generated from kernels/abi/ll.h: `backend::cuda::abi::ll`). The window
-//! layout is in [`layout`], the kernel variants in [`variant`]. Never: decides what is correct (the
+//! layout is in [`layout`], the tuning values in [`tuning`]. Never: decides what is correct (the
 //! oracle does, through `check`), prints, imports the GPU check ([`check`]) or benchmark
 //! ([`mod@bench`], [`stamps`]) that drive it, or waits on the device without a deadline (every
 //! wait is [`CudaRank::wait`]; every in-kernel wait has one and names phase and peer).
@@ -33,13 +33,13 @@ pub mod check;
 pub mod layout;
 #[cfg(feature = "harness")]
 pub mod stamps;
-pub mod variant;
+pub mod tuning;
 
 use abi::LlArgs;
 use layout::dtype_code;
 pub use layout::{buffer_bytes, LlLayout, RECORD_ALIGN};
-use variant::STAMP_EDGES_FLAG;
-pub use variant::{LlVariant, ENV_VARIANT};
+use tuning::STAMP_EDGES_FLAG;
+pub use tuning::{LlTuning, MAX_SEND_WARPS};
 
 /// Kernel entry points (extern "C" names in kernels/ll/ll.cu).
 pub mod names {
@@ -47,9 +47,9 @@ pub mod names {
     pub const DISPATCH_RECV: &str = "gin_ep_ll_dispatch_recv";
     pub const COMBINE_SEND: &str = "gin_ep_ll_combine_send";
     pub const COMBINE_RECV: &str = "gin_ep_ll_combine_recv";
-    /// Dispatch send + receive in one launch (variant `fused`).
+    /// Dispatch send + receive in one launch ([`super::CudaLl::dispatch`]).
     pub const DISPATCH_FUSED: &str = "gin_ep_ll_dispatch_fused";
-    /// Combine send + reduce in one launch (variant `fused`).
+    /// Combine send + reduce in one launch ([`super::CudaLl::combine`]).
     pub const COMBINE_FUSED: &str = "gin_ep_ll_combine_fused";
 }
 
@@ -148,7 +148,8 @@ pub struct LlIo {
 
 /// The window's LSA base and stride in 4 GiB units from every peer's address of it (index:
 /// LSA rank), as the kernels compute a peer's copy (`add4G(base, peer * stride4G)`,
-/// ll/common.cuh win_ptr) for `wargs`: refused unless every peer lies at exactly that address.
+/// ll/common.cuh win_ptr, from the base and stride in `LlArgs`): refused unless every peer
+/// lies at exactly that address.
 fn lsa_base_stride(bases: &[u64]) -> Result<(u64, u32)> {
     let base = *bases.first().ok_or_else(|| Error::Device {
         call: "ncclGetLsaPointer".into(),
@@ -170,7 +171,7 @@ fn lsa_base_stride(bases: &[u64]) -> Result<(u64, u32)> {
             call: "ncclGetLsaPointer".into(),
             reason: format!(
                 "LSA peer addresses {bases:#x?} are not one base plus a whole number of 4 GiB per peer \
-                 (variant `wargs` needs that layout)"
+                 (the LL kernels address peers that way)"
             ),
         }),
     }
@@ -188,31 +189,32 @@ pub struct CudaLl<'r> {
     cfg: EpConfig,
     layout: LlLayout,
     grid: u32,
-    variant: LlVariant,
+    tuning: LlTuning,
     /// Device address of `[grid][STAMP_SLOTS]` u64 the next launches stamp, or 0.
     stamps: u64,
     /// Only the first and last stamp of each operation ([`CudaLl::set_stamp_edges`]).
     stamp_edges: bool,
-    /// The window's LSA base and stride4G for `wargs` ([`lsa_base_stride`]); (0, 0) without.
+    /// The window's LSA base and stride4G ([`lsa_base_stride`]).
     lsa: (u64, u32),
 }
 
 impl<'r> CudaLl<'r> {
     /// Makes the window and buffers for `cfg` on `rank`. `grid` CTAs per kernel (`None`: the
-    /// GPU's SM count); every rank must pass the same grid. The kernel variant comes from
-    /// [`ENV_VARIANT`] (its `@G`, when given, overrides `grid`).
+    /// GPU's SM count); every rank must pass the same grid. The other tuning values are
+    /// [`LlTuning::DEFAULT`]'s. Refused when the fused kernels' grid cannot be resident at once.
     pub fn new(rank: &'r CudaRank, cfg: &EpConfig, grid: Option<u32>) -> Result<CudaLl<'r>> {
-        Self::with_variant(rank, cfg, grid, LlVariant::from_env()?)
+        Self::with_tuning(rank, cfg, grid, LlTuning::DEFAULT)
     }
 
-    /// As [`CudaLl::new`] with an explicit variant (`variant.grid`, when set, overrides
+    /// As [`CudaLl::new`] with explicit tuning values (`tuning.grid`, when set, overrides
     /// `grid`; 0 = every SM).
-    pub fn with_variant(
+    pub fn with_tuning(
         rank: &'r CudaRank,
         cfg: &EpConfig,
         grid: Option<u32>,
-        variant: LlVariant,
+        tuning: LlTuning,
     ) -> Result<CudaLl<'r>> {
+        tuning.validate()?;
         let layout = LlLayout::new(cfg)?;
         let world = rank.info().world;
         if cfg.ranks != world {
@@ -223,7 +225,7 @@ impl<'r> CudaLl<'r> {
             ));
         }
         let sms = rank.info().sm_count;
-        let grid = match variant.grid.or(grid) {
+        let grid = match tuning.grid.or(grid) {
             None | Some(0) => sms,
             Some(g) => g,
         }
@@ -237,29 +239,24 @@ impl<'r> CudaLl<'r> {
         ] {
             // Needed above 48 KiB. Every size is at most 2 * MAX_SMEM (LlLayout::new).
             rank.set_max_smem(name, smem as u32)?;
-            // Set either way: the attribute belongs to the process's function, which an
-            // earlier object with another variant may have set.
-            let carveout = if variant.carveout { 100 } else { -1 };
-            rank.set_carveout(name, carveout)?;
         }
-        if variant.fused {
-            // Every CTA waits for all CTAs of every peer: the grid must be resident at once.
-            for (name, smem) in [
-                (names::DISPATCH_FUSED, layout.dispatch_fused_smem()),
-                (names::COMBINE_FUSED, layout.combine_send_smem),
-            ] {
-                let per_sm = rank.max_blocks_per_sm(name, THREADS, smem)?;
-                let resident = u64::from(per_sm.max(0) as u32) * u64::from(sms);
-                if u64::from(grid) > resident {
-                    return Err(Error::config(
-                        "ll variant",
-                        variant.name(),
-                        format!(
-                            "fused needs the whole grid resident: {grid} CTAs, at most {resident} fit \
-                             ({per_sm} per SM x {sms} SMs)"
-                        ),
-                    ));
-                }
+        // The fused kernels (dispatch, combine): every CTA waits for all CTAs of every peer,
+        // so the grid must be resident at once.
+        for (name, smem) in [
+            (names::DISPATCH_FUSED, layout.dispatch_fused_smem()),
+            (names::COMBINE_FUSED, layout.combine_send_smem),
+        ] {
+            let per_sm = rank.max_blocks_per_sm(name, THREADS, smem)?;
+            let resident = u64::from(per_sm.max(0) as u32) * u64::from(sms);
+            if u64::from(grid) > resident {
+                return Err(Error::config(
+                    "ll grid",
+                    grid,
+                    format!(
+                        "the fused LL kernels need the whole grid resident: {grid} CTAs, at most {resident} fit \
+                         ({per_sm} per SM x {sms} SMs)"
+                    ),
+                ));
             }
         }
         let window = rank.window(layout.window_bytes)?;
@@ -277,11 +274,7 @@ impl<'r> CudaLl<'r> {
                 ),
             });
         }
-        let lsa = if variant.win_args {
-            lsa_base_stride(super::ops::lsa_peer_bases(rank, &window, &dev_comm)?)?
-        } else {
-            (0, 0)
-        };
+        let lsa = lsa_base_stride(super::ops::lsa_peer_bases(rank, &window, &dev_comm)?)?;
         let (h, k, t, l, r) = (
             cfg.hidden,
             cfg.topk,
@@ -334,7 +327,7 @@ impl<'r> CudaLl<'r> {
             cfg: cfg.clone(),
             layout,
             grid,
-            variant,
+            tuning,
             stamps: 0,
             stamp_edges: false,
             lsa,
@@ -354,9 +347,9 @@ impl<'r> CudaLl<'r> {
         self.stamp_edges = edges;
     }
 
-    /// The kernel variant in use.
-    pub fn variant(&self) -> LlVariant {
-        self.variant
+    /// The tuning values in use.
+    pub fn tuning(&self) -> LlTuning {
+        self.tuning
     }
 
     /// CTAs per kernel.
@@ -542,7 +535,7 @@ impl<'r> CudaLl<'r> {
             } else {
                 0
             },
-            flags: self.variant.kernel_flags() | if self.stamp_edges { STAMP_EDGES_FLAG } else { 0 },
+            flags: self.tuning.kernel_flags() | if self.stamp_edges { STAMP_EDGES_FLAG } else { 0 },
             lsa_stride4g: self.lsa.1,
             stamps: self.stamps,
             user_count: Self::io_ptr(io.recv_count, "LL recv_count", l * 4, None)?,
@@ -575,11 +568,11 @@ impl<'r> CudaLl<'r> {
         // (LlIo), checked by CudaRank::external to be device memory of this GPU and by
         // `args` to hold what this launch touches, kept alive by its owner until the stream
         // passes this launch. Offsets come from LlLayout, which sized the window and buffers.
-        // With `pdl` every LL entry point runs griddepcontrol.wait (kernel_enter in ll/common.cuh)
-        // before any access.
+        // Launched with programmatic stream serialization allowed: every LL entry point runs
+        // griddepcontrol.wait (kernel_enter in ll/common.cuh) before any access.
         unsafe {
             self.rank
-                .launch_ex(name, self.grid, THREADS, smem as u32, self.variant.pdl, &args)
+                .launch_ex(name, self.grid, THREADS, smem as u32, true, &args)
         }
     }
 
@@ -605,22 +598,16 @@ impl<'r> CudaLl<'r> {
         self.launch(names::COMBINE_RECV, 0, set)
     }
 
-    /// Both halves of dispatch (one launch with the `fused` variant).
+    /// Both halves of dispatch in one launch (the fused kernel; the halves alone are
+    /// [`CudaLl::dispatch_send`] and [`CudaLl::dispatch_recv`]).
     pub fn dispatch(&self, set: usize) -> Result<()> {
-        if self.variant.fused {
-            return self.launch(names::DISPATCH_FUSED, self.layout.dispatch_fused_smem(), set);
-        }
-        self.dispatch_send(set)?;
-        self.dispatch_recv(set)
+        self.launch(names::DISPATCH_FUSED, self.layout.dispatch_fused_smem(), set)
     }
 
-    /// Both halves of combine (one launch with the `fused` variant).
+    /// Both halves of combine in one launch (the fused kernel; the halves alone are
+    /// [`CudaLl::combine_send`] and [`CudaLl::combine_recv`]).
     pub fn combine(&self, set: usize) -> Result<()> {
-        if self.variant.fused {
-            return self.launch(names::COMBINE_FUSED, self.layout.combine_send_smem, set);
-        }
-        self.combine_send(set)?;
-        self.combine_recv(set)
+        self.launch(names::COMBINE_FUSED, self.layout.combine_send_smem, set)
     }
 
     /// Captures what `f` queues on the rank's stream into a graph (nothing runs now). `f`

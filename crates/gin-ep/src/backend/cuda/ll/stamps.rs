@@ -76,7 +76,7 @@ impl StampMode {
 /// One column of the device-clock breakdown: name, stamp slot (kSt* in abi/ll.h), and whether
 /// it is the first CTA to reach the slot (else the last). Times are µs from the first CTA's
 /// start of the operation (kStDispStart, kStCombStart) on the rank's clock; medians over
-/// iterations of the slowest rank. Absent slots (a variant that does not pass them) are left
+/// iterations of the slowest rank. Absent slots (no kernel passes them) are left
 /// out of the report.
 pub const PHASES: [(&str, usize, bool); 31] = [
     ("d.lay", slot(abi::K_ST_DISP_LAYOUT), false),

@@ -394,20 +394,6 @@ impl CudaRank {
         })
     }
 
-    /// Sets `name`'s preferred shared-memory carveout: a percentage of the L1/shared split,
-    /// or -1 for the driver's default.
-    pub(crate) fn set_carveout(&self, name: &'static str, percent: i32) -> Result<()> {
-        let f = self.function(name)?;
-        // SAFETY: f is a live function of the rank's module; a hint for the L1/shared split.
-        cu("cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT)", unsafe {
-            result::function::set_function_attribute(
-                f,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                percent,
-            )
-        })
-    }
-
     /// How many CTAs of `name` with `threads` threads and `smem` bytes of dynamic shared
     /// memory one SM holds at once.
     pub(crate) fn max_blocks_per_sm(&self, name: &'static str, threads: u32, smem: usize) -> Result<i32> {
