@@ -84,7 +84,7 @@ struct LlArgs {
   int32_t dtype;               // Dtype
   uint8_t* recv_scales_ue8m0;  // optional [L][R*T][H/128] exponent bytes (fp8-ue8m0), or null
   uint32_t flags;              // send warps (kFlagSendWarpsShift) and kFlagStampEdges, below
-  uint32_t lsa_stride4G;       // the window's stride4G, as the host read it once (win_ptr)
+  uint32_t peer_stride4G;      // node rank i's window: peer_base + i * peer_stride4G * 4 GiB (win_ptr)
   uint64_t* stamps;            // [gridDim.x][kStampSlots] globaltimer ns, or null (kStamp*)
   // Caller-owned extra outputs (the Python path's tensors, DeepEP's formats), each optional:
   // the library's own recv_count / layout_range stay written because the combine reads them.
@@ -92,14 +92,17 @@ struct LlArgs {
   int64_t* user_range;        // [L][R] (first << 32) | count, or null
   int32_t* stats;             // [L] i32 cumulative receive counts (+= recv_count), or null
   uint32_t scales_col_major;  // 1: recv_scales is [L][H/128][R*T] (DeepEP), 0: [L][R*T][H/128]
-  uint32_t pad2_;
+  int32_t rank;               // this rank (me) of the R ranks, the index win_ptr and the signals use
   // Order `rank-first` (kCombOrderRankFirst); unused by `topk`:
-  uint64_t wts_offset;  // relative to set_offset: [R src][T][K] u64 (op << 32 | f32 bits) weights
-  int32_t* comb_map;    // [R*T][2K + 3] i32 per staged record (map_ints): source, token, pairs
-  uint32_t comb_order;  // kCombOrder*
-  uint32_t pad3_;
+  uint64_t wts_offset;    // relative to set_offset: [R src][T][K] u64 (op << 32 | f32 bits) weights
+  int32_t* comb_map;      // [R*T][2K + 3] i32 per staged record (map_ints): source, token, pairs
+  uint32_t comb_order;    // kCombOrder*
+  int32_t ranks;          // R: the ranks of the operation, all of them in this rank's node
   uint64_t ready_offset;  // relative to set_offset: [R src][T][units] u32 ready words
-  char* lsa_base;         // the window's lsaFlatBase, as the host read it once (win_ptr)
+  // Node rank 0's window in this process. With peer_stride4G, rank and ranks: from NCCL's LSA
+  // team or from gin-ep's IPC-mapped node windows (host: backend/cuda/fabric.rs); the
+  // kernels never read NCCL's team for them.
+  char* peer_base;
 };
 
 // Device timestamps (globaltimer ns), one row of kStampSlots per CTA, written by thread 0 at

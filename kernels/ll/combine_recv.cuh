@@ -20,7 +20,7 @@ constexpr int kReduceVecs = 2;
 // Bit r: rank r holds one of token t's experts (every lane gets the whole mask);
 // `lane_rank` (for `solo` rows, K <= 32): the rank of this lane's expert k = lane, or -1.
 __device__ __forceinline__ uint64_t token_ranks(const LlArgs& a, int t, int& lane_rank) {
-  const int K = a.topk, L = a.experts / a.comm.lsaSize;
+  const int K = a.topk, L = a.experts / a.ranks;
   const int lane = threadIdx.x & 31;
   uint32_t lo = 0, hi = 0;
   lane_rank = -1;
@@ -44,7 +44,7 @@ __device__ __forceinline__ uint64_t token_ranks(const LlArgs& a, int t, int& lan
 template <int V>
 __device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* comb, int t, int c, float (&acc)[V][8]) {
   constexpr int B = kReduceBatch / V;  // rows per batch: the same loads in flight for any V
-  const int K = a.topk, H = a.hidden, R = a.comm.lsaSize;
+  const int K = a.topk, H = a.hidden, R = a.ranks;
   int lane_rank;
   uint64_t mask = token_ranks(a, t, lane_rank);
   const bool solo = solo_rows(a);
@@ -176,7 +176,7 @@ __device__ void reduce_items(const LlArgs& a, const char* comb) {
 }
 
 __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
-  const int me = a.comm.lsaRank;
+  const int me = a.rank;
   stamp(a, kStCombRecv);
   const char* comb = win_ptr(a, a.set_offset + a.comb_offset, me);
   if (!wait_all_peers(a, kCombSig, uint64_t(n) * gridDim.x, kPhaseCombineRecv)) return false;

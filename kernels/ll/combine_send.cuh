@@ -53,8 +53,8 @@ __device__ bool resolve_weights(const LlArgs& a, const uint64_t* pairs, uint32_t
     if (b.pair_at[i] == kNoPair) continue;
     PollDeadline deadline;
     for (uint32_t spin = 0; uint32_t(b.pair[i] >> 32) != n; ++spin) {
-      if ((spin & 15u) == 15u && !deadline.ok(a.err, wait_timeout(a, src),
-                                              static_cast<FabricPhase>(kPhaseCombineWeights), src, a.comm.lsaRank)) {
+      if ((spin & 15u) == 15u &&
+          !deadline.ok(a.err, wait_timeout(a, src), static_cast<FabricPhase>(kPhaseCombineWeights), src, a.rank)) {
         return false;
       }
       b.pair[i] = ld_relaxed_sys(pairs + b.pair_at[i]);
@@ -72,7 +72,7 @@ __device__ __forceinline__ void load_batch(const LlArgs& a, const float* wts, in
   const int K = a.topk, H = a.hidden, T = a.max_tokens;
   const int s = __shfl_sync(0xffffffffu, held, 0), t = __shfl_sync(0xffffffffu, held, 1);
   const int np = min(max(__shfl_sync(0xffffffffu, held, 2), 0), K);
-  const bool st_ok = s >= 0 && s < a.comm.lsaSize && t >= 0 && t < T;
+  const bool st_ok = s >= 0 && s < a.ranks && t >= 0 && t < T;
 #pragma unroll
   for (int i = 0; i < kPartialBatch; ++i) {
     const int p = p0 + i;
@@ -118,7 +118,7 @@ __device__ __forceinline__ void copy_batched(size_t n, size_t tid, size_t thread
 }
 
 __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
-  const int R = a.comm.lsaSize, me = a.comm.lsaRank;
+  const int R = a.ranks, me = a.rank;
   const int K = a.topk, H = a.hidden, T = a.max_tokens, N = a.num_tokens;
   stamp(a, kStCombStart);
   // Our weights into every rank's [me] slot (8 KB at 128 tokens x top-8), one rank per CTA
@@ -256,7 +256,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
 
 __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   if (a.comb_order == kCombOrderRankFirst) return combine_send_rank_first(a, n);
-  const int R = a.comm.lsaSize;
+  const int R = a.ranks;
   const int K = a.topk, E = a.experts, L = E / R, H = a.hidden, T = a.max_tokens;
   const size_t cap = size_t(R) * T;
   uint32_t* pre = smem;  // [L + 1]

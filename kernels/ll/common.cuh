@@ -113,14 +113,15 @@ constexpr int kBarSend = 1, kBarRecv = 2;
 // sides decide alike from K).
 __device__ __forceinline__ bool solo_rows(const LlArgs& a) { return a.topk <= 32; }
 
-// Address of `offset` in peer's window (what lsa_ptr(a.win, offset, peer) returns). The
-// window's flat LSA base and per-peer stride come from LlArgs (the host read them once; the
-// argument lives in the constant bank): ncclGetLsaPointer loads both from the window struct
-// at every call, and the compiler reloads them after every asm "memory" clobber (each store
-// and fence here), through an L1 that acquire loads and fences invalidate (CCTL.IVALL): a
-// dependent L2 round trip before many remote stores.
+// Address of `offset` in peer's window: the one place LL kernels address a peer. The base and
+// per-peer stride come from LlArgs, set by the host from NCCL's LSA team (what
+// ncclGetLsaPointer would return) or from gin-ep's IPC-mapped node windows laid out the same
+// way (backend/cuda/fabric.rs). From the arguments (the constant bank) rather than the window
+// struct: ncclGetLsaPointer loads both at every call, and the compiler reloads them after
+// every asm "memory" clobber (each store and fence here), through an L1 that acquire loads
+// and fences invalidate (CCTL.IVALL): a dependent L2 round trip before many remote stores.
 __device__ __forceinline__ char* win_ptr(const LlArgs& a, size_t offset, int peer) {
-  return nccl::utility::add4G(a.lsa_base, peer * int(a.lsa_stride4G)) + offset;
+  return nccl::utility::add4G(a.peer_base, peer * int(a.peer_stride4G)) + offset;
 }
 
 // Warps per CTA that send records in the fused dispatch (the host's send warps, 1 to
@@ -227,13 +228,13 @@ __device__ __forceinline__ size_t meta_in_record(const LlArgs& a) {
 }
 
 __device__ __forceinline__ uint64_t* sig_word(const LlArgs& a, int owner, int kind, int src) {
-  const int R = a.comm.lsaSize;
+  const int R = a.ranks;
   return reinterpret_cast<uint64_t*>(
       win_ptr(a, a.set_offset + a.sig_offset + (size_t(kind) * R + src) * sizeof(uint64_t), owner));
 }
 
 __device__ __forceinline__ DeadlineBarrier waiter(const LlArgs& a) {
-  return DeadlineBarrier{a.win, 0, a.comm.lsaRank, a.comm.lsaSize, a.timeout_ns, a.err};
+  return DeadlineBarrier{a.win, 0, a.rank, a.ranks, a.timeout_ns, a.err};
 }
 
 // A wait of this set missed its deadline: no credit of the set is pushed again (peers then
@@ -290,7 +291,7 @@ struct WarpGroup {
 // same holds for the waits on this CTA's own shared-memory words: the publisher's progress
 // words (publish_rounds) and the send warps' receive table (wait_recv_table).
 __device__ __forceinline__ uint64_t wait_timeout(const LlArgs& a, int peer) {
-  return peer == a.comm.lsaRank ? a.timeout_ns + a.timeout_ns / 2 : a.timeout_ns;
+  return peer == a.rank ? a.timeout_ns + a.timeout_ns / 2 : a.timeout_ns;
 }
 
 // A waiter whose deadline is wait_timeout(a, peer).
@@ -307,8 +308,8 @@ __device__ bool group_wait_all_peers(const LlArgs& a, const WarpGroup& group, in
   bool ok = true;
   // Relaxed polls, one acquire once the word has reached its target: an acquire load
   // invalidates the SM's L1 at every try, next to the warps of the same SM still sending.
-  for (int p = group.tid; p < a.comm.lsaSize && ok; p += group.nthreads) {
-    ok = waiter_for(a, p).wait_word(sig_word(a, a.comm.lsaRank, kind, p), target, static_cast<FabricPhase>(phase), p,
+  for (int p = group.tid; p < a.ranks && ok; p += group.nthreads) {
+    ok = waiter_for(a, p).wait_word(sig_word(a, a.rank, kind, p), target, static_cast<FabricPhase>(phase), p,
                                     /*relaxed=*/true);
   }
   // The barrier extends each waiter's acquire to the whole group.
@@ -331,8 +332,8 @@ __device__ bool wait_all_peers(const LlArgs& a, int kind, uint64_t target, uint3
 __device__ void signal_all_peers(const LlArgs& a, int kind, int before, int after) {
   __syncthreads();
   stamp(a, before);
-  for (int p = threadIdx.x; p < a.comm.lsaSize; p += blockDim.x) {
-    red_release_sys_add(sig_word(a, p, kind, a.comm.lsaRank), 1);
+  for (int p = threadIdx.x; p < a.ranks; p += blockDim.x) {
+    red_release_sys_add(sig_word(a, p, kind, a.rank), 1);
   }
   stamp(a, after);
 }
@@ -372,9 +373,9 @@ __device__ __forceinline__ void put_flag(W* p, W v) {
 // this set (see the head of the file): completed dispatches and combines, as stored by the
 // kernels that ended them, which all completed before this kernel started.
 __device__ void push_credits(const LlArgs& a) {
-  if (blockIdx.x != 0 || threadIdx.x >= a.comm.lsaSize) return;
+  if (blockIdx.x != 0 || threadIdx.x >= a.ranks) return;
   if (ld_volatile_u32(&a.state[kFailed]) != 0u) return;
-  const int p = threadIdx.x, me = a.comm.lsaRank;
+  const int p = threadIdx.x, me = a.rank;
   // CTA 0's counts: it stores its own new count only at the end of its kernel (end_op).
   const uint64_t disp = ld_volatile_u32(op_word(a, kOpDispatch)), comb = ld_volatile_u32(op_word(a, kOpCombine));
   put_flag(sig_word(a, p, kDispAck, me), disp);
@@ -479,7 +480,7 @@ __device__ bool wait_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int s
   PollDeadline deadline;
   for (uint32_t spin = 0; int32_t(ld_relaxed_sys_u32(w) - n) < 0; ++spin) {
     if ((spin & 15u) == 15u &&
-        !deadline.ok(a.err, wait_timeout(a, src), static_cast<FabricPhase>(kPhaseDispatchRecv), src, a.comm.lsaRank)) {
+        !deadline.ok(a.err, wait_timeout(a, src), static_cast<FabricPhase>(kPhaseDispatchRecv), src, a.rank)) {
       return false;
     }
   }

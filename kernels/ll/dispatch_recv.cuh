@@ -36,7 +36,7 @@ struct RecvTable {
   uint32_t* start;
   uint32_t* word;
   __device__ static RecvTable at(const LlArgs& a, uint32_t* smem) {
-    const int R = a.comm.lsaSize, L = a.experts / R;
+    const int R = a.ranks, L = a.experts / R;
     uint32_t* start = smem + size_t(R) * (L + 1);
     return RecvTable{smem, start, start + R + 1};
   }
@@ -58,8 +58,8 @@ __device__ bool wait_recv_table(const LlArgs& a, uint32_t* table_smem) {
   // read every 256 polls, not 16, which is still every few microseconds.
   for (uint32_t spin = 0; (st = ld_acquire_cta_shared(table)) == kTableNotYet; ++spin) {
     if ((spin & 255u) == 255u &&
-        !deadline.ok(a.err, wait_timeout(a, a.comm.lsaRank), static_cast<FabricPhase>(kPhaseDispatchRecv),
-                     a.comm.lsaRank, a.comm.lsaRank, /*others=*/false)) {
+        !deadline.ok(a.err, wait_timeout(a, a.rank), static_cast<FabricPhase>(kPhaseDispatchRecv), a.rank, a.rank,
+                     /*others=*/false)) {
       mark_failed(a);
       return false;
     }
@@ -72,7 +72,7 @@ __device__ bool wait_recv_table(const LlArgs& a, uint32_t* table_smem) {
 // so every caller of one kernel passes the same. True when a wait failed (deadline).
 __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first, const uint32_t* start,
                              size_t first_item, size_t warps) {
-  const int R = a.comm.lsaSize, me = a.comm.lsaRank;
+  const int R = a.ranks, me = a.rank;
   const int K = a.topk, L = a.experts / R, H = a.hidden, T = a.max_tokens;
   const size_t cap = size_t(R) * T;
   const int lane = threadIdx.x & 31;
@@ -215,7 +215,7 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
 // it (table word, for the send warps of the fused dispatch).
 // Block 0 also writes the per-expert counts and ranges. False when the wait failed.
 __device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem, const WarpGroup& group) {
-  const int R = a.comm.lsaSize, me = a.comm.lsaRank;
+  const int R = a.ranks, me = a.rank;
   const int E = a.experts, L = E / R, T = a.max_tokens;
   // first starts as a copy of the sources' counts (column 0 = token count).
   const RecvTable rt = RecvTable::at(a, smem);

@@ -68,7 +68,7 @@ __device__ __forceinline__ int64_t lane_topk_id(const LlArgs& a, int t, int lane
 // lane_topk_id(a, t, lane) (ids past the first 32 are loaded here).
 __device__ __forceinline__ void put_meta(const LlArgs& a, char* rec, int t, int dst, const TokenRanks& tr, int lane,
                                          int64_t e_lane) {
-  const int K = a.topk, E = a.experts, L = E / a.comm.lsaSize;
+  const int K = a.topk, E = a.experts, L = E / a.ranks;
   int32_t* meta = reinterpret_cast<int32_t*>(rec + meta_in_record(a));
   for (int k = lane; k < K; k += 32) {
     const int64_t e = k < 32 ? e_lane : a.topk_idx[size_t(t) * K + k];
@@ -89,7 +89,7 @@ __device__ __forceinline__ void put_meta(const LlArgs& a, char* rec, int t, int 
 // progress missed its deadline. Without it every send warp fences once after its stores
 // and publishes its own ready words.
 __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, int send_warps, uint32_t* progress) {
-  const int R = a.comm.lsaSize, me = a.comm.lsaRank;
+  const int R = a.ranks, me = a.rank;
   const int N = a.num_tokens, K = a.topk, E = a.experts, L = E / R, H = a.hidden, T = a.max_tokens;
   const int nch = (N + 31) / 32;
   const int rows = E + R;  // experts, then destination ranks

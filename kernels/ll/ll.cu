@@ -62,7 +62,7 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
   // The receive half's table lies after the send half's masks (ll/layout.rs dispatch_fused_smem);
   // its state word and the publisher's progress words are cleared before the send half's
   // first barrier.
-  uint32_t* table_smem = smem + size_t(2) * (a.experts + a.comm.lsaSize) * ((a.max_tokens + 31) / 32);
+  uint32_t* table_smem = smem + size_t(2) * (a.experts + a.ranks) * ((a.max_tokens + 31) / 32);
   __shared__ uint32_t progress[kWarps];
   if (threadIdx.x == 0) *RecvTable::at(a, table_smem).word = kTableNotYet;
   if (threadIdx.x < kWarps) progress[threadIdx.x] = 0;

@@ -62,8 +62,8 @@ __device__ bool publish_rounds(const LlArgs& a, const uint32_t* progress, const 
       if (done > published) break;
       bool expired = false;
       if (lane == 0 && (spin & 255u) == 255u) {
-        expired = !deadline.ok(a.err, wait_timeout(a, a.comm.lsaRank), static_cast<FabricPhase>(plan.phase),
-                               a.comm.lsaRank, a.comm.lsaRank, /*others=*/false);
+        expired = !deadline.ok(a.err, wait_timeout(a, a.rank), static_cast<FabricPhase>(plan.phase), a.rank, a.rank,
+                               /*others=*/false);
         if (expired) mark_failed(a);
       }
       if (__shfl_sync(0xffffffffu, expired, 0)) return false;

@@ -200,7 +200,13 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
     if let Some(gpus) = a.gpus {
         gpus::check_count(gpus)?;
         gpus::set_topology(gpus, a.vnodes, a.node_size)?;
-        gpus::refuse_lsa_only(crate::applies::mode_name(a.mode), gpus, a.vnodes, a.node_size)?;
+        gpus::refuse_lsa_only(
+            crate::applies::mode_name(a.mode),
+            gpus,
+            a.vnodes,
+            a.node_size,
+            false,
+        )?;
     }
     let ranks = a.gpus.or(a.ranks).unwrap_or(4);
     let dtype = DispatchDtype::parse(&a.dtype).map_err(lib_err)?;

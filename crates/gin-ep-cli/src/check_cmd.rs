@@ -439,7 +439,13 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
         Mode::Gin => return crate::check_gin::run(a, gpus),
     };
     gpus::set_topology(gpus, a.vnodes, a.node_size)?;
-    gpus::refuse_lsa_only(crate::applies::mode_name(a_mode), gpus, a.vnodes, a.node_size)?;
+    gpus::refuse_lsa_only(
+        crate::applies::mode_name(a_mode),
+        gpus,
+        a.vnodes,
+        a.node_size,
+        a_mode == Mode::Ll,
+    )?;
     if let Some(spec) = &a.stall {
         return run_stall(a, gpus, spec);
     }

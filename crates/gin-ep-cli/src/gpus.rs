@@ -20,22 +20,43 @@ pub fn set_topology(gpus: usize, vnodes: Option<usize>, node_size: Option<usize>
     Ok(t.world())
 }
 
-/// HT and LL (`mode`) on a launch of `gpus` GPUs: refused with virtual nodes or a gin-ep
-/// node other than NCCL's LSA team, which is every rank of a one-process-per-GPU launch on
-/// this host. Their kernels reach peers only through that team, so across NCCL nodes they
-/// would find no peer at all.
+/// HT and LL (`mode`) on a launch of `gpus` GPUs. Their kernels reach peers by load/store
+/// only, so every rank must be in one node: NCCL's LSA team (a one-process-per-GPU launch on
+/// this host), or, for the LL check (`node_launch`), a gin-ep node of every rank
+/// (`--vnodes K --node-size G*K`: several processes per GPU, windows mapped with CUDA IPC).
+/// Anything else would need the GIN fabric, which they do not use yet.
 pub fn refuse_lsa_only(
     mode: &str,
     gpus: usize,
     vnodes: Option<usize>,
     node_size: Option<usize>,
+    node_launch: bool,
 ) -> CliResult {
-    let why = "HT and LL reach peers only through NCCL's LSA team; across virtual nodes they need \
-               the GIN fabric (not yet)";
+    let why = "HT and LL reach peers by load/store only; across gin-ep nodes they would need the \
+               GIN fabric (not yet)";
+    let world = gpus * vnodes.unwrap_or(1);
+    if node_launch && vnodes.is_some_and(|k| k > 1) {
+        return match node_size {
+            Some(m) if m == world => Ok(()),
+            Some(m) => Err(CliError::Usage(format!(
+                "--node-size {m} does not apply to --mode {mode} with --vnodes: {why}. Use \
+                 --node-size {world} (one gin-ep node of all {world} ranks)"
+            ))),
+            None => Err(CliError::Usage(format!(
+                "--mode {mode} with --vnodes needs --node-size {world}: its ranks reach each other by \
+                 stores into CUDA-IPC-mapped windows, so all {world} must be one gin-ep node"
+            ))),
+        };
+    }
     if let Some(k) = vnodes.filter(|&k| k > 1) {
+        let hint = if mode == "ll" {
+            format!(" (the LL check runs on them: `gin-ep check --gpus {gpus} --vnodes {k} --node-size {world} --mode ll`)")
+        } else {
+            String::new()
+        };
         return Err(CliError::Usage(format!(
-            "--vnodes {k} does not apply to --mode {mode}: {why}. Use --vnodes 1, or \
-             `gin-ep check --gpus {gpus} --vnodes {k} --mode gin` for the GIN conformance check"
+            "--vnodes {k} does not apply to --mode {mode} here: {why}. Use --vnodes 1, or \
+             `gin-ep check --gpus {gpus} --vnodes {k} --mode gin` for the GIN conformance check{hint}"
         )));
     }
     if let Some(m) = node_size.filter(|&m| m != gpus) {

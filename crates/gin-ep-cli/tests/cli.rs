@@ -558,7 +558,7 @@ fn steep_zipf_routing_runs_in_time() {
 
 #[test]
 fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
-    let lsa = "HT and LL reach peers only through NCCL's LSA team";
+    let lsa = "HT and LL reach peers by load/store only";
     let cases: &[(&[&str], &[&str])] = &[
         // GPU-only options without --gpus.
         (&["check", "--vnodes", "2"], &["--vnodes", "--gpus"]),
@@ -613,9 +613,10 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
         ),
         // HT and LL across virtual nodes, or with a node other than the LSA team.
         (&["check", "--gpus", "1", "--vnodes", "2"], &["--vnodes 2", lsa]),
+        // The LL check on virtual nodes needs one gin-ep node of every rank.
         (
             &["check", "--gpus", "2", "--vnodes", "2", "--mode", "ll"],
-            &["--vnodes 2", "--mode ll", lsa],
+            &["--mode ll with --vnodes needs --node-size 4"],
         ),
         (
             &[
@@ -624,12 +625,18 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
                 "1",
                 "--vnodes",
                 "2",
+                "--node-size",
+                "1",
                 "--mode",
                 "ll",
                 "--stall",
                 "1:ll-combine",
             ],
-            &[lsa],
+            &["--node-size 1", "Use --node-size 2", lsa],
+        ),
+        (
+            &["bench", "--gpus", "1", "--vnodes", "2", "--mode", "ll"],
+            &["--vnodes 2", "the LL check runs on them", lsa],
         ),
         (
             &["check", "--gpus", "2", "--node-size", "1"],

@@ -20,9 +20,11 @@
 use half::bf16;
 
 use super::abi::ll as abi;
+use super::fabric::NodeFabric;
 use super::runtime::{CudaRank, DevComm, DevCommRequest, DeviceBuffer, ExternalSpan, Graph, Window};
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
 use crate::error::{Error, Result};
+use crate::group::vnodes::RankTopology;
 use crate::ll::{LlDispatchOutput, LlHandle};
 use crate::quant::Rows;
 
@@ -146,42 +148,14 @@ pub struct LlIo {
     pub combined: Option<ExternalSpan>,
 }
 
-/// The window's LSA base and stride in 4 GiB units from every peer's address of it (index:
-/// LSA rank), as the kernels compute a peer's copy (`add4G(base, peer * stride4G)`,
-/// ll/common.cuh win_ptr, from the base and stride in `LlArgs`): refused unless every peer
-/// lies at exactly that address.
-fn lsa_base_stride(bases: &[u64]) -> Result<(u64, u32)> {
-    let base = *bases.first().ok_or_else(|| Error::Device {
-        call: "ncclGetLsaPointer".into(),
-        reason: "no LSA peer address".into(),
-    })?;
-    let step = bases.get(1).map_or(0, |b| b.wrapping_sub(base));
-    let stride4g = u32::try_from(step >> 32).ok().filter(|_| step & 0xffff_ffff == 0);
-    let fits = |s: u32| u64::from(s) * bases.len() as u64 <= i32::MAX as u64;
-    match stride4g.filter(|&s| fits(s)) {
-        Some(s)
-            if bases
-                .iter()
-                .enumerate()
-                .all(|(p, &b)| b == base.wrapping_add((p as u64 * u64::from(s)) << 32)) =>
-        {
-            Ok((base, s))
-        }
-        _ => Err(Error::Device {
-            call: "ncclGetLsaPointer".into(),
-            reason: format!(
-                "LSA peer addresses {bases:#x?} are not one base plus a whole number of 4 GiB per peer \
-                 (the LL kernels address peers that way)"
-            ),
-        }),
-    }
-}
-
 /// LL dispatch and combine of one rank: the window, device communicator and both buffer
 /// sets. Collective to create (every rank, same config, same order).
 pub struct CudaLl<'r> {
-    // Field order is drop order: the window is deregistered before the device
-    // communicator is destroyed (both hold the NCCL communicator alive).
+    // Field order is drop order: the node's IPC mappings go first, then the window is
+    // deregistered before the device communicator is destroyed (both hold the NCCL
+    // communicator alive).
+    /// Where the kernels find this rank's node peers (backend/cuda/fabric.rs).
+    fabric: NodeFabric,
     window: Window,
     dev_comm: DevComm,
     sets: [SetBuffers; SETS],
@@ -194,8 +168,6 @@ pub struct CudaLl<'r> {
     stamps: u64,
     /// Only the first and last stamp of each operation ([`CudaLl::set_stamp_edges`]).
     stamp_edges: bool,
-    /// The window's LSA base and stride4G ([`lsa_base_stride`]).
-    lsa: (u64, u32),
 }
 
 impl<'r> CudaLl<'r> {
@@ -225,8 +197,14 @@ impl<'r> CudaLl<'r> {
             ));
         }
         let sms = rank.info().sm_count;
+        let topo = RankTopology::from_env()?;
+        // Processes sharing a GPU (virtual nodes, run under MPS) share its SMs: each takes its
+        // share by default, so every rank's fused grid can be resident at once. (Time-sliced
+        // without MPS, the default grid would also do, one slice at a time.)
+        let default_grid = (sms / topo.vnodes.max(1) as u32).max(1);
         let grid = match tuning.grid.or(grid) {
-            None | Some(0) => sms,
+            None => default_grid,
+            Some(0) => sms,
             Some(g) => g,
         }
         .clamp(1, MAX_GRID);
@@ -264,17 +242,17 @@ impl<'r> CudaLl<'r> {
             lsa_barriers: 1,
             gin_signals: 0,
         })?;
-        let (_, lsa_size) = dev_comm.lsa();
-        if lsa_size != world {
+        let fabric = NodeFabric::new(rank, &window, &dev_comm, &topo, "LL")?;
+        if fabric.size as usize != world {
             return Err(Error::Unavailable {
                 backend: "cuda",
                 reason: format!(
-                    "LL over NVLink needs every rank reachable by load/store; the LSA team has \
-                     {lsa_size} of {world} ranks"
+                    "LL reaches its peers by load/store only; this rank's node ({}) has {} of {world} ranks",
+                    fabric.source.name(),
+                    fabric.size
                 ),
             });
         }
-        let lsa = lsa_base_stride(super::ops::lsa_peer_bases(rank, &window, &dev_comm)?)?;
         let (h, k, t, l, r) = (
             cfg.hidden,
             cfg.topk,
@@ -330,7 +308,7 @@ impl<'r> CudaLl<'r> {
             tuning,
             stamps: 0,
             stamp_edges: false,
-            lsa,
+            fabric,
         })
     }
 
@@ -536,13 +514,13 @@ impl<'r> CudaLl<'r> {
                 0
             },
             flags: self.tuning.kernel_flags() | if self.stamp_edges { STAMP_EDGES_FLAG } else { 0 },
-            lsa_stride4g: self.lsa.1,
+            peer_stride4g: self.fabric.stride4g,
             stamps: self.stamps,
             user_count: Self::io_ptr(io.recv_count, "LL recv_count", l * 4, None)?,
             user_range: Self::io_ptr(io.layout_range, "LL layout_range", l * r * 8, None)?,
             stats: Self::io_ptr(io.stats, "LL cumulative receive stats", l * 4, None)?,
             scales_col_major: u32::from(io.recv_scales.is_some()),
-            pad2: 0,
+            rank: self.fabric.rank as i32,
             wts_offset: self.layout.wts_offset as u64,
             comb_map: if cfg.ll_combine_order == LlCombineOrder::RankFirst {
                 s.comb_map.region().ptr
@@ -553,9 +531,9 @@ impl<'r> CudaLl<'r> {
                 LlCombineOrder::Topk => abi::K_COMB_ORDER_TOPK,
                 LlCombineOrder::RankFirst => abi::K_COMB_ORDER_RANK_FIRST,
             },
-            pad3: 0,
+            ranks: self.fabric.size as i32,
             ready_offset: self.layout.ready_offset as u64,
-            lsa_base: self.lsa.0,
+            peer_base: self.fabric.base,
         })
     }
 
@@ -714,26 +692,5 @@ mod tests {
 
     pub(super) fn peers() -> EpConfig {
         EpConfig::new(4, 256, 7168, 8, 128)
-    }
-
-    #[test]
-    fn lsa_base_stride_accepts_only_evenly_spaced_peers() {
-        let g = 1u64 << 32;
-        let base = 0x7f00_0000_0000u64;
-        assert_eq!(
-            lsa_base_stride(&[base, base + 2 * g, base + 4 * g]).unwrap(),
-            (base, 2)
-        );
-        assert_eq!(lsa_base_stride(&[base]).unwrap(), (base, 0));
-        for bad in [
-            vec![],
-            vec![base, base + 2 * g, base + 5 * g], // uneven
-            vec![base, base + g + 4096],            // not whole 4 GiB
-            vec![base, base - g],                   // below the base
-            vec![base, base + (1u64 << 31) * g],    // peer * stride4G overflows an int
-        ] {
-            let e = lsa_base_stride(&bad).unwrap_err().to_string();
-            assert!(e.contains("LSA peer"), "{bad:x?}: {e}");
-        }
     }
 }
