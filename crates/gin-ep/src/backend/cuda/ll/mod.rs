@@ -18,6 +18,7 @@
 //! last dispatch on that set. At most two operations are in flight (one per set).
 
 use half::bf16;
+use std::sync::Arc;
 
 use super::abi::ll as abi;
 use super::runtime::{CudaRank, DevComm, DevCommRequest, DeviceBuffer, ExternalSpan, Graph, Window};
@@ -178,13 +179,15 @@ fn lsa_base_stride(bases: &[u64]) -> Result<(u64, u32)> {
 
 /// LL dispatch and combine of one rank: the window, device communicator and both buffer
 /// sets. Collective to create (every rank, same config, same order).
-pub struct CudaLl<'r> {
+pub struct CudaLl {
     // Field order is drop order: the window is deregistered before the device
     // communicator is destroyed (both hold the NCCL communicator alive).
     window: Window,
     dev_comm: DevComm,
     sets: [SetBuffers; SETS],
-    rank: &'r CudaRank,
+    /// Shared with the rank's engine and HT objects; dropped after the window and device
+    /// communicator above.
+    rank: Arc<CudaRank>,
     cfg: EpConfig,
     layout: LlLayout,
     grid: u32,
@@ -197,22 +200,22 @@ pub struct CudaLl<'r> {
     lsa: (u64, u32),
 }
 
-impl<'r> CudaLl<'r> {
+impl CudaLl {
     /// Makes the window and buffers for `cfg` on `rank`. `grid` CTAs per kernel (`None`: the
     /// GPU's SM count); every rank must pass the same grid. The kernel variant comes from
     /// [`ENV_VARIANT`] (its `@G`, when given, overrides `grid`).
-    pub fn new(rank: &'r CudaRank, cfg: &EpConfig, grid: Option<u32>) -> Result<CudaLl<'r>> {
+    pub fn new(rank: &Arc<CudaRank>, cfg: &EpConfig, grid: Option<u32>) -> Result<CudaLl> {
         Self::with_variant(rank, cfg, grid, LlVariant::from_env()?)
     }
 
     /// As [`CudaLl::new`] with an explicit variant (`variant.grid`, when set, overrides
     /// `grid`; 0 = every SM).
     pub fn with_variant(
-        rank: &'r CudaRank,
+        rank: &Arc<CudaRank>,
         cfg: &EpConfig,
         grid: Option<u32>,
         variant: LlVariant,
-    ) -> Result<CudaLl<'r>> {
+    ) -> Result<CudaLl> {
         let layout = LlLayout::new(cfg)?;
         let world = rank.info().world;
         if cfg.ranks != world {
@@ -330,7 +333,7 @@ impl<'r> CudaLl<'r> {
             window,
             dev_comm,
             sets,
-            rank,
+            rank: Arc::clone(rank),
             cfg: cfg.clone(),
             layout,
             grid,
@@ -460,7 +463,7 @@ impl<'r> CudaLl<'r> {
     pub fn poison_outputs(&self, set: usize) -> Result<()> {
         let s = self.set(set)?;
         poison(
-            self.rank,
+            &self.rank,
             &[
                 &s.recv_x,
                 &s.recv_scales,
