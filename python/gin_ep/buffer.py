@@ -582,7 +582,7 @@ class Buffer(GpuPath):
         max_tokens = self._ht_max_tokens(hidden, k, experts)
         ep = self._ht_ep(wire_hidden, k, experts, max_tokens)
         try:
-            rb, _, ridx, rw, counts, native = ep.ht_dispatch(wire, to_bytes(topk_idx.to(torch.int64)), to_bytes(w))
+            (rb, _, ridx, rw, counts), native = ep.ht_dispatch(wire, to_bytes(topk_idx.to(torch.int64)), to_bytes(w), n)
         except ValueError as e:
             if n > max_tokens:
                 raise ValueError(f"{e} (this Buffer holds {max_tokens} tokens per rank for HT with "
@@ -713,7 +713,7 @@ class Buffer(GpuPath):
         t = int(num_max_dispatch_tokens_per_rank)
         r = self.group_size
         ep = self._ll_ep(hidden, k, num_experts, t, dtype)
-        xb, sb, counts, native = self._ll_masked(ep, ep.ll_dispatch, to_bytes(x), to_bytes(topk_idx.to(torch.int64)))
+        ((xb, sb), counts), native = self._ll_masked(ep, ep.ll_dispatch, to_bytes(x), to_bytes(topk_idx.to(torch.int64)), n)
         local = num_experts // r
         if use_fp8:
             data = from_bytes(xb, torch.uint8, (local, r * t, hidden)).view(torch.float8_e4m3fn)

@@ -25,9 +25,10 @@
 //! [`HtHandle`] and [`LlHandle`] carry the id of the `Ep` that made them. LL buffer sets and
 //! sequence numbers are owned here: dispatch `n` uses set `n % 2`, and its handle is valid
 //! until dispatch `n + 2` reuses the set; a combine with an older handle is refused with
-//! [`Error::StaleHandle`] instead of reading rows a later dispatch overwrote. An HT handle
-//! of the host backend is plain routing data (valid as long as its `Ep`); on the GPU it is
-//! valid until the next fresh dispatch of its `Ep` (the driver checks its generation).
+//! [`Error::StaleHandle`] instead of reading rows a later dispatch overwrote; so is an LL
+//! handle of another `Ep`. An HT handle of the host backend is plain routing data, valid on
+//! any host `Ep` whose config it fits; on the GPU it is valid on its own `Ep` until that
+//! `Ep`'s next fresh dispatch (the driver checks its generation).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -37,7 +38,7 @@ use half::bf16;
 
 use crate::backend::cuda::engine::{self as gpu, CudaEngine, Half};
 use crate::backend::cuda::ht::{HtBuf, HtGpuHandle, HtGpuOptions, Sizing};
-use crate::backend::host::protocol::{HostEp, Modes};
+use crate::backend::host::protocol::HostEp;
 use crate::backend::host::run::HostOptions;
 use crate::config::EpConfig;
 use crate::error::{Error, Result};
@@ -46,7 +47,7 @@ use crate::quant::Rows;
 
 pub use crate::backend::cuda::engine::GpuRank;
 pub use crate::backend::cuda::ht::{DEFAULT_SMS as HT_DEFAULT_SMS, MAX_RECV_SLABS};
-pub use crate::backend::host::protocol::{Fault, FAULT_PHASES};
+pub use crate::backend::host::protocol::{Fault, Modes, FAULT_PHASES};
 
 /// Which backend an [`Ep`] runs on.
 #[derive(Clone)]
@@ -334,20 +335,15 @@ pub struct LlCombineIn<'a> {
 /// Number of LL buffer sets (double buffering, as the kernels).
 pub const LL_SETS: u64 = 2;
 
-/// Which LL half is owed: a send half whose receive half has not run yet.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Owed {
-    None,
-    DispatchRecv(u64),
-    CombineRecv(u64),
-}
-
 /// The LL bookkeeping of one `Ep`.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct LlBook {
     /// Dispatches started.
     seq: u64,
-    owed: Owed,
+    /// Per buffer set: the dispatch whose send half ran without its receive half yet.
+    dispatch_recv_owed: [Option<u64>; LL_SETS as usize],
+    /// Per buffer set: the dispatch whose combine ran its send half without its receive half.
+    combine_recv_owed: [Option<u64>; LL_SETS as usize],
 }
 
 enum Engine {
@@ -409,10 +405,7 @@ impl Ep {
                 rank,
                 state: Mutex::new(State {
                     engine,
-                    ll: LlBook {
-                        seq: 0,
-                        owed: Owed::None,
-                    },
+                    ll: LlBook::default(),
                 }),
             }),
         }
@@ -471,8 +464,12 @@ impl Ep {
         lock(&self.inner.state)
     }
 
+    /// A GPU HT handle names its `Ep`'s window, so it is refused by any other `Ep`. A host
+    /// HT handle is routing data only (the host backend checks it against its config), so
+    /// another host `Ep` of the group may use it: the Python package combines a dispatch
+    /// sent as FP8 wire rows on the `Ep` of the BF16 row width.
     fn own_ht(&self, h: &HtHandle) -> Result<()> {
-        if h.ep != self.inner.id {
+        if matches!(h.inner, HtInner::Device(_)) && h.ep != self.inner.id {
             return Err(Error::StaleHandle {
                 what: "HT handle".into(),
                 reason: "it comes from another Ep".into(),
@@ -636,6 +633,16 @@ impl Ep {
         }
     }
 
+    /// GPU: copies the first `dst.bytes` of region `which` of the copy slab (slab 0, where a
+    /// dispatch into slab 0 left its rows) into caller memory.
+    pub fn ht_copy_out(&self, which: &str, dst: DeviceOut, stream: Stream) -> Result<()> {
+        let which = HtBuf::parse(which)?;
+        match &mut self.state().engine {
+            Engine::Cuda(c) => c.ht_copy_out(stream.0, which, dst.ptr, dst.bytes),
+            Engine::Host(_) => Err(Error::input("HT copy", "the host backend has no device window")),
+        }
+    }
+
     // ------------------------------------------------------------ LL
 
     /// LL dispatch, `half` = `Both` or `Send` (then [`Ep::ll_dispatch_recv`] with the handle).
@@ -654,9 +661,9 @@ impl Ep {
             ));
         }
         let mut st = self.state();
-        self.ll_not_owed(&st, "LL dispatch")?;
         let seq = st.ll.seq + 1;
         let set = ((seq - 1) % LL_SETS) as usize;
+        self.ll_not_owed(&st, set, "LL dispatch")?;
         let (host, hh) = match &mut st.engine {
             Engine::Host(ep) => {
                 let x = host_slice("x", input.x)?;
@@ -686,7 +693,7 @@ impl Ep {
         };
         st.ll.seq = seq;
         if half == LlHalf::Send {
-            st.ll.owed = Owed::DispatchRecv(seq);
+            st.ll.dispatch_recv_owed[set] = Some(seq);
         }
         let num_tokens = hh.as_ref().map_or(input.num_tokens, |h| h.num_tokens);
         Ok(LlDispatched {
@@ -701,12 +708,17 @@ impl Ep {
         })
     }
 
+    /// The buffer set the next LL dispatch takes (for caller memory kept per set).
+    pub fn ll_next_set(&self) -> usize {
+        (self.state().ll.seq % LL_SETS) as usize
+    }
+
     /// The receive half of the LL dispatch of `handle` (whose send half was the last LL
     /// operation of this `Ep`).
     pub fn ll_dispatch_recv(&self, handle: &LlHandle, output: LlDispatchOut, stream: Stream) -> Result<()> {
         let mut st = self.state();
         self.ll_check(&st, handle)?;
-        if st.ll.owed != Owed::DispatchRecv(handle.seq) {
+        if st.ll.dispatch_recv_owed[handle.set] != Some(handle.seq) {
             return Err(Error::StaleHandle {
                 what: "LL dispatch receive half".into(),
                 reason: format!("dispatch #{} has no send half waiting for it", handle.seq),
@@ -723,7 +735,7 @@ impl Ep {
             };
             c.ll_dispatch(stream.0, handle.set, Half::Recv, handle.num_tokens, io)?;
         }
-        st.ll.owed = Owed::None;
+        st.ll.dispatch_recv_owed[handle.set] = None;
         Ok(())
     }
 
@@ -743,7 +755,7 @@ impl Ep {
         }
         let mut st = self.state();
         self.ll_check(&st, handle)?;
-        self.ll_not_owed(&st, "LL combine")?;
+        self.ll_not_owed(&st, handle.set, "LL combine")?;
         let r = match &mut st.engine {
             Engine::Host(ep) => {
                 let h = handle
@@ -767,7 +779,7 @@ impl Ep {
             }
         };
         if half == LlHalf::Send {
-            st.ll.owed = Owed::CombineRecv(handle.seq);
+            st.ll.combine_recv_owed[handle.set] = Some(handle.seq);
         }
         Ok(r)
     }
@@ -782,7 +794,7 @@ impl Ep {
     ) -> Result<()> {
         let mut st = self.state();
         self.ll_check(&st, handle)?;
-        if st.ll.owed != Owed::CombineRecv(handle.seq) {
+        if st.ll.combine_recv_owed[handle.set] != Some(handle.seq) {
             return Err(Error::StaleHandle {
                 what: "LL combine receive half".into(),
                 reason: format!("no combine of dispatch #{} has a send half waiting", handle.seq),
@@ -797,7 +809,7 @@ impl Ep {
             };
             c.ll_combine(stream.0, handle.set, Half::Recv, io)?;
         }
-        st.ll.owed = Owed::None;
+        st.ll.combine_recv_owed[handle.set] = None;
         Ok(())
     }
 
@@ -824,18 +836,22 @@ impl Ep {
         Ok(())
     }
 
-    fn ll_not_owed(&self, st: &State, what: &str) -> Result<()> {
-        match st.ll.owed {
-            Owed::None => Ok(()),
-            Owed::DispatchRecv(n) => Err(Error::input(
+    /// Refuses a new operation on buffer set `set` while a half operation on it waits for
+    /// its receive half (the set's buffers are still in use).
+    fn ll_not_owed(&self, st: &State, set: usize, what: &str) -> Result<()> {
+        if let Some(n) = st.ll.dispatch_recv_owed[set] {
+            return Err(Error::input(
                 what,
-                format!("dispatch #{n}'s receive half has not run (call it first)"),
-            )),
-            Owed::CombineRecv(n) => Err(Error::input(
-                what,
-                format!("the combine of dispatch #{n} has not run its receive half (call it first)"),
-            )),
+                format!("dispatch #{n} on buffer set {set} has not run its receive half (call it first)"),
+            ));
         }
+        if let Some(n) = st.ll.combine_recv_owed[set] {
+            return Err(Error::input(
+                what,
+                format!("the combine of dispatch #{n} on buffer set {set} has not run its receive half (call it first)"),
+            ));
+        }
+        Ok(())
     }
 
     /// Host: sets the LL rank mask (True = masked) and whether a failed LL wait masks the
@@ -908,4 +924,51 @@ pub fn run_threads<T: Send>(
     f: impl Fn(&Ep) -> Result<T> + Sync,
 ) -> Result<Vec<Result<T>>> {
     crate::backend::host::run::run_threads_owned(cfg, &opts.host(), |host| f(&Ep::host(host)))
+}
+
+/// What this machine and build offer the CUDA backend (`gin-ep info`, the Python package's
+/// `kernels_info` / `nccl_info`): the driver, the embedded kernel sets, the NCCL that would
+/// load and its network. Probes only: nothing here opens a rank.
+pub mod probe {
+    pub use crate::backend::cuda::driver;
+    pub use crate::backend::cuda::kernels::{KernelSet, KERNEL_SETS, NVCC_VERSION};
+    pub use crate::backend::cuda::{
+        gin_network, kernels_fatbin, kernels_for, nccl_probe, supported_text, version_text,
+    };
+}
+
+/// One embedded kernel set: (NCCL minor, e.g. "2.28"; NCCL header version code; built; why
+/// not built).
+pub type KernelSetInfo = (&'static str, Option<u32>, bool, Option<&'static str>);
+
+/// How this build's CUDA kernels came to be: one entry per supported NCCL minor, and nvcc's
+/// version line.
+pub fn kernels_info() -> (Vec<KernelSetInfo>, Option<&'static str>) {
+    use crate::backend::cuda::kernels as k;
+    let sets = k::KERNEL_SETS
+        .iter()
+        .map(|s| (s.nccl, s.nccl_header_version, s.fatbin.is_some(), s.absent_reason))
+        .collect();
+    (sets, k::NVCC_VERSION)
+}
+
+/// The NCCL the GPU path would load here (the one already in the process, else
+/// `GIN_EP_NCCL_LIB` or the loader's) and the verdict on it: (version code or None, where it
+/// came from or why it did not load, supported, the refusal or None, the supported
+/// versions). Loads no GPU library besides NCCL.
+pub fn nccl_info() -> (Option<i32>, String, bool, Option<String>, String) {
+    use crate::backend::cuda::{kernels_for, nccl_probe, supported_text};
+    match nccl_probe() {
+        Ok((source, version)) => match kernels_for(version, &source) {
+            Ok(_) => (Some(version), source, true, None, supported_text()),
+            Err(e) => (
+                Some(version),
+                source,
+                false,
+                Some(e.to_string()),
+                supported_text(),
+            ),
+        },
+        Err(why) => (None, why, false, None, supported_text()),
+    }
 }

@@ -193,7 +193,7 @@ fn a_combine_with_a_handle_whose_set_was_reused_is_refused() {
 }
 
 #[test]
-fn a_handle_of_another_ep_is_refused() {
+fn an_ll_handle_of_another_ep_is_refused() {
     let cfg = EpConfig::new(1, 2, 8, 1, 3);
     let ins = inputs(&cfg, 3);
     let i = &ins[0];
@@ -220,13 +220,9 @@ fn a_handle_of_another_ep_is_refused() {
     .unwrap()
     .unwrap();
     let res = run_threads(&cfg, &opts(), |ep| {
-        let e = ep
-            .ht_dispatch_cached(Mem::Host(&i.x), None, &first.0, 0, Stream::default())
-            .unwrap_err();
-        assert!(
-            matches!(e, Error::StaleHandle { .. }) && e.to_string().contains("another Ep"),
-            "{e}"
-        );
+        // A host HT handle is routing data: another host Ep of the same shape takes it.
+        let rows = ep.ht_dispatch_cached(Mem::Host(&i.x), None, &first.0, 0, Stream::default())?;
+        assert_eq!(rows.map(|r| bf16_of(&r).len()), first.0.num_recv().map(|n| n * 8));
         let y = vec![bf16::ZERO; 2 * 3 * 8];
         let comb = LlCombineIn {
             y: Mem::Host(&y),
@@ -266,7 +262,14 @@ fn ll_halves_must_come_in_order_and_memory_must_match_the_backend() {
             LlDispatchOut::default(),
             Stream::default(),
         )?;
-        // A second dispatch before the first's receive half: refused, nothing started.
+        // Dispatch #2 takes the other set while #1 waits for its receive half (overlap) ...
+        let d2 = ep.ll_dispatch(
+            ll_in(i),
+            LlHalf::Both,
+            LlDispatchOut::default(),
+            Stream::default(),
+        )?;
+        // ... but #3 would take #1's set: refused, nothing started.
         let e = ep
             .ll_dispatch(
                 ll_in(i),
@@ -275,13 +278,34 @@ fn ll_halves_must_come_in_order_and_memory_must_match_the_backend() {
                 Stream::default(),
             )
             .unwrap_err();
+        assert!(
+            e.is_usage() && e.to_string().contains("dispatch #1 on buffer set 0"),
+            "{e}"
+        );
+        // So is a combine of #1 before its receive half.
+        let y = vec![bf16::ZERO; 2 * 3 * 8];
+        let comb = LlCombineIn {
+            y: Mem::Host(&y),
+            topk_idx: Mem::Host(&i.topk_idx),
+            topk_weights: Mem::Host(&i.topk_weights),
+        };
+        let e = ep
+            .ll_combine(comb, &d1.handle, LlHalf::Both, None, Stream::default())
+            .unwrap_err();
         assert!(e.to_string().contains("receive half"), "{e}");
+        // A receive half for a dispatch sent whole: nothing is waiting for it.
+        let e = ep
+            .ll_dispatch_recv(&d2.handle, LlDispatchOut::default(), Stream::default())
+            .unwrap_err();
+        assert!(matches!(e, Error::StaleHandle { .. }), "{e}");
         ep.ll_dispatch_recv(&d1.handle, LlDispatchOut::default(), Stream::default())?;
-        // Its receive half twice: nothing is waiting for it.
+        // Its receive half twice: nothing is waiting for it any more.
         let e = ep
             .ll_dispatch_recv(&d1.handle, LlDispatchOut::default(), Stream::default())
             .unwrap_err();
         assert!(matches!(e, Error::StaleHandle { .. }), "{e}");
+        ep.ll_combine(comb, &d1.handle, LlHalf::Send, None, Stream::default())?;
+        ep.ll_combine_recv(comb, &d1.handle, None, Stream::default())?;
         let e = ep
             .ll_dispatch(
                 LlDispatchIn {
@@ -297,14 +321,14 @@ fn ll_halves_must_come_in_order_and_memory_must_match_the_backend() {
             )
             .unwrap_err();
         assert!(e.is_usage() && e.to_string().contains("device memory"), "{e}");
-        // The refused calls took no buffer set: the next dispatch is #2 on set 1.
-        let d2 = ep.ll_dispatch(
+        // The refused calls took no buffer set: the next dispatch is #3 on set 0.
+        let d3 = ep.ll_dispatch(
             ll_in(i),
             LlHalf::Both,
             LlDispatchOut::default(),
             Stream::default(),
         )?;
-        assert_eq!((d2.handle.seq(), d2.handle.set()), (2, 1));
+        assert_eq!((d3.handle.seq(), d3.handle.set()), (3, 0));
         Ok(())
     })
     .unwrap();

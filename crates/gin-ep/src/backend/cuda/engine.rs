@@ -285,6 +285,15 @@ impl CudaEngine {
         })
     }
 
+    /// Copies the first `bytes` of HT buffer `which` to device address `dst`.
+    pub fn ht_copy_out(&mut self, stream: u64, which: HtBuf, dst: u64, bytes: usize) -> Result<()> {
+        let (rank, h) = self.ht()?;
+        rank.run(stream, |r| {
+            let dst = r.external("destination", dst, bytes)?;
+            r.copy_to_external(h.buffer(which)?, dst)
+        })
+    }
+
     /// Device address and size of receive region `which` of slab `slab` (or the send slots).
     pub fn ht_region(&mut self, which: HtBuf, slab: usize) -> Result<(u64, usize)> {
         if !matches!(
