@@ -206,34 +206,6 @@ def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
-class GpuHtState:
-    """Slot 0 of a GPU HT handle: the native handle and the HT `_native.Ep` it came from."""
-
-    def __init__(self, native, ht, experts, topk, hidden, fp8, num_worst_tokens):
-        self.native = native
-        self.ht = ht
-        self.experts = experts
-        self.topk = topk
-        self.hidden = hidden
-        self.fp8 = fp8
-        self.num_recv = native.num_recv
-        self.num_tokens = native.num_tokens
-        self.num_worst_tokens = num_worst_tokens
-
-
-class GpuLlState:
-    """Slot 0 of a GPU LL handle: the LL `_native.Ep` and the native handle (its buffer set
-    and dispatch number, which the Ep checks)."""
-
-    __slots__ = ("ll", "native", "topk", "num_tokens")
-
-    def __init__(self, ll, native, topk, num_tokens):
-        self.ll = ll
-        self.native = native
-        self.topk = topk
-        self.num_tokens = num_tokens
-
-
 def layout(topk_idx: torch.Tensor, num_experts: int, r: int):
     """(per_rank int32 [R], per_expert int32 [E], is_token_in_rank bool [N, R]),
     computed on the device without host synchronization."""

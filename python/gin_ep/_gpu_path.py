@@ -12,7 +12,7 @@ import torch
 from . import _gpu, _native
 from ._util import BF16 as _BF16, Tensor as _Tensor, check_rows as _check_rows, copy_into as _copy_into, \
     bias_pair as _bias_pair, pad_rows as _pad_rows, pad_worst as _pad_worst, \
-    round_up as _round_up, unsupported as _unsupported
+    round_up as _round_up, unsupported as _unsupported, HtState, LlState, state_of
 from .utils import EventOverlap
 
 
@@ -41,19 +41,17 @@ class GpuPath:
         s = _gpu.stream()
         if handle is not None:
             assert topk_idx is None and topk_weights is None
-            st = handle[0] if isinstance(handle, (tuple, list)) and handle else None
-            if not isinstance(st, _gpu.GpuHtState):
-                raise TypeError("handle: expected the handle returned by gin_ep.Buffer.dispatch (GPU)")
+            st = state_of(handle, HtState, True, "dispatch")
             if st.fp8 != fp8:
                 raise _unsupported("cached dispatch with another dtype (BF16 vs FP8) than the handle's dispatch")
             xin, x_scales = xin.contiguous(), (x_scales.contiguous() if fp8 else None)
-            lease = g.ht_lend(st.ht)
-            st.ht.ht_dispatch_cached(_gpu.span(xin), st.native, x_scales=_gpu.span(x_scales),
+            lease = g.ht_lend(st.ep)
+            st.ep.ht_dispatch_cached(_gpu.span(xin), st.native, x_scales=_gpu.span(x_scales),
                                      recv_slab=lease.slab if lease else 0, stream=s)
             if lease is not None:
-                recv = g.ht_lent_x(st.ht, lease, st.num_recv, hidden, fp8, torch.float32)
+                recv = g.ht_lent_x(st.ep, lease, st.num_recv, hidden, fp8, torch.float32)
             else:
-                recv = g.ht_recv_x(st.ht, st.num_recv, hidden, fp8, torch.float32, s)
+                recv = g.ht_recv_x(st.ep, st.num_recv, hidden, fp8, torch.float32, s)
             worst = max(num_worst_tokens, st.num_worst_tokens)
             if worst:
                 recv = tuple(_pad_rows(t, worst) for t in recv) if fp8 else _pad_rows(recv, worst)
@@ -113,7 +111,7 @@ class GpuPath:
             recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx = _pad_worst(
                 num_worst_tokens, nr, recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx, fp8)
             counts = []
-        st = _gpu.GpuHtState(native, h, experts, k, hidden, fp8, num_worst_tokens)
+        st = HtState(h, native, experts, k, max_tokens, hidden, fp8, num_worst_tokens)
         handle = (st, None, None, recv_src_idx, in_rank, None)
         return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, \
             EventOverlap(_gpu.optional_event(async_finish))
@@ -122,14 +120,12 @@ class GpuPath:
         g = self._gpu
         if previous_event is not None:
             previous_event.current_stream_wait()
-        st = handle[0] if isinstance(handle, (tuple, list)) and handle else None
-        if not isinstance(st, _gpu.GpuHtState):
-            raise TypeError("handle: expected the handle returned by gin_ep.Buffer.dispatch (GPU)")
+        st = state_of(handle, HtState, True, "dispatch")
         _gpu.check_cuda("x", x, torch.bfloat16, dim=2)
         if x.shape[0] < st.num_recv or x.shape[1] != st.hidden:
             raise ValueError(f"x: shape {tuple(x.shape)}, the dispatch received [{st.num_recv}, {st.hidden}]")
         s = _gpu.stream()
-        h = st.ht
+        h = st.ep
         # Read in place: extra CTAs of the combine copy its rows into the window while the
         # pulls run (peers cannot read the caller's memory).
         xr = x[:st.num_recv].contiguous()
@@ -213,13 +209,13 @@ class GpuPath:
         x_span, idx_span = (xc.data_ptr(), n * hidden * 2), (idx.data_ptr(), n * k * 8)
         if return_recv_hook:
             _, native = ll.ll_dispatch(x_span, idx_span, n, hook=True, stream=_gpu.stream())
-            st = _gpu.GpuLlState(ll, native, k, n)
+            st = LlState(ll, native, k, n)
 
             def hook():
                 self._ll_dispatch_recv(st, data, scales, recv_count, layout_range, stats)
         else:
             _, native = ll.ll_dispatch(x_span, idx_span, n, False, *spans, stream=_gpu.stream())
-            st = _gpu.GpuLlState(ll, native, k, n)
+            st = LlState(ll, native, k, n)
             hook = None
         handle = (st, layout_range, t, hidden, num_experts)
         return (data, scales) if use_fp8 else data, recv_count, handle, \
@@ -228,9 +224,8 @@ class GpuPath:
     def _gpu_ll_combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
                         return_recv_hook, out):
         g = self._gpu
-        st = handle[0] if isinstance(handle, (tuple, list)) and len(handle) == 5 else None
-        if not isinstance(st, _gpu.GpuLlState):
-            raise TypeError("handle: expected the handle returned by gin_ep.Buffer.low_latency_dispatch (GPU)")
+        st = state_of(handle, LlState, True, "low_latency_dispatch") if len(handle) == 5 else \
+            state_of(None, LlState, True, "low_latency_dispatch")
         _, _, t, hidden, num_experts = handle
         if zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
@@ -259,14 +254,14 @@ class GpuPath:
         combined = out if out is not None and out.is_contiguous() else \
             _gpu.empty((st.num_tokens, hidden), torch.bfloat16, x.device)
         if return_recv_hook:
-            st.ll.ll_combine(_gpu.span(xc), _gpu.span(idx), _gpu.span(w), st.native, hook=True,
+            st.ep.ll_combine(_gpu.span(xc), _gpu.span(idx), _gpu.span(w), st.native, hook=True,
                              stream=_gpu.stream())
 
             def hook():
                 self._ll_combine_recv(st, idx, w, combined)
                 _copy_into(out, combined)
         else:
-            st.ll.ll_combine(_gpu.span(xc), _gpu.span(idx), _gpu.span(w), st.native,
+            st.ep.ll_combine(_gpu.span(xc), _gpu.span(idx), _gpu.span(w), st.native,
                              combined=_gpu.span(combined), stream=_gpu.stream())
             _copy_into(out, combined)
             hook = None
@@ -277,16 +272,16 @@ class GpuPath:
         """The receive half of an LL dispatch sent with `return_recv_hook=True`, writing
         into the given outputs (the hook's own, or the copies torch.compile may pass to
         `gin_ep::ll_dispatch_recv`). The host backend received before the send returned."""
-        if not isinstance(st, _gpu.GpuLlState):
+        if not st.ep.is_cuda:
             return
         span = _gpu.span
-        st.ll.ll_dispatch_recv(st.native, span(data), span(scales), span(recv_count), span(layout_range),
+        st.ep.ll_dispatch_recv(st.native, span(data), span(scales), span(recv_count), span(layout_range),
                                span(stats), stream=_gpu.stream())
 
     def _ll_combine_recv(self, st, idx, w, combined) -> None:
         """The receive half of an LL combine sent with `return_recv_hook=True`: reduces into
         `combined` with the token's ids and weights (int64 / f32, contiguous)."""
-        if not isinstance(st, _gpu.GpuLlState):
+        if not st.ep.is_cuda:
             return
-        st.ll.ll_combine_recv(_gpu.span(idx), _gpu.span(w), st.native, combined=_gpu.span(combined),
+        st.ep.ll_combine_recv(_gpu.span(idx), _gpu.span(w), st.native, combined=_gpu.span(combined),
                               stream=_gpu.stream())

@@ -141,9 +141,9 @@ def ht_worker(rank, world):
     # cached one were received into slabs 1 and 2 and returned as tensors over them; the
     # last fresh dispatch found none free and copied its rows out. Both held results must
     # be intact after the later dispatches into the other slabs.
-    free = buf._gpu.ht_free[handle[0].ht]
+    free = buf._gpu.ht_free[handle[0].ep]
     assert free == [], free
-    assert handle[3].data_ptr() == handle[0].ht.ht_region("recv_src", 1)[0], \
+    assert handle[3].data_ptr() == handle[0].ep.ht_region("recv_src", 1)[0], \
         "the handle's recv_src_idx is a view of slab 1" 
     same_bits("recv_x, still held", cpu(recv_x), from_bytes(rb, torch.bfloat16, (nr, HIDDEN)))
     same_bits("recv_topk_idx, still held", cpu(recv_idx), from_bytes(ridx, torch.int64, (nr, TOPK)))
