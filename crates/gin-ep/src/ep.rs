@@ -23,10 +23,11 @@
 //! # Handles
 //!
 //! [`HtHandle`] and [`LlHandle`] carry the id of the `Ep` that made them. LL buffer sets and
-//! sequence numbers are owned here: dispatch `n` uses set `n % 2`, and its handle is valid
-//! until dispatch `n + 2` reuses the set; a combine with an older handle is refused with
-//! [`Error::StaleHandle`] instead of reading rows a later dispatch overwrote; so is an LL
-//! handle of another `Ep`. An HT handle of the host backend is plain routing data, valid on
+//! sequence numbers are owned here: dispatch `n` (1, 2, ...) uses set `(n - 1) % 2`, and its
+//! handle is valid until dispatch `n + 2` reuses the set; a combine with an older handle is
+//! refused with [`Error::StaleHandle`] instead of reading rows a later dispatch overwrote; so
+//! is an LL handle of another `Ep`, and a receive half ([`LlHalf`]) with no send half waiting
+//! for it. While a send half waits for its receive half, no operation may take its set. An HT handle of the host backend is plain routing data, valid on
 //! any host `Ep` whose config it fits; on the GPU it is valid on its own `Ep` until that
 //! `Ep`'s next fresh dispatch (the driver checks its generation).
 
