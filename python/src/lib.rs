@@ -5,8 +5,8 @@
 //! [`PyGpuRank`]'s GPU), the oracle and the routing layout. A tensor argument is `bytes`
 //! (host: little-endian values; converted on the Python side, `gin_ep/_convert.py`) or
 //! `(data_ptr, nbytes)` (CUDA: the caller's device memory, which the kernels read and write
-//! directly on the caller's stream); this module never links libtorch and holds no unsafe
-//! code: the engine's backend owns every unsafe piece.
+//! directly on the caller's stream); this module never links libtorch, and every FFI and
+//! thread-safety obligation sits in the engine's backend (see `gin_ep::ep`).
 //!
 //! Must never panic across the FFI boundary: every entry point runs under [`guard`],
 //! which turns a panic into a `RuntimeError`, and library errors become Python
