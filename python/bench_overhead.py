@@ -119,8 +119,14 @@ def split(buf, fn, iters, rank, label):
     """Rank 0 prints host us per call spent in gin-ep's native calls vs the rest."""
     from gin_ep import _gpu
     acc = {}
-    inner = buf._gpu.ep
-    buf._gpu.ep = _Timed(inner, acc)
+    g = buf._gpu
+    saved = {name: dict(getattr(g, name)) for name in ("hts", "lls", "ll_ranges", "ht_free", "ht_slabs")}
+    # Every native Ep of the Buffer, and the tables keyed by them, through a timing proxy.
+    proxy = {id(ep): _Timed(ep, acc) for ep in (*g.hts.values(), *g.lls.values())}
+    for name in ("hts", "lls"):
+        setattr(g, name, {k: proxy[id(ep)] for k, ep in saved[name].items()})
+    for name in ("ll_ranges", "ht_free", "ht_slabs"):
+        setattr(g, name, {proxy.get(id(ep), ep): v for ep, v in saved[name].items()})
     real_empty, real_stream = _gpu.empty, _gpu.stream
 
     def timed_of(name, f):
@@ -139,7 +145,9 @@ def split(buf, fn, iters, rank, label):
         fn()
     total = time.perf_counter() - t0
     torch.cuda.synchronize()
-    buf._gpu.ep, _gpu.empty, _gpu.stream = inner, real_empty, real_stream
+    for name, table in saved.items():
+        setattr(g, name, table)
+    _gpu.empty, _gpu.stream = real_empty, real_stream
     if rank == 0:
         parts = ", ".join(f"{k} {v / iters * 1e6:.1f}" for k, v in sorted(acc.items()))
         print(f"host split {label}: total {total / iters * 1e6:.1f} us/call; {parts}")

@@ -1,6 +1,6 @@
 """The GPU path of `gin_ep.Buffer` (NCCL process group, CUDA tensors).
 
-One `_native.CudaEp` per Buffer: gin-ep's CUDA rank on `torch.cuda.current_device()`,
+One `_native.GpuRank` per Buffer: gin-ep's CUDA rank on `torch.cuda.current_device()`,
 with an NCCL communicator of its own (bootstrapped through gin-ep's store, whose
 address the Buffer broadcast over the process group) and NCCL's library shared with
 PyTorch (found already loaded; `GIN_EP_NCCL_LIB` overrides). Every launch and copy
@@ -206,34 +206,6 @@ def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
-class GpuHtState:
-    """Slot 0 of a GPU HT handle."""
-
-    def __init__(self, native, ht, experts, topk, hidden, fp8, num_worst_tokens):
-        self.native = native
-        self.ht = ht
-        self.experts = experts
-        self.topk = topk
-        self.hidden = hidden
-        self.fp8 = fp8
-        self.num_recv = native.num_recv
-        self.num_tokens = native.num_tokens
-        self.num_worst_tokens = num_worst_tokens
-
-
-class GpuLlState:
-    """Slot 0 of a GPU LL handle: the LL object, the buffer set and its dispatch number."""
-
-    __slots__ = ("ll", "set", "seq", "topk", "num_tokens")
-
-    def __init__(self, ll, set_, seq, topk, num_tokens):
-        self.ll = ll
-        self.set = set_
-        self.seq = seq
-        self.topk = topk
-        self.num_tokens = num_tokens
-
-
 def layout(topk_idx: torch.Tensor, num_experts: int, r: int):
     """(per_rank int32 [R], per_expert int32 [E], is_token_in_rank bool [N, R]),
     computed on the device without host synchronization."""
@@ -260,7 +232,9 @@ class Gpu:
         self.device = torch.cuda.current_device()
         # `_bootstrap.ShapeAgreement`: every rank shows the same shape before each window.
         self.agree = agree
-        self.ep = _native.CudaEp(runtime, self.device, timeout_s)
+        self.runtime = runtime
+        self.timeout_s = timeout_s
+        self.rank_gpu = _native.GpuRank(runtime, self.device, timeout_s)
         self.group_size = group_size
         self.rank = rank
         self.hts = {}
@@ -268,8 +242,6 @@ class Gpu:
         self.ht_slabs = {}
         self.warned_slabs = False
         self.lls = {}
-        self.ll_next = {}
-        self.ll_seq = {}
         self.ll_ranges = {}
 
     # -------------------------------------------------------------- HT
@@ -282,7 +254,8 @@ class Gpu:
         if h is None:
             cfg = _native.EpConfig(self.group_size, experts, hidden, topk, max_tokens, "fp8" if fp8 else "bf16")
             self.agree.check("an HT window of the GPU path", {**fields_of(cfg, False), "ht_recv_slabs": lend_slabs})
-            h = self.ep.ht_new(cfg, num_sms=num_sms, exact=True, recv_slabs=1 + lend_slabs)
+            h = _native.Ep(self.runtime, cfg, ht=True, ll=False, timeout_s=self.timeout_s, gpu=self.rank_gpu,
+                           ht_sms=num_sms, ht_recv_slabs=1 + lend_slabs, ht_exact=True)
             self.hts[key] = h
             self.ht_free[h] = list(range(lend_slabs, 0, -1))
             self.ht_slabs[h] = lend_slabs
@@ -303,7 +276,7 @@ class Gpu:
         lease = SlabLease(self, free, free.pop())
         if _POISON:
             for which in ("recv_x", "recv_scales", "recv_idx", "recv_w", "recv_src"):
-                ptr, size = self.ep.ht_region(h, which, lease.slab)
+                ptr, size = h.ht_region(which, lease.slab)
                 if size:
                     self.ht_view(h, lease, which, (size,), torch.uint8).fill_(0xFF)
         return lease
@@ -319,7 +292,7 @@ class Gpu:
         """A tensor `shape` of `dtype` over the start of region `which`: a receive region of
         the lent slab, or (no lease) the send slots. BF16 and FP8 go through same-size
         integer types (NumPy has neither)."""
-        ptr, size = self.ep.ht_region(h, which, lease.slab if lease is not None else 0)
+        ptr, size = h.ht_region(which, lease.slab if lease is not None else 0)
         base = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}.get(dtype, dtype)
         arr = _SlabArray(lease, ptr, shape, _TYPESTR[base])
         t = torch.as_tensor(arr, device=torch.device("cuda", self.device))
@@ -338,17 +311,17 @@ class Gpu:
         dev = torch.device("cuda", self.device)
         if not fp8:
             out = empty((nr, hidden), torch.bfloat16, dev)
-            self.ep.ht_copy_out(h, "recv_x", out.data_ptr(), nbytes(out), s)
+            h.ht_copy_out("recv_x", (out.data_ptr(), nbytes(out)), s)
             return out
         data = empty((nr, hidden), torch.uint8, dev)
-        self.ep.ht_copy_out(h, "recv_x", data.data_ptr(), nbytes(data), s)
+        h.ht_copy_out("recv_x", (data.data_ptr(), nbytes(data)), s)
         sc = empty((nr, hidden // _native.FP8_BLOCK), torch.float32, dev)
-        self.ep.ht_copy_out(h, "recv_scales", sc.data_ptr(), nbytes(sc), s)
+        h.ht_copy_out("recv_scales", (sc.data_ptr(), nbytes(sc)), s)
         return data.view(torch.float8_e4m3fn), sc.view(scale_dtype)
 
     def ht_out(self, h, which, shape, dtype, s):
         out = empty(shape, dtype, torch.device("cuda", self.device))
-        self.ep.ht_copy_out(h, which, out.data_ptr(), nbytes(out), s)
+        h.ht_copy_out(which, (out.data_ptr(), nbytes(out)), s)
         return out
 
     # -------------------------------------------------------------- LL
@@ -366,15 +339,13 @@ class Gpu:
                     f"rank, hidden = {hidden}, top-{topk} of {experts} experts ({dtype}): gin-ep needs "
                     f"{need} bytes (see Buffer.get_low_latency_rdma_size_hint)")
             self.agree.check("an LL window of the GPU path", fields_of(cfg, True))
-            l = self.ep.ll_new(cfg)
+            l = _native.Ep(self.runtime, cfg, ht=False, ll=True, timeout_s=self.timeout_s, gpu=self.rank_gpu)
             self.lls[key] = l
-            self.ll_next[l] = 0
-            self.ll_seq[l] = [0, 0]
             self.ll_ranges[l] = [None, None]
         return l
 
     def ll_layout_range(self, l, set_, local, device) -> torch.Tensor:
-        """The `[L, R]` int64 layout_range of LL object `l`'s buffer set `set_`, which every
+        """The `[L, R]` int64 layout_range of LL `_native.Ep` `l`'s buffer set `set_`, which every
         dispatch on the set rewrites (poisoned first under GIN_EP_POISON_OUTPUTS=1)."""
         ranges = self.ll_ranges[l]
         t = ranges[set_]

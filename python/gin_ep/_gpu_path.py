@@ -12,7 +12,7 @@ import torch
 from . import _gpu, _native
 from ._util import BF16 as _BF16, Tensor as _Tensor, check_rows as _check_rows, copy_into as _copy_into, \
     bias_pair as _bias_pair, pad_rows as _pad_rows, pad_worst as _pad_worst, \
-    round_up as _round_up, unsupported as _unsupported
+    round_up as _round_up, unsupported as _unsupported, HtState, LlState, state_of
 from .utils import EventOverlap
 
 
@@ -41,19 +41,17 @@ class GpuPath:
         s = _gpu.stream()
         if handle is not None:
             assert topk_idx is None and topk_weights is None
-            st = handle[0] if isinstance(handle, (tuple, list)) and handle else None
-            if not isinstance(st, _gpu.GpuHtState):
-                raise TypeError("handle: expected the handle returned by gin_ep.Buffer.dispatch (GPU)")
+            st = state_of(handle, HtState, True, "dispatch")
             if st.fp8 != fp8:
                 raise _unsupported("cached dispatch with another dtype (BF16 vs FP8) than the handle's dispatch")
             xin, x_scales = xin.contiguous(), (x_scales.contiguous() if fp8 else None)
-            lease = g.ht_lend(st.ht)
-            g.ep.ht_dispatch_cached(st.native, fp8, s, _gpu.span(xin), _gpu.span(x_scales),
-                                    lease.slab if lease else 0)
+            lease = g.ht_lend(st.ep)
+            st.ep.ht_dispatch_cached(_gpu.span(xin), st.native, x_scales=_gpu.span(x_scales),
+                                     recv_slab=lease.slab if lease else 0, stream=s)
             if lease is not None:
-                recv = g.ht_lent_x(st.ht, lease, st.num_recv, hidden, fp8, torch.float32)
+                recv = g.ht_lent_x(st.ep, lease, st.num_recv, hidden, fp8, torch.float32)
             else:
-                recv = g.ht_recv_x(st.ht, st.num_recv, hidden, fp8, torch.float32, s)
+                recv = g.ht_recv_x(st.ep, st.num_recv, hidden, fp8, torch.float32, s)
             worst = max(num_worst_tokens, st.num_worst_tokens)
             if worst:
                 recv = tuple(_pad_rows(t, worst) for t in recv) if fp8 else _pad_rows(recv, worst)
@@ -87,8 +85,8 @@ class GpuPath:
         # receive into a lent slab of the window when one is free (the returned tensors
         # are views of it), else into the copy slab.
         lease = g.ht_lend(h)
-        native = g.ep.ht_dispatch(h, n, fp8, s, _gpu.span(xin), _gpu.span(x_scales), _gpu.span(idx),
-                                  _gpu.span(w), lease.slab if lease else 0)
+        _, native = h.ht_dispatch(_gpu.span(xin), _gpu.span(idx), _gpu.span(w), n, x_scales=_gpu.span(x_scales),
+                                  recv_slab=lease.slab if lease else 0, stream=s)
         nr = native.num_recv
         if lease is not None:
             # Views of the slab; the handle's recv_src_idx too (it keeps the slab until the
@@ -108,12 +106,12 @@ class GpuPath:
         # never reads it back); only without one is it derived from the send slots, which
         # costs a kernel on the stream and a view on the host.
         in_rank = is_token_in_rank if is_token_in_rank is not None else g.ht_send_slot(h, n) >= 0
-        counts = [_round_up(c, expert_alignment) for c in g.ep.ht_recv_counts(native, s)]
+        counts = [_round_up(c, expert_alignment) for c in h.ht_recv_counts(native, s)]
         if num_worst_tokens:
             recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx = _pad_worst(
                 num_worst_tokens, nr, recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx, fp8)
             counts = []
-        st = _gpu.GpuHtState(native, h, experts, k, hidden, fp8, num_worst_tokens)
+        st = HtState(h, native, experts, k, max_tokens, hidden, fp8, num_worst_tokens)
         handle = (st, None, None, recv_src_idx, in_rank, None)
         return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, \
             EventOverlap(_gpu.optional_event(async_finish))
@@ -122,21 +120,19 @@ class GpuPath:
         g = self._gpu
         if previous_event is not None:
             previous_event.current_stream_wait()
-        st = handle[0] if isinstance(handle, (tuple, list)) and handle else None
-        if not isinstance(st, _gpu.GpuHtState):
-            raise TypeError("handle: expected the handle returned by gin_ep.Buffer.dispatch (GPU)")
+        st = state_of(handle, HtState, True, "dispatch")
         _gpu.check_cuda("x", x, torch.bfloat16, dim=2)
         if x.shape[0] < st.num_recv or x.shape[1] != st.hidden:
             raise ValueError(f"x: shape {tuple(x.shape)}, the dispatch received [{st.num_recv}, {st.hidden}]")
         s = _gpu.stream()
-        h = st.ht
+        h = st.ep
         # Read in place: extra CTAs of the combine copy its rows into the window while the
         # pulls run (peers cannot read the caller's memory).
         xr = x[:st.num_recv].contiguous()
+        w = None
         if topk_weights is not None:
             _gpu.check_cuda("topk_weights", topk_weights, None, dim=2)
             w = topk_weights[:st.num_recv].to(torch.float32).contiguous()
-            g.ep.ht_copy_in(h, "comb_w", w.data_ptr(), _gpu.nbytes(w), s)
         bias = _bias_pair(bias)
         biases = []
         for i, b in enumerate(bias):
@@ -151,8 +147,10 @@ class GpuPath:
         combined_w = _gpu.empty((st.num_tokens, st.topk), torch.float32, dev) \
             if topk_weights is not None else None
         # The kernel reads the biases and writes the outputs in place (zero-copy).
-        g.ep.ht_combine(st.native, topk_weights is not None, s, _gpu.span(biases[0]), _gpu.span(biases[1]),
-                        _gpu.span(combined_x), _gpu.span(combined_w), _gpu.span(xr))
+        # The weights are staged into the window first (the native combine copies them in).
+        h.ht_combine(_gpu.span(xr), st.native, topk_weights=_gpu.span(w), bias_0=_gpu.span(biases[0]),
+                     bias_1=_gpu.span(biases[1]), out_x=_gpu.span(combined_x), out_w=_gpu.span(combined_w),
+                     stream=s)
         return combined_x, combined_w, EventOverlap(_gpu.optional_event(async_finish))
 
     def _gpu_ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
@@ -184,13 +182,10 @@ class GpuPath:
                 raise ValueError(f"cumulative_local_expert_recv_stats: shape {tuple(stats.shape)}, expected "
                                  f"a contiguous [{local}] int32 tensor")
         dtype = "bf16" if not use_fp8 else ("fp8-ue8m0" if round_scale else "fp8")
-        l_id = g.ll(hidden, k, num_experts, t, dtype, self.num_rdma_bytes, self.ll_combine_order)
-        # Every argument is checked above: a rejected call leaves the buffer sets as they were.
-        set_ = g.ll_next[l_id]
-        g.ll_next[l_id] = 1 - set_
-        seqs = g.ll_seq[l_id]
-        seq = seqs[set_] = seqs[set_] + 1
-        st = _gpu.GpuLlState(l_id, set_, seq, k, n)
+        ll = g.ll(hidden, k, num_experts, t, dtype, self.num_rdma_bytes, self.ll_combine_order)
+        # The native Ep owns the buffer sets and refuses a combine with a handle whose set a
+        # later dispatch took; the layout_range below lives with the set this dispatch takes.
+        set_ = ll.ll_next_set
         # The kernels read these tensors and write the outputs below directly (zero-copy).
         xc = x.contiguous()
         idx = _gpu.as_i64(topk_idx)
@@ -202,7 +197,7 @@ class GpuPath:
         # goes stale anyway (see _gpu_ll_combine). The torch op returns it as an output, so it
         # takes a fresh one.
         layout_range = _gpu.empty((local, r), torch.int64, x.device) if fresh_layout_range else \
-            g.ll_layout_range(l_id, set_, local, x.device)
+            g.ll_layout_range(ll, set_, local, x.device)
         # (address, bytes) of each tensor, the sizes from the shapes checked above (exact:
         # every tensor here is contiguous or, the scales, allocated with these strides);
         # `_gpu.span` per tensor costs ≈ 0.3 µs more each.
@@ -213,13 +208,14 @@ class GpuPath:
                  (stats.data_ptr(), local * 4) if stats is not None else None)
         x_span, idx_span = (xc.data_ptr(), n * hidden * 2), (idx.data_ptr(), n * k * 8)
         if return_recv_hook:
-            g.ep.ll_dispatch(l_id, set_, "dispatch_send", n, _gpu.stream(), x_span, idx_span,
-                             None, None, None, None, None)
+            _, native = ll.ll_dispatch(x_span, idx_span, n, hook=True, stream=_gpu.stream())
+            st = LlState(ll, native, k, n)
 
             def hook():
                 self._ll_dispatch_recv(st, data, scales, recv_count, layout_range, stats)
         else:
-            g.ep.ll_dispatch(l_id, set_, "dispatch", n, _gpu.stream(), x_span, idx_span, *spans)
+            _, native = ll.ll_dispatch(x_span, idx_span, n, False, *spans, stream=_gpu.stream())
+            st = LlState(ll, native, k, n)
             hook = None
         handle = (st, layout_range, t, hidden, num_experts)
         return (data, scales) if use_fp8 else data, recv_count, handle, \
@@ -228,12 +224,8 @@ class GpuPath:
     def _gpu_ll_combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
                         return_recv_hook, out):
         g = self._gpu
-        st = handle[0] if isinstance(handle, (tuple, list)) and len(handle) == 5 else None
-        if not isinstance(st, _gpu.GpuLlState):
-            raise TypeError("handle: expected the handle returned by gin_ep.Buffer.low_latency_dispatch (GPU)")
-        if g.ll_seq[st.ll][st.set] != st.seq:
-            raise ValueError("LL handle is stale: two later low_latency_dispatch calls reused its buffer set "
-                             "(gin-ep keeps two LL handles alive, as DeepEP's double buffering)")
+        st = state_of(handle, LlState, True, "low_latency_dispatch") if len(handle) == 5 else \
+            state_of(None, LlState, True, "low_latency_dispatch")
         _, _, t, hidden, num_experts = handle
         if zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
@@ -262,15 +254,15 @@ class GpuPath:
         combined = out if out is not None and out.is_contiguous() else \
             _gpu.empty((st.num_tokens, hidden), torch.bfloat16, x.device)
         if return_recv_hook:
-            g.ep.ll_combine(st.ll, st.set, "combine_send", _gpu.stream(), _gpu.span(xc), _gpu.span(idx),
-                            _gpu.span(w), None)
+            st.ep.ll_combine(_gpu.span(xc), _gpu.span(idx), _gpu.span(w), st.native, hook=True,
+                             stream=_gpu.stream())
 
             def hook():
                 self._ll_combine_recv(st, idx, w, combined)
                 _copy_into(out, combined)
         else:
-            g.ep.ll_combine(st.ll, st.set, "combine", _gpu.stream(), _gpu.span(xc), _gpu.span(idx), _gpu.span(w),
-                            _gpu.span(combined))
+            st.ep.ll_combine(_gpu.span(xc), _gpu.span(idx), _gpu.span(w), st.native,
+                             combined=_gpu.span(combined), stream=_gpu.stream())
             _copy_into(out, combined)
             hook = None
         result = out if out is not None else combined
@@ -280,16 +272,16 @@ class GpuPath:
         """The receive half of an LL dispatch sent with `return_recv_hook=True`, writing
         into the given outputs (the hook's own, or the copies torch.compile may pass to
         `gin_ep::ll_dispatch_recv`). The host backend received before the send returned."""
-        if not isinstance(st, _gpu.GpuLlState):
+        if not st.ep.is_cuda:
             return
         span = _gpu.span
-        self._gpu.ep.ll_dispatch(st.ll, st.set, "dispatch_recv", st.num_tokens, _gpu.stream(), None, None,
-                                 span(data), span(scales), span(recv_count), span(layout_range), span(stats))
+        st.ep.ll_dispatch_recv(st.native, span(data), span(scales), span(recv_count), span(layout_range),
+                               span(stats), stream=_gpu.stream())
 
     def _ll_combine_recv(self, st, idx, w, combined) -> None:
         """The receive half of an LL combine sent with `return_recv_hook=True`: reduces into
         `combined` with the token's ids and weights (int64 / f32, contiguous)."""
-        if not isinstance(st, _gpu.GpuLlState):
+        if not st.ep.is_cuda:
             return
-        self._gpu.ep.ll_combine(st.ll, st.set, "combine_recv", _gpu.stream(), None, _gpu.span(idx),
-                                _gpu.span(w), _gpu.span(combined))
+        st.ep.ll_combine_recv(_gpu.span(idx), _gpu.span(w), st.native, combined=_gpu.span(combined),
+                              stream=_gpu.stream())

@@ -8,6 +8,48 @@ import torch
 Tensor, BF16 = torch.Tensor, torch.bfloat16
 
 
+class HtState:
+    """Slot 0 of an HT handle, host or GPU: the `_native.Ep` of the dispatch, its native
+    handle, and the dispatch's shape."""
+
+    __slots__ = ("ep", "native", "experts", "topk", "max_tokens", "hidden", "fp8", "num_recv", "num_tokens",
+                 "num_worst_tokens")
+
+    def __init__(self, ep, native, experts, topk, max_tokens, hidden, fp8, num_worst_tokens):
+        self.ep = ep
+        self.native = native
+        self.experts = experts
+        self.topk = topk
+        self.max_tokens = max_tokens
+        self.hidden = hidden
+        self.fp8 = fp8
+        self.num_recv = native.num_recv
+        self.num_tokens = native.num_tokens
+        self.num_worst_tokens = num_worst_tokens
+
+
+class LlState:
+    """Slot 0 of an LL handle, host or GPU: the `_native.Ep` of the shape and the native
+    handle (its buffer set and dispatch number, which the Ep checks)."""
+
+    __slots__ = ("ep", "native", "topk", "num_tokens")
+
+    def __init__(self, ep, native, topk, num_tokens):
+        self.ep = ep
+        self.native = native
+        self.topk = topk
+        self.num_tokens = num_tokens
+
+
+def state_of(handle, cls, cuda: bool, what: str):
+    """Slot 0 of a handle of `cls` made on the GPU (`cuda`) or on the host, or a TypeError."""
+    st = handle[0] if isinstance(handle, (tuple, list)) and len(handle) > 0 else None
+    if not isinstance(st, cls) or st.ep.is_cuda != cuda:
+        raise TypeError(f"handle: expected the handle returned by gin_ep.Buffer.{what} "
+                        f"({'GPU' if cuda else 'CPU tensors'})")
+    return st
+
+
 def round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 

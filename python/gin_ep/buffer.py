@@ -27,7 +27,7 @@ from ._convert import check, check_cpu, from_bytes, to_bytes
 from ._gpu_path import GpuPath
 from ._util import BF16 as _BF16, Tensor as _Tensor, check_rows as _check_rows, refuse_keywords, \
     bias_pair as _bias_pair, pad_rows as _pad_rows, pad_worst as _pad_worst, \
-    round_up as _round_up, unsupported as _unsupported
+    round_up as _round_up, unsupported as _unsupported, HtState, LlState, state_of
 from .utils import CompletedEvent, EventOverlap
 
 #: dtype of `topk_idx` (DeepEP's `topk_idx_t`).
@@ -72,41 +72,14 @@ class Config:
                 f"{self.num_max_rdma_chunked_recv_tokens})")
 
 
-class _HtState:
-    """Slot 0 of an HT handle: what combine and cached dispatch need."""
-
-    def __init__(self, native, experts, topk, max_tokens, hidden, num_worst_tokens):
-        self.native = native
-        self.experts = experts
-        self.topk = topk
-        self.max_tokens = max_tokens
-        self.hidden = hidden
-        self.num_recv = native.num_recv
-        self.num_tokens = native.num_tokens
-        self.num_worst_tokens = num_worst_tokens
+def _ht_state(handle) -> HtState:
+    return state_of(handle, HtState, False, "dispatch")
 
 
-class _LlState:
-    """Slot 0 of an LL handle."""
-
-    def __init__(self, native, ep, topk):
-        self.native = native
-        self.ep = ep
-        self.topk = topk
-
-
-def _ht_state(handle) -> _HtState:
-    st = handle[0] if isinstance(handle, (tuple, list)) and len(handle) > 0 else None
-    if not isinstance(st, _HtState):
-        raise TypeError("handle: expected the handle returned by gin_ep.Buffer.dispatch")
-    return st
-
-
-def _ll_state(handle) -> _LlState:
-    st = handle[0] if isinstance(handle, (tuple, list)) and len(handle) == 5 else None
-    if not isinstance(st, _LlState):
-        raise TypeError("handle: expected the handle returned by gin_ep.Buffer.low_latency_dispatch")
-    return st
+def _ll_state(handle) -> LlState:
+    if not (isinstance(handle, (tuple, list)) and len(handle) == 5):
+        handle = None
+    return state_of(handle, LlState, False, "low_latency_dispatch")
 
 
 def _hook() -> None:
@@ -582,7 +555,7 @@ class Buffer(GpuPath):
         max_tokens = self._ht_max_tokens(hidden, k, experts)
         ep = self._ht_ep(wire_hidden, k, experts, max_tokens)
         try:
-            rb, _, ridx, rw, counts, native = ep.ht_dispatch(wire, to_bytes(topk_idx.to(torch.int64)), to_bytes(w))
+            (rb, _, ridx, rw, counts), native = ep.ht_dispatch(wire, to_bytes(topk_idx.to(torch.int64)), to_bytes(w), n)
         except ValueError as e:
             if n > max_tokens:
                 raise ValueError(f"{e} (this Buffer holds {max_tokens} tokens per rank for HT with "
@@ -600,7 +573,7 @@ class Buffer(GpuPath):
             recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx = _pad_worst(
                 num_worst_tokens, nr, recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx, fp8)
             counts = []
-        st = _HtState(native, experts, k, max_tokens, hidden, num_worst_tokens)
+        st = HtState(ep, native, experts, k, max_tokens, hidden, fp8 is not None, num_worst_tokens)
         handle = (st, None, None, recv_src_idx, in_rank, None)
         return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event
 
@@ -713,7 +686,7 @@ class Buffer(GpuPath):
         t = int(num_max_dispatch_tokens_per_rank)
         r = self.group_size
         ep = self._ll_ep(hidden, k, num_experts, t, dtype)
-        xb, sb, counts, native = self._ll_masked(ep, ep.ll_dispatch, to_bytes(x), to_bytes(topk_idx.to(torch.int64)))
+        ((xb, sb), counts), native = self._ll_masked(ep, ep.ll_dispatch, to_bytes(x), to_bytes(topk_idx.to(torch.int64)), n)
         local = num_experts // r
         if use_fp8:
             data = from_bytes(xb, torch.uint8, (local, r * t, hidden)).view(torch.float8_e4m3fn)
@@ -731,7 +704,7 @@ class Buffer(GpuPath):
         ranges = native.layout_range
         layout_range = torch.tensor([(first << 32) | count for first, count in ranges],
                                     dtype=torch.int64).view(local, r)
-        handle = (_LlState(native, ep, k), layout_range, t, hidden, num_experts)
+        handle = (LlState(ep, native, k, n), layout_range, t, hidden, num_experts)
         return recv_x, recv_count, handle, EventOverlap(CompletedEvent() if async_finish else None), \
             (_hook if return_recv_hook else None)
 
@@ -762,7 +735,8 @@ class Buffer(GpuPath):
 
     def _ll_combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out):
         handle = _ops.eager_handle(self, handle)
-        if isinstance(handle[0], _gpu.GpuLlState):
+        st = handle[0] if isinstance(handle, (tuple, list)) and handle else None
+        if isinstance(st, LlState) and st.ep.is_cuda:
             self._ll_gpu_mask_check()
             return self._gpu_ll_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
                                         return_recv_hook, out)
@@ -797,7 +771,7 @@ class Buffer(GpuPath):
         if buf is None:
             st = handle[0]
             dev = st.device if isinstance(st, torch.Tensor) else \
-                torch.device("cuda", self._gpu.device) if isinstance(st, _gpu.GpuLlState) else "cpu"
+                torch.device("cuda", self._gpu.device) if isinstance(st, LlState) and st.ep.is_cuda else "cpu"
             buf = torch.zeros(shape, dtype=torch.bfloat16, device=dev)
             self._ll_comb_bufs[shape] = buf
         return buf

@@ -1,29 +1,32 @@
 //! `gin_ep._native`: the Python extension of gin-ep.
 //!
-//! Owns only the glue between Python and the gin-ep library: bootstrap of a group
-//! (store server, join), the host backend's ranks ([`Ep`]), the oracle and the routing
-//! layout, all over raw little-endian bytes. Tensors are converted on the Python side
-//! (`gin_ep/_convert.py`); this module never links libtorch.
+//! Owns only the glue between Python and the gin-ep library: bootstrap of a group (store
+//! server, join), one rank's engine ([`PyEp`] over `gin_ep::Ep`, on the host backend or a
+//! [`PyGpuRank`]'s GPU), the oracle and the routing layout. A tensor argument is `bytes`
+//! (host: little-endian values; converted on the Python side, `gin_ep/_convert.py`) or
+//! `(data_ptr, nbytes)` (CUDA: the caller's device memory, which the kernels read and write
+//! directly on the caller's stream); this module never links libtorch, and every FFI and
+//! thread-safety obligation sits in the engine's backend (see `gin_ep::ep`).
 //!
 //! Must never panic across the FFI boundary: every entry point runs under [`guard`],
 //! which turns a panic into a `RuntimeError`, and library errors become Python
-//! exceptions carrying the library's message (`ValueError` for bad input,
-//! `TimeoutError` for a wait past its deadline, `RuntimeError` otherwise).
-
-mod cuda;
+//! exceptions carrying the library's message (`ValueError` for bad input or a stale
+//! handle, `TimeoutError` for a wait past its deadline, `RuntimeError` otherwise).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use gin_ep::backend::host::protocol::{HostEp, Modes};
-use gin_ep::backend::host::run::{join_process, HostOptions};
 use gin_ep::config::DispatchDtype;
+use gin_ep::ep::{
+    self, Backend, DeviceOut, Ep, EpOptions, GpuRank, HtCombineIn, HtCombineOut, HtCombined, HtDispatchIn,
+    HtReceived, LlCombineIn, LlDispatchIn, LlDispatchOut as LlDispatchOutSpans, LlHalf, Mem, Stream,
+};
 use gin_ep::ht::{HtCombineInput, RankInput};
 use gin_ep::quant::Rows;
 use gin_ep::Error;
 use half::bf16;
-use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -32,7 +35,9 @@ use pyo3::types::PyBytes;
 fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
     match e {
-        Error::InvalidConfig { .. } | Error::InvalidInput { .. } => PyValueError::new_err(msg),
+        Error::InvalidConfig { .. } | Error::InvalidInput { .. } | Error::StaleHandle { .. } => {
+            PyValueError::new_err(msg)
+        }
         Error::Timeout { .. } => PyTimeoutError::new_err(msg),
         _ => PyRuntimeError::new_err(msg),
     }
@@ -163,8 +168,13 @@ impl PyEpConfig {
 
     /// Bytes of symmetric heap one rank needs for this config and these modes.
     #[pyo3(signature = (ht = true, ll = true))]
-    fn required_bytes(&self, ht: bool, ll: bool) -> usize {
-        HostEp::required_bytes(&self.cfg, Modes { ht, ll })
+    fn required_bytes(&self, ht: bool, ll: bool) -> PyResult<usize> {
+        let opts = EpOptions {
+            ht,
+            ll,
+            ..EpOptions::default()
+        };
+        guard(|| ep::required_bytes(&self.cfg, false, &opts).map_err(to_py))
     }
 
     fn __repr__(&self) -> String {
@@ -325,275 +335,656 @@ fn duration(secs: f64) -> PyResult<Duration> {
 
 // ------------------------------------------------------------------ handles
 
-/// What HT combine and cached dispatch need from an HT dispatch.
+/// The handle of an HT dispatch: from `Ep.ht_dispatch`, or the routing the oracle computed.
 #[pyclass(module = "gin_ep._native", name = "HtHandle", frozen)]
 struct PyHtHandle {
-    h: gin_ep::ht::HtHandle,
+    h: HtAny,
+}
+
+enum HtAny {
+    Ep(ep::HtHandle),
+    Oracle(gin_ep::ht::HtHandle),
+}
+
+impl PyHtHandle {
+    /// The routing of a host dispatch (ours or the oracle's).
+    fn routing(&self) -> PyResult<&gin_ep::ht::HtHandle> {
+        match &self.h {
+            HtAny::Ep(h) => h
+                .routing()
+                .ok_or_else(|| PyValueError::new_err("a GPU HT handle keeps its routing on the device")),
+            HtAny::Oracle(h) => Ok(h),
+        }
+    }
+
+    fn of_ep(&self) -> PyResult<&ep::HtHandle> {
+        match &self.h {
+            HtAny::Ep(h) => Ok(h),
+            HtAny::Oracle(_) => Err(PyValueError::new_err("handle: the oracle's, not an Ep's")),
+        }
+    }
 }
 
 #[pymethods]
 impl PyHtHandle {
-    /// Rows this rank received.
+    /// Rows this rank received (GPU with static sizing: None until a sync).
     #[getter]
-    fn num_recv(&self) -> usize {
-        self.h.num_recv()
+    fn num_recv(&self) -> Option<usize> {
+        match &self.h {
+            HtAny::Ep(h) => h.num_recv(),
+            HtAny::Oracle(h) => Some(h.num_recv()),
+        }
     }
     /// Tokens this rank dispatched.
     #[getter]
     fn num_tokens(&self) -> usize {
-        self.h.layout.num_tokens
+        match &self.h {
+            HtAny::Ep(h) => h.num_tokens(),
+            HtAny::Oracle(h) => h.layout.num_tokens,
+        }
     }
     /// `[Nr]` u32: source token of each received row.
-    fn recv_src_token<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        bytes(py, &self.h.recv_src_token)
+    fn recv_src_token<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        Ok(bytes(py, &self.routing()?.recv_src_token))
     }
     /// `[Nr]` u32: source rank of each received row.
-    fn recv_src_rank<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        let v: Vec<u32> = (0..self.h.num_recv())
-            .map(|i| self.h.src_rank_of(i) as u32)
-            .collect();
-        bytes(py, &v)
+    fn recv_src_rank<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let h = self.routing()?;
+        let v: Vec<u32> = (0..h.num_recv()).map(|i| h.src_rank_of(i) as u32).collect();
+        Ok(bytes(py, &v))
     }
     /// `[R + 1]` first receive row of each source rank.
     #[getter]
-    fn src_offset(&self) -> Vec<usize> {
-        self.h.plan.src_offset.clone()
+    fn src_offset(&self) -> PyResult<Vec<usize>> {
+        Ok(self.routing()?.plan.src_offset.clone())
     }
     /// `[N, R]` u8: 1 where token t goes to rank r.
-    fn is_token_in_rank<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+    fn is_token_in_rank<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         let v: Vec<u8> = self
-            .h
+            .routing()?
             .layout
             .send_slot
             .iter()
             .map(|&s| u8::from(s >= 0))
             .collect();
-        PyBytes::new(py, &v)
+        Ok(PyBytes::new(py, &v))
     }
     /// `[L]` rows per local expert, before alignment.
     #[getter]
-    fn tokens_per_local_expert(&self) -> Vec<usize> {
-        self.h.plan.tokens_per_local_expert.clone()
+    fn tokens_per_local_expert(&self) -> PyResult<Vec<usize>> {
+        Ok(self.routing()?.plan.tokens_per_local_expert.clone())
     }
     fn __eq__(&self, other: &Self) -> bool {
-        self.h == other.h
+        match (self.routing(), other.routing()) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
+        }
     }
 }
 
-/// What LL combine needs from an LL dispatch.
+/// The handle of an LL dispatch: from `Ep.ll_dispatch` (its buffer set and sequence number:
+/// a combine after the set was reused is refused), or the routing the oracle computed.
 #[pyclass(module = "gin_ep._native", name = "LlHandle", frozen)]
 struct PyLlHandle {
-    h: gin_ep::ll::LlHandle,
+    h: LlAny,
+}
+
+enum LlAny {
+    Ep(ep::LlHandle),
+    Oracle(gin_ep::ll::LlHandle),
+}
+
+impl PyLlHandle {
+    fn routing(&self) -> PyResult<&gin_ep::ll::LlHandle> {
+        match &self.h {
+            LlAny::Ep(h) => h
+                .routing()
+                .ok_or_else(|| PyValueError::new_err("a GPU LL handle keeps its routing on the device")),
+            LlAny::Oracle(h) => Ok(h),
+        }
+    }
+
+    fn of_ep(&self) -> PyResult<&ep::LlHandle> {
+        match &self.h {
+            LlAny::Ep(h) => Ok(h),
+            LlAny::Oracle(_) => Err(PyValueError::new_err("handle: the oracle's, not an Ep's")),
+        }
+    }
 }
 
 #[pymethods]
 impl PyLlHandle {
     #[getter]
     fn num_tokens(&self) -> usize {
-        self.h.num_tokens
+        match &self.h {
+            LlAny::Ep(h) => h.num_tokens(),
+            LlAny::Oracle(h) => h.num_tokens,
+        }
+    }
+    /// The buffer set (0 or 1) of the dispatch.
+    #[getter]
+    fn set(&self) -> usize {
+        match &self.h {
+            LlAny::Ep(h) => h.set(),
+            LlAny::Oracle(h) => h.set,
+        }
+    }
+    /// The dispatch's sequence number on its Ep (0 for the oracle's).
+    #[getter]
+    fn seq(&self) -> u64 {
+        match &self.h {
+            LlAny::Ep(h) => h.seq(),
+            LlAny::Oracle(_) => 0,
+        }
     }
     /// `[L * R]` (first row, count) of each source rank in each local expert.
     #[getter]
-    fn layout_range(&self) -> Vec<(u32, u32)> {
-        self.h.layout_range.clone()
+    fn layout_range(&self) -> PyResult<Vec<(u32, u32)>> {
+        Ok(self.routing()?.layout_range.clone())
     }
     /// `[L * R*T]` i32 source rank of each row, -1 where the row is not valid.
-    fn src_rank<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        bytes(py, &self.h.src_rank)
+    fn src_rank<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        Ok(bytes(py, &self.routing()?.src_rank))
     }
     /// `[L * R*T]` i32 source token of each row, -1 where the row is not valid.
-    fn src_token<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        bytes(py, &self.h.src_token)
+    fn src_token<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        Ok(bytes(py, &self.routing()?.src_token))
     }
     fn __eq__(&self, other: &Self) -> bool {
-        self.h == other.h
+        match (self.routing(), other.routing()) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
+        }
     }
 }
 
-// ------------------------------------------------------------------ the host backend
+// ------------------------------------------------------------------ memory
 
-/// One rank of the host backend (shared memory across the processes of a group).
-#[pyclass(module = "gin_ep._native", name = "Ep")]
-struct PyEp {
-    inner: Mutex<HostEp>,
-    cfg: gin_ep::EpConfig,
+/// A tensor argument: `bytes` (host backend: little-endian values) or `(data_ptr, nbytes)`
+/// (CUDA backend: device memory of this rank's GPU, live until the stream has passed it).
+enum Arg {
+    Host(Vec<u8>),
+    Device(u64, usize),
 }
 
-type HtDispatchOut<'py> = (
-    Bound<'py, PyBytes>,
-    Option<Bound<'py, PyBytes>>,
-    Bound<'py, PyBytes>,
-    Bound<'py, PyBytes>,
-    Vec<usize>,
-    PyHtHandle,
-);
-
-type LlDispatchOut<'py> = (
-    Bound<'py, PyBytes>,
-    Option<Bound<'py, PyBytes>>,
-    Vec<usize>,
-    PyLlHandle,
-);
-
-fn ht_out<'py>(py: Python<'py>, o: gin_ep::ht::HtDispatchOutput) -> HtDispatchOut<'py> {
-    let (x, s) = rows_out(py, &o.recv_x);
-    (
-        x,
-        s,
-        bytes(py, &o.recv_topk_idx),
-        bytes(py, &o.recv_topk_weights),
-        o.num_recv_tokens_per_expert,
-        PyHtHandle { h: o.handle },
-    )
+impl<'a, 'py> FromPyObject<'a, 'py> for Arg {
+    type Error = PyErr;
+    fn extract(ob: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(b) = ob.cast::<PyBytes>() {
+            return Ok(Arg::Host(b.as_bytes().to_vec()));
+        }
+        match ob.extract::<(u64, usize)>() {
+            Ok((ptr, n)) => Ok(Arg::Device(ptr, n)),
+            Err(_) => Err(PyTypeError::new_err(
+                "a tensor argument is bytes (host) or (data_ptr, nbytes) (CUDA)",
+            )),
+        }
+    }
 }
 
-fn ll_out<'py>(py: Python<'py>, o: gin_ep::ll::LlDispatchOutput) -> LlDispatchOut<'py> {
-    let (x, s) = rows_out(py, &o.recv_x);
-    (x, s, o.recv_count, PyLlHandle { h: o.handle })
+/// Typed values of an argument (host: copied out of the bytes, any alignment).
+enum Vals<T> {
+    Host(Vec<T>),
+    Device(u64, usize),
+}
+
+impl<T: bytemuck::Pod> Vals<T> {
+    fn of(what: &str, a: Arg) -> PyResult<Self> {
+        Ok(match a {
+            Arg::Host(b) => Vals::Host(pod_vec(what, &b)?),
+            Arg::Device(p, n) => Vals::Device(p, n),
+        })
+    }
+    fn opt(what: &str, a: Option<Arg>) -> PyResult<Option<Self>> {
+        a.map(|a| Self::of(what, a)).transpose()
+    }
+    fn mem(&self) -> Mem<'_, T> {
+        match self {
+            Vals::Host(v) => Mem::Host(v),
+            Vals::Device(ptr, bytes) => Mem::Device {
+                ptr: *ptr,
+                bytes: *bytes,
+            },
+        }
+    }
+}
+
+fn dev_out(a: Option<(u64, usize)>) -> Option<DeviceOut> {
+    a.map(|(ptr, bytes)| DeviceOut { ptr, bytes })
+}
+
+// ------------------------------------------------------------------ the engine
+
+/// One rank's GPU (communicator, context, stream), shared by the GPU `Ep`s of a process.
+#[pyclass(module = "gin_ep._native", name = "GpuRank", frozen)]
+struct PyGpuRank {
+    rank: GpuRank,
 }
 
 #[pymethods]
-impl PyEp {
-    /// Collective: every rank of `group` creates its `Ep` with the same config, in the
-    /// same order (this maps the shared-memory heap of every rank).
+impl PyGpuRank {
+    /// Collective: every rank of `group` opens its GPU `device` (NCCL communicator through
+    /// the group's store).
     #[new]
-    #[pyo3(signature = (group, config, ht = true, ll = false, timeout_s = 100.0))]
-    fn new(group: &PyGroup, config: &PyEpConfig, ht: bool, ll: bool, timeout_s: f64) -> PyResult<Self> {
-        guard(|| {
-            let opts = HostOptions {
-                modes: Modes { ht, ll },
-                timeout: duration(timeout_s)?,
-                fault: None,
-            };
-            let ep = group.with(|g| join_process(g, &config.cfg, &opts).map_err(to_py))?;
-            Ok(PyEp {
-                inner: Mutex::new(ep),
-                cfg: config.cfg.clone(),
-            })
-        })
+    #[pyo3(signature = (group, device, timeout_s = 100.0))]
+    fn new(py: Python<'_>, group: &PyGroup, device: usize, timeout_s: f64) -> PyResult<Self> {
+        let t = duration(timeout_s)?;
+        let rank =
+            py.detach(|| guard(|| group.with(|g| GpuRank::open(g, Some(device), t).map_err(to_py))))?;
+        Ok(PyGpuRank { rank })
+    }
+
+    /// Device, SM count, NCCL version and where NCCL was loaded from.
+    fn info(&self) -> String {
+        format!("{:?}", self.rank.info())
+    }
+
+    #[getter]
+    fn sm_count(&self) -> u32 {
+        self.rank.info().sm_count
+    }
+}
+
+/// One rank's engine for one config (gin-ep's `Ep`): the host backend (tensors as bytes,
+/// outputs returned) or, with `gpu`, the CUDA backend (tensors as `(data_ptr, nbytes)`,
+/// outputs written into the caller's tensors, work queued on `stream` without a host wait).
+#[pyclass(module = "gin_ep._native", name = "Ep", frozen)]
+struct PyEp {
+    ep: Ep,
+}
+
+type HostHtOut<'py> = (
+    Bound<'py, PyBytes>,
+    Option<Bound<'py, PyBytes>>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Vec<usize>,
+);
+
+type HtDispatchOut<'py> = (Option<HostHtOut<'py>>, PyHtHandle);
+
+type LlDispatchOut<'py> = (Option<(RowsOut<'py>, Vec<usize>)>, PyLlHandle);
+
+#[pymethods]
+impl PyEp {
+    /// Collective: every rank of `group` creates its `Ep` with the same config and options,
+    /// in the same order (host: maps every rank's shared-memory heap; GPU: the windows).
+    #[new]
+    #[pyo3(signature = (group, config, ht = true, ll = false, timeout_s = 100.0, gpu = None, ht_sms = ep::HT_DEFAULT_SMS,
+                        ht_recv_slabs = 1, ht_exact = true, ll_grid = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        group: &PyGroup,
+        config: &PyEpConfig,
+        ht: bool,
+        ll: bool,
+        timeout_s: f64,
+        gpu: Option<&PyGpuRank>,
+        ht_sms: u32,
+        ht_recv_slabs: usize,
+        ht_exact: bool,
+        ll_grid: Option<u32>,
+    ) -> PyResult<Self> {
+        let opts = EpOptions {
+            ht,
+            ll,
+            timeout: duration(timeout_s)?,
+            fault: None,
+            ht_sms,
+            ht_recv_slabs,
+            ht_exact,
+            ll_grid,
+        };
+        let backend = match gpu {
+            Some(g) => Backend::Cuda(g.rank.clone()),
+            None => Backend::Host,
+        };
+        let cfg = &config.cfg;
+        let ep = py.detach(|| guard(|| group.with(|g| Ep::join(g, cfg, &backend, &opts).map_err(to_py))))?;
+        Ok(PyEp { ep })
     }
 
     #[getter]
     fn config(&self) -> PyEpConfig {
         PyEpConfig {
-            cfg: self.cfg.clone(),
+            cfg: self.ep.config().clone(),
         }
     }
 
     #[getter]
-    fn rank(&self) -> PyResult<usize> {
-        guard(|| Ok(lock(&self.inner, "ep")?.rank()))
+    fn rank(&self) -> usize {
+        self.ep.rank()
+    }
+
+    #[getter]
+    fn is_cuda(&self) -> bool {
+        self.ep.is_cuda()
+    }
+
+    /// The buffer set (0 or 1) the next LL dispatch takes.
+    #[getter]
+    fn ll_next_set(&self) -> usize {
+        self.ep.ll_next_set()
     }
 
     /// Sets the LL rank mask (True = masked: LL neither sends to nor waits for that rank)
     /// and whether a failed LL wait masks the peer instead of failing (`shrink`).
     fn set_ll_mask(&self, mask: Vec<bool>, shrink: bool) -> PyResult<()> {
-        guard(|| lock(&self.inner, "ep")?.set_ll_mask(&mask, shrink).map_err(to_py))
+        guard(|| self.ep.set_ll_mask(&mask, shrink).map_err(to_py))
     }
 
     /// The LL rank mask after the last operation (peers masked under `shrink` included).
     fn ll_mask(&self) -> PyResult<Vec<bool>> {
-        guard(|| Ok(lock(&self.inner, "ep")?.ll_mask().to_vec()))
+        guard(|| self.ep.ll_mask().map_err(to_py))
     }
 
-    /// HT dispatch. Returns (recv_x, recv_scales or None, recv_topk_idx i64,
-    /// recv_topk_weights f32, num_recv_tokens_per_expert, handle).
+    /// HT dispatch of `num_tokens` tokens (`x` BF16, or with `x_scales` FP8 e4m3 + f32 scales
+    /// on the GPU). Returns (host outputs or None, handle); host outputs are (recv_x,
+    /// recv_scales or None, recv_topk_idx i64, recv_topk_weights f32,
+    /// num_recv_tokens_per_expert). GPU: the rows land in slab `recv_slab` (`ht_region`).
+    #[pyo3(signature = (x, topk_idx, topk_weights, num_tokens, x_scales = None, recv_slab = 0, stream = 0))]
+    #[allow(clippy::too_many_arguments)]
     fn ht_dispatch<'py>(
         &self,
         py: Python<'py>,
-        x: &[u8],
-        topk_idx: &[u8],
-        topk_weights: &[u8],
+        x: Arg,
+        topk_idx: Arg,
+        topk_weights: Arg,
+        num_tokens: usize,
+        x_scales: Option<Arg>,
+        recv_slab: usize,
+        stream: u64,
     ) -> PyResult<HtDispatchOut<'py>> {
-        let x: Vec<bf16> = pod_vec("x", x)?;
-        let idx: Vec<i64> = pod_vec("topk_idx", topk_idx)?;
-        let w: Vec<f32> = pod_vec("topk_weights", topk_weights)?;
-        let out = py.detach(|| {
+        let (x, idx, w) = (
+            Vals::<bf16>::of("x", x)?,
+            Vals::<i64>::of("topk_idx", topk_idx)?,
+            Vals::<f32>::of("topk_weights", topk_weights)?,
+        );
+        let sc = Vals::<f32>::opt("x_scales", x_scales)?;
+        let (recv, h) = py.detach(|| {
             guard(|| {
-                let mut ep = lock(&self.inner, "ep")?;
-                ep.ht_dispatch(&x, &idx, &w).map_err(to_py)
+                let input = HtDispatchIn {
+                    x: x.mem(),
+                    fp8_scales: sc.as_ref().map(Vals::mem),
+                    num_tokens,
+                    topk_idx: idx.mem(),
+                    topk_weights: w.mem(),
+                    recv_slab,
+                };
+                self.ep.ht_dispatch(input, Stream(stream)).map_err(to_py)
             })
         })?;
-        Ok(ht_out(py, out))
+        let host = match recv {
+            HtReceived::Host {
+                recv_x,
+                recv_topk_idx,
+                recv_topk_weights,
+                num_recv_tokens_per_expert,
+            } => {
+                let (x, s) = rows_out(py, &recv_x);
+                Some((
+                    x,
+                    s,
+                    bytes(py, &recv_topk_idx),
+                    bytes(py, &recv_topk_weights),
+                    num_recv_tokens_per_expert,
+                ))
+            }
+            HtReceived::Device { .. } => None,
+        };
+        Ok((host, PyHtHandle { h: HtAny::Ep(h) }))
     }
 
-    /// Cached HT dispatch with the layout of `handle`. Returns (recv_x, recv_scales or None).
+    /// Cached HT dispatch of `x` (and `x_scales`) along `handle`'s layout. Host: returns
+    /// (recv_x, recv_scales or None); GPU: None (the rows land in slab `recv_slab`).
+    #[pyo3(signature = (x, handle, x_scales = None, recv_slab = 0, stream = 0))]
     fn ht_dispatch_cached<'py>(
         &self,
         py: Python<'py>,
-        x: &[u8],
+        x: Arg,
         handle: &PyHtHandle,
-    ) -> PyResult<RowsOut<'py>> {
-        let x: Vec<bf16> = pod_vec("x", x)?;
-        let h = &handle.h;
+        x_scales: Option<Arg>,
+        recv_slab: usize,
+        stream: u64,
+    ) -> PyResult<Option<RowsOut<'py>>> {
+        let x = Vals::<bf16>::of("x", x)?;
+        let sc = Vals::<f32>::opt("x_scales", x_scales)?;
+        let h = handle.of_ep()?;
         let rows = py.detach(|| {
             guard(|| {
-                let mut ep = lock(&self.inner, "ep")?;
-                ep.ht_dispatch_cached(&x, h).map_err(to_py)
+                self.ep
+                    .ht_dispatch_cached(x.mem(), sc.as_ref().map(Vals::mem), h, recv_slab, Stream(stream))
+                    .map_err(to_py)
             })
         })?;
-        Ok(rows_out(py, &rows))
+        Ok(rows.map(|r| rows_out(py, &r)))
     }
 
-    /// HT combine. Returns (combined_x bf16, combined_topk_weights f32 or None).
-    #[pyo3(signature = (x, handle, topk_weights = None, bias_0 = None, bias_1 = None))]
+    /// Rows per local expert of `handle`'s dispatch (GPU exact sizing: at once, from
+    /// host-mapped memory; static sizing: after a host wait).
+    #[pyo3(signature = (handle, stream = 0))]
+    fn ht_recv_counts(&self, py: Python<'_>, handle: &PyHtHandle, stream: u64) -> PyResult<Vec<usize>> {
+        let h = handle.of_ep()?;
+        py.detach(|| guard(|| self.ep.ht_recv_counts(h, Stream(stream)).map_err(to_py)))
+    }
+
+    /// HT combine of the expert outputs `x` (`[num_recv, H]` BF16 in receive order) along
+    /// `handle`, with optional weights and biases. Host: returns (combined_x bf16,
+    /// combined_topk_weights f32 or None). GPU: writes `out_x` (and `out_w` with weights).
+    #[pyo3(signature = (x, handle, topk_weights = None, bias_0 = None, bias_1 = None, out_x = None, out_w = None,
+                        stream = 0))]
+    #[allow(clippy::too_many_arguments)]
     fn ht_combine<'py>(
         &self,
         py: Python<'py>,
-        x: &[u8],
+        x: Arg,
         handle: &PyHtHandle,
-        topk_weights: Option<&[u8]>,
-        bias_0: Option<&[u8]>,
-        bias_1: Option<&[u8]>,
-    ) -> PyResult<RowsOut<'py>> {
-        let input = HtCombineInput {
-            x: pod_vec("x", x)?,
-            topk_weights: opt_vec("topk_weights", topk_weights)?,
-            bias: [opt_vec("bias_0", bias_0)?, opt_vec("bias_1", bias_1)?],
+        topk_weights: Option<Arg>,
+        bias_0: Option<Arg>,
+        bias_1: Option<Arg>,
+        out_x: Option<(u64, usize)>,
+        out_w: Option<(u64, usize)>,
+        stream: u64,
+    ) -> PyResult<Option<RowsOut<'py>>> {
+        let x = Vals::<bf16>::of("x", x)?;
+        let w = Vals::<f32>::opt("topk_weights", topk_weights)?;
+        let b0 = Vals::<bf16>::opt("bias_0", bias_0)?;
+        let b1 = Vals::<bf16>::opt("bias_1", bias_1)?;
+        let h = handle.of_ep()?;
+        let out = py.detach(|| {
+            guard(|| {
+                let input = HtCombineIn {
+                    x: x.mem(),
+                    topk_weights: w.as_ref().map(Vals::mem),
+                    bias: [b0.as_ref().map(Vals::mem), b1.as_ref().map(Vals::mem)],
+                };
+                let output = HtCombineOut {
+                    x: dev_out(out_x),
+                    topk_weights: dev_out(out_w),
+                };
+                self.ep
+                    .ht_combine(input, h, output, Stream(stream))
+                    .map_err(to_py)
+            })
+        })?;
+        Ok(match out {
+            HtCombined::Host { x, topk_weights } => {
+                Some((bytes(py, &x), topk_weights.map(|w| bytes(py, &w))))
+            }
+            HtCombined::Device => None,
+        })
+    }
+
+    /// GPU: device address and byte size of receive region `which` (`recv_x`, `recv_scales`,
+    /// `recv_idx`, `recv_w`, `recv_src`) of slab `slab`, in this rank's window; the rows a
+    /// dispatch into that slab left there stay until a later dispatch names the slab. Also
+    /// `send_slot` (`slab` ignored): the last fresh dispatch's `[N, R]` i32 slots.
+    fn ht_region(&self, which: &str, slab: usize) -> PyResult<(u64, usize)> {
+        guard(|| self.ep.ht_region(which, slab).map_err(to_py))
+    }
+
+    /// GPU: copies the first `nbytes` of region `which` of the copy slab (slab 0) to the
+    /// caller's `dst` `(data_ptr, nbytes)`.
+    #[pyo3(signature = (which, dst, stream = 0))]
+    fn ht_copy_out(&self, py: Python<'_>, which: &str, dst: (u64, usize), stream: u64) -> PyResult<()> {
+        let dst = DeviceOut {
+            ptr: dst.0,
+            bytes: dst.1,
         };
-        let h = &handle.h;
-        let out = py.detach(|| {
-            guard(|| {
-                let mut ep = lock(&self.inner, "ep")?;
-                ep.ht_combine(&input, h).map_err(to_py)
-            })
-        })?;
-        Ok((bytes(py, &out.x), out.topk_weights.map(|w| bytes(py, &w))))
+        py.detach(|| guard(|| self.ep.ht_copy_out(which, dst, Stream(stream)).map_err(to_py)))
     }
 
-    /// LL dispatch. Returns (recv_x `[L, R*T, H]`, recv_scales or None, recv_count, handle).
-    fn ll_dispatch<'py>(&self, py: Python<'py>, x: &[u8], topk_idx: &[u8]) -> PyResult<LlDispatchOut<'py>> {
-        let x: Vec<bf16> = pod_vec("x", x)?;
-        let idx: Vec<i64> = pod_vec("topk_idx", topk_idx)?;
-        let out = py.detach(|| {
+    /// LL dispatch of `num_tokens` tokens (`x` `[N, H]` BF16, `topk_idx` `[N, K]` i64) on the
+    /// next buffer set. `hook`: only the send half now; `ll_dispatch_recv` receives. Host:
+    /// returns ((recv_x, recv_scales or None), recv_count) and the handle (the data arrived
+    /// before the call returned); GPU: writes the caller's outputs (`recv_x`, `recv_scales`
+    /// `[L, H/128, R*T]` f32, `recv_count` `[L]` i32, `layout_range` `[L, R]` i64, `stats`
+    /// `[L]` i32 added to), no host synchronization.
+    #[pyo3(signature = (x, topk_idx, num_tokens, hook = false, recv_x = None, recv_scales = None, recv_count = None,
+                        layout_range = None, stats = None, stream = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn ll_dispatch<'py>(
+        &self,
+        py: Python<'py>,
+        x: Arg,
+        topk_idx: Arg,
+        num_tokens: usize,
+        hook: bool,
+        recv_x: Option<(u64, usize)>,
+        recv_scales: Option<(u64, usize)>,
+        recv_count: Option<(u64, usize)>,
+        layout_range: Option<(u64, usize)>,
+        stats: Option<(u64, usize)>,
+        stream: u64,
+    ) -> PyResult<LlDispatchOut<'py>> {
+        let x = Vals::<bf16>::of("x", x)?;
+        let idx = Vals::<i64>::of("topk_idx", topk_idx)?;
+        let out = LlDispatchOutSpans {
+            recv_x: dev_out(recv_x),
+            recv_scales: dev_out(recv_scales),
+            recv_count: dev_out(recv_count),
+            layout_range: dev_out(layout_range),
+            stats: dev_out(stats),
+        };
+        let half = if hook { LlHalf::Send } else { LlHalf::Both };
+        let d = py.detach(|| {
             guard(|| {
-                let mut ep = lock(&self.inner, "ep")?;
-                ep.ll_dispatch(&x, &idx).map_err(to_py)
+                let input = LlDispatchIn {
+                    x: x.mem(),
+                    num_tokens,
+                    topk_idx: idx.mem(),
+                };
+                self.ep
+                    .ll_dispatch(input, half, out, Stream(stream))
+                    .map_err(to_py)
             })
         })?;
-        Ok(ll_out(py, out))
+        let host = d.host.map(|(rows, counts)| (rows_out(py, &rows), counts));
+        Ok((
+            host,
+            PyLlHandle {
+                h: LlAny::Ep(d.handle),
+            },
+        ))
     }
 
-    /// LL combine of expert outputs `y` `[L, R*T, H]`. Returns combined_x `[N, H]` bf16.
+    /// The receive half of `handle`'s LL dispatch (after `ll_dispatch(hook=True)`).
+    #[pyo3(signature = (handle, recv_x = None, recv_scales = None, recv_count = None, layout_range = None,
+                        stats = None, stream = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn ll_dispatch_recv(
+        &self,
+        py: Python<'_>,
+        handle: &PyLlHandle,
+        recv_x: Option<(u64, usize)>,
+        recv_scales: Option<(u64, usize)>,
+        recv_count: Option<(u64, usize)>,
+        layout_range: Option<(u64, usize)>,
+        stats: Option<(u64, usize)>,
+        stream: u64,
+    ) -> PyResult<()> {
+        let h = handle.of_ep()?;
+        let out = LlDispatchOutSpans {
+            recv_x: dev_out(recv_x),
+            recv_scales: dev_out(recv_scales),
+            recv_count: dev_out(recv_count),
+            layout_range: dev_out(layout_range),
+            stats: dev_out(stats),
+        };
+        py.detach(|| guard(|| self.ep.ll_dispatch_recv(h, out, Stream(stream)).map_err(to_py)))
+    }
+
+    /// LL combine of expert outputs `x` `[L, R*T, H]` BF16 for `handle`'s dispatch, with its
+    /// `topk_idx` and `topk_weights`. `hook`: only the send half now (`ll_combine_recv`
+    /// reduces). Host: returns combined_x `[N, H]` bf16; GPU: writes `combined`, None.
+    #[pyo3(signature = (x, topk_idx, topk_weights, handle, hook = false, combined = None, stream = 0))]
+    #[allow(clippy::too_many_arguments)]
     fn ll_combine<'py>(
         &self,
         py: Python<'py>,
-        y: &[u8],
-        topk_idx: &[u8],
-        topk_weights: &[u8],
+        x: Arg,
+        topk_idx: Arg,
+        topk_weights: Arg,
         handle: &PyLlHandle,
-    ) -> PyResult<Bound<'py, PyBytes>> {
-        let y: Vec<bf16> = pod_vec("x", y)?;
-        let idx: Vec<i64> = pod_vec("topk_idx", topk_idx)?;
-        let w: Vec<f32> = pod_vec("topk_weights", topk_weights)?;
-        let h = &handle.h;
+        hook: bool,
+        combined: Option<(u64, usize)>,
+        stream: u64,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let y = Vals::<bf16>::of("x", x)?;
+        let idx = Vals::<i64>::of("topk_idx", topk_idx)?;
+        let w = Vals::<f32>::of("topk_weights", topk_weights)?;
+        let h = handle.of_ep()?;
+        let half = if hook { LlHalf::Send } else { LlHalf::Both };
         let out = py.detach(|| {
             guard(|| {
-                let mut ep = lock(&self.inner, "ep")?;
-                ep.ll_combine(&y, &idx, &w, h).map_err(to_py)
+                let input = LlCombineIn {
+                    y: y.mem(),
+                    topk_idx: idx.mem(),
+                    topk_weights: w.mem(),
+                };
+                self.ep
+                    .ll_combine(input, h, half, dev_out(combined), Stream(stream))
+                    .map_err(to_py)
             })
         })?;
-        Ok(bytes(py, &out))
+        Ok(out.map(|v| bytes(py, &v)))
+    }
+
+    /// The receive half (the reduce) of an LL combine after `ll_combine(hook=True)`.
+    #[pyo3(signature = (topk_idx, topk_weights, handle, combined = None, stream = 0))]
+    fn ll_combine_recv(
+        &self,
+        py: Python<'_>,
+        topk_idx: Arg,
+        topk_weights: Arg,
+        handle: &PyLlHandle,
+        combined: Option<(u64, usize)>,
+        stream: u64,
+    ) -> PyResult<()> {
+        let idx = Vals::<i64>::of("topk_idx", topk_idx)?;
+        let w = Vals::<f32>::of("topk_weights", topk_weights)?;
+        let h = handle.of_ep()?;
+        py.detach(|| {
+            guard(|| {
+                // The receive half reads no expert outputs.
+                let input = LlCombineIn {
+                    y: Mem::Host(&[]),
+                    topk_idx: idx.mem(),
+                    topk_weights: w.mem(),
+                };
+                self.ep
+                    .ll_combine_recv(input, h, dev_out(combined), Stream(stream))
+                    .map_err(to_py)
+            })
+        })
+    }
+
+    /// Waits (bounded) for everything queued on `stream` and reports a failure any kernel
+    /// recorded (GPU; nothing to wait for on the host).
+    #[pyo3(signature = (stream = 0))]
+    fn sync(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
+        py.detach(|| guard(|| self.ep.sync(Stream(stream)).map_err(to_py)))
     }
 }
 
@@ -664,8 +1055,52 @@ fn rank_inputs(xs: Vec<Vec<u8>>, idxs: Vec<Vec<u8>>, ws: Option<Vec<Vec<u8>>>) -
     Ok(out)
 }
 
-/// Reference HT dispatch over every rank's input; one tuple per rank, shaped as
-/// `Ep.ht_dispatch` returns.
+/// One rank's oracle HT dispatch: the host outputs of `Ep.ht_dispatch`, then the handle.
+type OracleHtOut<'py> = (
+    Bound<'py, PyBytes>,
+    Option<Bound<'py, PyBytes>>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Vec<usize>,
+    PyHtHandle,
+);
+
+fn ht_out<'py>(py: Python<'py>, o: gin_ep::ht::HtDispatchOutput) -> OracleHtOut<'py> {
+    let (x, s) = rows_out(py, &o.recv_x);
+    (
+        x,
+        s,
+        bytes(py, &o.recv_topk_idx),
+        bytes(py, &o.recv_topk_weights),
+        o.num_recv_tokens_per_expert,
+        PyHtHandle {
+            h: HtAny::Oracle(o.handle),
+        },
+    )
+}
+
+/// One rank's oracle LL dispatch: (recv_x, recv_scales or None, recv_count, handle).
+type OracleLlOut<'py> = (
+    Bound<'py, PyBytes>,
+    Option<Bound<'py, PyBytes>>,
+    Vec<usize>,
+    PyLlHandle,
+);
+
+fn ll_out<'py>(py: Python<'py>, o: gin_ep::ll::LlDispatchOutput) -> OracleLlOut<'py> {
+    let (x, s) = rows_out(py, &o.recv_x);
+    (
+        x,
+        s,
+        o.recv_count,
+        PyLlHandle {
+            h: LlAny::Oracle(o.handle),
+        },
+    )
+}
+
+/// Reference HT dispatch over every rank's input; one tuple per rank: the host outputs of
+/// `Ep.ht_dispatch`, then the handle.
 #[pyfunction]
 fn oracle_ht_dispatch<'py>(
     py: Python<'py>,
@@ -673,7 +1108,7 @@ fn oracle_ht_dispatch<'py>(
     xs: Vec<Vec<u8>>,
     topk_idx: Vec<Vec<u8>>,
     topk_weights: Vec<Vec<u8>>,
-) -> PyResult<Vec<HtDispatchOut<'py>>> {
+) -> PyResult<Vec<OracleHtOut<'py>>> {
     let outs = guard(|| {
         let inputs = rank_inputs(xs, topk_idx, Some(topk_weights))?;
         gin_ep::oracle::ht_dispatch(&config.cfg, &inputs).map_err(to_py)
@@ -718,7 +1153,10 @@ fn oracle_ht_combine<'py>(
                 ],
             });
         }
-        let hs: Vec<gin_ep::ht::HtHandle> = handles.iter().map(|h| h.h.clone()).collect();
+        let hs = handles
+            .iter()
+            .map(|h| h.routing().cloned())
+            .collect::<PyResult<Vec<gin_ep::ht::HtHandle>>>()?;
         gin_ep::oracle::ht_combine(&config.cfg, &hs, &inputs).map_err(to_py)
     })?;
     Ok(outs
@@ -727,14 +1165,14 @@ fn oracle_ht_combine<'py>(
         .collect())
 }
 
-/// Reference LL dispatch; one tuple per rank, shaped as `Ep.ll_dispatch` returns.
+/// Reference LL dispatch; one (recv_x, recv_scales or None, recv_count, handle) per rank.
 #[pyfunction]
 fn oracle_ll_dispatch<'py>(
     py: Python<'py>,
     config: &PyEpConfig,
     xs: Vec<Vec<u8>>,
     topk_idx: Vec<Vec<u8>>,
-) -> PyResult<Vec<LlDispatchOut<'py>>> {
+) -> PyResult<Vec<OracleLlOut<'py>>> {
     let outs = guard(|| {
         let inputs = rank_inputs(xs, topk_idx, None)?;
         gin_ep::oracle::ll_dispatch(&config.cfg, &inputs).map_err(to_py)
@@ -753,7 +1191,10 @@ fn oracle_ll_combine<'py>(
     topk_weights: Vec<Vec<u8>>,
 ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
     let outs = guard(|| {
-        let hs: Vec<gin_ep::ll::LlHandle> = handles.iter().map(|h| h.h.clone()).collect();
+        let hs = handles
+            .iter()
+            .map(|h| h.routing().cloned())
+            .collect::<PyResult<Vec<gin_ep::ll::LlHandle>>>()?;
         let ys = ys
             .iter()
             .map(|y| pod_vec::<bf16>("x", y))
@@ -771,20 +1212,11 @@ fn oracle_ll_combine<'py>(
     Ok(outs.iter().map(|o| bytes(py, o)).collect())
 }
 
-/// One embedded kernel set: (NCCL minor, e.g. "2.28"; NCCL header version code; built; why
-/// not built).
-type KernelSetInfo = (&'static str, Option<u32>, bool, Option<&'static str>);
-
-/// How this build's CUDA kernels came to be: one entry per supported NCCL minor, and
-/// nvcc's version line.
+/// How this build's CUDA kernels came to be: one entry per supported NCCL minor (NCCL minor,
+/// e.g. "2.28"; NCCL header version code; built; why not built), and nvcc's version line.
 #[pyfunction]
-fn kernels_info() -> (Vec<KernelSetInfo>, Option<&'static str>) {
-    use gin_ep::backend::cuda::kernels as k;
-    let sets = k::KERNEL_SETS
-        .iter()
-        .map(|s| (s.nccl, s.nccl_header_version, s.fatbin.is_some(), s.absent_reason))
-        .collect();
-    (sets, k::NVCC_VERSION)
+fn kernels_info() -> (Vec<ep::KernelSetInfo>, Option<&'static str>) {
+    ep::kernels_info()
 }
 
 /// The NCCL the GPU path would load here (the one already in the process, e.g. PyTorch's,
@@ -793,20 +1225,31 @@ fn kernels_info() -> (Vec<KernelSetInfo>, Option<&'static str>) {
 /// supported versions). Loads no GPU library besides NCCL.
 #[pyfunction]
 fn nccl_info() -> (Option<i32>, String, bool, Option<String>, String) {
-    use gin_ep::backend::cuda::{kernels_for, nccl_probe, supported_text};
-    match nccl_probe() {
-        Ok((source, version)) => match kernels_for(version, &source) {
-            Ok(_) => (Some(version), source, true, None, supported_text()),
-            Err(e) => (
-                Some(version),
-                source,
-                false,
-                Some(e.to_string()),
-                supported_text(),
-            ),
-        },
-        Err(why) => (None, why, false, None, supported_text()),
-    }
+    ep::nccl_info()
+}
+
+/// Bytes of the HT window a GPU `Ep` needs for `config` with `recv_slabs` receive slabs.
+#[pyfunction]
+#[pyo3(signature = (config, recv_slabs = 1))]
+fn gpu_ht_bytes(config: &PyEpConfig, recv_slabs: usize) -> PyResult<usize> {
+    let opts = EpOptions {
+        ht: true,
+        ll: false,
+        ht_recv_slabs: recv_slabs,
+        ..EpOptions::default()
+    };
+    guard(|| ep::required_bytes(&config.cfg, true, &opts).map_err(to_py))
+}
+
+/// Bytes of the LL window a GPU `Ep` needs for `config` (both buffer sets).
+#[pyfunction]
+fn gpu_ll_bytes(config: &PyEpConfig) -> PyResult<usize> {
+    let opts = EpOptions {
+        ht: false,
+        ll: true,
+        ..EpOptions::default()
+    };
+    guard(|| ep::required_bytes(&config.cfg, true, &opts).map_err(to_py))
 }
 
 #[pymodule]
@@ -817,10 +1260,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEp>()?;
     m.add_class::<PyHtHandle>()?;
     m.add_class::<PyLlHandle>()?;
-    m.add_class::<cuda::PyCudaEp>()?;
-    m.add_class::<cuda::PyCudaHtHandle>()?;
-    m.add_function(wrap_pyfunction!(cuda::gpu_ht_bytes, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda::gpu_ll_bytes, m)?)?;
+    m.add_class::<PyGpuRank>()?;
+    m.add_function(wrap_pyfunction!(gpu_ht_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu_ll_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(kernels_info, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_info, m)?)?;
     m.add_function(wrap_pyfunction!(layout, m)?)?;
@@ -833,6 +1275,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The package version has one source: the workspace's Cargo version (maturin writes
     // the same into the wheel's metadata).
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    m.add("MAX_RECV_SLABS", gin_ep::backend::cuda::ht::MAX_RECV_SLABS)?;
+    m.add("MAX_RECV_SLABS", ep::MAX_RECV_SLABS)?;
     Ok(())
 }

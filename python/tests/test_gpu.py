@@ -141,9 +141,9 @@ def ht_worker(rank, world):
     # cached one were received into slabs 1 and 2 and returned as tensors over them; the
     # last fresh dispatch found none free and copied its rows out. Both held results must
     # be intact after the later dispatches into the other slabs.
-    free = buf._gpu.ht_free[handle[0].ht]
+    free = buf._gpu.ht_free[handle[0].ep]
     assert free == [], free
-    assert handle[3].data_ptr() == buf._gpu.ep.ht_region(handle[0].ht, "recv_src", 1)[0], \
+    assert handle[3].data_ptr() == handle[0].ep.ht_region("recv_src", 1)[0], \
         "the handle's recv_src_idx is a view of slab 1" 
     same_bits("recv_x, still held", cpu(recv_x), from_bytes(rb, torch.bfloat16, (nr, HIDDEN)))
     same_bits("recv_topk_idx, still held", cpu(recv_idx), from_bytes(ridx, torch.int64, (nr, TOPK)))
@@ -267,23 +267,27 @@ def ll_worker(rank, world):
         same_bits("graph combined_x", gout.cpu(), from_bytes(cref[rank], torch.bfloat16, (tokens[rank], HIDDEN)))
 
     # A dispatch rejected for its arguments leaves the buffer sets as they were.
-    sets = dict(buf._gpu.ll_next)
+    sets = {key: ll.ll_next_set for key, ll in buf._gpu.lls.items()}
     with pytest.raises(ValueError, match="cumulative_local_expert_recv_stats"):
         buf.low_latency_dispatch(xd, idd, T, experts, use_fp8=False,
                                  cumulative_local_expert_recv_stats=torch.zeros(local + 1, dtype=torch.int32,
                                                                                device=dev))
-    assert buf._gpu.ll_next == sets
+    assert {key: ll.ll_next_set for key, ll in buf._gpu.lls.items()} == sets
 
     # Caller memory is checked before anything is queued, on every rank alike: an address
     # that is not device memory, and a tensor too small for the operation.
-    ep, l_id, stream = buf._gpu.ep, next(iter(buf._gpu.lls.values())), torch.cuda.current_stream().cuda_stream
+    ll, stream = next(iter(buf._gpu.lls.values())), torch.cuda.current_stream().cuda_stream
     with pytest.raises(ValueError, match="not CUDA device memory"):
-        ep.ll_dispatch(l_id, 0, "dispatch", 5, stream, (4096, 64), None, None, None, None, None, None)
+        ll.ll_dispatch((4096, 64), _gpu_span(torch.zeros(5, TOPK, dtype=torch.int64, device=dev)), 5, stream=stream)
     small = torch.zeros(8, dtype=torch.bfloat16, device=dev)
     with pytest.raises(ValueError, match="LL x: 16 bytes given"):
-        ep.ll_dispatch(l_id, 0, "dispatch", 5, stream, (small.data_ptr(), 16), None, None, None, None, None,
-                       None)
+        ll.ll_dispatch((small.data_ptr(), 16), _gpu_span(torch.zeros(5, TOPK, dtype=torch.int64, device=dev)), 5,
+                       stream=stream)
     torch.cuda.synchronize()
+
+
+def _gpu_span(t):
+    return (t.data_ptr(), t.numel() * t.element_size())
 
 
 def ll_compile_worker(rank, world):

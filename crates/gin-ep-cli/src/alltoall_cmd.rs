@@ -7,7 +7,7 @@ use crate::gpus;
 use clap::Args;
 use comfy_table::{presets, CellAlignment, Table};
 use gin_ep::alltoall::{run_rank, AlltoallMode, AlltoallOptions, AlltoallReport, StoreHint};
-use gin_ep::backend::cuda::driver;
+use gin_ep::ep::probe::driver;
 use gin_ep::group::{Group, ENV_CHILD};
 use std::time::Duration;
 

@@ -238,16 +238,16 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
         host::check_ranks(opts.cfg.ranks, "threads")?;
         host::check_bench_memory(&opts)?;
     } else if mode == BenchMode::Ht {
-        gin_ep::backend::cuda::ht::check_gpu_config(&opts.cfg, ranks).map_err(lib_err)?;
+        gin_ep::gpu::check_gpu_config(&opts.cfg, ranks).map_err(lib_err)?;
     }
     let sms = match mode {
-        BenchMode::Ht => a.sms.unwrap_or(gin_ep::backend::cuda::ht::DEFAULT_SMS),
+        BenchMode::Ht => a.sms.unwrap_or(gin_ep::gpu::HT_DEFAULT_SMS),
         BenchMode::Ll => a.sms.unwrap_or(0),
     };
     if a.gpus.is_some() {
         let (lo, hi) = match mode {
-            BenchMode::Ht => (1, gin_ep::backend::cuda::ht::MAX_GRID),
-            BenchMode::Ll => (0, gin_ep::backend::cuda::ll::MAX_GRID),
+            BenchMode::Ht => (1, gin_ep::gpu::HT_MAX_GRID),
+            BenchMode::Ll => (0, gin_ep::gpu::LL_MAX_GRID),
         };
         if sms < lo || sms > hi {
             return Err(CliError::Usage(format!(
@@ -368,7 +368,7 @@ impl JsonFile {
 
 /// The host banner: which backend runs and why, and whether this build could run GPUs.
 fn host_banner() -> String {
-    let build = match gin_ep::backend::cuda::kernels_fatbin() {
+    let build = match gin_ep::ep::probe::kernels_fatbin() {
         Ok(_) => "this build has the CUDA kernels: add --gpus N to run on GPUs".to_string(),
         Err(e) => format!("this build has no CUDA kernels: {e}"),
     };

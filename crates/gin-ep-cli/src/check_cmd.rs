@@ -10,10 +10,9 @@ use crate::error::{parse_secs, parse_whole, CliError, CliResult};
 use crate::gpus;
 use crate::host;
 use clap::{Args, ValueEnum};
-use gin_ep::backend::host::protocol::{Fault, Modes};
-use gin_ep::backend::host::run::{join_process, run_threads, HostOptions};
 use gin_ep::bench::BenchMode;
 use gin_ep::check::{run_rank_case_modes, Case};
+use gin_ep::ep::{run_threads, Backend, Ep, EpOptions, Fault, Modes};
 use gin_ep::gpu::{gpu_cases, StallOp};
 use gin_ep::group::{first_failure, launch_ranks, Group, ENV_CHILD};
 use gin_ep::workload::{Routing, Workload};
@@ -390,11 +389,13 @@ fn describe(case: &Case) -> String {
     )
 }
 
-fn host_options(a_timeout: Duration, modes: Modes, fault: Option<Fault>) -> HostOptions {
-    HostOptions {
-        modes,
+fn host_options(a_timeout: Duration, modes: Modes, fault: Option<Fault>) -> EpOptions {
+    EpOptions {
+        ht: modes.ht,
+        ll: modes.ll,
         timeout: a_timeout,
         fault,
+        ..EpOptions::default()
     }
 }
 
@@ -453,7 +454,7 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
         // LL runs its own fixed cases (decode-sized buffers); --cases and --seed shape HT's.
         let (mode_name, n_cases) = match mode {
             BenchMode::Ht => ("ht", gpu_cases(gpus, r.cases, r.seed).len()),
-            BenchMode::Ll => ("ll", gin_ep::backend::cuda::ll::check::selftest_cases(gpus).len()),
+            BenchMode::Ll => ("ll", gin_ep::gpu::ll_selftest_cases(gpus).len()),
         };
         out!(
             "check: CUDA backend, {gpus} GPUs, mode {mode_name}, seed {}, {n_cases} case(s)",
@@ -780,8 +781,8 @@ pub fn run_rank(a: &RankCheckArgs) -> CliResult {
                 describe(&case)
             ))
         };
-        let mut ep = join_process(&group, &case.cfg, &opts).map_err(fail)?;
-        run_rank_case_modes(&case, &mut ep, modes).map_err(fail)?;
+        let ep = Ep::join(&group, &case.cfg, &Backend::Host, &opts).map_err(fail)?;
+        run_rank_case_modes(&case, &ep, modes).map_err(fail)?;
     }
     group.close()?;
     Ok(())

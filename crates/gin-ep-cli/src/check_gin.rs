@@ -1,6 +1,6 @@
 //! `gin-ep check --gpus G [--vnodes K] [--node-size M] --mode gin`: the GIN conformance
 //! check on G x K ranks. The parent starts the ranks (this binary with GIN_EP_CHILD), each
-//! runs `gin_ep::backend::cuda::gincheck::check_rank`, rank 0 prints one line per rank and
+//! runs `gin_ep::gpu::gincheck::check_rank`, rank 0 prints one line per rank and
 //! the summary; the parent turns failed ranks into the error.
 //!
 //! Owns: the option mapping, the launch, the per-rank lines and the summary, and the verdict
@@ -11,7 +11,7 @@
 use crate::check_cmd::CheckArgs;
 use crate::error::{CliError, CliResult};
 use crate::gpus;
-use gin_ep::backend::cuda::gincheck::{check_rank, GinCheckOptions, KILL_EXIT};
+use gin_ep::gpu::gincheck::{check_rank, GinCheckOptions, KILL_EXIT};
 use gin_ep::group::vnodes::TIME_SLICED;
 use gin_ep::group::{Group, RankExit, ENV_CHILD};
 use std::time::{Duration, Instant};
@@ -296,7 +296,7 @@ fn kill_verdict(exits: &[RankExit], victim: usize, it: u64, timeout: Duration) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gin_ep::backend::cuda::gincheck::GinCheckReport;
+    use gin_ep::gpu::gincheck::GinCheckReport;
 
     #[test]
     fn kill_specs_parse_or_name_the_bad_part() {

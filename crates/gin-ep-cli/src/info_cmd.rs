@@ -89,7 +89,7 @@ pub fn run() -> CliResult {
         ),
         _ => out!("gpus:     none found (no /dev/nvidia* device, no nvidia-smi)"),
     }
-    use gin_ep::backend::cuda::{driver, gin_network, kernels, nccl_probe};
+    use gin_ep::ep::probe::{driver, gin_network, nccl_probe, KERNEL_SETS};
     match driver::probe() {
         Ok(d) => out!(
             "driver:   CUDA {}.{} ({} device(s))",
@@ -100,7 +100,7 @@ pub fn run() -> CliResult {
         Err(e) => out!("driver:   unusable: {e}"),
     }
     // The NCCL gin-ep would load, whether its kernels are here, and the supported set.
-    use gin_ep::backend::cuda::{kernels_for, supported_text, version_text};
+    use gin_ep::ep::probe::{kernels_for, supported_text, version_text};
     match nccl_probe() {
         Ok((src, v)) => match kernels_for(v, &src) {
             Ok(_) => out!("nccl:     {} loaded ({src}): supported", version_text(v)),
@@ -109,7 +109,7 @@ pub fn run() -> CliResult {
         Err(e) => out!("nccl:     not loadable: {e}"),
     }
     out!("          supported: {}", supported_text());
-    for set in kernels::KERNEL_SETS {
+    for set in KERNEL_SETS {
         match (set.fatbin, set.nccl_header_version) {
             (Some(f), Some(h)) => out!(
                 "kernels:  NCCL {}: {} KiB fatbin (headers {})",
@@ -133,7 +133,7 @@ pub fn run() -> CliResult {
          POSIX shared memory); cuda: {}",
         host::HOST_MAX_RANKS,
         host::HOST_MAX_RANKS,
-        if kernels::KERNEL_SETS.iter().any(|s| s.fatbin.is_some()) && driver::probe().is_ok() {
+        if KERNEL_SETS.iter().any(|s| s.fatbin.is_some()) && driver::probe().is_ok() {
             "usable (all-to-all)"
         } else {
             "not usable here"

@@ -4,8 +4,11 @@
 //! differing element with both values. Never decides what is correct; the
 //! oracle does.
 
-use crate::backend::host::protocol::{HostEp, Modes};
 use crate::config::EpConfig;
+use crate::ep::{
+    Ep, HtCombineIn, HtCombineOut, HtCombined, HtDispatchIn, HtReceived, LlCombineIn, LlDispatchIn,
+    LlDispatchOut, LlHalf, Mem, Modes, Stream,
+};
 use crate::error::{Error, Result};
 use crate::ht::{HtCombineOutput, HtDispatchOutput};
 use crate::ll::LlDispatchOutput;
@@ -252,17 +255,60 @@ impl Case {
     }
 }
 
+fn host_only(op: &str) -> Error {
+    Error::input(op, "the check compares host values: it needs a host-backend Ep")
+}
+
+/// HT dispatch of `input` on a host `Ep`: the output as the oracle shapes it, and the handle.
+fn host_ht_dispatch(
+    ep: &Ep,
+    input: &crate::ht::RankInput,
+) -> Result<(HtDispatchOutput, crate::ep::HtHandle)> {
+    let k = ep.config().topk;
+    let (recv, h) = ep.ht_dispatch(
+        HtDispatchIn {
+            x: Mem::Host(&input.x),
+            fp8_scales: None,
+            num_tokens: input.topk_idx.len() / k.max(1),
+            topk_idx: Mem::Host(&input.topk_idx),
+            topk_weights: Mem::Host(&input.topk_weights),
+            recv_slab: 0,
+        },
+        Stream::default(),
+    )?;
+    let HtReceived::Host {
+        recv_x,
+        recv_topk_idx,
+        recv_topk_weights,
+        num_recv_tokens_per_expert,
+    } = recv
+    else {
+        return Err(host_only("HT dispatch"));
+    };
+    let handle = h.routing().ok_or_else(|| host_only("HT dispatch"))?.clone();
+    Ok((
+        HtDispatchOutput {
+            recv_x,
+            recv_topk_idx,
+            recv_topk_weights,
+            num_recv_tokens_per_expert,
+            handle,
+        },
+        h,
+    ))
+}
+
 /// Runs every operation of `case` on this rank of a host backend and compares
 /// each result with the oracle (computed locally for all ranks): HT dispatch,
 /// cached HT dispatch with new activations, HT combine with weights and bias,
 /// LL dispatch and LL combine. Buffers are poisoned before every iteration.
-pub fn run_rank_case(case: &Case, ep: &mut crate::backend::host::protocol::HostEp) -> Result<()> {
+pub fn run_rank_case(case: &Case, ep: &Ep) -> Result<()> {
     run_rank_case_modes(case, ep, Modes { ht: true, ll: true })
 }
 
 /// [`run_rank_case`] restricted to the operations of `modes` (HT: dispatch, cached
 /// dispatch, combine; LL: dispatch, combine); `ep`'s heap must be sized for them.
-pub fn run_rank_case_modes(case: &Case, ep: &mut HostEp, modes: Modes) -> Result<()> {
+pub fn run_rank_case_modes(case: &Case, ep: &Ep, modes: Modes) -> Result<()> {
     let r = run_rank_case_inner(case, ep, modes);
     if r.is_err() {
         // Peers would otherwise wait out their deadline before reporting.
@@ -271,7 +317,7 @@ pub fn run_rank_case_modes(case: &Case, ep: &mut HostEp, modes: Modes) -> Result
     r
 }
 
-fn run_rank_case_inner(case: &Case, ep: &mut HostEp, modes: Modes) -> Result<()> {
+fn run_rank_case_inner(case: &Case, ep: &Ep, modes: Modes) -> Result<()> {
     use crate::ht::HtCombineInput;
     use crate::oracle;
     let cfg = &case.cfg;
@@ -295,8 +341,8 @@ fn run_rank_case_inner(case: &Case, ep: &mut HostEp, modes: Modes) -> Result<()>
         if modes.ht {
             // HT dispatch.
             let want = oracle::ht_dispatch(cfg, &ins)?;
-            let got = ep.ht_dispatch(&mine.x, &mine.topk_idx, &mine.topk_weights)?;
-            ht_dispatch(cfg, me, &got, &want[me]).map_err(|e| ctx(e, "HT dispatch", iter))?;
+            let got = host_ht_dispatch(ep, mine)?;
+            ht_dispatch(cfg, me, &got.0, &want[me]).map_err(|e| ctx(e, "HT dispatch", iter))?;
 
             // Cached dispatch of new activations through the same handle.
             let new_ins: Vec<_> = ins
@@ -309,7 +355,9 @@ fn run_rank_case_inner(case: &Case, ep: &mut HostEp, modes: Modes) -> Result<()>
                 .collect();
             let want_cached = oracle::ht_dispatch(cfg, &new_ins)?;
             ep.poison_buffers();
-            let got_cached = ep.ht_dispatch_cached(&new_ins[me].x, &got.handle)?;
+            let got_cached = ep
+                .ht_dispatch_cached(Mem::Host(&new_ins[me].x), None, &got.1, 0, Stream::default())?
+                .ok_or_else(|| host_only("cached HT dispatch"))?;
             let probe = crate::ht::HtDispatchOutput {
                 recv_x: got_cached,
                 ..want_cached[me].clone()
@@ -337,14 +385,43 @@ fn run_rank_case_inner(case: &Case, ep: &mut HostEp, modes: Modes) -> Result<()>
                 .collect();
             let want_comb = oracle::ht_combine(cfg, &handles, &comb_in)?;
             ep.poison_buffers();
-            let got_comb = ep.ht_combine(&comb_in[me], &got.handle)?;
+            let c = &comb_in[me];
+            let input = HtCombineIn {
+                x: Mem::Host(&c.x),
+                topk_weights: c.topk_weights.as_deref().map(Mem::Host),
+                bias: [
+                    c.bias[0].as_deref().map(Mem::Host),
+                    c.bias[1].as_deref().map(Mem::Host),
+                ],
+            };
+            let HtCombined::Host { x, topk_weights } =
+                ep.ht_combine(input, &got.1, HtCombineOut::default(), Stream::default())?
+            else {
+                return Err(host_only("HT combine"));
+            };
+            let got_comb = HtCombineOutput { x, topk_weights };
             ht_combine(me, &got_comb, &want_comb[me]).map_err(|e| ctx(e, "HT combine", iter))?;
         }
         if modes.ll {
             // LL dispatch and combine.
             let want_ll = oracle::ll_dispatch(cfg, &ins)?;
             ep.poison_buffers();
-            let got_ll = ep.ll_dispatch(&mine.x, &mine.topk_idx)?;
+            let input = LlDispatchIn {
+                x: Mem::Host(&mine.x),
+                num_tokens: case.tokens[me],
+                topk_idx: Mem::Host(&mine.topk_idx),
+            };
+            let d = ep.ll_dispatch(input, LlHalf::Both, LlDispatchOut::default(), Stream::default())?;
+            let (recv_x, recv_count) = d.host.ok_or_else(|| host_only("LL dispatch"))?;
+            let got_ll = LlDispatchOutput {
+                recv_x,
+                recv_count,
+                handle: d
+                    .handle
+                    .routing()
+                    .ok_or_else(|| host_only("LL dispatch"))?
+                    .clone(),
+            };
             ll_dispatch(cfg, me, &got_ll, &want_ll[me]).map_err(|e| ctx(e, "LL dispatch", iter))?;
             let cap_rows = cfg.local_experts() * cfg.ranks * cfg.max_tokens_per_rank;
             let ys: Vec<Vec<bf16>> = (0..cfg.ranks)
@@ -355,7 +432,14 @@ fn run_rank_case_inner(case: &Case, ep: &mut HostEp, modes: Modes) -> Result<()>
             let wts: Vec<_> = ins.iter().map(|i| i.topk_weights.clone()).collect();
             let want_llc = oracle::ll_combine(cfg, &ll_handles, &ys, &idx, &wts)?;
             ep.poison_buffers();
-            let got_llc = ep.ll_combine(&ys[me], &mine.topk_idx, &mine.topk_weights, &got_ll.handle)?;
+            let input = LlCombineIn {
+                y: Mem::Host(&ys[me]),
+                topk_idx: Mem::Host(&mine.topk_idx),
+                topk_weights: Mem::Host(&mine.topk_weights),
+            };
+            let got_llc = ep
+                .ll_combine(input, &d.handle, LlHalf::Both, None, Stream::default())?
+                .ok_or_else(|| host_only("LL combine"))?;
             ll_combine(me, &got_llc, &want_llc[me]).map_err(|e| ctx(e, "LL combine", iter))?;
         }
     }

@@ -52,6 +52,10 @@ pub enum Error {
     /// A device or NCCL call failed at run time (after the backend was found usable).
     #[error("{call} failed: {reason}")]
     Device { call: String, reason: String },
+    /// A handle that can no longer be used: it comes from another `Ep`, or the buffers it
+    /// names have been reused by a later operation.
+    #[error("stale handle: {what}: {reason}")]
+    StaleHandle { what: String, reason: String },
     /// A result differs from the oracle (raised by checks, not by operations).
     #[error("mismatch: {0}")]
     Mismatch(String),
@@ -60,7 +64,10 @@ pub enum Error {
 impl Error {
     /// True for errors caused by the caller's input (exit code 2 in the CLI).
     pub fn is_usage(&self) -> bool {
-        matches!(self, Error::InvalidConfig { .. } | Error::InvalidInput { .. })
+        matches!(
+            self,
+            Error::InvalidConfig { .. } | Error::InvalidInput { .. } | Error::StaleHandle { .. }
+        )
     }
 
     pub(crate) fn config(field: &'static str, value: impl ToString, reason: impl ToString) -> Self {

@@ -10,6 +10,7 @@
 pub mod alltoall;
 pub mod backend;
 pub mod config;
+pub mod ep;
 pub mod error;
 pub mod group;
 pub mod oracle;
@@ -17,6 +18,7 @@ pub mod quant;
 pub mod routing;
 
 pub use config::{DispatchDtype, EpConfig, LlCombineOrder};
+pub use ep::Ep;
 pub use error::{Error, Result};
 #[cfg(feature = "harness")]
 pub mod bench;

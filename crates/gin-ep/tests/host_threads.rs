@@ -1,16 +1,15 @@
 //! The host backend on threads equals the oracle bit for bit, over random
 //! configs, skewed routing, masked entries, 0 and 1 token, and repeated runs.
 
-use gin_ep::backend::host::protocol::{Fault, Modes};
-use gin_ep::backend::host::run::{run_threads, HostOptions};
 use gin_ep::check::{run_rank_case, Case};
+use gin_ep::ep::{run_threads, EpOptions, Fault, HtDispatchIn, Mem, Stream};
 use gin_ep::workload::{Routing, Workload};
 use gin_ep::{DispatchDtype, EpConfig, Error};
 use rand::{Rng, SeedableRng};
 use std::time::{Duration, Instant};
 
 fn run_case(case: &Case) {
-    let opts = HostOptions {
+    let opts = EpOptions {
         timeout: Duration::from_secs(30),
         ..Default::default()
     };
@@ -101,14 +100,16 @@ fn host_threads_equal_oracle_with_all_tokens_on_one_hot_expert() {
 #[test]
 fn a_rank_that_stops_makes_the_others_fail_naming_it() {
     let cfg = EpConfig::new(3, 6, 128, 2, 4);
-    let opts = HostOptions {
-        modes: Modes { ht: true, ll: true },
+    let opts = EpOptions {
+        ht: true,
+        ll: true,
         timeout: Duration::from_millis(500),
         fault: Some(Fault {
             rank: 1,
             phase: "combine".into(),
             exit_process: false,
         }),
+        ..Default::default()
     };
     let case = Case {
         cfg: cfg.clone(),
@@ -142,7 +143,7 @@ fn a_rank_that_stops_makes_the_others_fail_naming_it() {
 #[test]
 fn bad_input_on_one_rank_fails_the_others_fast() {
     let cfg = EpConfig::new(2, 4, 128, 2, 4);
-    let opts = HostOptions {
+    let opts = EpOptions {
         timeout: Duration::from_secs(60),
         ..Default::default()
     };
@@ -152,7 +153,16 @@ fn bad_input_on_one_rank_fails_the_others_fast() {
         if ep.rank() == 1 {
             idx[1] = 77;
         }
-        ep.ht_dispatch(&vec![half::bf16::ONE; 2 * 128], &idx, &[0.5; 4])
+        let x = vec![half::bf16::ONE; 2 * 128];
+        let input = HtDispatchIn {
+            x: Mem::Host(&x),
+            fp8_scales: None,
+            num_tokens: 2,
+            topk_idx: Mem::Host(&idx),
+            topk_weights: Mem::Host(&[0.5; 4]),
+            recv_slab: 0,
+        };
+        ep.ht_dispatch(input, Stream::default()).map(|_| ())
     })
     .unwrap();
     assert!(

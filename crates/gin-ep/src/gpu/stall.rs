@@ -97,7 +97,7 @@ impl StallOp {
 pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) -> Result<String> {
     let me = group.rank();
     let r = group.world();
-    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?;
+    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?.into_shared();
     let case = Case {
         cfg: EpConfig::new(r, 32, 1024, 4, 64)
             .with_dtype(DispatchDtype::Bf16)
@@ -146,7 +146,7 @@ pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) 
 
 /// [`stall_check`] for the LL operations: one dispatch on set 0 (BF16), then one combine.
 fn stall_check_ll(
-    rank: &CudaRank,
+    rank: &std::sync::Arc<CudaRank>,
     cfg: &EpConfig,
     inp: &RankInput,
     stall: usize,

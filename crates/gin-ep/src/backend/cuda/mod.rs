@@ -11,6 +11,7 @@ use gin_ep_sys as ns;
 
 pub(crate) mod abi;
 pub mod driver;
+pub mod engine;
 pub mod fabric;
 #[cfg(feature = "harness")]
 pub mod gin_alltoall;

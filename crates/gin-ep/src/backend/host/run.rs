@@ -36,6 +36,15 @@ pub fn run_threads<T: Send>(
     opts: &HostOptions,
     f: impl Fn(&mut HostEp) -> Result<T> + Sync,
 ) -> Result<Vec<Result<T>>> {
+    run_threads_owned(cfg, opts, |mut ep| f(&mut ep))
+}
+
+/// As [`run_threads`], handing each thread its `HostEp` by value.
+pub fn run_threads_owned<T: Send>(
+    cfg: &EpConfig,
+    opts: &HostOptions,
+    f: impl Fn(HostEp) -> Result<T> + Sync,
+) -> Result<Vec<Result<T>>> {
     cfg.validate()?;
     let len = HostEp::required_bytes(cfg, opts.modes);
     let heaps = SymmetricHeap::threads(cfg.ranks, len)?;
@@ -45,9 +54,9 @@ pub fn run_threads<T: Send>(
             .into_iter()
             .map(|heap| {
                 s.spawn(move || {
-                    let mut ep = HostEp::new(heap, cfg.clone(), opts.modes, opts.timeout)?
+                    let ep = HostEp::new(heap, cfg.clone(), opts.modes, opts.timeout)?
                         .with_fault(opts.fault.clone());
-                    f(&mut ep)
+                    f(ep)
                 })
             })
             .collect();

@@ -42,14 +42,14 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
         return Err(Error::config("iters", 0, "must be at least 1"));
     }
     let stamps = StampMode::from_env()?;
-    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(opts.timeout))?;
+    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(opts.timeout))?.into_shared();
     bench_with(group, &rank, opts, num_sms, LlTuning::DEFAULT, stamps)
 }
 
 /// One benchmark with `tuning` on an existing rank (a fresh window and buffers).
 fn bench_with(
     group: &Group,
-    rank: &CudaRank,
+    rank: &std::sync::Arc<CudaRank>,
     opts: &BenchOptions,
     num_sms: u32,
     tuning: LlTuning,
@@ -83,7 +83,7 @@ struct StampRows {
 }
 
 impl StampRows {
-    fn new(ll: &CudaLl<'_>, iters: usize, group: &Group, run: u64) -> Result<StampRows> {
+    fn new(ll: &CudaLl, iters: usize, group: &Group, run: u64) -> Result<StampRows> {
         let per = ll.grid() as usize * STAMP_SLOTS;
         let buf = ll.rank.alloc(iters * per * 8)?;
         ll.rank.memset_u32(buf.region(), 0)?;
@@ -99,7 +99,7 @@ impl StampRows {
 
     /// Waits for the kernels and brings every row to the host. On an error the kernels may
     /// still write the stamps, so the buffer is left to the process's end.
-    fn download(self, ll: &CudaLl<'_>) -> Result<Vec<u64>> {
+    fn download(self, ll: &CudaLl) -> Result<Vec<u64>> {
         match ll
             .rank
             .download_prefix_vec(self.buf.region(), self.iters * self.per)
@@ -127,15 +127,15 @@ const SERIES: usize = 8;
 /// spans: µs per operation (span / BATCH) of each span. A span is `calls` calls of `disp(ll,
 /// i)` (i counting calls): BATCH eager operations, or one replay of a graph of BATCH.
 fn timed_batches(
-    ll: &mut CudaLl<'_>,
+    ll: &mut CudaLl,
     iters: usize,
     calls: usize,
-    disp: impl Fn(&CudaLl<'_>, usize) -> Result<()>,
-    comb: impl Fn(&CudaLl<'_>, usize) -> Result<()>,
+    disp: impl Fn(&CudaLl, usize) -> Result<()>,
+    comb: impl Fn(&CudaLl, usize) -> Result<()>,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
     let mut out = [Vec::with_capacity(iters), Vec::with_capacity(iters)];
     for (k, series) in out.iter_mut().enumerate() {
-        let op = |l: &CudaLl<'_>, i: usize| if k == 0 { disp(l, i) } else { comb(l, i) };
+        let op = |l: &CudaLl, i: usize| if k == 0 { disp(l, i) } else { comb(l, i) };
         // Warmup: one span.
         for i in 0..calls {
             op(ll, i)?;
@@ -159,7 +159,7 @@ fn timed_batches(
 
 fn bench_on(
     group: &Group,
-    ll: &mut CudaLl<'_>,
+    ll: &mut CudaLl,
     opts: &BenchOptions,
     run: u64,
     stamps: StampMode,

@@ -81,7 +81,7 @@ fn expected(case: &Case, ins: &[RankInput], wy: &Workload, me: usize) -> Result<
 
 /// Compares one set's results with the oracle (and the UE8M0 exponent bytes with the
 /// oracle's scales).
-fn compare(ll: &CudaLl<'_>, set: usize, want: &Expected, what: &str) -> Result<()> {
+fn compare(ll: &CudaLl, set: usize, want: &Expected, what: &str) -> Result<()> {
     let cfg = &ll.cfg;
     let me = ll.rank.info().rank;
     let ctx = |e: Error| match e {
@@ -117,10 +117,10 @@ fn compare(ll: &CudaLl<'_>, set: usize, want: &Expected, what: &str) -> Result<(
 /// cumulative stats), compared with the oracle. The set's own input buffers hold another
 /// iteration's data meanwhile, so a kernel reading them instead of the caller's memory is
 /// caught; the caller's outputs are poisoned first.
-fn check_caller_io(group: &Group, ll: &mut CudaLl<'_>, case: &Case, run: u64) -> Result<usize> {
+fn check_caller_io(group: &Group, ll: &mut CudaLl, case: &Case, run: u64) -> Result<usize> {
     const SET: usize = 0;
     let me = group.rank();
-    let rank = ll.rank;
+    let rank = std::sync::Arc::clone(&ll.rank);
     let cfg = ll.cfg.clone();
     let (h, k, l, r) = (cfg.hidden, cfg.topk, cfg.local_experts(), cfg.ranks);
     let rows = LlLayout::out_rows(&cfg);
@@ -155,7 +155,7 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl<'_>, case: &Case, run: u64) ->
     rank.upload_prefix(idx.region(), bytemuck::cast_slice(&ins[me].topk_idx))?;
     rank.upload_prefix(wts.region(), bytemuck::cast_slice(&ins[me].topk_weights))?;
     rank.upload_prefix(y.region(), bytemuck::cast_slice(&want.y_mine))?;
-    poison(rank, &[&recv_x, &scales, &count, &range, &combined])?;
+    poison(&rank, &[&recv_x, &scales, &count, &range, &combined])?;
     rank.memset_u32(stats.region().sub(0, l * 4)?, 0)?;
     let span = |what: &str, b: &DeviceBuffer| {
         let g = b.region();
@@ -259,7 +259,7 @@ fn expected_counts(cfg: &EpConfig, topk: &[Vec<i64>], me: usize) -> Vec<i32> {
 /// graph plan. Returns the number of operations compared in full. Every rank must pass the
 /// same cases.
 pub fn check_rank(group: &Group, cases: &[Case], timeout: Duration) -> Result<usize> {
-    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?;
+    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?.into_shared();
     let mut compared = 0;
     for (ci, case) in cases.iter().enumerate() {
         compared += check_case(group, &rank, case, ci, LlTuning::DEFAULT, graph_plan(&case.cfg))?;
@@ -281,7 +281,7 @@ pub fn check_rank(group: &Group, cases: &[Case], timeout: Duration) -> Result<us
 
 fn check_case(
     group: &Group,
-    rank: &CudaRank,
+    rank: &std::sync::Arc<CudaRank>,
     case: &Case,
     ci: usize,
     tuning: LlTuning,
@@ -328,13 +328,7 @@ fn check_case(
     }
 }
 
-fn check_case_on(
-    group: &Group,
-    ll: &mut CudaLl<'_>,
-    case: &Case,
-    run: u64,
-    plan: GraphPlan,
-) -> Result<usize> {
+fn check_case_on(group: &Group, ll: &mut CudaLl, case: &Case, run: u64, plan: GraphPlan) -> Result<usize> {
     let me = group.rank();
     let mut compared = 0;
     // Eager, one operation at a time, alternating sets.

@@ -18,6 +18,7 @@
 //! last dispatch on that set. At most two operations are in flight (one per set).
 
 use half::bf16;
+use std::sync::Arc;
 
 use super::abi::ll as abi;
 use super::fabric::NodeFabric;
@@ -150,7 +151,7 @@ pub struct LlIo {
 
 /// LL dispatch and combine of one rank: the window, device communicator and both buffer
 /// sets. Collective to create (every rank, same config, same order).
-pub struct CudaLl<'r> {
+pub struct CudaLl {
     // Field order is drop order: the node's IPC mappings go first, then the window is
     // deregistered before the device communicator is destroyed (both hold the NCCL
     // communicator alive).
@@ -159,7 +160,9 @@ pub struct CudaLl<'r> {
     window: Window,
     dev_comm: DevComm,
     sets: [SetBuffers; SETS],
-    rank: &'r CudaRank,
+    /// Shared with the rank's engine and HT objects; dropped after the window and device
+    /// communicator above.
+    rank: Arc<CudaRank>,
     cfg: EpConfig,
     layout: LlLayout,
     grid: u32,
@@ -170,22 +173,23 @@ pub struct CudaLl<'r> {
     stamp_edges: bool,
 }
 
-impl<'r> CudaLl<'r> {
+impl CudaLl {
     /// Makes the window and buffers for `cfg` on `rank`. `grid` CTAs per kernel (`None`: the
-    /// GPU's SM count); every rank must pass the same grid. The other tuning values are
-    /// [`LlTuning::DEFAULT`]'s. Refused when the fused kernels' grid cannot be resident at once.
-    pub fn new(rank: &'r CudaRank, cfg: &EpConfig, grid: Option<u32>) -> Result<CudaLl<'r>> {
+    /// GPU's SM count, or its share of them when processes share the GPU); every rank must
+    /// pass the same grid. The other tuning values are [`LlTuning::DEFAULT`]'s. Refused when
+    /// the fused kernels' grid cannot be resident at once.
+    pub fn new(rank: &Arc<CudaRank>, cfg: &EpConfig, grid: Option<u32>) -> Result<CudaLl> {
         Self::with_tuning(rank, cfg, grid, LlTuning::DEFAULT)
     }
 
     /// As [`CudaLl::new`] with explicit tuning values (`tuning.grid`, when set, overrides
     /// `grid`; 0 = every SM).
     pub fn with_tuning(
-        rank: &'r CudaRank,
+        rank: &Arc<CudaRank>,
         cfg: &EpConfig,
         grid: Option<u32>,
         tuning: LlTuning,
-    ) -> Result<CudaLl<'r>> {
+    ) -> Result<CudaLl> {
         tuning.validate()?;
         let layout = LlLayout::new(cfg)?;
         let world = rank.info().world;
@@ -301,7 +305,7 @@ impl<'r> CudaLl<'r> {
             window,
             dev_comm,
             sets,
-            rank,
+            rank: Arc::clone(rank),
             cfg: cfg.clone(),
             layout,
             grid,
@@ -431,7 +435,7 @@ impl<'r> CudaLl<'r> {
     pub fn poison_outputs(&self, set: usize) -> Result<()> {
         let s = self.set(set)?;
         poison(
-            self.rank,
+            &self.rank,
             &[
                 &s.recv_x,
                 &s.recv_scales,

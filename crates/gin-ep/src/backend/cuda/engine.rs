@@ -1,0 +1,395 @@
+//! The CUDA side of [`crate::ep::Ep`]: one rank's GPU ([`GpuRank`], shared by every `Ep` of
+//! the rank) and one `Ep`'s HT and LL objects ([`CudaEngine`]).
+//!
+//! This module wraps the existing drivers ([`CudaHt`], [`CudaLl`]) without changing their
+//! launches: each operation binds caller memory (`ExternalSpan`, checked by
+//! [`CudaRank::external`] to be device memory of this GPU) for exactly one call and queues its
+//! kernels on the caller's stream, in the order the drivers define.
+//!
+//! Threads: the CUDA and NCCL handles inside may be used from any thread once the rank's
+//! context is current there (`CudaRank::on_stream` binds it). Every use of a rank, from any
+//! `Ep` of it, holds the rank's `op` lock (the stream override and the rank's counters are
+//! per rank, not per thread), which is what makes the `Send`/`Sync` below sound.
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use super::ht::{CombineExtras, CudaHt, DispatchSource, HtBuf, HtGpuHandle, HtGpuOptions, HtIo};
+use super::ll::{CudaLl, LlIo};
+use super::runtime::{CudaRank, CudaRankOptions, ExternalSpan, RankInfo};
+use crate::config::EpConfig;
+use crate::error::{Error, Result};
+use crate::group::Group;
+
+/// One rank's GPU: the communicator, context and stream of this process's rank. Cheap to
+/// clone; every `Ep` of the rank holds one.
+#[derive(Clone)]
+pub struct GpuRank {
+    inner: Arc<RankShared>,
+}
+
+struct RankShared {
+    /// Held for the whole of every operation on the rank.
+    op: Mutex<()>,
+    rank: Arc<CudaRank>,
+}
+
+// SAFETY: see the module comment: the handles are usable from any thread with the context
+// bound, and every use goes through `op` (`GpuRank::run`), so no two threads touch them at
+// once. The `Rc` inside `CudaRank` is cloned only by window and device-communicator creation,
+// which also runs under `op`.
+unsafe impl Send for RankShared {}
+// SAFETY: as above.
+unsafe impl Sync for RankShared {}
+
+fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic inside an operation is reported to the caller; the rank stays valid.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl GpuRank {
+    /// Collective: this process's rank of `group` on GPU `device` (None: the group's local
+    /// rank), with host waits bounded by `timeout`.
+    pub fn open(group: &Group, device: Option<usize>, timeout: std::time::Duration) -> Result<GpuRank> {
+        let opts = CudaRankOptions {
+            host_timeout: timeout,
+            kernel_timeout: CudaRankOptions::default().kernel_timeout.min(timeout),
+        };
+        let rank = match device {
+            Some(d) => CudaRank::on_device(group, d, opts)?,
+            None => CudaRank::new(group, opts)?,
+        };
+        Ok(GpuRank {
+            inner: Arc::new(RankShared {
+                op: Mutex::new(()),
+                rank: rank.into_shared(),
+            }),
+        })
+    }
+
+    /// Device, SM count, NCCL version and where NCCL came from.
+    pub fn info(&self) -> RankInfo {
+        self.inner.rank.info().clone()
+    }
+
+    /// Runs `f` with the rank's work queued on `stream` (0: the rank's own), one operation
+    /// of the rank at a time.
+    fn run<T>(&self, stream: u64, f: impl FnOnce(&CudaRank) -> Result<T>) -> Result<T> {
+        let _one_at_a_time = locked(&self.inner.op);
+        self.inner.rank.on_stream(stream, f)
+    }
+
+    /// Waits (bounded) for everything queued on `stream` and reports a missed in-kernel
+    /// deadline any kernel recorded.
+    pub fn sync(&self, stream: u64) -> Result<()> {
+        self.run(stream, |r| r.wait("gin_ep sync"))
+    }
+}
+
+impl CudaRank {
+    /// The rank shared by the objects that use it ([`CudaLl`], [`CudaEngine`]).
+    // Arc rather than Rc although `CudaRank` is neither Send nor Sync: its count is then
+    // atomic, so an engine dropped on another thread (the module comment says when that is
+    // sound) never races a clone.
+    #[allow(clippy::arc_with_non_send_sync)]
+    pub fn into_shared(self) -> Arc<CudaRank> {
+        Arc::new(self)
+    }
+}
+
+/// Caller device memory: `(address, bytes)`.
+pub type Span = Option<(u64, usize)>;
+
+fn span(rank: &CudaRank, what: &str, s: Span) -> Result<Option<ExternalSpan>> {
+    s.map(|(ptr, bytes)| rank.external(what, ptr, bytes)).transpose()
+}
+
+/// LL dispatch inputs and outputs in caller memory (see [`LlIo`] for the formats).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LlDispatchSpans {
+    pub x: Span,
+    pub topk_idx: Span,
+    pub recv_x: Span,
+    pub recv_scales: Span,
+    pub recv_count: Span,
+    pub layout_range: Span,
+    pub stats: Span,
+}
+
+/// LL combine inputs and output in caller memory.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LlCombineSpans {
+    pub y: Span,
+    pub topk_idx: Span,
+    pub weights: Span,
+    pub combined: Span,
+}
+
+/// HT dispatch inputs in caller memory.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HtDispatchSpans {
+    pub x: Span,
+    pub scales: Span,
+    pub topk_idx: Span,
+    pub topk_weights: Span,
+}
+
+/// HT combine inputs and outputs in caller memory.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HtCombineSpans {
+    /// `[num_recv, H]` BF16 expert outputs.
+    pub x: Span,
+    pub bias: [Span; 2],
+    pub out_x: Span,
+    pub out_w: Span,
+}
+
+/// Which half of an LL operation to queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Half {
+    Both,
+    Send,
+    Recv,
+}
+
+/// One `Ep`'s GPU objects. Field order is drop order: the HT and LL objects (windows,
+/// device communicators) go before the rank.
+pub struct CudaEngine {
+    ht: Option<CudaHt>,
+    ll: Option<CudaLl>,
+    rank: GpuRank,
+}
+
+// SAFETY: the objects are used only under the rank's `op` lock (`GpuRank::run`); see the
+// module comment.
+unsafe impl Send for CudaEngine {}
+
+impl CudaEngine {
+    /// Collective: the HT object (when `ht` is given) and the LL object (when `ll` is given:
+    /// its grid, None = every SM) for `cfg`. The LL kernel variant is the default one.
+    pub fn new(
+        rank: &GpuRank,
+        cfg: &EpConfig,
+        ht: Option<HtGpuOptions>,
+        ll: Option<Option<u32>>,
+    ) -> Result<Self> {
+        let (hto, llo) = rank.run(0, |r| {
+            let hto = ht.map(|o| CudaHt::new(r, cfg, o)).transpose()?;
+            let llo = ll
+                .map(|grid| CudaLl::new(&rank.inner.rank, cfg, grid))
+                .transpose()?;
+            Ok((hto, llo))
+        })?;
+        Ok(CudaEngine {
+            ht: hto,
+            ll: llo,
+            rank: rank.clone(),
+        })
+    }
+
+    pub fn rank(&self) -> &GpuRank {
+        &self.rank
+    }
+
+    fn ht(&mut self) -> Result<(&GpuRank, &mut CudaHt)> {
+        match self.ht.as_mut() {
+            Some(h) => Ok((&self.rank, h)),
+            None => Err(Error::input("mode", "this Ep was not made for HT")),
+        }
+    }
+
+    fn ll(&mut self) -> Result<(&GpuRank, &mut CudaLl)> {
+        match self.ll.as_mut() {
+            Some(l) => Ok((&self.rank, l)),
+            None => Err(Error::input("mode", "this Ep was not made for LL")),
+        }
+    }
+
+    /// Fresh HT dispatch of `num_tokens` tokens into receive slab `slab`.
+    pub fn ht_dispatch(
+        &mut self,
+        stream: u64,
+        num_tokens: usize,
+        fp8: bool,
+        io: HtDispatchSpans,
+        slab: usize,
+    ) -> Result<HtGpuHandle> {
+        let (rank, h) = self.ht()?;
+        rank.run(stream, |r| {
+            let io = HtIo {
+                x: span(r, "x", io.x)?,
+                scales: span(r, "x scales", io.scales)?,
+                topk_idx: span(r, "topk_idx", io.topk_idx)?,
+                topk_w: span(r, "topk_weights", io.topk_weights)?,
+                recv_slab: slab,
+                ..HtIo::default()
+            };
+            h.with_io(io, |h| h.dispatch(r, num_tokens, source(fp8), None))
+        })
+    }
+
+    /// Cached HT dispatch along `handle`'s layout into receive slab `slab`.
+    pub fn ht_dispatch_cached(
+        &mut self,
+        stream: u64,
+        handle: &HtGpuHandle,
+        fp8: bool,
+        x: Span,
+        scales: Span,
+        slab: usize,
+    ) -> Result<()> {
+        let (rank, h) = self.ht()?;
+        rank.run(stream, |r| {
+            let io = HtIo {
+                x: span(r, "x", x)?,
+                scales: span(r, "x scales", scales)?,
+                recv_slab: slab,
+                ..HtIo::default()
+            };
+            h.with_io(io, |h| h.dispatch_cached(r, handle, source(fp8), None))
+        })
+    }
+
+    /// Rows per local expert of `handle`'s dispatch, aligned.
+    pub fn ht_recv_counts(&mut self, stream: u64, handle: &HtGpuHandle) -> Result<Vec<usize>> {
+        let (rank, h) = self.ht()?;
+        rank.run(stream, |r| h.recv_counts(r, handle))
+    }
+
+    /// HT combine along `handle` (weights reduced when `io.out_w` is given).
+    pub fn ht_combine(&mut self, stream: u64, handle: &HtGpuHandle, io: HtCombineSpans) -> Result<()> {
+        let extras = CombineExtras {
+            weights: io.out_w.is_some(),
+            bias: [io.bias[0].is_some(), io.bias[1].is_some()],
+        };
+        let (rank, h) = self.ht()?;
+        rank.run(stream, |r| {
+            let hio = HtIo {
+                bias0: span(r, "bias[0]", io.bias[0])?,
+                bias1: span(r, "bias[1]", io.bias[1])?,
+                out_x: span(r, "combined x", io.out_x)?,
+                out_w: span(r, "combined weights", io.out_w)?,
+                comb_x: span(r, "x", io.x)?,
+                ..HtIo::default()
+            };
+            h.with_io(hio, |h| h.combine(r, handle, extras, None))
+        })
+    }
+
+    /// Copies `bytes` from device address `src` into HT buffer `which` (the combine
+    /// weights, `comb_w`, are staged this way).
+    pub fn ht_copy_in(&mut self, stream: u64, which: HtBuf, src: u64, bytes: usize) -> Result<()> {
+        let (rank, h) = self.ht()?;
+        rank.run(stream, |r| {
+            let src = r.external("source", src, bytes)?;
+            r.copy_from_external(h.buffer(which)?, src)
+        })
+    }
+
+    /// Copies the first `bytes` of HT buffer `which` to device address `dst`.
+    pub fn ht_copy_out(&mut self, stream: u64, which: HtBuf, dst: u64, bytes: usize) -> Result<()> {
+        let (rank, h) = self.ht()?;
+        rank.run(stream, |r| {
+            let dst = r.external("destination", dst, bytes)?;
+            r.copy_to_external(h.buffer(which)?, dst)
+        })
+    }
+
+    /// Device address and size of receive region `which` of slab `slab` (or the send slots).
+    pub fn ht_region(&mut self, which: HtBuf, slab: usize) -> Result<(u64, usize)> {
+        if !matches!(
+            which,
+            HtBuf::RecvX
+                | HtBuf::RecvScales
+                | HtBuf::RecvIdx
+                | HtBuf::RecvW
+                | HtBuf::RecvSrc
+                | HtBuf::SendSlot
+        ) {
+            return Err(Error::input(
+                "HT region",
+                format!("{which:?} is neither a receive region nor the send slots"),
+            ));
+        }
+        let (_, h) = self.ht()?;
+        let r = h.slab_buffer(which, slab)?;
+        Ok((r.device_ptr(), r.len()))
+    }
+
+    /// Waits (bounded) for everything queued on `stream` and reports a failure a kernel
+    /// recorded (the HT object's first, when there is one).
+    pub fn sync(&mut self, stream: u64) -> Result<()> {
+        if let Some(h) = self.ht.as_mut() {
+            self.rank.run(stream, |r| h.sync(r))?;
+        }
+        self.rank.sync(stream)
+    }
+
+    /// LL dispatch `half` on buffer set `set` (the caller, `Ep`, owns set choice).
+    pub fn ll_dispatch(
+        &mut self,
+        stream: u64,
+        set: usize,
+        half: Half,
+        num_tokens: usize,
+        io: LlDispatchSpans,
+    ) -> Result<()> {
+        let (rank, l) = self.ll()?;
+        rank.run(stream, |r| {
+            let lio = LlIo {
+                x: span(r, "x", io.x)?,
+                topk_idx: span(r, "topk_idx", io.topk_idx)?,
+                recv_x: span(r, "recv_x", io.recv_x)?,
+                recv_scales: span(r, "recv_x scales", io.recv_scales)?,
+                recv_count: span(r, "recv_count", io.recv_count)?,
+                layout_range: span(r, "layout_range", io.layout_range)?,
+                stats: span(r, "cumulative_local_expert_recv_stats", io.stats)?,
+                ..LlIo::default()
+            };
+            if half != Half::Recv {
+                l.set_num_tokens(set, num_tokens)?;
+            }
+            l.with_io(set, lio, |l| match half {
+                Half::Both => l.dispatch(set),
+                Half::Send => l.dispatch_send(set),
+                Half::Recv => l.dispatch_recv(set),
+            })
+        })
+    }
+
+    /// LL combine `half` on buffer set `set`, its dispatch's set.
+    pub fn ll_combine(&mut self, stream: u64, set: usize, half: Half, io: LlCombineSpans) -> Result<()> {
+        let (rank, l) = self.ll()?;
+        rank.run(stream, |r| {
+            let lio = LlIo {
+                y: span(r, "x (expert outputs)", io.y)?,
+                topk_idx: span(r, "topk_idx", io.topk_idx)?,
+                weights: span(r, "topk_weights", io.weights)?,
+                combined: span(r, "combined_x", io.combined)?,
+                ..LlIo::default()
+            };
+            l.with_io(set, lio, |l| match half {
+                Half::Both => l.combine(set),
+                Half::Send => l.combine_send(set),
+                Half::Recv => l.combine_recv(set),
+            })
+        })
+    }
+}
+
+fn source(fp8: bool) -> DispatchSource {
+    if fp8 {
+        DispatchSource::Fp8
+    } else {
+        DispatchSource::Bf16
+    }
+}
+
+/// Bytes of the HT window for `cfg` with `recv_slabs` receive slabs.
+pub fn ht_window_bytes(cfg: &EpConfig, recv_slabs: usize) -> Result<usize> {
+    super::ht::HtLayout::new(cfg, recv_slabs).map(|l| l.total)
+}
+
+/// Bytes of the LL window for `cfg` (both buffer sets).
+pub fn ll_window_bytes(cfg: &EpConfig) -> Result<usize> {
+    super::ll::buffer_bytes(cfg)
+}

@@ -1,0 +1,975 @@
+//! [`Ep`]: one rank's engine. The one entry point of the CLI, the Python extension and (later)
+//! the C API: they never reach into `backend`.
+//!
+//! # The backend boundary
+//!
+//! An `Ep` is made for one [`EpConfig`] on one backend, chosen at creation ([`Backend`]):
+//! - **host**: ranks are threads or processes on shared memory; tensors are host values
+//!   ([`Mem::Host`]); outputs are returned as owned values. Safe code only (the one unsafe
+//!   piece, the shared heap, lives in `backend::host::heap`).
+//! - **cuda**: one process per GPU; tensors are caller device memory ([`Mem::Device`],
+//!   `(address, bytes)`), outputs are written into caller memory, and work is queued on the
+//!   caller's [`Stream`] without a host wait. The unsafe pieces (driver calls, launches, the
+//!   `Send`/`Sync` of the rank) live in `backend::cuda`; `backend::cuda::engine` says why they
+//!   hold.
+//!
+//! Who checks what:
+//! - `Ep` checks what needs no device: the memory kind matches the backend, handles belong
+//!   to this `Ep` and are not stale, LL halves come in order, the mode was sized.
+//! - The backend checks the rest: tensor lengths against the config (host: exact lengths;
+//!   cuda: every span is device memory of this GPU and large enough), expert ids (host; on
+//!   the GPU the kernels refuse them and report through `sync`), peers within deadlines.
+//!
+//! # Handles
+//!
+//! [`HtHandle`] and [`LlHandle`] carry the id of the `Ep` that made them. LL buffer sets and
+//! sequence numbers are owned here: dispatch `n` (1, 2, ...) uses set `(n - 1) % 2`, and its
+//! handle is valid until dispatch `n + 2` reuses the set; a combine with an older handle is
+//! refused with [`Error::StaleHandle`] instead of reading rows a later dispatch overwrote; so
+//! is an LL handle of another `Ep`, and a receive half ([`LlHalf`]) with no send half waiting
+//! for it. While a send half waits for its receive half, no operation may take its set. An HT handle of the host backend is plain routing data, valid on
+//! any host `Ep` whose config it fits; on the GPU it is valid on its own `Ep` until that
+//! `Ep`'s next fresh dispatch (the driver checks its generation).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use half::bf16;
+
+use crate::backend::cuda::engine::{self as gpu, CudaEngine, Half};
+use crate::backend::cuda::ht::{HtBuf, HtGpuHandle, HtGpuOptions, Sizing};
+use crate::backend::host::protocol::HostEp;
+use crate::backend::host::run::HostOptions;
+use crate::config::EpConfig;
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::quant::Rows;
+
+pub use crate::backend::cuda::engine::GpuRank;
+pub use crate::backend::cuda::ht::{DEFAULT_SMS as HT_DEFAULT_SMS, MAX_RECV_SLABS};
+pub use crate::backend::host::protocol::{Fault, Modes, FAULT_PHASES};
+
+/// Which backend an [`Ep`] runs on.
+#[derive(Clone)]
+pub enum Backend {
+    /// Host ranks on shared memory (threads: [`run_threads`]; processes: [`Ep::join`]).
+    Host,
+    /// This process's GPU rank.
+    Cuda(GpuRank),
+}
+
+/// Options of an [`Ep`].
+#[derive(Clone, Debug)]
+pub struct EpOptions {
+    /// Size buffers for HT and for LL (LL buffers are large at HT token counts).
+    pub ht: bool,
+    pub ll: bool,
+    /// Deadline of every host wait on a peer.
+    pub timeout: Duration,
+    /// Host: a fault injected for tests.
+    pub fault: Option<Fault>,
+    /// CUDA HT: CTAs of the dispatch and combine kernels, equal on every rank.
+    pub ht_sms: u32,
+    /// CUDA HT: receive slabs, 1..=[`MAX_RECV_SLABS`], equal on every rank.
+    pub ht_recv_slabs: usize,
+    /// CUDA HT: receive counts known at once (exact) or after a host wait (static).
+    pub ht_exact: bool,
+    /// CUDA LL: CTAs per kernel (None: every SM), equal on every rank.
+    pub ll_grid: Option<u32>,
+}
+
+impl Default for EpOptions {
+    fn default() -> Self {
+        EpOptions {
+            ht: true,
+            ll: true,
+            timeout: Duration::from_secs(100),
+            fault: None,
+            ht_sms: HT_DEFAULT_SMS,
+            ht_recv_slabs: 1,
+            ht_exact: true,
+            ll_grid: None,
+        }
+    }
+}
+
+impl EpOptions {
+    fn host(&self) -> HostOptions {
+        HostOptions {
+            modes: Modes {
+                ht: self.ht,
+                ll: self.ll,
+            },
+            timeout: self.timeout,
+            fault: self.fault.clone(),
+        }
+    }
+}
+
+/// Bytes one rank needs for `cfg` on `backend`'s kind (host: the shared heap; cuda: the HT
+/// and LL windows).
+pub fn required_bytes(cfg: &EpConfig, cuda: bool, opts: &EpOptions) -> Result<usize> {
+    if cuda {
+        let mut n = 0;
+        if opts.ht {
+            n += gpu::ht_window_bytes(cfg, opts.ht_recv_slabs)?;
+        }
+        if opts.ll {
+            n += gpu::ll_window_bytes(cfg)?;
+        }
+        Ok(n)
+    } else {
+        cfg.validate()?;
+        Ok(HostEp::required_bytes(cfg, opts.host().modes))
+    }
+}
+
+/// A CUDA stream as a raw handle (`cudaStream_t`); 0 is the rank's own stream. The host
+/// backend ignores it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stream(pub u64);
+
+/// Caller memory of one tensor: host values, or `bytes` of device memory at `ptr` (of this
+/// rank's GPU, live until the work queued on the stream has passed it).
+#[derive(Clone, Copy, Debug)]
+pub enum Mem<'a, T> {
+    Host(&'a [T]),
+    Device { ptr: u64, bytes: usize },
+}
+
+/// Caller memory an operation writes: on the GPU, `bytes` of device memory at `ptr`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceOut {
+    pub ptr: u64,
+    pub bytes: usize,
+}
+
+/// Which half of an LL operation: both, the send half, or the receive half (DeepEP's
+/// `return_recv_hook`). The host backend finishes both halves in the send call; its
+/// receive half only checks the handle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LlHalf {
+    Both,
+    Send,
+    Recv,
+}
+
+impl LlHalf {
+    fn gpu(self) -> Half {
+        match self {
+            LlHalf::Both => Half::Both,
+            LlHalf::Send => Half::Send,
+            LlHalf::Recv => Half::Recv,
+        }
+    }
+}
+
+/// HT dispatch input (`[N, H]` BF16, or FP8 e4m3 with `[N, H/128]` f32 scales; FP8 input is
+/// GPU only) and routing.
+#[derive(Clone, Copy, Debug)]
+pub struct HtDispatchIn<'a> {
+    pub x: Mem<'a, bf16>,
+    /// FP8 input: `x` holds e4m3 bytes (device memory) and these are its scales.
+    pub fp8_scales: Option<Mem<'a, f32>>,
+    pub num_tokens: usize,
+    pub topk_idx: Mem<'a, i64>,
+    pub topk_weights: Mem<'a, f32>,
+    /// GPU: the receive slab this rank's rows land in (below `ht_recv_slabs`).
+    pub recv_slab: usize,
+}
+
+/// What an HT dispatch left for the caller.
+#[derive(Debug)]
+pub enum HtReceived {
+    /// Host: the received rows, local expert ids, weights and aligned counts.
+    Host {
+        recv_x: Rows,
+        recv_topk_idx: Vec<i64>,
+        recv_topk_weights: Vec<f32>,
+        num_recv_tokens_per_expert: Vec<usize>,
+    },
+    /// GPU: the rows are in receive slab `slab` of the window ([`Ep::ht_region`]); the
+    /// counts come from [`Ep::ht_recv_counts`].
+    Device { slab: usize },
+}
+
+/// The handle of an HT dispatch: what its combine and cached dispatches need.
+#[derive(Clone, Debug)]
+pub struct HtHandle {
+    ep: u64,
+    inner: HtInner,
+}
+
+#[derive(Clone, Debug)]
+enum HtInner {
+    Host(Arc<crate::ht::HtHandle>),
+    Device(HtGpuHandle),
+}
+
+impl HtHandle {
+    /// Tokens this rank dispatched.
+    pub fn num_tokens(&self) -> usize {
+        match &self.inner {
+            HtInner::Host(h) => h.layout.num_tokens,
+            HtInner::Device(h) => h.num_tokens,
+        }
+    }
+
+    /// Rows this rank received (GPU with static sizing: known after a sync).
+    pub fn num_recv(&self) -> Option<usize> {
+        match &self.inner {
+            HtInner::Host(h) => Some(h.num_recv()),
+            HtInner::Device(h) => h.num_recv,
+        }
+    }
+
+    /// The routing of a host dispatch (source rank and token of each received row, ...).
+    pub fn routing(&self) -> Option<&crate::ht::HtHandle> {
+        match &self.inner {
+            HtInner::Host(h) => Some(h),
+            HtInner::Device(_) => None,
+        }
+    }
+}
+
+/// HT combine input `[num_recv, H]` BF16 in receive order, optional weights, biases.
+#[derive(Clone, Copy, Debug)]
+pub struct HtCombineIn<'a> {
+    pub x: Mem<'a, bf16>,
+    /// Host: `[num_recv, K]` weights reduced alongside. GPU: give them with
+    /// `out_weights` (staged into the window by [`Ep::ht_combine`]).
+    pub topk_weights: Option<Mem<'a, f32>>,
+    pub bias: [Option<Mem<'a, bf16>>; 2],
+}
+
+/// HT combine outputs in caller memory (GPU).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HtCombineOut {
+    /// `[N, H]` BF16.
+    pub x: Option<DeviceOut>,
+    /// `[N, K]` f32 summed weights.
+    pub topk_weights: Option<DeviceOut>,
+}
+
+/// What an HT combine returned: host values, or nothing (written to caller memory).
+#[derive(Debug)]
+pub enum HtCombined {
+    Host {
+        x: Vec<bf16>,
+        topk_weights: Option<Vec<f32>>,
+    },
+    Device,
+}
+
+/// LL dispatch input.
+#[derive(Clone, Copy, Debug)]
+pub struct LlDispatchIn<'a> {
+    /// `[N, H]` BF16.
+    pub x: Mem<'a, bf16>,
+    pub num_tokens: usize,
+    /// `[N, K]` i64.
+    pub topk_idx: Mem<'a, i64>,
+}
+
+/// LL dispatch outputs in caller memory (GPU; see `backend` for the formats).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LlDispatchOut {
+    /// `[L, R*T, H]` rows (e4m3 bytes or BF16).
+    pub recv_x: Option<DeviceOut>,
+    /// `[L, H/128, R*T]` f32 scales (FP8).
+    pub recv_scales: Option<DeviceOut>,
+    /// `[L]` i32.
+    pub recv_count: Option<DeviceOut>,
+    /// `[L, R]` i64 `(first << 32) | count`.
+    pub layout_range: Option<DeviceOut>,
+    /// `[L]` i32 cumulative counts the dispatch adds to.
+    pub stats: Option<DeviceOut>,
+}
+
+/// What an LL dispatch's send half returned.
+#[derive(Debug)]
+pub struct LlDispatched {
+    /// Host: the expert-major rows and counts (`[L, R*T, H]`, `[L]`). GPU: None (written to
+    /// caller memory).
+    pub host: Option<(Rows, Vec<usize>)>,
+    pub handle: LlHandle,
+}
+
+/// The handle of an LL dispatch: its buffer set and sequence number.
+#[derive(Clone, Debug)]
+pub struct LlHandle {
+    ep: u64,
+    set: usize,
+    seq: u64,
+    num_tokens: usize,
+    host: Option<Arc<crate::ll::LlHandle>>,
+}
+
+impl LlHandle {
+    /// Tokens this rank dispatched.
+    pub fn num_tokens(&self) -> usize {
+        self.num_tokens
+    }
+    /// The buffer set (0 or 1) the dispatch used; its combine uses the same.
+    pub fn set(&self) -> usize {
+        self.set
+    }
+    /// The dispatch's sequence number on its `Ep` (1, 2, ...).
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+    /// The routing of a host dispatch (source of each row, per-source ranges).
+    pub fn routing(&self) -> Option<&crate::ll::LlHandle> {
+        self.host.as_deref()
+    }
+}
+
+/// LL combine input: expert outputs `[L, R*T, H]` BF16 and the dispatch's routing.
+#[derive(Clone, Copy, Debug)]
+pub struct LlCombineIn<'a> {
+    pub y: Mem<'a, bf16>,
+    pub topk_idx: Mem<'a, i64>,
+    pub topk_weights: Mem<'a, f32>,
+}
+
+/// Number of LL buffer sets (double buffering, as the kernels).
+pub const LL_SETS: u64 = 2;
+
+/// The LL bookkeeping of one `Ep`.
+#[derive(Debug, Default)]
+struct LlBook {
+    /// Dispatches started.
+    seq: u64,
+    /// Per buffer set: the dispatch whose send half ran without its receive half yet.
+    dispatch_recv_owed: [Option<u64>; LL_SETS as usize],
+    /// Per buffer set: the dispatch whose combine ran its send half without its receive half.
+    combine_recv_owed: [Option<u64>; LL_SETS as usize],
+}
+
+enum Engine {
+    Host(Box<HostEp>),
+    Cuda(Box<CudaEngine>),
+}
+
+struct State {
+    engine: Engine,
+    ll: LlBook,
+}
+
+struct Shared {
+    id: u64,
+    cfg: EpConfig,
+    rank: usize,
+    state: Mutex<State>,
+}
+
+/// One rank's engine for one config. Cheap to clone (shared ownership); one operation at a
+/// time per `Ep` (and per GPU rank).
+#[derive(Clone)]
+pub struct Ep {
+    inner: Arc<Shared>,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+    // An operation that panicked reported it; the bookkeeping is updated only on success.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn host_slice<'a, T>(what: &str, m: Mem<'a, T>) -> Result<&'a [T]> {
+    match m {
+        Mem::Host(s) => Ok(s),
+        Mem::Device { .. } => Err(Error::input(what, "device memory given to a host-backend Ep")),
+    }
+}
+
+fn dev(what: &str, m: Option<Mem<'_, impl Sized>>) -> Result<gpu::Span> {
+    match m {
+        None => Ok(None),
+        Some(Mem::Device { ptr, bytes }) => Ok(Some((ptr, bytes))),
+        Some(Mem::Host(_)) => Err(Error::input(what, "host memory given to a CUDA-backend Ep")),
+    }
+}
+
+fn out(o: Option<DeviceOut>) -> gpu::Span {
+    o.map(|d| (d.ptr, d.bytes))
+}
+
+impl Ep {
+    fn wrap(cfg: EpConfig, rank: usize, engine: Engine) -> Ep {
+        Ep {
+            inner: Arc::new(Shared {
+                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+                cfg,
+                rank,
+                state: Mutex::new(State {
+                    engine,
+                    ll: LlBook::default(),
+                }),
+            }),
+        }
+    }
+
+    /// Collective: this process's `Ep` for `cfg` in `group` (every rank, same config, same
+    /// order). Host: maps the shared heap of every rank. CUDA: makes the windows on `gpu`.
+    pub fn join(group: &Group, cfg: &EpConfig, backend: &Backend, opts: &EpOptions) -> Result<Ep> {
+        cfg.validate()?;
+        match backend {
+            Backend::Host => {
+                let ep = crate::backend::host::run::join_process(group, cfg, &opts.host())?;
+                Ok(Self::host(ep))
+            }
+            Backend::Cuda(rank) => {
+                let ht = opts.ht.then_some(HtGpuOptions {
+                    num_sms: opts.ht_sms,
+                    sizing: if opts.ht_exact {
+                        Sizing::Exact
+                    } else {
+                        Sizing::Static
+                    },
+                    recv_slabs: opts.ht_recv_slabs,
+                    ..HtGpuOptions::default()
+                });
+                let ll = opts.ll.then_some(opts.ll_grid);
+                let engine = CudaEngine::new(rank, cfg, ht, ll)?;
+                Ok(Self::wrap(
+                    cfg.clone(),
+                    group.rank(),
+                    Engine::Cuda(Box::new(engine)),
+                ))
+            }
+        }
+    }
+
+    fn host(ep: HostEp) -> Ep {
+        let (cfg, rank) = (ep.config().clone(), ep.rank());
+        Self::wrap(cfg, rank, Engine::Host(Box::new(ep)))
+    }
+
+    pub fn config(&self) -> &EpConfig {
+        &self.inner.cfg
+    }
+
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    /// True on the CUDA backend.
+    pub fn is_cuda(&self) -> bool {
+        matches!(lock(&self.inner.state).engine, Engine::Cuda(_))
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        lock(&self.inner.state)
+    }
+
+    /// A GPU HT handle names its `Ep`'s window, so it is refused by any other `Ep`. A host
+    /// HT handle is routing data only (the host backend checks it against its config), so
+    /// another host `Ep` of the group may use it: the Python package combines a dispatch
+    /// sent as FP8 wire rows on the `Ep` of the BF16 row width.
+    fn own_ht(&self, h: &HtHandle) -> Result<()> {
+        if matches!(h.inner, HtInner::Device(_)) && h.ep != self.inner.id {
+            return Err(Error::StaleHandle {
+                what: "HT handle".into(),
+                reason: "it comes from another Ep".into(),
+            });
+        }
+        Ok(())
+    }
+
+    // ------------------------------------------------------------ HT
+
+    /// HT dispatch (layout, count exchange, dispatch, receive).
+    pub fn ht_dispatch(&self, input: HtDispatchIn<'_>, stream: Stream) -> Result<(HtReceived, HtHandle)> {
+        let mut st = self.state();
+        let id = self.inner.id;
+        match &mut st.engine {
+            Engine::Host(ep) => {
+                if input.fp8_scales.is_some() {
+                    return Err(Error::input("x", "FP8 input needs the CUDA backend"));
+                }
+                let x = host_slice("x", input.x)?;
+                let idx = host_slice("topk_idx", input.topk_idx)?;
+                let w = host_slice("topk_weights", input.topk_weights)?;
+                let o = ep.ht_dispatch(x, idx, w)?;
+                Ok((
+                    HtReceived::Host {
+                        recv_x: o.recv_x,
+                        recv_topk_idx: o.recv_topk_idx,
+                        recv_topk_weights: o.recv_topk_weights,
+                        num_recv_tokens_per_expert: o.num_recv_tokens_per_expert,
+                    },
+                    HtHandle {
+                        ep: id,
+                        inner: HtInner::Host(Arc::new(o.handle)),
+                    },
+                ))
+            }
+            Engine::Cuda(c) => {
+                let io = gpu::HtDispatchSpans {
+                    x: dev("x", Some(input.x))?,
+                    scales: dev("x scales", input.fp8_scales)?,
+                    topk_idx: dev("topk_idx", Some(input.topk_idx))?,
+                    topk_weights: dev("topk_weights", Some(input.topk_weights))?,
+                };
+                let fp8 = input.fp8_scales.is_some();
+                let h = c.ht_dispatch(stream.0, input.num_tokens, fp8, io, input.recv_slab)?;
+                Ok((
+                    HtReceived::Device {
+                        slab: input.recv_slab,
+                    },
+                    HtHandle {
+                        ep: id,
+                        inner: HtInner::Device(h),
+                    },
+                ))
+            }
+        }
+    }
+
+    /// Cached HT dispatch of `x` along `handle`'s layout (no count exchange). Host: returns
+    /// the received rows; GPU: they land in slab `recv_slab`.
+    pub fn ht_dispatch_cached(
+        &self,
+        x: Mem<'_, bf16>,
+        fp8_scales: Option<Mem<'_, f32>>,
+        handle: &HtHandle,
+        recv_slab: usize,
+        stream: Stream,
+    ) -> Result<Option<Rows>> {
+        self.own_ht(handle)?;
+        let mut st = self.state();
+        match (&mut st.engine, &handle.inner) {
+            (Engine::Host(ep), HtInner::Host(h)) => {
+                if fp8_scales.is_some() {
+                    return Err(Error::input("x", "FP8 input needs the CUDA backend"));
+                }
+                Ok(Some(ep.ht_dispatch_cached(host_slice("x", x)?, h)?))
+            }
+            (Engine::Cuda(c), HtInner::Device(h)) => {
+                let (xs, ss) = (dev("x", Some(x))?, dev("x scales", fp8_scales)?);
+                c.ht_dispatch_cached(stream.0, h, fp8_scales.is_some(), xs, ss, recv_slab)?;
+                Ok(None)
+            }
+            _ => Err(backend_mismatch("HT handle")),
+        }
+    }
+
+    /// Rows per local expert of `handle`'s dispatch, aligned (GPU: exact sizing reads them
+    /// at once, static sizing after a host wait).
+    pub fn ht_recv_counts(&self, handle: &HtHandle, stream: Stream) -> Result<Vec<usize>> {
+        self.own_ht(handle)?;
+        let mut st = self.state();
+        match (&mut st.engine, &handle.inner) {
+            (Engine::Host(_), HtInner::Host(h)) => Ok(crate::routing::align_counts(
+                &h.plan.tokens_per_local_expert,
+                self.inner.cfg.expert_alignment,
+            )),
+            (Engine::Cuda(c), HtInner::Device(h)) => c.ht_recv_counts(stream.0, h),
+            _ => Err(backend_mismatch("HT handle")),
+        }
+    }
+
+    /// HT combine along `handle`: each token's rows from every rank summed, plus bias.
+    pub fn ht_combine(
+        &self,
+        input: HtCombineIn<'_>,
+        handle: &HtHandle,
+        output: HtCombineOut,
+        stream: Stream,
+    ) -> Result<HtCombined> {
+        self.own_ht(handle)?;
+        let mut st = self.state();
+        match (&mut st.engine, &handle.inner) {
+            (Engine::Host(ep), HtInner::Host(h)) => {
+                let opt = |what: &str, m: Option<Mem<'_, bf16>>| -> Result<Option<Vec<bf16>>> {
+                    m.map(|m| host_slice(what, m).map(<[bf16]>::to_vec)).transpose()
+                };
+                let inp = crate::ht::HtCombineInput {
+                    x: host_slice("x", input.x)?.to_vec(),
+                    topk_weights: input
+                        .topk_weights
+                        .map(|w| host_slice("topk_weights", w).map(<[f32]>::to_vec))
+                        .transpose()?,
+                    bias: [opt("bias[0]", input.bias[0])?, opt("bias[1]", input.bias[1])?],
+                };
+                let o = ep.ht_combine(&inp, h)?;
+                Ok(HtCombined::Host {
+                    x: o.x,
+                    topk_weights: o.topk_weights,
+                })
+            }
+            (Engine::Cuda(c), HtInner::Device(h)) => {
+                if let Some(w) = dev("topk_weights", input.topk_weights)? {
+                    if output.topk_weights.is_none() {
+                        return Err(Error::input(
+                            "combined weights",
+                            "weights given without an output",
+                        ));
+                    }
+                    c.ht_copy_in(stream.0, HtBuf::CombW, w.0, w.1)?;
+                }
+                let io = gpu::HtCombineSpans {
+                    x: dev("x", Some(input.x))?,
+                    bias: [dev("bias[0]", input.bias[0])?, dev("bias[1]", input.bias[1])?],
+                    out_x: out(output.x),
+                    out_w: out(output.topk_weights),
+                };
+                c.ht_combine(stream.0, h, io)?;
+                Ok(HtCombined::Device)
+            }
+            _ => Err(backend_mismatch("HT handle")),
+        }
+    }
+
+    /// GPU: device address and size of receive region `which` (`recv_x`, `recv_scales`,
+    /// `recv_idx`, `recv_w`, `recv_src`, or `send_slot`) of slab `slab`.
+    pub fn ht_region(&self, which: &str, slab: usize) -> Result<(u64, usize)> {
+        let which = HtBuf::parse(which)?;
+        match &mut self.state().engine {
+            Engine::Cuda(c) => c.ht_region(which, slab),
+            Engine::Host(_) => Err(Error::input("HT region", "the host backend has no device window")),
+        }
+    }
+
+    /// GPU: copies the first `dst.bytes` of region `which` of the copy slab (slab 0, where a
+    /// dispatch into slab 0 left its rows) into caller memory.
+    pub fn ht_copy_out(&self, which: &str, dst: DeviceOut, stream: Stream) -> Result<()> {
+        let which = HtBuf::parse(which)?;
+        match &mut self.state().engine {
+            Engine::Cuda(c) => c.ht_copy_out(stream.0, which, dst.ptr, dst.bytes),
+            Engine::Host(_) => Err(Error::input("HT copy", "the host backend has no device window")),
+        }
+    }
+
+    // ------------------------------------------------------------ LL
+
+    /// LL dispatch, `half` = `Both` or `Send` (then [`Ep::ll_dispatch_recv`] with the handle).
+    /// Takes the next buffer set in turn.
+    pub fn ll_dispatch(
+        &self,
+        input: LlDispatchIn<'_>,
+        half: LlHalf,
+        output: LlDispatchOut,
+        stream: Stream,
+    ) -> Result<LlDispatched> {
+        if half == LlHalf::Recv {
+            return Err(Error::input(
+                "LL dispatch",
+                "the receive half takes a handle (ll_dispatch_recv)",
+            ));
+        }
+        let mut st = self.state();
+        let seq = st.ll.seq + 1;
+        let set = ((seq - 1) % LL_SETS) as usize;
+        self.ll_not_owed(&st, set, "LL dispatch")?;
+        let (host, hh) = match &mut st.engine {
+            Engine::Host(ep) => {
+                let x = host_slice("x", input.x)?;
+                let idx = host_slice("topk_idx", input.topk_idx)?;
+                let o = ep.ll_dispatch(x, idx)?;
+                if o.handle.set != set {
+                    return Err(Error::Device {
+                        call: "host LL dispatch".into(),
+                        reason: format!("used buffer set {}, the Ep expected {set}", o.handle.set),
+                    });
+                }
+                (Some((o.recv_x, o.recv_count)), Some(Arc::new(o.handle)))
+            }
+            Engine::Cuda(c) => {
+                let io = gpu::LlDispatchSpans {
+                    x: dev("x", Some(input.x))?,
+                    topk_idx: dev("topk_idx", Some(input.topk_idx))?,
+                    recv_x: out(output.recv_x),
+                    recv_scales: out(output.recv_scales),
+                    recv_count: out(output.recv_count),
+                    layout_range: out(output.layout_range),
+                    stats: out(output.stats),
+                };
+                c.ll_dispatch(stream.0, set, half.gpu(), input.num_tokens, io)?;
+                (None, None)
+            }
+        };
+        st.ll.seq = seq;
+        if half == LlHalf::Send {
+            st.ll.dispatch_recv_owed[set] = Some(seq);
+        }
+        let num_tokens = hh.as_ref().map_or(input.num_tokens, |h| h.num_tokens);
+        Ok(LlDispatched {
+            host,
+            handle: LlHandle {
+                ep: self.inner.id,
+                set,
+                seq,
+                num_tokens,
+                host: hh,
+            },
+        })
+    }
+
+    /// The buffer set the next LL dispatch takes (for caller memory kept per set).
+    pub fn ll_next_set(&self) -> usize {
+        (self.state().ll.seq % LL_SETS) as usize
+    }
+
+    /// The receive half of the LL dispatch of `handle` (whose send half was the last LL
+    /// operation of this `Ep`).
+    pub fn ll_dispatch_recv(&self, handle: &LlHandle, output: LlDispatchOut, stream: Stream) -> Result<()> {
+        let mut st = self.state();
+        self.ll_check(&st, handle)?;
+        if st.ll.dispatch_recv_owed[handle.set] != Some(handle.seq) {
+            return Err(Error::StaleHandle {
+                what: "LL dispatch receive half".into(),
+                reason: format!("dispatch #{} has no send half waiting for it", handle.seq),
+            });
+        }
+        if let Engine::Cuda(c) = &mut st.engine {
+            let io = gpu::LlDispatchSpans {
+                recv_x: out(output.recv_x),
+                recv_scales: out(output.recv_scales),
+                recv_count: out(output.recv_count),
+                layout_range: out(output.layout_range),
+                stats: out(output.stats),
+                ..Default::default()
+            };
+            c.ll_dispatch(stream.0, handle.set, Half::Recv, handle.num_tokens, io)?;
+        }
+        st.ll.dispatch_recv_owed[handle.set] = None;
+        Ok(())
+    }
+
+    /// LL combine of the expert outputs for `handle`'s dispatch, `half` = `Both` or `Send`
+    /// (then [`Ep::ll_combine_recv`]). Host: returns combined_x `[N, H]`; GPU: writes
+    /// `combined` (`Both`; the receive half takes it otherwise).
+    pub fn ll_combine(
+        &self,
+        input: LlCombineIn<'_>,
+        handle: &LlHandle,
+        half: LlHalf,
+        combined: Option<DeviceOut>,
+        stream: Stream,
+    ) -> Result<Option<Vec<bf16>>> {
+        if half == LlHalf::Recv {
+            return Err(Error::input("LL combine", "the receive half is ll_combine_recv"));
+        }
+        let mut st = self.state();
+        self.ll_check(&st, handle)?;
+        self.ll_not_owed(&st, handle.set, "LL combine")?;
+        let r = match &mut st.engine {
+            Engine::Host(ep) => {
+                let h = handle
+                    .host
+                    .as_deref()
+                    .ok_or_else(|| backend_mismatch("LL handle"))?;
+                let y = host_slice("x", input.y)?;
+                let idx = host_slice("topk_idx", input.topk_idx)?;
+                let w = host_slice("topk_weights", input.topk_weights)?;
+                Some(ep.ll_combine(y, idx, w, h)?)
+            }
+            Engine::Cuda(c) => {
+                let io = gpu::LlCombineSpans {
+                    y: dev("x", Some(input.y))?,
+                    topk_idx: dev("topk_idx", Some(input.topk_idx))?,
+                    weights: dev("topk_weights", Some(input.topk_weights))?,
+                    combined: out(combined),
+                };
+                c.ll_combine(stream.0, handle.set, half.gpu(), io)?;
+                None
+            }
+        };
+        if half == LlHalf::Send {
+            st.ll.combine_recv_owed[handle.set] = Some(handle.seq);
+        }
+        Ok(r)
+    }
+
+    /// The receive half of an LL combine (the reduce into `combined`), after its send half.
+    pub fn ll_combine_recv(
+        &self,
+        input: LlCombineIn<'_>,
+        handle: &LlHandle,
+        combined: Option<DeviceOut>,
+        stream: Stream,
+    ) -> Result<()> {
+        let mut st = self.state();
+        self.ll_check(&st, handle)?;
+        if st.ll.combine_recv_owed[handle.set] != Some(handle.seq) {
+            return Err(Error::StaleHandle {
+                what: "LL combine receive half".into(),
+                reason: format!("no combine of dispatch #{} has a send half waiting", handle.seq),
+            });
+        }
+        if let Engine::Cuda(c) = &mut st.engine {
+            let io = gpu::LlCombineSpans {
+                y: None,
+                topk_idx: dev("topk_idx", Some(input.topk_idx))?,
+                weights: dev("topk_weights", Some(input.topk_weights))?,
+                combined: out(combined),
+            };
+            c.ll_combine(stream.0, handle.set, Half::Recv, io)?;
+        }
+        st.ll.combine_recv_owed[handle.set] = None;
+        Ok(())
+    }
+
+    /// A handle of this `Ep` whose buffer set no later dispatch has taken.
+    fn ll_check(&self, st: &State, h: &LlHandle) -> Result<()> {
+        if h.ep != self.inner.id {
+            return Err(Error::StaleHandle {
+                what: "LL handle".into(),
+                reason: "it comes from another Ep".into(),
+            });
+        }
+        if st.ll.seq >= h.seq + LL_SETS {
+            return Err(Error::StaleHandle {
+                what: "LL handle".into(),
+                reason: format!(
+                    "dispatch #{} used buffer set {}, which dispatch #{} has taken since \
+                     (a handle is valid until {LL_SETS} later dispatches)",
+                    h.seq,
+                    h.set,
+                    h.seq + LL_SETS
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Refuses a new operation on buffer set `set` while a half operation on it waits for
+    /// its receive half (the set's buffers are still in use).
+    fn ll_not_owed(&self, st: &State, set: usize, what: &str) -> Result<()> {
+        if let Some(n) = st.ll.dispatch_recv_owed[set] {
+            return Err(Error::input(
+                what,
+                format!("dispatch #{n} on buffer set {set} has not run its receive half (call it first)"),
+            ));
+        }
+        if let Some(n) = st.ll.combine_recv_owed[set] {
+            return Err(Error::input(
+                what,
+                format!("the combine of dispatch #{n} on buffer set {set} has not run its receive half (call it first)"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Host: sets the LL rank mask (True = masked) and whether a failed LL wait masks the
+    /// peer instead of failing (`shrink`).
+    pub fn set_ll_mask(&self, mask: &[bool], shrink: bool) -> Result<()> {
+        match &mut self.state().engine {
+            Engine::Host(ep) => ep.set_ll_mask(mask, shrink),
+            Engine::Cuda(_) => Err(Error::input(
+                "LL mask",
+                "the CUDA backend has no LL rank mask yet",
+            )),
+        }
+    }
+
+    /// Host: the LL rank mask after the last operation (peers masked under `shrink` included).
+    pub fn ll_mask(&self) -> Result<Vec<bool>> {
+        match &self.state().engine {
+            Engine::Host(ep) => Ok(ep.ll_mask().to_vec()),
+            Engine::Cuda(_) => Err(Error::input(
+                "LL mask",
+                "the CUDA backend has no LL rank mask yet",
+            )),
+        }
+    }
+
+    /// Host: fills this rank's data regions with a poison pattern between operations.
+    pub fn poison_buffers(&self) {
+        if let Engine::Host(ep) = &mut self.state().engine {
+            ep.poison_buffers();
+        }
+    }
+
+    /// Host: tells every peer that this rank gave up, so they fail at once.
+    pub fn abandon(&self) {
+        if let Engine::Host(ep) = &self.state().engine {
+            ep.abandon();
+        }
+    }
+
+    /// Host: phases of the last operation with their wall times.
+    pub fn last_phases(&self) -> Vec<(&'static str, Duration)> {
+        match &self.state().engine {
+            Engine::Host(ep) => ep.last_phases().to_vec(),
+            Engine::Cuda(_) => Vec::new(),
+        }
+    }
+
+    /// Waits (bounded) for everything queued on `stream` and reports a failure any kernel
+    /// recorded (GPU); nothing to wait for on the host.
+    pub fn sync(&self, stream: Stream) -> Result<()> {
+        match &mut self.state().engine {
+            Engine::Host(_) => Ok(()),
+            Engine::Cuda(c) => c.sync(stream.0),
+        }
+    }
+}
+
+fn backend_mismatch(what: &str) -> Error {
+    Error::StaleHandle {
+        what: what.into(),
+        reason: "it comes from an Ep of another backend".into(),
+    }
+}
+
+/// Runs `f` on `cfg.ranks` host ranks on threads of this process, one `Ep` each; returns
+/// every rank's result.
+pub fn run_threads<T: Send>(
+    cfg: &EpConfig,
+    opts: &EpOptions,
+    f: impl Fn(&Ep) -> Result<T> + Sync,
+) -> Result<Vec<Result<T>>> {
+    crate::backend::host::run::run_threads_owned(cfg, &opts.host(), |host| f(&Ep::host(host)))
+}
+
+/// What this machine and build offer the CUDA backend (`gin-ep info`, the Python package's
+/// `kernels_info` / `nccl_info`): the driver, the embedded kernel sets, the NCCL that would
+/// load and its network. Probes only: nothing here opens a rank.
+pub mod probe {
+    pub use crate::backend::cuda::driver;
+    pub use crate::backend::cuda::kernels::{KernelSet, KERNEL_SETS, NVCC_VERSION};
+    pub use crate::backend::cuda::{
+        gin_network, kernels_fatbin, kernels_for, nccl_probe, supported_text, version_text,
+    };
+}
+
+/// One embedded kernel set: (NCCL minor, e.g. "2.28"; NCCL header version code; built; why
+/// not built).
+pub type KernelSetInfo = (&'static str, Option<u32>, bool, Option<&'static str>);
+
+/// How this build's CUDA kernels came to be: one entry per supported NCCL minor, and nvcc's
+/// version line.
+pub fn kernels_info() -> (Vec<KernelSetInfo>, Option<&'static str>) {
+    use crate::backend::cuda::kernels as k;
+    let sets = k::KERNEL_SETS
+        .iter()
+        .map(|s| (s.nccl, s.nccl_header_version, s.fatbin.is_some(), s.absent_reason))
+        .collect();
+    (sets, k::NVCC_VERSION)
+}
+
+/// The NCCL the GPU path would load here (the one already in the process, else
+/// `GIN_EP_NCCL_LIB` or the loader's) and the verdict on it: (version code or None, where it
+/// came from or why it did not load, supported, the refusal or None, the supported
+/// versions). Loads no GPU library besides NCCL.
+pub fn nccl_info() -> (Option<i32>, String, bool, Option<String>, String) {
+    use crate::backend::cuda::{kernels_for, nccl_probe, supported_text};
+    match nccl_probe() {
+        Ok((source, version)) => match kernels_for(version, &source) {
+            Ok(_) => (Some(version), source, true, None, supported_text()),
+            Err(e) => (
+                Some(version),
+                source,
+                false,
+                Some(e.to_string()),
+                supported_text(),
+            ),
+        },
+        Err(why) => (None, why, false, None, supported_text()),
+    }
+}
