@@ -533,8 +533,10 @@ fn relaunch_checked(
 
 /// `check --gpus N --stall RANK:OP` (see [`gin_ep::gpu::stall_check`]).
 fn run_stall(a: &CheckArgs, gpus: usize, spec: &str) -> CliResult {
+    // With virtual nodes every GPU runs several ranks: any of them may be the stalled one.
+    let world = gpus * a.vnodes.unwrap_or(1);
     let (stall, op) =
-        StallOp::parse(spec, gpus).map_err(|e| CliError::Usage(format!("invalid value: {e}")))?;
+        StallOp::parse(spec, world).map_err(|e| CliError::Usage(format!("invalid value: {e}")))?;
     let want = if op.is_ll() { Mode::Ll } else { Mode::Ht };
     if a.mode.unwrap_or(Mode::Ht) != want {
         return Err(CliError::Usage(format!(
@@ -545,7 +547,7 @@ fn run_stall(a: &CheckArgs, gpus: usize, spec: &str) -> CliResult {
     }
     if std::env::var_os(ENV_CHILD).is_none() {
         out!(
-            "check: CUDA backend, {gpus} GPUs, never-hang check: rank {stall} never enters {}, deadline {:?}",
+            "check: CUDA backend, {gpus} GPUs ({world} ranks), never-hang check: rank {stall} never enters {}, deadline {:?}",
             op.name(),
             a.timeout
         );

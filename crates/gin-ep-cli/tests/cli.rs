@@ -138,7 +138,7 @@ fn bad_fault_spec_exits_2() {
 fn bad_stall_spec_exits_2_naming_it() {
     usage_error(
         &["check", "--gpus", "2", "--stall", "5:ht-combine"],
-        "rank 5 is not below the 2 GPUs",
+        "rank 5 is not below the 2 ranks",
     );
     usage_error(
         &["check", "--gpus", "2", "--stall", "1:ll-nothing"],

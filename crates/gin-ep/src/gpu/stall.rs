@@ -57,7 +57,7 @@ impl StallOp {
             .parse()
             .map_err(|_| bad(format!("rank `{r}` is not a number")))?;
         if rank >= world {
-            return Err(bad(format!("rank {rank} is not below the {world} GPUs")));
+            return Err(bad(format!("rank {rank} is not below the {world} ranks")));
         }
         let op = op.trim();
         match StallOp::ALL.into_iter().find(|o| o.name() == op) {
