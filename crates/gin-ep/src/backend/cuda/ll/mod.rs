@@ -202,10 +202,16 @@ impl CudaLl {
         }
         let sms = rank.info().sm_count;
         let topo = RankTopology::from_env()?;
-        // Processes sharing a GPU (virtual nodes, run under MPS) share its SMs: each takes its
-        // share by default, so every rank's fused grid can be resident at once. (Time-sliced
-        // without MPS, the default grid would also do, one slice at a time.)
-        let default_grid = (sms / topo.vnodes.max(1) as u32).max(1);
+        // Processes sharing a GPU (virtual nodes, run under MPS) share its SMs, and every
+        // rank's fused grid must be resident at once. Each process takes half of its share:
+        // programmatic dependent launch makes the next LL kernel's CTAs resident (waiting)
+        // while this grid still runs, so a process can hold two grids; with a full share the
+        // first process's two grids could take every SM while its kernel waits for a peer
+        // whose kernel then never starts. (Time-sliced without MPS, any grid would do.)
+        let default_grid = match topo.vnodes {
+            0 | 1 => sms,
+            k => (sms / (2 * k as u32)).max(1),
+        };
         let grid = match tuning.grid.or(grid) {
             None => default_grid,
             Some(0) => sms,
