@@ -45,7 +45,9 @@ pub use layout::{
     check_gpu_config, layout_blocks, layout_scan_bytes, layout_smem_bytes, plan_words, HtLayout,
     DEFAULT_STAGE_BLOCKS, MAX_RECV_SLABS, STAGE_CHUNKS,
 };
-pub use variant::{HtVariant, ENV_VARIANT};
+pub use variant::HtVariant;
+#[cfg(feature = "harness")]
+pub use variant::ENV_VARIANT;
 
 /// Most ranks of the GPU HT path (`kMaxRanks`: rank masks are 32-bit in the kernels).
 pub const MAX_RANKS: usize = abi::K_MAX_RANKS as usize;

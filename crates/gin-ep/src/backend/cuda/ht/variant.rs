@@ -9,7 +9,9 @@ use super::{DEFAULT_STAGE_BLOCKS, MAX_GRID};
 use crate::backend::cuda::kernels::names;
 use crate::error::{Error, Result};
 
-/// Environment variable naming the default [`HtVariant`] of every [`super::CudaHt`].
+/// Environment variable naming the [`HtVariant`] the GPU check and bench use (harness builds
+/// only: the product path always takes `HtVariant::default()` or an explicit tuning value).
+#[cfg(feature = "harness")]
 pub const ENV_VARIANT: &str = "GIN_EP_HT_VARIANT";
 
 /// A performance variant of the HT kernels: which compiled instantiation (unroll), block
@@ -142,6 +144,7 @@ impl HtVariant {
     }
 
     /// `GIN_EP_HT_VARIANT` when set, else the default.
+    #[cfg(feature = "harness")]
     pub fn from_env() -> Result<HtVariant> {
         match std::env::var(ENV_VARIANT) {
             Ok(t) => HtVariant::parse(&t),
