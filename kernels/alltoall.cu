@@ -39,7 +39,8 @@ __device__ __forceinline__ void stamp(const AlltoallArgs& a, Stamp i) {
 static_assert(kVflagStorePlain == 0u, "the host's default (vflags 0) is the plain store");
 
 __device__ __forceinline__ DeadlineBarrier make_barrier(const AlltoallArgs& a) {
-  return DeadlineBarrier{a.win, a.signal_offset, a.comm.lsaRank, a.comm.lsaSize, a.timeout_ns, a.err};
+  return DeadlineBarrier{
+      PeerWindows{nullptr, 0, a.win}, a.signal_offset, a.comm.lsaRank, a.comm.lsaSize, a.timeout_ns, a.err};
 }
 
 }  // namespace gin_ep
@@ -631,7 +632,7 @@ extern "C" __global__ void __launch_bounds__(kMaxThreads, 1) gin_ep_alltoall_gin
     if (in_node(src)) {
       const uint64_t* w = reinterpret_cast<const uint64_t*>(reinterpret_cast<const char*>(a.node_bases[me]) +
                                                             a.node_flag_offset + size_t(src) * 8);
-      DeadlineBarrier waiter{a.win, 0, me, n, a.timeout_ns, a.err};
+      DeadlineBarrier waiter{PeerWindows{nullptr, 0, a.win}, 0, me, n, a.timeout_ns, a.err};
       ok = waiter.wait_word(w, a.node_target, kPhaseNodeStore, src);
     } else {
       ncclGin gin(a.comm, gin_a2a_context(src, me));

@@ -103,7 +103,13 @@ struct HtArgs {
   uint32_t* fail_host;
   uint64_t off_comb_stage;  // comb_stage words
   uint32_t pull_blocks;     // combine with kFlagStage: blocks [0, pull_blocks) pull, the rest stage
-  uint32_t pad0;
+  uint32_t peer_stride4G;   // node rank i's window: peer_base + i * peer_stride4G * 4 GiB (peer_ptr)
+  int32_t rank;             // this rank (me) of the R ranks, the index peer_ptr and the signals use
+  int32_t ranks;            // R: the ranks of the operation, all of them in this rank's node
+  // Node rank 0's window in this process. With peer_stride4G, rank and ranks: from NCCL's LSA
+  // team or from gin-ep's IPC-mapped node windows (host: backend/cuda/fabric.rs); the
+  // kernels never read NCCL's team for them.
+  char* peer_base;
 };
 
 // vflags of HtArgs (host: HtVariant in backend/cuda/ht/variant.rs).

@@ -185,6 +185,20 @@ __device__ __forceinline__ char* lsa_ptr(ncclWindow_t win, size_t offset, int ls
   return static_cast<char*>(ncclGetLsaPointer(win, offset, lsa_peer));
 }
 
+// Where a kernel finds a peer's copy of a window offset. The product kernels (HT, LL) pass
+// gin-ep's layout: node rank i's copy at base + i * stride4G * 4 GiB, from NCCL's LSA team or
+// from gin-ep's IPC-mapped node windows (host: backend/cuda/fabric.rs); the lab kernels pass
+// a null base and their NCCL window, and ask NCCL (lsa_ptr).
+struct PeerWindows {
+  char* base;
+  uint32_t stride4G;
+  ncclWindow_t win;
+
+  __device__ __forceinline__ char* at(size_t offset, int peer) const {
+    return base != nullptr ? nccl::utility::add4G(base, peer * int(stride4G)) + offset : lsa_ptr(win, offset, peer);
+  }
+};
+
 // ---------------------------------------------------------------------------------------
 // DeadlineBarrier: NCCL's ncclLsaBarrierSession, but every wait ends by a deadline.
 //
@@ -195,7 +209,7 @@ __device__ __forceinline__ char* lsa_ptr(ncclWindow_t win, size_t offset, int ls
 // arriving). Block-to-block pairing is enough for an all-to-all: the kernel's end (all
 // blocks done) is the global completion, as in the NCCL Device API benchmarks.
 struct DeadlineBarrier {
-  ncclWindow_t win;
+  PeerWindows peers;
   size_t signal_offset;  // start of the gridDim.x * nRanks u64 words
   int rank;              // this rank in the LSA team
   int n_ranks;
@@ -204,7 +218,7 @@ struct DeadlineBarrier {
 
   __device__ __forceinline__ uint64_t* word(int owner, int src) const {
     size_t idx = size_t(blockIdx.x) * size_t(n_ranks) + size_t(src);
-    return reinterpret_cast<uint64_t*>(lsa_ptr(win, signal_offset + idx * sizeof(uint64_t), owner));
+    return reinterpret_cast<uint64_t*>(peers.at(signal_offset + idx * sizeof(uint64_t), owner));
   }
 
   // All threads of the block call this. Returns false (in every thread) when a peer missed

@@ -89,7 +89,7 @@ __device__ __forceinline__ bool stages_with(int peer, int me, bool push) { retur
 // sees every row of the chunks below it. Lane r holds row r's prefix.
 __device__ void stage_mark_scanner(const HtArgs& a, int R, int me, bool push) {
   const int lane = threadIdx.x & 31;
-  uint64_t* words = reinterpret_cast<uint64_t*>(lsa_ptr(a.win, a.off_comb_stage, me));
+  uint64_t* words = reinterpret_cast<uint64_t*>(peer_ptr(a, a.off_comb_stage, me));
   const uint64_t tag = a.seq << 16;
   // Pull mode: this rank's own row (its stage blocks' copies); push mode: every peer's row.
   uint32_t mine = (lane < R && stages_with(lane, me, push)) ? 0u : uint32_t(kStageChunks);
@@ -165,8 +165,8 @@ __device__ void stage_comb_x(const HtArgs& a, int R, int me, bool push) {
       const uint64_t row = __shfl_sync(0xFFFFFFFFu, seg_o, k) + pos;
       const uint4* in = src + row * nvec;
       uint4* out =
-          push ? reinterpret_cast<uint4*>(lsa_ptr(a.win, a.off_comb_x, s)) + (uint64_t(me) * a.max_tokens + pos) * nvec
-               : reinterpret_cast<uint4*>(lsa_ptr(a.win, a.off_comb_x, me)) + row * nvec;
+          push ? reinterpret_cast<uint4*>(peer_ptr(a, a.off_comb_x, s)) + (uint64_t(me) * a.max_tokens + pos) * nvec
+               : reinterpret_cast<uint4*>(peer_ptr(a, a.off_comb_x, me)) + row * nvec;
       for (int v0 = lane; v0 < nvec; v0 += 32 * kStageUnroll) {
         uint4 v[kStageUnroll];
 #pragma unroll
@@ -187,7 +187,7 @@ __device__ void stage_comb_x(const HtArgs& a, int R, int me, bool push) {
       __syncthreads();
     }
     if (cw == 0 && lane < R && stages_with(lane, me, push)) {
-      uint64_t* w = reinterpret_cast<uint64_t*>(lsa_ptr(a.win, a.off_comb_stage, lane));
+      uint64_t* w = reinterpret_cast<uint64_t*>(peer_ptr(a, a.off_comb_stage, lane));
       st_release_sys(stage_words_row(w, me) + c, a.seq);
     }
   }
@@ -232,10 +232,10 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
   __shared__ uint32_t s_status;
   __shared__ uint32_t s_mark[kMaxRanks];  // see red_release_cta_shared_max
 
-  const int R = a.comm.lsaSize;
-  const int me = a.comm.lsaRank;
+  const int R = a.ranks;
+  const int me = a.rank;
   const int tid = threadIdx.x, lane = tid & 31;
-  const DeadlineBarrier bar{a.win, a.off_bar, me, R, a.timeout_ns, a.err};
+  const DeadlineBarrier bar{ht_peers(a), a.off_bar, me, R, a.timeout_ns, a.err};
   if (!bar.sync(a.bar_epoch, kPhaseHtCombineStart)) return;
 
   const bool stage = (a.flags & kFlagStage) != 0u;
@@ -243,9 +243,9 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
   if (tid < R) {
     // Push mode: the rows are in this rank's own comb_x (pushed there by their expert rank).
     const int at = push ? me : tid;
-    s_cx[tid] = lsa_ptr(a.win, a.off_comb_x, at);
-    s_cw[tid] = lsa_ptr(a.win, a.off_comb_w, tid);
-    s_stage[tid] = stage_words_row(reinterpret_cast<const uint64_t*>(lsa_ptr(a.win, a.off_comb_stage, at)), tid);
+    s_cx[tid] = peer_ptr(a, a.off_comb_x, at);
+    s_cw[tid] = peer_ptr(a, a.off_comb_w, tid);
+    s_stage[tid] = stage_words_row(reinterpret_cast<const uint64_t*>(peer_ptr(a, a.off_comb_stage, at)), tid);
     s_base[tid] = ld_volatile_u32(a.plan + kPlanHead + R + 1 + tid);
     s_len[tid] = ld_volatile_u32(a.plan + kPlanHead + R + 1 + R + tid);  // tokens_per_rank
     s_mark[tid] = 0u;

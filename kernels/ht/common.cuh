@@ -64,6 +64,17 @@ static_assert(kMaxExperts <= 32767, "layout ids are int16");
 constexpr uint64_t kFailed = ~uint64_t(0);
 static_assert(kStampCombEnd < kStampWords, "stamps");
 
+// Address of `offset` in peer's window: the one place HT kernels address a peer. The base and
+// per-peer stride come from HtArgs, set by the host from NCCL's LSA team or from gin-ep's
+// IPC-mapped node windows laid out the same way (backend/cuda/fabric.rs).
+__device__ __forceinline__ char* peer_ptr(const HtArgs& a, size_t offset, int peer) {
+  return nccl::utility::add4G(a.peer_base, peer * int(a.peer_stride4G)) + offset;
+}
+
+__device__ __forceinline__ PeerWindows ht_peers(const HtArgs& a) {
+  return PeerWindows{a.peer_base, a.peer_stride4G, a.win};
+}
+
 // Waits until *w >= target (acquire, sys scope). 0: ok; kStatusPeerFailed: the peer stored
 // kFailed; kStatusTimeout: deadline passed (recorded in err) or another wait already failed.
 __device__ __forceinline__ uint32_t wait_signal(const uint64_t* w, uint64_t target, FabricPhase phase, int peer,
@@ -80,7 +91,7 @@ __device__ __forceinline__ uint32_t wait_signal(const uint64_t* w, uint64_t targ
 // Callers reach this after a __syncthreads that follows the block's data stores: the
 // release store is cumulative over them at system scope, so no separate fence is needed.
 __device__ __forceinline__ void signal_peer(const HtArgs& a, uint64_t offset, int peer, uint64_t value) {
-  st_release_sys(reinterpret_cast<uint64_t*>(lsa_ptr(a.win, offset, peer)), value);
+  st_release_sys(reinterpret_cast<uint64_t*>(peer_ptr(a, offset, peer)), value);
 }
 
 // Records a failure seen after the count exchange (first one wins), in the device plan and
@@ -128,8 +139,7 @@ __device__ __forceinline__ void add_bf16x8(float* acc, const uint4 v) {
 // value: this rank's previous dispatch ended only after every peer block had sent its rows,
 // and a block reads the slot before it sends.
 __device__ __forceinline__ void publish_recv_slab(const HtArgs& a, int peer) {
-  *reinterpret_cast<uint32_t*>(lsa_ptr(a.win, a.off_recv_slab + size_t(a.comm.lsaRank) * sizeof(uint32_t), peer)) =
-      a.recv_slab;
+  *reinterpret_cast<uint32_t*>(peer_ptr(a, a.off_recv_slab + size_t(a.rank) * sizeof(uint32_t), peer)) = a.recv_slab;
 }
 
 __device__ __forceinline__ uint32_t plan_words(int R, int E) { return kPlanHead + (R + 1) + R + R + E + 2 * (E / R); }

@@ -68,27 +68,27 @@ __device__ __forceinline__ void dispatch_body(const HtArgs& a) {
   __shared__ uint32_t s_base[kMaxRanks];
   __shared__ uint32_t s_status;
 
-  const int R = a.comm.lsaSize;
-  const int me = a.comm.lsaRank;
+  const int R = a.ranks;
+  const int me = a.rank;
   const int tid = threadIdx.x, lane = tid & 31;
   const bool cached = (a.flags & kFlagCached) != 0u;
   const bool rotate = (a.vflags & kVarRotate) != 0u;
 
   if (cached) {
     if (tid < R) publish_recv_slab(a, tid);
-    const DeadlineBarrier bar{a.win, a.off_bar, me, R, a.timeout_ns, a.err};
+    const DeadlineBarrier bar{ht_peers(a), a.off_bar, me, R, a.timeout_ns, a.err};
     if (!bar.sync(a.bar_epoch, kPhaseHtCachedBarrier)) return;
   }
-  const uint32_t* slab_of = reinterpret_cast<const uint32_t*>(lsa_ptr(a.win, a.off_recv_slab, me));
+  const uint32_t* slab_of = reinterpret_cast<const uint32_t*>(peer_ptr(a, a.off_recv_slab, me));
   if (tid < R) {
     // An out-of-range slab is refused below (thread 0); the clamp only keeps the unused
     // pointers inside the window.
     const uint64_t slab = uint64_t(min(ld_volatile_u32(slab_of + tid), a.slabs - 1u)) * a.slab_bytes;
-    s_x[tid] = lsa_ptr(a.win, a.off_recv_x + slab, tid);
-    s_sc[tid] = lsa_ptr(a.win, a.off_recv_sc + slab, tid);
-    s_idx[tid] = lsa_ptr(a.win, a.off_recv_idx + slab, tid);
-    s_w[tid] = lsa_ptr(a.win, a.off_recv_w + slab, tid);
-    s_src[tid] = lsa_ptr(a.win, a.off_recv_src + slab, tid);
+    s_x[tid] = peer_ptr(a, a.off_recv_x + slab, tid);
+    s_sc[tid] = peer_ptr(a, a.off_recv_sc + slab, tid);
+    s_idx[tid] = peer_ptr(a, a.off_recv_idx + slab, tid);
+    s_w[tid] = peer_ptr(a, a.off_recv_w + slab, tid);
+    s_src[tid] = peer_ptr(a, a.off_recv_src + slab, tid);
     s_base[tid] = ld_volatile_u32(a.plan + kPlanHead + R + 1 + tid);
   }
   if (tid == 0) {
@@ -222,7 +222,7 @@ __device__ __forceinline__ void dispatch_body(const HtArgs& a) {
   if (tid < R) signal_peer(a, a.off_disp_sig + my_slot, tid, s_status == kStatusOk ? a.seq : kFailed);
   if (s_status == kStatusOk && tid < R) {
     const uint64_t* w = reinterpret_cast<const uint64_t*>(
-        lsa_ptr(a.win, a.off_disp_sig + (size_t(tid) * kMaxGrid + blockIdx.x) * sizeof(uint64_t), me));
+        peer_ptr(a, a.off_disp_sig + (size_t(tid) * kMaxGrid + blockIdx.x) * sizeof(uint64_t), me));
     const uint32_t st = wait_signal(w, a.seq, kPhaseHtDispatchWait, tid, me, a.timeout_ns, a.err);
     if (st != kStatusOk) record_status(a, st, kPhaseHtDispatchWait, tid);
   }

@@ -234,7 +234,7 @@ __device__ __forceinline__ uint64_t* sig_word(const LlArgs& a, int owner, int ki
 }
 
 __device__ __forceinline__ DeadlineBarrier waiter(const LlArgs& a) {
-  return DeadlineBarrier{a.win, 0, a.rank, a.ranks, a.timeout_ns, a.err};
+  return DeadlineBarrier{PeerWindows{a.peer_base, a.peer_stride4G, a.win}, 0, a.rank, a.ranks, a.timeout_ns, a.err};
 }
 
 // A wait of this set missed its deadline: no credit of the set is pushed again (peers then

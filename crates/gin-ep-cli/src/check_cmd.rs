@@ -445,7 +445,7 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
         gpus,
         a.vnodes,
         a.node_size,
-        a_mode == Mode::Ll,
+        true,
     )?;
     if let Some(spec) = &a.stall {
         return run_stall(a, gpus, spec);

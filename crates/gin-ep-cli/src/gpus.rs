@@ -22,7 +22,7 @@ pub fn set_topology(gpus: usize, vnodes: Option<usize>, node_size: Option<usize>
 
 /// HT and LL (`mode`) on a launch of `gpus` GPUs. Their kernels reach peers by load/store
 /// only, so every rank must be in one node: NCCL's LSA team (a one-process-per-GPU launch on
-/// this host), or, for the LL check (`node_launch`), a gin-ep node of every rank
+/// this host), or, for the checks (`node_launch`), a gin-ep node of every rank
 /// (`--vnodes K --node-size G*K`: several processes per GPU, windows mapped with CUDA IPC).
 /// Anything else would need the GIN fabric, which they do not use yet.
 pub fn refuse_lsa_only(
@@ -49,11 +49,9 @@ pub fn refuse_lsa_only(
         };
     }
     if let Some(k) = vnodes.filter(|&k| k > 1) {
-        let hint = if mode == "ll" {
-            format!(" (the LL check runs on them: `gin-ep check --gpus {gpus} --vnodes {k} --node-size {world} --mode ll`)")
-        } else {
-            String::new()
-        };
+        let hint = format!(
+            " (the check runs on them: `gin-ep check --gpus {gpus} --vnodes {k} --node-size {world} --mode {mode}`)"
+        );
         return Err(CliError::Usage(format!(
             "--vnodes {k} does not apply to --mode {mode} here: {why}. Use --vnodes 1, or \
              `gin-ep check --gpus {gpus} --vnodes {k} --mode gin` for the GIN conformance check{hint}"

@@ -612,7 +612,10 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
             &["--variants", "--mode gin"],
         ),
         // HT and LL across virtual nodes, or with a node other than the LSA team.
-        (&["check", "--gpus", "1", "--vnodes", "2"], &["--vnodes 2", lsa]),
+        (
+            &["check", "--gpus", "1", "--vnodes", "2"],
+            &["--mode ht with --vnodes needs --node-size 2"],
+        ),
         // The LL check on virtual nodes needs one gin-ep node of every rank.
         (
             &["check", "--gpus", "2", "--vnodes", "2", "--mode", "ll"],
@@ -636,7 +639,7 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
         ),
         (
             &["bench", "--gpus", "1", "--vnodes", "2", "--mode", "ll"],
-            &["--vnodes 2", "the LL check runs on them", lsa],
+            &["--vnodes 2", "the check runs on them", lsa],
         ),
         (
             &["check", "--gpus", "2", "--node-size", "1"],

@@ -26,6 +26,7 @@ use super::abi::ht::{
     K_STATUS_OK as STATUS_OK, K_STATUS_PEER_FAILED as STATUS_PEER_FAILED, K_STATUS_TIMEOUT as STATUS_TIMEOUT,
     K_VAR_ROTATE as VAR_ROTATE,
 };
+use super::fabric::NodeFabric;
 use super::kernels::names;
 use super::runtime::{
     fabric_phase_name, CudaRank, DevComm, DevCommRequest, DeviceBuffer, Event, ExternalSpan, HostMapped,
@@ -33,6 +34,7 @@ use super::runtime::{
 };
 use crate::config::{DispatchDtype, EpConfig, FP8_BLOCK};
 use crate::error::{Error, Result};
+use crate::group::vnodes::RankTopology;
 use io::io_or;
 use layout::{check_recv_slabs, LAYOUT_TILE};
 
@@ -167,9 +169,11 @@ pub struct DispatchEvents<'a> {
     pub end: &'a Event,
 }
 
-/// The HT state of one rank. Field order is drop order: the window goes before the device
-/// communicator.
+/// The HT state of one rank. Field order is drop order: the node's IPC mappings first, then
+/// the window before the device communicator.
 pub struct CudaHt {
+    /// Where the kernels find this rank's node peers (backend/cuda/fabric.rs).
+    fabric: NodeFabric,
     window: Window,
     dev_comm: DevComm,
     x_in: DeviceBuffer,
@@ -214,16 +218,19 @@ impl CudaHt {
             lsa_barriers: 1,
             gin_signals: 0,
         })?;
-        let (lsa_rank, lsa_size) = dev_comm.lsa();
-        if lsa_size != world {
+        let fabric = NodeFabric::new(rank, &window, &dev_comm, &RankTopology::from_env()?, "HT")?;
+        if fabric.size as usize != world {
             return Err(Error::Unavailable {
                 backend: "cuda",
                 reason: format!(
-                    "the GPU HT path needs every rank reachable by NVLink load/store; the LSA team \
-                     has {lsa_size} of {world} ranks"
+                    "the GPU HT path reaches its peers by load/store only; this rank's node ({}) has \
+                     {} of {world} ranks",
+                    fabric.source.name(),
+                    fabric.size
                 ),
             });
         }
+        let me = fabric.rank as usize;
         let (t, h, k, r) = (cfg.max_tokens_per_rank, cfg.hidden, cfg.topk, cfg.ranks);
         let alloc = |n: usize| rank.alloc(n.max(16));
         rank.set_max_smem(names::HT_LAYOUT_COUNT, layout_smem_bytes(cfg))?;
@@ -246,12 +253,13 @@ impl CudaHt {
             plan_host: rank.host_mapped()?,
             counts_host: rank.host_mapped()?,
             fail_host: rank.host_mapped()?,
+            fabric,
             window,
             dev_comm,
             lay,
             cfg: cfg.clone(),
             opts,
-            me: lsa_rank,
+            me,
             seq: 0,
             bar_epoch: 0,
             generation: 0,
@@ -382,7 +390,10 @@ impl CudaHt {
             fail_host: self.fail_host.dev,
             off_comb_stage: l.comb_stage as u64,
             pull_blocks: self.grid(),
-            pad0: 0,
+            peer_stride4g: self.fabric.stride4g,
+            rank: self.fabric.rank as i32,
+            ranks: self.fabric.size as i32,
+            peer_base: self.fabric.base,
         }
     }
 
