@@ -61,11 +61,21 @@ pub fn check_rank_variants(
         let mut passed = 0;
         // Two receive slabs: every case also checks that a dispatch into one slab leaves the
         // other's rows intact, and that senders use the slab each receiver named.
-        let base = HtGpuOptions {
+        let mut base = HtGpuOptions {
             variant: HtVariant::from_env()?,
             recv_slabs: 2,
             ..HtGpuOptions::default()
         };
+        let vnodes = crate::group::vnodes::RankTopology::from_env()?.vnodes as u32;
+        if vnodes > 1 {
+            // Processes sharing the GPU (MPS) share its SMs, and every rank's barrier and
+            // staging CTAs wait for the other ranks' at once: each process's kernels keep to
+            // half of its share of the SMs (the LL grid's rule), split between the SM budget
+            // and the combine's staging CTAs.
+            let share = (rank.info().sm_count / (2 * vnodes)).max(2);
+            base.num_sms = share / 2;
+            base.variant.stage_blocks = share - share / 2;
+        }
         for (i, case) in cases.iter().enumerate() {
             check_case(group, &rank, case, base).map_err(|e| match e {
                 Error::Mismatch(m) => Error::Mismatch(format!("GPU case {i}: {m}")),
