@@ -482,16 +482,6 @@ extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_ce_end
   make_barrier(a).sync(2 * a.epoch + 2, kPhaseAlltoallEnd);
 }
 
-// The address of every LSA peer's copy of a window as this process maps it, for copies the
-// host issues: ncclGetLsaPointer reads the window's device-side descriptor, which the host
-// cannot. Offset 0: NCCL maps each peer's window contiguously (pointer = base + offset), so
-// the host asks once per window and adds offsets itself. LsaPointerArgs: abi/alltoall.h.
-extern "C" __global__ void gin_ep_lsa_pointers(const LsaPointerArgs a) {
-  for (uint32_t p = threadIdx.x; p < a.n; p += blockDim.x) {
-    a.out[p] = reinterpret_cast<uint64_t>(lsa_ptr(a.win, 0, int(p)));
-  }
-}
-
 #if GIN_EP_HAVE_GIN
 // ---------------------------------------------------------------------------------------
 // gin and hybrid: the all-to-all over NCCL's GPU-Initiated Networking, with the semantics of

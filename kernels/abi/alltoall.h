@@ -1,5 +1,5 @@
 // kernels/abi/alltoall.h: what the host and the all-to-all kernels (kernels/alltoall.cu)
-// agree on: their argument structs (AlltoallArgs, LsaPointerArgs, GinAlltoallArgs), the
+// agree on: their argument structs (AlltoallArgs, GinAlltoallArgs), the
 // block size ceiling, the variant bits and the stamp points.
 //
 // Format: the subset at the head of abi/common.h (the host reads this file through
@@ -65,14 +65,6 @@ static const uint32_t kVflagStoreNa = 2u;     // st.global.L1::no_allocate.v4
 
 // Outside the namespace, as the kernels always had them: GinAlltoallArgs is part of the mangled
 // names of gin_ep_alltoall_gin's shared variables, so moving it would change the fatbins.
-// The parameter of gin_ep_lsa_pointers: every LSA peer's address of a window (alltoall.cu).
-struct LsaPointerArgs {
-  ncclWindow_t win;
-  uint64_t* out;  // n u64, device memory
-  uint32_t n;     // LSA team size
-  uint32_t pad;
-};
-
 // The parameter of gin_ep_alltoall_gin (the GIN and hybrid all-to-all; its protocol is above
 // the kernel in alltoall.cu).
 struct GinAlltoallArgs {

@@ -48,3 +48,13 @@ struct FabricError {
 };
 
 }  // namespace gin_ep
+
+// The parameter of gin_ep_lsa_pointers: every LSA peer's address of a window
+// (kernels/fabric.cu; host: backend/cuda/fabric.rs). Outside the namespace, as the kernels
+// always had it.
+struct LsaPointerArgs {
+  ncclWindow_t win;
+  uint64_t* out;  // n u64, device memory
+  uint32_t n;     // LSA team size
+  uint32_t pad;
+};

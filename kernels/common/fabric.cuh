@@ -26,6 +26,14 @@
 
 namespace gin_ep {
 
+// Device timestamps (the benchmark's phase breakdown) exist in harness builds only: build.rs
+// defines GIN_EP_STAMPS 1 there and 0 in the library a product links, where every stamp
+// compiles away.
+#ifndef GIN_EP_STAMPS
+#define GIN_EP_STAMPS 1
+#endif
+constexpr bool kStampsBuilt = GIN_EP_STAMPS != 0;
+
 // ---------------------------------------------------------------------------------------
 // Errors a kernel can report instead of hanging.
 

@@ -118,7 +118,7 @@ __device__ void stage_mark_scanner(const HtArgs& a, int R, int me, bool push) {
       if (!__shfl_sync(0xFFFFFFFFu, go, 0)) return;
     }
   }
-  if (lane == 0 && a.stamps != nullptr) a.stamps[kStampCombStaged] = globaltimer_ns();
+  if (lane == 0 && kStampsBuilt && a.stamps != nullptr) a.stamps[kStampCombStaged] = globaltimer_ns();
 }
 
 // Stage blocks: copy the caller's rows a.x (this rank's expert outputs, receive order) of
@@ -252,7 +252,7 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
   }
   if (tid == 0) {
     s_status = ld_volatile_u32(a.plan + kPlanStatus);
-    if (blockIdx.x == 0 && a.stamps != nullptr) a.stamps[kStampCombStart] = globaltimer_ns();
+    if (blockIdx.x == 0 && kStampsBuilt && a.stamps != nullptr) a.stamps[kStampCombStart] = globaltimer_ns();
   }
   __syncthreads();
   if (stage && blockIdx.x >= a.pull_blocks) {
@@ -380,14 +380,14 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
       }
     }
   }
-  if (a.stamps != nullptr) {
+  if (kStampsBuilt && a.stamps != nullptr) {
     __syncthreads();
     if (tid == 0)
       atomicMax(reinterpret_cast<unsigned long long*>(&a.stamps[kStampCombPull]),
                 static_cast<unsigned long long>(globaltimer_ns()));
   }
   bar.sync(a.bar_epoch + 1, kPhaseHtCombineEnd);
-  if (tid == 0 && a.stamps != nullptr)
+  if (tid == 0 && kStampsBuilt && a.stamps != nullptr)
     atomicMax(reinterpret_cast<unsigned long long*>(&a.stamps[kStampCombEnd]),
               static_cast<unsigned long long>(globaltimer_ns()));
 }

@@ -100,7 +100,7 @@ __device__ __forceinline__ void dispatch_body(const HtArgs& a) {
         s_status = kStatusBadSlab;
       }
     }
-    if (blockIdx.x == 0 && a.stamps != nullptr) {
+    if (blockIdx.x == 0 && kStampsBuilt && a.stamps != nullptr) {
       a.stamps[kStampDispStart] = globaltimer_ns();
       a.stamps[kStampCombPull] = 0;
       a.stamps[kStampCombEnd] = 0;
@@ -215,7 +215,7 @@ __device__ __forceinline__ void dispatch_body(const HtArgs& a) {
     }
   }
   __syncthreads();  // every row this block stored happens-before its signals
-  if (tid == 0 && a.stamps != nullptr)
+  if (tid == 0 && kStampsBuilt && a.stamps != nullptr)
     atomicMax(reinterpret_cast<unsigned long long*>(&a.stamps[kStampDispPayload]),
               static_cast<unsigned long long>(globaltimer_ns()));
   const uint64_t my_slot = (size_t(me) * kMaxGrid + blockIdx.x) * sizeof(uint64_t);
@@ -227,7 +227,7 @@ __device__ __forceinline__ void dispatch_body(const HtArgs& a) {
     if (st != kStatusOk) record_status(a, st, kPhaseHtDispatchWait, tid);
   }
   __syncthreads();  // the acquire covers the block before the kernel ends
-  if (tid == 0 && a.stamps != nullptr)
+  if (tid == 0 && kStampsBuilt && a.stamps != nullptr)
     atomicMax(reinterpret_cast<unsigned long long*>(&a.stamps[kStampDispEnd]),
               static_cast<unsigned long long>(globaltimer_ns()));
 }

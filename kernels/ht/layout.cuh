@@ -157,7 +157,7 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
   uint32_t* const g_hist = g_scan + kScanHead;
   uint64_t* const g_tiles = reinterpret_cast<uint64_t*>(g_scan + kScanHead + ((E + 1) & ~1));
 
-  if (tid == 0 && tile == 0 && a.stamps != nullptr) {
+  if (tid == 0 && tile == 0 && kStampsBuilt && a.stamps != nullptr) {
     a.stamps[kStampLayStart] = globaltimer_ns();
     a.stamps[kStampDispPayload] = 0;
     a.stamps[kStampDispEnd] = 0;
@@ -297,7 +297,7 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
 
   // ---- The last block: totals, count exchange, plan.
   if (tid == 0) {
-    if (a.stamps != nullptr) a.stamps[kStampLayDone] = globaltimer_ns();
+    if (kStampsBuilt && a.stamps != nullptr) a.stamps[kStampLayDone] = globaltimer_ns();
     const uint32_t inv = ld_relaxed_gpu_u32(&g_scan[kScanBadInv]);
     s_bad = ~inv;  // 0xFFFFFFFF: none
     s_fail = ld_relaxed_gpu_u32(&g_scan[kScanFail]) != 0u ? kStatusTimeout : kStatusOk;
@@ -344,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
     }
   }
   __syncthreads();  // extends the waiters' acquire to the block
-  if (tid == 0 && a.stamps != nullptr) a.stamps[kStampLayCounts] = globaltimer_ns();
+  if (tid == 0 && kStampsBuilt && a.stamps != nullptr) a.stamps[kStampLayCounts] = globaltimer_ns();
 
   // The R x R count matrix and this rank's local-expert sums (into s_hist[0, L): the
   // histogram is no longer needed), loaded at once.
@@ -423,7 +423,7 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
   }
   __syncthreads();
   if (tid == 0) {
-    if (a.stamps != nullptr) a.stamps[kStampLayEnd] = globaltimer_ns();
+    if (kStampsBuilt && a.stamps != nullptr) a.stamps[kStampLayEnd] = globaltimer_ns();
     __threadfence_system();
   }
 }

@@ -165,7 +165,7 @@ __device__ void reduce_items(const LlArgs& a, const char* comb) {
       const int cj = c + j * kReduceUnit;
       if (cj < H) st_v4(reinterpret_cast<uint4*>(a.combined + size_t(t) * H + cj), pack_bf16x8(acc[j]));
     }
-    if (a.stamps != nullptr) {
+    if (kStampsBuilt && a.stamps != nullptr) {
       __syncwarp();
       if (lane == 0) {
         if (item == it.warp) stamp_max(a, kStCombFirstItem);

@@ -138,7 +138,7 @@ __device__ __forceinline__ int fused_send_warps(uint32_t flags) {
 // With kFlagStampEdges only the first and last stamp of each operation are written (kernel
 // start and end, the least intrusive breakdown).
 __device__ __forceinline__ void stamp_if(const LlArgs& a, int slot, bool writer) {
-  if (a.stamps != nullptr && writer && slot >= 0 &&
+  if (kStampsBuilt && a.stamps != nullptr && writer && slot >= 0 &&
       ((a.flags & kFlagStampEdges) == 0u || slot == kStDispStart || slot == kStDispEnd || slot == kStCombStart ||
        slot == kStCombEnd || slot == kStDispEntry || slot == kStCombEntry)) {
     a.stamps[size_t(blockIdx.x) * kStampSlots + slot] = globaltimer_ns();
@@ -148,7 +148,7 @@ __device__ __forceinline__ void stamp(const LlArgs& a, int slot) { stamp_if(a, s
 // The calling thread raises slot `slot` of this CTA's stamp row to the time (when asked):
 // the latest of several warps (the row starts zeroed).
 __device__ __forceinline__ void stamp_max(const LlArgs& a, int slot) {
-  if (a.stamps != nullptr && (a.flags & kFlagStampEdges) == 0u) {
+  if (kStampsBuilt && a.stamps != nullptr && (a.flags & kFlagStampEdges) == 0u) {
     atomicMax(reinterpret_cast<unsigned long long*>(a.stamps + size_t(blockIdx.x) * kStampSlots + slot),
               static_cast<unsigned long long>(globaltimer_ns()));
   }

@@ -208,7 +208,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
     // Quantized once, stored to every destination of the token, starting at a destination
     // that differs between neighbouring warps (not all warps at the lowest one first).
     const OutUnit o = encode_unit(a, cur, c0);
-    if (a.stamps != nullptr) {
+    if (kStampsBuilt && a.stamps != nullptr) {
       __syncwarp();
       if (lane == 0) stamp_max(a, kStDispEncoded);
     }

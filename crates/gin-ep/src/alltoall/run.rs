@@ -505,7 +505,7 @@ fn measure(
         }
         (AlltoallMode::Ce | AlltoallMode::CeSerial, None, Ok((window, dev_comm)), _) => {
             // Fetched (and cached in the window) here, not inside the first timed operation.
-            ops::lsa_peer_bases(rank, window, dev_comm)?;
+            crate::backend::cuda::fabric::lsa_peer_bases(rank, window, dev_comm)?;
             let side = match mode {
                 AlltoallMode::Ce => bufs.ce_streams.as_ref(),
                 _ => None,

@@ -3,7 +3,7 @@
 //! this rank's index and the node's size beside it. The kernels take all four from their
 //! arguments and never from NCCL's team, so the same kernels run over either source:
 //! - **LSA**: NCCL's LSA team (the GPUs of one NVLink domain). The host reads every peer's
-//!   address of the window once (`ncclGetLsaPointer`, ops::lsa_peer_bases) and accepts only
+//!   address of the window once (`ncclGetLsaPointer`, [`lsa_peer_bases`]) and accepts only
 //!   NCCL's layout of one base plus a whole number of 4 GiB per peer.
 //! - **IPC**: gin-ep's node grouping (`--vnodes`/`--node-size` launches, several NCCL nodes
 //!   that share a GPU or an NVLink domain): the node's windows are mapped into this process
@@ -13,7 +13,7 @@
 //! size). Never: launches kernels or decides the window's layout.
 
 use super::ipc::{map_node_windows_strided, StridedNodeWindows};
-use super::ops::lsa_peer_bases;
+use super::kernels::{names, LsaPointerArgs};
 use super::runtime::{CudaRank, DevComm, Window};
 use crate::error::{Error, Result};
 use crate::group::vnodes::RankTopology;
@@ -128,6 +128,42 @@ pub fn lsa_base_stride(bases: &[u64]) -> Result<(u64, u32)> {
             ),
         }),
     }
+}
+
+/// Every LSA peer's address of `window` in this process (index: LSA rank), for copies the
+/// host queues: asked from the device once per window (a kernel reads ncclGetLsaPointer at
+/// offset 0; NCCL maps each peer's window contiguously, so offset o of peer p is
+/// `bases[p] + o`), then cached in the window. The first call waits (bounded).
+pub fn lsa_peer_bases<'w>(rank: &CudaRank, window: &'w Window, dev_comm: &DevComm) -> Result<&'w [u64]> {
+    window.lsa_bases(|| {
+        let (_, n) = dev_comm.lsa();
+        let out = rank.alloc(n.max(1) * 8)?;
+        let args = LsaPointerArgs {
+            win: window.raw(),
+            out: out.region().ptr,
+            n: u32::try_from(n).map_err(|_| Error::input("LSA team", format!("{n} ranks")))?,
+            pad: 0,
+        };
+        // SAFETY: LsaPointerArgs is the kernel parameter (generated, layout asserted);
+        // the window is live and `out` holds n u64 until the download below has waited.
+        unsafe { rank.launch(names::LSA_POINTERS, 1, 32, &args)? };
+        let mut raw = vec![0u8; n * 8];
+        rank.download(out.region().sub(0, n * 8)?, &mut raw)?;
+        let bases: Vec<u64> = raw
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+            .collect();
+        // A null or repeated address would send copies astray: refuse instead.
+        for (p, &b) in bases.iter().enumerate() {
+            if b == 0 || bases[..p].contains(&b) {
+                return Err(Error::Device {
+                    call: "ncclGetLsaPointer".into(),
+                    reason: format!("LSA peer {p}'s window address {b:#x} is null or repeated"),
+                });
+            }
+        }
+        Ok(bases)
+    })
 }
 
 #[cfg(test)]

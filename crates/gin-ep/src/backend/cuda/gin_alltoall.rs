@@ -12,9 +12,10 @@
 
 use std::cell::Cell;
 
+use super::fabric::lsa_peer_bases;
 use super::ipc::{map_node_windows, NodeWindows};
 use super::kernels::GinAlltoallArgs;
-use super::ops::{lsa_peer_bases, MAX_THREADS};
+use super::ops::MAX_THREADS;
 use super::runtime::{CudaRank, DevComm, DeviceBuffer, Window};
 use crate::error::{Error, Result};
 use crate::group::vnodes::RankTopology;

@@ -87,7 +87,8 @@ pub use super::abi::fabric::FabricError;
 
 /// The parameters of the all-to-all kernels (kernels/abi/alltoall.h): every LSA kernel's,
 /// [`names::LSA_POINTERS`]'s and [`names::ALLTOALL_GIN`]'s.
-pub use super::abi::alltoall::{AlltoallArgs, GinAlltoallArgs, LsaPointerArgs};
+pub use super::abi::alltoall::{AlltoallArgs, GinAlltoallArgs};
+pub use super::abi::fabric::LsaPointerArgs;
 
 /// The one parameter of the pattern fill and check kernels (kernels/abi/pattern.h).
 pub use super::abi::pattern::PatternArgs;

@@ -21,9 +21,12 @@ pub mod ht;
 pub mod ipc;
 pub mod kernels;
 pub mod ll;
+/// The all-to-all study's launches and test patterns (lab kernels: harness builds only).
+#[cfg(feature = "harness")]
 pub mod ops;
 pub mod runtime;
 
+#[cfg(feature = "harness")]
 pub use ops::{AlltoallKernel, AlltoallLaunch};
 pub use runtime::{
     gin_available, gin_network, nccl_probe, CudaRank, CudaRankOptions, DevComm, DevCommRequest, DeviceBuffer,

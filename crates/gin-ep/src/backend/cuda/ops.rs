@@ -5,11 +5,11 @@
 //! not re-check (offsets inside the window, 16-byte alignment, grid and block limits, the
 //! LSA team spanning the whole group); the same for the copies of the copy-engine
 //! all-to-all, which go to peers' window addresses. Never: allocates (except the one-time
-//! peer address fetch, [`lsa_peer_bases`]), or waits (callers wait with
+//! peer address fetch, `fabric::lsa_peer_bases`), or waits (callers wait with
 //! [`CudaRank::wait`], which also reports missed in-kernel deadlines).
 
 use super::abi::alltoall as abi;
-use super::kernels::{names, AlltoallArgs, LsaPointerArgs, PatternArgs};
+use super::kernels::{names, AlltoallArgs, PatternArgs};
 use super::runtime::{CudaRank, DevComm, DeviceRegion, SideStreams, Window};
 use crate::error::{Error, Result};
 use gin_ep_sys as ns;
@@ -322,47 +322,11 @@ pub fn launch_alltoall(rank: &CudaRank, l: &AlltoallLaunch<'_>) -> Result<usize>
     Ok(filled)
 }
 
-/// Every LSA peer's address of `window` in this process (index: LSA rank), for copies the
-/// host queues: asked from the device once per window (a kernel reads ncclGetLsaPointer at
-/// offset 0; NCCL maps each peer's window contiguously, so offset o of peer p is
-/// `bases[p] + o`), then cached in the window. The first call waits (bounded).
-pub fn lsa_peer_bases<'w>(rank: &CudaRank, window: &'w Window, dev_comm: &DevComm) -> Result<&'w [u64]> {
-    window.lsa_bases(|| {
-        let (_, n) = dev_comm.lsa();
-        let out = rank.alloc(n.max(1) * 8)?;
-        let args = LsaPointerArgs {
-            win: window.raw(),
-            out: out.region().ptr,
-            n: u32::try_from(n).map_err(|_| bad("LSA team", format!("{n} ranks")))?,
-            pad: 0,
-        };
-        // SAFETY: LsaPointerArgs is the kernel parameter (generated, layout asserted);
-        // the window is live and `out` holds n u64 until the download below has waited.
-        unsafe { rank.launch(names::LSA_POINTERS, 1, 32, &args)? };
-        let mut raw = vec![0u8; n * 8];
-        rank.download(out.region().sub(0, n * 8)?, &mut raw)?;
-        let bases: Vec<u64> = raw
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-            .collect();
-        // A null or repeated address would send copies astray: refuse instead.
-        for (p, &b) in bases.iter().enumerate() {
-            if b == 0 || bases[..p].contains(&b) {
-                return Err(Error::Device {
-                    call: "ncclGetLsaPointer".into(),
-                    reason: format!("LSA peer {p}'s window address {b:#x} is null or repeated"),
-                });
-            }
-        }
-        Ok(bases)
-    })
-}
-
 /// One copy-engine all-to-all (`ce` modes) over a window laid out as the LSA kernels' (send
 /// region at `send_offset`, one receive buffer at `recv_offset`, the deadline barrier's
 /// words at `signal_offset`): a start barrier kernel, one device-to-device copy per
 /// destination p from send chunk p to peer p's receive slot for this rank (through the
-/// peer's LSA address of the window, [`lsa_peer_bases`]), then an end barrier kernel. See
+/// peer's LSA address of the window, `fabric::lsa_peer_bases`), then an end barrier kernel. See
 /// "ce" in kernels/alltoall.cu for why the data is at the receivers when the operation ends.
 #[derive(Clone, Copy, Debug)]
 pub struct CeAlltoall<'a> {
@@ -431,7 +395,7 @@ pub fn ce_alltoall(rank: &CudaRank, c: &CeAlltoall<'_>) -> Result<usize> {
             ));
         }
     }
-    let bases = lsa_peer_bases(rank, c.window, c.dev_comm)?;
+    let bases = super::fabric::lsa_peer_bases(rank, c.window, c.dev_comm)?;
     if bases.len() != n {
         return Err(bad(
             "peer addresses",
@@ -678,8 +642,6 @@ mod tests {
                 "{n} is not an entry point of kernels/alltoall.cu"
             );
         }
-        let pointers = format!(" {}(const LsaPointerArgs a)", names::LSA_POINTERS);
-        assert!(ALLTOALL_CU.contains(&pointers), "{pointers}");
     }
 
     #[test]

@@ -262,16 +262,19 @@ impl CudaRank {
         &self.comm
     }
 
+    #[cfg(feature = "harness")]
     pub(crate) fn nccl(&self) -> &ns::Nccl {
         &self.comm.nccl
     }
 
+    #[cfg(feature = "harness")]
     pub(crate) fn raw_comm(&self) -> ns::ncclComm_t {
         self.comm.raw
     }
 
     /// An NCCL status of a call on this rank's communicator as a typed error (marks the
     /// communicator failed).
+    #[cfg(feature = "harness")]
     pub(crate) fn comm_check(&self, call: &str, r: ns::ncclResult_t) -> Result<()> {
         self.comm.check(call, r)
     }
@@ -282,6 +285,7 @@ impl CudaRank {
 
     /// Next barrier epoch; the same sequence on every rank as long as every rank launches
     /// the same barrier kernels in the same order.
+    #[cfg(feature = "harness")]
     pub(crate) fn next_epoch(&self) -> u64 {
         let e = self.epoch.get();
         self.epoch.set(e + 1);
