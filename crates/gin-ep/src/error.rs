@@ -70,7 +70,8 @@ impl Error {
         )
     }
 
-    pub(crate) fn config(field: &'static str, value: impl ToString, reason: impl ToString) -> Self {
+    /// An [`Error::InvalidConfig`] (also used by the lab crate, gin-ep-lab, for its options).
+    pub fn config(field: &'static str, value: impl ToString, reason: impl ToString) -> Self {
         Error::InvalidConfig {
             field,
             value: value.to_string(),
@@ -78,7 +79,8 @@ impl Error {
         }
     }
 
-    pub(crate) fn input(what: impl ToString, reason: impl ToString) -> Self {
+    /// An [`Error::InvalidInput`] (also used by the lab crate, gin-ep-lab).
+    pub fn input(what: impl ToString, reason: impl ToString) -> Self {
         Error::InvalidInput {
             what: what.to_string(),
             reason: reason.to_string(),

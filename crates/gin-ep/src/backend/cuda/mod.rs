@@ -21,11 +21,17 @@ pub mod ht;
 pub mod ipc;
 pub mod kernels;
 pub mod ll;
-/// The all-to-all study's launches and test patterns (lab kernels: harness builds only).
+/// The all-to-all study's launches and test patterns (lab kernels: harness builds only); the
+/// study itself is gin-ep-lab's `alltoall`.
 #[cfg(feature = "harness")]
 pub mod ops;
 pub mod runtime;
 
+/// The all-to-all kernels' ABI (store-hint flag bits, stamp slots), generated from
+/// kernels/abi/alltoall.h: the lab crate (gin-ep-lab) builds launch flags and reads stamps
+/// with it.
+#[cfg(feature = "harness")]
+pub use abi::alltoall as alltoall_abi;
 #[cfg(feature = "harness")]
 pub use ops::{AlltoallKernel, AlltoallLaunch};
 pub use runtime::{
