@@ -1,14 +1,14 @@
 //! `gin-ep alltoall`: the nccl-tests-style all-to-all sweep on GPUs. The parent
 //! process starts one process per GPU (itself, with `GIN_EP_CHILD=1`); each child
-//! runs `gin_ep::alltoall::run_rank` and rank 0 prints the table or JSON.
+//! runs `gin_ep_lab::alltoall::run_rank` and rank 0 prints the table or JSON.
 
 use crate::error::{parse_secs, parse_whole, CliError, CliResult};
 use crate::gpus;
 use clap::Args;
 use comfy_table::{presets, CellAlignment, Table};
-use gin_ep::alltoall::{run_rank, AlltoallMode, AlltoallOptions, AlltoallReport, StoreHint};
 use gin_ep::ep::probe::driver;
 use gin_ep::group::{Group, ENV_CHILD};
+use gin_ep_lab::alltoall::{run_rank, AlltoallMode, AlltoallOptions, AlltoallReport, StoreHint};
 use std::time::Duration;
 
 #[derive(Args, Debug, Clone)]

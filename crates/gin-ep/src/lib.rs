@@ -6,8 +6,6 @@
 //! a group of ranks ([`group`]) and the backends that execute the protocol
 //! ([`backend`]). See `docs/protocol.md` for buffer layout and signalling.
 
-#[cfg(feature = "harness")]
-pub mod alltoall;
 pub mod backend;
 pub mod config;
 pub mod ep;

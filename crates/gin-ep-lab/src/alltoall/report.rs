@@ -4,9 +4,9 @@
 //! Owns: the report types and the breakdown arithmetic on downloaded stamps. Never: runs or
 //! times anything.
 
-use crate::backend::cuda::abi::alltoall as abi;
-use crate::backend::cuda::ops::{NcclAlltoallApi, STAMP_WORDS_PER_CTA};
-use crate::backend::cuda::{PeerCopy, RankInfo};
+use gin_ep::backend::cuda::alltoall_abi as abi;
+use gin_ep::backend::cuda::ops::{NcclAlltoallApi, STAMP_WORDS_PER_CTA};
+use gin_ep::backend::cuda::{PeerCopy, RankInfo};
 
 use super::options::AlltoallMode;
 
@@ -98,7 +98,7 @@ pub fn breakdown_from_stamps(words: &[u64], grid: usize, launches: usize, event_
         if cols[i].is_empty() {
             0.0
         } else {
-            crate::backend::cuda::runtime::median(&mut cols[i])
+            gin_ep::backend::cuda::runtime::median(&mut cols[i])
         }
     };
     Breakdown {

@@ -4,7 +4,7 @@
 //!
 //! Owns: the size sweep, the per-mode buffer layout, timing with CUDA events, the
 //! validation pattern, and the report. Never: parses command lines or prints (the CLI does),
-//! or touches CUDA/NCCL directly (everything goes through `backend::cuda`'s safe owners and
+//! or touches CUDA/NCCL directly (everything goes through `gin_ep::backend::cuda`'s safe owners and
 //! typed launches).
 //!
 //! Counting, as nccl-tests counts alltoall: `bytes` is what one rank sends in total (its
@@ -18,13 +18,13 @@
 //! reference.
 //!
 //! `gin` and `hybrid` run `gin_ep_alltoall_gin` (kernels/alltoall.cu; launches in
-//! `backend::cuda::gin_alltoall`) on the same window, with GIN signals and counters asked of
+//! `gin_ep::backend::cuda::gin_alltoall`) on the same window, with GIN signals and counters asked of
 //! NCCL only when one of them is requested and GIN is available. Where the ranks share a GPU
 //! (virtual nodes: an LSA team of 1), `ce` is a local copy of the same bytes, the ceiling, and
 //! every figure is time-sliced (correctness only); points say so in `note`.
 //!
 //! Intended CLI (the parent process starts `--gpus` ranks of itself with
-//! `group::launch_ranks`, each child calls [`run_rank`] and rank 0 prints):
+//! `gin_ep::group::launch_ranks`, each child calls [`run_rank`] and rank 0 prints):
 //! ```text
 //! gin-ep alltoall --gpus N            ranks (one process per GPU), default: all GPUs
 //!                 -b, --min-bytes B   smallest per-rank total send size (default 1M; K/M/G suffixes)

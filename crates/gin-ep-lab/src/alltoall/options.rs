@@ -5,9 +5,9 @@
 
 use std::time::Duration;
 
-use crate::backend::cuda::gin_alltoall::GinVariant;
-use crate::backend::cuda::ops::{self, AlltoallKernel};
-use crate::error::{Error, Result};
+use gin_ep::backend::cuda::gin_alltoall::GinVariant;
+use gin_ep::backend::cuda::ops::{self, AlltoallKernel};
+use gin_ep::error::{Error, Result};
 
 /// Most CTAs an LSA all-to-all may use: the window reserves `MAX_BLOCKS * world` barrier
 /// words.
@@ -192,7 +192,7 @@ pub enum StoreHint {
 impl StoreHint {
     /// The kernel's `vflags` bits (kVflagStore* in kernels/abi/alltoall.h).
     pub fn vflags(self) -> u32 {
-        use crate::backend::cuda::abi::alltoall as abi;
+        use gin_ep::backend::cuda::alltoall_abi as abi;
         match self {
             StoreHint::Plain => abi::K_VFLAG_STORE_PLAIN,
             StoreHint::Cs => abi::K_VFLAG_STORE_CS,

@@ -7,21 +7,21 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::backend::cuda::gin_alltoall::{
+use gin_ep::backend::cuda::gin_alltoall::{
     self, ce_local_copy, gin_node, launch_gin_alltoall, GinAlltoall, GinCounts, GinNode, GinVariant,
 };
-use crate::backend::cuda::ll::POISON;
-use crate::backend::cuda::ops::{
+use gin_ep::backend::cuda::ll::POISON;
+use gin_ep::backend::cuda::ops::{
     self, check_pattern, fill_pattern, flag_words, nccl_alltoall, nccl_alltoall_api, AlltoallKernel,
     AlltoallLaunch, CeAlltoall, STAMP_WORDS_PER_CTA,
 };
-use crate::backend::cuda::{
+use gin_ep::backend::cuda::{
     driver, gin_available, gin_network, CudaRank, CudaRankOptions, DevComm, DevCommRequest, DeviceBuffer,
     DeviceRegion, PeerCopy, SideStreams, Window,
 };
-use crate::error::{Error, Result};
-use crate::group::vnodes::{RankTopology, TIME_SLICED};
-use crate::group::Group;
+use gin_ep::error::{Error, Result};
+use gin_ep::group::vnodes::{RankTopology, TIME_SLICED};
+use gin_ep::group::Group;
 
 use super::options::{
     default_sweep_grids, resolve_grids, AlltoallMode, AlltoallOptions, SizePoint, MAX_BLOCKS,
@@ -505,7 +505,7 @@ fn measure(
         }
         (AlltoallMode::Ce | AlltoallMode::CeSerial, None, Ok((window, dev_comm)), _) => {
             // Fetched (and cached in the window) here, not inside the first timed operation.
-            crate::backend::cuda::fabric::lsa_peer_bases(rank, window, dev_comm)?;
+            gin_ep::backend::cuda::fabric::lsa_peer_bases(rank, window, dev_comm)?;
             let side = match mode {
                 AlltoallMode::Ce => bufs.ce_streams.as_ref(),
                 _ => None,
@@ -609,7 +609,7 @@ fn measure(
     for w in events.windows(2) {
         times.push(f64::from(w[0].elapsed_ms(&w[1])?) * 1e3);
     }
-    let mine = crate::backend::cuda::runtime::median(&mut times);
+    let mine = gin_ep::backend::cuda::runtime::median(&mut times);
     if checked {
         validate(last, "after the timed loop")?;
     }
@@ -642,7 +642,7 @@ fn measure(
             if opts.validate {
                 validate(last, "after the stamped loop")?;
             }
-            let event_us = crate::backend::cuda::runtime::median(&mut ev_times);
+            let event_us = gin_ep::backend::cuda::runtime::median(&mut ev_times);
             Some(breakdown_from_stamps(
                 &words,
                 l.grid as usize,
@@ -708,7 +708,7 @@ fn peer_copy(
 mod tests {
     use super::super::options::{AlltoallMode, AlltoallOptions, MAX_BLOCKS};
     use super::*;
-    use crate::group::StoreServer;
+    use gin_ep::group::StoreServer;
     use std::time::Duration;
 
     #[test]
