@@ -66,13 +66,12 @@ pub fn check_rank_variants(
             recv_slabs: 2,
             ..HtGpuOptions::default()
         };
-        let vnodes = crate::group::vnodes::RankTopology::from_env()?.vnodes as u32;
-        if vnodes > 1 {
-            // Processes sharing the GPU (MPS) share its SMs, and every rank's barrier and
-            // staging CTAs wait for the other ranks' at once: each process's kernels keep to
-            // half of its share of the SMs (the LL grid's rule), split between the SM budget
-            // and the combine's staging CTAs.
-            let share = (rank.info().sm_count / (2 * vnodes)).max(2);
+        let topo = crate::group::vnodes::RankTopology::from_env()?;
+        if topo.vnodes > 1 {
+            // Processes sharing the GPU keep to their share of the SMs (the LL grid's rule,
+            // RankTopology::sm_share), split between the SM budget and the combine's staging
+            // CTAs.
+            let share = topo.sm_share(rank.info().sm_count).max(2);
             base.num_sms = share / 2;
             base.variant.stage_blocks = share - share / 2;
         }

@@ -182,6 +182,20 @@ impl RankTopology {
         })
     }
 
+    /// The SMs one process's kernels may hold at once on a GPU of `sms` SMs: all of them
+    /// outside a virtual-node launch; with K processes per GPU (run under MPS, sharing the
+    /// SMs) half of a process's share, `sms / 2K` (at least 1). Every rank's CTAs wait for the
+    /// other ranks' and must be resident together, and programmatic dependent launch lets a
+    /// process hold two grids (the running one and its waiting successor); with a full share
+    /// one process's two grids could take every SM while its kernel waits for a peer whose
+    /// kernel then never starts. (Time-sliced without MPS, any grid would do.)
+    pub fn sm_share(&self, sms: u32) -> u32 {
+        match self.vnodes {
+            0 | 1 => sms,
+            k => (sms / (2 * k as u32)).max(1),
+        }
+    }
+
     /// The gin-ep node of `rank` as (first rank, size), for a world of `world` ranks whose
     /// NCCL LSA team has `lsa_size` ranks (the default node).
     pub fn node_of(&self, rank: usize, world: usize, lsa_size: usize) -> (usize, usize) {
@@ -217,6 +231,18 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn each_process_keeps_to_half_its_share_of_the_sms() {
+        let share = |vnodes| {
+            RankTopology {
+                vnodes,
+                node_size: None,
+            }
+            .sm_share(132)
+        };
+        assert_eq!([share(1), share(2), share(4), share(200)], [132, 33, 16, 1]);
     }
 
     #[test]

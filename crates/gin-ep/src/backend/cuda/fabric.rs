@@ -55,7 +55,8 @@ impl FabricSource {
 impl NodeFabric {
     /// The node of this rank as the launch described it (`topo`): NCCL's LSA team for a
     /// one-process-per-GPU launch, else the gin-ep node `topo` names. Collective over the
-    /// node (the IPC source exchanges window handles). `what` names the operation for errors.
+    /// node (the IPC source exchanges window handles). Refused unless the node holds every rank
+    /// (HT and LL reach peers by load/store only); `what` names the operation for errors.
     pub fn new(
         rank: &CudaRank,
         window: &Window,
@@ -65,30 +66,38 @@ impl NodeFabric {
     ) -> Result<NodeFabric> {
         let (me, world) = (rank.info().rank, rank.info().world);
         let (lsa_rank, lsa_size) = dev_comm.lsa();
-        if topo.vnodes <= 1 && topo.node_size.is_none() {
+        let (source, first, size) = if topo.vnodes <= 1 && topo.node_size.is_none() {
+            (FabricSource::Lsa, 0, lsa_size)
+        } else {
+            let (first, size) = topo.node_of(me, world, lsa_size);
+            (FabricSource::Ipc, first, size)
+        };
+        // Every rank decides this alike from the same topology, so all refuse before any
+        // collective exchange.
+        if size != world {
+            return Err(Error::Unavailable {
+                backend: "cuda",
+                reason: format!(
+                    "{what} reaches its peers by load/store only (the GIN fabric is not used yet): \
+                     this rank's node ({}) has {size} of {world} ranks; use a node of every rank \
+                     (one process per GPU on one NVLink host, or --node-size {world})",
+                    source.name()
+                ),
+            });
+        }
+        if source == FabricSource::Lsa {
             let (base, stride4g) = lsa_base_stride(lsa_peer_bases(rank, window, dev_comm)?)?;
             return Ok(NodeFabric {
                 base,
                 stride4g,
                 rank: lsa_rank as u32,
                 size: lsa_size as u32,
-                source: FabricSource::Lsa,
+                source,
                 _ipc: None,
             });
         }
-        let (first, size) = topo.node_of(me, world, lsa_size);
         let ipc = map_node_windows_strided(rank, window, first, size)?;
         let (base, stride4g) = ipc.base_stride4g();
-        if size != world {
-            return Err(Error::Unavailable {
-                backend: "cuda",
-                reason: format!(
-                    "{what} across gin-ep nodes needs the GIN fabric, which it does not use yet: this \
-                     rank's node has {size} of {world} ranks (use a node of every rank, e.g. \
-                     --node-size {world})"
-                ),
-            });
-        }
         Ok(NodeFabric {
             base,
             stride4g,

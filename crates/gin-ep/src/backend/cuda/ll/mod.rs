@@ -202,16 +202,8 @@ impl CudaLl {
         }
         let sms = rank.info().sm_count;
         let topo = RankTopology::from_env()?;
-        // Processes sharing a GPU (virtual nodes, run under MPS) share its SMs, and every
-        // rank's fused grid must be resident at once. Each process takes half of its share:
-        // programmatic dependent launch makes the next LL kernel's CTAs resident (waiting)
-        // while this grid still runs, so a process can hold two grids; with a full share the
-        // first process's two grids could take every SM while its kernel waits for a peer
-        // whose kernel then never starts. (Time-sliced without MPS, any grid would do.)
-        let default_grid = match topo.vnodes {
-            0 | 1 => sms,
-            k => (sms / (2 * k as u32)).max(1),
-        };
+        // With virtual nodes each process keeps to its share of the SMs (RankTopology::sm_share).
+        let default_grid = topo.sm_share(sms);
         let grid = match tuning.grid.or(grid) {
             None => default_grid,
             Some(0) => sms,
@@ -253,16 +245,6 @@ impl CudaLl {
             gin_signals: 0,
         })?;
         let fabric = NodeFabric::new(rank, &window, &dev_comm, &topo, "LL")?;
-        if fabric.size as usize != world {
-            return Err(Error::Unavailable {
-                backend: "cuda",
-                reason: format!(
-                    "LL reaches its peers by load/store only; this rank's node ({}) has {} of {world} ranks",
-                    fabric.source.name(),
-                    fabric.size
-                ),
-            });
-        }
         let (h, k, t, l, r) = (
             cfg.hidden,
             cfg.topk,
