@@ -67,10 +67,11 @@ pub fn check_rank_variants(
             ..HtGpuOptions::default()
         };
         let topo = crate::group::vnodes::RankTopology::from_env()?;
-        if topo.vnodes > 1 {
+        let variant_given = std::env::var_os(crate::backend::cuda::ht::ENV_VARIANT).is_some();
+        if topo.vnodes > 1 && !variant_given {
             // Processes sharing the GPU keep to their share of the SMs (the LL grid's rule,
             // RankTopology::sm_share), split between the SM budget and the combine's staging
-            // CTAs.
+            // CTAs; a variant the user named is run as given.
             let share = topo.sm_share(rank.info().sm_count).max(2);
             base.num_sms = share / 2;
             base.variant.stage_blocks = share - share / 2;
