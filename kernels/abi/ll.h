@@ -26,6 +26,15 @@ static const uint32_t kPhaseCombineCredit = 18;   // send waits until the source
 static const uint32_t kPhaseCombineRecv = 19;     // reduce waits for expert ranks' rows
 static const uint32_t kPhaseCombineWeights = 20;  // rank-first send polls sources' weights
 
+// GIN signals of one set ([kGinKinds][R] per set, ids from LlArgs::gin_sig_base; a peer in
+// another gin-ep node only; the protocol at the head of ll/common.cuh, "Across nodes").
+// kGinDisp[src]: the dispatch's counts and records from src (+ (T + 1) per op); kGinDispAck /
+// kGinCombAck[src]: the credits src pushed (completed dispatches / combines); kGinComb[src]:
+// the combine rows from expert rank src (+ kGinCombQuota per op); kGinWts[src]: src's
+// rank-first weights (+1 per op).
+static const int kGinDisp = 0, kGinDispAck = 1, kGinComb = 2, kGinCombAck = 3, kGinWts = 4;
+static const int kGinKinds = 5;
+
 // Signal kinds ([kind][src] u64 words at sig_offset of a set; the protocol at the head of
 // ll/common.cuh). kDispCnt: CTA 0 of src adds 1 after writing meta[src] at r (after op n it
 // holds n). kDispSig and kCombWts are unused (ready words and flagged weights replaced them);
@@ -36,10 +45,17 @@ static const int kSigKinds = 6;  // sig words [kSigKinds][R]
 // the op counts, one u32 per CTA and kind ([kOpKinds][kMaxGrid]). kRecords: the records
 // (staged tokens) of the last dispatch on the set, the rows of comb_map. kFailed: nonzero
 // once a wait of the set missed its deadline (no more credits).
-static const int kRecords = 0, kFailed = 1;
+// kCreditsDisp / kCreditsComb: the completed dispatches / combines this rank has pushed as
+// GIN credits so far (push_credits adds the difference).
+static const int kRecords = 0, kFailed = 1, kCreditsDisp = 2, kCreditsComb = 3;
 static const int kStateWords = 8;
 static const int kOpDispatch = 0, kOpCombine = 1, kOpKinds = 2;
-static const int kMaxGrid = 1024;  // state = kStateWords + kOpKinds * kMaxGrid u32 (host: STATE_WORDS)
+static const int kMaxGrid = 1024;
+// Then [R] u32 from kSourceRecords: the records each source staged here in the last dispatch
+// on the set (the rank-first combine's row count per source across nodes). The whole state:
+// kSourceRecords + kMaxRanks u32 (host: STATE_WORDS).
+static const int kSourceRecords = kStateWords + kOpKinds * kMaxGrid;
+static const int kMaxRanks = 64;
 
 // LlArgs::comb_order (host: LlCombineOrder in config.rs).
 static const uint32_t kCombOrderTopk = 0, kCombOrderRankFirst = 1;
@@ -99,10 +115,27 @@ struct LlArgs {
   uint32_t comb_order;    // kCombOrder*
   int32_t ranks;          // R: the ranks of the operation, all of them in this rank's node
   uint64_t ready_offset;  // relative to set_offset: [R src][T][units] u32 ready words
-  // Node rank 0's window in this process. With peer_stride4G, rank and ranks: from NCCL's LSA
-  // team or from gin-ep's IPC-mapped node windows (host: backend/cuda/fabric.rs); the
-  // kernels never read NCCL's team for them.
+  // Node rank 0's window in this process. With peer_stride4G, node_first and node_size: from
+  // NCCL's LSA team or from gin-ep's IPC-mapped node windows (host: backend/cuda/fabric.rs);
+  // the kernels never read NCCL's team for them.
   char* peer_base;
+  // This rank's gin-ep node: ranks [node_first, node_first + node_size) are reached by stores
+  // (win_ptr), every other rank by GIN (ncclTeamWorld of comm). node_size == ranks: no GIN.
+  int32_t node_first;
+  int32_t node_size;
+  // Across nodes only (0 otherwise): the set's first GIN signal id ([kGinKinds][R]), and
+  // this rank's send areas in its own window (relative to set_offset), the sources of its
+  // GIN puts: [R dst][L + 1] u32 counts, [R dst][T] records, and the combine rows
+  // [R src][T][kc][H] bf16 (kc = K for `topk`, 1 for `rank-first`).
+  uint32_t gin_sig_base;
+  uint32_t gin_pad;
+  uint64_t out_meta_offset;
+  uint64_t out_stage_offset;
+  uint64_t out_comb_offset;
+  // Across nodes only (null otherwise): local device memory, zeroed at creation, counting the
+  // warps that have written their part of a staged record or row ([R][T] dispatch records,
+  // then [R][T][kc] combine rows); the last one puts it and resets the count.
+  uint32_t* gin_arrivals;
 };
 
 // Device timestamps (globaltimer ns), one row of kStampSlots per CTA, written by thread 0 at

@@ -179,7 +179,12 @@ __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
   const int me = a.rank;
   stamp(a, kStCombRecv);
   const char* comb = win_ptr(a, a.set_offset + a.comb_offset, me);
-  if (!wait_all_peers(a, kCombSig, uint64_t(n) * gridDim.x, kPhaseCombineRecv)) return false;
+  // Expert ranks in other nodes: every row and the pad (kGinComb reaches n T K for `topk`,
+  // n T for `rank-first`: combine_send_body).
+  const uint64_t quota = uint64_t(a.max_tokens) * (a.comb_order == kCombOrderRankFirst ? 1u : uint64_t(a.topk));
+  if (!wait_all_peers(a, kCombSig, uint64_t(n) * gridDim.x, kPhaseCombineRecv, kGinComb, uint64_t(n) * quota)) {
+    return false;
+  }
   stamp(a, kStCombSeen);
   reduce_items<kReduceVecs>(a, comb);
   // No credit here: the next kernel on the set pushes it (push_credits).

@@ -117,6 +117,154 @@ __device__ __forceinline__ void copy_batched(size_t n, size_t tid, size_t thread
   }
 }
 
+// Every thread of the CTA, when some sources are in other nodes: the combine send's credit
+// (every source has reduced the previous combine of the set), then, `rank-first`, the weights
+// of the sources in other nodes have landed (kGinWts: one put per op, pushed first
+// thing, so this wait depends on no other). CTA 0 pads their kGinComb for this op to the
+// quota the source waits for (combine_recv_body): T K - the rows this rank holds of them
+// (`topk`, from the dispatch's layout) or T - the records they staged here (`rank-first`);
+// every row's put adds 1. After the credit: a pad must not count towards the previous op.
+// Out of line and before any prefetch, so the send loops keep their registers. False when a
+// wait failed.
+__device__ __noinline__ bool combine_send_gin_start(const LlArgs& a, uint32_t n) {
+  const int R = a.ranks, K = a.topk, L = a.experts / R, T = a.max_tokens;
+  const bool rank_first = a.comb_order == kCombOrderRankFirst;
+  if (!wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit, kGinCombAck, uint64_t(n - 1))) return false;
+  if (rank_first && !wait_all_peers(a, -1, 0, kPhaseCombineWeights, kGinWts, uint64_t(n))) return false;
+  if (blockIdx.x != 0) return true;
+  for (int p = threadIdx.x; p < R; p += blockDim.x) {
+    if (in_node(a, p)) continue;
+    uint64_t rows = 0, quota = T;
+    if (rank_first) {
+      rows = ld_volatile_u32(&a.state[kSourceRecords + p]);
+    } else {
+      for (int e = 0; e < L; ++e) rows += uint32_t(max(a.layout_range[(size_t(e) * R + p) * 2 + 1], 0));
+      quota *= K;
+    }
+    gin_put_add(a, p, a.set_offset, a.set_offset, 0, kGinComb, quota - min(rows, quota));
+  }
+  return true;
+}
+
+// Output row of valid row g of the combine input: expert e = the last with pre[e] <= g
+// (binary search, warp-uniform; pre = exclusive prefix of the receive counts), row g - pre[e]
+// of that expert's R T rows.
+__device__ __forceinline__ size_t comb_row(const uint32_t* pre, int L, size_t cap, uint32_t g) {
+  int lo = 0, hi = L;  // invariant: pre[lo] <= g < pre[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (pre[mid] <= g)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return size_t(lo) * cap + (g - pre[lo]);
+}
+
+// The warp's part of a row for a source in another node is in this rank's send area (after
+// its stores): counted, and the warp that completes the row (`units` parts) puts it whole to
+// the source, which counts it in kGinComb.
+__device__ __forceinline__ void gin_row_part_done(const LlArgs& a, uint32_t* count, int units, int s, size_t to,
+                                                  size_t from) {
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0 && arrive_last(count, uint32_t(units))) gin_put_row(a, s, to, from);
+}
+
+// Combine send, order `topk`, the rows of sources in other nodes (the store loop of
+// combine_send_body skips them): the same items and warps, each unit into this rank's send
+// area [s][t][k]. Out of line, so the store loop keeps its registers.
+__device__ __noinline__ void combine_send_gin_topk(const LlArgs& a, const uint32_t* pre, size_t warp, size_t warps) {
+  const int R = a.ranks, K = a.topk, L = a.experts / R, H = a.hidden, T = a.max_tokens;
+  const size_t cap = size_t(R) * T;
+  const int lane = threadIdx.x & 31;
+  const int units = (H + kCombineUnit - 1) / kCombineUnit;
+  const size_t items = size_t(pre[L]) * units;
+  for (size_t item = warp; item < items; item += warps) {
+    const size_t row = comb_row(pre, L, cap, item_div(item, units));
+    const int u = int(item_mod(item, units));
+    const int s = a.src_rank[row], t = a.src_token[row], k = a.src_k[row];
+    if (s < 0 || s >= R || t < 0 || t >= T || k < 0 || k >= K || in_node(a, s)) continue;  // warp-uniform
+    const size_t to = a.set_offset + a.comb_offset + (size_t(t) * K + k) * size_t(H) * 2;
+    const size_t from = a.set_offset + a.out_comb_offset + ((size_t(s) * T + t) * K + k) * size_t(H) * 2;
+    const uint16_t* y = a.y + row * H;
+    char* out = win_ptr(a, from, a.rank);
+#pragma unroll
+    for (int i = 0; i < kCombineVecs; ++i) {
+      const int ch = u * kCombineUnit + i * 256 + lane * 8;
+      if (ch < H) st_v4(reinterpret_cast<uint4*>(out + size_t(ch) * 2), ld_nc_v4(reinterpret_cast<const uint4*>(y + ch)));
+    }
+    gin_row_part_done(a, a.gin_arrivals + cap + (size_t(s) * T + t) * K + k, units, s, to, from);
+  }
+}
+
+// Combine send, order `rank-first`, the partial rows of sources in other nodes (the loops of
+// combine_send_rank_first skip them): the same items, records and warps, each unit into this
+// rank's send area [s][t]; `solo` rows unweighted as there. After the kGinWts wait, so the
+// weights are in. Out of line, so those loops keep their registers. False when a weight
+// missed its deadline.
+__device__ __noinline__ bool combine_send_gin_rank_first(const LlArgs& a, uint32_t n, uint32_t records,
+                                                         uint32_t stride, size_t warp, size_t warps) {
+  const int R = a.ranks, me = a.rank, K = a.topk, H = a.hidden, T = a.max_tokens;
+  const int lane = threadIdx.x & 31;
+  const int units = (H + kPartialUnit - 1) / kPartialUnit;
+  const size_t items = size_t(records) * units;
+  const float* wts = reinterpret_cast<const float*>(win_ptr(a, a.set_offset + a.wts_offset, me));
+  for (size_t it = warp; it < items; it += warps) {
+    const uint32_t g = item_div(it, units) * stride % max(records, 1u);
+    const int32_t held = load_entry(a, g, lane);
+    const int s = __shfl_sync(0xffffffffu, held, 0), t = __shfl_sync(0xffffffffu, held, 1);
+    const int np = min(max(__shfl_sync(0xffffffffu, held, 2), 0), K);
+    if (s < 0 || s >= R || t < 0 || t >= T || in_node(a, s)) continue;  // warp-uniform
+    const int c0 = int(item_mod(it, units)) * kPartialUnit + lane * 8;
+    const bool single = solo_rows(a) && np == 1;  // a `solo` row goes back unweighted
+    float acc[8 * kPartialVecs];
+#pragma unroll
+    for (int i = 0; i < 8 * kPartialVecs; ++i) acc[i] = 0.0f;  // +0, as the oracle
+    uint4 out[kPartialVecs];
+    // One pair at a time, k ascending (the map's order): the fma chain of the store loop.
+    for (int p = 0; p < np; ++p) {
+      const int32_t row = entry_at(a, held, g, kMapHeader + 2 * p);
+      const int32_t k = entry_at(a, held, g, kMapHeader + 2 * p + 1);
+      if (row < 0 || k < 0 || k >= K) continue;  // never, for our map
+      const uint16_t* y = a.y + size_t(row) * H;
+      uint4 v[kPartialVecs];
+#pragma unroll
+      for (int i = 0; i < kPartialVecs; ++i) {
+        const int ch = c0 + i * 256;
+        v[i] = ch < H ? ld_nc_v4(reinterpret_cast<const uint4*>(y + ch)) : make_uint4(0, 0, 0, 0);
+      }
+      if (single) {
+#pragma unroll
+        for (int i = 0; i < kPartialVecs; ++i) out[i] = v[i];
+        break;
+      }
+      // kGinWts said s's put of op n landed, so its pairs carry n; one that does not is an
+      // error of that peer, reported at once.
+      const uint64_t w = ld_relaxed_sys(reinterpret_cast<const uint64_t*>(wts) + (size_t(s) * T + t) * K + k);
+      if (uint32_t(w >> 32) != n) {
+        report_error(a.err, static_cast<FabricPhase>(kPhaseCombineWeights), s, a.rank, 0);
+        return false;
+      }
+#pragma unroll
+      for (int i = 0; i < kPartialVecs; ++i) fma_bf16x8(__uint_as_float(uint32_t(w)), v[i], acc + i * 8);
+    }
+    if (!single) {
+#pragma unroll
+      for (int i = 0; i < kPartialVecs; ++i) out[i] = pack_bf16x8(acc + i * 8);
+    }
+    const size_t to = a.set_offset + a.comb_offset + (size_t(t) * R + me) * size_t(H) * 2;
+    const size_t from = a.set_offset + a.out_comb_offset + (size_t(s) * T + t) * size_t(H) * 2;
+    char* dst = win_ptr(a, from, me);
+#pragma unroll
+    for (int i = 0; i < kPartialVecs; ++i) {
+      const int ch = c0 + i * 256;
+      if (ch < H) st_v4(reinterpret_cast<uint4*>(dst + size_t(ch) * 2), out[i]);
+    }
+    gin_row_part_done(a, a.gin_arrivals + size_t(R) * T + size_t(s) * T + t, units, s, to, from);
+  }
+  return true;
+}
+
 __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   const int R = a.ranks, me = a.rank;
   const int K = a.topk, H = a.hidden, T = a.max_tokens, N = a.num_tokens;
@@ -126,12 +274,19 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   // signal (the expert rank polls the pairs it reads: resolve_weights).
   const size_t nw = size_t(N) * K;
   const int pushers = int(blockDim.x);
+  // A rank q of another node: the pairs go into this rank's own [me] slot (the same values
+  // this rank's own slot gets anyway) and from there by one put that adds 1 to q's kGinWts.
   for (int b = blockIdx.x; b < R; b += gridDim.x) {  // CTA-uniform
     const int q = (me + 1 + b) % R;
-    uint64_t* dst = reinterpret_cast<uint64_t*>(win_ptr(a, a.set_offset + a.wts_offset, q)) + size_t(me) * T * K;
+    const size_t area = a.set_offset + a.wts_offset + size_t(me) * T * K * 8;
+    uint64_t* dst = reinterpret_cast<uint64_t*>(win_ptr(a, area, in_node(a, q) ? q : me));
     copy_batched<float>(
         nw, threadIdx.x, pushers, [&](size_t i) { return a.topk_weights[i]; },
         [&](size_t i, float w) { st_relaxed_sys_u64(dst + i, (uint64_t(n) << 32) | __float_as_uint(w)); });
+    if (!in_node(a, q)) {
+      __syncthreads();  // every thread's pairs before the put (gin_put fences)
+      if (threadIdx.x == 0) gin_put_add(a, q, area, area, nw * 8, kGinWts, 1);
+    }
   }
 
   const int lane = threadIdx.x & 31;
@@ -161,15 +316,26 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   size_t item = warp;
   int32_t held = 0;
   PartBatch cur;
+  // Across nodes: the credit and weights waits, the pads, then the rows of sources in other
+  // nodes first (their puts take longest), all out of line before the prefetch.
+  if (a.node_size < R) {
+    if (!combine_send_gin_start(a, n)) return false;
+    if (__syncthreads_or(!combine_send_gin_rank_first(a, n, records, stride, warp, warps))) {
+      mark_failed(a);
+      return false;
+    }
+  }
   if (item < items) {
     held = load_entry(a, record(item), lane);
     load_batch(a, wts, held, record(item), 0, int(item_mod(item, units)) * kPartialUnit + lane * 8, false, cur);
   }
-  // Credit: every source rank has reduced the previous combine of this set.
-  if (!wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) return false;
+  // Credit: every source rank has reduced the previous combine of this set (across nodes:
+  // combine_send_gin_start, above).
+  if (a.node_size == R && !wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) return false;
   stamp(a, kStCombCredit);
   // This lane's channels c0.. of a partial row into source s's [t][me] slot (s and t come
-  // from the map our dispatch wrote: always in range, checked anyway).
+  // from the map our dispatch wrote: always in range, checked anyway). Sources in this node
+  // only: the others' rows are sent by combine_send_gin_rank_first.
   auto put_partial = [&](int s, int t, int c0, const uint4(&v)[kPartialVecs]) {
     if (s < 0 || s >= R || t < 0 || t >= T) return;
     char* dst = win_ptr(a, a.set_offset + a.comb_offset + (size_t(t) * R + me) * size_t(H) * 2, s);
@@ -188,7 +354,9 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     for (size_t it = warp; it < items; it += warps) {
       const uint32_t g = record(it);
       const int32_t h1 = load_entry(a, g, lane);
-      if (__shfl_sync(0xffffffffu, h1, 2) != 1) continue;  // warp-uniform
+      if (__shfl_sync(0xffffffffu, h1, 2) != 1 || !in_node(a, __shfl_sync(0xffffffffu, h1, 0))) {
+        continue;  // warp-uniform
+      }
       const int s = __shfl_sync(0xffffffffu, h1, 0), t = __shfl_sync(0xffffffffu, h1, 1);
       const int c0 = int(item_mod(it, units)) * kPartialUnit + lane * 8;
       PartBatch b1;
@@ -205,7 +373,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     const int s = __shfl_sync(0xffffffffu, held, 0), t = __shfl_sync(0xffffffffu, held, 1);
     const int np = min(max(__shfl_sync(0xffffffffu, held, 2), 0), K);
     const size_t next = item + warps;
-    if (solo && np == 1) {  // sent above
+    if ((solo && np == 1) || !in_node(a, s)) {  // sent above, or by combine_send_gin_rank_first
       if (next < items) {
         held = load_entry(a, record(next), lane);
         load_batch(a, wts, held, record(next), 0, int(item_mod(next, units)) * kPartialUnit + lane * 8, true, cur);
@@ -266,8 +434,12 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   }
   __syncthreads();
   warp0_exclusive_scan(pre, L, threadIdx.x);
-  // Credit: every source rank has reduced the previous combine of this set.
-  if (!wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) return false;
+  // Credit: every source rank has reduced the previous combine of this set (across nodes:
+  // combine_send_gin_start).
+  if (a.node_size < R ? !combine_send_gin_start(a, n)
+                      : !wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) {
+    return false;
+  }
   stamp(a, kStCombCredit);
 
   const int lane = threadIdx.x & 31;
@@ -275,19 +447,12 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   const size_t items = size_t(pre[L]) * units;
   const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
+  // Rows of sources in other nodes first (their puts take longest), out of line.
+  if (a.node_size < R) combine_send_gin_topk(a, pre, warp, warps);
   auto load = [&](size_t item) {
     const uint32_t g = item_div(item, units);
     const int u = int(item_mod(item, units));
-    // Expert of valid row g: the last e with pre[e] <= g (binary search, warp-uniform).
-    int lo = 0, hi = L;  // invariant: pre[lo] <= g < pre[hi]
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (pre[mid] <= g)
-        lo = mid;
-      else
-        hi = mid;
-    }
-    const size_t row = size_t(lo) * cap + (g - pre[lo]);
+    const size_t row = comb_row(pre, L, cap, g);
     CombUnit c;
     // The row's bytes first: they do not depend on the handle loads below.
     const uint16_t* y = a.y + row * H;
@@ -307,7 +472,8 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
     const size_t next = item + warps;
     const int u = int(item_mod(item, units));
     const int s = cur.s, t = cur.t, k = cur.k;
-    if (s >= 0 && s < R && t >= 0 && t < T && k >= 0 && k < K) {  // always, for our handle
+    // Sources in another node: combine_send_gin_topk below.
+    if (s >= 0 && s < R && t >= 0 && t < T && k >= 0 && k < K && in_node(a, s)) {  // always, for our handle
       char* dst = win_ptr(a, a.set_offset + a.comb_offset + (size_t(t) * K + k) * size_t(H) * 2, s);
 #pragma unroll
       for (int i = 0; i < kCombineVecs; ++i) {

@@ -96,6 +96,7 @@
 
 // LlArgs and every constant the host shares (after the headers that define the types it names).
 #include "abi/ll.h"
+#include "ll/gin.cuh"
 
 namespace gin_ep {
 namespace ll {
@@ -120,8 +121,9 @@ __device__ __forceinline__ bool solo_rows(const LlArgs& a) { return a.topk <= 32
 // struct: ncclGetLsaPointer loads both at every call, and the compiler reloads them after
 // every asm "memory" clobber (each store and fence here), through an L1 that acquire loads
 // and fences invalidate (CCTL.IVALL): a dependent L2 round trip before many remote stores.
+// Only for peers in this rank's node (in_node); the others are reached by GIN (ll/gin.cuh).
 __device__ __forceinline__ char* win_ptr(const LlArgs& a, size_t offset, int peer) {
-  return nccl::utility::add4G(a.peer_base, peer * int(a.peer_stride4G)) + offset;
+  return nccl::utility::add4G(a.peer_base, (peer - a.node_first) * int(a.peer_stride4G)) + offset;
 }
 
 // Warps per CTA that send records in the fused dispatch (the host's send warps, 1 to
@@ -302,13 +304,20 @@ __device__ __forceinline__ DeadlineBarrier waiter_for(const LlArgs& a, int peer)
 }
 
 // Every thread of the group: wait until word [kind][p] of this rank is >= target for every
-// peer p, with the deadline; false in every thread of the group when one missed it.
+// peer p of this node (kind < 0: none), and GIN signal [gin_kind][p] >= gin_target for every
+// other peer (gin_kind < 0: none), with the deadline; false in every thread of the group when
+// one missed it.
 __device__ bool group_wait_all_peers(const LlArgs& a, const WarpGroup& group, int kind, uint64_t target,
-                                     uint32_t phase) {
+                                     uint32_t phase, int gin_kind = -1, uint64_t gin_target = 0) {
   bool ok = true;
   // Relaxed polls, one acquire once the word has reached its target: an acquire load
   // invalidates the SM's L1 at every try, next to the warps of the same SM still sending.
   for (int p = group.tid; p < a.ranks && ok; p += group.nthreads) {
+    if (!in_node(a, p)) {
+      ok = gin_kind < 0 || gin_wait_peer(a, gin_kind, p, gin_target, phase, wait_timeout(a, p));
+      continue;
+    }
+    if (kind < 0) continue;
     ok = waiter_for(a, p).wait_word(sig_word(a, a.rank, kind, p), target, static_cast<FabricPhase>(phase), p,
                                     /*relaxed=*/true);
   }
@@ -319,8 +328,9 @@ __device__ bool group_wait_all_peers(const LlArgs& a, const WarpGroup& group, in
 }
 
 // The same for every thread of the CTA.
-__device__ bool wait_all_peers(const LlArgs& a, int kind, uint64_t target, uint32_t phase) {
-  return group_wait_all_peers(a, WarpGroup::cta(), kind, target, phase);
+__device__ bool wait_all_peers(const LlArgs& a, int kind, uint64_t target, uint32_t phase, int gin_kind = -1,
+                               uint64_t gin_target = 0) {
+  return group_wait_all_peers(a, WarpGroup::cta(), kind, target, phase, gin_kind, gin_target);
 }
 
 // Every thread of the CTA: after this CTA's stores (or reads) of a phase, add 1 to word
@@ -333,7 +343,7 @@ __device__ void signal_all_peers(const LlArgs& a, int kind, int before, int afte
   __syncthreads();
   stamp(a, before);
   for (int p = threadIdx.x; p < a.ranks; p += blockDim.x) {
-    red_release_sys_add(sig_word(a, p, kind, a.rank), 1);
+    if (in_node(a, p)) red_release_sys_add(sig_word(a, p, kind, a.rank), 1);
   }
   stamp(a, after);
 }
@@ -371,15 +381,36 @@ __device__ __forceinline__ void put_flag(W* p, W v) {
 
 // First thing in every send kernel (CTA 0, one thread per peer): the deferred credits of
 // this set (see the head of the file): completed dispatches and combines, as stored by the
-// kernels that ended them, which all completed before this kernel started.
+// kernels that ended them, which all completed before this kernel started. A peer in another
+// node gets the growth since the last push as a GIN signal add (kCreditsDisp/kCreditsComb
+// hold what was pushed); the completed receive kernels' loads are performed, as for a store.
 __device__ void push_credits(const LlArgs& a) {
-  if (blockIdx.x != 0 || threadIdx.x >= a.ranks) return;
-  if (ld_volatile_u32(&a.state[kFailed]) != 0u) return;
-  const int p = threadIdx.x, me = a.rank;
+  if (blockIdx.x != 0) return;  // CTA-uniform
+  const bool gin = a.node_size < a.ranks;  // a GIN peer exists (CTA-uniform)
+  bool failed = ld_volatile_u32(&a.state[kFailed]) != 0u;
+  // With GIN peers the CTA meets below, so all of its threads must take the same path.
+  if (gin) failed = __syncthreads_or(failed);
+  if (failed) return;
+  const int me = a.rank;
   // CTA 0's counts: it stores its own new count only at the end of its kernel (end_op).
-  const uint64_t disp = ld_volatile_u32(op_word(a, kOpDispatch)), comb = ld_volatile_u32(op_word(a, kOpCombine));
-  put_flag(sig_word(a, p, kDispAck, me), disp);
-  put_flag(sig_word(a, p, kCombAck, me), comb);
+  const uint32_t disp = ld_volatile_u32(op_word(a, kOpDispatch)), comb = ld_volatile_u32(op_word(a, kOpCombine));
+  for (int p = threadIdx.x; p < a.ranks; p += blockDim.x) {
+    if (in_node(a, p)) {
+      put_flag(sig_word(a, p, kDispAck, me), uint64_t(disp));
+      put_flag(sig_word(a, p, kCombAck, me), uint64_t(comb));
+      continue;
+    }
+    const uint32_t d = disp - ld_volatile_u32(&a.state[kCreditsDisp]);
+    const uint32_t c = comb - ld_volatile_u32(&a.state[kCreditsComb]);
+    if (d != 0u) gin_put_add(a, p, a.set_offset, a.set_offset, 0, kGinDispAck, d);
+    if (c != 0u) gin_put_add(a, p, a.set_offset, a.set_offset, 0, kGinCombAck, c);
+  }
+  if (!gin) return;
+  __syncthreads();  // every thread has read the pushed counts
+  if (threadIdx.x == 0) {
+    a.state[kCreditsDisp] = disp;
+    a.state[kCreditsComb] = comb;
+  }
 }
 
 // The first warp of a group (threads tid < 32) turns a[0..n) into its exclusive prefix sum

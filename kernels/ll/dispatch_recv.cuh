@@ -103,8 +103,9 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
     StagedItem cur;
     cur.src = source_of(g);
     const int s = cur.src;
-    // Lanes 0..nu-1 wait for the item's units, lane 31 for unit 0 (the metadata).
-    const int uu = lane < nu ? u0 + lane : (lane == 31 && u0 != 0 ? 0 : -1);
+    // Lanes 0..nu-1 wait for the item's units, lane 31 for unit 0 (the metadata). A source in
+    // another node has no ready words: the table waited for all of its records (kGinDisp).
+    const int uu = !in_node(a, s) ? -1 : lane < nu ? u0 + lane : (lane == 31 && u0 != 0 ? 0 : -1);
     const bool ok = uu < 0 || wait_ready(a, ready_word(a, me, s, g - start[s], uu), n, s);
     __syncwarp();  // extends each lane's acquire to the warp's record loads
     if (!__all_sync(0xffffffffu, ok)) {
@@ -225,8 +226,10 @@ __device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem,
   const int tid = group.tid;
   stamp_if(a, kStDispRecv, tid == 0);
   // Only the counts now (CTA 0 of each source, +1 per op); each expand item waits for the
-  // ready words of its units (expand_items).
-  const bool counted = group_wait_all_peers(a, group, kDispCnt, uint64_t(n), kPhaseDispatchRecv);
+  // ready words of its units (expand_items). A source in another node: its counts and every
+  // record (kGinDisp reaches n (T + 1), see dispatch_send_body's step 3).
+  const bool counted = group_wait_all_peers(a, group, kDispCnt, uint64_t(n), kPhaseDispatchRecv, kGinDisp,
+                                            uint64_t(n) * (uint64_t(T) + 1u));
   if (!counted) {
     if (tid == 0) st_release_cta_shared(table, kTableFailed);
     return false;
@@ -264,8 +267,12 @@ __device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem,
   stamp_if(a, kStDispCounts, tid == 0);
   // The barrier above ordered the whole group's table writes before this release.
   if (tid == 0) st_release_cta_shared(table, kTableReady);
-  // Records of this dispatch (rows of comb_map); read by the next combine on this set.
+  // Records of this dispatch (rows of comb_map); read by the next combine on this set, which
+  // across nodes also needs each source's (its rows to that source, rank-first).
   if (blockIdx.x == 0 && tid == 0) a.state[kRecords] = start[R];
+  if (blockIdx.x == 0 && a.node_size < R) {
+    for (int s = tid; s < R; s += group.nthreads) a.state[kSourceRecords + s] = start[s + 1] - start[s];
+  }
 
   return true;
 }

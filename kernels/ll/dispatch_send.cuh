@@ -143,25 +143,35 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
 
   // 2. Credit: every destination has finished reading what we sent it in the previous op of
   //    this set (its next kernel on the set pushed its count: push_credits).
-  if (!wait_all_peers(a, kDispAck, uint64_t(n - 1), kPhaseDispatchCredit)) return false;
+  if (!wait_all_peers(a, kDispAck, uint64_t(n - 1), kPhaseDispatchCredit, kGinDispAck, uint64_t(n - 1))) {
+    return false;
+  }
   stamp(a, kStDispCredit);
 
   // 3. CTA 0 writes meta[me] at every destination: token count, then per-local-expert counts,
-  //    then signals them at once (kDispCnt), before its records.
+  //    then signals them at once (kDispCnt), before its records. A destination in another
+  //    node gets them from this rank's send area by one put whose SignalAdd also pads that
+  //    destination's kGinDisp to T + 1 for this op: T + 1 - count, the records' puts add 1 each.
   if (blockIdx.x == 0) {
     for (int i = threadIdx.x; i < R * (L + 1); i += blockDim.x) {
       const int dst = i / (L + 1), j = i % (L + 1);
       const uint32_t v = j == 0 ? tr.total(E + dst) : tr.total(dst * L + j - 1);
-      uint32_t* m =
-          reinterpret_cast<uint32_t*>(win_ptr(a, a.set_offset + a.meta_offset + (size_t(me) * (L + 1) + j) * 4, dst));
-      *m = v;
+      const size_t off = in_node(a, dst) ? a.set_offset + a.meta_offset + (size_t(me) * (L + 1) + j) * 4
+                                         : a.set_offset + a.out_meta_offset + (size_t(dst) * (L + 1) + j) * 4;
+      *reinterpret_cast<uint32_t*>(win_ptr(a, off, in_node(a, dst) ? dst : me)) = v;
     }
     __syncthreads();  // CTA 0 only (blockIdx is uniform in the CTA)
     // The last warp adds (a release after the barrier covers every thread's count stores):
     // the release waits for those remote stores to be acknowledged, and warp 0 takes the
     // first record, whose stores at 1 token were ≈ 2 µs late behind that wait.
     for (int p = int(threadIdx.x) - int(blockDim.x - 32); p >= 0 && p < R; p += 32) {
-      red_release_sys_add(sig_word(a, p, kDispCnt, me), 1);
+      if (in_node(a, p)) {
+        red_release_sys_add(sig_word(a, p, kDispCnt, me), 1);
+      } else {
+        const size_t bytes = size_t(L + 1) * 4;
+        gin_put_add(a, p, a.set_offset + a.meta_offset + size_t(me) * bytes, a.set_offset + a.out_meta_offset + size_t(p) * bytes,
+                    bytes, kGinDisp, uint64_t(T) + 1u - tr.total(E + p));
+      }
     }
   }
 
@@ -169,7 +179,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   // fence that covers its stores).
   auto publish_at = [&](size_t item, int dst) {
     const int t = tok_of(item);
-    if (tr.has(E + dst, t)) {
+    if (tr.has(E + dst, t) && in_node(a, dst)) {
       put_flag(ready_word(a, dst, me, tr.rank_in(E + dst, t), unit_of(item)), n);
     }
   };
@@ -204,6 +214,11 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
       const uint32_t slot = tr.rank_in(E + dst, t);
       return win_ptr(a, a.set_offset + a.stage_offset + (size_t(me) * T + slot) * a.rec_bytes, dst);
     };
+    // A destination in another node: the record goes into this rank's send area
+    // ([dst][slot]), and the warp that completes it (its `units` parts) puts it whole.
+    auto gin_record = [&](int dst, uint32_t slot) {
+      return a.set_offset + a.out_stage_offset + (size_t(dst) * T + slot) * a.rec_bytes;
+    };
     const int64_t e_lane = u == 0 ? lane_topk_id(a, t, lane) : -1;
     // Quantized once, stored to every destination of the token, starting at a destination
     // that differs between neighbouring warps (not all warps at the lowest one first).
@@ -216,6 +231,18 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
     for (int i = 0; i < R; ++i) {
       const int dst = first_dst + i < R ? first_dst + i : first_dst + i - R;
       if (!tr.has(E + dst, t)) continue;  // warp-uniform
+      if (!in_node(a, dst)) {  // warp-uniform
+        const uint32_t slot = tr.rank_in(E + dst, t);
+        char* rec = win_ptr(a, gin_record(dst, slot), me);
+        put_unit(a, rec, c0, lane, o);
+        if (u == 0) put_meta(a, rec, t, dst, tr, lane, e_lane);
+        __syncwarp();
+        if (lane == 0 && arrive_last(a.gin_arrivals + size_t(dst) * T + slot, uint32_t(units))) {
+          gin_put_add(a, dst, a.set_offset + a.stage_offset + (size_t(me) * T + slot) * a.rec_bytes,
+                      gin_record(dst, slot), a.rec_bytes, kGinDisp, 1);
+        }
+        continue;
+      }
       char* rec = record(dst);
       put_unit(a, rec, c0, lane, o);
       if (u == 0) put_meta(a, rec, t, dst, tr, lane, e_lane);

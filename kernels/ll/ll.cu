@@ -26,7 +26,7 @@
 // before any wait; the kernel that ends an operation stores this CTA's new op count last.
 // Every entry point begins with kernel_enter (programmatic dependent launch).
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
-    gin_ep_ll_dispatch_send(const gin_ep::ll::LlArgs a) {
+    gin_ep_ll_dispatch_send(const __grid_constant__ gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
   kernel_enter(a, kStDispEntry);
   extern __shared__ uint32_t smem[];
@@ -35,7 +35,7 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
 }
 
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
-    gin_ep_ll_dispatch_recv(const gin_ep::ll::LlArgs a) {
+    gin_ep_ll_dispatch_recv(const __grid_constant__ gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
   kernel_enter(a);
   extern __shared__ uint32_t smem[];
@@ -48,7 +48,7 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
 }
 
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
-    gin_ep_ll_dispatch_fused(const gin_ep::ll::LlArgs a) {
+    gin_ep_ll_dispatch_fused(const __grid_constant__ gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
   kernel_enter(a, kStDispEntry);
   extern __shared__ uint32_t smem[];
@@ -88,7 +88,7 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
 }
 
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
-    gin_ep_ll_combine_send(const gin_ep::ll::LlArgs a) {
+    gin_ep_ll_combine_send(const __grid_constant__ gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
   kernel_enter(a, kStCombEntry);
   extern __shared__ uint32_t smem[];
@@ -97,7 +97,7 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
 }
 
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
-    gin_ep_ll_combine_recv(const gin_ep::ll::LlArgs a) {
+    gin_ep_ll_combine_recv(const __grid_constant__ gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
   kernel_enter(a);
   const uint32_t n = read_op(a, kOpCombine);
@@ -106,7 +106,7 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
 }
 
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
-    gin_ep_ll_combine_fused(const gin_ep::ll::LlArgs a) {
+    gin_ep_ll_combine_fused(const __grid_constant__ gin_ep::ll::LlArgs a) {
   using namespace gin_ep::ll;
   kernel_enter(a, kStCombEntry);
   extern __shared__ uint32_t smem[];

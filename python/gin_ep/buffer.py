@@ -296,7 +296,8 @@ class Buffer(GpuPath):
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                        num_ranks: int, num_experts: int) -> int:
         """Bytes of gin-ep's LL heap for these sizes with FP8 or BF16 dispatch and up to
-        top-16 routing (the hint has no top-k argument)."""
+        top-16 routing (the hint has no top-k argument), on GPUs with the send areas of the
+        GIN puts a group spanning nodes needs (the hint cannot know the node layout)."""
         topk = min(_HINT_TOPK, num_experts)
         cfg = _native.EpConfig(num_ranks, num_experts, hidden, topk, num_max_dispatch_tokens_per_rank)
         # Enough for either backend (the GPU window differs from the host heap).
@@ -304,7 +305,8 @@ class Buffer(GpuPath):
         for dtype in ("bf16", "fp8"):
             try:
                 gpu = max(gpu, _native.gpu_ll_bytes(_native.EpConfig(
-                    num_ranks, num_experts, hidden, topk, num_max_dispatch_tokens_per_rank, dtype)))
+                    num_ranks, num_experts, hidden, topk, num_max_dispatch_tokens_per_rank, dtype),
+                    across_nodes=True))
             except ValueError:
                 pass
         return max(cfg.required_bytes(ht=False, ll=True), gpu)

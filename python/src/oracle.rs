@@ -261,12 +261,15 @@ pub(crate) fn gpu_ht_bytes(config: &PyEpConfig, recv_slabs: usize) -> PyResult<u
     guard(|| ep::required_bytes(&config.cfg, true, &opts).map_err(to_py))
 }
 
-/// Bytes of the LL window a GPU `Ep` needs for `config` (both buffer sets).
+/// Bytes of the LL window a GPU `Ep` needs for `config` (both buffer sets); `across_nodes`:
+/// with the GIN send areas a group spanning nodes adds.
 #[pyfunction]
-pub(crate) fn gpu_ll_bytes(config: &PyEpConfig) -> PyResult<usize> {
+#[pyo3(signature = (config, across_nodes = false))]
+pub(crate) fn gpu_ll_bytes(config: &PyEpConfig, across_nodes: bool) -> PyResult<usize> {
     let opts = EpOptions {
         ht: false,
         ll: true,
+        ll_across_nodes: across_nodes,
         ..EpOptions::default()
     };
     guard(|| ep::required_bytes(&config.cfg, true, &opts).map_err(to_py))

@@ -20,11 +20,13 @@ pub fn set_topology(gpus: usize, vnodes: Option<usize>, node_size: Option<usize>
     Ok(t.world())
 }
 
-/// HT and LL (`mode`) on a launch of `gpus` GPUs. Their kernels reach peers by load/store
-/// only, so every rank must be in one node: NCCL's LSA team (a one-process-per-GPU launch on
+/// HT and LL (`mode`) on a launch of `gpus` GPUs. HT reaches its peers by load/store only,
+/// so all of its ranks must be in one node: NCCL's LSA team (a one-process-per-GPU launch on
 /// this host), or, for the checks (`node_launch`), a gin-ep node of every rank
 /// (`--vnodes K --node-size G*K`: several processes per GPU, windows mapped with CUDA IPC).
-/// Anything else would need the GIN fabric, which they do not use yet.
+/// LL reaches the ranks of other gin-ep nodes over GIN, so its checks take any node size
+/// with `--vnodes` (the virtual nodes load the project's plugin); without `--vnodes` the
+/// processes of one host share one NCCL node, where GIN has no network.
 pub fn refuse_lsa_only(
     mode: &str,
     gpus: usize,
@@ -32,11 +34,16 @@ pub fn refuse_lsa_only(
     node_size: Option<usize>,
     node_launch: bool,
 ) -> CliResult {
-    let why = "HT and LL reach peers by load/store only; across gin-ep nodes they would need the \
-               GIN fabric (not yet)";
+    let why = if mode == "ll" {
+        "LL crosses gin-ep nodes over GIN, which needs virtual nodes here (--vnodes K > 1) to load \
+         the project's plugin"
+    } else {
+        "HT reaches peers by load/store only, so every rank must be in one gin-ep node"
+    };
     let world = gpus * vnodes.unwrap_or(1);
     if node_launch && vnodes.is_some_and(|k| k > 1) {
         return match node_size {
+            _ if mode == "ll" => Ok(()),
             Some(m) if m == world => Ok(()),
             Some(m) => Err(CliError::Usage(format!(
                 "--node-size {m} does not apply to --mode {mode} with --vnodes: {why}. Use \

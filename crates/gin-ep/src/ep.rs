@@ -77,6 +77,9 @@ pub struct EpOptions {
     pub ht_exact: bool,
     /// CUDA LL: CTAs per kernel (None: every SM), equal on every rank.
     pub ll_grid: Option<u32>,
+    /// CUDA LL, sizing only ([`required_bytes`]): count the send areas of ranks in other
+    /// nodes (a group that spans nodes allocates them).
+    pub ll_across_nodes: bool,
 }
 
 impl Default for EpOptions {
@@ -90,6 +93,7 @@ impl Default for EpOptions {
             ht_recv_slabs: 1,
             ht_exact: true,
             ll_grid: None,
+            ll_across_nodes: false,
         }
     }
 }
@@ -116,7 +120,7 @@ pub fn required_bytes(cfg: &EpConfig, cuda: bool, opts: &EpOptions) -> Result<us
             n += gpu::ht_window_bytes(cfg, opts.ht_recv_slabs)?;
         }
         if opts.ll {
-            n += gpu::ll_window_bytes(cfg)?;
+            n += gpu::ll_window_bytes(cfg, opts.ll_across_nodes)?;
         }
         Ok(n)
     } else {

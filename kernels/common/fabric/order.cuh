@@ -61,6 +61,15 @@ __device__ __forceinline__ uint32_t ld_relaxed_sys_u32(const uint32_t* p) {
   return v;
 }
 
+// An add that both releases this thread's earlier accesses and acquires the ones released
+// before the values it follows, at system scope (warps counting their parts of one buffer
+// that the last of them hands to GIN, whose reader is outside the GPU).
+__device__ __forceinline__ uint32_t atom_add_acq_rel_sys_u32(uint32_t* p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.acq_rel.sys.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
 // Shared-memory words one warp publishes to the other warps of its CTA (CTA scope).
 __device__ __forceinline__ void st_release_cta_shared(uint32_t* p, uint32_t v) {
   asm volatile("st.release.cta.shared::cta.u32 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))),

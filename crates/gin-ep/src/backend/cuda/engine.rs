@@ -389,7 +389,8 @@ pub fn ht_window_bytes(cfg: &EpConfig, recv_slabs: usize) -> Result<usize> {
     super::ht::HtLayout::new(cfg, recv_slabs).map(|l| l.total)
 }
 
-/// Bytes of the LL window for `cfg` (both buffer sets).
-pub fn ll_window_bytes(cfg: &EpConfig) -> Result<usize> {
-    super::ll::buffer_bytes(cfg)
+/// Bytes of the LL window for `cfg` (both buffer sets); `gin`: with the send areas of ranks
+/// in other nodes.
+pub fn ll_window_bytes(cfg: &EpConfig, gin: bool) -> Result<usize> {
+    super::ll::buffer_bytes(cfg, gin)
 }

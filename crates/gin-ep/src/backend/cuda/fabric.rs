@@ -9,8 +9,11 @@
 //!   that share a GPU or an NVLink domain): the node's windows are mapped into this process
 //!   with CUDA IPC in that same layout (ipc::map_node_windows_strided).
 //!
+//! Ranks outside the node are reached over GIN (LL across nodes); the node is always a run of
+//! consecutive world ranks, `[first, first + size)`.
+//!
 //! Owns: choosing the source from the launch topology and producing (base, stride, rank,
-//! size). Never: launches kernels or decides the window's layout.
+//! size, first). Never: launches kernels or decides the window's layout.
 
 use super::ipc::{map_node_windows_strided, StridedNodeWindows};
 use super::kernels::{names, LsaPointerArgs};
@@ -28,6 +31,8 @@ pub struct NodeFabric {
     pub rank: u32,
     /// Ranks in the node.
     pub size: u32,
+    /// World rank of node rank 0.
+    pub first: u32,
     /// Which source gave them.
     pub source: FabricSource,
     /// The IPC mappings, kept alive for as long as the kernels may use them.
@@ -52,35 +57,51 @@ impl FabricSource {
     }
 }
 
+/// Which ranks form this rank's node, decided before any window exists (alike on every rank,
+/// from the launch topology and NCCL's LSA team `(lsa_rank, lsa_size)`): its source, first
+/// world rank and size.
+pub fn node_span(
+    topo: &RankTopology,
+    me: usize,
+    world: usize,
+    lsa: (usize, usize),
+) -> (FabricSource, usize, usize) {
+    let (lsa_rank, lsa_size) = lsa;
+    if topo.vnodes <= 1 && topo.node_size.is_none() {
+        // NCCL's LSA team is a run of consecutive ranks (shared/GIN.md 1.5).
+        (FabricSource::Lsa, me - lsa_rank.min(me), lsa_size)
+    } else {
+        let (first, size) = topo.node_of(me, world, lsa_size);
+        (FabricSource::Ipc, first, size)
+    }
+}
+
 impl NodeFabric {
     /// The node of this rank as the launch described it (`topo`): NCCL's LSA team for a
     /// one-process-per-GPU launch, else the gin-ep node `topo` names. Collective over the
-    /// node (the IPC source exchanges window handles). Refused unless the node holds every rank
-    /// (HT and LL reach peers by load/store only); `what` names the operation for errors.
+    /// node (the IPC source exchanges window handles). `whole`: refused unless the node holds
+    /// every rank (HT reaches its peers by load/store only); `what` names the operation for
+    /// errors.
     pub fn new(
         rank: &CudaRank,
         window: &Window,
         dev_comm: &DevComm,
         topo: &RankTopology,
         what: &str,
+        whole: bool,
     ) -> Result<NodeFabric> {
         let (me, world) = (rank.info().rank, rank.info().world);
         let (lsa_rank, lsa_size) = dev_comm.lsa();
-        let (source, first, size) = if topo.vnodes <= 1 && topo.node_size.is_none() {
-            (FabricSource::Lsa, 0, lsa_size)
-        } else {
-            let (first, size) = topo.node_of(me, world, lsa_size);
-            (FabricSource::Ipc, first, size)
-        };
+        let (source, first, size) = node_span(topo, me, world, (lsa_rank, lsa_size));
         // Every rank decides this alike from the same topology, so all refuse before any
         // collective exchange.
-        if size != world {
+        if whole && size != world {
             return Err(Error::Unavailable {
                 backend: "cuda",
                 reason: format!(
-                    "{what} reaches its peers by load/store only (the GIN fabric is not used yet): \
-                     this rank's node ({}) has {size} of {world} ranks; use a node of every rank \
-                     (one process per GPU on one NVLink host, or --node-size {world})",
+                    "{what} reaches its peers by load/store only: this rank's node ({}) has \
+                     {size} of {world} ranks; use a node of every rank (one process per GPU on \
+                     one NVLink host, or --node-size {world})",
                     source.name()
                 ),
             });
@@ -92,6 +113,7 @@ impl NodeFabric {
                 stride4g,
                 rank: lsa_rank as u32,
                 size: lsa_size as u32,
+                first: first as u32,
                 source,
                 _ipc: None,
             });
@@ -103,6 +125,7 @@ impl NodeFabric {
             stride4g,
             rank: (me - first) as u32,
             size: size as u32,
+            first: first as u32,
             source: FabricSource::Ipc,
             _ipc: Some(ipc),
         })

@@ -218,7 +218,7 @@ impl CudaHt {
             lsa_barriers: 1,
             gin_signals: 0,
         })?;
-        let fabric = NodeFabric::new(rank, &window, &dev_comm, &RankTopology::from_env()?, "HT")?;
+        let fabric = NodeFabric::new(rank, &window, &dev_comm, &RankTopology::from_env()?, "HT", true)?;
         let me = fabric.rank as usize;
         let (t, h, k, r) = (cfg.max_tokens_per_rank, cfg.hidden, cfg.topk, cfg.ranks);
         let alloc = |n: usize| rank.alloc(n.max(16));

@@ -7,7 +7,7 @@
 
 use super::{abi, map_ints, DISPATCH_UNIT, MAX_RANKS, MAX_SMEM, MAX_TOKENS, SETS, SIG_KINDS};
 use crate::backend::cuda::align16;
-use crate::config::{DispatchDtype, EpConfig, FP8_BLOCK};
+use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
 use crate::error::{Error, Result};
 
 /// Staging records start on this boundary (the staging area and the record size are
@@ -38,6 +38,15 @@ pub struct LlLayout {
     /// BF16 combine rows: `[T][K][H]` (order `topk`) or `[T][R][H]` (`rank-first`);
     /// sized for the larger.
     pub comb_offset: usize,
+    /// Across nodes only (0 otherwise), this rank's send areas, the sources of its GIN puts:
+    /// `[R dst][L + 1]` u32 counts, `[R dst][T]` records, and combine rows
+    /// `[R src][T][kc][H]` BF16 (kc = K for `topk`, 1 for `rank-first`).
+    pub out_meta_offset: usize,
+    pub out_stage_offset: usize,
+    pub out_comb_offset: usize,
+    /// u32 part counts of the GIN path (local memory, `LlArgs::gin_arrivals`): `[R][T]`
+    /// records, then `[R][T][kc]` combine rows; 0 without GIN.
+    pub gin_arrivals: usize,
     /// One buffer set.
     pub set_bytes: usize,
     /// The whole window: [`SETS`] sets.
@@ -48,8 +57,15 @@ pub struct LlLayout {
 }
 
 impl LlLayout {
-    /// The layout for `cfg`, refusing shapes the LL kernels do not take.
+    /// The layout for `cfg` on one node (no GIN areas), refusing shapes the LL kernels do not
+    /// take.
     pub fn new(cfg: &EpConfig) -> Result<LlLayout> {
+        Self::with_gin(cfg, false)
+    }
+
+    /// The layout for `cfg`; `gin`: some ranks are in other nodes, so the set also holds the
+    /// send areas of the GIN puts.
+    pub fn with_gin(cfg: &EpConfig, gin: bool) -> Result<LlLayout> {
         cfg.validate()?;
         let (r, e, h, k, t) = (
             cfg.ranks,
@@ -88,7 +104,26 @@ impl LlLayout {
         // The combine rows, as the records: whole 128-byte lines per warp store.
         // `rank-first` weights: [src][T][K], 8 bytes each ((op, f32) pairs).
         let comb_offset = (wts_offset + r * t * k * 8).next_multiple_of(RECORD_ALIGN);
-        let set_bytes = (comb_offset + t * k.max(r) * h * 2).div_ceil(4096) * 4096;
+        let comb_end = comb_offset + t * k.max(r) * h * 2;
+        let kc = match cfg.ll_combine_order {
+            LlCombineOrder::Topk => k,
+            LlCombineOrder::RankFirst => 1,
+        };
+        let (out_meta_offset, out_stage_offset, out_comb_offset, end, gin_arrivals) = if gin {
+            let meta = align16(comb_end);
+            let stage = (meta + r * (l + 1) * 4).next_multiple_of(RECORD_ALIGN);
+            let comb = (stage + r * t * record_bytes).next_multiple_of(RECORD_ALIGN);
+            (
+                meta,
+                stage,
+                comb,
+                comb + r * t * kc * h * 2,
+                (r * t + r * t * kc) * 4,
+            )
+        } else {
+            (0, 0, 0, comb_end, 0)
+        };
+        let set_bytes = end.div_ceil(4096) * 4096;
         let nch = t.div_ceil(32).max(1);
         let dispatch_send_smem = 2 * (e + r) * nch * 4;
         // first[R][L + 1], start[R + 1], the table word (kernels/ll/dispatch_recv.cuh RecvTable).
@@ -115,6 +150,10 @@ impl LlLayout {
             stage_offset,
             wts_offset,
             comb_offset,
+            out_meta_offset,
+            out_stage_offset,
+            out_comb_offset,
+            gin_arrivals,
             set_bytes,
             window_bytes: SETS * set_bytes,
             dispatch_send_smem,
@@ -159,11 +198,11 @@ impl LlLayout {
 }
 
 /// Bytes of the symmetric (NCCL window) memory one rank needs for LL with `cfg`: both buffer
-/// sets (signals, counts, staging, combine rows). A hint in the manner of DeepEP's
-/// `get_low_latency_rdma_size_hint`; local inputs and outputs come on top
-/// ([`LlLayout::local_bytes`] per set).
-pub fn buffer_bytes(cfg: &EpConfig) -> Result<usize> {
-    Ok(LlLayout::new(cfg)?.window_bytes)
+/// sets (signals, counts, staging, combine rows, and with `gin` the send areas of the ranks in
+/// other nodes). A hint in the manner of DeepEP's `get_low_latency_rdma_size_hint`; local
+/// inputs and outputs come on top ([`LlLayout::local_bytes`] per set).
+pub fn buffer_bytes(cfg: &EpConfig, gin: bool) -> Result<usize> {
+    Ok(LlLayout::with_gin(cfg, gin)?.window_bytes)
 }
 
 /// `LlArgs::dtype` of a dispatch dtype (`Dtype` in abi/ll.h).
@@ -225,11 +264,32 @@ mod tests {
     }
 
     #[test]
+    fn gin_send_areas_follow_the_combine_rows_and_size_by_order() {
+        let c = peers();
+        let one = LlLayout::new(&c).unwrap();
+        let g = LlLayout::with_gin(&c, true).unwrap();
+        assert_eq!((one.out_meta_offset, one.gin_arrivals), (0, 0));
+        assert_eq!(g.comb_offset, one.comb_offset);
+        assert!(g.out_meta_offset >= g.comb_offset + 128 * 8 * 7168 * 2);
+        assert!(
+            g.out_stage_offset.is_multiple_of(RECORD_ALIGN) && g.out_comb_offset.is_multiple_of(RECORD_ALIGN)
+        );
+        assert_eq!(g.out_comb_offset, g.out_stage_offset + 4 * 128 * g.record_bytes);
+        // `topk` rows [R][T][K][H]: 4 * 128 * 8 * 7168 * 2 bytes, the part counts [R][T] + [R][T][K].
+        assert!(g.set_bytes >= g.out_comb_offset + 4 * 128 * 8 * 7168 * 2);
+        assert_eq!(g.gin_arrivals, (4 * 128 + 4 * 128 * 8) * 4);
+        let rf =
+            LlLayout::with_gin(&c.clone().with_ll_combine_order(LlCombineOrder::RankFirst), true).unwrap();
+        assert!(rf.set_bytes < g.set_bytes && rf.set_bytes >= rf.out_comb_offset + 4 * 128 * 7168 * 2);
+        assert!(buffer_bytes(&c, true).unwrap() > buffer_bytes(&c, false).unwrap());
+    }
+
+    #[test]
     fn buffer_hint_is_both_sets_and_grows_with_tokens() {
-        let small = buffer_bytes(&peers()).unwrap();
+        let small = buffer_bytes(&peers(), false).unwrap();
         let mut big = peers();
         big.max_tokens_per_rank = 256;
-        assert!(buffer_bytes(&big).unwrap() > small);
+        assert!(buffer_bytes(&big, false).unwrap() > small);
         // BF16 at the peers' shape: 2 * (staging 7.4 MB + combine 14.7 MB) ≈ 44 MB.
         assert!((40 << 20..50 << 20).contains(&small), "{small}");
         assert!(LlLayout::local_bytes(&peers()) > 0);
@@ -239,20 +299,20 @@ mod tests {
     fn shapes_the_kernels_refuse_are_config_errors_naming_the_field() {
         let mut c = peers();
         c.max_tokens_per_rank = MAX_TOKENS + 1;
-        let e = buffer_bytes(&c).unwrap_err();
+        let e = buffer_bytes(&c, false).unwrap_err();
         assert!(
             e.is_usage() && e.to_string().contains("max_tokens_per_rank"),
             "{e}"
         );
         let c = EpConfig::new(128, 128, 128, 1, 8);
         c.validate().unwrap();
-        let e = buffer_bytes(&c).unwrap_err();
+        let e = buffer_bytes(&c, false).unwrap_err();
         assert!(e.to_string().contains("ranks"), "{e}");
         let c = EpConfig::new(4, 65_536, 128, 8, 1024);
-        let e = buffer_bytes(&c).unwrap_err();
+        let e = buffer_bytes(&c, false).unwrap_err();
         assert!(e.to_string().contains("shared memory"), "{e}");
         let mut c = peers();
         c.hidden = 7;
-        assert!(buffer_bytes(&c).unwrap_err().is_usage());
+        assert!(buffer_bytes(&c, false).unwrap_err().is_usage());
     }
 }

@@ -21,7 +21,7 @@ use half::bf16;
 use std::sync::Arc;
 
 use super::abi::ll as abi;
-use super::fabric::NodeFabric;
+use super::fabric::{node_span, NodeFabric};
 use super::runtime::{CudaRank, DevComm, DevCommRequest, DeviceBuffer, ExternalSpan, Graph, Window};
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
 use crate::error::{Error, Result};
@@ -64,8 +64,8 @@ pub const WARPS: u32 = abi::K_WARPS as u32;
 pub const DISPATCH_UNIT: usize = abi::K_DISPATCH_UNIT as usize;
 /// Most tokens per rank the LL kernels accept (`max_tokens_per_rank`).
 pub const MAX_TOKENS: usize = 1024;
-/// Most ranks in one LL group (all must be in one LSA team).
-pub const MAX_RANKS: usize = 64;
+/// Most ranks in one LL group (`kMaxRanks`: the device state holds one record count per source).
+pub const MAX_RANKS: usize = abi::K_MAX_RANKS as usize;
 /// Most CTAs per LL kernel (`kMaxGrid`: the device state holds one op count per CTA).
 pub const MAX_GRID: u32 = abi::K_MAX_GRID as u32;
 /// Dynamic shared memory a kernel may use (H100/H200 allow 227 KiB per CTA by opt-in).
@@ -74,14 +74,19 @@ pub const MAX_SMEM: usize = 200 * 1024;
 pub const SETS: usize = 2;
 /// Signal kinds per set (`kSigKinds`): words `[SIG_KINDS][R]` u64.
 pub const SIG_KINDS: usize = abi::K_SIG_KINDS as usize;
+/// GIN signal kinds per set across nodes (`kGinKinds`): ids `[GIN_KINDS][R]` per set.
+pub const GIN_KINDS: usize = abi::K_GIN_KINDS as usize;
 /// u32 words of a set's device state (`LlArgs::state`): `kStateWords` words (record count of
-/// the last dispatch, failure flag), then the op counts, one per CTA and kind,
-/// `[kOpKinds][kMaxGrid]`.
-pub const STATE_WORDS: usize = (abi::K_STATE_WORDS + abi::K_OP_KINDS * abi::K_MAX_GRID) as usize;
+/// the last dispatch, failure flag, GIN credits pushed), then the op counts, one per CTA and
+/// kind, `[kOpKinds][kMaxGrid]`, then each source's record count of the last dispatch.
+pub const STATE_WORDS: usize = (abi::K_SOURCE_RECORDS + abi::K_MAX_RANKS) as usize;
 // The named state words lie before the op counts, and each op kind has its row.
 const _: () = assert!(
     abi::K_RECORDS < abi::K_STATE_WORDS
         && abi::K_FAILED < abi::K_STATE_WORDS
+        && abi::K_CREDITS_DISP < abi::K_STATE_WORDS
+        && abi::K_CREDITS_COMB < abi::K_STATE_WORDS
+        && abi::K_SOURCE_RECORDS == abi::K_STATE_WORDS + abi::K_OP_KINDS * abi::K_MAX_GRID
         && abi::K_OP_DISPATCH < abi::K_OP_KINDS
         && abi::K_OP_COMBINE < abi::K_OP_KINDS
 );
@@ -117,6 +122,9 @@ struct SetBuffers {
     /// `[STATE_WORDS]` u32: record count, failure flag, per-CTA op counts (kernels/ll/common.cuh
     /// `op_word`), zeroed once.
     state: DeviceBuffer,
+    /// Across nodes, the part counts of the GIN send areas ([`LlLayout::gin_arrivals`] bytes,
+    /// zeroed once; 16 bytes otherwise).
+    gin_arrivals: DeviceBuffer,
     /// Tokens of the input now in `x` (host-known shape, as in DeepEP).
     num_tokens: usize,
     /// Caller-owned memory the next launches of this set use instead (see [`LlIo`]).
@@ -191,7 +199,6 @@ impl CudaLl {
         tuning: LlTuning,
     ) -> Result<CudaLl> {
         tuning.validate()?;
-        let layout = LlLayout::new(cfg)?;
         let world = rank.info().world;
         if cfg.ranks != world {
             return Err(Error::config(
@@ -202,6 +209,16 @@ impl CudaLl {
         }
         let sms = rank.info().sm_count;
         let topo = RankTopology::from_env()?;
+        // Whether some ranks lie in other nodes (then GIN reaches them): decided alike on every
+        // rank from the launch topology and NCCL's LSA team, before the window is sized. The
+        // LSA team comes from a device communicator without GIN, replaced below when needed.
+        let probe = rank.dev_comm(DevCommRequest {
+            lsa_barriers: 1,
+            gin_signals: 0,
+        })?;
+        let (_, _, node) = node_span(&topo, rank.info().rank, world, probe.lsa());
+        let gin = node < world;
+        let layout = LlLayout::with_gin(cfg, gin)?;
         // With virtual nodes each process keeps to its share of the SMs (RankTopology::sm_share).
         let default_grid = topo.sm_share(sms);
         let grid = match tuning.grid.or(grid) {
@@ -240,11 +257,17 @@ impl CudaLl {
             }
         }
         let window = rank.window(layout.window_bytes)?;
-        let dev_comm = rank.dev_comm(DevCommRequest {
-            lsa_barriers: 1,
-            gin_signals: 0,
-        })?;
-        let fabric = NodeFabric::new(rank, &window, &dev_comm, &topo, "LL")?;
+        let dev_comm = if gin {
+            drop(probe);
+            rank.dev_comm(DevCommRequest {
+                lsa_barriers: 1,
+                gin_signals: u32::try_from(SETS * GIN_KINDS * world)
+                    .map_err(|_| Error::config("ranks", world, "too many for the LL GIN signals"))?,
+            })?
+        } else {
+            probe
+        };
+        let fabric = NodeFabric::new(rank, &window, &dev_comm, &topo, "LL", false)?;
         let (h, k, t, l, r) = (
             cfg.hidden,
             cfg.topk,
@@ -281,10 +304,12 @@ impl CudaLl {
                 combined: alloc(t * h * 2)?,
                 comb_map: alloc(if rank_first { r * t * map_ints(k) * 4 } else { 16 })?,
                 state: alloc(STATE_WORDS * 4)?,
+                gin_arrivals: alloc(layout.gin_arrivals)?,
                 num_tokens: 0,
                 io: LlIo::default(),
             };
             rank.memset_u32(s.state.region(), 0)?;
+            rank.memset_u32(s.gin_arrivals.region(), 0)?;
             Ok(s)
         };
         let sets = [make_set()?, make_set()?];
@@ -512,7 +537,7 @@ impl CudaLl {
             user_range: Self::io_ptr(io.layout_range, "LL layout_range", l * r * 8, None)?,
             stats: Self::io_ptr(io.stats, "LL cumulative receive stats", l * 4, None)?,
             scales_col_major: u32::from(io.recv_scales.is_some()),
-            rank: self.fabric.rank as i32,
+            rank: (self.fabric.first + self.fabric.rank) as i32,
             wts_offset: self.layout.wts_offset as u64,
             comb_map: if cfg.ll_combine_order == LlCombineOrder::RankFirst {
                 s.comb_map.region().ptr
@@ -523,9 +548,25 @@ impl CudaLl {
                 LlCombineOrder::Topk => abi::K_COMB_ORDER_TOPK,
                 LlCombineOrder::RankFirst => abi::K_COMB_ORDER_RANK_FIRST,
             },
-            ranks: self.fabric.size as i32,
+            ranks: r as i32,
             ready_offset: self.layout.ready_offset as u64,
             peer_base: self.fabric.base,
+            node_first: self.fabric.first as i32,
+            node_size: self.fabric.size as i32,
+            gin_sig_base: if self.layout.gin_arrivals > 0 {
+                (set * GIN_KINDS * r) as u32
+            } else {
+                0
+            },
+            gin_pad: 0,
+            out_meta_offset: self.layout.out_meta_offset as u64,
+            out_stage_offset: self.layout.out_stage_offset as u64,
+            out_comb_offset: self.layout.out_comb_offset as u64,
+            gin_arrivals: if self.layout.gin_arrivals > 0 {
+                s.gin_arrivals.region().ptr
+            } else {
+                0
+            },
         })
     }
 
