@@ -49,8 +49,7 @@ __device__ __noinline__ void gin_put_add(const LlArgs& a, int peer, size_t dst_o
           ncclGin_SignalAdd{gin_sig(a, kind, a.rank), add}, ncclGin_None{});
 }
 
-// gin_put_add of one combine row (hidden BF16 channels, kGinComb + 1): the call in the
-// combine's row loop, with fewer live arguments (the loop is at the register limit).
+// gin_put_add of one combine row (hidden BF16 channels, kGinComb + 1).
 __device__ __noinline__ void gin_put_row(const LlArgs& a, int peer, size_t dst_off, size_t src_off) {
   gin_put_add(a, peer, dst_off, src_off, size_t(a.hidden) * 2, kGinComb, 1);
 }

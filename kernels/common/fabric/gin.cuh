@@ -51,10 +51,16 @@ __device__ __forceinline__ void gin_signal(const ncclGin& gin, ncclTeam team, in
 __device__ __forceinline__ bool gin_wait_signal(const ncclGin& gin, ncclGinSignal_t sig, uint64_t least,
                                                 FabricError* err, uint64_t timeout_ns, FabricPhase phase, int peer,
                                                 int rank) {
+  // Relaxed polls with a short sleep between them, one acquire once the signal has reached
+  // `least`: an acquire load at system scope invalidates the SM's L1 at every try, and many
+  // waiting threads polling the signal words back to back starved the transport that
+  // delivers them (the project's plugin copies on the same GPU).
   PollDeadline deadline;
-  for (uint32_t spin = 0; gin.readSignal(sig) < least; ++spin) {
-    if ((spin & 63u) == 0u && !deadline.ok(err, timeout_ns, phase, peer, rank)) return false;
+  for (uint32_t spin = 0; gin.readSignal(sig, 64, cuda::memory_order_relaxed) < least; ++spin) {
+    if ((spin & 15u) == 15u && !deadline.ok(err, timeout_ns, phase, peer, rank)) return false;
+    __nanosleep(128);
   }
+  (void)gin.readSignal(sig);
   return true;
 }
 

@@ -184,15 +184,18 @@ impl RankTopology {
 
     /// The SMs one process's kernels may hold at once on a GPU of `sms` SMs: all of them
     /// outside a virtual-node launch; with K processes per GPU (run under MPS, sharing the
-    /// SMs) half of a process's share, `sms / 2K` (at least 1). Every rank's CTAs wait for the
+    /// SMs) `sms / (2K + 1)` (at least 1). Every rank's CTAs wait for the
     /// other ranks' and must be resident together, and programmatic dependent launch lets a
     /// process hold two grids (the running one and its waiting successor); with a full share
     /// one process's two grids could take every SM while its kernel waits for a peer whose
-    /// kernel then never starts. (Time-sliced without MPS, any grid would do.)
+    /// kernel then never starts. One more share stays free: the project's plugin moves GIN
+    /// data between the processes with CUDA copies on the same GPU, which need SMs while every
+    /// rank's kernels wait for that data (with all SMs held, LL across virtual nodes stalled
+    /// until its deadline). (Time-sliced without MPS, any grid would do.)
     pub fn sm_share(&self, sms: u32) -> u32 {
         match self.vnodes {
             0 | 1 => sms,
-            k => (sms / (2 * k as u32)).max(1),
+            k => (sms / (2 * k as u32 + 1)).max(1),
         }
     }
 
@@ -242,7 +245,7 @@ mod tests {
             }
             .sm_share(132)
         };
-        assert_eq!([share(1), share(2), share(4), share(200)], [132, 33, 16, 1]);
+        assert_eq!([share(1), share(2), share(4), share(200)], [132, 26, 14, 1]);
     }
 
     #[test]

@@ -167,6 +167,8 @@ pub struct CudaLl {
     fabric: NodeFabric,
     window: Window,
     dev_comm: DevComm,
+    /// The GIN-less communicator that told NCCL's node, kept beside a GIN one.
+    _probe: Option<DevComm>,
     sets: [SetBuffers; SETS],
     /// Shared with the rank's engine and HT objects; dropped after the window and device
     /// communicator above.
@@ -210,13 +212,22 @@ impl CudaLl {
         let sms = rank.info().sm_count;
         let topo = RankTopology::from_env()?;
         // Whether some ranks lie in other nodes (then GIN reaches them): decided alike on every
-        // rank from the launch topology and NCCL's LSA team, before the window is sized. The
-        // LSA team comes from a device communicator without GIN, replaced below when needed.
-        let probe = rank.dev_comm(DevCommRequest {
-            lsa_barriers: 1,
-            gin_signals: 0,
-        })?;
-        let (_, _, node) = node_span(&topo, rank.info().rank, world, probe.lsa());
+        // rank from the launch topology, before the window is sized. A gin-ep node grouping
+        // names it (virtual nodes are one NCCL node each, so NCCL's LSA team there is this rank
+        // alone); NCCL's own node comes from a device communicator without GIN, which is kept
+        // when it suffices. The window is registered before the communicator that asks for GIN
+        // signals is created, as GIN's registration of windows expects.
+        let lsa_source = topo.vnodes <= 1 && topo.node_size.is_none();
+        let mut probe = if lsa_source {
+            Some(rank.dev_comm(DevCommRequest {
+                lsa_barriers: 1,
+                gin_signals: 0,
+            })?)
+        } else {
+            None
+        };
+        let lsa = probe.as_ref().map_or((0, 1), |p| p.lsa());
+        let (_, _, node) = node_span(&topo, rank.info().rank, world, lsa);
         let gin = node < world;
         let layout = LlLayout::with_gin(cfg, gin)?;
         // With virtual nodes each process keeps to its share of the SMs (RankTopology::sm_share).
@@ -257,15 +268,19 @@ impl CudaLl {
             }
         }
         let window = rank.window(layout.window_bytes)?;
-        let dev_comm = if gin {
-            drop(probe);
-            rank.dev_comm(DevCommRequest {
+        // The probe, when it suffices; else a communicator with GIN signals (the probe then stays
+        // alive beside it, as the windows were registered while it was).
+        let dev_comm = match probe.take_if(|_| !gin) {
+            Some(p) => p,
+            None => rank.dev_comm(DevCommRequest {
                 lsa_barriers: 1,
-                gin_signals: u32::try_from(SETS * GIN_KINDS * world)
-                    .map_err(|_| Error::config("ranks", world, "too many for the LL GIN signals"))?,
-            })?
-        } else {
-            probe
+                gin_signals: if gin {
+                    u32::try_from(SETS * GIN_KINDS * world)
+                        .map_err(|_| Error::config("ranks", world, "too many for the LL GIN signals"))?
+                } else {
+                    0
+                },
+            })?,
         };
         let fabric = NodeFabric::new(rank, &window, &dev_comm, &topo, "LL", false)?;
         let (h, k, t, l, r) = (
@@ -317,6 +332,7 @@ impl CudaLl {
         Ok(CudaLl {
             window,
             dev_comm,
+            _probe: probe,
             sets,
             rank: Arc::clone(rank),
             cfg: cfg.clone(),
