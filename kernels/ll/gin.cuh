@@ -65,7 +65,16 @@ __device__ __forceinline__ bool gin_wait_peer(const LlArgs& a, int kind, int src
   return gin_wait_signal(gin, gin_sig(a, kind, src), least, a.err, timeout_ns, static_cast<FabricPhase>(phase), src,
                          a.rank);
 }
+
+// Every thread of one CTA: zeroes this rank's GIN signals of the set (all kinds, all
+// sources). Run only when every operation of every rank has completed (the buffer's
+// teardown), so no add races with it, as resetSignal requires.
+__device__ __forceinline__ void gin_reset_signals(const LlArgs& a) {
+  ncclGin gin(a.comm, a.rank);
+  for (int i = int(threadIdx.x); i < kGinKinds * a.ranks; i += int(blockDim.x)) gin.resetSignal(gin_sig(a, 0, 0) + i);
+}
 #else
+__device__ __forceinline__ void gin_reset_signals(const LlArgs&) { __trap(); }
 __device__ __forceinline__ void gin_put_add(const LlArgs&, int, size_t, size_t, size_t, int, uint64_t) { __trap(); }
 __device__ __forceinline__ void gin_put_row(const LlArgs&, int, size_t, size_t) { __trap(); }
 __device__ __forceinline__ bool gin_wait_peer(const LlArgs&, int, int, uint64_t, uint32_t, uint64_t) {

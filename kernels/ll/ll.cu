@@ -117,3 +117,12 @@ extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
   if (sent) combine_recv_body(a, n);
   end_op(a, kOpCombine, n);
 }
+
+// The buffer's teardown, across nodes only: this rank's GIN signals of the set back to 0.
+// NCCL hands the same signal ids to the next device communicator without clearing them
+// (ncclGinAllocSignalsCounters allocates from the communicator's signal space), and every LL
+// wait compares with targets that start at 0. One CTA, launched without PDL.
+extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
+    gin_ep_ll_reset_gin(const __grid_constant__ gin_ep::ll::LlArgs a) {
+  gin_ep::ll::gin_reset_signals(a);
+}

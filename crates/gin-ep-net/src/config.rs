@@ -11,6 +11,7 @@ pub const ENV_GIN_PATH: &str = "GIN_EP_NET_GIN_PATH";
 pub const ENV_TIMEOUT: &str = "GIN_EP_NET_TIMEOUT_S";
 pub const ENV_IFADDR: &str = "GIN_EP_NET_IFADDR";
 pub const ENV_FAULT: &str = "GIN_EP_NET_FAULT";
+pub const ENV_TRACE: &str = "GIN_EP_NET_TRACE";
 pub const DEFAULT_TIMEOUT_S: f64 = 60.0;
 
 /// How GIN data reaches a peer (`GIN_EP_NET_GIN_PATH`).
@@ -42,6 +43,8 @@ pub struct Config {
     /// Where `ifaddr` came from, for the log.
     pub ifaddr_source: String,
     pub fault: Fault,
+    /// Log every GIN put and signal application (NCCL INFO lines, `GIN_EP_NET_TRACE=1`).
+    pub trace: bool,
 }
 
 fn var(name: &str) -> Option<String> {
@@ -88,12 +91,18 @@ impl Config {
                 ))
             }
         };
+        let trace = match var(ENV_TRACE).as_deref().map(str::trim) {
+            None | Some("0") => false,
+            Some("1") => true,
+            Some(v) => return Err(format!("{ENV_TRACE}={v:?}: expected 0 or 1")),
+        };
         Ok(Config {
             gin_path,
             timeout,
             ifaddr,
             ifaddr_source,
             fault,
+            trace,
         })
     }
 }

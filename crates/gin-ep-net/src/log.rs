@@ -6,7 +6,7 @@
 //! to stderr and the rest is dropped. Never: decides what is an error.
 
 use std::ffi::{c_int, c_ulong, CString};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use crate::abi::{ncclDebugLogger_t, NCCL_LOG_WARN};
 
@@ -14,6 +14,17 @@ type LoggerFn =
     unsafe extern "C" fn(c_int, c_ulong, *const std::ffi::c_char, c_int, *const std::ffi::c_char, ...);
 
 static LOGGER: AtomicUsize = AtomicUsize::new(0);
+static TRACE: AtomicBool = AtomicBool::new(false);
+
+/// Turns the per-operation trace (`trace!`) on or off for the process.
+pub fn set_trace(on: bool) {
+    TRACE.store(on, Ordering::Relaxed);
+}
+
+/// Whether `trace!` lines are emitted (checked before anything is formatted).
+pub fn tracing() -> bool {
+    TRACE.load(Ordering::Relaxed)
+}
 
 /// Remembers NCCL's logger (the first non-NULL one; NCCL passes the same function to every
 /// `init`).
@@ -70,5 +81,16 @@ macro_rules! info {
     ($($arg:tt)*) => {
         $crate::log::emit($crate::abi::NCCL_LOG_INFO, $crate::abi::NCCL_INIT | $crate::abi::NCCL_NET,
             file!(), line!(), &format!("NET/GinEp : {}", format_args!($($arg)*)))
+    };
+}
+
+/// `trace!(fmt, args..)`: an `info!` line only while the trace is on (`GIN_EP_NET_TRACE=1`);
+/// nothing is formatted otherwise.
+#[macro_export]
+macro_rules! trace {
+    ($($arg:tt)*) => {
+        if $crate::log::tracing() {
+            $crate::info!($($arg)*)
+        }
     };
 }

@@ -326,6 +326,9 @@ impl Coll {
         }
         if mem == Mem::Cuda {
             let ctx = cuda::current()?;
+            if size > 0 {
+                cuda::check_cumem(ctx, data)?;
+            }
             let have = *self.cuda.get_or_init(|| ctx);
             if have != ctx {
                 return Err(Error::arg(format!(
@@ -683,6 +686,14 @@ impl Coll {
                 return Ok(state);
             }
         }
+        crate::trace!(
+            "put lane {lane} to {}: {size} B at #{dst_reg}+{dst_off}{}",
+            self.peers[rank].label,
+            op.signal.map_or(String::new(), |s| format!(
+                ", signal #{}+{} op {} value {}",
+                s.reg, s.off, s.op, s.value
+            ))
+        );
         self.enqueue(lane, rank, Op::Put(op))?;
         Ok(state)
     }
@@ -843,13 +854,14 @@ impl Coll {
                 a.fetch_add(s.addend(), Ordering::AcqRel);
             }
             Mem::Cuda => {
-                cuda::add_u64(
+                let now = cuda::add_u64(
                     self.cuda_ctx()?,
                     addr,
                     s.addend(),
                     self.deadline(),
                     "signal update",
                 )?;
+                crate::trace!("signal #{}+{} += {}: now {now}", s.reg, s.off, s.addend());
             }
         }
         Ok(())

@@ -2,10 +2,12 @@
 //!
 //! Owns: the check that libcuda exists (cudarc panics without it, so nothing here runs until
 //! a CUDA registration appears, and a missing driver becomes an error), the captured
-//! context, one non-blocking stream per thread, copies that finish or fail by a deadline,
-//! and cuMem POSIX-fd export/import of registered memory. Never: the legacy default stream
-//! (a copy there waits behind the user's spinning kernel: deadlock), kernel launches, or
-//! synchronous `cuMemcpy`.
+//! context and the plugin's own copy context beside it, one non-blocking stream and one
+//! pinned bounce buffer per thread, copies that finish or fail by a deadline, and cuMem
+//! POSIX-fd export/import of registered memory. Never: a copy in the user's context (see
+//! [`copy_context`]), the legacy default stream, anything that runs on the SMs (kernel
+//! launches, and device-to-device `cuMemcpy`, which the driver runs as a kernel: see
+//! [`copy`]), or synchronous `cuMemcpy`.
 
 use std::cell::RefCell;
 use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
@@ -48,11 +50,53 @@ pub fn ensure_driver() -> Result<()> {
 }
 
 /// A CUDA context captured from the thread that registered memory (NCCL calls regMrSym
-/// with the communicator's device current) and made current in the plugin's threads.
+/// with the communicator's device current; exports and imports run in it), and the plugin's
+/// copy context of the same device (every copy runs there).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Ctx {
     raw: usize,
+    copy: usize,
     pub device: i32,
+}
+
+/// The plugin's own context on `device` (created once per process and device, kept until the
+/// process ends), made current in the plugin's threads for every copy.
+///
+/// Why not the user's context: measured on an H100 (driver of CUDA 13.0), while a grid of
+/// that context spins and a second kernel is queued behind it on its stream (which is how
+/// every GIN-using kernel sequence looks: the next operation is already launched),
+/// host-to-device, device-to-host and device-to-device copies of 8 B to 64 KiB on any other
+/// stream of that context, whatever its priority, did not run until the spinning grid ended
+/// (980 ms, the test kernel's deadline). The same copies in a second context of the process
+/// completed in 1.5 ms (a time-slice switch). A GIN peer whose kernel waits for such a copy
+/// would wait for the spinning grid, which waits for the peer: deadlock until a deadline.
+/// The registrations GIN hands the plugin (NCCL's windows and signal arrays) are cuMem
+/// allocations, which every context of the process on that device can address; the plugin
+/// refuses any other CUDA registration (`Coll::register`).
+fn copy_context(device: i32) -> Result<usize> {
+    static MADE: OnceLock<std::sync::Mutex<Vec<(i32, usize)>>> = OnceLock::new();
+    let made = MADE.get_or_init(Default::default);
+    let mut made = made.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(&(_, c)) = made.iter().find(|(d, _)| *d == device) {
+        return Ok(c);
+    }
+    let mut prev: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: out-pointer to a local.
+    check(unsafe { sys::cuCtxGetCurrent(&mut prev) }, "cuCtxGetCurrent")?;
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: out-pointer to a local.
+    check(unsafe { sys::cuDeviceGet(&mut dev, device) }, "cuDeviceGet")?;
+    let mut c: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: out-pointer to a local; no creation parameters. The new context becomes
+    // current on this thread, so the caller's is restored right after.
+    check(
+        unsafe { sys::cuCtxCreate_v4(&mut c, std::ptr::null_mut(), 0, dev) },
+        "cuCtxCreate (the plugin's copy context)",
+    )?;
+    // SAFETY: restores the context that was current (possibly none).
+    check(unsafe { sys::cuCtxSetCurrent(prev) }, "cuCtxSetCurrent")?;
+    made.push((device, c as usize));
+    Ok(c as usize)
 }
 
 /// The calling thread's current context and its device.
@@ -71,6 +115,7 @@ pub fn current() -> Result<Ctx> {
     check(unsafe { sys::cuCtxGetDevice(&mut dev) }, "cuCtxGetDevice")?;
     Ok(Ctx {
         raw: c as usize,
+        copy: copy_context(dev)?,
         device: dev,
     })
 }
@@ -79,24 +124,40 @@ impl Ctx {
     fn raw(&self) -> sys::CUcontext {
         self.raw as sys::CUcontext
     }
-    /// Makes the context current on the calling thread.
+    /// Makes the captured context current on the calling thread.
     pub fn make_current(&self) -> Result<()> {
         // SAFETY: the context outlives the communicator that captured it.
         check(unsafe { sys::cuCtxSetCurrent(self.raw()) }, "cuCtxSetCurrent")
     }
+    /// Makes the plugin's copy context current on the calling thread.
+    fn make_copy_current(&self) -> Result<()> {
+        // SAFETY: copy contexts live until the process ends.
+        check(
+            unsafe { sys::cuCtxSetCurrent(self.copy as sys::CUcontext) },
+            "cuCtxSetCurrent (copy context)",
+        )
+    }
 }
+
+/// Bytes of a thread's pinned bounce buffer: device-to-device copies go through it in pieces
+/// of this size. Allocated once per thread and freed only when the thread ends, since freeing
+/// pinned memory waits for the whole device (the user's kernels included).
+const BOUNCE_BYTES: usize = 1 << 20;
 
 struct ThreadStream {
     ctx: Ctx,
     stream: sys::CUstream,
+    bounce: *mut u8,
 }
 
 impl Drop for ThreadStream {
     fn drop(&mut self) {
-        // SAFETY: the stream was created by this thread in `ctx`; errors at teardown are moot.
+        // SAFETY: the stream and the buffer were created by this thread in `ctx`'s copy
+        // context; errors at teardown are moot.
         unsafe {
-            sys::cuCtxSetCurrent(self.ctx.raw());
+            sys::cuCtxSetCurrent(self.ctx.copy as sys::CUcontext);
             sys::cuStreamDestroy_v2(self.stream);
+            sys::cuMemFreeHost(self.bounce as *mut _);
         }
     }
 }
@@ -105,14 +166,15 @@ thread_local! {
     static STREAM: RefCell<Option<ThreadStream>> = const { RefCell::new(None) };
 }
 
-/// Runs `f` with this thread's non-blocking stream in `ctx` (created on first use).
-fn with_stream<R>(ctx: Ctx, f: impl FnOnce(sys::CUstream) -> Result<R>) -> Result<R> {
-    ctx.make_current()?;
-    let stream = STREAM.with(|cell| -> Result<sys::CUstream> {
+/// Runs `f` with this thread's non-blocking stream in `ctx`'s copy context and its bounce
+/// buffer of `BOUNCE_BYTES` (both created on first use).
+fn with_stream<R>(ctx: Ctx, f: impl FnOnce(sys::CUstream, *mut u8) -> Result<R>) -> Result<R> {
+    ctx.make_copy_current()?;
+    let (stream, bounce) = STREAM.with(|cell| -> Result<(sys::CUstream, *mut u8)> {
         let mut slot = cell.borrow_mut();
         if let Some(ts) = slot.as_ref() {
             if ts.ctx == ctx {
-                return Ok(ts.stream);
+                return Ok((ts.stream, ts.bounce));
             }
         }
         let mut s: sys::CUstream = std::ptr::null_mut();
@@ -122,22 +184,54 @@ fn with_stream<R>(ctx: Ctx, f: impl FnOnce(sys::CUstream) -> Result<R>) -> Resul
             unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
             "cuStreamCreate",
         )?;
-        *slot = Some(ThreadStream { ctx, stream: s });
-        Ok(s)
+        let mut b: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local; portable so it serves whichever context is current.
+        let r = unsafe { sys::cuMemHostAlloc(&mut b, BOUNCE_BYTES, sys::CU_MEMHOSTALLOC_PORTABLE) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            // SAFETY: the stream was just created here and is not used elsewhere.
+            unsafe { sys::cuStreamDestroy_v2(s) };
+            return Err(Error::sys(format!("cuMemHostAlloc({BOUNCE_BYTES}): {r:?}")));
+        }
+        // Dropping a previous entry (another context) frees its stream and buffer.
+        *slot = Some(ThreadStream {
+            ctx,
+            stream: s,
+            bounce: b as *mut u8,
+        });
+        Ok((s, b as *mut u8))
     })?;
-    f(stream)
+    f(stream, bounce)
 }
+
+/// How long a copy may stay queued before the plugin says so (once per copy): a copy of a
+/// few bytes takes microseconds, so this means the GPU is not running it.
+const SLOW_COPY: Duration = Duration::from_millis(250);
 
 /// Waits for everything queued on `stream`, polling, until `deadline`.
 fn wait(stream: sys::CUstream, deadline: Instant, what: &str) -> Result<()> {
+    let start = Instant::now();
+    let mut slow = false;
     let mut spins = 0u32;
     loop {
         // SAFETY: the stream is alive (owned by this thread).
         let r = unsafe { sys::cuStreamQuery(stream) };
         match r {
-            sys::CUresult::CUDA_SUCCESS => return Ok(()),
+            sys::CUresult::CUDA_SUCCESS => {
+                if slow {
+                    crate::warn!("{what}: the copy completed after {:?}", start.elapsed());
+                }
+                return Ok(());
+            }
             sys::CUresult::CUDA_ERROR_NOT_READY => {}
             other => return Err(Error::sys(format!("{what}: {other:?}"))),
+        }
+        if !slow && start.elapsed() >= SLOW_COPY {
+            slow = true;
+            crate::warn!(
+                "{what}: the copy is still queued after {:?} (thread {:?})",
+                start.elapsed(),
+                std::thread::current().name().unwrap_or("unnamed")
+            );
         }
         if Instant::now() >= deadline {
             return Err(Error::sys(format!("{what}: not complete by the deadline")));
@@ -163,6 +257,14 @@ pub enum Side {
 #[allow(clippy::too_many_arguments)]
 /// Copies `size` bytes and waits for completion: `src`/`dst` are host pointers or device
 /// addresses as `Side` says. Host memory may be pageable.
+///
+/// Device to device goes through this thread's pinned bounce buffer (device to host, then
+/// host to device, in pieces, queued back to back on the stream), so every copy runs on the
+/// copy engines. A device-to-device `cuMemcpyAsync` runs on the SMs as a kernel: measured on
+/// an H100, with one grid holding every SM and another grid queued for SMs on a third stream,
+/// an 8-byte device-to-device copy on its own stream did not run until the first grid ended,
+/// while a host-to-device copy of the same word completed in 0.03 ms. A GIN peer's kernel
+/// that waits for this copy while the user's kernels hold the SMs would never see it.
 pub fn copy(
     ctx: Ctx,
     dst: usize,
@@ -176,21 +278,40 @@ pub fn copy(
     if size == 0 {
         return Ok(());
     }
-    with_stream(ctx, |s| {
+    with_stream(ctx, |s, bounce| {
         // SAFETY: the callers bounds-checked both ranges against registrations or staging
-        // buffers that stay alive until this function returns (it waits for the copy).
-        let r = unsafe {
+        // buffers that stay alive until this function returns (it waits for the copy); the
+        // bounce buffer holds BOUNCE_BYTES and each piece is at most that.
+        unsafe {
             match (dst_side, src_side) {
-                (Side::Device, Side::Host) => sys::cuMemcpyHtoDAsync_v2(dst as u64, src as *const _, size, s),
-                (Side::Host, Side::Device) => sys::cuMemcpyDtoHAsync_v2(dst as *mut _, src as u64, size, s),
-                (Side::Device, Side::Device) => sys::cuMemcpyAsync(dst as u64, src as u64, size, s),
+                (Side::Device, Side::Host) => check(
+                    sys::cuMemcpyHtoDAsync_v2(dst as u64, src as *const _, size, s),
+                    what,
+                )?,
+                (Side::Host, Side::Device) => check(
+                    sys::cuMemcpyDtoHAsync_v2(dst as *mut _, src as u64, size, s),
+                    what,
+                )?,
+                (Side::Device, Side::Device) => {
+                    // Stream order keeps each piece's host-to-device leg ahead of the next
+                    // piece's device-to-host leg into the same buffer.
+                    for at in (0..size).step_by(BOUNCE_BYTES) {
+                        let n = BOUNCE_BYTES.min(size - at);
+                        check(
+                            sys::cuMemcpyDtoHAsync_v2(bounce as *mut _, (src + at) as u64, n, s),
+                            what,
+                        )?;
+                        check(
+                            sys::cuMemcpyHtoDAsync_v2((dst + at) as u64, bounce as *const _, n, s),
+                            what,
+                        )?;
+                    }
+                }
                 (Side::Host, Side::Host) => {
-                    std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, size);
-                    sys::CUresult::CUDA_SUCCESS
+                    std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, size)
                 }
             }
-        };
-        check(r, what)?;
+        }
         wait(s, deadline, what)
     })
 }
@@ -221,6 +342,25 @@ pub fn add_u64(ctx: Ctx, addr: usize, add: u64, deadline: Instant, what: &str) -
         what,
     )?;
     Ok(v)
+}
+
+/// Whether `ptr` lies in a cuMem allocation (which the copy context can address); `Err`
+/// names the driver's answer otherwise (plain `cuMemAlloc` memory belongs to one context).
+pub fn check_cumem(ctx: Ctx, ptr: usize) -> Result<()> {
+    ctx.make_current()?;
+    let mut h: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: out-pointer to a local; any address may be asked about.
+    let r = unsafe { sys::cuMemRetainAllocationHandle(&mut h, ptr as *mut _) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::arg(format!(
+            "regMrSym of CUDA memory at {ptr:#x} that is not a cuMem allocation \
+             (cuMemRetainAllocationHandle: {r:?}); this plugin copies in a context of its own, \
+             which reaches cuMem memory only (ncclMemAlloc, cuMemCreate)"
+        )));
+    }
+    // SAFETY: releases the reference retained above.
+    unsafe { sys::cuMemRelease(h) };
+    Ok(())
 }
 
 /// A registration's physical allocation exported as a POSIX fd.

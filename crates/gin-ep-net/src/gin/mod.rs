@@ -317,6 +317,7 @@ unsafe extern "C" fn gin_init(
     crate::log::set_logger(logger);
     ffi("gin init", || {
         let config = Config::from_env().map_err(Error::arg)?;
+        crate::log::set_trace(config.trace);
         crate::info!(
             "GIN ready: path {:?}, listening on {} ({}), timeout {:?}{}",
             config.gin_path,

@@ -54,6 +54,8 @@ pub mod names {
     pub const DISPATCH_FUSED: &str = "gin_ep_ll_dispatch_fused";
     /// Combine send + reduce in one launch ([`super::CudaLl::combine`]).
     pub const COMBINE_FUSED: &str = "gin_ep_ll_combine_fused";
+    /// This rank's GIN signals of a set back to 0 (teardown across nodes).
+    pub const RESET_GIN: &str = "gin_ep_ll_reset_gin";
 }
 
 /// Threads per CTA of every LL kernel (`kThreads`, abi/ll.h).
@@ -183,7 +185,43 @@ pub struct CudaLl {
     stamp_edges: bool,
 }
 
+impl Drop for CudaLl {
+    /// Across nodes: returns this rank's GIN signals to 0 before the device communicator
+    /// goes. NCCL hands the same signal ids to the next device communicator without clearing
+    /// them, and the kernels' targets start at 0. Teardown is collective and follows every
+    /// rank's last operation; every add a rank sends is waited for by its target within the
+    /// same operation, so none is in flight now. After a failure (the communicator is marked
+    /// failed) nothing is launched: the abort reclaims everything.
+    fn drop(&mut self) {
+        if !self.across_nodes() || self.rank.comm().failed() {
+            return;
+        }
+        let reset = (0..SETS)
+            .try_for_each(|set| {
+                let args = self.args(set)?;
+                // SAFETY: as in `launch`: LlArgs points into buffers self owns, alive until
+                // the wait below returns (or leaked through the failed communicator).
+                unsafe { self.rank.launch_ex(names::RESET_GIN, 1, THREADS, 0, false, &args) }
+            })
+            .and_then(|_| self.rank.wait("LL GIN signal reset"));
+        if let Err(e) = reset {
+            // Nothing to return to: the next device communicator must not trust these
+            // signals, so the communicator is aborted rather than finalized.
+            eprintln!(
+                "gin-ep: rank {}: {e}; the communicator will be aborted",
+                self.rank.info().rank
+            );
+            self.rank.comm().mark_failed();
+        }
+    }
+}
+
 impl CudaLl {
+    /// Whether some rank lies outside this rank's gin-ep node (GIN signals are in use).
+    fn across_nodes(&self) -> bool {
+        self.layout.gin_arrivals > 0
+    }
+
     /// Makes the window and buffers for `cfg` on `rank`. `grid` CTAs per kernel (`None`: the
     /// GPU's SM count, or its share of them when processes share the GPU); every rank must
     /// pass the same grid. The other tuning values are [`LlTuning::DEFAULT`]'s. Refused when
@@ -569,7 +607,7 @@ impl CudaLl {
             peer_base: self.fabric.base,
             node_first: self.fabric.first as i32,
             node_size: self.fabric.size as i32,
-            gin_sig_base: if self.layout.gin_arrivals > 0 {
+            gin_sig_base: if self.across_nodes() {
                 (set * GIN_KINDS * r) as u32
             } else {
                 0
@@ -578,7 +616,7 @@ impl CudaLl {
             out_meta_offset: self.layout.out_meta_offset as u64,
             out_stage_offset: self.layout.out_stage_offset as u64,
             out_comb_offset: self.layout.out_comb_offset as u64,
-            gin_arrivals: if self.layout.gin_arrivals > 0 {
+            gin_arrivals: if self.across_nodes() {
                 s.gin_arrivals.region().ptr
             } else {
                 0

@@ -30,6 +30,11 @@ impl Comm {
         self.failed.store(true, Ordering::Relaxed);
     }
 
+    /// Whether [`Comm::mark_failed`] was called.
+    pub fn failed(&self) -> bool {
+        self.failed.load(Ordering::Relaxed)
+    }
+
     pub(super) fn check(&self, call: &str, r: ns::ncclResult_t) -> Result<()> {
         let out = nccl_ok(&self.nccl, self.raw, call, r);
         if out.is_err() {
