@@ -476,6 +476,8 @@ impl PyEp {
             ht_recv_slabs,
             ht_exact,
             ll_grid,
+            // Sizing only (required_bytes): the window's layout follows the nodes found.
+            ll_across_nodes: false,
         };
         let backend = match gpu {
             Some(g) => Backend::Cuda(g.rank.clone()),

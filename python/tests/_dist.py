@@ -11,6 +11,41 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def vnodes() -> int:
+    """Ranks per GPU: `GIN_EP_VNODES` (the variable `gin-ep check --vnodes K` sets for its
+    ranks, and which gin-ep reads for the SM share of each rank), default 1. With K > 1
+    consecutive ranks share a GPU and each is its own NCCL node (`NCCL_HOSTID`), reached
+    over GIN through the project's NCCL plugin; run the GPU's MPS daemon so that their
+    kernels run side by side. Timings of such runs are time-sliced: correctness only."""
+    raw = os.environ.get("GIN_EP_VNODES", "").strip() or "1"
+    try:
+        k = int(raw)
+    except ValueError:
+        raise ValueError(f"GIN_EP_VNODES={raw!r}: expected a whole number of ranks per GPU") from None
+    if k < 1:
+        raise ValueError(f"GIN_EP_VNODES={k}: expected at least 1")
+    return k
+
+
+def gpu_of(rank: int) -> int:
+    """The GPU of `rank`: consecutive ranks share one when `vnodes()` > 1."""
+    return rank // vnodes()
+
+
+def enter_vnode(rank: int) -> None:
+    """In a rank's process, before NCCL initializes: with `vnodes()` > 1, makes the rank its
+    own NCCL node with gin-ep's plugin (shipped in the wheel) as its network."""
+    if vnodes() == 1:
+        return
+    import gin_ep
+    plugin = gin_ep.net_plugin_path()
+    if plugin is None:
+        raise RuntimeError("GIN_EP_VNODES > 1 needs gin-ep's NCCL plugin, and this gin_ep wheel has none")
+    os.environ["NCCL_HOSTID"] = f"gin-ep-vnode{rank}"
+    os.environ["NCCL_NET_PLUGIN"] = plugin
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,7 +3,9 @@ against gin-ep's oracle: layout, HT dispatch (BF16, FP8, cached), HT combine (we
 biases), an out-of-range expert id refused on every rank, LL dispatch (BF16, FP8,
 power-of-two scales; receive hooks), LL combine (plain, zero-copy, out=), CUDA events, a
 CUDA-graph capture of LL, and LL under torch.compile (aot_eager, the cudagraphs backend,
-mode='reduce-overhead'). Each size is skipped without that many GPUs."""
+mode='reduce-overhead'). Each size is skipped without that many GPUs. With GIN_EP_VNODES=K,
+K ranks share each GPU, each its own NCCL node: LL then crosses nodes over GIN (the HT tests
+are skipped; see _dist.vnodes)."""
 
 import os
 import sys
@@ -21,16 +23,23 @@ HIDDEN, TOPK = 256, 3
 
 
 def _need(world):
-    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
+    # With GIN_EP_VNODES=K, K ranks share each GPU (_dist.vnodes).
+    gpus = -(-world // _dist.vnodes())
+    if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs for {world} ranks")
     if not dist.is_nccl_available():
         pytest.skip("no NCCL in this torch")
 
 
+def _dev(rank):
+    return torch.device("cuda", _dist.gpu_of(rank))
+
+
 def _entry(rank, world, port, fn):
-    torch.cuda.set_device(rank)
+    _dist.enter_vnode(rank)
+    torch.cuda.set_device(_dev(rank))
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+                            device_id=_dev(rank))
     try:
         fn(rank, world)
         dist.barrier()
@@ -53,7 +62,7 @@ def cpu(t):
 
 
 def ht_worker(rank, world):
-    dev = torch.device("cuda", rank)
+    dev = _dev(rank)
     experts = 4 * world
     tokens = [7, 32, 0, 19][:world]
     inputs = routing(world, tokens, HIDDEN, TOPK, experts, seed=11 + world)
@@ -166,7 +175,7 @@ def ht_bad_ids_worker(rank, world):
     """An expert id out of range on the last rank: the layout kernel refuses it, the dispatch
     kernel (queued behind it before the host reads the status) moves nothing, that rank gets
     a ValueError naming the entry and every other rank an error naming that rank; no hang."""
-    dev = torch.device("cuda", rank)
+    dev = _dev(rank)
     experts, bad = 4 * world, world - 1
     x, idx, w = routing(world, [8] * world, HIDDEN, TOPK, experts, seed=5)[rank]
     if rank == bad:
@@ -181,7 +190,7 @@ def ht_bad_ids_worker(rank, world):
 
 
 def ll_worker(rank, world):
-    dev = torch.device("cuda", rank)
+    dev = _dev(rank)
     T = 16
     experts = max(2 * world, TOPK + 1)  # world 1: top-3 needs at least 3 experts
     local = experts // world
@@ -300,7 +309,7 @@ def ll_compile_worker(rank, world):
     elif rank == 0:
         print("no triton in this torch: torch.compile(mode='reduce-overhead') not tried")
     # Five calls: a CUDA-graph mode warms up, records, then replays three times.
-    compile_worker(rank, world, torch.device("cuda", rank), modes, graphed={"cudagraphs", "reduce-overhead"},
+    compile_worker(rank, world, _dev(rank), modes, graphed={"cudagraphs", "reduce-overhead"},
                    calls=5)
 
 
@@ -310,15 +319,21 @@ def test_gpu_ll_compile(world):
     run(world, ll_compile_worker)
 
 
+def _need_ht(world):
+    _need(world)
+    if _dist.vnodes() > 1:
+        pytest.skip("HT reaches only the ranks of its own gin-ep node: not across virtual nodes")
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_gpu_ht(world):
-    _need(world)
+    _need_ht(world)
     run(world, ht_worker)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_gpu_ht_bad_ids(world):
-    _need(world)
+    _need_ht(world)
     run(world, ht_bad_ids_worker)
 
 

@@ -95,8 +95,9 @@ pub struct BenchArgs {
     /// Run on N GPUs, one process per GPU (the CUDA backend; overrides --ranks).
     #[arg(long, value_name = "N", value_parser = parse_whole::<usize>)]
     pub gpus: Option<usize>,
-    /// With --gpus: K processes per GPU, each its own NCCL node. HT and LL refuse K > 1
-    /// (they reach peers only through NCCL's LSA team).
+    /// With --gpus: K processes per GPU, each its own NCCL node (consecutive ranks share a
+    /// GPU), with the project's NCCL net plugin loaded: LL only (ranks of other gin-ep nodes
+    /// over GIN). Timings are then time-sliced: correctness and byte counts only.
     #[arg(long, value_name = "K", value_parser = parse_whole::<usize>)]
     pub vnodes: Option<usize>,
     /// With --gpus: M consecutive ranks form one gin-ep node [default: NCCL's LSA team].
@@ -197,18 +198,21 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
         }
     };
     refuse_inapplicable(a)?;
+    let mut world = None;
     if let Some(gpus) = a.gpus {
         gpus::check_count(gpus)?;
-        gpus::set_topology(gpus, a.vnodes, a.node_size)?;
+        world = Some(gpus::set_topology(gpus, a.vnodes, a.node_size)?);
+        // LL is benched across virtual nodes too (its timings then say they are
+        // time-sliced); HT only on one GPU per rank.
         gpus::refuse_lsa_only(
             crate::applies::mode_name(a.mode),
             gpus,
             a.vnodes,
             a.node_size,
-            false,
+            a.mode == Mode::Ll,
         )?;
     }
-    let ranks = a.gpus.or(a.ranks).unwrap_or(4);
+    let ranks = world.or(a.ranks).unwrap_or(4);
     let dtype = DispatchDtype::parse(&a.dtype).map_err(lib_err)?;
     let routing = Routing::parse(&a.routing).map_err(lib_err)?;
     let tokens = a.tokens.unwrap_or(tokens_d);

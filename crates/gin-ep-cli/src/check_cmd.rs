@@ -153,8 +153,9 @@ pub struct CheckArgs {
     #[arg(long, value_name = "RANK:OP")]
     pub stall: Option<String>,
     /// With --gpus: K processes per GPU, each its own NCCL node (consecutive ranks share a
-    /// GPU), with the project's NCCL net plugin loaded; --mode gin only (HT and LL reach
-    /// peers only through NCCL's LSA team). Timings are then time-sliced.
+    /// GPU), with the project's NCCL net plugin loaded: --mode gin, --mode ll (ranks of other
+    /// gin-ep nodes over GIN; any --node-size), --mode ht with --node-size of every rank.
+    /// Timings are then time-sliced.
     #[arg(long, value_name = "K", value_parser = parse_whole::<usize>)]
     pub vnodes: Option<usize>,
     /// With --gpus: M consecutive ranks form one gin-ep node, whose windows are mapped into

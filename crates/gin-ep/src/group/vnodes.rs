@@ -188,10 +188,10 @@ impl RankTopology {
     /// other ranks' and must be resident together, and programmatic dependent launch lets a
     /// process hold two grids (the running one and its waiting successor); with a full share
     /// one process's two grids could take every SM while its kernel waits for a peer whose
-    /// kernel then never starts. One more share stays free: the project's plugin moves GIN
-    /// data between the processes with CUDA copies on the same GPU, which need SMs while every
-    /// rank's kernels wait for that data (with all SMs held, LL across virtual nodes stalled
-    /// until its deadline). (Time-sliced without MPS, any grid would do.)
+    /// kernel then never starts. One more share stays free for whatever else the GPU runs
+    /// (the share with which the LL check across 2 and 4 virtual nodes passed under MPS; the
+    /// plugin's copies run on the copy engines, in a context of its own). (Time-sliced
+    /// without MPS, any grid would do.)
     pub fn sm_share(&self, sms: u32) -> u32 {
         match self.vnodes {
             0 | 1 => sms,

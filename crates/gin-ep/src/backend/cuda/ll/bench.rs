@@ -408,10 +408,23 @@ fn bench_on(
     ];
     ops[0].phases = phases_d;
     ops[1].phases = phases_c;
+    let path = if ll.across_nodes() {
+        format!(
+            "GPU LL, stores inside gin-ep nodes of {} ranks and GIN puts across them",
+            ll.fabric.size
+        )
+    } else {
+        "GPU LL over NVLink (NCCL LSA)".to_string()
+    };
+    let shared = if crate::group::vnodes::RankTopology::from_env()?.vnodes > 1 {
+        format!(" [{}: ranks share a GPU]", crate::group::vnodes::TIME_SLICED)
+    } else {
+        String::new()
+    };
     let mut report = BenchReport::new(
         "cuda".into(),
         format!(
-            "GPU LL over NVLink (NCCL LSA), {} send warps, {} CTAs x {THREADS} threads per kernel; \
+            "{path}{shared}, {} send warps, {} CTAs x {THREADS} threads per kernel; \
              times are CUDA events around each operation (one fused kernel), slowest rank per iteration; rows count (token, expert) copies as the peers \
              do, though each token crosses a link once per destination rank; the eager loop \
              took {enqueue_max:.1} µs of host time per operation to queue (slowest rank)",
