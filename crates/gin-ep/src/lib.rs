@@ -27,4 +27,6 @@ pub mod gpu;
 pub mod ht;
 pub mod ll;
 #[cfg(feature = "harness")]
+pub mod ll_traffic;
+#[cfg(feature = "harness")]
 pub mod workload;

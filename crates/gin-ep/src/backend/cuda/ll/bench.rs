@@ -14,6 +14,7 @@ use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions, DeviceBuffer, Eve
 use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
 use crate::error::{Error, Result};
 use crate::group::Group;
+use crate::ll_traffic::ll_traffic;
 use crate::workload::Workload;
 
 /// Times LL dispatch and combine on GPUs as one rank of `group`: eager calls (two launches
@@ -394,6 +395,16 @@ fn bench_on(
         phases[usize::from(c >= DISPATCH_PHASES)].push((name.to_string(), Stats::of(&d)));
     }
     let [phases_d, phases_c] = phases;
+    // The bytes every rank sent per operation, from every rank's routing (the same inputs
+    // the ranks uploaded) and the gin-ep nodes: consecutive blocks of this rank's node size.
+    // `topk_idx` is the routing `rank_input` gives each rank. A failure here is a fault of
+    // the count, not of the timed run: it is printed in place of the table.
+    let routing: Vec<Vec<i64>> = (0..cfg.ranks).map(|r| w.topk_idx(&cfg, r, opts.tokens)).collect();
+    let m = (ll.fabric.size as usize).max(1);
+    match ll_traffic(&cfg, ll.layout.record_bytes as u64, &routing, |r| (r / m * m, m)) {
+        Ok(t) => print!("{}", t.table()),
+        Err(e) => println!("LL traffic not counted: {e}"),
+    }
     let drb = cfg.dispatch_dtype.row_bytes(cfg.hidden);
     let crb = cfg.hidden * 2;
     let mut ops = vec![
