@@ -1,12 +1,8 @@
 // kernels/ll/combine_recv.cuh: LL combine, receive half: the reduce in top-k or rank-first order.
 // Part of the LL kernels (kernels/ll/ll.cu holds the entry points; ll/common.cuh the
 // arguments, the signal protocol and the helpers every phase shares).
-#pragma once
 
-#include "ll/common.cuh"
 
-namespace gin_ep {
-namespace ll {
 // ---------------------------------------------------------------------------------------
 // Combine recv: wait for every expert rank, then reduce in top-k order.
 
@@ -194,5 +190,3 @@ __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
   return true;
 }
 
-}  // namespace ll
-}  // namespace gin_ep

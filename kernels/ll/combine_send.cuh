@@ -1,12 +1,8 @@
 // kernels/ll/combine_send.cuh: LL combine, send half: expert rows (or rank-first partials) back to their sources.
 // Part of the LL kernels (kernels/ll/ll.cu holds the entry points; ll/common.cuh the
 // arguments, the signal protocol and the helpers every phase shares).
-#pragma once
 
-#include "ll/common.cuh"
 
-namespace gin_ep {
-namespace ll {
 // ---------------------------------------------------------------------------------------
 // Combine send: every valid expert row goes to its source rank's [src_token][src_k] slot.
 
@@ -318,7 +314,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   PartBatch cur;
   // Across nodes: the credit and weights waits, the pads, then the rows of sources in other
   // nodes first (their puts take longest), all out of line before the prefetch.
-  if (a.node_size < R) {
+  if (across(a)) {
     if (!combine_send_gin_start(a, n)) return false;
     if (__syncthreads_or(!combine_send_gin_rank_first(a, n, records, stride, warp, warps))) {
       mark_failed(a);
@@ -331,7 +327,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   }
   // Credit: every source rank has reduced the previous combine of this set (across nodes:
   // combine_send_gin_start, above).
-  if (a.node_size == R && !wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) return false;
+  if (!across(a) && !wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) return false;
   stamp(a, kStCombCredit);
   // This lane's channels c0.. of a partial row into source s's [t][me] slot (s and t come
   // from the map our dispatch wrote: always in range, checked anyway). Sources in this node
@@ -436,7 +432,7 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   warp0_exclusive_scan(pre, L, threadIdx.x);
   // Credit: every source rank has reduced the previous combine of this set (across nodes:
   // combine_send_gin_start).
-  if (a.node_size < R ? !combine_send_gin_start(a, n)
+  if (across(a) ? !combine_send_gin_start(a, n)
                       : !wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) {
     return false;
   }
@@ -448,7 +444,7 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   const size_t warp = (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const size_t warps = size_t(gridDim.x) * blockDim.x / 32;
   // Rows of sources in other nodes first (their puts take longest), out of line.
-  if (a.node_size < R) combine_send_gin_topk(a, pre, warp, warps);
+  if (across(a)) combine_send_gin_topk(a, pre, warp, warps);
   auto load = [&](size_t item) {
     const uint32_t g = item_div(item, units);
     const int u = int(item_mod(item, units));
@@ -487,5 +483,3 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   return true;
 }
 
-}  // namespace ll
-}  // namespace gin_ep

@@ -7,8 +7,6 @@
 // allocates, or decides where a buffer lies (crates/gin-ep/src/backend/cuda/ll/layout.rs
 // computes every offset and passes it in LlArgs; LlLayout there mirrors the record formula
 // here).
-#pragma once
-
 // Contract (docs/protocol.md "LL receive order" / "LL combine"; results bit-exact with
 // crates/gin-ep/src/oracle.rs ll_dispatch / ll_combine):
 // - Dispatch: token t of rank s goes ONCE to every rank r holding one of its experts, into
@@ -85,21 +83,10 @@
 // - The fused entry points (ll.cu) and the tuning values (grid, send warps: LlArgs::flags)
 //   change only how work is spread over warps; the bytes written are the same in all.
 
-#pragma once
+// Included twice by ll.cu, inside gin_ep::ll::lsa_only (kAcross false: every rank in this
+// rank's node, the GIN branches compiled out) and gin_ep::ll::across_nodes: no include guard,
+// no includes (ll.cu includes what these parts need first).
 
-#include <cuda_bf16.h>
-#include <cuda_fp8.h>
-
-#include "common/fabric.cuh"
-#include "common/nccl_compat.cuh"
-#include "common/quant.cuh"
-
-// LlArgs and every constant the host shares (after the headers that define the types it names).
-#include "abi/ll.h"
-#include "ll/gin.cuh"
-
-namespace gin_ep {
-namespace ll {
 
 static_assert(kCombWts < kSigKinds, "signal kinds");
 static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kStCombEntry < kStDispStored &&
@@ -114,6 +101,16 @@ constexpr int kBarSend = 1, kBarRecv = 2;
 // sides decide alike from K).
 __device__ __forceinline__ bool solo_rows(const LlArgs& a) { return a.topk <= 32; }
 
+// Whether `peer` is in this rank's gin-ep node (reached by stores); every other rank is
+// reached over GIN. Without kAcross (the lsa_only kernels, launched when the node is the
+// whole group) always true, so the GIN branches compile out of the one-node kernels.
+__device__ __forceinline__ bool in_node(const LlArgs& a, int peer) {
+  return !kAcross || unsigned(peer - a.node_first) < unsigned(a.node_size);
+}
+
+// Whether some rank lies outside this rank's node (CTA-uniform; false in the lsa_only kernels).
+__device__ __forceinline__ bool across(const LlArgs& a) { return kAcross && a.node_size < a.ranks; }
+
 // Address of `offset` in peer's window: the one place LL kernels address a peer. The base and
 // per-peer stride come from LlArgs, set by the host from NCCL's LSA team (what
 // ncclGetLsaPointer would return) or from gin-ep's IPC-mapped node windows laid out the same
@@ -123,7 +120,7 @@ __device__ __forceinline__ bool solo_rows(const LlArgs& a) { return a.topk <= 32
 // and fences invalidate (CCTL.IVALL): a dependent L2 round trip before many remote stores.
 // Only for peers in this rank's node (in_node); the others are reached by GIN (ll/gin.cuh).
 __device__ __forceinline__ char* win_ptr(const LlArgs& a, size_t offset, int peer) {
-  return nccl::utility::add4G(a.peer_base, (peer - a.node_first) * int(a.peer_stride4G)) + offset;
+  return nccl::utility::add4G(a.peer_base, (kAcross ? peer - a.node_first : peer) * int(a.peer_stride4G)) + offset;
 }
 
 // Warps per CTA that send records in the fused dispatch (the host's send warps, 1 to
@@ -386,7 +383,7 @@ __device__ __forceinline__ void put_flag(W* p, W v) {
 // hold what was pushed); the completed receive kernels' loads are performed, as for a store.
 __device__ void push_credits(const LlArgs& a) {
   if (blockIdx.x != 0) return;  // CTA-uniform
-  const bool gin = a.node_size < a.ranks;  // a GIN peer exists (CTA-uniform)
+  const bool gin = across(a);  // a GIN peer exists (CTA-uniform)
   bool failed = ld_volatile_u32(&a.state[kFailed]) != 0u;
   // With GIN peers the CTA meets below, so all of its threads must take the same path.
   if (gin) failed = __syncthreads_or(failed);
@@ -524,5 +521,3 @@ __device__ bool wait_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int s
 constexpr int kPartialVecs = 2;                      // vectors of 8 bf16 per lane and row
 constexpr int kPartialUnit = 32 * 8 * kPartialVecs;  // channels per warp item
 
-}  // namespace ll
-}  // namespace gin_ep

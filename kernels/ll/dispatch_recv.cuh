@@ -1,12 +1,8 @@
 // kernels/ll/dispatch_recv.cuh: LL dispatch, receive half: the row table and the expand of staged records.
 // Part of the LL kernels (kernels/ll/ll.cu holds the entry points; ll/common.cuh the
 // arguments, the signal protocol and the helpers every phase shares).
-#pragma once
 
-#include "ll/common.cuh"
 
-namespace gin_ep {
-namespace ll {
 // ---------------------------------------------------------------------------------------
 // Dispatch recv: wait for every source's counts, then expand staged records into the
 // expert-major output as their units' ready words arrive, fused (no second pass over memory).
@@ -270,7 +266,7 @@ __device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem,
   // Records of this dispatch (rows of comb_map); read by the next combine on this set, which
   // across nodes also needs each source's (its rows to that source, rank-first).
   if (blockIdx.x == 0 && tid == 0) a.state[kRecords] = start[R];
-  if (blockIdx.x == 0 && a.node_size < R) {
+  if (blockIdx.x == 0 && across(a)) {
     for (int s = tid; s < R; s += group.nthreads) a.state[kSourceRecords + s] = start[s + 1] - start[s];
   }
 
@@ -287,5 +283,3 @@ __device__ void dispatch_expand(const LlArgs& a, uint32_t n, uint32_t* table_sme
   if (expand_items(a, n, rt.first, rt.start, first_item, size_t(gridDim.x) * kWarps)) mark_failed(a);
 }
 
-}  // namespace ll
-}  // namespace gin_ep

@@ -1,13 +1,8 @@
 // kernels/ll/dispatch_send.cuh: LL dispatch, send half: layout, credits, counts and the records of every token.
 // Part of the LL kernels (kernels/ll/ll.cu holds the entry points; ll/common.cuh the
 // arguments, the signal protocol and the helpers every phase shares).
-#pragma once
 
-#include "ll/common.cuh"
-#include "ll/publisher.cuh"
 
-namespace gin_ep {
-namespace ll {
 // ---------------------------------------------------------------------------------------
 // Dispatch send: one unit of a token (load, encode, store)
 
@@ -271,5 +266,3 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   return true;
 }
 
-}  // namespace ll
-}  // namespace gin_ep

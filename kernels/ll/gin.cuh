@@ -15,12 +15,6 @@
 namespace gin_ep {
 namespace ll {
 
-// Whether `peer` is in this rank's gin-ep node (reached by stores); every other rank is
-// reached over GIN.
-__device__ __forceinline__ bool in_node(const LlArgs& a, int peer) {
-  return unsigned(peer - a.node_first) < unsigned(a.node_size);
-}
-
 // GIN signal [kind][src] of the set (kGin* in abi/ll.h).
 __device__ __forceinline__ uint32_t gin_sig(const LlArgs& a, int kind, int src) {
   return a.gin_sig_base + uint32_t(kind * a.ranks + src);

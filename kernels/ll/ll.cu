@@ -6,117 +6,65 @@
 // decides where a buffer lies (crates/gin-ep/src/backend/cuda/ll/layout.rs computes every offset
 // and passes it in LlArgs).
 
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "common/fabric.cuh"
+#include "common/nccl_compat.cuh"
+#include "common/quant.cuh"
+
+// LlArgs and every constant the host shares (after the headers that define the types it names).
+#include "abi/ll.h"
+#include "ll/gin.cuh"
+
+// The LL parts, twice: the one-node kernels (lsa_only) compile without the GIN branches,
+// which cost the store paths time even when not taken (measured on an H100, one rank, FP8,
+// rank-first: combine 21.3 against 19.7 us), and the across-nodes kernels keep them.
+// The host launches one variant or the other (backend/cuda/ll names::for_variant).
+namespace gin_ep {
+namespace ll {
+namespace lsa_only {
+constexpr bool kAcross = false;
 #include "ll/common.cuh"
+#include "ll/publisher.cuh"
 #include "ll/dispatch_send.cuh"
 #include "ll/dispatch_recv.cuh"
 #include "ll/combine_send.cuh"
 #include "ll/combine_recv.cuh"
+#include "ll/entries.cuh"
+}  // namespace lsa_only
+namespace across_nodes {
+constexpr bool kAcross = true;
+#include "ll/common.cuh"
+#include "ll/publisher.cuh"
+#include "ll/dispatch_send.cuh"
+#include "ll/dispatch_recv.cuh"
+#include "ll/combine_send.cuh"
+#include "ll/combine_recv.cuh"
+#include "ll/entries.cuh"
+}  // namespace across_nodes
+}  // namespace ll
+}  // namespace gin_ep
 
-// ---------------------------------------------------------------------------------------
-// Entry points. Split: send and receive halves (two launches per operation; the receive
-// hooks). Fused: one launch per operation, send then receive in every CTA; needs every CTA
-// of the grid resident at once on every rank (the host checks occupancy), since a CTA waits
-// for all CTAs of every peer.
-//
-// Dynamic shared memory (ll/layout.rs sizes it): dispatch-send: mask and base, (E + R) rows of
-// ceil(T / 32) u32 each; dispatch-recv: the L x R table; combine-send: L + 1 u32; fused:
-// the larger of its halves.
-
-// Every kernel that starts an operation pushes the set's deferred credits first (CTA 0),
-// before any wait; the kernel that ends an operation stores this CTA's new op count last.
-// Every entry point begins with kernel_enter (programmatic dependent launch).
-extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
-    gin_ep_ll_dispatch_send(const __grid_constant__ gin_ep::ll::LlArgs a) {
-  using namespace gin_ep::ll;
-  kernel_enter(a, kStDispEntry);
-  extern __shared__ uint32_t smem[];
-  push_credits(a);
-  dispatch_send_body(a, read_op(a, kOpDispatch), smem, kWarps, nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
-    gin_ep_ll_dispatch_recv(const __grid_constant__ gin_ep::ll::LlArgs a) {
-  using namespace gin_ep::ll;
-  kernel_enter(a);
-  extern __shared__ uint32_t smem[];
-  const uint32_t n = read_op(a, kOpDispatch);
-  const WarpGroup group = WarpGroup::cta();
-  if (dispatch_recv_table(a, n, smem, group)) dispatch_expand(a, n, smem, group.warp);
-  end_op(a, kOpDispatch, n);
-  stamp(a, kStDispExpanded);
-  stamp(a, kStDispEnd);
-}
-
-extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
-    gin_ep_ll_dispatch_fused(const __grid_constant__ gin_ep::ll::LlArgs a) {
-  using namespace gin_ep::ll;
-  kernel_enter(a, kStDispEntry);
-  extern __shared__ uint32_t smem[];
-  push_credits(a);
-  const uint32_t n = read_op(a, kOpDispatch);
-  // Warps [0, sw) send the records; the CTA's last warp publishes their ready words
-  // (publish_rounds) and then expands, like a send warp; the warps between build the receive
-  // table and expand what has landed meanwhile.
-  const int sw = fused_send_warps(a.flags);
-  const int wic = int(threadIdx.x / 32);
-  // The receive half's table lies after the send half's masks (ll/layout.rs dispatch_fused_smem);
-  // its state word and the publisher's progress words are cleared before the send half's
-  // first barrier.
-  uint32_t* table_smem = smem + size_t(2) * (a.experts + a.ranks) * ((a.max_tokens + 31) / 32);
-  __shared__ uint32_t progress[kWarps];
-  if (threadIdx.x == 0) *RecvTable::at(a, table_smem).word = kTableNotYet;
-  if (threadIdx.x < kWarps) progress[threadIdx.x] = 0;
-  const bool sent = dispatch_send_body(a, n, smem, sw, progress);
-  // The receive half: the warps beside the senders and the publisher; those join the expand
-  // once they have sent (published).
-  const int recv_warps = kWarps - sw - 1;
-  bool ok = sent;
-  size_t first_item = 0;  // of this warp's expand items (dispatch_expand)
-  if (ok && wic >= sw && wic < sw + recv_warps) {
-    const WarpGroup group = WarpGroup::range(sw, recv_warps, kBarRecv);
-    ok = dispatch_recv_table(a, n, table_smem, group);
-    first_item = group.warp;
-  } else if (ok) {
-    ok = wait_recv_table(a, table_smem);
-    first_item = wic >= sw ? size_t(gridDim.x) * recv_warps + blockIdx.x
-                           : size_t(gridDim.x) * (kWarps - sw) + WarpGroup::range(0, sw, kBarSend).warp;
+// One extern "C" kernel per entry and variant: gin_ep_ll_<entry> (one node) and
+// gin_ep_ll_gin_<entry> (across nodes).
+#define GIN_EP_LL_KERNEL(name, variant, entry)                                                 \
+  extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)                        \
+      name(const __grid_constant__ gin_ep::ll::LlArgs a) {                                     \
+    gin_ep::ll::variant::entry(a);                                                             \
   }
-  if (ok) dispatch_expand(a, n, table_smem, first_item);
-  end_op(a, kOpDispatch, n);
-  stamp(a, kStDispExpanded);  // every warp of both groups is done only here
-  stamp(a, kStDispEnd);
-}
-
-extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
-    gin_ep_ll_combine_send(const __grid_constant__ gin_ep::ll::LlArgs a) {
-  using namespace gin_ep::ll;
-  kernel_enter(a, kStCombEntry);
-  extern __shared__ uint32_t smem[];
-  push_credits(a);
-  combine_send_body(a, read_op(a, kOpCombine), smem);
-}
-
-extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
-    gin_ep_ll_combine_recv(const __grid_constant__ gin_ep::ll::LlArgs a) {
-  using namespace gin_ep::ll;
-  kernel_enter(a);
-  const uint32_t n = read_op(a, kOpCombine);
-  combine_recv_body(a, n);
-  end_op(a, kOpCombine, n);
-}
-
-extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
-    gin_ep_ll_combine_fused(const __grid_constant__ gin_ep::ll::LlArgs a) {
-  using namespace gin_ep::ll;
-  kernel_enter(a, kStCombEntry);
-  extern __shared__ uint32_t smem[];
-  push_credits(a);
-  const uint32_t n = read_op(a, kOpCombine);
-  const bool sent = combine_send_body(a, n, smem);
-  __syncthreads();
-  if (sent) combine_recv_body(a, n);
-  end_op(a, kOpCombine, n);
-}
+GIN_EP_LL_KERNEL(gin_ep_ll_dispatch_send, lsa_only, dispatch_send_entry)
+GIN_EP_LL_KERNEL(gin_ep_ll_gin_dispatch_send, across_nodes, dispatch_send_entry)
+GIN_EP_LL_KERNEL(gin_ep_ll_dispatch_recv, lsa_only, dispatch_recv_entry)
+GIN_EP_LL_KERNEL(gin_ep_ll_gin_dispatch_recv, across_nodes, dispatch_recv_entry)
+GIN_EP_LL_KERNEL(gin_ep_ll_dispatch_fused, lsa_only, dispatch_fused_entry)
+GIN_EP_LL_KERNEL(gin_ep_ll_gin_dispatch_fused, across_nodes, dispatch_fused_entry)
+GIN_EP_LL_KERNEL(gin_ep_ll_combine_send, lsa_only, combine_send_entry)
+GIN_EP_LL_KERNEL(gin_ep_ll_gin_combine_send, across_nodes, combine_send_entry)
+GIN_EP_LL_KERNEL(gin_ep_ll_combine_recv, lsa_only, combine_recv_entry)
+GIN_EP_LL_KERNEL(gin_ep_ll_gin_combine_recv, across_nodes, combine_recv_entry)
+GIN_EP_LL_KERNEL(gin_ep_ll_combine_fused, lsa_only, combine_fused_entry)
+GIN_EP_LL_KERNEL(gin_ep_ll_gin_combine_fused, across_nodes, combine_fused_entry)
 
 // The buffer's teardown, across nodes only: this rank's GIN signals of the set back to 0.
 // NCCL hands the same signal ids to the next device communicator without clearing them

@@ -1,12 +1,8 @@
 // kernels/ll/publisher.cuh: the publisher warp of the fused dispatch's send: send warps
 // record their progress in shared memory and the CTA's last warp fences once per batch of
 // rounds and stores their ready words.
-#pragma once
 
-#include "ll/common.cuh"
 
-namespace gin_ep {
-namespace ll {
 
 // A send warp's progress word once it stopped on a failed wait of its own.
 constexpr uint32_t kProgressFailed = 0xffffffffu;
@@ -84,5 +80,3 @@ __device__ bool publish_rounds(const LlArgs& a, const uint32_t* progress, const 
   return true;
 }
 
-}  // namespace ll
-}  // namespace gin_ep

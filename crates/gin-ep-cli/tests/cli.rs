@@ -617,7 +617,7 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
             &["check", "--gpus", "1", "--vnodes", "2"],
             &["--mode ht with --vnodes needs --node-size 2"],
         ),
-        // HT across gin-ep nodes; bench on virtual nodes (the LL check takes any node size).
+        // HT across gin-ep nodes; HT bench on virtual nodes (LL takes any node size).
         (
             &[
                 "check",
@@ -631,10 +631,6 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
                 "ht",
             ],
             &["--node-size 1", "Use --node-size 2", lsa],
-        ),
-        (
-            &["bench", "--gpus", "1", "--vnodes", "2", "--mode", "ll"],
-            &["--vnodes 2", "the check runs on them", ll_gin],
         ),
         (
             &["check", "--gpus", "2", "--node-size", "1"],

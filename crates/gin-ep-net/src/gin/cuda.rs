@@ -256,11 +256,16 @@ pub enum Side {
 
 #[allow(clippy::too_many_arguments)]
 /// Copies `size` bytes and waits for completion: `src`/`dst` are host pointers or device
-/// addresses as `Side` says. Host memory may be pageable.
+/// addresses as `Side` says. Host memory may be pageable (it is only read or written here).
 ///
-/// Device to device goes through this thread's pinned bounce buffer (device to host, then
-/// host to device, in pieces, queued back to back on the stream), so every copy runs on the
-/// copy engines. A device-to-device `cuMemcpyAsync` runs on the SMs as a kernel: measured on
+/// Every copy goes through this thread's pinned bounce buffer, in pieces. Host memory is
+/// never handed to the driver: a copy from or to pageable memory is synchronous, an unsafe
+/// call while another thread of the process captures a CUDA graph in global mode (a
+/// `torch.cuda.graph` capture of LL across 4 virtual nodes failed once with "operation
+/// failed due to a previous error during capture" while copies went through pageable
+/// memory). Device to device is device to host, then host to device, queued back to back on
+/// the stream, so every copy runs on the copy engines. A device-to-device `cuMemcpyAsync`
+/// runs on the SMs as a kernel: measured on
 /// an H100, with one grid holding every SM and another grid queued for SMs on a third stream,
 /// an 8-byte device-to-device copy on its own stream did not run until the first grid ended,
 /// while a host-to-device copy of the same word completed in 0.03 ms. A GIN peer's kernel
@@ -280,18 +285,33 @@ pub fn copy(
     }
     with_stream(ctx, |s, bounce| {
         // SAFETY: the callers bounds-checked both ranges against registrations or staging
-        // buffers that stay alive until this function returns (it waits for the copy); the
+        // buffers that stay alive until this function returns (it waits for every piece); the
         // bounce buffer holds BOUNCE_BYTES and each piece is at most that.
         unsafe {
             match (dst_side, src_side) {
-                (Side::Device, Side::Host) => check(
-                    sys::cuMemcpyHtoDAsync_v2(dst as u64, src as *const _, size, s),
-                    what,
-                )?,
-                (Side::Host, Side::Device) => check(
-                    sys::cuMemcpyDtoHAsync_v2(dst as *mut _, src as u64, size, s),
-                    what,
-                )?,
+                (Side::Device, Side::Host) => {
+                    for at in (0..size).step_by(BOUNCE_BYTES) {
+                        let n = BOUNCE_BYTES.min(size - at);
+                        std::ptr::copy_nonoverlapping((src + at) as *const u8, bounce, n);
+                        check(
+                            sys::cuMemcpyHtoDAsync_v2((dst + at) as u64, bounce as *const _, n, s),
+                            what,
+                        )?;
+                        // The next piece reuses the buffer.
+                        wait(s, deadline, what)?;
+                    }
+                }
+                (Side::Host, Side::Device) => {
+                    for at in (0..size).step_by(BOUNCE_BYTES) {
+                        let n = BOUNCE_BYTES.min(size - at);
+                        check(
+                            sys::cuMemcpyDtoHAsync_v2(bounce as *mut _, (src + at) as u64, n, s),
+                            what,
+                        )?;
+                        wait(s, deadline, what)?;
+                        std::ptr::copy_nonoverlapping(bounce as *const u8, (dst + at) as *mut u8, n);
+                    }
+                }
                 (Side::Device, Side::Device) => {
                     // Stream order keeps each piece's host-to-device leg ahead of the next
                     // piece's device-to-host leg into the same buffer.
@@ -306,13 +326,14 @@ pub fn copy(
                             what,
                         )?;
                     }
+                    wait(s, deadline, what)?;
                 }
                 (Side::Host, Side::Host) => {
                     std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, size)
                 }
             }
         }
-        wait(s, deadline, what)
+        Ok(())
     })
 }
 

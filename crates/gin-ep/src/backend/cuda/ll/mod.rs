@@ -56,6 +56,20 @@ pub mod names {
     pub const COMBINE_FUSED: &str = "gin_ep_ll_combine_fused";
     /// This rank's GIN signals of a set back to 0 (teardown across nodes).
     pub const RESET_GIN: &str = "gin_ep_ll_reset_gin";
+
+    /// The across-nodes variant of an entry point above (`gin_ep_ll_gin_*`, kernels/ll/ll.cu):
+    /// the same kernel with the GIN branches, which the one-node kernels leave out.
+    pub fn across_nodes(name: &'static str) -> &'static str {
+        match name {
+            DISPATCH_SEND => "gin_ep_ll_gin_dispatch_send",
+            DISPATCH_RECV => "gin_ep_ll_gin_dispatch_recv",
+            COMBINE_SEND => "gin_ep_ll_gin_combine_send",
+            COMBINE_RECV => "gin_ep_ll_gin_combine_recv",
+            DISPATCH_FUSED => "gin_ep_ll_gin_dispatch_fused",
+            COMBINE_FUSED => "gin_ep_ll_gin_combine_fused",
+            other => other,
+        }
+    }
 }
 
 /// Threads per CTA of every LL kernel (`kThreads`, abi/ll.h).
@@ -276,6 +290,8 @@ impl CudaLl {
             Some(g) => g,
         }
         .clamp(1, MAX_GRID);
+        // The kernels of this layout: the across-nodes variants only when GIN is in use.
+        let kernel = |name: &'static str| if gin { names::across_nodes(name) } else { name };
         for (name, smem) in [
             (names::DISPATCH_SEND, layout.dispatch_send_smem),
             (names::DISPATCH_RECV, layout.dispatch_recv_smem),
@@ -284,7 +300,7 @@ impl CudaLl {
             (names::COMBINE_FUSED, layout.combine_send_smem),
         ] {
             // Needed above 48 KiB. Every size is at most 2 * MAX_SMEM (LlLayout::new).
-            rank.set_max_smem(name, smem as u32)?;
+            rank.set_max_smem(kernel(name), smem as u32)?;
         }
         // The fused kernels (dispatch, combine): every CTA waits for all CTAs of every peer,
         // so the grid must be resident at once.
@@ -292,7 +308,7 @@ impl CudaLl {
             (names::DISPATCH_FUSED, layout.dispatch_fused_smem()),
             (names::COMBINE_FUSED, layout.combine_send_smem),
         ] {
-            let per_sm = rank.max_blocks_per_sm(name, THREADS, smem)?;
+            let per_sm = rank.max_blocks_per_sm(kernel(name), THREADS, smem)?;
             let resident = u64::from(per_sm.max(0) as u32) * u64::from(sms);
             if u64::from(grid) > resident {
                 return Err(Error::config(
@@ -625,6 +641,11 @@ impl CudaLl {
     }
 
     fn launch(&self, name: &'static str, smem: usize, set: usize) -> Result<()> {
+        let name = if self.across_nodes() {
+            names::across_nodes(name)
+        } else {
+            name
+        };
         let args = self.args(set)?;
         // SAFETY: LlArgs is the kernel parameter (generated from abi/ll.h; rustc and nvcc
         // assert its layout); every pointer in it belongs to self (window, set buffers) or the
