@@ -2,7 +2,6 @@
 // Part of the LL kernels (kernels/ll/ll.cu holds the entry points; ll/common.cuh the
 // arguments, the signal protocol and the helpers every phase shares).
 
-
 // ---------------------------------------------------------------------------------------
 // Combine recv: wait for every expert rank, then reduce in top-k order.
 
@@ -189,4 +188,3 @@ __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
   stamp(a, kStCombEnd);
   return true;
 }
-

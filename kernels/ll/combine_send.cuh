@@ -2,7 +2,6 @@
 // Part of the LL kernels (kernels/ll/ll.cu holds the entry points; ll/common.cuh the
 // arguments, the signal protocol and the helpers every phase shares).
 
-
 // ---------------------------------------------------------------------------------------
 // Combine send: every valid expert row goes to its source rank's [src_token][src_k] slot.
 
@@ -187,7 +186,8 @@ __device__ __noinline__ void combine_send_gin_topk(const LlArgs& a, const uint32
 #pragma unroll
     for (int i = 0; i < kCombineVecs; ++i) {
       const int ch = u * kCombineUnit + i * 256 + lane * 8;
-      if (ch < H) st_v4(reinterpret_cast<uint4*>(out + size_t(ch) * 2), ld_nc_v4(reinterpret_cast<const uint4*>(y + ch)));
+      if (ch < H)
+        st_v4(reinterpret_cast<uint4*>(out + size_t(ch) * 2), ld_nc_v4(reinterpret_cast<const uint4*>(y + ch)));
     }
     gin_row_part_done(a, a.gin_arrivals + cap + (size_t(s) * T + t) * K + k, units, s, to, from);
   }
@@ -198,8 +198,8 @@ __device__ __noinline__ void combine_send_gin_topk(const LlArgs& a, const uint32
 // rank's send area [s][t]; `solo` rows unweighted as there. After the kGinWts wait, so the
 // weights are in. Out of line, so those loops keep their registers. False when a weight
 // missed its deadline.
-__device__ __noinline__ bool combine_send_gin_rank_first(const LlArgs& a, uint32_t n, uint32_t records,
-                                                         uint32_t stride, size_t warp, size_t warps) {
+__device__ __noinline__ bool combine_send_gin_rank_first(const LlArgs& a, uint32_t n, uint32_t records, uint32_t stride,
+                                                         size_t warp, size_t warps) {
   const int R = a.ranks, me = a.rank, K = a.topk, H = a.hidden, T = a.max_tokens;
   const int lane = threadIdx.x & 31;
   const int units = (H + kPartialUnit - 1) / kPartialUnit;
@@ -432,8 +432,7 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   warp0_exclusive_scan(pre, L, threadIdx.x);
   // Credit: every source rank has reduced the previous combine of this set (across nodes:
   // combine_send_gin_start).
-  if (across(a) ? !combine_send_gin_start(a, n)
-                      : !wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) {
+  if (across(a) ? !combine_send_gin_start(a, n) : !wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) {
     return false;
   }
   stamp(a, kStCombCredit);
@@ -482,4 +481,3 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   signal_all_peers(a, kCombSig, kStCombSent, kStCombSignaled);
   return true;
 }
-

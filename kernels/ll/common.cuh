@@ -87,7 +87,6 @@
 // rank's node, the GIN branches compiled out) and gin_ep::ll::across_nodes: no include guard,
 // no includes (ll.cu includes what these parts need first).
 
-
 static_assert(kCombWts < kSigKinds, "signal kinds");
 static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kStCombEntry < kStDispStored &&
                   kStCombLastItem < kStampSlots,
@@ -304,8 +303,8 @@ __device__ __forceinline__ DeadlineBarrier waiter_for(const LlArgs& a, int peer)
 // peer p of this node (kind < 0: none), and GIN signal [gin_kind][p] >= gin_target for every
 // other peer (gin_kind < 0: none), with the deadline; false in every thread of the group when
 // one missed it.
-__device__ bool group_wait_all_peers(const LlArgs& a, const WarpGroup& group, int kind, uint64_t target,
-                                     uint32_t phase, int gin_kind = -1, uint64_t gin_target = 0) {
+__device__ bool group_wait_all_peers(const LlArgs& a, const WarpGroup& group, int kind, uint64_t target, uint32_t phase,
+                                     int gin_kind = -1, uint64_t gin_target = 0) {
   bool ok = true;
   // Relaxed polls, one acquire once the word has reached its target: an acquire load
   // invalidates the SM's L1 at every try, next to the warps of the same SM still sending.
@@ -383,7 +382,7 @@ __device__ __forceinline__ void put_flag(W* p, W v) {
 // hold what was pushed); the completed receive kernels' loads are performed, as for a store.
 __device__ void push_credits(const LlArgs& a) {
   if (blockIdx.x != 0) return;  // CTA-uniform
-  const bool gin = across(a);  // a GIN peer exists (CTA-uniform)
+  const bool gin = across(a);   // a GIN peer exists (CTA-uniform)
   bool failed = ld_volatile_u32(&a.state[kFailed]) != 0u;
   // With GIN peers the CTA meets below, so all of its threads must take the same path.
   if (gin) failed = __syncthreads_or(failed);
@@ -520,4 +519,3 @@ __device__ bool wait_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int s
 // Rank-first combine rows (combine send).
 constexpr int kPartialVecs = 2;                      // vectors of 8 bf16 per lane and row
 constexpr int kPartialUnit = 32 * 8 * kPartialVecs;  // channels per warp item
-

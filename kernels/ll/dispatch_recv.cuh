@@ -2,7 +2,6 @@
 // Part of the LL kernels (kernels/ll/ll.cu holds the entry points; ll/common.cuh the
 // arguments, the signal protocol and the helpers every phase shares).
 
-
 // ---------------------------------------------------------------------------------------
 // Dispatch recv: wait for every source's counts, then expand staged records into the
 // expert-major output as their units' ready words arrive, fused (no second pass over memory).
@@ -282,4 +281,3 @@ __device__ void dispatch_expand(const LlArgs& a, uint32_t n, uint32_t* table_sme
   const RecvTable rt = RecvTable::at(a, table_smem);
   if (expand_items(a, n, rt.first, rt.start, first_item, size_t(gridDim.x) * kWarps)) mark_failed(a);
 }
-

@@ -2,7 +2,6 @@
 // Part of the LL kernels (kernels/ll/ll.cu holds the entry points; ll/common.cuh the
 // arguments, the signal protocol and the helpers every phase shares).
 
-
 // ---------------------------------------------------------------------------------------
 // Dispatch send: one unit of a token (load, encode, store)
 
@@ -164,8 +163,9 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
         red_release_sys_add(sig_word(a, p, kDispCnt, me), 1);
       } else {
         const size_t bytes = size_t(L + 1) * 4;
-        gin_put_add(a, p, a.set_offset + a.meta_offset + size_t(me) * bytes, a.set_offset + a.out_meta_offset + size_t(p) * bytes,
-                    bytes, kGinDisp, uint64_t(T) + 1u - tr.total(E + p));
+        gin_put_add(a, p, a.set_offset + a.meta_offset + size_t(me) * bytes,
+                    a.set_offset + a.out_meta_offset + size_t(p) * bytes, bytes, kGinDisp,
+                    uint64_t(T) + 1u - tr.total(E + p));
       }
     }
   }
@@ -226,7 +226,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
     for (int i = 0; i < R; ++i) {
       const int dst = first_dst + i < R ? first_dst + i : first_dst + i - R;
       if (!tr.has(E + dst, t)) continue;  // warp-uniform
-      if (!in_node(a, dst)) {  // warp-uniform
+      if (!in_node(a, dst)) {             // warp-uniform
         const uint32_t slot = tr.rank_in(E + dst, t);
         char* rec = win_ptr(a, gin_record(dst, slot), me);
         put_unit(a, rec, c0, lane, o);
@@ -265,4 +265,3 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   stamp_if(a, kStDispSent, group.tid == 0);
   return true;
 }
-

@@ -54,7 +54,7 @@ __device__ __noinline__ void gin_put_row(const LlArgs& a, int peer, size_t dst_o
 // Inline (unlike the puts): reading a signal is one load on either backend, and a call here
 // would keep the send kernels' prefetched rows live across it (register spills).
 __device__ __forceinline__ bool gin_wait_peer(const LlArgs& a, int kind, int src, uint64_t least, uint32_t phase,
-                                           uint64_t timeout_ns) {
+                                              uint64_t timeout_ns) {
   ncclGin gin(a.comm, a.rank);
   return gin_wait_signal(gin, gin_sig(a, kind, src), least, a.err, timeout_ns, static_cast<FabricPhase>(phase), src,
                          a.rank);

@@ -48,10 +48,10 @@ constexpr bool kAcross = true;
 
 // One extern "C" kernel per entry and variant: gin_ep_ll_<entry> (one node) and
 // gin_ep_ll_gin_<entry> (across nodes).
-#define GIN_EP_LL_KERNEL(name, variant, entry)                                                 \
-  extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)                        \
-      name(const __grid_constant__ gin_ep::ll::LlArgs a) {                                     \
-    gin_ep::ll::variant::entry(a);                                                             \
+#define GIN_EP_LL_KERNEL(name, variant, entry)                          \
+  extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1) \
+      name(const __grid_constant__ gin_ep::ll::LlArgs a) {              \
+    gin_ep::ll::variant::entry(a);                                      \
   }
 GIN_EP_LL_KERNEL(gin_ep_ll_dispatch_send, lsa_only, dispatch_send_entry)
 GIN_EP_LL_KERNEL(gin_ep_ll_gin_dispatch_send, across_nodes, dispatch_send_entry)

@@ -2,8 +2,6 @@
 // record their progress in shared memory and the CTA's last warp fences once per batch of
 // rounds and stores their ready words.
 
-
-
 // A send warp's progress word once it stopped on a failed wait of its own.
 constexpr uint32_t kProgressFailed = 0xffffffffu;
 
@@ -79,4 +77,3 @@ __device__ bool publish_rounds(const LlArgs& a, const uint32_t* progress, const 
   }
   return true;
 }
-
