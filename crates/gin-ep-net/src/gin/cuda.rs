@@ -164,11 +164,31 @@ impl Drop for ThreadStream {
 
 thread_local! {
     static STREAM: RefCell<Option<ThreadStream>> = const { RefCell::new(None) };
+    static RELAXED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Runs `f` with this thread's non-blocking stream in `ctx`'s copy context and its bounce
 /// buffer of `BOUNCE_BYTES` (both created on first use).
+///
+/// The thread's stream-capture interaction mode is made relaxed first (once per thread): in
+/// the default mode, the driver counts some of these calls as unsafe while another thread of
+/// the process captures a CUDA graph in global mode (`torch.cuda.graph`'s default), and the
+/// user's capture fails ("operation failed due to a previous error during capture"; seen with
+/// LL across 4 virtual nodes, where peers' traffic reaches a rank while it captures). Nothing
+/// here touches a capturing stream: the copies run in the plugin's own context.
 fn with_stream<R>(ctx: Ctx, f: impl FnOnce(sys::CUstream, *mut u8) -> Result<R>) -> Result<R> {
+    RELAXED.with(|done| -> Result<()> {
+        if !done.get() {
+            let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+            // SAFETY: in/out pointer to a local; affects only the calling thread.
+            check(
+                unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) },
+                "cuThreadExchangeStreamCaptureMode",
+            )?;
+            done.set(true);
+        }
+        Ok(())
+    })?;
     ctx.make_copy_current()?;
     let (stream, bounce) = STREAM.with(|cell| -> Result<(sys::CUstream, *mut u8)> {
         let mut slot = cell.borrow_mut();
