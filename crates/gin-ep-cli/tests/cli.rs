@@ -175,6 +175,35 @@ fn gpus_flag_without_a_gpu_is_a_clear_failure() {
 }
 
 #[test]
+fn ll_bench_across_virtual_nodes_is_accepted() {
+    // Not refused as a usage error (exit 2): it fails later, for want of a GPU (or of the
+    // plugin beside the binary), or runs where there is one.
+    if gin_ep::backend::cuda::driver::probe().is_ok() {
+        return;
+    }
+    let o = gin_ep(&[
+        "bench",
+        "--gpus",
+        "1",
+        "--vnodes",
+        "2",
+        "--node-size",
+        "1",
+        "--mode",
+        "ll",
+        "--tokens",
+        "8",
+        "--hidden",
+        "128",
+        "--iters",
+        "1",
+    ]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(!err.contains("does not apply"), "{err}");
+}
+
+#[test]
 fn check_threads_passes() {
     let o = gin_ep(&["check", "--ranks", "1-3", "--cases", "3"]);
     let (out, err) = text(&o);

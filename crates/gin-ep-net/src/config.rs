@@ -54,6 +54,12 @@ fn var(name: &str) -> Option<String> {
 impl Config {
     /// Reads the environment.
     pub fn from_env() -> Result<Config, String> {
+        Self::from_lookup(&var)
+    }
+
+    /// The same from `get` (a variable's non-empty value, or None): tests pass their own.
+    fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
+        let var = |name: &str| get(name).filter(|v| !v.trim().is_empty());
         let gin_path = match var(ENV_GIN_PATH).as_deref().map(str::trim) {
             None | Some("auto") => GinPath::Auto,
             Some("tcp") => GinPath::Tcp,
@@ -210,6 +216,30 @@ pub fn host_id() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn config_of(vars: &[(&str, &str)]) -> Result<Config, String> {
+        let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        // An address of its own, so the default-address lookup (the host's interfaces) stays out.
+        Config::from_lookup(&|name| {
+            if name == ENV_IFADDR {
+                return Some("127.0.0.1".into());
+            }
+            vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+        })
+    }
+
+    #[test]
+    fn trace_is_off_by_default_on_with_1_and_a_bad_value_is_named() {
+        assert!(!config_of(&[]).unwrap().trace);
+        assert!(!config_of(&[(ENV_TRACE, "0")]).unwrap().trace);
+        assert!(!config_of(&[(ENV_TRACE, "  ")]).unwrap().trace);
+        assert!(config_of(&[(ENV_TRACE, "1")]).unwrap().trace);
+        let e = config_of(&[(ENV_TRACE, "yes")]).unwrap_err();
+        assert!(
+            e.contains(ENV_TRACE) && e.contains("\"yes\"") && e.contains("0 or 1"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn host_id_is_stable() {

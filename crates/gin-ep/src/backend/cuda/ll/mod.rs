@@ -801,4 +801,30 @@ mod tests {
     pub(super) fn peers() -> EpConfig {
         EpConfig::new(4, 256, 7168, 8, 128)
     }
+
+    #[test]
+    fn every_entry_point_has_its_across_nodes_kernel() {
+        const LL_CU: &str = include_str!("../../../../../../kernels/ll/ll.cu");
+        let entries = [
+            names::DISPATCH_SEND,
+            names::DISPATCH_RECV,
+            names::COMBINE_SEND,
+            names::COMBINE_RECV,
+            names::DISPATCH_FUSED,
+            names::COMBINE_FUSED,
+        ];
+        let mut seen = std::collections::HashSet::new();
+        for one in entries {
+            let across = names::across_nodes(one);
+            assert_eq!(across, one.replacen("gin_ep_ll_", "gin_ep_ll_gin_", 1), "{one}");
+            assert!(seen.insert(across), "{across} twice");
+            for (name, variant) in [(one, "lsa_only"), (across, "across_nodes")] {
+                assert!(
+                    LL_CU.contains(&format!("GIN_EP_LL_KERNEL({name}, {variant},")),
+                    "kernels/ll/ll.cu defines no {name} of variant {variant}"
+                );
+            }
+        }
+        assert_eq!(names::across_nodes(names::RESET_GIN), names::RESET_GIN);
+    }
 }
