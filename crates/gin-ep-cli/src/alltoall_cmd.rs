@@ -142,7 +142,7 @@ pub fn run(a: &AlltoallArgs) -> CliResult {
         }
     };
     gpus::check_count(gpus)?;
-    let world = gpus::set_topology(gpus, a.vnodes, a.node_size)?;
+    let world = gpus::set_topology(gpus, a.vnodes, a.node_size, None)?;
     opts.validate(world)?;
     match gpus::relaunch(gpus, a.timeout)? {
         None => Ok(()),

@@ -103,6 +103,13 @@ pub struct BenchArgs {
     /// With --gpus: M consecutive ranks form one gin-ep node [default: NCCL's LSA team].
     #[arg(long, value_name = "M", value_parser = parse_whole::<usize>)]
     pub node_size: Option<usize>,
+    /// With --gpus: N consecutive ranks form one NCCL node (one NCCL_HOSTID, the project's
+    /// plugin loaded), at most one rank per GPU: `--gpus 2 --nccl-node-size 1` makes each GPU's
+    /// process its own NCCL node without sharing a GPU; with --vnodes K the ranks then go round
+    /// the GPUs (rank r on GPU r mod G). [default: one NCCL node per process with --vnodes, else
+    /// the host's one node]
+    #[arg(long, value_name = "N", value_parser = parse_whole::<usize>)]
+    pub nccl_node_size: Option<usize>,
     /// SMs (CTAs) per dispatch/combine kernel on GPUs [default: 24 for ht; 0 for ll, which
     /// means every SM (LL kernels are latency-bound)].
     #[arg(long, value_name = "N", value_parser = parse_whole::<u32>)]
@@ -168,6 +175,7 @@ fn refuse_inapplicable(a: &BenchArgs) -> CliResult {
         Opt::new(sizing, a.ht_sizing.is_some(), Rule::ANY.gpus().modes(HT)),
         Opt::new("--sms", a.sms.is_some(), Rule::ANY.gpus()),
         Opt::new("--vnodes", a.vnodes.is_some(), Rule::ANY.gpus()),
+        Opt::new("--nccl-node-size", a.nccl_node_size.is_some(), Rule::ANY.gpus()),
         Opt::new("--node-size", a.node_size.is_some(), Rule::ANY.gpus()),
         Opt::new("--sweep", a.sweep, Rule::ANY.gpus().modes(HT)),
         Opt::new(
@@ -201,7 +209,7 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
     let mut world = None;
     if let Some(gpus) = a.gpus {
         gpus::check_count(gpus)?;
-        world = Some(gpus::set_topology(gpus, a.vnodes, a.node_size)?);
+        world = Some(gpus::set_topology(gpus, a.vnodes, a.node_size, a.nccl_node_size)?);
         // LL is benched across virtual nodes too (its timings then say they are
         // time-sliced); HT only on one GPU per rank.
         gpus::refuse_lsa_only(

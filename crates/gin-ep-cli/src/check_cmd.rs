@@ -162,6 +162,13 @@ pub struct CheckArgs {
     /// one another and reached by stores [default: NCCL's LSA team].
     #[arg(long, value_name = "M", value_parser = parse_whole::<usize>)]
     pub node_size: Option<usize>,
+    /// With --gpus: N consecutive ranks form one NCCL node (one NCCL_HOSTID, the project's
+    /// plugin loaded), at most one rank per GPU: `--gpus 2 --nccl-node-size 1` makes each GPU's
+    /// process its own NCCL node without sharing a GPU; with --vnodes K the ranks then go round
+    /// the GPUs (rank r on GPU r mod G). [default: one NCCL node per process with --vnodes, else
+    /// the host's one node]
+    #[arg(long, value_name = "N", value_parser = parse_whole::<usize>)]
+    pub nccl_node_size: Option<usize>,
     /// With --gpus --mode gin: rank RANK exits abruptly before iteration ITER; every other
     /// rank must then fail within the deadline naming it (the run fails either way).
     #[arg(long, value_name = "RANK:ITER")]
@@ -237,6 +244,7 @@ fn resolve(a: &CheckArgs) -> CliResult<Resolved> {
         Opt::new("--case", a.case.is_some(), Rule::ANY.host()),
         Opt::new("--iters", a.iters.is_some(), Rule::ANY.gpu_modes(GIN)),
         Opt::new("--vnodes", a.vnodes.is_some(), Rule::ANY.gpus()),
+        Opt::new("--nccl-node-size", a.nccl_node_size.is_some(), Rule::ANY.gpus()),
         Opt::new("--node-size", a.node_size.is_some(), Rule::ANY.gpus()),
         Opt::new("--kill", a.kill.is_some(), Rule::ANY.gpus().modes(GIN)),
         // The GPU LL check runs its own fixed cases; the never-hang check runs none.
@@ -440,7 +448,7 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
         Mode::Ll => BenchMode::Ll,
         Mode::Gin => return crate::check_gin::run(a, gpus),
     };
-    gpus::set_topology(gpus, a.vnodes, a.node_size)?;
+    gpus::set_topology(gpus, a.vnodes, a.node_size, a.nccl_node_size)?;
     gpus::refuse_lsa_only(
         crate::applies::mode_name(a_mode),
         gpus,

@@ -69,7 +69,7 @@ fn refused(e: gin_ep::Error) -> CliError {
 
 /// Runs the check on `gpus` GPUs (parent or rank, by GIN_EP_CHILD).
 pub fn run(a: &CheckArgs, gpus: usize) -> CliResult {
-    let world = gpus::set_topology(gpus, a.vnodes, a.node_size)?;
+    let world = gpus::set_topology(gpus, a.vnodes, a.node_size, a.nccl_node_size)?;
     let opts = options(a)?;
     opts.validate(world).map_err(refused)?;
     if std::env::var_os(ENV_CHILD).is_some() {

@@ -11,11 +11,17 @@ use std::time::Duration;
 /// The launch shape of this command (`--vnodes`, `--node-size`), set once before relaunching.
 static TOPOLOGY: OnceLock<Topology> = OnceLock::new();
 
-/// Records `--gpus G --vnodes K --node-size M` for [`relaunch`]; a bad shape is a usage error
-/// naming the value. Returns the number of ranks.
-pub fn set_topology(gpus: usize, vnodes: Option<usize>, node_size: Option<usize>) -> CliResult<usize> {
-    let t =
-        Topology::new(gpus, vnodes.unwrap_or(1), node_size).map_err(|e| CliError::Usage(e.to_string()))?;
+/// Records `--gpus G --vnodes K --node-size M --nccl-node-size N` for [`relaunch`]; a bad
+/// shape is a usage error naming the value. Returns the number of ranks.
+pub fn set_topology(
+    gpus: usize,
+    vnodes: Option<usize>,
+    node_size: Option<usize>,
+    nccl_node_size: Option<usize>,
+) -> CliResult<usize> {
+    let t = Topology::new(gpus, vnodes.unwrap_or(1), node_size)
+        .and_then(|t| t.with_nccl_nodes(nccl_node_size))
+        .map_err(|e| CliError::Usage(e.to_string()))?;
     let _ = TOPOLOGY.set(t);
     Ok(t.world())
 }
@@ -25,8 +31,9 @@ pub fn set_topology(gpus: usize, vnodes: Option<usize>, node_size: Option<usize>
 /// this host), or, for the checks (`node_launch`), a gin-ep node of every rank
 /// (`--vnodes K --node-size G*K`: several processes per GPU, windows mapped with CUDA IPC).
 /// LL reaches the ranks of other gin-ep nodes over GIN, so its checks take any node size
-/// with `--vnodes` (the virtual nodes load the project's plugin); without `--vnodes` the
-/// processes of one host share one NCCL node, where GIN has no network.
+/// when this host holds several NCCL nodes (`--vnodes K > 1` or `--nccl-node-size`: they load
+/// the project's plugin); otherwise the processes of one host share one NCCL node, where GIN
+/// has no network.
 pub fn refuse_lsa_only(
     mode: &str,
     gpus: usize,
@@ -35,22 +42,26 @@ pub fn refuse_lsa_only(
     node_launch: bool,
 ) -> CliResult {
     let why = if mode == "ll" {
-        "LL crosses gin-ep nodes over GIN, which needs virtual nodes here (--vnodes K > 1) to load \
-         the project's plugin"
+        "LL crosses gin-ep nodes over GIN, which needs several NCCL nodes here (--vnodes K > 1, or \
+         --nccl-node-size) to load the project's plugin"
     } else {
         "HT reaches peers by load/store only, so every rank must be in one gin-ep node"
     };
     let world = gpus * vnodes.unwrap_or(1);
-    if node_launch && vnodes.is_some_and(|k| k > 1) {
+    // Several NCCL nodes on this host (the project's plugin is loaded): set_topology ran first.
+    let nccl_nodes = TOPOLOGY.get().is_some_and(|t| t.needs_plugin());
+    if node_launch && (vnodes.is_some_and(|k| k > 1) || nccl_nodes) {
         return match node_size {
             _ if mode == "ll" => Ok(()),
             Some(m) if m == world => Ok(()),
             Some(m) => Err(CliError::Usage(format!(
-                "--node-size {m} does not apply to --mode {mode} with --vnodes: {why}. Use \
+                "--node-size {m} does not apply to --mode {mode} across NCCL nodes (--vnodes, \
+                 --nccl-node-size): {why}. Use \
                  --node-size {world} (one gin-ep node of all {world} ranks)"
             ))),
             None => Err(CliError::Usage(format!(
-                "--mode {mode} with --vnodes needs --node-size {world}: its ranks reach each other by \
+                "--mode {mode} across NCCL nodes (--vnodes, --nccl-node-size) needs --node-size {world}: \
+                 its ranks reach each other by \
                  stores into CUDA-IPC-mapped windows, so all {world} must be one gin-ep node"
             ))),
         };

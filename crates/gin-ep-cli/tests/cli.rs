@@ -175,13 +175,13 @@ fn gpus_flag_without_a_gpu_is_a_clear_failure() {
 }
 
 #[test]
-fn ll_bench_across_virtual_nodes_is_accepted() {
+fn ll_across_nccl_nodes_is_accepted() {
     // Not refused as a usage error (exit 2): it fails later, for want of a GPU (or of the
     // plugin beside the binary), or runs where there is one.
     if gin_ep::backend::cuda::driver::probe().is_ok() {
         return;
     }
-    let o = gin_ep(&[
+    let bench: &[&str] = &[
         "bench",
         "--gpus",
         "1",
@@ -197,10 +197,15 @@ fn ll_bench_across_virtual_nodes_is_accepted() {
         "128",
         "--iters",
         "1",
-    ]);
-    let (_, err) = text(&o);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(!err.contains("does not apply"), "{err}");
+    ];
+    // One process per GPU, each its own NCCL node (no GPU shared).
+    let check: &[&str] = &["check", "--gpus", "2", "--nccl-node-size", "1", "--mode", "ll"];
+    for args in [bench, check] {
+        let o = gin_ep(args);
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(!err.contains("does not apply"), "{args:?}: {err}");
+    }
 }
 
 #[test]
@@ -588,7 +593,7 @@ fn steep_zipf_routing_runs_in_time() {
 #[test]
 fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
     let lsa = "HT reaches peers by load/store only";
-    let ll_gin = "LL crosses gin-ep nodes over GIN, which needs virtual nodes";
+    let ll_gin = "LL crosses gin-ep nodes over GIN, which needs several NCCL nodes";
     let cases: &[(&[&str], &[&str])] = &[
         // GPU-only options without --gpus.
         (&["check", "--vnodes", "2"], &["--vnodes", "--gpus"]),
@@ -644,7 +649,7 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
         // HT and LL across virtual nodes, or with a node other than the LSA team.
         (
             &["check", "--gpus", "1", "--vnodes", "2"],
-            &["--mode ht with --vnodes needs --node-size 2"],
+            &["--mode ht across NCCL nodes (--vnodes, --nccl-node-size) needs --node-size 2"],
         ),
         // HT across gin-ep nodes; HT bench on virtual nodes (LL takes any node size).
         (
@@ -669,6 +674,38 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
         (
             &["bench", "--gpus", "2", "--mode", "ll", "--node-size", "1"],
             &["--node-size 1", "--mode ll", ll_gin],
+        ),
+        (
+            &["check", "--nccl-node-size", "1"],
+            &["--nccl-node-size", "--gpus"],
+        ),
+        (
+            &[
+                "check",
+                "--gpus",
+                "1",
+                "--vnodes",
+                "4",
+                "--nccl-node-size",
+                "3",
+                "--mode",
+                "ll",
+            ],
+            &["nccl-node-size", "3", "must divide the 4 ranks"],
+        ),
+        (
+            &[
+                "check",
+                "--gpus",
+                "1",
+                "--vnodes",
+                "2",
+                "--nccl-node-size",
+                "2",
+                "--mode",
+                "ll",
+            ],
+            &["nccl-node-size", "at most one rank per GPU"],
         ),
         // Bad shapes and bad --kill values, named.
         (

@@ -33,13 +33,17 @@ pub const MAX_VNODES: usize = 16;
 /// Most ranks of one launch (as `--gpus`).
 pub const MAX_WORLD: usize = 1024;
 
-/// The shape of a launch: GPUs, processes per GPU, ranks per gin-ep node.
+/// The shape of a launch: GPUs, processes per GPU, ranks per gin-ep node, ranks per NCCL
+/// node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Topology {
     pub gpus: usize,
     pub vnodes: usize,
     /// `None`: gin-ep's node is NCCL's LSA team.
     pub node_size: Option<usize>,
+    /// Consecutive ranks that form one NCCL node (one `NCCL_HOSTID`), on distinct GPUs.
+    /// `None`: one NCCL node per process when processes share GPUs, else the host's one node.
+    pub nccl_node_size: Option<usize>,
 }
 
 impl Topology {
@@ -76,7 +80,35 @@ impl Topology {
             gpus,
             vnodes,
             node_size,
+            nccl_node_size: None,
         })
+    }
+
+    /// The same shape with `n` consecutive ranks per NCCL node (`--nccl-node-size`): NCCL
+    /// refuses two ranks of one node on one GPU, so an NCCL node holds at most one rank per
+    /// GPU; with several processes per GPU the ranks then go round the GPUs (rank r on GPU
+    /// r mod G) instead of in runs.
+    pub fn with_nccl_nodes(mut self, n: Option<usize>) -> Result<Topology> {
+        if let Some(n) = n {
+            let world = self.world();
+            if n == 0 || !world.is_multiple_of(n) {
+                return Err(Error::input(
+                    "nccl-node-size",
+                    format!("{n}: must divide the {world} ranks into whole NCCL nodes of consecutive ranks"),
+                ));
+            }
+            if n > self.gpus {
+                return Err(Error::input(
+                    "nccl-node-size",
+                    format!(
+                        "{n}: an NCCL node holds at most one rank per GPU, and this launch has {} GPU(s)",
+                        self.gpus
+                    ),
+                ));
+            }
+        }
+        self.nccl_node_size = n;
+        Ok(self)
     }
 
     /// Number of ranks.
@@ -85,9 +117,24 @@ impl Topology {
     }
 
     /// The GPU of `rank`: ranks sharing a GPU are consecutive (NCCL's LSA team needs runs of
-    /// consecutive ranks per node).
+    /// consecutive ranks per node), unless NCCL nodes of several ranks span the GPUs
+    /// ([`Topology::with_nccl_nodes`]): then rank r is on GPU r mod G.
     pub fn gpu_of(&self, rank: usize) -> usize {
-        rank / self.vnodes
+        match self.nccl_node_size {
+            Some(n) if n > 1 && self.vnodes > 1 => rank % self.gpus,
+            _ => rank / self.vnodes,
+        }
+    }
+
+    /// The NCCL node of `rank` when this launch sets `NCCL_HOSTID` (several NCCL nodes on
+    /// this host), else None (the host's one node).
+    pub fn nccl_node_of(&self, rank: usize) -> Option<usize> {
+        match self.nccl_node_size {
+            Some(n) if n < self.world() => Some(rank / n),
+            Some(_) => None,
+            None if self.vnodes > 1 => Some(rank),
+            None => None,
+        }
     }
 
     /// Whether processes share GPUs (then every figure is time-sliced).
@@ -97,7 +144,7 @@ impl Topology {
 
     /// Whether ranks need the project's plugin: several NCCL nodes on this host.
     pub fn needs_plugin(&self) -> bool {
-        self.vnodes > 1
+        self.nccl_node_of(0).is_some()
     }
 
     /// The variables rank `rank` gets on top of the launcher's own (`plugin` is required
@@ -107,12 +154,12 @@ impl Topology {
         if let Some(m) = self.node_size {
             env.push((ENV_NODE_SIZE.to_string(), m.to_string()));
         }
-        if self.vnodes == 1 {
+        let Some(node) = self.nccl_node_of(rank) else {
             return env;
-        }
+        };
         env.push(("LOCAL_RANK".into(), self.gpu_of(rank).to_string()));
         env.push((ENV_VNODES.into(), self.vnodes.to_string()));
-        env.push(("NCCL_HOSTID".into(), format!("gin-ep-vnode{rank}")));
+        env.push(("NCCL_HOSTID".into(), format!("gin-ep-vnode{node}")));
         env.push(("NCCL_NVLS_ENABLE".into(), "0".into()));
         if let Some(p) = plugin {
             env.push(("NCCL_NET_PLUGIN".into(), p.display().to_string()));
@@ -278,6 +325,63 @@ mod tests {
             t.rank_env(3, None),
             vec![(ENV_NODE_SIZE.to_string(), "2".to_string())]
         );
+    }
+
+    #[test]
+    fn nccl_nodes_of_one_rank_per_gpu_and_of_two_gpus_each() {
+        let plugin = Path::new("/x/libnccl_net_ginep.so");
+        let env_of = |t: &Topology, r: usize| -> HashMap<String, String> {
+            t.rank_env(r, Some(plugin)).into_iter().collect()
+        };
+        // Two GPUs, one process each, each its own NCCL node: no sharing.
+        let t = Topology::new(2, 1, Some(1))
+            .unwrap()
+            .with_nccl_nodes(Some(1))
+            .unwrap();
+        assert!(t.needs_plugin() && !t.shares_gpus());
+        for r in 0..2 {
+            let e = env_of(&t, r);
+            assert_eq!(e["LOCAL_RANK"], r.to_string());
+            assert_eq!(e["NCCL_HOSTID"], format!("gin-ep-vnode{r}"));
+            assert_eq!(e[ENV_VNODES], "1");
+            assert_eq!(e["NCCL_NET_PLUGIN"], "/x/libnccl_net_ginep.so");
+        }
+        // Four processes on two GPUs as two NCCL nodes of two GPUs: rank r on GPU r % 2.
+        let t = Topology::new(2, 2, None)
+            .unwrap()
+            .with_nccl_nodes(Some(2))
+            .unwrap();
+        assert_eq!((0..4).map(|r| t.gpu_of(r)).collect::<Vec<_>>(), [0, 1, 0, 1]);
+        let ids: Vec<String> = (0..4).map(|r| env_of(&t, r)["NCCL_HOSTID"].clone()).collect();
+        assert_eq!(
+            ids,
+            ["gin-ep-vnode0", "gin-ep-vnode0", "gin-ep-vnode1", "gin-ep-vnode1"]
+        );
+        assert_eq!(env_of(&t, 3)["LOCAL_RANK"], "1");
+        // One NCCL node of every rank: the host's own, nothing set.
+        let t = Topology::new(2, 1, None)
+            .unwrap()
+            .with_nccl_nodes(Some(2))
+            .unwrap();
+        assert!(!t.needs_plugin() && t.rank_env(1, None).is_empty());
+        // Without the option nothing changes.
+        assert_eq!(
+            Topology::new(2, 2, None).unwrap().with_nccl_nodes(None).unwrap(),
+            Topology::new(2, 2, None).unwrap()
+        );
+        // Refused: a node that does not divide the ranks, or two of its ranks on one GPU.
+        let e = Topology::new(2, 2, None)
+            .unwrap()
+            .with_nccl_nodes(Some(3))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("nccl-node-size") && e.contains('3'), "{e}");
+        let e = Topology::new(1, 4, None)
+            .unwrap()
+            .with_nccl_nodes(Some(2))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("one rank per GPU") && e.contains("1 GPU"), "{e}");
     }
 
     #[test]
