@@ -66,6 +66,11 @@ pub fn refuse_lsa_only(
             ))),
         };
     }
+    if nccl_nodes && vnodes.is_none_or(|k| k <= 1) {
+        return Err(CliError::Usage(format!(
+            "--nccl-node-size does not apply to --mode {mode} here: {why}"
+        )));
+    }
     if let Some(k) = vnodes.filter(|&k| k > 1) {
         let hint = format!(
             " (the check runs on them: `gin-ep check --gpus {gpus} --vnodes {k} --node-size {world} --mode {mode}`)"

@@ -680,6 +680,10 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
             &["--nccl-node-size", "--gpus"],
         ),
         (
+            &["bench", "--gpus", "2", "--nccl-node-size", "1"],
+            &["--nccl-node-size does not apply to --mode ht", lsa],
+        ),
+        (
             &[
                 "check",
                 "--gpus",
