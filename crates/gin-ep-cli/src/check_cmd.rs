@@ -169,8 +169,9 @@ pub struct CheckArgs {
     /// the host's one node]
     #[arg(long, value_name = "N", value_parser = parse_whole::<usize>)]
     pub nccl_node_size: Option<usize>,
-    /// With --gpus --mode gin: rank RANK exits abruptly before iteration ITER; every other
-    /// rank must then fail within the deadline naming it (the run fails either way).
+    /// With --gpus --mode gin or ll: rank RANK exits abruptly before iteration ITER (ll: its
+    /// ITER-th LL dispatch + combine); every other rank must then fail within the deadline
+    /// naming it (the run fails either way).
     #[arg(long, value_name = "RANK:ITER")]
     pub kill: Option<String>,
 }
@@ -238,6 +239,7 @@ fn resolve(a: &CheckArgs) -> CliResult<Resolved> {
     const HT_GIN: &[Mode] = &[Mode::Ht, Mode::Gin];
     const HT_LL: &[Mode] = &[Mode::Ht, Mode::Ll];
     const GIN: &[Mode] = &[Mode::Gin];
+    const GIN_LL: &[Mode] = &[Mode::Gin, Mode::Ll];
     let opts = [
         Opt::new("--ranks", a.ranks.is_some(), Rule::ANY.host()),
         Opt::new("--launch", a.launch.is_some(), Rule::ANY.host()),
@@ -246,7 +248,7 @@ fn resolve(a: &CheckArgs) -> CliResult<Resolved> {
         Opt::new("--vnodes", a.vnodes.is_some(), Rule::ANY.gpus()),
         Opt::new("--nccl-node-size", a.nccl_node_size.is_some(), Rule::ANY.gpus()),
         Opt::new("--node-size", a.node_size.is_some(), Rule::ANY.gpus()),
-        Opt::new("--kill", a.kill.is_some(), Rule::ANY.gpus().modes(GIN)),
+        Opt::new("--kill", a.kill.is_some(), Rule::ANY.gpus().modes(GIN_LL)),
         // The GPU LL check runs its own fixed cases; the never-hang check runs none.
         Opt::new(
             "--cases",
@@ -459,6 +461,9 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
     if let Some(spec) = &a.stall {
         return run_stall(a, gpus, spec);
     }
+    if let Some(spec) = &a.kill {
+        return run_kill_ll(a, gpus, spec);
+    }
     if std::env::var_os(ENV_CHILD).is_none() {
         // LL runs its own fixed cases (decode-sized buffers); --cases and --seed shape HT's.
         let (mode_name, n_cases) = match mode {
@@ -538,6 +543,41 @@ fn relaunch_checked(
             f.stderr.trim_end()
         ))),
     }
+}
+
+/// `check --gpus N --mode ll --kill RANK:ITER` (see [`gin_ep::gpu::stall::kill_check_ll`]):
+/// the run always fails (a rank died); the message says whether every other rank failed in
+/// time naming the victim.
+fn run_kill_ll(a: &CheckArgs, gpus: usize, spec: &str) -> CliResult {
+    let world = gpus * a.vnodes.unwrap_or(1);
+    let (victim, it) = crate::check_gin::parse_kill(spec)?;
+    if victim >= world || world < 2 {
+        return Err(CliError::Usage(format!(
+            "invalid value: --kill `{spec}`: rank {victim} of {world} ranks (needs a rank in range \
+             and at least 2 ranks)"
+        )));
+    }
+    if std::env::var_os(ENV_CHILD).is_none() {
+        out!(
+            "check: CUDA backend, {gpus} GPUs ({world} ranks), LL kill check: rank {victim} exits \
+             before iteration {it}, deadline {:?}",
+            a.timeout
+        );
+        let exits = gpus::relaunch_all(gpus, a.timeout * 3 + Duration::from_secs(60))?;
+        return Err(CliError::Failed(crate::check_gin::kill_verdict(
+            "LL kill check",
+            &exits,
+            victim,
+            it,
+            a.timeout,
+        )));
+    }
+    let group = Group::from_env(a.timeout)?;
+    let me = group.rank();
+    let line = gin_ep::gpu::stall::kill_check_ll(&group, victim, it, a.timeout)
+        .map_err(|e| CliError::Failed(format!("rank {me}: {e}")))?;
+    out!("{line}");
+    Ok(())
 }
 
 /// `check --gpus N --stall RANK:OP` (see [`gin_ep::gpu::stall_check`]).

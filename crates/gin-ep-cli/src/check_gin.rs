@@ -97,7 +97,13 @@ pub fn run(a: &CheckArgs, gpus: usize) -> CliResult {
     let exits = gpus::relaunch_all(gpus, a.timeout.max(MIN_RUN_DEADLINE))?;
     let secs = t0.elapsed().as_secs_f64();
     match opts.kill {
-        Some((victim, it)) => Err(CliError::Failed(kill_verdict(&exits, victim, it, a.timeout))),
+        Some((victim, it)) => Err(CliError::Failed(kill_verdict(
+            "GIN conformance check",
+            &exits,
+            victim,
+            it,
+            a.timeout,
+        ))),
         None => match failure_report(&exits) {
             None => {
                 out!("{world} rank(s) passed, 0 failed ({secs:.1} s)");
@@ -246,7 +252,7 @@ fn names_rank(text: &str, r: usize) -> bool {
 /// With `--kill VICTIM:ITER`: the run always fails (a rank died); the message says whether
 /// the victim died as asked and whether every other rank failed within two deadlines of it,
 /// naming it (one deadline to notice, one to report, as the launcher allows).
-fn kill_verdict(exits: &[RankExit], victim: usize, it: u64, timeout: Duration) -> String {
+pub fn kill_verdict(what: &str, exits: &[RankExit], victim: usize, it: u64, timeout: Duration) -> String {
     let Some(v) = exits.iter().find(|e| e.rank == victim) else {
         return format!("--kill {victim}:{it}: rank {victim} was never started");
     };
@@ -285,7 +291,7 @@ fn kill_verdict(exits: &[RankExit], victim: usize, it: u64, timeout: Duration) -
         ),
     };
     format!(
-        "GIN conformance check failed with --kill {victim}:{it}: rank {victim} {} after {:.1} s \
+        "{what} failed with --kill {victim}:{it}: rank {victim} {} after {:.1} s \
          (status {KILL_EXIT} is the kill); {verdict}\n{}",
         how(v),
         v.elapsed.as_secs_f64(),
@@ -344,7 +350,7 @@ mod tests {
             )
         };
         let good = [named(0), named(1), victim.clone(), named(3)];
-        let v = kill_verdict(&good, 2, 50, t);
+        let v = kill_verdict("GIN conformance check", &good, 2, 50, t);
         assert!(v.contains("every other rank failed within"), "{v}");
         // A survivor that names someone else, one too late, one that passed: each is caught.
         for bad in [
@@ -352,14 +358,26 @@ mod tests {
             exit(3, 1, 50, "error: rank 3: rank 2 failed"),
             exit(3, 0, 30, ""),
         ] {
-            let v = kill_verdict(&[named(0), named(1), victim.clone(), bad], 2, 50, t);
+            let v = kill_verdict(
+                "GIN conformance check",
+                &[named(0), named(1), victim.clone(), bad],
+                2,
+                50,
+                t,
+            );
             assert!(
                 v.contains("NOT every other rank") && v.contains("rank(s) 3"),
                 "{v}"
             );
         }
         let survived = exit(2, 1, 5, "some other error");
-        let v = kill_verdict(&[named(0), named(1), survived, named(3)], 2, 50, t);
+        let v = kill_verdict(
+            "GIN conformance check",
+            &[named(0), named(1), survived, named(3)],
+            2,
+            50,
+            t,
+        );
         assert!(v.contains("did not exit as --kill asked"), "{v}");
     }
 

@@ -607,10 +607,26 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
         (&["check", "--mode", "gin"], &["--mode gin", "--gpus"]),
         (&["bench", "--mode", "gin"], &["--mode gin", "gin-ep check"]),
         (&["bench", "--gpus", "1", "--mode", "gin"], &["--mode gin"]),
-        // --kill only with --mode gin; --stall, --cases, --variants never with it.
+        // --kill only with --mode gin or ll; --stall, --cases, --variants never with it.
         (
             &["check", "--gpus", "1", "--vnodes", "2", "--kill", "1:5"],
             &["--kill", "--mode gin", "--mode ht"],
+        ),
+        (
+            &[
+                "check",
+                "--gpus",
+                "1",
+                "--vnodes",
+                "2",
+                "--node-size",
+                "1",
+                "--mode",
+                "ll",
+                "--kill",
+                "2:5",
+            ],
+            &["--kill", "rank 2 of 2 ranks"],
         ),
         (
             &[

@@ -176,6 +176,58 @@ fn stall_check_ll(
     verdict
 }
 
+/// The LL kill check (`check --mode ll --kill VICTIM:ITER`): every rank runs LL dispatch +
+/// combine (BF16, `topk`, sets alternating) for iterations 0..=`iter`; rank `victim` ends its
+/// process abruptly before iteration `iter` (`gincheck::exit_abruptly`). Every other rank
+/// must then fail, its error naming the victim (the launcher judges that from each rank's exit
+/// and stderr); Ok means this rank saw no failure, which the launcher reports as wrong.
+pub fn kill_check_ll(group: &Group, victim: usize, iter: u64, timeout: Duration) -> Result<String> {
+    let me = group.rank();
+    let r = group.world();
+    if victim >= r || r < 2 {
+        return Err(Error::input(
+            "kill",
+            format!("rank {victim} of {r} ranks: needs a rank in range and at least 2 ranks"),
+        ));
+    }
+    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?.into_shared();
+    let cfg = EpConfig::new(r, 32, 1024, 4, 64).with_dtype(DispatchDtype::Bf16);
+    let case = Case {
+        cfg: cfg.clone(),
+        workload: Workload {
+            routing: Routing::Uniform,
+            seed: 0x4B111,
+            mask_prob: 0.0,
+        },
+        tokens: vec![64; r],
+        iters: 1,
+    };
+    let inp = &case_inputs(&case, 0)[me];
+    let mut ll = CudaLl::new(&rank, &cfg, None)?;
+    let y = vec![bf16::ONE; LlLayout::out_rows(&cfg) * cfg.hidden];
+    for set in 0..2 {
+        ll.upload_input(set, &inp.x, &inp.topk_idx, &inp.topk_weights)?;
+        ll.upload_expert_output(set, &y)?;
+    }
+    rank.wait("LL kill check setup")?;
+    group.barrier("ll-kill/start")?;
+    let observed = (0..=iter).try_for_each(|it| {
+        if me == victim && it == iter {
+            crate::backend::cuda::gincheck::exit_abruptly(me, it);
+        }
+        let set = (it % 2) as usize;
+        ll.dispatch(set)?;
+        ll.combine(set)?;
+        rank.wait("LL kill check")
+    });
+    // A peer is gone either way: abort rather than finalize, and leave the buffers to the
+    // process's end (their release is collective).
+    rank.comm().mark_failed();
+    std::mem::forget(ll);
+    observed
+        .map(|()| format!("rank {me}: no failure although rank {victim} was killed before iteration {iter}"))
+}
+
 /// What one rank of a never-hang check observed: the stalled rank sleeps through the
 /// others' deadlines; every other rank must have failed in time, naming it.
 fn stall_verdict(

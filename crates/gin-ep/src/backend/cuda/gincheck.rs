@@ -33,6 +33,15 @@ const RESULT_BYTES: usize = std::mem::size_of::<abi::GinCheckResult>();
 /// Exit status of a rank killed by `--kill`.
 pub const KILL_EXIT: i32 = 86;
 
+/// `--kill RANK:ITER` on rank `me` before iteration `it`: ends the process at once with
+/// [`KILL_EXIT`], as a crash would, so the peers must notice on their own.
+pub fn exit_abruptly(me: usize, it: u64) -> ! {
+    eprintln!("rank {me}: --kill {me}:{it}: exiting abruptly now");
+    // SAFETY: _exit takes no pointers; no unwinding or atexit handler runs, so no teardown
+    // reaches the peers.
+    unsafe { libc::_exit(KILL_EXIT) }
+}
+
 /// What to check.
 #[derive(Clone, Debug)]
 pub struct GinCheckOptions {
@@ -338,10 +347,7 @@ fn run(
     let (mut operations, mut checked) = (0u64, 0u64);
     for it in 0..opts.iters {
         if opts.kill == Some((me, it)) {
-            eprintln!("rank {me}: --kill {me}:{it}: exiting abruptly now");
-            // SAFETY: ends the process at once without unwinding or atexit handlers, as a
-            // crash would: no teardown reaches the peers, which must notice on their own.
-            unsafe { libc::_exit(KILL_EXIT) };
+            exit_abruptly(me, it);
         }
         let args = GinCheckArgs {
             comm: dev_comm.raw(),
