@@ -248,7 +248,12 @@ fn resolve(a: &CheckArgs) -> CliResult<Resolved> {
         Opt::new("--vnodes", a.vnodes.is_some(), Rule::ANY.gpus()),
         Opt::new("--nccl-node-size", a.nccl_node_size.is_some(), Rule::ANY.gpus()),
         Opt::new("--node-size", a.node_size.is_some(), Rule::ANY.gpus()),
-        Opt::new("--kill", a.kill.is_some(), Rule::ANY.gpus().modes(GIN_LL)),
+        // One never-hang check per run: a stalled rank or a killed one.
+        Opt::new(
+            "--kill",
+            a.kill.is_some(),
+            Rule::ANY.gpus().modes(GIN_LL).not_with("--stall"),
+        ),
         // The GPU LL check runs its own fixed cases; the never-hang check runs none.
         Opt::new(
             "--cases",
@@ -450,7 +455,7 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
         Mode::Ll => BenchMode::Ll,
         Mode::Gin => return crate::check_gin::run(a, gpus),
     };
-    gpus::set_topology(gpus, a.vnodes, a.node_size, a.nccl_node_size)?;
+    let world = gpus::set_topology(gpus, a.vnodes, a.node_size, a.nccl_node_size)?;
     gpus::refuse_lsa_only(
         crate::applies::mode_name(a_mode),
         gpus,
@@ -459,10 +464,10 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
         true,
     )?;
     if let Some(spec) = &a.stall {
-        return run_stall(a, gpus, spec);
+        return run_stall(a, gpus, world, spec);
     }
     if let Some(spec) = &a.kill {
-        return run_kill_ll(a, gpus, spec);
+        return run_kill_ll(a, gpus, world, spec);
     }
     if std::env::var_os(ENV_CHILD).is_none() {
         // LL runs its own fixed cases (decode-sized buffers); --cases and --seed shape HT's.
@@ -548,15 +553,10 @@ fn relaunch_checked(
 /// `check --gpus N --mode ll --kill RANK:ITER` (see [`gin_ep::gpu::stall::kill_check_ll`]):
 /// the run always fails (a rank died); the message says whether every other rank failed in
 /// time naming the victim.
-fn run_kill_ll(a: &CheckArgs, gpus: usize, spec: &str) -> CliResult {
-    let world = gpus * a.vnodes.unwrap_or(1);
+fn run_kill_ll(a: &CheckArgs, gpus: usize, world: usize, spec: &str) -> CliResult {
     let (victim, it) = crate::check_gin::parse_kill(spec)?;
-    if victim >= world || world < 2 {
-        return Err(CliError::Usage(format!(
-            "invalid value: --kill `{spec}`: rank {victim} of {world} ranks (needs a rank in range \
-             and at least 2 ranks)"
-        )));
-    }
+    gin_ep::gpu::stall::check_kill(victim, world)
+        .map_err(|e| CliError::Usage(format!("invalid value: --kill `{spec}`: {e}")))?;
     if std::env::var_os(ENV_CHILD).is_none() {
         out!(
             "check: CUDA backend, {gpus} GPUs ({world} ranks), LL kill check: rank {victim} exits \
@@ -581,9 +581,8 @@ fn run_kill_ll(a: &CheckArgs, gpus: usize, spec: &str) -> CliResult {
 }
 
 /// `check --gpus N --stall RANK:OP` (see [`gin_ep::gpu::stall_check`]).
-fn run_stall(a: &CheckArgs, gpus: usize, spec: &str) -> CliResult {
+fn run_stall(a: &CheckArgs, gpus: usize, world: usize, spec: &str) -> CliResult {
     // With virtual nodes every GPU runs several ranks: any of them may be the stalled one.
-    let world = gpus * a.vnodes.unwrap_or(1);
     let (stall, op) =
         StallOp::parse(spec, world).map_err(|e| CliError::Usage(format!("invalid value: {e}")))?;
     let want = if op.is_ll() { Mode::Ll } else { Mode::Ht };

@@ -98,22 +98,12 @@ pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) 
     let me = group.rank();
     let r = group.world();
     let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?.into_shared();
-    let case = Case {
-        cfg: EpConfig::new(r, 32, 1024, 4, 64)
-            .with_dtype(DispatchDtype::Bf16)
-            .with_ll_combine_order(if op == StallOp::LlCombineRankFirst {
-                LlCombineOrder::RankFirst
-            } else {
-                LlCombineOrder::Topk
-            }),
-        workload: Workload {
-            routing: Routing::Uniform,
-            seed: 0x57A11,
-            mask_prob: 0.0,
-        },
-        tokens: vec![64; r],
-        iters: 1,
+    let order = if op == StallOp::LlCombineRankFirst {
+        LlCombineOrder::RankFirst
+    } else {
+        LlCombineOrder::Topk
     };
+    let case = small_case(r, order, 0x57A11);
     let cfg = &case.cfg;
     let ins = case_inputs(&case, 0);
     if op.is_ll() {
@@ -176,6 +166,35 @@ fn stall_check_ll(
     verdict
 }
 
+/// The one case of the never-hang and kill checks: `r` ranks of 64 tokens, 32 experts,
+/// hidden 1024, top-4, BF16, uniform routing.
+fn small_case(r: usize, order: LlCombineOrder, seed: u64) -> Case {
+    Case {
+        cfg: EpConfig::new(r, 32, 1024, 4, 64)
+            .with_dtype(DispatchDtype::Bf16)
+            .with_ll_combine_order(order),
+        workload: Workload {
+            routing: Routing::Uniform,
+            seed,
+            mask_prob: 0.0,
+        },
+        tokens: vec![64; r],
+        iters: 1,
+    }
+}
+
+/// Refuses a kill target [`kill_check_ll`] cannot test: a rank out of range, or a group of
+/// one (nobody would notice).
+pub fn check_kill(victim: usize, world: usize) -> Result<()> {
+    if victim >= world || world < 2 {
+        return Err(Error::input(
+            "kill",
+            format!("rank {victim} of {world} ranks: needs a rank in range and at least 2 ranks"),
+        ));
+    }
+    Ok(())
+}
+
 /// The LL kill check (`check --mode ll --kill VICTIM:ITER`): every rank runs LL dispatch +
 /// combine (BF16, `topk`, sets alternating) for iterations 0..=`iter`; rank `victim` ends its
 /// process abruptly before iteration `iter` (`gincheck::exit_abruptly`). Every other rank
@@ -184,24 +203,10 @@ fn stall_check_ll(
 pub fn kill_check_ll(group: &Group, victim: usize, iter: u64, timeout: Duration) -> Result<String> {
     let me = group.rank();
     let r = group.world();
-    if victim >= r || r < 2 {
-        return Err(Error::input(
-            "kill",
-            format!("rank {victim} of {r} ranks: needs a rank in range and at least 2 ranks"),
-        ));
-    }
+    check_kill(victim, r)?;
     let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?.into_shared();
-    let cfg = EpConfig::new(r, 32, 1024, 4, 64).with_dtype(DispatchDtype::Bf16);
-    let case = Case {
-        cfg: cfg.clone(),
-        workload: Workload {
-            routing: Routing::Uniform,
-            seed: 0x4B111,
-            mask_prob: 0.0,
-        },
-        tokens: vec![64; r],
-        iters: 1,
-    };
+    let case = small_case(r, LlCombineOrder::Topk, 0x4B111);
+    let cfg = case.cfg.clone();
     let inp = &case_inputs(&case, 0)[me];
     let mut ll = CudaLl::new(&rank, &cfg, None)?;
     let y = vec![bf16::ONE; LlLayout::out_rows(&cfg) * cfg.hidden];

@@ -57,9 +57,13 @@ pub mod names {
     /// This rank's GIN signals of a set back to 0 (teardown across nodes).
     pub const RESET_GIN: &str = "gin_ep_ll_reset_gin";
 
-    /// The across-nodes variant of an entry point above (`gin_ep_ll_gin_*`, kernels/ll/ll.cu):
-    /// the same kernel with the GIN branches, which the one-node kernels leave out.
-    pub fn across_nodes(name: &'static str) -> &'static str {
+    /// The kernel of entry point `name` for a layout with (`across_nodes`) or without GIN
+    /// peers: the across-nodes variant (`gin_ep_ll_gin_*`, kernels/ll/ll.cu) is the same kernel
+    /// with the GIN branches, which the one-node kernels leave out.
+    pub fn variant(name: &'static str, across_nodes: bool) -> &'static str {
+        if !across_nodes {
+            return name;
+        }
         match name {
             DISPATCH_SEND => "gin_ep_ll_gin_dispatch_send",
             DISPATCH_RECV => "gin_ep_ll_gin_dispatch_recv",
@@ -290,8 +294,7 @@ impl CudaLl {
             Some(g) => g,
         }
         .clamp(1, MAX_GRID);
-        // The kernels of this layout: the across-nodes variants only when GIN is in use.
-        let kernel = |name: &'static str| if gin { names::across_nodes(name) } else { name };
+        let kernel = |name| names::variant(name, gin);
         for (name, smem) in [
             (names::DISPATCH_SEND, layout.dispatch_send_smem),
             (names::DISPATCH_RECV, layout.dispatch_recv_smem),
@@ -641,11 +644,7 @@ impl CudaLl {
     }
 
     fn launch(&self, name: &'static str, smem: usize, set: usize) -> Result<()> {
-        let name = if self.across_nodes() {
-            names::across_nodes(name)
-        } else {
-            name
-        };
+        let name = names::variant(name, self.across_nodes());
         let args = self.args(set)?;
         // SAFETY: LlArgs is the kernel parameter (generated from abi/ll.h; rustc and nvcc
         // assert its layout); every pointer in it belongs to self (window, set buffers) or the
@@ -815,7 +814,8 @@ mod tests {
         ];
         let mut seen = std::collections::HashSet::new();
         for one in entries {
-            let across = names::across_nodes(one);
+            assert_eq!(names::variant(one, false), one);
+            let across = names::variant(one, true);
             assert_eq!(across, one.replacen("gin_ep_ll_", "gin_ep_ll_gin_", 1), "{one}");
             assert!(seen.insert(across), "{across} twice");
             for (name, variant) in [(one, "lsa_only"), (across, "across_nodes")] {
@@ -825,6 +825,6 @@ mod tests {
                 );
             }
         }
-        assert_eq!(names::across_nodes(names::RESET_GIN), names::RESET_GIN);
+        assert_eq!(names::variant(names::RESET_GIN, true), names::RESET_GIN);
     }
 }
