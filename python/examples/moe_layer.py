@@ -1,19 +1,25 @@
-"""A small MoE layer on gin_ep.Buffer, forward and backward: on GPUs (NCCL) when there are enough, else on CPU processes (gloo).
+"""A small MoE layer on gin_ep.Buffer: a training step (HT, forward and backward) and a decode
+step (LL, forward); on GPUs (NCCL) when there are enough, else on CPU processes (gloo).
 
     python python/examples/moe_layer.py [WORLD]    # 2 processes; NCCL + CUDA when WORLD GPUs exist
+    python python/examples/moe_layer.py 4 --steps decode       # the LL step only
     GIN_EP_EXAMPLE_CPU=1 python python/examples/moe_layer.py   # gloo, host backend
+    GIN_EP_VNODES=2 python python/examples/moe_layer.py 2 --steps decode
+        # 2 ranks sharing one GPU, each its own NCCL node: LL across nodes over GIN through
+        # gin-ep's NCCL plugin (run the GPU's MPS daemon; correctness only, time-sliced)
 
 Each rank holds `experts / world` experts (one weight matrix each) and a copy of the
-router. Forward: route (top-k of a softmax), dispatch tokens to the ranks of their
+router. Training forward: route (top-k of a softmax), dispatch tokens to the ranks of their
 experts, apply each local expert to its rows and weight them, combine the rows back.
 Autograd: the backward of dispatch is a combine of the gradients (with the weight
-gradients reduced alongside), the backward of combine is a cached dispatch. `check`
-compares output and gradients with a dense computation over every rank's tokens.
+gradients reduced alongside), the backward of combine is a cached dispatch. Decode: the
+same layer through LL dispatch (expert-major rows) and LL combine (which applies the
+weights). Both compare with a dense computation over every rank's tokens.
 """
 
+import argparse
 import os
 import tempfile
-import sys
 
 import torch
 import torch.distributed as dist
@@ -22,6 +28,8 @@ import torch.multiprocessing as mp
 from gin_ep import Buffer
 
 HIDDEN, EXPERTS_PER_RANK, TOPK, TOKENS = 128, 2, 2, 24
+# Decode batches are small: at most this many tokens per rank per LL call.
+DECODE_TOKENS = 16
 
 
 class _Dispatch(torch.autograd.Function):
@@ -108,9 +116,10 @@ def dense_reference(xs, gate, experts, grads):
     return outs, [x.grad for x in xs], gate.grad, experts.grad
 
 
-def inputs(world):
-    g = torch.Generator().manual_seed(42)
-    xs = [torch.randn(TOKENS + 3 * r, HIDDEN, generator=g).to(torch.bfloat16) for r in range(world)]
+def inputs(world, tokens=TOKENS, seed=42):
+    """Every rank's tokens (a different count per rank) and output gradients."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(tokens - 3 * r % tokens, HIDDEN, generator=g).to(torch.bfloat16) for r in range(world)]
     grads = [torch.randn(x.shape, generator=g) for x in xs]
     return xs, grads
 
@@ -148,34 +157,114 @@ def check(rank, world):
         print(f"moe_layer: {world} ranks on {DEVICE.type}, forward and backward match the dense reference")
 
 
+def decode_check(rank, world):
+    """The LL step (decode): forward only, compared with the dense reference."""
+    experts_total = EXPERTS_PER_RANK * world
+    bytes_ = Buffer.get_low_latency_rdma_size_hint(DECODE_TOKENS, HIDDEN, world, experts_total)
+    buffer = Buffer(dist.group.WORLD, num_rdma_bytes=bytes_, low_latency_mode=True,
+                    num_qps_per_rank=EXPERTS_PER_RANK, explicitly_destroy=True)
+    layer = MoE(buffer, rank, world)
+    xs, _ = inputs(world, DECODE_TOKENS, seed=7)
+    with torch.no_grad():
+        x = xs[rank].to(DEVICE)
+        scores = torch.softmax(x.float() @ layer.gate, dim=1)
+        topk_w, topk_idx = scores.topk(TOPK, dim=1)
+        # BF16 rows in, so the only rounding is the expert matmul's and combine's.
+        recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(
+            x, topk_idx, DECODE_TOKENS, experts_total, use_fp8=False)
+        rows = torch.zeros(recv_x.shape, dtype=torch.bfloat16, device=recv_x.device)
+        for e in range(EXPERTS_PER_RANK):
+            n = int(recv_count[e])
+            rows[e, :n] = (recv_x[e, :n].float() @ layer.experts[e]).to(torch.bfloat16)
+        out, _, _ = buffer.low_latency_combine(rows, topk_idx, topk_w.float(), handle)
+    g = torch.Generator().manual_seed(0)
+    full_gate = torch.randn(HIDDEN, experts_total, generator=g) / HIDDEN ** 0.5
+    full_experts = torch.randn(experts_total, HIDDEN, HIDDEN, generator=g) / HIDDEN ** 0.5
+    outs, _, _, _ = dense_reference([xs[rank]], full_gate, full_experts, [torch.zeros(xs[rank].shape)])
+    close("decode output", out.cpu(), outs[0])
+    buffer.destroy()
+    if rank == 0:
+        print(f"moe_layer: decode (LL) on {world} ranks on {DEVICE.type}{_nodes_text(world)}, "
+              "output matches the dense reference")
+
+
+def _vnodes():
+    """Ranks per GPU (`GIN_EP_VNODES`, default 1); above 1 every rank is its own NCCL node."""
+    raw = os.environ.get("GIN_EP_VNODES", "").strip() or "1"
+    if not raw.isdigit() or int(raw) < 1:
+        raise SystemExit(f"GIN_EP_VNODES={raw!r}: expected a whole number of ranks per GPU, at least 1")
+    return int(raw)
+
+
+def _nodes_text(world):
+    k = _vnodes()
+    return f" ({world} NCCL nodes, {k} ranks per GPU, over GIN)" if k > 1 and DEVICE.type == "cuda" else ""
+
+
+def _enter_vnode(rank):
+    """Before NCCL starts: this rank becomes its own NCCL node with gin-ep's plugin as its
+    network (the plugin's GIN carries the traffic between nodes)."""
+    import gin_ep
+    plugin = gin_ep.net_plugin_path()
+    if plugin is None:
+        raise SystemExit("GIN_EP_VNODES > 1 needs gin-ep's NCCL plugin, and this gin_ep build has none")
+    os.environ["NCCL_HOSTID"] = f"gin-ep-vnode{rank}"
+    os.environ["NCCL_NET_PLUGIN"] = plugin
+
+
 def _use_gpu(world):
     """GPUs (NCCL group, CUDA tensors) when there are enough; GIN_EP_EXAMPLE_CPU=1 forces CPU."""
     return os.environ.get("GIN_EP_EXAMPLE_CPU") != "1" and torch.cuda.is_available() \
-        and torch.cuda.device_count() >= world
+        and torch.cuda.device_count() * _vnodes() >= world
 
 
 DEVICE = torch.device("cpu")
 
 
-def _entry(rank, world, init):
+def _entry(rank, world, init, steps):
     global DEVICE
     torch.set_num_threads(1)
     if _use_gpu(world):
-        torch.cuda.set_device(rank)
-        DEVICE = torch.device("cuda", rank)
+        if _vnodes() > 1:
+            _enter_vnode(rank)
+        DEVICE = torch.device("cuda", rank // _vnodes())
+        torch.cuda.set_device(DEVICE)
         dist.init_process_group("nccl", init_method=init, rank=rank,
                                 world_size=world, device_id=DEVICE)
     else:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        check(rank, world)
+        if "train" in steps:
+            check(rank, world)
+        if "decode" in steps:
+            decode_check(rank, world)
     finally:
         dist.destroy_process_group()
 
 
+def _parse():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("world", nargs="?", type=int, default=int(os.environ.get("WORLD", "2")),
+                   help="processes (ranks); default $WORLD or 2")
+    p.add_argument("--steps", default="train,decode",
+                   help="comma-separated: train (HT forward and backward), decode (LL forward)")
+    a = p.parse_args()
+    steps = [s for s in a.steps.split(",") if s]
+    bad = [s for s in steps if s not in ("train", "decode")]
+    if bad or not steps:
+        p.error(f"--steps {a.steps!r}: expected train, decode or both")
+    if a.world < 1:
+        p.error(f"world {a.world}: expected at least 1 rank")
+    if _vnodes() > 1 and "train" in steps and _use_gpu(a.world):
+        # HT reaches only ranks of one gin-ep node; LL crosses nodes over GIN.
+        p.error("GIN_EP_VNODES > 1 puts every rank on its own node, and HT (the train step) does not cross "
+                "nodes yet: pass --steps decode")
+    return a.world, steps
+
+
 if __name__ == "__main__":
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    world = int(sys.argv[1]) if len(sys.argv) > 1 else int(os.environ.get("WORLD", "2"))
+    world, steps = _parse()
     # A file rendezvous needs no free port (a probed port can be taken before use).
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_entry, args=(world, "file://" + os.path.join(d, "rendezvous")), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, "file://" + os.path.join(d, "rendezvous"), steps), nprocs=world, join=True)

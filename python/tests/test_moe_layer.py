@@ -1,5 +1,6 @@
-"""Runs examples/moe_layer.py (forward and backward through dispatch/combine on 2
-processes, checked against a dense computation)."""
+"""Runs examples/moe_layer.py on the host backend: the training step (HT forward and
+backward) and the decode step (LL forward) on 2 and 3 processes, each checked against a
+dense computation."""
 
 import importlib.util
 import os
@@ -9,12 +10,24 @@ import _dist
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "moe_layer.py")
 
 
-def moe_worker(rank, world):
+def _example():
     spec = importlib.util.spec_from_file_location("moe_layer", EXAMPLE)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    mod.check(rank, world)
+    return mod
+
+
+def moe_worker(rank, world):
+    _example().check(rank, world)
+
+
+def decode_worker(rank, world):
+    _example().decode_check(rank, world)
 
 
 def test_moe_layer_2_ranks():
     _dist.run(2, moe_worker)
+
+
+def test_moe_layer_decode_3_ranks():
+    _dist.run(3, decode_worker)

@@ -211,13 +211,14 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
         gpus::check_count(gpus)?;
         world = Some(gpus::set_topology(gpus, a.vnodes, a.node_size, a.nccl_node_size)?);
         // LL is benched across virtual nodes too (its timings then say they are
-        // time-sliced); HT only on one GPU per rank.
+        // time-sliced); HT only on one GPU per rank, where its ranks may be NCCL nodes of
+        // their own (--nccl-node-size) joined into one gin-ep node (--node-size).
         gpus::refuse_lsa_only(
             crate::applies::mode_name(a.mode),
             gpus,
             a.vnodes,
             a.node_size,
-            a.mode == Mode::Ll,
+            a.mode == Mode::Ll || a.vnodes.is_none_or(|k| k <= 1),
         )?;
     }
     let ranks = world.or(a.ranks).unwrap_or(4);

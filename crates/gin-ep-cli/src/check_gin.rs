@@ -97,13 +97,12 @@ pub fn run(a: &CheckArgs, gpus: usize) -> CliResult {
     let exits = gpus::relaunch_all(gpus, a.timeout.max(MIN_RUN_DEADLINE))?;
     let secs = t0.elapsed().as_secs_f64();
     match opts.kill {
-        Some((victim, it)) => Err(CliError::Failed(kill_verdict(
-            "GIN conformance check",
-            &exits,
-            victim,
-            it,
-            a.timeout,
-        ))),
+        Some((victim, it)) => {
+            let v = kill_verdict("GIN conformance check", &exits, victim, it, a.timeout);
+            out!("{}", v.as_ref().unwrap_or_else(|e| e));
+            v.map(|_| ())
+                .map_err(|_| CliError::Failed("the GIN kill check failed (above)".into()))
+        }
         None => match failure_report(&exits) {
             None => {
                 out!("{world} rank(s) passed, 0 failed ({secs:.1} s)");
@@ -249,12 +248,21 @@ fn names_rank(text: &str, r: usize) -> bool {
     })
 }
 
-/// With `--kill VICTIM:ITER`: the run always fails (a rank died); the message says whether
-/// the victim died as asked and whether every other rank failed within two deadlines of it,
-/// naming it (one deadline to notice, one to report, as the launcher allows).
-pub fn kill_verdict(what: &str, exits: &[RankExit], victim: usize, it: u64, timeout: Duration) -> String {
+/// With `--kill VICTIM:ITER`: the check passes (`Ok`, its report) when the victim died as
+/// asked and every other rank failed within two deadlines of it, naming it (one deadline to
+/// notice, one to report, as the launcher allows); `Err` says which of these did not hold.
+/// Either report lists every survivor's last error line.
+pub fn kill_verdict(
+    what: &str,
+    exits: &[RankExit],
+    victim: usize,
+    it: u64,
+    timeout: Duration,
+) -> Result<String, String> {
     let Some(v) = exits.iter().find(|e| e.rank == victim) else {
-        return format!("--kill {victim}:{it}: rank {victim} was never started");
+        return Err(format!(
+            "{what} failed with --kill {victim}:{it}: rank {victim} was never started"
+        ));
     };
     let died = !v.killed && v.status.code() == Some(KILL_EXIT);
     let mut bad = Vec::new();
@@ -290,13 +298,20 @@ pub fn kill_verdict(what: &str, exits: &[RankExit], victim: usize, it: u64, time
             bad.join(", ")
         ),
     };
-    format!(
-        "{what} failed with --kill {victim}:{it}: rank {victim} {} after {:.1} s \
-         (status {KILL_EXIT} is the kill); {verdict}\n{}",
-        how(v),
-        v.elapsed.as_secs_f64(),
-        lines.join("\n")
-    )
+    let report = |outcome: &str| {
+        format!(
+            "{what} {outcome} with --kill {victim}:{it}: rank {victim} {} after {:.1} s \
+             (status {KILL_EXIT} is the kill); {verdict}\n{}",
+            how(v),
+            v.elapsed.as_secs_f64(),
+            lines.join("\n")
+        )
+    };
+    if died && bad.is_empty() {
+        Ok(report("passed"))
+    } else {
+        Err(report("failed"))
+    }
 }
 
 #[cfg(test)]
@@ -350,8 +365,11 @@ mod tests {
             )
         };
         let good = [named(0), named(1), victim.clone(), named(3)];
-        let v = kill_verdict("GIN conformance check", &good, 2, 50, t);
-        assert!(v.contains("every other rank failed within"), "{v}");
+        let v = kill_verdict("GIN conformance check", &good, 2, 50, t).unwrap();
+        assert!(
+            v.contains("passed with --kill 2:50") && v.contains("every other rank failed within"),
+            "{v}"
+        );
         // A survivor that names someone else, one too late, one that passed: each is caught.
         for bad in [
             exit(3, 1, 30, "error: rank 3: timeout waiting for rank 1"),
@@ -364,7 +382,8 @@ mod tests {
                 2,
                 50,
                 t,
-            );
+            )
+            .unwrap_err();
             assert!(
                 v.contains("NOT every other rank") && v.contains("rank(s) 3"),
                 "{v}"
@@ -377,7 +396,8 @@ mod tests {
             2,
             50,
             t,
-        );
+        )
+        .unwrap_err();
         assert!(v.contains("did not exit as --kill asked"), "{v}");
     }
 

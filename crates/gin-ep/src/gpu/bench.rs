@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::{combine_input_io, upload_dispatch_input};
 
+use crate::backend::cuda::fabric::FabricSource;
 use crate::backend::cuda::ht::{
     CombineExtras, CudaHt, DispatchEvents, DispatchSource, HtGpuOptions, HtVariant, Sizing,
 };
@@ -29,6 +30,8 @@ struct Samples {
     back_to_back: Vec<f64>,
     rows: f64,
     remote_rows: f64,
+    /// How the node's ranks were reached (NCCL's LSA team or gin-ep's grouping).
+    fabric: FabricSource,
 }
 
 /// Gathers one f64 vector per rank on every rank (through the store).
@@ -98,6 +101,7 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
         rank.comm().mark_failed();
     }
     let samples = out?;
+    let fabric = samples.fabric;
     let d_host = max_per_iter(&gather(group, "gpu-bench/dh", &samples.host[0])?);
     let c_host = max_per_iter(&gather(group, "gpu-bench/ch", &samples.host[1])?);
     let d_kern = max_per_iter(&gather(group, "gpu-bench/dk", &samples.kernel[0])?);
@@ -147,8 +151,9 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
     Ok(Some(BenchReport::new(
         format!("cuda-lsa ({})", rank.info().device_name),
         format!(
-            "GPU HT over NVLink (NCCL LSA), {} SMs per kernel, {}; total = host clock from the API call \
+            "GPU HT over {}, {} SMs per kernel, {}; total = host clock from the API call \
              to the end of the stream's work, kernel = CUDA events; slowest rank per iteration",
+            fabric.name(),
             num_sms,
             if opts.ht_exact {
                 "exact sizing, combine input staged from caller memory (as gin_ep.Buffer)"
@@ -205,6 +210,7 @@ fn bench_inner(group: &Group, rank: &CudaRank, opts: &BenchOptions, num_sms: u32
         back_to_back: Vec::new(),
         rows: nr as f64,
         remote_rows: (nr - local) as f64,
+        fabric: ht.fabric_source(),
     };
     for i in 0..opts.warmup + opts.iters {
         let t0 = Instant::now();

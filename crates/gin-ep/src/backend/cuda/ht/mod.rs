@@ -266,6 +266,11 @@ impl CudaHt {
         self.opts
     }
 
+    /// How this rank reaches the ranks of its node (NCCL's LSA team or gin-ep's grouping).
+    pub fn fabric_source(&self) -> super::fabric::FabricSource {
+        self.fabric.source
+    }
+
     pub fn layout(&self) -> &HtLayout {
         &self.lay
     }

@@ -425,7 +425,7 @@ fn bench_on(
             ll.fabric.size
         )
     } else {
-        "GPU LL over NVLink (NCCL LSA)".to_string()
+        format!("GPU LL over {}", ll.fabric.source.name())
     };
     let shared = if crate::group::vnodes::RankTopology::from_env()?.vnodes > 1 {
         format!(" [{}: ranks share a GPU]", crate::group::vnodes::TIME_SLICED)
