@@ -716,16 +716,36 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
             &["--nccl-node-size", "use them with --gpus N"],
         ),
         (
-            &["alltoall", "--gpus", "2", "--vnodes", "2", "--nccl-node-size", "3"],
+            &[
+                "alltoall",
+                "--gpus",
+                "2",
+                "--vnodes",
+                "2",
+                "--nccl-node-size",
+                "3",
+            ],
             &["nccl-node-size: 3", "must divide the 4 ranks"],
         ),
         // HT is benched across NCCL nodes only as one gin-ep node of every rank.
         (
             &["bench", "--gpus", "2", "--nccl-node-size", "1"],
-            &["--mode ht across NCCL nodes", "needs --node-size 2", "CUDA-IPC-mapped"],
+            &[
+                "--mode ht across NCCL nodes",
+                "needs --node-size 2",
+                "CUDA-IPC-mapped",
+            ],
         ),
         (
-            &["bench", "--gpus", "2", "--nccl-node-size", "1", "--node-size", "1"],
+            &[
+                "bench",
+                "--gpus",
+                "2",
+                "--nccl-node-size",
+                "1",
+                "--node-size",
+                "1",
+            ],
             &["--node-size 1 does not apply to --mode ht", "--node-size 2"],
         ),
         (

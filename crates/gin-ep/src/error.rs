@@ -20,12 +20,17 @@ pub enum Error {
     #[error("invalid input: {what}: {reason}")]
     InvalidInput { what: String, reason: String },
     /// A wait on a peer ran past its deadline: the peer is dead, stuck, or
-    /// running a different sequence of operations.
-    #[error("timeout after {waited:?} in phase `{phase}` waiting for rank {peer} (this is rank {rank}, operation #{seq})")]
+    /// running a different sequence of operations. `peer_node`: the peer's node when the
+    /// ranks span several (LL across nodes), so the message names the node too.
+    #[error(
+        "timeout after {waited:?} in phase `{phase}` waiting for rank {peer}{node} (this is rank {rank}, operation #{seq})",
+        node = peer_node.map(|n| format!(" of node {n}")).unwrap_or_default()
+    )]
     Timeout {
         phase: &'static str,
         rank: usize,
         peer: usize,
+        peer_node: Option<usize>,
         seq: u64,
         waited: Duration,
     },

@@ -322,6 +322,7 @@ impl SymmetricHeap {
                     phase,
                     rank: self.rank,
                     peer,
+                    peer_node: None,
                     seq,
                     waited: now - start,
                 });
@@ -729,6 +730,7 @@ mod tests {
                 peer,
                 seq,
                 waited,
+                ..
             } => {
                 assert_eq!((phase, rank, peer, seq), ("dispatch-recv", 1, 2, 7));
                 assert!(waited >= Duration::from_millis(140), "{waited:?}");

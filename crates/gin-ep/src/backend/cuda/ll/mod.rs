@@ -285,6 +285,9 @@ impl CudaLl {
         let lsa = probe.as_ref().map_or((0, 1), |p| p.lsa());
         let (_, _, node) = node_span(&topo, rank.info().rank, world, lsa);
         let gin = node < world;
+        if gin {
+            rank.set_node_size(node);
+        }
         let layout = LlLayout::with_gin(cfg, gin)?;
         // With virtual nodes each process keeps to its share of the SMs (RankTopology::sm_share).
         // With GIN through the project's plugin (no RDMA device) and a GPU per process, half

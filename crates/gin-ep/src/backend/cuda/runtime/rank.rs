@@ -100,6 +100,9 @@ pub struct CudaRank {
     pub(super) opts: CudaRankOptions,
     /// Launch counter for the deadline barriers (`epoch` of kernels/common/fabric.cuh).
     pub(super) epoch: Cell<u64>,
+    /// Ranks per node when an operation's ranks span several nodes (0: one node), so a
+    /// missed deadline names the late peer's node ([`CudaRank::set_node_size`]).
+    pub(super) node_size: Cell<usize>,
 }
 
 /// Process-wide count of communicators made, so each gets its own unique-id store key
@@ -243,8 +246,15 @@ impl CudaRank {
             ctx,
             info,
             opts,
+            node_size: Cell::new(0),
             epoch: Cell::new(0),
         })
+    }
+
+    /// Ranks per node once an operation spans several nodes of `m` consecutive ranks: its
+    /// missed deadlines then name the late peer's node as well as its rank.
+    pub fn set_node_size(&self, m: usize) {
+        self.node_size.set(m);
     }
 
     /// Device, NCCL and group facts.

@@ -329,6 +329,7 @@ impl CudaRank {
         }
         self.comm.mark_failed();
         // Leave the record claimed: later launches see it and stop waiting at once.
-        Err(fabric_error_to_error(&rec, self.epoch.get()))
+        let nodes = Some(self.node_size.get()).filter(|&m| m > 0);
+        Err(fabric_error_to_error(&rec, self.epoch.get(), nodes))
     }
 }
