@@ -57,8 +57,6 @@ class GpuPath:
                 recv = tuple(_pad_rows(t, worst) for t in recv) if fp8 else _pad_rows(recv, worst)
             return recv, None, None, None, None, EventOverlap(_gpu.optional_event(async_finish))
 
-        if topk_idx is None:
-            raise _unsupported("dispatch without topk_idx (routing by is_token_in_rank alone)")
         if num_tokens_per_expert is None:
             raise ValueError("dispatch: num_tokens_per_expert is required (from get_dispatch_layout); "
                              "it gives the number of experts")

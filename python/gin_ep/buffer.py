@@ -22,7 +22,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _bootstrap, _gpu, _native, _ops
+from . import _bootstrap, _by_rank, _gpu, _native, _ops
 from ._convert import check, check_cpu, from_bytes, to_bytes
 from ._gpu_path import GpuPath
 from ._util import BF16 as _BF16, Tensor as _Tensor, check_rows as _check_rows, refuse_keywords, \
@@ -185,6 +185,8 @@ class Buffer(GpuPath):
         self._ll_comb_bufs = {}
         self._ll_mask = [False] * self.group_size
         self._local_tensors = {}
+        # Dispatches routed by is_token_in_rank so far (the key of each one's count exchange).
+        self._by_rank_calls = 0
 
         # Whether the host backend can run here (one machine, one /dev/shm); the GPU path
         # leaves that to NCCL's LSA team (see _bootstrap.py).
@@ -517,6 +519,10 @@ class Buffer(GpuPath):
         then source token."""
         self._live()
         refuse_keywords("dispatch", deepep_only)
+        if handle is None and topk_idx is None:
+            return self._dispatch_by_rank(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                          topk_weights, expert_alignment, num_worst_tokens, config,
+                                          previous_event, async_finish)
         if self._on_gpu(x):
             return self._gpu_dispatch(x, handle, num_tokens_per_expert, is_token_in_rank, topk_idx, topk_weights,
                                       expert_alignment, num_worst_tokens, config, previous_event, async_finish)
@@ -536,8 +542,6 @@ class Buffer(GpuPath):
                 recv = tuple(_pad_rows(t, worst) for t in recv) if fp8 else _pad_rows(recv, worst)
             return recv, None, None, None, None, event
 
-        if topk_idx is None:
-            raise _unsupported("dispatch without topk_idx (routing by is_token_in_rank alone)")
         if num_tokens_per_expert is None:
             raise ValueError("dispatch: num_tokens_per_expert is required (from get_dispatch_layout); "
                              "it gives the number of experts")
@@ -578,6 +582,27 @@ class Buffer(GpuPath):
         st = HtState(ep, native, experts, k, max_tokens, hidden, fp8 is not None, num_worst_tokens)
         handle = (st, None, None, recv_src_idx, in_rank, None)
         return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event
+
+    def _dispatch_by_rank(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_weights,
+                          expert_alignment, num_worst_tokens, config, previous_event, async_finish):
+        """DeepEP's dispatch without `topk_idx`: each token goes once to every rank
+        `is_token_in_rank` names (see _by_rank.py); recv_topk_idx and recv_topk_weights are
+        None, and the per-expert counts are the sums of the senders' num_tokens_per_expert."""
+        x0 = x[0] if isinstance(x, tuple) else x
+        idx = _by_rank.routing_from_ranks(x0, is_token_in_rank, num_tokens_per_expert, topk_weights,
+                                          self.group_size)
+        if expert_alignment < 1:
+            raise ValueError(f"expert_alignment = {expert_alignment}: must be at least 1")
+        recv_x, _, _, _, handle, event = self.dispatch(
+            x, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+            num_tokens_per_expert=num_tokens_per_expert, topk_idx=idx, expert_alignment=expert_alignment,
+            num_worst_tokens=num_worst_tokens, config=config, previous_event=previous_event,
+            async_finish=async_finish)
+        self._by_rank_calls += 1
+        counts = [] if num_worst_tokens else _by_rank.recv_expert_counts(
+            self.runtime, f"by-rank/{self._by_rank_calls}", self.rank, self.group_size, num_tokens_per_expert,
+            expert_alignment)
+        return recv_x, None, None, counts, handle, event
 
     @_eager_only
     def combine(self, x: torch.Tensor, handle: Tuple,

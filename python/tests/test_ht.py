@@ -1,6 +1,7 @@
 """HT dispatch/combine of gin_ep.Buffer on 2 and 4 gloo processes, bit for bit
 against gin-ep's oracle: layout, BF16 and FP8 dispatch, cached dispatch, combine with
-weights and biases, num_worst_tokens, events."""
+weights and biases, num_worst_tokens, events; dispatch without topk_idx (routing by
+is_token_in_rank alone) on the host backend and, with 2 GPUs, on the GPU path."""
 
 import pytest
 import torch
@@ -130,3 +131,93 @@ def ht_worker(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_ht(world):
     _dist.run(world, ht_worker)
+
+
+def by_rank_inputs(world, seed):
+    """Every rank's (x, is_token_in_rank, num_tokens_per_expert), reproducible on every rank:
+    DeepEP's dispatch without topk_idx, routed by is_token_in_rank alone."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for r in range(world):
+        n = [5, 0, 9, 3][r % 4]
+        x = (torch.randn(n, HIDDEN, generator=g) * 4).to(torch.bfloat16)
+        in_rank = torch.rand(n, world, generator=g) < 0.6
+        npe = torch.randint(0, 7, (2 * world,), generator=g, dtype=torch.int32)
+        out.append((x, in_rank, npe))
+    return out
+
+
+def by_rank_worker(rank, world, dev="cpu"):
+    """On the host backend (CPU tensors) or the GPU path (CUDA tensors, same gloo group)."""
+    if dev == "cuda":
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+
+    def on(t):
+        return t.to(dev)
+
+    def cpu(t):
+        return tuple(i.cpu() for i in t) if isinstance(t, tuple) else t.cpu()
+
+    inputs = by_rank_inputs(world, 77 + world)
+    x, in_rank, npe = inputs[rank]
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=1 << 22, explicitly_destroy=True)
+    per_rank = in_rank.sum(0).to(torch.int32)
+    recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+        on(x), num_tokens_per_rank=on(per_rank), is_token_in_rank=on(in_rank), num_tokens_per_expert=on(npe),
+        expert_alignment=2)
+    # Rows by source rank, then source token: each token once per rank it names.
+    want_src = [(s, t) for s, (_, ir, _) in enumerate(inputs) for t in range(ir.shape[0]) if ir[t, rank]]
+    want = torch.stack([inputs[s][0][t] for s, t in want_src]) if want_src else torch.zeros(0, HIDDEN, dtype=torch.bfloat16)
+    same_bits("recv_x", cpu(recv_x), want)
+    assert recv_idx is None and recv_w is None
+    local = 2
+    assert counts == [-(-sum(int(i[2][rank * local + e]) for i in inputs) // 2) * 2 for e in range(local)], counts
+    assert cpu(handle[3]).tolist() == [t for _, t in want_src]
+
+    # Cached dispatch moves new rows the same way; combine sums each token's rows once per rank.
+    x2s = [(i[0].float() * -0.5 + 1).to(torch.bfloat16) for i in inputs]
+    recv2, *_ = buf.dispatch(on(x2s[rank]), handle=handle)
+    if want_src:
+        same_bits("cached recv_x", cpu(recv2), torch.stack([x2s[s][t] for s, t in want_src]))
+    combined, combined_w, _ = buf.combine(recv_x, handle)
+    assert combined_w is None
+    times = in_rank.sum(1, keepdim=True).float()
+    # A token sent nowhere combines to +0 (x * 0 would keep the sign of x).
+    want = torch.where(times > 0, x.float() * times, torch.zeros(())).to(torch.bfloat16)
+    same_bits("combined", cpu(combined), want)
+
+    # FP8 rows and their scales travel the same way.
+    fp8s = [quantize((i[0].float() + 1).to(torch.bfloat16)) for i in inputs]
+    rf, *_ = buf.dispatch(tuple(on(t) for t in fp8s[rank]), num_tokens_per_rank=on(per_rank),
+                          is_token_in_rank=on(in_rank), num_tokens_per_expert=on(npe))
+    if want_src:
+        rf = cpu(rf)
+        same_bits("recv fp8", rf[0], torch.stack([fp8s[s][0][t] for s, t in want_src]))
+        same_bits("recv scales", rf[1], torch.stack([fp8s[s][1][t] for s, t in want_src]))
+
+    # What routing by rank cannot take is refused by name, on every rank alike.
+    xd, ird, npd = on(x), on(in_rank), on(npe)
+    with pytest.raises(ValueError, match="is_token_in_rank"):
+        buf.dispatch(xd, num_tokens_per_expert=npd)
+    with pytest.raises(ValueError, match="topk_weights without topk_idx"):
+        buf.dispatch(xd, is_token_in_rank=ird, num_tokens_per_expert=npd, topk_weights=on(torch.ones(x.shape[0], 1)))
+    with pytest.raises(ValueError, match="split evenly"):
+        buf.dispatch(xd, is_token_in_rank=ird, num_tokens_per_expert=on(torch.zeros(2 * world + 1, dtype=torch.int32)))
+    with pytest.raises(ValueError, match="non-negative integer counts"):
+        buf.dispatch(xd, is_token_in_rank=ird, num_tokens_per_expert=npd - 10)
+    with pytest.raises(ValueError, match=r"is_token_in_rank: expected"):
+        buf.dispatch(xd, is_token_in_rank=ird.int(), num_tokens_per_expert=npd)
+    buf.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dispatch_by_rank(world):
+    _dist.run(world, by_rank_worker)
+
+
+def test_dispatch_by_rank_gpu():
+    """The same calls with CUDA tensors (GPU path), one GPU per rank."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _dist.run(2, by_rank_worker, "cuda")
