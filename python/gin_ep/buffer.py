@@ -22,7 +22,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _bootstrap, _by_rank, _gpu, _native, _ops
+from . import _bootstrap, _by_rank, _gpu, _native, _ops, _ue8m0
 from ._convert import check, check_cpu, from_bytes, to_bytes
 from ._gpu_path import GpuPath
 from ._util import BF16 as _BF16, Tensor as _Tensor, check_rows as _check_rows, refuse_keywords, \
@@ -684,15 +684,20 @@ class Buffer(GpuPath):
         `[L, R*T, H]` BF16, or with `use_fp8` (e4m3 `[L, R*T, H]`, f32 scales
         `[L, R*T, H/128]` column-major in the last two dimensions); only the first
         `recv_count[e]` rows of expert `e` are valid, ordered by source rank then source
-        token. `round_scale` rounds the scales up to powers of two."""
+        token. `round_scale` rounds the scales up to powers of two; `use_ue8m0` (with
+        `round_scale`) returns them packed as DeepEP does: int32 `[L, R*T, H/512]`, four
+        8-bit exponents per int32, column-major in the last two dimensions."""
         self._live()
         if deepep_only:
             refuse_keywords("low_latency_dispatch", deepep_only)
-        if use_ue8m0:
-            raise _unsupported("low_latency_dispatch(use_ue8m0=True) (packed UE8M0 int scales; "
-                               "round_scale=True gives power-of-two f32 scales)")
         if use_per_tensor_quantization or static_scale is not None:
             raise _unsupported("low_latency_dispatch per-tensor quantization (use_per_tensor_quantization, static_scale)")
+        if use_ue8m0:
+            _ue8m0.check(x.shape[-1], use_fp8, round_scale)
+            return _ue8m0.pack_dispatch(self.low_latency_dispatch(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                use_fp8=True, round_scale=True, async_finish=async_finish, return_recv_hook=return_recv_hook),
+                return_recv_hook)
         if torch.compiler.is_compiling():
             return _ops.traced_ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                            cumulative_local_expert_recv_stats, use_fp8, round_scale,

@@ -1,6 +1,7 @@
 """LL dispatch/combine of gin_ep.Buffer on 2 and 4 gloo processes, bit for bit
 against gin-ep's oracle: BF16, FP8 and power-of-two-scale FP8 dispatch, combine,
-the receive-hook path, zero-copy combine, `out=` and statistics."""
+the receive-hook path, zero-copy combine, `out=` and statistics; DeepEP's packed UE8M0
+scales (`use_ue8m0`) against the power-of-two f32 scales of the same dispatch."""
 
 import pytest
 import torch
@@ -83,7 +84,7 @@ def ll_worker(rank, world):
     assert stats.sum().item() == len(runs) * sum(
         int(((i[1] >= 0) & (i[1] // local == rank)).sum()) for i in inputs)
 
-    with pytest.raises(NotImplementedError, match="use_ue8m0"):
+    with pytest.raises(ValueError, match="multiple of 512"):
         buf.low_latency_dispatch(x, idx, T, experts, use_ue8m0=True, round_scale=True)
     with pytest.raises(ValueError, match=f"topk_idx: {x.shape[0] + 1} rows, x has {x.shape[0]}"):
         buf.low_latency_dispatch(x, torch.cat([idx, torch.full((1, TOPK), -1, dtype=idx.dtype)]), T, experts)
@@ -94,3 +95,48 @@ def ll_worker(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_ll(world):
     _dist.run(world, ll_worker)
+
+
+def unpack_ue8m0(packed):
+    """f32 `[L, M, 4*G]` scales from DeepEP's packed UE8M0 int32 `[L, M, G]`."""
+    e = torch.stack([(packed >> (8 * b)) & 0xFF for b in range(4)], -1).flatten(-2)
+    return (e << 23).to(torch.int32).view(torch.float32)
+
+
+def ue8m0_worker(rank, world, hook_path):
+    experts, hidden = 2 * world, 1024
+    local = experts // world
+    tokens = [5, 16, 0, 9][:world]
+    inputs = routing(world, tokens, hidden, TOPK, experts, seed=91 + world)
+    x, idx, _ = inputs[rank]
+    hint = Buffer.get_low_latency_rdma_size_hint(T, hidden, world, experts)
+    buf = Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=local)
+    (data, scales), count, *_ = buf.low_latency_dispatch(x, idx, T, experts, round_scale=True)
+    (pdata, packed), pcount, handle, _, hook = buf.low_latency_dispatch(
+        x, idx, T, experts, round_scale=True, use_ue8m0=True, return_recv_hook=hook_path)
+    if hook_path:
+        hook()
+    assert packed.dtype == torch.int32 and tuple(packed.shape) == (local, world * T, hidden // 512)
+    assert packed.stride(1) == 1, "column-major in the last two dimensions, as DeepEP's"
+    assert torch.equal(count, pcount)
+    unpacked = unpack_ue8m0(packed)
+    for e in range(local):
+        n = int(count[e])
+        same_bits(f"expert {e} data", pdata[e, :n], data[e, :n])
+        same_bits(f"expert {e} scales", unpacked[e, :n], scales[e, :n])
+    # Several exponents in play, so a byte in the wrong place of an int32 would show.
+    valid = torch.cat([scales[e, :int(count[e])].flatten() for e in range(local)])
+    assert valid.unique().numel() > 1, valid.unique()
+    with pytest.raises(ValueError, match="round_scale=True"):
+        buf.low_latency_dispatch(x, idx, T, experts, use_ue8m0=True)
+    with pytest.raises(ValueError, match="use_fp8=True"):
+        buf.low_latency_dispatch(x, idx, T, experts, use_fp8=False, round_scale=True, use_ue8m0=True)
+    # The combine takes the handle of a UE8M0 dispatch like any other.
+    y = torch.zeros(local, world * T, hidden, dtype=torch.bfloat16)
+    out, _, _ = buf.low_latency_combine(y, idx, torch.ones(idx.shape, dtype=torch.float32), handle)
+    assert out.shape == (tokens[rank], hidden)
+
+
+@pytest.mark.parametrize("hook_path", [False, True])
+def test_ll_ue8m0(hook_path):
+    _dist.run(2, ue8m0_worker, hook_path)
