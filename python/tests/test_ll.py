@@ -103,21 +103,28 @@ def unpack_ue8m0(packed):
     return (e << 23).to(torch.int32).view(torch.float32)
 
 
-def ue8m0_worker(rank, world, hook_path):
+def ue8m0_worker(rank, world, hook_path, dev="cpu"):
+    """On the host backend (CPU tensors) or the GPU path (CUDA tensors, same gloo group)."""
+    if dev == "cuda":
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
     experts, hidden = 2 * world, 1024
     local = experts // world
     tokens = [5, 16, 0, 9][:world]
     inputs = routing(world, tokens, hidden, TOPK, experts, seed=91 + world)
-    x, idx, _ = inputs[rank]
+    x, idx, _ = (t.to(dev) for t in inputs[rank])
     hint = Buffer.get_low_latency_rdma_size_hint(T, hidden, world, experts)
     buf = Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=local)
     (data, scales), count, *_ = buf.low_latency_dispatch(x, idx, T, experts, round_scale=True)
+    # The GPU path's outputs are views of its buffer set, reused two calls later: keep copies.
+    data, scales, count = data.cpu(), scales.cpu(), count.cpu()
     (pdata, packed), pcount, handle, _, hook = buf.low_latency_dispatch(
         x, idx, T, experts, round_scale=True, use_ue8m0=True, return_recv_hook=hook_path)
     if hook_path:
         hook()
     assert packed.dtype == torch.int32 and tuple(packed.shape) == (local, world * T, hidden // 512)
     assert packed.stride(1) == 1, "column-major in the last two dimensions, as DeepEP's"
+    pdata, packed, pcount = pdata.cpu(), packed.cpu(), pcount.cpu()
     assert torch.equal(count, pcount)
     unpacked = unpack_ue8m0(packed)
     for e in range(local):
@@ -132,11 +139,19 @@ def ue8m0_worker(rank, world, hook_path):
     with pytest.raises(ValueError, match="use_fp8=True"):
         buf.low_latency_dispatch(x, idx, T, experts, use_fp8=False, round_scale=True, use_ue8m0=True)
     # The combine takes the handle of a UE8M0 dispatch like any other.
-    y = torch.zeros(local, world * T, hidden, dtype=torch.bfloat16)
-    out, _, _ = buf.low_latency_combine(y, idx, torch.ones(idx.shape, dtype=torch.float32), handle)
+    y = torch.zeros(local, world * T, hidden, dtype=torch.bfloat16, device=dev)
+    out, _, _ = buf.low_latency_combine(y, idx, torch.ones(idx.shape, dtype=torch.float32, device=dev), handle)
     assert out.shape == (tokens[rank], hidden)
 
 
 @pytest.mark.parametrize("hook_path", [False, True])
 def test_ll_ue8m0(hook_path):
     _dist.run(2, ue8m0_worker, hook_path)
+
+
+@pytest.mark.parametrize("hook_path", [False, True])
+def test_ll_ue8m0_gpu(hook_path):
+    """The same calls with CUDA tensors (GPU path), one GPU per rank."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _dist.run(2, ue8m0_worker, hook_path, "cuda")
