@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from . import _gpu, _native
+from . import _gpu, _native, _scales
 from ._util import BF16 as _BF16, Tensor as _Tensor, check_rows as _check_rows, copy_into as _copy_into, \
     bias_pair as _bias_pair, pad_rows as _pad_rows, pad_worst as _pad_worst, \
     round_up as _round_up, unsupported as _unsupported, HtState, LlState, state_of
@@ -26,13 +26,13 @@ class GpuPath:
             previous_event.current_stream_wait()
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         fp8 = x_scales is not None
+        form = None
         if fp8:
             _gpu.check_cuda("x[0]", x, torch.float8_e4m3fn, dim=2)
-            _gpu.check_cuda("x[1]", x_scales, None, dim=2)
+            _gpu.check_cuda("x[1]", x_scales)
             n, hidden = x.shape
-            if x_scales.dtype != torch.float32 or tuple(x_scales.shape) != (n, hidden // _native.FP8_BLOCK):
-                raise _unsupported(f"GPU dispatch with FP8 scales {tuple(x_scales.shape)} {x_scales.dtype} "
-                                   f"(only float32 [N, hidden/128])")
+            # The kernels move f32 [N, hidden/128]; other forms are converted around them.
+            x_scales, form = _scales.to_kernel("x[1]", x_scales, n, hidden)
             xin = x.view(torch.uint8)
         else:
             _gpu.check_cuda("x", x, torch.bfloat16, dim=2)
@@ -52,6 +52,8 @@ class GpuPath:
                 recv = g.ht_lent_x(st.ep, lease, st.num_recv, hidden, fp8, torch.float32)
             else:
                 recv = g.ht_recv_x(st.ep, st.num_recv, hidden, fp8, torch.float32, s)
+            if fp8:
+                recv = (recv[0], _scales.from_kernel(recv[1], form))
             worst = max(num_worst_tokens, st.num_worst_tokens)
             if worst:
                 recv = tuple(_pad_rows(t, worst) for t in recv) if fp8 else _pad_rows(recv, worst)
@@ -100,6 +102,8 @@ class GpuPath:
             recv_topk_weights = g.ht_out(h, "recv_w", (nr, k), torch.float32, s) \
                 if topk_weights is not None else None
             recv_src_idx = g.ht_out(h, "recv_src", (nr,), torch.int32, s)
+        if fp8:
+            recv_x = (recv_x[0], _scales.from_kernel(recv_x[1], form))
         # The handle holds the caller's is_token_in_rank, as DeepEP's does (gin-ep itself
         # never reads it back); only without one is it derived from the send slots, which
         # costs a kernel on the stream and a view on the host.

@@ -22,7 +22,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _bootstrap, _by_rank, _gpu, _native, _ops, _ue8m0
+from . import _bootstrap, _by_rank, _gpu, _native, _ops, _scales, _ue8m0
 from ._convert import check, check_cpu, from_bytes, to_bytes
 from ._gpu_path import GpuPath
 from ._util import BF16 as _BF16, Tensor as _Tensor, check_rows as _check_rows, refuse_keywords, \
@@ -477,28 +477,26 @@ class Buffer(GpuPath):
             check("x", x, torch.bfloat16, dim=2)
             return to_bytes(x), x.shape[1], None
         check("x[0]", x, torch.float8_e4m3fn, dim=2)
-        check("x[1]", x_scales, None, dim=2)
+        check_cpu("x[1]", x_scales)
         n, h = x.shape
-        if x_scales.shape[0] != n or x_scales.element_size() != 4:
-            raise ValueError(f"x[1] (scales): expected [{n}, S] with 4-byte elements, got "
-                             f"{tuple(x_scales.shape)} {x_scales.dtype}")
-        s = x_scales.shape[1]
+        form = _scales.form_of("x[1]", x_scales, n)
+        s = form.cols
         row = h + 4 * s
         wire_row = _round_up(row, 16)
         packed = torch.zeros((n, wire_row), dtype=torch.uint8)
         packed[:, :h] = x.contiguous().view(torch.uint8)
-        packed[:, h:row] = x_scales.contiguous().view(torch.uint8).view(n, 4 * s)
-        return to_bytes(packed), wire_row // 2, (h, s, x_scales.dtype)
+        packed[:, h:row] = _scales.as_rows(x_scales, form).view(torch.uint8).view(n, 4 * s)
+        return to_bytes(packed), wire_row // 2, (h, form)
 
     @staticmethod
     def _ht_unwire(b: bytes, nr: int, wire_hidden: int, fp8):
         if fp8 is None:
             return from_bytes(b, torch.bfloat16, (nr, wire_hidden))
-        h, s, sdtype = fp8
+        h, form = fp8
         packed = from_bytes(b, torch.uint8, (nr, wire_hidden * 2))
         x = packed[:, :h].contiguous().view(torch.float8_e4m3fn)
-        scales = packed[:, h:h + 4 * s].contiguous().view(sdtype)
-        return x, scales
+        scales = packed[:, h:h + 4 * form.cols].contiguous().view(form.dtype)
+        return x, _scales.from_rows(scales, form)
 
     @_eager_only
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],

@@ -221,3 +221,50 @@ def test_dispatch_by_rank_gpu():
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     _dist.run(2, by_rank_worker, "cuda")
+
+
+def scale_forms_worker(rank, world, dev="cpu"):
+    """FP8 dispatch with the scale forms DeepEP callers pass: per-token `[N]`, int32 packed
+    UE8M0 `[N, H/512]` column-major, f32 `[N, H/128]` column-major; each arrives in the
+    caller's dtype and shape, contiguous, row for row."""
+    if dev == "cuda":
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+    inputs = by_rank_inputs(world, 31 + world)
+    x, in_rank, npe = inputs[rank]
+    want_src = [(s, t) for s, (_, ir, _) in enumerate(inputs) for t in range(ir.shape[0]) if ir[t, rank]]
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=1 << 22, explicitly_destroy=True)
+
+    def forms(r):
+        """Rank r's FP8 data and its scales in each form (the same on every rank)."""
+        data, f32 = quantize(inputs[r][0])
+        n = data.shape[0]
+        g = torch.Generator().manual_seed(1000 + r)
+        packed = torch.randint(-2**31, 2**31 - 1, (n, -(-HIDDEN // 512)), generator=g, dtype=torch.int32)
+        return data, {"per-token": f32[:, 0].contiguous(),
+                      "ue8m0 int32 column-major": packed.t().contiguous().t(),
+                      "f32 column-major": f32.t().contiguous().t()}
+
+    mine_data, mine = forms(rank)
+    all_forms = [forms(r)[1] for r in range(world)]
+    for name, sc in mine.items():
+        (rd, rs), *_ = buf.dispatch((mine_data.to(dev), sc.to(dev)), is_token_in_rank=in_rank.to(dev),
+                                   num_tokens_per_expert=npe.to(dev))
+        assert rs.dtype == sc.dtype and rs.dim() == sc.dim() and rs.is_contiguous(), (name, rs.shape, rs.dtype)
+        want = torch.stack([all_forms[s][name][t] for s, t in want_src]) if want_src else rs.cpu()[:0]
+        same_bits(f"{name} scales", rs.cpu(), want)
+    with pytest.raises(ValueError, match="4-byte elements"):
+        buf.dispatch((mine_data.to(dev), mine["per-token"].to(dev).double()), is_token_in_rank=in_rank.to(dev),
+                     num_tokens_per_expert=npe.to(dev))
+    buf.destroy()
+
+
+def test_ht_scale_forms():
+    _dist.run(2, scale_forms_worker)
+
+
+def test_ht_scale_forms_gpu():
+    """The same calls with CUDA tensors (GPU path), one GPU per rank."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _dist.run(2, scale_forms_worker, "cuda")
