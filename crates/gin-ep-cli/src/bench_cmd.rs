@@ -307,8 +307,8 @@ fn run_gpus(a: &BenchArgs, gpus: usize) -> CliResult {
     }
     let group = Group::from_env(a.timeout)?;
     if a.sweep {
-        let entries = gin_ep::gpu::sweep_entries(a.sweep_list.as_deref()).map_err(lib_err)?;
-        let rows = gin_ep::gpu::sweep_rank(&group, &r.opts, &entries);
+        let entries = gin_ep_lab::ht_sweep::sweep_entries(a.sweep_list.as_deref()).map_err(lib_err)?;
+        let rows = gin_ep_lab::ht_sweep::sweep_rank(&group, &r.opts, &entries);
         let closed = group.close();
         let rows = rows.map_err(lib_err)?;
         closed?;
@@ -560,7 +560,7 @@ fn print_tables(report: &BenchReport) {
 }
 
 /// One line per sweep entry (medians of the slowest rank per iteration, µs).
-fn print_sweep(r: &Resolved, rows: &[gin_ep::gpu::SweepRow]) {
+fn print_sweep(r: &Resolved, rows: &[gin_ep_lab::ht_sweep::SweepRow]) {
     let o = &r.opts;
     out!(
         "HT sweep: {} ranks x {} tokens, hidden {}, top-{} of {}, {}, {} iters after {} warm-up; µs, slowest rank",

@@ -499,8 +499,12 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
     }
     let variants = match a.variants.as_deref() {
         None | Some("default") => Vec::new(),
-        Some("all") => gin_ep::gpu::sweep_entries(None).map_err(|e| CliError::Usage(e.to_string()))?,
-        Some(list) => gin_ep::gpu::sweep_entries(Some(list)).map_err(|e| CliError::Usage(e.to_string()))?,
+        Some("all") => {
+            gin_ep_lab::ht_sweep::sweep_entries(None).map_err(|e| CliError::Usage(e.to_string()))?
+        }
+        Some(list) => {
+            gin_ep_lab::ht_sweep::sweep_entries(Some(list)).map_err(|e| CliError::Usage(e.to_string()))?
+        }
     };
     let group = Group::from_env(a.timeout)?;
     let cases = gpu_cases(group.world(), r.cases, r.seed);

@@ -35,7 +35,7 @@ struct Samples {
 }
 
 /// Gathers one f64 vector per rank on every rank (through the store).
-pub(super) fn gather(group: &Group, name: &str, mine: &[f64]) -> Result<Vec<Vec<f64>>> {
+pub fn gather(group: &Group, name: &str, mine: &[f64]) -> Result<Vec<Vec<f64>>> {
     let store = group.store();
     let bytes: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
     store.set(&group.key(&format!("{name}/{}", group.rank())), &bytes)?;
@@ -55,7 +55,7 @@ pub(super) fn gather(group: &Group, name: &str, mine: &[f64]) -> Result<Vec<Vec<
 }
 
 /// Slowest rank per iteration.
-pub(super) fn max_per_iter(all: &[Vec<f64>]) -> Vec<Duration> {
+pub fn max_per_iter(all: &[Vec<f64>]) -> Vec<Duration> {
     let n = all.iter().map(Vec::len).min().unwrap_or(0);
     (0..n)
         .map(|i| Duration::from_secs_f64(all.iter().map(|v| v[i]).fold(0.0, f64::max)))
@@ -64,7 +64,7 @@ pub(super) fn max_per_iter(all: &[Vec<f64>]) -> Vec<Duration> {
 
 /// What FP8 benchmarks dispatch: prequantized e4m3 input (DeepEP's format) unless
 /// `GIN_EP_FP8_SOURCE=bf16` asks for quantization inside the kernel.
-pub(super) fn bench_source(cfg: &EpConfig) -> DispatchSource {
+pub fn bench_source(cfg: &EpConfig) -> DispatchSource {
     if cfg.dispatch_dtype.is_fp8() && std::env::var("GIN_EP_FP8_SOURCE").map_or(true, |v| v != "bf16") {
         DispatchSource::Fp8
     } else {

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use super::{case_inputs, combine_input_io, per_rank, upload_dispatch_input, upload_x, SweepEntry};
+use super::{case_inputs, combine_input_io, per_rank, upload_dispatch_input, upload_x};
 
 use crate::backend::cuda::ht::{
     CombineExtras, CudaHt, DispatchSource, HtBuf, HtGpuOptions, HtIo, HtVariant, Sizing, POISON,
@@ -21,6 +21,15 @@ use crate::group::Group;
 use crate::ht::{HtCombineInput, HtDispatchOutput, RankInput};
 use crate::oracle;
 use crate::workload::{Routing, Workload};
+
+/// One HT kernel variant at one SM budget, as the variant check runs it ([`check_rank_variants`];
+/// gin-ep-lab's sweep lists make them), named for its reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SweepEntry {
+    pub sms: u32,
+    pub variant: HtVariant,
+    pub name: String,
+}
 
 /// Whether a case is small enough to repeat for every variant (≤ 16 Mi activations).
 pub(super) fn small_case(c: &Case) -> bool {
@@ -304,4 +313,16 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
         std::mem::forget(ht);
     }
     res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::cases::gpu_cases;
+    use super::*;
+
+    #[test]
+    fn the_variant_check_has_small_cases_to_repeat() {
+        let cases = gpu_cases(4, 6, 0);
+        assert!(cases.iter().filter(|c| small_case(c)).count() >= 8);
+    }
 }

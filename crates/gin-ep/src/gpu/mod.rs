@@ -9,8 +9,9 @@
 //! operation number, so all ranks must make the same calls in the same order.
 //!
 //! One part per file: [`cases`] (the check cases), [`check`] (the HT check), [`stall`] (the
-//! never-hang check), [`mod@bench`] (the HT benchmark), [`sweep`] (the HT variant sweep); the LL
-//! check and benchmark are in `backend::cuda::ll`, reached through the entry points here.
+//! never-hang check), [`mod@bench`] (the HT benchmark); the LL check and benchmark are in
+//! `backend::cuda::ll`, reached through the entry points here. The HT variant sweep is a
+//! study in the gin-ep-lab crate, built on the pieces of the benchmark made public here.
 
 use crate::backend::cuda::ht::{CudaHt, DispatchSource, HtIo};
 use crate::backend::cuda::{CudaRank, DeviceBuffer};
@@ -35,16 +36,19 @@ pub mod bench;
 pub mod cases;
 pub mod check;
 pub mod stall;
-pub mod sweep;
 
-pub use bench::bench_rank;
+pub use bench::{bench_rank, bench_source, gather, max_per_iter};
 pub use cases::gpu_cases;
-pub use check::{check_rank, check_rank_variants};
+pub use check::{check_rank, check_rank_variants, SweepEntry};
 pub use stall::{stall_check, StallOp};
-pub use sweep::{
-    parse_sweep_entry, sweep_entries, sweep_rank, sweep_variants, SweepEntry, SweepRow, BUILTIN_SWEEP,
-    ENV_SWEEP,
-};
+
+/// The HT kernels' device-clock slots (kStamp* in kernels/abi/ht.h), for timing studies.
+pub mod ht_stamps {
+    pub use crate::backend::cuda::abi::ht::{
+        K_STAMP_COMB_PULL, K_STAMP_COMB_STAGED, K_STAMP_COMB_START, K_STAMP_DISP_PAYLOAD, K_STAMP_DISP_START,
+        K_STAMP_LAY_COUNTS, K_STAMP_LAY_DONE, K_STAMP_LAY_START,
+    };
+}
 
 /// Generates every rank's inputs of iteration `iter` exactly as `check::run_rank_case`
 /// does (`Case::inputs`), one thread per rank.
@@ -78,7 +82,9 @@ fn per_rank<T: Send>(ranks: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
     })
 }
 
-fn upload_dispatch_input(
+/// Uploads one rank's dispatch input (`inp`) as `source` says (BF16, or FP8 quantized here);
+/// returns the number of tokens.
+pub fn upload_dispatch_input(
     ht: &CudaHt,
     rank: &CudaRank,
     cfg: &EpConfig,
@@ -110,7 +116,11 @@ fn upload_x(ht: &CudaHt, rank: &CudaRank, cfg: &EpConfig, x: &[bf16], source: Di
 /// into caller-owned memory, and the HtIo that makes a combine stage them into the window;
 /// keep the buffer alive while combines use it. Otherwise no buffer and no caller memory
 /// (the combine input already uploaded into the window).
-fn combine_input_io(rank: &CudaRank, exact: bool, values: &[bf16]) -> Result<(Option<DeviceBuffer>, HtIo)> {
+pub fn combine_input_io(
+    rank: &CudaRank,
+    exact: bool,
+    values: &[bf16],
+) -> Result<(Option<DeviceBuffer>, HtIo)> {
     if !exact {
         return Ok((None, HtIo::default()));
     }

@@ -254,8 +254,5 @@ mod tests {
             let e = HtVariant::parse(bad).unwrap_err();
             assert!(e.is_usage(), "{bad}: {e}");
         }
-        for v in crate::gpu::sweep_variants(None).unwrap() {
-            v.1.validate().unwrap();
-        }
     }
 }

@@ -1,30 +1,23 @@
-//! The HT variant sweep: the (SM budget, variant) entries `gin-ep bench --sweep` and
-//! `gin-ep check --variants` run ([`sweep_entries`]), and timing each ([`sweep_rank`]).
+//! The HT variant sweep: the (SM budget, variant) entries `gin-ep bench --sweep` times
+//! ([`sweep_rank`]) and `gin-ep check --variants` checks ([`sweep_entries`]).
 //!
-//! Owns: the built-in list and the entry text form. Never: checks results.
+//! Owns: the built-in list, the entry text form and the timing of each entry. Never: checks
+//! results (gin-ep's harness does, `gin_ep::gpu::check_rank_variants`).
 
 use std::time::Instant;
 
-use super::bench::{bench_source, gather, max_per_iter};
-use super::{combine_input_io, upload_dispatch_input};
-
-use crate::backend::cuda::abi::ht as ht_abi;
-use crate::backend::cuda::ht::{
+use gin_ep::backend::cuda::ht::{
     CombineExtras, CudaHt, DispatchEvents, HtGpuOptions, HtVariant, Sizing, STAMP_WORDS,
 };
-use crate::backend::cuda::{CudaRank, CudaRankOptions};
-use crate::bench::{BenchMode, BenchOptions, Stats};
-use crate::error::{Error, Result};
-use crate::group::Group;
-use crate::workload::Workload;
-
-/// One entry of a sweep: SM budget, kernel variant, and its name in the output.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SweepEntry {
-    pub sms: u32,
-    pub variant: HtVariant,
-    pub name: String,
-}
+use gin_ep::backend::cuda::{CudaRank, CudaRankOptions};
+use gin_ep::bench::{BenchMode, BenchOptions, Stats};
+use gin_ep::error::{Error, Result};
+use gin_ep::gpu::{
+    bench_source, combine_input_io, gather, ht_stamps as ht_abi, max_per_iter, upload_dispatch_input,
+    SweepEntry,
+};
+use gin_ep::group::Group;
+use gin_ep::workload::Workload;
 
 /// Environment variable with a `;`-separated sweep list (entries as [`parse_sweep_entry`]).
 pub const ENV_SWEEP: &str = "GIN_EP_HT_SWEEP";
@@ -86,16 +79,7 @@ pub fn parse_sweep_entry(text: &str, default_sms: u32) -> Result<SweepEntry> {
 }
 
 /// The sweep list: `list` (`;`-separated) when given, else `GIN_EP_HT_SWEEP`, else the
-/// built-in list, at 24 SMs unless an entry says otherwise. Returned as (name, variant)
-/// pairs plus SMs in [`SweepEntry`].
-pub fn sweep_variants(list: Option<&str>) -> Result<Vec<(String, HtVariant, u32)>> {
-    Ok(sweep_entries(list)?
-        .into_iter()
-        .map(|e| (e.name, e.variant, e.sms))
-        .collect())
-}
-
-/// As [`sweep_variants`], as entries.
+/// built-in list, at 24 SMs unless an entry says otherwise.
 pub fn sweep_entries(list: Option<&str>) -> Result<Vec<SweepEntry>> {
     let env = std::env::var(ENV_SWEEP).ok();
     let text: Vec<String> = match list.map(str::to_string).or(env) {
@@ -111,7 +95,7 @@ pub fn sweep_entries(list: Option<&str>) -> Result<Vec<SweepEntry>> {
         return Err(Error::config("sweep", "(empty)", "no entries"));
     }
     text.iter()
-        .map(|t| parse_sweep_entry(t, crate::backend::cuda::ht::DEFAULT_SMS))
+        .map(|t| parse_sweep_entry(t, gin_ep::backend::cuda::ht::DEFAULT_SMS))
         .collect()
 }
 
@@ -282,8 +266,6 @@ fn sweep_inner(
 
 #[cfg(test)]
 mod tests {
-    use super::super::cases::gpu_cases;
-    use super::super::check::small_case;
     use super::*;
 
     #[test]
@@ -298,7 +280,8 @@ mod tests {
         assert!(sweep_entries(Some("sms=0")).is_err());
         assert!(sweep_entries(Some("sms=200")).is_err());
         assert!(sweep_entries(Some(" ; ")).is_err());
-        let cases = gpu_cases(4, 6, 0);
-        assert!(cases.iter().filter(|c| small_case(c)).count() >= 8);
+        for e in all {
+            e.variant.validate().unwrap();
+        }
     }
 }
