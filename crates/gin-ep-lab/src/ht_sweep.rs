@@ -4,20 +4,12 @@
 //! Owns: the built-in list, the entry text form and the timing of each entry. Never: checks
 //! results (gin-ep's harness does, `gin_ep::gpu::check_rank_variants`).
 
-use std::time::Instant;
-
-use gin_ep::backend::cuda::ht::{
-    CombineExtras, CudaHt, DispatchEvents, HtGpuOptions, HtVariant, Sizing, STAMP_WORDS,
-};
+use gin_ep::backend::cuda::ht::{HtGpuOptions, HtVariant, Sizing, STAMP_WORDS};
 use gin_ep::backend::cuda::{CudaRank, CudaRankOptions};
 use gin_ep::bench::{BenchMode, BenchOptions, Stats};
 use gin_ep::error::{Error, Result};
-use gin_ep::gpu::{
-    bench_source, combine_input_io, gather, ht_stamps as ht_abi, max_per_iter, upload_dispatch_input,
-    SweepEntry,
-};
+use gin_ep::gpu::{gather, ht_stamps as ht_abi, max_per_iter, HtTimer, SweepEntry};
 use gin_ep::group::Group;
-use gin_ep::workload::Workload;
 
 /// Environment variable with a `;`-separated sweep list (entries as [`parse_sweep_entry`]).
 pub const ENV_SWEEP: &str = "GIN_EP_HT_SWEEP";
@@ -160,78 +152,28 @@ fn sweep_inner(
     opts: &BenchOptions,
     entries: &[SweepEntry],
 ) -> Result<Vec<SweepRow>> {
-    let cfg = &opts.cfg;
-    let me = group.rank();
-    let mut ht = CudaHt::new(
-        rank,
-        cfg,
-        HtGpuOptions {
-            num_sms: entries[0].sms,
-            sizing: if opts.ht_exact {
-                Sizing::Exact
-            } else {
-                Sizing::Static
-            },
-            variant: entries[0].variant,
-            ..HtGpuOptions::default()
-        },
-    )?;
-    let w = Workload {
-        routing: opts.routing,
-        seed: opts.seed,
-        mask_prob: 0.0,
-    };
-    let input = w.rank_input(cfg, me, opts.tokens);
-    let source = bench_source(cfg);
-    let n = upload_dispatch_input(&ht, rank, cfg, &input, source)?;
-    let handle = ht.dispatch(rank, n, source, None)?;
-    ht.sync(rank)?;
-    let nr = ht.num_recv();
-    let _ = handle;
-    let comb_in = w.bf16_values(me, 5, nr * cfg.hidden);
-    ht.upload_combine(rank, &comb_in, None, [None, None])?;
-    let (_caller_x, comb_io) = combine_input_io(rank, opts.ht_exact, &comb_in)?;
-    let ev: Vec<_> = (0..5).map(|_| rank.event()).collect::<Result<_>>()?;
+    let mut t = HtTimer::new(group, rank, opts, entries[0].sms, entries[0].variant)?;
     let mut rows = Vec::new();
     for (vi, e) in entries.iter().enumerate() {
-        ht.set_tuning(e.sms, e.variant)?;
+        t.ht.set_tuning(e.sms, e.variant)?;
         group.barrier(&format!("gpu-sweep/{vi}"))?;
         // [metric][iter], seconds.
         let mut m: Vec<Vec<f64>> = vec![Vec::new(); 10];
         for i in 0..opts.warmup + opts.iters {
-            let t0 = Instant::now();
-            let h = ht.dispatch(
-                rank,
-                n,
-                source,
-                Some(&DispatchEvents {
-                    start: &ev[0],
-                    counted: &ev[1],
-                    end: &ev[2],
-                }),
-            )?;
-            ht.sync(rank)?;
-            let td = t0.elapsed();
-            let t1 = Instant::now();
-            ht.with_io(comb_io, |ht| {
-                ht.combine(rank, &h, CombineExtras::default(), Some((&ev[3], &ev[4])))
-            })?;
-            ht.sync(rank)?;
-            let tc = t1.elapsed();
-            let st: [u64; STAMP_WORDS] = ht.stamps(rank)?;
+            let (td, tc) = t.round(rank)?;
+            let st: [u64; STAMP_WORDS] = t.ht.stamps(rank)?;
             if i >= opts.warmup {
-                let ms = |a: usize, b: usize| ev[a].elapsed_ms(&ev[b]).map(|v| f64::from(v) * 1e-3);
                 // Stamp words (kStamp* in kernels/abi/ht.h), seconds between two.
                 let d = |a: i32, b: i32| st[b as usize].saturating_sub(st[a as usize]) as f64 * 1e-9;
                 let vals = [
                     td.as_secs_f64(),
-                    ms(0, 2)?,
-                    ms(0, 1)?,
+                    t.event_secs(0, 2)?,
+                    t.event_secs(0, 1)?,
                     d(ht_abi::K_STAMP_LAY_START, ht_abi::K_STAMP_LAY_DONE),
                     d(ht_abi::K_STAMP_LAY_DONE, ht_abi::K_STAMP_LAY_COUNTS),
                     d(ht_abi::K_STAMP_DISP_START, ht_abi::K_STAMP_DISP_PAYLOAD),
                     tc.as_secs_f64(),
-                    ms(3, 4)?,
+                    t.event_secs(3, 4)?,
                     d(ht_abi::K_STAMP_COMB_START, ht_abi::K_STAMP_COMB_PULL),
                     d(ht_abi::K_STAMP_COMB_START, ht_abi::K_STAMP_COMB_STAGED),
                 ];

@@ -9,9 +9,9 @@ use super::{combine_input_io, upload_dispatch_input};
 
 use crate::backend::cuda::fabric::FabricSource;
 use crate::backend::cuda::ht::{
-    CombineExtras, CudaHt, DispatchEvents, DispatchSource, HtGpuOptions, HtVariant, Sizing,
+    CombineExtras, CudaHt, DispatchEvents, DispatchSource, HtGpuOptions, HtIo, HtVariant, Sizing,
 };
-use crate::backend::cuda::{CudaRank, CudaRankOptions};
+use crate::backend::cuda::{CudaRank, CudaRankOptions, DeviceBuffer, Event};
 use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
 use crate::config::EpConfig;
 use crate::error::{Error, Result};
@@ -166,80 +166,144 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
     )))
 }
 
-fn bench_inner(group: &Group, rank: &CudaRank, opts: &BenchOptions, num_sms: u32) -> Result<Samples> {
-    let cfg = &opts.cfg;
-    let me = group.rank();
-    let mut ht = CudaHt::new(
-        rank,
-        cfg,
-        HtGpuOptions {
-            num_sms,
-            sizing: if opts.ht_exact {
-                Sizing::Exact
-            } else {
-                Sizing::Static
-            },
-            variant: HtVariant::from_env()?,
-            ..HtGpuOptions::default()
-        },
-    )?;
-    let w = Workload {
-        routing: opts.routing,
-        seed: opts.seed,
-        mask_prob: 0.0,
-    };
-    let input = w.rank_input(cfg, me, opts.tokens);
-    let source = bench_source(cfg);
-    let n = upload_dispatch_input(&ht, rank, cfg, &input, source)?;
-    // One dispatch to learn the receive size, then the expert outputs, once.
-    let handle = ht.dispatch(rank, n, source, None)?;
-    ht.sync(rank)?;
-    let nr = ht.num_recv();
-    let plan = ht.download_dispatch(rank, &handle)?.handle.plan;
-    let local = plan.src_offset[me + 1] - plan.src_offset[me];
-    let comb_in = w.bf16_values(me, 5, nr * cfg.hidden);
-    ht.upload_combine(rank, &comb_in, None, [None, None])?;
-    let (_caller_x, comb_io) = combine_input_io(rank, opts.ht_exact, &comb_in)?;
-    group.barrier("gpu-bench/start")?;
+/// The setup both HT timing loops share (the benchmark here, gin-ep-lab's variant sweep): a
+/// CudaHt for `opts` at `num_sms` and `variant`, this rank's input uploaded, one dispatch to
+/// learn the receive size, the expert outputs uploaded once (with exact sizing also into
+/// caller memory, from which each combine stages them), and five events; [`HtTimer::round`]
+/// then times one dispatch and one combine.
+pub struct HtTimer {
+    pub ht: CudaHt,
+    /// Tokens this rank dispatches.
+    pub tokens: usize,
+    /// Rows this rank receives, and how many of them come from itself.
+    pub num_recv: usize,
+    pub local_rows: usize,
+    source: DispatchSource,
+    /// Dispatch start, counts exchanged, dispatch end, combine start, combine end.
+    events: Vec<Event>,
+    comb_io: HtIo,
+    _caller_x: Option<DeviceBuffer>,
+}
 
-    let ev: Vec<_> = (0..5).map(|_| rank.event()).collect::<Result<_>>()?;
-    let mut s = Samples {
-        host: [Vec::new(), Vec::new()],
-        kernel: [Vec::new(), Vec::new()],
-        phases: [Vec::new(), Vec::new()],
-        back_to_back: Vec::new(),
-        rows: nr as f64,
-        remote_rows: (nr - local) as f64,
-        fabric: ht.fabric_source(),
-    };
-    for i in 0..opts.warmup + opts.iters {
-        let t0 = Instant::now();
-        let h = ht.dispatch(
+impl HtTimer {
+    pub fn new(
+        group: &Group,
+        rank: &CudaRank,
+        opts: &BenchOptions,
+        num_sms: u32,
+        variant: HtVariant,
+    ) -> Result<HtTimer> {
+        let cfg = &opts.cfg;
+        let me = group.rank();
+        let mut ht = CudaHt::new(
             rank,
-            n,
+            cfg,
+            HtGpuOptions {
+                num_sms,
+                sizing: if opts.ht_exact {
+                    Sizing::Exact
+                } else {
+                    Sizing::Static
+                },
+                variant,
+                ..HtGpuOptions::default()
+            },
+        )?;
+        let w = Workload {
+            routing: opts.routing,
+            seed: opts.seed,
+            mask_prob: 0.0,
+        };
+        let input = w.rank_input(cfg, me, opts.tokens);
+        let source = bench_source(cfg);
+        let tokens = upload_dispatch_input(&ht, rank, cfg, &input, source)?;
+        let handle = ht.dispatch(rank, tokens, source, None)?;
+        ht.sync(rank)?;
+        let num_recv = ht.num_recv();
+        let plan = ht.download_dispatch(rank, &handle)?.handle.plan;
+        let local_rows = plan.src_offset[me + 1] - plan.src_offset[me];
+        let comb_in = w.bf16_values(me, 5, num_recv * cfg.hidden);
+        ht.upload_combine(rank, &comb_in, None, [None, None])?;
+        let (caller_x, comb_io) = combine_input_io(rank, opts.ht_exact, &comb_in)?;
+        let events = (0..5).map(|_| rank.event()).collect::<Result<_>>()?;
+        Ok(HtTimer {
+            ht,
+            tokens,
+            num_recv,
+            local_rows,
             source,
+            events,
+            comb_io,
+            _caller_x: caller_x,
+        })
+    }
+
+    /// One fresh dispatch and one combine, each waited for on the host: their host times
+    /// (API call to the end of the stream's work); the events then hold their kernel times.
+    pub fn round(&mut self, rank: &CudaRank) -> Result<(Duration, Duration)> {
+        let ev = &self.events;
+        let t0 = Instant::now();
+        let h = self.ht.dispatch(
+            rank,
+            self.tokens,
+            self.source,
             Some(&DispatchEvents {
                 start: &ev[0],
                 counted: &ev[1],
                 end: &ev[2],
             }),
         )?;
-        ht.sync(rank)?;
+        self.ht.sync(rank)?;
         let td = t0.elapsed();
         let t1 = Instant::now();
-        ht.with_io(comb_io, |ht| {
+        self.ht.with_io(self.comb_io, |ht| {
             ht.combine(rank, &h, CombineExtras::default(), Some((&ev[3], &ev[4])))
         })?;
-        ht.sync(rank)?;
-        let tc = t1.elapsed();
+        self.ht.sync(rank)?;
+        Ok((td, t1.elapsed()))
+    }
+
+    /// `count` fresh dispatches queued with nothing between them, events only around the
+    /// series: seconds per dispatch.
+    pub fn back_to_back(&mut self, rank: &CudaRank, count: usize) -> Result<f64> {
+        rank.record(&self.events[0])?;
+        for _ in 0..count {
+            self.ht.dispatch(rank, self.tokens, self.source, None)?;
+        }
+        rank.record(&self.events[2])?;
+        // Busy: a sleeping wait wakes up to 1 ms late, at a different time on every rank, and
+        // the next series' first count exchange would time that skew as dispatch time.
+        rank.wait_busy("end of a back-to-back series")?;
+        Ok(self.event_secs(0, 2)? / count as f64)
+    }
+
+    /// Seconds between events `a` and `b` of the last round (indices as in `events`).
+    pub fn event_secs(&self, a: usize, b: usize) -> Result<f64> {
+        Ok(f64::from(self.events[a].elapsed_ms(&self.events[b])?) * 1e-3)
+    }
+}
+
+fn bench_inner(group: &Group, rank: &CudaRank, opts: &BenchOptions, num_sms: u32) -> Result<Samples> {
+    let mut t = HtTimer::new(group, rank, opts, num_sms, HtVariant::from_env()?)?;
+    group.barrier("gpu-bench/start")?;
+    let mut s = Samples {
+        host: [Vec::new(), Vec::new()],
+        kernel: [Vec::new(), Vec::new()],
+        phases: [Vec::new(), Vec::new()],
+        back_to_back: Vec::new(),
+        rows: t.num_recv as f64,
+        remote_rows: (t.num_recv - t.local_rows) as f64,
+        fabric: t.ht.fabric_source(),
+    };
+    for i in 0..opts.warmup + opts.iters {
+        let (td, tc) = t.round(rank)?;
         if i >= opts.warmup {
             s.host[0].push(td.as_secs_f64());
             s.host[1].push(tc.as_secs_f64());
-            let ms = |a: usize, b: usize| ev[a].elapsed_ms(&ev[b]).map(|v| f64::from(v) * 1e-3);
-            s.kernel[0].push(ms(0, 2)?);
-            s.phases[0].push(ms(0, 1)?);
-            s.phases[1].push(ms(1, 2)?);
-            s.kernel[1].push(ms(3, 4)?);
+            s.kernel[0].push(t.event_secs(0, 2)?);
+            s.phases[0].push(t.event_secs(0, 1)?);
+            s.phases[1].push(t.event_secs(1, 2)?);
+            s.kernel[1].push(t.event_secs(3, 4)?);
         }
     }
     rank.wait("end of bench")?;
@@ -250,16 +314,7 @@ fn bench_inner(group: &Group, rank: &CudaRank, opts: &BenchOptions, num_sms: u32
     // call's dispatch kernel ends on that GPU, not after a host sync.
     group.barrier("gpu-bench/series")?;
     for _ in 0..opts.iters {
-        rank.record(&ev[0])?;
-        for _ in 0..HT_SERIES {
-            ht.dispatch(rank, n, source, None)?;
-        }
-        rank.record(&ev[2])?;
-        // Busy: a sleeping wait wakes up to 1 ms late, at a different time on every rank, and
-        // the next series' first count exchange would time that skew as dispatch time.
-        rank.wait_busy("end of a back-to-back series")?;
-        s.back_to_back
-            .push(f64::from(ev[0].elapsed_ms(&ev[2])?) * 1e-3 / HT_SERIES as f64);
+        s.back_to_back.push(t.back_to_back(rank, HT_SERIES)?);
     }
     group.barrier("gpu-bench/loop-done")?;
     Ok(s)

@@ -37,7 +37,7 @@ pub mod cases;
 pub mod check;
 pub mod stall;
 
-pub use bench::{bench_rank, bench_source, gather, max_per_iter};
+pub use bench::{bench_rank, gather, max_per_iter, HtTimer};
 pub use cases::gpu_cases;
 pub use check::{check_rank, check_rank_variants, SweepEntry};
 pub use stall::{stall_check, StallOp};
