@@ -17,20 +17,8 @@ pub struct AlltoallArgs {
     /// Ranks, one process per GPU [default: every GPU].
     #[arg(long, value_parser = parse_whole::<usize>)]
     pub gpus: Option<usize>,
-    /// With --gpus: K processes per GPU, each its own NCCL node (consecutive ranks share a
-    /// GPU), with the project's NCCL net plugin loaded. Figures are then time-sliced.
-    #[arg(long, value_name = "K", value_parser = parse_whole::<usize>)]
-    pub vnodes: Option<usize>,
-    /// With --gpus: M consecutive ranks form one gin-ep node [default: NCCL's LSA team].
-    #[arg(long, value_name = "M", value_parser = parse_whole::<usize>)]
-    pub node_size: Option<usize>,
-    /// With --gpus: N consecutive ranks form one NCCL node (one NCCL_HOSTID, the project's
-    /// plugin loaded), at most one rank per GPU: `--gpus 2 --nccl-node-size 1` makes each
-    /// GPU's process its own NCCL node without sharing a GPU; with --vnodes K the ranks then go
-    /// round the GPUs (rank r on GPU r mod G). [default: one NCCL node per process with
-    /// --vnodes, else the host's one node]
-    #[arg(long, value_name = "N", value_parser = parse_whole::<usize>)]
-    pub nccl_node_size: Option<usize>,
+    #[command(flatten)]
+    pub shape: gpus::LaunchShape,
     /// Smallest per-rank total send size (K/M/G suffixes).
     #[arg(short = 'b', long = "min-bytes", default_value = "1M", value_parser = parse_bytes)]
     pub min_bytes: usize,
@@ -135,7 +123,7 @@ pub fn run(a: &AlltoallArgs) -> CliResult {
         return run_child(a, &opts);
     }
     // Refused before the GPU probe, so the answer to bad input does not depend on the machine.
-    if a.gpus.is_none() && (a.vnodes.is_some() || a.node_size.is_some() || a.nccl_node_size.is_some()) {
+    if a.gpus.is_none() && a.shape.any() {
         return Err(CliError::Usage(
             "--vnodes, --node-size and --nccl-node-size shape a GPU launch: use them with --gpus N".into(),
         ));
@@ -149,7 +137,7 @@ pub fn run(a: &AlltoallArgs) -> CliResult {
         }
     };
     gpus::check_count(gpus)?;
-    let world = gpus::set_topology(gpus, a.vnodes, a.node_size, a.nccl_node_size)?;
+    let world = gpus::set_topology(gpus, &a.shape)?;
     opts.validate(world)?;
     match gpus::relaunch(gpus, a.timeout)? {
         None => Ok(()),

@@ -95,21 +95,10 @@ pub struct BenchArgs {
     /// Run on N GPUs, one process per GPU (the CUDA backend; overrides --ranks).
     #[arg(long, value_name = "N", value_parser = parse_whole::<usize>)]
     pub gpus: Option<usize>,
-    /// With --gpus: K processes per GPU, each its own NCCL node (consecutive ranks share a
-    /// GPU), with the project's NCCL net plugin loaded: LL only (ranks of other gin-ep nodes
-    /// over GIN). Timings are then time-sliced: correctness and byte counts only.
-    #[arg(long, value_name = "K", value_parser = parse_whole::<usize>)]
-    pub vnodes: Option<usize>,
-    /// With --gpus: M consecutive ranks form one gin-ep node [default: NCCL's LSA team].
-    #[arg(long, value_name = "M", value_parser = parse_whole::<usize>)]
-    pub node_size: Option<usize>,
-    /// With --gpus: N consecutive ranks form one NCCL node (one NCCL_HOSTID, the project's
-    /// plugin loaded), at most one rank per GPU: `--gpus 2 --nccl-node-size 1` makes each GPU's
-    /// process its own NCCL node without sharing a GPU; with --vnodes K the ranks then go round
-    /// the GPUs (rank r on GPU r mod G). [default: one NCCL node per process with --vnodes, else
-    /// the host's one node]
-    #[arg(long, value_name = "N", value_parser = parse_whole::<usize>)]
-    pub nccl_node_size: Option<usize>,
+    // Where ranks run (docs/cli.md): across NCCL nodes LL reaches other gin-ep nodes over
+    // GIN; HT runs only as one gin-ep node of every rank, one GPU per rank.
+    #[command(flatten)]
+    pub shape: gpus::LaunchShape,
     /// SMs (CTAs) per dispatch/combine kernel on GPUs [default: 24 for ht; 0 for ll, which
     /// means every SM (LL kernels are latency-bound)].
     #[arg(long, value_name = "N", value_parser = parse_whole::<u32>)]
@@ -174,9 +163,13 @@ fn refuse_inapplicable(a: &BenchArgs) -> CliResult {
         ),
         Opt::new(sizing, a.ht_sizing.is_some(), Rule::ANY.gpus().modes(HT)),
         Opt::new("--sms", a.sms.is_some(), Rule::ANY.gpus()),
-        Opt::new("--vnodes", a.vnodes.is_some(), Rule::ANY.gpus()),
-        Opt::new("--nccl-node-size", a.nccl_node_size.is_some(), Rule::ANY.gpus()),
-        Opt::new("--node-size", a.node_size.is_some(), Rule::ANY.gpus()),
+        Opt::new("--vnodes", a.shape.vnodes.is_some(), Rule::ANY.gpus()),
+        Opt::new(
+            "--nccl-node-size",
+            a.shape.nccl_node_size.is_some(),
+            Rule::ANY.gpus(),
+        ),
+        Opt::new("--node-size", a.shape.node_size.is_some(), Rule::ANY.gpus()),
         Opt::new("--sweep", a.sweep, Rule::ANY.gpus().modes(HT)),
         Opt::new(
             "--sweep-list",
@@ -209,16 +202,16 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
     let mut world = None;
     if let Some(gpus) = a.gpus {
         gpus::check_count(gpus)?;
-        world = Some(gpus::set_topology(gpus, a.vnodes, a.node_size, a.nccl_node_size)?);
+        world = Some(gpus::set_topology(gpus, &a.shape)?);
         // LL is benched across virtual nodes too (its timings then say they are
         // time-sliced); HT only on one GPU per rank, where its ranks may be NCCL nodes of
         // their own (--nccl-node-size) joined into one gin-ep node (--node-size).
         gpus::refuse_lsa_only(
             crate::applies::mode_name(a.mode),
             gpus,
-            a.vnodes,
-            a.node_size,
-            a.mode == Mode::Ll || a.vnodes.is_none_or(|k| k <= 1),
+            a.shape.vnodes,
+            a.shape.node_size,
+            a.mode == Mode::Ll || a.shape.vnodes.is_none_or(|k| k <= 1),
         )?;
     }
     let ranks = world.or(a.ranks).unwrap_or(4);

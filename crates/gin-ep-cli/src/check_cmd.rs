@@ -152,23 +152,11 @@ pub struct CheckArgs {
     /// --timeout with an error naming RANK as the late peer.
     #[arg(long, value_name = "RANK:OP")]
     pub stall: Option<String>,
-    /// With --gpus: K processes per GPU, each its own NCCL node (consecutive ranks share a
-    /// GPU), with the project's NCCL net plugin loaded: --mode gin, --mode ll (ranks of other
-    /// gin-ep nodes over GIN; any --node-size), --mode ht with --node-size of every rank.
-    /// Timings are then time-sliced.
-    #[arg(long, value_name = "K", value_parser = parse_whole::<usize>)]
-    pub vnodes: Option<usize>,
-    /// With --gpus: M consecutive ranks form one gin-ep node, whose windows are mapped into
-    /// one another and reached by stores [default: NCCL's LSA team].
-    #[arg(long, value_name = "M", value_parser = parse_whole::<usize>)]
-    pub node_size: Option<usize>,
-    /// With --gpus: N consecutive ranks form one NCCL node (one NCCL_HOSTID, the project's
-    /// plugin loaded), at most one rank per GPU: `--gpus 2 --nccl-node-size 1` makes each GPU's
-    /// process its own NCCL node without sharing a GPU; with --vnodes K the ranks then go round
-    /// the GPUs (rank r on GPU r mod G). [default: one NCCL node per process with --vnodes, else
-    /// the host's one node]
-    #[arg(long, value_name = "N", value_parser = parse_whole::<usize>)]
-    pub nccl_node_size: Option<usize>,
+    // Where ranks run (docs/cli.md): across NCCL nodes --mode gin and --mode ll (ranks of
+    // other gin-ep nodes over GIN; any --node-size) run, and --mode ht with --node-size of
+    // every rank.
+    #[command(flatten)]
+    pub shape: gpus::LaunchShape,
     /// With --gpus --mode gin or ll: rank RANK exits abruptly before iteration ITER (ll: its
     /// ITER-th LL dispatch + combine); every other rank must then fail within the deadline
     /// naming it, and then the check passes (exit status 0).
@@ -245,9 +233,13 @@ fn resolve(a: &CheckArgs) -> CliResult<Resolved> {
         Opt::new("--launch", a.launch.is_some(), Rule::ANY.host()),
         Opt::new("--case", a.case.is_some(), Rule::ANY.host()),
         Opt::new("--iters", a.iters.is_some(), Rule::ANY.gpu_modes(GIN)),
-        Opt::new("--vnodes", a.vnodes.is_some(), Rule::ANY.gpus()),
-        Opt::new("--nccl-node-size", a.nccl_node_size.is_some(), Rule::ANY.gpus()),
-        Opt::new("--node-size", a.node_size.is_some(), Rule::ANY.gpus()),
+        Opt::new("--vnodes", a.shape.vnodes.is_some(), Rule::ANY.gpus()),
+        Opt::new(
+            "--nccl-node-size",
+            a.shape.nccl_node_size.is_some(),
+            Rule::ANY.gpus(),
+        ),
+        Opt::new("--node-size", a.shape.node_size.is_some(), Rule::ANY.gpus()),
         // One never-hang check per run: a stalled rank or a killed one.
         Opt::new(
             "--kill",
@@ -455,12 +447,12 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
         Mode::Ll => BenchMode::Ll,
         Mode::Gin => return crate::check_gin::run(a, gpus),
     };
-    let world = gpus::set_topology(gpus, a.vnodes, a.node_size, a.nccl_node_size)?;
+    let world = gpus::set_topology(gpus, &a.shape)?;
     gpus::refuse_lsa_only(
         crate::applies::mode_name(a_mode),
         gpus,
-        a.vnodes,
-        a.node_size,
+        a.shape.vnodes,
+        a.shape.node_size,
         true,
     )?;
     if let Some(spec) = &a.stall {

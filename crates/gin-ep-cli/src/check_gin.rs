@@ -69,14 +69,14 @@ fn refused(e: gin_ep::Error) -> CliError {
 
 /// Runs the check on `gpus` GPUs (parent or rank, by GIN_EP_CHILD).
 pub fn run(a: &CheckArgs, gpus: usize) -> CliResult {
-    let world = gpus::set_topology(gpus, a.vnodes, a.node_size, a.nccl_node_size)?;
+    let world = gpus::set_topology(gpus, &a.shape)?;
     let opts = options(a)?;
     opts.validate(world).map_err(refused)?;
     if std::env::var_os(ENV_CHILD).is_some() {
         return run_child(a, &opts);
     }
-    let k = a.vnodes.unwrap_or(1);
-    let node = match a.node_size {
+    let k = a.shape.vnodes.unwrap_or(1);
+    let node = match a.shape.node_size {
         Some(m) => format!("gin-ep nodes of {m} rank(s) (same-node peers by stores)"),
         None => "gin-ep node = NCCL's LSA team".to_string(),
     };

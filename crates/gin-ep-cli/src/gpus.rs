@@ -2,7 +2,7 @@
 //! `alltoall` start themselves again N times (with GIN_EP_CHILD) and report the first
 //! rank that failed. Owns only that plumbing; each command words its own report.
 
-use crate::error::{CliError, CliResult};
+use crate::error::{parse_whole, CliError, CliResult};
 use gin_ep::group::vnodes::{find_plugin, Topology};
 use gin_ep::group::{first_failure, launch_ranks_env, RankExit};
 use std::sync::OnceLock;
@@ -11,16 +11,40 @@ use std::time::Duration;
 /// The launch shape of this command (`--vnodes`, `--node-size`), set once before relaunching.
 static TOPOLOGY: OnceLock<Topology> = OnceLock::new();
 
-/// Records `--gpus G --vnodes K --node-size M --nccl-node-size N` for [`relaunch`]; a bad
-/// shape is a usage error naming the value. Returns the number of ranks.
-pub fn set_topology(
-    gpus: usize,
-    vnodes: Option<usize>,
-    node_size: Option<usize>,
-    nccl_node_size: Option<usize>,
-) -> CliResult<usize> {
-    let t = Topology::new(gpus, vnodes.unwrap_or(1), node_size)
-        .and_then(|t| t.with_nccl_nodes(nccl_node_size))
+/// How the ranks of a `--gpus N` launch are laid out, shared by `check`, `bench` and
+/// `alltoall` (each command's help and docs/cli.md say what it runs on each shape).
+#[derive(clap::Args, Clone, Copy, Debug, Default)]
+pub struct LaunchShape {
+    /// With --gpus: K processes per GPU, each its own NCCL node (consecutive ranks share a
+    /// GPU), with the project's NCCL net plugin loaded; timings are then time-sliced
+    /// (correctness and byte counts only).
+    #[arg(long, value_name = "K", value_parser = parse_whole::<usize>)]
+    pub vnodes: Option<usize>,
+    /// With --gpus: M consecutive ranks form one gin-ep node, whose windows are mapped into
+    /// one another and reached by stores [default: NCCL's LSA team].
+    #[arg(long, value_name = "M", value_parser = parse_whole::<usize>)]
+    pub node_size: Option<usize>,
+    /// With --gpus: N consecutive ranks form one NCCL node (one NCCL_HOSTID, the project's
+    /// plugin loaded), at most one rank per GPU: `--gpus 2 --nccl-node-size 1` makes each
+    /// GPU's process its own NCCL node without sharing a GPU; with --vnodes K the ranks then
+    /// go round the GPUs (rank r on GPU r mod G). [default: one NCCL node per process with
+    /// --vnodes, else the host's one node]
+    #[arg(long, value_name = "N", value_parser = parse_whole::<usize>)]
+    pub nccl_node_size: Option<usize>,
+}
+
+impl LaunchShape {
+    /// Whether any of the shape's options was given (they all need --gpus).
+    pub fn any(&self) -> bool {
+        self.vnodes.is_some() || self.node_size.is_some() || self.nccl_node_size.is_some()
+    }
+}
+
+/// Records `--gpus G` and its launch shape for [`relaunch`]; a bad shape is a usage error
+/// naming the value. Returns the number of ranks.
+pub fn set_topology(gpus: usize, shape: &LaunchShape) -> CliResult<usize> {
+    let t = Topology::new(gpus, shape.vnodes.unwrap_or(1), shape.node_size)
+        .and_then(|t| t.with_nccl_nodes(shape.nccl_node_size))
         .map_err(|e| CliError::Usage(e.to_string()))?;
     let _ = TOPOLOGY.set(t);
     Ok(t.world())
