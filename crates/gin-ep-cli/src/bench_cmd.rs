@@ -153,7 +153,7 @@ fn refuse_inapplicable(a: &BenchArgs) -> CliResult {
         Some(v) => format!("--ht-sizing {v}"),
         None => "--ht-sizing".into(),
     };
-    let opts = [
+    let mut opts = vec![
         Opt::new("--ranks", a.ranks.is_some(), Rule::ANY.host()),
         Opt::new("--alignment", a.alignment.is_some(), Rule::ANY.modes(HT)),
         Opt::new(
@@ -163,13 +163,6 @@ fn refuse_inapplicable(a: &BenchArgs) -> CliResult {
         ),
         Opt::new(sizing, a.ht_sizing.is_some(), Rule::ANY.gpus().modes(HT)),
         Opt::new("--sms", a.sms.is_some(), Rule::ANY.gpus()),
-        Opt::new("--vnodes", a.shape.vnodes.is_some(), Rule::ANY.gpus()),
-        Opt::new(
-            "--nccl-node-size",
-            a.shape.nccl_node_size.is_some(),
-            Rule::ANY.gpus(),
-        ),
-        Opt::new("--node-size", a.shape.node_size.is_some(), Rule::ANY.gpus()),
         Opt::new("--sweep", a.sweep, Rule::ANY.gpus().modes(HT)),
         Opt::new(
             "--sweep-list",
@@ -177,6 +170,7 @@ fn refuse_inapplicable(a: &BenchArgs) -> CliResult {
             Rule::ANY.gpus().modes(HT).needs("--sweep"),
         ),
     ];
+    opts.extend(a.shape.opts());
     crate::applies::refuse_inapplicable(
         &Run {
             gpus: a.gpus.is_some(),

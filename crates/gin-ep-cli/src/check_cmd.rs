@@ -228,18 +228,11 @@ fn resolve(a: &CheckArgs) -> CliResult<Resolved> {
     const HT_LL: &[Mode] = &[Mode::Ht, Mode::Ll];
     const GIN: &[Mode] = &[Mode::Gin];
     const GIN_LL: &[Mode] = &[Mode::Gin, Mode::Ll];
-    let opts = [
+    let mut opts = vec![
         Opt::new("--ranks", a.ranks.is_some(), Rule::ANY.host()),
         Opt::new("--launch", a.launch.is_some(), Rule::ANY.host()),
         Opt::new("--case", a.case.is_some(), Rule::ANY.host()),
         Opt::new("--iters", a.iters.is_some(), Rule::ANY.gpu_modes(GIN)),
-        Opt::new("--vnodes", a.shape.vnodes.is_some(), Rule::ANY.gpus()),
-        Opt::new(
-            "--nccl-node-size",
-            a.shape.nccl_node_size.is_some(),
-            Rule::ANY.gpus(),
-        ),
-        Opt::new("--node-size", a.shape.node_size.is_some(), Rule::ANY.gpus()),
         // One never-hang check per run: a stalled rank or a killed one.
         Opt::new(
             "--kill",
@@ -264,6 +257,7 @@ fn resolve(a: &CheckArgs) -> CliResult<Resolved> {
         ),
         Opt::new("--stall", a.stall.is_some(), Rule::ANY.gpus().gpu_modes(HT_LL)),
     ];
+    opts.extend(a.shape.opts());
     crate::applies::refuse_inapplicable(
         &Run {
             gpus: a.gpus.is_some(),

@@ -2,6 +2,7 @@
 //! `alltoall` start themselves again N times (with GIN_EP_CHILD) and report the first
 //! rank that failed. Owns only that plumbing; each command words its own report.
 
+use crate::applies::{Opt, Rule};
 use crate::error::{parse_whole, CliError, CliResult};
 use gin_ep::group::vnodes::{find_plugin, Topology};
 use gin_ep::group::{first_failure, launch_ranks_env, RankExit};
@@ -34,6 +35,19 @@ pub struct LaunchShape {
 }
 
 impl LaunchShape {
+    /// The shape's options for `applies::refuse_inapplicable`: each needs --gpus.
+    pub fn opts(&self) -> [Opt; 3] {
+        [
+            Opt::new("--vnodes", self.vnodes.is_some(), Rule::ANY.gpus()),
+            Opt::new(
+                "--nccl-node-size",
+                self.nccl_node_size.is_some(),
+                Rule::ANY.gpus(),
+            ),
+            Opt::new("--node-size", self.node_size.is_some(), Rule::ANY.gpus()),
+        ]
+    }
+
     /// Whether any of the shape's options was given (they all need --gpus).
     pub fn any(&self) -> bool {
         self.vnodes.is_some() || self.node_size.is_some() || self.nccl_node_size.is_some()
