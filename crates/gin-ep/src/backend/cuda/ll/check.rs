@@ -60,12 +60,28 @@ struct Expected {
     y_mine: Vec<bf16>,
 }
 
+/// Rank `r`'s expert outputs `[L, R*T, H]` for one iteration: the workload's random values
+/// in the rows its experts received (`recv_count`), a fixed non-zero pattern in the others,
+/// which no operation may read (one that does shows in the combine). Drawing random values
+/// for every row cost most of the check's host time: the peers' shape holds 32,768 rows of
+/// 7,168 per rank, of which about 1,000 receive tokens.
+fn expert_outputs(wy: &Workload, cfg: &EpConfig, r: usize, recv_count: &[usize]) -> Vec<bf16> {
+    const UNREAD: [f32; 8] = [0.75, -1.25, 0.5, 1.5, -0.25, 1.0, -1.75, 0.125];
+    let (h, cap) = (cfg.hidden, cfg.ranks * cfg.max_tokens_per_rank);
+    let pattern: Vec<bf16> = (0..h).map(|c| bf16::from_f32(UNREAD[c % UNREAD.len()])).collect();
+    let mut y = pattern.repeat(LlLayout::out_rows(cfg));
+    for (e, &n) in recv_count.iter().enumerate() {
+        let rows = &mut y[e * cap * h..(e * cap + n) * h];
+        rows.copy_from_slice(&wy.bf16_values(r, 31 + ((e as u64 + 1) << 20), n * h));
+    }
+    y
+}
+
 fn expected(case: &Case, ins: &[RankInput], wy: &Workload, me: usize) -> Result<Expected> {
     let cfg = &case.cfg;
     let want = crate::oracle::ll_dispatch(cfg, ins)?;
-    let rows = LlLayout::out_rows(cfg);
     let ys: Vec<Vec<bf16>> = (0..cfg.ranks)
-        .map(|r| wy.bf16_values(r, 31, rows * cfg.hidden))
+        .map(|r| expert_outputs(wy, cfg, r, &want[r].recv_count))
         .collect();
     let handles: Vec<LlHandle> = want.iter().map(|o| o.handle.clone()).collect();
     let idx: Vec<Vec<i64>> = ins.iter().map(|i| i.topk_idx.clone()).collect();
@@ -544,6 +560,52 @@ mod tests {
                 assert_eq!(case.tokens.len(), world);
                 assert!(case.tokens.iter().all(|&t| t <= case.cfg.max_tokens_per_rank));
             }
+        }
+    }
+
+    #[test]
+    fn expert_outputs_are_random_only_where_rows_were_received() {
+        // Both combine orders: the oracle reads only received rows, so the expected values
+        // do not depend on the pattern elsewhere, and the received rows differ per expert.
+        for order in [LlCombineOrder::Topk, LlCombineOrder::RankFirst] {
+            let cfg = EpConfig::new(2, 8, 256, 3, 16).with_ll_combine_order(order);
+            let case = Case {
+                cfg: cfg.clone(),
+                workload: Workload {
+                    routing: Routing::Zipf(1.1),
+                    seed: 9,
+                    mask_prob: 0.2,
+                },
+                tokens: vec![16, 11],
+                iters: 1,
+            };
+            let (ins, wy) = case_inputs(&case, 2);
+            let want = crate::oracle::ll_dispatch(&cfg, &ins).unwrap();
+            let (h, cap) = (cfg.hidden, cfg.ranks * cfg.max_tokens_per_rank);
+            let ys: Vec<Vec<bf16>> = (0..2)
+                .map(|r| expert_outputs(&wy, &cfg, r, &want[r].recv_count))
+                .collect();
+            let mut changed = ys.clone();
+            for (r, y) in changed.iter_mut().enumerate() {
+                for (e, &n) in want[r].recv_count.iter().enumerate() {
+                    assert!(n < cap, "every expert must leave rows unreceived for this test");
+                    for v in &mut y[(e * cap + n) * h..(e + 1) * cap * h] {
+                        *v = bf16::from_f32(-3.0);
+                    }
+                }
+            }
+            let handles: Vec<LlHandle> = want.iter().map(|o| o.handle.clone()).collect();
+            let idx: Vec<Vec<i64>> = ins.iter().map(|i| i.topk_idx.clone()).collect();
+            let wts: Vec<Vec<f32>> = ins.iter().map(|i| i.topk_weights.clone()).collect();
+            let a = crate::oracle::ll_combine(&cfg, &handles, &ys, &idx, &wts).unwrap();
+            let b = crate::oracle::ll_combine(&cfg, &handles, &changed, &idx, &wts).unwrap();
+            assert_eq!(a, b, "{order:?}");
+            assert!(a.iter().flatten().any(|v| v.to_f32() != 0.0));
+            let first_rows: Vec<&[bf16]> = (0..cfg.local_experts())
+                .filter(|&e| want[0].recv_count[e] > 0)
+                .map(|e| &ys[0][e * cap * h..e * cap * h + h])
+                .collect();
+            assert!(first_rows.len() >= 2 && first_rows[0] != first_rows[1]);
         }
     }
 
