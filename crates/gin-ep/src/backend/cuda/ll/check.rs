@@ -61,15 +61,28 @@ struct Expected {
 }
 
 /// Rank `r`'s expert outputs `[L, R*T, H]` for one iteration: the workload's random values
-/// in the rows its experts received (`recv_count`), a fixed non-zero pattern in the others,
-/// which no operation may read (one that does shows in the combine). Drawing random values
-/// for every row cost most of the check's host time: the peers' shape holds 32,768 rows of
-/// 7,168 per rank, of which about 1,000 receive tokens.
-fn expert_outputs(wy: &Workload, cfg: &EpConfig, r: usize, recv_count: &[usize]) -> Vec<bf16> {
+/// in the rows its experts received (`recv_count`). The other rows no operation may read:
+/// on the rank that uploads them (`uploaded`) they hold a fixed non-zero pattern, so a kernel
+/// that reads one shows in the combine; the oracle's copies of other ranks' outputs leave
+/// them zero (untouched pages; the oracle reads only received rows, tested). Drawing random
+/// values for every row, on every rank, cost most of the check's host time: the peers' shape
+/// holds 32,768 rows of 7,168 per rank, of which about 1,000 receive tokens.
+fn expert_outputs(
+    wy: &Workload,
+    cfg: &EpConfig,
+    r: usize,
+    recv_count: &[usize],
+    uploaded: bool,
+) -> Vec<bf16> {
     const UNREAD: [f32; 8] = [0.75, -1.25, 0.5, 1.5, -0.25, 1.0, -1.75, 0.125];
     let (h, cap) = (cfg.hidden, cfg.ranks * cfg.max_tokens_per_rank);
-    let pattern: Vec<bf16> = (0..h).map(|c| bf16::from_f32(UNREAD[c % UNREAD.len()])).collect();
-    let mut y = pattern.repeat(LlLayout::out_rows(cfg));
+    let mut y = if uploaded {
+        let pattern: Vec<bf16> = (0..h).map(|c| bf16::from_f32(UNREAD[c % UNREAD.len()])).collect();
+        pattern.repeat(LlLayout::out_rows(cfg))
+    } else {
+        // Zeroed by the allocator (u16 zeros): pages nobody writes are never touched.
+        bytemuck::allocation::cast_vec::<u16, bf16>(vec![0u16; LlLayout::out_rows(cfg) * h])
+    };
     for (e, &n) in recv_count.iter().enumerate() {
         let rows = &mut y[e * cap * h..(e * cap + n) * h];
         rows.copy_from_slice(&wy.bf16_values(r, 31 + ((e as u64 + 1) << 20), n * h));
@@ -81,7 +94,7 @@ fn expected(case: &Case, ins: &[RankInput], wy: &Workload, me: usize) -> Result<
     let cfg = &case.cfg;
     let want = crate::oracle::ll_dispatch(cfg, ins)?;
     let ys: Vec<Vec<bf16>> = (0..cfg.ranks)
-        .map(|r| expert_outputs(wy, cfg, r, &want[r].recv_count))
+        .map(|r| expert_outputs(wy, cfg, r, &want[r].recv_count, r == me))
         .collect();
     let handles: Vec<LlHandle> = want.iter().map(|o| o.handle.clone()).collect();
     let idx: Vec<Vec<i64>> = ins.iter().map(|i| i.topk_idx.clone()).collect();
@@ -583,7 +596,7 @@ mod tests {
             let want = crate::oracle::ll_dispatch(&cfg, &ins).unwrap();
             let (h, cap) = (cfg.hidden, cfg.ranks * cfg.max_tokens_per_rank);
             let ys: Vec<Vec<bf16>> = (0..2)
-                .map(|r| expert_outputs(&wy, &cfg, r, &want[r].recv_count))
+                .map(|r| expert_outputs(&wy, &cfg, r, &want[r].recv_count, r == 0))
                 .collect();
             let mut changed = ys.clone();
             for (r, y) in changed.iter_mut().enumerate() {
