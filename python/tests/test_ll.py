@@ -142,6 +142,8 @@ def ue8m0_worker(rank, world, hook_path, dev="cpu"):
     y = torch.zeros(local, world * T, hidden, dtype=torch.bfloat16, device=dev)
     out, _, _ = buf.low_latency_combine(y, idx, torch.ones(idx.shape, dtype=torch.float32, device=dev), handle)
     assert out.shape == (tokens[rank], hidden)
+    # Every rank done before rank 0's Buffer (which serves the store) goes.
+    dist.barrier()
 
 
 @pytest.mark.parametrize("hook_path", [False, True])
