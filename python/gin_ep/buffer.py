@@ -589,8 +589,7 @@ class Buffer(GpuPath):
         x0 = x[0] if isinstance(x, tuple) else x
         idx = _by_rank.routing_from_ranks(x0, is_token_in_rank, num_tokens_per_expert, topk_weights,
                                           self.group_size)
-        if expert_alignment < 1:
-            raise ValueError(f"expert_alignment = {expert_alignment}: must be at least 1")
+        # The dispatch below checks the other arguments (expert_alignment included).
         recv_x, _, _, _, handle, event = self.dispatch(
             x, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
             num_tokens_per_expert=num_tokens_per_expert, topk_idx=idx, expert_alignment=expert_alignment,

@@ -203,8 +203,7 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
         gpus::refuse_lsa_only(
             crate::applies::mode_name(a.mode),
             gpus,
-            a.shape.vnodes,
-            a.shape.node_size,
+            &a.shape,
             a.mode == Mode::Ll || a.shape.vnodes.is_none_or(|k| k <= 1),
         )?;
     }

@@ -9,7 +9,7 @@ use gin_ep::group::{first_failure, launch_ranks_env, RankExit};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-/// The launch shape of this command (`--vnodes`, `--node-size`), set once before relaunching.
+/// The launch shape of this command ([`LaunchShape`]), set once before relaunching.
 static TOPOLOGY: OnceLock<Topology> = OnceLock::new();
 
 /// How the ranks of a `--gpus N` launch are laid out, shared by `check`, `bench` and
@@ -72,13 +72,8 @@ pub fn set_topology(gpus: usize, shape: &LaunchShape) -> CliResult<usize> {
 /// when this host holds several NCCL nodes (`--vnodes K > 1` or `--nccl-node-size`: they load
 /// the project's plugin); otherwise the processes of one host share one NCCL node, where GIN
 /// has no network.
-pub fn refuse_lsa_only(
-    mode: &str,
-    gpus: usize,
-    vnodes: Option<usize>,
-    node_size: Option<usize>,
-    node_launch: bool,
-) -> CliResult {
+pub fn refuse_lsa_only(mode: &str, gpus: usize, shape: &LaunchShape, node_launch: bool) -> CliResult {
+    let (vnodes, node_size) = (shape.vnodes, shape.node_size);
     let why = if mode == "ll" {
         "LL crosses gin-ep nodes over GIN, which needs several NCCL nodes here (--vnodes K > 1, or \
          --nccl-node-size) to load the project's plugin"

@@ -64,7 +64,7 @@ pub fn max_per_iter(all: &[Vec<f64>]) -> Vec<Duration> {
 
 /// What FP8 benchmarks dispatch: prequantized e4m3 input (DeepEP's format) unless
 /// `GIN_EP_FP8_SOURCE=bf16` asks for quantization inside the kernel.
-pub fn bench_source(cfg: &EpConfig) -> DispatchSource {
+fn bench_source(cfg: &EpConfig) -> DispatchSource {
     if cfg.dispatch_dtype.is_fp8() && std::env::var("GIN_EP_FP8_SOURCE").map_or(true, |v| v != "bf16") {
         DispatchSource::Fp8
     } else {

@@ -82,9 +82,7 @@ fn per_rank<T: Send>(ranks: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
     })
 }
 
-/// Uploads one rank's dispatch input (`inp`) as `source` says (BF16, or FP8 quantized here);
-/// returns the number of tokens.
-pub fn upload_dispatch_input(
+fn upload_dispatch_input(
     ht: &CudaHt,
     rank: &CudaRank,
     cfg: &EpConfig,
@@ -116,11 +114,7 @@ fn upload_x(ht: &CudaHt, rank: &CudaRank, cfg: &EpConfig, x: &[bf16], source: Di
 /// into caller-owned memory, and the HtIo that makes a combine stage them into the window;
 /// keep the buffer alive while combines use it. Otherwise no buffer and no caller memory
 /// (the combine input already uploaded into the window).
-pub fn combine_input_io(
-    rank: &CudaRank,
-    exact: bool,
-    values: &[bf16],
-) -> Result<(Option<DeviceBuffer>, HtIo)> {
+fn combine_input_io(rank: &CudaRank, exact: bool, values: &[bf16]) -> Result<(Option<DeviceBuffer>, HtIo)> {
     if !exact {
         return Ok((None, HtIo::default()));
     }
