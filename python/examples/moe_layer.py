@@ -198,7 +198,7 @@ def _vnodes():
 
 def _nodes_text(world):
     k = _vnodes()
-    return f" ({world} NCCL nodes, {k} ranks per GPU, over GIN)" if k > 1 and DEVICE.type == "cuda" else ""
+    return f" ({world} NCCL nodes, {k} ranks per GPU, over GIN)" if k > 1 else ""
 
 
 def _enter_vnode(rank):
@@ -255,7 +255,10 @@ def _parse():
         p.error(f"--steps {a.steps!r}: expected train, decode or both")
     if a.world < 1:
         p.error(f"world {a.world}: expected at least 1 rank")
-    if _vnodes() > 1 and "train" in steps and _use_gpu(a.world):
+    if _vnodes() > 1 and not _use_gpu(a.world):
+        p.error(f"GIN_EP_VNODES={_vnodes()} places ranks on GPUs as NCCL nodes; this run has no GPUs for "
+                f"{a.world} ranks (or GIN_EP_EXAMPLE_CPU=1)")
+    if _vnodes() > 1 and "train" in steps:
         # HT reaches only ranks of one gin-ep node; LL crosses nodes over GIN.
         p.error("GIN_EP_VNODES > 1 puts every rank on its own node, and HT (the train step) does not cross "
                 "nodes yet: pass --steps decode")

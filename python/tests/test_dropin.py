@@ -193,7 +193,8 @@ def _shape_worker(rank, world):
     with pytest.raises(ValueError, match=r"`num_max_dispatch_tokens_per_rank` .*rank 0: 8, rank 1: 16"):
         buf.low_latency_dispatch(torch.zeros(2, 128, dtype=torch.bfloat16), idx, t, 4, use_fp8=False)
     # Rank 0's Buffer serves the store the shape exchange reads: keep it until every rank
-    # has read the last exchange (a rank that returned first dropped it under a peer once).
+    # has read the last exchange (a rank that returns first would close it under a peer still
+    # reading).
     dist.barrier()
 
 
