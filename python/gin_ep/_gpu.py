@@ -243,6 +243,14 @@ class Gpu:
         self.warned_slabs = False
         self.lls = {}
         self.ll_ranges = {}
+        self.comm = None
+
+    def comm_stream(self) -> torch.cuda.Stream:
+        """The Buffer's communication stream (DeepEP's `comm_stream`): HT calls with
+        `async_finish` or `previous_event` run on it."""
+        if self.comm is None:
+            self.comm = torch.cuda.Stream(device=self.device)
+        return self.comm
 
     # -------------------------------------------------------------- HT
 
@@ -358,3 +366,51 @@ class Gpu:
 
 def optional_event(async_finish: bool) -> Optional[CudaEvent]:
     return CudaEvent() if async_finish else None
+
+
+def _tensors(obj):
+    """The CUDA tensors in `obj` (a tensor, or tuples / lists of them and other values)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_cuda:
+            yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors(o)
+
+
+def on_comm_stream(comm_stream, previous_event, async_finish: bool, allocate_on_comm_stream: bool,
+                   inputs, op):
+    """Runs `op()` (an HT call or layout that returns a tuple ending with its `EventOverlap`)
+    as DeepEP runs it: on the Buffer's communication stream (`comm_stream()`), after `previous_event`
+    (else after everything queued on the current stream). With `async_finish` the returned
+    event is recorded on `comm` and the caller waits for it (`current_stream_wait`), so its
+    stream can run other work meanwhile (shared experts); without, the current stream waits
+    for `comm` before this returns. Inputs are recorded on `comm` and outputs on the current
+    stream, so the caching allocator reuses neither early.
+
+    Without `async_finish` and `previous_event` the call runs on the current stream directly
+    (the same order, without the stream switch's host time); under CUDA graph capture too."""
+    if allocate_on_comm_stream and (previous_event is None or not async_finish):
+        raise ValueError("allocate_on_comm_stream=True needs previous_event and async_finish=True "
+                         "(the outputs live on the communication stream until the event)")
+    ev = getattr(getattr(previous_event, "event", None), "event", None)
+    from .utils import EventOverlap
+    if (not async_finish and previous_event is None) or torch.cuda.is_current_stream_capturing():
+        if ev is not None:
+            torch.cuda.current_stream().wait_event(ev)
+        return op()[:-1] + (EventOverlap(optional_event(async_finish)),)
+    compute, comm = torch.cuda.current_stream(), comm_stream()
+    if ev is not None:
+        comm.wait_event(ev)
+    else:
+        comm.wait_stream(compute)
+    with torch.cuda.stream(comm):
+        out = op()
+        event = CudaEvent() if async_finish else None
+    for t in _tensors(inputs):
+        t.record_stream(comm)
+    for t in _tensors(out[:-1]):
+        t.record_stream(compute)
+    if not async_finish:
+        compute.wait_stream(comm)
+    return out[:-1] + (EventOverlap(event),)

@@ -20,10 +20,10 @@ class GpuPath:
     """Mixed into `Buffer`: `self._gpu` is the Buffer's `_gpu.Gpu`, created on first use."""
 
     def _gpu_dispatch(self, x, handle, num_tokens_per_expert, is_token_in_rank, topk_idx, topk_weights,
-                      expert_alignment, num_worst_tokens, config, previous_event, async_finish):
+                      expert_alignment, num_worst_tokens, config):
+        """HT dispatch on the current stream; the last entry (the event) is left to
+        `_gpu.on_comm_stream`, which chooses the stream."""
         g = self._gpu
-        if previous_event is not None:
-            previous_event.current_stream_wait()
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         fp8 = x_scales is not None
         form = None
@@ -57,7 +57,7 @@ class GpuPath:
             worst = max(num_worst_tokens, st.num_worst_tokens)
             if worst:
                 recv = tuple(_pad_rows(t, worst) for t in recv) if fp8 else _pad_rows(recv, worst)
-            return recv, None, None, None, None, EventOverlap(_gpu.optional_event(async_finish))
+            return recv, None, None, None, None, None
 
         if num_tokens_per_expert is None:
             raise ValueError("dispatch: num_tokens_per_expert is required (from get_dispatch_layout); "
@@ -115,13 +115,10 @@ class GpuPath:
             counts = []
         st = HtState(h, native, experts, k, max_tokens, hidden, fp8, num_worst_tokens)
         handle = (st, None, None, recv_src_idx, in_rank, None)
-        return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, \
-            EventOverlap(_gpu.optional_event(async_finish))
+        return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, None
 
-    def _gpu_combine(self, x, handle, topk_weights, bias, previous_event, async_finish):
-        g = self._gpu
-        if previous_event is not None:
-            previous_event.current_stream_wait()
+    def _gpu_combine(self, x, handle, topk_weights, bias):
+        """HT combine on the current stream; the event is left to `_gpu.on_comm_stream`."""
         st = state_of(handle, HtState, True, "dispatch")
         _gpu.check_cuda("x", x, torch.bfloat16, dim=2)
         if x.shape[0] < st.num_recv or x.shape[1] != st.hidden:
@@ -153,7 +150,7 @@ class GpuPath:
         h.ht_combine(_gpu.span(xr), st.native, topk_weights=_gpu.span(w), bias_0=_gpu.span(biases[0]),
                      bias_1=_gpu.span(biases[1]), out_x=_gpu.span(combined_x), out_w=_gpu.span(combined_w),
                      stream=s)
-        return combined_x, combined_w, EventOverlap(_gpu.optional_event(async_finish))
+        return combined_x, combined_w, None
 
     def _gpu_ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                          cumulative_local_expert_recv_stats, use_fp8, round_scale, async_finish,

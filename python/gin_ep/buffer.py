@@ -140,6 +140,7 @@ class Buffer(GpuPath):
         self.runtime = None
         self._server = None
         self._gpu = None
+        self._early_comm = None
         # The group only bootstraps: each call runs where its tensors live (CUDA tensors on
         # gin-ep's CUDA kernels, CPU tensors on the host backend), whatever the backend. An
         # NCCL group starts the CUDA rank now (NCCL groups carry CUDA tensors); any other
@@ -324,11 +325,22 @@ class Buffer(GpuPath):
         return Config(Buffer.num_sms, 6, 256, 6, 128)
 
     def get_comm_stream(self):
-        """The CUDA stream gin-ep's GPU operations run on: the caller's current stream
-        (gin-ep has no stream of its own, so waiting on it orders nothing extra)."""
+        """The communication stream (DeepEP's): GPU HT calls with `async_finish=True` or a
+        `previous_event` run on it (see `_gpu.on_comm_stream`)."""
         if not torch.cuda.is_available():
             raise _unsupported("get_comm_stream without CUDA (the host backend has no stream)")
-        return torch.cuda.current_stream()
+        return self._comm_stream()
+
+    def _comm_stream(self) -> "torch.cuda.Stream":
+        """The communication stream: the CUDA rank's, or (before it starts) one of the
+        Buffer's own on the current device, which the CUDA rank then takes over."""
+        if self._gpu is not None:
+            if self._gpu.comm is None:
+                self._gpu.comm = self._early_comm
+            return self._gpu.comm_stream()
+        if self._early_comm is None:
+            self._early_comm = torch.cuda.Stream()
+        return self._early_comm
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None,
                                 offset: int = 0, use_rdma_buffer: bool = False) -> torch.Tensor:
@@ -451,11 +463,13 @@ class Buffer(GpuPath):
         refuse_keywords("get_dispatch_layout", deepep_only)
         # Torch operations on the device: no CUDA rank needed.
         if isinstance(topk_idx, torch.Tensor) and topk_idx.is_cuda:
-            if previous_event is not None:
-                previous_event.current_stream_wait()
             _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
-            per_rank, per_expert, in_rank = _gpu.layout(topk_idx, num_experts, self.group_size)
-            return per_rank, None, per_expert, in_rank, EventOverlap(_gpu.optional_event(async_finish))
+
+            def op():
+                per_rank, per_expert, in_rank = _gpu.layout(topk_idx, num_experts, self.group_size)
+                return per_rank, None, per_expert, in_rank, None
+            return _gpu.on_comm_stream(self._comm_stream, previous_event, async_finish, allocate_on_comm_stream,
+                                       (topk_idx,), op)
         self._on_gpu(topk_idx)
         check("topk_idx", topk_idx, None, dim=2)
         n, k = topk_idx.shape
@@ -520,10 +534,13 @@ class Buffer(GpuPath):
         if handle is None and topk_idx is None:
             return self._dispatch_by_rank(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                                           topk_weights, expert_alignment, num_worst_tokens, config,
-                                          previous_event, async_finish)
+                                          previous_event, async_finish, allocate_on_comm_stream)
         if self._on_gpu(x):
-            return self._gpu_dispatch(x, handle, num_tokens_per_expert, is_token_in_rank, topk_idx, topk_weights,
-                                      expert_alignment, num_worst_tokens, config, previous_event, async_finish)
+            return _gpu.on_comm_stream(
+                self._comm_stream, previous_event, async_finish, allocate_on_comm_stream,
+                (x, topk_idx, topk_weights, is_token_in_rank),
+                lambda: self._gpu_dispatch(x, handle, num_tokens_per_expert, is_token_in_rank, topk_idx,
+                                           topk_weights, expert_alignment, num_worst_tokens, config))
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         wire, wire_hidden, fp8 = self._ht_wire(x, x_scales)
         n = x.shape[0]
@@ -582,19 +599,26 @@ class Buffer(GpuPath):
         return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event
 
     def _dispatch_by_rank(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_weights,
-                          expert_alignment, num_worst_tokens, config, previous_event, async_finish):
+                          expert_alignment, num_worst_tokens, config, previous_event, async_finish,
+                          allocate_on_comm_stream):
         """DeepEP's dispatch without `topk_idx`: each token goes once to every rank
         `is_token_in_rank` names (see _by_rank.py); recv_topk_idx and recv_topk_weights are
         None, and the per-expert counts are the sums of the senders' num_tokens_per_expert."""
         x0 = x[0] if isinstance(x, tuple) else x
+        if previous_event is not None:
+            # The routing is derived on the current stream: after previous_event, and the
+            # dispatch then waits for it (an event captured after it).
+            previous_event.current_stream_wait()
         idx = _by_rank.routing_from_ranks(x0, is_token_in_rank, num_tokens_per_expert, topk_weights,
                                           self.group_size)
+        if previous_event is not None:
+            previous_event = self.capture()
         # The dispatch below checks the other arguments (expert_alignment included).
         recv_x, _, _, _, handle, event = self.dispatch(
             x, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
             num_tokens_per_expert=num_tokens_per_expert, topk_idx=idx, expert_alignment=expert_alignment,
             num_worst_tokens=num_worst_tokens, config=config, previous_event=previous_event,
-            async_finish=async_finish)
+            async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
         self._by_rank_calls += 1
         counts = [] if num_worst_tokens else _by_rank.recv_expert_counts(
             self.runtime, f"by-rank/{self._by_rank_calls}", self.rank, self.group_size, num_tokens_per_expert,
@@ -615,7 +639,9 @@ class Buffer(GpuPath):
         self._live()
         refuse_keywords("combine", deepep_only)
         if self._on_gpu(x):
-            return self._gpu_combine(x, handle, topk_weights, bias, previous_event, async_finish)
+            return _gpu.on_comm_stream(
+                self._comm_stream, previous_event, async_finish, allocate_on_comm_stream,
+                (x, topk_weights, bias), lambda: self._gpu_combine(x, handle, topk_weights, bias))
         st = _ht_state(handle)
         check("x", x, torch.bfloat16, dim=2)
         if x.shape[0] < st.num_recv:

@@ -667,6 +667,11 @@ impl PyEp {
         guard(|| self.ep.ht_region(which, slab).map_err(to_py))
     }
 
+    /// GPU: `(slots, bytes each)` of the HT layout slots (one per live HT handle at most).
+    fn ht_layout_slots(&self) -> PyResult<(usize, usize)> {
+        guard(|| self.ep.ht_layout_slots().map_err(to_py))
+    }
+
     /// GPU: copies the first `nbytes` of region `which` of the copy slab (slab 0) to the
     /// caller's `dst` `(data_ptr, nbytes)`.
     #[pyo3(signature = (which, dst, stream = 0))]

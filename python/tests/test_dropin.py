@@ -121,12 +121,12 @@ def _selection_worker(rank, world):
     assert buf._gpu is None and not _FakeGpu.made
     # CUDA tensors on a gloo group: the GPU path, its CUDA rank made once on first use.
     calls = []
-    buf._gpu_dispatch = lambda *a: calls.append("dispatch") or "gpu"
-    buf._gpu_combine = lambda *a: calls.append("combine") or "gpu"
+    buf._gpu_dispatch = lambda *a: calls.append("dispatch") or ("gpu", None)
+    buf._gpu_combine = lambda *a: calls.append("combine") or ("gpu", None)
     cuda_x = torch.zeros(1, 128, dtype=torch.bfloat16).as_subclass(_FakeCuda)
-    assert buf.dispatch(cuda_x, topk_idx=idx) == "gpu"
-    assert buf.dispatch((cuda_x, None), topk_idx=idx) == "gpu"
-    assert buf.combine(cuda_x, None) == "gpu"
+    assert buf.dispatch(cuda_x, topk_idx=idx)[0] == "gpu"
+    assert buf.dispatch((cuda_x, None), topk_idx=idx)[0] == "gpu"
+    assert buf.combine(cuda_x, None)[0] == "gpu"
     assert calls == ["dispatch", "dispatch", "combine"] and _FakeGpu.made == [(1, 0)]
     assert isinstance(buf._gpu, _FakeGpu)
     # Tensors elsewhere are refused, naming the device.

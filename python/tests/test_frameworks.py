@@ -262,7 +262,5 @@ def test_vllm_sequences_gpu(world, backend, fault_tolerance):
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
-@pytest.mark.xfail(strict=True, reason="the GPU path keeps one live HT handle per buffer; SGLang's "
-                   "two-batch overlap holds two (\"stale: a later fresh dispatch replaced its layout\")")
 def test_sglang_sequences_gpu(world, backend):
     _gpu_run(world, backend, _sglang_worker, False, "cuda")

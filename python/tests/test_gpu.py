@@ -141,10 +141,22 @@ def ht_worker(rank, world):
     # The handle's is_token_in_rank: the caller's when given, else derived from the layout.
     assert handle[4] is in_rank
     assert torch.equal(fhandle[4].cpu(), in_rank.cpu())
-    # A second fresh BF16 dispatch replaces the first one's layout: its handle is refused.
-    buf.dispatch(x.to(dev), num_tokens_per_expert=per_expert, topk_idx=idx.to(dev), topk_weights=w.to(dev))
-    with pytest.raises(ValueError, match="stale"):
-        buf.combine(y, handle)
+    # Later fresh dispatches take other layout slots: the first handle (still live) combines
+    # exactly as before, alongside the later ones (DeepEP keeps any number of handles).
+    later = [buf.dispatch(x.to(dev), num_tokens_per_expert=per_expert, topk_idx=idx.to(dev),
+                          topk_weights=w.to(dev))[4] for _ in range(2)]
+    out_x, out_w, _ = buf.combine(y, handle, topk_weights=recv_w,
+                                  bias=(b_of(rank, 0).to(dev), b_of(rank, 1).to(dev)))
+    same_bits("combined_x along the first handle after later dispatches", cpu(out_x),
+              from_bytes(cx, torch.bfloat16, (tokens[rank], HIDDEN)))
+    same_bits("combined_topk_weights along the first handle", cpu(out_w),
+              from_bytes(cw, torch.float32, (tokens[rank], TOPK)))
+    out_x, _, _ = buf.combine(y, later[0], topk_weights=recv_w,
+                              bias=(b_of(rank, 0).to(dev), b_of(rank, 1).to(dev)))
+    same_bits("combined_x along a later handle", cpu(out_x), from_bytes(cx, torch.bfloat16, (tokens[rank], HIDDEN)))
+    # The first handle, the FP8 dispatch's and the two later ones each hold a layout slot.
+    assert handle[0].ep.ht_layout_slots()[0] >= 3, handle[0].ep.ht_layout_slots()
+    del later
 
     # Lent receive slabs (Buffer's default ht_recv_slabs=2): the first BF16 dispatch and the
     # cached one were received into slabs 1 and 2 and returned as tensors over them; the

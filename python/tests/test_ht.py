@@ -1,7 +1,8 @@
 """HT dispatch/combine of gin_ep.Buffer on 2 and 4 gloo processes, bit for bit
 against gin-ep's oracle: layout, BF16 and FP8 dispatch, cached dispatch, combine with
 weights and biases, num_worst_tokens, events; dispatch without topk_idx (routing by
-is_token_in_rank alone) on the host backend and, with 2 GPUs, on the GPU path."""
+is_token_in_rank alone) on the host backend and, with 2 GPUs, on the GPU path; on GPUs, the
+communication stream (`previous_event`, `async_finish`)."""
 
 import pytest
 import torch
@@ -268,3 +269,59 @@ def test_ht_scale_forms_gpu():
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     _dist.run(2, scale_forms_worker, "cuda")
+
+
+def comm_stream_worker(rank, world):
+    """GPU: HT calls given `previous_event` and `async_finish=True` run on the Buffer's
+    communication stream, as DeepEP's: they finish while the caller's stream is still busy
+    (the overlap frameworks use for shared experts), and their results are those of the same
+    calls on the caller's stream once the event is waited for."""
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    experts = 4 * world
+    inputs = routing(world, [n + 64 for n in tokens_of(world)], HIDDEN, TOPK, experts, seed=77 + world)
+    x, idx, w = (t.to(dev) for t in inputs[rank])
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=1 << 24, explicitly_destroy=True)
+    comm = buf.get_comm_stream()
+    assert comm != torch.cuda.current_stream()
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=idx, topk_weights=w)
+    ref = buf.dispatch(x, **args)
+    ref_x = ref[0].clone()
+    ref_comb = buf.combine(ref_x, ref[4])[0].clone()
+    torch.cuda.synchronize()
+    dist.barrier()
+
+    def busy_caller():
+        """An event of the caller's stream, then about half a second of GPU work queued on it."""
+        prev = buf.capture()
+        torch.cuda._sleep(1 << 30)
+        return prev
+
+    out = buf.dispatch(x, **args, previous_event=busy_caller(), async_finish=True, allocate_on_comm_stream=True)
+    out[5].event.synchronize()
+    assert not torch.cuda.current_stream().query(), "the dispatch waited for the caller's stream"
+    out[5].current_stream_wait()
+    same_bits("recv_x on the communication stream", out[0].cpu(), ref_x.cpu())
+    comb, _, ev = buf.combine(out[0], out[4], previous_event=busy_caller(), async_finish=True)
+    ev.event.synchronize()
+    assert not torch.cuda.current_stream().query(), "the combine waited for the caller's stream"
+    ev.current_stream_wait()
+    same_bits("combined on the communication stream", comb.cpu(), ref_comb.cpu())
+    # Without async_finish the caller's stream is ordered after the call, as DeepEP's.
+    comb2, _, ev2 = buf.combine(out[0], out[4], previous_event=buf.capture())
+    assert ev2.event is None
+    same_bits("combined, synchronous", comb2.cpu(), ref_comb.cpu())
+    with pytest.raises(ValueError, match="allocate_on_comm_stream"):
+        buf.combine(out[0], out[4], allocate_on_comm_stream=True)
+    torch.cuda.synchronize()
+    dist.barrier()
+    buf.destroy()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_comm_stream_gpu(world):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPU(s)")
+    _dist.run(world, comm_stream_worker)

@@ -27,9 +27,11 @@
 //! handle is valid until dispatch `n + 2` reuses the set; a combine with an older handle is
 //! refused with [`Error::StaleHandle`] instead of reading rows a later dispatch overwrote; so
 //! is an LL handle of another `Ep`, and a receive half ([`LlHalf`]) with no send half waiting
-//! for it. While a send half waits for its receive half, no operation may take its set. An HT handle of the host backend is plain routing data, valid on
-//! any host `Ep` whose config it fits; on the GPU it is valid on its own `Ep` until that
-//! `Ep`'s next fresh dispatch (the driver checks its generation).
+//! for it. While a send half waits for its receive half, no operation may take its set. An
+//! HT handle of the host backend is plain routing data, valid on any host `Ep` whose config
+//! it fits; on the GPU it is valid on its own `Ep` for as long as it lives: it holds the
+//! layout slot its dispatch wrote (any number of live handles; each slot is T x R x 4 bytes
+//! of send slots plus the plan, [`Ep::ht_layout_slots`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -635,6 +637,19 @@ impl Ep {
         match &mut self.state().engine {
             Engine::Cuda(c) => c.ht_region(which, slab),
             Engine::Host(_) => Err(Error::input("HT region", "the host backend has no device window")),
+        }
+    }
+
+    /// GPU: the HT layout slots allocated and the device bytes of each. Each live HT handle
+    /// holds one (its send slots and plan); a fresh dispatch takes a free one or allocates
+    /// another, so the count is the most handles that were live at once.
+    pub fn ht_layout_slots(&self) -> Result<(usize, usize)> {
+        match &mut self.state().engine {
+            Engine::Cuda(c) => c.ht_layout_slots(),
+            Engine::Host(_) => Err(Error::input(
+                "HT layout slots",
+                "the host backend has no device window",
+            )),
         }
     }
 

@@ -2,7 +2,8 @@
 //! default variant and for each variant of a list.
 //!
 //! Owns: running a case through [`CudaHt`] (fresh and cached dispatch, combine, both
-//! sizings and dispatch sources, two receive slabs) and comparing each result through
+//! sizings and dispatch sources, two receive slabs, a combine along the previous
+//! iteration's handle after the next fresh dispatch) and comparing each result through
 //! `crate::check`. Never: decides what is correct, or prints.
 
 use std::time::Duration;
@@ -10,7 +11,7 @@ use std::time::Duration;
 use super::{case_inputs, combine_input_io, per_rank, upload_dispatch_input, upload_x};
 
 use crate::backend::cuda::ht::{
-    CombineExtras, CudaHt, DispatchSource, HtBuf, HtGpuOptions, HtIo, HtVariant, Sizing, POISON,
+    CombineExtras, CudaHt, DispatchSource, HtBuf, HtGpuHandle, HtGpuOptions, HtIo, HtVariant, Sizing, POISON,
 };
 use crate::backend::cuda::{CudaRank, CudaRankOptions};
 use crate::bench::BenchMode;
@@ -141,6 +142,8 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
     let me = group.rank();
     let mut ht = CudaHt::new(rank, cfg, opts)?;
     let res = (|| -> Result<()> {
+        // The last iteration's handle, kept alive across the next fresh dispatch.
+        let mut prev: Option<(usize, HtGpuHandle, Vec<HtDispatchOutput>, Sizing)> = None;
         for iter in 0..case.iters {
             let ctx = |e: Error, op: &str, sizing: Sizing, source: DispatchSource| {
                 match e {
@@ -249,59 +252,31 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
                 })?;
             }
 
-            // Combine with weights and (odd iterations) bias.
-            let handles: Vec<_> = want.iter().map(|o| o.handle.clone()).collect();
-            let with_bias = iter % 2 == 1;
-            let comb_in: Vec<HtCombineInput> = per_rank(cfg.ranks, |r| {
-                let nr = handles[r].num_recv();
-                HtCombineInput {
-                    x: w.bf16_values(r, 21, nr * cfg.hidden),
-                    topk_weights: Some(w.f32_values(r, 22, nr * cfg.topk)),
-                    bias: if with_bias {
-                        [
-                            Some(w.bf16_values(r, 23, case.tokens[r] * cfg.hidden)),
-                            Some(w.bf16_values(r, 24, case.tokens[r] * cfg.hidden)),
-                        ]
-                    } else {
-                        [None, None]
-                    },
-                }
-            });
-            let want_comb = oracle::ht_combine(cfg, &handles, &comb_in)?;
-            ht.poison(rank)?;
-            let c = &comb_in[me];
-            ht.upload_combine(
-                rank,
-                &c.x,
-                c.topk_weights.as_deref(),
-                [c.bias[0].as_deref(), c.bias[1].as_deref()],
-            )?;
-            // Exact sizing: the expert outputs come from caller-owned memory and are staged
-            // into the window during the combine (the Python path); the window's copy is
-            // poisoned first, so a row pulled before it was staged cannot pass.
-            let exact = sizing == Sizing::Exact;
-            if exact {
-                rank.memset_u8(ht.buffer(HtBuf::CombX)?, POISON)?;
-            }
-            let (staged, comb_io) = combine_input_io(rank, exact, &c.x)?;
-            ht.with_io(comb_io, |ht| {
-                ht.combine(
+            // The previous iteration's handle is still live: its combine, after this
+            // iteration's fresh dispatch took another layout slot, must still be exact.
+            if let Some((prev_iter, prev_handle, prev_want, prev_sizing)) = prev.take() {
+                combine_and_compare(
+                    &mut ht,
                     rank,
-                    &handle,
-                    CombineExtras {
-                        weights: true,
-                        bias: [with_bias, with_bias],
-                    },
-                    None,
+                    me,
+                    case,
+                    prev_iter,
+                    &prev_handle,
+                    &prev_want,
+                    prev_sizing,
                 )
-            })?;
-            if staged.is_some() {
-                rank.wait("staged combine")?;
+                .map_err(|e| {
+                    ctx(
+                        e,
+                        "HT combine along the previous iteration's handle",
+                        sizing,
+                        source,
+                    )
+                })?;
             }
-            drop(staged);
-            let got_comb = ht.download_combine(rank, &handle, true)?;
-            crate::check::ht_combine(me, &got_comb, &want_comb[me])
+            combine_and_compare(&mut ht, rank, me, case, iter, &handle, &want, sizing)
                 .map_err(|e| ctx(e, "HT combine", sizing, source))?;
+            prev = Some((iter, handle, want, sizing));
         }
         rank.wait("end of case")?;
         // Window deregistration is collective: everyone leaves the case together.
@@ -313,6 +288,74 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
         std::mem::forget(ht);
     }
     res
+}
+
+#[allow(clippy::too_many_arguments)]
+/// Combine with weights and (odd iterations) bias along `handle`, the dispatch of iteration
+/// `iter` whose oracle outputs are `want`, compared with the oracle.
+fn combine_and_compare(
+    ht: &mut CudaHt,
+    rank: &CudaRank,
+    me: usize,
+    case: &Case,
+    iter: usize,
+    handle: &HtGpuHandle,
+    want: &[HtDispatchOutput],
+    sizing: Sizing,
+) -> Result<()> {
+    let cfg = &case.cfg;
+    let w = case.values_workload(iter);
+    let handles: Vec<_> = want.iter().map(|o| o.handle.clone()).collect();
+    let with_bias = iter % 2 == 1;
+    let comb_in: Vec<HtCombineInput> = per_rank(cfg.ranks, |r| {
+        let nr = handles[r].num_recv();
+        HtCombineInput {
+            x: w.bf16_values(r, 21, nr * cfg.hidden),
+            topk_weights: Some(w.f32_values(r, 22, nr * cfg.topk)),
+            bias: if with_bias {
+                [
+                    Some(w.bf16_values(r, 23, case.tokens[r] * cfg.hidden)),
+                    Some(w.bf16_values(r, 24, case.tokens[r] * cfg.hidden)),
+                ]
+            } else {
+                [None, None]
+            },
+        }
+    });
+    let want_comb = oracle::ht_combine(cfg, &handles, &comb_in)?;
+    ht.poison(rank)?;
+    let c = &comb_in[me];
+    ht.upload_combine(
+        rank,
+        &c.x,
+        c.topk_weights.as_deref(),
+        [c.bias[0].as_deref(), c.bias[1].as_deref()],
+    )?;
+    // Exact sizing: the expert outputs come from caller-owned memory and are staged into
+    // the window during the combine (the Python path); the window's copy is poisoned
+    // first, so a row pulled before it was staged cannot pass.
+    let exact = sizing == Sizing::Exact;
+    if exact {
+        rank.memset_u8(ht.buffer(HtBuf::CombX)?, POISON)?;
+    }
+    let (staged, comb_io) = combine_input_io(rank, exact, &c.x)?;
+    ht.with_io(comb_io, |ht| {
+        ht.combine(
+            rank,
+            handle,
+            CombineExtras {
+                weights: true,
+                bias: [with_bias, with_bias],
+            },
+            None,
+        )
+    })?;
+    if staged.is_some() {
+        rank.wait("staged combine")?;
+    }
+    drop(staged);
+    let got_comb = ht.download_combine(rank, handle, true)?;
+    crate::check::ht_combine(me, &got_comb, &want_comb[me])
 }
 
 #[cfg(test)]

@@ -315,6 +315,12 @@ impl CudaEngine {
         Ok((r.device_ptr(), r.len()))
     }
 
+    /// HT layout slots allocated and the device bytes of each (see [`CudaHt::layout_slots`]).
+    pub fn ht_layout_slots(&mut self) -> Result<(usize, usize)> {
+        let (_, h) = self.ht()?;
+        Ok(h.layout_slots())
+    }
+
     /// Waits (bounded) for everything queued on `stream` and reports a failure a kernel
     /// recorded (the HT object's first, when there is one).
     pub fn sync(&mut self, stream: u64) -> Result<()> {

@@ -330,9 +330,10 @@ impl CudaHt {
         Ok(v)
     }
 
-    fn download_plan(&self, rank: &CudaRank) -> Result<Vec<u32>> {
+    /// The plan of layout slot `slot`.
+    fn download_plan(&self, rank: &CudaRank, slot: usize) -> Result<Vec<u32>> {
         let n = plan_words(&self.cfg);
-        self.download_vec(rank, self.plan.region().sub(0, n * 4)?, n)
+        self.download_vec(rank, self.slots[slot].plan.region().sub(0, n * 4)?, n)
     }
 
     /// The device memory of `which` (whole capacity; receive regions: those of the last
@@ -370,18 +371,18 @@ impl CudaHt {
             HtBuf::RecvSrc => w(s + l.recv_src, s + slab_end),
             HtBuf::CombX => w(l.comb_x, l.comb_w),
             HtBuf::CombW => w(l.comb_w, l.total.min(self.window.len())),
-            HtBuf::SendSlot => Ok(self.send_slot.region()),
+            HtBuf::SendSlot => Ok(self.slots[self.cur].send_slot.region()),
         }
     }
 
-    /// Rows per local expert of the last fresh dispatch, each rounded up to the config's
+    /// Rows per local expert of `handle`'s dispatch, each rounded up to the config's
     /// expert alignment. With exact sizing the host already waited for the layout kernel,
-    /// which left them in host-mapped memory: no wait for the dispatch. Otherwise waits
-    /// (bounded) for the stream.
+    /// which left the last fresh dispatch's in host-mapped memory: no wait for the dispatch.
+    /// Otherwise (static sizing, or an earlier dispatch) waits (bounded) for the stream.
     pub fn recv_counts(&mut self, rank: &CudaRank, handle: &HtGpuHandle) -> Result<Vec<usize>> {
-        self.check_handle(handle)?;
+        let slot = self.check_handle(handle)?;
         let l_n = self.cfg.local_experts();
-        if handle.num_recv.is_some() {
+        if handle.num_recv.is_some() && handle.generation == self.generation {
             return Ok(self
                 .counts_host
                 .read_prefix::<u32>(l_n)
@@ -391,14 +392,23 @@ impl CudaHt {
         }
         self.sync(rank)?;
         let (r_n, e_n) = (self.cfg.ranks, self.cfg.experts);
-        let plan = self.download_plan(rank)?;
+        let plan = self.download_plan(rank, slot)?;
         let at = PLAN_HEAD + (r_n + 1) + 2 * r_n + e_n + l_n;
         Ok(plan[at..at + l_n].iter().map(|&v| v as usize).collect())
     }
 
-    /// Receive rows of the last dispatch after [`CudaHt::sync`].
+    /// Receive rows of the last fresh dispatch after [`CudaHt::sync`].
     pub fn num_recv(&self) -> usize {
         self.plan_host.read()[super::abi::K_PLAN_NUM_RECV as usize] as usize
+    }
+
+    /// Receive rows of `handle`'s dispatch (after [`CudaHt::sync`] with static sizing).
+    fn handle_recv(&self, rank: &CudaRank, handle: &HtGpuHandle, slot: usize) -> Result<usize> {
+        match handle.num_recv {
+            Some(nr) => Ok(nr),
+            None if handle.generation == self.generation => Ok(self.num_recv()),
+            None => Ok(self.download_plan(rank, slot)?[super::abi::K_PLAN_NUM_RECV as usize] as usize),
+        }
     }
 
     /// The received rows (BF16 or FP8 + scales) of the last dispatch.
@@ -411,8 +421,8 @@ impl CudaHt {
     /// dispatch along `handle` left there, as long as no later dispatch named that slab.
     pub fn download_slab_x(&mut self, rank: &CudaRank, handle: &HtGpuHandle, slab: usize) -> Result<Rows> {
         self.sync(rank)?;
-        self.check_handle(handle)?;
-        let (h, nr) = (self.cfg.hidden, self.num_recv());
+        let slot = self.check_handle(handle)?;
+        let (h, nr) = (self.cfg.hidden, self.handle_recv(rank, handle, slot)?);
         let x = self.slab_buffer(HtBuf::RecvX, slab)?;
         Ok(if self.cfg.dispatch_dtype.is_fp8() {
             let spr = h / FP8_BLOCK;
@@ -426,18 +436,20 @@ impl CudaHt {
         })
     }
 
-    /// Everything a fresh dispatch produced, in the oracle's types.
+    /// Everything a fresh dispatch produced, in the oracle's types (its rows: those of the
+    /// last dispatch's slab, so call it before the next dispatch).
     pub fn download_dispatch(&mut self, rank: &CudaRank, handle: &HtGpuHandle) -> Result<HtDispatchOutput> {
         let recv_x = self.download_recv_x(rank, handle)?;
+        let slot = self.check_handle(handle)?;
         let (r_n, k, e_n, l_n) = (
             self.cfg.ranks,
             self.cfg.topk,
             self.cfg.experts,
             self.cfg.local_experts(),
         );
-        let nr = self.num_recv();
+        let nr = self.handle_recv(rank, handle, slot)?;
         let n = handle.num_tokens;
-        let plan = self.download_plan(rank)?;
+        let plan = self.download_plan(rank, slot)?;
         let mut at = PLAN_HEAD;
         let mut take = |len: usize| {
             let s = plan[at..at + len].to_vec();
@@ -450,8 +462,11 @@ impl CudaHt {
         let tokens_per_expert = take(e_n);
         let local: Vec<usize> = take(l_n).into_iter().map(|v| v as usize).collect();
         let aligned: Vec<usize> = take(l_n).into_iter().map(|v| v as usize).collect();
-        let send_slot: Vec<i32> =
-            self.download_vec(rank, self.send_slot.region().sub(0, n * r_n * 4)?, n * r_n)?;
+        let send_slot: Vec<i32> = self.download_vec(
+            rank,
+            self.slots[slot].send_slot.region().sub(0, n * r_n * 4)?,
+            n * r_n,
+        )?;
         let recv_topk_idx: Vec<i64> =
             self.download_vec(rank, self.buffer(HtBuf::RecvIdx)?.sub(0, nr * k * 8)?, nr * k)?;
         let recv_topk_weights: Vec<f32> =

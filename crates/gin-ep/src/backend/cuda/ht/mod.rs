@@ -12,6 +12,12 @@
 //! window and buffers and are valid until the next call. After any error the object refuses
 //! further operations (peers may be stuck in a kernel that will never pair).
 //!
+//! Handles: each fresh dispatch writes its layout (send slots and plan) into a layout slot
+//! no live handle holds, so any number of handles stay usable at once (DeepEP allows it:
+//! two-batch overlap keeps two, training one per layer for backward). A slot is freed when
+//! the last clone of its handle is dropped and reused by a later fresh dispatch, in stream
+//! order: work queued with the handle on another stream must be waited for first.
+//!
 //! The window layout is in [`layout`], the kernel variants in [`variant`], copies in and
 //! out and caller-owned memory in [`io`]. The GPU check and benchmark of this driver are in
 //! `crate::gpu`; nothing here imports them.
@@ -37,6 +43,7 @@ use crate::error::{Error, Result};
 use crate::group::vnodes::RankTopology;
 use io::io_or;
 use layout::{check_recv_slabs, LAYOUT_TILE};
+use std::sync::Arc;
 
 pub mod io;
 pub mod layout;
@@ -153,13 +160,43 @@ pub struct CombineExtras {
     pub bias: [bool; 2],
 }
 
-/// A fresh dispatch's handle: valid until the next fresh dispatch of the same [`CudaHt`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A fresh dispatch's handle: valid for cached dispatches and combines for as long as it
+/// (or a clone) lives; it holds its layout slot.
+#[derive(Clone, Debug)]
 pub struct HtGpuHandle {
     generation: u64,
+    slot: usize,
+    /// Shared with the slot: the slot is free when the slot's is the only reference.
+    hold: Arc<()>,
     pub num_tokens: usize,
     /// Known at once with [`Sizing::Exact`], after [`CudaHt::sync`] otherwise.
     pub num_recv: Option<usize>,
+}
+
+/// The layout of one fresh dispatch (device memory its cached dispatches and combine read):
+/// send slots `[T][R]` and the plan (status head, then offsets and counts).
+struct LayoutSlot {
+    send_slot: DeviceBuffer,
+    plan: DeviceBuffer,
+    /// The fresh dispatch that wrote it last.
+    generation: u64,
+    /// One reference here, one per live handle clone.
+    hold: Arc<()>,
+}
+
+impl LayoutSlot {
+    fn new(rank: &CudaRank, cfg: &EpConfig) -> Result<LayoutSlot> {
+        Ok(LayoutSlot {
+            send_slot: rank.alloc((cfg.max_tokens_per_rank * cfg.ranks * 4).max(16))?,
+            plan: rank.alloc((plan_words(cfg) * 4).max(16))?,
+            generation: 0,
+            hold: Arc::new(()),
+        })
+    }
+
+    fn is_free(&self) -> bool {
+        Arc::strong_count(&self.hold) == 1
+    }
 }
 
 /// Events recorded around a dispatch's kernels: start, after layout + count exchange, end.
@@ -183,8 +220,10 @@ pub struct CudaHt {
     bias: [DeviceBuffer; 2],
     out_x: DeviceBuffer,
     out_w: DeviceBuffer,
-    send_slot: DeviceBuffer,
-    plan: DeviceBuffer,
+    /// Layouts of fresh dispatches; grows while every slot is held by a live handle.
+    slots: Vec<LayoutSlot>,
+    /// The slot of the last fresh dispatch.
+    cur: usize,
     scan: DeviceBuffer,
     stamps: DeviceBuffer,
     plan_host: HostMapped<[u32; 4]>,
@@ -220,7 +259,7 @@ impl CudaHt {
         })?;
         let fabric = NodeFabric::new(rank, &window, &dev_comm, &RankTopology::from_env()?, "HT", true)?;
         let me = fabric.rank as usize;
-        let (t, h, k, r) = (cfg.max_tokens_per_rank, cfg.hidden, cfg.topk, cfg.ranks);
+        let (t, h, k) = (cfg.max_tokens_per_rank, cfg.hidden, cfg.topk);
         let alloc = |n: usize| rank.alloc(n.max(16));
         rank.set_max_smem(names::HT_LAYOUT_COUNT, layout_smem_bytes(cfg))?;
         let stamps = alloc(STAMP_WORDS * 8)?;
@@ -237,8 +276,8 @@ impl CudaHt {
             bias: [alloc(t * h * 2)?, alloc(t * h * 2)?],
             out_x: alloc(t * h * 2)?,
             out_w: alloc(t * k * 4)?,
-            send_slot: alloc(t * r * 4)?,
-            plan: alloc(plan_words(cfg) * 4)?,
+            slots: vec![LayoutSlot::new(rank, cfg)?],
+            cur: 0,
             plan_host: rank.host_mapped()?,
             counts_host: rank.host_mapped()?,
             fail_host: rank.host_mapped()?,
@@ -320,9 +359,11 @@ impl CudaHt {
         Err(e)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn args(
         &self,
         rank: &CudaRank,
+        slot: usize,
         num_tokens: usize,
         dtype: u32,
         flags: u32,
@@ -357,8 +398,8 @@ impl CudaHt {
             bias1: io_or(self.io.bias1, &self.bias[1]),
             out_x: io_or(self.io.out_x, &self.out_x),
             out_w: io_or(self.io.out_w, &self.out_w),
-            send_slot: self.send_slot.region().ptr,
-            plan: self.plan.region().ptr,
+            send_slot: self.slots[slot].send_slot.region().ptr,
+            plan: self.slots[slot].plan.region().ptr,
             plan_host: self.plan_host.dev,
             err: rank.fabric_err_dev(),
             seq: self.seq,
@@ -468,10 +509,27 @@ impl CudaHt {
         }
         let dtype = self.dtype_code(source)?;
         self.check_io(num_tokens, dtype)?;
+        let slot = match self.slots.iter().position(LayoutSlot::is_free) {
+            Some(i) => i,
+            None => {
+                self.slots.push(LayoutSlot::new(rank, &self.cfg)?);
+                self.slots.len() - 1
+            }
+        };
         self.seq += 1;
         self.generation += 1;
+        self.cur = slot;
+        self.slots[slot].generation = self.generation;
         self.plan_host.write([u32::MAX, 0, 0, 0]);
-        let args = self.args(rank, num_tokens, dtype, 0, 0, self.opts.variant.dispatch_chunk);
+        let args = self.args(
+            rank,
+            slot,
+            num_tokens,
+            dtype,
+            0,
+            0,
+            self.opts.variant.dispatch_chunk,
+        );
         let launched = (|| {
             if let Some(ev) = events {
                 rank.record(ev.start)?;
@@ -528,19 +586,32 @@ impl CudaHt {
         self.last_slab = self.io.recv_slab;
         Ok(HtGpuHandle {
             generation: self.generation,
+            slot,
+            hold: Arc::clone(&self.slots[slot].hold),
             num_tokens,
             num_recv,
         })
     }
 
-    fn check_handle(&self, handle: &HtGpuHandle) -> Result<()> {
-        if handle.generation != self.generation {
-            return Err(Error::input(
+    /// The handle's layout slot, after checking the handle is this object's (a slot is
+    /// reused only once no handle holds it, so a live handle's slot is still its own).
+    fn check_handle(&self, handle: &HtGpuHandle) -> Result<usize> {
+        match self.slots.get(handle.slot) {
+            Some(s) if s.generation == handle.generation && Arc::ptr_eq(&s.hold, &handle.hold) => {
+                Ok(handle.slot)
+            }
+            _ => Err(Error::input(
                 format!("HT handle of rank {}", self.me),
-                "stale: a later fresh dispatch replaced its layout (one handle at a time)",
-            ));
+                "not a dispatch of this HT object",
+            )),
         }
-        Ok(())
+    }
+
+    /// Layout slots allocated (each holds one live handle's layout, or is free for the next
+    /// fresh dispatch) and the device bytes of one.
+    pub fn layout_slots(&self) -> (usize, usize) {
+        let s = &self.slots[0];
+        (self.slots.len(), s.send_slot.len() + s.plan.len())
     }
 
     /// Cached dispatch: the activations in the input buffer go where the handle's dispatch
@@ -553,13 +624,14 @@ impl CudaHt {
         events: Option<(&Event, &Event)>,
     ) -> Result<()> {
         self.usable()?;
-        self.check_handle(handle)?;
+        let slot = self.check_handle(handle)?;
         let dtype = self.dtype_code(source)?;
         self.check_io(handle.num_tokens, dtype)?;
         self.seq += 1;
         self.bar_epoch += 1;
         let args = self.args(
             rank,
+            slot,
             handle.num_tokens,
             dtype,
             FLAG_CACHED,
@@ -597,7 +669,7 @@ impl CudaHt {
         events: Option<(&Event, &Event)>,
     ) -> Result<()> {
         self.usable()?;
-        self.check_handle(handle)?;
+        let slot = self.check_handle(handle)?;
         self.check_io(handle.num_tokens, DTYPE_BF16)?;
         let mut flags = 0;
         let mut grid = self.grid();
@@ -642,6 +714,7 @@ impl CudaHt {
         }
         let args = self.args(
             rank,
+            slot,
             handle.num_tokens,
             DTYPE_BF16,
             flags,
