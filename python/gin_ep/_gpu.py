@@ -240,6 +240,7 @@ class Gpu:
         self.hts = {}
         self.ht_free = {}
         self.ht_slabs = {}
+        self.ht_sms = {}
         self.warned_slabs = False
         self.lls = {}
         self.ll_ranges = {}
@@ -262,12 +263,23 @@ class Gpu:
         if h is None:
             cfg = _native.EpConfig(self.group_size, experts, hidden, topk, max_tokens, "fp8" if fp8 else "bf16")
             self.agree.check("an HT window of the GPU path", {**fields_of(cfg, False), "ht_recv_slabs": lend_slabs})
+            # DeepEP's Config.num_sms: every CTA of the operation, the combine's staging
+            # CTAs included (ht_sms_total).
             h = _native.Ep(self.runtime, cfg, ht=True, ll=False, timeout_s=self.timeout_s, gpu=self.rank_gpu,
-                           ht_sms=num_sms, ht_recv_slabs=1 + lend_slabs, ht_exact=True)
+                           ht_sms=num_sms, ht_recv_slabs=1 + lend_slabs, ht_exact=True, ht_sms_total=True)
             self.hts[key] = h
             self.ht_free[h] = list(range(lend_slabs, 0, -1))
             self.ht_slabs[h] = lend_slabs
+            self.ht_sms[h] = num_sms
+        self.ht_tune(h, num_sms)
         return h
+
+    def ht_tune(self, h, num_sms: int) -> None:
+        """Runs `h`'s next HT operations on `num_sms` CTAs (Config.num_sms, at most the
+        kernels' 128)."""
+        if self.ht_sms[h] != num_sms:
+            h.ht_set_sms(num_sms)
+            self.ht_sms[h] = num_sms
 
     def ht_lend(self, h) -> Optional[SlabLease]:
         """A free receive slab of `h` for the next dispatch, or None (copy the rows out)."""

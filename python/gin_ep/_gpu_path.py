@@ -42,6 +42,7 @@ class GpuPath:
         if handle is not None:
             assert topk_idx is None and topk_weights is None
             st = state_of(handle, HtState, True, "dispatch")
+            g.ht_tune(st.ep, self._ht_sms(config))
             if st.fp8 != fp8:
                 raise _unsupported("cached dispatch with another dtype (BF16 vs FP8) than the handle's dispatch")
             xin, x_scales = xin.contiguous(), (x_scales.contiguous() if fp8 else None)
@@ -77,8 +78,7 @@ class GpuPath:
         if n > max_tokens:
             raise ValueError(f"{n} tokens exceed the {max_tokens} tokens per rank this Buffer holds for HT "
                              f"(num_nvl_bytes = {self.num_nvl_bytes}; raise it or pass max_tokens_per_rank=)")
-        num_sms = (config.num_sms if config is not None else type(self).num_sms)
-        h = g.ht(hidden, k, experts, max_tokens, fp8, max(1, min(num_sms, 128)), self._ht_recv_slabs)
+        h = g.ht(hidden, k, experts, max_tokens, fp8, self._ht_sms(config), self._ht_recv_slabs)
         idx = _gpu.as_i64(topk_idx)
         xin, x_scales = xin.contiguous(), (x_scales.contiguous() if fp8 else None)
         # The kernels read x, scales, ids and weights from these tensors (zero-copy) and
@@ -117,9 +117,15 @@ class GpuPath:
         handle = (st, None, None, recv_src_idx, in_rank, None)
         return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, None
 
-    def _gpu_combine(self, x, handle, topk_weights, bias):
+    def _ht_sms(self, config) -> int:
+        """CTAs of an HT operation: `config.num_sms` (DeepEP's: all of them, the combine's
+        staging included), else `Buffer.num_sms`; at most the kernels' 128."""
+        return max(1, min(config.num_sms if config is not None else type(self).num_sms, 128))
+
+    def _gpu_combine(self, x, handle, topk_weights, bias, config=None):
         """HT combine on the current stream; the event is left to `_gpu.on_comm_stream`."""
         st = state_of(handle, HtState, True, "dispatch")
+        self._gpu.ht_tune(st.ep, self._ht_sms(config))
         _gpu.check_cuda("x", x, torch.bfloat16, dim=2)
         if x.shape[0] < st.num_recv or x.shape[1] != st.hidden:
             raise ValueError(f"x: shape {tuple(x.shape)}, the dispatch received [{st.num_recv}, {st.hidden}]")

@@ -641,7 +641,7 @@ class Buffer(GpuPath):
         if self._on_gpu(x):
             return _gpu.on_comm_stream(
                 self._comm_stream, previous_event, async_finish, allocate_on_comm_stream,
-                (x, topk_weights, bias), lambda: self._gpu_combine(x, handle, topk_weights, bias))
+                (x, topk_weights, bias), lambda: self._gpu_combine(x, handle, topk_weights, bias, config))
         st = _ht_state(handle)
         check("x", x, torch.bfloat16, dim=2)
         if x.shape[0] < st.num_recv:

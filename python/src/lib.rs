@@ -452,7 +452,7 @@ impl PyEp {
     /// in the same order (host: maps every rank's shared-memory heap; GPU: the windows).
     #[new]
     #[pyo3(signature = (group, config, ht = true, ll = false, timeout_s = 100.0, gpu = None, ht_sms = ep::HT_DEFAULT_SMS,
-                        ht_recv_slabs = 1, ht_exact = true, ll_grid = None))]
+                        ht_recv_slabs = 1, ht_exact = true, ll_grid = None, ht_sms_total = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -466,6 +466,7 @@ impl PyEp {
         ht_recv_slabs: usize,
         ht_exact: bool,
         ll_grid: Option<u32>,
+        ht_sms_total: bool,
     ) -> PyResult<Self> {
         let opts = EpOptions {
             ht,
@@ -473,6 +474,7 @@ impl PyEp {
             timeout: duration(timeout_s)?,
             fault: None,
             ht_sms,
+            ht_sms_total,
             ht_recv_slabs,
             ht_exact,
             ll_grid,
@@ -665,6 +667,11 @@ impl PyEp {
     /// `send_slot` (`slab` ignored): the last fresh dispatch's `[N, R]` i32 slots.
     fn ht_region(&self, which: &str, slab: usize) -> PyResult<(u64, usize)> {
         guard(|| self.ep.ht_region(which, slab).map_err(to_py))
+    }
+
+    /// GPU: sets the HT kernels' CTA count for the next operations (every rank the same).
+    fn ht_set_sms(&self, num_sms: u32) -> PyResult<()> {
+        guard(|| self.ep.ht_set_sms(num_sms).map_err(to_py))
     }
 
     /// GPU: `(slots, bytes each)` of the HT layout slots (one per live HT handle at most).

@@ -73,6 +73,9 @@ pub struct EpOptions {
     pub fault: Option<Fault>,
     /// CUDA HT: CTAs of the dispatch and combine kernels, equal on every rank.
     pub ht_sms: u32,
+    /// CUDA HT: `ht_sms` counts the combine's staging CTAs too (DeepEP's `Config.num_sms`);
+    /// else they run beside them ([`HtGpuOptions::sms_total`]).
+    pub ht_sms_total: bool,
     /// CUDA HT: receive slabs, 1..=[`MAX_RECV_SLABS`], equal on every rank.
     pub ht_recv_slabs: usize,
     /// CUDA HT: receive counts known at once (exact) or after a host wait (static).
@@ -92,6 +95,7 @@ impl Default for EpOptions {
             timeout: Duration::from_secs(100),
             fault: None,
             ht_sms: HT_DEFAULT_SMS,
+            ht_sms_total: false,
             ht_recv_slabs: 1,
             ht_exact: true,
             ll_grid: None,
@@ -436,6 +440,7 @@ impl Ep {
                         Sizing::Static
                     },
                     recv_slabs: opts.ht_recv_slabs,
+                    sms_total: opts.ht_sms_total,
                     ..HtGpuOptions::default()
                 });
                 let ll = opts.ll.then_some(opts.ll_grid);
@@ -637,6 +642,16 @@ impl Ep {
         match &mut self.state().engine {
             Engine::Cuda(c) => c.ht_region(which, slab),
             Engine::Host(_) => Err(Error::input("HT region", "the host backend has no device window")),
+        }
+    }
+
+    /// GPU: sets the HT kernels' CTA count ([`EpOptions::ht_sms`]) for the next operations;
+    /// every rank must set the same between the same operations (kernels pair by block).
+    /// The host backend has no kernels: nothing to set.
+    pub fn ht_set_sms(&self, num_sms: u32) -> Result<()> {
+        match &mut self.state().engine {
+            Engine::Cuda(c) => c.ht_set_sms(num_sms),
+            Engine::Host(_) => Ok(()),
         }
     }
 

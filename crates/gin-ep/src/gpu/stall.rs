@@ -1,5 +1,8 @@
 //! The never-hang check on GPUs ([`stall_check`]): one rank never enters an operation, and
-//! every other rank must fail within its deadline naming it.
+//! every other rank must fail within its deadline naming it, or naming a rank that itself
+//! failed waiting (a chain that ends at the stalled rank: in LL's `rank-first` combine a rank
+//! waits for an expert rank's rows, and that expert rank for the stalled rank's weights; both
+//! deadlines run out together).
 //!
 //! Owns: the stalled operations ([`StallOp`]) and the verdict of each rank. Never: waits
 //! without a deadline (the stalled rank sleeps a bounded time).
@@ -91,7 +94,8 @@ impl StallOp {
 
 /// The never-hang check on GPUs: rank `stall` stays alive but never enters `op` (it sleeps
 /// through the others' deadlines), and every other rank must fail within its deadline with
-/// an error that names the stalled rank as the late peer. `timeout` is the host deadline
+/// an error that names the stalled rank as the late peer, or a peer whose own error leads
+/// there (the ranks compare what they named over the group's store). `timeout` is the host deadline
 /// (kernels get half of it). Returns, per rank, what it observed (the stalled rank: that it
 /// stalled); an error when a rank saw no failure, the wrong peer, or failed too late.
 pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) -> Result<String> {
@@ -107,7 +111,7 @@ pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) 
     let cfg = &case.cfg;
     let ins = case_inputs(&case, 0);
     if op.is_ll() {
-        return stall_check_ll(&rank, cfg, &ins[me], stall, op, timeout);
+        return stall_check_ll(group, &rank, cfg, &ins[me], stall, op, timeout);
     }
     let mut ht = CudaHt::new(&rank, cfg, HtGpuOptions::default())?;
     let n = upload_dispatch_input(&ht, &rank, cfg, &ins[me], DispatchSource::Bf16)?;
@@ -126,7 +130,7 @@ pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) 
         ht.combine(&rank, &handle, CombineExtras::default(), None)?;
         ht.sync(&rank)
     })();
-    let verdict = stall_verdict(me, stall, op, timeout, observed, t0.elapsed());
+    let verdict = stall_verdict(group, stall, op, timeout, observed, t0.elapsed());
     // Every rank's communicator saw (or caused) a failure: abort it rather than finalize,
     // and leave the window to the process's end (peers never join its collective release).
     rank.comm().mark_failed();
@@ -136,6 +140,7 @@ pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) 
 
 /// [`stall_check`] for the LL operations: one dispatch on set 0 (BF16), then one combine.
 fn stall_check_ll(
+    group: &Group,
     rank: &std::sync::Arc<CudaRank>,
     cfg: &EpConfig,
     inp: &RankInput,
@@ -160,7 +165,7 @@ fn stall_check_ll(
         ll.combine(0)?;
         rank.wait("LL combine")
     })();
-    let verdict = stall_verdict(me, stall, op, timeout, observed, t0.elapsed());
+    let verdict = stall_verdict(group, stall, op, timeout, observed, t0.elapsed());
     rank.comm().mark_failed();
     std::mem::forget(ll);
     verdict
@@ -234,47 +239,111 @@ pub fn kill_check_ll(group: &Group, victim: usize, iter: u64, timeout: Duration)
 }
 
 /// What one rank of a never-hang check observed: the stalled rank sleeps through the
-/// others' deadlines; every other rank must have failed in time, naming it.
+/// others' deadlines; every other rank must have failed in time, naming it or a rank whose
+/// own failure leads to it (see [`chain_to`]). Each rank publishes the peer it named (or
+/// that it named none in time) under the group's store, and reads the others' when its own
+/// peer was not the stalled rank.
 fn stall_verdict(
-    me: usize,
+    group: &Group,
     stall: usize,
     op: StallOp,
     timeout: Duration,
     observed: Result<()>,
     waited: Duration,
 ) -> Result<String> {
+    let me = group.rank();
+    let key = |r: usize| group.key(&format!("stall-verdict/{stall}/{}/named/{r}", op.name()));
     if me == stall {
         // A hung peer, not a dead one: alive and silent until the others have given up.
+        group.store().set(&key(me), b"stalled")?;
         std::thread::sleep(timeout + Duration::from_secs(2));
-        observed.map(|()| {
+        return observed.map(|()| {
             format!(
                 "rank {me}: never entered {}, slept through the deadlines",
                 op.name()
             )
-        })
-    } else {
-        match observed {
-            Ok(()) => Err(Error::Mismatch(format!(
-                "rank {me}: {} returned without an error although rank {stall} never entered it",
-                op.name()
-            ))),
-            Err(Error::Timeout { phase, peer, .. }) if peer == stall && waited <= timeout + Duration::from_secs(5) => {
-                Ok(format!(
-                    "rank {me}: failed after {:.1} s in {phase}, naming rank {peer} as the late peer",
-                    waited.as_secs_f64()
-                ))
-            }
-            Err(e) => Err(Error::Mismatch(format!(
-                "rank {me}: expected a deadline naming rank {stall} within {timeout:?}, got after {:.1} s: {e}",
-                waited.as_secs_f64()
-            ))),
-        }
+        });
     }
+    let in_time = waited <= timeout + Duration::from_secs(5);
+    let named = match &observed {
+        Err(Error::Timeout { peer, .. }) if in_time => Some(*peer),
+        _ => None,
+    };
+    let text = named.map_or_else(|| "none".to_string(), |p| p.to_string());
+    group.store().set(&key(me), text.as_bytes())?;
+    match (observed, named) {
+        (Ok(()), _) => Err(Error::Mismatch(format!(
+            "rank {me}: {} returned without an error although rank {stall} never entered it",
+            op.name()
+        ))),
+        (Err(Error::Timeout { phase, .. }), Some(peer)) => {
+            let secs = waited.as_secs_f64();
+            if peer == stall {
+                return Ok(format!(
+                    "rank {me}: failed after {secs:.1} s in {phase}, naming rank {peer} as the late peer"
+                ));
+            }
+            // Rank `peer` should itself have failed waiting: follow what each rank named.
+            let world = group.world();
+            let mut named_by = vec![None; world];
+            named_by[me] = Some(peer);
+            let (mut at, mut seen) = (peer, vec![me]);
+            while at != stall && at < world && !seen.contains(&at) {
+                seen.push(at);
+                let v = group.store().get(&key(at), timeout + Duration::from_secs(10))?;
+                named_by[at] = std::str::from_utf8(&v).ok().and_then(|t| t.parse().ok());
+                match named_by[at] {
+                    Some(next) => at = next,
+                    None => break,
+                }
+            }
+            match chain_to(&named_by, me, stall) {
+                Some(chain) => Ok(format!(
+                    "rank {me}: failed after {secs:.1} s in {phase}, naming rank {peer}, which itself failed                      waiting (chain {chain})"
+                )),
+                None => Err(Error::Mismatch(format!(
+                    "rank {me}: failed after {secs:.1} s in {phase} naming rank {peer}, whose failure does not                      lead to the stalled rank {stall} (named: {named_by:?})"
+                ))),
+            }
+        }
+        (Err(e), _) => Err(Error::Mismatch(format!(
+            "rank {me}: expected a deadline naming rank {stall} within {timeout:?}, got after {:.1} s: {e}",
+            waited.as_secs_f64()
+        ))),
+    }
+}
+
+/// The chain of peers from rank `from` to rank `stall` through `named` (the peer each rank's
+/// error named, None: none in time), as "from -> p -> stall"; None when it ends elsewhere or
+/// loops.
+fn chain_to(named: &[Option<usize>], from: usize, stall: usize) -> Option<String> {
+    let mut path = vec![from];
+    let mut at = from;
+    while at != stall {
+        at = named.get(at).copied().flatten()?;
+        if path.contains(&at) {
+            return None;
+        }
+        path.push(at);
+    }
+    Some(path.iter().map(usize::to_string).collect::<Vec<_>>().join(" -> "))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_chain_of_named_peers_must_end_at_the_stalled_rank() {
+        // rank-first combine, rank 3 stalled: ranks 0 and 2 named 3, rank 1 named 0.
+        let named = [Some(3), Some(0), Some(3), None];
+        assert_eq!(chain_to(&named, 1, 3).as_deref(), Some("1 -> 0 -> 3"));
+        assert_eq!(chain_to(&named, 0, 3).as_deref(), Some("0 -> 3"));
+        // Named a rank that named nobody in time, or a loop: no chain.
+        assert_eq!(chain_to(&[Some(2), None, None, None], 0, 3), None);
+        assert_eq!(chain_to(&[Some(1), Some(0), None, None], 0, 3), None);
+        assert_eq!(chain_to(&[Some(7), None], 0, 1), None);
+    }
 
     #[test]
     fn stall_ops_parse_their_names_and_refuse_others() {

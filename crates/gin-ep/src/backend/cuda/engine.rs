@@ -315,6 +315,12 @@ impl CudaEngine {
         Ok((r.device_ptr(), r.len()))
     }
 
+    /// Sets the HT kernels' CTA count (every rank the same, between operations).
+    pub fn ht_set_sms(&mut self, num_sms: u32) -> Result<()> {
+        let (_, h) = self.ht()?;
+        h.set_tuning(num_sms, h.options().variant)
+    }
+
     /// HT layout slots allocated and the device bytes of each (see [`CudaHt::layout_slots`]).
     pub fn ht_layout_slots(&mut self) -> Result<(usize, usize)> {
         let (_, h) = self.ht()?;
