@@ -263,10 +263,8 @@ class Gpu:
         if h is None:
             cfg = _native.EpConfig(self.group_size, experts, hidden, topk, max_tokens, "fp8" if fp8 else "bf16")
             self.agree.check("an HT window of the GPU path", {**fields_of(cfg, False), "ht_recv_slabs": lend_slabs})
-            # DeepEP's Config.num_sms: every CTA of the operation, the combine's staging
-            # CTAs included (ht_sms_total).
             h = _native.Ep(self.runtime, cfg, ht=True, ll=False, timeout_s=self.timeout_s, gpu=self.rank_gpu,
-                           ht_sms=num_sms, ht_recv_slabs=1 + lend_slabs, ht_exact=True, ht_sms_total=True)
+                           ht_sms=num_sms, ht_recv_slabs=1 + lend_slabs, ht_exact=True)
             self.hts[key] = h
             self.ht_free[h] = list(range(lend_slabs, 0, -1))
             self.ht_slabs[h] = lend_slabs

@@ -452,7 +452,7 @@ impl PyEp {
     /// in the same order (host: maps every rank's shared-memory heap; GPU: the windows).
     #[new]
     #[pyo3(signature = (group, config, ht = true, ll = false, timeout_s = 100.0, gpu = None, ht_sms = ep::HT_DEFAULT_SMS,
-                        ht_recv_slabs = 1, ht_exact = true, ll_grid = None, ht_sms_total = false))]
+                        ht_recv_slabs = 1, ht_exact = true, ll_grid = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -466,7 +466,6 @@ impl PyEp {
         ht_recv_slabs: usize,
         ht_exact: bool,
         ll_grid: Option<u32>,
-        ht_sms_total: bool,
     ) -> PyResult<Self> {
         let opts = EpOptions {
             ht,
@@ -474,7 +473,6 @@ impl PyEp {
             timeout: duration(timeout_s)?,
             fault: None,
             ht_sms,
-            ht_sms_total,
             ht_recv_slabs,
             ht_exact,
             ll_grid,

@@ -2,7 +2,7 @@
 against gin-ep's oracle: layout, BF16 and FP8 dispatch, cached dispatch, combine with
 weights and biases, num_worst_tokens, events; dispatch without topk_idx (routing by
 is_token_in_rank alone) on the host backend and, with 2 GPUs, on the GPU path; on GPUs, the
-communication stream (`previous_event`, `async_finish`)."""
+communication stream (`previous_event`, `async_finish`) and `Config.num_sms`."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import _dist
 from _inputs import quantize, routing, same_bits
-from gin_ep import Buffer, EventOverlap, _native
+from gin_ep import Buffer, Config, EventOverlap, _native
 from gin_ep._convert import from_bytes, to_bytes
 
 HIDDEN, TOPK = 256, 4
@@ -325,3 +325,40 @@ def test_comm_stream_gpu(world):
     if not torch.cuda.is_available() or torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPU(s)")
     _dist.run(world, comm_stream_worker)
+
+
+def num_sms_worker(rank, world):
+    """GPU: `Config.num_sms` sets each HT call's CTAs (the dispatch's, the combine's pulls),
+    switched between calls: dispatch, cached dispatch and combine give the same bits at any
+    budget (at 128 no CTA is left to stage the combine's rows: they are copied in first)."""
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    experts = 4 * world
+    inputs = routing(world, [n + 200 for n in tokens_of(world)], HIDDEN, TOPK, experts, seed=91 + world)
+    x, idx, w = (t.to(dev) for t in inputs[rank])
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=1 << 24, explicitly_destroy=True)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=idx, topk_weights=w)
+    ref = None
+    for sms in (24, 7, 2, 1, 128):
+        cfg = Config(sms)
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, **args, config=cfg)
+        cached = buf.dispatch(x, handle=handle, config=cfg)[0]
+        y = (recv_x.float() * 0.5 - 1).to(torch.bfloat16)
+        comb, comb_w, _ = buf.combine(y, handle, topk_weights=recv_w, config=cfg)
+        got = [t.cpu() for t in (recv_x, cached, comb, comb_w)]
+        if ref is None:
+            ref = got
+        for name, a, b in zip(("recv_x", "cached recv_x", "combined_x", "combined_topk_weights"), got, ref):
+            same_bits(f"{name} with num_sms={sms}", a, b)
+    torch.cuda.synchronize()
+    dist.barrier()
+    buf.destroy()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_num_sms_gpu(world):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPU(s)")
+    _dist.run(world, num_sms_worker)

@@ -73,9 +73,6 @@ pub struct EpOptions {
     pub fault: Option<Fault>,
     /// CUDA HT: CTAs of the dispatch and combine kernels, equal on every rank.
     pub ht_sms: u32,
-    /// CUDA HT: `ht_sms` counts the combine's staging CTAs too (DeepEP's `Config.num_sms`);
-    /// else they run beside them ([`HtGpuOptions::sms_total`]).
-    pub ht_sms_total: bool,
     /// CUDA HT: receive slabs, 1..=[`MAX_RECV_SLABS`], equal on every rank.
     pub ht_recv_slabs: usize,
     /// CUDA HT: receive counts known at once (exact) or after a host wait (static).
@@ -95,7 +92,6 @@ impl Default for EpOptions {
             timeout: Duration::from_secs(100),
             fault: None,
             ht_sms: HT_DEFAULT_SMS,
-            ht_sms_total: false,
             ht_recv_slabs: 1,
             ht_exact: true,
             ll_grid: None,
@@ -440,7 +436,6 @@ impl Ep {
                         Sizing::Static
                     },
                     recv_slabs: opts.ht_recv_slabs,
-                    sms_total: opts.ht_sms_total,
                     ..HtGpuOptions::default()
                 });
                 let ll = opts.ll.then_some(opts.ll_grid);

@@ -117,18 +117,6 @@ pub struct HtGpuOptions {
     /// dispatch lands in the slab its receiver names ([`HtIo::recv_slab`]), so the rows of
     /// earlier dispatches in other slabs stay intact while a caller still holds them.
     pub recv_slabs: usize,
-    /// `num_sms` is every CTA an operation runs (DeepEP's `Config.num_sms`): a combine that
-    /// stages caller-owned rows takes its staging CTAs out of it ([`staging_within`]) instead
-    /// of adding the variant's `stage_blocks`.
-    pub sms_total: bool,
-}
-
-/// Staging CTAs of a combine whose `num_sms` CTAs include them: a sixth (at least one),
-/// leaving the rest to pull. Measured on 4× H200 (4096 tokens, hidden 7168, BF16; pull +
-/// stage, combine kernel µs): 24 + 32 CTAs 502.5; 20 + 4 508.1; 18 + 6 523.2; 16 + 8 549.2;
-/// 12 + 12 679.7 (bench/log/2026-11-26-12.md). None below 2 CTAs: rows are copied in first.
-pub fn staging_within(num_sms: u32) -> Option<u32> {
-    (num_sms >= 2).then(|| (num_sms / 6).max(1))
 }
 
 impl Default for HtGpuOptions {
@@ -138,7 +126,6 @@ impl Default for HtGpuOptions {
             sizing: Sizing::Exact,
             variant: HtVariant::default(),
             recv_slabs: 1,
-            sms_total: false,
         }
     }
 }
@@ -686,8 +673,6 @@ impl CudaHt {
         self.check_io(handle.num_tokens, DTYPE_BF16)?;
         let mut flags = 0;
         let mut grid = self.grid();
-        // CTAs that pull rows from peers; the rest of the grid stages (FLAG_STAGE).
-        let mut pull = grid;
         if let Some(sp) = self.io.comb_x {
             let nr = handle.num_recv.ok_or_else(|| {
                 Error::input(
@@ -697,21 +682,13 @@ impl CudaHt {
             })?;
             let need = nr * self.cfg.hidden * 2;
             sp.require("HT combine x", need)?;
-            let stage = if self.opts.sms_total {
-                staging_within(grid).unwrap_or(0)
-            } else {
-                self.opts.variant.stage_blocks.min(MAX_GRID - grid)
-            };
+            let stage = self.opts.variant.stage_blocks.min(MAX_GRID - grid);
             if stage > 0 {
                 flags |= FLAG_STAGE;
                 if self.opts.variant.combine_push {
                     flags |= FLAG_PUSH;
                 }
-                if self.opts.sms_total {
-                    pull = grid - stage;
-                } else {
-                    grid += stage;
-                }
+                grid += stage;
             } else {
                 // The SM budget leaves no CTA for staging: copy the rows in first.
                 let rows = ExternalSpan {
@@ -735,7 +712,7 @@ impl CudaHt {
         if extras.bias[1] {
             flags |= FLAG_BIAS1;
         }
-        let mut args = self.args(
+        let args = self.args(
             rank,
             slot,
             handle.num_tokens,
@@ -744,7 +721,6 @@ impl CudaHt {
             epoch,
             self.opts.variant.combine_chunk,
         );
-        args.pull_blocks = pull;
         let (kname, threads) = self.combine_kernel();
         let out = (|| {
             if let Some((s, _)) = events {
@@ -846,7 +822,6 @@ mod tests {
                 sizing: Sizing::Static,
                 variant: HtVariant::default(),
                 recv_slabs: 1,
-                sms_total: false,
             }
             .validate()
             .unwrap_err();
