@@ -271,22 +271,39 @@ def test_ht_scale_forms_gpu():
     _dist.run(2, scale_forms_worker, "cuda")
 
 
+def _gpu_ht_setup(rank, world, extra_tokens, seed):
+    """A rank of the GPU-only tests below: its Buffer, its BF16 rows and the dispatch keywords
+    (layout, ids, weights), on its own GPU."""
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    experts = 4 * world
+    inputs = routing(world, [n + extra_tokens for n in tokens_of(world)], HIDDEN, TOPK, experts, seed=seed)
+    x, idx, w = (t.to(dev) for t in inputs[rank])
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=1 << 24, explicitly_destroy=True)
+    assert buf.get_comm_stream() != torch.cuda.current_stream()
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    return buf, x, dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                        topk_idx=idx, topk_weights=w)
+
+
+def _gpu_ht_done(buf):
+    torch.cuda.synchronize()
+    dist.barrier()
+    buf.destroy()
+
+
+def _on_gpus(world, worker):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPU(s)")
+    _dist.run(world, worker)
+
+
 def comm_stream_worker(rank, world):
     """GPU: HT calls given `previous_event` and `async_finish=True` run on the Buffer's
     communication stream, as DeepEP's: they finish while the caller's stream is still busy
     (the overlap frameworks use for shared experts), and their results are those of the same
     calls on the caller's stream once the event is waited for."""
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    experts = 4 * world
-    inputs = routing(world, [n + 64 for n in tokens_of(world)], HIDDEN, TOPK, experts, seed=77 + world)
-    x, idx, w = (t.to(dev) for t in inputs[rank])
-    buf = Buffer(dist.group.WORLD, num_nvl_bytes=1 << 24, explicitly_destroy=True)
-    comm = buf.get_comm_stream()
-    assert comm != torch.cuda.current_stream()
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
-    args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                topk_idx=idx, topk_weights=w)
+    buf, x, args = _gpu_ht_setup(rank, world, 64, 77 + world)
     ref = buf.dispatch(x, **args)
     ref_x = ref[0].clone()
     ref_comb = buf.combine(ref_x, ref[4])[0].clone()
@@ -315,31 +332,19 @@ def comm_stream_worker(rank, world):
     same_bits("combined, synchronous", comb2.cpu(), ref_comb.cpu())
     with pytest.raises(ValueError, match="allocate_on_comm_stream"):
         buf.combine(out[0], out[4], allocate_on_comm_stream=True)
-    torch.cuda.synchronize()
-    dist.barrier()
-    buf.destroy()
+    _gpu_ht_done(buf)
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_comm_stream_gpu(world):
-    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPU(s)")
-    _dist.run(world, comm_stream_worker)
+    _on_gpus(world, comm_stream_worker)
 
 
 def num_sms_worker(rank, world):
     """GPU: `Config.num_sms` sets each HT call's CTAs (the dispatch's, the combine's pulls),
     switched between calls: dispatch, cached dispatch and combine give the same bits at any
     budget (at 128 no CTA is left to stage the combine's rows: they are copied in first)."""
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    experts = 4 * world
-    inputs = routing(world, [n + 200 for n in tokens_of(world)], HIDDEN, TOPK, experts, seed=91 + world)
-    x, idx, w = (t.to(dev) for t in inputs[rank])
-    buf = Buffer(dist.group.WORLD, num_nvl_bytes=1 << 24, explicitly_destroy=True)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
-    args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                topk_idx=idx, topk_weights=w)
+    buf, x, args = _gpu_ht_setup(rank, world, 200, 91 + world)
     ref = None
     for sms in (24, 7, 2, 1, 128):
         cfg = Config(sms)
@@ -352,13 +357,9 @@ def num_sms_worker(rank, world):
             ref = got
         for name, a, b in zip(("recv_x", "cached recv_x", "combined_x", "combined_topk_weights"), got, ref):
             same_bits(f"{name} with num_sms={sms}", a, b)
-    torch.cuda.synchronize()
-    dist.barrier()
-    buf.destroy()
+    _gpu_ht_done(buf)
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_num_sms_gpu(world):
-    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPU(s)")
-    _dist.run(world, num_sms_worker)
+    _on_gpus(world, num_sms_worker)
