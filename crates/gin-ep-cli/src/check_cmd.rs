@@ -149,7 +149,8 @@ pub struct CheckArgs {
     /// With --gpus: instead of the cases, the never-hang check. Rank RANK stays alive but
     /// never enters OP (`ht-dispatch`, `ht-combine` with --mode ht; `ll-dispatch`,
     /// `ll-combine`, `ll-combine-rank-first` with --mode ll); every other rank must fail within
-    /// --timeout with an error naming RANK as the late peer.
+    /// --timeout with an error naming RANK as the late peer, or naming a rank whose own error
+    /// leads there (a rank-first combine waits for an expert rank that waits for RANK).
     #[arg(long, value_name = "RANK:OP")]
     pub stall: Option<String>,
     // Where ranks run (docs/cli.md): across NCCL nodes --mode gin and --mode ll (ranks of
