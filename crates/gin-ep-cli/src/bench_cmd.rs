@@ -268,6 +268,13 @@ fn run_gpus(a: &BenchArgs, gpus: usize) -> CliResult {
     gpus::check_count(gpus)?;
     let r = resolve(a)?;
     if std::env::var_os(ENV_CHILD).is_none() {
+        if a.sweep {
+            // A bad list is bad input: refuse it before starting any GPU process.
+            let entries = gin_ep_lab::ht_sweep::sweep_entries(a.sweep_list.as_deref())
+                .map_err(|e| CliError::Usage(format!("invalid value: {e}")))?;
+            gin_ep_lab::ht_sweep::check_staging(&entries, r.opts.ht_exact)
+                .map_err(|e| CliError::Usage(format!("invalid value: {e}")))?;
+        }
         // A bad --json path is bad input: refuse it before starting any GPU process.
         let json = a.json.as_deref().map(JsonFile::create).transpose()?;
         if !a.sweep {

@@ -91,6 +91,26 @@ pub fn sweep_entries(list: Option<&str>) -> Result<Vec<SweepEntry>> {
         .collect()
 }
 
+/// Refuses entries that tune the combine's staging (`sb=`, `cp=`) when nothing stages:
+/// with static sizing the bench keeps the combine input in the window, so those entries
+/// would time the default kernel under another name (`--ht-sizing exact` stages the input
+/// from caller memory, as `gin_ep.Buffer`).
+pub fn check_staging(entries: &[SweepEntry], exact: bool) -> Result<()> {
+    let d = HtVariant::default();
+    match entries
+        .iter()
+        .find(|e| e.variant.stage_blocks != d.stage_blocks || e.variant.combine_push != d.combine_push)
+    {
+        Some(e) if !exact => Err(Error::config(
+            "sweep",
+            &e.name,
+            "sb= and cp= tune the staged combine, and with static sizing nothing stages (the \
+             combine input is already in the window): add --ht-sizing exact",
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// One line of a sweep: medians (µs) over iterations of the slowest rank per iteration.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct SweepRow {
@@ -209,6 +229,20 @@ fn sweep_inner(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn staging_entries_need_a_staged_combine() {
+        let list = sweep_entries(Some("sms=24;sms=20,sb=4")).unwrap();
+        let e = check_staging(&list, false).unwrap_err().to_string();
+        assert!(
+            e.contains("sms=20,sb=4") && e.contains("--ht-sizing exact"),
+            "{e}"
+        );
+        assert!(check_staging(&list, true).is_ok());
+        assert!(check_staging(&sweep_entries(Some("sms=24;sms=32,du=4")).unwrap(), false).is_ok());
+        let push = sweep_entries(Some("cp=1")).unwrap();
+        assert!(check_staging(&push, false).is_err());
+    }
 
     #[test]
     fn sweep_lists_parse() {
