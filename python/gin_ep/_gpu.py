@@ -4,8 +4,9 @@ One `_native.GpuRank` per Buffer: gin-ep's CUDA rank on `torch.cuda.current_devi
 with an NCCL communicator of its own (bootstrapped through gin-ep's store, whose
 address the Buffer broadcast over the process group) and NCCL's library shared with
 PyTorch (found already loaded; `GIN_EP_NCCL_LIB` overrides). Every launch and copy
-runs on PyTorch's current stream, so results are ordered with the caller's work
-without host synchronization, except where the API returns host values:
+runs on PyTorch's current stream (HT calls given `previous_event` or `async_finish`: on the
+Buffer's communication stream, see `on_comm_stream`), so results are ordered with the
+caller's work without host synchronization, except where the API returns host values:
 
 - HT `dispatch` returns `num_recv_tokens_per_expert_list` (a Python list) and
   exact-size tensors, so it waits for the count exchange, as DeepEP does without
