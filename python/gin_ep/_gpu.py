@@ -33,6 +33,7 @@ import torch
 
 from . import _native
 from ._bootstrap import fields_of
+from .utils import EventOverlap
 
 
 # The current device and its current stream as raw values, without building the Python
@@ -245,14 +246,6 @@ class Gpu:
         self.warned_slabs = False
         self.lls = {}
         self.ll_ranges = {}
-        self.comm = None
-
-    def comm_stream(self) -> torch.cuda.Stream:
-        """The Buffer's communication stream (DeepEP's `comm_stream`): HT calls with
-        `async_finish` or `previous_event` run on it."""
-        if self.comm is None:
-            self.comm = torch.cuda.Stream(device=self.device)
-        return self.comm
 
     # -------------------------------------------------------------- HT
 
@@ -405,7 +398,6 @@ def on_comm_stream(comm_stream, previous_event, async_finish: bool, allocate_on_
         raise ValueError("allocate_on_comm_stream=True needs previous_event and async_finish=True "
                          "(the outputs live on the communication stream until the event)")
     ev = getattr(getattr(previous_event, "event", None), "event", None)
-    from .utils import EventOverlap
     if (not async_finish and previous_event is None) or torch.cuda.is_current_stream_capturing():
         if ev is not None:
             torch.cuda.current_stream().wait_event(ev)

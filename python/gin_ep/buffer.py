@@ -140,7 +140,8 @@ class Buffer(GpuPath):
         self.runtime = None
         self._server = None
         self._gpu = None
-        self._early_comm = None
+        # The communication stream (`get_comm_stream`), made on first use.
+        self._comm_cuda_stream = None
         # The group only bootstraps: each call runs where its tensors live (CUDA tensors on
         # gin-ep's CUDA kernels, CPU tensors on the host backend), whatever the backend. An
         # NCCL group starts the CUDA rank now (NCCL groups carry CUDA tensors); any other
@@ -332,15 +333,10 @@ class Buffer(GpuPath):
         return self._comm_stream()
 
     def _comm_stream(self) -> "torch.cuda.Stream":
-        """The communication stream: the CUDA rank's, or (before it starts) one of the
-        Buffer's own on the current device, which the CUDA rank then takes over."""
-        if self._gpu is not None:
-            if self._gpu.comm is None:
-                self._gpu.comm = self._early_comm
-            return self._gpu.comm_stream()
-        if self._early_comm is None:
-            self._early_comm = torch.cuda.Stream()
-        return self._early_comm
+        """The communication stream, on the current device (the one the CUDA rank takes)."""
+        if self._comm_cuda_stream is None:
+            self._comm_cuda_stream = torch.cuda.Stream()
+        return self._comm_cuda_stream
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None,
                                 offset: int = 0, use_rdma_buffer: bool = False) -> torch.Tensor:

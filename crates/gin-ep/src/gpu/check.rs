@@ -290,9 +290,9 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
     res
 }
 
-#[allow(clippy::too_many_arguments)]
 /// Combine with weights and (odd iterations) bias along `handle`, the dispatch of iteration
 /// `iter` whose oracle outputs are `want`, compared with the oracle.
+#[allow(clippy::too_many_arguments)]
 fn combine_and_compare(
     ht: &mut CudaHt,
     rank: &CudaRank,

@@ -285,25 +285,28 @@ fn stall_verdict(
             }
             // Rank `peer` should itself have failed waiting: follow what each rank named.
             let world = group.world();
-            let mut named_by = vec![None; world];
-            named_by[me] = Some(peer);
-            let (mut at, mut seen) = (peer, vec![me]);
-            while at != stall && at < world && !seen.contains(&at) {
-                seen.push(at);
-                let v = group.store().get(&key(at), timeout + Duration::from_secs(10))?;
-                named_by[at] = std::str::from_utf8(&v).ok().and_then(|t| t.parse().ok());
-                match named_by[at] {
-                    Some(next) => at = next,
-                    None => break,
+            let named_by = |r: usize| -> Result<Option<usize>> {
+                if r == me {
+                    return Ok(Some(peer));
                 }
-            }
-            match chain_to(&named_by, me, stall) {
-                Some(chain) => Ok(format!(
-                    "rank {me}: failed after {secs:.1} s in {phase}, naming rank {peer}, which itself failed                      waiting (chain {chain})"
-                )),
-                None => Err(Error::Mismatch(format!(
-                    "rank {me}: failed after {secs:.1} s in {phase} naming rank {peer}, whose failure does not                      lead to the stalled rank {stall} (named: {named_by:?})"
-                ))),
+                if r >= world {
+                    return Ok(None);
+                }
+                let v = group.store().get(&key(r), timeout + Duration::from_secs(10))?;
+                Ok(std::str::from_utf8(&v).ok().and_then(|t| t.parse().ok()))
+            };
+            let (path, reached) = chain_to(me, stall, named_by)?;
+            let chain = path.iter().map(usize::to_string).collect::<Vec<_>>().join(" -> ");
+            if reached {
+                Ok(format!(
+                    "rank {me}: failed after {secs:.1} s in {phase}, naming rank {peer}, which itself \
+                     failed waiting (chain {chain})"
+                ))
+            } else {
+                Err(Error::Mismatch(format!(
+                    "rank {me}: failed after {secs:.1} s in {phase} naming rank {peer}, whose failure \
+                     does not lead to the stalled rank {stall} (chain {chain})"
+                )))
             }
         }
         (Err(e), _) => Err(Error::Mismatch(format!(
@@ -313,20 +316,24 @@ fn stall_verdict(
     }
 }
 
-/// The chain of peers from rank `from` to rank `stall` through `named` (the peer each rank's
-/// error named, None: none in time), as "from -> p -> stall"; None when it ends elsewhere or
-/// loops.
-fn chain_to(named: &[Option<usize>], from: usize, stall: usize) -> Option<String> {
+/// The chain of peers from rank `from` through the peer each rank's error named (`named`:
+/// None when it named none in time), and whether it ends at rank `stall` (it does not when
+/// it stops elsewhere or loops).
+fn chain_to(
+    from: usize,
+    stall: usize,
+    mut named: impl FnMut(usize) -> Result<Option<usize>>,
+) -> Result<(Vec<usize>, bool)> {
     let mut path = vec![from];
     let mut at = from;
     while at != stall {
-        at = named.get(at).copied().flatten()?;
-        if path.contains(&at) {
-            return None;
+        match named(at)? {
+            Some(next) if !path.contains(&next) => at = next,
+            _ => return Ok((path, false)),
         }
         path.push(at);
     }
-    Some(path.iter().map(usize::to_string).collect::<Vec<_>>().join(" -> "))
+    Ok((path, true))
 }
 
 #[cfg(test)]
@@ -335,14 +342,17 @@ mod tests {
 
     #[test]
     fn a_chain_of_named_peers_must_end_at_the_stalled_rank() {
+        let walk = |named: &[Option<usize>], from: usize, stall: usize| {
+            chain_to(from, stall, |r| Ok(named.get(r).copied().flatten())).unwrap()
+        };
         // rank-first combine, rank 3 stalled: ranks 0 and 2 named 3, rank 1 named 0.
         let named = [Some(3), Some(0), Some(3), None];
-        assert_eq!(chain_to(&named, 1, 3).as_deref(), Some("1 -> 0 -> 3"));
-        assert_eq!(chain_to(&named, 0, 3).as_deref(), Some("0 -> 3"));
+        assert_eq!(walk(&named, 1, 3), (vec![1, 0, 3], true));
+        assert_eq!(walk(&named, 0, 3), (vec![0, 3], true));
         // Named a rank that named nobody in time, or a loop: no chain.
-        assert_eq!(chain_to(&[Some(2), None, None, None], 0, 3), None);
-        assert_eq!(chain_to(&[Some(1), Some(0), None, None], 0, 3), None);
-        assert_eq!(chain_to(&[Some(7), None], 0, 1), None);
+        assert_eq!(walk(&[Some(2), None, None, None], 0, 3), (vec![0, 2], false));
+        assert_eq!(walk(&[Some(1), Some(0), None, None], 0, 3), (vec![0, 1], false));
+        assert_eq!(walk(&[Some(7), None], 0, 1), (vec![0, 7], false));
     }
 
     #[test]

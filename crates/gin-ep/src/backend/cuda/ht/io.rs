@@ -382,7 +382,7 @@ impl CudaHt {
     pub fn recv_counts(&mut self, rank: &CudaRank, handle: &HtGpuHandle) -> Result<Vec<usize>> {
         let slot = self.check_handle(handle)?;
         let l_n = self.cfg.local_experts();
-        if handle.num_recv.is_some() && handle.generation == self.generation {
+        if handle.num_recv.is_some() && self.is_last(handle) {
             return Ok(self
                 .counts_host
                 .read_prefix::<u32>(l_n)
@@ -406,7 +406,7 @@ impl CudaHt {
     fn handle_recv(&self, rank: &CudaRank, handle: &HtGpuHandle, slot: usize) -> Result<usize> {
         match handle.num_recv {
             Some(nr) => Ok(nr),
-            None if handle.generation == self.generation => Ok(self.num_recv()),
+            None if self.is_last(handle) => Ok(self.num_recv()),
             None => Ok(self.download_plan(rank, slot)?[super::abi::K_PLAN_NUM_RECV as usize] as usize),
         }
     }

@@ -164,7 +164,6 @@ pub struct CombineExtras {
 /// (or a clone) lives; it holds its layout slot.
 #[derive(Clone, Debug)]
 pub struct HtGpuHandle {
-    generation: u64,
     slot: usize,
     /// Shared with the slot: the slot is free when the slot's is the only reference.
     hold: Arc<()>,
@@ -178,8 +177,6 @@ pub struct HtGpuHandle {
 struct LayoutSlot {
     send_slot: DeviceBuffer,
     plan: DeviceBuffer,
-    /// The fresh dispatch that wrote it last.
-    generation: u64,
     /// One reference here, one per live handle clone.
     hold: Arc<()>,
 }
@@ -189,7 +186,6 @@ impl LayoutSlot {
         Ok(LayoutSlot {
             send_slot: rank.alloc((cfg.max_tokens_per_rank * cfg.ranks * 4).max(16))?,
             plan: rank.alloc((plan_words(cfg) * 4).max(16))?,
-            generation: 0,
             hold: Arc::new(()),
         })
     }
@@ -237,7 +233,6 @@ pub struct CudaHt {
     me: usize,
     seq: u64,
     bar_epoch: u64,
-    generation: u64,
     /// The receive slab of the last dispatch (fresh or cached).
     last_slab: usize,
     failed: bool,
@@ -290,7 +285,6 @@ impl CudaHt {
             me,
             seq: 0,
             bar_epoch: 0,
-            generation: 0,
             last_slab: 0,
             failed: false,
             io: HtIo::default(),
@@ -517,9 +511,7 @@ impl CudaHt {
             }
         };
         self.seq += 1;
-        self.generation += 1;
         self.cur = slot;
-        self.slots[slot].generation = self.generation;
         self.plan_host.write([u32::MAX, 0, 0, 0]);
         let args = self.args(
             rank,
@@ -585,7 +577,6 @@ impl CudaHt {
         }
         self.last_slab = self.io.recv_slab;
         Ok(HtGpuHandle {
-            generation: self.generation,
             slot,
             hold: Arc::clone(&self.slots[slot].hold),
             num_tokens,
@@ -597,14 +588,18 @@ impl CudaHt {
     /// reused only once no handle holds it, so a live handle's slot is still its own).
     fn check_handle(&self, handle: &HtGpuHandle) -> Result<usize> {
         match self.slots.get(handle.slot) {
-            Some(s) if s.generation == handle.generation && Arc::ptr_eq(&s.hold, &handle.hold) => {
-                Ok(handle.slot)
-            }
+            Some(s) if Arc::ptr_eq(&s.hold, &handle.hold) => Ok(handle.slot),
             _ => Err(Error::input(
                 format!("HT handle of rank {}", self.me),
                 "not a dispatch of this HT object",
             )),
         }
+    }
+
+    /// Whether `handle` is the last fresh dispatch's: its slot is the current one (no later
+    /// dispatch can have taken the slot while the handle holds it).
+    fn is_last(&self, handle: &HtGpuHandle) -> bool {
+        handle.slot == self.cur
     }
 
     /// Layout slots allocated (each holds one live handle's layout, or is free for the next

@@ -88,9 +88,9 @@ pub fn fabric_phase_name(phase: u32) -> &'static str {
     }
 }
 
-/// The error a recorded missed deadline stands for; with `node_size` (the ranks span nodes
-/// of that many consecutive ranks) it names the late peer's node too.
-pub fn fabric_error_to_error(rec: &FabricError, seq: u64, node_size: Option<usize>) -> Error {
+/// The error a recorded missed deadline stands for; with `node_size` > 0 (the ranks span
+/// nodes of that many consecutive ranks; 0: one node) it names the late peer's node too.
+pub fn fabric_error_to_error(rec: &FabricError, seq: u64, node_size: usize) -> Error {
     let waited = Duration::from_nanos(rec.waited_ns);
     let phase = fabric_phase_name(rec.phase);
     match usize::try_from(rec.peer) {
@@ -98,7 +98,7 @@ pub fn fabric_error_to_error(rec: &FabricError, seq: u64, node_size: Option<usiz
             phase,
             rank: usize::try_from(rec.rank).unwrap_or(usize::MAX),
             peer,
-            peer_node: node_size.filter(|&m| m > 0).map(|m| peer / m),
+            peer_node: (node_size > 0).then(|| peer / node_size),
             seq,
             waited,
         },
@@ -138,10 +138,10 @@ mod tests {
             pad: 0,
             waited_ns: 5_000_000_000,
         };
-        let msg = fabric_error_to_error(&rec, 9, None).to_string();
+        let msg = fabric_error_to_error(&rec, 9, 0).to_string();
         assert!(msg.contains("end barrier") && msg.contains("rank 3 ("), "{msg}");
         // Across nodes of 2 ranks, rank 3 is in node 1.
-        let msg = fabric_error_to_error(&rec, 9, Some(2)).to_string();
+        let msg = fabric_error_to_error(&rec, 9, 2).to_string();
         assert!(
             msg.contains("waiting for rank 3 of node 1 (this is rank 1"),
             "{msg}"
@@ -151,8 +151,6 @@ mod tests {
             peer: -1,
             ..rec
         };
-        assert!(fabric_error_to_error(&gin, 9, Some(2))
-            .to_string()
-            .contains("GIN"));
+        assert!(fabric_error_to_error(&gin, 9, 2).to_string().contains("GIN"));
     }
 }

@@ -329,7 +329,10 @@ impl CudaRank {
         }
         self.comm.mark_failed();
         // Leave the record claimed: later launches see it and stop waiting at once.
-        let nodes = Some(self.node_size.get()).filter(|&m| m > 0);
-        Err(fabric_error_to_error(&rec, self.epoch.get(), nodes))
+        Err(fabric_error_to_error(
+            &rec,
+            self.epoch.get(),
+            self.node_size.get(),
+        ))
     }
 }
