@@ -417,3 +417,23 @@ def on_comm_stream(comm_stream, previous_event, async_finish: bool, allocate_on_
     if not async_finish:
         compute.wait_stream(comm)
     return out[:-1] + (EventOverlap(event),)
+
+
+def ll_on_comm_stream(comm_stream, inputs, op):
+    """Runs `op()`, an LL dispatch or combine with `async_finish=True` and no receive hook, as
+    DeepEP runs it: on the Buffer's communication stream after everything queued on the current
+    stream, so the caller's stream goes on meanwhile; the call's own event (recorded on the
+    communication stream) is what the caller waits for. Inputs are recorded on the
+    communication stream and outputs on the current one, as `on_comm_stream` does. Under CUDA
+    graph capture the call stays on the current stream (no fork to join)."""
+    if torch.cuda.is_current_stream_capturing():
+        return op()
+    compute, comm = torch.cuda.current_stream(), comm_stream()
+    comm.wait_stream(compute)
+    with torch.cuda.stream(comm):
+        out = op()
+    for t in _tensors(inputs):
+        t.record_stream(comm)
+    for t in _tensors(out):
+        t.record_stream(compute)
+    return out

@@ -713,16 +713,33 @@ class Buffer(GpuPath):
             raise _unsupported("low_latency_dispatch per-tensor quantization (use_per_tensor_quantization, static_scale)")
         if use_ue8m0:
             _ue8m0.check(x.shape[-1], use_fp8, round_scale)
-            return _ue8m0.pack_dispatch(self.low_latency_dispatch(
-                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-                use_fp8=True, round_scale=True, async_finish=async_finish, return_recv_hook=return_recv_hook),
-                return_recv_hook)
+
+            def packed(async_: bool):
+                return _ue8m0.pack_dispatch(self.low_latency_dispatch(
+                    x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                    use_fp8=True, round_scale=True, async_finish=async_, return_recv_hook=return_recv_hook),
+                    return_recv_hook)
+
+            if async_finish and not return_recv_hook and not torch.compiler.is_compiling() and self._on_gpu(x):
+                # The packing is part of the call: on the communication stream too, before the event.
+                def on_comm():
+                    out = packed(False)
+                    return out[:3] + (EventOverlap(_gpu.CudaEvent()),) + out[4:]
+                return _gpu.ll_on_comm_stream(
+                    self._comm_stream, (x, topk_idx, cumulative_local_expert_recv_stats), on_comm)
+            return packed(async_finish)
         if torch.compiler.is_compiling():
             return _ops.traced_ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                            cumulative_local_expert_recv_stats, use_fp8, round_scale,
                                            async_finish, return_recv_hook)
         if self._on_gpu(x):
             self._ll_gpu_mask_check()
+            if async_finish and not return_recv_hook:
+                return _gpu.ll_on_comm_stream(
+                    self._comm_stream, (x, topk_idx, cumulative_local_expert_recv_stats),
+                    lambda: self._gpu_ll_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                                  cumulative_local_expert_recv_stats, use_fp8, round_scale,
+                                                  True, False))
             return self._gpu_ll_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                          cumulative_local_expert_recv_stats, use_fp8, round_scale,
                                          async_finish, return_recv_hook)
@@ -789,6 +806,10 @@ class Buffer(GpuPath):
         st = handle[0] if isinstance(handle, (tuple, list)) and handle else None
         if isinstance(st, LlState) and st.ep.is_cuda:
             self._ll_gpu_mask_check()
+            if async_finish and not return_recv_hook:
+                return _gpu.ll_on_comm_stream(
+                    self._comm_stream, (x, topk_idx, topk_weights, out),
+                    lambda: self._gpu_ll_combine(x, topk_idx, topk_weights, handle, zero_copy, True, False, out))
             return self._gpu_ll_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
                                         return_recv_hook, out)
         st = _ll_state(handle)

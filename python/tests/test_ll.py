@@ -157,3 +157,68 @@ def test_ll_ue8m0_gpu(hook_path):
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     _dist.run(2, ue8m0_worker, hook_path, "cuda")
+
+
+def comm_stream_worker(rank, world):
+    """GPU: LL calls with `async_finish=True` (no receive hook) run on the Buffer's
+    communication stream, as DeepEP's: after the caller's earlier work, while the caller's
+    stream goes on, with the results of the same calls on the caller's stream once the event
+    is waited for (the UE8M0 packing included, which runs before that event)."""
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    experts, hidden = 2 * world, 1024
+    tokens = [13, 7][:world]
+    x, idx, w = (t.to(dev) for t in routing(world, tokens, hidden, TOPK, experts, seed=57 + world)[rank])
+    hint = Buffer.get_low_latency_rdma_size_hint(T, hidden, world, experts)
+    buf = Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True)
+    local = experts // world
+    y = torch.randn(local, world * T, hidden, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16).to(dev)
+    (d, s), c, handle, ev, _ = buf.low_latency_dispatch(x, idx, T, experts)
+    assert ev.event is None
+    ref = [t.cpu() for t in (d, s, c)]
+    ref_comb = buf.low_latency_combine(y, idx, w, handle)[0].cpu()
+    ref_round = buf.low_latency_dispatch(x, idx, T, experts, round_scale=True)[0][1].cpu()
+
+    def after_busy_comm(call, what):
+        """Runs `call()` behind half a second of work on the communication stream: the
+        caller's stream must get past it at once, the call's event only after the work."""
+        with torch.cuda.stream(buf.get_comm_stream()):
+            torch.cuda._sleep(1 << 30)
+        out = call()
+        ev = out[3] if len(out) == 5 else out[1]
+        caller = torch.cuda.Event()
+        caller.record()
+        caller.synchronize()
+        assert not ev.event.query(), f"the caller's stream waited for the {what}"
+        ev.current_stream_wait()
+        return out
+
+    (d, s), c, handle, _, hook = after_busy_comm(lambda: buf.low_latency_dispatch(x, idx, T, experts, async_finish=True),
+                                                 "dispatch")
+    assert hook is None
+    for name, a, b in zip(("recv_x", "scales", "recv_count"), (d, s, c), ref):
+        if name == "recv_count":
+            same_bits(name, a.cpu(), b)
+            continue
+        for e in range(local):
+            n = int(ref[2][e])
+            same_bits(f"{name} of expert {e} on the communication stream", a[e, :n].cpu(), b[e, :n])
+    comb = after_busy_comm(lambda: buf.low_latency_combine(y, idx, w, handle, async_finish=True), "combine")[0]
+    same_bits("combined on the communication stream", comb.cpu(), ref_comb)
+    (_, packed), c, *_ = after_busy_comm(
+        lambda: buf.low_latency_dispatch(x, idx, T, experts, round_scale=True, use_ue8m0=True, async_finish=True),
+        "UE8M0 dispatch")
+    unpacked = unpack_ue8m0(packed.cpu())
+    for e in range(local):
+        n = int(c[e])
+        same_bits(f"UE8M0 scales of expert {e} on the communication stream", unpacked[e, :n], ref_round[e, :n])
+    torch.cuda.synchronize()
+    dist.barrier()
+    buf.destroy()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_ll_comm_stream_gpu(world):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPU(s)")
+    _dist.run(world, comm_stream_worker)
