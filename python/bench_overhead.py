@@ -17,6 +17,9 @@ import torch.multiprocessing as mp
 
 # Thread CPU µs per call of each `timed` row, in order (see `timed`).
 CPU_US = []
+# Median host µs of one call of each `timed` row, in order: a noisy stretch of the host (CPU
+# clock, other tenants) moves the mean of a row, much less its median.
+MEDIAN_US = []
 
 
 def timed(fn, iters):
@@ -28,13 +31,17 @@ def timed(fn, iters):
     torch.cuda.synchronize()
     dist.barrier()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    marks = [0.0] * (iters + 1)
     t0, c0 = time.perf_counter(), time.thread_time()
     start.record()
-    for _ in range(iters):
+    for i in range(iters):
+        marks[i] = time.perf_counter()
         fn()
     end.record()
-    host = (time.perf_counter() - t0) / iters * 1e6
+    marks[iters] = time.perf_counter()
+    host = (marks[iters] - t0) / iters * 1e6
     CPU_US.append((time.thread_time() - c0) / iters * 1e6)
+    MEDIAN_US.append(sorted(b - a for a, b in zip(marks, marks[1:]))[iters // 2] * 1e6)
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / iters, host
 
@@ -312,6 +319,8 @@ def worker(rank, world, init, a):
     hosts, cpus = [None] * world, [None] * world
     dist.all_gather_object(hosts, [hst for _, _, hst in rows])
     dist.all_gather_object(cpus, CPU_US)
+    medians = [None] * world
+    dist.all_gather_object(medians, MEDIAN_US)
     if rank == 0:
         print(f"world {world}, HT {n} tokens, LL {ln} tokens, hidden {h}, top-{k} of {e} experts, "
               f"{a.iters} calls each")
@@ -320,11 +329,13 @@ def worker(rank, world, init, a):
             dev = "-" if d != d else f"{d:.1f}"  # NaN: a host-timed row (sync each)
             slow = max(hs[i] for hs in hosts)
             print(f"{name:<36}{dev:>16}{hst:>14.1f}{slow:>14.1f}")
-        # Per rank: host µs per call / the thread's CPU µs per call (timed rows).
-        print("per rank host / thread CPU us per call:")
+        # Per rank: host µs per call / the thread's CPU µs per call / median host µs of one
+        # call (timed rows).
+        print("per rank host / thread CPU / median host us per call:")
         timed_rows = [j for j, (_, d, hst) in enumerate(rows) if d == d and hst == hst]
         for i, j in enumerate(timed_rows):
-            print(f"  {rows[j][0]:<34}" + "  ".join(f"r{r} {hosts[r][j]:.1f}/{cpus[r][i]:.1f}" for r in range(world)))
+            print(f"  {rows[j][0]:<34}" + "  ".join(f"r{r} {hosts[r][j]:.1f}/{cpus[r][i]:.1f}/{medians[r][i]:.1f}"
+                                                    for r in range(world)))
         sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()

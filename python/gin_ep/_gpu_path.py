@@ -213,14 +213,15 @@ class GpuPath:
                  (stats.data_ptr(), local * 4) if stats is not None else None)
         x_span, idx_span = (xc.data_ptr(), n * hidden * 2), (idx.data_ptr(), n * k * 8)
         if return_recv_hook:
-            _, native = ll.ll_dispatch(x_span, idx_span, n, hook=True, stream=_gpu.stream())
-            st = LlState(ll, native, k, n)
+            _, native = ll.ll_dispatch(x_span, idx_span, n, True, None, None, None, None, None, _gpu.stream())
+            st = LlState(ll, native, k, n, True)
 
             def hook():
                 self._ll_dispatch_recv(st, data, scales, recv_count, layout_range, stats)
         else:
-            _, native = ll.ll_dispatch(x_span, idx_span, n, False, *spans, stream=_gpu.stream())
-            st = LlState(ll, native, k, n)
+            # Positional: keyword arguments cost the native call host time.
+            _, native = ll.ll_dispatch(x_span, idx_span, n, False, *spans, _gpu.stream())
+            st = LlState(ll, native, k, n, True)
             hook = None
         handle = (st, layout_range, t, hidden, num_experts)
         return (data, scales) if use_fp8 else data, recv_count, handle, \
@@ -259,15 +260,14 @@ class GpuPath:
         combined = out if out is not None and out.is_contiguous() else \
             _gpu.empty((st.num_tokens, hidden), torch.bfloat16, x.device)
         if return_recv_hook:
-            st.ep.ll_combine(_gpu.span(xc), _gpu.span(idx), _gpu.span(w), st.native, hook=True,
-                             stream=_gpu.stream())
+            st.ep.ll_combine(_gpu.span(xc), _gpu.span(idx), _gpu.span(w), st.native, True, None, _gpu.stream())
 
             def hook():
                 self._ll_combine_recv(st, idx, w, combined)
                 _copy_into(out, combined)
         else:
-            st.ep.ll_combine(_gpu.span(xc), _gpu.span(idx), _gpu.span(w), st.native,
-                             combined=_gpu.span(combined), stream=_gpu.stream())
+            st.ep.ll_combine(_gpu.span(xc), _gpu.span(idx), _gpu.span(w), st.native, False, _gpu.span(combined),
+                             _gpu.stream())
             _copy_into(out, combined)
             hook = None
         result = out if out is not None else combined
@@ -277,7 +277,7 @@ class GpuPath:
         """The receive half of an LL dispatch sent with `return_recv_hook=True`, writing
         into the given outputs (the hook's own, or the copies torch.compile may pass to
         `gin_ep::ll_dispatch_recv`). The host backend received before the send returned."""
-        if not st.ep.is_cuda:
+        if not st.cuda:
             return
         span = _gpu.span
         st.ep.ll_dispatch_recv(st.native, span(data), span(scales), span(recv_count), span(layout_range),
@@ -286,7 +286,7 @@ class GpuPath:
     def _ll_combine_recv(self, st, idx, w, combined) -> None:
         """The receive half of an LL combine sent with `return_recv_hook=True`: reduces into
         `combined` with the token's ids and weights (int64 / f32, contiguous)."""
-        if not st.ep.is_cuda:
+        if not st.cuda:
             return
         st.ep.ll_combine_recv(_gpu.span(idx), _gpu.span(w), st.native, combined=_gpu.span(combined),
                               stream=_gpu.stream())

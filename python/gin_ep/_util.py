@@ -13,10 +13,11 @@ class HtState:
     handle, and the dispatch's shape."""
 
     __slots__ = ("ep", "native", "experts", "topk", "max_tokens", "hidden", "fp8", "num_recv", "num_tokens",
-                 "num_worst_tokens")
+                 "num_worst_tokens", "cuda")
 
     def __init__(self, ep, native, experts, topk, max_tokens, hidden, fp8, num_worst_tokens):
         self.ep = ep
+        self.cuda = ep.is_cuda
         self.native = native
         self.experts = experts
         self.topk = topk
@@ -30,12 +31,14 @@ class HtState:
 
 class LlState:
     """Slot 0 of an LL handle, host or GPU: the `_native.Ep` of the shape and the native
-    handle (its buffer set and dispatch number, which the Ep checks)."""
+    handle (its buffer set and dispatch number, which the Ep checks). `cuda`: the Ep's
+    backend, kept here because the LL paths read it per call (a native getter costs more)."""
 
-    __slots__ = ("ep", "native", "topk", "num_tokens")
+    __slots__ = ("ep", "native", "topk", "num_tokens", "cuda")
 
-    def __init__(self, ep, native, topk, num_tokens):
+    def __init__(self, ep, native, topk, num_tokens, cuda: bool):
         self.ep = ep
+        self.cuda = cuda
         self.native = native
         self.topk = topk
         self.num_tokens = num_tokens
@@ -44,7 +47,7 @@ class LlState:
 def state_of(handle, cls, cuda: bool, what: str):
     """Slot 0 of a handle of `cls` made on the GPU (`cuda`) or on the host, or a TypeError."""
     st = handle[0] if isinstance(handle, (tuple, list)) and len(handle) > 0 else None
-    if not isinstance(st, cls) or st.ep.is_cuda != cuda:
+    if not isinstance(st, cls) or st.cuda != cuda:
         raise TypeError(f"handle: expected the handle returned by gin_ep.Buffer.{what} "
                         f"({'GPU' if cuda else 'CPU tensors'})")
     return st

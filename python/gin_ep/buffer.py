@@ -732,7 +732,8 @@ class Buffer(GpuPath):
             return _ops.traced_ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                            cumulative_local_expert_recv_stats, use_fp8, round_scale,
                                            async_finish, return_recv_hook)
-        if self._on_gpu(x):
+        # (The GPU path's common case without the method call: an LL call is host-bound.)
+        if (self._gpu is not None and type(x) is _Tensor and x.is_cuda) or self._on_gpu(x):
             self._ll_gpu_mask_check()
             if async_finish and not return_recv_hook:
                 return _gpu.ll_on_comm_stream(
@@ -772,7 +773,7 @@ class Buffer(GpuPath):
         ranges = native.layout_range
         layout_range = torch.tensor([(first << 32) | count for first, count in ranges],
                                     dtype=torch.int64).view(local, r)
-        handle = (LlState(ep, native, k, n), layout_range, t, hidden, num_experts)
+        handle = (LlState(ep, native, k, n, False), layout_range, t, hidden, num_experts)
         return recv_x, recv_count, handle, EventOverlap(CompletedEvent() if async_finish else None), \
             (_hook if return_recv_hook else None)
 
@@ -802,9 +803,11 @@ class Buffer(GpuPath):
         return self._ll_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out)
 
     def _ll_combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out):
-        handle = _ops.eager_handle(self, handle)
-        st = handle[0] if isinstance(handle, (tuple, list)) and handle else None
-        if isinstance(st, LlState) and st.ep.is_cuda:
+        st = handle[0] if type(handle) is tuple and handle else None
+        if type(st) is not LlState:  # a traced dispatch's handle, or not a handle (checked below)
+            handle = _ops.eager_handle(self, handle)
+            st = handle[0] if isinstance(handle, (tuple, list)) and handle else None
+        if isinstance(st, LlState) and st.cuda:
             self._ll_gpu_mask_check()
             if async_finish and not return_recv_hook:
                 return _gpu.ll_on_comm_stream(
@@ -843,7 +846,7 @@ class Buffer(GpuPath):
         if buf is None:
             st = handle[0]
             dev = st.device if isinstance(st, torch.Tensor) else \
-                torch.device("cuda", self._gpu.device) if isinstance(st, LlState) and st.ep.is_cuda else "cpu"
+                torch.device("cuda", self._gpu.device) if isinstance(st, LlState) and st.cuda else "cpu"
             buf = torch.zeros(shape, dtype=torch.bfloat16, device=dev)
             self._ll_comb_bufs[shape] = buf
         return buf

@@ -446,6 +446,20 @@ type HtDispatchOut<'py> = (Option<HostHtOut<'py>>, PyHtHandle);
 
 type LlDispatchOut<'py> = (Option<(RowsOut<'py>, Vec<usize>)>, PyLlHandle);
 
+impl PyEp {
+    /// Runs an LL call: with the GIL released on the host backend, whose calls wait for the
+    /// peers; a CUDA call only queues kernels (no host wait) and keeps the GIL, since the LL
+    /// path from Python is host-bound and releasing and taking back the GIL is host time on
+    /// every call.
+    fn ll_call<T: Send>(&self, py: Python<'_>, f: impl FnOnce() -> PyResult<T> + Send) -> PyResult<T> {
+        if self.ep.is_cuda() {
+            f()
+        } else {
+            py.detach(f)
+        }
+    }
+}
+
 #[pymethods]
 impl PyEp {
     /// Collective: every rank of `group` creates its `Ep` with the same config and options,
@@ -721,7 +735,7 @@ impl PyEp {
             stats: dev_out(stats),
         };
         let half = if hook { LlHalf::Send } else { LlHalf::Both };
-        let d = py.detach(|| {
+        let d = self.ll_call(py, || {
             guard(|| {
                 let input = LlDispatchIn {
                     x: x.mem(),
@@ -765,7 +779,9 @@ impl PyEp {
             layout_range: dev_out(layout_range),
             stats: dev_out(stats),
         };
-        py.detach(|| guard(|| self.ep.ll_dispatch_recv(h, out, Stream(stream)).map_err(to_py)))
+        self.ll_call(py, || {
+            guard(|| self.ep.ll_dispatch_recv(h, out, Stream(stream)).map_err(to_py))
+        })
     }
 
     /// LL combine of expert outputs `x` `[L, R*T, H]` BF16 for `handle`'s dispatch, with its
@@ -789,7 +805,7 @@ impl PyEp {
         let w = Vals::<f32>::of("topk_weights", topk_weights)?;
         let h = handle.of_ep()?;
         let half = if hook { LlHalf::Send } else { LlHalf::Both };
-        let out = py.detach(|| {
+        let out = self.ll_call(py, || {
             guard(|| {
                 let input = LlCombineIn {
                     y: y.mem(),
@@ -818,7 +834,7 @@ impl PyEp {
         let idx = Vals::<i64>::of("topk_idx", topk_idx)?;
         let w = Vals::<f32>::of("topk_weights", topk_weights)?;
         let h = handle.of_ep()?;
-        py.detach(|| {
+        self.ll_call(py, || {
             guard(|| {
                 // The receive half reads no expert outputs.
                 let input = LlCombineIn {

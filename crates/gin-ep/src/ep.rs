@@ -367,6 +367,9 @@ struct Shared {
     id: u64,
     cfg: EpConfig,
     rank: usize,
+    /// The engine's backend, fixed at creation: read without the state's lock, which a
+    /// host-backend operation holds while it waits for its peers.
+    cuda: bool,
     state: Mutex<State>,
 }
 
@@ -410,6 +413,7 @@ impl Ep {
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 cfg,
                 rank,
+                cuda: matches!(engine, Engine::Cuda(_)),
                 state: Mutex::new(State {
                     engine,
                     ll: LlBook::default(),
@@ -464,7 +468,7 @@ impl Ep {
 
     /// True on the CUDA backend.
     pub fn is_cuda(&self) -> bool {
-        matches!(lock(&self.inner.state).engine, Engine::Cuda(_))
+        self.inner.cuda
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
