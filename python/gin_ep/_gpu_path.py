@@ -19,6 +19,17 @@ from .utils import EventOverlap
 class GpuPath:
     """Mixed into `Buffer`: `self._gpu` is the Buffer's `_gpu.Gpu`, created on first use."""
 
+    def _gpu_layout(self, topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream):
+        """get_dispatch_layout on CUDA tensors: torch operations on the device (no CUDA rank
+        needed), on the communication stream as DeepEP's when asked."""
+        _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
+
+        def op():
+            per_rank, per_expert, in_rank = _gpu.layout(topk_idx, num_experts, self.group_size)
+            return per_rank, None, per_expert, in_rank, None
+        return _gpu.on_comm_stream(self._comm_stream, previous_event, async_finish, allocate_on_comm_stream,
+                                   (topk_idx,), op)
+
     def _gpu_dispatch(self, x, handle, num_tokens_per_expert, is_token_in_rank, topk_idx, topk_weights,
                       expert_alignment, num_worst_tokens, config):
         """HT dispatch on the current stream; the last entry (the event) is left to

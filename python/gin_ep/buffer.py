@@ -1,10 +1,12 @@
 """`gin_ep.Buffer`: DeepEP V1's `deep_ep.Buffer` interface over gin-ep.
 
-With a gloo process group and CPU tensors, the ranks of the group run gin-ep's host
-backend: every process maps the others' shared-memory heaps (one host) and executes
-the same protocol as the GPU kernels (docs/protocol.md). Results are bit for bit
-those of gin-ep's oracle. With an NCCL group and CUDA tensors, the ranks
-run gin-ep's CUDA kernels on PyTorch's current device and stream (see _gpu.py).
+Each call runs where its tensors live, whatever the group's backend (the group only
+bootstraps): CPU tensors on gin-ep's host backend (_host_path.py: every process maps the
+others' shared-memory heaps on one host and runs the same protocol as the GPU kernels,
+docs/protocol.md), CUDA tensors on gin-ep's CUDA kernels on PyTorch's current device and
+stream (_gpu_path.py, _gpu.py); under torch.compile through the ops of _ops.py. Results are
+bit for bit those of gin-ep's oracle. This module owns DeepEP's signatures, the checks both
+paths share, the choice of path, and the Buffer's lifetime, sizes and masks.
 
 Buffer sizes. DeepEP sizes its buffers in bytes; gin-ep's buffers are sized by an
 `EpConfig` (ranks, experts, hidden, top-k, max tokens per rank). The first call of a
@@ -22,12 +24,10 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _bootstrap, _by_rank, _gpu, _native, _ops, _scales, _ue8m0
-from ._convert import check, check_cpu, from_bytes, to_bytes
+from . import _bootstrap, _by_rank, _gpu, _native, _ops, _ue8m0
 from ._gpu_path import GpuPath
-from ._util import BF16 as _BF16, Tensor as _Tensor, check_rows as _check_rows, refuse_keywords, \
-    bias_pair as _bias_pair, pad_rows as _pad_rows, pad_worst as _pad_worst, \
-    round_up as _round_up, unsupported as _unsupported, HtState, LlState, state_of
+from ._host_path import HostPath
+from ._util import Tensor as _Tensor, refuse_keywords, round_up as _round_up, unsupported as _unsupported, LlState
 from .utils import CompletedEvent, EventOverlap
 
 #: dtype of `topk_idx` (DeepEP's `topk_idx_t`).
@@ -72,26 +72,12 @@ class Config:
                 f"{self.num_max_rdma_chunked_recv_tokens})")
 
 
-def _ht_state(handle) -> HtState:
-    return state_of(handle, HtState, False, "dispatch")
-
-
-def _ll_state(handle) -> LlState:
-    if not (isinstance(handle, (tuple, list)) and len(handle) == 5):
-        handle = None
-    return state_of(handle, LlState, False, "low_latency_dispatch")
-
-
-def _hook() -> None:
-    """Receive hook of the host backend: the data arrived before the call returned."""
-
-
 # HT calls are not traced: torch.compile breaks its graph around them and runs them
 # eagerly (Dynamo cannot follow the native calls). Costs 0.4 us of host time per eager call.
 _eager_only = torch.compiler.disable
 
 
-class Buffer(GpuPath):
+class Buffer(GpuPath, HostPath):
     """Expert-parallel communication buffers, DeepEP V1's `deep_ep.Buffer` interface.
 
     Attributes match DeepEP's: `num_sms`, `rank`, `group_size`, `group`, `num_nvl_bytes`,
@@ -402,17 +388,6 @@ class Buffer(GpuPath):
 
     # ------------------------------------------------------------ heaps
 
-    def _ep(self, key, cfg, ht: bool, ll: bool):
-        """The host-backend rank for `cfg`, created collectively on first use (after every
-        rank showed the same shape)."""
-        ep = self._eps.get(key)
-        if ep is None:
-            self._agree.check("an LL heap of the host backend" if ll else "an HT heap of the host backend",
-                              _bootstrap.fields_of(cfg, ll))
-            ep = _native.Ep(self._live(), cfg, ht=ht, ll=ll, timeout_s=self._timeout_s)
-            self._eps[key] = ep
-        return ep
-
     def _ht_max_tokens(self, hidden: int, topk: int, experts: int, fp8: bool = False, gpu: bool = False) -> int:
         if self._max_tokens_override is not None:
             return self._max_tokens_override
@@ -441,11 +416,6 @@ class Buffer(GpuPath):
         self._ht_tokens[key] = lo
         return lo
 
-    def _ht_ep(self, wire_hidden: int, topk: int, experts: int, max_tokens: int):
-        key = ("ht", wire_hidden, topk, experts, max_tokens)
-        cfg = _native.EpConfig(self.group_size, experts, wire_hidden, topk, max_tokens)
-        return self._ep(key, cfg, ht=True, ll=False)
-
     # ------------------------------------------------------------ layout
 
     @_eager_only
@@ -457,56 +427,13 @@ class Buffer(GpuPath):
         is_token_in_rank `[N, R]` bool, event)."""
         self._live()
         refuse_keywords("get_dispatch_layout", deepep_only)
-        # Torch operations on the device: no CUDA rank needed.
+        # (CUDA tensors: torch operations on the device, no CUDA rank needed.)
         if isinstance(topk_idx, torch.Tensor) and topk_idx.is_cuda:
-            _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
-
-            def op():
-                per_rank, per_expert, in_rank = _gpu.layout(topk_idx, num_experts, self.group_size)
-                return per_rank, None, per_expert, in_rank, None
-            return _gpu.on_comm_stream(self._comm_stream, previous_event, async_finish, allocate_on_comm_stream,
-                                       (topk_idx,), op)
+            return self._gpu_layout(topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream)
         self._on_gpu(topk_idx)
-        check("topk_idx", topk_idx, None, dim=2)
-        n, k = topk_idx.shape
-        cfg = _native.EpConfig(self.group_size, num_experts, 8, max(k, 1), max(n, 1))
-        per_rank, per_expert, mask = _native.layout(cfg, self.rank, to_bytes(topk_idx.to(torch.int64)))
-        num_tokens_per_rank = torch.tensor(per_rank, dtype=torch.int32)
-        num_tokens_per_expert = torch.tensor(per_expert, dtype=torch.int32)
-        is_token_in_rank = from_bytes(mask, torch.uint8, (n, self.group_size)).bool()
-        return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, \
-            EventOverlap(CompletedEvent() if async_finish else None)
+        return self._host_layout(topk_idx, num_experts, async_finish)
 
     # ------------------------------------------------------------ HT
-
-    @staticmethod
-    def _ht_wire(x: torch.Tensor, x_scales: Optional[torch.Tensor]):
-        """The rows dispatch moves: BF16 rows as they are, or for FP8 each row's e4m3 bytes
-        and scale bytes packed into one opaque row (a 16-byte multiple) moved as BF16."""
-        if x_scales is None:
-            check("x", x, torch.bfloat16, dim=2)
-            return to_bytes(x), x.shape[1], None
-        check("x[0]", x, torch.float8_e4m3fn, dim=2)
-        check_cpu("x[1]", x_scales)
-        n, h = x.shape
-        form = _scales.form_of("x[1]", x_scales, n)
-        s = form.cols
-        row = h + 4 * s
-        wire_row = _round_up(row, 16)
-        packed = torch.zeros((n, wire_row), dtype=torch.uint8)
-        packed[:, :h] = x.contiguous().view(torch.uint8)
-        packed[:, h:row] = _scales.as_rows(x_scales, form).view(torch.uint8).view(n, 4 * s)
-        return to_bytes(packed), wire_row // 2, (h, form)
-
-    @staticmethod
-    def _ht_unwire(b: bytes, nr: int, wire_hidden: int, fp8):
-        if fp8 is None:
-            return from_bytes(b, torch.bfloat16, (nr, wire_hidden))
-        h, form = fp8
-        packed = from_bytes(b, torch.uint8, (nr, wire_hidden * 2))
-        x = packed[:, :h].contiguous().view(torch.float8_e4m3fn)
-        scales = packed[:, h:h + 4 * form.cols].contiguous().view(form.dtype)
-        return x, _scales.from_rows(scales, form)
 
     @_eager_only
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
@@ -537,62 +464,8 @@ class Buffer(GpuPath):
                 (x, topk_idx, topk_weights, is_token_in_rank),
                 lambda: self._gpu_dispatch(x, handle, num_tokens_per_expert, is_token_in_rank, topk_idx,
                                            topk_weights, expert_alignment, num_worst_tokens, config))
-        x, x_scales = x if isinstance(x, tuple) else (x, None)
-        wire, wire_hidden, fp8 = self._ht_wire(x, x_scales)
-        n = x.shape[0]
-        event = EventOverlap(CompletedEvent() if async_finish else None)
-
-        if handle is not None:
-            assert topk_idx is None and topk_weights is None
-            st = _ht_state(handle)
-            ep = self._ht_ep(wire_hidden, st.topk, st.experts, st.max_tokens)
-            rb, _ = ep.ht_dispatch_cached(wire, st.native)
-            recv = self._ht_unwire(rb, st.num_recv, wire_hidden, fp8)
-            worst = max(num_worst_tokens, st.num_worst_tokens)
-            if worst:
-                recv = tuple(_pad_rows(t, worst) for t in recv) if fp8 else _pad_rows(recv, worst)
-            return recv, None, None, None, None, event
-
-        if num_tokens_per_expert is None:
-            raise ValueError("dispatch: num_tokens_per_expert is required (from get_dispatch_layout); "
-                             "it gives the number of experts")
-        check("topk_idx", topk_idx, None, dim=2)
-        check_cpu("num_tokens_per_expert", num_tokens_per_expert)
-        _check_rows(x, topk_idx)
-        if expert_alignment < 1:
-            raise ValueError(f"expert_alignment = {expert_alignment}: must be at least 1")
-        k = topk_idx.shape[1]
-        experts = num_tokens_per_expert.numel()
-        if topk_weights is not None:
-            check("topk_weights", topk_weights, None, dim=2)
-            w = topk_weights.to(torch.float32)
-        else:
-            w = torch.zeros((n, k), dtype=torch.float32)
-        hidden = x.shape[1]
-        max_tokens = self._ht_max_tokens(hidden, k, experts)
-        ep = self._ht_ep(wire_hidden, k, experts, max_tokens)
-        try:
-            (rb, _, ridx, rw, counts), native = ep.ht_dispatch(wire, to_bytes(topk_idx.to(torch.int64)), to_bytes(w), n)
-        except ValueError as e:
-            if n > max_tokens:
-                raise ValueError(f"{e} (this Buffer holds {max_tokens} tokens per rank for HT with "
-                                 f"num_nvl_bytes = {self.num_nvl_bytes}; raise it or pass "
-                                 "max_tokens_per_rank=)") from e
-            raise
-        nr = native.num_recv
-        recv_x = self._ht_unwire(rb, nr, wire_hidden, fp8)
-        recv_topk_idx = from_bytes(ridx, torch.int64, (nr, k)).to(topk_idx.dtype)
-        recv_topk_weights = from_bytes(rw, torch.float32, (nr, k)) if topk_weights is not None else None
-        counts = [_round_up(c, expert_alignment) for c in counts]
-        recv_src_idx = from_bytes(native.recv_src_token(), torch.int32, (nr,))
-        in_rank = from_bytes(native.is_token_in_rank(), torch.uint8, (n, self.group_size)).bool()
-        if num_worst_tokens:
-            recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx = _pad_worst(
-                num_worst_tokens, nr, recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx, fp8)
-            counts = []
-        st = HtState(ep, native, experts, k, max_tokens, hidden, fp8 is not None, num_worst_tokens)
-        handle = (st, None, None, recv_src_idx, in_rank, None)
-        return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event
+        return self._host_dispatch(x, handle, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                   num_worst_tokens, async_finish)
 
     def _dispatch_by_rank(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_weights,
                           expert_alignment, num_worst_tokens, config, previous_event, async_finish,
@@ -638,57 +511,14 @@ class Buffer(GpuPath):
             return _gpu.on_comm_stream(
                 self._comm_stream, previous_event, async_finish, allocate_on_comm_stream,
                 (x, topk_weights, bias), lambda: self._gpu_combine(x, handle, topk_weights, bias, config))
-        st = _ht_state(handle)
-        check("x", x, torch.bfloat16, dim=2)
-        if x.shape[0] < st.num_recv:
-            raise ValueError(f"x: {x.shape[0]} rows, the dispatch received {st.num_recv}")
-        x = x[:st.num_recv]
-        hidden = x.shape[1]
-        w = None
-        if topk_weights is not None:
-            check("topk_weights", topk_weights, None, dim=2)
-            w = to_bytes(topk_weights[:st.num_recv].to(torch.float32))
-        bias = _bias_pair(bias)
-        biases = []
-        for i, b in enumerate(bias):
-            if b is not None:
-                check(f"bias[{i}]", b, torch.bfloat16, dim=2)
-                b = to_bytes(b)
-            biases.append(b)
-        ep = self._ht_ep(hidden, st.topk, st.experts, st.max_tokens)
-        xb, wb = ep.ht_combine(to_bytes(x), st.native, w, biases[0], biases[1])
-        combined_x = from_bytes(xb, torch.bfloat16, (st.num_tokens, hidden))
-        combined_w = from_bytes(wb, torch.float32, (st.num_tokens, st.topk)) if wb is not None else None
-        return combined_x, combined_w, EventOverlap(CompletedEvent() if async_finish else None)
+        return self._host_combine(x, handle, topk_weights, bias, async_finish)
 
     # ------------------------------------------------------------ LL
-
-    def _ll_masked(self, ep, op, *args):
-        """Runs host LL operation `op` of `ep` under this Buffer's rank mask, keeping the
-        peers it masked (enable_shrink) for the next operations."""
-        ep.set_ll_mask(self._ll_mask, self.enable_shrink)
-        try:
-            return op(*args)
-        finally:
-            self._ll_mask = ep.ll_mask()
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Nothing to clean: gin-ep's LL protocol needs no zeroed buffer (its signals are
         sequence numbers that only grow)."""
         self._live()
-
-    def _ll_ep(self, hidden, topk, experts, max_tokens, dtype):
-        key = ("ll", hidden, topk, experts, max_tokens, dtype, self.ll_combine_order)
-        cfg = _native.EpConfig(self.group_size, experts, hidden, topk, max_tokens, dtype,
-                               ll_combine_order=self.ll_combine_order)
-        if key not in self._eps:
-            need = cfg.required_bytes(ht=False, ll=True)
-            if need > self.num_rdma_bytes:
-                raise ValueError(
-                    f"num_rdma_bytes = {self.num_rdma_bytes} is too small for LL with "
-                    f"{max_tokens} tokens per rank, hidden = {hidden}, top-{topk} of {experts} experts "
-                    f"({dtype}): gin-ep needs {need} bytes (see Buffer.get_low_latency_rdma_size_hint)")
-        return self._ep(key, cfg, ht=False, ll=True)
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
@@ -744,38 +574,9 @@ class Buffer(GpuPath):
             return self._gpu_ll_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                          cumulative_local_expert_recv_stats, use_fp8, round_scale,
                                          async_finish, return_recv_hook)
-        check("x", x, torch.bfloat16, dim=2)
-        check("topk_idx", topk_idx, None, dim=2)
-        _check_rows(x, topk_idx)
-        if round_scale and not use_fp8:
-            raise ValueError("round_scale=True needs use_fp8=True")
-        dtype = "bf16" if not use_fp8 else ("fp8-ue8m0" if round_scale else "fp8")
-        n, hidden = x.shape
-        k = topk_idx.shape[1]
-        t = int(num_max_dispatch_tokens_per_rank)
-        r = self.group_size
-        ep = self._ll_ep(hidden, k, num_experts, t, dtype)
-        ((xb, sb), counts), native = self._ll_masked(ep, ep.ll_dispatch, to_bytes(x), to_bytes(topk_idx.to(torch.int64)), n)
-        local = num_experts // r
-        if use_fp8:
-            data = from_bytes(xb, torch.uint8, (local, r * t, hidden)).view(torch.float8_e4m3fn)
-            s = hidden // _native.FP8_BLOCK
-            scales = from_bytes(sb, torch.float32, (local, r * t, s))
-            # Column-major in the last two dimensions, as DeepEP lays them out.
-            scales = scales.transpose(1, 2).contiguous().transpose(1, 2)
-            recv_x = (data, scales)
-        else:
-            recv_x = from_bytes(xb, torch.bfloat16, (local, r * t, hidden))
-        recv_count = torch.tensor(counts, dtype=torch.int32)
-        if cumulative_local_expert_recv_stats is not None:
-            check_cpu("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats)
-            cumulative_local_expert_recv_stats += recv_count.to(cumulative_local_expert_recv_stats.dtype)
-        ranges = native.layout_range
-        layout_range = torch.tensor([(first << 32) | count for first, count in ranges],
-                                    dtype=torch.int64).view(local, r)
-        handle = (LlState(ep, native, k, n, False), layout_range, t, hidden, num_experts)
-        return recv_x, recv_count, handle, EventOverlap(CompletedEvent() if async_finish else None), \
-            (_hook if return_recv_hook else None)
+        return self._host_ll_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                      cumulative_local_expert_recv_stats, use_fp8, round_scale, async_finish,
+                                      return_recv_hook)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
@@ -815,24 +616,8 @@ class Buffer(GpuPath):
                     lambda: self._gpu_ll_combine(x, topk_idx, topk_weights, handle, zero_copy, True, False, out))
             return self._gpu_ll_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
                                         return_recv_hook, out)
-        st = _ll_state(handle)
-        _, _, t, hidden, num_experts = handle
-        if zero_copy:
-            x = self.get_next_low_latency_combine_buffer(handle)
-        check("x", x, torch.bfloat16, dim=3)
-        check("topk_idx", topk_idx, None, dim=2)
-        check("topk_weights", topk_weights, None, dim=2)
-        n = st.native.num_tokens
-        self._on_gpu(x)
-        yb = self._ll_masked(st.ep, st.ep.ll_combine, to_bytes(x), to_bytes(topk_idx.to(torch.int64)),
-                             to_bytes(topk_weights.to(torch.float32)), st.native)
-        combined = from_bytes(yb, torch.bfloat16, (n, hidden))
-        if out is not None:
-            check("out", out, torch.bfloat16)
-            out.copy_(combined)
-            combined = out
-        return combined, EventOverlap(CompletedEvent() if async_finish else None), \
-            (_hook if return_recv_hook else None)
+        return self._host_ll_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook,
+                                     out)
 
     _ll_combine_untraced = _eager_only(_ll_combine)
 
