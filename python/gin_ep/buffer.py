@@ -324,6 +324,22 @@ class Buffer(GpuPath, HostPath):
             self._comm_cuda_stream = torch.cuda.Stream()
         return self._comm_cuda_stream
 
+    def memory_bytes(self) -> dict:
+        """What gin-ep holds for this Buffer now, in bytes (a gin-ep extension): `gpu`, on this
+        rank's GPU (the symmetric windows and work buffers of every HT and LL shape used so far;
+        0 before the first call with CUDA tensors; not the caller's tensors, not NCCL's own
+        resources); `host`, the host backend's shared-memory heaps of this rank; `local`, the
+        tensors the Buffer keeps for the caller (`get_local_buffer_tensor`, the zero-copy LL
+        combine input). HT windows are sized by `num_nvl_bytes` (or `max_tokens_per_rank`)
+        plus `ht_recv_slabs` receive slabs, LL windows by `num_max_dispatch_tokens_per_rank`;
+        each shape has its own."""
+        self._live()
+        gpu = self._gpu.rank_gpu.device_bytes if self._gpu is not None else 0
+        host = sum(ep.config.required_bytes(ht=key[0] == "ht", ll=key[0] == "ll") for key, ep in self._eps.items())
+        local = sum(t.numel() * t.element_size()
+                    for t in (*self._local_tensors.values(), *self._ll_comb_bufs.values()))
+        return {"gpu": gpu, "host": host, "local": local}
+
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None,
                                 offset: int = 0, use_rdma_buffer: bool = False) -> torch.Tensor:
         """A tensor over `num_rdma_bytes` (`use_rdma_buffer`) or `num_nvl_bytes` bytes this

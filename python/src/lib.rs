@@ -424,6 +424,13 @@ impl PyGpuRank {
     fn sm_count(&self) -> u32 {
         self.rank.info().sm_count
     }
+
+    /// Device bytes gin-ep holds on this GPU now: the symmetric windows and work buffers of
+    /// every engine made on the rank (not the caller's tensors, not NCCL's own).
+    #[getter]
+    fn device_bytes(&self) -> usize {
+        self.rank.device_bytes()
+    }
 }
 
 /// One rank's engine for one config (gin-ep's `Ep`): the host backend (tensors as bytes,

@@ -137,3 +137,54 @@ def test_slab_lease_returns_its_slab_when_the_last_tensor_view_goes():
     assert free == [5]
     views.pop()
     assert free == [5, 2]
+
+
+def memory_worker(rank, world, dev):
+    """`Buffer.memory_bytes()` follows what gin-ep holds: nothing before the first call, then
+    the heap (host) or windows and work buffers (GPU) of each shape used, and the tensors the
+    Buffer keeps for the caller."""
+    from _inputs import routing
+    if dev == "cuda":
+        torch.cuda.set_device(rank)
+    device = torch.device(dev, rank) if dev == "cuda" else torch.device("cpu")
+    hidden, topk, experts, t = 256, 2, 4 * world, 8
+    x, idx, w = (v.to(device) for v in routing(world, [6, 5][:world], hidden, topk, experts, seed=3)[rank])
+    ll_bytes = Buffer.get_low_latency_rdma_size_hint(t, hidden, world, experts)
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=1 << 22, num_rdma_bytes=ll_bytes, explicitly_destroy=True)
+    assert buf.memory_bytes() == {"gpu": 0, "host": 0, "local": 0}
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    recv = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    after_ht = buf.memory_bytes()
+    st = recv[4][0]
+    cfg = _native.EpConfig(world, experts, hidden, topk, st.max_tokens, "bf16")
+    if dev == "cuda":
+        # The window of the shape (the copy slab and the lent ones) at least, and nothing on the host.
+        assert after_ht["gpu"] >= _native.gpu_ht_bytes(cfg, 1 + 2) and after_ht["host"] == 0, after_ht
+    else:
+        assert after_ht == {"gpu": 0, "host": cfg.required_bytes(ht=True, ll=False), "local": 0}, after_ht
+    buf.low_latency_dispatch(x, idx, t, experts, use_fp8=False)
+    after_ll = buf.memory_bytes()
+    ll_cfg = _native.EpConfig(world, experts, hidden, topk, t, "bf16")
+    if dev == "cuda":
+        assert after_ll["gpu"] >= after_ht["gpu"] + _native.gpu_ll_bytes(ll_cfg), (after_ht, after_ll)
+    else:
+        assert after_ll["host"] == after_ht["host"] + ll_cfg.required_bytes(ht=False, ll=True), after_ll
+    buf.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True)
+    assert buf.memory_bytes()["local"] == ll_bytes
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    buf.destroy()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_memory_bytes(world):
+    _dist.run(world, memory_worker, "cpu")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_memory_bytes_gpu(world):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPU(s)")
+    _dist.run(world, memory_worker, "cuda")

@@ -11,6 +11,7 @@
 //! `Ep` of it, holds the rank's `op` lock (the stream override and the rank's counters are
 //! per rank, not per thread), which is what makes the `Send`/`Sync` below sound.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use super::ht::{CombineExtras, CudaHt, DispatchSource, HtBuf, HtGpuHandle, HtGpuOptions, HtIo};
@@ -31,6 +32,8 @@ struct RankShared {
     /// Held for the whole of every operation on the rank.
     op: Mutex<()>,
     rank: Arc<CudaRank>,
+    /// The rank's count of held device bytes (`CudaRank::held_bytes`), read without `op`.
+    held: Arc<AtomicUsize>,
 }
 
 // SAFETY: see the module comment: the handles are usable from any thread with the context
@@ -58,12 +61,20 @@ impl GpuRank {
             Some(d) => CudaRank::on_device(group, d, opts)?,
             None => CudaRank::new(group, opts)?,
         };
+        let held = rank.held_bytes();
         Ok(GpuRank {
             inner: Arc::new(RankShared {
                 op: Mutex::new(()),
                 rank: rank.into_shared(),
+                held,
             }),
         })
+    }
+
+    /// Device bytes gin-ep holds on this rank's GPU now: the symmetric windows and work
+    /// buffers of every engine made on the rank (not the caller's tensors).
+    pub fn device_bytes(&self) -> usize {
+        self.inner.held.load(Ordering::Relaxed)
     }
 
     /// Device, SM count, NCCL version and where NCCL came from.

@@ -7,6 +7,7 @@
 //! or frees memory a queued kernel may still use (owners wait, or leak on error).
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext};
@@ -108,6 +109,8 @@ pub struct DeviceBuffer {
     pub(super) ptr: sys::CUdeviceptr,
     pub(super) bytes: usize,
     pub(super) ctx: Arc<CudaContext>,
+    /// The owning rank's count of held device bytes (`CudaRank::held_bytes`).
+    pub(super) held: Arc<AtomicUsize>,
 }
 
 impl DeviceBuffer {
@@ -139,6 +142,7 @@ impl Drop for DeviceBuffer {
         unsafe {
             let _ = result::free_sync(self.ptr);
         }
+        self.held.fetch_sub(self.bytes, Ordering::Relaxed);
     }
 }
 
@@ -351,10 +355,12 @@ impl CudaRank {
         }
         // SAFETY: the memory is uninitialized bytes, which is all a DeviceBuffer promises.
         let ptr = cu("cuMemAlloc", unsafe { result::malloc_sync(bytes) })?;
+        self.held.fetch_add(bytes, Ordering::Relaxed);
         Ok(DeviceBuffer {
             ptr,
             bytes,
             ctx: self.ctx.clone(),
+            held: self.held.clone(),
         })
     }
 

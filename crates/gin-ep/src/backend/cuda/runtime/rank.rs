@@ -9,7 +9,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -100,6 +100,8 @@ pub struct CudaRank {
     pub(super) opts: CudaRankOptions,
     /// Launch counter for the deadline barriers (`epoch` of kernels/common/fabric.cuh).
     pub(super) epoch: Cell<u64>,
+    /// Device bytes this rank's live buffers and windows hold ([`CudaRank::held_bytes`]).
+    pub(super) held: Arc<AtomicUsize>,
     /// Ranks per node when an operation's ranks span several nodes (0: one node), so a
     /// missed deadline names the late peer's node ([`CudaRank::set_node_size`]).
     pub(super) node_size: Cell<usize>,
@@ -115,6 +117,13 @@ impl CudaRank {
     /// the group's store. Every missing piece is an `Error::Unavailable` naming it.
     pub fn new(group: &Group, opts: CudaRankOptions) -> Result<CudaRank> {
         Self::on_device(group, group.local_rank(), opts)
+    }
+
+    /// The count of device bytes this rank's live buffers and symmetric windows hold (every
+    /// object made on it: HT and LL engines, their windows and work buffers). Shared, so
+    /// it can be read without the rank (an atomic: other threads' operations may change it).
+    pub fn held_bytes(&self) -> Arc<AtomicUsize> {
+        self.held.clone()
     }
 
     /// As [`CudaRank::new`] on GPU `device` instead of `group.local_rank()` (a framework
@@ -248,6 +257,7 @@ impl CudaRank {
             opts,
             node_size: Cell::new(0),
             epoch: Cell::new(0),
+            held: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -461,6 +471,8 @@ impl CudaRank {
                     ptr: p?,
                     bytes,
                     ctx: peer_ctx.clone(),
+                    // The peer's memory, not this rank's: counted on its own.
+                    held: Arc::new(AtomicUsize::new(bytes)),
                 }
             };
             let src = self.alloc(bytes)?;

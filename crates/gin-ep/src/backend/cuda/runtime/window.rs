@@ -8,7 +8,8 @@
 use std::cell::OnceCell;
 use std::ffi::c_void;
 use std::rc::Rc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use cudarc::driver::{result, sys};
 use gin_ep_sys as ns;
@@ -32,6 +33,8 @@ pub struct Window {
     /// Every LSA peer's copy as this process maps it (see [`Window::lsa_bases`]).
     lsa_bases: OnceCell<Vec<u64>>,
     comm: Rc<Comm>,
+    /// The owning rank's count of held device bytes (`CudaRank::held_bytes`).
+    held: Arc<AtomicUsize>,
 }
 
 impl Window {
@@ -78,6 +81,8 @@ impl std::fmt::Debug for Window {
 
 impl Drop for Window {
     fn drop(&mut self) {
+        // No longer held by gin-ep (after a failure the process's end reclaims it, below).
+        self.held.fetch_sub(self.bytes, Ordering::Relaxed);
         if self.comm.failed.load(Ordering::Relaxed) {
             // Deregistration is collective and peers may be gone; the abort of the
             // communicator and the end of the process reclaim the window and its memory.
@@ -206,12 +211,14 @@ impl CudaRank {
                  returned a null window (no NVLink/P2P between these GPUs, or NVLS/cuMem disabled?)",
             ));
         }
+        self.held.fetch_add(bytes, Ordering::Relaxed);
         Ok(Window {
             raw,
             ptr: ptr as sys::CUdeviceptr,
             bytes,
             lsa_bases: OnceCell::new(),
             comm: self.comm.clone(),
+            held: self.held.clone(),
         })
     }
 
