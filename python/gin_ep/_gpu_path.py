@@ -5,13 +5,12 @@ Buffer's CUDA rank); `Buffer` chooses this path by where the tensors live and ow
 everything else. Never touches the host backend.
 """
 
-from typing import Optional
 
 import torch
 
 from . import _gpu, _native, _scales
 from ._util import BF16 as _BF16, Tensor as _Tensor, check_rows as _check_rows, copy_into as _copy_into, \
-    bias_pair as _bias_pair, pad_rows as _pad_rows, pad_worst as _pad_worst, \
+    bias_pair as _bias_pair, pad_cached, pad_worst as _pad_worst, \
     round_up as _round_up, unsupported as _unsupported, HtState, LlState, state_of
 from .utils import EventOverlap
 
@@ -66,18 +65,11 @@ class GpuPath:
                 recv = g.ht_recv_x(st.ep, st.num_recv, hidden, fp8, torch.float32, s)
             if fp8:
                 recv = (recv[0], _scales.from_kernel(recv[1], form))
-            worst = max(num_worst_tokens, st.num_worst_tokens)
-            if worst:
-                recv = tuple(_pad_rows(t, worst) for t in recv) if fp8 else _pad_rows(recv, worst)
+            recv = pad_cached(recv, max(num_worst_tokens, st.num_worst_tokens), fp8)
             return recv, None, None, None, None, None
 
-        if num_tokens_per_expert is None:
-            raise ValueError("dispatch: num_tokens_per_expert is required (from get_dispatch_layout); "
-                             "it gives the number of experts")
         _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
         _check_rows(x, topk_idx)
-        if expert_alignment < 1:
-            raise ValueError(f"expert_alignment = {expert_alignment}: must be at least 1")
         k = topk_idx.shape[1]
         experts = num_tokens_per_expert.numel()
         if topk_weights is not None:

@@ -14,7 +14,7 @@ import torch
 
 from . import _bootstrap, _native, _scales
 from ._convert import check, check_cpu, from_bytes, to_bytes
-from ._util import bias_pair as _bias_pair, check_rows as _check_rows, pad_rows as _pad_rows, \
+from ._util import bias_pair as _bias_pair, check_rows as _check_rows, pad_cached, \
     pad_worst as _pad_worst, round_up as _round_up, HtState, LlState, state_of
 from .utils import CompletedEvent, EventOverlap
 
@@ -129,19 +129,12 @@ class HostPath:
             ep = self._ht_ep(wire_hidden, st.topk, st.experts, st.max_tokens)
             rb, _ = ep.ht_dispatch_cached(wire, st.native)
             recv = self._ht_unwire(rb, st.num_recv, wire_hidden, fp8)
-            worst = max(num_worst_tokens, st.num_worst_tokens)
-            if worst:
-                recv = tuple(_pad_rows(t, worst) for t in recv) if fp8 else _pad_rows(recv, worst)
+            recv = pad_cached(recv, max(num_worst_tokens, st.num_worst_tokens), fp8)
             return recv, None, None, None, None, event
 
-        if num_tokens_per_expert is None:
-            raise ValueError("dispatch: num_tokens_per_expert is required (from get_dispatch_layout); "
-                             "it gives the number of experts")
         check("topk_idx", topk_idx, None, dim=2)
         check_cpu("num_tokens_per_expert", num_tokens_per_expert)
         _check_rows(x, topk_idx)
-        if expert_alignment < 1:
-            raise ValueError(f"expert_alignment = {expert_alignment}: must be at least 1")
         k = topk_idx.shape[1]
         experts = num_tokens_per_expert.numel()
         if topk_weights is not None:

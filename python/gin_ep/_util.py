@@ -63,6 +63,15 @@ def check_rows(x: torch.Tensor, topk_idx: torch.Tensor) -> None:
         raise ValueError(f"topk_idx: {topk_idx.shape[0]} rows, x has {x.shape[0]}")
 
 
+def pad_cached(recv, worst: int, fp8: bool):
+    """A cached dispatch's `recv_x` (a tensor, or with `fp8` its (rows, scales) pair) padded
+    to `worst` rows (the larger of the call's and the fresh dispatch's `num_worst_tokens`;
+    0: as it is)."""
+    if not worst:
+        return recv
+    return tuple(pad_rows(t, worst) for t in recv) if fp8 else pad_rows(recv, worst)
+
+
 def pad_rows(t: torch.Tensor, rows: int, fill=0) -> torch.Tensor:
     """`t` grown to `rows` rows (on its own device), the new rows set to `fill`; `t` itself
     when it has that many already. FP8 rows are padded as bytes (`fill` a byte value), as

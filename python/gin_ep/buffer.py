@@ -474,6 +474,12 @@ class Buffer(GpuPath, HostPath):
             return self._dispatch_by_rank(x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                                           topk_weights, expert_alignment, num_worst_tokens, config,
                                           previous_event, async_finish, allocate_on_comm_stream)
+        if handle is None:
+            if num_tokens_per_expert is None:
+                raise ValueError("dispatch: num_tokens_per_expert is required (from get_dispatch_layout); "
+                                 "it gives the number of experts")
+            if expert_alignment < 1:
+                raise ValueError(f"expert_alignment = {expert_alignment}: must be at least 1")
         if self._on_gpu(x):
             return _gpu.on_comm_stream(
                 self._comm_stream, previous_event, async_finish, allocate_on_comm_stream,

@@ -124,14 +124,16 @@ def _selection_worker(rank, world):
     buf._gpu_dispatch = lambda *a: calls.append("dispatch") or ("gpu", None)
     buf._gpu_combine = lambda *a: calls.append("combine") or ("gpu", None)
     cuda_x = torch.zeros(1, 128, dtype=torch.bfloat16).as_subclass(_FakeCuda)
-    assert buf.dispatch(cuda_x, topk_idx=idx)[0] == "gpu"
-    assert buf.dispatch((cuda_x, None), topk_idx=idx)[0] == "gpu"
+    per_expert = torch.tensor([1, 1], dtype=torch.int32)
+    assert buf.dispatch(cuda_x, topk_idx=idx, num_tokens_per_expert=per_expert)[0] == "gpu"
+    assert buf.dispatch((cuda_x, None), topk_idx=idx, num_tokens_per_expert=per_expert)[0] == "gpu"
     assert buf.combine(cuda_x, None)[0] == "gpu"
     assert calls == ["dispatch", "dispatch", "combine"] and _FakeGpu.made == [(1, 0)]
     assert isinstance(buf._gpu, _FakeGpu)
     # Tensors elsewhere are refused, naming the device.
     with pytest.raises(NotImplementedError, match="meta"):
-        buf.dispatch(torch.zeros(1, 128, dtype=torch.bfloat16, device="meta"), topk_idx=idx)
+        buf.dispatch(torch.zeros(1, 128, dtype=torch.bfloat16, device="meta"), topk_idx=idx,
+                     num_tokens_per_expert=per_expert)
 
 
 def test_gpu_path_is_chosen_by_tensor_device():
