@@ -143,7 +143,7 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
     let mut ht = CudaHt::new(rank, cfg, opts)?;
     let res = (|| -> Result<()> {
         // The last iteration's handle, kept alive across the next fresh dispatch.
-        let mut prev: Option<(usize, HtGpuHandle, Vec<HtDispatchOutput>, Sizing)> = None;
+        let mut prev: Option<(usize, HtGpuHandle, Vec<HtDispatchOutput>, Sizing, DispatchSource)> = None;
         for iter in 0..case.iters {
             let ctx = |e: Error, op: &str, sizing: Sizing, source: DispatchSource| {
                 match e {
@@ -254,7 +254,7 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
 
             // The previous iteration's handle is still live: its combine, after this
             // iteration's fresh dispatch took another layout slot, must still be exact.
-            if let Some((prev_iter, prev_handle, prev_want, prev_sizing)) = prev.take() {
+            if let Some((prev_iter, prev_handle, prev_want, prev_sizing, prev_source)) = prev.take() {
                 combine_and_compare(
                     &mut ht,
                     rank,
@@ -269,14 +269,14 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
                     ctx(
                         e,
                         "HT combine along the previous iteration's handle",
-                        sizing,
-                        source,
+                        prev_sizing,
+                        prev_source,
                     )
                 })?;
             }
             combine_and_compare(&mut ht, rank, me, case, iter, &handle, &want, sizing)
                 .map_err(|e| ctx(e, "HT combine", sizing, source))?;
-            prev = Some((iter, handle, want, sizing));
+            prev = Some((iter, handle, want, sizing, source));
         }
         rank.wait("end of case")?;
         // Window deregistration is collective: everyone leaves the case together.
