@@ -239,7 +239,6 @@ class HostPath:
         check("topk_idx", topk_idx, None, dim=2)
         check("topk_weights", topk_weights, None, dim=2)
         n = st.native.num_tokens
-        self._on_gpu(x)
         yb = self._ll_masked(st.ep, st.ep.ll_combine, to_bytes(x), to_bytes(topk_idx.to(torch.int64)),
                              to_bytes(topk_weights.to(torch.float32)), st.native)
         combined = from_bytes(yb, torch.bfloat16, (n, hidden))
