@@ -5,7 +5,6 @@ Buffer's CUDA rank); `Buffer` chooses this path by where the tensors live and ow
 everything else. Never touches the host backend.
 """
 
-
 import torch
 
 from . import _gpu, _native, _scales

@@ -47,6 +47,11 @@ class HostPath:
             self._eps[key] = ep
         return ep
 
+    def _host_heap_bytes(self) -> int:
+        """Bytes of the shared-memory heaps this rank's host-backend Eps hold (one per shape;
+        the key's first field says which modes it was made for)."""
+        return sum(ep.config.required_bytes(ht=key[0] == "ht", ll=key[0] == "ll") for key, ep in self._eps.items())
+
     def _ht_ep(self, wire_hidden: int, topk: int, experts: int, max_tokens: int):
         key = ("ht", wire_hidden, topk, experts, max_tokens)
         cfg = _native.EpConfig(self.group_size, experts, wire_hidden, topk, max_tokens)

@@ -335,7 +335,7 @@ class Buffer(GpuPath, HostPath):
         each shape has its own."""
         self._live()
         gpu = self._gpu.rank_gpu.device_bytes if self._gpu is not None else 0
-        host = sum(ep.config.required_bytes(ht=key[0] == "ht", ll=key[0] == "ll") for key, ep in self._eps.items())
+        host = self._host_heap_bytes()
         local = sum(t.numel() * t.element_size()
                     for t in (*self._local_tensors.values(), *self._ll_comb_bufs.values()))
         return {"gpu": gpu, "host": host, "local": local}
