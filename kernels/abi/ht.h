@@ -48,6 +48,10 @@ static const uint32_t kStatusPeerFailed = 2;
 static const uint32_t kStatusCapacity = 3;
 static const uint32_t kStatusTimeout = 4;
 static const uint32_t kStatusBadSlab = 5;  // detail: the slab a peer published, peer: that peer
+// A rank passed more tokens than max_tokens (detail: the most any rank passed). Every rank
+// reads every count row, so every rank sees it in the same dispatch and moves no data; the
+// caller makes buffers for that many tokens and dispatches again (Error::TokenCapacity).
+static const uint32_t kStatusGrow = 6;
 
 struct HtArgs {
   union {
@@ -110,6 +114,11 @@ struct HtArgs {
   // team or from gin-ep's IPC-mapped node windows (host: backend/cuda/fabric.rs); the
   // kernels never read NCCL's team for them.
   char* peer_base;
+  // The tokens the caller passed. Above max_tokens the host launches with num_tokens = 0 and
+  // the count exchange only carries this number (the last word of the count row), so every
+  // rank stands down with kStatusGrow.
+  uint32_t caller_tokens;
+  uint32_t pad_caller;
 };
 
 // vflags of HtArgs (host: HtVariant in backend/cuda/ht/variant.rs).

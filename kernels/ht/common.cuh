@@ -11,7 +11,8 @@
 //   count_sig [R] u64          slot s written by source s: seq of its count row (or kFailed)
 //   disp_sig  [R][kMaxGrid] u64 slot (s, b) written by block b of source s when its rows landed
 //   bar       [kMaxGrid][R] u64 DeadlineBarrier words (cached dispatch, combine start/end)
-//   counts    [R][R + E] u32   row s = tokens_per_rank then tokens_per_expert of source s
+//   counts    [R][R + E + 1] u32 row s = tokens_per_rank, tokens_per_expert, then the tokens
+//                              its caller passed (caller_tokens), of source s
 //   recv_slab [R] u32          slot s written by rank s: the receive slab it chose for the
 //                              current dispatch (fresh: with its count row; cached: before
 //                              the start barrier)
@@ -98,7 +99,9 @@ __device__ __forceinline__ void signal_peer(const HtArgs& a, uint64_t offset, in
 // in fail_host, which the next layout kernel does not overwrite: the host need not wait
 // for this kernel to learn of it later.
 __device__ void record_status(const HtArgs& a, uint32_t status, uint32_t detail, int peer) {
-  if (atomicCAS(&a.plan[kPlanStatus], kStatusOk, status) == kStatusOk) {
+  // A failure also replaces kStatusGrow: the host must see that a peer broke off.
+  if (atomicCAS(&a.plan[kPlanStatus], kStatusOk, status) == kStatusOk ||
+      atomicCAS(&a.plan[kPlanStatus], kStatusGrow, status) == kStatusGrow) {
     a.plan[kPlanDetail] = detail;
     a.plan[kPlanPeer] = uint32_t(peer);
     volatile uint32_t* h = a.fail_host;

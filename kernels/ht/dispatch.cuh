@@ -219,8 +219,11 @@ __device__ __forceinline__ void dispatch_body(const HtArgs& a) {
     atomicMax(reinterpret_cast<unsigned long long*>(&a.stamps[kStampDispPayload]),
               static_cast<unsigned long long>(globaltimer_ns()));
   const uint64_t my_slot = (size_t(me) * kMaxGrid + blockIdx.x) * sizeof(uint64_t);
-  if (tid < R) signal_peer(a, a.off_disp_sig + my_slot, tid, s_status == kStatusOk ? a.seq : kFailed);
-  if (s_status == kStatusOk && tid < R) {
+  // kStatusGrow: every rank stood down in this dispatch (the layout kernel says why), so the
+  // signals pair as after an empty dispatch and the object stays usable.
+  const bool paired = s_status == kStatusOk || s_status == kStatusGrow;
+  if (tid < R) signal_peer(a, a.off_disp_sig + my_slot, tid, paired ? a.seq : kFailed);
+  if (paired && tid < R) {
     const uint64_t* w = reinterpret_cast<const uint64_t*>(
         peer_ptr(a, a.off_disp_sig + (size_t(tid) * kMaxGrid + blockIdx.x) * sizeof(uint64_t), me));
     const uint32_t st = wait_signal(w, a.seq, kPhaseHtDispatchWait, tid, me, a.timeout_ns, a.err);

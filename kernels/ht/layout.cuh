@@ -38,10 +38,12 @@ using namespace gin_ep::ht;
 // operation, and does the count exchange and the plan; the others exit. No block waits for
 // a block that may not be resident, except the look-back on lower indices.
 //
-// Count exchange: the row (tokens_per_rank[R], tokens_per_expert[E]) goes into row `me` of
-// every peer's count region, then the count signal (seq) into slot `me` of every peer; wait
-// for all R slots; then the plan: src_offset, send_base, per-local-expert counts (aligned),
-// from the R x R count matrix and the local-expert sums, loaded by all threads at once.
+// Count exchange: the row (tokens_per_rank[R], tokens_per_expert[E], caller_tokens) goes into
+// row `me` of every peer's count region, then the count signal (seq) into slot `me` of every
+// peer; wait for all R slots; then the plan: src_offset, send_base, per-local-expert counts
+// (aligned), from the R x R count matrix and the local-expert sums, loaded by all threads at
+// once. A row whose caller_tokens exceed max_tokens (that rank laid out no token) makes every
+// rank's plan kStatusGrow: all ranks read the same rows, so all stand down in this dispatch.
 // If invalid input or a failed look-back: nothing is sent, every peer's count signal gets
 // kFailed, and peers skip their dispatch too.
 namespace gin_ep {
@@ -136,6 +138,7 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
   __shared__ uint32_t s_tile[kMaxRanks];            // this tile's count per rank
   __shared__ uint32_t s_off[kMaxRanks];             // tokens of earlier tiles per rank
   __shared__ uint32_t s_total[kMaxRanks];           // last block: tokens_per_rank
+  __shared__ uint32_t s_want[kMaxRanks];            // last block: each source's caller_tokens
   __shared__ uint32_t s_cnt[kMaxRanks][kMaxRanks];  // [source][destination] tokens_per_rank
   __shared__ uint32_t s_bad;
   __shared__ uint32_t s_fail;
@@ -323,11 +326,11 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
   for (int r = tid; r < R; r += kLayoutTile) tpr[r] = s_total[r];
   for (int e = tid; e < E; e += kLayoutTile) tpe[e] = s_hist[e];
 
-  const int row_words = R + E;
+  const int row_words = R + E + 1;
   if (!refuse) {
     for (int i = tid; i < R * row_words; i += kLayoutTile) {
       const int peer = i / row_words, w = i - peer * row_words;
-      const uint32_t v = w < R ? s_total[w] : s_hist[w - R];
+      const uint32_t v = w < R ? s_total[w] : w < R + E ? s_hist[w - R] : a.caller_tokens;
       *reinterpret_cast<uint32_t*>(peer_ptr(a, a.off_counts + (size_t(me) * row_words + w) * sizeof(uint32_t), peer)) =
           v;
     }
@@ -361,6 +364,7 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
       for (int s = 0; s < R; ++s) sum += ld_volatile_u32(counts + size_t(s) * row_words + R + me * L + e);
       s_hist[e] = sum;
     }
+    if (tid < R) s_want[tid] = ld_volatile_u32(counts + size_t(tid) * row_words + R + E);
   }
   __syncthreads();
   if (tid == 0) {
@@ -374,6 +378,14 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
       peer = refuse ? me : s_fail_peer;
       detail = refuse ? uint32_t(kPhaseHtLayoutScan) : uint32_t(kPhaseHtCountExchange);
     } else {
+      uint32_t want = 0u;
+      for (int s = 0; s < R; ++s) want = max(want, s_want[s]);
+      if (want > a.max_tokens) {
+        status = kStatusGrow;
+        detail = want;
+      }
+    }
+    if (status == kStatusOk) {
       const uint64_t cap = uint64_t(R) * a.max_tokens;
       uint64_t acc = 0;
       for (int s = 0; s < R; ++s) {

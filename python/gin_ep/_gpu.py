@@ -27,6 +27,7 @@ caller's memory); only the combine weights are copied in before it.
 
 import os
 import warnings
+import weakref
 from typing import Optional
 
 import torch
@@ -240,9 +241,11 @@ class Gpu:
         self.group_size = group_size
         self.rank = rank
         self.hts = {}
-        self.ht_free = {}
-        self.ht_slabs = {}
-        self.ht_sms = {}
+        # Per HT object; weak, so an object `ht_retire` dropped from `hts` goes with the last
+        # handle or lent tensor that still holds it.
+        self.ht_free = weakref.WeakKeyDictionary()
+        self.ht_slabs = weakref.WeakKeyDictionary()
+        self.ht_sms = weakref.WeakKeyDictionary()
         self.warned_slabs = False
         self.lls = {}
         self.ll_ranges = {}
@@ -265,6 +268,11 @@ class Gpu:
             self.ht_sms[h] = num_sms
         self.ht_tune(h, num_sms)
         return h
+
+    def ht_retire(self, h) -> None:
+        """Makes no new dispatch on `h` (a larger HT object replaces it); the handles and lent
+        tensors of its dispatches stay usable and keep it alive."""
+        self.hts = {k: v for k, v in self.hts.items() if v is not h}
 
     def ht_tune(self, h, num_sms: int) -> None:
         """Runs `h`'s next HT operations on `num_sms` CTAs (Config.num_sms, at most the

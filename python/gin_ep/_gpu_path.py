@@ -76,19 +76,26 @@ class GpuPath:
             w = topk_weights.to(torch.float32).contiguous()
         else:
             w = torch.zeros((n, k), dtype=torch.float32, device=x.device)
-        max_tokens = self._ht_max_tokens(hidden, k, experts, fp8, gpu=True)
-        if n > max_tokens:
-            raise ValueError(f"{n} tokens exceed the {max_tokens} tokens per rank this Buffer holds for HT "
-                             f"(num_nvl_bytes = {self.num_nvl_bytes}; raise it or pass max_tokens_per_rank=)")
-        h = g.ht(hidden, k, experts, max_tokens, fp8, self._ht_sms(config), self._ht_recv_slabs)
         idx = _gpu.as_i64(topk_idx)
         xin, x_scales = xin.contiguous(), (x_scales.contiguous() if fp8 else None)
-        # The kernels read x, scales, ids and weights from these tensors (zero-copy) and
-        # receive into a lent slab of the window when one is free (the returned tensors
-        # are views of it), else into the copy slab.
-        lease = g.ht_lend(h)
-        _, native = h.ht_dispatch(_gpu.span(xin), _gpu.span(idx), _gpu.span(w), n, x_scales=_gpu.span(x_scales),
-                                  recv_slab=lease.slab if lease else 0, stream=s)
+        while True:
+            max_tokens = self._ht_max_tokens(hidden, k, experts, fp8, gpu=True)
+            h = g.ht(hidden, k, experts, max_tokens, fp8, self._ht_sms(config), self._ht_recv_slabs)
+            # The kernels read x, scales, ids and weights from these tensors (zero-copy) and
+            # receive into a lent slab of the window when one is free (the returned tensors
+            # are views of it), else into the copy slab.
+            lease = g.ht_lend(h)
+            try:
+                _, native = h.ht_dispatch(_gpu.span(xin), _gpu.span(idx), _gpu.span(w), n,
+                                          x_scales=_gpu.span(x_scales), recv_slab=lease.slab if lease else 0,
+                                          stream=s)
+                break
+            except _native.TokenCapacityError as e:
+                # Some rank passed more tokens than `h` holds; every rank got this from the
+                # same dispatch and none moved data: all grow together and dispatch again.
+                del lease
+                self._ht_grow(hidden, k, experts, fp8, True, e.args[1])
+                g.ht_retire(h)
         nr = native.num_recv
         if lease is not None:
             # Views of the slab; the handle's recv_src_idx too (it keeps the slab until the

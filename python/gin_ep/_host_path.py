@@ -148,16 +148,18 @@ class HostPath:
         else:
             w = torch.zeros((n, k), dtype=torch.float32)
         hidden = x.shape[1]
-        max_tokens = self._ht_max_tokens(hidden, k, experts)
-        ep = self._ht_ep(wire_hidden, k, experts, max_tokens)
-        try:
-            (rb, _, ridx, rw, counts), native = ep.ht_dispatch(wire, to_bytes(topk_idx.to(torch.int64)), to_bytes(w), n)
-        except ValueError as e:
-            if n > max_tokens:
-                raise ValueError(f"{e} (this Buffer holds {max_tokens} tokens per rank for HT with "
-                                 f"num_nvl_bytes = {self.num_nvl_bytes}; raise it or pass "
-                                 "max_tokens_per_rank=)") from e
-            raise
+        idx, wb = to_bytes(topk_idx.to(torch.int64)), to_bytes(w)
+        while True:
+            max_tokens = self._ht_max_tokens(hidden, k, experts)
+            ep = self._ht_ep(wire_hidden, k, experts, max_tokens)
+            try:
+                (rb, _, ridx, rw, counts), native = ep.ht_dispatch(wire, idx, wb, n)
+                break
+            except _native.TokenCapacityError as e:
+                # As on the GPU path: every rank stood down in this dispatch; all grow. The
+                # old heaps stay (keyed by their size): earlier handles cache-dispatch and
+                # combine on them.
+                self._ht_grow(hidden, k, experts, False, False, e.args[1])
         nr = native.num_recv
         recv_x = self._ht_unwire(rb, nr, wire_hidden, fp8)
         recv_topk_idx = from_bytes(ridx, torch.int64, (nr, k)).to(topk_idx.dtype)

@@ -12,8 +12,12 @@ Buffer sizes. DeepEP sizes its buffers in bytes; gin-ep's buffers are sized by a
 `EpConfig` (ranks, experts, hidden, top-k, max tokens per rank). The first call of a
 given shape creates the heap for that shape (collectively, on every rank):
   - HT (dispatch/combine): `max_tokens_per_rank` is the largest T whose HT heap fits
-    in `num_nvl_bytes` (or the `max_tokens_per_rank=` keyword, when given). A rank
-    passing more tokens gets a ValueError naming both numbers.
+    in `num_nvl_bytes` (or the `max_tokens_per_rank=` keyword, when given). There is no
+    per-call cap: a dispatch in which any rank passes more tokens than T moves no data on
+    any rank (every rank learns it in the count exchange), every rank replaces its buffers
+    of that shape with ones for max(tokens, 1.25 T) tokens (collectively, inside that call)
+    and the dispatch runs again. Handles of earlier dispatches keep the old buffers until
+    they are freed. `memory_bytes()` reports what the Buffer holds.
   - LL: T is `num_max_dispatch_tokens_per_rank`; the LL heap must fit in
     `num_rdma_bytes` (see `get_low_latency_rdma_size_hint`).
 """
@@ -331,8 +335,10 @@ class Buffer(GpuPath, HostPath):
         resources); `host`, the host backend's shared-memory heaps of this rank; `local`, the
         tensors the Buffer keeps for the caller (`get_local_buffer_tensor`, the zero-copy LL
         combine input). HT windows are sized by `num_nvl_bytes` (or `max_tokens_per_rank`)
-        plus `ht_recv_slabs` receive slabs, LL windows by `num_max_dispatch_tokens_per_rank`;
-        each shape has its own."""
+        plus `ht_recv_slabs` receive slabs, and grow when a dispatch brings more tokens (see
+        the module's "Buffer sizes"); LL windows by `num_max_dispatch_tokens_per_rank`; each
+        shape has its own (the host backend keeps a replaced heap until `destroy`, the GPU path
+        frees a replaced window with the last handle of its dispatches)."""
         self._live()
         gpu = self._gpu.rank_gpu.device_bytes if self._gpu is not None else 0
         host = self._host_heap_bytes()
@@ -405,11 +411,13 @@ class Buffer(GpuPath, HostPath):
     # ------------------------------------------------------------ heaps
 
     def _ht_max_tokens(self, hidden: int, topk: int, experts: int, fp8: bool = False, gpu: bool = False) -> int:
-        if self._max_tokens_override is not None:
-            return self._max_tokens_override
+        """Tokens per rank the HT buffers of this shape hold: grown (`_ht_grow`), else
+        `max_tokens_per_rank=`, else the most that fit in `num_nvl_bytes`."""
         key = (hidden, topk, experts, fp8, gpu)
         if key in self._ht_tokens:
             return self._ht_tokens[key]
+        if self._max_tokens_override is not None:
+            return self._max_tokens_override
 
         def need(t):
             if gpu:
@@ -431,6 +439,16 @@ class Buffer(GpuPath, HostPath):
                 hi = mid - 1
         self._ht_tokens[key] = lo
         return lo
+
+    def _ht_grow(self, hidden: int, topk: int, experts: int, fp8: bool, gpu: bool, tokens: int) -> None:
+        """After a dispatch in which some rank passed `tokens` tokens, more than this shape's
+        HT buffers hold (every rank got that from the same dispatch): the next ones hold
+        max(tokens, 1.25 x the old size), rounded up to 256 tokens, so that a slowly rising
+        batch size does not regrow at every step. Every rank computes the same size."""
+        if tokens > _MAX_TOKENS:
+            raise ValueError(f"a rank passed {tokens} tokens to an HT dispatch; at most {_MAX_TOKENS} per rank")
+        old = self._ht_max_tokens(hidden, topk, experts, fp8, gpu)
+        self._ht_tokens[(hidden, topk, experts, fp8, gpu)] = min(_MAX_TOKENS, _round_up(max(tokens, old * 5 // 4), 256))
 
     # ------------------------------------------------------------ layout
 

@@ -11,7 +11,8 @@
 //! Must never panic across the FFI boundary: every entry point runs under [`guard`],
 //! which turns a panic into a `RuntimeError`, and library errors become Python
 //! exceptions carrying the library's message (`ValueError` for bad input or a stale
-//! handle, `TimeoutError` for a wait past its deadline, `RuntimeError` otherwise).
+//! handle, `TimeoutError` for a wait past its deadline, `TokenCapacityError` (a `ValueError`)
+//! for an HT dispatch that needs larger buffers, `RuntimeError` otherwise).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, MutexGuard};
@@ -32,9 +33,18 @@ use pyo3::types::PyBytes;
 
 // ------------------------------------------------------------------ errors
 
+pyo3::create_exception!(
+    _native,
+    TokenCapacityError,
+    PyValueError,
+    "An HT dispatch in which some rank passed more tokens than the buffers hold; every rank got \
+     it from the same dispatch and none moved data. args: (message, tokens, capacity)."
+);
+
 fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
     match e {
+        Error::TokenCapacity { tokens, capacity } => TokenCapacityError::new_err((msg, tokens, capacity)),
         Error::InvalidConfig { .. } | Error::InvalidInput { .. } | Error::StaleHandle { .. } => {
             PyValueError::new_err(msg)
         }
@@ -436,7 +446,9 @@ impl PyGpuRank {
 /// One rank's engine for one config (gin-ep's `Ep`): the host backend (tensors as bytes,
 /// outputs returned) or, with `gpu`, the CUDA backend (tensors as `(data_ptr, nbytes)`,
 /// outputs written into the caller's tensors, work queued on `stream` without a host wait).
-#[pyclass(module = "gin_ep._native", name = "Ep", frozen)]
+/// Weakly referenceable: the Python side keeps per-engine bookkeeping that must not keep a
+/// replaced engine alive once its handles are gone.
+#[pyclass(module = "gin_ep._native", name = "Ep", frozen, weakref)]
 struct PyEp {
     ep: Ep,
 }
@@ -883,6 +895,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(oracle_ht_combine, m)?)?;
     m.add_function(wrap_pyfunction!(oracle_ll_dispatch, m)?)?;
     m.add_function(wrap_pyfunction!(oracle_ll_combine, m)?)?;
+    m.add("TokenCapacityError", m.py().get_type::<TokenCapacityError>())?;
     m.add("FP8_BLOCK", gin_ep::config::FP8_BLOCK)?;
     // The package version has one source: the workspace's Cargo version (maturin writes
     // the same into the wheel's metadata).

@@ -2,7 +2,10 @@
 against gin-ep's oracle: layout, BF16 and FP8 dispatch, cached dispatch, combine with
 weights and biases, num_worst_tokens, events; dispatch without topk_idx (routing by
 is_token_in_rank alone) on the host backend and, with 2 GPUs, on the GPU path; on GPUs, the
-communication stream (`previous_event`, `async_finish`) and `Config.num_sms`."""
+communication stream (`previous_event`, `async_finish`) and `Config.num_sms`; a dispatch
+with more tokens than the buffers hold (they grow on every rank)."""
+
+import gc
 
 import pytest
 import torch
@@ -120,18 +123,75 @@ def ht_worker(rank, world):
     cx8, _, _ = buf.combine(ys[rank], fhandle)
     same_bits("combined_x (fp8 handle)", cx8, cx0)
 
-    # A rank with too many tokens fails on every rank with the library's message.
-    small = Buffer(dist.group.WORLD, max_tokens_per_rank=max(tokens) - 1, explicitly_destroy=True)
-    with pytest.raises((ValueError, RuntimeError)):
-        small.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                       num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
-    small.destroy()
     buf.destroy()
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ht(world):
     _dist.run(world, ht_worker)
+
+
+def grow_worker(rank, world, dev="cpu"):
+    """No per-call token cap: a dispatch in which one rank passes more tokens than the HT
+    buffers hold grows them on every rank and gives the oracle's rows; a handle from before
+    the growth still combines; the next dispatch of that size does not grow again."""
+    if dev == "cuda":
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+    experts, cap = 4 * world, 8
+    tokens = [5, 40, 0, 17][:world] if world > 1 else [40]
+    inputs = routing(world, tokens, HIDDEN, TOPK, experts, seed=55 + world)
+    cut = [(x[:cap], i[:cap], w[:cap]) for x, i, w in inputs]
+    buf = Buffer(dist.group.WORLD, max_tokens_per_rank=cap, explicitly_destroy=True)
+    where = "gpu" if dev != "cpu" else "host"
+
+    def dispatch(inp):
+        x, idx, w = (t.to(dev) for t in inp[rank])
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+        out = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                           num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+        cfg = _native.EpConfig(world, experts, HIDDEN, TOPK, max(max(i[0].shape[0] for i in inp), 1))
+        ref = _native.oracle_ht_dispatch(cfg, *([to_bytes(i[j]) for i in inp] for j in range(3)))
+        nr = ref[rank][5].num_recv
+        same_bits("recv_x", out[0].cpu(), from_bytes(ref[rank][0], torch.bfloat16, (nr, HIDDEN)))
+        same_bits("recv_topk_idx", out[1].cpu(), from_bytes(ref[rank][2], torch.int64, (nr, TOPK)))
+        same_bits("recv_topk_weights", out[2].cpu(), from_bytes(ref[rank][3], torch.float32, (nr, TOPK)))
+        assert out[3] == list(ref[rank][4])
+        return out, cfg, ref
+
+    def combine(out, cfg, ref, scale):
+        ys = [(from_bytes(ref[r][0], torch.bfloat16, (ref[r][5].num_recv, HIDDEN)).float() * scale)
+              .to(torch.bfloat16) for r in range(world)]
+        cref = _native.oracle_ht_combine(cfg, [ref[r][5] for r in range(world)], [to_bytes(y) for y in ys])
+        cx, _, _ = buf.combine(ys[rank].to(dev), out[4])
+        same_bits("combined_x", cx.cpu(), from_bytes(cref[rank][0], torch.bfloat16, (cx.shape[0], HIDDEN)))
+
+    small = dispatch(cut)
+    before = buf.memory_bytes()[where]
+    big = dispatch(inputs)  # 40 tokens on one rank, 8 held: every rank grows
+    grown = buf.memory_bytes()[where]
+    assert grown > before, (before, grown)
+    combine(*small, 1.5)  # along the handle from before the growth
+    combine(*big, -2.0)
+    again = dispatch(inputs)
+    combine(*again, 0.5)
+    del small, big, again
+    gc.collect()
+    assert buf.memory_bytes()[where] <= grown
+    buf.destroy()
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_ht_grows(world):
+    _dist.run(world, grow_worker)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_ht_grows_gpu(world):
+    """The same with CUDA tensors (GPU path), one GPU per rank."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    _dist.run(world, grow_worker, "cuda")
 
 
 def by_rank_inputs(world, seed):

@@ -61,6 +61,15 @@ pub enum Error {
     /// names have been reused by a later operation.
     #[error("stale handle: {what}: {reason}")]
     StaleHandle { what: String, reason: String },
+    /// An HT dispatch in which some rank passed more tokens than the buffers hold. Every rank
+    /// of the group gets this error from the same dispatch and none moved data; the caller
+    /// makes buffers for at least `tokens` tokens per rank (collectively) and dispatches
+    /// again. The object stays usable, handles of earlier dispatches included.
+    #[error(
+        "a rank passed {tokens} tokens to an HT dispatch, more than the {capacity} per rank the buffers \
+         hold; no rank moved data: make them for {tokens} tokens per rank and dispatch again"
+    )]
+    TokenCapacity { tokens: usize, capacity: usize },
     /// A result differs from the oracle (raised by checks, not by operations).
     #[error("mismatch: {0}")]
     Mismatch(String),

@@ -115,7 +115,8 @@ impl Regions {
         } else {
             (0, 0)
         };
-        let count_row = align16((r + e) * 4);
+        // (tokens per rank, tokens per expert, the tokens the caller passed).
+        let count_row = align16((r + e + 1) * 4);
         let counts = take(r * count_row);
         let data_start = take(0);
         let ht_rec = align16(row + k * 8 + 4);
@@ -510,17 +511,24 @@ impl HostEp {
         let (me, r_n, h, k) = (self.rank(), cfg.ranks, cfg.hidden, cfg.topk);
         let mut t0 = Instant::now();
         self.fault_point("layout")?;
-        let n = routing::validate_topk(&cfg, me, topk_idx)?;
-        check_len(me, "x", x.len(), n * h)?;
-        check_len(me, "topk_weights", topk_weights.len(), n * k)?;
-        let layout = routing::layout(&cfg, me, topk_idx)?;
+        // More tokens than the heap holds: lay out none and only tell the peers (the last
+        // word of the count row), so that every rank stands down in this dispatch.
+        if !topk_idx.len().is_multiple_of(k) {
+            routing::validate_topk(&cfg, me, topk_idx)?;
+        }
+        let caller_tokens = topk_idx.len() / k;
+        check_len(me, "x", x.len(), caller_tokens * h)?;
+        check_len(me, "topk_weights", topk_weights.len(), caller_tokens * k)?;
+        let fits = caller_tokens <= cfg.max_tokens_per_rank;
+        let layout = routing::layout(&cfg, me, if fits { topk_idx } else { &[] })?;
         t0 = self.mark("layout", t0);
 
-        // Count exchange: all-gather of (tokens per rank, tokens per expert).
+        // Count exchange: all-gather of (tokens per rank, tokens per expert, caller tokens).
         self.fault_point("count exchange")?;
-        let mut row = Vec::with_capacity(r_n + cfg.experts);
+        let mut row = Vec::with_capacity(r_n + cfg.experts + 1);
         row.extend_from_slice(&layout.tokens_per_rank);
         row.extend_from_slice(&layout.tokens_per_expert);
+        row.push(u32::try_from(caller_tokens).unwrap_or(u32::MAX));
         let row_bytes: &[u8] = bytemuck::cast_slice(&row);
         for peer in 0..r_n {
             self.heap
@@ -530,7 +538,8 @@ impl HostEp {
         self.wait_all(Sig::Counts, seq, "count exchange")?;
         let mut per_rank = Vec::with_capacity(r_n);
         let mut per_expert = Vec::with_capacity(r_n);
-        let mut buf = vec![0u32; r_n + cfg.experts];
+        let mut most_tokens = 0usize;
+        let mut buf = vec![0u32; r_n + cfg.experts + 1];
         for src in 0..r_n {
             self.heap.get(
                 me,
@@ -538,7 +547,15 @@ impl HostEp {
                 bytemuck::cast_slice_mut(&mut buf),
             )?;
             per_rank.push(buf[..r_n].to_vec());
-            per_expert.push(buf[r_n..].to_vec());
+            per_expert.push(buf[r_n..r_n + cfg.experts].to_vec());
+            most_tokens = most_tokens.max(buf[r_n + cfg.experts] as usize);
+        }
+        // Every rank read the same rows, so every rank stands down here.
+        if most_tokens > cfg.max_tokens_per_rank {
+            return Err(Error::TokenCapacity {
+                tokens: most_tokens,
+                capacity: cfg.max_tokens_per_rank,
+            });
         }
         let plan = routing::recv_plan(&cfg, me, &per_rank, &per_expert);
         let send_base: Vec<usize> = (0..r_n)

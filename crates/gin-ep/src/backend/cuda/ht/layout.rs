@@ -135,7 +135,8 @@ impl HtLayout {
         let count_sig = take(r * 8)?;
         let disp_sig = take(r * MAX_GRID as usize * 8)?;
         let bar = take(r * MAX_GRID as usize * 8)?;
-        let counts = take(r * (r + e) * 4)?;
+        // Row s: tokens_per_rank[R], tokens_per_expert[E], then the tokens s's caller passed.
+        let counts = take(r * (r + e + 1) * 4)?;
         let recv_slab = take(r * 4)?;
         let comb_stage = take(r * (STAGE_CHUNKS + 2) * 8)?;
         // Large regions (and every slab) start on their own 4 KiB page.

@@ -28,8 +28,9 @@ use super::abi::ht::{
     K_DTYPE_FP8_UE8M0 as DTYPE_FP8_UE8M0, K_FLAG_BIAS0 as FLAG_BIAS0, K_FLAG_BIAS1 as FLAG_BIAS1,
     K_FLAG_CACHED as FLAG_CACHED, K_FLAG_PUSH as FLAG_PUSH, K_FLAG_STAGE as FLAG_STAGE,
     K_FLAG_WEIGHTS as FLAG_WEIGHTS, K_STATUS_BAD_SLAB as STATUS_BAD_SLAB,
-    K_STATUS_CAPACITY as STATUS_CAPACITY, K_STATUS_INVALID_INPUT as STATUS_INVALID_INPUT,
-    K_STATUS_OK as STATUS_OK, K_STATUS_PEER_FAILED as STATUS_PEER_FAILED, K_STATUS_TIMEOUT as STATUS_TIMEOUT,
+    K_STATUS_CAPACITY as STATUS_CAPACITY, K_STATUS_GROW as STATUS_GROW,
+    K_STATUS_INVALID_INPUT as STATUS_INVALID_INPUT, K_STATUS_OK as STATUS_OK,
+    K_STATUS_PEER_FAILED as STATUS_PEER_FAILED, K_STATUS_TIMEOUT as STATUS_TIMEOUT,
     K_VAR_ROTATE as VAR_ROTATE,
 };
 use super::fabric::NodeFabric;
@@ -353,6 +354,15 @@ impl CudaHt {
         Err(e)
     }
 
+    /// As `fail`, except for Error::TokenCapacity: every rank stood down in the same
+    /// dispatch and the signals paired, so the object stays usable.
+    fn fail_unless_grow<T>(&mut self, rank: &CudaRank, e: Error) -> Result<T> {
+        match e {
+            Error::TokenCapacity { .. } => Err(e),
+            e => self.fail(rank, e),
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn args(
         &self,
@@ -423,6 +433,8 @@ impl CudaHt {
             rank: self.fabric.rank as i32,
             ranks: self.fabric.size as i32,
             peer_base: self.fabric.base,
+            caller_tokens: num_tokens as u32,
+            pad_caller: 0,
         }
     }
 
@@ -476,14 +488,18 @@ impl CudaHt {
         // error record, or a caller-owned span of HtIo (device memory of this GPU per
         // CudaRank::external, sized for the operation per check_io, kept alive by its owner
         // until the stream passes the launch); offsets come from HtLayout, which sized the
-        // window for this config; num_tokens <= max_tokens_per_rank was checked by the caller.
+        // window for this config; the tokens laid out are at most max_tokens_per_rank (dispatch
+        // lays out none above it).
         unsafe { rank.launch(name, grid, block, args) }
     }
 
     /// Fresh dispatch of the `num_tokens` tokens in the input buffers: layout + count exchange
     /// (one kernel), then the dispatch kernel, queued back to back. With [`Sizing::Exact`]
     /// the host then waits for the layout kernel's published receive count (and reports
-    /// input errors) while the dispatch kernel runs.
+    /// input errors) while the dispatch kernel runs. When any rank passes more than
+    /// max_tokens_per_rank tokens, every rank gets [`Error::TokenCapacity`] from this
+    /// dispatch (with static sizing: from the next [`CudaHt::sync`]), none moved data, and
+    /// the object stays usable.
     pub fn dispatch(
         &mut self,
         rank: &CudaRank,
@@ -492,15 +508,13 @@ impl CudaHt {
         events: Option<&DispatchEvents<'_>>,
     ) -> Result<HtGpuHandle> {
         self.usable()?;
-        if num_tokens > self.cfg.max_tokens_per_rank {
-            return Err(Error::input(
-                format!("tokens of rank {}", self.me),
-                format!(
-                    "{num_tokens} exceed max_tokens_per_rank = {}",
-                    self.cfg.max_tokens_per_rank
-                ),
-            ));
-        }
+        // More tokens than the buffers hold: lay out none and only tell the peers, so that
+        // every rank stands down in this dispatch (kStatusGrow, Error::TokenCapacity).
+        let laid_out = if num_tokens > self.cfg.max_tokens_per_rank {
+            0
+        } else {
+            num_tokens
+        };
         let dtype = self.dtype_code(source)?;
         self.check_io(num_tokens, dtype)?;
         let slot = match self.slots.iter().position(LayoutSlot::is_free) {
@@ -513,15 +527,16 @@ impl CudaHt {
         self.seq += 1;
         self.cur = slot;
         self.plan_host.write([u32::MAX, 0, 0, 0]);
-        let args = self.args(
+        let mut args = self.args(
             rank,
             slot,
-            num_tokens,
+            laid_out,
             dtype,
             0,
             0,
             self.opts.variant.dispatch_chunk,
         );
+        args.caller_tokens = u32::try_from(num_tokens).unwrap_or(u32::MAX);
         let launched = (|| {
             if let Some(ev) = events {
                 rank.record(ev.start)?;
@@ -531,7 +546,7 @@ impl CudaHt {
             unsafe {
                 rank.launch_smem(
                     names::HT_LAYOUT_COUNT,
-                    layout_blocks(num_tokens),
+                    layout_blocks(laid_out),
                     LAYOUT_TILE as u32,
                     layout_smem_bytes(&self.cfg),
                     &args,
@@ -571,7 +586,7 @@ impl CudaHt {
                 .wait_busy_until("HT count exchange", &mut published)
                 .and_then(|_| self.status())
             {
-                return self.fail(rank, e);
+                return self.fail_unless_grow(rank, e);
             }
             num_recv = Some(self.plan_host.read()[abi::K_PLAN_NUM_RECV as usize] as usize);
         }
@@ -774,6 +789,10 @@ impl CudaHt {
                     self.me
                 ),
             }),
+            STATUS_GROW => Err(Error::TokenCapacity {
+                tokens: detail as usize,
+                capacity: self.cfg.max_tokens_per_rank,
+            }),
             STATUS_BAD_SLAB => Err(Error::Device {
                 call: "HT dispatch".into(),
                 reason: format!(
@@ -798,7 +817,7 @@ impl CudaHt {
         self.usable()?;
         match rank.wait_busy("HT operation").and_then(|_| self.status()) {
             Ok(()) => Ok(()),
-            Err(e) => self.fail(rank, e),
+            Err(e) => self.fail_unless_grow(rank, e),
         }
     }
 }
