@@ -136,6 +136,11 @@ struct LlArgs {
   // warps that have written their part of a staged record or row ([R][T] dispatch records,
   // then [R][T][kc] combine rows); the last one puts it and resets the count.
   uint32_t* gin_arrivals;
+  // The LL rank mask (DeepEP's low_latency_*_mask_buffer), or null (none): bit p set = rank p
+  // is masked, so this rank neither writes to it nor waits for it (credits included), takes
+  // no record from it, and its experts' rows count as absent in the combine. Local device
+  // memory the host writes in stream order; every kernel reads it where it needs it.
+  uint64_t* rank_mask;
 };
 
 // Device timestamps (globaltimer ns), one row of kStampSlots per CTA, written by thread 0 at
@@ -178,6 +183,10 @@ static const int kStampSlots = 28;
 // measured and removed (docs/performance.md, "Tried and rejected (LL)").
 static const int kFlagSendWarpsShift = 8;  // bits 8..12: the send warp count
 static const uint32_t kFlagStampEdges = 1048576u;
+// kFlagShrink (DeepEP's enable_shrink, with LlArgs::rank_mask set): a wait on a peer that
+// misses its deadline masks that peer (its bit in the rank mask) and goes on without it,
+// reporting nothing; the outputs of that peer's rows in that operation are unspecified.
+static const uint32_t kFlagShrink = 2097152u;
 
 // Channels one warp moves per work item in dispatch: 16 per lane. FP8: a lane's 16
 // channels are contiguous (two 16-byte bf16 loads, one 16-byte store), so an FP8 block of

@@ -37,11 +37,12 @@ __device__ __forceinline__ uint64_t token_ranks(const LlArgs& a, int t, int& lan
 // partials of the ranks holding the token's experts (from topk_idx), rank ascending, f32
 // adds from +0.
 template <int V>
-__device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* comb, int t, int c, float (&acc)[V][8]) {
+__device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* comb, int t, int c, uint64_t masked_ranks,
+                                                  float (&acc)[V][8]) {
   constexpr int B = kReduceBatch / V;  // rows per batch: the same loads in flight for any V
   const int K = a.topk, H = a.hidden, R = a.ranks;
   int lane_rank;
-  uint64_t mask = token_ranks(a, t, lane_rank);
+  uint64_t mask = token_ranks(a, t, lane_rank) & ~masked_ranks;  // a masked rank's partial never came
   const bool solo = solo_rows(a);
   while (mask != 0) {
     uint4 v[B][V];
@@ -82,12 +83,13 @@ __device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* c
 }
 
 // Top-k reduce of token t, this lane's V vectors (c + 256 j): fma(w[k], y[k], acc) for k
-// ascending from +0, masked entries skipped (and not loaded: each item waits for the
-// token's topk_idx, then for its rows).
+// ascending from +0, masked entries and experts of masked ranks skipped (and not loaded:
+// each item waits for the token's topk_idx, then for its rows).
 template <int V>
-__device__ __forceinline__ void reduce_topk(const LlArgs& a, const char* comb, int t, int c, float (&acc)[V][8]) {
+__device__ __forceinline__ void reduce_topk(const LlArgs& a, const char* comb, int t, int c, uint64_t masked_ranks,
+                                            float (&acc)[V][8]) {
   constexpr int B = kReduceBatch / V;  // rows per batch: the same loads in flight for any V
-  const int K = a.topk, H = a.hidden;
+  const int K = a.topk, H = a.hidden, L = a.experts / a.ranks;
   for (int k0 = 0; k0 < K; k0 += B) {
     uint4 v[B][V];
     float w[B];
@@ -97,7 +99,8 @@ __device__ __forceinline__ void reduce_topk(const LlArgs& a, const char* comb, i
     for (int i = 0; i < B; ++i) {
       const int k = k0 + i;
       const bool in = k < K && c < H;
-      use[i] = in && a.topk_idx[size_t(t) * K + k] >= 0;
+      const int64_t e = in ? a.topk_idx[size_t(t) * K + k] : -1;
+      use[i] = e >= 0 && (masked_ranks == 0ull || e >= a.experts || !masked(masked_ranks, int(uint32_t(e) / uint32_t(L))));
       const bool load = use[i];
       w[i] = 0.0f;
 #pragma unroll
@@ -143,6 +146,7 @@ __device__ void reduce_items(const LlArgs& a, const char* comb) {
   const bool rank_first = a.comb_order == kCombOrderRankFirst;
   const int lane = threadIdx.x & 31;
   const ReduceItems<V> it(a);
+  const uint64_t masked_ranks = rank_mask(a);
   for (size_t item = it.warp; item < it.items; item += it.warps) {
     const int t = it.t(item), c = it.c(item);
     float acc[V][8];
@@ -152,9 +156,9 @@ __device__ void reduce_items(const LlArgs& a, const char* comb) {
       for (int i = 0; i < 8; ++i) acc[j][i] = 0.0f;  // +0, as the oracle
     }
     if (rank_first)
-      reduce_rank_first<V>(a, comb, t, c, acc);
+      reduce_rank_first<V>(a, comb, t, c, masked_ranks, acc);
     else
-      reduce_topk<V>(a, comb, t, c, acc);
+      reduce_topk<V>(a, comb, t, c, masked_ranks, acc);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const int cj = c + j * kReduceUnit;

@@ -127,8 +127,9 @@ __device__ __noinline__ bool combine_send_gin_start(const LlArgs& a, uint32_t n)
   if (!wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit, kGinCombAck, uint64_t(n - 1))) return false;
   if (rank_first && !wait_all_peers(a, -1, 0, kPhaseCombineWeights, kGinWts, uint64_t(n))) return false;
   if (blockIdx.x != 0) return true;
+  const uint64_t masked_ranks = rank_mask(a);
   for (int p = threadIdx.x; p < R; p += blockDim.x) {
-    if (in_node(a, p)) continue;
+    if (in_node(a, p) || masked(masked_ranks, p)) continue;
     uint64_t rows = 0, quota = T;
     if (rank_first) {
       rows = ld_volatile_u32(&a.state[kSourceRecords + p]);
@@ -174,11 +175,14 @@ __device__ __noinline__ void combine_send_gin_topk(const LlArgs& a, const uint32
   const int lane = threadIdx.x & 31;
   const int units = (H + kCombineUnit - 1) / kCombineUnit;
   const size_t items = size_t(pre[L]) * units;
+  const uint64_t masked_ranks = rank_mask(a);
   for (size_t item = warp; item < items; item += warps) {
     const size_t row = comb_row(pre, L, cap, item_div(item, units));
     const int u = int(item_mod(item, units));
     const int s = a.src_rank[row], t = a.src_token[row], k = a.src_k[row];
-    if (s < 0 || s >= R || t < 0 || t >= T || k < 0 || k >= K || in_node(a, s)) continue;  // warp-uniform
+    if (s < 0 || s >= R || t < 0 || t >= T || k < 0 || k >= K || in_node(a, s) || masked(masked_ranks, s)) {
+      continue;  // warp-uniform
+    }
     const size_t to = a.set_offset + a.comb_offset + (size_t(t) * K + k) * size_t(H) * 2;
     const size_t from = a.set_offset + a.out_comb_offset + ((size_t(s) * T + t) * K + k) * size_t(H) * 2;
     const uint16_t* y = a.y + row * H;
@@ -205,12 +209,13 @@ __device__ __noinline__ bool combine_send_gin_rank_first(const LlArgs& a, uint32
   const int units = (H + kPartialUnit - 1) / kPartialUnit;
   const size_t items = size_t(records) * units;
   const float* wts = reinterpret_cast<const float*>(win_ptr(a, a.set_offset + a.wts_offset, me));
+  const uint64_t masked_ranks = rank_mask(a);
   for (size_t it = warp; it < items; it += warps) {
     const uint32_t g = item_div(it, units) * stride % max(records, 1u);
     const int32_t held = load_entry(a, g, lane);
     const int s = __shfl_sync(0xffffffffu, held, 0), t = __shfl_sync(0xffffffffu, held, 1);
     const int np = min(max(__shfl_sync(0xffffffffu, held, 2), 0), K);
-    if (s < 0 || s >= R || t < 0 || t >= T || in_node(a, s)) continue;  // warp-uniform
+    if (s < 0 || s >= R || t < 0 || t >= T || in_node(a, s) || masked(masked_ranks, s)) continue;  // warp-uniform
     const int c0 = int(item_mod(it, units)) * kPartialUnit + lane * 8;
     const bool single = solo_rows(a) && np == 1;  // a `solo` row goes back unweighted
     float acc[8 * kPartialVecs];
@@ -270,10 +275,16 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   // signal (the expert rank polls the pairs it reads: resolve_weights).
   const size_t nw = size_t(N) * K;
   const int pushers = int(blockDim.x);
+  // Masked ranks get no weights (and no partial rows below). Kept in shared memory, not in
+  // a register across the send loops (the GIN kernels would spill).
+  __shared__ uint64_t masked_ranks;
+  if (threadIdx.x == 0) masked_ranks = rank_mask(a);
+  __syncthreads();
   // A rank q of another node: the pairs go into this rank's own [me] slot (the same values
   // this rank's own slot gets anyway) and from there by one put that adds 1 to q's kGinWts.
   for (int b = blockIdx.x; b < R; b += gridDim.x) {  // CTA-uniform
     const int q = (me + 1 + b) % R;
+    if (masked(masked_ranks, q)) continue;  // CTA-uniform
     const size_t area = a.set_offset + a.wts_offset + size_t(me) * T * K * 8;
     uint64_t* dst = reinterpret_cast<uint64_t*>(win_ptr(a, area, in_node(a, q) ? q : me));
     copy_batched<float>(
@@ -328,12 +339,17 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   // Credit: every source rank has reduced the previous combine of this set (across nodes:
   // combine_send_gin_start, above).
   if (!across(a) && !wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) return false;
+  if (shrinks(a)) {  // the waits may have masked a source
+    __syncthreads();
+    if (threadIdx.x == 0) masked_ranks = rank_mask(a);
+    __syncthreads();
+  }
   stamp(a, kStCombCredit);
   // This lane's channels c0.. of a partial row into source s's [t][me] slot (s and t come
   // from the map our dispatch wrote: always in range, checked anyway). Sources in this node
   // only: the others' rows are sent by combine_send_gin_rank_first.
   auto put_partial = [&](int s, int t, int c0, const uint4(&v)[kPartialVecs]) {
-    if (s < 0 || s >= R || t < 0 || t >= T) return;
+    if (s < 0 || s >= R || t < 0 || t >= T || masked(masked_ranks, s)) return;
     char* dst = win_ptr(a, a.set_offset + a.comb_offset + (size_t(t) * R + me) * size_t(H) * 2, s);
 #pragma unroll
     for (int i = 0; i < kPartialVecs; ++i) {
@@ -369,7 +385,8 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     const int s = __shfl_sync(0xffffffffu, held, 0), t = __shfl_sync(0xffffffffu, held, 1);
     const int np = min(max(__shfl_sync(0xffffffffu, held, 2), 0), K);
     const size_t next = item + warps;
-    if ((solo && np == 1) || !in_node(a, s)) {  // sent above, or by combine_send_gin_rank_first
+    // Sent above, or by combine_send_gin_rank_first; or s is masked (no weights from it).
+    if ((solo && np == 1) || !in_node(a, s) || masked(masked_ranks, s)) {
       if (next < items) {
         held = load_entry(a, record(next), lane);
         load_batch(a, wts, held, record(next), 0, int(item_mod(next, units)) * kPartialUnit + lane * 8, true, cur);
@@ -424,6 +441,10 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   const int K = a.topk, E = a.experts, L = E / R, H = a.hidden, T = a.max_tokens;
   const size_t cap = size_t(R) * T;
   uint32_t* pre = smem;  // [L + 1]
+  // Masked sources get no rows. In shared memory, not in a register across the store loop
+  // (the GIN kernels would spill).
+  __shared__ uint64_t masked_ranks;
+  if (threadIdx.x == 0) masked_ranks = rank_mask(a);
   stamp(a, kStCombStart);
   for (int e = threadIdx.x; e < L; e += blockDim.x) {
     pre[e] = uint32_t(min(max(a.recv_count[e], 0), int32_t(cap)));
@@ -434,6 +455,11 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   // combine_send_gin_start).
   if (across(a) ? !combine_send_gin_start(a, n) : !wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) {
     return false;
+  }
+  if (shrinks(a)) {  // the credit wait may have masked a source
+    __syncthreads();
+    if (threadIdx.x == 0) masked_ranks = rank_mask(a);
+    __syncthreads();
   }
   stamp(a, kStCombCredit);
 
@@ -468,7 +494,7 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
     const int u = int(item_mod(item, units));
     const int s = cur.s, t = cur.t, k = cur.k;
     // Sources in another node: combine_send_gin_topk below.
-    if (s >= 0 && s < R && t >= 0 && t < T && k >= 0 && k < K && in_node(a, s)) {  // always, for our handle
+    if (s >= 0 && s < R && t >= 0 && t < T && k >= 0 && k < K && in_node(a, s) && !masked(masked_ranks, s)) {
       char* dst = win_ptr(a, a.set_offset + a.comb_offset + (size_t(t) * K + k) * size_t(H) * 2, s);
 #pragma unroll
       for (int i = 0; i < kCombineVecs; ++i) {

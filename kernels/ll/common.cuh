@@ -110,6 +110,21 @@ __device__ __forceinline__ bool in_node(const LlArgs& a, int peer) {
 // Whether some rank lies outside this rank's node (CTA-uniform; false in the lsa_only kernels).
 __device__ __forceinline__ bool across(const LlArgs& a) { return kAcross && a.node_size < a.ranks; }
 
+// The LL rank mask (LlArgs::rank_mask; 0 when none), and whether it masks `peer`.
+__device__ __forceinline__ uint64_t rank_mask(const LlArgs& a) {
+  return a.rank_mask == nullptr ? 0ull : *reinterpret_cast<const volatile uint64_t*>(a.rank_mask);
+}
+__device__ __forceinline__ bool masked(uint64_t mask, int peer) { return ((mask >> peer) & 1ull) != 0ull; }
+
+// Whether a wait that misses its deadline masks the peer instead of failing (kFlagShrink).
+__device__ __forceinline__ bool shrinks(const LlArgs& a) {
+  return (a.flags & kFlagShrink) != 0u && a.rank_mask != nullptr;
+}
+// Under shrinks(a): masks `peer` for this and every later operation.
+__device__ __forceinline__ void shrink_away(const LlArgs& a, int peer) {
+  atomicOr(reinterpret_cast<unsigned long long*>(a.rank_mask), 1ull << peer);
+}
+
 // Address of `offset` in peer's window: the one place LL kernels address a peer. The base and
 // per-peer stride come from LlArgs, set by the host from NCCL's LSA team (what
 // ncclGetLsaPointer would return) or from gin-ep's IPC-mapped node windows laid out the same
@@ -302,20 +317,29 @@ __device__ __forceinline__ DeadlineBarrier waiter_for(const LlArgs& a, int peer)
 // Every thread of the group: wait until word [kind][p] of this rank is >= target for every
 // peer p of this node (kind < 0: none), and GIN signal [gin_kind][p] >= gin_target for every
 // other peer (gin_kind < 0: none), with the deadline; false in every thread of the group when
-// one missed it.
+// one missed it. Masked peers are not waited for; under shrinks(a) a peer that misses the
+// deadline is masked instead (nothing reported).
 __device__ bool group_wait_all_peers(const LlArgs& a, const WarpGroup& group, int kind, uint64_t target, uint32_t phase,
                                      int gin_kind = -1, uint64_t gin_target = 0) {
   bool ok = true;
+  const uint64_t mask = rank_mask(a);
+  const bool shrink = shrinks(a);
+  FabricError* const err = shrink ? nullptr : a.err;
   // Relaxed polls, one acquire once the word has reached its target: an acquire load
   // invalidates the SM's L1 at every try, next to the warps of the same SM still sending.
   for (int p = group.tid; p < a.ranks && ok; p += group.nthreads) {
+    if (masked(mask, p)) continue;
     if (!in_node(a, p)) {
-      ok = gin_kind < 0 || gin_wait_peer(a, gin_kind, p, gin_target, phase, wait_timeout(a, p));
-      continue;
+      ok = gin_kind < 0 || gin_wait_peer(a, gin_kind, p, gin_target, phase, wait_timeout(a, p), err);
+    } else if (kind >= 0) {
+      DeadlineBarrier w = waiter_for(a, p);
+      w.err = err;
+      ok = w.wait_word(sig_word(a, a.rank, kind, p), target, static_cast<FabricPhase>(phase), p, /*relaxed=*/true);
     }
-    if (kind < 0) continue;
-    ok = waiter_for(a, p).wait_word(sig_word(a, a.rank, kind, p), target, static_cast<FabricPhase>(phase), p,
-                                    /*relaxed=*/true);
+    if (!ok && shrink) {
+      shrink_away(a, p);
+      ok = true;
+    }
   }
   // The barrier extends each waiter's acquire to the whole group.
   if (group.sync_and(ok)) return true;
@@ -335,11 +359,13 @@ __device__ bool wait_all_peers(const LlArgs& a, int kind, uint64_t target, uint3
 // access of the CTA before the barrier is visible to whoever acquires the new value. No
 // separate fence (a fence.sc.sys before the release add only doubled the drain). Stamps
 // `before` after the barrier and `after` once thread 0 added its word (-1: no stamp).
+// Masked peers get nothing.
 __device__ void signal_all_peers(const LlArgs& a, int kind, int before, int after) {
+  const uint64_t mask = rank_mask(a);
   __syncthreads();
   stamp(a, before);
   for (int p = threadIdx.x; p < a.ranks; p += blockDim.x) {
-    if (in_node(a, p)) red_release_sys_add(sig_word(a, p, kind, a.rank), 1);
+    if (in_node(a, p) && !masked(mask, p)) red_release_sys_add(sig_word(a, p, kind, a.rank), 1);
   }
   stamp(a, after);
 }
@@ -388,9 +414,11 @@ __device__ void push_credits(const LlArgs& a) {
   if (gin) failed = __syncthreads_or(failed);
   if (failed) return;
   const int me = a.rank;
+  const uint64_t mask = rank_mask(a);
   // CTA 0's counts: it stores its own new count only at the end of its kernel (end_op).
   const uint32_t disp = ld_volatile_u32(op_word(a, kOpDispatch)), comb = ld_volatile_u32(op_word(a, kOpCombine));
   for (int p = threadIdx.x; p < a.ranks; p += blockDim.x) {
+    if (masked(mask, p)) continue;
     if (in_node(a, p)) {
       put_flag(sig_word(a, p, kDispAck, me), uint64_t(disp));
       put_flag(sig_word(a, p, kCombAck, me), uint64_t(comb));
@@ -503,11 +531,13 @@ __device__ __forceinline__ int map_ints(int K) { return kMapHeader + 2 * K; }
 // Waits until ready word w holds op n (or a later one: wrapping compare). The word is
 // local; it is polled with relaxed loads and no back-off (a __nanosleep back-off cost
 // 0.2-0.5 us per dispatch), and acquired once it has reached n.
+// Under shrinks(a) a miss reports nothing (the caller masks src).
 __device__ bool wait_ready(const LlArgs& a, const uint32_t* w, uint32_t n, int src) {
   PollDeadline deadline;
+  FabricError* const err = shrinks(a) ? nullptr : a.err;
   for (uint32_t spin = 0; int32_t(ld_relaxed_sys_u32(w) - n) < 0; ++spin) {
     if ((spin & 15u) == 15u &&
-        !deadline.ok(a.err, wait_timeout(a, src), static_cast<FabricPhase>(kPhaseDispatchRecv), src, a.rank)) {
+        !deadline.ok(err, wait_timeout(a, src), static_cast<FabricPhase>(kPhaseDispatchRecv), src, a.rank)) {
       return false;
     }
   }

@@ -104,6 +104,10 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
     const bool ok = uu < 0 || wait_ready(a, ready_word(a, me, s, g - start[s], uu), n, s);
     __syncwarp();  // extends each lane's acquire to the warp's record loads
     if (!__all_sync(0xffffffffu, ok)) {
+      if (shrinks(a)) {  // s stopped sending: masked from now on, this record skipped
+        if (lane == 0) shrink_away(a, s);
+        continue;
+      }
       failed = true;
       break;
     }
@@ -230,7 +234,9 @@ __device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem,
     return false;
   }
   const uint32_t* meta_in = reinterpret_cast<const uint32_t*>(win_ptr(a, a.set_offset + a.meta_offset, me));
-  for (int i = tid; i < R * (L + 1); i += group.nthreads) first[i] = meta_in[i];
+  // A masked source sent nothing this rank may read (it may not have run at all): no rows.
+  const uint64_t masked_ranks = rank_mask(a);
+  for (int i = tid; i < R * (L + 1); i += group.nthreads) first[i] = masked(masked_ranks, i / (L + 1)) ? 0u : meta_in[i];
   group.sync();
   if (tid < 32) {
     // Token counts are bounded by T even if a sender were wrong: never read past staging.

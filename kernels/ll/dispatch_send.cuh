@@ -133,6 +133,8 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   }
   __syncthreads();
   const TokenRanks tr{mask, base, nch};
+  // Masked destinations get nothing (no counts, records or ready words).
+  uint64_t masked_ranks = rank_mask(a);
   stamp(a, kStDispLayout);
 
   // 2. Credit: every destination has finished reading what we sent it in the previous op of
@@ -140,6 +142,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   if (!wait_all_peers(a, kDispAck, uint64_t(n - 1), kPhaseDispatchCredit, kGinDispAck, uint64_t(n - 1))) {
     return false;
   }
+  if (shrinks(a)) masked_ranks = rank_mask(a);  // the credit wait may have masked a peer
   stamp(a, kStDispCredit);
 
   // 3. CTA 0 writes meta[me] at every destination: token count, then per-local-expert counts,
@@ -149,6 +152,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   if (blockIdx.x == 0) {
     for (int i = threadIdx.x; i < R * (L + 1); i += blockDim.x) {
       const int dst = i / (L + 1), j = i % (L + 1);
+      if (masked(masked_ranks, dst)) continue;
       const uint32_t v = j == 0 ? tr.total(E + dst) : tr.total(dst * L + j - 1);
       const size_t off = in_node(a, dst) ? a.set_offset + a.meta_offset + (size_t(me) * (L + 1) + j) * 4
                                          : a.set_offset + a.out_meta_offset + (size_t(dst) * (L + 1) + j) * 4;
@@ -159,6 +163,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
     // the release waits for those remote stores to be acknowledged, and warp 0 takes the
     // first record, whose stores at 1 token were ≈ 2 µs late behind that wait.
     for (int p = int(threadIdx.x) - int(blockDim.x - 32); p >= 0 && p < R; p += 32) {
+      if (masked(masked_ranks, p)) continue;
       if (in_node(a, p)) {
         red_release_sys_add(sig_word(a, p, kDispCnt, me), 1);
       } else {
@@ -174,7 +179,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   // fence that covers its stores).
   auto publish_at = [&](size_t item, int dst) {
     const int t = tok_of(item);
-    if (tr.has(E + dst, t) && in_node(a, dst)) {
+    if (tr.has(E + dst, t) && in_node(a, dst) && !masked(masked_ranks, dst)) {
       put_flag(ready_word(a, dst, me, tr.rank_in(E + dst, t), unit_of(item)), n);
     }
   };
@@ -225,7 +230,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
     const int first_dst = int(item_mod(size_t(me) + 1 + item, R));
     for (int i = 0; i < R; ++i) {
       const int dst = first_dst + i < R ? first_dst + i : first_dst + i - R;
-      if (!tr.has(E + dst, t)) continue;  // warp-uniform
+      if (!tr.has(E + dst, t) || masked(masked_ranks, dst)) continue;  // warp-uniform
       if (!in_node(a, dst)) {             // warp-uniform
         const uint32_t slot = tr.rank_in(E + dst, t);
         char* rec = win_ptr(a, gin_record(dst, slot), me);

@@ -54,9 +54,9 @@ __device__ __noinline__ void gin_put_row(const LlArgs& a, int peer, size_t dst_o
 // Inline (unlike the puts): reading a signal is one load on either backend, and a call here
 // would keep the send kernels' prefetched rows live across it (register spills).
 __device__ __forceinline__ bool gin_wait_peer(const LlArgs& a, int kind, int src, uint64_t least, uint32_t phase,
-                                              uint64_t timeout_ns) {
+                                              uint64_t timeout_ns, FabricError* err) {
   ncclGin gin(a.comm, a.rank);
-  return gin_wait_signal(gin, gin_sig(a, kind, src), least, a.err, timeout_ns, static_cast<FabricPhase>(phase), src,
+  return gin_wait_signal(gin, gin_sig(a, kind, src), least, err, timeout_ns, static_cast<FabricPhase>(phase), src,
                          a.rank);
 }
 
@@ -71,7 +71,7 @@ __device__ __forceinline__ void gin_reset_signals(const LlArgs& a) {
 __device__ __forceinline__ void gin_reset_signals(const LlArgs&) { __trap(); }
 __device__ __forceinline__ void gin_put_add(const LlArgs&, int, size_t, size_t, size_t, int, uint64_t) { __trap(); }
 __device__ __forceinline__ void gin_put_row(const LlArgs&, int, size_t, size_t) { __trap(); }
-__device__ __forceinline__ bool gin_wait_peer(const LlArgs&, int, int, uint64_t, uint32_t, uint64_t) {
+__device__ __forceinline__ bool gin_wait_peer(const LlArgs&, int, int, uint64_t, uint32_t, uint64_t, FabricError*) {
   __trap();
   return false;
 }

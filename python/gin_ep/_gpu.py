@@ -249,6 +249,12 @@ class Gpu:
         self.warned_slabs = False
         self.lls = {}
         self.ll_ranges = {}
+        # The LL rank mask the kernels read (int64 [1] on the device, bit r = rank r masked),
+        # made when a mask or enable_shrink first needs it; under `ll_shrink` the kernels set
+        # the bit of a peer that missed a deadline.
+        self.ll_mask_word = None
+        self.ll_shrink = False
+        self.ll_resets = 0
 
     # -------------------------------------------------------------- HT
 
@@ -360,9 +366,49 @@ class Gpu:
                     f"{need} bytes (see Buffer.get_low_latency_rdma_size_hint)")
             self.agree.check("an LL window of the GPU path", fields_of(cfg, True))
             l = _native.Ep(self.runtime, cfg, ht=False, ll=True, timeout_s=self.timeout_s, gpu=self.rank_gpu)
+            if self.ll_mask_word is not None:
+                l.ll_rank_mask_word(span(self.ll_mask_word), self.ll_shrink)
             self.lls[key] = l
             self.ll_ranges[l] = [None, None]
         return l
+
+    def ll_set_mask(self, mask, shrink: bool) -> None:
+        """The LL operations queued after this on the current stream skip the ranks `mask`
+        names (and, with `shrink`, mask a peer that misses a deadline)."""
+        bits = sum(1 << r for r, m in enumerate(mask) if m)
+        new = self.ll_mask_word is None
+        if new:
+            if not bits and not shrink:
+                return
+            self.ll_mask_word = torch.zeros(1, dtype=torch.int64, device=torch.device("cuda", self.device))
+        if new or self.ll_shrink != shrink:
+            self.ll_shrink = shrink
+            for l in self.lls.values():
+                l.ll_rank_mask_word(span(self.ll_mask_word), shrink)
+        self.ll_mask_word.fill_(bits - (1 << 64) if bits >= 1 << 63 else bits)
+
+    def ll_mask(self) -> Optional[list]:
+        """The device mask as a list of bools (waits for the current stream), or None."""
+        if self.ll_mask_word is None:
+            return None
+        bits = int(self.ll_mask_word.item()) & ((1 << 64) - 1)
+        return [bool((bits >> r) & 1) for r in range(self.group_size)]
+
+    def ll_reset(self) -> None:
+        """Collective: every rank's LL objects start their operation numbers over and no rank
+        is masked, so that ranks whose numbers diverged while one was masked meet again.
+        Barriers over the group's store before (no LL work in flight anywhere) and after (none
+        starts before every rank has reset)."""
+        self.ll_resets += 1
+        torch.cuda.synchronize(self.device)
+        self.runtime.barrier(f"gin_ep/ll-reset/{self.ll_resets}/before")
+        s = stream()
+        for l in self.lls.values():
+            l.ll_reset(s)
+        if self.ll_mask_word is not None:
+            self.ll_mask_word.zero_()
+        torch.cuda.synchronize(self.device)
+        self.runtime.barrier(f"gin_ep/ll-reset/{self.ll_resets}/after")
 
     def ll_layout_range(self, l, set_, local, device) -> torch.Tensor:
         """The `[L, R]` int64 layout_range of LL `_native.Ep` `l`'s buffer set `set_`, which every

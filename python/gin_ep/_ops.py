@@ -148,7 +148,6 @@ def ll_dispatch(buffer: int, x: torch.Tensor, topk_idx: torch.Tensor, stats: Opt
     buf = _buffer(buffer)
     buf._live()
     if buf._on_gpu(x):
-        buf._ll_gpu_mask_check()
         # A fresh layout_range: an op's outputs must not alias state kept across calls.
         recv_x, recv_count, handle, _, _ = buf._gpu_ll_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, stats, use_fp8, round_scale, False, hook,

@@ -207,6 +207,8 @@ class Buffer(GpuPath, HostPath):
             raise RuntimeError("gin_ep GPU path: the first call with CUDA tensors sets up NCCL (collective) "
                                "and cannot be captured in a CUDA graph; make one eager call first")
         self._gpu = _gpu.Gpu(self.runtime, self._timeout_s, self.group_size, self.rank, self._agree)
+        if self.enable_shrink or any(self._ll_mask):
+            self._gpu.ll_set_mask(self._ll_mask, self.enable_shrink)
 
     def _on_gpu(self, t) -> bool:
         """True when tensor `t` (or the first of a tuple) is a CUDA tensor: the call runs on
@@ -376,7 +378,10 @@ class Buffer(GpuPath, HostPath):
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Masks (`mask=True`) or unmasks a rank for this rank's LL operations: they neither
         send to nor wait for a masked rank (its experts' rows count as absent). Needs
-        `enable_shrink=True`, as DeepEP's."""
+        `enable_shrink=True`, as DeepEP's. GPU: the operations queued after this call on
+        the current stream see it. A rank masked on the GPU comes back only through
+        `low_latency_clean_mask_buffer` on every rank (its operation numbers and the
+        others' have diverged): unmasking it here is refused."""
         self._live()
         if not self.enable_shrink:
             raise RuntimeError("low_latency_update_mask_buffer needs Buffer(enable_shrink=True)")
@@ -384,29 +389,44 @@ class Buffer(GpuPath, HostPath):
             raise ValueError(f"rank_to_mask = {rank_to_mask}: not a rank of this {self.group_size}-rank group")
         if rank_to_mask == self.rank and mask:
             raise ValueError(f"rank_to_mask = {rank_to_mask}: a rank cannot mask itself")
+        self._ll_mask = self._ll_mask_now()
+        if self._gpu is not None and self._gpu.lls and self._ll_mask[rank_to_mask] and not mask:
+            raise ValueError(f"rank_to_mask = {rank_to_mask}: a rank masked on the GPU path comes back only "
+                             "through low_latency_clean_mask_buffer() called on every rank (it resets the "
+                             "LL state, whose operation numbers diverged while the rank was masked)")
         self._ll_mask[rank_to_mask] = bool(mask)
+        if self._gpu is not None:
+            self._gpu.ll_set_mask(self._ll_mask, self.enable_shrink)
+
+    def _ll_mask_now(self) -> List[bool]:
+        """The LL rank mask: the GPU path's device word when there is one (the kernels add
+        the peers they gave up on under enable_shrink), else the host backend's."""
+        dev = self._gpu.ll_mask() if self._gpu is not None else None
+        return dev if dev is not None else list(self._ll_mask)
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Writes each rank's mask (1 masked, 0 not) into `mask_status` (`[num_ranks]`
         int32): the ones set by `low_latency_update_mask_buffer` and, with
-        `enable_shrink=True`, the peers an LL wait gave up on."""
+        `enable_shrink=True`, the peers an LL wait gave up on (GPU: after the LL work queued
+        on the current stream so far)."""
         self._live()
         if not isinstance(mask_status, torch.Tensor) or mask_status.dim() != 1 \
                 or mask_status.shape[0] != self.group_size:
             raise ValueError(f"mask_status: expected a [{self.group_size}] tensor, got "
                              f"{getattr(mask_status, 'shape', type(mask_status).__name__)}")
+        self._ll_mask = self._ll_mask_now()
         mask_status.copy_(torch.tensor(self._ll_mask, dtype=mask_status.dtype))
 
     def low_latency_clean_mask_buffer(self) -> None:
-        """Unmasks every rank."""
+        """Unmasks every rank. GPU (once LL has run there): collective, every rank calls it at
+        the same point; it waits for the device, meets the other ranks and resets the LL state
+        (operation numbers start over, earlier LL handles become stale)."""
         self._live()
+        if self._gpu is not None and self._gpu.lls:
+            self._gpu.ll_reset()
         self._ll_mask = [False] * self.group_size
-
-    def _ll_gpu_mask_check(self) -> None:
-        if self.enable_shrink or any(self._ll_mask):
-            raise _unsupported("LL on the GPU path with enable_shrink=True or masked ranks "
-                               "(low_latency_update_mask_buffer): the GPU kernels wait for every rank "
-                               "and fail naming the one that missed its deadline")
+        if self._gpu is not None:
+            self._gpu.ll_set_mask(self._ll_mask, self.enable_shrink)
 
     # ------------------------------------------------------------ heaps
 
@@ -604,7 +624,6 @@ class Buffer(GpuPath, HostPath):
                                            async_finish, return_recv_hook)
         # (The GPU path's common case without the method call: an LL call is host-bound.)
         if (self._gpu is not None and type(x) is _Tensor and x.is_cuda) or self._on_gpu(x):
-            self._ll_gpu_mask_check()
             if async_finish and not return_recv_hook:
                 return _gpu.ll_on_comm_stream(
                     self._comm_stream, (x, topk_idx, cumulative_local_expert_recv_stats),
@@ -649,7 +668,6 @@ class Buffer(GpuPath, HostPath):
             handle = _ops.eager_handle(self, handle)
             st = handle[0] if isinstance(handle, (tuple, list)) and handle else None
         if isinstance(st, LlState) and st.cuda:
-            self._ll_gpu_mask_check()
             if async_finish and not return_recv_hook:
                 return _gpu.ll_on_comm_stream(
                     self._comm_stream, (x, topk_idx, topk_weights, out),

@@ -555,6 +555,20 @@ impl PyEp {
         guard(|| self.ep.ll_mask().map_err(to_py))
     }
 
+    /// GPU: the LL rank mask word the kernels read, `(data_ptr, nbytes)` of a u64 on this
+    /// rank's GPU that the caller keeps alive and writes in stream order, or None; `shrink`:
+    /// a wait that misses its deadline masks the peer in the word instead of failing.
+    #[pyo3(signature = (word = None, shrink = false))]
+    fn ll_rank_mask_word(&self, word: Option<(u64, usize)>, shrink: bool) -> PyResult<()> {
+        guard(|| self.ep.set_ll_rank_mask_word(word, shrink).map_err(to_py))
+    }
+
+    /// GPU, collective: returns the LL protocol state to a new Ep's (see `Ep::ll_reset`).
+    #[pyo3(signature = (stream = 0))]
+    fn ll_reset(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
+        py.detach(|| guard(|| self.ep.ll_reset(Stream(stream)).map_err(to_py)))
+    }
+
     /// HT dispatch of `num_tokens` tokens (`x` BF16, or with `x_scales` FP8 e4m3 + f32 scales
     /// on the GPU). Returns (host outputs or None, handle); host outputs are (recv_x,
     /// recv_scales or None, recv_topk_idx i64, recv_topk_weights f32,

@@ -249,54 +249,79 @@ def _y_of(r, local, world):
     return torch.randn(local, world * T, HIDDEN, generator=g).to(torch.bfloat16)
 
 
-def _ll_round(buf, rank, world, experts, inputs, live, name):
+def _ll_round(buf, rank, world, experts, inputs, live, name, dev="cpu"):
     local = experts // world
     x, idx, w = inputs[rank]
     cfg, part, ref = _partition_ref(inputs, world, experts, live, rank)
-    recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, experts, use_fp8=False)
+    recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x.to(dev), idx.to(dev), T, experts, use_fp8=False)
     check_ll_recv(name, ref[rank], recv_x, recv_count, handle[1], local, world, T, HIDDEN, False)
     y = _y_of(rank, local, world)
-    out, _, _ = buf.low_latency_combine(y, idx, w, handle)
+    out, _, _ = buf.low_latency_combine(y.to(dev), idx.to(dev), w.to(dev), handle)
     want = _native.oracle_ll_combine(cfg, [ref[r][3] for r in range(world)],
                                      [to_bytes(_y_of(r, local, world)) for r in range(world)],
                                      [to_bytes(p[1]) for p in part], [to_bytes(p[2]) for p in part])[rank]
-    same_bits(f"{name} combine", out, from_bytes(want, torch.bfloat16, (x.shape[0], HIDDEN)))
+    same_bits(f"{name} combine", out.cpu(), from_bytes(want, torch.bfloat16, (x.shape[0], HIDDEN)))
 
 
-def _mask_worker(rank, world, shrink):
+def _mask_worker(rank, world, shrink, dev="cpu"):
+    """The last rank stops taking part in LL (as a dead rank would); the others mask it by
+    hand or (enable_shrink) by the deadline of their first wait on it, and go on without
+    waiting for it, bit for bit as the oracle without it. On GPUs the rank is then admitted
+    again: `low_latency_clean_mask_buffer` on every rank, and all take part once more."""
+    if dev == "cuda":
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
     experts = 2 * world
-    inputs = routing(world, [6, 5, 7], HIDDEN, TOPK, experts, seed=31, masked=0.1)
+    dead, everyone = world - 1, set(range(world))
+    inputs = routing(world, [6, 5, 7][:world], HIDDEN, TOPK, experts, seed=31, masked=0.1)
     buf = gin_ep.Buffer(dist.group.WORLD, num_rdma_bytes=1 << 24, low_latency_mode=True,
                         enable_shrink=True, timeout_s=3 if shrink else 60)
-    _ll_round(buf, rank, world, experts, inputs, {0, 1, 2}, "all ranks")
+    _ll_round(buf, rank, world, experts, inputs, everyone, "all ranks", dev)
     status = torch.zeros(world, dtype=torch.int32)
-    if rank == 2:
-        # Rank 2 stops taking part (as a dead rank would); it only meets the others at the end.
+    masked = [0] * dead + [1]
+    if rank != dead:
+        if not shrink:
+            buf.low_latency_update_mask_buffer(dead, True)
+            buf.low_latency_query_mask_buffer(status)
+            assert status.tolist() == masked
+        t0 = time.monotonic()
+        _ll_round(buf, rank, world, experts, inputs, everyone - {dead}, "last rank masked", dev)
+        _ll_round(buf, rank, world, experts, inputs, everyone - {dead}, "last rank still masked", dev)
+        took = time.monotonic() - t0
+        assert took < (10 if shrink else 2), f"{took:.1f} s: the masked rank was waited for"
+        buf.low_latency_query_mask_buffer(status)
+        assert status.tolist() == masked
+    if dev == "cpu":
+        if rank != dead:
+            buf.low_latency_update_mask_buffer(dead, False)
+            buf.low_latency_query_mask_buffer(status)
+            assert status.tolist() == [0] * world
+            buf.low_latency_update_mask_buffer(dead, True)
+            buf.low_latency_clean_mask_buffer()
+            buf.low_latency_query_mask_buffer(status)
+            assert status.tolist() == [0] * world
         dist.barrier()
         return
-    if not shrink:
-        buf.low_latency_update_mask_buffer(2, True)
-        buf.low_latency_query_mask_buffer(status)
-        assert status.tolist() == [0, 0, 1]
-    t0 = time.monotonic()
-    # Ranks 0 and 1 go on without rank 2: masked by hand (no wait at all), or under
-    # enable_shrink by the deadline of the first wait on it (3 s), then no more waits.
-    _ll_round(buf, rank, world, experts, inputs, {0, 1}, "rank 2 masked")
-    _ll_round(buf, rank, world, experts, inputs, {0, 1}, "rank 2 still masked")
-    took = time.monotonic() - t0
-    assert took < (10 if shrink else 2), f"{took:.1f} s: the masked rank was waited for"
+    if rank != dead:
+        with pytest.raises(ValueError, match="low_latency_clean_mask_buffer"):
+            buf.low_latency_update_mask_buffer(dead, False)
+    dist.barrier()
+    buf.low_latency_clean_mask_buffer()  # every rank: the LL state starts over
     buf.low_latency_query_mask_buffer(status)
-    assert status.tolist() == [0, 0, 1]
-    buf.low_latency_update_mask_buffer(2, False)
-    buf.low_latency_query_mask_buffer(status)
-    assert status.tolist() == [0, 0, 0]
-    buf.low_latency_update_mask_buffer(2, True)
-    buf.low_latency_clean_mask_buffer()
-    buf.low_latency_query_mask_buffer(status)
-    assert status.tolist() == [0, 0, 0]
+    assert status.tolist() == [0] * world
+    _ll_round(buf, rank, world, experts, inputs, everyone, "all ranks again", dev)
+    _ll_round(buf, rank, world, experts, inputs, everyone, "all ranks again, second set", dev)
     dist.barrier()
 
 
 @pytest.mark.parametrize("shrink", [False, True], ids=["update_mask", "enable_shrink"])
 def test_ll_mask_skips_the_masked_rank(shrink):
     _dist.run(3, _mask_worker, shrink)
+
+
+@pytest.mark.parametrize("shrink", [False, True], ids=["update_mask", "enable_shrink"])
+def test_ll_mask_skips_the_masked_rank_gpu(shrink):
+    """The same on the GPU path, 2 ranks on 2 GPUs (rank 1 sits out, then comes back)."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _dist.run(2, _mask_worker, shrink, "cuda")

@@ -347,6 +347,9 @@ pub const LL_SETS: u64 = 2;
 struct LlBook {
     /// Dispatches started.
     seq: u64,
+    /// `seq` at the last LL reset ([`Ep::ll_reset`]): dispatches number their buffer sets
+    /// from there, and handles from before it are stale.
+    epoch: u64,
     /// Per buffer set: the dispatch whose send half ran without its receive half yet.
     dispatch_recv_owed: [Option<u64>; LL_SETS as usize],
     /// Per buffer set: the dispatch whose combine ran its send half without its receive half.
@@ -696,7 +699,7 @@ impl Ep {
         }
         let mut st = self.state();
         let seq = st.ll.seq + 1;
-        let set = ((seq - 1) % LL_SETS) as usize;
+        let set = ((seq - 1 - st.ll.epoch) % LL_SETS) as usize;
         self.ll_not_owed(&st, set, "LL dispatch")?;
         let (host, hh) = match &mut st.engine {
             Engine::Host(ep) => {
@@ -744,7 +747,8 @@ impl Ep {
 
     /// The buffer set the next LL dispatch takes (for caller memory kept per set).
     pub fn ll_next_set(&self) -> usize {
-        (self.state().ll.seq % LL_SETS) as usize
+        let st = self.state();
+        ((st.ll.seq - st.ll.epoch) % LL_SETS) as usize
     }
 
     /// The receive half of the LL dispatch of `handle` (whose send half was the last LL
@@ -855,6 +859,12 @@ impl Ep {
                 reason: "it comes from another Ep".into(),
             });
         }
+        if h.seq <= st.ll.epoch {
+            return Err(Error::StaleHandle {
+                what: "LL handle".into(),
+                reason: format!("dispatch #{} came before the LL state was reset", h.seq),
+            });
+        }
         if st.ll.seq >= h.seq + LL_SETS {
             return Err(Error::StaleHandle {
                 what: "LL handle".into(),
@@ -898,6 +908,45 @@ impl Ep {
                 "the CUDA backend has no LL rank mask yet",
             )),
         }
+    }
+
+    /// CUDA: the LL rank mask the kernels read, a u64 of caller memory on this rank's GPU
+    /// (`(address, bytes)`; bit p set: rank p is masked: not written to, not waited for, its
+    /// experts' rows absent), which the caller writes in stream order and keeps alive while
+    /// this Ep runs LL operations; or `None`. The host backend keeps its mask itself
+    /// ([`Ep::set_ll_mask`]). `shrink` (needs a word): a wait on a peer that misses its
+    /// deadline sets the peer's bit in the word and the operation goes on without it.
+    pub fn set_ll_rank_mask_word(&self, word: Option<(u64, usize)>, shrink: bool) -> Result<()> {
+        match &mut self.state().engine {
+            Engine::Cuda(c) => c.ll_set_rank_mask(word, shrink),
+            Engine::Host(_) => Err(Error::input(
+                "LL rank mask word",
+                "the host backend keeps its mask itself (set_ll_mask)",
+            )),
+        }
+    }
+
+    /// CUDA, collective: returns the LL protocol state to a new Ep's on every rank (operation
+    /// numbers start over; handles of earlier dispatches become stale). Every rank calls it
+    /// with no LL operation in flight anywhere and starts none before all have returned.
+    /// This is how a rank masked while the others went on is admitted again: their
+    /// operation numbers differ by then. The host backend's numbers never diverge (its data
+    /// signals carry absolute operation numbers), so it needs none.
+    pub fn ll_reset(&self, stream: Stream) -> Result<()> {
+        let mut st = self.state();
+        match &mut st.engine {
+            Engine::Cuda(c) => c.ll_reset(stream.0)?,
+            Engine::Host(_) => {
+                return Err(Error::input(
+                    "LL reset",
+                    "the host backend needs none (its operation numbers never diverge)",
+                ))
+            }
+        }
+        st.ll.epoch = st.ll.seq;
+        st.ll.dispatch_recv_owed = [None; LL_SETS as usize];
+        st.ll.combine_recv_owed = [None; LL_SETS as usize];
+        Ok(())
     }
 
     /// Host: the LL rank mask after the last operation (peers masked under `shrink` included).

@@ -379,6 +379,30 @@ impl CudaEngine {
         })
     }
 
+    /// The LL rank mask the following LL launches read and, with `shrink`, write (see
+    /// [`CudaLl::set_rank_mask`]): a u64 of caller memory on this GPU, or none.
+    pub fn ll_set_rank_mask(&mut self, word: Span, shrink: bool) -> Result<()> {
+        let (rank, l) = self.ll()?;
+        let sp = rank.run(0, |r| span(r, "LL rank mask", word))?;
+        if let Some(sp) = sp {
+            sp.require("LL rank mask", 8)?;
+            if !sp.ptr.is_multiple_of(8) {
+                return Err(Error::input(
+                    "LL rank mask",
+                    format!("address {:#x} is not 8-byte aligned", sp.ptr),
+                ));
+            }
+        }
+        l.set_rank_mask(sp.map(|s| s.ptr), shrink);
+        Ok(())
+    }
+
+    /// Collective: resets the LL protocol state (see [`CudaLl::reset`]).
+    pub fn ll_reset(&mut self, stream: u64) -> Result<()> {
+        let (rank, l) = self.ll()?;
+        rank.run(stream, |_| l.reset())
+    }
+
     /// LL combine `half` on buffer set `set`, its dispatch's set.
     pub fn ll_combine(&mut self, stream: u64, set: usize, half: Half, io: LlCombineSpans) -> Result<()> {
         let (rank, l) = self.ll()?;

@@ -201,6 +201,10 @@ pub struct CudaLl {
     stamps: u64,
     /// Only the first and last stamp of each operation ([`CudaLl::set_stamp_edges`]).
     stamp_edges: bool,
+    /// Device address of the u64 LL rank mask the kernels read (`LlArgs::rank_mask`), or 0.
+    rank_mask: u64,
+    /// A missed wait masks the peer instead of failing (`kFlagShrink`; needs `rank_mask`).
+    shrink: bool,
 }
 
 impl Drop for CudaLl {
@@ -410,6 +414,8 @@ impl CudaLl {
             tuning,
             stamps: 0,
             stamp_edges: false,
+            rank_mask: 0,
+            shrink: false,
             fabric,
         })
     }
@@ -419,6 +425,42 @@ impl CudaLl {
     /// Captured graphs keep the address they were captured with.
     pub fn set_stamps(&mut self, ptr: Option<u64>) {
         self.stamps = ptr.unwrap_or(0);
+    }
+
+    /// The LL rank mask the following launches read: a u64 in device memory of this GPU at
+    /// `ptr` (bit p set: rank p is masked), which the caller keeps alive while they run and
+    /// writes in stream order; or none. Captured graphs keep the address they were captured
+    /// with and read the word at every replay. `shrink` (DeepEP's `enable_shrink`, needs a
+    /// word): a wait on a peer that misses its deadline sets the peer's bit there and the
+    /// operation goes on without it, reporting nothing.
+    pub fn set_rank_mask(&mut self, ptr: Option<u64>, shrink: bool) {
+        self.rank_mask = ptr.unwrap_or(0);
+        self.shrink = shrink && ptr.is_some();
+    }
+
+    /// Returns the protocol state of both buffer sets to a new object's (operation counts,
+    /// signals, credits, ready words, GIN signals: 0), so the ranks number their operations
+    /// from 1 again, e.g. to re-admit a rank that was masked while the others went on.
+    /// Collective: every rank calls it while no LL operation of the group is in flight, and
+    /// none starts one before all have returned (the caller's barriers order that). Waits
+    /// for this rank's queued work first; what the window held is gone.
+    pub fn reset(&self) -> Result<()> {
+        self.rank.wait("LL reset")?;
+        for s in &self.sets {
+            self.rank.memset_u32(s.state.region(), 0)?;
+            self.rank.memset_u32(s.gin_arrivals.region(), 0)?;
+        }
+        self.rank
+            .memset_u8(self.window.region(0, self.window.len())?, 0)?;
+        if self.across_nodes() {
+            for set in 0..SETS {
+                let args = self.args(set)?;
+                // SAFETY: as in `launch`: LlArgs points into buffers self owns, alive until
+                // the wait below returns.
+                unsafe { self.rank.launch_ex(names::RESET_GIN, 1, THREADS, 0, false, &args) }?;
+            }
+        }
+        self.rank.wait("LL reset")
     }
 
     /// Whether the stamped launches write only each operation's first and last stamp (its
@@ -615,7 +657,9 @@ impl CudaLl {
             } else {
                 0
             },
-            flags: self.tuning.kernel_flags() | if self.stamp_edges { STAMP_EDGES_FLAG } else { 0 },
+            flags: self.tuning.kernel_flags()
+                | if self.stamp_edges { STAMP_EDGES_FLAG } else { 0 }
+                | if self.shrink { abi::K_FLAG_SHRINK } else { 0 },
             peer_stride4g: self.fabric.stride4g,
             stamps: self.stamps,
             user_count: Self::io_ptr(io.recv_count, "LL recv_count", l * 4, None)?,
@@ -652,6 +696,7 @@ impl CudaLl {
             } else {
                 0
             },
+            rank_mask: self.rank_mask,
         })
     }
 
