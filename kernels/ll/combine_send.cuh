@@ -278,8 +278,10 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   // Masked ranks get no weights (and no partial rows below). Kept in shared memory, not in
   // a register across the send loops (the GIN kernels would spill).
   __shared__ uint64_t masked_ranks;
-  if (threadIdx.x == 0) masked_ranks = rank_mask(a);
-  __syncthreads();
+  if (kMasked) {
+    if (threadIdx.x == 0) masked_ranks = rank_mask(a);
+    __syncthreads();
+  }
   // A rank q of another node: the pairs go into this rank's own [me] slot (the same values
   // this rank's own slot gets anyway) and from there by one put that adds 1 to q's kGinWts.
   for (int b = blockIdx.x; b < R; b += gridDim.x) {  // CTA-uniform
@@ -444,7 +446,7 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   // Masked sources get no rows. In shared memory, not in a register across the store loop
   // (the GIN kernels would spill).
   __shared__ uint64_t masked_ranks;
-  if (threadIdx.x == 0) masked_ranks = rank_mask(a);
+  if (kMasked && threadIdx.x == 0) masked_ranks = rank_mask(a);  // before the barrier below
   stamp(a, kStCombStart);
   for (int e = threadIdx.x; e < L; e += blockDim.x) {
     pre[e] = uint32_t(min(max(a.recv_count[e], 0), int32_t(cap)));

@@ -83,9 +83,10 @@
 // - The fused entry points (ll.cu) and the tuning values (grid, send warps: LlArgs::flags)
 //   change only how work is spread over warps; the bytes written are the same in all.
 
-// Included twice by ll.cu, inside gin_ep::ll::lsa_only (kAcross false: every rank in this
-// rank's node, the GIN branches compiled out) and gin_ep::ll::across_nodes: no include guard,
-// no includes (ll.cu includes what these parts need first).
+// Included three times by ll.cu, inside gin_ep::ll::lsa_only (kAcross false: every rank in
+// this rank's node, the GIN branches compiled out), gin_ep::ll::across_nodes and
+// gin_ep::ll::masked (kMasked: the GIN branches and the LL rank mask): no include guard, no
+// includes (ll.cu includes what these parts need first).
 
 static_assert(kCombWts < kSigKinds, "signal kinds");
 static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kStCombEntry < kStDispStored &&
@@ -110,15 +111,17 @@ __device__ __forceinline__ bool in_node(const LlArgs& a, int peer) {
 // Whether some rank lies outside this rank's node (CTA-uniform; false in the lsa_only kernels).
 __device__ __forceinline__ bool across(const LlArgs& a) { return kAcross && a.node_size < a.ranks; }
 
-// The LL rank mask (LlArgs::rank_mask; 0 when none), and whether it masks `peer`.
+// The LL rank mask (LlArgs::rank_mask; 0 when none), and whether it masks `peer`. Only the
+// `masked` kernels (kMasked) read it: in the others every mask test folds away.
 __device__ __forceinline__ uint64_t rank_mask(const LlArgs& a) {
+  if constexpr (!kMasked) return 0ull;
   return a.rank_mask == nullptr ? 0ull : *reinterpret_cast<const volatile uint64_t*>(a.rank_mask);
 }
-__device__ __forceinline__ bool masked(uint64_t mask, int peer) { return ((mask >> peer) & 1ull) != 0ull; }
+__device__ __forceinline__ bool masked(uint64_t mask, int peer) { return kMasked && ((mask >> peer) & 1ull) != 0ull; }
 
 // Whether a wait that misses its deadline masks the peer instead of failing (kFlagShrink).
 __device__ __forceinline__ bool shrinks(const LlArgs& a) {
-  return (a.flags & kFlagShrink) != 0u && a.rank_mask != nullptr;
+  return kMasked && (a.flags & kFlagShrink) != 0u && a.rank_mask != nullptr;
 }
 // Under shrinks(a): masks `peer` for this and every later operation.
 __device__ __forceinline__ void shrink_away(const LlArgs& a, int peer) {

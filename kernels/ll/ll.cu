@@ -17,15 +17,18 @@
 #include "abi/ll.h"
 #include "ll/gin.cuh"
 
-// The LL parts, twice: the one-node kernels (lsa_only) compile without the GIN branches,
-// which cost the store paths time even when not taken (measured on an H100, one rank, FP8,
-// rank-first: combine 20.8-21.8 against 19.6-19.8 us eager), and the across-nodes kernels
-// keep them. The host launches the variant of its layout (backend/cuda/ll/mod.rs,
-// names::across_nodes).
+// The LL parts, three times: the one-node kernels (lsa_only) compile without the GIN
+// branches, which cost the store paths time even when not taken (measured on an H100, one
+// rank, FP8, rank-first: combine 20.8-21.8 against 19.6-19.8 us eager), and the across-nodes
+// kernels keep them. The masked kernels add the LL rank mask (and enable_shrink) to the
+// across-nodes ones, for any layout; its tests cost the others time too (4x H200, 128 tokens,
+// FP8, rank-first, read from a null word: dispatch 25.6-25.8 against 25.2-25.4 us, combine
+// 33.0-33.1 against 32.2-32.3 eager, bench/log/2026-11-27-03.md). The host launches the
+// variant of its layout and mask (backend/cuda/ll/mod.rs, names::variant).
 namespace gin_ep {
 namespace ll {
 namespace lsa_only {
-constexpr bool kAcross = false;
+constexpr bool kAcross = false, kMasked = false;
 #include "ll/common.cuh"
 #include "ll/publisher.cuh"
 #include "ll/dispatch_send.cuh"
@@ -35,7 +38,7 @@ constexpr bool kAcross = false;
 #include "ll/entries.cuh"
 }  // namespace lsa_only
 namespace across_nodes {
-constexpr bool kAcross = true;
+constexpr bool kAcross = true, kMasked = false;
 #include "ll/common.cuh"
 #include "ll/publisher.cuh"
 #include "ll/dispatch_send.cuh"
@@ -44,11 +47,21 @@ constexpr bool kAcross = true;
 #include "ll/combine_recv.cuh"
 #include "ll/entries.cuh"
 }  // namespace across_nodes
+namespace masked {
+constexpr bool kAcross = true, kMasked = true;
+#include "ll/common.cuh"
+#include "ll/publisher.cuh"
+#include "ll/dispatch_send.cuh"
+#include "ll/dispatch_recv.cuh"
+#include "ll/combine_send.cuh"
+#include "ll/combine_recv.cuh"
+#include "ll/entries.cuh"
+}  // namespace masked
 }  // namespace ll
 }  // namespace gin_ep
 
-// One extern "C" kernel per entry and variant: gin_ep_ll_<entry> (one node) and
-// gin_ep_ll_gin_<entry> (across nodes).
+// One extern "C" kernel per entry and variant: gin_ep_ll_<entry> (one node),
+// gin_ep_ll_gin_<entry> (across nodes) and gin_ep_ll_masked_<entry> (with the rank mask).
 #define GIN_EP_LL_KERNEL(name, variant, entry)                          \
   extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1) \
       name(const __grid_constant__ gin_ep::ll::LlArgs a) {              \
@@ -66,6 +79,12 @@ GIN_EP_LL_KERNEL(gin_ep_ll_combine_recv, lsa_only, combine_recv_entry)
 GIN_EP_LL_KERNEL(gin_ep_ll_gin_combine_recv, across_nodes, combine_recv_entry)
 GIN_EP_LL_KERNEL(gin_ep_ll_combine_fused, lsa_only, combine_fused_entry)
 GIN_EP_LL_KERNEL(gin_ep_ll_gin_combine_fused, across_nodes, combine_fused_entry)
+GIN_EP_LL_KERNEL(gin_ep_ll_masked_dispatch_send, masked, dispatch_send_entry)
+GIN_EP_LL_KERNEL(gin_ep_ll_masked_dispatch_recv, masked, dispatch_recv_entry)
+GIN_EP_LL_KERNEL(gin_ep_ll_masked_dispatch_fused, masked, dispatch_fused_entry)
+GIN_EP_LL_KERNEL(gin_ep_ll_masked_combine_send, masked, combine_send_entry)
+GIN_EP_LL_KERNEL(gin_ep_ll_masked_combine_recv, masked, combine_recv_entry)
+GIN_EP_LL_KERNEL(gin_ep_ll_masked_combine_fused, masked, combine_fused_entry)
 
 // The buffer's teardown, across nodes only: this rank's GIN signals of the set back to 0.
 // NCCL hands the same signal ids to the next device communicator without clearing them

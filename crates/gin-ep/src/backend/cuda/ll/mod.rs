@@ -58,9 +58,22 @@ pub mod names {
     pub const RESET_GIN: &str = "gin_ep_ll_reset_gin";
 
     /// The kernel of entry point `name` for a layout with (`across_nodes`) or without GIN
-    /// peers: the across-nodes variant (`gin_ep_ll_gin_*`, kernels/ll/ll.cu) is the same kernel
-    /// with the GIN branches, which the one-node kernels leave out.
-    pub fn variant(name: &'static str, across_nodes: bool) -> &'static str {
+    /// peers, and with an LL rank mask (`masked`) or none: the across-nodes variant
+    /// (`gin_ep_ll_gin_*`, kernels/ll/ll.cu) is the same kernel with the GIN branches, which
+    /// the one-node kernels leave out; the masked one (`gin_ep_ll_masked_*`) adds the mask to
+    /// the across-nodes one and serves either layout.
+    pub fn variant(name: &'static str, across_nodes: bool, masked: bool) -> &'static str {
+        if masked {
+            return match name {
+                DISPATCH_SEND => "gin_ep_ll_masked_dispatch_send",
+                DISPATCH_RECV => "gin_ep_ll_masked_dispatch_recv",
+                COMBINE_SEND => "gin_ep_ll_masked_combine_send",
+                COMBINE_RECV => "gin_ep_ll_masked_combine_recv",
+                DISPATCH_FUSED => "gin_ep_ll_masked_dispatch_fused",
+                COMBINE_FUSED => "gin_ep_ll_masked_combine_fused",
+                other => other,
+            };
+        }
         if !across_nodes {
             return name;
         }
@@ -310,7 +323,8 @@ impl CudaLl {
             Some(g) => g,
         }
         .clamp(1, MAX_GRID);
-        let kernel = |name| names::variant(name, gin);
+        // Both the layout's kernels and the masked ones (a rank mask may come at any time).
+        let kernels = |name| [names::variant(name, gin, false), names::variant(name, gin, true)];
         for (name, smem) in [
             (names::DISPATCH_SEND, layout.dispatch_send_smem),
             (names::DISPATCH_RECV, layout.dispatch_recv_smem),
@@ -319,15 +333,20 @@ impl CudaLl {
             (names::COMBINE_FUSED, layout.combine_send_smem),
         ] {
             // Needed above 48 KiB. Every size is at most 2 * MAX_SMEM (LlLayout::new).
-            rank.set_max_smem(kernel(name), smem as u32)?;
+            for kernel in kernels(name) {
+                rank.set_max_smem(kernel, smem as u32)?;
+            }
         }
         // The fused kernels (dispatch, combine): every CTA waits for all CTAs of every peer,
         // so the grid must be resident at once.
-        for (name, smem) in [
+        for (kernel, smem) in [
             (names::DISPATCH_FUSED, layout.dispatch_fused_smem()),
             (names::COMBINE_FUSED, layout.combine_send_smem),
-        ] {
-            let per_sm = rank.max_blocks_per_sm(kernel(name), THREADS, smem)?;
+        ]
+        .into_iter()
+        .flat_map(|(name, smem)| kernels(name).map(|k| (k, smem)))
+        {
+            let per_sm = rank.max_blocks_per_sm(kernel, THREADS, smem)?;
             let resident = u64::from(per_sm.max(0) as u32) * u64::from(sms);
             if u64::from(grid) > resident {
                 return Err(Error::config(
@@ -701,7 +720,7 @@ impl CudaLl {
     }
 
     fn launch(&self, name: &'static str, smem: usize, set: usize) -> Result<()> {
-        let name = names::variant(name, self.across_nodes());
+        let name = names::variant(name, self.across_nodes(), self.rank_mask != 0);
         let args = self.args(set)?;
         // SAFETY: LlArgs is the kernel parameter (generated from abi/ll.h; rustc and nvcc
         // assert its layout); every pointer in it belongs to self (window, set buffers) or the
@@ -871,17 +890,22 @@ mod tests {
         ];
         let mut seen = std::collections::HashSet::new();
         for one in entries {
-            assert_eq!(names::variant(one, false), one);
-            let across = names::variant(one, true);
+            assert_eq!(names::variant(one, false, false), one);
+            let across = names::variant(one, true, false);
             assert_eq!(across, one.replacen("gin_ep_ll_", "gin_ep_ll_gin_", 1), "{one}");
             assert!(seen.insert(across), "{across} twice");
-            for (name, variant) in [(one, "lsa_only"), (across, "across_nodes")] {
+            let masked = names::variant(one, false, true);
+            assert_eq!(masked, names::variant(one, true, true), "{one}");
+            assert_eq!(masked, one.replacen("gin_ep_ll_", "gin_ep_ll_masked_", 1), "{one}");
+            assert!(seen.insert(masked), "{masked} twice");
+            for (name, variant) in [(one, "lsa_only"), (across, "across_nodes"), (masked, "masked")] {
                 assert!(
                     LL_CU.contains(&format!("GIN_EP_LL_KERNEL({name}, {variant},")),
                     "kernels/ll/ll.cu defines no {name} of variant {variant}"
                 );
             }
         }
-        assert_eq!(names::variant(names::RESET_GIN, true), names::RESET_GIN);
+        assert_eq!(names::variant(names::RESET_GIN, true, false), names::RESET_GIN);
+        assert_eq!(names::variant(names::RESET_GIN, false, true), names::RESET_GIN);
     }
 }
