@@ -896,7 +896,11 @@ mod tests {
             assert!(seen.insert(across), "{across} twice");
             let masked = names::variant(one, false, true);
             assert_eq!(masked, names::variant(one, true, true), "{one}");
-            assert_eq!(masked, one.replacen("gin_ep_ll_", "gin_ep_ll_masked_", 1), "{one}");
+            assert_eq!(
+                masked,
+                one.replacen("gin_ep_ll_", "gin_ep_ll_masked_", 1),
+                "{one}"
+            );
             assert!(seen.insert(masked), "{masked} twice");
             for (name, variant) in [(one, "lsa_only"), (across, "across_nodes"), (masked, "masked")] {
                 assert!(
