@@ -27,7 +27,6 @@ caller's memory); only the combine weights are copied in before it.
 
 import os
 import warnings
-import weakref
 from typing import Optional
 
 import torch
@@ -241,11 +240,12 @@ class Gpu:
         self.group_size = group_size
         self.rank = rank
         self.hts = {}
-        # Per HT object; weak, so an object `ht_retire` dropped from `hts` goes with the last
-        # handle or lent tensor that still holds it.
-        self.ht_free = weakref.WeakKeyDictionary()
-        self.ht_slabs = weakref.WeakKeyDictionary()
-        self.ht_sms = weakref.WeakKeyDictionary()
+        # HT objects a larger one replaced (`ht_retire`): kept until the Buffer goes, because
+        # freeing a window is collective in NCCL and ranks free handles at different times.
+        self.ht_retired = []
+        self.ht_free = {}
+        self.ht_slabs = {}
+        self.ht_sms = {}
         self.warned_slabs = False
         self.lls = {}
         self.ll_ranges = {}
@@ -277,8 +277,9 @@ class Gpu:
 
     def ht_retire(self, h) -> None:
         """Makes no new dispatch on `h` (a larger HT object replaces it); the handles and lent
-        tensors of its dispatches stay usable and keep it alive."""
+        tensors of its dispatches stay usable."""
         self.hts = {k: v for k, v in self.hts.items() if v is not h}
+        self.ht_retired.append(h)
 
     def ht_tune(self, h, num_sms: int) -> None:
         """Runs `h`'s next HT operations on `num_sms` CTAs (Config.num_sms, at most the

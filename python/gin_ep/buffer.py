@@ -16,8 +16,9 @@ given shape creates the heap for that shape (collectively, on every rank):
     per-call cap: a dispatch in which any rank passes more tokens than T moves no data on
     any rank (every rank learns it in the count exchange), every rank replaces its buffers
     of that shape with ones for max(tokens, 1.25 T) tokens (collectively, inside that call)
-    and the dispatch runs again. Handles of earlier dispatches keep the old buffers until
-    they are freed. `memory_bytes()` reports what the Buffer holds.
+    and the dispatch runs again. The old buffers stay until `destroy()` (handles of
+    earlier dispatches use them; freeing a window is collective in NCCL, and ranks free
+    handles at different times). `memory_bytes()` reports what the Buffer holds.
   - LL: T is `num_max_dispatch_tokens_per_rank`; the LL heap must fit in
     `num_rdma_bytes` (see `get_low_latency_rdma_size_hint`).
 """
@@ -339,8 +340,7 @@ class Buffer(GpuPath, HostPath):
         combine input). HT windows are sized by `num_nvl_bytes` (or `max_tokens_per_rank`)
         plus `ht_recv_slabs` receive slabs, and grow when a dispatch brings more tokens (see
         the module's "Buffer sizes"); LL windows by `num_max_dispatch_tokens_per_rank`; each
-        shape has its own (the host backend keeps a replaced heap until `destroy`, the GPU path
-        frees a replaced window with the last handle of its dispatches)."""
+        shape has its own (a replaced one stays until `destroy`)."""
         self._live()
         gpu = self._gpu.rank_gpu.device_bytes if self._gpu is not None else 0
         host = self._host_heap_bytes()

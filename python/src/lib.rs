@@ -446,9 +446,7 @@ impl PyGpuRank {
 /// One rank's engine for one config (gin-ep's `Ep`): the host backend (tensors as bytes,
 /// outputs returned) or, with `gpu`, the CUDA backend (tensors as `(data_ptr, nbytes)`,
 /// outputs written into the caller's tensors, work queued on `stream` without a host wait).
-/// Weakly referenceable: the Python side keeps per-engine bookkeeping that must not keep a
-/// replaced engine alive once its handles are gone.
-#[pyclass(module = "gin_ep._native", name = "Ep", frozen, weakref)]
+#[pyclass(module = "gin_ep._native", name = "Ep", frozen)]
 struct PyEp {
     ep: Ep,
 }
