@@ -37,8 +37,8 @@ __device__ __forceinline__ uint64_t token_ranks(const LlArgs& a, int t, int& lan
 // partials of the ranks holding the token's experts (from topk_idx), rank ascending, f32
 // adds from +0.
 template <int V>
-__device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* comb, int t, int c, uint64_t masked_ranks,
-                                                  float (&acc)[V][8]) {
+__device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* comb, int t, int c,
+                                                  uint64_t masked_ranks, float (&acc)[V][8]) {
   constexpr int B = kReduceBatch / V;  // rows per batch: the same loads in flight for any V
   const int K = a.topk, H = a.hidden, R = a.ranks;
   int lane_rank;
@@ -100,7 +100,8 @@ __device__ __forceinline__ void reduce_topk(const LlArgs& a, const char* comb, i
       const int k = k0 + i;
       const bool in = k < K && c < H;
       const int64_t e = in ? a.topk_idx[size_t(t) * K + k] : -1;
-      use[i] = e >= 0 && (masked_ranks == 0ull || e >= a.experts || !masked(masked_ranks, int(uint32_t(e) / uint32_t(L))));
+      use[i] =
+          e >= 0 && (masked_ranks == 0ull || e >= a.experts || !masked(masked_ranks, int(uint32_t(e) / uint32_t(L))));
       const bool load = use[i];
       w[i] = 0.0f;
 #pragma unroll

@@ -236,7 +236,8 @@ __device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem,
   const uint32_t* meta_in = reinterpret_cast<const uint32_t*>(win_ptr(a, a.set_offset + a.meta_offset, me));
   // A masked source sent nothing this rank may read (it may not have run at all): no rows.
   const uint64_t masked_ranks = rank_mask(a);
-  for (int i = tid; i < R * (L + 1); i += group.nthreads) first[i] = masked(masked_ranks, i / (L + 1)) ? 0u : meta_in[i];
+  for (int i = tid; i < R * (L + 1); i += group.nthreads)
+    first[i] = masked(masked_ranks, i / (L + 1)) ? 0u : meta_in[i];
   group.sync();
   if (tid < 32) {
     // Token counts are bounded by T even if a sender were wrong: never read past staging.

@@ -231,7 +231,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
     for (int i = 0; i < R; ++i) {
       const int dst = first_dst + i < R ? first_dst + i : first_dst + i - R;
       if (!tr.has(E + dst, t) || masked(masked_ranks, dst)) continue;  // warp-uniform
-      if (!in_node(a, dst)) {             // warp-uniform
+      if (!in_node(a, dst)) {                                          // warp-uniform
         const uint32_t slot = tr.rank_in(E + dst, t);
         char* rec = win_ptr(a, gin_record(dst, slot), me);
         put_unit(a, rec, c0, lane, o);

@@ -846,3 +846,72 @@ mod fault_tests {
         );
     }
 }
+
+#[cfg(test)]
+mod capacity_tests {
+    use super::*;
+    use crate::backend::host::run::{run_threads, HostOptions};
+    use crate::ht::RankInput;
+    use crate::oracle;
+    use crate::quant::Rows;
+
+    /// Rank r's `n` tokens: distinct BF16 values, top-2 of 4 experts over 2 ranks.
+    fn input(r: usize, n: usize, cfg: &EpConfig) -> RankInput {
+        let (h, k) = (cfg.hidden, cfg.topk);
+        RankInput {
+            x: (0..n * h)
+                .map(|i| bf16::from_f32((r * 1000 + i) as f32 / 64.0))
+                .collect(),
+            topk_idx: (0..n * k).map(|i| ((i + r) % cfg.experts) as i64).collect(),
+            topk_weights: (0..n * k).map(|i| 0.25 + i as f32 / 16.0).collect(),
+        }
+    }
+
+    fn bf16_rows(rows: &Rows) -> Vec<u16> {
+        match rows {
+            Rows::Bf16(v) => v.iter().map(|b| b.to_bits()).collect(),
+            Rows::Fp8 { .. } => panic!("BF16 rows expected"),
+        }
+    }
+
+    #[test]
+    fn a_rank_over_capacity_stands_every_rank_down_and_the_next_dispatch_is_exact() {
+        let cfg = EpConfig::new(2, 4, 16, 2, 4);
+        let opts = HostOptions {
+            modes: Modes { ht: true, ll: false },
+            timeout: Duration::from_secs(20),
+            fault: None,
+        };
+        let fits: Vec<RankInput> = (0..2).map(|r| input(r, 3, &cfg)).collect();
+        let want = oracle::ht_dispatch(&cfg, &fits).unwrap();
+        let results = run_threads(&cfg, &opts, |ep| {
+            let me = ep.rank();
+            // Rank 1 passes 6 tokens, 2 more than the heap holds; rank 0 fits.
+            let over = input(me, if me == 1 { 6 } else { 3 }, &cfg);
+            let e = ep
+                .ht_dispatch(&over.x, &over.topk_idx, &over.topk_weights)
+                .unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    Error::TokenCapacity {
+                        tokens: 6,
+                        capacity: 4
+                    }
+                ),
+                "rank {me}: {e}"
+            );
+            assert!(!e.is_usage() && e.to_string().contains("6 tokens"), "{e}");
+            // The stand-down left the protocol in step: the next dispatch is the oracle's.
+            let f = &fits[me];
+            let got = ep.ht_dispatch(&f.x, &f.topk_idx, &f.topk_weights)?;
+            assert_eq!(bf16_rows(&got.recv_x), bf16_rows(&want[me].recv_x), "rank {me}");
+            assert_eq!(got.recv_topk_idx, want[me].recv_topk_idx, "rank {me}");
+            Ok(())
+        })
+        .unwrap();
+        for (r, res) in results.into_iter().enumerate() {
+            res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        }
+    }
+}
