@@ -203,6 +203,8 @@ pub struct CudaLl {
     /// The GIN-less communicator that told NCCL's node, kept beside a GIN one.
     _probe: Option<DevComm>,
     sets: [SetBuffers; SETS],
+    /// The all-zero mask word of [`ENV_MASKED`], when set (held: `rank_mask` points into it).
+    _own_mask: Option<DeviceBuffer>,
     /// Shared with the rank's engine and HT objects; dropped after the window and device
     /// communicator above.
     rank: Arc<CudaRank>,
@@ -219,6 +221,11 @@ pub struct CudaLl {
     /// A missed wait masks the peer instead of failing (`kFlagShrink`; needs `rank_mask`).
     shrink: bool,
 }
+
+/// `GIN_EP_LL_MASKED=1`: every `CudaLl` made in the process starts with an all-zero rank mask
+/// word of its own, so its launches take the masked kernels (`gin_ep_ll_masked_*`): how
+/// `gin-ep check` and `gin-ep bench` run and time that variant.
+pub const ENV_MASKED: &str = "GIN_EP_LL_MASKED";
 
 impl Drop for CudaLl {
     /// Across nodes: returns this rank's GIN signals to 0 before the device communicator
@@ -420,6 +427,15 @@ impl CudaLl {
             Ok(s)
         };
         let sets = [make_set()?, make_set()?];
+        // GIN_EP_LL_MASKED=1: a mask word of its own, all zero, so every launch takes the
+        // masked kernels (the check and benchmark of that variant).
+        let own_mask = if std::env::var_os(ENV_MASKED).is_some_and(|v| v == "1") {
+            let w = rank.alloc(16)?;
+            rank.memset_u32(w.region(), 0)?;
+            Some(w)
+        } else {
+            None
+        };
         rank.wait("LL buffer setup")?;
         Ok(CudaLl {
             window,
@@ -433,8 +449,9 @@ impl CudaLl {
             tuning,
             stamps: 0,
             stamp_edges: false,
-            rank_mask: 0,
+            rank_mask: own_mask.as_ref().map_or(0, |w| w.region().ptr),
             shrink: false,
+            _own_mask: own_mask,
             fabric,
         })
     }
