@@ -89,8 +89,9 @@ class Buffer(GpuPath, HostPath):
     `num_rdma_bytes`, `low_latency_mode`, `explicitly_destroy`; `runtime` is the gin-ep
     group (None after `destroy`).
 
-    gin-ep keywords beyond DeepEP's: `max_tokens_per_rank` (HT buffer size in tokens,
-    overriding the one derived from `num_nvl_bytes`), `timeout_s` (deadline of every
+    gin-ep keywords beyond DeepEP's: `max_tokens_per_rank` (the HT buffers' starting size
+    in tokens, instead of the one derived from `num_nvl_bytes`; they grow when a dispatch
+    brings more), `timeout_s` (deadline of every
     wait on a peer; default 100 s) and `ll_combine_order`: `"topk"` (default; every
     (token, expert) row comes back and is summed in top-k order, DeepEP's arithmetic) or
     `"rank-first"` (each expert rank first sums the token's experts it holds and sends one
