@@ -254,7 +254,6 @@ class Gpu:
         # the bit of a peer that missed a deadline.
         self.ll_mask_word = None
         self.ll_shrink = False
-        self.ll_resets = 0
 
     # -------------------------------------------------------------- HT
 
@@ -396,20 +395,14 @@ class Gpu:
         return [bool((bits >> r) & 1) for r in range(self.group_size)]
 
     def ll_reset(self) -> None:
-        """Collective: every rank's LL objects start their operation numbers over and no rank
-        is masked, so that ranks whose numbers diverged while one was masked meet again.
-        Barriers over the group's store before (no LL work in flight anywhere) and after (none
-        starts before every rank has reset)."""
-        self.ll_resets += 1
-        torch.cuda.synchronize(self.device)
-        self.runtime.barrier(f"gin_ep/ll-reset/{self.ll_resets}/before")
+        """Part of `Buffer._ll_reset` (between its barriers, with the device idle): this
+        rank's LL objects start their operation numbers over and no rank is masked."""
         s = stream()
         for l in self.lls.values():
             l.ll_reset(s)
         if self.ll_mask_word is not None:
             self.ll_mask_word.zero_()
         torch.cuda.synchronize(self.device)
-        self.runtime.barrier(f"gin_ep/ll-reset/{self.ll_resets}/after")
 
     def ll_layout_range(self, l, set_, local, device) -> torch.Tensor:
         """The `[L, R]` int64 layout_range of LL `_native.Ep` `l`'s buffer set `set_`, which every

@@ -175,6 +175,7 @@ class Buffer(GpuPath, HostPath):
         self._max_tokens_override = max_tokens_per_rank
         self._timeout_s = float(timeout_s)
         self._eps = {}
+        self._ll_resets = 0  # collective LL resets so far (their barriers' names)
         self._ht_tokens = {}
         self._ll_comb_bufs = {}
         self._ll_mask = [False] * self.group_size
@@ -419,15 +420,34 @@ class Buffer(GpuPath, HostPath):
         mask_status.copy_(torch.tensor(self._ll_mask, dtype=mask_status.dtype))
 
     def low_latency_clean_mask_buffer(self) -> None:
-        """Unmasks every rank. GPU (once LL has run there): collective, every rank calls it at
-        the same point; it waits for the device, meets the other ranks and resets the LL state
-        (operation numbers start over, earlier LL handles become stale)."""
+        """Unmasks every rank. Once LL has run: collective, every rank calls it at the same
+        point; it waits for the device, meets the other ranks and resets the LL state
+        (operation numbers start over, earlier LL handles become stale), so a rank that sat
+        out while masked takes part again."""
         self._live()
-        if self._gpu is not None and self._gpu.lls:
-            self._gpu.ll_reset()
+        self._ll_reset()
         self._ll_mask = [False] * self.group_size
         if self._gpu is not None:
             self._gpu.ll_set_mask(self._ll_mask, self.enable_shrink)
+
+    def _ll_reset(self) -> None:
+        """Collective: every LL heap and window of this Buffer starts its operation numbers
+        over. Barriers over the group's store before (no LL work in flight anywhere) and
+        after (none starts before every rank has reset); every rank has the same LL shapes,
+        so every rank takes the same branch."""
+        host = [ep for key, ep in self._eps.items() if key[0] == "ll"]
+        gpu = self._gpu is not None and bool(self._gpu.lls)
+        if not host and not gpu:
+            return
+        self._ll_resets += 1
+        if gpu:
+            torch.cuda.synchronize(self._gpu.device)
+        self.runtime.barrier(f"gin_ep/ll-reset/{self._ll_resets}/before")
+        for ep in host:
+            ep.ll_reset()
+        if gpu:
+            self._gpu.ll_reset()
+        self.runtime.barrier(f"gin_ep/ll-reset/{self._ll_resets}/after")
 
     # ------------------------------------------------------------ heaps
 

@@ -561,7 +561,7 @@ impl PyEp {
         guard(|| self.ep.set_ll_rank_mask_word(word, shrink).map_err(to_py))
     }
 
-    /// GPU, collective: returns the LL protocol state to a new Ep's (see `Ep::ll_reset`).
+    /// Collective: returns the LL protocol state to a new Ep's (see `Ep::ll_reset`).
     #[pyo3(signature = (stream = 0))]
     fn ll_reset(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
         py.detach(|| guard(|| self.ep.ll_reset(Stream(stream)).map_err(to_py)))

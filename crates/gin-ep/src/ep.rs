@@ -926,22 +926,16 @@ impl Ep {
         }
     }
 
-    /// CUDA, collective: returns the LL protocol state to a new Ep's on every rank (operation
+    /// Collective: returns the LL protocol state to a new Ep's on every rank (operation
     /// numbers start over; handles of earlier dispatches become stale). Every rank calls it
     /// with no LL operation in flight anywhere and starts none before all have returned.
-    /// This is how a rank masked while the others went on is admitted again: their
-    /// operation numbers differ by then. The host backend's numbers never diverge (its data
-    /// signals carry absolute operation numbers), so it needs none.
+    /// This is how a rank that sat out while the others went on (masked) is admitted again:
+    /// their operation numbers differ by then.
     pub fn ll_reset(&self, stream: Stream) -> Result<()> {
         let mut st = self.state();
         match &mut st.engine {
             Engine::Cuda(c) => c.ll_reset(stream.0)?,
-            Engine::Host(_) => {
-                return Err(Error::input(
-                    "LL reset",
-                    "the host backend needs none (its operation numbers never diverge)",
-                ))
-            }
+            Engine::Host(ep) => ep.ll_reset()?,
         }
         st.ll.epoch = st.ll.seq;
         st.ll.dispatch_recv_owed = [None; LL_SETS as usize];

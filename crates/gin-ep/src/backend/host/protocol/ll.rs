@@ -20,7 +20,7 @@
 //!
 //! The arithmetic (receive order, both combine orders) is the oracle's, bit for bit.
 
-use super::{check_len, HostEp, LlWord, LL_SETS};
+use super::{check_len, HostEp, LlWord, LL_SETS, LL_WORDS};
 use crate::config::{LlCombineOrder, FP8_BLOCK};
 use crate::error::{Error, Result};
 use crate::ll::{LlDispatchOutput, LlHandle};
@@ -194,6 +194,27 @@ impl HostEp {
             }
         }
         out
+    }
+
+    /// Returns this rank's LL state to a new `HostEp`'s: operation numbers and credits, and
+    /// the LL words and ready words in its own segment (only peers write them) back to 0, so
+    /// the ranks number their operations from 1 again, e.g. to admit a rank that sat out
+    /// while the others went on. Collective, as `CudaLl::reset`: every rank calls it while no
+    /// LL operation of the group is in flight, and none starts one before all have returned
+    /// (the caller's barriers order that). The mask is left to the caller.
+    pub fn ll_reset(&mut self) -> Result<()> {
+        self.need(false)?;
+        let (me, r_n, t_max) = (self.rank(), self.cfg.ranks, self.cfg.max_tokens_per_rank);
+        // The regions' sizes as Regions::new takes them.
+        let (words, ready) = (LL_SETS * LL_WORDS * r_n * 8, LL_SETS * r_n * t_max * 8);
+        let zeros = vec![0u8; words.max(ready)];
+        self.heap.put(me, self.reg.ll_words, &zeros[..words])?;
+        self.heap.put(me, self.reg.ll_ready, &zeros[..ready])?;
+        self.ll.next_set = 0;
+        self.ll.ops = Default::default();
+        self.ll.done = Default::default();
+        self.ll.pushed = Default::default();
+        Ok(())
     }
 
     /// Poisons this rank's LL words (data signals, credits) and ready words at every peer, so
