@@ -236,6 +236,10 @@ pub struct HostEp {
     shrink: bool,
     /// LL op numbers and credits per set.
     ll: ll::LlState,
+    /// Tests only: a sleep after the HT count signals are in, before the rows are read (a
+    /// slow rank, to make a race of the count region deterministic).
+    #[cfg(test)]
+    slow_counts: Duration,
 }
 
 impl HostEp {
@@ -273,6 +277,8 @@ impl HostEp {
             mask: vec![false; cfg.ranks],
             shrink: false,
             ll: ll::LlState::default(),
+            #[cfg(test)]
+            slow_counts: Duration::ZERO,
             cfg,
         })
     }
@@ -536,6 +542,8 @@ impl HostEp {
         }
         self.signal_all(Sig::Counts, seq)?;
         self.wait_all(Sig::Counts, seq, "count exchange")?;
+        #[cfg(test)]
+        std::thread::sleep(self.slow_counts);
         let mut per_rank = Vec::with_capacity(r_n);
         let mut per_expert = Vec::with_capacity(r_n);
         let mut most_tokens = 0usize;
@@ -550,8 +558,12 @@ impl HostEp {
             per_expert.push(buf[r_n..r_n + cfg.experts].to_vec());
             most_tokens = most_tokens.max(buf[r_n + cfg.experts] as usize);
         }
-        // Every rank read the same rows, so every rank stands down here.
+        // Every rank read the same rows, so every rank stands down here. The dispatch signals
+        // still pair, as after an empty dispatch: without that a rank could write the next
+        // operation's count row before a slower peer has read this one's.
         if most_tokens > cfg.max_tokens_per_rank {
+            self.signal_all(Sig::Dispatch, seq)?;
+            self.wait_all(Sig::Dispatch, seq, "dispatch")?;
             return Err(Error::TokenCapacity {
                 tokens: most_tokens,
                 capacity: cfg.max_tokens_per_rank,
@@ -879,34 +891,39 @@ mod capacity_tests {
         let cfg = EpConfig::new(2, 4, 16, 2, 4);
         let opts = HostOptions {
             modes: Modes { ht: true, ll: false },
-            timeout: Duration::from_secs(20),
+            timeout: Duration::from_secs(5),
             fault: None,
         };
         let fits: Vec<RankInput> = (0..2).map(|r| input(r, 3, &cfg)).collect();
         let want = oracle::ht_dispatch(&cfg, &fits).unwrap();
         let results = run_threads(&cfg, &opts, |ep| {
             let me = ep.rank();
-            // Rank 1 passes 6 tokens, 2 more than the heap holds; rank 0 fits.
+            // Rank 1 passes 6 tokens, 2 more than the heap holds; rank 0 fits. Rank 0 reads
+            // the count rows late: a rank that stood down must not write the next count row
+            // before its peer has read this one (the pairing after the stand-down).
+            if me == 0 {
+                ep.slow_counts = Duration::from_millis(30);
+            }
             let over = input(me, if me == 1 { 6 } else { 3 }, &cfg);
-            let e = ep
-                .ht_dispatch(&over.x, &over.topk_idx, &over.topk_weights)
-                .unwrap_err();
-            assert!(
-                matches!(
+            for round in 0..3 {
+                let e = ep
+                    .ht_dispatch(&over.x, &over.topk_idx, &over.topk_weights)
+                    .unwrap_err();
+                let want_err = matches!(
                     e,
                     Error::TokenCapacity {
                         tokens: 6,
                         capacity: 4
                     }
-                ),
-                "rank {me}: {e}"
-            );
-            assert!(!e.is_usage() && e.to_string().contains("6 tokens"), "{e}");
-            // The stand-down left the protocol in step: the next dispatch is the oracle's.
-            let f = &fits[me];
-            let got = ep.ht_dispatch(&f.x, &f.topk_idx, &f.topk_weights)?;
-            assert_eq!(bf16_rows(&got.recv_x), bf16_rows(&want[me].recv_x), "rank {me}");
-            assert_eq!(got.recv_topk_idx, want[me].recv_topk_idx, "rank {me}");
+                );
+                assert!(want_err, "rank {me}, round {round}: {e}");
+                assert!(!e.is_usage() && e.to_string().contains("6 tokens"), "{e}");
+                // The stand-down left the protocol in step: the next dispatch is the oracle's.
+                let f = &fits[me];
+                let got = ep.ht_dispatch(&f.x, &f.topk_idx, &f.topk_weights)?;
+                assert_eq!(bf16_rows(&got.recv_x), bf16_rows(&want[me].recv_x), "rank {me}");
+                assert_eq!(got.recv_topk_idx, want[me].recv_topk_idx, "rank {me}");
+            }
             Ok(())
         })
         .unwrap();
