@@ -937,9 +937,12 @@ impl Ep {
             Engine::Cuda(c) => c.ll_reset(stream.0)?,
             Engine::Host(ep) => ep.ll_reset()?,
         }
-        st.ll.epoch = st.ll.seq;
-        st.ll.dispatch_recv_owed = [None; LL_SETS as usize];
-        st.ll.combine_recv_owed = [None; LL_SETS as usize];
+        let seq = st.ll.seq;
+        st.ll = LlBook {
+            seq,
+            epoch: seq,
+            ..LlBook::default()
+        };
         Ok(())
     }
 

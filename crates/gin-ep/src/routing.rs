@@ -38,17 +38,24 @@ impl RankLayout {
     }
 }
 
+/// The token count N of a `topk_idx` of `len` entries ([N, K]) of `rank`: refused unless
+/// `len` is a multiple of the top-k.
+pub fn topk_tokens(cfg: &EpConfig, rank: usize, len: usize) -> Result<usize> {
+    let k = cfg.topk;
+    if !len.is_multiple_of(k) {
+        return Err(Error::input(
+            format!("topk_idx of rank {rank}"),
+            format!("length {len} is not a multiple of topk = {k}"),
+        ));
+    }
+    Ok(len / k)
+}
+
 /// Checks `topk_idx` ([N, K], -1 = no expert) of `rank` against the config:
 /// lengths, token count, expert range and duplicate experts in one row.
 pub fn validate_topk(cfg: &EpConfig, rank: usize, topk_idx: &[i64]) -> Result<usize> {
     let k = cfg.topk;
-    if !topk_idx.len().is_multiple_of(k) {
-        return Err(Error::input(
-            format!("topk_idx of rank {rank}"),
-            format!("length {} is not a multiple of topk = {k}", topk_idx.len()),
-        ));
-    }
-    let n = topk_idx.len() / k;
+    let n = topk_tokens(cfg, rank, topk_idx.len())?;
     if n > cfg.max_tokens_per_rank {
         return Err(Error::input(
             format!("tokens of rank {rank}"),

@@ -519,10 +519,7 @@ impl HostEp {
         self.fault_point("layout")?;
         // More tokens than the heap holds: lay out none and only tell the peers (the last
         // word of the count row), so that every rank stands down in this dispatch.
-        if !topk_idx.len().is_multiple_of(k) {
-            routing::validate_topk(&cfg, me, topk_idx)?;
-        }
-        let caller_tokens = topk_idx.len() / k;
+        let caller_tokens = routing::topk_tokens(&cfg, me, topk_idx.len())?;
         check_len(me, "x", x.len(), caller_tokens * h)?;
         check_len(me, "topk_weights", topk_weights.len(), caller_tokens * k)?;
         let fits = caller_tokens <= cfg.max_tokens_per_rank;

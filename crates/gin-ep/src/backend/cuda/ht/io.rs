@@ -116,13 +116,7 @@ impl CudaHt {
     /// Checks the lengths of a dispatch input and returns its token count.
     fn check_input(&self, topk_idx: usize, topk_w: usize, x_elems: usize, what: &str) -> Result<usize> {
         let (k, h, t) = (self.cfg.topk, self.cfg.hidden, self.cfg.max_tokens_per_rank);
-        if !topk_idx.is_multiple_of(k) {
-            return Err(Error::input(
-                format!("topk_idx of rank {}", self.me),
-                format!("length {topk_idx} is not a multiple of topk = {k}"),
-            ));
-        }
-        let n = topk_idx / k;
+        let n = crate::routing::topk_tokens(&self.cfg, self.me, topk_idx)?;
         if n > t {
             return Err(Error::input(
                 format!("tokens of rank {}", self.me),

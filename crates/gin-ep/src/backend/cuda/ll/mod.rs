@@ -63,28 +63,46 @@ pub mod names {
     /// the one-node kernels leave out; the masked one (`gin_ep_ll_masked_*`) adds the mask to
     /// the across-nodes one and serves either layout.
     pub fn variant(name: &'static str, across_nodes: bool, masked: bool) -> &'static str {
-        if masked {
-            return match name {
-                DISPATCH_SEND => "gin_ep_ll_masked_dispatch_send",
-                DISPATCH_RECV => "gin_ep_ll_masked_dispatch_recv",
-                COMBINE_SEND => "gin_ep_ll_masked_combine_send",
-                COMBINE_RECV => "gin_ep_ll_masked_combine_recv",
-                DISPATCH_FUSED => "gin_ep_ll_masked_dispatch_fused",
-                COMBINE_FUSED => "gin_ep_ll_masked_combine_fused",
-                other => other,
-            };
+        // (entry, across-nodes kernel, masked kernel).
+        const VARIANTS: [(&str, &str, &str); 6] = [
+            (
+                DISPATCH_SEND,
+                "gin_ep_ll_gin_dispatch_send",
+                "gin_ep_ll_masked_dispatch_send",
+            ),
+            (
+                DISPATCH_RECV,
+                "gin_ep_ll_gin_dispatch_recv",
+                "gin_ep_ll_masked_dispatch_recv",
+            ),
+            (
+                COMBINE_SEND,
+                "gin_ep_ll_gin_combine_send",
+                "gin_ep_ll_masked_combine_send",
+            ),
+            (
+                COMBINE_RECV,
+                "gin_ep_ll_gin_combine_recv",
+                "gin_ep_ll_masked_combine_recv",
+            ),
+            (
+                DISPATCH_FUSED,
+                "gin_ep_ll_gin_dispatch_fused",
+                "gin_ep_ll_masked_dispatch_fused",
+            ),
+            (
+                COMBINE_FUSED,
+                "gin_ep_ll_gin_combine_fused",
+                "gin_ep_ll_masked_combine_fused",
+            ),
+        ];
+        if !across_nodes && !masked {
+            return name; // the common launch: no lookup
         }
-        if !across_nodes {
-            return name;
-        }
-        match name {
-            DISPATCH_SEND => "gin_ep_ll_gin_dispatch_send",
-            DISPATCH_RECV => "gin_ep_ll_gin_dispatch_recv",
-            COMBINE_SEND => "gin_ep_ll_gin_combine_send",
-            COMBINE_RECV => "gin_ep_ll_gin_combine_recv",
-            DISPATCH_FUSED => "gin_ep_ll_gin_dispatch_fused",
-            COMBINE_FUSED => "gin_ep_ll_gin_combine_fused",
-            other => other,
+        match VARIANTS.iter().find(|v| v.0 == name) {
+            Some(&(_, _, m)) if masked => m,
+            Some(&(_, gin, _)) if across_nodes => gin,
+            _ => name,
         }
     }
 }
