@@ -257,6 +257,8 @@ def worker(rank, world, init, a):
         import gc
         gc.disable()
     from gin_ep import Buffer
+    if a.num_sms is not None:
+        Buffer.set_num_sms(a.num_sms)
     dev = torch.device("cuda", rank)
     g = torch.Generator(device=dev).manual_seed(rank)
     n, h, k, e = a.tokens, a.hidden, a.topk, a.experts
@@ -323,7 +325,7 @@ def worker(rank, world, init, a):
     dist.all_gather_object(medians, MEDIAN_US)
     if rank == 0:
         print(f"world {world}, HT {n} tokens, LL {ln} tokens, hidden {h}, top-{k} of {e} experts, "
-              f"{a.iters} calls each")
+              f"{a.iters} calls each, HT on {Buffer.num_sms} CTAs (num_sms)")
         print(f"{'operation':<36}{'device us/call':>16}{'host us/call':>14}{'slowest host':>14}")
         for i, (name, d, hst) in enumerate(rows):
             dev = "-" if d != d else f"{d:.1f}"  # NaN: a host-timed row (sync each)
@@ -350,6 +352,8 @@ def main():
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--num-sms", type=int, default=None,
+                   help="Buffer.set_num_sms: the CTAs of every HT dispatch and combine (default: Buffer's 20)")
     p.add_argument("--graphs", action="store_true", help="also replay LL dispatch + combine as a CUDA graph")
     p.add_argument("--compiled", action="store_true",
                    help="also time LL dispatch + combine under torch.compile(mode='reduce-overhead')")

@@ -127,8 +127,8 @@ class GpuPath:
         return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, None
 
     def _ht_sms(self, config) -> int:
-        """CTAs of an HT dispatch, or of a combine's pulls (its staging CTAs run beside
-        them): `config.num_sms`, else `Buffer.num_sms`; at most the kernels' 128."""
+        """CTAs of an HT dispatch or combine (a combine's CTAs that move your rows are
+        among them): `config.num_sms`, else `Buffer.num_sms`; at most the kernels' 128."""
         return max(1, min(config.num_sms if config is not None else type(self).num_sms, 128))
 
     def _gpu_combine(self, x, handle, topk_weights, bias, config=None):

@@ -402,12 +402,13 @@ def test_comm_stream_gpu(world):
 
 
 def num_sms_worker(rank, world):
-    """GPU: `Config.num_sms` sets each HT call's CTAs (the dispatch's, the combine's pulls),
-    switched between calls: dispatch, cached dispatch and combine give the same bits at any
-    budget (at 128 no CTA is left to stage the combine's rows: they are copied in first)."""
+    """GPU: `Config.num_sms` sets each HT call's CTAs (the dispatch's; the combine's, the
+    ones that move the rows among them), switched between calls: dispatch, cached dispatch
+    and combine give the same bits at any budget (at 1 no CTA is left to move the combine's
+    rows: they are copied in first; at 2 one moves them and one reduces)."""
     buf, x, args = _gpu_ht_setup(rank, world, 200, 91 + world)
     ref = None
-    for sms in (24, 7, 2, 1, 128):
+    for sms in (24, 7, 2, 1, 3, 20, 128):
         cfg = Config(sms)
         recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, **args, config=cfg)
         cached = buf.dispatch(x, handle=handle, config=cfg)[0]

@@ -240,8 +240,12 @@ mod tests {
         );
         assert!(check_staging(&list, true).is_ok());
         assert!(check_staging(&sweep_entries(Some("sms=24;sms=32,du=4")).unwrap(), false).is_ok());
-        let push = sweep_entries(Some("cp=1")).unwrap();
-        assert!(check_staging(&push, false).is_err());
+        // The pull-from-a-copy combine (cp=0) is not the default either.
+        let copy = sweep_entries(Some("cp=0")).unwrap();
+        assert!(check_staging(&copy, false).is_err());
+        // sb= counts CTAs of the entry's sms=, and must leave one to reduce.
+        let e = sweep_entries(Some("sms=8,sb=8")).unwrap_err().to_string();
+        assert!(e.contains("sb=8"), "{e}");
     }
 
     #[test]

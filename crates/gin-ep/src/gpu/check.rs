@@ -80,11 +80,8 @@ pub fn check_rank_variants(
         let variant_given = std::env::var_os(crate::backend::cuda::ht::ENV_VARIANT).is_some();
         if topo.vnodes > 1 && !variant_given {
             // Processes sharing the GPU keep to their share of the SMs (the LL grid's rule,
-            // RankTopology::sm_share), split between the SM budget and the combine's staging
-            // CTAs; a variant the user named is run as given.
-            let share = topo.sm_share(rank.info().sm_count).max(2);
-            base.num_sms = share / 2;
-            base.variant.stage_blocks = share - share / 2;
+            // RankTopology::sm_share); a variant the user named is run as given.
+            base.num_sms = topo.sm_share(rank.info().sm_count).max(2);
         }
         for (i, case) in cases.iter().enumerate() {
             check_case(group, &rank, case, base).map_err(|e| match e {

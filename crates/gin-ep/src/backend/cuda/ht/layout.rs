@@ -64,10 +64,6 @@ pub fn check_gpu_config(cfg: &EpConfig, world: usize) -> Result<()> {
 
 /// Chunks of a staged combine's copy (`kStageChunks`, abi/ht.h).
 pub const STAGE_CHUNKS: usize = abi::K_STAGE_CHUNKS as usize;
-/// Default CTAs that copy the caller's rows in during a staged combine, beside `num_sms`
-/// (4×H200, 4096 tokens, hidden 7168, 24 SMs, kernel µs: 8 653, 16 531–532, 24 528, 32
-/// 526–527; bench/log/2026-11-21-19.md).
-pub const DEFAULT_STAGE_BLOCKS: u32 = 32;
 
 /// Most receive slabs one HT window may hold.
 pub const MAX_RECV_SLABS: usize = 64;

@@ -53,7 +53,7 @@ pub mod variant;
 pub use io::{HtBuf, HtIo};
 pub use layout::{
     check_gpu_config, layout_blocks, layout_scan_bytes, layout_smem_bytes, plan_words, HtLayout,
-    DEFAULT_STAGE_BLOCKS, MAX_RECV_SLABS, STAGE_CHUNKS,
+    MAX_RECV_SLABS, STAGE_CHUNKS,
 };
 pub use variant::HtVariant;
 #[cfg(feature = "harness")]
@@ -109,7 +109,8 @@ pub enum Sizing {
 /// Options of [`CudaHt`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HtGpuOptions {
-    /// CTAs of the dispatch and combine kernels (the SM budget), equal on every rank.
+    /// CTAs of each dispatch and combine kernel (the SM budget: a staged combine's CTAs that
+    /// move the caller's rows are among them), equal on every rank.
     pub num_sms: u32,
     pub sizing: Sizing,
     /// Kernel variant (performance only), equal on every rank.
@@ -131,7 +132,33 @@ impl Default for HtGpuOptions {
     }
 }
 
+/// A combine kernel's CTAs: `grid` in all, `pull` of them reduce, `stage` move the caller's
+/// rows (a staged combine); `grid` is always the SM budget.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CombineBlocks {
+    pub grid: u32,
+    pub pull: u32,
+    pub stage: u32,
+}
+
 impl HtGpuOptions {
+    /// The combine's CTAs under this budget; `staged`: the input is caller memory, so some
+    /// CTAs move it ([`HtVariant::stage_blocks_for`]; none at a budget of one: the rows are
+    /// copied in first).
+    pub fn combine_blocks(&self, staged: bool) -> CombineBlocks {
+        let grid = self.num_sms.min(MAX_GRID);
+        let stage = if staged {
+            self.variant.stage_blocks_for(grid)
+        } else {
+            0
+        };
+        CombineBlocks {
+            grid,
+            pull: grid - stage,
+            stage,
+        }
+    }
+
     pub fn validate(&self) -> Result<()> {
         if self.num_sms == 0 || self.num_sms > MAX_GRID {
             return Err(Error::config(
@@ -141,7 +168,19 @@ impl HtGpuOptions {
             ));
         }
         check_recv_slabs(self.recv_slabs)?;
-        self.variant.validate()
+        self.variant.validate()?;
+        let sb = self.variant.stage_blocks;
+        if sb != 0 && sb >= self.num_sms {
+            return Err(Error::config(
+                "variant",
+                format!("sb={sb}"),
+                format!(
+                    "the stage CTAs come out of num_sms ({}) and must leave one to reduce",
+                    self.num_sms
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -682,7 +721,7 @@ impl CudaHt {
         let slot = self.check_handle(handle)?;
         self.check_io(handle.num_tokens, DTYPE_BF16)?;
         let mut flags = 0;
-        let mut grid = self.grid();
+        let blocks = self.opts.combine_blocks(self.io.comb_x.is_some());
         if let Some(sp) = self.io.comb_x {
             let nr = handle.num_recv.ok_or_else(|| {
                 Error::input(
@@ -692,15 +731,13 @@ impl CudaHt {
             })?;
             let need = nr * self.cfg.hidden * 2;
             sp.require("HT combine x", need)?;
-            let stage = self.opts.variant.stage_blocks.min(MAX_GRID - grid);
-            if stage > 0 {
+            if blocks.stage > 0 {
                 flags |= FLAG_STAGE;
                 if self.opts.variant.combine_push {
                     flags |= FLAG_PUSH;
                 }
-                grid += stage;
             } else {
-                // The SM budget leaves no CTA for staging: copy the rows in first.
+                // A budget of one CTA leaves none to move the rows: copy them in first.
                 let rows = ExternalSpan {
                     ptr: sp.ptr,
                     bytes: need,
@@ -722,21 +759,24 @@ impl CudaHt {
         if extras.bias[1] {
             flags |= FLAG_BIAS1;
         }
-        let args = self.args(
-            rank,
-            slot,
-            handle.num_tokens,
-            DTYPE_BF16,
-            flags,
-            epoch,
-            self.opts.variant.combine_chunk,
-        );
+        let args = HtArgs {
+            pull_blocks: blocks.pull,
+            ..self.args(
+                rank,
+                slot,
+                handle.num_tokens,
+                DTYPE_BF16,
+                flags,
+                epoch,
+                self.opts.variant.combine_chunk,
+            )
+        };
         let (kname, threads) = self.combine_kernel();
         let out = (|| {
             if let Some((s, _)) = events {
                 rank.record(s)?;
             }
-            self.launch(rank, kname, grid, threads, &args)?;
+            self.launch(rank, kname, blocks.grid, threads, &args)?;
             if let Some((_, e)) = events {
                 rank.record(e)?;
             }
@@ -827,6 +867,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_combine_runs_on_exactly_its_sm_budget() {
+        for num_sms in 1..=MAX_GRID {
+            let opts = HtGpuOptions {
+                num_sms,
+                ..HtGpuOptions::default()
+            };
+            for staged in [false, true] {
+                let b = opts.combine_blocks(staged);
+                assert_eq!(b.grid, num_sms, "num_sms {num_sms}, staged {staged}");
+                assert_eq!(b.pull + b.stage, b.grid, "num_sms {num_sms}, staged {staged}");
+                assert!(b.pull >= 1, "num_sms {num_sms}: nothing reduces");
+                assert_eq!(
+                    b.stage > 0,
+                    staged && num_sms >= 2,
+                    "num_sms {num_sms}, staged {staged}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn sm_budget_is_validated() {
         assert!(HtGpuOptions::default().validate().is_ok());
         assert_eq!(HtGpuOptions::default().num_sms, 24);
@@ -841,5 +902,22 @@ mod tests {
             .unwrap_err();
             assert!(e.is_usage() && e.to_string().contains("num_sms"), "{e}");
         }
+        // Stage CTAs named with sb= come out of the budget and must leave one to reduce.
+        let with = |num_sms, sb| HtGpuOptions {
+            num_sms,
+            variant: HtVariant::parse(&format!("sb={sb}")).unwrap(),
+            ..HtGpuOptions::default()
+        };
+        assert!(with(20, 19).validate().is_ok());
+        assert_eq!(
+            with(20, 19).combine_blocks(true),
+            CombineBlocks {
+                grid: 20,
+                pull: 1,
+                stage: 19
+            }
+        );
+        let e = with(20, 20).validate().unwrap_err();
+        assert!(e.is_usage() && e.to_string().contains("sb=20"), "{e}");
     }
 }

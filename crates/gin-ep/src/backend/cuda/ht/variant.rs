@@ -5,7 +5,7 @@
 //! Never: launches anything or changes a result (every variant moves the same bytes to the
 //! same places and adds in the same order).
 
-use super::{DEFAULT_STAGE_BLOCKS, MAX_GRID};
+use super::MAX_GRID;
 use crate::backend::cuda::kernels::names;
 use crate::error::{Error, Result};
 
@@ -22,14 +22,15 @@ pub const ENV_VARIANT: &str = "GIN_EP_HT_VARIANT";
 /// Text form (CLI, `GIN_EP_HT_VARIANT`, sweep lists): comma-separated `key=value`, keys
 /// `du` dispatch unroll (4, 8, 16), `dt` dispatch threads, `dc` dispatch chunk, `rot`
 /// rotated destinations (0/1), `cu` combine unroll (2, 3, 4), `ct` combine threads, `cc`
-/// combine chunk, `sb` stage CTAs of a combine from caller memory (beside the SM budget),
-/// `cp` (0/1) how those CTAs move the rows: 0 copy them into this rank's window for the
-/// sources to pull, 1 push them into the sources' windows. Unnamed keys keep their
+/// combine chunk, `sb` stage CTAs of a combine from caller memory, out of the SM budget
+/// (0: [`HtVariant::stage_blocks_for`]'s share), `cp` (0/1) how those CTAs move the rows:
+/// 0 copy them into this rank's window for the sources to pull, 1 push them into the
+/// sources' windows. Unnamed keys keep their
 /// defaults, except that `du` / `cu` without `dt` / `ct` take that unroll's block-size
 /// ceiling (du 4/8/16: 768/512/384, cu 2/3/4: 512/384/256). `default` is the default:
-/// `du=8,dt=512,dc=0,rot=1,cu=2,ct=512,cc=2,sb=32,cp=0`
+/// `du=8,dt=512,dc=0,rot=1,cu=2,ct=512,cc=2,sb=0,cp=1`
 /// (bench/log/2026-11-21-02.md, HT sweep at commit 9103f98: rot=1 and cu=2,ct=512,cc=2 were the best at
-/// 24 SMs).
+/// 24 SMs; bench/log/2026-11-27-04.md: the push and its share of the budget).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HtVariant {
     pub dispatch_unroll: u32,
@@ -39,8 +40,8 @@ pub struct HtVariant {
     pub combine_unroll: u32,
     pub combine_threads: u32,
     pub combine_chunk: u32,
-    /// CTAs beside the SM budget that copy the caller's rows into the window during a
-    /// combine from caller-owned memory ([`super::HtIo::comb_x`]).
+    /// CTAs of the SM budget that move the caller's rows during a combine from
+    /// caller-owned memory ([`super::HtIo::comb_x`]); 0: [`HtVariant::stage_blocks_for`].
     pub stage_blocks: u32,
     /// The stage CTAs push the rows into the sources' windows (the sources then reduce from
     /// local memory) instead of copying them into this rank's window for the sources to pull.
@@ -57,8 +58,8 @@ impl Default for HtVariant {
             combine_unroll: 2,
             combine_threads: 512,
             combine_chunk: 2,
-            stage_blocks: DEFAULT_STAGE_BLOCKS,
-            combine_push: false,
+            stage_blocks: 0,
+            combine_push: true,
         }
     }
 }
@@ -152,6 +153,23 @@ impl HtVariant {
         }
     }
 
+    /// The CTAs of a staged combine's budget of `num_sms` that move the caller's rows (the
+    /// others reduce); 0 when the budget leaves none (the rows are copied in first). `sb=`
+    /// when given, else `min(num_sms / 4 + 4, num_sms / 2)`: the push runs at the links' rate
+    /// from about 10 CTAs (≈ 32 GB/s each) and the reduce keeps up with it from about 14
+    /// (4× H200, 4096 tokens, hidden 7168, combine µs at 20 CTAs: 8 pushing 635–643, 9
+    /// 594–602, 7 723; at 24: 10 551, 12 589; at 32: 12 530–583, 16 562, 8 643; at 48: 16
+    /// 529, 18 517; bench/log/2026-11-27-04.md).
+    pub fn stage_blocks_for(&self, num_sms: u32) -> u32 {
+        if num_sms < 2 {
+            return 0;
+        }
+        match self.stage_blocks {
+            0 => (num_sms / 4 + 4).min(num_sms / 2),
+            n => n.min(num_sms - 1),
+        }
+    }
+
     /// The copy kernel for the dispatch unroll, and its block-size ceiling.
     pub(super) fn dispatch_kernel(&self) -> Option<(&'static str, u32)> {
         Some(match self.dispatch_unroll {
@@ -191,11 +209,11 @@ impl HtVariant {
             )
         })?;
         threads("dt", self.dispatch_threads, dmax)?;
-        if self.stage_blocks == 0 || self.stage_blocks >= MAX_GRID {
+        if self.stage_blocks >= MAX_GRID {
             return Err(Error::config(
                 "variant",
                 format!("sb={}", self.stage_blocks),
-                format!("must be in 1..{MAX_GRID}"),
+                format!("must be in 0..{MAX_GRID} (0: the default share)"),
             ));
         }
         let (_, cmax) = self.combine_kernel().ok_or_else(|| {
@@ -232,15 +250,14 @@ mod tests {
         assert_eq!(HtVariant::parse("cu=3").unwrap().combine_threads, 384);
         assert_eq!(HtVariant::parse("du=16").unwrap().dispatch_threads, 384);
         assert_eq!(HtVariant::parse("du=4,dt=256").unwrap().dispatch_threads, 256);
-        let s = HtVariant::parse("sb=48").unwrap();
+        let s = HtVariant::parse("sb=48,cp=0").unwrap();
         assert_eq!(s.stage_blocks, 48);
         assert!(!s.combine_push);
         assert_eq!(HtVariant::parse(&s.to_string()).unwrap(), s);
-        let p = HtVariant::parse("sb=16,cp=1").unwrap();
-        assert!(p.combine_push);
+        let p = HtVariant::parse("sb=16").unwrap();
+        assert!(p.combine_push && d.combine_push && d.stage_blocks == 0);
         assert_eq!(HtVariant::parse(&p.to_string()).unwrap(), p);
         for bad in [
-            "sb=0",
             "sb=128",
             "du=5",
             "du=16,dt=512",
@@ -254,5 +271,23 @@ mod tests {
             let e = HtVariant::parse(bad).unwrap_err();
             assert!(e.is_usage(), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn a_staged_combine_splits_the_budget_and_never_exceeds_it() {
+        let d = HtVariant::default();
+        // The measured shares (stage_blocks_for's figures).
+        for (sms, stage) in [(20, 9), (24, 10), (32, 12), (48, 16)] {
+            assert_eq!(d.stage_blocks_for(sms), stage, "num_sms {sms}");
+        }
+        for sms in 1..=MAX_GRID {
+            let stage = d.stage_blocks_for(sms);
+            // Every CTA is counted in num_sms, and at least one reduces.
+            assert!(stage < sms.max(1), "num_sms {sms}: {stage} stage CTAs");
+            assert_eq!(stage == 0, sms < 2, "num_sms {sms}");
+        }
+        let named = HtVariant::parse("sb=30").unwrap();
+        assert_eq!(named.stage_blocks_for(64), 30);
+        assert_eq!(named.stage_blocks_for(1), 0);
     }
 }
