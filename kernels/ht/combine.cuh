@@ -34,8 +34,9 @@ using namespace gin_ep::ht;
 namespace gin_ep {
 namespace ht {
 constexpr int kCombineRanksInFlight = 4;
-// 16 vectors per lane in flight: 128 KB per 512-thread block, what one SM needs to keep
-// HBM busy at a few microseconds of latency under the pull's traffic.
+// Stage CTAs' vectors per lane in flight (a kernel's SU, below): 16 is 128 KB per 512-thread
+// block, what one SM needs to keep HBM busy at a few microseconds of latency under the pull's
+// traffic when the rows are copied into this rank's window.
 constexpr int kStageUnroll = 16;
 
 // Chunk bounds of a staged combine: chunk c of a segment of `len` rows starts at row
@@ -128,6 +129,7 @@ __device__ void stage_mark_scanner(const HtArgs& a, int R, int me, bool push) {
 // its pullers read them from a.x. Work items (segment, row) interleave the destinations so
 // neighbouring warps feed different links. After a chunk, the block releases word [me][c] in
 // every window that received rows (pull: its own; push: each source's).
+template <int SU>
 __device__ void stage_comb_x(const HtArgs& a, int R, int me, bool push) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x / 32;
   const int sb = int(blockIdx.x - a.pull_blocks), nsb = int(gridDim.x - a.pull_blocks);
@@ -167,14 +169,14 @@ __device__ void stage_comb_x(const HtArgs& a, int R, int me, bool push) {
       uint4* out =
           push ? reinterpret_cast<uint4*>(peer_ptr(a, a.off_comb_x, s)) + (uint64_t(me) * a.max_tokens + pos) * nvec
                : reinterpret_cast<uint4*>(peer_ptr(a, a.off_comb_x, me)) + row * nvec;
-      for (int v0 = lane; v0 < nvec; v0 += 32 * kStageUnroll) {
-        uint4 v[kStageUnroll];
+      for (int v0 = lane; v0 < nvec; v0 += 32 * SU) {
+        uint4 v[SU];
 #pragma unroll
-        for (int u = 0; u < kStageUnroll; ++u) {
+        for (int u = 0; u < SU; ++u) {
           if (v0 + 32 * u < nvec) v[u] = ld_nc_v4(in + v0 + 32 * u);
         }
 #pragma unroll
-        for (int u = 0; u < kStageUnroll; ++u) {
+        for (int u = 0; u < SU; ++u) {
           if (v0 + 32 * u < nvec) st_v4(out + v0 + 32 * u, v[u]);
         }
       }
@@ -222,7 +224,7 @@ __device__ __forceinline__ void red_release_cta_shared_max(uint32_t* p, uint32_t
       : "memory");
 }
 
-template <int U>
+template <int U, int SU = kStageUnroll>
 __device__ __forceinline__ void combine_body(const HtArgs& a) {
   __shared__ const char* s_cx[kMaxRanks];
   __shared__ const char* s_cw[kMaxRanks];
@@ -256,7 +258,7 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
   }
   __syncthreads();
   if (stage && blockIdx.x >= a.pull_blocks) {
-    if (s_status == kStatusOk) stage_comb_x(a, R, me, push);
+    if (s_status == kStatusOk) stage_comb_x<SU>(a, R, me, push);
     bar.sync(a.bar_epoch + 1, kPhaseHtCombineEnd);
     return;
   }
@@ -396,7 +398,10 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
 }  // namespace gin_ep
 
 // Instantiations: name = unroll and the block-size ceiling. Default (ht/variant.rs HtVariant::default):
-// gin_ep_ht_combine_u2_t512 with 512 threads and chunk 2.
+// gin_ep_ht_combine_u3_t512 with 512 threads and chunk 2. Its stage unroll is 8: at 16 the kernel
+// needs 136 registers, over the 128 that 512 threads allow, and a stage CTA's NVLink stores, not
+// its loads, set its rate (≈ 32 GB/s either way).
 extern "C" __global__ void __launch_bounds__(256) gin_ep_ht_combine(const HtArgs a) { combine_body<4>(a); }
-extern "C" __global__ void __launch_bounds__(384) gin_ep_ht_combine_u3_t384(const HtArgs a) { combine_body<3>(a); }
+
+extern "C" __global__ void __launch_bounds__(512) gin_ep_ht_combine_u3_t512(const HtArgs a) { combine_body<3, 8>(a); }
 extern "C" __global__ void __launch_bounds__(512) gin_ep_ht_combine_u2_t512(const HtArgs a) { combine_body<2>(a); }

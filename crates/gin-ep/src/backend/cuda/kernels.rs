@@ -74,10 +74,10 @@ pub mod names {
     /// HT dispatch copy variants: unroll 4 (<= 768 threads), unroll 16 (<= 384 threads).
     pub const HT_DISPATCH_U4_T768: &str = "gin_ep_ht_dispatch_u4_t768";
     pub const HT_DISPATCH_U16_T384: &str = "gin_ep_ht_dispatch_u16_t384";
-    /// HT combine (pull + fixed-order reduce), unroll 4, <= 256 threads (the default).
+    /// HT combine (pull + fixed-order reduce), unroll 4, <= 256 threads.
     pub const HT_COMBINE: &str = "gin_ep_ht_combine";
-    /// HT combine variants: unroll 3 (<= 384 threads), unroll 2 (<= 512 threads).
-    pub const HT_COMBINE_U3_T384: &str = "gin_ep_ht_combine_u3_t384";
+    /// HT combine variants: unroll 3 (<= 512 threads, the default), unroll 2 (<= 512).
+    pub const HT_COMBINE_U3_T512: &str = "gin_ep_ht_combine_u3_t512";
     pub const HT_COMBINE_U2_T512: &str = "gin_ep_ht_combine_u2_t512";
 }
 

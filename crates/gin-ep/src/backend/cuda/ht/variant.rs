@@ -27,10 +27,11 @@ pub const ENV_VARIANT: &str = "GIN_EP_HT_VARIANT";
 /// 0 copy them into this rank's window for the sources to pull, 1 push them into the
 /// sources' windows. Unnamed keys keep their
 /// defaults, except that `du` / `cu` without `dt` / `ct` take that unroll's block-size
-/// ceiling (du 4/8/16: 768/512/384, cu 2/3/4: 512/384/256). `default` is the default:
-/// `du=8,dt=512,dc=0,rot=1,cu=2,ct=512,cc=2,sb=0,cp=1`
+/// ceiling (du 4/8/16: 768/512/384, cu 2/3/4: 512/512/256). `default` is the default:
+/// `du=8,dt=512,dc=0,rot=1,cu=3,ct=512,cc=2,sb=0,cp=1`
 /// (bench/log/2026-11-21-02.md, HT sweep at commit 9103f98: rot=1 and cu=2,ct=512,cc=2 were the best at
-/// 24 SMs; bench/log/2026-11-27-04.md: the push and its share of the budget).
+/// 24 SMs; bench/log/2026-11-27-04.md: the push, its share of the budget, and cu=3 at 512
+/// threads: 587–588 against 607–610 µs at 20 CTAs, within ±8 at 24 and 32).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HtVariant {
     pub dispatch_unroll: u32,
@@ -55,7 +56,7 @@ impl Default for HtVariant {
             dispatch_threads: 512,
             dispatch_chunk: 0,
             rotate: true,
-            combine_unroll: 2,
+            combine_unroll: 3,
             combine_threads: 512,
             combine_chunk: 2,
             stage_blocks: 0,
@@ -184,7 +185,7 @@ impl HtVariant {
     pub(super) fn combine_kernel(&self) -> Option<(&'static str, u32)> {
         Some(match self.combine_unroll {
             2 => (names::HT_COMBINE_U2_T512, 512),
-            3 => (names::HT_COMBINE_U3_T384, 384),
+            3 => (names::HT_COMBINE_U3_T512, 512),
             4 => (names::HT_COMBINE, 256),
             _ => return None,
         })
@@ -244,10 +245,11 @@ mod tests {
         assert!(d.rotate);
         assert_eq!(
             (d.combine_unroll, d.combine_threads, d.combine_chunk),
-            (2, 512, 2)
+            (3, 512, 2)
         );
         assert_eq!(HtVariant::parse("cu=4").unwrap().combine_threads, 256);
-        assert_eq!(HtVariant::parse("cu=3").unwrap().combine_threads, 384);
+        assert_eq!(HtVariant::parse("cu=3").unwrap().combine_threads, 512);
+        assert_eq!(HtVariant::parse("cu=2").unwrap().combine_threads, 512);
         assert_eq!(HtVariant::parse("du=16").unwrap().dispatch_threads, 384);
         assert_eq!(HtVariant::parse("du=4,dt=256").unwrap().dispatch_threads, 256);
         let s = HtVariant::parse("sb=48,cp=0").unwrap();
