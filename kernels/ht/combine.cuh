@@ -21,9 +21,11 @@ using namespace gin_ep::ht;
 // after the kernel. Variants (U, block size, chunk) change only how many loads are in
 // flight, never the order of the additions.
 // Staged combine (kFlagStage, the Python path: the expert outputs are the caller's tensor,
-// which peers cannot read): blocks [pull_blocks, grid) copy the caller's rows a.x into this
-// rank's comb_x while blocks [0, pull_blocks) already pull. Only the other sources' segments
-// are copied: a rank's own rows are pulled straight from a.x. Chunk c holds, for every
+// which peers cannot read): blocks [pull_blocks, grid), part of the caller's SM budget, move
+// the caller's rows a.x while blocks [0, pull_blocks) already reduce: with kFlagPush (the
+// default) into each source's comb_x over NVLink, so sources reduce from local memory;
+// without it into this rank's comb_x, for the sources to pull. Only the other sources'
+// segments move: a rank's own rows are read straight from a.x. Chunk c holds, for every
 // source s, rows [stage_row(c, L_s), stage_row(c + 1, L_s)) of s's segment (L_s rows,
 // kStageChunks chunks, tent bounds: see stage_row), so every source's first rows are in early. A stage
 // block releases word c after its chunk; a scanner warp publishes the stage mark (the
