@@ -27,6 +27,28 @@ def vnodes() -> int:
     return k
 
 
+def node_size():
+    """`GIN_EP_NODE_SIZE`: consecutive ranks that form one gin-ep node (their windows mapped
+    into one another, peers reached by stores), as `gin-ep check --node-size M` sets it; None
+    when unset (a node is NCCL's LSA team: with virtual nodes, one rank)."""
+    raw = os.environ.get("GIN_EP_NODE_SIZE", "").strip()
+    if not raw:
+        return None
+    try:
+        m = int(raw)
+    except ValueError:
+        raise ValueError(f"GIN_EP_NODE_SIZE={raw!r}: expected a whole number of ranks") from None
+    if m < 1:
+        raise ValueError(f"GIN_EP_NODE_SIZE={m}: expected at least 1")
+    return m
+
+
+def ht_reaches(world: int) -> bool:
+    """Whether HT, which needs every rank in one gin-ep node, can run on `world` ranks here:
+    without virtual nodes, or with `GIN_EP_NODE_SIZE` covering every rank."""
+    return vnodes() == 1 or (node_size() or 1) >= world
+
+
 def gpu_of(rank: int) -> int:
     """The GPU of `rank`: consecutive ranks share one when `vnodes()` > 1."""
     return rank // vnodes()
@@ -43,6 +65,10 @@ def enter_vnode(rank: int) -> None:
         raise RuntimeError("GIN_EP_VNODES > 1 needs gin-ep's NCCL plugin, and this gin_ep wheel has none")
     os.environ["NCCL_HOSTID"] = f"gin-ep-vnode{rank}"
     os.environ["NCCL_NET_PLUGIN"] = plugin
+    # NCCL 2.28 forgets an external net plugin once its last communicator is destroyed
+    # (the unload clears the library's name): a Buffer made after another one's destroy()
+    # would get no GIN. A reference of our own keeps the plugin loaded.
+    os.environ["NCCL_NET_PLUGIN_REF_COUNT"] = "1"
     os.environ["NCCL_NVLS_ENABLE"] = "0"
 
 

@@ -222,8 +222,10 @@ def test_sglang_sequences(nccl_stand_in):
 
 
 def _gpu_entry(rank, world, port, backend, fn, args):
-    torch.cuda.set_device(rank)
-    kw = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
+    _dist.enter_vnode(rank)
+    dev = torch.device("cuda", _dist.gpu_of(rank))
+    torch.cuda.set_device(dev)
+    kw = {"device_id": dev} if backend == "nccl" else {}
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kw)
     try:
         fn(rank, world, *args)
@@ -233,8 +235,13 @@ def _gpu_entry(rank, world, port, backend, fn, args):
 
 
 def _gpu_run(world, backend, fn, *args):
-    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
+    # With GIN_EP_VNODES=K, K ranks share each GPU (_dist.vnodes); the sequences run HT, which
+    # needs every rank in one gin-ep node (GIN_EP_NODE_SIZE).
+    gpus = -(-world // _dist.vnodes())
+    if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs for {world} ranks")
+    if not _dist.ht_reaches(world):
+        pytest.skip("the sequences run HT: with virtual nodes, set GIN_EP_NODE_SIZE to the world")
     import os
     import sys
     here = os.path.dirname(os.path.abspath(__file__))

@@ -333,8 +333,9 @@ def test_gpu_ll_compile(world):
 
 def _need_ht(world):
     _need(world)
-    if _dist.vnodes() > 1:
-        pytest.skip("HT reaches only the ranks of its own gin-ep node: not across virtual nodes")
+    if not _dist.ht_reaches(world):
+        pytest.skip("HT reaches only the ranks of its own gin-ep node: with virtual nodes, set "
+                    "GIN_EP_NODE_SIZE to the world")
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

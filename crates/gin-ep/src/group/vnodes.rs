@@ -163,6 +163,10 @@ impl Topology {
         env.push(("NCCL_NVLS_ENABLE".into(), "0".into()));
         if let Some(p) = plugin {
             env.push(("NCCL_NET_PLUGIN".into(), p.display().to_string()));
+            // NCCL 2.28 clears an external net plugin's name when its last communicator is
+            // destroyed, so a later communicator of the process gets no GIN; one reference
+            // of the process's own keeps it loaded (NCCL 2.30 keeps the name).
+            env.push(("NCCL_NET_PLUGIN_REF_COUNT".into(), "1".into()));
         }
         env
     }
@@ -307,6 +311,7 @@ mod tests {
         for (r, e) in envs.iter().enumerate() {
             assert_eq!(e["LOCAL_RANK"], (r / 2).to_string());
             assert_eq!(e["NCCL_NET_PLUGIN"], "/x/libnccl_net_ginep.so");
+            assert_eq!(e["NCCL_NET_PLUGIN_REF_COUNT"], "1");
             assert_eq!(e["NCCL_NVLS_ENABLE"], "0");
             assert_eq!(e[ENV_VNODES], "2");
             assert!(!e.contains_key(ENV_NODE_SIZE));
