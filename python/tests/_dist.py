@@ -11,36 +11,34 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def _positive_env(name: str, what: str):
+    """The whole number in `name` (at least 1), or None when unset or empty."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a whole number of {what}") from None
+    if n < 1:
+        raise ValueError(f"{name}={n}: expected at least 1")
+    return n
+
+
 def vnodes() -> int:
     """Ranks per GPU: `GIN_EP_VNODES` (the variable `gin-ep check --vnodes K` sets for its
     ranks, and which gin-ep reads for the SM share of each rank), default 1. With K > 1
     consecutive ranks share a GPU and each is its own NCCL node (`NCCL_HOSTID`), reached
     over GIN through the project's NCCL plugin; run the GPU's MPS daemon so that their
     kernels run side by side. Timings of such runs are time-sliced: correctness only."""
-    raw = os.environ.get("GIN_EP_VNODES", "").strip() or "1"
-    try:
-        k = int(raw)
-    except ValueError:
-        raise ValueError(f"GIN_EP_VNODES={raw!r}: expected a whole number of ranks per GPU") from None
-    if k < 1:
-        raise ValueError(f"GIN_EP_VNODES={k}: expected at least 1")
-    return k
+    return _positive_env("GIN_EP_VNODES", "ranks per GPU") or 1
 
 
 def node_size():
     """`GIN_EP_NODE_SIZE`: consecutive ranks that form one gin-ep node (their windows mapped
     into one another, peers reached by stores), as `gin-ep check --node-size M` sets it; None
     when unset (a node is NCCL's LSA team: with virtual nodes, one rank)."""
-    raw = os.environ.get("GIN_EP_NODE_SIZE", "").strip()
-    if not raw:
-        return None
-    try:
-        m = int(raw)
-    except ValueError:
-        raise ValueError(f"GIN_EP_NODE_SIZE={raw!r}: expected a whole number of ranks") from None
-    if m < 1:
-        raise ValueError(f"GIN_EP_NODE_SIZE={m}: expected at least 1")
-    return m
+    return _positive_env("GIN_EP_NODE_SIZE", "ranks")
 
 
 def ht_reaches(world: int) -> bool:
