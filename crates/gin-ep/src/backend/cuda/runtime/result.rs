@@ -43,17 +43,37 @@ pub(crate) fn nccl_ok(nccl: &ns::Nccl, comm: ns::ncclComm_t, call: &str, r: ns::
     // SAFETY: ncclGetLastError accepts a null or live communicator and returns a C string
     // owned by NCCL that stays valid until the next NCCL call on this thread.
     let last = unsafe { ns::c_text((nccl.ncclGetLastError)(comm)) };
+    let hint = nccl_hint(&last, &|k| std::env::var(k).ok());
     Err(Error::Device {
         call: call.to_string(),
         reason: format!(
-            "{} (ncclResult {r}){}",
+            "{} (ncclResult {r}){}{}",
             nccl.error_string(r),
             if last.is_empty() {
                 String::new()
             } else {
                 format!(": {last}")
-            }
+            },
+            hint.map(|h| format!(" ({h})")).unwrap_or_default()
         ),
+    })
+}
+
+/// What to do about NCCL's last message `last`, where gin-ep knows (`env` reads the
+/// process's variables).
+fn nccl_hint(last: &str, env: &dyn Fn(&str) -> Option<String>) -> Option<&'static str> {
+    if !last.contains("GIN not supported") {
+        return None;
+    }
+    let set = |k: &str| env(k).is_some_and(|v| !v.trim().is_empty());
+    Some(if set("NCCL_NET_PLUGIN") && !set("NCCL_NET_PLUGIN_REF_COUNT") {
+        "this communicator got no GIN from the net plugin: NCCL 2.28 forgets an external plugin \
+         once the last communicator on it is destroyed, so set NCCL_NET_PLUGIN_REF_COUNT=1 \
+         before NCCL starts"
+    } else {
+        "this communicator has no GIN backend: ranks in other NCCL nodes need an RDMA NIC with \
+         NCCL's GIN, or gin-ep's net plugin (NCCL_NET_PLUGIN=gin_ep.net_plugin_path(), with \
+         NCCL_NET_PLUGIN_REF_COUNT=1)"
     })
 }
 
@@ -116,6 +136,30 @@ pub fn fabric_error_to_error(rec: &FabricError, seq: u64, node_size: usize) -> E
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gin_not_supported_says_what_to_set() {
+        let env = |vars: &'static [(&'static str, &'static str)]| {
+            move |k: &str| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        };
+        let msg = "GIN not supported.";
+        assert_eq!(nccl_hint("peer closed", &env(&[])), None);
+        let plugin_only = nccl_hint(msg, &env(&[("NCCL_NET_PLUGIN", "/p/libnccl_net_ginep.so")])).unwrap();
+        assert!(
+            plugin_only.contains("NCCL_NET_PLUGIN_REF_COUNT=1"),
+            "{plugin_only}"
+        );
+        assert!(plugin_only.contains("forgets"), "{plugin_only}");
+        let both = nccl_hint(
+            msg,
+            &env(&[("NCCL_NET_PLUGIN", "/p/x.so"), ("NCCL_NET_PLUGIN_REF_COUNT", "1")]),
+        )
+        .unwrap();
+        assert!(both.contains("no GIN backend"), "{both}");
+        assert!(nccl_hint(msg, &env(&[]))
+            .unwrap()
+            .contains("gin_ep.net_plugin_path()"));
+    }
 
     #[test]
     fn every_phase_the_kernels_report_has_a_name() {
