@@ -404,6 +404,5 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
 // needs 136 registers, over the 128 that 512 threads allow, and a stage CTA's NVLink stores, not
 // its loads, set its rate (≈ 32 GB/s either way).
 extern "C" __global__ void __launch_bounds__(256) gin_ep_ht_combine(const HtArgs a) { combine_body<4>(a); }
-
 extern "C" __global__ void __launch_bounds__(512) gin_ep_ht_combine_u3_t512(const HtArgs a) { combine_body<3, 8>(a); }
 extern "C" __global__ void __launch_bounds__(512) gin_ep_ht_combine_u2_t512(const HtArgs a) { combine_body<2>(a); }

@@ -142,11 +142,16 @@ pub struct CombineBlocks {
 }
 
 impl HtGpuOptions {
+    /// CTAs of each HT kernel: the SM budget, at most the kernels' [`MAX_GRID`].
+    pub fn grid(&self) -> u32 {
+        self.num_sms.min(MAX_GRID)
+    }
+
     /// The combine's CTAs under this budget; `staged`: the input is caller memory, so some
     /// CTAs move it ([`HtVariant::stage_blocks_for`]; none at a budget of one: the rows are
     /// copied in first).
     pub fn combine_blocks(&self, staged: bool) -> CombineBlocks {
-        let grid = self.num_sms.min(MAX_GRID);
+        let grid = self.grid();
         let stage = if staged {
             self.variant.stage_blocks_for(grid)
         } else {
@@ -509,7 +514,7 @@ impl CudaHt {
     }
 
     fn grid(&self) -> u32 {
-        self.opts.num_sms.min(MAX_GRID)
+        self.opts.grid()
     }
 
     /// Launches `name` with `args`.
