@@ -52,6 +52,24 @@ def gpu_of(rank: int) -> int:
     return rank // vnodes()
 
 
+def skip_unless_gpus_for(world: int) -> None:
+    """Skips the calling test unless this machine has a GPU for every `vnodes()` of `world`
+    ranks."""
+    import pytest
+    gpus = -(-world // vnodes())
+    if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs for {world} ranks")
+
+
+def enter_gpu(rank: int) -> torch.device:
+    """In a rank's process, before NCCL initializes: `enter_vnode`, then makes the rank's
+    GPU (`gpu_of`) current; returns it."""
+    enter_vnode(rank)
+    dev = torch.device("cuda", gpu_of(rank))
+    torch.cuda.set_device(dev)
+    return dev
+
+
 def enter_vnode(rank: int) -> None:
     """In a rank's process, before NCCL initializes: with `vnodes()` > 1, makes the rank its
     own NCCL node with gin-ep's plugin (shipped in the wheel) as its network."""

@@ -269,9 +269,7 @@ def _mask_worker(rank, world, shrink, dev="cpu"):
     waiting for it, bit for bit as the oracle without it. Then the rank is admitted again:
     `low_latency_clean_mask_buffer` on every rank, and all take part once more."""
     if dev == "cuda":
-        _dist.enter_vnode(rank)
-        dev = torch.device("cuda", _dist.gpu_of(rank))
-        torch.cuda.set_device(dev)
+        dev = _dist.enter_gpu(rank)
     experts = 2 * world
     dead, everyone = world - 1, set(range(world))
     inputs = routing(world, [6, 5, 7][:world], HIDDEN, TOPK, experts, seed=31, masked=0.1)
@@ -320,7 +318,5 @@ def test_ll_mask_skips_the_masked_rank(shrink):
 def test_ll_mask_skips_the_masked_rank_gpu(shrink):
     """The same on the GPU path, 2 ranks (rank 1 sits out, then comes back): on 2 GPUs, or
     with GIN_EP_VNODES=2 on one as 2 NCCL nodes (the kernels' GIN path)."""
-    gpus = -(-2 // _dist.vnodes())
-    if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
-        pytest.skip(f"needs {gpus} GPUs")
+    _dist.skip_unless_gpus_for(2)
     _dist.run(2, _mask_worker, shrink, "cuda")

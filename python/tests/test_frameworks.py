@@ -222,9 +222,7 @@ def test_sglang_sequences(nccl_stand_in):
 
 
 def _gpu_entry(rank, world, port, backend, fn, args):
-    _dist.enter_vnode(rank)
-    dev = torch.device("cuda", _dist.gpu_of(rank))
-    torch.cuda.set_device(dev)
+    dev = _dist.enter_gpu(rank)
     kw = {"device_id": dev} if backend == "nccl" else {}
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kw)
     try:
@@ -237,9 +235,7 @@ def _gpu_entry(rank, world, port, backend, fn, args):
 def _gpu_run(world, backend, fn, *args):
     # With GIN_EP_VNODES=K, K ranks share each GPU (_dist.vnodes); the sequences run HT, which
     # needs every rank in one gin-ep node (GIN_EP_NODE_SIZE).
-    gpus = -(-world // _dist.vnodes())
-    if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
-        pytest.skip(f"needs {gpus} GPUs for {world} ranks")
+    _dist.skip_unless_gpus_for(world)
     if not _dist.ht_reaches(world):
         pytest.skip("the sequences run HT: with virtual nodes, set GIN_EP_NODE_SIZE to the world")
     import os

@@ -24,9 +24,7 @@ HIDDEN, TOPK = 256, 3
 
 def _need(world):
     # With GIN_EP_VNODES=K, K ranks share each GPU (_dist.vnodes).
-    gpus = -(-world // _dist.vnodes())
-    if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
-        pytest.skip(f"needs {gpus} GPUs for {world} ranks")
+    _dist.skip_unless_gpus_for(world)
     if not dist.is_nccl_available():
         pytest.skip("no NCCL in this torch")
 
@@ -36,10 +34,9 @@ def _dev(rank):
 
 
 def _entry(rank, world, port, fn):
-    _dist.enter_vnode(rank)
-    torch.cuda.set_device(_dev(rank))
+    dev = _dist.enter_gpu(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=_dev(rank))
+                            device_id=dev)
     try:
         fn(rank, world)
         dist.barrier()
