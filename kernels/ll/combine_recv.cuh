@@ -33,12 +33,58 @@ __device__ __forceinline__ uint64_t token_ranks(const LlArgs& a, int t, int& lan
   return uint64_t(__reduce_or_sync(0xffffffffu, lo)) | (uint64_t(__reduce_or_sync(0xffffffffu, hi)) << 32);
 }
 
-// Rank-first reduce of token t, this lane's V vectors of 8 channels (c + 256 j, j < V): the
-// partials of the ranks holding the token's experts (from topk_idx), rank ascending, f32
-// adds from +0.
+// Polled combine rows (ll/common.cuh, kRowsPolled: the rank-first reduce of the one-node
+// kernels): rank r's partial of token t, this lane's V vectors of 8 channels (c + 256 j), has
+// landed for every rank r of `ranks` once none of its words is the poison, or
+// once r's kCombSig at this rank says all of r's rows of op n are out (a row whose own data
+// holds the poison word). Polls until then (the deadline names r). Out of line: the reduce
+// keeps its registers, and loads the rows again after this returns. Warp-collective.
 template <int V>
-__device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* comb, int t, int c,
-                                                  uint64_t masked_ranks, float (&acc)[V][8]) {
+__device__ __noinline__ bool wait_rows_landed(const LlArgs& a, uint32_t n, const char* comb, int t, int c,
+                                              uint64_t ranks) {
+  const int H = a.hidden, R = a.ranks;
+  while (ranks != 0) {
+    const int r = __ffsll(static_cast<long long>(ranks)) - 1;
+    ranks &= ranks - 1;
+    const char* row = comb + (size_t(t) * R + r) * H * 2;
+    const uint64_t* sig = sig_word(a, a.rank, kCombSig, r);
+    const uint64_t target = uint64_t(n) * gridDim.x;
+    PollDeadline deadline;
+    for (uint32_t spin = 0;; ++spin) {
+      bool p = false;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const int cj = c + j * kReduceUnit;
+        if (cj < H) p = p || has_poison(ld_relaxed_sys_v4(reinterpret_cast<const uint4*>(row + size_t(cj) * 2)));
+      }
+      if (!__any_sync(0xffffffffu, p)) break;
+      if ((spin & 7u) == 7u && ld_relaxed_sys(sig) >= target) {
+        (void)ld_acquire_sys(sig);  // every lane: the rows of r are out
+        break;
+      }
+      if ((spin & 15u) == 15u) {
+        bool expired = false;
+        if ((threadIdx.x & 31) == 0) {
+          // Its own deadline only: every reducing warp may wait here, too many readers for
+          // the host-mapped error flag (see poll_counts in ll/dispatch_recv.cuh).
+          expired = !deadline.ok(a.err, wait_timeout(a, r), static_cast<FabricPhase>(kPhaseCombineRecv), r, a.rank,
+                                 /*others=*/false);
+        }
+        if (__shfl_sync(0xffffffffu, expired, 0)) return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Rank-first reduce of token t, this lane's V vectors of 8 channels (c + 256 j): the
+// partials of the ranks holding the token's experts (from topk_idx), rank ascending, f32
+// adds from +0. `polled` (CTA-uniform): the rows are polled
+// (wait_rows_landed) and the poison is stored back over them once read. False when a poll
+// missed its deadline.
+template <int V>
+__device__ __forceinline__ bool reduce_rank_first(const LlArgs& a, char* comb, int t, int c, uint64_t masked_ranks,
+                                                  float (&acc)[V][8], uint32_t n, bool polled) {
   constexpr int B = kReduceBatch / V;  // rows per batch: the same loads in flight for any V
   const int K = a.topk, H = a.hidden, R = a.ranks;
   int lane_rank;
@@ -46,31 +92,73 @@ __device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* c
   const bool solo = solo_rows(a);
   while (mask != 0) {
     uint4 v[B][V];
+    int rb[B];        // the batch's ranks (-1: none)
     bool single[B];   // `solo` row: rank b holds only one of the token's experts
     float solo_w[B];  // and this is its weight
     int nb = 0;
+    uint64_t batch = 0;  // the batch's ranks, when polled
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      rb[b] = -1;
+      if (mask != 0) {
+        rb[b] = __ffsll(static_cast<long long>(mask)) - 1;
+        mask &= mask - 1;
+        if (polled) batch |= 1ull << rb[b];
+        nb = b + 1;
+      }
+    }
     // Loads of up to B ranks first, then the adds in the same (ascending) order.
+    auto load_batch = [&]() {
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[b][j] = make_uint4(0, 0, 0, 0);
+        if (rb[b] < 0) continue;
+        const char* row = comb + (size_t(t) * R + rb[b]) * H * 2;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const int cj = c + j * kReduceUnit;
+          if (cj < H) {
+            const uint4* p = reinterpret_cast<const uint4*>(row + size_t(cj) * 2);
+            v[b][j] = polled ? ld_relaxed_sys_v4(p) : ld_v4(p);
+          }
+        }
+      }
+    };
+    load_batch();
 #pragma unroll
     for (int b = 0; b < B; ++b) {
       single[b] = false;
       solo_w[b] = 0.0f;
+      if (solo && rb[b] >= 0) {
+        const uint32_t ks = __ballot_sync(0xffffffffu, lane_rank == rb[b]);
+        single[b] = __popc(ks) == 1;
+        if (single[b]) solo_w[b] = a.topk_weights[size_t(t) * K + (__ffs(ks) - 1)];
+      }
+    }
+    if (batch != 0) {
+      bool p = false;
 #pragma unroll
-      for (int j = 0; j < V; ++j) v[b][j] = make_uint4(0, 0, 0, 0);
-      if (mask != 0) {
-        const int r = __ffsll(static_cast<long long>(mask)) - 1;
-        mask &= mask - 1;
-        const char* row = comb + (size_t(t) * R + r) * H * 2;
+      for (int b = 0; b < B; ++b) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) p = p || (rb[b] >= 0 && ((batch >> rb[b]) & 1ull) && has_poison(v[b][j]));
+      }
+      if (__any_sync(0xffffffffu, p)) {
+        if (!wait_rows_landed<V>(a, n, comb, t, c, batch)) return false;
+        load_batch();
+      }
+      // Read: the poison back, for the next op on the set (this kernel's completion performs
+      // the stores before the credit that lets the expert ranks write again).
+      const uint4 p4 = make_uint4(kStagePoison, kStagePoison, kStagePoison, kStagePoison);
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        if (rb[b] < 0 || ((batch >> rb[b]) & 1ull) == 0ull) continue;
+        char* row = comb + (size_t(t) * R + rb[b]) * H * 2;
 #pragma unroll
         for (int j = 0; j < V; ++j) {
           const int cj = c + j * kReduceUnit;
-          if (cj < H) v[b][j] = ld_v4(reinterpret_cast<const uint4*>(row + size_t(cj) * 2));
+          if (cj < H) st_v4(reinterpret_cast<uint4*>(row + size_t(cj) * 2), p4);
         }
-        if (solo) {
-          const uint32_t ks = __ballot_sync(0xffffffffu, lane_rank == r);
-          single[b] = __popc(ks) == 1;
-          if (single[b]) solo_w[b] = a.topk_weights[size_t(t) * K + (__ffs(ks) - 1)];
-        }
-        nb = b + 1;
       }
     }
 #pragma unroll
@@ -80,6 +168,7 @@ __device__ __forceinline__ void reduce_rank_first(const LlArgs& a, const char* c
       for (int j = 0; j < V; ++j) add_bf16x8(single[b] ? solo_partial(solo_w[b], v[b][j]) : v[b][j], acc[j]);
     }
   }
+  return true;
 }
 
 // Top-k reduce of token t, this lane's V vectors (c + 256 j): fma(w[k], y[k], acc) for k
@@ -140,9 +229,9 @@ struct ReduceItems {
   __device__ int c(size_t item) const { return int(item_mod(item, units)) * kItemChannels + int(threadIdx.x & 31) * 8; }
 };
 
-// The reduce loop of one warp.
+// The reduce loop of one warp. False when a poll (rank-first, polled) missed its deadline.
 template <int V>
-__device__ void reduce_items(const LlArgs& a, const char* comb) {
+__device__ bool reduce_items(const LlArgs& a, char* comb, uint32_t n, bool polled) {
   const int H = a.hidden;
   const bool rank_first = a.comb_order == kCombOrderRankFirst;
   const int lane = threadIdx.x & 31;
@@ -156,10 +245,11 @@ __device__ void reduce_items(const LlArgs& a, const char* comb) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[j][i] = 0.0f;  // +0, as the oracle
     }
-    if (rank_first)
-      reduce_rank_first<V>(a, comb, t, c, masked_ranks, acc);
-    else
+    if (rank_first) {
+      if (!reduce_rank_first<V>(a, comb, t, c, masked_ranks, acc, n, polled)) return false;
+    } else {
       reduce_topk<V>(a, comb, t, c, masked_ranks, acc);
+    }
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const int cj = c + j * kReduceUnit;
@@ -173,20 +263,28 @@ __device__ void reduce_items(const LlArgs& a, const char* comb) {
       }
     }
   }
+  return true;
 }
 
 __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
   const int me = a.rank;
   stamp(a, kStCombRecv);
-  const char* comb = win_ptr(a, a.set_offset + a.comb_offset, me);
+  char* comb = win_ptr(a, a.set_offset + a.comb_offset, me);
+  const bool rank_first = a.comb_order == kCombOrderRankFirst;
+  // The one-node kernels' rank-first reduce polls the rows (reduce_rank_first) instead of
+  // waiting for every expert rank's kCombSig first.
+  const bool polled = kRowsPolled && rank_first;
   // Expert ranks in other nodes: every row and the pad (kGinComb reaches n T K for `topk`,
   // n T for `rank-first`: combine_send_body).
-  const uint64_t quota = uint64_t(a.max_tokens) * (a.comb_order == kCombOrderRankFirst ? 1u : uint64_t(a.topk));
-  if (!wait_all_peers(a, kCombSig, uint64_t(n) * gridDim.x, kPhaseCombineRecv, kGinComb, uint64_t(n) * quota)) {
+  const uint64_t quota = uint64_t(a.max_tokens) * (rank_first ? 1u : uint64_t(a.topk));
+  // (Polled: no wait, and no barrier, which would hold every warp until the CTA's signal,
+  // and so its stores' acknowledgments, had gone out.)
+  if (!polled &&
+      !wait_all_peers(a, kCombSig, uint64_t(n) * gridDim.x, kPhaseCombineRecv, kGinComb, uint64_t(n) * quota)) {
     return false;
   }
   stamp(a, kStCombSeen);
-  reduce_items<kReduceVecs>(a, comb);
+  if (!reduce_items<kReduceVecs>(a, comb, n, polled)) mark_failed(a);
   // No credit here: the next kernel on the set pushes it (push_credits).
   __syncthreads();
   stamp(a, kStCombReduced);

@@ -287,6 +287,20 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   for (int b = blockIdx.x; b < R; b += gridDim.x) {  // CTA-uniform
     const int q = (me + 1 + b) % R;
     if (masked(masked_ranks, q)) continue;  // CTA-uniform
+    // q read this area's pairs of the previous combine on the set before its kCombSig there
+    // (a release after its sends). The polled reduce does not wait for that signal, so the
+    // next push does; it came long ago (before this rank's reduce ended), so nothing waits.
+    if (kRowsPolled) {
+      bool ok = true;
+      if (threadIdx.x == 0) {
+        ok = waiter_for(a, q).wait_word(sig_word(a, me, kCombSig, q), uint64_t(n - 1) * gridDim.x,
+                                        static_cast<FabricPhase>(kPhaseCombineCredit), q, /*relaxed=*/true);
+      }
+      if (__syncthreads_or(!ok)) {
+        mark_failed(a);
+        return false;
+      }
+    }
     const size_t area = a.set_offset + a.wts_offset + size_t(me) * T * K * 8;
     uint64_t* dst = reinterpret_cast<uint64_t*>(win_ptr(a, area, in_node(a, q) ? q : me));
     copy_batched<float>(

@@ -49,29 +49,50 @@
 //   - kCombSig / kCombAck: as kDispAck for combine, with a data signal: every CTA of the
 //     expert rank's combine send adds 1 to kCombSig[src] at the source after its stores
 //     (after op n: n * G, G = grid, the same on every rank and kernel); kCombAck (source ->
-//     expert rank "combine buffer free": completed combines) is pushed as kDispAck is.
+//     expert rank "combine buffer free": completed combines) is pushed as kDispAck is. The
+//     `rank-first` reduce of the one-node kernels (kRowsPolled) does not wait for kCombSig:
+//     it polls each row it reads, as the dispatch polls its records (below; the combine rows
+//     are poisoned the same way), and takes a row whose own data holds the poison word
+//     once the row's rank's kCombSig says all of that rank's rows are out.
 //   Every rank runs the same sequence of operations per set and every kernel pushes before
 //   it waits, so a deferred credit is always pushed before a peer needs it: the next kernel
 //   on the set (a combine after a dispatch, or the next dispatch) comes before that peer's
 //   next write into the buffer the credit frees. A receive half that missed a deadline sets
 //   the set's kFailed word and no credit of the set is pushed again.
-//   - kDispCnt[src] at receiver r: CTA 0 of src adds 1 after writing meta[src] at r (after
-//     op n: n); the receiver then waits per record unit for its ready word (below).
-//   - Ready words (u32, [src][slot][unit] at receiver r, not signal words): after its
-//     stores, src's dispatch-send fences (.sys) and then stores n into the word of every
-//     (record, 512-channel unit) it wrote at r, so r expands a unit as soon as it has landed
-//     instead of after every CTA of every source. In the split send kernel each warp fences
-//     once after its stores and publishes its own units; in the fused kernel the send warps
-//     never fence and the CTA's last warp fences and publishes for them (publish_rounds).
-//     Written only by src, read only by r; their reuse is covered by kDispAck like the
-//     records they stand for.
+//   - Counts: CTA 0 of src stores meta[src] at r as tagged words (op n << 32 | count, u64,
+//     one relaxed store each, no signal); r polls them until every tag is n. kDispCnt is
+//     unused (the kind keeps its index). A fence-free count reaches r as soon as it is
+//     stored: the signal it replaced was a release, which waited for every store its SM had
+//     in flight, so the receive table was ready only once the records were out.
+//   - Records, in the kernels that poll the data (kDataPolled: every variant but the masked
+//     one): r's staging holds kStagePoison in every 32-bit word of payload and scales that no
+//     record of the current op has written yet: the host fills it before the first op (and at
+//     reset), and the warp that expands a unit stores the poison back over what it read.
+//     The record's metadata are tagged words (op n << 32 | value). r expands a unit once
+//     none of its words is the poison and every tag is n: a 32-bit aligned word is written
+//     whole, so a word that is not the poison holds this op's value; the poison it
+//     replaced was stored in an earlier kernel on the set, which completed before r pushed
+//     the credit that let src write. A unit whose own data holds the poison word (a NaN
+//     pattern: FP8 bytes ff 7f ff 7f, BF16 0x7fff 0x7fff) cannot be told from one not yet
+//     landed: its sender fences and stores n into the unit's ready word (below), and r takes
+//     the unit once that word is n. No fence is on the common path.
+//   - Ready words (u32, [src][slot][unit] at receiver r, not signal words): after a fence
+//     (.sys) that covers the unit's stores, src stores n into the ready word of a (record,
+//     512-channel unit) it wrote at r. Polled kernels publish only the units above. The
+//     masked kernels publish every unit and r waits for each unit's word: in the split send
+//     kernel each warp fences once after its stores and publishes its own units; in the
+//     fused kernel the send warps never fence and the CTA's last warp fences and publishes
+//     for them (publish_rounds). Written only by src, read only by r; their reuse is covered
+//     by kDispAck like the records they stand for.
 //   - Weights (order `rank-first` only): no signal. Each weight goes out as one 64-bit store
 //     of (op n << 32 | f32 bits) into r's [src][T][K] u64 area, and r polls the pairs it
 //     reads until their high half is n (a 64-bit aligned access is single-copy atomic, so a
 //     pair whose flag is n holds op n's weight; no fence orders anything else). No credit is
 //     needed: r reads them in its combine send, before its kCombSig, and src's next combine
-//     on the set starts only after src's reduce saw that kCombSig. kCombWts: unused (the
-//     kind keeps its index).
+//     on the set starts only after src's reduce saw that kCombSig, or, where the reduce
+//     polls the rows (kRowsPolled), src's next combine on the set waits for that kCombSig
+//     before it pushes (long satisfied by then). kCombWts: unused (the kind keeps its
+//     index).
 //   So no barrier sits on the critical path, no flag is ever cleared, and any sequence of
 //   dispatches and combines on a set is safe (double buffering = two sets, used alternately).
 // - The op number n of a set lives on the device (LlArgs::state), so a CUDA graph replays
@@ -92,6 +113,32 @@ static_assert(kCombWts < kSigKinds, "signal kinds");
 static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kStCombEntry < kStDispStored &&
                   kStCombLastItem < kStampSlots,
               "stamps");
+
+// Whether the dispatch receiver polls the records' data (the poisoned staging of the protocol
+// above) rather than every unit's ready word. Not in the masked kernels: a masked source's
+// slots are skipped, not re-poisoned, so they may hold an old op's data; once a CudaLl has
+// run them it keeps to them until a reset fills the staging again (backend/cuda/ll/mod.rs).
+constexpr bool kDataPolled = !kMasked;
+
+// Whether the rank-first reduce polls the combine rows of this node's expert ranks (the
+// same poison) rather than waiting for their kCombSig. Not across nodes either: there the
+// GIN rows are counted by kGinComb anyway, and the polling reduce needs registers the GIN
+// kernels do not have.
+constexpr bool kRowsPolled = kDataPolled && !kAcross;
+
+// What the staging holds where no record of the current op has written (host:
+// STAGE_POISON in backend/cuda/ll/layout.rs).
+constexpr uint32_t kStagePoison = 0x7fff7fffu;
+
+// A tagged word: op n in the high half, a 32-bit value in the low half (counts and record
+// metadata; written by one 64-bit store, so a word whose tag is n holds op n's value).
+__device__ __forceinline__ uint64_t tagged(uint32_t n, uint32_t v) { return (uint64_t(n) << 32) | v; }
+__device__ __forceinline__ bool tag_is(uint64_t w, uint32_t n) { return uint32_t(w >> 32) == n; }
+
+// Whether any 32-bit word of v is the staging poison.
+__device__ __forceinline__ bool has_poison(const uint4& v) {
+  return v.x == kStagePoison || v.y == kStagePoison || v.z == kStagePoison || v.w == kStagePoison;
+}
 
 // Named barriers of the two groups of the fused dispatch with send warps (0 = the CTA's).
 constexpr int kBarSend = 1, kBarRecv = 2;

@@ -62,6 +62,67 @@ __device__ bool wait_recv_table(const LlArgs& a, uint32_t* table_smem) {
   return st == kTableReady;  // else the receive group failed and reported it
 }
 
+// A polled record's units [u0, u0 + nu) of source s's slot `slot` at this rank, and its
+// metadata, have landed: every tag is n and no word of those units is the poison, or a
+// unit's ready word is n (its data holds the poison word: ll/common.cuh, kDataPolled). Polls
+// until then (the deadline names s). Out of line: the expand loop keeps its registers, and
+// loads the record again after this returns. Warp-collective.
+__device__ __noinline__ bool wait_landed(const LlArgs& a, uint32_t n, int s, uint32_t slot, int u0, int nu,
+                                         const char* rec) {
+  const int K = a.topk, H = a.hidden, lane = threadIdx.x & 31;
+  const bool fp8 = a.dtype != kBf16;
+  const uint64_t* meta = reinterpret_cast<const uint64_t*>(rec + meta_in_record(a));
+  uint32_t need = (1u << nu) - 1u;  // units not seen landed (warp-uniform)
+  bool meta_in = false;
+  PollDeadline deadline;
+  for (uint32_t spin = 0;; ++spin) {
+    if (!meta_in) {
+      bool in = tag_is(ld_relaxed_sys(meta + 2 * K), n);
+      for (int k = lane; k < K; k += 32)
+        in = in && tag_is(ld_relaxed_sys(meta + k), n) && tag_is(ld_relaxed_sys(meta + K + k), n);
+      meta_in = __all_sync(0xffffffffu, in);
+    }
+    for (int j = 0; j < nu; ++j) {  // warp-uniform
+      if (((need >> j) & 1u) == 0u) continue;
+      const int u = u0 + j;
+      bool p = false;
+      if (fp8) {
+        const int c0 = u * kDispatchUnit + lane * 16;
+        if (c0 < H) {
+          p = has_poison(ld_relaxed_sys_v4(reinterpret_cast<const uint4*>(rec + c0)));
+          if ((lane & 7) == 0)
+            p = p || ld_relaxed_sys_u32(reinterpret_cast<const uint32_t*>(rec + H) + c0 / 128) == kStagePoison;
+        }
+      } else {
+        const int lo = bf16_channel(u, lane, 0), hi = bf16_channel(u, lane, 1);
+        if (lo < H) p = has_poison(ld_relaxed_sys_v4(reinterpret_cast<const uint4*>(rec + size_t(lo) * 2)));
+        if (hi < H) p = p || has_poison(ld_relaxed_sys_v4(reinterpret_cast<const uint4*>(rec + size_t(hi) * 2)));
+      }
+      if (!__any_sync(0xffffffffu, p)) need &= ~(1u << j);
+    }
+    if (need == 0u && meta_in) return true;
+    if (need != 0u && (spin & 7u) == 7u) {
+      const bool mine = lane < nu && ((need >> lane) & 1u) != 0u;
+      const uint32_t* rw = ready_word(a, a.rank, s, slot, u0 + (mine ? lane : 0));
+      const bool r = mine && int32_t(ld_relaxed_sys_u32(rw) - n) >= 0;
+      if (r) (void)ld_acquire_sys_u32(rw);
+      need &= ~__ballot_sync(0xffffffffu, r);
+      __syncwarp();  // extends those lanes' acquires to the warp's loads after the return
+      if (need == 0u && meta_in) return true;
+    }
+    if ((spin & 15u) == 15u) {
+      bool expired = false;
+      if (lane == 0) {
+        // Its own deadline only: every expanding warp may wait here, too many readers for
+        // the host-mapped error flag (see poll_counts).
+        expired = !deadline.ok(a.err, wait_timeout(a, s), static_cast<FabricPhase>(kPhaseDispatchRecv), s, a.rank,
+                               /*others=*/false);
+      }
+      if (__shfl_sync(0xffffffffu, expired, 0)) return false;
+    }
+  }
+}
+
 // The expand loop of a warp: items first_item, first_item + warps, ... of this dispatch, with
 // `first` / `start` the receive table (RecvTable, built by dispatch_recv_table). `warps` also sizes the items,
 // so every caller of one kernel passes the same. True when a wait failed (deadline).
@@ -82,7 +143,7 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
   const size_t row_bytes = payload_bytes(a);
   const int nblocks = H / 128;
   const size_t meta_off = meta_in_record(a);
-  const char* stage = win_ptr(a, a.set_offset + a.stage_offset, me);
+  char* stage = win_ptr(a, a.set_offset + a.stage_offset, me);
   // Source rank of staged token g (linear in R: sources are few).
   auto source_of = [&](uint32_t g) {
     int s = 0;
@@ -98,9 +159,12 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
     StagedItem cur;
     cur.src = source_of(g);
     const int s = cur.src;
-    // Lanes 0..nu-1 wait for the item's units, lane 31 for unit 0 (the metadata). A source in
-    // another node has no ready words: the table waited for all of its records (kGinDisp).
-    const int uu = !in_node(a, s) ? -1 : lane < nu ? u0 + lane : (lane == 31 && u0 != 0 ? 0 : -1);
+    // A source in another node: the table waited for all of its records (kGinDisp), nothing
+    // to poll. In this node: the polled kernels read the units until they have landed
+    // (wait_landed); the masked ones wait for the ready words first (lanes 0..nu-1 for the
+    // item's units, lane 31 for unit 0, the metadata).
+    const bool polled = kDataPolled && in_node(a, s);
+    const int uu = polled || !in_node(a, s) ? -1 : lane < nu ? u0 + lane : (lane == 31 && u0 != 0 ? 0 : -1);
     const bool ok = uu < 0 || wait_ready(a, ready_word(a, me, s, g - start[s], uu), n, s);
     __syncwarp();  // extends each lane's acquire to the warp's record loads
     if (!__all_sync(0xffffffffu, ok)) {
@@ -111,27 +175,77 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
       failed = true;
       break;
     }
-    // Every load of the item first (metadata once, then all units' payload), so their
-    // latencies overlap.
-    const char* rec = record_at(g, s);
-    const int32_t* meta = reinterpret_cast<const int32_t*>(rec + meta_off);
-    cur.tok = meta[2 * K];
-    cur.lid = lane < K ? meta[lane] : -1;
-    cur.pos = lane < K ? meta[K + lane] : -1;
-#pragma unroll
-    for (int j = 0; j < kExpandUnits; ++j) {
-      cur.v0[j] = cur.v1[j] = make_uint4(0, 0, 0, 0);
-      cur.scale[j] = 0.0f;
-      if (j >= nu) continue;
+    char* rec = record_at(g, s);
+    const uint64_t* meta = reinterpret_cast<const uint64_t*>(rec + meta_off);
+    // Every load of the item at once (metadata, then all units' payload), so their latencies
+    // overlap; polled, each unit again until none of its words is the poison.
+    auto load_unit = [&](int j) {
       const int u = u0 + j;
       if (fp8) {
         const int c0 = u * kDispatchUnit + lane * 16;
-        if (c0 < H) cur.v0[j] = ld_v4(reinterpret_cast<const uint4*>(rec + c0));
-        if (c0 < H && (lane & 7) == 0) cur.scale[j] = reinterpret_cast<const float*>(rec + H)[c0 / 128];
+        if (c0 < H)
+          cur.v0[j] = polled ? ld_relaxed_sys_v4(reinterpret_cast<const uint4*>(rec + c0))
+                             : ld_v4(reinterpret_cast<const uint4*>(rec + c0));
+        if (c0 < H && (lane & 7) == 0) {
+          const uint32_t* sc = reinterpret_cast<const uint32_t*>(rec + H) + c0 / 128;
+          cur.scale[j] = __uint_as_float(polled ? ld_relaxed_sys_u32(sc) : *sc);
+        }
       } else {
         const int lo = bf16_channel(u, lane, 0), hi = bf16_channel(u, lane, 1);
-        if (lo < H) cur.v0[j] = ld_v4(reinterpret_cast<const uint4*>(rec + size_t(lo) * 2));
-        if (hi < H) cur.v1[j] = ld_v4(reinterpret_cast<const uint4*>(rec + size_t(hi) * 2));
+        if (lo < H)
+          cur.v0[j] = polled ? ld_relaxed_sys_v4(reinterpret_cast<const uint4*>(rec + size_t(lo) * 2))
+                             : ld_v4(reinterpret_cast<const uint4*>(rec + size_t(lo) * 2));
+        if (hi < H)
+          cur.v1[j] = polled ? ld_relaxed_sys_v4(reinterpret_cast<const uint4*>(rec + size_t(hi) * 2))
+                             : ld_v4(reinterpret_cast<const uint4*>(rec + size_t(hi) * 2));
+      }
+    };
+    // The metadata's values; meta_in: this lane's tags are n (always, unpolled).
+    bool meta_in = true;
+    auto load_meta = [&]() {
+      const uint64_t tok = polled ? ld_relaxed_sys(meta + 2 * K) : meta[2 * K];
+      const uint64_t lid = lane < K ? (polled ? ld_relaxed_sys(meta + lane) : meta[lane]) : tagged(n, ~0u);
+      const uint64_t pos = lane < K ? (polled ? ld_relaxed_sys(meta + K + lane) : meta[K + lane]) : tagged(n, ~0u);
+      meta_in = !polled || (tag_is(tok, n) && tag_is(lid, n) && tag_is(pos, n));
+      cur.tok = int32_t(uint32_t(tok));
+      cur.lid = int32_t(uint32_t(lid));
+      cur.pos = int32_t(uint32_t(pos));
+    };
+    auto load_all = [&]() {
+      load_meta();
+#pragma unroll
+      for (int j = 0; j < kExpandUnits; ++j) {
+        cur.v0[j] = cur.v1[j] = make_uint4(0, 0, 0, 0);
+        cur.scale[j] = 0.0f;
+        if (j < nu) load_unit(j);
+      }
+    };
+    load_all();
+    if (polled) {
+      // Landed when every tag is n and no word of the units is the poison; else wait out of
+      // line (wait_landed) and load again.
+      bool in = meta_in;
+      for (int k = lane + 32; k < K; k += 32) {  // only for K > 32
+        in = in && tag_is(ld_relaxed_sys(meta + k), n) && tag_is(ld_relaxed_sys(meta + K + k), n);
+      }
+#pragma unroll
+      for (int j = 0; j < kExpandUnits; ++j) {
+        if (j >= nu) break;
+        if (fp8) {
+          const int c0 = (u0 + j) * kDispatchUnit + lane * 16;
+          in = in && !(c0 < H &&
+                       (has_poison(cur.v0[j]) || ((lane & 7) == 0 && __float_as_uint(cur.scale[j]) == kStagePoison)));
+        } else {
+          in = in && !(bf16_channel(u0 + j, lane, 0) < H && has_poison(cur.v0[j])) &&
+               !(bf16_channel(u0 + j, lane, 1) < H && has_poison(cur.v1[j]));
+        }
+      }
+      if (!__all_sync(0xffffffffu, in)) {
+        if (!wait_landed(a, n, s, g - start[s], u0, nu, rec)) {
+          failed = true;
+          break;
+        }
+        load_all();
       }
     }
     int mapped = 0;  // comb_map pairs written so far (warp-uniform)
@@ -140,9 +254,9 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
       int64_t row = -1;
       if (k < K) {
         int32_t lid = cur.lid, pos = cur.pos;
-        if (k0 > 0) {  // only for K > 32
-          lid = meta[k];
-          pos = meta[K + k];
+        if (k0 > 0) {  // only for K > 32 (load_landed saw their tags)
+          lid = int32_t(uint32_t(meta[k]));
+          pos = int32_t(uint32_t(meta[K + k]));
         }
         if (lid >= 0 && lid < L && pos >= 0) {
           const size_t r = size_t(first[s * (L + 1) + 1 + lid]) + size_t(pos);
@@ -206,8 +320,64 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
         }
       }
     }
+    // Polled: the poison back over what this item read, for the next op on the set (this
+    // kernel's completion performs the stores before the credit that lets s write again).
+    if (polled) {
+      const uint4 p4 = make_uint4(kStagePoison, kStagePoison, kStagePoison, kStagePoison);
+#pragma unroll
+      for (int j = 0; j < kExpandUnits; ++j) {
+        if (j >= nu) break;
+        const int u = u0 + j;
+        if (fp8) {
+          const int c0 = u * kDispatchUnit + lane * 16;
+          if (c0 < H) st_v4(reinterpret_cast<uint4*>(rec + c0), p4);
+          if (c0 < H && (lane & 7) == 0) reinterpret_cast<uint32_t*>(rec + H)[c0 / 128] = kStagePoison;
+        } else {
+          const int lo = bf16_channel(u, lane, 0), hi = bf16_channel(u, lane, 1);
+          if (lo < H) st_v4(reinterpret_cast<uint4*>(rec + size_t(lo) * 2), p4);
+          if (hi < H) st_v4(reinterpret_cast<uint4*>(rec + size_t(hi) * 2), p4);
+        }
+      }
+    }
   }
   return failed;
+}
+
+// Group threads tid, tid + nthreads, ...: the sources' tagged counts (meta, [R][L + 1]) into
+// first, polled until their tags are n (the deadline names the source). A masked source is
+// skipped (its entries are zeroed after the group's barrier); under shrinks(a) one that
+// misses the deadline is masked. Out of line: the fused dispatch's receive group keeps its
+// registers. False when a deadline passed.
+__device__ __noinline__ bool poll_counts(const LlArgs& a, uint32_t n, uint32_t* first, int tid, int nthreads) {
+  const int R = a.ranks, L = a.experts / R;
+  const uint64_t* meta_in = reinterpret_cast<const uint64_t*>(win_ptr(a, a.set_offset + a.meta_offset, a.rank));
+  const bool shrink = shrinks(a);
+  for (int i = tid; i < R * (L + 1); i += nthreads) {
+    const int s = i / (L + 1);
+    if (masked(rank_mask(a), s)) continue;
+    PollDeadline deadline;
+    uint64_t w;
+    bool ok = true;
+    for (uint32_t spin = 0; !tag_is(w = ld_relaxed_sys(meta_in + i), n); ++spin) {
+      // Only the thread of the source's first word (one per source and CTA, as many as the
+      // signal waits had) also stops once another wait of this rank has reported: each of
+      // those looks at the host-mapped error flag, and thousands of such readers once
+      // flooded the GPU's path to host memory (docs/performance.md).
+      if ((spin & 15u) == 15u && !deadline.ok(shrink ? nullptr : a.err, wait_timeout(a, s),
+                                              static_cast<FabricPhase>(kPhaseDispatchRecv), s, a.rank,
+                                              /*others=*/i % (L + 1) == 0)) {
+        ok = false;
+        break;
+      }
+    }
+    if (!ok && !shrink) return false;
+    if (!ok) {
+      shrink_away(a, s);  // its other words are dropped after the barrier, with the mask read again
+      continue;
+    }
+    first[i] = uint32_t(w);
+  }
+  return true;
 }
 
 // Every thread of the group: wait for the counts, then build the receive table in shared
@@ -224,20 +394,24 @@ __device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem,
   uint32_t* table = rt.word;
   const int tid = group.tid;
   stamp_if(a, kStDispRecv, tid == 0);
-  // Only the counts now (CTA 0 of each source, +1 per op); each expand item waits for the
-  // ready words of its units (expand_items). A source in another node: its counts and every
-  // record (kGinDisp reaches n (T + 1), see dispatch_send_body's step 3).
-  const bool counted = group_wait_all_peers(a, group, kDispCnt, uint64_t(n), kPhaseDispatchRecv, kGinDisp,
-                                            uint64_t(n) * (uint64_t(T) + 1u));
-  if (!counted) {
+  // Only the counts now (tagged words from CTA 0 of each source); each expand item waits for
+  // its units (expand_items). A source in another node: its counts and every record
+  // (kGinDisp reaches n (T + 1), see dispatch_send_body's step 3), then its tags are n too.
+  const bool gin_in =
+      group_wait_all_peers(a, group, -1, 0, kPhaseDispatchRecv, kGinDisp, uint64_t(n) * (uint64_t(T) + 1u));
+  const bool ok = gin_in && poll_counts(a, n, first, tid, group.nthreads);
+  // The barrier extends each poller's view to the group (the table is shared memory; the
+  // records are polled by the expand itself).
+  if (!group.sync_and(ok)) {
+    mark_failed(a);
     if (tid == 0) st_release_cta_shared(table, kTableFailed);
     return false;
   }
-  const uint32_t* meta_in = reinterpret_cast<const uint32_t*>(win_ptr(a, a.set_offset + a.meta_offset, me));
   // A masked source sent nothing this rank may read (it may not have run at all): no rows.
   const uint64_t masked_ranks = rank_mask(a);
-  for (int i = tid; i < R * (L + 1); i += group.nthreads)
-    first[i] = masked(masked_ranks, i / (L + 1)) ? 0u : meta_in[i];
+  for (int i = tid; i < R * (L + 1); i += group.nthreads) {
+    if (masked(masked_ranks, i / (L + 1))) first[i] = 0u;
+  }
   group.sync();
   if (tid < 32) {
     // Token counts are bounded by T even if a sender were wrong: never read past staging.
@@ -280,11 +454,11 @@ __device__ bool dispatch_recv_table(const LlArgs& a, uint32_t n, uint32_t* smem,
 }
 
 // A warp's share of the expand (after dispatch_recv_table, or wait_recv_table for a send
-// warp): items over every warp of the grid, first_item, first_item + all warps, ... The
+// warp): items over the grid's `warps` expanding warps, first_item, first_item + warps, ... The
 // receive group's warps take the first ones; with send warps, the senders take the rest
 // once they have sent. A missed deadline (a ready word) stops the set's credits, like a
 // failed wait above. No credit here: the next kernel on the set pushes it (push_credits).
-__device__ void dispatch_expand(const LlArgs& a, uint32_t n, uint32_t* table_smem, size_t first_item) {
+__device__ void dispatch_expand(const LlArgs& a, uint32_t n, uint32_t* table_smem, size_t first_item, size_t warps) {
   const RecvTable rt = RecvTable::at(a, table_smem);
-  if (expand_items(a, n, rt.first, rt.start, first_item, size_t(gridDim.x) * kWarps)) mark_failed(a);
+  if (expand_items(a, n, rt.first, rt.start, first_item, warps)) mark_failed(a);
 }

@@ -58,19 +58,20 @@ __device__ __forceinline__ int64_t lane_topk_id(const LlArgs& a, int t, int lane
   return lane < a.topk ? a.topk_idx[size_t(t) * a.topk + lane] : -1;
 }
 
-// The record's metadata for destination dst: local ids, positions, source token. e_lane =
-// lane_topk_id(a, t, lane) (ids past the first 32 are loaded here).
+// The record's metadata for destination dst, as words tagged with op n: local ids,
+// positions, source token. e_lane = lane_topk_id(a, t, lane) (ids past the first 32 are
+// loaded here).
 __device__ __forceinline__ void put_meta(const LlArgs& a, char* rec, int t, int dst, const TokenRanks& tr, int lane,
-                                         int64_t e_lane) {
+                                         int64_t e_lane, uint32_t n) {
   const int K = a.topk, E = a.experts, L = E / a.ranks;
-  int32_t* meta = reinterpret_cast<int32_t*>(rec + meta_in_record(a));
+  uint64_t* meta = reinterpret_cast<uint64_t*>(rec + meta_in_record(a));
   for (int k = lane; k < K; k += 32) {
     const int64_t e = k < 32 ? e_lane : a.topk_idx[size_t(t) * K + k];
     const bool here = e >= 0 && e < E && int(e) / L == dst;
-    meta[k] = here ? int(e) - dst * L : -1;
-    meta[K + k] = here ? int(tr.rank_in(int(e), t)) : 0;
+    st_relaxed_sys_u64(meta + k, tagged(n, here ? uint32_t(int(e) - dst * L) : ~0u));
+    st_relaxed_sys_u64(meta + K + k, tagged(n, here ? tr.rank_in(int(e), t) : 0u));
   }
-  if (lane == 0) meta[2 * K] = t;
+  if (lane == 0) st_relaxed_sys_u64(meta + 2 * K, tagged(n, uint32_t(t)));
 }
 
 // Every thread of the CTA. False (in every thread) when the credit wait failed; nothing was
@@ -81,7 +82,9 @@ __device__ __forceinline__ void put_meta(const LlArgs& a, char* rec, int t, int 
 // zero at entry; the send warps record their items there and the CTA's last warp publishes
 // their ready words (publish_rounds) before it returns, and returns false when a send warp's
 // progress missed its deadline. Without it every send warp fences once after its stores
-// and publishes its own ready words.
+// and publishes its own ready words. Every kernel publishes every unit it sent (the polled
+// receivers take a unit whose data holds the poison word by its ready word), so ranks that
+// run different variants still understand each other.
 __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, int send_warps, uint32_t* progress) {
   const int R = a.ranks, me = a.rank;
   const int N = a.num_tokens, K = a.topk, E = a.experts, L = E / R, H = a.hidden, T = a.max_tokens;
@@ -146,28 +149,25 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
   stamp(a, kStDispCredit);
 
   // 3. CTA 0 writes meta[me] at every destination: token count, then per-local-expert counts,
-  //    then signals them at once (kDispCnt), before its records. A destination in another
-  //    node gets them from this rank's send area by one put whose SignalAdd also pads that
-  //    destination's kGinDisp to T + 1 for this op: T + 1 - count, the records' puts add 1 each.
+  //    as words tagged with op n (no signal: the receiver polls the tags), before its
+  //    records. A destination in another node gets them from this rank's send area by one
+  //    put whose SignalAdd also pads that destination's kGinDisp to T + 1 for this op:
+  //    T + 1 - count, the records' puts add 1 each.
   if (blockIdx.x == 0) {
     for (int i = threadIdx.x; i < R * (L + 1); i += blockDim.x) {
       const int dst = i / (L + 1), j = i % (L + 1);
       if (masked(masked_ranks, dst)) continue;
       const uint32_t v = j == 0 ? tr.total(E + dst) : tr.total(dst * L + j - 1);
-      const size_t off = in_node(a, dst) ? a.set_offset + a.meta_offset + (size_t(me) * (L + 1) + j) * 4
-                                         : a.set_offset + a.out_meta_offset + (size_t(dst) * (L + 1) + j) * 4;
-      *reinterpret_cast<uint32_t*>(win_ptr(a, off, in_node(a, dst) ? dst : me)) = v;
+      const size_t off = in_node(a, dst) ? a.set_offset + a.meta_offset + (size_t(me) * (L + 1) + j) * 8
+                                         : a.set_offset + a.out_meta_offset + (size_t(dst) * (L + 1) + j) * 8;
+      st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(win_ptr(a, off, in_node(a, dst) ? dst : me)), tagged(n, v));
     }
-    __syncthreads();  // CTA 0 only (blockIdx is uniform in the CTA)
-    // The last warp adds (a release after the barrier covers every thread's count stores):
-    // the release waits for those remote stores to be acknowledged, and warp 0 takes the
-    // first record, whose stores at 1 token were ≈ 2 µs late behind that wait.
-    for (int p = int(threadIdx.x) - int(blockDim.x - 32); p >= 0 && p < R; p += 32) {
-      if (masked(masked_ranks, p)) continue;
-      if (in_node(a, p)) {
-        red_release_sys_add(sig_word(a, p, kDispCnt, me), 1);
-      } else {
-        const size_t bytes = size_t(L + 1) * 4;
+    if (across(a)) {
+      __syncthreads();  // CTA 0 only (blockIdx is uniform in the CTA): every count before a put
+      // The last warp puts (gin_put fences); warp 0 takes the first record.
+      for (int p = int(threadIdx.x) - int(blockDim.x - 32); p >= 0 && p < R; p += 32) {
+        if (masked(masked_ranks, p) || in_node(a, p)) continue;
+        const size_t bytes = size_t(L + 1) * 8;
         gin_put_add(a, p, a.set_offset + a.meta_offset + size_t(me) * bytes,
                     a.set_offset + a.out_meta_offset + size_t(p) * bytes, bytes, kGinDisp,
                     uint64_t(T) + 1u - tr.total(E + p));
@@ -235,7 +235,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
         const uint32_t slot = tr.rank_in(E + dst, t);
         char* rec = win_ptr(a, gin_record(dst, slot), me);
         put_unit(a, rec, c0, lane, o);
-        if (u == 0) put_meta(a, rec, t, dst, tr, lane, e_lane);
+        if (u == 0) put_meta(a, rec, t, dst, tr, lane, e_lane, n);
         __syncwarp();
         if (lane == 0 && arrive_last(a.gin_arrivals + size_t(dst) * T + slot, uint32_t(units))) {
           gin_put_add(a, dst, a.set_offset + a.stage_offset + (size_t(me) * T + slot) * a.rec_bytes,
@@ -245,7 +245,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
       }
       char* rec = record(dst);
       put_unit(a, rec, c0, lane, o);
-      if (u == 0) put_meta(a, rec, t, dst, tr, lane, e_lane);
+      if (u == 0) put_meta(a, rec, t, dst, tr, lane, e_lane, n);
     }
     // With `progress`: this warp's items so far are stored (issued); the publisher fences
     // for them.

@@ -27,7 +27,7 @@ __device__ __forceinline__ void dispatch_recv_entry(const LlArgs& a) {
   extern __shared__ uint32_t smem[];
   const uint32_t n = read_op(a, kOpDispatch);
   const WarpGroup group = WarpGroup::cta();
-  if (dispatch_recv_table(a, n, smem, group)) dispatch_expand(a, n, smem, group.warp);
+  if (dispatch_recv_table(a, n, smem, group)) dispatch_expand(a, n, smem, group.warp, group.warps);
   end_op(a, kOpDispatch, n);
   stamp(a, kStDispExpanded);
   stamp(a, kStDispEnd);
@@ -39,8 +39,9 @@ __device__ __forceinline__ void dispatch_fused_entry(const LlArgs& a) {
   push_credits(a);
   const uint32_t n = read_op(a, kOpDispatch);
   // Warps [0, sw) send the records; the CTA's last warp publishes their ready words
-  // (publish_rounds) and then expands, like a send warp; the warps between build the receive
-  // table and expand what has landed meanwhile.
+  // (publish_rounds) and then, in the masked kernels, expands like a send warp (in the
+  // polled ones, kDataPolled, the expand does not wait for its fences, so neither does its
+  // share); the warps between build the receive table and expand what has landed meanwhile.
   const int sw = fused_send_warps(a.flags);
   const int wic = int(threadIdx.x / 32);
   // The receive half's table lies after the send half's masks (ll/layout.rs dispatch_fused_smem);
@@ -54,18 +55,21 @@ __device__ __forceinline__ void dispatch_fused_entry(const LlArgs& a) {
   // The receive half: the warps beside the senders and the publisher; those join the expand
   // once they have sent (published).
   const int recv_warps = kWarps - sw - 1;
+  const int expanders = kDataPolled ? kWarps - 1 : kWarps;  // per CTA
   bool ok = sent;
   size_t first_item = 0;  // of this warp's expand items (dispatch_expand)
   if (ok && wic >= sw && wic < sw + recv_warps) {
     const WarpGroup group = WarpGroup::range(sw, recv_warps, kBarRecv);
     ok = dispatch_recv_table(a, n, table_smem, group);
     first_item = group.warp;
-  } else if (ok) {
+  } else if (ok && (wic < sw || !kDataPolled)) {
     ok = wait_recv_table(a, table_smem);
     first_item = wic >= sw ? size_t(gridDim.x) * recv_warps + blockIdx.x
-                           : size_t(gridDim.x) * (kWarps - sw) + WarpGroup::range(0, sw, kBarSend).warp;
+                           : size_t(gridDim.x) * (expanders - sw) + WarpGroup::range(0, sw, kBarSend).warp;
+  } else {
+    ok = false;  // the polled kernels' publisher: no expand items
   }
-  if (ok) dispatch_expand(a, n, table_smem, first_item);
+  if (ok) dispatch_expand(a, n, table_smem, first_item, size_t(gridDim.x) * expanders);
   end_op(a, kOpDispatch, n);
   stamp(a, kStDispExpanded);  // every warp of both groups is done only here
   stamp(a, kStDispEnd);
@@ -90,8 +94,11 @@ __device__ __forceinline__ void combine_fused_entry(const LlArgs& a) {
   extern __shared__ uint32_t smem[];
   push_credits(a);
   const uint32_t n = read_op(a, kOpCombine);
-  const bool sent = combine_send_body(a, n, smem);
-  __syncthreads();
+  const bool sent = combine_send_body(a, n, smem);  // CTA-uniform
+  // The polled rank-first reduce starts as this warp's sends are issued: the CTA's signal
+  // (signal_all_peers) is a release, which holds its warp until the CTA's stores are
+  // acknowledged, and nothing here waits for it.
+  if (!kRowsPolled || a.comb_order != kCombOrderRankFirst) __syncthreads();
   if (sent) combine_recv_body(a, n);
   end_op(a, kOpCombine, n);
 }

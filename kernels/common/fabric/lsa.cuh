@@ -112,6 +112,16 @@ __device__ __forceinline__ uint4 ld_v4(const uint4* p) {
   return v;
 }
 
+// Relaxed 16-byte load at system scope, for polling data a peer stores: past L1 every time
+// (a weak load may keep returning a line L1 holds).
+__device__ __forceinline__ uint4 ld_relaxed_sys_v4(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.sys.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ void st_v4(uint4* p, uint4 v) {
   asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }

@@ -47,10 +47,32 @@ fn graph_plan(cfg: &EpConfig) -> GraphPlan {
     }
 }
 
-/// Inputs of every rank for iteration `iter` of `case`, exactly as check::run_rank_case
-/// makes them (Case::inputs), plus the workload of that iteration's expert outputs.
+/// Inputs of every rank for iteration `iter` of `case`, as check::run_rank_case makes them
+/// (Case::inputs) with the staging poison stamped into some tokens ([`stamp_poison`]), plus
+/// the workload of that iteration's expert outputs.
 fn case_inputs(case: &Case, iter: u64) -> (Vec<RankInput>, Workload) {
-    (case.inputs(iter as usize), case.values_workload(iter as usize))
+    let mut ins = case.inputs(iter as usize);
+    for x in ins.iter_mut() {
+        stamp_poison(&mut x.x, case.cfg.hidden, iter);
+    }
+    (ins, case.values_workload(iter as usize))
+}
+
+/// Writes the staging poison word ([`super::layout::STAGE_POISON`]: two BF16 NaNs) over one
+/// aligned channel pair of every fifth row (which ones shifts with `iter`): a BF16 record
+/// unit or combine row holding it cannot be seen landing by its data, so the receiver must
+/// take it by its ready word or signal; FP8 turns the NaNs into 0x7F and never holds the word.
+fn stamp_poison(x: &mut [bf16], hidden: usize, iter: u64) {
+    let half = bf16::from_bits((super::layout::STAGE_POISON & 0xffff) as u16);
+    let pairs = hidden / 2;
+    for (t, row) in x.chunks_exact_mut(hidden).enumerate() {
+        if pairs == 0 || !(t as u64 + iter).is_multiple_of(5) {
+            continue;
+        }
+        let c = 2 * ((t * 37 + iter as usize * 11) % pairs);
+        row[c] = half;
+        row[c + 1] = half;
+    }
 }
 
 /// The oracle's answers for one iteration, for this rank.
@@ -86,6 +108,9 @@ fn expert_outputs(
     for (e, &n) in recv_count.iter().enumerate() {
         let rows = &mut y[e * cap * h..(e * cap + n) * h];
         rows.copy_from_slice(&wy.bf16_values(r, 31 + ((e as u64 + 1) << 20), n * h));
+        // The staging poison in some rows: a combine row holding it (as a `solo` row, or a
+        // NaN partial) can only be taken by its signal.
+        stamp_poison(rows, h, e as u64);
     }
     y
 }
@@ -577,6 +602,41 @@ mod tests {
     }
 
     #[test]
+    fn the_check_inputs_hold_the_staging_poison_word() {
+        // Every fifth token carries one aligned word equal to the poison, so a BF16 dispatch
+        // of the check sends record units the receiver can only take by their ready words.
+        let case = Case {
+            cfg: EpConfig::new(2, 8, 256, 3, 16),
+            workload: Workload {
+                routing: Routing::Uniform,
+                seed: 5,
+                mask_prob: 0.0,
+            },
+            tokens: vec![16, 11],
+            iters: 1,
+        };
+        let h = case.cfg.hidden;
+        for iter in [0u64, 1, 7] {
+            let (ins, _) = case_inputs(&case, iter);
+            for (r, input) in ins.iter().enumerate() {
+                let poisoned = (0..case.tokens[r])
+                    .filter(|&t| {
+                        input.x[t * h..(t + 1) * h].chunks_exact(2).any(|w| {
+                            (u32::from(w[1].to_bits()) << 16 | u32::from(w[0].to_bits()))
+                                == super::super::layout::STAGE_POISON
+                        })
+                    })
+                    .count();
+                let want = (0..case.tokens[r])
+                    .filter(|&t| (t as u64 + iter).is_multiple_of(5))
+                    .count();
+                assert_eq!(poisoned, want, "rank {r}, iteration {iter}");
+                assert!(want > 0);
+            }
+        }
+    }
+
+    #[test]
     fn expert_outputs_are_random_only_where_rows_were_received() {
         // Both combine orders: the oracle reads only received rows, so the expected values
         // do not depend on the pattern elsewhere, and the received rows differ per expert.
@@ -612,7 +672,13 @@ mod tests {
             let wts: Vec<Vec<f32>> = ins.iter().map(|i| i.topk_weights.clone()).collect();
             let a = crate::oracle::ll_combine(&cfg, &handles, &ys, &idx, &wts).unwrap();
             let b = crate::oracle::ll_combine(&cfg, &handles, &changed, &idx, &wts).unwrap();
-            assert_eq!(a, b, "{order:?}");
+            // Bit for bit: the stamped poison rows make NaNs, which never equal themselves.
+            let bits = |c: &[Vec<bf16>]| -> Vec<Vec<u16>> {
+                c.iter()
+                    .map(|r| r.iter().map(|v| v.to_bits()).collect())
+                    .collect()
+            };
+            assert_eq!(bits(&a), bits(&b), "{order:?}");
             assert!(a.iter().flatten().any(|v| v.to_f32() != 0.0));
             let first_rows: Vec<&[bf16]> = (0..cfg.local_experts())
                 .filter(|&e| want[0].recv_count[e] > 0)

@@ -16,18 +16,26 @@ use crate::error::{Error, Result};
 /// started at offsets 48, 96, ... modulo 128).
 pub const RECORD_ALIGN: usize = 128;
 
+/// What every 32-bit word of a record's payload and scales in the staging, and of a
+/// `rank-first` combine row, holds until the current operation writes it (`kStagePoison` in
+/// kernels/ll/common.cuh, where the protocol is): the host fills both areas with it before
+/// the first operation and at a reset, and the kernels that poll them store it back over
+/// what they read.
+pub const STAGE_POISON: u32 = 0x7fff_7fff;
+
 /// Where everything of one LL group lies in the symmetric window, per buffer set, and what
 /// the kernels need besides. All offsets are 16-byte aligned; sets are 4 KiB aligned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LlLayout {
     /// Bytes of one staging record: payload, scales (FP8), then `K` local ids, `K`
-    /// positions and the source token (i32 each), rounded up to [`RECORD_ALIGN`].
+    /// positions and the source token (u64 words tagged with the operation:
+    /// `op << 32 | value`), rounded up to [`RECORD_ALIGN`].
     pub record_bytes: usize,
-    /// Where the i32 metadata starts inside a record.
+    /// Where the tagged metadata start inside a record.
     pub meta_in_record: usize,
     /// Signal words `[SIG_KINDS][R]` u64, relative to the set.
     pub sig_offset: usize,
-    /// `[R src][L + 1]` u32: token count, then per-local-expert counts.
+    /// `[R src][L + 1]` u64 (`op << 32 | count`): token count, then per-local-expert counts.
     pub meta_offset: usize,
     /// `[R src][T][units]` u32 ready words of the dispatch, units = ceil(H / 512).
     pub ready_offset: usize,
@@ -38,8 +46,10 @@ pub struct LlLayout {
     /// BF16 combine rows: `[T][K][H]` (order `topk`) or `[T][R][H]` (`rank-first`);
     /// sized for the larger.
     pub comb_offset: usize,
+    /// End of the combine rows.
+    pub comb_end: usize,
     /// Across nodes only (0 otherwise), this rank's send areas, the sources of its GIN puts:
-    /// `[R dst][L + 1]` u32 counts, `[R dst][T]` records, and combine rows
+    /// `[R dst][L + 1]` u64 counts, `[R dst][T]` records, and combine rows
     /// `[R src][T][kc][H]` BF16 (kc = K for `topk`, 1 for `rank-first`).
     pub out_meta_offset: usize,
     pub out_stage_offset: usize,
@@ -93,10 +103,10 @@ impl LlLayout {
         let payload = if fp8 { h } else { 2 * h };
         let scales = if fp8 { h / FP8_BLOCK * 4 } else { 0 };
         let meta_in_record = align16(payload + scales);
-        let record_bytes = (meta_in_record + (2 * k + 1) * 4).next_multiple_of(RECORD_ALIGN);
+        let record_bytes = (meta_in_record + (2 * k + 1) * 8).next_multiple_of(RECORD_ALIGN);
         let sig_offset = 0;
         let meta_offset = align16(sig_offset + SIG_KINDS * r * 8);
-        let ready_offset = align16(meta_offset + r * (l + 1) * 4);
+        let ready_offset = align16(meta_offset + r * (l + 1) * 8);
         // Ready words [R][T][units] u32.
         let stage_offset =
             (ready_offset + r * t * h.div_ceil(DISPATCH_UNIT) * 4).next_multiple_of(RECORD_ALIGN);
@@ -111,7 +121,7 @@ impl LlLayout {
         };
         let (out_meta_offset, out_stage_offset, out_comb_offset, end, gin_arrivals) = if gin {
             let meta = align16(comb_end);
-            let stage = (meta + r * (l + 1) * 4).next_multiple_of(RECORD_ALIGN);
+            let stage = (meta + r * (l + 1) * 8).next_multiple_of(RECORD_ALIGN);
             let comb = (stage + r * t * record_bytes).next_multiple_of(RECORD_ALIGN);
             (
                 meta,
@@ -150,6 +160,7 @@ impl LlLayout {
             stage_offset,
             wts_offset,
             comb_offset,
+            comb_end,
             out_meta_offset,
             out_stage_offset,
             out_comb_offset,
@@ -167,6 +178,23 @@ impl LlLayout {
     /// send half's, as in ll.cu's fused entry point).
     pub fn dispatch_fused_smem(&self) -> usize {
         self.dispatch_send_smem + self.dispatch_recv_smem
+    }
+
+    /// What the window holds besides zeros before the first operation and after a reset:
+    /// every set's staging and combine rows filled with [`STAGE_POISON`], as `(offset,
+    /// bytes, word)`.
+    pub fn poison_fills(&self) -> Vec<(usize, usize, u32)> {
+        let stage = self.wts_offset - self.stage_offset;
+        let comb = self.comb_end - self.comb_offset;
+        (0..SETS)
+            .flat_map(|set| {
+                let base = set * self.set_bytes;
+                [
+                    (base + self.stage_offset, stage / 4 * 4, STAGE_POISON),
+                    (base + self.comb_offset, comb / 4 * 4, STAGE_POISON),
+                ]
+            })
+            .collect()
     }
 
     /// Rows of one rank's expert-major output, `L * R * T`.
@@ -223,13 +251,13 @@ mod tests {
     fn layout_matches_the_kernel_record_formula() {
         let c = peers().with_dtype(DispatchDtype::Fp8);
         let l = LlLayout::new(&c).unwrap();
-        // payload 7168 + 56 scales * 4 = 7392 (16-aligned), then 17 i32 = 68 -> 7460 -> 7552
+        // payload 7168 + 56 scales * 4 = 7392 (16-aligned), then 17 u64 = 136 -> 7528 -> 7552
         // (128-aligned).
         assert_eq!(l.meta_in_record, 7392);
         assert_eq!(l.record_bytes, 7552);
         let b = LlLayout::new(&peers()).unwrap();
         assert_eq!(b.meta_in_record, 14336);
-        assert_eq!(b.record_bytes, 14464);
+        assert_eq!(b.record_bytes, 14592);
         assert!(l.stage_offset.is_multiple_of(RECORD_ALIGN) && b.stage_offset.is_multiple_of(RECORD_ALIGN));
         for off in [
             l.sig_offset,
@@ -241,7 +269,7 @@ mod tests {
         ] {
             assert!(off.is_multiple_of(16));
         }
-        assert!(l.meta_offset >= SIG_KINDS * 4 * 8 && l.ready_offset >= l.meta_offset + 4 * 65 * 4);
+        assert!(l.meta_offset >= SIG_KINDS * 4 * 8 && l.ready_offset >= l.meta_offset + 4 * 65 * 8);
         // Ready words [R][T][ceil(7168 / 512) = 14] u32, before the staging.
         assert_eq!(
             l.stage_offset,

@@ -18,6 +18,7 @@
 //! last dispatch on that set. At most two operations are in flight (one per set).
 
 use half::bf16;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::abi::ll as abi;
@@ -238,6 +239,10 @@ pub struct CudaLl {
     rank_mask: u64,
     /// A missed wait masks the peer instead of failing (`kFlagShrink`; needs `rank_mask`).
     shrink: bool,
+    /// The masked kernels have run since the staging was last filled with the poison: they
+    /// skip a masked source's slots without storing the poison back, so the dispatch keeps
+    /// to them (with or without a mask word) until [`CudaLl::reset`] fills it again.
+    masked_since_fill: AtomicBool,
 }
 
 /// `GIN_EP_LL_MASKED=1`: every `CudaLl` made in the process starts with an all-zero rank mask
@@ -384,7 +389,7 @@ impl CudaLl {
                 ));
             }
         }
-        let window = rank.window(layout.window_bytes)?;
+        let window = rank.window_filled(layout.window_bytes, &layout.poison_fills())?;
         // The probe, when it suffices; else a communicator with GIN signals (the probe then stays
         // alive beside it, as the windows were registered while it was).
         let dev_comm = match probe.take_if(|_| !gin) {
@@ -469,6 +474,7 @@ impl CudaLl {
             stamp_edges: false,
             rank_mask: own_mask.as_ref().map_or(0, |w| w.region().ptr),
             shrink: false,
+            masked_since_fill: AtomicBool::new(false),
             _own_mask: own_mask,
             fabric,
         })
@@ -506,6 +512,10 @@ impl CudaLl {
         }
         self.rank
             .memset_u8(self.window.region(0, self.window.len())?, 0)?;
+        for (off, len, value) in self.layout.poison_fills() {
+            self.rank.memset_u32(self.window.region(off, len)?, value)?;
+        }
+        self.masked_since_fill.store(false, Ordering::Relaxed);
         if self.across_nodes() {
             for set in 0..SETS {
                 let args = self.args(set)?;
@@ -755,7 +765,11 @@ impl CudaLl {
     }
 
     fn launch(&self, name: &'static str, smem: usize, set: usize) -> Result<()> {
-        let name = names::variant(name, self.across_nodes(), self.rank_mask != 0);
+        let masked = self.rank_mask != 0 || self.masked_since_fill.load(Ordering::Relaxed);
+        if masked {
+            self.masked_since_fill.store(true, Ordering::Relaxed);
+        }
+        let name = names::variant(name, self.across_nodes(), masked);
         let args = self.args(set)?;
         // SAFETY: LlArgs is the kernel parameter (generated from abi/ll.h; rustc and nvcc
         // assert its layout); every pointer in it belongs to self (window, set buffers) or the

@@ -17,7 +17,7 @@ use gin_ep_sys as ns;
 use super::comm::Comm;
 use super::gin::gin_available;
 use super::memory::{region, DeviceRegion};
-use super::result::{cu, unavailable};
+use super::result::{cu, cu_raw, unavailable};
 use super::CudaRank;
 use crate::error::{Error, Result};
 
@@ -170,8 +170,25 @@ impl CudaRank {
     /// A symmetric window of `bytes` (rounded up to NCCL_WIN_REQUIRED_ALIGNMENT), zeroed.
     /// Collective. Fails with "symmetric memory unsupported" when NCCL returns a null window.
     pub fn window(&self, bytes: usize) -> Result<Window> {
+        self.window_filled(bytes, &[])
+    }
+
+    /// [`CudaRank::window`], then each `(offset, len, value)` of `fills` filled with the
+    /// 32-bit `value`, all before the collective registration: once it returns anywhere,
+    /// every rank's window holds its initial contents.
+    pub fn window_filled(&self, bytes: usize, fills: &[(usize, usize, u32)]) -> Result<Window> {
         if bytes == 0 {
             return Err(Error::input("window", "size 0"));
+        }
+        if let Some(&(off, len, _)) = fills.iter().find(|&&(off, len, _)| {
+            !off.is_multiple_of(4)
+                || !len.is_multiple_of(4)
+                || off.checked_add(len).is_none_or(|end| end > bytes)
+        }) {
+            return Err(Error::input(
+                "window fill",
+                format!("{len} bytes at {off}: not whole 32-bit words inside the {bytes}-byte window"),
+            ));
         }
         let align = ns::NCCL_WIN_REQUIRED_ALIGNMENT;
         let bytes = bytes.div_ceil(align) * align;
@@ -193,7 +210,21 @@ impl CudaRank {
         // every rank has zeroed its copy.
         // SAFETY: ptr..ptr+bytes is the allocation above; the stream is ours.
         let zeroed = unsafe { result::memset_d8_async(ptr as sys::CUdeviceptr, 0, bytes, self.stream()) };
-        if let Err(e) = cu("cuMemsetD8Async(window)", zeroed).and_then(|_| self.wait("window zero")) {
+        let filled = cu("cuMemsetD8Async(window)", zeroed).and_then(|_| {
+            fills.iter().try_for_each(|&(off, len, value)| {
+                // SAFETY: off..off+len lies inside the allocation (checked above), whole words.
+                let r = unsafe {
+                    sys::cuMemsetD32Async(
+                        ptr as sys::CUdeviceptr + off as u64,
+                        value,
+                        len / 4,
+                        self.stream(),
+                    )
+                };
+                cu_raw("cuMemsetD32Async(window fill)", r)
+            })
+        });
+        if let Err(e) = filled.and_then(|_| self.wait("window zero")) {
             free(nccl);
             return Err(e);
         }
