@@ -36,9 +36,8 @@ static const int kGinDisp = 0, kGinDispAck = 1, kGinComb = 2, kGinCombAck = 3, k
 static const int kGinKinds = 5;
 
 // Signal kinds ([kind][src] u64 words at sig_offset of a set; the protocol at the head of
-// ll/common.cuh). kDispCnt: CTA 0 of src adds 1 after writing meta[src] at r (after op n it
-// holds n). kDispSig and kCombWts are unused (ready words and flagged weights replaced them);
-// they keep their indices so the other kinds keep theirs.
+// ll/common.cuh). kDispSig, kDispCnt and kCombWts are unused (ready words, tagged counts and
+// flagged weights replaced them); they keep their indices so the other kinds keep theirs.
 static const int kDispSig = 0, kDispAck = 1, kCombSig = 2, kCombAck = 3, kDispCnt = 4, kCombWts = 5;
 static const int kSigKinds = 6;  // sig words [kSigKinds][R]
 // LlArgs::state (local device memory of a set, zeroed at creation): kStateWords words, then
@@ -73,7 +72,7 @@ struct LlArgs {
   ncclWindow_t win;
   uint64_t set_offset;    // this buffer set in the window
   uint64_t sig_offset;    // relative to set_offset: [kSigKinds][R] u64
-  uint64_t meta_offset;   // [R src][L + 1] u32
+  uint64_t meta_offset;   // [R src][L + 1] u64 (op << 32 | count)
   uint64_t stage_offset;  // [R src][T] records of rec_bytes
   uint64_t comb_offset;   // [T][K][H] bf16
   uint64_t rec_bytes;

@@ -12,9 +12,10 @@
 //! - Credits are deferred: a receive half does not push its credit; the rank's next LL
 //!   operation on the same set pushes both kinds to every peer, first thing, before it
 //!   waits for anything ([`HostEp::ll_push_credits`] says why that cannot deadlock).
-//! - Dispatch: the sender writes its count and the count signal (`DispCnt`, `kDispCnt` on
-//!   the GPU), then each record followed by its ready word (op `n`, release). The receiver
-//!   waits for the count signal, then for each record's ready word before reading it.
+//! - Dispatch: the sender writes its count and the count signal (`DispCnt`), then each
+//!   record followed by its ready word (op `n`, release). The receiver waits for the count
+//!   signal, then for each record's ready word before reading it. (The GPU kernels tag the
+//!   counts with the op and poll the records' data instead: docs/protocol.md.)
 //! - The LL rank mask: masked peers are neither written nor waited on, credits included;
 //!   under `shrink` a failed wait masks the peer (and drops its rows).
 //!
