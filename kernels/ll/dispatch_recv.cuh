@@ -62,22 +62,6 @@ __device__ bool wait_recv_table(const LlArgs& a, uint32_t* table_smem) {
   return st == kTableReady;  // else the receive group failed and reported it
 }
 
-// Where this lane's words of dispatch unit u lie in a record: byte offsets of its payload
-// vectors (lo, and hi for BF16; -1 past the hidden size) and its FP8 scale's index (-1: none).
-// The expand keeps lo in StagedItem::v0 and hi in v1.
-struct UnitLane {
-  int lo, hi, scale;
-};
-__device__ __forceinline__ UnitLane unit_lane(const LlArgs& a, int u, int lane) {
-  const int H = a.hidden;
-  if (a.dtype != kBf16) {
-    const int c0 = u * kDispatchUnit + lane * 16;
-    return UnitLane{c0 < H ? c0 : -1, -1, c0 < H && (lane & 7) == 0 ? c0 / 128 : -1};
-  }
-  const int lo = bf16_channel(u, lane, 0), hi = bf16_channel(u, lane, 1);
-  return UnitLane{lo < H ? lo * 2 : -1, hi < H ? hi * 2 : -1, -1};
-}
-
 // A polled record's units [u0, u0 + nu) of source s's slot `slot` at this rank, and its
 // metadata, have landed: every tag is n and no word of those units is the poison, or a
 // unit's ready word is n (its data holds the poison word: ll/common.cuh, kDataPolled). Polls
@@ -100,12 +84,20 @@ __device__ __noinline__ bool wait_landed(const LlArgs& a, uint32_t n, int s, uin
     }
     for (int j = 0; j < nu; ++j) {  // warp-uniform
       if (((need >> j) & 1u) == 0u) continue;
-      const UnitLane ul = unit_lane(a, u0 + j, lane);
+      const int u = u0 + j;
       bool p = false;
-      if (ul.lo >= 0) p = has_poison(ld_relaxed_sys_v4(reinterpret_cast<const uint4*>(rec + ul.lo)));
-      if (ul.hi >= 0) p = p || has_poison(ld_relaxed_sys_v4(reinterpret_cast<const uint4*>(rec + ul.hi)));
-      if (ul.scale >= 0)
-        p = p || ld_relaxed_sys_u32(reinterpret_cast<const uint32_t*>(rec + H) + ul.scale) == kStagePoison;
+      if (fp8) {
+        const int c0 = u * kDispatchUnit + lane * 16;
+        if (c0 < H) {
+          p = has_poison(ld_relaxed_sys_v4(reinterpret_cast<const uint4*>(rec + c0)));
+          if ((lane & 7) == 0)
+            p = p || ld_relaxed_sys_u32(reinterpret_cast<const uint32_t*>(rec + H) + c0 / 128) == kStagePoison;
+        }
+      } else {
+        const int lo = bf16_channel(u, lane, 0), hi = bf16_channel(u, lane, 1);
+        if (lo < H) p = has_poison(ld_relaxed_sys_v4(reinterpret_cast<const uint4*>(rec + size_t(lo) * 2)));
+        if (hi < H) p = p || has_poison(ld_relaxed_sys_v4(reinterpret_cast<const uint4*>(rec + size_t(hi) * 2)));
+      }
       if (!__any_sync(0xffffffffu, p)) need &= ~(1u << j);
     }
     if (need == 0u && meta_in) return true;
@@ -335,10 +327,16 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
 #pragma unroll
       for (int j = 0; j < kExpandUnits; ++j) {
         if (j >= nu) break;
-        const UnitLane ul = unit_lane(a, u0 + j, lane);
-        if (ul.lo >= 0) st_v4(reinterpret_cast<uint4*>(rec + ul.lo), p4);
-        if (ul.hi >= 0) st_v4(reinterpret_cast<uint4*>(rec + ul.hi), p4);
-        if (ul.scale >= 0) reinterpret_cast<uint32_t*>(rec + H)[ul.scale] = kStagePoison;
+        const int u = u0 + j;
+        if (fp8) {
+          const int c0 = u * kDispatchUnit + lane * 16;
+          if (c0 < H) st_v4(reinterpret_cast<uint4*>(rec + c0), p4);
+          if (c0 < H && (lane & 7) == 0) reinterpret_cast<uint32_t*>(rec + H)[c0 / 128] = kStagePoison;
+        } else {
+          const int lo = bf16_channel(u, lane, 0), hi = bf16_channel(u, lane, 1);
+          if (lo < H) st_v4(reinterpret_cast<uint4*>(rec + size_t(lo) * 2), p4);
+          if (hi < H) st_v4(reinterpret_cast<uint4*>(rec + size_t(hi) * 2), p4);
+        }
       }
     }
   }
