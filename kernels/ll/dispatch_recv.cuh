@@ -322,6 +322,8 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
     }
     // Polled: the poison back over what this item read, for the next op on the set (this
     // kernel's completion performs the stores before the credit that lets s write again).
+    // Spelled out as the loads above are: one helper for this, the landed poll and the loads
+    // made the FP8 dispatch 0.5-0.6 us slower back to back (bench/log/2026-11-27-05.md).
     if (polled) {
       const uint4 p4 = make_uint4(kStagePoison, kStagePoison, kStagePoison, kStagePoison);
 #pragma unroll
