@@ -72,18 +72,19 @@
 //     none of its words is the poison and every tag is n: a 32-bit aligned word is written
 //     whole, so a word that is not the poison holds this op's value; the poison it
 //     replaced was stored in an earlier kernel on the set, which completed before r pushed
-//     the credit that let src write. A unit whose own data holds the poison word (a NaN
-//     pattern: FP8 bytes ff 7f ff 7f, BF16 0x7fff 0x7fff) cannot be told from one not yet
-//     landed: its sender fences and stores n into the unit's ready word (below), and r takes
-//     the unit once that word is n. No fence is on the common path.
+//     the credit that let src write. A unit whose own data holds the poison word (BF16
+//     0x7fff 0x7fff, two NaNs; FP8 turns NaN into 0x7f and never holds it) cannot be told
+//     from one not yet landed: r takes it once its ready word (below) is n. The expand waits
+//     for no fence otherwise.
 //   - Ready words (u32, [src][slot][unit] at receiver r, not signal words): after a fence
-//     (.sys) that covers the unit's stores, src stores n into the ready word of a (record,
-//     512-channel unit) it wrote at r. Polled kernels publish only the units above. The
-//     masked kernels publish every unit and r waits for each unit's word: in the split send
-//     kernel each warp fences once after its stores and publishes its own units; in the
-//     fused kernel the send warps never fence and the CTA's last warp fences and publishes
-//     for them (publish_rounds). Written only by src, read only by r; their reuse is covered
-//     by kDispAck like the records they stand for.
+//     (.sys) that covers the unit's stores, src stores n into the ready word of every
+//     (record, 512-channel unit) it wrote at r, in every kernel variant, so ranks running
+//     different variants agree: in the split send kernel each warp fences once after its
+//     stores and publishes its own units; in the fused kernel the send warps never fence and
+//     the CTA's last warp fences and publishes for them (publish_rounds). The masked kernels
+//     wait for each unit's word; the polled ones read it only for a unit holding the poison
+//     word. Written only by src, read only by r; their reuse is covered by kDispAck like the
+//     records they stand for.
 //   - Weights (order `rank-first` only): no signal. Each weight goes out as one 64-bit store
 //     of (op n << 32 | f32 bits) into r's [src][T][K] u64 area, and r polls the pairs it
 //     reads until their high half is n (a 64-bit aligned access is single-copy atomic, so a

@@ -190,8 +190,8 @@ impl LlLayout {
             .flat_map(|set| {
                 let base = set * self.set_bytes;
                 [
-                    (base + self.stage_offset, stage / 4 * 4, STAGE_POISON),
-                    (base + self.comb_offset, comb / 4 * 4, STAGE_POISON),
+                    (base + self.stage_offset, stage, STAGE_POISON),
+                    (base + self.comb_offset, comb, STAGE_POISON),
                 ]
             })
             .collect()
@@ -289,6 +289,38 @@ mod tests {
         // Top-1 over 4 ranks: rank-first combine rows [T][R][H] outgrow topk's [T][K][H].
         let one = LlLayout::new(&EpConfig::new(4, 8, 256, 1, 16)).unwrap();
         assert!(one.set_bytes >= one.comb_offset + 16 * 4 * 256 * 2);
+    }
+
+    #[test]
+    fn the_poison_fills_cover_staging_and_combine_rows_in_whole_words() {
+        for cfg in [
+            peers(),
+            peers().with_dtype(DispatchDtype::Fp8),
+            EpConfig::new(4, 8, 256, 3, 5),
+            EpConfig::new(4, 8, 256, 1, 16),
+        ] {
+            for gin in [false, true] {
+                let l = LlLayout::with_gin(&cfg, gin).unwrap();
+                let fills = l.poison_fills();
+                assert_eq!(fills.len(), 2 * SETS);
+                for (set, pair) in fills.chunks(2).enumerate() {
+                    let base = set * l.set_bytes;
+                    assert_eq!(
+                        pair[0],
+                        (base + l.stage_offset, l.wts_offset - l.stage_offset, STAGE_POISON)
+                    );
+                    assert_eq!(
+                        pair[1],
+                        (base + l.comb_offset, l.comb_end - l.comb_offset, STAGE_POISON)
+                    );
+                    for &(off, len, _) in pair {
+                        // cuMemsetD32 fills whole words: nothing of either area may be left out.
+                        assert!(off.is_multiple_of(4) && len.is_multiple_of(4), "{cfg:?}");
+                        assert!(off + len <= base + l.set_bytes);
+                    }
+                }
+            }
+        }
     }
 
     #[test]
