@@ -95,18 +95,16 @@ __device__ __forceinline__ bool reduce_rank_first(const LlArgs& a, char* comb, i
     int rb[B];        // the batch's ranks (-1: none)
     bool single[B];   // `solo` row: rank b holds only one of the token's experts
     float solo_w[B];  // and this is its weight
-    int nb = 0;
-    uint64_t batch = 0;  // the batch's ranks, when polled
+    const uint64_t left = mask;
 #pragma unroll
     for (int b = 0; b < B; ++b) {
       rb[b] = -1;
       if (mask != 0) {
         rb[b] = __ffsll(static_cast<long long>(mask)) - 1;
         mask &= mask - 1;
-        if (polled) batch |= 1ull << rb[b];
-        nb = b + 1;
       }
     }
+    const uint64_t batch = left & ~mask;  // the ranks of rb
     // Loads of up to B ranks first, then the adds in the same (ascending) order.
     auto load_batch = [&]() {
 #pragma unroll
@@ -136,12 +134,12 @@ __device__ __forceinline__ bool reduce_rank_first(const LlArgs& a, char* comb, i
         if (single[b]) solo_w[b] = a.topk_weights[size_t(t) * K + (__ffs(ks) - 1)];
       }
     }
-    if (batch != 0) {
+    if (polled) {
       bool p = false;
 #pragma unroll
       for (int b = 0; b < B; ++b) {
 #pragma unroll
-        for (int j = 0; j < V; ++j) p = p || (rb[b] >= 0 && ((batch >> rb[b]) & 1ull) && has_poison(v[b][j]));
+        for (int j = 0; j < V; ++j) p = p || (rb[b] >= 0 && has_poison(v[b][j]));
       }
       if (__any_sync(0xffffffffu, p)) {
         if (!wait_rows_landed<V>(a, n, comb, t, c, batch)) return false;
@@ -152,7 +150,7 @@ __device__ __forceinline__ bool reduce_rank_first(const LlArgs& a, char* comb, i
       const uint4 p4 = make_uint4(kStagePoison, kStagePoison, kStagePoison, kStagePoison);
 #pragma unroll
       for (int b = 0; b < B; ++b) {
-        if (rb[b] < 0 || ((batch >> rb[b]) & 1ull) == 0ull) continue;
+        if (rb[b] < 0) continue;
         char* row = comb + (size_t(t) * R + rb[b]) * H * 2;
 #pragma unroll
         for (int j = 0; j < V; ++j) {
@@ -163,7 +161,7 @@ __device__ __forceinline__ bool reduce_rank_first(const LlArgs& a, char* comb, i
     }
 #pragma unroll
     for (int b = 0; b < B; ++b) {
-      if (b >= nb) break;
+      if (rb[b] < 0) break;
 #pragma unroll
       for (int j = 0; j < V; ++j) add_bf16x8(single[b] ? solo_partial(solo_w[b], v[b][j]) : v[b][j], acc[j]);
     }
