@@ -339,6 +339,25 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   size_t item = warp;
   int32_t held = 0;
   PartBatch cur;
+  // The map entries of the warp's first kHeldItems items, loaded together before the waits:
+  // one at a time they chained a load round trip per item into the `solo` pass and again
+  // into the send loop. (None in the kernels across nodes: with them these spill.)
+  constexpr int kHeldItems = kAcross ? 0 : 4;
+  int32_t ents[kHeldItems > 0 ? kHeldItems : 1];
+#pragma unroll
+  for (int i = 0; i < kHeldItems; ++i) {
+    const size_t it = warp + size_t(i) * warps;
+    ents[i] = it < items ? load_entry(a, record(it), lane) : 0;
+  }
+  // The entry of item `it`, the warp's nth (a select over the held ones, not an indexed
+  // array, which would go to local memory).
+  auto entry = [&](size_t it, int nth) {
+    if (nth >= kHeldItems) return load_entry(a, record(it), lane);
+    int32_t v = 0;
+#pragma unroll
+    for (int j = 0; j < kHeldItems; ++j) v = j == nth ? ents[j] : v;
+    return v;
+  };
   // Across nodes: the credit and weights waits, the pads, then the rows of sources in other
   // nodes first (their puts take longest), all out of line before the prefetch.
   if (across(a)) {
@@ -349,7 +368,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     }
   }
   if (item < items) {
-    held = load_entry(a, record(item), lane);
+    held = entry(item, 0);
     load_batch(a, wts, held, record(item), 0, int(item_mod(item, units)) * kPartialUnit + lane * 8, false, cur);
   }
   // Credit: every source rank has reduced the previous combine of this set (across nodes:
@@ -379,9 +398,10 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     // the expert's row itself, before the weights have arrived; the source weights it (the
     // same fma from +0 and BF16 rounding, reduce_rank_first). Links that would idle during
     // the weights round carry these rows meanwhile.
-    for (size_t it = warp; it < items; it += warps) {
+    int nth = 0;
+    for (size_t it = warp; it < items; it += warps, ++nth) {
       const uint32_t g = record(it);
-      const int32_t h1 = load_entry(a, g, lane);
+      const int32_t h1 = entry(it, nth);
       if (__shfl_sync(0xffffffffu, h1, 2) != 1 || !in_node(a, __shfl_sync(0xffffffffu, h1, 0))) {
         continue;  // warp-uniform
       }
@@ -395,7 +415,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   stamp(a, kStCombWeights);
   bool weighted = false;  // cur's weights are loaded
   bool failed = false;    // a weight pair missed its deadline (this warp stops sending)
-  for (; item < items; item += warps) {
+  for (int nth = 0; item < items; item += warps, ++nth) {
     const uint32_t g = record(item);
     const int c0 = int(item_mod(item, units)) * kPartialUnit + lane * 8;
     const int s = __shfl_sync(0xffffffffu, held, 0), t = __shfl_sync(0xffffffffu, held, 1);
@@ -404,14 +424,14 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     // Sent above, or by combine_send_gin_rank_first; or s is masked (no weights from it).
     if ((solo && np == 1) || !in_node(a, s) || masked(masked_ranks, s)) {
       if (next < items) {
-        held = load_entry(a, record(next), lane);
+        held = entry(next, nth + 1);
         load_batch(a, wts, held, record(next), 0, int(item_mod(next, units)) * kPartialUnit + lane * 8, true, cur);
         weighted = true;
       }
       continue;
     }
     if (!weighted) load_batch(a, wts, held, g, 0, c0, true, cur, true);
-    const int32_t held_next = next < items ? load_entry(a, record(next), lane) : 0;
+    const int32_t held_next = next < items ? entry(next, nth + 1) : 0;
     float acc[8 * kPartialVecs];
 #pragma unroll
     for (int i = 0; i < 8 * kPartialVecs; ++i) acc[i] = 0.0f;  // +0, as the oracle
