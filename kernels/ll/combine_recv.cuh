@@ -210,9 +210,11 @@ __device__ __forceinline__ void reduce_topk(const LlArgs& a, const char* comb, i
   }
 }
 
-// The combine reduce's work items, (token, V * 256 channels), strided over the grid's warps:
-// this warp takes items warp, warp + warps, ...; item i covers token t(i) and this lane's
-// channels c(i) + 256 j, j < V.
+// The combine reduce's work items, (token, V * 256 channels), strided over the grid's warps
+// from the last: this warp takes items warp, warp + warps, ... with warps numbered down from
+// the grid's last, so that when there are fewer items than warps the first warps, which the
+// send gives the items past its whole rounds (and whose CTAs push the weights), reduce
+// nothing. Item i covers token t(i) and this lane's channels c(i) + 256 j, j < V.
 template <int V>
 struct ReduceItems {
   static constexpr int kItemChannels = V * kReduceUnit;
@@ -221,7 +223,7 @@ struct ReduceItems {
   __device__ explicit ReduceItems(const LlArgs& a)
       : units((a.hidden + kItemChannels - 1) / kItemChannels),
         items(size_t(a.num_tokens) * units),
-        warp((size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32),
+        warp(size_t(gridDim.x) * blockDim.x / 32 - 1 - (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32),
         warps(size_t(gridDim.x) * blockDim.x / 32) {}
   __device__ int t(size_t item) const { return int(item_div(item, units)); }
   __device__ int c(size_t item) const { return int(item_mod(item, units)) * kItemChannels + int(threadIdx.x & 31) * 8; }
