@@ -118,10 +118,14 @@ def _ll_round(buf, rank, seed, use_fp8, hook_mode, combine_keywords, dev="cpu"):
 
     out = torch.empty(x.shape[0], HIDDEN, dtype=torch.bfloat16, device=dev)
     kw = dict(combine_keywords, out=out) if "out" in combine_keywords else combine_keywords
-    combined, _, recv_hook = buf.low_latency_combine(y_of(rank).to(dev), ids, w, handle, return_recv_hook=hook_mode,
-                                                     **kw)
+    combined, event, recv_hook = buf.low_latency_combine(y_of(rank).to(dev), ids, w, handle,
+                                                         return_recv_hook=hook_mode, **kw)
+    # As the frameworks do: the hook, or the event (async_finish runs the combine on the
+    # communication stream; reading `combined` before waiting for it races the kernel).
     if hook_mode:
         recv_hook()
+    else:
+        event.current_stream_wait()
     want = _native.oracle_ll_combine(cfg, [ref[r][3] for r in range(world)], [to_bytes(y_of(r)) for r in range(world)],
                                      [to_bytes(i[1]) for i in inputs], [to_bytes(i[2]) for i in inputs])[rank]
     same_bits("LL combine", combined.cpu(), from_bytes(want, torch.bfloat16, (x.shape[0], HIDDEN)))
