@@ -214,17 +214,22 @@ __device__ __forceinline__ void reduce_topk(const LlArgs& a, const char* comb, i
 // from the last: this warp takes items warp, warp + warps, ... with warps numbered down from
 // the grid's last, so that when there are fewer items than warps the first warps, which the
 // send gives the items past its whole rounds (and whose CTAs push the weights), reduce
-// nothing. Item i covers token t(i) and this lane's channels c(i) + 256 j, j < V.
+// nothing. `skip_warp0`: warp 0 of each CTA takes no item; in the polled reduce its threads
+// add the CTA's kCombSig after the sends, a release that holds the warp until the CTA's
+// stores are acknowledged, while the other warps already reduce. Item i covers token t(i)
+// and this lane's channels c(i) + 256 j, j < V.
 template <int V>
 struct ReduceItems {
   static constexpr int kItemChannels = V * kReduceUnit;
   int units;
   size_t items, warp, warps;
-  __device__ explicit ReduceItems(const LlArgs& a)
-      : units((a.hidden + kItemChannels - 1) / kItemChannels),
-        items(size_t(a.num_tokens) * units),
-        warp(size_t(gridDim.x) * blockDim.x / 32 - 1 - (size_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32),
-        warps(size_t(gridDim.x) * blockDim.x / 32) {}
+  __device__ ReduceItems(const LlArgs& a, bool skip_warp0)
+      : units((a.hidden + kItemChannels - 1) / kItemChannels), items(size_t(a.num_tokens) * units) {
+    const int per_cta = int(blockDim.x / 32) - (skip_warp0 ? 1 : 0);
+    const int wic = int(threadIdx.x / 32) - (skip_warp0 ? 1 : 0);
+    warps = size_t(gridDim.x) * per_cta;
+    warp = wic < 0 ? items : warps - 1 - (size_t(blockIdx.x) * per_cta + wic);  // items: none
+  }
   __device__ int t(size_t item) const { return int(item_div(item, units)); }
   __device__ int c(size_t item) const { return int(item_mod(item, units)) * kItemChannels + int(threadIdx.x & 31) * 8; }
 };
@@ -235,7 +240,7 @@ __device__ bool reduce_items(const LlArgs& a, char* comb, uint32_t n, bool polle
   const int H = a.hidden;
   const bool rank_first = a.comb_order == kCombOrderRankFirst;
   const int lane = threadIdx.x & 31;
-  const ReduceItems<V> it(a);
+  const ReduceItems<V> it(a, polled);
   const uint64_t masked_ranks = rank_mask(a);
   for (size_t item = it.warp; item < it.items; item += it.warps) {
     const int t = it.t(item), c = it.c(item);
