@@ -152,7 +152,9 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
         format!("cuda-lsa ({})", rank.info().device_name),
         format!(
             "GPU HT over {}, {} SMs per kernel, {}; total = host clock from the API call \
-             to the end of the stream's work, kernel = CUDA events; slowest rank per iteration",
+             to the end of the stream's work, kernel = CUDA events around the operation's \
+             launches (a dispatch's span the layout kernel too; its `dispatch` row is the \
+             dispatch kernel alone); slowest rank per iteration",
             fabric.name(),
             num_sms,
             if opts.ht_exact {
