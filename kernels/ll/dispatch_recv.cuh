@@ -254,7 +254,7 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
       int64_t row = -1;
       if (k < K) {
         int32_t lid = cur.lid, pos = cur.pos;
-        if (k0 > 0) {  // only for K > 32 (load_landed saw their tags)
+        if (k0 > 0) {  // only for K > 32 (the landed check above saw their tags)
           lid = int32_t(uint32_t(meta[k]));
           pos = int32_t(uint32_t(meta[K + k]));
         }
