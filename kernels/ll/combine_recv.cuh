@@ -215,9 +215,10 @@ __device__ __forceinline__ void reduce_topk(const LlArgs& a, const char* comb, i
 // the grid's last, so that when there are fewer items than warps the first warps, which the
 // send gives the items past its whole rounds (and whose CTAs push the weights), reduce
 // nothing. `skip_warp0` (the polled reduce): warp 0 of each CTA takes no item; in the fused
-// kernel its threads add the CTA's kCombSig after the sends, a release that holds the warp
-// until the CTA's stores are acknowledged, while the other warps already reduce (the split
-// receive kernel, which signals nothing, leaves it idle). Item i covers token t(i) and this
+// kernel it waits for the CTA's other warps to issue their sends and adds the CTA's kCombSig,
+// a release that holds it until the CTA's stores are acknowledged, while the other warps
+// already reduce (signal_after_sends; the split receive kernel, which signals nothing, leaves
+// it idle). Item i covers token t(i) and this
 // lane's channels c(i) + 256 j, j < V.
 template <int V>
 struct ReduceItems {

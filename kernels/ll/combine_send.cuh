@@ -282,6 +282,10 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     if (threadIdx.x == 0) masked_ranks = rank_mask(a);
     __syncthreads();
   }
+  // Whether a warp's weight wait failed (signal_after_sends); the credit wait's barrier below
+  // orders this clear before any warp sets it.
+  __shared__ uint32_t failed_any;
+  if (kRowsPolled && threadIdx.x == 0) failed_any = 0u;
   // A rank q of another node: the pairs go into this rank's own [me] slot (the same values
   // this rank's own slot gets anyway) and from there by one put that adds 1 to q's kGinWts.
   for (int b = blockIdx.x; b < R; b += gridDim.x) {  // CTA-uniform
@@ -461,6 +465,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     held = held_next;
     weighted = true;
   }
+  if (kRowsPolled) return signal_after_sends(a, failed, &failed_any);
   // A missed weight deadline stops the whole CTA before its signal, so the sources time
   // out instead of reducing rows never sent.
   if (__syncthreads_or(failed)) {

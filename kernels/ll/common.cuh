@@ -141,8 +141,9 @@ __device__ __forceinline__ bool has_poison(const uint4& v) {
   return v.x == kStagePoison || v.y == kStagePoison || v.z == kStagePoison || v.w == kStagePoison;
 }
 
-// Named barriers of the two groups of the fused dispatch with send warps (0 = the CTA's).
-constexpr int kBarSend = 1, kBarRecv = 2;
+// Named barriers (0 = the CTA's): the two groups of the fused dispatch with send warps, and
+// the polled rank-first combine's end of sends (signal_after_sends).
+constexpr int kBarSend = 1, kBarRecv = 2, kBarCombSent = 3;
 
 // Rank-first combine: a token's only expert on a rank goes back unweighted and the source
 // weights it (`solo` rows). Lanes hold one top-k entry each there, so K <= 32 only (both
@@ -419,6 +420,35 @@ __device__ void signal_all_peers(const LlArgs& a, int kind, int before, int afte
     if (in_node(a, p) && !masked(mask, p)) red_release_sys_add(sig_word(a, p, kind, a.rank), 1);
   }
   stamp(a, after);
+}
+
+// The polled rank-first combine (kRowsPolled): signal_all_peers without holding every warp
+// until the CTA's slowest one has issued its stores. Warps 1.. arrive at kBarCombSent and go
+// on to reduce; warp 0, which takes no reduce item (ReduceItems), waits there and adds the
+// signal. The arrive synchronizes with the wait, so every warp's stores come before warp 0's
+// release add (cumulative), as with the bar.sync of signal_all_peers. A warp whose weight wait
+// missed its deadline raises `failed_any` (cleared before the send loop's first CTA barrier)
+// before it arrives: warp 0 then adds no signal, so the sources time out instead of reducing
+// rows never sent. True in a warp that has not failed itself and, in warp 0, when no warp has.
+__device__ bool signal_after_sends(const LlArgs& a, bool failed, uint32_t* failed_any) {
+  const int nthreads = int(blockDim.x);
+  if (failed) {
+    mark_failed(a);
+    if (threadIdx.x % 32 == 0) *reinterpret_cast<volatile uint32_t*>(failed_any) = 1u;
+  }
+  if (threadIdx.x >= 32) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(kBarCombSent), "r"(nthreads) : "memory");
+    return !failed;
+  }
+  asm volatile("bar.sync %0, %1;" ::"r"(kBarCombSent), "r"(nthreads) : "memory");
+  if (*reinterpret_cast<volatile uint32_t*>(failed_any) != 0u) return false;
+  stamp(a, kStCombSent);
+  const uint64_t mask = rank_mask(a);
+  for (int p = threadIdx.x; p < a.ranks; p += 32) {
+    if (in_node(a, p) && !masked(mask, p)) red_release_sys_add(sig_word(a, p, kCombSig, a.rank), 1);
+  }
+  stamp(a, kStCombSignaled);
+  return true;
 }
 
 // This CTA's count of completed operations of a kind on the set. Every CTA of every LL

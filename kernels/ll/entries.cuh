@@ -95,10 +95,10 @@ __device__ __forceinline__ void combine_fused_entry(const LlArgs& a) {
   push_credits(a);
   const uint32_t n = read_op(a, kOpCombine);
   const bool sent = combine_send_body(a, n, smem);  // CTA-uniform
-  // The polled rank-first reduce starts as the CTA's sends are issued (the barrier in
-  // signal_all_peers): the signal itself is a release, which holds warp 0 until the CTA's
-  // stores are acknowledged, so warp 0 takes no reduce item (ReduceItems) and nothing here
-  // waits for it.
+  // The polled rank-first reduce starts in each warp as soon as its own sends are issued
+  // (signal_after_sends); warp 0 waits for the others' and adds the signal, a release that
+  // holds it until the CTA's stores are acknowledged, so it takes no reduce item
+  // (ReduceItems) and nothing here waits for it.
   if (!kRowsPolled || a.comb_order != kCombOrderRankFirst) __syncthreads();
   if (sent) combine_recv_body(a, n);
   end_op(a, kOpCombine, n);
