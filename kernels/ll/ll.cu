@@ -86,6 +86,26 @@ GIN_EP_LL_KERNEL(gin_ep_ll_masked_combine_send, masked, combine_send_entry)
 GIN_EP_LL_KERNEL(gin_ep_ll_masked_combine_recv, masked, combine_recv_entry)
 GIN_EP_LL_KERNEL(gin_ep_ll_masked_combine_fused, masked, combine_fused_entry)
 
+#if GIN_EP_STAMPS
+// The bench's launch floor (harness builds only): what every LL entry point does first and
+// nothing else, with the same arguments and launch bounds, launched with the grid, block and
+// shared memory of the LL kernels, so `gin-ep bench --mode ll` times beside each figure what
+// a launch of that shape costs outside any kernel's work.
+extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
+    gin_ep_ll_empty(const __grid_constant__ gin_ep::ll::LlArgs a) {
+  gin_ep::ll::lsa_only::kernel_enter(a);
+}
+
+// Holds the stream for `ns` of the device clock (one thread; the wait ends by itself): the
+// bench queues the launch floor's kernels behind it, so they are timed as the GPU runs them
+// and not as the host queues them (an empty kernel ends before the host has launched the next).
+extern "C" __global__ void gin_ep_ll_hold(uint64_t ns) {
+  const uint64_t t0 = gin_ep::globaltimer_ns();
+  while (gin_ep::globaltimer_ns() - t0 < ns) {
+  }
+}
+#endif
+
 // The buffer's teardown, across nodes only: this rank's GIN signals of the set back to 0.
 // NCCL hands the same signal ids to the next device communicator without clearing them
 // (ncclGinAllocSignalsCounters allocates from the communicator's signal space), and every LL

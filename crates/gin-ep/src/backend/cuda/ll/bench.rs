@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::stamps::{eager_split, phase_values, StampMode, DISPATCH_PHASES, PHASES};
-use super::{CudaLl, LlLayout, LlTuning, RUNS, SETS, STAMP_SLOTS, THREADS};
+use super::{names, CudaLl, LlLayout, LlTuning, RUNS, SETS, STAMP_SLOTS, THREADS};
 use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions, DeviceBuffer, Event};
 use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
 use crate::error::{Error, Result};
@@ -120,9 +120,68 @@ impl StampRows {
 }
 /// Operations per timed span of the back-to-back rows of `gin-ep bench --mode ll`.
 const BATCH: usize = 8;
-/// Time series per rank in [`bench_on`]: eager, graph, back to back, graph of [`BATCH`];
-/// dispatch and combine each.
-const SERIES: usize = 8;
+/// The row of the launch floor ([`launch_floor`]) in the eager and back-to-back tables.
+const FLOOR: &str = "launch floor";
+/// Time series per rank in [`bench_on`]: eager, graph, back to back, graph of [`BATCH`],
+/// the launch floor eager and back to back ([`launch_floor`]); dispatch and combine each.
+const SERIES: usize = 12;
+
+/// The launch floor: [`names::EMPTY`], a kernel that does only what every LL kernel does
+/// first, launched with the grid, block, arguments and shared memory of the fused dispatch
+/// and combine and timed as they are: eager (an event after every kernel) and back to back
+/// ([`BATCH`] launches between two events). Each loop is queued behind a hold
+/// ([`CudaLl::launch_hold`]) long enough for the host to queue all of it, so the events time
+/// the GPU (the LL loops are GPU-bound too: the host queues an operation in ≈ 6–7 µs, the
+/// kernels run 19 µs and more). What an eager call costs beyond its kernel's work is at least
+/// this: the figure beside which an eager target means something. Returns (eager dispatch,
+/// eager combine, back-to-back dispatch, back-to-back combine), µs per kernel.
+fn launch_floor(ll: &CudaLl, iters: usize) -> Result<[Vec<f64>; 4]> {
+    // Device time the hold gives the host per launch it then queues: several times what a
+    // launch and an event record take the host.
+    const HOLD_NS_PER_LAUNCH: u64 = 20_000;
+    let smem = [ll.layout.dispatch_fused_smem(), ll.layout.combine_send_smem];
+    ll.rank
+        .set_max_smem(names::EMPTY, smem.iter().copied().max().unwrap_or(0) as u32)?;
+    let hold = |ll: &CudaLl, launches: usize| ll.launch_hold(HOLD_NS_PER_LAUNCH * launches as u64);
+    let per_call = |events: &[Event], calls: usize| -> Result<Vec<f64>> {
+        events
+            .windows(2)
+            .map(|w| Ok(f64::from(w[0].elapsed_ms(&w[1])?) * 1e3 / calls as f64))
+            .collect()
+    };
+    // Eager: an event after every kernel, the two launch shapes alternating.
+    let events: Vec<Event> = (0..=2 * iters).map(|_| ll.rank.event()).collect::<Result<_>>()?;
+    hold(ll, 2 * iters)?;
+    ll.rank.record(&events[0])?;
+    for i in 0..iters {
+        for (k, &bytes) in smem.iter().enumerate() {
+            ll.launch_empty(bytes)?;
+            ll.rank.record(&events[2 * i + 1 + k])?;
+        }
+    }
+    ll.rank.wait("LL launch floor, eager")?;
+    let both = per_call(&events, 1)?;
+    let eager_d = both.iter().step_by(2).copied().collect();
+    let eager_c = both.iter().skip(1).step_by(2).copied().collect();
+    // Back to back: BATCH launches of one shape between two events.
+    let mut batched = Vec::with_capacity(2);
+    for &bytes in &smem {
+        let events: Vec<Event> = (0..=iters).map(|_| ll.rank.event()).collect::<Result<_>>()?;
+        hold(ll, iters * BATCH)?;
+        ll.rank.record(&events[0])?;
+        for ev in &events[1..] {
+            for _ in 0..BATCH {
+                ll.launch_empty(bytes)?;
+            }
+            ll.rank.record(ev)?;
+        }
+        ll.rank.wait("LL launch floor, back to back")?;
+        batched.push(per_call(&events, BATCH)?);
+    }
+    let b_c = batched.pop().unwrap_or_default();
+    let b_d = batched.pop().unwrap_or_default();
+    Ok([eager_d, eager_c, b_d, b_c])
+}
 
 /// `iters` spans of [`BATCH`] dispatches, then as many of combines, events only between
 /// spans: µs per operation (span / BATCH) of each span. A span is `calls` calls of `disp(ll,
@@ -290,6 +349,7 @@ fn bench_on(
         timed_batches(ll, opts.iters, 1, |l, _| l.replay(&gbd), |l, _| l.replay(&gbc))?;
     drop(gbd);
     drop(gbc);
+    let [floor_d, floor_c, floor_bd, floor_bc] = launch_floor(ll, opts.iters)?;
 
     // Device-clock breakdown: an extra eager loop (not timed by events), each iteration
     // stamping its own rows, downloaded once at the end.
@@ -325,7 +385,8 @@ fn bench_on(
     // Gather to rank 0: the SERIES series and the row counts.
     let mut mine: Vec<f64> = Vec::with_capacity(SERIES * opts.iters + 2);
     for s in [
-        &eager_d, &eager_c, &graph_d, &graph_c, &stream_d, &stream_c, &gbatch_d, &gbatch_c,
+        &eager_d, &eager_c, &graph_d, &graph_c, &stream_d, &stream_c, &gbatch_d, &gbatch_c, &floor_d,
+        &floor_c, &floor_bd, &floor_bc,
     ] {
         mine.extend_from_slice(s);
     }
@@ -363,14 +424,17 @@ fn bench_on(
     let rows_mean = all.iter().map(|v| v[SERIES * n]).sum::<f64>() / ranks;
     let remote_mean = all.iter().map(|v| v[SERIES * n + 1]).sum::<f64>() / ranks;
     let enqueue_max = all.iter().map(|v| v[SERIES * n + 2]).fold(0.0, f64::max);
-    let op = |name: &str, series: usize, row_bytes: usize| {
+    let slowest = |series: usize| {
         let per_iter: Vec<Duration> = (0..n)
             .map(|i| {
                 let us = all.iter().map(|v| v[series * n + i]).fold(0.0, f64::max);
                 Duration::from_secs_f64(us * 1e-6)
             })
             .collect();
-        let total = Stats::of(&per_iter);
+        Stats::of(&per_iter)
+    };
+    let op = |name: &str, series: usize, row_bytes: usize| {
+        let total = slowest(series);
         OpReport {
             kernel: Some(total),
             ..OpReport::new(name, total, rows_mean, remote_mean, row_bytes)
@@ -419,6 +483,10 @@ fn bench_on(
     ];
     ops[0].phases = phases_d;
     ops[1].phases = phases_c;
+    // The launch floor under the eager and back-to-back totals it bounds (launch_floor).
+    for (at, series) in [(0, 8), (1, 9), (4, 10), (5, 11)] {
+        ops[at].phases.insert(0, (FLOOR.to_string(), slowest(series)));
+    }
     let path = if ll.across_nodes() {
         format!(
             "GPU LL, stores inside gin-ep nodes of {} ranks and GIN puts across them",
@@ -438,7 +506,9 @@ fn bench_on(
             "{path}{shared}, {} send warps, {} CTAs x {THREADS} threads per kernel; \
              times are CUDA events around each operation (one fused kernel), slowest rank per iteration; rows count (token, expert) copies as the peers \
              do, though each token crosses a link once per destination rank; the eager loop \
-             took {enqueue_max:.1} µs of host time per operation to queue (slowest rank)",
+             took {enqueue_max:.1} µs of host time per operation to queue (slowest rank); \
+             `launch floor`: an empty kernel launched as the LL kernels (grid, block, \
+             arguments, shared memory) and timed the same way",
             ll.tuning().send_warps,
             ll.grid()
         ),

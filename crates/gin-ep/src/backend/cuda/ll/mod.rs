@@ -57,6 +57,14 @@ pub mod names {
     pub const COMBINE_FUSED: &str = "gin_ep_ll_combine_fused";
     /// This rank's GIN signals of a set back to 0 (teardown across nodes).
     pub const RESET_GIN: &str = "gin_ep_ll_reset_gin";
+    /// The bench's launch floor: an entry point that does only what every LL kernel does
+    /// first (harness builds only).
+    #[cfg(feature = "harness")]
+    pub const EMPTY: &str = "gin_ep_ll_empty";
+    /// Holds the stream for a given time (the launch floor's loops queue behind it; harness
+    /// builds only).
+    #[cfg(feature = "harness")]
+    pub const HOLD: &str = "gin_ep_ll_hold";
 
     /// The kernel of entry point `name` for a layout with (`across_nodes`) or without GIN
     /// peers, and with an LL rank mask (`masked`) or none: the across-nodes variant
@@ -786,6 +794,28 @@ impl CudaLl {
         }
     }
 
+    /// The launch floor of the bench: [`names::EMPTY`] with this grid, block and arguments
+    /// (set 0) and `smem` bytes of dynamic shared memory, launched as `launch` launches the LL
+    /// kernels. The caller raised the kernel's shared-memory limit to `smem`.
+    #[cfg(feature = "harness")]
+    pub(crate) fn launch_empty(&self, smem: usize) -> Result<()> {
+        let args = self.args(0)?;
+        // SAFETY: as in `launch`; the kernel reads nothing of `args` (kernel_enter only).
+        unsafe {
+            self.rank
+                .launch_ex(names::EMPTY, self.grid, THREADS, smem as u32, true, &args)
+        }
+    }
+
+    /// Holds this rank's stream for `ns` nanoseconds of the device clock (one thread of
+    /// `gin_ep_ll_hold`): work queued after it waits, so the bench can queue a loop of short
+    /// kernels faster than the GPU runs them.
+    #[cfg(feature = "harness")]
+    pub(crate) fn launch_hold(&self, ns: u64) -> Result<()> {
+        // SAFETY: the kernel's one parameter is a u64 passed by value; it touches no memory.
+        unsafe { self.rank.launch_ex(names::HOLD, 1, 32, 0, false, &ns) }
+    }
+
     /// Dispatch, first half: quantize (FP8) and send this rank's tokens of `set`; returns
     /// once the launch is queued.
     pub fn dispatch_send(&self, set: usize) -> Result<()> {
@@ -960,5 +990,26 @@ mod tests {
         }
         assert_eq!(names::variant(names::RESET_GIN, true, false), names::RESET_GIN);
         assert_eq!(names::variant(names::RESET_GIN, false, true), names::RESET_GIN);
+    }
+
+    /// The bench's launch-floor kernels exist in harness builds only: inside the
+    /// `#if GIN_EP_STAMPS` block of kernels/ll/ll.cu, which the product build compiles out.
+    #[cfg(feature = "harness")]
+    #[test]
+    fn the_launch_floor_kernels_are_harness_only() {
+        const LL_CU: &str = include_str!("../../../../../../kernels/ll/ll.cu");
+        let block = LL_CU
+            .split_once("#if GIN_EP_STAMPS")
+            .and_then(|(_, rest)| rest.split_once("#endif"))
+            .map(|(inside, _)| inside)
+            .expect("kernels/ll/ll.cu has an `#if GIN_EP_STAMPS` block");
+        for name in [names::EMPTY, names::HOLD] {
+            let def = format!("{name}(");
+            assert!(
+                block.contains(&def),
+                "{name} is not defined in the harness-only block"
+            );
+            assert_eq!(LL_CU.matches(&def).count(), 1, "{name} is defined outside it too");
+        }
     }
 }
