@@ -129,58 +129,49 @@ const SERIES: usize = 12;
 /// The launch floor: [`names::EMPTY`], a kernel that does only what every LL kernel does
 /// first, launched with the grid, block, arguments and shared memory of the fused dispatch
 /// and combine and timed as they are: eager (an event after every kernel) and back to back
-/// ([`BATCH`] launches between two events). Each loop is queued behind a hold
-/// ([`CudaLl::launch_hold`]) long enough for the host to queue all of it, so the events time
-/// the GPU (the LL loops are GPU-bound too: the host queues an operation in ≈ 6–7 µs, the
-/// kernels run 19 µs and more). What an eager call costs beyond its kernel's work is at least
-/// this: the figure beside which an eager target means something. Returns (eager dispatch,
-/// eager combine, back-to-back dispatch, back-to-back combine), µs per kernel.
+/// ([`BATCH`] launches between two events). Each sample is queued behind a hold
+/// ([`CudaLl::launch_hold`]) long enough for the host to queue all of it, so its events time
+/// the GPU, at any `--iters` (the LL loops are GPU-bound too: the host queues an operation in
+/// ≈ 6–7 µs, the kernels run 19 µs and more; an empty kernel ends before the host has queued
+/// the next). What an eager call costs beyond its kernel's work is at least this: the figure
+/// beside which an eager target means something. Returns (eager dispatch, eager combine,
+/// back-to-back dispatch, back-to-back combine), µs per kernel.
 fn launch_floor(ll: &CudaLl, iters: usize) -> Result<[Vec<f64>; 4]> {
-    // Device time the hold gives the host per launch it then queues: several times what a
-    // launch and an event record take the host.
-    const HOLD_NS_PER_LAUNCH: u64 = 20_000;
+    // Device time a hold gives the host per call it then queues (a launch or an event
+    // record): several times what one takes the host.
+    const HOLD_NS_PER_CALL: u64 = 25_000;
     let smem = [ll.layout.dispatch_fused_smem(), ll.layout.combine_send_smem];
     ll.rank
         .set_max_smem(names::EMPTY, smem.iter().copied().max().unwrap_or(0) as u32)?;
-    let hold = |ll: &CudaLl, launches: usize| ll.launch_hold(HOLD_NS_PER_LAUNCH * launches as u64);
-    let per_call = |events: &[Event], calls: usize| -> Result<Vec<f64>> {
-        events
-            .windows(2)
-            .map(|w| Ok(f64::from(w[0].elapsed_ms(&w[1])?) * 1e3 / calls as f64))
-            .collect()
-    };
-    // Eager: an event after every kernel, the two launch shapes alternating.
-    let events: Vec<Event> = (0..=2 * iters).map(|_| ll.rank.event()).collect::<Result<_>>()?;
-    hold(ll, 2 * iters)?;
-    ll.rank.record(&events[0])?;
-    for i in 0..iters {
+    let hold = |calls: usize| ll.launch_hold(HOLD_NS_PER_CALL * calls as u64);
+    let us = |a: &Event, b: &Event| -> Result<f64> { Ok(f64::from(a.elapsed_ms(b)?) * 1e3) };
+    let ev: Vec<Event> = (0..3).map(|_| ll.rank.event()).collect::<Result<_>>()?;
+    let mut out: [Vec<f64>; 4] = std::array::from_fn(|_| Vec::with_capacity(iters));
+    for _ in 0..iters {
+        // Eager: an event after every kernel, the two launch shapes in turn.
+        hold(2 * smem.len() + 1)?;
+        ll.rank.record(&ev[0])?;
         for (k, &bytes) in smem.iter().enumerate() {
             ll.launch_empty(bytes)?;
-            ll.rank.record(&events[2 * i + 1 + k])?;
+            ll.rank.record(&ev[k + 1])?;
         }
-    }
-    ll.rank.wait("LL launch floor, eager")?;
-    let both = per_call(&events, 1)?;
-    let eager_d = both.iter().step_by(2).copied().collect();
-    let eager_c = both.iter().skip(1).step_by(2).copied().collect();
-    // Back to back: BATCH launches of one shape between two events.
-    let mut batched = Vec::with_capacity(2);
-    for &bytes in &smem {
-        let events: Vec<Event> = (0..=iters).map(|_| ll.rank.event()).collect::<Result<_>>()?;
-        hold(ll, iters * BATCH)?;
-        ll.rank.record(&events[0])?;
-        for ev in &events[1..] {
+        ll.rank.wait("LL launch floor, eager")?;
+        for k in 0..smem.len() {
+            out[k].push(us(&ev[k], &ev[k + 1])?);
+        }
+        // Back to back: BATCH launches of one shape between two events.
+        for (k, &bytes) in smem.iter().enumerate() {
+            hold(BATCH + 2)?;
+            ll.rank.record(&ev[0])?;
             for _ in 0..BATCH {
                 ll.launch_empty(bytes)?;
             }
-            ll.rank.record(ev)?;
+            ll.rank.record(&ev[1])?;
+            ll.rank.wait("LL launch floor, back to back")?;
+            out[2 + k].push(us(&ev[0], &ev[1])? / BATCH as f64);
         }
-        ll.rank.wait("LL launch floor, back to back")?;
-        batched.push(per_call(&events, BATCH)?);
     }
-    let b_c = batched.pop().unwrap_or_default();
-    let b_d = batched.pop().unwrap_or_default();
-    Ok([eager_d, eager_c, b_d, b_c])
+    Ok(out)
 }
 
 /// `iters` spans of [`BATCH`] dispatches, then as many of combines, events only between
