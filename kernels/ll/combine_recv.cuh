@@ -218,8 +218,7 @@ __device__ __forceinline__ void reduce_topk(const LlArgs& a, const char* comb, i
 // kernel it waits for the CTA's other warps to issue their sends and adds the CTA's kCombSig,
 // a release that holds it until the CTA's stores are acknowledged, while the other warps
 // already reduce (signal_after_sends; the split receive kernel, which signals nothing, leaves
-// it idle). Item i covers token t(i) and this
-// lane's channels c(i) + 256 j, j < V.
+// it idle). Item i covers token t(i) and this lane's channels c(i) + 256 j, j < V.
 template <int V>
 struct ReduceItems {
   static constexpr int kItemChannels = V * kReduceUnit;
