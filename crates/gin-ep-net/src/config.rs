@@ -9,10 +9,12 @@ use std::time::Duration;
 
 pub const ENV_GIN_PATH: &str = "GIN_EP_NET_GIN_PATH";
 pub const ENV_TIMEOUT: &str = "GIN_EP_NET_TIMEOUT_S";
+pub const ENV_HANDSHAKE: &str = "GIN_EP_NET_HANDSHAKE_S";
 pub const ENV_IFADDR: &str = "GIN_EP_NET_IFADDR";
 pub const ENV_FAULT: &str = "GIN_EP_NET_FAULT";
 pub const ENV_TRACE: &str = "GIN_EP_NET_TRACE";
 pub const DEFAULT_TIMEOUT_S: f64 = 60.0;
+pub const DEFAULT_HANDSHAKE_S: f64 = 5.0;
 
 /// How GIN data reaches a peer (`GIN_EP_NET_GIN_PATH`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,8 +38,11 @@ pub enum Fault {
 #[derive(Clone, Debug)]
 pub struct Config {
     pub gin_path: GinPath,
-    /// Deadline for connects, handshakes, registrations, copies and stalled transfers.
+    /// Deadline for connects, forming the GIN mesh, registrations, copies and stalled transfers.
     pub timeout: Duration,
+    /// Deadline of one accepted connection's hello (at most `timeout`): a connection that
+    /// has not proven itself by then is dropped as a stranger.
+    pub handshake: Duration,
     /// Address the listeners bind to (and publish in their handles).
     pub ifaddr: IpAddr,
     /// Where `ifaddr` came from, for the log.
@@ -66,17 +71,15 @@ impl Config {
             Some("ipc") => GinPath::Ipc,
             Some(other) => return Err(format!("{ENV_GIN_PATH}={other:?}: expected auto, tcp or ipc")),
         };
-        let timeout = match var(ENV_TIMEOUT) {
-            None => Duration::from_secs_f64(DEFAULT_TIMEOUT_S),
+        let seconds = |name: &str, default: f64| match var(name) {
+            None => Ok(Duration::from_secs_f64(default)),
             Some(v) => match v.trim().parse::<f64>() {
-                Ok(s) if s.is_finite() && s > 0.0 && s <= 86_400.0 => Duration::from_secs_f64(s),
-                _ => {
-                    return Err(format!(
-                        "{ENV_TIMEOUT}={v:?}: expected seconds, a number in (0, 86400]"
-                    ))
-                }
+                Ok(s) if s.is_finite() && s > 0.0 && s <= 86_400.0 => Ok(Duration::from_secs_f64(s)),
+                _ => Err(format!("{name}={v:?}: expected seconds, a number in (0, 86400]")),
             },
         };
+        let timeout = seconds(ENV_TIMEOUT, DEFAULT_TIMEOUT_S)?;
+        let handshake = seconds(ENV_HANDSHAKE, DEFAULT_HANDSHAKE_S)?.min(timeout);
         let (ifaddr, ifaddr_source) = match var(ENV_IFADDR) {
             Some(v) => match v.trim().parse::<IpAddr>() {
                 Ok(a) => (a, ENV_IFADDR.to_string()),
@@ -105,6 +108,7 @@ impl Config {
         Ok(Config {
             gin_path,
             timeout,
+            handshake,
             ifaddr,
             ifaddr_source,
             fault,
@@ -239,6 +243,17 @@ mod tests {
             e.contains(ENV_TRACE) && e.contains("\"yes\"") && e.contains("0 or 1"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn handshake_defaults_to_5_s_is_capped_by_the_timeout_and_a_bad_value_is_named() {
+        assert_eq!(config_of(&[]).unwrap().handshake, Duration::from_secs(5));
+        let c = config_of(&[(ENV_HANDSHAKE, "0.5")]).unwrap();
+        assert_eq!(c.handshake, Duration::from_millis(500));
+        let c = config_of(&[(ENV_TIMEOUT, "2"), (ENV_HANDSHAKE, "30")]).unwrap();
+        assert_eq!(c.handshake, Duration::from_secs(2));
+        let e = config_of(&[(ENV_HANDSHAKE, "-1")]).unwrap_err();
+        assert!(e.contains(ENV_HANDSHAKE) && e.contains("\"-1\""), "{e}");
     }
 
     #[test]

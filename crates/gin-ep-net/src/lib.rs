@@ -9,12 +9,13 @@
 //! into the peer's mapped memory) between processes of one host. See docs/plugin.md.
 //!
 //! Owns: the ABI mirror ([`abi`]), configuration ([`config`]), logging through NCCL
-//! ([`log`]), the net ([`net`]) and GIN ([`gin`]). Never: loaded by gin-ep itself (the
+//! ([`log`]), who may connect ([`admit`]), the net ([`net`]) and GIN ([`gin`]). Never: loaded by gin-ep itself (the
 //! launcher points NCCL at it), enabled where an RDMA NIC exists unless asked, launches a
 //! kernel, or uses the legacy default stream. `unsafe` lives in the FFI shims, the ABI
-//! mirror, [`sock`] and [`gin::cuda`], each with its SAFETY reasoning.
+//! mirror, [`sock`], [`admit`] (getrandom) and [`gin::cuda`], each with its SAFETY reasoning.
 
 pub mod abi;
+pub mod admit;
 pub mod config;
 pub mod error;
 pub mod gin;

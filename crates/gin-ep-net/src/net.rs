@@ -3,7 +3,13 @@
 //!
 //! Owns: listen/connect/accept (non-blocking, with deadlines), one TCP connection per
 //! send/recv comm, the message framing, isend/irecv with tags and grouped receives, and
-//! progress inside `test`. Never: touches GPU memory (`ptrSupport` is HOST, so NCCL stages
+//! progress inside `test`.
+//!
+//! Admission: the listen handle carries a secret drawn from the OS's randomness
+//! ([`crate::admit`]); the connector's hello is {magic u64, secret 16 bytes}. `accept` keeps
+//! every connection whose hello is incomplete pending (each with its own short deadline) and
+//! drops one that sends anything else, closes, resets or stays silent, so a stranger can
+//! neither become the peer nor hold up the real one. Never: touches GPU memory (`ptrSupport` is HOST, so NCCL stages
 //! through host buffers), starts threads, or blocks NCCL's proxy thread on a socket.
 //!
 //! Framing: every isend becomes a 16-byte header {magic u32, tag i32, size u64, little
@@ -17,11 +23,12 @@ use std::collections::VecDeque;
 use std::ffi::{c_int, c_void};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::abi::*;
+use crate::admit::{Gate, Secret, SECRET_BYTES};
 use crate::config::Config;
 use crate::error::{ffi, Error, Result};
 use crate::sock;
@@ -29,6 +36,7 @@ use crate::sock;
 const HANDLE_MAGIC: u64 = 0x6769_6e65_702d_6e31; // "ginep-n1"
 const MSG_MAGIC: u32 = 0x474e_4554; // "GNET"
 const HDR: usize = 16;
+const HELLO_BYTES: usize = 8 + SECRET_BYTES;
 /// Most buffers in one grouped receive (NCCL asks for at most `maxRecvs`, which is 1).
 const MAX_GROUP: usize = 64;
 
@@ -37,14 +45,14 @@ pub struct NetCtx {
     pub config: Config,
 }
 
-/// The 128-byte listen handle: where to connect, which listener (nonce), and the
+/// The 128-byte listen handle: where to connect, the listener's admission secret, and the
 /// connector's in-progress state (NCCL passes the same handle memory to every `connect`
 /// call of one connection, and the listener writes 0 there).
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct NetHandle {
     magic: u64,
-    nonce: u64,
+    secret: Secret,
     family: u8,
     _pad: [u8; 5],
     port: u16,
@@ -54,11 +62,11 @@ struct NetHandle {
 const _: () = assert!(std::mem::size_of::<NetHandle>() <= NCCL_NET_HANDLE_MAXSIZE);
 
 impl NetHandle {
-    fn new(addr: SocketAddr, nonce: u64) -> NetHandle {
+    fn new(addr: SocketAddr, secret: Secret) -> NetHandle {
         let (family, bytes) = sock::ip_to_bytes(addr.ip());
         NetHandle {
             magic: HANDLE_MAGIC,
-            nonce,
+            secret,
             family,
             _pad: [0; 5],
             port: addr.port(),
@@ -80,26 +88,32 @@ impl NetHandle {
     }
 }
 
-fn new_nonce() -> u64 {
-    static COUNTER: AtomicU64 = AtomicU64::new(1);
-    let c = COUNTER.fetch_add(1, Ordering::Relaxed);
-    (u64::from(std::process::id()) << 32) ^ c ^ 0x5bd1_e995_0000_0000
+fn hello(secret: &Secret) -> [u8; HELLO_BYTES] {
+    let mut h = [0u8; HELLO_BYTES];
+    h[..8].copy_from_slice(&HANDLE_MAGIC.to_le_bytes());
+    h[8..].copy_from_slice(&secret.0);
+    h
 }
 
-fn hello(nonce: u64) -> [u8; 16] {
-    let mut h = [0u8; 16];
-    h[..8].copy_from_slice(&HANDLE_MAGIC.to_le_bytes());
-    h[8..].copy_from_slice(&nonce.to_le_bytes());
-    h
+/// Whether `h` is the hello of the listener with `secret` (the secret in constant time).
+fn check_hello(secret: &Secret, h: &[u8]) -> std::result::Result<(), String> {
+    let magic = u64::from_le_bytes(h[..8].try_into().unwrap());
+    if magic != HANDLE_MAGIC {
+        return Err(format!("not a hello of this plugin (first bytes {magic:#018x})"));
+    }
+    if !secret.matches(&h[8..HELLO_BYTES]) {
+        return Err("a hello with the wrong secret".into());
+    }
+    Ok(())
 }
 
 /// A listening endpoint; each accepted connection becomes one recv comm.
 pub struct ListenComm {
     listener: TcpListener,
-    nonce: u64,
+    secret: Secret,
     timeout: std::time::Duration,
-    /// Accepted, hello not complete yet: (stream, hello bytes, count).
-    pending: Option<(TcpStream, [u8; 16], usize)>,
+    /// Accepted connections whose hello is not complete yet.
+    gate: Gate,
     first_call: Option<Instant>,
 }
 
@@ -313,14 +327,14 @@ fn listen(ctx: &NetCtx) -> Result<(NetHandle, ListenComm)> {
     let l = sock::listen_on(ctx.config.ifaddr)
         .map_err(|e| Error::sys(format!("listen on {}: {e}", ctx.config.ifaddr)))?;
     let addr = l.local_addr().map_err(|e| Error::sys(format!("listen: {e}")))?;
-    let nonce = new_nonce();
+    let secret = Secret::random().map_err(|e| Error::sys(format!("listen: an admission secret: {e}")))?;
     Ok((
-        NetHandle::new(addr, nonce),
+        NetHandle::new(addr, secret),
         ListenComm {
             listener: l,
-            nonce,
+            secret,
             timeout: ctx.config.timeout,
-            pending: None,
+            gate: Gate::new(format!("net listener {addr}"), HELLO_BYTES, ctx.config.handshake),
             first_call: None,
         },
     ))
@@ -351,7 +365,7 @@ fn connect_step(ctx: &NetCtx, h: &mut NetHandle) -> Result<Option<SendComm>> {
                 )));
             }
             if let Some(s) = st.stream.as_ref() {
-                let hello = hello(h.nonce);
+                let hello = hello(&h.secret);
                 match sock::send_some(s.as_raw_fd(), &hello[st.sent..]) {
                     Ok(n) => st.sent += n,
                     Err(e) => return Err(Error::remote(format!("connect to {addr}: {e}"))),
@@ -399,49 +413,30 @@ fn connect_step(ctx: &NetCtx, h: &mut NetHandle) -> Result<Option<SendComm>> {
 
 fn accept_step(l: &mut ListenComm) -> Result<Option<RecvComm>> {
     let started = *l.first_call.get_or_insert_with(Instant::now);
-    let me = l.listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
-    if started.elapsed() > l.timeout {
-        return Err(Error::remote(format!(
-            "accept on {me}: no peer connected within {:?} ({})",
-            l.timeout,
-            crate::config::ENV_TIMEOUT
-        )));
-    }
-    if l.pending.is_none() {
-        match l.listener.accept() {
-            Ok((s, _)) => {
-                s.set_nonblocking(true)
-                    .and_then(|_| s.set_nodelay(true))
-                    .map_err(|e| Error::sys(format!("accept on {me}: {e}")))?;
-                l.pending = Some((s, [0; 16], 0));
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
-            Err(e) => return Err(Error::sys(format!("accept on {me}: {e}"))),
+    let secret = l.secret;
+    let admitted = l
+        .gate
+        .step(&l.listener, &mut |h: &[u8]| check_hello(&secret, h))
+        .map_err(|e| {
+            let me = l.listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
+            Error::sys(format!("accept on {me}: {e}"))
+        })?;
+    let Some(a) = admitted else {
+        if started.elapsed() > l.timeout {
+            let me = l.listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
+            return Err(Error::remote(format!(
+                "accept on {me}: no peer connected within {:?} ({}){}",
+                l.timeout,
+                crate::config::ENV_TIMEOUT,
+                l.gate.note()
+            )));
         }
-    }
-    let (s, buf, got) = l.pending.as_mut().unwrap();
-    while *got < buf.len() {
-        match sock::recv_some(s.as_raw_fd(), &mut buf[*got..]) {
-            Ok(None) => return Ok(None),
-            Ok(Some(0)) => {
-                l.pending = None; // a stray connection that left; wait for the real one
-                return Ok(None);
-            }
-            Ok(Some(n)) => *got += n,
-            Err(e) => return Err(Error::remote(format!("accept on {me}: {e}"))),
-        }
-    }
-    let (s, buf, _) = l.pending.take().unwrap();
-    if buf != hello(l.nonce) {
-        return Err(Error::remote(format!(
-            "accept on {me}: a peer sent a hello for another listener"
-        )));
-    }
-    let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        return Ok(None);
+    };
     Ok(Some(RecvComm {
         shared: Shared {
-            label: format!("net recv from {peer}"),
-            stream: s,
+            label: format!("net recv from {}", a.peer),
+            stream: a.stream,
             error: Mutex::new(None),
         },
         state: Mutex::new(RecvState::default()),

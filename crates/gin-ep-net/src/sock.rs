@@ -61,6 +61,20 @@ pub fn poll_one(fd: RawFd, events: i16, ms: i32) -> io::Result<bool> {
     Ok(rc > 0)
 }
 
+/// poll(2) several descriptors up to `ms`; the number ready (0 on timeout or a signal).
+pub fn poll_many(fds: &mut [libc::pollfd], ms: i32) -> io::Result<usize> {
+    // SAFETY: `fds` is a valid array of `fds.len()` pollfds.
+    let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+    if rc < 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::Interrupted {
+            return Ok(0);
+        }
+        return Err(e);
+    }
+    Ok(rc as usize)
+}
+
 /// One non-blocking send; `Ok(0)` when the socket buffer is full.
 pub fn send_some(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
     if buf.is_empty() {

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use nccl_net_ginep::abi::*;
+use nccl_net_ginep::admit::{Secret, SECRET_BYTES};
 use nccl_net_ginep::gin::wire::{self, GinHandle, Header, Kind, SignalAction, HEADER_BYTES};
 
 const GUARD: usize = 256;
@@ -56,7 +57,13 @@ fn setup() -> Setup {
         ok((g.listen)(ctx, 0, h0.as_mut_ptr().cast(), &mut l), "listen");
     }
     let lis = TcpListener::bind("127.0.0.1:0").unwrap();
-    let mine = GinHandle::new(lis.local_addr().unwrap(), 0xabc, 0x1111, 999_999);
+    let mine = GinHandle::new(
+        lis.local_addr().unwrap(),
+        Secret([0xab; SECRET_BYTES]),
+        7,
+        0x1111,
+        999_999,
+    );
     let mut h1 = [0u8; NCCL_NET_HANDLE_MAXSIZE];
     // SAFETY: GinHandle fits in the 128-byte buffer.
     unsafe { std::ptr::write_unaligned(h1.as_mut_ptr().cast::<GinHandle>(), mine) };
@@ -82,11 +89,14 @@ fn setup() -> Setup {
         P(coll as usize)
     });
     let mut tx = TcpStream::connect(theirs.socket_addr().unwrap()).unwrap();
-    tx.write_all(&wire::hello(theirs.nonce, 1, 2)).unwrap();
+    tx.write_all(&wire::hello(&theirs.secret, 1, 2)).unwrap();
     let (mut rx, _) = lis.accept().unwrap();
     let mut hb = [0u8; wire::HELLO_BYTES];
     rx.read_exact(&mut hb).unwrap();
-    assert_eq!(wire::parse_hello(&hb).unwrap(), (0xabc, 0, 2));
+    assert_eq!(
+        wire::parse_hello(&hb).unwrap(),
+        (Secret([0xab; SECRET_BYTES]), 0, 2)
+    );
     let coll = plugin.join().unwrap();
     let mem = Buf::new(GUARD + REG + GUARD);
     mem.fill(|_| 0xAA);

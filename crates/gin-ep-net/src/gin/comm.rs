@@ -497,11 +497,26 @@ impl Coll {
                     self.peers[from as usize].label
                 ))
             })?;
-            let m = RegMsg::decode(&payload)
-                .map_err(|e| self.fail(format!("regMrSym #{id}: fd exchange: {e}")))?;
-            if m.mesh != self.mesh || m.from_rank as usize >= self.nranks || fds.len() > 1 {
+            // The socket's name is public: a message without this mesh's key is a stranger's,
+            // dropped (its descriptors closed) without ending the exchange.
+            let m = match RegMsg::decode(&payload) {
+                Ok(m) if m.mesh == self.mesh => m,
+                Ok(_) => {
+                    crate::admit::note_stranger(
+                        &self.label,
+                        None,
+                        "an fd-exchange message without this mesh's key",
+                    );
+                    continue;
+                }
+                Err(e) => {
+                    crate::admit::note_stranger(&self.label, None, &format!("an fd-exchange message: {e}"));
+                    continue;
+                }
+            };
+            if m.from_rank as usize >= self.nranks || fds.len() > 1 {
                 return Err(self.fail(format!(
-                    "regMrSym #{id}: fd-exchange message for another context or malformed (rank {}, {} fds)",
+                    "regMrSym #{id}: a malformed fd-exchange message with this mesh's key (rank {}, {} fds)",
                     m.from_rank,
                     fds.len()
                 )));

@@ -3,8 +3,10 @@
 //! per `collComm`; v13's `createContext` adds contexts (lanes) to a `collComm`, and NCCL 2.30
 //! drives the v13 table as its RMA backend.
 //!
-//! Owns: listen (a TCP listener and an fd-exchange socket per context), connect (the full
-//! mesh, collective, with a deadline), the choice of data path per peer, teardown, and the
+//! Owns: listen (a TCP listener with its admission secret and an fd-exchange socket per
+//! context), connect (the full mesh, collective, with a deadline; each incoming connection
+//! admitted only once its hello carries the listener's secret, strangers dropped without
+//! holding up the mesh, [`crate::admit`]), the choice of data path per peer, teardown, and the
 //! extern "C" shims. The context's state and operations live in `comm.rs`, the threads in
 //! `worker.rs`, the byte layouts in `wire.rs`, the driver calls in `cuda.rs`. Never: runs a
 //! kernel, uses the legacy default stream, or blocks NCCL's progress thread (`iput`,
@@ -25,6 +27,7 @@ use std::time::{Duration, Instant};
 use gin_ep_sys::fdpass::FdListener;
 
 use crate::abi::*;
+use crate::admit::{self, Gate, Secret};
 use crate::config::{host_id, Config, GinPath};
 use crate::error::{ffi, Error, Result};
 use crate::sock;
@@ -53,8 +56,10 @@ pub fn listen(ctx: &GinCtx) -> Result<GinListen> {
         .local_addr()
         .map_err(|e| Error::sys(format!("GIN listen: {e}")))?;
     let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-    let nonce = (u64::from(std::process::id()) << 32) ^ seq ^ (host_id() << 7);
-    let handle = GinHandle::new(addr, nonce, host_id(), seq);
+    let random = |what: &str, e: std::io::Error| Error::sys(format!("GIN listen: {what}: {e}"));
+    let secret = Secret::random().map_err(|e| random("an admission secret", e))?;
+    let mesh_key = admit::random_u64().map_err(|e| random("a mesh key", e))?;
+    let handle = GinHandle::new(addr, secret, mesh_key, host_id(), seq);
     let fd =
         FdListener::bind(&handle.fd_socket_name()).map_err(|e| Error::sys(format!("GIN listen: {e}")))?;
     Ok(GinListen {
@@ -102,39 +107,66 @@ pub fn connect(l: &GinListen, handles: &[GinHandle], rank: usize) -> Result<Arc<
             .map_err(|e| Error::remote(format!("{label}: connect to {}: {e}", labels[r])))?;
         sock::write_all(
             s.as_raw_fd(),
-            &wire::hello(h.nonce, rank as u32, nranks as u32),
+            &wire::hello(&h.secret, rank as u32, nranks as u32),
             deadline,
         )
         .map_err(|e| Error::remote(format!("{label}: hello to {}: {e}", labels[r])))?;
         tx[r] = Some(s);
     }
+    // Incoming: one admitted connection from each peer. A connection whose hello lacks this
+    // listener's secret is a stranger's: dropped (its own short deadline), never waited for.
     let mut rx: Vec<Option<std::net::TcpStream>> = (0..nranks).map(|_| None).collect();
+    let me_addr = l.tcp.local_addr().map(|a| a.to_string()).unwrap_or_default();
+    let mut gate = Gate::new(
+        format!("{label}: GIN listener {me_addr}"),
+        HELLO_BYTES,
+        config.handshake,
+    );
+    let secret = l.handle.secret;
+    let mut check = |h: &[u8]| -> std::result::Result<(u32, u32), String> {
+        let (s, from, n) = wire::parse_hello(h)?;
+        if !s.matches(&secret.0) {
+            return Err("a hello with the wrong secret".into());
+        }
+        Ok((from, n))
+    };
     for _ in 0..nranks - 1 {
-        let s = sock::accept_by(&l.tcp, deadline).map_err(|e| {
+        let a = gate.wait(&l.tcp, deadline, &mut check).map_err(|e| {
             let missing: Vec<String> = (0..nranks)
                 .filter(|&r| r != rank && rx[r].is_none())
                 .map(|r| labels[r].clone())
                 .collect();
-            Error::remote(format!("{label}: waiting for {}: {e}", missing.join(", ")))
+            Error::remote(format!(
+                "{label}: waiting for {}: {e}{}",
+                missing.join(", "),
+                gate.note()
+            ))
         })?;
-        let mut hb = [0u8; HELLO_BYTES];
-        sock::read_exact(s.as_raw_fd(), &mut hb, deadline)
-            .map_err(|e| Error::remote(format!("{label}: reading a hello: {e}")))?;
-        let (nonce, from, n) = wire::parse_hello(&hb).map_err(|e| Error::remote(format!("{label}: {e}")))?;
+        // The secret is proven: the connection comes from a process holding the handles, so
+        // a claim that does not fit this mesh is that process's error, not a stranger's.
+        let (from, n) = a.value;
         let from = from as usize;
-        if nonce != l.handle.nonce || n as usize != nranks || from >= nranks || from == rank {
+        if n as usize != nranks || from >= nranks || from == rank {
             return Err(Error::remote(format!(
-                "{label}: a hello from rank {from} of {n} for another listener or mesh"
+                "{label}: the connection from {} proved the secret but claims rank {from} of {n}",
+                a.peer
             )));
         }
         if rx[from].is_some() {
             return Err(Error::remote(format!(
-                "{label}: two connections claim to be {}",
-                labels[from]
+                "{label}: two connections claim to be {} (the second from {})",
+                labels[from], a.peer
             )));
         }
-        rx[from] = Some(s);
+        rx[from] = Some(a.stream);
     }
+    if gate.dropped() > 0 {
+        crate::info!(
+            "{label}: mesh formed; {} connection(s) without this listener's secret were dropped",
+            gate.dropped()
+        );
+    }
+    drop(gate);
     let me = host_id();
     let mut peers = Vec::with_capacity(nranks);
     for (r, h) in handles.iter().enumerate() {
@@ -171,7 +203,7 @@ pub fn connect(l: &GinListen, handles: &[GinHandle], rank: usize) -> Result<Arc<
         label.clone(),
         rank,
         nranks,
-        handles[0].nonce,
+        handles[0].mesh_key,
         config,
         peers,
         fd,

@@ -14,13 +14,14 @@
 use std::net::SocketAddr;
 
 use crate::abi::{NCCL_NET_HANDLE_MAXSIZE, NCCL_NET_SIGNAL_OP_ADD, NCCL_NET_SIGNAL_OP_INC};
+use crate::admit::{Secret, SECRET_BYTES};
 
 pub const HANDLE_MAGIC: u64 = 0x6769_6e65_702d_6731; // "ginep-g1"
 pub const HELLO_MAGIC: u64 = 0x6769_6e65_702d_6831; // "ginep-h1"
 pub const FRAME_MAGIC: u32 = 0x4749_4e46; // "GINF"
 pub const REG_MAGIC: u32 = 0x4749_4e52; // "GINR"
 pub const HEADER_BYTES: usize = 48;
-pub const HELLO_BYTES: usize = 24;
+pub const HELLO_BYTES: usize = 16 + SECRET_BYTES;
 pub const REG_MSG_BYTES: usize = 64;
 
 /// The GIN listen handle NCCL allgathers (fits in NCCL_NET_HANDLE_MAXSIZE).
@@ -28,8 +29,8 @@ pub const REG_MSG_BYTES: usize = 64;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GinHandle {
     pub magic: u64,
-    /// Identifies the listener: a hello must name it.
-    pub nonce: u64,
+    /// The listener's admission secret: a hello must carry it.
+    pub secret: Secret,
     pub family: u8,
     pub _pad: u8,
     pub port: u16,
@@ -40,15 +41,18 @@ pub struct GinHandle {
     pub host_id: u64,
     /// Suffix of the abstract Unix socket name of the fd exchange (`fd_socket_name`).
     pub uds_seq: u64,
+    /// Random; rank 0's is the mesh key every fd-exchange message of the mesh carries (the
+    /// socket names are public, so a message without it is a stranger's).
+    pub mesh_key: u64,
 }
 const _: () = assert!(std::mem::size_of::<GinHandle>() <= NCCL_NET_HANDLE_MAXSIZE);
 
 impl GinHandle {
-    pub fn new(addr: SocketAddr, nonce: u64, host_id: u64, uds_seq: u64) -> GinHandle {
+    pub fn new(addr: SocketAddr, secret: Secret, mesh_key: u64, host_id: u64, uds_seq: u64) -> GinHandle {
         let (family, bytes) = crate::sock::ip_to_bytes(addr.ip());
         GinHandle {
             magic: HANDLE_MAGIC,
-            nonce,
+            secret,
             family,
             _pad: 0,
             port: addr.port(),
@@ -56,6 +60,7 @@ impl GinHandle {
             addr: bytes,
             host_id,
             uds_seq,
+            mesh_key,
         }
     }
 
@@ -74,26 +79,31 @@ impl GinHandle {
     }
 }
 
-/// The first bytes on a connection: who connects, to which listener, in which mesh size.
-pub fn hello(listener_nonce: u64, from_rank: u32, nranks: u32) -> [u8; HELLO_BYTES] {
+/// The first bytes on a connection: {magic u64, from rank u32, nranks u32, the listener's
+/// secret}: who connects, in which mesh size, and the proof that it got the handle.
+pub fn hello(listener_secret: &Secret, from_rank: u32, nranks: u32) -> [u8; HELLO_BYTES] {
     let mut h = [0u8; HELLO_BYTES];
     h[0..8].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
-    h[8..16].copy_from_slice(&listener_nonce.to_le_bytes());
-    h[16..20].copy_from_slice(&from_rank.to_le_bytes());
-    h[20..24].copy_from_slice(&nranks.to_le_bytes());
+    h[8..12].copy_from_slice(&from_rank.to_le_bytes());
+    h[12..16].copy_from_slice(&nranks.to_le_bytes());
+    h[16..].copy_from_slice(&listener_secret.0);
     h
 }
 
-/// Parses a hello: (listener nonce, from rank, nranks).
-pub fn parse_hello(h: &[u8; HELLO_BYTES]) -> Result<(u64, u32, u32), String> {
+/// Parses a hello: (the secret it carries, from rank, nranks). Compare the secret with
+/// `Secret::matches` or `==` (both constant time).
+pub fn parse_hello(h: &[u8]) -> Result<(Secret, u32, u32), String> {
+    if h.len() != HELLO_BYTES {
+        return Err(format!("a hello of {} bytes (expected {HELLO_BYTES})", h.len()));
+    }
     let magic = u64::from_le_bytes(h[0..8].try_into().unwrap());
     if magic != HELLO_MAGIC {
-        return Err(format!("bad hello (magic {magic:#x})"));
+        return Err(format!("not a hello of this plugin (first bytes {magic:#018x})"));
     }
     Ok((
-        u64::from_le_bytes(h[8..16].try_into().unwrap()),
-        u32::from_le_bytes(h[16..20].try_into().unwrap()),
-        u32::from_le_bytes(h[20..24].try_into().unwrap()),
+        Secret(h[16..].try_into().unwrap()),
+        u32::from_le_bytes(h[8..12].try_into().unwrap()),
+        u32::from_le_bytes(h[12..16].try_into().unwrap()),
     ))
 }
 
@@ -462,17 +472,23 @@ mod tests {
 
     #[test]
     fn handles_and_hellos() {
-        let h = GinHandle::new("10.1.2.3:4567".parse().unwrap(), 42, 7, 9);
+        let s = Secret([5; SECRET_BYTES]);
+        let h = GinHandle::new("10.1.2.3:4567".parse().unwrap(), s, 42, 7, 9);
         assert_eq!(h.socket_addr().unwrap().to_string(), "10.1.2.3:4567");
-        let h6 = GinHandle::new("[::1]:80".parse().unwrap(), 1, 1, 1);
+        let h6 = GinHandle::new("[::1]:80".parse().unwrap(), s, 1, 1, 1);
         assert_eq!(h6.socket_addr().unwrap().to_string(), "[::1]:80");
         let bad = GinHandle { magic: 0, ..h };
         assert!(bad.socket_addr().is_err());
-        let hb = hello(5, 2, 4);
-        assert_eq!(parse_hello(&hb), Ok((5, 2, 4)));
+        let hb = hello(&s, 2, 4);
+        assert_eq!(parse_hello(&hb), Ok((s, 2, 4)));
+        let mut other = hb;
+        other[HELLO_BYTES - 1] ^= 1;
+        let (got, _, _) = parse_hello(&other).unwrap();
+        assert_ne!(got, s, "a secret differing in its last bit compared equal");
         let mut broken = hb;
         broken[0] ^= 0xff;
         assert!(parse_hello(&broken).is_err());
+        assert!(parse_hello(&hb[..HELLO_BYTES - 1]).is_err());
     }
 
     #[test]
