@@ -101,30 +101,47 @@ fn fill_random(buf: &mut [u8]) -> io::Result<()> {
     Ok(())
 }
 
+/// At most one event per key and second.
+struct RateLimit<K> {
+    last: HashMap<K, Instant>,
+}
+
+impl<K: std::hash::Hash + Eq> RateLimit<K> {
+    fn new() -> Self {
+        RateLimit { last: HashMap::new() }
+    }
+
+    /// Whether an event for `key` at `now` may be reported.
+    fn allow(&mut self, key: K, now: Instant) -> bool {
+        let second = Duration::from_secs(1);
+        if self
+            .last
+            .get(&key)
+            .is_some_and(|t| now.duration_since(*t) < second)
+        {
+            return false;
+        }
+        if self.last.len() >= 4096 {
+            self.last.retain(|_, t| now.duration_since(*t) < second);
+        }
+        self.last.insert(key, now);
+        true
+    }
+}
+
 /// Logs a dropped connection, at most once per second per peer address (a stranger opening
 /// connections in a loop must not flood the log).
 pub fn note_stranger(listener: &str, peer: Option<SocketAddr>, why: &str) {
-    static LAST: OnceLock<Mutex<HashMap<Option<IpAddr>, Instant>>> = OnceLock::new();
-    let key = peer.map(|p| p.ip());
-    let now = Instant::now();
-    {
-        let mut last = LAST
-            .get_or_init(|| Mutex::new(HashMap::new()))
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        if last
-            .get(&key)
-            .is_some_and(|t| now.duration_since(*t) < Duration::from_secs(1))
-        {
-            return;
-        }
-        if last.len() >= 4096 {
-            last.retain(|_, t| now.duration_since(*t) < Duration::from_secs(1));
-        }
-        last.insert(key, now);
+    static LIMIT: OnceLock<Mutex<RateLimit<Option<IpAddr>>>> = OnceLock::new();
+    let allowed = LIMIT
+        .get_or_init(|| Mutex::new(RateLimit::new()))
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .allow(peer.map(|p| p.ip()), Instant::now());
+    if allowed {
+        let from = peer.map_or_else(|| "an unknown address".to_string(), |p| p.to_string());
+        crate::warn!("{listener}: dropped a connection from {from}: {why}");
     }
-    let from = peer.map_or_else(|| "an unknown address".to_string(), |p| p.to_string());
-    crate::warn!("{listener}: dropped a connection from {from}: {why}");
 }
 
 /// A connection whose hello passed `check`, with what `check` returned.
@@ -347,6 +364,106 @@ impl Gate {
                 })
                 .collect();
             sock::poll_many(&mut fds, ms.min(1000))?;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn secrets_are_random_and_compared_whole() {
+        let (a, b) = (Secret::random().unwrap(), Secret::random().unwrap());
+        assert_ne!(a.0, b.0, "two draws of 128 bits were equal");
+        assert_ne!(a.0, [0; SECRET_BYTES]);
+        assert!(a.matches(&a.0));
+        for i in 0..SECRET_BYTES {
+            let mut c = a.0;
+            c[i] ^= 0x80;
+            assert!(!a.matches(&c), "byte {i} was not compared");
+        }
+        assert!(!a.matches(&a.0[..SECRET_BYTES - 1]));
+        assert_eq!(format!("{a:?}"), "Secret(..)");
+    }
+
+    #[test]
+    fn the_stranger_log_allows_one_line_per_address_and_second() {
+        let mut r = RateLimit::new();
+        let t0 = Instant::now();
+        assert!(r.allow(1, t0));
+        assert!(!r.allow(1, t0 + Duration::from_millis(999)));
+        assert!(r.allow(2, t0 + Duration::from_millis(10)));
+        assert!(r.allow(1, t0 + Duration::from_millis(1000)));
+    }
+
+    /// A real listener: a silent stranger, a short hello, wrong bytes and a reset are
+    /// dropped (and closed), the real peer is admitted, and a deadline error names them.
+    #[test]
+    fn gate_drops_strangers_and_admits_the_proven_peer() {
+        let l = sock::listen_on("127.0.0.1".parse().unwrap()).unwrap();
+        let addr = l.local_addr().unwrap();
+        let secret = Secret::random().unwrap();
+        let mut check = |h: &[u8]| {
+            if secret.matches(h) {
+                Ok(7u32)
+            } else {
+                Err("wrong secret".to_string())
+            }
+        };
+        let handshake = Duration::from_millis(300);
+        let mut gate = Gate::new("test listener".into(), SECRET_BYTES, handshake);
+        let silent = TcpStream::connect(addr).unwrap();
+        let mut short = TcpStream::connect(addr).unwrap();
+        short.write_all(&secret.0[..5]).unwrap();
+        let mut wrong = TcpStream::connect(addr).unwrap();
+        wrong.write_all(&[0x5a; SECRET_BYTES]).unwrap();
+        let reset = TcpStream::connect(addr).unwrap();
+        let linger = libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        };
+        // SAFETY: a valid socket and option value.
+        let rc = unsafe {
+            libc::setsockopt(
+                reset.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                (&linger as *const libc::linger).cast(),
+                std::mem::size_of::<libc::linger>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0);
+        drop(reset);
+        let mut real = TcpStream::connect(addr).unwrap();
+        real.write_all(&secret.0).unwrap();
+        let t0 = Instant::now();
+        let a = gate.wait(&l, t0 + Duration::from_secs(10), &mut check).unwrap();
+        assert!(t0.elapsed() < handshake, "the real peer waited behind strangers");
+        assert_eq!(a.value, 7);
+        assert_eq!(a.peer, real.local_addr().unwrap());
+        assert!(gate.dropped() >= 2, "wrong bytes and the reset: {}", gate.note());
+        // Nobody else proves the secret: the wait ends at its deadline, naming the strangers.
+        let e = gate
+            .wait(&l, Instant::now() + 2 * handshake, &mut check)
+            .err()
+            .expect("a stranger was admitted");
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(gate.dropped(), 4, "{}", gate.note());
+        let note = gate.note();
+        assert!(
+            note.contains("127.0.0.1:") && note.contains("4 connection(s)"),
+            "{note}"
+        );
+        for (what, mut s) in [("silent", silent), ("short", short), ("wrong", wrong)] {
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let mut b = [0u8; 1];
+            match s.read(&mut b) {
+                Ok(0) => {}
+                Err(e) if e.kind() == io::ErrorKind::ConnectionReset => {}
+                other => panic!("the {what} stranger's connection stayed open: {other:?}"),
+            }
         }
     }
 }

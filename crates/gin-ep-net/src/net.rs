@@ -88,6 +88,14 @@ impl NetHandle {
     }
 }
 
+/// The address a net listen handle (`NCCL_NET_HANDLE_MAXSIZE` bytes from `listen`) points
+/// to, for diagnostics and tests.
+pub fn handle_addr(handle: &[u8; NCCL_NET_HANDLE_MAXSIZE]) -> Result<SocketAddr> {
+    // SAFETY: NetHandle is plain old data no larger than the buffer; read unaligned.
+    let h = unsafe { std::ptr::read_unaligned(handle.as_ptr().cast::<NetHandle>()) };
+    h.socket_addr()
+}
+
 fn hello(secret: &Secret) -> [u8; HELLO_BYTES] {
     let mut h = [0u8; HELLO_BYTES];
     h[..8].copy_from_slice(&HANDLE_MAGIC.to_le_bytes());

@@ -139,6 +139,16 @@ pub fn mesh(n: usize) -> Vec<Rank> {
 
 /// `mesh` through the given table's functions.
 pub fn mesh_via(g: Setup, n: usize) -> Vec<Rank> {
+    mesh_hooked(g, n, |_| {})
+}
+
+/// `mesh_via`, calling `before_connect` with the listen handles once every rank listens and
+/// before any connects.
+pub fn mesh_hooked(
+    g: Setup,
+    n: usize,
+    before_connect: impl FnOnce(&[[u8; NCCL_NET_HANDLE_MAXSIZE]]),
+) -> Vec<Rank> {
     let mut ctxs = Vec::new();
     let mut lcomms = Vec::new();
     let mut handles = vec![[0u8; NCCL_NET_HANDLE_MAXSIZE]; n];
@@ -156,6 +166,7 @@ pub fn mesh_via(g: Setup, n: usize) -> Vec<Rank> {
         }
         ctxs.push(P(ctx as usize));
     }
+    before_connect(&handles);
     let hptrs: Vec<P> = handles.iter().map(|h| P(h.as_ptr() as usize)).collect();
     let colls: Vec<P> = std::thread::scope(|s| {
         let joins: Vec<_> = (0..n)
