@@ -1,4 +1,5 @@
-//! Strangers at the plugin's listeners (real sockets on loopback, ranks as threads): a
+//! Strangers at the plugin's listeners (real sockets on loopback, ranks as threads; GIN's
+//! fd-exchange sockets too, which same-host ranks use even for host memory): a
 //! connection that does not prove the listener's secret (forged or predicted hellos, silence,
 //! a short hello, wrong bytes, a close, a reset, many at once) is dropped and closed, never
 //! becomes a peer, never holds up the real one, and never fails the job; the real connections
@@ -416,6 +417,24 @@ fn gin_forged_and_predicted_hellos_cannot_write_into_a_rank() {
         guess.extend(nonce.to_le_bytes());
         guess.extend(h0.host_id.to_le_bytes());
         guess.resize(wire::HELLO_BYTES, 0);
+        // The fd exchange's socket names are public: junk and a registration message under
+        // the predicted mesh key (rank 0's old nonce) go to every rank's.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for (r, h) in hs.iter().enumerate() {
+            let forged = wire::RegMsg {
+                mesh: nonce,
+                from_rank: (1 - r) as u32,
+                reg_id: 0,
+                exported: false,
+                pid: hs[1 - r].pid,
+                alloc_base: 0,
+                alloc_size: 0,
+                offset: 0,
+                reg_size: 12345,
+            };
+            gin_ep_sys::fdpass::send(&h.fd_socket_name(), b"EVILEVIL", &[], deadline).unwrap();
+            gin_ep_sys::fdpass::send(&h.fd_socket_name(), &forged.encode(), &[], deadline).unwrap();
+        }
         for (what, hello) in [("the predicted hello", old), ("a guessed secret", guess)] {
             let mut s = TcpStream::connect(addr).unwrap();
             s.write_all(&hello).unwrap();
