@@ -336,6 +336,7 @@ fn listen(ctx: &NetCtx) -> Result<(NetHandle, ListenComm)> {
         .map_err(|e| Error::sys(format!("listen on {}: {e}", ctx.config.ifaddr)))?;
     let addr = l.local_addr().map_err(|e| Error::sys(format!("listen: {e}")))?;
     let secret = Secret::random().map_err(|e| Error::sys(format!("listen: an admission secret: {e}")))?;
+    crate::info!("net listening on {addr}");
     Ok((
         NetHandle::new(addr, secret),
         ListenComm {

@@ -60,6 +60,7 @@ pub fn listen(ctx: &GinCtx) -> Result<GinListen> {
     let secret = Secret::random().map_err(|e| random("an admission secret", e))?;
     let mesh_key = admit::random_u64().map_err(|e| random("a mesh key", e))?;
     let handle = GinHandle::new(addr, secret, mesh_key, host_id(), seq);
+    crate::info!("GIN listening on {addr}");
     let fd =
         FdListener::bind(&handle.fd_socket_name()).map_err(|e| Error::sys(format!("GIN listen: {e}")))?;
     Ok(GinListen {
