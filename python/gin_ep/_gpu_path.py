@@ -8,6 +8,7 @@ everything else. Never touches the host backend.
 import torch
 
 from . import _gpu, _native, _scales
+from ._handles import ht_handle, ll_handle
 from ._util import BF16 as _BF16, Tensor as _Tensor, check_rows as _check_rows, copy_into as _copy_into, \
     bias_pair as _bias_pair, pad_cached, pad_worst as _pad_worst, \
     round_up as _round_up, unsupported as _unsupported, HtState, LlState, state_of
@@ -52,16 +53,15 @@ class GpuPath:
             assert topk_idx is None and topk_weights is None
             st = state_of(handle, HtState, True, "dispatch")
             g.ht_tune(st.ep, self._ht_sms(config))
-            if st.fp8 != fp8:
-                raise _unsupported("cached dispatch with another dtype (BF16 vs FP8) than the handle's dispatch")
+            if hidden != st.hidden:
+                raise ValueError(f"x: hidden {hidden}, the handle's dispatch had {st.hidden}")
             xin, x_scales = xin.contiguous(), (x_scales.contiguous() if fp8 else None)
-            lease = g.ht_lend(st.ep)
-            st.ep.ht_dispatch_cached(_gpu.span(xin), st.native, x_scales=_gpu.span(x_scales),
-                                     recv_slab=lease.slab if lease else 0, stream=s)
-            if lease is not None:
-                recv = g.ht_lent_x(st.ep, lease, st.num_recv, hidden, fp8, torch.float32)
+            if st.fp8 == fp8:
+                recv = self._gpu_cached(st, xin, x_scales, hidden, fp8, s)
+            elif fp8:
+                recv = self._gpu_cached_fp8_on_bf16(st, xin, x_scales, hidden, s)
             else:
-                recv = g.ht_recv_x(st.ep, st.num_recv, hidden, fp8, torch.float32, s)
+                recv = self._gpu_cached_bf16_on_fp8(st, xin, hidden, s)
             if fp8:
                 recv = (recv[0], _scales.from_kernel(recv[1], form))
             recv = pad_cached(recv, max(num_worst_tokens, st.num_worst_tokens), fp8)
@@ -123,8 +123,42 @@ class GpuPath:
                 num_worst_tokens, nr, recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx, fp8)
             counts = []
         st = HtState(h, native, experts, k, max_tokens, hidden, fp8, num_worst_tokens)
-        handle = (st, None, None, recv_src_idx, in_rank, None)
+        handle = ht_handle(st, recv_src_idx, in_rank)
         return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, None
+
+    def _gpu_cached(self, st, xin, x_scales, hidden, fp8, s):
+        """One cached dispatch of rows in the handle's own dtype: `recv_x` (FP8: data and
+        f32 scales `[Nr, hidden/128]`), over a lent slab when one is free."""
+        g = self._gpu
+        lease = g.ht_lend(st.ep)
+        st.ep.ht_dispatch_cached(_gpu.span(xin), st.native, x_scales=_gpu.span(x_scales),
+                                 recv_slab=lease.slab if lease else 0, stream=s)
+        if lease is not None:
+            return g.ht_lent_x(st.ep, lease, st.num_recv, hidden, fp8, torch.float32)
+        return g.ht_recv_x(st.ep, st.num_recv, hidden, fp8, torch.float32, s)
+
+    def _gpu_cached_fp8_on_bf16(self, st, xin, x_scales, hidden, s):
+        """FP8 rows along a BF16 dispatch's handle: the HT window of a BF16 dispatch holds
+        2*hidden bytes a row, so each row's e4m3 bytes (hidden) and f32 scales (hidden/32
+        bytes) travel packed in one BF16 row, which the kernels move as opaque bytes."""
+        n, sb = xin.shape[0], x_scales.shape[1] * 4
+        packed = torch.zeros((n, 2 * hidden), dtype=torch.uint8, device=xin.device)
+        packed[:, :hidden] = xin
+        packed[:, hidden:hidden + sb] = x_scales.view(torch.uint8).view(n, sb)
+        rows = self._gpu_cached(st, packed.view(torch.bfloat16), None, hidden, False, s).view(torch.uint8)
+        return (rows[:, :hidden].contiguous().view(torch.float8_e4m3fn),
+                rows[:, hidden:hidden + sb].contiguous().view(torch.float32))
+
+    def _gpu_cached_bf16_on_fp8(self, st, xin, hidden, s):
+        """BF16 rows along an FP8 dispatch's handle: its window holds hidden bytes (plus
+        scales) a row, so each row's 2*hidden bytes travel in two cached FP8 dispatches
+        (pre-quantized: the kernels copy the bytes, unconverted) and are joined again."""
+        n = xin.shape[0]
+        b = xin.view(torch.uint8)
+        unused_scales = torch.zeros((n, hidden // _native.FP8_BLOCK), dtype=torch.float32, device=xin.device)
+        halves = [self._gpu_cached(st, b[:, i * hidden:(i + 1) * hidden].contiguous(), unused_scales, hidden,
+                                   True, s)[0].view(torch.uint8) for i in (0, 1)]
+        return torch.cat(halves, dim=1).view(torch.bfloat16)
 
     def _ht_sms(self, config) -> int:
         """CTAs of an HT dispatch or combine (a combine's CTAs that move your rows are
@@ -232,7 +266,7 @@ class GpuPath:
             _, native = ll.ll_dispatch(x_span, idx_span, n, False, *spans, _gpu.stream())
             st = LlState(ll, native, k, n, True)
             hook = None
-        handle = (st, layout_range, t, hidden, num_experts)
+        handle = ll_handle(st, layout_range, t, hidden, num_experts)
         return (data, scales) if use_fp8 else data, recv_count, handle, \
             EventOverlap(_gpu.CudaEvent() if async_finish else None), hook
 
@@ -241,7 +275,7 @@ class GpuPath:
         g = self._gpu
         st = state_of(handle, LlState, True, "low_latency_dispatch") if len(handle) == 5 else \
             state_of(None, LlState, True, "low_latency_dispatch")
-        _, _, t, hidden, num_experts = handle
+        t, hidden, num_experts = handle[2], handle[3], handle[4]
         if zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
         _gpu.check_cuda("x", x, torch.bfloat16, dim=3)

@@ -40,6 +40,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import _gpu
+from ._handles import LlHandle, ll_handle
 from .utils import EventOverlap
 
 # Dispatch states a Buffer remembers by token address. LL keeps two operations in flight
@@ -94,15 +95,16 @@ def _recall(buf, token: torch.Tensor) -> tuple:
 
 def traced_handle(handle) -> bool:
     """Whether `handle` came from a traced dispatch (slot 0 a token)."""
-    return isinstance(handle, (tuple, list)) and len(handle) == 5 and isinstance(handle[0], torch.Tensor)
+    return type(handle) is not LlHandle and isinstance(handle, (tuple, list)) and len(handle) == 5 \
+        and isinstance(handle[0], torch.Tensor)
 
 
 def eager_handle(buf, handle):
     """The eager form of a handle a traced dispatch returned (slot 0 a token), so a combine
     outside torch.compile takes it; any other handle as it is."""
     if traced_handle(handle):
-        st, _, t, hidden, num_experts = _recall(buf, handle[0])
-        return (st, handle[1], t, hidden, num_experts)
+        h = _recall(buf, handle[0])
+        return ll_handle(h.state, handle[1], h[2], h[3], h[4])
     return handle
 
 
@@ -159,7 +161,7 @@ def ll_dispatch(buffer: int, x: torch.Tensor, topk_idx: torch.Tensor, stats: Opt
     data, scales = recv_x if use_fp8 else (recv_x, torch.empty(0, dtype=torch.float32, device=x.device))
     token = torch.empty(1, dtype=torch.uint8, device=x.device)
     # Slot 1 (layout_range) is the op's output, not part of the state the others need.
-    _remember(buf, token, (handle[0], None) + tuple(handle[2:]))
+    _remember(buf, token, ll_handle(handle.state, None, handle[2], handle[3], handle[4]))
     return data, scales, recv_count, handle[1], token
 
 
@@ -179,7 +181,7 @@ def _(buffer, x, topk_idx, stats, num_max_dispatch_tokens_per_rank, num_experts,
 def ll_dispatch_recv(buffer: int, token: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
                      recv_count: torch.Tensor, layout_range: torch.Tensor, stats: Optional[torch.Tensor]) -> None:
     buf = _buffer(buffer)
-    st = _recall(buf, token)[0]
+    st = _recall(buf, token).state
     buf._ll_dispatch_recv(st, data, scales if scales.numel() else None, recv_count, layout_range, stats)
 
 
@@ -222,7 +224,7 @@ def _(buffer, x, topk_idx, topk_weights, token, hook):
 def ll_combine_recv(buffer: int, token: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                     combined: torch.Tensor) -> None:
     buf = _buffer(buffer)
-    st = _recall(buf, token)[0]
+    st = _recall(buf, token).state
     buf._ll_combine_recv(st, _gpu.as_i64(topk_idx), _gpu.as_f32(topk_weights), combined)
 
 

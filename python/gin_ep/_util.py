@@ -9,7 +9,7 @@ Tensor, BF16 = torch.Tensor, torch.bfloat16
 
 
 class HtState:
-    """Slot 0 of an HT handle, host or GPU: the `_native.Ep` of the dispatch, its native
+    """The state an HT handle (`_handles.HtHandle`) carries, host or GPU: the `_native.Ep` of the dispatch, its native
     handle, and the dispatch's shape."""
 
     __slots__ = ("ep", "native", "experts", "topk", "max_tokens", "hidden", "fp8", "num_recv", "num_tokens",
@@ -30,7 +30,7 @@ class HtState:
 
 
 class LlState:
-    """Slot 0 of an LL handle, host or GPU: the `_native.Ep` of the shape and the native
+    """The state an LL handle (`_handles.LlHandle`) carries, host or GPU: the `_native.Ep` of the shape and the native
     handle (its buffer set and dispatch number, which the Ep checks). `cuda`: the Ep's
     backend, kept here because the LL paths read it per call (a native getter costs more)."""
 
@@ -45,8 +45,8 @@ class LlState:
 
 
 def state_of(handle, cls, cuda: bool, what: str):
-    """Slot 0 of a handle of `cls` made on the GPU (`cuda`) or on the host, or a TypeError."""
-    st = handle[0] if isinstance(handle, (tuple, list)) and len(handle) > 0 else None
+    """The state of a handle of `cls` made on the GPU (`cuda`) or on the host, or a TypeError."""
+    st = getattr(handle, "state", None) if isinstance(handle, tuple) else None
     if not isinstance(st, cls) or st.cuda != cuda:
         raise TypeError(f"handle: expected the handle returned by gin_ep.Buffer.{what} "
                         f"({'GPU' if cuda else 'CPU tensors'})")

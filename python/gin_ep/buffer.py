@@ -32,6 +32,7 @@ import torch.distributed as dist
 from . import _bootstrap, _by_rank, _gpu, _native, _ops, _ue8m0
 from ._gpu_path import GpuPath
 from ._host_path import HostPath
+from ._handles import LlHandle
 from ._util import Tensor as _Tensor, refuse_keywords, round_up as _round_up, unsupported as _unsupported, LlState
 from .utils import CompletedEvent, EventOverlap
 
@@ -684,10 +685,10 @@ class Buffer(GpuPath, HostPath):
         return self._ll_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out)
 
     def _ll_combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out):
-        st = handle[0] if type(handle) is tuple and handle else None
+        st = handle.state if type(handle) is LlHandle else None
         if type(st) is not LlState:  # a traced dispatch's handle, or not a handle (checked below)
             handle = _ops.eager_handle(self, handle)
-            st = handle[0] if isinstance(handle, (tuple, list)) and handle else None
+            st = handle.state if type(handle) is LlHandle else None
         if isinstance(st, LlState) and st.cuda:
             if async_finish and not return_recv_hook:
                 return _gpu.ll_on_comm_stream(
@@ -704,11 +705,11 @@ class Buffer(GpuPath, HostPath):
         """The `[L, R*T, H]` bf16 tensor a `zero_copy=True` LL combine reads (filled by
         the caller)."""
         self._live()
-        _, _, t, hidden, num_experts = handle
+        t, hidden, num_experts = handle[2], handle[3], handle[4]
         shape = (num_experts // self.group_size, self.group_size * t, hidden)
         buf = self._ll_comb_bufs.get(shape)
         if buf is None:
-            st = handle[0]
+            st = handle.state if type(handle) is LlHandle else handle[0]
             dev = st.device if isinstance(st, torch.Tensor) else \
                 torch.device("cuda", self._gpu.device) if isinstance(st, LlState) and st.cuda else "cpu"
             buf = torch.zeros(shape, dtype=torch.bfloat16, device=dev)

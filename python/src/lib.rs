@@ -712,6 +712,20 @@ impl PyEp {
         guard(|| self.ep.ht_region(which, slab).map_err(to_py))
     }
 
+    /// GPU: device address and byte size of `handle`'s `src_offset[R + 1]` u32 (the first
+    /// receive row of each source rank, then the row count), device memory the handle holds.
+    fn ht_src_offset_region(&self, handle: &PyHtHandle) -> PyResult<(u64, usize)> {
+        let h = handle.of_ep()?;
+        guard(|| self.ep.ht_src_offset_region(h).map_err(to_py))
+    }
+
+    /// GPU: device address and byte size of the `[L, R*T]` i32 source token of each row
+    /// `handle`'s LL dispatch received (DeepEP's `src_info`), in the handle's buffer set.
+    fn ll_src_token_region(&self, handle: &PyLlHandle) -> PyResult<(u64, usize)> {
+        let h = handle.of_ep()?;
+        guard(|| self.ep.ll_src_token_region(h).map_err(to_py))
+    }
+
     /// GPU: sets the HT kernels' CTA count for the next operations (every rank the same).
     fn ht_set_sms(&self, num_sms: u32) -> PyResult<()> {
         guard(|| self.ep.ht_set_sms(num_sms).map_err(to_py))

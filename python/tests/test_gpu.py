@@ -152,16 +152,16 @@ def ht_worker(rank, world):
                               bias=(b_of(rank, 0).to(dev), b_of(rank, 1).to(dev)))
     same_bits("combined_x along a later handle", cpu(out_x), from_bytes(cx, torch.bfloat16, (tokens[rank], HIDDEN)))
     # The first handle, the FP8 dispatch's and the two later ones each hold a layout slot.
-    assert handle[0].ep.ht_layout_slots()[0] >= 3, handle[0].ep.ht_layout_slots()
+    assert handle.state.ep.ht_layout_slots()[0] >= 3, handle.state.ep.ht_layout_slots()
     del later
 
     # Lent receive slabs (Buffer's default ht_recv_slabs=2): the first BF16 dispatch and the
     # cached one were received into slabs 1 and 2 and returned as tensors over them; the
     # last fresh dispatch found none free and copied its rows out. Both held results must
     # be intact after the later dispatches into the other slabs.
-    free = buf._gpu.ht_free[handle[0].ep]
+    free = buf._gpu.ht_free[handle.state.ep]
     assert free == [], free
-    assert handle[3].data_ptr() == handle[0].ep.ht_region("recv_src", 1)[0], \
+    assert handle[3].data_ptr() == handle.state.ep.ht_region("recv_src", 1)[0], \
         "the handle's recv_src_idx is a view of slab 1" 
     same_bits("recv_x, still held", cpu(recv_x), from_bytes(rb, torch.bfloat16, (nr, HIDDEN)))
     same_bits("recv_topk_idx, still held", cpu(recv_idx), from_bytes(ridx, torch.int64, (nr, TOPK)))

@@ -570,6 +570,22 @@ impl Ep {
         }
     }
 
+    /// GPU: device address and size of `handle`'s `src_offset[R + 1]` u32 (the first receive
+    /// row of each source rank, then the row count), in the device memory the handle holds
+    /// (valid as long as the handle; stream-ordered after its dispatch). The host backend's
+    /// handle carries it (`HtHandle::routing`).
+    pub fn ht_src_offset_region(&self, handle: &HtHandle) -> Result<(u64, usize)> {
+        self.own_ht(handle)?;
+        match (&mut self.state().engine, &handle.inner) {
+            (Engine::Cuda(c), HtInner::Device(h)) => c.ht_src_offset(h),
+            (Engine::Host(_), HtInner::Host(_)) => Err(Error::input(
+                "HT src_offset region",
+                "the host backend has no device memory (the handle's routing holds src_offset)",
+            )),
+            _ => Err(backend_mismatch("HT handle")),
+        }
+    }
+
     /// Rows per local expert of `handle`'s dispatch, aligned (GPU: exact sizing reads them
     /// at once, static sizing after a host wait).
     pub fn ht_recv_counts(&self, handle: &HtHandle, stream: Stream) -> Result<Vec<usize>> {
@@ -775,6 +791,22 @@ impl Ep {
         }
         st.ll.dispatch_recv_owed[handle.set] = None;
         Ok(())
+    }
+
+    /// GPU: device address and size of the `[L, R*T]` i32 source token of each row
+    /// `handle`'s dispatch received (DeepEP's LL `src_info`; -1 or stale past each expert's
+    /// count). It lives in the handle's buffer set, so it is valid as long as the handle.
+    /// The host backend's handle carries it (`LlHandle::routing`).
+    pub fn ll_src_token_region(&self, handle: &LlHandle) -> Result<(u64, usize)> {
+        let mut st = self.state();
+        self.ll_check(&st, handle)?;
+        match &mut st.engine {
+            Engine::Cuda(c) => c.ll_src_token(handle.set),
+            Engine::Host(_) => Err(Error::input(
+                "LL src_token region",
+                "the host backend has no device buffers (the handle's routing holds the source tokens)",
+            )),
+        }
     }
 
     /// LL combine of the expert outputs for `handle`'s dispatch, `half` = `Both` or `Send`

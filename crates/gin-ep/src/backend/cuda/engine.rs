@@ -266,6 +266,13 @@ impl CudaEngine {
         rank.run(stream, |r| h.recv_counts(r, handle))
     }
 
+    /// Device address and bytes of `handle`'s `src_offset[R + 1]`
+    /// ([`CudaHt::src_offset_region`]).
+    pub fn ht_src_offset(&mut self, handle: &HtGpuHandle) -> Result<(u64, usize)> {
+        let (_, h) = self.ht()?;
+        h.src_offset_region(handle)
+    }
+
     /// HT combine along `handle` (weights reduced when `io.out_w` is given).
     pub fn ht_combine(&mut self, stream: u64, handle: &HtGpuHandle, io: HtCombineSpans) -> Result<()> {
         let extras = CombineExtras {
@@ -348,6 +355,13 @@ impl CudaEngine {
     }
 
     /// LL dispatch `half` on buffer set `set` (the caller, `Ep`, owns set choice).
+    /// Device address and bytes of LL buffer set `set`'s source tokens
+    /// ([`CudaLl::src_token_region`]).
+    pub fn ll_src_token(&mut self, set: usize) -> Result<(u64, usize)> {
+        let (_, l) = self.ll()?;
+        l.src_token_region(set)
+    }
+
     pub fn ll_dispatch(
         &mut self,
         stream: u64,

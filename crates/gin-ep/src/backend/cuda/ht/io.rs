@@ -391,6 +391,18 @@ impl CudaHt {
         Ok(plan[at..at + l_n].iter().map(|&v| v as usize).collect())
     }
 
+    /// Device address and bytes of `handle`'s `src_offset[R + 1]` (u32, in its layout
+    /// slot's plan): the first receive row of each source rank, then the row count. The
+    /// layout kernel writes it before the dispatch kernel runs (stream order).
+    pub fn src_offset_region(&self, handle: &HtGpuHandle) -> Result<(u64, usize)> {
+        let slot = self.check_handle(handle)?;
+        let r = self.slots[slot]
+            .plan
+            .region()
+            .sub(PLAN_HEAD * 4, (self.cfg.ranks + 1) * 4)?;
+        Ok((r.ptr, r.bytes))
+    }
+
     /// Receive rows of the last fresh dispatch after [`CudaHt::sync`].
     pub fn num_recv(&self) -> usize {
         self.plan_host.read()[super::abi::K_PLAN_NUM_RECV as usize] as usize

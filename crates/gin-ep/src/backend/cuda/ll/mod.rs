@@ -556,6 +556,14 @@ impl CudaLl {
         &self.layout
     }
 
+    /// Device address and bytes of `set`'s `[L, R*T]` i32 source tokens: the token index,
+    /// on its source rank, of each row the set's last dispatch received (DeepEP's LL
+    /// `src_info`). The set's next dispatch rewrites it.
+    pub fn src_token_region(&self, set: usize) -> Result<(u64, usize)> {
+        let r = self.set(set)?.src_token.region();
+        Ok((r.ptr, r.bytes))
+    }
+
     fn set(&self, set: usize) -> Result<&SetBuffers> {
         self.sets
             .get(set)
