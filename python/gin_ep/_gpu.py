@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from . import _native
+from . import _handles, _native
 from ._bootstrap import fields_of
 from .utils import EventOverlap
 
@@ -254,6 +254,8 @@ class Gpu:
         # the bit of a peer that missed a deadline.
         self.ll_mask_word = None
         self.ll_shrink = False
+        self.ll_src_infos = {}
+        self.ht_prefix_views = {}
 
     # -------------------------------------------------------------- HT
 
@@ -345,6 +347,17 @@ class Gpu:
         h.ht_copy_out("recv_scales", (sc.data_ptr(), nbytes(sc)), s)
         return data.view(torch.float8_e4m3fn), sc.view(scale_dtype)
 
+    def ht_rank_prefix(self, h, native) -> torch.Tensor:
+        """The `rank_prefix_matrix` view of HT dispatch `native` of `h`: its src_offset lives in
+        the layout slot its handle holds, so one view per slot address serves every dispatch
+        that takes the slot."""
+        ptr = h.ht_src_offset_region(native)[0]
+        views = self.ht_prefix_views.setdefault(h, {})
+        v = views.get(ptr)
+        if v is None:
+            v = views[ptr] = _handles.device_rank_prefix(h, native, self.group_size)
+        return v
+
     def ht_out(self, h, which, shape, dtype, s):
         out = empty(shape, dtype, torch.device("cuda", self.device))
         h.ht_copy_out(which, (out.data_ptr(), nbytes(out)), s)
@@ -403,6 +416,15 @@ class Gpu:
         if self.ll_mask_word is not None:
             self.ll_mask_word.zero_()
         torch.cuda.synchronize(self.device)
+
+    def ll_src_info(self, l, set_, native, local, rows) -> torch.Tensor:
+        """The `[L, R*T]` int32 src_info of LL `_native.Ep` `l`'s buffer set `set_`: a view of
+        the set's source tokens, made on the set's first dispatch (`native`), which every
+        dispatch on the set rewrites."""
+        views = self.ll_src_infos.setdefault(l, [None, None])
+        if views[set_] is None:
+            views[set_] = _handles.device_src_info(l, native, local, rows)
+        return views[set_]
 
     def ll_layout_range(self, l, set_, local, device) -> torch.Tensor:
         """The `[L, R]` int64 layout_range of LL `_native.Ep` `l`'s buffer set `set_`, which every

@@ -123,7 +123,7 @@ class GpuPath:
                 num_worst_tokens, nr, recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx, fp8)
             counts = []
         st = HtState(h, native, experts, k, max_tokens, hidden, fp8, num_worst_tokens)
-        handle = ht_handle(st, recv_src_idx, in_rank)
+        handle = ht_handle(st, g.ht_rank_prefix(h, native), recv_src_idx, in_rank)
         return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, None
 
     def _gpu_cached(self, st, xin, x_scales, hidden, fp8, s):
@@ -266,7 +266,7 @@ class GpuPath:
             _, native = ll.ll_dispatch(x_span, idx_span, n, False, *spans, _gpu.stream())
             st = LlState(ll, native, k, n, True)
             hook = None
-        handle = ll_handle(st, layout_range, t, hidden, num_experts)
+        handle = ll_handle(st, g.ll_src_info(ll, set_, native, local, r * t), layout_range, t, hidden, num_experts)
         return (data, scales) if use_fp8 else data, recv_count, handle, \
             EventOverlap(_gpu.CudaEvent() if async_finish else None), hook
 

@@ -4,14 +4,12 @@
           recv_src_idx, is_token_in_rank, send_head)
     LL:  (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
-Each is a tuple (`isinstance(h, tuple)`, `len`, indexing, slicing and unpacking behave as
-DeepEP's). Slot 0 is stored as gin-ep's own state (`HtState` / `LlState`, read back by
-`.state`) and becomes DeepEP's tensor on first read, so a dispatch pays nothing for entries
-its caller never reads. Entries without a gin-ep equivalent (DeepEP's channel prefix
-matrices and `send_head`, which describe its chunked ring) are None.
+Each is a tuple (indexing, slicing and unpacking are DeepEP's) whose `.state` attribute is
+gin-ep's own (`HtState` / `LlState`). The GPU entries are views of device memory the handle
+holds (made once per buffer set or layout slot, so a dispatch pays no copy for them).
+Entries without a gin-ep equivalent (DeepEP's channel prefix matrices and `send_head`,
+which describe its chunked ring) are None.
 """
-
-import functools
 
 import torch
 
@@ -37,79 +35,63 @@ def _device_i32(ep, region, count: int) -> torch.Tensor:
     return torch.as_tensor(_DeviceArray(ep, ptr, (count,), "<i4"), device=dev)
 
 
-class _Lazy(tuple):
-    """A tuple whose slot 0 holds gin-ep's state and reads as `self._slot0()` (once)."""
-
-    @property
-    def state(self):
-        return _tget(self, 0)
-
-    @functools.cached_property
-    def _first(self):
-        return self._slot0()
-
-    def __getitem__(self, i):
-        if type(i) is int:
-            if i != 0 and i != -len(self):
-                return _tget(self, i)
-            return self._first
-        if isinstance(i, slice):
-            return tuple(self[j] for j in range(*i.indices(len(self))))
-        return _tget(self, i)  # the tuple's own TypeError
-
-    def __iter__(self):
-        yield self._first
-        yield from _tget(self, slice(1, None))
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(state={self.state!r}, rest={_tget(self, slice(1, None))!r})"
+class HtHandle(tuple):
+    """DeepEP's intranode handle, `.state` gin-ep's. `rank_prefix_matrix` (slot 0) is int32
+    `[R, R]`, DeepEP's entry `[i][j]` being the rows rank j receives from ranks 0..i. gin-ep
+    knows column `rank` (this rank's receive layout: source i's rows are
+    `[m[i-1][rank], m[i][rank])`, what DeepEP's callers read) and shows it in every column
+    (a zero-stride view: another rank's layout would need an exchange). `recv_src_idx`
+    (slot 3) and `is_token_in_rank` (slot 4) are DeepEP's; slots 1, 2 and 5 (DeepEP's
+    chunked ring) are None. A plain tuple underneath: torch.compile guards read its entries."""
 
 
-class HtHandle(_Lazy):
-    """DeepEP's intranode handle. `rank_prefix_matrix` (slot 0) is int32 `[R, R]`: entry
-    `[i][j]` is DeepEP's rows rank j receives from ranks 0..i. gin-ep knows column `rank`
-    (this rank's receive layout: the rows of source rank i are `[m[i-1][rank], m[i][rank])`,
-    what DeepEP's callers read); the other columns are -1 (another rank's receive layout,
-    which this rank learns only by an exchange). `recv_src_idx` (slot 3) and
-    `is_token_in_rank` (slot 4) are DeepEP's; slots 1, 2 and 5 are None."""
-
-    def _slot0(self) -> torch.Tensor:
-        st = self.state
-        r, me = st.ep.config.ranks, st.ep.rank
-        if st.cuda:
-            ends = _device_i32(st.ep, st.ep.ht_src_offset_region(st.native), r + 1)[1:]
-            dev = ends.device
-        else:
-            ends = torch.tensor(st.native.src_offset[1:], dtype=torch.int32)
-            dev = ends.device
-        m = torch.full((r, r), -1, dtype=torch.int32, device=dev)
-        m[:, me] = ends
-        return m
+def prefix_view(ends: torch.Tensor, r: int) -> torch.Tensor:
+    """`[R, R]` int32 whose row i is `ends[i]` in every column (`ends`: this rank's rows from
+    ranks 0..i)."""
+    return ends.as_strided((r, r), (ends.stride(0), 0))
 
 
-class LlHandle(_Lazy):
-    """DeepEP's LL handle. `src_info` (slot 0) is int32 `[L, R*T]`: the index, on its source
-    rank, of the token each received row is (valid for each expert's first `recv_count`
-    rows). GPU: a view of the handle's buffer set, as `layout_range` is (valid as long as the
-    handle). `layout_range` (slot 1) is int64 `[L, R]`, `(first_row << 32) | count` of each
-    source rank in each local expert."""
-
-    def _slot0(self) -> torch.Tensor:
-        st = self.state
-        local = _tget(self, 4) // st.ep.config.ranks
-        rows = st.ep.config.ranks * _tget(self, 2)
-        if st.cuda:
-            return _device_i32(st.ep, st.ep.ll_src_token_region(st.native), local * rows).view(local, rows)
-        src = torch.frombuffer(bytearray(st.native.src_token()), dtype=torch.int32)
-        return src.view(local, -1)[:, :rows]
+def host_rank_prefix(native, r: int) -> torch.Tensor:
+    return prefix_view(torch.tensor(native.src_offset[1:], dtype=torch.int32), r)
 
 
-def ht_handle(st, recv_src_idx, is_token_in_rank) -> HtHandle:
-    return tuple.__new__(HtHandle, (st, None, None, recv_src_idx, is_token_in_rank, None))
+def device_rank_prefix(ep, native, r: int) -> torch.Tensor:
+    """A view of `native`'s src_offset in the device memory its handle holds (GPU)."""
+    return prefix_view(_device_i32(ep, ep.ht_src_offset_region(native), r + 1)[1:], r)
 
 
-def ll_handle(st, layout_range, t: int, hidden: int, num_experts: int) -> LlHandle:
-    return tuple.__new__(LlHandle, (st, layout_range, t, hidden, num_experts))
+class LlHandle(tuple):
+    """DeepEP's LL handle, `.state` gin-ep's. `src_info` (slot 0) is int32 `[L, R*T]`: the
+    index, on its source rank, of the token each received row is (valid for each expert's
+    first `recv_count` rows). GPU: a view of the handle's buffer set, made once per set, as
+    `layout_range` (slot 1, int64 `[L, R]`, `(first_row << 32) | count` of each source rank
+    in each local expert) is: valid as long as the handle. A plain tuple underneath (no
+    lazy slot): torch.compile guards read its entries."""
 
 
-__all__ = ["HtHandle", "LlHandle", "ht_handle", "ll_handle"]
+def host_src_info(native, local: int, rows: int) -> torch.Tensor:
+    """`src_info` of a host-backend LL dispatch."""
+    src = torch.frombuffer(bytearray(native.src_token()), dtype=torch.int32)
+    return src.view(local, -1)[:, :rows]
+
+
+def device_src_info(ep, native, local: int, rows: int) -> torch.Tensor:
+    """A view of the source tokens of `native`'s buffer set (GPU); the set's every dispatch
+    rewrites the same memory."""
+    return _device_i32(ep, ep.ll_src_token_region(native), local * rows).view(local, rows)
+
+
+def ht_handle(st, rank_prefix_matrix, recv_src_idx, is_token_in_rank) -> HtHandle:
+    h = tuple.__new__(HtHandle, (rank_prefix_matrix, None, None, recv_src_idx, is_token_in_rank, None))
+    h.state = st
+    return h
+
+
+def ll_handle(st, src_info, layout_range, t: int, hidden: int, num_experts: int) -> LlHandle:
+    h = tuple.__new__(LlHandle, (src_info, layout_range, t, hidden, num_experts))
+    h.state = st
+    return h
+
+
+__all__ = ["HtHandle", "LlHandle", "ht_handle", "ll_handle", "host_src_info", "device_src_info", "host_rank_prefix",
+           "device_rank_prefix"]

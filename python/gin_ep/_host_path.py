@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from . import _bootstrap, _native, _scales
-from ._handles import ht_handle, ll_handle
+from ._handles import host_rank_prefix, host_src_info, ht_handle, ll_handle
 from ._convert import check, check_cpu, from_bytes, to_bytes
 from ._util import bias_pair as _bias_pair, check_rows as _check_rows, pad_cached, \
     pad_worst as _pad_worst, round_up as _round_up, HtState, LlState, state_of
@@ -173,7 +173,7 @@ class HostPath:
                 num_worst_tokens, nr, recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx, fp8)
             counts = []
         st = HtState(ep, native, experts, k, max_tokens, hidden, fp8 is not None, num_worst_tokens)
-        handle = ht_handle(st, recv_src_idx, in_rank)
+        handle = ht_handle(st, host_rank_prefix(native, self.group_size), recv_src_idx, in_rank)
         return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event
 
     def _host_combine(self, x, handle, topk_weights, bias, async_finish):
@@ -233,7 +233,8 @@ class HostPath:
         ranges = native.layout_range
         layout_range = torch.tensor([(first << 32) | count for first, count in ranges],
                                     dtype=torch.int64).view(local, r)
-        handle = ll_handle(LlState(ep, native, k, n, False), layout_range, t, hidden, num_experts)
+        handle = ll_handle(LlState(ep, native, k, n, False), host_src_info(native, local, r * t), layout_range, t,
+                           hidden, num_experts)
         return recv_x, recv_count, handle, EventOverlap(CompletedEvent() if async_finish else None), \
             (_hook if return_recv_hook else None)
 

@@ -104,7 +104,7 @@ def eager_handle(buf, handle):
     outside torch.compile takes it; any other handle as it is."""
     if traced_handle(handle):
         h = _recall(buf, handle[0])
-        return ll_handle(h.state, handle[1], h[2], h[3], h[4])
+        return ll_handle(h.state, h[0], handle[1], h[2], h[3], h[4])
     return handle
 
 
@@ -161,7 +161,7 @@ def ll_dispatch(buffer: int, x: torch.Tensor, topk_idx: torch.Tensor, stats: Opt
     data, scales = recv_x if use_fp8 else (recv_x, torch.empty(0, dtype=torch.float32, device=x.device))
     token = torch.empty(1, dtype=torch.uint8, device=x.device)
     # Slot 1 (layout_range) is the op's output, not part of the state the others need.
-    _remember(buf, token, ll_handle(handle.state, None, handle[2], handle[3], handle[4]))
+    _remember(buf, token, ll_handle(handle.state, handle[0], None, handle[2], handle[3], handle[4]))
     return data, scales, recv_count, handle[1], token
 
 

@@ -56,7 +56,7 @@ def ht_worker(rank, world, dev="cpu"):
     assert isinstance(handle, tuple) and len(handle) == 6
     rank_prefix_matrix, channel_pm, recv_channel_pm, recv_src_idx, is_token_in_rank, send_head = handle
     assert channel_pm is None and recv_channel_pm is None and send_head is None
-    assert rank_prefix_matrix is handle[0], "handle[0] is made once"
+    assert rank_prefix_matrix is handle[0]
 
     # Independently: rows of each source rank for this rank, and their source tokens.
     sent = [_goes_to(inputs[s][1], rank, local) for s in range(world)]
