@@ -17,6 +17,7 @@ from typing import Optional
 
 from . import _native
 from ._bootstrap import kernels_built, kernels_info
+from ._nccl import comm_ptr as nccl_comm_ptr  # a torch NCCL group's communicator, for Buffer(nccl_comm=)
 from ._nccl import nccl_info  # the NCCL found here and whether gin-ep supports it
 from .buffer import Buffer, Config, topk_idx_t
 from .utils import EventHandle, EventOverlap
@@ -36,4 +37,4 @@ def net_plugin_path() -> Optional[str]:
 
 
 __all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t", "kernels_built", "kernels_info",
-           "net_plugin_path", "__version__"]
+           "net_plugin_path", "nccl_comm_ptr", "__version__"]

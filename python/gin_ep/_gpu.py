@@ -3,7 +3,11 @@
 One `_native.GpuRank` per Buffer: gin-ep's CUDA rank on `torch.cuda.current_device()`,
 with an NCCL communicator of its own (bootstrapped through gin-ep's store, whose
 address the Buffer broadcast over the process group) and NCCL's library shared with
-PyTorch (found already loaded; `GIN_EP_NCCL_LIB` overrides). Every launch and copy
+PyTorch (found already loaded; `GIN_EP_NCCL_LIB` overrides); or, with
+`Buffer(nccl_comm=...)`, on a communicator the caller owns (e.g. the process group's own,
+`_nccl.comm_ptr(group)`), which gin-ep borrows and never destroys. The node topology
+(`GIN_EP_VNODES`, `GIN_EP_NODE_SIZE`, set by `gin-ep check --vnodes` and the tests) is read
+here, once, and passed to every GPU engine as an option (`topology`). Every launch and copy
 runs on PyTorch's current stream (HT calls given `previous_event` or `async_finish`: on the
 Buffer's communication stream, see `on_comm_stream`), so results are ordered with the
 caller's work without host synchronization, except where the API returns host values:
@@ -227,16 +231,36 @@ def layout(topk_idx: torch.Tensor, num_experts: int, r: int):
     return per_rank, per_expert[:num_experts].to(torch.int32), in_rank
 
 
+def _positive_env(name: str) -> Optional[int]:
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return None
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"{name} = {v!r}: expected a positive integer")
+    return int(v)
+
+
+def topology():
+    """The node topology of this process's launch as the GPU engines take it:
+    `{"vnodes": processes per GPU, "node_size": ranks per gin-ep node or None}`, from
+    `GIN_EP_VNODES` and `GIN_EP_NODE_SIZE` (a malformed value is refused, naming it)."""
+    return {"vnodes": _positive_env("GIN_EP_VNODES") or 1, "node_size": _positive_env("GIN_EP_NODE_SIZE")}
+
+
 class Gpu:
     """The GPU state of one Buffer."""
 
-    def __init__(self, runtime, timeout_s: float, group_size: int, rank: int, agree) -> None:
+    def __init__(self, runtime, timeout_s: float, group_size: int, rank: int, agree, nccl_comm=None) -> None:
         self.device = torch.cuda.current_device()
         # `_bootstrap.ShapeAgreement`: every rank shows the same shape before each window.
         self.agree = agree
         self.runtime = runtime
         self.timeout_s = timeout_s
-        self.rank_gpu = _native.GpuRank(runtime, self.device, timeout_s)
+        self.topology = topology()
+        if nccl_comm is None:
+            self.rank_gpu = _native.GpuRank(runtime, self.device, timeout_s)
+        else:
+            self.rank_gpu = _native.GpuRank.from_comm(int(nccl_comm), timeout_s)
         self.group_size = group_size
         self.rank = rank
         self.hts = {}
@@ -268,7 +292,7 @@ class Gpu:
             cfg = _native.EpConfig(self.group_size, experts, hidden, topk, max_tokens, "fp8" if fp8 else "bf16")
             self.agree.check("an HT window of the GPU path", {**fields_of(cfg, False), "ht_recv_slabs": lend_slabs})
             h = _native.Ep(self.runtime, cfg, ht=True, ll=False, timeout_s=self.timeout_s, gpu=self.rank_gpu,
-                           ht_sms=num_sms, ht_recv_slabs=1 + lend_slabs, ht_exact=True)
+                           ht_sms=num_sms, ht_recv_slabs=1 + lend_slabs, ht_exact=True, **self.topology)
             self.hts[key] = h
             self.ht_free[h] = list(range(lend_slabs, 0, -1))
             self.ht_slabs[h] = lend_slabs
@@ -378,7 +402,8 @@ class Gpu:
                     f"rank, hidden = {hidden}, top-{topk} of {experts} experts ({dtype}): gin-ep needs "
                     f"{need} bytes (see Buffer.get_low_latency_rdma_size_hint)")
             self.agree.check("an LL window of the GPU path", fields_of(cfg, True))
-            l = _native.Ep(self.runtime, cfg, ht=False, ll=True, timeout_s=self.timeout_s, gpu=self.rank_gpu)
+            l = _native.Ep(self.runtime, cfg, ht=False, ll=True, timeout_s=self.timeout_s, gpu=self.rank_gpu,
+                           **self.topology)
             if self.ll_mask_word is not None:
                 l.ll_rank_mask_word(span(self.ll_mask_word), self.ll_shrink)
             self.lls[key] = l

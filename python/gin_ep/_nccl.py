@@ -1,7 +1,9 @@
-"""Which NCCL gin-ep's GPU path would run with, and whether it is supported.
+"""Which NCCL gin-ep's GPU path would run with, whether it is supported, and the
+communicator of a torch.distributed NCCL group.
 
-Owns: reporting only (`nccl_info`). Never loads CUDA or starts a communicator; the GPU path
-itself refuses an unsupported NCCL when a Buffer starts it, with the same message.
+Owns: reporting (`nccl_info`) and finding a process group's `ncclComm_t` (`comm_ptr`). Never
+loads CUDA or starts a communicator; the GPU path itself refuses an unsupported NCCL when a
+Buffer starts it, with the same message.
 """
 
 from typing import Dict, Optional
@@ -28,3 +30,24 @@ def nccl_info() -> Dict[str, object]:
         "why_not": why_not,
         "supported_versions": supported_versions,
     }
+
+
+def comm_ptr(group) -> int:
+    """The address of the NCCL communicator (`ncclComm_t`) of `group`, a torch.distributed
+    NCCL process group, for `Buffer(group, ..., nccl_comm=comm_ptr(group))`: gin-ep then
+    borrows the group's own communicator instead of starting one. The communicator must exist
+    (`init_process_group(..., device_id=...)`, or after a first collective) and outlive the
+    Buffer. Raises RuntimeError where this torch does not expose it
+    (`ProcessGroupNCCL._comm_ptr`)."""
+    import torch
+
+    backend = group._get_backend(torch.device("cuda"))
+    get = getattr(backend, "_comm_ptr", None)
+    if get is None:
+        raise RuntimeError(f"this torch ({torch.__version__}) does not expose its NCCL communicator "
+                           "(ProcessGroupNCCL._comm_ptr)")
+    ptr = int(get())
+    if ptr == 0:
+        raise RuntimeError("the process group has no NCCL communicator yet: pass device_id to "
+                           "init_process_group, or run one collective first")
+    return ptr

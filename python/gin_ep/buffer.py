@@ -103,7 +103,11 @@ class Buffer(GpuPath, HostPath):
     returns `recv_x`, `recv_topk_idx` and `recv_topk_weights` as tensors over it (no copy);
     the slab is free again once those tensors are all freed. When every slab is still held,
     the dispatch copies the rows out as with `ht_recv_slabs=0`. Two slabs let a layer's
-    dispatch run while the previous layer's tensors are still referenced.
+    dispatch run while the previous layer's tensors are still referenced. `nccl_comm` (GPU
+    path): the address of an NCCL communicator (`ncclComm_t`) over the same ranks that the
+    caller made and keeps alive for the Buffer's lifetime, e.g.
+    `gin_ep.nccl_comm_ptr(group)` (the process group's own); gin-ep then borrows it (never
+    destroys it) instead of starting a communicator of its own.
     """
 
     num_sms: int = 20
@@ -118,7 +122,7 @@ class Buffer(GpuPath, HostPath):
                  comm=None,
                  *, max_tokens_per_rank: Optional[int] = None,
                  timeout_s: float = 100.0, ll_combine_order: str = "topk",
-                 ht_recv_slabs: int = 2, **deepep_only) -> None:
+                 ht_recv_slabs: int = 2, nccl_comm: Optional[int] = None, **deepep_only) -> None:
         refuse_keywords("Buffer", deepep_only)
         if ll_combine_order not in ("topk", "rank-first"):
             raise ValueError(f"ll_combine_order = {ll_combine_order!r}: expected 'topk' or 'rank-first'")
@@ -126,6 +130,9 @@ class Buffer(GpuPath, HostPath):
             raise ValueError(f"ht_recv_slabs = {ht_recv_slabs!r}: must be an int in "
                              f"0..{_native.MAX_RECV_SLABS - 1}")
         self._ht_recv_slabs = ht_recv_slabs
+        if nccl_comm is not None and (not isinstance(nccl_comm, int) or nccl_comm <= 0):
+            raise ValueError(f"nccl_comm = {nccl_comm!r}: expected the address of an ncclComm_t (a positive int)")
+        self._nccl_comm = nccl_comm
         # For the torch.compile ops (_ops.py): how they find this Buffer and their handles.
         self._op_id = _ops.register(self)
         self._op_handles = _ops.new_handles()
@@ -210,7 +217,8 @@ class Buffer(GpuPath, HostPath):
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("gin_ep GPU path: the first call with CUDA tensors sets up NCCL (collective) "
                                "and cannot be captured in a CUDA graph; make one eager call first")
-        self._gpu = _gpu.Gpu(self.runtime, self._timeout_s, self.group_size, self.rank, self._agree)
+        self._gpu = _gpu.Gpu(self.runtime, self._timeout_s, self.group_size, self.rank, self._agree,
+                             nccl_comm=self._nccl_comm)
         if self.enable_shrink or any(self._ll_mask):
             self._gpu.ll_set_mask(self._ll_mask, self.enable_shrink)
 

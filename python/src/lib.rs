@@ -20,8 +20,9 @@ use std::time::Duration;
 
 use gin_ep::config::DispatchDtype;
 use gin_ep::ep::{
-    self, Backend, DeviceOut, Ep, EpOptions, GpuRank, HtCombineIn, HtCombineOut, HtCombined, HtDispatchIn,
-    HtReceived, LlCombineIn, LlDispatchIn, LlDispatchOut as LlDispatchOutSpans, LlHalf, Mem, Stream,
+    self, Backend, DeviceOut, Ep, EpOptions, GpuRank, GpuRankOptions, HtCombineIn, HtCombineOut, HtCombined,
+    HtDispatchIn, HtReceived, LlCombineIn, LlDispatchIn, LlDispatchOut as LlDispatchOutSpans, LlHalf, Mem,
+    RankTopology, Stream,
 };
 use gin_ep::ht::{HtCombineInput, RankInput};
 use gin_ep::quant::Rows;
@@ -425,6 +426,36 @@ impl PyGpuRank {
         Ok(PyGpuRank { rank })
     }
 
+    /// Collective over the communicator: this rank of `comm`, the address of an NCCL
+    /// communicator (`ncclComm_t`) the caller made and keeps owning, e.g.
+    /// `ProcessGroupNCCL._comm_ptr()`. gin-ep borrows it: it never destroys it, and its own
+    /// windows on it go when the last object using this rank goes; the caller must keep
+    /// `comm` alive until then. NCCL is the libnccl.so.2 already loaded in the process (the
+    /// one that made `comm`); `nccl_version` (e.g. 22809), when given, must be its version.
+    #[staticmethod]
+    #[pyo3(signature = (comm, timeout_s = 100.0, nccl_version = None))]
+    fn from_comm(py: Python<'_>, comm: usize, timeout_s: f64, nccl_version: Option<i32>) -> PyResult<Self> {
+        let opts = GpuRankOptions {
+            timeout: duration(timeout_s)?,
+            nccl_version,
+        };
+        let rank = py.detach(|| {
+            guard(|| {
+                // SAFETY: the documented contract of this method: `comm` is a live
+                // communicator of the process's libnccl.so.2, kept alive by the caller for as
+                // long as gin-ep objects on it live.
+                unsafe { GpuRank::from_comm(comm as *mut std::ffi::c_void, opts) }.map_err(to_py)
+            })
+        })?;
+        Ok(PyGpuRank { rank })
+    }
+
+    /// Whether the communicator is the caller's (`from_comm`).
+    #[getter]
+    fn borrows_comm(&self) -> bool {
+        self.rank.borrows_comm()
+    }
+
     /// Device, SM count, NCCL version and where NCCL was loaded from.
     fn info(&self) -> String {
         format!("{:?}", self.rank.info())
@@ -483,7 +514,7 @@ impl PyEp {
     /// in the same order (host: maps every rank's shared-memory heap; GPU: the windows).
     #[new]
     #[pyo3(signature = (group, config, ht = true, ll = false, timeout_s = 100.0, gpu = None, ht_sms = ep::HT_DEFAULT_SMS,
-                        ht_recv_slabs = 1, ht_exact = true, ll_grid = None))]
+                        ht_recv_slabs = 1, ht_exact = true, ll_grid = None, vnodes = 1, node_size = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -497,6 +528,8 @@ impl PyEp {
         ht_recv_slabs: usize,
         ht_exact: bool,
         ll_grid: Option<u32>,
+        vnodes: usize,
+        node_size: Option<usize>,
     ) -> PyResult<Self> {
         let opts = EpOptions {
             ht,
@@ -509,6 +542,7 @@ impl PyEp {
             ll_grid,
             // Sizing only (required_bytes): the window's layout follows the nodes found.
             ll_across_nodes: false,
+            topology: RankTopology { vnodes, node_size },
         };
         let backend = match gpu {
             Some(g) => Backend::Cuda(g.rank.clone()),

@@ -188,3 +188,33 @@ def test_memory_bytes_gpu(world):
     if not torch.cuda.is_available() or torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPU(s)")
     _dist.run(world, memory_worker, "cuda")
+
+
+def test_topology_and_nccl_comm_are_checked(monkeypatch):
+    from gin_ep import _gpu
+
+    # The GPU engines take the node topology as an option; the Python layer reads it from
+    # the launch's variables, refusing a malformed one by name.
+    monkeypatch.setenv("GIN_EP_VNODES", "2")
+    monkeypatch.setenv("GIN_EP_NODE_SIZE", "4")
+    assert _gpu.topology() == {"vnodes": 2, "node_size": 4}
+    monkeypatch.delenv("GIN_EP_NODE_SIZE")
+    assert _gpu.topology() == {"vnodes": 2, "node_size": None}
+    monkeypatch.setenv("GIN_EP_NODE_SIZE", "zero")
+    with pytest.raises(ValueError, match="GIN_EP_NODE_SIZE = 'zero'"):
+        _gpu.topology()
+    # A communicator is an address, refused before anything is set up.
+    for bad in ("0x1", 0, -5, 1.5):
+        with pytest.raises(ValueError, match="nccl_comm"):
+            Buffer(None, nccl_comm=bad)
+    # The host backend has no nodes: a topology is refused there, not ignored.
+    server = _native.StoreServer("127.0.0.1")
+    group = _native.Group.join(0, 1, f"127.0.0.1:{server.port}", 10.0)
+    try:
+        cfg = _native.EpConfig(1, 4, 128, 2, 8)
+        with pytest.raises(ValueError, match="topology"):
+            _native.Ep(group, cfg, node_size=1)
+        assert _native.Ep(group, cfg).rank == 0
+    finally:
+        group.close()
+        server.close(0.0)

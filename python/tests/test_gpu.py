@@ -3,10 +3,13 @@ against gin-ep's oracle: layout, HT dispatch (BF16, FP8, cached), HT combine (we
 biases), an out-of-range expert id refused on every rank, LL dispatch (BF16, FP8,
 power-of-two scales; receive hooks), LL combine (plain, zero-copy, out=), CUDA events, a
 CUDA-graph capture of LL, and LL under torch.compile (aot_eager, the cudagraphs backend,
-mode='reduce-overhead'). Each size is skipped without that many GPUs. With GIN_EP_VNODES=K,
+mode='reduce-overhead'); the HT and LL workers again on a Buffer that borrows the process
+group's own NCCL communicator (`nccl_comm=gin_ep.nccl_comm_ptr(group)`, where torch exposes
+it). Each size is skipped without that many GPUs. With GIN_EP_VNODES=K,
 K ranks share each GPU, each its own NCCL node: LL then crosses nodes over GIN (the HT tests
 are skipped; see _dist.vnodes)."""
 
+import gc
 import os
 import sys
 
@@ -16,6 +19,7 @@ import torch.distributed as dist
 
 import _dist
 from _inputs import check_ll_recv, quantize, routing, same_bits
+import gin_ep
 from gin_ep import Buffer, _native
 from gin_ep._convert import from_bytes, to_bytes
 
@@ -39,6 +43,8 @@ def _entry(rank, world, port, fn):
                             device_id=dev)
     try:
         fn(rank, world)
+        # A Buffer on a borrowed communicator must be gone before the group destroys it.
+        gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -54,6 +60,20 @@ def run(world, fn):
     _dist.spawn_on_free_port(_entry, (world, fn), world)
 
 
+# Tests only: the workers' Buffers borrow the process group's NCCL communicator.
+_BORROW = "GIN_EP_TEST_BORROW_COMM"
+
+
+def _buffer(*args, **kw):
+    """`Buffer(dist.group.WORLD, ...)`, on the group's own communicator under `_BORROW`."""
+    borrow = os.environ.get(_BORROW) == "1"
+    if borrow:
+        kw["nccl_comm"] = gin_ep.nccl_comm_ptr(dist.group.WORLD)
+    buf = Buffer(dist.group.WORLD, *args, **kw)
+    assert buf._gpu is not None and buf._gpu.rank_gpu.borrows_comm == borrow
+    return buf
+
+
 def cpu(t):
     return t.cpu() if isinstance(t, torch.Tensor) else t
 
@@ -64,7 +84,7 @@ def ht_worker(rank, world):
     tokens = [7, 32, 0, 19][:world]
     inputs = routing(world, tokens, HIDDEN, TOPK, experts, seed=11 + world)
     x, idx, w = inputs[rank]
-    buf = Buffer(dist.group.WORLD, num_nvl_bytes=1 << 26, max_tokens_per_rank=32)
+    buf = _buffer(num_nvl_bytes=1 << 26, max_tokens_per_rank=32)
     assert buf._gpu is not None, "an NCCL group must take the GPU path"
 
     # Layout.
@@ -205,7 +225,7 @@ def ll_worker(rank, world):
     local = experts // world
     tokens = [5, 16, 0, 9][:world]
     hint = Buffer.get_low_latency_rdma_size_hint(T, HIDDEN, world, experts)
-    buf = Buffer(dist.group.WORLD, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=local)
+    buf = _buffer(num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=local)
     stats = torch.zeros(local, dtype=torch.int32, device=dev)
 
     def y_of(r):
@@ -351,3 +371,26 @@ def test_gpu_ht_bad_ids(world):
 def test_gpu_ll(world):
     _need(world)
     run(world, ll_worker)
+
+
+def _borrowing(world, worker):
+    pg = getattr(dist, "ProcessGroupNCCL", None)
+    if pg is None or not hasattr(pg, "_comm_ptr"):
+        pytest.skip(f"this torch ({torch.__version__}) does not expose its NCCL communicator")
+    os.environ[_BORROW] = "1"
+    try:
+        run(world, worker)
+    finally:
+        del os.environ[_BORROW]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_gpu_ht_on_the_groups_communicator(world):
+    _need_ht(world)
+    _borrowing(world, ht_worker)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_gpu_ll_on_the_groups_communicator(world):
+    _need(world)
+    _borrowing(world, ll_worker)

@@ -164,6 +164,15 @@ pub type ncclRecv_t = unsafe extern "C" fn(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t;
+pub type ncclBroadcast_t = unsafe extern "C" fn(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    root: c_int,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t;
 pub type ncclGroupStart_t = unsafe extern "C" fn() -> ncclResult_t;
 pub type ncclGroupEnd_t = unsafe extern "C" fn() -> ncclResult_t;
 
@@ -234,6 +243,7 @@ pub struct Nccl {
     pub ncclMemFree: ncclMemFree_t,
     pub ncclSend: ncclSend_t,
     pub ncclRecv: ncclRecv_t,
+    pub ncclBroadcast: ncclBroadcast_t,
     pub ncclGroupStart: ncclGroupStart_t,
     pub ncclGroupEnd: ncclGroupEnd_t,
     pub ncclCommWindowRegister: Option<ncclCommWindowRegister_t>,
@@ -337,6 +347,28 @@ impl Nccl {
         }
     }
 
+    /// The `libnccl.so.2` this process has already loaded (RTLD_NOLOAD), and nothing else: the
+    /// library that made a communicator the caller hands over (an `ncclComm_t` is only
+    /// meaningful to the library that created it, so loading another copy is never right).
+    pub fn load_in_process() -> Result<Nccl, LoadError> {
+        #[cfg(unix)]
+        {
+            use libloading::os::unix::{Library, RTLD_NOW};
+            // SAFETY: RTLD_NOLOAD only looks up an already-initialized library.
+            match unsafe { Library::open(Some(NCCL_SONAME), RTLD_NOW | libc::RTLD_NOLOAD) } {
+                Ok(lib) => Self::from_library(lib.into(), NcclSource::AlreadyLoaded),
+                Err(e) => Err(LoadError::NotFound(vec![format!(
+                    "no {NCCL_SONAME} is loaded in this process ({e}); a communicator must come \
+                     from a loaded {NCCL_SONAME}"
+                )])),
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            Err(LoadError::NotFound(vec!["only on unix".into()]))
+        }
+    }
+
     /// Resolves the function table from an opened library.
     pub fn from_library(lib: libloading::Library, source: NcclSource) -> Result<Nccl, LoadError> {
         // SAFETY (both helpers): each symbol is read with the type nccl.h declares for it
@@ -372,6 +404,7 @@ impl Nccl {
                 ncclMemFree: required(&lib, "ncclMemFree")?,
                 ncclSend: required(&lib, "ncclSend")?,
                 ncclRecv: required(&lib, "ncclRecv")?,
+                ncclBroadcast: required(&lib, "ncclBroadcast")?,
                 ncclGroupStart: required(&lib, "ncclGroupStart")?,
                 ncclGroupEnd: required(&lib, "ncclGroupEnd")?,
                 ncclCommWindowRegister: optional(&lib, "ncclCommWindowRegister"),

@@ -48,9 +48,10 @@ use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::quant::Rows;
 
-pub use crate::backend::cuda::engine::GpuRank;
+pub use crate::backend::cuda::engine::{GpuRank, GpuRankOptions};
 pub use crate::backend::cuda::ht::{DEFAULT_SMS as HT_DEFAULT_SMS, MAX_RECV_SLABS};
 pub use crate::backend::host::protocol::{Fault, Modes, FAULT_PHASES};
+pub use crate::group::vnodes::RankTopology;
 
 /// Which backend an [`Ep`] runs on.
 #[derive(Clone)]
@@ -82,6 +83,10 @@ pub struct EpOptions {
     /// CUDA LL, sizing only ([`required_bytes`]): count the send areas of ranks in other
     /// nodes (a group that spans nodes allocates them).
     pub ll_across_nodes: bool,
+    /// CUDA: the node topology of the launch (processes per GPU, ranks per gin-ep node),
+    /// equal on every rank. The default (one process per GPU, NCCL's LSA team as the node)
+    /// is the only one the host backend accepts.
+    pub topology: RankTopology,
 }
 
 impl Default for EpOptions {
@@ -96,11 +101,27 @@ impl Default for EpOptions {
             ht_exact: true,
             ll_grid: None,
             ll_across_nodes: false,
+            topology: RankTopology::default(),
         }
     }
 }
 
 impl EpOptions {
+    /// The host backend has no GPUs or nodes: a topology other than the default is refused
+    /// rather than ignored.
+    fn host_topology(&self) -> Result<()> {
+        if self.topology != RankTopology::default() {
+            return Err(Error::input(
+                "topology",
+                format!(
+                    "{:?}: the host backend has no GPUs or nodes; only the default topology",
+                    self.topology
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     fn host(&self) -> HostOptions {
         HostOptions {
             modes: Modes {
@@ -431,29 +452,38 @@ impl Ep {
         cfg.validate()?;
         match backend {
             Backend::Host => {
+                opts.host_topology()?;
                 let ep = crate::backend::host::run::join_process(group, cfg, &opts.host())?;
                 Ok(Self::host(ep))
             }
-            Backend::Cuda(rank) => {
-                let ht = opts.ht.then_some(HtGpuOptions {
-                    num_sms: opts.ht_sms,
-                    sizing: if opts.ht_exact {
-                        Sizing::Exact
-                    } else {
-                        Sizing::Static
-                    },
-                    recv_slabs: opts.ht_recv_slabs,
-                    ..HtGpuOptions::default()
-                });
-                let ll = opts.ll.then_some(opts.ll_grid);
-                let engine = CudaEngine::new(rank, cfg, ht, ll)?;
-                Ok(Self::wrap(
-                    cfg.clone(),
-                    group.rank(),
-                    Engine::Cuda(Box::new(engine)),
-                ))
-            }
+            Backend::Cuda(rank) => Self::on_rank(rank, cfg, opts),
         }
+    }
+
+    /// Collective over the rank's communicator: this process's CUDA `Ep` for `cfg` on `rank`
+    /// (every rank, same config, same options, same order); needs no [`Group`], so it serves
+    /// a rank made from the caller's communicator ([`GpuRank::from_comm`]) as well as one
+    /// gin-ep bootstrapped. Makes the windows on the rank's GPU.
+    pub fn on_rank(rank: &GpuRank, cfg: &EpConfig, opts: &EpOptions) -> Result<Ep> {
+        cfg.validate()?;
+        opts.topology.validate(cfg.ranks)?;
+        let ht = opts.ht.then_some(HtGpuOptions {
+            num_sms: opts.ht_sms,
+            sizing: if opts.ht_exact {
+                Sizing::Exact
+            } else {
+                Sizing::Static
+            },
+            recv_slabs: opts.ht_recv_slabs,
+            ..HtGpuOptions::default()
+        });
+        let ll = opts.ll.then_some(opts.ll_grid);
+        let engine = CudaEngine::new(rank, cfg, &opts.topology, ht, ll)?;
+        Ok(Self::wrap(
+            cfg.clone(),
+            rank.info().rank,
+            Engine::Cuda(Box::new(engine)),
+        ))
     }
 
     fn host(ep: HostEp) -> Ep {
@@ -1035,6 +1065,7 @@ pub fn run_threads<T: Send>(
     opts: &EpOptions,
     f: impl Fn(&Ep) -> Result<T> + Sync,
 ) -> Result<Vec<Result<T>>> {
+    opts.host_topology()?;
     crate::backend::host::run::run_threads_owned(cfg, &opts.host(), |host| f(&Ep::host(host)))
 }
 

@@ -334,3 +334,35 @@ fn ll_halves_must_come_in_order_and_memory_must_match_the_backend() {
     .unwrap();
     res.into_iter().for_each(|r| r.unwrap());
 }
+
+#[test]
+fn a_topology_is_refused_where_it_cannot_apply_naming_it() {
+    use gin_ep::ep::{GpuRank, GpuRankOptions, RankTopology};
+    let cfg = EpConfig::new(2, 4, 16, 2, 5);
+    // The host backend has no GPUs or nodes: a topology is refused, not ignored.
+    let o = EpOptions {
+        topology: RankTopology {
+            vnodes: 1,
+            node_size: Some(2),
+        },
+        ..opts()
+    };
+    let e = run_threads(&cfg, &o, |_| Ok(())).unwrap_err().to_string();
+    assert!(e.contains("topology") && e.contains("node_size: Some(2)"), "{e}");
+    // A node size that does not divide the world names its value.
+    let e = RankTopology {
+        vnodes: 1,
+        node_size: Some(3),
+    }
+    .validate(cfg.ranks)
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("node_size") && e.contains("3:"), "{e}");
+    // A null communicator is refused before anything touches NCCL or a GPU.
+    // SAFETY: a null pointer is refused without being dereferenced.
+    let e = unsafe { GpuRank::from_comm(std::ptr::null_mut(), GpuRankOptions::default()) }
+        .err()
+        .expect("a null communicator is refused")
+        .to_string();
+    assert!(e.contains("null"), "{e}");
+}

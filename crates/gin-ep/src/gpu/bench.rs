@@ -208,6 +208,7 @@ impl HtTimer {
                     Sizing::Static
                 },
                 variant,
+                topology: crate::group::vnodes::RankTopology::from_env()?,
                 ..HtGpuOptions::default()
             },
         )?;

@@ -71,12 +71,13 @@ pub fn check_rank_variants(
         let mut passed = 0;
         // Two receive slabs: every case also checks that a dispatch into one slab leaves the
         // other's rows intact, and that senders use the slab each receiver named.
+        let topo = crate::group::vnodes::RankTopology::from_env()?;
         let mut base = HtGpuOptions {
             variant: HtVariant::from_env()?,
             recv_slabs: 2,
+            topology: topo,
             ..HtGpuOptions::default()
         };
-        let topo = crate::group::vnodes::RankTopology::from_env()?;
         let variant_given = std::env::var_os(crate::backend::cuda::ht::ENV_VARIANT).is_some();
         if topo.vnodes > 1 && !variant_given {
             // Processes sharing the GPU keep to their share of the SMs (the LL grid's rule,
@@ -111,6 +112,7 @@ pub fn check_rank_variants(
                 let opts = HtGpuOptions {
                     num_sms: v.sms,
                     variant: v.variant,
+                    topology: topo,
                     ..HtGpuOptions::default()
                 };
                 for (i, case) in small.iter().enumerate() {

@@ -12,11 +12,13 @@ use std::time::{Duration, Instant};
 use super::{case_inputs, upload_dispatch_input};
 
 use crate::backend::cuda::ht::{CombineExtras, CudaHt, DispatchSource, HtGpuOptions};
-use crate::backend::cuda::ll::{CudaLl, LlLayout};
+use crate::backend::cuda::ll::check::harness_ll;
+use crate::backend::cuda::ll::{LlLayout, LlTuning};
 use crate::backend::cuda::{CudaRank, CudaRankOptions};
 use crate::check::Case;
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder};
 use crate::error::{Error, Result};
+use crate::group::vnodes::RankTopology;
 use crate::group::Group;
 use crate::ht::RankInput;
 use crate::workload::{Routing, Workload};
@@ -113,7 +115,11 @@ pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) 
     if op.is_ll() {
         return stall_check_ll(group, &rank, cfg, &ins[me], stall, op, timeout);
     }
-    let mut ht = CudaHt::new(&rank, cfg, HtGpuOptions::default())?;
+    let ht_opts = HtGpuOptions {
+        topology: RankTopology::from_env()?,
+        ..HtGpuOptions::default()
+    };
+    let mut ht = CudaHt::new(&rank, cfg, ht_opts)?;
     let n = upload_dispatch_input(&ht, &rank, cfg, &ins[me], DispatchSource::Bf16)?;
     let t0 = Instant::now();
     let observed = (|| -> Result<()> {
@@ -149,7 +155,7 @@ fn stall_check_ll(
     timeout: Duration,
 ) -> Result<String> {
     let me = rank.info().rank;
-    let mut ll = CudaLl::new(rank, cfg, None)?;
+    let mut ll = harness_ll(rank, cfg, None, LlTuning::DEFAULT)?;
     ll.upload_input(0, &inp.x, &inp.topk_idx, &inp.topk_weights)?;
     let t0 = Instant::now();
     let observed = (|| -> Result<()> {
@@ -213,7 +219,7 @@ pub fn kill_check_ll(group: &Group, victim: usize, iter: u64, timeout: Duration)
     let case = small_case(r, LlCombineOrder::Topk, 0x4B111);
     let cfg = case.cfg.clone();
     let inp = &case_inputs(&case, 0)[me];
-    let mut ll = CudaLl::new(&rank, &cfg, None)?;
+    let mut ll = harness_ll(&rank, &cfg, None, LlTuning::DEFAULT)?;
     let y = vec![bf16::ONE; LlLayout::out_rows(&cfg) * cfg.hidden];
     for set in 0..2 {
         ll.upload_input(set, &inp.x, &inp.topk_idx, &inp.topk_weights)?;

@@ -201,17 +201,52 @@ pub fn find_plugin(exe: &Path, env: &dyn Fn(&str) -> Option<String>) -> Result<P
     }
 }
 
-/// What a rank was told about its launch (inside a rank).
+/// The node topology of a rank's launch: how many processes share its GPU and how gin-ep
+/// groups consecutive ranks into nodes. An option of every GPU engine (`EpOptions::topology`),
+/// alike on every rank; the CLI and Python fill it from [`ENV_VNODES`] and [`ENV_NODE_SIZE`]
+/// ([`RankTopology::from_env`]), the engine never reads the environment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RankTopology {
     /// Processes per GPU (1 outside a virtual-node launch).
     pub vnodes: usize,
-    /// Ranks per gin-ep node, when chosen.
+    /// Ranks per gin-ep node, when chosen (`None`: NCCL's LSA team is the node).
     pub node_size: Option<usize>,
 }
 
+impl Default for RankTopology {
+    /// One process per GPU, NCCL's LSA team as the node.
+    fn default() -> Self {
+        RankTopology {
+            vnodes: 1,
+            node_size: None,
+        }
+    }
+}
+
 impl RankTopology {
-    /// Reads [`ENV_VNODES`] and [`ENV_NODE_SIZE`]; a malformed value is an error naming it.
+    /// Checks the topology against a world of `world` ranks: 1..=[`MAX_VNODES`] processes
+    /// per GPU dividing the world, and a node size that divides the world into whole nodes.
+    pub fn validate(&self, world: usize) -> Result<()> {
+        let v = self.vnodes;
+        if v == 0 || v > MAX_VNODES || !world.is_multiple_of(v) {
+            return Err(Error::input(
+                "vnodes",
+                format!("{v}: must be 1..={MAX_VNODES} processes per GPU and divide the {world} ranks"),
+            ));
+        }
+        if let Some(m) = self.node_size {
+            if m == 0 || !world.is_multiple_of(m) {
+                return Err(Error::input(
+                    "node_size",
+                    format!("{m}: must divide the {world} ranks into whole nodes of consecutive ranks"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads [`ENV_VNODES`] and [`ENV_NODE_SIZE`] (for the CLI, the harness and the Python
+    /// layer, which pass the result as an option); a malformed value is an error naming it.
     pub fn from_env() -> Result<RankTopology> {
         Self::parse(&|k| std::env::var(k).ok())
     }
@@ -285,6 +320,23 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn a_topology_that_does_not_fit_the_world_is_refused_naming_the_value() {
+        let t = |vnodes, node_size| RankTopology { vnodes, node_size };
+        assert!(RankTopology::default().validate(3).is_ok());
+        assert!(t(2, Some(4)).validate(8).is_ok());
+        for (bad, world, name, value) in [
+            (t(1, Some(3)), 8, "node_size", "3:"),
+            (t(1, Some(0)), 8, "node_size", "0:"),
+            (t(0, None), 8, "vnodes", "0:"),
+            (t(3, None), 8, "vnodes", "3:"),
+            (t(MAX_VNODES + 1, None), 1024, "vnodes", "17:"),
+        ] {
+            let e = bad.validate(world).unwrap_err().to_string();
+            assert!(e.contains(name) && e.contains(value), "{bad:?}: {e}");
+        }
     }
 
     #[test]

@@ -19,6 +19,7 @@ use super::ll::{CudaLl, LlIo};
 use super::runtime::{CudaRank, CudaRankOptions, ExternalSpan, RankInfo};
 use crate::config::EpConfig;
 use crate::error::{Error, Result};
+use crate::group::vnodes::RankTopology;
 use crate::group::Group;
 
 /// One rank's GPU: the communicator, context and stream of this process's rank. Cheap to
@@ -49,6 +50,26 @@ fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Options of [`GpuRank::from_comm`].
+#[derive(Clone, Copy, Debug)]
+pub struct GpuRankOptions {
+    /// Deadline of every host wait on a peer (in-kernel waits get the smaller of this and
+    /// the default kernel deadline).
+    pub timeout: std::time::Duration,
+    /// The NCCL version the caller was built against (`NCCL_VERSION_CODE`, 22809 = 2.28.9):
+    /// when given, creation is refused unless the loaded library reports exactly it.
+    pub nccl_version: Option<i32>,
+}
+
+impl Default for GpuRankOptions {
+    fn default() -> Self {
+        GpuRankOptions {
+            timeout: std::time::Duration::from_secs(100),
+            nccl_version: None,
+        }
+    }
+}
+
 impl GpuRank {
     /// Collective: this process's rank of `group` on GPU `device` (None: the group's local
     /// rank), with host waits bounded by `timeout`.
@@ -61,14 +82,42 @@ impl GpuRank {
             Some(d) => CudaRank::on_device(group, d, opts)?,
             None => CudaRank::new(group, opts)?,
         };
+        Ok(Self::of(rank))
+    }
+
+    /// Collective over `comm`: this process's rank of an NCCL communicator the caller made
+    /// and keeps owning (gin-ep borrows it: its windows and device communicators are released
+    /// when the rank and every `Ep` on it have dropped; `comm` itself is never finalized,
+    /// destroyed or aborted by gin-ep). Rank, world and GPU are the communicator's. See
+    /// [`GpuRankOptions`] for the deadline and the NCCL version check.
+    ///
+    /// # Safety
+    /// `comm` is a live `ncclComm_t` of the `libnccl.so.2` loaded in this process, and the
+    /// caller destroys it only after this rank and every `Ep` made on it have dropped.
+    pub unsafe fn from_comm(comm: *mut std::ffi::c_void, opts: GpuRankOptions) -> Result<GpuRank> {
+        let ropts = CudaRankOptions {
+            host_timeout: opts.timeout,
+            kernel_timeout: CudaRankOptions::default().kernel_timeout.min(opts.timeout),
+        };
+        // SAFETY: the caller's contract, passed on.
+        let rank = unsafe { CudaRank::from_comm(comm.cast(), ropts, opts.nccl_version)? };
+        Ok(Self::of(rank))
+    }
+
+    fn of(rank: CudaRank) -> GpuRank {
         let held = rank.held_bytes();
-        Ok(GpuRank {
+        GpuRank {
             inner: Arc::new(RankShared {
                 op: Mutex::new(()),
                 rank: rank.into_shared(),
                 held,
             }),
-        })
+        }
+    }
+
+    /// Whether the rank's communicator is the caller's ([`GpuRank::from_comm`]).
+    pub fn borrows_comm(&self) -> bool {
+        self.inner.rank.comm().borrowed()
     }
 
     /// Device bytes gin-ep holds on this rank's GPU now: the symmetric windows and work
@@ -176,17 +225,24 @@ unsafe impl Send for CudaEngine {}
 
 impl CudaEngine {
     /// Collective: the HT object (when `ht` is given) and the LL object (when `ll` is given:
-    /// its grid, None = every SM) for `cfg`. The LL kernel variant is the default one.
+    /// its grid, None = every SM) for `cfg` on a launch of topology `topo`. The LL kernel
+    /// variant is the default one.
     pub fn new(
         rank: &GpuRank,
         cfg: &EpConfig,
+        topo: &RankTopology,
         ht: Option<HtGpuOptions>,
         ll: Option<Option<u32>>,
     ) -> Result<Self> {
         let (hto, llo) = rank.run(0, |r| {
-            let hto = ht.map(|o| CudaHt::new(r, cfg, o)).transpose()?;
+            let hto = ht
+                .map(|o| {
+                    let o = HtGpuOptions { topology: *topo, ..o };
+                    CudaHt::new(r, cfg, o)
+                })
+                .transpose()?;
             let llo = ll
-                .map(|grid| CudaLl::new(&rank.inner.rank, cfg, grid))
+                .map(|grid| CudaLl::new(&rank.inner.rank, cfg, grid, topo))
                 .transpose()?;
             Ok((hto, llo))
         })?;

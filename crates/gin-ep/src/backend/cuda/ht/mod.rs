@@ -119,6 +119,8 @@ pub struct HtGpuOptions {
     /// dispatch lands in the slab its receiver names ([`HtIo::recv_slab`]), so the rows of
     /// earlier dispatches in other slabs stay intact while a caller still holds them.
     pub recv_slabs: usize,
+    /// The launch's node topology, equal on every rank (HT needs one node of every rank).
+    pub topology: RankTopology,
 }
 
 impl Default for HtGpuOptions {
@@ -128,6 +130,7 @@ impl Default for HtGpuOptions {
             sizing: Sizing::Exact,
             variant: HtVariant::default(),
             recv_slabs: 1,
+            topology: RankTopology::default(),
         }
     }
 }
@@ -291,13 +294,14 @@ impl CudaHt {
         let world = rank.info().world;
         check_gpu_config(cfg, world)?;
         opts.validate()?;
+        opts.topology.validate(world)?;
         let lay = HtLayout::new(cfg, opts.recv_slabs)?;
         let window = rank.window(lay.total)?;
         let dev_comm = rank.dev_comm(DevCommRequest {
             lsa_barriers: 1,
             gin_signals: 0,
         })?;
-        let fabric = NodeFabric::new(rank, &window, &dev_comm, &RankTopology::from_env()?, "HT", true)?;
+        let fabric = NodeFabric::new(rank, &window, &dev_comm, &opts.topology, "HT", true)?;
         let me = fabric.rank as usize;
         let (t, h, k) = (cfg.max_tokens_per_rank, cfg.hidden, cfg.topk);
         let alloc = |n: usize| rank.alloc(n.max(16));
@@ -902,6 +906,7 @@ mod tests {
                 sizing: Sizing::Static,
                 variant: HtVariant::default(),
                 recv_slabs: 1,
+                topology: RankTopology::default(),
             }
             .validate()
             .unwrap_err();

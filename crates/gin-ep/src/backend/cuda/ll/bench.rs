@@ -57,7 +57,7 @@ fn bench_with(
     stamps: StampMode,
 ) -> Result<Option<BenchReport>> {
     let grid = (num_sms > 0).then_some(num_sms);
-    let mut ll = CudaLl::with_tuning(rank, &opts.cfg, grid, tuning)?;
+    let mut ll = super::check::harness_ll(rank, &opts.cfg, grid, tuning)?;
     let run = RUNS.fetch_add(1, Ordering::Relaxed);
     let out = bench_on(group, &mut ll, opts, run, stamps);
     match out {

@@ -17,6 +17,7 @@ use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions, DeviceBuffer};
 use crate::check::Case;
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
 use crate::error::{Error, Result};
+use crate::group::vnodes::RankTopology;
 use crate::group::Group;
 use crate::ht::RankInput;
 use crate::ll::{LlDispatchOutput, LlHandle};
@@ -302,6 +303,27 @@ fn expected_counts(cfg: &EpConfig, topk: &[Vec<i64>], me: usize) -> Vec<i32> {
     c
 }
 
+/// `GIN_EP_LL_MASKED=1`: every LL object the check, the benchmark and the stall checks make
+/// starts with an all-zero rank mask word of its own ([`CudaLl::use_own_mask_word`]), so its
+/// launches take the masked kernels: how `gin-ep check` and `gin-ep bench` run and time that
+/// variant.
+pub const ENV_MASKED: &str = "GIN_EP_LL_MASKED";
+
+/// An LL object as the harness's launch describes it: the topology of its environment
+/// ([`RankTopology::from_env`]) and the masked kernels under [`ENV_MASKED`].
+pub fn harness_ll(
+    rank: &std::sync::Arc<CudaRank>,
+    cfg: &EpConfig,
+    grid: Option<u32>,
+    tuning: LlTuning,
+) -> Result<CudaLl> {
+    let mut ll = CudaLl::with_tuning(rank, cfg, grid, tuning, &RankTopology::from_env()?)?;
+    if std::env::var_os(ENV_MASKED).is_some_and(|v| v == "1") {
+        ll.use_own_mask_word()?;
+    }
+    Ok(ll)
+}
+
 /// Runs `cases` as one rank of `group` (one process per GPU) and compares every result with
 /// the oracle: per case, `iters` eager dispatch+combine iterations with fresh data into
 /// poisoned outputs (alternating buffer sets), one double-buffered round with the send and
@@ -354,7 +376,7 @@ fn check_case(
         ));
     }
     let run = RUNS.fetch_add(1, Ordering::Relaxed);
-    let mut ll = CudaLl::with_tuning(rank, cfg, None, tuning)?;
+    let mut ll = harness_ll(rank, cfg, None, tuning)?;
     let out = check_case_on(group, &mut ll, case, run, plan);
     match out {
         Ok(n) => {

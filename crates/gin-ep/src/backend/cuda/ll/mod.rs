@@ -230,7 +230,8 @@ pub struct CudaLl {
     /// The GIN-less communicator that told NCCL's node, kept beside a GIN one.
     _probe: Option<DevComm>,
     sets: [SetBuffers; SETS],
-    /// The all-zero mask word of [`ENV_MASKED`], when set (held: `rank_mask` points into it).
+    /// The all-zero mask word of [`CudaLl::use_own_mask_word`], when set (held: `rank_mask`
+    /// points into it).
     _own_mask: Option<DeviceBuffer>,
     /// Shared with the rank's engine and HT objects; dropped after the window and device
     /// communicator above.
@@ -252,11 +253,6 @@ pub struct CudaLl {
     /// to them (with or without a mask word) until [`CudaLl::reset`] fills it again.
     masked_since_fill: AtomicBool,
 }
-
-/// `GIN_EP_LL_MASKED=1`: every `CudaLl` made in the process starts with an all-zero rank mask
-/// word of its own, so its launches take the masked kernels (`gin_ep_ll_masked_*`): how
-/// `gin-ep check` and `gin-ep bench` run and time that variant.
-pub const ENV_MASKED: &str = "GIN_EP_LL_MASKED";
 
 impl Drop for CudaLl {
     /// Across nodes: returns this rank's GIN signals to 0 before the device communicator
@@ -297,10 +293,16 @@ impl CudaLl {
 
     /// Makes the window and buffers for `cfg` on `rank`. `grid` CTAs per kernel (`None`: the
     /// GPU's SM count, or its share of them when processes share the GPU); every rank must
-    /// pass the same grid. The other tuning values are [`LlTuning::DEFAULT`]'s. Refused when
-    /// the fused kernels' grid cannot be resident at once.
-    pub fn new(rank: &Arc<CudaRank>, cfg: &EpConfig, grid: Option<u32>) -> Result<CudaLl> {
-        Self::with_tuning(rank, cfg, grid, LlTuning::DEFAULT)
+    /// pass the same grid. `topo`: the launch's node topology (processes per GPU, ranks per
+    /// gin-ep node), alike on every rank. The other tuning values are [`LlTuning::DEFAULT`]'s.
+    /// Refused when the fused kernels' grid cannot be resident at once.
+    pub fn new(
+        rank: &Arc<CudaRank>,
+        cfg: &EpConfig,
+        grid: Option<u32>,
+        topo: &RankTopology,
+    ) -> Result<CudaLl> {
+        Self::with_tuning(rank, cfg, grid, LlTuning::DEFAULT, topo)
     }
 
     /// As [`CudaLl::new`] with explicit tuning values (`tuning.grid`, when set, overrides
@@ -310,6 +312,7 @@ impl CudaLl {
         cfg: &EpConfig,
         grid: Option<u32>,
         tuning: LlTuning,
+        topo: &RankTopology,
     ) -> Result<CudaLl> {
         tuning.validate()?;
         let world = rank.info().world;
@@ -320,8 +323,8 @@ impl CudaLl {
                 format!("the group has {world} ranks"),
             ));
         }
+        topo.validate(world)?;
         let sms = rank.info().sm_count;
-        let topo = RankTopology::from_env()?;
         // Whether some ranks lie in other nodes (then GIN reaches them): decided alike on every
         // rank from the launch topology, before the window is sized. A gin-ep node grouping
         // names it (virtual nodes are one NCCL node each, so NCCL's LSA team there is this rank
@@ -338,7 +341,7 @@ impl CudaLl {
             None
         };
         let lsa = probe.as_ref().map_or((0, 1), |p| p.lsa());
-        let (_, _, node) = node_span(&topo, rank.info().rank, world, lsa);
+        let (_, _, node) = node_span(topo, rank.info().rank, world, lsa);
         let gin = node < world;
         if gin {
             rank.set_node_size(node);
@@ -412,7 +415,7 @@ impl CudaLl {
                 },
             })?,
         };
-        let fabric = NodeFabric::new(rank, &window, &dev_comm, &topo, "LL", false)?;
+        let fabric = NodeFabric::new(rank, &window, &dev_comm, topo, "LL", false)?;
         let (h, k, t, l, r) = (
             cfg.hidden,
             cfg.topk,
@@ -458,15 +461,6 @@ impl CudaLl {
             Ok(s)
         };
         let sets = [make_set()?, make_set()?];
-        // GIN_EP_LL_MASKED=1: a mask word of its own, all zero, so every launch takes the
-        // masked kernels (the check and benchmark of that variant).
-        let own_mask = if std::env::var_os(ENV_MASKED).is_some_and(|v| v == "1") {
-            let w = rank.alloc(16)?;
-            rank.memset_u32(w.region(), 0)?;
-            Some(w)
-        } else {
-            None
-        };
         rank.wait("LL buffer setup")?;
         Ok(CudaLl {
             window,
@@ -480,10 +474,10 @@ impl CudaLl {
             tuning,
             stamps: 0,
             stamp_edges: false,
-            rank_mask: own_mask.as_ref().map_or(0, |w| w.region().ptr),
+            rank_mask: 0,
             shrink: false,
             masked_since_fill: AtomicBool::new(false),
-            _own_mask: own_mask,
+            _own_mask: None,
             fabric,
         })
     }
@@ -504,6 +498,18 @@ impl CudaLl {
     pub fn set_rank_mask(&mut self, ptr: Option<u64>, shrink: bool) {
         self.rank_mask = ptr.unwrap_or(0);
         self.shrink = shrink && ptr.is_some();
+    }
+
+    /// Gives this object an all-zero rank mask word of its own, so every later launch takes
+    /// the masked kernels (`gin_ep_ll_masked_*`) with no rank masked: how the check and the
+    /// benchmark run and time that variant.
+    pub fn use_own_mask_word(&mut self) -> Result<()> {
+        let w = self.rank.alloc(16)?;
+        self.rank.memset_u32(w.region(), 0)?;
+        self.rank.wait("LL mask word")?;
+        self.set_rank_mask(Some(w.region().ptr), false);
+        self._own_mask = Some(w);
+        Ok(())
     }
 
     /// Returns the protocol state of both buffer sets to a new object's (operation counts,

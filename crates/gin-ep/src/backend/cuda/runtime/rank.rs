@@ -2,7 +2,10 @@
 //! host-mapped error record and NCCL communicator, and the typed kernel launches.
 //!
 //! Owns: setting all of that up (every missing piece an `Error::Unavailable` naming it) and
-//! tearing it down in order. Memory, windows and streams of a rank are in the sibling
+//! tearing it down in order. The communicator is either gin-ep's own (`ncclCommInitRank`
+//! through the group's store, [`CudaRank::new`]) or the caller's, borrowed
+//! ([`CudaRank::from_comm`]): then NCCL is the library already loaded in the process, and the
+//! one exchange gin-ep needs at creation (a session name) runs over the communicator itself. Memory, windows and streams of a rank are in the sibling
 //! modules. Never: decides buffer layouts or which kernel runs.
 
 use std::cell::{Cell, RefCell};
@@ -111,6 +114,24 @@ pub struct CudaRank {
 /// (every rank makes them in the same order).
 static COMMS_MADE: AtomicU64 = AtomicU64::new(0);
 
+/// The driver loads and kernels of some NCCL are embedded at all (cached; the kernels of the
+/// loaded NCCL are chosen once it is loaded).
+fn preflight() -> Result<()> {
+    driver::probe().map_err(unavailable)?;
+    kernels_fatbin().map_err(unavailable)?;
+    Ok(())
+}
+
+/// `ncclGetVersion` of a loaded library.
+fn nccl_version(nccl: &ns::Nccl) -> Result<i32> {
+    let mut version = 0;
+    // SAFETY: writes one int.
+    nccl_ok(nccl, std::ptr::null_mut(), "ncclGetVersion", unsafe {
+        (nccl.ncclGetVersion)(&mut version)
+    })?;
+    Ok(version)
+}
+
 impl CudaRank {
     /// Sets up the rank: driver, GPU `group.local_rank()`, kernels, NCCL (checked against
     /// the kernels' headers), and `ncclCommInitRank` with a unique id rank 0 publishes in
@@ -130,18 +151,180 @@ impl CudaRank {
     /// that chose the device itself, e.g. `torch.cuda.current_device()`). The context is
     /// the device's primary context, the one the CUDA runtime (and PyTorch) uses.
     pub fn on_device(group: &Group, device: usize, opts: CudaRankOptions) -> Result<CudaRank> {
-        let drv = driver::probe().map_err(unavailable)?;
-        // Kernels of some NCCL must be embedded at all; which set is chosen once NCCL is loaded.
-        kernels_fatbin().map_err(unavailable)?;
+        preflight()?;
         let nccl =
             Arc::new(ns::Nccl::load().map_err(|e| {
                 unavailable(format!("{e} (set {}=<path to libnccl.so.2>)", ns::NCCL_LIB_ENV))
             })?);
-        let mut version = 0;
-        // SAFETY: writes one int.
-        nccl_ok(&nccl, std::ptr::null_mut(), "ncclGetVersion", unsafe {
-            (nccl.ncclGetVersion)(&mut version)
+        let version = nccl_version(&nccl)?;
+        let session = (group.session().to_string(), group.timeout());
+        Self::build(nccl, version, device, opts, session, |nccl, ctx| {
+            // Unique id through the store: rank 0 creates, everyone reads.
+            let n = COMMS_MADE.fetch_add(1, Ordering::Relaxed);
+            let key = group.key(&format!("cuda/nccl-unique-id/{n}"));
+            let mut id = ns::ncclUniqueId::default();
+            if group.rank() == 0 {
+                // SAFETY: writes one ncclUniqueId.
+                nccl_ok(nccl, std::ptr::null_mut(), "ncclGetUniqueId", unsafe {
+                    (nccl.ncclGetUniqueId)(&mut id)
+                })?;
+                let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
+                group.store().set(&key, &bytes)?;
+            } else {
+                let bytes = group.store().get(&key, group.timeout())?;
+                if bytes.len() != ns::NCCL_UNIQUE_ID_BYTES {
+                    return Err(Error::Bootstrap(format!(
+                        "store key `{key}` holds {} bytes, not an ncclUniqueId",
+                        bytes.len()
+                    )));
+                }
+                for (d, s) in id.internal.iter_mut().zip(bytes) {
+                    *d = s as std::ffi::c_char;
+                }
+            }
+            let mut raw: ns::ncclComm_t = std::ptr::null_mut();
+            // SAFETY: the context of `device` is current on this thread (CudaContext::new binds
+            // it), so NCCL's runtime calls use it; raw receives the communicator.
+            let r =
+                unsafe { (nccl.ncclCommInitRank)(&mut raw, group.world() as i32, id, group.rank() as i32) };
+            nccl_ok(nccl, std::ptr::null_mut(), "ncclCommInitRank", r)?;
+            Ok((
+                Comm {
+                    raw,
+                    failed: AtomicBool::new(false),
+                    borrowed: false,
+                    nccl: nccl.clone(),
+                    ctx: ctx.clone(),
+                },
+                group.rank(),
+                group.world(),
+            ))
+        })
+    }
+
+    /// Collective over the communicator: the rank of `comm`, an NCCL communicator the caller
+    /// made and keeps owning. gin-ep registers its windows and device communicators on it and
+    /// releases them when the rank and its engines drop, but never finalizes, destroys or
+    /// aborts `comm` itself. Rank and world are the communicator's (`ncclCommUserRank`,
+    /// `ncclCommCount`), the GPU is its device (`ncclCommCuDevice`, the device's primary
+    /// context). Every rank of the communicator calls it at the same point of the
+    /// communicator's sequence of collective calls (it queues one small `ncclBroadcast`, which
+    /// names the rank's session for the CUDA IPC exchange of gin-ep nodes).
+    ///
+    /// NCCL is the `libnccl.so.2` already loaded in this process, the one that made `comm`;
+    /// `nccl_version` (e.g. the caller's `NCCL_VERSION_CODE`), when given, must equal its
+    /// `ncclGetVersion`, and a `GIN_EP_NCCL_LIB` naming another library is refused.
+    ///
+    /// # Safety
+    /// `comm` must be a live communicator of the `libnccl.so.2` loaded in this process, and
+    /// stay live (not destroyed or aborted by the caller) until the rank and every engine
+    /// made on it have dropped.
+    pub unsafe fn from_comm(
+        comm: ns::ncclComm_t,
+        opts: CudaRankOptions,
+        nccl_version_expected: Option<i32>,
+    ) -> Result<CudaRank> {
+        if comm.is_null() {
+            return Err(Error::input("NCCL communicator", "a null ncclComm_t"));
+        }
+        preflight()?;
+        let nccl = Arc::new(ns::Nccl::load_in_process().map_err(unavailable)?);
+        let version = nccl_version(&nccl)?;
+        if let Some(want) = nccl_version_expected.filter(|&v| v != version) {
+            return Err(unavailable(format!(
+                "the caller was built against NCCL {} but this process's libnccl.so.2 is {}: \
+                 the communicator and gin-ep must use the same NCCL",
+                crate::backend::cuda::version_text(want),
+                crate::backend::cuda::version_text(version)
+            )));
+        }
+        if std::env::var_os(ns::NCCL_LIB_ENV).is_some() {
+            // An explicit choice that is not the communicator's library cannot be honoured.
+            let chosen = ns::Nccl::load().map_err(unavailable)?;
+            if chosen.ncclGetVersion as usize != nccl.ncclGetVersion as usize {
+                return Err(unavailable(format!(
+                    "{} names {:?}, but the communicator comes from the libnccl.so.2 already \
+                     loaded in this process (another library); unset {} or load that library",
+                    ns::NCCL_LIB_ENV,
+                    chosen.source,
+                    ns::NCCL_LIB_ENV
+                )));
+            }
+        }
+        let query = |call: &str, f: &dyn Fn(&mut i32) -> ns::ncclResult_t| -> Result<i32> {
+            let mut v = 0;
+            nccl_ok(&nccl, comm, call, f(&mut v))?;
+            Ok(v)
+        };
+        // SAFETY (the four queries): comm is live (the caller's contract); each writes one int.
+        let async_err = query("ncclCommGetAsyncError", &|v| unsafe {
+            (nccl.ncclCommGetAsyncError)(comm, v)
         })?;
+        if async_err != ns::ncclSuccess && async_err != ns::ncclInProgress {
+            return Err(Error::Device {
+                call: "ncclCommGetAsyncError".into(),
+                reason: format!(
+                    "the communicator handed to gin-ep has failed: {} (ncclResult {async_err})",
+                    nccl.error_string(async_err)
+                ),
+            });
+        }
+        // SAFETY: as above.
+        let device = query("ncclCommCuDevice", &|v| unsafe {
+            (nccl.ncclCommCuDevice)(comm, v)
+        })?;
+        // SAFETY: as above.
+        let rank = query("ncclCommUserRank", &|v| unsafe {
+            (nccl.ncclCommUserRank)(comm, v)
+        })?;
+        // SAFETY: as above.
+        let world = query("ncclCommCount", &|v| unsafe { (nccl.ncclCommCount)(comm, v) })?;
+        let (Ok(device), Ok(rank), Ok(world)) = (
+            usize::try_from(device),
+            usize::try_from(rank),
+            usize::try_from(world),
+        ) else {
+            return Err(Error::input(
+                "NCCL communicator",
+                format!("device {device}, rank {rank} of {world}: not a communicator gin-ep can use"),
+            ));
+        };
+        if rank >= world {
+            return Err(Error::input(
+                "NCCL communicator",
+                format!("rank {rank} of {world} ranks"),
+            ));
+        }
+        // Named once the communicator has agreed on it (below).
+        let session = (String::new(), opts.host_timeout);
+        let mut out = Self::build(nccl, version, device, opts, session, |nccl, ctx| {
+            Ok((
+                Comm {
+                    raw: comm,
+                    failed: AtomicBool::new(false),
+                    borrowed: true,
+                    nccl: nccl.clone(),
+                    ctx: ctx.clone(),
+                },
+                rank,
+                world,
+            ))
+        })?;
+        out.info.session = out.agree_session()?;
+        Ok(out)
+    }
+
+    /// Sets up everything of a rank but the communicator, which `join` makes or adopts (with
+    /// the context of `device` current); `session` names the rank's session and its deadline.
+    fn build(
+        nccl: Arc<ns::Nccl>,
+        version: i32,
+        device: usize,
+        opts: CudaRankOptions,
+        session: (String, std::time::Duration),
+        join: impl FnOnce(&Arc<ns::Nccl>, &Arc<CudaContext>) -> Result<(Comm, usize, usize)>,
+    ) -> Result<CudaRank> {
+        let drv = driver::probe().map_err(unavailable)?;
         // The kernels built against this NCCL's minor; any other NCCL is refused here.
         let (fatbin, _) = kernels_for(version, &format!("{:?}", nccl.source)).map_err(unavailable)?;
         if nccl.ncclCommWindowRegister.is_none()
@@ -157,7 +340,8 @@ impl CudaRank {
         }
         if device >= drv.device_count as usize {
             return Err(unavailable(format!(
-                "device {device} (LOCAL_RANK or the caller's choice) but the driver sees {} GPU(s)",
+                "device {device} (LOCAL_RANK, the communicator's or the caller's choice) but the \
+                 driver sees {} GPU(s)",
                 drv.device_count
             )));
         }
@@ -191,57 +375,24 @@ impl CudaRank {
         };
         let fabric_err = HostMapped::<FabricError>::new(&ctx)?;
         let staging = HostMapped::<[u64; 2]>::new(&ctx)?;
-
-        // Unique id through the store: rank 0 creates, everyone reads.
-        let n = COMMS_MADE.fetch_add(1, Ordering::Relaxed);
-        let key = group.key(&format!("cuda/nccl-unique-id/{n}"));
-        let mut id = ns::ncclUniqueId::default();
-        if group.rank() == 0 {
-            // SAFETY: writes one ncclUniqueId.
-            nccl_ok(&nccl, std::ptr::null_mut(), "ncclGetUniqueId", unsafe {
-                (nccl.ncclGetUniqueId)(&mut id)
-            })?;
-            let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
-            group.store().set(&key, &bytes)?;
-        } else {
-            let bytes = group.store().get(&key, group.timeout())?;
-            if bytes.len() != ns::NCCL_UNIQUE_ID_BYTES {
-                return Err(Error::Bootstrap(format!(
-                    "store key `{key}` holds {} bytes, not an ncclUniqueId",
-                    bytes.len()
-                )));
-            }
-            for (d, s) in id.internal.iter_mut().zip(bytes) {
-                *d = s as std::ffi::c_char;
-            }
-        }
-        let mut raw: ns::ncclComm_t = std::ptr::null_mut();
-        // SAFETY: the context of `device` is current on this thread (CudaContext::new binds
-        // it), so NCCL's runtime calls use it; raw receives the communicator.
-        let r = unsafe { (nccl.ncclCommInitRank)(&mut raw, group.world() as i32, id, group.rank() as i32) };
-        nccl_ok(&nccl, std::ptr::null_mut(), "ncclCommInitRank", r)?;
-        let comm = Rc::new(Comm {
-            raw,
-            failed: AtomicBool::new(false),
-            nccl: nccl.clone(),
-            ctx: ctx.clone(),
-        });
+        let (comm, rank, world) = join(&nccl, &ctx)?;
+        let comm = Rc::new(comm);
 
         let sm_count = cu(
             "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)",
             ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
         )? as u32;
         let info = RankInfo {
-            rank: group.rank(),
-            world: group.world(),
+            rank,
+            world,
             device,
             device_name: ctx.name().unwrap_or_else(|_| "unknown GPU".into()),
             sm_count,
             driver_version: drv.version,
             nccl_version: version,
             nccl_source: format!("{:?}", nccl.source),
-            session: group.session().to_string(),
-            group_timeout: group.timeout(),
+            session: session.0,
+            group_timeout: session.1,
         };
         let (stream, module) = guard.defuse();
         Ok(CudaRank {
@@ -259,6 +410,107 @@ impl CudaRank {
             epoch: Cell::new(0),
             held: Arc::new(AtomicUsize::new(0)),
         })
+    }
+
+    /// Collective over the communicator: a session name every rank shares (rank 0's, sent
+    /// with one `ncclBroadcast` on a private stream), for what gin-ep's node exchange names
+    /// per job (backend/cuda/ipc.rs). The wait is bounded by the host deadline and watches the
+    /// communicator's asynchronous error; on expiry the stream is left to the process (the
+    /// communicator is the caller's, so it is not aborted) and the error names the phase.
+    fn agree_session(&self) -> Result<String> {
+        const PHASE: &str = "ncclBroadcast of the session (creation from a caller's communicator)";
+        let nccl = &self.comm.nccl;
+        let mine = {
+            use std::hash::{BuildHasher, Hasher};
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u32(std::process::id());
+            [u64::from(std::process::id()), h.finish()]
+        };
+        let buf = self.alloc(16)?;
+        let bytes: Vec<u8> = mine.iter().flat_map(|w| w.to_le_bytes()).collect();
+        self.upload(buf.region(), &bytes)?;
+        cu("cuCtxSetCurrent", self.ctx.bind_to_thread())?;
+        let side = cu(
+            "cuStreamCreate",
+            result::stream::create(result::stream::StreamKind::NonBlocking),
+        )?;
+        let ptr = buf.region().ptr as *mut c_void;
+        // SAFETY: the communicator is live (from_comm's contract); buf holds 2 u64 on this
+        // rank's GPU and outlives the wait below (on expiry it is leaked with the stream).
+        let r = unsafe {
+            (nccl.ncclBroadcast)(
+                ptr,
+                ptr,
+                2,
+                ns::ncclUint64,
+                0,
+                self.comm.raw,
+                side as ns::cudaStream_t,
+            )
+        };
+        if let Err(e) = nccl_ok(nccl, self.comm.raw, PHASE, r) {
+            // SAFETY: nothing was queued on the side stream.
+            unsafe {
+                let _ = result::stream::destroy(side);
+            }
+            return Err(e);
+        }
+        let start = std::time::Instant::now();
+        let mut pause = Duration::from_micros(20);
+        loop {
+            // SAFETY: side is live.
+            match unsafe { sys::cuStreamQuery(side) } {
+                sys::CUresult::CUDA_SUCCESS => break,
+                sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                other => {
+                    std::mem::forget(buf);
+                    return Err(Error::Device {
+                        call: format!("cuStreamQuery ({PHASE})"),
+                        reason: format!("{other:?}"),
+                    });
+                }
+            }
+            let mut async_err = ns::ncclSuccess;
+            // SAFETY: the communicator is live; writes one int.
+            let q = unsafe { (nccl.ncclCommGetAsyncError)(self.comm.raw, &mut async_err) };
+            let failed = (q != ns::ncclSuccess)
+                .then_some(q)
+                .or((async_err != ns::ncclSuccess && async_err != ns::ncclInProgress).then_some(async_err));
+            if let Some(code) = failed {
+                std::mem::forget(buf);
+                return Err(Error::Device {
+                    call: PHASE.into(),
+                    reason: format!(
+                        "the communicator reports {} (ncclResult {code}) on rank {} of {}",
+                        nccl.error_string(code),
+                        self.info.rank,
+                        self.info.world
+                    ),
+                });
+            }
+            if start.elapsed() > self.opts.host_timeout {
+                // The broadcast may still complete later and write buf: leak both.
+                std::mem::forget(buf);
+                return Err(Error::Device {
+                    call: PHASE.into(),
+                    reason: format!(
+                        "not finished within {:?} on rank {} of {}: some rank of the communicator \
+                         did not create its gin-ep rank (or is stuck)",
+                        self.opts.host_timeout, self.info.rank, self.info.world
+                    ),
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+        // SAFETY: the broadcast has completed; nothing else uses the side stream.
+        unsafe {
+            let _ = result::stream::destroy(side);
+        }
+        let mut got = vec![0u8; 16];
+        self.download(buf.region(), &mut got)?;
+        let word = |i: usize| u64::from_le_bytes(got[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
+        Ok(format!("comm-{:x}-{:016x}", word(0), word(1)))
     }
 
     /// Ranks per node once an operation spans several nodes of `m` consecutive ranks: its
