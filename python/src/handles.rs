@@ -15,12 +15,12 @@ pub(crate) struct PyHtHandle {
 
 pub(crate) enum HtAny {
     Ep(ep::HtHandle),
-    Oracle(gin_ep::ht::HtHandle),
+    Oracle(gin_ep::ht::HtRouting),
 }
 
 impl PyHtHandle {
     /// The routing of a host dispatch (ours or the oracle's).
-    pub(crate) fn routing(&self) -> PyResult<&gin_ep::ht::HtHandle> {
+    pub(crate) fn routing(&self) -> PyResult<&gin_ep::ht::HtRouting> {
         match &self.h {
             HtAny::Ep(h) => h
                 .routing()
@@ -103,11 +103,11 @@ pub(crate) struct PyLlHandle {
 
 pub(crate) enum LlAny {
     Ep(ep::LlHandle),
-    Oracle(gin_ep::ll::LlHandle),
+    Oracle(gin_ep::ll::LlRouting),
 }
 
 impl PyLlHandle {
-    pub(crate) fn routing(&self) -> PyResult<&gin_ep::ll::LlHandle> {
+    pub(crate) fn routing(&self) -> PyResult<&gin_ep::ll::LlRouting> {
         match &self.h {
             LlAny::Ep(h) => h
                 .routing()

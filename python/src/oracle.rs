@@ -176,7 +176,7 @@ pub(crate) fn oracle_ht_combine<'py>(
         let hs = handles
             .iter()
             .map(|h| h.routing().cloned())
-            .collect::<PyResult<Vec<gin_ep::ht::HtHandle>>>()?;
+            .collect::<PyResult<Vec<gin_ep::ht::HtRouting>>>()?;
         gin_ep::oracle::ht_combine(&config.cfg, &hs, &inputs).map_err(to_py)
     })?;
     Ok(outs
@@ -214,7 +214,7 @@ pub(crate) fn oracle_ll_combine<'py>(
         let hs = handles
             .iter()
             .map(|h| h.routing().cloned())
-            .collect::<PyResult<Vec<gin_ep::ll::LlHandle>>>()?;
+            .collect::<PyResult<Vec<gin_ep::ll::LlRouting>>>()?;
         let ys = ys
             .iter()
             .map(|y| pod_vec::<bf16>("x", y))

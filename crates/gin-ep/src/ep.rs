@@ -230,7 +230,7 @@ pub struct HtHandle {
 
 #[derive(Clone, Debug)]
 enum HtInner {
-    Host(Arc<crate::ht::HtHandle>),
+    Host(Arc<crate::ht::HtRouting>),
     Device(HtGpuHandle),
 }
 
@@ -252,7 +252,7 @@ impl HtHandle {
     }
 
     /// The routing of a host dispatch (source rank and token of each received row, ...).
-    pub fn routing(&self) -> Option<&crate::ht::HtHandle> {
+    pub fn routing(&self) -> Option<&crate::ht::HtRouting> {
         match &self.inner {
             HtInner::Host(h) => Some(h),
             HtInner::Device(_) => None,
@@ -330,7 +330,7 @@ pub struct LlHandle {
     set: usize,
     seq: u64,
     num_tokens: usize,
-    host: Option<Arc<crate::ll::LlHandle>>,
+    host: Option<Arc<crate::ll::LlRouting>>,
 }
 
 impl LlHandle {
@@ -347,7 +347,7 @@ impl LlHandle {
         self.seq
     }
     /// The routing of a host dispatch (source of each row, per-source ranges).
-    pub fn routing(&self) -> Option<&crate::ll::LlHandle> {
+    pub fn routing(&self) -> Option<&crate::ll::LlRouting> {
         self.host.as_deref()
     }
 }

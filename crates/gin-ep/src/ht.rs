@@ -21,9 +21,10 @@ pub struct RankInput {
     pub topk_weights: Vec<f32>,
 }
 
-/// Everything combine (and a cached dispatch) needs from a dispatch.
+/// The routing record of an HT dispatch on one rank: everything combine (and a cached
+/// dispatch) needs from it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HtHandle {
+pub struct HtRouting {
     /// Send side of this rank: counts and the slot of each (token, rank).
     pub layout: RankLayout,
     /// Receive side of this rank: first row of each source rank, per-expert counts.
@@ -34,7 +35,7 @@ pub struct HtHandle {
     pub recv_src_token: Vec<u32>,
 }
 
-impl HtHandle {
+impl HtRouting {
     pub fn num_recv(&self) -> usize {
         self.plan.num_recv()
     }
@@ -57,7 +58,7 @@ pub struct HtDispatchOutput {
     pub recv_topk_weights: Vec<f32>,
     /// `[L]` entries per local expert, rounded up to the expert alignment.
     pub num_recv_tokens_per_expert: Vec<usize>,
-    pub handle: HtHandle,
+    pub handle: HtRouting,
 }
 
 /// What one rank passes to HT combine.

@@ -8,9 +8,9 @@
 
 use crate::quant::Rows;
 
-/// Everything LL combine needs from an LL dispatch on one rank.
+/// The routing record of an LL dispatch on one rank: everything LL combine needs from it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LlHandle {
+pub struct LlRouting {
     /// Tokens this rank dispatched.
     pub num_tokens: usize,
     /// `[L * R]` (first row, row count) of source rank `s` in local expert `e`'s
@@ -35,5 +35,5 @@ pub struct LlDispatchOutput {
     pub recv_x: Rows,
     /// `[L]` valid rows per local expert.
     pub recv_count: Vec<usize>,
-    pub handle: LlHandle,
+    pub handle: LlRouting,
 }

@@ -19,8 +19,8 @@
 
 use crate::config::{EpConfig, LlCombineOrder};
 use crate::error::{Error, Result};
-use crate::ht::{HtCombineInput, HtCombineOutput, HtDispatchOutput, HtHandle, RankInput};
-use crate::ll::{LlDispatchOutput, LlHandle};
+use crate::ht::{HtCombineInput, HtCombineOutput, HtDispatchOutput, HtRouting, RankInput};
+use crate::ll::{LlDispatchOutput, LlRouting};
 use crate::quant::{f32_to_bf16, Rows};
 use crate::routing::{self, align_counts, local_expert, RankLayout};
 use half::bf16;
@@ -116,7 +116,7 @@ pub fn ht_dispatch(cfg: &EpConfig, inputs: &[RankInput]) -> Result<Vec<HtDispatc
             recv_topk_idx,
             recv_topk_weights,
             num_recv_tokens_per_expert,
-            handle: HtHandle {
+            handle: HtRouting {
                 layout: lays[dst].clone(),
                 send_base: (0..cfg.ranks)
                     .map(|to| (0..dst).map(|s| per_rank[s][to] as usize).sum())
@@ -133,7 +133,7 @@ pub fn ht_dispatch(cfg: &EpConfig, inputs: &[RankInput]) -> Result<Vec<HtDispatc
 /// `inputs[r]` its expert outputs in that dispatch's receive order.
 pub fn ht_combine(
     cfg: &EpConfig,
-    handles: &[HtHandle],
+    handles: &[HtRouting],
     inputs: &[HtCombineInput],
 ) -> Result<Vec<HtCombineOutput>> {
     check_rank_count(cfg, handles.len(), "combine handles")?;
@@ -183,7 +183,7 @@ pub fn ht_combine(
 pub fn validate_combine_input(
     cfg: &EpConfig,
     rank: usize,
-    handle: &HtHandle,
+    handle: &HtRouting,
     inp: &HtCombineInput,
 ) -> Result<()> {
     let (h, k) = (cfg.hidden, cfg.topk);
@@ -257,7 +257,7 @@ pub fn ll_dispatch(cfg: &EpConfig, inputs: &[RankInput]) -> Result<Vec<LlDispatc
         outs.push(LlDispatchOutput {
             recv_x,
             recv_count,
-            handle: LlHandle {
+            handle: LlRouting {
                 num_tokens: lays[dst].num_tokens,
                 layout_range,
                 src_rank,
@@ -278,7 +278,7 @@ fn ll_row_of(
     src: usize,
     t: usize,
     e: usize,
-    dst_handle: &LlHandle,
+    dst_handle: &LlRouting,
 ) -> usize {
     let k = cfg.topk;
     let l_n = cfg.local_experts();
@@ -380,7 +380,7 @@ fn fma_row(sum: &mut [f32], w: f32, row: &[bf16]) {
 /// `topk_weights[s]` are source rank s's routing.
 pub fn ll_combine(
     cfg: &EpConfig,
-    handles: &[LlHandle],
+    handles: &[LlRouting],
     expert_out: &[Vec<bf16>],
     topk_idx: &[Vec<i64>],
     topk_weights: &[Vec<f32>],

@@ -21,7 +21,7 @@ mod ll;
 use super::heap::SymmetricHeap;
 use crate::config::{EpConfig, FP8_BLOCK};
 use crate::error::{Error, Result};
-use crate::ht::{HtCombineInput, HtCombineOutput, HtDispatchOutput, HtHandle};
+use crate::ht::{HtCombineInput, HtCombineOutput, HtDispatchOutput, HtRouting};
 use crate::oracle;
 use crate::quant::{f32_to_bf16, quantize_row, Rows};
 use crate::routing::{self, align_counts, local_expert};
@@ -625,7 +625,7 @@ impl HostEp {
             recv_topk_idx,
             recv_topk_weights,
             num_recv_tokens_per_expert,
-            handle: HtHandle {
+            handle: HtRouting {
                 layout,
                 plan,
                 send_base,
@@ -682,7 +682,7 @@ impl HostEp {
 
     /// Cached HT dispatch: reuses the layout and counts of `handle` (no count
     /// exchange) and returns only the received rows.
-    pub fn ht_dispatch_cached(&mut self, x: &[bf16], handle: &HtHandle) -> Result<Rows> {
+    pub fn ht_dispatch_cached(&mut self, x: &[bf16], handle: &HtRouting) -> Result<Rows> {
         self.need(true)?;
         let seq = self.begin();
         self.guarded(|s| {
@@ -712,7 +712,7 @@ impl HostEp {
 
     /// HT combine: every received row goes back to its source rank, which sums
     /// the rows of each token in ascending rank order (see `oracle`).
-    pub fn ht_combine(&mut self, input: &HtCombineInput, handle: &HtHandle) -> Result<HtCombineOutput> {
+    pub fn ht_combine(&mut self, input: &HtCombineInput, handle: &HtRouting) -> Result<HtCombineOutput> {
         self.need(true)?;
         let seq = self.begin();
         self.guarded(|s| s.ht_combine_inner(seq, input, handle))
@@ -722,7 +722,7 @@ impl HostEp {
         &mut self,
         seq: u64,
         input: &HtCombineInput,
-        handle: &HtHandle,
+        handle: &HtRouting,
     ) -> Result<HtCombineOutput> {
         let cfg = self.cfg.clone();
         let (me, r_n, h, k, t_max) = (
@@ -811,7 +811,7 @@ fn check_len(rank: usize, what: &str, got: usize, want: usize) -> Result<()> {
 }
 
 /// A handle from another config or a corrupted one must not index out of bounds.
-fn check_handle(cfg: &EpConfig, rank: usize, handle: &HtHandle) -> Result<()> {
+fn check_handle(cfg: &EpConfig, rank: usize, handle: &HtRouting) -> Result<()> {
     let r_n = cfg.ranks;
     let ok = handle.layout.tokens_per_rank.len() == r_n
         && handle.layout.send_slot.len() == handle.layout.num_tokens * r_n

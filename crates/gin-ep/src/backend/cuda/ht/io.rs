@@ -11,7 +11,7 @@ use super::{plan_words, CudaHt, HtGpuHandle, DTYPE_FP8_PRE, PLAN_HEAD, POISON};
 use crate::backend::cuda::runtime::{CudaRank, DeviceBuffer, DeviceRegion, ExternalSpan};
 use crate::config::FP8_BLOCK;
 use crate::error::{Error, Result};
-use crate::ht::{HtCombineOutput, HtDispatchOutput, HtHandle};
+use crate::ht::{HtCombineOutput, HtDispatchOutput, HtRouting};
 use crate::quant::Rows;
 use crate::routing::{RankLayout, RecvPlan};
 
@@ -484,7 +484,7 @@ impl CudaHt {
             recv_topk_idx,
             recv_topk_weights,
             num_recv_tokens_per_expert: aligned,
-            handle: HtHandle {
+            handle: HtRouting {
                 layout: RankLayout {
                     num_tokens: n,
                     tokens_per_rank,

@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::group::vnodes::RankTopology;
 use crate::group::Group;
 use crate::ht::RankInput;
-use crate::ll::{LlDispatchOutput, LlHandle};
+use crate::ll::{LlDispatchOutput, LlRouting};
 use crate::quant::Rows;
 use crate::workload::{Routing, Workload};
 
@@ -122,7 +122,7 @@ fn expected(case: &Case, ins: &[RankInput], wy: &Workload, me: usize) -> Result<
     let ys: Vec<Vec<bf16>> = (0..cfg.ranks)
         .map(|r| expert_outputs(wy, cfg, r, &want[r].recv_count, r == me))
         .collect();
-    let handles: Vec<LlHandle> = want.iter().map(|o| o.handle.clone()).collect();
+    let handles: Vec<LlRouting> = want.iter().map(|o| o.handle.clone()).collect();
     let idx: Vec<Vec<i64>> = ins.iter().map(|i| i.topk_idx.clone()).collect();
     let wts: Vec<Vec<f32>> = ins.iter().map(|i| i.topk_weights.clone()).collect();
     let mut combined = crate::oracle::ll_combine(cfg, &handles, &ys, &idx, &wts)?;
@@ -689,7 +689,7 @@ mod tests {
                     }
                 }
             }
-            let handles: Vec<LlHandle> = want.iter().map(|o| o.handle.clone()).collect();
+            let handles: Vec<LlRouting> = want.iter().map(|o| o.handle.clone()).collect();
             let idx: Vec<Vec<i64>> = ins.iter().map(|i| i.topk_idx.clone()).collect();
             let wts: Vec<Vec<f32>> = ins.iter().map(|i| i.topk_weights.clone()).collect();
             let a = crate::oracle::ll_combine(&cfg, &handles, &ys, &idx, &wts).unwrap();

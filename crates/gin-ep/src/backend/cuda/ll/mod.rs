@@ -27,7 +27,7 @@ use super::runtime::{CudaRank, DevComm, DevCommRequest, DeviceBuffer, ExternalSp
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
 use crate::error::{Error, Result};
 use crate::group::vnodes::{plugin_configured, RankTopology};
-use crate::ll::{LlDispatchOutput, LlHandle};
+use crate::ll::{LlDispatchOutput, LlRouting};
 use crate::quant::Rows;
 
 #[cfg(feature = "harness")]
@@ -906,7 +906,7 @@ impl CudaLl {
 
     /// Waits and reads the combine handle of `set`'s last dispatch (the set's own buffers:
     /// the handle never lives in caller memory).
-    fn download_handle(&self, set: usize) -> Result<LlHandle> {
+    fn download_handle(&self, set: usize) -> Result<LlRouting> {
         self.rank.wait("LL dispatch handle")?;
         let s = self.set(set)?;
         let (l, r) = (self.cfg.local_experts(), self.cfg.ranks);
@@ -914,7 +914,7 @@ impl CudaLl {
         let ranges: Vec<u32> = self
             .rank
             .download_prefix_vec(s.layout_range.region(), 2 * l * r)?;
-        Ok(LlHandle {
+        Ok(LlRouting {
             num_tokens: s.num_tokens,
             layout_range: ranges.chunks(2).map(|p| (p[0], p[1])).collect(),
             src_rank: self.rank.download_prefix_vec(s.src_rank.region(), rows)?,

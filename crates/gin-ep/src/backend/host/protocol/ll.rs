@@ -24,7 +24,7 @@
 use super::{check_len, HostEp, LlWord, LL_SETS, LL_WORDS};
 use crate::config::{LlCombineOrder, FP8_BLOCK};
 use crate::error::{Error, Result};
-use crate::ll::{LlDispatchOutput, LlHandle};
+use crate::ll::{LlDispatchOutput, LlRouting};
 use crate::quant::{f32_to_bf16, Rows};
 use crate::routing::{self, local_expert};
 use half::bf16;
@@ -348,7 +348,7 @@ impl HostEp {
         Ok(LlDispatchOutput {
             recv_x: out.recv_x,
             recv_count: out.recv_count,
-            handle: LlHandle {
+            handle: LlRouting {
                 num_tokens: n,
                 layout_range: out.layout_range,
                 src_rank: out.src_rank,
@@ -451,7 +451,7 @@ impl HostEp {
         y: &[bf16],
         topk_idx: &[i64],
         topk_weights: &[f32],
-        handle: &LlHandle,
+        handle: &LlRouting,
     ) -> Result<Vec<bf16>> {
         self.need(false)?;
         self.begin();
@@ -463,7 +463,7 @@ impl HostEp {
         y: &[bf16],
         topk_idx: &[i64],
         topk_weights: &[f32],
-        handle: &LlHandle,
+        handle: &LlRouting,
     ) -> Result<Vec<bf16>> {
         let cfg = self.cfg.clone();
         let (me, r_n, h, k, t_max) = (

@@ -120,7 +120,7 @@ fn rank_loop(sc: &Scenario, ep: &mut HostEp) -> Result<()> {
         ep.poison_buffers();
         let got = ep.ll_dispatch(&ins[me].x, &ins[me].topk_idx)?;
         check::ll_dispatch(cfg, me, &got, &want[me]).map_err(|e| in_context(e, "LL dispatch", iter))?;
-        let handles: Vec<LlHandle> = want.iter().map(|o| o.handle.clone()).collect();
+        let handles: Vec<LlRouting> = want.iter().map(|o| o.handle.clone()).collect();
         let idx: Vec<_> = ins.iter().map(|i| i.topk_idx.clone()).collect();
         let wts: Vec<_> = ins.iter().map(|i| i.topk_weights.clone()).collect();
         for c in 0..sc.combines {
@@ -387,7 +387,7 @@ fn shrink_masks_a_rank_that_stops_mid_dispatch_and_drops_its_rows() {
         let ys: Vec<Vec<bf16>> = (0..3)
             .map(|r| bf16s(&mut rng(r, 0, 7), cap_rows * cfg.hidden))
             .collect();
-        let handles: Vec<LlHandle> = want.iter().map(|o| o.handle.clone()).collect();
+        let handles: Vec<LlRouting> = want.iter().map(|o| o.handle.clone()).collect();
         let idx: Vec<_> = live.iter().map(|i| i.topk_idx.clone()).collect();
         let wts: Vec<_> = live.iter().map(|i| i.topk_weights.clone()).collect();
         let want_c = oracle::ll_combine(cfg, &handles, &ys, &idx, &wts)?;
@@ -426,7 +426,7 @@ fn combines_in_any_order_use_their_handles_sets_and_a_bad_set_is_refused() {
         assert_eq!((got[0].handle.set, got[1].handle.set), (0, 1));
         for i in [1, 0] {
             let want = oracle::ll_dispatch(cfg, &ins[i])?;
-            let handles: Vec<LlHandle> = want.iter().map(|o| o.handle.clone()).collect();
+            let handles: Vec<LlRouting> = want.iter().map(|o| o.handle.clone()).collect();
             let idx: Vec<_> = ins[i].iter().map(|x| x.topk_idx.clone()).collect();
             let wts: Vec<_> = ins[i].iter().map(|x| x.topk_weights.clone()).collect();
             let ys: Vec<Vec<bf16>> = (0..cfg.ranks)
