@@ -205,6 +205,8 @@ pub enum LoadError {
     NotFound(Vec<String>),
     /// The library loaded but lacks an entry point every supported NCCL has.
     MissingSymbol { symbol: &'static str, detail: String },
+    /// An explicit choice (`GIN_EP_NCCL_LIB`) that is not the library the process loaded.
+    Conflict(String),
 }
 
 impl fmt::Display for LoadError {
@@ -216,6 +218,7 @@ impl fmt::Display for LoadError {
             LoadError::MissingSymbol { symbol, detail } => {
                 write!(f, "the loaded NCCL lacks {symbol}: {detail}")
             }
+            LoadError::Conflict(why) => f.write_str(why),
         }
     }
 }
@@ -350,18 +353,41 @@ impl Nccl {
     /// The `libnccl.so.2` this process has already loaded (RTLD_NOLOAD), and nothing else: the
     /// library that made a communicator the caller hands over (an `ncclComm_t` is only
     /// meaningful to the library that created it, so loading another copy is never right).
+    /// `$GIN_EP_NCCL_LIB`, when set, must name that same library (else `Conflict`).
     pub fn load_in_process() -> Result<Nccl, LoadError> {
         #[cfg(unix)]
         {
             use libloading::os::unix::{Library, RTLD_NOW};
             // SAFETY: RTLD_NOLOAD only looks up an already-initialized library.
-            match unsafe { Library::open(Some(NCCL_SONAME), RTLD_NOW | libc::RTLD_NOLOAD) } {
-                Ok(lib) => Self::from_library(lib.into(), NcclSource::AlreadyLoaded),
-                Err(e) => Err(LoadError::NotFound(vec![format!(
-                    "no {NCCL_SONAME} is loaded in this process ({e}); a communicator must come \
-                     from a loaded {NCCL_SONAME}"
-                )])),
+            let nccl = match unsafe { Library::open(Some(NCCL_SONAME), RTLD_NOW | libc::RTLD_NOLOAD) } {
+                Ok(lib) => Self::from_library(lib.into(), NcclSource::AlreadyLoaded)?,
+                Err(e) => {
+                    return Err(LoadError::NotFound(vec![format!(
+                        "no {NCCL_SONAME} is loaded in this process ({e}); a communicator must come \
+                         from a loaded {NCCL_SONAME}"
+                    )]))
+                }
+            };
+            // An explicit choice must be that same library: the communicator is only
+            // meaningful to the library that made it, and a second copy is never loaded here.
+            if let Some(path) = std::env::var_os(NCCL_LIB_ENV) {
+                // SAFETY: as above.
+                let chosen = unsafe { Library::open(Some(&path), RTLD_NOW | libc::RTLD_NOLOAD) }.ok();
+                // SAFETY: ncclGetVersion is read with its nccl.h type.
+                let entry = chosen.and_then(|l| {
+                    unsafe { l.get::<ncclGetVersion_t>(b"ncclGetVersion") }
+                        .ok()
+                        .map(|s| *s)
+                });
+                if entry.map(|f| f as usize) != Some(nccl.ncclGetVersion as usize) {
+                    return Err(LoadError::Conflict(format!(
+                        "{NCCL_LIB_ENV}={} is not the {NCCL_SONAME} loaded in this process, which made \
+                         the communicator; unset {NCCL_LIB_ENV} or load that library",
+                        path.to_string_lossy()
+                    )));
+                }
             }
+            Ok(nccl)
         }
         #[cfg(not(unix))]
         {

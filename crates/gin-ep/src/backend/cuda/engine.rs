@@ -89,7 +89,10 @@ impl GpuRank {
     /// and keeps owning (gin-ep borrows it: its windows and device communicators are released
     /// when the rank and every `Ep` on it have dropped; `comm` itself is never finalized,
     /// destroyed or aborted by gin-ep). Rank, world and GPU are the communicator's. See
-    /// [`GpuRankOptions`] for the deadline and the NCCL version check.
+    /// [`GpuRankOptions`] for the deadline and the NCCL version check. After a failure (a
+    /// missed deadline, an NCCL error) gin-ep leaves its windows and device communicators on
+    /// `comm` as they are (releasing them is collective and a peer may be gone): the caller
+    /// then aborts `comm` (`ncclCommAbort`), which reclaims them.
     ///
     /// # Safety
     /// `comm` is a live `ncclComm_t` of the `libnccl.so.2` loaded in this process, and the

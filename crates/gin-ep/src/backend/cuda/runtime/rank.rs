@@ -209,11 +209,13 @@ impl CudaRank {
     /// `ncclCommCount`), the GPU is its device (`ncclCommCuDevice`, the device's primary
     /// context). Every rank of the communicator calls it at the same point of the
     /// communicator's sequence of collective calls (it queues one small `ncclBroadcast`, which
-    /// names the rank's session for the CUDA IPC exchange of gin-ep nodes).
+    /// names the rank's session for the CUDA IPC exchange of gin-ep nodes). After a failure the
+    /// windows and device communicators stay on `comm` for the caller's `ncclCommAbort`.
     ///
     /// NCCL is the `libnccl.so.2` already loaded in this process, the one that made `comm`;
     /// `nccl_version` (e.g. the caller's `NCCL_VERSION_CODE`), when given, must equal its
-    /// `ncclGetVersion`, and a `GIN_EP_NCCL_LIB` naming another library is refused.
+    /// `ncclGetVersion`, and a `GIN_EP_NCCL_LIB` naming another library is refused
+    /// ([`ns::Nccl::load_in_process`]).
     ///
     /// # Safety
     /// `comm` must be a live communicator of the `libnccl.so.2` loaded in this process, and
@@ -237,19 +239,6 @@ impl CudaRank {
                 crate::backend::cuda::version_text(want),
                 crate::backend::cuda::version_text(version)
             )));
-        }
-        if std::env::var_os(ns::NCCL_LIB_ENV).is_some() {
-            // An explicit choice that is not the communicator's library cannot be honoured.
-            let chosen = ns::Nccl::load().map_err(unavailable)?;
-            if chosen.ncclGetVersion as usize != nccl.ncclGetVersion as usize {
-                return Err(unavailable(format!(
-                    "{} names {:?}, but the communicator comes from the libnccl.so.2 already \
-                     loaded in this process (another library); unset {} or load that library",
-                    ns::NCCL_LIB_ENV,
-                    chosen.source,
-                    ns::NCCL_LIB_ENV
-                )));
-            }
         }
         let query = |call: &str, f: &dyn Fn(&mut i32) -> ns::ncclResult_t| -> Result<i32> {
             let mut v = 0;
