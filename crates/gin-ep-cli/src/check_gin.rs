@@ -349,6 +349,7 @@ mod tests {
             killed: false,
             elapsed: Duration::from_secs(secs),
             stderr: stderr.into(),
+            progress: None,
         }
     }
 

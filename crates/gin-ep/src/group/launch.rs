@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::{StoreServer, ENV_CHILD, ENV_STORE_PORT};
+use super::{progress_key, StoreServer, ENV_CHILD, ENV_STORE_PORT, ENV_STORE_SECRET};
 use crate::error::{Error, Result};
 
 /// Bytes of each rank's stderr kept (the end of it, where the error message is).
@@ -40,6 +40,9 @@ pub struct RankExit {
     pub elapsed: Duration,
     /// The last [`STDERR_TAIL`] bytes the rank wrote to stderr (lossy UTF-8).
     pub stderr: String,
+    /// The last count of finished work the rank reported
+    /// ([`Group::report_progress`](super::Group::report_progress)), if it reported any.
+    pub progress: Option<u64>,
 }
 
 impl RankExit {
@@ -59,8 +62,8 @@ pub fn first_failure(exits: &[RankExit]) -> Option<&RankExit> {
 
 /// Runs `world` processes of `exe args` as the ranks of one group on this host and
 /// returns how each ended, ordered by rank. Each child gets `RANK`, `WORLD_SIZE`,
-/// `LOCAL_RANK`, `MASTER_ADDR=127.0.0.1`, `GIN_EP_STORE_PORT` (the store this function
-/// serves) and `GIN_EP_CHILD=1`; stdout is inherited, stderr captured. Children still
+/// `LOCAL_RANK`, `MASTER_ADDR=127.0.0.1`, `GIN_EP_STORE_PORT` and `GIN_EP_STORE_SECRET`
+/// (the store this function serves, with a fresh secret) and `GIN_EP_CHILD=1`; stdout is inherited, stderr captured. Children still
 /// running `2 * timeout` plus a slack after launch are killed.
 pub fn launch_ranks(world: usize, exe: &Path, args: &[String], timeout: Duration) -> Result<Vec<RankExit>> {
     launch_ranks_env(world, exe, args, timeout, &|_| Vec::new())
@@ -107,6 +110,7 @@ fn launch_with_deadline(
     }
     let server = StoreServer::bind("127.0.0.1:0")?;
     let port = server.addr().port().to_string();
+    let secret = server.secret().to_hex();
     let start = Instant::now();
     let deadline = start + limit;
     let mut ranks: Vec<Running> = Vec::with_capacity(world);
@@ -118,6 +122,7 @@ fn launch_with_deadline(
             .env("LOCAL_RANK", rank.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env(ENV_STORE_PORT, &port)
+            .env(ENV_STORE_SECRET, &secret)
             .env(ENV_CHILD, "1")
             .envs(env(rank))
             .stdin(Stdio::null())
@@ -185,6 +190,14 @@ fn launch_with_deadline(
         }
         std::thread::sleep(POLL);
     }
+    let progress: Vec<Option<u64>> = (0..world)
+        .map(|rank| {
+            server
+                .peek(&progress_key(rank))
+                .and_then(|v| <[u8; 8]>::try_from(v.as_slice()).ok())
+                .map(u64::from_le_bytes)
+        })
+        .collect();
     drop(server);
 
     let mut exits = Vec::with_capacity(world);
@@ -214,6 +227,7 @@ fn launch_with_deadline(
             killed,
             elapsed,
             stderr,
+            progress: progress[r.rank],
         });
     }
     Ok(exits)
@@ -251,7 +265,7 @@ mod tests {
     fn children_get_their_rank_environment_and_stderr_is_captured() {
         let (exe, args) = sh(
             "echo \"r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK a=$MASTER_ADDR c=$GIN_EP_CHILD \
-             p=$GIN_EP_STORE_PORT\" >&2; exit $RANK",
+             s=${#GIN_EP_STORE_SECRET} p=$GIN_EP_STORE_PORT\" >&2; exit $RANK",
         );
         let exits = launch_ranks(3, &exe, &args, Duration::from_secs(5)).unwrap();
         assert_eq!(exits.len(), 3);
@@ -259,7 +273,7 @@ mod tests {
             assert_eq!(e.rank, r);
             assert_eq!(e.status.code(), Some(r as i32));
             assert!(!e.killed);
-            let want = format!("r={r} w=3 l={r} a=127.0.0.1 c=1 p=");
+            let want = format!("r={r} w=3 l={r} a=127.0.0.1 c=1 s=64 p=");
             assert!(e.stderr.starts_with(&want), "rank {r}: {:?}", e.stderr);
             let port: u16 = e.stderr.trim().rsplit('=').next().unwrap().parse().unwrap();
             assert_ne!(port, 0);

@@ -2,10 +2,11 @@
 //! names before any data moves.
 //!
 //! Owns: reading the launcher's environment (torchrun, Slurm, Open MPI, `gin-ep --ranks`),
-//! the group's key-value store ([`store`]), the session id that names shared resources,
+//! the group's key-value store ([`store`]) and its secret, the session id that names shared resources,
 //! the process launcher of the CLI ([`launch`]) and its virtual nodes ([`vnodes`]).
 //! Must never: move tensor data, wait without a deadline, listen on more interfaces than
-//! `MASTER_ADDR` names, or use `MASTER_PORT` (torchrun's own store lives there).
+//! `MASTER_ADDR` names, use `MASTER_PORT` (torchrun's own store lives there), or serve or
+//! join a store without its secret.
 #![forbid(unsafe_code)]
 
 pub mod launch;
@@ -19,11 +20,15 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 
 pub use launch::{first_failure, launch_ranks, launch_ranks_env, RankEnv, RankExit};
-pub use store::{Store, StoreServer};
+pub use store::{Store, StoreSecret, StoreServer};
 
 /// Port of the gin-ep store. Deliberately not `MASTER_PORT`: torchrun's own store is
 /// bound there.
 pub const ENV_STORE_PORT: &str = "GIN_EP_STORE_PORT";
+/// The store's admission secret, 64 hex digits, the same for every rank (set by
+/// [`launch_ranks`]; under torchrun, srun or mpirun by the job script, e.g.
+/// `export GIN_EP_STORE_SECRET=$(openssl rand -hex 32)` before the launch).
+pub const ENV_STORE_SECRET: &str = "GIN_EP_STORE_SECRET";
 /// Set to `1` by [`launch_ranks`]: the launcher already serves the store, so rank 0 must
 /// connect to it instead of binding its own.
 pub const ENV_CHILD: &str = "GIN_EP_CHILD";
@@ -70,6 +75,7 @@ struct EnvSpec {
     local_rank: usize,
     master_addr: String,
     port: u16,
+    secret: StoreSecret,
     /// The store is served by a parent `gin-ep --ranks` process.
     store_hosted: bool,
 }
@@ -133,6 +139,17 @@ fn parse_env(var: &dyn Fn(&str) -> Option<String>) -> Result<EnvSpec> {
             )))
         }
     };
+    let secret = match var(ENV_STORE_SECRET) {
+        None => {
+            return Err(Error::Bootstrap(format!(
+                "{ENV_STORE_SECRET} is not set: give every rank the same {} hex digits (e.g. \
+                 `export {ENV_STORE_SECRET}=$(openssl rand -hex 32)` in the job script), or let \
+                 `gin-ep` start the ranks",
+                2 * store::SECRET_LEN
+            )))
+        }
+        Some(text) => StoreSecret::from_hex(&text).map_err(|e| Error::Bootstrap(format!("{ENV_STORE_SECRET}: {e}")))?,
+    };
     let store_hosted = match var(ENV_CHILD).as_deref().map(str::trim) {
         None | Some("") | Some("0") => false,
         Some("1") => true,
@@ -144,8 +161,15 @@ fn parse_env(var: &dyn Fn(&str) -> Option<String>) -> Result<EnvSpec> {
         local_rank,
         master_addr,
         port,
+        secret,
         store_hosted,
     })
+}
+
+/// The key under which rank `rank` reports its progress (read by the launcher, which
+/// serves the store and so reads it after the ranks exited).
+fn progress_key(rank: usize) -> String {
+    format!("gin-ep/progress/{rank}")
 }
 
 /// `host:port` with IPv6 literals bracketed, as `ToSocketAddrs` expects.
@@ -178,23 +202,38 @@ impl Group {
                     spec.master_addr
                 )));
             }
-            Some(StoreServer::bind_any(&addrs)?)
+            Some(StoreServer::bind_any(&addrs, spec.secret.clone())?)
         } else {
             None
         };
-        Self::join_with(spec.rank, spec.world, spec.local_rank, &addr, timeout, server)
+        Self::join_with(
+            spec.rank,
+            spec.world,
+            spec.local_rank,
+            &addr,
+            &spec.secret,
+            timeout,
+            server,
+        )
     }
 
-    /// Joins a group whose store is already served at `addr` (`host:port`). Used by
-    /// in-process groups (one thread per rank) and tests; `local_rank` is `rank`.
-    pub fn join(rank: usize, world: usize, addr: &str, timeout: Duration) -> Result<Group> {
+    /// Joins a group whose store is already served at `addr` (`host:port`) and admits the
+    /// holders of `secret`. Used by in-process groups (one thread per rank), the Python
+    /// package and tests; `local_rank` is `rank`.
+    pub fn join(
+        rank: usize,
+        world: usize,
+        addr: &str,
+        secret: &StoreSecret,
+        timeout: Duration,
+    ) -> Result<Group> {
         if world == 0 || rank >= world {
             return Err(Error::input(
                 "group rank",
                 format!("rank {rank} is out of range for world {world}"),
             ));
         }
-        Self::join_with(rank, world, rank, addr, timeout, None)
+        Self::join_with(rank, world, rank, addr, secret, timeout, None)
     }
 
     fn join_with(
@@ -202,12 +241,13 @@ impl Group {
         world: usize,
         local_rank: usize,
         addr: &str,
+        secret: &StoreSecret,
         timeout: Duration,
         server: Option<StoreServer>,
     ) -> Result<Group> {
         let deadline = Instant::now() + timeout;
         let left = || deadline.saturating_duration_since(Instant::now());
-        let store = Store::connect(addr, timeout)?;
+        let store = Store::connect(addr, secret, timeout)?;
         // Every rank of a group joins before any rank can join the next group on the
         // same store (the join barrier below), so arrivals number groups consecutively.
         let joined = store.add("gin-ep/groups/joined", 1)?;
@@ -294,6 +334,13 @@ impl Group {
         self.barrier("close")
     }
 
+    /// Records that this rank finished `done` units of work (the cases of a check), for
+    /// the launcher to report what passed when a rank fails later
+    /// ([`RankExit::progress`]).
+    pub fn report_progress(&self, done: u64) -> Result<()> {
+        self.store.set(&progress_key(self.rank), &done.to_le_bytes())
+    }
+
     /// Number of the next collective allocation, the same on every rank.
     pub(crate) fn next_heap_id(&self) -> u64 {
         self.heaps.fetch_add(1, Ordering::Relaxed)
@@ -306,6 +353,7 @@ mod tests {
     use std::collections::HashMap;
 
     const T: Duration = Duration::from_secs(10);
+    const HEX: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
 
     fn parse(pairs: &[(&str, &str)]) -> Result<EnvSpec> {
         let env: HashMap<String, String> = pairs
@@ -324,6 +372,7 @@ mod tests {
             ("MASTER_ADDR", "10.0.0.7"),
             ("MASTER_PORT", "29500"),
             ("GIN_EP_STORE_PORT", "29600"),
+            ("GIN_EP_STORE_SECRET", HEX),
         ])
         .unwrap();
         assert_eq!(
@@ -334,6 +383,7 @@ mod tests {
                 local_rank: 1,
                 master_addr: "10.0.0.7".into(),
                 port: 29600,
+                secret: StoreSecret::from_hex(HEX).unwrap(),
                 store_hosted: false
             }
         );
@@ -341,7 +391,11 @@ mod tests {
 
     #[test]
     fn slurm_and_open_mpi_variables_are_used_when_rank_is_absent() {
-        let base = [("MASTER_ADDR", "n1"), ("GIN_EP_STORE_PORT", "1234")];
+        let base = [
+            ("MASTER_ADDR", "n1"),
+            ("GIN_EP_STORE_PORT", "1234"),
+            ("GIN_EP_STORE_SECRET", HEX),
+        ];
         let mut slurm = base.to_vec();
         slurm.extend([("SLURM_PROCID", "2"), ("SLURM_NTASKS", "8")]);
         let s = parse(&slurm).unwrap();
@@ -364,6 +418,7 @@ mod tests {
             ("WORLD_SIZE", "2"),
             ("MASTER_ADDR", "127.0.0.1"),
             ("GIN_EP_STORE_PORT", "5000"),
+            ("GIN_EP_STORE_SECRET", HEX),
         ];
         let with = |k: &str, v: Option<&str>| {
             let mut e: Vec<(&str, &str)> = ok.iter().filter(|(n, _)| *n != k).copied().collect();
@@ -372,7 +427,9 @@ mod tests {
             }
             parse(&e).unwrap_err().to_string()
         };
-        let cases: [(&str, Option<&str>, &[&str]); 7] = [
+        let cases: [(&str, Option<&str>, &[&str]); 9] = [
+            ("GIN_EP_STORE_SECRET", None, &["GIN_EP_STORE_SECRET", "openssl rand -hex 32"]),
+            ("GIN_EP_STORE_SECRET", Some("abc"), &["GIN_EP_STORE_SECRET", "64 hex digits"]),
             ("RANK", None, &["RANK"]),
             ("WORLD_SIZE", None, &["WORLD_SIZE"]),
             ("WORLD_SIZE", Some("two"), &["WORLD_SIZE", "two"]),
@@ -404,13 +461,14 @@ mod tests {
     fn ranks_joining_one_store_agree_on_the_session_and_later_groups_get_a_new_one() {
         let server = StoreServer::bind("127.0.0.1:0").unwrap();
         let addr = server.addr().to_string();
+        let sec = server.secret().clone();
         let world = 3;
         let run = || -> Vec<String> {
             let threads: Vec<_> = (0..world)
                 .map(|r| {
-                    let addr = addr.clone();
+                    let (addr, sec) = (addr.clone(), sec.clone());
                     std::thread::spawn(move || {
-                        let g = Group::join(r, world, &addr, T).unwrap();
+                        let g = Group::join(r, world, &addr, &sec, T).unwrap();
                         assert_eq!((g.rank(), g.world()), (r, world));
                         g.barrier("after-join").unwrap();
                         let s = g.session().to_string();
@@ -432,7 +490,8 @@ mod tests {
     fn join_with_a_missing_rank_times_out_instead_of_hanging() {
         let server = StoreServer::bind("127.0.0.1:0").unwrap();
         let t0 = Instant::now();
-        let err = Group::join(0, 2, &server.addr().to_string(), Duration::from_millis(300)).unwrap_err();
+        let addr = server.addr().to_string();
+        let err = Group::join(0, 2, &addr, server.secret(), Duration::from_millis(300)).unwrap_err();
         assert!(t0.elapsed() < Duration::from_secs(5));
         assert!(err.to_string().contains("1 of 2"), "{err}");
     }

@@ -34,6 +34,7 @@ use std::any::Any;
 use std::ffi::{CStr, CString};
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -143,13 +144,27 @@ impl SymmetricHeap {
     ///
     /// The names are removed (`shm_unlink`) as soon as every rank has mapped every
     /// segment, so nothing is left in `/dev/shm` even if a rank crashes later; the
-    /// mappings go away when the last process unmaps them.
+    /// mappings go away when the last process unmaps them. A rank killed before that
+    /// leaves its name behind; every process holds a lock on each segment it maps, and
+    /// the first heap of a later process removes the unlocked leftovers of this user
+    /// ([`sweep_stale_segments`]), saying so on stderr.
     pub fn processes(group: &Group, len: usize) -> Result<SymmetricHeap> {
         check_shape(group.world(), len)?;
+        static SWEEP: std::sync::Once = std::sync::Once::new();
+        SWEEP.call_once(|| {
+            let removed = sweep_stale_segments(Path::new(SHM_DIR), STALE_AFTER);
+            if !removed.is_empty() {
+                eprintln!(
+                    "gin-ep: removed {} shared-memory segment(s) that a killed job left in {SHM_DIR}: {}",
+                    removed.len(),
+                    removed.join(", ")
+                );
+            }
+        });
         let (rank, world) = (group.rank(), group.world());
         let deadline = Instant::now() + group.timeout();
         let heap_id = group.next_heap_id();
-        let name_of = |r: usize| format!("/gin-ep-{}-{heap_id}-{r}", group.session());
+        let name_of = |r: usize| format!("/{SHM_PREFIX}{}-{heap_id}-{r}", group.session());
         let key_of = |r: usize| group.key(&format!("heap/{heap_id}/rank/{r}"));
 
         let own_name = c_name(&name_of(rank))?;
@@ -458,6 +473,9 @@ fn c_name(name: &str) -> Result<CString> {
 struct ShmMapping {
     ptr: NonNull<u8>,
     len: usize,
+    /// The segment's descriptor, holding a shared `flock` for as long as it is mapped:
+    /// what tells [`sweep_stale_segments`] that a live process still uses the name.
+    _lock: File,
     /// The name to `shm_unlink` on drop, while this process created it and has not yet
     /// removed it.
     owned_name: Option<CString>,
@@ -476,6 +494,7 @@ impl ShmMapping {
         // From here on the name exists: remove it again on every early return.
         let guard = UnlinkOnDrop(Some(name.to_owned()));
         let file = File::from(fd);
+        lock_shared(&file, name)?;
         // ftruncate: a new segment reads as zeros.
         file.set_len(len as u64)
             .map_err(|e| Error::io(format!("ftruncate {name:?} to {len} bytes"), e))?;
@@ -483,6 +502,7 @@ impl ShmMapping {
         Ok(ShmMapping {
             ptr,
             len,
+            _lock: file,
             owned_name: guard.disarm(),
         })
     }
@@ -490,6 +510,7 @@ impl ShmMapping {
     /// Maps the existing segment `name`, which must hold at least `len` bytes.
     fn open(name: &CStr, len: usize) -> Result<ShmMapping> {
         let file = File::from(shm_open(name, libc::O_RDWR)?);
+        lock_shared(&file, name)?;
         let size = file
             .metadata()
             .map_err(|e| Error::io(format!("fstat {name:?}"), e))?
@@ -503,6 +524,7 @@ impl ShmMapping {
         Ok(ShmMapping {
             ptr,
             len,
+            _lock: file,
             owned_name: None,
         })
     }
@@ -544,6 +566,87 @@ impl Drop for UnlinkOnDrop {
             let _ = shm_unlink(&name);
         }
     }
+}
+
+/// Where Linux keeps POSIX shared-memory names.
+const SHM_DIR: &str = "/dev/shm";
+/// Start of every segment name gin-ep creates (then `{session}-{heap}-{rank}`).
+const SHM_PREFIX: &str = "gin-ep-";
+/// Age past which an unlocked segment counts as left behind: the creator locks it
+/// microseconds after creating it, so a younger one may still be on its way.
+const STALE_AFTER: Duration = Duration::from_secs(5);
+/// How long taking a segment's shared lock may take (only a sweeper's brief exclusive
+/// lock can stand in the way).
+const LOCK_WAIT: Duration = Duration::from_secs(2);
+
+/// Takes a shared `flock` on a segment, within [`LOCK_WAIT`].
+fn lock_shared(file: &File, name: &CStr) -> Result<()> {
+    let deadline = Instant::now() + LOCK_WAIT;
+    loop {
+        // SAFETY: flock on a descriptor this function borrows; no memory is involved.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } == 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EWOULDBLOCK) || Instant::now() >= deadline {
+            return Err(Error::io(format!("flock {name:?} (shared)"), err));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Whether `file_name` has the shape of a gin-ep segment: `gin-ep-{16 hex}-{n}-{n}`.
+fn is_segment_name(file_name: &str) -> bool {
+    let Some(rest) = file_name.strip_prefix(SHM_PREFIX) else {
+        return false;
+    };
+    let parts: Vec<&str> = rest.split('-').collect();
+    matches!(parts.as_slice(), [session, heap, rank]
+        if session.len() == 16
+            && session.bytes().all(|b| b.is_ascii_hexdigit())
+            && !heap.is_empty() && heap.bytes().all(|b| b.is_ascii_digit())
+            && !rank.is_empty() && rank.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Removes the gin-ep segments in `dir` that belong to this user, are older than
+/// `min_age` and that no live process holds locked (their ranks were killed before
+/// they unlinked them); returns the paths removed. Best effort: an entry that cannot
+/// be examined is left alone.
+fn sweep_stale_segments(dir: &Path, min_age: Duration) -> Vec<String> {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !is_segment_name(&name) {
+            continue;
+        }
+        let path = entry.path();
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        let old_enough = meta
+            .modified()
+            .ok()
+            .and_then(|m| m.elapsed().ok())
+            .is_some_and(|age| age >= min_age);
+        if !meta.file_type().is_file() || meta.uid() != me || !old_enough {
+            continue;
+        }
+        let Ok(file) = File::open(&path) else {
+            continue;
+        };
+        // SAFETY: flock on a descriptor owned by `file`; no memory is involved.
+        let unlocked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
+        if unlocked && std::fs::remove_file(&path).is_ok() {
+            removed.push(path.display().to_string());
+        }
+    }
+    removed
 }
 
 fn shm_open(name: &CStr, flags: libc::c_int) -> Result<OwnedFd> {
@@ -781,11 +884,12 @@ mod tests {
     fn process_heap_over_real_shared_memory_is_visible_across_ranks_and_leaves_no_names() {
         let server = StoreServer::bind("127.0.0.1:0").unwrap();
         let addr = server.addr().to_string();
+        let sec = server.secret().clone();
         let threads: Vec<_> = (0..2)
             .map(|r| {
-                let addr = addr.clone();
+                let (addr, sec) = (addr.clone(), sec.clone());
                 std::thread::spawn(move || {
-                    let group = Group::join(r, 2, &addr, T).unwrap();
+                    let group = Group::join(r, 2, &addr, &sec, T).unwrap();
                     // Two heaps per group: names must not collide.
                     let heap = SymmetricHeap::processes(&group, (1 << 20) + 5).unwrap();
                     let small = SymmetricHeap::processes(&group, 4096).unwrap();
@@ -815,11 +919,12 @@ mod tests {
     fn process_heap_with_mismatched_lengths_fails_on_every_rank_and_leaks_nothing() {
         let server = StoreServer::bind("127.0.0.1:0").unwrap();
         let addr = server.addr().to_string();
+        let sec = server.secret().clone();
         let threads: Vec<_> = (0..2)
             .map(|r| {
-                let addr = addr.clone();
+                let (addr, sec) = (addr.clone(), sec.clone());
                 std::thread::spawn(move || {
-                    let group = Group::join(r, 2, &addr, Duration::from_secs(5)).unwrap();
+                    let group = Group::join(r, 2, &addr, &sec, Duration::from_secs(5)).unwrap();
                     let err = SymmetricHeap::processes(&group, 4096 * (r + 1)).unwrap_err();
                     (group.session().to_string(), err.to_string())
                 })
@@ -830,6 +935,90 @@ mod tests {
         for (session, msg) in results {
             assert!(msg.contains("allocated"), "{msg}");
             assert_eq!(shm_names_of(&session), Vec::<String>::new());
+        }
+    }
+
+    /// Strangers forging the join counter, the session id and a heap key on the store
+    /// (as a request, or after a wrong hello) change nothing: the ranks join, agree and
+    /// move data bit-exactly, and the segments' names are gone once every rank mapped them.
+    #[test]
+    fn forged_store_requests_from_strangers_do_not_reach_the_job() {
+        use std::io::Write;
+        let server = StoreServer::bind("127.0.0.1:0").unwrap();
+        let addr = server.addr().to_string();
+        let sec = server.secret().clone();
+        let forge = |op: u8, key: &str, body: &[u8]| {
+            let mut req = vec![op];
+            req.extend_from_slice(&(key.len() as u32).to_le_bytes());
+            req.extend_from_slice(key.as_bytes());
+            req.extend_from_slice(body);
+            req.resize(req.len().max(64), 0);
+            let mut s = std::net::TcpStream::connect(&addr).unwrap();
+            let _ = s.write_all(&req);
+            s
+        };
+        let len_body = |v: &[u8]| [&(v.len() as u32).to_le_bytes()[..], v].concat();
+        let _strangers = [
+            forge(3, "gin-ep/groups/joined", &1i64.to_le_bytes()),
+            forge(3, "gin-ep/g0/join/0/count", &1i64.to_le_bytes()),
+            forge(1, "gin-ep/g0/session", &len_body(b"deadbeefdeadbeef")),
+            forge(1, "gin-ep/g0/heap/0/rank/1", &len_body(b"1")),
+        ];
+        let threads: Vec<_> = (0..2)
+            .map(|r| {
+                let (addr, sec) = (addr.clone(), sec.clone());
+                std::thread::spawn(move || {
+                    let group = Group::join(r, 2, &addr, &sec, T).unwrap();
+                    let heap = SymmetricHeap::processes(&group, 1 << 16).unwrap();
+                    exchange_rounds(&heap, 20);
+                    let session = group.session().to_string();
+                    group.barrier("done").unwrap();
+                    (session, heap, group)
+                })
+            })
+            .collect();
+        let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        assert_eq!(results[0].0, results[1].0);
+        assert_ne!(results[0].0, "deadbeefdeadbeef");
+        assert_eq!(shm_names_of(&results[0].0), Vec::<String>::new());
+    }
+
+    /// A segment left by a killed rank (no process holds its lock) is removed by the
+    /// sweep; one a live process holds, one too young, and other files are kept.
+    #[test]
+    fn the_sweep_removes_only_unlocked_gin_ep_segments() {
+        let dir = std::env::temp_dir().join(format!("gin-ep-sweep-{}", rand::random::<u64>()));
+        std::fs::create_dir(&dir).unwrap();
+        let stale = dir.join("gin-ep-0123456789abcdef-0-1");
+        let live = dir.join("gin-ep-0123456789abcdef-0-0");
+        let other = dir.join("gin-ep-probe-0123");
+        for p in [&stale, &live, &other] {
+            std::fs::write(p, b"x").unwrap();
+        }
+        let held = File::open(&live).unwrap();
+        lock_shared(&held, c"held").unwrap();
+        // Too young for a sweep that waits an hour.
+        assert!(sweep_stale_segments(&dir, Duration::from_secs(3600)).is_empty());
+        let removed = sweep_stale_segments(&dir, Duration::ZERO);
+        assert_eq!(removed, vec![stale.display().to_string()]);
+        assert!(!stale.exists() && live.exists() && other.exists());
+        drop(held);
+        assert_eq!(sweep_stale_segments(&dir, Duration::ZERO).len(), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn segment_names_are_recognised_strictly() {
+        assert!(is_segment_name("gin-ep-0123456789abcdef-12-3"));
+        for n in [
+            "gin-ep-probe-0123456789abcdef",
+            "gin-ep-0123456789abcde-1-2",
+            "gin-ep-0123456789abcdef-1",
+            "gin-ep-0123456789abcdef-1-2-3",
+            "gin-ep-0123456789abcdef-x-2",
+            "other-0123456789abcdef-1-2",
+        ] {
+            assert!(!is_segment_name(n), "{n}");
         }
     }
 }
