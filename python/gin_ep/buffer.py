@@ -195,13 +195,16 @@ class Buffer(GpuPath, HostPath):
         # leaves that to NCCL's LSA team (see _bootstrap.py).
         self._host_reason = _bootstrap.host_backend_check(self.rank, all_gather_object)
 
-        # Rank 0 serves gin-ep's store on loopback; the others learn its port.
-        port = None
+        # Rank 0 serves gin-ep's store on loopback; the others learn its port and its
+        # admission secret through the framework's process group, which is the only
+        # channel the secret travels.
+        endpoint = None
         if self.rank == 0:
             self._server = _native.StoreServer("127.0.0.1")
-            port = self._server.port
-        ports = all_gather_object(port)
-        self.runtime = _native.Group.join(self.rank, self.group_size, f"127.0.0.1:{ports[0]}", self._timeout_s)
+            endpoint = (self._server.port, self._server.secret)
+        port, secret = all_gather_object(endpoint)[0]
+        self.runtime = _native.Group.join(self.rank, self.group_size, f"127.0.0.1:{port}", secret,
+                                          self._timeout_s)
         self._agree = _bootstrap.ShapeAgreement(self.runtime, self.rank)
         if start_gpu:
             self._start_gpu()

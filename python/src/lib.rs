@@ -195,7 +195,9 @@ impl PyEpConfig {
 
 // ------------------------------------------------------------------ bootstrap
 
-/// gin-ep's TCP store, served by this process on `host` (an ephemeral port).
+/// gin-ep's TCP store, served by this process on `host` (an ephemeral port), admitting
+/// only the holders of its fresh secret (`secret`: hand it to the ranks with the port,
+/// through the framework's process group).
 #[pyclass(module = "gin_ep._native", name = "StoreServer")]
 struct PyStoreServer {
     inner: Mutex<Option<gin_ep::group::StoreServer>>,
@@ -225,6 +227,15 @@ impl PyStoreServer {
     #[getter]
     fn port(&self) -> u16 {
         self.port
+    }
+
+    /// The admission secret, 64 hex digits.
+    #[getter]
+    fn secret(&self) -> PyResult<String> {
+        guard(|| match lock(&self.inner, "store server")?.as_ref() {
+            Some(server) => Ok(server.secret().to_hex()),
+            None => Err(PyRuntimeError::new_err("gin-ep store server is closed")),
+        })
     }
 
     /// Stops serving once every peer has hung up, or after `linger_s` seconds at the latest
@@ -263,13 +274,15 @@ impl PyGroup {
 
 #[pymethods]
 impl PyGroup {
-    /// Joins the group of `world` ranks whose store is served at `addr` (`host:port`).
+    /// Joins the group of `world` ranks whose store is served at `addr` (`host:port`) with
+    /// the admission secret `secret` (64 hex digits, `StoreServer.secret`).
     #[staticmethod]
-    #[pyo3(signature = (rank, world, addr, timeout_s = 100.0))]
-    fn join(rank: usize, world: usize, addr: &str, timeout_s: f64) -> PyResult<Self> {
+    #[pyo3(signature = (rank, world, addr, secret, timeout_s = 100.0))]
+    fn join(rank: usize, world: usize, addr: &str, secret: &str, timeout_s: f64) -> PyResult<Self> {
         guard(|| {
             let timeout = duration(timeout_s)?;
-            let g = gin_ep::group::Group::join(rank, world, addr, timeout).map_err(to_py)?;
+            let secret = gin_ep::group::StoreSecret::from_hex(secret).map_err(to_py)?;
+            let g = gin_ep::group::Group::join(rank, world, addr, &secret, timeout).map_err(to_py)?;
             Ok(PyGroup {
                 inner: Mutex::new(Some(g)),
             })

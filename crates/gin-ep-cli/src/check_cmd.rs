@@ -23,6 +23,9 @@ use std::time::{Duration, Instant};
 
 /// Environment variable naming a rank and phase to kill (tests): `RANK:PHASE`.
 pub const ENV_FAULT: &str = "GIN_EP_FAULT";
+/// With [`ENV_FAULT`]: the first case the fault fires in (default 0, every case), so the
+/// cases before it pass and the summary must count them.
+pub const ENV_FAULT_CASE: &str = "GIN_EP_FAULT_CASE";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum LaunchKind {
@@ -402,12 +405,34 @@ fn host_options(a_timeout: Duration, modes: Modes, fault: Option<Fault>) -> EpOp
     }
 }
 
-/// Reads `GIN_EP_FAULT` (`RANK:PHASE`); a bad value is a usage error.
-fn fault_from_env(exit_process: bool) -> CliResult<Option<Fault>> {
-    match std::env::var(ENV_FAULT) {
-        Ok(s) if !s.trim().is_empty() => Ok(Some(Fault::parse(s.trim(), exit_process)?)),
-        _ => Ok(None),
+/// The injected fault of a run and the first case it fires in.
+#[derive(Clone, Debug)]
+struct CaseFault {
+    fault: Option<Fault>,
+    from_case: usize,
+}
+
+impl CaseFault {
+    /// The fault of case `case`, if it fires there.
+    fn at(&self, case: usize) -> Option<Fault> {
+        self.fault.clone().filter(|_| case >= self.from_case)
     }
+}
+
+/// Reads `GIN_EP_FAULT` (`RANK:PHASE`) and `GIN_EP_FAULT_CASE`; a bad value is a usage
+/// error.
+fn fault_from_env(exit_process: bool) -> CliResult<CaseFault> {
+    let fault = match std::env::var(ENV_FAULT) {
+        Ok(s) if !s.trim().is_empty() => Some(Fault::parse(s.trim(), exit_process)?),
+        _ => None,
+    };
+    let from_case = match std::env::var(ENV_FAULT_CASE) {
+        Ok(s) if !s.trim().is_empty() => s.trim().parse::<usize>().map_err(|_| {
+            Error::input(ENV_FAULT_CASE, format!("`{s}` is not a case number"))
+        })?,
+        _ => 0,
+    };
+    Ok(CaseFault { fault, from_case })
 }
 
 /// How likely an error is the cause rather than a consequence: a mismatch or a
@@ -695,11 +720,11 @@ fn run_threads_cases(
     r: &Resolved,
     n: usize,
     indices: &[usize],
-    fault: Option<Fault>,
+    fault: CaseFault,
     at: &std::sync::Mutex<String>,
 ) -> Result<(), Failure> {
-    let opts = host_options(a.timeout, r.modes, fault);
     for (done, &i) in indices.iter().enumerate() {
+        let opts = host_options(a.timeout, r.modes, fault.at(i));
         if let Ok(mut s) = at.lock() {
             *s = format!("ranks {n}: case {i} ({} of {} done)", done, indices.len());
         }
@@ -735,9 +760,9 @@ fn run_threads_cases(
 }
 
 fn run_process_cases(a: &CheckArgs, r: &Resolved, n: usize) -> Result<(), Failure> {
-    let fail = |report: String| Failure { passed: 0, report };
+    let early = |report: String| Failure { passed: 0, report };
     let exe = std::env::current_exe()
-        .map_err(|e| fail(format!("cannot find this program to start the ranks: {e}")))?;
+        .map_err(|e| early(format!("cannot find this program to start the ranks: {e}")))?;
     let mut args: Vec<String> = vec![
         "__rank-check".into(),
         "--seed".into(),
@@ -758,10 +783,17 @@ fn run_process_cases(a: &CheckArgs, r: &Resolved, n: usize) -> Result<(), Failur
         args.extend(["--case".into(), k.to_string()]);
     }
     let exits = launch_ranks(n, &exe, &args, a.timeout)
-        .map_err(|e| fail(format!("could not start the ranks: {e}")))?;
+        .map_err(|e| early(format!("could not start the ranks: {e}")))?;
     let Some(first) = first_failure(&exits) else {
         return Ok(());
     };
+    // A case passed when every rank finished it; each reports its count after a case.
+    let passed = exits
+        .iter()
+        .map(|e| e.progress.unwrap_or(0))
+        .min()
+        .unwrap_or(0);
+    let passed = usize::try_from(passed).unwrap_or(usize::MAX);
     let how = if first.killed {
         "was killed at the launcher's deadline".to_string()
     } else {
@@ -770,8 +802,12 @@ fn run_process_cases(a: &CheckArgs, r: &Resolved, n: usize) -> Result<(), Failur
             None => format!("ended by {}", first.status),
         }
     };
+    let failed_case = case_indices(r.cases, a.case)
+        .get(passed)
+        .map(|i| format!("case {i} (seed {}) failed: ", r.seed))
+        .unwrap_or_default();
     let mut report = format!(
-        "rank {} {how} after {:.1} s (the first rank to fail); its stderr:\n{}",
+        "{failed_case}rank {} {how} after {:.1} s (the first rank to fail); its stderr:\n{}",
         first.rank,
         first.elapsed.as_secs_f64(),
         first.stderr.trim_end()
@@ -788,7 +824,7 @@ fn run_process_cases(a: &CheckArgs, r: &Resolved, n: usize) -> Result<(), Failur
             }
         ));
     }
-    Err(fail(report))
+    Err(Failure { passed, report })
 }
 
 /// One rank process: joins the group the parent launched and runs every case.
@@ -804,8 +840,9 @@ pub fn run_rank(a: &RankCheckArgs) -> CliResult {
         )));
     }
     let modes = host_modes(a.mode)?;
-    let opts = host_options(a.timeout, modes, fault);
+    let mut done = 0u64;
     for i in case_indices(a.cases, a.case) {
+        let opts = host_options(a.timeout, modes, fault.at(i));
         let case = gen_case(a.seed, a.ranks, i, a.iters);
         let fail = |e: Error| {
             CliError::Failed(format!(
@@ -816,6 +853,8 @@ pub fn run_rank(a: &RankCheckArgs) -> CliResult {
         };
         let ep = Ep::join(&group, &case.cfg, &Backend::Host, &opts).map_err(fail)?;
         run_rank_case_modes(&case, &ep, modes).map_err(fail)?;
+        done += 1;
+        group.report_progress(done)?;
     }
     group.close()?;
     Ok(())

@@ -235,6 +235,27 @@ fn check_processes_passes() {
     assert!(out.contains("4 passed, 0 failed"), "{out}");
 }
 
+/// After a failure the summary counts the cases that passed before it, under either
+/// launcher: cases 0 and 1 pass, then rank 1 dies in case 2.
+#[test]
+fn the_summary_after_a_failure_counts_the_cases_that_passed() {
+    for launch in ["processes", "threads"] {
+        let o = Command::new(EXE)
+            .args([
+                "check", "--launch", launch, "--ranks", "2", "--cases", "4", "--timeout", "5",
+            ])
+            .env("GIN_EP_FAULT", "1:combine")
+            .env("GIN_EP_FAULT_CASE", "2")
+            .output()
+            .unwrap();
+        let (out, err) = text(&o);
+        let all = format!("{out}\n{err}");
+        assert_eq!(o.status.code(), Some(1), "{launch}: {all}");
+        assert!(out.contains("2 passed, 1 failed"), "{launch}: {all}");
+        assert!(all.contains("case 2"), "{launch}: {all}");
+    }
+}
+
 #[test]
 fn a_killed_rank_is_named_with_its_phase_within_the_timeout() {
     let t0 = Instant::now();
