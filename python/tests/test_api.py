@@ -97,6 +97,21 @@ def test_group_or_comm_required():
         Buffer(None)
 
 
+def test_the_store_admits_only_its_secret():
+    server = _native.StoreServer("127.0.0.1")
+    addr = f"127.0.0.1:{server.port}"
+    assert len(server.secret) == 64 and server.secret != _native.StoreServer("127.0.0.1").secret
+    other = "0" * 64 if server.secret != "0" * 64 else "1" * 64
+    with pytest.raises(RuntimeError, match="wrong store secret"):
+        _native.Group.join(0, 1, addr, other, 5.0)
+    with pytest.raises(ValueError, match="64 hex digits"):
+        _native.Group.join(0, 1, addr, "abc", 5.0)
+    g = _native.Group.join(0, 1, addr, server.secret, 5.0)
+    assert len(g.session) == 16
+    g.close()
+    server.close(5.0)
+
+
 def test_ht_recv_slabs_is_checked():
     # Refused before anything is set up (no group needed to see it), naming the value.
     for bad in (-1, _native.MAX_RECV_SLABS, 1.5, "2"):

@@ -427,9 +427,10 @@ fn fault_from_env(exit_process: bool) -> CliResult<CaseFault> {
         _ => None,
     };
     let from_case = match std::env::var(ENV_FAULT_CASE) {
-        Ok(s) if !s.trim().is_empty() => s.trim().parse::<usize>().map_err(|_| {
-            Error::input(ENV_FAULT_CASE, format!("`{s}` is not a case number"))
-        })?,
+        Ok(s) if !s.trim().is_empty() => s
+            .trim()
+            .parse::<usize>()
+            .map_err(|_| Error::input(ENV_FAULT_CASE, format!("`{s}` is not a case number")))?,
         _ => 0,
     };
     Ok(CaseFault { fault, from_case })
@@ -788,11 +789,7 @@ fn run_process_cases(a: &CheckArgs, r: &Resolved, n: usize) -> Result<(), Failur
         return Ok(());
     };
     // A case passed when every rank finished it; each reports its count after a case.
-    let passed = exits
-        .iter()
-        .map(|e| e.progress.unwrap_or(0))
-        .min()
-        .unwrap_or(0);
+    let passed = exits.iter().map(|e| e.progress.unwrap_or(0)).min().unwrap_or(0);
     let passed = usize::try_from(passed).unwrap_or(usize::MAX);
     let how = if first.killed {
         "was killed at the launcher's deadline".to_string()

@@ -242,7 +242,15 @@ fn the_summary_after_a_failure_counts_the_cases_that_passed() {
     for launch in ["processes", "threads"] {
         let o = Command::new(EXE)
             .args([
-                "check", "--launch", launch, "--ranks", "2", "--cases", "4", "--timeout", "5",
+                "check",
+                "--launch",
+                launch,
+                "--ranks",
+                "2",
+                "--cases",
+                "4",
+                "--timeout",
+                "5",
             ])
             .env("GIN_EP_FAULT", "1:combine")
             .env("GIN_EP_FAULT_CASE", "2")

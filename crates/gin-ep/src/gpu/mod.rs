@@ -158,7 +158,14 @@ mod tests {
             return;
         }
         let server = StoreServer::bind("127.0.0.1:0").unwrap();
-        let group = Group::join(0, 1, &server.addr().to_string(), server.secret(), Duration::from_secs(5)).unwrap();
+        let group = Group::join(
+            0,
+            1,
+            &server.addr().to_string(),
+            server.secret(),
+            Duration::from_secs(5),
+        )
+        .unwrap();
         let cases = gpu_cases(1, 0, 1);
         let e = check_rank(&group, BenchMode::Ht, &cases[..1], Duration::from_secs(5)).unwrap_err();
         assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");

@@ -148,7 +148,9 @@ fn parse_env(var: &dyn Fn(&str) -> Option<String>) -> Result<EnvSpec> {
                 2 * store::SECRET_LEN
             )))
         }
-        Some(text) => StoreSecret::from_hex(&text).map_err(|e| Error::Bootstrap(format!("{ENV_STORE_SECRET}: {e}")))?,
+        Some(text) => {
+            StoreSecret::from_hex(&text).map_err(|e| Error::Bootstrap(format!("{ENV_STORE_SECRET}: {e}")))?
+        }
     };
     let store_hosted = match var(ENV_CHILD).as_deref().map(str::trim) {
         None | Some("") | Some("0") => false,
@@ -428,8 +430,16 @@ mod tests {
             parse(&e).unwrap_err().to_string()
         };
         let cases: [(&str, Option<&str>, &[&str]); 9] = [
-            ("GIN_EP_STORE_SECRET", None, &["GIN_EP_STORE_SECRET", "openssl rand -hex 32"]),
-            ("GIN_EP_STORE_SECRET", Some("abc"), &["GIN_EP_STORE_SECRET", "64 hex digits"]),
+            (
+                "GIN_EP_STORE_SECRET",
+                None,
+                &["GIN_EP_STORE_SECRET", "openssl rand -hex 32"],
+            ),
+            (
+                "GIN_EP_STORE_SECRET",
+                Some("abc"),
+                &["GIN_EP_STORE_SECRET", "64 hex digits"],
+            ),
             ("RANK", None, &["RANK"]),
             ("WORLD_SIZE", None, &["WORLD_SIZE"]),
             ("WORLD_SIZE", Some("two"), &["WORLD_SIZE", "two"]),

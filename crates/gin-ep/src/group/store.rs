@@ -238,7 +238,10 @@ impl Shared {
         self.refused.fetch_add(1, Ordering::Relaxed);
         let mut log = lock(&self.log);
         let now = Instant::now();
-        if log.last.is_some_and(|t| now.duration_since(t) < REFUSAL_LOG_EVERY) {
+        if log
+            .last
+            .is_some_and(|t| now.duration_since(t) < REFUSAL_LOG_EVERY)
+        {
             log.suppressed += 1;
             return;
         }
@@ -457,7 +460,9 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         let mut still = VecDeque::with_capacity(pending.len());
         for mut p in pending.drain(..) {
             match p.progress() {
-                Handshake::Waiting if now.duration_since(p.since) < limits.handshake_timeout => still.push_back(p),
+                Handshake::Waiting if now.duration_since(p.since) < limits.handshake_timeout => {
+                    still.push_back(p)
+                }
                 Handshake::Waiting => {
                     let why = format!("no hello within {:?}", limits.handshake_timeout);
                     drop_pending(p, &why, &shared);
@@ -501,7 +506,9 @@ fn finish_handshake(p: Pending, shared: &Arc<Shared>) {
     let stream = p.stream;
     let ready = stream.set_nonblocking(false).is_ok()
         && stream.set_nodelay(true).is_ok()
-        && stream.set_write_timeout(Some(shared.limits.request_timeout)).is_ok()
+        && stream
+            .set_write_timeout(Some(shared.limits.request_timeout))
+            .is_ok()
         && (&stream).write_all(&encode_reply(ST_OK, &[])).is_ok();
     let clone = stream.try_clone();
     let (true, Ok(clone)) = (ready, clone) else {
@@ -1004,7 +1011,11 @@ impl Store {
 }
 
 /// Sends the hello and reads the verdict: `Ok(Err(reason))` when the server refused it.
-fn admit(stream: &TcpStream, secret: &StoreSecret, wait: Duration) -> io::Result<std::result::Result<(), String>> {
+fn admit(
+    stream: &TcpStream,
+    secret: &StoreSecret,
+    wait: Duration,
+) -> io::Result<std::result::Result<(), String>> {
     stream.set_write_timeout(Some(wait))?;
     stream.set_read_timeout(Some(wait))?;
     let mut s = stream;
@@ -1382,7 +1393,11 @@ mod tests {
     fn wait_refused(s: &StoreServer, n: u64) {
         let t0 = Instant::now();
         while s.shared.refused.load(Ordering::Relaxed) < n {
-            assert!(t0.elapsed() < T, "only {} refusals", s.shared.refused.load(Ordering::Relaxed));
+            assert!(
+                t0.elapsed() < T,
+                "only {} refusals",
+                s.shared.refused.load(Ordering::Relaxed)
+            );
             std::thread::sleep(Duration::from_millis(5));
         }
     }
@@ -1408,8 +1423,16 @@ mod tests {
         let (s, addr, sec) = server();
         let forged = [
             request(OP_ADD, "gin-ep/groups/joined", &1i64.to_le_bytes()),
-            request(OP_SET, "gin-ep/g0/session", &[&16u32.to_le_bytes()[..], b"0123456789abcdef"].concat()),
-            request(OP_SET, "gin-ep/g0/heap/0/rank/1", &[&1u32.to_le_bytes()[..], b"1"].concat()),
+            request(
+                OP_SET,
+                "gin-ep/g0/session",
+                &[&16u32.to_le_bytes()[..], b"0123456789abcdef"].concat(),
+            ),
+            request(
+                OP_SET,
+                "gin-ep/g0/heap/0/rank/1",
+                &[&1u32.to_le_bytes()[..], b"1"].concat(),
+            ),
         ];
         let wrong = StoreSecret::generate().unwrap();
         let mut strangers = 0;
@@ -1430,8 +1453,16 @@ mod tests {
         }
         wait_refused(&s, strangers);
         let st = Store::connect(addr.as_str(), &sec, T).unwrap();
-        for key in ["gin-ep/groups/joined", "gin-ep/g0/session", "gin-ep/g0/heap/0/rank/1"] {
-            assert_eq!(st.try_get(key).unwrap(), None, "`{key}` was written by a stranger");
+        for key in [
+            "gin-ep/groups/joined",
+            "gin-ep/g0/session",
+            "gin-ep/g0/heap/0/rank/1",
+        ] {
+            assert_eq!(
+                st.try_get(key).unwrap(),
+                None,
+                "`{key}` was written by a stranger"
+            );
         }
         assert_eq!(held(&s), (0, 0));
     }
@@ -1481,7 +1512,11 @@ mod tests {
         let t0 = Instant::now();
         let mut b = [0u8; 1];
         assert!(matches!(raw.read(&mut b), Ok(0) | Err(_)));
-        assert!(t0.elapsed() < Duration::from_secs(3), "held for {:?}", t0.elapsed());
+        assert!(
+            t0.elapsed() < Duration::from_secs(3),
+            "held for {:?}",
+            t0.elapsed()
+        );
         wait_refused(&s, 1);
     }
 
@@ -1503,7 +1538,10 @@ mod tests {
                 Ok(()) => stored += 1,
                 Err(e) => break e,
             }
-            assert!(stored <= cap / per_key, "{stored} keys of {MAX_KEY_LEN} bytes fit a {cap}-byte cap");
+            assert!(
+                stored <= cap / per_key,
+                "{stored} keys of {MAX_KEY_LEN} bytes fit a {cap}-byte cap"
+            );
         };
         assert_eq!(stored, cap / per_key);
         assert!(err.to_string().contains("store full"), "{err}");
@@ -1521,7 +1559,8 @@ mod tests {
         let mut a = TcpStream::connect(&addr).unwrap();
         let _ = a.write_all(&many); // the server may close it mid-way
         let mut b = TcpStream::connect(&addr).unwrap();
-        b.write_all(&request(OP_SET, "big", &(MAX_VALUE_LEN as u32).to_le_bytes())).unwrap();
+        b.write_all(&request(OP_SET, "big", &(MAX_VALUE_LEN as u32).to_le_bytes()))
+            .unwrap();
         b.write_all(&[7u8; 4096]).unwrap();
         wait_refused(&s, 2);
         assert_eq!(held(&s), (0, 0));
@@ -1539,7 +1578,8 @@ mod tests {
         });
         let mut raw = admitted(&addr, &sec);
         let announced = MAX_VALUE_LEN;
-        raw.write_all(&request(OP_SET, "big", &(announced as u32).to_le_bytes())).unwrap();
+        raw.write_all(&request(OP_SET, "big", &(announced as u32).to_le_bytes()))
+            .unwrap();
         raw.write_all(&[1u8; 1000]).unwrap();
         let cost = entry_cost(3, announced);
         let t0 = Instant::now();
@@ -1573,7 +1613,10 @@ mod tests {
         raw.read_exact(&mut status).unwrap();
         let took = t0.elapsed();
         assert_eq!(status[0], ST_ERR);
-        assert!(took >= Duration::from_millis(250) && took < Duration::from_secs(3), "{took:?}");
+        assert!(
+            took >= Duration::from_millis(250) && took < Duration::from_secs(3),
+            "{took:?}"
+        );
         assert_closed_after_reply(&mut raw);
         let t0 = Instant::now();
         while !lock(&s.shared.conns).iter().all(|(_, h)| h.is_finished()) {
@@ -1592,11 +1635,16 @@ mod tests {
         assert_eq!(status[0], ST_ERR);
         assert_closed_after_reply(&mut raw);
         let mut raw = admitted(&addr, &sec);
-        raw.write_all(&request(OP_SET, "text", &[&3u32.to_le_bytes()[..], b"abc"].concat()))
-            .unwrap();
+        raw.write_all(&request(
+            OP_SET,
+            "text",
+            &[&3u32.to_le_bytes()[..], b"abc"].concat(),
+        ))
+        .unwrap();
         let mut ok = [0u8; 5];
         raw.read_exact(&mut ok).unwrap();
-        raw.write_all(&request(OP_ADD, "text", &1i64.to_le_bytes())).unwrap();
+        raw.write_all(&request(OP_ADD, "text", &1i64.to_le_bytes()))
+            .unwrap();
         raw.read_exact(&mut status).unwrap();
         assert_eq!(status[0], ST_ERR);
         assert_closed_after_reply(&mut raw);
@@ -1611,6 +1659,10 @@ mod tests {
         std::thread::sleep(Duration::from_millis(50));
         let t0 = Instant::now();
         s.close(Duration::from_secs(20));
-        assert!(t0.elapsed() < Duration::from_secs(2), "close waited {:?}", t0.elapsed());
+        assert!(
+            t0.elapsed() < Duration::from_secs(2),
+            "close waited {:?}",
+            t0.elapsed()
+        );
     }
 }

@@ -524,7 +524,14 @@ mod tests {
             return;
         }
         let server = StoreServer::bind("127.0.0.1:0").unwrap();
-        let group = Group::join(0, 1, &server.addr().to_string(), server.secret(), Duration::from_secs(5)).unwrap();
+        let group = Group::join(
+            0,
+            1,
+            &server.addr().to_string(),
+            server.secret(),
+            Duration::from_secs(5),
+        )
+        .unwrap();
         let opts = BenchOptions {
             mode: BenchMode::Ll,
             cfg: EpConfig::new(1, 8, 128, 2, 16),

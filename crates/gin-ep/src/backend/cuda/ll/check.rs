@@ -740,7 +740,14 @@ mod tests {
             return;
         }
         let server = StoreServer::bind("127.0.0.1:0").unwrap();
-        let group = Group::join(0, 1, &server.addr().to_string(), server.secret(), Duration::from_secs(5)).unwrap();
+        let group = Group::join(
+            0,
+            1,
+            &server.addr().to_string(),
+            server.secret(),
+            Duration::from_secs(5),
+        )
+        .unwrap();
         let e = selftest_rank(&group).unwrap_err();
         assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");
         group.close().unwrap();
