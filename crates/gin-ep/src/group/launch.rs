@@ -1,8 +1,9 @@
 //! The CLI's process launcher: starts `world` copies of a program as the ranks of one
 //! group on this host, serves their store, and collects how each rank ended.
 //!
-//! Owns: the child processes it spawns (it kills every straggler at the deadline) and
-//! the store they bootstrap from.
+//! Owns: the child processes it spawns (it kills every straggler at the deadline), the
+//! store they bootstrap from and its secret. Before starting ranks it removes the
+//! shared-memory names that killed ranks of earlier runs left behind (saying so).
 //! Must never: kill the surviving ranks as soon as one fails (detecting a dead peer is
 //! the ranks' own job, and tests rely on it), wait past its deadline, or keep more than
 //! a bounded tail of a child's stderr.
@@ -108,6 +109,7 @@ fn launch_with_deadline(
     if world == 0 {
         return Err(Error::input("ranks", "must be at least 1"));
     }
+    crate::backend::host::heap::sweep_stale_segments_once();
     let server = StoreServer::bind("127.0.0.1:0")?;
     let port = server.addr().port().to_string();
     let secret = server.secret().to_hex();

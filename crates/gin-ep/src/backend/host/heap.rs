@@ -150,17 +150,7 @@ impl SymmetricHeap {
     /// ([`sweep_stale_segments`]), saying so on stderr.
     pub fn processes(group: &Group, len: usize) -> Result<SymmetricHeap> {
         check_shape(group.world(), len)?;
-        static SWEEP: std::sync::Once = std::sync::Once::new();
-        SWEEP.call_once(|| {
-            let removed = sweep_stale_segments(Path::new(SHM_DIR), STALE_AFTER);
-            if !removed.is_empty() {
-                eprintln!(
-                    "gin-ep: removed {} shared-memory segment(s) that a killed job left in {SHM_DIR}: {}",
-                    removed.len(),
-                    removed.join(", ")
-                );
-            }
-        });
+        sweep_stale_segments_once();
         let (rank, world) = (group.rank(), group.world());
         let deadline = Instant::now() + group.timeout();
         let heap_id = group.next_heap_id();
@@ -593,6 +583,24 @@ fn lock_shared(file: &File, name: &CStr) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// Removes, once per process, the segments that killed jobs of this user left in
+/// `/dev/shm` ([`sweep_stale_segments`]), and says so on stderr. Called by the first
+/// process heap, and by the CLI's launcher before it starts ranks (whose stderr it shows
+/// only when they fail).
+pub(crate) fn sweep_stale_segments_once() {
+    static SWEEP: std::sync::Once = std::sync::Once::new();
+    SWEEP.call_once(|| {
+        let removed = sweep_stale_segments(Path::new(SHM_DIR), STALE_AFTER);
+        if !removed.is_empty() {
+            eprintln!(
+                "gin-ep: removed {} shared-memory segment(s) that a killed job left in {SHM_DIR}: {}",
+                removed.len(),
+                removed.join(", ")
+            );
+        }
+    });
 }
 
 /// Whether `file_name` has the shape of a gin-ep segment: `gin-ep-{16 hex}-{n}-{n}`.
