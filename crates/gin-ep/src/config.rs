@@ -117,6 +117,12 @@ pub struct EpConfig {
     /// How LL combine orders its sum (HT combine is not affected).
     #[serde(default)]
     pub ll_combine_order: LlCombineOrder,
+    /// HT across nodes: ranks per gin-ep node (consecutive ranks; a rank's rail is its index
+    /// in its node). `None`: all ranks form one node. It picks the HT combine order: flat for
+    /// one node, `node-first` across several (see `oracle`). The host backend runs HT across
+    /// nodes; the CUDA backend refuses more than one node.
+    #[serde(default)]
+    pub node_size: Option<usize>,
 }
 
 impl EpConfig {
@@ -131,7 +137,24 @@ impl EpConfig {
             dispatch_dtype: DispatchDtype::Bf16,
             expert_alignment: 1,
             ll_combine_order: LlCombineOrder::Topk,
+            node_size: None,
         }
+    }
+
+    /// Groups consecutive ranks into HT nodes of `node_size` (`None`: one node).
+    pub fn with_node_size(mut self, node_size: Option<usize>) -> Self {
+        self.node_size = node_size;
+        self
+    }
+
+    /// Ranks per node, G (all ranks when no node size is set).
+    pub fn ranks_per_node(&self) -> usize {
+        self.node_size.unwrap_or(self.ranks).max(1)
+    }
+
+    /// Number of nodes, N = ranks / G.
+    pub fn nodes(&self) -> usize {
+        self.ranks / self.ranks_per_node()
     }
 
     pub fn with_ll_combine_order(mut self, order: LlCombineOrder) -> Self {
@@ -185,6 +208,15 @@ impl EpConfig {
             MAX_TOKENS_PER_RANK,
         )?;
         range("expert_alignment", self.expert_alignment, 1 << 16)?;
+        if let Some(g) = self.node_size {
+            if g == 0 || !self.ranks.is_multiple_of(g) {
+                return Err(Error::config(
+                    "node_size",
+                    g,
+                    format!("must divide ranks = {} into whole nodes", self.ranks),
+                ));
+            }
+        }
         if !self.experts.is_multiple_of(self.ranks) {
             return Err(Error::config(
                 "experts",
@@ -275,6 +307,24 @@ mod tests {
         );
         let e = LlCombineOrder::parse("pairwise").unwrap_err().to_string();
         assert!(e.contains("pairwise") && e.contains("rank-first"), "{e}");
+    }
+
+    #[test]
+    fn node_size_must_divide_the_ranks() {
+        let c = EpConfig::new(6, 12, 128, 2, 8);
+        assert_eq!((c.ranks_per_node(), c.nodes()), (6, 1));
+        let c = c.with_node_size(Some(2));
+        c.validate().unwrap();
+        assert_eq!((c.ranks_per_node(), c.nodes()), (2, 3));
+        for bad in [0, 4, 7] {
+            let e = c.clone().with_node_size(Some(bad)).validate().unwrap_err();
+            assert!(e.is_usage(), "{e}");
+            let m = e.to_string();
+            assert!(
+                m.contains(&format!("node_size = {bad}")) && m.contains("ranks = 6"),
+                "{m}"
+            );
+        }
     }
 
     #[test]

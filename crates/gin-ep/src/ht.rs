@@ -7,7 +7,7 @@
 //! their contents.
 
 use crate::quant::Rows;
-use crate::routing::{RankLayout, RecvPlan};
+use crate::routing::{ForwardTable, RankLayout, RecvPlan};
 use half::bf16;
 
 /// What one rank passes to dispatch.
@@ -33,6 +33,20 @@ pub struct HtRouting {
     pub send_base: Vec<usize>,
     /// `[Nr]` index of each received row's token on its source rank.
     pub recv_src_token: Vec<u32>,
+    /// Across nodes: what this rank forwards and reduces as a rail peer. Empty on one node.
+    pub rail: RailPlan,
+}
+
+/// What a rank learns in an HT dispatch across nodes as the rail peer of the ranks with its
+/// local index (one per node, itself on its own node): where their rows go on its node, for
+/// a cached dispatch, and which rows make each node partial, for combine.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RailPlan {
+    /// `[N * G]` first row of the rail source of node `n'` in the receive buffer of local
+    /// rank `l` of this node, at `n' * G + l` (`routing::rail_base`).
+    pub base: Vec<usize>,
+    /// `[N]` the records the rail source of each node sent to this node, in forward order.
+    pub records: Vec<ForwardTable>,
 }
 
 impl HtRouting {

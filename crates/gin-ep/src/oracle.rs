@@ -7,10 +7,20 @@
 //!
 //! Fixed reduction orders (backends must reproduce them bit for bit on the host
 //! and within BF16 rounding on the GPU):
-//! - HT combine of token `t` on source rank `s`: an f32 accumulator starting at
-//!   0 adds the row from each destination rank in ascending rank order, then
+//! - HT combine of token `t` on source rank `s`, one node (`flat`): an f32 accumulator
+//!   starting at 0 adds the row from each destination rank in ascending rank order, then
 //!   bias 0, then bias 1; the sum is rounded once to BF16. Weights reduce the
 //!   same way (f32, ascending rank, no rounding).
+//! - HT combine across nodes (`node-first`, `EpConfig::nodes() > 1`): for each node `n`
+//!   ascending that holds one of the token's rows, the node partial
+//!   `P_n = bf16(sum of f32 rows of n's ranks, ascending, from +0)`; then an f32
+//!   accumulator from 0 adds `f32(P_n)` for n ascending, then bias 0, bias 1, rounded once.
+//!   Weights: per node an f32 sum (ascending rank, from 0, not rounded), then those sums
+//!   added in f32, nodes ascending. (With biases, or rows split over nodes, this rounds
+//!   differently from `flat`, which one node keeps.)
+//! - HT dispatch across nodes lands every row where one node puts it (the receive order of
+//!   `routing`); what changes is who stores it: the source's rail peer on the row's node,
+//!   in the order of [`routing::forward_table`], recorded in the handle's `rail`.
 //! - LL combine of token `t`, in `EpConfig::ll_combine_order` ([`LlReducer`]):
 //!   `topk`: an f32 accumulator starting at 0 takes `acc = fma(w[t][k], y[t][k], acc)`
 //!   for k = 0..K in order, skipping -1 entries; rounded once to BF16. `rank-first`:
@@ -19,7 +29,7 @@
 
 use crate::config::{EpConfig, LlCombineOrder};
 use crate::error::{Error, Result};
-use crate::ht::{HtCombineInput, HtCombineOutput, HtDispatchOutput, HtRouting, RankInput};
+use crate::ht::{HtCombineInput, HtCombineOutput, HtDispatchOutput, HtRouting, RailPlan, RankInput};
 use crate::ll::{LlDispatchOutput, LlRouting};
 use crate::quant::{f32_to_bf16, Rows};
 use crate::routing::{self, align_counts, local_expert, RankLayout};
@@ -123,10 +133,26 @@ pub fn ht_dispatch(cfg: &EpConfig, inputs: &[RankInput]) -> Result<Vec<HtDispatc
                     .collect(),
                 plan,
                 recv_src_token,
+                rail: rail_plan(cfg, dst, &lays, &per_rank),
             },
         });
     }
     Ok(outs)
+}
+
+/// The rail plan of rank `rail` (empty on one node): for each node `n'`, the records its
+/// rail source there sends to `rail`'s node, and that source's first rows on `rail`'s node.
+fn rail_plan(cfg: &EpConfig, rail: usize, lays: &[RankLayout], per_rank: &[Vec<u32>]) -> RailPlan {
+    if cfg.nodes() == 1 {
+        return RailPlan::default();
+    }
+    let node = routing::node_of(cfg, rail);
+    RailPlan {
+        base: routing::rail_base(cfg, rail, per_rank),
+        records: (0..cfg.nodes())
+            .map(|n| routing::forward_table(cfg, &lays[routing::rail_peer(cfg, rail, n)], node))
+            .collect(),
+    }
 }
 
 /// Reference HT combine. `handles[r]` is rank r's dispatch handle and
@@ -150,18 +176,45 @@ pub fn ht_combine(
         let mut w = with_w.then(|| vec![0f32; n * k]);
         for t in 0..n {
             let mut acc = vec![0f32; h];
-            for (dst, hd_dst) in handles.iter().enumerate() {
-                let Some(slot) = hd_src.layout.slot(t, dst) else {
-                    continue;
-                };
-                let row = hd_dst.plan.src_offset[src] + slot;
+            // The row of token t that rank dst returns, with its weights, if t went there.
+            let row_of = |dst: usize| {
+                let slot = hd_src.layout.slot(t, dst)?;
+                let row = handles[dst].plan.src_offset[src] + slot;
                 let y = &inputs[dst].x[row * h..(row + 1) * h];
-                for (a, v) in acc.iter_mut().zip(y) {
-                    *a += v.to_f32();
+                let yw = inputs[dst]
+                    .topk_weights
+                    .as_ref()
+                    .map(|yw| &yw[row * k..(row + 1) * k]);
+                Some((y, yw))
+            };
+            if cfg.nodes() == 1 {
+                // flat: every rank's row into one f32 sum.
+                for (y, yw) in (0..cfg.ranks).filter_map(row_of) {
+                    add_row(&mut acc, y);
+                    if let (Some(w), Some(yw)) = (w.as_mut(), yw) {
+                        add_weights(&mut w[t * k..(t + 1) * k], yw);
+                    }
                 }
-                if let (Some(w), Some(yw)) = (w.as_mut(), inputs[dst].topk_weights.as_ref()) {
-                    for j in 0..k {
-                        w[t * k + j] += yw[row * k + j];
+            } else {
+                // node-first: one BF16 partial per node, then the partials in f32.
+                for node in 0..cfg.nodes() {
+                    let rows: Vec<_> = routing::node_ranks(cfg, node).filter_map(row_of).collect();
+                    if rows.is_empty() {
+                        continue;
+                    }
+                    let mut part = vec![0f32; h];
+                    let mut part_w = vec![0f32; k];
+                    for (y, yw) in rows {
+                        add_row(&mut part, y);
+                        if let Some(yw) = yw {
+                            add_weights(&mut part_w, yw);
+                        }
+                    }
+                    for (a, p) in acc.iter_mut().zip(&part) {
+                        *a += f32_to_bf16(*p).to_f32();
+                    }
+                    if let Some(w) = w.as_mut() {
+                        add_weights(&mut w[t * k..(t + 1) * k], &part_w);
                     }
                 }
             }
@@ -177,6 +230,20 @@ pub fn ht_combine(
         outs.push(HtCombineOutput { x, topk_weights: w });
     }
     Ok(outs)
+}
+
+/// `acc[c] += f32(row[c])` for every channel.
+fn add_row(acc: &mut [f32], row: &[bf16]) {
+    for (a, v) in acc.iter_mut().zip(row) {
+        *a += v.to_f32();
+    }
+}
+
+/// `acc[j] += w[j]` for every top-k entry.
+fn add_weights(acc: &mut [f32], w: &[f32]) {
+    for (a, v) in acc.iter_mut().zip(w) {
+        *a += v;
+    }
 }
 
 /// Checks the shapes of one rank's HT combine input against its handle.
@@ -474,5 +541,87 @@ mod ll_order_tests {
                 reduce(LlCombineOrder::RankFirst, &idx).to_bits()
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod ht_order_tests {
+    use super::*;
+
+    /// Token 0 of rank 0 goes to ranks 0, 1 (node 0) and 2 (node 1 of 2-rank nodes), which
+    /// return rows 1, 2^-8, 2^-8. Flat: 1 + 2^-8 + 2^-8 = 1 + 2^-7, a BF16 value. Node-first:
+    /// node 0's partial 1 + 2^-8 ties and rounds to even (1.0); adding node 1's 2^-8 ties
+    /// again: 1.0. The orders differ in bits here, so a backend cannot match one by
+    /// computing the other.
+    fn combine(node_size: Option<usize>) -> (u16, f32) {
+        let cfg = EpConfig::new(4, 4, 8, 3, 1).with_node_size(node_size);
+        let inputs: Vec<RankInput> = (0..4)
+            .map(|r| RankInput {
+                x: vec![bf16::ONE; 8],
+                topk_idx: if r == 0 { vec![0, 1, 2] } else { vec![-1; 3] },
+                topk_weights: vec![0.5; 3],
+            })
+            .collect();
+        let d = ht_dispatch(&cfg, &inputs).unwrap();
+        let value = |r: usize| if r == 0 { 1.0 } else { 2f32.powi(-8) };
+        let comb: Vec<HtCombineInput> = d
+            .iter()
+            .enumerate()
+            .map(|(r, o)| HtCombineInput {
+                x: vec![bf16::from_f32(value(r)); o.handle.num_recv() * 8],
+                topk_weights: Some(vec![value(r); o.handle.num_recv() * 3]),
+                bias: [None, None],
+            })
+            .collect();
+        let handles: Vec<HtRouting> = d.into_iter().map(|o| o.handle).collect();
+        let out = ht_combine(&cfg, &handles, &comb).unwrap();
+        let x = &out[0].x;
+        assert!(x.iter().all(|v| *v == x[0]));
+        (x[0].to_bits(), out[0].topk_weights.as_ref().unwrap()[0])
+    }
+
+    #[test]
+    fn node_first_and_flat_round_differently() {
+        let flat = combine(None);
+        assert_eq!(f32::from(bf16::from_bits(flat.0)), 1.0 + 2f32.powi(-7));
+        let node_first = combine(Some(2));
+        assert_eq!(f32::from(bf16::from_bits(node_first.0)), 1.0);
+        // One node of all four ranks is the flat order.
+        assert_eq!(combine(Some(4)), flat);
+        // Nodes of one rank: every partial is one row, already BF16; the sum is the flat one.
+        assert_eq!(combine(Some(1)).0, flat.0);
+    }
+
+    #[test]
+    fn the_rail_plan_names_each_nodes_records() {
+        // 2 nodes of 2: rank 0's token 0 goes to ranks 1, 2 and 3; token 1 to rank 3.
+        let cfg = EpConfig::new(4, 4, 8, 3, 2).with_node_size(Some(2));
+        let inputs: Vec<RankInput> = (0..4)
+            .map(|r| RankInput {
+                x: vec![bf16::ONE; 16],
+                topk_idx: if r == 0 {
+                    vec![1, 2, 3, 3, -1, -1]
+                } else {
+                    vec![-1; 6]
+                },
+                topk_weights: vec![0.5; 6],
+            })
+            .collect();
+        let d = ht_dispatch(&cfg, &inputs).unwrap();
+        assert_eq!(d[0].handle.rail.records.len(), 2);
+        // Rank 2 is rank 0's rail peer on node 1: two records, token 0 to both local ranks,
+        // token 1 to local rank 1 only (slot 1 there).
+        let recs = &d[2].handle.rail.records[0];
+        assert_eq!(
+            (recs.tokens.clone(), recs.slots.clone()),
+            (vec![0, 1], vec![0, 0, -1, 1])
+        );
+        assert!(d[2].handle.rail.records[1].is_empty());
+        assert_eq!(d[2].handle.rail.base, vec![0, 0, 1, 2]);
+        // Rank 1 is its own rail source on node 0 and has nothing to send.
+        assert!(d[1].handle.rail.records.iter().all(|r| r.is_empty()));
+        // One node: no rail plan.
+        let one = ht_dispatch(&cfg.clone().with_node_size(None), &inputs).unwrap();
+        assert_eq!(one[2].handle.rail, RailPlan::default());
     }
 }

@@ -10,6 +10,13 @@
 //! source token index. A token crosses to rank `r` once, whatever the number of
 //! its experts on `r`. The receive order (LL, per local expert `e` of rank `r`):
 //! sorted by source rank, then source token index; rows `[0, count[e])` are valid.
+//!
+//! Across nodes (HT, `EpConfig::node_size` = G ranks per node, N nodes): rank `r` is local
+//! rank `r % G` of node `r / G`; its rail peer on node `n` is rank `n * G + r % G`. A token
+//! crosses to node `n` once, to the rail peer of its source there, as record `j` =
+//! its position among the source's tokens for node `n` ([`NodeLayout`]); the rail peer stores
+//! it into the final rows (the receive order above) of every rank of its node that needs it,
+//! records in ascending `j` ([`ForwardTable`]).
 
 use crate::config::EpConfig;
 use crate::error::{Error, Result};
@@ -162,6 +169,125 @@ pub fn recv_plan(
     }
 }
 
+/// Node of `rank` (consecutive ranks share a node).
+pub fn node_of(cfg: &EpConfig, rank: usize) -> usize {
+    rank / cfg.ranks_per_node()
+}
+
+/// Index of `rank` in its node: its rail.
+pub fn local_index(cfg: &EpConfig, rank: usize) -> usize {
+    rank % cfg.ranks_per_node()
+}
+
+/// The rank of `rank`'s rail on node `node`: where `rank`'s tokens for that node cross.
+pub fn rail_peer(cfg: &EpConfig, rank: usize, node: usize) -> usize {
+    node * cfg.ranks_per_node() + local_index(cfg, rank)
+}
+
+/// The ranks of node `node`, ascending.
+pub fn node_ranks(cfg: &EpConfig, node: usize) -> std::ops::Range<usize> {
+    let g = cfg.ranks_per_node();
+    node * g..(node + 1) * g
+}
+
+/// Send side of one rank across nodes: its per-node counts (part of the count exchange) and
+/// the record index of each (token, node).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeLayout {
+    /// Distinct tokens sent to each node, `[N]`: records for that node's rail peer.
+    pub tokens_per_node: Vec<u32>,
+    /// Position of token `t` among this rank's tokens for node `n`, or -1; `[T * N]`,
+    /// row-major by token: the record index `j` on the rail peer.
+    pub node_slot: Vec<i32>,
+}
+
+impl NodeLayout {
+    pub fn slot(&self, t: usize, node: usize) -> Option<usize> {
+        let s = self.node_slot[t * self.tokens_per_node.len() + node];
+        (s >= 0).then_some(s as usize)
+    }
+}
+
+/// The node layout of a rank from its [`RankLayout`]: token `t` goes to node `n` when any
+/// rank of `n` holds one of its experts; records are numbered in token order.
+pub fn node_layout(cfg: &EpConfig, layout: &RankLayout) -> NodeLayout {
+    let nodes = cfg.nodes();
+    let mut tokens_per_node = vec![0u32; nodes];
+    let mut node_slot = vec![-1i32; layout.num_tokens * nodes];
+    for t in 0..layout.num_tokens {
+        for (n, count) in tokens_per_node.iter_mut().enumerate() {
+            if node_ranks(cfg, n).any(|r| layout.token_in_rank(t, r)) {
+                node_slot[t * nodes + n] = *count as i32;
+                *count += 1;
+            }
+        }
+    }
+    NodeLayout {
+        tokens_per_node,
+        node_slot,
+    }
+}
+
+/// The records one source rank sends to node `node`'s rail peer, in forward order (record
+/// `j` ascending): the source token of each, and its send slot on each rank of the node.
+/// The rail peer stores record `j` into row `base[l] + slots[j * G + l]` of local rank `l`
+/// for every `l` with a slot, where `base[l]` is the source's first row there
+/// ([`rail_base`]). Combine runs it backwards: the rail peer sums those rows per record.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ForwardTable {
+    /// `[J]` source token of each record.
+    pub tokens: Vec<u32>,
+    /// `[J * G]` send slot of the record's token on each local rank of the node, or -1.
+    pub slots: Vec<i32>,
+}
+
+impl ForwardTable {
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// Send slot of record `j` on local rank `l` of the node (`g` ranks per node).
+    pub fn slot(&self, j: usize, l: usize, g: usize) -> Option<usize> {
+        let s = self.slots[j * g + l];
+        (s >= 0).then_some(s as usize)
+    }
+}
+
+/// The forward table of a source rank's `layout` for node `node` (the records, in order).
+pub fn forward_table(cfg: &EpConfig, layout: &RankLayout, node: usize) -> ForwardTable {
+    let mut table = ForwardTable::default();
+    for t in 0..layout.num_tokens {
+        let slots: Vec<i32> = node_ranks(cfg, node)
+            .map(|r| layout.slot(t, r).map_or(-1, |s| s as i32))
+            .collect();
+        if slots.iter().any(|&s| s >= 0) {
+            table.tokens.push(t as u32);
+            table.slots.extend(slots);
+        }
+    }
+    table
+}
+
+/// What rank `rank` holds as the rail peer of the ranks with its local index, one entry
+/// per node `n'` (whose rail source is `rail_peer(rank, n')`, this rank itself on its own
+/// node): `[N * G]` first row of that source in each local rank's receive buffer, from the
+/// count matrix `tokens_per_rank[src][dst]`.
+pub fn rail_base(cfg: &EpConfig, rank: usize, tokens_per_rank: &[Vec<u32>]) -> Vec<usize> {
+    let node = node_of(cfg, rank);
+    let mut base = Vec::with_capacity(cfg.ranks);
+    for n in 0..cfg.nodes() {
+        let src = rail_peer(cfg, rank, n);
+        for dst in node_ranks(cfg, node) {
+            base.push(tokens_per_rank[..src].iter().map(|row| row[dst] as usize).sum());
+        }
+    }
+    base
+}
+
 /// Rounds each count up to a multiple of `alignment` (DeepEP's expert alignment).
 pub fn align_counts(counts: &[usize], alignment: usize) -> Vec<usize> {
     counts.iter().map(|c| c.div_ceil(alignment) * alignment).collect()
@@ -208,6 +334,34 @@ mod tests {
         assert!(e.contains("9 tokens"), "{e}");
         let e = layout(&cfg(), 0, &[1, 1]).unwrap_err().to_string();
         assert!(e.contains("twice"), "{e}");
+    }
+
+    #[test]
+    fn node_layout_and_forward_table_follow_token_order() {
+        // 4 ranks in 2 nodes of 2, one expert per rank.
+        let cfg = EpConfig::new(4, 4, 128, 2, 8).with_node_size(Some(2));
+        assert_eq!((node_of(&cfg, 3), local_index(&cfg, 3)), (1, 1));
+        assert_eq!((rail_peer(&cfg, 3, 0), rail_peer(&cfg, 0, 1)), (1, 2));
+        // Token 0 -> ranks 2, 3 (node 1 once); token 1 -> rank 0; token 2 -> ranks 1, 3;
+        // token 3 -> nothing.
+        let topk = [2, 3, 0, -1, 1, 3, -1, -1];
+        let l = layout(&cfg, 0, &topk).unwrap();
+        let n = node_layout(&cfg, &l);
+        assert_eq!(n.tokens_per_node, vec![2, 2]);
+        assert_eq!(n.node_slot, vec![-1, 0, 0, -1, 1, 1, -1, -1]);
+        let f = forward_table(&cfg, &l, 1);
+        assert_eq!(f.tokens, vec![0, 2]);
+        // Token 0 is slot 0 on ranks 2 and 3; token 2 is slot 1 on rank 3, absent on rank 2.
+        assert_eq!(f.slots, vec![0, 0, -1, 1]);
+        assert_eq!(f.slot(1, 0, 2), None);
+        // Rank 1's rail sources: rank 1 (node 0) and rank 3 (node 1); rows of ranks 0, 1.
+        let per_rank = vec![
+            vec![1, 1, 1, 2],
+            vec![2, 0, 1, 1],
+            vec![3, 1, 0, 0],
+            vec![1, 4, 1, 1],
+        ];
+        assert_eq!(rail_base(&cfg, 1, &per_rank), vec![1, 1, 6, 2]);
     }
 
     #[test]

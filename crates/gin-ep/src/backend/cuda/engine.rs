@@ -237,6 +237,15 @@ impl CudaEngine {
         ht: Option<HtGpuOptions>,
         ll: Option<Option<u32>>,
     ) -> Result<Self> {
+        // Every rank has the same config, so every rank refuses here together.
+        if let Some(g) = cfg.node_size.filter(|_| cfg.nodes() > 1) {
+            return Err(Error::config(
+                "node_size",
+                g,
+                "HT across gin-ep nodes runs on the host backend only; the CUDA kernels \
+                 do not implement it yet (the GPU's nodes come from the launch topology)",
+            ));
+        }
         let (hto, llo) = rank.run(0, |r| {
             let hto = ht
                 .map(|o| {

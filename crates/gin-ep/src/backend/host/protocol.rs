@@ -16,6 +16,7 @@
 //! run the CUDA LL protocol (two buffer sets, data signals, deferred credits, ready
 //! words). Every wait has a deadline.
 
+mod ht_nodes;
 mod ll;
 
 use super::heap::SymmetricHeap;
@@ -40,10 +41,26 @@ pub struct Modes {
 enum Sig {
     Barrier = 0,
     Counts = 1,
+    /// On rank `r`, slot `s`: the rows of source `s` in `r`'s receive buffer are in (stored
+    /// by `s` itself, or across nodes by `s`'s rail peer on `r`'s node).
     Dispatch = 2,
+    /// On the source, slot `p`: the rows (one node: of rank `p`; across nodes: the node
+    /// partials of rail peer `p`) are in.
     Combine = 3,
+    /// Across nodes, on a rail peer, slot `s`: rail source `s`'s records are in.
+    Forward = 4,
+    /// Across nodes, on a rail peer, slot `r`: the rows local rank `r` returns are in.
+    Gather = 5,
 }
-const NUM_SIGS: usize = 4;
+const NUM_SIGS: usize = 6;
+const ALL_SIGS: [Sig; NUM_SIGS] = [
+    Sig::Barrier,
+    Sig::Counts,
+    Sig::Dispatch,
+    Sig::Combine,
+    Sig::Forward,
+    Sig::Gather,
+];
 
 /// LL buffer sets (double buffering, as `backend::cuda::ll::SETS`).
 const LL_SETS: usize = 2;
@@ -80,9 +97,17 @@ pub struct Regions {
     /// HT receive buffer: `[R*T]` records of [payload | scales | local idx K×i32 | weights K×f32 | src u32].
     ht_recv: usize,
     ht_rec: usize,
-    /// HT combine buffer on the source: `[R dst][T]` records of [bf16 row | weights K×f32].
+    /// HT combine buffer on the source: `[R dst][T]` records of [bf16 row | weights K×f32]
+    /// (across nodes `[N node][T]`: the node partials).
     ht_comb: usize,
     ht_comb_rec: usize,
+    /// Across nodes, on a rail peer: the records of each rail source, `[N src node][T]` of
+    /// [payload | scales | global idx K×i32 | weights K×f32 | src token u32 | slots G×i32].
+    ht_fwd: usize,
+    ht_fwd_rec: usize,
+    /// Across nodes, on a rail peer: the rows each local rank returns for each rail source,
+    /// `[G local rank][N src node][T slot]` records as `ht_comb`'s.
+    ht_gather: usize,
     /// LL data of set 0 (set `s` is `s * ll_set` bytes further): staging on the receiver,
     /// `[R src][T]` records of [payload | scales | local idx K×i32 | src u32], then `[R]` u32
     /// counts, then the combine buffer on the source, `[T][K]` bf16 rows.
@@ -115,14 +140,21 @@ impl Regions {
         } else {
             (0, 0)
         };
-        // (tokens per rank, tokens per expert, the tokens the caller passed).
-        let count_row = align16((r + e + 1) * 4);
+        // (tokens per rank, tokens per expert, tokens per node, the tokens the caller passed).
+        let (g, nodes) = (cfg.ranks_per_node(), cfg.nodes());
+        let count_row = align16((r + e + nodes + 1) * 4);
         let counts = take(r * count_row);
         let data_start = take(0);
         let ht_rec = align16(row + k * 8 + 4);
         let ht_comb_rec = align16(h * 2 + k * 4);
         let (ht_recv, ht_comb) = if modes.ht {
             (take(r * t * ht_rec), take(r * t * ht_comb_rec))
+        } else {
+            (0, 0)
+        };
+        let ht_fwd_rec = align16(row + k * 8 + 4 + g * 4);
+        let (ht_fwd, ht_gather) = if modes.ht && nodes > 1 {
+            (take(nodes * t * ht_fwd_rec), take(g * nodes * t * ht_comb_rec))
         } else {
             (0, 0)
         };
@@ -144,6 +176,9 @@ impl Regions {
             ht_rec,
             ht_comb,
             ht_comb_rec,
+            ht_fwd,
+            ht_fwd_rec,
+            ht_gather,
             ll_stage,
             ll_rec,
             ll_counts,
@@ -178,10 +213,12 @@ pub struct Fault {
 }
 
 /// The phases a [`Fault`] can stop at: every `fault_point` of the host protocol.
-pub const FAULT_PHASES: [&str; 9] = [
+pub const FAULT_PHASES: [&str; 11] = [
     "layout",
     "count exchange",
     "dispatch",
+    "forward",
+    "combine reduce",
     "cached dispatch barrier",
     "combine barrier",
     "combine",
@@ -240,6 +277,9 @@ pub struct HostEp {
     /// slow rank, to make a race of the count region deterministic).
     #[cfg(test)]
     slow_counts: Duration,
+    /// Tests only: a deliberate protocol error across nodes, to show the oracle catches it.
+    #[cfg(test)]
+    rail_fault: Option<ht_nodes::RailFault>,
 }
 
 impl HostEp {
@@ -279,6 +319,8 @@ impl HostEp {
             ll: ll::LlState::default(),
             #[cfg(test)]
             slow_counts: Duration::ZERO,
+            #[cfg(test)]
+            rail_fault: None,
             cfg,
         })
     }
@@ -408,7 +450,7 @@ impl HostEp {
         }
         let me = self.rank();
         for peer in 0..self.cfg.ranks {
-            for kind in [Sig::Barrier, Sig::Counts, Sig::Dispatch, Sig::Combine] {
+            for kind in ALL_SIGS {
                 let _ = self.heap.poison(peer, self.reg.sig(kind, me, self.cfg.ranks));
             }
         }
@@ -524,13 +566,17 @@ impl HostEp {
         check_len(me, "topk_weights", topk_weights.len(), caller_tokens * k)?;
         let fits = caller_tokens <= cfg.max_tokens_per_rank;
         let layout = routing::layout(&cfg, me, if fits { topk_idx } else { &[] })?;
+        let node_layout = routing::node_layout(&cfg, &layout);
         t0 = self.mark("layout", t0);
 
-        // Count exchange: all-gather of (tokens per rank, tokens per expert, caller tokens).
+        // Count exchange: all-gather of (tokens per rank, tokens per expert, tokens per node,
+        // caller tokens).
         self.fault_point("count exchange")?;
-        let mut row = Vec::with_capacity(r_n + cfg.experts + 1);
+        let nodes = cfg.nodes();
+        let mut row = Vec::with_capacity(r_n + cfg.experts + nodes + 1);
         row.extend_from_slice(&layout.tokens_per_rank);
         row.extend_from_slice(&layout.tokens_per_expert);
+        row.extend_from_slice(&node_layout.tokens_per_node);
         row.push(u32::try_from(caller_tokens).unwrap_or(u32::MAX));
         let row_bytes: &[u8] = bytemuck::cast_slice(&row);
         for peer in 0..r_n {
@@ -543,8 +589,9 @@ impl HostEp {
         std::thread::sleep(self.slow_counts);
         let mut per_rank = Vec::with_capacity(r_n);
         let mut per_expert = Vec::with_capacity(r_n);
+        let mut per_node = Vec::with_capacity(r_n);
         let mut most_tokens = 0usize;
-        let mut buf = vec![0u32; r_n + cfg.experts + 1];
+        let mut buf = vec![0u32; r_n + cfg.experts + nodes + 1];
         for src in 0..r_n {
             self.heap.get(
                 me,
@@ -553,7 +600,8 @@ impl HostEp {
             )?;
             per_rank.push(buf[..r_n].to_vec());
             per_expert.push(buf[r_n..r_n + cfg.experts].to_vec());
-            most_tokens = most_tokens.max(buf[r_n + cfg.experts] as usize);
+            per_node.push(buf[r_n + cfg.experts..r_n + cfg.experts + nodes].to_vec());
+            most_tokens = most_tokens.max(buf[r_n + cfg.experts + nodes] as usize);
         }
         // Every rank read the same rows, so every rank stands down here. The dispatch signals
         // still pair, as after an empty dispatch: without that a rank could write the next
@@ -583,14 +631,23 @@ impl HostEp {
         t0 = self.mark("count exchange", t0);
 
         self.fault_point("dispatch")?;
-        self.ht_send(
-            seq,
-            x,
-            Some((topk_idx, topk_weights)),
-            &handle_partial.0,
-            &handle_partial.2,
-        )?;
-        self.wait_all(Sig::Dispatch, seq, "dispatch")?;
+        let routing_in = Some((topk_idx, topk_weights));
+        let rail = if nodes > 1 {
+            let counts = ht_nodes::RailCounts::Fresh {
+                per_rank: &per_rank,
+                per_node: &per_node,
+            };
+            let (layout, send_base) = (&handle_partial.0, &handle_partial.2);
+            self.ht_send_nodes(seq, x, routing_in, layout, send_base, counts)?
+        } else {
+            self.ht_send(seq, x, routing_in, &handle_partial.0, &handle_partial.2)?;
+            Default::default()
+        };
+        if nodes > 1 {
+            self.wait_dispatch_nodes(seq)?;
+        } else {
+            self.wait_all(Sig::Dispatch, seq, "dispatch")?;
+        }
         t0 = self.mark("dispatch", t0);
 
         let (layout, plan, send_base) = handle_partial;
@@ -630,6 +687,7 @@ impl HostEp {
                 plan,
                 send_base,
                 recv_src_token,
+                rail,
             },
         })
     }
@@ -694,8 +752,14 @@ impl HostEp {
             s.barrier(seq, "cached dispatch barrier")?;
             t0 = s.mark("barrier", t0);
             s.fault_point("dispatch")?;
-            s.ht_send(seq, x, None, &handle.layout, &handle.send_base)?;
-            s.wait_all(Sig::Dispatch, seq, "dispatch")?;
+            if cfg.nodes() > 1 {
+                let counts = ht_nodes::RailCounts::Cached(&handle.rail);
+                s.ht_send_nodes(seq, x, None, &handle.layout, &handle.send_base, counts)?;
+                s.wait_dispatch_nodes(seq)?;
+            } else {
+                s.ht_send(seq, x, None, &handle.layout, &handle.send_base)?;
+                s.wait_all(Sig::Dispatch, seq, "dispatch")?;
+            }
             t0 = s.mark("dispatch", t0);
             let nr = handle.num_recv();
             let mut out = Rows::zeros(cfg.dispatch_dtype, nr, cfg.hidden);
@@ -737,6 +801,9 @@ impl HostEp {
         let mut t0 = Instant::now();
         self.barrier(seq, "combine barrier")?;
         t0 = self.mark("barrier", t0);
+        if cfg.nodes() > 1 {
+            return self.ht_combine_nodes(seq, input, handle, t0);
+        }
 
         self.fault_point("combine")?;
         let rec_len = self.reg.ht_comb_rec;
@@ -819,7 +886,8 @@ fn check_handle(cfg: &EpConfig, rank: usize, handle: &HtRouting) -> Result<()> {
         && handle.send_base.len() == r_n
         && handle.recv_src_token.len() == handle.num_recv()
         && handle.num_recv() <= r_n * cfg.max_tokens_per_rank
-        && handle.layout.num_tokens <= cfg.max_tokens_per_rank;
+        && handle.layout.num_tokens <= cfg.max_tokens_per_rank
+        && ht_nodes::rail_plan_fits(cfg, &handle.rail);
     if ok {
         Ok(())
     } else {

@@ -498,6 +498,8 @@ impl CudaHt {
                 },
                 send_base,
                 recv_src_token,
+                // The kernels run HT inside one node (the engine refuses more).
+                rail: Default::default(),
             },
         })
     }
