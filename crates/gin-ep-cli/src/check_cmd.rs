@@ -186,6 +186,9 @@ pub struct RankCheckArgs {
     /// Only the operations of this mode (both when absent).
     #[arg(long, value_enum)]
     pub mode: Option<Mode>,
+    /// HT across nodes of this many consecutive ranks.
+    #[arg(long)]
+    pub node_size: Option<usize>,
 }
 
 /// Most cases, and most iterations per case, one check runs.
@@ -200,6 +203,8 @@ struct Resolved {
     iters: usize,
     /// Host backend: which operations every case checks.
     modes: Modes,
+    /// Host backend: ranks per node of HT across nodes (`--node-size`).
+    node_size: Option<usize>,
 }
 
 /// The host modes `--mode` selects: both when absent. GIN has no host backend.
@@ -261,7 +266,15 @@ fn resolve(a: &CheckArgs) -> CliResult<Resolved> {
         ),
         Opt::new("--stall", a.stall.is_some(), Rule::ANY.gpus().gpu_modes(HT_LL)),
     ];
-    opts.extend(a.shape.opts());
+    // --node-size shapes a GPU launch, and on the host backend groups ranks into HT nodes.
+    opts.extend(a.shape.opts().into_iter().map(|o| match o.flag.as_str() {
+        "--node-size" => Opt::new(
+            "--node-size",
+            o.given,
+            Rule::ANY.modes(HT).gpu_modes(&[Mode::Ht, Mode::Ll, Mode::Gin]),
+        ),
+        _ => o,
+    }));
     crate::applies::refuse_inapplicable(
         &Run {
             gpus: a.gpus.is_some(),
@@ -279,7 +292,13 @@ fn resolve(a: &CheckArgs) -> CliResult<Resolved> {
             (Some(_), _) => Modes { ht: true, ll: true },
             (None, m) => host_modes(m)?,
         },
+        node_size: a.shape.node_size.filter(|_| a.gpus.is_none()),
     };
+    if r.node_size == Some(0) {
+        return Err(CliError::Usage(
+            "invalid value: --node-size 0: a node holds at least 1 rank".into(),
+        ));
+    }
     for (flag, v, max) in [("cases", r.cases, MAX_CASES), ("iters", r.iters, MAX_ITERS)] {
         if v == 0 {
             return Err(CliError::Usage(format!(
@@ -373,12 +392,51 @@ pub fn gen_case(seed: u64, ranks: usize, index: usize, iters: usize) -> Case {
     }
 }
 
+/// Case `index` on the host backend: [`gen_case`], with HT across nodes of `node_size`.
+fn host_case(seed: u64, ranks: usize, index: usize, iters: usize, node_size: Option<usize>) -> Case {
+    let mut case = gen_case(seed, ranks, index, iters);
+    case.cfg = case.cfg.with_node_size(node_size);
+    case
+}
+
+/// The rank counts of a host check: `--ranks`, or the launch's default; with `--node-size M`
+/// every count must be a multiple of M (the default keeps those that are).
+fn host_ranks(list: Option<&RankList>, launch: LaunchKind, node_size: Option<usize>) -> CliResult<Vec<usize>> {
+    let given = list.is_some();
+    let all: Vec<usize> = match (list, launch) {
+        (Some(list), _) => list.0.clone(),
+        (None, LaunchKind::Threads) => (1..=8).collect(),
+        (None, LaunchKind::Processes) => (2..=4).collect(),
+    };
+    let Some(m) = node_size else {
+        return Ok(all);
+    };
+    if let Some(bad) = all.iter().find(|&&n| n % m != 0).filter(|_| given) {
+        return Err(CliError::Usage(format!(
+            "invalid value: --node-size {m} does not divide --ranks {bad} into whole nodes: \
+             give rank counts that are multiples of {m}"
+        )));
+    }
+    let kept: Vec<usize> = all.into_iter().filter(|n| n % m == 0).collect();
+    if kept.is_empty() {
+        return Err(CliError::Usage(format!(
+            "invalid value: --node-size {m}: no default rank count of --launch {} is a multiple \
+             of it; give --ranks",
+            launch.name()
+        )));
+    }
+    Ok(kept)
+}
+
 fn describe(case: &Case) -> String {
     let c = &case.cfg;
     format!(
-        "ranks {}, experts {} ({} per rank), hidden {}, topk {}, max tokens {}, dtype {}, \
+        "ranks {}{}, experts {} ({} per rank), hidden {}, topk {}, max tokens {}, dtype {}, \
          alignment {}, ll combine {}, routing {}, mask {}, tokens per rank {:?}, workload seed {}, iters {}",
         c.ranks,
+        c.node_size
+            .map(|m| format!(" in nodes of {m}"))
+            .unwrap_or_default(),
         c.experts,
         c.local_experts(),
         c.hidden,
@@ -631,19 +689,18 @@ pub fn run(a: &CheckArgs) -> CliResult {
         return run_gpus(a, n);
     }
     let r = resolve(a)?;
-    let ranks = match (&a.ranks, r.launch) {
-        (Some(list), _) => list.0.clone(),
-        (None, LaunchKind::Threads) => (1..=8).collect(),
-        (None, LaunchKind::Processes) => (2..=4).collect(),
-    };
+    let ranks = host_ranks(a.ranks.as_ref(), r.launch, r.node_size)?;
     // Validate the fault spec before starting anything.
     let fault = fault_from_env(r.launch == LaunchKind::Processes)?;
     let indices = case_indices(r.cases, a.case);
     out!(
-        "check: host backend, {} ranks {}, operations {}, seed {}, {} case(s) per rank count, \
+        "check: host backend, {} ranks {}{}, operations {}, seed {}, {} case(s) per rank count, \
          {} iteration(s) each",
         r.launch.name(),
         format_ranks(&ranks),
+        r.node_size
+            .map(|m| format!(" in nodes of {m} (HT across nodes)"))
+            .unwrap_or_default(),
         modes_name(r.modes),
         r.seed,
         indices.len(),
@@ -686,12 +743,13 @@ pub fn run(a: &CheckArgs) -> CliResult {
                 out!("{passed} passed, 1 failed");
                 return Err(CliError::Failed(format!(
                     "check failed with {n} ranks ({}); reproduce with `gin-ep check --launch {} \
-                     --ranks {n} --seed {} --cases {} --iters {}{}{}`",
+                     --ranks {n} --seed {} --cases {} --iters {}{}{}{}`",
                     r.launch.name(),
                     r.launch.name(),
                     r.seed,
                     r.cases,
                     r.iters,
+                    r.node_size.map(|m| format!(" --node-size {m}")).unwrap_or_default(),
                     a.mode
                         .map(|m| format!(" --mode {}", crate::applies::mode_name(m)))
                         .unwrap_or_default(),
@@ -729,7 +787,7 @@ fn run_threads_cases(
         if let Ok(mut s) = at.lock() {
             *s = format!("ranks {n}: case {i} ({} of {} done)", done, indices.len());
         }
-        let case = gen_case(r.seed, n, i, r.iters);
+        let case = host_case(r.seed, n, i, r.iters, r.node_size);
         let head = format!("case {i} (seed {}): {}", r.seed, describe(&case));
         let fail = |report: String| Failure {
             passed: done,
@@ -782,6 +840,9 @@ fn run_process_cases(a: &CheckArgs, r: &Resolved, n: usize) -> Result<(), Failur
     }
     if let Some(k) = a.case {
         args.extend(["--case".into(), k.to_string()]);
+    }
+    if let Some(m) = r.node_size {
+        args.extend(["--node-size".into(), m.to_string()]);
     }
     let exits = launch_ranks(n, &exe, &args, a.timeout)
         .map_err(|e| early(format!("could not start the ranks: {e}")))?;
@@ -840,7 +901,7 @@ pub fn run_rank(a: &RankCheckArgs) -> CliResult {
     let mut done = 0u64;
     for i in case_indices(a.cases, a.case) {
         let opts = host_options(a.timeout, modes, fault.at(i));
-        let case = gen_case(a.seed, a.ranks, i, a.iters);
+        let case = host_case(a.seed, a.ranks, i, a.iters, a.node_size);
         let fail = |e: Error| {
             CliError::Failed(format!(
                 "rank {me}: case {i} (seed {}): {}\n  {e}",

@@ -265,6 +265,44 @@ fn the_summary_after_a_failure_counts_the_cases_that_passed() {
 }
 
 #[test]
+fn check_ht_across_nodes_passes_on_threads_and_processes() {
+    for (launch, node_size, ranks, want) in [
+        ("threads", "2", "4,6", "6 passed, 0 failed"),
+        ("threads", "1", "4", "3 passed, 0 failed"),
+        ("processes", "2", "4", "3 passed, 0 failed"),
+    ] {
+        let o = gin_ep(&[
+            "check",
+            "--launch",
+            launch,
+            "--node-size",
+            node_size,
+            "--ranks",
+            ranks,
+            "--cases",
+            "3",
+            "--mode",
+            "ht",
+            "--timeout",
+            "30",
+        ]);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
+        assert!(out.contains(&format!("in nodes of {node_size} (HT across nodes)")), "{out}");
+        assert!(out.contains(want), "{out}");
+    }
+}
+
+#[test]
+fn a_bad_node_size_on_the_host_is_refused_naming_it() {
+    usage_error(&["check", "--node-size", "0"], "--node-size 0");
+    usage_error(&["check", "--node-size", "2", "--ranks", "2,3"], "--node-size 2 does not divide --ranks 3");
+    usage_error(&["check", "--launch", "processes", "--node-size", "5"], "--node-size 5");
+    usage_error(&["check", "--node-size", "2", "--mode", "ll"], "--node-size");
+    usage_error(&["check", "--node-size", "x"], "--node-size");
+}
+
+#[test]
 fn a_killed_rank_is_named_with_its_phase_within_the_timeout() {
     let t0 = Instant::now();
     let o = Command::new(EXE)
@@ -626,7 +664,7 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
     let cases: &[(&[&str], &[&str])] = &[
         // GPU-only options without --gpus.
         (&["check", "--vnodes", "2"], &["--vnodes", "--gpus"]),
-        (&["check", "--node-size", "2"], &["--node-size", "--gpus"]),
+        // (check --node-size on the host backend is HT across nodes.)
         (&["check", "--kill", "1:5"], &["--kill", "--gpus"]),
         (&["bench", "--vnodes", "2"], &["--vnodes", "--gpus"]),
         (&["bench", "--node-size", "2"], &["--node-size", "--gpus"]),

@@ -66,6 +66,33 @@ fn host_threads_equal_oracle_on_random_configs() {
 }
 
 #[test]
+fn host_threads_across_nodes_equal_oracle() {
+    // (nodes, ranks per node): 2x2, 3x2, 4x1, 2x3, 2x4; random configs, routing, masking and
+    // uneven tokens on each, every dtype, HT across nodes (node-first combine) and LL.
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(50);
+    for (i, &(nodes, g)) in [(2, 2), (3, 2), (4, 1), (2, 3), (2, 4)].iter().enumerate() {
+        for j in 0..4 {
+            let mut case = random_case(&mut rng, 500 + (i * 10 + j) as u64);
+            let ranks = nodes * g;
+            let local = case.cfg.experts / case.cfg.ranks;
+            case.cfg.ranks = ranks;
+            case.cfg.experts = ranks * local;
+            case.cfg.topk = case.cfg.topk.min(case.cfg.experts);
+            case.cfg = case.cfg.with_node_size(Some(g));
+            case.tokens = (0..ranks)
+                .map(|r| match (r + j) % 4 {
+                    0 => 0,
+                    1 => case.cfg.max_tokens_per_rank,
+                    _ => rng.gen_range(0..=case.cfg.max_tokens_per_rank),
+                })
+                .collect();
+            case.workload.mask_prob = if j % 2 == 0 { 0.25 } else { 0.0 };
+            run_case(&case);
+        }
+    }
+}
+
+#[test]
 fn host_threads_equal_oracle_at_zero_and_one_token() {
     for tokens in [vec![0, 0, 0], vec![1, 0, 1], vec![1, 1, 1]] {
         let case = Case {
