@@ -268,11 +268,7 @@ fn resolve(a: &CheckArgs) -> CliResult<Resolved> {
     ];
     // --node-size shapes a GPU launch, and on the host backend groups ranks into HT nodes.
     opts.extend(a.shape.opts().into_iter().map(|o| match o.flag.as_str() {
-        "--node-size" => Opt::new(
-            "--node-size",
-            o.given,
-            Rule::ANY.modes(HT).gpu_modes(&[Mode::Ht, Mode::Ll, Mode::Gin]),
-        ),
+        "--node-size" if a.gpus.is_none() => Opt::new("--node-size", o.given, Rule::ANY.host().modes(HT)),
         _ => o,
     }));
     crate::applies::refuse_inapplicable(
@@ -401,7 +397,11 @@ fn host_case(seed: u64, ranks: usize, index: usize, iters: usize, node_size: Opt
 
 /// The rank counts of a host check: `--ranks`, or the launch's default; with `--node-size M`
 /// every count must be a multiple of M (the default keeps those that are).
-fn host_ranks(list: Option<&RankList>, launch: LaunchKind, node_size: Option<usize>) -> CliResult<Vec<usize>> {
+fn host_ranks(
+    list: Option<&RankList>,
+    launch: LaunchKind,
+    node_size: Option<usize>,
+) -> CliResult<Vec<usize>> {
     let given = list.is_some();
     let all: Vec<usize> = match (list, launch) {
         (Some(list), _) => list.0.clone(),
@@ -749,7 +749,9 @@ pub fn run(a: &CheckArgs) -> CliResult {
                     r.seed,
                     r.cases,
                     r.iters,
-                    r.node_size.map(|m| format!(" --node-size {m}")).unwrap_or_default(),
+                    r.node_size
+                        .map(|m| format!(" --node-size {m}"))
+                        .unwrap_or_default(),
                     a.mode
                         .map(|m| format!(" --mode {}", crate::applies::mode_name(m)))
                         .unwrap_or_default(),

@@ -288,7 +288,10 @@ fn check_ht_across_nodes_passes_on_threads_and_processes() {
         ]);
         let (out, err) = text(&o);
         assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
-        assert!(out.contains(&format!("in nodes of {node_size} (HT across nodes)")), "{out}");
+        assert!(
+            out.contains(&format!("in nodes of {node_size} (HT across nodes)")),
+            "{out}"
+        );
         assert!(out.contains(want), "{out}");
     }
 }
@@ -296,8 +299,14 @@ fn check_ht_across_nodes_passes_on_threads_and_processes() {
 #[test]
 fn a_bad_node_size_on_the_host_is_refused_naming_it() {
     usage_error(&["check", "--node-size", "0"], "--node-size 0");
-    usage_error(&["check", "--node-size", "2", "--ranks", "2,3"], "--node-size 2 does not divide --ranks 3");
-    usage_error(&["check", "--launch", "processes", "--node-size", "5"], "--node-size 5");
+    usage_error(
+        &["check", "--node-size", "2", "--ranks", "2,3"],
+        "--node-size 2 does not divide --ranks 3",
+    );
+    usage_error(
+        &["check", "--launch", "processes", "--node-size", "5"],
+        "--node-size 5",
+    );
     usage_error(&["check", "--node-size", "2", "--mode", "ll"], "--node-size");
     usage_error(&["check", "--node-size", "x"], "--node-size");
 }
