@@ -454,6 +454,7 @@ impl HostEp {
                 let _ = self.heap.poison(peer, self.reg.sig(kind, me, self.cfg.ranks));
             }
         }
+        self.rail_abandon();
         self.ll_abandon();
     }
 

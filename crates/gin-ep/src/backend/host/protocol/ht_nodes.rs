@@ -37,6 +37,8 @@ pub(crate) enum RailFault {
     /// The rail peer does not push the first node partial it owes a remote source (it still
     /// signals, so nothing waits: the source sums what its buffer holds).
     SkipPartial,
+    /// The forwarder refuses its records as bad input (and so gives up, poisoning).
+    GiveUp,
 }
 
 /// Whether a handle's rail plan has the shape `cfg` gives (a corrupt or foreign handle must
@@ -117,9 +119,36 @@ impl HostEp {
                 (routing::rail_peer(cfg, src, my_node), "forward")
             };
             let offset = self.reg.sig(Sig::Dispatch, src, cfg.ranks);
-            self.wait_on(offset, peer, seq, deadline, phase)?;
+            self.wait_on(offset, peer, seq, deadline, phase)
+                .map_err(|e| match e {
+                    // Both the source and its rail peer poison this slot when they give up.
+                    Error::PeerFailed { peer, phase, reason } if peer != src => Error::PeerFailed {
+                        peer,
+                        phase,
+                        reason: format!(
+                            "{reason} (rank {src}'s rows, forwarded by rank {peer}: one of the two gave up)"
+                        ),
+                    },
+                    e => e,
+                })?;
         }
         Ok(())
+    }
+
+    /// Across nodes this rank also stores the `Dispatch` signals of its rail sources on its
+    /// node: it poisons them too, so its node's ranks fail at once rather than at the deadline.
+    pub(super) fn rail_abandon(&self) {
+        let cfg = &self.cfg;
+        let me = self.rank();
+        let my_node = routing::node_of(cfg, me);
+        for n in (0..cfg.nodes()).filter(|&n| n != my_node) {
+            let src = routing::rail_peer(cfg, me, n);
+            for peer in routing::node_ranks(cfg, my_node) {
+                let _ = self
+                    .heap
+                    .poison(peer, self.reg.sig(Sig::Dispatch, src, cfg.ranks));
+            }
+        }
     }
 
     /// Stores `seq` into signal `kind` (this rank's slot) of every rank of node `node`.
@@ -249,6 +278,10 @@ impl HostEp {
         let cap = cfg.ranks * t_max;
         let mut slots = vec![-1i32; g];
         for (n, table) in records.iter_mut().enumerate() {
+            #[cfg(test)]
+            if self.rail_fault == Some(RailFault::GiveUp) {
+                return Err(Error::input("forward records", "refused (test fault)"));
+            }
             if n == my_node {
                 *table = routing::forward_table(&cfg, layout, my_node);
                 continue;
@@ -265,6 +298,7 @@ impl HostEp {
                     format!("{count} exceed max_tokens_per_rank = {t_max}"),
                 ));
             }
+            // The table first (it is also this rank's rail plan for combine), then the rows.
             for j in 0..count {
                 let off = self.reg.ht_fwd + (n * t_max + j) * fwd_rec;
                 self.heap.get(me, off, &mut rec[..o_slots + g * 4])?;
@@ -675,5 +709,28 @@ mod tests {
             "{e}"
         );
         assert!(e.to_string().contains("rank 3 of node 1"), "{e}");
+    }
+
+    #[test]
+    fn a_forwarder_that_gives_up_fails_its_node_at_once() {
+        // Rank 3 owes rank 2 the rows of rank 1 and rank 5; it gives up after its own sends.
+        let t0 = std::time::Instant::now();
+        let c = cfg();
+        let ins = inputs(&c);
+        let opts = HostOptions {
+            modes: Modes { ht: true, ll: false },
+            timeout: Duration::from_secs(30),
+            fault: None,
+        };
+        let res = run_threads(&c, &opts, |ep| {
+            ep.rail_fault = (ep.rank() == 3).then_some(RailFault::GiveUp);
+            let i = &ins[ep.rank()];
+            ep.ht_dispatch(&i.x, &i.topk_idx, &i.topk_weights).map(|_| ())
+        })
+        .unwrap();
+        assert!(t0.elapsed() < Duration::from_secs(10), "{res:?}");
+        assert!(res[3].as_ref().unwrap_err().is_usage());
+        let e = res[2].as_ref().unwrap_err();
+        assert!(matches!(e, Error::PeerFailed { peer: 3, .. }), "{e}");
     }
 }
