@@ -340,6 +340,40 @@ fn a_killed_rank_is_named_with_its_phase_within_the_timeout() {
 }
 
 #[test]
+fn a_rank_killed_at_the_forward_is_named_with_its_node() {
+    // 2 nodes of 2 processes: rank 3 exits at the forward; rank 2 (its node) waits for the
+    // rows rank 3 owes it and names rank 3 and node 1.
+    let t0 = Instant::now();
+    let o = Command::new(EXE)
+        .args([
+            "check",
+            "--launch",
+            "processes",
+            "--ranks",
+            "4",
+            "--node-size",
+            "2",
+            "--mode",
+            "ht",
+            "--cases",
+            "1",
+            "--timeout",
+            "2",
+        ])
+        .env("GIN_EP_FAULT", "3:forward")
+        .output()
+        .unwrap();
+    let took = t0.elapsed();
+    let (out, err) = text(&o);
+    let all = format!("{out}\n{err}");
+    assert_eq!(o.status.code(), Some(1), "{all}");
+    assert!(took < Duration::from_secs(15), "took {took:?}: {all}");
+    assert!(all.contains("rank 3 exits at phase `forward`"), "{all}");
+    assert!(all.contains("rank 3 of node 1"), "{all}");
+    assert!(!all.contains("panicked"), "{all}");
+}
+
+#[test]
 fn bench_writes_json_with_ops_and_options() {
     let dir = std::env::temp_dir().join(format!("gin-ep-cli-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -101,6 +101,14 @@ impl HostEp {
                 seq,
                 waited,
             }),
+            Err(Error::PeerFailed { peer, phase, reason }) => Err(Error::PeerFailed {
+                peer,
+                phase,
+                reason: format!(
+                    "{reason} [rank {peer} of node {}]",
+                    routing::node_of(&self.cfg, peer)
+                ),
+            }),
             Err(e) => Err(e),
         }
     }
@@ -732,5 +740,6 @@ mod tests {
         assert!(res[3].as_ref().unwrap_err().is_usage());
         let e = res[2].as_ref().unwrap_err();
         assert!(matches!(e, Error::PeerFailed { peer: 3, .. }), "{e}");
+        assert!(e.to_string().contains("rank 3 of node 1"), "{e}");
     }
 }
