@@ -464,6 +464,12 @@ impl HostEp {
         if let Err(e) = &r {
             if e.is_usage() {
                 self.abandon();
+            } else if matches!(e, Error::PeerFailed { .. }) && self.cfg.nodes() > 1 {
+                // Across nodes a rank also forwards rows other ranks wait for, and a rank
+                // past the count exchange never sees the first failure itself: a rank that
+                // learns of one passes it on, or they would wait out their whole deadline
+                // on a forward that never comes.
+                self.abandon();
             }
         }
         r
