@@ -1,0 +1,282 @@
+//! `ncclEpGroup_t`: a group config read and checked against what gin-ep does ([`GroupSpec`]),
+//! and the group object: the caller's communicator and one [`gin_ep::Ep`] per top-k and wire
+//! format in use.
+//!
+//! NCCL EP fixes the top-k per handle and the wire format per call, where gin-ep fixes both
+//! per `Ep`; so the group makes an `Ep` for a (top-k, format) pair the first time a handle or
+//! a dispatch needs it. That creation is collective: every rank reaches it in the same call,
+//! as NCCL EP's contract already requires of handle creation with an automatic buffer size
+//! (make handles before capturing a CUDA graph, and run one FP8 dispatch before capturing
+//! FP8 dispatches).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use gin_ep::{DispatchDtype, Ep, EpConfig};
+
+use crate::abi::{self, GroupConfig};
+use crate::status::{CResult, CapiError};
+
+/// Which of gin-ep's two modes a group runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Algo {
+    Ll,
+    Ht,
+}
+
+/// A group config as gin-ep runs it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GroupSpec {
+    pub algo: Algo,
+    pub ranks: usize,
+    pub rank: usize,
+    pub experts: usize,
+    pub max_tokens: usize,
+    /// Channels per token: `max_token_bytes / 2` (BF16 rows, as callers size it).
+    pub hidden: usize,
+    /// HT: rows a rank's receive outputs hold (static sizing).
+    pub max_recv: Option<usize>,
+    /// Deadline of every wait on a peer.
+    pub timeout: Duration,
+    /// Set in the V2 config: the only top-k handles may use.
+    pub num_topk: Option<usize>,
+}
+
+/// The default deadline when `timeout_ns` is 0.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(100);
+
+impl GroupSpec {
+    /// Reads `c` (already size- and magic-checked) for a communicator of `ranks` ranks.
+    /// ncclInvalidArgument: a value outside its type; ncclInvalidUsage: a request gin-ep
+    /// does not implement, named with its value.
+    pub fn new(c: &GroupConfig, ranks: usize, rank: usize) -> CResult<GroupSpec> {
+        if c.version == 0 {
+            return Err(CapiError::arg(
+                "config->version = 0: set it to NCCL_EP_API_VERSION (NCCL_EP_GROUP_CONFIG_INIT does)",
+            ));
+        }
+        let algo = match c.algorithm {
+            abi::ALGO_LOW_LATENCY => Algo::Ll,
+            abi::ALGO_HIGH_THROUGHPUT => Algo::Ht,
+            a => {
+                return Err(CapiError::arg(format!(
+                    "config->algorithm = {a}: expected NCCL_EP_ALGO_LOW_LATENCY (0) or NCCL_EP_ALGO_HIGH_THROUGHPUT (1)"
+                )))
+            }
+        };
+        if c.num_experts == 0 {
+            return Err(CapiError::arg("config->num_experts = 0: required"));
+        }
+        if c.max_dispatch_tokens_per_rank == 0 {
+            return Err(CapiError::arg("config->max_dispatch_tokens_per_rank = 0: required"));
+        }
+        if c.max_token_bytes == 0 || c.max_token_bytes % 16 != 0 {
+            return Err(CapiError::usage(format!(
+                "config->max_token_bytes = {}: gin-ep needs the BF16 row bytes (2 x hidden), a positive multiple of 16",
+                c.max_token_bytes
+            )));
+        }
+        let max_recv = match (algo, c.max_recv_tokens_per_rank) {
+            (Algo::Ll, _) | (Algo::Ht, 0) => None,
+            (Algo::Ht, n) if n < c.max_dispatch_tokens_per_rank => {
+                return Err(CapiError::arg(format!(
+                    "config->max_recv_tokens_per_rank = {n}: below max_dispatch_tokens_per_rank = {}",
+                    c.max_dispatch_tokens_per_rank
+                )))
+            }
+            (Algo::Ht, n) => Some(n as usize),
+        };
+        if c.enable_mask != 0 {
+            return Err(CapiError::usage(format!(
+                "config->enable_mask = {}: gin-ep's C API has no rank masks (its engine masks ranks through its own API)",
+                c.enable_mask
+            )));
+        }
+        if !c.alloc.alloc_fn.is_null() || !c.alloc.free_fn.is_null() {
+            return Err(CapiError::usage(
+                "config->alloc: gin-ep allocates its windows through NCCL (ncclMemAlloc) and takes no custom allocator",
+            ));
+        }
+        if c.rdma_buffer_size != 0 {
+            return Err(CapiError::usage(format!(
+                "config->rdma_buffer_size = {}: gin-ep sizes its buffers itself; pass NCCL_EP_AUTO",
+                c.rdma_buffer_size
+            )));
+        }
+        // V2 fields (zero when the caller's struct ends at V1).
+        if c.zero_copy == abi::ZERO_COPY_ON {
+            return Err(CapiError::usage(
+                "config->zero_copy = NCCL_EP_ZERO_COPY_ON: gin-ep takes no window-backed tensors",
+            ));
+        }
+        if c.overflow_policy != abi::OVERFLOW_AUTO && c.overflow_policy != abi::OVERFLOW_TRAP {
+            return Err(CapiError::usage(format!(
+                "config->overflow_policy = {}: gin-ep refuses an overflowing receive (AUTO or TRAP)",
+                c.overflow_policy
+            )));
+        }
+        let timeout = if c.timeout_ns == 0 {
+            DEFAULT_TIMEOUT
+        } else {
+            Duration::from_nanos(c.timeout_ns)
+        };
+        let spec = GroupSpec {
+            algo,
+            ranks,
+            rank,
+            experts: c.num_experts as usize,
+            max_tokens: c.max_dispatch_tokens_per_rank as usize,
+            hidden: c.max_token_bytes as usize / 2,
+            max_recv,
+            timeout,
+            num_topk: (c.num_topk != 0).then_some(c.num_topk as usize),
+        };
+        // The shape checks gin-ep makes of every config, at a stand-in top-k of 1.
+        spec.ep_config(spec.num_topk.unwrap_or(1), DispatchDtype::Bf16)?;
+        Ok(spec)
+    }
+
+    /// gin-ep's config for handles of top-k `topk` and dispatches in `dtype`.
+    pub fn ep_config(&self, topk: usize, dtype: DispatchDtype) -> CResult<EpConfig> {
+        let cfg = EpConfig::new(self.ranks, self.experts, self.hidden, topk, self.max_tokens).with_dtype(dtype);
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn local_experts(&self) -> usize {
+        self.experts / self.ranks
+    }
+
+    /// Checks a handle's top-k against the group's (when set) and gin-ep's limits.
+    pub fn check_topk(&self, topk: usize) -> CResult<()> {
+        if let Some(k) = self.num_topk {
+            if topk > k {
+                return Err(CapiError::arg(format!(
+                    "num_topk = {topk}: above the group's config->num_topk = {k}"
+                )));
+            }
+        }
+        self.ep_config(topk, DispatchDtype::Bf16).map(|_| ())
+    }
+}
+
+/// How the group gets an engine on the caller's communicator. The CUDA build borrows the
+/// communicator ([`crate::engine`]); tests substitute their own.
+pub type OpenEngine = fn(comm: usize, cfg: &EpConfig, spec: &GroupSpec) -> CResult<Ep>;
+
+/// An `ncclEpGroup_t`.
+pub struct Group {
+    pub spec: GroupSpec,
+    /// The caller's `ncclComm_t` (borrowed; it outlives the group).
+    pub comm: usize,
+    open: OpenEngine,
+    engines: Mutex<Vec<((usize, DispatchDtype), Ep)>>,
+    /// Set by an operation that failed on a peer or a kernel; read by ncclEpGetAsyncError.
+    pub async_error: AtomicBool,
+}
+
+impl Group {
+    pub fn new(spec: GroupSpec, comm: usize, open: OpenEngine) -> Group {
+        Group {
+            spec,
+            comm,
+            open,
+            engines: Mutex::new(Vec::new()),
+            async_error: AtomicBool::new(false),
+        }
+    }
+
+    /// The engine of (`topk`, `dtype`), made on first use (collective).
+    pub fn engine(&self, topk: usize, dtype: DispatchDtype) -> CResult<Ep> {
+        let mut engines = self.engines.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((_, ep)) = engines.iter().find(|(k, _)| *k == (topk, dtype)) {
+            return Ok(ep.clone());
+        }
+        let cfg = self.spec.ep_config(topk, dtype)?;
+        let ep = self.note((self.open)(self.comm, &cfg, &self.spec))?;
+        engines.push(((topk, dtype), ep.clone()));
+        Ok(ep)
+    }
+
+    /// Passes `r` on, raising the async error flag when a peer or a kernel caused it.
+    pub fn note<T>(&self, r: CResult<T>) -> CResult<T> {
+        if let Err(e) = &r {
+            if e.is_async() {
+                self.async_error.store(true, Ordering::SeqCst);
+            }
+        }
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub fn ll_config() -> GroupConfig {
+        let mut c: GroupConfig = crate::ffi::zeroed();
+        c.size = 112;
+        c.magic = abi::MAGIC;
+        c.version = 2;
+        c.num_experts = 16;
+        c.max_dispatch_tokens_per_rank = 128;
+        c.max_token_bytes = 2 * 1024;
+        c
+    }
+
+    #[test]
+    fn ll_config_maps_to_gin_ep() {
+        let s = GroupSpec::new(&ll_config(), 4, 1).unwrap();
+        assert_eq!((s.algo, s.hidden, s.experts, s.max_tokens), (Algo::Ll, 1024, 16, 128));
+        assert_eq!(s.timeout, DEFAULT_TIMEOUT);
+        assert_eq!(s.local_experts(), 4);
+    }
+
+    #[test]
+    fn unsupported_requests_name_field_and_value() {
+        let mut c = ll_config();
+        c.enable_mask = 1;
+        let e = GroupSpec::new(&c, 4, 0).unwrap_err();
+        assert_eq!(e.code, abi::NCCL_INVALID_USAGE);
+        assert!(e.msg.contains("enable_mask = 1"), "{}", e.msg);
+
+        let mut c = ll_config();
+        c.overflow_policy = 2;
+        let e = GroupSpec::new(&c, 4, 0).unwrap_err();
+        assert!(e.msg.contains("overflow_policy = 2"), "{}", e.msg);
+
+        let mut c = ll_config();
+        c.num_experts = 15;
+        let e = GroupSpec::new(&c, 4, 0).unwrap_err();
+        assert_eq!(e.code, abi::NCCL_INVALID_USAGE);
+        assert!(e.msg.contains("experts = 15"), "{}", e.msg);
+    }
+
+    #[test]
+    fn bad_values_are_invalid_arguments() {
+        let mut c = ll_config();
+        c.algorithm = 7;
+        let e = GroupSpec::new(&c, 4, 0).unwrap_err();
+        assert_eq!(e.code, abi::NCCL_INVALID_ARGUMENT);
+        assert!(e.msg.contains("algorithm = 7"), "{}", e.msg);
+
+        let mut c = ll_config();
+        c.algorithm = abi::ALGO_HIGH_THROUGHPUT;
+        c.max_recv_tokens_per_rank = 64;
+        let e = GroupSpec::new(&c, 4, 0).unwrap_err();
+        assert!(e.msg.contains("max_recv_tokens_per_rank = 64"), "{}", e.msg);
+    }
+
+    #[test]
+    fn timeout_and_topk_bound_are_read() {
+        let mut c = ll_config();
+        c.timeout_ns = 2_000_000_000;
+        c.num_topk = 4;
+        let s = GroupSpec::new(&c, 4, 0).unwrap();
+        assert_eq!(s.timeout, Duration::from_secs(2));
+        s.check_topk(4).unwrap();
+        let e = s.check_topk(5).unwrap_err();
+        assert!(e.msg.contains("num_topk = 5"), "{}", e.msg);
+    }
+}
