@@ -10,6 +10,10 @@
 //! are copied over a zeroed value, so an older caller's missing fields read as their zero
 //! defaults and a newer caller's unknown tail is never touched.
 
+// The entry points take raw pointers from C, whose validity is the header's contract: they
+// cannot be `unsafe fn` (C calls them), so the lint that asks for it does not apply.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
+
 use std::ffi::{c_char, c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
@@ -102,7 +106,10 @@ fn tensor(p: *const Tensor, name: &str) -> CResult<Option<Desc>> {
         )));
     }
     if t.ndim == 0 || t.ndim > MAX_NDIM {
-        return Err(CapiError::arg(format!("{name}->ndim = {}: expected 1..={MAX_NDIM}", t.ndim)));
+        return Err(CapiError::arg(format!(
+            "{name}->ndim = {}: expected 1..={MAX_NDIM}",
+            t.ndim
+        )));
     }
     if t.sizes.is_null() {
         return Err(CapiError::arg(format!("{name}->sizes is NULL")));
@@ -300,7 +307,9 @@ pub extern "C" fn ncclEpTensorDestroy(tensor: *mut Tensor) -> NcclResult {
         if owned.public.sizes != owned.sizes.as_ptr().cast_mut() {
             // The caller repointed `sizes`; the box is still ours to free.
             drop(owned);
-            return Err(CapiError::arg("tensor->sizes was changed after ncclEpTensorAlloc (freed anyway)"));
+            return Err(CapiError::arg(
+                "tensor->sizes was changed after ncclEpTensorAlloc (freed anyway)",
+            ));
         }
         Ok(())
     })
@@ -360,7 +369,9 @@ pub extern "C" fn ncclEpHandleMemSize(
         let out = out_ptr(size_out, "size_out")?;
         crate::handle::layout(&g.group, layout)?;
         if num_topk <= 0 {
-            return Err(CapiError::arg(format!("num_topk = {num_topk}: LL handles need the top-k (> 0)")));
+            return Err(CapiError::arg(format!(
+                "num_topk = {num_topk}: LL handles need the top-k (> 0)"
+            )));
         }
         g.group.spec.check_topk(num_topk as usize)?;
         // gin-ep keeps a handle's routing state in its engine's windows: a handle needs no
@@ -525,7 +536,11 @@ pub extern "C" fn ncclEpCombine(
 }
 
 #[no_mangle]
-pub extern "C" fn ncclEpComplete(handle: *mut HandleBox, config: *const CompleteConfig, stream: *mut c_void) -> NcclResult {
+pub extern "C" fn ncclEpComplete(
+    handle: *mut HandleBox,
+    config: *const CompleteConfig,
+    stream: *mut c_void,
+) -> NcclResult {
     guard("ncclEpComplete", || {
         let h = handle_mut(handle, "handle")?;
         read(config, "config")?;
@@ -541,7 +556,11 @@ fn no_masks(group: *mut GroupBox) -> CResult<()> {
 }
 
 #[no_mangle]
-pub extern "C" fn ncclEpMaskQuery(group: *mut GroupBox, mask: *mut c_int, _stream: *mut c_void) -> NcclResult {
+pub extern "C" fn ncclEpMaskQuery(
+    group: *mut GroupBox,
+    mask: *mut c_int,
+    _stream: *mut c_void,
+) -> NcclResult {
     guard("ncclEpMaskQuery", || {
         out_ptr(mask, "mask_status")?;
         no_masks(group)
@@ -549,7 +568,11 @@ pub extern "C" fn ncclEpMaskQuery(group: *mut GroupBox, mask: *mut c_int, _strea
 }
 
 #[no_mangle]
-pub extern "C" fn ncclEpMaskUpdate(group: *mut GroupBox, mask: *const c_int, _stream: *mut c_void) -> NcclResult {
+pub extern "C" fn ncclEpMaskUpdate(
+    group: *mut GroupBox,
+    mask: *const c_int,
+    _stream: *mut c_void,
+) -> NcclResult {
     guard("ncclEpMaskUpdate", || {
         out_ptr(mask.cast_mut(), "mask")?;
         no_masks(group)
@@ -586,4 +609,68 @@ pub extern "C" fn ncclEpErrorClear(group: *mut GroupBox) -> NcclResult {
 #[no_mangle]
 pub extern "C" fn ncclEpGetLastError() -> *const c_char {
     status::last_ptr()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::mem::offset_of;
+
+    #[test]
+    fn a_panic_becomes_internal_error_with_its_message() {
+        let r = guard("ncclEpTest", || panic!("boom {}", 7));
+        assert_eq!(r, NCCL_INTERNAL_ERROR);
+        let last = status::last_text();
+        assert!(last.contains("ncclEpTest") && last.contains("boom 7"), "{last}");
+    }
+
+    /// A caller's group config as raw bytes: `len` bytes, the fields below set, the rest
+    /// filled with `fill` (bytes that are not the config's).
+    fn config_bytes(size: u32, len: usize, fill: u8) -> Vec<u64> {
+        let mut b = vec![fill; len];
+        let mut put = |off: usize, v: &[u8]| b[off..off + v.len()].copy_from_slice(v);
+        put(offset_of!(GroupConfig, size), &size.to_ne_bytes());
+        put(offset_of!(GroupConfig, magic), &MAGIC.to_ne_bytes());
+        put(offset_of!(GroupConfig, num_experts), &8u32.to_ne_bytes());
+        put(offset_of!(GroupConfig, timeout_ns), &5u64.to_ne_bytes());
+        if len >= 112 {
+            put(offset_of!(GroupConfig, num_topk), &3u32.to_ne_bytes());
+        }
+        // 8-byte aligned storage, as a C struct with u64 fields has.
+        b.chunks(8)
+            .map(|c| u64::from_ne_bytes(c.try_into().unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn a_v1_struct_reads_its_v2_fields_as_zero() {
+        // A V1 caller's 96 bytes, followed by bytes of something else.
+        let words = config_bytes(96, 112, 0xA5);
+        let r = read(words.as_ptr().cast::<GroupConfig>(), "config")
+            .unwrap()
+            .unwrap();
+        assert_eq!((r.num_experts, r.timeout_ns), (8, 5));
+        assert_eq!((r.zero_copy, r.overflow_policy, r.num_topk), (0, 0, 0));
+    }
+
+    #[test]
+    fn a_future_struct_is_read_up_to_our_size() {
+        let words = config_bytes(256, 256, 0x5A);
+        let r = read(words.as_ptr().cast::<GroupConfig>(), "config")
+            .unwrap()
+            .unwrap();
+        assert_eq!((r.size, r.num_experts, r.num_topk), (256, 8, 3));
+    }
+
+    #[test]
+    fn short_and_foreign_structs_are_refused() {
+        let words = config_bytes(95, 112, 0);
+        let e = read(words.as_ptr().cast::<GroupConfig>(), "config").unwrap_err();
+        assert_eq!(e.code, NCCL_INVALID_ARGUMENT);
+        assert!(e.msg.contains("config->size = 95"), "{}", e.msg);
+        let mut words = config_bytes(112, 112, 0);
+        words[0] = 112 | (0xDEAD_u64 << 32);
+        let e = read(words.as_ptr().cast::<GroupConfig>(), "config").unwrap_err();
+        assert!(e.msg.contains("config->magic = 0xdead"), "{}", e.msg);
+    }
 }

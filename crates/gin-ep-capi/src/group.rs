@@ -69,9 +69,11 @@ impl GroupSpec {
             return Err(CapiError::arg("config->num_experts = 0: required"));
         }
         if c.max_dispatch_tokens_per_rank == 0 {
-            return Err(CapiError::arg("config->max_dispatch_tokens_per_rank = 0: required"));
+            return Err(CapiError::arg(
+                "config->max_dispatch_tokens_per_rank = 0: required",
+            ));
         }
-        if c.max_token_bytes == 0 || c.max_token_bytes % 16 != 0 {
+        if c.max_token_bytes == 0 || !c.max_token_bytes.is_multiple_of(16) {
             return Err(CapiError::usage(format!(
                 "config->max_token_bytes = {}: gin-ep needs the BF16 row bytes (2 x hidden), a positive multiple of 16",
                 c.max_token_bytes
@@ -139,7 +141,8 @@ impl GroupSpec {
 
     /// gin-ep's config for handles of top-k `topk` and dispatches in `dtype`.
     pub fn ep_config(&self, topk: usize, dtype: DispatchDtype) -> CResult<EpConfig> {
-        let cfg = EpConfig::new(self.ranks, self.experts, self.hidden, topk, self.max_tokens).with_dtype(dtype);
+        let cfg =
+            EpConfig::new(self.ranks, self.experts, self.hidden, topk, self.max_tokens).with_dtype(dtype);
         cfg.validate()?;
         Ok(cfg)
     }
@@ -189,7 +192,10 @@ impl Group {
 
     /// The engine of (`topk`, `dtype`), made on first use (collective).
     pub fn engine(&self, topk: usize, dtype: DispatchDtype) -> CResult<Ep> {
-        let mut engines = self.engines.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut engines = self
+            .engines
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some((_, ep)) = engines.iter().find(|(k, _)| *k == (topk, dtype)) {
             return Ok(ep.clone());
         }
@@ -228,7 +234,10 @@ mod tests {
     #[test]
     fn ll_config_maps_to_gin_ep() {
         let s = GroupSpec::new(&ll_config(), 4, 1).unwrap();
-        assert_eq!((s.algo, s.hidden, s.experts, s.max_tokens), (Algo::Ll, 1024, 16, 128));
+        assert_eq!(
+            (s.algo, s.hidden, s.experts, s.max_tokens),
+            (Algo::Ll, 1024, 16, 128)
+        );
         assert_eq!(s.timeout, DEFAULT_TIMEOUT);
         assert_eq!(s.local_experts(), 4);
     }

@@ -32,11 +32,19 @@ pub enum Layout {
 /// Reads a layout value for a group's algorithm.
 pub fn layout(group: &Group, raw: u32) -> CResult<Layout> {
     let name = match raw {
-        abi::LAYOUT_UNSET => return Err(CapiError::arg("layout = NCCL_EP_LAYOUT_UNSET: a handle needs a layout")),
+        abi::LAYOUT_UNSET => {
+            return Err(CapiError::arg(
+                "layout = NCCL_EP_LAYOUT_UNSET: a handle needs a layout",
+            ))
+        }
         abi::LAYOUT_EXPERT_MAJOR => "NCCL_EP_LAYOUT_EXPERT_MAJOR",
         abi::LAYOUT_RANK_MAJOR => "NCCL_EP_LAYOUT_RANK_MAJOR",
         abi::LAYOUT_FLAT => "NCCL_EP_LAYOUT_FLAT",
-        v => return Err(CapiError::arg(format!("layout = {v}: not an ncclEpLayout_t value"))),
+        v => {
+            return Err(CapiError::arg(format!(
+                "layout = {v}: not an ncclEpLayout_t value"
+            )))
+        }
     };
     match (group.spec.algo, raw) {
         (Algo::Ll, abi::LAYOUT_EXPERT_MAJOR) => Ok(Layout::LlExpertMajor),
@@ -130,7 +138,9 @@ impl Handle {
             )));
         }
         if num_topk <= 0 {
-            return Err(CapiError::arg(format!("num_topk = {num_topk}: LL handles need the top-k (> 0)")));
+            return Err(CapiError::arg(format!(
+                "num_topk = {num_topk}: LL handles need the top-k (> 0)"
+            )));
         }
         let topk = num_topk as usize;
         group.spec.check_topk(topk)?;
@@ -149,7 +159,9 @@ impl Handle {
     /// `ncclEpUpdateHandle`: the routing of the next dispatch.
     pub fn update(&mut self, topk_idx: Option<Desc>, layout: Option<LayoutDescs>) -> CResult<()> {
         if layout.is_some() {
-            return Err(CapiError::arg("layout_info is not NULL: LL handles take it at ncclEpDispatch"));
+            return Err(CapiError::arg(
+                "layout_info is not NULL: LL handles take it at ncclEpDispatch",
+            ));
         }
         let idx = required(topk_idx, "topk_idx")?;
         if idx.dtype == NCCL_INT32 {
@@ -202,16 +214,23 @@ impl Handle {
                 c.pass_direction
             )));
         }
-        let routing = self
-            .routing
-            .clone()
-            .ok_or_else(|| CapiError::usage("ncclEpDispatch: the handle has no routing (call ncclEpUpdateHandle)"))?;
+        let routing = self.routing.clone().ok_or_else(|| {
+            CapiError::usage("ncclEpDispatch: the handle has no routing (call ncclEpUpdateHandle)")
+        })?;
         let spec = &self.group.spec;
-        let (n, h, l, rt) = (routing.sizes[0], spec.hidden, spec.local_experts(), spec.ranks * spec.max_tokens);
+        let (n, h, l, rt) = (
+            routing.sizes[0],
+            spec.hidden,
+            spec.local_experts(),
+            spec.ranks * spec.max_tokens,
+        );
         let x = required(a.tokens, "inputs->tokens")?;
         x.dtype_is(&[NCCL_BFLOAT16])?;
         x.shape_is(&[n, h])?;
-        for (t, name) in [(&a.topk_weights, "inputs->topk_weights"), (&a.scales, "inputs->scales")] {
+        for (t, name) in [
+            (&a.topk_weights, "inputs->topk_weights"),
+            (&a.scales, "inputs->scales"),
+        ] {
             if t.is_some() {
                 return Err(CapiError::usage(format!(
                     "{name}: LL EXPERT_MAJOR dispatch takes no such input (weights go to ncclEpCombine)"
@@ -227,19 +246,23 @@ impl Handle {
             (&a.out_idx, "outputs->topk_idx"),
         ] {
             if t.is_some() {
-                return Err(CapiError::usage(format!("{name}: LL EXPERT_MAJOR writes no such output")));
+                return Err(CapiError::usage(format!(
+                    "{name}: LL EXPERT_MAJOR writes no such output"
+                )));
             }
         }
-        let li = a
-            .layout
-            .ok_or_else(|| CapiError::arg("layout_info is NULL: LL EXPERT_MAJOR writes its counts to expert_counters"))?;
+        let li = a.layout.ok_or_else(|| {
+            CapiError::arg("layout_info is NULL: LL EXPERT_MAJOR writes its counts to expert_counters")
+        })?;
         for (t, name) in [
             (&li.src_rank_counters, "layout_info->src_rank_counters"),
             (&li.expert_offsets, "layout_info->expert_offsets"),
             (&li.recv_total_counter, "layout_info->recv_total_counter"),
         ] {
             if t.is_some() {
-                return Err(CapiError::usage(format!("{name}: LL EXPERT_MAJOR writes no such counter")));
+                return Err(CapiError::usage(format!(
+                    "{name}: LL EXPERT_MAJOR writes no such counter"
+                )));
             }
         }
         let counters = required(li.expert_counters, "layout_info->expert_counters")?;
@@ -250,13 +273,20 @@ impl Handle {
             recv_count: Some(dev(&counters)),
             ..LlDispatchOut::default()
         };
-        let half = if c.send_only != 0 { LlHalf::Send } else { LlHalf::Both };
+        let half = if c.send_only != 0 {
+            LlHalf::Send
+        } else {
+            LlHalf::Both
+        };
         let input = LlDispatchIn {
             x: mem(&x),
             num_tokens: n,
             topk_idx: mem(&routing),
         };
-        let r = self.ep.ll_dispatch(input, half, output, stream).map_err(CapiError::from);
+        let r = self
+            .ep
+            .ll_dispatch(input, half, output, stream)
+            .map_err(CapiError::from);
         let d = self.group.note(r)?;
         self.dispatched = Some(d.handle);
         if half == LlHalf::Send {
@@ -285,15 +315,28 @@ impl Handle {
             .dispatched
             .clone()
             .ok_or_else(|| CapiError::usage("ncclEpCombine: the handle has dispatched nothing to combine"))?;
-        let routing = self.routing.clone().ok_or_else(|| CapiError::internal("a dispatched handle lost its routing"))?;
+        let routing = self
+            .routing
+            .clone()
+            .ok_or_else(|| CapiError::internal("a dispatched handle lost its routing"))?;
         let spec = &self.group.spec;
-        let (n, h, l, rt) = (routing.sizes[0], spec.hidden, spec.local_experts(), spec.ranks * spec.max_tokens);
+        let (n, h, l, rt) = (
+            routing.sizes[0],
+            spec.hidden,
+            spec.local_experts(),
+            spec.ranks * spec.max_tokens,
+        );
         let y = required(a.tokens, "inputs->tokens")?;
         y.dtype_is(&[NCCL_BFLOAT16])?;
         y.shape_is(&[l, rt, h])?;
-        for (t, name) in [(&a.topk_weights, "inputs->topk_weights"), (&a.scales, "inputs->scales")] {
+        for (t, name) in [
+            (&a.topk_weights, "inputs->topk_weights"),
+            (&a.scales, "inputs->scales"),
+        ] {
             if t.is_some() {
-                return Err(CapiError::usage(format!("{name}: LL combine takes no such input")));
+                return Err(CapiError::usage(format!(
+                    "{name}: LL combine takes no such input"
+                )));
             }
         }
         let out = required(a.out_tokens, "outputs->tokens")?;
@@ -309,7 +352,11 @@ impl Handle {
             topk_idx: mem(&routing),
             topk_weights: mem(&w),
         };
-        let half = if c.send_only != 0 { LlHalf::Send } else { LlHalf::Both };
+        let half = if c.send_only != 0 {
+            LlHalf::Send
+        } else {
+            LlHalf::Both
+        };
         let combined = dev(&out);
         let r = self
             .ep
@@ -328,26 +375,33 @@ impl Handle {
 
     /// `ncclEpComplete`: the receive half of the last send_only operation.
     pub fn complete(&mut self, stream: Stream) -> CResult<()> {
-        let pending = self
-            .pending
-            .take()
-            .ok_or_else(|| CapiError::usage("ncclEpComplete: no send_only dispatch or combine waits on this handle"))?;
+        let pending = self.pending.take().ok_or_else(|| {
+            CapiError::usage("ncclEpComplete: no send_only dispatch or combine waits on this handle")
+        })?;
         let dispatched = self
             .dispatched
             .clone()
             .ok_or_else(|| CapiError::internal("a pending operation without its dispatch"))?;
         let r = match pending {
             Pending::Dispatch(out) => self.ep.ll_dispatch_recv(&dispatched, out, stream),
-            Pending::Combine { idx, weights, combined } => {
+            Pending::Combine {
+                idx,
+                weights,
+                combined,
+            } => {
                 let input = LlCombineIn {
                     y: Mem::Device { ptr: 0, bytes: 0 },
-                    topk_idx: Mem::Device { ptr: idx.0, bytes: idx.1 },
+                    topk_idx: Mem::Device {
+                        ptr: idx.0,
+                        bytes: idx.1,
+                    },
                     topk_weights: Mem::Device {
                         ptr: weights.0,
                         bytes: weights.1,
                     },
                 };
-                self.ep.ll_combine_recv(input, &dispatched, Some(combined), stream)
+                self.ep
+                    .ll_combine_recv(input, &dispatched, Some(combined), stream)
             }
         };
         self.group.note(r.map_err(CapiError::from))

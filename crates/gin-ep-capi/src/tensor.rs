@@ -88,7 +88,11 @@ impl Desc {
     /// Refuses a shape of another rank or with a dimension other than `want` where given.
     pub fn shape_like(&self, want: &[Option<usize>]) -> CResult<()> {
         let fits = self.sizes.len() == want.len()
-            && self.sizes.iter().zip(want).all(|(s, w)| w.is_none_or(|w| *s == w));
+            && self
+                .sizes
+                .iter()
+                .zip(want)
+                .all(|(s, w)| w.is_none_or(|w| *s == w));
         if fits {
             return Ok(());
         }
@@ -132,9 +136,17 @@ mod tests {
     #[test]
     fn wrong_shape_and_dtype_are_named() {
         let e = t(&[2, 8], NCCL_BFLOAT16).shape_is(&[2, 16]).unwrap_err();
-        assert!(e.msg.contains("outputs->tokens->sizes = [2, 8]") && e.msg.contains("[2, 16]"), "{}", e.msg);
+        assert!(
+            e.msg.contains("outputs->tokens->sizes = [2, 8]") && e.msg.contains("[2, 16]"),
+            "{}",
+            e.msg
+        );
         let e = t(&[2, 8], 6).dtype_is(&[NCCL_BFLOAT16]).unwrap_err();
-        assert!(e.msg.contains("ncclFloat16") && e.msg.contains("ncclBfloat16"), "{}", e.msg);
+        assert!(
+            e.msg.contains("ncclFloat16") && e.msg.contains("ncclBfloat16"),
+            "{}",
+            e.msg
+        );
         assert_eq!(e.code, crate::abi::NCCL_INVALID_USAGE);
         t(&[5, 8], NCCL_BFLOAT16).shape_like(&[None, Some(8)]).unwrap();
         assert!(t(&[5, 9], NCCL_BFLOAT16).shape_like(&[None, Some(8)]).is_err());
