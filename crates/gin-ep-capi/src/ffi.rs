@@ -19,7 +19,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use gin_ep::ep::Stream;
+use gin_ep::ep::{EpOptions, GpuRank, Stream};
 use gin_ep::{Ep, EpConfig};
 
 use crate::abi::*;
@@ -220,10 +220,25 @@ fn comm_shape(comm: *mut c_void) -> CResult<(usize, usize)> {
     Ok((count as usize, rank as usize))
 }
 
-/// Makes gin-ep's engine for `cfg` on the caller's communicator (collective).
-fn open_engine(_comm: usize, cfg: &EpConfig, _spec: &GroupSpec) -> CResult<Ep> {
+/// This process's rank of the caller's communicator (collective over `comm`).
+fn open_rank(_comm: *mut c_void, spec: &GroupSpec) -> CResult<GpuRank> {
     Err(CapiError::usage(format!(
-        "this build of gin-ep cannot make an engine on a caller's ncclComm_t yet (ranks = {}, experts = {}, \
+        "comm: this build of gin-ep cannot borrow a caller's ncclComm_t yet (rank {} of {})",
+        spec.rank, spec.ranks
+    )))
+}
+
+/// gin-ep's engine for `cfg` on the group's rank (collective): LL buffers only, the group's
+/// deadline.
+fn open_engine(_rank: &GpuRank, cfg: &EpConfig, spec: &GroupSpec) -> CResult<Ep> {
+    let _opts = EpOptions {
+        ht: false,
+        ll: true,
+        timeout: spec.timeout,
+        ..EpOptions::default()
+    };
+    Err(CapiError::usage(format!(
+        "this build of gin-ep cannot make an engine on a borrowed communicator yet (ranks = {}, experts = {}, \
          hidden = {}, topk = {})",
         cfg.ranks, cfg.experts, cfg.hidden, cfg.topk
     )))
@@ -329,7 +344,8 @@ pub extern "C" fn ncclEpCreateGroup(
         }
         let (ranks, rank) = comm_shape(comm)?;
         let spec = GroupSpec::new(&cfg, ranks, rank)?;
-        let g = Group::new(spec.clone(), comm as usize, open_engine);
+        let rank = open_rank(comm, &spec)?;
+        let g = Group::new(spec.clone(), rank, open_engine);
         // A group config that names its top-k makes the engine now.
         if let Some(k) = spec.num_topk {
             g.engine(k, gin_ep::DispatchDtype::Bf16)?;

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use gin_ep::ep::GpuRank;
 use gin_ep::{DispatchDtype, Ep, EpConfig};
 
 use crate::abi::{self, GroupConfig};
@@ -164,15 +165,14 @@ impl GroupSpec {
     }
 }
 
-/// How the group gets an engine on the caller's communicator. The CUDA build borrows the
-/// communicator ([`crate::engine`]); tests substitute their own.
-pub type OpenEngine = fn(comm: usize, cfg: &EpConfig, spec: &GroupSpec) -> CResult<Ep>;
+/// How the group makes an engine on its rank (collective): [`crate::ffi`] gives gin-ep's.
+pub type OpenEngine = fn(rank: &GpuRank, cfg: &EpConfig, spec: &GroupSpec) -> CResult<Ep>;
 
 /// An `ncclEpGroup_t`.
 pub struct Group {
     pub spec: GroupSpec,
-    /// The caller's `ncclComm_t` (borrowed; it outlives the group).
-    pub comm: usize,
+    /// This process's rank of the caller's communicator (borrowed; it outlives the group).
+    rank: GpuRank,
     open: OpenEngine,
     engines: Mutex<Vec<((usize, DispatchDtype), Ep)>>,
     /// Set by an operation that failed on a peer or a kernel; read by ncclEpGetAsyncError.
@@ -180,10 +180,10 @@ pub struct Group {
 }
 
 impl Group {
-    pub fn new(spec: GroupSpec, comm: usize, open: OpenEngine) -> Group {
+    pub fn new(spec: GroupSpec, rank: GpuRank, open: OpenEngine) -> Group {
         Group {
             spec,
-            comm,
+            rank,
             open,
             engines: Mutex::new(Vec::new()),
             async_error: AtomicBool::new(false),
@@ -200,7 +200,7 @@ impl Group {
             return Ok(ep.clone());
         }
         let cfg = self.spec.ep_config(topk, dtype)?;
-        let ep = self.note((self.open)(self.comm, &cfg, &self.spec))?;
+        let ep = self.note((self.open)(&self.rank, &cfg, &self.spec))?;
         engines.push(((topk, dtype), ep.clone()));
         Ok(ep)
     }

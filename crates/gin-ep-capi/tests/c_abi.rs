@@ -115,6 +115,36 @@ fn cpp_program_checks_sizes_and_failing_calls() {
     );
 }
 
+/// The GPU programs (scripts/capi-gpu runs them) compile against the header here too, with
+/// the stub toolkit headers: they cannot drift from the ABI unnoticed.
+#[test]
+fn gpu_programs_compile_against_the_header() {
+    if !tool("cc") {
+        eprintln!("SKIPPED: cc is not installed; the GPU programs were not compiled");
+        return;
+    }
+    let c = crate_dir();
+    let root = c.parent().and_then(Path::parent).expect("repository root");
+    for src in [
+        c.join("tests/gpu/ll_expert_major.c"),
+        root.join("examples/c/ll_roundtrip.c"),
+    ] {
+        let status = Command::new("cc")
+            .args(["-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", "-I"])
+            .arg(c.join("include"))
+            .arg("-I")
+            .arg(c.join("tests/c/stub"))
+            .arg(&src)
+            .status()
+            .expect("run the compiler");
+        assert!(
+            status.success(),
+            "{} does not compile against the header",
+            src.display()
+        );
+    }
+}
+
 #[test]
 fn exports_exactly_the_api_and_the_soname() {
     if !tool("nm") || !tool("readelf") {

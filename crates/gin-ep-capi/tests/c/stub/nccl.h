@@ -1,5 +1,6 @@
-/* The few NCCL and CUDA runtime types nccl_ep.h names, for compiling the C ABI tests on a
- * machine with neither toolkit. Values are NCCL's (nccl.h of 2.27 and later). */
+/* The few NCCL and CUDA runtime declarations nccl_ep.h and the GPU programs use, for
+ * compiling them on a machine with neither toolkit (the GPU programs only to check that they
+ * compile). Values are NCCL's (nccl.h of 2.27 and later). */
 #ifndef GIN_EP_TEST_STUB_NCCL_H_
 #define GIN_EP_TEST_STUB_NCCL_H_
 
@@ -34,5 +35,12 @@ typedef enum {
     ncclFloat8e4m3 = 10,
     ncclFloat8e5m2 = 11
 } ncclDataType_t;
+
+typedef struct {
+    char internal[128];
+} ncclUniqueId;
+ncclResult_t ncclGetUniqueId(ncclUniqueId* id);
+ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank);
+ncclResult_t ncclCommDestroy(ncclComm_t comm);
 
 #endif

@@ -1,0 +1,270 @@
+/* LL EXPERT_MAJOR through gin-ep's C API on a GPU: dispatch and combine of a routing every
+ * rank can recompute, compared with the values this program expects (exact: every value is
+ * a small integer or a quarter, exact in BF16), in both the one-call and the send_only +
+ * ncclEpComplete forms.
+ *
+ *   ll_expert_major <rank> <world> <id-file>
+ * Rank 0 writes the NCCL unique id to <id-file>; the others wait for it (60 s). World 1 needs
+ * no file. scripts/capi-gpu builds and runs it (1 GPU; 2 processes on it as virtual nodes). */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include "nccl_ep.h"
+
+#define TOKENS 32 /* max_dispatch_tokens_per_rank; every rank sends them all */
+#define HIDDEN 256
+#define TOPK 2
+#define EXPERTS_PER_RANK 4
+
+static int g_rank = 0;
+
+#define CHECK_CUDA(x)                                                                        \
+    do {                                                                                     \
+        cudaError_t e_ = (x);                                                                \
+        if (e_ != cudaSuccess) {                                                             \
+            fprintf(stderr, "rank %d: %s failed: %s\n", g_rank, #x, cudaGetErrorString(e_)); \
+            exit(1);                                                                         \
+        }                                                                                    \
+    } while (0)
+#define CHECK_NCCL(x)                                                                    \
+    do {                                                                                 \
+        ncclResult_t r_ = (x);                                                           \
+        if (r_ != ncclSuccess) {                                                         \
+            fprintf(stderr, "rank %d: %s returned %d: %s\n", g_rank, #x, (int)r_,        \
+                    ncclEpGetLastError());                                               \
+            exit(1);                                                                     \
+        }                                                                                \
+    } while (0)
+
+static uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)(u >> 16); /* exact for the values used here */
+}
+static float from_bf16(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Token t of rank r, channel c: an integer in [-48, 48]. */
+static float value(int r, int t, int c) { return (float)((r * 37 + t * 5 + c) % 97) - 48.0f; }
+
+/* The experts of token t of rank r: distinct, spread over every rank. */
+static int64_t expert(int r, int t, int k, int experts) {
+    int e0 = (r * 3 + t) % experts;
+    if (k == 0) return e0;
+    return (e0 + 1 + (t % (experts - 1))) % experts;
+}
+static const float kWeights[TOPK] = {0.5f, 0.25f};
+
+static void exchange_id(ncclUniqueId* id, int rank, const char* path) {
+    if (rank == 0) {
+        CHECK_NCCL(ncclGetUniqueId(id));
+        char tmp[4096];
+        snprintf(tmp, sizeof tmp, "%s.tmp", path);
+        FILE* f = fopen(tmp, "wb");
+        if (!f || fwrite(id, sizeof *id, 1, f) != 1 || fclose(f) != 0 || rename(tmp, path) != 0) {
+            fprintf(stderr, "rank 0: cannot write %s\n", path);
+            exit(1);
+        }
+        return;
+    }
+    for (int waited = 0; waited < 600; waited++) { /* 60 s */
+        FILE* f = fopen(path, "rb");
+        if (f) {
+            size_t n = fread(id, sizeof *id, 1, f);
+            fclose(f);
+            if (n == 1) return;
+        }
+        usleep(100000);
+    }
+    fprintf(stderr, "rank %d: no unique id in %s after 60 s\n", rank, path);
+    exit(1);
+}
+
+static ncclEpTensor_t tensor(void* data, ncclDataType_t dt, unsigned ndim, size_t* sizes) {
+    ncclEpTensor_t t = NCCL_EP_TENSOR_INIT;
+    t.ndim = ndim;
+    t.datatype = dt;
+    t.data = data;
+    t.sizes = sizes;
+    return t;
+}
+
+int main(int argc, char** argv) {
+    if (argc < 3) {
+        fprintf(stderr, "usage: %s <rank> <world> [id-file]\n", argv[0]);
+        return 2;
+    }
+    int rank = atoi(argv[1]), world = atoi(argv[2]);
+    g_rank = rank;
+    const int experts = EXPERTS_PER_RANK * world, L = EXPERTS_PER_RANK, RT = world * TOKENS;
+    CHECK_CUDA(cudaSetDevice(0));
+
+    ncclUniqueId id;
+    if (world == 1) {
+        CHECK_NCCL(ncclGetUniqueId(&id));
+    } else {
+        if (argc < 4) {
+            fprintf(stderr, "world %d needs an id file\n", world);
+            return 2;
+        }
+        exchange_id(&id, rank, argv[3]);
+    }
+    ncclComm_t comm;
+    CHECK_NCCL(ncclCommInitRank(&comm, world, id, rank));
+
+    ncclEpGroupConfig_t cfg = NCCL_EP_GROUP_CONFIG_INIT;
+    cfg.algorithm = NCCL_EP_ALGO_LOW_LATENCY;
+    cfg.num_experts = (unsigned)experts;
+    cfg.max_dispatch_tokens_per_rank = TOKENS;
+    cfg.max_recv_tokens_per_rank = NCCL_EP_AUTO;
+    cfg.max_token_bytes = HIDDEN * 2;
+    cfg.timeout_ns = 30ull * 1000 * 1000 * 1000;
+    ncclEpGroup_t group;
+    CHECK_NCCL(ncclEpCreateGroup(&group, comm, &cfg));
+
+    /* Inputs. */
+    size_t n_x = (size_t)TOKENS * HIDDEN, n_recv = (size_t)L * RT * HIDDEN;
+    uint16_t* hx = malloc(n_x * 2);
+    int64_t* hidx = malloc(sizeof(int64_t) * TOKENS * TOPK);
+    float* hw = malloc(sizeof(float) * TOKENS * TOPK);
+    for (int t = 0; t < TOKENS; t++) {
+        for (int c = 0; c < HIDDEN; c++) hx[t * HIDDEN + c] = to_bf16(value(rank, t, c));
+        for (int k = 0; k < TOPK; k++) {
+            hidx[t * TOPK + k] = expert(rank, t, k, experts);
+            hw[t * TOPK + k] = kWeights[k];
+        }
+    }
+    void *dx, *didx, *dw, *drecv, *dcount, *dout;
+    CHECK_CUDA(cudaMalloc(&dx, n_x * 2));
+    CHECK_CUDA(cudaMalloc(&didx, sizeof(int64_t) * TOKENS * TOPK));
+    CHECK_CUDA(cudaMalloc(&dw, sizeof(float) * TOKENS * TOPK));
+    CHECK_CUDA(cudaMalloc(&drecv, n_recv * 2));
+    CHECK_CUDA(cudaMalloc(&dcount, sizeof(int32_t) * L));
+    CHECK_CUDA(cudaMalloc(&dout, n_x * 2));
+    CHECK_CUDA(cudaMemcpy(dx, hx, n_x * 2, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(didx, hidx, sizeof(int64_t) * TOKENS * TOPK, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(dw, hw, sizeof(float) * TOKENS * TOPK, cudaMemcpyHostToDevice));
+    cudaStream_t stream;
+    CHECK_CUDA(cudaStreamCreate(&stream));
+
+    size_t s_x[2] = {TOKENS, HIDDEN}, s_idx[2] = {TOKENS, TOPK}, s_recv[3] = {(size_t)L, (size_t)RT, HIDDEN},
+           s_count[1] = {(size_t)L};
+    ncclEpTensor_t t_x = tensor(dx, ncclBfloat16, 2, s_x), t_idx = tensor(didx, ncclInt64, 2, s_idx),
+                   t_w = tensor(dw, ncclFloat32, 2, s_idx), t_recv = tensor(drecv, ncclBfloat16, 3, s_recv),
+                   t_count = tensor(dcount, ncclInt32, 1, s_count), t_out = tensor(dout, ncclBfloat16, 2, s_x);
+
+    ncclEpHandle_t handle;
+    CHECK_NCCL(ncclEpCreateHandle(&handle, group, NCCL_EP_LAYOUT_EXPERT_MAJOR, &t_idx, NULL, NULL, stream));
+
+    /* What this rank's local experts receive: every (source rank, token, k) routed here. */
+    int expect_count[EXPERTS_PER_RANK] = {0};
+    for (int s = 0; s < world; s++)
+        for (int t = 0; t < TOKENS; t++)
+            for (int k = 0; k < TOPK; k++) {
+                int64_t e = expert(s, t, k, experts);
+                if (e / L == rank) expect_count[e % L]++;
+            }
+
+    uint16_t* hrecv = malloc(n_recv * 2);
+    uint16_t* hout = malloc(n_x * 2);
+    char* used = malloc((size_t)RT);
+    int failures = 0;
+    for (int pass = 0; pass < 4; pass++) {
+        int split = pass % 2; /* odd passes: send_only + ncclEpComplete */
+        CHECK_CUDA(cudaMemsetAsync(drecv, 0xFF, n_recv * 2, stream));
+        CHECK_CUDA(cudaMemsetAsync(dout, 0xFF, n_x * 2, stream));
+        ncclEpDispatchInputs_t din = NCCL_EP_DISPATCH_INPUTS_INIT;
+        din.tokens = &t_x;
+        ncclEpDispatchOutputs_t dout_s = NCCL_EP_DISPATCH_OUTPUTS_INIT;
+        dout_s.tokens = &t_recv;
+        ncclEpLayoutInfo_t li = NCCL_EP_LAYOUT_INFO_INIT;
+        li.expert_counters = &t_count;
+        ncclEpDispatchConfig_t dcfg = NCCL_EP_DISPATCH_CONFIG_INIT;
+        dcfg.send_only = (unsigned)split;
+        if (pass > 0) CHECK_NCCL(ncclEpUpdateHandle(handle, &t_idx, NULL, stream));
+        CHECK_NCCL(ncclEpDispatch(handle, &din, &dout_s, &li, &dcfg, stream));
+        if (split) CHECK_NCCL(ncclEpComplete(handle, NULL, stream));
+
+        /* Expert = identity: combine the received rows as they are. */
+        ncclEpCombineInputs_t cin = NCCL_EP_COMBINE_INPUTS_INIT;
+        cin.tokens = &t_recv;
+        ncclEpCombineOutputs_t cout = NCCL_EP_COMBINE_OUTPUTS_INIT;
+        cout.tokens = &t_out;
+        cout.topk_weights = &t_w;
+        ncclEpCombineConfig_t ccfg = NCCL_EP_COMBINE_CONFIG_INIT;
+        ccfg.send_only = (unsigned)split;
+        /* Combine reads the received rows, which this rank checks first. */
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        int32_t hcount[EXPERTS_PER_RANK];
+        CHECK_CUDA(cudaMemcpy(hcount, dcount, sizeof hcount, cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemcpy(hrecv, drecv, n_recv * 2, cudaMemcpyDeviceToHost));
+        for (int e = 0; e < L; e++) {
+            if (hcount[e] != expect_count[e]) {
+                fprintf(stderr, "rank %d pass %d: expert %d received %d rows, expected %d\n", rank, pass, e,
+                        hcount[e], expect_count[e]);
+                failures++;
+                continue;
+            }
+            /* Every expected row appears exactly once among the received ones (any order). */
+            memset(used, 0, (size_t)RT);
+            for (int s = 0; s < world; s++)
+                for (int t = 0; t < TOKENS; t++)
+                    for (int k = 0; k < TOPK; k++) {
+                        if (expert(s, t, k, experts) != (int64_t)rank * L + e) continue;
+                        int found = 0;
+                        for (int j = 0; j < hcount[e] && !found; j++) {
+                            if (used[j]) continue;
+                            const uint16_t* row = hrecv + ((size_t)e * RT + j) * HIDDEN;
+                            int same = 1;
+                            for (int c = 0; c < HIDDEN && same; c++) same = from_bf16(row[c]) == value(s, t, c);
+                            if (same) used[j] = found = 1;
+                        }
+                        if (!found) {
+                            fprintf(stderr, "rank %d pass %d: expert %d lacks token %d of rank %d\n", rank, pass,
+                                    e, t, s);
+                            failures++;
+                        }
+                    }
+        }
+        CHECK_NCCL(ncclEpCombine(handle, &cin, &cout, &ccfg, stream));
+        if (split) CHECK_NCCL(ncclEpComplete(handle, NULL, stream));
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        CHECK_CUDA(cudaMemcpy(hout, dout, n_x * 2, cudaMemcpyDeviceToHost));
+        for (int t = 0; t < TOKENS; t++)
+            for (int c = 0; c < HIDDEN; c++) {
+                float want = (kWeights[0] + kWeights[1]) * value(rank, t, c);
+                float got = from_bf16(hout[t * HIDDEN + c]);
+                if (got != want) {
+                    if (failures < 20)
+                        fprintf(stderr, "rank %d pass %d: combined[%d][%d] = %g, expected %g\n", rank, pass, t, c,
+                                got, want);
+                    failures++;
+                }
+            }
+    }
+    int async_error = -1;
+    CHECK_NCCL(ncclEpGetAsyncError(group, &async_error));
+    if (async_error != 0) {
+        fprintf(stderr, "rank %d: async error flag %d after a clean run\n", rank, async_error);
+        failures++;
+    }
+
+    CHECK_NCCL(ncclEpHandleDestroy(handle));
+    CHECK_NCCL(ncclEpGroupDestroy(group));
+    CHECK_CUDA(cudaStreamDestroy(stream));
+    ncclCommDestroy(comm);
+    printf("rank %d of %d: LL EXPERT_MAJOR dispatch/combine (one call and send_only + complete): %s\n", rank,
+           world, failures ? "FAILED" : "passed");
+    return failures ? 1 : 0;
+}
