@@ -167,7 +167,7 @@ typedef struct {
     unsigned int num_qp_per_rank;           /* AUTO */
     unsigned int num_channels;              /* AUTO */
     unsigned int max_num_sms;               /* AUTO: the algorithm's default */
-    ncclEpAllocConfig_t alloc;
+    ncclEpAllocConfig_t alloc;              /* gin-ep: accepted, not called (NCCL allocates its windows) */
     unsigned int enable_mask;               /* LL: a rank that misses its deadline is masked */
     uint64_t timeout_ns;                    /* deadline of every wait on a peer; 0: 100 s */
     /* V2 */

@@ -235,6 +235,7 @@ fn open_engine(_rank: &GpuRank, cfg: &EpConfig, spec: &GroupSpec) -> CResult<Ep>
         ht: false,
         ll: true,
         timeout: spec.timeout,
+        ll_grid: spec.max_sms,
         ..EpOptions::default()
     };
     Err(CapiError::usage(format!(

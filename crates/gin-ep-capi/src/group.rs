@@ -42,6 +42,8 @@ pub struct GroupSpec {
     pub timeout: Duration,
     /// Set in the V2 config: the only top-k handles may use.
     pub num_topk: Option<usize>,
+    /// `max_num_sms`: CTAs of each LL kernel (None: gin-ep's default, every SM).
+    pub max_sms: Option<u32>,
 }
 
 /// The default deadline when `timeout_ns` is 0.
@@ -96,11 +98,10 @@ impl GroupSpec {
                 c.enable_mask
             )));
         }
-        if !c.alloc.alloc_fn.is_null() || !c.alloc.free_fn.is_null() {
-            return Err(CapiError::usage(
-                "config->alloc: gin-ep allocates its windows through NCCL (ncclMemAlloc) and takes no custom allocator",
-            ));
-        }
+        // Accepted and not used (docs/c-api.md): a custom allocator (`config->alloc`; gin-ep's
+        // device memory is NCCL window memory, which NCCL allocates), and the transport's
+        // `num_qp_per_rank` / `num_channels` (gin-ep's transport is NCCL's GIN, which sizes
+        // its own).
         if c.rdma_buffer_size != 0 {
             return Err(CapiError::usage(format!(
                 "config->rdma_buffer_size = {}: gin-ep sizes its buffers itself; pass NCCL_EP_AUTO",
@@ -134,6 +135,7 @@ impl GroupSpec {
             max_recv,
             timeout,
             num_topk: (c.num_topk != 0).then_some(c.num_topk as usize),
+            max_sms: (c.max_num_sms != 0).then_some(c.max_num_sms),
         };
         // The shape checks gin-ep makes of every config, at a stand-in top-k of 1.
         spec.ep_config(spec.num_topk.unwrap_or(1), DispatchDtype::Bf16)?;
