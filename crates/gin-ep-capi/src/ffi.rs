@@ -19,7 +19,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use gin_ep::ep::{EpOptions, GpuRank, Stream};
+use gin_ep::ep::{EpOptions, GpuRank, GpuRankOptions, RankTopology, Stream};
 use gin_ep::{Ep, EpConfig};
 
 use crate::abi::*;
@@ -221,28 +221,30 @@ fn comm_shape(comm: *mut c_void) -> CResult<(usize, usize)> {
 }
 
 /// This process's rank of the caller's communicator (collective over `comm`).
-fn open_rank(_comm: *mut c_void, spec: &GroupSpec) -> CResult<GpuRank> {
-    Err(CapiError::usage(format!(
-        "comm: this build of gin-ep cannot borrow a caller's ncclComm_t yet (rank {} of {})",
-        spec.rank, spec.ranks
-    )))
+fn open_rank(comm: *mut c_void, spec: &GroupSpec) -> CResult<GpuRank> {
+    let opts = GpuRankOptions {
+        timeout: spec.timeout,
+        ..GpuRankOptions::default()
+    };
+    // SAFETY: `comm` is a live communicator of the libnccl.so.2 this process loaded, and the
+    // caller destroys it only after the group and its handles (ncclEpCreateGroup's contract,
+    // docs/c-api.md); the group's engines hold the rank, so it lives as long as they do.
+    Ok(unsafe { GpuRank::from_comm(comm, opts) }?)
 }
 
 /// gin-ep's engine for `cfg` on the group's rank (collective): LL buffers only, the group's
-/// deadline.
-fn open_engine(_rank: &GpuRank, cfg: &EpConfig, spec: &GroupSpec) -> CResult<Ep> {
-    let _opts = EpOptions {
+/// deadline and grid, and the launch's node topology (`GIN_EP_VNODES`, `GIN_EP_NODE_SIZE`:
+/// an NCCL EP program does not know gin-ep's topology, so the launcher's environment says it).
+fn open_engine(rank: &GpuRank, cfg: &EpConfig, spec: &GroupSpec) -> CResult<Ep> {
+    let opts = EpOptions {
         ht: false,
         ll: true,
         timeout: spec.timeout,
         ll_grid: spec.max_sms,
+        topology: RankTopology::from_env()?,
         ..EpOptions::default()
     };
-    Err(CapiError::usage(format!(
-        "this build of gin-ep cannot make an engine on a borrowed communicator yet (ranks = {}, experts = {}, \
-         hidden = {}, topk = {})",
-        cfg.ranks, cfg.experts, cfg.hidden, cfg.topk
-    )))
+    Ok(Ep::on_rank(rank, cfg, &opts)?)
 }
 
 // ---------------------------------------------------------------- the entry points
