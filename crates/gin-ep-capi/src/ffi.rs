@@ -23,7 +23,7 @@ use gin_ep::ep::{EpOptions, GpuRank, GpuRankOptions, RankTopology, Stream};
 use gin_ep::{Ep, EpConfig};
 
 use crate::abi::*;
-use crate::group::{Group, GroupSpec};
+use crate::group::{Algo, Group, GroupSpec};
 use crate::handle::{CombineArgs, DispatchArgs, Handle, LayoutDescs};
 use crate::status::{self, CResult, CapiError};
 use crate::tensor::Desc;
@@ -232,18 +232,24 @@ fn open_rank(comm: *mut c_void, spec: &GroupSpec) -> CResult<GpuRank> {
     Ok(unsafe { GpuRank::from_comm(comm, opts) }?)
 }
 
-/// gin-ep's engine for `cfg` on the group's rank (collective): LL buffers only, the group's
-/// deadline and grid, and the launch's node topology (`GIN_EP_VNODES`, `GIN_EP_NODE_SIZE`:
+/// gin-ep's engine for `cfg` on the group's rank (collective): the buffers of the group's
+/// mode only (HT with exact sizing: counts known when the dispatch returns), its deadline and
+/// CTAs, and the launch's node topology (`GIN_EP_VNODES`, `GIN_EP_NODE_SIZE`:
 /// an NCCL EP program does not know gin-ep's topology, so the launcher's environment says it).
 fn open_engine(rank: &GpuRank, cfg: &EpConfig, spec: &GroupSpec) -> CResult<Ep> {
-    let opts = EpOptions {
-        ht: false,
-        ll: true,
+    let ht = spec.algo == Algo::Ht;
+    let mut opts = EpOptions {
+        ht,
+        ll: !ht,
         timeout: spec.timeout,
-        ll_grid: spec.max_sms,
         topology: RankTopology::from_env()?,
         ..EpOptions::default()
     };
+    match (ht, spec.max_sms) {
+        (true, Some(sms)) => opts.ht_sms = sms,
+        (false, sms) => opts.ll_grid = sms,
+        (true, None) => {}
+    }
     Ok(Ep::on_rank(rank, cfg, &opts)?)
 }
 
@@ -386,13 +392,16 @@ pub extern "C" fn ncclEpHandleMemSize(
         let g = group_ref(group, "ep_group")?;
         read(config, "config")?;
         let out = out_ptr(size_out, "size_out")?;
-        crate::handle::layout(&g.group, layout)?;
-        if num_topk <= 0 {
-            return Err(CapiError::arg(format!(
-                "num_topk = {num_topk}: LL handles need the top-k (> 0)"
-            )));
+        let l = crate::handle::layout(&g.group, layout)?;
+        match (l, num_topk) {
+            (crate::handle::Layout::LlExpertMajor, k) if k <= 0 => {
+                return Err(CapiError::arg(format!(
+                    "num_topk = {k}: LL handles need the top-k (> 0)"
+                )))
+            }
+            (_, k) if k > 0 => g.group.spec.check_topk(k as usize)?,
+            _ => {}
         }
-        g.group.spec.check_topk(num_topk as usize)?;
         // gin-ep keeps a handle's routing state in its engine's windows: a handle needs no
         // memory of the caller's.
         // SAFETY: non-NULL output pointer (checked).

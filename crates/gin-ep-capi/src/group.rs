@@ -83,7 +83,14 @@ impl GroupSpec {
             )));
         }
         let max_recv = match (algo, c.max_recv_tokens_per_rank) {
-            (Algo::Ll, _) | (Algo::Ht, 0) => None,
+            (Algo::Ll, _) => None,
+            (Algo::Ht, 0) => {
+                return Err(CapiError::usage(
+                    "config->max_recv_tokens_per_rank = NCCL_EP_AUTO with HT: query-then-allocate reads the \
+                     receive count at ncclEpUpdateHandle, and gin-ep's HT counts inside the dispatch; give the \
+                     static bound",
+                ))
+            }
             (Algo::Ht, n) if n < c.max_dispatch_tokens_per_rank => {
                 return Err(CapiError::arg(format!(
                     "config->max_recv_tokens_per_rank = {n}: below max_dispatch_tokens_per_rank = {}",
@@ -274,6 +281,15 @@ mod tests {
 
         let mut c = ll_config();
         c.algorithm = abi::ALGO_HIGH_THROUGHPUT;
+        let e = GroupSpec::new(&c, 4, 0).unwrap_err();
+        assert_eq!(e.code, abi::NCCL_INVALID_USAGE);
+        assert!(
+            e.msg.contains("max_recv_tokens_per_rank = NCCL_EP_AUTO"),
+            "{}",
+            e.msg
+        );
+        c.max_recv_tokens_per_rank = 4 * 128;
+        assert_eq!(GroupSpec::new(&c, 4, 0).unwrap().max_recv, Some(512));
         c.max_recv_tokens_per_rank = 64;
         let e = GroupSpec::new(&c, 4, 0).unwrap_err();
         assert!(e.msg.contains("max_recv_tokens_per_rank = 64"), "{}", e.msg);

@@ -7,15 +7,23 @@
 //!   the rows of expert e packed from row 0, and `expert_counters[e]` their count. Dispatch,
 //!   combine (weights from `outputs->topk_weights`, the handle's `topk_idx`), and the
 //!   `send_only` + `ncclEpComplete` halves map one to one.
-//! - LL `RANK_MAJOR`, HT (both layouts), FP8 recipes, int32 `topk_idx` and window-backed
+//! - HT `FLAT` is gin-ep's HT receive order (DeepEP's): one row per (source token, receiving
+//!   rank), with the token's `[K]` weights and local expert ids (-1 where not local). The
+//!   dispatch (layout, counts and rows in one call, exact sizing) lands in gin-ep's window and
+//!   is copied to the caller's outputs; combine reads the caller's `[slots, H]` rows. Counts
+//!   exist only after the dispatch, so handle-time counters (`ncclEpUpdateHandle`'s
+//!   `layout_info`, query-then-allocate) are refused.
+//! - LL `RANK_MAJOR`, HT `EXPERT_MAJOR`, FP8 recipes, int32 `topk_idx` and window-backed
 //!   tensors are refused with ncclInvalidUsage naming the field: gin-ep has no kernel that
 //!   writes those layouts (its LL FP8 scales are `[L, H/128, R*T]`, NCCL EP's `[L, R*T, S]`;
-//!   its HT dispatch computes the layout inside the dispatch, where NCCL EP's handle update
-//!   reports counts before it).
+//!   its HT receive order is by source, not grouped by expert).
 
 use std::sync::Arc;
 
-use gin_ep::ep::{DeviceOut, LlCombineIn, LlDispatchIn, LlDispatchOut, LlHalf, Mem, Stream};
+use gin_ep::ep::{
+    DeviceOut, HtCombineIn, HtCombineOut, HtDispatchIn, LlCombineIn, LlDispatchIn, LlDispatchOut, LlHalf,
+    Mem, Stream,
+};
 use gin_ep::{DispatchDtype, Ep};
 
 use crate::abi::{self, NCCL_BFLOAT16, NCCL_FLOAT32, NCCL_INT32, NCCL_INT64};
@@ -27,6 +35,7 @@ use crate::tensor::{required, Desc};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Layout {
     LlExpertMajor,
+    HtFlat,
 }
 
 /// Reads a layout value for a group's algorithm.
@@ -52,10 +61,12 @@ pub fn layout(group: &Group, raw: u32) -> CResult<Layout> {
             "layout = NCCL_EP_LAYOUT_RANK_MAJOR: gin-ep's LL receives expert-major only (use NCCL_EP_LAYOUT_EXPERT_MAJOR)",
         )),
         (Algo::Ll, _) => Err(CapiError::usage(format!("layout = {name}: not an LL layout"))),
-        (Algo::Ht, _) => Err(CapiError::usage(format!(
-            "layout = {name} with NCCL_EP_ALGO_HIGH_THROUGHPUT: gin-ep's C API runs LL only; its HT dispatch \
-             computes the layout inside the dispatch, so the counts ncclEpUpdateHandle reports for HT have no source"
-        ))),
+        (Algo::Ht, abi::LAYOUT_FLAT) => Ok(Layout::HtFlat),
+        (Algo::Ht, abi::LAYOUT_EXPERT_MAJOR) => Err(CapiError::usage(
+            "layout = NCCL_EP_LAYOUT_EXPERT_MAJOR with NCCL_EP_ALGO_HIGH_THROUGHPUT: gin-ep's HT receives rows \
+             in source order (use NCCL_EP_LAYOUT_FLAT)",
+        )),
+        (Algo::Ht, _) => Err(CapiError::usage(format!("layout = {name}: not an HT layout"))),
     }
 }
 
@@ -103,15 +114,18 @@ enum Pending {
 /// An `ncclEpHandle_t`.
 pub struct Handle {
     group: Arc<Group>,
-    #[allow(dead_code)] // one layout today; kept so the next one is a match arm
     layout: Layout,
-    topk: usize,
-    ep: Ep,
+    /// The handle's top-k: given at creation (LL), or by the first routing (HT with -1).
+    topk: Option<usize>,
+    /// The group's engine for this top-k (made with the top-k).
+    ep: Option<Ep>,
     /// The routing of the next dispatch: `[N, K]` int64 device memory.
     routing: Option<Desc>,
-    /// The dispatch the next combine returns.
+    /// The LL dispatch the next combine returns.
     dispatched: Option<gin_ep::ep::LlHandle>,
     pending: Option<Pending>,
+    /// The HT dispatch the next combine returns, and the rows it received.
+    ht: Option<(gin_ep::ep::HtHandle, usize)>,
 }
 
 fn dev(d: &Desc) -> DeviceOut {
@@ -129,7 +143,7 @@ fn mem<'a, T>(d: &Desc) -> Mem<'a, T> {
 }
 
 impl Handle {
-    /// `ncclEpInitHandle`: collective on first use of a top-k (the engine is made then).
+    /// `ncclEpInitHandle`: collective when it makes the group's engine for a new top-k.
     pub fn init(group: Arc<Group>, layout_raw: u32, num_topk: i32, alignment: usize) -> CResult<Handle> {
         let layout = layout(&group, layout_raw)?;
         if alignment > 1 {
@@ -137,40 +151,82 @@ impl Handle {
                 "config->dispatch_output_per_expert_alignment = {alignment}: applies to HT EXPERT_MAJOR only"
             )));
         }
-        if num_topk <= 0 {
-            return Err(CapiError::arg(format!(
-                "num_topk = {num_topk}: LL handles need the top-k (> 0)"
-            )));
-        }
-        let topk = num_topk as usize;
-        group.spec.check_topk(topk)?;
-        let ep = group.engine(topk, DispatchDtype::Bf16)?;
-        Ok(Handle {
+        let topk = match (layout, num_topk) {
+            (Layout::LlExpertMajor, k) if k <= 0 => {
+                return Err(CapiError::arg(format!(
+                    "num_topk = {k}: LL handles need the top-k (> 0)"
+                )))
+            }
+            (Layout::HtFlat, -1) => group.spec.num_topk,
+            (Layout::HtFlat, k) if k <= 0 => {
+                return Err(CapiError::arg(format!(
+                    "num_topk = {k}: HT handles take -1 or the top-k"
+                )))
+            }
+            (_, k) => Some(k as usize),
+        };
+        let mut h = Handle {
             group,
             layout,
-            topk,
-            ep,
+            topk: None,
+            ep: None,
             routing: None,
             dispatched: None,
             pending: None,
-        })
+            ht: None,
+        };
+        if let Some(k) = topk {
+            h.set_topk(k)?;
+        }
+        Ok(h)
+    }
+
+    /// Fixes the handle's top-k and takes the group's engine for it (collective on first use).
+    fn set_topk(&mut self, k: usize) -> CResult<()> {
+        self.group.spec.check_topk(k)?;
+        self.ep = Some(self.group.engine(k, DispatchDtype::Bf16)?);
+        self.topk = Some(k);
+        Ok(())
     }
 
     /// `ncclEpUpdateHandle`: the routing of the next dispatch.
     pub fn update(&mut self, topk_idx: Option<Desc>, layout: Option<LayoutDescs>) -> CResult<()> {
-        if layout.is_some() {
-            return Err(CapiError::arg(
-                "layout_info is not NULL: LL handles take it at ncclEpDispatch",
-            ));
+        if let Some(li) = layout {
+            let any = li.expert_counters.is_some()
+                || li.src_rank_counters.is_some()
+                || li.expert_offsets.is_some()
+                || li.recv_total_counter.is_some();
+            return Err(match self.layout {
+                Layout::LlExpertMajor => {
+                    CapiError::arg("layout_info is not NULL: LL handles take it at ncclEpDispatch")
+                }
+                Layout::HtFlat if any => CapiError::usage(
+                    "layout_info: gin-ep's HT counts the received rows inside the dispatch, so no counter \
+                     exists at ncclEpUpdateHandle (size outputs for max_recv_tokens_per_rank)",
+                ),
+                Layout::HtFlat => CapiError::usage(format!(
+                    "layout_info->recv_topk_idx_kind = {}: gin-ep's HT writes local expert ids (pass NULL)",
+                    li.recv_topk_idx_kind
+                )),
+            });
         }
         let idx = required(topk_idx, "topk_idx")?;
         if idx.dtype == NCCL_INT32 {
             return Err(CapiError::usage(
-                "topk_idx->datatype = ncclInt32: gin-ep's LL kernels read ncclInt64 expert ids",
+                "topk_idx->datatype = ncclInt32: gin-ep's kernels read ncclInt64 expert ids",
             ));
         }
         idx.dtype_is(&[NCCL_INT64])?;
-        idx.shape_like(&[None, Some(self.topk)])?;
+        if idx.sizes.len() != 2 {
+            return Err(CapiError::arg(format!(
+                "topk_idx->sizes = {:?}: expected [tokens, topk]",
+                idx.sizes
+            )));
+        }
+        match self.topk {
+            Some(k) => idx.shape_like(&[None, Some(k)])?,
+            None => self.set_topk(idx.sizes[1])?,
+        }
         let n = idx.sizes[0];
         if n > self.group.spec.max_tokens {
             return Err(CapiError::arg(format!(
@@ -180,6 +236,16 @@ impl Handle {
         }
         self.routing = Some(idx);
         Ok(())
+    }
+
+    /// The engine, top-k and routing of a handle that has routing.
+    fn routed(&self, what: &str) -> CResult<(Ep, usize, Desc)> {
+        match (&self.ep, self.topk, &self.routing) {
+            (Some(ep), Some(k), Some(r)) => Ok((ep.clone(), k, r.clone())),
+            _ => Err(CapiError::usage(format!(
+                "{what}: the handle has no routing (call ncclEpUpdateHandle)"
+            ))),
+        }
     }
 
     fn no_pending(&self, what: &str) -> CResult<()> {
@@ -193,6 +259,21 @@ impl Handle {
 
     /// `ncclEpDispatch`.
     pub fn dispatch(&mut self, a: DispatchArgs, stream: Stream) -> CResult<()> {
+        match self.layout {
+            Layout::LlExpertMajor => self.ll_dispatch(a, stream),
+            Layout::HtFlat => self.ht_dispatch(a, stream),
+        }
+    }
+
+    /// `ncclEpCombine`.
+    pub fn combine(&mut self, a: CombineArgs, stream: Stream) -> CResult<()> {
+        match self.layout {
+            Layout::LlExpertMajor => self.ll_combine(a, stream),
+            Layout::HtFlat => self.ht_combine(a, stream),
+        }
+    }
+
+    fn ll_dispatch(&mut self, a: DispatchArgs, stream: Stream) -> CResult<()> {
         self.no_pending("ncclEpDispatch")?;
         let c = &a.config;
         if c.quant_recipe != abi::DISP_QUANT_NONE {
@@ -214,9 +295,7 @@ impl Handle {
                 c.pass_direction
             )));
         }
-        let routing = self.routing.clone().ok_or_else(|| {
-            CapiError::usage("ncclEpDispatch: the handle has no routing (call ncclEpUpdateHandle)")
-        })?;
+        let (ep, _, routing) = self.routed("ncclEpDispatch")?;
         let spec = &self.group.spec;
         let (n, h, l, rt) = (
             routing.sizes[0],
@@ -283,8 +362,7 @@ impl Handle {
             num_tokens: n,
             topk_idx: mem(&routing),
         };
-        let r = self
-            .ep
+        let r = ep
             .ll_dispatch(input, half, output, stream)
             .map_err(CapiError::from);
         let d = self.group.note(r)?;
@@ -295,8 +373,7 @@ impl Handle {
         Ok(())
     }
 
-    /// `ncclEpCombine`.
-    pub fn combine(&mut self, a: CombineArgs, stream: Stream) -> CResult<()> {
+    fn ll_combine(&mut self, a: CombineArgs, stream: Stream) -> CResult<()> {
         self.no_pending("ncclEpCombine")?;
         let c = &a.config;
         if c.quant_recipe != abi::COMB_QUANT_NONE {
@@ -315,10 +392,7 @@ impl Handle {
             .dispatched
             .clone()
             .ok_or_else(|| CapiError::usage("ncclEpCombine: the handle has dispatched nothing to combine"))?;
-        let routing = self
-            .routing
-            .clone()
-            .ok_or_else(|| CapiError::internal("a dispatched handle lost its routing"))?;
+        let (ep, topk, routing) = self.routed("ncclEpCombine")?;
         let spec = &self.group.spec;
         let (n, h, l, rt) = (
             routing.sizes[0],
@@ -346,7 +420,7 @@ impl Handle {
             CapiError::usage("outputs->topk_weights is NULL: gin-ep's LL combine applies the routing weights [tokens, topk]")
         })?;
         w.dtype_is(&[NCCL_FLOAT32])?;
-        w.shape_is(&[n, self.topk])?;
+        w.shape_is(&[n, topk])?;
         let input = LlCombineIn {
             y: mem(&y),
             topk_idx: mem(&routing),
@@ -358,8 +432,7 @@ impl Handle {
             LlHalf::Both
         };
         let combined = dev(&out);
-        let r = self
-            .ep
+        let r = ep
             .ll_combine(input, &dispatched, half, Some(combined), stream)
             .map_err(CapiError::from);
         self.group.note(r)?;
@@ -373,6 +446,153 @@ impl Handle {
         Ok(())
     }
 
+    fn ht_dispatch(&mut self, a: DispatchArgs, stream: Stream) -> CResult<()> {
+        let c = &a.config;
+        if c.send_only != 0 {
+            return Err(CapiError::usage(format!(
+                "config->send_only = {}: HT has no send half (LL only)",
+                c.send_only
+            )));
+        }
+        if c.quant_recipe != abi::DISP_QUANT_NONE || c.round_scales != 0 {
+            return Err(CapiError::usage(format!(
+                "config->quant_recipe = {}, round_scales = {}: gin-ep's C API dispatches BF16 only",
+                c.quant_recipe, c.round_scales
+            )));
+        }
+        if c.pass_direction != abi::FWD_PASS {
+            return Err(CapiError::usage(format!(
+                "config->pass_direction = {}: gin-ep's C API runs the forward pass only",
+                c.pass_direction
+            )));
+        }
+        if a.layout.is_some() {
+            return Err(CapiError::arg("layout_info is not NULL: HT dispatch takes none"));
+        }
+        let (ep, k, routing) = self.routed("ncclEpDispatch")?;
+        let (n, h) = (routing.sizes[0], self.group.spec.hidden);
+        let x = required(a.tokens, "inputs->tokens")?;
+        x.dtype_is(&[NCCL_BFLOAT16])?;
+        x.shape_is(&[n, h])?;
+        let w = required(a.topk_weights, "inputs->topk_weights")?;
+        w.dtype_is(&[NCCL_FLOAT32])?;
+        w.shape_is(&[n, k])?;
+        if a.scales.is_some() || a.out_scales.is_some() {
+            return Err(CapiError::usage(
+                "scales: gin-ep's C API dispatches BF16 only (no scales)",
+            ));
+        }
+        let out = required(a.out_tokens, "outputs->tokens")?;
+        out.dtype_is(&[NCCL_BFLOAT16])?;
+        out.shape_like(&[None, Some(h)])?;
+        if let Some(t) = &a.out_weights {
+            t.dtype_is(&[NCCL_FLOAT32])?;
+            t.shape_like(&[Some(out.sizes[0]), Some(k)])?;
+        }
+        if let Some(t) = &a.out_idx {
+            t.dtype_is(&[NCCL_INT64])?;
+            t.shape_like(&[Some(out.sizes[0]), Some(k)])?;
+        }
+        // A new dispatch replaces the handle's previous one (its layout slot is freed).
+        self.ht = None;
+        let input = HtDispatchIn {
+            x: mem(&x),
+            fp8_scales: None,
+            num_tokens: n,
+            topk_idx: mem(&routing),
+            topk_weights: mem(&w),
+            recv_slab: 0,
+        };
+        let r = ep.ht_dispatch(input, stream).map_err(CapiError::from);
+        let (_, handle) = self.group.note(r)?;
+        let nr = handle
+            .num_recv()
+            .ok_or_else(|| CapiError::internal("HT dispatch with exact sizing returned no receive count"))?;
+        if nr > out.sizes[0] {
+            return Err(CapiError::arg(format!(
+                "outputs->tokens->sizes[0] = {}: this dispatch received {nr} rows (size the outputs for \
+                 max_recv_tokens_per_rank = {})",
+                out.sizes[0],
+                self.group.spec.max_recv.unwrap_or(0)
+            )));
+        }
+        // The received rows, weights and local expert ids, from gin-ep's window to the caller's.
+        let copies = [
+            ("recv_x", Some(&out), nr * h * 2),
+            ("recv_w", a.out_weights.as_ref(), nr * k * 4),
+            ("recv_idx", a.out_idx.as_ref(), nr * k * 8),
+        ];
+        for (which, dst, bytes) in copies {
+            if let Some(d) = dst {
+                let r = ep.ht_copy_out(which, DeviceOut { ptr: d.data, bytes }, stream);
+                self.group.note(r.map_err(CapiError::from))?;
+            }
+        }
+        self.ht = Some((handle, nr));
+        Ok(())
+    }
+
+    fn ht_combine(&mut self, a: CombineArgs, stream: Stream) -> CResult<()> {
+        let c = &a.config;
+        if c.send_only != 0 {
+            return Err(CapiError::usage(format!(
+                "config->send_only = {}: HT has no send half (LL only)",
+                c.send_only
+            )));
+        }
+        if c.quant_recipe != abi::COMB_QUANT_NONE || c.pass_direction != abi::FWD_PASS {
+            return Err(CapiError::usage(format!(
+                "config->quant_recipe = {}, pass_direction = {}: gin-ep's C API combines BF16 in the forward pass only",
+                c.quant_recipe, c.pass_direction
+            )));
+        }
+        for (t, name) in [
+            (&a.topk_weights, "inputs->topk_weights"),
+            (&a.scales, "inputs->scales"),
+            (&a.out_weights, "outputs->topk_weights"),
+        ] {
+            if t.is_some() {
+                return Err(CapiError::usage(format!(
+                    "{name}: the HT forward combine takes no such tensor"
+                )));
+            }
+        }
+        let (ep, _, _) = self.routed("ncclEpCombine")?;
+        let (handle, nr) = self
+            .ht
+            .clone()
+            .ok_or_else(|| CapiError::usage("ncclEpCombine: the handle has dispatched nothing to combine"))?;
+        let h = self.group.spec.hidden;
+        let y = required(a.tokens, "inputs->tokens")?;
+        y.dtype_is(&[NCCL_BFLOAT16])?;
+        y.shape_like(&[None, Some(h)])?;
+        if y.sizes[0] < nr {
+            return Err(CapiError::arg(format!(
+                "inputs->tokens->sizes[0] = {}: the dispatch received {nr} rows",
+                y.sizes[0]
+            )));
+        }
+        let out = required(a.out_tokens, "outputs->tokens")?;
+        out.dtype_is(&[NCCL_BFLOAT16])?;
+        out.shape_is(&[handle.num_tokens(), h])?;
+        let input = HtCombineIn {
+            x: Mem::Device {
+                ptr: y.data,
+                bytes: nr * h * 2,
+            },
+            topk_weights: None,
+            bias: [None, None],
+        };
+        let output = HtCombineOut {
+            x: Some(dev(&out)),
+            topk_weights: None,
+        };
+        let r = ep
+            .ht_combine(input, &handle, output, stream)
+            .map_err(CapiError::from);
+        self.group.note(r).map(|_| ())
+    }
+
     /// `ncclEpComplete`: the receive half of the last send_only operation.
     pub fn complete(&mut self, stream: Stream) -> CResult<()> {
         let pending = self.pending.take().ok_or_else(|| {
@@ -382,8 +602,12 @@ impl Handle {
             .dispatched
             .clone()
             .ok_or_else(|| CapiError::internal("a pending operation without its dispatch"))?;
+        let ep = self
+            .ep
+            .clone()
+            .ok_or_else(|| CapiError::internal("a pending operation without its engine"))?;
         let r = match pending {
-            Pending::Dispatch(out) => self.ep.ll_dispatch_recv(&dispatched, out, stream),
+            Pending::Dispatch(out) => ep.ll_dispatch_recv(&dispatched, out, stream),
             Pending::Combine {
                 idx,
                 weights,
@@ -400,8 +624,7 @@ impl Handle {
                         bytes: weights.1,
                     },
                 };
-                self.ep
-                    .ll_combine_recv(input, &dispatched, Some(combined), stream)
+                ep.ll_combine_recv(input, &dispatched, Some(combined), stream)
             }
         };
         self.group.note(r.map_err(CapiError::from))
