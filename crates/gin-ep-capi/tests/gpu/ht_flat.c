@@ -1,0 +1,232 @@
+/* HT FLAT through gin-ep's C API on a GPU: a dispatch and combine of a routing every rank can
+ * recompute, compared with the values this program expects (exact in BF16).
+ *
+ *   ht_flat <rank> <world> <id-file>     (as ll_expert_major; scripts/capi-gpu runs it)
+ *
+ * The receive count is not reported by gin-ep's HT (docs/c-api.md), so the program computes
+ * it: the first num_recv output rows must be, in any order, one row per (source rank, token)
+ * with an expert on this rank, carrying that token's local expert ids (-1 elsewhere). */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include "nccl_ep.h"
+
+#define TOKENS 32
+#define HIDDEN 256
+#define TOPK 2
+#define EXPERTS_PER_RANK 4
+
+static int g_rank = 0;
+
+#define CHECK_CUDA(x)                                                                        \
+    do {                                                                                     \
+        cudaError_t e_ = (x);                                                                \
+        if (e_ != cudaSuccess) {                                                             \
+            fprintf(stderr, "rank %d: %s failed: %s\n", g_rank, #x, cudaGetErrorString(e_)); \
+            exit(1);                                                                         \
+        }                                                                                    \
+    } while (0)
+#define CHECK_NCCL(x)                                                                                     \
+    do {                                                                                                  \
+        ncclResult_t r_ = (x);                                                                            \
+        if (r_ != ncclSuccess) {                                                                          \
+            fprintf(stderr, "rank %d: %s returned %d: %s\n", g_rank, #x, (int)r_, ncclEpGetLastError()); \
+            exit(1);                                                                                      \
+        }                                                                                                 \
+    } while (0)
+
+static uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)(u >> 16);
+}
+static float from_bf16(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static float value(int r, int t, int c) { return (float)((r * 37 + t * 5 + c) % 97) - 48.0f; }
+static int64_t expert(int r, int t, int k, int experts) {
+    int e0 = (r * 3 + t) % experts;
+    if (k == 0) return e0;
+    return (e0 + 1 + (t % (experts - 1))) % experts;
+}
+
+static void exchange_id(ncclUniqueId* id, int rank, const char* path) {
+    if (rank == 0) {
+        CHECK_NCCL(ncclGetUniqueId(id));
+        char tmp[4096];
+        snprintf(tmp, sizeof tmp, "%s.tmp", path);
+        FILE* f = fopen(tmp, "wb");
+        if (!f || fwrite(id, sizeof *id, 1, f) != 1 || fclose(f) != 0 || rename(tmp, path) != 0) exit(1);
+        return;
+    }
+    for (int waited = 0; waited < 600; waited++) {
+        FILE* f = fopen(path, "rb");
+        if (f) {
+            size_t n = fread(id, sizeof *id, 1, f);
+            fclose(f);
+            if (n == 1) return;
+        }
+        usleep(100000);
+    }
+    fprintf(stderr, "rank %d: no unique id in %s after 60 s\n", rank, path);
+    exit(1);
+}
+
+static ncclEpTensor_t tensor(void* data, ncclDataType_t dt, unsigned ndim, size_t* sizes) {
+    ncclEpTensor_t t = NCCL_EP_TENSOR_INIT;
+    t.ndim = ndim;
+    t.datatype = dt;
+    t.data = data;
+    t.sizes = sizes;
+    return t;
+}
+
+int main(int argc, char** argv) {
+    if (argc < 3) return 2;
+    int rank = atoi(argv[1]), world = atoi(argv[2]);
+    g_rank = rank;
+    const int experts = EXPERTS_PER_RANK * world, L = EXPERTS_PER_RANK, slots = world * TOKENS;
+    CHECK_CUDA(cudaSetDevice(0));
+    ncclUniqueId id;
+    if (world == 1) {
+        CHECK_NCCL(ncclGetUniqueId(&id));
+    } else {
+        if (argc < 4) return 2;
+        exchange_id(&id, rank, argv[3]);
+    }
+    ncclComm_t comm;
+    CHECK_NCCL(ncclCommInitRank(&comm, world, id, rank));
+
+    ncclEpGroupConfig_t cfg = NCCL_EP_GROUP_CONFIG_INIT;
+    cfg.algorithm = NCCL_EP_ALGO_HIGH_THROUGHPUT;
+    cfg.num_experts = (unsigned)experts;
+    cfg.max_dispatch_tokens_per_rank = TOKENS;
+    cfg.max_recv_tokens_per_rank = (unsigned)slots;
+    cfg.max_token_bytes = HIDDEN * 2;
+    cfg.timeout_ns = 30ull * 1000 * 1000 * 1000;
+    ncclEpGroup_t group;
+    CHECK_NCCL(ncclEpCreateGroup(&group, comm, &cfg));
+
+    static uint16_t hx[TOKENS * HIDDEN];
+    static int64_t hidx[TOKENS * TOPK];
+    static float hw[TOKENS * TOPK];
+    const float weights[TOPK] = {0.5f, 0.25f};
+    for (int t = 0; t < TOKENS; t++) {
+        for (int c = 0; c < HIDDEN; c++) hx[t * HIDDEN + c] = to_bf16(value(rank, t, c));
+        for (int k = 0; k < TOPK; k++) hidx[t * TOPK + k] = expert(rank, t, k, experts), hw[t * TOPK + k] = weights[k];
+    }
+    size_t n_recv = (size_t)slots * HIDDEN;
+    void *dx, *didx, *dw, *drecv, *drecv_idx, *drecv_w, *dout;
+    CHECK_CUDA(cudaMalloc(&dx, sizeof hx));
+    CHECK_CUDA(cudaMalloc(&didx, sizeof hidx));
+    CHECK_CUDA(cudaMalloc(&dw, sizeof hw));
+    CHECK_CUDA(cudaMalloc(&drecv, n_recv * 2));
+    CHECK_CUDA(cudaMalloc(&drecv_idx, (size_t)slots * TOPK * 8));
+    CHECK_CUDA(cudaMalloc(&drecv_w, (size_t)slots * TOPK * 4));
+    CHECK_CUDA(cudaMalloc(&dout, sizeof hx));
+    CHECK_CUDA(cudaMemcpy(dx, hx, sizeof hx, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(didx, hidx, sizeof hidx, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(dw, hw, sizeof hw, cudaMemcpyHostToDevice));
+    cudaStream_t stream;
+    CHECK_CUDA(cudaStreamCreate(&stream));
+
+    size_t s_x[2] = {TOKENS, HIDDEN}, s_k[2] = {TOKENS, TOPK}, s_recv[2] = {(size_t)slots, HIDDEN},
+           s_rk[2] = {(size_t)slots, TOPK};
+    ncclEpTensor_t t_x = tensor(dx, ncclBfloat16, 2, s_x), t_idx = tensor(didx, ncclInt64, 2, s_k),
+                   t_w = tensor(dw, ncclFloat32, 2, s_k), t_recv = tensor(drecv, ncclBfloat16, 2, s_recv),
+                   t_ridx = tensor(drecv_idx, ncclInt64, 2, s_rk), t_rw = tensor(drecv_w, ncclFloat32, 2, s_rk),
+                   t_out = tensor(dout, ncclBfloat16, 2, s_x);
+    ncclEpHandle_t handle;
+    CHECK_NCCL(ncclEpCreateHandle(&handle, group, NCCL_EP_LAYOUT_FLAT, &t_idx, NULL, NULL, stream));
+
+    ncclEpDispatchInputs_t din = NCCL_EP_DISPATCH_INPUTS_INIT;
+    din.tokens = &t_x;
+    din.topk_weights = &t_w;
+    ncclEpDispatchOutputs_t dout_s = NCCL_EP_DISPATCH_OUTPUTS_INIT;
+    dout_s.tokens = &t_recv;
+    dout_s.topk_weights = &t_rw;
+    dout_s.topk_idx = &t_ridx;
+    CHECK_NCCL(ncclEpDispatch(handle, &din, &dout_s, NULL, NULL, stream));
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+
+    uint16_t* hrecv = malloc(n_recv * 2);
+    int64_t* hridx = malloc((size_t)slots * TOPK * 8);
+    float* hrw = malloc((size_t)slots * TOPK * 4);
+    char* used = calloc((size_t)slots, 1);
+    CHECK_CUDA(cudaMemcpy(hrecv, drecv, n_recv * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(hridx, drecv_idx, (size_t)slots * TOPK * 8, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(hrw, drecv_w, (size_t)slots * TOPK * 4, cudaMemcpyDeviceToHost));
+    int failures = 0, num_recv = 0;
+    for (int s = 0; s < world; s++)
+        for (int t = 0; t < TOKENS; t++) {
+            int here = 0;
+            for (int k = 0; k < TOPK; k++) here |= expert(s, t, k, experts) / L == rank;
+            num_recv += here;
+        }
+    for (int s = 0; s < world; s++)
+        for (int t = 0; t < TOKENS; t++) {
+            int64_t want_idx[TOPK];
+            int here = 0;
+            for (int k = 0; k < TOPK; k++) {
+                int64_t e = expert(s, t, k, experts);
+                want_idx[k] = e / L == rank ? e % L : -1;
+                here |= want_idx[k] >= 0;
+            }
+            if (!here) continue;
+            int found = 0;
+            for (int j = 0; j < num_recv && !found; j++) {
+                if (used[j]) continue;
+                int same = 1;
+                for (int k = 0; k < TOPK && same; k++) {
+                    same = hridx[j * TOPK + k] == want_idx[k];
+                    if (same && want_idx[k] >= 0) same = hrw[j * TOPK + k] == weights[k];
+                }
+                for (int c = 0; c < HIDDEN && same; c++) same = from_bf16(hrecv[(size_t)j * HIDDEN + c]) == value(s, t, c);
+                if (same) used[j] = found = 1;
+            }
+            if (!found) {
+                fprintf(stderr, "rank %d: no received row for token %d of rank %d\n", rank, t, s);
+                failures++;
+            }
+        }
+
+    /* Expert = identity: each token comes back once per rank that received it. */
+    ncclEpCombineInputs_t cin = NCCL_EP_COMBINE_INPUTS_INIT;
+    cin.tokens = &t_recv;
+    ncclEpCombineOutputs_t cout = NCCL_EP_COMBINE_OUTPUTS_INIT;
+    cout.tokens = &t_out;
+    CHECK_NCCL(ncclEpCombine(handle, &cin, &cout, NULL, stream));
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    static uint16_t hout[TOKENS * HIDDEN];
+    CHECK_CUDA(cudaMemcpy(hout, dout, sizeof hout, cudaMemcpyDeviceToHost));
+    for (int t = 0; t < TOKENS; t++) {
+        int ranks = 0;
+        for (int r = 0; r < world; r++) {
+            int here = 0;
+            for (int k = 0; k < TOPK; k++) here |= expert(rank, t, k, experts) / L == r;
+            ranks += here;
+        }
+        for (int c = 0; c < HIDDEN; c++) {
+            float want = (float)ranks * value(rank, t, c), got = from_bf16(hout[t * HIDDEN + c]);
+            if (got != want) {
+                if (failures < 20) fprintf(stderr, "rank %d: combined[%d][%d] = %g, expected %g\n", rank, t, c, got, want);
+                failures++;
+            }
+        }
+    }
+    CHECK_NCCL(ncclEpHandleDestroy(handle));
+    CHECK_NCCL(ncclEpGroupDestroy(group));
+    ncclCommDestroy(comm);
+    printf("rank %d of %d: HT FLAT dispatch (%d rows) and combine: %s\n", rank, world, num_recv,
+           failures ? "FAILED" : "passed");
+    return failures ? 1 : 0;
+}
