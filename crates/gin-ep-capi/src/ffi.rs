@@ -392,7 +392,7 @@ pub extern "C" fn ncclEpHandleMemSize(
         let g = group_ref(group, "ep_group")?;
         read(config, "config")?;
         let out = out_ptr(size_out, "size_out")?;
-        let l = crate::handle::layout(&g.group, layout)?;
+        let l = crate::handle::layout(g.group.spec.algo, layout)?;
         match (l, num_topk) {
             (crate::handle::Layout::LlExpertMajor, k) if k <= 0 => {
                 return Err(CapiError::arg(format!(
@@ -617,7 +617,11 @@ pub extern "C" fn ncclEpGetAsyncError(group: *mut GroupBox, error_out: *mut c_in
     guard("ncclEpGetAsyncError", || {
         let g = group_ref(group, "ep_group")?;
         let out = out_ptr(error_out, "error_out")?;
-        let raised = g.group.async_error.load(Ordering::SeqCst);
+        let (raised, text) = g.group.poll_async();
+        if let Some(t) = text {
+            // The call succeeds; the failure it found is this thread's last error text.
+            status::set_last(&format!("ncclEpGetAsyncError: {t}"));
+        }
         // SAFETY: non-NULL output pointer (checked).
         unsafe { out.write(c_int::from(raised)) };
         Ok(())

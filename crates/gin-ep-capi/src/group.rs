@@ -214,6 +214,30 @@ impl Group {
         Ok(ep)
     }
 
+    /// `ncclEpGetAsyncError`: whether a peer or a kernel failed since the flag was cleared.
+    /// Besides the failures calls returned, asks each engine for a failure a kernel recorded
+    /// (a missed in-kernel deadline): `sync` of the rank's own stream, which the caller's
+    /// work does not use, so it returns at once with what the kernels recorded. Returns the
+    /// failure's text when this poll found one.
+    pub fn poll_async(&self) -> (bool, Option<String>) {
+        if self.async_error.load(Ordering::SeqCst) {
+            return (true, None);
+        }
+        let engines: Vec<Ep> = {
+            let e = self
+                .engines
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            e.iter().map(|(_, ep)| ep.clone()).collect()
+        };
+        for ep in engines {
+            if let Err(e) = self.note(ep.sync(gin_ep::ep::Stream(0)).map_err(CapiError::from)) {
+                return (self.async_error.load(Ordering::SeqCst), Some(e.msg));
+            }
+        }
+        (false, None)
+    }
+
     /// Passes `r` on, raising the async error flag when a peer or a kernel caused it.
     pub fn note<T>(&self, r: CResult<T>) -> CResult<T> {
         if let Err(e) = &r {

@@ -39,7 +39,7 @@ pub enum Layout {
 }
 
 /// Reads a layout value for a group's algorithm.
-pub fn layout(group: &Group, raw: u32) -> CResult<Layout> {
+pub fn layout(algo: Algo, raw: u32) -> CResult<Layout> {
     let name = match raw {
         abi::LAYOUT_UNSET => {
             return Err(CapiError::arg(
@@ -55,7 +55,7 @@ pub fn layout(group: &Group, raw: u32) -> CResult<Layout> {
             )))
         }
     };
-    match (group.spec.algo, raw) {
+    match (algo, raw) {
         (Algo::Ll, abi::LAYOUT_EXPERT_MAJOR) => Ok(Layout::LlExpertMajor),
         (Algo::Ll, abi::LAYOUT_RANK_MAJOR) => Err(CapiError::usage(
             "layout = NCCL_EP_LAYOUT_RANK_MAJOR: gin-ep's LL receives expert-major only (use NCCL_EP_LAYOUT_EXPERT_MAJOR)",
@@ -145,7 +145,7 @@ fn mem<'a, T>(d: &Desc) -> Mem<'a, T> {
 impl Handle {
     /// `ncclEpInitHandle`: collective when it makes the group's engine for a new top-k.
     pub fn init(group: Arc<Group>, layout_raw: u32, num_topk: i32, alignment: usize) -> CResult<Handle> {
-        let layout = layout(&group, layout_raw)?;
+        let layout = layout(group.spec.algo, layout_raw)?;
         if alignment > 1 {
             return Err(CapiError::usage(format!(
                 "config->dispatch_output_per_expert_alignment = {alignment}: applies to HT EXPERT_MAJOR only"
@@ -628,5 +628,30 @@ impl Handle {
             }
         };
         self.group.note(r.map_err(CapiError::from))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_map_or_are_refused_by_name() {
+        assert_eq!(
+            layout(Algo::Ll, abi::LAYOUT_EXPERT_MAJOR).unwrap(),
+            Layout::LlExpertMajor
+        );
+        assert_eq!(layout(Algo::Ht, abi::LAYOUT_FLAT).unwrap(), Layout::HtFlat);
+        let e = layout(Algo::Ll, abi::LAYOUT_RANK_MAJOR).unwrap_err();
+        assert_eq!(e.code, abi::NCCL_INVALID_USAGE);
+        assert!(e.msg.contains("NCCL_EP_LAYOUT_RANK_MAJOR"), "{}", e.msg);
+        let e = layout(Algo::Ht, abi::LAYOUT_EXPERT_MAJOR).unwrap_err();
+        assert_eq!(e.code, abi::NCCL_INVALID_USAGE);
+        assert!(e.msg.contains("NCCL_EP_LAYOUT_EXPERT_MAJOR"), "{}", e.msg);
+        let e = layout(Algo::Ll, abi::LAYOUT_UNSET).unwrap_err();
+        assert_eq!(e.code, abi::NCCL_INVALID_ARGUMENT);
+        let e = layout(Algo::Ht, 9).unwrap_err();
+        assert_eq!(e.code, abi::NCCL_INVALID_ARGUMENT);
+        assert!(e.msg.contains("layout = 9"), "{}", e.msg);
     }
 }
