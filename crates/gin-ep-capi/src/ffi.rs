@@ -354,11 +354,7 @@ pub extern "C" fn ncclEpCreateGroup(
         let (ranks, rank) = comm_shape(comm)?;
         let spec = GroupSpec::new(&cfg, ranks, rank)?;
         let rank = open_rank(comm, &spec)?;
-        let g = Group::new(spec.clone(), rank, open_engine);
-        // A group config that names its top-k makes the engine now.
-        if let Some(k) = spec.num_topk {
-            g.engine(k, gin_ep::DispatchDtype::Bf16)?;
-        }
+        let g = Group::new(spec, rank, open_engine);
         let b = Box::new(GroupBox {
             alive: GROUP_ALIVE,
             group: Arc::new(g),

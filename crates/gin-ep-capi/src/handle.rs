@@ -157,7 +157,7 @@ impl Handle {
                     "num_topk = {k}: LL handles need the top-k (> 0)"
                 )))
             }
-            (Layout::HtFlat, -1) => group.spec.num_topk,
+            (Layout::HtFlat, -1) => None,
             (Layout::HtFlat, k) if k <= 0 => {
                 return Err(CapiError::arg(format!(
                     "num_topk = {k}: HT handles take -1 or the top-k"
@@ -196,19 +196,27 @@ impl Handle {
                 || li.src_rank_counters.is_some()
                 || li.expert_offsets.is_some()
                 || li.recv_total_counter.is_some();
-            return Err(match self.layout {
+            match self.layout {
                 Layout::LlExpertMajor => {
-                    CapiError::arg("layout_info is not NULL: LL handles take it at ncclEpDispatch")
+                    return Err(CapiError::arg(
+                        "layout_info is not NULL: LL handles take it at ncclEpDispatch",
+                    ))
                 }
-                Layout::HtFlat if any => CapiError::usage(
-                    "layout_info: gin-ep's HT counts the received rows inside the dispatch, so no counter \
-                     exists at ncclEpUpdateHandle (size outputs for max_recv_tokens_per_rank)",
-                ),
-                Layout::HtFlat => CapiError::usage(format!(
-                    "layout_info->recv_topk_idx_kind = {}: gin-ep's HT writes local expert ids (pass NULL)",
-                    li.recv_topk_idx_kind
-                )),
-            });
+                Layout::HtFlat if any => {
+                    return Err(CapiError::usage(
+                        "layout_info: gin-ep's HT counts the received rows inside the dispatch, so no \
+                         counter exists at ncclEpUpdateHandle (size outputs for max_recv_tokens_per_rank)",
+                    ))
+                }
+                Layout::HtFlat if li.recv_topk_idx_kind == abi::EXPERT_ID_GLOBAL => {
+                    return Err(CapiError::usage(
+                        "layout_info->recv_topk_idx_kind = NCCL_EP_EXPERT_ID_GLOBAL: gin-ep's HT writes \
+                         local expert ids (LOCAL or AUTO)",
+                    ))
+                }
+                // No counter asked for, local ids: what gin-ep's HT gives.
+                Layout::HtFlat => {}
+            }
         }
         let idx = required(topk_idx, "topk_idx")?;
         if idx.dtype == NCCL_INT32 {
