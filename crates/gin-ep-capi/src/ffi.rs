@@ -1,5 +1,5 @@
 //! The C entry points, and every `unsafe` of the crate: reading caller structs through raw
-//! pointers, the opaque group and handle pointers, and NCCL's communicator queries.
+//! pointers, the opaque group and handle pointers, and the borrowed communicator.
 //!
 //! Each entry runs inside [`guard`]: a panic becomes ncclInternalError (never an unwind
 //! across the C boundary, never an abort), and a failure's message is stored for
@@ -198,32 +198,10 @@ fn handle_mut<'a>(p: *mut HandleBox, name: &str) -> CResult<&'a mut HandleBox> {
 
 // ---------------------------------------------------------------- NCCL and the engine
 
-/// Ranks of `comm` and this process's rank in it.
-fn comm_shape(comm: *mut c_void) -> CResult<(usize, usize)> {
-    let nccl = gin_ep_sys::Nccl::load()
-        .map_err(|e| CapiError::usage(format!("comm: NCCL is not loaded in this process ({e})")))?;
-    let (mut count, mut rank): (c_int, c_int) = (0, 0);
-    // SAFETY: `comm` is the caller's live communicator (ncclEpCreateGroup's contract); both
-    // calls only read it and write one int each.
-    let (r1, r2) = unsafe {
-        (
-            (nccl.ncclCommCount)(comm.cast(), &mut count),
-            (nccl.ncclCommUserRank)(comm.cast(), &mut rank),
-        )
-    };
-    if r1 != 0 || r2 != 0 || count <= 0 || rank < 0 {
-        return Err(CapiError::arg(format!(
-            "comm: ncclCommCount / ncclCommUserRank failed ({r1}, {r2}: {})",
-            nccl.error_string(if r1 != 0 { r1 } else { r2 })
-        )));
-    }
-    Ok((count as usize, rank as usize))
-}
-
 /// This process's rank of the caller's communicator (collective over `comm`).
-fn open_rank(comm: *mut c_void, spec: &GroupSpec) -> CResult<GpuRank> {
+fn open_rank(comm: *mut c_void, timeout: std::time::Duration) -> CResult<GpuRank> {
     let opts = GpuRankOptions {
-        timeout: spec.timeout,
+        timeout,
         ..GpuRankOptions::default()
     };
     // SAFETY: `comm` is a live communicator of the libnccl.so.2 this process loaded, and the
@@ -351,9 +329,12 @@ pub extern "C" fn ncclEpCreateGroup(
         if comm.is_null() {
             return Err(CapiError::arg("comm is NULL"));
         }
-        let (ranks, rank) = comm_shape(comm)?;
-        let spec = GroupSpec::new(&cfg, ranks, rank)?;
-        let rank = open_rank(comm, &spec)?;
+        // What does not depend on the communicator is checked before the collective (every
+        // rank passes the same config, so every rank fails alike); the rest after it.
+        let early = GroupSpec::new(&cfg, 1, 0)?;
+        let rank = open_rank(comm, early.timeout)?;
+        let info = rank.info();
+        let spec = GroupSpec::new(&cfg, info.world, info.rank)?;
         let g = Group::new(spec, rank, open_engine);
         let b = Box::new(GroupBox {
             alive: GROUP_ALIVE,
