@@ -2,13 +2,14 @@
 //! process starts one process per GPU (itself, with `GIN_EP_CHILD=1`); each child
 //! runs `gin_ep_lab::alltoall::run_rank` and rank 0 prints the table or JSON.
 
-use crate::error::{parse_secs, parse_whole, CliError, CliResult};
+use crate::error::{parse_secs, DEFAULT_TIMEOUT, parse_whole, CliError, CliResult};
 use crate::gpus;
 use clap::Args;
 use comfy_table::{presets, CellAlignment, Table};
 use gin_ep::ep::probe::driver;
 use gin_ep::group::{Group, ENV_CHILD};
 use gin_ep_lab::alltoall::{run_rank, AlltoallMode, AlltoallOptions, AlltoallReport, StoreHint};
+use std::path::PathBuf;
 use std::time::Duration;
 
 #[derive(Args, Debug, Clone)]
@@ -71,11 +72,11 @@ pub struct AlltoallArgs {
     #[arg(long, default_value = "1G", value_parser = parse_bytes)]
     pub peer_copy_bytes: usize,
     /// Deadline of every wait, seconds.
-    #[arg(long, default_value = "60", value_parser = parse_secs)]
+    #[arg(long, value_name = "SECS", default_value = DEFAULT_TIMEOUT, value_parser = parse_secs)]
     pub timeout: Duration,
-    /// Print rank 0's report as JSON instead of a table.
-    #[arg(long)]
-    pub json: bool,
+    /// Also write rank 0's report to this file as JSON (as `bench --json FILE`).
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
 }
 
 /// Parses `123`, `4K`, `1M`, `2G` (powers of 1024).
@@ -117,16 +118,41 @@ fn options(a: &AlltoallArgs) -> CliResult<AlltoallOptions> {
     })
 }
 
+/// The flag that sets each [`AlltoallOptions`] field, for usage errors.
+fn flag_of(field: &str) -> Option<&'static str> {
+    Some(match field {
+        "min_bytes" => "-b/--min-bytes",
+        "max_bytes" => "-e/--max-bytes",
+        "factor" => "-f/--factor",
+        "iters" => "--iters",
+        "threads" => "--threads",
+        "blocks" => "--blocks",
+        "unroll" => "--unroll",
+        "grids" => "--grids",
+        "modes" => "--modes",
+        "peer_copy_iters" | "peer_copy_bytes" => "--peer-copy-bytes",
+        "timeout" => "--timeout",
+        _ => return None,
+    })
+}
+
 pub fn run(a: &AlltoallArgs) -> CliResult {
     let opts = options(a)?;
     if std::env::var_os(ENV_CHILD).is_some() {
         return run_child(a, &opts);
     }
-    // Refused before the GPU probe, so the answer to bad input does not depend on the machine.
+    // Refused before the GPU probe, so the answer to bad input does not depend on the machine:
+    // every check but the world's (one rank is the most lenient world), then again with it.
     if a.gpus.is_none() && a.shape.any() {
         return Err(CliError::Usage(
             "--vnodes, --node-size and --nccl-node-size shape a GPU launch: use them with --gpus N".into(),
         ));
+    }
+    opts.validate(1).map_err(|e| CliError::from_lib(e, &flag_of))?;
+    if let Some(path) = &a.json {
+        // A bad --json path is bad input; rank 0 writes the file after the run.
+        std::fs::File::create(path)
+            .map_err(|e| CliError::Usage(format!("invalid value: --json {}: {e}", path.display())))?;
     }
     let gpus = match a.gpus {
         Some(n) => n,
@@ -138,15 +164,20 @@ pub fn run(a: &AlltoallArgs) -> CliResult {
     };
     gpus::check_count(gpus)?;
     let world = gpus::set_topology(gpus, &a.shape)?;
-    opts.validate(world)?;
+    opts.validate(world).map_err(|e| CliError::from_lib(e, &flag_of))?;
     match gpus::relaunch(gpus, a.timeout)? {
         None => Ok(()),
-        Some(f) => Err(CliError::Failed(format!(
-            "rank {} failed ({}):\n{}",
-            f.rank,
-            gpus::how(&f),
-            f.stderr.trim_end()
-        ))),
+        Some(f) => {
+            if let Some(path) = &a.json {
+                let _ = std::fs::remove_file(path);
+            }
+            Err(CliError::Failed(format!(
+                "rank {} failed ({}):\n{}",
+                f.rank,
+                gpus::how(&f),
+                f.stderr.trim_end()
+            )))
+        }
     }
 }
 
@@ -160,18 +191,19 @@ fn run_child(a: &AlltoallArgs, opts: &AlltoallOptions) -> CliResult {
     let report = report?;
     closed?;
     if rank == 0 {
-        if a.json {
+        if gin_ep::group::vnodes::RankTopology::from_env()?.vnodes > 1 {
+            println!(
+                "processes share GPUs: every figure below is {}",
+                gin_ep::group::vnodes::TIME_SLICED
+            );
+        }
+        print_table(&report);
+        if let Some(path) = &a.json {
             let s = serde_json::to_string_pretty(&report)
                 .map_err(|e| CliError::Failed(format!("cannot encode the report: {e}")))?;
-            println!("{s}");
-        } else {
-            if gin_ep::group::vnodes::RankTopology::from_env()?.vnodes > 1 {
-                println!(
-                    "processes share GPUs: every figure below is {}",
-                    gin_ep::group::vnodes::TIME_SLICED
-                );
-            }
-            print_table(&report);
+            std::fs::write(path, s + "\n")
+                .map_err(|e| CliError::Failed(format!("cannot write --json {}: {e}", path.display())))?;
+            println!("wrote {}", path.display());
         }
     }
     Ok(())

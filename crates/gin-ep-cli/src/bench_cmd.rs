@@ -1,7 +1,7 @@
 //! `gin-ep bench`: options, progress, tables and the JSON file. The timing
 //! loops and every figure come from `gin_ep::bench`.
 
-use crate::error::{parse_secs, parse_whole, CliError, CliResult};
+use crate::error::{parse_secs, DEFAULT_TIMEOUT, parse_whole, CliError, CliResult};
 use crate::gpus;
 use crate::host;
 use clap::{Args, ValueEnum};
@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 pub enum Mode {
     /// High throughput (training, prefill): flat output, thousands of tokens.
     Ht,
-    /// Low latency (decode): expert-major buffers, 1-256 tokens.
+    /// Low latency (decode): expert-major buffers; on GPUs 1-1024 tokens per rank (the host
+    /// backend takes any number).
     Ll,
     /// GIN conformance (`check --gpus N --mode gin` only): puts, signals, counters and
     /// ordering between NCCL nodes, bit-exact.
@@ -90,7 +91,7 @@ pub struct BenchArgs {
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
     /// Deadline of every wait on a peer, in seconds.
-    #[arg(long, value_name = "SECS", default_value = "100", value_parser = parse_secs)]
+    #[arg(long, value_name = "SECS", default_value = DEFAULT_TIMEOUT, value_parser = parse_secs)]
     pub timeout: Duration,
     /// Run on N GPUs, one process per GPU (the CUDA backend; overrides --ranks).
     #[arg(long, value_name = "N", value_parser = parse_whole::<usize>)]
@@ -278,7 +279,7 @@ fn run_gpus(a: &BenchArgs, gpus: usize) -> CliResult {
         // A bad --json path is bad input: refuse it before starting any GPU process.
         let json = a.json.as_deref().map(JsonFile::create).transpose()?;
         if !a.sweep {
-            out!("backend: cuda, {gpus} GPUs (one process per GPU)");
+            out!("backend: cuda, {} (one process per GPU)", crate::output::count(gpus, "GPU"));
             print_shape(&r);
         }
         // The launcher's deadline covers the whole run (setup, warmup, iterations).
@@ -518,9 +519,9 @@ fn print_shape(r: &Resolved) {
         BenchMode::Ll => "LL",
     };
     out!(
-        "{mode}: {} ranks × {} tokens, hidden {}, top-{} of {} experts, {}, routing {}, \
+        "{mode}: {} × {} tokens, hidden {}, top-{} of {} experts, {}, routing {}, \
          {} iterations after {} warm-up",
-        o.cfg.ranks,
+        crate::output::count(o.cfg.ranks, "rank"),
         o.tokens,
         o.cfg.hidden,
         o.cfg.topk,

@@ -6,7 +6,7 @@
 //! `gin_ep::check::run_rank_case`.
 
 use crate::bench_cmd::Mode;
-use crate::error::{parse_secs, parse_whole, CliError, CliResult};
+use crate::error::{parse_secs, DEFAULT_TIMEOUT, parse_whole, CliError, CliResult};
 use crate::gpus;
 use crate::host;
 use clap::{Args, ValueEnum};
@@ -130,7 +130,7 @@ pub struct CheckArgs {
     #[arg(long, value_parser = parse_whole::<usize>)]
     pub iters: Option<usize>,
     /// Deadline of every wait on a peer, in seconds.
-    #[arg(long, value_name = "SECS", default_value = "60", value_parser = parse_secs)]
+    #[arg(long, value_name = "SECS", default_value = DEFAULT_TIMEOUT, value_parser = parse_secs)]
     pub timeout: Duration,
     /// Check the CUDA backend on N GPUs (one process per GPU) instead of the host backend;
     /// --cases then counts the small random cases added to the fixed GPU cases.
@@ -541,7 +541,8 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
             BenchMode::Ll => ("ll", gin_ep::gpu::ll_selftest_cases(gpus).len()),
         };
         out!(
-            "check: CUDA backend, {gpus} GPUs, mode {mode_name}, seed {}, {n_cases} case(s)",
+            "check: CUDA backend, {}, mode {mode_name}, seed {}, {n_cases} case(s)",
+            crate::output::count(gpus, "GPU"),
             r.seed
         );
         // The launcher's deadline covers every case.
@@ -628,8 +629,9 @@ fn run_kill_ll(a: &CheckArgs, gpus: usize, world: usize, spec: &str) -> CliResul
         .map_err(|e| CliError::Usage(format!("invalid value: --kill `{spec}`: {e}")))?;
     if std::env::var_os(ENV_CHILD).is_none() {
         out!(
-            "check: CUDA backend, {gpus} GPUs ({world} ranks), LL kill check: rank {victim} exits \
+            "check: CUDA backend, {} ({world} ranks), LL kill check: rank {victim} exits \
              before iteration {it}, deadline {:?}",
+            crate::output::count(gpus, "GPU"),
             a.timeout
         );
         let exits = gpus::relaunch_all(gpus, a.timeout * 3 + Duration::from_secs(60))?;
@@ -662,7 +664,8 @@ fn run_stall(a: &CheckArgs, gpus: usize, world: usize, spec: &str) -> CliResult 
     }
     if std::env::var_os(ENV_CHILD).is_none() {
         out!(
-            "check: CUDA backend, {gpus} GPUs ({world} ranks), never-hang check: rank {stall} never enters {}, deadline {:?}",
+            "check: CUDA backend, {} ({world} ranks), never-hang check: rank {stall} never enters {}, deadline {:?}",
+            crate::output::count(gpus, "GPU"),
             op.name(),
             a.timeout
         );
@@ -692,6 +695,19 @@ pub fn run(a: &CheckArgs) -> CliResult {
     let ranks = host_ranks(a.ranks.as_ref(), r.launch, r.node_size)?;
     // Validate the fault spec before starting anything.
     let fault = fault_from_env(r.launch == LaunchKind::Processes)?;
+    if let Some(f) = &fault {
+        // A fault on a rank no checked group has would never fire: the check would pass
+        // having injected nothing.
+        let most = ranks.iter().copied().max().unwrap_or(0);
+        if f.rank >= most {
+            return Err(CliError::Usage(format!(
+                "invalid value: {ENV_FAULT} rank {} is outside the ranks checked (ranks {}: \
+                 rank ids 0..{most}), so the fault would never fire",
+                f.rank,
+                format_ranks(&ranks)
+            )));
+        }
+    }
     let indices = case_indices(r.cases, a.case);
     out!(
         "check: host backend, {} ranks {}{}, operations {}, seed {}, {} case(s) per rank count, \
@@ -742,13 +758,18 @@ pub fn run(a: &CheckArgs) -> CliResult {
                 err!("{report}");
                 out!("{passed} passed, 1 failed");
                 return Err(CliError::Failed(format!(
-                    "check failed with {n} ranks ({}); reproduce with `gin-ep check --launch {} \
-                     --ranks {n} --seed {} --cases {} --iters {}{}{}{}`",
+                    "check failed with {n} ranks ({}); reproduce with `{}gin-ep check --launch {} \
+                     --ranks {n} --seed {} --cases {} --iters {} --timeout {}{}{}{}`",
                     r.launch.name(),
+                    fault
+                        .as_ref()
+                        .map(|f| format!("{ENV_FAULT}='{}:{}' ", f.rank, f.phase))
+                        .unwrap_or_default(),
                     r.launch.name(),
                     r.seed,
                     r.cases,
                     r.iters,
+                    a.timeout.as_secs_f64(),
                     r.node_size
                         .map(|m| format!(" --node-size {m}"))
                         .unwrap_or_default(),
@@ -762,7 +783,8 @@ pub fn run(a: &CheckArgs) -> CliResult {
     }
     drop(ticker);
     out!(
-        "check: {passed} cases passed (ranks {}, {})",
+        "check: {} passed (ranks {}, {})",
+        crate::output::count(passed, "case"),
         format_ranks(&ranks),
         r.launch.name()
     );

@@ -65,6 +65,11 @@ impl fmt::Display for CliError {
 
 pub type CliResult<T = ()> = Result<T, CliError>;
 
+/// `--timeout`'s default on every command, in seconds: the library's own deadline
+/// (`EpOptions::default().timeout`, Python's `timeout_s=`), which README.md and docs/cli.md
+/// quote (a CLI test reads both).
+pub const DEFAULT_TIMEOUT: &str = "100";
+
 /// Parses `--timeout SECS` (fractions allowed) for clap.
 pub fn parse_secs(s: &str) -> Result<std::time::Duration, String> {
     let v: f64 = s
@@ -108,5 +113,16 @@ pub mod num_bounds {
     }
     impl Max for u32 {
         const MAX_TEXT: &'static str = "4294967295";
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_timeout_default_is_the_librarys() {
+        assert_eq!(
+            super::parse_secs(super::DEFAULT_TIMEOUT),
+            Ok(gin_ep::ep::EpOptions::default().timeout)
+        );
     }
 }

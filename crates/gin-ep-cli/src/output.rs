@@ -104,3 +104,22 @@ impl Drop for Ticker {
         }
     }
 }
+
+/// `1 GPU`, `4 GPUs`: a count with its noun, plural unless the count is one.
+pub fn count(n: usize, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
+#[cfg(test)]
+mod count_tests {
+    #[test]
+    fn one_is_singular() {
+        assert_eq!(super::count(1, "GPU"), "1 GPU");
+        assert_eq!(super::count(4, "case"), "4 cases");
+        assert_eq!(super::count(0, "case"), "0 cases");
+    }
+}

@@ -985,3 +985,112 @@ fn the_gin_check_without_a_gpu_fails_clearly_and_in_time() {
     );
     assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
 }
+
+#[test]
+fn a_fault_on_a_rank_no_group_has_is_refused() {
+    let o = Command::new(EXE)
+        .args(["check", "--ranks", "2", "--cases", "1"])
+        .env("GIN_EP_FAULT", "7:combine")
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "stdout: {out}\nstderr: {err}");
+    assert!(err.contains("GIN_EP_FAULT rank 7") && err.contains("never fire"), "{err}");
+}
+
+#[test]
+fn a_failed_checks_reproduce_line_keeps_the_fault_and_the_timeout() {
+    let o = Command::new(EXE)
+        .args(["check", "--ranks", "2", "--cases", "1", "--timeout", "1.5", "--mode", "ht"])
+        .env("GIN_EP_FAULT", "1:combine")
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "stdout: {out}\nstderr: {err}");
+    let line = err.lines().find(|l| l.contains("reproduce with")).unwrap_or_else(|| panic!("{err}"));
+    assert!(
+        line.contains("`GIN_EP_FAULT='1:combine' gin-ep check --launch threads --ranks 2")
+            && line.contains("--timeout 1.5"),
+        "{line}"
+    );
+}
+
+#[test]
+fn alltoall_refuses_bad_values_before_looking_for_a_gpu() {
+    for (args, flag) in [
+        (&["alltoall", "-f", "1"][..], "-f/--factor"),
+        (&["alltoall", "-b", "2G", "-e", "1G"], "-b/--min-bytes"),
+        (&["alltoall", "--iters", "0"], "--iters"),
+        (&["alltoall", "--unroll", "3"], "--unroll"),
+        (&["alltoall", "--json", "/nonexistent-dir/a2a.json"], "--json /nonexistent-dir/a2a.json"),
+    ] {
+        usage_error(args, flag);
+    }
+}
+
+#[test]
+fn alltoall_and_bench_take_json_the_same_way() {
+    for cmd in ["alltoall", "bench"] {
+        let help = text(&gin_ep(&[cmd, "--help"])).0;
+        assert!(help.contains("--json <FILE>"), "{cmd} --help: {help}");
+    }
+}
+
+#[test]
+fn the_ll_token_limit_in_the_help_is_the_gpu_kernels_and_the_host_takes_more() {
+    let help = text(&gin_ep(&["bench", "--help"])).0;
+    let limit = gin_ep::backend::cuda::ll::MAX_TOKENS;
+    assert!(help.contains(&format!("1-{limit} tokens per rank")), "{help}");
+    let o = gin_ep(&[
+        "bench", "--mode", "ll", "--ranks", "1", "--tokens", "300", "--hidden", "128", "--experts", "4",
+        "--topk", "2", "--iters", "1", "--warmup", "0",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
+    assert!(out.contains("LL: 1 rank × 300 tokens"), "{out}");
+}
+
+#[test]
+fn counts_of_one_are_singular() {
+    let o = gin_ep(&["check", "--ranks", "1", "--cases", "1"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
+    assert!(out.contains("check: 1 case passed (ranks 1, threads)"), "{out}");
+}
+
+#[test]
+fn info_prints_words_not_debug_text() {
+    let out = text(&gin_ep(&["info"])).0;
+    for debug in ["PythonWheel(", "Env(\"", "AlreadyLoaded", "LoaderPath", "Some("] {
+        assert!(!out.contains(debug), "`{debug}` in {out}");
+    }
+}
+
+/// The `--timeout` default README.md and docs/cli.md quote is the one the help prints.
+#[test]
+fn the_docs_quote_the_timeout_default_of_the_help() {
+    let help = text(&gin_ep(&["check", "--help"])).0;
+    let at = help.find("--timeout").unwrap_or_else(|| panic!("{help}"));
+    let tail = &help[at..];
+    let d = tail.find("[default: ").unwrap_or_else(|| panic!("{tail}")) + "[default: ".len();
+    let secs: String = tail[d..].chars().take_while(|c| c.is_ascii_digit()).collect();
+    for cmd in ["bench", "alltoall"] {
+        let h = text(&gin_ep(&[cmd, "--help"])).0;
+        assert!(h.contains(&format!("[default: {secs}]")), "{cmd} --help: {h}");
+    }
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+    for doc in ["docs/troubleshooting.md", "docs/cli.md"] {
+        let t = std::fs::read_to_string(format!("{root}/{doc}")).unwrap();
+        assert!(t.contains(&format!("default {secs} s")), "{doc} does not say `default {secs} s`");
+    }
+}
+
+/// README's NCCL table states the supported set in the words `gin-ep info` prints.
+#[test]
+fn the_readme_states_the_supported_nccl_as_info_does() {
+    let supported = gin_ep::ep::probe::supported_text();
+    let info = text(&gin_ep(&["info"])).0;
+    assert!(info.contains(&format!("supported: {supported}")), "{info}");
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
+    assert!(readme.contains(&supported), "README.md does not say `{supported}`");
+}

@@ -197,6 +197,18 @@ pub enum NcclSource {
     LoaderPath,
 }
 
+/// What `gin-ep info` and error messages print: where the library came from, in words.
+impl std::fmt::Display for NcclSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NcclSource::Env(path) => write!(f, "{path} (from {NCCL_LIB_ENV})"),
+            NcclSource::AlreadyLoaded => f.write_str("the libnccl.so.2 already loaded in this process"),
+            NcclSource::PythonWheel(path) => write!(f, "{path} (the nvidia-nccl wheel of the python3 on PATH)"),
+            NcclSource::LoaderPath => f.write_str("libnccl.so.2 from the loader's search path"),
+        }
+    }
+}
+
 /// Why NCCL could not be loaded. Loading never panics: a missing NCCL is an ordinary state
 /// on machines without GPUs.
 #[derive(Debug)]
@@ -493,6 +505,15 @@ mod tests {
         let err = Nccl::load().expect_err("a nonexistent path cannot load");
         std::env::remove_var(NCCL_LIB_ENV);
         assert!(err.to_string().contains("/nonexistent/libnccl.so.2"), "{err}");
+    }
+
+    #[test]
+    fn a_source_prints_as_words_not_debug_text() {
+        let wheel = NcclSource::PythonWheel("/site/nvidia/nccl/lib/libnccl.so.2".into()).to_string();
+        assert!(wheel.starts_with("/site/nvidia/nccl/lib/libnccl.so.2 ("), "{wheel}");
+        for s in [wheel, NcclSource::Env("/x".into()).to_string(), NcclSource::LoaderPath.to_string()] {
+            assert!(!s.contains("(\"") && !s.contains("Wheel") && !s.contains("Env("), "{s}");
+        }
     }
 
     /// With `GIN_EP_TEST_NCCL_LIB=<path to libnccl.so.2>` (e.g. the one in `.cuda` from

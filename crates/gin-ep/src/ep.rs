@@ -331,6 +331,9 @@ pub struct LlHandle {
     seq: u64,
     num_tokens: usize,
     host: Option<Arc<crate::ll::LlRouting>>,
+    /// Host backend: the dispatch's `topk_idx`, which its combine must be given again (a
+    /// different one would send a row back to the wrong token's slot without a word).
+    host_topk_idx: Option<Arc<[i64]>>,
 }
 
 impl LlHandle {
@@ -747,7 +750,7 @@ impl Ep {
         let seq = st.ll.seq + 1;
         let set = ((seq - 1 - st.ll.epoch) % LL_SETS) as usize;
         self.ll_not_owed(&st, set, "LL dispatch")?;
-        let (host, hh) = match &mut st.engine {
+        let (host, hh, host_topk_idx) = match &mut st.engine {
             Engine::Host(ep) => {
                 let x = host_slice("x", input.x)?;
                 let idx = host_slice("topk_idx", input.topk_idx)?;
@@ -758,7 +761,7 @@ impl Ep {
                         reason: format!("used buffer set {}, the Ep expected {set}", o.handle.set),
                     });
                 }
-                (Some((o.recv_x, o.recv_count)), Some(Arc::new(o.handle)))
+                (Some((o.recv_x, o.recv_count)), Some(Arc::new(o.handle)), Some(Arc::from(idx)))
             }
             Engine::Cuda(c) => {
                 let io = gpu::LlDispatchSpans {
@@ -771,7 +774,7 @@ impl Ep {
                     stats: out(output.stats),
                 };
                 c.ll_dispatch(stream.0, set, half.gpu(), input.num_tokens, io)?;
-                (None, None)
+                (None, None, None)
             }
         };
         st.ll.seq = seq;
@@ -787,6 +790,7 @@ impl Ep {
                 seq,
                 num_tokens,
                 host: hh,
+                host_topk_idx,
             },
         })
     }
@@ -865,6 +869,9 @@ impl Ep {
                 let y = host_slice("x", input.y)?;
                 let idx = host_slice("topk_idx", input.topk_idx)?;
                 let w = host_slice("topk_weights", input.topk_weights)?;
+                if let Some(want) = handle.host_topk_idx.as_deref() {
+                    same_topk_idx(idx, want, self.config().topk)?;
+                }
                 Some(ep.ll_combine(y, idx, w, h)?)
             }
             Engine::Cuda(c) => {
@@ -1047,6 +1054,38 @@ impl Ep {
         match &mut self.state().engine {
             Engine::Host(_) => Ok(()),
             Engine::Cuda(c) => c.sync(stream.0),
+        }
+    }
+}
+
+/// LL combine (host backend): `got` must be the `topk_idx` its dispatch was given (`want`);
+/// the first token that differs is named. On GPUs the combine's receive half reads
+/// `topk_idx` on the device to pick each token's rows, and nothing compares it with the
+/// dispatch's there (python/README.md says so).
+fn same_topk_idx(got: &[i64], want: &[i64], topk: usize) -> Result<()> {
+    if got.len() != want.len() {
+        return Err(Error::input(
+            "LL combine topk_idx",
+            format!(
+                "{} entries, its dispatch had {}: give the combine the dispatch's topk_idx",
+                got.len(),
+                want.len()
+            ),
+        ));
+    }
+    match got.iter().zip(want).position(|(a, b)| a != b) {
+        None => Ok(()),
+        Some(i) => {
+            let t = i / topk.max(1);
+            let row = |v: &[i64]| format!("{:?}", &v[t * topk..(t + 1) * topk]);
+            Err(Error::input(
+                "LL combine topk_idx",
+                format!(
+                    "token {t} is {}, its dispatch had {}: give the combine the dispatch's topk_idx",
+                    row(got),
+                    row(want)
+                ),
+            ))
         }
     }
 }

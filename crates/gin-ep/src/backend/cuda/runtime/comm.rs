@@ -84,5 +84,5 @@ pub fn nccl_probe() -> std::result::Result<(String, i32), String> {
     if r != 0 {
         return Err(format!("ncclGetVersion returned {r}"));
     }
-    Ok((format!("{:?}", nccl.source), version))
+    Ok((nccl.source.to_string(), version))
 }

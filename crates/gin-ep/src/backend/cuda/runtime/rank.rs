@@ -315,7 +315,7 @@ impl CudaRank {
     ) -> Result<CudaRank> {
         let drv = driver::probe().map_err(unavailable)?;
         // The kernels built against this NCCL's minor; any other NCCL is refused here.
-        let (fatbin, _) = kernels_for(version, &format!("{:?}", nccl.source)).map_err(unavailable)?;
+        let (fatbin, _) = kernels_for(version, &nccl.source.to_string()).map_err(unavailable)?;
         if nccl.ncclCommWindowRegister.is_none()
             || nccl.ncclDevCommCreate.is_none()
             || nccl.ncclCommWindowDeregister.is_none()
@@ -379,7 +379,7 @@ impl CudaRank {
             sm_count,
             driver_version: drv.version,
             nccl_version: version,
-            nccl_source: format!("{:?}", nccl.source),
+            nccl_source: nccl.source.to_string(),
             session: session.0,
             group_timeout: session.1,
         };
