@@ -29,7 +29,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _bootstrap, _by_rank, _gpu, _native, _ops, _ue8m0
+from . import _bootstrap, _by_rank, _failure, _gpu, _native, _ops, _ue8m0
 from ._gpu_path import GpuPath
 from ._host_path import HostPath
 from ._handles import LlHandle
@@ -506,6 +506,7 @@ class Buffer(GpuPath, HostPath):
     # ------------------------------------------------------------ layout
 
     @_eager_only
+    @_failure.shared_failure
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False, **deepep_only) -> \
@@ -523,6 +524,7 @@ class Buffer(GpuPath, HostPath):
     # ------------------------------------------------------------ HT
 
     @_eager_only
+    @_failure.shared_failure
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
                  handle: Optional[Tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None, num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -588,6 +590,7 @@ class Buffer(GpuPath, HostPath):
         return recv_x, None, None, counts, handle, event
 
     @_eager_only
+    @_failure.shared_failure
     def combine(self, x: torch.Tensor, handle: Tuple,
                 topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,

@@ -260,7 +260,13 @@ impl PyStoreServer {
 #[pyclass(module = "gin_ep._native", name = "Group")]
 struct PyGroup {
     inner: Mutex<Option<gin_ep::group::Group>>,
+    /// This rank left an error for its peers (`report_failure`) that its next call clears.
+    failed: std::sync::atomic::AtomicBool,
 }
+
+/// How long one wait on the store lasts before the failure key is looked at again: a peer's
+/// error reaches a waiting rank within about this.
+const FAILURE_POLL: Duration = Duration::from_millis(20);
 
 impl PyGroup {
     fn with<T>(&self, f: impl FnOnce(&gin_ep::group::Group) -> PyResult<T>) -> PyResult<T> {
@@ -268,6 +274,55 @@ impl PyGroup {
         match g.as_ref() {
             Some(g) => f(g),
             None => Err(PyRuntimeError::new_err("gin-ep group is closed")),
+        }
+    }
+}
+
+/// Where rank `rank` leaves its error for the peers (empty: none).
+fn failure_key(g: &gin_ep::group::Group, rank: usize) -> String {
+    g.key(&format!("failed/{rank}"))
+}
+
+impl PyGroup {
+    /// Rank `r`'s value at `key` of exchange `name`: waits in slices of [`FAILURE_POLL`],
+    /// looking between them for an error rank `r` left (`report_failure`). Each error says
+    /// what this rank saw and after how long.
+    fn wait_peer(&self, g: &gin_ep::group::Group, key: &str, r: usize, name: &str) -> PyResult<Vec<u8>> {
+        let me = g.rank();
+        let t0 = std::time::Instant::now();
+        let failure = failure_key(g, r);
+        loop {
+            match g.store().get(key, FAILURE_POLL.min(g.timeout())) {
+                Ok(v) => return Ok(v),
+                Err(e) => {
+                    let waited = t0.elapsed();
+                    // A slice that ran out reads the failure key; a store that is gone fails it.
+                    match g.store().try_get(&failure) {
+                        Ok(Some(msg)) if !msg.is_empty() => {
+                            return Err(PyRuntimeError::new_err(format!(
+                                "gin_ep: {} (rank {me} was waiting for it at `{name}`)",
+                                String::from_utf8_lossy(&msg)
+                            )))
+                        }
+                        Ok(_) if waited < g.timeout() => continue,
+                        Ok(_) => {
+                            return Err(PyTimeoutError::new_err(format!(
+                                "gin_ep: rank {r} did not reach `{name}` within {:.1} s (rank {me} \
+                                 waited; timeout_s = {:?}): {e}",
+                                waited.as_secs_f64(),
+                                g.timeout()
+                            )))
+                        }
+                        Err(lost) => {
+                            return Err(PyRuntimeError::new_err(format!(
+                                "gin_ep: rank {me} lost gin-ep's store after {:.1} s waiting for rank {r} \
+                                 at `{name}` (rank 0 serves it: it may have exited): {lost}",
+                                waited.as_secs_f64()
+                            )))
+                        }
+                    }
+                }
+            }
         }
     }
 }
@@ -285,6 +340,7 @@ impl PyGroup {
             let g = gin_ep::group::Group::join(rank, world, addr, &secret, timeout).map_err(to_py)?;
             Ok(PyGroup {
                 inner: Mutex::new(Some(g)),
+                failed: std::sync::atomic::AtomicBool::new(false),
             })
         })
     }
@@ -307,9 +363,35 @@ impl PyGroup {
         guard(|| self.with(|g| g.barrier(name).map_err(to_py)))
     }
 
+    /// Starts a collective call (a Buffer operation): an error this rank left for its peers
+    /// in an earlier call is withdrawn, since this rank goes on.
+    fn begin_call(&self, py: Python<'_>) -> PyResult<()> {
+        if !self.failed.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            return Ok(());
+        }
+        py.detach(|| guard(|| self.with(|g| g.store().set(&failure_key(g, g.rank()), b"").map_err(to_py))))
+    }
+
+    /// Leaves `message` (this rank's error) for the peers: one waiting for this rank in an
+    /// exchange through the store raises it at once, until this rank's next call.
+    fn report_failure(&self, py: Python<'_>, message: &str) -> PyResult<()> {
+        py.detach(|| {
+            guard(|| {
+                self.with(|g| {
+                    g.store()
+                        .set(&failure_key(g, g.rank()), message.as_bytes())
+                        .map_err(to_py)
+                })
+            })
+        })?;
+        self.failed.store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Collective: every rank's `value` under the exchange named `name` (each rank calls
-    /// it with the same `name`, once), in rank order, through the group's store. A rank
-    /// that does not arrive within the group's timeout is named in the error.
+    /// it with the same `name`, once), in rank order, through the group's store. A rank that
+    /// reports a failure in this call (`report_failure`) makes the others raise its error at
+    /// once; a rank that does not arrive within the group's timeout is named in the error.
     fn all_gather<'py>(
         &self,
         py: Python<'py>,
@@ -322,16 +404,7 @@ impl PyGroup {
                     let key = |r: usize| g.key(&format!("all_gather/{name}/{r}"));
                     g.store().set(&key(g.rank()), value).map_err(to_py)?;
                     (0..g.world())
-                        .map(|r| {
-                            g.store().get(&key(r), g.timeout()).map_err(|e| match e {
-                                Error::Bootstrap(_) => PyTimeoutError::new_err(format!(
-                                    "gin_ep: rank {r} did not reach `{name}` within {:?} (rank {} waited): {e}",
-                                    g.timeout(),
-                                    g.rank()
-                                )),
-                                e => to_py(e),
-                            })
-                        })
+                        .map(|r| self.wait_peer(g, &key(r), r, name))
                         .collect::<PyResult<Vec<Vec<u8>>>>()
                 })
             })

@@ -1,8 +1,8 @@
 //! `gin-ep alltoall`: the nccl-tests-style all-to-all sweep on GPUs. The parent
 //! process starts one process per GPU (itself, with `GIN_EP_CHILD=1`); each child
-//! runs `gin_ep_lab::alltoall::run_rank` and rank 0 prints the table or JSON.
+//! runs `gin_ep_lab::alltoall::run_rank`; rank 0 prints the table (and writes `--json FILE`).
 
-use crate::error::{parse_secs, DEFAULT_TIMEOUT, parse_whole, CliError, CliResult};
+use crate::error::{parse_secs, parse_whole, CliError, CliResult, DEFAULT_TIMEOUT};
 use crate::gpus;
 use clap::Args;
 use comfy_table::{presets, CellAlignment, Table};
@@ -164,7 +164,8 @@ pub fn run(a: &AlltoallArgs) -> CliResult {
     };
     gpus::check_count(gpus)?;
     let world = gpus::set_topology(gpus, &a.shape)?;
-    opts.validate(world).map_err(|e| CliError::from_lib(e, &flag_of))?;
+    opts.validate(world)
+        .map_err(|e| CliError::from_lib(e, &flag_of))?;
     match gpus::relaunch(gpus, a.timeout)? {
         None => Ok(()),
         Some(f) => {

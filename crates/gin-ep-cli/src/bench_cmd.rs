@@ -1,7 +1,7 @@
 //! `gin-ep bench`: options, progress, tables and the JSON file. The timing
 //! loops and every figure come from `gin_ep::bench`.
 
-use crate::error::{parse_secs, DEFAULT_TIMEOUT, parse_whole, CliError, CliResult};
+use crate::error::{parse_secs, parse_whole, CliError, CliResult, DEFAULT_TIMEOUT};
 use crate::gpus;
 use crate::host;
 use clap::{Args, ValueEnum};
@@ -279,7 +279,10 @@ fn run_gpus(a: &BenchArgs, gpus: usize) -> CliResult {
         // A bad --json path is bad input: refuse it before starting any GPU process.
         let json = a.json.as_deref().map(JsonFile::create).transpose()?;
         if !a.sweep {
-            out!("backend: cuda, {} (one process per GPU)", crate::output::count(gpus, "GPU"));
+            out!(
+                "backend: cuda, {} (one process per GPU)",
+                crate::output::count(gpus, "GPU")
+            );
             print_shape(&r);
         }
         // The launcher's deadline covers the whole run (setup, warmup, iterations).

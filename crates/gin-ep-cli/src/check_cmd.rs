@@ -6,7 +6,7 @@
 //! `gin_ep::check::run_rank_case`.
 
 use crate::bench_cmd::Mode;
-use crate::error::{parse_secs, DEFAULT_TIMEOUT, parse_whole, CliError, CliResult};
+use crate::error::{parse_secs, parse_whole, CliError, CliResult, DEFAULT_TIMEOUT};
 use crate::gpus;
 use crate::host;
 use clap::{Args, ValueEnum};

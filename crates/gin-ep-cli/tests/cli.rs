@@ -995,19 +995,35 @@ fn a_fault_on_a_rank_no_group_has_is_refused() {
         .unwrap();
     let (out, err) = text(&o);
     assert_eq!(o.status.code(), Some(2), "stdout: {out}\nstderr: {err}");
-    assert!(err.contains("GIN_EP_FAULT rank 7") && err.contains("never fire"), "{err}");
+    assert!(
+        err.contains("GIN_EP_FAULT rank 7") && err.contains("never fire"),
+        "{err}"
+    );
 }
 
 #[test]
 fn a_failed_checks_reproduce_line_keeps_the_fault_and_the_timeout() {
     let o = Command::new(EXE)
-        .args(["check", "--ranks", "2", "--cases", "1", "--timeout", "1.5", "--mode", "ht"])
+        .args([
+            "check",
+            "--ranks",
+            "2",
+            "--cases",
+            "1",
+            "--timeout",
+            "1.5",
+            "--mode",
+            "ht",
+        ])
         .env("GIN_EP_FAULT", "1:combine")
         .output()
         .unwrap();
     let (out, err) = text(&o);
     assert_eq!(o.status.code(), Some(1), "stdout: {out}\nstderr: {err}");
-    let line = err.lines().find(|l| l.contains("reproduce with")).unwrap_or_else(|| panic!("{err}"));
+    let line = err
+        .lines()
+        .find(|l| l.contains("reproduce with"))
+        .unwrap_or_else(|| panic!("{err}"));
     assert!(
         line.contains("`GIN_EP_FAULT='1:combine' gin-ep check --launch threads --ranks 2")
             && line.contains("--timeout 1.5"),
@@ -1022,7 +1038,10 @@ fn alltoall_refuses_bad_values_before_looking_for_a_gpu() {
         (&["alltoall", "-b", "2G", "-e", "1G"], "-b/--min-bytes"),
         (&["alltoall", "--iters", "0"], "--iters"),
         (&["alltoall", "--unroll", "3"], "--unroll"),
-        (&["alltoall", "--json", "/nonexistent-dir/a2a.json"], "--json /nonexistent-dir/a2a.json"),
+        (
+            &["alltoall", "--json", "/nonexistent-dir/a2a.json"],
+            "--json /nonexistent-dir/a2a.json",
+        ),
     ] {
         usage_error(args, flag);
     }
@@ -1042,8 +1061,23 @@ fn the_ll_token_limit_in_the_help_is_the_gpu_kernels_and_the_host_takes_more() {
     let limit = gin_ep::backend::cuda::ll::MAX_TOKENS;
     assert!(help.contains(&format!("1-{limit} tokens per rank")), "{help}");
     let o = gin_ep(&[
-        "bench", "--mode", "ll", "--ranks", "1", "--tokens", "300", "--hidden", "128", "--experts", "4",
-        "--topk", "2", "--iters", "1", "--warmup", "0",
+        "bench",
+        "--mode",
+        "ll",
+        "--ranks",
+        "1",
+        "--tokens",
+        "300",
+        "--hidden",
+        "128",
+        "--experts",
+        "4",
+        "--topk",
+        "2",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
     ]);
     let (out, err) = text(&o);
     assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
@@ -1081,7 +1115,10 @@ fn the_docs_quote_the_timeout_default_of_the_help() {
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
     for doc in ["docs/troubleshooting.md", "docs/cli.md"] {
         let t = std::fs::read_to_string(format!("{root}/{doc}")).unwrap();
-        assert!(t.contains(&format!("default {secs} s")), "{doc} does not say `default {secs} s`");
+        assert!(
+            t.contains(&format!("default {secs} s")),
+            "{doc} does not say `default {secs} s`"
+        );
     }
 }
 
@@ -1092,5 +1129,8 @@ fn the_readme_states_the_supported_nccl_as_info_does() {
     let info = text(&gin_ep(&["info"])).0;
     assert!(info.contains(&format!("supported: {supported}")), "{info}");
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
-    assert!(readme.contains(&supported), "README.md does not say `{supported}`");
+    assert!(
+        readme.contains(&supported),
+        "README.md does not say `{supported}`"
+    );
 }

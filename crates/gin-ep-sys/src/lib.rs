@@ -203,7 +203,9 @@ impl std::fmt::Display for NcclSource {
         match self {
             NcclSource::Env(path) => write!(f, "{path} (from {NCCL_LIB_ENV})"),
             NcclSource::AlreadyLoaded => f.write_str("the libnccl.so.2 already loaded in this process"),
-            NcclSource::PythonWheel(path) => write!(f, "{path} (the nvidia-nccl wheel of the python3 on PATH)"),
+            NcclSource::PythonWheel(path) => {
+                write!(f, "{path} (the nvidia-nccl wheel of the python3 on PATH)")
+            }
             NcclSource::LoaderPath => f.write_str("libnccl.so.2 from the loader's search path"),
         }
     }
@@ -510,9 +512,19 @@ mod tests {
     #[test]
     fn a_source_prints_as_words_not_debug_text() {
         let wheel = NcclSource::PythonWheel("/site/nvidia/nccl/lib/libnccl.so.2".into()).to_string();
-        assert!(wheel.starts_with("/site/nvidia/nccl/lib/libnccl.so.2 ("), "{wheel}");
-        for s in [wheel, NcclSource::Env("/x".into()).to_string(), NcclSource::LoaderPath.to_string()] {
-            assert!(!s.contains("(\"") && !s.contains("Wheel") && !s.contains("Env("), "{s}");
+        assert!(
+            wheel.starts_with("/site/nvidia/nccl/lib/libnccl.so.2 ("),
+            "{wheel}"
+        );
+        for s in [
+            wheel,
+            NcclSource::Env("/x".into()).to_string(),
+            NcclSource::LoaderPath.to_string(),
+        ] {
+            assert!(
+                !s.contains("(\"") && !s.contains("Wheel") && !s.contains("Env("),
+                "{s}"
+            );
         }
     }
 

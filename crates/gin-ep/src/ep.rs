@@ -761,7 +761,11 @@ impl Ep {
                         reason: format!("used buffer set {}, the Ep expected {set}", o.handle.set),
                     });
                 }
-                (Some((o.recv_x, o.recv_count)), Some(Arc::new(o.handle)), Some(Arc::from(idx)))
+                (
+                    Some((o.recv_x, o.recv_count)),
+                    Some(Arc::new(o.handle)),
+                    Some(Arc::from(idx)),
+                )
             }
             Engine::Cuda(c) => {
                 let io = gpu::LlDispatchSpans {

@@ -202,26 +202,52 @@ fn an_ll_combine_with_another_topk_idx_is_refused() {
         let i = &ins[ep.rank()];
         let rows = cfg.local_experts() * cfg.ranks * cfg.max_tokens_per_rank * cfg.hidden;
         let y = vec![bf16::from_f32(1.0); rows];
-        let d = ep.ll_dispatch(ll_in(i), LlHalf::Both, LlDispatchOut::default(), Stream::default())?;
+        let d = ep.ll_dispatch(
+            ll_in(i),
+            LlHalf::Both,
+            LlDispatchOut::default(),
+            Stream::default(),
+        )?;
         let mut other = i.topk_idx.clone();
         // Token 2's second choice: another expert (or none, when it had none).
         other[2 * 2 + 1] = if other[5] < 0 { 0 } else { -1 };
-        let comb = |idx: &'_ [i64]| LlCombineIn {
-            y: Mem::Host(&y),
-            topk_idx: Mem::Host(idx),
-            topk_weights: Mem::Host(&i.topk_weights),
-        };
+        fn with<'a>(y: &'a [bf16], idx: &'a [i64], w: &'a [f32]) -> LlCombineIn<'a> {
+            LlCombineIn {
+                y: Mem::Host(y),
+                topk_idx: Mem::Host(idx),
+                topk_weights: Mem::Host(w),
+            }
+        }
+        let w = &i.topk_weights;
         let e = ep
-            .ll_combine(comb(&other), &d.handle, LlHalf::Both, None, Stream::default())
+            .ll_combine(
+                with(&y, &other, w),
+                &d.handle,
+                LlHalf::Both,
+                None,
+                Stream::default(),
+            )
             .unwrap_err();
         assert!(matches!(e, Error::InvalidInput { .. }), "{e}");
         assert!(e.to_string().contains("token 2"), "{e}");
         let e = ep
-            .ll_combine(comb(&other[..6]), &d.handle, LlHalf::Both, None, Stream::default())
+            .ll_combine(
+                with(&y, &other[..6], w),
+                &d.handle,
+                LlHalf::Both,
+                None,
+                Stream::default(),
+            )
             .unwrap_err();
         assert!(e.to_string().contains("topk_idx"), "{e}");
         // Refused before communicating: the dispatch's own topk_idx still combines.
-        ep.ll_combine(comb(&i.topk_idx), &d.handle, LlHalf::Both, None, Stream::default())?;
+        ep.ll_combine(
+            with(&y, &i.topk_idx, w),
+            &d.handle,
+            LlHalf::Both,
+            None,
+            Stream::default(),
+        )?;
         Ok(())
     })
     .unwrap();
