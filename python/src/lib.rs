@@ -294,9 +294,9 @@ impl PyGroup {
         loop {
             match g.store().get(key, FAILURE_POLL.min(g.timeout())) {
                 Ok(v) => return Ok(v),
-                Err(e) => {
+                // The slice ran out (or the store is gone: the failure key read says which).
+                Err(_) => {
                     let waited = t0.elapsed();
-                    // A slice that ran out reads the failure key; a store that is gone fails it.
                     match g.store().try_get(&failure) {
                         Ok(Some(msg)) if !msg.is_empty() => {
                             return Err(PyRuntimeError::new_err(format!(
@@ -307,8 +307,8 @@ impl PyGroup {
                         Ok(_) if waited < g.timeout() => continue,
                         Ok(_) => {
                             return Err(PyTimeoutError::new_err(format!(
-                                "gin_ep: rank {r} did not reach `{name}` within {:.1} s (rank {me} \
-                                 waited; timeout_s = {:?}): {e}",
+                                "gin_ep: rank {r} did not reach `{name}`: rank {me} waited {:.1} s \
+                                 for it (timeout_s = {:?})",
                                 waited.as_secs_f64(),
                                 g.timeout()
                             )))

@@ -58,7 +58,7 @@ def skip_unless_gpus_for(world: int) -> None:
     import pytest
     gpus = -(-world // vnodes())
     if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
-        pytest.skip(f"needs {gpus} GPUs for {world} ranks")
+        pytest.skip(f"needs {gpus} GPU{'' if gpus == 1 else 's'} for {world} rank{'' if world == 1 else 's'}")
 
 
 def enter_gpu(rank: int) -> torch.device:
