@@ -547,8 +547,10 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
         );
         // The launcher's deadline covers every case.
         let again = format!(
-            "\nreproduce with `gin-ep check --gpus {gpus} --mode {mode_name} --cases {} --seed {}`",
-            r.cases, r.seed
+            "\nreproduce with `gin-ep check --gpus {gpus} --mode {mode_name} --cases {} --seed {} --timeout {}`",
+            r.cases,
+            r.seed,
+            a.timeout.as_secs_f64()
         );
         let with = match (mode, a.variants.is_some()) {
             (BenchMode::Ll, _) => ", small cases on every check tuning too",
