@@ -697,7 +697,7 @@ pub fn run(a: &CheckArgs) -> CliResult {
     let ranks = host_ranks(a.ranks.as_ref(), r.launch, r.node_size)?;
     // Validate the fault spec before starting anything.
     let fault = fault_from_env(r.launch == LaunchKind::Processes)?;
-    if let Some(f) = &fault {
+    if let Some(f) = &fault.fault {
         // A fault on a rank no checked group has would never fire: the check would pass
         // having injected nothing.
         let most = ranks.iter().copied().max().unwrap_or(0);
@@ -764,8 +764,12 @@ pub fn run(a: &CheckArgs) -> CliResult {
                      --ranks {n} --seed {} --cases {} --iters {} --timeout {}{}{}{}`",
                     r.launch.name(),
                     fault
+                        .fault
                         .as_ref()
-                        .map(|f| format!("{ENV_FAULT}='{}:{}' ", f.rank, f.phase))
+                        .map(|f| format!(
+                            "{ENV_FAULT}='{}:{}' {ENV_FAULT_CASE}={} ",
+                            f.rank, f.phase, fault.from_case
+                        ))
                         .unwrap_or_default(),
                     r.launch.name(),
                     r.seed,

@@ -1025,8 +1025,9 @@ fn a_failed_checks_reproduce_line_keeps_the_fault_and_the_timeout() {
         .find(|l| l.contains("reproduce with"))
         .unwrap_or_else(|| panic!("{err}"));
     assert!(
-        line.contains("`GIN_EP_FAULT='1:combine' gin-ep check --launch threads --ranks 2")
-            && line.contains("--timeout 1.5"),
+        line.contains(
+            "`GIN_EP_FAULT='1:combine' GIN_EP_FAULT_CASE=0 gin-ep check --launch threads --ranks 2"
+        ) && line.contains("--timeout 1.5"),
         "{line}"
     );
 }
