@@ -1,5 +1,5 @@
 //! Build script of gin-ep-sys: checks the Rust mirrors of NCCL's structs against nccl.h, once
-//! per supported NCCL minor (2.28, 2.29, 2.30: the mirrors in src/dev_abi.rs).
+//! per supported NCCL minor (2.28 to 2.32: the mirrors in src/dev_abi.rs).
 //!
 //! For each header set found, a small C++ probe is compiled against it and run; it prints
 //! `const` assertions (size, alignment, every field offset) on that version's mirrors into
@@ -80,6 +80,113 @@ const REQS_2_28: &[&str] = &[
     "ginContextCount",
     "ginSignalCount",
     "ginCounterCount",
+];
+
+const WINDOW_2_31: &[&str] = &[
+    "winHost",
+    "lsaFlatBase",
+    "lsaRank",
+    "worldRank",
+    "stride4G",
+    "mcOffset4K",
+    "ginOffset4K",
+    "ginWinsDefaultBackend",
+    "ginMultiSegmentWins",
+    "numSegments",
+    "cftFlatRank",
+];
+
+const WINDOW_2_32: &[&str] = &[
+    "winHost",
+    "lsaFlatBase",
+    "lsaRank",
+    "worldRank",
+    "stride4G",
+    "mcOffset4K",
+    "ginOffset4K",
+    "winFlags",
+    "ginWinsDefaultBackend",
+    "ginMultiSegmentWins",
+    "numSegments",
+    "cftFlatRank",
+    "ucLeIdBase",
+];
+
+const RESOURCE_WINDOW_2_31: &[&str] = &["lsaFlatBase", "stride4G", "mcOffset4K"];
+
+/// 2.31's `ncclDevComm`, also 2.32's.
+const DEV_COMM_2_31: &[&str] = &[
+    "magic",
+    "version",
+    "rank",
+    "nRanks",
+    "nRanks_rcp32",
+    "lsaRank",
+    "lsaSize",
+    "lsaSize_rcp32",
+    "windowTable",
+    "resourceWindow",
+    "resourceWindow_inlined",
+    "hybridDenseGinBarrier",
+    "lsaMultimem",
+    "lsaBarrier",
+    "railGinBarrier",
+    "ginConnectionCount",
+    "backendIndex",
+    "ginNetDeviceTypes",
+    "ginHandles",
+    "ginSignalCount",
+    "ginCounterCount",
+    "ginSignalShadows",
+    "ginContextCount",
+    "ginConnectionStride",
+    "ginContextStride",
+    "ginStrongLegacySignals",
+    "abortFlag",
+    "hybridLsaBarrier",
+    "hybridRailGinBarrier",
+    "worldGinBarrier",
+    "ginConnectionStride_rcp32",
+    "cftRank",
+    "cftSize",
+    "cftMultimemRank",
+    "cftMultimemSize",
+    "cftMultimemSize_rcp32",
+    "ucLeId",
+    "mcLeId",
+    "cftBarrier",
+    "cftMultimemBarrier",
+];
+
+/// 2.31's requirements, also 2.32's.
+const REQS_2_31: &[&str] = &[
+    "size",
+    "magic",
+    "version",
+    "resourceRequirementsList",
+    "teamRequirementsList",
+    "lsaMultimem",
+    "barrierCount",
+    "lsaBarrierCount",
+    "railGinBarrierCount",
+    "lsaLLA2ABlockCount",
+    "lsaLLA2ASlotCount",
+    "ginForceEnable",
+    "ginContextCount",
+    "ginSignalCount",
+    "ginCounterCount",
+    "ginConnectionType",
+    "ginExclusiveContexts",
+    "ginQueueDepth",
+    "ginTrafficClass",
+    "worldGinBarrierCount",
+    "ginStrongSignalsRequired",
+    "ginVaSignalsRequired",
+    "ginCustomStride",
+    "ginType",
+    "useRuntimeVersion",
+    "cftCaps",
+    "cftBarrierCount",
 ];
 
 /// Per minor: (label, Rust module, the version's own structs).
@@ -273,6 +380,26 @@ const VERSIONS: &[Versioned] = &[
                 ],
             ),
         ],
+    ),    (
+        "2.31",
+        "v2_31",
+        &[
+            ("ncclWindow_vidmem", WINDOW_2_31),
+            ("ncclResourceWindow_vidmem", RESOURCE_WINDOW_2_31),
+            ("ncclCftBarrierHandle", &["bufHandle", "nBarriers"]),
+            ("ncclDevComm", DEV_COMM_2_31),
+            ("ncclDevCommRequirements", REQS_2_31),
+        ],
+    ),
+    (
+        "2.32",
+        "v2_32",
+        &[
+            ("ncclWindow_vidmem", WINDOW_2_32),
+            ("ncclResourceWindow_vidmem", RESOURCE_WINDOW_2_31),
+            ("ncclDevComm", DEV_COMM_2_31),
+            ("ncclDevCommRequirements", REQS_2_31),
+        ],
     ),
 ];
 
@@ -289,6 +416,8 @@ fn main() {
         "NCCL_INCLUDE_2_28",
         "NCCL_INCLUDE_2_29",
         "NCCL_INCLUDE_2_30",
+        "NCCL_INCLUDE_2_31",
+        "NCCL_INCLUDE_2_32",
         "CUDA_HOME",
         "CXX",
     ] {

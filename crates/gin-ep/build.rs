@@ -1,5 +1,5 @@
 //! Build script of gin-ep: compiles `kernels/**/*.cu` into one fatbin per supported NCCL
-//! minor release (2.28, 2.29, 2.30), each against that version's headers.
+//! minor release (2.28 to 2.32), each against that version's headers.
 //!
 //! Owns: finding nvcc and each NCCL header set, the nvcc command lines (run concurrently), the
 //! ptxas spill check, and the generated `OUT_DIR/kernels_meta.rs` (per set: NCCL header
@@ -57,9 +57,9 @@ const SASS_ARCHS: &[&str] = &["90", "100"];
 /// PTX kept in the fatbin so a newer GPU can JIT; compute_90 is the oldest we support.
 const PTX_ARCH: &str = "90";
 /// The NCCL minor releases the kernels are built for, oldest first: one header set each
-/// (scripts/setup-cuda's venv has 2.28.9, its `.cuda/nccl-2.29.7`, `.cuda/nccl-2.30.7` the
+/// (scripts/setup-cuda's venv has 2.28.9, its `.cuda/nccl-2.29.7` ... `.cuda/nccl-2.32.3` the
 /// others). gin-ep-sys mirrors the same versions (`DevAbi`); a test checks they agree.
-const SUPPORTED_NCCL: &[&str] = &["2.28", "2.29", "2.30"];
+const SUPPORTED_NCCL: &[&str] = &["2.28", "2.29", "2.30", "2.31", "2.32"];
 
 fn main() {
     let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets this"));

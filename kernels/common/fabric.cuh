@@ -37,12 +37,11 @@
 #pragma once
 
 #include <cuda_runtime.h>
-#include <nccl.h>
-#include <nccl_device.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include "abi/fabric.h"
+#include "common/nccl_compat.cuh"
 
 namespace gin_ep {
 

@@ -1,6 +1,7 @@
 // kernels/common/nccl_compat.cuh: what differs between the NCCL versions the kernels are
-// built against (2.28.7+, 2.29.7+, 2.30.7+; crates/gin-ep/build.rs builds every kernel once
-// per header set and the runtime picks the one matching ncclGetVersion).
+// built against (2.28.7+, 2.29.7+, 2.30.7+, 2.31.2+, 2.32.3+; crates/gin-ep/build.rs builds
+// every kernel once per header set and the runtime picks the one matching ncclGetVersion).
+// The one place kernels include NCCL's headers from (fabric.cuh and its parts include this).
 //
 // Owns: the fixed-size slot that carries an `ncclDevComm` in every kernel argument struct,
 // the version macros, and the record of which Device API calls differ between versions.
@@ -14,6 +15,18 @@
 // guarded with NCCL_VERSION_CODE if behaviour must differ.
 
 #pragma once
+
+// GIN backends compiled into every ncclGin operation. ncclGin dispatches at run time over all
+// backends its headers enable; 2.31 adds AWS EFA's GPU-direct backend (EFA_GDA), whose
+// inlined code pushes the LL kernels across nodes past their 128-register budget into spills
+// (2.31.2: 9 kernels, 2.32.3: 17). gin-ep reaches other nodes through the proxy (its own
+// plugin, or NCCL's over IB) or GDAKI, so EFA_GDA is compiled out, as NCCL's headers allow
+// (`#ifndef NCCL_GIN_EFA_GDA_ENABLE`, nccl_device/gin/gin_device_common.h). A device
+// communicator NCCL gives an EFA_GDA backend is refused on the host before any launch
+// (backend/cuda/runtime/window.rs): ncclGin treats a backend outside its mask as unreachable.
+#ifndef NCCL_GIN_EFA_GDA_ENABLE
+#define NCCL_GIN_EFA_GDA_ENABLE 0
+#endif
 
 #include <nccl.h>
 #include <nccl_device.h>
@@ -52,5 +65,5 @@ struct alignas(8) DevCommSlot {
 // (required, given); 2.29 and 2.30 take (givenRelease, requiredRelease). gin-ep's only GIN
 // issuers, gin_put and gin_signal in fabric.cuh, fence first (fence.acq_rel.sys) and pass
 // thread_scope_system for both, which makes the order irrelevant; with given == required ==
-// system no backend (proxy, GDAKI, 2.30's GPI) adds a fence of its own. Kernels never call
+// system no backend (proxy, GDAKI, GPI from 2.30) adds a fence of its own. Kernels never call
 // put/signal directly, and never putValue (fabric.cuh makes that a compile error).

@@ -20,15 +20,17 @@ def nccl_info() -> Dict[str, object]:
     `GIN_EP_NCCL_LIB` or the dynamic loader's): `version` ("2.28.9" or None when none
     loads), `source` (where it came from, or why none loaded), `supported` (its kernels are
     built and its device API is mirrored), `why_not` (the refusal the GPU path would raise,
-    naming the version and the supported range) and `supported_versions` (e.g. "2.28.x from
-    2.28.7, 2.29.x from 2.29.7, 2.30.x from 2.30.7")."""
-    code, source, supported, why_not, supported_versions = _native.nccl_info()
+    naming the version and the supported range), `supported_versions` (e.g. "2.28.x from
+    2.28.7, 2.29.x from 2.29.7, ..., 2.32.x from 2.32.3") and `kernel_set` (the NCCL minor
+    whose kernels run with it, e.g. "2.31", or None when it is refused)."""
+    code, source, supported, why_not, supported_versions, kernel_set = _native.nccl_info()
     return {
         "version": _version(code),
         "source": source,
         "supported": supported,
         "why_not": why_not,
         "supported_versions": supported_versions,
+        "kernel_set": kernel_set,
     }
 
 

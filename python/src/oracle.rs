@@ -242,9 +242,10 @@ pub(crate) fn kernels_info() -> (Vec<ep::KernelSetInfo>, Option<&'static str>) {
 /// The NCCL the GPU path would load here (the one already in the process, e.g. PyTorch's,
 /// else `GIN_EP_NCCL_LIB` or the loader's), and gin-ep's verdict on it: (version code or
 /// None, where it came from or why it did not load, supported, the refusal or None, the
-/// supported versions). Loads no GPU library besides NCCL.
+/// supported versions, the kernel set that runs with it or None). Loads no GPU library
+/// besides NCCL.
 #[pyfunction]
-pub(crate) fn nccl_info() -> (Option<i32>, String, bool, Option<String>, String) {
+pub(crate) fn nccl_info() -> (Option<i32>, String, bool, Option<String>, String, Option<String>) {
     ep::nccl_info()
 }
 

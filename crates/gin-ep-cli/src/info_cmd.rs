@@ -103,7 +103,10 @@ pub fn run() -> CliResult {
     use gin_ep::ep::probe::{kernels_for, supported_text, version_text};
     match nccl_probe() {
         Ok((src, v)) => match kernels_for(v, &src) {
-            Ok(_) => out!("nccl:     {} loaded ({src}): supported", version_text(v)),
+            Ok((_, abi)) => out!(
+                "nccl:     {} loaded ({src}): supported, runs the NCCL {abi} kernel set",
+                version_text(v)
+            ),
             Err(e) => out!("nccl:     {} loaded ({src}): NOT usable: {e}", version_text(v)),
         },
         Err(e) => out!("nccl:     not loadable: {e}"),

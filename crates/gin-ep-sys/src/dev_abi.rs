@@ -1,4 +1,4 @@
-//! NCCL Device API types, mirrored once per supported minor release (2.28, 2.29, 2.30).
+//! NCCL Device API types, mirrored once per supported minor release (2.28 to 2.32).
 //!
 //! Owns: the `#[repr(C)]` mirrors of `ncclDevComm`, `ncclDevCommRequirements` and
 //! `ncclWindow_vidmem` for each [`DevAbi`], the fixed-size [`DevCommSlot`] that carries a
@@ -8,8 +8,9 @@
 //! embeds) or calls NCCL.
 //!
 //! Why per version: these structs change between minors (2.29 adds size/magic/version to
-//! the requirements, 2.30 puts magic/version in front of `ncclDevComm`, shifting every field)
-//! and patch releases of 2.28/2.29 changed them too (2.28.3 had no GIN fields; 2.29.2/2.29.3
+//! the requirements, 2.30 puts magic/version in front of `ncclDevComm`, shifting every field,
+//! 2.31 reshapes its GIN fields and appends CFT ones, 2.32 grows `ncclWindow_vidmem`) and patch
+//! releases of 2.28/2.29 changed them too (2.28.3 had no GIN fields; 2.29.2/2.29.3
 //! differ from 2.29.7). Layouts: build.rs compiles a probe against each header set it finds
 //! and asserts every size and offset below; the fixed assertions at the end pin the measured
 //! values where no headers are installed.
@@ -31,8 +32,12 @@ pub type ncclGinSignal_t = u32;
 pub type ncclGinCounter_t = u32;
 pub type ncclGinWindow_t = *mut c_void;
 
-/// `NCCL_GIN_MAX_CONTEXTS` (2.28) / `NCCL_GIN_MAX_CONNECTIONS` (2.29, 2.30).
+/// `NCCL_GIN_MAX_CONTEXTS` (2.28) / `NCCL_GIN_MAX_CONNECTIONS` (2.29 to 2.32).
 pub const NCCL_GIN_MAX_CONTEXTS: usize = 4;
+
+/// `NCCL_NET_DEVICE_GIN_EFA_GDA` (`ncclNetDeviceType`, 2.31+): AWS EFA's GPU-direct GIN
+/// backend, which gin-ep's kernels are compiled without (kernels/common/nccl_compat.cuh).
+pub const NCCL_NET_DEVICE_GIN_EFA_GDA: u8 = 5;
 
 /// `NCCL_API_MAGIC` (nccl.h 2.29+): the requirements struct must carry it.
 pub const NCCL_API_MAGIC: u32 = 0xcafe_beef;
@@ -330,6 +335,169 @@ pub mod v2_30 {
     }
 }
 
+/// NCCL 2.31.2 - 2.31.x (measured with 2.31.2, the first 2.31 release on PyPI): the resource
+/// window shrinks to its three used fields, the GIN connection flags become strides, a backend
+/// index and the CFT fields (`ncclCft`, nccl_device/cft.h) are appended.
+pub mod v2_31 {
+    use super::*;
+
+    pub use super::v2_29::{
+        ncclGinConnectionType_t, NCCL_GIN_CONNECTION_FULL, NCCL_GIN_CONNECTION_NONE, NCCL_GIN_CONNECTION_RAIL,
+    };
+    pub use super::v2_30::NCCL_CONFIG_UNDEF_INT;
+
+    /// `ncclGinType_t`; `NCCL_GIN_TYPE_NONE` lets NCCL pick any backend.
+    pub type ncclGinType_t = c_int;
+    pub const NCCL_GIN_TYPE_NONE: ncclGinType_t = 0;
+    /// `NCCL_CFT_NONE` (`ncclCftCap_t`): no CFT capabilities asked for.
+    pub const NCCL_CFT_NONE: c_int = 0;
+
+    /// `ncclCftLeId` (a logical endpoint id).
+    pub type ncclCftLeId = u32;
+
+    /// `struct ncclCftBarrierHandle`.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default)]
+    pub struct ncclCftBarrierHandle {
+        pub bufHandle: ncclDevResourceHandle_t,
+        pub nBarriers: c_int,
+    }
+
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug)]
+    pub struct ncclWindow_vidmem {
+        pub winHost: *mut c_void,
+        pub lsaFlatBase: *mut c_char,
+        pub lsaRank: c_int,
+        pub worldRank: c_int,
+        pub stride4G: u32,
+        pub mcOffset4K: u32,
+        pub ginOffset4K: u32,
+        pub ginWinsDefaultBackend: [ncclGinWindow_t; NCCL_GIN_MAX_CONTEXTS],
+        pub ginMultiSegmentWins: *mut c_void,
+        pub numSegments: c_int,
+        pub cftFlatRank: c_int,
+    }
+
+    /// `ncclResourceWindow_vidmem_t`: from 2.31 only the fields resource addressing reads.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug)]
+    pub struct ncclResourceWindow_vidmem {
+        pub lsaFlatBase: *mut c_char,
+        pub stride4G: u32,
+        pub mcOffset4K: u32,
+    }
+
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug)]
+    pub struct ncclDevComm {
+        pub magic: u32,
+        pub version: u32,
+        pub rank: c_int,
+        pub nRanks: c_int,
+        pub nRanks_rcp32: u32,
+        pub lsaRank: c_int,
+        pub lsaSize: c_int,
+        pub lsaSize_rcp32: u32,
+        pub windowTable: *mut ncclDevCommWindowTable,
+        pub resourceWindow: super::ncclWindow_t,
+        pub resourceWindow_inlined: ncclResourceWindow_vidmem,
+        pub hybridDenseGinBarrier: ncclGinBarrierHandle,
+        pub lsaMultimem: ncclMultimemHandle,
+        pub lsaBarrier: ncclLsaBarrierHandle,
+        pub railGinBarrier: ncclGinBarrierHandle,
+        pub ginConnectionCount: u8,
+        pub backendIndex: u8,
+        pub ginNetDeviceTypes: [u8; NCCL_GIN_MAX_CONTEXTS],
+        pub ginHandles: [*mut c_void; NCCL_GIN_MAX_CONTEXTS],
+        pub ginSignalCount: c_int,
+        pub ginCounterCount: c_int,
+        pub ginSignalShadows: *mut u64,
+        pub ginContextCount: u32,
+        pub ginConnectionStride: c_int,
+        pub ginContextStride: c_int,
+        pub ginStrongLegacySignals: bool,
+        pub abortFlag: *mut u32,
+        pub hybridLsaBarrier: ncclLsaBarrierHandle,
+        pub hybridRailGinBarrier: ncclGinBarrierHandle,
+        pub worldGinBarrier: ncclGinBarrierHandle,
+        pub ginConnectionStride_rcp32: u32,
+        pub cftRank: c_int,
+        pub cftSize: c_int,
+        pub cftMultimemRank: c_int,
+        pub cftMultimemSize: c_int,
+        pub cftMultimemSize_rcp32: u32,
+        pub ucLeId: ncclCftLeId,
+        pub mcLeId: ncclCftLeId,
+        pub cftBarrier: ncclCftBarrierHandle,
+        pub cftMultimemBarrier: ncclCftBarrierHandle,
+    }
+
+    /// Must start as `NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER` makes it:
+    /// [`DevCommRequirements::to_v2_31`]. `useRuntimeVersion` stays false: it tells NCCL the
+    /// device code was compiled against the library's own headers (JIT) and makes it write the
+    /// library's `ncclDevComm`; gin-ep's kernels are compiled ahead of time per header set, so
+    /// NCCL must write the layout of the set's `version` instead (docs/nccl.md).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug)]
+    pub struct ncclDevCommRequirements {
+        pub size: usize,
+        pub magic: u32,
+        pub version: u32,
+        pub resourceRequirementsList: *mut ncclDevResourceRequirements,
+        pub teamRequirementsList: *mut ncclTeamRequirements,
+        pub lsaMultimem: bool,
+        pub barrierCount: c_int,
+        pub lsaBarrierCount: c_int,
+        pub railGinBarrierCount: c_int,
+        pub lsaLLA2ABlockCount: c_int,
+        pub lsaLLA2ASlotCount: c_int,
+        pub ginForceEnable: bool,
+        pub ginContextCount: c_int,
+        pub ginSignalCount: c_int,
+        pub ginCounterCount: c_int,
+        pub ginConnectionType: ncclGinConnectionType_t,
+        pub ginExclusiveContexts: bool,
+        pub ginQueueDepth: c_int,
+        pub ginTrafficClass: c_int,
+        pub worldGinBarrierCount: c_int,
+        pub ginStrongSignalsRequired: bool,
+        pub ginVaSignalsRequired: bool,
+        pub ginCustomStride: c_int,
+        pub ginType: ncclGinType_t,
+        pub useRuntimeVersion: bool,
+        pub cftCaps: c_int,
+        pub cftBarrierCount: c_int,
+    }
+}
+
+/// NCCL 2.32.3 - 2.32.x (measured with 2.32.3, the first 2.32 release on PyPI): `ncclDevComm`
+/// and the requirements are 2.31's; `ncclWindow_vidmem` gains `winFlags` (in 2.31's padding)
+/// and `ucLeIdBase`.
+pub mod v2_32 {
+    use super::*;
+
+    pub use super::v2_31::{ncclDevComm, ncclDevCommRequirements, ncclResourceWindow_vidmem};
+
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug)]
+    pub struct ncclWindow_vidmem {
+        pub winHost: *mut c_void,
+        pub lsaFlatBase: *mut c_char,
+        pub lsaRank: c_int,
+        pub worldRank: c_int,
+        pub stride4G: u32,
+        pub mcOffset4K: u32,
+        pub ginOffset4K: u32,
+        pub winFlags: u32,
+        pub ginWinsDefaultBackend: [ncclGinWindow_t; NCCL_GIN_MAX_CONTEXTS],
+        pub ginMultiSegmentWins: *mut c_void,
+        pub numSegments: c_int,
+        pub cftFlatRank: c_int,
+        pub ucLeIdBase: v2_31::ncclCftLeId,
+    }
+}
+
 /// One supported device-API ABI: the minor release whose headers the kernels and these
 /// mirrors were built against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -337,11 +505,22 @@ pub enum DevAbi {
     V2_28,
     V2_29,
     V2_30,
+    V2_31,
+    V2_32,
 }
 
 impl DevAbi {
     /// Every mirrored ABI, oldest first.
-    pub const ALL: [DevAbi; 3] = [DevAbi::V2_28, DevAbi::V2_29, DevAbi::V2_30];
+    pub const ALL: [DevAbi; 5] = [
+        DevAbi::V2_28,
+        DevAbi::V2_29,
+        DevAbi::V2_30,
+        DevAbi::V2_31,
+        DevAbi::V2_32,
+    ];
+
+    /// The newest mirrored ABI: a library of a later minor is refused naming the range.
+    pub const NEWEST: DevAbi = DevAbi::V2_32;
 
     /// NCCL_VERSION_CODE of the headers mirrored (and the kernels built against).
     pub const fn headers(self) -> i32 {
@@ -349,17 +528,22 @@ impl DevAbi {
             DevAbi::V2_28 => 22809,
             DevAbi::V2_29 => 22907,
             DevAbi::V2_30 => 23007,
+            DevAbi::V2_31 => 23102,
+            DevAbi::V2_32 => 23203,
         }
     }
 
     /// The oldest library this ABI serves. 2.28: 2.28.7 has 2.28.9's layout and 2.28.3 not.
-    /// 2.29 and 2.30: the header version itself, because NCCL refuses requirements whose
-    /// `version` is newer than the library ("NCCL library version is too old").
+    /// 2.29 to 2.32: the header version itself, because NCCL refuses requirements whose
+    /// `version` is newer than the library ("NCCL library is too old"). 2.31.2 and 2.32.3 are
+    /// also the first releases of their minors on PyPI.
     pub const fn min_library(self) -> i32 {
         match self {
             DevAbi::V2_28 => 22807,
             DevAbi::V2_29 => 22907,
             DevAbi::V2_30 => 23007,
+            DevAbi::V2_31 => 23102,
+            DevAbi::V2_32 => 23203,
         }
     }
 
@@ -377,6 +561,8 @@ impl DevAbi {
             DevAbi::V2_28 => std::mem::size_of::<v2_28::ncclDevComm>(),
             DevAbi::V2_29 => std::mem::size_of::<v2_29::ncclDevComm>(),
             DevAbi::V2_30 => std::mem::size_of::<v2_30::ncclDevComm>(),
+            DevAbi::V2_31 => std::mem::size_of::<v2_31::ncclDevComm>(),
+            DevAbi::V2_32 => std::mem::size_of::<v2_32::ncclDevComm>(),
         }
     }
 
@@ -399,8 +585,39 @@ impl DevAbi {
                     let c = &*(slot.bytes.as_ptr() as *const v2_30::ncclDevComm);
                     (c.lsaRank, c.lsaSize)
                 }
+                DevAbi::V2_31 | DevAbi::V2_32 => {
+                    let c = &*(slot.bytes.as_ptr() as *const v2_31::ncclDevComm);
+                    (c.lsaRank, c.lsaSize)
+                }
             }
         }
+    }
+
+    /// The GIN backend (`ncclNetDeviceType`) of each GIN connection of a devcomm this
+    /// version's `ncclDevCommCreate` filled; empty without GIN.
+    pub fn gin_backends(self, slot: &DevCommSlot) -> Vec<u8> {
+        // SAFETY: as in `lsa`: an 8-aligned slot larger than every mirror, plain-data fields.
+        let (types, count) = unsafe {
+            match self {
+                DevAbi::V2_28 => {
+                    let c = &*(slot.bytes.as_ptr() as *const v2_28::ncclDevComm);
+                    (c.ginTypes, c.ginContextCount as usize)
+                }
+                DevAbi::V2_29 => {
+                    let c = &*(slot.bytes.as_ptr() as *const v2_29::ncclDevComm);
+                    (c.ginNetDeviceTypes, c.ginConnectionCount as usize)
+                }
+                DevAbi::V2_30 => {
+                    let c = &*(slot.bytes.as_ptr() as *const v2_30::ncclDevComm);
+                    (c.ginNetDeviceTypes, c.ginConnectionCount as usize)
+                }
+                DevAbi::V2_31 | DevAbi::V2_32 => {
+                    let c = &*(slot.bytes.as_ptr() as *const v2_31::ncclDevComm);
+                    (c.ginNetDeviceTypes, c.ginConnectionCount as usize)
+                }
+            }
+        };
+        types[..count.min(NCCL_GIN_MAX_CONTEXTS)].to_vec()
     }
 
     /// `requirements` as this version's `ncclDevCommRequirements`.
@@ -409,6 +626,7 @@ impl DevAbi {
             DevAbi::V2_28 => DevCommRequirementsC::V2_28(r.to_v2_28()),
             DevAbi::V2_29 => DevCommRequirementsC::V2_29(r.to_v2_29()),
             DevAbi::V2_30 => DevCommRequirementsC::V2_30(r.to_v2_30()),
+            DevAbi::V2_31 | DevAbi::V2_32 => DevCommRequirementsC::V2_31(r.to_v2_31(self)),
         }
     }
 }
@@ -573,6 +791,48 @@ impl DevCommRequirements {
             ginVaSignalsRequired: true,
         }
     }
+
+    /// As `NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER` of 2.31.2 (and of 2.32.3, the same struct),
+    /// then gin-ep's fields; `version` is `abi`'s headers, V2_31 or V2_32.
+    pub fn to_v2_31(&self, abi: DevAbi) -> v2_31::ncclDevCommRequirements {
+        v2_31::ncclDevCommRequirements {
+            size: std::mem::size_of::<v2_31::ncclDevCommRequirements>(),
+            magic: NCCL_API_MAGIC,
+            version: abi.headers() as u32,
+            resourceRequirementsList: self.resourceRequirementsList,
+            teamRequirementsList: self.teamRequirementsList,
+            lsaMultimem: self.lsaMultimem,
+            barrierCount: self.barrierCount,
+            lsaBarrierCount: self.lsaBarrierCount,
+            railGinBarrierCount: self.railGinBarrierCount,
+            lsaLLA2ABlockCount: self.lsaLLA2ABlockCount,
+            lsaLLA2ASlotCount: self.lsaLLA2ASlotCount,
+            ginForceEnable: self.ginForceEnable,
+            ginContextCount: if self.ginContextCount > 0 {
+                self.ginContextCount
+            } else {
+                4
+            },
+            ginSignalCount: self.ginSignalCount,
+            ginCounterCount: self.ginCounterCount,
+            ginConnectionType: if self.ginForceEnable {
+                v2_31::NCCL_GIN_CONNECTION_FULL
+            } else {
+                v2_31::NCCL_GIN_CONNECTION_NONE
+            },
+            ginExclusiveContexts: false,
+            ginQueueDepth: 0,
+            ginTrafficClass: v2_31::NCCL_CONFIG_UNDEF_INT,
+            worldGinBarrierCount: 0,
+            ginStrongSignalsRequired: true,
+            ginVaSignalsRequired: true,
+            ginCustomStride: 1,
+            ginType: v2_31::NCCL_GIN_TYPE_NONE,
+            useRuntimeVersion: false,
+            cftCaps: v2_31::NCCL_CFT_NONE,
+            cftBarrierCount: 0,
+        }
+    }
 }
 
 /// One version's `ncclDevCommRequirements`, ready to pass to `ncclDevCommCreate`.
@@ -581,6 +841,8 @@ pub enum DevCommRequirementsC {
     V2_28(v2_28::ncclDevCommRequirements),
     V2_29(v2_29::ncclDevCommRequirements),
     V2_30(v2_30::ncclDevCommRequirements),
+    /// 2.31's struct, also 2.32's.
+    V2_31(v2_31::ncclDevCommRequirements),
 }
 
 impl DevCommRequirementsC {
@@ -590,6 +852,7 @@ impl DevCommRequirementsC {
             DevCommRequirementsC::V2_28(r) => r as *const _ as *const c_void,
             DevCommRequirementsC::V2_29(r) => r as *const _ as *const c_void,
             DevCommRequirementsC::V2_30(r) => r as *const _ as *const c_void,
+            DevCommRequirementsC::V2_31(r) => r as *const _ as *const c_void,
         }
     }
 }
@@ -636,11 +899,27 @@ const _: () = {
     assert!(offset_of!(v2_30::ncclDevComm, lsaSize) == 24);
     assert!(size_of::<v2_30::ncclDevCommRequirements>() == 96);
 
+    assert!(size_of::<v2_31::ncclWindow_vidmem>() == 88);
+    assert!(size_of::<v2_31::ncclResourceWindow_vidmem>() == 16);
+    assert!(size_of::<v2_31::ncclDevComm>() == 248 && align_of::<v2_31::ncclDevComm>() == 8);
+    assert!(offset_of!(v2_31::ncclDevComm, lsaRank) == 20);
+    assert!(offset_of!(v2_31::ncclDevComm, lsaSize) == 24);
+    assert!(offset_of!(v2_31::ncclDevComm, ginConnectionCount) == 96);
+    assert!(offset_of!(v2_31::ncclDevComm, ginNetDeviceTypes) == 98);
+    assert!(offset_of!(v2_31::ncclDevComm, ginHandles) == 104);
+    assert!(offset_of!(v2_31::ncclDevComm, abortFlag) == 168);
+    assert!(size_of::<v2_31::ncclDevCommRequirements>() == 120);
+    assert!(offset_of!(v2_31::ncclDevCommRequirements, useRuntimeVersion) == 104);
+
+    assert!(size_of::<v2_32::ncclWindow_vidmem>() == 96);
+    assert!(offset_of!(v2_32::ncclWindow_vidmem, ginWinsDefaultBackend) == 40);
+
     // NCCL writes sizeof(its ncclDevComm) into the slot.
     assert!(size_of::<DevCommSlot>() == DEV_COMM_SLOT_BYTES && align_of::<DevCommSlot>() == 8);
     assert!(size_of::<v2_28::ncclDevComm>() <= DEV_COMM_SLOT_BYTES);
     assert!(size_of::<v2_29::ncclDevComm>() <= DEV_COMM_SLOT_BYTES);
     assert!(size_of::<v2_30::ncclDevComm>() <= DEV_COMM_SLOT_BYTES);
+    assert!(size_of::<v2_31::ncclDevComm>() <= DEV_COMM_SLOT_BYTES);
 };
 
 #[cfg(test)]
@@ -657,9 +936,16 @@ mod tests {
         assert_eq!(DevAbi::for_library(23007), Some(DevAbi::V2_30));
         assert_eq!(DevAbi::for_library(23012), Some(DevAbi::V2_30));
         assert_eq!(DevAbi::for_library(23004), None);
-        assert_eq!(DevAbi::for_library(23102), None);
+        assert_eq!(DevAbi::for_library(23102), Some(DevAbi::V2_31));
+        assert_eq!(DevAbi::for_library(23109), Some(DevAbi::V2_31));
+        assert_eq!(DevAbi::for_library(23100), None, "older than the 2.31.2 headers");
+        assert_eq!(DevAbi::for_library(23203), Some(DevAbi::V2_32));
+        assert_eq!(DevAbi::for_library(23202), None, "older than the 2.32.3 headers");
+        assert_eq!(DevAbi::for_library(23300), None, "a minor newer than every set");
         assert_eq!(DevAbi::for_library(22705), None);
         assert_eq!(DevAbi::V2_30.to_string(), "2.30");
+        assert_eq!(DevAbi::V2_32.to_string(), "2.32");
+        assert_eq!(DevAbi::NEWEST, *DevAbi::ALL.last().unwrap());
     }
 
     #[test]
@@ -679,6 +965,14 @@ mod tests {
         assert_eq!((v30.size, v30.magic, v30.version), (96, 0xcafe_beef, 23007));
         assert_eq!(v30.ginTrafficClass, i32::MIN);
         assert!(v30.ginStrongSignalsRequired && v30.ginVaSignalsRequired);
+        for (abi, version) in [(DevAbi::V2_31, 23102), (DevAbi::V2_32, 23203)] {
+            let v31 = r.to_v2_31(abi);
+            assert_eq!((v31.size, v31.magic, v31.version), (120, 0xcafe_beef, version));
+            assert_eq!((v31.lsaBarrierCount, v31.ginSignalCount), (3, 5));
+            assert_eq!(v31.ginConnectionType, v2_31::NCCL_GIN_CONNECTION_FULL);
+            assert_eq!((v31.ginCustomStride, v31.ginType, v31.cftCaps), (1, 0, 0));
+            assert!(!v31.useRuntimeVersion, "the kernels are not built against the library's headers");
+        }
         let v28 = r.to_v2_28();
         assert_eq!(
             (v28.lsaBarrierCount, v28.ginSignalCount, v28.ginContextCount),
@@ -687,12 +981,45 @@ mod tests {
     }
 
     #[test]
+    fn gin_backends_read_each_versions_own_fields() {
+        // (ABI, offset of the connection count, offset of the type array).
+        use std::mem::offset_of;
+        for (abi, at_count, at_types) in [
+            (
+                DevAbi::V2_28,
+                offset_of!(v2_28::ncclDevComm, ginContextCount),
+                offset_of!(v2_28::ncclDevComm, ginTypes),
+            ),
+            (
+                DevAbi::V2_29,
+                offset_of!(v2_29::ncclDevComm, ginConnectionCount),
+                offset_of!(v2_29::ncclDevComm, ginNetDeviceTypes),
+            ),
+            (
+                DevAbi::V2_30,
+                offset_of!(v2_30::ncclDevComm, ginConnectionCount),
+                offset_of!(v2_30::ncclDevComm, ginNetDeviceTypes),
+            ),
+            (DevAbi::V2_31, 96, 98),
+            (DevAbi::V2_32, 96, 98),
+        ] {
+            let mut slot = DevCommSlot::zeroed();
+            assert!(abi.gin_backends(&slot).is_empty(), "{abi:?}");
+            slot.bytes[at_count] = 2;
+            slot.bytes[at_types..at_types + 3].copy_from_slice(&[2, NCCL_NET_DEVICE_GIN_EFA_GDA, 3]);
+            assert_eq!(abi.gin_backends(&slot), vec![2, NCCL_NET_DEVICE_GIN_EFA_GDA], "{abi:?}");
+            slot.bytes[at_count] = 200;
+            assert_eq!(abi.gin_backends(&slot).len(), 4, "{abi:?}: capped at the array");
+        }
+    }
+
+    #[test]
     fn lsa_reads_each_versions_own_offsets() {
         for abi in DevAbi::ALL {
             let mut slot = DevCommSlot::zeroed();
             let (at_rank, at_size) = match abi {
                 DevAbi::V2_28 | DevAbi::V2_29 => (12, 16),
-                DevAbi::V2_30 => (20, 24),
+                DevAbi::V2_30 | DevAbi::V2_31 | DevAbi::V2_32 => (20, 24),
             };
             slot.bytes[at_rank..at_rank + 4].copy_from_slice(&3i32.to_ne_bytes());
             slot.bytes[at_size..at_size + 4].copy_from_slice(&8i32.to_ne_bytes());

@@ -1141,20 +1141,29 @@ pub fn kernels_info() -> (Vec<KernelSetInfo>, Option<&'static str>) {
 /// The NCCL the GPU path would load here (the one already in the process, else
 /// `GIN_EP_NCCL_LIB` or the loader's) and the verdict on it: (version code or None, where it
 /// came from or why it did not load, supported, the refusal or None, the supported
-/// versions). Loads no GPU library besides NCCL.
-pub fn nccl_info() -> (Option<i32>, String, bool, Option<String>, String) {
+/// versions, the kernel set that runs with it, e.g. "2.31", or None). Loads no GPU library
+/// besides NCCL.
+pub fn nccl_info() -> (Option<i32>, String, bool, Option<String>, String, Option<String>) {
     use crate::backend::cuda::{kernels_for, nccl_probe, supported_text};
     match nccl_probe() {
         Ok((source, version)) => match kernels_for(version, &source) {
-            Ok(_) => (Some(version), source, true, None, supported_text()),
+            Ok((_, abi)) => (
+                Some(version),
+                source,
+                true,
+                None,
+                supported_text(),
+                Some(abi.to_string()),
+            ),
             Err(e) => (
                 Some(version),
                 source,
                 false,
                 Some(e.to_string()),
                 supported_text(),
+                None,
             ),
         },
-        Err(why) => (None, why, false, None, supported_text()),
+        Err(why) => (None, why, false, None, supported_text(), None),
     }
 }

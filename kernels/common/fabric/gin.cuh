@@ -4,10 +4,9 @@
 
 #pragma once
 
-#include <nccl.h>
-#include <nccl_device.h>
 #include <stdint.h>
 
+#include "common/nccl_compat.cuh"
 #include "common/fabric/deadline.cuh"
 #include "common/fabric/order.cuh"
 

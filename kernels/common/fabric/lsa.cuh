@@ -4,11 +4,10 @@
 
 #pragma once
 
-#include <nccl.h>
-#include <nccl_device.h>
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/nccl_compat.cuh"
 #include "common/fabric/deadline.cuh"
 #include "common/fabric/order.cuh"
 

@@ -54,6 +54,8 @@ pub enum CudaError {
     KernelsAbsent(&'static str),
     #[error("NCCL {} is loaded ({source_}) but gin-ep supports only NCCL {}; install a PyTorch whose NCCL is supported or point GIN_EP_NCCL_LIB at a supported libnccl.so.2", version_text(*.loaded), supported_text())]
     NcclUnsupported { loaded: i32, source_: String },
+    #[error("NCCL {} is loaded ({source_}) but is newer than every kernel set of this gin-ep (the newest is for NCCL {}): NCCL's device API changes between minors, so gin-ep supports only NCCL {}; install a supported NCCL or point GIN_EP_NCCL_LIB at one, or use a gin-ep with kernels for NCCL {}", version_text(*.loaded), ns::DevAbi::NEWEST, supported_text(), minor_text(*.loaded))]
+    NcclNewer { loaded: i32, source_: String },
     #[error("NCCL {} is loaded and supported, but this gin-ep was built without its kernels ({reason}); rebuild after scripts/setup-cuda, or use an NCCL whose kernels are built ({})", version_text(*.loaded), built_text())]
     NcclKernelsAbsent { loaded: i32, reason: &'static str },
     #[error("needs a GIN-capable network (NCCL GPU-Initiated Networking); none was found")]
@@ -87,8 +89,14 @@ pub fn version_text(code: i32) -> String {
     }
 }
 
-/// The NCCL versions gin-ep can run with, e.g. "2.28.7+, 2.29.7+ or 2.30.7+ (2.28.x from
-/// 2.28.7, 2.29.x from 2.29.7, 2.30.x from 2.30.7)": one range per mirrored minor.
+/// "2.33" for 23301.
+fn minor_text(code: i32) -> String {
+    let v = version_text(code);
+    v.rsplit_once('.').map_or(v.clone(), |(minor, _)| minor.to_string())
+}
+
+/// The NCCL versions gin-ep can run with, e.g. "2.28.x from 2.28.7, 2.29.x from 2.29.7, ...,
+/// 2.32.x from 2.32.3": one range per mirrored minor.
 pub fn supported_text() -> String {
     let parts: Vec<String> = ns::DevAbi::ALL
         .iter()
@@ -97,7 +105,7 @@ pub fn supported_text() -> String {
     parts.join(", ")
 }
 
-/// The minors whose kernels this build embeds, e.g. "2.28, 2.29, 2.30".
+/// The minors whose kernels this build embeds, e.g. "2.28, 2.29, 2.30, 2.31, 2.32".
 fn built_text() -> String {
     let built: Vec<&str> = kernels::KERNEL_SETS
         .iter()
@@ -118,6 +126,12 @@ fn built_text() -> String {
 /// message.
 pub fn kernels_for(loaded: i32, source: &str) -> Result<(&'static [u8], ns::DevAbi), CudaError> {
     let Some(abi) = ns::DevAbi::for_library(loaded) else {
+        if loaded / 100 > ns::DevAbi::NEWEST.headers() / 100 {
+            return Err(CudaError::NcclNewer {
+                loaded,
+                source_: source.to_string(),
+            });
+        }
         return Err(CudaError::NcclUnsupported {
             loaded,
             source_: source.to_string(),
@@ -171,8 +185,10 @@ mod tests {
 
     #[test]
     fn versions_outside_the_supported_set_are_refused_naming_it_and_the_range() {
-        // 2.28.3 (another ncclDevComm), 2.29.3 (another layout), 2.27, 2.31, 2.32, 3.0.
-        for loaded in [22803, 22903, 23004, 22705, 23102, 23203, 30001] {
+        // 2.28.3 (another ncclDevComm), 2.29.3 (another layout), 2.30.4, 2.27, and 2.31.0 /
+        // 2.32.2: older than the headers of their minor's set, which NCCL refuses ("library is
+        // too old").
+        for loaded in [22803, 22903, 23004, 22705, 23100, 23202] {
             let err = kernels_for(loaded, "GIN_EP_NCCL_LIB=/x/libnccl.so.2").unwrap_err();
             let msg = err.to_string();
             assert!(matches!(err, CudaError::NcclUnsupported { .. }), "{msg}");
@@ -182,12 +198,37 @@ mod tests {
                 "2.28.x from 2.28.7",
                 "2.29.x from 2.29.7",
                 "2.30.x from 2.30.7",
+                "2.31.x from 2.31.2",
+                "2.32.x from 2.32.3",
                 "GIN_EP_NCCL_LIB",
             ] {
                 assert!(msg.contains(needle), "{needle:?} not in {msg}");
             }
         }
         assert!(check_nccl_version(22803).is_err());
+    }
+
+    #[test]
+    fn a_minor_newer_than_the_newest_set_is_refused_at_once_naming_the_range() {
+        for (loaded, minor) in [(23300, "2.33"), (23301, "2.33"), (23405, "2.34"), (30001, "3.0")] {
+            let err = kernels_for(loaded, "ncclGetVersion").unwrap_err();
+            let msg = err.to_string();
+            assert!(matches!(err, CudaError::NcclNewer { .. }), "{msg}");
+            for needle in [
+                version_text(loaded).as_str(),
+                "newest is for NCCL 2.32",
+                "2.28.x from 2.28.7",
+                "2.32.x from 2.32.3",
+                &format!("kernels for NCCL {minor}"),
+            ] {
+                assert!(msg.contains(needle), "{needle:?} not in {msg}");
+            }
+        }
+        // The newest set's own minor, from its first patch on, is not "newer".
+        assert!(!matches!(
+            kernels_for(23299, "x"),
+            Err(CudaError::NcclNewer { .. } | CudaError::NcclUnsupported { .. })
+        ));
     }
 
     #[test]

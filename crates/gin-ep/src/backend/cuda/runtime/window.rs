@@ -291,11 +291,22 @@ impl CudaRank {
         // writable slot larger than that version's ncclDevComm (gin-ep-sys checks the sizes).
         let r = unsafe { create(self.comm.raw, reqs.as_ptr(), &mut *raw) };
         self.comm.check("ncclDevCommCreate", r)?;
-        Ok(DevComm {
+        let dev = DevComm {
             raw,
             abi,
             req,
             comm: self.comm.clone(),
-        })
+        };
+        // The kernels are compiled without EFA's GIN backend (nccl_compat.cuh), which ncclGin
+        // would treat as unreachable: refuse it here (dropping `dev` destroys it).
+        if abi.gin_backends(&dev.raw).contains(&ns::NCCL_NET_DEVICE_GIN_EFA_GDA) {
+            return Err(unavailable(format!(
+                "NCCL {} gave the device communicator the EFA GDA GIN backend, which gin-ep's \
+                 kernels are built without (they use the GIN proxy or GDAKI); set NCCL_GIN_TYPE=2 \
+                 (the proxy) to run over EFA through NCCL's GIN proxy",
+                crate::backend::cuda::version_text(self.info.nccl_version)
+            )));
+        }
+        Ok(dev)
     }
 }
