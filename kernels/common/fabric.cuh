@@ -40,8 +40,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "abi/fabric.h"
+// NCCL's headers, before the ABI header that names their types.
 #include "common/nccl_compat.cuh"
+
+#include "abi/fabric.h"
 
 namespace gin_ep {
 

@@ -2,6 +2,7 @@
 //! `plugin/net/net_v11.h`, `plugin/gin/gin_v11.h`, `nccl_common.h`, `nccl_device/net_device.h`)
 //! and the v13 GIN table of NCCL 2.30 (`plugin/gin/gin_v13.h`, with `plugin/net/net_v12.h`
 //! for its properties), which 2.30 also loads as its RMA table (`plugin/rma/rma_v13.h`).
+//! NCCL 2.31 and 2.32 load the same tables (docs/nccl.md, "The project's plugin").
 //!
 //! Owns: `#[repr(C)]` layouts, constants and function-pointer types, with size and offset
 //! assertions written from the headers for x86_64/aarch64 Linux (LP64). Never: logic. The
