@@ -971,7 +971,10 @@ mod tests {
             assert_eq!((v31.lsaBarrierCount, v31.ginSignalCount), (3, 5));
             assert_eq!(v31.ginConnectionType, v2_31::NCCL_GIN_CONNECTION_FULL);
             assert_eq!((v31.ginCustomStride, v31.ginType, v31.cftCaps), (1, 0, 0));
-            assert!(!v31.useRuntimeVersion, "the kernels are not built against the library's headers");
+            assert!(
+                !v31.useRuntimeVersion,
+                "the kernels are not built against the library's headers"
+            );
         }
         let v28 = r.to_v2_28();
         assert_eq!(
@@ -1007,7 +1010,11 @@ mod tests {
             assert!(abi.gin_backends(&slot).is_empty(), "{abi:?}");
             slot.bytes[at_count] = 2;
             slot.bytes[at_types..at_types + 3].copy_from_slice(&[2, NCCL_NET_DEVICE_GIN_EFA_GDA, 3]);
-            assert_eq!(abi.gin_backends(&slot), vec![2, NCCL_NET_DEVICE_GIN_EFA_GDA], "{abi:?}");
+            assert_eq!(
+                abi.gin_backends(&slot),
+                vec![2, NCCL_NET_DEVICE_GIN_EFA_GDA],
+                "{abi:?}"
+            );
             slot.bytes[at_count] = 200;
             assert_eq!(abi.gin_backends(&slot).len(), 4, "{abi:?}: capped at the array");
         }

@@ -92,7 +92,8 @@ pub fn version_text(code: i32) -> String {
 /// "2.33" for 23301.
 fn minor_text(code: i32) -> String {
     let v = version_text(code);
-    v.rsplit_once('.').map_or(v.clone(), |(minor, _)| minor.to_string())
+    v.rsplit_once('.')
+        .map_or(v.clone(), |(minor, _)| minor.to_string())
 }
 
 /// The NCCL versions gin-ep can run with, e.g. "2.28.x from 2.28.7, 2.29.x from 2.29.7, ...,

@@ -299,7 +299,10 @@ impl CudaRank {
         };
         // The kernels are compiled without EFA's GIN backend (nccl_compat.cuh), which ncclGin
         // would treat as unreachable: refuse it here (dropping `dev` destroys it).
-        if abi.gin_backends(&dev.raw).contains(&ns::NCCL_NET_DEVICE_GIN_EFA_GDA) {
+        if abi
+            .gin_backends(&dev.raw)
+            .contains(&ns::NCCL_NET_DEVICE_GIN_EFA_GDA)
+        {
             return Err(unavailable(format!(
                 "NCCL {} gave the device communicator the EFA GDA GIN backend, which gin-ep's \
                  kernels are built without (they use the GIN proxy or GDAKI); set NCCL_GIN_TYPE=2 \
