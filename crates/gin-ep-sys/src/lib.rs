@@ -12,7 +12,7 @@
 //! is found at run time; see [`Nccl::load`] for the search order.
 //!
 //! Layouts: `build.rs` compiles a C++ probe against every NCCL header set it finds (the
-//! project's `.cuda` from scripts/setup-cuda: 2.28.9, 2.29.7, 2.30.7; or NCCL_INCLUDE*) and
+//! project's `.cuda` from scripts/setup-cuda: 2.28.9 to 2.32.3; or NCCL_INCLUDE*) and
 //! generates `const` assertions on every size and offset of that version's mirrors; a
 //! mismatch fails the build. Fixed assertions in dev_abi.rs pin the measured values even on
 //! machines without headers.
