@@ -171,7 +171,7 @@ def memory_worker(rank, world, dev):
     recv = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                         num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
     after_ht = buf.memory_bytes()
-    st = recv[4][0]
+    st = recv[4].state
     cfg = _native.EpConfig(world, experts, hidden, topk, st.max_tokens, "bf16")
     if dev == "cuda":
         # The window of the shape (the copy slab and the lent ones) at least, and nothing on the host.
@@ -224,7 +224,7 @@ def test_topology_and_nccl_comm_are_checked(monkeypatch):
             Buffer(None, nccl_comm=bad)
     # The host backend has no nodes: a topology is refused there, not ignored.
     server = _native.StoreServer("127.0.0.1")
-    group = _native.Group.join(0, 1, f"127.0.0.1:{server.port}", 10.0)
+    group = _native.Group.join(0, 1, f"127.0.0.1:{server.port}", server.secret, 10.0)
     try:
         cfg = _native.EpConfig(1, 4, 128, 2, 8)
         with pytest.raises(ValueError, match="topology"):

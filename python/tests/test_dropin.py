@@ -103,7 +103,7 @@ class _FakeCuda(torch.Tensor):
 class _FakeGpu:
     made = []
 
-    def __init__(self, runtime, timeout_s, group_size, rank, agree):
+    def __init__(self, runtime, timeout_s, group_size, rank, agree, nccl_comm=None):
         _FakeGpu.made.append((group_size, rank))
         self.device = 0
 
