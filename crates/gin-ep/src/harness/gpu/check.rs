@@ -60,9 +60,9 @@ pub fn check_rank_variants(
     if mode == BenchMode::Ll {
         // LL has its own case set: its buffers are sized for decode batches
         // (<= 1024 tokens), so the HT cases above do not apply.
-        return crate::backend::cuda::ll::check::check_rank(
+        return super::ll_check::check_rank(
             group,
-            &crate::backend::cuda::ll::check::selftest_cases(group.world()),
+            &super::ll_check::selftest_cases(group.world()),
             timeout,
         );
     }

@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use half::bf16;
 
-use super::{poison, CudaLl, LlIo, LlLayout, LlTuning, RUNS, SETS};
+use crate::backend::cuda::ll::{poison, CudaLl, LlIo, LlLayout, LlTuning, RUNS, SETS};
 use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions, DeviceBuffer};
-use crate::check::Case;
+use crate::harness::check::Case;
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
 use crate::error::{Error, Result};
 use crate::group::vnodes::RankTopology;
@@ -22,7 +22,7 @@ use crate::group::Group;
 use crate::ht::RankInput;
 use crate::ll::{LlDispatchOutput, LlRouting};
 use crate::quant::Rows;
-use crate::workload::{Routing, Workload};
+use crate::harness::workload::{Routing, Workload};
 
 /// How many graph replays [`check_rank`] runs per case, and how often it compares a replay
 /// in full (counts are compared on every replay).
@@ -59,12 +59,12 @@ fn case_inputs(case: &Case, iter: u64) -> (Vec<RankInput>, Workload) {
     (ins, case.values_workload(iter as usize))
 }
 
-/// Writes the staging poison word ([`super::layout::STAGE_POISON`]: two BF16 NaNs) over one
+/// Writes the staging poison word ([`crate::backend::cuda::ll::layout::STAGE_POISON`]: two BF16 NaNs) over one
 /// aligned channel pair of every fifth row (which ones shifts with `iter`): a BF16 record
 /// unit or combine row holding it cannot be seen landing by its data, so the receiver must
 /// take it by its ready word or signal; FP8 turns the NaNs into 0x7F and never holds the word.
 fn stamp_poison(x: &mut [bf16], hidden: usize, iter: u64) {
-    let half = bf16::from_bits((super::layout::STAGE_POISON & 0xffff) as u16);
+    let half = bf16::from_bits((crate::backend::cuda::ll::layout::STAGE_POISON & 0xffff) as u16);
     let pairs = hidden / 2;
     for (t, row) in x.chunks_exact_mut(hidden).enumerate() {
         if pairs == 0 || !(t as u64 + iter).is_multiple_of(5) {
@@ -144,7 +144,7 @@ fn compare(ll: &CudaLl, set: usize, want: &Expected, what: &str) -> Result<()> {
         other => other,
     };
     let got = ll.download_dispatch(set)?;
-    crate::check::ll_dispatch(cfg, me, &got, &want.dispatch).map_err(ctx)?;
+    crate::harness::check::ll_dispatch(cfg, me, &got, &want.dispatch).map_err(ctx)?;
     if cfg.dispatch_dtype == DispatchDtype::Fp8Ue8m0 {
         let bytes = ll.download_ue8m0(set)?;
         let spr = cfg.hidden / FP8_BLOCK;
@@ -164,7 +164,7 @@ fn compare(ll: &CudaLl, set: usize, want: &Expected, what: &str) -> Result<()> {
         }
     }
     let got_c = ll.download_combined(set)?;
-    crate::check::ll_combine(me, &got_c, &want.combined).map_err(ctx)
+    crate::harness::check::ll_combine(me, &got_c, &want.combined).map_err(ctx)
 }
 
 /// One dispatch + combine on set 0 with every input and output in caller-owned device
@@ -276,7 +276,7 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl, case: &Case, run: u64) -> Res
         Error::Mismatch(m) => Error::Mismatch(format!("GPU LL, caller-owned memory, config {cfg:?}: {m}")),
         other => other,
     };
-    crate::check::ll_dispatch(&cfg, me, &got, &want.dispatch).map_err(ctx)?;
+    crate::harness::check::ll_dispatch(&cfg, me, &got, &want.dispatch).map_err(ctx)?;
     let st: Vec<i32> = rank.download_prefix_vec(stats.region(), l)?;
     let want_counts: Vec<i32> = want.dispatch.recv_count.iter().map(|&c| c as i32).collect();
     if st != want_counts {
@@ -285,7 +285,7 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl, case: &Case, run: u64) -> Res
         ))));
     }
     let got_c: Vec<bf16> = rank.download_prefix_vec(combined.region(), n * h)?;
-    crate::check::ll_combine(me, &got_c, &want.combined).map_err(ctx)?;
+    crate::harness::check::ll_combine(me, &got_c, &want.combined).map_err(ctx)?;
     Ok(2)
 }
 
@@ -645,7 +645,7 @@ mod tests {
                     .filter(|&t| {
                         input.x[t * h..(t + 1) * h].chunks_exact(2).any(|w| {
                             (u32::from(w[1].to_bits()) << 16 | u32::from(w[0].to_bits()))
-                                == super::super::layout::STAGE_POISON
+                                == crate::backend::cuda::ll::layout::STAGE_POISON
                         })
                     })
                     .count();
@@ -735,7 +735,7 @@ mod tests {
 
     #[test]
     fn without_a_gpu_the_check_is_an_error_not_a_panic() {
-        if super::super::super::driver::probe().is_ok() {
+        if crate::backend::cuda::driver::probe().is_ok() {
             eprintln!("skipped: this machine has a CUDA driver");
             return;
         }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use super::{case_inputs, upload_dispatch_input};
 
 use crate::backend::cuda::ht::{CombineExtras, CudaHt, DispatchSource, HtGpuOptions};
-use crate::backend::cuda::ll::check::harness_ll;
+use super::ll_check::harness_ll;
 use crate::backend::cuda::ll::{LlLayout, LlTuning};
 use crate::backend::cuda::{CudaRank, CudaRankOptions};
 use crate::check::Case;
@@ -229,7 +229,7 @@ pub fn kill_check_ll(group: &Group, victim: usize, iter: u64, timeout: Duration)
     group.barrier("ll-kill/start")?;
     let observed = (0..=iter).try_for_each(|it| {
         if me == victim && it == iter {
-            crate::backend::cuda::gincheck::exit_abruptly(me, it);
+            super::gincheck::exit_abruptly(me, it);
         }
         let set = (it % 2) as usize;
         ll.dispatch(set)?;

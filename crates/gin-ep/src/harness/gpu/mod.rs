@@ -24,17 +24,19 @@ use half::bf16;
 
 // The CUDA backend's per-rank check and benchmark entry points and limits that the CLI's GPU
 // commands use, named here so that the CLI reaches the backend only through the harness.
-pub use crate::backend::cuda::gincheck;
 pub use crate::backend::cuda::ht::{
     check_gpu_config, DEFAULT_SMS as HT_DEFAULT_SMS, MAX_GRID as HT_MAX_GRID,
 };
-pub use crate::backend::cuda::ll::check::selftest_cases as ll_selftest_cases;
+pub use ll_check::selftest_cases as ll_selftest_cases;
 pub use crate::backend::cuda::ll::stamps::PHASES as LL_STAMP_PHASES;
 pub use crate::backend::cuda::ll::MAX_GRID as LL_MAX_GRID;
 
 pub mod bench;
 pub mod cases;
 pub mod check;
+pub mod gincheck;
+pub mod ll_bench;
+pub mod ll_check;
 pub mod stall;
 
 pub use bench::{bench_rank, gather, max_per_iter, HtTimer};
