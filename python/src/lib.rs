@@ -621,7 +621,6 @@ impl PyEp {
             ht,
             ll,
             timeout: duration(timeout_s)?,
-            fault: None,
             ht_sms,
             ht_recv_slabs,
             ht_exact,
@@ -629,6 +628,7 @@ impl PyEp {
             // Sizing only (required_bytes): the window's layout follows the nodes found.
             ll_across_nodes: false,
             topology: RankTopology { vnodes, node_size },
+            ..EpOptions::default()
         };
         let backend = match gpu {
             Some(g) => Backend::Cuda(g.rank.clone()),

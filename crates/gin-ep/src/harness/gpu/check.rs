@@ -60,11 +60,7 @@ pub fn check_rank_variants(
     if mode == BenchMode::Ll {
         // LL has its own case set: its buffers are sized for decode batches
         // (<= 1024 tokens), so the HT cases above do not apply.
-        return super::ll_check::check_rank(
-            group,
-            &super::ll_check::selftest_cases(group.world()),
-            timeout,
-        );
+        return super::ll_check::check_rank(group, &super::ll_check::selftest_cases(group.world()), timeout);
     }
     let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?;
     let out = (|| {

@@ -11,9 +11,9 @@ use std::time::Duration;
 use crate::backend::cuda::ll::stamps::{eager_split, phase_values, StampMode, DISPATCH_PHASES, PHASES};
 use crate::backend::cuda::ll::{names, CudaLl, LlLayout, LlTuning, RUNS, SETS, STAMP_SLOTS, THREADS};
 use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions, DeviceBuffer, Event};
-use crate::harness::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
 use crate::error::{Error, Result};
 use crate::group::Group;
+use crate::harness::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
 use crate::harness::ll_traffic::ll_traffic;
 use crate::harness::workload::Workload;
 

@@ -14,15 +14,15 @@ use half::bf16;
 
 use crate::backend::cuda::ll::{poison, CudaLl, LlIo, LlLayout, LlTuning, RUNS, SETS};
 use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions, DeviceBuffer};
-use crate::harness::check::Case;
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
 use crate::error::{Error, Result};
 use crate::group::vnodes::RankTopology;
 use crate::group::Group;
+use crate::harness::check::Case;
+use crate::harness::workload::{Routing, Workload};
 use crate::ht::RankInput;
 use crate::ll::{LlDispatchOutput, LlRouting};
 use crate::quant::Rows;
-use crate::harness::workload::{Routing, Workload};
 
 /// How many graph replays [`check_rank`] runs per case, and how often it compares a replay
 /// in full (counts are compared on every replay).

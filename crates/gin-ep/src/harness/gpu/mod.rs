@@ -27,9 +27,9 @@ use half::bf16;
 pub use crate::backend::cuda::ht::{
     check_gpu_config, DEFAULT_SMS as HT_DEFAULT_SMS, MAX_GRID as HT_MAX_GRID,
 };
-pub use ll_check::selftest_cases as ll_selftest_cases;
 pub use crate::backend::cuda::ll::stamps::PHASES as LL_STAMP_PHASES;
 pub use crate::backend::cuda::ll::MAX_GRID as LL_MAX_GRID;
+pub use ll_check::selftest_cases as ll_selftest_cases;
 
 pub mod bench;
 pub mod cases;

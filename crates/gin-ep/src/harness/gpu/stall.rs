@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use super::{case_inputs, upload_dispatch_input};
 
-use crate::backend::cuda::ht::{CombineExtras, CudaHt, DispatchSource, HtGpuOptions};
 use super::ll_check::harness_ll;
+use crate::backend::cuda::ht::{CombineExtras, CudaHt, DispatchSource, HtGpuOptions};
 use crate::backend::cuda::ll::{LlLayout, LlTuning};
 use crate::backend::cuda::{CudaRank, CudaRankOptions};
 use crate::check::Case;
