@@ -48,7 +48,13 @@ use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::quant::Rows;
 
+#[cfg(feature = "harness")]
+pub use crate::backend::cuda::engine::EngineFault;
 pub use crate::backend::cuda::engine::{GpuRank, GpuRankOptions};
+
+#[cfg(feature = "harness")]
+#[path = "ep_harness.rs"]
+mod harness_hooks;
 pub use crate::backend::cuda::ht::{DEFAULT_SMS as HT_DEFAULT_SMS, MAX_RECV_SLABS};
 /// Test faults and the host's mode set: harness builds only (the CLI's host checks).
 #[cfg(feature = "harness")]

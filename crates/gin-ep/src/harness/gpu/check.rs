@@ -1,27 +1,35 @@
 //! The GPU HT check: every HT operation on this rank's GPU against the oracle, for the
-//! default variant and for each variant of a list.
+//! default variant and for each variant of a list, driven through [`Ep`] exactly as the
+//! Python package drives it.
 //!
-//! Owns: running a case through [`CudaHt`] (fresh and cached dispatch, combine, both
-//! sizings and dispatch sources, two receive slabs, a combine along the previous
-//! iteration's handle after the next fresh dispatch) and comparing each result through
-//! `crate::check`. Never: decides what is correct, or prints.
+//! Owns: running a case through an `Ep` (fresh and cached dispatch, combine, both sizings
+//! and dispatch sources, two receive slabs, a combine along the previous iteration's handle
+//! after the next fresh dispatch), the case's tensors in device memory of its own, and
+//! comparing each result through `crate::check`. Never: decides what is correct, prints, or
+//! reaches the HT driver (`Ep`'s harness hooks read the window back).
 
 use std::time::Duration;
 
-use super::{case_inputs, combine_input_io, per_rank, upload_dispatch_input, upload_x};
+use half::bf16;
 
-use crate::backend::cuda::ht::{
-    CombineExtras, CudaHt, DispatchSource, HtBuf, HtGpuHandle, HtGpuOptions, HtIo, HtVariant, Sizing, POISON,
-};
-use crate::backend::cuda::{CudaRank, CudaRankOptions};
-use crate::bench::BenchMode;
-use crate::check::Case;
+use super::{case_inputs, per_rank};
+
+use crate::backend::cuda::ht::{HtGpuOptions, HtVariant, Sizing, POISON};
+use crate::backend::cuda::DeviceBuffer;
 use crate::config::{DispatchDtype, EpConfig};
+pub use crate::ep::EngineFault;
+use crate::ep::{
+    Backend, DeviceOut, Ep, EpOptions, GpuRank, HtCombineIn, HtCombineOut, HtDispatchIn, HtHandle, Mem,
+    Stream,
+};
 use crate::error::{Error, Result};
 use crate::group::Group;
-use crate::ht::{HtCombineInput, HtDispatchOutput, RankInput};
+use crate::harness::bench::BenchMode;
+use crate::harness::check::Case;
+use crate::harness::workload::{Routing, Workload};
+use crate::ht::{HtCombineInput, HtCombineOutput, HtDispatchOutput, RankInput};
 use crate::oracle;
-use crate::workload::{Routing, Workload};
+use crate::quant::Rows;
 
 /// One HT kernel variant at one SM budget, as the variant check runs it ([`check_rank_variants`];
 /// gin-ep-lab's sweep lists make them), named for its reports.
@@ -50,6 +58,8 @@ pub fn check_rank(group: &Group, mode: BenchMode, cases: &[Case], timeout: Durat
 /// [`check_rank`] with the default variant (`GIN_EP_HT_VARIANT` or the built-in default) on
 /// every case, then for each of `variants` (SM budget, variant, name) the small cases plus a
 /// hidden-7168 BF16 case whose rows span several steps (so chunked work items split rows).
+/// `GIN_EP_ENGINE_FAULT` (see [`EngineFault::parse`]) injects a bug into the engine layer,
+/// which the HT check must report.
 pub fn check_rank_variants(
     group: &Group,
     mode: BenchMode,
@@ -57,12 +67,28 @@ pub fn check_rank_variants(
     timeout: Duration,
     variants: &[SweepEntry],
 ) -> Result<usize> {
+    let fault = match std::env::var("GIN_EP_ENGINE_FAULT") {
+        Ok(s) if !s.trim().is_empty() => Some(EngineFault::parse(s.trim())?),
+        _ => None,
+    };
+    check_rank_faulty(group, mode, cases, timeout, variants, fault)
+}
+
+/// [`check_rank_variants`] with `fault` injected into every `Ep` the HT check makes.
+pub fn check_rank_faulty(
+    group: &Group,
+    mode: BenchMode,
+    cases: &[Case],
+    timeout: Duration,
+    variants: &[SweepEntry],
+    fault: Option<EngineFault>,
+) -> Result<usize> {
     if mode == BenchMode::Ll {
         // LL has its own case set: its buffers are sized for decode batches
         // (<= 1024 tokens), so the HT cases above do not apply.
         return super::ll_check::check_rank(group, &super::ll_check::selftest_cases(group.world()), timeout);
     }
-    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?;
+    let gpu = GpuRank::open(group, None, timeout)?;
     let out = (|| {
         let mut passed = 0;
         // Two receive slabs: every case also checks that a dispatch into one slab leaves the
@@ -78,10 +104,16 @@ pub fn check_rank_variants(
         if topo.vnodes > 1 && !variant_given {
             // Processes sharing the GPU keep to their share of the SMs (the LL grid's rule,
             // RankTopology::sm_share); a variant the user named is run as given.
-            base.num_sms = topo.sm_share(rank.info().sm_count).max(2);
+            base.num_sms = topo.sm_share(gpu.info().sm_count).max(2);
         }
+        let run = CaseRun {
+            group,
+            gpu: &gpu,
+            timeout,
+            fault,
+        };
         for (i, case) in cases.iter().enumerate() {
-            check_case(group, &rank, case, base).map_err(|e| match e {
+            run.case(case, base).map_err(|e| match e {
                 Error::Mismatch(m) => Error::Mismatch(format!("GPU case {i}: {m}")),
                 other => other,
             })?;
@@ -112,7 +144,7 @@ pub fn check_rank_variants(
                     ..HtGpuOptions::default()
                 };
                 for (i, case) in small.iter().enumerate() {
-                    check_case(group, &rank, case, opts).map_err(|e| match e {
+                    run.case(case, opts).map_err(|e| match e {
                         Error::Mismatch(m) => {
                             Error::Mismatch(format!("variant `{}`, small case {i}: {m}", v.name))
                         }
@@ -122,29 +154,150 @@ pub fn check_rank_variants(
                 }
             }
         }
-        rank.wait("end of check")?;
+        gpu.sync(0)?;
         group.barrier("gpu-check/done")?;
         Ok(passed)
     })();
     if out.is_err() {
-        rank.comm().mark_failed();
+        gpu.mark_failed();
     }
     out
 }
 
-fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -> Result<()> {
-    let cfg = &case.cfg;
-    let me = group.rank();
-    let mut ht = CudaHt::new(rank, cfg, opts)?;
-    let res = (|| -> Result<()> {
+/// A caller's tensor in device memory of this rank's GPU (what a torch tensor is to the
+/// Python package): `bytes` of `buf`, which stays allocated while work may use it.
+struct Tensor {
+    buf: DeviceBuffer,
+    bytes: usize,
+}
+
+impl Tensor {
+    fn of<T: bytemuck::Pod>(gpu: &GpuRank, values: &[T]) -> Result<Tensor> {
+        let bytes = std::mem::size_of_val(values);
+        gpu.with_cuda(|r| {
+            let buf = r.alloc(bytes.max(16))?;
+            r.upload(buf.region().sub(0, bytes)?, bytemuck::cast_slice(values))?;
+            Ok(Tensor { buf, bytes })
+        })
+    }
+
+    /// An output of `bytes`, filled with [`POISON`].
+    fn poisoned(gpu: &GpuRank, bytes: usize) -> Result<Tensor> {
+        gpu.with_cuda(|r| {
+            let buf = r.alloc(bytes.max(16))?;
+            r.memset_u8(buf.region(), POISON)?;
+            Ok(Tensor { buf, bytes })
+        })
+    }
+
+    fn mem<T>(&self) -> Mem<'static, T> {
+        Mem::Device {
+            ptr: self.buf.region().device_ptr(),
+            bytes: self.bytes,
+        }
+    }
+
+    fn out(&self) -> DeviceOut {
+        DeviceOut {
+            ptr: self.buf.region().device_ptr(),
+            bytes: self.bytes,
+        }
+    }
+
+    /// The values, after the work queued on the rank's stream.
+    fn read<T: bytemuck::Pod>(&self, gpu: &GpuRank) -> Result<Vec<T>> {
+        let mut v = vec![T::zeroed(); self.bytes / std::mem::size_of::<T>()];
+        gpu.with_cuda(|r| {
+            r.wait("check download")?;
+            r.download(
+                self.buf.region().sub(0, self.bytes)?,
+                bytemuck::cast_slice_mut(&mut v),
+            )
+        })?;
+        Ok(v)
+    }
+}
+
+/// Dispatch activations as the caller holds them: BF16 rows, or FP8 rows with their scales
+/// (prequantized input).
+struct XTensors {
+    x: Tensor,
+    scales: Option<Tensor>,
+}
+
+impl XTensors {
+    fn of(gpu: &GpuRank, cfg: &EpConfig, x: &[bf16], fp8: bool) -> Result<XTensors> {
+        if !fp8 {
+            return Ok(XTensors {
+                x: Tensor::of(gpu, x)?,
+                scales: None,
+            });
+        }
+        match Rows::encode(cfg.dispatch_dtype, x, cfg.hidden) {
+            Rows::Fp8 { data, scales } => Ok(XTensors {
+                x: Tensor::of(gpu, &data)?,
+                scales: Some(Tensor::of(gpu, &scales)?),
+            }),
+            Rows::Bf16(_) => Err(Error::input("dispatch source", "FP8 source with a BF16 config")),
+        }
+    }
+
+    fn scales(&self) -> Option<Mem<'static, f32>> {
+        self.scales.as_ref().map(Tensor::mem)
+    }
+}
+
+/// One check run's fixed parts: the group, this rank's GPU, the deadline and the fault.
+struct CaseRun<'a> {
+    group: &'a Group,
+    gpu: &'a GpuRank,
+    timeout: Duration,
+    fault: Option<EngineFault>,
+}
+
+impl CaseRun<'_> {
+    fn case(&self, case: &Case, opts: HtGpuOptions) -> Result<()> {
+        let cfg = &case.cfg;
+        let eo = EpOptions {
+            ht: true,
+            ll: false,
+            timeout: self.timeout,
+            ht_sms: opts.num_sms,
+            ht_recv_slabs: opts.recv_slabs,
+            ht_exact: true,
+            topology: opts.topology,
+            ..EpOptions::default()
+        };
+        let ep = Ep::join(self.group, cfg, &Backend::Cuda(self.gpu.clone()), &eo)?;
+        let res = (|| -> Result<()> {
+            ep.ht_set_tuning(opts.num_sms, opts.variant)?;
+            ep.set_engine_fault(self.fault)?;
+            self.iterations(&ep, case, opts.recv_slabs)?;
+            ep.sync(Stream(0))?;
+            // Window deregistration is collective: everyone leaves the case together.
+            self.group
+                .barrier(&format!("gpu-check/case/{:x}", case.workload.seed))
+        })();
+        if res.is_err() {
+            // A kernel may still use these buffers, or peers may never join the collective
+            // deregistration: leave them to the process's end.
+            std::mem::forget(ep);
+        }
+        res
+    }
+
+    fn iterations(&self, ep: &Ep, case: &Case, slabs: usize) -> Result<()> {
+        let cfg = &case.cfg;
+        let me = self.group.rank();
+        let gpu = self.gpu;
         // The last iteration's handle, kept alive across the next fresh dispatch.
-        let mut prev: Option<(usize, HtGpuHandle, Vec<HtDispatchOutput>, Sizing, DispatchSource)> = None;
+        let mut prev: Option<(usize, HtHandle, Vec<HtDispatchOutput>, Sizing, bool)> = None;
         for iter in 0..case.iters {
-            let ctx = |e: Error, op: &str, sizing: Sizing, source: DispatchSource| {
-                match e {
+            let ctx = |e: Error, op: &str, sizing: Sizing, fp8: bool| match e {
                 Error::Mismatch(m) => Error::Mismatch(format!(
-                    "{op} (iteration {iter}, {sizing:?} sizing, {source:?} source, seed {}, routing {}, mask {}, \
+                    "{op} (iteration {iter}, {sizing:?} sizing, {} source, seed {}, routing {}, mask {}, \
                      tokens {:?}, config {:?}): {m}",
+                    if fp8 { "Fp8" } else { "Bf16" },
                     case.workload.seed,
                     case.workload.routing.name(),
                     case.workload.mask_prob,
@@ -152,40 +305,43 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
                     cfg
                 )),
                 other => other,
-            }
             };
             let sizing = if iter % 2 == 0 {
                 Sizing::Exact
             } else {
                 Sizing::Static
             };
-            let source = if cfg.dispatch_dtype.is_fp8() && iter % 2 == 1 {
-                DispatchSource::Fp8
-            } else {
-                DispatchSource::Bf16
-            };
-            ht.set_sizing(sizing);
+            // FP8 configs: odd iterations dispatch prequantized rows, even ones quantize in
+            // the kernel.
+            let fp8 = cfg.dispatch_dtype.is_fp8() && iter % 2 == 1;
+            ep.ht_set_sizing(sizing)?;
             let ins = case_inputs(case, iter);
             let mine = &ins[me];
             // Receive slabs: ranks pick different ones (a sender must use the receiver's),
             // the cached dispatch takes the next one.
-            let slabs = opts.recv_slabs;
             let fresh_slab = (iter + me) % slabs;
             let cached_slab = (fresh_slab + 1) % slabs;
-            let on_slab = |slab: usize| HtIo {
-                recv_slab: slab,
-                ..HtIo::default()
-            };
 
             // Fresh dispatch.
             let want = oracle::ht_dispatch(cfg, &ins)?;
-            let handle = ht.with_io(on_slab(fresh_slab), |ht| {
-                ht.poison(rank)?;
-                let n = upload_dispatch_input(ht, rank, cfg, mine, source)?;
-                ht.dispatch(rank, n, source, None)
-            })?;
-            let got = ht.download_dispatch(rank, &handle)?;
-            if let Some(nr) = handle.num_recv {
+            ep.ht_poison(Some(fresh_slab))?;
+            let x = XTensors::of(gpu, cfg, &mine.x, fp8)?;
+            let idx = Tensor::of(gpu, &mine.topk_idx)?;
+            let wts = Tensor::of(gpu, &mine.topk_weights)?;
+            let (_, handle) = ep.ht_dispatch(
+                HtDispatchIn {
+                    x: x.x.mem(),
+                    fp8_scales: x.scales(),
+                    num_tokens: case.tokens[me],
+                    topk_idx: idx.mem(),
+                    topk_weights: wts.mem(),
+                    recv_slab: fresh_slab,
+                },
+                Stream(0),
+            )?;
+            let got = ep.ht_download_dispatch(&handle)?;
+            drop((x, idx, wts));
+            if let Some(nr) = handle.num_recv() {
                 if nr != want[me].handle.num_recv() {
                     return Err(Error::Mismatch(format!(
                         "rank {me}: exact num_recv {nr}, oracle {}",
@@ -193,11 +349,11 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
                     )));
                 }
             }
-            crate::check::ht_dispatch(cfg, me, &got, &want[me])
-                .map_err(|e| ctx(e, "HT dispatch", sizing, source))?;
+            crate::harness::check::ht_dispatch(cfg, me, &got, &want[me])
+                .map_err(|e| ctx(e, "HT dispatch", sizing, fp8))?;
             // Per-expert counts as the embedding reads them (exact sizing: from the layout
             // kernel's host-mapped copy, without waiting for the dispatch).
-            let counts = ht.recv_counts(rank, &handle)?;
+            let counts = ep.ht_recv_counts(&handle, Stream(0))?;
             if counts != want[me].num_recv_tokens_per_expert {
                 return Err(ctx(
                     Error::Mismatch(format!(
@@ -206,7 +362,7 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
                     )),
                     "HT dispatch counts",
                     sizing,
-                    source,
+                    fp8,
                 ));
             }
 
@@ -220,143 +376,174 @@ fn check_case(group: &Group, rank: &CudaRank, case: &Case, opts: HtGpuOptions) -
                     .collect()
             };
             let want_cached = oracle::ht_dispatch(cfg, &new_ins)?;
-            ht.with_io(on_slab(cached_slab), |ht| {
-                ht.poison(rank)?;
-                upload_x(ht, rank, cfg, &new_ins[me].x, source)?;
-                ht.dispatch_cached(rank, &handle, source, None)
-            })?;
+            ep.ht_poison(Some(cached_slab))?;
+            let x = XTensors::of(gpu, cfg, &new_ins[me].x, fp8)?;
+            ep.ht_dispatch_cached(x.x.mem(), x.scales(), &handle, cached_slab, Stream(0))?;
             let probe = HtDispatchOutput {
-                recv_x: ht.download_recv_x(rank, &handle)?,
+                recv_x: ep.ht_download_slab_x(&handle, cached_slab)?,
                 ..want_cached[me].clone()
             };
-            crate::check::ht_dispatch(cfg, me, &probe, &want_cached[me])
-                .map_err(|e| ctx(e, "cached HT dispatch", sizing, source))?;
+            drop(x);
+            crate::harness::check::ht_dispatch(cfg, me, &probe, &want_cached[me])
+                .map_err(|e| ctx(e, "cached HT dispatch", sizing, fp8))?;
             if cached_slab != fresh_slab {
                 // The fresh dispatch's rows, still in their slab after the cached one.
                 let kept = HtDispatchOutput {
-                    recv_x: ht.download_slab_x(rank, &handle, fresh_slab)?,
+                    recv_x: ep.ht_download_slab_x(&handle, fresh_slab)?,
                     ..want[me].clone()
                 };
-                crate::check::ht_dispatch(cfg, me, &kept, &want[me]).map_err(|e| {
+                crate::harness::check::ht_dispatch(cfg, me, &kept, &want[me]).map_err(|e| {
                     ctx(
                         e,
                         "fresh HT dispatch rows after a cached one into another slab",
                         sizing,
-                        source,
+                        fp8,
                     )
                 })?;
             }
 
             // The previous iteration's handle is still live: its combine, after this
             // iteration's fresh dispatch took another layout slot, must still be exact.
-            if let Some((prev_iter, prev_handle, prev_want, prev_sizing, prev_source)) = prev.take() {
-                combine_and_compare(
-                    &mut ht,
-                    rank,
-                    me,
-                    case,
-                    prev_iter,
-                    &prev_handle,
-                    &prev_want,
-                    prev_sizing,
-                )
-                .map_err(|e| {
-                    ctx(
-                        e,
-                        "HT combine along the previous iteration's handle",
-                        prev_sizing,
-                        prev_source,
-                    )
-                })?;
+            if let Some((prev_iter, prev_handle, prev_want, prev_sizing, prev_fp8)) = prev.take() {
+                self.combine_and_compare(ep, case, prev_iter, &prev_handle, &prev_want)
+                    .map_err(|e| {
+                        ctx(
+                            e,
+                            "HT combine along the previous iteration's handle",
+                            prev_sizing,
+                            prev_fp8,
+                        )
+                    })?;
             }
-            combine_and_compare(&mut ht, rank, me, case, iter, &handle, &want, sizing)
-                .map_err(|e| ctx(e, "HT combine", sizing, source))?;
-            prev = Some((iter, handle, want, sizing, source));
+            self.combine_and_compare(ep, case, iter, &handle, &want)
+                .map_err(|e| ctx(e, "HT combine", sizing, fp8))?;
+            prev = Some((iter, handle, want, sizing, fp8));
         }
-        rank.wait("end of case")?;
-        // Window deregistration is collective: everyone leaves the case together.
-        group.barrier(&format!("gpu-check/case/{:x}", case.workload.seed))
-    })();
-    if res.is_err() {
-        // A kernel may still use these buffers, or peers may never join the collective
-        // deregistration: leave them to the process's end.
-        std::mem::forget(ht);
+        Ok(())
     }
-    res
-}
 
-/// Combine with weights and (odd iterations) bias along `handle`, the dispatch of iteration
-/// `iter` whose oracle outputs are `want`, compared with the oracle.
-#[allow(clippy::too_many_arguments)]
-fn combine_and_compare(
-    ht: &mut CudaHt,
-    rank: &CudaRank,
-    me: usize,
-    case: &Case,
-    iter: usize,
-    handle: &HtGpuHandle,
-    want: &[HtDispatchOutput],
-    sizing: Sizing,
-) -> Result<()> {
-    let cfg = &case.cfg;
-    let w = case.values_workload(iter);
-    let handles: Vec<_> = want.iter().map(|o| o.handle.clone()).collect();
-    let with_bias = iter % 2 == 1;
-    let comb_in: Vec<HtCombineInput> = per_rank(cfg.ranks, |r| {
-        let nr = handles[r].num_recv();
-        HtCombineInput {
-            x: w.bf16_values(r, 21, nr * cfg.hidden),
-            topk_weights: Some(w.f32_values(r, 22, nr * cfg.topk)),
-            bias: if with_bias {
-                [
-                    Some(w.bf16_values(r, 23, case.tokens[r] * cfg.hidden)),
-                    Some(w.bf16_values(r, 24, case.tokens[r] * cfg.hidden)),
-                ]
-            } else {
-                [None, None]
+    /// Combine with weights and (odd iterations) bias along `handle`, the dispatch of
+    /// iteration `iter` whose oracle outputs are `want`, compared with the oracle. The expert
+    /// outputs, weights and biases come from caller memory and the results land in caller
+    /// memory, as in the Python package; the window's staging copy and the outputs are
+    /// poisoned first, so a row pulled before it was staged cannot pass.
+    fn combine_and_compare(
+        &self,
+        ep: &Ep,
+        case: &Case,
+        iter: usize,
+        handle: &HtHandle,
+        want: &[HtDispatchOutput],
+    ) -> Result<()> {
+        let cfg = &case.cfg;
+        let me = self.group.rank();
+        let gpu = self.gpu;
+        let w = case.values_workload(iter);
+        let handles: Vec<_> = want.iter().map(|o| o.handle.clone()).collect();
+        let with_bias = iter % 2 == 1;
+        let comb_in: Vec<HtCombineInput> = per_rank(cfg.ranks, |r| {
+            let nr = handles[r].num_recv();
+            HtCombineInput {
+                x: w.bf16_values(r, 21, nr * cfg.hidden),
+                topk_weights: Some(w.f32_values(r, 22, nr * cfg.topk)),
+                bias: if with_bias {
+                    [
+                        Some(w.bf16_values(r, 23, case.tokens[r] * cfg.hidden)),
+                        Some(w.bf16_values(r, 24, case.tokens[r] * cfg.hidden)),
+                    ]
+                } else {
+                    [None, None]
+                },
+            }
+        });
+        let want_comb = oracle::ht_combine(cfg, &handles, &comb_in)?;
+        ep.ht_poison(None)?;
+        let c = &comb_in[me];
+        let x = Tensor::of(gpu, &c.x)?;
+        let wts = Tensor::of(gpu, c.topk_weights.as_deref().unwrap_or_default())?;
+        let bias = [
+            c.bias[0].as_deref().map(|b| Tensor::of(gpu, b)).transpose()?,
+            c.bias[1].as_deref().map(|b| Tensor::of(gpu, b)).transpose()?,
+        ];
+        let n = case.tokens[me];
+        let out_x = Tensor::poisoned(gpu, n * cfg.hidden * 2)?;
+        let out_w = Tensor::poisoned(gpu, n * cfg.topk * 4)?;
+        ep.ht_combine(
+            HtCombineIn {
+                x: x.mem(),
+                topk_weights: Some(wts.mem()),
+                bias: [
+                    bias[0].as_ref().map(Tensor::mem),
+                    bias[1].as_ref().map(Tensor::mem),
+                ],
             },
-        }
-    });
-    let want_comb = oracle::ht_combine(cfg, &handles, &comb_in)?;
-    ht.poison(rank)?;
-    let c = &comb_in[me];
-    ht.upload_combine(
-        rank,
-        &c.x,
-        c.topk_weights.as_deref(),
-        [c.bias[0].as_deref(), c.bias[1].as_deref()],
-    )?;
-    // Exact sizing: the expert outputs come from caller-owned memory and are staged into
-    // the window during the combine (the Python path); the window's copy is poisoned
-    // first, so a row pulled before it was staged cannot pass.
-    let exact = sizing == Sizing::Exact;
-    if exact {
-        rank.memset_u8(ht.buffer(HtBuf::CombX)?, POISON)?;
-    }
-    let (staged, comb_io) = combine_input_io(rank, exact, &c.x)?;
-    ht.with_io(comb_io, |ht| {
-        ht.combine(
-            rank,
             handle,
-            CombineExtras {
-                weights: true,
-                bias: [with_bias, with_bias],
+            HtCombineOut {
+                x: Some(out_x.out()),
+                topk_weights: Some(out_w.out()),
             },
-            None,
-        )
-    })?;
-    if staged.is_some() {
-        rank.wait("staged combine")?;
+            Stream(0),
+        )?;
+        ep.sync(Stream(0))?;
+        let got_comb = HtCombineOutput {
+            x: out_x.read(gpu)?,
+            topk_weights: Some(out_w.read(gpu)?),
+        };
+        drop((x, wts, bias));
+        crate::harness::check::ht_combine(me, &got_comb, &want_comb[me])
     }
-    drop(staged);
-    let got_comb = ht.download_combine(rank, handle, true)?;
-    crate::check::ht_combine(me, &got_comb, &want_comb[me])
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::cases::gpu_cases;
     use super::*;
+
+    #[test]
+    fn engine_faults_are_named_and_unknown_ones_refused() {
+        assert_eq!(
+            EngineFault::parse("ht-drop-bias1").unwrap(),
+            EngineFault::HtDropBias1
+        );
+        let e = EngineFault::parse("drop-everything").unwrap_err().to_string();
+        assert!(
+            e.contains("drop-everything") && e.contains("ht-drop-bias1"),
+            "{e}"
+        );
+    }
+
+    /// The check drives the engine (`Ep`), not the driver: a bug put into the engine's
+    /// argument conversion fails it, and the same case without the bug passes. GPU only
+    /// (skipped without a CUDA driver or kernels).
+    #[test]
+    fn the_gpu_check_catches_a_bug_in_the_engine() {
+        use crate::group::{Group, StoreServer};
+        if crate::backend::cuda::driver::probe().is_err() || crate::backend::cuda::kernels_fatbin().is_err() {
+            eprintln!("skipped: no CUDA driver or no kernels");
+            return;
+        }
+        let t = Duration::from_secs(60);
+        // Two iterations: the second combines with biases, which the fault drops.
+        let case = gpu_cases(1, 4, 7)
+            .into_iter()
+            .find(|c| c.iters >= 2 && small_case(c) && c.tokens[0] > 0)
+            .expect("a small case of two iterations");
+        for (fault, must_pass) in [(None, true), (Some(EngineFault::HtDropBias1), false)] {
+            let server = StoreServer::bind("127.0.0.1:0").unwrap();
+            let group = Group::join(0, 1, &server.addr().to_string(), t).unwrap();
+            let r = check_rank_faulty(&group, BenchMode::Ht, std::slice::from_ref(&case), t, &[], fault);
+            if must_pass {
+                assert_eq!(r.unwrap(), 1);
+            } else {
+                let e = r.unwrap_err();
+                assert!(
+                    matches!(e, Error::Mismatch(ref m) if m.contains("HT combine")),
+                    "{e}"
+                );
+            }
+            group.close().unwrap();
+        }
+    }
 
     #[test]
     fn the_variant_check_has_small_cases_to_repeat() {

@@ -102,16 +102,6 @@ fn upload_dispatch_input(
     }
 }
 
-fn upload_x(ht: &CudaHt, rank: &CudaRank, cfg: &EpConfig, x: &[bf16], source: DispatchSource) -> Result<()> {
-    match source {
-        DispatchSource::Bf16 => ht.upload_x(rank, x),
-        DispatchSource::Fp8 => match Rows::encode(cfg.dispatch_dtype, x, cfg.hidden) {
-            Rows::Fp8 { data, scales } => ht.upload_x_fp8(rank, &data, &scales),
-            Rows::Bf16(_) => Err(Error::input("dispatch source", "FP8 source with a BF16 config")),
-        },
-    }
-}
-
 /// With `exact` (the bench's `--ht-sizing exact`, what gin_ep.Buffer does): `values` copied
 /// into caller-owned memory, and the HtIo that makes a combine stage them into the window;
 /// keep the buffer alive while combines use it. Otherwise no buffer and no caller memory

@@ -1,0 +1,118 @@
+//! Harness-only hooks of [`CudaEngine`] and [`GpuRank`] (the `harness` feature): what the
+//! GPU check needs beyond the product operations (poisoning, reading the window back in the
+//! oracle's types, the sizing and variant a case runs with, device memory for the caller's
+//! tensors) and an engine-layer fault the check must catch. Never: imports the harness.
+
+use super::{locked, CudaEngine, GpuRank, Span};
+use crate::backend::cuda::ht::{HtBuf, HtGpuHandle, HtIo, HtVariant, Sizing, POISON};
+use crate::backend::cuda::runtime::CudaRank;
+use crate::error::Result;
+use crate::ht::{HtCombineOutput, HtDispatchOutput};
+use crate::quant::Rows;
+
+/// A bug put into the engine's argument conversion on purpose: the GPU check, which drives
+/// the engine as Python does, must report it (a check that only drove the drivers would not).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineFault {
+    /// HT combine: the engine drops the caller's second bias.
+    HtDropBias1,
+}
+
+impl EngineFault {
+    /// The name `GIN_EP_ENGINE_FAULT` takes.
+    pub fn parse(s: &str) -> Result<EngineFault> {
+        match s {
+            "ht-drop-bias1" => Ok(EngineFault::HtDropBias1),
+            other => Err(crate::error::Error::input(
+                "engine fault",
+                format!("`{other}` is not one of: ht-drop-bias1"),
+            )),
+        }
+    }
+
+    /// Applies the fault to an HT combine's second bias.
+    pub(super) fn bias1(fault: Option<EngineFault>, bias1: Span) -> Span {
+        match fault {
+            Some(EngineFault::HtDropBias1) => None,
+            None => bias1,
+        }
+    }
+}
+
+impl GpuRank {
+    /// Runs `f` on the rank's CUDA objects (the harness's own device memory: allocation,
+    /// copies, waits), one operation of the rank at a time, on the rank's stream.
+    pub fn with_cuda<T>(&self, f: impl FnOnce(&CudaRank) -> Result<T>) -> Result<T> {
+        self.run(0, f)
+    }
+
+    /// Marks the rank's communicator failed: a check that failed leaves its windows to the
+    /// process's end instead of deregistering them with peers that may never join.
+    pub fn mark_failed(&self) {
+        let _one_at_a_time = locked(&self.inner.op);
+        self.inner.rank.comm().mark_failed();
+    }
+}
+
+impl CudaEngine {
+    /// Sets (or clears) the engine fault.
+    pub fn set_fault(&mut self, fault: Option<EngineFault>) {
+        self.fault = fault;
+    }
+
+    /// HT: fills the window's combine input and outputs, and receive slab `slab` when
+    /// given, with [`POISON`] between operations.
+    pub fn ht_poison(&mut self, slab: Option<usize>) -> Result<()> {
+        let (rank, h) = self.ht()?;
+        rank.run(0, |r| {
+            if let Some(slab) = slab {
+                let io = HtIo {
+                    recv_slab: slab,
+                    ..HtIo::default()
+                };
+                h.with_io(io, |h| h.poison(r))?;
+            }
+            r.memset_u8(h.buffer(HtBuf::CombX)?, POISON)?;
+            r.memset_u8(h.buffer(HtBuf::OutX)?, POISON)?;
+            r.memset_u8(h.buffer(HtBuf::OutW)?, POISON)
+        })
+    }
+
+    /// HT: the sizing of the next dispatches.
+    pub fn ht_set_sizing(&mut self, sizing: Sizing) -> Result<()> {
+        let (_, h) = self.ht()?;
+        h.set_sizing(sizing);
+        Ok(())
+    }
+
+    /// HT: the CTA count and kernel variant of the next operations (every rank the same).
+    pub fn ht_set_tuning(&mut self, num_sms: u32, variant: HtVariant) -> Result<()> {
+        let (_, h) = self.ht()?;
+        h.set_tuning(num_sms, variant)
+    }
+
+    /// HT: the SM count and variant the engine runs with.
+    pub fn ht_tuning(&mut self) -> Result<(u32, HtVariant)> {
+        let (_, h) = self.ht()?;
+        let o = h.options();
+        Ok((o.num_sms, o.variant))
+    }
+
+    /// HT: everything the last fresh dispatch along `handle` produced, in the oracle's types.
+    pub fn ht_download_dispatch(&mut self, handle: &HtGpuHandle) -> Result<HtDispatchOutput> {
+        let (rank, h) = self.ht()?;
+        rank.run(0, |r| h.download_dispatch(r, handle))
+    }
+
+    /// HT: the rows `handle`'s dispatch (fresh or cached) left in receive slab `slab`.
+    pub fn ht_download_slab_x(&mut self, handle: &HtGpuHandle, slab: usize) -> Result<Rows> {
+        let (rank, h) = self.ht()?;
+        rank.run(0, |r| h.download_slab_x(r, handle, slab))
+    }
+
+    /// HT: the window's combine output of `handle` (for checks that combine into the window).
+    pub fn ht_download_combine(&mut self, handle: &HtGpuHandle, weights: bool) -> Result<HtCombineOutput> {
+        let (rank, h) = self.ht()?;
+        rank.run(0, |r| h.download_combine(r, handle, weights))
+    }
+}
