@@ -625,8 +625,8 @@ impl PyEp {
             ht_recv_slabs,
             ht_exact,
             ll_grid,
-            // Sizing only (required_bytes): the window's layout follows the nodes found.
-            ll_across_nodes: false,
+            // `ll_across_nodes` is for sizing only (required_bytes): the window's layout
+            // follows the nodes found. The test fault is the harness's, never set here.
             topology: RankTopology { vnodes, node_size },
             ..EpOptions::default()
         };
