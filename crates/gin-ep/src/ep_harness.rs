@@ -76,6 +76,17 @@ impl Ep {
         self.with_cuda_engine("HT download", |c| c.ht_download_slab_x(h, slab))
     }
 
+    /// LL: the routing of `handle`'s dispatch as its buffer set holds it (after waiting).
+    pub fn ll_download_handle(&self, handle: &super::LlHandle) -> Result<crate::ll::LlHandle> {
+        if handle.ep != self.inner.id {
+            return Err(Error::StaleHandle {
+                what: "LL handle".into(),
+                reason: "it comes from another Ep".into(),
+            });
+        }
+        self.with_cuda_engine("LL download", |c| c.ll_download_handle(handle.set))
+    }
+
     /// HT: the window's combine output along `handle`.
     pub fn ht_download_combine(&self, handle: &HtHandle, weights: bool) -> Result<HtCombineOutput> {
         let h = self.device_handle(handle)?;

@@ -454,6 +454,10 @@ impl CudaEngine {
         num_tokens: usize,
         io: LlDispatchSpans,
     ) -> Result<()> {
+        #[cfg(feature = "harness")]
+        let stats = EngineFault::stats(self.fault, io.stats);
+        #[cfg(not(feature = "harness"))]
+        let stats = io.stats;
         let (rank, l) = self.ll()?;
         rank.run(stream, |r| {
             let lio = LlIo {
@@ -463,7 +467,7 @@ impl CudaEngine {
                 recv_scales: span(r, "recv_x scales", io.recv_scales)?,
                 recv_count: span(r, "recv_count", io.recv_count)?,
                 layout_range: span(r, "layout_range", io.layout_range)?,
-                stats: span(r, "cumulative_local_expert_recv_stats", io.stats)?,
+                stats: span(r, "cumulative_local_expert_recv_stats", stats)?,
                 ..LlIo::default()
             };
             if half != Half::Recv {

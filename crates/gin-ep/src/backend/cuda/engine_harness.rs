@@ -16,6 +16,8 @@ use crate::quant::Rows;
 pub enum EngineFault {
     /// HT combine: the engine drops the caller's second bias.
     HtDropBias1,
+    /// LL dispatch: the engine drops the caller's cumulative receive statistics.
+    LlDropStats,
 }
 
 impl EngineFault {
@@ -23,9 +25,10 @@ impl EngineFault {
     pub fn parse(s: &str) -> Result<EngineFault> {
         match s {
             "ht-drop-bias1" => Ok(EngineFault::HtDropBias1),
+            "ll-drop-stats" => Ok(EngineFault::LlDropStats),
             other => Err(crate::error::Error::input(
                 "engine fault",
-                format!("`{other}` is not one of: ht-drop-bias1"),
+                format!("`{other}` is not one of: ht-drop-bias1, ll-drop-stats"),
             )),
         }
     }
@@ -34,7 +37,15 @@ impl EngineFault {
     pub(super) fn bias1(fault: Option<EngineFault>, bias1: Span) -> Span {
         match fault {
             Some(EngineFault::HtDropBias1) => None,
-            None => bias1,
+            _ => bias1,
+        }
+    }
+
+    /// Applies the fault to an LL dispatch's statistics output.
+    pub(super) fn stats(fault: Option<EngineFault>, stats: Span) -> Span {
+        match fault {
+            Some(EngineFault::LlDropStats) => None,
+            _ => stats,
         }
     }
 }
@@ -44,6 +55,14 @@ impl GpuRank {
     /// copies, waits), one operation of the rank at a time, on the rank's stream.
     pub fn with_cuda<T>(&self, f: impl FnOnce(&CudaRank) -> Result<T>) -> Result<T> {
         self.run(0, f)
+    }
+
+    /// The rank's CUDA objects for the driver-level checks (window-resident inputs, graph
+    /// capture, split halves in flight together) that share this rank with the `Ep` checks.
+    /// The harness runs one thread per rank process, so nothing else uses the rank
+    /// meanwhile; `Arc<CudaRank>` is not `Send`, so the clone stays on this thread.
+    pub(crate) fn shared_cuda(&self) -> std::sync::Arc<CudaRank> {
+        std::sync::Arc::clone(&self.inner.rank)
     }
 
     /// Marks the rank's communicator failed: a check that failed leaves its windows to the
@@ -108,6 +127,13 @@ impl CudaEngine {
     pub fn ht_download_slab_x(&mut self, handle: &HtGpuHandle, slab: usize) -> Result<Rows> {
         let (rank, h) = self.ht()?;
         rank.run(0, |r| h.download_slab_x(r, handle, slab))
+    }
+
+    /// LL: the routing the last dispatch on buffer set `set` left in the set's own buffers
+    /// (after waiting for it).
+    pub fn ll_download_handle(&mut self, set: usize) -> Result<crate::ll::LlHandle> {
+        let (rank, l) = self.ll()?;
+        rank.run(0, |_| l.download_handle(set))
     }
 
     /// HT: the window's combine output of `handle` (for checks that combine into the window).

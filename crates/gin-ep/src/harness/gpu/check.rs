@@ -12,15 +12,14 @@ use std::time::Duration;
 
 use half::bf16;
 
+use super::tensor::Tensor;
 use super::{case_inputs, per_rank};
 
-use crate::backend::cuda::ht::{HtGpuOptions, HtVariant, Sizing, POISON};
-use crate::backend::cuda::DeviceBuffer;
+use crate::backend::cuda::ht::{HtGpuOptions, HtVariant, Sizing};
 use crate::config::{DispatchDtype, EpConfig};
 pub use crate::ep::EngineFault;
 use crate::ep::{
-    Backend, DeviceOut, Ep, EpOptions, GpuRank, HtCombineIn, HtCombineOut, HtDispatchIn, HtHandle, Mem,
-    Stream,
+    Backend, Ep, EpOptions, GpuRank, HtCombineIn, HtCombineOut, HtDispatchIn, HtHandle, Mem, Stream,
 };
 use crate::error::{Error, Result};
 use crate::group::Group;
@@ -86,7 +85,8 @@ pub fn check_rank_faulty(
     if mode == BenchMode::Ll {
         // LL has its own case set: its buffers are sized for decode batches
         // (<= 1024 tokens), so the HT cases above do not apply.
-        return super::ll_check::check_rank(group, &super::ll_check::selftest_cases(group.world()), timeout);
+        let cases = super::ll_check::selftest_cases(group.world());
+        return super::ll_check::check_rank_faulty(group, &cases, timeout, fault);
     }
     let gpu = GpuRank::open(group, None, timeout)?;
     let out = (|| {
@@ -162,60 +162,6 @@ pub fn check_rank_faulty(
         gpu.mark_failed();
     }
     out
-}
-
-/// A caller's tensor in device memory of this rank's GPU (what a torch tensor is to the
-/// Python package): `bytes` of `buf`, which stays allocated while work may use it.
-struct Tensor {
-    buf: DeviceBuffer,
-    bytes: usize,
-}
-
-impl Tensor {
-    fn of<T: bytemuck::Pod>(gpu: &GpuRank, values: &[T]) -> Result<Tensor> {
-        let bytes = std::mem::size_of_val(values);
-        gpu.with_cuda(|r| {
-            let buf = r.alloc(bytes.max(16))?;
-            r.upload(buf.region().sub(0, bytes)?, bytemuck::cast_slice(values))?;
-            Ok(Tensor { buf, bytes })
-        })
-    }
-
-    /// An output of `bytes`, filled with [`POISON`].
-    fn poisoned(gpu: &GpuRank, bytes: usize) -> Result<Tensor> {
-        gpu.with_cuda(|r| {
-            let buf = r.alloc(bytes.max(16))?;
-            r.memset_u8(buf.region(), POISON)?;
-            Ok(Tensor { buf, bytes })
-        })
-    }
-
-    fn mem<T>(&self) -> Mem<'static, T> {
-        Mem::Device {
-            ptr: self.buf.region().device_ptr(),
-            bytes: self.bytes,
-        }
-    }
-
-    fn out(&self) -> DeviceOut {
-        DeviceOut {
-            ptr: self.buf.region().device_ptr(),
-            bytes: self.bytes,
-        }
-    }
-
-    /// The values, after the work queued on the rank's stream.
-    fn read<T: bytemuck::Pod>(&self, gpu: &GpuRank) -> Result<Vec<T>> {
-        let mut v = vec![T::zeroed(); self.bytes / std::mem::size_of::<T>()];
-        gpu.with_cuda(|r| {
-            r.wait("check download")?;
-            r.download(
-                self.buf.region().sub(0, self.bytes)?,
-                bytemuck::cast_slice_mut(&mut v),
-            )
-        })?;
-        Ok(v)
-    }
 }
 
 /// Dispatch activations as the caller holds them: BF16 rows, or FP8 rows with their scales

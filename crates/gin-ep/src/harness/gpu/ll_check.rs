@@ -13,7 +13,7 @@ use std::time::Duration;
 use half::bf16;
 
 use crate::backend::cuda::ll::{poison, CudaLl, LlIo, LlLayout, LlTuning, RUNS, SETS};
-use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions, DeviceBuffer};
+use crate::backend::cuda::runtime::{CudaRank, DeviceBuffer};
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
 use crate::error::{Error, Result};
 use crate::group::vnodes::RankTopology;
@@ -51,7 +51,7 @@ fn graph_plan(cfg: &EpConfig) -> GraphPlan {
 /// Inputs of every rank for iteration `iter` of `case`, as check::run_rank_case makes them
 /// (Case::inputs) with the staging poison stamped into some tokens ([`stamp_poison`]), plus
 /// the workload of that iteration's expert outputs.
-fn case_inputs(case: &Case, iter: u64) -> (Vec<RankInput>, Workload) {
+pub(super) fn ll_case_inputs(case: &Case, iter: u64) -> (Vec<RankInput>, Workload) {
     let mut ins = case.inputs(iter as usize);
     for x in ins.iter_mut() {
         stamp_poison(&mut x.x, case.cfg.hidden, iter);
@@ -77,10 +77,10 @@ fn stamp_poison(x: &mut [bf16], hidden: usize, iter: u64) {
 }
 
 /// The oracle's answers for one iteration, for this rank.
-struct Expected {
-    dispatch: LlDispatchOutput,
-    combined: Vec<bf16>,
-    y_mine: Vec<bf16>,
+pub(super) struct Expected {
+    pub(super) dispatch: LlDispatchOutput,
+    pub(super) combined: Vec<bf16>,
+    pub(super) y_mine: Vec<bf16>,
 }
 
 /// Rank `r`'s expert outputs `[L, R*T, H]` for one iteration: the workload's random values
@@ -116,7 +116,7 @@ fn expert_outputs(
     y
 }
 
-fn expected(case: &Case, ins: &[RankInput], wy: &Workload, me: usize) -> Result<Expected> {
+pub(super) fn expected(case: &Case, ins: &[RankInput], wy: &Workload, me: usize) -> Result<Expected> {
     let cfg = &case.cfg;
     let want = crate::oracle::ll_dispatch(cfg, ins)?;
     let ys: Vec<Vec<bf16>> = (0..cfg.ranks)
@@ -181,9 +181,9 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl, case: &Case, run: u64) -> Res
     let rows = LlLayout::out_rows(&cfg);
     let spr = h / FP8_BLOCK;
     let fp8 = cfg.dispatch_dtype.is_fp8();
-    let (ins, wy) = case_inputs(case, 4242);
+    let (ins, wy) = ll_case_inputs(case, 4242);
     let want = expected(case, &ins, &wy, me)?;
-    let (decoy_ins, decoy_y) = case_inputs(case, 4343);
+    let (decoy_ins, decoy_y) = ll_case_inputs(case, 4343);
     let decoy_want = expected(case, &decoy_ins, &decoy_y, me)?;
     let n = ins[me].topk_idx.len() / k;
     // Decoys in the set's own buffers (same token count, other routing and values).
@@ -335,10 +335,35 @@ pub fn harness_ll(
 /// graph plan. Returns the number of operations compared in full. Every rank must pass the
 /// same cases.
 pub fn check_rank(group: &Group, cases: &[Case], timeout: Duration) -> Result<usize> {
-    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?.into_shared();
+    check_rank_faulty(group, cases, timeout, None)
+}
+
+/// [`check_rank`], and after each case's driver-level run the same case through an LL
+/// [`crate::Ep`] as the Python package drives it ([`super::ll_ep`]), with `fault` injected
+/// into that `Ep`'s engine.
+pub fn check_rank_faulty(
+    group: &Group,
+    cases: &[Case],
+    timeout: Duration,
+    fault: Option<crate::ep::EngineFault>,
+) -> Result<usize> {
+    let gpu = crate::ep::GpuRank::open(group, None, timeout)?;
+    let rank = gpu.shared_cuda();
     let mut compared = 0;
     for (ci, case) in cases.iter().enumerate() {
         compared += check_case(group, &rank, case, ci, LlTuning::DEFAULT, graph_plan(&case.cfg))?;
+        let run = RUNS.fetch_add(1, Ordering::Relaxed);
+        compared +=
+            super::ll_ep::check_case(group, &gpu, case, run, timeout, fault).map_err(|e| match e {
+                Error::Mismatch(m) => Error::Mismatch(format!(
+                    "case {ci} (seed {}, routing {}, tokens {:?}, rank {}): {m}",
+                    case.workload.seed,
+                    case.workload.routing.name(),
+                    case.tokens,
+                    group.rank()
+                )),
+                other => other,
+            })?;
     }
     let plan = GraphPlan {
         replays: 6,
@@ -409,7 +434,7 @@ fn check_case_on(group: &Group, ll: &mut CudaLl, case: &Case, run: u64, plan: Gr
     let mut compared = 0;
     // Eager, one operation at a time, alternating sets.
     for iter in 0..case.iters {
-        let (ins, wy) = case_inputs(case, iter as u64);
+        let (ins, wy) = ll_case_inputs(case, iter as u64);
         let want = expected(case, &ins, &wy, me)?;
         let set = iter % SETS;
         ll.upload_input(set, &ins[me].x, &ins[me].topk_idx, &ins[me].topk_weights)?;
@@ -431,7 +456,7 @@ fn check_case_on(group: &Group, ll: &mut CudaLl, case: &Case, run: u64, plan: Gr
     let base = case.iters as u64 + 1000;
     let wants: Vec<Expected> = (0..SETS as u64)
         .map(|i| {
-            let (ins, wy) = case_inputs(case, base + i);
+            let (ins, wy) = ll_case_inputs(case, base + i);
             let w = expected(case, &ins, &wy, me)?;
             ll.upload_input(i as usize, &ins[me].x, &ins[me].topk_idx, &ins[me].topk_weights)?;
             ll.upload_expert_output(i as usize, &w.y_mine)?;
@@ -462,7 +487,7 @@ fn check_case_on(group: &Group, ll: &mut CudaLl, case: &Case, run: u64, plan: Gr
     for i in 0..plan.replays {
         let set = i % SETS;
         let full = i % plan.full_every == 0 || i + 1 == plan.replays;
-        let (ins, wy) = case_inputs(case, base + i as u64);
+        let (ins, wy) = ll_case_inputs(case, base + i as u64);
         let want = if full {
             Some(expected(case, &ins, &wy, me)?)
         } else {
@@ -639,7 +664,7 @@ mod tests {
         };
         let h = case.cfg.hidden;
         for iter in [0u64, 1, 7] {
-            let (ins, _) = case_inputs(&case, iter);
+            let (ins, _) = ll_case_inputs(&case, iter);
             for (r, input) in ins.iter().enumerate() {
                 let poisoned = (0..case.tokens[r])
                     .filter(|&t| {
@@ -674,7 +699,7 @@ mod tests {
                 tokens: vec![16, 11],
                 iters: 1,
             };
-            let (ins, wy) = case_inputs(&case, 2);
+            let (ins, wy) = ll_case_inputs(&case, 2);
             let want = crate::oracle::ll_dispatch(&cfg, &ins).unwrap();
             let (h, cap) = (cfg.hidden, cfg.ranks * cfg.max_tokens_per_rank);
             let ys: Vec<Vec<bf16>> = (0..2)
@@ -723,7 +748,7 @@ mod tests {
             tokens: vec![16, 9],
             iters: 1,
         };
-        let (ins, _) = case_inputs(&case, 3);
+        let (ins, _) = ll_case_inputs(&case, 3);
         let want = crate::oracle::ll_dispatch(&cfg, &ins).unwrap();
         let topk: Vec<Vec<i64>> = ins.iter().map(|i| i.topk_idx.clone()).collect();
         for (me, w) in want.iter().enumerate() {

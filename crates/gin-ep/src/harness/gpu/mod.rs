@@ -37,7 +37,9 @@ pub mod check;
 pub mod gincheck;
 pub mod ll_bench;
 pub mod ll_check;
+mod ll_ep;
 pub mod stall;
+mod tensor;
 
 pub use bench::{bench_rank, gather, max_per_iter, HtTimer};
 pub use cases::gpu_cases;
