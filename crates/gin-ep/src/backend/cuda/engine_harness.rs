@@ -5,7 +5,7 @@
 
 use super::{locked, CudaEngine, GpuRank, Span};
 use crate::backend::cuda::ht::{HtBuf, HtGpuHandle, HtIo, HtVariant, Sizing, POISON};
-use crate::backend::cuda::runtime::CudaRank;
+use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions};
 use crate::error::Result;
 use crate::ht::{HtCombineOutput, HtDispatchOutput};
 use crate::quant::Rows;
@@ -51,6 +51,21 @@ impl EngineFault {
 }
 
 impl GpuRank {
+    /// Collective: this process's rank of `group` on its local GPU for the checks: host waits
+    /// bounded by `timeout` and in-kernel waits by half of it, so a stuck peer is named by the
+    /// kernel's deadline before the host gives up (what the never-hang checks judge).
+    pub fn for_check(group: &crate::group::Group, timeout: std::time::Duration) -> Result<GpuRank> {
+        let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?;
+        let held = rank.held_bytes();
+        Ok(GpuRank {
+            inner: std::sync::Arc::new(super::RankShared {
+                op: std::sync::Mutex::new(()),
+                rank: rank.into_shared(),
+                held,
+            }),
+        })
+    }
+
     /// Runs `f` on the rank's CUDA objects (the harness's own device memory: allocation,
     /// copies, waits), one operation of the rank at a time, on the rank's stream.
     pub fn with_cuda<T>(&self, f: impl FnOnce(&CudaRank) -> Result<T>) -> Result<T> {

@@ -88,7 +88,7 @@ pub fn check_rank_faulty(
         let cases = super::ll_check::selftest_cases(group.world());
         return super::ll_check::check_rank_faulty(group, &cases, timeout, fault);
     }
-    let gpu = GpuRank::open(group, None, timeout)?;
+    let gpu = GpuRank::for_check(group, timeout)?;
     let out = (|| {
         let mut passed = 0;
         // Two receive slabs: every case also checks that a dispatch into one slab leaves the

@@ -347,7 +347,7 @@ pub fn check_rank_faulty(
     timeout: Duration,
     fault: Option<crate::ep::EngineFault>,
 ) -> Result<usize> {
-    let gpu = crate::ep::GpuRank::open(group, None, timeout)?;
+    let gpu = crate::ep::GpuRank::for_check(group, timeout)?;
     let rank = gpu.shared_cuda();
     let mut compared = 0;
     for (ci, case) in cases.iter().enumerate() {

@@ -201,7 +201,7 @@ mod tests {
         {
             let server = StoreServer::bind("127.0.0.1:0").unwrap();
             let group = Group::join(0, 1, &server.addr().to_string(), t).unwrap();
-            let gpu = GpuRank::open(&group, None, t).unwrap();
+            let gpu = GpuRank::for_check(&group, t).unwrap();
             let r = check_case(&group, &gpu, &case, run as u64, t, fault);
             if must_pass {
                 assert_eq!(r.unwrap(), 4);

@@ -8,10 +8,17 @@
 //! Every rank of the group calls these with the same arguments: the kernels pair ranks by
 //! operation number, so all ranks must make the same calls in the same order.
 //!
+//! The checks go through [`crate::Ep`] as the Python package does: the HT check ([`check`]),
+//! each LL case once more after its driver-level run ([`ll_check`], `ll_ep`), the never-hang
+//! and kill checks ([`stall`]); the engine-layer faults of `GIN_EP_ENGINE_FAULT`
+//! ([`crate::ep::EngineFault`]) prove it. The LL check's window-resident, graph and split-half
+//! rounds and both benchmarks still drive the drivers.
+//!
 //! One part per file: [`cases`] (the check cases), [`check`] (the HT check), [`stall`] (the
-//! never-hang check), [`mod@bench`] (the HT benchmark); the LL check and benchmark are in
-//! `backend::cuda::ll`, reached through the entry points here. The HT variant sweep is a
-//! study in the gin-ep-lab crate, built on the pieces of the benchmark made public here.
+//! never-hang and kill checks), [`mod@bench`] (the HT benchmark), [`ll_check`] and
+//! [`ll_bench`] (the LL check and benchmark), [`gincheck`] (the GIN conformance check),
+//! `tensor` (the checks' caller tensors). The HT variant sweep is a study in the gin-ep-lab
+//! crate, built on the pieces of the benchmark made public here.
 
 use crate::backend::cuda::ht::{CudaHt, DispatchSource, HtIo};
 use crate::backend::cuda::{CudaRank, DeviceBuffer};
