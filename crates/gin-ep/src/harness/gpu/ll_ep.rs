@@ -101,6 +101,10 @@ fn one_operation(
     };
     group.barrier(&format!("ll-check/{run}/ep/{i}"))?;
     let ran = (|| -> Result<crate::ll::LlHandle> {
+        // Split halves as the Python package makes them (`return_recv_hook`): the outputs go
+        // to the receive halves only.
+        let split = half == LlHalf::Send;
+        let send_out = if split { LlDispatchOut::default() } else { out };
         let d = ep.ll_dispatch(
             LlDispatchIn {
                 x: x.mem(),
@@ -108,14 +112,15 @@ fn one_operation(
                 topk_idx: idx.mem(),
             },
             half,
-            out,
+            send_out,
             Stream(0),
         )?;
-        if half == LlHalf::Send {
+        if split {
             ep.ll_dispatch_recv(&d.handle, out, Stream(0))?;
         }
-        ep.ll_combine(comb_in, &d.handle, half, Some(combined.out()), Stream(0))?;
-        if half == LlHalf::Send {
+        let send_combined = if split { None } else { Some(combined.out()) };
+        ep.ll_combine(comb_in, &d.handle, half, send_combined, Stream(0))?;
+        if split {
             ep.ll_combine_recv(comb_in, &d.handle, Some(combined.out()), Stream(0))?;
         }
         ep.sync(Stream(0))?;
