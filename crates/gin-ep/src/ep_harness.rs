@@ -76,15 +76,21 @@ impl Ep {
         self.with_cuda_engine("HT download", |c| c.ht_download_slab_x(h, slab))
     }
 
+    /// LL: the following launches take the masked kernels with no rank masked (an all-zero
+    /// rank mask word the engine owns), as the harness runs them under `GIN_EP_LL_MASKED`.
+    pub fn ll_use_own_mask_word(&self) -> Result<()> {
+        self.with_cuda_engine("LL mask word", |c| c.ll_use_own_mask_word())
+    }
+
     /// LL: the routing of `handle`'s dispatch as its buffer set holds it (after waiting).
-    pub fn ll_download_handle(&self, handle: &super::LlHandle) -> Result<crate::ll::LlHandle> {
+    pub fn ll_download_routing(&self, handle: &super::LlHandle) -> Result<crate::ll::LlRouting> {
         if handle.ep != self.inner.id {
             return Err(Error::StaleHandle {
                 what: "LL handle".into(),
                 reason: "it comes from another Ep".into(),
             });
         }
-        self.with_cuda_engine("LL download", |c| c.ll_download_handle(handle.set))
+        self.with_cuda_engine("LL download", |c| c.ll_download_routing(handle.set))
     }
 
     /// HT: the window's combine output along `handle`.

@@ -7,6 +7,8 @@
 //! ([`backend`]). See `docs/protocol.md` for buffer layout and signalling.
 
 pub mod backend;
+#[cfg(any(test, feature = "harness"))]
+pub mod compare;
 pub mod config;
 pub mod ep;
 pub mod error;

@@ -56,14 +56,7 @@ impl GpuRank {
     /// kernel's deadline before the host gives up (what the never-hang checks judge).
     pub fn for_check(group: &crate::group::Group, timeout: std::time::Duration) -> Result<GpuRank> {
         let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?;
-        let held = rank.held_bytes();
-        Ok(GpuRank {
-            inner: std::sync::Arc::new(super::RankShared {
-                op: std::sync::Mutex::new(()),
-                rank: rank.into_shared(),
-                held,
-            }),
-        })
+        Ok(GpuRank::of(rank))
     }
 
     /// Runs `f` on the rank's CUDA objects (the harness's own device memory: allocation,
@@ -144,9 +137,16 @@ impl CudaEngine {
         rank.run(0, |r| h.download_slab_x(r, handle, slab))
     }
 
+    /// LL: the engine's LL object takes an all-zero rank mask word of its own, so its
+    /// launches take the masked kernels with no rank masked (`GIN_EP_LL_MASKED`).
+    pub fn ll_use_own_mask_word(&mut self) -> Result<()> {
+        let (rank, l) = self.ll()?;
+        rank.run(0, |_| l.use_own_mask_word())
+    }
+
     /// LL: the routing the last dispatch on buffer set `set` left in the set's own buffers
     /// (after waiting for it).
-    pub fn ll_download_handle(&mut self, set: usize) -> Result<crate::ll::LlHandle> {
+    pub fn ll_download_routing(&mut self, set: usize) -> Result<crate::ll::LlRouting> {
         let (rank, l) = self.ll()?;
         rank.run(0, |_| l.download_handle(set))
     }

@@ -476,7 +476,7 @@ mod tests {
             .expect("a small case of two iterations");
         for (fault, must_pass) in [(None, true), (Some(EngineFault::HtDropBias1), false)] {
             let server = StoreServer::bind("127.0.0.1:0").unwrap();
-            let group = Group::join(0, 1, &server.addr().to_string(), t).unwrap();
+            let group = Group::join(0, 1, &server.addr().to_string(), server.secret(), t).unwrap();
             let r = check_rank_faulty(&group, BenchMode::Ht, std::slice::from_ref(&case), t, &[], fault);
             if must_pass {
                 assert_eq!(r.unwrap(), 1);

@@ -15,6 +15,7 @@ use half::bf16;
 use crate::backend::cuda::ll::{poison, CudaLl, LlIo, LlLayout, LlTuning, RUNS, SETS};
 use crate::backend::cuda::runtime::{CudaRank, DeviceBuffer};
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
+use crate::ep::{Backend, Ep, EpOptions, GpuRank};
 use crate::error::{Error, Result};
 use crate::group::vnodes::RankTopology;
 use crate::group::Group;
@@ -309,6 +310,10 @@ fn expected_counts(cfg: &EpConfig, topk: &[Vec<i64>], me: usize) -> Vec<i32> {
 /// variant.
 pub const ENV_MASKED: &str = "GIN_EP_LL_MASKED";
 
+fn masked_from_env() -> bool {
+    std::env::var_os(ENV_MASKED).is_some_and(|v| v == "1")
+}
+
 /// An LL object as the harness's launch describes it: the topology of its environment
 /// ([`RankTopology::from_env`]) and the masked kernels under [`ENV_MASKED`].
 pub fn harness_ll(
@@ -318,10 +323,34 @@ pub fn harness_ll(
     tuning: LlTuning,
 ) -> Result<CudaLl> {
     let mut ll = CudaLl::with_tuning(rank, cfg, grid, tuning, &RankTopology::from_env()?)?;
-    if std::env::var_os(ENV_MASKED).is_some_and(|v| v == "1") {
+    if masked_from_env() {
         ll.use_own_mask_word()?;
     }
     Ok(ll)
+}
+
+/// Collective: an LL [`Ep`] on `gpu` as the harness's launch describes it, as [`harness_ll`]
+/// makes the driver's objects: the topology of its environment and the masked kernels under
+/// [`ENV_MASKED`]; host waits bounded by `timeout`.
+pub(super) fn harness_ll_ep(group: &Group, gpu: &GpuRank, cfg: &EpConfig, timeout: Duration) -> Result<Ep> {
+    let eo = EpOptions {
+        ht: false,
+        ll: true,
+        timeout,
+        topology: RankTopology::from_env()?,
+        ..EpOptions::default()
+    };
+    let ep = Ep::join(group, cfg, &Backend::Cuda(gpu.clone()), &eo)?;
+    if masked_from_env() {
+        if let Err(e) = ep.ll_use_own_mask_word() {
+            // The window's release is collective and the peers may have gone on: leave it to
+            // the process's end.
+            gpu.mark_failed();
+            std::mem::forget(ep);
+            return Err(e);
+        }
+    }
+    Ok(ep)
 }
 
 /// Runs `cases` as one rank of `group` (one process per GPU) and compares every result with

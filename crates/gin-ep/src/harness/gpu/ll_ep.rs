@@ -11,9 +11,7 @@ use half::bf16;
 use super::ll_check::{expected, ll_case_inputs};
 use super::tensor::Tensor;
 use crate::config::FP8_BLOCK;
-use crate::ep::{
-    Backend, EngineFault, Ep, EpOptions, GpuRank, LlCombineIn, LlDispatchIn, LlDispatchOut, LlHalf, Stream,
-};
+use crate::ep::{EngineFault, Ep, GpuRank, LlCombineIn, LlDispatchIn, LlDispatchOut, LlHalf, Stream};
 use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::harness::check::Case;
@@ -30,13 +28,7 @@ pub(super) fn check_case(
     timeout: std::time::Duration,
     fault: Option<EngineFault>,
 ) -> Result<usize> {
-    let eo = EpOptions {
-        ht: false,
-        ll: true,
-        timeout,
-        ..EpOptions::default()
-    };
-    let ep = Ep::join(group, &case.cfg, &Backend::Cuda(gpu.clone()), &eo)?;
+    let ep = super::ll_check::harness_ll_ep(group, gpu, &case.cfg, timeout)?;
     let res = (|| -> Result<usize> {
         ep.set_engine_fault(fault)?;
         let mut compared = 0;
@@ -100,7 +92,7 @@ fn one_operation(
         topk_weights: wts.mem(),
     };
     group.barrier(&format!("ll-check/{run}/ep/{i}"))?;
-    let ran = (|| -> Result<crate::ll::LlHandle> {
+    let ran = (|| -> Result<crate::ll::LlRouting> {
         // Split halves as the Python package makes them (`return_recv_hook`): the outputs go
         // to the receive halves only.
         let split = half == LlHalf::Send;
@@ -124,7 +116,7 @@ fn one_operation(
             ep.ll_combine_recv(comb_in, &d.handle, Some(combined.out()), Stream(0))?;
         }
         ep.sync(Stream(0))?;
-        ep.ll_download_handle(&d.handle)
+        ep.ll_download_routing(&d.handle)
     })();
     let mut handle = match ran {
         Ok(hd) => hd,
@@ -205,7 +197,7 @@ mod tests {
             .enumerate()
         {
             let server = StoreServer::bind("127.0.0.1:0").unwrap();
-            let group = Group::join(0, 1, &server.addr().to_string(), t).unwrap();
+            let group = Group::join(0, 1, &server.addr().to_string(), server.secret(), t).unwrap();
             let gpu = GpuRank::for_check(&group, t).unwrap();
             let r = check_case(&group, &gpu, &case, run as u64, t, fault);
             if must_pass {

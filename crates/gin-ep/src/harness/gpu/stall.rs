@@ -10,10 +10,10 @@
 use std::time::{Duration, Instant};
 
 use super::case_inputs;
+use super::ll_check::harness_ll_ep;
 use super::tensor::Tensor;
 
 use crate::backend::cuda::ll::LlLayout;
-use crate::check::Case;
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder};
 use crate::ep::{
     Backend, Ep, EpOptions, GpuRank, HtCombineIn, HtCombineOut, HtDispatchIn, LlCombineIn, LlDispatchIn,
@@ -22,8 +22,9 @@ use crate::ep::{
 use crate::error::{Error, Result};
 use crate::group::vnodes::RankTopology;
 use crate::group::Group;
+use crate::harness::check::Case;
+use crate::harness::workload::{Routing, Workload};
 use crate::ht::RankInput;
-use crate::workload::{Routing, Workload};
 use half::bf16;
 
 /// The operation one rank never enters in [`stall_check`].
@@ -117,7 +118,7 @@ pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) 
     if op.is_ll() {
         return stall_check_ll(group, &gpu, cfg, &ins[me], stall, op, timeout);
     }
-    let ep = Ep::join(group, cfg, &Backend::Cuda(gpu.clone()), &options(timeout, true)?)?;
+    let ep = Ep::join(group, cfg, &Backend::Cuda(gpu.clone()), &ht_options(timeout)?)?;
     let inp = &ins[me];
     let n = inp.topk_idx.len() / cfg.topk;
     // Caller tensors outlive the check: a kernel may still use them after a failure.
@@ -164,12 +165,12 @@ pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) 
     verdict
 }
 
-/// The `Ep` options of the never-hang and kill checks: HT or LL, host waits bounded by
-/// `timeout`.
-fn options(timeout: Duration, ht: bool) -> Result<EpOptions> {
+/// The HT `Ep` options of the never-hang check: host waits bounded by `timeout`, the
+/// topology of the launch's environment.
+fn ht_options(timeout: Duration) -> Result<EpOptions> {
     Ok(EpOptions {
-        ht,
-        ll: !ht,
+        ht: true,
+        ll: false,
         timeout,
         topology: RankTopology::from_env()?,
         ..EpOptions::default()
@@ -224,7 +225,7 @@ fn stall_check_ll(
     timeout: Duration,
 ) -> Result<String> {
     let me = group.rank();
-    let ep = Ep::join(group, cfg, &Backend::Cuda(gpu.clone()), &options(timeout, false)?)?;
+    let ep = harness_ll_ep(group, gpu, cfg, timeout)?;
     let tensors = ll_tensors(gpu, cfg, inp)?;
     let n = inp.topk_idx.len() / cfg.topk;
     let t0 = Instant::now();
@@ -282,7 +283,7 @@ pub fn kill_check_ll(group: &Group, victim: usize, iter: u64, timeout: Duration)
     let case = small_case(r, LlCombineOrder::Topk, 0x4B111);
     let cfg = case.cfg.clone();
     let inp = &case_inputs(&case, 0)[me];
-    let ep = Ep::join(group, &cfg, &Backend::Cuda(gpu.clone()), &options(timeout, false)?)?;
+    let ep = harness_ll_ep(group, &gpu, &cfg, timeout)?;
     let tensors = ll_tensors(&gpu, &cfg, inp)?;
     let n = inp.topk_idx.len() / cfg.topk;
     gpu.sync(0)?;
