@@ -29,7 +29,7 @@ use gin_ep::{DispatchDtype, Ep};
 use crate::abi::{self, NCCL_BFLOAT16, NCCL_FLOAT32, NCCL_INT32, NCCL_INT64};
 use crate::group::{Algo, Group};
 use crate::status::{CResult, CapiError};
-use crate::tensor::{required, Desc};
+use crate::tensor::{absent, required, Desc};
 
 /// The layouts a handle can have here.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -314,44 +314,35 @@ impl Handle {
         let x = required(a.tokens, "inputs->tokens")?;
         x.dtype_is(&[NCCL_BFLOAT16])?;
         x.shape_is(&[n, h])?;
-        for (t, name) in [
-            (&a.topk_weights, "inputs->topk_weights"),
-            (&a.scales, "inputs->scales"),
-        ] {
-            if t.is_some() {
-                return Err(CapiError::usage(format!(
-                    "{name}: LL EXPERT_MAJOR dispatch takes no such input (weights go to ncclEpCombine)"
-                )));
-            }
-        }
+        absent(
+            &[
+                (&a.topk_weights, "inputs->topk_weights"),
+                (&a.scales, "inputs->scales"),
+            ],
+            "LL EXPERT_MAJOR dispatch takes no such input (weights go to ncclEpCombine)",
+        )?;
         let out = required(a.out_tokens, "outputs->tokens")?;
         out.dtype_is(&[NCCL_BFLOAT16])?;
         out.shape_is(&[l, rt, h])?;
-        for (t, name) in [
-            (&a.out_weights, "outputs->topk_weights"),
-            (&a.out_scales, "outputs->scales"),
-            (&a.out_idx, "outputs->topk_idx"),
-        ] {
-            if t.is_some() {
-                return Err(CapiError::usage(format!(
-                    "{name}: LL EXPERT_MAJOR writes no such output"
-                )));
-            }
-        }
+        absent(
+            &[
+                (&a.out_weights, "outputs->topk_weights"),
+                (&a.out_scales, "outputs->scales"),
+                (&a.out_idx, "outputs->topk_idx"),
+            ],
+            "LL EXPERT_MAJOR writes no such output",
+        )?;
         let li = a.layout.ok_or_else(|| {
             CapiError::arg("layout_info is NULL: LL EXPERT_MAJOR writes its counts to expert_counters")
         })?;
-        for (t, name) in [
-            (&li.src_rank_counters, "layout_info->src_rank_counters"),
-            (&li.expert_offsets, "layout_info->expert_offsets"),
-            (&li.recv_total_counter, "layout_info->recv_total_counter"),
-        ] {
-            if t.is_some() {
-                return Err(CapiError::usage(format!(
-                    "{name}: LL EXPERT_MAJOR writes no such counter"
-                )));
-            }
-        }
+        absent(
+            &[
+                (&li.src_rank_counters, "layout_info->src_rank_counters"),
+                (&li.expert_offsets, "layout_info->expert_offsets"),
+                (&li.recv_total_counter, "layout_info->recv_total_counter"),
+            ],
+            "LL EXPERT_MAJOR writes no such counter",
+        )?;
         let counters = required(li.expert_counters, "layout_info->expert_counters")?;
         counters.dtype_is(&[NCCL_INT32])?;
         counters.shape_is(&[l])?;
@@ -411,16 +402,13 @@ impl Handle {
         let y = required(a.tokens, "inputs->tokens")?;
         y.dtype_is(&[NCCL_BFLOAT16])?;
         y.shape_is(&[l, rt, h])?;
-        for (t, name) in [
-            (&a.topk_weights, "inputs->topk_weights"),
-            (&a.scales, "inputs->scales"),
-        ] {
-            if t.is_some() {
-                return Err(CapiError::usage(format!(
-                    "{name}: LL combine takes no such input"
-                )));
-            }
-        }
+        absent(
+            &[
+                (&a.topk_weights, "inputs->topk_weights"),
+                (&a.scales, "inputs->scales"),
+            ],
+            "LL combine takes no such input",
+        )?;
         let out = required(a.out_tokens, "outputs->tokens")?;
         out.dtype_is(&[NCCL_BFLOAT16])?;
         out.shape_is(&[n, h])?;
@@ -554,17 +542,14 @@ impl Handle {
                 c.quant_recipe, c.pass_direction
             )));
         }
-        for (t, name) in [
-            (&a.topk_weights, "inputs->topk_weights"),
-            (&a.scales, "inputs->scales"),
-            (&a.out_weights, "outputs->topk_weights"),
-        ] {
-            if t.is_some() {
-                return Err(CapiError::usage(format!(
-                    "{name}: the HT forward combine takes no such tensor"
-                )));
-            }
-        }
+        absent(
+            &[
+                (&a.topk_weights, "inputs->topk_weights"),
+                (&a.scales, "inputs->scales"),
+                (&a.out_weights, "outputs->topk_weights"),
+            ],
+            "the HT forward combine takes no such tensor",
+        )?;
         let (ep, _, _) = self.routed("ncclEpCombine")?;
         let (handle, nr) = self
             .ht

@@ -114,6 +114,15 @@ pub fn required(t: Option<Desc>, name: &str) -> CResult<Desc> {
     t.ok_or_else(|| CapiError::arg(format!("{name} is NULL (required)")))
 }
 
+/// Refuses the first of `tensors` the caller passed (`why` says why the call has no use for
+/// it): a tensor gin-ep would ignore is refused by name, never silently dropped.
+pub fn absent(tensors: &[(&Option<Desc>, &str)], why: &str) -> CResult<()> {
+    match tensors.iter().find(|(t, _)| t.is_some()) {
+        Some((_, name)) => Err(CapiError::usage(format!("{name}: {why}"))),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
