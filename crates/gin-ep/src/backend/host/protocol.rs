@@ -857,14 +857,7 @@ impl HostEp {
                     }
                 }
             }
-            for b in input.bias.iter().flatten() {
-                for (a, v) in acc.iter_mut().zip(&b[t * h..(t + 1) * h]) {
-                    *a += v.to_f32();
-                }
-            }
-            for (o, a) in x[t * h..(t + 1) * h].iter_mut().zip(&acc) {
-                *o = f32_to_bf16(*a);
-            }
+            finish_row(&mut acc, &input.bias, t, &mut x[t * h..(t + 1) * h]);
         }
         self.mark("reduce", t0);
         Ok(HtCombineOutput {
@@ -902,6 +895,20 @@ fn check_handle(cfg: &EpConfig, rank: usize, handle: &HtRouting) -> Result<()> {
             format!("HT handle of rank {rank}"),
             "does not match this config",
         ))
+    }
+}
+
+/// The end of an HT combine row, as the oracle defines it: the biases in order into the f32
+/// accumulator, then one rounding to BF16 into `out`.
+pub(super) fn finish_row(acc: &mut [f32], bias: &[Option<Vec<bf16>>; 2], t: usize, out: &mut [bf16]) {
+    let h = out.len();
+    for b in bias.iter().flatten() {
+        for (a, v) in acc.iter_mut().zip(&b[t * h..(t + 1) * h]) {
+            *a += v.to_f32();
+        }
+    }
+    for (o, a) in out.iter_mut().zip(acc.iter()) {
+        *o = f32_to_bf16(*a);
     }
 }
 

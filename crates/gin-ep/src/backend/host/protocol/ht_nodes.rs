@@ -508,14 +508,7 @@ impl HostEp {
                     }
                 }
             }
-            for b in input.bias.iter().flatten() {
-                for (a, v) in acc.iter_mut().zip(&b[t * h..(t + 1) * h]) {
-                    *a += v.to_f32();
-                }
-            }
-            for (o, a) in x[t * h..(t + 1) * h].iter_mut().zip(&acc) {
-                *o = f32_to_bf16(*a);
-            }
+            super::finish_row(&mut acc, &input.bias, t, &mut x[t * h..(t + 1) * h]);
         }
         self.mark("reduce", t0);
         Ok(HtCombineOutput {
