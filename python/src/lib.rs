@@ -621,14 +621,14 @@ impl PyEp {
             ht,
             ll,
             timeout: duration(timeout_s)?,
-            fault: None,
             ht_sms,
             ht_recv_slabs,
             ht_exact,
             ll_grid,
-            // Sizing only (required_bytes): the window's layout follows the nodes found.
-            ll_across_nodes: false,
+            // `ll_across_nodes` is for sizing only (required_bytes): the window's layout
+            // follows the nodes found. The test fault is the harness's, never set here.
             topology: RankTopology { vnodes, node_size },
+            ..EpOptions::default()
         };
         let backend = match gpu {
             Some(g) => Backend::Cuda(g.rank.clone()),

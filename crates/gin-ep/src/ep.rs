@@ -48,8 +48,16 @@ use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::quant::Rows;
 
+#[cfg(feature = "harness")]
+pub use crate::backend::cuda::engine::EngineFault;
 pub use crate::backend::cuda::engine::{GpuRank, GpuRankOptions};
+
+#[cfg(feature = "harness")]
+#[path = "ep_harness.rs"]
+mod harness_hooks;
 pub use crate::backend::cuda::ht::{DEFAULT_SMS as HT_DEFAULT_SMS, MAX_RECV_SLABS};
+/// Test faults and the host's mode set: harness builds only (the CLI's host checks).
+#[cfg(feature = "harness")]
 pub use crate::backend::host::protocol::{Fault, Modes, FAULT_PHASES};
 pub use crate::group::vnodes::RankTopology;
 
@@ -70,7 +78,8 @@ pub struct EpOptions {
     pub ll: bool,
     /// Deadline of every host wait on a peer.
     pub timeout: Duration,
-    /// Host: a fault injected for tests.
+    /// Host: a fault injected for tests (harness builds only).
+    #[cfg(feature = "harness")]
     pub fault: Option<Fault>,
     /// CUDA HT: CTAs of the dispatch and combine kernels, equal on every rank.
     pub ht_sms: u32,
@@ -95,6 +104,7 @@ impl Default for EpOptions {
             ht: true,
             ll: true,
             timeout: Duration::from_secs(100),
+            #[cfg(feature = "harness")]
             fault: None,
             ht_sms: HT_DEFAULT_SMS,
             ht_recv_slabs: 1,
@@ -124,12 +134,15 @@ impl EpOptions {
 
     fn host(&self) -> HostOptions {
         HostOptions {
-            modes: Modes {
+            modes: crate::backend::host::protocol::Modes {
                 ht: self.ht,
                 ll: self.ll,
             },
             timeout: self.timeout,
+            #[cfg(feature = "harness")]
             fault: self.fault.clone(),
+            #[cfg(not(feature = "harness"))]
+            fault: None,
         }
     }
 }

@@ -7,6 +7,8 @@
 //! ([`backend`]). See `docs/protocol.md` for buffer layout and signalling.
 
 pub mod backend;
+#[cfg(any(test, feature = "harness"))]
+pub mod compare;
 pub mod config;
 pub mod ep;
 pub mod error;
@@ -18,15 +20,11 @@ pub mod routing;
 pub use config::{DispatchDtype, EpConfig, LlCombineOrder};
 pub use ep::Ep;
 pub use error::{Error, Result};
+/// The check and bench harness (the `harness` feature): drives [`Ep`] as Python does and
+/// compares with the oracle; nothing in [`backend`] imports it.
 #[cfg(feature = "harness")]
-pub mod bench;
+pub mod harness;
 #[cfg(feature = "harness")]
-pub mod check;
-#[cfg(feature = "harness")]
-pub mod gpu;
+pub use harness::{bench, check, gpu, ll_traffic, workload};
 pub mod ht;
 pub mod ll;
-#[cfg(feature = "harness")]
-pub mod ll_traffic;
-#[cfg(feature = "harness")]
-pub mod workload;

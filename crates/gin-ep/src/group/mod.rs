@@ -256,7 +256,7 @@ impl Group {
         let epoch = u64::try_from(joined - 1).unwrap_or(0) / world as u64;
         let session_key = format!("gin-ep/g{epoch}/session");
         let session = if rank == 0 {
-            let id = format!("{:016x}", rand::random::<u64>());
+            let id = format!("{:016x}", session_nonce());
             store.set(&session_key, id.as_bytes())?;
             id
         } else {
@@ -347,6 +347,20 @@ impl Group {
     pub(crate) fn next_heap_id(&self) -> u64 {
         self.heaps.fetch_add(1, Ordering::Relaxed)
     }
+}
+
+/// A group session's id: unpredictable across processes and runs (std's per-process random
+/// hash keys over the time and pid), so a rank of another group's session is told apart.
+fn session_nonce() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    h.write_u128(now);
+    h.write_u32(std::process::id());
+    h.finish()
 }
 
 #[cfg(test)]

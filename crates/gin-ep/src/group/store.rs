@@ -35,8 +35,6 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use rand::RngCore;
-
 use crate::error::{Error, Result};
 
 /// Longest key accepted, in bytes.
@@ -100,8 +98,7 @@ impl StoreSecret {
     /// A fresh secret from the OS's random source.
     pub fn generate() -> Result<StoreSecret> {
         let mut bytes = [0u8; SECRET_LEN];
-        rand::rngs::OsRng
-            .try_fill_bytes(&mut bytes)
+        getrandom::getrandom(&mut bytes)
             .map_err(|e| Error::Bootstrap(format!("store: no randomness from the OS for the secret: {e}")))?;
         Ok(StoreSecret(bytes))
     }

@@ -22,6 +22,12 @@ use crate::error::{Error, Result};
 use crate::group::vnodes::RankTopology;
 use crate::group::Group;
 
+#[cfg(feature = "harness")]
+#[path = "engine_harness.rs"]
+mod harness_hooks;
+#[cfg(feature = "harness")]
+pub use harness_hooks::EngineFault;
+
 /// One rank's GPU: the communicator, context and stream of this process's rank. Cheap to
 /// clone; every `Ep` of the rank holds one.
 #[derive(Clone)]
@@ -220,6 +226,9 @@ pub struct CudaEngine {
     ht: Option<CudaHt>,
     ll: Option<CudaLl>,
     rank: GpuRank,
+    /// A bug injected for the harness's check of this layer.
+    #[cfg(feature = "harness")]
+    fault: Option<EngineFault>,
 }
 
 // SAFETY: the objects are used only under the rank's `op` lock (`GpuRank::run`); see the
@@ -262,6 +271,8 @@ impl CudaEngine {
             ht: hto,
             ll: llo,
             rank: rank.clone(),
+            #[cfg(feature = "harness")]
+            fault: None,
         })
     }
 
@@ -343,6 +354,11 @@ impl CudaEngine {
 
     /// HT combine along `handle` (weights reduced when `io.out_w` is given).
     pub fn ht_combine(&mut self, stream: u64, handle: &HtGpuHandle, io: HtCombineSpans) -> Result<()> {
+        #[cfg(feature = "harness")]
+        let io = HtCombineSpans {
+            bias: [io.bias[0], EngineFault::bias1(self.fault, io.bias[1])],
+            ..io
+        };
         let extras = CombineExtras {
             weights: io.out_w.is_some(),
             bias: [io.bias[0].is_some(), io.bias[1].is_some()],
@@ -438,6 +454,10 @@ impl CudaEngine {
         num_tokens: usize,
         io: LlDispatchSpans,
     ) -> Result<()> {
+        #[cfg(feature = "harness")]
+        let stats = EngineFault::stats(self.fault, io.stats);
+        #[cfg(not(feature = "harness"))]
+        let stats = io.stats;
         let (rank, l) = self.ll()?;
         rank.run(stream, |r| {
             let lio = LlIo {
@@ -447,7 +467,7 @@ impl CudaEngine {
                 recv_scales: span(r, "recv_x scales", io.recv_scales)?,
                 recv_count: span(r, "recv_count", io.recv_count)?,
                 layout_range: span(r, "layout_range", io.layout_range)?,
-                stats: span(r, "cumulative_local_expert_recv_stats", io.stats)?,
+                stats: span(r, "cumulative_local_expert_recv_stats", stats)?,
                 ..LlIo::default()
             };
             if half != Half::Recv {

@@ -15,8 +15,6 @@ pub mod engine;
 pub mod fabric;
 #[cfg(feature = "harness")]
 pub mod gin_alltoall;
-#[cfg(feature = "harness")]
-pub mod gincheck;
 pub mod ht;
 pub mod ipc;
 pub mod kernels;

@@ -20,7 +20,7 @@
 //!
 //! The window layout is in [`layout`], the kernel variants in [`variant`], copies in and
 //! out and caller-owned memory in [`io`]. The GPU check and benchmark of this driver are in
-//! `crate::gpu`; nothing here imports them.
+//! `crate::harness::gpu`; nothing here imports them.
 
 use super::abi::ht as abi;
 use super::abi::ht::{

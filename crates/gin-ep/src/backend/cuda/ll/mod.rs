@@ -30,10 +30,6 @@ use crate::group::vnodes::{plugin_configured, RankTopology};
 use crate::ll::{LlDispatchOutput, LlRouting};
 use crate::quant::Rows;
 
-#[cfg(feature = "harness")]
-pub mod bench;
-#[cfg(feature = "harness")]
-pub mod check;
 pub mod layout;
 #[cfg(feature = "harness")]
 pub mod stamps;
@@ -224,7 +220,7 @@ pub struct CudaLl {
     // deregistered before the device communicator is destroyed (both hold the NCCL
     // communicator alive).
     /// Where the kernels find this rank's node peers (backend/cuda/fabric.rs).
-    fabric: NodeFabric,
+    pub(crate) fabric: NodeFabric,
     window: Window,
     dev_comm: DevComm,
     /// The GIN-less communicator that told NCCL's node, kept beside a GIN one.
@@ -235,9 +231,9 @@ pub struct CudaLl {
     _own_mask: Option<DeviceBuffer>,
     /// Shared with the rank's engine and HT objects; dropped after the window and device
     /// communicator above.
-    rank: Arc<CudaRank>,
-    cfg: EpConfig,
-    layout: LlLayout,
+    pub(crate) rank: Arc<CudaRank>,
+    pub(crate) cfg: EpConfig,
+    pub(crate) layout: LlLayout,
     grid: u32,
     tuning: LlTuning,
     /// Device address of `[grid][STAMP_SLOTS]` u64 the next launches stamp, or 0.
@@ -287,7 +283,7 @@ impl Drop for CudaLl {
 
 impl CudaLl {
     /// Whether some rank lies outside this rank's gin-ep node (GIN signals are in use).
-    fn across_nodes(&self) -> bool {
+    pub(crate) fn across_nodes(&self) -> bool {
         self.layout.gin_arrivals > 0
     }
 
@@ -906,7 +902,7 @@ impl CudaLl {
 
     /// Waits and reads the combine handle of `set`'s last dispatch (the set's own buffers:
     /// the handle never lives in caller memory).
-    fn download_handle(&self, set: usize) -> Result<LlRouting> {
+    pub(crate) fn download_handle(&self, set: usize) -> Result<LlRouting> {
         self.rank.wait("LL dispatch handle")?;
         let s = self.set(set)?;
         let (l, r) = (self.cfg.local_experts(), self.cfg.ranks);
@@ -949,7 +945,7 @@ impl CudaLl {
 }
 
 /// Fills every whole u32 of `bufs` with POISON, so a row the kernels do not write shows.
-fn poison(rank: &CudaRank, bufs: &[&DeviceBuffer]) -> Result<()> {
+pub(crate) fn poison(rank: &CudaRank, bufs: &[&DeviceBuffer]) -> Result<()> {
     for b in bufs {
         let r = b.region();
         rank.memset_u32(r.sub(0, r.len() / 4 * 4)?, POISON)?;
@@ -960,7 +956,7 @@ fn poison(rank: &CudaRank, bufs: &[&DeviceBuffer]) -> Result<()> {
 /// Run number of each check or benchmark on this process, for its barrier and store keys
 /// (every rank runs them in the same order).
 #[cfg(feature = "harness")]
-static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+pub(crate) static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 #[cfg(test)]
 mod tests {

@@ -112,7 +112,7 @@ pub const PHASES: [(&str, usize, bool); 31] = [
     ("c.end", slot(abi::K_ST_COMB_END), false),
 ];
 /// Dispatch columns of [`PHASES`] (the rest are combine).
-pub(super) const DISPATCH_PHASES: usize = 18;
+pub(crate) const DISPATCH_PHASES: usize = 18;
 
 /// Whether stamp slot `slot` belongs to the dispatch (kStDisp* in abi/ll.h), else the combine
 /// (kStCombStart to kStCombEntry, and the reduce's item slots).
@@ -124,7 +124,7 @@ fn dispatch_slot(slot: usize) -> bool {
 
 /// [`PHASES`] of one operation pair from its `[grid][STAMP_SLOTS]` stamps, µs; -1 where a
 /// slot was never written.
-pub(super) fn phase_values(st: &[u64], grid: usize) -> [f64; PHASES.len()] {
+pub(crate) fn phase_values(st: &[u64], grid: usize) -> [f64; PHASES.len()] {
     let mut out = [-1.0; PHASES.len()];
     for (i, &(_, slot, first)) in PHASES.iter().enumerate() {
         let origin = if dispatch_slot(slot) {
@@ -160,7 +160,7 @@ fn us_between(a: Option<u64>, b: Option<u64>) -> Option<f64> {
 /// end to this one's first CTA start (launch, event, waiting for the stream), and the span
 /// from first CTA start to last CTA end; median and max over iterations, µs. An event time
 /// far above gap + span would point at the events themselves.
-pub(super) fn eager_split(host: &[u64], grid: usize, ev_d: &[f64], ev_c: &[f64]) -> String {
+pub(crate) fn eager_split(host: &[u64], grid: usize, ev_d: &[f64], ev_c: &[f64]) -> String {
     let per = grid * STAMP_SLOTS;
     let iters = host.len() / per.max(1);
     let edge =

@@ -524,8 +524,9 @@ mod tests {
     use crate::backend::host::protocol::{Fault, Modes};
     use crate::backend::host::run::{run_threads, HostOptions};
     use crate::ht::RankInput;
-    use crate::workload::{Routing, Workload};
-    use crate::{check, oracle, DispatchDtype};
+    use crate::{compare, oracle, DispatchDtype};
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
     use std::time::Duration;
 
     /// 6 ranks in 3 nodes of 2, uneven tokens (one rank sends none), masked entries.
@@ -535,32 +536,56 @@ mod tests {
 
     const TOKENS: [usize; 6] = [10, 7, 0, 9, 1, 10];
 
-    fn workload() -> Workload {
-        Workload {
-            routing: Routing::Zipf(1.2),
-            seed: 7,
-            mask_prob: 0.2,
-        }
+    fn rng(rank: usize, salt: u64) -> ChaCha8Rng {
+        ChaCha8Rng::seed_from_u64(((rank as u64) << 32) ^ salt)
     }
 
+    fn bf16s(g: &mut ChaCha8Rng, n: usize) -> Vec<bf16> {
+        (0..n).map(|_| bf16::from_f32(g.gen_range(-4.0..4.0))).collect()
+    }
+
+    fn f32s(g: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+        (0..n).map(|_| g.gen_range(0.01f32..1.0)).collect()
+    }
+
+    /// Per token, top-k distinct experts skewed toward low ids (a few hot experts, as in
+    /// real routing), each entry masked (-1) with probability 0.2.
     fn inputs(cfg: &EpConfig) -> Vec<RankInput> {
+        let (k, e) = (cfg.topk, cfg.experts);
         (0..cfg.ranks)
-            .map(|r| workload().rank_input(cfg, r, TOKENS[r]))
+            .map(|r| {
+                let mut g = rng(r, 7);
+                let n = TOKENS[r];
+                let mut topk_idx = Vec::with_capacity(n * k);
+                for _ in 0..n {
+                    let mut picked: Vec<i64> = Vec::with_capacity(k);
+                    while picked.len() < k {
+                        let u: f64 = g.gen();
+                        let x = (u * u * e as f64) as i64;
+                        if !picked.contains(&x) {
+                            picked.push(x);
+                        }
+                    }
+                    topk_idx.extend(picked.into_iter().map(|x| if g.gen_bool(0.2) { -1 } else { x }));
+                }
+                RankInput {
+                    x: bf16s(&mut g, n * cfg.hidden),
+                    topk_idx,
+                    topk_weights: f32s(&mut g, n * k),
+                }
+            })
             .collect()
     }
 
     fn combine_inputs(cfg: &EpConfig, handles: &[HtRouting]) -> Vec<HtCombineInput> {
-        let w = Workload {
-            seed: 99,
-            ..workload()
-        };
         (0..cfg.ranks)
             .map(|r| {
+                let mut g = rng(r, 99);
                 let nr = handles[r].num_recv();
                 HtCombineInput {
-                    x: w.bf16_values(r, 1, nr * cfg.hidden),
-                    topk_weights: Some(w.f32_values(r, 2, nr * cfg.topk)),
-                    bias: [Some(w.bf16_values(r, 3, TOKENS[r] * cfg.hidden)), None],
+                    x: bf16s(&mut g, nr * cfg.hidden),
+                    topk_weights: Some(f32s(&mut g, nr * cfg.topk)),
+                    bias: [Some(bf16s(&mut g, TOKENS[r] * cfg.hidden)), None],
                 }
             })
             .collect()
@@ -586,17 +611,17 @@ mod tests {
                 let i = &ins[me];
                 ep.poison_buffers();
                 let got = ep.ht_dispatch(&i.x, &i.topk_idx, &i.topk_weights)?;
-                check::ht_dispatch(cfg, me, &got, &want[me])?;
+                compare::ht_dispatch(cfg, me, &got, &want[me])?;
                 ep.poison_buffers();
                 let rows = ep.ht_dispatch_cached(&i.x, &got.handle)?;
                 let probe = crate::ht::HtDispatchOutput {
                     recv_x: rows,
                     ..want[me].clone()
                 };
-                check::ht_dispatch(cfg, me, &probe, &want[me])?;
+                compare::ht_dispatch(cfg, me, &probe, &want[me])?;
                 ep.poison_buffers();
                 let c = ep.ht_combine(&comb[me], &got.handle)?;
-                check::ht_combine(me, &c, &want_comb[me])
+                compare::ht_combine(me, &c, &want_comb[me])
             })();
             if r.is_err() {
                 ep.abandon();

@@ -7,7 +7,7 @@ use super::*;
 use crate::backend::host::heap::POISON;
 use crate::backend::host::run::{run_threads, HostOptions};
 use crate::ht::RankInput;
-use crate::{check, oracle, DispatchDtype, EpConfig};
+use crate::{compare, oracle, DispatchDtype, EpConfig};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::sync::Barrier;
@@ -119,7 +119,7 @@ fn rank_loop(sc: &Scenario, ep: &mut HostEp) -> Result<()> {
         let want = oracle::ll_dispatch(cfg, &ins)?;
         ep.poison_buffers();
         let got = ep.ll_dispatch(&ins[me].x, &ins[me].topk_idx)?;
-        check::ll_dispatch(cfg, me, &got, &want[me]).map_err(|e| in_context(e, "LL dispatch", iter))?;
+        compare::ll_dispatch(cfg, me, &got, &want[me]).map_err(|e| in_context(e, "LL dispatch", iter))?;
         let handles: Vec<LlRouting> = want.iter().map(|o| o.handle.clone()).collect();
         let idx: Vec<_> = ins.iter().map(|i| i.topk_idx.clone()).collect();
         let wts: Vec<_> = ins.iter().map(|i| i.topk_weights.clone()).collect();
@@ -130,7 +130,7 @@ fn rank_loop(sc: &Scenario, ep: &mut HostEp) -> Result<()> {
             let want_c = oracle::ll_combine(cfg, &handles, &ys, &idx, &wts)?;
             ep.poison_buffers();
             let got_c = ep.ll_combine(&ys[me], &ins[me].topk_idx, &ins[me].topk_weights, &got.handle)?;
-            check::ll_combine(me, &got_c, &want_c[me]).map_err(|e| in_context(e, "LL combine", iter))?;
+            compare::ll_combine(me, &got_c, &want_c[me]).map_err(|e| in_context(e, "LL combine", iter))?;
         }
     }
     Ok(())
@@ -382,7 +382,7 @@ fn shrink_masks_a_rank_that_stops_mid_dispatch_and_drops_its_rows() {
         let got = ep.ll_dispatch(&full[me].x, &full[me].topk_idx)?;
         assert_eq!(ep.ll_mask(), &[false, false, true]);
         let want = oracle::ll_dispatch(cfg, &live)?;
-        check::ll_dispatch(cfg, me, &got, &want[me])?;
+        compare::ll_dispatch(cfg, me, &got, &want[me])?;
         let cap_rows = l_n * cfg.ranks * cfg.max_tokens_per_rank;
         let ys: Vec<Vec<bf16>> = (0..3)
             .map(|r| bf16s(&mut rng(r, 0, 7), cap_rows * cfg.hidden))
@@ -392,7 +392,7 @@ fn shrink_masks_a_rank_that_stops_mid_dispatch_and_drops_its_rows() {
         let wts: Vec<_> = live.iter().map(|i| i.topk_weights.clone()).collect();
         let want_c = oracle::ll_combine(cfg, &handles, &ys, &idx, &wts)?;
         let got_c = ep.ll_combine(&ys[me], &full[me].topk_idx, &full[me].topk_weights, &got.handle)?;
-        check::ll_combine(me, &got_c, &want_c[me])
+        compare::ll_combine(me, &got_c, &want_c[me])
     })
     .unwrap();
     assert!(results[2]
@@ -439,7 +439,7 @@ fn combines_in_any_order_use_their_handles_sets_and_a_bad_set_is_refused() {
                 &ins[i][me].topk_weights,
                 &got[i].handle,
             )?;
-            check::ll_combine(me, &got_c, &want_c[me]).map_err(|e| in_context(e, "LL combine", i))?;
+            compare::ll_combine(me, &got_c, &want_c[me]).map_err(|e| in_context(e, "LL combine", i))?;
         }
         combined.wait();
         let mut bad = got[0].handle.clone();

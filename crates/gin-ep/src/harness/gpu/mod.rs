@@ -8,10 +8,17 @@
 //! Every rank of the group calls these with the same arguments: the kernels pair ranks by
 //! operation number, so all ranks must make the same calls in the same order.
 //!
+//! The checks go through [`crate::Ep`] as the Python package does: the HT check ([`check`]),
+//! each LL case once more after its driver-level run ([`ll_check`], `ll_ep`), the never-hang
+//! and kill checks ([`stall`]); the engine-layer faults of `GIN_EP_ENGINE_FAULT`
+//! ([`crate::ep::EngineFault`]) prove it. The LL check's window-resident, graph and split-half
+//! rounds and both benchmarks still drive the drivers.
+//!
 //! One part per file: [`cases`] (the check cases), [`check`] (the HT check), [`stall`] (the
-//! never-hang check), [`mod@bench`] (the HT benchmark); the LL check and benchmark are in
-//! `backend::cuda::ll`, reached through the entry points here. The HT variant sweep is a
-//! study in the gin-ep-lab crate, built on the pieces of the benchmark made public here.
+//! never-hang and kill checks), [`mod@bench`] (the HT benchmark), [`ll_check`] and
+//! [`ll_bench`] (the LL check and benchmark), [`gincheck`] (the GIN conformance check),
+//! `tensor` (the checks' caller tensors). The HT variant sweep is a study in the gin-ep-lab
+//! crate, built on the pieces of the benchmark made public here.
 
 use crate::backend::cuda::ht::{CudaHt, DispatchSource, HtIo};
 use crate::backend::cuda::{CudaRank, DeviceBuffer};
@@ -24,18 +31,22 @@ use half::bf16;
 
 // The CUDA backend's per-rank check and benchmark entry points and limits that the CLI's GPU
 // commands use, named here so that the CLI reaches the backend only through the harness.
-pub use crate::backend::cuda::gincheck;
 pub use crate::backend::cuda::ht::{
     check_gpu_config, DEFAULT_SMS as HT_DEFAULT_SMS, MAX_GRID as HT_MAX_GRID,
 };
-pub use crate::backend::cuda::ll::check::selftest_cases as ll_selftest_cases;
 pub use crate::backend::cuda::ll::stamps::PHASES as LL_STAMP_PHASES;
 pub use crate::backend::cuda::ll::MAX_GRID as LL_MAX_GRID;
+pub use ll_check::selftest_cases as ll_selftest_cases;
 
 pub mod bench;
 pub mod cases;
 pub mod check;
+pub mod gincheck;
+pub mod ll_bench;
+pub mod ll_check;
+mod ll_ep;
 pub mod stall;
+mod tensor;
 
 pub use bench::{bench_rank, gather, max_per_iter, HtTimer};
 pub use cases::gpu_cases;
@@ -95,16 +106,6 @@ fn upload_dispatch_input(
             Rows::Fp8 { data, scales } => {
                 ht.upload_input_fp8(rank, &data, &scales, &inp.topk_idx, &inp.topk_weights)
             }
-            Rows::Bf16(_) => Err(Error::input("dispatch source", "FP8 source with a BF16 config")),
-        },
-    }
-}
-
-fn upload_x(ht: &CudaHt, rank: &CudaRank, cfg: &EpConfig, x: &[bf16], source: DispatchSource) -> Result<()> {
-    match source {
-        DispatchSource::Bf16 => ht.upload_x(rank, x),
-        DispatchSource::Fp8 => match Rows::encode(cfg.dispatch_dtype, x, cfg.hidden) {
-            Rows::Fp8 { data, scales } => ht.upload_x_fp8(rank, &data, &scales),
             Rows::Bf16(_) => Err(Error::input("dispatch source", "FP8 source with a BF16 config")),
         },
     }

@@ -9,19 +9,22 @@
 
 use std::time::{Duration, Instant};
 
-use super::{case_inputs, upload_dispatch_input};
+use super::case_inputs;
+use super::ll_check::harness_ll_ep;
+use super::tensor::Tensor;
 
-use crate::backend::cuda::ht::{CombineExtras, CudaHt, DispatchSource, HtGpuOptions};
-use crate::backend::cuda::ll::check::harness_ll;
-use crate::backend::cuda::ll::{LlLayout, LlTuning};
-use crate::backend::cuda::{CudaRank, CudaRankOptions};
-use crate::check::Case;
+use crate::backend::cuda::ll::LlLayout;
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder};
+use crate::ep::{
+    Backend, Ep, EpOptions, GpuRank, HtCombineIn, HtCombineOut, HtDispatchIn, LlCombineIn, LlDispatchIn,
+    LlDispatchOut, LlHalf, Stream,
+};
 use crate::error::{Error, Result};
 use crate::group::vnodes::RankTopology;
 use crate::group::Group;
+use crate::harness::check::Case;
+use crate::harness::workload::{Routing, Workload};
 use crate::ht::RankInput;
-use crate::workload::{Routing, Workload};
 use half::bf16;
 
 /// The operation one rank never enters in [`stall_check`].
@@ -103,7 +106,7 @@ impl StallOp {
 pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) -> Result<String> {
     let me = group.rank();
     let r = group.world();
-    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?.into_shared();
+    let gpu = GpuRank::for_check(group, timeout)?;
     let order = if op == StallOp::LlCombineRankFirst {
         LlCombineOrder::RankFirst
     } else {
@@ -113,67 +116,128 @@ pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) 
     let cfg = &case.cfg;
     let ins = case_inputs(&case, 0);
     if op.is_ll() {
-        return stall_check_ll(group, &rank, cfg, &ins[me], stall, op, timeout);
+        return stall_check_ll(group, &gpu, cfg, &ins[me], stall, op, timeout);
     }
-    let ht_opts = HtGpuOptions {
-        topology: RankTopology::from_env()?,
-        ..HtGpuOptions::default()
-    };
-    let mut ht = CudaHt::new(&rank, cfg, ht_opts)?;
-    let n = upload_dispatch_input(&ht, &rank, cfg, &ins[me], DispatchSource::Bf16)?;
+    let ep = Ep::join(group, cfg, &Backend::Cuda(gpu.clone()), &ht_options(timeout)?)?;
+    let inp = &ins[me];
+    let n = inp.topk_idx.len() / cfg.topk;
+    // Caller tensors outlive the check: a kernel may still use them after a failure.
+    let mut keep = vec![
+        Tensor::of(&gpu, &inp.x)?,
+        Tensor::of(&gpu, &inp.topk_idx)?,
+        Tensor::of(&gpu, &inp.topk_weights)?,
+    ];
     let t0 = Instant::now();
     let observed = (|| -> Result<()> {
         if me == stall && op == StallOp::HtDispatch {
             return Ok(());
         }
-        let handle = ht.dispatch(&rank, n, DispatchSource::Bf16, None)?;
-        ht.sync(&rank)?;
+        let (_, handle) = ep.ht_dispatch(
+            HtDispatchIn {
+                x: keep[0].mem(),
+                fp8_scales: None,
+                num_tokens: n,
+                topk_idx: keep[1].mem(),
+                topk_weights: keep[2].mem(),
+                recv_slab: 0,
+            },
+            Stream(0),
+        )?;
+        ep.sync(Stream(0))?;
         if me == stall {
             return Ok(());
         }
-        let nr = handle.num_recv.unwrap_or(0);
-        ht.upload_combine(&rank, &vec![bf16::ONE; nr * cfg.hidden], None, [None, None])?;
-        ht.combine(&rank, &handle, CombineExtras::default(), None)?;
-        ht.sync(&rank)
+        let nr = handle.num_recv().unwrap_or(0);
+        keep.push(Tensor::of(&gpu, &vec![bf16::ONE; nr * cfg.hidden])?);
+        let input = HtCombineIn {
+            x: keep[3].mem(),
+            topk_weights: None,
+            bias: [None, None],
+        };
+        ep.ht_combine(input, &handle, HtCombineOut::default(), Stream(0))?;
+        ep.sync(Stream(0))
     })();
     let verdict = stall_verdict(group, stall, op, timeout, observed, t0.elapsed());
     // Every rank's communicator saw (or caused) a failure: abort it rather than finalize,
     // and leave the window to the process's end (peers never join its collective release).
-    rank.comm().mark_failed();
-    std::mem::forget(ht);
+    gpu.mark_failed();
+    std::mem::forget((ep, keep));
     verdict
 }
 
-/// [`stall_check`] for the LL operations: one dispatch on set 0 (BF16), then one combine.
+/// The HT `Ep` options of the never-hang check: host waits bounded by `timeout`, the
+/// topology of the launch's environment.
+fn ht_options(timeout: Duration) -> Result<EpOptions> {
+    Ok(EpOptions {
+        ht: true,
+        ll: false,
+        timeout,
+        topology: RankTopology::from_env()?,
+        ..EpOptions::default()
+    })
+}
+
+/// One LL dispatch + combine through `ep` (outputs in the `Ep`'s own buffers), optionally
+/// stopping after the dispatch: `tensors` are x, topk_idx, topk_weights and the expert
+/// outputs.
+fn ll_round(ep: &Ep, tensors: &[Tensor], n: usize, dispatch_only: bool) -> Result<()> {
+    let d = ep.ll_dispatch(
+        LlDispatchIn {
+            x: tensors[0].mem(),
+            num_tokens: n,
+            topk_idx: tensors[1].mem(),
+        },
+        LlHalf::Both,
+        LlDispatchOut::default(),
+        Stream(0),
+    )?;
+    ep.sync(Stream(0))?;
+    if dispatch_only {
+        return Ok(());
+    }
+    let input = LlCombineIn {
+        y: tensors[3].mem(),
+        topk_idx: tensors[1].mem(),
+        topk_weights: tensors[2].mem(),
+    };
+    ep.ll_combine(input, &d.handle, LlHalf::Both, None, Stream(0))?;
+    ep.sync(Stream(0))
+}
+
+/// The caller tensors of [`ll_round`] for `inp`, expert outputs all ones.
+fn ll_tensors(gpu: &GpuRank, cfg: &EpConfig, inp: &RankInput) -> Result<Vec<Tensor>> {
+    Ok(vec![
+        Tensor::of(gpu, &inp.x)?,
+        Tensor::of(gpu, &inp.topk_idx)?,
+        Tensor::of(gpu, &inp.topk_weights)?,
+        Tensor::of(gpu, &vec![bf16::ONE; LlLayout::out_rows(cfg) * cfg.hidden])?,
+    ])
+}
+
+/// [`stall_check`] for the LL operations: one dispatch (BF16), then one combine.
 fn stall_check_ll(
     group: &Group,
-    rank: &std::sync::Arc<CudaRank>,
+    gpu: &GpuRank,
     cfg: &EpConfig,
     inp: &RankInput,
     stall: usize,
     op: StallOp,
     timeout: Duration,
 ) -> Result<String> {
-    let me = rank.info().rank;
-    let mut ll = harness_ll(rank, cfg, None, LlTuning::DEFAULT)?;
-    ll.upload_input(0, &inp.x, &inp.topk_idx, &inp.topk_weights)?;
+    let me = group.rank();
+    let ep = harness_ll_ep(group, gpu, cfg, timeout)?;
+    let tensors = ll_tensors(gpu, cfg, inp)?;
+    let n = inp.topk_idx.len() / cfg.topk;
     let t0 = Instant::now();
     let observed = (|| -> Result<()> {
         if me == stall && op == StallOp::LlDispatch {
             return Ok(());
         }
-        ll.dispatch(0)?;
-        rank.wait("LL dispatch")?;
-        if me == stall {
-            return Ok(());
-        }
-        ll.upload_expert_output(0, &vec![bf16::ONE; LlLayout::out_rows(cfg) * cfg.hidden])?;
-        ll.combine(0)?;
-        rank.wait("LL combine")
+        ll_round(&ep, &tensors, n, me == stall)
     })();
     let verdict = stall_verdict(group, stall, op, timeout, observed, t0.elapsed());
-    rank.comm().mark_failed();
-    std::mem::forget(ll);
+    gpu.mark_failed();
+    std::mem::forget((ep, tensors));
     verdict
 }
 
@@ -215,31 +279,26 @@ pub fn kill_check_ll(group: &Group, victim: usize, iter: u64, timeout: Duration)
     let me = group.rank();
     let r = group.world();
     check_kill(victim, r)?;
-    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?.into_shared();
+    let gpu = GpuRank::for_check(group, timeout)?;
     let case = small_case(r, LlCombineOrder::Topk, 0x4B111);
     let cfg = case.cfg.clone();
     let inp = &case_inputs(&case, 0)[me];
-    let mut ll = harness_ll(&rank, &cfg, None, LlTuning::DEFAULT)?;
-    let y = vec![bf16::ONE; LlLayout::out_rows(&cfg) * cfg.hidden];
-    for set in 0..2 {
-        ll.upload_input(set, &inp.x, &inp.topk_idx, &inp.topk_weights)?;
-        ll.upload_expert_output(set, &y)?;
-    }
-    rank.wait("LL kill check setup")?;
+    let ep = harness_ll_ep(group, &gpu, &cfg, timeout)?;
+    let tensors = ll_tensors(&gpu, &cfg, inp)?;
+    let n = inp.topk_idx.len() / cfg.topk;
+    gpu.sync(0)?;
     group.barrier("ll-kill/start")?;
+    // The Ep alternates the buffer sets itself.
     let observed = (0..=iter).try_for_each(|it| {
         if me == victim && it == iter {
-            crate::backend::cuda::gincheck::exit_abruptly(me, it);
+            super::gincheck::exit_abruptly(me, it);
         }
-        let set = (it % 2) as usize;
-        ll.dispatch(set)?;
-        ll.combine(set)?;
-        rank.wait("LL kill check")
+        ll_round(&ep, &tensors, n, false)
     });
     // A peer is gone either way: abort rather than finalize, and leave the buffers to the
     // process's end (their release is collective).
-    rank.comm().mark_failed();
-    std::mem::forget(ll);
+    gpu.mark_failed();
+    std::mem::forget((ep, tensors));
     observed
         .map(|()| format!("rank {me}: no failure although rank {victim} was killed before iteration {iter}"))
 }

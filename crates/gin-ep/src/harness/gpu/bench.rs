@@ -82,7 +82,7 @@ fn bench_source(cfg: &EpConfig) -> DispatchSource {
 /// quantization.
 pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Option<BenchReport>> {
     if opts.mode == BenchMode::Ll {
-        return crate::backend::cuda::ll::bench::bench_rank(group, opts, num_sms);
+        return super::ll_bench::bench_rank(group, opts, num_sms);
     }
     let cfg = &opts.cfg;
     if opts.tokens > cfg.max_tokens_per_rank || opts.iters == 0 {

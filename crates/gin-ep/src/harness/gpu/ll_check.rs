@@ -12,17 +12,18 @@ use std::time::Duration;
 
 use half::bf16;
 
-use super::{poison, CudaLl, LlIo, LlLayout, LlTuning, RUNS, SETS};
-use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions, DeviceBuffer};
-use crate::check::Case;
+use crate::backend::cuda::ll::{poison, CudaLl, LlIo, LlLayout, LlTuning, RUNS, SETS};
+use crate::backend::cuda::runtime::{CudaRank, DeviceBuffer};
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
+use crate::ep::{Backend, Ep, EpOptions, GpuRank};
 use crate::error::{Error, Result};
 use crate::group::vnodes::RankTopology;
 use crate::group::Group;
+use crate::harness::check::Case;
+use crate::harness::workload::{Routing, Workload};
 use crate::ht::RankInput;
 use crate::ll::{LlDispatchOutput, LlRouting};
 use crate::quant::Rows;
-use crate::workload::{Routing, Workload};
 
 /// How many graph replays [`check_rank`] runs per case, and how often it compares a replay
 /// in full (counts are compared on every replay).
@@ -51,7 +52,7 @@ fn graph_plan(cfg: &EpConfig) -> GraphPlan {
 /// Inputs of every rank for iteration `iter` of `case`, as check::run_rank_case makes them
 /// (Case::inputs) with the staging poison stamped into some tokens ([`stamp_poison`]), plus
 /// the workload of that iteration's expert outputs.
-fn case_inputs(case: &Case, iter: u64) -> (Vec<RankInput>, Workload) {
+pub(super) fn ll_case_inputs(case: &Case, iter: u64) -> (Vec<RankInput>, Workload) {
     let mut ins = case.inputs(iter as usize);
     for x in ins.iter_mut() {
         stamp_poison(&mut x.x, case.cfg.hidden, iter);
@@ -59,12 +60,12 @@ fn case_inputs(case: &Case, iter: u64) -> (Vec<RankInput>, Workload) {
     (ins, case.values_workload(iter as usize))
 }
 
-/// Writes the staging poison word ([`super::layout::STAGE_POISON`]: two BF16 NaNs) over one
+/// Writes the staging poison word ([`crate::backend::cuda::ll::layout::STAGE_POISON`]: two BF16 NaNs) over one
 /// aligned channel pair of every fifth row (which ones shifts with `iter`): a BF16 record
 /// unit or combine row holding it cannot be seen landing by its data, so the receiver must
 /// take it by its ready word or signal; FP8 turns the NaNs into 0x7F and never holds the word.
 fn stamp_poison(x: &mut [bf16], hidden: usize, iter: u64) {
-    let half = bf16::from_bits((super::layout::STAGE_POISON & 0xffff) as u16);
+    let half = bf16::from_bits((crate::backend::cuda::ll::layout::STAGE_POISON & 0xffff) as u16);
     let pairs = hidden / 2;
     for (t, row) in x.chunks_exact_mut(hidden).enumerate() {
         if pairs == 0 || !(t as u64 + iter).is_multiple_of(5) {
@@ -77,10 +78,10 @@ fn stamp_poison(x: &mut [bf16], hidden: usize, iter: u64) {
 }
 
 /// The oracle's answers for one iteration, for this rank.
-struct Expected {
-    dispatch: LlDispatchOutput,
-    combined: Vec<bf16>,
-    y_mine: Vec<bf16>,
+pub(super) struct Expected {
+    pub(super) dispatch: LlDispatchOutput,
+    pub(super) combined: Vec<bf16>,
+    pub(super) y_mine: Vec<bf16>,
 }
 
 /// Rank `r`'s expert outputs `[L, R*T, H]` for one iteration: the workload's random values
@@ -116,7 +117,7 @@ fn expert_outputs(
     y
 }
 
-fn expected(case: &Case, ins: &[RankInput], wy: &Workload, me: usize) -> Result<Expected> {
+pub(super) fn expected(case: &Case, ins: &[RankInput], wy: &Workload, me: usize) -> Result<Expected> {
     let cfg = &case.cfg;
     let want = crate::oracle::ll_dispatch(cfg, ins)?;
     let ys: Vec<Vec<bf16>> = (0..cfg.ranks)
@@ -144,7 +145,7 @@ fn compare(ll: &CudaLl, set: usize, want: &Expected, what: &str) -> Result<()> {
         other => other,
     };
     let got = ll.download_dispatch(set)?;
-    crate::check::ll_dispatch(cfg, me, &got, &want.dispatch).map_err(ctx)?;
+    crate::harness::check::ll_dispatch(cfg, me, &got, &want.dispatch).map_err(ctx)?;
     if cfg.dispatch_dtype == DispatchDtype::Fp8Ue8m0 {
         let bytes = ll.download_ue8m0(set)?;
         let spr = cfg.hidden / FP8_BLOCK;
@@ -164,7 +165,7 @@ fn compare(ll: &CudaLl, set: usize, want: &Expected, what: &str) -> Result<()> {
         }
     }
     let got_c = ll.download_combined(set)?;
-    crate::check::ll_combine(me, &got_c, &want.combined).map_err(ctx)
+    crate::harness::check::ll_combine(me, &got_c, &want.combined).map_err(ctx)
 }
 
 /// One dispatch + combine on set 0 with every input and output in caller-owned device
@@ -181,9 +182,9 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl, case: &Case, run: u64) -> Res
     let rows = LlLayout::out_rows(&cfg);
     let spr = h / FP8_BLOCK;
     let fp8 = cfg.dispatch_dtype.is_fp8();
-    let (ins, wy) = case_inputs(case, 4242);
+    let (ins, wy) = ll_case_inputs(case, 4242);
     let want = expected(case, &ins, &wy, me)?;
-    let (decoy_ins, decoy_y) = case_inputs(case, 4343);
+    let (decoy_ins, decoy_y) = ll_case_inputs(case, 4343);
     let decoy_want = expected(case, &decoy_ins, &decoy_y, me)?;
     let n = ins[me].topk_idx.len() / k;
     // Decoys in the set's own buffers (same token count, other routing and values).
@@ -276,7 +277,7 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl, case: &Case, run: u64) -> Res
         Error::Mismatch(m) => Error::Mismatch(format!("GPU LL, caller-owned memory, config {cfg:?}: {m}")),
         other => other,
     };
-    crate::check::ll_dispatch(&cfg, me, &got, &want.dispatch).map_err(ctx)?;
+    crate::harness::check::ll_dispatch(&cfg, me, &got, &want.dispatch).map_err(ctx)?;
     let st: Vec<i32> = rank.download_prefix_vec(stats.region(), l)?;
     let want_counts: Vec<i32> = want.dispatch.recv_count.iter().map(|&c| c as i32).collect();
     if st != want_counts {
@@ -285,7 +286,7 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl, case: &Case, run: u64) -> Res
         ))));
     }
     let got_c: Vec<bf16> = rank.download_prefix_vec(combined.region(), n * h)?;
-    crate::check::ll_combine(me, &got_c, &want.combined).map_err(ctx)?;
+    crate::harness::check::ll_combine(me, &got_c, &want.combined).map_err(ctx)?;
     Ok(2)
 }
 
@@ -309,6 +310,10 @@ fn expected_counts(cfg: &EpConfig, topk: &[Vec<i64>], me: usize) -> Vec<i32> {
 /// variant.
 pub const ENV_MASKED: &str = "GIN_EP_LL_MASKED";
 
+fn masked_from_env() -> bool {
+    std::env::var_os(ENV_MASKED).is_some_and(|v| v == "1")
+}
+
 /// An LL object as the harness's launch describes it: the topology of its environment
 /// ([`RankTopology::from_env`]) and the masked kernels under [`ENV_MASKED`].
 pub fn harness_ll(
@@ -318,10 +323,34 @@ pub fn harness_ll(
     tuning: LlTuning,
 ) -> Result<CudaLl> {
     let mut ll = CudaLl::with_tuning(rank, cfg, grid, tuning, &RankTopology::from_env()?)?;
-    if std::env::var_os(ENV_MASKED).is_some_and(|v| v == "1") {
+    if masked_from_env() {
         ll.use_own_mask_word()?;
     }
     Ok(ll)
+}
+
+/// Collective: an LL [`Ep`] on `gpu` as the harness's launch describes it, as [`harness_ll`]
+/// makes the driver's objects: the topology of its environment and the masked kernels under
+/// [`ENV_MASKED`]; host waits bounded by `timeout`.
+pub(super) fn harness_ll_ep(group: &Group, gpu: &GpuRank, cfg: &EpConfig, timeout: Duration) -> Result<Ep> {
+    let eo = EpOptions {
+        ht: false,
+        ll: true,
+        timeout,
+        topology: RankTopology::from_env()?,
+        ..EpOptions::default()
+    };
+    let ep = Ep::join(group, cfg, &Backend::Cuda(gpu.clone()), &eo)?;
+    if masked_from_env() {
+        if let Err(e) = ep.ll_use_own_mask_word() {
+            // The window's release is collective and the peers may have gone on: leave it to
+            // the process's end.
+            gpu.mark_failed();
+            std::mem::forget(ep);
+            return Err(e);
+        }
+    }
+    Ok(ep)
 }
 
 /// Runs `cases` as one rank of `group` (one process per GPU) and compares every result with
@@ -335,10 +364,35 @@ pub fn harness_ll(
 /// graph plan. Returns the number of operations compared in full. Every rank must pass the
 /// same cases.
 pub fn check_rank(group: &Group, cases: &[Case], timeout: Duration) -> Result<usize> {
-    let rank = CudaRank::new(group, CudaRankOptions::with_timeout(timeout))?.into_shared();
+    check_rank_faulty(group, cases, timeout, None)
+}
+
+/// [`check_rank`], and after each case's driver-level run the same case through an LL
+/// [`crate::Ep`] as the Python package drives it ([`super::ll_ep`]), with `fault` injected
+/// into that `Ep`'s engine.
+pub fn check_rank_faulty(
+    group: &Group,
+    cases: &[Case],
+    timeout: Duration,
+    fault: Option<crate::ep::EngineFault>,
+) -> Result<usize> {
+    let gpu = crate::ep::GpuRank::for_check(group, timeout)?;
+    let rank = gpu.shared_cuda();
     let mut compared = 0;
     for (ci, case) in cases.iter().enumerate() {
         compared += check_case(group, &rank, case, ci, LlTuning::DEFAULT, graph_plan(&case.cfg))?;
+        let run = RUNS.fetch_add(1, Ordering::Relaxed);
+        compared +=
+            super::ll_ep::check_case(group, &gpu, case, run, timeout, fault).map_err(|e| match e {
+                Error::Mismatch(m) => Error::Mismatch(format!(
+                    "case {ci} (seed {}, routing {}, tokens {:?}, rank {}): {m}",
+                    case.workload.seed,
+                    case.workload.routing.name(),
+                    case.tokens,
+                    group.rank()
+                )),
+                other => other,
+            })?;
     }
     let plan = GraphPlan {
         replays: 6,
@@ -409,7 +463,7 @@ fn check_case_on(group: &Group, ll: &mut CudaLl, case: &Case, run: u64, plan: Gr
     let mut compared = 0;
     // Eager, one operation at a time, alternating sets.
     for iter in 0..case.iters {
-        let (ins, wy) = case_inputs(case, iter as u64);
+        let (ins, wy) = ll_case_inputs(case, iter as u64);
         let want = expected(case, &ins, &wy, me)?;
         let set = iter % SETS;
         ll.upload_input(set, &ins[me].x, &ins[me].topk_idx, &ins[me].topk_weights)?;
@@ -431,7 +485,7 @@ fn check_case_on(group: &Group, ll: &mut CudaLl, case: &Case, run: u64, plan: Gr
     let base = case.iters as u64 + 1000;
     let wants: Vec<Expected> = (0..SETS as u64)
         .map(|i| {
-            let (ins, wy) = case_inputs(case, base + i);
+            let (ins, wy) = ll_case_inputs(case, base + i);
             let w = expected(case, &ins, &wy, me)?;
             ll.upload_input(i as usize, &ins[me].x, &ins[me].topk_idx, &ins[me].topk_weights)?;
             ll.upload_expert_output(i as usize, &w.y_mine)?;
@@ -462,7 +516,7 @@ fn check_case_on(group: &Group, ll: &mut CudaLl, case: &Case, run: u64, plan: Gr
     for i in 0..plan.replays {
         let set = i % SETS;
         let full = i % plan.full_every == 0 || i + 1 == plan.replays;
-        let (ins, wy) = case_inputs(case, base + i as u64);
+        let (ins, wy) = ll_case_inputs(case, base + i as u64);
         let want = if full {
             Some(expected(case, &ins, &wy, me)?)
         } else {
@@ -639,13 +693,13 @@ mod tests {
         };
         let h = case.cfg.hidden;
         for iter in [0u64, 1, 7] {
-            let (ins, _) = case_inputs(&case, iter);
+            let (ins, _) = ll_case_inputs(&case, iter);
             for (r, input) in ins.iter().enumerate() {
                 let poisoned = (0..case.tokens[r])
                     .filter(|&t| {
                         input.x[t * h..(t + 1) * h].chunks_exact(2).any(|w| {
                             (u32::from(w[1].to_bits()) << 16 | u32::from(w[0].to_bits()))
-                                == super::super::layout::STAGE_POISON
+                                == crate::backend::cuda::ll::layout::STAGE_POISON
                         })
                     })
                     .count();
@@ -674,7 +728,7 @@ mod tests {
                 tokens: vec![16, 11],
                 iters: 1,
             };
-            let (ins, wy) = case_inputs(&case, 2);
+            let (ins, wy) = ll_case_inputs(&case, 2);
             let want = crate::oracle::ll_dispatch(&cfg, &ins).unwrap();
             let (h, cap) = (cfg.hidden, cfg.ranks * cfg.max_tokens_per_rank);
             let ys: Vec<Vec<bf16>> = (0..2)
@@ -723,7 +777,7 @@ mod tests {
             tokens: vec![16, 9],
             iters: 1,
         };
-        let (ins, _) = case_inputs(&case, 3);
+        let (ins, _) = ll_case_inputs(&case, 3);
         let want = crate::oracle::ll_dispatch(&cfg, &ins).unwrap();
         let topk: Vec<Vec<i64>> = ins.iter().map(|i| i.topk_idx.clone()).collect();
         for (me, w) in want.iter().enumerate() {
@@ -735,7 +789,7 @@ mod tests {
 
     #[test]
     fn without_a_gpu_the_check_is_an_error_not_a_panic() {
-        if super::super::super::driver::probe().is_ok() {
+        if crate::backend::cuda::driver::probe().is_ok() {
             eprintln!("skipped: this machine has a CUDA driver");
             return;
         }

@@ -3,19 +3,19 @@
 //!
 //! Owns: the timed loops, the gathering of every rank's times to rank 0 and the report.
 //! Never: part of the product path (the driver does not import it), or checks results (the
-//! GPU check in [`super::check`] does). Stamp arithmetic is in [`super::stamps`].
+//! GPU check in [`super::ll_check`] does). Stamp arithmetic is in [`crate::backend::cuda::ll::stamps`].
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::stamps::{eager_split, phase_values, StampMode, DISPATCH_PHASES, PHASES};
-use super::{names, CudaLl, LlLayout, LlTuning, RUNS, SETS, STAMP_SLOTS, THREADS};
+use crate::backend::cuda::ll::stamps::{eager_split, phase_values, StampMode, DISPATCH_PHASES, PHASES};
+use crate::backend::cuda::ll::{names, CudaLl, LlLayout, LlTuning, RUNS, SETS, STAMP_SLOTS, THREADS};
 use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions, DeviceBuffer, Event};
-use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
 use crate::error::{Error, Result};
 use crate::group::Group;
-use crate::ll_traffic::ll_traffic;
-use crate::workload::Workload;
+use crate::harness::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
+use crate::harness::ll_traffic::ll_traffic;
+use crate::harness::workload::Workload;
 
 /// Times LL dispatch and combine on GPUs as one rank of `group`: eager calls (two launches
 /// per operation) and graph replays (one graph per operation and set), alternating buffer
@@ -57,7 +57,7 @@ fn bench_with(
     stamps: StampMode,
 ) -> Result<Option<BenchReport>> {
     let grid = (num_sms > 0).then_some(num_sms);
-    let mut ll = super::check::harness_ll(rank, &opts.cfg, grid, tuning)?;
+    let mut ll = super::ll_check::harness_ll(rank, &opts.cfg, grid, tuning)?;
     let run = RUNS.fetch_add(1, Ordering::Relaxed);
     let out = bench_on(group, &mut ll, opts, run, stamps);
     match out {
@@ -515,11 +515,11 @@ mod tests {
     use super::*;
     use crate::config::EpConfig;
     use crate::group::StoreServer;
-    use crate::workload::Routing;
+    use crate::harness::workload::Routing;
 
     #[test]
     fn without_a_gpu_the_bench_is_an_error_not_a_panic() {
-        if super::super::super::driver::probe().is_ok() {
+        if crate::backend::cuda::driver::probe().is_ok() {
             eprintln!("skipped: this machine has a CUDA driver");
             return;
         }

@@ -13,9 +13,9 @@
 
 use std::time::{Duration, Instant};
 
-use super::abi::gin as abi;
-use super::ipc::{map_node_windows, NodeWindows};
-use super::runtime::{CudaRank, CudaRankOptions, DevCommRequest};
+use crate::backend::cuda::abi::gin as abi;
+use crate::backend::cuda::ipc::{map_node_windows, NodeWindows};
+use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions, DevCommRequest};
 use crate::error::{Error, Result};
 use crate::group::vnodes::RankTopology;
 use crate::group::Group;
