@@ -273,7 +273,9 @@ impl HtHandle {
     }
 }
 
-/// HT combine input `[num_recv, H]` BF16 in receive order, optional weights, biases.
+/// HT combine input `[num_recv, H]` BF16 in receive order, optional weights, biases. On the
+/// GPU with static sizing (the handle's `num_recv` unknown on the host), `x` covers the worst
+/// case, `ranks × max_tokens_per_rank` rows, of which the received ones are read.
 #[derive(Clone, Copy, Debug)]
 pub struct HtCombineIn<'a> {
     pub x: Mem<'a, bf16>,

@@ -15,7 +15,7 @@ use half::bf16;
 use super::tensor::Tensor;
 use super::{case_inputs, per_rank};
 
-use crate::backend::cuda::ht::{HtGpuOptions, HtVariant, Sizing};
+use crate::backend::cuda::ht::{HtGpuOptions, HtVariant, Sizing, POISON};
 use crate::config::{DispatchDtype, EpConfig};
 pub use crate::ep::EngineFault;
 use crate::ep::{
@@ -405,7 +405,16 @@ impl CaseRun<'_> {
         let want_comb = oracle::ht_combine(cfg, &handles, &comb_in)?;
         ep.ht_poison(None)?;
         let c = &comb_in[me];
-        let x = Tensor::of(gpu, &c.x)?;
+        // Static sizing: the input covers the worst case; the rows past those received are
+        // poison, so a kernel that reads one cannot pass.
+        let x = if handle.num_recv().is_some() {
+            Tensor::of(gpu, &c.x)?
+        } else {
+            let mut rows = c.x.clone();
+            let poison = bf16::from_bits(u16::from_le_bytes([POISON; 2]));
+            rows.resize(cfg.ranks * cfg.max_tokens_per_rank * cfg.hidden, poison);
+            Tensor::of(gpu, &rows)?
+        };
         let wts = Tensor::of(gpu, c.topk_weights.as_deref().unwrap_or_default())?;
         let bias = [
             c.bias[0].as_deref().map(|b| Tensor::of(gpu, b)).transpose()?,

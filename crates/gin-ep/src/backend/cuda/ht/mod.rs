@@ -732,13 +732,12 @@ impl CudaHt {
         let mut flags = 0;
         let blocks = self.opts.combine_blocks(self.io.comb_x.is_some());
         if let Some(sp) = self.io.comb_x {
-            let nr = handle.num_recv.ok_or_else(|| {
-                Error::input(
-                    "HT combine x",
-                    "caller-owned combine input needs exact sizing (the host must know num_recv)",
-                )
-            })?;
-            let need = nr * self.cfg.hidden * 2;
+            // Static sizing leaves the received count on the device: the caller's input
+            // then covers the worst case, of which the kernel reads the received rows.
+            let rows = handle
+                .num_recv
+                .unwrap_or(self.cfg.ranks * self.cfg.max_tokens_per_rank);
+            let need = rows * self.cfg.hidden * 2;
             sp.require("HT combine x", need)?;
             if blocks.stage > 0 {
                 flags |= FLAG_STAGE;
