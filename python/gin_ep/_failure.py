@@ -1,30 +1,38 @@
 """One rank's error in a collective Buffer call, shared with its peers.
 
-A rank that raises in `get_dispatch_layout`, `dispatch` or `combine` (bad input found before
-the collective, or an error during it) first leaves its error in the gin-ep group's store. A
-peer waiting for that rank in the store (the shape agreement, the per-rank count exchange)
-raises that error at once, named ("rank 0 failed in `get_dispatch_layout`: ..."), instead of
-waiting out `timeout_s`. The rank's next call withdraws it (the rank went on).
+A rank that raises in a collective Buffer call (`get_dispatch_layout`, `dispatch`,
+`combine`, `low_latency_dispatch`, `low_latency_combine`, `low_latency_clean_mask_buffer`,
+the constructor's setup once gin-ep's group is joined) first posts its error to the gin-ep
+group's failure log (through the group's store). Every wait of a peer in a call (the store
+exchanges, the host backend's protocol) follows that log and raises the earliest standing
+error at once, named ("rank 0 failed in phase `get_dispatch_layout`: ..."), instead of
+waiting out `timeout_s`; a rank whose process exits is reported the same way (its store
+connection closes). The rank's next call withdraws its error (the rank went on).
 """
 
 import functools
 
+import torch
+
 
 def shared_failure(method):
+    """Wraps a collective Buffer method: its error is posted for the peers before it is
+    raised (the outermost call only; nothing under torch.compile's tracing)."""
     name = method.__name__
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        runtime = getattr(self, "runtime", None)
-        outermost = runtime is not None and not getattr(self, "_in_call", False)
-        if not outermost:
+        runtime = self.runtime
+        if runtime is None or self._in_call or torch.compiler.is_compiling():
             return method(self, *args, **kwargs)
-        runtime.begin_call()
+        if self._failure_posted:
+            self._failure_posted = False
+            runtime.begin_call()
         self._in_call = True
         try:
             return method(self, *args, **kwargs)
         except Exception as e:
-            _share(runtime, self.rank, name, e)
+            post(self, name, e)
             raise
         finally:
             self._in_call = False
@@ -32,10 +40,11 @@ def shared_failure(method):
     return call
 
 
-def _share(runtime, rank: int, name: str, e: Exception) -> None:
-    """Leaves this rank's error for its peers; the store being unreachable leaves `e` as it
-    is (the peers then learn of it from their own waits)."""
+def post(buffer, call: str, e: Exception) -> None:
+    """Posts `e`, raised by this rank in `call`, for the peers; a store that cannot be
+    reached leaves `e` as it is (the peers then learn of this rank from their own waits)."""
     try:
-        runtime.report_failure(f"rank {rank} failed in `{name}`: {type(e).__name__}: {e}")
+        buffer.runtime.report_failure(call, f"{type(e).__name__}: {e}")
+        buffer._failure_posted = True
     except Exception:
         pass

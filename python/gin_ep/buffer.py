@@ -138,6 +138,9 @@ class Buffer(GpuPath, HostPath):
         self._op_handles = _ops.new_handles()
         self.ll_combine_order = ll_combine_order
         self.runtime = None
+        # `_failure.shared_failure`: inside a collective call; this rank's error is posted.
+        self._in_call = False
+        self._failure_posted = False
         self._server = None
         self._gpu = None
         # The communication stream (`get_comm_stream`), made on first use.
@@ -207,7 +210,12 @@ class Buffer(GpuPath, HostPath):
                                           self._timeout_s)
         self._agree = _bootstrap.ShapeAgreement(self.runtime, self.rank)
         if start_gpu:
-            self._start_gpu()
+            try:
+                self._start_gpu()
+            except Exception as e:
+                # The peers wait for this rank in the CUDA rank's collective setup.
+                _failure.post(self, "Buffer", e)
+                raise
 
     # ------------------------------------------------------------ where a call runs
 
@@ -431,6 +439,7 @@ class Buffer(GpuPath, HostPath):
         self._ll_mask = self._ll_mask_now()
         mask_status.copy_(torch.tensor(self._ll_mask, dtype=mask_status.dtype))
 
+    @_failure.shared_failure
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmasks every rank. Once LL has run: collective, every rank calls it at the same
         point; it waits for the device, meets the other ranks and resets the LL state
@@ -616,6 +625,7 @@ class Buffer(GpuPath, HostPath):
         sequence numbers that only grow)."""
         self._live()
 
+    @_failure.shared_failure
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
@@ -673,6 +683,7 @@ class Buffer(GpuPath, HostPath):
                                       cumulative_local_expert_recv_stats, use_fp8, round_scale, async_finish,
                                       return_recv_hook)
 
+    @_failure.shared_failure
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,

@@ -264,8 +264,8 @@ struct PyGroup {
     failed: std::sync::atomic::AtomicBool,
 }
 
-/// How long one wait on the store lasts before the failure key is looked at again: a peer's
-/// error reaches a waiting rank within about this.
+/// How long one wait on the store lasts before the peer watch is looked at again: a
+/// peer's error reaches a waiting rank within about this.
 const FAILURE_POLL: Duration = Duration::from_millis(20);
 
 impl PyGroup {
@@ -278,50 +278,36 @@ impl PyGroup {
     }
 }
 
-/// Where rank `rank` leaves its error for the peers (empty: none).
-fn failure_key(g: &gin_ep::group::Group, rank: usize) -> String {
-    g.key(&format!("failed/{rank}"))
-}
-
 impl PyGroup {
     /// Rank `r`'s value at `key` of exchange `name`: waits in slices of [`FAILURE_POLL`],
-    /// looking between them for an error rank `r` left (`report_failure`). Each error says
-    /// what this rank saw and after how long.
+    /// looking between them at what the peer watch learned (a peer's posted error, a peer
+    /// that exited). Each error says what this rank saw and after how long.
     fn wait_peer(&self, g: &gin_ep::group::Group, key: &str, r: usize, name: &str) -> PyResult<Vec<u8>> {
         let me = g.rank();
         let t0 = std::time::Instant::now();
-        let failure = failure_key(g, r);
         loop {
-            match g.store().get(key, FAILURE_POLL.min(g.timeout())) {
-                Ok(v) => return Ok(v),
-                // The slice ran out (or the store is gone: the failure key read says which).
-                Err(_) => {
-                    let waited = t0.elapsed();
-                    match g.store().try_get(&failure) {
-                        Ok(Some(msg)) if !msg.is_empty() => {
-                            return Err(PyRuntimeError::new_err(format!(
-                                "gin_ep: {} (rank {me} was waiting for it at `{name}`)",
-                                String::from_utf8_lossy(&msg)
-                            )))
-                        }
-                        Ok(_) if waited < g.timeout() => continue,
-                        Ok(_) => {
-                            return Err(PyTimeoutError::new_err(format!(
-                                "gin_ep: rank {r} did not reach `{name}`: rank {me} waited {:.1} s \
-                                 for it (timeout_s = {:?})",
-                                waited.as_secs_f64(),
-                                g.timeout()
-                            )))
-                        }
-                        Err(lost) => {
-                            return Err(PyRuntimeError::new_err(format!(
-                                "gin_ep: rank {me} lost gin-ep's store after {:.1} s waiting for rank {r} \
-                                 at `{name}` (rank 0 serves it: it may have exited): {lost}",
-                                waited.as_secs_f64()
-                            )))
-                        }
-                    }
-                }
+            let lost = match g.store().wait_key(key, FAILURE_POLL.min(g.timeout())) {
+                Ok(Some(v)) => return Ok(v),
+                Ok(None) => None,
+                Err(e) => Some(e),
+            };
+            let waited = t0.elapsed();
+            g.check_peers(name)
+                .map_err(|e| PyRuntimeError::new_err(format!("gin_ep: {e}")))?;
+            if let Some(lost) = lost {
+                return Err(PyRuntimeError::new_err(format!(
+                    "gin_ep: rank {me} lost gin-ep's store after {:.1} s waiting for rank {r} \
+                     at `{name}` (rank 0 serves it: it may have exited): {lost}",
+                    waited.as_secs_f64()
+                )));
+            }
+            if waited >= g.timeout() {
+                return Err(PyTimeoutError::new_err(format!(
+                    "gin_ep: rank {r} did not reach `{name}`: rank {me} waited {:.1} s \
+                     for it (timeout_s = {:?})",
+                    waited.as_secs_f64(),
+                    g.timeout()
+                )));
             }
         }
     }
@@ -337,7 +323,9 @@ impl PyGroup {
         guard(|| {
             let timeout = duration(timeout_s)?;
             let secret = gin_ep::group::StoreSecret::from_hex(secret).map_err(to_py)?;
-            let g = gin_ep::group::Group::join(rank, world, addr, &secret, timeout).map_err(to_py)?;
+            let mut g = gin_ep::group::Group::join(rank, world, addr, &secret, timeout).map_err(to_py)?;
+            // Rank 0 serves the store (gin_ep.Buffer): its exit is the store's.
+            g.watch_peers(0).map_err(to_py)?;
             Ok(PyGroup {
                 inner: Mutex::new(Some(g)),
                 failed: std::sync::atomic::AtomicBool::new(false),
@@ -369,23 +357,29 @@ impl PyGroup {
         if !self.failed.swap(false, std::sync::atomic::Ordering::Relaxed) {
             return Ok(());
         }
-        py.detach(|| guard(|| self.with(|g| g.store().set(&failure_key(g, g.rank()), b"").map_err(to_py))))
+        py.detach(|| guard(|| self.with(|g| g.withdraw_failure().map_err(to_py))))
     }
 
-    /// Leaves `message` (this rank's error) for the peers: one waiting for this rank in an
-    /// exchange through the store raises it at once, until this rank's next call.
-    fn report_failure(&self, py: Python<'_>, message: &str) -> PyResult<()> {
+    /// Leaves this rank's error (`reason`, raised by Buffer method `call`) for the peers: a
+    /// peer waiting in a call (in the store, or in the host backend's protocol) raises it
+    /// at once, until this rank's next call.
+    fn report_failure(&self, py: Python<'_>, call: &str, reason: &str) -> PyResult<()> {
+        py.detach(|| guard(|| self.with(|g| g.post_failure(call, reason).map_err(to_py))))?;
+        self.failed.store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Raises the earliest standing failure of a peer (a posted error, or a peer that
+    /// exited) as a RuntimeError; `waiting_at` names this rank's wait.
+    fn check_peers(&self, py: Python<'_>, waiting_at: &str) -> PyResult<()> {
         py.detach(|| {
             guard(|| {
                 self.with(|g| {
-                    g.store()
-                        .set(&failure_key(g, g.rank()), message.as_bytes())
-                        .map_err(to_py)
+                    g.check_peers(waiting_at)
+                        .map_err(|e| PyRuntimeError::new_err(format!("gin_ep: {e}")))
                 })
             })
-        })?;
-        self.failed.store(true, std::sync::atomic::Ordering::Relaxed);
-        Ok(())
+        })
     }
 
     /// Collective: every rank's `value` under the exchange named `name` (each rank calls

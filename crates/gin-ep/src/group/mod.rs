@@ -12,6 +12,7 @@
 pub mod launch;
 pub mod store;
 pub mod vnodes;
+pub mod watch;
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,6 +22,7 @@ use crate::error::{Error, Result};
 
 pub use launch::{first_failure, launch_ranks, launch_ranks_env, RankEnv, RankExit};
 pub use store::{Store, StoreSecret, StoreServer};
+pub use watch::PeerWatch;
 
 /// Port of the gin-ep store. Deliberately not `MASTER_PORT`: torchrun's own store is
 /// bound there.
@@ -36,6 +38,10 @@ pub const ENV_CHILD: &str = "GIN_EP_CHILD";
 /// One rank's membership in a group: its rank, the world size, the shared store and the
 /// default deadline of every bootstrap wait.
 pub struct Group {
+    /// Follows the peers' failures once [`Group::watch_peers`] started it; dropped first.
+    watcher: Option<watch::Watcher>,
+    /// Kept to open the watch's own connection to the store.
+    secret: StoreSecret,
     rank: usize,
     world: usize,
     local_rank: usize,
@@ -277,6 +283,8 @@ impl Group {
         };
         store.barrier(&format!("gin-ep/g{epoch}/join"), world, left())?;
         Ok(Group {
+            watcher: None,
+            secret: secret.clone(),
             rank,
             world,
             local_rank,
@@ -324,16 +332,98 @@ impl Group {
         format!("gin-ep/g{}/{name}", self.epoch)
     }
 
-    /// Waits until every rank entered barrier `name`, within the group's timeout.
+    /// Waits until every rank entered barrier `name`, within the group's timeout; fails at
+    /// once when the peer watch ([`Group::watch_peers`]) learns that a peer left.
     pub fn barrier(&self, name: &str) -> Result<()> {
-        self.store.barrier(&self.key(name), self.world, self.timeout)
+        let check = || match &self.watcher {
+            Some(w) => w.watch().check_departed(&format!("barrier `{name}`")),
+            None => Ok(()),
+        };
+        self.store
+            .barrier_checked(&self.key(name), self.world, self.timeout, &check)
+    }
+
+    /// Starts following the group's failure log (collective in effect: a rank that does
+    /// not is never heard of by the others' waits): the errors peers post
+    /// ([`Group::post_failure`]) and peers that leave (their process exits, closing their
+    /// connection to the store) then end this rank's waits at once ([`Group::check_peers`],
+    /// [`Group::wait_peer`], the host backend's signal waits). `server_rank`: the rank whose
+    /// process serves the store, named when the store goes away.
+    pub fn watch_peers(&mut self, server_rank: usize) -> Result<()> {
+        if self.watcher.is_none() {
+            self.watcher = Some(watch::Watcher::start(
+                self.store.addr(),
+                &self.secret,
+                self.timeout,
+                self.key("failures"),
+                self.rank,
+                self.world,
+                server_rank,
+            )?);
+        }
+        Ok(())
+    }
+
+    /// What the peer watch learned (None until [`Group::watch_peers`]).
+    pub fn peer_watch(&self) -> Option<PeerWatch> {
+        self.watcher.as_ref().map(|w| w.watch().clone())
+    }
+
+    /// Tells the peers that this rank failed in `call` with `reason`: a peer waiting for
+    /// any rank raises it at once ([`PeerWatch::check`]) until [`Group::withdraw_failure`].
+    pub fn post_failure(&self, call: &str, reason: &str) -> Result<()> {
+        let entry = watch::failed(self.rank, call, reason);
+        self.store.append(&self.key("failures"), &entry).map(|_| ())
+    }
+
+    /// Withdraws this rank's posted failure (it went on to another call).
+    pub fn withdraw_failure(&self) -> Result<()> {
+        let entry = watch::withdrawn(self.rank);
+        self.store.append(&self.key("failures"), &entry).map(|_| ())
+    }
+
+    /// The earliest standing failure of a peer as an error ([`PeerWatch::check`]);
+    /// `waiting_at` names this rank's wait.
+    pub fn check_peers(&self, waiting_at: &str) -> Result<()> {
+        match &self.watcher {
+            Some(w) => w.watch().check(waiting_at),
+            None => Ok(()),
+        }
+    }
+
+    /// The value rank `peer` sets at `key`: waits up to the group's timeout in slices of
+    /// [`store::CHECK_EVERY`], failing at once on a peer's failure ([`Group::check_peers`]).
+    /// `waiting_at` names the wait in errors, which say how long this rank waited.
+    pub fn wait_peer(&self, key: &str, peer: usize, waiting_at: &str) -> Result<Vec<u8>> {
+        let start = Instant::now();
+        let deadline = start + self.timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if let Some(v) = self.store.wait_key(key, left.min(store::CHECK_EVERY))? {
+                return Ok(v);
+            }
+            self.check_peers(waiting_at)?;
+            if Instant::now() >= deadline {
+                return Err(Error::Bootstrap(format!(
+                    "rank {peer} did not reach `{waiting_at}`: rank {} waited {:.1} s for it \
+                     (deadline {:?})",
+                    self.rank,
+                    start.elapsed().as_secs_f64(),
+                    self.timeout
+                )));
+            }
+        }
     }
 
     /// Waits for every rank, then lets go of the store. Rank 0 should close (rather than
     /// drop) its group at the end of a run: it serves the store, and dropping it while
     /// others still talk to the store makes their next request fail.
     pub fn close(self) -> Result<()> {
-        self.barrier("close")
+        self.barrier("close")?;
+        if let Some(w) = &self.watcher {
+            w.leave_in_order();
+        }
+        Ok(())
     }
 
     /// Records that this rank finished `done` units of work (the cases of a check), for
@@ -479,6 +569,63 @@ mod tests {
         assert_eq!(host_port("::1", 5), "[::1]:5");
         assert_eq!(host_port("[::1]", 5), "[::1]:5");
         assert_eq!(host_port("node-3", 5), "node-3:5");
+    }
+
+    #[test]
+    fn a_posted_failure_and_a_departed_rank_end_the_peers_waits_at_once() {
+        let server = StoreServer::bind("127.0.0.1:0").unwrap();
+        let addr = server.addr().to_string();
+        let sec = server.secret().clone();
+        let joins: Vec<_> = (0..3)
+            .map(|r| {
+                let (addr, sec) = (addr.clone(), sec.clone());
+                std::thread::spawn(move || {
+                    let mut g = Group::join(r, 3, &addr, &sec, T).unwrap();
+                    g.watch_peers(0).unwrap();
+                    g
+                })
+            })
+            .collect();
+        let mut groups: Vec<Group> = joins.into_iter().map(|t| t.join().unwrap()).collect();
+        let g2 = groups.pop().unwrap();
+        let g1 = groups.pop().unwrap();
+        let g0 = groups.pop().unwrap();
+
+        // Rank 1 posts an error and stays: rank 0's wait for a key nobody sets ends at once,
+        // naming rank 1's call; its own error is not held against rank 1.
+        g1.post_failure("get_dispatch_layout", "expert id 300 outside [-1, 8)")
+            .unwrap();
+        let t0 = Instant::now();
+        let err = g0
+            .wait_peer(&g0.key("never"), 2, "counts")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("rank 1 failed in phase `get_dispatch_layout`: expert id 300"),
+            "{err}"
+        );
+        assert!(err.contains("rank 0 was waiting at `counts`"), "{err}");
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+        g1.check_peers("x").unwrap();
+        // A failure that stands does not fail a barrier the failed rank still reaches.
+        g0.peer_watch().unwrap().check_departed("x").unwrap();
+        // Withdrawn: rank 0's waits go on.
+        g1.withdraw_failure().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while g0.check_peers("x").is_err() {
+            assert!(Instant::now() < deadline, "the withdrawal never arrived");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+
+        // Rank 2 leaves without closing (as a process that exits): its connection's will
+        // ends rank 0's barrier at once, naming it.
+        drop(g2);
+        let t0 = Instant::now();
+        let err = g0.barrier("after-exit").unwrap_err().to_string();
+        assert!(err.contains("rank 2 exited"), "{err}");
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+        drop(g1);
+        drop(g0);
     }
 
     #[test]

@@ -22,9 +22,14 @@
 //!   SET (1)  body = value_len:u32 value:[u8]      -> OK ""
 //!   GET (2)  body = wait_ms:u64                    -> OK value | MISSING (not set by then)
 //!   ADD (3)  body = delta:i64                      -> OK new_value:i64
+//!   APPEND (4) body = value_len:u32 value:[u8]     -> OK n:i64
+//!            (counter `key` becomes n, `key/n` holds value: one step of a log)
+//!   WILL (5) body = value_len:u32 value:[u8]       -> OK ""
+//!            (when this connection closes, APPEND value to log `key`; empty: no will)
 //! response = status:u8 [len:u32 payload:[u8]]     (OK and ERR carry a payload)
 //! ```
-//! The server closes the connection after every ERR reply.
+//! The server closes the connection after every ERR reply. A connection's will is how the
+//! others learn that a client's process is gone: its socket closes with the process.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -41,6 +46,9 @@ use crate::error::{Error, Result};
 pub const MAX_KEY_LEN: usize = 1024;
 /// Largest value accepted, in bytes. Bootstrap exchanges names and small tables.
 pub const MAX_VALUE_LEN: usize = 64 << 20;
+/// Largest will ([`Store::set_will`]) one connection may leave, in bytes (a connection
+/// holds at most one, so wills cost at most this times the client cap).
+pub const MAX_WILL_LEN: usize = 4096;
 /// Bytes of an admission secret (256 bits).
 pub const SECRET_LEN: usize = 32;
 /// Bytes one server holds: keys, values, a per-key overhead and the bodies of SETs still
@@ -65,6 +73,8 @@ const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 const ACCEPT_POLL: Duration = Duration::from_millis(5);
 /// At most one line about dropped connections per this interval.
 const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(1);
+/// How often a checked wait ([`Store::barrier_checked`]) looks at its check.
+pub const CHECK_EVERY: Duration = Duration::from_millis(20);
 /// Slack added to a reply's expected time before the client gives up on the socket.
 const MIN_IO_TIMEOUT: Duration = Duration::from_millis(100);
 
@@ -74,6 +84,8 @@ const HELLO_LEN: usize = HELLO_MAGIC.len() + SECRET_LEN;
 const OP_SET: u8 = 1;
 const OP_GET: u8 = 2;
 const OP_ADD: u8 = 3;
+const OP_APPEND: u8 = 4;
+const OP_WILL: u8 = 5;
 const ST_OK: u8 = 0;
 const ST_MISSING: u8 = 1;
 const ST_ERR: u8 = 2;
@@ -563,7 +575,14 @@ impl Read for DeadlineReader<'_> {
     }
 }
 
+/// What a connection asked to be appended to a log when it closes (OP_WILL).
+struct Will {
+    log: String,
+    value: Vec<u8>,
+}
+
 fn serve_conn(stream: TcpStream, shared: &Shared) {
+    let mut will: Option<Will> = None;
     loop {
         // Between requests an admitted client may stay idle (ranks keep their connection
         // for the whole job).
@@ -579,7 +598,7 @@ fn serve_conn(stream: TcpStream, shared: &Shared) {
             stream: &stream,
             deadline: Instant::now() + shared.limits.request_timeout,
         };
-        match handle_request(op[0], &mut reader, shared) {
+        match handle_request(op[0], &mut reader, shared, &mut will) {
             Ok(reply) => {
                 if (&stream).write_all(&reply).is_err() {
                     break;
@@ -594,6 +613,51 @@ fn serve_conn(stream: TcpStream, shared: &Shared) {
     // The server keeps a clone of the socket; shutting it down closes the connection now
     // rather than when the clone is reaped.
     let _ = stream.shutdown(Shutdown::Both);
+    if let Some(w) = will {
+        // A full store drops the will: there is no client left to tell.
+        let _ = append(shared, &w.log, w.value);
+    }
+}
+
+/// One step of log `log`: its counter becomes n and `log/n` holds `value`, under one lock
+/// (a reader waiting on `log/n` sees the value and the count agree). Returns n.
+fn append(shared: &Shared, log: &str, value: Vec<u8>) -> Result<i64, BadRequest> {
+    let mut table = lock(&shared.table);
+    let current = counter_of(&table, log)?;
+    let n = current
+        .checked_add(1)
+        .ok_or_else(|| BadRequest(format!("log `{log}` is full")))?;
+    let entry = format!("{log}/{n}");
+    let mut cost = entry_cost(entry.len(), value.len());
+    if !table.values.contains_key(log) {
+        cost += entry_cost(log.len(), 8);
+    }
+    let max = shared.limits.max_total_bytes;
+    if table.held_bytes + table.reserved_bytes + cost > max {
+        return Err(BadRequest(format!(
+            "store full: APPEND `{log}` needs {cost} bytes, {} held and {} arriving of {max}",
+            table.held_bytes, table.reserved_bytes
+        )));
+    }
+    table.held_bytes += cost;
+    table.values.insert(log.to_string(), n.to_le_bytes().to_vec());
+    table.values.insert(entry, value);
+    shared.changed.notify_all();
+    Ok(n)
+}
+
+/// The counter at `key` (absent: 0).
+fn counter_of(table: &Table, key: &str) -> Result<i64, BadRequest> {
+    match table.values.get(key) {
+        None => Ok(0),
+        Some(v) => match <[u8; 8]>::try_from(v.as_slice()) {
+            Ok(b) => Ok(i64::from_le_bytes(b)),
+            Err(_) => Err(BadRequest(format!(
+                "`{key}` holds {} bytes, not a counter",
+                v.len()
+            ))),
+        },
+    }
 }
 
 /// Bytes counted against the cap for a SET whose body is still arriving; released on
@@ -635,7 +699,12 @@ impl Drop for Reservation<'_> {
     }
 }
 
-fn handle_request(op: u8, r: &mut impl Read, shared: &Shared) -> Result<Vec<u8>, BadRequest> {
+fn handle_request(
+    op: u8,
+    r: &mut impl Read,
+    shared: &Shared,
+    will: &mut Option<Will>,
+) -> Result<Vec<u8>, BadRequest> {
     let key_len = read_u32(r)? as usize;
     if key_len > MAX_KEY_LEN {
         return Err(BadRequest(format!(
@@ -699,18 +768,7 @@ fn handle_request(op: u8, r: &mut impl Read, shared: &Shared) -> Result<Vec<u8>,
         OP_ADD => {
             let delta = read_u64(r)? as i64;
             let mut table = lock(&shared.table);
-            let current = match table.values.get(&key) {
-                None => 0,
-                Some(v) => match <[u8; 8]>::try_from(v.as_slice()) {
-                    Ok(b) => i64::from_le_bytes(b),
-                    Err(_) => {
-                        return Err(BadRequest(format!(
-                            "`{key}` holds {} bytes, not a counter",
-                            v.len()
-                        )))
-                    }
-                },
-            };
+            let current = counter_of(&table, &key)?;
             let Some(new) = current.checked_add(delta) else {
                 return Err(BadRequest(format!(
                     "counter `{key}` overflows: {current} + {delta}"
@@ -730,6 +788,38 @@ fn handle_request(op: u8, r: &mut impl Read, shared: &Shared) -> Result<Vec<u8>,
             table.values.insert(key, new.to_le_bytes().to_vec());
             shared.changed.notify_all();
             Ok(encode_reply(ST_OK, &new.to_le_bytes()))
+        }
+        OP_APPEND | OP_WILL => {
+            let len = read_u32(r)? as usize;
+            let max = if op == OP_WILL {
+                MAX_WILL_LEN
+            } else {
+                MAX_VALUE_LEN
+            };
+            if len > max {
+                return Err(BadRequest(format!(
+                    "value of {len} bytes for `{key}` exceeds {max}"
+                )));
+            }
+            if key.len() + 21 > MAX_KEY_LEN {
+                return Err(BadRequest(format!(
+                    "log `{key}`: its entries' keys would exceed {MAX_KEY_LEN} bytes"
+                )));
+            }
+            if op == OP_WILL {
+                let value = read_vec(r, len)?;
+                *will = (!value.is_empty()).then_some(Will { log: key, value });
+                return Ok(encode_reply(ST_OK, &[]));
+            }
+            let reservation = Reservation::take(
+                shared,
+                entry_cost(key.len() + 21, len),
+                &format!("APPEND `{key}`"),
+            )?;
+            let value = read_body(r, len)?;
+            drop(reservation);
+            let n = append(shared, &key, value)?;
+            Ok(encode_reply(ST_OK, &n.to_le_bytes()))
         }
         other => Err(BadRequest(format!("unknown op {other}"))),
     }
@@ -899,9 +989,11 @@ impl Store {
     /// The value of `key`, waiting until it is set or `timeout` has passed.
     /// The timeout error names the key.
     pub fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let t0 = Instant::now();
         self.wait_key(key, timeout)?.ok_or_else(|| {
             Error::Bootstrap(format!(
-                "store: key `{key}` was not set within {timeout:?} (store {})",
+                "store: key `{key}` was not set: waited {:.1} s (deadline {timeout:?}; store {})",
+                t0.elapsed().as_secs_f64(),
                 self.addr
             ))
         })
@@ -912,7 +1004,8 @@ impl Store {
         self.wait_key(key, Duration::ZERO)
     }
 
-    fn wait_key(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>> {
+    /// The value of `key` once it is set, or `None` when `timeout` passed first.
+    pub fn wait_key(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>> {
         check_key(key)?;
         let wait = timeout.min(MAX_WAIT);
         let mut req = encode_key(OP_GET, key, 8);
@@ -937,10 +1030,63 @@ impl Store {
         }
     }
 
+    /// Appends `value` to log `log`: its counter (read with `add(log, 0)`) becomes n and
+    /// key `log/n` holds `value`, in one step. Returns n (the first entry is 1).
+    pub fn append(&self, log: &str, value: &[u8]) -> Result<i64> {
+        self.counter_request(OP_APPEND, "append", log, value)
+    }
+
+    /// Leaves `value` for the server to append to log `log` ([`Store::append`]) when this
+    /// connection closes (the process exited, or this client was dropped), replacing an
+    /// earlier will of this connection; an empty `value` withdraws it. At most
+    /// [`MAX_WILL_LEN`] bytes.
+    pub fn set_will(&self, log: &str, value: &[u8]) -> Result<()> {
+        if value.len() > MAX_WILL_LEN {
+            return Err(Error::input(
+                format!("store will for `{log}`"),
+                format!("{} bytes exceeds {MAX_WILL_LEN}", value.len()),
+            ));
+        }
+        self.counter_request(OP_WILL, "will", log, value).map(|_| ())
+    }
+
+    fn counter_request(&self, op: u8, name: &str, key: &str, value: &[u8]) -> Result<i64> {
+        check_key(key)?;
+        if value.len() > MAX_VALUE_LEN {
+            return Err(Error::input(
+                format!("store value for `{key}`"),
+                format!("{} bytes exceeds {MAX_VALUE_LEN}", value.len()),
+            ));
+        }
+        let mut req = encode_key(op, key, 4 + value.len());
+        req.extend_from_slice(&(value.len() as u32).to_le_bytes());
+        req.extend_from_slice(value);
+        match self.request(name, key, &req, Duration::ZERO)? {
+            Reply::Value(v) if op == OP_WILL && v.is_empty() => Ok(0),
+            Reply::Value(v) => match <[u8; 8]>::try_from(v.as_slice()) {
+                Ok(b) => Ok(i64::from_le_bytes(b)),
+                Err(_) => Err(self.protocol_error(name, key)),
+            },
+            Reply::Missing => Err(self.protocol_error(name, key)),
+        }
+    }
+
     /// Returns once `world` clients have entered barrier `name` (this one included), or
     /// fails after `timeout` saying how many arrived. Every participant must pass the
     /// same barriers in the same order; a name may be reused.
     pub fn barrier(&self, name: &str, world: usize, timeout: Duration) -> Result<()> {
+        self.barrier_checked(name, world, timeout, &|| Ok(()))
+    }
+
+    /// [`Store::barrier`] that calls `check` every [`CHECK_EVERY`] while it waits and
+    /// returns its error at once (a peer known to be gone will never arrive).
+    pub fn barrier_checked(
+        &self,
+        name: &str,
+        world: usize,
+        timeout: Duration,
+        check: &dyn Fn() -> Result<()>,
+    ) -> Result<()> {
         if world == 0 {
             return Err(Error::input(format!("barrier `{name}`"), "world is 0"));
         }
@@ -964,14 +1110,20 @@ impl Store {
         if arrived == world_i {
             return self.set(&done_key, &[]);
         }
-        let left = deadline.saturating_duration_since(Instant::now());
-        match self.wait_key(&done_key, left)? {
-            Some(_) => Ok(()),
-            None => {
+        let start = Instant::now();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if self.wait_key(&done_key, left.min(CHECK_EVERY))?.is_some() {
+                return Ok(());
+            }
+            check()?;
+            if Instant::now() >= deadline {
                 let now = self.add(&count_key, 0).unwrap_or(arrived);
-                Err(Error::Bootstrap(format!(
-                    "barrier `{name}` timed out after {timeout:?}: {now} of {world} ranks arrived"
-                )))
+                return Err(Error::Bootstrap(format!(
+                    "barrier `{name}` timed out: waited {:.1} s (deadline {timeout:?}); {now} of \
+                     {world} ranks arrived",
+                    start.elapsed().as_secs_f64()
+                )));
             }
         }
     }
@@ -1107,6 +1259,45 @@ mod tests {
         let addr = s.addr().to_string();
         let secret = s.secret().clone();
         (s, addr, secret)
+    }
+
+    #[test]
+    fn append_numbers_a_logs_entries_and_a_will_is_appended_when_its_connection_closes() {
+        let (_s, addr, secret) = server();
+        let a = Store::connect(&addr, &secret, T).unwrap();
+        assert_eq!(a.append("log", b"one").unwrap(), 1);
+        assert_eq!(a.append("log", b"two").unwrap(), 2);
+        assert_eq!(a.get("log/2", T).unwrap(), b"two");
+        assert_eq!(a.add("log", 0).unwrap(), 2);
+        // A withdrawn will is not appended; a standing one is, once its client is gone.
+        let kept = Store::connect(&addr, &secret, T).unwrap();
+        kept.set_will("log", b"kept left").unwrap();
+        kept.set_will("log", b"").unwrap();
+        drop(kept);
+        let gone = Store::connect(&addr, &secret, T).unwrap();
+        gone.set_will("log", b"gone left").unwrap();
+        drop(gone);
+        assert_eq!(a.get("log/3", T).unwrap(), b"gone left");
+        assert_eq!(a.try_get("log/4").unwrap(), None);
+        assert!(a.set_will("log", &[0u8; MAX_WILL_LEN + 1]).is_err());
+    }
+
+    #[test]
+    fn a_checked_barrier_returns_the_checks_error_at_once() {
+        let (_s, addr, secret) = server();
+        let a = Store::connect(&addr, &secret, T).unwrap();
+        let t0 = Instant::now();
+        let err = a
+            .barrier_checked("b", 2, T, &|| Err(Error::Bootstrap("peer gone".into())))
+            .unwrap_err();
+        assert!(err.to_string().contains("peer gone"), "{err}");
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+        // A timeout says how long it waited.
+        let err = a
+            .barrier("c", 2, Duration::from_millis(100))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("waited 0.1 s"), "{err}");
     }
 
     #[test]

@@ -41,7 +41,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::group::Group;
+use crate::group::{Group, PeerWatch};
 
 /// Signal value announcing that a rank gave up; see [`SymmetricHeap::poison`].
 pub const POISON: u64 = u64::MAX;
@@ -68,6 +68,9 @@ pub struct SymmetricHeap {
     bases: Vec<NonNull<u8>>,
     /// Keeps the segments alive (and unmaps them on drop).
     _memory: Box<dyn Any + Send + Sync>,
+    /// The group's peer watch (heaps of processes whose group follows its failure log): a
+    /// signal wait ends at once when a peer posted an error or left.
+    watch: Option<PeerWatch>,
 }
 
 // SAFETY: the pointers in `bases` refer to memory owned by `_memory` (which is Send +
@@ -133,6 +136,7 @@ impl SymmetricHeap {
                 len,
                 bases: bases.clone(),
                 _memory: Box::new(Arc::clone(&shared)),
+                watch: None,
             })
             .collect())
     }
@@ -152,7 +156,6 @@ impl SymmetricHeap {
         check_shape(group.world(), len)?;
         sweep_stale_segments_once();
         let (rank, world) = (group.rank(), group.world());
-        let deadline = Instant::now() + group.timeout();
         let heap_id = group.next_heap_id();
         let name_of = |r: usize| format!("/{SHM_PREFIX}{}-{heap_id}-{r}", group.session());
         let key_of = |r: usize| group.key(&format!("heap/{heap_id}/rank/{r}"));
@@ -167,10 +170,9 @@ impl SymmetricHeap {
                 peers.push(None);
                 continue;
             }
-            let left = deadline.saturating_duration_since(Instant::now());
             // The key appears once the peer created its segment, so the open below
             // cannot race the creation.
-            let published = group.store().get(&key_of(peer), left)?;
+            let published = group.wait_peer(&key_of(peer), peer, &format!("symmetric heap #{heap_id}"))?;
             let peer_len = std::str::from_utf8(&published)
                 .ok()
                 .and_then(|s| s.parse::<usize>().ok());
@@ -197,6 +199,7 @@ impl SymmetricHeap {
             len,
             bases,
             _memory: Box::new(mappings),
+            watch: group.peer_watch(),
         })
     }
 
@@ -337,6 +340,9 @@ impl SymmetricHeap {
             } else if polls < SPIN_POLLS + YIELD_POLLS {
                 std::thread::yield_now();
             } else {
+                if let Some(w) = &self.watch {
+                    w.check(phase)?;
+                }
                 std::thread::sleep(nap.min(deadline - now));
                 nap = (nap * 2).min(MAX_NAP);
             }

@@ -171,7 +171,8 @@ impl CudaRank {
                 let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
                 group.store().set(&key, &bytes)?;
             } else {
-                let bytes = group.store().get(&key, group.timeout())?;
+                // Fails at once when rank 0 failed before making it (its posted error) or exited.
+                let bytes = group.wait_peer(&key, 0, "NCCL unique id")?;
                 if bytes.len() != ns::NCCL_UNIQUE_ID_BYTES {
                     return Err(Error::Bootstrap(format!(
                         "store key `{key}` holds {} bytes, not an ncclUniqueId",
