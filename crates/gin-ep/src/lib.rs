@@ -25,6 +25,8 @@ pub mod check;
 #[cfg(feature = "harness")]
 pub mod gpu;
 pub mod ht;
+#[cfg(feature = "harness")]
+pub mod ht_traffic;
 pub mod ll;
 #[cfg(feature = "harness")]
 pub mod ll_traffic;
