@@ -146,7 +146,14 @@ fn add(acc: &mut u64, v: u64) -> Result<()> {
 }
 
 /// One transfer of `bytes` from `from` to `to` on the GIN or the NVLink side of `out`.
-fn hop(out: &mut [HtRankTraffic], pick: fn(&mut HtRankTraffic) -> &mut Hops, gin: bool, from: usize, to: usize, bytes: u64) -> Result<()> {
+fn hop(
+    out: &mut [HtRankTraffic],
+    pick: fn(&mut HtRankTraffic) -> &mut Hops,
+    gin: bool,
+    from: usize,
+    to: usize,
+    bytes: u64,
+) -> Result<()> {
     let h = pick(&mut out[from]);
     if gin {
         add(&mut h.gin.sent, bytes)?;
@@ -274,7 +281,12 @@ impl HtTraffic {
     /// The floor of the operation `pick` selects.
     pub fn floor(&self, pick: fn(&HtRankTraffic) -> Hops, rates: Rates) -> Floor {
         let gin = self.ranks.iter().map(|t| pick(t).gin.busier()).max().unwrap_or(0);
-        let nvl = self.ranks.iter().map(|t| pick(t).nvlink.busier()).max().unwrap_or(0);
+        let nvl = self
+            .ranks
+            .iter()
+            .map(|t| pick(t).nvlink.busier())
+            .max()
+            .unwrap_or(0);
         Floor {
             gin_us: us(gin, rates.nic_gbs),
             nvlink_us: us(nvl, rates.nvlink_gbs),
@@ -465,11 +477,18 @@ mod tests {
                 assert_eq!(deep.gin_sent, ours.gin_sent, "rank {s}");
                 assert_eq!(deep.nvlink_sent, ours.nvlink_sent, "rank {s}");
                 assert_eq!(deep.gin.received / 160, ours.gin.received / size.0, "rank {s}");
-                assert_eq!(deep.nvlink.received / 160, ours.nvlink.received / size.1, "rank {s}");
+                assert_eq!(
+                    deep.nvlink.received / 160,
+                    ours.nvlink.received / size.1,
+                    "rank {s}"
+                );
             }
         }
         // Flat: rank 0's t0 to 2 and 3, t2 to 2; rank 1's t0 to 3; rank 3's t0 to 1.
-        let flat: Vec<(u64, u64)> = r.iter().map(|t| (t.flat_dispatch_gin, t.flat_combine_gin)).collect();
+        let flat: Vec<(u64, u64)> = r
+            .iter()
+            .map(|t| (t.flat_dispatch_gin, t.flat_combine_gin))
+            .collect();
         assert_eq!(flat, vec![(3 * 156, 3 * 140), (156, 140), (0, 0), (156, 140)]);
         // (token, node) pairs, own node included: rank 0 t0 2, t1 1, t2 1.
         let pairs: Vec<u64> = r.iter().map(|t| t.token_nodes).collect();
@@ -487,10 +506,16 @@ mod tests {
         // Dispatch: busiest GIN direction 328 B (rank 0 sends, rank 2 receives) at 1 MB/s =
         // 328 µs; NVLink 156 B at 2 MB/s = 78 µs.
         let f = t.floor(|t| t.dispatch, rates);
-        assert!((f.gin_us - 328.0).abs() < 1e-9 && (f.nvlink_us - 78.0).abs() < 1e-9, "{f:?}");
+        assert!(
+            (f.gin_us - 328.0).abs() < 1e-9 && (f.nvlink_us - 78.0).abs() < 1e-9,
+            "{f:?}"
+        );
         assert!((f.us() - 328.0).abs() < 1e-9);
         let f = t.floor(|t| t.combine, rates);
-        assert!((f.gin_us - 280.0).abs() < 1e-9 && (f.nvlink_us - 70.0).abs() < 1e-9, "{f:?}");
+        assert!(
+            (f.gin_us - 280.0).abs() < 1e-9 && (f.nvlink_us - 70.0).abs() < 1e-9,
+            "{f:?}"
+        );
         assert!(Rates::DEFAULT.validate().is_ok());
         for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
             let e = Rates {
@@ -563,8 +588,16 @@ mod tests {
                 |t: &HtRankTraffic| t.deepep_dispatch,
                 |t: &HtRankTraffic| t.deepep_combine,
             ] {
-                assert_eq!(sum(&|x| pick(x).gin.sent), sum(&|x| pick(x).gin.received), "case {case}");
-                assert_eq!(sum(&|x| pick(x).nvlink.sent), sum(&|x| pick(x).nvlink.received), "case {case}");
+                assert_eq!(
+                    sum(&|x| pick(x).gin.sent),
+                    sum(&|x| pick(x).gin.received),
+                    "case {case}"
+                );
+                assert_eq!(
+                    sum(&|x| pick(x).nvlink.sent),
+                    sum(&|x| pick(x).nvlink.received),
+                    "case {case}"
+                );
             }
             // One GIN record per (token, other node), the routing module's per-node counts.
             let mut records = 0u64;
@@ -573,7 +606,10 @@ mod tests {
                 let lay = layout(&cfg, s, idx).unwrap();
                 let nl = routing::node_layout(&cfg, &lay);
                 let own = routing::node_of(&cfg, s);
-                let mine: u64 = (0..nodes).filter(|&n| n != own).map(|n| nl.tokens_per_node[n] as u64).sum();
+                let mine: u64 = (0..nodes)
+                    .filter(|&n| n != own)
+                    .map(|n| nl.tokens_per_node[n] as u64)
+                    .sum();
                 assert_eq!(t.ranks[s].dispatch.gin_sent, mine, "case {case} rank {s}");
                 records += mine;
                 pairs += nl.tokens_per_node.iter().map(|&c| c as u64).sum::<u64>();
@@ -594,10 +630,17 @@ mod tests {
             assert!(records <= flat_copies, "case {case}");
             if g == 1 {
                 assert_eq!(records, flat_copies, "case {case}");
-                assert_eq!(sum(&|x| x.dispatch.nvlink.sent + x.combine.nvlink.sent), 0, "case {case}");
+                assert_eq!(
+                    sum(&|x| x.dispatch.nvlink.sent + x.combine.nvlink.sent),
+                    0,
+                    "case {case}"
+                );
             }
             if nodes == 1 {
-                assert_eq!(sum(&|x| x.dispatch.gin.sent + x.combine.gin.sent + x.flat_dispatch_gin), 0);
+                assert_eq!(
+                    sum(&|x| x.dispatch.gin.sent + x.combine.gin.sent + x.flat_dispatch_gin),
+                    0
+                );
             }
             // Every (token, needing rank other than the source) pair is reached once: by a
             // store of the source on its own node, or as a GIN copy of flat, which node-first
@@ -618,8 +661,16 @@ mod tests {
             let one = ht_traffic(&cfg.clone().with_node_size(None), &routing).unwrap();
             let stores_one: u64 = one.ranks.iter().map(|x| x.dispatch.nvlink_sent).sum();
             assert_eq!(stores_one, own_stores + flat_copies, "case {case}");
-            assert_eq!(sum(&|x| x.dispatch.nvlink_sent), own_stores + flat_copies - kept, "case {case}");
-            assert_eq!(sum(&|x| x.combine.nvlink_sent), own_stores + flat_copies - kept, "case {case}");
+            assert_eq!(
+                sum(&|x| x.dispatch.nvlink_sent),
+                own_stores + flat_copies - kept,
+                "case {case}"
+            );
+            assert_eq!(
+                sum(&|x| x.combine.nvlink_sent),
+                own_stores + flat_copies - kept,
+                "case {case}"
+            );
         }
     }
 
@@ -633,7 +684,10 @@ mod tests {
         assert_eq!(lines.len(), 2 + 4 + 2 + 5 + 1, "{s}");
         assert!(lines[2].trim_start().starts_with("0 |"), "{s}");
         // Rank 0: dispatch GIN 328, NVLink 156; DeepEP 320, 160.
-        assert!(lines[2].contains("328         156         320         160"), "{s}");
+        assert!(
+            lines[2].contains("328         156         320         160"),
+            "{s}"
+        );
         assert!(lines[6].trim_start().starts_with("max |"), "{s}");
         assert!(s.contains("across 2 nodes of 2"), "{s}");
         // Max pairs 4 (rank 0) * 128 B.
