@@ -1,4 +1,4 @@
-//! The `gin-ep` command: `bench`, `check`, `alltoall` and `info`.
+//! The `gin-ep` command: `bench`, `check`, `alltoall`, `ht-bytes` and `info`.
 //!
 //! Owns argument parsing, tables, progress display and exit codes (listed in
 //! `error`); every figure and every verdict comes from the gin-ep library.
@@ -13,6 +13,7 @@ mod check_gin;
 mod error;
 mod gpus;
 mod host;
+mod ht_bytes_cmd;
 mod info_cmd;
 
 use clap::{Parser, Subcommand};
@@ -35,6 +36,9 @@ enum Command {
     Check(check_cmd::CheckArgs),
     /// All-to-all sweep on GPUs in the manner of nccl-tests (NCCL, LSA, GIN modes).
     Alltoall(alltoall_cmd::AlltoallArgs),
+    /// HT bytes per rank across nodes, over GIN and NVLink, beside DeepEP V1 internode's for
+    /// the same routing, and time floors at a stated NIC and NVLink rate (on paper: CPU only).
+    HtBytes(ht_bytes_cmd::HtBytesArgs),
     /// What this machine offers: CPUs, GPUs, NCCL, kernels, usable backends.
     Info,
     /// One rank of `check --launch processes` (started by the CLI itself).
@@ -48,6 +52,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => bench_cmd::run(&a),
         Command::Check(a) => check_cmd::run(&a),
         Command::Alltoall(a) => alltoall_cmd::run(&a),
+        Command::HtBytes(a) => ht_bytes_cmd::run(&a),
         Command::Info => info_cmd::run(),
         Command::RankCheck(a) => check_cmd::run_rank(&a),
     };

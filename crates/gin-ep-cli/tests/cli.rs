@@ -1135,3 +1135,153 @@ fn the_readme_states_the_supported_nccl_as_info_does() {
         "README.md does not say `{supported}`"
     );
 }
+
+/// The floor of `op` ("gin-ep dispatch", ...) of the `n`-th table in `ht-bytes` output:
+/// (GIN µs, NVLink µs).
+fn ht_bytes_floor(out: &str, op: &str, n: usize) -> (f64, f64) {
+    let line = out
+        .lines()
+        .filter(|l| l.trim_start().starts_with(&format!("{op}:")))
+        .nth(n)
+        .unwrap_or_else(|| panic!("no floor line {n} of {op}: {out}"));
+    let num = |key: &str| -> f64 {
+        let rest = &line[line.find(key).unwrap_or_else(|| panic!("{key} in {line}")) + key.len()..];
+        rest.trim_start()
+            .split(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap_or_else(|_| panic!("number after {key} in {line}"))
+    };
+    (num("GIN"), num("NVLink"))
+}
+
+#[test]
+fn ht_bytes_prints_every_size_and_routing_with_floors_that_follow_the_rates() {
+    let args = [
+        "ht-bytes",
+        "--ranks",
+        "4,8",
+        "--node-size",
+        "2",
+        "--tokens",
+        "512",
+        "--hidden",
+        "256",
+        "--experts",
+        "16",
+        "--topk",
+        "4",
+        "--routing",
+        "uniform,zipf:1",
+    ];
+    let o = gin_ep(&args);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}\n{err}");
+    assert!(out.contains("no RDMA NIC"), "{out}");
+    for head in [
+        "EP4 (2 nodes of 2), 512 tokens per rank, hidden 256, top-4 of 16, fp8 dispatch, routing uniform",
+        "EP4 (2 nodes of 2), 512 tokens per rank, hidden 256, top-4 of 16, fp8 dispatch, routing zipf:1",
+        "EP8 (4 nodes of 2), 512 tokens per rank, hidden 256, top-4 of 16, fp8 dispatch, routing uniform",
+        "EP8 (4 nodes of 2), 512 tokens per rank, hidden 256, top-4 of 16, fp8 dispatch, routing zipf:1",
+    ] {
+        assert!(out.contains(head), "missing `{head}`: {out}");
+    }
+    // FP8 row 256 + 2 * 4 = 264: forward 264 + 32 + 4 + 8, receive 264 + 32 + 4.
+    assert!(
+        out.contains("forward 308 B, receive 300 B, combine 528 B"),
+        "{out}"
+    );
+    // Every rank's row with --per-rank: 4 + 8 rank rows per routing.
+    let o = gin_ep(&[&args[..], &["--per-rank"]].concat());
+    let per = text(&o).0;
+    let rows = per
+        .lines()
+        .filter(|l| l.contains(" | ") && !l.contains("rank |"))
+        .count();
+    let short = out
+        .lines()
+        .filter(|l| l.contains(" | ") && !l.contains("rank |"))
+        .count();
+    assert_eq!(rows, short + 2 * (4 + 8), "{per}");
+    // Half the NIC rate doubles the GIN floors and leaves NVLink's.
+    let o = gin_ep(&[&args[..], &["--nic-gbs", "25"]].concat());
+    let slow = text(&o).0;
+    for op in ["gin-ep dispatch", "gin-ep combine", "DeepEP dispatch"] {
+        for n in 0..4 {
+            let (g50, v50) = ht_bytes_floor(&out, op, n);
+            let (g25, v25) = ht_bytes_floor(&slow, op, n);
+            assert!(g50 > 0.0, "{op} {n}: {out}");
+            // Printed to 0.1 µs: each figure is within 0.05 of its value.
+            assert!((g25 - 2.0 * g50).abs() <= 0.16, "{op} {n}: {g25} against {g50}");
+            assert_eq!(v25, v50, "{op} {n}");
+        }
+    }
+    // One node: nothing crosses the network.
+    let o = gin_ep(&[
+        "ht-bytes",
+        "--ranks",
+        "4",
+        "--node-size",
+        "4",
+        "--tokens",
+        "64",
+        "--hidden",
+        "256",
+        "--experts",
+        "16",
+        "--topk",
+        "4",
+        "--routing",
+        "uniform",
+    ]);
+    let one = text(&o).0;
+    assert_eq!(o.status.code(), Some(0), "{one}");
+    let (gin, nvl) = ht_bytes_floor(&one, "gin-ep dispatch", 0);
+    assert_eq!(gin, 0.0, "{one}");
+    assert!(nvl > 0.0, "{one}");
+}
+
+#[test]
+fn ht_bytes_refuses_bad_values_naming_the_flag() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["ht-bytes", "--ranks", "0"], "--ranks"),
+        (&["ht-bytes", "--ranks", "16,x"], "--ranks"),
+        (&["ht-bytes", "--ranks", "16,"], "--ranks"),
+        (&["ht-bytes", "--ranks", "-16"], "--ranks"),
+        (&["ht-bytes", "--ranks", "12"], "--node-size"),
+        (&["ht-bytes", "--node-size", "0"], "--node-size"),
+        (&["ht-bytes", "--node-size", "-8"], "--node-size"),
+        (&["ht-bytes", "--nic-gbs", "0"], "--nic-gbs"),
+        (&["ht-bytes", "--nic-gbs", "fast"], "--nic-gbs"),
+        (&["ht-bytes", "--nic-gbs", "inf"], "--nic-gbs"),
+        (&["ht-bytes", "--nvlink-gbs", "-400"], "--nvlink-gbs"),
+        (&["ht-bytes", "--nvlink-gbs", "NaN"], "--nvlink-gbs"),
+        (&["ht-bytes", "--dtype", "fp7"], "--dtype"),
+        (&["ht-bytes", "--routing", "uniform,zipf:0"], "--routing"),
+        (&["ht-bytes", "--routing", "skewed"], "--routing"),
+        (&["ht-bytes", "--experts", "250"], "--experts"),
+        (&["ht-bytes", "--tokens", "0"], "--tokens"),
+        (&["ht-bytes", "--topk", "0"], "--topk"),
+        (&["ht-bytes", "--hidden", "100"], "--hidden"),
+        (
+            &[
+                "ht-bytes",
+                "--ranks",
+                "512",
+                "--experts",
+                "512",
+                "--tokens",
+                "1048576",
+            ],
+            "--tokens",
+        ),
+    ];
+    for (args, needle) in cases {
+        usage_error(args, needle);
+    }
+    // A bad size among good ones is refused before anything is printed.
+    let o = gin_ep(&["ht-bytes", "--ranks", "16,12"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).0.is_empty(), "{}", text(&o).0);
+}

@@ -27,4 +27,6 @@ pub mod harness;
 #[cfg(feature = "harness")]
 pub use harness::{bench, check, gpu, ll_traffic, workload};
 pub mod ht;
+#[cfg(feature = "harness")]
+pub mod ht_traffic;
 pub mod ll;
