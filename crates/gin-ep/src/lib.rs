@@ -25,8 +25,6 @@ pub use error::{Error, Result};
 #[cfg(feature = "harness")]
 pub mod harness;
 #[cfg(feature = "harness")]
-pub use harness::{bench, check, gpu, ll_traffic, workload};
+pub use harness::{bench, check, gpu, ht_traffic, ll_traffic, workload};
 pub mod ht;
-#[cfg(feature = "harness")]
-pub mod ht_traffic;
 pub mod ll;

@@ -1,5 +1,5 @@
 //! The check and bench harness (the `harness` cargo feature): check cases compared with the
-//! oracle ([`check`]), their workloads ([`workload`]), timing ([`mod@bench`], [`ll_traffic`]) and
+//! oracle ([`check`]), their workloads ([`workload`]), timing ([`mod@bench`]), bytes on each link ([`ll_traffic`], [`ht_traffic`]) and
 //! the per-rank GPU check and benchmark entry points ([`gpu`]).
 //!
 //! Owns: everything `gin-ep check` and `gin-ep bench` run. Never: imported by `backend` or
@@ -9,5 +9,6 @@
 pub mod bench;
 pub mod check;
 pub mod gpu;
+pub mod ht_traffic;
 pub mod ll_traffic;
 pub mod workload;
