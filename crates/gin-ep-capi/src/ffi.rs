@@ -19,6 +19,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use gin_ep::backend::cuda::DeviceAllocator;
 use gin_ep::ep::{EpOptions, GpuRank, GpuRankOptions, RankTopology, Stream};
 use gin_ep::{Ep, EpConfig};
 
@@ -103,6 +104,12 @@ fn tensor(p: *const Tensor, name: &str) -> CResult<Option<Desc>> {
     if !t.win_hdl.is_null() {
         return Err(CapiError::usage(format!(
             "{name}->win_hdl is set: gin-ep takes tensors in device memory (data), not NCCL windows"
+        )));
+    }
+    if t.win_offset != 0 {
+        return Err(CapiError::arg(format!(
+            "{name}->win_offset = {}: an offset into a window, and win_hdl is NULL",
+            t.win_offset
         )));
     }
     if t.ndim == 0 || t.ndim > MAX_NDIM {
@@ -209,6 +216,30 @@ fn open_rank(comm: *mut c_void, timeout: std::time::Duration) -> CResult<GpuRank
     // docs/c-api.md); the group's engines hold the rank, so it lives as long as they do.
     Ok(unsafe { GpuRank::from_comm(comm, opts) }?)
 }
+
+/// The caller's allocator of `ncclEpGroupConfig_t::alloc` (both functions or neither:
+/// [`GroupSpec::new`] checked).
+fn allocator(a: &AllocConfig) -> Option<DeviceAllocator> {
+    if a.alloc_fn.is_null() || a.free_fn.is_null() {
+        return None;
+    }
+    // SAFETY: non-NULL `ncclEpAllocFn_t` / `ncclEpFreeFn_t` values of the caller's config:
+    // C function pointers of exactly these signatures (cudaError_t is a C enum, an int).
+    let (alloc, free) = unsafe {
+        (
+            std::mem::transmute::<*mut c_void, AllocFn>(a.alloc_fn),
+            std::mem::transmute::<*mut c_void, FreeFn>(a.free_fn),
+        )
+    };
+    Some(DeviceAllocator {
+        alloc,
+        free,
+        context: a.context,
+    })
+}
+
+type AllocFn = unsafe extern "C" fn(*mut *mut c_void, usize, *mut c_void) -> i32;
+type FreeFn = unsafe extern "C" fn(*mut c_void, *mut c_void) -> i32;
 
 /// gin-ep's engine for `cfg` on the group's rank (collective): the buffers of the group's
 /// mode only (HT with exact sizing: counts known when the dispatch returns), its deadline and
@@ -333,6 +364,9 @@ pub extern "C" fn ncclEpCreateGroup(
         // rank passes the same config, so every rank fails alike); the rest after it.
         let early = GroupSpec::new(&cfg, 1, 0)?;
         let rank = open_rank(comm, early.timeout)?;
+        // Every device buffer of the group (its engines' and its handles') comes from the
+        // caller's allocator when it gave one; the windows are NCCL's, as NCCL EP's are.
+        rank.set_device_allocator(allocator(&cfg.alloc))?;
         let info = rank.info();
         let spec = GroupSpec::new(&cfg, info.world, info.rank)?;
         let g = Group::new(spec, rank, open_engine);
@@ -432,13 +466,13 @@ pub extern "C" fn ncclEpUpdateHandle(
     handle: *mut HandleBox,
     topk_idx: *const Tensor,
     layout: *const LayoutInfo,
-    _stream: *mut c_void,
+    stream: *mut c_void,
 ) -> NcclResult {
     guard("ncclEpUpdateHandle", || {
         let h = handle_mut(handle, "handle")?;
         let idx = tensor(topk_idx, "topk_idx")?;
         let li = layout_info(layout, "layout_info")?;
-        h.handle.update(idx, li)
+        h.handle.update(idx, li, Stream(stream as u64))
     })
 }
 
@@ -450,7 +484,7 @@ pub extern "C" fn ncclEpCreateHandle(
     topk_idx: *const Tensor,
     layout_info_p: *const LayoutInfo,
     config: *const HandleConfig,
-    _stream: *mut c_void,
+    stream: *mut c_void,
 ) -> NcclResult {
     guard("ncclEpCreateHandle", || {
         let out = out_ptr(handle, "handle")?;
@@ -469,7 +503,7 @@ pub extern "C" fn ncclEpCreateHandle(
             None => return Err(CapiError::arg("topk_idx is NULL (required)")),
         };
         let mut h = new_handle(g, layout, config, k, std::ptr::null())?;
-        h.update(idx, li)?;
+        h.update(idx, li, Stream(stream as u64))?;
         publish(out, h);
         Ok(())
     })

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use gin_ep::backend::cuda::runtime::GIN_CONTEXTS;
 use gin_ep::ep::GpuRank;
 use gin_ep::{DispatchDtype, Ep, EpConfig};
 
@@ -83,7 +84,13 @@ impl GroupSpec {
             )));
         }
         let max_recv = match (algo, c.max_recv_tokens_per_rank) {
-            (Algo::Ll, _) => None,
+            (Algo::Ll, 0) => None,
+            (Algo::Ll, n) => {
+                return Err(CapiError::usage(format!(
+                    "config->max_recv_tokens_per_rank = {n} with LL: it bounds HT receives only (LL \
+                     receives ranks x max_dispatch_tokens_per_rank rows per local expert); pass NCCL_EP_AUTO"
+                )))
+            }
             (Algo::Ht, 0) => {
                 return Err(CapiError::usage(
                     "config->max_recv_tokens_per_rank = NCCL_EP_AUTO with HT: query-then-allocate reads the \
@@ -105,10 +112,35 @@ impl GroupSpec {
                 c.enable_mask
             )));
         }
-        // Accepted and not used (docs/c-api.md): a custom allocator (`config->alloc`; gin-ep's
-        // device memory is NCCL window memory, which NCCL allocates), and the transport's
-        // `num_qp_per_rank` / `num_channels` (gin-ep's transport is NCCL's GIN, which sizes
-        // its own).
+        let a = &c.alloc;
+        if a.alloc_fn.is_null() != a.free_fn.is_null() {
+            return Err(CapiError::usage(format!(
+                "config->alloc: alloc_fn = {:?}, free_fn = {:?}: give both or neither",
+                a.alloc_fn, a.free_fn
+            )));
+        }
+        if a.alloc_fn.is_null() && !a.context.is_null() {
+            return Err(CapiError::usage(format!(
+                "config->alloc.context = {:?} without alloc_fn and free_fn: nothing would receive it",
+                a.context
+            )));
+        }
+        // A budget of queue pairs: gin-ep's device communicator opens GIN_CONTEXTS GIN
+        // contexts (one queue pair each per peer), whatever the group's size.
+        if c.num_qp_per_rank != 0 && c.num_qp_per_rank < GIN_CONTEXTS {
+            return Err(CapiError::usage(format!(
+                "config->num_qp_per_rank = {}: gin-ep's transport uses {GIN_CONTEXTS} GIN contexts \
+                 (one queue pair each per peer); give at least {GIN_CONTEXTS} or NCCL_EP_AUTO",
+                c.num_qp_per_rank
+            )));
+        }
+        if c.num_channels != 0 {
+            return Err(CapiError::usage(format!(
+                "config->num_channels = {}: gin-ep has no channel count to set (its HT kernels take \
+                 max_num_sms CTAs); pass NCCL_EP_AUTO",
+                c.num_channels
+            )));
+        }
         if c.rdma_buffer_size != 0 {
             return Err(CapiError::usage(format!(
                 "config->rdma_buffer_size = {}: gin-ep sizes its buffers itself; pass NCCL_EP_AUTO",
@@ -197,6 +229,11 @@ impl Group {
             engines: Mutex::new(Vec::new()),
             async_error: AtomicBool::new(false),
         }
+    }
+
+    /// This process's rank of the caller's communicator.
+    pub fn rank(&self) -> &GpuRank {
+        &self.rank
     }
 
     /// The engine of (`topk`, `dtype`), made on first use (collective).
@@ -293,6 +330,41 @@ mod tests {
         let e = GroupSpec::new(&c, 4, 0).unwrap_err();
         assert_eq!(e.code, abi::NCCL_INVALID_USAGE);
         assert!(e.msg.contains("experts = 15"), "{}", e.msg);
+    }
+
+    #[test]
+    fn transport_and_allocator_fields_are_honoured_or_refused() {
+        let mut c = ll_config();
+        c.num_qp_per_rank = GIN_CONTEXTS;
+        GroupSpec::new(&c, 4, 0).unwrap();
+        c.num_qp_per_rank = GIN_CONTEXTS - 1;
+        let e = GroupSpec::new(&c, 4, 0).unwrap_err();
+        assert_eq!(e.code, abi::NCCL_INVALID_USAGE);
+        assert!(e.msg.contains(&format!("num_qp_per_rank = {}", GIN_CONTEXTS - 1)), "{}", e.msg);
+
+        let mut c = ll_config();
+        c.num_channels = 10;
+        let e = GroupSpec::new(&c, 4, 0).unwrap_err();
+        assert_eq!(e.code, abi::NCCL_INVALID_USAGE);
+        assert!(e.msg.contains("num_channels = 10"), "{}", e.msg);
+
+        let mut c = ll_config();
+        c.max_recv_tokens_per_rank = 512;
+        let e = GroupSpec::new(&c, 4, 0).unwrap_err();
+        assert!(e.msg.contains("max_recv_tokens_per_rank = 512 with LL"), "{}", e.msg);
+
+        let f = 0x1000 as *mut std::ffi::c_void;
+        let mut c = ll_config();
+        c.alloc.alloc_fn = f;
+        let e = GroupSpec::new(&c, 4, 0).unwrap_err();
+        assert_eq!(e.code, abi::NCCL_INVALID_USAGE);
+        assert!(e.msg.contains("give both or neither"), "{}", e.msg);
+        c.alloc.free_fn = f;
+        GroupSpec::new(&c, 4, 0).unwrap();
+        let mut c = ll_config();
+        c.alloc.context = f;
+        let e = GroupSpec::new(&c, 4, 0).unwrap_err();
+        assert!(e.msg.contains("config->alloc.context"), "{}", e.msg);
     }
 
     #[test]

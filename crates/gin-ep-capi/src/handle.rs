@@ -24,6 +24,7 @@ use gin_ep::ep::{
     DeviceOut, HtCombineIn, HtCombineOut, HtDispatchIn, LlCombineIn, LlDispatchIn, LlDispatchOut, LlHalf,
     Mem, Stream,
 };
+use gin_ep::backend::cuda::DeviceBuffer;
 use gin_ep::{DispatchDtype, Ep};
 
 use crate::abi::{self, NCCL_BFLOAT16, NCCL_FLOAT32, NCCL_INT32, NCCL_INT64};
@@ -119,8 +120,12 @@ pub struct Handle {
     topk: Option<usize>,
     /// The group's engine for this top-k (made with the top-k).
     ep: Option<Ep>,
-    /// The routing of the next dispatch: `[N, K]` int64 device memory.
+    /// The routing of the next dispatch: `[N, K]` int64 device memory (the caller's, or
+    /// `wide` holding the caller's int32 ids widened).
     routing: Option<Desc>,
+    /// `[max_dispatch_tokens_per_rank, K]` int64 of the handle's own, made by the first
+    /// int32 routing (through the group's allocator).
+    wide: Option<DeviceBuffer>,
     /// The LL dispatch the next combine returns.
     dispatched: Option<gin_ep::ep::LlHandle>,
     pending: Option<Pending>,
@@ -171,6 +176,7 @@ impl Handle {
             topk: None,
             ep: None,
             routing: None,
+            wide: None,
             dispatched: None,
             pending: None,
             ht: None,
@@ -189,8 +195,9 @@ impl Handle {
         Ok(())
     }
 
-    /// `ncclEpUpdateHandle`: the routing of the next dispatch.
-    pub fn update(&mut self, topk_idx: Option<Desc>, layout: Option<LayoutDescs>) -> CResult<()> {
+    /// `ncclEpUpdateHandle`: the routing of the next dispatch. int32 ids are widened on
+    /// `stream` into the handle's own int64 copy, which the next dispatch and combine read.
+    pub fn update(&mut self, topk_idx: Option<Desc>, layout: Option<LayoutDescs>, stream: Stream) -> CResult<()> {
         if let Some(li) = layout {
             let any = li.expert_counters.is_some()
                 || li.src_rank_counters.is_some()
@@ -219,12 +226,7 @@ impl Handle {
             }
         }
         let idx = required(topk_idx, "topk_idx")?;
-        if idx.dtype == NCCL_INT32 {
-            return Err(CapiError::usage(
-                "topk_idx->datatype = ncclInt32: gin-ep's kernels read ncclInt64 expert ids",
-            ));
-        }
-        idx.dtype_is(&[NCCL_INT64])?;
+        idx.dtype_is(&[NCCL_INT64, NCCL_INT32])?;
         if idx.sizes.len() != 2 {
             return Err(CapiError::arg(format!(
                 "topk_idx->sizes = {:?}: expected [tokens, topk]",
@@ -242,8 +244,33 @@ impl Handle {
                 self.group.spec.max_tokens
             )));
         }
-        self.routing = Some(idx);
+        self.routing = Some(if idx.dtype == NCCL_INT32 {
+            self.widen(&idx, stream)?
+        } else {
+            idx
+        });
         Ok(())
+    }
+
+    /// The handle's int64 copy of the int32 routing `idx` (`[n, K]`, checked), queued on
+    /// `stream`.
+    fn widen(&mut self, idx: &Desc, stream: Stream) -> CResult<Desc> {
+        let k = idx.sizes[1];
+        let rank = self.group.rank().clone();
+        if self.wide.is_none() {
+            let bytes = (self.group.spec.max_tokens * k * 8).max(8);
+            self.wide = Some(self.group.note(rank.alloc(bytes).map_err(CapiError::from))?);
+        }
+        let wide = self.wide.as_ref().map_or(0, |b| b.region().device_ptr());
+        let n = idx.sizes[0] * k;
+        let r = rank.widen_i32_to_i64(stream.0, (idx.data, n * 4), (wide, n * 8), n);
+        self.group.note(r.map_err(CapiError::from))?;
+        Ok(Desc {
+            name: idx.name.clone(),
+            dtype: NCCL_INT64,
+            data: wide,
+            sizes: idx.sizes.clone(),
+        })
     }
 
     /// The engine, top-k and routing of a handle that has routing.

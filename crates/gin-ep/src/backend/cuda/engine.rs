@@ -142,7 +142,7 @@ impl GpuRank {
 
     /// Runs `f` with the rank's work queued on `stream` (0: the rank's own), one operation
     /// of the rank at a time.
-    fn run<T>(&self, stream: u64, f: impl FnOnce(&CudaRank) -> Result<T>) -> Result<T> {
+    pub(crate) fn run<T>(&self, stream: u64, f: impl FnOnce(&CudaRank) -> Result<T>) -> Result<T> {
         let _one_at_a_time = locked(&self.inner.op);
         self.inner.rank.on_stream(stream, f)
     }

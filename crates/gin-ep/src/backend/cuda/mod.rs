@@ -10,6 +10,7 @@
 use gin_ep_sys as ns;
 
 pub(crate) mod abi;
+pub mod caller;
 pub mod driver;
 pub mod engine;
 pub mod fabric;
@@ -33,7 +34,7 @@ pub use abi::alltoall as alltoall_abi;
 #[cfg(feature = "harness")]
 pub use ops::{AlltoallKernel, AlltoallLaunch};
 pub use runtime::{
-    gin_available, gin_network, nccl_probe, CudaRank, CudaRankOptions, DevComm, DevCommRequest, DeviceBuffer,
+    gin_available, gin_network, nccl_probe, CudaRank, CudaRankOptions, DevComm, DevCommRequest, DeviceAllocator, DeviceBuffer,
     DeviceRegion, Event, ExternalSpan, PeerCopy, RankInfo, SideStreams, Window,
 };
 

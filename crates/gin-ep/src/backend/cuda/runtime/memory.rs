@@ -104,13 +104,31 @@ pub(super) fn region<'a>(
     }
 }
 
-/// Device memory from cuMemAlloc, freed on drop.
+/// A caller's device allocator (NCCL EP's `ncclEpAllocConfig_t`): every [`DeviceBuffer`] of
+/// a rank that has one is allocated and freed through it instead of cuMemAlloc / cuMemFree.
+/// The functions return a `cudaError_t` (0: success) and receive `context` verbatim.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceAllocator {
+    pub alloc: unsafe extern "C" fn(ptr: *mut *mut c_void, bytes: usize, context: *mut c_void) -> i32,
+    pub free: unsafe extern "C" fn(ptr: *mut c_void, context: *mut c_void) -> i32,
+    pub context: *mut c_void,
+}
+
+// SAFETY: the allocator's contract (NCCL EP's): the functions may be called from any thread
+// with the device's context current, and `context` is the caller's to make safe to share.
+unsafe impl Send for DeviceAllocator {}
+// SAFETY: as above.
+unsafe impl Sync for DeviceAllocator {}
+
+/// Device memory from cuMemAlloc (or the rank's [`DeviceAllocator`]), freed on drop.
 pub struct DeviceBuffer {
     pub(super) ptr: sys::CUdeviceptr,
     pub(super) bytes: usize,
     pub(super) ctx: Arc<CudaContext>,
     /// The owning rank's count of held device bytes (`CudaRank::held_bytes`).
     pub(super) held: Arc<AtomicUsize>,
+    /// The allocator that made the buffer (None: cuMemAlloc), which frees it.
+    pub(super) allocator: Option<DeviceAllocator>,
 }
 
 impl DeviceBuffer {
@@ -137,10 +155,19 @@ impl DeviceBuffer {
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
-        // SAFETY: ptr came from malloc_sync in this context and is freed once. cuMemFree
-        // waits for work using it to finish.
-        unsafe {
-            let _ = result::free_sync(self.ptr);
+        match self.allocator {
+            // SAFETY: ptr came from malloc_sync in this context and is freed once. cuMemFree
+            // waits for work using it to finish.
+            None => unsafe {
+                let _ = result::free_sync(self.ptr);
+            },
+            // SAFETY: ptr came from this allocator's `alloc` and is freed once. A caller's
+            // free (a caching pool) may not wait for queued work as cuMemFree does, so the
+            // context's work is waited for first: the same wait cuMemFree makes.
+            Some(a) => unsafe {
+                let _ = sys::cuCtxSynchronize();
+                let _ = (a.free)(self.ptr as *mut c_void, a.context);
+            },
         }
         self.held.fetch_sub(self.bytes, Ordering::Relaxed);
     }
@@ -353,14 +380,31 @@ impl CudaRank {
         if bytes == 0 {
             return Err(Error::input("device buffer", "size 0"));
         }
-        // SAFETY: the memory is uninitialized bytes, which is all a DeviceBuffer promises.
-        let ptr = cu("cuMemAlloc", unsafe { result::malloc_sync(bytes) })?;
+        let allocator = self.allocator.get();
+        let ptr = match allocator {
+            // SAFETY: the memory is uninitialized bytes, which is all a DeviceBuffer promises.
+            None => cu("cuMemAlloc", unsafe { result::malloc_sync(bytes) })?,
+            Some(a) => {
+                let mut p: *mut c_void = std::ptr::null_mut();
+                // SAFETY: the allocator's contract: writes a device pointer of `bytes` bytes
+                // of this context's device to `p`, or returns an error.
+                let r = unsafe { (a.alloc)(&mut p, bytes, a.context) };
+                if r != 0 || p.is_null() {
+                    return Err(Error::Device {
+                        call: "the caller's alloc_fn".into(),
+                        reason: format!("{bytes} bytes: cudaError_t {r}, pointer {p:?}"),
+                    });
+                }
+                p as sys::CUdeviceptr
+            }
+        };
         self.held.fetch_add(bytes, Ordering::Relaxed);
         Ok(DeviceBuffer {
             ptr,
             bytes,
             ctx: self.ctx.clone(),
             held: self.held.clone(),
+            allocator,
         })
     }
 

@@ -23,7 +23,7 @@
 //! [`window`] ([`Window`], [`DevComm`]), [`stream`] (the stream, [`SideStreams`], [`Event`],
 //! the bounded wait), [`graph`] ([`Graph`]), [`comm`] (the NCCL communicator); [`result`]
 //! turns driver and NCCL statuses into typed errors, [`gin`] decides whether GIN may be
-//! asked for.
+//! asked for, [`widen`] turns int32 ids into int64 with copies.
 
 pub mod comm;
 pub mod gin;
@@ -32,13 +32,14 @@ pub mod memory;
 pub mod rank;
 pub mod result;
 pub mod stream;
+pub mod widen;
 pub mod window;
 
 pub use comm::{nccl_probe, Comm};
 pub use gin::{gin_available, gin_network};
 pub use graph::Graph;
 pub(crate) use memory::HostMapped;
-pub use memory::{DeviceBuffer, DeviceRegion, ExternalSpan};
+pub use memory::{DeviceAllocator, DeviceBuffer, DeviceRegion, ExternalSpan};
 pub use rank::{median, CudaRank, CudaRankOptions, PeerCopy, RankInfo};
 pub use result::{fabric_error_to_error, fabric_phase_name};
 pub use stream::{Event, SideStreams};

@@ -20,7 +20,7 @@ use cudarc::driver::{result, sys, CudaContext};
 use gin_ep_sys as ns;
 
 use super::comm::Comm;
-use super::memory::{DeviceBuffer, HostMapped};
+use super::memory::{DeviceAllocator, DeviceBuffer, HostMapped};
 use super::result::{cu, cu_raw, nccl_ok, unavailable};
 use super::stream::Event;
 use crate::backend::cuda::kernels::FabricError;
@@ -108,6 +108,8 @@ pub struct CudaRank {
     /// Ranks per node when an operation's ranks span several nodes (0: one node), so a
     /// missed deadline names the late peer's node ([`CudaRank::set_node_size`]).
     pub(super) node_size: Cell<usize>,
+    /// The caller's device allocator for every later [`DeviceBuffer`] (None: cuMemAlloc).
+    pub(super) allocator: Cell<Option<DeviceAllocator>>,
 }
 
 /// Process-wide count of communicators made, so each gets its own unique-id store key
@@ -399,6 +401,7 @@ impl CudaRank {
             node_size: Cell::new(0),
             epoch: Cell::new(0),
             held: Arc::new(AtomicUsize::new(0)),
+            allocator: Cell::new(None),
         })
     }
 
@@ -501,6 +504,12 @@ impl CudaRank {
         self.download(buf.region(), &mut got)?;
         let word = |i: usize| u64::from_le_bytes(got[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
         Ok(format!("comm-{:x}-{:016x}", word(0), word(1)))
+    }
+
+    /// Allocates every later [`DeviceBuffer`] of this rank through `a` (None: cuMemAlloc).
+    /// Buffers that exist keep the allocator that made them, which frees them.
+    pub fn set_allocator(&self, a: Option<DeviceAllocator>) {
+        self.allocator.set(a);
     }
 
     /// Ranks per node once an operation spans several nodes of `m` consecutive ranks: its
@@ -715,6 +724,7 @@ impl CudaRank {
                     ctx: peer_ctx.clone(),
                     // The peer's memory, not this rank's: counted on its own.
                     held: Arc::new(AtomicUsize::new(bytes)),
+                    allocator: None,
                 }
             };
             let src = self.alloc(bytes)?;

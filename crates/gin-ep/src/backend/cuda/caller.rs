@@ -1,0 +1,34 @@
+//! What an embedding API (the C API, `crates/gin-ep-capi`) asks of a [`GpuRank`] besides its
+//! engines: the caller's device allocator, device memory of its own, and int32 expert ids
+//! widened to the int64 the kernels read.
+
+use super::engine::GpuRank;
+use super::runtime::{DeviceAllocator, DeviceBuffer};
+use crate::error::Result;
+
+impl GpuRank {
+    /// Makes every later device buffer of the rank (the engines' and [`GpuRank::alloc`]'s)
+    /// come from `a` and go back to it (None: cuMemAlloc). The windows are NCCL's
+    /// (ncclMemAlloc) either way.
+    pub fn set_device_allocator(&self, a: Option<DeviceAllocator>) -> Result<()> {
+        self.run(0, |r| {
+            r.set_allocator(a);
+            Ok(())
+        })
+    }
+
+    /// `bytes` of device memory on the rank's GPU, freed when dropped.
+    pub fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
+        self.run(0, |r| r.alloc(bytes))
+    }
+
+    /// Queues on `stream` (0: the rank's own) the widening of the `n` int32 values at
+    /// `src` into the `n` int64 values at `dst` (`(address, bytes)` of this GPU's memory).
+    pub fn widen_i32_to_i64(&self, stream: u64, src: (u64, usize), dst: (u64, usize), n: usize) -> Result<()> {
+        self.run(stream, |r| {
+            let s = r.external("int32 ids", src.0, src.1)?;
+            let d = r.external("int64 ids", dst.0, dst.1)?;
+            r.widen_i32_to_i64(s, d, n)
+        })
+    }
+}
