@@ -100,6 +100,27 @@ int main(void) {
     expect("CreateGroup(future size)", ncclEpCreateGroup(&group, NULL, &future.known), ncclInvalidArgument,
            "comm is NULL");
 
+    /* Fields gin-ep cannot honour are refused by name before the communicator is used (a
+     * stand-in that is never dereferenced). */
+    int not_a_comm = 0;
+    ncclComm_t fake = (ncclComm_t)(void*)&not_a_comm;
+    bad = cfg;
+    bad.num_channels = 10;
+    expect("CreateGroup(num_channels)", ncclEpCreateGroup(&group, fake, &bad), ncclInvalidUsage,
+           "config->num_channels = 10");
+    bad = cfg;
+    bad.num_qp_per_rank = 1;
+    expect("CreateGroup(num_qp_per_rank)", ncclEpCreateGroup(&group, fake, &bad), ncclInvalidUsage,
+           "config->num_qp_per_rank = 1");
+    bad = cfg;
+    bad.alloc.free_fn = (ncclEpFreeFn_t)(void (*)(void))abort;
+    expect("CreateGroup(free_fn alone)", ncclEpCreateGroup(&group, fake, &bad), ncclInvalidUsage,
+           "give both or neither");
+    bad = cfg;
+    bad.max_recv_tokens_per_rank = 512;
+    expect("CreateGroup(LL max_recv)", ncclEpCreateGroup(&group, fake, &bad), ncclInvalidUsage,
+           "max_recv_tokens_per_rank = 512 with LL");
+
     /* Tensors: library descriptors round-trip; a caller's own is not the library's to free. */
     size_t dims[3] = {2, 64, 256};
     ncclEpTensor_t* t = NULL;
