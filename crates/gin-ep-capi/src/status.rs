@@ -72,9 +72,17 @@ thread_local! {
 pub fn set_last(msg: &str) {
     // A message never holds NUL in practice; one that does is cut there rather than lost.
     let text = msg.split('\0').next().unwrap_or_default();
+    // A program written for NCCL EP does not know ncclEpGetLastError; with this set, each
+    // failure's text also goes to stderr, as NCCL EP prints its own.
+    if std::env::var_os(LOG_ERRORS_ENV).is_some_and(|v| !v.is_empty() && v != "0") {
+        eprintln!("gin-ep (libnccl_ep): {text}");
+    }
     let c = CString::new(text).unwrap_or_default();
     LAST.with(|l| *l.borrow_mut() = c);
 }
+
+/// The environment variable that copies every failure's text to stderr (set, not "0").
+pub const LOG_ERRORS_ENV: &str = "GIN_EP_CAPI_LOG_ERRORS";
 
 /// This thread's last error, NUL-terminated, live until the thread's next failing call.
 pub fn last_ptr() -> *const std::ffi::c_char {

@@ -174,3 +174,50 @@ fn exports_exactly_the_api_and_the_soname() {
         lib.display()
     );
 }
+
+/// The one-GPU shim (scripts/capi-ep-test preloads it into NCCL EP's ep_test): a program
+/// linked to a shared "libcudart" that asks for device 3 gets device 0, and without the
+/// shim gets 3 (so the test can fail).
+#[test]
+fn one_gpu_shim_maps_every_device_to_zero() {
+    if !tool("cc") {
+        eprintln!("SKIPPED: cc is not installed; the shim was not built");
+        return;
+    }
+    let c = crate_dir();
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("one-gpu-shim");
+    std::fs::create_dir_all(&dir).unwrap();
+    // Inputs first: the linker resolves a library only for the objects before it.
+    let cc = |args: &[&str], inputs: &[PathBuf]| {
+        let status = Command::new("cc")
+            .args(["-Wall", "-Wextra", "-Werror"])
+            .args(inputs)
+            .args(args)
+            .current_dir(&dir)
+            .status()
+            .expect("run cc");
+        assert!(status.success(), "cc {args:?} failed");
+    };
+    cc(
+        &["-shared", "-fPIC", "-o", "libone_gpu_shim.so", "-ldl"],
+        &[c.join("tests/gpu/one_gpu_shim.c")],
+    );
+    cc(
+        &["-shared", "-fPIC", "-o", "libcudart.so"],
+        &[c.join("tests/c/shim/fake_cudart.c")],
+    );
+    cc(
+        &["-o", "picks_device", "-L.", "-lcudart", "-Wl,-rpath,$ORIGIN"],
+        &[c.join("tests/c/shim/picks_device.c")],
+    );
+    let run = |preload: bool| {
+        let mut cmd = Command::new(dir.join("picks_device"));
+        if preload {
+            cmd.env("LD_PRELOAD", dir.join("libone_gpu_shim.so"));
+        }
+        let out = cmd.output().expect("run picks_device");
+        (out.status.success(), String::from_utf8_lossy(&out.stdout).trim().to_string())
+    };
+    assert_eq!(run(true), (true, "device 0".to_string()));
+    assert_eq!(run(false), (false, "device 3".to_string()));
+}
