@@ -127,6 +127,7 @@ fn gpu_programs_compile_against_the_header() {
     let root = c.parent().and_then(Path::parent).expect("repository root");
     for src in [
         c.join("tests/gpu/ll_expert_major.c"),
+        c.join("tests/gpu/ht_flat.c"),
         root.join("examples/c/ll_roundtrip.c"),
     ] {
         let status = Command::new("cc")

@@ -5,7 +5,10 @@
  *
  *   ll_expert_major <rank> <world> <id-file>
  * Rank 0 writes the NCCL unique id to <id-file>; the others wait for it (60 s). World 1 needs
- * no file. scripts/capi-gpu builds and runs it (1 GPU; 2 processes on it as virtual nodes). */
+ * no file. scripts/capi-gpu builds and runs it (1 GPU; 2 processes on it as virtual nodes).
+ * CAPI_IDX32=1: the routing is given as ncclInt32 (gin-ep widens it on the stream).
+ * The group is made with a counting allocator (config->alloc): gin-ep must allocate its device
+ * buffers through it and give every one back by ncclEpGroupDestroy. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -53,6 +56,19 @@ static float from_bf16(uint16_t b) {
     float f;
     memcpy(&f, &u, 4);
     return f;
+}
+
+/* The caller's allocator: cudaMalloc / cudaFree, counted. */
+static int g_allocs = 0, g_frees = 0;
+static cudaError_t counted_alloc(void** p, size_t bytes, void* context) {
+    (*(size_t*)context) += bytes;
+    g_allocs++;
+    return cudaMalloc(p, bytes);
+}
+static cudaError_t counted_free(void* p, void* context) {
+    (void)context;
+    g_frees++;
+    return cudaFree(p);
 }
 
 /* Token t of rank r, channel c: an integer in [-48, 48]. */
@@ -130,6 +146,12 @@ int main(int argc, char** argv) {
     cfg.max_recv_tokens_per_rank = NCCL_EP_AUTO;
     cfg.max_token_bytes = HIDDEN * 2;
     cfg.timeout_ns = 30ull * 1000 * 1000 * 1000;
+    size_t alloc_bytes = 0;
+    cfg.alloc.alloc_fn = counted_alloc;
+    cfg.alloc.free_fn = counted_free;
+    cfg.alloc.context = &alloc_bytes;
+    const char* idx32_env = getenv("CAPI_IDX32");
+    const int idx32 = idx32_env != NULL && strcmp(idx32_env, "1") == 0;
     ncclEpGroup_t group;
     CHECK_NCCL(ncclEpCreateGroup(&group, comm, &cfg));
 
@@ -153,14 +175,21 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaMalloc(&dcount, sizeof(int32_t) * L));
     CHECK_CUDA(cudaMalloc(&dout, n_x * 2));
     CHECK_CUDA(cudaMemcpy(dx, hx, n_x * 2, cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(didx, hidx, sizeof(int64_t) * TOKENS * TOPK, cudaMemcpyHostToDevice));
+    if (idx32) {
+        int32_t* h32 = malloc(sizeof(int32_t) * TOKENS * TOPK);
+        for (int i = 0; i < TOKENS * TOPK; i++) h32[i] = (int32_t)hidx[i];
+        CHECK_CUDA(cudaMemcpy(didx, h32, sizeof(int32_t) * TOKENS * TOPK, cudaMemcpyHostToDevice));
+        free(h32);
+    } else {
+        CHECK_CUDA(cudaMemcpy(didx, hidx, sizeof(int64_t) * TOKENS * TOPK, cudaMemcpyHostToDevice));
+    }
     CHECK_CUDA(cudaMemcpy(dw, hw, sizeof(float) * TOKENS * TOPK, cudaMemcpyHostToDevice));
     cudaStream_t stream;
     CHECK_CUDA(cudaStreamCreate(&stream));
 
     size_t s_x[2] = {TOKENS, HIDDEN}, s_idx[2] = {TOKENS, TOPK}, s_recv[3] = {(size_t)L, (size_t)RT, HIDDEN},
            s_count[1] = {(size_t)L};
-    ncclEpTensor_t t_x = tensor(dx, ncclBfloat16, 2, s_x), t_idx = tensor(didx, ncclInt64, 2, s_idx),
+    ncclEpTensor_t t_x = tensor(dx, ncclBfloat16, 2, s_x), t_idx = tensor(didx, idx32 ? ncclInt32 : ncclInt64, 2, s_idx),
                    t_w = tensor(dw, ncclFloat32, 2, s_idx), t_recv = tensor(drecv, ncclBfloat16, 3, s_recv),
                    t_count = tensor(dcount, ncclInt32, 1, s_count), t_out = tensor(dout, ncclBfloat16, 2, s_x);
 
@@ -262,9 +291,17 @@ int main(int argc, char** argv) {
 
     CHECK_NCCL(ncclEpHandleDestroy(handle));
     CHECK_NCCL(ncclEpGroupDestroy(group));
+    /* gin-ep's engine holds device buffers besides its NCCL windows (and, with int32
+     * routing, the handle's int64 copy): all of them came from the caller's allocator. */
+    if (g_allocs == 0 || g_allocs != g_frees) {
+        fprintf(stderr, "rank %d: the caller's allocator made %d buffers (%zu bytes) and freed %d\n", rank,
+                g_allocs, alloc_bytes, g_frees);
+        failures++;
+    }
     CHECK_CUDA(cudaStreamDestroy(stream));
     ncclCommDestroy(comm);
-    printf("rank %d of %d: LL EXPERT_MAJOR dispatch/combine (one call and send_only + complete): %s\n", rank,
-           world, failures ? "FAILED" : "passed");
+    printf("rank %d of %d: LL EXPERT_MAJOR dispatch/combine (one call and send_only + complete, %s routing, "
+           "%d buffers from the caller's allocator): %s\n",
+           rank, world, idx32 ? "int32" : "int64", g_allocs, failures ? "FAILED" : "passed");
     return failures ? 1 : 0;
 }

@@ -9,6 +9,7 @@
 typedef enum { cudaMemcpyHostToDevice = 1, cudaMemcpyDeviceToHost = 2 } cudaMemcpyKind;
 cudaError_t cudaSetDevice(int device);
 cudaError_t cudaMalloc(void** ptr, size_t bytes);
+cudaError_t cudaFree(void* ptr);
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind);
 cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t stream);
 cudaError_t cudaStreamCreate(cudaStream_t* stream);
