@@ -161,13 +161,13 @@ typedef struct {
     ncclEpAlgorithm_t algorithm;
     unsigned int num_experts;               /* total; a multiple of the communicator's size */
     unsigned int max_dispatch_tokens_per_rank; /* required, equal on every rank */
-    unsigned int max_recv_tokens_per_rank;  /* HT receive bound; AUTO: query-then-allocate */
+    unsigned int max_recv_tokens_per_rank;  /* HT receive bound; AUTO: query-then-allocate (LL: AUTO) */
     unsigned int max_token_bytes;           /* bytes of one token row (payload and scales) */
     unsigned long int rdma_buffer_size;     /* LL staging bytes; AUTO: the library sizes it */
-    unsigned int num_qp_per_rank;           /* AUTO */
-    unsigned int num_channels;              /* AUTO */
+    unsigned int num_qp_per_rank;           /* queue-pair budget; AUTO (gin-ep: AUTO or >= 4) */
+    unsigned int num_channels;              /* AUTO (gin-ep: AUTO only) */
     unsigned int max_num_sms;               /* AUTO: the algorithm's default */
-    ncclEpAllocConfig_t alloc;              /* gin-ep: accepted, not called (NCCL allocates its windows) */
+    ncclEpAllocConfig_t alloc;              /* the group's device buffers (windows: NCCL's) */
     unsigned int enable_mask;               /* LL: a rank that misses its deadline is masked */
     uint64_t timeout_ns;                    /* deadline of every wait on a peer; 0: 100 s */
     /* V2 */

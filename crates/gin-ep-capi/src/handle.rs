@@ -13,10 +13,13 @@
 //!   is copied to the caller's outputs; combine reads the caller's `[slots, H]` rows. Counts
 //!   exist only after the dispatch, so handle-time counters (`ncclEpUpdateHandle`'s
 //!   `layout_info`, query-then-allocate) are refused.
-//! - LL `RANK_MAJOR`, HT `EXPERT_MAJOR`, FP8 recipes, int32 `topk_idx` and window-backed
-//!   tensors are refused with ncclInvalidUsage naming the field: gin-ep has no kernel that
-//!   writes those layouts (its LL FP8 scales are `[L, H/128, R*T]`, NCCL EP's `[L, R*T, S]`;
-//!   its HT receive order is by source, not grouped by expert).
+//! - int32 `topk_idx` is widened on the caller's stream into an int64 copy the handle owns
+//!   (strided device copies, `GpuRank::widen_i32_to_i64`), which dispatch and combine read.
+//! - LL `RANK_MAJOR`, HT `EXPERT_MAJOR`, FP8 recipes and window-backed tensors are refused
+//!   with ncclInvalidUsage naming the field: gin-ep has no kernel that writes those layouts
+//!   (its LL FP8 scales are `[L, H/128, R*T]`, NCCL EP's `[L, R*T, S]`; its LL rows are per
+//!   (expert, source token), not per source token; its HT receive order is by source, not
+//!   grouped by expert).
 
 use std::sync::Arc;
 
