@@ -24,7 +24,7 @@ use gin_ep::ep::{EpOptions, GpuRank, GpuRankOptions, RankTopology, Stream};
 use gin_ep::{Ep, EpConfig};
 
 use crate::abi::*;
-use crate::group::{Algo, Group, GroupSpec};
+use crate::group::{Algo, Group, GroupSpec, Mask};
 use crate::handle::{CombineArgs, DispatchArgs, Handle, LayoutDescs};
 use crate::status::{self, CResult, CapiError};
 use crate::tensor::Desc;
@@ -369,7 +369,12 @@ pub extern "C" fn ncclEpCreateGroup(
         rank.set_device_allocator(allocator(&cfg.alloc))?;
         let info = rank.info();
         let spec = GroupSpec::new(&cfg, info.world, info.rank)?;
-        let g = Group::new(spec, rank, open_engine);
+        let mask = if spec.mask {
+            Some(Mask::new(&rank, spec.ranks)?)
+        } else {
+            None
+        };
+        let g = Group::new(spec, rank, open_engine, mask);
         let b = Box::new(GroupBox {
             alive: GROUP_ALIVE,
             group: Arc::new(g),
@@ -587,22 +592,12 @@ pub extern "C" fn ncclEpComplete(
     })
 }
 
-fn no_masks(group: *mut GroupBox) -> CResult<()> {
-    group_ref(group, "ep_group")?;
-    Err(CapiError::usage(
-        "rank masks: gin-ep's C API makes no group with enable_mask (ncclEpCreateGroup refuses it)",
-    ))
-}
-
 #[no_mangle]
-pub extern "C" fn ncclEpMaskQuery(
-    group: *mut GroupBox,
-    mask: *mut c_int,
-    _stream: *mut c_void,
-) -> NcclResult {
+pub extern "C" fn ncclEpMaskQuery(group: *mut GroupBox, mask: *mut c_int, stream: *mut c_void) -> NcclResult {
     guard("ncclEpMaskQuery", || {
-        out_ptr(mask, "mask_status")?;
-        no_masks(group)
+        let g = group_ref(group, "ep_group")?;
+        let dst = out_ptr(mask, "mask_status")?;
+        g.group.mask_query(stream as u64, dst as u64)
     })
 }
 
@@ -610,17 +605,23 @@ pub extern "C" fn ncclEpMaskQuery(
 pub extern "C" fn ncclEpMaskUpdate(
     group: *mut GroupBox,
     mask: *const c_int,
-    _stream: *mut c_void,
+    stream: *mut c_void,
 ) -> NcclResult {
     guard("ncclEpMaskUpdate", || {
-        out_ptr(mask.cast_mut(), "mask")?;
-        no_masks(group)
+        let g = group_ref(group, "ep_group")?;
+        let p = out_ptr(mask.cast_mut(), "mask")?;
+        // SAFETY: the function's contract: `mask` is host memory of int[ranks].
+        let active = unsafe { std::slice::from_raw_parts(p, g.group.spec.ranks) };
+        g.group.mask_update(stream as u64, active)
     })
 }
 
 #[no_mangle]
-pub extern "C" fn ncclEpMaskClean(group: *mut GroupBox, _stream: *mut c_void) -> NcclResult {
-    guard("ncclEpMaskClean", || no_masks(group))
+pub extern "C" fn ncclEpMaskClean(group: *mut GroupBox, stream: *mut c_void) -> NcclResult {
+    guard("ncclEpMaskClean", || {
+        let g = group_ref(group, "ep_group")?;
+        g.group.mask_clean(stream as u64)
+    })
 }
 
 #[no_mangle]

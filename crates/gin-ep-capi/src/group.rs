@@ -9,11 +9,12 @@
 //! (make handles before capturing a CUDA graph, and run one FP8 dispatch before capturing
 //! FP8 dispatches).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use gin_ep::backend::cuda::runtime::GIN_CONTEXTS;
+use gin_ep::backend::cuda::DeviceBuffer;
 use gin_ep::ep::GpuRank;
 use gin_ep::{DispatchDtype, Ep, EpConfig};
 
@@ -45,7 +46,12 @@ pub struct GroupSpec {
     pub num_topk: Option<usize>,
     /// `max_num_sms`: CTAs of each LL kernel (None: gin-ep's default, every SM).
     pub max_sms: Option<u32>,
+    /// `enable_mask`: LL rank masks; a peer that misses its deadline is masked.
+    pub mask: bool,
 }
+
+/// The most ranks an LL rank mask covers (one bit each of a u64).
+pub const MAX_MASK_RANKS: usize = 64;
 
 /// The default deadline when `timeout_ns` is 0.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(100);
@@ -106,9 +112,17 @@ impl GroupSpec {
             }
             (Algo::Ht, n) => Some(n as usize),
         };
-        if c.enable_mask != 0 {
+        let mask = c.enable_mask != 0;
+        if mask && algo == Algo::Ht {
             return Err(CapiError::usage(format!(
-                "config->enable_mask = {}: gin-ep's C API has no rank masks (its engine masks ranks through its own API)",
+                "config->enable_mask = {} with HT: rank masks are LL only (as NCCL EP's)",
+                c.enable_mask
+            )));
+        }
+        if mask && ranks > MAX_MASK_RANKS {
+            return Err(CapiError::usage(format!(
+                "config->enable_mask = {} on {ranks} ranks: gin-ep's LL rank mask is one 64-bit word \
+                 (at most {MAX_MASK_RANKS} ranks)",
                 c.enable_mask
             )));
         }
@@ -175,6 +189,7 @@ impl GroupSpec {
             timeout,
             num_topk: (c.num_topk != 0).then_some(c.num_topk as usize),
             max_sms: (c.max_num_sms != 0).then_some(c.max_num_sms),
+            mask,
         };
         // The shape checks gin-ep makes of every config, at a stand-in top-k of 1.
         spec.ep_config(spec.num_topk.unwrap_or(1), DispatchDtype::Bf16)?;
@@ -218,17 +233,114 @@ pub struct Group {
     engines: Mutex<Vec<((usize, DispatchDtype), Ep)>>,
     /// Set by an operation that failed on a peer or a kernel; read by ncclEpGetAsyncError.
     pub async_error: AtomicBool,
+    /// `enable_mask`: the rank mask every LL engine of the group reads (declared after the
+    /// engines, so it outlives them).
+    mask: Option<Mask>,
+}
+
+/// A group's LL rank mask: the device word the kernels read and write (bit p set: rank p
+/// is masked), an `int[ranks]` staging area for `ncclEpMaskQuery`, and the word as the caller
+/// last set it, so a bit a kernel set (a peer past its deadline) is told apart.
+pub struct Mask {
+    word: DeviceBuffer,
+    ints: DeviceBuffer,
+    set_by_caller: AtomicU64,
+}
+
+impl Mask {
+    /// A mask of `ranks` ranks, every rank active.
+    pub fn new(rank: &GpuRank, ranks: usize) -> CResult<Mask> {
+        let word = rank.alloc(16)?;
+        rank.upload_to(0, &word, &[0u8; 16])?;
+        Ok(Mask {
+            word,
+            ints: rank.alloc((ranks * 4).max(16))?,
+            set_by_caller: AtomicU64::new(0),
+        })
+    }
+}
+
+/// `ncclEpMaskUpdate`'s `int[ranks]` (1 active, 0 masked) as the mask word.
+pub fn mask_word(active: &[i32]) -> CResult<u64> {
+    let mut w = 0u64;
+    for (p, &v) in active.iter().enumerate() {
+        match v {
+            1 => {}
+            0 => w |= 1 << p,
+            v => {
+                return Err(CapiError::arg(format!(
+                    "mask[{p}] = {v}: 1 (active) or 0 (masked)"
+                )))
+            }
+        }
+    }
+    Ok(w)
+}
+
+/// The mask word as `ncclEpMaskQuery`'s `int[ranks]` (1 active, 0 masked), native-endian bytes.
+pub fn mask_ints(word: u64, ranks: usize) -> Vec<u8> {
+    (0..ranks)
+        .flat_map(|p| i32::from(word >> p & 1 == 0).to_ne_bytes())
+        .collect()
 }
 
 impl Group {
-    pub fn new(spec: GroupSpec, rank: GpuRank, open: OpenEngine) -> Group {
+    pub fn new(spec: GroupSpec, rank: GpuRank, open: OpenEngine, mask: Option<Mask>) -> Group {
         Group {
             spec,
             rank,
             open,
             engines: Mutex::new(Vec::new()),
             async_error: AtomicBool::new(false),
+            mask,
         }
+    }
+
+    fn mask(&self, what: &str) -> CResult<&Mask> {
+        self.mask.as_ref().ok_or_else(|| {
+            CapiError::usage(format!(
+                "{what}: the group was made with enable_mask = 0 (rank masks need enable_mask = 1)"
+            ))
+        })
+    }
+
+    fn engines(&self) -> Vec<Ep> {
+        let e = self
+            .engines
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        e.iter().map(|(_, ep)| ep.clone()).collect()
+    }
+
+    /// `ncclEpMaskQuery`: after the work queued on `stream`, `int[ranks]` at `dst` (device).
+    pub fn mask_query(&self, stream: u64, dst: u64) -> CResult<()> {
+        let m = self.mask("ncclEpMaskQuery")?;
+        let word = self.note(self.rank.read_u64(stream, &m.word).map_err(CapiError::from))?;
+        let ints = mask_ints(word, self.spec.ranks);
+        self.rank.upload_to(stream, &m.ints, &ints)?;
+        self.rank.copy_to_caller(stream, &m.ints, (dst, ints.len()))?;
+        Ok(())
+    }
+
+    /// `ncclEpMaskUpdate`: the mask from `active` (`int[ranks]`), in stream order.
+    pub fn mask_update(&self, stream: u64, active: &[i32]) -> CResult<()> {
+        let m = self.mask("ncclEpMaskUpdate")?;
+        let w = mask_word(active)?;
+        self.rank.upload_to(stream, &m.word, &w.to_le_bytes())?;
+        m.set_by_caller.store(w, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// `ncclEpMaskClean` (collective): every engine's LL state reset (handles of earlier
+    /// dispatches become stale), then every rank active. The async error flag stays.
+    pub fn mask_clean(&self, stream: u64) -> CResult<()> {
+        let m = self.mask("ncclEpMaskClean")?;
+        for ep in self.engines() {
+            self.note(ep.ll_reset(gin_ep::ep::Stream(stream)).map_err(CapiError::from))?;
+        }
+        self.rank.upload_to(stream, &m.word, &[0u8; 8])?;
+        m.set_by_caller.store(0, Ordering::SeqCst);
+        Ok(())
     }
 
     /// This process's rank of the caller's communicator.
@@ -247,6 +359,11 @@ impl Group {
         }
         let cfg = self.spec.ep_config(topk, dtype)?;
         let ep = self.note((self.open)(&self.rank, &cfg, &self.spec))?;
+        if let Some(m) = &self.mask {
+            // shrink: a peer past its deadline is masked, and the operation goes on.
+            let word = (m.word.region().device_ptr(), m.word.len());
+            ep.set_ll_rank_mask_word(Some(word), true)?;
+        }
         engines.push(((topk, dtype), ep.clone()));
         Ok(ep)
     }
@@ -260,14 +377,28 @@ impl Group {
         if self.async_error.load(Ordering::SeqCst) {
             return (true, None);
         }
-        let engines: Vec<Ep> = {
-            let e = self
-                .engines
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            e.iter().map(|(_, ep)| ep.clone()).collect()
-        };
-        for ep in engines {
+        if let Some(m) = &self.mask {
+            // On the rank's own stream: reads the word as the kernels left it so far.
+            match self.rank.read_u64(0, &m.word) {
+                Ok(w) => {
+                    let by_kernel = w & !m.set_by_caller.load(Ordering::SeqCst);
+                    if by_kernel != 0 {
+                        self.async_error.store(true, Ordering::SeqCst);
+                        let peers: Vec<usize> = (0..64).filter(|p| by_kernel >> p & 1 == 1).collect();
+                        return (
+                            true,
+                            Some(format!("peers {peers:?} missed their deadline and were masked")),
+                        );
+                    }
+                }
+                Err(e) => {
+                    let e = CapiError::from(e);
+                    let _ = self.note::<()>(Err(e.clone()));
+                    return (self.async_error.load(Ordering::SeqCst), Some(e.msg));
+                }
+            }
+        }
+        for ep in self.engines() {
             if let Err(e) = self.note(ep.sync(gin_ep::ep::Stream(0)).map_err(CapiError::from)) {
                 return (self.async_error.load(Ordering::SeqCst), Some(e.msg));
             }
@@ -313,13 +444,39 @@ mod tests {
     }
 
     #[test]
-    fn unsupported_requests_name_field_and_value() {
+    fn masks_are_ll_only_and_fit_one_word() {
         let mut c = ll_config();
         c.enable_mask = 1;
-        let e = GroupSpec::new(&c, 4, 0).unwrap_err();
+        c.num_experts = 128;
+        assert!(GroupSpec::new(&c, 64, 0).unwrap().mask);
+        let e = GroupSpec::new(&c, 128, 0).unwrap_err();
         assert_eq!(e.code, abi::NCCL_INVALID_USAGE);
-        assert!(e.msg.contains("enable_mask = 1"), "{}", e.msg);
+        assert!(e.msg.contains("enable_mask = 1 on 128 ranks"), "{}", e.msg);
+        c.algorithm = abi::ALGO_HIGH_THROUGHPUT;
+        c.max_recv_tokens_per_rank = 512;
+        let e = GroupSpec::new(&c, 4, 0).unwrap_err();
+        assert!(e.msg.contains("enable_mask = 1 with HT"), "{}", e.msg);
+    }
 
+    #[test]
+    fn mask_word_and_ints_round_trip() {
+        assert_eq!(mask_word(&[1, 0, 1, 0]).unwrap(), 0b1010);
+        let ints = mask_ints(0b1010, 4);
+        let back: Vec<i32> = ints
+            .chunks(4)
+            .map(|b| i32::from_ne_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(back, vec![1, 0, 1, 0]);
+        let mut all = vec![1; 64];
+        all[63] = 0;
+        assert_eq!(mask_word(&all).unwrap(), 1 << 63);
+        let e = mask_word(&[1, 2]).unwrap_err();
+        assert_eq!(e.code, abi::NCCL_INVALID_ARGUMENT);
+        assert!(e.msg.contains("mask[1] = 2"), "{}", e.msg);
+    }
+
+    #[test]
+    fn unsupported_requests_name_field_and_value() {
         let mut c = ll_config();
         c.overflow_policy = 2;
         let e = GroupSpec::new(&c, 4, 0).unwrap_err();
@@ -340,7 +497,11 @@ mod tests {
         c.num_qp_per_rank = GIN_CONTEXTS - 1;
         let e = GroupSpec::new(&c, 4, 0).unwrap_err();
         assert_eq!(e.code, abi::NCCL_INVALID_USAGE);
-        assert!(e.msg.contains(&format!("num_qp_per_rank = {}", GIN_CONTEXTS - 1)), "{}", e.msg);
+        assert!(
+            e.msg.contains(&format!("num_qp_per_rank = {}", GIN_CONTEXTS - 1)),
+            "{}",
+            e.msg
+        );
 
         let mut c = ll_config();
         c.num_channels = 10;
@@ -351,7 +512,11 @@ mod tests {
         let mut c = ll_config();
         c.max_recv_tokens_per_rank = 512;
         let e = GroupSpec::new(&c, 4, 0).unwrap_err();
-        assert!(e.msg.contains("max_recv_tokens_per_rank = 512 with LL"), "{}", e.msg);
+        assert!(
+            e.msg.contains("max_recv_tokens_per_rank = 512 with LL"),
+            "{}",
+            e.msg
+        );
 
         let f = 0x1000 as *mut std::ffi::c_void;
         let mut c = ll_config();

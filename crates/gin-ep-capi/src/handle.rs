@@ -23,11 +23,11 @@
 
 use std::sync::Arc;
 
+use gin_ep::backend::cuda::DeviceBuffer;
 use gin_ep::ep::{
     DeviceOut, HtCombineIn, HtCombineOut, HtDispatchIn, LlCombineIn, LlDispatchIn, LlDispatchOut, LlHalf,
     Mem, Stream,
 };
-use gin_ep::backend::cuda::DeviceBuffer;
 use gin_ep::{DispatchDtype, Ep};
 
 use crate::abi::{self, NCCL_BFLOAT16, NCCL_FLOAT32, NCCL_INT32, NCCL_INT64};
@@ -200,7 +200,12 @@ impl Handle {
 
     /// `ncclEpUpdateHandle`: the routing of the next dispatch. int32 ids are widened on
     /// `stream` into the handle's own int64 copy, which the next dispatch and combine read.
-    pub fn update(&mut self, topk_idx: Option<Desc>, layout: Option<LayoutDescs>, stream: Stream) -> CResult<()> {
+    pub fn update(
+        &mut self,
+        topk_idx: Option<Desc>,
+        layout: Option<LayoutDescs>,
+        stream: Stream,
+    ) -> CResult<()> {
         if let Some(li) = layout {
             let any = li.expert_counters.is_some()
                 || li.src_rank_counters.is_some()

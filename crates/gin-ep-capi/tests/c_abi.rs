@@ -217,7 +217,10 @@ fn one_gpu_shim_maps_every_device_to_zero() {
             cmd.env("LD_PRELOAD", dir.join("libone_gpu_shim.so"));
         }
         let out = cmd.output().expect("run picks_device");
-        (out.status.success(), String::from_utf8_lossy(&out.stdout).trim().to_string())
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        )
     };
     assert_eq!(run(true), (true, "device 0".to_string()));
     assert_eq!(run(false), (false, "device 3".to_string()));

@@ -7,6 +7,9 @@
  * Rank 0 writes the NCCL unique id to <id-file>; the others wait for it (60 s). World 1 needs
  * no file. scripts/capi-gpu builds and runs it (1 GPU; 2 processes on it as virtual nodes).
  * CAPI_IDX32=1: the routing is given as ncclInt32 (gin-ep widens it on the stream).
+ * CAPI_MASK=1: the group has rank masks (enable_mask); every rank must read active before and
+ * after the run, a rank masked by ncclEpMaskUpdate must read masked, and ncclEpMaskClean must
+ * make every rank active again.
  * The group is made with a counting allocator (config->alloc): gin-ep must allocate its device
  * buffers through it and give every one back by ncclEpGroupDestroy. */
 #include <stdint.h>
@@ -69,6 +72,28 @@ static cudaError_t counted_free(void* p, void* context) {
     (void)context;
     g_frees++;
     return cudaFree(p);
+}
+
+/* Rank masks: all active; rank `world - 1` masked by update; all active after clean. */
+static int check_masks(ncclEpGroup_t group, int rank, int world, cudaStream_t stream) {
+    int bad = 0, *dmask, host[64], want[64];
+    CHECK_CUDA(cudaMalloc((void**)&dmask, sizeof(int) * (size_t)world));
+    for (int step = 0; step < 3; step++) {
+        for (int p = 0; p < world; p++) want[p] = !(step == 1 && p == world - 1);
+        if (step == 1) CHECK_NCCL(ncclEpMaskUpdate(group, want, stream));
+        if (step == 2) CHECK_NCCL(ncclEpMaskClean(group, stream));
+        CHECK_NCCL(ncclEpMaskQuery(group, dmask, stream));
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        CHECK_CUDA(cudaMemcpy(host, dmask, sizeof(int) * (size_t)world, cudaMemcpyDeviceToHost));
+        for (int p = 0; p < world; p++)
+            if (host[p] != want[p]) {
+                fprintf(stderr, "rank %d: mask step %d: rank %d reads %d, expected %d\n", rank, step, p, host[p],
+                        want[p]);
+                bad++;
+            }
+    }
+    CHECK_CUDA(cudaFree(dmask));
+    return bad;
 }
 
 /* Token t of rank r, channel c: an integer in [-48, 48]. */
@@ -152,6 +177,9 @@ int main(int argc, char** argv) {
     cfg.alloc.context = &alloc_bytes;
     const char* idx32_env = getenv("CAPI_IDX32");
     const int idx32 = idx32_env != NULL && strcmp(idx32_env, "1") == 0;
+    const char* mask_env = getenv("CAPI_MASK");
+    const int masks = mask_env != NULL && strcmp(mask_env, "1") == 0;
+    cfg.enable_mask = (unsigned)masks;
     ncclEpGroup_t group;
     CHECK_NCCL(ncclEpCreateGroup(&group, comm, &cfg));
 
@@ -282,6 +310,7 @@ int main(int argc, char** argv) {
                 }
             }
     }
+    if (masks) failures += check_masks(group, rank, world, stream);
     int async_error = -1;
     CHECK_NCCL(ncclEpGetAsyncError(group, &async_error));
     if (async_error != 0) {
@@ -301,7 +330,7 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaStreamDestroy(stream));
     ncclCommDestroy(comm);
     printf("rank %d of %d: LL EXPERT_MAJOR dispatch/combine (one call and send_only + complete, %s routing, "
-           "%d buffers from the caller's allocator): %s\n",
-           rank, world, idx32 ? "int32" : "int64", g_allocs, failures ? "FAILED" : "passed");
+           "%d buffers from the caller's allocator%s): %s\n",
+           rank, world, idx32 ? "int32" : "int64", g_allocs, masks ? ", rank masks" : "", failures ? "FAILED" : "passed");
     return failures ? 1 : 0;
 }

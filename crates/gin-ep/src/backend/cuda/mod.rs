@@ -34,8 +34,9 @@ pub use abi::alltoall as alltoall_abi;
 #[cfg(feature = "harness")]
 pub use ops::{AlltoallKernel, AlltoallLaunch};
 pub use runtime::{
-    gin_available, gin_network, nccl_probe, CudaRank, CudaRankOptions, DevComm, DevCommRequest, DeviceAllocator, DeviceBuffer,
-    DeviceRegion, Event, ExternalSpan, PeerCopy, RankInfo, SideStreams, Window,
+    gin_available, gin_network, nccl_probe, CudaRank, CudaRankOptions, DevComm, DevCommRequest,
+    DeviceAllocator, DeviceBuffer, DeviceRegion, Event, ExternalSpan, PeerCopy, RankInfo, SideStreams,
+    Window,
 };
 
 /// Why the CUDA backend cannot run here. Messages name the missing piece and the fix.

@@ -124,7 +124,14 @@ mod tests {
 
     #[test]
     fn out_of_range_ids_stay_out_of_range_with_their_sign() {
-        for x in [1 << 24, i32::MAX, 0x0100_0001, -(1 << 24) - 1, i32::MIN, -0x7F00_0000] {
+        for x in [
+            1 << 24,
+            i32::MAX,
+            0x0100_0001,
+            -(1 << 24) - 1,
+            i32::MIN,
+            -0x7F00_0000,
+        ] {
             let w = widen_on_host(&[x])[0];
             assert_eq!(w < 0, x < 0, "{x} became {w}");
             if x >= 0 {
