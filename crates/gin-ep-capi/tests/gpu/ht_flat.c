@@ -156,6 +156,7 @@ int main(int argc, char** argv) {
     dout_s.topk_weights = &t_rw;
     dout_s.topk_idx = &t_ridx;
     CHECK_NCCL(ncclEpDispatch(handle, &din, &dout_s, NULL, NULL, stream));
+    CHECK_NCCL(ncclEpComplete(handle, NULL, stream)); /* HT: nothing pending, as NCCL EP's tests call it */
     CHECK_CUDA(cudaStreamSynchronize(stream));
 
     uint16_t* hrecv = malloc(n_recv * 2);
