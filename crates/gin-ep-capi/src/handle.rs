@@ -129,6 +129,8 @@ pub struct Handle {
     /// `[max_dispatch_tokens_per_rank, K]` int64 of the handle's own, made by the first
     /// int32 routing (through the group's allocator).
     wide: Option<DeviceBuffer>,
+    /// Device staging for the counts an HT dispatch writes to the caller's counters.
+    stage: Option<DeviceBuffer>,
     /// The LL dispatch the next combine returns.
     dispatched: Option<gin_ep::ep::LlHandle>,
     pending: Option<Pending>,
@@ -180,6 +182,7 @@ impl Handle {
             ep: None,
             routing: None,
             wide: None,
+            stage: None,
             dispatched: None,
             pending: None,
             ht: None,
@@ -497,9 +500,10 @@ impl Handle {
                 c.pass_direction
             )));
         }
-        if a.layout.is_some() {
-            return Err(CapiError::arg("layout_info is not NULL: HT dispatch takes none"));
-        }
+        let counters = match &a.layout {
+            None => None,
+            Some(li) => Some(self.ht_counters(li)?),
+        };
         let (ep, k, routing) = self.routed("ncclEpDispatch")?;
         let (n, h) = (routing.sizes[0], self.group.spec.hidden);
         let x = required(a.tokens, "inputs->tokens")?;
@@ -559,7 +563,64 @@ impl Handle {
                 self.group.note(r.map_err(CapiError::from))?;
             }
         }
+        if let Some((per_expert, total)) = counters {
+            let per = ep.ht_recv_counts(&handle, stream).map_err(CapiError::from);
+            let per = self.group.note(per)?;
+            if let Some(t) = per_expert {
+                self.write_counts(&t, &per, stream)?;
+            }
+            if let Some(t) = total {
+                self.write_counts(&t, &[nr], stream)?;
+            }
+        }
         self.ht = Some((handle, nr));
+        Ok(())
+    }
+
+    /// The counters an HT FLAT dispatch writes: `expert_counters` `[L]` (rows per local
+    /// expert, unpadded) and `recv_total_counter` `[1]` (rows received), int32 or int64.
+    fn ht_counters(&self, li: &LayoutDescs) -> CResult<(Option<Desc>, Option<Desc>)> {
+        absent(
+            &[
+                (&li.src_rank_counters, "layout_info->src_rank_counters"),
+                (&li.expert_offsets, "layout_info->expert_offsets"),
+            ],
+            "HT FLAT writes no such counter (LL RANK_MAJOR and HT EXPERT_MAJOR do)",
+        )?;
+        if li.recv_topk_idx_kind == abi::EXPERT_ID_GLOBAL {
+            return Err(CapiError::usage(
+                "layout_info->recv_topk_idx_kind = NCCL_EP_EXPERT_ID_GLOBAL: gin-ep's HT writes local expert ids",
+            ));
+        }
+        let l = self.group.spec.local_experts();
+        for (t, n) in [(&li.expert_counters, l), (&li.recv_total_counter, 1)] {
+            if let Some(t) = t {
+                t.dtype_is(&[NCCL_INT32, NCCL_INT64])?;
+                t.shape_is(&[n])?;
+            }
+        }
+        Ok((li.expert_counters.clone(), li.recv_total_counter.clone()))
+    }
+
+    /// Writes host counts to the caller's counter `t` (int32 or int64) in `stream`'s order,
+    /// through the handle's staging buffer.
+    fn write_counts(&mut self, t: &Desc, counts: &[usize], stream: Stream) -> CResult<()> {
+        let bytes: Vec<u8> = if t.dtype == NCCL_INT32 {
+            counts.iter().flat_map(|&c| (c as i32).to_ne_bytes()).collect()
+        } else {
+            counts.iter().flat_map(|&c| (c as i64).to_ne_bytes()).collect()
+        };
+        let rank = self.group.rank().clone();
+        if self.stage.is_none() {
+            let need = (self.group.spec.local_experts() * 8).max(16);
+            self.stage = Some(self.group.note(rank.alloc(need).map_err(CapiError::from))?);
+        }
+        let stage = self
+            .stage
+            .as_ref()
+            .ok_or_else(|| CapiError::internal("no staging buffer"))?;
+        rank.upload_to(stream.0, stage, &bytes)?;
+        rank.copy_to_caller(stream.0, stage, (t.data, bytes.len()))?;
         Ok(())
     }
 

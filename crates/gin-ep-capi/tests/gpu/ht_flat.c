@@ -155,7 +155,16 @@ int main(int argc, char** argv) {
     dout_s.tokens = &t_recv;
     dout_s.topk_weights = &t_rw;
     dout_s.topk_idx = &t_ridx;
-    CHECK_NCCL(ncclEpDispatch(handle, &din, &dout_s, NULL, NULL, stream));
+    /* The dispatch's counters: rows per local expert (int32) and rows received (int64). */
+    void *dcount, *dtotal;
+    CHECK_CUDA(cudaMalloc(&dcount, sizeof(int32_t) * (size_t)L));
+    CHECK_CUDA(cudaMalloc(&dtotal, sizeof(int64_t)));
+    size_t s_l[1] = {(size_t)L}, s_one[1] = {1};
+    ncclEpTensor_t t_count = tensor(dcount, ncclInt32, 1, s_l), t_total = tensor(dtotal, ncclInt64, 1, s_one);
+    ncclEpLayoutInfo_t li = NCCL_EP_LAYOUT_INFO_INIT;
+    li.expert_counters = &t_count;
+    li.recv_total_counter = &t_total;
+    CHECK_NCCL(ncclEpDispatch(handle, &din, &dout_s, &li, NULL, stream));
     CHECK_NCCL(ncclEpComplete(handle, NULL, stream)); /* HT: nothing pending, as NCCL EP's tests call it */
     CHECK_CUDA(cudaStreamSynchronize(stream));
 
@@ -199,6 +208,31 @@ int main(int argc, char** argv) {
                 failures++;
             }
         }
+    /* Counters: the rows of each local expert, and the rows received. */
+    {
+        int32_t got_count[64];
+        int64_t got_total = -1;
+        CHECK_CUDA(cudaMemcpy(got_count, dcount, sizeof(int32_t) * (size_t)L, cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemcpy(&got_total, dtotal, sizeof got_total, cudaMemcpyDeviceToHost));
+        if (got_total != num_recv) {
+            fprintf(stderr, "rank %d: recv_total_counter = %lld, expected %d\n", rank, (long long)got_total,
+                    num_recv);
+            failures++;
+        }
+        for (int e = 0; e < L; e++) {
+            int want = 0;
+            for (int s = 0; s < world; s++)
+                for (int t = 0; t < TOKENS; t++) {
+                    int hit = 0;
+                    for (int k = 0; k < TOPK; k++) hit |= expert(s, t, k, experts) == (int64_t)rank * L + e;
+                    want += hit;
+                }
+            if (got_count[e] != want) {
+                fprintf(stderr, "rank %d: expert_counters[%d] = %d, expected %d\n", rank, e, got_count[e], want);
+                failures++;
+            }
+        }
+    }
 
     /* Expert = identity: each token comes back once per rank that received it. */
     ncclEpCombineInputs_t cin = NCCL_EP_COMBINE_INPUTS_INIT;
