@@ -181,7 +181,7 @@ fn sweep_inner(
         let mut m: Vec<Vec<f64>> = vec![Vec::new(); 10];
         for i in 0..opts.warmup + opts.iters {
             let (td, tc) = t.round(rank)?;
-            let st: [u64; STAMP_WORDS] = t.ht.stamps(rank)?;
+            let st: [u64; STAMP_WORDS] = t.ht.stamps(rank.own())?;
             if i >= opts.warmup {
                 // Stamp words (kStamp* in kernels/abi/ht.h), seconds between two.
                 let d = |a: i32, b: i32| st[b as usize].saturating_sub(st[a as usize]) as f64 * 1e-9;

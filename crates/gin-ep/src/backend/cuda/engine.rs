@@ -1,22 +1,22 @@
 //! The CUDA side of [`crate::ep::Ep`]: one rank's GPU ([`GpuRank`], shared by every `Ep` of
 //! the rank) and one `Ep`'s HT and LL objects ([`CudaEngine`]).
 //!
-//! This module wraps the existing drivers ([`CudaHt`], [`CudaLl`]) without changing their
-//! launches: each operation binds caller memory (`ExternalSpan`, checked by
-//! [`CudaRank::external`] to be device memory of this GPU) for exactly one call and queues its
-//! kernels on the caller's stream, in the order the drivers define.
+//! This module is argument conversion and bookkeeping: each operation turns caller memory
+//! into `ExternalSpan`s (checked by [`CudaRank::external`] to be device memory of this GPU)
+//! and the caller's stream into a [`Queue`] (checked to be a stream of the rank's context),
+//! and passes both to the driver ([`CudaHt`], [`CudaLl`]), which queues its kernels there.
 //!
 //! Threads: the CUDA and NCCL handles inside may be used from any thread once the rank's
-//! context is current there (`CudaRank::on_stream` binds it). Every use of a rank, from any
-//! `Ep` of it, holds the rank's `op` lock (the stream override and the rank's counters are
-//! per rank, not per thread), which is what makes the `Send`/`Sync` below sound.
+//! context is current there ([`CudaRank::queue`] binds it). Every use of a rank, from any
+//! `Ep` of it, holds the rank's `op` lock (the rank's counters and the drivers' state are per
+//! rank, not per thread), which is what makes the `Send`/`Sync` below sound.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use super::ht::{CombineExtras, CudaHt, DispatchSource, HtBuf, HtGpuHandle, HtGpuOptions, HtIo};
 use super::ll::{CudaLl, LlIo};
-use super::runtime::{CudaRank, CudaRankOptions, ExternalSpan, RankInfo};
+use super::runtime::{CudaRank, CudaRankOptions, ExternalSpan, Queue, RankInfo};
 use crate::config::EpConfig;
 use crate::error::{Error, Result};
 use crate::group::vnodes::RankTopology;
@@ -140,17 +140,17 @@ impl GpuRank {
         self.inner.rank.info().clone()
     }
 
-    /// Runs `f` with the rank's work queued on `stream` (0: the rank's own), one operation
-    /// of the rank at a time.
-    pub(crate) fn run<T>(&self, stream: u64, f: impl FnOnce(&CudaRank) -> Result<T>) -> Result<T> {
+    /// Runs `f` with the queue of the caller's `stream` (0: the legacy default stream), one
+    /// operation of the rank at a time.
+    pub(crate) fn run<T>(&self, stream: u64, f: impl FnOnce(Queue<'_>) -> Result<T>) -> Result<T> {
         let _one_at_a_time = locked(&self.inner.op);
-        self.inner.rank.on_stream(stream, f)
+        f(self.inner.rank.queue(stream)?)
     }
 
     /// Waits (bounded) for everything queued on `stream` and reports a missed in-kernel
     /// deadline any kernel recorded.
     pub fn sync(&self, stream: u64) -> Result<()> {
-        self.run(stream, |r| r.wait("gin_ep sync"))
+        self.run(stream, |q| q.wait("gin_ep sync"))
     }
 }
 
@@ -168,8 +168,9 @@ impl CudaRank {
 /// Caller device memory: `(address, bytes)`.
 pub type Span = Option<(u64, usize)>;
 
-fn span(rank: &CudaRank, what: &str, s: Span) -> Result<Option<ExternalSpan>> {
-    s.map(|(ptr, bytes)| rank.external(what, ptr, bytes)).transpose()
+fn span(q: Queue<'_>, what: &str, s: Span) -> Result<Option<ExternalSpan>> {
+    s.map(|(ptr, bytes)| q.rank().external(what, ptr, bytes))
+        .transpose()
 }
 
 /// LL dispatch inputs and outputs in caller memory (see [`LlIo`] for the formats).
@@ -255,7 +256,8 @@ impl CudaEngine {
                  do not implement it yet (the GPU's nodes come from the launch topology)",
             ));
         }
-        let (hto, llo) = rank.run(0, |r| {
+        let (hto, llo) = rank.run(0, |q| {
+            let r = q.rank();
             let hto = ht
                 .map(|o| {
                     let o = HtGpuOptions { topology: *topo, ..o };
@@ -304,16 +306,16 @@ impl CudaEngine {
         slab: usize,
     ) -> Result<HtGpuHandle> {
         let (rank, h) = self.ht()?;
-        rank.run(stream, |r| {
+        rank.run(stream, |q| {
             let io = HtIo {
-                x: span(r, "x", io.x)?,
-                scales: span(r, "x scales", io.scales)?,
-                topk_idx: span(r, "topk_idx", io.topk_idx)?,
-                topk_w: span(r, "topk_weights", io.topk_weights)?,
+                x: span(q, "x", io.x)?,
+                scales: span(q, "x scales", io.scales)?,
+                topk_idx: span(q, "topk_idx", io.topk_idx)?,
+                topk_w: span(q, "topk_weights", io.topk_weights)?,
                 recv_slab: slab,
                 ..HtIo::default()
             };
-            h.with_io(io, |h| h.dispatch(r, num_tokens, source(fp8), None))
+            h.dispatch(q, num_tokens, source(fp8), &io, None)
         })
     }
 
@@ -328,21 +330,21 @@ impl CudaEngine {
         slab: usize,
     ) -> Result<()> {
         let (rank, h) = self.ht()?;
-        rank.run(stream, |r| {
+        rank.run(stream, |q| {
             let io = HtIo {
-                x: span(r, "x", x)?,
-                scales: span(r, "x scales", scales)?,
+                x: span(q, "x", x)?,
+                scales: span(q, "x scales", scales)?,
                 recv_slab: slab,
                 ..HtIo::default()
             };
-            h.with_io(io, |h| h.dispatch_cached(r, handle, source(fp8), None))
+            h.dispatch_cached(q, handle, source(fp8), &io, None)
         })
     }
 
     /// Rows per local expert of `handle`'s dispatch, aligned.
     pub fn ht_recv_counts(&mut self, stream: u64, handle: &HtGpuHandle) -> Result<Vec<usize>> {
         let (rank, h) = self.ht()?;
-        rank.run(stream, |r| h.recv_counts(r, handle))
+        rank.run(stream, |q| h.recv_counts(q, handle))
     }
 
     /// Device address and bytes of `handle`'s `src_offset[R + 1]`
@@ -364,16 +366,16 @@ impl CudaEngine {
             bias: [io.bias[0].is_some(), io.bias[1].is_some()],
         };
         let (rank, h) = self.ht()?;
-        rank.run(stream, |r| {
+        rank.run(stream, |q| {
             let hio = HtIo {
-                bias0: span(r, "bias[0]", io.bias[0])?,
-                bias1: span(r, "bias[1]", io.bias[1])?,
-                out_x: span(r, "combined x", io.out_x)?,
-                out_w: span(r, "combined weights", io.out_w)?,
-                comb_x: span(r, "x", io.x)?,
+                bias0: span(q, "bias[0]", io.bias[0])?,
+                bias1: span(q, "bias[1]", io.bias[1])?,
+                out_x: span(q, "combined x", io.out_x)?,
+                out_w: span(q, "combined weights", io.out_w)?,
+                comb_x: span(q, "x", io.x)?,
                 ..HtIo::default()
             };
-            h.with_io(hio, |h| h.combine(r, handle, extras, None))
+            h.combine(q, handle, extras, &hio, None)
         })
     }
 
@@ -381,18 +383,18 @@ impl CudaEngine {
     /// weights, `comb_w`, are staged this way).
     pub fn ht_copy_in(&mut self, stream: u64, which: HtBuf, src: u64, bytes: usize) -> Result<()> {
         let (rank, h) = self.ht()?;
-        rank.run(stream, |r| {
-            let src = r.external("source", src, bytes)?;
-            r.copy_from_external(h.buffer(which)?, src)
+        rank.run(stream, |q| {
+            let src = q.rank().external("source", src, bytes)?;
+            q.copy_from_external(h.buffer(which)?, src)
         })
     }
 
     /// Copies the first `bytes` of HT buffer `which` to device address `dst`.
     pub fn ht_copy_out(&mut self, stream: u64, which: HtBuf, dst: u64, bytes: usize) -> Result<()> {
         let (rank, h) = self.ht()?;
-        rank.run(stream, |r| {
-            let dst = r.external("destination", dst, bytes)?;
-            r.copy_to_external(h.buffer(which)?, dst)
+        rank.run(stream, |q| {
+            let dst = q.rank().external("destination", dst, bytes)?;
+            q.copy_to_external(h.buffer(which)?, dst)
         })
     }
 
@@ -433,7 +435,7 @@ impl CudaEngine {
     /// recorded (the HT object's first, when there is one).
     pub fn sync(&mut self, stream: u64) -> Result<()> {
         if let Some(h) = self.ht.as_mut() {
-            self.rank.run(stream, |r| h.sync(r))?;
+            self.rank.run(stream, |q| h.sync(q))?;
         }
         self.rank.sync(stream)
     }
@@ -459,25 +461,22 @@ impl CudaEngine {
         #[cfg(not(feature = "harness"))]
         let stats = io.stats;
         let (rank, l) = self.ll()?;
-        rank.run(stream, |r| {
+        rank.run(stream, |q| {
             let lio = LlIo {
-                x: span(r, "x", io.x)?,
-                topk_idx: span(r, "topk_idx", io.topk_idx)?,
-                recv_x: span(r, "recv_x", io.recv_x)?,
-                recv_scales: span(r, "recv_x scales", io.recv_scales)?,
-                recv_count: span(r, "recv_count", io.recv_count)?,
-                layout_range: span(r, "layout_range", io.layout_range)?,
-                stats: span(r, "cumulative_local_expert_recv_stats", stats)?,
+                x: span(q, "x", io.x)?,
+                topk_idx: span(q, "topk_idx", io.topk_idx)?,
+                recv_x: span(q, "recv_x", io.recv_x)?,
+                recv_scales: span(q, "recv_x scales", io.recv_scales)?,
+                recv_count: span(q, "recv_count", io.recv_count)?,
+                layout_range: span(q, "layout_range", io.layout_range)?,
+                stats: span(q, "cumulative_local_expert_recv_stats", stats)?,
                 ..LlIo::default()
             };
-            if half != Half::Recv {
-                l.set_num_tokens(set, num_tokens)?;
+            match half {
+                Half::Both => l.dispatch(q, set, num_tokens, &lio),
+                Half::Send => l.dispatch_send(q, set, num_tokens, &lio),
+                Half::Recv => l.dispatch_recv(q, set, &lio),
             }
-            l.with_io(set, lio, |l| match half {
-                Half::Both => l.dispatch(set),
-                Half::Send => l.dispatch_send(set),
-                Half::Recv => l.dispatch_recv(set),
-            })
         })
     }
 
@@ -485,7 +484,7 @@ impl CudaEngine {
     /// [`CudaLl::set_rank_mask`]): a u64 of caller memory on this GPU, or none.
     pub fn ll_set_rank_mask(&mut self, word: Span, shrink: bool) -> Result<()> {
         let (rank, l) = self.ll()?;
-        let sp = rank.run(0, |r| span(r, "LL rank mask", word))?;
+        let sp = rank.run(0, |q| span(q, "LL rank mask", word))?;
         if let Some(sp) = sp {
             sp.require("LL rank mask", 8)?;
             if !sp.ptr.is_multiple_of(8) {
@@ -502,25 +501,25 @@ impl CudaEngine {
     /// Collective: resets the LL protocol state (see [`CudaLl::reset`]).
     pub fn ll_reset(&mut self, stream: u64) -> Result<()> {
         let (rank, l) = self.ll()?;
-        rank.run(stream, |_| l.reset())
+        rank.run(stream, |q| l.reset(q))
     }
 
     /// LL combine `half` on buffer set `set`, its dispatch's set.
     pub fn ll_combine(&mut self, stream: u64, set: usize, half: Half, io: LlCombineSpans) -> Result<()> {
         let (rank, l) = self.ll()?;
-        rank.run(stream, |r| {
+        rank.run(stream, |q| {
             let lio = LlIo {
-                y: span(r, "x (expert outputs)", io.y)?,
-                topk_idx: span(r, "topk_idx", io.topk_idx)?,
-                weights: span(r, "topk_weights", io.weights)?,
-                combined: span(r, "combined_x", io.combined)?,
+                y: span(q, "x (expert outputs)", io.y)?,
+                topk_idx: span(q, "topk_idx", io.topk_idx)?,
+                weights: span(q, "topk_weights", io.weights)?,
+                combined: span(q, "combined_x", io.combined)?,
                 ..LlIo::default()
             };
-            l.with_io(set, lio, |l| match half {
-                Half::Both => l.combine(set),
-                Half::Send => l.combine_send(set),
-                Half::Recv => l.combine_recv(set),
-            })
+            match half {
+                Half::Both => l.combine(q, set, &lio),
+                Half::Send => l.combine_send(q, set, &lio),
+                Half::Recv => l.combine_recv(q, set, &lio),
+            }
         })
     }
 }

@@ -4,8 +4,8 @@
 //! tensors) and an engine-layer fault the check must catch. Never: imports the harness.
 
 use super::{locked, CudaEngine, GpuRank, Span};
-use crate::backend::cuda::ht::{HtBuf, HtGpuHandle, HtIo, HtVariant, Sizing, POISON};
-use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions};
+use crate::backend::cuda::ht::{HtBuf, HtGpuHandle, HtVariant, Sizing, POISON};
+use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions, Queue};
 use crate::error::Result;
 use crate::ht::{HtCombineOutput, HtDispatchOutput};
 use crate::quant::Rows;
@@ -59,9 +59,10 @@ impl GpuRank {
         Ok(GpuRank::of(rank))
     }
 
-    /// Runs `f` on the rank's CUDA objects (the harness's own device memory: allocation,
-    /// copies, waits), one operation of the rank at a time, on the rank's stream.
-    pub fn with_cuda<T>(&self, f: impl FnOnce(&CudaRank) -> Result<T>) -> Result<T> {
+    /// Runs `f` with the queue of the legacy default stream, the one the harness's `Ep`
+    /// operations use (the harness's own device memory: allocation, copies, waits), one
+    /// operation of the rank at a time.
+    pub fn with_cuda<T>(&self, f: impl FnOnce(Queue<'_>) -> Result<T>) -> Result<T> {
         self.run(0, f)
     }
 
@@ -91,17 +92,13 @@ impl CudaEngine {
     /// given, with [`POISON`] between operations.
     pub fn ht_poison(&mut self, slab: Option<usize>) -> Result<()> {
         let (rank, h) = self.ht()?;
-        rank.run(0, |r| {
+        rank.run(0, |q| {
             if let Some(slab) = slab {
-                let io = HtIo {
-                    recv_slab: slab,
-                    ..HtIo::default()
-                };
-                h.with_io(io, |h| h.poison(r))?;
+                h.poison(q, slab)?;
             }
-            r.memset_u8(h.buffer(HtBuf::CombX)?, POISON)?;
-            r.memset_u8(h.buffer(HtBuf::OutX)?, POISON)?;
-            r.memset_u8(h.buffer(HtBuf::OutW)?, POISON)
+            q.memset_u8(h.buffer(HtBuf::CombX)?, POISON)?;
+            q.memset_u8(h.buffer(HtBuf::OutX)?, POISON)?;
+            q.memset_u8(h.buffer(HtBuf::OutW)?, POISON)
         })
     }
 
@@ -128,13 +125,13 @@ impl CudaEngine {
     /// HT: everything the last fresh dispatch along `handle` produced, in the oracle's types.
     pub fn ht_download_dispatch(&mut self, handle: &HtGpuHandle) -> Result<HtDispatchOutput> {
         let (rank, h) = self.ht()?;
-        rank.run(0, |r| h.download_dispatch(r, handle))
+        rank.run(0, |q| h.download_dispatch(q, handle))
     }
 
     /// HT: the rows `handle`'s dispatch (fresh or cached) left in receive slab `slab`.
     pub fn ht_download_slab_x(&mut self, handle: &HtGpuHandle, slab: usize) -> Result<Rows> {
         let (rank, h) = self.ht()?;
-        rank.run(0, |r| h.download_slab_x(r, handle, slab))
+        rank.run(0, |q| h.download_slab_x(q, handle, slab))
     }
 
     /// LL: the engine's LL object takes an all-zero rank mask word of its own, so its
@@ -148,12 +145,12 @@ impl CudaEngine {
     /// (after waiting for it).
     pub fn ll_download_routing(&mut self, set: usize) -> Result<crate::ll::LlRouting> {
         let (rank, l) = self.ll()?;
-        rank.run(0, |_| l.download_handle(set))
+        rank.run(0, |q| l.download_handle(q, set))
     }
 
     /// HT: the window's combine output of `handle` (for checks that combine into the window).
     pub fn ht_download_combine(&mut self, handle: &HtGpuHandle, weights: bool) -> Result<HtCombineOutput> {
         let (rank, h) = self.ht()?;
-        rank.run(0, |r| h.download_combine(r, handle, weights))
+        rank.run(0, |q| h.download_combine(q, handle, weights))
     }
 }

@@ -178,7 +178,7 @@ pub fn lsa_peer_bases<'w>(rank: &CudaRank, window: &'w Window, dev_comm: &DevCom
         };
         // SAFETY: LsaPointerArgs is the kernel parameter (generated, layout asserted);
         // the window is live and `out` holds n u64 until the download below has waited.
-        unsafe { rank.launch(names::LSA_POINTERS, 1, 32, &args)? };
+        unsafe { rank.own().launch(names::LSA_POINTERS, 1, 32, &args)? };
         let mut raw = vec![0u8; n * 8];
         rank.download(out.region().sub(0, n * 8)?, &mut raw)?;
         let bases: Vec<u64> = raw

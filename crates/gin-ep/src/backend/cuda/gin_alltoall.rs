@@ -287,7 +287,7 @@ pub fn launch_gin_alltoall(rank: &CudaRank, l: &GinAlltoall<'_>) -> Result<usize
     // window, device communicator, node table and IPC mappings outlive the launch (callers
     // wait before dropping them, and leak them after a failure); check() proved every region
     // the kernel touches lies inside the window, and the device communicator has the signals.
-    unsafe { rank.launch(KERNEL, grid, l.block, &args)? };
+    unsafe { rank.own().launch(KERNEL, grid, l.block, &args)? };
     c.launches.set(launches);
     match l.variant {
         GinVariant::Gin => c.gin.set(data_target),

@@ -318,7 +318,10 @@ pub fn launch_alltoall(rank: &CudaRank, l: &AlltoallLaunch<'_>) -> Result<usize>
     // window, device communicator and error record outlive the launch (callers wait before
     // dropping them: CudaRank's Drop waits, and windows hold the communicator); check()
     // proved every region the kernel touches lies inside the window.
-    unsafe { rank.launch(l.kernel.name(), l.grid, l.kernel.block(l.block), &args)? };
+    unsafe {
+        rank.own()
+            .launch(l.kernel.name(), l.grid, l.kernel.block(l.block), &args)?
+    };
     Ok(filled)
 }
 
@@ -475,7 +478,10 @@ pub fn fill_pattern(
 ) -> Result<()> {
     let args = pattern_args(buf, chunk_bytes, n_ranks, src_rank, seed)?;
     // SAFETY: PatternArgs mirrors the parameter; buf is live and exactly n_ranks chunks.
-    unsafe { rank.launch(names::PATTERN_FILL, pattern_grid(rank), PATTERN_BLOCK, &args) }
+    unsafe {
+        rank.own()
+            .launch(names::PATTERN_FILL, pattern_grid(rank), PATTERN_BLOCK, &args)
+    }
 }
 
 /// What [`check_pattern`] found.
@@ -503,7 +509,10 @@ pub fn check_pattern(
     rank.memset_u32(out.sub(8, 8)?, u32::MAX)?;
     args.out = out.ptr;
     // SAFETY: as in fill_pattern; out is 16 live bytes of device memory.
-    unsafe { rank.launch(names::PATTERN_CHECK, pattern_grid(rank), PATTERN_BLOCK, &args)? };
+    unsafe {
+        rank.own()
+            .launch(names::PATTERN_CHECK, pattern_grid(rank), PATTERN_BLOCK, &args)?
+    };
     let [mismatches, first] = rank.read_u64_pair(out)?;
     Ok(PatternCheck {
         mismatches,
@@ -551,7 +560,7 @@ pub fn nccl_alltoall(
     }
     let nccl = rank.nccl();
     let comm = rank.raw_comm();
-    let stream = rank.stream() as ns::cudaStream_t;
+    let stream = rank.own().raw() as ns::cudaStream_t;
     let check = |call: &str, r: ns::ncclResult_t| rank.comm_check(call, r);
     // SAFETY: send and recv are live device regions of n * chunk_bytes (checked above) that
     // outlive the operation (callers wait before dropping them); comm and stream are live.

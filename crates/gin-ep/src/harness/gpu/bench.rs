@@ -220,13 +220,13 @@ impl HtTimer {
         let input = w.rank_input(cfg, me, opts.tokens);
         let source = bench_source(cfg);
         let tokens = upload_dispatch_input(&ht, rank, cfg, &input, source)?;
-        let handle = ht.dispatch(rank, tokens, source, None)?;
-        ht.sync(rank)?;
+        let handle = ht.dispatch(rank.own(), tokens, source, &HtIo::default(), None)?;
+        ht.sync(rank.own())?;
         let num_recv = ht.num_recv();
-        let plan = ht.download_dispatch(rank, &handle)?.handle.plan;
+        let plan = ht.download_dispatch(rank.own(), &handle)?.handle.plan;
         let local_rows = plan.src_offset[me + 1] - plan.src_offset[me];
         let comb_in = w.bf16_values(me, 5, num_recv * cfg.hidden);
-        ht.upload_combine(rank, &comb_in, None, [None, None])?;
+        ht.upload_combine(rank.own(), &comb_in, None, [None, None])?;
         let (caller_x, comb_io) = combine_input_io(rank, opts.ht_exact, &comb_in)?;
         let events = (0..5).map(|_| rank.event()).collect::<Result<_>>()?;
         Ok(HtTimer {
@@ -247,22 +247,27 @@ impl HtTimer {
         let ev = &self.events;
         let t0 = Instant::now();
         let h = self.ht.dispatch(
-            rank,
+            rank.own(),
             self.tokens,
             self.source,
+            &HtIo::default(),
             Some(&DispatchEvents {
                 start: &ev[0],
                 counted: &ev[1],
                 end: &ev[2],
             }),
         )?;
-        self.ht.sync(rank)?;
+        self.ht.sync(rank.own())?;
         let td = t0.elapsed();
         let t1 = Instant::now();
-        self.ht.with_io(self.comb_io, |ht| {
-            ht.combine(rank, &h, CombineExtras::default(), Some((&ev[3], &ev[4])))
-        })?;
-        self.ht.sync(rank)?;
+        self.ht.combine(
+            rank.own(),
+            &h,
+            CombineExtras::default(),
+            &self.comb_io,
+            Some((&ev[3], &ev[4])),
+        )?;
+        self.ht.sync(rank.own())?;
         Ok((td, t1.elapsed()))
     }
 
@@ -271,7 +276,8 @@ impl HtTimer {
     pub fn back_to_back(&mut self, rank: &CudaRank, count: usize) -> Result<f64> {
         rank.record(&self.events[0])?;
         for _ in 0..count {
-            self.ht.dispatch(rank, self.tokens, self.source, None)?;
+            self.ht
+                .dispatch(rank.own(), self.tokens, self.source, &HtIo::default(), None)?;
         }
         rank.record(&self.events[2])?;
         // Busy: a sleeping wait wakes up to 1 ms late, at a different time on every rank, and

@@ -374,7 +374,7 @@ fn run(
         // asserted by rustc and nvcc);
         // the window, device communicator, buffers and IPC mappings outlive the launch: the
         // wait below bounds it, and on failure they are leaked, never freed under it.
-        let launched = unsafe { rank.launch(KERNEL, 1, THREADS, &args) };
+        let launched = unsafe { rank.own().launch(KERNEL, 1, THREADS, &args) };
         let waited = launched.and_then(|_| rank.wait(&format!("GIN conformance iteration {it}")));
         if let Err(e) = waited {
             std::mem::forget((window, dev_comm, nodes, expect, result, peers));

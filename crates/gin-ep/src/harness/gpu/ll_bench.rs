@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::backend::cuda::ll::stamps::{eager_split, phase_values, StampMode, DISPATCH_PHASES, PHASES};
-use crate::backend::cuda::ll::{names, CudaLl, LlLayout, LlTuning, RUNS, SETS, STAMP_SLOTS, THREADS};
+use crate::backend::cuda::ll::{names, CudaLl, LlIo, LlLayout, LlTuning, RUNS, SETS, STAMP_SLOTS, THREADS};
 use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions, DeviceBuffer, Event};
 use crate::error::{Error, Result};
 use crate::group::Group;
@@ -102,7 +102,7 @@ impl StampRows {
     /// still write the stamps, so the buffer is left to the process's end.
     fn download(self, ll: &CudaLl) -> Result<Vec<u64>> {
         match ll
-            .rank
+            .own()
             .download_prefix_vec(self.buf.region(), self.iters * self.per)
         {
             Ok(v) => Ok(v),
@@ -224,18 +224,19 @@ fn bench_on(
     };
     let input = w.rank_input(&cfg, me, opts.tokens);
     let y = w.bf16_values(me, 6, LlLayout::out_rows(&cfg) * cfg.hidden);
+    let mut n = 0;
     for set in 0..SETS {
-        ll.upload_input(set, &input.x, &input.topk_idx, &input.topk_weights)?;
+        n = ll.upload_input(set, &input.x, &input.topk_idx, &input.topk_weights)?;
         ll.upload_expert_output(set, &y)?;
     }
     drop(y);
     group.barrier(&format!("ll-bench/{run}/start"))?;
     // Warmup, and the row counts of this rank.
     for i in 0..opts.warmup.max(1) * SETS {
-        ll.dispatch(i % SETS)?;
-        ll.combine(i % SETS)?;
+        ll.dispatch(ll.own(), i % SETS, n, &LlIo::default())?;
+        ll.combine(ll.own(), i % SETS, &LlIo::default())?;
     }
-    let d = ll.download_dispatch(0)?;
+    let d = ll.download_dispatch(ll.own(), 0)?;
     let rows: usize = d.recv_count.iter().sum();
     let local: usize = (0..cfg.local_experts())
         .map(|e| d.handle.layout_range[e * cfg.ranks + me].1 as usize)
@@ -262,9 +263,9 @@ fn bench_on(
             if let Some(r) = &rows {
                 ll.set_stamps(Some(r.row(i)));
             }
-            ll.dispatch(i % SETS)?;
+            ll.dispatch(ll.own(), i % SETS, n, &LlIo::default())?;
             ll.rank.record(&events[2 * i + 1])?;
-            ll.combine(i % SETS)?;
+            ll.combine(ll.own(), i % SETS, &LlIo::default())?;
             ll.rank.record(&events[2 * i + 2])
         });
         // When the host queues slower than the GPUs run, the events time the host: this
@@ -293,12 +294,18 @@ fn bench_on(
         }
     }
     // Graphs: one per (operation, set).
-    let gd = [ll.capture(|l| l.dispatch(0))?, ll.capture(|l| l.dispatch(1))?];
-    let gc = [ll.capture(|l| l.combine(0))?, ll.capture(|l| l.combine(1))?];
+    let gd = [
+        ll.capture(ll.own(), |l| l.dispatch(l.own(), 0, n, &LlIo::default()))?,
+        ll.capture(ll.own(), |l| l.dispatch(l.own(), 1, n, &LlIo::default()))?,
+    ];
+    let gc = [
+        ll.capture(ll.own(), |l| l.combine(l.own(), 0, &LlIo::default()))?,
+        ll.capture(ll.own(), |l| l.combine(l.own(), 1, &LlIo::default()))?,
+    ];
     group.barrier(&format!("ll-bench/{run}/graphs"))?;
     for i in 0..opts.warmup.max(1) * SETS {
-        ll.replay(&gd[i % SETS])?;
-        ll.replay(&gc[i % SETS])?;
+        ll.replay(ll.own(), &gd[i % SETS])?;
+        ll.replay(ll.own(), &gc[i % SETS])?;
     }
     let mut graph_d = Vec::with_capacity(opts.iters);
     let mut graph_c = Vec::with_capacity(opts.iters);
@@ -308,9 +315,9 @@ fn bench_on(
             .collect::<Result<_>>()?;
         ll.rank.record(&events[0])?;
         for i in 0..opts.iters {
-            ll.replay(&gd[i % SETS])?;
+            ll.replay(ll.own(), &gd[i % SETS])?;
             ll.rank.record(&events[2 * i + 1])?;
-            ll.replay(&gc[i % SETS])?;
+            ll.replay(ll.own(), &gc[i % SETS])?;
             ll.rank.record(&events[2 * i + 2])?;
         }
         ll.rank.wait("LL graph timed loop")?;
@@ -330,14 +337,23 @@ fn bench_on(
         ll,
         opts.iters,
         BATCH,
-        |l, i| l.dispatch(i % SETS),
-        |l, i| l.combine(i % SETS),
+        |l, i| l.dispatch(l.own(), i % SETS, n, &LlIo::default()),
+        |l, i| l.combine(l.own(), i % SETS, &LlIo::default()),
     )?;
-    let gbd = ll.capture(|l| (0..BATCH).try_for_each(|i| l.dispatch(i % SETS)))?;
-    let gbc = ll.capture(|l| (0..BATCH).try_for_each(|i| l.combine(i % SETS)))?;
+    let gbd = ll.capture(ll.own(), |l| {
+        (0..BATCH).try_for_each(|i| l.dispatch(l.own(), i % SETS, n, &LlIo::default()))
+    })?;
+    let gbc = ll.capture(ll.own(), |l| {
+        (0..BATCH).try_for_each(|i| l.combine(l.own(), i % SETS, &LlIo::default()))
+    })?;
     group.barrier(&format!("ll-bench/{run}/batch-graphs"))?;
-    let (gbatch_d, gbatch_c) =
-        timed_batches(ll, opts.iters, 1, |l, _| l.replay(&gbd), |l, _| l.replay(&gbc))?;
+    let (gbatch_d, gbatch_c) = timed_batches(
+        ll,
+        opts.iters,
+        1,
+        |l, _| l.replay(l.own(), &gbd),
+        |l, _| l.replay(l.own(), &gbc),
+    )?;
     drop(gbd);
     drop(gbc);
     let [floor_d, floor_c, floor_bd, floor_bc] = launch_floor(ll, opts.iters)?;
@@ -349,8 +365,8 @@ fn bench_on(
         let rows = StampRows::new(ll, opts.iters, group, run)?;
         let queued = (0..opts.iters).try_for_each(|i| {
             ll.set_stamps(Some(rows.row(i)));
-            ll.dispatch(i % SETS)?;
-            ll.combine(i % SETS)
+            ll.dispatch(ll.own(), i % SETS, n, &LlIo::default())?;
+            ll.combine(ll.own(), i % SETS, &LlIo::default())
         });
         ll.set_stamps(None);
         if let Err(e) = queued {

@@ -144,10 +144,10 @@ fn compare(ll: &CudaLl, set: usize, want: &Expected, what: &str) -> Result<()> {
         Error::Mismatch(m) => Error::Mismatch(format!("GPU LL, {what}, config {cfg:?}: {m}")),
         other => other,
     };
-    let got = ll.download_dispatch(set)?;
+    let got = ll.download_dispatch(ll.own(), set)?;
     crate::harness::check::ll_dispatch(cfg, me, &got, &want.dispatch).map_err(ctx)?;
     if cfg.dispatch_dtype == DispatchDtype::Fp8Ue8m0 {
-        let bytes = ll.download_ue8m0(set)?;
+        let bytes = ll.download_ue8m0(ll.own(), set)?;
         let spr = cfg.hidden / FP8_BLOCK;
         let cap = cfg.ranks * cfg.max_tokens_per_rank;
         for (e, &c) in want.dispatch.recv_count.iter().enumerate() {
@@ -164,7 +164,7 @@ fn compare(ll: &CudaLl, set: usize, want: &Expected, what: &str) -> Result<()> {
             }
         }
     }
-    let got_c = ll.download_combined(set)?;
+    let got_c = ll.download_combined(ll.own(), set)?;
     crate::harness::check::ll_combine(me, &got_c, &want.combined).map_err(ctx)
 }
 
@@ -195,7 +195,7 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl, case: &Case, run: u64) -> Res
         &decoy_ins[me].topk_weights,
     )?;
     ll.upload_expert_output(SET, &decoy_want.y_mine)?;
-    ll.poison_outputs(SET)?;
+    ll.poison_outputs(ll.own(), SET)?;
     let alloc = |bytes: usize| rank.alloc(bytes.max(16));
     let x = alloc(n * h * 2)?;
     let idx = alloc(n * k * 8)?;
@@ -207,11 +207,15 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl, case: &Case, run: u64) -> Res
     let range = alloc(l * r * 8)?;
     let stats = alloc(l * 4)?;
     let combined = alloc(n * h * 2)?;
-    rank.upload_prefix(x.region(), bytemuck::cast_slice(&ins[me].x))?;
-    rank.upload_prefix(idx.region(), bytemuck::cast_slice(&ins[me].topk_idx))?;
-    rank.upload_prefix(wts.region(), bytemuck::cast_slice(&ins[me].topk_weights))?;
-    rank.upload_prefix(y.region(), bytemuck::cast_slice(&want.y_mine))?;
-    poison(&rank, &[&recv_x, &scales, &count, &range, &combined])?;
+    rank.own()
+        .upload_prefix(x.region(), bytemuck::cast_slice(&ins[me].x))?;
+    rank.own()
+        .upload_prefix(idx.region(), bytemuck::cast_slice(&ins[me].topk_idx))?;
+    rank.own()
+        .upload_prefix(wts.region(), bytemuck::cast_slice(&ins[me].topk_weights))?;
+    rank.own()
+        .upload_prefix(y.region(), bytemuck::cast_slice(&want.y_mine))?;
+    poison(rank.own(), &[&recv_x, &scales, &count, &range, &combined])?;
     rank.memset_u32(stats.region().sub(0, l * 4)?, 0)?;
     let span = |what: &str, b: &DeviceBuffer| {
         let g = b.region();
@@ -233,13 +237,12 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl, case: &Case, run: u64) -> Res
         weights: Some(span("weights", &wts)?),
         combined: Some(span("combined", &combined)?),
     };
-    ll.set_num_tokens(SET, n)?;
     group.barrier(&format!("ll-check/{run}/caller-io"))?;
-    let ran = ll.with_io(SET, io, |ll| {
-        ll.dispatch(SET)?;
-        ll.combine(SET)?;
-        rank.wait("LL caller-owned check")
-    });
+    let q = ll.own();
+    let ran = ll
+        .dispatch(q, SET, n, &io)
+        .and_then(|_| ll.combine(q, SET, &io))
+        .and_then(|_| q.wait("LL caller-owned check"));
     if let Err(e) = ran {
         // A kernel may still use the caller's buffers: leave them to the process's end.
         std::mem::forget([x, idx, wts, y, recv_x, scales, count, range, stats, combined]);
@@ -248,8 +251,8 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl, case: &Case, run: u64) -> Res
 
     // The handle stays in the set's own buffers; the rest comes from the caller's memory.
     let recv_rows = if fp8 {
-        let data: Vec<u8> = rank.download_prefix_vec(recv_x.region(), rows * h)?;
-        let cm: Vec<f32> = rank.download_prefix_vec(scales.region(), rows * spr)?;
+        let data: Vec<u8> = rank.own().download_prefix_vec(recv_x.region(), rows * h)?;
+        let cm: Vec<f32> = rank.own().download_prefix_vec(scales.region(), rows * spr)?;
         // [L][H/128][R*T] (DeepEP) back to the oracle's [L][R*T][H/128].
         let cap = rows / l;
         let mut rm = vec![0f32; rows * spr];
@@ -262,11 +265,11 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl, case: &Case, run: u64) -> Res
         }
         Rows::Fp8 { data, scales: rm }
     } else {
-        Rows::Bf16(rank.download_prefix_vec(recv_x.region(), rows * h)?)
+        Rows::Bf16(rank.own().download_prefix_vec(recv_x.region(), rows * h)?)
     };
-    let counts: Vec<i32> = rank.download_prefix_vec(count.region(), l)?;
-    let packed: Vec<i64> = rank.download_prefix_vec(range.region(), l * r)?;
-    let mut handle = ll.download_handle(SET)?;
+    let counts: Vec<i32> = rank.own().download_prefix_vec(count.region(), l)?;
+    let packed: Vec<i64> = rank.own().download_prefix_vec(range.region(), l * r)?;
+    let mut handle = ll.download_handle(ll.own(), SET)?;
     handle.layout_range = packed.iter().map(|&v| ((v >> 32) as u32, v as u32)).collect();
     let got = LlDispatchOutput {
         recv_x: recv_rows,
@@ -278,14 +281,14 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl, case: &Case, run: u64) -> Res
         other => other,
     };
     crate::harness::check::ll_dispatch(&cfg, me, &got, &want.dispatch).map_err(ctx)?;
-    let st: Vec<i32> = rank.download_prefix_vec(stats.region(), l)?;
+    let st: Vec<i32> = rank.own().download_prefix_vec(stats.region(), l)?;
     let want_counts: Vec<i32> = want.dispatch.recv_count.iter().map(|&c| c as i32).collect();
     if st != want_counts {
         return Err(ctx(Error::Mismatch(format!(
             "rank {me}: cumulative stats {st:?}, oracle counts {want_counts:?}"
         ))));
     }
-    let got_c: Vec<bf16> = rank.download_prefix_vec(combined.region(), n * h)?;
+    let got_c: Vec<bf16> = rank.own().download_prefix_vec(combined.region(), n * h)?;
     crate::harness::check::ll_combine(me, &got_c, &want.combined).map_err(ctx)?;
     Ok(2)
 }
@@ -466,14 +469,14 @@ fn check_case_on(group: &Group, ll: &mut CudaLl, case: &Case, run: u64, plan: Gr
         let (ins, wy) = ll_case_inputs(case, iter as u64);
         let want = expected(case, &ins, &wy, me)?;
         let set = iter % SETS;
-        ll.upload_input(set, &ins[me].x, &ins[me].topk_idx, &ins[me].topk_weights)?;
+        let n = ll.upload_input(set, &ins[me].x, &ins[me].topk_idx, &ins[me].topk_weights)?;
         ll.upload_expert_output(set, &want.y_mine)?;
-        ll.poison_outputs(set)?;
+        ll.poison_outputs(ll.own(), set)?;
         // Ranks spend different host time in the oracle; start each run together so the
         // in-kernel deadlines measure peers, not the oracle.
         group.barrier(&format!("ll-check/{run}/eager/{iter}"))?;
-        ll.dispatch(set)?;
-        ll.combine(set)?;
+        ll.dispatch(ll.own(), set, n, &LlIo::default())?;
+        ll.combine(ll.own(), set, &LlIo::default())?;
         compare(ll, set, &want, &format!("eager iteration {iter}, set {set}"))?;
         compared += 2;
     }
@@ -482,6 +485,7 @@ fn check_case_on(group: &Group, ll: &mut CudaLl, case: &Case, run: u64, plan: Gr
     compared += check_caller_io(group, ll, case, run)?;
 
     // Double buffering and receive hooks: both sets in flight, halves launched separately.
+    let n = case.tokens[me];
     let base = case.iters as u64 + 1000;
     let wants: Vec<Expected> = (0..SETS as u64)
         .map(|i| {
@@ -489,19 +493,19 @@ fn check_case_on(group: &Group, ll: &mut CudaLl, case: &Case, run: u64, plan: Gr
             let w = expected(case, &ins, &wy, me)?;
             ll.upload_input(i as usize, &ins[me].x, &ins[me].topk_idx, &ins[me].topk_weights)?;
             ll.upload_expert_output(i as usize, &w.y_mine)?;
-            ll.poison_outputs(i as usize)?;
+            ll.poison_outputs(ll.own(), i as usize)?;
             Ok(w)
         })
         .collect::<Result<_>>()?;
     group.barrier(&format!("ll-check/{run}/overlap"))?;
-    ll.dispatch_send(0)?;
-    ll.dispatch_send(1)?;
-    ll.dispatch_recv(0)?;
-    ll.combine_send(0)?;
-    ll.dispatch_recv(1)?;
-    ll.combine_send(1)?;
-    ll.combine_recv(0)?;
-    ll.combine_recv(1)?;
+    ll.dispatch_send(ll.own(), 0, n, &LlIo::default())?;
+    ll.dispatch_send(ll.own(), 1, n, &LlIo::default())?;
+    ll.dispatch_recv(ll.own(), 0, &LlIo::default())?;
+    ll.combine_send(ll.own(), 0, &LlIo::default())?;
+    ll.dispatch_recv(ll.own(), 1, &LlIo::default())?;
+    ll.combine_send(ll.own(), 1, &LlIo::default())?;
+    ll.combine_recv(ll.own(), 0, &LlIo::default())?;
+    ll.combine_recv(ll.own(), 1, &LlIo::default())?;
     for (set, w) in wants.iter().enumerate() {
         compare(ll, set, w, &format!("two in flight with split halves, set {set}"))?;
         compared += 2;
@@ -509,8 +513,14 @@ fn check_case_on(group: &Group, ll: &mut CudaLl, case: &Case, run: u64, plan: Gr
 
     // CUDA graphs: one per set, dispatch + combine; new inputs before every replay.
     let graphs = [
-        ll.capture(|l| l.dispatch(0).and_then(|_| l.combine(0)))?,
-        ll.capture(|l| l.dispatch(1).and_then(|_| l.combine(1)))?,
+        ll.capture(ll.own(), |l| {
+            l.dispatch(l.own(), 0, n, &LlIo::default())
+                .and_then(|_| l.combine(l.own(), 0, &LlIo::default()))
+        })?,
+        ll.capture(ll.own(), |l| {
+            l.dispatch(l.own(), 1, n, &LlIo::default())
+                .and_then(|_| l.combine(l.own(), 1, &LlIo::default()))
+        })?,
     ];
     let base = base + 100;
     for i in 0..plan.replays {
@@ -525,10 +535,10 @@ fn check_case_on(group: &Group, ll: &mut CudaLl, case: &Case, run: u64, plan: Gr
         ll.upload_input(set, &ins[me].x, &ins[me].topk_idx, &ins[me].topk_weights)?;
         if let Some(w) = &want {
             ll.upload_expert_output(set, &w.y_mine)?;
-            ll.poison_outputs(set)?;
+            ll.poison_outputs(ll.own(), set)?;
             group.barrier(&format!("ll-check/{run}/graph/{i}"))?;
         }
-        ll.replay(&graphs[set])?;
+        ll.replay(ll.own(), &graphs[set])?;
         match &want {
             Some(w) => {
                 compare(
@@ -541,7 +551,7 @@ fn check_case_on(group: &Group, ll: &mut CudaLl, case: &Case, run: u64, plan: Gr
             }
             None => {
                 let topk: Vec<Vec<i64>> = ins.iter().map(|r| r.topk_idx.clone()).collect();
-                let counts = ll.download_counts(set)?;
+                let counts = ll.download_counts(ll.own(), set)?;
                 let wc = expected_counts(&case.cfg, &topk, me);
                 if counts != wc {
                     let e = (0..wc.len()).find(|&e| counts[e] != wc[e]).unwrap_or(0);

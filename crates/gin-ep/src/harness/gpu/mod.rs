@@ -101,10 +101,10 @@ fn upload_dispatch_input(
     source: DispatchSource,
 ) -> Result<usize> {
     match source {
-        DispatchSource::Bf16 => ht.upload_input(rank, &inp.x, &inp.topk_idx, &inp.topk_weights),
+        DispatchSource::Bf16 => ht.upload_input(rank.own(), &inp.x, &inp.topk_idx, &inp.topk_weights),
         DispatchSource::Fp8 => match Rows::encode(cfg.dispatch_dtype, &inp.x, cfg.hidden) {
             Rows::Fp8 { data, scales } => {
-                ht.upload_input_fp8(rank, &data, &scales, &inp.topk_idx, &inp.topk_weights)
+                ht.upload_input_fp8(rank.own(), &data, &scales, &inp.topk_idx, &inp.topk_weights)
             }
             Rows::Bf16(_) => Err(Error::input("dispatch source", "FP8 source with a BF16 config")),
         },

@@ -16,9 +16,9 @@ pub(super) struct Tensor {
 impl Tensor {
     pub(super) fn of<T: bytemuck::Pod>(gpu: &GpuRank, values: &[T]) -> Result<Tensor> {
         let bytes = std::mem::size_of_val(values);
-        gpu.with_cuda(|r| {
-            let buf = r.alloc(bytes.max(16))?;
-            r.upload(buf.region().sub(0, bytes)?, bytemuck::cast_slice(values))?;
+        gpu.with_cuda(|q| {
+            let buf = q.rank().alloc(bytes.max(16))?;
+            q.upload(buf.region().sub(0, bytes)?, bytemuck::cast_slice(values))?;
             Ok(Tensor { buf, bytes })
         })
     }
@@ -30,9 +30,9 @@ impl Tensor {
 
     /// `bytes` of device memory, every byte `value`.
     pub(super) fn filled(gpu: &GpuRank, bytes: usize, value: u8) -> Result<Tensor> {
-        gpu.with_cuda(|r| {
-            let buf = r.alloc(bytes.max(16))?;
-            r.memset_u8(buf.region(), value)?;
+        gpu.with_cuda(|q| {
+            let buf = q.rank().alloc(bytes.max(16))?;
+            q.memset_u8(buf.region(), value)?;
             Ok(Tensor { buf, bytes })
         })
     }
@@ -51,12 +51,12 @@ impl Tensor {
         }
     }
 
-    /// The values, after the work queued on the rank's stream.
+    /// The values, after the work queued on the legacy default stream.
     pub(super) fn read<T: bytemuck::Pod>(&self, gpu: &GpuRank) -> Result<Vec<T>> {
         let mut v = vec![T::zeroed(); self.bytes / std::mem::size_of::<T>()];
-        gpu.with_cuda(|r| {
-            r.wait("check download")?;
-            r.download(
+        gpu.with_cuda(|q| {
+            q.wait("check download")?;
+            q.download(
                 self.buf.region().sub(0, self.bytes)?,
                 bytemuck::cast_slice_mut(&mut v),
             )

@@ -3,12 +3,12 @@
 //!
 //! Owns: the size checks of every copy and of caller memory against an operation's token
 //! count. Never: launches a kernel or advances the operation counters (the driver in
-//! `mod.rs` does); every download waits (bounded) for the rank's stream first.
+//! `mod.rs` does); every download waits (bounded) for its queue first.
 
 use half::bf16;
 
 use super::{plan_words, CudaHt, HtGpuHandle, DTYPE_FP8_PRE, PLAN_HEAD, POISON};
-use crate::backend::cuda::runtime::{CudaRank, DeviceBuffer, DeviceRegion, ExternalSpan};
+use crate::backend::cuda::runtime::{DeviceBuffer, DeviceRegion, ExternalSpan, Queue};
 use crate::config::FP8_BLOCK;
 use crate::error::{Error, Result};
 use crate::ht::{HtCombineOutput, HtDispatchOutput, HtRouting};
@@ -135,21 +135,21 @@ impl CudaHt {
     /// Uploads a BF16 dispatch input; returns the token count.
     pub fn upload_input(
         &self,
-        rank: &CudaRank,
+        q: Queue<'_>,
         x: &[bf16],
         topk_idx: &[i64],
         topk_weights: &[f32],
     ) -> Result<usize> {
         let n = self.check_input(topk_idx.len(), topk_weights.len(), x.len(), "dispatch input")?;
-        self.upload_routing(rank, topk_idx, topk_weights)?;
-        rank.upload(self.x_in.region().sub(0, x.len() * 2)?, bytes_of(x))?;
+        self.upload_routing(q, topk_idx, topk_weights)?;
+        q.upload(self.x_in.region().sub(0, x.len() * 2)?, bytes_of(x))?;
         Ok(n)
     }
 
     /// Uploads an FP8 dispatch input (e4m3 bytes and f32 scales); returns the token count.
     pub fn upload_input_fp8(
         &self,
-        rank: &CudaRank,
+        q: Queue<'_>,
         data: &[u8],
         scales: &[f32],
         topk_idx: &[i64],
@@ -161,32 +161,32 @@ impl CudaHt {
             data.len(),
             "FP8 dispatch input",
         )?;
-        self.upload_routing(rank, topk_idx, topk_weights)?;
-        self.upload_x_fp8(rank, data, scales)?;
+        self.upload_routing(q, topk_idx, topk_weights)?;
+        self.upload_x_fp8(q, data, scales)?;
         Ok(n)
     }
 
-    fn upload_routing(&self, rank: &CudaRank, topk_idx: &[i64], topk_weights: &[f32]) -> Result<()> {
-        rank.upload(
+    fn upload_routing(&self, q: Queue<'_>, topk_idx: &[i64], topk_weights: &[f32]) -> Result<()> {
+        q.upload(
             self.topk_idx_in.region().sub(0, topk_idx.len() * 8)?,
             bytes_of(topk_idx),
         )?;
-        rank.upload(
+        q.upload(
             self.topk_w_in.region().sub(0, topk_weights.len() * 4)?,
             bytes_of(topk_weights),
         )
     }
 
     /// Replaces only the activations (for a cached dispatch), BF16.
-    pub fn upload_x(&self, rank: &CudaRank, x: &[bf16]) -> Result<()> {
+    pub fn upload_x(&self, q: Queue<'_>, x: &[bf16]) -> Result<()> {
         if x.len() > self.cfg.max_tokens_per_rank * self.cfg.hidden {
             return Err(Error::input("x", "more tokens than max_tokens_per_rank"));
         }
-        rank.upload(self.x_in.region().sub(0, x.len() * 2)?, bytes_of(x))
+        q.upload(self.x_in.region().sub(0, x.len() * 2)?, bytes_of(x))
     }
 
     /// Replaces only the activations (for a cached dispatch), FP8.
-    pub fn upload_x_fp8(&self, rank: &CudaRank, data: &[u8], scales: &[f32]) -> Result<()> {
+    pub fn upload_x_fp8(&self, q: Queue<'_>, data: &[u8], scales: &[f32]) -> Result<()> {
         let h = self.cfg.hidden;
         if !self.cfg.dispatch_dtype.is_fp8() {
             return Err(Error::input("FP8 input", "the config dispatches BF16"));
@@ -197,8 +197,8 @@ impl CudaHt {
                 format!("{} bytes with {} scales (hidden {h})", data.len(), scales.len()),
             ));
         }
-        rank.upload(self.x_in.region().sub(0, data.len())?, data)?;
-        rank.upload(
+        q.upload(self.x_in.region().sub(0, data.len())?, data)?;
+        q.upload(
             self.scales_in.region().sub(0, scales.len() * 4)?,
             bytes_of(scales),
         )
@@ -208,7 +208,7 @@ impl CudaHt {
     /// weights `[rows, K]`) into this rank's window, and the biases `[N, H]`.
     pub fn upload_combine(
         &self,
-        rank: &CudaRank,
+        q: Queue<'_>,
         x: &[bf16],
         weights: Option<&[f32]>,
         bias: [Option<&[bf16]>; 2],
@@ -221,7 +221,7 @@ impl CudaHt {
                 format!("length {} (hidden {h}, capacity {cap} rows)", x.len()),
             ));
         }
-        rank.upload(self.window.region(self.lay.comb_x, x.len() * 2)?, bytes_of(x))?;
+        q.upload(self.window.region(self.lay.comb_x, x.len() * 2)?, bytes_of(x))?;
         if let Some(w) = weights {
             if w.len() != x.len() / h * k {
                 return Err(Error::input(
@@ -229,7 +229,7 @@ impl CudaHt {
                     format!("length {} for {} rows", w.len(), x.len() / h),
                 ));
             }
-            rank.upload(self.window.region(self.lay.comb_w, w.len() * 4)?, bytes_of(w))?;
+            q.upload(self.window.region(self.lay.comb_w, w.len() * 4)?, bytes_of(w))?;
         }
         for (i, b) in bias.iter().enumerate() {
             if let Some(b) = b {
@@ -239,58 +239,37 @@ impl CudaHt {
                         "more tokens than max_tokens_per_rank",
                     ));
                 }
-                rank.upload(self.bias[i].region().sub(0, b.len() * 2)?, bytes_of(b))?;
+                q.upload(self.bias[i].region().sub(0, b.len() * 2)?, bytes_of(b))?;
             }
         }
         Ok(())
     }
 
-    /// Fills the output regions the next operations write (the receive slab
-    /// [`HtIo::recv_slab`] names, the combine outputs) with [`POISON`]; other slabs keep
-    /// their rows. Safe between operations: peers write our receive slab only after we
-    /// enter the next dispatch.
-    pub fn poison(&self, rank: &CudaRank) -> Result<()> {
+    /// Fills the output regions the next operations write (receive slab `slab`, the
+    /// combine outputs) with [`POISON`]; other slabs keep their rows. Safe between
+    /// operations: peers write our receive slab only after we enter the next dispatch.
+    pub fn poison(&self, q: Queue<'_>, slab: usize) -> Result<()> {
         let l = &self.lay;
-        let slab = l.recv_x + self.io.recv_slab.min(l.slabs - 1) * l.slab_bytes;
-        rank.memset_u8(self.window.region(slab, l.slab_bytes)?, POISON)?;
-        rank.memset_u8(self.out_x.region(), POISON)?;
-        rank.memset_u8(self.out_w.region(), POISON)
-    }
-
-    /// Operations use `io`'s caller-owned memory from now on (until [`CudaHt::clear_io`]).
-    pub fn set_io(&mut self, io: HtIo) {
-        self.io = io;
-    }
-
-    /// Back to the library's own input and output buffers.
-    pub fn clear_io(&mut self) {
-        self.io = HtIo::default();
-    }
-
-    /// Runs `f` with `io` bound, unbinding it afterwards whatever `f` returned: a later
-    /// operation never sees this call's memory.
-    pub fn with_io<T>(&mut self, io: HtIo, f: impl FnOnce(&mut CudaHt) -> Result<T>) -> Result<T> {
-        self.set_io(io);
-        let out = f(self);
-        self.clear_io();
-        out
+        let slab = l.recv_x + slab.min(l.slabs - 1) * l.slab_bytes;
+        q.memset_u8(self.window.region(slab, l.slab_bytes)?, POISON)?;
+        q.memset_u8(self.out_x.region(), POISON)?;
+        q.memset_u8(self.out_w.region(), POISON)
     }
 
     /// Fails naming the buffer unless every caller-owned span holds what an operation on
     /// `num_tokens` tokens with input `dtype` touches (checked before any state changes).
-    pub(super) fn check_io(&self, num_tokens: usize, dtype: u32) -> Result<()> {
-        if self.io.recv_slab >= self.lay.slabs {
+    pub(super) fn check_io(&self, io: &HtIo, num_tokens: usize, dtype: u32) -> Result<()> {
+        if io.recv_slab >= self.lay.slabs {
             return Err(Error::input(
                 format!("receive slab of rank {}", self.me),
                 format!(
                     "{} is outside 0..{} (HtGpuOptions::recv_slabs)",
-                    self.io.recv_slab, self.lay.slabs
+                    io.recv_slab, self.lay.slabs
                 ),
             ));
         }
         let (n, h, k) = (num_tokens, self.cfg.hidden, self.cfg.topk);
         let fp8_in = dtype == DTYPE_FP8_PRE;
-        let io = &self.io;
         let need = [
             (io.x, "HT x", n * h * if fp8_in { 1 } else { 2 }),
             (
@@ -315,19 +294,19 @@ impl CudaHt {
 
     pub(super) fn download_vec<T: bytemuck::Pod>(
         &self,
-        rank: &CudaRank,
+        q: Queue<'_>,
         r: DeviceRegion<'_>,
         n: usize,
     ) -> Result<Vec<T>> {
         let mut v: Vec<T> = bytemuck::zeroed_vec(n);
-        rank.download(r, bytemuck::cast_slice_mut(&mut v))?;
+        q.download(r, bytemuck::cast_slice_mut(&mut v))?;
         Ok(v)
     }
 
     /// The plan of layout slot `slot`.
-    fn download_plan(&self, rank: &CudaRank, slot: usize) -> Result<Vec<u32>> {
+    fn download_plan(&self, q: Queue<'_>, slot: usize) -> Result<Vec<u32>> {
         let n = plan_words(&self.cfg);
-        self.download_vec(rank, self.slots[slot].plan.region().sub(0, n * 4)?, n)
+        self.download_vec(q, self.slots[slot].plan.region().sub(0, n * 4)?, n)
     }
 
     /// The device memory of `which` (whole capacity; receive regions: those of the last
@@ -373,7 +352,7 @@ impl CudaHt {
     /// expert alignment. With exact sizing the host already waited for the layout kernel,
     /// which left the last fresh dispatch's in host-mapped memory: no wait for the dispatch.
     /// Otherwise (static sizing, or an earlier dispatch) waits (bounded) for the stream.
-    pub fn recv_counts(&mut self, rank: &CudaRank, handle: &HtGpuHandle) -> Result<Vec<usize>> {
+    pub fn recv_counts(&mut self, q: Queue<'_>, handle: &HtGpuHandle) -> Result<Vec<usize>> {
         let slot = self.check_handle(handle)?;
         let l_n = self.cfg.local_experts();
         if handle.num_recv.is_some() && self.is_last(handle) {
@@ -384,9 +363,9 @@ impl CudaHt {
                 .map(|v| v as usize)
                 .collect());
         }
-        self.sync(rank)?;
+        self.sync(q)?;
         let (r_n, e_n) = (self.cfg.ranks, self.cfg.experts);
-        let plan = self.download_plan(rank, slot)?;
+        let plan = self.download_plan(q, slot)?;
         let at = PLAN_HEAD + (r_n + 1) + 2 * r_n + e_n + l_n;
         Ok(plan[at..at + l_n].iter().map(|&v| v as usize).collect())
     }
@@ -409,43 +388,43 @@ impl CudaHt {
     }
 
     /// Receive rows of `handle`'s dispatch (after [`CudaHt::sync`] with static sizing).
-    fn handle_recv(&self, rank: &CudaRank, handle: &HtGpuHandle, slot: usize) -> Result<usize> {
+    fn handle_recv(&self, q: Queue<'_>, handle: &HtGpuHandle, slot: usize) -> Result<usize> {
         match handle.num_recv {
             Some(nr) => Ok(nr),
             None if self.is_last(handle) => Ok(self.num_recv()),
-            None => Ok(self.download_plan(rank, slot)?[super::abi::K_PLAN_NUM_RECV as usize] as usize),
+            None => Ok(self.download_plan(q, slot)?[super::abi::K_PLAN_NUM_RECV as usize] as usize),
         }
     }
 
     /// The received rows (BF16 or FP8 + scales) of the last dispatch.
-    pub fn download_recv_x(&mut self, rank: &CudaRank, handle: &HtGpuHandle) -> Result<Rows> {
+    pub fn download_recv_x(&mut self, q: Queue<'_>, handle: &HtGpuHandle) -> Result<Rows> {
         let slab = self.last_slab;
-        self.download_slab_x(rank, handle, slab)
+        self.download_slab_x(q, handle, slab)
     }
 
     /// The first `num_recv` rows (BF16 or FP8 + scales) of receive slab `slab`: what a
     /// dispatch along `handle` left there, as long as no later dispatch named that slab.
-    pub fn download_slab_x(&mut self, rank: &CudaRank, handle: &HtGpuHandle, slab: usize) -> Result<Rows> {
-        self.sync(rank)?;
+    pub fn download_slab_x(&mut self, q: Queue<'_>, handle: &HtGpuHandle, slab: usize) -> Result<Rows> {
+        self.sync(q)?;
         let slot = self.check_handle(handle)?;
-        let (h, nr) = (self.cfg.hidden, self.handle_recv(rank, handle, slot)?);
+        let (h, nr) = (self.cfg.hidden, self.handle_recv(q, handle, slot)?);
         let x = self.slab_buffer(HtBuf::RecvX, slab)?;
         Ok(if self.cfg.dispatch_dtype.is_fp8() {
             let spr = h / FP8_BLOCK;
             let sc = self.slab_buffer(HtBuf::RecvScales, slab)?;
             Rows::Fp8 {
-                data: self.download_vec(rank, x.sub(0, nr * h)?, nr * h)?,
-                scales: self.download_vec(rank, sc.sub(0, nr * spr * 4)?, nr * spr)?,
+                data: self.download_vec(q, x.sub(0, nr * h)?, nr * h)?,
+                scales: self.download_vec(q, sc.sub(0, nr * spr * 4)?, nr * spr)?,
             }
         } else {
-            Rows::Bf16(self.download_vec(rank, x.sub(0, nr * h * 2)?, nr * h)?)
+            Rows::Bf16(self.download_vec(q, x.sub(0, nr * h * 2)?, nr * h)?)
         })
     }
 
     /// Everything a fresh dispatch produced, in the oracle's types (its rows: those of the
     /// last dispatch's slab, so call it before the next dispatch).
-    pub fn download_dispatch(&mut self, rank: &CudaRank, handle: &HtGpuHandle) -> Result<HtDispatchOutput> {
-        let recv_x = self.download_recv_x(rank, handle)?;
+    pub fn download_dispatch(&mut self, q: Queue<'_>, handle: &HtGpuHandle) -> Result<HtDispatchOutput> {
+        let recv_x = self.download_recv_x(q, handle)?;
         let slot = self.check_handle(handle)?;
         let (r_n, k, e_n, l_n) = (
             self.cfg.ranks,
@@ -453,9 +432,9 @@ impl CudaHt {
             self.cfg.experts,
             self.cfg.local_experts(),
         );
-        let nr = self.handle_recv(rank, handle, slot)?;
+        let nr = self.handle_recv(q, handle, slot)?;
         let n = handle.num_tokens;
-        let plan = self.download_plan(rank, slot)?;
+        let plan = self.download_plan(q, slot)?;
         let mut at = PLAN_HEAD;
         let mut take = |len: usize| {
             let s = plan[at..at + len].to_vec();
@@ -469,16 +448,16 @@ impl CudaHt {
         let local: Vec<usize> = take(l_n).into_iter().map(|v| v as usize).collect();
         let aligned: Vec<usize> = take(l_n).into_iter().map(|v| v as usize).collect();
         let send_slot: Vec<i32> = self.download_vec(
-            rank,
+            q,
             self.slots[slot].send_slot.region().sub(0, n * r_n * 4)?,
             n * r_n,
         )?;
         let recv_topk_idx: Vec<i64> =
-            self.download_vec(rank, self.buffer(HtBuf::RecvIdx)?.sub(0, nr * k * 8)?, nr * k)?;
+            self.download_vec(q, self.buffer(HtBuf::RecvIdx)?.sub(0, nr * k * 8)?, nr * k)?;
         let recv_topk_weights: Vec<f32> =
-            self.download_vec(rank, self.buffer(HtBuf::RecvW)?.sub(0, nr * k * 4)?, nr * k)?;
+            self.download_vec(q, self.buffer(HtBuf::RecvW)?.sub(0, nr * k * 4)?, nr * k)?;
         let recv_src_token: Vec<u32> =
-            self.download_vec(rank, self.buffer(HtBuf::RecvSrc)?.sub(0, nr * 4)?, nr)?;
+            self.download_vec(q, self.buffer(HtBuf::RecvSrc)?.sub(0, nr * 4)?, nr)?;
         Ok(HtDispatchOutput {
             recv_x,
             recv_topk_idx,
@@ -507,16 +486,16 @@ impl CudaHt {
     /// The combine output `[N, H]` (and weights `[N, K]` when reduced).
     pub fn download_combine(
         &mut self,
-        rank: &CudaRank,
+        q: Queue<'_>,
         handle: &HtGpuHandle,
         weights: bool,
     ) -> Result<HtCombineOutput> {
-        self.sync(rank)?;
+        self.sync(q)?;
         self.check_handle(handle)?;
         let (n, h, k) = (handle.num_tokens, self.cfg.hidden, self.cfg.topk);
-        let x = self.download_vec(rank, self.out_x.region().sub(0, n * h * 2)?, n * h)?;
+        let x = self.download_vec(q, self.out_x.region().sub(0, n * h * 2)?, n * h)?;
         let topk_weights = if weights {
-            Some(self.download_vec(rank, self.out_w.region().sub(0, n * k * 4)?, n * k)?)
+            Some(self.download_vec(q, self.out_w.region().sub(0, n * k * 4)?, n * k)?)
         } else {
             None
         };

@@ -37,7 +37,7 @@ use super::fabric::NodeFabric;
 use super::kernels::names;
 use super::runtime::{
     fabric_phase_name, CudaRank, DevComm, DevCommRequest, DeviceBuffer, Event, ExternalSpan, HostMapped,
-    Window,
+    Queue, Window,
 };
 use crate::config::{DispatchDtype, EpConfig, FP8_BLOCK};
 use crate::error::{Error, Result};
@@ -284,8 +284,6 @@ pub struct CudaHt {
     /// The receive slab of the last dispatch (fresh or cached).
     last_slab: usize,
     failed: bool,
-    /// Caller-owned memory the next operations use instead of the input/output buffers.
-    io: HtIo,
 }
 
 impl CudaHt {
@@ -336,7 +334,6 @@ impl CudaHt {
             bar_epoch: 0,
             last_slab: 0,
             failed: false,
-            io: HtIo::default(),
         })
     }
 
@@ -378,9 +375,9 @@ impl CudaHt {
     /// The device timestamps (globaltimer ns) of the last operations, see kernels/ht/common.cuh
     /// kStamp*: [0..4) layout start, layout done, counts received, end; [4..7) dispatch
     /// start, last payload end, last end; [8..11) combine start, last pull end, last end.
-    pub fn stamps(&self, rank: &CudaRank) -> Result<[u64; STAMP_WORDS]> {
-        rank.wait("HT stamps")?;
-        let v: Vec<u64> = self.download_vec(rank, self.stamps.region(), STAMP_WORDS)?;
+    pub fn stamps(&self, q: Queue<'_>) -> Result<[u64; STAMP_WORDS]> {
+        q.wait("HT stamps")?;
+        let v: Vec<u64> = self.download_vec(q, self.stamps.region(), STAMP_WORDS)?;
         let mut out = [0u64; STAMP_WORDS];
         out.copy_from_slice(&v);
         Ok(out)
@@ -415,6 +412,7 @@ impl CudaHt {
     fn args(
         &self,
         rank: &CudaRank,
+        io: &HtIo,
         slot: usize,
         num_tokens: usize,
         dtype: u32,
@@ -439,17 +437,17 @@ impl CudaHt {
             off_comb_x: l.comb_x as u64,
             off_comb_w: l.comb_w as u64,
             // A staged combine reads the caller's expert outputs through `x`.
-            x: match (flags & FLAG_STAGE, self.io.comb_x) {
+            x: match (flags & FLAG_STAGE, io.comb_x) {
                 (FLAG_STAGE, Some(sp)) => sp.ptr,
-                _ => io_or(self.io.x, &self.x_in),
+                _ => io_or(io.x, &self.x_in),
             },
-            x_scales: io_or(self.io.scales, &self.scales_in),
-            topk_idx: io_or(self.io.topk_idx, &self.topk_idx_in),
-            topk_w: io_or(self.io.topk_w, &self.topk_w_in),
-            bias0: io_or(self.io.bias0, &self.bias[0]),
-            bias1: io_or(self.io.bias1, &self.bias[1]),
-            out_x: io_or(self.io.out_x, &self.out_x),
-            out_w: io_or(self.io.out_w, &self.out_w),
+            x_scales: io_or(io.scales, &self.scales_in),
+            topk_idx: io_or(io.topk_idx, &self.topk_idx_in),
+            topk_w: io_or(io.topk_w, &self.topk_w_in),
+            bias0: io_or(io.bias0, &self.bias[0]),
+            bias1: io_or(io.bias1, &self.bias[1]),
+            out_x: io_or(io.out_x, &self.out_x),
+            out_w: io_or(io.out_w, &self.out_w),
             send_slot: self.slots[slot].send_slot.region().ptr,
             plan: self.slots[slot].plan.region().ptr,
             plan_host: self.plan_host.dev,
@@ -471,7 +469,7 @@ impl CudaHt {
             scan: self.scan.region().ptr,
             off_recv_slab: l.recv_slab as u64,
             slab_bytes: l.slab_bytes as u64,
-            recv_slab: self.io.recv_slab as u32,
+            recv_slab: io.recv_slab as u32,
             slabs: l.slabs as u32,
             counts_host: self.counts_host.dev,
             fail_host: self.fail_host.dev,
@@ -522,14 +520,7 @@ impl CudaHt {
     }
 
     /// Launches `name` with `args`.
-    fn launch(
-        &self,
-        rank: &CudaRank,
-        name: &'static str,
-        grid: u32,
-        block: u32,
-        args: &HtArgs,
-    ) -> Result<()> {
+    fn launch(&self, q: Queue<'_>, name: &'static str, grid: u32, block: u32, args: &HtArgs) -> Result<()> {
         // SAFETY: HtArgs is the kernel parameter (generated from abi/ht.h; rustc and nvcc
         // assert its layout); every pointer in it is a buffer or window of self (which outlives the launch:
         // callers wait before dropping it, and CudaRank's Drop waits), the rank's host-mapped
@@ -538,7 +529,7 @@ impl CudaHt {
         // until the stream passes the launch); offsets come from HtLayout, which sized the
         // window for this config; the tokens laid out are at most max_tokens_per_rank (dispatch
         // lays out none above it).
-        unsafe { rank.launch(name, grid, block, args) }
+        unsafe { q.launch(name, grid, block, args) }
     }
 
     /// Fresh dispatch of the `num_tokens` tokens in the input buffers: layout + count exchange
@@ -550,9 +541,10 @@ impl CudaHt {
     /// the object stays usable.
     pub fn dispatch(
         &mut self,
-        rank: &CudaRank,
+        q: Queue<'_>,
         num_tokens: usize,
         source: DispatchSource,
+        io: &HtIo,
         events: Option<&DispatchEvents<'_>>,
     ) -> Result<HtGpuHandle> {
         self.usable()?;
@@ -564,11 +556,11 @@ impl CudaHt {
             num_tokens
         };
         let dtype = self.dtype_code(source)?;
-        self.check_io(num_tokens, dtype)?;
+        self.check_io(io, num_tokens, dtype)?;
         let slot = match self.slots.iter().position(LayoutSlot::is_free) {
             Some(i) => i,
             None => {
-                self.slots.push(LayoutSlot::new(rank, &self.cfg)?);
+                self.slots.push(LayoutSlot::new(q.rank(), &self.cfg)?);
                 self.slots.len() - 1
             }
         };
@@ -576,7 +568,8 @@ impl CudaHt {
         self.cur = slot;
         self.plan_host.write([u32::MAX, 0, 0, 0]);
         let mut args = self.args(
-            rank,
+            q.rank(),
+            io,
             slot,
             laid_out,
             dtype,
@@ -587,12 +580,12 @@ impl CudaHt {
         args.caller_tokens = u32::try_from(num_tokens).unwrap_or(u32::MAX);
         let launched = (|| {
             if let Some(ev) = events {
-                rank.record(ev.start)?;
+                q.record(ev.start)?;
             }
             // SAFETY: as `launch`; the layout kernel's shared memory ceiling was raised to
             // layout_smem_bytes in `new`.
             unsafe {
-                rank.launch_smem(
+                q.launch_smem(
                     names::HT_LAYOUT_COUNT,
                     layout_blocks(laid_out),
                     LAYOUT_TILE as u32,
@@ -601,12 +594,12 @@ impl CudaHt {
                 )
             }?;
             if let Some(ev) = events {
-                rank.record(ev.counted)?;
+                q.record(ev.counted)?;
             }
             Ok(())
         })();
         if let Err(e) = launched {
-            return self.fail(rank, e);
+            return self.fail(q.rank(), e);
         }
         // The dispatch kernel goes into the stream right behind the layout kernel, before
         // any host wait: it reads the plan the layout kernel left on the device (and stops,
@@ -617,28 +610,28 @@ impl CudaHt {
         let grid = self.grid();
         let (kname, threads) = self.dispatch_kernel(dtype);
         let out = self
-            .launch(rank, kname, grid, threads, &args)
+            .launch(q, kname, grid, threads, &args)
             .and_then(|_| match events {
-                Some(ev) => rank.record(ev.end),
+                Some(ev) => q.record(ev.end),
                 None => Ok(()),
             });
         if let Err(e) = out {
-            return self.fail(rank, e);
+            return self.fail(q.rank(), e);
         }
         let mut num_recv = None;
         if self.opts.sizing == Sizing::Exact {
             // The layout kernel publishes its plan head (status last) before its tail.
             let plan_host = &self.plan_host;
             let mut published = || plan_host.read()[abi::K_PLAN_STATUS as usize] != u32::MAX;
-            if let Err(e) = rank
+            if let Err(e) = q
                 .wait_busy_until("HT count exchange", &mut published)
                 .and_then(|_| self.status())
             {
-                return self.fail_unless_grow(rank, e);
+                return self.fail_unless_grow(q.rank(), e);
             }
             num_recv = Some(self.plan_host.read()[abi::K_PLAN_NUM_RECV as usize] as usize);
         }
-        self.last_slab = self.io.recv_slab;
+        self.last_slab = io.recv_slab;
         Ok(HtGpuHandle {
             slot,
             hold: Arc::clone(&self.slots[slot].hold),
@@ -676,19 +669,21 @@ impl CudaHt {
     /// sent its tokens (barrier, then the dispatch kernel; no layout, no count exchange).
     pub fn dispatch_cached(
         &mut self,
-        rank: &CudaRank,
+        q: Queue<'_>,
         handle: &HtGpuHandle,
         source: DispatchSource,
+        io: &HtIo,
         events: Option<(&Event, &Event)>,
     ) -> Result<()> {
         self.usable()?;
         let slot = self.check_handle(handle)?;
         let dtype = self.dtype_code(source)?;
-        self.check_io(handle.num_tokens, dtype)?;
+        self.check_io(io, handle.num_tokens, dtype)?;
         self.seq += 1;
         self.bar_epoch += 1;
         let args = self.args(
-            rank,
+            q.rank(),
+            io,
             slot,
             handle.num_tokens,
             dtype,
@@ -700,20 +695,20 @@ impl CudaHt {
         let (kname, threads) = self.dispatch_kernel(dtype);
         let out = (|| {
             if let Some((s, _)) = events {
-                rank.record(s)?;
+                q.record(s)?;
             }
-            self.launch(rank, kname, grid, threads, &args)?;
+            self.launch(q, kname, grid, threads, &args)?;
             if let Some((_, e)) = events {
-                rank.record(e)?;
+                q.record(e)?;
             }
             Ok(())
         })();
         match out {
             Ok(()) => {
-                self.last_slab = self.io.recv_slab;
+                self.last_slab = io.recv_slab;
                 Ok(())
             }
-            Err(e) => self.fail(rank, e),
+            Err(e) => self.fail(q.rank(), e),
         }
     }
 
@@ -721,17 +716,18 @@ impl CudaHt {
     /// tokens' source ranks, which reduce in the oracle's order into the output buffers.
     pub fn combine(
         &mut self,
-        rank: &CudaRank,
+        q: Queue<'_>,
         handle: &HtGpuHandle,
         extras: CombineExtras,
+        io: &HtIo,
         events: Option<(&Event, &Event)>,
     ) -> Result<()> {
         self.usable()?;
         let slot = self.check_handle(handle)?;
-        self.check_io(handle.num_tokens, DTYPE_BF16)?;
+        self.check_io(io, handle.num_tokens, DTYPE_BF16)?;
         let mut flags = 0;
-        let blocks = self.opts.combine_blocks(self.io.comb_x.is_some());
-        if let Some(sp) = self.io.comb_x {
+        let blocks = self.opts.combine_blocks(io.comb_x.is_some());
+        if let Some(sp) = io.comb_x {
             // Static sizing leaves the received count on the device: the caller's input
             // then covers the worst case, of which the kernel reads the received rows.
             let rows = handle
@@ -750,8 +746,8 @@ impl CudaHt {
                     ptr: sp.ptr,
                     bytes: need,
                 };
-                if let Err(e) = rank.copy_from_external(self.buffer(HtBuf::CombX)?, rows) {
-                    return self.fail(rank, e);
+                if let Err(e) = q.copy_from_external(self.buffer(HtBuf::CombX)?, rows) {
+                    return self.fail(q.rank(), e);
                 }
             }
         }
@@ -770,7 +766,8 @@ impl CudaHt {
         let args = HtArgs {
             pull_blocks: blocks.pull,
             ..self.args(
-                rank,
+                q.rank(),
+                io,
                 slot,
                 handle.num_tokens,
                 DTYPE_BF16,
@@ -782,17 +779,17 @@ impl CudaHt {
         let (kname, threads) = self.combine_kernel();
         let out = (|| {
             if let Some((s, _)) = events {
-                rank.record(s)?;
+                q.record(s)?;
             }
-            self.launch(rank, kname, blocks.grid, threads, &args)?;
+            self.launch(q, kname, blocks.grid, threads, &args)?;
             if let Some((_, e)) = events {
-                rank.record(e)?;
+                q.record(e)?;
             }
             Ok(())
         })();
         match out {
             Ok(()) => Ok(()),
-            Err(e) => self.fail(rank, e),
+            Err(e) => self.fail(q.rank(), e),
         }
     }
 
@@ -861,11 +858,11 @@ impl CudaHt {
     }
 
     /// Waits (bounded) for all queued work and turns any recorded failure into an error.
-    pub fn sync(&mut self, rank: &CudaRank) -> Result<()> {
+    pub fn sync(&mut self, q: Queue<'_>) -> Result<()> {
         self.usable()?;
-        match rank.wait_busy("HT operation").and_then(|_| self.status()) {
+        match q.wait_busy("HT operation").and_then(|_| self.status()) {
             Ok(()) => Ok(()),
-            Err(e) => self.fail_unless_grow(rank, e),
+            Err(e) => self.fail_unless_grow(q.rank(), e),
         }
     }
 }

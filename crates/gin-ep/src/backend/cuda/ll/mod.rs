@@ -18,12 +18,13 @@
 //! last dispatch on that set. At most two operations are in flight (one per set).
 
 use half::bf16;
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::abi::ll as abi;
 use super::fabric::{node_span, NodeFabric};
-use super::runtime::{CudaRank, DevComm, DevCommRequest, DeviceBuffer, ExternalSpan, Graph, Window};
+use super::runtime::{CudaRank, DevComm, DevCommRequest, DeviceBuffer, ExternalSpan, Graph, Queue, Window};
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
 use crate::error::{Error, Result};
 use crate::group::vnodes::{plugin_configured, RankTopology};
@@ -181,10 +182,9 @@ struct SetBuffers {
     /// Across nodes, the part counts of the GIN send areas ([`LlLayout::gin_arrivals`] bytes,
     /// zeroed once; 16 bytes otherwise).
     gin_arrivals: DeviceBuffer,
-    /// Tokens of the input now in `x` (host-known shape, as in DeepEP).
-    num_tokens: usize,
-    /// Caller-owned memory the next launches of this set use instead (see [`LlIo`]).
-    io: LlIo,
+    /// Tokens of the set's last dispatch (given to its send half), which its receive half,
+    /// its combine and the downloads of its outputs use.
+    num_tokens: Cell<usize>,
 }
 
 /// Caller-owned memory (PyTorch tensors) that the launches of one buffer set read and write
@@ -263,10 +263,14 @@ impl Drop for CudaLl {
         }
         let reset = (0..SETS)
             .try_for_each(|set| {
-                let args = self.args(set)?;
+                let args = self.args(set, &LlIo::default())?;
                 // SAFETY: as in `launch`: LlArgs points into buffers self owns, alive until
                 // the wait below returns (or leaked through the failed communicator).
-                unsafe { self.rank.launch_ex(names::RESET_GIN, 1, THREADS, 0, false, &args) }
+                unsafe {
+                    self.rank
+                        .own()
+                        .launch_ex(names::RESET_GIN, 1, THREADS, 0, false, &args)
+                }
             })
             .and_then(|_| self.rank.wait("LL GIN signal reset"));
         if let Err(e) = reset {
@@ -449,8 +453,7 @@ impl CudaLl {
                 comb_map: alloc(if rank_first { r * t * map_ints(k) * 4 } else { 16 })?,
                 state: alloc(STATE_WORDS * 4)?,
                 gin_arrivals: alloc(layout.gin_arrivals)?,
-                num_tokens: 0,
-                io: LlIo::default(),
+                num_tokens: Cell::new(0),
             };
             rank.memset_u32(s.state.region(), 0)?;
             rank.memset_u32(s.gin_arrivals.region(), 0)?;
@@ -514,27 +517,26 @@ impl CudaLl {
     /// Collective: every rank calls it while no LL operation of the group is in flight, and
     /// none starts one before all have returned (the caller's barriers order that). Waits
     /// for this rank's queued work first; what the window held is gone.
-    pub fn reset(&self) -> Result<()> {
-        self.rank.wait("LL reset")?;
+    pub fn reset(&self, q: Queue<'_>) -> Result<()> {
+        q.wait("LL reset")?;
         for s in &self.sets {
-            self.rank.memset_u32(s.state.region(), 0)?;
-            self.rank.memset_u32(s.gin_arrivals.region(), 0)?;
+            q.memset_u32(s.state.region(), 0)?;
+            q.memset_u32(s.gin_arrivals.region(), 0)?;
         }
-        self.rank
-            .memset_u8(self.window.region(0, self.window.len())?, 0)?;
+        q.memset_u8(self.window.region(0, self.window.len())?, 0)?;
         for (off, len, value) in self.layout.poison_fills() {
-            self.rank.memset_u32(self.window.region(off, len)?, value)?;
+            q.memset_u32(self.window.region(off, len)?, value)?;
         }
         self.masked_since_fill.store(false, Ordering::Relaxed);
         if self.across_nodes() {
             for set in 0..SETS {
-                let args = self.args(set)?;
+                let args = self.args(set, &LlIo::default())?;
                 // SAFETY: as in `launch`: LlArgs points into buffers self owns, alive until
                 // the wait below returns.
-                unsafe { self.rank.launch_ex(names::RESET_GIN, 1, THREADS, 0, false, &args) }?;
+                unsafe { q.launch_ex(names::RESET_GIN, 1, THREADS, 0, false, &args) }?;
             }
         }
-        self.rank.wait("LL reset")
+        q.wait("LL reset")
     }
 
     /// Whether the stamped launches write only each operation's first and last stamp (its
@@ -574,7 +576,7 @@ impl CudaLl {
 
     /// Copies this rank's dispatch input into `set` (waits for earlier work first: the
     /// buffers may still be read by a kernel).
-    pub fn upload_input(&mut self, set: usize, x: &[bf16], topk_idx: &[i64], weights: &[f32]) -> Result<()> {
+    pub fn upload_input(&self, set: usize, x: &[bf16], topk_idx: &[i64], weights: &[f32]) -> Result<usize> {
         let me = self.rank.info().rank;
         let n = crate::routing::validate_topk(&self.cfg, me, topk_idx)?;
         let (h, k) = (self.cfg.hidden, self.cfg.topk);
@@ -588,21 +590,19 @@ impl CudaLl {
                 ),
             ));
         }
-        self.rank.wait("before LL input upload")?;
+        let q = self.rank.own();
+        q.wait("before LL input upload")?;
         let s = self.set(set)?;
-        self.rank.upload_prefix(s.x.region(), bytemuck::cast_slice(x))?;
-        self.rank
-            .upload_prefix(s.topk_idx.region(), bytemuck::cast_slice(topk_idx))?;
-        self.rank
-            .upload_prefix(s.weights.region(), bytemuck::cast_slice(weights))?;
-        self.sets[set].num_tokens = n;
-        Ok(())
+        q.upload_prefix(s.x.region(), bytemuck::cast_slice(x))?;
+        q.upload_prefix(s.topk_idx.region(), bytemuck::cast_slice(topk_idx))?;
+        q.upload_prefix(s.weights.region(), bytemuck::cast_slice(weights))?;
+        Ok(n)
     }
 
-    /// Declares that `set`'s input holds `n` tokens (caller-owned memory bound with
-    /// [`CudaLl::set_io`], not [`CudaLl::upload_input`]). The ids are not checked on the host.
-    pub fn set_num_tokens(&mut self, set: usize, n: usize) -> Result<()> {
-        self.set(set)?;
+    /// Records `n` as the tokens of `set`'s dispatch (its send half), refused above
+    /// `max_tokens_per_rank`. The ids are not checked on the host.
+    fn begin_dispatch(&self, set: usize, n: usize) -> Result<()> {
+        let s = self.set(set)?;
         if n > self.cfg.max_tokens_per_rank {
             return Err(Error::input(
                 "LL tokens",
@@ -612,7 +612,7 @@ impl CudaLl {
                 ),
             ));
         }
-        self.sets[set].num_tokens = n;
+        s.num_tokens.set(n);
         Ok(())
     }
 
@@ -625,39 +625,16 @@ impl CudaLl {
                 format!("{} values, expected {want} ([L, R*T, H])", y.len()),
             ));
         }
-        self.rank.wait("before LL expert output upload")?;
-        self.rank
-            .upload_prefix(self.set(set)?.y.region(), bytemuck::cast_slice(y))
-    }
-
-    /// The launches of `set` use `io`'s caller-owned memory from now on (until
-    /// [`CudaLl::clear_io`]); sizes are checked when they launch. Captured graphs keep the
-    /// addresses they were captured with.
-    pub fn set_io(&mut self, set: usize, io: LlIo) -> Result<()> {
-        self.set(set)?;
-        self.sets[set].io = io;
-        Ok(())
-    }
-
-    /// Back to the set's own buffers.
-    pub fn clear_io(&mut self, set: usize) -> Result<()> {
-        self.set_io(set, LlIo::default())
-    }
-
-    /// Runs `f` with `io` bound to `set`, unbinding it afterwards whatever `f` returned: a
-    /// later launch never sees this call's memory (as `CudaHt::with_io`).
-    pub fn with_io<T>(&mut self, set: usize, io: LlIo, f: impl FnOnce(&Self) -> Result<T>) -> Result<T> {
-        self.set_io(set, io)?;
-        let out = f(self);
-        self.clear_io(set)?;
-        out
+        let q = self.rank.own();
+        q.wait("before LL expert output upload")?;
+        q.upload_prefix(self.set(set)?.y.region(), bytemuck::cast_slice(y))
     }
 
     /// Fills every output of `set` with [`POISON`] (queued on the stream).
-    pub fn poison_outputs(&self, set: usize) -> Result<()> {
+    pub fn poison_outputs(&self, q: Queue<'_>, set: usize) -> Result<()> {
         let s = self.set(set)?;
         poison(
-            &self.rank,
+            q,
             &[
                 &s.recv_x,
                 &s.recv_scales,
@@ -687,11 +664,11 @@ impl CudaLl {
         }
     }
 
-    fn args(&self, set: usize) -> Result<LlArgs> {
+    fn args(&self, set: usize, io: &LlIo) -> Result<LlArgs> {
         let s = self.set(set)?;
         let cfg = &self.cfg;
-        let io = &s.io;
-        let (n, h, k, l, r) = (s.num_tokens, cfg.hidden, cfg.topk, cfg.local_experts(), cfg.ranks);
+        let n = s.num_tokens.get();
+        let (h, k, l, r) = (cfg.hidden, cfg.topk, cfg.local_experts(), cfg.ranks);
         let rows = LlLayout::out_rows(cfg);
         let fp8 = cfg.dispatch_dtype.is_fp8();
         Ok(LlArgs {
@@ -728,7 +705,7 @@ impl CudaLl {
             state: s.state.region().ptr,
             timeout_ns: u64::try_from(self.rank.options().kernel_timeout.as_nanos()).unwrap_or(u64::MAX),
             err: self.rank.fabric_err_dev(),
-            num_tokens: s.num_tokens as i32,
+            num_tokens: n as i32,
             hidden: cfg.hidden as i32,
             topk: cfg.topk as i32,
             experts: cfg.experts as i32,
@@ -782,13 +759,13 @@ impl CudaLl {
         })
     }
 
-    fn launch(&self, name: &'static str, smem: usize, set: usize) -> Result<()> {
+    fn launch(&self, q: Queue<'_>, name: &'static str, smem: usize, set: usize, io: &LlIo) -> Result<()> {
         let masked = self.rank_mask != 0 || self.masked_since_fill.load(Ordering::Relaxed);
         if masked {
             self.masked_since_fill.store(true, Ordering::Relaxed);
         }
         let name = names::variant(name, self.across_nodes(), masked);
-        let args = self.args(set)?;
+        let args = self.args(set, io)?;
         // SAFETY: LlArgs is the kernel parameter (generated from abi/ll.h; rustc and nvcc
         // assert its layout); every pointer in it belongs to self (window, set buffers) or the
         // rank (error record), which outlive the launch: owners wait for the stream before dropping
@@ -798,10 +775,7 @@ impl CudaLl {
         // passes this launch. Offsets come from LlLayout, which sized the window and buffers.
         // Launched with programmatic stream serialization allowed: every LL entry point runs
         // griddepcontrol.wait (kernel_enter in ll/common.cuh) before any access.
-        unsafe {
-            self.rank
-                .launch_ex(name, self.grid, THREADS, smem as u32, true, &args)
-        }
+        unsafe { q.launch_ex(name, self.grid, THREADS, smem as u32, true, &args) }
     }
 
     /// The launch floor of the bench: [`names::EMPTY`] with this grid, block and arguments
@@ -809,10 +783,11 @@ impl CudaLl {
     /// kernels. The caller raised the kernel's shared-memory limit to `smem`.
     #[cfg(feature = "harness")]
     pub(crate) fn launch_empty(&self, smem: usize) -> Result<()> {
-        let args = self.args(0)?;
+        let args = self.args(0, &LlIo::default())?;
         // SAFETY: as in `launch`; the kernel reads nothing of `args` (kernel_enter only).
         unsafe {
             self.rank
+                .own()
                 .launch_ex(names::EMPTY, self.grid, THREADS, smem as u32, true, &args)
         }
     }
@@ -823,58 +798,73 @@ impl CudaLl {
     #[cfg(feature = "harness")]
     pub(crate) fn launch_hold(&self, ns: u64) -> Result<()> {
         // SAFETY: the kernel's one parameter is a u64 passed by value; it touches no memory.
-        unsafe { self.rank.launch_ex(names::HOLD, 1, 32, 0, false, &ns) }
+        unsafe { self.rank.own().launch_ex(names::HOLD, 1, 32, 0, false, &ns) }
     }
 
-    /// Dispatch, first half: quantize (FP8) and send this rank's tokens of `set`; returns
-    /// once the launch is queued.
-    pub fn dispatch_send(&self, set: usize) -> Result<()> {
-        self.launch(names::DISPATCH_SEND, self.layout.dispatch_send_smem, set)
+    /// Dispatch, first half: quantize (FP8) and send the `num_tokens` tokens of `io`'s input
+    /// (or `set`'s own buffers); returns once the launch is queued on `q`.
+    pub fn dispatch_send(&self, q: Queue<'_>, set: usize, num_tokens: usize, io: &LlIo) -> Result<()> {
+        self.begin_dispatch(set, num_tokens)?;
+        self.launch(q, names::DISPATCH_SEND, self.layout.dispatch_send_smem, set, io)
     }
 
     /// Dispatch, second half: wait for every source (deadline) and expand into the
-    /// expert-major output of `set`.
-    pub fn dispatch_recv(&self, set: usize) -> Result<()> {
-        self.launch(names::DISPATCH_RECV, self.layout.dispatch_recv_smem, set)
+    /// expert-major output of `set` (or `io`'s).
+    pub fn dispatch_recv(&self, q: Queue<'_>, set: usize, io: &LlIo) -> Result<()> {
+        self.launch(q, names::DISPATCH_RECV, self.layout.dispatch_recv_smem, set, io)
     }
 
     /// Combine, first half: send every valid expert row of `set` back to its source.
-    pub fn combine_send(&self, set: usize) -> Result<()> {
-        self.launch(names::COMBINE_SEND, self.layout.combine_send_smem, set)
+    pub fn combine_send(&self, q: Queue<'_>, set: usize, io: &LlIo) -> Result<()> {
+        self.launch(q, names::COMBINE_SEND, self.layout.combine_send_smem, set, io)
     }
 
     /// Combine, second half: wait for every expert rank and reduce in top-k order.
-    pub fn combine_recv(&self, set: usize) -> Result<()> {
-        self.launch(names::COMBINE_RECV, 0, set)
+    pub fn combine_recv(&self, q: Queue<'_>, set: usize, io: &LlIo) -> Result<()> {
+        self.launch(q, names::COMBINE_RECV, 0, set, io)
     }
 
     /// Both halves of dispatch in one launch (the fused kernel; the halves alone are
     /// [`CudaLl::dispatch_send`] and [`CudaLl::dispatch_recv`]).
-    pub fn dispatch(&self, set: usize) -> Result<()> {
-        self.launch(names::DISPATCH_FUSED, self.layout.dispatch_fused_smem(), set)
+    pub fn dispatch(&self, q: Queue<'_>, set: usize, num_tokens: usize, io: &LlIo) -> Result<()> {
+        self.begin_dispatch(set, num_tokens)?;
+        self.launch(
+            q,
+            names::DISPATCH_FUSED,
+            self.layout.dispatch_fused_smem(),
+            set,
+            io,
+        )
     }
 
     /// Both halves of combine in one launch (the fused kernel; the halves alone are
     /// [`CudaLl::combine_send`] and [`CudaLl::combine_recv`]).
-    pub fn combine(&self, set: usize) -> Result<()> {
-        self.launch(names::COMBINE_FUSED, self.layout.combine_send_smem, set)
+    pub fn combine(&self, q: Queue<'_>, set: usize, io: &LlIo) -> Result<()> {
+        self.launch(q, names::COMBINE_FUSED, self.layout.combine_send_smem, set, io)
     }
 
-    /// Captures what `f` queues on the rank's stream into a graph (nothing runs now). `f`
-    /// must only launch (no waits, copies from pageable memory or memsets of other streams).
-    pub fn capture(&self, f: impl FnOnce(&Self) -> Result<()>) -> Result<Graph> {
-        self.rank.capture(|| f(self))
+    /// Captures what `f` queues on `q` into a graph (nothing runs now). `f` must only
+    /// launch on `q` (no waits, copies from pageable memory or memsets of other streams).
+    /// The graph keeps the addresses and token counts it was captured with.
+    pub fn capture(&self, q: Queue<'_>, f: impl FnOnce(&Self) -> Result<()>) -> Result<Graph> {
+        q.capture(|| f(self))
     }
 
-    /// Queues one replay of `g` on the rank's stream.
-    pub fn replay(&self, g: &Graph) -> Result<()> {
+    /// Queues one replay of `g` on `q`.
+    pub fn replay(&self, q: Queue<'_>, g: &Graph) -> Result<()> {
         // SAFETY: the graph's kernels reference self's buffers (alive).
-        unsafe { self.rank.replay(g) }
+        unsafe { q.replay(g) }
+    }
+
+    /// The rank's own stream, on which the harness's driver-level runs queue.
+    #[cfg(feature = "harness")]
+    pub(crate) fn own(&self) -> Queue<'_> {
+        self.rank.own()
     }
 
     /// Waits (bounded) and reads the dispatch outputs of `set`.
-    pub fn download_dispatch(&self, set: usize) -> Result<LlDispatchOutput> {
-        self.rank.wait("LL dispatch")?;
+    pub fn download_dispatch(&self, q: Queue<'_>, set: usize) -> Result<LlDispatchOutput> {
+        q.wait("LL dispatch")?;
         let s = self.set(set)?;
         let cfg = &self.cfg;
         let (h, l) = (cfg.hidden, cfg.local_experts());
@@ -882,73 +872,66 @@ impl CudaLl {
         let recv_x = if cfg.dispatch_dtype.is_fp8() {
             let mut data = vec![0u8; rows * h];
             let mut scales = vec![0f32; rows * (h / FP8_BLOCK)];
-            self.rank.download_prefix(s.recv_x.region(), &mut data)?;
-            self.rank
-                .download_prefix(s.recv_scales.region(), bytemuck::cast_slice_mut(&mut scales))?;
+            q.download_prefix(s.recv_x.region(), &mut data)?;
+            q.download_prefix(s.recv_scales.region(), bytemuck::cast_slice_mut(&mut scales))?;
             Rows::Fp8 { data, scales }
         } else {
             let mut v = vec![bf16::ZERO; rows * h];
-            self.rank
-                .download_prefix(s.recv_x.region(), bytemuck::cast_slice_mut(&mut v))?;
+            q.download_prefix(s.recv_x.region(), bytemuck::cast_slice_mut(&mut v))?;
             Rows::Bf16(v)
         };
-        let counts: Vec<i32> = self.rank.download_prefix_vec(s.recv_count.region(), l)?;
+        let counts: Vec<i32> = q.download_prefix_vec(s.recv_count.region(), l)?;
         Ok(LlDispatchOutput {
             recv_x,
             recv_count: counts.iter().map(|&c| c.max(0) as usize).collect(),
-            handle: self.download_handle(set)?,
+            handle: self.download_handle(q, set)?,
         })
     }
 
     /// Waits and reads the combine handle of `set`'s last dispatch (the set's own buffers:
     /// the handle never lives in caller memory).
-    pub(crate) fn download_handle(&self, set: usize) -> Result<LlRouting> {
-        self.rank.wait("LL dispatch handle")?;
+    pub(crate) fn download_handle(&self, q: Queue<'_>, set: usize) -> Result<LlRouting> {
+        q.wait("LL dispatch handle")?;
         let s = self.set(set)?;
         let (l, r) = (self.cfg.local_experts(), self.cfg.ranks);
         let rows = LlLayout::out_rows(&self.cfg);
-        let ranges: Vec<u32> = self
-            .rank
-            .download_prefix_vec(s.layout_range.region(), 2 * l * r)?;
+        let ranges: Vec<u32> = q.download_prefix_vec(s.layout_range.region(), 2 * l * r)?;
         Ok(LlRouting {
-            num_tokens: s.num_tokens,
+            num_tokens: s.num_tokens.get(),
             layout_range: ranges.chunks(2).map(|p| (p[0], p[1])).collect(),
-            src_rank: self.rank.download_prefix_vec(s.src_rank.region(), rows)?,
-            src_token: self.rank.download_prefix_vec(s.src_token.region(), rows)?,
-            src_k: self.rank.download_prefix_vec(s.src_k.region(), rows)?,
+            src_rank: q.download_prefix_vec(s.src_rank.region(), rows)?,
+            src_token: q.download_prefix_vec(s.src_token.region(), rows)?,
+            src_k: q.download_prefix_vec(s.src_k.region(), rows)?,
             set,
         })
     }
 
     /// Waits and reads `recv_count` of `set` (i32, as the device holds it).
-    pub fn download_counts(&self, set: usize) -> Result<Vec<i32>> {
-        self.rank.wait("LL dispatch counts")?;
-        self.rank
-            .download_prefix_vec(self.set(set)?.recv_count.region(), self.cfg.local_experts())
+    pub fn download_counts(&self, q: Queue<'_>, set: usize) -> Result<Vec<i32>> {
+        q.wait("LL dispatch counts")?;
+        q.download_prefix_vec(self.set(set)?.recv_count.region(), self.cfg.local_experts())
     }
 
     /// Waits and reads the packed UE8M0 scale exponents of `set` (`[L, R*T, H/128]` bytes).
-    pub fn download_ue8m0(&self, set: usize) -> Result<Vec<u8>> {
-        self.rank.wait("LL dispatch scales")?;
+    pub fn download_ue8m0(&self, q: Queue<'_>, set: usize) -> Result<Vec<u8>> {
+        q.wait("LL dispatch scales")?;
         let n = LlLayout::out_rows(&self.cfg) * (self.cfg.hidden / FP8_BLOCK);
-        self.rank
-            .download_prefix_vec(self.set(set)?.recv_ue8m0.region(), n)
+        q.download_prefix_vec(self.set(set)?.recv_ue8m0.region(), n)
     }
 
     /// Waits and reads the combined tokens `[N, H]` of `set`.
-    pub fn download_combined(&self, set: usize) -> Result<Vec<bf16>> {
-        self.rank.wait("LL combine")?;
+    pub fn download_combined(&self, q: Queue<'_>, set: usize) -> Result<Vec<bf16>> {
+        q.wait("LL combine")?;
         let s = self.set(set)?;
-        self.rank
-            .download_prefix_vec(s.combined.region(), s.num_tokens * self.cfg.hidden)
+        q.download_prefix_vec(s.combined.region(), s.num_tokens.get() * self.cfg.hidden)
     }
 }
 
 /// Fills every whole u32 of `bufs` with POISON, so a row the kernels do not write shows.
-pub(crate) fn poison(rank: &CudaRank, bufs: &[&DeviceBuffer]) -> Result<()> {
+pub(crate) fn poison(q: Queue<'_>, bufs: &[&DeviceBuffer]) -> Result<()> {
     for b in bufs {
         let r = b.region();
-        rank.memset_u32(r.sub(0, r.len() / 4 * 4)?, POISON)?;
+        q.memset_u32(r.sub(0, r.len() / 4 * 4)?, POISON)?;
     }
     Ok(())
 }

@@ -176,7 +176,7 @@ impl Drop for DeviceBuffer {
 /// Pinned host memory mapped into the device (cuMemHostAlloc DEVICEMAP): kernels write
 /// error records here, and the host reads them without a copy.
 pub(crate) struct HostMapped<T: Copy + Default> {
-    host: *mut T,
+    pub(super) host: *mut T,
     pub(crate) dev: sys::CUdeviceptr,
     ctx: Arc<CudaContext>,
 }
@@ -270,7 +270,7 @@ impl CudaRank {
         bytes: usize,
     ) -> Result<()> {
         let stream = match side {
-            None => self.stream(),
+            None => self.stream,
             Some((s, i)) => {
                 self.check_side(s)?;
                 *s.streams
@@ -360,21 +360,6 @@ impl CudaRank {
         Ok((start, size as u64))
     }
 
-    /// Copies the caller's `src` (all of it) into the start of `dst`, on the stream.
-    pub fn copy_from_external(&self, dst: DeviceRegion<'_>, src: ExternalSpan) -> Result<()> {
-        let dst = dst.sub(0, src.bytes)?;
-        // SAFETY: dst is live and holds src.bytes (checked); src was checked to be device
-        // memory of this GPU by `external`, its owner keeps it alive until the copy is done.
-        unsafe { self.copy_raw(dst.ptr, src.ptr, src.bytes) }
-    }
-
-    /// Copies the first `dst.len()` bytes of `src` into the caller's `dst`, on the stream.
-    pub fn copy_to_external(&self, src: DeviceRegion<'_>, dst: ExternalSpan) -> Result<()> {
-        let src = src.sub(0, dst.bytes)?;
-        // SAFETY: as copy_from_external, the other way round.
-        unsafe { self.copy_raw(dst.ptr, src.ptr, dst.bytes) }
-    }
-
     /// Allocates `bytes` of device memory.
     pub fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
         if bytes == 0 {
@@ -411,146 +396,5 @@ impl CudaRank {
     /// Pinned host memory the kernels can write (host-mapped), initialized to `T::default()`.
     pub(crate) fn host_mapped<T: Copy + Default>(&self) -> Result<HostMapped<T>> {
         HostMapped::new(&self.ctx)
-    }
-
-    /// Copies `src` into device memory `dst` (same length). Waits (bounded) for the stream
-    /// to be idle first, so the copy from pageable memory cannot block behind a kernel, and
-    /// again after it.
-    pub fn upload(&self, dst: DeviceRegion<'_>, src: &[u8]) -> Result<()> {
-        if src.len() != dst.bytes {
-            return Err(Error::input(
-                "upload",
-                format!("{} bytes into a region of {}", src.len(), dst.bytes),
-            ));
-        }
-        if src.is_empty() {
-            return Ok(());
-        }
-        self.wait("before upload")?;
-        self.copy_htod(dst, src)?;
-        self.wait("upload")
-    }
-
-    /// Copies device memory `src` into `dst` (same length), waiting (bounded) before and after.
-    pub fn download(&self, src: DeviceRegion<'_>, dst: &mut [u8]) -> Result<()> {
-        if dst.len() != src.bytes {
-            return Err(Error::input(
-                "download",
-                format!("{} bytes from a region of {}", dst.len(), src.bytes),
-            ));
-        }
-        if dst.is_empty() {
-            return Ok(());
-        }
-        self.wait("before download")?;
-        self.copy_dtoh(src, dst)?;
-        self.wait("download")
-    }
-
-    /// Queues a copy of `src` into the start of `dst` (which may be larger), not waited for:
-    /// the caller waits first when a kernel may still use `dst`.
-    pub(crate) fn upload_prefix(&self, dst: DeviceRegion<'_>, src: &[u8]) -> Result<()> {
-        if src.is_empty() {
-            return Ok(());
-        }
-        self.copy_htod(dst, src)
-    }
-
-    /// Copies the start of `src` (which may be larger) into `dst` and waits (bounded) for
-    /// it; the caller waited for earlier work first.
-    pub(crate) fn download_prefix(&self, src: DeviceRegion<'_>, dst: &mut [u8]) -> Result<()> {
-        if dst.is_empty() {
-            return Ok(());
-        }
-        self.copy_dtoh(src, dst)?;
-        self.wait("device-to-host copy")
-    }
-
-    /// [`CudaRank::download_prefix`] of `n` values of `T`.
-    pub(crate) fn download_prefix_vec<T: bytemuck::Pod + bytemuck::Zeroable>(
-        &self,
-        src: DeviceRegion<'_>,
-        n: usize,
-    ) -> Result<Vec<T>> {
-        let mut v: Vec<T> = bytemuck::zeroed_vec(n);
-        self.download_prefix(src, bytemuck::cast_slice_mut(&mut v))?;
-        Ok(v)
-    }
-
-    /// The one host-to-device copy of the rank: `src` into the start of `dst`, queued on the
-    /// stream.
-    fn copy_htod(&self, dst: DeviceRegion<'_>, src: &[u8]) -> Result<()> {
-        let dst = dst.sub(0, src.len())?;
-        // SAFETY: dst is a live region of src.len() bytes (checked); from pageable memory the
-        // driver stages src before returning, so src may go away afterwards.
-        cu_raw("cuMemcpyHtoDAsync", unsafe {
-            sys::cuMemcpyHtoDAsync_v2(dst.ptr, src.as_ptr() as *const c_void, src.len(), self.stream())
-        })
-    }
-
-    /// The one device-to-host copy of the rank: the start of `src` into `dst`, queued on the
-    /// stream.
-    fn copy_dtoh(&self, src: DeviceRegion<'_>, dst: &mut [u8]) -> Result<()> {
-        let src = src.sub(0, dst.len())?;
-        // SAFETY: src is live for dst.len() bytes (checked); into pageable memory the copy
-        // completes before the call returns.
-        cu_raw("cuMemcpyDtoHAsync", unsafe {
-            sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr() as *mut c_void, src.ptr, dst.len(), self.stream())
-        })
-    }
-
-    /// Fills `r` with the byte `value` (on the stream, not waited for).
-    pub fn memset_u8(&self, r: DeviceRegion<'_>, value: u8) -> Result<()> {
-        if r.bytes == 0 {
-            return Ok(());
-        }
-        // SAFETY: r is a live region of r.bytes bytes.
-        cu_raw("cuMemsetD8Async", unsafe {
-            sys::cuMemsetD8Async(r.ptr, value, r.bytes, self.stream())
-        })
-    }
-
-    /// Fills `r` with the 32-bit `value` (r.len() must be a multiple of 4).
-    pub fn memset_u32(&self, r: DeviceRegion<'_>, value: u32) -> Result<()> {
-        if !r.bytes.is_multiple_of(4) {
-            return Err(Error::input("memset_u32", "length not a multiple of 4"));
-        }
-        // SAFETY: r is a live region of r.bytes bytes.
-        let res = unsafe { sys::cuMemsetD32Async(r.ptr, value, r.bytes / 4, self.stream()) };
-        if res != sys::CUresult::CUDA_SUCCESS {
-            // Say which context is current: a region of another context (or a thread
-            // bound to the wrong one) is the usual cause of INVALID_VALUE here.
-            let mut cur: sys::CUcontext = std::ptr::null_mut();
-            // SAFETY: writes one handle.
-            unsafe { sys::cuCtxGetCurrent(&mut cur) };
-            return Err(Error::Device {
-                call: "cuMemsetD32Async".into(),
-                reason: format!(
-                    "{res:?} (ptr {:#x}, {} bytes, current context {:?}, rank context {:?})",
-                    r.ptr,
-                    r.bytes,
-                    cur,
-                    self.ctx.cu_ctx()
-                ),
-            });
-        }
-        Ok(())
-    }
-
-    /// Copies the first two u64 of `src` to the host, waiting (bounded). The copy lands in
-    /// pinned memory this rank owns, so a copy still pending after a timeout writes into
-    /// memory that is still ours.
-    pub fn read_u64_pair(&self, src: DeviceRegion<'_>) -> Result<[u64; 2]> {
-        let bytes = std::mem::size_of::<[u64; 2]>();
-        if bytes > src.bytes {
-            return Err(Error::input("read_u64_pair", "region too small"));
-        }
-        // SAFETY: staging.host is pinned memory of `bytes` owned by self; src is live.
-        let r = unsafe {
-            sys::cuMemcpyDtoHAsync_v2(self.staging.host as *mut c_void, src.ptr, bytes, self.stream())
-        };
-        cu_raw("cuMemcpyDtoHAsync", r)?;
-        self.wait("device-to-host copy")?;
-        Ok(self.staging.read())
     }
 }

@@ -95,8 +95,6 @@ pub struct CudaRank {
     pub(super) functions: RefCell<HashMap<&'static str, sys::CUfunction>>,
     pub(super) module: sys::CUmodule,
     pub(super) stream: sys::CUstream,
-    /// A stream of the embedding framework used instead of `stream` ([`CudaRank::set_stream`]).
-    pub(super) external_stream: Cell<Option<sys::CUstream>>,
     pub(super) comm: Rc<Comm>,
     pub(super) ctx: Arc<CudaContext>,
     pub(super) info: RankInfo,
@@ -393,7 +391,6 @@ impl CudaRank {
             functions: RefCell::new(HashMap::new()),
             module,
             stream,
-            external_stream: Cell::new(None),
             comm,
             ctx,
             info,
@@ -579,82 +576,6 @@ impl CudaRank {
         Ok(f)
     }
 
-    /// Launches `name` with one by-value struct parameter.
-    ///
-    /// # Safety
-    /// `args` must be the exact host mirror of the kernel's parameter, and every pointer in
-    /// it must stay valid (and be of the right size) until the kernel ends.
-    pub(crate) unsafe fn launch<A: Copy>(
-        &self,
-        name: &'static str,
-        grid: u32,
-        block: u32,
-        args: &A,
-    ) -> Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.launch_smem(name, grid, block, 0, args) }
-    }
-
-    /// [`CudaRank::launch`] with `smem` bytes of dynamic shared memory (above 48 KiB the
-    /// caller must have raised the function's ceiling, see [`CudaRank::set_max_smem`]).
-    ///
-    /// # Safety
-    /// As [`CudaRank::launch`].
-    pub(crate) unsafe fn launch_smem<A: Copy>(
-        &self,
-        name: &'static str,
-        grid: u32,
-        block: u32,
-        smem: u32,
-        args: &A,
-    ) -> Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.launch_ex(name, grid, block, smem, false, args) }
-    }
-
-    /// [`CudaRank::launch_smem`], with `pdl`: programmatic stream serialization, i.e. the
-    /// kernel may start before the previous kernel on the stream has finished (the kernel
-    /// must run `griddepcontrol.wait` before touching anything that kernel wrote).
-    ///
-    /// # Safety
-    /// As [`CudaRank::launch`]; with `pdl`, the kernel must wait as said above.
-    pub(crate) unsafe fn launch_ex<A: Copy>(
-        &self,
-        name: &'static str,
-        grid: u32,
-        block: u32,
-        smem: u32,
-        pdl: bool,
-        args: &A,
-    ) -> Result<()> {
-        let f = self.function(name)?;
-        let mut params = [args as *const A as *mut c_void];
-        let mut attr = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value: sys::CUlaunchAttributeValue { pad: [0; 64] },
-        };
-        attr.value.programmaticStreamSerializationAllowed = 1;
-        let config = sys::CUlaunchConfig {
-            gridDimX: grid,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: block,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: smem,
-            hStream: self.stream(),
-            attrs: &mut attr,
-            // Without `pdl` the attribute is not passed: a plain stream-ordered launch.
-            numAttrs: u32::from(pdl),
-        };
-        // SAFETY: the caller's contract; `config`, `attr` and `params` live across the call,
-        // and cuLaunchKernelEx copies the parameter bytes before returning, so `args` may go
-        // out of scope afterwards.
-        let r = unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) };
-        cu_raw(name, r)
-    }
-
     /// Raises `name`'s dynamic shared memory ceiling to `bytes`.
     pub(crate) fn set_max_smem(&self, name: &'static str, bytes: u32) -> Result<()> {
         let f = self.function(name)?;
@@ -739,7 +660,7 @@ impl CudaRank {
                         self.ctx.cu_ctx(),
                         src.ptr,
                         bytes,
-                        self.stream(),
+                        self.stream,
                     )
                 })?;
                 self.record(ev)?;

@@ -7,9 +7,8 @@
 //! Never: waits without a deadline.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
-use cudarc::driver::{result, sys, CudaContext, DriverError};
+use cudarc::driver::{result, sys, CudaContext};
 
 use super::result::{cu, fabric_error_to_error};
 use super::CudaRank;
@@ -22,6 +21,10 @@ pub struct Event {
 }
 
 impl Event {
+    pub(super) fn raw(&self) -> sys::CUevent {
+        self.raw
+    }
+
     /// Milliseconds from `self` to `end`, both recorded and complete.
     pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
         // SAFETY: both events are live and were created with timing enabled.
@@ -92,57 +95,10 @@ impl Drop for SideStreams {
 }
 
 impl CudaRank {
-    /// The stream every operation of this rank queues on: the stream set with
-    /// [`CudaRank::set_stream`], else the rank's own.
-    pub(crate) fn stream(&self) -> sys::CUstream {
-        self.external_stream.get().unwrap_or(self.stream)
-    }
-
     /// Makes this rank's context current on the calling thread. Calls from a thread
     /// other than the one that built the rank (PyTorch's autograd threads) need it first.
     pub fn bind_to_thread(&self) -> Result<()> {
         cu("cuCtxSetCurrent", self.ctx.bind_to_thread())
-    }
-
-    /// Queues every later operation of this rank (launches, copies, waits, events) on the
-    /// external stream `raw` instead of the rank's own; `None` returns to the own stream.
-    /// For embedding in a framework that owns the streams (PyTorch's current stream).
-    ///
-    /// # Safety
-    /// `raw` must be a live stream of this rank's context (the device's primary context)
-    /// until the next `set_stream`, or 0 (the legacy default stream).
-    pub unsafe fn set_stream(&self, raw: Option<u64>) {
-        self.external_stream.set(raw.map(|r| r as sys::CUstream));
-    }
-
-    /// Runs `f` with this rank's context current on the calling thread and every operation
-    /// of the rank queued on the framework's stream `raw` (0: the legacy default stream),
-    /// then returns to the rank's own stream, also when `f` fails. `raw` is checked to be a
-    /// stream of this rank's context first; the caller keeps it alive during the call (a
-    /// framework's current stream is).
-    pub fn on_stream<T>(&self, raw: u64, f: impl FnOnce(&CudaRank) -> Result<T>) -> Result<T> {
-        self.bind_to_thread()?;
-        if raw != 0 {
-            let mut ctx: sys::CUcontext = std::ptr::null_mut();
-            // SAFETY: cuStreamGetCtx only reads the handle and writes one CUcontext.
-            let r = unsafe { sys::cuStreamGetCtx(raw as sys::CUstream, &mut ctx) };
-            if r != sys::CUresult::CUDA_SUCCESS || ctx != self.ctx.cu_ctx() {
-                return Err(Error::input(
-                    "stream",
-                    format!(
-                        "{raw:#x} is not a stream of GPU {}'s context ({r:?})",
-                        self.info.device
-                    ),
-                ));
-            }
-        }
-        // SAFETY: `raw` is 0 or a stream of this context (checked above), live for the call
-        // (the caller's contract); the override ends before this function returns.
-        unsafe { self.set_stream(Some(raw)) };
-        let out = f(self);
-        // SAFETY: back to the rank's own stream.
-        unsafe { self.set_stream(None) };
-        out
     }
 
     /// `n` streams beside the rank's own (non-blocking, like it), each with an event, plus
@@ -190,10 +146,7 @@ impl CudaRank {
         let forked = side.forked;
         // SAFETY: the event and every stream are live handles of this context (checked).
         unsafe {
-            cu(
-                "cuEventRecord(fork)",
-                result::event::record(forked, self.stream()),
-            )?;
+            cu("cuEventRecord(fork)", result::event::record(forked, self.stream))?;
             for &s in &side.streams {
                 cu(
                     "cuStreamWaitEvent(fork)",
@@ -215,7 +168,7 @@ impl CudaRank {
                 cu(
                     "cuStreamWaitEvent(join)",
                     result::stream::wait_event(
-                        self.stream(),
+                        self.stream,
                         e,
                         sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
                     ),
@@ -237,92 +190,8 @@ impl CudaRank {
         })
     }
 
-    /// Records `ev` on the rank's stream.
-    pub fn record(&self, ev: &Event) -> Result<()> {
-        // SAFETY: both handles are live.
-        cu("cuEventRecord", unsafe {
-            result::event::record(ev.raw, self.stream())
-        })
-    }
-
-    /// Waits until the stream is idle, polling with the host deadline; then reports a
-    /// missed in-kernel deadline recorded by any kernel since the last check.
-    pub fn wait(&self, what: &str) -> Result<()> {
-        self.wait_inner(what, false, None)
-    }
-
-    /// As [`CudaRank::wait`], but polls without sleeping: for timed loops, where a sleep of up
-    /// to a millisecond would be measured as part of the operation.
-    pub fn wait_busy(&self, what: &str) -> Result<()> {
-        self.wait_inner(what, true, None)
-    }
-
-    /// As [`CudaRank::wait_busy`], but also ends as soon as `published()` holds: for a
-    /// host-mapped word a kernel writes before its tail, so the host can act on it before
-    /// the kernel has ended (and before the driver reports the stream idle). The stream is
-    /// queried once per 32 checks of the word, so a kernel that ends without writing it still
-    /// ends the wait.
-    pub fn wait_busy_until(&self, what: &str, published: &mut dyn FnMut() -> bool) -> Result<()> {
-        self.wait_inner(what, true, Some(published))
-    }
-
-    fn wait_inner(
-        &self,
-        what: &str,
-        busy: bool,
-        mut published: Option<&mut dyn FnMut() -> bool>,
-    ) -> Result<()> {
-        let start = Instant::now();
-        let mut pause = Duration::from_micros(5);
-        let mut checks = 0u32;
-        loop {
-            if let Some(p) = published.as_mut() {
-                if p() {
-                    break;
-                }
-                checks = checks.wrapping_add(1);
-                if !checks.is_multiple_of(32) {
-                    std::hint::spin_loop();
-                    continue;
-                }
-            }
-            // SAFETY: stream is live.
-            let r = unsafe { sys::cuStreamQuery(self.stream()) };
-            match r {
-                sys::CUresult::CUDA_SUCCESS => break,
-                sys::CUresult::CUDA_ERROR_NOT_READY => {}
-                other => {
-                    self.comm.mark_failed();
-                    return Err(Error::Device {
-                        call: format!("cuStreamQuery ({what})"),
-                        reason: format!("{:?}", DriverError(other)),
-                    });
-                }
-            }
-            if start.elapsed() > self.opts.host_timeout {
-                self.comm.mark_failed();
-                self.check_fabric()?;
-                return Err(Error::Device {
-                    call: format!("stream wait ({what})"),
-                    reason: format!(
-                        "not finished within {:?} and no kernel recorded a missed deadline \
-                         (an NCCL operation or a kernel is stuck)",
-                        self.opts.host_timeout
-                    ),
-                });
-            }
-            if busy {
-                std::hint::spin_loop();
-            } else {
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(1));
-            }
-        }
-        self.check_fabric()
-    }
-
     /// The first missed in-kernel deadline since the last check, as an error.
-    fn check_fabric(&self) -> Result<()> {
+    pub(super) fn check_fabric(&self) -> Result<()> {
         let rec = self.fabric_err.read();
         if rec.claimed == 0 {
             return Ok(());

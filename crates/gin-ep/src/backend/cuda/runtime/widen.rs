@@ -12,7 +12,7 @@ use cudarc::driver::sys;
 
 use super::memory::ExternalSpan;
 use super::result::cu_raw;
-use super::CudaRank;
+use super::Queue;
 use crate::error::{Error, Result};
 
 /// One strided copy: `height` rows of `width` bytes, row r from `src_off + r * src_pitch`
@@ -46,8 +46,8 @@ pub fn i32_to_i64_copies(n: usize) -> [StridedCopy; 5] {
     [low, sign(0), sign(1), sign(2), sign(3)]
 }
 
-impl CudaRank {
-    /// Queues on the rank's stream the widening of the `n` int32 values at `src` into the
+impl Queue<'_> {
+    /// Queues on the stream the widening of the `n` int32 values at `src` into the
     /// `n` int64 values at `dst` (device memory of this GPU, not overlapping).
     pub fn widen_i32_to_i64(&self, src: ExternalSpan, dst: ExternalSpan, n: usize) -> Result<()> {
         if src.bytes < n * 4 || dst.bytes < n * 8 {
@@ -88,7 +88,7 @@ impl CudaRank {
             // by `CudaRank::external`) at least n*4 and n*8 bytes long (checked above): the
             // last row read ends at src + (n-1)*4 + 4 and the last written at dst + (n-1)*8 + 8.
             cu_raw("cuMemcpy2DAsync(int32 ids to int64)", unsafe {
-                sys::cuMemcpy2DAsync_v2(&p, self.stream())
+                sys::cuMemcpy2DAsync_v2(&p, self.raw())
             })?;
         }
         Ok(())

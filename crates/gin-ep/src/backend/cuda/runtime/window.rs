@@ -209,17 +209,12 @@ impl CudaRank {
         // Zero before registering: registration is collective, so once it returns anywhere
         // every rank has zeroed its copy.
         // SAFETY: ptr..ptr+bytes is the allocation above; the stream is ours.
-        let zeroed = unsafe { result::memset_d8_async(ptr as sys::CUdeviceptr, 0, bytes, self.stream()) };
+        let zeroed = unsafe { result::memset_d8_async(ptr as sys::CUdeviceptr, 0, bytes, self.stream) };
         let filled = cu("cuMemsetD8Async(window)", zeroed).and_then(|_| {
             fills.iter().try_for_each(|&(off, len, value)| {
                 // SAFETY: off..off+len lies inside the allocation (checked above), whole words.
                 let r = unsafe {
-                    sys::cuMemsetD32Async(
-                        ptr as sys::CUdeviceptr + off as u64,
-                        value,
-                        len / 4,
-                        self.stream(),
-                    )
+                    sys::cuMemsetD32Async(ptr as sys::CUdeviceptr + off as u64, value, len / 4, self.stream)
                 };
                 cu_raw("cuMemsetD32Async(window fill)", r)
             })
