@@ -15,7 +15,8 @@ pub(crate) struct PyHtHandle {
 
 pub(crate) enum HtAny {
     Ep(ep::HtHandle),
-    Oracle(gin_ep::ht::HtRouting),
+    // Boxed: the routing is several times the size of an Ep handle.
+    Oracle(Box<gin_ep::ht::HtRouting>),
 }
 
 impl PyHtHandle {
