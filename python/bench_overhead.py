@@ -2,8 +2,10 @@
 low_latency_dispatch and low_latency_combine, by CUDA events (device time) and by the
 host clock (call returned; rank 0's, and the slowest rank's), on every GPU of this host (or
 --world). Compare the device figures with `gin-ep bench --mode ht|ll` at the same shape.
+--handle-cost times what building DeepEP's handle entries costs those calls (world 1 too).
 
     python python/bench_overhead.py --world 2 --tokens 4096 --hidden 7168 --topk 8 --experts 256
+    python python/bench_overhead.py --world 1 --handle-cost --samples 3
 """
 
 import argparse
@@ -65,8 +67,9 @@ def synced(fn, iters):
 
 
 def graphed(fn, iters):
-    """Device us per call of `fn` captured once in a CUDA graph and replayed `iters` times:
-    the device work of the Python path with no host time in it."""
+    """(device us, host us) per call of `fn` captured once in a CUDA graph and replayed
+    `iters` times: the device work of the Python path with no host time in it, and the host
+    time of a replay (what a graph-captured model pays per step)."""
     fn()
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
@@ -79,11 +82,13 @@ def graphed(fn, iters):
     dist.barrier()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    t0 = time.perf_counter()
     for _ in range(iters):
         g.replay()
+    host = (time.perf_counter() - t0) / iters * 1e6
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters, float("nan")
+    return start.elapsed_time(end) * 1e3 / iters, host
 
 
 def profiled(fn, iters, rank):
@@ -245,6 +250,119 @@ def ht_rows(buf, x, idx, w, e, a, rows, out, rank):
             profiled(lambda: (disp(), torch.cuda.synchronize()), a.iters, rank)
 
 
+class _NoHandleEntries:
+    """Within it, GPU dispatches build their handles without DeepEP's entries: the HT
+    `rank_prefix_matrix` and the LL `src_info` views are None (the rest of each handle as
+    usual), so rows timed inside and outside it differ by what building them costs."""
+
+    def __enter__(self):
+        from gin_ep import _gpu
+        self.cls = _gpu.Gpu
+        self.saved = {n: getattr(self.cls, n) for n in ("ht_rank_prefix", "ll_src_info") if hasattr(self.cls, n)}
+        for n in self.saved:
+            setattr(self.cls, n, lambda *args, **kw: None)
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(self.cls, n, f)
+
+    def applies(self) -> bool:
+        """Whether the gin_ep imported builds those entries (an older wheel may not)."""
+        from gin_ep import _gpu
+        return all(hasattr(_gpu.Gpu, n) for n in ("ht_rank_prefix", "ll_src_info"))
+
+
+def built(fn, iters):
+    """Host us per call of `fn`, a host-only step (no device work), over `iters` calls."""
+    for _ in range(100):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return float("nan"), (time.perf_counter() - t0) / iters * 1e6
+
+
+def handle_cost_rows(buf, x, idx, w, e, a, rank, world):
+    """The hot-path cost of the handles' DeepEP entries: LL dispatch + combine back to back,
+    the same replayed as a CUDA graph, HT fresh and cached dispatch, each with the entries
+    built and without (_NoHandleEntries), alternated `a.samples` times; and the host time of
+    building one handle's entries alone. Rows: (name, variant, device us, host us)."""
+    try:
+        from gin_ep import _handles
+    except ImportError:  # a wheel from before the handles held DeepEP's entries
+        _handles = None
+    rows = []
+    ln = min(a.tokens, a.ll_tokens)
+    xl, il, wl = x[:ln], idx[:ln], w[:ln]
+    dev = x.device
+    y = torch.randn(e // world, world * a.ll_tokens, a.hidden, device=dev).to(torch.bfloat16)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+    out = {}
+
+    def ll_pair():
+        _, _, lh, _, _ = buf.low_latency_dispatch(xl, il, a.ll_tokens, e)
+        out["c"] = buf.low_latency_combine(y, il, wl, lh)
+
+    def ht_fresh():
+        out["d"] = None  # the previous handle's slab back before the next dispatch
+        out["d"] = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+
+    off = _NoHandleEntries()
+    variants = [("entries", None)] + ([("no entries", off)] if off.applies() else [])
+    for _ in range(a.samples):
+        for variant, ctx in variants:
+            if ctx is not None:
+                ctx.__enter__()
+            try:
+                rows.append(("ll dispatch+combine bf16", variant) + timed(ll_pair, a.iters))
+                rows.append(("ll dispatch+combine (graph replay)", variant) + graphed(ll_pair, a.iters))
+                rows.append(("ht dispatch", variant) + timed(ht_fresh, a.iters))
+                handle = out["d"][4]
+                rows.append(("ht dispatch (cached)", variant) +
+                            timed(lambda: buf.dispatch(x, handle=handle), a.iters))
+                handle = None
+            finally:
+                if ctx is not None:
+                    ctx.__exit__(None, None, None)
+    # Building one handle's entries alone, from the last dispatches' states (host only).
+    g = buf._gpu
+    if off.applies() and hasattr(_handles, "ht_handle"):
+        d = out["d"]
+        hs = d[4].state
+        rows.append(("ht handle build", "entries") +
+                    built(lambda: _handles.ht_handle(hs, g.ht_rank_prefix(hs.ep, hs.native), d[4][3], d[4][4]),
+                          10 * a.iters))
+        _, _, lh, _, _ = buf.low_latency_dispatch(xl, il, a.ll_tokens, e)
+        ls = lh.state
+        local = e // world
+        rows.append(("ll handle build", "entries") +
+                    built(lambda: _handles.ll_handle(ls, g.ll_src_info(ls.ep, 0, ls.native, local,
+                                                                       world * a.ll_tokens),
+                                                     lh[1], a.ll_tokens, a.hidden, e), 10 * a.iters))
+    torch.cuda.synchronize()
+    return rows
+
+
+def print_handle_cost(rows, world, a):
+    """Rank 0: one line per (row, variant): the median over samples of device and host us,
+    prefixed `handle-cost` (scripts/gpu-handle-cost joins these lines of several wheels)."""
+    from gin_ep import __version__
+    print(f"handle-cost shape: world {world}, HT {a.tokens} tokens, LL {min(a.tokens, a.ll_tokens)} tokens, "
+          f"hidden {a.hidden}, top-{a.topk} of {a.experts} experts, {a.iters} calls x {a.samples} samples; "
+          f"gin_ep {__version__}")
+    keys = []
+    for name, variant, _, _ in rows:
+        if (name, variant) not in keys:
+            keys.append((name, variant))
+    for name, variant in keys:
+        ds = sorted(d for n, v, d, _ in rows if (n, v) == (name, variant))
+        hs = sorted(h for n, v, _, h in rows if (n, v) == (name, variant))
+        d, h = ds[len(ds) // 2], hs[len(hs) // 2]
+        print(f"handle-cost|{name}|{variant}|{'-' if d != d else f'{d:.1f}'}|{h:.2f}")
+
+
 def worker(rank, world, init, a):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
@@ -270,6 +388,14 @@ def worker(rank, world, init, a):
                  num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(a.ll_tokens, h, world, e),
                  low_latency_mode=True)
     out = {}
+    if a.handle_cost:
+        hc = handle_cost_rows(buf, x, idx, w, e, a, rank, world)
+        if rank == 0:
+            print_handle_cost(hc, world, a)
+            sys.stdout.flush()
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     if not a.ll_only:
         ht_rows(buf, x, idx, w, e, a, rows, out, rank)
     ln = min(n, a.ll_tokens)
@@ -369,11 +495,15 @@ def main():
                    help="each rank prints its threads' CPU use over the LL rows, and the machine's steal time")
     p.add_argument("--no-gc", action="store_true", help="Python's garbage collector off in every rank")
     p.add_argument("--ll-only", action="store_true", help="LL rows only (no HT dispatch and combine)")
+    p.add_argument("--handle-cost", action="store_true",
+                   help="only the handle rows: LL dispatch+combine (back to back and as a CUDA graph), HT "
+                        "fresh and cached dispatch, with DeepEP's handle entries built and without, "
+                        "--samples times alternated, and building one handle alone (scripts/gpu-handle-cost)")
     p.add_argument("--pin", action="store_true",
                    help="pin each rank to CPUs of its GPU's NUMA node (its own share of them)")
     a = p.parse_args()
-    if a.world < 2:
-        sys.exit("needs at least 2 GPUs")
+    if not 1 <= a.world <= torch.cuda.device_count():
+        sys.exit(f"--world {a.world}: this host has {torch.cuda.device_count()} GPUs")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     # A file rendezvous needs no free port (a probed port can be taken before use).
     import tempfile

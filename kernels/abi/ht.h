@@ -39,7 +39,8 @@ static const int kPlanDetail = 1;  // invalid entry t*K+k, received rows, or the
 static const int kPlanNumRecv = 2;
 static const int kPlanPeer = 3;
 // kPlanHead: where the plan's arrays start: src_offset[R+1], send_base[R],
-// tokens_per_rank[R], tokens_per_expert[E], local[L], aligned[L].
+// tokens_per_rank[R], tokens_per_expert[E], local[L], aligned[L], rank_prefix_matrix[R*R]
+// (DeepEP's: [i][j] = tokens ranks 0..=i send to rank j, row-major).
 static const int kPlanHead = 4;
 // HtStatus: numbers are host ABI (backend/cuda/ht/mod.rs CudaHt::status), append only.
 static const uint32_t kStatusOk = 0;

@@ -41,8 +41,8 @@ using namespace gin_ep::ht;
 // Count exchange: the row (tokens_per_rank[R], tokens_per_expert[E], caller_tokens) goes into
 // row `me` of every peer's count region, then the count signal (seq) into slot `me` of every
 // peer; wait for all R slots; then the plan: src_offset, send_base, per-local-expert counts
-// (aligned), from the R x R count matrix and the local-expert sums, loaded by all threads at
-// once. A row whose caller_tokens exceed max_tokens (that rank laid out no token) makes every
+// (aligned), DeepEP's rank_prefix_matrix, from the R x R count matrix and the local-expert
+// sums, loaded by all threads at once. A row whose caller_tokens exceed max_tokens (that rank laid out no token) makes every
 // rank's plan kStatusGrow: all ranks read the same rows, so all stand down in this dispatch.
 // If invalid input or a failed look-back: nothing is sent, every peer's count signal gets
 // kFailed, and peers skip their dispatch too.
@@ -323,6 +323,7 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
   uint32_t* const tpe = tpr + R;
   uint32_t* const local = tpe + E;
   uint32_t* const aligned = local + L;
+  uint32_t* const rank_prefix = aligned + L;
   for (int r = tid; r < R; r += kLayoutTile) tpr[r] = s_total[r];
   for (int e = tid; e < E; e += kLayoutTile) tpe[e] = s_hist[e];
 
@@ -431,6 +432,15 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
       const uint32_t sum = s_hist[e];
       local[e] = sum;
       aligned[e] = aligned_rows(sum, a.alignment);
+    }
+    // DeepEP's rank_prefix_matrix from the count matrix every rank already holds here:
+    // one column per thread, R stores each, inside the kernel the dispatch waits for anyway.
+    if (tid < R) {
+      uint32_t acc = 0u;
+      for (int s = 0; s < R; ++s) {
+        acc += s_cnt[s][tid];
+        rank_prefix[s * R + tid] = acc;
+      }
     }
   }
   __syncthreads();

@@ -372,10 +372,10 @@ class Gpu:
         return data.view(torch.float8_e4m3fn), sc.view(scale_dtype)
 
     def ht_rank_prefix(self, h, native) -> torch.Tensor:
-        """The `rank_prefix_matrix` view of HT dispatch `native` of `h`: its src_offset lives in
+        """The `rank_prefix_matrix` view of HT dispatch `native` of `h`: the matrix lives in
         the layout slot its handle holds, so one view per slot address serves every dispatch
         that takes the slot."""
-        ptr = h.ht_src_offset_region(native)[0]
+        ptr = h.ht_rank_prefix_region(native)[0]
         views = self.ht_prefix_views.setdefault(h, {})
         v = views.get(ptr)
         if v is None:

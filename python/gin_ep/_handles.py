@@ -37,27 +37,23 @@ def _device_i32(ep, region, count: int) -> torch.Tensor:
 
 class HtHandle(tuple):
     """DeepEP's intranode handle, `.state` gin-ep's. `rank_prefix_matrix` (slot 0) is int32
-    `[R, R]`, DeepEP's entry `[i][j]` being the rows rank j receives from ranks 0..i. gin-ep
-    knows column `rank` (this rank's receive layout: source i's rows are
-    `[m[i-1][rank], m[i][rank])`, what DeepEP's callers read) and shows it in every column
-    (a zero-stride view: another rank's layout would need an exchange). `recv_src_idx`
-    (slot 3) and `is_token_in_rank` (slot 4) are DeepEP's; slots 1, 2 and 5 (DeepEP's
-    chunked ring) are None. A plain tuple underneath: torch.compile guards read its entries."""
-
-
-def prefix_view(ends: torch.Tensor, r: int) -> torch.Tensor:
-    """`[R, R]` int32 whose row i is `ends[i]` in every column (`ends`: this rank's rows from
-    ranks 0..i)."""
-    return ends.as_strided((r, r), (ends.stride(0), 0))
+    `[R, R]`, DeepEP's: entry `[i][j]` is the rows rank j receives from ranks 0..i, so this
+    rank's rows from source i are `[m[i-1][rank], m[i][rank])` (what DeepEP's callers read).
+    Every rank's count row arrives in the count exchange, so every column is exact.
+    `recv_src_idx` (slot 3) and `is_token_in_rank` (slot 4) are DeepEP's; slots 1, 2 and 5
+    (DeepEP's chunked ring) are None. A plain tuple underneath: torch.compile guards read
+    its entries."""
 
 
 def host_rank_prefix(native, r: int) -> torch.Tensor:
-    return prefix_view(torch.tensor(native.src_offset[1:], dtype=torch.int32), r)
+    """`rank_prefix_matrix` of a host-backend HT dispatch."""
+    return torch.tensor(native.rank_prefix_matrix, dtype=torch.int32).view(r, r)
 
 
 def device_rank_prefix(ep, native, r: int) -> torch.Tensor:
-    """A view of `native`'s src_offset in the device memory its handle holds (GPU)."""
-    return prefix_view(_device_i32(ep, ep.ht_src_offset_region(native), r + 1)[1:], r)
+    """A view of `native`'s rank_prefix_matrix in the device memory its handle holds (GPU:
+    the layout kernel writes it with the plan, so a dispatch pays no copy for it)."""
+    return _device_i32(ep, ep.ht_rank_prefix_region(native), r * r).view(r, r)
 
 
 class LlHandle(tuple):

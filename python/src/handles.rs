@@ -15,7 +15,8 @@ pub(crate) struct PyHtHandle {
 
 pub(crate) enum HtAny {
     Ep(ep::HtHandle),
-    Oracle(gin_ep::ht::HtRouting),
+    // Boxed: the routing is several times the size of an Ep handle.
+    Oracle(Box<gin_ep::ht::HtRouting>),
 }
 
 impl PyHtHandle {
@@ -69,6 +70,12 @@ impl PyHtHandle {
     #[getter]
     fn src_offset(&self) -> PyResult<Vec<usize>> {
         Ok(self.routing()?.plan.src_offset.clone())
+    }
+    /// `[R * R]` row-major, DeepEP's `rank_prefix_matrix`: `(i, j)` = the tokens ranks
+    /// `0..=i` send to rank `j`.
+    #[getter]
+    fn rank_prefix_matrix(&self) -> PyResult<Vec<u32>> {
+        Ok(self.routing()?.plan.rank_prefix_matrix.clone())
     }
     /// `[N, R]` u8: 1 where token t goes to rank r.
     fn is_token_in_rank<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {

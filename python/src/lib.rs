@@ -826,11 +826,12 @@ impl PyEp {
         guard(|| self.ep.ht_region(which, slab).map_err(to_py))
     }
 
-    /// GPU: device address and byte size of `handle`'s `src_offset[R + 1]` u32 (the first
-    /// receive row of each source rank, then the row count), device memory the handle holds.
-    fn ht_src_offset_region(&self, handle: &PyHtHandle) -> PyResult<(u64, usize)> {
+    /// GPU: device address and byte size of `handle`'s `rank_prefix_matrix[R * R]` u32
+    /// row-major (DeepEP's: `(i, j)` = tokens ranks `0..=i` send to rank `j`), device memory
+    /// the handle holds.
+    fn ht_rank_prefix_region(&self, handle: &PyHtHandle) -> PyResult<(u64, usize)> {
         let h = handle.of_ep()?;
-        guard(|| self.ep.ht_src_offset_region(h).map_err(to_py))
+        guard(|| self.ep.ht_rank_prefix_region(h).map_err(to_py))
     }
 
     /// GPU: device address and byte size of the `[L, R*T]` i32 source token of each row

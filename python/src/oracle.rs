@@ -94,7 +94,7 @@ pub(crate) fn ht_out<'py>(py: Python<'py>, o: gin_ep::ht::HtDispatchOutput) -> O
         bytes(py, &o.recv_topk_weights),
         o.num_recv_tokens_per_expert,
         PyHtHandle {
-            h: HtAny::Oracle(o.handle),
+            h: HtAny::Oracle(Box::new(o.handle)),
         },
     )
 }

@@ -1,8 +1,9 @@
 """The handles hold what DeepEP V1's hold, read as DeepEP's callers read them, and a cached
 HT dispatch takes either dtype along a handle of the other.
 
-- HT: `handle[0]` is `rank_prefix_matrix` (`handle[0][i][rank]`: rows this rank receives
-  from ranks 0..i, the way DeepEP's test_intranode.py finds each source's rows),
+- HT: `handle[0]` is `rank_prefix_matrix` (`handle[0][i][j]`: rows rank j receives from
+  ranks 0..i, every column; `handle[0][i][rank]` is how DeepEP's test_intranode.py finds each
+  source's rows),
   `handle[3]` `recv_src_idx`, `handle[4]` `is_token_in_rank`; every entry checked against a
   computation from every rank's inputs.
 - LL: `handle[0][i]` is `src_info` (source token of each row of local expert i, the way
@@ -46,6 +47,9 @@ def ht_worker(rank, world, dev="cpu"):
     experts = 4 * world
     local = experts // world
     inputs = routing(world, _tokens(world), HIDDEN, TOPK, experts, seed=91 + world)
+    # Rank 0's first token to rank 0 alone: ranks receive different counts, so the columns
+    # of rank_prefix_matrix differ (with every token reaching every rank they would not).
+    inputs[0][1][0] = torch.tensor([0] + [-1] * (TOPK - 1), dtype=inputs[0][1].dtype)
     x, idx, w = (t.to(dev) for t in inputs[rank])
     buf = Buffer(dist.group.WORLD, num_nvl_bytes=1 << 22, explicitly_destroy=True)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
@@ -60,10 +64,17 @@ def ht_worker(rank, world, dev="cpu"):
 
     # Independently: rows of each source rank for this rank, and their source tokens.
     sent = [_goes_to(inputs[s][1], rank, local) for s in range(world)]
-    want_column = torch.tensor([int(m.sum()) for m in sent], dtype=torch.int32).cumsum(0).to(torch.int32)
+    # DeepEP's rank_prefix_matrix from every rank's inputs: [i][j] = tokens ranks 0..i send to j.
+    counts = torch.tensor([[int(_goes_to(inputs[s][1], j, local).sum()) for j in range(world)]
+                           for s in range(world)], dtype=torch.int32)
+    want_matrix = counts.cumsum(0).to(torch.int32)
+    # The inputs tell the columns apart (else a matrix repeating one column would pass).
+    assert world == 1 or any(not torch.equal(want_matrix[:, j], want_matrix[:, 0]) for j in range(world))
     assert rank_prefix_matrix.dtype == torch.int32 and tuple(rank_prefix_matrix.shape) == (world, world)
-    got = [rank_prefix_matrix[i][rank].item() for i in range(world)]
-    assert got == want_column.tolist(), (got, want_column.tolist())
+    got = rank_prefix_matrix.cpu()
+    assert torch.equal(got, want_matrix), (got.tolist(), want_matrix.tolist())
+    # Every entry its own memory, as DeepEP's (no view that repeats a column).
+    assert rank_prefix_matrix.stride() == (world, 1)
     # As DeepEP's test_intranode.py check_data reads it: source i's rows are
     # [m[i-1][rank], m[i][rank]), and they are that rank's tokens to here, in order.
     start = 0
@@ -101,7 +112,7 @@ def ht_worker(rank, world, dev="cpu"):
     same_bits("cached per-token FP8 along BF16 handle: data", qx.cpu(), px.cpu())
     same_bits("cached per-token FP8 along BF16 handle: scales", qs.cpu(), ps.cpu())
     # The FP8 handle's entries are DeepEP's too.
-    assert torch.equal(fhandle[0].cpu()[:, rank], rank_prefix_matrix.cpu()[:, rank])
+    assert torch.equal(fhandle[0].cpu(), want_matrix)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier()

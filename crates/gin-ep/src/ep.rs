@@ -618,17 +618,17 @@ impl Ep {
         }
     }
 
-    /// GPU: device address and size of `handle`'s `src_offset[R + 1]` u32 (the first receive
-    /// row of each source rank, then the row count), in the device memory the handle holds
-    /// (valid as long as the handle; stream-ordered after its dispatch). The host backend's
-    /// handle carries it (`HtHandle::routing`).
-    pub fn ht_src_offset_region(&self, handle: &HtHandle) -> Result<(u64, usize)> {
+    /// GPU: device address and size of `handle`'s `rank_prefix_matrix[R * R]` u32 row-major
+    /// (DeepEP's: `[i][j]` = tokens ranks `0..=i` send to rank `j`), in the device memory
+    /// the handle holds (valid as long as the handle; stream-ordered after its dispatch).
+    /// The host backend's handle carries it (`HtHandle::routing`).
+    pub fn ht_rank_prefix_region(&self, handle: &HtHandle) -> Result<(u64, usize)> {
         self.own_ht(handle)?;
         match (&mut self.state().engine, &handle.inner) {
-            (Engine::Cuda(c), HtInner::Device(h)) => c.ht_src_offset(h),
+            (Engine::Cuda(c), HtInner::Device(h)) => c.ht_rank_prefix(h),
             (Engine::Host(_), HtInner::Host(_)) => Err(Error::input(
-                "HT src_offset region",
-                "the host backend has no device memory (the handle's routing holds src_offset)",
+                "HT rank_prefix_matrix region",
+                "the host backend has no device memory (the handle's routing holds rank_prefix_matrix)",
             )),
             _ => Err(backend_mismatch("HT handle")),
         }

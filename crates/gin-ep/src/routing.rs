@@ -131,6 +131,9 @@ pub struct RecvPlan {
     pub src_offset: Vec<usize>,
     /// Entries received per local expert, `[L]` (before alignment).
     pub tokens_per_local_expert: Vec<usize>,
+    /// `[R * R]` row-major, DeepEP's `rank_prefix_matrix`: entry `(i, j)` is the tokens ranks
+    /// `0..=i` send to rank `j` (the same on every rank; column `rank` is `src_offset[1..]`).
+    pub rank_prefix_matrix: Vec<u32>,
 }
 
 impl RecvPlan {
@@ -166,7 +169,21 @@ pub fn recv_plan(
         rank,
         src_offset,
         tokens_per_local_expert,
+        rank_prefix_matrix: rank_prefix_matrix(cfg.ranks, tokens_per_rank),
     }
+}
+
+/// DeepEP's `rank_prefix_matrix` (`[R * R]` row-major) from every rank's tokens per
+/// destination rank: entry `(i, j)` sums `tokens_per_rank[s][j]` over sources `s <= i`.
+pub fn rank_prefix_matrix(ranks: usize, tokens_per_rank: &[Vec<u32>]) -> Vec<u32> {
+    let mut m = vec![0u32; ranks * ranks];
+    for (i, row) in tokens_per_rank.iter().take(ranks).enumerate() {
+        for (j, &c) in row.iter().take(ranks).enumerate() {
+            let above = if i == 0 { 0 } else { m[(i - 1) * ranks + j] };
+            m[i * ranks + j] = above.saturating_add(c);
+        }
+    }
+    m
 }
 
 /// Node of `rank` (consecutive ranks share a node).
@@ -371,6 +388,8 @@ mod tests {
         let p = recv_plan(&cfg(), 1, &per_rank, &per_expert);
         assert_eq!(p.src_offset, vec![0, 3, 4]);
         assert_eq!(p.tokens_per_local_expert, vec![2, 2]);
+        // Row i: what ranks 0..=i send to each rank; column 1 is src_offset[1..].
+        assert_eq!(p.rank_prefix_matrix, vec![2, 3, 6, 4]);
         assert_eq!(align_counts(&[0, 1, 5], 4), vec![0, 4, 8]);
     }
 }

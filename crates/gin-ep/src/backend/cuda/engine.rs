@@ -347,11 +347,11 @@ impl CudaEngine {
         rank.run(stream, |q| h.recv_counts(q, handle))
     }
 
-    /// Device address and bytes of `handle`'s `src_offset[R + 1]`
-    /// ([`CudaHt::src_offset_region`]).
-    pub fn ht_src_offset(&mut self, handle: &HtGpuHandle) -> Result<(u64, usize)> {
+    /// Device address and bytes of `handle`'s `rank_prefix_matrix[R * R]`
+    /// ([`CudaHt::rank_prefix_region`]).
+    pub fn ht_rank_prefix(&mut self, handle: &HtGpuHandle) -> Result<(u64, usize)> {
         let (_, h) = self.ht()?;
-        h.src_offset_region(handle)
+        h.rank_prefix_region(handle)
     }
 
     /// HT combine along `handle` (weights reduced when `io.out_w` is given).

@@ -7,6 +7,7 @@
 
 use half::bf16;
 
+use super::layout::plan_rank_prefix;
 use super::{plan_words, CudaHt, HtGpuHandle, DTYPE_FP8_PRE, PLAN_HEAD, POISON};
 use crate::backend::cuda::runtime::{DeviceBuffer, DeviceRegion, ExternalSpan, Queue};
 use crate::config::FP8_BLOCK;
@@ -370,15 +371,17 @@ impl CudaHt {
         Ok(plan[at..at + l_n].iter().map(|&v| v as usize).collect())
     }
 
-    /// Device address and bytes of `handle`'s `src_offset[R + 1]` (u32, in its layout
-    /// slot's plan): the first receive row of each source rank, then the row count. The
-    /// layout kernel writes it before the dispatch kernel runs (stream order).
-    pub fn src_offset_region(&self, handle: &HtGpuHandle) -> Result<(u64, usize)> {
+    /// Device address and bytes of `handle`'s `rank_prefix_matrix[R * R]` (u32 row-major, in
+    /// its layout slot's plan; DeepEP's: `[i][j]` = tokens ranks `0..=i` send to rank `j`).
+    /// The layout kernel writes it from the count exchange before the dispatch kernel runs
+    /// (stream order); a cached dispatch leaves it.
+    pub fn rank_prefix_region(&self, handle: &HtGpuHandle) -> Result<(u64, usize)> {
         let slot = self.check_handle(handle)?;
+        let r_n = self.cfg.ranks;
         let r = self.slots[slot]
             .plan
             .region()
-            .sub(PLAN_HEAD * 4, (self.cfg.ranks + 1) * 4)?;
+            .sub(plan_rank_prefix(&self.cfg) * 4, r_n * r_n * 4)?;
         Ok((r.ptr, r.bytes))
     }
 
@@ -447,6 +450,7 @@ impl CudaHt {
         let tokens_per_expert = take(e_n);
         let local: Vec<usize> = take(l_n).into_iter().map(|v| v as usize).collect();
         let aligned: Vec<usize> = take(l_n).into_iter().map(|v| v as usize).collect();
+        let rank_prefix_matrix = take(r_n * r_n);
         let send_slot: Vec<i32> = self.download_vec(
             q,
             self.slots[slot].send_slot.region().sub(0, n * r_n * 4)?,
@@ -474,6 +478,7 @@ impl CudaHt {
                     rank: self.me,
                     src_offset,
                     tokens_per_local_expert: local,
+                    rank_prefix_matrix,
                 },
                 send_base,
                 recv_src_token,

@@ -170,8 +170,13 @@ impl HtLayout {
 }
 
 /// Words of the device plan: head, src_offset[R+1], send_base[R], tokens_per_rank[R],
-/// tokens_per_expert[E], local[L], aligned[L].
+/// tokens_per_expert[E], local[L], aligned[L], rank_prefix_matrix[R*R].
 pub fn plan_words(cfg: &EpConfig) -> usize {
+    plan_rank_prefix(cfg) + cfg.ranks * cfg.ranks
+}
+
+/// The plan word where `rank_prefix_matrix[R*R]` (DeepEP's, row-major) starts.
+pub fn plan_rank_prefix(cfg: &EpConfig) -> usize {
     PLAN_HEAD + (cfg.ranks + 1) + 2 * cfg.ranks + cfg.experts + 2 * cfg.local_experts()
 }
 
@@ -260,8 +265,9 @@ mod tests {
 
     #[test]
     fn plan_words_match_the_kernel_formula() {
-        // kPlanHead + (R + 1) + R + R + E + 2 * (E / R)
+        // kPlanHead + (R + 1) + R + R + E + 2 * (E / R), then R * R
         let cfg = EpConfig::new(4, 256, 128, 8, 16);
-        assert_eq!(plan_words(&cfg), 4 + 5 + 4 + 4 + 256 + 128);
+        assert_eq!(plan_rank_prefix(&cfg), 4 + 5 + 4 + 4 + 256 + 128);
+        assert_eq!(plan_words(&cfg), 4 + 5 + 4 + 4 + 256 + 128 + 16);
     }
 }
