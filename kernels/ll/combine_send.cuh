@@ -124,7 +124,7 @@ __device__ __forceinline__ void copy_batched(size_t n, size_t tid, size_t thread
 __device__ __noinline__ bool combine_send_gin_start(const LlArgs& a, uint32_t n) {
   const int R = a.ranks, K = a.topk, L = a.experts / R, T = a.max_tokens;
   const bool rank_first = a.comb_order == kCombOrderRankFirst;
-  if (!wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit, kGinCombAck, uint64_t(n - 1))) return false;
+  if (!wait_all_peers(a, kCombCredit, uint64_t(n - 1), kPhaseCombineCredit, kGinCombCredit, uint64_t(n - 1))) return false;
   if (rank_first && !wait_all_peers(a, -1, 0, kPhaseCombineWeights, kGinWts, uint64_t(n))) return false;
   if (blockIdx.x != 0) return true;
   const uint64_t masked_ranks = rank_mask(a);
@@ -377,7 +377,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   }
   // Credit: every source rank has reduced the previous combine of this set (across nodes:
   // combine_send_gin_start, above).
-  if (!across(a) && !wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) return false;
+  if (!across(a) && !wait_all_peers(a, kCombCredit, uint64_t(n - 1), kPhaseCombineCredit)) return false;
   if (shrinks(a)) {  // the waits may have masked a source
     __syncthreads();
     if (threadIdx.x == 0) masked_ranks = rank_mask(a);
@@ -494,7 +494,7 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   warp0_exclusive_scan(pre, L, threadIdx.x);
   // Credit: every source rank has reduced the previous combine of this set (across nodes:
   // combine_send_gin_start).
-  if (across(a) ? !combine_send_gin_start(a, n) : !wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) {
+  if (across(a) ? !combine_send_gin_start(a, n) : !wait_all_peers(a, kCombCredit, uint64_t(n - 1), kPhaseCombineCredit)) {
     return false;
   }
   if (shrinks(a)) {  // the credit wait may have masked a source

@@ -36,9 +36,7 @@
 // Signals (per buffer set, in the window; u64, monotonic, never reset):
 //   word [kind][src] of rank r is written only by rank src (red.add.release.sys, +1 per CTA
 //   of src's kernel), read only by r (ld.acquire.sys, with a deadline):
-//   - kDispSig: unused (the ready words below replaced the per-CTA data signal; the kind
-//     keeps its index so the others keep theirs).
-//   - kDispAck[r] at sender s: the number of dispatches on the set whose receive half r has
+//   - kDispCredit[r] at sender s: the number of dispatches on the set whose receive half r has
 //     completed (credit: the staging slots of s at r are free again); s's dispatch-send of op
 //     n waits for n - 1 before writing into r. r does not signal it at the end of its receive
 //     half (that would cost a system-scope fence draining every output store, ≈ 3 µs): CTA 0
@@ -46,10 +44,10 @@
 //     (push_credits). That kernel starts after the receive kernel completed in stream order,
 //     and kernel completion makes all of its memory accesses (the staging loads included)
 //     performed, so a relaxed store suffices and no fence is needed.
-//   - kCombSig / kCombAck: as kDispAck for combine, with a data signal: every CTA of the
+//   - kCombSig / kCombCredit: as kDispCredit for combine, with a data signal: every CTA of the
 //     expert rank's combine send adds 1 to kCombSig[src] at the source after its stores
-//     (after op n: n * G, G = grid, the same on every rank and kernel); kCombAck (source ->
-//     expert rank "combine buffer free": completed combines) is pushed as kDispAck is. The
+//     (after op n: n * G, G = grid, the same on every rank and kernel); kCombCredit (source ->
+//     expert rank "combine buffer free": completed combines) is pushed as kDispCredit is. The
 //     `rank-first` reduce of the one-node kernels (kRowsPolled) does not wait for kCombSig:
 //     it polls each row it reads, as the dispatch polls its records (below; the combine rows
 //     are poisoned the same way), and takes a row whose own data holds the poison word
@@ -60,10 +58,10 @@
 //   next write into the buffer the credit frees. A receive half that missed a deadline sets
 //   the set's kFailed word and no credit of the set is pushed again.
 //   - Counts: CTA 0 of src stores meta[src] at r as tagged words (op n << 32 | count, u64,
-//     one relaxed store each, no signal); r polls them until every tag is n. kDispCnt is
-//     unused (the kind keeps its index). A fence-free count reaches r as soon as it is
-//     stored: the signal it replaced was a release, which waited for every store its SM had
-//     in flight, so the receive table was ready only once the records were out.
+//     one relaxed store each, no signal); r polls them until every tag is n. A fence-free
+//     count reaches r as soon as it is stored (a release signal would wait for every store
+//     its SM had in flight, so the receive table would be ready only once the records were
+//     out).
 //   - Records, in the kernels that poll the data (kDataPolled: every variant but the masked
 //     one): r's staging holds kStagePoison in every 32-bit word of payload and scales that no
 //     record of the current op has written yet: the host fills it before the first op (and at
@@ -83,7 +81,7 @@
 //     stores and publishes its own units; in the fused kernel the send warps never fence and
 //     the CTA's last warp fences and publishes for them (publish_rounds). The masked kernels
 //     wait for each unit's word; the polled ones read it only for a unit holding the poison
-//     word. Written only by src, read only by r; their reuse is covered by kDispAck like the
+//     word. Written only by src, read only by r; their reuse is covered by kDispCredit like the
 //     records they stand for.
 //   - Weights (order `rank-first` only): no signal. Each weight goes out as one 64-bit store
 //     of (op n << 32 | f32 bits) into r's [src][T][K] u64 area, and r polls the pairs it
@@ -92,8 +90,7 @@
 //     needed: r reads them in its combine send, before its kCombSig, and src's next combine
 //     on the set starts only after src's reduce saw that kCombSig, or, where the reduce
 //     polls the rows (kRowsPolled), src's next combine on the set waits for that kCombSig
-//     before it pushes (long satisfied by then). kCombWts: unused (the kind keeps its
-//     index).
+//     before it pushes (long satisfied by then).
 //   So no barrier sits on the critical path, no flag is ever cleared, and any sequence of
 //   dispatches and combines on a set is safe (double buffering = two sets, used alternately).
 // - The op number n of a set lives on the device (LlArgs::state), so a CUDA graph replays
@@ -110,10 +107,8 @@
 // gin_ep::ll::masked (kMasked: the GIN branches and the LL rank mask): no include guard, no
 // includes (ll.cu includes what these parts need first).
 
-static_assert(kCombWts < kSigKinds, "signal kinds");
-static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kStCombEntry < kStDispStored &&
-                  kStCombLastItem < kStampSlots,
-              "stamps");
+static_assert(kDispCredit < kSigKinds && kCombSig < kSigKinds && kCombCredit < kSigKinds, "signal kinds");
+static_assert(kStDispEnd < kStCombEntry && kStCombEnd < kStampSlots, "stamps: dispatch, then combine");
 
 // Whether the dispatch receiver polls the records' data (the poisoned staging of the protocol
 // above) rather than every unit's ready word. Not in the masked kernels: a masked source's
@@ -501,14 +496,14 @@ __device__ void push_credits(const LlArgs& a) {
   for (int p = threadIdx.x; p < a.ranks; p += blockDim.x) {
     if (masked(mask, p)) continue;
     if (in_node(a, p)) {
-      put_flag(sig_word(a, p, kDispAck, me), uint64_t(disp));
-      put_flag(sig_word(a, p, kCombAck, me), uint64_t(comb));
+      put_flag(sig_word(a, p, kDispCredit, me), uint64_t(disp));
+      put_flag(sig_word(a, p, kCombCredit, me), uint64_t(comb));
       continue;
     }
     const uint32_t d = disp - ld_volatile_u32(&a.state[kCreditsDisp]);
     const uint32_t c = comb - ld_volatile_u32(&a.state[kCreditsComb]);
-    if (d != 0u) gin_put_add(a, p, a.set_offset, a.set_offset, 0, kGinDispAck, d);
-    if (c != 0u) gin_put_add(a, p, a.set_offset, a.set_offset, 0, kGinCombAck, c);
+    if (d != 0u) gin_put_add(a, p, a.set_offset, a.set_offset, 0, kGinDispCredit, d);
+    if (c != 0u) gin_put_add(a, p, a.set_offset, a.set_offset, 0, kGinCombCredit, c);
   }
   if (!gin) return;
   __syncthreads();  // every thread has read the pushed counts

@@ -142,7 +142,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
 
   // 2. Credit: every destination has finished reading what we sent it in the previous op of
   //    this set (its next kernel on the set pushed its count: push_credits).
-  if (!wait_all_peers(a, kDispAck, uint64_t(n - 1), kPhaseDispatchCredit, kGinDispAck, uint64_t(n - 1))) {
+  if (!wait_all_peers(a, kDispCredit, uint64_t(n - 1), kPhaseDispatchCredit, kGinDispCredit, uint64_t(n - 1))) {
     return false;
   }
   if (shrinks(a)) masked_ranks = rank_mask(a);  // the credit wait may have masked a peer
