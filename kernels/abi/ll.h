@@ -27,7 +27,7 @@ static const uint32_t kPhaseCombineRecv = 19;     // reduce waits for expert ran
 static const uint32_t kPhaseCombineWeights = 20;  // rank-first send polls sources' weights
 
 // GIN signals of one set ([kGinKinds][R] per set, ids from LlArgs::gin_sig_base; a peer in
-// another gin-ep node only; the protocol at the head of ll/common.cuh, "Across nodes").
+// another gin-ep node only; the protocol: docs/protocol.md, "CUDA LL across gin-ep nodes").
 // kGinDisp[src]: the dispatch's counts and records from src (+ (T + 1) per op);
 // kGinDispCredit / kGinCombCredit[src]: the credits src pushed (completed dispatches /
 // combines); kGinComb[src]: the combine rows from expert rank src (+ kGinCombQuota per op);
@@ -99,7 +99,7 @@ struct LlArgs {
   int32_t dtype;               // Dtype
   uint8_t* recv_scales_ue8m0;  // optional [L][R*T][H/128] exponent bytes (fp8-ue8m0), or null
   uint32_t flags;              // send warps (kFlagSendWarpsShift) and kFlagStampEdges, below
-  uint32_t peer_stride4G;      // node rank i's window: peer_base + i * peer_stride4G * 4 GiB (win_ptr)
+  uint32_t peer_stride4G;      // node rank i's window: peer_base + i * peer_stride4G * 4 GiB (Fabric::ptr)
   uint64_t* stamps;            // [gridDim.x][kStampSlots] globaltimer ns, or null (kStamp*)
   // Caller-owned extra outputs (the Python path's tensors, DeepEP's formats), each optional:
   // the library's own recv_count / layout_range stay written because the combine reads them.
@@ -107,7 +107,7 @@ struct LlArgs {
   int64_t* user_range;        // [L][R] (first << 32) | count, or null
   int32_t* stats;             // [L] i32 cumulative receive counts (+= recv_count), or null
   uint32_t scales_col_major;  // 1: recv_scales is [L][H/128][R*T] (DeepEP), 0: [L][R*T][H/128]
-  int32_t rank;               // this rank (me) of the R ranks, the index win_ptr and the signals use
+  int32_t rank;               // this rank (me) of the R ranks: the index Fabric calls take
   // Order `rank-first` (kCombOrderRankFirst); unused by `topk`:
   uint64_t wts_offset;    // relative to set_offset: [R src][T][K] u64 (op << 32 | f32 bits) weights
   int32_t* comb_map;      // [R*T][2K + 3] i32 per staged record (map_ints): source, token, pairs
@@ -119,7 +119,7 @@ struct LlArgs {
   // the kernels never read NCCL's team for them.
   char* peer_base;
   // This rank's gin-ep node: ranks [node_first, node_first + node_size) are reached by stores
-  // (win_ptr), every other rank by GIN (ncclTeamWorld of comm). node_size == ranks: no GIN.
+  // (Fabric::ptr), every other rank by GIN (ncclTeamWorld of comm). node_size == ranks: no GIN.
   int32_t node_first;
   int32_t node_size;
   // Across nodes only (0 otherwise): the set's first GIN signal id ([kGinKinds][R]), and
@@ -167,8 +167,8 @@ static const int kStDispEntry = 0, kStDispStart = 1, kStDispLayout = 2, kStDispC
 // last item stored (before the CTA barrier that ends the phase); reduce done, end
 // (likewise).
 static const int kStCombEntry = 14, kStCombStart = 15, kStCombCredit = 16, kStCombWeights = 17, kStCombSent = 18,
-                 kStCombSignaled = 19, kStCombRecv = 20, kStCombSeen = 21, kStCombFirstItem = 22,
-                 kStCombLastItem = 23, kStCombReduced = 24, kStCombEnd = 25;
+                 kStCombSignaled = 19, kStCombRecv = 20, kStCombSeen = 21, kStCombFirstItem = 22, kStCombLastItem = 23,
+                 kStCombReduced = 24, kStCombEnd = 25;
 static const int kStampSlots = 26;
 
 // LlArgs::flags (host: LlTuning in backend/cuda/ll/tuning.rs). Bits kFlagSendWarpsShift..+4:
