@@ -31,7 +31,12 @@ use half::bf16;
 use std::time::Instant;
 
 /// Every LL word kind.
-const ALL_WORDS: [LlWord; 4] = [LlWord::DispCnt, LlWord::DispCredit, LlWord::CombSig, LlWord::CombCredit];
+const ALL_WORDS: [LlWord; 4] = [
+    LlWord::DispCnt,
+    LlWord::DispCredit,
+    LlWord::CombSig,
+    LlWord::CombCredit,
+];
 
 /// Index of an op kind in [`LlState`]'s tables.
 const DISPATCH: usize = 0;
