@@ -39,8 +39,7 @@ __device__ __forceinline__ void stamp(const AlltoallArgs& a, Stamp i) {
 static_assert(kVflagStorePlain == 0u, "the host's default (vflags 0) is the plain store");
 
 __device__ __forceinline__ DeadlineBarrier make_barrier(const AlltoallArgs& a) {
-  return DeadlineBarrier{
-      PeerWindows{nullptr, 0, a.win}, a.signal_offset, a.comm.lsaRank, a.comm.lsaSize, a.timeout_ns, a.err};
+  return DeadlineBarrier{lsa_fabric(a.comm, a.win, a.timeout_ns, a.err), a.signal_offset};
 }
 
 }  // namespace gin_ep
@@ -622,8 +621,7 @@ extern "C" __global__ void __launch_bounds__(kMaxThreads, 1) gin_ep_alltoall_gin
     if (in_node(src)) {
       const uint64_t* w = reinterpret_cast<const uint64_t*>(reinterpret_cast<const char*>(a.node_bases[me]) +
                                                             a.node_flag_offset + size_t(src) * 8);
-      DeadlineBarrier waiter{PeerWindows{nullptr, 0, a.win}, 0, me, n, a.timeout_ns, a.err};
-      ok = waiter.wait_word(w, a.node_target, kPhaseNodeStore, src);
+      ok = wait_word(w, a.node_target, kPhaseNodeStore, src, me, a.timeout_ns, a.err);
     } else {
       ncclGin gin(a.comm, gin_a2a_context(src, me));
       ok = gin_wait_signal(gin, a.data_base + uint32_t(src), a.data_target, a.err, a.timeout_ns, kPhaseGinPeerSignal,

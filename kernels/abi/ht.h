@@ -108,8 +108,8 @@ struct HtArgs {
   uint32_t* fail_host;
   uint64_t off_comb_stage;  // comb_stage words
   uint32_t pull_blocks;     // combine with kFlagStage: blocks [0, pull_blocks) pull, the rest stage
-  uint32_t peer_stride4G;   // node rank i's window: peer_base + i * peer_stride4G * 4 GiB (peer_ptr)
-  int32_t rank;             // this rank (me) of the R ranks, the index peer_ptr and the signals use
+  uint32_t peer_stride4G;   // node rank i's window: peer_base + i * peer_stride4G * 4 GiB (Fabric::ptr)
+  int32_t rank;             // this rank (me) of the R ranks: the index Fabric calls take
   int32_t ranks;            // R: the ranks of the operation, all of them in this rank's node
   // Node rank 0's window in this process. With peer_stride4G, rank and ranks: from NCCL's LSA
   // team or from gin-ep's IPC-mapped node windows (host: backend/cuda/fabric.rs); the
@@ -132,9 +132,9 @@ static const uint32_t kVarRotate = 1;  // dispatch: destinations in rotated orde
 // kernel zeroes the dispatch maxima, the dispatch kernel the combine maxima.
 static const int kStampLayStart = 0, kStampLayDone = 1, kStampLayCounts = 2, kStampLayEnd = 3;
 static const int kStampDispStart = 4, kStampDispPayload = 5, kStampDispEnd = 6;
-static const int kStampCombStart = 8, kStampCombPull = 9, kStampCombEnd = 10;
-static const int kStampCombStaged = 11;  // staged combine: the stage mark covers every chunk
-static const int kStampWords = 16;       // host: STAMP_WORDS
+static const int kStampCombStart = 7, kStampCombPull = 8, kStampCombEnd = 9;
+static const int kStampCombStaged = 10;  // staged combine: the stage mark covers every chunk
+static const int kStampWords = 11;       // host: STAMP_WORDS
 
 // The layout kernel's tile: tokens per block (its thread count); host: LAYOUT_TILE.
 static const int kLayoutTile = 256;

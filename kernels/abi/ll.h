@@ -27,19 +27,19 @@ static const uint32_t kPhaseCombineRecv = 19;     // reduce waits for expert ran
 static const uint32_t kPhaseCombineWeights = 20;  // rank-first send polls sources' weights
 
 // GIN signals of one set ([kGinKinds][R] per set, ids from LlArgs::gin_sig_base; a peer in
-// another gin-ep node only; the protocol at the head of ll/common.cuh, "Across nodes").
-// kGinDisp[src]: the dispatch's counts and records from src (+ (T + 1) per op); kGinDispAck /
-// kGinCombAck[src]: the credits src pushed (completed dispatches / combines); kGinComb[src]:
-// the combine rows from expert rank src (+ kGinCombQuota per op); kGinWts[src]: src's
-// rank-first weights (+1 per op).
-static const int kGinDisp = 0, kGinDispAck = 1, kGinComb = 2, kGinCombAck = 3, kGinWts = 4;
+// another gin-ep node only; the protocol: docs/protocol.md, "CUDA LL across gin-ep nodes").
+// kGinDisp[src]: the dispatch's counts and records from src (+ (T + 1) per op);
+// kGinDispCredit / kGinCombCredit[src]: the credits src pushed (completed dispatches /
+// combines); kGinComb[src]: the combine rows from expert rank src (+ kGinCombQuota per op);
+// kGinWts[src]: src's rank-first weights (+1 per op).
+static const int kGinDisp = 0, kGinDispCredit = 1, kGinComb = 2, kGinCombCredit = 3, kGinWts = 4;
 static const int kGinKinds = 5;
 
 // Signal kinds ([kind][src] u64 words at sig_offset of a set; the protocol at the head of
-// ll/common.cuh). kDispSig, kDispCnt and kCombWts are unused (ready words, tagged counts and
-// flagged weights replaced them); they keep their indices so the other kinds keep theirs.
-static const int kDispSig = 0, kDispAck = 1, kCombSig = 2, kCombAck = 3, kDispCnt = 4, kCombWts = 5;
-static const int kSigKinds = 6;  // sig words [kSigKinds][R]
+// ll/common.cuh): the credits kDispCredit and kCombCredit (completed dispatches / combines
+// of src's receive half on the set) and the combine's data signal kCombSig.
+static const int kDispCredit = 0, kCombSig = 1, kCombCredit = 2;
+static const int kSigKinds = 3;  // sig words [kSigKinds][R]
 // LlArgs::state (local device memory of a set, zeroed at creation): kStateWords words, then
 // the op counts, one u32 per CTA and kind ([kOpKinds][kMaxGrid]). kRecords: the records
 // (staged tokens) of the last dispatch on the set, the rows of comb_map. kFailed: nonzero
@@ -99,7 +99,7 @@ struct LlArgs {
   int32_t dtype;               // Dtype
   uint8_t* recv_scales_ue8m0;  // optional [L][R*T][H/128] exponent bytes (fp8-ue8m0), or null
   uint32_t flags;              // send warps (kFlagSendWarpsShift) and kFlagStampEdges, below
-  uint32_t peer_stride4G;      // node rank i's window: peer_base + i * peer_stride4G * 4 GiB (win_ptr)
+  uint32_t peer_stride4G;      // node rank i's window: peer_base + i * peer_stride4G * 4 GiB (Fabric::ptr)
   uint64_t* stamps;            // [gridDim.x][kStampSlots] globaltimer ns, or null (kStamp*)
   // Caller-owned extra outputs (the Python path's tensors, DeepEP's formats), each optional:
   // the library's own recv_count / layout_range stay written because the combine reads them.
@@ -107,7 +107,7 @@ struct LlArgs {
   int64_t* user_range;        // [L][R] (first << 32) | count, or null
   int32_t* stats;             // [L] i32 cumulative receive counts (+= recv_count), or null
   uint32_t scales_col_major;  // 1: recv_scales is [L][H/128][R*T] (DeepEP), 0: [L][R*T][H/128]
-  int32_t rank;               // this rank (me) of the R ranks, the index win_ptr and the signals use
+  int32_t rank;               // this rank (me) of the R ranks: the index Fabric calls take
   // Order `rank-first` (kCombOrderRankFirst); unused by `topk`:
   uint64_t wts_offset;    // relative to set_offset: [R src][T][K] u64 (op << 32 | f32 bits) weights
   int32_t* comb_map;      // [R*T][2K + 3] i32 per staged record (map_ints): source, token, pairs
@@ -119,7 +119,7 @@ struct LlArgs {
   // the kernels never read NCCL's team for them.
   char* peer_base;
   // This rank's gin-ep node: ranks [node_first, node_first + node_size) are reached by stores
-  // (win_ptr), every other rank by GIN (ncclTeamWorld of comm). node_size == ranks: no GIN.
+  // (Fabric::ptr), every other rank by GIN (ncclTeamWorld of comm). node_size == ranks: no GIN.
   int32_t node_first;
   int32_t node_size;
   // Across nodes only (0 otherwise): the set's first GIN signal id ([kGinKinds][R]), and
@@ -145,34 +145,31 @@ struct LlArgs {
 // Device timestamps (globaltimer ns), one row of kStampSlots per CTA, written by thread 0 at
 // phase boundaries when LlArgs::stamps is set (the benchmark's breakdown; host:
 // backend/cuda/ll/stamps.rs). A slot no kernel passes keeps what the host put there (0).
-// Dispatch: start, layout done, credit seen, last record stored and published (the send
-// group's barrier after its ready words), data signal added (unused: the ready words replaced
-// that signal), receive start (split: the recv kernel's start), counts known (prefix table ready), all
-// sources' data seen (unused: waits are per expand item), expand done, end (the same point
-// since credits are deferred).
-// Combine: start, credit seen, last row stored, signal added, reduce start, all rows seen,
-// reduce done, end (likewise); `rank-first` adds: weights pushed (the solo rows sent).
-static const int kStDispStart = 0, kStDispLayout = 1, kStDispCredit = 2, kStDispSent = 3, kStDispSignaled = 4,
-                 kStDispRecv = 5, kStDispCounts = 6, kStDispSeen = 7, kStDispExpanded = 8, kStDispEnd = 9;
-static const int kStCombStart = 10, kStCombCredit = 11, kStCombSent = 12, kStCombSignaled = 13, kStCombRecv = 14,
-                 kStCombSeen = 15, kStCombReduced = 16, kStCombEnd = 17, kStCombWeights = 18;
-// Dispatch, the latest send warp (max over the CTA's warps, atomicMax): its stores issued
-// (before its fence), its fence done (before its ready words; fused: the publisher's latest
-// fence); every send warp: its first item begins (after the counts of step 3), an item's
-// unit encoded (before its stores; the latest item of the CTA).
-static const int kStDispStored = 20, kStDispFenced = 21, kStDispLoop = 22, kStDispEncoded = 23;
-// The first instruction of the kernel that starts an operation (before kernel_enter's
-// griddepcontrol.wait), so the gap before an operation splits into the launch
-// (previous end to entry) and the entry itself (entry to start).
-static const int kStCombEntry = 19, kStDispEntry = 24;
-// Combine reduce, the latest warp of the CTA (atomicMax): its first item stored (one round's
-// latency after the signals were seen), its last item stored (before the CTA barrier that
-// ends the phase).
-static const int kStCombFirstItem = 25, kStCombLastItem = 26;
-// Fused dispatch: the CTA's first batch of ready words published (the publisher warp,
-// publish_rounds).
-static const int kStDispFirstPub = 27;
-static const int kStampSlots = 28;
+// The dispatch's slots come first, then the combine's (kStCombEntry onwards), each in the
+// order an operation reaches them.
+// Entry: the first instruction of the kernel that starts an operation (before kernel_enter's
+// griddepcontrol.wait), so the gap before an operation splits into the launch (previous end
+// to entry) and the entry itself (entry to start).
+// Dispatch: start, layout done, credit seen; every send warp: its first item begins (after
+// the counts of step 3), an item's unit encoded (before its stores; the latest item of the
+// CTA); the latest send warp (max over the CTA's warps, atomicMax): its stores issued
+// (before its fence); fused: the CTA's first batch of ready words published (the publisher
+// warp, publish_rounds); the latest send warp's fence done (before its ready words; fused:
+// the publisher's latest fence); last record stored and published (the send group's barrier
+// after its ready words); receive start (split: the recv kernel's start), counts known
+// (prefix table ready), expand done, end (the same point since credits are deferred).
+static const int kStDispEntry = 0, kStDispStart = 1, kStDispLayout = 2, kStDispCredit = 3, kStDispLoop = 4,
+                 kStDispEncoded = 5, kStDispStored = 6, kStDispFirstPub = 7, kStDispFenced = 8, kStDispSent = 9,
+                 kStDispRecv = 10, kStDispCounts = 11, kStDispExpanded = 12, kStDispEnd = 13;
+// Combine: entry, start, credit seen, `rank-first`: weights pushed (the solo rows sent); last
+// row stored, signal added, reduce start, all rows seen; the reduce's latest warp
+// (atomicMax): its first item stored (one round's latency after the signals were seen), its
+// last item stored (before the CTA barrier that ends the phase); reduce done, end
+// (likewise).
+static const int kStCombEntry = 14, kStCombStart = 15, kStCombCredit = 16, kStCombWeights = 17, kStCombSent = 18,
+                 kStCombSignaled = 19, kStCombRecv = 20, kStCombSeen = 21, kStCombFirstItem = 22, kStCombLastItem = 23,
+                 kStCombReduced = 24, kStCombEnd = 25;
+static const int kStampSlots = 26;
 
 // LlArgs::flags (host: LlTuning in backend/cuda/ll/tuning.rs). Bits kFlagSendWarpsShift..+4:
 // the fused dispatch's send warps N, 1 to kWarps - 2 (warps [0, N) of each CTA send the

@@ -2,13 +2,16 @@
 // crates/gin-ep/src/quant.rs (the oracle's number formats).
 //
 // Owns: a 128-channel block's scale from its amax (max(amax, 1e-4) / 448, optionally
-// rounded up to a power of two, UE8M0) and the e4m3 byte of x / scale. Never: loads,
-// stores or reduces the amax (the callers do, each with its own lane layout).
+// rounded up to a power of two, UE8M0), the e4m3 byte of x / scale, and the warp's
+// quantization of 16 channels per lane (the lane layout HT and LL dispatch share). Never:
+// loads or stores (the callers do).
 
 #pragma once
 
 #include <cuda_fp8.h>
 #include <stdint.h>
+
+#include "common/bf16.cuh"
 
 namespace gin_ep {
 
@@ -51,6 +54,37 @@ __device__ __forceinline__ uint32_t e4m3_scaled(float x, const ScaleDivisor& d) 
   const float q = __fmul_rn(x, -d.neg_inv);
   const float e = __fmaf_rn(q, d.rem_scale, -x);
   return uint32_t(__nv_cvt_float_to_fp8(__fmaf_rn(e, d.neg_inv, q), __NV_SATFINITE, __NV_E4M3));
+}
+
+// Quantizes 16 BF16 channels per lane (lo: channels 0-7, hi: 8-15), 8 lanes per 128-channel
+// block (lanes 8k..8k+7 of the warp; every lane of the warp calls it), bit-exact with
+// quant.rs: the block's amax (of the lanes whose channels are in_range), its scale
+// (block_scale), q = e4m3_satfinite_rn(x / scale) by one reciprocal per block (e4m3_scaled).
+// Returns the 16 e4m3 bytes, channel order; the block's scale in *scale_out.
+__device__ __forceinline__ uint4 quantize16(const uint4 lo, const uint4 hi, bool in_range, bool ue8m0,
+                                            float* scale_out) {
+  float v[16];
+  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    v[2 * i] = bf16_lo(w[i]);
+    v[2 * i + 1] = bf16_hi(w[i]);
+  }
+  if (in_range) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  }
+  // Max is exact and order-free, so the butterfly gives quant.rs's fold bit for bit.
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+  const ScaleDivisor d = scale_divisor(block_scale(amax, ue8m0));
+  *scale_out = d.scale;
+  uint32_t q[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) q[i / 4] |= e4m3_scaled(v[i], d) << (8 * (i % 4));
+  return make_uint4(q[0], q[1], q[2], q[3]);
 }
 
 }  // namespace gin_ep

@@ -236,8 +236,7 @@ extern "C" __global__ void __launch_bounds__(kGinCheckThreads, 1) gin_ep_gin_con
     bool ok = gc_wait_source(a, n, me, src);
     if (ok && a.node_peers[src] != 0) {
       const uint64_t* flag = reinterpret_cast<const uint64_t*>(base + a.node_flag_offset + size_t(src) * 8);
-      DeadlineBarrier waiter{PeerWindows{nullptr, 0, a.win}, 0, me, n, a.timeout_ns, a.err};
-      ok = waiter.wait_word(flag, it + 1, kPhaseNodeStore, src);
+      ok = wait_word(flag, it + 1, kPhaseNodeStore, src, me, a.timeout_ns, a.err);
     }
     if (!ok) ok_all = 0;
   }

@@ -92,7 +92,7 @@ __device__ __forceinline__ bool stages_with(int peer, int me, bool push) { retur
 // sees every row of the chunks below it. Lane r holds row r's prefix.
 __device__ void stage_mark_scanner(const HtArgs& a, int R, int me, bool push) {
   const int lane = threadIdx.x & 31;
-  uint64_t* words = reinterpret_cast<uint64_t*>(peer_ptr(a, a.off_comb_stage, me));
+  uint64_t* words = reinterpret_cast<uint64_t*>(fabric(a).ptr(a.off_comb_stage, me));
   const uint64_t tag = a.seq << 16;
   // Pull mode: this rank's own row (its stage blocks' copies); push mode: every peer's row.
   uint32_t mine = (lane < R && stages_with(lane, me, push)) ? 0u : uint32_t(kStageChunks);
@@ -169,8 +169,8 @@ __device__ void stage_comb_x(const HtArgs& a, int R, int me, bool push) {
       const uint64_t row = __shfl_sync(0xFFFFFFFFu, seg_o, k) + pos;
       const uint4* in = src + row * nvec;
       uint4* out =
-          push ? reinterpret_cast<uint4*>(peer_ptr(a, a.off_comb_x, s)) + (uint64_t(me) * a.max_tokens + pos) * nvec
-               : reinterpret_cast<uint4*>(peer_ptr(a, a.off_comb_x, me)) + row * nvec;
+          push ? reinterpret_cast<uint4*>(fabric(a).ptr(a.off_comb_x, s)) + (uint64_t(me) * a.max_tokens + pos) * nvec
+               : reinterpret_cast<uint4*>(fabric(a).ptr(a.off_comb_x, me)) + row * nvec;
       for (int v0 = lane; v0 < nvec; v0 += 32 * SU) {
         uint4 v[SU];
 #pragma unroll
@@ -191,7 +191,7 @@ __device__ void stage_comb_x(const HtArgs& a, int R, int me, bool push) {
       __syncthreads();
     }
     if (cw == 0 && lane < R && stages_with(lane, me, push)) {
-      uint64_t* w = reinterpret_cast<uint64_t*>(peer_ptr(a, a.off_comb_stage, lane));
+      uint64_t* w = reinterpret_cast<uint64_t*>(fabric(a).ptr(a.off_comb_stage, lane));
       st_release_sys(stage_words_row(w, me) + c, a.seq);
     }
   }
@@ -239,7 +239,7 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
   const int R = a.ranks;
   const int me = a.rank;
   const int tid = threadIdx.x, lane = tid & 31;
-  const DeadlineBarrier bar{ht_peers(a), a.off_bar, me, R, a.timeout_ns, a.err};
+  const DeadlineBarrier bar{fabric(a), a.off_bar};
   if (!bar.sync(a.bar_epoch, kPhaseHtCombineStart)) return;
 
   const bool stage = (a.flags & kFlagStage) != 0u;
@@ -247,9 +247,9 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
   if (tid < R) {
     // Push mode: the rows are in this rank's own comb_x (pushed there by their expert rank).
     const int at = push ? me : tid;
-    s_cx[tid] = peer_ptr(a, a.off_comb_x, at);
-    s_cw[tid] = peer_ptr(a, a.off_comb_w, tid);
-    s_stage[tid] = stage_words_row(reinterpret_cast<const uint64_t*>(peer_ptr(a, a.off_comb_stage, at)), tid);
+    s_cx[tid] = fabric(a).ptr(a.off_comb_x, at);
+    s_cw[tid] = fabric(a).ptr(a.off_comb_w, tid);
+    s_stage[tid] = stage_words_row(reinterpret_cast<const uint64_t*>(fabric(a).ptr(a.off_comb_stage, at)), tid);
     s_base[tid] = ld_volatile_u32(a.plan + kPlanHead + R + 1 + tid);
     s_len[tid] = ld_volatile_u32(a.plan + kPlanHead + R + 1 + R + tid);  // tokens_per_rank
     s_mark[tid] = 0u;
@@ -354,7 +354,7 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
 #pragma unroll
             for (int u = 0; u < U; ++u) {
               const int i = base + lane + 32 * u;
-              if (j < g && i < v1) add_bf16x8(acc[u], v[j][u]);
+              if (j < g && i < v1) add_bf16x8(v[j][u], acc[u]);
             }
           }
         }
@@ -362,10 +362,9 @@ __device__ __forceinline__ void combine_body(const HtArgs& a) {
         for (int u = 0; u < U; ++u) {
           const int i = base + lane + 32 * u;
           if (i < v1) {
-            if (b0) add_bf16x8(acc[u], ld_nc_v4(bias0 + i));
-            if (b1) add_bf16x8(acc[u], ld_nc_v4(bias1 + i));
-            st_v4(out + i, make_uint4(pack_bf16(acc[u][0], acc[u][1]), pack_bf16(acc[u][2], acc[u][3]),
-                                      pack_bf16(acc[u][4], acc[u][5]), pack_bf16(acc[u][6], acc[u][7])));
+            if (b0) add_bf16x8(ld_nc_v4(bias0 + i), acc[u]);
+            if (b1) add_bf16x8(ld_nc_v4(bias1 + i), acc[u]);
+            st_v4(out + i, pack_bf16x8(acc[u]));
           }
         }
       }

@@ -53,6 +53,7 @@
 
 #include "common/fabric.cuh"
 #include "common/nccl_compat.cuh"
+#include "common/bf16.cuh"
 #include "common/quant.cuh"
 
 // HtArgs and every constant the host shares (after the headers that define the types it names).
@@ -65,15 +66,12 @@ static_assert(kMaxExperts <= 32767, "layout ids are int16");
 constexpr uint64_t kFailed = ~uint64_t(0);
 static_assert(kStampCombEnd < kStampWords, "stamps");
 
-// Address of `offset` in peer's window: the one place HT kernels address a peer. The base and
-// per-peer stride come from HtArgs, set by the host from NCCL's LSA team or from gin-ep's
-// IPC-mapped node windows laid out the same way (backend/cuda/fabric.rs).
-__device__ __forceinline__ char* peer_ptr(const HtArgs& a, size_t offset, int peer) {
-  return nccl::utility::add4G(a.peer_base, peer * int(a.peer_stride4G)) + offset;
-}
-
-__device__ __forceinline__ PeerWindows ht_peers(const HtArgs& a) {
-  return PeerWindows{a.peer_base, a.peer_stride4G, a.win};
+// This rank's fabric (common/fabric/handle.cuh): the group is the R ranks of the operation,
+// all of them in this rank's node (its LSA team); the base and stride come from the host
+// (NCCL's LSA team, or gin-ep's IPC-mapped node windows laid out the same way,
+// backend/cuda/fabric.rs). HT sends nothing over GIN.
+__device__ __forceinline__ Fabric fabric(const HtArgs& a) {
+  return Fabric{a.peer_base, a.peer_stride4G, 0, a.ranks, a.rank, a.ranks, &a.comm, a.win, 0u, a.timeout_ns, a.err};
 }
 
 // Waits until *w >= target (acquire, sys scope). 0: ok; kStatusPeerFailed: the peer stored
@@ -92,7 +90,7 @@ __device__ __forceinline__ uint32_t wait_signal(const uint64_t* w, uint64_t targ
 // Callers reach this after a __syncthreads that follows the block's data stores: the
 // release store is cumulative over them at system scope, so no separate fence is needed.
 __device__ __forceinline__ void signal_peer(const HtArgs& a, uint64_t offset, int peer, uint64_t value) {
-  st_release_sys(reinterpret_cast<uint64_t*>(peer_ptr(a, offset, peer)), value);
+  fabric(a).signal_store(offset, peer, value);
 }
 
 // Records a failure seen after the count exchange (first one wins), in the device plan and
@@ -113,36 +111,13 @@ __device__ void record_status(const HtArgs& a, uint32_t status, uint32_t detail,
   }
 }
 
-__device__ __forceinline__ uint32_t ld_volatile_u32(const uint32_t* p) {
-  return *reinterpret_cast<const volatile uint32_t*>(p);
-}
-
-__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const uint32_t l = __bfloat16_as_ushort(__float2bfloat16_rn(lo));
-  const uint32_t h = __bfloat16_as_ushort(__float2bfloat16_rn(hi));
-  return l | (h << 16);
-}
-
-// acc[0..8) += the 8 bf16 of v, element order, one IEEE f32 add each (no contraction).
-__device__ __forceinline__ void add_bf16x8(float* acc, const uint4 v) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    acc[2 * i] = __fadd_rn(acc[2 * i], bf16_lo(w[i]));
-    acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], bf16_hi(w[i]));
-  }
-}
-
 // Tells `peer` which receive slab this rank takes the current dispatch into (slot `me` of
 // the peer's recv_slab words). Ordered before the peer reads it by the signal that follows
 // (count signal, or the cached dispatch's start barrier). The peer has read the previous
 // value: this rank's previous dispatch ended only after every peer block had sent its rows,
 // and a block reads the slot before it sends.
 __device__ __forceinline__ void publish_recv_slab(const HtArgs& a, int peer) {
-  *reinterpret_cast<uint32_t*>(peer_ptr(a, a.off_recv_slab + size_t(a.rank) * sizeof(uint32_t), peer)) = a.recv_slab;
+  *reinterpret_cast<uint32_t*>(fabric(a).ptr(a.off_recv_slab + size_t(a.rank) * sizeof(uint32_t), peer)) = a.recv_slab;
 }
 
 __device__ __forceinline__ uint32_t plan_words(int R, int E) { return kPlanHead + (R + 1) + R + R + E + 2 * (E / R); }

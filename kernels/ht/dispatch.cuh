@@ -16,11 +16,10 @@ using namespace gin_ep::ht;
 // step is read from HBM once (UNROLL vectors per lane in flight) and stored into each
 // destination rank's window at its final receive row send_base[r] + send_slot[t][r]
 // (destinations ascending, or rotated per item with kVarRotate).
-// FP8 from BF16: each lane quantizes 16 channels (two vectors); the 8 lanes of a 128-channel
-// block reduce amax with shuffles (max is exact in any order), then scale and e4m3 exactly as
-// quant.rs. Fresh dispatch also writes the metadata (chunk 0's item); cached dispatch
-// (kFlagCached) starts with a barrier (no count exchange orders it) and moves only the
-// payload. Variants (template UNROLL, block size, chunk, rotation) move the same bytes to
+// FP8 from BF16: each lane quantizes 16 channels (two vectors) with the 8 lanes of its
+// 128-channel block, exactly as quant.rs (common/quant.cuh quantize16, as LL's dispatch).
+// Fresh dispatch also writes the metadata (chunk 0's item); cached dispatch (kFlagCached)
+// starts with a barrier (no count exchange orders it) and moves only the payload. Variants (template UNROLL, block size, chunk, rotation) move the same bytes to
 // the same places: the result does not depend on them.
 // End: per block, one signal per destination (slot (me, block)); then block b waits for
 // slot (s, b) of every source s, so the kernel ends only when every row addressed to this
@@ -76,19 +75,19 @@ __device__ __forceinline__ void dispatch_body(const HtArgs& a) {
 
   if (cached) {
     if (tid < R) publish_recv_slab(a, tid);
-    const DeadlineBarrier bar{ht_peers(a), a.off_bar, me, R, a.timeout_ns, a.err};
+    const DeadlineBarrier bar{fabric(a), a.off_bar};
     if (!bar.sync(a.bar_epoch, kPhaseHtCachedBarrier)) return;
   }
-  const uint32_t* slab_of = reinterpret_cast<const uint32_t*>(peer_ptr(a, a.off_recv_slab, me));
+  const uint32_t* slab_of = reinterpret_cast<const uint32_t*>(fabric(a).ptr(a.off_recv_slab, me));
   if (tid < R) {
     // An out-of-range slab is refused below (thread 0); the clamp only keeps the unused
     // pointers inside the window.
     const uint64_t slab = uint64_t(min(ld_volatile_u32(slab_of + tid), a.slabs - 1u)) * a.slab_bytes;
-    s_x[tid] = peer_ptr(a, a.off_recv_x + slab, tid);
-    s_sc[tid] = peer_ptr(a, a.off_recv_sc + slab, tid);
-    s_idx[tid] = peer_ptr(a, a.off_recv_idx + slab, tid);
-    s_w[tid] = peer_ptr(a, a.off_recv_w + slab, tid);
-    s_src[tid] = peer_ptr(a, a.off_recv_src + slab, tid);
+    s_x[tid] = fabric(a).ptr(a.off_recv_x + slab, tid);
+    s_sc[tid] = fabric(a).ptr(a.off_recv_sc + slab, tid);
+    s_idx[tid] = fabric(a).ptr(a.off_recv_idx + slab, tid);
+    s_w[tid] = fabric(a).ptr(a.off_recv_w + slab, tid);
+    s_src[tid] = fabric(a).ptr(a.off_recv_src + slab, tid);
     s_base[tid] = ld_volatile_u32(a.plan + kPlanHead + R + 1 + tid);
   }
   if (tid == 0) {
@@ -164,32 +163,13 @@ __device__ __forceinline__ void dispatch_body(const HtArgs& a) {
             lo = ld_nc_v4(src + 2 * u);
             hi = ld_nc_v4(src + 2 * u + 1);
           }
-          const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-          float f[16];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            f[2 * i] = bf16_lo(w[i]);
-            f[2 * i + 1] = bf16_hi(w[i]);
-          }
-          float amax = 0.f;
-#pragma unroll
-          for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(f[i]));
-          amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 4));
-          amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
-          amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
-          const ScaleDivisor d = scale_divisor(block_scale(amax, ue8m0));
-          uint32_t q[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            q[i] = e4m3_scaled(f[4 * i], d) | (e4m3_scaled(f[4 * i + 1], d) << 8) |
-                   (e4m3_scaled(f[4 * i + 2], d) << 16) | (e4m3_scaled(f[4 * i + 3], d) << 24);
-          }
-          const uint4 qv = make_uint4(q[0], q[1], q[2], q[3]);
+          float scale;
+          const uint4 qv = quantize16(lo, hi, /*in_range=*/true, ue8m0, &scale);  // lanes past s1 hold zeros
           for_each_dest(mask, r0, R, [&](int r) {
             const uint64_t row = __shfl_sync(0xFFFFFFFFu, my_row, r);
             if (in) {
               st_v4(reinterpret_cast<uint4*>(s_x[r] + row * size_t(H)) + u, qv);
-              if ((lane & 7) == 0) reinterpret_cast<float*>(s_sc[r])[row * nsc + u / 8] = d.scale;
+              if ((lane & 7) == 0) reinterpret_cast<float*>(s_sc[r])[row * nsc + u / 8] = scale;
             }
           });
         }
@@ -225,7 +205,7 @@ __device__ __forceinline__ void dispatch_body(const HtArgs& a) {
   if (tid < R) signal_peer(a, a.off_disp_sig + my_slot, tid, paired ? a.seq : kFailed);
   if (paired && tid < R) {
     const uint64_t* w = reinterpret_cast<const uint64_t*>(
-        peer_ptr(a, a.off_disp_sig + (size_t(tid) * kMaxGrid + blockIdx.x) * sizeof(uint64_t), me));
+        fabric(a).ptr(a.off_disp_sig + (size_t(tid) * kMaxGrid + blockIdx.x) * sizeof(uint64_t), me));
     const uint32_t st = wait_signal(w, a.seq, kPhaseHtDispatchWait, tid, me, a.timeout_ns, a.err);
     if (st != kStatusOk) record_status(a, st, kPhaseHtDispatchWait, tid);
   }

@@ -332,15 +332,15 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
     for (int i = tid; i < R * row_words; i += kLayoutTile) {
       const int peer = i / row_words, w = i - peer * row_words;
       const uint32_t v = w < R ? s_total[w] : w < R + E ? s_hist[w - R] : a.caller_tokens;
-      *reinterpret_cast<uint32_t*>(peer_ptr(a, a.off_counts + (size_t(me) * row_words + w) * sizeof(uint32_t), peer)) =
-          v;
+      *reinterpret_cast<uint32_t*>(
+          fabric(a).ptr(a.off_counts + (size_t(me) * row_words + w) * sizeof(uint32_t), peer)) = v;
     }
     if (tid < R) publish_recv_slab(a, tid);
   }
   __syncthreads();  // every thread's count stores happen-before the signals below
   if (tid < R) signal_peer(a, a.off_count_sig + size_t(me) * sizeof(uint64_t), tid, refuse ? kFailed : a.seq);
   if (!refuse && tid < R) {
-    const uint64_t* w = reinterpret_cast<const uint64_t*>(peer_ptr(a, a.off_count_sig + size_t(tid) * 8, me));
+    const uint64_t* w = reinterpret_cast<const uint64_t*>(fabric(a).ptr(a.off_count_sig + size_t(tid) * 8, me));
     const uint32_t st = wait_signal(w, a.seq, kPhaseHtCountExchange, tid, me, a.timeout_ns, a.err);
     if (st != kStatusOk) {
       atomicCAS(&s_fail, kStatusOk, st);
@@ -352,7 +352,7 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
 
   // The R x R count matrix and this rank's local-expert sums (into s_hist[0, L): the
   // histogram is no longer needed), loaded at once.
-  const uint32_t* counts = reinterpret_cast<const uint32_t*>(peer_ptr(a, a.off_counts, me));
+  const uint32_t* counts = reinterpret_cast<const uint32_t*>(fabric(a).ptr(a.off_counts, me));
   const bool counted = !refuse && s_fail == kStatusOk;
   __syncthreads();  // everyone read s_fail before thread 0 reuses it below
   if (counted) {

@@ -275,7 +275,7 @@ __device__ bool reduce_items(const LlArgs& a, char* comb, uint32_t n, bool polle
 __device__ bool combine_recv_body(const LlArgs& a, uint32_t n) {
   const int me = a.rank;
   stamp(a, kStCombRecv);
-  char* comb = win_ptr(a, a.set_offset + a.comb_offset, me);
+  char* comb = fabric(a).ptr(a.set_offset + a.comb_offset, me);
   const bool rank_first = a.comb_order == kCombOrderRankFirst;
   // The one-node kernels' rank-first reduce polls the rows (reduce_rank_first) instead of
   // waiting for every expert rank's kCombSig first.

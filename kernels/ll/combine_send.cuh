@@ -124,7 +124,8 @@ __device__ __forceinline__ void copy_batched(size_t n, size_t tid, size_t thread
 __device__ __noinline__ bool combine_send_gin_start(const LlArgs& a, uint32_t n) {
   const int R = a.ranks, K = a.topk, L = a.experts / R, T = a.max_tokens;
   const bool rank_first = a.comb_order == kCombOrderRankFirst;
-  if (!wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit, kGinCombAck, uint64_t(n - 1))) return false;
+  if (!wait_all_peers(a, kCombCredit, uint64_t(n - 1), kPhaseCombineCredit, kGinCombCredit, uint64_t(n - 1)))
+    return false;
   if (rank_first && !wait_all_peers(a, -1, 0, kPhaseCombineWeights, kGinWts, uint64_t(n))) return false;
   if (blockIdx.x != 0) return true;
   const uint64_t masked_ranks = rank_mask(a);
@@ -137,7 +138,7 @@ __device__ __noinline__ bool combine_send_gin_start(const LlArgs& a, uint32_t n)
       for (int e = 0; e < L; ++e) rows += uint32_t(max(a.layout_range[(size_t(e) * R + p) * 2 + 1], 0));
       quota *= K;
     }
-    gin_put_add(a, p, a.set_offset, a.set_offset, 0, kGinComb, quota - min(rows, quota));
+    fabric(a).put(p, a.set_offset, a.set_offset, 0, kGinComb, quota - min(rows, quota));
   }
   return true;
 }
@@ -163,7 +164,9 @@ __device__ __forceinline__ size_t comb_row(const uint32_t* pre, int L, size_t ca
 __device__ __forceinline__ void gin_row_part_done(const LlArgs& a, uint32_t* count, int units, int s, size_t to,
                                                   size_t from) {
   __syncwarp();
-  if ((threadIdx.x & 31) == 0 && arrive_last(count, uint32_t(units))) gin_put_row(a, s, to, from);
+  if ((threadIdx.x & 31) == 0 && arrive_last(count, uint32_t(units))) {
+    fabric(a).put(s, to, from, size_t(a.hidden) * 2, kGinComb, 1);  // one BF16 row
+  }
 }
 
 // Combine send, order `topk`, the rows of sources in other nodes (the store loop of
@@ -186,7 +189,7 @@ __device__ __noinline__ void combine_send_gin_topk(const LlArgs& a, const uint32
     const size_t to = a.set_offset + a.comb_offset + (size_t(t) * K + k) * size_t(H) * 2;
     const size_t from = a.set_offset + a.out_comb_offset + ((size_t(s) * T + t) * K + k) * size_t(H) * 2;
     const uint16_t* y = a.y + row * H;
-    char* out = win_ptr(a, from, a.rank);
+    char* out = fabric(a).ptr(from, a.rank);
 #pragma unroll
     for (int i = 0; i < kCombineVecs; ++i) {
       const int ch = u * kCombineUnit + i * 256 + lane * 8;
@@ -208,7 +211,7 @@ __device__ __noinline__ bool combine_send_gin_rank_first(const LlArgs& a, uint32
   const int lane = threadIdx.x & 31;
   const int units = (H + kPartialUnit - 1) / kPartialUnit;
   const size_t items = size_t(records) * units;
-  const float* wts = reinterpret_cast<const float*>(win_ptr(a, a.set_offset + a.wts_offset, me));
+  const float* wts = reinterpret_cast<const float*>(fabric(a).ptr(a.set_offset + a.wts_offset, me));
   const uint64_t masked_ranks = rank_mask(a);
   for (size_t it = warp; it < items; it += warps) {
     const uint32_t g = item_div(it, units) * stride % max(records, 1u);
@@ -255,7 +258,7 @@ __device__ __noinline__ bool combine_send_gin_rank_first(const LlArgs& a, uint32
     }
     const size_t to = a.set_offset + a.comb_offset + (size_t(t) * R + me) * size_t(H) * 2;
     const size_t from = a.set_offset + a.out_comb_offset + (size_t(s) * T + t) * size_t(H) * 2;
-    char* dst = win_ptr(a, from, me);
+    char* dst = fabric(a).ptr(from, me);
 #pragma unroll
     for (int i = 0; i < kPartialVecs; ++i) {
       const int ch = c0 + i * 256;
@@ -297,8 +300,9 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
     if (kRowsPolled) {
       bool ok = true;
       if (threadIdx.x == 0) {
-        ok = waiter_for(a, q).wait_word(sig_word(a, me, kCombSig, q), uint64_t(n - 1) * gridDim.x,
-                                        static_cast<FabricPhase>(kPhaseCombineCredit), q, /*relaxed=*/true);
+        ok = fabric(a).wait(sig_word(a, me, kCombSig, q), uint64_t(n - 1) * gridDim.x,
+                            static_cast<FabricPhase>(kPhaseCombineCredit), q, wait_timeout(a, q), a.err,
+                            /*relaxed=*/true);
       }
       if (__syncthreads_or(!ok)) {
         mark_failed(a);
@@ -306,13 +310,13 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
       }
     }
     const size_t area = a.set_offset + a.wts_offset + size_t(me) * T * K * 8;
-    uint64_t* dst = reinterpret_cast<uint64_t*>(win_ptr(a, area, in_node(a, q) ? q : me));
+    uint64_t* dst = reinterpret_cast<uint64_t*>(fabric(a).ptr(area, in_node(a, q) ? q : me));
     copy_batched<float>(
         nw, threadIdx.x, pushers, [&](size_t i) { return a.topk_weights[i]; },
         [&](size_t i, float w) { st_relaxed_sys_u64(dst + i, (uint64_t(n) << 32) | __float_as_uint(w)); });
     if (!in_node(a, q)) {
       __syncthreads();  // every thread's pairs before the put (gin_put fences)
-      if (threadIdx.x == 0) gin_put_add(a, q, area, area, nw * 8, kGinWts, 1);
+      if (threadIdx.x == 0) fabric(a).put(q, area, area, nw * 8, kGinWts, 1);
     }
   }
 
@@ -323,7 +327,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   const int wic = int(threadIdx.x / 32), per_cta = kWarps;
   const size_t warps = size_t(gridDim.x) * per_cta;
   const size_t warp = size_t(blockIdx.x) * per_cta + wic;
-  const float* wts = reinterpret_cast<const float*>(win_ptr(a, a.set_offset + a.wts_offset, me));
+  const float* wts = reinterpret_cast<const float*>(fabric(a).ptr(a.set_offset + a.wts_offset, me));
   // Records are sorted by source rank, so consecutive warps would all store to one source's
   // link at a time; a stride coprime with the record count visits every record once and
   // spreads neighbouring warps over the sources.
@@ -377,7 +381,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   }
   // Credit: every source rank has reduced the previous combine of this set (across nodes:
   // combine_send_gin_start, above).
-  if (!across(a) && !wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) return false;
+  if (!across(a) && !wait_all_peers(a, kCombCredit, uint64_t(n - 1), kPhaseCombineCredit)) return false;
   if (shrinks(a)) {  // the waits may have masked a source
     __syncthreads();
     if (threadIdx.x == 0) masked_ranks = rank_mask(a);
@@ -389,7 +393,7 @@ __device__ bool combine_send_rank_first(const LlArgs& a, uint32_t n) {
   // only: the others' rows are sent by combine_send_gin_rank_first.
   auto put_partial = [&](int s, int t, int c0, const uint4(&v)[kPartialVecs]) {
     if (s < 0 || s >= R || t < 0 || t >= T || masked(masked_ranks, s)) return;
-    char* dst = win_ptr(a, a.set_offset + a.comb_offset + (size_t(t) * R + me) * size_t(H) * 2, s);
+    char* dst = fabric(a).ptr(a.set_offset + a.comb_offset + (size_t(t) * R + me) * size_t(H) * 2, s);
 #pragma unroll
     for (int i = 0; i < kPartialVecs; ++i) {
       const int ch = c0 + i * 256;
@@ -494,7 +498,8 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
   warp0_exclusive_scan(pre, L, threadIdx.x);
   // Credit: every source rank has reduced the previous combine of this set (across nodes:
   // combine_send_gin_start).
-  if (across(a) ? !combine_send_gin_start(a, n) : !wait_all_peers(a, kCombAck, uint64_t(n - 1), kPhaseCombineCredit)) {
+  if (across(a) ? !combine_send_gin_start(a, n)
+                : !wait_all_peers(a, kCombCredit, uint64_t(n - 1), kPhaseCombineCredit)) {
     return false;
   }
   if (shrinks(a)) {  // the credit wait may have masked a source
@@ -536,7 +541,7 @@ __device__ bool combine_send_body(const LlArgs& a, uint32_t n, uint32_t* smem) {
     const int s = cur.s, t = cur.t, k = cur.k;
     // Sources in another node: combine_send_gin_topk below.
     if (s >= 0 && s < R && t >= 0 && t < T && k >= 0 && k < K && in_node(a, s) && !masked(masked_ranks, s)) {
-      char* dst = win_ptr(a, a.set_offset + a.comb_offset + (size_t(t) * K + k) * size_t(H) * 2, s);
+      char* dst = fabric(a).ptr(a.set_offset + a.comb_offset + (size_t(t) * K + k) * size_t(H) * 2, s);
 #pragma unroll
       for (int i = 0; i < kCombineVecs; ++i) {
         const int ch = u * kCombineUnit + i * 256 + lane * 8;

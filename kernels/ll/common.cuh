@@ -36,9 +36,7 @@
 // Signals (per buffer set, in the window; u64, monotonic, never reset):
 //   word [kind][src] of rank r is written only by rank src (red.add.release.sys, +1 per CTA
 //   of src's kernel), read only by r (ld.acquire.sys, with a deadline):
-//   - kDispSig: unused (the ready words below replaced the per-CTA data signal; the kind
-//     keeps its index so the others keep theirs).
-//   - kDispAck[r] at sender s: the number of dispatches on the set whose receive half r has
+//   - kDispCredit[r] at sender s: the number of dispatches on the set whose receive half r has
 //     completed (credit: the staging slots of s at r are free again); s's dispatch-send of op
 //     n waits for n - 1 before writing into r. r does not signal it at the end of its receive
 //     half (that would cost a system-scope fence draining every output store, ≈ 3 µs): CTA 0
@@ -46,10 +44,10 @@
 //     (push_credits). That kernel starts after the receive kernel completed in stream order,
 //     and kernel completion makes all of its memory accesses (the staging loads included)
 //     performed, so a relaxed store suffices and no fence is needed.
-//   - kCombSig / kCombAck: as kDispAck for combine, with a data signal: every CTA of the
+//   - kCombSig / kCombCredit: as kDispCredit for combine, with a data signal: every CTA of the
 //     expert rank's combine send adds 1 to kCombSig[src] at the source after its stores
-//     (after op n: n * G, G = grid, the same on every rank and kernel); kCombAck (source ->
-//     expert rank "combine buffer free": completed combines) is pushed as kDispAck is. The
+//     (after op n: n * G, G = grid, the same on every rank and kernel); kCombCredit (source ->
+//     expert rank "combine buffer free": completed combines) is pushed as kDispCredit is. The
 //     `rank-first` reduce of the one-node kernels (kRowsPolled) does not wait for kCombSig:
 //     it polls each row it reads, as the dispatch polls its records (below; the combine rows
 //     are poisoned the same way), and takes a row whose own data holds the poison word
@@ -60,10 +58,10 @@
 //   next write into the buffer the credit frees. A receive half that missed a deadline sets
 //   the set's kFailed word and no credit of the set is pushed again.
 //   - Counts: CTA 0 of src stores meta[src] at r as tagged words (op n << 32 | count, u64,
-//     one relaxed store each, no signal); r polls them until every tag is n. kDispCnt is
-//     unused (the kind keeps its index). A fence-free count reaches r as soon as it is
-//     stored: the signal it replaced was a release, which waited for every store its SM had
-//     in flight, so the receive table was ready only once the records were out.
+//     one relaxed store each, no signal); r polls them until every tag is n. A fence-free
+//     count reaches r as soon as it is stored (a release signal would wait for every store
+//     its SM had in flight, so the receive table would be ready only once the records were
+//     out).
 //   - Records, in the kernels that poll the data (kDataPolled: every variant but the masked
 //     one): r's staging holds kStagePoison in every 32-bit word of payload and scales that no
 //     record of the current op has written yet: the host fills it before the first op (and at
@@ -83,7 +81,7 @@
 //     stores and publishes its own units; in the fused kernel the send warps never fence and
 //     the CTA's last warp fences and publishes for them (publish_rounds). The masked kernels
 //     wait for each unit's word; the polled ones read it only for a unit holding the poison
-//     word. Written only by src, read only by r; their reuse is covered by kDispAck like the
+//     word. Written only by src, read only by r; their reuse is covered by kDispCredit like the
 //     records they stand for.
 //   - Weights (order `rank-first` only): no signal. Each weight goes out as one 64-bit store
 //     of (op n << 32 | f32 bits) into r's [src][T][K] u64 area, and r polls the pairs it
@@ -92,8 +90,7 @@
 //     needed: r reads them in its combine send, before its kCombSig, and src's next combine
 //     on the set starts only after src's reduce saw that kCombSig, or, where the reduce
 //     polls the rows (kRowsPolled), src's next combine on the set waits for that kCombSig
-//     before it pushes (long satisfied by then). kCombWts: unused (the kind keeps its
-//     index).
+//     before it pushes (long satisfied by then).
 //   So no barrier sits on the critical path, no flag is ever cleared, and any sequence of
 //   dispatches and combines on a set is safe (double buffering = two sets, used alternately).
 // - The op number n of a set lives on the device (LlArgs::state), so a CUDA graph replays
@@ -110,10 +107,8 @@
 // gin_ep::ll::masked (kMasked: the GIN branches and the LL rank mask): no include guard, no
 // includes (ll.cu includes what these parts need first).
 
-static_assert(kCombWts < kSigKinds, "signal kinds");
-static_assert(kStDispEntry < kStampSlots && kStCombWeights < kStCombEntry && kStCombEntry < kStDispStored &&
-                  kStCombLastItem < kStampSlots,
-              "stamps");
+static_assert(kDispCredit < kSigKinds && kCombSig < kSigKinds && kCombCredit < kSigKinds, "signal kinds");
+static_assert(kStDispEnd < kStCombEntry && kStCombEnd < kStampSlots, "stamps: dispatch, then combine");
 
 // Whether the dispatch receiver polls the records' data (the poisoned staging of the protocol
 // above) rather than every unit's ready word. Not in the masked kernels: a masked source's
@@ -150,12 +145,30 @@ constexpr int kBarSend = 1, kBarRecv = 2, kBarCombSent = 3;
 // sides decide alike from K).
 __device__ __forceinline__ bool solo_rows(const LlArgs& a) { return a.topk <= 32; }
 
-// Whether `peer` is in this rank's gin-ep node (reached by stores); every other rank is
-// reached over GIN. Without kAcross (the lsa_only kernels, launched when the node is the
-// whole group) always true, so the GIN branches compile out of the one-node kernels.
-__device__ __forceinline__ bool in_node(const LlArgs& a, int peer) {
-  return !kAcross || unsigned(peer - a.node_first) < unsigned(a.node_size);
+// This rank's fabric (common/fabric/handle.cuh): the group is the R ranks of the operation,
+// the LSA team this rank's gin-ep node (node_first, node_size), the GIN signals the set's
+// [kGinKinds][R] from gin_sig_base. Without kAcross (the lsa_only kernels, launched when the
+// node is the whole group) the node is [0, ranks), so the node offsets fold away. The base
+// and stride come from the host (NCCL's LSA team, or gin-ep's IPC-mapped node windows laid
+// out the same way, backend/cuda/fabric.rs).
+__device__ __forceinline__ Fabric fabric(const LlArgs& a) {
+  return Fabric{a.peer_base,
+                a.peer_stride4G,
+                kAcross ? a.node_first : 0,
+                kAcross ? a.node_size : a.ranks,
+                a.rank,
+                a.ranks,
+                &a.comm,
+                a.win,
+                a.gin_sig_base,
+                a.timeout_ns,
+                a.err};
 }
+
+// Whether `peer` is in this rank's gin-ep node (reached by stores); every other rank is
+// reached over GIN. Without kAcross always true, so the GIN branches compile out of the
+// one-node kernels.
+__device__ __forceinline__ bool in_node(const LlArgs& a, int peer) { return !kAcross || fabric(a).by_store(peer); }
 
 // Whether some rank lies outside this rank's node (CTA-uniform; false in the lsa_only kernels).
 __device__ __forceinline__ bool across(const LlArgs& a) { return kAcross && a.node_size < a.ranks; }
@@ -175,18 +188,6 @@ __device__ __forceinline__ bool shrinks(const LlArgs& a) {
 // Under shrinks(a): masks `peer` for this and every later operation.
 __device__ __forceinline__ void shrink_away(const LlArgs& a, int peer) {
   atomicOr(reinterpret_cast<unsigned long long*>(a.rank_mask), 1ull << peer);
-}
-
-// Address of `offset` in peer's window: the one place LL kernels address a peer. The base and
-// per-peer stride come from LlArgs, set by the host from NCCL's LSA team (what
-// ncclGetLsaPointer would return) or from gin-ep's IPC-mapped node windows laid out the same
-// way (backend/cuda/fabric.rs). From the arguments (the constant bank) rather than the window
-// struct: ncclGetLsaPointer loads both at every call, and the compiler reloads them after
-// every asm "memory" clobber (each store and fence here), through an L1 that acquire loads
-// and fences invalidate (CCTL.IVALL): a dependent L2 round trip before many remote stores.
-// Only for peers in this rank's node (in_node); the others are reached by GIN (ll/gin.cuh).
-__device__ __forceinline__ char* win_ptr(const LlArgs& a, size_t offset, int peer) {
-  return nccl::utility::add4G(a.peer_base, (kAcross ? peer - a.node_first : peer) * int(a.peer_stride4G)) + offset;
 }
 
 // Warps per CTA that send records in the fused dispatch (the host's send warps, 1 to
@@ -233,44 +234,6 @@ __device__ __forceinline__ void kernel_enter(const LlArgs& a, int entry_slot = -
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
-__device__ __forceinline__ uint32_t ld_volatile_u32(const uint32_t* p) {
-  return *reinterpret_cast<const volatile uint32_t*>(p);
-}
-
-__device__ __forceinline__ float bf16_bits_to_f32(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
-
-__device__ __forceinline__ uint32_t f32x2_to_bf16x2(float lo, float hi) {
-  const uint32_t a = __bfloat16_as_ushort(__float2bfloat16_rn(lo));
-  const uint32_t b = __bfloat16_as_ushort(__float2bfloat16_rn(hi));
-  return a | (b << 16);
-}
-
-// acc[i] = fma(w, channel i of the 8 BF16 values in v, acc[i]), i = 0..8 (the combine chain).
-__device__ __forceinline__ void fma_bf16x8(float w, const uint4& v, float* acc) {
-  const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    acc[2 * j] = __fmaf_rn(w, bf16_bits_to_f32(wv[j] & 0xffffu), acc[2 * j]);
-    acc[2 * j + 1] = __fmaf_rn(w, bf16_bits_to_f32(wv[j] >> 16), acc[2 * j + 1]);
-  }
-}
-
-// 8 f32 values rounded to BF16 (nearest even), packed for one 16-byte store.
-__device__ __forceinline__ uint4 pack_bf16x8(const float* x) {
-  return make_uint4(f32x2_to_bf16x2(x[0], x[1]), f32x2_to_bf16x2(x[2], x[3]), f32x2_to_bf16x2(x[4], x[5]),
-                    f32x2_to_bf16x2(x[6], x[7]));
-}
-
-// acc[i] += channel i of the 8 BF16 values in v (f32 adds, round to nearest), i = 0..8.
-__device__ __forceinline__ void add_bf16x8(const uint4& v, float* acc) {
-  const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    acc[2 * j] = __fadd_rn(acc[2 * j], bf16_bits_to_f32(wv[j] & 0xffffu));
-    acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], bf16_bits_to_f32(wv[j] >> 16));
-  }
-}
-
 // `solo`: the partial of a rank that holds only one of the token's experts, as that rank
 // would have made it from the expert's row y and weight w: bf16(fma(w, y, +0)).
 __device__ __forceinline__ uint4 solo_partial(float w, const uint4& y) {
@@ -293,13 +256,17 @@ __device__ __forceinline__ size_t meta_in_record(const LlArgs& a) {
 }
 
 __device__ __forceinline__ uint64_t* sig_word(const LlArgs& a, int owner, int kind, int src) {
-  const int R = a.ranks;
-  return reinterpret_cast<uint64_t*>(
-      win_ptr(a, a.set_offset + a.sig_offset + (size_t(kind) * R + src) * sizeof(uint64_t), owner));
+  return fabric(a).word(a.set_offset + a.sig_offset + (size_t(kind) * a.ranks + src) * sizeof(uint64_t), owner);
 }
 
-__device__ __forceinline__ DeadlineBarrier waiter(const LlArgs& a) {
-  return DeadlineBarrier{PeerWindows{a.peer_base, a.peer_stride4G, a.win}, 0, a.rank, a.ranks, a.timeout_ns, a.err};
+// Lane 0 of a warp that has written its part of a staged buffer for a GIN put (after the
+// warp's barrier): counts it; true for the last of `parts` parts, which then owns the buffer
+// (the acquire in the add orders every part's stores before its put) and resets the count for
+// the next operation (no other warp touches the count again in this one).
+__device__ __forceinline__ bool arrive_last(uint32_t* count, uint32_t parts) {
+  if (atom_add_acq_rel_sys_u32(count, 1u) + 1u != parts) return false;
+  *count = 0u;
+  return true;
 }
 
 // A wait of this set missed its deadline: no credit of the set is pushed again (peers then
@@ -359,13 +326,6 @@ __device__ __forceinline__ uint64_t wait_timeout(const LlArgs& a, int peer) {
   return peer == a.rank ? a.timeout_ns + a.timeout_ns / 2 : a.timeout_ns;
 }
 
-// A waiter whose deadline is wait_timeout(a, peer).
-__device__ __forceinline__ DeadlineBarrier waiter_for(const LlArgs& a, int peer) {
-  DeadlineBarrier w = waiter(a);
-  w.timeout_ns = wait_timeout(a, peer);
-  return w;
-}
-
 // Every thread of the group: wait until word [kind][p] of this rank is >= target for every
 // peer p of this node (kind < 0: none), and GIN signal [gin_kind][p] >= gin_target for every
 // other peer (gin_kind < 0: none), with the deadline; false in every thread of the group when
@@ -382,11 +342,11 @@ __device__ bool group_wait_all_peers(const LlArgs& a, const WarpGroup& group, in
   for (int p = group.tid; p < a.ranks && ok; p += group.nthreads) {
     if (masked(mask, p)) continue;
     if (!in_node(a, p)) {
-      ok = gin_kind < 0 || gin_wait_peer(a, gin_kind, p, gin_target, phase, wait_timeout(a, p), err);
+      ok = gin_kind < 0 ||
+           fabric(a).wait_signal(gin_kind, p, gin_target, static_cast<FabricPhase>(phase), wait_timeout(a, p), err);
     } else if (kind >= 0) {
-      DeadlineBarrier w = waiter_for(a, p);
-      w.err = err;
-      ok = w.wait_word(sig_word(a, a.rank, kind, p), target, static_cast<FabricPhase>(phase), p, /*relaxed=*/true);
+      ok = fabric(a).wait(sig_word(a, a.rank, kind, p), target, static_cast<FabricPhase>(phase), p, wait_timeout(a, p),
+                          err, /*relaxed=*/true);
     }
     if (!ok && shrink) {
       shrink_away(a, p);
@@ -501,14 +461,14 @@ __device__ void push_credits(const LlArgs& a) {
   for (int p = threadIdx.x; p < a.ranks; p += blockDim.x) {
     if (masked(mask, p)) continue;
     if (in_node(a, p)) {
-      put_flag(sig_word(a, p, kDispAck, me), uint64_t(disp));
-      put_flag(sig_word(a, p, kCombAck, me), uint64_t(comb));
+      put_flag(sig_word(a, p, kDispCredit, me), uint64_t(disp));
+      put_flag(sig_word(a, p, kCombCredit, me), uint64_t(comb));
       continue;
     }
     const uint32_t d = disp - ld_volatile_u32(&a.state[kCreditsDisp]);
     const uint32_t c = comb - ld_volatile_u32(&a.state[kCreditsComb]);
-    if (d != 0u) gin_put_add(a, p, a.set_offset, a.set_offset, 0, kGinDispAck, d);
-    if (c != 0u) gin_put_add(a, p, a.set_offset, a.set_offset, 0, kGinCombAck, c);
+    if (d != 0u) fabric(a).signal(p, a.set_offset, kGinDispCredit, d);
+    if (c != 0u) fabric(a).signal(p, a.set_offset, kGinCombCredit, c);
   }
   if (!gin) return;
   __syncthreads();  // every thread has read the pushed counts
@@ -575,36 +535,7 @@ __device__ __forceinline__ int bf16_channel(int u, int lane, int half) {
 __device__ __forceinline__ uint32_t* ready_word(const LlArgs& a, int owner, int src, uint32_t slot, int u) {
   const int units = (a.hidden + kDispatchUnit - 1) / kDispatchUnit;
   const size_t idx = (size_t(src) * a.max_tokens + slot) * units + u;
-  return reinterpret_cast<uint32_t*>(win_ptr(a, a.set_offset + a.ready_offset + idx * 4, owner));
-}
-
-// Quantizes 16 channels per lane, bit-exact with quant.rs: amax over the 128-channel block
-// (8 lanes), its scale (common/quant.cuh block_scale), q = e4m3_satfinite_rn(x / scale) by
-// one reciprocal per block (e4m3_scaled).
-__device__ __forceinline__ uint4 quantize16(const uint4 lo, const uint4 hi, bool in_range, bool ue8m0,
-                                            float* scale_out) {
-  float v[16];
-  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    v[2 * i] = bf16_bits_to_f32(w[i] & 0xffffu);
-    v[2 * i + 1] = bf16_bits_to_f32(w[i] >> 16);
-  }
-  if (in_range) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
-  }
-  // Max is exact and order-free, so the butterfly gives quant.rs's fold bit for bit.
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-  const ScaleDivisor d = scale_divisor(block_scale(amax, ue8m0));
-  *scale_out = d.scale;
-  uint32_t q[4] = {0, 0, 0, 0};
-#pragma unroll
-  for (int i = 0; i < 16; ++i) q[i / 4] |= e4m3_scaled(v[i], d) << (8 * (i % 4));
-  return make_uint4(q[0], q[1], q[2], q[3]);
+  return reinterpret_cast<uint32_t*>(fabric(a).ptr(a.set_offset + a.ready_offset + idx * 4, owner));
 }
 
 __device__ __forceinline__ int map_ints(int K) { return kMapHeader + 2 * K; }

@@ -143,7 +143,7 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
   const size_t row_bytes = payload_bytes(a);
   const int nblocks = H / 128;
   const size_t meta_off = meta_in_record(a);
-  char* stage = win_ptr(a, a.set_offset + a.stage_offset, me);
+  char* stage = fabric(a).ptr(a.set_offset + a.stage_offset, me);
   // Source rank of staged token g (linear in R: sources are few).
   auto source_of = [&](uint32_t g) {
     int s = 0;
@@ -352,7 +352,7 @@ __device__ bool expand_items(const LlArgs& a, uint32_t n, const uint32_t* first,
 // registers. False when a deadline passed.
 __device__ __noinline__ bool poll_counts(const LlArgs& a, uint32_t n, uint32_t* first, int tid, int nthreads) {
   const int R = a.ranks, L = a.experts / R;
-  const uint64_t* meta_in = reinterpret_cast<const uint64_t*>(win_ptr(a, a.set_offset + a.meta_offset, a.rank));
+  const uint64_t* meta_in = reinterpret_cast<const uint64_t*>(fabric(a).ptr(a.set_offset + a.meta_offset, a.rank));
   const bool shrink = shrinks(a);
   for (int i = tid; i < R * (L + 1); i += nthreads) {
     const int s = i / (L + 1);

@@ -142,7 +142,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
 
   // 2. Credit: every destination has finished reading what we sent it in the previous op of
   //    this set (its next kernel on the set pushed its count: push_credits).
-  if (!wait_all_peers(a, kDispAck, uint64_t(n - 1), kPhaseDispatchCredit, kGinDispAck, uint64_t(n - 1))) {
+  if (!wait_all_peers(a, kDispCredit, uint64_t(n - 1), kPhaseDispatchCredit, kGinDispCredit, uint64_t(n - 1))) {
     return false;
   }
   if (shrinks(a)) masked_ranks = rank_mask(a);  // the credit wait may have masked a peer
@@ -160,7 +160,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
       const uint32_t v = j == 0 ? tr.total(E + dst) : tr.total(dst * L + j - 1);
       const size_t off = in_node(a, dst) ? a.set_offset + a.meta_offset + (size_t(me) * (L + 1) + j) * 8
                                          : a.set_offset + a.out_meta_offset + (size_t(dst) * (L + 1) + j) * 8;
-      st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(win_ptr(a, off, in_node(a, dst) ? dst : me)), tagged(n, v));
+      st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(fabric(a).ptr(off, in_node(a, dst) ? dst : me)), tagged(n, v));
     }
     if (across(a)) {
       __syncthreads();  // CTA 0 only (blockIdx is uniform in the CTA): every count before a put
@@ -168,9 +168,9 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
       for (int p = int(threadIdx.x) - int(blockDim.x - 32); p >= 0 && p < R; p += 32) {
         if (masked(masked_ranks, p) || in_node(a, p)) continue;
         const size_t bytes = size_t(L + 1) * 8;
-        gin_put_add(a, p, a.set_offset + a.meta_offset + size_t(me) * bytes,
-                    a.set_offset + a.out_meta_offset + size_t(p) * bytes, bytes, kGinDisp,
-                    uint64_t(T) + 1u - tr.total(E + p));
+        fabric(a).put(p, a.set_offset + a.meta_offset + size_t(me) * bytes,
+                      a.set_offset + a.out_meta_offset + size_t(p) * bytes, bytes, kGinDisp,
+                      uint64_t(T) + 1u - tr.total(E + p));
       }
     }
   }
@@ -212,7 +212,7 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
     const int c0 = u * kDispatchUnit + lane * 16;
     auto record = [&](int dst) {
       const uint32_t slot = tr.rank_in(E + dst, t);
-      return win_ptr(a, a.set_offset + a.stage_offset + (size_t(me) * T + slot) * a.rec_bytes, dst);
+      return fabric(a).ptr(a.set_offset + a.stage_offset + (size_t(me) * T + slot) * a.rec_bytes, dst);
     };
     // A destination in another node: the record goes into this rank's send area
     // ([dst][slot]), and the warp that completes it (its `units` parts) puts it whole.
@@ -233,13 +233,13 @@ __device__ bool dispatch_send_body(const LlArgs& a, uint32_t n, uint32_t* smem, 
       if (!tr.has(E + dst, t) || masked(masked_ranks, dst)) continue;  // warp-uniform
       if (!in_node(a, dst)) {                                          // warp-uniform
         const uint32_t slot = tr.rank_in(E + dst, t);
-        char* rec = win_ptr(a, gin_record(dst, slot), me);
+        char* rec = fabric(a).ptr(gin_record(dst, slot), me);
         put_unit(a, rec, c0, lane, o);
         if (u == 0) put_meta(a, rec, t, dst, tr, lane, e_lane, n);
         __syncwarp();
         if (lane == 0 && arrive_last(a.gin_arrivals + size_t(dst) * T + slot, uint32_t(units))) {
-          gin_put_add(a, dst, a.set_offset + a.stage_offset + (size_t(me) * T + slot) * a.rec_bytes,
-                      gin_record(dst, slot), a.rec_bytes, kGinDisp, 1);
+          fabric(a).put(dst, a.set_offset + a.stage_offset + (size_t(me) * T + slot) * a.rec_bytes,
+                        gin_record(dst, slot), a.rec_bytes, kGinDisp, 1);
         }
         continue;
       }

@@ -15,7 +15,6 @@
 
 // LlArgs and every constant the host shares (after the headers that define the types it names).
 #include "abi/ll.h"
-#include "ll/gin.cuh"
 
 // The LL parts, three times: the one-node kernels (lsa_only) compile without the GIN
 // branches, which cost the store paths time even when not taken (measured on an H100, one
@@ -112,5 +111,5 @@ extern "C" __global__ void gin_ep_ll_hold(uint64_t ns) {
 // wait compares with targets that start at 0. One CTA, launched without PDL.
 extern "C" __global__ void __launch_bounds__(gin_ep::ll::kThreads, 1)
     gin_ep_ll_reset_gin(const __grid_constant__ gin_ep::ll::LlArgs a) {
-  gin_ep::ll::gin_reset_signals(a);
+  gin_ep::ll::across_nodes::fabric(a).reset_signals(gin_ep::ll::kGinKinds);
 }

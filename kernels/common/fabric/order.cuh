@@ -12,6 +12,12 @@ namespace gin_ep {
 // System-scope signal words. Peers are other GPUs, so ordering must hold at .sys scope;
 // .gpu would let the data stores and the signal reach a peer in either order.
 
+// A plain load the compiler may not cache or hoist (a word of this GPU's own memory that
+// another kernel or CTA of this one writes, read where no ordering is needed).
+__device__ __forceinline__ uint32_t ld_volatile_u32(const uint32_t* p) {
+  return *reinterpret_cast<const volatile uint32_t*>(p);
+}
+
 __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }

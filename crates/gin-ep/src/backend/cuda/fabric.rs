@@ -1,6 +1,6 @@
 //! How the kernels reach the ranks of this rank's gin-ep node: rank `i`'s copy of a window
-//! offset lies at `base + i * stride4g * 4 GiB` (kernels/common/fabric.cuh `peer_ptr`), with
-//! this rank's index and the node's size beside it. The kernels take all four from their
+//! offset lies at `base + i * stride4g * 4 GiB` (kernels/common/fabric/handle.cuh
+//! `Fabric::ptr`), with this rank's index and the node's size beside it. The kernels take all four from their
 //! arguments and never from NCCL's team, so the same kernels run over either source:
 //! - **LSA**: NCCL's LSA team (the GPUs of one NVLink domain). The host reads every peer's
 //!   address of the window once (`ncclGetLsaPointer`, [`lsa_peer_bases`]) and accepts only

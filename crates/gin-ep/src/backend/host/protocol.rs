@@ -66,17 +66,18 @@ const ALL_SIGS: [Sig; NUM_SIGS] = [
 const LL_SETS: usize = 2;
 
 /// LL words of a set, `[kind][src]` u64 in the owner's segment, each written only by `src`
-/// (the CUDA kinds of the same names; `kDispSig` and `kCombWts` have no host use).
+/// (the CUDA kinds of the same names, and the count signal the CUDA kernels replace by tagged
+/// counts).
 #[derive(Clone, Copy, Debug)]
 enum LlWord {
     /// Data signal of the dispatch counts: `src` stores op `n` after writing its count.
     DispCnt = 0,
     /// Credit: dispatches on the set whose receive half `src` has completed.
-    DispAck = 1,
+    DispCredit = 1,
     /// Data signal of the combine: `src` stores op `n` after writing its rows.
     CombSig = 2,
     /// Credit: combines on the set whose receive half `src` has completed.
-    CombAck = 3,
+    CombCredit = 3,
 }
 const LL_WORDS: usize = 4;
 

@@ -78,7 +78,7 @@ impl StampMode {
 /// start of the operation (kStDispStart, kStCombStart) on the rank's clock; medians over
 /// iterations of the slowest rank. Absent slots (no kernel passes them) are left
 /// out of the report.
-pub const PHASES: [(&str, usize, bool); 31] = [
+pub const PHASES: [(&str, usize, bool); 29] = [
     ("d.lay", slot(abi::K_ST_DISP_LAYOUT), false),
     ("d.cred", slot(abi::K_ST_DISP_CREDIT), false),
     ("d.loop0", slot(abi::K_ST_DISP_LOOP), true),
@@ -91,10 +91,8 @@ pub const PHASES: [(&str, usize, bool); 31] = [
     ("d.fenced", slot(abi::K_ST_DISP_FENCED), false),
     ("d.sent0", slot(abi::K_ST_DISP_SENT), true),
     ("d.sent", slot(abi::K_ST_DISP_SENT), false),
-    ("d.sig", slot(abi::K_ST_DISP_SIGNALED), false),
     ("d.rstart", slot(abi::K_ST_DISP_RECV), false),
     ("d.cnts", slot(abi::K_ST_DISP_COUNTS), false),
-    ("d.seen", slot(abi::K_ST_DISP_SEEN), false),
     ("d.exp", slot(abi::K_ST_DISP_EXPANDED), false),
     ("d.end", slot(abi::K_ST_DISP_END), false),
     ("c.cred0", slot(abi::K_ST_COMB_CREDIT), true),
@@ -112,14 +110,12 @@ pub const PHASES: [(&str, usize, bool); 31] = [
     ("c.end", slot(abi::K_ST_COMB_END), false),
 ];
 /// Dispatch columns of [`PHASES`] (the rest are combine).
-pub(crate) const DISPATCH_PHASES: usize = 18;
+pub(crate) const DISPATCH_PHASES: usize = 16;
 
-/// Whether stamp slot `slot` belongs to the dispatch (kStDisp* in abi/ll.h), else the combine
-/// (kStCombStart to kStCombEntry, and the reduce's item slots).
+/// Whether stamp slot `slot` belongs to the dispatch (kStDisp* in abi/ll.h, the slots before
+/// kStCombEntry), else the combine.
 fn dispatch_slot(slot: usize) -> bool {
-    !(ST_COMB_START..=ST_COMB_ENTRY).contains(&slot)
-        && slot != ST_COMB_FIRST_ITEM
-        && slot != ST_COMB_LAST_ITEM
+    slot < ST_COMB_ENTRY
 }
 
 /// [`PHASES`] of one operation pair from its `[grid][STAMP_SLOTS]` stamps, µs; -1 where a
@@ -264,18 +260,20 @@ mod tests {
     #[test]
     fn phases_are_last_cta_times_from_the_first_start() {
         let mut st = vec![0u64; 2 * STAMP_SLOTS];
-        st[0] = 1_000; // CTA 0 starts at 1 µs, CTA 1 at 2 µs
-        st[STAMP_SLOTS] = 2_000;
-        st[3] = 5_000; // sent: CTA 0 at 5 µs, CTA 1 at 9 µs
-        st[STAMP_SLOTS + 3] = 9_000;
-        st[10] = 20_000;
-        st[STAMP_SLOTS + 16] = 30_000;
+        let sent = slot(abi::K_ST_DISP_SENT);
+        let reduced = slot(abi::K_ST_COMB_REDUCED);
+        st[ST_DISP_START] = 1_000; // CTA 0 starts at 1 µs, CTA 1 at 2 µs
+        st[STAMP_SLOTS + ST_DISP_START] = 2_000;
+        st[sent] = 5_000; // sent: CTA 0 at 5 µs, CTA 1 at 9 µs
+        st[STAMP_SLOTS + sent] = 9_000;
+        st[ST_COMB_START] = 20_000;
+        st[STAMP_SLOTS + reduced] = 30_000;
         let v = phase_values(&st, 2);
         let at = |n: &str| v[PHASES.iter().position(|p| p.0 == n).unwrap()];
         assert_eq!(at("d.sent0"), 4.0);
         assert_eq!(at("d.sent"), 8.0);
         assert_eq!(at("c.red"), 10.0);
-        assert_eq!(at("d.seen"), -1.0);
+        assert_eq!(at("d.fenced"), -1.0);
         assert_eq!(
             PHASES.iter().filter(|p| dispatch_slot(p.1)).count(),
             DISPATCH_PHASES

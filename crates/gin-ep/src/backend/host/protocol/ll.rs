@@ -31,7 +31,12 @@ use half::bf16;
 use std::time::Instant;
 
 /// Every LL word kind.
-const ALL_WORDS: [LlWord; 4] = [LlWord::DispCnt, LlWord::DispAck, LlWord::CombSig, LlWord::CombAck];
+const ALL_WORDS: [LlWord; 4] = [
+    LlWord::DispCnt,
+    LlWord::DispCredit,
+    LlWord::CombSig,
+    LlWord::CombCredit,
+];
 
 /// Index of an op kind in [`LlState`]'s tables.
 const DISPATCH: usize = 0;
@@ -126,7 +131,7 @@ impl HostEp {
     fn ll_push_credits(&mut self, set: usize) -> Result<()> {
         let (me, r_n) = (self.rank(), self.cfg.ranks);
         for peer in self.ll_peers() {
-            for (kind, word) in [(DISPATCH, LlWord::DispAck), (COMBINE, LlWord::CombAck)] {
+            for (kind, word) in [(DISPATCH, LlWord::DispCredit), (COMBINE, LlWord::CombCredit)] {
                 self.heap.signal(
                     peer,
                     self.reg.ll_word(set, word, me, r_n),
@@ -265,7 +270,7 @@ impl HostEp {
 
         self.fault_point("LL dispatch")?;
         self.ll_push_credits(set)?;
-        self.ll_wait_credits(set, LlWord::DispAck, op, "LL dispatch credit")?;
+        self.ll_wait_credits(set, LlWord::DispCredit, op, "LL dispatch credit")?;
         let (stage, counts) = (
             self.reg.ll_stage + set * self.reg.ll_set,
             self.reg.ll_counts + set * self.reg.ll_set,
@@ -514,7 +519,7 @@ impl HostEp {
 
         self.fault_point("LL combine")?;
         self.ll_push_credits(set)?;
-        self.ll_wait_credits(set, LlWord::CombAck, op, "LL combine credit")?;
+        self.ll_wait_credits(set, LlWord::CombCredit, op, "LL combine credit")?;
         #[cfg(test)]
         std::thread::sleep(self.ll.hooks.slow_send);
         let comb = self.reg.ll_comb + set * self.reg.ll_set;
