@@ -13,6 +13,8 @@ import gc
 import os
 import sys
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -218,6 +220,38 @@ def ht_bad_ids_worker(rank, world):
     torch.cuda.synchronize()
 
 
+def ht_peer_failed_worker(rank, world):
+    """Rank 0 refuses its own input in `get_dispatch_layout` (an expert id out of range) and
+    stays alive; every other rank, already in its HT dispatch (the host waiting for the count
+    exchange on the GPU), raises at once naming rank 0 and the call, long before the kernels'
+    deadline and `timeout_s`."""
+    dev = _dev(rank)
+    experts = 4 * world
+    x, idx, w = routing(world, [8] * world, HIDDEN, TOPK, experts, seed=9)[rank]
+    x, idx, w = x.to(dev), idx.to(dev), w.to(dev)
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=1 << 26, max_tokens_per_rank=32, timeout_s=60.0)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                 topk_idx=idx, topk_weights=w)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 0:
+        time.sleep(1.0)  # the peers are in their dispatch by now
+        bad = idx.clone()
+        bad[2, 0] = 300
+        with pytest.raises(ValueError, match="300"):
+            buf.get_dispatch_layout(bad, experts)
+    else:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"rank 0 failed in phase `get_dispatch_layout`") as e:
+            buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                         num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+        took = time.monotonic() - t0
+        assert took < 8.0, f"rank {rank} raised after {took:.1f} s: {e.value}"
+    # Rank 0 serves the store: it stays until the peers have read its error.
+    dist.barrier()
+
+
 def ll_worker(rank, world):
     dev = _dev(rank)
     T = 16
@@ -365,6 +399,12 @@ def test_gpu_ht(world):
 def test_gpu_ht_bad_ids(world):
     _need_ht(world)
     run(world, ht_bad_ids_worker)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpu_ht_peer_failed(world):
+    _need_ht(world)
+    run(world, ht_peer_failed_worker)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -208,7 +208,8 @@ impl<'a> Queue<'a> {
     }
 
     /// Waits until the stream is idle, polling with the host deadline; then reports a
-    /// missed in-kernel deadline recorded by any kernel since the last check.
+    /// missed in-kernel deadline recorded by any kernel since the last check. Ends at once
+    /// with the peer's error when the group records a failed or departed peer.
     pub fn wait(&self, what: &str) -> Result<()> {
         self.wait_inner(what, false, None)
     }
@@ -247,6 +248,14 @@ impl<'a> Queue<'a> {
                 if !checks.is_multiple_of(32) {
                     std::hint::spin_loop();
                     continue;
+                }
+            }
+            // A peer that failed or left will not finish its part: end now, naming it, rather
+            // than at the deadline (one atomic load while no peer has failed).
+            if let Some(w) = &rank.peers {
+                if let Err(e) = w.check(what) {
+                    rank.comm.mark_failed();
+                    return Err(e);
                 }
             }
             // SAFETY: the stream is live.

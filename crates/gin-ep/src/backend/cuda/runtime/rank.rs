@@ -26,6 +26,7 @@ use super::stream::Event;
 use crate::backend::cuda::kernels::FabricError;
 use crate::backend::cuda::{driver, kernels_fatbin, kernels_for};
 use crate::error::{Error, Result};
+use crate::group::watch::PeerWatch;
 use crate::group::Group;
 
 /// Settings of a [`CudaRank`].
@@ -108,6 +109,9 @@ pub struct CudaRank {
     pub(super) node_size: Cell<usize>,
     /// The caller's device allocator for every later [`DeviceBuffer`] (None: cuMemAlloc).
     pub(super) allocator: Cell<Option<DeviceAllocator>>,
+    /// The group's record of failed and departed ranks (when the group follows it): every
+    /// wait on a queue ends at once when a peer failed or left ([`Queue::wait`]).
+    pub(super) peers: Option<PeerWatch>,
 }
 
 /// Process-wide count of communicators made, so each gets its own unique-id store key
@@ -158,7 +162,8 @@ impl CudaRank {
             })?);
         let version = nccl_version(&nccl)?;
         let session = (group.session().to_string(), group.timeout());
-        Self::build(nccl, version, device, opts, session, |nccl, ctx| {
+        let peers = group.peer_watch();
+        let mut rank = Self::build(nccl, version, device, opts, session, |nccl, ctx| {
             // Unique id through the store: rank 0 creates, everyone reads.
             let n = COMMS_MADE.fetch_add(1, Ordering::Relaxed);
             let key = group.key(&format!("cuda/nccl-unique-id/{n}"));
@@ -200,7 +205,9 @@ impl CudaRank {
                 group.rank(),
                 group.world(),
             ))
-        })
+        })?;
+        rank.peers = peers;
+        Ok(rank)
     }
 
     /// Collective over the communicator: the rank of `comm`, an NCCL communicator the caller
@@ -399,6 +406,7 @@ impl CudaRank {
             epoch: Cell::new(0),
             held: Arc::new(AtomicUsize::new(0)),
             allocator: Cell::new(None),
+            peers: None,
         })
     }
 
