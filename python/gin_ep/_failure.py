@@ -27,7 +27,13 @@ def shared_failure(method):
             return method(self, *args, **kwargs)
         if self._failure_posted:
             self._failure_posted = False
-            runtime.begin_call()
+            # Withdrawing is advice to the peers: a store that is gone (rank 0's group
+            # closed after its last call) must not fail this call, which reports its own
+            # errors.
+            try:
+                runtime.begin_call()
+            except Exception:
+                pass
         self._in_call = True
         try:
             return method(self, *args, **kwargs)
