@@ -221,8 +221,8 @@ def ht_bad_ids_worker(rank, world):
 
 
 def ht_peer_failed_worker(rank, world):
-    """Rank 0 refuses its own input in `get_dispatch_layout` (an expert id out of range) and
-    stays alive; every other rank, already in its HT dispatch (the host waiting for the count
+    """Rank 0 refuses its own `dispatch` (`topk_idx` with a row more than `x`) and stays
+    alive; every other rank, already in its HT dispatch (the host waiting for the count
     exchange on the GPU), raises at once naming rank 0 and the call, long before the kernels'
     deadline and `timeout_s`."""
     dev = _dev(rank)
@@ -237,13 +237,13 @@ def ht_peer_failed_worker(rank, world):
     dist.barrier()
     if rank == 0:
         time.sleep(1.0)  # the peers are in their dispatch by now
-        bad = idx.clone()
-        bad[2, 0] = 300
-        with pytest.raises(ValueError, match="300"):
-            buf.get_dispatch_layout(bad, experts)
+        bad = torch.cat([idx, idx[:1]])
+        with pytest.raises(ValueError, match="topk_idx"):
+            buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                         num_tokens_per_expert=per_expert, topk_idx=bad, topk_weights=w)
     else:
         t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"rank 0 failed in phase `get_dispatch_layout`") as e:
+        with pytest.raises(RuntimeError, match=r"rank 0 failed in phase `dispatch`") as e:
             buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                          num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
         took = time.monotonic() - t0
