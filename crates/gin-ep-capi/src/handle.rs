@@ -709,6 +709,8 @@ struct HtCombinePlan {
 /// the reduced weights from the rank that holds that expert, while gin-ep sums the token's
 /// whole `[K]` row over every rank it went to; the two agree only where the caller's entries
 /// for other ranks' experts are zero, which gin-ep cannot check or enforce in stream order.
+/// (NCCL EP's ep_bench also notes that its received rows hold the local experts in ascending
+/// order, not at their source top-k positions as gin-ep's do.)
 fn ht_combine_plan(a: CombineArgs, n: usize, k: usize, h: usize, nr: usize) -> CResult<HtCombinePlan> {
     let c = &a.config;
     if c.send_only != 0 {
