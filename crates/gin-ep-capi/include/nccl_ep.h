@@ -247,7 +247,7 @@ typedef struct {
     unsigned int size;
     unsigned int magic;
     ncclEpTensor_t* tokens;       /* required: expert outputs in the dispatch's output shape */
-    ncclEpTensor_t* topk_weights; /* HT backward */
+    ncclEpTensor_t* topk_weights; /* HT backward (gin-ep refuses it: docs/c-api.md) */
     /* V2 */
     ncclEpTensor_t* scales;       /* NVFP4 combine */
 } ncclEpCombineInputs_t;
@@ -264,7 +264,8 @@ typedef struct {
     unsigned int size;
     unsigned int magic;
     ncclEpTensor_t* tokens;       /* required: [tokens, hidden], the original order */
-    ncclEpTensor_t* topk_weights; /* LL EXPERT_MAJOR: [tokens, topk] float32 weights to apply */
+    ncclEpTensor_t* topk_weights; /* LL EXPERT_MAJOR: [tokens, topk] float32 weights to apply;
+                                     HT forward: [tokens, topk] float32, checked, left unwritten */
 } ncclEpCombineOutputs_t;
 
 #define NCCL_EP_COMBINE_OUTPUTS_INIT NCCL_EP_STRUCT_INIT(ncclEpCombineOutputs_t, NCCL_EP_MAGIC)

@@ -625,55 +625,23 @@ impl Handle {
     }
 
     fn ht_combine(&mut self, a: CombineArgs, stream: Stream) -> CResult<()> {
-        let c = &a.config;
-        if c.send_only != 0 {
-            return Err(CapiError::usage(format!(
-                "config->send_only = {}: HT has no send half (LL only)",
-                c.send_only
-            )));
-        }
-        if c.quant_recipe != abi::COMB_QUANT_NONE || c.pass_direction != abi::FWD_PASS {
-            return Err(CapiError::usage(format!(
-                "config->quant_recipe = {}, pass_direction = {}: gin-ep's C API combines BF16 in the forward pass only",
-                c.quant_recipe, c.pass_direction
-            )));
-        }
-        absent(
-            &[
-                (&a.topk_weights, "inputs->topk_weights"),
-                (&a.scales, "inputs->scales"),
-                (&a.out_weights, "outputs->topk_weights"),
-            ],
-            "the HT forward combine takes no such tensor",
-        )?;
-        let (ep, _, _) = self.routed("ncclEpCombine")?;
+        let (ep, k, _) = self.routed("ncclEpCombine")?;
         let (handle, nr) = self
             .ht
             .clone()
             .ok_or_else(|| CapiError::usage("ncclEpCombine: the handle has dispatched nothing to combine"))?;
+        let plan = ht_combine_plan(a, handle.num_tokens(), k, self.group.spec.hidden, nr)?;
         let h = self.group.spec.hidden;
-        let y = required(a.tokens, "inputs->tokens")?;
-        y.dtype_is(&[NCCL_BFLOAT16])?;
-        y.shape_like(&[None, Some(h)])?;
-        if y.sizes[0] < nr {
-            return Err(CapiError::arg(format!(
-                "inputs->tokens->sizes[0] = {}: the dispatch received {nr} rows",
-                y.sizes[0]
-            )));
-        }
-        let out = required(a.out_tokens, "outputs->tokens")?;
-        out.dtype_is(&[NCCL_BFLOAT16])?;
-        out.shape_is(&[handle.num_tokens(), h])?;
         let input = HtCombineIn {
             x: Mem::Device {
-                ptr: y.data,
+                ptr: plan.rows.data,
                 bytes: nr * h * 2,
             },
             topk_weights: None,
             bias: [None, None],
         };
         let output = HtCombineOut {
-            x: Some(dev(&out)),
+            x: Some(dev(&plan.out)),
             topk_weights: None,
         };
         let r = ep
@@ -722,6 +690,84 @@ impl Handle {
     }
 }
 
+/// An HT combine's checked arguments.
+#[derive(Debug)]
+struct HtCombinePlan {
+    /// `inputs->tokens` `[slots, H]` BF16; its first `num_recv` rows are combined.
+    rows: Desc,
+    /// `outputs->tokens` `[N, H]` BF16.
+    out: Desc,
+}
+
+/// Checks an HT combine's arguments against its dispatch: `n` tokens, `k` weights a token,
+/// `h` hidden, `nr` rows received.
+///
+/// The forward pass reduces rows only. NCCL EP's forward combine neither reads nor writes
+/// `outputs->topk_weights` (its header gives that tensor a meaning in LL and in the HT
+/// backward pass only), and NCCL EP's ep_bench passes one `[N, K]` f32: it is checked and
+/// left unwritten here too. The backward pass is refused: NCCL EP's takes each top-k entry of
+/// the reduced weights from the rank that holds that expert, while gin-ep sums the token's
+/// whole `[K]` row over every rank it went to; the two agree only where the caller's entries
+/// for other ranks' experts are zero, which gin-ep cannot check or enforce in stream order.
+/// (NCCL EP's ep_bench also notes that its received rows hold the local experts in ascending
+/// order, not at their source top-k positions as gin-ep's do.)
+fn ht_combine_plan(a: CombineArgs, n: usize, k: usize, h: usize, nr: usize) -> CResult<HtCombinePlan> {
+    let c = &a.config;
+    if c.send_only != 0 {
+        return Err(CapiError::usage(format!(
+            "config->send_only = {}: HT has no send half (LL only)",
+            c.send_only
+        )));
+    }
+    if c.quant_recipe != abi::COMB_QUANT_NONE {
+        return Err(CapiError::usage(format!(
+            "config->quant_recipe = {}: gin-ep's C API combines BF16 only",
+            c.quant_recipe
+        )));
+    }
+    match c.pass_direction {
+        abi::FWD_PASS => {}
+        abi::BWD_PASS => {
+            return Err(CapiError::usage(
+                "config->pass_direction = NCCL_EP_BWD_PASS: NCCL EP's backward combine takes each \
+                 top-k weight from the rank holding that expert; gin-ep's sums the token's [topk] \
+                 weights over every rank it went to, which agrees only where the other ranks' \
+                 entries are zero (gin-ep cannot check that), so gin-ep's C API combines the \
+                 forward pass only",
+            ))
+        }
+        d => {
+            return Err(CapiError::arg(format!(
+                "config->pass_direction = {d}: expected NCCL_EP_FWD_PASS (0) or NCCL_EP_BWD_PASS (1)"
+            )))
+        }
+    }
+    absent(
+        &[
+            (&a.topk_weights, "inputs->topk_weights"),
+            (&a.scales, "inputs->scales"),
+        ],
+        "the HT forward combine reduces BF16 rows only (NCCL EP's forward combine refuses it too)",
+    )?;
+    let rows = required(a.tokens, "inputs->tokens")?;
+    rows.dtype_is(&[NCCL_BFLOAT16])?;
+    rows.shape_like(&[None, Some(h)])?;
+    if rows.sizes[0] < nr {
+        return Err(CapiError::arg(format!(
+            "inputs->tokens->sizes[0] = {}: the dispatch received {nr} rows",
+            rows.sizes[0]
+        )));
+    }
+    let out = required(a.out_tokens, "outputs->tokens")?;
+    out.dtype_is(&[NCCL_BFLOAT16])?;
+    out.shape_is(&[n, h])?;
+    if let Some(w) = &a.out_weights {
+        w.dtype_is(&[NCCL_FLOAT32])?;
+        w.shape_is(&[n, k])?;
+    }
+    Ok(HtCombinePlan { rows, out })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -744,5 +790,124 @@ mod tests {
         let e = layout(Algo::Ht, 9).unwrap_err();
         assert_eq!(e.code, abi::NCCL_INVALID_ARGUMENT);
         assert!(e.msg.contains("layout = 9"), "{}", e.msg);
+    }
+
+    /// An HT combine's arguments over a dispatch of 4 tokens, top-2, hidden 8, that received
+    /// 5 rows into 6 slots, as NCCL EP's ep_bench passes them: rows in, rows and weights out.
+    fn ht_args(pass_direction: u32) -> CombineArgs {
+        let t = |name: &str, dtype: i32, sizes: &[usize]| {
+            Some(Desc {
+                name: name.into(),
+                dtype,
+                data: 0x1000,
+                sizes: sizes.to_vec(),
+            })
+        };
+        CombineArgs {
+            tokens: t("inputs->tokens", NCCL_BFLOAT16, &[6, 8]),
+            topk_weights: None,
+            scales: None,
+            out_tokens: t("outputs->tokens", NCCL_BFLOAT16, &[4, 8]),
+            out_weights: t("outputs->topk_weights", NCCL_FLOAT32, &[4, 2]),
+            config: abi::CombineConfig {
+                size: std::mem::size_of::<abi::CombineConfig>() as u32,
+                magic: 0,
+                send_only: 0,
+                pass_direction,
+                quant_recipe: abi::COMB_QUANT_NONE,
+            },
+        }
+    }
+
+    fn plan(a: CombineArgs) -> CResult<HtCombinePlan> {
+        ht_combine_plan(a, 4, 2, 8, 5)
+    }
+
+    fn refused(a: CombineArgs, code: i32, names: &[&str]) {
+        let e = plan(a).unwrap_err();
+        assert_eq!(e.code, code, "{}", e.msg);
+        for n in names {
+            assert!(e.msg.contains(n), "{n} not in: {}", e.msg);
+        }
+    }
+
+    #[test]
+    fn ht_forward_combine_checks_an_output_weights_tensor_and_leaves_it() {
+        let p = plan(ht_args(abi::FWD_PASS)).unwrap();
+        assert_eq!(
+            (p.rows.sizes.as_slice(), p.out.sizes.as_slice()),
+            (&[6, 8][..], &[4, 8][..])
+        );
+        let mut a = ht_args(abi::FWD_PASS);
+        a.out_weights = None;
+        plan(a).unwrap();
+        // Checked although the forward pass leaves it unwritten.
+        let mut a = ht_args(abi::FWD_PASS);
+        a.out_weights.as_mut().unwrap().sizes = vec![4, 3];
+        refused(
+            a,
+            abi::NCCL_INVALID_ARGUMENT,
+            &["outputs->topk_weights->sizes = [4, 3]"],
+        );
+        let mut a = ht_args(abi::FWD_PASS);
+        a.out_weights.as_mut().unwrap().dtype = NCCL_BFLOAT16;
+        refused(
+            a,
+            abi::NCCL_INVALID_USAGE,
+            &["outputs->topk_weights", "ncclFloat32"],
+        );
+        // Input weights have nothing to be reduced into in the forward pass.
+        refused(
+            with_in_weights(ht_args(abi::FWD_PASS), &[6, 2]),
+            abi::NCCL_INVALID_USAGE,
+            &["inputs->topk_weights", "forward combine"],
+        );
+    }
+
+    fn with_in_weights(mut a: CombineArgs, sizes: &[usize]) -> CombineArgs {
+        a.topk_weights = Some(Desc {
+            name: "inputs->topk_weights".into(),
+            dtype: NCCL_FLOAT32,
+            data: 0x2000,
+            sizes: sizes.to_vec(),
+        });
+        a
+    }
+
+    #[test]
+    fn ht_backward_combine_is_refused_with_why() {
+        refused(
+            with_in_weights(ht_args(abi::BWD_PASS), &[6, 2]),
+            abi::NCCL_INVALID_USAGE,
+            &["NCCL_EP_BWD_PASS", "rank holding that expert"],
+        );
+    }
+
+    #[test]
+    fn ht_combine_refuses_what_it_cannot_do_by_name() {
+        refused(ht_args(7), abi::NCCL_INVALID_ARGUMENT, &["pass_direction = 7"]);
+        let mut a = ht_args(abi::FWD_PASS);
+        a.config.send_only = 1;
+        refused(a, abi::NCCL_INVALID_USAGE, &["send_only = 1"]);
+        let mut a = ht_args(abi::FWD_PASS);
+        a.config.quant_recipe = 1;
+        refused(a, abi::NCCL_INVALID_USAGE, &["quant_recipe = 1"]);
+        let mut a = ht_args(abi::FWD_PASS);
+        a.tokens.as_mut().unwrap().sizes = vec![4, 8];
+        refused(
+            a,
+            abi::NCCL_INVALID_ARGUMENT,
+            &["inputs->tokens->sizes[0] = 4", "received 5 rows"],
+        );
+        let mut a = ht_args(abi::FWD_PASS);
+        a.tokens = None;
+        refused(a, abi::NCCL_INVALID_ARGUMENT, &["inputs->tokens is NULL"]);
+        let mut a = ht_args(abi::FWD_PASS);
+        a.out_tokens.as_mut().unwrap().sizes = vec![5, 8];
+        refused(
+            a,
+            abi::NCCL_INVALID_ARGUMENT,
+            &["outputs->tokens->sizes = [5, 8]"],
+        );
     }
 }

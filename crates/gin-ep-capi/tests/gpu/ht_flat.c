@@ -5,7 +5,9 @@
  *
  * The receive count is not reported by gin-ep's HT (docs/c-api.md), so the program computes
  * it: the first num_recv output rows must be, in any order, one row per (source rank, token)
- * with an expert on this rank, carrying that token's local expert ids (-1 elsewhere). */
+ * with an expert on this rank, carrying that token's local expert ids (-1 elsewhere). The
+ * combine is given an outputs->topk_weights, as NCCL EP's ep_bench gives one, which the
+ * forward pass leaves unwritten; the backward pass is refused. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -234,13 +236,53 @@ int main(int argc, char** argv) {
         }
     }
 
-    /* Expert = identity: each token comes back once per rank that received it. */
+    /* Expert = identity: each token comes back once per rank that received it. The combine
+     * also gets an outputs->topk_weights [TOKENS, TOPK] f32, as NCCL EP's ep_bench passes one:
+     * the forward pass checks it and leaves it unwritten, as NCCL EP's forward combine does. */
+    static float hcw[TOKENS * TOPK];
+    for (int i = 0; i < TOKENS * TOPK; i++) hcw[i] = -7.5f - (float)i;
+    void* dcw;
+    CHECK_CUDA(cudaMalloc(&dcw, sizeof hcw));
+    CHECK_CUDA(cudaMemcpy(dcw, hcw, sizeof hcw, cudaMemcpyHostToDevice));
+    ncclEpTensor_t t_cw = tensor(dcw, ncclFloat32, 2, s_k);
     ncclEpCombineInputs_t cin = NCCL_EP_COMBINE_INPUTS_INIT;
     cin.tokens = &t_recv;
     ncclEpCombineOutputs_t cout = NCCL_EP_COMBINE_OUTPUTS_INIT;
     cout.tokens = &t_out;
+    cout.topk_weights = &t_cw;
+    /* Refused before any work, naming why: input weights in the forward pass, and the
+     * backward pass (whose weight reduction differs from gin-ep's). */
+    {
+        ncclEpCombineInputs_t cin_w = cin;
+        cin_w.topk_weights = &t_rw;
+        ncclEpCombineConfig_t bwd = NCCL_EP_COMBINE_CONFIG_INIT;
+        bwd.pass_direction = NCCL_EP_BWD_PASS;
+        struct {
+            const char* what;
+            const ncclEpCombineConfig_t* cfg;
+            const char* names;
+        } refusals[] = {{"forward combine with inputs->topk_weights", NULL, "inputs->topk_weights"},
+                        {"backward combine", &bwd, "NCCL_EP_BWD_PASS"}};
+        for (int i = 0; i < 2; i++) {
+            ncclResult_t r = ncclEpCombine(handle, &cin_w, &cout, refusals[i].cfg, stream);
+            const char* msg = ncclEpGetLastError();
+            if (r != ncclInvalidUsage || !msg || !strstr(msg, refusals[i].names)) {
+                fprintf(stderr, "rank %d: %s returned %d (%s), expected ncclInvalidUsage naming %s\n", rank,
+                        refusals[i].what, (int)r, msg ? msg : "(null)", refusals[i].names);
+                failures++;
+            }
+        }
+    }
     CHECK_NCCL(ncclEpCombine(handle, &cin, &cout, NULL, stream));
     CHECK_CUDA(cudaStreamSynchronize(stream));
+    {
+        static float got_cw[TOKENS * TOPK];
+        CHECK_CUDA(cudaMemcpy(got_cw, dcw, sizeof got_cw, cudaMemcpyDeviceToHost));
+        if (memcmp(got_cw, hcw, sizeof hcw) != 0) {
+            fprintf(stderr, "rank %d: the forward combine wrote outputs->topk_weights\n", rank);
+            failures++;
+        }
+    }
     static uint16_t hout[TOKENS * HIDDEN];
     CHECK_CUDA(cudaMemcpy(hout, dout, sizeof hout, cudaMemcpyDeviceToHost));
     for (int t = 0; t < TOKENS; t++) {
