@@ -530,7 +530,6 @@ fn bench_on(
 mod tests {
     use super::*;
     use crate::config::EpConfig;
-    use crate::group::StoreServer;
     use crate::harness::workload::Routing;
 
     #[test]
@@ -539,15 +538,7 @@ mod tests {
             eprintln!("skipped: this machine has a CUDA driver");
             return;
         }
-        let server = StoreServer::bind("127.0.0.1:0").unwrap();
-        let group = Group::join(
-            0,
-            1,
-            &server.addr().to_string(),
-            server.secret(),
-            Duration::from_secs(5),
-        )
-        .unwrap();
+        let (_server, group) = crate::harness::gpu::solo_group();
         let opts = BenchOptions {
             mode: BenchMode::Ll,
             cfg: EpConfig::new(1, 8, 128, 2, 16),

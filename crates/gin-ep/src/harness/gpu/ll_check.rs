@@ -674,7 +674,6 @@ pub fn selftest_cases(world: usize) -> Vec<Case> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::group::StoreServer;
 
     #[test]
     fn selftest_cases_are_valid_for_common_group_sizes() {
@@ -803,15 +802,7 @@ mod tests {
             eprintln!("skipped: this machine has a CUDA driver");
             return;
         }
-        let server = StoreServer::bind("127.0.0.1:0").unwrap();
-        let group = Group::join(
-            0,
-            1,
-            &server.addr().to_string(),
-            server.secret(),
-            Duration::from_secs(5),
-        )
-        .unwrap();
+        let (_server, group) = crate::harness::gpu::solo_group();
         let e = selftest_rank(&group).unwrap_err();
         assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");
         group.close().unwrap();

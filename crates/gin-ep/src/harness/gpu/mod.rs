@@ -129,13 +129,28 @@ fn combine_input_io(rank: &CudaRank, exact: bool, values: &[bf16]) -> Result<(Op
     Ok((Some(b), io))
 }
 
+/// A group of one rank over a store of its own (the server must outlive the group), for the
+/// tests that check what a machine without a GPU gets.
+#[cfg(test)]
+pub(crate) fn solo_group() -> (crate::group::StoreServer, crate::group::Group) {
+    let server = crate::group::StoreServer::bind("127.0.0.1:0").expect("a local store");
+    let group = crate::group::Group::join(
+        0,
+        1,
+        &server.addr().to_string(),
+        server.secret(),
+        std::time::Duration::from_secs(5),
+    )
+    .expect("a one-rank group");
+    (server, group)
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
 
     use super::*;
     use crate::bench::{BenchMode, BenchOptions};
-    use crate::group::{Group, StoreServer};
     use crate::workload::Routing;
 
     #[test]
@@ -158,15 +173,7 @@ mod tests {
             eprintln!("skipped: this machine has a CUDA driver");
             return;
         }
-        let server = StoreServer::bind("127.0.0.1:0").unwrap();
-        let group = Group::join(
-            0,
-            1,
-            &server.addr().to_string(),
-            server.secret(),
-            Duration::from_secs(5),
-        )
-        .unwrap();
+        let (_server, group) = crate::harness::gpu::solo_group();
         let cases = gpu_cases(1, 0, 1);
         let e = check_rank(&group, BenchMode::Ht, &cases[..1], Duration::from_secs(5)).unwrap_err();
         assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");
