@@ -214,12 +214,14 @@ def _round_up(x: int, a: int) -> int:
 
 def layout(topk_idx: torch.Tensor, num_experts: int, r: int):
     """(per_rank int32 [R], per_expert int32 [E], is_token_in_rank bool [N, R]),
-    computed on the device without host synchronization."""
+    computed on the device without host synchronization. An id outside [-1, E) counts
+    nowhere (a device-side index error would end the CUDA context): the dispatch that
+    follows refuses it, naming the entry."""
     if num_experts % r:
         raise ValueError(f"num_experts = {num_experts} is not a multiple of {r} ranks")
     n = topk_idx.shape[0]
     idx = topk_idx.to(torch.int64)
-    valid = idx >= 0
+    valid = (idx >= 0) & (idx < num_experts)
     e_col = torch.where(valid, idx, num_experts).flatten()
     per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx.device)
     per_expert.scatter_add_(0, e_col, torch.ones_like(e_col))
