@@ -253,24 +253,17 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl, case: &Case, run: u64) -> Res
     let recv_rows = if fp8 {
         let data: Vec<u8> = rank.own().download_prefix_vec(recv_x.region(), rows * h)?;
         let cm: Vec<f32> = rank.own().download_prefix_vec(scales.region(), rows * spr)?;
-        // [L][H/128][R*T] (DeepEP) back to the oracle's [L][R*T][H/128].
-        let cap = rows / l;
-        let mut rm = vec![0f32; rows * spr];
-        for e in 0..l {
-            for b in 0..spr {
-                for i in 0..cap {
-                    rm[(e * cap + i) * spr + b] = cm[(e * spr + b) * cap + i];
-                }
-            }
+        Rows::Fp8 {
+            data,
+            scales: super::scales_rank_major(&cm, l, spr, rows),
         }
-        Rows::Fp8 { data, scales: rm }
     } else {
         Rows::Bf16(rank.own().download_prefix_vec(recv_x.region(), rows * h)?)
     };
     let counts: Vec<i32> = rank.own().download_prefix_vec(count.region(), l)?;
     let packed: Vec<i64> = rank.own().download_prefix_vec(range.region(), l * r)?;
     let mut handle = ll.download_handle(ll.own(), SET)?;
-    handle.layout_range = packed.iter().map(|&v| ((v >> 32) as u32, v as u32)).collect();
+    handle.layout_range = super::unpack_ranges(&packed);
     let got = LlDispatchOutput {
         recv_x: recv_rows,
         recv_count: counts.iter().map(|&c| c.max(0) as usize).collect(),

@@ -131,23 +131,16 @@ fn one_operation(
     let recv_rows = if fp8 {
         let data: Vec<u8> = recv_x.read(gpu)?;
         let cm: Vec<f32> = scales.read(gpu)?;
-        // [L][H/128][R*T] (DeepEP) back to the oracle's [L][R*T][H/128].
-        let cap = rows / l;
-        let mut rm = vec![0f32; rows * spr];
-        for e in 0..l {
-            for b in 0..spr {
-                for t in 0..cap {
-                    rm[(e * cap + t) * spr + b] = cm[(e * spr + b) * cap + t];
-                }
-            }
+        Rows::Fp8 {
+            data,
+            scales: super::scales_rank_major(&cm, l, spr, rows),
         }
-        Rows::Fp8 { data, scales: rm }
     } else {
         Rows::Bf16(recv_x.read(gpu)?)
     };
     let counts: Vec<i32> = count.read(gpu)?;
     let packed: Vec<i64> = range.read(gpu)?;
-    handle.layout_range = packed.iter().map(|&v| ((v >> 32) as u32, v as u32)).collect();
+    handle.layout_range = super::unpack_ranges(&packed);
     let got = LlDispatchOutput {
         recv_x: recv_rows,
         recv_count: counts.iter().map(|&c| c.max(0) as usize).collect(),

@@ -129,6 +129,26 @@ fn combine_input_io(rank: &CudaRank, exact: bool, values: &[bf16]) -> Result<(Op
     Ok((Some(b), io))
 }
 
+/// LL receive scales as DeepEP lays them out in caller memory, `[L][H/128][R*T]`, back in
+/// the oracle's `[L][R*T][H/128]` (`l` experts, `spr` scales per row, `rows` rows in all).
+pub(super) fn scales_rank_major(cm: &[f32], l: usize, spr: usize, rows: usize) -> Vec<f32> {
+    let cap = rows / l;
+    let mut rm = vec![0f32; rows * spr];
+    for e in 0..l {
+        for b in 0..spr {
+            for t in 0..cap {
+                rm[(e * cap + t) * spr + b] = cm[(e * spr + b) * cap + t];
+            }
+        }
+    }
+    rm
+}
+
+/// DeepEP's packed `layout_range` words (`(first << 32) | count`) as the oracle's pairs.
+pub(super) fn unpack_ranges(packed: &[i64]) -> Vec<(u32, u32)> {
+    packed.iter().map(|&v| ((v >> 32) as u32, v as u32)).collect()
+}
+
 /// A group of one rank over a store of its own (the server must outlive the group), for the
 /// tests that check what a machine without a GPU gets.
 #[cfg(test)]
