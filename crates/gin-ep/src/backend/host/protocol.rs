@@ -846,17 +846,8 @@ impl HostEp {
                     continue;
                 };
                 let off = self.reg.ht_comb + (dst * t_max + slot) * rec_len;
-                self.heap.get(me, off, bytemuck::cast_slice_mut(&mut row))?;
-                for (a, v) in acc.iter_mut().zip(&row) {
-                    *a += v.to_f32();
-                }
-                if let Some(w) = w_out.as_mut() {
-                    self.heap
-                        .get(me, off + h * 2, bytemuck::cast_slice_mut(&mut wrow))?;
-                    for j in 0..k {
-                        w[t * k + j] += wrow[j];
-                    }
-                }
+                let w = w_out.as_mut().map(|w| &mut w[t * k..(t + 1) * k]);
+                self.add_comb_record(off, (&mut row, &mut wrow), &mut acc, w)?;
             }
             finish_row(&mut acc, &input.bias, t, &mut x[t * h..(t + 1) * h]);
         }
@@ -896,6 +887,34 @@ fn check_handle(cfg: &EpConfig, rank: usize, handle: &HtRouting) -> Result<()> {
             format!("HT handle of rank {rank}"),
             "does not match this config",
         ))
+    }
+}
+
+impl HostEp {
+    /// Adds the HT combine record at `off` of this rank's heap into the f32 accumulators: its
+    /// BF16 row into `acc` and, when `w` is given, its f32 weights into `w` (`scratch` holds
+    /// the row and weights as read).
+    pub(super) fn add_comb_record(
+        &self,
+        off: usize,
+        scratch: (&mut [bf16], &mut [f32]),
+        acc: &mut [f32],
+        w: Option<&mut [f32]>,
+    ) -> Result<()> {
+        let me = self.rank();
+        let (row, wrow) = scratch;
+        self.heap.get(me, off, bytemuck::cast_slice_mut(row))?;
+        for (a, v) in acc.iter_mut().zip(row.iter()) {
+            *a += v.to_f32();
+        }
+        if let Some(w) = w {
+            self.heap
+                .get(me, off + row.len() * 2, bytemuck::cast_slice_mut(wrow))?;
+            for (a, v) in w.iter_mut().zip(wrow.iter()) {
+                *a += v;
+            }
+        }
+        Ok(())
     }
 }
 

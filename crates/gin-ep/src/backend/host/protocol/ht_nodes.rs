@@ -496,17 +496,8 @@ impl HostEp {
                     continue;
                 };
                 let off = self.reg.ht_comb + (n * t_max + j) * rec_len;
-                self.heap.get(me, off, bytemuck::cast_slice_mut(&mut row))?;
-                for (a, v) in acc.iter_mut().zip(&row) {
-                    *a += v.to_f32();
-                }
-                if let Some(w) = w_out.as_mut() {
-                    self.heap
-                        .get(me, off + h * 2, bytemuck::cast_slice_mut(&mut wrow))?;
-                    for (a, v) in w[t * k..(t + 1) * k].iter_mut().zip(&wrow) {
-                        *a += v;
-                    }
-                }
+                let w = w_out.as_mut().map(|w| &mut w[t * k..(t + 1) * k]);
+                self.add_comb_record(off, (&mut row, &mut wrow), &mut acc, w)?;
             }
             super::finish_row(&mut acc, &input.bias, t, &mut x[t * h..(t + 1) * h]);
         }
