@@ -825,6 +825,22 @@ fn handle_request(
     }
 }
 
+/// A request carrying `key` and `value` (SET, APPEND, WILL), refused on the client before
+/// anything is sent when either is out of bounds.
+fn encode_value_request(op: u8, key: &str, value: &[u8]) -> Result<Vec<u8>> {
+    check_key(key)?;
+    if value.len() > MAX_VALUE_LEN {
+        return Err(Error::input(
+            format!("store value for `{key}`"),
+            format!("{} bytes exceeds {MAX_VALUE_LEN}", value.len()),
+        ));
+    }
+    let mut req = encode_key(op, key, 4 + value.len());
+    req.extend_from_slice(&(value.len() as u32).to_le_bytes());
+    req.extend_from_slice(value);
+    Ok(req)
+}
+
 fn encode_reply(status: u8, payload: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(5 + payload.len());
     out.push(status);
@@ -970,16 +986,7 @@ impl Store {
 
     /// Sets `key` to `value`, replacing any earlier value, and wakes waiting `get`s.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        check_key(key)?;
-        if value.len() > MAX_VALUE_LEN {
-            return Err(Error::input(
-                format!("store value for `{key}`"),
-                format!("{} bytes exceeds {MAX_VALUE_LEN}", value.len()),
-            ));
-        }
-        let mut req = encode_key(OP_SET, key, 4 + value.len());
-        req.extend_from_slice(&(value.len() as u32).to_le_bytes());
-        req.extend_from_slice(value);
+        let req = encode_value_request(OP_SET, key, value)?;
         match self.request("set", key, &req, Duration::ZERO)? {
             Reply::Value(_) => Ok(()),
             Reply::Missing => Err(self.protocol_error("set", key)),
@@ -1051,16 +1058,7 @@ impl Store {
     }
 
     fn counter_request(&self, op: u8, name: &str, key: &str, value: &[u8]) -> Result<i64> {
-        check_key(key)?;
-        if value.len() > MAX_VALUE_LEN {
-            return Err(Error::input(
-                format!("store value for `{key}`"),
-                format!("{} bytes exceeds {MAX_VALUE_LEN}", value.len()),
-            ));
-        }
-        let mut req = encode_key(op, key, 4 + value.len());
-        req.extend_from_slice(&(value.len() as u32).to_le_bytes());
-        req.extend_from_slice(value);
+        let req = encode_value_request(op, key, value)?;
         match self.request(name, key, &req, Duration::ZERO)? {
             Reply::Value(v) if op == OP_WILL && v.is_empty() => Ok(0),
             Reply::Value(v) => match <[u8; 8]>::try_from(v.as_slice()) {
