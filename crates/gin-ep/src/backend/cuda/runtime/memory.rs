@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext};
 
+use super::queue::Queue;
 use super::result::{cu, cu_raw};
 use super::stream::SideStreams;
 use super::CudaRank;
@@ -253,7 +254,7 @@ impl CudaRank {
     /// `bytes` until the copy completes, and must not overlap.
     pub unsafe fn copy_raw(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         // SAFETY: the caller's contract.
-        unsafe { self.copy_raw_on(None, dst, src, bytes) }
+        unsafe { self.own().copy_raw(dst, src, bytes) }
     }
 
     /// [`CudaRank::copy_raw`] on side stream `i` of `side` (`Some((side, i))`, made by this
@@ -269,23 +270,18 @@ impl CudaRank {
         src: u64,
         bytes: usize,
     ) -> Result<()> {
-        let stream = match side {
-            None => self.stream,
+        let q = match side {
+            None => self.own(),
             Some((s, i)) => {
                 self.check_side(s)?;
-                *s.streams
-                    .get(i)
-                    .ok_or_else(|| Error::input("side stream", format!("index {i} of {} streams", s.len())))?
+                let raw = *s.streams.get(i).ok_or_else(|| {
+                    Error::input("side stream", format!("index {i} of {} streams", s.len()))
+                })?;
+                Queue::of_side(self, raw)
             }
         };
-        if bytes == 0 {
-            return Ok(());
-        }
-        // SAFETY: the caller's contract; stream is live (ours, or side's, which we checked
-        // belongs to this context).
-        cu("cuMemcpyDtoDAsync", unsafe {
-            result::memcpy_dtod_async(dst, src, bytes, stream)
-        })
+        // SAFETY: the caller's contract; the side stream belongs to this context (checked).
+        unsafe { q.copy_raw(dst, src, bytes) }
     }
 
     /// Checks that `[ptr, ptr + bytes)` starts and ends in device memory of this rank's GPU

@@ -111,6 +111,11 @@ impl CudaRank {
 }
 
 impl<'a> Queue<'a> {
+    /// One of the rank's side streams (`SideStreams`, checked by the caller to be the rank's).
+    pub(super) fn of_side(rank: &'a CudaRank, raw: sys::CUstream) -> Queue<'a> {
+        Queue { rank, raw }
+    }
+
     /// The rank whose context the stream belongs to.
     pub fn rank(&self) -> &'a CudaRank {
         self.rank
