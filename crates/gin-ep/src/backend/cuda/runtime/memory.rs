@@ -12,8 +12,10 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext};
 
+#[cfg(feature = "harness")]
 use super::queue::Queue;
 use super::result::{cu, cu_raw};
+#[cfg(feature = "harness")]
 use super::stream::SideStreams;
 use super::CudaRank;
 use crate::error::{Error, Result};
@@ -263,6 +265,7 @@ impl CudaRank {
     /// # Safety
     /// As [`CudaRank::copy_raw`]; `dst` and `src` may be UVA addresses of peer memory mapped
     /// into this process.
+    #[cfg(feature = "harness")]
     pub(crate) unsafe fn copy_raw_on(
         &self,
         side: Option<(&SideStreams, usize)>,

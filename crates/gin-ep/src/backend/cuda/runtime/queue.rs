@@ -112,6 +112,7 @@ impl CudaRank {
 
 impl<'a> Queue<'a> {
     /// One of the rank's side streams (`SideStreams`, checked by the caller to be the rank's).
+    #[cfg(feature = "harness")]
     pub(super) fn of_side(rank: &'a CudaRank, raw: sys::CUstream) -> Queue<'a> {
         Queue { rank, raw }
     }

@@ -12,7 +12,9 @@ use cudarc::driver::{result, sys, CudaContext};
 
 use super::result::{cu, fabric_error_to_error};
 use super::CudaRank;
-use crate::error::{Error, Result};
+#[cfg(feature = "harness")]
+use crate::error::Error;
+use crate::error::Result;
 
 /// A CUDA event for timing on the rank's stream.
 pub struct Event {
@@ -128,6 +130,7 @@ impl CudaRank {
         Ok(side)
     }
 
+    #[cfg(feature = "harness")]
     pub(super) fn check_side(&self, side: &SideStreams) -> Result<()> {
         if Arc::ptr_eq(&side.ctx, &self.ctx) {
             Ok(())
