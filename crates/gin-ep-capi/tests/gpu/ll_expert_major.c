@@ -12,54 +12,7 @@
  * make every rank active again.
  * The group is made with a counting allocator (config->alloc): gin-ep must allocate its device
  * buffers through it and give every one back by ncclEpGroupDestroy. */
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-#include <unistd.h>
-
-#include <cuda_runtime.h>
-#include <nccl.h>
-
-#include "nccl_ep.h"
-
-#define TOKENS 32 /* max_dispatch_tokens_per_rank; every rank sends them all */
-#define HIDDEN 256
-#define TOPK 2
-#define EXPERTS_PER_RANK 4
-
-static int g_rank = 0;
-
-#define CHECK_CUDA(x)                                                                        \
-    do {                                                                                     \
-        cudaError_t e_ = (x);                                                                \
-        if (e_ != cudaSuccess) {                                                             \
-            fprintf(stderr, "rank %d: %s failed: %s\n", g_rank, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                         \
-        }                                                                                    \
-    } while (0)
-#define CHECK_NCCL(x)                                                                    \
-    do {                                                                                 \
-        ncclResult_t r_ = (x);                                                           \
-        if (r_ != ncclSuccess) {                                                         \
-            fprintf(stderr, "rank %d: %s returned %d: %s\n", g_rank, #x, (int)r_,        \
-                    ncclEpGetLastError());                                               \
-            exit(1);                                                                     \
-        }                                                                                \
-    } while (0)
-
-static uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return (uint16_t)(u >> 16); /* exact for the values used here */
-}
-static float from_bf16(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "common.h"
 
 /* The caller's allocator: cudaMalloc / cudaFree, counted. */
 static int g_allocs = 0, g_frees = 0;
@@ -96,73 +49,12 @@ static int check_masks(ncclEpGroup_t group, int rank, int world, cudaStream_t st
     return bad;
 }
 
-/* Token t of rank r, channel c: an integer in [-48, 48]. */
-static float value(int r, int t, int c) { return (float)((r * 37 + t * 5 + c) % 97) - 48.0f; }
-
-/* The experts of token t of rank r: distinct, spread over every rank. */
-static int64_t expert(int r, int t, int k, int experts) {
-    int e0 = (r * 3 + t) % experts;
-    if (k == 0) return e0;
-    return (e0 + 1 + (t % (experts - 1))) % experts;
-}
 static const float kWeights[TOPK] = {0.5f, 0.25f};
 
-static void exchange_id(ncclUniqueId* id, int rank, const char* path) {
-    if (rank == 0) {
-        CHECK_NCCL(ncclGetUniqueId(id));
-        char tmp[4096];
-        snprintf(tmp, sizeof tmp, "%s.tmp", path);
-        FILE* f = fopen(tmp, "wb");
-        if (!f || fwrite(id, sizeof *id, 1, f) != 1 || fclose(f) != 0 || rename(tmp, path) != 0) {
-            fprintf(stderr, "rank 0: cannot write %s\n", path);
-            exit(1);
-        }
-        return;
-    }
-    for (int waited = 0; waited < 600; waited++) { /* 60 s */
-        FILE* f = fopen(path, "rb");
-        if (f) {
-            size_t n = fread(id, sizeof *id, 1, f);
-            fclose(f);
-            if (n == 1) return;
-        }
-        usleep(100000);
-    }
-    fprintf(stderr, "rank %d: no unique id in %s after 60 s\n", rank, path);
-    exit(1);
-}
-
-static ncclEpTensor_t tensor(void* data, ncclDataType_t dt, unsigned ndim, size_t* sizes) {
-    ncclEpTensor_t t = NCCL_EP_TENSOR_INIT;
-    t.ndim = ndim;
-    t.datatype = dt;
-    t.data = data;
-    t.sizes = sizes;
-    return t;
-}
-
 int main(int argc, char** argv) {
-    if (argc < 3) {
-        fprintf(stderr, "usage: %s <rank> <world> [id-file]\n", argv[0]);
-        return 2;
-    }
-    int rank = atoi(argv[1]), world = atoi(argv[2]);
-    g_rank = rank;
+    int rank, world;
+    ncclComm_t comm = init_comm(argc, argv, &rank, &world);
     const int experts = EXPERTS_PER_RANK * world, L = EXPERTS_PER_RANK, RT = world * TOKENS;
-    CHECK_CUDA(cudaSetDevice(0));
-
-    ncclUniqueId id;
-    if (world == 1) {
-        CHECK_NCCL(ncclGetUniqueId(&id));
-    } else {
-        if (argc < 4) {
-            fprintf(stderr, "world %d needs an id file\n", world);
-            return 2;
-        }
-        exchange_id(&id, rank, argv[3]);
-    }
-    ncclComm_t comm;
-    CHECK_NCCL(ncclCommInitRank(&comm, world, id, rank));
 
     ncclEpGroupConfig_t cfg = NCCL_EP_GROUP_CONFIG_INIT;
     cfg.algorithm = NCCL_EP_ALGO_LOW_LATENCY;
