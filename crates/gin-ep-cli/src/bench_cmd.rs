@@ -104,6 +104,12 @@ pub struct BenchArgs {
     /// means every SM (LL kernels are latency-bound)].
     #[arg(long, value_name = "N", value_parser = parse_whole::<u32>)]
     pub sms: Option<u32>,
+    /// With --gpus: what is timed. ep: the operations through gin-ep's engine (`Ep`) exactly
+    /// as the Python package calls it (caller tensors in device memory, the caller's stream);
+    /// driver: the HT and LL drivers directly (no engine; LL adds graph replays, the launch
+    /// floor and GIN_EP_LL_STAMPS), to compare with [default: ep].
+    #[arg(long, value_parser = ["ep", "driver"])]
+    pub path: Option<String>,
     /// With --gpus --mode ht: time every kernel variant of a list and print one line per
     /// variant: --sweep-list, else $GIN_EP_HT_SWEEP, else the built-in list.
     #[arg(long)]
@@ -136,12 +142,32 @@ fn lib_err(e: gin_ep::Error) -> CliError {
     CliError::from_lib(e, &flag_of)
 }
 
+/// What `bench --gpus N` times (`--path`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    /// Through `Ep`, as the Python package calls it (`gin_ep::gpu::bench_rank`).
+    Ep,
+    /// The drivers directly (`gin_ep::gpu::driver_bench_rank`).
+    Driver,
+}
+
+impl Path {
+    fn name(self) -> &'static str {
+        match self {
+            Path::Ep => "ep",
+            Path::Driver => "driver",
+        }
+    }
+}
+
 /// Everything resolved from the flags, defaults applied.
 struct Resolved {
     opts: BenchOptions,
     max_tokens: usize,
     /// CTAs per kernel on GPUs (LL: 0 = every SM).
     sms: u32,
+    /// GPU runs: what is timed.
+    path: Path,
 }
 
 /// Where each option applies (see `applies`): GPU-only options are refused without
@@ -154,6 +180,10 @@ fn refuse_inapplicable(a: &BenchArgs) -> CliResult {
         Some(v) => format!("--ht-sizing {v}"),
         None => "--ht-sizing".into(),
     };
+    let path = match &a.path {
+        Some(v) => format!("--path {v}"),
+        None => "--path".into(),
+    };
     let mut opts = vec![
         Opt::new("--ranks", a.ranks.is_some(), Rule::ANY.host()),
         Opt::new("--alignment", a.alignment.is_some(), Rule::ANY.modes(HT)),
@@ -164,6 +194,8 @@ fn refuse_inapplicable(a: &BenchArgs) -> CliResult {
         ),
         Opt::new(sizing, a.ht_sizing.is_some(), Rule::ANY.gpus().modes(HT)),
         Opt::new("--sms", a.sms.is_some(), Rule::ANY.gpus()),
+        // The sweep times the HT driver's variants: it has no path through Ep.
+        Opt::new(path, a.path.is_some(), Rule::ANY.gpus().not_with("--sweep")),
         Opt::new("--sweep", a.sweep, Rule::ANY.gpus().modes(HT)),
         Opt::new(
             "--sweep-list",
@@ -256,15 +288,31 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
             )));
         }
     }
+    let path = match a.path.as_deref() {
+        None | Some("ep") => Path::Ep,
+        Some("driver") => Path::Driver,
+        Some(other) => {
+            return Err(CliError::Usage(format!(
+                "invalid value: --path {other}: expected ep or driver"
+            )))
+        }
+    };
+    if a.gpus.is_some() && !a.sweep && path == Path::Ep {
+        // What only the drivers' benchmark does is refused, not ignored, before any GPU
+        // process starts.
+        gin_ep::gpu::check_ep_bench_env(mode).map_err(lib_err)?;
+    }
     Ok(Resolved {
         opts,
         max_tokens,
         sms,
+        path,
     })
 }
 
 /// `bench --gpus N`: the parent starts one process per GPU (itself, with GIN_EP_CHILD);
-/// each child runs `gin_ep::gpu::bench_rank`, rank 0 prints.
+/// each child runs `gin_ep::gpu::bench_rank` (through `Ep`) or, with `--path driver`,
+/// `gin_ep::gpu::driver_bench_rank`; rank 0 prints.
 fn run_gpus(a: &BenchArgs, gpus: usize) -> CliResult {
     gpus::check_count(gpus)?;
     let r = resolve(a)?;
@@ -320,7 +368,10 @@ fn run_gpus(a: &BenchArgs, gpus: usize) -> CliResult {
         }
         return Ok(());
     }
-    let report = gin_ep::gpu::bench_rank(&group, &r.opts, r.sms);
+    let report = match r.path {
+        Path::Ep => gin_ep::gpu::bench_rank(&group, &r.opts, r.sms),
+        Path::Driver => gin_ep::gpu::driver_bench_rank(&group, &r.opts, r.sms),
+    };
     let closed = group.close();
     let report = report.map_err(lib_err)?;
     closed?;
@@ -448,6 +499,7 @@ fn json_doc(a: &BenchArgs, r: &Resolved, report: &BenchReport) -> CliResult<serd
         "timeout_s": o.timeout.as_secs_f64(),
         "launch": if a.gpus.is_some() { "gpus" } else { "threads" },
         "sms": a.gpus.map(|_| r.sms),
+        "path": a.gpus.map(|_| r.path.name()),
         "version": env!("CARGO_PKG_VERSION"),
     });
     match doc.as_object_mut() {

@@ -571,6 +571,43 @@ fn options_that_do_not_apply_are_refused_not_ignored() {
 }
 
 #[test]
+fn bench_path_is_checked_before_any_gpu_process() {
+    // A bad value is named.
+    usage_error(&["bench", "--gpus", "1", "--path", "sideways"], "sideways");
+    // GPU runs only, and never with the sweep (it times the HT driver's variants).
+    for needle in ["--path driver", "--gpus"] {
+        usage_error(&["bench", "--path", "driver"], needle);
+    }
+    for needle in ["--path ep", "--sweep"] {
+        usage_error(&["bench", "--gpus", "1", "--sweep", "--path", "ep"], needle);
+    }
+    // What only the drivers' benchmark does is refused on the path through Ep, named, in
+    // both spellings of the default.
+    for path in [&[][..], &["--path", "ep"][..]] {
+        let mut args = vec!["bench", "--gpus", "1", "--mode", "ll"];
+        args.extend_from_slice(path);
+        let o = Command::new(EXE)
+            .args(&args)
+            .env("GIN_EP_LL_STAMPS", "edges")
+            .output()
+            .expect("run gin-ep");
+        let (out, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}\nstdout: {out}\nstderr: {err}");
+        for needle in ["GIN_EP_LL_STAMPS", "edges", "--path driver"] {
+            assert!(err.contains(needle), "{args:?}: stderr does not name `{needle}`: {err}");
+        }
+    }
+    // HT has no stamps to refuse: the variable only matters to LL.
+    let o = Command::new(EXE)
+        .args(["bench", "--gpus", "1", "--mode", "ht", "--path", "sideways"])
+        .env("GIN_EP_LL_STAMPS", "edges")
+        .output()
+        .expect("run gin-ep");
+    let err = text(&o).1;
+    assert!(err.contains("sideways") && !err.contains("GIN_EP_LL_STAMPS"), "{err}");
+}
+
+#[test]
 fn check_mode_ll_runs_only_ll_on_the_host() {
     let o = gin_ep(&["check", "--mode", "ll", "--ranks", "1-3", "--cases", "3"]);
     let (out, err) = text(&o);

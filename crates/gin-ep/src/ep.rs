@@ -49,7 +49,7 @@ use crate::group::Group;
 use crate::quant::Rows;
 
 #[cfg(feature = "harness")]
-pub use crate::backend::cuda::engine::EngineFault;
+pub use crate::backend::cuda::engine::{EngineFault, LaunchInfo, LlLaunchInfo};
 pub use crate::backend::cuda::engine::{GpuRank, GpuRankOptions};
 
 #[cfg(feature = "harness")]

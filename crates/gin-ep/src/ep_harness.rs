@@ -99,3 +99,10 @@ impl Ep {
         self.with_cuda_engine("HT download", |c| c.ht_download_combine(h, weights))
     }
 }
+
+impl Ep {
+    /// The launch of this `Ep`'s GPU objects (fabric, node, grid), for the benchmark's report.
+    pub fn launch_info(&self) -> Result<crate::backend::cuda::engine::LaunchInfo> {
+        self.with_cuda_engine("launch info", |c| Ok(c.launch_info()))
+    }
+}

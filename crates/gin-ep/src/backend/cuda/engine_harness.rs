@@ -154,3 +154,46 @@ impl CudaEngine {
         rank.run(0, |q| h.download_combine(q, handle, weights))
     }
 }
+
+/// What the benchmark's report says about the objects an engine launches on (read through
+/// `Ep`'s harness hook, so the benchmark never reaches a driver).
+#[derive(Clone, Copy, Debug)]
+pub struct LaunchInfo {
+    /// HT: how the node's ranks are reached (`FabricSource::name`), when the engine has HT.
+    pub ht_fabric: Option<&'static str>,
+    /// LL, when the engine has it.
+    pub ll: Option<LlLaunchInfo>,
+}
+
+/// The LL object's launch: see [`LaunchInfo`].
+#[derive(Clone, Copy, Debug)]
+pub struct LlLaunchInfo {
+    /// How the node's ranks are reached.
+    pub fabric: &'static str,
+    /// Ranks per gin-ep node.
+    pub node_size: usize,
+    /// The ranks span gin-ep nodes: GIN puts reach the other nodes.
+    pub across_nodes: bool,
+    /// CTAs per kernel and send warps per CTA.
+    pub grid: u32,
+    pub send_warps: u32,
+    /// Bytes of one staged record (the traffic count's unit).
+    pub record_bytes: usize,
+}
+
+impl CudaEngine {
+    /// The launch of the engine's HT and LL objects.
+    pub fn launch_info(&self) -> LaunchInfo {
+        LaunchInfo {
+            ht_fabric: self.ht.as_ref().map(|h| h.fabric_source().name()),
+            ll: self.ll.as_ref().map(|l| LlLaunchInfo {
+                fabric: l.fabric.source.name(),
+                node_size: (l.fabric.size as usize).max(1),
+                across_nodes: l.across_nodes(),
+                grid: l.grid(),
+                send_warps: l.tuning().send_warps,
+                record_bytes: l.layout.record_bytes,
+            }),
+        }
+    }
+}

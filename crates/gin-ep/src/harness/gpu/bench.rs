@@ -1,7 +1,11 @@
-//! The GPU HT benchmark ([`bench_rank`]): times HT dispatch and combine on this rank's GPU
-//! and gathers every rank's times to rank 0.
+//! The GPU benchmark of the drivers ([`driver_bench_rank`], `gin-ep bench --path driver`):
+//! times HT dispatch and combine of [`CudaHt`] on this rank's GPU (LL: [`super::ll_bench`])
+//! and gathers every rank's times to rank 0: the figure the benchmark through `Ep`
+//! ([`super::ep_bench`], what `gin-ep bench` runs) is compared with, and the timer
+//! ([`HtTimer`]) of gin-ep-lab's HT variant sweep.
 //!
-//! Owns: the timed loops and the report. Never: checks results (the check does).
+//! Owns: the driver-level timed loops and their report, and what both benchmarks share
+//! (gathering, the FP8 source). Never: checks results (the check does).
 
 use std::time::{Duration, Instant};
 
@@ -64,7 +68,7 @@ pub fn max_per_iter(all: &[Vec<f64>]) -> Vec<Duration> {
 
 /// What FP8 benchmarks dispatch: prequantized e4m3 input (DeepEP's format) unless
 /// `GIN_EP_FP8_SOURCE=bf16` asks for quantization inside the kernel.
-fn bench_source(cfg: &EpConfig) -> DispatchSource {
+pub(super) fn bench_source(cfg: &EpConfig) -> DispatchSource {
     if cfg.dispatch_dtype.is_fp8() && std::env::var("GIN_EP_FP8_SOURCE").map_or(true, |v| v != "bf16") {
         DispatchSource::Fp8
     } else {
@@ -72,17 +76,18 @@ fn bench_source(cfg: &EpConfig) -> DispatchSource {
     }
 }
 
-/// Times HT dispatch and combine on this rank's GPU with an SM budget of `num_sms`; every
-/// rank calls it, rank 0 gets the report. Exact or static sizing per `opts.ht_exact`.
+/// Times the HT driver's dispatch and combine on this rank's GPU with an SM budget of
+/// `num_sms` (LL: the LL driver's, [`super::ll_bench::driver_bench_rank`]); every rank calls
+/// it, rank 0 gets the report. Exact or static sizing per `opts.ht_exact`.
 /// Total time per call = host clock from the API call to the end of the stream's work (busy
 /// polling), slowest rank per iteration; `kernel` = CUDA events around the launches (the
 /// layout and count exchange included for dispatch); the dispatch's back-to-back row = CUDA
 /// events around series of fresh dispatches with no sync between them. FP8 dispatch takes
 /// prequantized input (DeepEP's format) unless `GIN_EP_FP8_SOURCE=bf16` asks for in-kernel
 /// quantization.
-pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Option<BenchReport>> {
+pub fn driver_bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Option<BenchReport>> {
     if opts.mode == BenchMode::Ll {
-        return super::ll_bench::bench_rank(group, opts, num_sms);
+        return super::ll_bench::driver_bench_rank(group, opts, num_sms);
     }
     let cfg = &opts.cfg;
     if opts.tokens > cfg.max_tokens_per_rank || opts.iters == 0 {
@@ -329,5 +334,5 @@ fn bench_inner(group: &Group, rank: &CudaRank, opts: &BenchOptions, num_sms: u32
     Ok(s)
 }
 
-/// Fresh dispatches per back-to-back series of the HT bench.
-const HT_SERIES: usize = 8;
+/// Fresh dispatches per back-to-back series of the HT benchmarks.
+pub(super) const HT_SERIES: usize = 8;

@@ -22,7 +22,7 @@ use crate::harness::workload::Workload;
 /// sets. Time per call = CUDA events around the operation on each rank, the slowest rank
 /// per iteration, then median/p10/p90 over iterations (bench.rs). `num_sms` = CTAs per
 /// kernel (0: the GPU's SM count). Some(report) on rank 0, None elsewhere.
-pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Option<BenchReport>> {
+pub fn driver_bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Option<BenchReport>> {
     let cfg = &opts.cfg;
     if opts.mode != BenchMode::Ll {
         return Err(Error::config(
@@ -551,11 +551,11 @@ mod tests {
             launch: crate::bench::Launch::Threads,
             ht_exact: false,
         };
-        let e = bench_rank(&group, &opts, 0).unwrap_err();
+        let e = driver_bench_rank(&group, &opts, 0).unwrap_err();
         assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");
         // Bad options are refused before any device work.
         let bad = BenchOptions { tokens: 0, ..opts };
-        assert!(bench_rank(&group, &bad, 0).unwrap_err().is_usage());
+        assert!(driver_bench_rank(&group, &bad, 0).unwrap_err().is_usage());
         group.close().unwrap();
     }
 }

@@ -327,12 +327,19 @@ pub fn harness_ll(
 
 /// Collective: an LL [`Ep`] on `gpu` as the harness's launch describes it, as [`harness_ll`]
 /// makes the driver's objects: the topology of its environment and the masked kernels under
-/// [`ENV_MASKED`]; host waits bounded by `timeout`.
-pub(super) fn harness_ll_ep(group: &Group, gpu: &GpuRank, cfg: &EpConfig, timeout: Duration) -> Result<Ep> {
+/// [`ENV_MASKED`]; `grid` CTAs per kernel (None: every SM); host waits bounded by `timeout`.
+pub(super) fn harness_ll_ep(
+    group: &Group,
+    gpu: &GpuRank,
+    cfg: &EpConfig,
+    timeout: Duration,
+    grid: Option<u32>,
+) -> Result<Ep> {
     let eo = EpOptions {
         ht: false,
         ll: true,
         timeout,
+        ll_grid: grid,
         topology: RankTopology::from_env()?,
         ..EpOptions::default()
     };

@@ -28,7 +28,7 @@ pub(super) fn check_case(
     timeout: std::time::Duration,
     fault: Option<EngineFault>,
 ) -> Result<usize> {
-    let ep = super::ll_check::harness_ll_ep(group, gpu, &case.cfg, timeout)?;
+    let ep = super::ll_check::harness_ll_ep(group, gpu, &case.cfg, timeout, None)?;
     let res = (|| -> Result<usize> {
         ep.set_engine_fault(fault)?;
         let mut compared = 0;

@@ -11,14 +11,17 @@
 //! The checks go through [`crate::Ep`] as the Python package does: the HT check ([`check`]),
 //! each LL case once more after its driver-level run ([`ll_check`], `ll_ep`), the never-hang
 //! and kill checks ([`stall`]); the engine-layer faults of `GIN_EP_ENGINE_FAULT`
-//! ([`crate::ep::EngineFault`]) prove it. The LL check's window-resident, graph and split-half
-//! rounds and both benchmarks still drive the drivers.
+//! ([`crate::ep::EngineFault`]) prove it. So does the benchmark ([`bench_rank`], HT and LL:
+//! [`ep_bench`], `ll_ep_bench`), which reaches no driver. The LL check's window-resident,
+//! graph and split-half rounds and the drivers' own benchmark ([`driver_bench_rank`],
+//! `gin-ep bench --path driver`, the figure the `Ep` one is compared with) drive the drivers.
 //!
 //! One part per file: [`cases`] (the check cases), [`check`] (the HT check), [`stall`] (the
-//! never-hang and kill checks), [`mod@bench`] (the HT benchmark), [`ll_check`] and
-//! [`ll_bench`] (the LL check and benchmark), [`gincheck`] (the GIN conformance check),
-//! `tensor` (the checks' caller tensors). The HT variant sweep is a study in the gin-ep-lab
-//! crate, built on the pieces of the benchmark made public here.
+//! never-hang and kill checks), [`ep_bench`] and `ll_ep_bench` (the benchmark through `Ep`),
+//! [`mod@bench`] and [`ll_bench`] (the drivers' benchmark), [`ll_check`] (the LL check),
+//! [`gincheck`] (the GIN conformance check), `tensor` (the caller tensors of the checks and
+//! the benchmark). The HT variant sweep is a study in the gin-ep-lab crate, built on the
+//! pieces of the drivers' benchmark made public here.
 
 use crate::backend::cuda::ht::{CudaHt, DispatchSource, HtIo};
 use crate::backend::cuda::{CudaRank, DeviceBuffer};
@@ -41,16 +44,19 @@ pub use ll_check::selftest_cases as ll_selftest_cases;
 pub mod bench;
 pub mod cases;
 pub mod check;
+pub mod ep_bench;
 pub mod gincheck;
 pub mod ll_bench;
 pub mod ll_check;
 mod ll_ep;
+mod ll_ep_bench;
 pub mod stall;
 mod tensor;
 
-pub use bench::{bench_rank, gather, max_per_iter, HtTimer};
+pub use bench::{driver_bench_rank, gather, max_per_iter, HtTimer};
 pub use cases::gpu_cases;
 pub use check::{check_rank, check_rank_variants, SweepEntry};
+pub use ep_bench::bench_rank;
 pub use stall::{stall_check, StallOp};
 
 /// The HT kernels' device-clock slots (kStamp* in kernels/abi/ht.h), for timing studies.
@@ -59,6 +65,23 @@ pub mod ht_stamps {
         K_STAMP_COMB_PULL, K_STAMP_COMB_STAGED, K_STAMP_COMB_START, K_STAMP_DISP_PAYLOAD, K_STAMP_DISP_START,
         K_STAMP_LAY_COUNTS, K_STAMP_LAY_DONE, K_STAMP_LAY_START,
     };
+}
+
+/// Refuses what only the drivers' benchmark ([`driver_bench_rank`]) does when the benchmark
+/// through `Ep` ([`bench_rank`]) would run instead of ignoring it: device-clock stamps of
+/// the LL kernels (`GIN_EP_LL_STAMPS`) are a hook of the LL driver. The CLI calls it before
+/// starting any GPU process.
+pub fn check_ep_bench_env(mode: crate::bench::BenchMode) -> Result<()> {
+    use crate::backend::cuda::ll::stamps::{StampMode, ENV_STAMPS};
+    if mode == crate::bench::BenchMode::Ll && StampMode::from_env()? != StampMode::Off {
+        return Err(Error::config(
+            ENV_STAMPS,
+            std::env::var(ENV_STAMPS).unwrap_or_default(),
+            "device-clock stamps are a hook of the LL driver, which the benchmark through Ep \
+             does not reach: time them with --path driver",
+        ));
+    }
+    Ok(())
 }
 
 /// Generates every rank's inputs of iteration `iter` exactly as `check::run_rank_case`
@@ -212,6 +235,8 @@ mod tests {
             ht_exact: false,
         };
         let e = bench_rank(&group, &opts, 24).unwrap_err();
+        assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");
+        let e = driver_bench_rank(&group, &opts, 24).unwrap_err();
         assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");
         group.close().unwrap();
     }

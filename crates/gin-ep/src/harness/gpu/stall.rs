@@ -225,7 +225,7 @@ fn stall_check_ll(
     timeout: Duration,
 ) -> Result<String> {
     let me = group.rank();
-    let ep = harness_ll_ep(group, gpu, cfg, timeout)?;
+    let ep = harness_ll_ep(group, gpu, cfg, timeout, None)?;
     let tensors = ll_tensors(gpu, cfg, inp)?;
     let n = inp.topk_idx.len() / cfg.topk;
     let t0 = Instant::now();
@@ -283,7 +283,7 @@ pub fn kill_check_ll(group: &Group, victim: usize, iter: u64, timeout: Duration)
     let case = small_case(r, LlCombineOrder::Topk, 0x4B111);
     let cfg = case.cfg.clone();
     let inp = &case_inputs(&case, 0)[me];
-    let ep = harness_ll_ep(group, &gpu, &cfg, timeout)?;
+    let ep = harness_ll_ep(group, &gpu, &cfg, timeout, None)?;
     let tensors = ll_tensors(&gpu, &cfg, inp)?;
     let n = inp.topk_idx.len() / cfg.topk;
     gpu.sync(0)?;

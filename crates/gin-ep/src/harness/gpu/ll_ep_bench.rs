@@ -1,0 +1,417 @@
+//! The LL half of the benchmark through [`Ep`] (`gin-ep bench --gpus N --mode ll`): LL
+//! dispatch and combine as the Python package makes them (gin_ep.Buffer's
+//! `low_latency_dispatch` / `low_latency_combine`): every input and output a caller tensor
+//! in DeepEP's formats, the buffer set the `Ep` picks, the caller's stream.
+//!
+//! Owns: the LL timed loops through `Ep` and their report. Never: reaches the LL driver;
+//! the driver's own figures (graph replays, the launch floor, device-clock stamps) are
+//! `gin-ep bench --path driver`.
+
+use std::time::{Duration, Instant};
+
+use super::ep_bench::CALLER;
+use super::tensor::Tensor;
+
+use crate::backend::cuda::Event;
+use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
+use crate::config::FP8_BLOCK;
+use crate::ep::{
+    required_bytes, Ep, EpOptions, GpuRank, LlCombineIn, LlDispatchIn, LlDispatchOut, LlHalf, LlHandle,
+    LlLaunchInfo, LL_SETS,
+};
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::harness::ll_traffic::ll_traffic;
+use crate::harness::workload::Workload;
+
+/// Operations per timed span of the back-to-back rows (as the driver benchmark's).
+const BATCH: usize = 8;
+
+/// Times LL dispatch and combine through an LL [`Ep`] on this rank's GPU (`num_sms` CTAs
+/// per kernel, 0: every SM); every rank calls it, rank 0 gets the report.
+///
+/// What each figure spans (slowest rank per iteration, then median/p10/p90):
+/// - `dispatch`, `combine`: CUDA events recorded on the caller's stream just before the
+///   `Ep` call and just after it returns (an event after every call), the calls queued
+///   without a host wait between them: the call's launch and its kernel, and any time the
+///   GPU waits for the host to queue it (the note gives the host time per call).
+/// - the `x8 back to back` rows: events on the caller's stream around [`BATCH`] calls of
+///   one kind queued with nothing between them (buffer sets alternating), per call.
+///
+/// A dispatch is `Ep::ll_dispatch` (both halves) of caller `x` and `topk_idx` into caller
+/// `recv_x` (and FP8 scales), `recv_count` and `layout_range` of the set it takes; a combine
+/// is `Ep::ll_combine` of caller expert outputs, ids and weights into a caller `combined`.
+/// The masked kernels run under `GIN_EP_LL_MASKED` (as the check's).
+pub(super) fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Option<BenchReport>> {
+    check_ll_options(opts)?;
+    let gpu = GpuRank::for_check(group, opts.timeout)?;
+    let grid = (num_sms > 0).then_some(num_sms);
+    let ep = super::ll_check::harness_ll_ep(group, &gpu, &opts.cfg, opts.timeout, grid)?;
+    let tensors = match LlTensors::new(&gpu, group.rank(), opts) {
+        Ok(t) => t,
+        Err(e) => {
+            gpu.mark_failed();
+            std::mem::forget(ep);
+            return Err(e);
+        }
+    };
+    let b = LlBench {
+        group,
+        gpu: &gpu,
+        ep: &ep,
+        t: &tensors,
+        opts,
+    };
+    match b.run() {
+        Ok(r) => {
+            // The window's release is collective: every rank leaves together.
+            group.barrier("ll-ep-bench/done")?;
+            drop(tensors);
+            drop(ep);
+            Ok(r)
+        }
+        Err(e) => {
+            // Kernels may still use the tensors and the window, and peers may never join
+            // the window's release: leave them to the process's end.
+            gpu.mark_failed();
+            std::mem::forget(tensors);
+            std::mem::forget(ep);
+            Err(e)
+        }
+    }
+}
+
+/// The options the LL loops need, refused before any device work: LL mode, a config the
+/// LL buffers take, 1..=max tokens, at least one iteration, and nothing only the driver
+/// benchmark does ([`super::check_ep_bench_env`]).
+fn check_ll_options(opts: &BenchOptions) -> Result<()> {
+    let cfg = &opts.cfg;
+    if opts.mode != BenchMode::Ll {
+        return Err(Error::config("mode", "ht", "the LL benchmark times LL only"));
+    }
+    let eo = EpOptions {
+        ht: false,
+        ll: true,
+        ..EpOptions::default()
+    };
+    required_bytes(cfg, true, &eo)?;
+    if opts.tokens == 0 || opts.tokens > cfg.max_tokens_per_rank {
+        return Err(Error::config(
+            "tokens",
+            opts.tokens,
+            format!("must be in 1..={}", cfg.max_tokens_per_rank),
+        ));
+    }
+    if opts.iters == 0 {
+        return Err(Error::config("iters", 0, "must be at least 1"));
+    }
+    super::check_ep_bench_env(BenchMode::Ll)
+}
+
+/// The outputs of one buffer set, in caller memory (DeepEP's formats).
+struct SetOutputs {
+    /// `[L, R*T, H]` e4m3 bytes or BF16, and (FP8) `[L, H/128, R*T]` f32 scales.
+    recv_x: Tensor,
+    recv_scales: Option<Tensor>,
+    /// `[L]` i32 and `[L, R]` packed i64.
+    recv_count: Tensor,
+    layout_range: Tensor,
+    /// `[N, H]` BF16 combined rows.
+    combined: Tensor,
+}
+
+/// The caller's tensors: inputs, expert outputs, and the outputs of each buffer set.
+struct LlTensors {
+    tokens: usize,
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_weights: Tensor,
+    /// `[L, R*T, H]` BF16 expert outputs, the combine's input.
+    y: Tensor,
+    sets: Vec<SetOutputs>,
+}
+
+impl LlTensors {
+    fn new(gpu: &GpuRank, me: usize, opts: &BenchOptions) -> Result<LlTensors> {
+        let cfg = &opts.cfg;
+        let (h, l, r) = (cfg.hidden, cfg.local_experts(), cfg.ranks);
+        let rows = l * r * cfg.max_tokens_per_rank;
+        let fp8 = cfg.dispatch_dtype.is_fp8();
+        let w = Workload {
+            routing: opts.routing,
+            seed: opts.seed,
+            mask_prob: 0.0,
+        };
+        let input = w.rank_input(cfg, me, opts.tokens);
+        let y = w.bf16_values(me, 6, rows * h);
+        let sets = (0..LL_SETS)
+            .map(|_| {
+                Ok(SetOutputs {
+                    recv_x: Tensor::poisoned(gpu, rows * if fp8 { h } else { 2 * h })?,
+                    recv_scales: fp8
+                        .then(|| Tensor::poisoned(gpu, rows * (h / FP8_BLOCK) * 4))
+                        .transpose()?,
+                    recv_count: Tensor::poisoned(gpu, l * 4)?,
+                    layout_range: Tensor::poisoned(gpu, l * r * 8)?,
+                    combined: Tensor::poisoned(gpu, opts.tokens * h * 2)?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(LlTensors {
+            tokens: opts.tokens,
+            x: Tensor::of(gpu, &input.x)?,
+            topk_idx: Tensor::of(gpu, &input.topk_idx)?,
+            topk_weights: Tensor::of(gpu, &input.topk_weights)?,
+            y: Tensor::of(gpu, &y)?,
+            sets,
+        })
+    }
+}
+
+/// One run's parts.
+struct LlBench<'a> {
+    group: &'a Group,
+    gpu: &'a GpuRank,
+    ep: &'a Ep,
+    t: &'a LlTensors,
+    opts: &'a BenchOptions,
+}
+
+impl LlBench<'_> {
+    /// One LL dispatch as gin_ep.Buffer makes it: the set it will take, then the call.
+    fn dispatch(&self) -> Result<LlHandle> {
+        let o = &self.t.sets[self.ep.ll_next_set()];
+        let d = self.ep.ll_dispatch(
+            LlDispatchIn {
+                x: self.t.x.mem(),
+                num_tokens: self.t.tokens,
+                topk_idx: self.t.topk_idx.mem(),
+            },
+            LlHalf::Both,
+            LlDispatchOut {
+                recv_x: Some(o.recv_x.out()),
+                recv_scales: o.recv_scales.as_ref().map(Tensor::out),
+                recv_count: Some(o.recv_count.out()),
+                layout_range: Some(o.layout_range.out()),
+                stats: None,
+            },
+            CALLER,
+        )?;
+        Ok(d.handle)
+    }
+
+    /// One LL combine along `h` into its set's `combined`.
+    fn combine(&self, h: &LlHandle) -> Result<()> {
+        self.ep.ll_combine(
+            LlCombineIn {
+                y: self.t.y.mem(),
+                topk_idx: self.t.topk_idx.mem(),
+                topk_weights: self.t.topk_weights.mem(),
+            },
+            h,
+            LlHalf::Both,
+            Some(self.t.sets[h.set()].combined.out()),
+            CALLER,
+        )?;
+        Ok(())
+    }
+
+    fn events(&self, n: usize) -> Result<Vec<Event>> {
+        (0..n).map(|_| self.gpu.with_cuda(|q| q.rank().event())).collect()
+    }
+
+    fn record(&self, ev: &Event) -> Result<()> {
+        self.gpu.with_cuda(|q| q.record(ev))
+    }
+
+    /// Rows this rank received in all and from itself, from set 0's outputs of the last
+    /// dispatch on it.
+    fn rows(&self) -> Result<(usize, usize)> {
+        let cfg = &self.opts.cfg;
+        let me = self.group.rank();
+        let o = &self.t.sets[0];
+        let counts: Vec<i32> = o.recv_count.read(self.gpu)?;
+        let ranges = super::unpack_ranges(&o.layout_range.read::<i64>(self.gpu)?);
+        let rows = counts.iter().map(|&c| c.max(0) as usize).sum();
+        let local = (0..cfg.local_experts())
+            .map(|e| ranges[e * cfg.ranks + me].1 as usize)
+            .sum();
+        Ok((rows, local))
+    }
+
+    /// `iters` spans of [`BATCH`] dispatches, then as many of combines (along the last two
+    /// dispatches' handles, sets alternating), events only between spans: µs per call.
+    fn back_to_back(&self) -> Result<(Vec<f64>, Vec<f64>)> {
+        let iters = self.opts.iters;
+        let mut last: Vec<Option<LlHandle>> = vec![None; LL_SETS as usize];
+        let mut out = [Vec::with_capacity(iters), Vec::with_capacity(iters)];
+        for (k, series) in out.iter_mut().enumerate() {
+            let op = |i: usize, last: &mut Vec<Option<LlHandle>>| -> Result<()> {
+                if k == 0 {
+                    let h = self.dispatch()?;
+                    let set = h.set();
+                    last[set] = Some(h);
+                    Ok(())
+                } else {
+                    match &last[i % LL_SETS as usize] {
+                        Some(h) => self.combine(h),
+                        None => Err(Error::input("LL back-to-back combine", "no dispatch on this set")),
+                    }
+                }
+            };
+            // Warmup: one span.
+            for i in 0..BATCH {
+                op(i, &mut last)?;
+            }
+            let events = self.events(iters + 1)?;
+            self.record(&events[0])?;
+            for (it, ev) in events[1..].iter().enumerate() {
+                for i in 0..BATCH {
+                    op(it * BATCH + i, &mut last)?;
+                }
+                self.record(ev)?;
+            }
+            self.ep.sync(CALLER)?;
+            for w in events.windows(2) {
+                series.push(f64::from(w[0].elapsed_ms(&w[1])?) * 1e3 / BATCH as f64);
+            }
+        }
+        let [d, c] = out;
+        Ok((d, c))
+    }
+
+    fn run(&self) -> Result<Option<BenchReport>> {
+        let (group, opts) = (self.group, self.opts);
+        let me = group.rank();
+        let launch = self
+            .ep
+            .launch_info()?
+            .ll
+            .ok_or_else(|| Error::input("LL benchmark", "the Ep has no LL object"))?;
+        group.barrier("ll-ep-bench/start")?;
+        // Warmup (both sets), and the row counts of this rank.
+        for _ in 0..opts.warmup.max(1) * LL_SETS as usize {
+            let h = self.dispatch()?;
+            self.combine(&h)?;
+        }
+        self.ep.sync(CALLER)?;
+        let (rows, local) = self.rows()?;
+
+        // Eager: an event after every call.
+        let n = opts.iters;
+        let events = self.events(2 * n + 1)?;
+        self.record(&events[0])?;
+        let enqueue = Instant::now();
+        for i in 0..n {
+            let h = self.dispatch()?;
+            self.record(&events[2 * i + 1])?;
+            self.combine(&h)?;
+            self.record(&events[2 * i + 2])?;
+        }
+        // When the host queues slower than the GPUs run, the events time the host: this
+        // says which (the note of the report, slowest rank).
+        let enqueue_us = enqueue.elapsed().as_secs_f64() * 1e6 / (2 * n) as f64;
+        self.ep.sync(CALLER)?;
+        let mut eager = [Vec::with_capacity(n), Vec::with_capacity(n)];
+        for i in 0..n {
+            eager[0].push(f64::from(events[2 * i].elapsed_ms(&events[2 * i + 1])?) * 1e3);
+            eager[1].push(f64::from(events[2 * i + 1].elapsed_ms(&events[2 * i + 2])?) * 1e3);
+        }
+        let (stream_d, stream_c) = self.back_to_back()?;
+
+        // Gather to rank 0: the series, the row counts and the host time per call.
+        let mut mine: Vec<f64> = Vec::with_capacity(4 * n + 3);
+        for s in [&eager[0], &eager[1], &stream_d, &stream_c] {
+            mine.extend_from_slice(s);
+        }
+        mine.extend([rows as f64, (rows - local) as f64, enqueue_us]);
+        let all = super::bench::gather(group, "ll-ep-bench/times", &mine)?;
+        if me != 0 {
+            return Ok(None);
+        }
+        if let Some(bad) = all.iter().position(|v| v.len() != mine.len()) {
+            return Err(Error::Bootstrap(format!(
+                "rank {bad} gathered {} LL times, rank 0 {}",
+                all[bad].len(),
+                mine.len()
+            )));
+        }
+        Ok(Some(self.report(&all, &launch)))
+    }
+
+    /// Rank 0's report from every rank's gathered series (`all[rank]`, as `run` lays it out).
+    fn report(&self, all: &[Vec<f64>], launch: &LlLaunchInfo) -> BenchReport {
+        let (opts, cfg) = (self.opts, &self.opts.cfg);
+        let n = opts.iters;
+        let ranks = all.len() as f64;
+        let rows_mean = all.iter().map(|v| v[4 * n]).sum::<f64>() / ranks;
+        let remote_mean = all.iter().map(|v| v[4 * n + 1]).sum::<f64>() / ranks;
+        let enqueue_max = all.iter().map(|v| v[4 * n + 2]).fold(0.0, f64::max);
+        let slowest = |series: usize| {
+            let per_iter: Vec<Duration> = (0..n)
+                .map(|i| {
+                    let us = all.iter().map(|v| v[series * n + i]).fold(0.0, f64::max);
+                    Duration::from_secs_f64(us * 1e-6)
+                })
+                .collect();
+            Stats::of(&per_iter)
+        };
+        let op = |name: &str, series: usize, row_bytes: usize| {
+            let total = slowest(series);
+            OpReport {
+                kernel: Some(total),
+                ..OpReport::new(name, total, rows_mean, remote_mean, row_bytes)
+            }
+        };
+        // The bytes every rank sent per operation, from every rank's routing and the gin-ep
+        // nodes (consecutive blocks of the node size). A failure here is a fault of the
+        // count, not of the timed run: it is printed in place of the table.
+        let w = Workload {
+            routing: opts.routing,
+            seed: opts.seed,
+            mask_prob: 0.0,
+        };
+        let routing: Vec<Vec<i64>> = (0..cfg.ranks).map(|r| w.topk_idx(cfg, r, opts.tokens)).collect();
+        let m = launch.node_size;
+        match ll_traffic(cfg, launch.record_bytes as u64, &routing, |r| (r / m * m, m)) {
+            Ok(t) => print!("{}", t.table()),
+            Err(e) => println!("LL traffic not counted: {e}"),
+        }
+        let drb = cfg.dispatch_dtype.row_bytes(cfg.hidden);
+        let crb = cfg.hidden * 2;
+        let ops = vec![
+            op("dispatch", 0, drb),
+            op("combine", 1, crb),
+            op(&format!("dispatch (x{BATCH} back to back)"), 2, drb),
+            op(&format!("combine (x{BATCH} back to back)"), 3, crb),
+        ];
+        let path = if launch.across_nodes {
+            format!(
+                "GPU LL through Ep, stores inside gin-ep nodes of {} ranks and GIN puts across them",
+                launch.node_size
+            )
+        } else {
+            format!("GPU LL through Ep over {}", launch.fabric)
+        };
+        let shared = match crate::group::vnodes::RankTopology::from_env() {
+            Ok(t) if t.vnodes > 1 => format!(" [{}: ranks share a GPU]", crate::group::vnodes::TIME_SLICED),
+            _ => String::new(),
+        };
+        let mut report = BenchReport::new(
+            "cuda".into(),
+            format!(
+                "{path}{shared} (gin_ep.Buffer's calls: caller tensors, the caller's stream), {} send \
+                 warps, {} CTAs per kernel; times are CUDA events on the caller's stream around \
+                 each Ep call, slowest rank per iteration; rows count (token, expert) copies as \
+                 the peers do, though each token crosses a link once per destination rank; the \
+                 eager loop took {enqueue_max:.1} µs of host time per call to queue (slowest \
+                 rank); graph replays, the launch floor and device-clock stamps: --path driver",
+                launch.send_warps, launch.grid
+            ),
+            opts,
+            ops,
+        );
+        report.mode = BenchMode::Ll;
+        report
+    }
+}
