@@ -106,8 +106,8 @@ pub struct BenchArgs {
     pub sms: Option<u32>,
     /// With --gpus: what is timed. ep: the operations through gin-ep's engine (`Ep`) exactly
     /// as the Python package calls it (caller tensors in device memory, the caller's stream);
-    /// driver: the HT and LL drivers directly (no engine; LL adds graph replays, the launch
-    /// floor and GIN_EP_LL_STAMPS), to compare with [default: ep].
+    /// driver: the HT and LL drivers directly, without the engine, to compare with (HT adds
+    /// the dispatch's phase rows, LL the launch floor and GIN_EP_LL_STAMPS) [default: ep].
     #[arg(long, value_parser = ["ep", "driver"])]
     pub path: Option<String>,
     /// With --gpus --mode ht: time every kernel variant of a list and print one line per

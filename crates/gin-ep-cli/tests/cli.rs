@@ -594,7 +594,10 @@ fn bench_path_is_checked_before_any_gpu_process() {
         let (out, err) = text(&o);
         assert_eq!(o.status.code(), Some(2), "{args:?}\nstdout: {out}\nstderr: {err}");
         for needle in ["GIN_EP_LL_STAMPS", "edges", "--path driver"] {
-            assert!(err.contains(needle), "{args:?}: stderr does not name `{needle}`: {err}");
+            assert!(
+                err.contains(needle),
+                "{args:?}: stderr does not name `{needle}`: {err}"
+            );
         }
     }
     // HT has no stamps to refuse: the variable only matters to LL.
@@ -604,7 +607,10 @@ fn bench_path_is_checked_before_any_gpu_process() {
         .output()
         .expect("run gin-ep");
     let err = text(&o).1;
-    assert!(err.contains("sideways") && !err.contains("GIN_EP_LL_STAMPS"), "{err}");
+    assert!(
+        err.contains("sideways") && !err.contains("GIN_EP_LL_STAMPS"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -26,7 +26,7 @@ use crate::group::Group;
 #[path = "engine_harness.rs"]
 mod harness_hooks;
 #[cfg(feature = "harness")]
-pub use harness_hooks::{EngineFault, LaunchInfo, LlLaunchInfo};
+pub use harness_hooks::{CallerGraph, EngineFault, LaunchInfo, LlLaunchInfo};
 
 /// One rank's GPU: the communicator, context and stream of this process's rank. Cheap to
 /// clone; every `Ep` of the rank holds one.

@@ -3,9 +3,11 @@
 //! oracle's types, the sizing and variant a case runs with, device memory for the caller's
 //! tensors) and an engine-layer fault the check must catch. Never: imports the harness.
 
+use std::marker::PhantomData;
+
 use super::{locked, CudaEngine, GpuRank, Span};
 use crate::backend::cuda::ht::{HtBuf, HtGpuHandle, HtVariant, Sizing, POISON};
-use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions, Queue};
+use crate::backend::cuda::runtime::{CallerStream, CudaRank, CudaRankOptions, Event, Graph, Queue};
 use crate::error::Result;
 use crate::ht::{HtCombineOutput, HtDispatchOutput};
 use crate::quant::Rows;
@@ -195,5 +197,68 @@ impl CudaEngine {
                 record_bytes: l.layout.record_bytes,
             }),
         }
+    }
+}
+
+/// A graph of `Ep` calls captured on a caller's stream ([`GpuRank::capture_calls`]). It
+/// borrows the stream and what the calls use, so neither can go while it can be replayed,
+/// and its drop waits (bounded) for the stream, so none goes while a replay runs.
+pub struct CallerGraph<'a> {
+    graph: Graph,
+    rank: GpuRank,
+    stream: &'a CallerStream,
+    _uses: PhantomData<&'a ()>,
+}
+
+impl Drop for CallerGraph<'_> {
+    fn drop(&mut self) {
+        // A failed wait marks the communicator failed; the kernels' own deadlines end them.
+        let _ = self
+            .rank
+            .run(self.stream.raw(), |q| q.wait("replays of a captured graph"));
+    }
+}
+
+impl GpuRank {
+    /// A non-blocking stream of the rank's context, as a framework makes one.
+    pub fn caller_stream(&self) -> Result<CallerStream> {
+        self.run(0, |q| q.rank().caller_stream())
+    }
+
+    /// Records `ev` on `stream`.
+    pub fn record_on(&self, stream: &CallerStream, ev: &Event) -> Result<()> {
+        self.run(stream.raw(), |q| q.record(ev))
+    }
+
+    /// Captures into a graph what `f`'s `Ep` calls queue on `stream` (they name it as
+    /// their stream); nothing runs now. `uses` holds the `Ep` and every caller tensor the
+    /// calls use, and `f` gets it back: the graph borrows it, so all of it stays alive
+    /// while the graph can be replayed ([`GpuRank::replay`]).
+    pub fn capture_calls<'a, T: ?Sized>(
+        &self,
+        stream: &'a CallerStream,
+        uses: &'a T,
+        f: impl FnOnce(&T) -> Result<()>,
+    ) -> Result<CallerGraph<'a>> {
+        // Not under `op`: each `Ep` call of `f` takes it. The harness runs one thread per
+        // rank process, so nothing else uses the rank meanwhile.
+        let q = self.inner.rank.queue(stream.raw())?;
+        let graph = q.capture(|| f(uses))?;
+        Ok(CallerGraph {
+            graph,
+            rank: self.clone(),
+            stream,
+            _uses: PhantomData,
+        })
+    }
+
+    /// Queues one replay of `g` on the stream it was captured on.
+    pub fn replay(&self, g: &CallerGraph<'_>) -> Result<()> {
+        self.run(g.stream.raw(), |q| {
+            // SAFETY: the graph borrows its stream and what its calls use
+            // (`capture_calls`), and its drop waits for the stream: all of it outlives
+            // every replay.
+            unsafe { q.replay(&g.graph) }
+        })
     }
 }

@@ -3,29 +3,44 @@
 //! `low_latency_dispatch` / `low_latency_combine`): every input and output a caller tensor
 //! in DeepEP's formats, the buffer set the `Ep` picks, the caller's stream.
 //!
-//! Owns: the LL timed loops through `Ep` and their report. Never: reaches the LL driver;
-//! the driver's own figures (graph replays, the launch floor, device-clock stamps) are
-//! `gin-ep bench --path driver`.
+//! Owns: the LL timed loops through `Ep` (eager, graph replays, back to back) and their
+//! report. Never: reaches the LL driver; the figures only the driver has (the launch
+//! floor, device-clock stamps) are `gin-ep bench --path driver`.
 
 use std::time::{Duration, Instant};
 
 use super::ep_bench::CALLER;
 use super::tensor::Tensor;
 
+use crate::backend::cuda::runtime::CallerStream;
 use crate::backend::cuda::Event;
 use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
 use crate::config::FP8_BLOCK;
 use crate::ep::{
     required_bytes, Ep, EpOptions, GpuRank, LlCombineIn, LlDispatchIn, LlDispatchOut, LlHalf, LlHandle,
-    LlLaunchInfo, LL_SETS,
+    LlLaunchInfo, Stream, LL_SETS,
 };
 use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::harness::ll_traffic::ll_traffic;
 use crate::harness::workload::Workload;
 
-/// Operations per timed span of the back-to-back rows (as the driver benchmark's).
+/// Operations per timed span of the back-to-back rows and per graph of the `graph of`
+/// rows (as the drivers' benchmark's).
 const BATCH: usize = 8;
+/// Time series per rank: eager, graph, back to back, graph of [`BATCH`]; dispatch and
+/// combine each.
+const SERIES: usize = 8;
+
+/// µs between events `2i` and `2i + 1` (a dispatch) and `2i + 1` and `2i + 2` (its
+/// combine) of a loop that recorded one event before it and one after every call.
+fn alternating_us(events: &[Event]) -> Result<(Vec<f64>, Vec<f64>)> {
+    let n = events.len() / 2;
+    let us = |a: usize| -> Result<f64> { Ok(f64::from(events[a].elapsed_ms(&events[a + 1])?) * 1e3) };
+    let d = (0..n).map(|i| us(2 * i)).collect::<Result<_>>()?;
+    let c = (0..n).map(|i| us(2 * i + 1)).collect::<Result<_>>()?;
+    Ok((d, c))
+}
 
 /// Times LL dispatch and combine through an LL [`Ep`] on this rank's GPU (`num_sms` CTAs
 /// per kernel, 0: every SM); every rank calls it, rank 0 gets the report.
@@ -35,8 +50,12 @@ const BATCH: usize = 8;
 ///   `Ep` call and just after it returns (an event after every call), the calls queued
 ///   without a host wait between them: the call's launch and its kernel, and any time the
 ///   GPU waits for the host to queue it (the note gives the host time per call).
+/// - the `graph` rows: the same calls captured into CUDA graphs (one per operation and
+///   buffer set) on a non-blocking stream of the rank's context, as `torch.cuda.graph`
+///   captures them, and replayed there with an event after every replay.
 /// - the `x8 back to back` rows: events on the caller's stream around [`BATCH`] calls of
-///   one kind queued with nothing between them (buffer sets alternating), per call.
+///   one kind queued with nothing between them (buffer sets alternating), per call; the
+///   `graph of 8` rows: the same around replays of one graph of [`BATCH`] calls, per call.
 ///
 /// A dispatch is `Ep::ll_dispatch` (both halves) of caller `x` and `topk_idx` into caller
 /// `recv_x` (and FP8 scales), `recv_count` and `layout_range` of the set it takes; a combine
@@ -178,8 +197,14 @@ struct LlBench<'a> {
 }
 
 impl LlBench<'_> {
-    /// One LL dispatch as gin_ep.Buffer makes it: the set it will take, then the call.
+    /// One LL dispatch on the caller's stream.
     fn dispatch(&self) -> Result<LlHandle> {
+        self.dispatch_on(CALLER)
+    }
+
+    /// One LL dispatch as gin_ep.Buffer makes it, on `stream`: the set it will take, then
+    /// the call.
+    fn dispatch_on(&self, stream: Stream) -> Result<LlHandle> {
         let o = &self.t.sets[self.ep.ll_next_set()];
         let d = self.ep.ll_dispatch(
             LlDispatchIn {
@@ -195,13 +220,18 @@ impl LlBench<'_> {
                 layout_range: Some(o.layout_range.out()),
                 stats: None,
             },
-            CALLER,
+            stream,
         )?;
         Ok(d.handle)
     }
 
-    /// One LL combine along `h` into its set's `combined`.
+    /// One LL combine along `h` on the caller's stream.
     fn combine(&self, h: &LlHandle) -> Result<()> {
+        self.combine_on(h, CALLER)
+    }
+
+    /// One LL combine along `h` into its set's `combined`, on `stream`.
+    fn combine_on(&self, h: &LlHandle, stream: Stream) -> Result<()> {
         self.ep.ll_combine(
             LlCombineIn {
                 y: self.t.y.mem(),
@@ -211,7 +241,7 @@ impl LlBench<'_> {
             h,
             LlHalf::Both,
             Some(self.t.sets[h.set()].combined.out()),
-            CALLER,
+            stream,
         )?;
         Ok(())
     }
@@ -237,6 +267,87 @@ impl LlBench<'_> {
             .map(|e| ranges[e * cfg.ranks + me].1 as usize)
             .sum();
         Ok((rows, local))
+    }
+
+    /// Graph replays on `s`: one graph per operation and buffer set, captured from the
+    /// `Ep` calls, replayed with an event after every replay: µs per replay, dispatch and
+    /// combine.
+    fn graphs(&self, s: &CallerStream) -> Result<(Vec<f64>, Vec<f64>)> {
+        let st = Stream(s.raw());
+        let sets = LL_SETS as usize;
+        // What the default stream queued ends before the other stream starts.
+        self.ep.sync(CALLER)?;
+        let mut handles = Vec::with_capacity(sets);
+        let mut gd = Vec::with_capacity(sets);
+        for _ in 0..sets {
+            gd.push(self.gpu.capture_calls(s, self, |b| {
+                handles.push(b.dispatch_on(st)?);
+                Ok(())
+            })?);
+        }
+        let gc = handles
+            .iter()
+            .map(|h| self.gpu.capture_calls(s, self, |b| b.combine_on(h, st)))
+            .collect::<Result<Vec<_>>>()?;
+        self.group.barrier("ll-ep-bench/graphs")?;
+        for i in 0..self.opts.warmup.max(1) * sets {
+            self.gpu.replay(&gd[i % sets])?;
+            self.gpu.replay(&gc[i % sets])?;
+        }
+        let n = self.opts.iters;
+        let events = self.events(2 * n + 1)?;
+        self.gpu.record_on(s, &events[0])?;
+        for i in 0..n {
+            self.gpu.replay(&gd[i % sets])?;
+            self.gpu.record_on(s, &events[2 * i + 1])?;
+            self.gpu.replay(&gc[i % sets])?;
+            self.gpu.record_on(s, &events[2 * i + 2])?;
+        }
+        self.ep.sync(st)?;
+        alternating_us(&events)
+    }
+
+    /// One graph of [`BATCH`] dispatches and one of as many combines (sets alternating),
+    /// captured from the `Ep` calls on `s`; `iters` replays of each with events only between
+    /// replays: µs per call (replay / BATCH), dispatch and combine.
+    fn graph_batches(&self, s: &CallerStream) -> Result<(Vec<f64>, Vec<f64>)> {
+        let st = Stream(s.raw());
+        let sets = LL_SETS as usize;
+        self.ep.sync(CALLER)?;
+        let mut last: Vec<Option<LlHandle>> = vec![None; sets];
+        let gbd = self.gpu.capture_calls(s, self, |b| {
+            (0..BATCH).try_for_each(|_| {
+                let h = b.dispatch_on(st)?;
+                let set = h.set();
+                last[set] = Some(h);
+                Ok(())
+            })
+        })?;
+        let gbc = self.gpu.capture_calls(s, self, |b| {
+            (0..BATCH).try_for_each(|i| match &last[i % sets] {
+                Some(h) => b.combine_on(h, st),
+                None => Err(Error::input("LL graph of combines", "no dispatch on this set")),
+            })
+        })?;
+        self.group.barrier("ll-ep-bench/batch-graphs")?;
+        let n = self.opts.iters;
+        let mut out = [Vec::with_capacity(n), Vec::with_capacity(n)];
+        for (g, series) in [&gbd, &gbc].into_iter().zip(out.iter_mut()) {
+            // Warmup: one replay.
+            self.gpu.replay(g)?;
+            let events = self.events(n + 1)?;
+            self.gpu.record_on(s, &events[0])?;
+            for ev in &events[1..] {
+                self.gpu.replay(g)?;
+                self.gpu.record_on(s, ev)?;
+            }
+            self.ep.sync(st)?;
+            for w in events.windows(2) {
+                series.push(f64::from(w[0].elapsed_ms(&w[1])?) * 1e3 / BATCH as f64);
+            }
+        }
+        let [d, c] = out;
+        Ok((d, c))
     }
 
     /// `iters` spans of [`BATCH`] dispatches, then as many of combines (along the last two
@@ -312,16 +423,18 @@ impl LlBench<'_> {
         // says which (the note of the report, slowest rank).
         let enqueue_us = enqueue.elapsed().as_secs_f64() * 1e6 / (2 * n) as f64;
         self.ep.sync(CALLER)?;
-        let mut eager = [Vec::with_capacity(n), Vec::with_capacity(n)];
-        for i in 0..n {
-            eager[0].push(f64::from(events[2 * i].elapsed_ms(&events[2 * i + 1])?) * 1e3);
-            eager[1].push(f64::from(events[2 * i + 1].elapsed_ms(&events[2 * i + 2])?) * 1e3);
-        }
+        let (eager_d, eager_c) = alternating_us(&events)?;
+        // Graphs are captured on a stream of their own, as torch.cuda.graph captures.
+        let graph_stream = self.gpu.caller_stream()?;
+        let (graph_d, graph_c) = self.graphs(&graph_stream)?;
         let (stream_d, stream_c) = self.back_to_back()?;
+        let (gbatch_d, gbatch_c) = self.graph_batches(&graph_stream)?;
 
         // Gather to rank 0: the series, the row counts and the host time per call.
-        let mut mine: Vec<f64> = Vec::with_capacity(4 * n + 3);
-        for s in [&eager[0], &eager[1], &stream_d, &stream_c] {
+        let mut mine: Vec<f64> = Vec::with_capacity(SERIES * n + 3);
+        for s in [
+            &eager_d, &eager_c, &graph_d, &graph_c, &stream_d, &stream_c, &gbatch_d, &gbatch_c,
+        ] {
             mine.extend_from_slice(s);
         }
         mine.extend([rows as f64, (rows - local) as f64, enqueue_us]);
@@ -344,9 +457,9 @@ impl LlBench<'_> {
         let (opts, cfg) = (self.opts, &self.opts.cfg);
         let n = opts.iters;
         let ranks = all.len() as f64;
-        let rows_mean = all.iter().map(|v| v[4 * n]).sum::<f64>() / ranks;
-        let remote_mean = all.iter().map(|v| v[4 * n + 1]).sum::<f64>() / ranks;
-        let enqueue_max = all.iter().map(|v| v[4 * n + 2]).fold(0.0, f64::max);
+        let rows_mean = all.iter().map(|v| v[SERIES * n]).sum::<f64>() / ranks;
+        let remote_mean = all.iter().map(|v| v[SERIES * n + 1]).sum::<f64>() / ranks;
+        let enqueue_max = all.iter().map(|v| v[SERIES * n + 2]).fold(0.0, f64::max);
         let slowest = |series: usize| {
             let per_iter: Vec<Duration> = (0..n)
                 .map(|i| {
@@ -382,8 +495,12 @@ impl LlBench<'_> {
         let ops = vec![
             op("dispatch", 0, drb),
             op("combine", 1, crb),
-            op(&format!("dispatch (x{BATCH} back to back)"), 2, drb),
-            op(&format!("combine (x{BATCH} back to back)"), 3, crb),
+            op("dispatch (graph)", 2, drb),
+            op("combine (graph)", 3, crb),
+            op(&format!("dispatch (x{BATCH} back to back)"), 4, drb),
+            op(&format!("combine (x{BATCH} back to back)"), 5, crb),
+            op(&format!("dispatch (graph of {BATCH})"), 6, drb),
+            op(&format!("combine (graph of {BATCH})"), 7, crb),
         ];
         let path = if launch.across_nodes {
             format!(
@@ -405,7 +522,8 @@ impl LlBench<'_> {
                  each Ep call, slowest rank per iteration; rows count (token, expert) copies as \
                  the peers do, though each token crosses a link once per destination rank; the \
                  eager loop took {enqueue_max:.1} µs of host time per call to queue (slowest \
-                 rank); graph replays, the launch floor and device-clock stamps: --path driver",
+                 rank); graphs captured from the Ep calls on a stream of their own; the \
+                 launch floor and device-clock stamps: --path driver",
                 launch.send_warps, launch.grid
             ),
             opts,

@@ -44,5 +44,7 @@ pub use memory::{DeviceAllocator, DeviceBuffer, DeviceRegion, ExternalSpan};
 pub use queue::Queue;
 pub use rank::{median, CudaRank, CudaRankOptions, PeerCopy, RankInfo};
 pub use result::{fabric_error_to_error, fabric_phase_name};
+#[cfg(feature = "harness")]
+pub use stream::CallerStream;
 pub use stream::{Event, SideStreams};
 pub use window::{DevComm, DevCommRequest, Window, GIN_CONTEXTS};

@@ -46,6 +46,35 @@ impl Drop for Event {
     }
 }
 
+/// A stream of the rank's context made as a framework makes its own (non-blocking), for the
+/// harness's `Ep` calls on a stream other than the legacy default one: graph capture needs
+/// one, as `torch.cuda.graph` captures on a side stream. Destroyed on drop
+/// (cuStreamDestroy lets queued work finish first).
+#[cfg(feature = "harness")]
+pub struct CallerStream {
+    raw: sys::CUstream,
+    ctx: Arc<CudaContext>,
+}
+
+#[cfg(feature = "harness")]
+impl CallerStream {
+    /// The handle as `Ep` calls take it (`Stream(raw)`).
+    pub fn raw(&self) -> u64 {
+        self.raw as u64
+    }
+}
+
+#[cfg(feature = "harness")]
+impl Drop for CallerStream {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: raw was created in ctx and is destroyed once; queued work finishes first.
+        unsafe {
+            let _ = result::stream::destroy(self.raw);
+        }
+    }
+}
+
 /// Streams of a rank beside its own, for work that should overlap (copies to several peers
 /// on several copy engines): [`CudaRank::fork`] makes them wait for what the rank's stream
 /// queued so far, [`CudaRank::join`] makes the rank's stream wait for what they queued, so
@@ -128,6 +157,20 @@ impl CudaRank {
             side.joined.push(event()?);
         }
         Ok(side)
+    }
+
+    /// A non-blocking stream of the rank's context ([`CallerStream`]).
+    #[cfg(feature = "harness")]
+    pub fn caller_stream(&self) -> Result<CallerStream> {
+        cu("cuCtxSetCurrent", self.ctx.bind_to_thread())?;
+        let raw = cu(
+            "cuStreamCreate",
+            result::stream::create(result::stream::StreamKind::NonBlocking),
+        )?;
+        Ok(CallerStream {
+            raw,
+            ctx: self.ctx.clone(),
+        })
     }
 
     #[cfg(feature = "harness")]
