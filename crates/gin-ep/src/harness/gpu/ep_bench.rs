@@ -313,15 +313,17 @@ impl EpHt {
     }
 
     /// `count` fresh dispatches queued with nothing between them, events only around the
-    /// series: seconds per dispatch. The handles live until the series has run.
+    /// series: seconds per dispatch. Each handle goes at once (as the drivers' series
+    /// drops it), so the next dispatch takes its layout slot again, in stream order.
     fn back_to_back(&self, count: usize) -> Result<f64> {
         self.record(0)?;
-        let handles = (0..count).map(|_| self.dispatch()).collect::<Result<Vec<_>>>()?;
+        for _ in 0..count {
+            self.dispatch()?;
+        }
         self.record(1)?;
         // Busy (Ep::sync of an HT Ep): a sleeping wait wakes up late, at a different time on
         // every rank, and the next series' first count exchange would time that skew.
         self.ep.sync(CALLER)?;
-        drop(handles);
         Ok(self.event_secs(0, 1)? / count as f64)
     }
 }
@@ -422,6 +424,66 @@ mod tests {
             assert!(e.is_usage() && e.to_string().contains("17"), "{e}");
         }
         group.close().unwrap();
+    }
+
+    /// On a GPU (skipped without a CUDA driver or kernels): the benchmark through `Ep` runs
+    /// on one rank in both modes and sizings, with the report shape of the drivers' one
+    /// less the rows only the drivers have.
+    #[test]
+    fn on_a_gpu_the_ep_bench_reports_every_row() {
+        use crate::group::{Group, StoreServer};
+        if crate::backend::cuda::driver::probe().is_err() || crate::backend::cuda::kernels_fatbin().is_err() {
+            eprintln!("skipped: no CUDA driver or no kernels");
+            return;
+        }
+        let t = Duration::from_secs(60);
+        let ht_cfg = super::super::cases::gpu_cases(1, 0, 1)
+            .into_iter()
+            .map(|c| c.cfg)
+            .find(|c| c.max_tokens_per_rank * c.hidden <= 16 << 20)
+            .expect("a small HT case");
+        let ll_cfg = super::super::ll_check::tuning_cases(1)[0].cfg.clone();
+        let runs = [
+            (BenchMode::Ht, ht_cfg.clone(), false, vec!["dispatch", "combine"]),
+            (BenchMode::Ht, ht_cfg, true, vec!["dispatch", "combine"]),
+            (
+                BenchMode::Ll,
+                ll_cfg,
+                false,
+                vec![
+                    "dispatch",
+                    "combine",
+                    "dispatch (graph)",
+                    "combine (graph)",
+                    "dispatch (x8 back to back)",
+                    "combine (x8 back to back)",
+                    "dispatch (graph of 8)",
+                    "combine (graph of 8)",
+                ],
+            ),
+        ];
+        for (mode, cfg, exact, want) in runs {
+            let server = StoreServer::bind("127.0.0.1:0").unwrap();
+            let group = Group::join(0, 1, &server.addr().to_string(), server.secret(), t).unwrap();
+            let o = BenchOptions {
+                mode,
+                tokens: cfg.max_tokens_per_rank,
+                cfg,
+                iters: 3,
+                warmup: 1,
+                timeout: t,
+                ht_exact: exact,
+                ..opts(mode)
+            };
+            let sms = if mode == BenchMode::Ht { 8 } else { 0 };
+            let r = bench_rank(&group, &o, sms).unwrap().expect("rank 0's report");
+            let names: Vec<&str> = r.ops.iter().map(|op| op.op.as_str()).collect();
+            assert_eq!(names, want, "{mode:?}");
+            for op in &r.ops {
+                assert!(op.total.median_us > 0.0 && op.rows_per_rank > 0.0, "{op:?}");
+            }
+            group.close().unwrap();
+        }
     }
 
     /// The benchmark `gin-ep bench` runs by default reaches the drivers only through `Ep`:
