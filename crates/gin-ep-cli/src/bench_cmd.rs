@@ -328,8 +328,12 @@ fn run_gpus(a: &BenchArgs, gpus: usize) -> CliResult {
         let json = a.json.as_deref().map(JsonFile::create).transpose()?;
         if !a.sweep {
             out!(
-                "backend: cuda, {} (one process per GPU)",
-                crate::output::count(gpus, "GPU")
+                "backend: cuda, {} (one process per GPU), {}",
+                crate::output::count(gpus, "GPU"),
+                match r.path {
+                    Path::Ep => "timed through Ep as the Python package calls it",
+                    Path::Driver => "timing the drivers directly (--path driver)",
+                }
             );
             print_shape(&r);
         }
