@@ -476,7 +476,11 @@ mod tests {
                 ht_exact: exact,
                 ..opts(mode)
             };
-            let sms = if mode == BenchMode::Ht { 8 } else { 0 };
+            let sms = if mode == BenchMode::Ht {
+                crate::ep::HT_DEFAULT_SMS
+            } else {
+                0
+            };
             let r = bench_rank(&group, &o, sms).unwrap().expect("rank 0's report");
             let names: Vec<&str> = r.ops.iter().map(|op| op.op.as_str()).collect();
             assert_eq!(names, want, "{mode:?}");
