@@ -1,9 +1,9 @@
 //! The GPU benchmark through [`Ep`] ([`bench_rank`], `gin-ep bench --gpus N`): times HT and
 //! LL dispatch and combine as the Python package makes them: one `Ep` per rank on the
 //! rank's GPU, every input and output a caller tensor in device memory in DeepEP's formats,
-//! every call on the caller's stream ([`CALLER`]); then gathers every rank's times to rank 0.
+//! every call on the caller's stream (`CALLER`); then gathers every rank's times to rank 0.
 //!
-//! Owns: the entry of both modes and the HT timed loops (LL: [`super::ll_ep_bench`]).
+//! Owns: the entry of both modes and the HT timed loops (LL: `ll_ep_bench`).
 //! Never: reaches a driver: every operation goes through `Ep` (its product calls, and its
 //! harness hooks for tuning and for reading the first dispatch back), so `CudaHt::new` and
 //! `CudaLl::new` are reached only inside `Ep::join`. The drivers' own timing is
@@ -31,7 +31,7 @@ use crate::quant::Rows;
 /// is 0), which gin_ep.Buffer passes.
 pub(super) const CALLER: Stream = Stream(0);
 
-/// Times HT (or, for `opts.mode` LL, LL: [`super::ll_ep_bench::bench_rank`]) dispatch and
+/// Times HT (or, for `opts.mode` LL, LL: `ll_ep_bench::bench_rank`) dispatch and
 /// combine through an [`Ep`] on this rank's GPU with `num_sms` CTAs per kernel; every rank
 /// calls it, rank 0 gets the report.
 ///
@@ -44,7 +44,7 @@ pub(super) const CALLER: Stream = Stream(0);
 ///   kernel, for a combine its one kernel (staging from caller memory included), with any
 ///   gap the host leaves between them.
 /// - the dispatch's `back to back` row: events on the caller's stream around
-///   [`HT_SERIES`] fresh dispatches queued with nothing between them but each call's own
+///   8 (`HT_SERIES`) fresh dispatches queued with nothing between them but each call's own
 ///   host work, per call.
 ///
 /// A dispatch is `Ep::ht_dispatch` of caller tensors (BF16 rows, or FP8 rows and scales as

@@ -11,10 +11,11 @@
 //! The checks go through [`crate::Ep`] as the Python package does: the HT check ([`check`]),
 //! each LL case once more after its driver-level run ([`ll_check`], `ll_ep`), the never-hang
 //! and kill checks ([`stall`]); the engine-layer faults of `GIN_EP_ENGINE_FAULT`
-//! ([`crate::ep::EngineFault`]) prove it. So does the benchmark ([`bench_rank`], HT and LL:
-//! [`ep_bench`], `ll_ep_bench`), which reaches no driver. The LL check's window-resident,
-//! graph and split-half rounds and the drivers' own benchmark ([`driver_bench_rank`],
-//! `gin-ep bench --path driver`, the figure the `Ep` one is compared with) drive the drivers.
+//! ([`crate::ep::EngineFault`]) prove it. The benchmark ([`bench_rank`]; HT in [`ep_bench`],
+//! LL in `ll_ep_bench`) goes through `Ep` too and names no driver. The LL check's
+//! window-resident, graph and split-half rounds and the drivers' own benchmark
+//! ([`driver_bench_rank`], `gin-ep bench --path driver`, the figure the one through `Ep` is
+//! compared with) drive the drivers.
 //!
 //! One part per file: [`cases`] (the check cases), [`check`] (the HT check), [`stall`] (the
 //! never-hang and kill checks), [`ep_bench`] and `ll_ep_bench` (the benchmark through `Ep`),
