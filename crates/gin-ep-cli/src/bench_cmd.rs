@@ -69,10 +69,11 @@ pub struct BenchArgs {
     /// [default: topk].
     #[arg(long)]
     pub ll_combine_order: Option<String>,
-    /// GPU HT receive sizing: static (no host wait; combine input already in the window) or
-    /// exact (the host reads the receive count after the count exchange, and the combine
-    /// input comes from caller memory, staged into the window during the combine: what
-    /// gin_ep.Buffer does) [default: static].
+    /// GPU HT receive sizing: static (no host wait) or exact (the host reads the receive
+    /// count after the count exchange: what gin_ep.Buffer does). The combine input comes from
+    /// caller memory, staged into the window during the combine (as gin_ep.Buffer's), except
+    /// with --path driver and static sizing, where it is already in the window
+    /// [default: static].
     #[arg(long, value_parser = ["static", "exact"])]
     pub ht_sizing: Option<String>,
     /// Timed iterations [default: 5; at most 1000000].
