@@ -14,10 +14,8 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-// The NCCL header search, shared with gin-ep's build script (see the file's first lines).
-#[path = "nccl_headers.rs"]
-mod nccl_headers;
-use nccl_headers::venv_site_packages;
+// The NCCL header search, shared with the kernel builds of gin-ep and gin-ep-lab.
+use gin_ep_build::nccl_headers::{self, venv_site_packages};
 
 /// (C struct, Rust path, fields), checked against every header set.
 const COMMON: &[(&str, &str, &[&str])] = &[

@@ -1,65 +1,35 @@
-//! Build script of gin-ep: compiles `kernels/**/*.cu` into one fatbin per supported NCCL
-//! minor release (2.28 to 2.32), each against that version's headers.
+//! Build script of gin-ep: its kernel ABI and its kernels, through gin-ep-build.
 //!
-//! Owns: finding nvcc and each NCCL header set, the nvcc command lines (run concurrently), the
-//! ptxas spill check, and the generated `OUT_DIR/kernels_meta.rs` (per set: NCCL header
-//! version, how it was built or why not; nvcc version). Never: downloads anything
-//! (scripts/setup-cuda does that), or fails a build without nvcc unless
-//! `GIN_EP_REQUIRE_KERNELS=1` asks it to, because the host backend must build on any laptop.
+//! Owns: which units and ABI headers are gin-ep's. `kernels/**/*.cu` are compiled into one
+//! fatbin per supported NCCL minor (gin-ep-build's `kernels` says how and why); the harness's
+//! units ([`HARNESS_UNITS`]) and the device timestamps go into harness builds only (the CLI,
+//! gin-ep's tests), never into the library a product (the Python wheel) links. The lab's
+//! kernels are gin-ep-lab's (crates/gin-ep-lab/kernels), built by its own script.
 //!
-//! Why one fatbin per NCCL minor: kernels take `ncclDevComm` by value and inline NCCL's
-//! Device API, whose layout changes between minors; the runtime picks the fatbin whose
-//! major.minor matches `ncclGetVersion` of the library it loads (backend/cuda/mod.rs).
-//!
-//! Outputs for `src/backend/cuda/kernels.rs`:
-//! - `OUT_DIR/gin_ep_2_XX.fatbin` for each set built;
-//! - `OUT_DIR/kernels_meta.rs`, always: `KERNEL_SETS`, one entry per supported minor, with
-//!   the fatbin or why it is absent;
-//! - `OUT_DIR/ptxas.txt`, the resource report of every kernel of every set built (and
-//!   `ptxas_2_XX.txt` per set);
-//! - `OUT_DIR/abi.rs`, always: the Rust form of kernels/abi/*.h (abi_gen.rs; the module
-//!   `backend::cuda::abi`), and `OUT_DIR/abi_checks.h`, the same layouts as static_asserts
-//!   that every kernel build includes. A header outside the generator's subset fails the
-//!   build with or without nvcc.
+//! Outputs for `src/backend/cuda/kernels.rs` and `src/backend/cuda/abi.rs`:
+//! `OUT_DIR/gin_ep_2_XX.fatbin`, `OUT_DIR/kernels_meta.rs`, `OUT_DIR/ptxas.txt`, and always
+//! `OUT_DIR/abi.rs` (the Rust form of kernels/abi/*.h) with `OUT_DIR/abi_checks.h` (the same
+//! layouts as static_asserts that every kernel build includes). A header outside the
+//! generator's subset fails the build with or without nvcc.
 
 use std::env;
-use std::ffi::OsString;
-use std::fmt::Write as _;
-use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 
-// The NCCL header search, shared with gin-ep-sys's build script (see the file's first lines).
-#[path = "../gin-ep-sys/nccl_headers.rs"]
-mod nccl_headers;
-use nccl_headers::{include_var, nccl_version_code, venv_site_packages};
-
-// The kernel ABI generator (kernels/abi/*.h to Rust), also compiled into the crate's tests.
-#[path = "abi_gen.rs"]
-mod abi_gen;
+use gin_ep_build::{build_kernel_sets, collect_units, generate_abi, AbiHeader, KernelBuild};
 
 /// The headers of kernels/abi/, in the order they are read (a header may use what an
-/// earlier one defines). A new header is added here and in backend/cuda/abi.rs's docs.
+/// earlier one defines). A new header is added here and in backend/cuda/abi.rs's docs;
+/// gin-ep-lab reads common.h and fabric.h before its own.
 const ABI_HEADERS: &[&str] = &[
     "abi/common.h",
     "abi/fabric.h",
     "abi/ll.h",
     "abi/ht.h",
-    "abi/alltoall.h",
-    "abi/pattern.h",
     "abi/gin.h",
 ];
 
-/// Architectures with SASS in the fatbin. sm_90 is the floor (the Device API's LSA path
-/// needs Hopper's multimem/fence semantics and we tune for H200); sm_100 is added when
-/// nvcc knows it so Blackwell does not fall back to JIT from PTX.
-const SASS_ARCHS: &[&str] = &["90", "100"];
-/// PTX kept in the fatbin so a newer GPU can JIT; compute_90 is the oldest we support.
-const PTX_ARCH: &str = "90";
-/// The NCCL minor releases the kernels are built for, oldest first: one header set each
-/// (scripts/setup-cuda's venv has 2.28.9, its `.cuda/nccl-2.29.7` ... `.cuda/nccl-2.32.3` the
-/// others). gin-ep-sys mirrors the same versions (`DevAbi`); a test checks they agree.
-const SUPPORTED_NCCL: &[&str] = &["2.28", "2.29", "2.30", "2.31", "2.32"];
+/// Kernel units of the harness (`gin-ep check --mode gin`), relative to kernels/.
+const HARNESS_UNITS: &[&str] = &["gin/conformance.cu"];
 
 fn main() {
     let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets this"));
@@ -71,476 +41,30 @@ fn main() {
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets this"));
     let kernels_dir = workspace.join("kernels");
 
-    println!("cargo:rustc-check-cfg=cfg(gin_ep_no_kernels)");
-    println!("cargo:rerun-if-changed={}", kernels_dir.display());
-    // setup-cuda rewrites its stamp when it (re)installs the toolchain or a header set.
-    println!(
-        "cargo:rerun-if-changed={}",
-        workspace.join(".cuda/.pins").display()
-    );
-    for var in [
-        "NVCC",
-        "CUDA_HOME",
-        "CUDA_PATH",
-        "NCCL_INCLUDE",
-        "GIN_EP_REQUIRE_KERNELS",
-        "GIN_EP_NVCC_FLAGS",
-    ] {
-        println!("cargo:rerun-if-env-changed={var}");
-    }
-    for label in SUPPORTED_NCCL {
-        println!("cargo:rerun-if-env-changed={}", include_var(label));
-    }
-    let require = env::var("GIN_EP_REQUIRE_KERNELS").is_ok_and(|v| v == "1");
-    generate_abi(&kernels_dir, &out_dir);
-
-    let mut meta = Meta {
-        sets: SUPPORTED_NCCL
-            .iter()
-            .map(|label| SetMeta {
-                label,
-                ..SetMeta::default()
-            })
-            .collect(),
-        ..Meta::default()
-    };
-    if let Err(why) = build_kernels(&workspace, &kernels_dir, &out_dir, &mut meta) {
-        for set in &mut meta.sets {
-            set.absent_reason = Some(why.clone());
-        }
-    }
-    let absent: Vec<String> = meta
-        .sets
+    let headers: Vec<AbiHeader<'_>> = ABI_HEADERS
         .iter()
-        .filter_map(|s| Some(format!("NCCL {}: {}", s.label, s.absent_reason.as_ref()?)))
+        .map(|file| AbiHeader {
+            tree: &kernels_dir,
+            file,
+            emit: true,
+        })
         .collect();
-    if !absent.is_empty() {
-        if require {
-            // A CI box that sets GIN_EP_REQUIRE_KERNELS must never ship a library that
-            // silently lacks kernels for a supported NCCL.
-            fail(&format!(
-                "GIN_EP_REQUIRE_KERNELS=1 and kernels were not built for every supported NCCL:\n  {}",
-                absent.join("\n  ")
-            ));
-        }
-        for line in &absent {
-            println!("cargo:warning=gin-ep: CUDA kernels not built for {line}; that NCCL will be refused at run time");
-        }
-    }
-    if meta.sets.iter().all(|s| s.absent_reason.is_some()) {
-        println!("cargo:rustc-cfg=gin_ep_no_kernels");
-    }
-    fs::write(out_dir.join("kernels_meta.rs"), meta.render()).expect("OUT_DIR is writable");
-}
+    generate_abi(&workspace, &headers, &out_dir);
 
-#[derive(Default)]
-struct Meta {
-    nvcc_version: Option<String>,
-    archs: Vec<String>,
-    sets: Vec<SetMeta>,
-}
-
-/// One supported NCCL minor's kernels.
-#[derive(Default)]
-struct SetMeta {
-    label: &'static str,
-    nccl_header_version: Option<u32>,
-    nvcc_command: Option<String>,
-    /// File name in OUT_DIR, when built.
-    fatbin: Option<String>,
-    absent_reason: Option<String>,
-}
-
-impl Meta {
-    fn render(&self) -> String {
-        let opt_str = |s: &Option<String>| match s {
-            Some(s) => format!("Some({s:?})"),
-            None => "None".to_string(),
-        };
-        let mut out = String::from("// @generated by crates/gin-ep/build.rs; do not edit.\n");
-        let _ = writeln!(
-            out,
-            "/// `nvcc --version` release line of the compiler that built the fatbins.\n\
-             pub const NVCC_VERSION: Option<&str> = {};",
-            opt_str(&self.nvcc_version)
-        );
-        let _ = writeln!(
-            out,
-            "/// Targets in every fatbin: `sm_XX` are SASS, `compute_XX` is PTX.\n\
-             pub const KERNEL_TARGETS: &[&str] = &{:?};",
-            self.archs
-        );
-        let mut entries = String::new();
-        for set in &self.sets {
-            let fatbin = match &set.fatbin {
-                Some(file) => {
-                    let name = format!("FATBIN_{}", set.label.replace('.', "_"));
-                    let _ = writeln!(
-                        out,
-                        "#[cfg(not(gin_ep_no_kernels))]\n\
-                         static {name}: &Aligned<[u8]> = &Aligned(*include_bytes!(concat!(env!(\"OUT_DIR\"), \"/{file}\")));"
-                    );
-                    format!("Some(&{name}.0)")
-                }
-                None => "None".to_string(),
-            };
-            let _ = writeln!(
-                entries,
-                "    KernelSet {{\n        nccl: {:?},\n        nccl_header_version: {},\n        \
-                 fatbin: {fatbin},\n        nvcc_command: {},\n        absent_reason: {},\n    }},",
-                set.label,
-                match set.nccl_header_version {
-                    Some(v) => format!("Some({v})"),
-                    None => "None".into(),
-                },
-                opt_str(&set.nvcc_command),
-                opt_str(&set.absent_reason),
-            );
-        }
-        let _ = writeln!(
-            out,
-            "/// One entry per supported NCCL minor, oldest first.\n\
-             pub const KERNEL_SETS: &[KernelSet] = &[\n{entries}];"
-        );
-        out
-    }
-}
-
-/// Builds every set it can. `Err` only for what stops all of them (no nvcc, no kernel
-/// sources); a missing header set is recorded in that set's `absent_reason`.
-fn build_kernels(
-    workspace: &Path,
-    kernels_dir: &Path,
-    out_dir: &Path,
-    meta: &mut Meta,
-) -> Result<(), String> {
-    let nvcc = find_nvcc(workspace).ok_or_else(|| {
-        "no nvcc: set NVCC or CUDA_HOME, put nvcc on PATH, or run scripts/setup-cuda".to_string()
-    })?;
-    let version = run_capture(Command::new(&nvcc).arg("--version"))
-        .map_err(|e| format!("{} --version failed: {e}", nvcc.display()))?;
-    meta.nvcc_version = version
-        .lines()
-        .find(|l| l.contains("release"))
-        .map(|l| l.trim().to_string());
-    let known_archs = run_capture(Command::new(&nvcc).arg("--list-gpu-arch")).unwrap_or_default();
-
-    let mut units = Vec::new();
-    collect_units(kernels_dir, &mut units);
-    // The lab kernels (the all-to-all study, its test pattern, the GIN conformance check) and
-    // the device timestamps go into harness builds only (the CLI, gin-ep's tests), never into
-    // the library a product (the Python wheel) links.
     let harness = env::var_os("CARGO_FEATURE_HARNESS").is_some();
+    let mut units = collect_units(&kernels_dir);
     if !harness {
-        units.retain(|u| !is_lab_unit(kernels_dir, u));
+        units.retain(|u| !HARNESS_UNITS.iter().any(|h| *u == kernels_dir.join(h)));
     }
-    units.sort();
-    if units.is_empty() {
-        return Err(format!("no kernels/**/*.cu under {}", kernels_dir.display()));
-    }
-
-    // One translation unit that includes every kernel file: cuModuleLoadData takes one
-    // image per architecture from a fatbin, so all kernels must live in one module, and a
-    // unity build gets there without relocatable device code (which would cost inlining
-    // across the fabric headers and registers).
-    let mut unity =
-        String::from("// @generated by crates/gin-ep/build.rs: every kernels/**/*.cu in one module.\n");
-    let _ = writeln!(unity, "#define GIN_EP_STAMPS {}", u8::from(harness));
-    for unit in &units {
-        let _ = writeln!(unity, "#include \"{}\"", unit.display());
-    }
-    // Last: the layouts abi.rs was generated with, checked against the kernels' structs (every
-    // ABI header, the lab's too, so both builds check every layout).
-    for h in ABI_HEADERS {
-        let _ = writeln!(unity, "#include \"{h}\"");
-    }
-    let _ = writeln!(unity, "#include \"{}\"", out_dir.join("abi_checks.h").display());
-    let unity_path = out_dir.join("gin_ep_kernels.cu");
-    fs::write(&unity_path, unity).map_err(|e| format!("writing {}: {e}", unity_path.display()))?;
-
-    let mut gencode = Vec::new();
-    for arch in SASS_ARCHS {
-        if known_archs
-            .split_whitespace()
-            .any(|a| a == format!("compute_{arch}"))
-        {
-            gencode.push(format!("-gencode=arch=compute_{arch},code=sm_{arch}"));
-            meta.archs.push(format!("sm_{arch}"));
-        }
-    }
-    if !meta.archs.iter().any(|a| a == "sm_90") {
-        return Err(format!(
-            "{} cannot target sm_90 (needs CUDA >= 12)",
-            nvcc.display()
-        ));
-    }
-    gencode.push(format!(
-        "-gencode=arch=compute_{PTX_ARCH},code=compute_{PTX_ARCH}"
-    ));
-    meta.archs.push(format!("compute_{PTX_ARCH}"));
-
-    // One nvcc per header set, `NUM_JOBS` (cargo's -j, the core count by default) at a time:
-    // each nvcc runs its cicc/ptxas steps one after another, so concurrent sets are what uses
-    // a second core.
-    let jobs: usize = env::var("NUM_JOBS")
-        .ok()
-        .and_then(|j| j.parse().ok())
-        .unwrap_or(1)
-        .max(1);
-    let mut queue: Vec<(usize, Command)> = Vec::new();
-    for (i, set) in meta.sets.iter_mut().enumerate() {
-        // The NCCL wheel beside a PyPI nvcc: site-packages/nvidia/{cu13/bin/nvcc,nccl/include}.
-        let beside_nvcc = nvcc
-            .parent()
-            .and_then(Path::parent)
-            .and_then(Path::parent)
-            .map(|nvidia| nvidia.join("nccl/include"));
-        let cuda_home = env::var_os("CUDA_HOME").map(|h| PathBuf::from(h).join("include"));
-        let found = nccl_headers::find_nccl_include(workspace, set.label, beside_nvcc, cuda_home);
-        let Some(nccl_include) = found else {
-            set.absent_reason = Some(format!(
-                "no NCCL {} headers (nccl.h + nccl_device.h of that minor): run scripts/setup-cuda or set {}",
-                set.label,
-                include_var(set.label)
-            ));
-            continue;
-        };
-        // Run time compares it with ncclGetVersion of the library it loads (the ncclDevComm
-        // layout is version-specific).
-        set.nccl_header_version = nccl_version_code(&nccl_include.join("nccl.h"));
-        let suffix = set.label.replace('.', "_");
-        let fatbin = format!("gin_ep_{suffix}.fatbin");
-        let mut cmd = Command::new(&nvcc);
-        cmd.args(["--fatbin", "-O3", "-std=c++17", "-Xptxas", "-v"]);
-        cmd.args(&gencode);
-        cmd.arg(format!("-I{}", kernels_dir.display()));
-        cmd.arg(format!("-I{}", nccl_include.display()));
-        if let Ok(extra) = env::var("GIN_EP_NVCC_FLAGS") {
-            cmd.args(extra.split_whitespace());
-        }
-        cmd.arg(&unity_path).arg("-o").arg(out_dir.join(&fatbin));
-        set.nvcc_command = Some(render_command(&cmd));
-        set.fatbin = Some(fatbin);
-        queue.push((i, cmd));
-    }
-
-    let mut reports = String::new();
-    let mut running: Vec<(usize, Child)> = Vec::new();
-    let mut pending = queue.into_iter();
-    let mut failure: Option<String> = None;
-    loop {
-        while failure.is_none() && running.len() < jobs {
-            let Some((i, mut cmd)) = pending.next() else {
-                break;
-            };
-            // ptxas -v reports on stderr, straight into the set's report file (a pipe would
-            // stall a compile whose report outgrows it while another one is awaited).
-            let suffix = meta.sets[i].label.replace('.', "_");
-            let report_path = out_dir.join(format!("ptxas_{suffix}.txt"));
-            let report_file = match fs::File::create(&report_path) {
-                Ok(f) => f,
-                Err(e) => {
-                    failure = Some(format!("creating {}: {e}", report_path.display()));
-                    continue;
-                }
-            };
-            cmd.stdout(Stdio::null()).stderr(report_file);
-            match cmd.spawn() {
-                Ok(child) => running.push((i, child)),
-                Err(e) => failure = Some(format!("running {}: {e}", nvcc.display())),
-            }
-        }
-        if running.is_empty() {
-            break;
-        }
-        if failure.is_some() {
-            // Stop the other compiles rather than leave them running after the build ends.
-            for (_, child) in &mut running {
-                let _ = child.kill();
-            }
-        }
-        // Wait for the oldest; the others keep running meanwhile.
-        let (i, mut child) = running.remove(0);
-        let Ok(status) = child.wait() else {
-            failure.get_or_insert_with(|| format!("waiting for {}", nvcc.display()));
-            continue;
-        };
-        if failure.is_some() {
-            continue;
-        }
-        let set = &meta.sets[i];
-        let suffix = set.label.replace('.', "_");
-        let report_path = out_dir.join(format!("ptxas_{suffix}.txt"));
-        let report = match fs::read(&report_path) {
-            Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
-            Err(e) => {
-                failure = Some(format!("reading {}: {e}", report_path.display()));
-                continue;
-            }
-        };
-        if !status.success() {
-            // A compile error is a bug in our kernels (or a version guard they lack), not a
-            // missing toolchain: fail loudly even without GIN_EP_REQUIRE_KERNELS, or kernel
-            // breakage would hide behind a warning.
-            eprintln!("{report}");
-            failure = Some(format!(
-                "nvcc failed with the NCCL {} headers ({}); command: {}",
-                set.label,
-                status,
-                set.nvcc_command.as_deref().unwrap_or_default()
-            ));
-            continue;
-        }
-        let spills = find_spills(&report);
-        if !spills.is_empty() {
-            // Spills on these kernels mean local-memory traffic in the copy loop, which costs
-            // bandwidth we measure against; treat them as a build error so they are fixed at
-            // once (reduce unrolling or vector width), not found later in a benchmark.
-            failure = Some(format!(
-                "kernels spill registers with the NCCL {} headers (see {}):\n{}",
-                set.label,
-                report_path.display(),
-                spills.join("\n")
-            ));
-            continue;
-        }
-        let _ = writeln!(reports, "# kernels built against the NCCL {} headers", set.label);
-        reports.push_str(&report);
-    }
-    if let Some(message) = failure {
-        fail(&message);
-    }
-    fs::write(out_dir.join("ptxas.txt"), &reports).map_err(|e| format!("writing ptxas.txt: {e}"))?;
-    Ok(())
-}
-
-/// Reads kernels/abi/*.h ([`ABI_HEADERS`]) and writes `OUT_DIR/abi.rs` and
-/// `OUT_DIR/abi_checks.h`; any header outside the generator's subset ends the build.
-fn generate_abi(kernels_dir: &Path, out_dir: &Path) {
-    let mut abi = abi_gen::Abi::new();
-    for file in ABI_HEADERS {
-        let path = kernels_dir.join(file);
-        let src =
-            fs::read_to_string(&path).unwrap_or_else(|e| fail(&format!("reading {}: {e}", path.display())));
-        if let Err(e) = abi.read(file, &src) {
-            fail(&format!("kernels/{e}"));
-        }
-    }
-    for (name, text) in [("abi.rs", abi.rust()), ("abi_checks.h", abi.c_checks())] {
-        fs::write(out_dir.join(name), text).expect("OUT_DIR is writable");
-    }
-}
-
-/// Ends the build with a message; cargo shows a build script's stderr on failure.
-fn fail(message: &str) -> ! {
-    eprintln!("gin-ep build: {message}");
-    std::process::exit(1);
-}
-
-/// Kernel files of the lab (harness builds only), relative to kernels/.
-const LAB_UNITS: &[&str] = &["alltoall.cu", "pattern.cu", "gin/conformance.cu"];
-
-fn is_lab_unit(kernels_dir: &Path, unit: &Path) -> bool {
-    LAB_UNITS.iter().any(|l| unit == kernels_dir.join(l))
-}
-
-fn collect_units(dir: &Path, out: &mut Vec<PathBuf>) {
-    let Ok(entries) = fs::read_dir(dir) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let path = entry.path();
-        if path.is_dir() {
-            collect_units(&path, out);
-        } else if path.extension().is_some_and(|e| e == "cu") {
-            out.push(path);
-        }
-    }
-}
-
-/// nvcc in order: $NVCC, $CUDA_HOME/bin, $CUDA_PATH/bin, PATH, then the project-local
-/// toolchain that scripts/setup-cuda installs under `<workspace>/.cuda`.
-fn find_nvcc(workspace: &Path) -> Option<PathBuf> {
-    if let Some(p) = env::var_os("NVCC") {
-        return Some(PathBuf::from(p));
-    }
-    for var in ["CUDA_HOME", "CUDA_PATH"] {
-        if let Some(home) = env::var_os(var) {
-            let p = PathBuf::from(home).join("bin/nvcc");
-            if p.is_file() {
-                return Some(p);
-            }
-        }
-    }
-    // Only when the search reaches PATH does PATH decide the result, so only then is a
-    // change of PATH a reason to rebuild.
-    println!("cargo:rerun-if-env-changed=PATH");
-    if let Some(path) = env::var_os("PATH") {
-        for dir in env::split_paths(&path) {
-            let p = dir.join("nvcc");
-            if p.is_file() {
-                return Some(p);
-            }
-        }
-    }
-    venv_site_packages(workspace)
-        .map(|sp| sp.join("nvidia/cu13/bin/nvcc"))
-        .find(|p| p.is_file())
-}
-
-fn run_capture(cmd: &mut Command) -> Result<String, String> {
-    let out = cmd.output().map_err(|e| e.to_string())?;
-    if !out.status.success() {
-        return Err(format!(
-            "exit {}: {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-fn render_command(cmd: &Command) -> String {
-    let mut parts: Vec<OsString> = vec![cmd.get_program().to_os_string()];
-    parts.extend(cmd.get_args().map(|a| a.to_os_string()));
-    parts
-        .iter()
-        .map(|p| p.to_string_lossy())
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
-/// Every function whose ptxas report has a non-zero spill store or load, named with its
-/// architecture. ptxas prints, per function:
-///   ptxas info    : Compiling entry function '_Z...' for 'sm_90'
-///   ptxas info    : Function properties for _Z...
-///       0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
-fn find_spills(report: &str) -> Vec<String> {
-    let mut arch = String::new();
-    let mut function = String::new();
-    let mut spills = Vec::new();
-    for line in report.lines() {
-        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
-            let mut it = rest.split('\'');
-            function = it.next().unwrap_or_default().to_string();
-            arch = it.nth(1).unwrap_or_default().to_string();
-        } else if let Some(rest) = line.split("Function properties for ").nth(1) {
-            function = rest.trim().to_string();
-        } else if line.contains("bytes spill stores") {
-            let stores = number_before(line, "bytes spill stores");
-            let loads = number_before(line, "bytes spill loads");
-            if stores != Some(0) || loads != Some(0) {
-                spills.push(format!("  {function} ({arch}): {}", line.trim()));
-            }
-        }
-    }
-    spills
-}
-
-fn number_before(line: &str, label: &str) -> Option<u64> {
-    let head = &line[..line.find(label)?];
-    head.rsplit(|c: char| !c.is_ascii_digit())
-        .find(|s| !s.is_empty())?
-        .parse()
-        .ok()
+    build_kernel_sets(&KernelBuild {
+        crate_name: "gin-ep",
+        workspace: &workspace,
+        out_dir: &out_dir,
+        prefix: "gin_ep",
+        include_dirs: vec![kernels_dir.clone()],
+        units,
+        prelude: format!("#define GIN_EP_STAMPS {}\n", u8::from(harness)),
+        abi_headers: ABI_HEADERS.iter().map(|h| h.to_string()).collect(),
+        no_kernels_cfg: "gin_ep_no_kernels",
+    });
 }

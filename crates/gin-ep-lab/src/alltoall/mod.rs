@@ -4,8 +4,8 @@
 //!
 //! Owns: the size sweep, the per-mode buffer layout, timing with CUDA events, the
 //! validation pattern, and the report. Never: parses command lines or prints (the CLI does),
-//! or touches CUDA/NCCL directly (everything goes through `gin_ep::backend::cuda`'s safe owners and
-//! typed launches).
+//! or touches CUDA/NCCL directly (everything goes through `gin_ep::backend::cuda`'s safe owners
+//! and the lab's typed launches, `crate::launch`).
 //!
 //! Counting, as nccl-tests counts alltoall: `bytes` is what one rank sends in total (its
 //! send buffer), split into `world` equal chunks, one per destination (itself included).
@@ -18,7 +18,7 @@
 //! reference.
 //!
 //! `gin` and `hybrid` run `gin_ep_alltoall_gin` (kernels/alltoall.cu; launches in
-//! `gin_ep::backend::cuda::gin_alltoall`) on the same window, with GIN signals and counters asked of
+//! `crate::launch::gin_alltoall`) on the same window, with GIN signals and counters asked of
 //! NCCL only when one of them is requested and GIN is available. Where the ranks share a GPU
 //! (virtual nodes: an LSA team of 1), `ce` is a local copy of the same bytes, the ceiling, and
 //! every figure is time-sliced (correctness only); points say so in `note`.

@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use gin_ep::backend::cuda::gin_alltoall::GinVariant;
-use gin_ep::backend::cuda::ops::{self, AlltoallKernel};
+use crate::launch::alltoall::{self as ops, AlltoallKernel};
+use crate::launch::gin_alltoall::GinVariant;
 use gin_ep::error::{Error, Result};
 
 /// Most CTAs an LSA all-to-all may use: the window reserves `MAX_BLOCKS * world` barrier
@@ -192,7 +192,7 @@ pub enum StoreHint {
 impl StoreHint {
     /// The kernel's `vflags` bits (kVflagStore* in kernels/abi/alltoall.h).
     pub fn vflags(self) -> u32 {
-        use gin_ep::backend::cuda::alltoall_abi as abi;
+        use crate::abi::alltoall as abi;
         match self {
             StoreHint::Plain => abi::K_VFLAG_STORE_PLAIN,
             StoreHint::Cs => abi::K_VFLAG_STORE_CS,

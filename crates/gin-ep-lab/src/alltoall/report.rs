@@ -4,8 +4,10 @@
 //! Owns: the report types and the breakdown arithmetic on downloaded stamps. Never: runs or
 //! times anything.
 
-use gin_ep::backend::cuda::alltoall_abi as abi;
-use gin_ep::backend::cuda::ops::{NcclAlltoallApi, STAMP_WORDS_PER_CTA};
+use gin_ep::backend::cuda::NcclAlltoallApi;
+
+use crate::abi::alltoall as abi;
+use crate::launch::alltoall::STAMP_WORDS_PER_CTA;
 use gin_ep::backend::cuda::{PeerCopy, RankInfo};
 
 use super::options::AlltoallMode;

@@ -7,17 +7,10 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use gin_ep::backend::cuda::gin_alltoall::{
-    self, ce_local_copy, gin_node, launch_gin_alltoall, GinAlltoall, GinCounts, GinNode, GinVariant,
-};
 use gin_ep::backend::cuda::ll::POISON;
-use gin_ep::backend::cuda::ops::{
-    self, check_pattern, fill_pattern, flag_words, nccl_alltoall, nccl_alltoall_api, AlltoallKernel,
-    AlltoallLaunch, CeAlltoall, STAMP_WORDS_PER_CTA,
-};
 use gin_ep::backend::cuda::{
     driver, gin_available, gin_network, CudaRank, CudaRankOptions, DevComm, DevCommRequest, DeviceBuffer,
-    DeviceRegion, PeerCopy, SideStreams, Window,
+    DeviceRegion, Module, PeerCopy, SideStreams, Window,
 };
 use gin_ep::error::{Error, Result};
 use gin_ep::group::vnodes::{RankTopology, TIME_SLICED};
@@ -27,6 +20,14 @@ use super::options::{
     default_sweep_grids, resolve_grids, AlltoallMode, AlltoallOptions, SizePoint, MAX_BLOCKS,
 };
 use super::report::{breakdown_from_stamps, AlltoallPoint, AlltoallReport, Breakdown, GridTry, SkippedMode};
+use crate::kernels;
+use crate::launch::alltoall::{
+    self as ops, flag_words, AlltoallKernel, AlltoallLaunch, CeAlltoall, STAMP_WORDS_PER_CTA,
+};
+use crate::launch::gin_alltoall::{
+    self, ce_local_copy, gin_node, launch_gin_alltoall, GinAlltoall, GinCounts, GinNode, GinVariant,
+};
+use crate::launch::pattern::{check_pattern, fill_pattern};
 
 /// The validation pattern, word `j` of the chunk `src` sends to `dst`; the host mirror of
 /// `pattern_word` in kernels/pattern.cu (same arithmetic), for tests and for explaining a
@@ -75,7 +76,9 @@ fn layout(max_bytes: usize, world: usize) -> Layout {
 
 /// The GPU memory of a sweep, made collectively after the communicator. Field order is drop
 /// order: windows are deregistered before the device communicator is destroyed.
-struct Buffers {
+struct Buffers<'r> {
+    /// The lab's kernels in this rank's context (every launch below goes through it).
+    kernels: Module<'r>,
     /// The GIN modes' node table and IPC mappings (before the window: they map peers' copies
     /// of it), and their launch counts; or why they cannot run.
     gin: std::result::Result<(GinNode, GinCounts), String>,
@@ -108,6 +111,9 @@ pub fn run_rank(group: &Group, opts: &AlltoallOptions) -> Result<AlltoallReport>
 }
 
 fn sweep(group: &Group, rank: &CudaRank, opts: &AlltoallOptions) -> Result<AlltoallReport> {
+    // First, before any collective: without the lab's kernels for this NCCL no mode runs, and
+    // every rank gets the same answer (the same build).
+    let lab_kernels = kernels::load(rank)?;
     let world = group.world();
     let me = group.rank();
     let sizes = opts.sizes(world);
@@ -206,6 +212,7 @@ fn sweep(group: &Group, rank: &CudaRank, opts: &AlltoallOptions) -> Result<Allto
         None
     };
     let bufs = Buffers {
+        kernels: lab_kernels,
         gin,
         lsa,
         lsa_skip,
@@ -263,7 +270,7 @@ fn sweep(group: &Group, rank: &CudaRank, opts: &AlltoallOptions) -> Result<Allto
         grid_sweep: sweep_grids,
         warmup: opts.warmup,
         iters: opts.iters,
-        nccl_api: nccl_alltoall_api(rank),
+        nccl_api: rank.nccl_alltoall_api(),
         gin_network: gin_network(),
         peer_copy: if me == 0 { peer_copy } else { None },
         peer_copy_skipped,
@@ -303,7 +310,7 @@ fn plan_mode(
     }
 }
 
-fn mode_plan(mode: AlltoallMode, bufs: &Buffers) -> ModePlan {
+fn mode_plan(mode: AlltoallMode, bufs: &Buffers<'_>) -> ModePlan {
     plan_mode(
         mode,
         bufs.gin.as_ref().err().map(String::as_str),
@@ -339,7 +346,7 @@ fn run_point(
     group: &Group,
     rank: &CudaRank,
     opts: &AlltoallOptions,
-    bufs: &Buffers,
+    bufs: &Buffers<'_>,
     lay: &Layout,
     point: Point,
     sweep_grids: &[u32],
@@ -429,7 +436,7 @@ fn measure(
     group: &Group,
     rank: &CudaRank,
     opts: &AlltoallOptions,
-    bufs: &Buffers,
+    bufs: &Buffers<'_>,
     lay: &Layout,
     point: Point,
     grid: Option<u32>,
@@ -540,22 +547,22 @@ fn measure(
     let op = || -> Result<DeviceRegion<'_>> {
         match &issue {
             Issue::Lsa(l) => {
-                let off = ops::launch_alltoall(rank, l)?;
+                let off = ops::launch_alltoall(&bufs.kernels, l)?;
                 let i = usize::from(off != lay.recv_offset);
                 Ok(recvs[i])
             }
-            Issue::Ce(c) => ops::ce_alltoall(rank, c).map(|_| recvs[0]),
+            Issue::Ce(c) => ops::ce_alltoall(&bufs.kernels, c).map(|_| recvs[0]),
             Issue::CeLocal(w) => {
                 ce_local_copy(rank, w, lay.send_offset, lay.recv_offset, bytes).map(|_| recvs[0])
             }
-            Issue::Gin(g) => launch_gin_alltoall(rank, g).map(|_| recvs[0]),
-            Issue::Nccl => nccl_alltoall(rank, send, recvs[0], chunk_bytes).map(|_| recvs[0]),
+            Issue::Gin(g) => launch_gin_alltoall(&bufs.kernels, g).map(|_| recvs[0]),
+            Issue::Nccl => rank.nccl_alltoall(send, recvs[0], chunk_bytes).map(|_| recvs[0]),
         }
     };
     let grid_text = grid.map_or(String::new(), |g| format!(", {g} CTAs"));
     let what = |step: &str| format!("{} {bytes} B{grid_text}: {step}", mode.name());
     let validate = |recv: DeviceRegion<'_>, when: &str| -> Result<()> {
-        let c = check_pattern(rank, recv, chunk_bytes, world, me, seed, bufs.scratch.region())?;
+        let c = check_pattern(&bufs.kernels, recv, chunk_bytes, world, me, seed, bufs.scratch.region())?;
         match c.first_bad_word {
             None if c.mismatches == 0 => Ok(()),
             first => {
@@ -578,7 +585,7 @@ fn measure(
     // The local copy stands in for an all-to-all it is not: its output is not the pattern.
     let checked = opts.validate && !matches!(issue, Issue::CeLocal(_));
     if opts.validate {
-        fill_pattern(rank, send, chunk_bytes, world, me, seed)?;
+        fill_pattern(&bufs.kernels, send, chunk_bytes, world, me, seed)?;
         for r in &recvs {
             rank.memset_u32(*r, POISON)?;
         }
@@ -624,7 +631,7 @@ fn measure(
                     stamps: Some(stamps.region().sub(i * per, per)?),
                     ..*l
                 };
-                let off = ops::launch_alltoall(rank, &stamped)?;
+                let off = ops::launch_alltoall(&bufs.kernels, &stamped)?;
                 last = recvs[usize::from(off != lay.recv_offset)];
                 rank.record(ev)?;
             }

@@ -1,17 +1,12 @@
 //! The compiled CUDA kernels: one fatbin per supported NCCL minor, embedded at build time,
-//! plus what built them.
+//! plus what built them. [`KernelSet`] is also the type of gin-ep-lab's sets, which it loads
+//! with `CudaRank::load_module`.
 //!
 //! Owns: the bytes handed to `cuModuleLoadData` and the build facts (NCCL header version per
 //! set, nvcc, targets). Never: loads a module, chooses a set or touches a GPU; the cuda
 //! backend does (`super::kernels_for`). `build.rs` decides what lands here; without nvcc
 //! the library still builds and every [`KernelSet::fatbin`] is `None`, with
 //! [`KernelSet::absent_reason`] saying why.
-
-/// 8-byte-or-better alignment for the embedded images: `include_bytes!` gives alignment 1,
-/// and the CUDA driver reads the fatbin header with aligned loads.
-#[cfg(not(gin_ep_no_kernels))]
-#[repr(C, align(64))]
-struct Aligned<T: ?Sized>(T);
 
 /// The kernels built against one NCCL minor's headers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,40 +25,11 @@ pub struct KernelSet {
 
 include!(concat!(env!("OUT_DIR"), "/kernels_meta.rs"));
 
-/// Kernel entry points in the fatbin (extern "C" names in kernels/alltoall.cu).
+/// Kernel entry points of the fatbin (extern "C" names; the LL kernels' are `ll::names`).
 pub mod names {
-    /// (peer, slice) work items strided over blocks, 4-byte stores: the baseline.
-    pub const ALLTOALL_LSA_SIMPLE: &str = "gin_ep_alltoall_lsa_simple";
-    /// Push: 16-byte vectors, 4 tiles (peers) in flight per warp, grid-stride, double-buffered
-    /// receive region, `each` signal (every CTA signals every peer, CTA 0 waits).
-    pub const ALLTOALL_LSA_OPT: &str = "gin_ep_alltoall_lsa_opt";
-    /// `lsa_opt` with 1, 2 or 8 tiles in flight per warp (`--unroll`).
-    pub const ALLTOALL_LSA_OPT_U1: &str = "gin_ep_alltoall_lsa_opt_u1";
-    pub const ALLTOALL_LSA_OPT_U2: &str = "gin_ep_alltoall_lsa_opt_u2";
-    pub const ALLTOALL_LSA_OPT_U8: &str = "gin_ep_alltoall_lsa_opt_u8";
-    /// `lsa_opt`'s copy (unroll 4) with the arrival-counter signal (the last CTA signals).
-    pub const ALLTOALL_LSA_COUNT: &str = "gin_ep_alltoall_lsa_count";
-    /// 4 KiB runs per warp per peer, store hint from `vflags`, `each` signal.
-    pub const ALLTOALL_LSA_RUN: &str = "gin_ep_alltoall_lsa_run";
-    /// cp.async.bulk global -> shared -> peer, one warp per CTA, `each` signal.
-    pub const ALLTOALL_LSA_BULK: &str = "gin_ep_alltoall_lsa_bulk";
-    /// Pull: as `lsa_opt` but reads peers' send buffers (in the window) and stores locally.
-    pub const ALLTOALL_LSA_PULL: &str = "gin_ep_alltoall_lsa_pull";
-    /// `lsa_opt`'s copy (unroll 4, one receive buffer) between two of NCCL's
-    /// ncclLsaBarrierSession barriers (no deadline), for comparison.
-    pub const ALLTOALL_LSA_OPT_NCCL_BARRIER: &str = "gin_ep_alltoall_lsa_opt_nccl_barrier";
-    /// The copy-engine all-to-all's start and end barriers (one CTA each), around the
-    /// copies the host queues between them.
-    pub const ALLTOALL_CE_START: &str = "gin_ep_alltoall_ce_start";
-    pub const ALLTOALL_CE_END: &str = "gin_ep_alltoall_ce_end";
-    /// Writes every LSA peer's address of a window (offset 0) into device memory.
+    /// Writes every LSA peer's address of a window (offset 0) into device memory
+    /// (kernels/fabric.cu).
     pub const LSA_POINTERS: &str = "gin_ep_lsa_pointers";
-    /// GIN put + signal stub; present only when the NCCL headers had ncclGin.
-    pub const ALLTOALL_GIN: &str = "gin_ep_alltoall_gin";
-    /// Writes the all-to-all test pattern into a send buffer (kernels/pattern.cu).
-    pub const PATTERN_FILL: &str = "gin_ep_pattern_fill";
-    /// Counts receive-buffer words that differ from the pattern; keeps the first index.
-    pub const PATTERN_CHECK: &str = "gin_ep_pattern_check";
     /// HT layout + count exchange + receive plan (kernels/ht/layout.cuh), one block.
     pub const HT_LAYOUT_COUNT: &str = "gin_ep_ht_layout_count";
     /// HT dispatch (push; fresh or cached), copy of BF16 / prequantized FP8, unroll 8, <= 512
@@ -85,13 +51,8 @@ pub mod names {
 /// (`gin_ep::FabricError`, kernels/abi/fabric.h).
 pub use super::abi::fabric::FabricError;
 
-/// The parameters of the all-to-all kernels (kernels/abi/alltoall.h): every LSA kernel's,
-/// [`names::LSA_POINTERS`]'s and [`names::ALLTOALL_GIN`]'s.
-pub use super::abi::alltoall::{AlltoallArgs, GinAlltoallArgs};
+/// The parameter of [`names::LSA_POINTERS`] (kernels/abi/fabric.h).
 pub use super::abi::fabric::LsaPointerArgs;
-
-/// The one parameter of the pattern fill and check kernels (kernels/abi/pattern.h).
-pub use super::abi::pattern::PatternArgs;
 
 #[cfg(test)]
 mod tests {

@@ -14,25 +14,14 @@ pub mod caller;
 pub mod driver;
 pub mod engine;
 pub mod fabric;
-#[cfg(feature = "harness")]
-pub mod gin_alltoall;
 pub mod ht;
 pub mod ipc;
 pub mod kernels;
 pub mod ll;
-/// The all-to-all study's launches and test patterns (lab kernels: harness builds only); the
-/// study itself is gin-ep-lab's `alltoall`.
-#[cfg(feature = "harness")]
-pub mod ops;
 pub mod runtime;
 
-/// The all-to-all kernels' ABI (store-hint flag bits, stamp slots), generated from
-/// kernels/abi/alltoall.h: the lab crate (gin-ep-lab) builds launch flags and reads stamps
-/// with it.
 #[cfg(feature = "harness")]
-pub use abi::alltoall as alltoall_abi;
-#[cfg(feature = "harness")]
-pub use ops::{AlltoallKernel, AlltoallLaunch};
+pub use runtime::{Module, NcclAlltoallApi};
 pub use runtime::{
     gin_available, gin_network, nccl_probe, CudaRank, CudaRankOptions, DevComm, DevCommRequest,
     DeviceAllocator, DeviceBuffer, DeviceRegion, Event, ExternalSpan, PeerCopy, RankInfo, SideStreams,

@@ -266,7 +266,7 @@ impl CudaRank {
     /// As [`CudaRank::copy_raw`]; `dst` and `src` may be UVA addresses of peer memory mapped
     /// into this process.
     #[cfg(feature = "harness")]
-    pub(crate) unsafe fn copy_raw_on(
+    pub unsafe fn copy_raw_on(
         &self,
         side: Option<(&SideStreams, usize)>,
         dst: u64,

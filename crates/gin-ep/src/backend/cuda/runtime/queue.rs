@@ -178,6 +178,25 @@ impl<'a> Queue<'a> {
         args: &A,
     ) -> Result<()> {
         let f = self.rank.function(name)?;
+        // SAFETY: the caller's contract; f is a function of the rank's module.
+        unsafe { self.launch_function(f, name, grid, block, smem, pdl, args) }
+    }
+
+    /// Launches function `f` of a module of this queue's context (`name` for the error).
+    ///
+    /// # Safety
+    /// As [`Queue::launch_ex`]; `f` must be live in the queue's context.
+    #[allow(clippy::too_many_arguments)] // the launch configuration, spelled out
+    pub(super) unsafe fn launch_function<A: Copy>(
+        &self,
+        f: sys::CUfunction,
+        name: &str,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        pdl: bool,
+        args: &A,
+    ) -> Result<()> {
         let mut params = [args as *const A as *mut c_void];
         let mut attr = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
@@ -327,6 +346,31 @@ impl<'a> Queue<'a> {
     pub fn copy_to_external(&self, src: DeviceRegion<'_>, dst: ExternalSpan) -> Result<()> {
         let src = src.sub(0, dst.bytes)?;
         // SAFETY: as copy_from_external, the other way round.
+        unsafe { self.copy_raw(dst.ptr, src.ptr, dst.bytes) }
+    }
+
+    /// Copies `src` into `dst` on the stream: device memory of this rank, the same length,
+    /// not overlapping (both checked). The owners outlive the copy as they outlive a launch
+    /// (callers wait before dropping them).
+    pub fn copy(&self, dst: DeviceRegion<'_>, src: DeviceRegion<'_>) -> Result<()> {
+        if dst.bytes != src.bytes {
+            return Err(Error::input(
+                "device copy",
+                format!("{} bytes into {} bytes", src.bytes, dst.bytes),
+            ));
+        }
+        let apart = |a: &DeviceRegion<'_>, b: &DeviceRegion<'_>| a.ptr + a.bytes as u64 <= b.ptr;
+        if !(apart(&dst, &src) || apart(&src, &dst)) {
+            return Err(Error::input(
+                "device copy",
+                format!(
+                    "[{:#x}, +{}) and [{:#x}, +{}) overlap",
+                    src.ptr, src.bytes, dst.ptr, dst.bytes
+                ),
+            ));
+        }
+        // SAFETY: both regions are borrowed from live owners of this rank's memory, hold
+        // `bytes` (checked) and do not overlap (checked).
         unsafe { self.copy_raw(dst.ptr, src.ptr, dst.bytes) }
     }
 

@@ -555,14 +555,16 @@ impl CudaRank {
         self.comm.check(call, r)
     }
 
-    pub(crate) fn fabric_err_dev(&self) -> sys::CUdeviceptr {
+    /// The device address of the rank's host-mapped error record (`FabricError`), the `err`
+    /// field of every kernel parameter that waits with a deadline.
+    pub fn fabric_err_dev(&self) -> sys::CUdeviceptr {
         self.fabric_err.dev
     }
 
     /// Next barrier epoch; the same sequence on every rank as long as every rank launches
     /// the same barrier kernels in the same order.
     #[cfg(feature = "harness")]
-    pub(crate) fn next_epoch(&self) -> u64 {
+    pub fn next_epoch(&self) -> u64 {
         let e = self.epoch.get();
         self.epoch.set(e + 1);
         e

@@ -187,7 +187,7 @@ impl CudaRank {
 
     /// Makes every stream of `side` wait for everything queued on the rank's stream so far.
     #[cfg(feature = "harness")]
-    pub(crate) fn fork(&self, side: &SideStreams) -> Result<()> {
+    pub fn fork(&self, side: &SideStreams) -> Result<()> {
         self.check_side(side)?;
         let forked = side.forked;
         // SAFETY: the event and every stream are live handles of this context (checked).
@@ -205,7 +205,7 @@ impl CudaRank {
 
     /// Makes the rank's stream wait for everything queued on the streams of `side` so far.
     #[cfg(feature = "harness")]
-    pub(crate) fn join(&self, side: &SideStreams) -> Result<()> {
+    pub fn join(&self, side: &SideStreams) -> Result<()> {
         self.check_side(side)?;
         // SAFETY: as in fork.
         unsafe {

@@ -53,7 +53,9 @@ impl Window {
         region(self.ptr, self.bytes, offset, bytes)
     }
 
-    pub(crate) fn raw(&self) -> ns::ncclWindow_t {
+    /// The NCCL window handle, as a kernel parameter carries it (the launches of gin-ep, and
+    /// of gin-ep-lab through [`super::Module`]); a value, valid while `self` lives.
+    pub fn raw(&self) -> ns::ncclWindow_t {
         self.raw
     }
 
@@ -129,7 +131,9 @@ impl DevComm {
         self.req
     }
 
-    pub(crate) fn raw(&self) -> ns::DevCommSlot {
+    /// The device communicator, as a kernel parameter carries it (by value); valid while
+    /// `self` lives.
+    pub fn raw(&self) -> ns::DevCommSlot {
         *self.raw
     }
 

@@ -155,3 +155,25 @@ fn constant_names_spell_in_rust_screaming_case() {
     assert_eq!(rust_field("lsa_stride4G"), "lsa_stride4g");
     assert_eq!(rust_field("pad2_"), "pad2");
 }
+
+#[test]
+fn a_dependency_header_lends_its_definitions_but_is_not_written_out() {
+    let mut abi = Abi::new();
+    abi.read_in("kernels", "abi/common.h", COMMON, false).unwrap();
+    abi.read_in(
+        "crates/lab/kernels",
+        "abi/lab.h",
+        "#pragma once\n#include <stdint.h>\n#include \"abi/common.h\"\nnamespace gin_ep {\n\
+         static const size_t kTwoSlots = 2 * kDevCommSlotBytes;\nstruct LabArgs {\n  uint64_t words;\n};\n}\n",
+        true,
+    )
+    .unwrap();
+    let rust = abi.rust();
+    assert!(rust.contains("pub const K_TWO_SLOTS: usize = 768;"), "{rust}");
+    assert!(rust.contains("/// crates/lab/kernels/abi/lab.h\npub mod lab {"), "{rust}");
+    assert!(rust.contains("(crates/lab/kernels/abi/lab.h:"), "{rust}");
+    assert!(!rust.contains("pub mod common"), "{rust}");
+    let checks = abi.c_checks();
+    assert!(checks.contains("\"crates/lab/kernels/abi/lab.h:"), "{checks}");
+    assert!(checks.contains("sizeof(gin_ep::LabArgs) == 8"), "{checks}");
+}

@@ -1,9 +1,6 @@
-//! Where NCCL's header sets are found, for the build scripts of gin-ep-sys (its layout probe)
-//! and gin-ep (its kernel sets), so that both pick the same headers for a minor.
-//!
-//! Both build scripts take this file in with `#[path] mod`: a build script can only share a
-//! crate through a build-dependency, and one small module of std-only functions is not worth a
-//! crate of its own. Never: prints cargo directives or fails the build (the callers decide).
+//! Where NCCL's header sets are found, for gin-ep-sys's layout probe and the kernel sets of
+//! gin-ep and gin-ep-lab ([`crate::kernels`]), so that every build picks the same headers for a
+//! minor. Never: prints cargo directives or fails the build (the callers decide).
 
 use std::env;
 use std::fs;

@@ -1,18 +1,20 @@
-//! Typed launches of the embedded kernels: the only way library code starts a kernel.
+//! Typed launches of the LSA and copy-engine all-to-all kernels (kernels/alltoall.cu) on a
+//! rank's [`Module`] of the lab kernels.
 //!
-//! Owns: building each kernel's parameter block from safe owners ([`Window`], [`DevComm`],
-//! [`DeviceRegion`]) and checking, before the launch, every bound the kernels rely on and do
-//! not re-check (offsets inside the window, 16-byte alignment, grid and block limits, the
-//! LSA team spanning the whole group); the same for the copies of the copy-engine
+//! Owns: building each kernel's parameter block from gin-ep's safe owners ([`Window`],
+//! [`DevComm`], [`DeviceRegion`]) and checking, before the launch, every bound the kernels rely
+//! on and do not re-check (offsets inside the window, 16-byte alignment, grid and block limits,
+//! the LSA team spanning the whole group); the same for the copies of the copy-engine
 //! all-to-all, which go to peers' window addresses. Never: allocates (except the one-time
 //! peer address fetch, `fabric::lsa_peer_bases`), or waits (callers wait with
-//! [`CudaRank::wait`], which also reports missed in-kernel deadlines).
+//! `CudaRank::wait`, which also reports missed in-kernel deadlines).
 
-use super::abi::alltoall as abi;
-use super::kernels::{names, AlltoallArgs, PatternArgs};
-use super::runtime::{CudaRank, DevComm, DeviceRegion, SideStreams, Window};
-use crate::error::{Error, Result};
-use gin_ep_sys as ns;
+use gin_ep::backend::cuda::fabric::lsa_peer_bases;
+use gin_ep::backend::cuda::{DevComm, DeviceRegion, Module, SideStreams, Window};
+use gin_ep::error::{Error, Result};
+
+use crate::abi::alltoall::{self as abi, AlltoallArgs};
+use crate::kernels::names;
 
 /// Most threads per block of the all-to-all kernels (`kMaxThreads` in kernels/abi/alltoall.h).
 pub const MAX_THREADS: u32 = abi::K_MAX_THREADS as u32;
@@ -285,7 +287,8 @@ pub fn flag_words(world: usize) -> usize {
 /// before enqueueing the next launch on this window, and may write its own receive buffers
 /// (e.g. poison them) only while no peer can launch: finish the write, then meet every peer
 /// (a host barrier) before anyone launches again. See kernels/alltoall.cu.
-pub fn launch_alltoall(rank: &CudaRank, l: &AlltoallLaunch<'_>) -> Result<usize> {
+pub fn launch_alltoall(kernels: &Module<'_>, l: &AlltoallLaunch<'_>) -> Result<usize> {
+    let rank = kernels.rank();
     l.check(rank.info().world)?;
     let send = l
         .window
@@ -299,7 +302,7 @@ pub fn launch_alltoall(rank: &CudaRank, l: &AlltoallLaunch<'_>) -> Result<usize>
     let args = AlltoallArgs {
         comm: l.dev_comm.raw(),
         win: l.window.raw(),
-        send: send.ptr,
+        send: send.device_ptr(),
         send_offset: l.send_offset,
         recv_offset: l.recv_offset,
         signal_offset: l.signal_offset,
@@ -309,18 +312,17 @@ pub fn launch_alltoall(rank: &CudaRank, l: &AlltoallLaunch<'_>) -> Result<usize>
         err: rank.fabric_err_dev(),
         recv_stride: l.recv_stride,
         flag_offset: l.flag_offset,
-        stamps: l.stamps.map_or(0, |r| r.ptr),
+        stamps: l.stamps.map_or(0, |r| r.device_ptr()),
         vflags: l.vflags,
         pad: 0,
     };
     // SAFETY: AlltoallArgs is the kernel parameter (generated from abi/alltoall.h; rustc and
-    // nvcc assert its layout); the
-    // window, device communicator and error record outlive the launch (callers wait before
-    // dropping them: CudaRank's Drop waits, and windows hold the communicator); check()
-    // proved every region the kernel touches lies inside the window.
+    // nvcc assert its layout); the window, device communicator and error record outlive the
+    // launch (callers wait before dropping them: CudaRank's Drop waits, and windows hold the
+    // communicator); check() proved every region the kernel touches lies inside the window.
     unsafe {
         rank.own()
-            .launch(l.kernel.name(), l.grid, l.kernel.block(l.block), &args)?
+            .launch_module(kernels, l.kernel.name(), l.grid, l.kernel.block(l.block), &args)?
     };
     Ok(filled)
 }
@@ -385,7 +387,8 @@ fn ce_copy_order(me: usize, n: usize, forked: bool) -> impl Iterator<Item = (usi
 /// receive buffer it fills, `recv_offset`: single-buffered, with start and end barriers as
 /// `lsa_simple`, so there is no contract on when the caller reads it. The first call on a
 /// window waits to fetch the peers' addresses.
-pub fn ce_alltoall(rank: &CudaRank, c: &CeAlltoall<'_>) -> Result<usize> {
+pub fn ce_alltoall(kernels: &Module<'_>, c: &CeAlltoall<'_>) -> Result<usize> {
+    let rank = kernels.rank();
     let start = c.barrier(false);
     start.check(rank.info().world)?;
     // check() proved the LSA team is the whole group.
@@ -398,7 +401,7 @@ pub fn ce_alltoall(rank: &CudaRank, c: &CeAlltoall<'_>) -> Result<usize> {
             ));
         }
     }
-    let bases = super::fabric::lsa_peer_bases(rank, c.window, c.dev_comm)?;
+    let bases = lsa_peer_bases(rank, c.window, c.dev_comm)?;
     if bases.len() != n {
         return Err(bad(
             "peer addresses",
@@ -407,13 +410,15 @@ pub fn ce_alltoall(rank: &CudaRank, c: &CeAlltoall<'_>) -> Result<usize> {
     }
     let send = c.window.region(c.send_offset, c.chunk_bytes * n)?;
     let slot = (c.recv_offset + me * c.chunk_bytes) as u64;
-    launch_alltoall(rank, &start)?;
+    launch_alltoall(kernels, &start)?;
     if let Some(side) = c.side {
         rank.fork(side)?;
     }
     for (p, side_index) in ce_copy_order(me, n, c.side.is_some()) {
         let src = send.sub(p * c.chunk_bytes, c.chunk_bytes)?;
         let lane = c.side.zip(side_index);
+        // The one raw copy of the lab: the destination is a peer's window through its LSA
+        // mapping, which no owner of this process describes.
         // SAFETY: src is chunk p of this rank's send region (live, inside the window). dst
         // is this rank's slot in peer p's receive region, through the mapping of peer p's
         // window in this process; windows are symmetric (same size on every rank) and
@@ -421,201 +426,13 @@ pub fn ce_alltoall(rank: &CudaRank, c: &CeAlltoall<'_>) -> Result<usize> {
         // inside that mapping, which lives as long as the borrowed window (callers wait
         // before dropping it: CudaRank's Drop waits, and the side streams are joined into
         // the rank's stream). Send and receive regions do not overlap (checked).
-        unsafe { rank.copy_raw_on(lane, bases[p] + slot, src.ptr, c.chunk_bytes)? };
+        unsafe { rank.copy_raw_on(lane, bases[p] + slot, src.device_ptr(), c.chunk_bytes)? };
     }
     if let Some(side) = c.side {
         rank.join(side)?;
     }
-    launch_alltoall(rank, &c.barrier(true))?;
+    launch_alltoall(kernels, &c.barrier(true))?;
     Ok(c.recv_offset)
-}
-
-/// Threads and blocks of the pattern kernels: memory-bound grid-stride loops.
-const PATTERN_BLOCK: u32 = 256;
-
-fn pattern_grid(rank: &CudaRank) -> u32 {
-    rank.info().sm_count.max(1) * 8
-}
-
-fn pattern_args(
-    buf: DeviceRegion<'_>,
-    chunk_bytes: usize,
-    n_ranks: usize,
-    rank: usize,
-    seed: u32,
-) -> Result<PatternArgs> {
-    if chunk_bytes == 0
-        || !chunk_bytes.is_multiple_of(4)
-        || chunk_bytes.checked_mul(n_ranks) != Some(buf.len())
-    {
-        return Err(Error::input(
-            "pattern buffer",
-            format!(
-                "{} bytes is not {n_ranks} chunks of {chunk_bytes} (a positive multiple of 4)",
-                buf.len()
-            ),
-        ));
-    }
-    Ok(PatternArgs {
-        buf: buf.ptr,
-        chunk_words: (chunk_bytes / 4) as u64,
-        n_ranks: n_ranks as u32,
-        rank: rank as u32,
-        seed,
-        pad: 0,
-        out: 0,
-    })
-}
-
-/// Writes the all-to-all test pattern of sender `src_rank` into `buf` (`n_ranks` chunks).
-pub fn fill_pattern(
-    rank: &CudaRank,
-    buf: DeviceRegion<'_>,
-    chunk_bytes: usize,
-    n_ranks: usize,
-    src_rank: usize,
-    seed: u32,
-) -> Result<()> {
-    let args = pattern_args(buf, chunk_bytes, n_ranks, src_rank, seed)?;
-    // SAFETY: PatternArgs mirrors the parameter; buf is live and exactly n_ranks chunks.
-    unsafe {
-        rank.own()
-            .launch(names::PATTERN_FILL, pattern_grid(rank), PATTERN_BLOCK, &args)
-    }
-}
-
-/// What [`check_pattern`] found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PatternCheck {
-    pub mismatches: u64,
-    /// Lowest bad 32-bit word index in the buffer.
-    pub first_bad_word: Option<u64>,
-}
-
-/// Checks that `buf` holds what receiver `dst_rank` must get from every sender, on the
-/// device; `scratch` (16 bytes of device memory) receives the counters. Waits (bounded).
-pub fn check_pattern(
-    rank: &CudaRank,
-    buf: DeviceRegion<'_>,
-    chunk_bytes: usize,
-    n_ranks: usize,
-    dst_rank: usize,
-    seed: u32,
-    scratch: DeviceRegion<'_>,
-) -> Result<PatternCheck> {
-    let mut args = pattern_args(buf, chunk_bytes, n_ranks, dst_rank, seed)?;
-    let out = scratch.sub(0, 16)?;
-    rank.memset_u32(out.sub(0, 8)?, 0)?;
-    rank.memset_u32(out.sub(8, 8)?, u32::MAX)?;
-    args.out = out.ptr;
-    // SAFETY: as in fill_pattern; out is 16 live bytes of device memory.
-    unsafe {
-        rank.own()
-            .launch(names::PATTERN_CHECK, pattern_grid(rank), PATTERN_BLOCK, &args)?
-    };
-    let [mismatches, first] = rank.read_u64_pair(out)?;
-    Ok(PatternCheck {
-        mismatches,
-        first_bad_word: (first != u64::MAX).then_some(first),
-    })
-}
-
-/// How the `nccl` all-to-all is issued.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-pub enum NcclAlltoallApi {
-    /// `ncclAlltoAll` (NCCL >= 2.28).
-    AlltoAll,
-    /// `ncclGroupStart`, one `ncclSend` + `ncclRecv` per peer, `ncclGroupEnd`.
-    GroupedSendRecv,
-}
-
-/// The API [`nccl_alltoall`] uses with the loaded NCCL.
-pub fn nccl_alltoall_api(rank: &CudaRank) -> NcclAlltoallApi {
-    if rank.nccl().ncclAlltoAll.is_some() {
-        NcclAlltoallApi::AlltoAll
-    } else {
-        NcclAlltoallApi::GroupedSendRecv
-    }
-}
-
-/// NCCL's own all-to-all on the rank's stream: chunk p of `send` to rank p, chunk s of
-/// `recv` from rank s (bytes, ncclUint8).
-pub fn nccl_alltoall(
-    rank: &CudaRank,
-    send: DeviceRegion<'_>,
-    recv: DeviceRegion<'_>,
-    chunk_bytes: usize,
-) -> Result<()> {
-    let n = rank.info().world;
-    let total = chunk_bytes.checked_mul(n);
-    if chunk_bytes == 0 || total != Some(send.len()) || total != Some(recv.len()) {
-        return Err(Error::input(
-            "nccl all-to-all",
-            format!(
-                "send {} / recv {} bytes are not {n} chunks of {chunk_bytes}",
-                send.len(),
-                recv.len()
-            ),
-        ));
-    }
-    let nccl = rank.nccl();
-    let comm = rank.raw_comm();
-    let stream = rank.own().raw() as ns::cudaStream_t;
-    let check = |call: &str, r: ns::ncclResult_t| rank.comm_check(call, r);
-    // SAFETY: send and recv are live device regions of n * chunk_bytes (checked above) that
-    // outlive the operation (callers wait before dropping them); comm and stream are live.
-    unsafe {
-        match nccl.ncclAlltoAll {
-            Some(a2a) => check(
-                "ncclAlltoAll",
-                a2a(
-                    send.ptr as *const _,
-                    recv.ptr as *mut _,
-                    chunk_bytes,
-                    ns::ncclUint8,
-                    comm,
-                    stream,
-                ),
-            ),
-            None => {
-                check("ncclGroupStart", (nccl.ncclGroupStart)())?;
-                let mut out = Ok(());
-                for p in 0..n {
-                    let off = (p * chunk_bytes) as u64;
-                    out = out
-                        .and_then(|_| {
-                            check(
-                                "ncclSend",
-                                (nccl.ncclSend)(
-                                    (send.ptr + off) as *const _,
-                                    chunk_bytes,
-                                    ns::ncclUint8,
-                                    p as i32,
-                                    comm,
-                                    stream,
-                                ),
-                            )
-                        })
-                        .and_then(|_| {
-                            check(
-                                "ncclRecv",
-                                (nccl.ncclRecv)(
-                                    (recv.ptr + off) as *mut _,
-                                    chunk_bytes,
-                                    ns::ncclUint8,
-                                    p as i32,
-                                    comm,
-                                    stream,
-                                ),
-                            )
-                        });
-                }
-                // The group must be closed even after a failed call inside it.
-                let end = check("ncclGroupEnd", (nccl.ncclGroupEnd)());
-                out.and(end)
-            }
-        }
-    }
 }
 
 #[cfg(test)]
@@ -623,7 +440,7 @@ mod tests {
     use super::*;
 
     /// The source every all-to-all entry point is defined in.
-    const ALLTOALL_CU: &str = include_str!("../../../../../kernels/alltoall.cu");
+    const ALLTOALL_CU: &str = include_str!("../../kernels/alltoall.cu");
 
     #[test]
     fn every_alltoall_kernel_maps_to_its_own_entry_point_in_the_source() {

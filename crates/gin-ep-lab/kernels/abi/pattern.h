@@ -1,8 +1,8 @@
 // kernels/abi/pattern.h: the parameter of the pattern fill and check kernels
 // (kernels/pattern.cu), shared with the host.
 //
-// Format: the subset at the head of abi/common.h (the host reads this file through
-// crates/gin-ep/build.rs: backend::cuda::abi::pattern).
+// Format: the subset at the head of gin-ep's abi/common.h (the host reads this file through
+// crates/gin-ep-lab/build.rs: gin_ep_lab's abi::pattern).
 #pragma once
 
 #include <stdint.h>

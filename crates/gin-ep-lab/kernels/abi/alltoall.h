@@ -2,8 +2,8 @@
 // agree on: their argument structs (AlltoallArgs, GinAlltoallArgs), the
 // block size ceiling, the variant bits and the stamp points.
 //
-// Format: the subset at the head of abi/common.h (the host reads this file through
-// crates/gin-ep/build.rs: backend::cuda::abi::alltoall). The protocols are described at the
+// Format: the subset at the head of gin-ep's abi/common.h (the host reads this file through
+// crates/gin-ep-lab/build.rs: gin_ep_lab's abi::alltoall). The protocols are described at the
 // head of alltoall.cu and above each kernel there.
 #pragma once
 
@@ -46,7 +46,7 @@ struct AlltoallArgs {
 // --breakdown: thread 0 of every CTA writes globaltimer at these points into
 // stamps[blockIdx.x * kStampsPerCta + i]; a point the CTA never reaches stays 0 (the host
 // zeroes the buffer). Off (stamps == nullptr) it costs one uniform branch per point. Host:
-// STAMP_WORDS_PER_CTA (backend/cuda/ops.rs), the breakdown in alltoall/report.rs.
+// STAMP_WORDS_PER_CTA (src/launch/alltoall.rs), the breakdown in src/alltoall/report.rs.
 enum Stamp : int {
   kStampStart = 0,   // the CTA began
   kStampCopied = 1,  // every thread of the CTA issued its stores (not yet acknowledged)

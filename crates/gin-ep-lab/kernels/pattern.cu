@@ -4,7 +4,7 @@
 // validates every byte without copying gigabytes back to the host. Never: moves data between
 // ranks (the kernels under test do).
 //
-// The rule (mirrored in crates/gin-ep/src/alltoall/run.rs, `pattern_word`): 32-bit word j of the
+// The rule (mirrored in gin-ep-lab's src/alltoall/run.rs, `pattern_word`): 32-bit word j of the
 // chunk that rank `src` sends to rank `dst` is mix(seed, src, dst, j). A fresh seed per run
 // means stale data from an earlier run never passes, and a receive buffer poisoned with a
 // constant before the run catches a chunk that was never written.

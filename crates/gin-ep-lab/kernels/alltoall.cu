@@ -462,8 +462,8 @@ extern "C" __global__ void __launch_bounds__(kMaxThreads) gin_ep_alltoall_lsa_op
 // ce: the copy engine does the all-to-all. The host queues, per launch: gin_ep_alltoall_ce_start,
 // one cuMemcpyDtoDAsync per destination (send chunk p -> peer p's receive slot for this rank,
 // through the peer's LSA address of the window; on the rank's stream, or on side streams
-// forked from it and joined back), then gin_ep_alltoall_ce_end (crates/gin-ep/src/backend/
-// cuda/ops.rs, ce_alltoall). The two kernels are lsa_simple's barriers without its copy, one
+// forked from it and joined back), then gin_ep_alltoall_ce_end (gin-ep-lab's
+// src/launch/alltoall.rs, ce_alltoall). The two kernels are lsa_simple's barriers without its copy, one
 // CTA each (block 0's barrier words; the host gives each launch its own epoch e):
 // - start (2e+1): every peer has entered this operation, so its readers of the receive
 //   buffer from the previous one are done (stream order on the peer) before a copy writes.

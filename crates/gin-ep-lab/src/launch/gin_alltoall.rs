@@ -1,28 +1,28 @@
 //! The GIN all-to-all (`gin` and `hybrid` modes of `gin-ep alltoall`, nccl-tests' `-D 3` and
-//! `-D 4`): typed launches of `gin_ep_alltoall_gin` (kernels/alltoall.cu), and the local
-//! copy-engine reference of runs whose ranks share a GPU.
+//! `-D 4`): typed launches of `gin_ep_alltoall_gin` (kernels/alltoall.cu) on a rank's
+//! [`Module`] of the lab kernels, and the local copy-engine reference of runs whose ranks share
+//! a GPU.
 //!
 //! Owns: the kernel's argument mirror, every bound the kernel relies on (checked before a
 //! launch), the monotonic targets its waits poll for (barrier, per-mode data signals, node
 //! arrival words; every rank counts the same launches, so every rank computes the same
 //! targets), and the node table: this process's address of each window of this rank's gin-ep
 //! node (NCCL's LSA team, or the IPC-mapped `--node-size` grouping). Never: waits (callers
-//! use [`CudaRank::wait`], which reports missed in-kernel deadlines), calls NCCL's unbounded
+//! use `CudaRank::wait`, which reports missed in-kernel deadlines), calls NCCL's unbounded
 //! GIN waits, or resets a signal or counter.
 
 use std::cell::Cell;
 
-use super::fabric::lsa_peer_bases;
-use super::ipc::{map_node_windows, NodeWindows};
-use super::kernels::GinAlltoallArgs;
-use super::ops::MAX_THREADS;
-use super::runtime::{CudaRank, DevComm, DeviceBuffer, Window};
-use crate::error::{Error, Result};
-use crate::group::vnodes::RankTopology;
-use crate::group::Group;
+use gin_ep::backend::cuda::fabric::lsa_peer_bases;
+use gin_ep::backend::cuda::ipc::{map_node_windows, NodeWindows};
+use gin_ep::backend::cuda::{CudaRank, DevComm, DeviceBuffer, Module, Window};
+use gin_ep::error::{Error, Result};
+use gin_ep::group::vnodes::RankTopology;
+use gin_ep::group::Group;
 
-/// Kernel entry point.
-pub const KERNEL: &str = "gin_ep_alltoall_gin";
+use super::alltoall::MAX_THREADS;
+use crate::abi::alltoall::GinAlltoallArgs;
+use crate::kernels::names::ALLTOALL_GIN as KERNEL;
 
 /// GIN signals per rank, per context: `gin`'s data signals, `hybrid`'s, the barrier's.
 pub const SIGNALS_PER_RANK: u32 = 3;
@@ -111,7 +111,7 @@ pub fn gin_node(rank: &CudaRank, group: &Group, window: &Window, dev_comm: &DevC
     let topo = RankTopology::from_env()?;
     let (world, me) = (group.world(), group.rank());
     let (lsa_rank, lsa_size) = dev_comm.lsa();
-    let own = window.region(0, window.len())?.ptr;
+    let own = window.region(0, window.len())?.device_ptr();
     let (first, size, source, table, ipc) = if topo.node_size.is_some() {
         let (first, size) = topo.node_of(me, world, lsa_size);
         let nodes = map_node_windows(rank, window, first, size)?;
@@ -249,7 +249,8 @@ pub fn check_ranges(
 /// the same sequence of them on this device communicator. Returns the window offset of the
 /// receive region it fills (`recv_offset`): the kernel's start barrier means no contract on
 /// when the caller reads it.
-pub fn launch_gin_alltoall(rank: &CudaRank, l: &GinAlltoall<'_>) -> Result<usize> {
+pub fn launch_gin_alltoall(kernels: &Module<'_>, l: &GinAlltoall<'_>) -> Result<usize> {
+    let rank = kernels.rank();
     let world = rank.info().world;
     l.check(world)?;
     let (data_base, counter) = l.variant.signals(world as u32);
@@ -271,7 +272,7 @@ pub fn launch_gin_alltoall(rank: &CudaRank, l: &GinAlltoall<'_>) -> Result<usize
         recv_offset: l.recv_offset,
         chunk_bytes: l.chunk_bytes,
         node_flag_offset: l.node_flag_offset,
-        node_bases: bases.ptr,
+        node_bases: bases.device_ptr(),
         barrier_target: launches,
         data_target,
         node_target,
@@ -283,11 +284,11 @@ pub fn launch_gin_alltoall(rank: &CudaRank, l: &GinAlltoall<'_>) -> Result<usize
         pad: 0,
     };
     // SAFETY: GinAlltoallArgs is the kernel parameter (generated from abi/alltoall.h, layout
-    // asserted by rustc and nvcc); the
-    // window, device communicator, node table and IPC mappings outlive the launch (callers
-    // wait before dropping them, and leak them after a failure); check() proved every region
-    // the kernel touches lies inside the window, and the device communicator has the signals.
-    unsafe { rank.own().launch(KERNEL, grid, l.block, &args)? };
+    // asserted by rustc and nvcc); the window, device communicator, node table and IPC
+    // mappings outlive the launch (callers wait before dropping them, and leak them after a
+    // failure); check() proved every region the kernel touches lies inside the window, and the
+    // device communicator has the signals.
+    unsafe { rank.own().launch_module(kernels, KERNEL, grid, l.block, &args)? };
     c.launches.set(launches);
     match l.variant {
         GinVariant::Gin => c.gin.set(data_target),
@@ -320,9 +321,7 @@ pub fn ce_local_copy(
     .map_err(|(what, why)| bad(what, why))?;
     let src = window.region(send_offset, bytes)?;
     let dst = window.region(recv_offset, bytes)?;
-    // SAFETY: both ranges lie inside this rank's live window (checked) and do not overlap;
-    // the window outlives the copy (callers wait before dropping it).
-    unsafe { rank.copy_raw(dst.ptr, src.ptr, bytes) }
+    rank.own().copy(dst, src)
 }
 
 #[cfg(test)]
@@ -359,7 +358,7 @@ mod tests {
 
     #[test]
     fn the_kernel_is_an_entry_point_with_the_mirrored_argument_size() {
-        let src = include_str!("../../../../../kernels/alltoall.cu");
+        let src = include_str!("../../kernels/alltoall.cu");
         assert!(src.contains(&format!(" {KERNEL}(const GinAlltoallArgs a)")));
         // Never NCCL's unbounded waits in it (fabric.cuh's deadline polls only).
         let body = &src[src
