@@ -74,7 +74,7 @@ mod tests {
             assert_eq!(bytes.as_ptr() as usize % 8, 0);
             // fatbinary's header magic, 0xBA55ED50 little-endian.
             assert_eq!(&bytes[..4], &[0x50, 0xed, 0x55, 0xba]);
-            for name in [names::PATTERN_FILL, names::ALLTOALL_LSA_OPT, names::ALLTOALL_GIN] {
+            for name in [names::PATTERN_FILL, names::PATTERN_CHECK, names::ALLTOALL_LSA_OPT] {
                 assert!(
                     bytes.windows(name.len()).any(|w| w == name.as_bytes()),
                     "NCCL {}: {name} not in the fatbin",
