@@ -170,7 +170,10 @@ fn a_dependency_header_lends_its_definitions_but_is_not_written_out() {
     .unwrap();
     let rust = abi.rust();
     assert!(rust.contains("pub const K_TWO_SLOTS: usize = 768;"), "{rust}");
-    assert!(rust.contains("/// crates/lab/kernels/abi/lab.h\npub mod lab {"), "{rust}");
+    assert!(
+        rust.contains("/// crates/lab/kernels/abi/lab.h\npub mod lab {"),
+        "{rust}"
+    );
     assert!(rust.contains("(crates/lab/kernels/abi/lab.h:"), "{rust}");
     assert!(!rust.contains("pub mod common"), "{rust}");
     let checks = abi.c_checks();

@@ -38,8 +38,14 @@ pub fn generate_abi(workspace: &Path, headers: &[AbiHeader<'_>], out_dir: &Path)
     let mut abi = abi_gen::Abi::new();
     for h in headers {
         let path = h.tree.join(h.file);
-        let src = fs::read_to_string(&path).unwrap_or_else(|e| fail(&format!("reading {}: {e}", path.display())));
-        let root = h.tree.strip_prefix(workspace).unwrap_or(h.tree).display().to_string();
+        let src =
+            fs::read_to_string(&path).unwrap_or_else(|e| fail(&format!("reading {}: {e}", path.display())));
+        let root = h
+            .tree
+            .strip_prefix(workspace)
+            .unwrap_or(h.tree)
+            .display()
+            .to_string();
         if let Err(e) = abi.read_in(&root, h.file, &src, h.emit) {
             fail(&format!("{root}/{e}"));
         }

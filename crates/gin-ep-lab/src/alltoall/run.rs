@@ -562,7 +562,15 @@ fn measure(
     let grid_text = grid.map_or(String::new(), |g| format!(", {g} CTAs"));
     let what = |step: &str| format!("{} {bytes} B{grid_text}: {step}", mode.name());
     let validate = |recv: DeviceRegion<'_>, when: &str| -> Result<()> {
-        let c = check_pattern(&bufs.kernels, recv, chunk_bytes, world, me, seed, bufs.scratch.region())?;
+        let c = check_pattern(
+            &bufs.kernels,
+            recv,
+            chunk_bytes,
+            world,
+            me,
+            seed,
+            bufs.scratch.region(),
+        )?;
         match c.first_bad_word {
             None if c.mismatches == 0 => Ok(()),
             first => {

@@ -60,7 +60,15 @@ pub fn fill_pattern(
     let q = kernels.rank().own();
     // SAFETY: PatternArgs is the parameter (generated from abi/pattern.h, layout asserted by
     // rustc and nvcc); buf is live device memory of exactly n_ranks chunks (checked).
-    unsafe { q.launch_module(kernels, names::PATTERN_FILL, pattern_grid(kernels), PATTERN_BLOCK, &args) }
+    unsafe {
+        q.launch_module(
+            kernels,
+            names::PATTERN_FILL,
+            pattern_grid(kernels),
+            PATTERN_BLOCK,
+            &args,
+        )
+    }
 }
 
 /// What [`check_pattern`] found.
@@ -90,8 +98,13 @@ pub fn check_pattern(
     args.out = out.device_ptr();
     // SAFETY: as in fill_pattern; out is 16 live bytes of device memory.
     unsafe {
-        rank.own()
-            .launch_module(kernels, names::PATTERN_CHECK, pattern_grid(kernels), PATTERN_BLOCK, &args)?
+        rank.own().launch_module(
+            kernels,
+            names::PATTERN_CHECK,
+            pattern_grid(kernels),
+            PATTERN_BLOCK,
+            &args,
+        )?
     };
     let [mismatches, first] = rank.read_u64_pair(out)?;
     Ok(PatternCheck {

@@ -20,13 +20,13 @@ pub mod kernels;
 pub mod ll;
 pub mod runtime;
 
-#[cfg(feature = "harness")]
-pub use runtime::{Module, NcclAlltoallApi};
 pub use runtime::{
     gin_available, gin_network, nccl_probe, CudaRank, CudaRankOptions, DevComm, DevCommRequest,
     DeviceAllocator, DeviceBuffer, DeviceRegion, Event, ExternalSpan, PeerCopy, RankInfo, SideStreams,
     Window,
 };
+#[cfg(feature = "harness")]
+pub use runtime::{Module, NcclAlltoallApi};
 
 /// Why the CUDA backend cannot run here. Messages name the missing piece and the fix.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

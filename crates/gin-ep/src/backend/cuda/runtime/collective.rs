@@ -31,7 +31,12 @@ impl CudaRank {
 
     /// NCCL's own all-to-all on the rank's stream: chunk p of `send` to rank p, chunk s of
     /// `recv` from rank s (bytes, ncclUint8).
-    pub fn nccl_alltoall(&self, send: DeviceRegion<'_>, recv: DeviceRegion<'_>, chunk_bytes: usize) -> Result<()> {
+    pub fn nccl_alltoall(
+        &self,
+        send: DeviceRegion<'_>,
+        recv: DeviceRegion<'_>,
+        chunk_bytes: usize,
+    ) -> Result<()> {
         let n = self.info().world;
         let total = chunk_bytes.checked_mul(n);
         if chunk_bytes == 0 || total != Some(send.len()) || total != Some(recv.len()) {

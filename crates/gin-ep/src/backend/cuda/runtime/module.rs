@@ -43,13 +43,13 @@ impl std::fmt::Debug for Module<'_> {
 
 /// The set of `sets` built for NCCL `loaded`'s minor, or why there is none.
 fn set_for(what: &str, sets: &[KernelSet], loaded: i32) -> Result<&'static [u8]> {
-    let abi = ns::DevAbi::for_library(loaded).ok_or_else(|| {
-        unavailable(format!("{what}: NCCL {} is not supported", version_text(loaded)))
-    })?;
+    let abi = ns::DevAbi::for_library(loaded)
+        .ok_or_else(|| unavailable(format!("{what}: NCCL {} is not supported", version_text(loaded))))?;
     let label = abi.to_string();
-    let set = sets.iter().find(|s| s.nccl == label).ok_or_else(|| {
-        unavailable(format!("{what}: no kernel set for NCCL {label}"))
-    })?;
+    let set = sets
+        .iter()
+        .find(|s| s.nccl == label)
+        .ok_or_else(|| unavailable(format!("{what}: no kernel set for NCCL {label}")))?;
     set.fatbin.ok_or_else(|| {
         unavailable(format!(
             "{what}: kernels for NCCL {label} were not built ({}); rebuild after scripts/setup-cuda",
@@ -90,9 +90,8 @@ impl<'r> Module<'r> {
         }
         let cname = CString::new(name).map_err(|_| Error::input("kernel name", name))?;
         // SAFETY: the module is live for as long as self, and so is the function handle.
-        let f = unsafe { result::module::get_function(self.raw, cname) }.map_err(|e| {
-            unavailable(format!("kernel `{name}` is not in the {} ({e:?})", self.what))
-        })?;
+        let f = unsafe { result::module::get_function(self.raw, cname) }
+            .map_err(|e| unavailable(format!("kernel `{name}` is not in the {} ({e:?})", self.what)))?;
         self.functions.borrow_mut().insert(name, f);
         Ok(f)
     }
@@ -175,7 +174,10 @@ mod tests {
     fn a_module_takes_the_set_of_the_loaded_minor_or_says_why_not() {
         assert_eq!(set_for("lab", SETS, 22809).unwrap(), SETS[0].fatbin.unwrap());
         let absent = set_for("lab", SETS, 22907).unwrap_err().to_string();
-        assert!(absent.contains("lab") && absent.contains("no NCCL 2.29 headers"), "{absent}");
+        assert!(
+            absent.contains("lab") && absent.contains("no NCCL 2.29 headers"),
+            "{absent}"
+        );
         let missing = set_for("lab", SETS, 23007).unwrap_err().to_string();
         assert!(missing.contains("no kernel set for NCCL 2.30"), "{missing}");
         let unsupported = set_for("lab", SETS, 22705).unwrap_err().to_string();

@@ -586,7 +586,11 @@ mod tests {
         assert!(check_copy(at(0, 0), at(0, 0)).is_ok());
         let short = check_copy(at(0, 64), at(64, 32)).unwrap_err().to_string();
         assert!(short.contains("32 bytes into 64 bytes"), "{short}");
-        for (d, s) in [(at(0, 64), at(32, 64)), (at(32, 64), at(0, 64)), (at(0, 64), at(0, 64))] {
+        for (d, s) in [
+            (at(0, 64), at(32, 64)),
+            (at(32, 64), at(0, 64)),
+            (at(0, 64), at(0, 64)),
+        ] {
             let e = check_copy(d, s).unwrap_err().to_string();
             assert!(e.contains("overlap"), "{e}");
         }
