@@ -12,9 +12,13 @@ use gin_ep::error::Result;
 include!(concat!(env!("OUT_DIR"), "/kernels_meta.rs"));
 
 /// The lab's kernels built for the NCCL `rank` runs with, loaded into its context (unloaded
-/// when the module drops).
+/// when the module drops), with every entry point of [`names`] checked to be there.
 pub fn load(rank: &CudaRank) -> Result<Module<'_>> {
-    rank.load_module("gin-ep-lab kernels", KERNEL_SETS)
+    let module = rank.load_module("gin-ep-lab kernels", KERNEL_SETS)?;
+    for name in names::ALL {
+        module.check_function(name)?;
+    }
+    Ok(module)
 }
 
 /// Kernel entry points of the lab's fatbin (extern "C" names in kernels/alltoall.cu and
@@ -50,6 +54,25 @@ pub mod names {
     pub const PATTERN_FILL: &str = "gin_ep_pattern_fill";
     /// Counts receive-buffer words that differ from the pattern; keeps the first index.
     pub const PATTERN_CHECK: &str = "gin_ep_pattern_check";
+
+    /// Every entry point above.
+    pub const ALL: [&str; 15] = [
+        ALLTOALL_LSA_SIMPLE,
+        ALLTOALL_LSA_OPT,
+        ALLTOALL_LSA_OPT_U1,
+        ALLTOALL_LSA_OPT_U2,
+        ALLTOALL_LSA_OPT_U8,
+        ALLTOALL_LSA_COUNT,
+        ALLTOALL_LSA_RUN,
+        ALLTOALL_LSA_BULK,
+        ALLTOALL_LSA_PULL,
+        ALLTOALL_LSA_OPT_NCCL_BARRIER,
+        ALLTOALL_CE_START,
+        ALLTOALL_CE_END,
+        ALLTOALL_GIN,
+        PATTERN_FILL,
+        PATTERN_CHECK,
+    ];
 }
 
 #[cfg(test)]
@@ -74,7 +97,7 @@ mod tests {
             assert_eq!(bytes.as_ptr() as usize % 8, 0);
             // fatbinary's header magic, 0xBA55ED50 little-endian.
             assert_eq!(&bytes[..4], &[0x50, 0xed, 0x55, 0xba]);
-            for name in [names::PATTERN_FILL, names::PATTERN_CHECK, names::ALLTOALL_LSA_OPT] {
+            for name in names::ALL {
                 assert!(
                     bytes.windows(name.len()).any(|w| w == name.as_bytes()),
                     "NCCL {}: {name} not in the fatbin",

@@ -320,10 +320,7 @@ pub fn launch_alltoall(kernels: &Module<'_>, l: &AlltoallLaunch<'_>) -> Result<u
     // nvcc assert its layout); the window, device communicator and error record outlive the
     // launch (callers wait before dropping them: CudaRank's Drop waits, and windows hold the
     // communicator); check() proved every region the kernel touches lies inside the window.
-    unsafe {
-        rank.own()
-            .launch_module(kernels, l.kernel.name(), l.grid, l.kernel.block(l.block), &args)?
-    };
+    unsafe { kernels.launch(l.kernel.name(), l.grid, l.kernel.block(l.block), &args)? };
     Ok(filled)
 }
 

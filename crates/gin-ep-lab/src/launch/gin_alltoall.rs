@@ -288,7 +288,7 @@ pub fn launch_gin_alltoall(kernels: &Module<'_>, l: &GinAlltoall<'_>) -> Result<
     // mappings outlive the launch (callers wait before dropping them, and leak them after a
     // failure); check() proved every region the kernel touches lies inside the window, and the
     // device communicator has the signals.
-    unsafe { rank.own().launch_module(kernels, KERNEL, grid, l.block, &args)? };
+    unsafe { kernels.launch(KERNEL, grid, l.block, &args)? };
     c.launches.set(launches);
     match l.variant {
         GinVariant::Gin => c.gin.set(data_target),

@@ -4,7 +4,7 @@
 //!
 //! Owns: every kernel parameter the lab builds and every bound its kernels rely on, checked
 //! before a launch. The lab's only `unsafe` is here: each launch
-//! (`Queue::launch_module`, whose caller vouches for the parameter) and the copy-engine
+//! (`Module::launch`, whose caller vouches for the parameter) and the copy-engine
 //! all-to-all's copies to peers' LSA addresses (`CudaRank::copy_raw_on`), each with the
 //! SAFETY reasoning beside it; everything else goes through gin-ep's safe owners.
 

@@ -57,18 +57,9 @@ pub fn fill_pattern(
     seed: u32,
 ) -> Result<()> {
     let args = pattern_args(buf, chunk_bytes, n_ranks, src_rank, seed)?;
-    let q = kernels.rank().own();
     // SAFETY: PatternArgs is the parameter (generated from abi/pattern.h, layout asserted by
     // rustc and nvcc); buf is live device memory of exactly n_ranks chunks (checked).
-    unsafe {
-        q.launch_module(
-            kernels,
-            names::PATTERN_FILL,
-            pattern_grid(kernels),
-            PATTERN_BLOCK,
-            &args,
-        )
-    }
+    unsafe { kernels.launch(names::PATTERN_FILL, pattern_grid(kernels), PATTERN_BLOCK, &args) }
 }
 
 /// What [`check_pattern`] found.
@@ -97,15 +88,7 @@ pub fn check_pattern(
     rank.memset_u32(out.sub(8, 8)?, u32::MAX)?;
     args.out = out.device_ptr();
     // SAFETY: as in fill_pattern; out is 16 live bytes of device memory.
-    unsafe {
-        rank.own().launch_module(
-            kernels,
-            names::PATTERN_CHECK,
-            pattern_grid(kernels),
-            PATTERN_BLOCK,
-            &args,
-        )?
-    };
+    unsafe { kernels.launch(names::PATTERN_CHECK, pattern_grid(kernels), PATTERN_BLOCK, &args)? };
     let [mismatches, first] = rank.read_u64_pair(out)?;
     Ok(PatternCheck {
         mismatches,

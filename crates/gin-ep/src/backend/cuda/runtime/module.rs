@@ -1,12 +1,12 @@
 //! Kernels another crate brings: a [`Module`] loaded from that crate's fatbins (one per NCCL
-//! minor, as gin-ep's own) into a rank's context, and launches of its functions on a
-//! [`Queue`] of that rank. gin-ep-lab's all-to-all study is the user: its kernels are not
+//! minor, as gin-ep's own) into a rank's context, and launches of its functions on the
+//! rank's own stream. gin-ep-lab's all-to-all study is the user: its kernels are not
 //! gin-ep's, so they are not in the rank's embedded module.
 //!
 //! Owns: choosing the set built for the loaded NCCL's minor, the module handle and its
 //! function cache, and unloading it after the rank's stream is idle. Never: knows a kernel's
-//! parameter; the caller builds it and vouches for it ([`Queue::launch_module`] is unsafe for
-//! that reason alone).
+//! parameter; the caller builds it and vouches for it ([`Module::launch`] is unsafe for that
+//! reason alone).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -15,7 +15,6 @@ use std::ffi::{c_void, CString};
 use cudarc::driver::{result, sys};
 use gin_ep_sys as ns;
 
-use super::queue::Queue;
 use super::result::{cu, unavailable};
 use super::CudaRank;
 use crate::backend::cuda::kernels::KernelSet;
@@ -100,10 +99,31 @@ impl<'r> Module<'r> {
     pub fn check_function(&self, name: &'static str) -> Result<()> {
         self.function(name).map(|_| ())
     }
+
+    /// Launches kernel `name` of the module on the rank's own stream with `grid` x `block`
+    /// threads, passing `args` as its single by-value parameter. The own stream only: it is
+    /// the stream the module's `Drop` waits for before unloading, so no kernel of the module
+    /// can outlive it.
+    ///
+    /// # Safety
+    /// `A` must match the kernel's parameter type exactly (layout asserted on both sides of
+    /// the ABI), and every pointer and offset in it must be valid for what the kernel
+    /// accesses, with the memory alive until the kernel has run.
+    pub unsafe fn launch<A: Copy>(&self, name: &'static str, grid: u32, block: u32, args: &A) -> Result<()> {
+        let f = self.function(name)?;
+        // SAFETY: the caller's contract; f is live in the rank's context, which the own
+        // queue's stream belongs to.
+        unsafe {
+            self.rank
+                .own()
+                .launch_function(f, name, grid, block, 0, false, args)
+        }
+    }
 }
 
 impl Drop for Module<'_> {
     fn drop(&mut self) {
+        let _ = self.rank.bind_to_thread();
         // A kernel of the module may still be queued: unload only once the rank's stream is
         // idle, and leave a module whose work did not finish to the context's teardown
         // (unloading it could block behind a stuck kernel).
@@ -113,39 +133,6 @@ impl Drop for Module<'_> {
         // SAFETY: the module is live, loaded in the rank's context, released once, and no
         // kernel of it is pending.
         let _ = cu("cuModuleUnload", unsafe { result::module::unload(self.raw) });
-    }
-}
-
-impl Queue<'_> {
-    /// Launches kernel `name` of `module` with `grid` x `block` threads, passing `args` as its
-    /// single by-value parameter. The module must be loaded into this queue's rank.
-    ///
-    /// # Safety
-    /// `A` must match the kernel's parameter type exactly (layout asserted on both sides of
-    /// the ABI), and every pointer and offset in it must be valid for what the kernel
-    /// accesses, with the memory alive until the kernel has run.
-    pub unsafe fn launch_module<A: Copy>(
-        &self,
-        module: &Module<'_>,
-        name: &'static str,
-        grid: u32,
-        block: u32,
-        args: &A,
-    ) -> Result<()> {
-        if !std::ptr::eq(module.rank, self.rank()) {
-            return Err(Error::input(
-                "kernel launch",
-                format!(
-                    "{} of rank {} on a queue of rank {}",
-                    module.what,
-                    module.rank.info().rank,
-                    self.rank().info().rank
-                ),
-            ));
-        }
-        let f = module.function(name)?;
-        // SAFETY: the caller's contract; f is live in this queue's context (same rank).
-        unsafe { self.launch_function(f, name, grid, block, 0, false, args) }
     }
 }
 
