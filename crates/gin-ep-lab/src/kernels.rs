@@ -90,7 +90,7 @@ mod tests {
     }
 
     #[test]
-    fn every_built_set_is_aligned_has_the_fatbin_magic_and_the_pattern_kernels() {
+    fn every_built_set_is_aligned_has_the_fatbin_magic_and_every_entry_point() {
         for set in KERNEL_SETS {
             assert_eq!(set.fatbin.is_none(), set.absent_reason.is_some(), "{set:?}");
             let Some(bytes) = set.fatbin else { continue };
