@@ -9,7 +9,7 @@
 //! peer address fetch, `fabric::lsa_peer_bases`), or waits (callers wait with
 //! `CudaRank::wait`, which also reports missed in-kernel deadlines).
 
-use gin_ep::backend::cuda::fabric::lsa_peer_bases;
+use gin_ep::backend::cuda::fabric::{lsa_peer_bases, lsa_peer_region};
 use gin_ep::backend::cuda::{DevComm, DeviceRegion, Module, SideStreams, Window};
 use gin_ep::error::{Error, Result};
 
@@ -406,24 +406,20 @@ pub fn ce_alltoall(kernels: &Module<'_>, c: &CeAlltoall<'_>) -> Result<usize> {
         ));
     }
     let send = c.window.region(c.send_offset, c.chunk_bytes * n)?;
-    let slot = (c.recv_offset + me * c.chunk_bytes) as u64;
+    // This rank's slot in every peer's receive region.
+    let slot = c.recv_offset + me * c.chunk_bytes;
+    let dsts = (0..n)
+        .map(|p| lsa_peer_region(rank, c.window, c.dev_comm, p, slot, c.chunk_bytes))
+        .collect::<Result<Vec<_>>>()?;
     launch_alltoall(kernels, &start)?;
     if let Some(side) = c.side {
         rank.fork(side)?;
     }
     for (p, side_index) in ce_copy_order(me, n, c.side.is_some()) {
         let src = send.sub(p * c.chunk_bytes, c.chunk_bytes)?;
-        let lane = c.side.zip(side_index);
-        // The one raw copy of the lab: the destination is a peer's window through its LSA
-        // mapping, which no owner of this process describes.
-        // SAFETY: src is chunk p of this rank's send region (live, inside the window). dst
-        // is this rank's slot in peer p's receive region, through the mapping of peer p's
-        // window in this process; windows are symmetric (same size on every rank) and
-        // check() proved recv_offset + n * chunk_bytes fits in the window, so the range lies
-        // inside that mapping, which lives as long as the borrowed window (callers wait
-        // before dropping it: CudaRank's Drop waits, and the side streams are joined into
-        // the rank's stream). Send and receive regions do not overlap (checked).
-        unsafe { rank.copy_raw_on(lane, bases[p] + slot, src.device_ptr(), c.chunk_bytes)? };
+        // The side streams are joined into the rank's stream before the end barrier, so
+        // callers' waits on the rank cover these copies too.
+        rank.copy_on(c.side.zip(side_index), dsts[p], src)?;
     }
     if let Some(side) = c.side {
         rank.join(side)?;

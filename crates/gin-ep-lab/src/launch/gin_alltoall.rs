@@ -321,7 +321,7 @@ pub fn ce_local_copy(
     .map_err(|(what, why)| bad(what, why))?;
     let src = window.region(send_offset, bytes)?;
     let dst = window.region(recv_offset, bytes)?;
-    rank.own().copy(dst, src)
+    rank.copy_on(None, dst, src)
 }
 
 #[cfg(test)]

@@ -17,6 +17,10 @@
 
 use super::ipc::{map_node_windows_strided, StridedNodeWindows};
 use super::kernels::{names, LsaPointerArgs};
+#[cfg(feature = "harness")]
+use super::runtime::memory::region;
+#[cfg(feature = "harness")]
+use super::runtime::DeviceRegion;
 use super::runtime::{CudaRank, DevComm, Window};
 use crate::error::{Error, Result};
 use crate::group::vnodes::RankTopology;
@@ -160,6 +164,26 @@ pub fn lsa_base_stride(bases: &[u64]) -> Result<(u64, u32)> {
             ),
         }),
     }
+}
+
+/// Bytes `[offset, offset + bytes)` of LSA peer `peer`'s copy of `window`, as mapped in this
+/// process ([`lsa_peer_bases`]), for a copy the host queues into a peer. Windows are
+/// symmetric (the same size on every rank), so the range is checked against this rank's
+/// window; the region borrows the window, whose registration keeps the mapping.
+#[cfg(feature = "harness")]
+pub fn lsa_peer_region<'w>(
+    rank: &CudaRank,
+    window: &'w Window,
+    dev_comm: &DevComm,
+    peer: usize,
+    offset: usize,
+    bytes: usize,
+) -> Result<DeviceRegion<'w>> {
+    let bases = lsa_peer_bases(rank, window, dev_comm)?;
+    let base = *bases
+        .get(peer)
+        .ok_or_else(|| Error::input("LSA peer", format!("{peer} of an LSA team of {}", bases.len())))?;
+    region(base, window.len(), offset, bytes)
 }
 
 /// Every LSA peer's address of `window` in this process (index: LSA rank), for copies the

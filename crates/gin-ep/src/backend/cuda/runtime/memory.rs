@@ -88,7 +88,9 @@ impl ExternalSpan {
     }
 }
 
-pub(super) fn region<'a>(
+/// `[offset, offset + bytes)` of the `len` bytes at `base`, checked, as a region that borrows
+/// for `'a`: the caller ties `'a` to the owner of that memory.
+pub(crate) fn region<'a>(
     base: sys::CUdeviceptr,
     len: usize,
     offset: usize,
@@ -266,7 +268,7 @@ impl CudaRank {
     /// As [`CudaRank::copy_raw`]; `dst` and `src` may be UVA addresses of peer memory mapped
     /// into this process.
     #[cfg(feature = "harness")]
-    pub unsafe fn copy_raw_on(
+    pub(crate) unsafe fn copy_raw_on(
         &self,
         side: Option<(&SideStreams, usize)>,
         dst: u64,
@@ -285,6 +287,24 @@ impl CudaRank {
         };
         // SAFETY: the caller's contract; the side stream belongs to this context (checked).
         unsafe { q.copy_raw(dst, src, bytes) }
+    }
+
+    /// Copies `src` into `dst` (device regions of this rank, or a peer's through its mapping in
+    /// this process: `fabric::lsa_peer_region`; the same length, apart, both checked) on side
+    /// stream `i` of `side` (`Some((side, i))`, made by this rank) or on the rank's stream
+    /// (`None`). The owners outlive the copy as they outlive a launch (callers wait first).
+    #[cfg(feature = "harness")]
+    pub fn copy_on(
+        &self,
+        side: Option<(&SideStreams, usize)>,
+        dst: DeviceRegion<'_>,
+        src: DeviceRegion<'_>,
+    ) -> Result<()> {
+        check_copy(dst, src)?;
+        // SAFETY: both regions borrow live owners (a buffer, this rank's window, or a peer's
+        // window through its registration's mapping) and hold `bytes` (checked), apart
+        // (checked).
+        unsafe { self.copy_raw_on(side, dst.ptr, src.ptr, dst.bytes) }
     }
 
     /// Checks that `[ptr, ptr + bytes)` starts and ends in device memory of this rank's GPU
@@ -395,5 +415,51 @@ impl CudaRank {
     /// Pinned host memory the kernels can write (host-mapped), initialized to `T::default()`.
     pub(crate) fn host_mapped<T: Copy + Default>(&self) -> Result<HostMapped<T>> {
         HostMapped::new(&self.ctx)
+    }
+}
+
+/// A copy from `src` into `dst` moves the same number of bytes between ranges apart.
+#[cfg(feature = "harness")]
+fn check_copy(dst: DeviceRegion<'_>, src: DeviceRegion<'_>) -> Result<()> {
+    if dst.bytes != src.bytes {
+        return Err(Error::input(
+            "device copy",
+            format!("{} bytes into {} bytes", src.bytes, dst.bytes),
+        ));
+    }
+    let apart = |a: &DeviceRegion<'_>, b: &DeviceRegion<'_>| a.ptr + a.bytes as u64 <= b.ptr;
+    if !(apart(&dst, &src) || apart(&src, &dst)) {
+        return Err(Error::input(
+            "device copy",
+            format!(
+                "[{:#x}, +{}) and [{:#x}, +{}) overlap",
+                src.ptr, src.bytes, dst.ptr, dst.bytes
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_region_copy_needs_equal_lengths_and_ranges_apart() {
+        let whole = region(0x1000, 256, 0, 256).unwrap();
+        let at = |off, len| whole.sub(off, len).unwrap();
+        assert!(check_copy(at(0, 64), at(64, 64)).is_ok());
+        assert!(check_copy(at(64, 64), at(0, 64)).is_ok());
+        assert!(check_copy(at(0, 0), at(0, 0)).is_ok());
+        let short = check_copy(at(0, 64), at(64, 32)).unwrap_err().to_string();
+        assert!(short.contains("32 bytes into 64 bytes"), "{short}");
+        for (d, s) in [
+            (at(0, 64), at(32, 64)),
+            (at(32, 64), at(0, 64)),
+            (at(0, 64), at(0, 64)),
+        ] {
+            let e = check_copy(d, s).unwrap_err().to_string();
+            assert!(e.contains("overlap"), "{e}");
+        }
     }
 }

@@ -349,16 +349,6 @@ impl<'a> Queue<'a> {
         unsafe { self.copy_raw(dst.ptr, src.ptr, dst.bytes) }
     }
 
-    /// Copies `src` into `dst` on the stream: device memory of this rank, the same length,
-    /// not overlapping (both checked). The owners outlive the copy as they outlive a launch
-    /// (callers wait before dropping them).
-    pub fn copy(&self, dst: DeviceRegion<'_>, src: DeviceRegion<'_>) -> Result<()> {
-        check_copy(dst, src)?;
-        // SAFETY: both regions are borrowed from live owners of this rank's memory, hold
-        // `bytes` (checked) and do not overlap (checked).
-        unsafe { self.copy_raw(dst.ptr, src.ptr, dst.bytes) }
-    }
-
     /// Copies `src` into device memory `dst` (same length). Waits (bounded) for the stream
     /// to be idle first, so the copy from pageable memory cannot block behind a kernel, and
     /// again after it.
@@ -548,51 +538,5 @@ impl<'a> Queue<'a> {
         // SAFETY: exec is live (g is borrowed); the caller's contract covers the memory the
         // graph's kernels use.
         cu_raw("cuGraphLaunch", unsafe { sys::cuGraphLaunch(g.exec, self.raw) })
-    }
-}
-
-/// A copy from `src` into `dst` moves the same number of bytes between ranges apart.
-fn check_copy(dst: DeviceRegion<'_>, src: DeviceRegion<'_>) -> Result<()> {
-    if dst.bytes != src.bytes {
-        return Err(Error::input(
-            "device copy",
-            format!("{} bytes into {} bytes", src.bytes, dst.bytes),
-        ));
-    }
-    let apart = |a: &DeviceRegion<'_>, b: &DeviceRegion<'_>| a.ptr + a.bytes as u64 <= b.ptr;
-    if !(apart(&dst, &src) || apart(&src, &dst)) {
-        return Err(Error::input(
-            "device copy",
-            format!(
-                "[{:#x}, +{}) and [{:#x}, +{}) overlap",
-                src.ptr, src.bytes, dst.ptr, dst.bytes
-            ),
-        ));
-    }
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::super::memory::region;
-    use super::*;
-
-    #[test]
-    fn a_region_copy_needs_equal_lengths_and_ranges_apart() {
-        let whole = region(0x1000, 256, 0, 256).unwrap();
-        let at = |off, len| whole.sub(off, len).unwrap();
-        assert!(check_copy(at(0, 64), at(64, 64)).is_ok());
-        assert!(check_copy(at(64, 64), at(0, 64)).is_ok());
-        assert!(check_copy(at(0, 0), at(0, 0)).is_ok());
-        let short = check_copy(at(0, 64), at(64, 32)).unwrap_err().to_string();
-        assert!(short.contains("32 bytes into 64 bytes"), "{short}");
-        for (d, s) in [
-            (at(0, 64), at(32, 64)),
-            (at(32, 64), at(0, 64)),
-            (at(0, 64), at(0, 64)),
-        ] {
-            let e = check_copy(d, s).unwrap_err().to_string();
-            assert!(e.contains("overlap"), "{e}");
-        }
     }
 }
