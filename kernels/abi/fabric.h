@@ -31,6 +31,11 @@ enum FabricPhase : uint32_t {
   kPhaseGinBarrier = 13,     // gin-ep's signal barrier
   kPhaseGinOrdering = 14,    // the ordering test's signal
   kPhaseNodeStore = 15,      // a same-node peer's stores (IPC)
+  // HT across gin-ep nodes (kernels/ht/nodes.cuh); 16-20 are LL's.
+  kPhaseHtForward = 21,      // a rail source's records (GIN), or the rail peer that forwards them
+  kPhaseHtGather = 22,       // combine: a rank of this node storing its rows into the gather area
+  kPhaseHtPartial = 23,      // combine: a rail peer's node partials (GIN), or this rank's own
+  kPhaseHtNodeBarrier = 24,  // the barrier across nodes (cached dispatch, combine start)
 };
 
 // The first failed wait of a launch, written once. `claimed` goes 0 -> 1 by atomicCAS so

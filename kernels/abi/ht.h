@@ -17,6 +17,9 @@ namespace ht {
 static const int kMaxRanks = 32;      // rank masks are u32; host refuses more
 static const int kMaxGrid = 128;      // dispatch signal words per source; host caps the grid
 static const int kMaxExperts = 8192;  // layout ids are int16, histogram in shared memory; host refuses more
+// HT across gin-ep nodes (kernels/ht/nodes.cuh): at most this many nodes (node masks are u32;
+// the layout kernel scans R + N columns, at most 64).
+static const int kMaxNodes = 32;
 
 // dtype of HtArgs
 static const uint32_t kDtypeBf16 = 0;
@@ -33,7 +36,26 @@ static const uint32_t kFlagStage = 16;  // combine: blocks >= pull_blocks copy x
 static const uint32_t kFlagPush = 32;   // with kFlagStage: they push x into the sources' comb_x
 static const int kStageChunks = 256;    // comb_stage words per rank (+ 2), host: STAGE_CHUNKS
 
+// GIN signals of HT across nodes ([kHtGinKinds][R] ids from 0 of the HT device communicator;
+// u64, only grow; targets are cumulative, passed by the host in HtArgs::gin_*):
+static const int kHtGinCount = 0;  // the count row (+1 per fresh dispatch)
+static const int kHtGinFwd = 1;    // a source's forward records to its rail peer (+1 per dispatch)
+static const int kHtGinPart = 2;   // a rail peer's node partials to the source (+1 per combine)
+static const int kHtGinBar = 3;    // the barrier across nodes (+1 per block per barrier)
+static const int kHtGinKinds = 4;
+// Added (with the operation's own +1) by a rank that refused its input or gave up, instead of
+// its data: every waiter sees its target reached and the bit set. Also added to an LSA
+// gather word (combine) for the same reason.
+static const uint64_t kHtGinFail = 0x10000000000u;  // 1 << 40
+// Words of HtArgs::nodes_scratch (device memory, zeroed once, left zeroed by each launch):
+// [0] dispatch blocks done (the last one puts the records), [1] combine blocks done (the last
+// one puts the node partials), [2, 4) pad.
+static const int kScratchDispDone = 0, kScratchCombDone = 1, kScratchWords = 4;
+
 // Plan words (u32, device memory; the first four mirrored into host-mapped memory).
+// Across nodes the plan goes on after rank_prefix_matrix: tokens_per_node[N] of this rank,
+// rail_count[N] (records of the rail source on node n'; n' = this node: this rank's own
+// records for its node), rail_base[N][G] (first row of that source at each local rank).
 static const int kPlanStatus = 0;  // HtStatus
 static const int kPlanDetail = 1;  // invalid entry t*K+k, received rows, or the phase
 static const int kPlanNumRecv = 2;
@@ -120,6 +142,28 @@ struct HtArgs {
   // rank stands down with kStatusGrow.
   uint32_t caller_tokens;
   uint32_t pad_caller;
+  // ---- HT across gin-ep nodes only (the *_nodes kernels; zero on one node) ----
+  // This rank's gin-ep node: group ranks [node_first, node_first + node_size), reached by
+  // stores through peer_base; every other rank over GIN. Here rank and ranks are group ranks.
+  int32_t node_first;
+  int32_t node_size;
+  uint64_t off_fwd_in;    // [N][T] forward records received from rail sources, [node(src)][j]
+  uint64_t off_fwd_out;   // [N][T] forward records this rank stages for its rail peers, [n][j]
+  uint64_t off_gather;    // [G][N][T] combine rows of this node's ranks, [local][node(src)][slot]
+  uint64_t off_part_out;  // [N][T] node partials this rank stages for its rail sources, [n'][j]
+  uint64_t off_comb_in;   // [N][T] node partials received by this rank (the source), [n][j]
+  uint64_t off_gather_sig;  // [R] u64: word r counts rank r's gather blocks (LSA adds)
+  uint64_t off_part_done;   // u64: seq once this rank's own-node partials are in comb_in
+  uint32_t fwd_rec;         // bytes per forward record (16-byte multiple)
+  uint32_t part_rec;        // bytes per gather row and node partial: [H] bf16, [K] f32 (16-byte multiple)
+  int32_t* node_slot;       // [T][N] layout slot: record index of token t for node n, or -1
+  int32_t* rail_slots;      // [N][T][G] layout slot: slots of record j of the rail source on node n'
+  uint32_t* nodes_scratch;  // kScratchWords u32
+  uint64_t gin_count_target;  // kHtGinCount of every remote source reaches this (this launch)
+  uint64_t gin_fwd_target;    // kHtGinFwd of every remote rail source
+  uint64_t gin_part_target;   // kHtGinPart of every remote rail peer
+  uint64_t gin_bar_target;    // kHtGinBar of every remote rank, after this launch's barrier
+  uint64_t gather_target;     // every local rank's gather word, after this combine
 };
 
 // vflags of HtArgs (host: HtVariant in backend/cuda/ht/variant.rs).

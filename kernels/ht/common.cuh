@@ -74,6 +74,29 @@ __device__ __forceinline__ Fabric fabric(const HtArgs& a) {
   return Fabric{a.peer_base, a.peer_stride4G, 0, a.ranks, a.rank, a.ranks, &a.comm, a.win, 0u, a.timeout_ns, a.err};
 }
 
+// Across gin-ep nodes (NODES, the *_nodes kernels): the group is the R ranks of the operation,
+// the LSA team this rank's node [node_first, node_first + node_size), every other rank over
+// GIN with the HT signals [kHtGinKinds][R] from id 0. One node: fabric(a).
+template <bool NODES>
+__device__ __forceinline__ Fabric ht_fabric(const HtArgs& a) {
+  if constexpr (NODES) {
+    return Fabric{a.peer_base, a.peer_stride4G, a.node_first, a.node_size, a.rank, a.ranks,
+                  &a.comm,     a.win,           0u,           a.timeout_ns, a.err};
+  } else {
+    return fabric(a);
+  }
+}
+
+// The rank masks of the layout kernel: ranks (one node), ranks then nodes (across nodes).
+template <bool NODES>
+struct MaskOf {
+  using type = uint32_t;
+};
+template <>
+struct MaskOf<true> {
+  using type = uint64_t;
+};
+
 // Waits until *w >= target (acquire, sys scope). 0: ok; kStatusPeerFailed: the peer stored
 // kFailed; kStatusTimeout: deadline passed (recorded in err) or another wait already failed.
 __device__ __forceinline__ uint32_t wait_signal(const uint64_t* w, uint64_t target, FabricPhase phase, int peer,
@@ -118,6 +141,20 @@ __device__ void record_status(const HtArgs& a, uint32_t status, uint32_t detail,
 // and a block reads the slot before it sends.
 __device__ __forceinline__ void publish_recv_slab(const HtArgs& a, int peer) {
   *reinterpret_cast<uint32_t*>(fabric(a).ptr(a.off_recv_slab + size_t(a.rank) * sizeof(uint32_t), peer)) = a.recv_slab;
+}
+// The same through `fab` (across nodes: `peer` a rank of this node; only they write rows
+// into this rank's slabs).
+__device__ __forceinline__ void publish_recv_slab(const HtArgs& a, const Fabric& fab, int peer) {
+  *reinterpret_cast<uint32_t*>(fab.ptr(a.off_recv_slab + size_t(a.rank) * sizeof(uint32_t), peer)) = a.recv_slab;
+}
+
+// One thread: waits until this rank's HT GIN signal [kind][src] reaches `target`. 0: ok;
+// kStatusPeerFailed: src added kHtGinFail (it refused or gave up); kStatusTimeout: the
+// deadline passed (recorded in err naming phase and src) or another wait failed.
+__device__ __forceinline__ uint32_t wait_gin(const Fabric& fab, int kind, int src, uint64_t target, FabricPhase phase,
+                                             uint64_t timeout_ns) {
+  if (!fab.wait_signal(kind, src, target, phase, timeout_ns, fab.err)) return kStatusTimeout;
+  return fab.read_signal(kind, src) >= kHtGinFail ? kStatusPeerFailed : kStatusOk;
 }
 
 __device__ __forceinline__ uint32_t plan_words(int R, int E) { return kPlanHead + (R + 1) + R + R + E + 2 * (E / R); }

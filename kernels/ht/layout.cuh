@@ -129,15 +129,21 @@ __device__ __forceinline__ bool look_back(const uint64_t* tiles, int R, int r, i
   *out = excl;
   return ok;
 }
-}  // namespace ht
-}  // namespace gin_ep
 
-extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count(const HtArgs a) {
+// The layout kernel's body. NODES (HT across gin-ep nodes, gin_ep_ht_layout_count_nodes): the
+// scan has R + N columns (ranks, then nodes: a token's node slot is its position among the
+// tokens with an expert on a rank of that node), the count row carries tokens_per_node, it
+// reaches the ranks of other nodes over GIN (kHtGinCount), and the plan goes on with this
+// rank's rail plan (abi/ht.h). Without NODES every line is the one-node kernel's.
+template <bool NODES>
+__device__ __forceinline__ void layout_body(const HtArgs& a) {
+  constexpr int kCols = NODES ? kMaxRanks + kMaxNodes : kMaxRanks;
+  using Mask = typename MaskOf<NODES>::type;
   extern __shared__ __align__(16) unsigned char s_dyn[];
-  __shared__ uint32_t s_warp[kLayoutWarps][kMaxRanks];
-  __shared__ uint32_t s_tile[kMaxRanks];            // this tile's count per rank
-  __shared__ uint32_t s_off[kMaxRanks];             // tokens of earlier tiles per rank
-  __shared__ uint32_t s_total[kMaxRanks];           // last block: tokens_per_rank
+  __shared__ uint32_t s_warp[kLayoutWarps][kCols];
+  __shared__ uint32_t s_tile[kCols];                // this tile's count per column (rank, node)
+  __shared__ uint32_t s_off[kCols];                 // tokens of earlier tiles per column
+  __shared__ uint32_t s_total[kCols];               // last block: tokens_per_rank (, per node)
   __shared__ uint32_t s_want[kMaxRanks];            // last block: each source's caller_tokens
   __shared__ uint32_t s_cnt[kMaxRanks][kMaxRanks];  // [source][destination] tokens_per_rank
   __shared__ uint32_t s_bad;
@@ -147,6 +153,12 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
 
   const int R = a.ranks;
   const int me = a.rank;
+  const Fabric fab = ht_fabric<NODES>(a);
+  // Nodes of G ranks: N of them, C scan columns; this rank's node and local index.
+  const int G = NODES ? a.node_size : R;
+  const int NN = NODES ? R / G : 1;
+  const int C = NODES ? R + NN : R;
+  const int my_node = NODES ? me / G : 0;
   const int E = int(a.experts), K = int(a.topk), N = int(a.num_tokens);
   const int KP = K | 1;  // odd row stride: conflict-free shared reads
   const int L = E / R;
@@ -156,6 +168,9 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
   uint32_t* const s_hist = reinterpret_cast<uint32_t*>(s_dyn);
   int16_t* const s_ids = reinterpret_cast<int16_t*>(s_dyn + layout_ids_offset(uint32_t(E)));
   int32_t* const s_slot = reinterpret_cast<int32_t*>(s_dyn + layout_slot_offset(uint32_t(E), uint32_t(K)));
+  const int row_words = R + E + (NODES ? NN : 0) + 1;
+  // Across nodes a count row is put whole over GIN: rows start 16-byte aligned.
+  const int row_stride = NODES ? (row_words + 3) & ~3 : row_words;
   uint32_t* const g_scan = a.scan;
   uint32_t* const g_hist = g_scan + kScanHead;
   uint64_t* const g_tiles = reinterpret_cast<uint64_t*>(g_scan + kScanHead + ((E + 1) & ~1));
@@ -208,7 +223,7 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
 
   const int t = t0 + tid;
   const bool live = tid < tn;
-  uint32_t mask = 0u;
+  Mask mask = 0u;
   {
     const int16_t* row = s_ids + tid * KP;
     for (int k = 0; k < K; ++k) {  // warp-uniform trip count
@@ -227,16 +242,22 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
       const uint32_t same = __match_any_sync(0xFFFFFFFFu, ok ? e : -1);
       if (ok) {
         if ((same & lanemask_lt) == 0u) atomicAdd(&s_hist[e], uint32_t(__popc(same)));
-        mask |= 1u << (e / L);
+        mask |= Mask(1) << (e / L);
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
+  if constexpr (NODES) {
+    const Mask node_ranks = (Mask(1) << G) - 1u;
+    for (int n = 0; n < NN; ++n) {
+      if ((mask >> (n * G)) & node_ranks) mask |= Mask(1) << (R + n);
+    }
+  }
+  for (int r = 0; r < C; ++r) {
     const uint32_t b = __ballot_sync(0xFFFFFFFFu, (mask >> r) & 1u);
     if (lane == 0) s_warp[warp][r] = __popc(b);
   }
   __syncthreads();
-  if (tid < R) {  // exclusive prefix over the tile's warps, per rank
+  if (tid < C) {  // exclusive prefix over the tile's warps, per column
     uint32_t acc = 0u;
 #pragma unroll
     for (int w = 0; w < kLayoutWarps; ++w) {
@@ -246,15 +267,15 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
     }
     s_tile[tid] = acc;
     // Publish at once: tile 0's count is already its inclusive prefix.
-    st_relaxed_gpu_u64(g_tiles + size_t(tile) * R + tid,
+    st_relaxed_gpu_u64(g_tiles + size_t(tile) * C + tid,
                        tile_word(a.seq, tile == 0 ? kTileInclusive : kTileAggregate, acc));
     if (tile == 0) s_off[tid] = 0u;
   }
   __syncthreads();
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < C; ++r) {
     const bool in = (mask >> r) & 1u;
     const uint32_t b = __ballot_sync(0xFFFFFFFFu, in);
-    if (live) s_slot[tid * R + r] = in ? int32_t(s_warp[warp][r] + __popc(b & lanemask_lt)) : -1;
+    if (live) s_slot[tid * C + r] = in ? int32_t(s_warp[warp][r] + __popc(b & lanemask_lt)) : -1;
   }
   // Histogram and first bad entry into the scratch (the last block reads them).
   for (int e = tid; e < E; e += kLayoutTile) {
@@ -263,18 +284,30 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
   }
   if (tid == 0 && s_bad != 0xFFFFFFFFu) atomicMax(&g_scan[kScanBadInv], ~s_bad);
   if (tile > 0) {
-    for (int r = warp; r < R; r += kLayoutWarps) {
+    for (int r = warp; r < C; r += kLayoutWarps) {
       uint32_t off = 0u;
-      const bool ok = look_back(g_tiles, R, r, tile, a.seq, a.timeout_ns, me, a.err, &off);
+      const bool ok = look_back(g_tiles, C, r, tile, a.seq, a.timeout_ns, me, a.err, &off);
       if (lane == 0) {
         s_off[r] = off;
         if (!ok) atomicOr(&g_scan[kScanFail], 1u);
-        st_relaxed_gpu_u64(g_tiles + size_t(tile) * R + r, tile_word(a.seq, kTileInclusive, off + s_tile[r]));
+        st_relaxed_gpu_u64(g_tiles + size_t(tile) * C + r, tile_word(a.seq, kTileInclusive, off + s_tile[r]));
       }
     }
   }
   __syncthreads();
-  {
+  if constexpr (NODES) {
+    // Columns [0, R) into send_slot [T][R], [R, R + N) into node_slot [T][N].
+    for (int i = tid; i < tn * C; i += kLayoutTile) {
+      const int tl = i / C, c = i - tl * C;
+      const int32_t v = s_slot[i];
+      const int32_t slot = v >= 0 ? v + int32_t(s_off[c]) : -1;
+      if (c < R) {
+        a.send_slot[size_t(t0 + tl) * R + c] = slot;
+      } else {
+        a.node_slot[size_t(t0 + tl) * NN + (c - R)] = slot;
+      }
+    }
+  } else {
     // send_slot rows [t0, t0 + tn) are contiguous: tn * R words from t0 * R, 16-byte aligned.
     int32_t* dst = a.send_slot + size_t(t0) * R;
     const int n = tn * R;
@@ -308,7 +341,7 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
     g_scan[kScanBadInv] = 0u;
     g_scan[kScanFail] = 0u;
   }
-  if (tid < R) s_total[tid] = uint32_t(ld_relaxed_gpu_u64(g_tiles + size_t(tiles - 1) * R + tid));
+  if (tid < C) s_total[tid] = uint32_t(ld_relaxed_gpu_u64(g_tiles + size_t(tiles - 1) * C + tid));
   for (int e = tid; e < E; e += kLayoutTile) {
     s_hist[e] = ld_relaxed_gpu_u32(&g_hist[e]);
     g_hist[e] = 0u;
@@ -327,21 +360,39 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
   for (int r = tid; r < R; r += kLayoutTile) tpr[r] = s_total[r];
   for (int e = tid; e < E; e += kLayoutTile) tpe[e] = s_hist[e];
 
-  const int row_words = R + E + 1;
+  const size_t my_row = a.off_counts + size_t(me) * row_stride * sizeof(uint32_t);
   if (!refuse) {
-    for (int i = tid; i < R * row_words; i += kLayoutTile) {
-      const int peer = i / row_words, w = i - peer * row_words;
-      const uint32_t v = w < R ? s_total[w] : w < R + E ? s_hist[w - R] : a.caller_tokens;
-      *reinterpret_cast<uint32_t*>(
-          fabric(a).ptr(a.off_counts + (size_t(me) * row_words + w) * sizeof(uint32_t), peer)) = v;
+    // Row `me` of every rank of this node (this rank's own included: across nodes it is also
+    // the source of the GIN puts below).
+    const int peers = NODES ? G : R, first = NODES ? a.node_first : 0;
+    for (int i = tid; i < peers * row_words; i += kLayoutTile) {
+      const int peer = first + i / row_words, w = i - (peer - first) * row_words;
+      const uint32_t v = w < R                                 ? s_total[w]
+                         : w < R + E                           ? s_hist[w - R]
+                         : (NODES && w < row_words - 1) ? s_total[R + (w - R - E)]
+                                                               : a.caller_tokens;
+      *reinterpret_cast<uint32_t*>(fab.ptr(my_row + size_t(w) * sizeof(uint32_t), peer)) = v;
     }
-    if (tid < R) publish_recv_slab(a, tid);
+    if (tid < R && fab.by_store(tid)) publish_recv_slab(a, fab, tid);
   }
   __syncthreads();  // every thread's count stores happen-before the signals below
-  if (tid < R) signal_peer(a, a.off_count_sig + size_t(me) * sizeof(uint64_t), tid, refuse ? kFailed : a.seq);
+  if (tid < R) {
+    if (fab.by_store(tid)) {
+      fab.signal_store(a.off_count_sig + size_t(me) * sizeof(uint64_t), tid, refuse ? kFailed : a.seq);
+    } else if constexpr (NODES) {
+      // The row whole over GIN (its +1 counts only once the row has landed), or its failure.
+      fab.put(tid, my_row, my_row, refuse ? 0 : size_t(row_words) * sizeof(uint32_t), kHtGinCount,
+              refuse ? kHtGinFail + 1u : 1u);
+    }
+  }
   if (!refuse && tid < R) {
-    const uint64_t* w = reinterpret_cast<const uint64_t*>(fabric(a).ptr(a.off_count_sig + size_t(tid) * 8, me));
-    const uint32_t st = wait_signal(w, a.seq, kPhaseHtCountExchange, tid, me, a.timeout_ns, a.err);
+    uint32_t st = kStatusOk;
+    if (fab.by_store(tid)) {
+      const uint64_t* w = fab.word(a.off_count_sig + size_t(tid) * 8, me);
+      st = wait_signal(w, a.seq, kPhaseHtCountExchange, tid, me, a.timeout_ns, a.err);
+    } else if constexpr (NODES) {
+      st = wait_gin(fab, kHtGinCount, tid, a.gin_count_target, kPhaseHtCountExchange, a.timeout_ns);
+    }
     if (st != kStatusOk) {
       atomicCAS(&s_fail, kStatusOk, st);
       atomicMax(&s_fail_peer, tid);
@@ -352,20 +403,20 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
 
   // The R x R count matrix and this rank's local-expert sums (into s_hist[0, L): the
   // histogram is no longer needed), loaded at once.
-  const uint32_t* counts = reinterpret_cast<const uint32_t*>(fabric(a).ptr(a.off_counts, me));
+  const uint32_t* counts = reinterpret_cast<const uint32_t*>(fab.ptr(a.off_counts, me));
   const bool counted = !refuse && s_fail == kStatusOk;
   __syncthreads();  // everyone read s_fail before thread 0 reuses it below
   if (counted) {
     for (int i = tid; i < R * R; i += kLayoutTile) {
       const int s = i / R, d = i - s * R;
-      s_cnt[s][d] = ld_volatile_u32(counts + size_t(s) * row_words + d);
+      s_cnt[s][d] = ld_volatile_u32(counts + size_t(s) * row_stride + d);
     }
     for (int e = tid; e < L; e += kLayoutTile) {
       uint32_t sum = 0u;
-      for (int s = 0; s < R; ++s) sum += ld_volatile_u32(counts + size_t(s) * row_words + R + me * L + e);
+      for (int s = 0; s < R; ++s) sum += ld_volatile_u32(counts + size_t(s) * row_stride + R + me * L + e);
       s_hist[e] = sum;
     }
-    if (tid < R) s_want[tid] = ld_volatile_u32(counts + size_t(tid) * row_words + R + E);
+    if (tid < R) s_want[tid] = ld_volatile_u32(counts + size_t(tid) * row_stride + row_words - 1);
   }
   __syncthreads();
   if (tid == 0) {
@@ -442,10 +493,40 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
         rank_prefix[s * R + tid] = acc;
       }
     }
+    if constexpr (NODES) {
+      // This rank's rail plan (abi/ht.h): its tokens per node, the records of each node's rail
+      // source (counts[s][R + E + my_node]; its own node: its own), and each rail source's
+      // first row at every rank of this node (the receive order of routing.rs).
+      uint32_t* const tpn_me = rank_prefix + R * R;
+      uint32_t* const rail_count = tpn_me + NN;
+      uint32_t* const rail_base = rail_count + NN;
+      const int l = me - a.node_first;
+      for (int n = tid; n < NN; n += kLayoutTile) {
+        tpn_me[n] = s_total[R + n];
+        rail_count[n] =
+            n == my_node ? s_total[R + n] : ld_volatile_u32(counts + size_t(n * G + l) * row_stride + R + E + my_node);
+      }
+      for (int i = tid; i < NN * G; i += kLayoutTile) {
+        const int src = (i / G) * G + l, dst = my_node * G + (i - (i / G) * G);
+        uint32_t b = 0u;
+        for (int s = 0; s < src; ++s) b += s_cnt[s][dst];
+        rail_base[i] = b;
+      }
+    }
   }
   __syncthreads();
   if (tid == 0) {
     if (kStampsBuilt && a.stamps != nullptr) a.stamps[kStampLayEnd] = globaltimer_ns();
     __threadfence_system();
   }
+}
+}  // namespace ht
+}  // namespace gin_ep
+
+extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count(const HtArgs a) {
+  layout_body<false>(a);
+}
+// Across gin-ep nodes (kernels/ht/nodes.cuh has the protocol).
+extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count_nodes(const HtArgs a) {
+  layout_body<true>(a);
 }

@@ -169,6 +169,13 @@ struct Fabric {
     return gin_wait_signal(gin, gin_signal(kind, src), least, error, timeout, phase, src, rank);
   }
 
+  // This rank's signal [kind][src] now (acquire): what a wait_signal that succeeded saw, or
+  // more (the value, beyond the target, says how the sender ended, e.g. HT's kHtGinFail).
+  __device__ __forceinline__ uint64_t read_signal(int kind, int src) const {
+    ncclGin gin(*comm, rank);
+    return gin.readSignal(gin_signal(kind, src));
+  }
+
   // Every thread of one CTA: zeroes this rank's GIN signals [0, kinds)[R]. Only when every
   // operation of every rank has completed (no add races with it, as resetSignal requires).
   __device__ __forceinline__ void reset_signals(int kinds) const {
@@ -181,6 +188,10 @@ struct Fabric {
   __device__ __forceinline__ bool wait_signal(int, int, uint64_t, FabricPhase, uint64_t, FabricError*) const {
     __trap();
     return false;
+  }
+  __device__ __forceinline__ uint64_t read_signal(int, int) const {
+    __trap();
+    return 0;
   }
   __device__ __forceinline__ void reset_signals(int) const { __trap(); }
 #endif
