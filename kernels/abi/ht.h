@@ -20,6 +20,8 @@ static const int kMaxExperts = 8192;  // layout ids are int16, histogram in shar
 // HT across gin-ep nodes (kernels/ht/nodes.cuh): at most this many nodes (node masks are u32;
 // the layout kernel scans R + N columns, at most 64).
 static const int kMaxNodes = 32;
+// Threads per block of every kernel across nodes except the layout kernel (host: NODES_THREADS).
+static const int kNodesThreads = 256;
 
 // dtype of HtArgs
 static const uint32_t kDtypeBf16 = 0;
@@ -47,10 +49,6 @@ static const int kHtGinKinds = 4;
 // its data: every waiter sees its target reached and the bit set. Also added to an LSA
 // gather word (combine) for the same reason.
 static const uint64_t kHtGinFail = 0x10000000000u;  // 1 << 40
-// Words of HtArgs::nodes_scratch (device memory, zeroed once, left zeroed by each launch):
-// [0] dispatch blocks done (the last one puts the records), [1] combine blocks done (the last
-// one puts the node partials), [2, 4) pad.
-static const int kScratchDispDone = 0, kScratchCombDone = 1, kScratchWords = 4;
 
 // Plan words (u32, device memory; the first four mirrored into host-mapped memory).
 // Across nodes the plan goes on after rank_prefix_matrix: tokens_per_node[N] of this rank,
@@ -153,12 +151,10 @@ struct HtArgs {
   uint64_t off_part_out;  // [N][T] node partials this rank stages for its rail sources, [n'][j]
   uint64_t off_comb_in;   // [N][T] node partials received by this rank (the source), [n][j]
   uint64_t off_gather_sig;  // [R] u64: word r counts rank r's gather blocks (LSA adds)
-  uint64_t off_part_done;   // u64: seq once this rank's own-node partials are in comb_in
   uint32_t fwd_rec;         // bytes per forward record (16-byte multiple)
   uint32_t part_rec;        // bytes per gather row and node partial: [H] bf16, [K] f32 (16-byte multiple)
   int32_t* node_slot;       // [T][N] layout slot: record index of token t for node n, or -1
   int32_t* rail_slots;      // [N][T][G] layout slot: slots of record j of the rail source on node n'
-  uint32_t* nodes_scratch;  // kScratchWords u32
   uint64_t gin_count_target;  // kHtGinCount of every remote source reaches this (this launch)
   uint64_t gin_fwd_target;    // kHtGinFwd of every remote rail source
   uint64_t gin_part_target;   // kHtGinPart of every remote rail peer

@@ -150,7 +150,8 @@ __device__ __forceinline__ void publish_recv_slab(const HtArgs& a, const Fabric&
 
 // One thread: waits until this rank's HT GIN signal [kind][src] reaches `target`. 0: ok;
 // kStatusPeerFailed: src added kHtGinFail (it refused or gave up); kStatusTimeout: the
-// deadline passed (recorded in err naming phase and src) or another wait failed.
+// deadline passed (recorded in err naming phase and src) or another wait failed. Out of
+// line: an inlined ncclGin carries both backends' state, which cost the HT kernels spills.
 __device__ __forceinline__ uint32_t wait_gin(const Fabric& fab, int kind, int src, uint64_t target, FabricPhase phase,
                                              uint64_t timeout_ns) {
   if (!fab.wait_signal(kind, src, target, phase, timeout_ns, fab.err)) return kStatusTimeout;

@@ -6,3 +6,4 @@
 #include "ht/layout.cuh"
 #include "ht/dispatch.cuh"
 #include "ht/combine.cuh"
+#include "ht/nodes.cuh"

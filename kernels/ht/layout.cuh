@@ -86,6 +86,16 @@ __device__ __forceinline__ uint32_t aligned_rows(uint32_t rows, uint32_t alignme
 // The 16-bit code of a topk id: the id, or -2 when outside [-1, E).
 __device__ __forceinline__ int16_t id_code(int64_t e, int E) { return int16_t(e < -1 || e >= E ? -2 : int(e)); }
 
+// Across nodes, one thread: this rank's count row (row `me` of its own window, already
+// stored) whole over GIN to `peer` (its + 1 to kHtGinCount counts only once the row has
+// landed), or kHtGinFail + 1 alone when this rank refused. Out of line: the caller keeps
+// few registers live across it.
+__device__ __noinline__ void put_count_row(const HtArgs& a, int peer, int row_stride, int row_words, bool refuse) {
+  const size_t my_row = a.off_counts + size_t(a.rank) * row_stride * sizeof(uint32_t);
+  ht_fabric<true>(a).put(peer, my_row, my_row, refuse ? 0 : size_t(row_words) * sizeof(uint32_t), kHtGinCount,
+                         refuse ? kHtGinFail + 1u : 1u);
+}
+
 // Exclusive prefix of rank r's counts over tiles [0, tile), by one warp (decoupled
 // look-back: lane i reads tile end - 1 - i, the sum stops at the nearest inclusive prefix).
 // Returns false on a missed deadline (recorded in err; the caller fails the operation).
@@ -380,9 +390,7 @@ __device__ __forceinline__ void layout_body(const HtArgs& a) {
     if (fab.by_store(tid)) {
       fab.signal_store(a.off_count_sig + size_t(me) * sizeof(uint64_t), tid, refuse ? kFailed : a.seq);
     } else if constexpr (NODES) {
-      // The row whole over GIN (its +1 counts only once the row has landed), or its failure.
-      fab.put(tid, my_row, my_row, refuse ? 0 : size_t(row_words) * sizeof(uint32_t), kHtGinCount,
-              refuse ? kHtGinFail + 1u : 1u);
+      put_count_row(a, tid, row_stride, row_words, refuse);
     }
   }
   if (!refuse && tid < R) {
@@ -527,6 +535,6 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
   layout_body<false>(a);
 }
 // Across gin-ep nodes (kernels/ht/nodes.cuh has the protocol).
-extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count_nodes(const HtArgs a) {
+extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count_nodes(const __grid_constant__ HtArgs a) {
   layout_body<true>(a);
 }
