@@ -10,7 +10,7 @@
 // untouched.
 //
 // Dispatch (after gin_ep_ht_layout_count_nodes: gin_ep_ht_dispatch_nodes_send*, which stores,
-// then gin_ep_ht_dispatch_nodes_forward, which puts, forwards and waits):
+// gin_ep_ht_exchange_records, then gin_ep_ht_dispatch_nodes_forward, which forwards and waits):
 // 1. cached only (gin_ep_ht_node_barrier first): this rank's receive slab to the ranks of its
 //    node, then the barrier (this node by stores, the other nodes over GIN, kHtGinBar);
 // 2. send: per token, one warp: its row goes by stores into the final row of every rank of this
@@ -18,8 +18,8 @@
 //    into this rank's fwd_out [n][j] for every other node n that needs it (payload, scales, the
 //    K global ids as i32, the K weights, the token, its G send slots on n's ranks); fresh: this
 //    node's own rail table (the slots of its records for this node) into rail_slots [node].
-//    Then slot (me, block) of every local rank's dispatch signal. The second kernel (every
-//    record is in once the first has ended) first puts fwd_out [n][0, tokens_per_node[n])
+//    Then slot (me, block) of every local rank's dispatch signal. gin_ep_ht_exchange_records (every
+//    record is in once the send kernel has ended) puts fwd_out [n][0, tokens_per_node[n])
 //    whole into the rail peer's fwd_in [node][..] for each other node n, with kHtGinFwd + 1
 //    (kHtGinFail + 1 when this rank refused or gave up: the rail peer stands down).
 // 3. forward: for each other node n ascending, wait for kHtGinFwd of the rail source there
@@ -42,16 +42,17 @@
 // 3. reduce: wait for every local rank's gather word; for each node n' and record j of its
 //    rail source: P = bf16(sum over local ranks l' ascending with a slot of f32 rows, from +0),
 //    weights summed in f32; into part_out [n'][j] (this node: comb_in [node][j] directly).
-// 4. the second kernel (every partial is in once the first has ended) first puts
-//    part_out [n'] whole into the source's comb_in [node][..] with kHtGinPart + 1; then it
-//    waits for kHtGinPart of the rail peer on every other node and sums: per
+// 4. gin_ep_ht_exchange_partials (every partial is in once the reduce kernel has ended) puts
+//    part_out [n'] whole into the source's comb_in [node][..] with kHtGinPart + 1 (kHtGinFail
+//    + 1 when this rank gave up); it waits for kHtGinPart of the rail peer on
+//    every other node; gin_ep_ht_combine_nodes_sum sums: per
 //    token an f32 accumulator from +0 adds f32(P_n) for each node n ascending with
 //    node_slot[t][n] = j >= 0, then bias 0, bias 1, one rounding; weights: the node sums in
 //    f32, nodes ascending. No end barrier: nobody reads this rank's inputs after its kernel.
 // The kernels split where a GIN put follows work of every block (the kernel boundary orders
-// them, no grid-wide count is needed) and the barriers run in a kernel of their own: the puts
-// then run at a kernel's start or alone, where no copy loop keeps registers live across their
-// out-of-line calls (which spilled).
+// them, no grid-wide count is needed), and every put runs in a one-block kernel of its own
+// (gin_ep_ht_node_barrier, gin_ep_ht_exchange_records, gin_ep_ht_exchange_partials): beside a copy loop
+// the out-of-line call of a put spilled registers.
 //
 // Why no local completion of the GIN puts is waited for: a staged buffer (fwd_out, part_out,
 // this rank's count row) is rewritten only in a later operation, which starts after its
@@ -357,7 +358,6 @@ __device__ __forceinline__ void dispatch_nodes_send(const HtArgs& a) {
 template <int U>
 __device__ __forceinline__ void dispatch_nodes_forward(const HtArgs& a) {
   __shared__ LocalDests s_d;
-  __shared__ uint32_t s_src_st[kMaxNodes];  // status of each node's rail source's records
   __shared__ uint32_t s_status;
   char* const* const s_x = s_d.x;
   char* const* const s_sc = s_d.sc;
@@ -376,16 +376,7 @@ __device__ __forceinline__ void dispatch_nodes_forward(const HtArgs& a) {
   const uint32_t* const rail_count = tpn_me + NN;
   const uint32_t* const rail_base = rail_count + NN;
   const size_t frb = a.fwd_rec;
-  if (blockIdx.x == 0 && tid < NN && tid != g.node) {
-    // The records for node `tid`, whole, to this rank's rail peer there; when this rank
-    // refused or gave up (the send kernel recorded it), the failure alone.
-    const uint32_t st = ld_volatile_u32(a.plan + kPlanStatus);
-    const uint32_t cnt = st == kStatusOk ? tpn_me[tid] : 0u;
-    fab.put(tid * G + g.l, a.off_fwd_in + size_t(g.node) * T * frb, a.off_fwd_out + size_t(tid) * T * frb,
-            size_t(cnt) * frb, kHtGinFwd, st == kStatusOk || st == kStatusGrow ? 1u : kHtGinFail + 1u);
-  }
   local_dests(a, fab, g, s_d);
-  if (tid < NN) s_src_st[tid] = kStatusOk;
   if (tid == 0) s_status = ld_volatile_u32(a.plan + kPlanStatus);
   __syncthreads();
   const bool paired = s_status == kStatusOk || s_status == kStatusGrow;
@@ -397,23 +388,13 @@ __device__ __forceinline__ void dispatch_nodes_forward(const HtArgs& a) {
   const int gw = blockIdx.x * warps + (tid >> 5);
   const int nw = gridDim.x * warps;
 
-  // ---- 3. forward. Waited for also when every rank stood down: the wait orders the rail
-  // source's next count row after this rank's reading of the current one.
-  if (paired && tid == 0) {
-    for (int n = 0; n < NN; ++n) {
-      if (n == g.node) continue;
-      const int src = n * G + g.l;
-      const uint32_t st = wait_gin(fab, kHtGinFwd, src, a.gin_fwd_target, kPhaseHtForward, a.timeout_ns);
-      s_src_st[n] = st;
-      if (st != kStatusOk) record_status(a, st, kPhaseHtForward, src);
-    }
-  }
-  __syncthreads();  // extends thread 0's acquire of the signals to the block
+  // ---- 3. forward (gin_ep_ht_exchange_records waited for every rail source's records; a
+  // failed wait is in the plan's status)
   const char* const fwd_in = fab.ptr(a.off_fwd_in, me);
   const uint64_t cap = uint64_t(R) * T;
   if (s_status == kStatusOk) {
     for (int n = 0; n < NN; ++n) {
-      if (n == g.node || s_src_st[n] != kStatusOk) continue;
+      if (n == g.node) continue;
       const uint32_t cnt = rail_count[n];
       for (int j = gw; j < int(cnt); j += nw) {
         const char* rec = fwd_in + (size_t(n) * T + size_t(j)) * frb;
@@ -480,10 +461,11 @@ __device__ __forceinline__ void dispatch_nodes_forward(const HtArgs& a) {
   }
   __syncthreads();  // every forwarded row of this block happens-before its signals
   if (tid < G) {
-    const uint32_t mine = ld_volatile_u32(a.plan + kPlanStatus);
+    // A record this block could not store (recorded) fails the rows of every source.
+    const uint32_t now = ld_volatile_u32(a.plan + kPlanStatus);
+    const bool ok = paired && (s_status != kStatusOk || now == kStatusOk);
     for (int n = 0; n < NN; ++n) {
       if (n == g.node) continue;
-      const bool ok = paired && (s_status != kStatusOk || (s_src_st[n] == kStatusOk && mine == kStatusOk));
       const size_t slot_off = (size_t(n * G + g.l) * kMaxGrid + blockIdx.x) * sizeof(uint64_t);
       fab.signal_store(a.off_disp_sig + slot_off, g.first + tid, ok ? a.seq : kFailed);
     }
@@ -638,16 +620,8 @@ __device__ __forceinline__ void combine_nodes_sum(const HtArgs& a) {
   const int R = g.R, G = g.G, NN = g.NN;
   const int tid = threadIdx.x, lane = tid & 31;
   const uint32_t T = a.max_tokens;
-  const uint32_t* const rail_count = plan_tpn(a, R, int(a.experts)) + NN;
   const size_t prb = a.part_rec;
-  // The first kernel's status: any of its blocks that failed (or a wait that gave up, recorded
-  // in err) fails the partials this rank owes.
-  const bool ok0 = ld_volatile_u32(a.plan + kPlanStatus) == kStatusOk && !error_reported(a.err);
-  if (blockIdx.x == 0 && tid < NN && tid != g.node) {
-    const uint32_t cnt = ok0 ? min(rail_count[tid], T) : 0u;
-    fab.put(tid * G + g.l, a.off_comb_in + size_t(g.node) * T * prb, a.off_part_out + size_t(tid) * T * prb,
-            size_t(cnt) * prb, kHtGinPart, ok0 ? 1u : kHtGinFail + 1u);
-  }
+  const bool ok0 = ld_volatile_u32(a.plan + kPlanStatus) == kStatusOk;
   const int H = int(a.hidden), K = int(a.topk), N = int(a.num_tokens);
   const bool with_w = (a.flags & kFlagWeights) != 0u;
   const bool b0 = (a.flags & kFlagBias0) != 0u;
@@ -657,19 +631,10 @@ __device__ __forceinline__ void combine_nodes_sum(const HtArgs& a) {
   const int gw = blockIdx.x * warps + (tid >> 5);
   const int nw = gridDim.x * warps;
 
-  // ---- 4. sum on the source, nodes ascending
-  bool ok2 = ok0;
-  if (ok0 && tid < NN && tid != g.node) {
-    const int peer = tid * G + g.l;
-    const uint32_t st = wait_gin(fab, kHtGinPart, peer, a.gin_part_target, kPhaseHtPartial, a.timeout_ns);
-    if (st != kStatusOk) {
-      record_status(a, st, kPhaseHtPartial, peer);
-      ok2 = false;
-    }
-  }
-  ok2 = __syncthreads_and(ok2) != 0;  // also extends the waiters' acquire to the block
+  // ---- 4. sum on the source, nodes ascending (gin_ep_ht_exchange_partials waited for every
+  // rail peer's partials; a failed wait is in the plan's status)
   const char* const comb_in = fab.ptr(a.off_comb_in, g.me);
-  if (ok2) {
+  if (ok0) {
     for (int t = gw; t < N; t += nw) {
       int32_t ns = -1;
       if (lane < NN) ns = a.node_slot[size_t(t) * NN + lane];
@@ -731,21 +696,21 @@ __device__ __forceinline__ void combine_nodes_sum(const HtArgs& a) {
 // Entry points across gin-ep nodes (host: names::HT_*_NODES): copy (BF16, prequantized FP8),
 // quantizing, combine; launched with kNodesThreads threads (abi/ht.h): each puts over GIN
 // through an out-of-line call, whose callee kept within 128 registers (512 threads) spilled.
-extern "C" __global__ void __launch_bounds__(kNodesThreads) gin_ep_ht_dispatch_nodes_send(const __grid_constant__ HtArgs a) {
+extern "C" __global__ void __launch_bounds__(kNodesThreads, 1) gin_ep_ht_dispatch_nodes_send(const __grid_constant__ HtArgs a) {
   dispatch_nodes_send<4, false>(a);
 }
-extern "C" __global__ void __launch_bounds__(kNodesThreads)
+extern "C" __global__ void __launch_bounds__(kNodesThreads, 1)
     gin_ep_ht_dispatch_nodes_send_quant(const __grid_constant__ HtArgs a) {
   dispatch_nodes_send<1, true>(a);
 }
-extern "C" __global__ void __launch_bounds__(kNodesThreads)
+extern "C" __global__ void __launch_bounds__(kNodesThreads, 1)
     gin_ep_ht_dispatch_nodes_forward(const __grid_constant__ HtArgs a) {
   dispatch_nodes_forward<4>(a);
 }
-extern "C" __global__ void __launch_bounds__(kNodesThreads) gin_ep_ht_combine_nodes_reduce(const __grid_constant__ HtArgs a) {
+extern "C" __global__ void __launch_bounds__(kNodesThreads, 1) gin_ep_ht_combine_nodes_reduce(const __grid_constant__ HtArgs a) {
   combine_nodes_reduce<1>(a);
 }
-extern "C" __global__ void __launch_bounds__(kNodesThreads) gin_ep_ht_combine_nodes_sum(const __grid_constant__ HtArgs a) {
+extern "C" __global__ void __launch_bounds__(kNodesThreads, 1) gin_ep_ht_combine_nodes_sum(const __grid_constant__ HtArgs a) {
   combine_nodes_sum<2>(a);
 }
 // The barrier before a cached dispatch (kFlagCached: after publishing this rank's receive
@@ -756,8 +721,54 @@ extern "C" __global__ void __launch_bounds__(kNodesThreads, 1) gin_ep_ht_node_ba
   if (cached && int(threadIdx.x) < a.node_size) publish_recv_slab(a, fab, a.node_first + int(threadIdx.x));
   node_barrier(a, fab, a.bar_epoch, cached ? kPhaseHtCachedBarrier : kPhaseHtCombineStart);
 }
+// Dispatch, between the send and forward kernels (one block; thread n for node n): puts the
+// records for each other node n, whole, to this rank's rail peer there (the failure alone when
+// this rank refused or gave up: the plan says), then waits for the records of the rail source
+// on node n (also when every rank stood down: the wait orders that source's next count row
+// after this rank's reading of the current one). A failed wait goes into the plan's status
+// (phase forward, the source named), which the forward kernel then passes on.
+extern "C" __global__ void __launch_bounds__(kNodesThreads, 1)
+    gin_ep_ht_exchange_records(const __grid_constant__ HtArgs a) {
+  const NodeShape g = node_shape(a);
+  const int n = threadIdx.x;
+  if (n >= g.NN || n == g.node) return;
+  const Fabric fab = ht_fabric<true>(a);
+  const uint32_t st = ld_volatile_u32(a.plan + kPlanStatus);
+  const bool paired = st == kStatusOk || st == kStatusGrow;
+  const uint32_t cnt = st == kStatusOk ? plan_tpn(a, g.R, int(a.experts))[n] : 0u;
+  const size_t frb = a.fwd_rec, T = a.max_tokens;
+  fab.put(n * g.G + g.l, a.off_fwd_in + size_t(g.node) * T * frb, a.off_fwd_out + size_t(n) * T * frb,
+          size_t(cnt) * frb, kHtGinFwd, paired ? 1u : kHtGinFail + 1u);
+  if (!paired) return;
+  const int src = n * g.G + g.l;
+  const uint32_t w = wait_gin(fab, kHtGinFwd, src, a.gin_fwd_target, kPhaseHtForward, a.timeout_ns);
+  if (w != kStatusOk) record_status(a, w, kPhaseHtForward, src);
+}
+
+// Combine, between the reduce and sum kernels (one block; thread n for node n): puts the node
+// partials this rank owes the rail source on each other node n, whole, into its
+// comb_in [node][..] (the failure alone when this rank gave up: the plan or the error record
+// says), then waits for the partials of its rail peer on node n (phase partials, named).
+extern "C" __global__ void __launch_bounds__(kNodesThreads, 1)
+    gin_ep_ht_exchange_partials(const __grid_constant__ HtArgs a) {
+  const NodeShape g = node_shape(a);
+  const int n = threadIdx.x;
+  if (n >= g.NN || n == g.node) return;
+  const Fabric fab = ht_fabric<true>(a);
+  const bool ok = ld_volatile_u32(a.plan + kPlanStatus) == kStatusOk && !error_reported(a.err);
+  const uint32_t T = a.max_tokens;
+  const uint32_t cnt = ok ? min(plan_tpn(a, g.R, int(a.experts))[g.NN + n], T) : 0u;
+  const size_t prb = a.part_rec;
+  fab.put(n * g.G + g.l, a.off_comb_in + size_t(g.node) * T * prb, a.off_part_out + size_t(n) * T * prb,
+          size_t(cnt) * prb, kHtGinPart, ok ? 1u : kHtGinFail + 1u);
+  if (!ok) return;
+  const int peer = n * g.G + g.l;
+  const uint32_t w = wait_gin(fab, kHtGinPart, peer, a.gin_part_target, kPhaseHtPartial, a.timeout_ns);
+  if (w != kStatusOk) record_status(a, w, kPhaseHtPartial, peer);
+}
+
 // The buffer's teardown: this rank's HT GIN signals back to 0 (NCCL hands the same ids to the
 // next device communicator without clearing them, and every HT target starts at 0). One CTA.
-extern "C" __global__ void __launch_bounds__(kNodesThreads) gin_ep_ht_reset_gin(const __grid_constant__ HtArgs a) {
+extern "C" __global__ void __launch_bounds__(kNodesThreads, 1) gin_ep_ht_reset_gin(const __grid_constant__ HtArgs a) {
   ht_fabric<true>(a).reset_signals(kHtGinKinds);
 }

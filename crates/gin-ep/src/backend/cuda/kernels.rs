@@ -45,6 +45,22 @@ pub mod names {
     /// HT combine variants: unroll 3 (<= 512 threads, the default), unroll 2 (<= 512).
     pub const HT_COMBINE_U3_T512: &str = "gin_ep_ht_combine_u3_t512";
     pub const HT_COMBINE_U2_T512: &str = "gin_ep_ht_combine_u2_t512";
+    /// HT across gin-ep nodes (kernels/ht/nodes.cuh): the layout kernel with node columns
+    /// and count rows over GIN; dispatch's send kernel (stores: rows of this node, records
+    /// for the others; copy or quantizing), the records' exchange over GIN (one block), the
+    /// forward kernel; combine's reduce kernel (gather, node partials), the partials'
+    /// exchange (one block), the sum kernel; the barrier across nodes (one block); the
+    /// teardown's reset of the GIN signals.
+    pub const HT_LAYOUT_COUNT_NODES: &str = "gin_ep_ht_layout_count_nodes";
+    pub const HT_DISPATCH_NODES_SEND: &str = "gin_ep_ht_dispatch_nodes_send";
+    pub const HT_DISPATCH_NODES_SEND_QUANT: &str = "gin_ep_ht_dispatch_nodes_send_quant";
+    pub const HT_DISPATCH_NODES_FORWARD: &str = "gin_ep_ht_dispatch_nodes_forward";
+    pub const HT_EXCHANGE_RECORDS: &str = "gin_ep_ht_exchange_records";
+    pub const HT_COMBINE_NODES_REDUCE: &str = "gin_ep_ht_combine_nodes_reduce";
+    pub const HT_EXCHANGE_PARTIALS: &str = "gin_ep_ht_exchange_partials";
+    pub const HT_COMBINE_NODES_SUM: &str = "gin_ep_ht_combine_nodes_sum";
+    pub const HT_NODE_BARRIER: &str = "gin_ep_ht_node_barrier";
+    pub const HT_RESET_GIN: &str = "gin_ep_ht_reset_gin";
 }
 
 /// The first failed wait of a launch, in host-mapped memory, read after the kernel ends

@@ -5,7 +5,7 @@
 //! mirrors. Never: allocates, launches or touches the device; a change here is a change of
 //! the kernel ABI and needs the same change in the kernels (kernels/ht/).
 
-use super::{abi, MAX_EXPERTS, MAX_GRID, MAX_RANKS, PLAN_HEAD};
+use super::{abi, MAX_EXPERTS, MAX_GRID, MAX_NODES, MAX_RANKS, PLAN_HEAD};
 use crate::backend::cuda::align16;
 use crate::config::{EpConfig, FP8_BLOCK};
 use crate::error::{Error, Result};
@@ -13,11 +13,21 @@ use crate::error::{Error, Result};
 /// Tokens per block of the layout kernel (= its threads; `kLayoutTile`, abi/ht.h).
 pub(super) const LAYOUT_TILE: usize = abi::K_LAYOUT_TILE as usize;
 
+/// Columns of the layout kernel's scan: one per rank, and across nodes one per node too
+/// (a token's node slot is its position among the tokens bound for that node).
+pub fn scan_columns(cfg: &EpConfig) -> usize {
+    if cfg.nodes() > 1 {
+        cfg.ranks + cfg.nodes()
+    } else {
+        cfg.ranks
+    }
+}
+
 /// Dynamic shared memory of the layout kernel: the E-bin histogram (16-byte aligned), one
-/// tile of LAYOUT_TILE tokens x (K | 1) int16 ids (16-byte aligned), then the tile's send
-/// slots, LAYOUT_TILE x R i32 (kernels/ht/layout.cuh layout_ids_offset, layout_slot_offset).
+/// tile of LAYOUT_TILE tokens x (K | 1) int16 ids (16-byte aligned), then the tile's slots,
+/// LAYOUT_TILE x columns i32 (kernels/ht/layout.cuh layout_ids_offset, layout_slot_offset).
 pub fn layout_smem_bytes(cfg: &EpConfig) -> u32 {
-    (align16(cfg.experts * 4) + align16(LAYOUT_TILE * (cfg.topk | 1) * 2) + LAYOUT_TILE * cfg.ranks * 4)
+    (align16(cfg.experts * 4) + align16(LAYOUT_TILE * (cfg.topk | 1) * 2) + LAYOUT_TILE * scan_columns(cfg) * 4)
         as u32
 }
 
@@ -27,12 +37,12 @@ pub fn layout_blocks(num_tokens: usize) -> u32 {
 }
 
 /// Bytes of the layout kernel's scan scratch (kScan* in abi/ht.h): `kScanHead` head words,
-/// the E-bin histogram (rounded to 8 bytes), then one u64 tile word per (tile, rank) for the
-/// most tiles `max_tokens_per_rank` can need. Zeroed once; the kernel leaves it so.
+/// the E-bin histogram (rounded to 8 bytes), then one u64 tile word per (tile, column) for
+/// the most tiles `max_tokens_per_rank` can need. Zeroed once; the kernel leaves it so.
 pub fn layout_scan_bytes(cfg: &EpConfig) -> usize {
     abi::K_SCAN_HEAD as usize * 4
         + cfg.experts.div_ceil(2) * 8
-        + layout_blocks(cfg.max_tokens_per_rank) as usize * cfg.ranks * 8
+        + layout_blocks(cfg.max_tokens_per_rank) as usize * scan_columns(cfg) * 8
 }
 
 /// Refuses configs the GPU HT path cannot run, naming the field.
@@ -57,6 +67,16 @@ pub fn check_gpu_config(cfg: &EpConfig, world: usize) -> Result<()> {
             "experts",
             cfg.experts,
             format!("the GPU HT path supports at most {MAX_EXPERTS} experts"),
+        ));
+    }
+    if cfg.nodes() > MAX_NODES {
+        return Err(Error::config(
+            "node_size",
+            cfg.ranks_per_node(),
+            format!(
+                "{} nodes: the GPU HT path across nodes supports at most {MAX_NODES}",
+                cfg.nodes()
+            ),
         ));
     }
     Ok(())
@@ -102,20 +122,58 @@ pub struct HtLayout {
     pub recv_src: usize,
     pub comb_x: usize,
     pub comb_w: usize,
+    /// Across nodes ([`NodeRegions`]); `None` on one node, whose layout it leaves unchanged.
+    pub nodes: Option<NodeRegions>,
     pub total: usize,
+}
+
+/// The window regions of HT across nodes (N nodes of G ranks, T = max_tokens_per_rank), after
+/// every one-node region; see the table in docs/protocol.md "CUDA HT across gin-ep nodes".
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeRegions {
+    /// `[R]` u64: word `r` counts rank `r`'s combine blocks that stored their gather rows
+    /// (LSA adds, cumulative).
+    pub gather_sig: usize,
+    /// `[N][T]` forward records received from the rail sources, `[node(src)][j]`.
+    pub fwd_in: usize,
+    /// `[N][T]` forward records this rank stages for its rail peers (GIN sources), `[n][j]`.
+    pub fwd_out: usize,
+    /// `[G][N][T]` gather rows (`part_rec` bytes) of this node's ranks, `[local][node][slot]`.
+    pub gather: usize,
+    /// `[N][T]` node partials this rank stages for its rail sources (GIN sources), `[n'][j]`.
+    pub part_out: usize,
+    /// `[N][T]` node partials received by this rank as the source, `[n][j]`.
+    pub comb_in: usize,
+    /// Bytes of one forward record: payload, FP8 scales, K global ids (i32), K weights (f32),
+    /// the source token (i32), G send slots (i32), padded to 16 (kernels/ht/nodes.cuh fwd_rec).
+    pub fwd_rec: usize,
+    /// Bytes of one gather row or node partial: `[H]` BF16 then `[K]` f32, padded to 16.
+    pub part_rec: usize,
+}
+
+impl NodeRegions {
+    /// Bytes of one forward record for `cfg`.
+    pub fn fwd_rec(cfg: &EpConfig) -> usize {
+        let (h, k, g) = (cfg.hidden, cfg.topk, cfg.ranks_per_node());
+        let (row, scales) = if cfg.dispatch_dtype.is_fp8() {
+            (h, h / FP8_BLOCK * 4)
+        } else {
+            (h * 2, 0)
+        };
+        align16(row + scales + k * 8 + 4 + g * 4)
+    }
+
+    /// Bytes of one gather row or node partial for `cfg`.
+    pub fn part_rec(cfg: &EpConfig) -> usize {
+        align16(cfg.hidden * 2 + cfg.topk * 4)
+    }
 }
 
 impl HtLayout {
     /// The layout for `cfg` with `slabs` receive slabs (1..=[`MAX_RECV_SLABS`]).
     pub fn new(cfg: &EpConfig, slabs: usize) -> Result<HtLayout> {
         check_recv_slabs(slabs)?;
-        let (r, t, h, k, e) = (
-            cfg.ranks,
-            cfg.max_tokens_per_rank,
-            cfg.hidden,
-            cfg.topk,
-            cfg.experts,
-        );
+        let (r, t, h, k) = (cfg.ranks, cfg.max_tokens_per_rank, cfg.hidden, cfg.topk);
         let rows = r
             .checked_mul(t)
             .ok_or_else(|| Error::config("max_tokens_per_rank", t, "too large"))?;
@@ -131,8 +189,9 @@ impl HtLayout {
         let count_sig = take(r * 8)?;
         let disp_sig = take(r * MAX_GRID as usize * 8)?;
         let bar = take(r * MAX_GRID as usize * 8)?;
-        // Row s: tokens_per_rank[R], tokens_per_expert[E], then the tokens s's caller passed.
-        let counts = take(r * (r + e + 1) * 4)?;
+        // Row s: tokens_per_rank[R], tokens_per_expert[E], (across nodes: tokens_per_node[N],)
+        // then the tokens s's caller passed.
+        let counts = take(r * count_row_stride(cfg) * 4)?;
         let recv_slab = take(r * 4)?;
         let comb_stage = take(r * (STAGE_CHUNKS + 2) * 8)?;
         // Large regions (and every slab) start on their own 4 KiB page.
@@ -148,6 +207,34 @@ impl HtLayout {
         let _ = take(slab_bytes * slabs - (slab_end - recv_x))?;
         let comb_x = take(rows * h * 2)?;
         let comb_w = take(rows * k * 4)?;
+        let nodes = if cfg.nodes() > 1 {
+            let (n, g) = (cfg.nodes(), cfg.ranks_per_node());
+            let (fwd_rec, part_rec) = (NodeRegions::fwd_rec(cfg), NodeRegions::part_rec(cfg));
+            let gather_sig = take(r * 8)?;
+            let _ = take(page(gather_sig + align16(r * 8)))?;
+            let recs = |what: usize, per: usize| {
+                what.checked_mul(t)
+                    .and_then(|x| x.checked_mul(per))
+                    .ok_or_else(|| Error::config("max_tokens_per_rank", t, "window size overflows"))
+            };
+            let fwd_in = take(recs(n, fwd_rec)?)?;
+            let fwd_out = take(recs(n, fwd_rec)?)?;
+            let gather = take(recs(g * n, part_rec)?)?;
+            let part_out = take(recs(n, part_rec)?)?;
+            let comb_in = take(recs(n, part_rec)?)?;
+            Some(NodeRegions {
+                gather_sig,
+                fwd_in,
+                fwd_out,
+                gather,
+                part_out,
+                comb_in,
+                fwd_rec,
+                part_rec,
+            })
+        } else {
+            None
+        };
         Ok(HtLayout {
             count_sig,
             disp_sig,
@@ -164,15 +251,33 @@ impl HtLayout {
             recv_src,
             comb_x,
             comb_w,
+            nodes,
             total: at.max(16),
         })
     }
 }
 
+/// u32 words from one count row to the next: `R + E + 1` on one node; across nodes
+/// `R + E + N + 1` rounded up to 4 (a row is put whole over GIN, 16-byte aligned).
+pub fn count_row_stride(cfg: &EpConfig) -> usize {
+    let (r, e) = (cfg.ranks, cfg.experts);
+    if cfg.nodes() > 1 {
+        (r + e + cfg.nodes() + 1).div_ceil(4) * 4
+    } else {
+        r + e + 1
+    }
+}
+
 /// Words of the device plan: head, src_offset[R+1], send_base[R], tokens_per_rank[R],
-/// tokens_per_expert[E], local[L], aligned[L], rank_prefix_matrix[R*R].
+/// tokens_per_expert[E], local[L], aligned[L], rank_prefix_matrix[R*R]; across nodes then
+/// tokens_per_node[N], rail_count[N], rail_base[N*G] (abi/ht.h).
 pub fn plan_words(cfg: &EpConfig) -> usize {
-    plan_rank_prefix(cfg) + cfg.ranks * cfg.ranks
+    let rail = if cfg.nodes() > 1 {
+        2 * cfg.nodes() + cfg.ranks
+    } else {
+        0
+    };
+    plan_rank_prefix(cfg) + cfg.ranks * cfg.ranks + rail
 }
 
 /// The plan word where `rank_prefix_matrix[R*R]` (DeepEP's, row-major) starts.

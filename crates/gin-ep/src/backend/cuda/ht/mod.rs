@@ -52,8 +52,8 @@ pub mod variant;
 
 pub use io::{HtBuf, HtIo};
 pub use layout::{
-    check_gpu_config, layout_blocks, layout_scan_bytes, layout_smem_bytes, plan_words, HtLayout,
-    MAX_RECV_SLABS, STAGE_CHUNKS,
+    check_gpu_config, count_row_stride, layout_blocks, layout_scan_bytes, layout_smem_bytes, plan_words,
+    scan_columns, HtLayout, NodeRegions, MAX_RECV_SLABS, STAGE_CHUNKS,
 };
 pub use variant::HtVariant;
 #[cfg(feature = "harness")]
@@ -65,6 +65,18 @@ pub const MAX_RANKS: usize = abi::K_MAX_RANKS as usize;
 pub const MAX_GRID: u32 = abi::K_MAX_GRID as u32;
 /// Most experts (`kMaxExperts`: the layout kernel's histogram lives in shared memory).
 pub const MAX_EXPERTS: usize = abi::K_MAX_EXPERTS as usize;
+/// Most gin-ep nodes of HT across nodes (`kMaxNodes`: node masks are 32-bit).
+pub const MAX_NODES: usize = abi::K_MAX_NODES as usize;
+/// Threads per block of the kernels across nodes but the layout kernel (`kNodesThreads`).
+const NODES_THREADS: u32 = abi::K_NODES_THREADS as u32;
+/// GIN signals of HT across nodes per rank of the group (`kHtGinKinds`).
+const GIN_KINDS: usize = abi::K_HT_GIN_KINDS as usize;
+
+/// Why HT across gin-ep nodes is refused outside the harness (the Python `Buffer`, the C API).
+pub const ACROSS_NODES_UNCHECKED: &str = "HT across gin-ep nodes (GIN between nodes, stores inside) is \
+     implemented in the CUDA kernels but not yet checked on a GPU; only the harness (`gin-ep check \
+     --mode ht` with --vnodes/--node-size) enables it (HtGpuOptions::across_nodes, \
+     EpOptions::ht_across_nodes)";
 /// The layout kernel's host-mapped copy of the aligned rows per local expert (at most
 /// MAX_EXPERTS local experts, on one rank).
 #[derive(Clone, Copy)]
@@ -119,8 +131,12 @@ pub struct HtGpuOptions {
     /// dispatch lands in the slab its receiver names ([`HtIo::recv_slab`]), so the rows of
     /// earlier dispatches in other slabs stay intact while a caller still holds them.
     pub recv_slabs: usize,
-    /// The launch's node topology, equal on every rank (HT needs one node of every rank).
+    /// The launch's node topology, equal on every rank. HT runs on one node of every rank,
+    /// or across the gin-ep nodes of `topology.node_size` ranks when `across_nodes` is set
+    /// and the config names the same size (`EpConfig::node_size`).
     pub topology: RankTopology,
+    /// Allows HT across gin-ep nodes ([`ACROSS_NODES_UNCHECKED`] says why it is opt-in).
+    pub across_nodes: bool,
 }
 
 impl Default for HtGpuOptions {
@@ -131,8 +147,38 @@ impl Default for HtGpuOptions {
             variant: HtVariant::default(),
             recv_slabs: 1,
             topology: RankTopology::default(),
+            across_nodes: false,
         }
     }
+}
+
+/// Whether `cfg` may run on the GPU with `opts`: one node always; across nodes
+/// (`EpConfig::node_size` < ranks) only with the opt-in and a launch whose gin-ep nodes are
+/// the config's (`topology.node_size` = `node_size`: the kernels' stores reach exactly the
+/// ranks the routing calls one node).
+pub fn check_across_nodes(cfg: &EpConfig, opts: &HtGpuOptions) -> Result<()> {
+    if cfg.nodes() == 1 {
+        return Ok(());
+    }
+    if !opts.across_nodes {
+        return Err(Error::Unavailable {
+            backend: "cuda",
+            reason: ACROSS_NODES_UNCHECKED.into(),
+        });
+    }
+    let g = cfg.ranks_per_node();
+    if opts.topology.node_size != Some(g) {
+        return Err(Error::config(
+            "node_size",
+            g,
+            format!(
+                "the launch's gin-ep nodes are {:?} ranks (topology.node_size): HT across nodes \
+                 needs the config's node size there too",
+                opts.topology.node_size
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// A combine kernel's CTAs: `grid` in all, `pull` of them reduce, `stage` move the caller's
@@ -225,15 +271,23 @@ pub struct HtGpuHandle {
 struct LayoutSlot {
     send_slot: DeviceBuffer,
     plan: DeviceBuffer,
+    /// Across nodes: node slots `[T][N]` and the rail table `[N][T][G]` (the slots of each
+    /// rail source's records, for combine and cached dispatch).
+    node_slot: Option<DeviceBuffer>,
+    rail_slots: Option<DeviceBuffer>,
     /// One reference here, one per live handle clone.
     hold: Arc<()>,
 }
 
 impl LayoutSlot {
     fn new(rank: &CudaRank, cfg: &EpConfig) -> Result<LayoutSlot> {
+        let (t, n) = (cfg.max_tokens_per_rank, cfg.nodes());
+        let across = |bytes: usize| (n > 1).then(|| rank.alloc(bytes.max(16))).transpose();
         Ok(LayoutSlot {
-            send_slot: rank.alloc((cfg.max_tokens_per_rank * cfg.ranks * 4).max(16))?,
+            send_slot: rank.alloc((t * cfg.ranks * 4).max(16))?,
             plan: rank.alloc((plan_words(cfg) * 4).max(16))?,
+            node_slot: across(t * n * 4)?,
+            rail_slots: across(n * t * cfg.ranks_per_node() * 4)?,
             hold: Arc::new(()),
         })
     }
@@ -284,6 +338,40 @@ pub struct CudaHt {
     /// The receive slab of the last dispatch (fresh or cached).
     last_slab: usize,
     failed: bool,
+    /// Across nodes: the cumulative targets of this rank's waits (None on one node).
+    targets: Option<NodeTargets>,
+}
+
+/// What this rank's waits across nodes wait for, cumulative over the object's operations and
+/// advanced alike on every rank (kernels/abi/ht.h kHtGin*): GIN signals from each remote rank
+/// (count rows: one per fresh dispatch; records: one per dispatch; partials: one per combine;
+/// barrier: one per barrier) and the LSA gather words (one per combine block).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeTargets {
+    pub count: u64,
+    pub fwd: u64,
+    pub part: u64,
+    pub bar: u64,
+    pub gather: u64,
+}
+
+impl NodeTargets {
+    /// After a fresh (`cached` false) or cached dispatch.
+    pub fn dispatch(&mut self, cached: bool) {
+        if cached {
+            self.bar += 1;
+        } else {
+            self.count += 1;
+        }
+        self.fwd += 1;
+    }
+
+    /// After a combine of `grid` blocks.
+    pub fn combine(&mut self, grid: u32) {
+        self.bar += 1;
+        self.gather += u64::from(grid);
+        self.part += 1;
+    }
 }
 
 impl CudaHt {
@@ -293,14 +381,41 @@ impl CudaHt {
         check_gpu_config(cfg, world)?;
         opts.validate()?;
         opts.topology.validate(world)?;
+        check_across_nodes(cfg, &opts)?;
+        let across = cfg.nodes() > 1;
         let lay = HtLayout::new(cfg, opts.recv_slabs)?;
+        // The window first: GIN registers the windows that exist when the communicator that
+        // asks for GIN signals is made.
         let window = rank.window(lay.total)?;
         let dev_comm = rank.dev_comm(DevCommRequest {
             lsa_barriers: 1,
-            gin_signals: 0,
+            gin_signals: if across {
+                u32::try_from(GIN_KINDS * cfg.ranks)
+                    .map_err(|_| Error::config("ranks", cfg.ranks, "too many for the HT GIN signals"))?
+            } else {
+                0
+            },
         })?;
-        let fabric = NodeFabric::new(rank, &window, &dev_comm, &opts.topology, "HT", true)?;
-        let me = fabric.rank as usize;
+        let fabric = NodeFabric::new(rank, &window, &dev_comm, &opts.topology, "HT", !across).map_err(|e| match e {
+            Error::Unavailable { backend, reason } => Error::Unavailable {
+                backend,
+                reason: format!("{reason}. {ACROSS_NODES_UNCHECKED}"),
+            },
+            e => e,
+        })?;
+        if across {
+            if fabric.size as usize != cfg.ranks_per_node() {
+                return Err(Error::config(
+                    "node_size",
+                    cfg.ranks_per_node(),
+                    format!("this rank's gin-ep node has {} ranks", fabric.size),
+                ));
+            }
+            // A missed deadline names the late peer's node.
+            rank.set_node_size(cfg.ranks_per_node());
+            rank.set_max_smem(names::HT_LAYOUT_COUNT_NODES, layout_smem_bytes(cfg))?;
+        }
+        let me = (if across { fabric.first + fabric.rank } else { fabric.rank }) as usize;
         let (t, h, k) = (cfg.max_tokens_per_rank, cfg.hidden, cfg.topk);
         let alloc = |n: usize| rank.alloc(n.max(16));
         rank.set_max_smem(names::HT_LAYOUT_COUNT, layout_smem_bytes(cfg))?;
@@ -334,7 +449,27 @@ impl CudaHt {
             bar_epoch: 0,
             last_slab: 0,
             failed: false,
+            targets: across.then(NodeTargets::default),
         })
+    }
+
+    /// Whether this object runs HT across gin-ep nodes.
+    pub fn across_nodes(&self) -> bool {
+        self.targets.is_some()
+    }
+
+    /// Before the object is dropped (collective, after every rank's last operation): zeroes
+    /// this rank's GIN signals across nodes, which NCCL hands to the next device communicator
+    /// as they are, while every HT target starts at 0 (as LL's teardown). Nothing to do on
+    /// one node or after a failure (the communicator is then aborted).
+    pub fn release(&mut self, q: Queue<'_>) -> Result<()> {
+        if !self.across_nodes() || self.failed || q.rank().comm().failed() {
+            return Ok(());
+        }
+        let io = HtIo::default();
+        let args = self.args(q.rank(), &io, self.cur, 0, DTYPE_BF16, 0, 0, 0);
+        self.launch(q, names::HT_RESET_GIN, 1, NODES_THREADS, &args)?;
+        q.wait("HT GIN signal reset")
     }
 
     pub fn config(&self) -> &EpConfig {
@@ -422,6 +557,8 @@ impl CudaHt {
     ) -> HtArgs {
         let l = &self.lay;
         let timeout_ns = u64::try_from(rank.options().kernel_timeout.as_nanos()).unwrap_or(u64::MAX);
+        let (across, n, t) = (self.across_nodes(), l.nodes, self.targets.unwrap_or_default());
+        let ls = &self.slots[slot];
         HtArgs {
             comm: self.dev_comm.raw(),
             win: self.window.raw(),
@@ -476,11 +613,29 @@ impl CudaHt {
             off_comb_stage: l.comb_stage as u64,
             pull_blocks: self.grid(),
             peer_stride4g: self.fabric.stride4g,
-            rank: self.fabric.rank as i32,
-            ranks: self.fabric.size as i32,
+            // One node: node ranks; across nodes: group ranks, the node beside them.
+            rank: self.me as i32,
+            ranks: if across { self.cfg.ranks } else { self.fabric.size as usize } as i32,
             peer_base: self.fabric.base,
             caller_tokens: num_tokens as u32,
             pad_caller: 0,
+            node_first: if across { self.fabric.first as i32 } else { 0 },
+            node_size: self.fabric.size as i32,
+            off_fwd_in: n.map_or(0, |n| n.fwd_in as u64),
+            off_fwd_out: n.map_or(0, |n| n.fwd_out as u64),
+            off_gather: n.map_or(0, |n| n.gather as u64),
+            off_part_out: n.map_or(0, |n| n.part_out as u64),
+            off_comb_in: n.map_or(0, |n| n.comb_in as u64),
+            off_gather_sig: n.map_or(0, |n| n.gather_sig as u64),
+            fwd_rec: n.map_or(0, |n| n.fwd_rec as u32),
+            part_rec: n.map_or(0, |n| n.part_rec as u32),
+            node_slot: ls.node_slot.as_ref().map_or(0, |b| b.region().ptr),
+            rail_slots: ls.rail_slots.as_ref().map_or(0, |b| b.region().ptr),
+            gin_count_target: t.count,
+            gin_fwd_target: t.fwd,
+            gin_part_target: t.part,
+            gin_bar_target: t.bar,
+            gather_target: t.gather,
         }
     }
 
@@ -492,6 +647,24 @@ impl CudaHt {
         }
         let (name, _) = v.dispatch_kernel().unwrap_or((names::HT_DISPATCH, 512));
         (name, v.dispatch_threads)
+    }
+
+    /// Queues the dispatch kernels after the layout kernel (fresh) or alone (cached): one
+    /// node, the variant's kernel; across nodes, the send kernel then the forward kernel.
+    fn launch_dispatch(&self, q: Queue<'_>, dtype: u32, args: &HtArgs) -> Result<()> {
+        let grid = self.grid();
+        if self.across_nodes() {
+            let send = if dtype == DTYPE_FP8 || dtype == DTYPE_FP8_UE8M0 {
+                names::HT_DISPATCH_NODES_SEND_QUANT
+            } else {
+                names::HT_DISPATCH_NODES_SEND
+            };
+            self.launch(q, send, grid, NODES_THREADS, args)?;
+            self.launch(q, names::HT_EXCHANGE_RECORDS, 1, NODES_THREADS, args)?;
+            return self.launch(q, names::HT_DISPATCH_NODES_FORWARD, grid, NODES_THREADS, args);
+        }
+        let (kname, threads) = self.dispatch_kernel(dtype);
+        self.launch(q, kname, grid, threads, args)
     }
 
     fn combine_kernel(&self) -> (&'static str, u32) {
@@ -566,6 +739,9 @@ impl CudaHt {
         };
         self.seq += 1;
         self.cur = slot;
+        if let Some(t) = self.targets.as_mut() {
+            t.dispatch(false);
+        }
         self.plan_host.write([u32::MAX, 0, 0, 0]);
         let mut args = self.args(
             q.rank(),
@@ -586,7 +762,11 @@ impl CudaHt {
             // layout_smem_bytes in `new`.
             unsafe {
                 q.launch_smem(
-                    names::HT_LAYOUT_COUNT,
+                    if self.across_nodes() {
+                        names::HT_LAYOUT_COUNT_NODES
+                    } else {
+                        names::HT_LAYOUT_COUNT
+                    },
                     layout_blocks(laid_out),
                     LAYOUT_TILE as u32,
                     layout_smem_bytes(&self.cfg),
@@ -607,10 +787,8 @@ impl CudaHt {
         // slab sized for the worst case, so nothing it needs comes from the host. Exact
         // sizing then waits for the published plan head while the dispatch runs: the host
         // round trip (status poll, then a launch) is off the GPU's critical path.
-        let grid = self.grid();
-        let (kname, threads) = self.dispatch_kernel(dtype);
         let out = self
-            .launch(q, kname, grid, threads, &args)
+            .launch_dispatch(q, dtype, &args)
             .and_then(|_| match events {
                 Some(ev) => q.record(ev.end),
                 None => Ok(()),
@@ -681,6 +859,9 @@ impl CudaHt {
         self.check_io(io, handle.num_tokens, dtype)?;
         self.seq += 1;
         self.bar_epoch += 1;
+        if let Some(t) = self.targets.as_mut() {
+            t.dispatch(true);
+        }
         let args = self.args(
             q.rank(),
             io,
@@ -691,13 +872,15 @@ impl CudaHt {
             self.bar_epoch,
             self.opts.variant.dispatch_chunk,
         );
-        let grid = self.grid();
-        let (kname, threads) = self.dispatch_kernel(dtype);
         let out = (|| {
             if let Some((s, _)) = events {
                 q.record(s)?;
             }
-            self.launch(q, kname, grid, threads, &args)?;
+            if self.across_nodes() {
+                // Across nodes the barrier is a kernel of its own (kernels/ht/nodes.cuh).
+                self.launch(q, names::HT_NODE_BARRIER, 1, NODES_THREADS, &args)?;
+            }
+            self.launch_dispatch(q, dtype, &args)?;
             if let Some((_, e)) = events {
                 q.record(e)?;
             }
@@ -726,7 +909,9 @@ impl CudaHt {
         let slot = self.check_handle(handle)?;
         self.check_io(io, handle.num_tokens, DTYPE_BF16)?;
         let mut flags = 0;
-        let blocks = self.opts.combine_blocks(io.comb_x.is_some());
+        let across = self.across_nodes();
+        // Across nodes each rank pushes its own rows: the caller's memory is read in place.
+        let blocks = self.opts.combine_blocks(io.comb_x.is_some() && !across);
         if let Some(sp) = io.comb_x {
             // Static sizing leaves the received count on the device: the caller's input
             // then covers the worst case, of which the kernel reads the received rows.
@@ -735,7 +920,9 @@ impl CudaHt {
                 .unwrap_or(self.cfg.ranks * self.cfg.max_tokens_per_rank);
             let need = rows * self.cfg.hidden * 2;
             sp.require("HT combine x", need)?;
-            if blocks.stage > 0 {
+            if across {
+                flags |= FLAG_STAGE;
+            } else if blocks.stage > 0 {
                 flags |= FLAG_STAGE;
                 if self.opts.variant.combine_push {
                     flags |= FLAG_PUSH;
@@ -753,7 +940,11 @@ impl CudaHt {
         }
         self.seq += 1;
         let epoch = self.bar_epoch + 1;
-        self.bar_epoch += 2;
+        // One node: start and end barriers; across nodes: the start barrier only.
+        self.bar_epoch += if across { 1 } else { 2 };
+        if let Some(t) = self.targets.as_mut() {
+            t.combine(blocks.grid);
+        }
         if extras.weights {
             flags |= FLAG_WEIGHTS;
         }
@@ -781,7 +972,14 @@ impl CudaHt {
             if let Some((s, _)) = events {
                 q.record(s)?;
             }
-            self.launch(q, kname, blocks.grid, threads, &args)?;
+            if across {
+                self.launch(q, names::HT_NODE_BARRIER, 1, NODES_THREADS, &args)?;
+                self.launch(q, names::HT_COMBINE_NODES_REDUCE, blocks.grid, NODES_THREADS, &args)?;
+                self.launch(q, names::HT_EXCHANGE_PARTIALS, 1, NODES_THREADS, &args)?;
+                self.launch(q, names::HT_COMBINE_NODES_SUM, blocks.grid, NODES_THREADS, &args)?;
+            } else {
+                self.launch(q, kname, blocks.grid, threads, &args)?;
+            }
             if let Some((_, e)) = events {
                 q.record(e)?;
             }
