@@ -154,7 +154,7 @@ struct HtArgs {
   uint32_t fwd_rec;         // bytes per forward record (16-byte multiple)
   uint32_t part_rec;        // bytes per gather row and node partial: [H] bf16, [K] f32 (16-byte multiple)
   int32_t* node_slot;       // [T][N] layout slot: record index of token t for node n, or -1
-  int32_t* rail_slots;      // [N][T][G] layout slot: slots of record j of the rail source on node n'
+  int32_t* rail_slots;      // [N][T][G + 1] layout slot: slots, then the token, of record j of node n's rail source
   uint64_t gin_count_target;  // kHtGinCount of every remote source reaches this (this launch)
   uint64_t gin_fwd_target;    // kHtGinFwd of every remote rail source
   uint64_t gin_part_target;   // kHtGinPart of every remote rail peer

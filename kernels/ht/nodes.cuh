@@ -17,7 +17,8 @@
 //    node that needs it (with the receive metadata when fresh), and as record j = node_slot[t][n]
 //    into this rank's fwd_out [n][j] for every other node n that needs it (payload, scales, the
 //    K global ids as i32, the K weights, the token, its G send slots on n's ranks); fresh: this
-//    node's own rail table (the slots of its records for this node) into rail_slots [node].
+//    node's own rail table (the slots and token of its records for this node) into
+//    rail_slots [node].
 //    Then slot (me, block) of every local rank's dispatch signal. gin_ep_ht_exchange_records (every
 //    record is in once the send kernel has ended) puts fwd_out [n][0, tokens_per_node[n])
 //    whole into the rail peer's fwd_in [node][..] for each other node n, with kHtGinFwd + 1
@@ -26,7 +27,7 @@
 //    (phase forward, the source named), then its records j (fresh: the count exchange's
 //    rail_count; cached: the same plan) strided over all warps: the row into row
 //    rail_base[n][l'] + slot[l'] of every local rank l' with a slot (fresh: with that rank's
-//    local expert ids and weights and the source token, and the slots into rail_slots [n][j]
+//    local expert ids and weights and the source token, and slots and token into rail_slots [n][j]
 //    for combine and cached dispatch; cached: the slots from rail_slots). Then slot
 //    (source, block) of every local rank's dispatch signal.
 // 4. receive: block b waits for slot (s, b) of every source s (a late source of another node
@@ -339,7 +340,11 @@ __device__ __forceinline__ void dispatch_nodes_send(const HtArgs& a) {
         // This rank's own records for its node: what its combine reduces as its own rail peer.
         const int j0 = __shfl_sync(0xFFFFFFFFu, ns, g.node);
         const int32_t s = __shfl_sync(0xFFFFFFFFu, slot, g.first + (lane % G));
-        if (j0 >= 0 && lane < G) a.rail_slots[(size_t(g.node) * T + size_t(j0)) * G + lane] = s;
+        if (j0 >= 0) {
+          int32_t* tab = a.rail_slots + (size_t(g.node) * T + size_t(j0)) * (G + 1);
+          if (lane < G) tab[lane] = s;  // the G slots, then the token
+          if (lane == 0) tab[G] = t;
+        }
       }
     }
   }
@@ -398,12 +403,13 @@ __device__ __forceinline__ void dispatch_nodes_forward(const HtArgs& a) {
       const uint32_t cnt = rail_count[n];
       for (int j = gw; j < int(cnt); j += nw) {
         const char* rec = fwd_in + (size_t(n) * T + size_t(j)) * frb;
-        int32_t* tab = a.rail_slots + (size_t(n) * T + size_t(j)) * G;
+        int32_t* tab = a.rail_slots + (size_t(n) * T + size_t(j)) * (G + 1);
         int32_t sl = -1;
         if (lane < G) {
           sl = cached ? tab[lane] : reinterpret_cast<const volatile int32_t*>(rec + fr.slots)[lane];
           if (!cached) tab[lane] = sl;
         }
+        if (!cached && lane == 0) tab[G] = reinterpret_cast<const volatile int32_t*>(rec + fr.tok)[0];
         const uint64_t row = sl >= 0 ? uint64_t(rail_base[n * G + lane]) + uint64_t(sl) : 0ull;
         // A corrupt record must never make this rank write past a receiver's capacity.
         const bool bad = sl >= 0 && (uint32_t(sl) >= T || row >= cap);
@@ -568,7 +574,7 @@ __device__ __forceinline__ void combine_nodes_reduce(const HtArgs& a) {
                                     : fab.ptr(a.off_part_out, me) + size_t(n) * T * prb;
       for (int j = gw; j < int(cnt); j += nw) {
         int32_t sl = -1;
-        if (lane < G) sl = a.rail_slots[(size_t(n) * T + size_t(j)) * G + lane];
+        if (lane < G) sl = a.rail_slots[(size_t(n) * T + size_t(j)) * (G + 1) + lane];
         const uint32_t lm = __ballot_sync(0xFFFFFFFFu, sl >= 0 && uint32_t(sl) < T);
         uint64_t my_src = 0;
         if (sl >= 0) my_src = reinterpret_cast<uint64_t>(gather + ((size_t(lane) * NN + n) * T + size_t(sl)) * prb);

@@ -239,6 +239,7 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
             gpus,
             &a.shape,
             a.mode == Mode::Ll || a.shape.vnodes.is_none_or(|k| k <= 1),
+            false,
         )?;
     }
     let ranks = world.or(a.ranks).unwrap_or(4);

@@ -527,7 +527,7 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
         Mode::Gin => return crate::check_gin::run(a, gpus),
     };
     let world = gpus::set_topology(gpus, &a.shape)?;
-    gpus::refuse_lsa_only(crate::applies::mode_name(a_mode), gpus, &a.shape, true)?;
+    gpus::refuse_lsa_only(crate::applies::mode_name(a_mode), gpus, &a.shape, true, true)?;
     if let Some(spec) = &a.stall {
         return run_stall(a, gpus, world, spec);
     }

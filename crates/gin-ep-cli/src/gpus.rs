@@ -73,13 +73,23 @@ pub fn set_topology(gpus: usize, shape: &LaunchShape) -> CliResult<usize> {
 /// when this host holds several NCCL nodes (`--vnodes K > 1` or `--nccl-node-size`: they load
 /// the project's plugin); otherwise the processes of one host share one NCCL node, where GIN
 /// has no network.
-pub fn refuse_lsa_only(mode: &str, gpus: usize, shape: &LaunchShape, node_launch: bool) -> CliResult {
+/// `ht_across`: HT may run across gin-ep nodes of `--node-size` ranks (the check only: HT
+/// across nodes is not yet run on a GPU, the check is how it gets there).
+pub fn refuse_lsa_only(
+    mode: &str,
+    gpus: usize,
+    shape: &LaunchShape,
+    node_launch: bool,
+    ht_across: bool,
+) -> CliResult {
     let (vnodes, node_size) = (shape.vnodes, shape.node_size);
     let why = if mode == "ll" {
         "LL crosses gin-ep nodes over GIN, which needs several NCCL nodes here (--vnodes K > 1, or \
          --nccl-node-size) to load the project's plugin"
     } else {
-        "HT reaches peers by load/store only, so every rank must be in one gin-ep node"
+        "HT reaches peers by load/store only here, so every rank must be in one gin-ep node \
+         (HT across gin-ep nodes runs in `gin-ep check --mode ht --node-size G` only: not yet \
+         run on a GPU)"
     };
     let world = gpus * vnodes.unwrap_or(1);
     // Several NCCL nodes on this host (the project's plugin is loaded): set_topology ran first.
@@ -88,6 +98,8 @@ pub fn refuse_lsa_only(mode: &str, gpus: usize, shape: &LaunchShape, node_launch
         return match node_size {
             _ if mode == "ll" => Ok(()),
             Some(m) if m == world => Ok(()),
+            // Nodes of m ranks, stores inside, GIN across (TopologyShape checked m divides).
+            Some(_) if mode == "ht" && ht_across => Ok(()),
             Some(m) => Err(CliError::Usage(format!(
                 "--node-size {m} does not apply to --mode {mode} across NCCL nodes (--vnodes, \
                  --nccl-node-size): {why}. Use \

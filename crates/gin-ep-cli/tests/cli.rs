@@ -836,20 +836,21 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
             &["check", "--gpus", "1", "--vnodes", "2"],
             &["--mode ht across NCCL nodes (--vnodes, --nccl-node-size) needs --node-size 2"],
         ),
-        // HT across gin-ep nodes; HT bench on virtual nodes (LL takes any node size).
+        // HT bench across gin-ep nodes and on virtual nodes (`check` runs HT across gin-ep
+        // nodes; LL takes any node size).
         (
             &[
-                "check",
+                "bench",
                 "--gpus",
-                "1",
-                "--vnodes",
                 "2",
+                "--nccl-node-size",
+                "1",
                 "--node-size",
                 "1",
                 "--mode",
                 "ht",
             ],
-            &["--node-size 1", "Use --node-size 2", lsa],
+            &["--node-size 1", "Use --node-size 2", lsa, "gin-ep check"],
         ),
         (
             &["check", "--gpus", "2", "--node-size", "1"],

@@ -236,6 +236,26 @@ pub struct CudaEngine {
 // module comment.
 unsafe impl Send for CudaEngine {}
 
+impl Drop for CudaEngine {
+    /// HT across nodes leaves GIN signals that the next device communicator would inherit:
+    /// they are zeroed first (CudaHt::release). A failure leaves the communicator to be
+    /// aborted rather than finalized.
+    fn drop(&mut self) {
+        let Some(h) = self.ht.as_mut() else {
+            return;
+        };
+        if let Err(e) = self
+            .rank
+            .run(0, |q| h.release(q).inspect_err(|_| q.rank().comm().mark_failed()))
+        {
+            eprintln!(
+                "gin-ep: rank {}: {e}; the communicator will be aborted",
+                self.rank.info().rank
+            );
+        }
+    }
+}
+
 impl CudaEngine {
     /// Collective: the HT object (when `ht` is given) and the LL object (when `ll` is given:
     /// its grid, None = every SM) for `cfg` on a launch of topology `topo`. The LL kernel
@@ -247,14 +267,23 @@ impl CudaEngine {
         ht: Option<HtGpuOptions>,
         ll: Option<Option<u32>>,
     ) -> Result<Self> {
-        // Every rank has the same config, so every rank refuses here together.
+        // Every rank has the same config and options, so every rank refuses here together:
+        // HT across gin-ep nodes only with its opt-in (the harness's), and nothing else takes
+        // a config of several nodes (LL finds its nodes in the launch topology).
         if let Some(g) = cfg.node_size.filter(|_| cfg.nodes() > 1) {
-            return Err(Error::config(
-                "node_size",
-                g,
-                "HT across gin-ep nodes runs on the host backend only; the CUDA kernels \
-                 do not implement it yet (the GPU's nodes come from the launch topology)",
-            ));
+            match (ht, ll) {
+                (Some(o), None) => {
+                    crate::backend::cuda::ht::check_across_nodes(cfg, &HtGpuOptions { topology: *topo, ..o })?
+                }
+                _ => {
+                    return Err(Error::config(
+                        "node_size",
+                        g,
+                        "only an HT-only Ep groups ranks into nodes by the config (LL's nodes \
+                         come from the launch topology)",
+                    ))
+                }
+            }
         }
         let (hto, llo) = rank.run(0, |q| {
             let r = q.rank();

@@ -112,13 +112,23 @@ pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) 
     } else {
         LlCombineOrder::Topk
     };
-    let case = small_case(r, order, 0x57A11);
+    let mut case = small_case(r, order, 0x57A11);
+    let topology = RankTopology::from_env()?;
+    if !op.is_ll() {
+        // HT across the launch's gin-ep nodes when they hold fewer ranks than the group.
+        case.cfg = super::ht_node_config(&case.cfg, &topology);
+    }
     let cfg = &case.cfg;
     let ins = case_inputs(&case, 0);
     if op.is_ll() {
         return stall_check_ll(group, &gpu, cfg, &ins[me], stall, op, timeout);
     }
-    let ep = Ep::join(group, cfg, &Backend::Cuda(gpu.clone()), &ht_options(timeout)?)?;
+    let ep = Ep::join(
+        group,
+        cfg,
+        &Backend::Cuda(gpu.clone()),
+        &ht_options(cfg, topology, timeout),
+    )?;
     let inp = &ins[me];
     let n = inp.topk_idx.len() / cfg.topk;
     // Caller tensors outlive the check: a kernel may still use them after a failure.
@@ -165,16 +175,17 @@ pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) 
     verdict
 }
 
-/// The HT `Ep` options of the never-hang check: host waits bounded by `timeout`, the
-/// topology of the launch's environment.
-fn ht_options(timeout: Duration) -> Result<EpOptions> {
-    Ok(EpOptions {
+/// The HT `Ep` options of the never-hang check for `cfg`: host waits bounded by `timeout`,
+/// the launch's topology, HT across nodes when `cfg` spans several.
+fn ht_options(cfg: &EpConfig, topology: RankTopology, timeout: Duration) -> EpOptions {
+    EpOptions {
         ht: true,
         ll: false,
         timeout,
-        topology: RankTopology::from_env()?,
+        topology,
+        ht_across_nodes: cfg.nodes() > 1,
         ..EpOptions::default()
-    })
+    }
 }
 
 /// One LL dispatch + combine through `ep` (outputs in the `Ep`'s own buffers), optionally

@@ -12,9 +12,9 @@ use super::{plan_words, CudaHt, HtGpuHandle, DTYPE_FP8_PRE, PLAN_HEAD, POISON};
 use crate::backend::cuda::runtime::{DeviceBuffer, DeviceRegion, ExternalSpan, Queue};
 use crate::config::FP8_BLOCK;
 use crate::error::{Error, Result};
-use crate::ht::{HtCombineOutput, HtDispatchOutput, HtRouting};
+use crate::ht::{HtCombineOutput, HtDispatchOutput, HtRouting, RailPlan};
 use crate::quant::Rows;
-use crate::routing::{RankLayout, RecvPlan};
+use crate::routing::{ForwardTable, RankLayout, RecvPlan};
 
 /// A buffer of [`CudaHt`] that an embedding (the Python extension) copies into or out of
 /// with device-to-device copies on its stream ([`CudaHt::buffer`]).
@@ -451,6 +451,7 @@ impl CudaHt {
         let local: Vec<usize> = take(l_n).into_iter().map(|v| v as usize).collect();
         let aligned: Vec<usize> = take(l_n).into_iter().map(|v| v as usize).collect();
         let rank_prefix_matrix = take(r_n * r_n);
+        let rail = self.download_rail(q, slot, take(2 * self.cfg.nodes() + r_n))?;
         let send_slot: Vec<i32> = self.download_vec(
             q,
             self.slots[slot].send_slot.region().sub(0, n * r_n * 4)?,
@@ -482,10 +483,42 @@ impl CudaHt {
                 },
                 send_base,
                 recv_src_token,
-                // The kernels run HT inside one node (the engine refuses more).
-                rail: Default::default(),
+                rail,
             },
         })
+    }
+
+    /// Across nodes, the rail plan of a dispatch from its plan words after
+    /// `rank_prefix_matrix` (`rest`: tokens_per_node[N], rail_count[N], rail_base[N*G]) and
+    /// its layout slot's rail table; empty on one node, as the oracle's.
+    fn download_rail(&self, q: Queue<'_>, slot: usize, rest: Vec<u32>) -> Result<RailPlan> {
+        let Some(table) = self.slots[slot].rail_slots.as_ref() else {
+            return Ok(RailPlan::default());
+        };
+        let (nodes, g, t) = (
+            self.cfg.nodes(),
+            self.cfg.ranks_per_node(),
+            self.cfg.max_tokens_per_rank,
+        );
+        let counts = &rest[nodes..2 * nodes];
+        let base = rest[2 * nodes..].iter().map(|&b| b as usize).collect();
+        let words: Vec<i32> = self.download_vec(
+            q,
+            table.region().sub(0, nodes * t * (g + 1) * 4)?,
+            nodes * t * (g + 1),
+        )?;
+        let mut records = Vec::with_capacity(nodes);
+        for (n, &count) in counts.iter().enumerate() {
+            let count = (count as usize).min(t);
+            let mut f = ForwardTable::default();
+            for j in 0..count {
+                let rec = &words[(n * t + j) * (g + 1)..(n * t + j + 1) * (g + 1)];
+                f.slots.extend_from_slice(&rec[..g]);
+                f.tokens.push(rec[g] as u32);
+            }
+            records.push(f);
+        }
+        Ok(RailPlan { base, records })
     }
 
     /// The combine output `[N, H]` (and weights `[N, K]` when reduced).

@@ -27,8 +27,9 @@ pub fn scan_columns(cfg: &EpConfig) -> usize {
 /// tile of LAYOUT_TILE tokens x (K | 1) int16 ids (16-byte aligned), then the tile's slots,
 /// LAYOUT_TILE x columns i32 (kernels/ht/layout.cuh layout_ids_offset, layout_slot_offset).
 pub fn layout_smem_bytes(cfg: &EpConfig) -> u32 {
-    (align16(cfg.experts * 4) + align16(LAYOUT_TILE * (cfg.topk | 1) * 2) + LAYOUT_TILE * scan_columns(cfg) * 4)
-        as u32
+    (align16(cfg.experts * 4)
+        + align16(LAYOUT_TILE * (cfg.topk | 1) * 2)
+        + LAYOUT_TILE * scan_columns(cfg) * 4) as u32
 }
 
 /// Blocks of the layout kernel for `num_tokens` tokens: one per tile, at least one.
@@ -374,5 +375,99 @@ mod tests {
         let cfg = EpConfig::new(4, 256, 128, 8, 16);
         assert_eq!(plan_rank_prefix(&cfg), 4 + 5 + 4 + 4 + 256 + 128);
         assert_eq!(plan_words(&cfg), 4 + 5 + 4 + 4 + 256 + 128 + 16);
+    }
+
+    #[test]
+    fn node_regions_follow_the_one_node_layout_unchanged_and_do_not_overlap() {
+        for (g, dtype) in [
+            (2, DispatchDtype::Bf16),
+            (1, DispatchDtype::Fp8),
+            (4, DispatchDtype::Fp8Ue8m0),
+        ] {
+            let one = EpConfig::new(8, 64, 7168, 8, 256).with_dtype(dtype);
+            let cfg = one.clone().with_node_size(Some(g));
+            let (n, t) = (cfg.nodes(), 256);
+            let base = HtLayout::new(&one, 2).unwrap();
+            let l = HtLayout::new(&cfg, 2).unwrap();
+            assert!(base.nodes.is_none());
+            // Every one-node region but the counts (which grow by N words a row) in place.
+            assert_eq!(
+                (l.count_sig, l.disp_sig, l.bar, l.counts),
+                (base.count_sig, base.disp_sig, base.bar, base.counts)
+            );
+            assert!(l.recv_slab - l.counts >= 8 * count_row_stride(&cfg) * 4);
+            assert_eq!(l.slab_bytes, base.slab_bytes);
+            assert_eq!(l.comb_w - l.comb_x, base.comb_w - base.comb_x);
+            let r = l.nodes.unwrap();
+            let (fwd, part) = (NodeRegions::fwd_rec(&cfg), NodeRegions::part_rec(&cfg));
+            assert_eq!((r.fwd_rec, r.part_rec), (fwd, part));
+            assert!(fwd.is_multiple_of(16) && part.is_multiple_of(16));
+            // [start, size] of every region across nodes, after the one-node ones.
+            let regions = [
+                (r.gather_sig, 8 * 8),
+                (r.fwd_in, n * t * fwd),
+                (r.fwd_out, n * t * fwd),
+                (r.gather, g * n * t * part),
+                (r.part_out, n * t * part),
+                (r.comb_in, n * t * part),
+            ];
+            assert!(r.gather_sig >= l.comb_w + 8 * t * 8 * 4);
+            for w in regions.windows(2) {
+                assert!(w[0].0 + w[0].1 <= w[1].0, "{r:?}");
+            }
+            assert!(regions.iter().all(|&(o, _)| o.is_multiple_of(16)));
+            assert!(
+                r.fwd_in.is_multiple_of(4096),
+                "large regions start on their own page"
+            );
+            assert!(r.comb_in + n * t * part <= l.total);
+        }
+        // One node of every rank (node_size = ranks) is the one-node layout.
+        let cfg = EpConfig::new(4, 16, 256, 2, 32);
+        assert_eq!(
+            HtLayout::new(&cfg.clone().with_node_size(Some(4)), 1).unwrap(),
+            HtLayout::new(&cfg, 1).unwrap()
+        );
+    }
+
+    #[test]
+    fn forward_records_hold_what_the_kernels_write() {
+        // kernels/ht/nodes.cuh fwd_rec: payload, scales, K ids (i32), K weights, token, G slots.
+        let cfg = EpConfig::new(6, 12, 256, 3, 8).with_node_size(Some(3));
+        assert_eq!(
+            NodeRegions::fwd_rec(&cfg),
+            (512 + 3 * 8 + 4 + 3 * 4_usize).div_ceil(16) * 16
+        );
+        let fp8 = cfg.clone().with_dtype(DispatchDtype::Fp8);
+        assert_eq!(
+            NodeRegions::fwd_rec(&fp8),
+            (256 + 2 * 4 + 3 * 8 + 4 + 3 * 4_usize).div_ceil(16) * 16
+        );
+        assert_eq!(NodeRegions::part_rec(&cfg), (512 + 3 * 4_usize).div_ceil(16) * 16);
+    }
+
+    #[test]
+    fn the_scan_plan_and_count_rows_grow_by_the_nodes() {
+        let one = EpConfig::new(8, 32, 128, 2, 300);
+        let cfg = one.clone().with_node_size(Some(2));
+        assert_eq!(scan_columns(&one), 8);
+        assert_eq!(scan_columns(&cfg), 12);
+        assert_eq!(count_row_stride(&one), 8 + 32 + 1);
+        assert_eq!(count_row_stride(&cfg), (8 + 32 + 4 + 1_usize).div_ceil(4) * 4);
+        // tokens_per_node[N], rail_count[N], rail_base[N * G] after rank_prefix_matrix.
+        assert_eq!(plan_words(&cfg), plan_words(&one) + 4 + 4 + 8);
+        assert_eq!(layout_scan_bytes(&cfg) - layout_scan_bytes(&one), 2 * 4 * 8);
+        assert_eq!(
+            layout_smem_bytes(&cfg) - layout_smem_bytes(&one),
+            (LAYOUT_TILE * 4 * 4) as u32
+        );
+        // The largest: 32 nodes of one rank, 64 scan columns.
+        let big = EpConfig::new(32, MAX_EXPERTS, 128, crate::config::MAX_TOPK, 16).with_node_size(Some(1));
+        assert!(
+            layout_smem_bytes(&big) <= 227 * 1024,
+            "{}",
+            layout_smem_bytes(&big)
+        );
+        check_gpu_config(&big, 32).unwrap();
     }
 }

@@ -271,8 +271,8 @@ pub struct HtGpuHandle {
 struct LayoutSlot {
     send_slot: DeviceBuffer,
     plan: DeviceBuffer,
-    /// Across nodes: node slots `[T][N]` and the rail table `[N][T][G]` (the slots of each
-    /// rail source's records, for combine and cached dispatch).
+    /// Across nodes: node slots `[T][N]` and the rail table `[N][T][G + 1]` (the slots and
+    /// the token of each rail source's records, for combine, cached dispatch and the handle).
     node_slot: Option<DeviceBuffer>,
     rail_slots: Option<DeviceBuffer>,
     /// One reference here, one per live handle clone.
@@ -287,7 +287,7 @@ impl LayoutSlot {
             send_slot: rank.alloc((t * cfg.ranks * 4).max(16))?,
             plan: rank.alloc((plan_words(cfg) * 4).max(16))?,
             node_slot: across(t * n * 4)?,
-            rail_slots: across(n * t * cfg.ranks_per_node() * 4)?,
+            rail_slots: across(n * t * (cfg.ranks_per_node() + 1) * 4)?,
             hold: Arc::new(()),
         })
     }
@@ -396,13 +396,15 @@ impl CudaHt {
                 0
             },
         })?;
-        let fabric = NodeFabric::new(rank, &window, &dev_comm, &opts.topology, "HT", !across).map_err(|e| match e {
-            Error::Unavailable { backend, reason } => Error::Unavailable {
-                backend,
-                reason: format!("{reason}. {ACROSS_NODES_UNCHECKED}"),
+        let fabric = NodeFabric::new(rank, &window, &dev_comm, &opts.topology, "HT", !across).map_err(
+            |e| match e {
+                Error::Unavailable { backend, reason } => Error::Unavailable {
+                    backend,
+                    reason: format!("{reason}. {ACROSS_NODES_UNCHECKED}"),
+                },
+                e => e,
             },
-            e => e,
-        })?;
+        )?;
         if across {
             if fabric.size as usize != cfg.ranks_per_node() {
                 return Err(Error::config(
@@ -415,7 +417,11 @@ impl CudaHt {
             rank.set_node_size(cfg.ranks_per_node());
             rank.set_max_smem(names::HT_LAYOUT_COUNT_NODES, layout_smem_bytes(cfg))?;
         }
-        let me = (if across { fabric.first + fabric.rank } else { fabric.rank }) as usize;
+        let me = (if across {
+            fabric.first + fabric.rank
+        } else {
+            fabric.rank
+        }) as usize;
         let (t, h, k) = (cfg.max_tokens_per_rank, cfg.hidden, cfg.topk);
         let alloc = |n: usize| rank.alloc(n.max(16));
         rank.set_max_smem(names::HT_LAYOUT_COUNT, layout_smem_bytes(cfg))?;
@@ -615,7 +621,11 @@ impl CudaHt {
             peer_stride4g: self.fabric.stride4g,
             // One node: node ranks; across nodes: group ranks, the node beside them.
             rank: self.me as i32,
-            ranks: if across { self.cfg.ranks } else { self.fabric.size as usize } as i32,
+            ranks: if across {
+                self.cfg.ranks
+            } else {
+                self.fabric.size as usize
+            } as i32,
             peer_base: self.fabric.base,
             caller_tokens: num_tokens as u32,
             pad_caller: 0,
@@ -787,12 +797,10 @@ impl CudaHt {
         // slab sized for the worst case, so nothing it needs comes from the host. Exact
         // sizing then waits for the published plan head while the dispatch runs: the host
         // round trip (status poll, then a launch) is off the GPU's critical path.
-        let out = self
-            .launch_dispatch(q, dtype, &args)
-            .and_then(|_| match events {
-                Some(ev) => q.record(ev.end),
-                None => Ok(()),
-            });
+        let out = self.launch_dispatch(q, dtype, &args).and_then(|_| match events {
+            Some(ev) => q.record(ev.end),
+            None => Ok(()),
+        });
         if let Err(e) = out {
             return self.fail(q.rank(), e);
         }
@@ -974,7 +982,13 @@ impl CudaHt {
             }
             if across {
                 self.launch(q, names::HT_NODE_BARRIER, 1, NODES_THREADS, &args)?;
-                self.launch(q, names::HT_COMBINE_NODES_REDUCE, blocks.grid, NODES_THREADS, &args)?;
+                self.launch(
+                    q,
+                    names::HT_COMBINE_NODES_REDUCE,
+                    blocks.grid,
+                    NODES_THREADS,
+                    &args,
+                )?;
                 self.launch(q, names::HT_EXCHANGE_PARTIALS, 1, NODES_THREADS, &args)?;
                 self.launch(q, names::HT_COMBINE_NODES_SUM, blocks.grid, NODES_THREADS, &args)?;
             } else {
@@ -1101,6 +1115,7 @@ mod tests {
                 variant: HtVariant::default(),
                 recv_slabs: 1,
                 topology: RankTopology::default(),
+                across_nodes: false,
             }
             .validate()
             .unwrap_err();
@@ -1123,5 +1138,72 @@ mod tests {
         );
         let e = with(20, 20).validate().unwrap_err();
         assert!(e.is_usage() && e.to_string().contains("sb=20"), "{e}");
+    }
+
+    #[test]
+    fn ht_across_nodes_is_refused_without_the_opt_in_and_with_other_nodes() {
+        let cfg = EpConfig::new(4, 16, 128, 2, 8).with_node_size(Some(2));
+        let topo = RankTopology {
+            vnodes: 4,
+            node_size: Some(2),
+        };
+        // What the Python Buffer and the C API pass: the default options.
+        assert!(!HtGpuOptions::default().across_nodes);
+        assert!(!crate::ep::EpOptions::default().ht_across_nodes);
+        let e = check_across_nodes(
+            &cfg,
+            &HtGpuOptions {
+                topology: topo,
+                ..HtGpuOptions::default()
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("not yet checked on a GPU") && e.contains("gin-ep check"),
+            "{e}"
+        );
+        // Opted in, but the launch's nodes are not the config's.
+        for node_size in [None, Some(1), Some(4)] {
+            let o = HtGpuOptions {
+                topology: RankTopology { vnodes: 4, node_size },
+                across_nodes: true,
+                ..HtGpuOptions::default()
+            };
+            let e = check_across_nodes(&cfg, &o).unwrap_err();
+            assert!(
+                e.is_usage() && e.to_string().contains("node_size"),
+                "{node_size:?}: {e}"
+            );
+        }
+        let ok = HtGpuOptions {
+            topology: topo,
+            across_nodes: true,
+            ..HtGpuOptions::default()
+        };
+        check_across_nodes(&cfg, &ok).unwrap();
+        // One node needs nothing.
+        check_across_nodes(&cfg.clone().with_node_size(None), &HtGpuOptions::default()).unwrap();
+        check_across_nodes(&cfg.with_node_size(Some(4)), &HtGpuOptions::default()).unwrap();
+    }
+
+    #[test]
+    fn node_targets_advance_as_every_rank_waits() {
+        let mut t = NodeTargets::default();
+        t.dispatch(false);
+        t.dispatch(true);
+        t.combine(24);
+        t.dispatch(false);
+        t.combine(8);
+        assert_eq!(
+            t,
+            NodeTargets {
+                count: 2,
+                fwd: 3,
+                part: 2,
+                bar: 3,
+                gather: 32,
+            }
+        );
     }
 }

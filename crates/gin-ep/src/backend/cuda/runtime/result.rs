@@ -98,7 +98,9 @@ pub fn fabric_phase_name(phase: u32) -> &'static str {
         fabric::K_PHASE_GIN_BARRIER => "GIN signal barrier",
         fabric::K_PHASE_GIN_ORDERING => "GIN ordering test signal",
         fabric::K_PHASE_NODE_STORE => "same-node peer's stores (IPC-mapped window)",
-        fabric::K_PHASE_HT_FORWARD => "HT forward (a rail source's records, or the rail peer forwarding them)",
+        fabric::K_PHASE_HT_FORWARD => {
+            "HT forward (a rail source's records, or the rail peer forwarding them)"
+        }
         fabric::K_PHASE_HT_GATHER => "HT combine gather (a rank of this node storing its rows)",
         fabric::K_PHASE_HT_PARTIAL => "HT combine partials (a rail peer's node sums)",
         fabric::K_PHASE_HT_NODE_BARRIER => "HT barrier across nodes",
