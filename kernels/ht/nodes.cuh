@@ -33,8 +33,9 @@
 // 4. receive: block b waits for slot (s, b) of every source s (a late source of another node
 //    is named as the rail peer that forwards it, phase forward).
 //
-// Combine (node-first, push only; gin_ep_ht_combine_nodes_reduce: steps 1 to 3, then
-// gin_ep_ht_combine_nodes_sum: step 4):
+// Combine (node-first, push only; after gin_ep_ht_node_barrier: gin_ep_ht_combine_nodes_gather
+// step 2, gin_ep_ht_combine_nodes_reduce step 3, gin_ep_ht_exchange_partials and
+// gin_ep_ht_combine_nodes_sum step 4):
 // 1. barrier (gin_ep_ht_node_barrier: this node by stores, the other nodes over GIN): every
 //    rank has ended its previous combine, so the gather area and the partials are free;
 // 2. gather: each received row i (source s, slot i - src_offset[s]) and its weights by stores
@@ -492,19 +493,17 @@ __device__ __forceinline__ void dispatch_nodes_forward(const HtArgs& a) {
               static_cast<unsigned long long>(globaltimer_ns()));
 }
 
-// Combine across nodes (node-first), first kernel (steps 1 to 3), U vectors per lane in flight.
+// Combine across nodes (node-first), first kernel after the barrier (step 2), U vectors per
+// lane in flight: waits for nothing.
 template <int U>
-__device__ __forceinline__ void combine_nodes_reduce(const HtArgs& a) {
+__device__ __forceinline__ void combine_nodes_gather(const HtArgs& a) {
   __shared__ uint32_t s_status;
 
   const NodeShape g = node_shape(a);
   const Fabric fab = ht_fabric<true>(a);
   const int R = g.R, G = g.G, NN = g.NN, me = g.me;
   const int tid = threadIdx.x, lane = tid & 31;
-  const int E = int(a.experts);
   const uint32_t T = a.max_tokens;
-  const uint32_t* const tpn_me = plan_tpn(a, R, E);
-  const uint32_t* const rail_count = tpn_me + NN;
 
   if (tid == 0) {
     s_status = ld_volatile_u32(a.plan + kPlanStatus);
@@ -554,6 +553,27 @@ __device__ __forceinline__ void combine_nodes_reduce(const HtArgs& a) {
   }
   __syncthreads();  // the block's gather stores happen-before its adds below
   if (tid < G) fab.signal_add(a.off_gather_sig + size_t(me) * sizeof(uint64_t), g.first + tid, ok0 ? 1u : kHtGinFail + 1u);
+}
+
+// Combine across nodes, second kernel (step 3): every block waits for the gather words of
+// every local rank, whose gather kernels wait for nothing (so no grid needs to be resident
+// whole), then reduces the node partials.
+template <int U>
+__device__ __forceinline__ void combine_nodes_reduce(const HtArgs& a) {
+  const NodeShape g = node_shape(a);
+  const Fabric fab = ht_fabric<true>(a);
+  const int R = g.R, G = g.G, NN = g.NN, me = g.me;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const uint32_t T = a.max_tokens;
+  const uint32_t* const rail_count = plan_tpn(a, R, int(a.experts)) + NN;
+  const bool ok0 = ld_volatile_u32(a.plan + kPlanStatus) == kStatusOk;
+  const int H = int(a.hidden), K = int(a.topk);
+  const bool with_w = (a.flags & kFlagWeights) != 0u;
+  const int nvec = H / 8;
+  const size_t prb = a.part_rec;
+  const int warps = blockDim.x / 32;
+  const int gw = blockIdx.x * warps + (tid >> 5);
+  const int nw = gridDim.x * warps;
 
   // ---- 3. reduce, as the rail peer of each node's rail source
   bool ok = true;
@@ -617,13 +637,13 @@ __device__ __forceinline__ void combine_nodes_reduce(const HtArgs& a) {
   }
 }
 
-// Combine across nodes, second kernel (step 3's puts, step 4): every partial of the first is
-// in part_out (and this node's in comb_in) once that kernel has ended.
+// Combine across nodes, last kernel (step 4): after gin_ep_ht_exchange_partials every node's
+// partials are in comb_in (this node's since the reduce kernel ended).
 template <int U>
 __device__ __forceinline__ void combine_nodes_sum(const HtArgs& a) {
   const NodeShape g = node_shape(a);
   const Fabric fab = ht_fabric<true>(a);
-  const int R = g.R, G = g.G, NN = g.NN;
+  const int NN = g.NN;
   const int tid = threadIdx.x, lane = tid & 31;
   const uint32_t T = a.max_tokens;
   const size_t prb = a.part_rec;
@@ -712,6 +732,9 @@ extern "C" __global__ void __launch_bounds__(kNodesThreads, 1)
 extern "C" __global__ void __launch_bounds__(kNodesThreads, 1)
     gin_ep_ht_dispatch_nodes_forward(const __grid_constant__ HtArgs a) {
   dispatch_nodes_forward<4>(a);
+}
+extern "C" __global__ void __launch_bounds__(kNodesThreads, 1) gin_ep_ht_combine_nodes_gather(const __grid_constant__ HtArgs a) {
+  combine_nodes_gather<2>(a);
 }
 extern "C" __global__ void __launch_bounds__(kNodesThreads, 1) gin_ep_ht_combine_nodes_reduce(const __grid_constant__ HtArgs a) {
   combine_nodes_reduce<1>(a);

@@ -48,7 +48,7 @@ pub mod names {
     /// HT across gin-ep nodes (kernels/ht/nodes.cuh): the layout kernel with node columns
     /// and count rows over GIN; dispatch's send kernel (stores: rows of this node, records
     /// for the others; copy or quantizing), the records' exchange over GIN (one block), the
-    /// forward kernel; combine's reduce kernel (gather, node partials), the partials'
+    /// forward kernel; combine's gather kernel, reduce kernel (node partials), the partials'
     /// exchange (one block), the sum kernel; the barrier across nodes (one block); the
     /// teardown's reset of the GIN signals.
     pub const HT_LAYOUT_COUNT_NODES: &str = "gin_ep_ht_layout_count_nodes";
@@ -56,6 +56,7 @@ pub mod names {
     pub const HT_DISPATCH_NODES_SEND_QUANT: &str = "gin_ep_ht_dispatch_nodes_send_quant";
     pub const HT_DISPATCH_NODES_FORWARD: &str = "gin_ep_ht_dispatch_nodes_forward";
     pub const HT_EXCHANGE_RECORDS: &str = "gin_ep_ht_exchange_records";
+    pub const HT_COMBINE_NODES_GATHER: &str = "gin_ep_ht_combine_nodes_gather";
     pub const HT_COMBINE_NODES_REDUCE: &str = "gin_ep_ht_combine_nodes_reduce";
     pub const HT_EXCHANGE_PARTIALS: &str = "gin_ep_ht_exchange_partials";
     pub const HT_COMBINE_NODES_SUM: &str = "gin_ep_ht_combine_nodes_sum";

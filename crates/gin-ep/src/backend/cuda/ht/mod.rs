@@ -981,16 +981,13 @@ impl CudaHt {
                 q.record(s)?;
             }
             if across {
+                // kernels/ht/nodes.cuh: barrier, gather, reduce, exchange, sum.
+                let g = blocks.grid;
                 self.launch(q, names::HT_NODE_BARRIER, 1, NODES_THREADS, &args)?;
-                self.launch(
-                    q,
-                    names::HT_COMBINE_NODES_REDUCE,
-                    blocks.grid,
-                    NODES_THREADS,
-                    &args,
-                )?;
+                self.launch(q, names::HT_COMBINE_NODES_GATHER, g, NODES_THREADS, &args)?;
+                self.launch(q, names::HT_COMBINE_NODES_REDUCE, g, NODES_THREADS, &args)?;
                 self.launch(q, names::HT_EXCHANGE_PARTIALS, 1, NODES_THREADS, &args)?;
-                self.launch(q, names::HT_COMBINE_NODES_SUM, blocks.grid, NODES_THREADS, &args)?;
+                self.launch(q, names::HT_COMBINE_NODES_SUM, g, NODES_THREADS, &args)?;
             } else {
                 self.launch(q, kname, blocks.grid, threads, &args)?;
             }
