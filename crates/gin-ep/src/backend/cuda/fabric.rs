@@ -9,8 +9,8 @@
 //!   that share a GPU or an NVLink domain): the node's windows are mapped into this process
 //!   with CUDA IPC in that same layout (ipc::map_node_windows_strided).
 //!
-//! Ranks outside the node are reached over GIN (LL across nodes); the node is always a run of
-//! consecutive world ranks, `[first, first + size)`.
+//! Ranks outside the node are reached over GIN (LL, and HT across nodes); the node is always
+//! a run of consecutive world ranks, `[first, first + size)`.
 //!
 //! Owns: choosing the source from the launch topology and producing (base, stride, rank,
 //! size, first). Never: launches kernels or decides the window's layout.
@@ -84,8 +84,8 @@ impl NodeFabric {
     /// The node of this rank as the launch described it (`topo`): NCCL's LSA team for a
     /// one-process-per-GPU launch, else the gin-ep node `topo` names. Collective over the
     /// node (the IPC source exchanges window handles). `whole`: refused unless the node holds
-    /// every rank (HT reaches its peers by load/store only); `what` names the operation for
-    /// errors.
+    /// every rank (the one-node HT kernels reach their peers by load/store only); `what` names
+    /// the operation for errors.
     pub fn new(
         rank: &CudaRank,
         window: &Window,
