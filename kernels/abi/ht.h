@@ -145,16 +145,16 @@ struct HtArgs {
   // stores through peer_base; every other rank over GIN. Here rank and ranks are group ranks.
   int32_t node_first;
   int32_t node_size;
-  uint64_t off_fwd_in;    // [N][T] forward records received from rail sources, [node(src)][j]
-  uint64_t off_fwd_out;   // [N][T] forward records this rank stages for its rail peers, [n][j]
-  uint64_t off_gather;    // [G][N][T] combine rows of this node's ranks, [local][node(src)][slot]
-  uint64_t off_part_out;  // [N][T] node partials this rank stages for its rail sources, [n'][j]
-  uint64_t off_comb_in;   // [N][T] node partials received by this rank (the source), [n][j]
-  uint64_t off_gather_sig;  // [R] u64: word r counts rank r's gather blocks (LSA adds)
-  uint32_t fwd_rec;         // bytes per forward record (16-byte multiple)
-  uint32_t part_rec;        // bytes per gather row and node partial: [H] bf16, [K] f32 (16-byte multiple)
-  int32_t* node_slot;       // [T][N] layout slot: record index of token t for node n, or -1
-  int32_t* rail_slots;      // [N][T][G + 1] layout slot: slots, then the token, of record j of node n's rail source
+  uint64_t off_fwd_in;        // [N][T] forward records received from rail sources, [node(src)][j]
+  uint64_t off_fwd_out;       // [N][T] forward records this rank stages for its rail peers, [n][j]
+  uint64_t off_gather;        // [G][N][T] combine rows of this node's ranks, [local][node(src)][slot]
+  uint64_t off_part_out;      // [N][T] node partials this rank stages for its rail sources, [n'][j]
+  uint64_t off_comb_in;       // [N][T] node partials received by this rank (the source), [n][j]
+  uint64_t off_gather_sig;    // [R] u64: word r counts rank r's gather blocks (LSA adds)
+  uint32_t fwd_rec;           // bytes per forward record (16-byte multiple)
+  uint32_t part_rec;          // bytes per gather row and node partial: [H] bf16, [K] f32 (16-byte multiple)
+  int32_t* node_slot;         // [T][N] layout slot: record index of token t for node n, or -1
+  int32_t* rail_slots;        // [N][T][G + 1] layout slot: slots, then the token, of record j of node n's rail source
   uint64_t gin_count_target;  // kHtGinCount of every remote source reaches this (this launch)
   uint64_t gin_fwd_target;    // kHtGinFwd of every remote rail source
   uint64_t gin_part_target;   // kHtGinPart of every remote rail peer

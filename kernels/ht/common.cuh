@@ -80,7 +80,7 @@ __device__ __forceinline__ Fabric fabric(const HtArgs& a) {
 template <bool NODES>
 __device__ __forceinline__ Fabric ht_fabric(const HtArgs& a) {
   if constexpr (NODES) {
-    return Fabric{a.peer_base, a.peer_stride4G, a.node_first, a.node_size, a.rank, a.ranks,
+    return Fabric{a.peer_base, a.peer_stride4G, a.node_first, a.node_size,  a.rank, a.ranks,
                   &a.comm,     a.win,           0u,           a.timeout_ns, a.err};
   } else {
     return fabric(a);

@@ -377,10 +377,10 @@ __device__ __forceinline__ void layout_body(const HtArgs& a) {
     const int peers = NODES ? G : R, first = NODES ? a.node_first : 0;
     for (int i = tid; i < peers * row_words; i += kLayoutTile) {
       const int peer = first + i / row_words, w = i - (peer - first) * row_words;
-      const uint32_t v = w < R                                 ? s_total[w]
-                         : w < R + E                           ? s_hist[w - R]
+      const uint32_t v = w < R                          ? s_total[w]
+                         : w < R + E                    ? s_hist[w - R]
                          : (NODES && w < row_words - 1) ? s_total[R + (w - R - E)]
-                                                               : a.caller_tokens;
+                                                        : a.caller_tokens;
       *reinterpret_cast<uint32_t*>(fab.ptr(my_row + size_t(w) * sizeof(uint32_t), peer)) = v;
     }
     if (tid < R && fab.by_store(tid)) publish_recv_slab(a, fab, tid);
@@ -535,6 +535,7 @@ extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count
   layout_body<false>(a);
 }
 // Across gin-ep nodes (kernels/ht/nodes.cuh has the protocol).
-extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count_nodes(const __grid_constant__ HtArgs a) {
+extern "C" __global__ void __launch_bounds__(kLayoutTile)
+    gin_ep_ht_layout_count_nodes(const __grid_constant__ HtArgs a) {
   layout_body<true>(a);
 }

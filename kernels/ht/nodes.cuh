@@ -226,7 +226,7 @@ __device__ __forceinline__ void dispatch_nodes_send(const HtArgs& a) {
       int32_t slot = -1;
       if (lane < R) slot = a.send_slot[size_t(t) * R + lane];
       const uint32_t mask = __ballot_sync(0xFFFFFFFFu, slot >= 0);
-      if (mask == 0u) continue;  // warp-uniform
+      if (mask == 0u) continue;                               // warp-uniform
       const uint32_t lmask = (mask >> g.first) & local_bits;  // local ranks by local index
       int32_t ns = -1;
       if (lane < NN) ns = a.node_slot[size_t(t) * NN + lane];
@@ -525,7 +525,7 @@ __device__ __forceinline__ void combine_nodes_gather(const HtArgs& a) {
     const uint32_t num_recv = ld_volatile_u32(a.plan + kPlanNumRecv);
     // kFlagStage: the expert outputs are the caller's (a.x); else this rank's comb_x.
     const uint4* rows = (a.flags & kFlagStage) != 0u ? static_cast<const uint4*>(a.x)
-                                                      : reinterpret_cast<const uint4*>(fab.ptr(a.off_comb_x, me));
+                                                     : reinterpret_cast<const uint4*>(fab.ptr(a.off_comb_x, me));
     const float* wts = reinterpret_cast<const float*>(fab.ptr(a.off_comb_w, me));
     const uint32_t next = lane < R ? ld_volatile_u32(src_offset + lane + 1) : 0xFFFFFFFFu;
     for (int i = gw; i < int(num_recv); i += nw) {
@@ -552,7 +552,8 @@ __device__ __forceinline__ void combine_nodes_gather(const HtArgs& a) {
     }
   }
   __syncthreads();  // the block's gather stores happen-before its adds below
-  if (tid < G) fab.signal_add(a.off_gather_sig + size_t(me) * sizeof(uint64_t), g.first + tid, ok0 ? 1u : kHtGinFail + 1u);
+  if (tid < G)
+    fab.signal_add(a.off_gather_sig + size_t(me) * sizeof(uint64_t), g.first + tid, ok0 ? 1u : kHtGinFail + 1u);
 }
 
 // Combine across nodes, second kernel (step 3): every block waits for the gather words of
@@ -722,7 +723,8 @@ __device__ __forceinline__ void combine_nodes_sum(const HtArgs& a) {
 // Entry points across gin-ep nodes (host: names::HT_*_NODES): copy (BF16, prequantized FP8),
 // quantizing, combine; launched with kNodesThreads threads (abi/ht.h): each puts over GIN
 // through an out-of-line call, whose callee kept within 128 registers (512 threads) spilled.
-extern "C" __global__ void __launch_bounds__(kNodesThreads, 1) gin_ep_ht_dispatch_nodes_send(const __grid_constant__ HtArgs a) {
+extern "C" __global__ void __launch_bounds__(kNodesThreads, 1)
+    gin_ep_ht_dispatch_nodes_send(const __grid_constant__ HtArgs a) {
   dispatch_nodes_send<4, false>(a);
 }
 extern "C" __global__ void __launch_bounds__(kNodesThreads, 1)
@@ -733,18 +735,22 @@ extern "C" __global__ void __launch_bounds__(kNodesThreads, 1)
     gin_ep_ht_dispatch_nodes_forward(const __grid_constant__ HtArgs a) {
   dispatch_nodes_forward<4>(a);
 }
-extern "C" __global__ void __launch_bounds__(kNodesThreads, 1) gin_ep_ht_combine_nodes_gather(const __grid_constant__ HtArgs a) {
+extern "C" __global__ void __launch_bounds__(kNodesThreads, 1)
+    gin_ep_ht_combine_nodes_gather(const __grid_constant__ HtArgs a) {
   combine_nodes_gather<2>(a);
 }
-extern "C" __global__ void __launch_bounds__(kNodesThreads, 1) gin_ep_ht_combine_nodes_reduce(const __grid_constant__ HtArgs a) {
+extern "C" __global__ void __launch_bounds__(kNodesThreads, 1)
+    gin_ep_ht_combine_nodes_reduce(const __grid_constant__ HtArgs a) {
   combine_nodes_reduce<1>(a);
 }
-extern "C" __global__ void __launch_bounds__(kNodesThreads, 1) gin_ep_ht_combine_nodes_sum(const __grid_constant__ HtArgs a) {
+extern "C" __global__ void __launch_bounds__(kNodesThreads, 1)
+    gin_ep_ht_combine_nodes_sum(const __grid_constant__ HtArgs a) {
   combine_nodes_sum<2>(a);
 }
 // The barrier before a cached dispatch (kFlagCached: after publishing this rank's receive
 // slab to its node) and before a combine; one block.
-extern "C" __global__ void __launch_bounds__(kNodesThreads, 1) gin_ep_ht_node_barrier(const __grid_constant__ HtArgs a) {
+extern "C" __global__ void __launch_bounds__(kNodesThreads, 1)
+    gin_ep_ht_node_barrier(const __grid_constant__ HtArgs a) {
   const Fabric fab = ht_fabric<true>(a);
   const bool cached = (a.flags & kFlagCached) != 0u;
   if (cached && int(threadIdx.x) < a.node_size) publish_recv_slab(a, fab, a.node_first + int(threadIdx.x));
