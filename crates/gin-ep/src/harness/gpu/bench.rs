@@ -66,6 +66,90 @@ pub fn max_per_iter(all: &[Vec<f64>]) -> Vec<Duration> {
         .collect()
 }
 
+/// The options both HT benchmarks need, refused before any device work.
+pub(super) fn check_ht_options(opts: &BenchOptions) -> Result<()> {
+    let cfg = &opts.cfg;
+    if opts.tokens > cfg.max_tokens_per_rank || opts.iters == 0 {
+        return Err(Error::config(
+            "tokens",
+            opts.tokens,
+            format!(
+                "need tokens <= max_tokens_per_rank = {} and iters >= 1",
+                cfg.max_tokens_per_rank
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// One rank's HT timings, seconds per iteration, as both HT benchmarks report them.
+pub(super) struct HtTimes<'a> {
+    /// `[op][iter]`: dispatch, combine totals (`total`).
+    pub host: &'a [Vec<f64>; 2],
+    /// `[op][iter]`: dispatch, combine CUDA-event spans (`kernel`).
+    pub kernel: &'a [Vec<f64>; 2],
+    /// Dispatch rows ahead of the back-to-back one: (name, samples).
+    pub dispatch_phases: Vec<(&'static str, &'a [f64])>,
+    /// Per span of [`HT_SERIES`] dispatches queued back to back: span / HT_SERIES.
+    pub back_to_back: &'a [f64],
+    pub rows: f64,
+    pub remote_rows: f64,
+}
+
+/// The dispatch and combine rows of an HT report: every rank's `t` gathered under the store
+/// keys `key/…`, the slowest rank per iteration. Rank 0 gets them; the others None.
+pub(super) fn ht_ops(
+    group: &Group,
+    key: &str,
+    cfg: &EpConfig,
+    t: HtTimes<'_>,
+) -> Result<Option<Vec<OpReport>>> {
+    let slowest = |name: &str, mine: &[f64]| -> Result<Vec<Duration>> {
+        Ok(max_per_iter(&gather(group, &format!("{key}/{name}"), mine)?))
+    };
+    let d_host = slowest("dh", &t.host[0])?;
+    let c_host = slowest("ch", &t.host[1])?;
+    let d_kern = slowest("dk", &t.kernel[0])?;
+    let c_kern = slowest("ck", &t.kernel[1])?;
+    let mut phases = Vec::with_capacity(t.dispatch_phases.len() + 1);
+    for (i, (name, mine)) in t.dispatch_phases.iter().enumerate() {
+        phases.push((name.to_string(), Stats::of(&slowest(&format!("p{i}"), mine)?)));
+    }
+    phases.push((
+        format!("back to back (x{HT_SERIES}), per call"),
+        Stats::of(&slowest("b2b", t.back_to_back)?),
+    ));
+    let rows = gather(group, &format!("{key}/rows"), &[t.rows, t.remote_rows])?;
+    group.barrier(&format!("{key}/done"))?;
+    if group.rank() != 0 {
+        return Ok(None);
+    }
+    let ranks = rows.len() as f64;
+    let mean_rows = rows.iter().map(|v| v[0]).sum::<f64>() / ranks;
+    let mean_remote = rows.iter().map(|v| v[1]).sum::<f64>() / ranks;
+    let op = |name: &str, total: &[Duration], kernel: &[Duration], phases, row_bytes| OpReport {
+        phases,
+        kernel: Some(Stats::of(kernel)),
+        ..OpReport::new(name, Stats::of(total), mean_rows, mean_remote, row_bytes)
+    };
+    Ok(Some(vec![
+        op(
+            "dispatch",
+            &d_host,
+            &d_kern,
+            phases,
+            cfg.dispatch_dtype.row_bytes(cfg.hidden),
+        ),
+        op(
+            "combine",
+            &c_host,
+            &c_kern,
+            vec![("combine".into(), Stats::of(&c_kern))],
+            cfg.hidden * 2,
+        ),
+    ]))
+}
+
 /// What FP8 benchmarks dispatch: prequantized e4m3 input (DeepEP's format) unless
 /// `GIN_EP_FP8_SOURCE=bf16` asks for quantization inside the kernel.
 pub(super) fn bench_source(cfg: &EpConfig) -> DispatchSource {
@@ -89,17 +173,7 @@ pub fn driver_bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Re
     if opts.mode == BenchMode::Ll {
         return super::ll_bench::driver_bench_rank(group, opts, num_sms);
     }
-    let cfg = &opts.cfg;
-    if opts.tokens > cfg.max_tokens_per_rank || opts.iters == 0 {
-        return Err(Error::config(
-            "tokens",
-            opts.tokens,
-            format!(
-                "need tokens <= max_tokens_per_rank = {} and iters >= 1",
-                cfg.max_tokens_per_rank
-            ),
-        ));
-    }
+    check_ht_options(opts)?;
     let rank = CudaRank::new(group, CudaRankOptions::with_timeout(opts.timeout))?;
     let out = bench_inner(group, &rank, opts, num_sms);
     if out.is_err() {
@@ -107,52 +181,20 @@ pub fn driver_bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Re
     }
     let samples = out?;
     let fabric = samples.fabric;
-    let d_host = max_per_iter(&gather(group, "gpu-bench/dh", &samples.host[0])?);
-    let c_host = max_per_iter(&gather(group, "gpu-bench/ch", &samples.host[1])?);
-    let d_kern = max_per_iter(&gather(group, "gpu-bench/dk", &samples.kernel[0])?);
-    let c_kern = max_per_iter(&gather(group, "gpu-bench/ck", &samples.kernel[1])?);
-    let p0 = max_per_iter(&gather(group, "gpu-bench/p0", &samples.phases[0])?);
-    let p1 = max_per_iter(&gather(group, "gpu-bench/p1", &samples.phases[1])?);
-    let b2b = max_per_iter(&gather(group, "gpu-bench/b2b", &samples.back_to_back)?);
-    let rows = gather(group, "gpu-bench/rows", &[samples.rows, samples.remote_rows])?;
-    group.barrier("gpu-bench/done")?;
-    if group.rank() != 0 {
-        return Ok(None);
-    }
-    let ranks = rows.len() as f64;
-    let mean_rows = rows.iter().map(|v| v[0]).sum::<f64>() / ranks;
-    let mean_remote = rows.iter().map(|v| v[1]).sum::<f64>() / ranks;
-    let op = |name: &str,
-              total: &[Duration],
-              kernel: &[Duration],
-              phases: Vec<(String, Stats)>,
-              row_bytes: usize| {
-        OpReport {
-            phases,
-            kernel: Some(Stats::of(kernel)),
-            ..OpReport::new(name, Stats::of(total), mean_rows, mean_remote, row_bytes)
-        }
+    let times = HtTimes {
+        host: &samples.host,
+        kernel: &samples.kernel,
+        dispatch_phases: vec![
+            ("layout + count exchange", &samples.phases[0]),
+            ("dispatch", &samples.phases[1]),
+        ],
+        back_to_back: &samples.back_to_back,
+        rows: samples.rows,
+        remote_rows: samples.remote_rows,
     };
-    let ops = vec![
-        op(
-            "dispatch",
-            &d_host,
-            &d_kern,
-            vec![
-                ("layout + count exchange".into(), Stats::of(&p0)),
-                ("dispatch".into(), Stats::of(&p1)),
-                (format!("back to back (x{HT_SERIES}), per call"), Stats::of(&b2b)),
-            ],
-            cfg.dispatch_dtype.row_bytes(cfg.hidden),
-        ),
-        op(
-            "combine",
-            &c_host,
-            &c_kern,
-            vec![("combine".into(), Stats::of(&c_kern))],
-            cfg.hidden * 2,
-        ),
-    ];
+    let Some(ops) = ht_ops(group, "gpu-bench", &opts.cfg, times)? else {
+        return Ok(None);
+    };
     Ok(Some(BenchReport::new(
         format!("cuda-lsa ({})", rank.info().device_name),
         format!(

@@ -12,12 +12,12 @@
 
 use std::time::{Duration, Instant};
 
-use super::bench::{bench_source, gather, max_per_iter, HT_SERIES};
+use super::bench::{bench_source, check_ht_options, ht_ops, HtTimes, HT_SERIES};
 use super::tensor::Tensor;
 
 use crate::backend::cuda::ht::{DispatchSource, HtVariant, POISON};
 use crate::backend::cuda::Event;
-use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
+use crate::bench::{BenchMode, BenchOptions, BenchReport};
 use crate::config::EpConfig;
 use crate::ep::{Backend, Ep, EpOptions, GpuRank, HtCombineIn, HtCombineOut, HtDispatchIn, HtHandle, Stream};
 use crate::error::{Error, Result};
@@ -64,41 +64,17 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
         gpu.mark_failed();
     }
     let s = out?;
-    let d_host = max_per_iter(&gather(group, "ep-bench/dh", &s.host[0])?);
-    let c_host = max_per_iter(&gather(group, "ep-bench/ch", &s.host[1])?);
-    let d_kern = max_per_iter(&gather(group, "ep-bench/dk", &s.kernel[0])?);
-    let c_kern = max_per_iter(&gather(group, "ep-bench/ck", &s.kernel[1])?);
-    let b2b = max_per_iter(&gather(group, "ep-bench/b2b", &s.back_to_back)?);
-    let rows = gather(group, "ep-bench/rows", &[s.rows, s.remote_rows])?;
-    group.barrier("ep-bench/done")?;
-    if group.rank() != 0 {
-        return Ok(None);
-    }
-    let cfg = &opts.cfg;
-    let ranks = rows.len() as f64;
-    let mean_rows = rows.iter().map(|v| v[0]).sum::<f64>() / ranks;
-    let mean_remote = rows.iter().map(|v| v[1]).sum::<f64>() / ranks;
-    let op = |name: &str, total: &[Duration], kernel: &[Duration], phases, row_bytes| OpReport {
-        phases,
-        kernel: Some(Stats::of(kernel)),
-        ..OpReport::new(name, Stats::of(total), mean_rows, mean_remote, row_bytes)
+    let times = HtTimes {
+        host: &s.host,
+        kernel: &s.kernel,
+        dispatch_phases: Vec::new(),
+        back_to_back: &s.back_to_back,
+        rows: s.rows,
+        remote_rows: s.remote_rows,
     };
-    let ops = vec![
-        op(
-            "dispatch",
-            &d_host,
-            &d_kern,
-            vec![(format!("back to back (x{HT_SERIES}), per call"), Stats::of(&b2b))],
-            cfg.dispatch_dtype.row_bytes(cfg.hidden),
-        ),
-        op(
-            "combine",
-            &c_host,
-            &c_kern,
-            vec![("combine".into(), Stats::of(&c_kern))],
-            cfg.hidden * 2,
-        ),
-    ];
+    let Some(ops) = ht_ops(group, "ep-bench", &opts.cfg, times)? else {
+        return Ok(None);
+    };
     Ok(Some(BenchReport::new(
         format!("cuda-lsa ({})", gpu.info().device_name),
         format!(
@@ -118,22 +94,6 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
         opts,
         ops,
     )))
-}
-
-/// The options the HT loops need, refused before any device work.
-fn check_ht_options(opts: &BenchOptions) -> Result<()> {
-    let cfg = &opts.cfg;
-    if opts.tokens > cfg.max_tokens_per_rank || opts.iters == 0 {
-        return Err(Error::config(
-            "tokens",
-            opts.tokens,
-            format!(
-                "need tokens <= max_tokens_per_rank = {} and iters >= 1",
-                cfg.max_tokens_per_rank
-            ),
-        ));
-    }
-    Ok(())
 }
 
 /// Per-rank HT samples, in seconds.
