@@ -5,7 +5,8 @@
 //! ([`HtTimer`]) of gin-ep-lab's HT variant sweep.
 //!
 //! Owns: the driver-level timed loops and their report, and what both benchmarks share
-//! (gathering, the FP8 source). Never: checks results (the check does).
+//! (gathering every rank's times, the HT and LL report rows made of them, the FP8 source).
+//! Never: checks results (the check does).
 
 use std::time::{Duration, Instant};
 
@@ -64,6 +65,53 @@ pub fn max_per_iter(all: &[Vec<f64>]) -> Vec<Duration> {
     (0..n)
         .map(|i| Duration::from_secs_f64(all.iter().map(|v| v[i]).fold(0.0, f64::max)))
         .collect()
+}
+
+/// Every rank's gathered LL times, on rank 0 (`all[rank]`): `series` series of `n`
+/// iterations in µs, then rows, remote rows and the host µs per operation to queue, then
+/// whatever the benchmark appends. Both LL benchmarks lay them out so.
+pub(super) struct LlGathered<'a> {
+    pub all: &'a [Vec<f64>],
+    pub series: usize,
+    pub n: usize,
+}
+
+impl LlGathered<'_> {
+    fn mean_at(&self, at: usize) -> f64 {
+        self.all.iter().map(|v| v[at]).sum::<f64>() / self.all.len() as f64
+    }
+
+    /// The host µs per operation to queue, slowest rank.
+    pub fn enqueue_max(&self) -> f64 {
+        let at = self.series * self.n + 2;
+        self.all.iter().map(|v| v[at]).fold(0.0, f64::max)
+    }
+
+    /// Series `series`: the slowest rank per iteration.
+    pub fn slowest(&self, series: usize) -> Stats {
+        let per_iter: Vec<Duration> = (0..self.n)
+            .map(|i| {
+                let us = self
+                    .all
+                    .iter()
+                    .map(|v| v[series * self.n + i])
+                    .fold(0.0, f64::max);
+                Duration::from_secs_f64(us * 1e-6)
+            })
+            .collect();
+        Stats::of(&per_iter)
+    }
+
+    /// The report row of series `series` (total and kernel: the CUDA events' span), with
+    /// the mean rows and remote rows per rank.
+    pub fn op(&self, name: &str, series: usize, row_bytes: usize) -> OpReport {
+        let total = self.slowest(series);
+        let base = self.series * self.n;
+        OpReport {
+            kernel: Some(total),
+            ..OpReport::new(name, total, self.mean_at(base), self.mean_at(base + 1), row_bytes)
+        }
+    }
 }
 
 /// The options both HT benchmarks need, refused before any device work.

@@ -8,12 +8,14 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use super::bench::LlGathered;
+
 use crate::backend::cuda::ll::stamps::{eager_split, phase_values, StampMode, DISPATCH_PHASES, PHASES};
 use crate::backend::cuda::ll::{names, CudaLl, LlIo, LlLayout, LlTuning, RUNS, SETS, STAMP_SLOTS, THREADS};
 use crate::backend::cuda::runtime::{CudaRank, CudaRankOptions, DeviceBuffer, Event};
 use crate::error::{Error, Result};
 use crate::group::Group;
-use crate::harness::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
+use crate::harness::bench::{BenchMode, BenchOptions, BenchReport, Stats};
 use crate::harness::ll_traffic::ll_traffic;
 use crate::harness::workload::Workload;
 
@@ -427,26 +429,14 @@ fn bench_on(
         );
     }
     let n = opts.iters;
-    let ranks = group.world() as f64;
-    let rows_mean = all.iter().map(|v| v[SERIES * n]).sum::<f64>() / ranks;
-    let remote_mean = all.iter().map(|v| v[SERIES * n + 1]).sum::<f64>() / ranks;
-    let enqueue_max = all.iter().map(|v| v[SERIES * n + 2]).fold(0.0, f64::max);
-    let slowest = |series: usize| {
-        let per_iter: Vec<Duration> = (0..n)
-            .map(|i| {
-                let us = all.iter().map(|v| v[series * n + i]).fold(0.0, f64::max);
-                Duration::from_secs_f64(us * 1e-6)
-            })
-            .collect();
-        Stats::of(&per_iter)
+    let g = LlGathered {
+        all: &all,
+        series: SERIES,
+        n,
     };
-    let op = |name: &str, series: usize, row_bytes: usize| {
-        let total = slowest(series);
-        OpReport {
-            kernel: Some(total),
-            ..OpReport::new(name, total, rows_mean, remote_mean, row_bytes)
-        }
-    };
+    let enqueue_max = g.enqueue_max();
+    let slowest = |series: usize| g.slowest(series);
+    let op = |name: &str, series: usize, row_bytes: usize| g.op(name, series, row_bytes);
     // Phases: slowest rank per iteration, then medians; a column absent anywhere is dropped.
     let mut phases: [Vec<(String, Stats)>; 2] = [Vec::new(), Vec::new()];
     for (c, &(name, _, _)) in PHASES.iter().enumerate().take(phase_cols.len()) {

@@ -7,14 +7,15 @@
 //! report. Never: reaches the LL driver; the figures only the driver has (the launch
 //! floor, device-clock stamps) are `gin-ep bench --path driver`.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
+use super::bench::LlGathered;
 use super::ep_bench::CALLER;
 use super::tensor::Tensor;
 
 use crate::backend::cuda::runtime::CallerStream;
 use crate::backend::cuda::Event;
-use crate::bench::{BenchMode, BenchOptions, BenchReport, OpReport, Stats};
+use crate::bench::{BenchMode, BenchOptions, BenchReport};
 use crate::config::FP8_BLOCK;
 use crate::ep::{
     required_bytes, Ep, EpOptions, GpuRank, LlCombineIn, LlDispatchIn, LlDispatchOut, LlHalf, LlHandle,
@@ -456,26 +457,13 @@ impl LlBench<'_> {
     fn report(&self, all: &[Vec<f64>], launch: &LlLaunchInfo) -> BenchReport {
         let (opts, cfg) = (self.opts, &self.opts.cfg);
         let n = opts.iters;
-        let ranks = all.len() as f64;
-        let rows_mean = all.iter().map(|v| v[SERIES * n]).sum::<f64>() / ranks;
-        let remote_mean = all.iter().map(|v| v[SERIES * n + 1]).sum::<f64>() / ranks;
-        let enqueue_max = all.iter().map(|v| v[SERIES * n + 2]).fold(0.0, f64::max);
-        let slowest = |series: usize| {
-            let per_iter: Vec<Duration> = (0..n)
-                .map(|i| {
-                    let us = all.iter().map(|v| v[series * n + i]).fold(0.0, f64::max);
-                    Duration::from_secs_f64(us * 1e-6)
-                })
-                .collect();
-            Stats::of(&per_iter)
+        let g = LlGathered {
+            all,
+            series: SERIES,
+            n,
         };
-        let op = |name: &str, series: usize, row_bytes: usize| {
-            let total = slowest(series);
-            OpReport {
-                kernel: Some(total),
-                ..OpReport::new(name, total, rows_mean, remote_mean, row_bytes)
-            }
-        };
+        let enqueue_max = g.enqueue_max();
+        let op = |name: &str, series: usize, row_bytes: usize| g.op(name, series, row_bytes);
         // The bytes every rank sent per operation, from every rank's routing and the gin-ep
         // nodes (consecutive blocks of the node size). A failure here is a fault of the
         // count, not of the timed run: it is printed in place of the table.
