@@ -178,6 +178,15 @@ pub fn check_across_nodes(cfg: &EpConfig, opts: &HtGpuOptions) -> Result<()> {
             ),
         ));
     }
+    // The across-node kernels have one shape of their own: a variant tunes the one-node
+    // kernels only, so any other than the default would be ignored there.
+    if opts.variant != HtVariant::default() {
+        return Err(Error::config(
+            "variant",
+            format!("{:?}", opts.variant),
+            "HT across gin-ep nodes runs its own kernels, which no variant tunes: leave the default",
+        ));
+    }
     Ok(())
 }
 
@@ -509,6 +518,7 @@ impl CudaHt {
             ..self.opts
         };
         o.validate()?;
+        check_across_nodes(&self.cfg, &o)?;
         self.opts = o;
         Ok(())
     }
@@ -1179,6 +1189,16 @@ mod tests {
             ..HtGpuOptions::default()
         };
         check_across_nodes(&cfg, &ok).unwrap();
+        // A variant other than the default would tune nothing across nodes: refused.
+        let tuned = HtGpuOptions {
+            variant: HtVariant {
+                dispatch_unroll: HtVariant::default().dispatch_unroll * 2,
+                ..HtVariant::default()
+            },
+            ..ok
+        };
+        let e = check_across_nodes(&cfg, &tuned).unwrap_err();
+        assert!(e.is_usage() && e.to_string().contains("variant"), "{e}");
         // One node needs nothing.
         check_across_nodes(&cfg.clone().with_node_size(None), &HtGpuOptions::default()).unwrap();
         check_across_nodes(&cfg.with_node_size(Some(4)), &HtGpuOptions::default()).unwrap();
