@@ -123,9 +123,11 @@ def fields_of(cfg, ll: bool) -> Dict[str, object]:
     """The shape-defining fields of an `EpConfig`, under the names a DeepEP caller knows."""
     tokens = "num_max_dispatch_tokens_per_rank" if ll else \
         "max tokens per rank (from num_nvl_bytes, or max_tokens_per_rank=)"
-    fields = {"hidden": cfg.hidden, "num_topk (topk_idx.shape[1])": cfg.topk, "num_experts": cfg.experts,
-              tokens: cfg.max_tokens_per_rank,
-              "dtype (BF16, or FP8 by x=(fp8, scales) / use_fp8 / round_scale)": cfg.dtype}
+    # The HT node size first: the token count sized from num_nvl_bytes follows from it.
+    fields = {} if ll else {"HT node size (GIN_EP_NODE_SIZE)": cfg.node_size}
+    fields.update({"hidden": cfg.hidden, "num_topk (topk_idx.shape[1])": cfg.topk, "num_experts": cfg.experts,
+                   tokens: cfg.max_tokens_per_rank,
+                   "dtype (BF16, or FP8 by x=(fp8, scales) / use_fp8 / round_scale)": cfg.dtype})
     if ll:
         fields["ll_combine_order"] = cfg.ll_combine_order
     return fields

@@ -55,7 +55,8 @@ class HostPath:
 
     def _ht_ep(self, wire_hidden: int, topk: int, experts: int, max_tokens: int):
         key = ("ht", wire_hidden, topk, experts, max_tokens)
-        cfg = _native.EpConfig(self.group_size, experts, wire_hidden, topk, max_tokens)
+        cfg = _native.EpConfig(self.group_size, experts, wire_hidden, topk, max_tokens,
+                               node_size=self._host_node_size())
         return self._ep(key, cfg, ht=True, ll=False)
 
     @staticmethod
@@ -110,7 +111,9 @@ class HostPath:
         return self._ep(key, cfg, ht=False, ll=True)
 
     def _host_layout(self, topk_idx, num_experts, async_finish):
-        """get_dispatch_layout on the host: counts and the token-to-rank mask from `topk_idx`."""
+        """get_dispatch_layout on the host: counts and the token-to-rank mask from `topk_idx`;
+        across HT nodes also the tokens per node (DeepEP's `num_tokens_per_rdma_rank`: each
+        token once per node holding any of its experts), else None as on one DeepEP node."""
         check("topk_idx", topk_idx, None, dim=2)
         n, k = topk_idx.shape
         cfg = _native.EpConfig(self.group_size, num_experts, 8, max(k, 1), max(n, 1))
@@ -118,7 +121,11 @@ class HostPath:
         num_tokens_per_rank = torch.tensor(per_rank, dtype=torch.int32)
         num_tokens_per_expert = torch.tensor(per_expert, dtype=torch.int32)
         is_token_in_rank = from_bytes(mask, torch.uint8, (n, self.group_size)).bool()
-        return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, \
+        per_node = None
+        g = self._host_node_size()
+        if g is not None:
+            per_node = is_token_in_rank.view(n, self.group_size // g, g).any(2).sum(0).to(torch.int32)
+        return num_tokens_per_rank, per_node, num_tokens_per_expert, is_token_in_rank, \
             EventOverlap(CompletedEvent() if async_finish else None)
 
     def _host_dispatch(self, x, handle, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,

@@ -193,6 +193,9 @@ class Buffer(GpuPath, HostPath):
         self._local_tensors = {}
         # Dispatches routed by is_token_in_rank so far (the key of each one's count exchange).
         self._by_rank_calls = 0
+        # The launch's gin-ep node size (GIN_EP_NODE_SIZE, as `gin-ep check --node-size`
+        # sets it; the GPU path reads the same variable): see `_host_node_size`.
+        self._launch_node_size = _gpu.topology()["node_size"]
 
         # Whether the host backend can run here (one machine, one /dev/shm); the GPU path
         # leaves that to NCCL's LSA team (see _bootstrap.py).
@@ -472,6 +475,19 @@ class Buffer(GpuPath, HostPath):
 
     # ------------------------------------------------------------ heaps
 
+    def _host_node_size(self) -> Optional[int]:
+        """Ranks per HT node of the host backend: consecutive ranks grouped by the launch's
+        node size, rows crossing nodes through the rail peer and combined node-first; None
+        when one node holds every rank. A size that does not divide the group is refused
+        here, by name, when HT first needs it."""
+        g = self._launch_node_size
+        if g is None or g >= self.group_size:
+            return None
+        if self.group_size % g:
+            raise ValueError(f"GIN_EP_NODE_SIZE = {g}: must divide the group's {self.group_size} ranks "
+                             "into whole nodes for HT")
+        return g
+
     def _ht_max_tokens(self, hidden: int, topk: int, experts: int, fp8: bool = False, gpu: bool = False) -> int:
         """Tokens per rank the HT buffers of this shape hold: grown (`_ht_grow`), else
         `max_tokens_per_rank=`, else the most that fit in `num_nvl_bytes`."""
@@ -485,7 +501,8 @@ class Buffer(GpuPath, HostPath):
             if gpu:
                 return _native.gpu_ht_bytes(_native.EpConfig(self.group_size, experts, hidden, topk, t,
                                                              "fp8" if fp8 else "bf16"))
-            return _native.EpConfig(self.group_size, experts, hidden, topk, t).required_bytes(ht=True, ll=False)
+            return _native.EpConfig(self.group_size, experts, hidden, topk, t,
+                                    node_size=self._host_node_size()).required_bytes(ht=True, ll=False)
 
         if need(1) > self.num_nvl_bytes:
             raise ValueError(

@@ -121,7 +121,7 @@ struct PyEpConfig {
 impl PyEpConfig {
     #[new]
     #[pyo3(signature = (ranks, experts, hidden, topk, max_tokens_per_rank, dtype = "bf16", expert_alignment = 1,
-                        ll_combine_order = "topk"))]
+                        ll_combine_order = "topk", node_size = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         ranks: usize,
@@ -132,12 +132,14 @@ impl PyEpConfig {
         dtype: &str,
         expert_alignment: usize,
         ll_combine_order: &str,
+        node_size: Option<usize>,
     ) -> PyResult<Self> {
         guard(|| {
             let cfg = gin_ep::EpConfig::new(ranks, experts, hidden, topk, max_tokens_per_rank)
                 .with_dtype(DispatchDtype::parse(dtype).map_err(to_py)?)
                 .with_alignment(expert_alignment)
-                .with_ll_combine_order(gin_ep::LlCombineOrder::parse(ll_combine_order).map_err(to_py)?);
+                .with_ll_combine_order(gin_ep::LlCombineOrder::parse(ll_combine_order).map_err(to_py)?)
+                .with_node_size(node_size);
             cfg.validate().map_err(to_py)?;
             Ok(PyEpConfig { cfg })
         })
@@ -175,6 +177,12 @@ impl PyEpConfig {
     #[getter]
     fn expert_alignment(&self) -> usize {
         self.cfg.expert_alignment
+    }
+    /// Ranks per HT node (consecutive ranks; rows cross to other nodes through the rail
+    /// peer), or None: every rank in one node.
+    #[getter]
+    fn node_size(&self) -> Option<usize> {
+        self.cfg.node_size
     }
 
     /// Bytes of symmetric heap one rank needs for this config and these modes.

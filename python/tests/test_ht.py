@@ -1,8 +1,9 @@
 """HT dispatch/combine of gin_ep.Buffer on 2 and 4 gloo processes, bit for bit
 against gin-ep's oracle: layout, BF16 and FP8 dispatch, cached dispatch, combine with
 weights and biases, num_worst_tokens, events; dispatch without topk_idx (routing by
-is_token_in_rank alone) on the host backend and, with 2 GPUs, on the GPU path; on GPUs, the
-communication stream (`previous_event`, `async_finish`) and `Config.num_sms`; a dispatch
+is_token_in_rank alone) on the host backend and, with 2 GPUs, on the GPU path; across gin-ep
+nodes (GIN_EP_NODE_SIZE) on the host backend, with DeepEP's per-node layout counts; on GPUs,
+the communication stream (`previous_event`, `async_finish`) and `Config.num_sms`; a dispatch
 with more tokens than the buffers hold (they grow on every rank)."""
 
 import gc
@@ -23,9 +24,16 @@ def tokens_of(world):
     return [7, 0, 19, 11][:world] if world > 1 else [9]
 
 
+def ht_nodes(world):
+    """Ranks per HT node of the host backend for `world` ranks (`GIN_EP_NODE_SIZE`, as the
+    Buffer reads it), or None: one node."""
+    g = _dist.node_size()
+    return g if g is not None and g < world else None
+
+
 def check_layout(buf, rank, world, idx, experts):
     per_rank, per_rdma, per_expert, in_rank, ev = buf.get_dispatch_layout(idx, experts)
-    assert per_rdma is None and isinstance(ev, EventOverlap)
+    assert isinstance(ev, EventOverlap)
     local = experts // world
     valid = idx[idx >= 0]
     same_bits("num_tokens_per_expert", per_expert, torch.bincount(valid, minlength=experts).to(torch.int32))
@@ -33,6 +41,15 @@ def check_layout(buf, rank, world, idx, experts):
         if idx.shape[0] else torch.zeros(0, world, dtype=torch.bool)
     assert torch.equal(in_rank, want)
     same_bits("num_tokens_per_rank", per_rank, want.sum(0).to(torch.int32))
+    g = ht_nodes(world)
+    if g is None:
+        assert per_rdma is None
+    else:
+        # DeepEP's num_tokens_per_rdma_rank: each token once per node it goes to.
+        node_of = (idx // local) // g
+        want_nodes = torch.tensor([int(((idx >= 0) & (node_of == n)).any(1).sum()) for n in range(world // g)],
+                                  dtype=torch.int32)
+        same_bits("num_tokens_per_rdma_rank", per_rdma, want_nodes)
     return per_rank, per_expert, in_rank
 
 
@@ -41,11 +58,12 @@ def ht_worker(rank, world):
     tokens = tokens_of(world)
     inputs = routing(world, tokens, HIDDEN, TOPK, experts, seed=1234 + world)
     x, idx, w = inputs[rank]
+    nodes = ht_nodes(world)
     buf = Buffer(dist.group.WORLD, num_nvl_bytes=1 << 22, explicitly_destroy=True)
     per_rank, per_expert, in_rank = check_layout(buf, rank, world, idx, experts)
 
     # BF16 dispatch, alignment 4.
-    cfg = _native.EpConfig(world, experts, HIDDEN, TOPK, max(tokens), "bf16", 4)
+    cfg = _native.EpConfig(world, experts, HIDDEN, TOPK, max(tokens), "bf16", 4, node_size=nodes)
     ref = _native.oracle_ht_dispatch(cfg, [to_bytes(i[0]) for i in inputs], [to_bytes(i[1]) for i in inputs],
                                      [to_bytes(i[2]) for i in inputs])
     rx, _, ridx, rw, counts, _ = ref[rank]
@@ -92,6 +110,13 @@ def ht_worker(rank, world):
     cx0, cw0, _ = buf.combine(ys[rank], handle)
     assert cw0 is None
     same_bits("combined_x (no bias)", cx0, from_bytes(cref0[rank][0], torch.bfloat16, (tokens[rank], HIDDEN)))
+    if nodes is not None and nodes > 1:
+        # With several ranks per node the node-first order rounds each node's partial, unlike
+        # the flat one, on these rows: the comparisons above tell the two apart. (With one
+        # rank per node the partials are the rows, and both orders agree.)
+        flat = _native.EpConfig(world, experts, HIDDEN, TOPK, max(tokens), "bf16", 4)
+        cflat = _native.oracle_ht_combine(flat, [ref[r][5] for r in range(world)], [to_bytes(y) for y in ys])
+        assert any(cflat[r][0] != cref0[r][0] for r in range(world))
 
     # num_worst_tokens: padded outputs, empty count list; combine ignores the padding.
     worst = sum(tokens)
@@ -106,7 +131,7 @@ def ht_worker(rank, world):
     same_bits("combined_x (padded)", cxp, cx0)
 
     # FP8 dispatch: (e4m3, scales) tuples travel unchanged.
-    fcfg = _native.EpConfig(world, experts, HIDDEN, TOPK, max(tokens), "fp8", 1)
+    fcfg = _native.EpConfig(world, experts, HIDDEN, TOPK, max(tokens), "fp8", 1, node_size=nodes)
     fref = _native.oracle_ht_dispatch(fcfg, [to_bytes(i[0]) for i in inputs], [to_bytes(i[1]) for i in inputs],
                                       [to_bytes(i[2]) for i in inputs])
     (fx, fs), fidx, fw, fcounts, fhandle, _ = buf.dispatch(
@@ -129,6 +154,39 @@ def ht_worker(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_ht(world):
     _dist.run(world, ht_worker)
+
+
+@pytest.mark.parametrize("world,node_size", [(4, 2), (4, 1), (2, 1)])
+def test_ht_across_nodes(world, node_size, monkeypatch):
+    """HT on the host backend across gin-ep nodes of `node_size` consecutive ranks (the
+    launch's GIN_EP_NODE_SIZE): the rows cross nodes through the rail peer, combine sums
+    node-first, and the layout counts tokens per node."""
+    monkeypatch.setenv("GIN_EP_NODE_SIZE", str(node_size))
+    _dist.run(world, ht_worker)
+
+
+def node_size_worker(rank, world):
+    """Every rank's HT node size is shown before a heap is made (a rank whose launch says
+    another one fails naming it); one that does not divide the group is refused by name."""
+    import os
+    experts = 4 * world
+    x, idx, w = routing(world, [3] * world, HIDDEN, TOPK, experts, seed=8)[rank]
+    os.environ["GIN_EP_NODE_SIZE"] = "1" if rank == world - 1 else "2"
+    buf = Buffer(dist.group.WORLD, max_tokens_per_rank=8, explicitly_destroy=True)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    with pytest.raises(ValueError, match=r"HT node size \(GIN_EP_NODE_SIZE\).*rank 3: 1"):
+        buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                     num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    buf.destroy()
+    os.environ["GIN_EP_NODE_SIZE"] = "3"
+    buf = Buffer(dist.group.WORLD, max_tokens_per_rank=8, explicitly_destroy=True)
+    with pytest.raises(ValueError, match="GIN_EP_NODE_SIZE = 3: must divide the group's 4 ranks"):
+        buf.get_dispatch_layout(idx, experts)
+    buf.destroy()
+
+
+def test_ht_node_size_is_checked():
+    _dist.run(4, node_size_worker)
 
 
 def grow_worker(rank, world, dev="cpu"):

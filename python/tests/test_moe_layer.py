@@ -1,6 +1,6 @@
 """Runs examples/moe_layer.py on the host backend: the training step (HT forward and
-backward) and the decode step (LL forward) on 2 and 3 processes, each checked against a
-dense computation."""
+backward) and the decode step (LL forward) on 2 and 3 processes, and the training step
+across 2 gin-ep nodes of 2 processes, each checked against a dense computation."""
 
 import importlib.util
 import os
@@ -31,3 +31,10 @@ def test_moe_layer_2_ranks():
 
 def test_moe_layer_decode_3_ranks():
     _dist.run(3, decode_worker)
+
+
+def test_moe_layer_across_nodes(monkeypatch):
+    """The training step with HT across 2 gin-ep nodes of 2 ranks on the host backend (rail
+    forward, node-first combine), checked against the same dense computation."""
+    monkeypatch.setenv("GIN_EP_NODE_SIZE", "2")
+    _dist.run(4, moe_worker)
