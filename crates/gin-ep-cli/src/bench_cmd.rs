@@ -204,7 +204,11 @@ fn refuse_inapplicable(a: &BenchArgs) -> CliResult {
             Rule::ANY.gpus().modes(HT).needs("--sweep"),
         ),
     ];
-    opts.extend(a.shape.opts());
+    // --node-size shapes a GPU launch, and on the host backend groups ranks into HT nodes.
+    opts.extend(a.shape.opts().into_iter().map(|o| match o.flag.as_str() {
+        "--node-size" if a.gpus.is_none() => Opt::new("--node-size", o.given, Rule::ANY.host().modes(HT)),
+        _ => o,
+    }));
     crate::applies::refuse_inapplicable(
         &Run {
             gpus: a.gpus.is_some(),
@@ -243,6 +247,16 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
         )?;
     }
     let ranks = world.or(a.ranks).unwrap_or(4);
+    // Host backend: HT across nodes of --node-size consecutive ranks (on GPUs the launch
+    // shape carries it instead).
+    let host_node_size = a.shape.node_size.filter(|_| a.gpus.is_none());
+    if let Some(m) = host_node_size {
+        if m == 0 || ranks % m != 0 {
+            return Err(CliError::Usage(format!(
+                "invalid value: --node-size {m} does not divide --ranks {ranks} into whole nodes"
+            )));
+        }
+    }
     let dtype = DispatchDtype::parse(&a.dtype).map_err(lib_err)?;
     let routing = Routing::parse(&a.routing).map_err(lib_err)?;
     let tokens = a.tokens.unwrap_or(tokens_d);
@@ -252,7 +266,8 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
     let cfg = EpConfig::new(ranks, a.experts, a.hidden, a.topk, max_tokens)
         .with_dtype(dtype)
         .with_alignment(a.alignment.unwrap_or(1))
-        .with_ll_combine_order(order);
+        .with_ll_combine_order(order)
+        .with_node_size(host_node_size);
     cfg.validate().map_err(lib_err)?;
     let ht_exact = a.ht_sizing.as_deref() == Some("exact");
     let opts = BenchOptions {
@@ -498,6 +513,7 @@ fn json_doc(a: &BenchArgs, r: &Resolved, report: &BenchReport) -> CliResult<serd
         "dtype": o.cfg.dispatch_dtype.name(),
         "alignment": o.cfg.expert_alignment,
         "ll_combine_order": o.cfg.ll_combine_order.name(),
+        "node_size": o.cfg.node_size,
         "routing": o.routing.name(),
         "seed": o.seed,
         "iters": o.iters,
@@ -579,8 +595,16 @@ fn print_shape(r: &Resolved) {
         BenchMode::Ht => "HT",
         BenchMode::Ll => "LL",
     };
+    let nodes = match o.cfg.node_size {
+        Some(g) if o.cfg.nodes() > 1 => format!(
+            " in {} of {} (across nodes: rail forward, node-first combine)",
+            crate::output::count(o.cfg.nodes(), "node"),
+            g
+        ),
+        _ => String::new(),
+    };
     out!(
-        "{mode}: {} × {} tokens, hidden {}, top-{} of {} experts, {}, routing {}, \
+        "{mode}: {}{nodes} × {} tokens, hidden {}, top-{} of {} experts, {}, routing {}, \
          {} iterations after {} warm-up",
         crate::output::count(o.cfg.ranks, "rank"),
         o.tokens,

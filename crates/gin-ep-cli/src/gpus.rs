@@ -22,8 +22,8 @@ pub struct LaunchShape {
     #[arg(long, value_name = "K", value_parser = parse_whole::<usize>)]
     pub vnodes: Option<usize>,
     /// With --gpus: M consecutive ranks form one gin-ep node, whose windows are mapped into
-    /// one another and reached by stores [default: NCCL's LSA team]. `check` on the host
-    /// backend: HT across nodes of M consecutive ranks (rail forward, node-first combine).
+    /// one another and reached by stores [default: NCCL's LSA team]. `check` and `bench
+    /// --mode ht` on the host backend: HT across nodes of M consecutive ranks (rail forward, node-first combine).
     #[arg(long, value_name = "M", value_parser = parse_whole::<usize>)]
     pub node_size: Option<usize>,
     /// With --gpus: N consecutive ranks form one NCCL node (one NCCL_HOSTID, the project's

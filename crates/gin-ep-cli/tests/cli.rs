@@ -309,6 +309,41 @@ fn a_bad_node_size_on_the_host_is_refused_naming_it() {
     );
     usage_error(&["check", "--node-size", "2", "--mode", "ll"], "--node-size");
     usage_error(&["check", "--node-size", "x"], "--node-size");
+    usage_error(
+        &["bench", "--node-size", "3", "--ranks", "4"],
+        "--node-size 3 does not divide --ranks 4",
+    );
+    usage_error(&["bench", "--node-size", "0"], "--node-size 0");
+    usage_error(&["bench", "--node-size", "2", "--mode", "ll"], "--node-size");
+}
+
+#[test]
+fn bench_ht_across_nodes_runs_on_the_host_and_says_so() {
+    let o = gin_ep(&[
+        "bench",
+        "--mode",
+        "ht",
+        "--node-size",
+        "2",
+        "--ranks",
+        "4",
+        "--tokens",
+        "64",
+        "--hidden",
+        "256",
+        "--iters",
+        "2",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
+    assert!(out.contains("4 ranks in 2 nodes of 2 (across nodes"), "{out}");
+    // The across-node phases are timed: the combine's node partials and their sum.
+    assert!(out.contains("combine reduce"), "{out}");
+    let flat = gin_ep(&[
+        "bench", "--mode", "ht", "--ranks", "4", "--tokens", "64", "--hidden", "256", "--iters", "2",
+    ]);
+    let (out, _) = text(&flat);
+    assert!(flat.status.success() && !out.contains("combine reduce"), "{out}");
 }
 
 #[test]
