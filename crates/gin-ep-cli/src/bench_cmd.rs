@@ -73,7 +73,7 @@ pub struct BenchArgs {
     /// count after the count exchange: what gin_ep.Buffer does). The combine input comes from
     /// caller memory, staged into the window during the combine (as gin_ep.Buffer's), except
     /// with --path driver and static sizing, where it is already in the window
-    /// [default: static].
+    /// [default: static; across gin-ep nodes exact, the only sizing there].
     #[arg(long, value_parser = ["static", "exact"])]
     pub ht_sizing: Option<String>,
     /// Timed iterations [default: 5; at most 1000000].
@@ -231,20 +231,40 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
         }
     };
     refuse_inapplicable(a)?;
+    let path = match a.path.as_deref() {
+        None | Some("ep") => Path::Ep,
+        Some("driver") => Path::Driver,
+        Some(other) => {
+            return Err(CliError::Usage(format!(
+                "invalid value: --path {other}: expected ep or driver"
+            )))
+        }
+    };
     let mut world = None;
+    let mut ht_across = false;
     if let Some(gpus) = a.gpus {
         gpus::check_count(gpus)?;
-        world = Some(gpus::set_topology(gpus, &a.shape)?);
-        // LL is benched across virtual nodes too (its timings then say they are
-        // time-sliced); HT only on one GPU per rank, where its ranks may be NCCL nodes of
-        // their own (--nccl-node-size) joined into one gin-ep node (--node-size).
+        let w = gpus::set_topology(gpus, &a.shape)?;
+        world = Some(w);
+        // LL is benched across virtual nodes too, HT as one gin-ep node or, through `Ep`,
+        // across the gin-ep nodes of --node-size (as `check --mode ht` runs it); timings of
+        // ranks sharing a GPU say they are time-sliced.
+        ht_across =
+            a.mode == Mode::Ht && path == Path::Ep && !a.sweep && a.shape.node_size.is_some_and(|m| m < w);
         gpus::refuse_lsa_only(
             crate::applies::mode_name(a.mode),
             gpus,
             &a.shape,
-            a.mode == Mode::Ll || a.shape.vnodes.is_none_or(|k| k <= 1),
-            false,
+            a.mode == Mode::Ll || a.shape.vnodes.is_none_or(|k| k <= 1) || ht_across,
+            ht_across,
         )?;
+        if ht_across && a.ht_sizing.as_deref() == Some("static") {
+            return Err(CliError::Usage(
+                "--ht-sizing static does not apply across gin-ep nodes (--node-size below the \
+                 ranks): HT across nodes sizes its receive exactly, as gin_ep.Buffer does"
+                    .into(),
+            ));
+        }
     }
     let ranks = world.or(a.ranks).unwrap_or(4);
     // Host backend: HT across nodes of --node-size consecutive ranks (on GPUs the launch
@@ -269,7 +289,7 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
         .with_ll_combine_order(order)
         .with_node_size(host_node_size);
     cfg.validate().map_err(lib_err)?;
-    let ht_exact = a.ht_sizing.as_deref() == Some("exact");
+    let ht_exact = ht_across || a.ht_sizing.as_deref() == Some("exact");
     let opts = BenchOptions {
         mode,
         cfg,
@@ -305,15 +325,6 @@ fn resolve(a: &BenchArgs) -> CliResult<Resolved> {
             )));
         }
     }
-    let path = match a.path.as_deref() {
-        None | Some("ep") => Path::Ep,
-        Some("driver") => Path::Driver,
-        Some(other) => {
-            return Err(CliError::Usage(format!(
-                "invalid value: --path {other}: expected ep or driver"
-            )))
-        }
-    };
     if a.gpus.is_some() && !a.sweep && path == Path::Ep {
         // What only the drivers' benchmark does is refused, not ignored, before any GPU
         // process starts.

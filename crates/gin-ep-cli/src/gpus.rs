@@ -88,8 +88,9 @@ pub fn refuse_lsa_only(
          --nccl-node-size) to load the project's plugin"
     } else {
         "HT reaches peers by load/store only here, so every rank must be in one gin-ep node \
-         (HT across gin-ep nodes runs in `gin-ep check --mode ht --node-size G` only: not yet \
-         run on a GPU)"
+         (HT across gin-ep nodes runs in `gin-ep check --mode ht --node-size G` and `gin-ep \
+         bench --mode ht --node-size G` through `Ep`, on several NCCL nodes: not yet run on a \
+         GPU)"
     };
     let world = gpus * vnodes.unwrap_or(1);
     // Several NCCL nodes on this host (the project's plugin is loaded): set_topology ran first.

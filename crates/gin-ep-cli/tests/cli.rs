@@ -788,7 +788,10 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
         // (check --node-size on the host backend is HT across nodes.)
         (&["check", "--kill", "1:5"], &["--kill", "--gpus"]),
         (&["bench", "--vnodes", "2"], &["--vnodes", "--gpus"]),
-        (&["bench", "--node-size", "2"], &["--node-size", "--gpus"]),
+        (
+            &["bench", "--mode", "ll", "--node-size", "2"],
+            &["--node-size", "--mode ht only"],
+        ),
         (&["alltoall", "--vnodes", "2"], &["--vnodes", "--gpus"]),
         (&["alltoall", "--node-size", "2"], &["--node-size", "--gpus"]),
         // GIN has no host backend, and bench does not time it.
@@ -871,8 +874,8 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
             &["check", "--gpus", "1", "--vnodes", "2"],
             &["--mode ht across NCCL nodes (--vnodes, --nccl-node-size) needs --node-size 2"],
         ),
-        // HT bench across gin-ep nodes and on virtual nodes (`check` runs HT across gin-ep
-        // nodes; LL takes any node size).
+        // HT bench across gin-ep nodes runs through `Ep` only, with exact sizing (`check`
+        // runs HT across gin-ep nodes too; LL takes any node size).
         (
             &[
                 "bench",
@@ -884,8 +887,24 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
                 "1",
                 "--mode",
                 "ht",
+                "--path",
+                "driver",
             ],
-            &["--node-size 1", "Use --node-size 2", lsa, "gin-ep check"],
+            &["--node-size 1", "Use --node-size 2", lsa, "through `Ep`"],
+        ),
+        (
+            &[
+                "bench",
+                "--gpus",
+                "1",
+                "--vnodes",
+                "4",
+                "--node-size",
+                "2",
+                "--ht-sizing",
+                "static",
+            ],
+            &["--ht-sizing static", "across gin-ep nodes", "exactly"],
         ),
         (
             &["check", "--gpus", "2", "--node-size", "1"],
@@ -916,7 +935,7 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
             ],
             &["nccl-node-size: 3", "must divide the 4 ranks"],
         ),
-        // HT is benched across NCCL nodes only as one gin-ep node of every rank.
+        // HT is benched across NCCL nodes as gin-ep nodes that --node-size names.
         (
             &["bench", "--gpus", "2", "--nccl-node-size", "1"],
             &[
@@ -924,18 +943,6 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
                 "needs --node-size 2",
                 "CUDA-IPC-mapped",
             ],
-        ),
-        (
-            &[
-                "bench",
-                "--gpus",
-                "2",
-                "--nccl-node-size",
-                "1",
-                "--node-size",
-                "1",
-            ],
-            &["--node-size 1 does not apply to --mode ht", "--node-size 2"],
         ),
         (
             &[

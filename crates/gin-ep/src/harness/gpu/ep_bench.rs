@@ -75,15 +75,28 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
     let Some(ops) = ht_ops(group, "ep-bench", &opts.cfg, times)? else {
         return Ok(None);
     };
+    let topology = RankTopology::from_env()?;
+    let (backend, over) = match super::ht_node_config(&opts.cfg, &topology).node_size {
+        Some(g) => (
+            "cuda-lsa+gin",
+            format!("stores inside gin-ep nodes of {g} ranks and GIN puts across them"),
+        ),
+        None => ("cuda-lsa", s.fabric.to_string()),
+    };
+    let shared = if topology.vnodes > 1 {
+        format!(" [{}: ranks share a GPU]", crate::group::vnodes::TIME_SLICED)
+    } else {
+        String::new()
+    };
     Ok(Some(BenchReport::new(
-        format!("cuda-lsa ({})", gpu.info().device_name),
+        format!("{backend} ({})", gpu.info().device_name),
         format!(
-            "GPU HT through Ep (gin_ep.Buffer's calls: caller tensors, the caller's stream) over \
-             {}, {} SMs per kernel, {}, combine input staged from caller memory; total = host \
-             clock from the Ep call to the end of the stream's work, kernel = CUDA events on the \
-             caller's stream around the call (a dispatch's span the layout kernel too); slowest \
-             rank per iteration",
-            s.fabric,
+            "GPU HT through Ep{shared} (gin_ep.Buffer's calls: caller tensors, the caller's \
+             stream) over {}, {} SMs per kernel, {}, combine input staged from caller memory; \
+             total = host clock from the Ep call to the end of the stream's work, kernel = CUDA \
+             events on the caller's stream around the call (a dispatch's span the layout kernel \
+             too); slowest rank per iteration",
+            over,
             num_sms,
             if opts.ht_exact {
                 "exact sizing (receive counts read after each dispatch)"
@@ -131,8 +144,10 @@ impl EpHt {
     /// Collective: the `Ep` and tensors for `opts`; returns them with the rows this rank
     /// receives and how many of them are its own.
     fn new(group: &Group, gpu: &GpuRank, opts: &BenchOptions, num_sms: u32) -> Result<(EpHt, usize, usize)> {
-        let cfg = &opts.cfg;
         let me = group.rank();
+        let topology = RankTopology::from_env()?;
+        // Across the launch's gin-ep nodes the bench runs HT across nodes, as the check does.
+        let cfg = &super::ht_node_config(&opts.cfg, &topology);
         let eo = EpOptions {
             ht: true,
             ll: false,
@@ -140,7 +155,8 @@ impl EpHt {
             ht_sms: num_sms,
             ht_recv_slabs: 1,
             ht_exact: opts.ht_exact,
-            topology: RankTopology::from_env()?,
+            topology,
+            ht_across_nodes: cfg.nodes() > 1,
             ..EpOptions::default()
         };
         let ep = Ep::join(group, cfg, &Backend::Cuda(gpu.clone()), &eo)?;
