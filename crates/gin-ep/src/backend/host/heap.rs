@@ -151,7 +151,7 @@ impl SymmetricHeap {
     /// mappings go away when the last process unmaps them. A rank killed before that
     /// leaves its name behind; every process holds a lock on each segment it maps, and
     /// the first heap of a later process removes the unlocked leftovers of this user
-    /// ([`sweep_stale_segments`]), saying so on stderr.
+    /// (`sweep_stale_segments`), saying so on stderr.
     pub fn processes(group: &Group, len: usize) -> Result<SymmetricHeap> {
         check_shape(group.world(), len)?;
         sweep_stale_segments_once();

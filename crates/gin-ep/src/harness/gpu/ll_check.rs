@@ -371,7 +371,7 @@ pub fn check_rank(group: &Group, cases: &[Case], timeout: Duration) -> Result<us
 }
 
 /// [`check_rank`], and after each case's driver-level run the same case through an LL
-/// [`crate::Ep`] as the Python package drives it ([`super::ll_ep`]), with `fault` injected
+/// [`crate::Ep`] as the Python package drives it (`ll_ep.rs`), with `fault` injected
 /// into that `Ep`'s engine.
 pub fn check_rank_faulty(
     group: &Group,

@@ -269,9 +269,9 @@ pub fn count_row_stride(cfg: &EpConfig) -> usize {
     }
 }
 
-/// Words of the device plan: head, src_offset[R+1], send_base[R], tokens_per_rank[R],
-/// tokens_per_expert[E], local[L], aligned[L], rank_prefix_matrix[R*R]; across nodes then
-/// tokens_per_node[N], rail_count[N], rail_base[N*G] (abi/ht.h).
+/// Words of the device plan: head, `src_offset[R+1]`, `send_base[R]`, `tokens_per_rank[R]`,
+/// `tokens_per_expert[E]`, `local[L]`, `aligned[L]`, `rank_prefix_matrix[R*R]`; across nodes
+/// then `tokens_per_node[N]`, `rail_count[N]`, `rail_base[N*G]` (abi/ht.h).
 pub fn plan_words(cfg: &EpConfig) -> usize {
     let rail = if cfg.nodes() > 1 {
         2 * cfg.nodes() + cfg.ranks

@@ -6,8 +6,8 @@
 //! host's limits, named after the kernel constants they derive from (those and the argument
 //! block `LlArgs` are generated from kernels/abi/ll.h: `backend::cuda::abi::ll`). The window
 //! layout is in [`layout`], the tuning values in [`tuning`]. Never: decides what is correct (the
-//! oracle does, through `check`), prints, imports the GPU check ([`check`]) or benchmark
-//! ([`mod@bench`], [`stamps`]) that drive it, or waits on the device without a deadline (every
+//! oracle does, through the harness's check), prints, imports the GPU check or benchmark
+//! that drive it (the harness's), or waits on the device without a deadline (every
 //! wait is [`CudaRank::wait`]; every in-kernel wait has one and names phase and peer).
 //!
 //! Device-side protocol (see the head of kernels/ll/common.cuh): no barrier and no host
@@ -540,7 +540,7 @@ impl CudaLl {
     }
 
     /// Whether the stamped launches write only each operation's first and last stamp (its
-    /// kernels' start and end: the least intrusive breakdown), see [`stamps::StampMode::Edges`].
+    /// kernels' start and end: the least intrusive breakdown), see `stamps::StampMode::Edges`.
     pub fn set_stamp_edges(&mut self, edges: bool) {
         self.stamp_edges = edges;
     }

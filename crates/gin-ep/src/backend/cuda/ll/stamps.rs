@@ -3,7 +3,7 @@
 //! eager-loop split computed from one rank's rows.
 //!
 //! Owns: the meaning of each stamp slot (kSt* in kernels/abi/ll.h). Never: allocates,
-//! launches or times anything (the benchmark does, in [`super::bench`]); pure arithmetic on
+//! launches or times anything (the harness's LL benchmark does); pure arithmetic on
 //! downloaded rows.
 
 use super::abi;

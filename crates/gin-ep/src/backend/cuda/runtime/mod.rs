@@ -5,7 +5,7 @@
 //! `Drop` releases it: [`CudaRank`] (context, stream, module, host-mapped error record, NCCL
 //! communicator), [`Window`] (ncclMemAlloc + symmetric registration), [`DevComm`]
 //! (ncclDevCommCreate), [`DeviceBuffer`] (cuMemAlloc), [`Event`], [`SideStreams`],
-//! [`Graph`], and in harness builds a [`Module`] of another crate's kernels (gin-ep-lab's).
+//! [`Graph`], and in harness builds a `Module` of another crate's kernels (gin-ep-lab's).
 //! Never: decides buffer layouts or which kernel runs (the callers do, through their typed
 //! launches: `ht`, `ll`, `fabric`, and gin-ep-lab's), or waits on the device without a
 //! deadline.
@@ -25,8 +25,8 @@
 //! [`window`] ([`Window`], [`DevComm`]), [`stream`] (the stream, [`SideStreams`], [`Event`],
 //! the bounded wait), [`graph`] ([`Graph`]), [`comm`] (the NCCL communicator); [`result`]
 //! turns driver and NCCL statuses into typed errors, [`gin`] decides whether GIN may be
-//! asked for, [`widen`] turns int32 ids into int64 with copies; in harness builds [`module`]
-//! loads and launches another crate's kernels and [`collective`] runs NCCL's all-to-all.
+//! asked for, [`widen`] turns int32 ids into int64 with copies; in harness builds `module`
+//! loads and launches another crate's kernels and `collective` runs NCCL's all-to-all.
 
 #[cfg(feature = "harness")]
 pub mod collective;

@@ -76,8 +76,8 @@ impl Drop for CallerStream {
 }
 
 /// Streams of a rank beside its own, for work that should overlap (copies to several peers
-/// on several copy engines): [`CudaRank::fork`] makes them wait for what the rank's stream
-/// queued so far, [`CudaRank::join`] makes the rank's stream wait for what they queued, so
+/// on several copy engines): `CudaRank::fork` makes them wait for what the rank's stream
+/// queued so far, `CudaRank::join` makes the rank's stream wait for what they queued, so
 /// waiting on the rank's stream covers them. Streams and events are destroyed on drop
 /// (cuStreamDestroy lets queued work finish first).
 pub struct SideStreams {

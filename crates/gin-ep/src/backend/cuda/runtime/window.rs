@@ -54,7 +54,7 @@ impl Window {
     }
 
     /// The NCCL window handle, as a kernel parameter carries it (the launches of gin-ep, and
-    /// of gin-ep-lab through [`super::Module`]); a value, valid while `self` lives.
+    /// of gin-ep-lab through `super::Module`); a value, valid while `self` lives.
     pub fn raw(&self) -> ns::ncclWindow_t {
         self.raw
     }
