@@ -898,6 +898,8 @@ impl PyEp {
         let out = LlDispatchOutSpans {
             recv_x: dev_out(recv_x),
             recv_scales: dev_out(recv_scales),
+            // DeepEP's order: the Python package's scales are column-major.
+            scales_layout: gin_ep::LlScalesLayout::ColumnMajor,
             recv_count: dev_out(recv_count),
             layout_range: dev_out(layout_range),
             stats: dev_out(stats),
@@ -943,6 +945,8 @@ impl PyEp {
         let out = LlDispatchOutSpans {
             recv_x: dev_out(recv_x),
             recv_scales: dev_out(recv_scales),
+            // DeepEP's order: the Python package's scales are column-major.
+            scales_layout: gin_ep::LlScalesLayout::ColumnMajor,
             recv_count: dev_out(recv_count),
             layout_range: dev_out(layout_range),
             stats: dev_out(stats),

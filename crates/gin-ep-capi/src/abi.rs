@@ -47,6 +47,7 @@ pub const EXPERT_ID_GLOBAL: u32 = 2;
 pub const FWD_PASS: u32 = 0;
 pub const BWD_PASS: u32 = 1;
 pub const DISP_QUANT_NONE: u32 = 0;
+pub const DISP_QUANT_FWD: u32 = 1;
 pub const DISP_QUANT_DS_FP8E3M4: u32 = 2;
 pub const COMB_QUANT_NONE: u32 = 0;
 

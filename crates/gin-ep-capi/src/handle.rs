@@ -15,22 +15,26 @@
 //!   `layout_info`, query-then-allocate) are refused.
 //! - int32 `topk_idx` is widened on the caller's stream into an int64 copy the handle owns
 //!   (strided device copies, `GpuRank::widen_i32_to_i64`), which dispatch and combine read.
-//! - LL `RANK_MAJOR`, HT `EXPERT_MAJOR`, FP8 recipes and window-backed tensors are refused
-//!   with ncclInvalidUsage naming the field: gin-ep has no kernel that writes those layouts
-//!   (its LL FP8 scales are `[L, H/128, R*T]`, NCCL EP's `[L, R*T, S]`; its LL rows are per
-//!   (expert, source token), not per source token; its HT receive order is by source, not
-//!   grouped by expert).
+//! - LL `DS_FP8E3M4` is gin-ep's LL FP8 (its own engine of the top-k and FP8): e4m3 rows
+//!   `[L, R*T, H]` and f32 scales `[L, R*T, H/128]`, which the receive kernel writes
+//!   row-major as NCCL EP lays them out (`LlScalesLayout::RowMajor`); `round_scales` rounds
+//!   them up to powers of two.
+//! - LL `RANK_MAJOR`, HT `EXPERT_MAJOR`, the caller-quantized recipe (`FWD`), HT FP8 and
+//!   window-backed tensors are refused with ncclInvalidUsage naming the field: gin-ep has no
+//!   kernel for them (its LL rows are per (expert, source token), not per source token; its
+//!   HT receive order is by source, not grouped by expert).
 
 use std::sync::Arc;
 
 use gin_ep::backend::cuda::DeviceBuffer;
+use gin_ep::config::FP8_BLOCK;
 use gin_ep::ep::{
     DeviceOut, HtCombineIn, HtCombineOut, HtDispatchIn, LlCombineIn, LlDispatchIn, LlDispatchOut, LlHalf,
     Mem, Stream,
 };
-use gin_ep::{DispatchDtype, Ep};
+use gin_ep::{DispatchDtype, Ep, LlScalesLayout};
 
-use crate::abi::{self, NCCL_BFLOAT16, NCCL_FLOAT32, NCCL_INT32, NCCL_INT64};
+use crate::abi::{self, NCCL_BFLOAT16, NCCL_FLOAT32, NCCL_FLOAT8E4M3, NCCL_INT32, NCCL_INT64};
 use crate::group::{Algo, Group};
 use crate::status::{CResult, CapiError};
 use crate::tensor::{absent, required, Desc};
@@ -131,8 +135,9 @@ pub struct Handle {
     wide: Option<DeviceBuffer>,
     /// Device staging for the counts an HT dispatch writes to the caller's counters.
     stage: Option<DeviceBuffer>,
-    /// The LL dispatch the next combine returns.
-    dispatched: Option<gin_ep::ep::LlHandle>,
+    /// The LL dispatch the next combine returns, and the engine that made it (the group's
+    /// engine of the handle's top-k and the dispatch's dtype).
+    dispatched: Option<(Ep, gin_ep::ep::LlHandle)>,
     pending: Option<Pending>,
     /// The HT dispatch the next combine returns, and the rows it received.
     ht: Option<(gin_ep::ep::HtHandle, usize)>,
@@ -322,26 +327,14 @@ impl Handle {
     fn ll_dispatch(&mut self, a: DispatchArgs, stream: Stream) -> CResult<()> {
         self.no_pending("ncclEpDispatch")?;
         let c = &a.config;
-        if c.quant_recipe != abi::DISP_QUANT_NONE {
-            return Err(CapiError::usage(format!(
-                "config->quant_recipe = {}: gin-ep's C API dispatches BF16 only (its FP8 scales are laid out \
-                 [L, H/128, R*T], NCCL EP's [L, R*T, S])",
-                c.quant_recipe
-            )));
-        }
-        if c.round_scales != 0 {
-            return Err(CapiError::usage(format!(
-                "config->round_scales = {}: only with an FP8 recipe",
-                c.round_scales
-            )));
-        }
-        if c.pass_direction != abi::FWD_PASS {
-            return Err(CapiError::usage(format!(
-                "config->pass_direction = {}: LL has no backward pass",
-                c.pass_direction
-            )));
-        }
-        let (ep, _, routing) = self.routed("ncclEpDispatch")?;
+        let dtype = ll_dispatch_dtype(c)?;
+        let (bf16_ep, k, routing) = self.routed("ncclEpDispatch")?;
+        // The engine of the handle's top-k for this wire format: FP8 has its own (collective
+        // on the group's first FP8 dispatch of this top-k, so make one before capturing).
+        let ep = match dtype {
+            DispatchDtype::Bf16 => bf16_ep,
+            _ => self.group.engine(k, dtype)?,
+        };
         let spec = &self.group.spec;
         let (n, h, l, rt) = (
             routing.sizes[0],
@@ -360,16 +353,29 @@ impl Handle {
             "LL EXPERT_MAJOR dispatch takes no such input (weights go to ncclEpCombine)",
         )?;
         let out = required(a.out_tokens, "outputs->tokens")?;
-        out.dtype_is(&[NCCL_BFLOAT16])?;
-        out.shape_is(&[l, rt, h])?;
         absent(
             &[
                 (&a.out_weights, "outputs->topk_weights"),
-                (&a.out_scales, "outputs->scales"),
                 (&a.out_idx, "outputs->topk_idx"),
             ],
             "LL EXPERT_MAJOR writes no such output",
         )?;
+        let scales = if dtype.is_fp8() {
+            out.dtype_is(&[NCCL_FLOAT8E4M3])?;
+            out.shape_is(&[l, rt, h])?;
+            let s = required(a.out_scales, "outputs->scales")?;
+            s.dtype_is(&[NCCL_FLOAT32])?;
+            s.shape_is(&[l, rt, h / FP8_BLOCK])?;
+            Some(s)
+        } else {
+            out.dtype_is(&[NCCL_BFLOAT16])?;
+            out.shape_is(&[l, rt, h])?;
+            absent(
+                &[(&a.out_scales, "outputs->scales")],
+                "a dispatch without a quantization recipe writes no scales",
+            )?;
+            None
+        };
         let li = a.layout.ok_or_else(|| {
             CapiError::arg("layout_info is NULL: LL EXPERT_MAJOR writes its counts to expert_counters")
         })?;
@@ -386,6 +392,9 @@ impl Handle {
         counters.shape_is(&[l])?;
         let output = LlDispatchOut {
             recv_x: Some(dev(&out)),
+            recv_scales: scales.as_ref().map(dev),
+            // NCCL EP's order: each row's scales together.
+            scales_layout: LlScalesLayout::RowMajor,
             recv_count: Some(dev(&counters)),
             ..LlDispatchOut::default()
         };
@@ -403,7 +412,7 @@ impl Handle {
             .ll_dispatch(input, half, output, stream)
             .map_err(CapiError::from);
         let d = self.group.note(r)?;
-        self.dispatched = Some(d.handle);
+        self.dispatched = Some((ep, d.handle));
         if half == LlHalf::Send {
             self.pending = Some(Pending::Dispatch(output));
         }
@@ -425,11 +434,11 @@ impl Handle {
                 c.pass_direction
             )));
         }
-        let dispatched = self
+        let (ep, dispatched) = self
             .dispatched
             .clone()
             .ok_or_else(|| CapiError::usage("ncclEpCombine: the handle has dispatched nothing to combine"))?;
-        let (ep, topk, routing) = self.routed("ncclEpCombine")?;
+        let (_, topk, routing) = self.routed("ncclEpCombine")?;
         let spec = &self.group.spec;
         let (n, h, l, rt) = (
             routing.sizes[0],
@@ -657,14 +666,10 @@ impl Handle {
         let Some(pending) = self.pending.take() else {
             return Ok(());
         };
-        let dispatched = self
+        let (ep, dispatched) = self
             .dispatched
             .clone()
             .ok_or_else(|| CapiError::internal("a pending operation without its dispatch"))?;
-        let ep = self
-            .ep
-            .clone()
-            .ok_or_else(|| CapiError::internal("a pending operation without its engine"))?;
         let r = match pending {
             Pending::Dispatch(out) => ep.ll_dispatch_recv(&dispatched, out, stream),
             Pending::Combine {
@@ -687,6 +692,33 @@ impl Handle {
             }
         };
         self.group.note(r.map_err(CapiError::from))
+    }
+}
+
+/// The wire format of an LL dispatch's `config`: BF16 as given (no recipe), or gin-ep's FP8
+/// (e4m3, one f32 scale = amax / 448 per 128 channels; `round_scales`: rounded up to a power
+/// of two) for NCCL EP's DS_FP8E3M4 recipe. What gin-ep has no kernel for is refused by name.
+fn ll_dispatch_dtype(c: &abi::DispatchConfig) -> CResult<DispatchDtype> {
+    if c.pass_direction != abi::FWD_PASS {
+        return Err(CapiError::usage(format!(
+            "config->pass_direction = {}: LL has no backward pass",
+            c.pass_direction
+        )));
+    }
+    match (c.quant_recipe, c.round_scales) {
+        (abi::DISP_QUANT_NONE, 0) => Ok(DispatchDtype::Bf16),
+        (abi::DISP_QUANT_NONE, r) => Err(CapiError::usage(format!(
+            "config->round_scales = {r}: only with an FP8 recipe (NCCL_EP_DISP_QUANT_DS_FP8E3M4)"
+        ))),
+        (abi::DISP_QUANT_DS_FP8E3M4, 0) => Ok(DispatchDtype::Fp8),
+        (abi::DISP_QUANT_DS_FP8E3M4, _) => Ok(DispatchDtype::Fp8Ue8m0),
+        (abi::DISP_QUANT_FWD, _) => Err(CapiError::usage(
+            "config->quant_recipe = NCCL_EP_DISP_QUANT_FWD: gin-ep's LL quantizes BF16 rows itself \
+             (NCCL_EP_DISP_QUANT_DS_FP8E3M4); it takes no rows quantized by the caller",
+        )),
+        (q, _) => Err(CapiError::arg(format!(
+            "config->quant_recipe = {q}: not an ncclEpDispQuant_t value"
+        ))),
     }
 }
 
@@ -790,6 +822,50 @@ mod tests {
         let e = layout(Algo::Ht, 9).unwrap_err();
         assert_eq!(e.code, abi::NCCL_INVALID_ARGUMENT);
         assert!(e.msg.contains("layout = 9"), "{}", e.msg);
+    }
+
+    #[test]
+    fn ll_dispatch_recipes_map_to_gin_ep_dtypes_or_are_refused_by_name() {
+        let cfg = |quant_recipe, round_scales, pass_direction| abi::DispatchConfig {
+            size: 24,
+            magic: abi::MAGIC,
+            send_only: 0,
+            round_scales,
+            pass_direction,
+            quant_recipe,
+        };
+        let ok = |q, r| ll_dispatch_dtype(&cfg(q, r, abi::FWD_PASS)).unwrap();
+        assert_eq!(ok(abi::DISP_QUANT_NONE, 0), DispatchDtype::Bf16);
+        assert_eq!(ok(abi::DISP_QUANT_DS_FP8E3M4, 0), DispatchDtype::Fp8);
+        assert_eq!(ok(abi::DISP_QUANT_DS_FP8E3M4, 1), DispatchDtype::Fp8Ue8m0);
+        for (c, code, names) in [
+            (
+                cfg(abi::DISP_QUANT_NONE, 1, abi::FWD_PASS),
+                abi::NCCL_INVALID_USAGE,
+                &["round_scales = 1"][..],
+            ),
+            (
+                cfg(abi::DISP_QUANT_FWD, 0, abi::FWD_PASS),
+                abi::NCCL_INVALID_USAGE,
+                &["NCCL_EP_DISP_QUANT_FWD"],
+            ),
+            (
+                cfg(7, 0, abi::FWD_PASS),
+                abi::NCCL_INVALID_ARGUMENT,
+                &["quant_recipe = 7"],
+            ),
+            (
+                cfg(abi::DISP_QUANT_DS_FP8E3M4, 0, abi::BWD_PASS),
+                abi::NCCL_INVALID_USAGE,
+                &["pass_direction = 1"],
+            ),
+        ] {
+            let e = ll_dispatch_dtype(&c).unwrap_err();
+            assert_eq!(e.code, code, "{}", e.msg);
+            for n in names {
+                assert!(e.msg.contains(n), "{}", e.msg);
+            }
+        }
     }
 
     /// An HT combine's arguments over a dispatch of 4 tokens, top-2, hidden 8, that received

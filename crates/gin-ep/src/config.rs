@@ -27,6 +27,18 @@ pub enum DispatchDtype {
     Fp8Ue8m0,
 }
 
+/// How the f32 scales of an LL FP8 dispatch land in caller memory: one per received row and
+/// 128-channel block, `[L, R*T, H/128]` as shapes go, in one of two memory orders.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LlScalesLayout {
+    /// DeepEP's: column-major in the last two dimensions (`[L, H/128, R*T]` in memory), the
+    /// layout its grouped GEMMs read.
+    #[default]
+    ColumnMajor,
+    /// Row-major `[L, R*T, H/128]`: NCCL EP's, each row's scales together.
+    RowMajor,
+}
+
 impl DispatchDtype {
     pub fn is_fp8(self) -> bool {
         !matches!(self, DispatchDtype::Bf16)

@@ -325,8 +325,10 @@ pub struct LlDispatchIn<'a> {
 pub struct LlDispatchOut {
     /// `[L, R*T, H]` rows (e4m3 bytes or BF16).
     pub recv_x: Option<DeviceOut>,
-    /// `[L, H/128, R*T]` f32 scales (FP8).
+    /// `[L, R*T, H/128]` f32 scales (FP8), in the memory order of `scales_layout`.
     pub recv_scales: Option<DeviceOut>,
+    /// The memory order of `recv_scales` (DeepEP's column-major by default).
+    pub scales_layout: crate::LlScalesLayout,
     /// `[L]` i32.
     pub recv_count: Option<DeviceOut>,
     /// `[L, R]` i64 `(first << 32) | count`.
@@ -795,6 +797,7 @@ impl Ep {
                     topk_idx: dev("topk_idx", Some(input.topk_idx))?,
                     recv_x: out(output.recv_x),
                     recv_scales: out(output.recv_scales),
+                    scales_layout: output.scales_layout,
                     recv_count: out(output.recv_count),
                     layout_range: out(output.layout_range),
                     stats: out(output.stats),
@@ -842,6 +845,7 @@ impl Ep {
             let io = gpu::LlDispatchSpans {
                 recv_x: out(output.recv_x),
                 recv_scales: out(output.recv_scales),
+                scales_layout: output.scales_layout,
                 recv_count: out(output.recv_count),
                 layout_range: out(output.layout_range),
                 stats: out(output.stats),

@@ -17,7 +17,7 @@ pub mod oracle;
 pub mod quant;
 pub mod routing;
 
-pub use config::{DispatchDtype, EpConfig, LlCombineOrder};
+pub use config::{DispatchDtype, EpConfig, LlCombineOrder, LlScalesLayout};
 pub use ep::Ep;
 pub use error::{Error, Result};
 /// The check and bench harness (the `harness` feature): drives [`Ep`] as Python does and

@@ -387,7 +387,7 @@ fn rounds(ep: &Ep, cfg: &EpConfig, me: usize) -> Result<()> {
             recv_scales: None,
             recv_count: Some(recv_count.out()),
             layout_range: Some(layout.out()),
-            stats: None,
+            ..LlDispatchOut::default()
         },
         s,
     )?;

@@ -7,11 +7,17 @@
  * Rank 0 writes the NCCL unique id to <id-file>; the others wait for it (60 s). World 1 needs
  * no file. scripts/capi-gpu builds and runs it (1 GPU; 2 processes on it as virtual nodes).
  * CAPI_IDX32=1: the routing is given as ncclInt32 (gin-ep widens it on the stream).
+ * CAPI_FP8=1: the dispatch quantizes (NCCL_EP_DISP_QUANT_DS_FP8E3M4): every received row must
+ * dequantize (e4m3 x its row-major f32 scale) to its token within e4m3's rounding (1/16 of the
+ * value), and each scale must be the block's amax / 448; the combine then takes the rows as
+ * exact BF16 values, so its result stays exact.
  * CAPI_MASK=1: the group has rank masks (enable_mask); every rank must read active before and
  * after the run, a rank masked by ncclEpMaskUpdate must read masked, and ncclEpMaskClean must
  * make every rank active again.
  * The group is made with a counting allocator (config->alloc): gin-ep must allocate its device
  * buffers through it and give every one back by ncclEpGroupDestroy. */
+#include <math.h>
+
 #include "common.h"
 
 /* The caller's allocator: cudaMalloc / cudaFree, counted. */
@@ -51,6 +57,37 @@ static int check_masks(ncclEpGroup_t group, int rank, int world, cudaStream_t st
 
 static const float kWeights[TOPK] = {0.5f, 0.25f};
 
+#define SCALE_BLOCKS (HIDDEN / 128)
+
+/* e4m3 byte to float (finite values; the NaN pattern reads as NaN). */
+static float from_e4m3(uint8_t b) {
+    int sign = b >> 7, exp = (b >> 3) & 0xF, man = b & 7;
+    if (exp == 0xF && man == 7) return NAN;
+    float v = exp == 0 ? ldexpf((float)man / 8.0f, -6) : ldexpf(1.0f + (float)man / 8.0f, exp - 7);
+    return sign ? -v : v;
+}
+
+/* The largest |value| of token t of rank s over scale block b. */
+static float block_amax(int s, int t, int b) {
+    float m = 0.0f;
+    for (int c = b * 128; c < (b + 1) * 128; c++) m = fmaxf(m, fabsf(value(s, t, c)));
+    return m;
+}
+
+/* Whether FP8 row `row` with scales `sc` holds token t of rank s: every channel within
+ * e4m3's rounding of the value, every scale the block's amax / 448 (relative 1e-6). */
+static int fp8_row_is(const uint8_t* row, const float* sc, int s, int t) {
+    for (int b = 0; b < SCALE_BLOCKS; b++) {
+        float want = block_amax(s, t, b) / 448.0f;
+        if (fabsf(sc[b] - want) > 1e-6f * want) return 0;
+    }
+    for (int c = 0; c < HIDDEN; c++) {
+        float v = value(s, t, c), got = from_e4m3(row[c]) * sc[c / 128];
+        if (!(fabsf(got - v) <= fabsf(v) / 16.0f + 1e-3f)) return 0;
+    }
+    return 1;
+}
+
 int main(int argc, char** argv) {
     int rank, world;
     ncclComm_t comm = init_comm(argc, argv, &rank, &world);
@@ -69,6 +106,8 @@ int main(int argc, char** argv) {
     cfg.alloc.context = &alloc_bytes;
     const char* idx32_env = getenv("CAPI_IDX32");
     const int idx32 = idx32_env != NULL && strcmp(idx32_env, "1") == 0;
+    const char* fp8_env = getenv("CAPI_FP8");
+    const int fp8 = fp8_env != NULL && strcmp(fp8_env, "1") == 0;
     const char* mask_env = getenv("CAPI_MASK");
     const int masks = mask_env != NULL && strcmp(mask_env, "1") == 0;
     cfg.enable_mask = (unsigned)masks;
@@ -87,13 +126,19 @@ int main(int argc, char** argv) {
             hw[t * TOPK + k] = kWeights[k];
         }
     }
-    void *dx, *didx, *dw, *drecv, *dcount, *dout;
+    void *dx, *didx, *dw, *drecv, *dcount, *dout, *drecv8 = NULL, *dscales = NULL;
     CHECK_CUDA(cudaMalloc(&dx, n_x * 2));
     CHECK_CUDA(cudaMalloc(&didx, sizeof(int64_t) * TOKENS * TOPK));
     CHECK_CUDA(cudaMalloc(&dw, sizeof(float) * TOKENS * TOPK));
     CHECK_CUDA(cudaMalloc(&drecv, n_recv * 2));
     CHECK_CUDA(cudaMalloc(&dcount, sizeof(int32_t) * L));
     CHECK_CUDA(cudaMalloc(&dout, n_x * 2));
+    const size_t n_scales = (size_t)L * RT * SCALE_BLOCKS;
+    if (fp8) {
+        /* The FP8 rows and their scales; drecv then holds the combine's BF16 input. */
+        CHECK_CUDA(cudaMalloc(&drecv8, n_recv));
+        CHECK_CUDA(cudaMalloc(&dscales, n_scales * 4));
+    }
     CHECK_CUDA(cudaMemcpy(dx, hx, n_x * 2, cudaMemcpyHostToDevice));
     if (idx32) {
         int32_t* h32 = malloc(sizeof(int32_t) * TOKENS * TOPK);
@@ -109,6 +154,9 @@ int main(int argc, char** argv) {
 
     size_t s_x[2] = {TOKENS, HIDDEN}, s_idx[2] = {TOKENS, TOPK}, s_recv[3] = {(size_t)L, (size_t)RT, HIDDEN},
            s_count[1] = {(size_t)L};
+    size_t s_scales[3] = {(size_t)L, (size_t)RT, SCALE_BLOCKS};
+    ncclEpTensor_t t_recv8 = tensor(drecv8, ncclFloat8e4m3, 3, s_recv),
+                   t_scales = tensor(dscales, ncclFloat32, 3, s_scales);
     ncclEpTensor_t t_x = tensor(dx, ncclBfloat16, 2, s_x), t_idx = tensor(didx, idx32 ? ncclInt32 : ncclInt64, 2, s_idx),
                    t_w = tensor(dw, ncclFloat32, 2, s_idx), t_recv = tensor(drecv, ncclBfloat16, 3, s_recv),
                    t_count = tensor(dcount, ncclInt32, 1, s_count), t_out = tensor(dout, ncclBfloat16, 2, s_x);
@@ -126,21 +174,29 @@ int main(int argc, char** argv) {
             }
 
     uint16_t* hrecv = malloc(n_recv * 2);
+    uint8_t* hrecv8 = malloc(n_recv);
+    float* hscales = malloc(n_scales * 4);
     uint16_t* hout = malloc(n_x * 2);
     char* used = malloc((size_t)RT);
     int failures = 0;
     for (int pass = 0; pass < 4; pass++) {
         int split = pass % 2; /* odd passes: send_only + ncclEpComplete */
         CHECK_CUDA(cudaMemsetAsync(drecv, 0xFF, n_recv * 2, stream));
+        if (fp8) {
+            CHECK_CUDA(cudaMemsetAsync(drecv8, 0xFF, n_recv, stream));
+            CHECK_CUDA(cudaMemsetAsync(dscales, 0xFF, n_scales * 4, stream));
+        }
         CHECK_CUDA(cudaMemsetAsync(dout, 0xFF, n_x * 2, stream));
         ncclEpDispatchInputs_t din = NCCL_EP_DISPATCH_INPUTS_INIT;
         din.tokens = &t_x;
         ncclEpDispatchOutputs_t dout_s = NCCL_EP_DISPATCH_OUTPUTS_INIT;
-        dout_s.tokens = &t_recv;
+        dout_s.tokens = fp8 ? &t_recv8 : &t_recv;
+        if (fp8) dout_s.scales = &t_scales;
         ncclEpLayoutInfo_t li = NCCL_EP_LAYOUT_INFO_INIT;
         li.expert_counters = &t_count;
         ncclEpDispatchConfig_t dcfg = NCCL_EP_DISPATCH_CONFIG_INIT;
         dcfg.send_only = (unsigned)split;
+        if (fp8) dcfg.quant_recipe = NCCL_EP_DISP_QUANT_DS_FP8E3M4;
         if (pass > 0) CHECK_NCCL(ncclEpUpdateHandle(handle, &t_idx, NULL, stream));
         CHECK_NCCL(ncclEpDispatch(handle, &din, &dout_s, &li, &dcfg, stream));
         /* Unconditional, as NCCL EP's tests call it: with nothing pending it does nothing. */
@@ -158,7 +214,14 @@ int main(int argc, char** argv) {
         CHECK_CUDA(cudaStreamSynchronize(stream));
         int32_t hcount[EXPERTS_PER_RANK];
         CHECK_CUDA(cudaMemcpy(hcount, dcount, sizeof hcount, cudaMemcpyDeviceToHost));
-        CHECK_CUDA(cudaMemcpy(hrecv, drecv, n_recv * 2, cudaMemcpyDeviceToHost));
+        if (fp8) {
+            CHECK_CUDA(cudaMemcpy(hrecv8, drecv8, n_recv, cudaMemcpyDeviceToHost));
+            CHECK_CUDA(cudaMemcpy(hscales, dscales, n_scales * 4, cudaMemcpyDeviceToHost));
+            /* The combine's input: each received row as its token's exact BF16 values. */
+            memset(hrecv, 0, n_recv * 2);
+        } else {
+            CHECK_CUDA(cudaMemcpy(hrecv, drecv, n_recv * 2, cudaMemcpyDeviceToHost));
+        }
         for (int e = 0; e < L; e++) {
             if (hcount[e] != expect_count[e]) {
                 fprintf(stderr, "rank %d pass %d: expert %d received %d rows, expected %d\n", rank, pass, e,
@@ -175,9 +238,16 @@ int main(int argc, char** argv) {
                         int found = 0;
                         for (int j = 0; j < hcount[e] && !found; j++) {
                             if (used[j]) continue;
-                            const uint16_t* row = hrecv + ((size_t)e * RT + j) * HIDDEN;
+                            const size_t slot = (size_t)e * RT + j;
+                            uint16_t* row = hrecv + slot * HIDDEN;
                             int same = 1;
-                            for (int c = 0; c < HIDDEN && same; c++) same = from_bf16(row[c]) == value(s, t, c);
+                            if (fp8) {
+                                same = fp8_row_is(hrecv8 + slot * HIDDEN, hscales + slot * SCALE_BLOCKS, s, t);
+                                if (same)
+                                    for (int c = 0; c < HIDDEN; c++) row[c] = to_bf16(value(s, t, c));
+                            } else {
+                                for (int c = 0; c < HIDDEN && same; c++) same = from_bf16(row[c]) == value(s, t, c);
+                            }
                             if (same) used[j] = found = 1;
                         }
                         if (!found) {
@@ -187,6 +257,7 @@ int main(int argc, char** argv) {
                         }
                     }
         }
+        if (fp8) CHECK_CUDA(cudaMemcpy(drecv, hrecv, n_recv * 2, cudaMemcpyHostToDevice));
         CHECK_NCCL(ncclEpCombine(handle, &cin, &cout, &ccfg, stream));
         /* Unconditional, as NCCL EP's tests call it: with nothing pending it does nothing. */
         CHECK_NCCL(ncclEpComplete(handle, NULL, stream));
@@ -223,8 +294,9 @@ int main(int argc, char** argv) {
     }
     CHECK_CUDA(cudaStreamDestroy(stream));
     ncclCommDestroy(comm);
-    printf("rank %d of %d: LL EXPERT_MAJOR dispatch/combine (one call and send_only + complete, %s routing, "
+    printf("rank %d of %d: LL EXPERT_MAJOR %s dispatch/combine (one call and send_only + complete, %s routing, "
            "%d buffers from the caller's allocator%s): %s\n",
-           rank, world, idx32 ? "int32" : "int64", g_allocs, masks ? ", rank masks" : "", failures ? "FAILED" : "passed");
+           rank, world, fp8 ? "FP8 (DS_FP8E3M4)" : "BF16", idx32 ? "int32" : "int64", g_allocs,
+           masks ? ", rank masks" : "", failures ? "FAILED" : "passed");
     return failures ? 1 : 0;
 }

@@ -230,6 +230,7 @@ fn check_caller_io(group: &Group, ll: &mut CudaLl, case: &Case, run: u64) -> Res
         } else {
             None
         },
+        scales_layout: crate::LlScalesLayout::ColumnMajor,
         recv_count: Some(span("recv_count", &count)?),
         layout_range: Some(span("layout_range", &range)?),
         stats: Some(span("stats", &stats)?),

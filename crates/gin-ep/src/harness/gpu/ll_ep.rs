@@ -10,7 +10,7 @@ use half::bf16;
 
 use super::ll_check::{expected, ll_case_inputs};
 use super::tensor::Tensor;
-use crate::config::FP8_BLOCK;
+use crate::config::{LlScalesLayout, FP8_BLOCK};
 use crate::ep::{EngineFault, Ep, GpuRank, LlCombineIn, LlDispatchIn, LlDispatchOut, LlHalf, Stream};
 use crate::error::{Error, Result};
 use crate::group::Group;
@@ -79,9 +79,17 @@ fn one_operation(
     let range = Tensor::poisoned(gpu, l * r * 8)?;
     let stats = Tensor::filled(gpu, l * 4, 0)?;
     let combined = Tensor::poisoned(gpu, n * h * 2)?;
+    // FP8 scales in both memory orders: DeepEP's (Python) on even iterations, row-major
+    // (the C API's) on odd ones.
+    let scales_layout = if i.is_multiple_of(2) {
+        LlScalesLayout::ColumnMajor
+    } else {
+        LlScalesLayout::RowMajor
+    };
     let out = LlDispatchOut {
         recv_x: Some(recv_x.out()),
         recv_scales: fp8.then(|| scales.out()),
+        scales_layout,
         recv_count: Some(count.out()),
         layout_range: Some(range.out()),
         stats: Some(stats.out()),
@@ -130,10 +138,13 @@ fn one_operation(
     // The handle stays in the set's own buffers; the rest comes from the caller's memory.
     let recv_rows = if fp8 {
         let data: Vec<u8> = recv_x.read(gpu)?;
-        let cm: Vec<f32> = scales.read(gpu)?;
+        let read: Vec<f32> = scales.read(gpu)?;
         Rows::Fp8 {
             data,
-            scales: super::scales_rank_major(&cm, l, spr, rows),
+            scales: match scales_layout {
+                LlScalesLayout::ColumnMajor => super::scales_rank_major(&read, l, spr, rows),
+                LlScalesLayout::RowMajor => read,
+            },
         }
     } else {
         Rows::Bf16(recv_x.read(gpu)?)

@@ -219,7 +219,7 @@ impl LlBench<'_> {
                 recv_scales: o.recv_scales.as_ref().map(Tensor::out),
                 recv_count: Some(o.recv_count.out()),
                 layout_range: Some(o.layout_range.out()),
-                stats: None,
+                ..LlDispatchOut::default()
             },
             stream,
         )?;

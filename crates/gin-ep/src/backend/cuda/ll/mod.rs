@@ -190,16 +190,19 @@ struct SetBuffers {
 /// Caller-owned memory (PyTorch tensors) that the launches of one buffer set read and write
 /// instead of the set's own buffers: the zero-copy path of the Python package. Every field
 /// is optional; unset ones use the set's buffers. Sizes are checked at launch against the
-/// set's token count and the config. The outputs come in DeepEP's formats.
+/// set's token count and the config. The outputs come in DeepEP's formats (FP8 scales: in
+/// `scales_layout`'s order).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LlIo {
     /// Dispatch input `[N, H]` BF16 and `[N, K]` i64 expert ids.
     pub x: Option<ExternalSpan>,
     pub topk_idx: Option<ExternalSpan>,
-    /// Dispatch outputs: rows `[L, R*T, H]` (e4m3 bytes or BF16); FP8 scales as DeepEP lays
-    /// them out, `[L, H/128, R*T]` f32 (column-major in the last two dimensions).
+    /// Dispatch outputs: rows `[L, R*T, H]` (e4m3 bytes or BF16); FP8 scales `[L, R*T, H/128]`
+    /// f32 in the order of `scales_layout` (DeepEP's column-major by default). Without
+    /// caller scales they stay in the set's own buffer, row-major.
     pub recv_x: Option<ExternalSpan>,
     pub recv_scales: Option<ExternalSpan>,
+    pub scales_layout: crate::LlScalesLayout,
     /// `[L]` i32 receive counts (a copy: the set keeps its own for the combine).
     pub recv_count: Option<ExternalSpan>,
     /// `[L, R]` i64 `(first << 32) | count` per expert and source rank (DeepEP's packing).
@@ -724,7 +727,9 @@ impl CudaLl {
             user_count: Self::io_ptr(io.recv_count, "LL recv_count", l * 4, None)?,
             user_range: Self::io_ptr(io.layout_range, "LL layout_range", l * r * 8, None)?,
             stats: Self::io_ptr(io.stats, "LL cumulative receive stats", l * 4, None)?,
-            scales_col_major: u32::from(io.recv_scales.is_some()),
+            scales_col_major: u32::from(
+                io.recv_scales.is_some() && io.scales_layout == crate::LlScalesLayout::ColumnMajor,
+            ),
             rank: (self.fabric.first + self.fabric.rank) as i32,
             wts_offset: self.layout.wts_offset as u64,
             comb_map: if cfg.ll_combine_order == LlCombineOrder::RankFirst {
