@@ -213,6 +213,11 @@ pub struct CallerGraph<'a> {
 impl Drop for CallerGraph<'_> {
     fn drop(&mut self) {
         // A failed wait marks the communicator failed; the kernels' own deadlines end them.
+        // Once it is failed (a replay or a call before this drop failed) nothing waits again:
+        // each graph dropped after the failure would otherwise wait out the full deadline.
+        if self.rank.inner.rank.comm().failed() {
+            return;
+        }
         let _ = self
             .rank
             .run(self.stream.raw(), |q| q.wait("replays of a captured graph"));

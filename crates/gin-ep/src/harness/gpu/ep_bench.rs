@@ -204,12 +204,21 @@ impl EpHt {
             ep,
         };
         drop(input);
-        // One dispatch to learn what this rank receives.
-        group.barrier("ep-bench/first")?;
-        let h = t.dispatch()?;
-        t.ep.sync(CALLER)?;
-        let plan = t.ep.ht_download_dispatch(&h)?.handle.plan;
-        drop(h);
+        // One dispatch to learn what this rank receives. Should it fail, a kernel may still
+        // use the tensors: they go to the process's end (freeing them would wait for it).
+        let first = (|| -> Result<_> {
+            group.barrier("ep-bench/first")?;
+            let h = t.dispatch()?;
+            t.ep.sync(CALLER)?;
+            Ok(t.ep.ht_download_dispatch(&h)?.handle.plan)
+        })();
+        let plan = match first {
+            Ok(plan) => plan,
+            Err(e) => {
+                std::mem::forget(t);
+                return Err(e);
+            }
+        };
         let num_recv = plan.src_offset[cfg.ranks];
         let local_rows = plan.src_offset[me + 1] - plan.src_offset[me];
         // Static sizing: the combine input covers the worst case (the host does not know
@@ -224,7 +233,13 @@ impl EpHt {
             rows * cfg.hidden,
             half::bf16::from_bits(u16::from_le_bytes([POISON; 2])),
         );
-        t.comb_x = Tensor::of(gpu, &values)?;
+        match Tensor::of(gpu, &values) {
+            Ok(c) => t.comb_x = c,
+            Err(e) => {
+                std::mem::forget(t);
+                return Err(e);
+            }
+        }
         Ok((t, num_recv, local_rows))
     }
 

@@ -84,8 +84,15 @@ pub(super) fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Re
     };
     match b.run() {
         Ok(r) => {
-            // The window's release is collective: every rank leaves together.
-            group.barrier("ll-ep-bench/done")?;
+            // The window's release is collective: every rank leaves together. A rank that
+            // does not arrive leaves the window and tensors to the process's end, as a
+            // failed run does.
+            if let Err(e) = group.barrier("ll-ep-bench/done") {
+                gpu.mark_failed();
+                std::mem::forget(tensors);
+                std::mem::forget(ep);
+                return Err(e);
+            }
             drop(tensors);
             drop(ep);
             Ok(r)
@@ -408,6 +415,10 @@ impl LlBench<'_> {
         }
         self.ep.sync(CALLER)?;
         let (rows, local) = self.rows()?;
+        // The row counts wait on the host, so ranks leave them at different times: one
+        // untimed pair first, whose dispatch absorbs that skew instead of iteration 0's.
+        let h = self.dispatch()?;
+        self.combine(&h)?;
 
         // Eager: an event after every call.
         let n = opts.iters;
