@@ -43,7 +43,7 @@ static const int kStageChunks = 256;    // comb_stage words per rank (+ 2), host
 static const int kHtGinCount = 0;  // the count row (+1 per fresh dispatch)
 static const int kHtGinFwd = 1;    // a source's forward records to its rail peer (+1 per dispatch)
 static const int kHtGinPart = 2;   // a rail peer's node partials to the source (+1 per combine)
-static const int kHtGinBar = 3;    // the barrier across nodes (+1 per block per barrier)
+static const int kHtGinBar = 3;    // the barrier across nodes (+1 per barrier: a one-block kernel)
 static const int kHtGinKinds = 4;
 // Added (with the operation's own +1) by a rank that refused its input or gave up, instead of
 // its data: every waiter sees its target reached and the bit set. Also added to an LSA

@@ -113,14 +113,17 @@ __device__ __forceinline__ const uint32_t* plan_tpn(const HtArgs& a, int R, int 
 // later kernels stand down and tell their peers).
 __device__ __forceinline__ bool node_barrier(const HtArgs& a, const Fabric& fab, uint64_t epoch, FabricPhase phase) {
   const DeadlineBarrier bar{fab, a.off_bar};
-  if (!bar.sync(epoch, phase)) {
-    // Recorded in the plan too: the operation's later kernels must not send as if it had run.
-    if (threadIdx.x == 0) record_status(a, kStatusTimeout, phase, a.rank);
-    return false;
-  }
   // Thread p: rank p, when it is in another node (R <= kMaxRanks <= the block).
   const int p = threadIdx.x;
   const bool remote = p < a.ranks && !fab.by_store(p);
+  if (!bar.sync(epoch, phase)) {
+    // Recorded in the plan too: the operation's later kernels must not send as if it had run.
+    if (threadIdx.x == 0) record_status(a, kStatusTimeout, phase, a.rank);
+    // The other nodes still get this barrier's + 1, with the failure bit: their waits end at
+    // once naming this rank instead of at their deadline, and their targets stay paired.
+    if (remote) fab.signal(p, a.off_bar, kHtGinBar, kHtGinFail + 1u);
+    return false;
+  }
   if (remote) fab.signal(p, a.off_bar, kHtGinBar, 1u);
   bool ok = true;
   if (remote) {

@@ -344,7 +344,15 @@ impl CudaHt {
             HtBuf::RecvW => w(s + l.recv_w, s + l.recv_src),
             HtBuf::RecvSrc => w(s + l.recv_src, s + slab_end),
             HtBuf::CombX => w(l.comb_x, l.comb_w),
-            HtBuf::CombW => w(l.comb_w, l.total.min(self.window.len())),
+            // Up to the next region: across nodes the node regions follow, and a caller's
+            // oversized weights must be refused, not written over their signals.
+            HtBuf::CombW => w(
+                l.comb_w,
+                l.nodes
+                    .as_ref()
+                    .map_or(l.total, |n| n.gather_sig)
+                    .min(self.window.len()),
+            ),
             HtBuf::SendSlot => Ok(self.slots[self.cur].send_slot.region()),
         }
     }
