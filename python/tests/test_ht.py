@@ -336,6 +336,13 @@ def test_dispatch_by_rank(world):
     _dist.run(world, by_rank_worker)
 
 
+def test_dispatch_by_rank_across_nodes(monkeypatch):
+    """The same across 2 gin-ep nodes of 2 ranks on the host backend: the same rows in the
+    same order (the rail peer stores each at its one-node place)."""
+    monkeypatch.setenv("GIN_EP_NODE_SIZE", "2")
+    _dist.run(4, by_rank_worker)
+
+
 def test_dispatch_by_rank_gpu():
     """The same calls with CUDA tensors (GPU path), one GPU per rank."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
