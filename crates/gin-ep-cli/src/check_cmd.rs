@@ -161,9 +161,10 @@ pub struct CheckArgs {
     // every rank.
     #[command(flatten)]
     pub shape: gpus::LaunchShape,
-    /// With --gpus --mode gin or ll: rank RANK exits abruptly before iteration ITER (ll: its
-    /// ITER-th LL dispatch + combine); every other rank must then fail within the deadline
-    /// naming it, and then the check passes (exit status 0).
+    /// With --gpus (--mode gin, ll or ht): rank RANK exits abruptly before iteration ITER
+    /// (ll, ht: its ITER-th dispatch + combine; ht across the launch's gin-ep nodes too);
+    /// every other rank must then fail within the deadline naming it, and then the check
+    /// passes (exit status 0).
     #[arg(long, value_name = "RANK:ITER")]
     pub kill: Option<String>,
 }
@@ -236,18 +237,13 @@ fn resolve(a: &CheckArgs) -> CliResult<Resolved> {
     const HT_GIN: &[Mode] = &[Mode::Ht, Mode::Gin];
     const HT_LL: &[Mode] = &[Mode::Ht, Mode::Ll];
     const GIN: &[Mode] = &[Mode::Gin];
-    const GIN_LL: &[Mode] = &[Mode::Gin, Mode::Ll];
     let mut opts = vec![
         Opt::new("--ranks", a.ranks.is_some(), Rule::ANY.host()),
         Opt::new("--launch", a.launch.is_some(), Rule::ANY.host()),
         Opt::new("--case", a.case.is_some(), Rule::ANY.host()),
         Opt::new("--iters", a.iters.is_some(), Rule::ANY.gpu_modes(GIN)),
         // One never-hang check per run: a stalled rank or a killed one.
-        Opt::new(
-            "--kill",
-            a.kill.is_some(),
-            Rule::ANY.gpus().modes(GIN_LL).not_with("--stall"),
-        ),
+        Opt::new("--kill", a.kill.is_some(), Rule::ANY.gpus().not_with("--stall")),
         // The GPU LL check runs its own fixed cases; the never-hang check runs none.
         Opt::new(
             "--cases",
@@ -532,7 +528,7 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
         return run_stall(a, gpus, world, spec);
     }
     if let Some(spec) = &a.kill {
-        return run_kill_ll(a, gpus, world, spec);
+        return run_kill(a, mode, gpus, world, spec);
     }
     if std::env::var_os(ENV_CHILD).is_none() {
         // LL runs its own fixed cases (decode-sized buffers); --cases and --seed shape HT's.
@@ -622,31 +618,39 @@ fn relaunch_checked(
     }
 }
 
-/// `check --gpus N --mode ll --kill RANK:ITER` (see [`gin_ep::gpu::stall::kill_check_ll`]):
-/// passes when the victim died as asked and every other rank failed in time naming it; the
-/// report lists each survivor's error either way.
-fn run_kill_ll(a: &CheckArgs, gpus: usize, world: usize, spec: &str) -> CliResult {
+/// `check --gpus N --mode ht|ll --kill RANK:ITER` (see [`gin_ep::gpu::stall::kill_check_ht`]
+/// and [`gin_ep::gpu::stall::kill_check_ll`]): passes when the victim died as asked and
+/// every other rank failed in time naming it; the report lists each survivor's error either
+/// way.
+fn run_kill(a: &CheckArgs, mode: BenchMode, gpus: usize, world: usize, spec: &str) -> CliResult {
     let (victim, it) = crate::check_gin::parse_kill(spec)?;
     gin_ep::gpu::stall::check_kill(victim, world)
         .map_err(|e| CliError::Usage(format!("invalid value: --kill `{spec}`: {e}")))?;
+    let what = match mode {
+        BenchMode::Ht => "HT kill check",
+        BenchMode::Ll => "LL kill check",
+    };
     if std::env::var_os(ENV_CHILD).is_none() {
         out!(
-            "check: CUDA backend, {} ({world} ranks), LL kill check: rank {victim} exits \
-             before iteration {it}, deadline {:?}",
+            "check: CUDA backend, {} ({world} ranks), {what}: rank {victim} exits before \
+             iteration {it}, deadline {:?}",
             crate::output::count(gpus, "GPU"),
             a.timeout
         );
         let exits = gpus::relaunch_all(gpus, a.timeout * 3 + Duration::from_secs(60))?;
-        let v = crate::check_gin::kill_verdict("LL kill check", &exits, victim, it, a.timeout);
+        let v = crate::check_gin::kill_verdict(what, &exits, victim, it, a.timeout);
         out!("{}", v.as_ref().unwrap_or_else(|e| e));
         return v
             .map(|_| ())
-            .map_err(|_| CliError::Failed("the LL kill check failed (above)".into()));
+            .map_err(|_| CliError::Failed(format!("the {what} failed (above)")));
     }
     let group = Group::from_env(a.timeout)?;
     let me = group.rank();
-    let line = gin_ep::gpu::stall::kill_check_ll(&group, victim, it, a.timeout)
-        .map_err(|e| CliError::Failed(format!("rank {me}: {e}")))?;
+    let line = match mode {
+        BenchMode::Ht => gin_ep::gpu::stall::kill_check_ht(&group, victim, it, a.timeout),
+        BenchMode::Ll => gin_ep::gpu::stall::kill_check_ll(&group, victim, it, a.timeout),
+    }
+    .map_err(|e| CliError::Failed(format!("rank {me}: {e}")))?;
     out!("{line}");
     Ok(())
 }

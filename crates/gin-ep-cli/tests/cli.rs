@@ -798,10 +798,27 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
         (&["check", "--mode", "gin"], &["--mode gin", "--gpus"]),
         (&["bench", "--mode", "gin"], &["--mode gin", "gin-ep check"]),
         (&["bench", "--gpus", "1", "--mode", "gin"], &["--mode gin"]),
-        // --kill only with --mode gin or ll; --stall, --cases, --variants never with it.
+        // --kill in every GPU mode, on a launch the mode can run on; --stall, --cases,
+        // --variants never with it.
         (
             &["check", "--gpus", "1", "--vnodes", "2", "--kill", "1:5"],
-            &["--kill", "--mode gin", "--mode ht"],
+            &["--mode ht across NCCL nodes", "needs --node-size 2"],
+        ),
+        (
+            &[
+                "check",
+                "--gpus",
+                "1",
+                "--vnodes",
+                "2",
+                "--node-size",
+                "1",
+                "--mode",
+                "ht",
+                "--kill",
+                "2:5",
+            ],
+            &["--kill", "rank 2 of 2 ranks"],
         ),
         (
             &[

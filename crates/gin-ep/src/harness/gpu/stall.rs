@@ -132,40 +132,13 @@ pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) 
     let inp = &ins[me];
     let n = inp.topk_idx.len() / cfg.topk;
     // Caller tensors outlive the check: a kernel may still use them after a failure.
-    let mut keep = vec![
-        Tensor::of(&gpu, &inp.x)?,
-        Tensor::of(&gpu, &inp.topk_idx)?,
-        Tensor::of(&gpu, &inp.topk_weights)?,
-    ];
+    let mut keep = ht_tensors(&gpu, inp)?;
     let t0 = Instant::now();
     let observed = (|| -> Result<()> {
         if me == stall && op == StallOp::HtDispatch {
             return Ok(());
         }
-        let (_, handle) = ep.ht_dispatch(
-            HtDispatchIn {
-                x: keep[0].mem(),
-                fp8_scales: None,
-                num_tokens: n,
-                topk_idx: keep[1].mem(),
-                topk_weights: keep[2].mem(),
-                recv_slab: 0,
-            },
-            Stream(0),
-        )?;
-        ep.sync(Stream(0))?;
-        if me == stall {
-            return Ok(());
-        }
-        let nr = handle.num_recv().unwrap_or(0);
-        keep.push(Tensor::of(&gpu, &vec![bf16::ONE; nr * cfg.hidden])?);
-        let input = HtCombineIn {
-            x: keep[3].mem(),
-            topk_weights: None,
-            bias: [None, None],
-        };
-        ep.ht_combine(input, &handle, HtCombineOut::default(), Stream(0))?;
-        ep.sync(Stream(0))
+        ht_round(&ep, &gpu, cfg, &mut keep, n, me == stall)
     })();
     let verdict = stall_verdict(group, stall, op, timeout, observed, t0.elapsed());
     // Every rank's communicator saw (or caused) a failure: abort it rather than finalize,
@@ -186,6 +159,55 @@ fn ht_options(cfg: &EpConfig, topology: RankTopology, timeout: Duration) -> EpOp
         ht_across_nodes: cfg.nodes() > 1,
         ..EpOptions::default()
     }
+}
+
+/// The caller tensors of [`ht_round`] for `inp`: x, topk_idx, topk_weights (the expert
+/// outputs join them at the first combine).
+fn ht_tensors(gpu: &GpuRank, inp: &RankInput) -> Result<Vec<Tensor>> {
+    Ok(vec![
+        Tensor::of(gpu, &inp.x)?,
+        Tensor::of(gpu, &inp.topk_idx)?,
+        Tensor::of(gpu, &inp.topk_weights)?,
+    ])
+}
+
+/// One HT dispatch + combine through `ep` (outputs in the `Ep`'s window), optionally
+/// stopping after the dispatch; the combine's expert outputs (all ones) are made once, at
+/// the first combine, into `tensors[3]`.
+fn ht_round(
+    ep: &Ep,
+    gpu: &GpuRank,
+    cfg: &EpConfig,
+    tensors: &mut Vec<Tensor>,
+    n: usize,
+    dispatch_only: bool,
+) -> Result<()> {
+    let (_, handle) = ep.ht_dispatch(
+        HtDispatchIn {
+            x: tensors[0].mem(),
+            fp8_scales: None,
+            num_tokens: n,
+            topk_idx: tensors[1].mem(),
+            topk_weights: tensors[2].mem(),
+            recv_slab: 0,
+        },
+        Stream(0),
+    )?;
+    ep.sync(Stream(0))?;
+    if dispatch_only {
+        return Ok(());
+    }
+    if tensors.len() < 4 {
+        let nr = handle.num_recv().unwrap_or(0);
+        tensors.push(Tensor::of(gpu, &vec![bf16::ONE; nr * cfg.hidden])?);
+    }
+    let input = HtCombineIn {
+        x: tensors[3].mem(),
+        topk_weights: None,
+        bias: [None, None],
+    };
+    ep.ht_combine(input, &handle, HtCombineOut::default(), Stream(0))?;
+    ep.sync(Stream(0))
 }
 
 /// One LL dispatch + combine through `ep` (outputs in the `Ep`'s own buffers), optionally
@@ -269,7 +291,7 @@ fn small_case(r: usize, order: LlCombineOrder, seed: u64) -> Case {
     }
 }
 
-/// Refuses a kill target [`kill_check_ll`] cannot test: a rank out of range, or a group of
+/// Refuses a kill target the kill checks cannot test: a rank out of range, or a group of
 /// one (nobody would notice).
 pub fn check_kill(victim: usize, world: usize) -> Result<()> {
     if victim >= world || world < 2 {
@@ -308,6 +330,42 @@ pub fn kill_check_ll(group: &Group, victim: usize, iter: u64, timeout: Duration)
     });
     // A peer is gone either way: abort rather than finalize, and leave the buffers to the
     // process's end (their release is collective).
+    gpu.mark_failed();
+    std::mem::forget((ep, tensors));
+    observed
+        .map(|()| format!("rank {me}: no failure although rank {victim} was killed before iteration {iter}"))
+}
+
+/// The HT kill check (`check --mode ht --kill VICTIM:ITER`): as [`kill_check_ll`], with HT
+/// dispatch + combine (BF16, one node or across the launch's gin-ep nodes, as the stall
+/// check runs them); each iteration routes the same tokens again.
+pub fn kill_check_ht(group: &Group, victim: usize, iter: u64, timeout: Duration) -> Result<String> {
+    let me = group.rank();
+    let r = group.world();
+    check_kill(victim, r)?;
+    let gpu = GpuRank::for_check(group, timeout)?;
+    let mut case = small_case(r, LlCombineOrder::Topk, 0x4B112);
+    let topology = RankTopology::from_env()?;
+    case.cfg = super::ht_node_config(&case.cfg, &topology);
+    let cfg = &case.cfg;
+    let inp = &case_inputs(&case, 0)[me];
+    let ep = Ep::join(
+        group,
+        cfg,
+        &Backend::Cuda(gpu.clone()),
+        &ht_options(cfg, topology, timeout),
+    )?;
+    let n = inp.topk_idx.len() / cfg.topk;
+    let mut tensors = ht_tensors(&gpu, inp)?;
+    gpu.sync(0)?;
+    group.barrier("ht-kill/start")?;
+    let observed = (0..=iter).try_for_each(|it| {
+        if me == victim && it == iter {
+            super::gincheck::exit_abruptly(me, it);
+        }
+        ht_round(&ep, &gpu, cfg, &mut tensors, n, false)
+    });
+    // As in the LL check: abort, and leave the window and tensors to the process's end.
     gpu.mark_failed();
     std::mem::forget((ep, tensors));
     observed
