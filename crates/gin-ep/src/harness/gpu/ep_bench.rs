@@ -354,6 +354,9 @@ fn ht_samples(group: &Group, gpu: &GpuRank, opts: &BenchOptions, num_sms: u32) -
             }
         }
         group.barrier("ep-bench/series")?;
+        // Ranks leave the barrier at different host times: one untimed series takes that
+        // skew, which would otherwise sit in the first timed one.
+        t.back_to_back(HT_SERIES)?;
         for _ in 0..opts.iters {
             s.back_to_back.push(t.back_to_back(HT_SERIES)?);
         }
