@@ -13,7 +13,8 @@ HT dispatch takes either dtype along a handle of the other.
   BF16 one, bit for bit the fresh dispatch of that dtype (Megatron's FP8 training dispatches
   BF16 gradients along a forward FP8 dispatch's handle).
 
-On the host backend (2 and 4 gloo processes); the same with CUDA tensors where GPUs are.
+On the host backend (2 and 4 gloo processes, and HT across 2 gin-ep nodes of 2); the same
+with CUDA tensors where GPUs are.
 """
 
 import pytest
@@ -162,6 +163,13 @@ def ll_worker(rank, world, dev="cpu"):
 @pytest.mark.parametrize("world", [2, 4])
 def test_ht_handle_and_cached_dtypes(world):
     _dist.run(world, ht_worker)
+
+
+def test_ht_handle_and_cached_dtypes_across_nodes(monkeypatch):
+    """The same across 2 gin-ep nodes of 2 ranks on the host backend: the handle keeps its
+    entries, and cached dispatch in the other dtype runs along it."""
+    monkeypatch.setenv("GIN_EP_NODE_SIZE", "2")
+    _dist.run(4, ht_worker)
 
 
 @pytest.mark.parametrize("world", [2, 4])
