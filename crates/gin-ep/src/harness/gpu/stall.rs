@@ -123,12 +123,7 @@ pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) 
     if op.is_ll() {
         return stall_check_ll(group, &gpu, cfg, &ins[me], stall, op, timeout);
     }
-    let ep = Ep::join(
-        group,
-        cfg,
-        &Backend::Cuda(gpu.clone()),
-        &ht_options(cfg, topology, timeout),
-    )?;
+    let ep = join_ht(group, &gpu, cfg, topology, timeout)?;
     let inp = &ins[me];
     let n = inp.topk_idx.len() / cfg.topk;
     // Caller tensors outlive the check: a kernel may still use them after a failure.
@@ -148,17 +143,24 @@ pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) 
     verdict
 }
 
-/// The HT `Ep` options of the never-hang check for `cfg`: host waits bounded by `timeout`,
-/// the launch's topology, HT across nodes when `cfg` spans several.
-fn ht_options(cfg: &EpConfig, topology: RankTopology, timeout: Duration) -> EpOptions {
-    EpOptions {
+/// Collective: the HT `Ep` of the never-hang and kill checks for `cfg`: host waits bounded
+/// by `timeout`, the launch's topology, HT across nodes when `cfg` spans several.
+fn join_ht(
+    group: &Group,
+    gpu: &GpuRank,
+    cfg: &EpConfig,
+    topology: RankTopology,
+    timeout: Duration,
+) -> Result<Ep> {
+    let opts = EpOptions {
         ht: true,
         ll: false,
         timeout,
         topology,
         ht_across_nodes: cfg.nodes() > 1,
         ..EpOptions::default()
-    }
+    };
+    Ep::join(group, cfg, &Backend::Cuda(gpu.clone()), &opts)
 }
 
 /// The caller tensors of [`ht_round`] for `inp`: x, topk_idx, topk_weights (the expert
@@ -349,12 +351,7 @@ pub fn kill_check_ht(group: &Group, victim: usize, iter: u64, timeout: Duration)
     case.cfg = super::ht_node_config(&case.cfg, &topology);
     let cfg = &case.cfg;
     let inp = &case_inputs(&case, 0)[me];
-    let ep = Ep::join(
-        group,
-        cfg,
-        &Backend::Cuda(gpu.clone()),
-        &ht_options(cfg, topology, timeout),
-    )?;
+    let ep = join_ht(group, &gpu, cfg, topology, timeout)?;
     let n = inp.topk_idx.len() / cfg.topk;
     let mut tensors = ht_tensors(&gpu, inp)?;
     gpu.sync(0)?;
