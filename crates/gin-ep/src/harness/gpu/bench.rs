@@ -130,6 +130,23 @@ pub(super) fn check_ht_options(opts: &BenchOptions) -> Result<()> {
     Ok(())
 }
 
+/// The token and iteration counts both LL benchmarks need (1..=max tokens, at least one
+/// iteration), refused before any device work.
+pub(super) fn check_ll_counts(opts: &BenchOptions) -> Result<()> {
+    let cfg = &opts.cfg;
+    if opts.tokens == 0 || opts.tokens > cfg.max_tokens_per_rank {
+        return Err(Error::config(
+            "tokens",
+            opts.tokens,
+            format!("must be in 1..={}", cfg.max_tokens_per_rank),
+        ));
+    }
+    if opts.iters == 0 {
+        return Err(Error::config("iters", 0, "must be at least 1"));
+    }
+    Ok(())
+}
+
 /// One rank's HT timings, seconds per iteration, as both HT benchmarks report them.
 pub(super) struct HtTimes<'a> {
     /// `[op][iter]`: dispatch, combine totals (`total`).

@@ -381,21 +381,9 @@ fn ht_samples(group: &Group, gpu: &GpuRank, opts: &BenchOptions, num_sms: u32) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::workload::Routing;
 
     fn opts(mode: BenchMode) -> BenchOptions {
-        BenchOptions {
-            mode,
-            cfg: EpConfig::new(1, 8, 128, 2, 16),
-            tokens: 16,
-            routing: Routing::Uniform,
-            seed: 0,
-            iters: 1,
-            warmup: 0,
-            timeout: Duration::from_secs(5),
-            launch: crate::bench::Launch::Threads,
-            ht_exact: false,
-        }
+        crate::harness::gpu::one_rank_bench_options(mode)
     }
 
     #[test]

@@ -34,16 +34,7 @@ pub fn driver_bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Re
         ));
     }
     LlLayout::new(cfg)?;
-    if opts.tokens == 0 || opts.tokens > cfg.max_tokens_per_rank {
-        return Err(Error::config(
-            "tokens",
-            opts.tokens,
-            format!("must be in 1..={}", cfg.max_tokens_per_rank),
-        ));
-    }
-    if opts.iters == 0 {
-        return Err(Error::config("iters", 0, "must be at least 1"));
-    }
+    super::bench::check_ll_counts(opts)?;
     let stamps = StampMode::from_env()?;
     let rank = CudaRank::new(group, CudaRankOptions::with_timeout(opts.timeout))?.into_shared();
     bench_with(group, &rank, opts, num_sms, LlTuning::DEFAULT, stamps)

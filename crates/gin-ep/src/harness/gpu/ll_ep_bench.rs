@@ -122,16 +122,7 @@ fn check_ll_options(opts: &BenchOptions) -> Result<()> {
         ..EpOptions::default()
     };
     required_bytes(cfg, true, &eo)?;
-    if opts.tokens == 0 || opts.tokens > cfg.max_tokens_per_rank {
-        return Err(Error::config(
-            "tokens",
-            opts.tokens,
-            format!("must be in 1..={}", cfg.max_tokens_per_rank),
-        ));
-    }
-    if opts.iters == 0 {
-        return Err(Error::config("iters", 0, "must be at least 1"));
-    }
+    super::bench::check_ll_counts(opts)?;
     super::check_ep_bench_env(BenchMode::Ll)
 }
 

@@ -198,13 +198,30 @@ pub(crate) fn solo_group() -> (crate::group::StoreServer, crate::group::Group) {
     (server, group)
 }
 
+/// Benchmark options of one small case (1 rank, 16 tokens, one iteration), for the tests
+/// of the GPU benchmarks' option checks and of what a machine without a GPU gets.
+#[cfg(test)]
+pub(crate) fn one_rank_bench_options(mode: crate::bench::BenchMode) -> crate::bench::BenchOptions {
+    crate::bench::BenchOptions {
+        mode,
+        cfg: crate::EpConfig::new(1, 8, 128, 2, 16),
+        tokens: 16,
+        routing: crate::workload::Routing::Uniform,
+        seed: 0,
+        iters: 1,
+        warmup: 0,
+        timeout: std::time::Duration::from_secs(5),
+        launch: crate::bench::Launch::Threads,
+        ht_exact: false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::bench::{BenchMode, BenchOptions};
-    use crate::workload::Routing;
+    use crate::bench::BenchMode;
 
     #[test]
     fn parallel_inputs_equal_the_host_checks_inputs() {
@@ -232,18 +249,7 @@ mod tests {
         assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");
         let e = check_rank(&group, BenchMode::Ll, &cases[..1], Duration::from_secs(5)).unwrap_err();
         assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");
-        let opts = BenchOptions {
-            mode: BenchMode::Ht,
-            cfg: EpConfig::new(1, 8, 128, 2, 16),
-            tokens: 16,
-            routing: Routing::Uniform,
-            seed: 0,
-            iters: 1,
-            warmup: 0,
-            timeout: Duration::from_secs(5),
-            launch: crate::bench::Launch::Threads,
-            ht_exact: false,
-        };
+        let opts = one_rank_bench_options(BenchMode::Ht);
         let e = bench_rank(&group, &opts, 24).unwrap_err();
         assert!(matches!(e, Error::Unavailable { backend: "cuda", .. }), "{e}");
         let e = driver_bench_rank(&group, &opts, 24).unwrap_err();
