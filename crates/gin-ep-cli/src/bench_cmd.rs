@@ -204,11 +204,7 @@ fn refuse_inapplicable(a: &BenchArgs) -> CliResult {
             Rule::ANY.gpus().modes(HT).needs("--sweep"),
         ),
     ];
-    // --node-size shapes a GPU launch, and on the host backend groups ranks into HT nodes.
-    opts.extend(a.shape.opts().into_iter().map(|o| match o.flag.as_str() {
-        "--node-size" if a.gpus.is_none() => Opt::new("--node-size", o.given, Rule::ANY.host().modes(HT)),
-        _ => o,
-    }));
+    opts.extend(a.shape.opts(a.gpus.is_some()));
     crate::applies::refuse_inapplicable(
         &Run {
             gpus: a.gpus.is_some(),

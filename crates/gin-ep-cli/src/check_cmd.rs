@@ -262,11 +262,7 @@ fn resolve(a: &CheckArgs) -> CliResult<Resolved> {
         ),
         Opt::new("--stall", a.stall.is_some(), Rule::ANY.gpus().gpu_modes(HT_LL)),
     ];
-    // --node-size shapes a GPU launch, and on the host backend groups ranks into HT nodes.
-    opts.extend(a.shape.opts().into_iter().map(|o| match o.flag.as_str() {
-        "--node-size" if a.gpus.is_none() => Opt::new("--node-size", o.given, Rule::ANY.host().modes(HT)),
-        _ => o,
-    }));
+    opts.extend(a.shape.opts(a.gpus.is_some()));
     crate::applies::refuse_inapplicable(
         &Run {
             gpus: a.gpus.is_some(),

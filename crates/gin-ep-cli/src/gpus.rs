@@ -36,8 +36,16 @@ pub struct LaunchShape {
 }
 
 impl LaunchShape {
-    /// The shape's options for `applies::refuse_inapplicable`: each needs --gpus.
-    pub fn opts(&self) -> [Opt; 3] {
+    /// The shape's options for `applies::refuse_inapplicable` of a run on GPUs (`gpus`) or on
+    /// the host backend: --vnodes and --nccl-node-size need --gpus; --node-size shapes a GPU
+    /// launch, and on the host backend groups ranks into HT nodes (--mode ht only).
+    pub fn opts(&self, gpus: bool) -> [Opt; 3] {
+        const HT: &[crate::bench_cmd::Mode] = &[crate::bench_cmd::Mode::Ht];
+        let node_size = if gpus {
+            Rule::ANY.gpus()
+        } else {
+            Rule::ANY.host().modes(HT)
+        };
         [
             Opt::new("--vnodes", self.vnodes.is_some(), Rule::ANY.gpus()),
             Opt::new(
@@ -45,7 +53,7 @@ impl LaunchShape {
                 self.nccl_node_size.is_some(),
                 Rule::ANY.gpus(),
             ),
-            Opt::new("--node-size", self.node_size.is_some(), Rule::ANY.gpus()),
+            Opt::new("--node-size", self.node_size.is_some(), node_size),
         ]
     }
 
