@@ -459,7 +459,13 @@ impl CudaHt {
         let local: Vec<usize> = take(l_n).into_iter().map(|v| v as usize).collect();
         let aligned: Vec<usize> = take(l_n).into_iter().map(|v| v as usize).collect();
         let rank_prefix_matrix = take(r_n * r_n);
-        let rail = self.download_rail(q, slot, take(2 * self.cfg.nodes() + r_n))?;
+        // The rail words follow only across gin-ep nodes (`plan_words`).
+        let rail_words = if self.cfg.nodes() > 1 {
+            take(2 * self.cfg.nodes() + r_n)
+        } else {
+            Vec::new()
+        };
+        let rail = self.download_rail(q, slot, rail_words)?;
         let send_slot: Vec<i32> = self.download_vec(
             q,
             self.slots[slot].send_slot.region().sub(0, n * r_n * 4)?,
