@@ -7,6 +7,9 @@ step (LL, forward); on GPUs (NCCL) when there are enough, else on CPU processes 
     GIN_EP_VNODES=2 python python/examples/moe_layer.py 2 --steps decode
         # 2 ranks sharing one GPU, each its own NCCL node: LL across nodes over GIN through
         # gin-ep's NCCL plugin (run the GPU's MPS daemon; correctness only, time-sliced)
+    GIN_EP_VNODES=4 GIN_EP_NODE_SIZE=2 python python/examples/moe_layer.py 4
+        # both steps on 4 ranks sharing one GPU as 2 gin-ep nodes of 2: HT stores inside a
+        # node and crosses between them over GIN (rail forward, node-first combine)
 
 Each rank holds `experts / world` experts (one weight matrix each) and a copy of the
 router. Training forward: route (top-k of a softmax), dispatch tokens to the ranks of their
@@ -258,10 +261,11 @@ def _parse():
     if _vnodes() > 1 and not _use_gpu(a.world):
         p.error(f"GIN_EP_VNODES={_vnodes()} places ranks on GPUs as NCCL nodes; this run has no GPUs for "
                 f"{a.world} ranks (or GIN_EP_EXAMPLE_CPU=1)")
-    if _vnodes() > 1 and "train" in steps:
-        # HT reaches only ranks of one gin-ep node; LL crosses nodes over GIN.
-        p.error("GIN_EP_VNODES > 1 puts every rank on its own node, and HT (the train step) does not cross "
-                "nodes yet: pass --steps decode")
+    if _vnodes() > 1 and "train" in steps and not os.environ.get("GIN_EP_NODE_SIZE", "").strip():
+        # HT groups ranks into the gin-ep nodes the launch names; LL finds its nodes itself.
+        p.error("GIN_EP_VNODES > 1 puts every rank on its own NCCL node: the train step (HT) needs the "
+                "gin-ep nodes named (GIN_EP_NODE_SIZE: the world for one node, fewer for HT across "
+                "nodes), or pass --steps decode")
     return a.world, steps
 
 

@@ -285,13 +285,15 @@ class Gpu:
 
     # -------------------------------------------------------------- HT
 
-    def ht(self, hidden, topk, experts, max_tokens, fp8, num_sms, lend_slabs):
+    def ht(self, hidden, topk, experts, max_tokens, fp8, num_sms, lend_slabs, node_size=None):
         """The HT object for the shape: slab 0 of its window is the copy slab, slabs
-        1..lend_slabs are lent to callers (`ht_lend`)."""
-        key = (hidden, topk, experts, max_tokens, fp8, lend_slabs)
+        1..lend_slabs are lent to callers (`ht_lend`); `node_size` ranks per gin-ep node when
+        HT crosses nodes (the launch's, `Buffer._ht_node_size`), else None."""
+        key = (hidden, topk, experts, max_tokens, fp8, lend_slabs, node_size)
         h = self.hts.get(key)
         if h is None:
-            cfg = _native.EpConfig(self.group_size, experts, hidden, topk, max_tokens, "fp8" if fp8 else "bf16")
+            cfg = _native.EpConfig(self.group_size, experts, hidden, topk, max_tokens, "fp8" if fp8 else "bf16",
+                                   node_size=node_size)
             self.agree.check("an HT window of the GPU path", {**fields_of(cfg, False), "ht_recv_slabs": lend_slabs})
             h = _native.Ep(self.runtime, cfg, ht=True, ll=False, timeout_s=self.timeout_s, gpu=self.rank_gpu,
                            ht_sms=num_sms, ht_recv_slabs=1 + lend_slabs, ht_exact=True, **self.topology)

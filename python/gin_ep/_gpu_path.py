@@ -23,9 +23,14 @@ class GpuPath:
         needed), on the communication stream as DeepEP's when asked."""
         _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
 
+        g = self._ht_node_size()
+
         def op():
             per_rank, per_expert, in_rank = _gpu.layout(topk_idx, num_experts, self.group_size)
-            return per_rank, None, per_expert, in_rank, None
+            # Across HT nodes, DeepEP's num_tokens_per_rdma_rank: each token once per node.
+            per_node = None if g is None else \
+                in_rank.view(in_rank.shape[0], self.group_size // g, g).any(2).sum(0).to(torch.int32)
+            return per_rank, per_node, per_expert, in_rank, None
         return _gpu.on_comm_stream(self._comm_stream, previous_event, async_finish, allocate_on_comm_stream,
                                    (topk_idx,), op)
 
@@ -80,7 +85,8 @@ class GpuPath:
         xin, x_scales = xin.contiguous(), (x_scales.contiguous() if fp8 else None)
         while True:
             max_tokens = self._ht_max_tokens(hidden, k, experts, fp8, gpu=True)
-            h = g.ht(hidden, k, experts, max_tokens, fp8, self._ht_sms(config), self._ht_recv_slabs)
+            h = g.ht(hidden, k, experts, max_tokens, fp8, self._ht_sms(config), self._ht_recv_slabs,
+                     self._ht_node_size())
             # The kernels read x, scales, ids and weights from these tensors (zero-copy) and
             # receive into a lent slab of the window when one is free (the returned tensors
             # are views of it), else into the copy slab.

@@ -56,7 +56,7 @@ class HostPath:
     def _ht_ep(self, wire_hidden: int, topk: int, experts: int, max_tokens: int):
         key = ("ht", wire_hidden, topk, experts, max_tokens)
         cfg = _native.EpConfig(self.group_size, experts, wire_hidden, topk, max_tokens,
-                               node_size=self._host_node_size())
+                               node_size=self._ht_node_size())
         return self._ep(key, cfg, ht=True, ll=False)
 
     @staticmethod
@@ -122,7 +122,7 @@ class HostPath:
         num_tokens_per_expert = torch.tensor(per_expert, dtype=torch.int32)
         is_token_in_rank = from_bytes(mask, torch.uint8, (n, self.group_size)).bool()
         per_node = None
-        g = self._host_node_size()
+        g = self._ht_node_size()
         if g is not None:
             per_node = is_token_in_rank.view(n, self.group_size // g, g).any(2).sum(0).to(torch.int32)
         return num_tokens_per_rank, per_node, num_tokens_per_expert, is_token_in_rank, \

@@ -194,7 +194,7 @@ class Buffer(GpuPath, HostPath):
         # Dispatches routed by is_token_in_rank so far (the key of each one's count exchange).
         self._by_rank_calls = 0
         # The launch's gin-ep node size (GIN_EP_NODE_SIZE, as `gin-ep check --node-size`
-        # sets it; the GPU path reads the same variable): see `_host_node_size`.
+        # sets it; the GPU path reads the same variable): see `_ht_node_size`.
         self._launch_node_size = _gpu.topology()["node_size"]
 
         # Whether the host backend can run here (one machine, one /dev/shm); the GPU path
@@ -475,10 +475,10 @@ class Buffer(GpuPath, HostPath):
 
     # ------------------------------------------------------------ heaps
 
-    def _host_node_size(self) -> Optional[int]:
-        """Ranks per HT node of the host backend: consecutive ranks grouped by the launch's
-        node size, rows crossing nodes through the rail peer and combined node-first; None
-        when one node holds every rank. A size that does not divide the group is refused
+    def _ht_node_size(self) -> Optional[int]:
+        """Ranks per HT node, on the GPU and the host backend alike: consecutive ranks grouped
+        by the launch's node size, rows crossing nodes through the rail peer and combined
+        node-first; None when one node holds every rank. A size that does not divide the group is refused
         here, by name, when HT first needs it."""
         g = self._launch_node_size
         if g is None or g >= self.group_size:
@@ -500,9 +500,10 @@ class Buffer(GpuPath, HostPath):
         def need(t):
             if gpu:
                 return _native.gpu_ht_bytes(_native.EpConfig(self.group_size, experts, hidden, topk, t,
-                                                             "fp8" if fp8 else "bf16"))
+                                                             "fp8" if fp8 else "bf16",
+                                                             node_size=self._ht_node_size()))
             return _native.EpConfig(self.group_size, experts, hidden, topk, t,
-                                    node_size=self._host_node_size()).required_bytes(ht=True, ll=False)
+                                    node_size=self._ht_node_size()).required_bytes(ht=True, ll=False)
 
         if need(1) > self.num_nvl_bytes:
             raise ValueError(
@@ -537,8 +538,11 @@ class Buffer(GpuPath, HostPath):
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False, **deepep_only) -> \
             Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
-        """Returns (num_tokens_per_rank `[R]` int32, None, num_tokens_per_expert `[E]` int32,
-        is_token_in_rank `[N, R]` bool, event)."""
+        """Returns (num_tokens_per_rank `[R]` int32, num_tokens_per_rdma_rank,
+        num_tokens_per_expert `[E]` int32, is_token_in_rank `[N, R]` bool, event).
+        num_tokens_per_rdma_rank is None on one HT node, as DeepEP's; across gin-ep nodes
+        (`GIN_EP_NODE_SIZE` below the group) int32 `[R / node size]`: each token once per node
+        holding any of its experts."""
         self._live()
         refuse_keywords("get_dispatch_layout", deepep_only)
         # (CUDA tensors: torch operations on the device, no CUDA rank needed.)

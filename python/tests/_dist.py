@@ -42,9 +42,24 @@ def node_size():
 
 
 def ht_reaches(world: int) -> bool:
-    """Whether HT, which needs every rank in one gin-ep node, can run on `world` ranks here:
-    without virtual nodes, or with `GIN_EP_NODE_SIZE` covering every rank."""
-    return vnodes() == 1 or (node_size() or 1) >= world
+    """Whether HT can run on `world` ranks here: without virtual nodes (one NVLink node), or
+    with `GIN_EP_NODE_SIZE` naming the gin-ep nodes (one of every rank, or HT across nodes:
+    stores inside, GIN between them), which must divide the world."""
+    g = node_size()
+    return vnodes() == 1 or (g is not None and world % min(g, world) == 0)
+
+
+def ht_node_size(world: int):
+    """Ranks per HT node of a `world`-rank launch here: `GIN_EP_NODE_SIZE` when below the
+    world (HT across gin-ep nodes, node-first combine), else None (one node)."""
+    g = node_size()
+    return g if g is not None and g < world else None
+
+
+def ht_one_node(world: int) -> bool:
+    """Whether HT runs on `world` ranks here as one node (the tests whose references combine
+    in one flat order)."""
+    return ht_reaches(world) and ht_node_size(world) is None
 
 
 def gpu_of(rank: int) -> int:

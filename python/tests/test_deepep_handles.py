@@ -181,7 +181,7 @@ def test_ll_handle(world):
 def test_ht_handle_and_cached_dtypes_gpu(world):
     _dist.skip_unless_gpus_for(world)
     if not _dist.ht_reaches(world):
-        pytest.skip("HT needs every rank in one gin-ep node (GIN_EP_NODE_SIZE)")
+        pytest.skip("HT with virtual nodes needs their gin-ep nodes named (GIN_EP_NODE_SIZE)")
     _dist.run(world, ht_worker, "cuda")
 
 

@@ -89,13 +89,21 @@ def ht_worker(rank, world):
     buf = _buffer(num_nvl_bytes=1 << 26, max_tokens_per_rank=32)
     assert buf._gpu is not None, "an NCCL group must take the GPU path"
 
-    # Layout.
-    per_rank, _, per_expert, in_rank, ev = buf.get_dispatch_layout(idx.to(dev), experts, async_finish=True)
+    # Layout. Across gin-ep nodes the oracle groups ranks as the launch does (node-first
+    # combine), and the layout counts each token once per node it goes to.
+    g = _dist.ht_node_size(world)
+    per_rank, per_node, per_expert, in_rank, ev = buf.get_dispatch_layout(idx.to(dev), experts, async_finish=True)
     ev.current_stream_wait()
-    cfg = _native.EpConfig(world, experts, HIDDEN, TOPK, 32)
+    cfg = _native.EpConfig(world, experts, HIDDEN, TOPK, 32, node_size=g)
     r_ref, e_ref, m_ref = _native.layout(cfg, rank, to_bytes(idx))
     assert per_rank.cpu().tolist() == list(r_ref) and per_expert.cpu().tolist() == list(e_ref)
-    assert torch.equal(in_rank.cpu(), from_bytes(m_ref, torch.uint8, (tokens[rank], world)).bool())
+    m_ref = from_bytes(m_ref, torch.uint8, (tokens[rank], world)).bool()
+    assert torch.equal(in_rank.cpu(), m_ref)
+    if g is None:
+        assert per_node is None
+    else:
+        want_node = [int(m_ref[:, n * g:(n + 1) * g].any(1).sum()) for n in range(world // g)]
+        assert per_node.dtype == torch.int32 and per_node.cpu().tolist() == want_node
 
     # BF16 dispatch.
     ref = _native.oracle_ht_dispatch(cfg, [to_bytes(i[0]) for i in inputs], [to_bytes(i[1]) for i in inputs],
@@ -385,8 +393,8 @@ def test_gpu_ll_compile(world):
 def _need_ht(world):
     _need(world)
     if not _dist.ht_reaches(world):
-        pytest.skip("HT reaches only the ranks of its own gin-ep node: with virtual nodes, set "
-                    "GIN_EP_NODE_SIZE to the world")
+        pytest.skip("HT with virtual nodes needs their gin-ep nodes named: set GIN_EP_NODE_SIZE "
+                    "(the world: one node; fewer: HT across gin-ep nodes)")
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

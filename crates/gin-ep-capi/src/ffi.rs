@@ -245,13 +245,17 @@ type FreeFn = unsafe extern "C" fn(*mut c_void, *mut c_void) -> i32;
 /// mode only (HT with exact sizing: counts known when the dispatch returns), its deadline and
 /// CTAs, and the launch's node topology (`GIN_EP_VNODES`, `GIN_EP_NODE_SIZE`:
 /// an NCCL EP program does not know gin-ep's topology, so the launcher's environment says it).
+/// HT crosses the launch's gin-ep nodes when they are smaller than the group (node-first
+/// combine), as the Python `Buffer` does.
 fn open_engine(rank: &GpuRank, cfg: &EpConfig, spec: &GroupSpec) -> CResult<Ep> {
     let ht = spec.algo == Algo::Ht;
+    let topology = RankTopology::from_env()?;
+    let cfg = if ht { topology.ht_config(cfg) } else { cfg.clone() };
     let mut opts = EpOptions {
         ht,
         ll: !ht,
         timeout: spec.timeout,
-        topology: RankTopology::from_env()?,
+        topology,
         ..EpOptions::default()
     };
     match (ht, spec.max_sms) {
@@ -259,7 +263,7 @@ fn open_engine(rank: &GpuRank, cfg: &EpConfig, spec: &GroupSpec) -> CResult<Ep> 
         (false, sms) => opts.ll_grid = sms,
         (true, None) => {}
     }
-    Ok(Ep::on_rank(rank, cfg, &opts)?)
+    Ok(Ep::on_rank(rank, &cfg, &opts)?)
 }
 
 // ---------------------------------------------------------------- the entry points

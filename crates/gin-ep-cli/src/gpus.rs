@@ -81,8 +81,8 @@ pub fn set_topology(gpus: usize, shape: &LaunchShape) -> CliResult<usize> {
 /// when this host holds several NCCL nodes (`--vnodes K > 1` or `--nccl-node-size`: they load
 /// the project's plugin); otherwise the processes of one host share one NCCL node, where GIN
 /// has no network.
-/// `ht_across`: HT may run across gin-ep nodes of `--node-size` ranks (the check only: HT
-/// across nodes is not yet run on a GPU, the check is how it gets there).
+/// `ht_across`: HT may run across gin-ep nodes of `--node-size` ranks (stores inside a node,
+/// GIN between them).
 pub fn refuse_lsa_only(
     mode: &str,
     gpus: usize,
@@ -97,8 +97,7 @@ pub fn refuse_lsa_only(
     } else {
         "HT reaches peers by load/store only here, so every rank must be in one gin-ep node \
          (HT across gin-ep nodes runs in `gin-ep check --mode ht --node-size G` and `gin-ep \
-         bench --mode ht --node-size G` through `Ep`, on several NCCL nodes: not yet run on a \
-         GPU)"
+         bench --mode ht --node-size G` through `Ep`, on several NCCL nodes)"
     };
     let world = gpus * vnodes.unwrap_or(1);
     // Several NCCL nodes on this host (the project's plugin is loaded): set_topology ran first.

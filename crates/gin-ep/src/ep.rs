@@ -96,11 +96,6 @@ pub struct EpOptions {
     /// equal on every rank. The default (one process per GPU, NCCL's LSA team as the node)
     /// is the only one the host backend accepts.
     pub topology: RankTopology,
-    /// CUDA HT across gin-ep nodes (`EpConfig::node_size` below the ranks, equal to
-    /// `topology.node_size`): refused unless set, because its kernels are not yet checked on
-    /// a GPU ([`crate::backend::cuda::ht::ACROSS_NODES_UNCHECKED`]). The harness
-    /// (`gin-ep check`) sets it; the Python `Buffer` and the C API never do.
-    pub ht_across_nodes: bool,
 }
 
 impl Default for EpOptions {
@@ -117,7 +112,6 @@ impl Default for EpOptions {
             ll_grid: None,
             ll_across_nodes: false,
             topology: RankTopology::default(),
-            ht_across_nodes: false,
         }
     }
 }
@@ -501,7 +495,6 @@ impl Ep {
                 Sizing::Static
             },
             recv_slabs: opts.ht_recv_slabs,
-            across_nodes: opts.ht_across_nodes,
             ..HtGpuOptions::default()
         });
         let ll = opts.ll.then_some(opts.ll_grid);

@@ -245,6 +245,13 @@ impl RankTopology {
         Ok(())
     }
 
+    /// `cfg` as HT runs it on this launch: grouped into the launch's gin-ep nodes when they
+    /// are smaller than the group (HT across nodes: rail forward, node-first combine), else
+    /// as given (one node).
+    pub fn ht_config(&self, cfg: &crate::config::EpConfig) -> crate::config::EpConfig {
+        cfg.clone().with_node_size(self.node_size.filter(|&m| m < cfg.ranks))
+    }
+
     /// Reads [`ENV_VNODES`] and [`ENV_NODE_SIZE`] (for the CLI, the harness and the Python
     /// layer, which pass the result as an option); a malformed value is an error naming it.
     pub fn from_env() -> Result<RankTopology> {

@@ -205,7 +205,7 @@ impl CaseRun<'_> {
     fn case(&self, case: &Case, opts: HtGpuOptions) -> Result<()> {
         // Across the launch's gin-ep nodes the case runs as HT across nodes (oracle included).
         let case = &Case {
-            cfg: super::ht_node_config(&case.cfg, &opts.topology),
+            cfg: opts.topology.ht_config(&case.cfg),
             ..case.clone()
         };
         let cfg = &case.cfg;
@@ -217,7 +217,6 @@ impl CaseRun<'_> {
             ht_recv_slabs: opts.recv_slabs,
             ht_exact: true,
             topology: opts.topology,
-            ht_across_nodes: cfg.nodes() > 1,
             ..EpOptions::default()
         };
         let ep = Ep::join(self.group, cfg, &Backend::Cuda(self.gpu.clone()), &eo)?;

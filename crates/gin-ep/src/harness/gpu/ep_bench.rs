@@ -76,7 +76,7 @@ pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Op
         return Ok(None);
     };
     let topology = RankTopology::from_env()?;
-    let (backend, over) = match super::ht_node_config(&opts.cfg, &topology).node_size {
+    let (backend, over) = match topology.ht_config(&opts.cfg).node_size {
         Some(g) => (
             "cuda-lsa+gin",
             format!("stores inside gin-ep nodes of {g} ranks and GIN puts across them"),
@@ -147,7 +147,7 @@ impl EpHt {
         let me = group.rank();
         let topology = RankTopology::from_env()?;
         // Across the launch's gin-ep nodes the bench runs HT across nodes, as the check does.
-        let cfg = &super::ht_node_config(&opts.cfg, &topology);
+        let cfg = &topology.ht_config(&opts.cfg);
         let eo = EpOptions {
             ht: true,
             ll: false,
@@ -156,7 +156,6 @@ impl EpHt {
             ht_recv_slabs: 1,
             ht_exact: opts.ht_exact,
             topology,
-            ht_across_nodes: cfg.nodes() > 1,
             ..EpOptions::default()
         };
         let ep = Ep::join(group, cfg, &Backend::Cuda(gpu.clone()), &eo)?;

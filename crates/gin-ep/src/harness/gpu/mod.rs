@@ -56,14 +56,6 @@ mod tensor;
 
 pub use bench::{driver_bench_rank, gather, max_per_iter, HtTimer};
 
-/// The HT config of a check case on a launch of topology `topo`: HT across the launch's gin-ep
-/// nodes when they hold fewer ranks than the group (`--node-size`), so the kernels, the
-/// routing and the oracle (`node-first` combine) group ranks alike; else `cfg` as it is.
-/// Whether the `Ep` must then opt into HT across nodes is `cfg.nodes() > 1` of the result.
-pub fn ht_node_config(cfg: &EpConfig, topo: &crate::group::vnodes::RankTopology) -> EpConfig {
-    cfg.clone()
-        .with_node_size(topo.node_size.filter(|&m| m < cfg.ranks))
-}
 pub use cases::gpu_cases;
 pub use check::{check_rank, check_rank_variants, SweepEntry};
 pub use ep_bench::bench_rank;

@@ -116,7 +116,7 @@ pub fn stall_check(group: &Group, stall: usize, op: StallOp, timeout: Duration) 
     let topology = RankTopology::from_env()?;
     if !op.is_ll() {
         // HT across the launch's gin-ep nodes when they hold fewer ranks than the group.
-        case.cfg = super::ht_node_config(&case.cfg, &topology);
+        case.cfg = topology.ht_config(&case.cfg);
     }
     let cfg = &case.cfg;
     let ins = case_inputs(&case, 0);
@@ -157,7 +157,6 @@ fn join_ht(
         ll: false,
         timeout,
         topology,
-        ht_across_nodes: cfg.nodes() > 1,
         ..EpOptions::default()
     };
     Ep::join(group, cfg, &Backend::Cuda(gpu.clone()), &opts)
@@ -348,7 +347,7 @@ pub fn kill_check_ht(group: &Group, victim: usize, iter: u64, timeout: Duration)
     let gpu = GpuRank::for_check(group, timeout)?;
     let mut case = small_case(r, LlCombineOrder::Topk, 0x4B112);
     let topology = RankTopology::from_env()?;
-    case.cfg = super::ht_node_config(&case.cfg, &topology);
+    case.cfg = topology.ht_config(&case.cfg);
     let cfg = &case.cfg;
     let inp = &case_inputs(&case, 0)[me];
     let ep = join_ht(group, &gpu, cfg, topology, timeout)?;

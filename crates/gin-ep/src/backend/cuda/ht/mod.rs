@@ -72,11 +72,10 @@ const NODES_THREADS: u32 = abi::K_NODES_THREADS as u32;
 /// GIN signals of HT across nodes per rank of the group (`kHtGinKinds`).
 const GIN_KINDS: usize = abi::K_HT_GIN_KINDS as usize;
 
-/// Why HT across gin-ep nodes is refused outside the harness (the Python `Buffer`, the C API).
-pub const ACROSS_NODES_UNCHECKED: &str = "HT across gin-ep nodes (GIN between nodes, stores inside) is \
-     implemented in the CUDA kernels but not yet checked on a GPU; only the harness (`gin-ep check \
-     --mode ht` with --vnodes/--node-size) enables it (HtGpuOptions::across_nodes, \
-     EpOptions::ht_across_nodes)";
+/// What a launch needs for HT across gin-ep nodes, said when HT finds its node short of the group.
+pub const ACROSS_NODES_NEEDS: &str = "HT across gin-ep nodes (stores inside a node, GIN between \
+     nodes) needs the launch to name its node size (GIN_EP_NODE_SIZE, `--node-size`) and the \
+     config the same (EpConfig::node_size, RankTopology::ht_config)";
 /// The layout kernel's host-mapped copy of the aligned rows per local expert (at most
 /// MAX_EXPERTS local experts, on one rank).
 #[derive(Clone, Copy)]
@@ -132,11 +131,9 @@ pub struct HtGpuOptions {
     /// earlier dispatches in other slabs stay intact while a caller still holds them.
     pub recv_slabs: usize,
     /// The launch's node topology, equal on every rank. HT runs on one node of every rank,
-    /// or across the gin-ep nodes of `topology.node_size` ranks when `across_nodes` is set
-    /// and the config names the same size (`EpConfig::node_size`).
+    /// or across the gin-ep nodes of `topology.node_size` ranks when the config names the
+    /// same size (`EpConfig::node_size`).
     pub topology: RankTopology,
-    /// Allows HT across gin-ep nodes ([`ACROSS_NODES_UNCHECKED`] says why it is opt-in).
-    pub across_nodes: bool,
 }
 
 impl Default for HtGpuOptions {
@@ -147,24 +144,17 @@ impl Default for HtGpuOptions {
             variant: HtVariant::default(),
             recv_slabs: 1,
             topology: RankTopology::default(),
-            across_nodes: false,
         }
     }
 }
 
 /// Whether `cfg` may run on the GPU with `opts`: one node always; across nodes
-/// (`EpConfig::node_size` < ranks) only with the opt-in and a launch whose gin-ep nodes are
-/// the config's (`topology.node_size` = `node_size`: the kernels' stores reach exactly the
-/// ranks the routing calls one node).
+/// (`EpConfig::node_size` < ranks) on a launch whose gin-ep nodes are the config's
+/// (`topology.node_size` = `node_size`: the kernels' stores reach exactly the ranks the
+/// routing calls one node).
 pub fn check_across_nodes(cfg: &EpConfig, opts: &HtGpuOptions) -> Result<()> {
     if cfg.nodes() == 1 {
         return Ok(());
-    }
-    if !opts.across_nodes {
-        return Err(Error::Unavailable {
-            backend: "cuda",
-            reason: ACROSS_NODES_UNCHECKED.into(),
-        });
     }
     let g = cfg.ranks_per_node();
     if opts.topology.node_size != Some(g) {
@@ -409,7 +399,7 @@ impl CudaHt {
             |e| match e {
                 Error::Unavailable { backend, reason } => Error::Unavailable {
                     backend,
-                    reason: format!("{reason}. {ACROSS_NODES_UNCHECKED}"),
+                    reason: format!("{reason}. {ACROSS_NODES_NEEDS}"),
                 },
                 e => e,
             },
@@ -1122,7 +1112,6 @@ mod tests {
                 variant: HtVariant::default(),
                 recv_slabs: 1,
                 topology: RankTopology::default(),
-                across_nodes: false,
             }
             .validate()
             .unwrap_err();
@@ -1148,33 +1137,16 @@ mod tests {
     }
 
     #[test]
-    fn ht_across_nodes_is_refused_without_the_opt_in_and_with_other_nodes() {
+    fn ht_across_nodes_needs_the_launch_nodes_to_be_the_configs() {
         let cfg = EpConfig::new(4, 16, 128, 2, 8).with_node_size(Some(2));
         let topo = RankTopology {
             vnodes: 4,
             node_size: Some(2),
         };
-        // What the Python Buffer and the C API pass: the default options.
-        assert!(!HtGpuOptions::default().across_nodes);
-        assert!(!crate::ep::EpOptions::default().ht_across_nodes);
-        let e = check_across_nodes(
-            &cfg,
-            &HtGpuOptions {
-                topology: topo,
-                ..HtGpuOptions::default()
-            },
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(
-            e.contains("not yet checked on a GPU") && e.contains("gin-ep check"),
-            "{e}"
-        );
-        // Opted in, but the launch's nodes are not the config's.
+        // The launch's nodes are not the config's: refused, naming the node size.
         for node_size in [None, Some(1), Some(4)] {
             let o = HtGpuOptions {
                 topology: RankTopology { vnodes: 4, node_size },
-                across_nodes: true,
                 ..HtGpuOptions::default()
             };
             let e = check_across_nodes(&cfg, &o).unwrap_err();
@@ -1185,10 +1157,12 @@ mod tests {
         }
         let ok = HtGpuOptions {
             topology: topo,
-            across_nodes: true,
             ..HtGpuOptions::default()
         };
         check_across_nodes(&cfg, &ok).unwrap();
+        // What the Python Buffer and the C API pass: the launch's topology and its HT config.
+        assert_eq!(topo.ht_config(&cfg.clone().with_node_size(None)), cfg);
+        check_across_nodes(&topo.ht_config(&cfg), &ok).unwrap();
         // A variant other than the default would tune nothing across nodes: refused.
         let tuned = HtGpuOptions {
             variant: HtVariant {
@@ -1199,9 +1173,14 @@ mod tests {
         };
         let e = check_across_nodes(&cfg, &tuned).unwrap_err();
         assert!(e.is_usage() && e.to_string().contains("variant"), "{e}");
-        // One node needs nothing.
+        // One node needs nothing; a launch node of every rank keeps the config one node.
         check_across_nodes(&cfg.clone().with_node_size(None), &HtGpuOptions::default()).unwrap();
-        check_across_nodes(&cfg.with_node_size(Some(4)), &HtGpuOptions::default()).unwrap();
+        check_across_nodes(&cfg.clone().with_node_size(Some(4)), &HtGpuOptions::default()).unwrap();
+        let whole = RankTopology {
+            vnodes: 4,
+            node_size: Some(4),
+        };
+        assert_eq!(whole.ht_config(&cfg.clone().with_node_size(None)).nodes(), 1);
     }
 
     #[test]
