@@ -249,7 +249,8 @@ impl RankTopology {
     /// are smaller than the group (HT across nodes: rail forward, node-first combine), else
     /// as given (one node).
     pub fn ht_config(&self, cfg: &crate::config::EpConfig) -> crate::config::EpConfig {
-        cfg.clone().with_node_size(self.node_size.filter(|&m| m < cfg.ranks))
+        cfg.clone()
+            .with_node_size(self.node_size.filter(|&m| m < cfg.ranks))
     }
 
     /// Reads [`ENV_VNODES`] and [`ENV_NODE_SIZE`] (for the CLI, the harness and the Python
