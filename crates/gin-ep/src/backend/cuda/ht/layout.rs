@@ -60,7 +60,7 @@ pub fn check_gpu_config(cfg: &EpConfig, world: usize) -> Result<()> {
         return Err(Error::config(
             "ranks",
             cfg.ranks,
-            format!("the GPU HT path supports at most {MAX_RANKS} ranks (one NVLink domain)"),
+            format!("the GPU HT path supports at most {MAX_RANKS} ranks (its kernels keep rank masks in 32-bit words), across gin-ep nodes too"),
         ));
     }
     if cfg.experts > MAX_EXPERTS {

@@ -95,7 +95,7 @@ impl LlLayout {
             return Err(Error::config(
                 "ranks",
                 r,
-                format!("LL on GPUs takes at most {MAX_RANKS} ranks (one NVLink domain)"),
+                format!("LL on GPUs takes at most {MAX_RANKS} ranks (the device state holds one record count per source)"),
             ));
         }
         let l = cfg.local_experts();
