@@ -23,14 +23,11 @@ class GpuPath:
         needed), on the communication stream as DeepEP's when asked."""
         _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
 
-        g = self._ht_node_size()
+        self._ht_node_size()  # a node size that does not divide the group is refused here
 
         def op():
             per_rank, per_expert, in_rank = _gpu.layout(topk_idx, num_experts, self.group_size)
-            # Across HT nodes, DeepEP's num_tokens_per_rdma_rank: each token once per node.
-            per_node = None if g is None else \
-                in_rank.view(in_rank.shape[0], self.group_size // g, g).any(2).sum(0).to(torch.int32)
-            return per_rank, per_node, per_expert, in_rank, None
+            return per_rank, self._tokens_per_node(in_rank), per_expert, in_rank, None
         return _gpu.on_comm_stream(self._comm_stream, previous_event, async_finish, allocate_on_comm_stream,
                                    (topk_idx,), op)
 

@@ -121,10 +121,7 @@ class HostPath:
         num_tokens_per_rank = torch.tensor(per_rank, dtype=torch.int32)
         num_tokens_per_expert = torch.tensor(per_expert, dtype=torch.int32)
         is_token_in_rank = from_bytes(mask, torch.uint8, (n, self.group_size)).bool()
-        per_node = None
-        g = self._ht_node_size()
-        if g is not None:
-            per_node = is_token_in_rank.view(n, self.group_size // g, g).any(2).sum(0).to(torch.int32)
+        per_node = self._tokens_per_node(is_token_in_rank)
         return num_tokens_per_rank, per_node, num_tokens_per_expert, is_token_in_rank, \
             EventOverlap(CompletedEvent() if async_finish else None)
 

@@ -488,6 +488,16 @@ class Buffer(GpuPath, HostPath):
                              "into whole nodes for HT")
         return g
 
+    def _tokens_per_node(self, is_token_in_rank: torch.Tensor) -> Optional[torch.Tensor]:
+        """DeepEP's `num_tokens_per_rdma_rank` from `is_token_in_rank` `[N, R]` (on its device,
+        no host synchronization): int32 `[R / G]`, each token counted once per node of G ranks
+        holding any of its experts, across HT nodes; None on one node, as DeepEP's."""
+        g = self._ht_node_size()
+        if g is None:
+            return None
+        n = is_token_in_rank.shape[0]
+        return is_token_in_rank.view(n, self.group_size // g, g).any(2).sum(0).to(torch.int32)
+
     def _ht_max_tokens(self, hidden: int, topk: int, experts: int, fp8: bool = False, gpu: bool = False) -> int:
         """Tokens per rank the HT buffers of this shape hold: grown (`_ht_grow`), else
         `max_tokens_per_rank=`, else the most that fit in `num_nvl_bytes`."""
