@@ -8,9 +8,10 @@ Same-machine rule. The host backend maps its peers' POSIX shared memory, so its 
 must run on one kernel (equal `/proc/sys/kernel/random/boot_id`, which containers on one
 node share and hostnames do not decide) and see one `/dev/shm` (checked by a probe file
 rank 0 creates). The GPU path does not use this check: NCCL decides which ranks reach each
-other by NVLink load/store (its LSA team), and gin-ep's GPU kernels refuse a team smaller
-than the group with an error saying so. Pods of one node need the same `NCCL_HOSTID` for
-NCCL to see them as one host.
+other by NVLink load/store (its LSA team); LL reaches the others over GIN, and HT does too
+across the gin-ep nodes the launch names (`GIN_EP_NODE_SIZE`), else its kernels refuse a team
+smaller than the group with an error saying so. Pods of one node need the same
+`NCCL_HOSTID` for NCCL to see them as one host.
 """
 
 import json
