@@ -269,8 +269,8 @@ impl CudaEngine {
         ll: Option<Option<u32>>,
     ) -> Result<Self> {
         // Every rank has the same config and options, so every rank refuses here together:
-        // HT across gin-ep nodes only with its opt-in (the harness's), and nothing else takes
-        // a config of several nodes (LL finds its nodes in the launch topology).
+        // HT across gin-ep nodes only on a launch whose nodes are the config's, and nothing
+        // else takes a config of several nodes (LL finds its nodes in the launch topology).
         if let Some(g) = cfg.node_size.filter(|_| cfg.nodes() > 1) {
             match (ht, ll) {
                 (Some(o), None) => {
