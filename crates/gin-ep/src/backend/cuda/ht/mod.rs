@@ -395,11 +395,21 @@ impl CudaHt {
                 0
             },
         })?;
+        // A launch whose nodes are NCCL's NVLink teams names no node size: the error says the
+        // one that would make them gin-ep's nodes.
+        let lsa_size = dev_comm.lsa().1;
         let fabric = NodeFabric::new(rank, &window, &dev_comm, &opts.topology, "HT", !across).map_err(
             |e| match e {
                 Error::Unavailable { backend, reason } => Error::Unavailable {
                     backend,
-                    reason: format!("{reason}. {ACROSS_NODES_NEEDS}"),
+                    reason: if opts.topology == RankTopology::default() && lsa_size < cfg.ranks {
+                        format!(
+                            "{reason}. {ACROSS_NODES_NEEDS}: here GIN_EP_NODE_SIZE={lsa_size} (NCCL's \
+                             NVLink nodes of {lsa_size} ranks)"
+                        )
+                    } else {
+                        format!("{reason}. {ACROSS_NODES_NEEDS}")
+                    },
                 },
                 e => e,
             },
