@@ -23,8 +23,6 @@ class GpuPath:
         needed), on the communication stream as DeepEP's when asked."""
         _gpu.check_cuda("topk_idx", topk_idx, None, dim=2)
 
-        self._ht_node_size()  # a node size that does not divide the group is refused here
-
         def op():
             per_rank, per_expert, in_rank = _gpu.layout(topk_idx, num_experts, self.group_size)
             return per_rank, self._tokens_per_node(in_rank), per_expert, in_rank, None

@@ -507,13 +507,14 @@ class Buffer(GpuPath, HostPath):
         if self._max_tokens_override is not None:
             return self._max_tokens_override
 
+        g = self._ht_node_size()
+
         def need(t):
             if gpu:
                 return _native.gpu_ht_bytes(_native.EpConfig(self.group_size, experts, hidden, topk, t,
-                                                             "fp8" if fp8 else "bf16",
-                                                             node_size=self._ht_node_size()))
+                                                             "fp8" if fp8 else "bf16", node_size=g))
             return _native.EpConfig(self.group_size, experts, hidden, topk, t,
-                                    node_size=self._ht_node_size()).required_bytes(ht=True, ll=False)
+                                    node_size=g).required_bytes(ht=True, ll=False)
 
         if need(1) > self.num_nvl_bytes:
             raise ValueError(
