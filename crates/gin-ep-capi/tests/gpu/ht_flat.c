@@ -24,7 +24,7 @@ static inline float wgrad(int holder, int s, int t, int k) { return 1.0f + 0.5f 
 /* The backward pass along the handle's forward dispatch: gradients of the combined tokens
  * dispatched (rows in the forward dispatch's order, row_src[j] = s * TOKENS + t), then the
  * rows and weight gradients combined. Returns the failures. */
-static int backward(ncclEpHandle_t handle, int rank, int world, int experts, int slots, int num_recv,
+static int backward(ncclEpHandle_t handle, void* didx, int rank, int world, int experts, int slots, int num_recv,
                     const int* row_src, cudaStream_t stream) {
     const int L = EXPERTS_PER_RANK;
     int failures = 0;
@@ -111,6 +111,15 @@ static int backward(ncclEpHandle_t handle, int rank, int world, int experts, int
                 failures++;
             }
         }
+    }
+    /* A routing update without a count query leaves no dispatch of the new routing for a
+     * backward dispatch to go along. */
+    {
+        size_t s_idx[2] = {TOKENS, TOPK};
+        ncclEpTensor_t t_idx = tensor(didx, ncclInt64, 2, s_idx);
+        CHECK_NCCL(ncclEpUpdateHandle(handle, &t_idx, NULL, stream));
+        failures += refused("a backward dispatch after ncclEpUpdateHandle",
+                            ncclEpDispatch(handle, &din, &dout, NULL, &dcfg, stream), "NCCL_EP_BWD_PASS");
     }
     free(hgrecv);
     free(hgw);
@@ -330,7 +339,18 @@ int main(int argc, char** argv) {
             }
         }
     }
-    failures += backward(handle, rank, world, experts, slots, num_recv, row_src, stream);
+    failures += backward(handle, didx, rank, world, experts, slots, num_recv, row_src, stream);
+    {
+        ncclEpHandle_t em = NULL;
+        ncclEpHandleConfig_t hcfg = NCCL_EP_HANDLE_CONFIG_INIT;
+        hcfg.dispatch_output_per_expert_alignment = 16;
+        failures += refused("an HT EXPERT_MAJOR handle",
+                            ncclEpInitHandle(&em, group, NCCL_EP_LAYOUT_EXPERT_MAJOR, NULL, TOPK, NULL),
+                            "NCCL_EP_LAYOUT_EXPERT_MAJOR");
+        failures += refused("an expert alignment on an HT FLAT handle",
+                            ncclEpInitHandle(&em, group, NCCL_EP_LAYOUT_FLAT, &hcfg, TOPK, NULL),
+                            "dispatch_output_per_expert_alignment = 16");
+    }
     CHECK_NCCL(ncclEpHandleDestroy(handle));
     CHECK_NCCL(ncclEpGroupDestroy(group));
     ncclCommDestroy(comm);
