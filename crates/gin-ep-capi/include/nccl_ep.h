@@ -247,7 +247,7 @@ typedef struct {
     unsigned int size;
     unsigned int magic;
     ncclEpTensor_t* tokens;       /* required: expert outputs in the dispatch's output shape */
-    ncclEpTensor_t* topk_weights; /* HT backward (gin-ep refuses it: docs/c-api.md) */
+    ncclEpTensor_t* topk_weights; /* HT backward: [slots, topk] float32 */
     /* V2 */
     ncclEpTensor_t* scales;       /* NVFP4 combine */
 } ncclEpCombineInputs_t;

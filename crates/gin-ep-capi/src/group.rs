@@ -38,7 +38,10 @@ pub struct GroupSpec {
     pub max_tokens: usize,
     /// Channels per token: `max_token_bytes / 2` (BF16 rows, as callers size it).
     pub hidden: usize,
-    /// HT: rows a rank's receive outputs hold (static sizing).
+    /// HT: rows a rank's receive outputs hold (static sizing); None: query-then-allocate
+    /// (NCCL EP's eager mode, `max_recv_tokens_per_rank` = AUTO), where the caller sizes them
+    /// to the count `ncclEpUpdateHandle` writes. gin-ep's receive window holds the worst case
+    /// either way.
     pub max_recv: Option<usize>,
     /// Deadline of every wait on a peer.
     pub timeout: Duration,
@@ -97,13 +100,7 @@ impl GroupSpec {
                      receives ranks x max_dispatch_tokens_per_rank rows per local expert); pass NCCL_EP_AUTO"
                 )))
             }
-            (Algo::Ht, 0) => {
-                return Err(CapiError::usage(
-                    "config->max_recv_tokens_per_rank = NCCL_EP_AUTO with HT: query-then-allocate reads the \
-                     receive count at ncclEpUpdateHandle, and gin-ep's HT counts inside the dispatch; give the \
-                     static bound",
-                ))
-            }
+            (Algo::Ht, 0) => None,
             (Algo::Ht, n) if n < c.max_dispatch_tokens_per_rank => {
                 return Err(CapiError::arg(format!(
                     "config->max_recv_tokens_per_rank = {n}: below max_dispatch_tokens_per_rank = {}",
@@ -542,13 +539,8 @@ mod tests {
 
         let mut c = ll_config();
         c.algorithm = abi::ALGO_HIGH_THROUGHPUT;
-        let e = GroupSpec::new(&c, 4, 0).unwrap_err();
-        assert_eq!(e.code, abi::NCCL_INVALID_USAGE);
-        assert!(
-            e.msg.contains("max_recv_tokens_per_rank = NCCL_EP_AUTO"),
-            "{}",
-            e.msg
-        );
+        // NCCL_EP_AUTO: query-then-allocate (outputs sized to ncclEpUpdateHandle's count).
+        assert_eq!(GroupSpec::new(&c, 4, 0).unwrap().max_recv, None);
         c.max_recv_tokens_per_rank = 4 * 128;
         assert_eq!(GroupSpec::new(&c, 4, 0).unwrap().max_recv, Some(512));
         c.max_recv_tokens_per_rank = 64;

@@ -11,8 +11,11 @@
 //!   rank), with the token's `[K]` weights and local expert ids (-1 where not local). The
 //!   dispatch (layout, counts and rows in one call, exact sizing) lands in gin-ep's window and
 //!   is copied to the caller's outputs; combine reads the caller's `[slots, H]` rows. Counts
-//!   exist only after the dispatch, so handle-time counters (`ncclEpUpdateHandle`'s
-//!   `layout_info`, query-then-allocate) are refused.
+//!   exist only once a fresh dispatch ran its layout and count exchange, so the handle-time
+//!   counters of `ncclEpUpdateHandle` (query-then-allocate) are a fresh dispatch of the routing
+//!   carrying zero rows. The backward pass: a backward dispatch is gin-ep's cached dispatch
+//!   along the forward layout; a backward combine is its combine with weights, after zeroing
+//!   the entries of experts other ranks hold.
 //! - int32 `topk_idx` is widened on the caller's stream into an int64 copy the handle owns
 //!   (strided device copies, `GpuRank::widen_i32_to_i64`), which dispatch and combine read.
 //! - LL `DS_FP8E3M4` is gin-ep's LL FP8 (its own engine of the top-k and FP8): e4m3 rows
@@ -21,8 +24,9 @@
 //!   them up to powers of two.
 //! - LL `RANK_MAJOR`, HT `EXPERT_MAJOR`, the caller-quantized recipe (`FWD`), HT FP8 and
 //!   window-backed tensors are refused with ncclInvalidUsage naming the field: gin-ep has no
-//!   kernel for them (its LL rows are per (expert, source token), not per source token; its
-//!   HT receive order is by source, not grouped by expert).
+//!   kernel for them (its LL rows are per (expert, source token) and carry no weights, not
+//!   per source token with its weights; its HT receive order is by source, one row per
+//!   (token, rank), not a row per (token, local expert) grouped by expert).
 
 use std::sync::Arc;
 
@@ -66,13 +70,18 @@ pub fn layout(algo: Algo, raw: u32) -> CResult<Layout> {
     match (algo, raw) {
         (Algo::Ll, abi::LAYOUT_EXPERT_MAJOR) => Ok(Layout::LlExpertMajor),
         (Algo::Ll, abi::LAYOUT_RANK_MAJOR) => Err(CapiError::usage(
-            "layout = NCCL_EP_LAYOUT_RANK_MAJOR: gin-ep's LL receives expert-major only (use NCCL_EP_LAYOUT_EXPERT_MAJOR)",
+            "layout = NCCL_EP_LAYOUT_RANK_MAJOR with NCCL_EP_ALGO_LOW_LATENCY: gin-ep's LL sends one row per \
+             (token, expert) and no routing weights (its combine applies them on the source rank), so \
+             rank-major's one row per source token with the token's topk weights and ids is not in what \
+             it receives (use NCCL_EP_LAYOUT_EXPERT_MAJOR)",
         )),
         (Algo::Ll, _) => Err(CapiError::usage(format!("layout = {name}: not an LL layout"))),
         (Algo::Ht, abi::LAYOUT_FLAT) => Ok(Layout::HtFlat),
         (Algo::Ht, abi::LAYOUT_EXPERT_MAJOR) => Err(CapiError::usage(
-            "layout = NCCL_EP_LAYOUT_EXPERT_MAJOR with NCCL_EP_ALGO_HIGH_THROUGHPUT: gin-ep's HT receives rows \
-             in source order (use NCCL_EP_LAYOUT_FLAT)",
+            "layout = NCCL_EP_LAYOUT_EXPERT_MAJOR with NCCL_EP_ALGO_HIGH_THROUGHPUT: gin-ep's HT receives one \
+             row per (source token, rank) in source order; expert-major needs a row per (token, local \
+             expert), grouped by expert and padded, which takes a gather kernel on receive and a reduction \
+             before combine that gin-ep does not have (use NCCL_EP_LAYOUT_FLAT)",
         )),
         (Algo::Ht, _) => Err(CapiError::usage(format!("layout = {name}: not an HT layout"))),
     }
@@ -141,6 +150,22 @@ pub struct Handle {
     pending: Option<Pending>,
     /// The HT dispatch the next combine returns, and the rows it received.
     ht: Option<(gin_ep::ep::HtHandle, usize)>,
+    /// Whether `ht` is a dispatch of the handle's current routing (a backward dispatch goes
+    /// along it); an `ncclEpUpdateHandle` without a count query leaves `ht` to the combine of
+    /// the dispatch before it.
+    ht_current: bool,
+    /// The rows the count query of `ncclEpUpdateHandle` found for the current routing; the
+    /// dispatches of that routing must receive exactly as many.
+    counted: Option<usize>,
+    /// `[max_dispatch_tokens_per_rank, H]` BF16 zeros and `[max_dispatch_tokens_per_rank, K]`
+    /// f32 zeros: the rows and weights of a count query's dispatch (made by the first query).
+    zeros: Option<DeviceBuffer>,
+    /// `[ranks * max_dispatch_tokens_per_rank, K]` int64: the local expert ids of `ht`'s rows,
+    /// kept for a backward combine (the engine's receive slab holds only the last dispatch's).
+    ht_idx: Option<DeviceBuffer>,
+    /// `[ranks * max_dispatch_tokens_per_rank, K]` f32: a backward combine's weights with the
+    /// entries of experts held elsewhere zeroed.
+    bwd_w: Option<DeviceBuffer>,
 }
 
 fn dev(d: &Desc) -> DeviceOut {
@@ -191,6 +216,11 @@ impl Handle {
             dispatched: None,
             pending: None,
             ht: None,
+            ht_current: false,
+            counted: None,
+            zeros: None,
+            ht_idx: None,
+            bwd_w: None,
         };
         if let Some(k) = topk {
             h.set_topk(k)?;
@@ -214,33 +244,19 @@ impl Handle {
         layout: Option<LayoutDescs>,
         stream: Stream,
     ) -> CResult<()> {
-        if let Some(li) = layout {
-            let any = li.expert_counters.is_some()
-                || li.src_rank_counters.is_some()
-                || li.expert_offsets.is_some()
-                || li.recv_total_counter.is_some();
-            match self.layout {
-                Layout::LlExpertMajor => {
-                    return Err(CapiError::arg(
-                        "layout_info is not NULL: LL handles take it at ncclEpDispatch",
-                    ))
-                }
-                Layout::HtFlat if any => {
-                    return Err(CapiError::usage(
-                        "layout_info: gin-ep's HT counts the received rows inside the dispatch, so no \
-                         counter exists at ncclEpUpdateHandle (size outputs for max_recv_tokens_per_rank)",
-                    ))
-                }
-                Layout::HtFlat if li.recv_topk_idx_kind == abi::EXPERT_ID_GLOBAL => {
-                    return Err(CapiError::usage(
-                        "layout_info->recv_topk_idx_kind = NCCL_EP_EXPERT_ID_GLOBAL: gin-ep's HT writes \
-                         local expert ids (LOCAL or AUTO)",
-                    ))
-                }
-                // No counter asked for, local ids: what gin-ep's HT gives.
-                Layout::HtFlat => {}
+        // HT: the counters asked for here are a count query (below, once the routing is set).
+        let query = match (self.layout, layout) {
+            (_, None) => None,
+            (Layout::LlExpertMajor, Some(_)) => {
+                return Err(CapiError::arg(
+                    "layout_info is not NULL: LL handles take it at ncclEpDispatch",
+                ))
             }
-        }
+            (Layout::HtFlat, Some(li)) => {
+                let (per_expert, total) = self.ht_counters(&li)?;
+                (per_expert.is_some() || total.is_some()).then_some((per_expert, total))
+            }
+        };
         let idx = required(topk_idx, "topk_idx")?;
         idx.dtype_is(&[NCCL_INT64, NCCL_INT32])?;
         if idx.sizes.len() != 2 {
@@ -265,6 +281,104 @@ impl Handle {
         } else {
             idx
         });
+        self.counted = None;
+        self.ht_current = false;
+        if let Some((per_expert, total)) = query {
+            self.count_query(per_expert, total, stream)?;
+        }
+        Ok(())
+    }
+
+    /// The count query of an HT `ncclEpUpdateHandle` (query-then-allocate): gin-ep's HT
+    /// counts the received rows in its fresh dispatch (layout kernel, then the count exchange
+    /// the host waits for), so the query is such a dispatch of the routing, carrying zero rows
+    /// and weights from the handle's own buffer. Collective, as NCCL EP's handle update is.
+    /// Its layout serves a combine or a backward dispatch until the next dispatch; the
+    /// forward dispatch then runs its own fresh dispatch, whose count must be the same.
+    fn count_query(&mut self, per_expert: Option<Desc>, total: Option<Desc>, stream: Stream) -> CResult<()> {
+        let (ep, k, routing) = self.routed("ncclEpUpdateHandle")?;
+        let (n, h, t) = (
+            routing.sizes[0],
+            self.group.spec.hidden,
+            self.group.spec.max_tokens,
+        );
+        let x_bytes = t * h * 2;
+        let rank = self.group.rank().clone();
+        if self.zeros.is_none() {
+            let bytes = (x_bytes + t * k * 4).max(16);
+            let b = self.group.note(rank.alloc(bytes).map_err(CapiError::from))?;
+            rank.upload_to(stream.0, &b, &vec![0u8; bytes])?;
+            self.zeros = Some(b);
+        }
+        let base = self.zeros.as_ref().map_or(0, |b| b.region().device_ptr());
+        let input = HtDispatchIn {
+            x: Mem::Device {
+                ptr: base,
+                bytes: n * h * 2,
+            },
+            fp8_scales: None,
+            num_tokens: n,
+            topk_idx: mem(&routing),
+            topk_weights: Mem::Device {
+                ptr: base + x_bytes as u64,
+                bytes: n * k * 4,
+            },
+            recv_slab: 0,
+        };
+        self.ht = None;
+        let r = ep.ht_dispatch(input, stream).map_err(CapiError::from);
+        let (_, handle) = self.group.note(r)?;
+        let nr = handle
+            .num_recv()
+            .ok_or_else(|| CapiError::internal("HT dispatch with exact sizing returned no receive count"))?;
+        self.keep_ht_idx(&ep, k, nr, stream)?;
+        self.write_ht_counters(&ep, &handle, nr, per_expert, total, stream)?;
+        self.counted = Some(nr);
+        self.ht = Some((handle, nr));
+        self.ht_current = true;
+        Ok(())
+    }
+
+    /// Copies the local expert ids of the dispatch just made (`nr` rows of `k`, in the
+    /// engine's receive slab) into the handle's own buffer, for a backward combine.
+    fn keep_ht_idx(&mut self, ep: &Ep, k: usize, nr: usize, stream: Stream) -> CResult<()> {
+        if self.ht_idx.is_none() {
+            let spec = &self.group.spec;
+            let bytes = (spec.ranks * spec.max_tokens * k * 8).max(16);
+            let b = self.group.rank().alloc(bytes).map_err(CapiError::from);
+            self.ht_idx = Some(self.group.note(b)?);
+        }
+        let ptr = self.ht_idx.as_ref().map_or(0, |b| b.region().device_ptr());
+        let r = ep.ht_copy_out(
+            "recv_idx",
+            DeviceOut {
+                ptr,
+                bytes: nr * k * 8,
+            },
+            stream,
+        );
+        self.group.note(r.map_err(CapiError::from))
+    }
+
+    /// Writes the HT counters asked for: rows per local expert of `handle`'s dispatch and
+    /// its `nr` rows in all.
+    fn write_ht_counters(
+        &mut self,
+        ep: &Ep,
+        handle: &gin_ep::ep::HtHandle,
+        nr: usize,
+        per_expert: Option<Desc>,
+        total: Option<Desc>,
+        stream: Stream,
+    ) -> CResult<()> {
+        if let Some(t) = per_expert {
+            let per = ep.ht_recv_counts(handle, stream).map_err(CapiError::from);
+            let per = self.group.note(per)?;
+            self.write_counts(&t, &per, stream)?;
+        }
+        if let Some(t) = total {
+            self.write_counts(&t, &[nr], stream)?;
+        }
         Ok(())
     }
 
@@ -503,12 +617,27 @@ impl Handle {
                 c.quant_recipe, c.round_scales
             )));
         }
-        if c.pass_direction != abi::FWD_PASS {
-            return Err(CapiError::usage(format!(
-                "config->pass_direction = {}: gin-ep's C API runs the forward pass only",
-                c.pass_direction
-            )));
+        match c.pass_direction {
+            abi::FWD_PASS => self.ht_dispatch_forward(a, stream),
+            abi::BWD_PASS => self.ht_dispatch_backward(a, stream),
+            d => Err(CapiError::arg(format!(
+                "config->pass_direction = {d}: expected NCCL_EP_FWD_PASS (0) or NCCL_EP_BWD_PASS (1)"
+            ))),
         }
+    }
+
+    /// The error for dispatch outputs of `rows` rows where the dispatch received `nr`.
+    fn too_few_rows(&self, rows: usize, nr: usize) -> CapiError {
+        let size = match self.group.spec.max_recv {
+            Some(m) => format!("size the outputs for max_recv_tokens_per_rank = {m}"),
+            None => "size the outputs to the recv_total_counter ncclEpUpdateHandle writes".into(),
+        };
+        CapiError::arg(format!(
+            "outputs->tokens->sizes[0] = {rows}: this dispatch received {nr} rows ({size})"
+        ))
+    }
+
+    fn ht_dispatch_forward(&mut self, a: DispatchArgs, stream: Stream) -> CResult<()> {
         let counters = match &a.layout {
             None => None,
             Some(li) => Some(self.ht_counters(li)?),
@@ -539,6 +668,7 @@ impl Handle {
         }
         // A new dispatch replaces the handle's previous one (its layout slot is freed).
         self.ht = None;
+        self.ht_current = false;
         let input = HtDispatchIn {
             x: mem(&x),
             fp8_scales: None,
@@ -552,13 +682,16 @@ impl Handle {
         let nr = handle
             .num_recv()
             .ok_or_else(|| CapiError::internal("HT dispatch with exact sizing returned no receive count"))?;
+        if let Some(q) = self.counted {
+            if q != nr {
+                return Err(CapiError::internal(format!(
+                    "this dispatch received {nr} rows where ncclEpUpdateHandle's count query of the same \
+                     routing found {q}"
+                )));
+            }
+        }
         if nr > out.sizes[0] {
-            return Err(CapiError::arg(format!(
-                "outputs->tokens->sizes[0] = {}: this dispatch received {nr} rows (size the outputs for \
-                 max_recv_tokens_per_rank = {})",
-                out.sizes[0],
-                self.group.spec.max_recv.unwrap_or(0)
-            )));
+            return Err(self.too_few_rows(out.sizes[0], nr));
         }
         // The received rows, weights and local expert ids, from gin-ep's window to the caller's.
         let copies = [
@@ -572,18 +705,74 @@ impl Handle {
                 self.group.note(r.map_err(CapiError::from))?;
             }
         }
+        self.keep_ht_idx(&ep, k, nr, stream)?;
         if let Some((per_expert, total)) = counters {
-            let per = ep.ht_recv_counts(&handle, stream).map_err(CapiError::from);
-            let per = self.group.note(per)?;
-            if let Some(t) = per_expert {
-                self.write_counts(&t, &per, stream)?;
-            }
-            if let Some(t) = total {
-                self.write_counts(&t, &[nr], stream)?;
-            }
+            self.write_ht_counters(&ep, &handle, nr, per_expert, total, stream)?;
         }
         self.ht = Some((handle, nr));
+        self.ht_current = true;
         Ok(())
+    }
+
+    /// The backward dispatch (NCCL EP's `NCCL_EP_BWD_PASS`: the gradients of the combined
+    /// tokens go where the forward dispatch sent its tokens, rows only): gin-ep's cached HT
+    /// dispatch along the layout of the handle's dispatch of its current routing (the forward
+    /// dispatch, or the count query of `ncclEpUpdateHandle`). The rows land in the forward
+    /// dispatch's order.
+    fn ht_dispatch_backward(&mut self, a: DispatchArgs, stream: Stream) -> CResult<()> {
+        if let Some(li) = &a.layout {
+            absent(
+                &[
+                    (&li.expert_counters, "layout_info->expert_counters"),
+                    (&li.src_rank_counters, "layout_info->src_rank_counters"),
+                    (&li.expert_offsets, "layout_info->expert_offsets"),
+                    (&li.recv_total_counter, "layout_info->recv_total_counter"),
+                ],
+                "the backward dispatch goes along the forward dispatch's layout, whose counts it does not \
+                 write again",
+            )?;
+        }
+        absent(
+            &[
+                (&a.topk_weights, "inputs->topk_weights"),
+                (&a.out_weights, "outputs->topk_weights"),
+                (&a.out_idx, "outputs->topk_idx"),
+                (&a.scales, "inputs->scales"),
+                (&a.out_scales, "outputs->scales"),
+            ],
+            "the backward dispatch moves BF16 rows only (NCCL EP's forbids the weights and ids too)",
+        )?;
+        let (ep, _, routing) = self.routed("ncclEpDispatch")?;
+        let (handle, nr) =
+            match (&self.ht, self.ht_current) {
+                (Some(d), true) => d.clone(),
+                _ => return Err(CapiError::usage(
+                    "config->pass_direction = NCCL_EP_BWD_PASS: the handle has no dispatch of its current \
+                     routing to go along (dispatch the forward pass first, or query the counts at \
+                     ncclEpUpdateHandle)",
+                )),
+            };
+        let (n, h) = (routing.sizes[0], self.group.spec.hidden);
+        let x = required(a.tokens, "inputs->tokens")?;
+        x.dtype_is(&[NCCL_BFLOAT16])?;
+        x.shape_is(&[n, h])?;
+        let out = required(a.out_tokens, "outputs->tokens")?;
+        out.dtype_is(&[NCCL_BFLOAT16])?;
+        out.shape_like(&[None, Some(h)])?;
+        if nr > out.sizes[0] {
+            return Err(self.too_few_rows(out.sizes[0], nr));
+        }
+        let r = ep.ht_dispatch_cached(mem(&x), None, &handle, 0, stream);
+        self.group.note(r.map_err(CapiError::from))?;
+        let r = ep.ht_copy_out(
+            "recv_x",
+            DeviceOut {
+                ptr: out.data,
+                bytes: nr * h * 2,
+            },
+            stream,
+        );
+        self.group.note(r.map_err(CapiError::from))
     }
 
     /// The counters an HT FLAT dispatch writes: `expert_counters` `[L]` (rows per local
@@ -641,22 +830,62 @@ impl Handle {
             .ok_or_else(|| CapiError::usage("ncclEpCombine: the handle has dispatched nothing to combine"))?;
         let plan = ht_combine_plan(a, handle.num_tokens(), k, self.group.spec.hidden, nr)?;
         let h = self.group.spec.hidden;
+        let weights = match &plan.backward {
+            None => None,
+            Some((w, _)) => Some(self.masked_weights(w, k, nr, stream)?),
+        };
         let input = HtCombineIn {
             x: Mem::Device {
                 ptr: plan.rows.data,
                 bytes: nr * h * 2,
             },
-            topk_weights: None,
+            topk_weights: weights.map(|ptr| Mem::Device {
+                ptr,
+                bytes: nr * k * 4,
+            }),
             bias: [None, None],
         };
         let output = HtCombineOut {
             x: Some(dev(&plan.out)),
-            topk_weights: None,
+            topk_weights: plan.backward.as_ref().map(|(_, o)| dev(o)),
         };
         let r = ep
             .ht_combine(input, &handle, output, stream)
             .map_err(CapiError::from);
         self.group.note(r).map(|_| ())
+    }
+
+    /// A backward combine's weights (`w`, `[slots, K]` f32, its first `nr` rows) with every
+    /// entry whose expert this rank does not hold set to zero, in the handle's own buffer
+    /// (its device address). NCCL EP's backward combine takes each token's entry k from the
+    /// rank holding expert k; gin-ep's combine sums the token's `[K]` row over every rank the
+    /// token went to, which is the same once the other ranks' entries are zero. The mask is
+    /// the local expert ids of the handle's dispatch (-1 where the expert is elsewhere), read
+    /// on the host with the weights: a wait for the stream's work, so not graph-capturable.
+    fn masked_weights(&mut self, w: &Desc, k: usize, nr: usize, stream: Stream) -> CResult<u64> {
+        let rank = self.group.rank().clone();
+        if self.bwd_w.is_none() {
+            let spec = &self.group.spec;
+            let bytes = (spec.ranks * spec.max_tokens * k * 4).max(16);
+            self.bwd_w = Some(self.group.note(rank.alloc(bytes).map_err(CapiError::from))?);
+        }
+        let (Some(idx_buf), Some(w_buf)) = (&self.ht_idx, &self.bwd_w) else {
+            return Err(CapiError::internal("an HT dispatch without its kept expert ids"));
+        };
+        let mut idx = vec![0u8; nr * k * 8];
+        self.group.note(
+            rank.download_from(stream.0, idx_buf, &mut idx)
+                .map_err(CapiError::from),
+        )?;
+        rank.copy_from_caller(stream.0, w_buf, (w.data, nr * k * 4))?;
+        let mut wts = vec![0u8; nr * k * 4];
+        self.group.note(
+            rank.download_from(stream.0, w_buf, &mut wts)
+                .map_err(CapiError::from),
+        )?;
+        mask_foreign_weights(&mut wts, &idx);
+        rank.upload_to(stream.0, w_buf, &wts)?;
+        Ok(w_buf.region().device_ptr())
     }
 
     /// `ncclEpComplete`: the receive half of the last send_only operation. With none pending
@@ -722,6 +951,17 @@ fn ll_dispatch_dtype(c: &abi::DispatchConfig) -> CResult<DispatchDtype> {
     }
 }
 
+/// Zeroes each f32 weight (native-endian bytes) whose int64 local expert id is negative
+/// (the expert is held by another rank): `wts` and `idx` have the same entry count.
+fn mask_foreign_weights(wts: &mut [u8], idx: &[u8]) {
+    for (w, i) in wts.chunks_exact_mut(4).zip(idx.chunks_exact(8)) {
+        let id = i64::from_ne_bytes([i[0], i[1], i[2], i[3], i[4], i[5], i[6], i[7]]);
+        if id < 0 {
+            w.copy_from_slice(&0f32.to_ne_bytes());
+        }
+    }
+}
+
 /// An HT combine's checked arguments.
 #[derive(Debug)]
 struct HtCombinePlan {
@@ -729,6 +969,9 @@ struct HtCombinePlan {
     rows: Desc,
     /// `outputs->tokens` `[N, H]` BF16.
     out: Desc,
+    /// The backward pass: `inputs->topk_weights` `[slots, K]` f32 and
+    /// `outputs->topk_weights` `[N, K]` f32.
+    backward: Option<(Desc, Desc)>,
 }
 
 /// Checks an HT combine's arguments against its dispatch: `n` tokens, `k` weights a token,
@@ -737,12 +980,9 @@ struct HtCombinePlan {
 /// The forward pass reduces rows only. NCCL EP's forward combine neither reads nor writes
 /// `outputs->topk_weights` (its header gives that tensor a meaning in LL and in the HT
 /// backward pass only), and NCCL EP's ep_bench passes one `[N, K]` f32: it is checked and
-/// left unwritten here too. The backward pass is refused: NCCL EP's takes each top-k entry of
-/// the reduced weights from the rank that holds that expert, while gin-ep sums the token's
-/// whole `[K]` row over every rank it went to; the two agree only where the caller's entries
-/// for other ranks' experts are zero, which gin-ep cannot check or enforce in stream order.
-/// (NCCL EP's ep_bench also notes that its received rows hold the local experts in ascending
-/// order, not at their source top-k positions as gin-ep's do.)
+/// left unwritten here too. The backward pass also reduces `inputs->topk_weights` `[slots, K]`
+/// into `outputs->topk_weights` `[N, K]` (both required, as NCCL EP requires them); the
+/// caller masks the weights first ([`Handle::masked_weights`]).
 fn ht_combine_plan(a: CombineArgs, n: usize, k: usize, h: usize, nr: usize) -> CResult<HtCombinePlan> {
     let c = &a.config;
     if c.send_only != 0 {
@@ -757,30 +997,26 @@ fn ht_combine_plan(a: CombineArgs, n: usize, k: usize, h: usize, nr: usize) -> C
             c.quant_recipe
         )));
     }
-    match c.pass_direction {
-        abi::FWD_PASS => {}
-        abi::BWD_PASS => {
-            return Err(CapiError::usage(
-                "config->pass_direction = NCCL_EP_BWD_PASS: NCCL EP's backward combine takes each \
-                 top-k weight from the rank holding that expert; gin-ep's sums the token's [topk] \
-                 weights over every rank it went to, which agrees only where the other ranks' \
-                 entries are zero (gin-ep cannot check that), so gin-ep's C API combines the \
-                 forward pass only",
-            ))
-        }
+    let backward = match c.pass_direction {
+        abi::FWD_PASS => false,
+        abi::BWD_PASS => true,
         d => {
             return Err(CapiError::arg(format!(
                 "config->pass_direction = {d}: expected NCCL_EP_FWD_PASS (0) or NCCL_EP_BWD_PASS (1)"
             )))
         }
-    }
+    };
     absent(
-        &[
-            (&a.topk_weights, "inputs->topk_weights"),
-            (&a.scales, "inputs->scales"),
-        ],
-        "the HT forward combine reduces BF16 rows only (NCCL EP's forward combine refuses it too)",
+        &[(&a.scales, "inputs->scales")],
+        "gin-ep's C API combines BF16 rows (no scales)",
     )?;
+    if !backward {
+        absent(
+            &[(&a.topk_weights, "inputs->topk_weights")],
+            "the HT forward combine reduces BF16 rows only (NCCL EP's forward combine refuses it too; \
+             the backward pass, NCCL_EP_BWD_PASS, reduces weights)",
+        )?;
+    }
     let rows = required(a.tokens, "inputs->tokens")?;
     rows.dtype_is(&[NCCL_BFLOAT16])?;
     rows.shape_like(&[None, Some(h)])?;
@@ -797,7 +1033,24 @@ fn ht_combine_plan(a: CombineArgs, n: usize, k: usize, h: usize, nr: usize) -> C
         w.dtype_is(&[NCCL_FLOAT32])?;
         w.shape_is(&[n, k])?;
     }
-    Ok(HtCombinePlan { rows, out })
+    let backward = if backward {
+        let w = a.topk_weights.ok_or_else(|| {
+            CapiError::arg(
+                "inputs->topk_weights is NULL: the HT backward combine reduces the weights [slots, topk]",
+            )
+        })?;
+        w.dtype_is(&[NCCL_FLOAT32])?;
+        w.shape_like(&[Some(rows.sizes[0]), Some(k)])?;
+        let o = a.out_weights.ok_or_else(|| {
+            CapiError::arg(
+                "outputs->topk_weights is NULL: the HT backward combine writes the reduced weights [tokens, topk]",
+            )
+        })?;
+        Some((w, o))
+    } else {
+        None
+    };
+    Ok(HtCombinePlan { rows, out, backward })
 }
 
 #[cfg(test)]
@@ -951,12 +1204,47 @@ mod tests {
     }
 
     #[test]
-    fn ht_backward_combine_is_refused_with_why() {
-        refused(
-            with_in_weights(ht_args(abi::BWD_PASS), &[6, 2]),
-            abi::NCCL_INVALID_USAGE,
-            &["NCCL_EP_BWD_PASS", "rank holding that expert"],
+    fn ht_backward_combine_reduces_weights_both_required() {
+        let p = plan(with_in_weights(ht_args(abi::BWD_PASS), &[6, 2])).unwrap();
+        let (w, o) = p.backward.expect("the backward pass reduces weights");
+        assert_eq!(
+            (w.sizes.as_slice(), o.sizes.as_slice()),
+            (&[6, 2][..], &[4, 2][..])
         );
+        // The weights follow the rows: [slots, topk].
+        refused(
+            with_in_weights(ht_args(abi::BWD_PASS), &[5, 2]),
+            abi::NCCL_INVALID_ARGUMENT,
+            &["inputs->topk_weights->sizes = [5, 2]"],
+        );
+        refused(
+            ht_args(abi::BWD_PASS),
+            abi::NCCL_INVALID_ARGUMENT,
+            &["inputs->topk_weights is NULL", "backward combine"],
+        );
+        let mut a = with_in_weights(ht_args(abi::BWD_PASS), &[6, 2]);
+        a.out_weights = None;
+        refused(
+            a,
+            abi::NCCL_INVALID_ARGUMENT,
+            &["outputs->topk_weights is NULL", "backward combine"],
+        );
+        // The forward pass has none.
+        assert!(plan(ht_args(abi::FWD_PASS)).unwrap().backward.is_none());
+    }
+
+    #[test]
+    fn backward_weights_of_experts_held_elsewhere_are_zeroed() {
+        let ids: [i64; 6] = [0, -1, -1, 3, 2, -1];
+        let w: [f32; 6] = [0.5, 0.25, -1.0, 2.0, 3.5, 7.0];
+        let idx: Vec<u8> = ids.iter().flat_map(|v| v.to_ne_bytes()).collect();
+        let mut wts: Vec<u8> = w.iter().flat_map(|v| v.to_ne_bytes()).collect();
+        mask_foreign_weights(&mut wts, &idx);
+        let back: Vec<f32> = wts
+            .chunks(4)
+            .map(|b| f32::from_ne_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(back, vec![0.5, 0.0, 0.0, 2.0, 3.5, 0.0]);
     }
 
     #[test]

@@ -120,6 +120,18 @@ int main(void) {
     bad.max_recv_tokens_per_rank = 512;
     expect("CreateGroup(LL max_recv)", ncclEpCreateGroup(&group, fake, &bad), ncclInvalidUsage,
            "max_recv_tokens_per_rank = 512 with LL");
+    /* HT with max_recv_tokens_per_rank = NCCL_EP_AUTO (query-then-allocate) passes its check:
+     * the refusal is the next field's. A static bound below the dispatch bound is refused. */
+    bad = cfg;
+    bad.algorithm = NCCL_EP_ALGO_HIGH_THROUGHPUT;
+    bad.max_recv_tokens_per_rank = NCCL_EP_AUTO;
+    bad.num_channels = 10;
+    expect("CreateGroup(HT AUTO max_recv)", ncclEpCreateGroup(&group, fake, &bad), ncclInvalidUsage,
+           "config->num_channels = 10");
+    bad.num_channels = NCCL_EP_AUTO;
+    bad.max_recv_tokens_per_rank = 32;
+    expect("CreateGroup(HT max_recv below dispatch)", ncclEpCreateGroup(&group, fake, &bad), ncclInvalidArgument,
+           "config->max_recv_tokens_per_rank = 32: below max_dispatch_tokens_per_rank = 64");
 
     /* Tensors: library descriptors round-trip; a caller's own is not the library's to free. */
     size_t dims[3] = {2, 64, 256};

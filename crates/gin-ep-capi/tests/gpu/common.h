@@ -116,6 +116,16 @@ static inline ncclComm_t init_comm(int argc, char** argv, int* rank, int* world)
     return comm;
 }
 
+/* 1 unless `r` is ncclInvalidUsage with a last error naming `names`: a request gin-ep refuses
+ * by name (docs/c-api.md says why). */
+static inline int refused(const char* what, ncclResult_t r, const char* names) {
+    const char* msg = ncclEpGetLastError();
+    if (r == ncclInvalidUsage && msg && strstr(msg, names)) return 0;
+    fprintf(stderr, "rank %d: %s returned %d (%s), expected ncclInvalidUsage naming %s\n", g_rank, what, (int)r,
+            msg ? msg : "(null)", names);
+    return 1;
+}
+
 static inline ncclEpTensor_t tensor(void* data, ncclDataType_t dt, unsigned ndim, size_t* sizes) {
     ncclEpTensor_t t = NCCL_EP_TENSOR_INIT;
     t.ndim = ndim;

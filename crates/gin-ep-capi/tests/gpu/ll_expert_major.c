@@ -179,6 +179,12 @@ int main(int argc, char** argv) {
     uint16_t* hout = malloc(n_x * 2);
     char* used = malloc((size_t)RT);
     int failures = 0;
+    {
+        ncclEpHandle_t rm = NULL;
+        failures += refused("an LL RANK_MAJOR handle",
+                            ncclEpInitHandle(&rm, group, NCCL_EP_LAYOUT_RANK_MAJOR, NULL, TOPK, NULL),
+                            "NCCL_EP_LAYOUT_RANK_MAJOR");
+    }
     for (int pass = 0; pass < 4; pass++) {
         int split = pass % 2; /* odd passes: send_only + ncclEpComplete */
         CHECK_CUDA(cudaMemsetAsync(drecv, 0xFF, n_recv * 2, stream));

@@ -55,6 +55,21 @@ impl GpuRank {
         })
     }
 
+    /// Queues on `stream` a copy of caller memory `src` (`(address, bytes)` of this GPU) into
+    /// the start of `dst`.
+    pub fn copy_from_caller(&self, stream: u64, dst: &DeviceBuffer, src: (u64, usize)) -> Result<()> {
+        self.run(stream, |q| {
+            let s = q.rank().external("caller memory", src.0, src.1)?;
+            q.copy_from_external(dst.region(), s)
+        })
+    }
+
+    /// The first `dst.len()` bytes of `src`, read after the work queued on `stream` (bounded
+    /// waits, as [`Queue::download`](super::runtime::Queue::download)).
+    pub fn download_from(&self, stream: u64, src: &DeviceBuffer, dst: &mut [u8]) -> Result<()> {
+        self.run(stream, |q| q.download(src.region().sub(0, dst.len())?, dst))
+    }
+
     /// Queues on `stream` a copy of the first `dst.1` bytes of `src` to caller memory `dst`
     /// (`(address, bytes)` of this GPU).
     pub fn copy_to_caller(&self, stream: u64, src: &DeviceBuffer, dst: (u64, usize)) -> Result<()> {
