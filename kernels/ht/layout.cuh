@@ -109,11 +109,10 @@ __device__ __noinline__ void put_count_rows(const HtArgs& a, int row_stride, int
 __device__ __noinline__ void wait_count_rows(const HtArgs& a, uint32_t* fail, int* fail_peer) {
   const Fabric fab = ht_fabric<true>(a);
   for (int p = threadIdx.x; p < a.ranks; p += kLayoutTile) {
-    const uint32_t st =
-        fab.by_store(p)
-            ? wait_signal(fab.word(a.off_count_sig + size_t(p) * 8, a.rank), a.seq, kPhaseHtCountExchange, p, a.rank,
-                          a.timeout_ns, a.err)
-            : wait_gin(fab, kHtGinCount, p, a.gin_count_target, kPhaseHtCountExchange, a.timeout_ns);
+    const uint32_t st = fab.by_store(p)
+                            ? wait_signal(fab.word(a.off_count_sig + size_t(p) * 8, a.rank), a.seq,
+                                          kPhaseHtCountExchange, p, a.rank, a.timeout_ns, a.err)
+                            : wait_gin(fab, kHtGinCount, p, a.gin_count_target, kPhaseHtCountExchange, a.timeout_ns);
     if (st != kStatusOk) {
       atomicCAS(fail, kStatusOk, st);
       atomicMax(fail_peer, p);
@@ -185,13 +184,13 @@ __device__ __forceinline__ void layout_body(const HtArgs& a) {
   constexpr int kCols = NODES ? 1 : kMaxNodeRanks;
   extern __shared__ __align__(16) unsigned char s_dyn[];
   __shared__ uint32_t s_warp[kLayoutWarps][kCols];
-  __shared__ uint32_t s_tile1[kCols];         // this tile's count per column (rank, node)
-  __shared__ uint32_t s_off1[kCols];          // tokens of earlier tiles per column
-  __shared__ uint32_t s_total1[kCols];        // last block: tokens_per_rank (, per node)
-  __shared__ uint32_t s_cnt[kCols][kCols];    // one node: [source][destination] tokens_per_rank
-  __shared__ uint32_t s_want;                 // last block: the most caller_tokens of any source
-  __shared__ int s_cap_dest;                  // across nodes: the first destination over capacity
-  __shared__ unsigned long long s_recv;       // across nodes: the rows this rank receives
+  __shared__ uint32_t s_tile1[kCols];       // this tile's count per column (rank, node)
+  __shared__ uint32_t s_off1[kCols];        // tokens of earlier tiles per column
+  __shared__ uint32_t s_total1[kCols];      // last block: tokens_per_rank (, per node)
+  __shared__ uint32_t s_cnt[kCols][kCols];  // one node: [source][destination] tokens_per_rank
+  __shared__ uint32_t s_want;               // last block: the most caller_tokens of any source
+  __shared__ int s_cap_dest;                // across nodes: the first destination over capacity
+  __shared__ unsigned long long s_recv;     // across nodes: the rows this rank receives
   __shared__ uint32_t s_bad;
   __shared__ uint32_t s_fail;
   __shared__ int s_fail_peer;
@@ -278,8 +277,8 @@ __device__ __forceinline__ void layout_body(const HtArgs& a) {
 
   const int t = t0 + tid;
   const bool live = tid < tn;
-  uint32_t mask = 0u;    // one node: the token's ranks
-  uint64_t valid = 0u;   // across nodes: the entries k that name a destination (K <= 64)
+  uint32_t mask = 0u;   // one node: the token's ranks
+  uint64_t valid = 0u;  // across nodes: the entries k that name a destination (K <= 64)
   {
     int16_t* const row = s_ids + tid * KP;
     for (int k = 0; k < K; ++k) {  // warp-uniform trip count
