@@ -579,6 +579,8 @@ impl PyGpuRank {
 #[pyclass(module = "gin_ep._native", name = "Ep", frozen)]
 struct PyEp {
     ep: Ep,
+    /// GPU LL: each buffer set's views ([`PyLlSetViews`]), made on the set's first dispatch.
+    ll_views: [std::sync::OnceLock<Py<PyLlSetViews>>; ep::LL_SETS as usize],
 }
 
 type HostHtOut<'py> = (
@@ -595,9 +597,22 @@ type DeviceHtOut = (HtArrays, Option<Vec<usize>>, Option<&'static str>);
 
 type HtDispatchOut<'py> = (Bound<'py, PyAny>, PyHtHandle);
 
-type LlDispatchOut<'py> = (Option<(RowsOut<'py>, Vec<usize>)>, PyLlHandle);
+type LlDispatchOut<'py> = (Bound<'py, PyAny>, PyLlHandle);
 
 impl PyEp {
+    /// The views of LL buffer set `set` (made on its first dispatch, the same object after).
+    fn set_views(&self, py: Python<'_>, set: usize) -> PyResult<Py<PyLlSetViews>> {
+        let slot = self
+            .ll_views
+            .get(set)
+            .ok_or_else(|| PyRuntimeError::new_err(format!("LL buffer set {set} is not 0 or 1")))?;
+        if let Some(v) = slot.get() {
+            return Ok(v.clone_ref(py));
+        }
+        let v = ll_set_views(py, &self.ep, guard(|| self.ep.ll_set_views(set).map_err(to_py))?)?;
+        Ok(slot.get_or_init(|| v).clone_ref(py))
+    }
+
     /// Runs an LL call: with the GIL released on the host backend, whose calls wait for the
     /// peers; a CUDA call only queues kernels (no host wait) and keeps the GIL, since the LL
     /// path from Python is host-bound and releasing and taking back the GIL is host time on
@@ -653,7 +668,10 @@ impl PyEp {
         };
         let cfg = &config.cfg;
         let ep = py.detach(|| guard(|| group.with(|g| Ep::join(g, cfg, &backend, &opts).map_err(to_py))))?;
-        Ok(PyEp { ep })
+        Ok(PyEp {
+            ep,
+            ll_views: Default::default(),
+        })
     }
 
     #[getter]
@@ -881,10 +899,11 @@ impl PyEp {
         self.ep.ht_slab_of(ptr)
     }
 
-    /// GPU, for tests: each receive slab is filled with 0xFF bytes before a dispatch lands
-    /// in it, so a row the kernels failed to write reads as NaN / -1.
-    fn ht_set_poison(&self, on: bool) {
-        self.ep.ht_set_poison(on)
+    /// GPU, for tests: the outputs in the engine's memory (each HT receive slab, each LL
+    /// buffer set's own layout_range) are filled with 0xFF bytes before an operation writes
+    /// them, so an entry the kernels failed to write reads as NaN / -1.
+    fn set_poison_outputs(&self, on: bool) {
+        self.ep.set_poison_outputs(on)
     }
 
     /// GPU: device address and byte size of `handle`'s `rank_prefix_matrix[R * R]` u32
@@ -945,11 +964,13 @@ impl PyEp {
     }
 
     /// LL dispatch of `num_tokens` tokens (`x` `[N, H]` BF16, `topk_idx` `[N, K]` i64) on the
-    /// next buffer set. `hook`: only the send half now; `ll_dispatch_recv` receives. Host:
-    /// returns ((recv_x, recv_scales or None), recv_count) and the handle (the data arrived
-    /// before the call returned); GPU: writes the caller's outputs (`recv_x`, `recv_scales`
-    /// `[L, H/128, R*T]` f32, `recv_count` `[L]` i32, `layout_range` `[L, R]` i64, `stats`
-    /// `[L]` i32 added to), no host synchronization.
+    /// next buffer set. `hook`: only the send half now; `ll_dispatch_recv` receives. Returns
+    /// (outputs, handle). Host outputs: ((recv_x, recv_scales or None), recv_count) (the data
+    /// arrived before the call returned). GPU: writes the caller's outputs (`recv_x`,
+    /// `recv_scales` `[L, H/128, R*T]` f32, `recv_count` `[L]` i32, `layout_range` `[L, R]`
+    /// i64 (None: the buffer set's own), `stats` `[L]` i32 added to), no host
+    /// synchronization, and returns the set's `LlSetViews` (its `src_info` and own
+    /// `layout_range`; the same object for every dispatch on the set).
     #[pyo3(signature = (x, topk_idx, num_tokens, hook = false, recv_x = None, recv_scales = None, recv_count = None,
                         layout_range = None, stats = None, stream = 0))]
     #[allow(clippy::too_many_arguments)]
@@ -991,9 +1012,12 @@ impl PyEp {
                     .map_err(to_py)
             })
         })?;
-        let host = d.host.map(|(rows, counts)| (rows_out(py, &rows), counts));
+        let first = match d.host {
+            Some((rows, counts)) => (rows_out(py, &rows), counts).into_pyobject(py)?.into_any(),
+            None => self.set_views(py, d.handle.set())?.into_bound(py).into_any(),
+        };
         Ok((
-            host,
+            first,
             PyLlHandle {
                 h: LlAny::Ep(d.handle),
             },
@@ -1114,6 +1138,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyGpuRank>()?;
     m.add_class::<PyDeviceArray>()?;
     m.add_class::<PySlabPool>()?;
+    m.add_class::<PyLlSetViews>()?;
     m.add_function(wrap_pyfunction!(gpu_ht_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_ll_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(kernels_info, m)?)?;

@@ -2,15 +2,17 @@
 //! (address, shape, element type) through `__cuda_array_interface__`, so `torch.as_tensor`
 //! makes a tensor over it that keeps the array, and with it the receive slab's lease, alive.
 
-use gin_ep::ep::{DeviceView, ElemType, HtDeviceRecv, HtOutput, HtRecvViews, RecvLease};
+use gin_ep::ep::{DeviceView, ElemType, Ep, HtDeviceRecv, HtOutput, HtRecvViews, LlSetViews, RecvLease};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
-/// What keeps a view's memory from being reused: a receive slab's lease, or (the pool on
-/// its own, for tests) a bare slab lease.
+/// What keeps a view's memory: a receive slab's lease, the engine itself (an LL buffer
+/// set's memory), or (the pool on its own, for tests) a bare slab lease.
 #[derive(Clone)]
 enum Lease {
     Ep(RecvLease),
+    // Held, never read: the engine owns the memory.
+    Owner(#[allow(dead_code)] Ep),
     Bare(gin_ep::ep::SlabLease),
 }
 
@@ -31,7 +33,7 @@ pub(crate) struct PyDeviceArray {
 
 impl PyDeviceArray {
     pub(crate) fn lent(&self) -> bool {
-        self.lease.is_some()
+        matches!(self.lease, Some(Lease::Ep(_) | Lease::Bare(_)))
     }
 
     pub(crate) fn view(&self) -> &DeviceView {
@@ -100,6 +102,7 @@ impl PyDeviceArray {
         match self.lease.as_ref()? {
             Lease::Ep(l) => Some(l.slab()),
             Lease::Bare(l) => Some(l.slab()),
+            Lease::Owner(_) => None,
         }
     }
 }
@@ -208,4 +211,40 @@ impl PySlabPool {
     fn free_slabs(&self) -> Vec<usize> {
         self.pool.free_slabs()
     }
+}
+
+/// The views of one LL buffer set's own outputs that a GPU dispatch's handle shows
+/// (`src_info`, `layout_range`: DeviceArrays that keep the engine alive), the same object
+/// for every dispatch on the set; `tensors` keeps what Python made over them, so a dispatch
+/// builds no tensor for them after the set's first.
+#[pyclass(module = "gin_ep._native", name = "LlSetViews")]
+pub(crate) struct PyLlSetViews {
+    #[pyo3(get)]
+    src_info: Py<PyDeviceArray>,
+    #[pyo3(get)]
+    layout_range: Py<PyDeviceArray>,
+    /// Python's tensors over the two (None until it makes them).
+    #[pyo3(get, set)]
+    tensors: Option<Py<PyAny>>,
+}
+
+pub(crate) fn ll_set_views(py: Python<'_>, ep: &Ep, v: LlSetViews) -> PyResult<Py<PyLlSetViews>> {
+    let held = |view| {
+        Py::new(
+            py,
+            PyDeviceArray {
+                view,
+                output: None,
+                lease: Some(Lease::Owner(ep.clone())),
+            },
+        )
+    };
+    Py::new(
+        py,
+        PyLlSetViews {
+            src_info: held(v.src_info)?,
+            layout_range: held(v.layout_range)?,
+            tensors: None,
+        },
+    )
 }

@@ -391,10 +391,21 @@ pub struct LlDispatchOut {
     pub scales_layout: crate::LlScalesLayout,
     /// `[L]` i32.
     pub recv_count: Option<DeviceOut>,
-    /// `[L, R]` i64 `(first << 32) | count`.
+    /// `[L, R]` i64 `(first << 32) | count`; None: the buffer set's own ([`Ep::ll_set_views`]).
     pub layout_range: Option<DeviceOut>,
     /// `[L]` i32 cumulative counts the dispatch adds to.
     pub stats: Option<DeviceOut>,
+}
+
+/// The outputs of an LL buffer set that a GPU dispatch's handle shows, in the set's own
+/// memory: DeepEP's `src_info` `[L, R*T]` i32 (the source token of each received row, valid
+/// for each expert's first `recv_count` rows) and `layout_range` `[L, R]` i64 (`(first_row
+/// << 32) | count` per local expert and source rank; written there by a dispatch given no
+/// [`LlDispatchOut::layout_range`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LlSetViews {
+    pub src_info: DeviceView,
+    pub layout_range: DeviceView,
 }
 
 /// What an LL dispatch's send half returned.
@@ -815,12 +826,13 @@ impl Ep {
         }
     }
 
-    /// GPU, for tests: fill each receive slab with a poison pattern before a dispatch lands
-    /// in it, so a row the kernels failed to write shows (NaN, -1). The host backend has its
-    /// own ([`Ep::poison_buffers`]).
-    pub fn ht_set_poison(&self, on: bool) {
+    /// GPU, for tests: fill the outputs in the engine's memory (each HT receive slab, each LL
+    /// buffer set's own `layout_range`) with a poison pattern before an operation writes
+    /// them, so an entry the kernels failed to write shows (NaN, -1). The host backend has
+    /// its own ([`Ep::poison_buffers`]).
+    pub fn set_poison_outputs(&self, on: bool) {
         if let Engine::Cuda(c) = &mut self.state().engine {
-            c.ht_set_poison(on);
+            c.set_poison_outputs(on);
         }
     }
 
@@ -932,6 +944,25 @@ impl Ep {
                 host_topk_idx,
             },
         })
+    }
+
+    /// GPU: the views of LL buffer set `set`'s own outputs that a dispatch's handle shows
+    /// ([`LlSetViews`]); their addresses never change, and each dispatch on the set rewrites
+    /// them. The host backend's handle carries them (`LlHandle::routing`).
+    pub fn ll_set_views(&self, set: usize) -> Result<LlSetViews> {
+        match &mut self.state().engine {
+            Engine::Cuda(c) => {
+                let (src_info, layout_range) = c.ll_set_views(set)?;
+                Ok(LlSetViews {
+                    src_info,
+                    layout_range,
+                })
+            }
+            Engine::Host(_) => Err(Error::input(
+                "LL set views",
+                "the host backend has no device buffers (the handle's routing holds them)",
+            )),
+        }
     }
 
     /// The buffer set the next LL dispatch takes (for caller memory kept per set).

@@ -234,7 +234,7 @@ pub struct CudaEngine {
     rank: GpuRank,
     /// The HT window's lendable receive slabs (with `ht`).
     slabs: Option<Arc<SlabPool>>,
-    /// Tests: each receive slab is poisoned before a dispatch lands in it.
+    /// Tests: outputs in the engine's memory are poisoned before an operation writes them.
     poison_recv: bool,
     /// A bug injected for the harness's check of this layer.
     #[cfg(feature = "harness")]
@@ -361,9 +361,10 @@ impl CudaEngine {
         self.ht.as_ref().and_then(|h| h.slab_of(ptr))
     }
 
-    /// Tests: poison each receive slab before a dispatch lands in it, so a row the kernels
-    /// failed to write reads as NaN / -1.
-    pub fn ht_set_poison(&mut self, on: bool) {
+    /// Tests: poison the outputs in the engine's memory before an operation writes them
+    /// (each HT receive slab, each LL buffer set's own `layout_range`), so an entry the
+    /// kernels failed to write reads as NaN / -1.
+    pub fn set_poison_outputs(&mut self, on: bool) {
         self.poison_recv = on;
     }
 
@@ -515,7 +516,12 @@ impl CudaEngine {
         self.rank.sync(stream)
     }
 
-    /// LL dispatch `half` on buffer set `set` (the caller, `Ep`, owns set choice).
+    /// The views of LL buffer set `set`'s `src_info` and `layout_range` ([`CudaLl::set_views`]).
+    pub fn ll_set_views(&mut self, set: usize) -> Result<(DeviceView, DeviceView)> {
+        let (_, l) = self.ll()?;
+        l.set_views(set)
+    }
+
     /// Device address and bytes of LL buffer set `set`'s source tokens
     /// ([`CudaLl::src_token_region`]).
     pub fn ll_src_token(&mut self, set: usize) -> Result<(u64, usize)> {
@@ -523,6 +529,7 @@ impl CudaEngine {
         l.src_token_region(set)
     }
 
+    /// LL dispatch `half` on buffer set `set` (the caller, `Ep`, owns set choice).
     pub fn ll_dispatch(
         &mut self,
         stream: u64,
@@ -531,6 +538,7 @@ impl CudaEngine {
         num_tokens: usize,
         io: LlDispatchSpans,
     ) -> Result<()> {
+        let poison = self.poison_recv && half != Half::Send && io.layout_range.is_none();
         #[cfg(feature = "harness")]
         let stats = EngineFault::stats(self.fault, io.stats);
         #[cfg(not(feature = "harness"))]
@@ -548,6 +556,9 @@ impl CudaEngine {
                 stats: span(q, "cumulative_local_expert_recv_stats", stats)?,
                 ..LlIo::default()
             };
+            if poison {
+                l.poison_layout_range(q, set)?;
+            }
             match half {
                 Half::Both => l.dispatch(q, set, num_tokens, &lio),
                 Half::Send => l.dispatch_send(q, set, num_tokens, &lio),
