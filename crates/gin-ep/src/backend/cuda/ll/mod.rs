@@ -568,9 +568,6 @@ impl CudaLl {
         &self.layout
     }
 
-    /// Device address and bytes of `set`'s `[L, R*T]` i32 source tokens: the token index,
-    /// on its source rank, of each row the set's last dispatch received (DeepEP's LL
-    /// `src_info`). The set's next dispatch rewrites it.
     /// The views of `set`'s own outputs that a handle shows: DeepEP's `src_info` `[L, R*T]`
     /// i32 (the source token of each row, [`CudaLl::src_token_region`]) and `layout_range`
     /// `[L, R]` i64 (written there by each dispatch on the set given no `layout_range`). The
@@ -593,6 +590,9 @@ impl CudaLl {
         poison(q, &[&self.set(set)?.user_range])
     }
 
+    /// Device address and bytes of `set`'s `[L, R*T]` i32 source tokens: the token index,
+    /// on its source rank, of each row the set's last dispatch received (DeepEP's LL
+    /// `src_info`). The set's next dispatch rewrites it.
     pub fn src_token_region(&self, set: usize) -> Result<(u64, usize)> {
         let r = self.set(set)?.src_token.region();
         Ok((r.ptr, r.bytes))
