@@ -86,7 +86,8 @@ pub struct EpOptions {
     pub fault: Option<Fault>,
     /// CUDA HT: CTAs of the dispatch and combine kernels, equal on every rank.
     pub ht_sms: u32,
-    /// CUDA HT: receive slabs, 1..=[`MAX_RECV_SLABS`], equal on every rank.
+    /// CUDA HT: receive slabs, 1..=[`MAX_RECV_SLABS`], equal on every rank: slab 0 is the
+    /// copy slab, the engine lends the others ([`RecvSlab::Lend`]).
     pub ht_recv_slabs: usize,
     /// CUDA HT: receive counts known at once (exact) or after a host wait (static).
     pub ht_exact: bool,
