@@ -319,7 +319,7 @@ class Gpu:
             elif a.slab is not None:
                 out.append(tensor_of(a, dev))
             else:
-                t = torch.empty(a.shape, dtype=_DTYPES[a.dtype], device=dev)
+                t = empty(a.shape, _DTYPES[a.dtype], dev)
                 h.ht_copy_out(a, (t.data_ptr(), a.nbytes), s)
                 out.append(t)
         return out
