@@ -132,12 +132,12 @@ def split(buf, fn, iters, rank, label):
     from gin_ep import _gpu
     acc = {}
     g = buf._gpu
-    saved = {name: dict(getattr(g, name)) for name in ("hts", "lls", "ll_ranges", "ht_free", "ht_slabs")}
+    saved = {name: dict(getattr(g, name)) for name in ("hts", "lls", "ht_sms")}
     # Every native Ep of the Buffer, and the tables keyed by them, through a timing proxy.
     proxy = {id(ep): _Timed(ep, acc) for ep in (*g.hts.values(), *g.lls.values())}
     for name in ("hts", "lls"):
         setattr(g, name, {k: proxy[id(ep)] for k, ep in saved[name].items()})
-    for name in ("ll_ranges", "ht_free", "ht_slabs"):
+    for name in ("ht_sms",):
         setattr(g, name, {proxy.get(id(ep), ep): v for ep, v in saved[name].items()})
     real_empty, real_stream = _gpu.empty, _gpu.stream
 
@@ -258,9 +258,12 @@ class _NoHandleEntries:
     def __enter__(self):
         from gin_ep import _gpu
         self.cls = _gpu.Gpu
-        self.saved = {n: getattr(self.cls, n) for n in ("ht_rank_prefix", "ll_src_info") if hasattr(self.cls, n)}
-        for n in self.saved:
-            setattr(self.cls, n, lambda *args, **kw: None)
+        self.saved = {n: getattr(self.cls, n) for n in ("ht_rank_prefix", "ll_set_tensors") if hasattr(self.cls, n)}
+        if "ht_rank_prefix" in self.saved:
+            self.cls.ht_rank_prefix = lambda *args, **kw: None
+        if "ll_set_tensors" in self.saved:
+            tensors = self.saved["ll_set_tensors"]
+            self.cls.ll_set_tensors = lambda g, views: (None, tensors(g, views)[1])
         return self
 
     def __exit__(self, *exc):
@@ -270,7 +273,7 @@ class _NoHandleEntries:
     def applies(self) -> bool:
         """Whether the gin_ep imported builds those entries (an older wheel may not)."""
         from gin_ep import _gpu
-        return all(hasattr(_gpu.Gpu, n) for n in ("ht_rank_prefix", "ll_src_info"))
+        return all(hasattr(_gpu.Gpu, n) for n in ("ht_rank_prefix", "ll_set_tensors"))
 
 
 def built(fn, iters):
@@ -336,11 +339,10 @@ def handle_cost_rows(buf, x, idx, w, e, a, rank, world):
                           10 * a.iters))
         _, _, lh, _, _ = buf.low_latency_dispatch(xl, il, a.ll_tokens, e)
         ls = lh.state
-        local = e // world
+        # The entries come with the buffer set's views, made on its first dispatch: what a
+        # handle costs past that is the tuple.
         rows.append(("ll handle build", "entries") +
-                    built(lambda: _handles.ll_handle(ls, g.ll_src_info(ls.ep, 0, ls.native, local,
-                                                                       world * a.ll_tokens),
-                                                     lh[1], a.ll_tokens, a.hidden, e), 10 * a.iters))
+                    built(lambda: _handles.ll_handle(ls, lh[0], lh[1], a.ll_tokens, a.hidden, e), 10 * a.iters))
     torch.cuda.synchronize()
     return rows
 

@@ -20,11 +20,15 @@ caller's work without host synchronization, except where the API returns host va
 Zero-copy where the memory is the rank's own: the kernels read the caller's input
 tensors and write output tensors allocated by PyTorch directly (`span`). HT receive rows
 live in gin-ep's symmetric window because peers write them; the window holds several
-receive slabs, and a dispatch lends a free one to the caller: the returned `recv_x`,
+receive slabs, and the engine lends a free one to each dispatch: the returned `recv_x`,
 `recv_topk_idx`, `recv_topk_weights` and the handle's `recv_src_idx` are tensors over that
-slab, and the slab returns to the pool when the last of them is freed (see `SlabLease`).
-Only when every slab is still held (or `Buffer(ht_recv_slabs=0)`) are the rows copied out
-(with one warning). The HT combine reads the caller's expert outputs in place: extra CTAs
+slab (`tensor_of`: each holds the `_native.DeviceArray` it was made from, and so the
+slab's lease), and the slab returns to the engine's pool when the last of them is freed.
+Reuse is stream-ordered: the next dispatch into the slab is queued on the current stream
+after whatever the caller queued with the tensors; work on another stream must be waited
+for before the tensors are dropped (as with `Tensor.record_stream`). Only when every slab
+is still held (or `Buffer(ht_recv_slabs=0)`) are the rows copied out (with one warning,
+the engine's). The HT combine reads the caller's expert outputs in place: extra CTAs
 of the combine kernel copy them into the window while the pulls run (peers cannot read the
 caller's memory); only the combine weights are copied in before it.
 """
@@ -132,44 +136,26 @@ def ll_recv_outputs(local, ranks, max_tokens, hidden, fp8, device):
     return outs
 
 
-class SlabLease:
-    """Receive slab `slab` of an HT object, lent to the caller: every tensor over the slab
-    holds this object (through `_SlabArray`), and the slab goes back to `free` when the last
-    one is freed. It also holds the `Gpu` (and so the window) for as long as the tensors
-    live. Reuse is stream-ordered: the next dispatch into the slab is queued on the current
-    stream after whatever the caller queued with the tensors; work on another stream must
-    be waited for before the tensors are dropped (as with `Tensor.record_stream`)."""
-
-    def __init__(self, gpu, free: list, slab: int) -> None:
-        self.gpu = gpu
-        self.free = free
-        self.slab = slab
-
-    def __del__(self) -> None:
-        self.free.append(self.slab)
-
-
-class _SlabArray:
-    """A `__cuda_array_interface__` over part of a lent slab, for `torch.as_tensor`: the
-    tensor keeps this object, and so the lease, alive (no lease: a transient view of library
-    memory, `Gpu.ht_send_slot`)."""
-
-    def __init__(self, lease: Optional[SlabLease], ptr: int, shape, typestr: str) -> None:
-        self.lease = lease
-        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr, "data": (ptr, False),
-                                         "version": 3}
-
-
 # PyTorch parses `__cuda_array_interface__` type strings with NumPy; without it dispatches
-# copy the rows out instead of lending slabs.
+# copy the rows out instead of taking lent slabs.
 try:
     import numpy  # noqa: F401
     _CAN_LEND = True
 except ImportError:
     _CAN_LEND = False
 
-_TYPESTR = {torch.uint8: "|u1", torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8",
-            torch.float32: "<f4"}
+# `_native.DeviceArray.dtype` -> the torch dtype (in its order), and what the array is
+# described as where NumPy has no such type (the tensor is viewed as the real one).
+_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32, torch.int64)
+_VIEW_AS = (torch.bfloat16, torch.float8_e4m3fn, None, None, None)
+
+
+def tensor_of(arr, device: torch.device) -> torch.Tensor:
+    """The tensor over `_native.DeviceArray` `arr` (no copy); it keeps `arr`, and so the
+    receive slab's lease when `arr` has one, alive."""
+    t = torch.as_tensor(arr, device=device)
+    v = _VIEW_AS[arr.dtype]
+    return t if v is None else t.view(v)
 
 
 def span(t: Optional[torch.Tensor]):
@@ -269,25 +255,20 @@ class Gpu:
         # HT objects a larger one replaced (`ht_retire`): kept until the Buffer goes, because
         # freeing a window is collective in NCCL and ranks free handles at different times.
         self.ht_retired = []
-        self.ht_free = {}
-        self.ht_slabs = {}
         self.ht_sms = {}
-        self.warned_slabs = False
         self.lls = {}
-        self.ll_ranges = {}
         # The LL rank mask the kernels read (int64 [1] on the device, bit r = rank r masked),
         # made when a mask or enable_shrink first needs it; under `ll_shrink` the kernels set
         # the bit of a peer that missed a deadline.
         self.ll_mask_word = None
         self.ll_shrink = False
-        self.ll_src_infos = {}
         self.ht_prefix_views = {}
 
     # -------------------------------------------------------------- HT
 
     def ht(self, hidden, topk, experts, max_tokens, fp8, num_sms, lend_slabs, node_size=None):
-        """The HT object for the shape: slab 0 of its window is the copy slab, slabs
-        1..lend_slabs are lent to callers (`ht_lend`); `node_size` ranks per gin-ep node when
+        """The HT object for the shape: its window holds the copy slab and `lend_slabs` slabs
+        the engine lends to dispatches (`ht_outputs`); `node_size` ranks per gin-ep node when
         HT crosses nodes (the launch's, `Buffer._ht_node_size`), else None."""
         key = (hidden, topk, experts, max_tokens, fp8, lend_slabs, node_size)
         h = self.hts.get(key)
@@ -297,9 +278,9 @@ class Gpu:
             self.agree.check("an HT window of the GPU path", {**fields_of(cfg, False), "ht_recv_slabs": lend_slabs})
             h = _native.Ep(self.runtime, cfg, ht=True, ll=False, timeout_s=self.timeout_s, gpu=self.rank_gpu,
                            ht_sms=num_sms, ht_recv_slabs=1 + lend_slabs, ht_exact=True, **self.topology)
+            if _POISON:
+                h.set_poison_outputs(True)
             self.hts[key] = h
-            self.ht_free[h] = list(range(lend_slabs, 0, -1))
-            self.ht_slabs[h] = lend_slabs
             self.ht_sms[h] = num_sms
         self.ht_tune(h, num_sms)
         return h
@@ -317,63 +298,41 @@ class Gpu:
             h.ht_set_sms(num_sms)
             self.ht_sms[h] = num_sms
 
-    def ht_lend(self, h) -> Optional[SlabLease]:
-        """A free receive slab of `h` for the next dispatch, or None (copy the rows out)."""
-        free = self.ht_free[h]
-        if not _CAN_LEND or torch.cuda.is_current_stream_capturing():
-            return None
-        if not free:
-            if self.ht_slabs[h] and not self.warned_slabs:
-                self.warned_slabs = True
-                warnings.warn("gin_ep: every HT receive slab is held by earlier dispatch outputs, so this "
-                              "dispatch copies its rows out (≈ 0.1 ms per 200 MB); Buffer(ht_recv_slabs=) "
-                              "sets how many dispatches can hold their rows at once", stacklevel=4)
-            return None
-        lease = SlabLease(self, free, free.pop())
-        if _POISON:
-            for which in ("recv_x", "recv_scales", "recv_idx", "recv_w", "recv_src"):
-                ptr, size = h.ht_region(which, lease.slab)
-                if size:
-                    self.ht_view(h, lease, which, (size,), torch.uint8).fill_(0xFF)
-        return lease
+    @staticmethod
+    def ht_lend() -> bool:
+        """Whether the next HT dispatch may take a lent slab: not without NumPy (no tensors
+        over library memory) nor under CUDA graph capture (a replay would write a slab the
+        engine has lent since)."""
+        return _CAN_LEND and not torch.cuda.is_current_stream_capturing()
 
-    def ht_send_slot(self, h, n) -> torch.Tensor:
-        """A transient `[n, R]` int32 view of the last fresh dispatch's send slots (library
-        memory the next fresh dispatch rewrites: derive a new tensor from it at once)."""
-        if not _CAN_LEND:
-            return self.ht_out(h, "send_slot", (n, self.group_size), torch.int32, stream())
-        return self.ht_view(h, None, "send_slot", (n, self.group_size), torch.int32)
-
-    def ht_view(self, h, lease: Optional[SlabLease], which, shape, dtype) -> torch.Tensor:
-        """A tensor `shape` of `dtype` over the start of region `which`: a receive region of
-        the lent slab, or (no lease) the send slots. BF16 and FP8 go through same-size
-        integer types (NumPy has neither)."""
-        ptr, size = h.ht_region(which, lease.slab if lease is not None else 0)
-        base = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}.get(dtype, dtype)
-        arr = _SlabArray(lease, ptr, shape, _TYPESTR[base])
-        t = torch.as_tensor(arr, device=torch.device("cuda", self.device))
-        assert nbytes(t) <= size, (which, shape, size)
-        return t if base is dtype else t.view(dtype)
-
-    def ht_lent_x(self, h, lease, nr, hidden, fp8, scale_dtype):
-        """`recv_x` (FP8: data and scales) over the lent slab."""
-        if not fp8:
-            return self.ht_view(h, lease, "recv_x", (nr, hidden), torch.bfloat16)
-        data = self.ht_view(h, lease, "recv_x", (nr, hidden), torch.float8_e4m3fn)
-        sc = self.ht_view(h, lease, "recv_scales", (nr, hidden // _native.FP8_BLOCK), torch.float32)
-        return data, sc.view(scale_dtype)
-
-    def ht_recv_x(self, h, nr, hidden, fp8, scale_dtype, s):
+    def ht_outputs(self, h, arrays, warning, s):
+        """Tensors of the `_native.DeviceArray`s of one HT dispatch (None stays None): views
+        of the lent slab, or copies of the copy slab's rows (made on stream `s` before the
+        next dispatch can take it), the engine's warning shown when it had to copy."""
+        if warning is not None:
+            warnings.warn(warning, stacklevel=4)
         dev = torch.device("cuda", self.device)
-        if not fp8:
-            out = empty((nr, hidden), torch.bfloat16, dev)
-            h.ht_copy_out("recv_x", (out.data_ptr(), nbytes(out)), s)
-            return out
-        data = empty((nr, hidden), torch.uint8, dev)
-        h.ht_copy_out("recv_x", (data.data_ptr(), nbytes(data)), s)
-        sc = empty((nr, hidden // _native.FP8_BLOCK), torch.float32, dev)
-        h.ht_copy_out("recv_scales", (sc.data_ptr(), nbytes(sc)), s)
-        return data.view(torch.float8_e4m3fn), sc.view(scale_dtype)
+        out = []
+        for a in arrays:
+            if a is None:
+                out.append(None)
+            elif a.slab is not None:
+                out.append(tensor_of(a, dev))
+            else:
+                t = empty(a.shape, _DTYPES[a.dtype], dev)
+                h.ht_copy_out(a, (t.data_ptr(), a.nbytes), s)
+                out.append(t)
+        return out
+
+    def ht_send_slot(self, h, native, s) -> torch.Tensor:
+        """The `[N, R]` int32 send slots of HT dispatch `native` (library memory its handle
+        holds; without NumPy a copy)."""
+        a = h.ht_send_slot(native)
+        if _CAN_LEND:
+            return tensor_of(a, torch.device("cuda", self.device))
+        t = torch.empty(a.shape, dtype=torch.int32, device=torch.device("cuda", self.device))
+        h.ht_copy_out(a, (t.data_ptr(), a.nbytes), s)
+        return t
 
     def ht_rank_prefix(self, h, native) -> torch.Tensor:
         """The `rank_prefix_matrix` view of HT dispatch `native` of `h`: the matrix lives in
@@ -385,11 +344,6 @@ class Gpu:
         if v is None:
             v = views[ptr] = _handles.device_rank_prefix(h, native, self.group_size)
         return v
-
-    def ht_out(self, h, which, shape, dtype, s):
-        out = empty(shape, dtype, torch.device("cuda", self.device))
-        h.ht_copy_out(which, (out.data_ptr(), nbytes(out)), s)
-        return out
 
     # -------------------------------------------------------------- LL
 
@@ -410,8 +364,9 @@ class Gpu:
                            **self.topology)
             if self.ll_mask_word is not None:
                 l.ll_rank_mask_word(span(self.ll_mask_word), self.ll_shrink)
+            if _POISON:
+                l.set_poison_outputs(True)
             self.lls[key] = l
-            self.ll_ranges[l] = [None, None]
         return l
 
     def ll_set_mask(self, mask, shrink: bool) -> None:
@@ -446,24 +401,15 @@ class Gpu:
             self.ll_mask_word.zero_()
         torch.cuda.synchronize(self.device)
 
-    def ll_src_info(self, l, set_, native, local, rows) -> torch.Tensor:
-        """The `[L, R*T]` int32 src_info of LL `_native.Ep` `l`'s buffer set `set_`: a view of
-        the set's source tokens, made on the set's first dispatch (`native`), which every
-        dispatch on the set rewrites."""
-        views = self.ll_src_infos.setdefault(l, [None, None])
-        if views[set_] is None:
-            views[set_] = _handles.device_src_info(l, native, local, rows)
-        return views[set_]
-
-    def ll_layout_range(self, l, set_, local, device) -> torch.Tensor:
-        """The `[L, R]` int64 layout_range of LL `_native.Ep` `l`'s buffer set `set_`, which every
-        dispatch on the set rewrites (poisoned first under GIN_EP_POISON_OUTPUTS=1)."""
-        ranges = self.ll_ranges[l]
-        t = ranges[set_]
+    def ll_set_tensors(self, views):
+        """`(src_info, layout_range)` of an LL handle: tensors over the `_native.LlSetViews`
+        of the buffer set its dispatch took (`[L, R*T]` int32, `[L, R]` int64, in the set's
+        own memory, which every dispatch on the set rewrites), made on the set's first
+        dispatch and kept with the set."""
+        t = views.tensors
         if t is None:
-            t = ranges[set_] = torch.empty(local, self.group_size, dtype=torch.int64, device=device)
-        if _POISON:
-            poison(t)
+            dev = torch.device("cuda", self.device)
+            t = views.tensors = (tensor_of(views.src_info, dev), tensor_of(views.layout_range, dev))
         return t
 
 

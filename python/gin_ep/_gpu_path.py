@@ -83,42 +83,33 @@ class GpuPath:
             h = g.ht(hidden, k, experts, max_tokens, fp8, self._ht_sms(config), self._ht_recv_slabs,
                      self._ht_node_size())
             # The kernels read x, scales, ids and weights from these tensors (zero-copy) and
-            # receive into a lent slab of the window when one is free (the returned tensors
-            # are views of it), else into the copy slab.
-            lease = g.ht_lend(h)
+            # receive into a slab the engine lends when one is free (the returned tensors
+            # are views of it), else into the copy slab (copied out below).
             try:
-                _, native = h.ht_dispatch(_gpu.span(xin), _gpu.span(idx), _gpu.span(w), n,
-                                          x_scales=_gpu.span(x_scales), recv_slab=lease.slab if lease else 0,
-                                          stream=s)
+                (arrays, native_counts, warning), native = h.ht_dispatch(
+                    _gpu.span(xin), _gpu.span(idx), _gpu.span(w), n, x_scales=_gpu.span(x_scales),
+                    lend=g.ht_lend(), stream=s)
                 break
             except _native.TokenCapacityError as e:
                 # Some rank passed more tokens than `h` holds; every rank got this from the
                 # same dispatch and none moved data: all grow together and dispatch again.
-                del lease
                 self._ht_grow(hidden, k, experts, fp8, True, e.args[1])
                 g.ht_retire(h)
         nr = native.num_recv
-        if lease is not None:
-            # Views of the slab; the handle's recv_src_idx too (it keeps the slab until the
-            # handle goes: in training, recv_x lives as long for the backward pass anyway).
-            recv_x = g.ht_lent_x(h, lease, nr, hidden, fp8, torch.float32)
-            recv_topk_idx = g.ht_view(h, lease, "recv_idx", (nr, k), torch.int64).to(topk_idx.dtype)
-            recv_topk_weights = g.ht_view(h, lease, "recv_w", (nr, k), torch.float32) \
-                if topk_weights is not None else None
-            recv_src_idx = g.ht_view(h, lease, "recv_src", (nr,), torch.int32)
-        else:
-            recv_x = g.ht_recv_x(h, nr, hidden, fp8, torch.float32, s)
-            recv_topk_idx = g.ht_out(h, "recv_idx", (nr, k), torch.int64, s).to(topk_idx.dtype)
-            recv_topk_weights = g.ht_out(h, "recv_w", (nr, k), torch.float32, s) \
-                if topk_weights is not None else None
-            recv_src_idx = g.ht_out(h, "recv_src", (nr,), torch.int32, s)
-        if fp8:
-            recv_x = (recv_x[0], _scales.from_kernel(recv_x[1], form))
+        if topk_weights is None:
+            arrays = arrays[:3] + (None, arrays[4])
+        # Views of the slab, the handle's recv_src_idx too (it keeps the slab until the
+        # handle goes: in training, recv_x lives as long for the backward pass anyway).
+        data, scales, recv_topk_idx, recv_topk_weights, recv_src_idx = g.ht_outputs(h, arrays, warning, s)
+        recv_topk_idx = recv_topk_idx.to(topk_idx.dtype)
+        recv_x = (data, _scales.from_kernel(scales, form)) if fp8 else data
         # The handle holds the caller's is_token_in_rank, as DeepEP's does (gin-ep itself
         # never reads it back); only without one is it derived from the send slots, which
         # costs a kernel on the stream and a view on the host.
-        in_rank = is_token_in_rank if is_token_in_rank is not None else g.ht_send_slot(h, n) >= 0
-        counts = [_round_up(c, expert_alignment) for c in h.ht_recv_counts(native, s)]
+        in_rank = is_token_in_rank if is_token_in_rank is not None else g.ht_send_slot(h, native, s) >= 0
+        if native_counts is None:
+            native_counts = h.ht_recv_counts(native, s)
+        counts = [_round_up(c, expert_alignment) for c in native_counts]
         if num_worst_tokens:
             recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx = _pad_worst(
                 num_worst_tokens, nr, recv_x, recv_topk_idx, recv_topk_weights, recv_src_idx, fp8)
@@ -131,12 +122,10 @@ class GpuPath:
         """One cached dispatch of rows in the handle's own dtype: `recv_x` (FP8: data and
         f32 scales `[Nr, hidden/128]`), over a lent slab when one is free."""
         g = self._gpu
-        lease = g.ht_lend(st.ep)
-        st.ep.ht_dispatch_cached(_gpu.span(xin), st.native, x_scales=_gpu.span(x_scales),
-                                 recv_slab=lease.slab if lease else 0, stream=s)
-        if lease is not None:
-            return g.ht_lent_x(st.ep, lease, st.num_recv, hidden, fp8, torch.float32)
-        return g.ht_recv_x(st.ep, st.num_recv, hidden, fp8, torch.float32, s)
+        arrays, warning = st.ep.ht_dispatch_cached(_gpu.span(xin), st.native, x_scales=_gpu.span(x_scales),
+                                                   lend=g.ht_lend(), stream=s)
+        data, scales = g.ht_outputs(st.ep, arrays, warning, s)
+        return (data, scales) if fp8 else data
 
     def _gpu_cached_fp8_on_bf16(self, st, xin, x_scales, hidden, s):
         """FP8 rows along a BF16 dispatch's handle: the HT window of a BF16 dispatch holds
@@ -233,41 +222,43 @@ class GpuPath:
         dtype = "bf16" if not use_fp8 else ("fp8-ue8m0" if round_scale else "fp8")
         ll = g.ll(hidden, k, num_experts, t, dtype, self.num_rdma_bytes, self.ll_combine_order)
         # The native Ep owns the buffer sets and refuses a combine with a handle whose set a
-        # later dispatch took; the layout_range below lives with the set this dispatch takes.
-        set_ = ll.ll_next_set
+        # later dispatch took.
         # The kernels read these tensors and write the outputs below directly (zero-copy).
         xc = x.contiguous()
         idx = _gpu.as_i64(topk_idx)
         # FP8 scales in DeepEP's layout: column-major in the last two dimensions (the kernel
         # writes it so).
         data, scales, recv_count = _gpu.ll_recv_outputs(local, r, t, hidden, use_fp8, x.device)
-        # The handle's layout_range lives with the buffer set (one allocation fewer per call,
-        # ≈ 2 µs of host time): it is rewritten by the set's next dispatch, when the handle
-        # goes stale anyway (see _gpu_ll_combine). The torch op returns it as an output, so it
-        # takes a fresh one.
-        layout_range = _gpu.empty((local, r), torch.int64, x.device) if fresh_layout_range else \
-            g.ll_layout_range(ll, set_, local, x.device)
+        # The handle's layout_range is the buffer set's own (the engine's, no allocation per
+        # call, ≈ 2 µs of host time): it is rewritten by the set's next dispatch, when the
+        # handle goes stale anyway (see _gpu_ll_combine). The torch op returns it as an
+        # output, so it takes a fresh one.
+        fresh = _gpu.empty((local, r), torch.int64, x.device) if fresh_layout_range else None
         # (address, bytes) of each tensor, the sizes from the shapes checked above (exact:
         # every tensor here is contiguous or, the scales, allocated with these strides);
         # `_gpu.span` per tensor costs ≈ 0.3 µs more each.
         rows = local * r * t
         spans = ((data.data_ptr(), rows * hidden * (1 if use_fp8 else 2)),
                  (scales.data_ptr(), rows * (hidden // _native.FP8_BLOCK) * 4) if use_fp8 else None,
-                 (recv_count.data_ptr(), local * 4), (layout_range.data_ptr(), local * r * 8),
+                 (recv_count.data_ptr(), local * 4), (fresh.data_ptr(), local * r * 8) if fresh is not None else None,
                  (stats.data_ptr(), local * 4) if stats is not None else None)
         x_span, idx_span = (xc.data_ptr(), n * hidden * 2), (idx.data_ptr(), n * k * 8)
         if return_recv_hook:
-            _, native = ll.ll_dispatch(x_span, idx_span, n, True, None, None, None, None, None, _gpu.stream())
+            views, native = ll.ll_dispatch(x_span, idx_span, n, True, None, None, None, None, None, _gpu.stream())
             st = LlState(ll, native, k, n, True)
 
             def hook():
-                self._ll_dispatch_recv(st, data, scales, recv_count, layout_range, stats)
+                self._ll_dispatch_recv(st, data, scales, recv_count, fresh, stats)
         else:
             # Positional: keyword arguments cost the native call host time.
-            _, native = ll.ll_dispatch(x_span, idx_span, n, False, *spans, _gpu.stream())
+            views, native = ll.ll_dispatch(x_span, idx_span, n, False, *spans, _gpu.stream())
             st = LlState(ll, native, k, n, True)
             hook = None
-        handle = ll_handle(st, g.ll_src_info(ll, set_, native, local, r * t), layout_range, t, hidden, num_experts)
+        # The native call returned the views of the buffer set the dispatch took.
+        src_info, layout_range = g.ll_set_tensors(views)
+        if fresh is not None:
+            layout_range = fresh
+        handle = ll_handle(st, src_info, layout_range, t, hidden, num_experts)
         return (data, scales) if use_fp8 else data, recv_count, handle, \
             EventOverlap(_gpu.CudaEvent() if async_finish else None), hook
 

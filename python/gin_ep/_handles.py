@@ -6,7 +6,8 @@
 
 Each is a tuple (indexing, slicing and unpacking are DeepEP's) whose `.state` attribute is
 gin-ep's own (`HtState` / `LlState`). The GPU entries are views of device memory the handle
-holds (made once per buffer set or layout slot, so a dispatch pays no copy for them).
+holds (made once per buffer set, from the engine's `_native.LlSetViews`, or per layout
+slot, so a dispatch pays no copy for them).
 Entries without a gin-ep equivalent (DeepEP's channel prefix matrices and `send_head`,
 which describe its chunked ring) are None.
 """
@@ -71,12 +72,6 @@ def host_src_info(native, local: int, rows: int) -> torch.Tensor:
     return src.view(local, -1)[:, :rows]
 
 
-def device_src_info(ep, native, local: int, rows: int) -> torch.Tensor:
-    """A view of the source tokens of `native`'s buffer set (GPU); the set's every dispatch
-    rewrites the same memory."""
-    return _device_i32(ep, ep.ll_src_token_region(native), local * rows).view(local, rows)
-
-
 def ht_handle(st, rank_prefix_matrix, recv_src_idx, is_token_in_rank) -> HtHandle:
     h = tuple.__new__(HtHandle, (rank_prefix_matrix, None, None, recv_src_idx, is_token_in_rank, None))
     h.state = st
@@ -89,5 +84,4 @@ def ll_handle(st, src_info, layout_range, t: int, hidden: int, num_experts: int)
     return h
 
 
-__all__ = ["HtHandle", "LlHandle", "ht_handle", "ll_handle", "host_src_info", "device_src_info", "host_rank_prefix",
-           "device_rank_prefix"]
+__all__ = ["HtHandle", "LlHandle", "ht_handle", "ll_handle", "host_src_info", "host_rank_prefix", "device_rank_prefix"]

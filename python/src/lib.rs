@@ -21,8 +21,8 @@ use std::time::Duration;
 use gin_ep::config::DispatchDtype;
 use gin_ep::ep::{
     self, Backend, DeviceOut, Ep, EpOptions, GpuRank, GpuRankOptions, HtCombineIn, HtCombineOut, HtCombined,
-    HtDispatchIn, HtReceived, LlCombineIn, LlDispatchIn, LlDispatchOut as LlDispatchOutSpans, LlHalf, Mem,
-    RankTopology, Stream,
+    HtDispatchIn, HtReceived, HtRows, LlCombineIn, LlDispatchIn, LlDispatchOut as LlDispatchOutSpans, LlHalf,
+    Mem, RankTopology, Stream,
 };
 use gin_ep::ht::{HtCombineInput, RankInput};
 use gin_ep::quant::Rows;
@@ -434,9 +434,11 @@ fn duration(secs: f64) -> PyResult<Duration> {
 
 mod handles;
 mod oracle;
+mod views;
 
 use handles::*;
 use oracle::*;
+use views::*;
 
 // ------------------------------------------------------------------ memory
 
@@ -486,6 +488,15 @@ impl<T: bytemuck::Pod> Vals<T> {
                 bytes: *bytes,
             },
         }
+    }
+}
+
+/// Where a GPU HT dispatch receives: a lent slab when `lend`, else the copy slab.
+fn recv_slab(lend: bool) -> gin_ep::ep::RecvSlab {
+    if lend {
+        gin_ep::ep::RecvSlab::Lend
+    } else {
+        gin_ep::ep::RecvSlab::Copy
     }
 }
 
@@ -568,6 +579,8 @@ impl PyGpuRank {
 #[pyclass(module = "gin_ep._native", name = "Ep", frozen)]
 struct PyEp {
     ep: Ep,
+    /// GPU LL: each buffer set's views ([`PyLlSetViews`]), made on the set's first dispatch.
+    ll_views: [std::sync::OnceLock<Py<PyLlSetViews>>; ep::LL_SETS as usize],
 }
 
 type HostHtOut<'py> = (
@@ -578,11 +591,28 @@ type HostHtOut<'py> = (
     Vec<usize>,
 );
 
-type HtDispatchOut<'py> = (Option<HostHtOut<'py>>, PyHtHandle);
+/// A GPU HT dispatch's outputs (see [`views::HtArrays`]), then `num_recv_tokens_per_expert`
+/// (exact sizing, else None) and the warning to show once when every slab was held.
+type DeviceHtOut = (HtArrays, Option<Vec<usize>>, Option<&'static str>);
 
-type LlDispatchOut<'py> = (Option<(RowsOut<'py>, Vec<usize>)>, PyLlHandle);
+type HtDispatchOut<'py> = (Bound<'py, PyAny>, PyHtHandle);
+
+type LlDispatchOut<'py> = (Bound<'py, PyAny>, PyLlHandle);
 
 impl PyEp {
+    /// The views of LL buffer set `set` (made on its first dispatch, the same object after).
+    fn set_views(&self, py: Python<'_>, set: usize) -> PyResult<Py<PyLlSetViews>> {
+        let slot = self
+            .ll_views
+            .get(set)
+            .ok_or_else(|| PyRuntimeError::new_err(format!("LL buffer set {set} is not 0 or 1")))?;
+        if let Some(v) = slot.get() {
+            return Ok(v.clone_ref(py));
+        }
+        let v = ll_set_views(py, &self.ep, guard(|| self.ep.ll_set_views(set).map_err(to_py))?)?;
+        Ok(slot.get_or_init(|| v).clone_ref(py))
+    }
+
     /// Runs an LL call: with the GIL released on the host backend, whose calls wait for the
     /// peers; a CUDA call only queues kernels (no host wait) and keeps the GIL, since the LL
     /// path from Python is host-bound and releasing and taking back the GIL is host time on
@@ -638,7 +668,10 @@ impl PyEp {
         };
         let cfg = &config.cfg;
         let ep = py.detach(|| guard(|| group.with(|g| Ep::join(g, cfg, &backend, &opts).map_err(to_py))))?;
-        Ok(PyEp { ep })
+        Ok(PyEp {
+            ep,
+            ll_views: Default::default(),
+        })
     }
 
     #[getter]
@@ -690,10 +723,14 @@ impl PyEp {
     }
 
     /// HT dispatch of `num_tokens` tokens (`x` BF16, or with `x_scales` FP8 e4m3 + f32 scales
-    /// on the GPU). Returns (host outputs or None, handle); host outputs are (recv_x,
-    /// recv_scales or None, recv_topk_idx i64, recv_topk_weights f32,
-    /// num_recv_tokens_per_expert). GPU: the rows land in slab `recv_slab` (`ht_region`).
-    #[pyo3(signature = (x, topk_idx, topk_weights, num_tokens, x_scales = None, recv_slab = 0, stream = 0))]
+    /// on the GPU). Returns (outputs, handle). Host outputs: (recv_x, recv_scales or None,
+    /// recv_topk_idx i64, recv_topk_weights f32, num_recv_tokens_per_expert). GPU outputs:
+    /// ((recv_x, recv_x_scales or None, recv_topk_idx, recv_topk_weights, recv_src_idx) as
+    /// DeviceArrays, num_recv_tokens_per_expert or None, warning or None): with `lend`, in a
+    /// receive slab lent for as long as an array over it lives, else (or when every slab is
+    /// held: then the warning, once) in the copy slab until the next dispatch
+    /// (`ht_copy_out`).
+    #[pyo3(signature = (x, topk_idx, topk_weights, num_tokens, x_scales = None, lend = false, stream = 0))]
     #[allow(clippy::too_many_arguments)]
     fn ht_dispatch<'py>(
         &self,
@@ -703,7 +740,7 @@ impl PyEp {
         topk_weights: Arg,
         num_tokens: usize,
         x_scales: Option<Arg>,
-        recv_slab: usize,
+        lend: bool,
         stream: u64,
     ) -> PyResult<HtDispatchOut<'py>> {
         let (x, idx, w) = (
@@ -720,12 +757,12 @@ impl PyEp {
                     num_tokens,
                     topk_idx: idx.mem(),
                     topk_weights: w.mem(),
-                    recv_slab,
+                    recv: recv_slab(lend),
                 };
                 self.ep.ht_dispatch(input, Stream(stream)).map_err(to_py)
             })
         })?;
-        let host = match recv {
+        let out = match recv {
             HtReceived::Host {
                 recv_x,
                 recv_topk_idx,
@@ -733,42 +770,59 @@ impl PyEp {
                 num_recv_tokens_per_expert,
             } => {
                 let (x, s) = rows_out(py, &recv_x);
-                Some((
+                let host: HostHtOut<'py> = (
                     x,
                     s,
                     bytes(py, &recv_topk_idx),
                     bytes(py, &recv_topk_weights),
                     num_recv_tokens_per_expert,
-                ))
+                );
+                host.into_pyobject(py)?.into_any()
             }
-            HtReceived::Device { .. } => None,
+            HtReceived::Device(r) => {
+                let dev: DeviceHtOut = (ht_arrays(py, &r)?, r.num_recv_tokens_per_expert, r.warning);
+                dev.into_pyobject(py)?.into_any()
+            }
         };
-        Ok((host, PyHtHandle { h: HtAny::Ep(h) }))
+        Ok((out, PyHtHandle { h: HtAny::Ep(h) }))
     }
 
     /// Cached HT dispatch of `x` (and `x_scales`) along `handle`'s layout. Host: returns
-    /// (recv_x, recv_scales or None); GPU: None (the rows land in slab `recv_slab`).
-    #[pyo3(signature = (x, handle, x_scales = None, recv_slab = 0, stream = 0))]
+    /// (recv_x, recv_scales or None); GPU: (recv_x, recv_x_scales or None) as DeviceArrays
+    /// and the warning or None, received as `ht_dispatch` receives with `lend`.
+    #[pyo3(signature = (x, handle, x_scales = None, lend = false, stream = 0))]
     fn ht_dispatch_cached<'py>(
         &self,
         py: Python<'py>,
         x: Arg,
         handle: &PyHtHandle,
         x_scales: Option<Arg>,
-        recv_slab: usize,
+        lend: bool,
         stream: u64,
-    ) -> PyResult<Option<RowsOut<'py>>> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let x = Vals::<bf16>::of("x", x)?;
         let sc = Vals::<f32>::opt("x_scales", x_scales)?;
         let h = handle.of_ep()?;
         let rows = py.detach(|| {
             guard(|| {
                 self.ep
-                    .ht_dispatch_cached(x.mem(), sc.as_ref().map(Vals::mem), h, recv_slab, Stream(stream))
+                    .ht_dispatch_cached(
+                        x.mem(),
+                        sc.as_ref().map(Vals::mem),
+                        h,
+                        recv_slab(lend),
+                        Stream(stream),
+                    )
                     .map_err(to_py)
             })
         })?;
-        Ok(rows.map(|r| rows_out(py, &r)))
+        Ok(match rows {
+            HtRows::Host(r) => rows_out(py, &r).into_pyobject(py)?.into_any(),
+            HtRows::Device(r) => {
+                let a = ht_arrays(py, &r)?;
+                ((a.0, a.1), r.warning).into_pyobject(py)?.into_any()
+            }
+        })
     }
 
     /// Rows per local expert of `handle`'s dispatch (GPU exact sizing: at once, from
@@ -826,12 +880,30 @@ impl PyEp {
         })
     }
 
-    /// GPU: device address and byte size of receive region `which` (`recv_x`, `recv_scales`,
-    /// `recv_idx`, `recv_w`, `recv_src`) of slab `slab`, in this rank's window; the rows a
-    /// dispatch into that slab left there stay until a later dispatch names the slab. Also
-    /// `send_slot` (`slab` ignored): the last fresh dispatch's `[N, R]` i32 slots.
-    fn ht_region(&self, which: &str, slab: usize) -> PyResult<(u64, usize)> {
-        guard(|| self.ep.ht_region(which, slab).map_err(to_py))
+    /// GPU: the `[N, R]` int32 send slots of `handle`'s dispatch (-1: the token does not go
+    /// to that rank) as a DeviceArray over the layout slot the handle holds.
+    fn ht_send_slot(&self, py: Python<'_>, handle: &PyHtHandle) -> PyResult<Py<PyDeviceArray>> {
+        let h = handle.of_ep()?;
+        let v = guard(|| self.ep.ht_send_slot(h).map_err(to_py))?;
+        held_array(py, v, gin_ep::ep::HtOutput::SendSlot)
+    }
+
+    /// GPU: the lendable receive slabs free now.
+    #[getter]
+    fn ht_free_slabs(&self) -> Vec<usize> {
+        self.ep.ht_free_slabs()
+    }
+
+    /// GPU: the receive slab that holds device address `ptr` (an output tensor's), or None.
+    fn ht_slab_of(&self, ptr: u64) -> Option<usize> {
+        self.ep.ht_slab_of(ptr)
+    }
+
+    /// GPU, for tests: the outputs in the engine's memory (each HT receive slab, each LL
+    /// buffer set's own layout_range) are filled with 0xFF bytes before an operation writes
+    /// them, so an entry the kernels failed to write reads as NaN / -1.
+    fn set_poison_outputs(&self, on: bool) {
+        self.ep.set_poison_outputs(on)
     }
 
     /// GPU: device address and byte size of `handle`'s `rank_prefix_matrix[R * R]` u32
@@ -859,10 +931,31 @@ impl PyEp {
         guard(|| self.ep.ht_layout_slots().map_err(to_py))
     }
 
-    /// GPU: copies the first `nbytes` of region `which` of the copy slab (slab 0) to the
-    /// caller's `dst` `(data_ptr, nbytes)`.
-    #[pyo3(signature = (which, dst, stream = 0))]
-    fn ht_copy_out(&self, py: Python<'_>, which: &str, dst: (u64, usize), stream: u64) -> PyResult<()> {
+    /// GPU: copies the first `dst` bytes of `src`, an output in the copy slab (a DeviceArray
+    /// without a lease, or the send slots), to the caller's `dst` `(data_ptr, nbytes)` on
+    /// `stream`.
+    #[pyo3(signature = (src, dst, stream = 0))]
+    fn ht_copy_out(
+        &self,
+        py: Python<'_>,
+        src: &PyDeviceArray,
+        dst: (u64, usize),
+        stream: u64,
+    ) -> PyResult<()> {
+        let which =
+            match src.output {
+                Some(w) if !src.lent() => w,
+                _ => return Err(PyValueError::new_err(
+                    "ht_copy_out: the array is not an HT output in the copy slab (a lent one needs no copy)",
+                )),
+            };
+        if dst.1 > src.view().bytes() {
+            return Err(PyValueError::new_err(format!(
+                "ht_copy_out: {} bytes asked of a {}-byte output",
+                dst.1,
+                src.view().bytes()
+            )));
+        }
         let dst = DeviceOut {
             ptr: dst.0,
             bytes: dst.1,
@@ -871,11 +964,13 @@ impl PyEp {
     }
 
     /// LL dispatch of `num_tokens` tokens (`x` `[N, H]` BF16, `topk_idx` `[N, K]` i64) on the
-    /// next buffer set. `hook`: only the send half now; `ll_dispatch_recv` receives. Host:
-    /// returns ((recv_x, recv_scales or None), recv_count) and the handle (the data arrived
-    /// before the call returned); GPU: writes the caller's outputs (`recv_x`, `recv_scales`
-    /// `[L, H/128, R*T]` f32, `recv_count` `[L]` i32, `layout_range` `[L, R]` i64, `stats`
-    /// `[L]` i32 added to), no host synchronization.
+    /// next buffer set. `hook`: only the send half now; `ll_dispatch_recv` receives. Returns
+    /// (outputs, handle). Host outputs: ((recv_x, recv_scales or None), recv_count) (the data
+    /// arrived before the call returned). GPU: writes the caller's outputs (`recv_x`,
+    /// `recv_scales` `[L, H/128, R*T]` f32, `recv_count` `[L]` i32, `layout_range` `[L, R]`
+    /// i64 (None: the buffer set's own), `stats` `[L]` i32 added to), no host
+    /// synchronization, and returns the set's `LlSetViews` (its `src_info` and own
+    /// `layout_range`; the same object for every dispatch on the set).
     #[pyo3(signature = (x, topk_idx, num_tokens, hook = false, recv_x = None, recv_scales = None, recv_count = None,
                         layout_range = None, stats = None, stream = 0))]
     #[allow(clippy::too_many_arguments)]
@@ -917,9 +1012,12 @@ impl PyEp {
                     .map_err(to_py)
             })
         })?;
-        let host = d.host.map(|(rows, counts)| (rows_out(py, &rows), counts));
+        let first = match d.host {
+            Some((rows, counts)) => (rows_out(py, &rows), counts).into_pyobject(py)?.into_any(),
+            None => self.set_views(py, d.handle.set())?.into_bound(py).into_any(),
+        };
         Ok((
-            host,
+            first,
             PyLlHandle {
                 h: LlAny::Ep(d.handle),
             },
@@ -1038,6 +1136,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyHtHandle>()?;
     m.add_class::<PyLlHandle>()?;
     m.add_class::<PyGpuRank>()?;
+    m.add_class::<PyDeviceArray>()?;
+    m.add_class::<PySlabPool>()?;
+    m.add_class::<PyLlSetViews>()?;
     m.add_function(wrap_pyfunction!(gpu_ht_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_ll_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(kernels_info, m)?)?;

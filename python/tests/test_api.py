@@ -136,22 +136,29 @@ def test_ll_combine_order_is_checked():
 
 
 def test_slab_lease_returns_its_slab_when_the_last_tensor_view_goes():
-    # The GPU path wraps lent HT receive slabs as tensors through these objects: the lease
-    # must go back to the pool exactly when the last object holding it is freed (CPython
+    # The GPU path's lent HT receive slabs come as `_native.DeviceArray`s holding the
+    # engine's lease (here the engine's pool on its own, no GPU needed): the slab must go
+    # back to the pool exactly when the last array holding the lease is freed (CPython
     # reference counting, no GC cycle), and not before.
-    from gin_ep import _gpu
-    free = [5]
-    lease = _gpu.SlabLease(object(), free, 2)
-    views = [_gpu._SlabArray(lease, 0x7000_0000 + i * 64, (4, 8), "<i2") for i in range(2)]
+    pool = _native.SlabPool(3)
+    assert pool.free_slabs == [1, 2]
+    views = pool.lend(2)
+    assert [v.slab for v in views] == [1, 1]
     cai = views[0].__cuda_array_interface__
-    assert cai["shape"] == (4, 8) and cai["typestr"] == "<i2" and cai["data"] == (0x7000_0000, False)
-    assert cai["version"] == 3 and "stream" not in cai  # no stream: torch must not sync
-    del lease
-    assert free == [5]
+    assert cai["shape"] == (4, 8) and cai["typestr"] == "<i2" and cai["version"] == 3
+    assert cai["data"] == (views[0].ptr, False) and views[1].ptr == views[0].ptr + 64
+    assert "stream" not in cai  # no stream: torch must not sync
+    assert views[0].shape == (4, 8) and views[0].nbytes == 64 and views[0].dtype == 0  # bfloat16
+    assert pool.free_slabs == [2]
     views.pop()
-    assert free == [5]
+    assert pool.free_slabs == [2]
     views.pop()
-    assert free == [5, 2]
+    assert pool.free_slabs == [1, 2]
+    # Every slab held: no lease (the dispatch copies its rows out of the copy slab).
+    held = [pool.lend(1), pool.lend(1)]
+    assert pool.lend(1) is None and pool.free_slabs == []
+    del held
+    assert pool.free_slabs == [1, 2]
 
 
 def memory_worker(rank, world, dev):

@@ -189,20 +189,21 @@ def ht_worker(rank, world):
     # cached one were received into slabs 1 and 2 and returned as tensors over them; the
     # last fresh dispatch found none free and copied its rows out. Both held results must
     # be intact after the later dispatches into the other slabs.
-    free = buf._gpu.ht_free[handle.state.ep]
-    assert free == [], free
-    assert handle[3].data_ptr() == handle.state.ep.ht_region("recv_src", 1)[0], \
-        "the handle's recv_src_idx is a view of slab 1" 
+    ep = handle.state.ep
+    assert ep.ht_free_slabs == [], ep.ht_free_slabs
+    assert ep.ht_slab_of(handle[3].data_ptr()) == 1, "the handle's recv_src_idx is a view of slab 1"
+    assert ep.ht_slab_of(recv_x.data_ptr()) == 1 and ep.ht_slab_of(cached.data_ptr()) == 2
     same_bits("recv_x, still held", cpu(recv_x), from_bytes(rb, torch.bfloat16, (nr, HIDDEN)))
     same_bits("recv_topk_idx, still held", cpu(recv_idx), from_bytes(ridx, torch.int64, (nr, TOPK)))
     same_bits("cached recv_x, still held", cpu(cached), from_bytes(ref2[rank][0], torch.bfloat16, (nr, HIDDEN)))
     del recv_x, recv_idx, recv_w
-    assert free == [], free  # the handle's recv_src_idx still holds slab 1
+    assert ep.ht_free_slabs == [], ep.ht_free_slabs  # the handle's recv_src_idx still holds slab 1
     del handle
-    assert free == [1], free  # the last tensor over slab 1 is gone: the slab is free again
+    assert ep.ht_free_slabs == [1], ep.ht_free_slabs  # the last tensor over slab 1 is gone: free again
     again, again_idx, *_ = buf.dispatch(x2_of(rank).to(dev), num_tokens_per_expert=per_expert,
                                          topk_idx=idx.to(dev), topk_weights=w.to(dev))
-    assert free == [], free
+    assert ep.ht_free_slabs == [], ep.ht_free_slabs
+    assert ep.ht_slab_of(again.data_ptr()) == 1
     same_bits("recv_x in a reused slab", cpu(again), from_bytes(ref2[rank][0], torch.bfloat16, (nr, HIDDEN)))
     same_bits("recv_topk_idx in a reused slab", cpu(again_idx), from_bytes(ridx, torch.int64, (nr, TOPK)))
     same_bits("cached recv_x, still held after the reuse", cpu(cached),
@@ -285,6 +286,7 @@ def ll_worker(rank, world):
             ("bf16", False, False, False, "topk"), ("bf16", False, False, False, "rank-first")]
     want_stats = 0
     prev = None
+    ranges = []
     for i, (dtype, use_fp8, round_scale, hook_path, order) in enumerate(runs):
         inputs = routing(world, tokens, HIDDEN, TOPK, experts, seed=77 + world + 1000 * i)
         x, idx, w = inputs[rank]
@@ -302,6 +304,7 @@ def ll_worker(rank, world):
         if prev is not None:
             same_bits("previous handle's layout_range", prev[0].cpu(), prev[1])
         prev = (handle[1], handle[1].cpu().clone())
+        ranges.append(handle[1])
         cref = _native.oracle_ll_combine(cfg, [ref[r][3] for r in range(world)],
                                          [to_bytes(y_of(r)) for r in range(world)],
                                          [to_bytes(i[1]) for i in inputs], [to_bytes(i[2]) for i in inputs])
@@ -321,6 +324,13 @@ def ll_worker(rank, world):
             out, ev, _ = buf.low_latency_combine(y_of(rank).to(dev), idx.to(dev), w.to(dev), handle)
         same_bits(f"{dtype} {order} combined_x", cpu(out), want_c)
     assert stats.sum().item() == want_stats
+    # A handle's layout_range belongs to its buffer set (the engine's memory): the same tensor
+    # for every dispatch on the set, another one for the other set and for another LL object.
+    # Runs 0, 5 and 6 share an LL object (bf16, topk) and take sets 0, 1, 0; run 3 has its own.
+    for t in ranges:
+        assert tuple(t.shape) == (local, world) and t.dtype == torch.int64 and t.is_contiguous()
+    assert ranges[6] is ranges[0] and ranges[5] is not ranges[0]
+    assert len({ranges[0].data_ptr(), ranges[5].data_ptr(), ranges[3].data_ptr()}) == 3
 
     inputs = routing(world, tokens, HIDDEN, TOPK, experts, seed=77 + world)
     x, idx, w = inputs[rank]

@@ -67,25 +67,40 @@ def test_ll_recv_outputs(fp8, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_ll_layout_range_per_buffer_set(device, monkeypatch):
-    """A GPU LL handle's layout_range belongs to its buffer set: the same tensor for every
-    dispatch on the set, another one for the other set and for another LL object."""
-    class FakeGpu:
-        group_size = 4
-        ll_ranges = {7: [None, None], 8: [None, None]}
+def test_ll_set_tensors_per_buffer_set(device, monkeypatch):
+    """A GPU LL handle's src_info and layout_range are tensors over its buffer set's
+    `_native.LlSetViews` (the engine's, one object per set): made once per set and kept with
+    it, so every dispatch on the set returns the same tensors; another set, or another LL
+    object, has its own. (That the engine returns one views object per set, and poisons the
+    set's layout_range before each dispatch under GIN_EP_POISON_OUTPUTS=1, is for the GPU
+    tests: test_gpu.py `ll_worker`.)"""
+    made = []
 
-    g, local = FakeGpu(), 3
-    a = _gpu.Gpu.ll_layout_range(g, 7, 0, local, device)
-    assert tuple(a.shape) == (local, 4) and a.dtype == torch.int64 and a.is_contiguous()
-    assert _gpu.Gpu.ll_layout_range(g, 7, 0, local, device) is a
-    b = _gpu.Gpu.ll_layout_range(g, 7, 1, local, device)
-    c = _gpu.Gpu.ll_layout_range(g, 8, 0, local, device)
-    ptrs = {a.data_ptr(), b.data_ptr(), c.data_ptr()}
-    assert len(ptrs) == 3
-    # Poisoned again before every dispatch on the set under GIN_EP_POISON_OUTPUTS=1.
-    a.fill_(5)
-    monkeypatch.setattr(_gpu, "_POISON", True)
-    assert (_gpu.Gpu.ll_layout_range(g, 7, 0, local, device) == -1).all()
+    def tensor_of(arr, dev):
+        made.append(arr)
+        return torch.empty(arr.shape, dtype=arr.dtype, device=device)
+    monkeypatch.setattr(_gpu, "tensor_of", tensor_of)
+
+    class Arr:
+        def __init__(self, shape, dtype):
+            self.shape, self.dtype = shape, dtype
+
+    class Views:
+        def __init__(self):
+            self.src_info, self.layout_range = Arr((3, 8), torch.int32), Arr((3, 4), torch.int64)
+            self.tensors = None
+
+    class FakeGpu:
+        device = 0
+
+    g, v0, v1, other = FakeGpu(), Views(), Views(), Views()
+    src, ranges = _gpu.Gpu.ll_set_tensors(g, v0)
+    assert tuple(ranges.shape) == (3, 4) and ranges.dtype == torch.int64 and ranges.is_contiguous()
+    assert tuple(src.shape) == (3, 8) and src.dtype == torch.int32
+    again = _gpu.Gpu.ll_set_tensors(g, v0)
+    assert again[0] is src and again[1] is ranges and len(made) == 2
+    b, c = _gpu.Gpu.ll_set_tensors(g, v1)[1], _gpu.Gpu.ll_set_tensors(g, other)[1]
+    assert len({ranges.data_ptr(), b.data_ptr(), c.data_ptr()}) == 3
 
 
 def test_as_f32():

@@ -33,8 +33,8 @@ use std::sync::Arc;
 use gin_ep::backend::cuda::DeviceBuffer;
 use gin_ep::config::FP8_BLOCK;
 use gin_ep::ep::{
-    DeviceOut, HtCombineIn, HtCombineOut, HtDispatchIn, LlCombineIn, LlDispatchIn, LlDispatchOut, LlHalf,
-    Mem, Stream,
+    DeviceOut, HtCombineIn, HtCombineOut, HtDispatchIn, HtOutput, LlCombineIn, LlDispatchIn, LlDispatchOut,
+    LlHalf, Mem, RecvSlab, Stream,
 };
 use gin_ep::{DispatchDtype, Ep, LlScalesLayout};
 
@@ -675,7 +675,7 @@ impl Handle {
             num_tokens: n,
             topk_idx: mem(&routing),
             topk_weights: mem(&w),
-            recv_slab: 0,
+            recv: RecvSlab::Copy,
         };
         let r = ep.ht_dispatch(input, stream).map_err(CapiError::from);
         let (_, handle) = self.group.note(r)?;
@@ -695,9 +695,9 @@ impl Handle {
         }
         // The received rows, weights and local expert ids, from gin-ep's window to the caller's.
         let copies = [
-            ("recv_x", Some(&out), nr * h * 2),
-            ("recv_w", a.out_weights.as_ref(), nr * k * 4),
-            ("recv_idx", a.out_idx.as_ref(), nr * k * 8),
+            (HtOutput::X, Some(&out), nr * h * 2),
+            (HtOutput::TopkWeights, a.out_weights.as_ref(), nr * k * 4),
+            (HtOutput::TopkIdx, a.out_idx.as_ref(), nr * k * 8),
         ];
         for (which, dst, bytes) in copies {
             if let Some(d) = dst {

@@ -55,7 +55,10 @@ pub use crate::backend::cuda::engine::{GpuRank, GpuRankOptions};
 #[cfg(feature = "harness")]
 #[path = "ep_harness.rs"]
 mod harness_hooks;
-pub use crate::backend::cuda::ht::{DEFAULT_SMS as HT_DEFAULT_SMS, MAX_RECV_SLABS};
+pub use crate::backend::cuda::ht::slabs::{SlabLease, SlabPool, SLABS_HELD};
+pub use crate::backend::cuda::ht::{
+    DeviceView, ElemType, HtOutput, HtRecvViews, DEFAULT_SMS as HT_DEFAULT_SMS, MAX_RECV_SLABS,
+};
 /// Test faults and the host's mode set: harness builds only (the CLI's host checks).
 #[cfg(feature = "harness")]
 pub use crate::backend::host::protocol::{Fault, Modes, FAULT_PHASES};
@@ -83,7 +86,8 @@ pub struct EpOptions {
     pub fault: Option<Fault>,
     /// CUDA HT: CTAs of the dispatch and combine kernels, equal on every rank.
     pub ht_sms: u32,
-    /// CUDA HT: receive slabs, 1..=[`MAX_RECV_SLABS`], equal on every rank.
+    /// CUDA HT: receive slabs, 1..=[`MAX_RECV_SLABS`], equal on every rank: slab 0 is the
+    /// copy slab, the engine lends the others ([`RecvSlab::Lend`]).
     pub ht_recv_slabs: usize,
     /// CUDA HT: receive counts known at once (exact) or after a host wait (static).
     pub ht_exact: bool,
@@ -215,8 +219,65 @@ pub struct HtDispatchIn<'a> {
     pub num_tokens: usize,
     pub topk_idx: Mem<'a, i64>,
     pub topk_weights: Mem<'a, f32>,
-    /// GPU: the receive slab this rank's rows land in (below `ht_recv_slabs`).
-    pub recv_slab: usize,
+    /// GPU: the receive slab this rank's rows land in.
+    pub recv: RecvSlab,
+}
+
+/// Where a GPU HT dispatch (fresh or cached) receives its rows. The host backend returns
+/// them as values.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RecvSlab {
+    /// The copy slab: the rows stay until the next dispatch into it, so the caller copies
+    /// out what it keeps ([`Ep::ht_copy_out`]).
+    #[default]
+    Copy,
+    /// A slab the engine lends: the rows stay for as long as the caller holds the
+    /// [`RecvLease`] the dispatch returns. When every slab is held the dispatch takes the
+    /// copy slab instead (and says so once, [`HtDeviceRecv::warning`]).
+    Lend,
+    /// The harness's per-rank choice of slab (any slab, the pool bypassed).
+    #[cfg(feature = "harness")]
+    Named(usize),
+}
+
+/// A receive slab lent to the caller (cheap to clone): the slab goes back to the engine's
+/// pool when the last clone drops, and the engine (so its window) lives at least as long.
+/// Reuse is stream-ordered: the next dispatch into the slab is queued on the stream it is
+/// given, after whatever the caller queued there with the outputs; work on another stream
+/// must be waited for before the lease is dropped (as with `Tensor.record_stream`).
+#[derive(Clone)]
+pub struct RecvLease {
+    inner: Arc<(SlabLease, Ep)>,
+}
+
+impl RecvLease {
+    /// The slab lent (1.. : slab 0 is the copy slab).
+    pub fn slab(&self) -> usize {
+        self.inner.0.slab()
+    }
+}
+
+impl std::fmt::Debug for RecvLease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RecvLease(slab {})", self.slab())
+    }
+}
+
+/// What an HT dispatch (fresh or cached) received on the GPU: typed views of its outputs in
+/// the window, and how long they stay.
+#[derive(Debug)]
+pub struct HtDeviceRecv {
+    /// The outputs (a cached dispatch: `x` and its scales only). Static sizing describes
+    /// the slab's capacity of rows (the count is known after a sync).
+    pub views: HtRecvViews,
+    /// The slab's lease when one was lent; None: the rows are in the copy slab.
+    pub lease: Option<RecvLease>,
+    /// [`SLABS_HELD`] the first time a dispatch of this `Ep` asked for a slab and every slab
+    /// was held (it took the copy slab).
+    pub warning: Option<&'static str>,
+    /// A fresh dispatch with exact sizing: rows per local expert, aligned (else
+    /// [`Ep::ht_recv_counts`]).
+    pub num_recv_tokens_per_expert: Option<Vec<usize>>,
 }
 
 /// What an HT dispatch left for the caller.
@@ -229,9 +290,15 @@ pub enum HtReceived {
         recv_topk_weights: Vec<f32>,
         num_recv_tokens_per_expert: Vec<usize>,
     },
-    /// GPU: the rows are in receive slab `slab` of the window ([`Ep::ht_region`]); the
-    /// counts come from [`Ep::ht_recv_counts`].
-    Device { slab: usize },
+    /// GPU: views of the outputs in a receive slab.
+    Device(HtDeviceRecv),
+}
+
+/// What a cached HT dispatch left for the caller: host rows, or views in a receive slab.
+#[derive(Debug)]
+pub enum HtRows {
+    Host(Rows),
+    Device(HtDeviceRecv),
 }
 
 /// The handle of an HT dispatch: what its combine and cached dispatches need.
@@ -325,10 +392,21 @@ pub struct LlDispatchOut {
     pub scales_layout: crate::LlScalesLayout,
     /// `[L]` i32.
     pub recv_count: Option<DeviceOut>,
-    /// `[L, R]` i64 `(first << 32) | count`.
+    /// `[L, R]` i64 `(first << 32) | count`; None: the buffer set's own ([`Ep::ll_set_views`]).
     pub layout_range: Option<DeviceOut>,
     /// `[L]` i32 cumulative counts the dispatch adds to.
     pub stats: Option<DeviceOut>,
+}
+
+/// The outputs of an LL buffer set that a GPU dispatch's handle shows, in the set's own
+/// memory: DeepEP's `src_info` `[L, R*T]` i32 (the source token of each received row, valid
+/// for each expert's first `recv_count` rows) and `layout_range` `[L, R]` i64 (`(first_row
+/// << 32) | count` per local expert and source rank; written there by a dispatch given no
+/// [`LlDispatchOut::layout_range`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LlSetViews {
+    pub src_info: DeviceView,
+    pub layout_range: DeviceView,
 }
 
 /// What an LL dispatch's send half returned.
@@ -578,11 +656,21 @@ impl Ep {
                     topk_weights: dev("topk_weights", Some(input.topk_weights))?,
                 };
                 let fp8 = input.fp8_scales.is_some();
-                let h = c.ht_dispatch(stream.0, input.num_tokens, fp8, io, input.recv_slab)?;
+                let (lease, slab, warning) = take_slab(c, input.recv)?;
+                let h = c.ht_dispatch(stream.0, input.num_tokens, fp8, io, slab)?;
+                let views = c.ht_recv_views(&h, slab, true)?;
+                let counts = match h.num_recv {
+                    Some(_) => Some(c.ht_recv_counts(stream.0, &h)?),
+                    None => None,
+                };
+                let recv = HtDeviceRecv {
+                    views,
+                    lease: lease.map(|l| self.lease(l)),
+                    warning,
+                    num_recv_tokens_per_expert: counts,
+                };
                 Ok((
-                    HtReceived::Device {
-                        slab: input.recv_slab,
-                    },
+                    HtReceived::Device(recv),
                     HtHandle {
                         ep: id,
                         inner: HtInner::Device(h),
@@ -593,15 +681,15 @@ impl Ep {
     }
 
     /// Cached HT dispatch of `x` along `handle`'s layout (no count exchange). Host: returns
-    /// the received rows; GPU: they land in slab `recv_slab`.
+    /// the received rows; GPU: views of them in the slab `recv` picks.
     pub fn ht_dispatch_cached(
         &self,
         x: Mem<'_, bf16>,
         fp8_scales: Option<Mem<'_, f32>>,
         handle: &HtHandle,
-        recv_slab: usize,
+        recv: RecvSlab,
         stream: Stream,
-    ) -> Result<Option<Rows>> {
+    ) -> Result<HtRows> {
         self.own_ht(handle)?;
         let mut st = self.state();
         match (&mut st.engine, &handle.inner) {
@@ -609,12 +697,18 @@ impl Ep {
                 if fp8_scales.is_some() {
                     return Err(Error::input("x", "FP8 input needs the CUDA backend"));
                 }
-                Ok(Some(ep.ht_dispatch_cached(host_slice("x", x)?, h)?))
+                Ok(HtRows::Host(ep.ht_dispatch_cached(host_slice("x", x)?, h)?))
             }
             (Engine::Cuda(c), HtInner::Device(h)) => {
                 let (xs, ss) = (dev("x", Some(x))?, dev("x scales", fp8_scales)?);
-                c.ht_dispatch_cached(stream.0, h, fp8_scales.is_some(), xs, ss, recv_slab)?;
-                Ok(None)
+                let (lease, slab, warning) = take_slab(c, recv)?;
+                c.ht_dispatch_cached(stream.0, h, fp8_scales.is_some(), xs, ss, slab)?;
+                Ok(HtRows::Device(HtDeviceRecv {
+                    views: c.ht_recv_views(h, slab, false)?,
+                    lease: lease.map(|l| self.lease(l)),
+                    warning,
+                    num_recv_tokens_per_expert: None,
+                }))
             }
             _ => Err(backend_mismatch("HT handle")),
         }
@@ -703,13 +797,43 @@ impl Ep {
         }
     }
 
-    /// GPU: device address and size of receive region `which` (`recv_x`, `recv_scales`,
-    /// `recv_idx`, `recv_w`, `recv_src`, or `send_slot`) of slab `slab`.
-    pub fn ht_region(&self, which: &str, slab: usize) -> Result<(u64, usize)> {
-        let which = HtBuf::parse(which)?;
+    /// GPU: the `[N, R]` i32 send slots of `handle`'s dispatch (-1: the token does not go to
+    /// that rank), in the layout slot the handle holds (valid as long as the handle).
+    pub fn ht_send_slot(&self, handle: &HtHandle) -> Result<DeviceView> {
+        self.own_ht(handle)?;
+        match (&mut self.state().engine, &handle.inner) {
+            (Engine::Cuda(c), HtInner::Device(h)) => c.ht_send_slot(h),
+            (Engine::Host(_), HtInner::Host(_)) => Err(Error::input(
+                "HT send slots",
+                "the host backend has no device memory (the handle's routing holds the send slots)",
+            )),
+            _ => Err(backend_mismatch("HT handle")),
+        }
+    }
+
+    /// GPU: the lendable receive slabs free now ([`RecvSlab::Lend`]); none on the host.
+    pub fn ht_free_slabs(&self) -> Vec<usize> {
+        match &self.state().engine {
+            Engine::Cuda(c) => c.ht_free_slabs(),
+            Engine::Host(_) => Vec::new(),
+        }
+    }
+
+    /// GPU: the receive slab that holds device address `ptr` (an output's), or None.
+    pub fn ht_slab_of(&self, ptr: u64) -> Option<usize> {
         match &mut self.state().engine {
-            Engine::Cuda(c) => c.ht_region(which, slab),
-            Engine::Host(_) => Err(Error::input("HT region", "the host backend has no device window")),
+            Engine::Cuda(c) => c.ht_slab_of(ptr),
+            Engine::Host(_) => None,
+        }
+    }
+
+    /// GPU, for tests: fill the outputs in the engine's memory (each HT receive slab, each LL
+    /// buffer set's own `layout_range`) with a poison pattern before an operation writes
+    /// them, so an entry the kernels failed to write shows (NaN, -1). The host backend has
+    /// its own ([`Ep::poison_buffers`]).
+    pub fn set_poison_outputs(&self, on: bool) {
+        if let Engine::Cuda(c) = &mut self.state().engine {
+            c.set_poison_outputs(on);
         }
     }
 
@@ -736,13 +860,19 @@ impl Ep {
         }
     }
 
-    /// GPU: copies the first `dst.bytes` of region `which` of the copy slab (slab 0, where a
-    /// dispatch into slab 0 left its rows) into caller memory.
-    pub fn ht_copy_out(&self, which: &str, dst: DeviceOut, stream: Stream) -> Result<()> {
-        let which = HtBuf::parse(which)?;
+    /// GPU: copies the first `dst.bytes` of output `which` of the copy slab (where a dispatch
+    /// with [`RecvSlab::Copy`], or one that found every slab held, left its rows; the send
+    /// slots: the last fresh dispatch's) into caller memory, on `stream`.
+    pub fn ht_copy_out(&self, which: HtOutput, dst: DeviceOut, stream: Stream) -> Result<()> {
         match &mut self.state().engine {
             Engine::Cuda(c) => c.ht_copy_out(stream.0, which, dst.ptr, dst.bytes),
             Engine::Host(_) => Err(Error::input("HT copy", "the host backend has no device window")),
+        }
+    }
+
+    fn lease(&self, slab: SlabLease) -> RecvLease {
+        RecvLease {
+            inner: Arc::new((slab, self.clone())),
         }
     }
 
@@ -815,6 +945,25 @@ impl Ep {
                 host_topk_idx,
             },
         })
+    }
+
+    /// GPU: the views of LL buffer set `set`'s own outputs that a dispatch's handle shows
+    /// ([`LlSetViews`]); their addresses never change, and each dispatch on the set rewrites
+    /// them. The host backend's handle carries them (`LlHandle::routing`).
+    pub fn ll_set_views(&self, set: usize) -> Result<LlSetViews> {
+        match &mut self.state().engine {
+            Engine::Cuda(c) => {
+                let (src_info, layout_range) = c.ll_set_views(set)?;
+                Ok(LlSetViews {
+                    src_info,
+                    layout_range,
+                })
+            }
+            Engine::Host(_) => Err(Error::input(
+                "LL set views",
+                "the host backend has no device buffers (the handle's routing holds them)",
+            )),
+        }
     }
 
     /// The buffer set the next LL dispatch takes (for caller memory kept per set).
@@ -1111,6 +1260,21 @@ fn same_topk_idx(got: &[i64], want: &[i64], topk: usize) -> Result<()> {
             ))
         }
     }
+}
+
+/// The slab a GPU HT dispatch lands in for `recv`: (the lease when one is lent, the slab,
+/// the warning to show once when lending found every slab held).
+fn take_slab(c: &mut CudaEngine, recv: RecvSlab) -> Result<(Option<SlabLease>, usize, Option<&'static str>)> {
+    Ok(match recv {
+        RecvSlab::Copy => (None, 0, None),
+        RecvSlab::Lend => {
+            let (lease, warning) = c.ht_take_slab()?;
+            let slab = lease.as_ref().map_or(0, SlabLease::slab);
+            (lease, slab, warning)
+        }
+        #[cfg(feature = "harness")]
+        RecvSlab::Named(slab) => (None, slab, None),
+    })
 }
 
 fn backend_mismatch(what: &str) -> Error {

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys, CudaContext};
 use gin_ep::ep::{
-    Ep, EpOptions, GpuRank, GpuRankOptions, HtCombineIn, HtCombineOut, HtDispatchIn, LlCombineIn,
-    LlDispatchIn, LlDispatchOut, LlHalf, Mem, Stream,
+    Ep, EpOptions, GpuRank, GpuRankOptions, HtCombineIn, HtCombineOut, HtDispatchIn, HtOutput, LlCombineIn,
+    LlDispatchIn, LlDispatchOut, LlHalf, Mem, RecvSlab, Stream,
 };
 use gin_ep::ht::{HtCombineInput, HtCombineOutput, HtDispatchOutput};
 use gin_ep::ll::LlDispatchOutput;
@@ -284,7 +284,7 @@ fn rounds(ep: &Ep, cfg: &EpConfig, me: usize) -> Result<()> {
             num_tokens: n,
             topk_idx: idx.mem(),
             topk_weights: wts.mem(),
-            recv_slab: 0,
+            recv: RecvSlab::Copy,
         },
         s,
     )?;
@@ -298,7 +298,7 @@ fn rounds(ep: &Ep, cfg: &EpConfig, me: usize) -> Result<()> {
             want[me].handle.num_recv()
         )));
     }
-    let region = |which: &str, n: usize, size: usize| -> Result<Dev> {
+    let region = |which: HtOutput, n: usize, size: usize| -> Result<Dev> {
         let d = Dev::zeroed(n * size);
         if n > 0 {
             ep.ht_copy_out(
@@ -313,9 +313,9 @@ fn rounds(ep: &Ep, cfg: &EpConfig, me: usize) -> Result<()> {
         Ok(d)
     };
     let (rx, ri, rw) = (
-        region("recv_x", nr * h, 2)?,
-        region("recv_idx", nr * k, 8)?,
-        region("recv_w", nr * k, 4)?,
+        region(HtOutput::X, nr * h, 2)?,
+        region(HtOutput::TopkIdx, nr * k, 8)?,
+        region(HtOutput::TopkWeights, nr * k, 4)?,
     );
     let counts = ep.ht_recv_counts(&handle, s)?;
     ep.sync(s)?;

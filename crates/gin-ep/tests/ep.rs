@@ -3,8 +3,8 @@
 //! halves out of order, memory of the wrong kind.
 
 use gin_ep::ep::{
-    run_threads, EpOptions, HtCombineIn, HtCombined, HtDispatchIn, HtReceived, LlCombineIn, LlDispatchIn,
-    LlDispatchOut, LlHalf, Mem, Stream,
+    run_threads, EpOptions, HtCombineIn, HtCombined, HtDispatchIn, HtReceived, HtRows, LlCombineIn,
+    LlDispatchIn, LlDispatchOut, LlHalf, Mem, RecvSlab, Stream,
 };
 use gin_ep::ht::{HtCombineInput, RankInput};
 use gin_ep::quant::Rows;
@@ -76,7 +76,7 @@ fn ht_and_ll_equal_the_oracle() {
                 num_tokens: 5,
                 topk_idx: Mem::Host(&i.topk_idx),
                 topk_weights: Mem::Host(&i.topk_weights),
-                recv_slab: 0,
+                recv: RecvSlab::Copy,
             },
             Stream::default(),
         )?;
@@ -97,8 +97,12 @@ fn ht_and_ll_equal_the_oracle() {
             num_recv_tokens_per_expert
         );
         assert_eq!(h.routing(), Some(&ht_want[r].handle));
-        let cached = ep.ht_dispatch_cached(Mem::Host(&i.x), None, &h, 0, Stream::default())?;
-        assert_eq!(bf16_of(&cached.unwrap()), bf16_of(&ht_want[r].recv_x));
+        let HtRows::Host(cached) =
+            ep.ht_dispatch_cached(Mem::Host(&i.x), None, &h, RecvSlab::Copy, Stream::default())?
+        else {
+            panic!("a host Ep returns host rows")
+        };
+        assert_eq!(bf16_of(&cached), bf16_of(&ht_want[r].recv_x));
         let c = &ht_comb_in[r];
         let HtCombined::Host { x, topk_weights } = ep.ht_combine(
             HtCombineIn {
@@ -267,7 +271,7 @@ fn an_ll_handle_of_another_ep_is_refused() {
         num_tokens: 3,
         topk_idx: Mem::Host(&i.topk_idx),
         topk_weights: Mem::Host(&i.topk_weights),
-        recv_slab: 0,
+        recv: RecvSlab::Copy,
     };
     let first = run_threads(&cfg, &opts(), |ep| {
         let (_, h) = ep.ht_dispatch(ht_in, Stream::default())?;
@@ -285,7 +289,16 @@ fn an_ll_handle_of_another_ep_is_refused() {
     .unwrap();
     let res = run_threads(&cfg, &opts(), |ep| {
         // A host HT handle is routing data: another host Ep of the same shape takes it.
-        let rows = ep.ht_dispatch_cached(Mem::Host(&i.x), None, &first.0, 0, Stream::default())?;
+        let rows = match ep.ht_dispatch_cached(
+            Mem::Host(&i.x),
+            None,
+            &first.0,
+            RecvSlab::Copy,
+            Stream::default(),
+        )? {
+            HtRows::Host(r) => Some(r),
+            HtRows::Device(_) => None,
+        };
         assert_eq!(rows.map(|r| bf16_of(&r).len()), first.0.num_recv().map(|n| n * 8));
         let y = vec![bf16::ZERO; 2 * 3 * 8];
         let comb = LlCombineIn {

@@ -2,7 +2,7 @@
 //! configs, skewed routing, masked entries, 0 and 1 token, and repeated runs.
 
 use gin_ep::check::{run_rank_case, Case};
-use gin_ep::ep::{run_threads, EpOptions, Fault, HtDispatchIn, Mem, Stream};
+use gin_ep::ep::{run_threads, EpOptions, Fault, HtDispatchIn, Mem, RecvSlab, Stream};
 use gin_ep::workload::{Routing, Workload};
 use gin_ep::{DispatchDtype, EpConfig, Error};
 use rand::{Rng, SeedableRng};
@@ -187,7 +187,7 @@ fn bad_input_on_one_rank_fails_the_others_fast() {
             num_tokens: 2,
             topk_idx: Mem::Host(&idx),
             topk_weights: Mem::Host(&[0.5; 4]),
-            recv_slab: 0,
+            recv: RecvSlab::Copy,
         };
         ep.ht_dispatch(input, Stream::default()).map(|_| ())
     })

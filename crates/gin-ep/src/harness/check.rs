@@ -6,7 +6,7 @@
 use crate::config::EpConfig;
 use crate::ep::{
     Ep, HtCombineIn, HtCombineOut, HtCombined, HtDispatchIn, HtReceived, LlCombineIn, LlDispatchIn,
-    LlDispatchOut, LlHalf, Mem, Modes, Stream,
+    LlDispatchOut, LlHalf, Mem, Modes, RecvSlab, Stream,
 };
 use crate::error::{Error, Result};
 use crate::ht::{HtCombineOutput, HtDispatchOutput};
@@ -71,7 +71,7 @@ fn host_ht_dispatch(
             num_tokens: input.topk_idx.len() / k.max(1),
             topk_idx: Mem::Host(&input.topk_idx),
             topk_weights: Mem::Host(&input.topk_weights),
-            recv_slab: 0,
+            recv: RecvSlab::Copy,
         },
         Stream::default(),
     )?;
@@ -154,9 +154,16 @@ fn run_rank_case_inner(case: &Case, ep: &Ep, modes: Modes) -> Result<()> {
                 .collect();
             let want_cached = oracle::ht_dispatch(cfg, &new_ins)?;
             ep.poison_buffers();
-            let got_cached = ep
-                .ht_dispatch_cached(Mem::Host(&new_ins[me].x), None, &got.1, 0, Stream::default())?
-                .ok_or_else(|| host_only("cached HT dispatch"))?;
+            let got_cached = match ep.ht_dispatch_cached(
+                Mem::Host(&new_ins[me].x),
+                None,
+                &got.1,
+                RecvSlab::Copy,
+                Stream::default(),
+            )? {
+                crate::ep::HtRows::Host(rows) => rows,
+                crate::ep::HtRows::Device(_) => return Err(host_only("cached HT dispatch")),
+            };
             let probe = crate::ht::HtDispatchOutput {
                 recv_x: got_cached,
                 ..want_cached[me].clone()

@@ -14,7 +14,11 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use super::ht::{CombineExtras, CudaHt, DispatchSource, HtBuf, HtGpuHandle, HtGpuOptions, HtIo};
+use super::ht::slabs::{SlabLease, SlabPool};
+use super::ht::{
+    CombineExtras, CudaHt, DeviceView, DispatchSource, HtBuf, HtGpuHandle, HtGpuOptions, HtIo, HtOutput,
+    HtRecvViews,
+};
 use super::ll::{CudaLl, LlIo};
 use super::runtime::{CudaRank, CudaRankOptions, ExternalSpan, Queue, RankInfo};
 use crate::config::EpConfig;
@@ -228,6 +232,10 @@ pub struct CudaEngine {
     ht: Option<CudaHt>,
     ll: Option<CudaLl>,
     rank: GpuRank,
+    /// The HT window's lendable receive slabs (with `ht`).
+    slabs: Option<Arc<SlabPool>>,
+    /// Tests: outputs in the engine's memory are poisoned before an operation writes them.
+    poison_recv: bool,
     /// A bug injected for the harness's check of this layer.
     #[cfg(feature = "harness")]
     fault: Option<EngineFault>,
@@ -300,6 +308,8 @@ impl CudaEngine {
             Ok((hto, llo))
         })?;
         Ok(CudaEngine {
+            slabs: hto.as_ref().map(|h| SlabPool::new(h.options().recv_slabs)),
+            poison_recv: false,
             ht: hto,
             ll: llo,
             rank: rank.clone(),
@@ -326,6 +336,38 @@ impl CudaEngine {
         }
     }
 
+    /// A lent receive slab for the next dispatch, or None (every slab held, or none lent):
+    /// then the dispatch lands in the copy slab, and the second value is the warning to show
+    /// once ([`SlabPool::warn_held`]).
+    pub fn ht_take_slab(&mut self) -> Result<(Option<SlabLease>, Option<&'static str>)> {
+        self.ht()?;
+        let pool = self
+            .slabs
+            .as_ref()
+            .ok_or_else(|| Error::input("mode", "this Ep was not made for HT"))?;
+        Ok(match pool.take() {
+            Some(l) => (Some(l), None),
+            None => (None, pool.warn_held()),
+        })
+    }
+
+    /// The lendable receive slabs free now.
+    pub fn ht_free_slabs(&self) -> Vec<usize> {
+        self.slabs.as_ref().map_or_else(Vec::new, |p| p.free_slabs())
+    }
+
+    /// The receive slab that holds device address `ptr` ([`CudaHt::slab_of`]), or None.
+    pub fn ht_slab_of(&mut self, ptr: u64) -> Option<usize> {
+        self.ht.as_ref().and_then(|h| h.slab_of(ptr))
+    }
+
+    /// Tests: poison the outputs in the engine's memory before an operation writes them
+    /// (each HT receive slab, each LL buffer set's own `layout_range`), so an entry the
+    /// kernels failed to write reads as NaN / -1.
+    pub fn set_poison_outputs(&mut self, on: bool) {
+        self.poison_recv = on;
+    }
+
     /// Fresh HT dispatch of `num_tokens` tokens into receive slab `slab`.
     pub fn ht_dispatch(
         &mut self,
@@ -335,6 +377,7 @@ impl CudaEngine {
         io: HtDispatchSpans,
         slab: usize,
     ) -> Result<HtGpuHandle> {
+        let poison = self.poison_recv;
         let (rank, h) = self.ht()?;
         rank.run(stream, |q| {
             let io = HtIo {
@@ -345,6 +388,9 @@ impl CudaEngine {
                 recv_slab: slab,
                 ..HtIo::default()
             };
+            if poison {
+                h.poison_slab(q, slab)?;
+            }
             h.dispatch(q, num_tokens, source(fp8), &io, None)
         })
     }
@@ -359,6 +405,7 @@ impl CudaEngine {
         scales: Span,
         slab: usize,
     ) -> Result<()> {
+        let poison = self.poison_recv;
         let (rank, h) = self.ht()?;
         rank.run(stream, |q| {
             let io = HtIo {
@@ -367,8 +414,27 @@ impl CudaEngine {
                 recv_slab: slab,
                 ..HtIo::default()
             };
+            if poison {
+                h.poison_slab(q, slab)?;
+            }
             h.dispatch_cached(q, handle, source(fp8), &io, None)
         })
+    }
+
+    /// The outputs a dispatch along `handle` (`fresh`: the dispatch that made it) left in
+    /// receive slab `slab` ([`CudaHt::recv_views`]); static sizing, whose count the host
+    /// learns later, describes the slab's capacity of rows.
+    pub fn ht_recv_views(&mut self, handle: &HtGpuHandle, slab: usize, fresh: bool) -> Result<HtRecvViews> {
+        let (_, h) = self.ht()?;
+        let cfg = h.config();
+        let rows = handle.num_recv.unwrap_or(cfg.ranks * cfg.max_tokens_per_rank);
+        h.recv_views(slab, rows, fresh)
+    }
+
+    /// The `[N, R]` i32 send slots of `handle`'s dispatch ([`CudaHt::send_slot_view`]).
+    pub fn ht_send_slot(&mut self, handle: &HtGpuHandle) -> Result<DeviceView> {
+        let (_, h) = self.ht()?;
+        h.send_slot_view(handle)
     }
 
     /// Rows per local expert of `handle`'s dispatch, aligned.
@@ -419,34 +485,14 @@ impl CudaEngine {
         })
     }
 
-    /// Copies the first `bytes` of HT buffer `which` to device address `dst`.
-    pub fn ht_copy_out(&mut self, stream: u64, which: HtBuf, dst: u64, bytes: usize) -> Result<()> {
+    /// Copies the first `bytes` of output `which` of the copy slab (the send slots: of the
+    /// last fresh dispatch) to device address `dst`.
+    pub fn ht_copy_out(&mut self, stream: u64, which: HtOutput, dst: u64, bytes: usize) -> Result<()> {
         let (rank, h) = self.ht()?;
         rank.run(stream, |q| {
             let dst = q.rank().external("destination", dst, bytes)?;
-            q.copy_to_external(h.buffer(which)?, dst)
+            q.copy_to_external(h.output_buffer(which)?, dst)
         })
-    }
-
-    /// Device address and size of receive region `which` of slab `slab` (or the send slots).
-    pub fn ht_region(&mut self, which: HtBuf, slab: usize) -> Result<(u64, usize)> {
-        if !matches!(
-            which,
-            HtBuf::RecvX
-                | HtBuf::RecvScales
-                | HtBuf::RecvIdx
-                | HtBuf::RecvW
-                | HtBuf::RecvSrc
-                | HtBuf::SendSlot
-        ) {
-            return Err(Error::input(
-                "HT region",
-                format!("{which:?} is neither a receive region nor the send slots"),
-            ));
-        }
-        let (_, h) = self.ht()?;
-        let r = h.slab_buffer(which, slab)?;
-        Ok((r.device_ptr(), r.len()))
     }
 
     /// Sets the HT kernels' CTA count (every rank the same, between operations).
@@ -470,7 +516,12 @@ impl CudaEngine {
         self.rank.sync(stream)
     }
 
-    /// LL dispatch `half` on buffer set `set` (the caller, `Ep`, owns set choice).
+    /// The views of LL buffer set `set`'s `src_info` and `layout_range` ([`CudaLl::set_views`]).
+    pub fn ll_set_views(&mut self, set: usize) -> Result<(DeviceView, DeviceView)> {
+        let (_, l) = self.ll()?;
+        l.set_views(set)
+    }
+
     /// Device address and bytes of LL buffer set `set`'s source tokens
     /// ([`CudaLl::src_token_region`]).
     pub fn ll_src_token(&mut self, set: usize) -> Result<(u64, usize)> {
@@ -478,6 +529,7 @@ impl CudaEngine {
         l.src_token_region(set)
     }
 
+    /// LL dispatch `half` on buffer set `set` (the caller, `Ep`, owns set choice).
     pub fn ll_dispatch(
         &mut self,
         stream: u64,
@@ -486,6 +538,7 @@ impl CudaEngine {
         num_tokens: usize,
         io: LlDispatchSpans,
     ) -> Result<()> {
+        let poison = self.poison_recv && half != Half::Send && io.layout_range.is_none();
         #[cfg(feature = "harness")]
         let stats = EngineFault::stats(self.fault, io.stats);
         #[cfg(not(feature = "harness"))]
@@ -503,6 +556,9 @@ impl CudaEngine {
                 stats: span(q, "cumulative_local_expert_recv_stats", stats)?,
                 ..LlIo::default()
             };
+            if poison {
+                l.poison_layout_range(q, set)?;
+            }
             match half {
                 Half::Both => l.dispatch(q, set, num_tokens, &lio),
                 Half::Send => l.dispatch_send(q, set, num_tokens, &lio),

@@ -19,6 +19,7 @@ pub mod ipc;
 pub mod kernels;
 pub mod ll;
 pub mod runtime;
+pub mod view;
 
 pub use runtime::{
     gin_available, gin_network, nccl_probe, CudaRank, CudaRankOptions, DevComm, DevCommRequest,

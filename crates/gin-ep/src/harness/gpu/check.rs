@@ -19,7 +19,7 @@ use crate::backend::cuda::ht::{HtGpuOptions, HtVariant, Sizing, POISON};
 use crate::config::{DispatchDtype, EpConfig};
 pub use crate::ep::EngineFault;
 use crate::ep::{
-    Backend, Ep, EpOptions, GpuRank, HtCombineIn, HtCombineOut, HtDispatchIn, HtHandle, Mem, Stream,
+    Backend, Ep, EpOptions, GpuRank, HtCombineIn, HtCombineOut, HtDispatchIn, HtHandle, Mem, RecvSlab, Stream,
 };
 use crate::error::{Error, Result};
 use crate::group::Group;
@@ -286,7 +286,7 @@ impl CaseRun<'_> {
                     num_tokens: case.tokens[me],
                     topk_idx: idx.mem(),
                     topk_weights: wts.mem(),
-                    recv_slab: fresh_slab,
+                    recv: RecvSlab::Named(fresh_slab),
                 },
                 Stream(0),
             )?;
@@ -329,7 +329,13 @@ impl CaseRun<'_> {
             let want_cached = oracle::ht_dispatch(cfg, &new_ins)?;
             ep.ht_poison(Some(cached_slab))?;
             let x = XTensors::of(gpu, cfg, &new_ins[me].x, fp8)?;
-            ep.ht_dispatch_cached(x.x.mem(), x.scales(), &handle, cached_slab, Stream(0))?;
+            ep.ht_dispatch_cached(
+                x.x.mem(),
+                x.scales(),
+                &handle,
+                RecvSlab::Named(cached_slab),
+                Stream(0),
+            )?;
             let probe = HtDispatchOutput {
                 recv_x: ep.ht_download_slab_x(&handle, cached_slab)?,
                 ..want_cached[me].clone()

@@ -19,7 +19,9 @@ use crate::backend::cuda::ht::{DispatchSource, HtVariant, POISON};
 use crate::backend::cuda::Event;
 use crate::bench::{BenchMode, BenchOptions, BenchReport};
 use crate::config::EpConfig;
-use crate::ep::{Backend, Ep, EpOptions, GpuRank, HtCombineIn, HtCombineOut, HtDispatchIn, HtHandle, Stream};
+use crate::ep::{
+    Backend, Ep, EpOptions, GpuRank, HtCombineIn, HtCombineOut, HtDispatchIn, HtHandle, RecvSlab, Stream,
+};
 use crate::error::{Error, Result};
 use crate::group::vnodes::RankTopology;
 use crate::group::Group;
@@ -259,7 +261,7 @@ impl EpHt {
                 num_tokens: self.tokens,
                 topk_idx: self.topk_idx.mem(),
                 topk_weights: self.topk_weights.mem(),
-                recv_slab: 0,
+                recv: RecvSlab::Copy,
             },
             CALLER,
         )?;

@@ -17,7 +17,7 @@ use crate::backend::cuda::ll::LlLayout;
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder};
 use crate::ep::{
     Backend, Ep, EpOptions, GpuRank, HtCombineIn, HtCombineOut, HtDispatchIn, LlCombineIn, LlDispatchIn,
-    LlDispatchOut, LlHalf, Stream,
+    LlDispatchOut, LlHalf, RecvSlab, Stream,
 };
 use crate::error::{Error, Result};
 use crate::group::vnodes::RankTopology;
@@ -190,7 +190,7 @@ fn ht_round(
             num_tokens: n,
             topk_idx: tensors[1].mem(),
             topk_weights: tensors[2].mem(),
-            recv_slab: 0,
+            recv: RecvSlab::Copy,
         },
         Stream(0),
     )?;

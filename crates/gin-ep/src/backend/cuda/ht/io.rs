@@ -10,6 +10,7 @@ use half::bf16;
 use super::layout::plan_rank_prefix;
 use super::{plan_words, CudaHt, HtGpuHandle, DTYPE_FP8_PRE, PLAN_HEAD, POISON};
 use crate::backend::cuda::runtime::{DeviceBuffer, DeviceRegion, ExternalSpan, Queue};
+pub use crate::backend::cuda::view::{DeviceView, ElemType};
 use crate::config::FP8_BLOCK;
 use crate::error::{Error, Result};
 use crate::ht::{HtCombineOutput, HtDispatchOutput, HtRouting, RailPlan};
@@ -73,6 +74,49 @@ impl HtBuf {
             other => return Err(Error::input("HT buffer", format!("unknown name `{other}`"))),
         })
     }
+}
+
+/// An output of an HT dispatch, by what it is (the copy-out of [`CudaHt::output_buffer`]
+/// names one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HtOutput {
+    /// `recv_x` `[Nr, H]`: BF16, or e4m3 with [`HtOutput::XScales`].
+    X,
+    /// `[Nr, H/128]` f32 scales of FP8 rows.
+    XScales,
+    /// `recv_topk_idx` `[Nr, K]` i64 (local expert ids, -1 elsewhere).
+    TopkIdx,
+    /// `recv_topk_weights` `[Nr, K]` f32.
+    TopkWeights,
+    /// `[Nr]` i32: the source token of each received row (DeepEP's `recv_src_idx`).
+    SrcIdx,
+    /// `[N, R]` i32 send slot of each of a fresh dispatch's tokens (-1: not sent to that
+    /// rank), in the dispatch's layout slot.
+    SendSlot,
+}
+
+impl HtOutput {
+    fn buf(self) -> HtBuf {
+        match self {
+            HtOutput::X => HtBuf::RecvX,
+            HtOutput::XScales => HtBuf::RecvScales,
+            HtOutput::TopkIdx => HtBuf::RecvIdx,
+            HtOutput::TopkWeights => HtBuf::RecvW,
+            HtOutput::SrcIdx => HtBuf::RecvSrc,
+            HtOutput::SendSlot => HtBuf::SendSlot,
+        }
+    }
+}
+
+/// Where the rows of one HT dispatch are, in its receive slab: `x` (and FP8 scales) for
+/// every dispatch; the ids, weights and source tokens for a fresh one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HtRecvViews {
+    pub x: DeviceView,
+    pub x_scales: Option<DeviceView>,
+    pub topk_idx: Option<DeviceView>,
+    pub topk_weights: Option<DeviceView>,
+    pub src_idx: Option<DeviceView>,
 }
 
 /// Caller-owned memory (PyTorch tensors) that HT operations read and write instead of the
@@ -355,6 +399,76 @@ impl CudaHt {
             ),
             HtBuf::SendSlot => Ok(self.slots[self.cur].send_slot.region()),
         }
+    }
+
+    /// The outputs a dispatch of `rows` received rows (`fresh`: with ids, weights and source
+    /// tokens) left in receive slab `slab`.
+    pub fn recv_views(&self, slab: usize, rows: usize, fresh: bool) -> Result<HtRecvViews> {
+        let (h, k) = (self.cfg.hidden, self.cfg.topk);
+        let fp8 = self.cfg.dispatch_dtype.is_fp8();
+        let view = |which: HtOutput, cols: Option<usize>, elem: ElemType| -> Result<DeviceView> {
+            let r = self.slab_buffer(which.buf(), slab)?;
+            let v = DeviceView::new(r.ptr, rows, cols, elem);
+            if v.bytes() > r.len() {
+                return Err(Error::Device {
+                    call: "HT receive slab".into(),
+                    reason: format!(
+                        "{which:?} of {rows} rows needs {} bytes, the slab holds {}",
+                        v.bytes(),
+                        r.len()
+                    ),
+                });
+            }
+            Ok(v)
+        };
+        let fresh_view = |which, cols, elem| fresh.then(|| view(which, cols, elem)).transpose();
+        Ok(HtRecvViews {
+            x: view(
+                HtOutput::X,
+                Some(h),
+                if fp8 { ElemType::E4m3 } else { ElemType::Bf16 },
+            )?,
+            x_scales: fp8
+                .then(|| view(HtOutput::XScales, Some(h / FP8_BLOCK), ElemType::F32))
+                .transpose()?,
+            topk_idx: fresh_view(HtOutput::TopkIdx, Some(k), ElemType::I64)?,
+            topk_weights: fresh_view(HtOutput::TopkWeights, Some(k), ElemType::F32)?,
+            src_idx: fresh_view(HtOutput::SrcIdx, None, ElemType::I32)?,
+        })
+    }
+
+    /// The `[N, R]` i32 send slots of `handle`'s dispatch, in the layout slot it holds.
+    pub fn send_slot_view(&self, handle: &HtGpuHandle) -> Result<DeviceView> {
+        let slot = self.check_handle(handle)?;
+        let r = self.slots[slot].send_slot.region();
+        Ok(DeviceView::new(
+            r.ptr,
+            handle.num_tokens,
+            Some(self.cfg.ranks),
+            ElemType::I32,
+        ))
+    }
+
+    /// The device memory of output `which` in the copy slab (slab 0; the send slots: the
+    /// last fresh dispatch's), which a copy-out reads.
+    pub fn output_buffer(&self, which: HtOutput) -> Result<DeviceRegion<'_>> {
+        self.slab_buffer(which.buf(), 0)
+    }
+
+    /// The receive slab that holds device address `ptr`, or None.
+    pub fn slab_of(&self, ptr: u64) -> Option<usize> {
+        let l = &self.lay;
+        let base = self.window.region(l.recv_x, l.slabs * l.slab_bytes).ok()?.ptr;
+        let off = usize::try_from(ptr.checked_sub(base)?).ok()?;
+        let slab = off / l.slab_bytes.max(1);
+        (slab < l.slabs).then_some(slab)
+    }
+
+    /// Fills receive slab `slab` with [`POISON`] (between operations: see [`CudaHt::poison`]).
+    pub fn poison_slab(&self, q: Queue<'_>, slab: usize) -> Result<()> {
+        let l = &self.lay;
+        let at = l.recv_x + slab.min(l.slabs - 1) * l.slab_bytes;
+        q.memset_u8(self.window.region(at, l.slab_bytes)?, POISON)
     }
 
     /// Rows per local expert of `handle`'s dispatch, each rounded up to the config's

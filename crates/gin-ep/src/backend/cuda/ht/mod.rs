@@ -19,7 +19,8 @@
 //! order: work queued with the handle on another stream must be waited for first.
 //!
 //! The window layout is in [`layout`], the kernel variants in [`variant`], copies in and
-//! out and caller-owned memory in [`io`]. The GPU check and benchmark of this driver are in
+//! out, caller-owned memory and the views of outputs in [`io`], the lending of receive
+//! slabs in [`slabs`]. The GPU check and benchmark of this driver are in
 //! `crate::harness::gpu`; nothing here imports them.
 
 use super::abi::ht as abi;
@@ -48,9 +49,10 @@ use std::sync::Arc;
 
 pub mod io;
 pub mod layout;
+pub mod slabs;
 pub mod variant;
 
-pub use io::{HtBuf, HtIo};
+pub use io::{DeviceView, ElemType, HtBuf, HtIo, HtOutput, HtRecvViews};
 pub use layout::{
     check_gpu_config, count_row_stride, layout_blocks, layout_scan_bytes, layout_smem_bytes, plan_words,
     scan_columns, HtLayout, NodeRegions, MAX_RECV_SLABS, STAGE_CHUNKS,

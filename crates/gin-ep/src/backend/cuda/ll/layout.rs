@@ -219,7 +219,7 @@ impl LlLayout {
         };
         t * h * 2 + t * k * 12 + rows * h * 2 // x, topk, weights, y
             + rows * cfg.dispatch_dtype.row_bytes(h) + rows * spr // recv_x + scales, ue8m0 bytes
-            + l * 4 + l * r * 8 + rows * 12 // counts, layout range, handle
+            + l * 4 + 2 * l * r * 8 + rows * 12 // counts, layout range (two packings), handle
             + r * t * map_ints(k) * 4 // record map (rank-first combine)
             + t * h * 2 // combined
     }

@@ -25,6 +25,7 @@ use std::sync::Arc;
 use super::abi::ll as abi;
 use super::fabric::{node_span, NodeFabric};
 use super::runtime::{CudaRank, DevComm, DevCommRequest, DeviceBuffer, ExternalSpan, Graph, Queue, Window};
+use super::view::{DeviceView, ElemType};
 use crate::config::{DispatchDtype, EpConfig, LlCombineOrder, FP8_BLOCK};
 use crate::error::{Error, Result};
 use crate::group::vnodes::{plugin_configured, RankTopology};
@@ -168,6 +169,9 @@ struct SetBuffers {
     recv_ue8m0: DeviceBuffer,
     recv_count: DeviceBuffer,
     layout_range: DeviceBuffer,
+    /// `[L, R]` i64 in DeepEP's packing: where a dispatch given no `layout_range` writes it
+    /// (what the handle's view shows, [`CudaLl::set_views`]).
+    user_range: DeviceBuffer,
     src_rank: DeviceBuffer,
     src_token: DeviceBuffer,
     src_k: DeviceBuffer,
@@ -449,6 +453,7 @@ impl CudaLl {
                 })?,
                 recv_count: alloc(l * 4)?,
                 layout_range: alloc(l * r * 8)?,
+                user_range: alloc(l * r * 8)?,
                 src_rank: alloc(rows * 4)?,
                 src_token: alloc(rows * 4)?,
                 src_k: alloc(rows * 4)?,
@@ -563,6 +568,28 @@ impl CudaLl {
         &self.layout
     }
 
+    /// The views of `set`'s own outputs that a handle shows: DeepEP's `src_info` `[L, R*T]`
+    /// i32 (the source token of each row, [`CudaLl::src_token_region`]) and `layout_range`
+    /// `[L, R]` i64 (written there by each dispatch on the set given no `layout_range`). The
+    /// set's every dispatch rewrites them; their addresses never change.
+    pub fn set_views(&self, set: usize) -> Result<(DeviceView, DeviceView)> {
+        let s = self.set(set)?;
+        let (l, r, t) = (
+            self.cfg.local_experts(),
+            self.cfg.ranks,
+            self.cfg.max_tokens_per_rank,
+        );
+        Ok((
+            DeviceView::new(s.src_token.region().ptr, l, Some(r * t), ElemType::I32),
+            DeviceView::new(s.user_range.region().ptr, l, Some(r), ElemType::I64),
+        ))
+    }
+
+    /// Fills `set`'s own `layout_range` with [`POISON`] (tests: before a dispatch writes it).
+    pub fn poison_layout_range(&self, q: Queue<'_>, set: usize) -> Result<()> {
+        poison(q, &[&self.set(set)?.user_range])
+    }
+
     /// Device address and bytes of `set`'s `[L, R*T]` i32 source tokens: the token index,
     /// on its source rank, of each row the set's last dispatch received (DeepEP's LL
     /// `src_info`). The set's next dispatch rewrites it.
@@ -644,6 +671,7 @@ impl CudaLl {
                 &s.recv_ue8m0,
                 &s.recv_count,
                 &s.layout_range,
+                &s.user_range,
                 &s.src_rank,
                 &s.src_token,
                 &s.src_k,
@@ -725,7 +753,7 @@ impl CudaLl {
             peer_stride4g: self.fabric.stride4g,
             stamps: self.stamps,
             user_count: Self::io_ptr(io.recv_count, "LL recv_count", l * 4, None)?,
-            user_range: Self::io_ptr(io.layout_range, "LL layout_range", l * r * 8, None)?,
+            user_range: Self::io_ptr(io.layout_range, "LL layout_range", l * r * 8, Some(&s.user_range))?,
             stats: Self::io_ptr(io.stats, "LL cumulative receive stats", l * 4, None)?,
             scales_col_major: u32::from(
                 io.recv_scales.is_some() && io.scales_layout == crate::LlScalesLayout::ColumnMajor,
