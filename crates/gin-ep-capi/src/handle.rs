@@ -323,7 +323,7 @@ impl Handle {
                 ptr: base + x_bytes as u64,
                 bytes: n * k * 4,
             },
-            recv_slab: 0,
+            recv: RecvSlab::Copy,
         };
         self.ht = None;
         let r = ep.ht_dispatch(input, stream).map_err(CapiError::from);
@@ -350,7 +350,7 @@ impl Handle {
         }
         let ptr = self.ht_idx.as_ref().map_or(0, |b| b.region().device_ptr());
         let r = ep.ht_copy_out(
-            "recv_idx",
+            HtOutput::TopkIdx,
             DeviceOut {
                 ptr,
                 bytes: nr * k * 8,
@@ -762,10 +762,10 @@ impl Handle {
         if nr > out.sizes[0] {
             return Err(self.too_few_rows(out.sizes[0], nr));
         }
-        let r = ep.ht_dispatch_cached(mem(&x), None, &handle, 0, stream);
+        let r = ep.ht_dispatch_cached(mem(&x), None, &handle, RecvSlab::Copy, stream);
         self.group.note(r.map_err(CapiError::from))?;
         let r = ep.ht_copy_out(
-            "recv_x",
+            HtOutput::X,
             DeviceOut {
                 ptr: out.data,
                 bytes: nr * h * 2,
