@@ -24,6 +24,17 @@ static inline float wgrad(int holder, int s, int t, int k) { return 1.0f + 0.5f 
 /* The backward pass along the handle's forward dispatch: gradients of the combined tokens
  * dispatched (rows in the forward dispatch's order, row_src[j] = s * TOKENS + t), then the
  * rows and weight gradients combined. Returns the failures. */
+/* The ranks token t of rank `rank` goes to (each counted once, whatever its experts there). */
+static int ranks_of(int rank, int t, int world, int experts) {
+    int ranks = 0;
+    for (int r = 0; r < world; r++) {
+        int here = 0;
+        for (int k = 0; k < TOPK; k++) here |= expert(rank, t, k, experts) / EXPERTS_PER_RANK == r;
+        ranks += here;
+    }
+    return ranks;
+}
+
 static int backward(ncclEpHandle_t handle, void* didx, int rank, int world, int experts, int slots, int num_recv,
                     const int* row_src, cudaStream_t stream) {
     const int L = EXPERTS_PER_RANK;
@@ -87,12 +98,7 @@ static int backward(ncclEpHandle_t handle, void* didx, int rank, int world, int 
     CHECK_CUDA(cudaMemcpy(hgout, dgout, sizeof hgout, cudaMemcpyDeviceToHost));
     CHECK_CUDA(cudaMemcpy(hgwout, dgwout, sizeof hgwout, cudaMemcpyDeviceToHost));
     for (int t = 0; t < TOKENS; t++) {
-        int ranks = 0;
-        for (int r = 0; r < world; r++) {
-            int here = 0;
-            for (int k = 0; k < TOPK; k++) here |= expert(rank, t, k, experts) / L == r;
-            ranks += here;
-        }
+        const int ranks = ranks_of(rank, t, world, experts);
         for (int c = 0; c < HIDDEN; c++) {
             float want = (float)ranks * grad(rank, t, c), got = from_bf16(hgout[t * HIDDEN + c]);
             if (got != want) {
@@ -325,12 +331,7 @@ int main(int argc, char** argv) {
     static uint16_t hout[TOKENS * HIDDEN];
     CHECK_CUDA(cudaMemcpy(hout, dout, sizeof hout, cudaMemcpyDeviceToHost));
     for (int t = 0; t < TOKENS; t++) {
-        int ranks = 0;
-        for (int r = 0; r < world; r++) {
-            int here = 0;
-            for (int k = 0; k < TOPK; k++) here |= expert(rank, t, k, experts) / L == r;
-            ranks += here;
-        }
+        const int ranks = ranks_of(rank, t, world, experts);
         for (int c = 0; c < HIDDEN; c++) {
             float want = (float)ranks * value(rank, t, c), got = from_bf16(hout[t * HIDDEN + c]);
             if (got != want) {
