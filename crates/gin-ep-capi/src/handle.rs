@@ -33,8 +33,8 @@ use std::sync::Arc;
 use gin_ep::backend::cuda::DeviceBuffer;
 use gin_ep::config::FP8_BLOCK;
 use gin_ep::ep::{
-    DeviceOut, HtCombineIn, HtCombineOut, HtDispatchIn, HtOutput, LlCombineIn, LlDispatchIn, LlDispatchOut,
-    LlHalf, Mem, RecvSlab, Stream,
+    DeviceOut, HtCombineIn, HtCombineOut, HtDeviceRecv, HtDispatchIn, HtOutput, HtReceived, LlCombineIn,
+    LlDispatchIn, LlDispatchOut, LlHalf, Mem, RecvSlab, Stream,
 };
 use gin_ep::{DispatchDtype, Ep, LlScalesLayout};
 
@@ -327,12 +327,12 @@ impl Handle {
         };
         self.ht = None;
         let r = ep.ht_dispatch(input, stream).map_err(CapiError::from);
-        let (_, handle) = self.group.note(r)?;
+        let (recv, handle) = self.group.note(r)?;
         let nr = handle
             .num_recv()
             .ok_or_else(|| CapiError::internal("HT dispatch with exact sizing returned no receive count"))?;
         self.keep_ht_idx(&ep, k, nr, stream)?;
-        self.write_ht_counters(&ep, &handle, nr, per_expert, total, stream)?;
+        self.write_ht_counters(&ep, &handle, recv, nr, per_expert, total, stream)?;
         self.counted = Some(nr);
         self.ht = Some((handle, nr));
         self.ht_current = true;
@@ -360,20 +360,34 @@ impl Handle {
         self.group.note(r.map_err(CapiError::from))
     }
 
-    /// Writes the HT counters asked for: rows per local expert of `handle`'s dispatch and
-    /// its `nr` rows in all.
+    /// Writes the HT counters asked for: rows per local expert of `handle`'s dispatch (the
+    /// counts `recv` brought back with it, else read from the handle) and its `nr` rows in all.
+    #[allow(clippy::too_many_arguments)]
     fn write_ht_counters(
         &mut self,
         ep: &Ep,
         handle: &gin_ep::ep::HtHandle,
+        recv: HtReceived,
         nr: usize,
         per_expert: Option<Desc>,
         total: Option<Desc>,
         stream: Stream,
     ) -> CResult<()> {
         if let Some(t) = per_expert {
-            let per = ep.ht_recv_counts(handle, stream).map_err(CapiError::from);
-            let per = self.group.note(per)?;
+            let per = match recv {
+                HtReceived::Device(HtDeviceRecv {
+                    num_recv_tokens_per_expert: Some(per),
+                    ..
+                })
+                | HtReceived::Host {
+                    num_recv_tokens_per_expert: per,
+                    ..
+                } => per,
+                HtReceived::Device(_) => {
+                    let per = ep.ht_recv_counts(handle, stream).map_err(CapiError::from);
+                    self.group.note(per)?
+                }
+            };
             self.write_counts(&t, &per, stream)?;
         }
         if let Some(t) = total {
@@ -678,7 +692,7 @@ impl Handle {
             recv: RecvSlab::Copy,
         };
         let r = ep.ht_dispatch(input, stream).map_err(CapiError::from);
-        let (_, handle) = self.group.note(r)?;
+        let (recv, handle) = self.group.note(r)?;
         let nr = handle
             .num_recv()
             .ok_or_else(|| CapiError::internal("HT dispatch with exact sizing returned no receive count"))?;
@@ -707,7 +721,7 @@ impl Handle {
         }
         self.keep_ht_idx(&ep, k, nr, stream)?;
         if let Some((per_expert, total)) = counters {
-            self.write_ht_counters(&ep, &handle, nr, per_expert, total, stream)?;
+            self.write_ht_counters(&ep, &handle, recv, nr, per_expert, total, stream)?;
         }
         self.ht = Some((handle, nr));
         self.ht_current = true;
