@@ -51,9 +51,9 @@ pub(super) const CALLER: Stream = Stream(0);
 ///
 /// A dispatch is `Ep::ht_dispatch` of caller tensors (BF16 rows, or FP8 rows and scales as
 /// DeepEP passes them unless `GIN_EP_FP8_SOURCE=bf16`), receiving into slab 0 of the
-/// window, read in place as a lent slab is; with exact sizing (what gin_ep.Buffer uses) it
-/// also reads the per-expert receive counts (`Ep::ht_recv_counts`), as gin_ep.Buffer does
-/// after each dispatch. A combine is `Ep::ht_combine` of caller expert outputs into a caller
+/// window, read in place as a lent slab is; with exact sizing (what gin_ep.Buffer uses) the
+/// dispatch itself brings back the per-expert receive counts, which gin_ep.Buffer returns.
+/// A combine is `Ep::ht_combine` of caller expert outputs into a caller
 /// output along the dispatch's handle.
 pub fn bench_rank(group: &Group, opts: &BenchOptions, num_sms: u32) -> Result<Option<BenchReport>> {
     if opts.mode == BenchMode::Ll {
@@ -129,7 +129,6 @@ struct Samples {
 struct EpHt {
     ep: Ep,
     gpu: GpuRank,
-    exact: bool,
     tokens: usize,
     x: Tensor,
     x_scales: Option<Tensor>,
@@ -191,7 +190,6 @@ impl EpHt {
         let (x, x_scales) = dispatch_rows(gpu, cfg, &input.x)?;
         let mut t = EpHt {
             gpu: gpu.clone(),
-            exact: opts.ht_exact,
             tokens: opts.tokens,
             x,
             x_scales,
@@ -252,7 +250,7 @@ impl EpHt {
         Ok(f64::from(self.events[a].elapsed_ms(&self.events[b])?) * 1e-3)
     }
 
-    /// One fresh dispatch as gin_ep.Buffer makes it (with exact sizing, the counts read too).
+    /// One fresh dispatch as gin_ep.Buffer makes it (with exact sizing, the counts come with it).
     fn dispatch(&self) -> Result<HtHandle> {
         let (_, h) = self.ep.ht_dispatch(
             HtDispatchIn {
@@ -265,9 +263,6 @@ impl EpHt {
             },
             CALLER,
         )?;
-        if self.exact {
-            self.ep.ht_recv_counts(&h, CALLER)?;
-        }
         Ok(h)
     }
 
