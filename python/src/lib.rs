@@ -333,7 +333,7 @@ impl PyGroup {
             let secret = gin_ep::group::StoreSecret::from_hex(secret).map_err(to_py)?;
             let mut g = gin_ep::group::Group::join(rank, world, addr, &secret, timeout).map_err(to_py)?;
             // Rank 0 serves the store (gin_ep.Buffer): its exit is the store's.
-            g.watch_peers(0).map_err(to_py)?;
+            g.watch_peers(Some(0)).map_err(to_py)?;
             Ok(PyGroup {
                 inner: Mutex::new(Some(g)),
                 failed: std::sync::atomic::AtomicBool::new(false),

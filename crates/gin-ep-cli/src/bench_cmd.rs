@@ -7,7 +7,7 @@ use crate::host;
 use clap::{Args, ValueEnum};
 use comfy_table::{presets, CellAlignment, Table};
 use gin_ep::bench::{BenchMode, BenchOptions, BenchReport, Launch, OpReport, Stats};
-use gin_ep::group::{Group, ENV_CHILD};
+use gin_ep::group::ENV_CHILD;
 use gin_ep::workload::Routing;
 use gin_ep::{DispatchDtype, EpConfig};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -378,7 +378,7 @@ fn run_gpus(a: &BenchArgs, gpus: usize) -> CliResult {
             }
         };
     }
-    let group = Group::from_env(a.timeout)?;
+    let group = gpus::rank_group(a.timeout)?;
     if a.sweep {
         let entries = gin_ep_lab::ht_sweep::sweep_entries(a.sweep_list.as_deref()).map_err(lib_err)?;
         let rows = gin_ep_lab::ht_sweep::sweep_rank(&group, &r.opts, &entries);

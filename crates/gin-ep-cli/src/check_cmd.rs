@@ -566,7 +566,7 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
             gin_ep_lab::ht_sweep::sweep_entries(Some(list)).map_err(|e| CliError::Usage(e.to_string()))?
         }
     };
-    let group = Group::from_env(a.timeout)?;
+    let group = gpus::rank_group(a.timeout)?;
     let cases = gpu_cases(group.world(), r.cases, r.seed);
     let t0 = Instant::now();
     let passed = gin_ep::gpu::check_rank_variants(&group, mode, &cases, a.timeout, &variants);
@@ -640,7 +640,7 @@ fn run_kill(a: &CheckArgs, mode: BenchMode, gpus: usize, world: usize, spec: &st
             .map(|_| ())
             .map_err(|_| CliError::Failed(format!("the {what} failed (above)")));
     }
-    let group = Group::from_env(a.timeout)?;
+    let group = gpus::rank_group(a.timeout)?;
     let me = group.rank();
     let line = match mode {
         BenchMode::Ht => gin_ep::gpu::stall::kill_check_ht(&group, victim, it, a.timeout),
@@ -679,7 +679,7 @@ fn run_stall(a: &CheckArgs, gpus: usize, world: usize, spec: &str) -> CliResult 
             |secs| out!("every other rank failed in time naming rank {stall} ({secs:.1} s)"),
         );
     }
-    let group = Group::from_env(a.timeout * 2)?;
+    let group = gpus::rank_group(a.timeout * 2)?;
     let verdict = gin_ep::gpu::stall_check(&group, stall, op, a.timeout);
     let rank = group.rank();
     let closed = group.close();

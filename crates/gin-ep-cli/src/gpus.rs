@@ -5,7 +5,7 @@
 use crate::applies::{Opt, Rule};
 use crate::error::{parse_whole, CliError, CliResult};
 use gin_ep::group::vnodes::{find_plugin, Topology};
-use gin_ep::group::{first_failure, launch_ranks_env, RankExit};
+use gin_ep::group::{first_failure, launch_ranks_env, Group, RankExit};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -178,6 +178,17 @@ pub fn relaunch_all(gpus: usize, deadline: Duration) -> CliResult<Vec<RankExit>>
     };
     let env = |r: usize| topo.rank_env(r, plugin.as_deref());
     Ok(launch_ranks_env(topo.world(), &exe, &args, deadline, &env)?)
+}
+
+/// A GPU rank's group, following its peers' failures as `gin_ep.Buffer`'s group does: a peer
+/// that exits or posts an error ends this rank's waits at once, naming it. Without the watch a
+/// survivor of a killed rank waits for its kernel's deadline, and across gin-ep nodes the
+/// network plugin has by then stopped every put of the context (it fails the whole context on
+/// a lost peer), so the missing rows the deadline names may be any remote peer's.
+pub fn rank_group(timeout: Duration) -> CliResult<Group> {
+    let mut group = Group::from_env(timeout)?;
+    group.watch_peers(None)?;
+    Ok(group)
 }
 
 /// How a failed rank ended: "killed at the deadline" or its exit status.

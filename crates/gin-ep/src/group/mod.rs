@@ -348,8 +348,10 @@ impl Group {
     /// ([`Group::post_failure`]) and peers that leave (their process exits, closing their
     /// connection to the store) then end this rank's waits at once ([`Group::check_peers`],
     /// [`Group::wait_peer`], the host backend's signal waits). `server_rank`: the rank whose
-    /// process serves the store, named when the store goes away.
-    pub fn watch_peers(&mut self, server_rank: usize) -> Result<()> {
+    /// process serves the store, named when the store goes away; None when no rank does (the
+    /// CLI's launcher serves it and outlives its ranks: a lost store then ends the watch, and
+    /// the next store request or deadline reports it).
+    pub fn watch_peers(&mut self, server_rank: Option<usize>) -> Result<()> {
         if self.watcher.is_none() {
             self.watcher = Some(watch::Watcher::start(
                 self.store.addr(),
@@ -581,7 +583,7 @@ mod tests {
                 let (addr, sec) = (addr.clone(), sec.clone());
                 std::thread::spawn(move || {
                     let mut g = Group::join(r, 3, &addr, &sec, T).unwrap();
-                    g.watch_peers(0).unwrap();
+                    g.watch_peers(Some(0)).unwrap();
                     g
                 })
             })
@@ -626,6 +628,42 @@ mod tests {
         assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
         drop(g1);
         drop(g0);
+    }
+
+    #[test]
+    fn a_store_served_by_no_rank_is_never_blamed_on_a_rank() {
+        // Rank 1 of two follows the watch; the store's server then goes away.
+        let watcher_of_a_lost_store = |server_rank: Option<usize>| {
+            let server = StoreServer::bind("127.0.0.1:0").unwrap();
+            let (addr, sec) = (server.addr().to_string(), server.secret().clone());
+            let joins: Vec<_> = (0..2)
+                .map(|r| {
+                    let (addr, sec) = (addr.clone(), sec.clone());
+                    std::thread::spawn(move || Group::join(r, 2, &addr, &sec, T).unwrap())
+                })
+                .collect();
+            let mut groups: Vec<Group> = joins.into_iter().map(|t| t.join().unwrap()).collect();
+            let mut g1 = groups.pop().unwrap();
+            g1.watch_peers(server_rank).unwrap();
+            drop(server);
+            (groups, g1)
+        };
+        // The CLI's launcher serves the store: its loss names no rank.
+        let (_g0, g1) = watcher_of_a_lost_store(None);
+        std::thread::sleep(Duration::from_millis(500));
+        g1.peer_watch().unwrap().check("x").unwrap();
+
+        // Served by rank 0 (gin_ep.Buffer): the same loss names rank 0.
+        let (_g0, g1) = watcher_of_a_lost_store(Some(0));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let err = loop {
+            if let Err(e) = g1.peer_watch().unwrap().check("x") {
+                break e.to_string();
+            }
+            assert!(Instant::now() < deadline, "the store's loss was never noticed");
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        assert!(err.contains("rank 0 exited or closed gin-ep's store"), "{err}");
     }
 
     #[test]

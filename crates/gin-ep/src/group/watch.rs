@@ -149,7 +149,7 @@ impl Watcher {
     /// Connects to the store at `addr` a second time, leaves this rank's will in `log` on
     /// that connection (the server appends it when the connection closes: this process
     /// exited) and follows `log` from its first entry. `server_rank`: the rank whose
-    /// process serves the store, named when the store itself goes away.
+    /// process serves the store, named when the store itself goes away (None: no rank does).
     pub(super) fn start(
         addr: &str,
         secret: &StoreSecret,
@@ -157,7 +157,7 @@ impl Watcher {
         log: String,
         me: usize,
         world: usize,
-        server_rank: usize,
+        server_rank: Option<usize>,
     ) -> Result<Watcher> {
         let store = Store::connect(addr, secret, timeout)?;
         let will = encode(
@@ -216,7 +216,7 @@ fn follow(
     state: Arc<State>,
     stop: Arc<AtomicBool>,
     in_order: Arc<AtomicBool>,
-    server_rank: usize,
+    server_rank: Option<usize>,
 ) {
     let mut next: u64 = 1;
     loop {
@@ -236,7 +236,7 @@ fn follow(
             }
             Ok(None) => {}
             Err(lost) => {
-                if !stop.load(Ordering::Acquire) {
+                if let (false, Some(server_rank)) = (stop.load(Ordering::Acquire), server_rank) {
                     let reason = format!(
                         "rank {server_rank} exited or closed gin-ep's store, which it serves \
                          (this rank's connection to it: {lost})"
