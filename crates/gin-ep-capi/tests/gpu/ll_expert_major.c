@@ -14,9 +14,14 @@
  * CAPI_MASK=1: the group has rank masks (enable_mask); every rank must read active before and
  * after the run, a rank masked by ncclEpMaskUpdate must read masked, and ncclEpMaskClean must
  * make every rank active again.
+ * CAPI_STALL=1 (2 ranks or more): the last rank never dispatches (it sleeps, then exits without
+ * destroying anything, as a hung process would be killed); every other rank's dispatch must
+ * end in an error within timeout_ns (3 s here) plus a margin, from a call's result or the
+ * async error flag, and the last error's text must name the stalled rank.
  * The group is made with a counting allocator (config->alloc): gin-ep must allocate its device
  * buffers through it and give every one back by ncclEpGroupDestroy. */
 #include <math.h>
+#include <time.h>
 
 #include "common.h"
 
@@ -88,6 +93,53 @@ static int fp8_row_is(const uint8_t* row, const float* sc, int s, int t) {
     return 1;
 }
 
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* CAPI_STALL: the run of one rank (see the top). 0 when it holds. */
+static int stall_run(ncclEpHandle_t handle, ncclEpGroup_t group, int rank, int world, ncclEpTensor_t* x,
+                     ncclEpTensor_t* recv, ncclEpTensor_t* count, double timeout_s, cudaStream_t stream) {
+    const int stalled = world - 1;
+    if (rank == stalled) {
+        sleep((unsigned)(3 * timeout_s));
+        printf("rank %d of %d: stalled as asked (never dispatched)\n", rank, world);
+        fflush(stdout);
+        _exit(0);
+    }
+    ncclEpDispatchInputs_t din = NCCL_EP_DISPATCH_INPUTS_INIT;
+    din.tokens = x;
+    ncclEpDispatchOutputs_t dout_s = NCCL_EP_DISPATCH_OUTPUTS_INIT;
+    dout_s.tokens = recv;
+    ncclEpLayoutInfo_t li = NCCL_EP_LAYOUT_INFO_INIT;
+    li.expert_counters = count;
+    ncclEpDispatchConfig_t dcfg = NCCL_EP_DISPATCH_CONFIG_INIT;
+    const double t0 = now_s();
+    ncclResult_t r = ncclEpDispatch(handle, &din, &dout_s, &li, &dcfg, stream);
+    if (r == ncclSuccess) r = ncclEpComplete(handle, NULL, stream);
+    int async_error = 0;
+    /* The kernel ends at its deadline either way; the flag or the next call reports it. */
+    while (r == ncclSuccess && async_error == 0 && now_s() - t0 < 3 * timeout_s) {
+        r = ncclEpGetAsyncError(group, &async_error);
+        usleep(1000);
+    }
+    const double took = now_s() - t0;
+    const char* text = ncclEpGetLastError();
+    char needle[32];
+    snprintf(needle, sizeof needle, "rank %d", stalled);
+    const int named = text != NULL && strstr(text, needle) != NULL;
+    const int failed = r != ncclSuccess || async_error != 0;
+    printf("rank %d of %d: stalled rank %d: %s after %.1f s (result %d, async flag %d): %s\n", rank, world, stalled,
+           failed ? "error" : "NO error", took, (int)r, async_error, text ? text : "(no text)");
+    if (!failed || took > timeout_s + 5.0 || !named) {
+        fprintf(stderr, "rank %d: expected an error naming rank %d within %.0f s\n", rank, stalled, timeout_s + 5.0);
+        return 1;
+    }
+    return 0;
+}
+
 int main(int argc, char** argv) {
     int rank, world;
     ncclComm_t comm = init_comm(argc, argv, &rank, &world);
@@ -99,7 +151,9 @@ int main(int argc, char** argv) {
     cfg.max_dispatch_tokens_per_rank = TOKENS;
     cfg.max_recv_tokens_per_rank = NCCL_EP_AUTO;
     cfg.max_token_bytes = HIDDEN * 2;
-    cfg.timeout_ns = 30ull * 1000 * 1000 * 1000;
+    const char* stall_env = getenv("CAPI_STALL");
+    const int stall = stall_env != NULL && strcmp(stall_env, "1") == 0 && world > 1;
+    cfg.timeout_ns = (stall ? 3ull : 30ull) * 1000 * 1000 * 1000;
     size_t alloc_bytes = 0;
     cfg.alloc.alloc_fn = counted_alloc;
     cfg.alloc.free_fn = counted_free;
@@ -172,6 +226,14 @@ int main(int argc, char** argv) {
                 int64_t e = expert(s, t, k, experts);
                 if (e / L == rank) expect_count[e % L]++;
             }
+
+    if (stall) {
+        int bad = stall_run(handle, group, rank, world, &t_x, &t_recv, &t_count, 3.0, stream);
+        /* A peer is gone: leave the group to the process's end (its destroy is collective). */
+        printf("rank %d of %d: LL stall: %s\n", rank, world, bad ? "FAILED" : "passed");
+        fflush(stdout);
+        _exit(bad);
+    }
 
     uint16_t* hrecv = malloc(n_recv * 2);
     uint8_t* hrecv8 = malloc(n_recv);
