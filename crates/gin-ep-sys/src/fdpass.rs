@@ -128,9 +128,17 @@ impl FdListener {
     /// opened close-on-exec and owned by the caller). A message whose payload or descriptors
     /// did not fit is an error (the descriptors that did arrive are closed).
     pub fn recv(&self, deadline: Instant) -> io::Result<(Vec<u8>, Vec<OwnedFd>)> {
+        self.recv_until(deadline)?
+            .ok_or_else(|| timed_out("recv", &self.name))
+    }
+
+    /// As [`recv`](Self::recv), but `None` once `until` passes: a bounded wait that is not a
+    /// failure, for a caller that interleaves receiving with other work.
+    pub fn recv_until(&self, until: Instant) -> io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
         loop {
-            let Some(ms) = remaining_ms(deadline) else {
-                return Err(timed_out("recv", &self.name));
+            // Checked before every receive, so senders that never stop cannot extend the wait.
+            let Some(ms) = remaining_ms(until) else {
+                return Ok(None);
             };
             let mut pfd = libc::pollfd {
                 fd: self.sock.as_raw_fd(),
@@ -149,9 +157,8 @@ impl FdListener {
             if rc == 0 {
                 continue; // the deadline check above ends the loop
             }
-            match self.recv_now()? {
-                Some(msg) => return Ok(msg),
-                None => continue, // spurious wake-up
+            if let Some(msg) = self.recv_now()? {
+                return Ok(Some(msg));
             }
         }
     }
@@ -243,7 +250,34 @@ fn take_fds(msg: &libc::msghdr) -> Vec<OwnedFd> {
 /// Sends `payload` (at most [`MAX_PAYLOAD`] bytes) and `fds` (at most [`MAX_FDS`]) to the
 /// listener bound to `name`. Waits until `deadline` while the name is not bound yet or the
 /// receiver's queue is full. The receiver gets duplicates; the caller keeps its descriptors.
+///
+/// The wait depends on the receiver reading: a receiver's queue holds only
+/// `net.unix.max_dgram_qlen` messages (10 by default), so a group in which every member
+/// sends to all others before it receives deadlocks once more than that many target one
+/// member. Such a group drains its own listener between attempts of [`try_send`].
 pub fn send(name: &str, payload: &[u8], fds: &[BorrowedFd<'_>], deadline: Instant) -> io::Result<()> {
+    let mut pause = Duration::from_micros(50);
+    loop {
+        let err = match try_send(name, payload, fds) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => e,
+            Err(e) => return Err(e),
+        };
+        if Instant::now() >= deadline {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("{err}; its deadline passed"),
+            ));
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(20));
+    }
+}
+
+/// One attempt of [`send`] that never waits: `WouldBlock` when the message cannot be
+/// delivered yet (the receiver's queue is full, or nobody has bound `name` yet; the error
+/// says which) and may be retried; any other error is final.
+pub fn try_send(name: &str, payload: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
     if payload.len() > MAX_PAYLOAD {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -286,7 +320,6 @@ pub fn send(name: &str, payload: &[u8], fds: &[BorrowedFd<'_>], deadline: Instan
             }
         }
     }
-    let mut pause = Duration::from_micros(50);
     loop {
         // SAFETY: msg points at buffers that live until the call returns.
         let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
@@ -294,24 +327,18 @@ pub fn send(name: &str, payload: &[u8], fds: &[BorrowedFd<'_>], deadline: Instan
             return Ok(());
         }
         let err = io::Error::last_os_error();
-        let retry = matches!(
-            err.raw_os_error(),
-            Some(libc::EAGAIN) | Some(libc::ECONNREFUSED) | Some(libc::ENOENT) | Some(libc::EINTR)
-        );
-        if !retry {
-            return Err(io::Error::new(
-                err.kind(),
-                format!("fdpass: send to {name:?}: {err}"),
-            ));
-        }
-        if Instant::now() >= deadline {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("fdpass: send to {name:?} passed its deadline (last error: {err})"),
-            ));
-        }
-        std::thread::sleep(pause);
-        pause = (pause * 2).min(Duration::from_millis(20));
+        let (kind, why) = match err.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EAGAIN) => (io::ErrorKind::WouldBlock, "its receive queue is full"),
+            Some(libc::ECONNREFUSED) | Some(libc::ENOENT) => {
+                (io::ErrorKind::WouldBlock, "nobody has bound it yet")
+            }
+            _ => (err.kind(), "failed"),
+        };
+        return Err(io::Error::new(
+            kind,
+            format!("fdpass: send to {name:?}: {why} ({err})"),
+        ));
     }
 }
 
@@ -418,6 +445,44 @@ mod tests {
             f.read_to_string(&mut s).unwrap();
             assert_eq!(s, format!("f{i}"));
         }
+    }
+
+    #[test]
+    fn try_send_says_when_to_retry() {
+        let name = unique("full");
+        // Nobody bound yet: retry later.
+        let err = try_send(&name, b"early", &[]).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::WouldBlock, "{err}");
+        let listener = FdListener::bind(&name).unwrap();
+        // Nobody reads: the queue fills at net.unix.max_dgram_qlen messages (10 by default;
+        // a host may raise it, then the bound below is never reached).
+        let mut queued = 0;
+        let full = loop {
+            match try_send(&name, b"m", &[]) {
+                Ok(()) => queued += 1,
+                Err(e) => break Some(e),
+            }
+            if queued == 100_000 {
+                break None;
+            }
+        };
+        if let Some(err) = full {
+            assert_eq!(err.kind(), io::ErrorKind::WouldBlock, "{err}");
+            assert!(err.to_string().contains("queue is full"), "{err}");
+            // One message read makes room for one more.
+            listener.recv(soon()).unwrap();
+            try_send(&name, b"m", &[]).unwrap();
+        }
+        // A bounded wait that ends without a message is not an error.
+        let mut got = 0;
+        while listener
+            .recv_until(Instant::now() + Duration::from_millis(50))
+            .unwrap()
+            .is_some()
+        {
+            got += 1;
+        }
+        assert_eq!(got, queued);
     }
 
     #[test]

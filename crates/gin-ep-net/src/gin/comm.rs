@@ -425,12 +425,8 @@ impl Coll {
                 self.label
             );
         }
-        let payload = msg.encode();
-        for p in &ipc_peers {
-            let fds: Vec<_> = exported.iter().map(|e| e.fd.as_fd()).collect();
-            fdpass::send(&p.fd_name, &payload, &fds, deadline)
-                .map_err(|e| self.fail(format!("regMrSym #{id}: fd exchange with {}: {e}", p.label)))?;
-        }
+        let fds: Vec<_> = exported.iter().map(|e| e.fd.as_fd()).collect();
+        self.send_fd_msgs(id, &ipc_peers, &msg.encode(), &fds, deadline)?;
         for p in &ipc_peers {
             let (m, fd) = self.recv_reg_msg(id, p.rank as u32, deadline)?;
             if m.reg_size != size as u64 {
@@ -476,6 +472,138 @@ impl Coll {
         crate::config::host_id()
     }
 
+    /// Sends this rank's fd-exchange message of registration `id` to every one of `peers`,
+    /// reading its own socket while any of them cannot take it yet.
+    ///
+    /// Why read while sending: a Unix datagram socket queues at most
+    /// `net.unix.max_dgram_qlen` messages (10 by default) and a sender to a full queue must
+    /// wait for its owner to read. With more IPC peers than that, ranks that each send to all
+    /// before they read can wait on one another's full queues until the deadline (a cycle:
+    /// rank a sends to b's full queue while b sends to a's). A rank that reads while it
+    /// waits always makes room, so every send completes.
+    fn send_fd_msgs(
+        &self,
+        id: u32,
+        peers: &[&Peer],
+        payload: &[u8],
+        fds: &[std::os::fd::BorrowedFd<'_>],
+        deadline: Instant,
+    ) -> Result<()> {
+        // From the rank after this one on, so the ranks' first messages spread over every
+        // queue rather than all aiming at the lowest rank's.
+        let mut unsent: Vec<&Peer> = peers.to_vec();
+        unsent.sort_by_key(|p| (p.rank + self.nranks - self.rank) % self.nranks);
+        let mut pause = Duration::from_micros(50);
+        loop {
+            let mut waiting = Vec::with_capacity(unsent.len());
+            let mut last = None;
+            for p in unsent.iter().copied() {
+                match fdpass::try_send(&p.fd_name, payload, fds) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        waiting.push(p);
+                        last = Some(e);
+                    }
+                    Err(e) => {
+                        return Err(self.fail(format!("regMrSym #{id}: fd exchange with {}: {e}", p.label)));
+                    }
+                }
+            }
+            if waiting.is_empty() {
+                return Ok(());
+            }
+            if waiting.len() < unsent.len() {
+                pause = Duration::from_micros(50);
+            }
+            unsent = waiting;
+            if Instant::now() >= deadline {
+                let names: Vec<&str> = unsent.iter().map(|p| p.label.as_str()).collect();
+                return Err(self.fail(format!(
+                    "regMrSym #{id}: fd exchange: {} could not take this rank's message within {:?} ({})",
+                    names.join(", "),
+                    self.config.timeout,
+                    last.map(|e| e.to_string()).unwrap_or_default()
+                )));
+            }
+            self.keep_fd_msgs(id, (Instant::now() + pause).min(deadline))?;
+            pause = (pause * 2).min(Duration::from_millis(20));
+        }
+    }
+
+    /// Reads this rank's fd-exchange socket until `until`, keeping every message of this mesh
+    /// for the registration it belongs to.
+    fn keep_fd_msgs(&self, id: u32, until: Instant) -> Result<()> {
+        let guard = lock(&self.fd_listener);
+        let listener = guard
+            .as_ref()
+            .ok_or_else(|| Error::internal("fd exchange after close"))?;
+        loop {
+            let got = match listener.recv_until(until) {
+                Ok(Some(got)) => got,
+                Ok(None) => return Ok(()),
+                Err(e) => match self.recv_failed(id, None, e) {
+                    Some(err) => return Err(err),
+                    None => continue,
+                },
+            };
+            if let Some((m, fd)) = self.admit_fd_msg(id, got)? {
+                lock(&self.early_regs).insert((m.reg_id, m.from_rank), (m, fd));
+            }
+        }
+    }
+
+    /// A failed read of the fd-exchange socket: `None` for a message that did not fit (its
+    /// descriptors are closed already; the socket's name is public, so it may be anyone's
+    /// and is dropped), else the context's error naming the peer awaited (`from`), if any.
+    fn recv_failed(&self, id: u32, from: Option<u32>, e: std::io::Error) -> Option<Error> {
+        if e.kind() == std::io::ErrorKind::InvalidData {
+            crate::admit::note_stranger(&self.label, None, &format!("an fd-exchange message: {e}"));
+            return None;
+        }
+        Some(match from {
+            Some(from) => self.fail(format!(
+                "regMrSym #{id}: no fd-exchange message from {}: {e}",
+                self.peers[from as usize].label
+            )),
+            None => self.fail(format!("regMrSym #{id}: reading the fd-exchange socket: {e}")),
+        })
+    }
+
+    /// Checks one received fd-exchange message: `None` for a stranger's (dropped, its
+    /// descriptors closed), an error for a malformed one that carries this mesh's key.
+    fn admit_fd_msg(
+        &self,
+        id: u32,
+        (payload, mut fds): (Vec<u8>, Vec<std::os::fd::OwnedFd>),
+    ) -> Result<Option<(RegMsg, Option<std::os::fd::OwnedFd>)>> {
+        // The socket's name is public: a message without this mesh's key is a stranger's,
+        // dropped (its descriptors closed) without ending the exchange.
+        let m = match RegMsg::decode(&payload) {
+            Ok(m) if m.mesh == self.mesh => m,
+            Ok(_) => {
+                crate::admit::note_stranger(
+                    &self.label,
+                    None,
+                    "an fd-exchange message without this mesh's key",
+                );
+                return Ok(None);
+            }
+            Err(e) => {
+                crate::admit::note_stranger(&self.label, None, &format!("an fd-exchange message: {e}"));
+                return Ok(None);
+            }
+        };
+        if m.from_rank as usize >= self.nranks || fds.len() > 1 {
+            return Err(self.fail(format!(
+                "regMrSym #{id}: a malformed fd-exchange message with this mesh's key (rank {}, {} fds)",
+                m.from_rank,
+                fds.len()
+            )));
+        }
+        let fd = fds.pop();
+        Ok(Some((m, fd)))
+    }
+
     /// Receives the fd-exchange message of (`id`, `from`), keeping others for later.
     fn recv_reg_msg(
         &self,
@@ -491,37 +619,16 @@ impl Coll {
             .as_ref()
             .ok_or_else(|| Error::internal("fd exchange after close"))?;
         loop {
-            let (payload, mut fds) = listener.recv(deadline).map_err(|e| {
-                self.fail(format!(
-                    "regMrSym #{id}: no fd-exchange message from {}: {e}",
-                    self.peers[from as usize].label
-                ))
-            })?;
-            // The socket's name is public: a message without this mesh's key is a stranger's,
-            // dropped (its descriptors closed) without ending the exchange.
-            let m = match RegMsg::decode(&payload) {
-                Ok(m) if m.mesh == self.mesh => m,
-                Ok(_) => {
-                    crate::admit::note_stranger(
-                        &self.label,
-                        None,
-                        "an fd-exchange message without this mesh's key",
-                    );
-                    continue;
-                }
-                Err(e) => {
-                    crate::admit::note_stranger(&self.label, None, &format!("an fd-exchange message: {e}"));
-                    continue;
-                }
+            let got = match listener.recv(deadline) {
+                Ok(got) => got,
+                Err(e) => match self.recv_failed(id, Some(from), e) {
+                    Some(err) => return Err(err),
+                    None => continue,
+                },
             };
-            if m.from_rank as usize >= self.nranks || fds.len() > 1 {
-                return Err(self.fail(format!(
-                    "regMrSym #{id}: a malformed fd-exchange message with this mesh's key (rank {}, {} fds)",
-                    m.from_rank,
-                    fds.len()
-                )));
-            }
-            let fd = fds.pop();
+            let Some((m, fd)) = self.admit_fd_msg(id, got)? else {
+                continue;
+            };
             if (m.reg_id, m.from_rank) == (id, from) {
                 return Ok((m, fd));
             }
