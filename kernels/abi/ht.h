@@ -14,12 +14,19 @@
 namespace gin_ep {
 namespace ht {
 
-static const int kMaxRanks = 32;      // rank masks are u32; host refuses more
+// Ranks of one node: on one node every rank of the operation, across gin-ep nodes the G ranks
+// one rank reaches by stores. The warp kernels give each of them a lane and a bit of a u32
+// mask (ht/dispatch.cuh, combine.cuh, nodes.cuh); host refuses more.
+static const int kMaxNodeRanks = 32;
 static const int kMaxGrid = 128;      // dispatch signal words per source; host caps the grid
 static const int kMaxExperts = 8192;  // layout ids are int16, histogram in shared memory; host refuses more
-// HT across gin-ep nodes (kernels/ht/nodes.cuh): at most this many nodes (node masks are u32;
-// the layout kernel scans R + N columns, at most 64).
+// HT across gin-ep nodes (kernels/ht/nodes.cuh): at most this many nodes (a token's nodes are a
+// u32 warp ballot, one lane per node); host refuses more.
 static const int kMaxNodes = 32;
+// Ranks of HT across gin-ep nodes: nodes of at most kMaxNodeRanks. No kernel holds a mask over
+// them: the layout kernel scans its R + N columns in chunks of 32 (column arrays in dynamic
+// shared memory, R + N words each) and reads the count matrix from the window.
+static const int kMaxRanks = kMaxNodeRanks * kMaxNodes;
 // Threads per block of every kernel across nodes except the layout kernel (host: NODES_THREADS).
 static const int kNodesThreads = 256;
 

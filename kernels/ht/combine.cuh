@@ -228,13 +228,13 @@ __device__ __forceinline__ void red_release_cta_shared_max(uint32_t* p, uint32_t
 
 template <int U, int SU = kStageUnroll>
 __device__ __forceinline__ void combine_body(const HtArgs& a) {
-  __shared__ const char* s_cx[kMaxRanks];
-  __shared__ const char* s_cw[kMaxRanks];
-  __shared__ const uint64_t* s_stage[kMaxRanks];
-  __shared__ uint32_t s_base[kMaxRanks];
-  __shared__ uint32_t s_len[kMaxRanks];
+  __shared__ const char* s_cx[kMaxNodeRanks];
+  __shared__ const char* s_cw[kMaxNodeRanks];
+  __shared__ const uint64_t* s_stage[kMaxNodeRanks];
+  __shared__ uint32_t s_base[kMaxNodeRanks];
+  __shared__ uint32_t s_len[kMaxNodeRanks];
   __shared__ uint32_t s_status;
-  __shared__ uint32_t s_mark[kMaxRanks];  // see red_release_cta_shared_max
+  __shared__ uint32_t s_mark[kMaxNodeRanks];  // see red_release_cta_shared_max
 
   const int R = a.ranks;
   const int me = a.rank;

@@ -87,16 +87,6 @@ __device__ __forceinline__ Fabric ht_fabric(const HtArgs& a) {
   }
 }
 
-// The rank masks of the layout kernel: ranks (one node), ranks then nodes (across nodes).
-template <bool NODES>
-struct MaskOf {
-  using type = uint32_t;
-};
-template <>
-struct MaskOf<true> {
-  using type = uint64_t;
-};
-
 // Waits until *w >= target (acquire, sys scope). 0: ok; kStatusPeerFailed: the peer stored
 // kFailed; kStatusTimeout: deadline passed (recorded in err) or another wait already failed.
 __device__ __forceinline__ uint32_t wait_signal(const uint64_t* w, uint64_t target, FabricPhase phase, int peer,

@@ -59,12 +59,12 @@ __device__ __forceinline__ void copy_steps(const uint4* src, int v0, int v1, uin
 
 template <int UNROLL, bool QUANT>
 __device__ __forceinline__ void dispatch_body(const HtArgs& a) {
-  __shared__ char* s_x[kMaxRanks];
-  __shared__ char* s_sc[kMaxRanks];
-  __shared__ char* s_idx[kMaxRanks];
-  __shared__ char* s_w[kMaxRanks];
-  __shared__ char* s_src[kMaxRanks];
-  __shared__ uint32_t s_base[kMaxRanks];
+  __shared__ char* s_x[kMaxNodeRanks];
+  __shared__ char* s_sc[kMaxNodeRanks];
+  __shared__ char* s_idx[kMaxNodeRanks];
+  __shared__ char* s_w[kMaxNodeRanks];
+  __shared__ char* s_src[kMaxNodeRanks];
+  __shared__ uint32_t s_base[kMaxNodeRanks];
   __shared__ uint32_t s_status;
 
   const int R = a.ranks;

@@ -30,7 +30,8 @@ using namespace gin_ep::ht;
 //   (seq) in a tag, so they are never reset. Blocks wait only on lower block indices (as
 //   CUB's single-pass scan), with a deadline;
 // - send_slot [tile][R] is written with 16-byte coalesced stores (in-tile slot + tile offset):
-//   the send slot in ascending token order, exactly the protocol's;
+//   the send slot in ascending token order, exactly the protocol's (across nodes, where R
+//   goes beyond a warp, by chunks of 32 columns: see layout_body);
 // - the histogram is added into the scratch's global histogram (red.add per non-zero bin),
 //   the first bad entry into its word (atomicMax of the complement).
 // The last block to finish (atomic counter, threadfence-reduction pattern) reads the totals
@@ -53,7 +54,9 @@ constexpr int kLayoutWarps = kLayoutTile / 32;
 // count), 2: inclusive prefix (through this tile). Never 0, so a zeroed word is "not yet".
 constexpr uint32_t kTileAggregate = 1u, kTileInclusive = 2u;
 
-// Host mirror: backend/cuda/ht/layout.rs layout_smem_bytes.
+// Host mirror: backend/cuda/ht/layout.rs layout_smem_bytes. At layout_slot_offset: one node,
+// the tile's slots [kLayoutTile][R] i32; across nodes, the column arrays [kLayoutWarps + 3][C]
+// u32 (C = R + N: s_warp_n, s_tile, s_off, s_total).
 __host__ __device__ constexpr uint32_t layout_ids_offset(uint32_t experts) { return (experts * 4u + 15u) / 16u * 16u; }
 __host__ __device__ constexpr uint32_t layout_slot_offset(uint32_t experts, uint32_t topk) {
   return layout_ids_offset(experts) + (uint32_t(kLayoutTile) * (topk | 1u) * 2u + 15u) / 16u * 16u;
@@ -86,14 +89,35 @@ __device__ __forceinline__ uint32_t aligned_rows(uint32_t rows, uint32_t alignme
 // The 16-bit code of a topk id: the id, or -2 when outside [-1, E).
 __device__ __forceinline__ int16_t id_code(int64_t e, int E) { return int16_t(e < -1 || e >= E ? -2 : int(e)); }
 
-// Across nodes, one thread: this rank's count row (row `me` of its own window, already
-// stored) whole over GIN to `peer` (its + 1 to kHtGinCount counts only once the row has
-// landed), or kHtGinFail + 1 alone when this rank refused. Out of line: the caller keeps
-// few registers live across it.
-__device__ __noinline__ void put_count_row(const HtArgs& a, int peer, int row_stride, int row_words, bool refuse) {
+// Across nodes, thread i: this rank's count row (row `me` of its own window, already stored)
+// whole over GIN to ranks i, i + kLayoutTile, ... of other nodes (its + 1 to kHtGinCount
+// counts only once the row has landed), or kHtGinFail + 1 alone when this rank refused. Out of
+// line, one call per thread: the caller keeps few registers live across it.
+__device__ __noinline__ void put_count_rows(const HtArgs& a, int row_stride, int row_words, bool refuse) {
+  const Fabric fab = ht_fabric<true>(a);
   const size_t my_row = a.off_counts + size_t(a.rank) * row_stride * sizeof(uint32_t);
-  ht_fabric<true>(a).put(peer, my_row, my_row, refuse ? 0 : size_t(row_words) * sizeof(uint32_t), kHtGinCount,
-                         refuse ? kHtGinFail + 1u : 1u);
+  for (int peer = threadIdx.x; peer < a.ranks; peer += kLayoutTile) {
+    if (!fab.by_store(peer))
+      fab.put(peer, my_row, my_row, refuse ? 0 : size_t(row_words) * sizeof(uint32_t), kHtGinCount,
+              refuse ? kHtGinFail + 1u : 1u);
+  }
+}
+
+// Across nodes, thread i: waits for the count rows of ranks i, i + kLayoutTile, ... (this
+// node's: the count signal, seq; other nodes': kHtGinCount); a failure goes into *fail (the
+// first status) and *fail_peer (the highest rank). Out of line, as put_count_rows.
+__device__ __noinline__ void wait_count_rows(const HtArgs& a, uint32_t* fail, int* fail_peer) {
+  const Fabric fab = ht_fabric<true>(a);
+  for (int p = threadIdx.x; p < a.ranks; p += kLayoutTile) {
+    const uint32_t st = fab.by_store(p)
+                            ? wait_signal(fab.word(a.off_count_sig + size_t(p) * 8, a.rank), a.seq,
+                                          kPhaseHtCountExchange, p, a.rank, a.timeout_ns, a.err)
+                            : wait_gin(fab, kHtGinCount, p, a.gin_count_target, kPhaseHtCountExchange, a.timeout_ns);
+    if (st != kStatusOk) {
+      atomicCAS(fail, kStatusOk, st);
+      atomicMax(fail_peer, p);
+    }
+  }
 }
 
 // Exclusive prefix of rank r's counts over tiles [0, tile), by one warp (decoupled
@@ -145,17 +169,28 @@ __device__ __forceinline__ bool look_back(const uint64_t* tiles, int R, int r, i
 // tokens with an expert on a rank of that node), the count row carries tokens_per_node, it
 // reaches the ranks of other nodes over GIN (kHtGinCount), and the plan goes on with this
 // rank's rail plan (abi/ht.h). Without NODES every line is the one-node kernel's.
+//
+// Across nodes R goes up to kMaxRanks, so nothing is a mask over the ranks: after validation a
+// token's row of ids holds its destination ranks (at most K), the columns are scanned in
+// chunks of 32 (a u32 of the token's bits in the chunk, one ballot per column), the column
+// arrays (C words each) live in dynamic shared memory after the ids, each lane stores one
+// column of the warp's tokens (the ballots transpose the tile: w consecutive words per token
+// row), and the last block reads the count matrix from the window one column per thread. The
+// slots, counts and plan are those of the one-node formulas: the same values in every word.
 template <bool NODES>
 __device__ __forceinline__ void layout_body(const HtArgs& a) {
-  constexpr int kCols = NODES ? kMaxRanks + kMaxNodes : kMaxRanks;
-  using Mask = typename MaskOf<NODES>::type;
+  // One node: the column arrays are static (C = R <= kMaxNodeRanks); across nodes they are
+  // dynamic (at layout_slot_offset; host: layout_smem_bytes) and these are left at one word.
+  constexpr int kCols = NODES ? 1 : kMaxNodeRanks;
   extern __shared__ __align__(16) unsigned char s_dyn[];
   __shared__ uint32_t s_warp[kLayoutWarps][kCols];
-  __shared__ uint32_t s_tile[kCols];                // this tile's count per column (rank, node)
-  __shared__ uint32_t s_off[kCols];                 // tokens of earlier tiles per column
-  __shared__ uint32_t s_total[kCols];               // last block: tokens_per_rank (, per node)
-  __shared__ uint32_t s_want[kMaxRanks];            // last block: each source's caller_tokens
-  __shared__ uint32_t s_cnt[kMaxRanks][kMaxRanks];  // [source][destination] tokens_per_rank
+  __shared__ uint32_t s_tile1[kCols];       // this tile's count per column (rank, node)
+  __shared__ uint32_t s_off1[kCols];        // tokens of earlier tiles per column
+  __shared__ uint32_t s_total1[kCols];      // last block: tokens_per_rank (, per node)
+  __shared__ uint32_t s_cnt[kCols][kCols];  // one node: [source][destination] tokens_per_rank
+  __shared__ uint32_t s_want;               // last block: the most caller_tokens of any source
+  __shared__ int s_cap_dest;                // across nodes: the first destination over capacity
+  __shared__ unsigned long long s_recv;     // across nodes: the rows this rank receives
   __shared__ uint32_t s_bad;
   __shared__ uint32_t s_fail;
   __shared__ int s_fail_peer;
@@ -177,7 +212,13 @@ __device__ __forceinline__ void layout_body(const HtArgs& a) {
   const uint32_t lanemask_lt = (1u << lane) - 1u;
   uint32_t* const s_hist = reinterpret_cast<uint32_t*>(s_dyn);
   int16_t* const s_ids = reinterpret_cast<int16_t*>(s_dyn + layout_ids_offset(uint32_t(E)));
+  // One node: the tile's slots [kLayoutTile][R]. Across nodes: the column arrays
+  // s_warp_n [kLayoutWarps][C], s_tile [C], s_off [C], s_total [C].
   int32_t* const s_slot = reinterpret_cast<int32_t*>(s_dyn + layout_slot_offset(uint32_t(E), uint32_t(K)));
+  uint32_t* const s_warp_n = reinterpret_cast<uint32_t*>(s_slot);
+  uint32_t* const s_tile = NODES ? s_warp_n + kLayoutWarps * C : s_tile1;
+  uint32_t* const s_off = NODES ? s_tile + C : s_off1;
+  uint32_t* const s_total = NODES ? s_off + C : s_total1;
   const int row_words = R + E + (NODES ? NN : 0) + 1;
   // Across nodes a count row is put whole over GIN: rows start 16-byte aligned.
   const int row_stride = NODES ? (row_words + 3) & ~3 : row_words;
@@ -228,14 +269,18 @@ __device__ __forceinline__ void layout_body(const HtArgs& a) {
     s_bad = 0xFFFFFFFFu;
     s_fail = 0u;
     s_fail_peer = -1;
+    s_want = 0u;
+    s_cap_dest = R;
+    s_recv = 0ull;
   }
   __syncthreads();
 
   const int t = t0 + tid;
   const bool live = tid < tn;
-  Mask mask = 0u;
+  uint32_t mask = 0u;   // one node: the token's ranks
+  uint64_t valid = 0u;  // across nodes: the entries k that name a destination (K <= 64)
   {
-    const int16_t* row = s_ids + tid * KP;
+    int16_t* const row = s_ids + tid * KP;
     for (int k = 0; k < K; ++k) {  // warp-uniform trip count
       const int e = live ? int(row[k]) : -1;
       bool ok = e >= 0;
@@ -252,40 +297,83 @@ __device__ __forceinline__ void layout_body(const HtArgs& a) {
       const uint32_t same = __match_any_sync(0xFFFFFFFFu, ok ? e : -1);
       if (ok) {
         if ((same & lanemask_lt) == 0u) atomicAdd(&s_hist[e], uint32_t(__popc(same)));
-        mask |= Mask(1) << (e / L);
+        if constexpr (NODES) {
+          valid |= uint64_t(1) << k;
+        } else {
+          mask |= 1u << (e / L);
+        }
       }
     }
-  }
-  if constexpr (NODES) {
-    const Mask node_ranks = (Mask(1) << G) - 1u;
-    for (int n = 0; n < NN; ++n) {
-      if ((mask >> (n * G)) & node_ranks) mask |= Mask(1) << (R + n);
+    if constexpr (NODES) {
+      // The row becomes the token's destination ranks, -1 where none (this thread's row: only
+      // this thread reads it below).
+      for (int k = 0; k < K; ++k) row[k] = int16_t(((valid >> k) & 1u) != 0u ? int(row[k]) / L : -1);
     }
   }
-  for (int r = 0; r < C; ++r) {
-    const uint32_t b = __ballot_sync(0xFFFFFFFFu, (mask >> r) & 1u);
-    if (lane == 0) s_warp[warp][r] = __popc(b);
+  // Across nodes: the token's bits in scan chunk c: ranks [32c, 32c + 32) for c < RC, the
+  // nodes (N <= 32) for c = RC.
+  const int RC = (R + 31) / 32;
+  const auto chunk_bits = [&](int c) {
+    const int16_t* row = s_ids + tid * KP;
+    uint32_t bits = 0u;
+    for (int k = 0; k < K; ++k) {
+      const int r = row[k];
+      if (r >= 0 && c == RC) {
+        bits |= 1u << (r / G);
+      } else if (r >= 0 && (r >> 5) == c) {
+        bits |= 1u << (r & 31);
+      }
+    }
+    return bits;
+  };
+  // Lane j < w of every warp gets the ballot of column c0 + j of chunk c over the warp's tokens.
+  const auto chunk_ballots = [&](int c, int w) {
+    const uint32_t bits = chunk_bits(c);
+    uint32_t mine = 0u;
+    for (int j = 0; j < w; ++j) {
+      const uint32_t b = __ballot_sync(0xFFFFFFFFu, (bits >> j) & 1u);
+      if (lane == j) mine = b;
+    }
+    return mine;
+  };
+  const auto chunk_first = [&](int c) { return c < RC ? 32 * c : R; };
+  const auto chunk_width = [&](int c) { return c < RC ? min(32, R - 32 * c) : NN; };
+
+  if constexpr (NODES) {
+    for (int c = 0; c <= RC; ++c) {
+      const int w = chunk_width(c);
+      const uint32_t mine = chunk_ballots(c, w);
+      if (lane < w) s_warp_n[warp * C + chunk_first(c) + lane] = __popc(mine);
+    }
+  } else {
+    for (int r = 0; r < C; ++r) {
+      const uint32_t b = __ballot_sync(0xFFFFFFFFu, (mask >> r) & 1u);
+      if (lane == 0) s_warp[warp][r] = __popc(b);
+    }
   }
   __syncthreads();
-  if (tid < C) {  // exclusive prefix over the tile's warps, per column
+  for (int col = tid; col < C; col += kLayoutTile) {  // exclusive prefix over the tile's warps
     uint32_t acc = 0u;
 #pragma unroll
     for (int w = 0; w < kLayoutWarps; ++w) {
-      const uint32_t c = s_warp[w][tid];
-      s_warp[w][tid] = acc;
+      uint32_t& cell = NODES ? s_warp_n[w * C + col] : s_warp[w][col];
+      const uint32_t c = cell;
+      cell = acc;
       acc += c;
     }
-    s_tile[tid] = acc;
+    s_tile[col] = acc;
     // Publish at once: tile 0's count is already its inclusive prefix.
-    st_relaxed_gpu_u64(g_tiles + size_t(tile) * C + tid,
+    st_relaxed_gpu_u64(g_tiles + size_t(tile) * C + col,
                        tile_word(a.seq, tile == 0 ? kTileInclusive : kTileAggregate, acc));
-    if (tile == 0) s_off[tid] = 0u;
+    if (tile == 0) s_off[col] = 0u;
   }
   __syncthreads();
-  for (int r = 0; r < C; ++r) {
-    const bool in = (mask >> r) & 1u;
-    const uint32_t b = __ballot_sync(0xFFFFFFFFu, in);
-    if (live) s_slot[tid * C + r] = in ? int32_t(s_warp[warp][r] + __popc(b & lanemask_lt)) : -1;
+  if constexpr (!NODES) {
+    for (int r = 0; r < C; ++r) {
+      const bool in = (mask >> r) & 1u;
+      const uint32_t b = __ballot_sync(0xFFFFFFFFu, in);
+      if (live) s_slot[tid * C + r] = in ? int32_t(s_warp[warp][r] + __popc(b & lanemask_lt)) : -1;
+    }
   }
   // Histogram and first bad entry into the scratch (the last block reads them).
   for (int e = tid; e < E; e += kLayoutTile) {
@@ -306,15 +394,19 @@ __device__ __forceinline__ void layout_body(const HtArgs& a) {
   }
   __syncthreads();
   if constexpr (NODES) {
-    // Columns [0, R) into send_slot [T][R], [R, R + N) into node_slot [T][N].
-    for (int i = tid; i < tn * C; i += kLayoutTile) {
-      const int tl = i / C, c = i - tl * C;
-      const int32_t v = s_slot[i];
-      const int32_t slot = v >= 0 ? v + int32_t(s_off[c]) : -1;
-      if (c < R) {
-        a.send_slot[size_t(t0 + tl) * R + c] = slot;
-      } else {
-        a.node_slot[size_t(t0 + tl) * NN + (c - R)] = slot;
+    // Rank chunks into send_slot [T][R], the node chunk into node_slot [T][N]: lane j stores
+    // column c0 + j of the warp's token rows in turn (slot: the warp's exclusive prefix, the
+    // tokens before it in the warp, the earlier tiles').
+    for (int c = 0; c <= RC; ++c) {
+      const int w = chunk_width(c), col = chunk_first(c) + lane;
+      const uint32_t mine = chunk_ballots(c, w);
+      uint32_t next = lane < w ? s_warp_n[warp * C + col] + s_off[col] : 0u;
+      int32_t* const dst = c < RC ? a.send_slot + col : a.node_slot + lane;
+      const int stride = c < RC ? R : NN;
+      for (int i = 0; i < 32 && warp * 32 + i < tn; ++i) {  // warp-uniform
+        const bool in = ((mine >> i) & 1u) != 0u;
+        if (lane < w) dst[size_t(t0 + warp * 32 + i) * stride] = in ? int32_t(next) : -1;
+        next += in ? 1u : 0u;
       }
     }
   } else {
@@ -351,7 +443,8 @@ __device__ __forceinline__ void layout_body(const HtArgs& a) {
     g_scan[kScanBadInv] = 0u;
     g_scan[kScanFail] = 0u;
   }
-  if (tid < C) s_total[tid] = uint32_t(ld_relaxed_gpu_u64(g_tiles + size_t(tiles - 1) * C + tid));
+  for (int col = tid; col < C; col += kLayoutTile)
+    s_total[col] = uint32_t(ld_relaxed_gpu_u64(g_tiles + size_t(tiles - 1) * C + col));
   for (int e = tid; e < E; e += kLayoutTile) {
     s_hist[e] = ld_relaxed_gpu_u32(&g_hist[e]);
     g_hist[e] = 0u;
@@ -360,15 +453,12 @@ __device__ __forceinline__ void layout_body(const HtArgs& a) {
 
   const bool bad = s_bad != 0xFFFFFFFFu;
   const bool refuse = bad || s_fail != kStatusOk;
-  uint32_t* const src_offset = a.plan + kPlanHead;
-  uint32_t* const send_base = src_offset + R + 1;
-  uint32_t* const tpr = send_base + R;
-  uint32_t* const tpe = tpr + R;
-  uint32_t* const local = tpe + E;
-  uint32_t* const aligned = local + L;
-  uint32_t* const rank_prefix = aligned + L;
-  for (int r = tid; r < R; r += kLayoutTile) tpr[r] = s_total[r];
-  for (int e = tid; e < E; e += kLayoutTile) tpe[e] = s_hist[e];
+  {
+    uint32_t* const tpr = a.plan + kPlanHead + (R + 1) + R;
+    uint32_t* const tpe = tpr + R;
+    for (int r = tid; r < R; r += kLayoutTile) tpr[r] = s_total[r];
+    for (int e = tid; e < E; e += kLayoutTile) tpe[e] = s_hist[e];
+  }
 
   const size_t my_row = a.off_counts + size_t(me) * row_stride * sizeof(uint32_t);
   if (!refuse) {
@@ -383,50 +473,91 @@ __device__ __forceinline__ void layout_body(const HtArgs& a) {
                                                         : a.caller_tokens;
       *reinterpret_cast<uint32_t*>(fab.ptr(my_row + size_t(w) * sizeof(uint32_t), peer)) = v;
     }
-    if (tid < R && fab.by_store(tid)) publish_recv_slab(a, fab, tid);
+    for (int p = tid; p < R; p += kLayoutTile) {
+      if (fab.by_store(p)) publish_recv_slab(a, fab, p);
+    }
   }
   __syncthreads();  // every thread's count stores happen-before the signals below
-  if (tid < R) {
-    if (fab.by_store(tid)) {
-      fab.signal_store(a.off_count_sig + size_t(me) * sizeof(uint64_t), tid, refuse ? kFailed : a.seq);
-    } else if constexpr (NODES) {
-      put_count_row(a, tid, row_stride, row_words, refuse);
-    }
+  for (int p = tid; p < R; p += kLayoutTile) {
+    if (fab.by_store(p)) fab.signal_store(a.off_count_sig + size_t(me) * sizeof(uint64_t), p, refuse ? kFailed : a.seq);
   }
-  if (!refuse && tid < R) {
-    uint32_t st = kStatusOk;
-    if (fab.by_store(tid)) {
-      const uint64_t* w = fab.word(a.off_count_sig + size_t(tid) * 8, me);
-      st = wait_signal(w, a.seq, kPhaseHtCountExchange, tid, me, a.timeout_ns, a.err);
-    } else if constexpr (NODES) {
-      st = wait_gin(fab, kHtGinCount, tid, a.gin_count_target, kPhaseHtCountExchange, a.timeout_ns);
-    }
-    if (st != kStatusOk) {
-      atomicCAS(&s_fail, kStatusOk, st);
-      atomicMax(&s_fail_peer, tid);
+  if constexpr (NODES) {
+    put_count_rows(a, row_stride, row_words, refuse);
+    if (!refuse) wait_count_rows(a, &s_fail, &s_fail_peer);
+  } else {
+    for (int p = tid; p < R && !refuse; p += kLayoutTile) {
+      const uint64_t* w = fab.word(a.off_count_sig + size_t(p) * 8, me);
+      const uint32_t st = wait_signal(w, a.seq, kPhaseHtCountExchange, p, me, a.timeout_ns, a.err);
+      if (st != kStatusOk) {
+        atomicCAS(&s_fail, kStatusOk, st);
+        atomicMax(&s_fail_peer, p);
+      }
     }
   }
   __syncthreads();  // extends the waiters' acquire to the block
   if (tid == 0 && kStampsBuilt && a.stamps != nullptr) a.stamps[kStampLayCounts] = globaltimer_ns();
 
-  // The R x R count matrix and this rank's local-expert sums (into s_hist[0, L): the
-  // histogram is no longer needed), loaded at once.
+  // The plan (abi/ht.h), from here on: few registers are live across the exchange's calls.
+  uint32_t* const src_offset = a.plan + kPlanHead;
+  uint32_t* const send_base = src_offset + R + 1;
+  uint32_t* const local = send_base + R + R + E;
+  uint32_t* const aligned = local + L;
+  uint32_t* const rank_prefix = aligned + L;
+  // Across nodes, after rank_prefix_matrix: this rank's rail plan.
+  uint32_t* const tpn_me = rank_prefix + R * R;
+  uint32_t* const rail_count = tpn_me + NN;
+  uint32_t* const rail_base = rail_count + NN;
+
+  // The count matrix (one node: into s_cnt, loaded at once), this rank's local-expert sums
+  // (into s_hist[0, L): the histogram is no longer needed) and the most tokens any caller
+  // passed.
   const uint32_t* counts = reinterpret_cast<const uint32_t*>(fab.ptr(a.off_counts, me));
   const bool counted = !refuse && s_fail == kStatusOk;
   __syncthreads();  // everyone read s_fail before thread 0 reuses it below
   if (counted) {
-    for (int i = tid; i < R * R; i += kLayoutTile) {
-      const int s = i / R, d = i - s * R;
-      s_cnt[s][d] = ld_volatile_u32(counts + size_t(s) * row_stride + d);
+    if constexpr (!NODES) {
+      for (int i = tid; i < R * R; i += kLayoutTile) {
+        const int s = i / R, d = i - s * R;
+        s_cnt[s][d] = ld_volatile_u32(counts + size_t(s) * row_stride + d);
+      }
     }
     for (int e = tid; e < L; e += kLayoutTile) {
       uint32_t sum = 0u;
       for (int s = 0; s < R; ++s) sum += ld_volatile_u32(counts + size_t(s) * row_stride + R + me * L + e);
       s_hist[e] = sum;
     }
-    if (tid < R) s_want[tid] = ld_volatile_u32(counts + size_t(tid) * row_stride + row_words - 1);
+    for (int s = tid; s < R; s += kLayoutTile)
+      atomicMax(&s_want, ld_volatile_u32(counts + size_t(s) * row_stride + row_words - 1));
   }
   __syncthreads();
+  if constexpr (NODES) {
+    // One column d of the count matrix per thread, sources ascending: rank_prefix_matrix
+    // column d, send_base[d] (the sources before this rank) and whether it overruns d's
+    // capacity, src_offset (column me) and this node's rail_base (column d of this node: the
+    // sources before each node's rail source on this rank's rail). Only for a plan that can
+    // be OK (a count that asks to grow leaves it).
+    if (counted && s_want <= a.max_tokens) {
+      const uint64_t cap = uint64_t(R) * a.max_tokens;
+      const int l = me - a.node_first;
+      for (int d = tid; d < R; d += kLayoutTile) {
+        const bool mine = d == me, here = d / G == my_node;
+        uint64_t acc = 0;
+        for (int s = 0; s < R; ++s) {
+          if (s == me) {
+            send_base[d] = uint32_t(acc);
+            // A corrupt peer count must never make us write past the receiver's capacity.
+            if (acc + s_total[d] > cap) atomicMin(&s_cap_dest, d);
+          }
+          if (mine) src_offset[s] = uint32_t(acc);
+          if (here && s - (s / G) * G == l) rail_base[(s / G) * G + (d - a.node_first)] = uint32_t(acc);
+          acc += ld_volatile_u32(counts + size_t(s) * row_stride + d);
+          rank_prefix[size_t(s) * R + d] = uint32_t(acc);
+        }
+        if (mine) s_recv = acc;
+      }
+    }
+    __syncthreads();
+  }
   if (tid == 0) {
     uint32_t status = kStatusOk, detail = 0u, num_recv = 0u;
     int peer = -1;
@@ -437,20 +568,20 @@ __device__ __forceinline__ void layout_body(const HtArgs& a) {
       status = s_fail;
       peer = refuse ? me : s_fail_peer;
       detail = refuse ? uint32_t(kPhaseHtLayoutScan) : uint32_t(kPhaseHtCountExchange);
-    } else {
-      uint32_t want = 0u;
-      for (int s = 0; s < R; ++s) want = max(want, s_want[s]);
-      if (want > a.max_tokens) {
-        status = kStatusGrow;
-        detail = want;
-      }
+    } else if (s_want > a.max_tokens) {
+      status = kStatusGrow;
+      detail = s_want;
     }
     if (status == kStatusOk) {
       const uint64_t cap = uint64_t(R) * a.max_tokens;
       uint64_t acc = 0;
-      for (int s = 0; s < R; ++s) {
-        src_offset[s] = uint32_t(acc);
-        acc += s_cnt[s][me];
+      if constexpr (NODES) {
+        acc = s_recv;
+      } else {
+        for (int s = 0; s < R; ++s) {
+          src_offset[s] = uint32_t(acc);
+          acc += s_cnt[s][me];
+        }
       }
       src_offset[R] = uint32_t(acc < cap ? acc : cap);
       num_recv = uint32_t(acc < cap ? acc : cap);
@@ -458,15 +589,26 @@ __device__ __forceinline__ void layout_body(const HtArgs& a) {
         status = kStatusCapacity;
         detail = uint32_t(acc > 0xFFFFFFFFull ? 0xFFFFFFFFull : acc);
       }
-      for (int d = 0; d < R && status == kStatusOk; ++d) {
-        uint64_t b = 0;
-        for (int s = 0; s < me; ++s) b += s_cnt[s][d];
-        send_base[d] = uint32_t(b);
-        // A corrupt peer count must never make us write past the receiver's capacity.
-        if (b + s_total[d] > cap) {
+      if constexpr (NODES) {
+        if (status == kStatusOk && s_cap_dest < R) {
+          const int d = s_cap_dest;
+          uint64_t b = 0;
+          for (int s = 0; s < me; ++s) b += ld_volatile_u32(counts + size_t(s) * row_stride + d);
           status = kStatusCapacity;
           detail = uint32_t(b + s_total[d] > 0xFFFFFFFFull ? 0xFFFFFFFFull : b + s_total[d]);
           peer = d;
+        }
+      } else {
+        for (int d = 0; d < R && status == kStatusOk; ++d) {
+          uint64_t b = 0;
+          for (int s = 0; s < me; ++s) b += s_cnt[s][d];
+          send_base[d] = uint32_t(b);
+          // A corrupt peer count must never make us write past the receiver's capacity.
+          if (b + s_total[d] > cap) {
+            status = kStatusCapacity;
+            detail = uint32_t(b + s_total[d] > 0xFFFFFFFFull ? 0xFFFFFFFFull : b + s_total[d]);
+            peer = d;
+          }
         }
       }
     }
@@ -492,33 +634,24 @@ __device__ __forceinline__ void layout_body(const HtArgs& a) {
       local[e] = sum;
       aligned[e] = aligned_rows(sum, a.alignment);
     }
-    // DeepEP's rank_prefix_matrix from the count matrix every rank already holds here:
-    // one column per thread, R stores each, inside the kernel the dispatch waits for anyway.
-    if (tid < R) {
-      uint32_t acc = 0u;
-      for (int s = 0; s < R; ++s) {
-        acc += s_cnt[s][tid];
-        rank_prefix[s * R + tid] = acc;
-      }
-    }
     if constexpr (NODES) {
-      // This rank's rail plan (abi/ht.h): its tokens per node, the records of each node's rail
-      // source (counts[s][R + E + my_node]; its own node: its own), and each rail source's
-      // first row at every rank of this node (the receive order of routing.rs).
-      uint32_t* const tpn_me = rank_prefix + R * R;
-      uint32_t* const rail_count = tpn_me + NN;
-      uint32_t* const rail_base = rail_count + NN;
+      // The rest of the rail plan: this rank's tokens per node, and the records of each node's
+      // rail source (counts[s][R + E + my_node]; its own node: its own).
       const int l = me - a.node_first;
       for (int n = tid; n < NN; n += kLayoutTile) {
         tpn_me[n] = s_total[R + n];
         rail_count[n] =
             n == my_node ? s_total[R + n] : ld_volatile_u32(counts + size_t(n * G + l) * row_stride + R + E + my_node);
       }
-      for (int i = tid; i < NN * G; i += kLayoutTile) {
-        const int src = (i / G) * G + l, dst = my_node * G + (i - (i / G) * G);
-        uint32_t b = 0u;
-        for (int s = 0; s < src; ++s) b += s_cnt[s][dst];
-        rail_base[i] = b;
+    } else {
+      // DeepEP's rank_prefix_matrix from the count matrix every rank already holds here:
+      // one column per thread, R stores each, inside the kernel the dispatch waits for anyway.
+      if (tid < R) {
+        uint32_t acc = 0u;
+        for (int s = 0; s < R; ++s) {
+          acc += s_cnt[s][tid];
+          rank_prefix[s * R + tid] = acc;
+        }
       }
     }
   }
@@ -534,8 +667,10 @@ __device__ __forceinline__ void layout_body(const HtArgs& a) {
 extern "C" __global__ void __launch_bounds__(kLayoutTile) gin_ep_ht_layout_count(const HtArgs a) {
   layout_body<false>(a);
 }
-// Across gin-ep nodes (kernels/ht/nodes.cuh has the protocol).
-extern "C" __global__ void __launch_bounds__(kLayoutTile)
+// Across gin-ep nodes (kernels/ht/nodes.cuh has the protocol). One block per SM asked for:
+// without it ptxas kept the kernel to 64 registers and spilled (it takes 71 to 96 by
+// architecture and NCCL headers); the grid is one block per tile, far from filling the GPU.
+extern "C" __global__ void __launch_bounds__(kLayoutTile, 1)
     gin_ep_ht_layout_count_nodes(const __grid_constant__ HtArgs a) {
   layout_body<true>(a);
 }

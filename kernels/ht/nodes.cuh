@@ -7,7 +7,9 @@
 // its rail peer on node n is n * G + l. Ranks of this node are reached by stores (Fabric::ptr),
 // every other rank over GIN (Fabric::put, one put per buffer and peer, each with its own
 // SignalAdd). Taken only when the group spans more than one node; the one-node kernels are
-// untouched.
+// untouched. Lanes and u32 masks name ranks of this node (G <= kMaxNodeRanks) or nodes
+// (N <= kMaxNodes), never the group's ranks (R <= kMaxRanks): a loop over those strides the
+// block.
 //
 // Dispatch (after gin_ep_ht_layout_count_nodes: gin_ep_ht_dispatch_nodes_send*, which stores,
 // gin_ep_ht_exchange_records, then gin_ep_ht_dispatch_nodes_forward, which forwards and waits):
@@ -113,20 +115,24 @@ __device__ __forceinline__ const uint32_t* plan_tpn(const HtArgs& a, int R, int 
 // later kernels stand down and tell their peers).
 __device__ __forceinline__ bool node_barrier(const HtArgs& a, const Fabric& fab, uint64_t epoch, FabricPhase phase) {
   const DeadlineBarrier bar{fab, a.off_bar};
-  // Thread p: rank p, when it is in another node (R <= kMaxRanks <= the block).
-  const int p = threadIdx.x;
-  const bool remote = p < a.ranks && !fab.by_store(p);
+  // Thread p: ranks p, p + blockDim.x, ... that are in another node.
+  const int p0 = threadIdx.x, step = blockDim.x;
   if (!bar.sync(epoch, phase)) {
     // Recorded in the plan too: the operation's later kernels must not send as if it had run.
     if (threadIdx.x == 0) record_status(a, kStatusTimeout, phase, a.rank);
     // The other nodes still get this barrier's + 1, with the failure bit: their waits end at
     // once naming this rank instead of at their deadline, and their targets stay paired.
-    if (remote) fab.signal(p, a.off_bar, kHtGinBar, kHtGinFail + 1u);
+    for (int p = p0; p < a.ranks; p += step) {
+      if (!fab.by_store(p)) fab.signal(p, a.off_bar, kHtGinBar, kHtGinFail + 1u);
+    }
     return false;
   }
-  if (remote) fab.signal(p, a.off_bar, kHtGinBar, 1u);
+  for (int p = p0; p < a.ranks; p += step) {
+    if (!fab.by_store(p)) fab.signal(p, a.off_bar, kHtGinBar, 1u);
+  }
   bool ok = true;
-  if (remote) {
+  for (int p = p0; p < a.ranks; p += step) {
+    if (fab.by_store(p)) continue;
     const uint32_t st = wait_gin(fab, kHtGinBar, p, a.gin_bar_target, kPhaseHtNodeBarrier, a.timeout_ns);
     if (st != kStatusOk) {
       record_status(a, st, kPhaseHtNodeBarrier, p);
@@ -138,11 +144,11 @@ __device__ __forceinline__ bool node_barrier(const HtArgs& a, const Fabric& fab,
 
 // The receive regions of this node's ranks (by local index), in the slab each one named.
 struct LocalDests {
-  char* x[kMaxRanks];
-  char* sc[kMaxRanks];
-  char* idx[kMaxRanks];
-  char* w[kMaxRanks];
-  char* src[kMaxRanks];
+  char* x[kMaxNodeRanks];
+  char* sc[kMaxNodeRanks];
+  char* idx[kMaxNodeRanks];
+  char* w[kMaxNodeRanks];
+  char* src[kMaxNodeRanks];
 };
 
 // Threads [0, G) fill `d` (shared memory; the caller's __syncthreads publishes it).
@@ -167,7 +173,7 @@ __device__ __forceinline__ void local_dests(const HtArgs& a, const Fabric& fab, 
 template <int U, bool QUANT>
 __device__ __forceinline__ void dispatch_nodes_send(const HtArgs& a) {
   __shared__ LocalDests s_d;
-  __shared__ uint32_t s_base[kMaxRanks];  // send_base per rank
+  __shared__ uint32_t s_base[kMaxNodeRanks];  // send_base per rank of this node (local index)
   __shared__ uint32_t s_status;
   char* const* const s_x = s_d.x;
   char* const* const s_sc = s_d.sc;
@@ -187,7 +193,7 @@ __device__ __forceinline__ void dispatch_nodes_send(const HtArgs& a) {
 
   const uint32_t* slab_of = reinterpret_cast<const uint32_t*>(fab.ptr(a.off_recv_slab, me));
   local_dests(a, fab, g, s_d);
-  if (tid < R) s_base[tid] = ld_volatile_u32(a.plan + kPlanHead + R + 1 + tid);
+  if (tid < G) s_base[tid] = ld_volatile_u32(a.plan + kPlanHead + R + 1 + g.first + tid);
   if (tid == 0) {
     if (blockIdx.x == 0 && kStampsBuilt && a.stamps != nullptr) {
       a.stamps[kStampDispStart] = globaltimer_ns();
@@ -220,22 +226,22 @@ __device__ __forceinline__ void dispatch_nodes_send(const HtArgs& a) {
   const int warps = blockDim.x / 32;
   const int gw = blockIdx.x * warps + (tid >> 5);
   const int nw = gridDim.x * warps;
-  const uint32_t local_bits = G == 32 ? 0xFFFFFFFFu : (1u << G) - 1u;
   char* const fwd_out = fab.ptr(a.off_fwd_out, me);
 
   // ---- 2. send
   if (s_status == kStatusOk) {
     for (int t = gw; t < N; t += nw) {
+      // Lane l: local rank l's send slot; lane n: node n's record (the token's other ranks are
+      // reached through their node's record, never named here).
       int32_t slot = -1;
-      if (lane < R) slot = a.send_slot[size_t(t) * R + lane];
-      const uint32_t mask = __ballot_sync(0xFFFFFFFFu, slot >= 0);
-      if (mask == 0u) continue;                               // warp-uniform
-      const uint32_t lmask = (mask >> g.first) & local_bits;  // local ranks by local index
+      if (lane < G) slot = a.send_slot[size_t(t) * R + g.first + lane];
+      const uint32_t lmask = __ballot_sync(0xFFFFFFFFu, slot >= 0);  // local ranks by local index
       int32_t ns = -1;
       if (lane < NN) ns = a.node_slot[size_t(t) * NN + lane];
       const uint32_t nmask = __ballot_sync(0xFFFFFFFFu, ns >= 0) & ~(1u << g.node);
+      if ((lmask | nmask) == 0u) continue;  // warp-uniform
       const uint64_t my_row = slot >= 0 ? uint64_t(s_base[lane]) + uint64_t(slot) : 0ull;
-      const auto local_row = [&](int l) { return __shfl_sync(0xFFFFFFFFu, my_row, g.first + l); };
+      const auto local_row = [&](int l) { return __shfl_sync(0xFFFFFFFFu, my_row, l); };
       const auto record = [&](int n) {
         const int j = __shfl_sync(0xFFFFFFFFu, ns, n);
         return fwd_out + (size_t(n) * T + size_t(j)) * frb;
@@ -337,16 +343,14 @@ __device__ __forceinline__ void dispatch_nodes_send(const HtArgs& a) {
             reinterpret_cast<int32_t*>(rec + fr.idx)[k] = int32_t(a.topk_idx[size_t(t) * K + k]);
             reinterpret_cast<float*>(rec + fr.w)[k] = a.topk_w[size_t(t) * K + k];
           }
-          const int32_t s = __shfl_sync(0xFFFFFFFFu, slot, n * G + (lane % G));
-          if (lane < G) reinterpret_cast<int32_t*>(rec + fr.slots)[lane] = s;
+          if (lane < G) reinterpret_cast<int32_t*>(rec + fr.slots)[lane] = a.send_slot[size_t(t) * R + n * G + lane];
           if (lane == 0) reinterpret_cast<int32_t*>(rec + fr.tok)[0] = t;
         });
         // This rank's own records for its node: what its combine reduces as its own rail peer.
         const int j0 = __shfl_sync(0xFFFFFFFFu, ns, g.node);
-        const int32_t s = __shfl_sync(0xFFFFFFFFu, slot, g.first + (lane % G));
         if (j0 >= 0) {
           int32_t* tab = a.rail_slots + (size_t(g.node) * T + size_t(j0)) * (G + 1);
-          if (lane < G) tab[lane] = s;  // the G slots, then the token
+          if (lane < G) tab[lane] = slot;  // the G slots, then the token
           if (lane == 0) tab[G] = t;
         }
       }
@@ -481,11 +485,11 @@ __device__ __forceinline__ void dispatch_nodes_forward(const HtArgs& a) {
     }
   }
 
-  // ---- 4. receive
-  if (paired && tid < R) {
-    const bool local = fab.by_store(tid);
-    const uint64_t* w = fab.word(a.off_disp_sig + (size_t(tid) * kMaxGrid + blockIdx.x) * sizeof(uint64_t), me);
-    const int peer = local ? tid : g.first + (tid % G);  // who stores the slot: the source or its rail peer
+  // ---- 4. receive (thread s: sources s, s + blockDim.x, ...)
+  for (int s = tid; paired && s < R; s += blockDim.x) {
+    const bool local = fab.by_store(s);
+    const uint64_t* w = fab.word(a.off_disp_sig + (size_t(s) * kMaxGrid + blockIdx.x) * sizeof(uint64_t), me);
+    const int peer = local ? s : g.first + (s % G);  // who stores the slot: the source or its rail peer
     const FabricPhase phase = local ? kPhaseHtDispatchWait : kPhaseHtForward;
     const uint32_t st = wait_signal(w, a.seq, phase, peer, me, a.timeout_ns, a.err);
     if (st != kStatusOk) record_status(a, st, phase, peer);
@@ -530,9 +534,15 @@ __device__ __forceinline__ void combine_nodes_gather(const HtArgs& a) {
     const uint4* rows = (a.flags & kFlagStage) != 0u ? static_cast<const uint4*>(a.x)
                                                      : reinterpret_cast<const uint4*>(fab.ptr(a.off_comb_x, me));
     const float* wts = reinterpret_cast<const float*>(fab.ptr(a.off_comb_w, me));
+    // Row i's source s: the number of sources whose rows end at or before i (src_offset[s + 1]
+    // <= i, ascending), counted 32 sources per ballot; the first 32 ends stay in a register.
     const uint32_t next = lane < R ? ld_volatile_u32(src_offset + lane + 1) : 0xFFFFFFFFu;
     for (int i = gw; i < int(num_recv); i += nw) {
-      const int s = __popc(__ballot_sync(0xFFFFFFFFu, lane < R && next <= uint32_t(i)));
+      int s = __popc(__ballot_sync(0xFFFFFFFFu, lane < R && next <= uint32_t(i)));
+      for (int s0 = 32; s == s0 && s0 < R; s0 += 32) {  // warp-uniform
+        const uint32_t end = s0 + lane < R ? ld_volatile_u32(src_offset + s0 + lane + 1) : 0xFFFFFFFFu;
+        s += __popc(__ballot_sync(0xFFFFFFFFu, end <= uint32_t(i)));
+      }
       const uint32_t slot = uint32_t(i) - ld_volatile_u32(src_offset + s);
       char* dst = fab.ptr(a.off_gather, g.first + (s % G)) + ((size_t(g.l) * NN + s / G) * T + slot) * prb;
       const uint4* in = rows + size_t(i) * nvec;

@@ -149,6 +149,10 @@ pub struct CheckArgs {
     /// cases on a few grids and send-warp counts.)
     #[arg(long, value_name = "all|LIST")]
     pub variants: Option<String>,
+    /// With --gpus --mode ht: only the --cases small random cases, not the fixed large ones,
+    /// whose windows grow with the ranks (many virtual nodes on one GPU cannot hold them).
+    #[arg(long)]
+    pub random_only: bool,
     /// With --gpus: instead of the cases, the never-hang check. Rank RANK stays alive but
     /// never enters OP (`ht-dispatch`, `ht-combine` with --mode ht; `ll-dispatch`,
     /// `ll-combine`, `ll-combine-rank-first` with --mode ll); every other rank must fail within
@@ -261,6 +265,11 @@ fn resolve(a: &CheckArgs) -> CliResult<Resolved> {
             Rule::ANY.gpus().gpu_modes(HT).not_with("--stall"),
         ),
         Opt::new("--stall", a.stall.is_some(), Rule::ANY.gpus().gpu_modes(HT_LL)),
+        Opt::new(
+            "--random-only",
+            a.random_only,
+            Rule::ANY.gpus().gpu_modes(HT).not_with("--stall"),
+        ),
     ];
     opts.extend(a.shape.opts(a.gpus.is_some()));
     crate::applies::refuse_inapplicable(
@@ -529,7 +538,7 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
     if std::env::var_os(ENV_CHILD).is_none() {
         // LL runs its own fixed cases (decode-sized buffers); --cases and --seed shape HT's.
         let (mode_name, n_cases) = match mode {
-            BenchMode::Ht => ("ht", gpu_cases(gpus, r.cases, r.seed).len()),
+            BenchMode::Ht => ("ht", ht_cases(gpus, &r, a.random_only).len()),
             BenchMode::Ll => ("ll", gin_ep::gpu::ll_selftest_cases(gpus).len()),
         };
         out!(
@@ -539,10 +548,11 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
         );
         // The launcher's deadline covers every case.
         let again = format!(
-            "\nreproduce with `gin-ep check --gpus {gpus} --mode {mode_name} --cases {} --seed {} --timeout {}`",
+            "\nreproduce with `gin-ep check --gpus {gpus} --mode {mode_name} --cases {} --seed {} --timeout {}{}`",
             r.cases,
             r.seed,
-            a.timeout.as_secs_f64()
+            a.timeout.as_secs_f64(),
+            if a.random_only { " --random-only" } else { "" }
         );
         let with = match (mode, a.variants.is_some()) {
             (BenchMode::Ll, _) => ", small cases on every check tuning too",
@@ -567,7 +577,7 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
         }
     };
     let group = gpus::rank_group(a.timeout)?;
-    let cases = gpu_cases(group.world(), r.cases, r.seed);
+    let cases = ht_cases(group.world(), &r, a.random_only);
     let t0 = Instant::now();
     let passed = gin_ep::gpu::check_rank_variants(&group, mode, &cases, a.timeout, &variants);
     let rank = group.rank();
@@ -586,6 +596,16 @@ fn run_gpus(a: &CheckArgs, gpus: usize) -> CliResult {
         );
     }
     Ok(())
+}
+
+/// The GPU HT check's cases for `world` ranks: the fixed ones then `r.cases` random ones, or
+/// with `random_only` the random ones alone (the same cases as without it).
+fn ht_cases(world: usize, r: &Resolved, random_only: bool) -> Vec<Case> {
+    let mut cases = gpu_cases(world, r.cases, r.seed);
+    if random_only {
+        cases.drain(..gpu_cases(world, 0, r.seed).len());
+    }
+    cases
 }
 
 /// Runs this command once per GPU (children marked with ENV_CHILD, bounded by `deadline`)

@@ -551,6 +551,7 @@ fn options_that_do_not_apply_are_refused_not_ignored() {
         // GPU-only options without --gpus.
         (&["check", "--stall", "2:ht-combine"], &["--stall", "--gpus"]),
         (&["check", "--variants", "all"], &["--variants", "--gpus"]),
+        (&["check", "--random-only"], &["--random-only", "--gpus"]),
         (&["bench", "--sms", "4"], &["--sms", "--gpus"]),
         (&["bench", "--sweep"], &["--sweep", "--gpus"]),
         (&["bench", "--sweep-list", "sms=32"], &["--sweep-list", "--gpus"]),
@@ -596,6 +597,10 @@ fn options_that_do_not_apply_are_refused_not_ignored() {
         (
             &["check", "--gpus", "2", "--mode", "ll", "--variants", "all"],
             &["--variants", "--mode ll"],
+        ),
+        (
+            &["check", "--gpus", "2", "--mode", "ll", "--random-only"],
+            &["--random-only", "--mode ll"],
         ),
     ];
     for (args, needles) in cases {
@@ -991,8 +996,8 @@ fn virtual_node_and_gin_options_are_refused_where_they_do_not_apply() {
         ),
         // Bad shapes and bad --kill values, named.
         (
-            &["check", "--gpus", "1", "--vnodes", "17", "--mode", "gin"],
-            &["vnodes", "17"],
+            &["check", "--gpus", "1", "--vnodes", "49", "--mode", "gin"],
+            &["vnodes", "49"],
         ),
         (
             &[

@@ -28,8 +28,9 @@ pub const ENV_NODE_SIZE: &str = "GIN_EP_NODE_SIZE";
 pub const ENV_PLUGIN: &str = "GIN_EP_NET_PLUGIN";
 /// File name of the plugin as `cargo build --release -p gin-ep-net` makes it.
 pub const PLUGIN_FILE: &str = "libnccl_net_ginep.so";
-/// Most processes one GPU is asked to carry.
-pub const MAX_VNODES: usize = 16;
+/// Most processes one GPU is asked to carry: MPS serves at most 48 client processes per
+/// GPU (Volta and later), and shared GPUs run under MPS.
+pub const MAX_VNODES: usize = 48;
 /// Most ranks of one launch (as `--gpus`).
 pub const MAX_WORLD: usize = 1024;
 
@@ -340,7 +341,7 @@ mod tests {
             (t(1, Some(0)), 8, "node_size", "0:"),
             (t(0, None), 8, "vnodes", "0:"),
             (t(3, None), 8, "vnodes", "3:"),
-            (t(MAX_VNODES + 1, None), 1024, "vnodes", "17:"),
+            (t(MAX_VNODES + 1, None), 49 * 16, "vnodes", "49:"),
         ] {
             let e = bad.validate(world).unwrap_err().to_string();
             assert!(e.contains(name) && e.contains(value), "{bad:?}: {e}");
@@ -453,7 +454,7 @@ mod tests {
     fn bad_shapes_are_refused_naming_the_value() {
         for (g, k, m, needle) in [
             (1, 0, None, "vnodes"),
-            (1, 17, None, "17"),
+            (1, 49, None, "49"),
             (1024, 2, None, "1024"),
             (0, 2, None, "gpus"),
             (1, 4, Some(3), "3"),

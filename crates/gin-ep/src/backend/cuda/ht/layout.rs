@@ -5,7 +5,7 @@
 //! mirrors. Never: allocates, launches or touches the device; a change here is a change of
 //! the kernel ABI and needs the same change in the kernels (kernels/ht/).
 
-use super::{abi, MAX_EXPERTS, MAX_GRID, MAX_NODES, MAX_RANKS, PLAN_HEAD};
+use super::{abi, MAX_EXPERTS, MAX_GRID, MAX_NODES, MAX_NODE_RANKS, MAX_RANKS, PLAN_HEAD};
 use crate::backend::cuda::align16;
 use crate::config::{EpConfig, FP8_BLOCK};
 use crate::error::{Error, Result};
@@ -23,13 +23,21 @@ pub fn scan_columns(cfg: &EpConfig) -> usize {
     }
 }
 
+/// Warps of the layout kernel (`kLayoutWarps`, kernels/ht/layout.cuh).
+const LAYOUT_WARPS: usize = LAYOUT_TILE / 32;
+
 /// Dynamic shared memory of the layout kernel: the E-bin histogram (16-byte aligned), one
-/// tile of LAYOUT_TILE tokens x (K | 1) int16 ids (16-byte aligned), then the tile's slots,
-/// LAYOUT_TILE x columns i32 (kernels/ht/layout.cuh layout_ids_offset, layout_slot_offset).
+/// tile of LAYOUT_TILE tokens x (K | 1) int16 ids (16-byte aligned), then on one node the
+/// tile's slots, LAYOUT_TILE x R i32, across nodes the column arrays, (LAYOUT_WARPS + 3) x
+/// (R + N) u32 (kernels/ht/layout.cuh layout_ids_offset, layout_slot_offset). At most
+/// 110 KiB: 8192 experts, top-64, 1024 ranks in 32 nodes.
 pub fn layout_smem_bytes(cfg: &EpConfig) -> u32 {
-    (align16(cfg.experts * 4)
-        + align16(LAYOUT_TILE * (cfg.topk | 1) * 2)
-        + LAYOUT_TILE * scan_columns(cfg) * 4) as u32
+    let cols = if cfg.nodes() > 1 {
+        (LAYOUT_WARPS + 3) * scan_columns(cfg)
+    } else {
+        LAYOUT_TILE * scan_columns(cfg)
+    };
+    (align16(cfg.experts * 4) + align16(LAYOUT_TILE * (cfg.topk | 1) * 2) + cols * 4) as u32
 }
 
 /// Blocks of the layout kernel for `num_tokens` tokens: one per tile, at least one.
@@ -56,11 +64,35 @@ pub fn check_gpu_config(cfg: &EpConfig, world: usize) -> Result<()> {
             format!("the group has {world} ranks"),
         ));
     }
+    if cfg.nodes() == 1 && cfg.ranks > MAX_NODE_RANKS {
+        return Err(Error::config(
+            "ranks",
+            cfg.ranks,
+            format!(
+                "one node of the GPU HT path holds at most {MAX_NODE_RANKS} ranks (its warp kernels \
+                 give each rank of a node a lane); more ranks run HT across gin-ep nodes of at most \
+                 {MAX_NODE_RANKS} (EpConfig::node_size, GIN_EP_NODE_SIZE)"
+            ),
+        ));
+    }
+    if cfg.ranks_per_node() > MAX_NODE_RANKS {
+        return Err(Error::config(
+            "node_size",
+            cfg.ranks_per_node(),
+            format!(
+                "the GPU HT path across gin-ep nodes takes at most {MAX_NODE_RANKS} ranks per node \
+                 (its warp kernels give each rank of a node a lane)"
+            ),
+        ));
+    }
     if cfg.ranks > MAX_RANKS {
         return Err(Error::config(
             "ranks",
             cfg.ranks,
-            format!("the GPU HT path supports at most {MAX_RANKS} ranks (its kernels keep rank masks in 32-bit words), across gin-ep nodes too"),
+            format!(
+                "the GPU HT path supports at most {MAX_RANKS} ranks ({MAX_NODES} gin-ep nodes of \
+                 {MAX_NODE_RANKS})"
+            ),
         ));
     }
     if cfg.experts > MAX_EXPERTS {
@@ -75,7 +107,8 @@ pub fn check_gpu_config(cfg: &EpConfig, world: usize) -> Result<()> {
             "node_size",
             cfg.ranks_per_node(),
             format!(
-                "{} nodes: the GPU HT path across nodes supports at most {MAX_NODES}",
+                "{} nodes: the GPU HT path across nodes supports at most {MAX_NODES} (a token's \
+                 nodes are a 32-bit warp ballot)",
                 cfg.nodes()
             ),
         ));
@@ -457,9 +490,11 @@ mod tests {
         // tokens_per_node[N], rail_count[N], rail_base[N * G] after rank_prefix_matrix.
         assert_eq!(plan_words(&cfg), plan_words(&one) + 4 + 4 + 8);
         assert_eq!(layout_scan_bytes(&cfg) - layout_scan_bytes(&one), 2 * 4 * 8);
+        // One node: the tile's slots, LAYOUT_TILE x R; across nodes: the column arrays,
+        // (LAYOUT_WARPS + 3) x (R + N).
         assert_eq!(
-            layout_smem_bytes(&cfg) - layout_smem_bytes(&one),
-            (LAYOUT_TILE * 4 * 4) as u32
+            layout_smem_bytes(&cfg) + (LAYOUT_TILE * 8 * 4) as u32,
+            layout_smem_bytes(&one) + ((LAYOUT_WARPS + 3) * 12 * 4) as u32
         );
         // The largest: 32 nodes of one rank, 64 scan columns.
         let big = EpConfig::new(32, MAX_EXPERTS, 128, crate::config::MAX_TOPK, 16).with_node_size(Some(1));
@@ -469,5 +504,79 @@ mod tests {
             layout_smem_bytes(&big)
         );
         check_gpu_config(&big, 32).unwrap();
+    }
+
+    #[test]
+    fn ranks_beyond_a_warp_run_across_nodes_of_at_most_32() {
+        // DeepEP's shapes: EP64 = 8 nodes x 8, EP128 = 16 x 8, EP256 = 32 x 8; the largest,
+        // 32 nodes of 32.
+        for (nodes, g) in [(8, 8), (16, 8), (32, 8), (9, 4), (5, 8), (32, 32)] {
+            let r = nodes * g;
+            let cfg = EpConfig::new(r, 8 * r, 7168, 8, 4096).with_node_size(Some(g));
+            check_gpu_config(&cfg, r).unwrap();
+            assert_eq!(scan_columns(&cfg), r + nodes);
+        }
+        // One node keeps a lane per rank: more than 32 ranks need nodes, and the refusal says so.
+        let one = EpConfig::new(64, 256, 128, 8, 16);
+        let e = check_gpu_config(&one, 64).unwrap_err().to_string();
+        assert!(
+            e.contains("ranks = 64") && e.contains("at most 32 ranks") && e.contains("node_size"),
+            "{e}"
+        );
+        let big_node = one.clone().with_node_size(Some(64));
+        let e = check_gpu_config(&big_node, 64).unwrap_err().to_string();
+        assert!(e.contains("ranks = 64") && e.contains("at most 32"), "{e}");
+        let e = check_gpu_config(&EpConfig::new(128, 256, 128, 8, 16).with_node_size(Some(64)), 128)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("node_size = 64") && e.contains("at most 32 ranks per node"),
+            "{e}"
+        );
+        // Nodes: a token's nodes are one warp ballot.
+        let e = check_gpu_config(&EpConfig::new(64, 256, 128, 8, 16).with_node_size(Some(1)), 64)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("64 nodes") && e.contains("at most 32"), "{e}");
+        assert_eq!(MAX_RANKS, MAX_NODES * MAX_NODE_RANKS);
+        assert_eq!(MAX_RANKS, crate::config::MAX_RANKS);
+    }
+
+    #[test]
+    fn layout_sizes_across_nodes_at_64_and_128_ranks() {
+        // EP64 (8 x 8) and EP128 (16 x 8) at DeepSeek's shape: 256 experts, top-8, 4096 tokens.
+        for (r, n) in [(64, 8), (128, 16)] {
+            let cfg = EpConfig::new(r, 256, 7168, 8, 4096).with_node_size(Some(8));
+            let c = r + n;
+            assert_eq!(scan_columns(&cfg), c);
+            // Histogram, the ids of one tile, the column arrays: R + N words each, no tile x R.
+            assert_eq!(
+                layout_smem_bytes(&cfg) as usize,
+                256 * 4 + align16(LAYOUT_TILE * 9 * 2) + (LAYOUT_WARPS + 3) * c * 4
+            );
+            assert!(
+                layout_smem_bytes(&cfg) <= 48 * 1024,
+                "{}",
+                layout_smem_bytes(&cfg)
+            );
+            // Head, histogram, then one tile word per (tile, column): 16 tiles of 256 tokens.
+            assert_eq!(layout_scan_bytes(&cfg), 4 * 4 + 128 * 8 + 16 * c * 8);
+            // Count rows: R + E + N + 1 words, 16-byte aligned; the plan's rank_prefix_matrix is
+            // R x R, then the rail plan.
+            assert_eq!(count_row_stride(&cfg), (r + 256 + n + 1).div_ceil(4) * 4);
+            assert_eq!(plan_words(&cfg), plan_rank_prefix(&cfg) + r * r + 2 * n + r);
+            let l = HtLayout::new(&cfg, 1).unwrap();
+            assert!(l.recv_slab - l.counts >= r * count_row_stride(&cfg) * 4);
+        }
+        // The largest layout kernel: 8192 experts, top-64, 1024 ranks in 32 nodes of 32 fits the
+        // shared memory of every GPU the kernels are built for (227 KiB).
+        let big = EpConfig::new(1024, MAX_EXPERTS, 128, crate::config::MAX_TOPK, 16).with_node_size(Some(32));
+        check_gpu_config(&big, 1024).unwrap();
+        assert_eq!(scan_columns(&big), 1056);
+        assert!(
+            layout_smem_bytes(&big) <= 110 * 1024,
+            "{}",
+            layout_smem_bytes(&big)
+        );
     }
 }

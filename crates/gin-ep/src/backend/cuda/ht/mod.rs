@@ -61,13 +61,19 @@ pub use variant::HtVariant;
 #[cfg(feature = "harness")]
 pub use variant::ENV_VARIANT;
 
-/// Most ranks of the GPU HT path (`kMaxRanks`: rank masks are 32-bit in the kernels).
+/// Most ranks of one node of the GPU HT path (`kMaxNodeRanks`): on one node every rank of the
+/// operation, across gin-ep nodes the node size. The warp kernels give each rank of a node a
+/// lane and a bit of a 32-bit mask.
+pub const MAX_NODE_RANKS: usize = abi::K_MAX_NODE_RANKS as usize;
+/// Most ranks of the GPU HT path (`kMaxRanks`): [`MAX_NODES`] gin-ep nodes of
+/// [`MAX_NODE_RANKS`]. No kernel keeps a mask over them (the layout kernel scans them in
+/// chunks of 32).
 pub const MAX_RANKS: usize = abi::K_MAX_RANKS as usize;
 /// Most CTAs per HT kernel (`kMaxGrid`: signal words reserved per source).
 pub const MAX_GRID: u32 = abi::K_MAX_GRID as u32;
 /// Most experts (`kMaxExperts`: the layout kernel's histogram lives in shared memory).
 pub const MAX_EXPERTS: usize = abi::K_MAX_EXPERTS as usize;
-/// Most gin-ep nodes of HT across nodes (`kMaxNodes`: node masks are 32-bit).
+/// Most gin-ep nodes of HT across nodes (`kMaxNodes`: a token's nodes are a 32-bit warp ballot).
 pub const MAX_NODES: usize = abi::K_MAX_NODES as usize;
 /// Threads per block of the kernels across nodes but the layout kernel (`kNodesThreads`).
 const NODES_THREADS: u32 = abi::K_NODES_THREADS as u32;

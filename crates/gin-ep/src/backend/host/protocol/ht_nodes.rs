@@ -527,6 +527,11 @@ mod tests {
 
     const TOKENS: [usize; 6] = [10, 7, 0, 9, 1, 10];
 
+    /// Tokens of rank `r` (the pattern of TOKENS again for every further 6 ranks).
+    fn tokens(r: usize) -> usize {
+        TOKENS[r % TOKENS.len()]
+    }
+
     fn rng(rank: usize, salt: u64) -> ChaCha8Rng {
         ChaCha8Rng::seed_from_u64(((rank as u64) << 32) ^ salt)
     }
@@ -546,7 +551,7 @@ mod tests {
         (0..cfg.ranks)
             .map(|r| {
                 let mut g = rng(r, 7);
-                let n = TOKENS[r];
+                let n = tokens(r);
                 let mut topk_idx = Vec::with_capacity(n * k);
                 for _ in 0..n {
                     let mut picked: Vec<i64> = Vec::with_capacity(k);
@@ -576,7 +581,7 @@ mod tests {
                 HtCombineInput {
                     x: bf16s(&mut g, nr * cfg.hidden),
                     topk_weights: Some(f32s(&mut g, nr * cfg.topk)),
-                    bias: [Some(bf16s(&mut g, TOKENS[r] * cfg.hidden)), None],
+                    bias: [Some(bf16s(&mut g, tokens(r) * cfg.hidden)), None],
                 }
             })
             .collect()
@@ -645,6 +650,14 @@ mod tests {
                 assert_all_ok(&c, run(&c, None, Duration::from_secs(20)));
             }
         }
+    }
+
+    #[test]
+    fn more_ranks_than_a_warp_match_the_oracle() {
+        // 36 ranks in 9 nodes of 4: beyond the 32 ranks a warp ballot covers, the shape the GPU
+        // layout kernel scans in chunks of 32 columns.
+        let c = EpConfig::new(36, 72, 136, 4, 10).with_node_size(Some(4));
+        assert_all_ok(&c, run(&c, None, Duration::from_secs(120)));
     }
 
     #[test]
