@@ -719,12 +719,29 @@ impl Ep {
     /// the handle holds (valid as long as the handle; stream-ordered after its dispatch).
     /// The host backend's handle carries it (`HtHandle::routing`).
     pub fn ht_rank_prefix_region(&self, handle: &HtHandle) -> Result<(u64, usize)> {
+        self.ht_device_region(
+            handle,
+            "HT rank_prefix_matrix region",
+            "rank_prefix_matrix",
+            |c, h| c.ht_rank_prefix(h),
+        )
+    }
+
+    /// GPU: `region` of `handle`'s dispatch in device memory; the host backend has none (its
+    /// handle's routing holds `held`).
+    fn ht_device_region<T>(
+        &self,
+        handle: &HtHandle,
+        what: &str,
+        held: &str,
+        region: impl FnOnce(&mut CudaEngine, &HtGpuHandle) -> Result<T>,
+    ) -> Result<T> {
         self.own_ht(handle)?;
         match (&mut self.state().engine, &handle.inner) {
-            (Engine::Cuda(c), HtInner::Device(h)) => c.ht_rank_prefix(h),
+            (Engine::Cuda(c), HtInner::Device(h)) => region(c, h),
             (Engine::Host(_), HtInner::Host(_)) => Err(Error::input(
-                "HT rank_prefix_matrix region",
-                "the host backend has no device memory (the handle's routing holds rank_prefix_matrix)",
+                what,
+                format!("the host backend has no device memory (the handle's routing holds {held})"),
             )),
             _ => Err(backend_mismatch("HT handle")),
         }
@@ -800,15 +817,9 @@ impl Ep {
     /// GPU: the `[N, R]` i32 send slots of `handle`'s dispatch (-1: the token does not go to
     /// that rank), in the layout slot the handle holds (valid as long as the handle).
     pub fn ht_send_slot(&self, handle: &HtHandle) -> Result<DeviceView> {
-        self.own_ht(handle)?;
-        match (&mut self.state().engine, &handle.inner) {
-            (Engine::Cuda(c), HtInner::Device(h)) => c.ht_send_slot(h),
-            (Engine::Host(_), HtInner::Host(_)) => Err(Error::input(
-                "HT send slots",
-                "the host backend has no device memory (the handle's routing holds the send slots)",
-            )),
-            _ => Err(backend_mismatch("HT handle")),
-        }
+        self.ht_device_region(handle, "HT send slots", "the send slots", |c, h| {
+            c.ht_send_slot(h)
+        })
     }
 
     /// GPU: the lendable receive slabs free now ([`RecvSlab::Lend`]); none on the host.
