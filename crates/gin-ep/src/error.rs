@@ -107,7 +107,63 @@ impl Error {
             source,
         }
     }
+
+    /// This error with the late or failed peer's node named (`node_of(peer)`), as the waits
+    /// of an operation whose ranks span several nodes report it; other errors as they are.
+    pub(crate) fn naming_node(self, node_of: impl Fn(usize) -> usize) -> Self {
+        match self {
+            Error::Timeout {
+                phase,
+                rank,
+                peer,
+                seq,
+                waited,
+                ..
+            } => Error::Timeout {
+                phase,
+                rank,
+                peer,
+                peer_node: Some(node_of(peer)),
+                seq,
+                waited,
+            },
+            Error::PeerFailed { peer, phase, reason } => Error::PeerFailed {
+                peer,
+                phase,
+                reason: format!("{reason} [rank {peer} of node {}]", node_of(peer)),
+            },
+            e => e,
+        }
+    }
 }
 
 /// Result alias used throughout gin-ep.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_late_or_failed_peer_is_named_with_its_node() {
+        let failed = Error::PeerFailed {
+            peer: 5,
+            phase: "HT count exchange".into(),
+            reason: "rank 5 exited".into(),
+        };
+        let msg = failed.naming_node(|p| p / 2).to_string();
+        assert!(msg.contains("rank 5 exited [rank 5 of node 2]"), "{msg}");
+        let late = Error::Timeout {
+            phase: "forward",
+            rank: 0,
+            peer: 3,
+            peer_node: None,
+            seq: 1,
+            waited: Duration::from_secs(1),
+        };
+        let msg = late.naming_node(|p| p / 2).to_string();
+        assert!(msg.contains("waiting for rank 3 of node 1"), "{msg}");
+        let other = Error::input("x", "y").naming_node(|p| p / 2).to_string();
+        assert!(!other.contains("node"), "{other}");
+    }
+}

@@ -276,11 +276,17 @@ impl<'a> Queue<'a> {
                 }
             }
             // A peer that failed or left will not finish its part: end now, naming it, rather
-            // than at the deadline (one atomic load while no peer has failed).
+            // than at the deadline (one atomic load while no peer has failed); across nodes its
+            // node too, as a missed in-kernel deadline names it.
             if let Some(w) = &rank.peers {
                 if let Err(e) = w.check(what) {
                     rank.comm.mark_failed();
-                    return Err(naming_the_node(e, rank.node_size.get()));
+                    let node_size = rank.node_size.get();
+                    return Err(if node_size > 0 {
+                        e.naming_node(|p| p / node_size)
+                    } else {
+                        e
+                    });
                 }
             }
             // SAFETY: the stream is live.
@@ -538,38 +544,5 @@ impl<'a> Queue<'a> {
         // SAFETY: exec is live (g is borrowed); the caller's contract covers the memory the
         // graph's kernels use.
         cu_raw("cuGraphLaunch", unsafe { sys::cuGraphLaunch(g.exec, self.raw) })
-    }
-}
-
-/// A peer's failure as the group's watch reports it, with the peer's node when the
-/// operation's ranks span several (`node_size` > 0), as a missed in-kernel deadline names it.
-fn naming_the_node(e: Error, node_size: usize) -> Error {
-    match e {
-        Error::PeerFailed { peer, phase, reason } if node_size > 0 => Error::PeerFailed {
-            peer,
-            phase,
-            reason: format!("{reason} [rank {peer} of node {}]", peer / node_size),
-        },
-        e => e,
-    }
-}
-
-#[cfg(test)]
-mod node_tests {
-    use super::*;
-
-    #[test]
-    fn a_failed_peer_is_named_with_its_node_only_across_nodes() {
-        let failed = || Error::PeerFailed {
-            peer: 5,
-            phase: "HT count exchange".into(),
-            reason: "rank 5 exited".into(),
-        };
-        let across = naming_the_node(failed(), 2).to_string();
-        assert!(across.contains("rank 5 exited [rank 5 of node 2]"), "{across}");
-        let one_node = naming_the_node(failed(), 0).to_string();
-        assert!(!one_node.contains("node"), "{one_node}");
-        let other = naming_the_node(Error::input("x", "y"), 2).to_string();
-        assert!(!other.contains("node"), "{other}");
     }
 }

@@ -84,33 +84,10 @@ impl HostEp {
         deadline: Instant,
         phase: &'static str,
     ) -> Result<()> {
-        match self.heap.wait_signal(offset, seq, deadline, phase, peer, seq) {
-            Ok(_) => Ok(()),
-            Err(Error::Timeout {
-                phase,
-                rank,
-                peer,
-                seq,
-                waited,
-                ..
-            }) => Err(Error::Timeout {
-                phase,
-                rank,
-                peer,
-                peer_node: Some(routing::node_of(&self.cfg, peer)),
-                seq,
-                waited,
-            }),
-            Err(Error::PeerFailed { peer, phase, reason }) => Err(Error::PeerFailed {
-                peer,
-                phase,
-                reason: format!(
-                    "{reason} [rank {peer} of node {}]",
-                    routing::node_of(&self.cfg, peer)
-                ),
-            }),
-            Err(e) => Err(e),
-        }
+        self.heap
+            .wait_signal(offset, seq, deadline, phase, peer, seq)
+            .map(|_| ())
+            .map_err(|e| e.naming_node(|p| routing::node_of(&self.cfg, p)))
     }
 
     /// Waits until every source's rows are in this rank's receive buffer. The rows of a
