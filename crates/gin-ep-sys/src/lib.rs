@@ -164,6 +164,17 @@ pub type ncclRecv_t = unsafe extern "C" fn(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t;
+pub type ncclRedOp_t = c_int;
+pub const ncclSum: ncclRedOp_t = 0;
+pub type ncclAllReduce_t = unsafe extern "C" fn(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    op: ncclRedOp_t,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t;
 pub type ncclBroadcast_t = unsafe extern "C" fn(
     sendbuff: *const c_void,
     recvbuff: *mut c_void,
@@ -261,6 +272,7 @@ pub struct Nccl {
     pub ncclSend: ncclSend_t,
     pub ncclRecv: ncclRecv_t,
     pub ncclBroadcast: ncclBroadcast_t,
+    pub ncclAllReduce: ncclAllReduce_t,
     pub ncclGroupStart: ncclGroupStart_t,
     pub ncclGroupEnd: ncclGroupEnd_t,
     pub ncclCommWindowRegister: Option<ncclCommWindowRegister_t>,
@@ -445,6 +457,7 @@ impl Nccl {
                 ncclSend: required(&lib, "ncclSend")?,
                 ncclRecv: required(&lib, "ncclRecv")?,
                 ncclBroadcast: required(&lib, "ncclBroadcast")?,
+                ncclAllReduce: required(&lib, "ncclAllReduce")?,
                 ncclGroupStart: required(&lib, "ncclGroupStart")?,
                 ncclGroupEnd: required(&lib, "ncclGroupEnd")?,
                 ncclCommWindowRegister: optional(&lib, "ncclCommWindowRegister"),

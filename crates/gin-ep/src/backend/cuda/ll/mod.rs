@@ -258,28 +258,34 @@ pub struct CudaLl {
 }
 
 impl Drop for CudaLl {
-    /// Across nodes: returns this rank's GIN signals to 0 before the device communicator
-    /// goes. NCCL hands the same signal ids to the next device communicator without clearing
-    /// them, and the kernels' targets start at 0. Teardown is collective and follows every
-    /// rank's last operation; every add a rank sends is waited for by its target within the
-    /// same operation, so none is in flight now. After a failure (the communicator is marked
-    /// failed) nothing is launched: the abort reclaims everything.
+    /// Across nodes: waits for every rank to reach its teardown, then returns this rank's GIN
+    /// signals to 0 before the device communicator goes. NCCL hands the same signal ids to the
+    /// next device communicator without clearing them, and the kernels' targets start at 0.
+    /// Every add a rank sends is waited for by its target within the same operation, so once
+    /// every rank is here (the barrier) none is in flight; before it, this rank's combine rows
+    /// for a slower peer may still sit in its GIN proxy's queue. After a failure (the
+    /// communicator is marked failed) nothing is launched: the abort reclaims everything.
     fn drop(&mut self) {
         if !self.across_nodes() || self.rank.comm().failed() {
             return;
         }
-        let reset = (0..SETS)
-            .try_for_each(|set| {
-                let args = self.args(set, &LlIo::default())?;
-                // SAFETY: as in `launch`: LlArgs points into buffers self owns, alive until
-                // the wait below returns (or leaked through the failed communicator).
-                unsafe {
-                    self.rank
-                        .own()
-                        .launch_ex(names::RESET_GIN, 1, THREADS, 0, false, &args)
-                }
-            })
-            .and_then(|_| self.rank.wait("LL GIN signal reset"));
+        let reset = self
+            .rank
+            .nccl_barrier("LL teardown barrier (every rank's last operation)")
+            .and_then(|()| {
+                (0..SETS)
+                    .try_for_each(|set| {
+                        let args = self.args(set, &LlIo::default())?;
+                        // SAFETY: as in `launch`: LlArgs points into buffers self owns, alive until
+                        // the wait below returns (or leaked through the failed communicator).
+                        unsafe {
+                            self.rank
+                                .own()
+                                .launch_ex(names::RESET_GIN, 1, THREADS, 0, false, &args)
+                        }
+                    })
+                    .and_then(|_| self.rank.wait("LL GIN signal reset"))
+            });
         if let Err(e) = reset {
             // Nothing to return to: the next device communicator must not trust these
             // signals, so the communicator is aborted rather than finalized.

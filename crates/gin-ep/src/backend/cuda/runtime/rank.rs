@@ -543,6 +543,40 @@ impl CudaRank {
         &self.comm.nccl
     }
 
+    /// Returns once every rank of the communicator reached this call (a one-word
+    /// `ncclAllReduce` on the rank's own stream), or fails at the rank's host deadline naming
+    /// `phase` (or at once when the group records a failed peer): NCCL's own wait is never
+    /// used. Engines that put over GIN call it before tearing down: a rank reaches its
+    /// teardown only after its own last operation ended, which waited for every put addressed
+    /// to it, so once every rank is here no put is in flight; without it a rank that finished
+    /// first could tear down while its puts for a slower peer were still in its GIN proxy's
+    /// queue.
+    pub(crate) fn nccl_barrier(&self, phase: &str) -> Result<()> {
+        let word = self.alloc(4)?;
+        let nccl = &self.comm.nccl;
+        let ptr = word.region().ptr as *mut c_void;
+        // SAFETY: word is 4 live device bytes on this rank's GPU, kept until the stream is
+        // idle (leaked below when it is not); comm and stream are live.
+        let r = unsafe {
+            (nccl.ncclAllReduce)(
+                ptr,
+                ptr,
+                1,
+                ns::ncclUint32,
+                ns::ncclSum,
+                self.comm.raw,
+                self.own().raw() as ns::cudaStream_t,
+            )
+        };
+        self.comm.check("ncclAllReduce (teardown barrier)", r)?;
+        let waited = self.wait(phase);
+        if waited.is_err() {
+            // The all-reduce may still run on the GPU: its word must outlive it.
+            std::mem::forget(word);
+        }
+        waited
+    }
+
     #[cfg(feature = "harness")]
     pub(crate) fn raw_comm(&self) -> ns::ncclComm_t {
         self.comm.raw
