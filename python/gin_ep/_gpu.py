@@ -369,6 +369,13 @@ class Gpu:
             self.lls[key] = l
         return l
 
+    def quiesce(self) -> None:
+        """Collective, before the engines go (Buffer.destroy): every rank made the same LL
+        engines in the same order (their shapes are agreed), so each engine's barrier meets
+        the peers' (Ep.quiesce: across gin-ep nodes no rank's teardown strands a peer's rows)."""
+        for l in self.lls.values():
+            l.quiesce()
+
     def ll_set_mask(self, mask, shrink: bool) -> None:
         """The LL operations queued after this on the current stream skip the ranks `mask`
         names (and, with `shrink`, mask a peer that misses a deadline)."""

@@ -271,6 +271,7 @@ class Buffer(GpuPath, HostPath):
         if self._gpu is not None:
             if collective:
                 torch.cuda.current_stream().synchronize()
+                self._gpu.quiesce()
             self._gpu = None
         runtime, self.runtime = self.runtime, None
         if runtime is not None and collective:

@@ -716,6 +716,12 @@ impl PyEp {
         guard(|| self.ep.set_ll_rank_mask_word(word, shrink).map_err(to_py))
     }
 
+    /// Collective, every rank before its last reference goes: across gin-ep nodes, returns
+    /// once every rank got here, so no rank's teardown strands a peer's rows (`Ep::quiesce`).
+    fn quiesce(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| guard(|| self.ep.quiesce().map_err(to_py)))
+    }
+
     /// Collective: returns the LL protocol state to a new Ep's (see `Ep::ll_reset`).
     #[pyo3(signature = (stream = 0))]
     fn ll_reset(&self, py: Python<'_>, stream: u64) -> PyResult<()> {

@@ -396,7 +396,10 @@ pub extern "C" fn ncclEpGroupDestroy(group: *mut GroupBox) -> NcclResult {
         // SAFETY: a live group (checked) from Box::into_raw; marked dead before it is freed.
         let mut b = unsafe { Box::from_raw(group) };
         b.alive = 0;
-        Ok(())
+        // The group goes either way; a peer that never reached its destroy is reported.
+        let quiet = b.group.quiesce();
+        drop(b);
+        quiet
     })
 }
 

@@ -301,6 +301,17 @@ impl Group {
         })
     }
 
+    /// `ncclEpGroupDestroy`'s collective part (every rank destroys its group): each engine,
+    /// in the order the group made them (the same on every rank for the same program),
+    /// waits across gin-ep nodes until every rank got here ([`Ep::quiesce`]), so no rank's
+    /// teardown strands a peer's rows still in its GIN proxy's queue.
+    pub fn quiesce(&self) -> CResult<()> {
+        for ep in self.engines() {
+            self.note(ep.quiesce().map_err(CapiError::from))?;
+        }
+        Ok(())
+    }
+
     fn engines(&self) -> Vec<Ep> {
         let e = self
             .engines

@@ -1178,6 +1178,19 @@ impl Ep {
         }
     }
 
+    /// Collective: every rank calls it after its last operation, before its last reference
+    /// to this `Ep` goes (`gin_ep.Buffer.destroy`, `ncclEpGroupDestroy`). Across gin-ep nodes
+    /// it returns once every rank got here (bounded by the deadline): the GIN puts of the
+    /// ranks' last operations have then all landed, so no rank's teardown strands a peer's
+    /// rows. Elsewhere it returns at once. Dropping without it stays local (a process that
+    /// ends without a collective teardown).
+    pub fn quiesce(&self) -> Result<()> {
+        match &mut self.state().engine {
+            Engine::Cuda(c) => c.quiesce(),
+            Engine::Host(_) => Ok(()),
+        }
+    }
+
     /// Collective: returns the LL protocol state to a new Ep's on every rank (operation
     /// numbers start over; handles of earlier dispatches become stale). Every rank calls it
     /// with no LL operation in flight anywhere and starts none before all have returned.

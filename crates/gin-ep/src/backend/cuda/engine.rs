@@ -585,6 +585,14 @@ impl CudaEngine {
         Ok(())
     }
 
+    /// Collective, every rank before its last reference to the `Ep` goes: [`CudaLl::quiesce`].
+    pub fn quiesce(&mut self) -> Result<()> {
+        let Some(l) = self.ll.as_ref() else {
+            return Ok(());
+        };
+        self.rank.run(0, |_| l.quiesce())
+    }
+
     /// Collective: resets the LL protocol state (see [`CudaLl::reset`]).
     pub fn ll_reset(&mut self, stream: u64) -> Result<()> {
         let (rank, l) = self.ll()?;

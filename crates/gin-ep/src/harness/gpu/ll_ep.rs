@@ -36,6 +36,8 @@ pub(super) fn check_case(
             compared += one_operation(group, gpu, &ep, case, run, i as u64, half)?;
         }
         ep.sync(Stream(0))?;
+        // As gin_ep.Buffer.destroy and ncclEpGroupDestroy do (the NCCL barrier across nodes).
+        ep.quiesce()?;
         // Window deregistration is collective: tear down together.
         group.barrier(&format!("ll-check/{run}/ep-done"))?;
         Ok(compared)

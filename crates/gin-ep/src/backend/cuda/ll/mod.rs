@@ -258,13 +258,13 @@ pub struct CudaLl {
 }
 
 impl Drop for CudaLl {
-    /// Across nodes: waits for every rank to reach its teardown, then returns this rank's GIN
-    /// signals to 0 before the device communicator goes. NCCL hands the same signal ids to the
-    /// next device communicator without clearing them, and the kernels' targets start at 0.
-    /// Every add a rank sends is waited for by its target within the same operation, so once
-    /// every rank is here (the barrier) none is in flight; before it, this rank's combine rows
-    /// for a slower peer may still sit in its GIN proxy's queue. After a failure (the
-    /// communicator is marked failed) nothing is launched: the abort reclaims everything.
+    /// Across nodes: returns this rank's GIN signals to 0 before the device communicator
+    /// goes. NCCL hands the same signal ids to the next device communicator without clearing
+    /// them, and the kernels' targets start at 0. Every add a rank sends is waited for by its
+    /// target within the same operation, so once every rank has finished its operations none
+    /// is in flight: [`CudaLl::quiesce`], which every rank calls before its last reference
+    /// goes (`Ep::quiesce`), makes sure of that. After a failure (the communicator is marked
+    /// failed) nothing is launched: the abort reclaims everything.
     fn drop(&mut self) {
         if !self.across_nodes() || self.rank.comm().failed() {
             return;
@@ -299,6 +299,20 @@ impl Drop for CudaLl {
 }
 
 impl CudaLl {
+    /// Collective, before the teardown: across nodes, returns once every rank reached it
+    /// (bounded by the rank's deadline). A rank reaches it only after its own last operation
+    /// ended, which waited for every put addressed to it, so then no put is in flight; without
+    /// it a rank that finished first could tear down while its rows for a slower peer were
+    /// still in its GIN proxy's queue (the peer then waits to its deadline). Inside one node
+    /// nothing is asynchronous after a kernel ends: no wait.
+    pub fn quiesce(&self) -> Result<()> {
+        if !self.across_nodes() || self.rank.comm().failed() {
+            return Ok(());
+        }
+        self.rank
+            .nccl_barrier("LL teardown (every rank's last operation)")
+    }
+
     /// Whether some rank lies outside this rank's gin-ep node (GIN signals are in use).
     pub(crate) fn across_nodes(&self) -> bool {
         self.layout.gin_arrivals > 0
