@@ -370,11 +370,11 @@ class Gpu:
         return l
 
     def quiesce(self) -> None:
-        """Collective, before the engines go (Buffer.destroy): every rank made the same LL
-        engines in the same order (their shapes are agreed), so each engine's barrier meets
-        the peers' (Ep.quiesce: across gin-ep nodes no rank's teardown strands a peer's rows)."""
-        for l in self.lls.values():
-            l.quiesce()
+        """Collective, before the engines go (Buffer.destroy): every engine's teardown
+        barrier (Ep.quiesce: across gin-ep nodes no rank's teardown strands a peer's rows).
+        Every rank made the same engines (their shapes are agreed), so the barriers pair up."""
+        for e in [*self.hts.values(), *self.ht_retired, *self.lls.values()]:
+            e.quiesce()
 
     def ll_set_mask(self, mask, shrink: bool) -> None:
         """The LL operations queued after this on the current stream skip the ranks `mask`

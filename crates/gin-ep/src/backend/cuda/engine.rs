@@ -585,12 +585,28 @@ impl CudaEngine {
         Ok(())
     }
 
-    /// Collective, every rank before its last reference to the `Ep` goes: [`CudaLl::quiesce`].
+    /// Collective, every rank after its last operation and before its last reference to the
+    /// `Ep` goes: when HT or LL crosses gin-ep nodes, returns once every rank got here (one
+    /// NCCL barrier, bounded by the rank's deadline). A kernel ends once its own rows have
+    /// arrived and its puts are queued to the GIN proxy, not delivered; a rank reaches this
+    /// only after its last operation, which waited for every put addressed to it, so once
+    /// every rank is here none is in flight. Without it a rank that finished first could tear
+    /// down while its rows for a slower peer were still in its proxy's queue (the peer then
+    /// waits to its deadline). Inside one node nothing is asynchronous after a kernel ends,
+    /// and after a failure the communicator is aborted: no wait.
     pub fn quiesce(&mut self) -> Result<()> {
-        let Some(l) = self.ll.as_ref() else {
+        let ht = self.ht.as_ref().is_some_and(CudaHt::across_nodes);
+        let ll = self.ll.as_ref().is_some_and(CudaLl::across_nodes);
+        if !(ht || ll) {
             return Ok(());
-        };
-        self.rank.run(0, |_| l.quiesce())
+        }
+        self.rank.run(0, |q| {
+            if q.rank().comm().failed() {
+                return Ok(());
+            }
+            q.rank()
+                .nccl_barrier("teardown (every rank's last HT and LL operation)")
+        })
     }
 
     /// Collective: resets the LL protocol state (see [`CudaLl::reset`]).

@@ -262,30 +262,25 @@ impl Drop for CudaLl {
     /// goes. NCCL hands the same signal ids to the next device communicator without clearing
     /// them, and the kernels' targets start at 0. Every add a rank sends is waited for by its
     /// target within the same operation, so once every rank has finished its operations none
-    /// is in flight: [`CudaLl::quiesce`], which every rank calls before its last reference
-    /// goes (`Ep::quiesce`), makes sure of that. After a failure (the communicator is marked
+    /// is in flight: `Ep::quiesce`, which every rank calls before its last reference goes,
+    /// makes sure of that. After a failure (the communicator is marked
     /// failed) nothing is launched: the abort reclaims everything.
     fn drop(&mut self) {
         if !self.across_nodes() || self.rank.comm().failed() {
             return;
         }
-        let reset = self
-            .rank
-            .nccl_barrier("LL teardown barrier (every rank's last operation)")
-            .and_then(|()| {
-                (0..SETS)
-                    .try_for_each(|set| {
-                        let args = self.args(set, &LlIo::default())?;
-                        // SAFETY: as in `launch`: LlArgs points into buffers self owns, alive until
-                        // the wait below returns (or leaked through the failed communicator).
-                        unsafe {
-                            self.rank
-                                .own()
-                                .launch_ex(names::RESET_GIN, 1, THREADS, 0, false, &args)
-                        }
-                    })
-                    .and_then(|_| self.rank.wait("LL GIN signal reset"))
-            });
+        let reset = (0..SETS)
+            .try_for_each(|set| {
+                let args = self.args(set, &LlIo::default())?;
+                // SAFETY: as in `launch`: LlArgs points into buffers self owns, alive until
+                // the wait below returns (or leaked through the failed communicator).
+                unsafe {
+                    self.rank
+                        .own()
+                        .launch_ex(names::RESET_GIN, 1, THREADS, 0, false, &args)
+                }
+            })
+            .and_then(|_| self.rank.wait("LL GIN signal reset"));
         if let Err(e) = reset {
             // Nothing to return to: the next device communicator must not trust these
             // signals, so the communicator is aborted rather than finalized.
@@ -299,20 +294,6 @@ impl Drop for CudaLl {
 }
 
 impl CudaLl {
-    /// Collective, before the teardown: across nodes, returns once every rank reached it
-    /// (bounded by the rank's deadline). A rank reaches it only after its own last operation
-    /// ended, which waited for every put addressed to it, so then no put is in flight; without
-    /// it a rank that finished first could tear down while its rows for a slower peer were
-    /// still in its GIN proxy's queue (the peer then waits to its deadline). Inside one node
-    /// nothing is asynchronous after a kernel ends: no wait.
-    pub fn quiesce(&self) -> Result<()> {
-        if !self.across_nodes() || self.rank.comm().failed() {
-            return Ok(());
-        }
-        self.rank
-            .nccl_barrier("LL teardown (every rank's last operation)")
-    }
-
     /// Whether some rank lies outside this rank's gin-ep node (GIN signals are in use).
     pub(crate) fn across_nodes(&self) -> bool {
         self.layout.gin_arrivals > 0
