@@ -254,7 +254,8 @@ fn take_fds(msg: &libc::msghdr) -> Vec<OwnedFd> {
 /// The wait depends on the receiver reading: a receiver's queue holds only
 /// `net.unix.max_dgram_qlen` messages (10 by default), so a group in which every member
 /// sends to all others before it receives deadlocks once more than that many target one
-/// member. Such a group drains its own listener between attempts of [`try_send`].
+/// member. Such a group sends with [`send_to_all`], which drains the sender's own listener
+/// between attempts.
 pub fn send(name: &str, payload: &[u8], fds: &[BorrowedFd<'_>], deadline: Instant) -> io::Result<()> {
     let mut pause = Duration::from_micros(50);
     loop {
@@ -270,6 +271,74 @@ pub fn send(name: &str, payload: &[u8], fds: &[BorrowedFd<'_>], deadline: Instan
             ));
         }
         std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(20));
+    }
+}
+
+/// Why [`send_to_all`] ended before every receiver took the message.
+#[derive(Debug)]
+pub enum SendToAllError<E> {
+    /// Sending to `names[index]` failed for good (not a full queue, not an unbound name).
+    Send { index: usize, err: io::Error },
+    /// The deadline passed while the receivers `names[i]`, `i` in `waiting`, still could not
+    /// take the message; `last` is the last refusal (it says whether a queue was full or a
+    /// name unbound).
+    TimedOut { waiting: Vec<usize>, last: io::Error },
+    /// The caller's `drain` failed.
+    Drain(E),
+}
+
+/// Sends `payload` and `fds` to every listener of `names`, in the order given, calling
+/// `drain(until)` whenever some of them cannot take it yet; `drain` reads the caller's own
+/// listener until `until` and keeps what it read.
+///
+/// Why drain while sending: a receiver's queue holds only `net.unix.max_dgram_qlen`
+/// messages (10 by default). In a group whose members each send to all others before they
+/// read, more than that many senders to one member can wait on one another's full queues
+/// until the deadline (a cycle: a waits on b's full queue while b waits on a's). A member
+/// that reads while it waits always makes room, so every send of the group completes.
+/// A group does best to start each member's sends at a different receiver (the member
+/// after the sender, say), so the first messages spread over every queue.
+///
+/// Bounded by `deadline`: `drain` is never asked to read past it, and once it passes the
+/// receivers still waiting are named by index.
+pub fn send_to_all<S: AsRef<str>, E>(
+    names: &[S],
+    payload: &[u8],
+    fds: &[BorrowedFd<'_>],
+    deadline: Instant,
+    mut drain: impl FnMut(Instant) -> Result<(), E>,
+) -> Result<(), SendToAllError<E>> {
+    let mut unsent: Vec<usize> = (0..names.len()).collect();
+    let mut pause = Duration::from_micros(50);
+    loop {
+        let mut waiting = Vec::with_capacity(unsent.len());
+        let mut last = None;
+        for &index in &unsent {
+            match try_send(names[index].as_ref(), payload, fds) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    waiting.push(index);
+                    last = Some(e);
+                }
+                Err(err) => return Err(SendToAllError::Send { index, err }),
+            }
+        }
+        let Some(last) = last else {
+            return Ok(());
+        };
+        // A receiver that took a message is being read: retry soon.
+        if waiting.len() < unsent.len() {
+            pause = Duration::from_micros(50);
+        }
+        unsent = waiting;
+        if Instant::now() >= deadline {
+            return Err(SendToAllError::TimedOut {
+                waiting: unsent,
+                last,
+            });
+        }
+        drain((Instant::now() + pause).min(deadline)).map_err(SendToAllError::Drain)?;
         pause = (pause * 2).min(Duration::from_millis(20));
     }
 }
@@ -348,6 +417,7 @@ mod tests {
     use std::fs::File;
     use std::io::{Read, Seek, Write};
     use std::os::fd::AsFd;
+    use std::os::unix::fs::FileExt;
 
     fn unique(tag: &str) -> String {
         format!("gin-ep-test.fdpass.{}.{tag}", std::process::id())
@@ -483,6 +553,105 @@ mod tests {
             got += 1;
         }
         assert_eq!(got, queued);
+    }
+
+    #[test]
+    fn send_to_all_completes_among_more_senders_than_a_queue_holds() {
+        // Four times the default queue length: without reading while sending, the members
+        // wait on one another's full queues until the deadline.
+        const N: usize = 40;
+        let names: Vec<String> = (0..N).map(|i| unique(&format!("all.{i}"))).collect();
+        let start = std::sync::Barrier::new(N);
+        std::thread::scope(|s| {
+            for me in 0..N {
+                let (names, start) = (&names, &start);
+                s.spawn(move || {
+                    let listener = FdListener::bind(&names[me]).unwrap();
+                    let file = memfd_with(format!("from {me}").as_bytes());
+                    let deadline = soon();
+                    let order: Vec<&str> = (1..N).map(|k| names[(me + k) % N].as_str()).collect();
+                    let mut got = Vec::new();
+                    start.wait();
+                    send_to_all(&order, &me.to_le_bytes(), &[file.as_fd()], deadline, |until| {
+                        while let Some(msg) = listener.recv_until(until)? {
+                            got.push(msg);
+                        }
+                        Ok::<(), io::Error>(())
+                    })
+                    .unwrap();
+                    while got.len() < N - 1 {
+                        got.push(listener.recv(deadline).unwrap());
+                    }
+                    let mut from: Vec<usize> = got
+                        .into_iter()
+                        .map(|(payload, fds)| {
+                            let src = usize::from_le_bytes(payload.try_into().unwrap());
+                            assert_eq!(fds.len(), 1);
+                            // Every receiver's copy shares the sender's file offset: read
+                            // at an offset, never through it.
+                            let f = File::from(fds.into_iter().next().unwrap());
+                            let mut text = vec![0u8; 64];
+                            let n = f.read_at(&mut text, 0).unwrap();
+                            assert_eq!(&text[..n], format!("from {src}").as_bytes());
+                            src
+                        })
+                        .collect();
+                    from.sort_unstable();
+                    assert_eq!(from, (0..N).filter(|&r| r != me).collect::<Vec<_>>());
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn send_to_all_names_the_receivers_that_never_took_it() {
+        let full = unique("all-full");
+        let full_listener = FdListener::bind(&full).unwrap();
+        let mut queued = 0;
+        while try_send(&full, b"m", &[]).is_ok() {
+            queued += 1;
+            if queued == 100_000 {
+                return; // this host's queues do not fill (net.unix.max_dgram_qlen raised)
+            }
+        }
+        let ok = unique("all-ok");
+        let ok_listener = FdListener::bind(&ok).unwrap();
+        let unbound = unique("all-unbound");
+        let names = [full.as_str(), ok.as_str(), unbound.as_str()];
+        let mut drains = 0;
+        let t0 = Instant::now();
+        let deadline = t0 + Duration::from_millis(200);
+        let err = send_to_all(&names, b"x", &[], deadline, |until| {
+            assert!(until <= deadline);
+            drains += 1;
+            std::thread::sleep(until.saturating_duration_since(Instant::now()));
+            Ok::<(), ()>(())
+        })
+        .unwrap_err();
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        match err {
+            SendToAllError::TimedOut { waiting, last } => {
+                assert_eq!(waiting, [0, 2]);
+                assert_eq!(last.kind(), io::ErrorKind::WouldBlock);
+            }
+            e => panic!("{e:?}"),
+        }
+        assert!(drains > 0);
+        assert_eq!(ok_listener.recv(soon()).unwrap().0, b"x");
+        drop(full_listener);
+        // The caller's drain error ends the sends.
+        let err = send_to_all(&[unbound.as_str()], b"x", &[], soon(), |_| Err("drain")).unwrap_err();
+        assert!(matches!(err, SendToAllError::Drain("drain")), "{err:?}");
+        // A final send error names the receiver by index.
+        let big = vec![0u8; MAX_PAYLOAD + 1];
+        let err = send_to_all(&[ok.as_str()], &big, &[], soon(), |_| Ok::<(), ()>(())).unwrap_err();
+        match err {
+            SendToAllError::Send { index, err } => {
+                assert_eq!(index, 0);
+                assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+            }
+            e => panic!("{e:?}"),
+        }
     }
 
     #[test]

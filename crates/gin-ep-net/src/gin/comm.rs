@@ -473,14 +473,9 @@ impl Coll {
     }
 
     /// Sends this rank's fd-exchange message of registration `id` to every one of `peers`,
-    /// reading its own socket while any of them cannot take it yet.
-    ///
-    /// Why read while sending: a Unix datagram socket queues at most
-    /// `net.unix.max_dgram_qlen` messages (10 by default) and a sender to a full queue must
-    /// wait for its owner to read. With more IPC peers than that, ranks that each send to all
-    /// before they read can wait on one another's full queues until the deadline (a cycle:
-    /// rank a sends to b's full queue while b sends to a's). A rank that reads while it
-    /// waits always makes room, so every send completes.
+    /// reading its own socket while any of them cannot take it yet (a queue holds only
+    /// `net.unix.max_dgram_qlen` messages; [`fdpass::send_to_all`] says why reading
+    /// matters). What it reads is kept for the registration it belongs to.
     fn send_fd_msgs(
         &self,
         id: u32,
@@ -491,43 +486,27 @@ impl Coll {
     ) -> Result<()> {
         // From the rank after this one on, so the ranks' first messages spread over every
         // queue rather than all aiming at the lowest rank's.
-        let mut unsent: Vec<&Peer> = peers.to_vec();
-        unsent.sort_by_key(|p| (p.rank + self.nranks - self.rank) % self.nranks);
-        let mut pause = Duration::from_micros(50);
-        loop {
-            let mut waiting = Vec::with_capacity(unsent.len());
-            let mut last = None;
-            for p in unsent.iter().copied() {
-                match fdpass::try_send(&p.fd_name, payload, fds) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        waiting.push(p);
-                        last = Some(e);
-                    }
-                    Err(e) => {
-                        return Err(self.fail(format!("regMrSym #{id}: fd exchange with {}: {e}", p.label)));
-                    }
-                }
-            }
-            if waiting.is_empty() {
-                return Ok(());
-            }
-            if waiting.len() < unsent.len() {
-                pause = Duration::from_micros(50);
-            }
-            unsent = waiting;
-            if Instant::now() >= deadline {
-                let names: Vec<&str> = unsent.iter().map(|p| p.label.as_str()).collect();
-                return Err(self.fail(format!(
-                    "regMrSym #{id}: fd exchange: {} could not take this rank's message within {:?} ({})",
-                    names.join(", "),
+        let mut order: Vec<&Peer> = peers.to_vec();
+        order.sort_by_key(|p| (p.rank + self.nranks - self.rank) % self.nranks);
+        let names: Vec<&str> = order.iter().map(|p| p.fd_name.as_str()).collect();
+        fdpass::send_to_all(&names, payload, fds, deadline, |until| {
+            self.keep_fd_msgs(id, until)
+        })
+        .map_err(|e| match e {
+            fdpass::SendToAllError::Send { index, err } => self.fail(format!(
+                "regMrSym #{id}: fd exchange with {}: {err}",
+                order[index].label
+            )),
+            fdpass::SendToAllError::TimedOut { waiting, last } => {
+                let labels: Vec<&str> = waiting.iter().map(|&i| order[i].label.as_str()).collect();
+                self.fail(format!(
+                    "regMrSym #{id}: fd exchange: {} could not take this rank's message within {:?} ({last})",
+                    labels.join(", "),
                     self.config.timeout,
-                    last.map(|e| e.to_string()).unwrap_or_default()
-                )));
+                ))
             }
-            self.keep_fd_msgs(id, (Instant::now() + pause).min(deadline))?;
-            pause = (pause * 2).min(Duration::from_millis(20));
-        }
+            fdpass::SendToAllError::Drain(e) => e,
+        })
     }
 
     /// Reads this rank's fd-exchange socket until `until`, keeping every message of this mesh
