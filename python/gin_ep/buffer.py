@@ -268,11 +268,18 @@ class Buffer(GpuPath, HostPath):
         self._eps = {}
         self._ll_comb_bufs = {}
         self._local_tensors = {}
-        if self._gpu is not None:
-            if collective:
-                torch.cuda.current_stream().synchronize()
-                self._gpu.quiesce()
-            self._gpu = None
+        failure = None
+        gpu, self._gpu = self._gpu, None
+        if gpu is not None and collective:
+            torch.cuda.current_stream().synchronize()
+            try:
+                gpu.quiesce()
+            except Exception as e:  # RuntimeError, TimeoutError: either way the rest is local
+                # A peer never reached destroy() (its error names the phase; a failed peer is
+                # named): the rest goes without the collective steps, which would wait for it
+                # too, and the error is raised after.
+                failure, collective = e, False
+        del gpu
         runtime, self.runtime = self.runtime, None
         if runtime is not None and collective:
             runtime.close()
@@ -281,6 +288,8 @@ class Buffer(GpuPath, HostPath):
             # server stops once they hang up (bounded by the deadline), not before.
             self._server.close(self._timeout_s if collective else 0.0)
             self._server = None
+        if failure is not None:
+            raise failure
 
     def __del__(self) -> None:
         try:
