@@ -271,7 +271,9 @@ class Buffer(GpuPath, HostPath):
         failure = None
         gpu, self._gpu = self._gpu, None
         if gpu is not None and collective:
-            torch.cuda.current_stream().synchronize()
+            # Every stream, not only the current one: the barrier below stands for "this rank's
+            # last operation has ended", and DeepEP's async calls run on a communication stream.
+            torch.cuda.synchronize()
             try:
                 gpu.quiesce()
             except Exception as e:  # RuntimeError, TimeoutError: either way the rest is local
