@@ -225,6 +225,8 @@ impl CaseRun<'_> {
             ep.set_engine_fault(self.fault)?;
             self.iterations(&ep, case, opts.recv_slabs)?;
             ep.sync(Stream(0))?;
+            // As gin_ep.Buffer.destroy and ncclEpGroupDestroy do (the NCCL barrier across nodes).
+            ep.quiesce()?;
             // Window deregistration is collective: everyone leaves the case together.
             self.group
                 .barrier(&format!("gpu-check/case/{:x}", case.workload.seed))
