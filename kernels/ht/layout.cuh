@@ -351,7 +351,12 @@ __device__ __forceinline__ void layout_body(const HtArgs& a) {
       if (lane == 0) s_warp[warp][r] = __popc(b);
     }
   }
+  // From here on, the column and peer loops strided by kLayoutTile stay rolled (`unroll 1`):
+  // one node runs each once (C = R <= 32), and unrolled they made the one-node kernel 500
+  // instructions longer and its layout + count exchange 2 µs slower on one H200 (35.6-36.1
+  // against 33.2-34.1 µs, bench/log/2026-11-29-06.md).
   __syncthreads();
+#pragma unroll 1
   for (int col = tid; col < C; col += kLayoutTile) {  // exclusive prefix over the tile's warps
     uint32_t acc = 0u;
 #pragma unroll
@@ -443,6 +448,7 @@ __device__ __forceinline__ void layout_body(const HtArgs& a) {
     g_scan[kScanBadInv] = 0u;
     g_scan[kScanFail] = 0u;
   }
+#pragma unroll 1
   for (int col = tid; col < C; col += kLayoutTile)
     s_total[col] = uint32_t(ld_relaxed_gpu_u64(g_tiles + size_t(tiles - 1) * C + col));
   for (int e = tid; e < E; e += kLayoutTile) {
@@ -473,11 +479,13 @@ __device__ __forceinline__ void layout_body(const HtArgs& a) {
                                                         : a.caller_tokens;
       *reinterpret_cast<uint32_t*>(fab.ptr(my_row + size_t(w) * sizeof(uint32_t), peer)) = v;
     }
+#pragma unroll 1
     for (int p = tid; p < R; p += kLayoutTile) {
       if (fab.by_store(p)) publish_recv_slab(a, fab, p);
     }
   }
   __syncthreads();  // every thread's count stores happen-before the signals below
+#pragma unroll 1
   for (int p = tid; p < R; p += kLayoutTile) {
     if (fab.by_store(p)) fab.signal_store(a.off_count_sig + size_t(me) * sizeof(uint64_t), p, refuse ? kFailed : a.seq);
   }
@@ -485,6 +493,7 @@ __device__ __forceinline__ void layout_body(const HtArgs& a) {
     put_count_rows(a, row_stride, row_words, refuse);
     if (!refuse) wait_count_rows(a, &s_fail, &s_fail_peer);
   } else {
+#pragma unroll 1
     for (int p = tid; p < R && !refuse; p += kLayoutTile) {
       const uint64_t* w = fab.word(a.off_count_sig + size_t(p) * 8, me);
       const uint32_t st = wait_signal(w, a.seq, kPhaseHtCountExchange, p, me, a.timeout_ns, a.err);
@@ -526,6 +535,7 @@ __device__ __forceinline__ void layout_body(const HtArgs& a) {
       for (int s = 0; s < R; ++s) sum += ld_volatile_u32(counts + size_t(s) * row_stride + R + me * L + e);
       s_hist[e] = sum;
     }
+#pragma unroll 1
     for (int s = tid; s < R; s += kLayoutTile)
       atomicMax(&s_want, ld_volatile_u32(counts + size_t(s) * row_stride + row_words - 1));
   }
