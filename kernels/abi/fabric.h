@@ -42,13 +42,20 @@ enum FabricPhase : uint32_t {
 // exactly one block fills the rest; later failures (usually the same stall seen by other
 // blocks) are dropped on purpose: the first names the peer that stopped. Lives in
 // host-mapped memory; the host reads it after the kernel ends.
+//
+// `stop` is the host's: nonzero once the host has learned that the operation cannot finish
+// (a peer failed or left, or the host's own deadline passed), so a kernel still waiting ends
+// within kErrorPollEveryNs rather than at its own deadline (seconds) and the process is not
+// held at exit by a grid that waits for a dead peer. Kernels never write it, so host and
+// device need no atomics in common (host memory has none across PCIe); it sits beside
+// `claimed` so one 8-byte read sees both.
 struct FabricError {
-  uint32_t claimed;  // 0 = no error
-  uint32_t phase;    // FabricPhase
-  int32_t peer;      // rank (in the team) that did not arrive; -1: unknown (a GIN counter)
-  int32_t rank;      // the rank that waited
-  uint32_t block;    // blockIdx.x of the waiter
-  uint32_t pad;
+  uint32_t claimed;    // 0 = no error
+  uint32_t stop;       // host: 0 = go on; else the operation has failed elsewhere
+  uint32_t phase;      // FabricPhase
+  int32_t peer;        // rank (in the team) that did not arrive; -1: unknown (a GIN counter)
+  int32_t rank;        // the rank that waited
+  uint32_t block;      // blockIdx.x of the waiter
   uint64_t waited_ns;  // how long it waited before giving up
 };
 

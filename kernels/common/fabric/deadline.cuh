@@ -4,6 +4,7 @@
 
 #pragma once
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "abi/fabric.h"
@@ -38,11 +39,14 @@ __device__ __forceinline__ void report_error(FabricError* err, FabricPhase phase
   }
 }
 
-// Another block (or a previous wait) already failed: stop waiting early so one stalled peer
-// costs one deadline, not one per block. Reading host memory crosses PCIe, so callers only
-// look here on the slow path, next to the clock check.
+// Another block (or a previous wait) already failed, or the host has stopped the operation
+// (`stop`): stop waiting early so one stalled peer costs one deadline, not one per block, and
+// a peer the host knows to be gone costs none. One 8-byte read covers `claimed` and `stop`;
+// reading host memory crosses PCIe, so callers only look here on the slow path, next to the
+// clock check.
 __device__ __forceinline__ bool error_reported(const FabricError* err) {
-  return err != nullptr && *(volatile const uint32_t*)&err->claimed != 0u;
+  static_assert(offsetof(FabricError, stop) == offsetof(FabricError, claimed) + 4, "claimed, stop: one u64");
+  return err != nullptr && *(volatile const uint64_t*)&err->claimed != 0ull;
 }
 
 // A wait looks at the host-mapped error flag only after this long: never on the fast path.

@@ -281,6 +281,7 @@ impl<'a> Queue<'a> {
             if let Some(w) = &rank.peers {
                 if let Err(e) = w.check(what) {
                     rank.comm.mark_failed();
+                    rank.stop_kernels();
                     let node_size = rank.node_size.get();
                     return Err(if node_size > 0 {
                         e.naming_node(|p| p / node_size)
@@ -304,6 +305,7 @@ impl<'a> Queue<'a> {
             }
             if start.elapsed() > rank.opts.host_timeout {
                 rank.comm.mark_failed();
+                rank.stop_kernels();
                 rank.check_fabric()?;
                 return Err(Error::Device {
                     call: format!("stream wait ({what})"),

@@ -595,6 +595,17 @@ impl CudaRank {
         self.fabric_err.dev
     }
 
+    /// Ends every wait of this rank's kernels within about 0.1 ms (`FabricError::stop`, read
+    /// on their slow path): for when the host has learned that the operation cannot finish
+    /// (a peer failed or left, or the host's deadline passed). Without it a grid waiting for a
+    /// dead peer runs to its own deadline, seconds, and holds the process's exit that long.
+    /// Only ever set: after it the communicator is failed and nothing more is launched.
+    pub(crate) fn stop_kernels(&self) {
+        // SAFETY: fabric_err.host points to the live, aligned FabricError of this rank; the
+        // kernels never write `stop`, so a volatile store races with nothing.
+        unsafe { std::ptr::write_volatile(std::ptr::addr_of_mut!((*self.fabric_err.host).stop), 1) };
+    }
+
     /// Next barrier epoch; the same sequence on every rank as long as every rank launches
     /// the same barrier kernels in the same order.
     #[cfg(feature = "harness")]

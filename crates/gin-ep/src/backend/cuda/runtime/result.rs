@@ -185,7 +185,7 @@ mod tests {
             peer: 3,
             rank: 1,
             block: 7,
-            pad: 0,
+            stop: 0,
             waited_ns: 5_000_000_000,
         };
         let msg = fabric_error_to_error(&rec, 9, 0).to_string();
