@@ -38,24 +38,29 @@ enum FabricPhase : uint32_t {
   kPhaseHtNodeBarrier = 24,  // the barrier across nodes (cached dispatch, combine start)
 };
 
-// The first failed wait of a launch, written once. `claimed` goes 0 -> 1 by atomicCAS so
-// exactly one block fills the rest; later failures (usually the same stall seen by other
-// blocks) are dropped on purpose: the first names the peer that stopped. Lives in
+// The first failed wait of a launch, written once. `claimed` goes 0 -> kClaimedByKernel by
+// atomicCAS so exactly one block fills the rest; later failures (usually the same stall seen
+// by other blocks) are dropped on purpose: the first names the peer that stopped. Lives in
 // host-mapped memory; the host reads it after the kernel ends.
 //
-// `stop` is the host's: nonzero once the host has learned that the operation cannot finish
-// (a peer failed or left, or the host's own deadline passed), so a kernel still waiting ends
-// within kErrorPollEveryNs rather than at its own deadline (seconds) and the process is not
-// held at exit by a grid that waits for a dead peer. Kernels never write it, so host and
-// device need no atomics in common (host memory has none across PCIe); it sits beside
-// `claimed` so one 8-byte read sees both.
+// The host stops the operation by storing a nonzero byte into the top byte of `claimed`
+// (kStopByHostByte): once it has learned that the operation cannot finish (a peer failed or
+// left, or its own deadline passed), so a kernel still waiting ends within kErrorPollEveryNs
+// instead of at its own deadline (seconds), and a grid waiting for a dead peer does not hold
+// the process's exit. The waits already read `claimed` (nonzero: stop), so this costs them
+// nothing: a second word read beside it took one more register and spilled
+// gin_ep_ll_gin_combine_fused with the NCCL 2.30 headers. Host memory has no atomics across
+// PCIe: the host's byte store and a kernel's compare-and-swap can race, and either outcome is
+// nonzero (a stop, or a claim whose record the kernel then fills).
+static const uint32_t kClaimedByKernel = 1u;
+static const uint32_t kStopByHostByte = 3u;  // byte offset of the host's stop in `claimed`
 struct FabricError {
-  uint32_t claimed;    // 0 = no error
-  uint32_t stop;       // host: 0 = go on; else the operation has failed elsewhere
-  uint32_t phase;      // FabricPhase
-  int32_t peer;        // rank (in the team) that did not arrive; -1: unknown (a GIN counter)
-  int32_t rank;        // the rank that waited
-  uint32_t block;      // blockIdx.x of the waiter
+  uint32_t claimed;  // 0 = go on; low 24 bits: kClaimedByKernel once a wait failed; top byte: the host's stop
+  uint32_t phase;    // FabricPhase
+  int32_t peer;      // rank (in the team) that did not arrive; -1: unknown (a GIN counter)
+  int32_t rank;      // the rank that waited
+  uint32_t block;    // blockIdx.x of the waiter
+  uint32_t pad;
   uint64_t waited_ns;  // how long it waited before giving up
 };
 

@@ -4,7 +4,6 @@
 
 #pragma once
 
-#include <stddef.h>
 #include <stdint.h>
 
 #include "abi/fabric.h"
@@ -29,7 +28,7 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
 __device__ __forceinline__ void report_error(FabricError* err, FabricPhase phase, int peer, int rank,
                                              uint64_t waited_ns) {
   if (err == nullptr) return;
-  if (atomicCAS_system(&err->claimed, 0u, 1u) == 0u) {
+  if (atomicCAS_system(&err->claimed, 0u, kClaimedByKernel) == 0u) {
     err->phase = phase;
     err->peer = peer;
     err->rank = rank;
@@ -40,13 +39,11 @@ __device__ __forceinline__ void report_error(FabricError* err, FabricPhase phase
 }
 
 // Another block (or a previous wait) already failed, or the host has stopped the operation
-// (`stop`): stop waiting early so one stalled peer costs one deadline, not one per block, and
-// a peer the host knows to be gone costs none. One 8-byte read covers `claimed` and `stop`;
-// reading host memory crosses PCIe, so callers only look here on the slow path, next to the
-// clock check.
+// (the top byte of `claimed`, abi/fabric.h): stop waiting early so one stalled peer costs one
+// deadline, not one per block, and a peer the host knows to be gone costs none. Reading host
+// memory crosses PCIe, so callers only look here on the slow path, next to the clock check.
 __device__ __forceinline__ bool error_reported(const FabricError* err) {
-  static_assert(offsetof(FabricError, stop) == offsetof(FabricError, claimed) + 4, "claimed, stop: one u64");
-  return err != nullptr && *(volatile const uint64_t*)&err->claimed != 0ull;
+  return err != nullptr && *(volatile const uint32_t*)&err->claimed != 0u;
 }
 
 // A wait looks at the host-mapped error flag only after this long: never on the fast path.

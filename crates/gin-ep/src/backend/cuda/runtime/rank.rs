@@ -595,15 +595,24 @@ impl CudaRank {
         self.fabric_err.dev
     }
 
-    /// Ends every wait of this rank's kernels within about 0.1 ms (`FabricError::stop`, read
-    /// on their slow path): for when the host has learned that the operation cannot finish
-    /// (a peer failed or left, or the host's deadline passed). Without it a grid waiting for a
-    /// dead peer runs to its own deadline, seconds, and holds the process's exit that long.
-    /// Only ever set: after it the communicator is failed and nothing more is launched.
+    /// Ends every wait of this rank's kernels within about 0.1 ms (the host's stop byte of
+    /// `FabricError::claimed`, which their slow path reads): for when the host has learned
+    /// that the operation cannot finish (a peer failed or left, or the host's deadline
+    /// passed). Without it a grid waiting for a dead peer runs to its own deadline, seconds,
+    /// and holds the process's exit that long. Only ever set: after it the communicator is
+    /// failed and nothing more is launched.
     pub(crate) fn stop_kernels(&self) {
         // SAFETY: fabric_err.host points to the live, aligned FabricError of this rank; the
-        // kernels never write `stop`, so a volatile store races with nothing.
-        unsafe { std::ptr::write_volatile(std::ptr::addr_of_mut!((*self.fabric_err.host).stop), 1) };
+        // byte at K_STOP_BY_HOST_BYTE of `claimed` is inside it. A kernel's compare-and-swap
+        // on the same word may race with this store: either outcome is nonzero, which is all
+        // the kernels read (kernels/abi/fabric.h).
+        unsafe {
+            let claimed = std::ptr::addr_of_mut!((*self.fabric_err.host).claimed) as *mut u8;
+            std::ptr::write_volatile(
+                claimed.add(crate::backend::cuda::abi::fabric::K_STOP_BY_HOST_BYTE as usize),
+                1,
+            );
+        }
     }
 
     /// Next barrier epoch; the same sequence on every rank as long as every rank launches

@@ -77,6 +77,10 @@ fn nccl_hint(last: &str, env: &dyn Fn(&str) -> Option<String>) -> Option<&'stati
     })
 }
 
+/// The bits of `FabricError::claimed` a kernel's claim sets; above them, the byte the host
+/// stores to stop the kernels (`kStopByHostByte`, kernels/abi/fabric.h).
+pub(super) const KERNEL_CLAIM_BITS: u32 = (1 << (8 * fabric::K_STOP_BY_HOST_BYTE)) - 1;
+
 /// Names of the kernel phases in `FabricError::phase` (FabricPhase in kernels/abi/fabric.h,
 /// kPhase* in kernels/abi/ll.h).
 pub fn fabric_phase_name(phase: u32) -> &'static str {
@@ -178,6 +182,16 @@ mod tests {
     }
 
     #[test]
+    fn the_hosts_stop_byte_is_not_a_kernels_claim() {
+        let stop = 1u32 << (8 * fabric::K_STOP_BY_HOST_BYTE);
+        assert_eq!(stop & KERNEL_CLAIM_BITS, 0);
+        assert_eq!(fabric::K_CLAIMED_BY_KERNEL & !KERNEL_CLAIM_BITS, 0);
+        assert_ne!(fabric::K_CLAIMED_BY_KERNEL & KERNEL_CLAIM_BITS, 0);
+        // Both at once (the race of kernels/abi/fabric.h): the kernel's claim is still seen.
+        assert_ne!((stop | fabric::K_CLAIMED_BY_KERNEL) & KERNEL_CLAIM_BITS, 0);
+    }
+
+    #[test]
     fn a_missed_deadline_names_phase_and_peer() {
         let rec = FabricError {
             claimed: 1,
@@ -185,7 +199,7 @@ mod tests {
             peer: 3,
             rank: 1,
             block: 7,
-            stop: 0,
+            pad: 0,
             waited_ns: 5_000_000_000,
         };
         let msg = fabric_error_to_error(&rec, 9, 0).to_string();

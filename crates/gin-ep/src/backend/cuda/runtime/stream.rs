@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext};
 
-use super::result::{cu, fabric_error_to_error};
+use super::result::{cu, fabric_error_to_error, KERNEL_CLAIM_BITS};
 use super::CudaRank;
 #[cfg(feature = "harness")]
 use crate::error::Error;
@@ -239,7 +239,9 @@ impl CudaRank {
     /// The first missed in-kernel deadline since the last check, as an error.
     pub(super) fn check_fabric(&self) -> Result<()> {
         let rec = self.fabric_err.read();
-        if rec.claimed == 0 {
+        // The top byte is the host's stop ([`CudaRank::stop_kernels`]): an error the host
+        // returned already, with no record of a kernel's.
+        if rec.claimed & KERNEL_CLAIM_BITS == 0 {
             return Ok(());
         }
         self.comm.mark_failed();
